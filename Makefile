@@ -1,0 +1,40 @@
+# Developer entry points. The virtualenv lives in .venv/ at the repository root.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+# Distributions in dependency order (core first).
+DISTS := automodel-core automodel-llm
+PYPROJECTS := $(foreach d,$(DISTS),$(d)/pyproject.toml)
+export HF_HUB_OFFLINE := 1
+export HF_DATASETS_OFFLINE := 1
+export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
+
+.PHONY: install run test lint bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# Re-installs only when a pyproject or the constraints change (entry points are written at install time).
+$(STAMP): $(PY) constraints.txt $(PYPROJECTS)
+	$(PIP) install -q -c constraints.txt torch==2.13.0
+	$(PIP) install -q -c constraints.txt $(foreach d,$(DISTS),-e "$(d)[test]")
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: install
+	$(VENV)/bin/automodel finetune llm -c llm/tiny_squad
+
+test: install
+	$(PY) -m pytest --import-mode=importlib -q $(foreach d,$(DISTS),$(d)/tests) tests
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+bench: install
+	$(PY) bench/run.py
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,39 @@
+"""The core's own registrations, made through the same hooks a third-party plugin uses."""
+
+from __future__ import annotations
+
+from automodel.plugins.markers import hookimpl
+
+_TRAINING = "automodel.training"
+
+
+@hookimpl
+def automodel_register_commands(cli) -> None:
+    from automodel.cli.commands import CORE_COMMANDS
+
+    for command in CORE_COMMANDS:
+        cli.add_command(command)
+        cli.core_commands.add(command.name)
+
+
+@hookimpl
+def automodel_register_builders(builders) -> None:
+    for name in ("model", "optimizer", "dataloader", "loss_fn", "lr_scheduler", "step_scheduler",
+                 "checkpoint_config"):
+        builders.add(name, f"{_TRAINING}.builders.build_{name}")
+
+
+@hookimpl
+def automodel_register_stages(stages) -> None:
+    stages.add("checkpoint", "restore", f"{_TRAINING}.stages.restore_checkpoint")
+    stages.add("freeze", "patterns", f"{_TRAINING}.stages.freeze_parameters")
+    stages.add("device", "single", f"{_TRAINING}.stages.place_on_device")
+
+
+@hookimpl
+def automodel_register_aliases(aliases) -> None:
+    aliases.target("MaskedCrossEntropy", "automodel.training.loss.MaskedCrossEntropy")
+    aliases.target("CosineAnnealingWarmup", "automodel.optim.CosineAnnealingWarmup")
+    aliases.target("LinearWarmup", "automodel.optim.LinearWarmup")
+    aliases.target("ConstantWarmup", "automodel.optim.ConstantWarmup")
+    aliases.target("StatefulDataLoader", "torchdata.stateful_dataloader.StatefulDataLoader")

@@ -1,0 +1,1 @@
+"""The ``automodel`` command line."""

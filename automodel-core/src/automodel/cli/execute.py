@@ -1,0 +1,103 @@
+"""Running a recipe from a config: load, override, validate, then print / plan / build and train."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from automodel.cli.examples import find_example
+from automodel.config import Config, TargetError, build_config, load_yaml_file, parse_overrides
+from automodel.errors import ConfigError, ConfigIssue, UsageError
+from automodel.plugins.manager import PluginManager
+
+
+def resolve_config_path(config: str, manager: PluginManager) -> Path:
+    """A file path, or the name of a shipped example (``llm/tiny_squad``)."""
+    path = Path(config)
+    if path.exists():
+        return path
+    example = find_example(config, manager)
+    if example is not None:
+        return example
+    raise ConfigError(ConfigIssue("-c", f"config file '{config}' does not exist and is not the name of a shipped "
+                                        "example (`automodel cp` lists them)"))
+
+
+def import_recipe(dotted: str) -> type:
+    """Import a route's recipe class (routes name their recipe by a trusted dotted path)."""
+    from automodel.recipe import BaseRecipe
+
+    module, _, name = dotted.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as err:
+        raise UsageError(f"recipe '{dotted}' cannot be imported: {type(err).__name__}: {err}") from None
+    if not (isinstance(cls, type) and issubclass(cls, BaseRecipe)):
+        raise UsageError(f"recipe '{dotted}' is not a subclass of automodel.BaseRecipe")
+    return cls
+
+
+def recipe_from_config(data: dict, manager: PluginManager) -> type:
+    """The class named by a config's ``recipe:`` key, resolved through the allow-list and aliases."""
+    from automodel.recipe import BaseRecipe
+
+    node = data.get("recipe")
+    if node is None:
+        raise ConfigError(ConfigIssue("recipe", "missing: `automodel run` needs `recipe: {_target_: pkg.Class}` "
+                                                "(or use `automodel <command> <domain> -c ...`)"))
+    name = node.get("_target_") if isinstance(node, dict) else node
+    try:
+        cls = manager.resolver().resolve(name)
+    except TargetError as err:
+        raise ConfigError(ConfigIssue("recipe._target_", str(err), err.suggestion)) from None
+    if not (isinstance(cls, type) and issubclass(cls, BaseRecipe)):
+        raise ConfigError(ConfigIssue("recipe._target_", f"'{name}' is not a recipe (a BaseRecipe subclass)"))
+    return cls
+
+
+def load_and_validate(recipe_cls: type, config_path: Path, extra_args: list[str],
+                      manager: PluginManager) -> Config:
+    overrides = parse_overrides(extra_args)
+    data = load_yaml_file(config_path)
+    return build_config(data, recipe_cls, manager.resolver(), source=str(config_path), overrides=overrides)
+
+
+def run_recipe(recipe_cls: type, config_path: Path, extra_args: list[str], manager: PluginManager,
+               dry_run: bool = False, print_config: bool = False, launch: dict[str, Any] | None = None) -> int:
+    launch = launch or {}
+    nproc = launch.get("nproc_per_node") or 1
+    if nproc > 1 and not _under_torchrun():
+        from automodel.cli.launch import relaunch_under_torchrun
+
+        # Validate once here so a config mistake is reported once, not by every rank.
+        load_and_validate(recipe_cls, config_path, extra_args, manager)
+        if not (dry_run or print_config):
+            return relaunch_under_torchrun(launch)
+    cfg = load_and_validate(recipe_cls, config_path, extra_args, manager)
+    if print_config:
+        click.echo(cfg.to_yaml(), nl=False)
+        return 0
+    if dry_run:
+        click.echo(f"config {config_path} is valid; plan:")
+        for line in recipe_cls.describe_plan(cfg):
+            click.echo(f"  {line}")
+        click.echo("dry run: nothing was built")
+        return 0
+    recipe = recipe_cls(cfg)
+    recipe.setup()
+    recipe.run_train_validation_loop()
+    return 0
+
+
+def _under_torchrun() -> bool:
+    import os
+
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+def echo_err(message: str) -> None:
+    click.echo(message, file=sys.stderr)

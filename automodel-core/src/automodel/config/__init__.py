@@ -1,0 +1,47 @@
+"""The config system: safe YAML, environment interpolation, overrides, ``_target_`` resolution, validation."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from automodel.config.env import interpolate
+from automodel.config.instantiate import BuildError, instantiate, is_target_node
+from automodel.config.node import Config, ConfigNode
+from automodel.config.overrides import apply_overrides, parse_overrides
+from automodel.config.schema import Free, Target, validate_sections
+from automodel.config.secrets import is_secret_key, mask_secrets
+from automodel.config.targets import CORE_PREFIXES, TargetError, TargetResolver
+from automodel.config.yaml_io import dump_yaml, load_yaml_file, parse_scalar, parse_yaml
+from automodel.errors import ConfigError, ConfigIssue
+
+__all__ = [
+    "BuildError", "Config", "ConfigNode", "CORE_PREFIXES", "Free", "Target", "TargetError", "TargetResolver",
+    "apply_overrides", "build_config", "dump_yaml", "instantiate", "interpolate", "is_secret_key",
+    "is_target_node", "load_yaml_file", "mask_secrets", "parse_overrides", "parse_scalar", "parse_yaml",
+]
+
+
+def build_config(data: dict, recipe_cls: Any, resolver: TargetResolver, source: str = "<config>",
+                 overrides: list[tuple[str, Any]] = ()) -> Config:
+    """Apply overrides, interpolate, validate against the recipe; raise one ConfigError listing every problem."""
+    raw = apply_overrides(data, list(overrides))
+    issues: list[ConfigIssue] = []
+    resolved = interpolate(raw, issues)
+    values = validate_sections(resolved, recipe_cls.all_sections(), resolver, issues)
+    sections = {
+        name: ConfigNode(value, name, resolver) if isinstance(value, dict) else value
+        for name, value in values.items()
+    }
+    for name in recipe_cls.all_sections():
+        sections.setdefault(name, None)
+    cfg = Config(raw, resolved, sections, resolver, source)
+    issues += recipe_cls.check_config(cfg)
+    if issues:
+        raise ConfigError(issues)
+    return cfg
+
+
+def section_defaults(cls: type) -> dict[str, Any]:
+    """A dataclass section's default values (for docs and ``--print-config``)."""
+    return {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}

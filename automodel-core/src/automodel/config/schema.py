@@ -1,0 +1,253 @@
+"""How recipes declare their top-level sections, and checking a config against them.
+
+A recipe's ``sections`` maps a section name to one of:
+
+* a dataclass: the section's keys, types, defaults and help (``field(metadata={"help": ..., "aliases": (...)})``);
+* ``Target(...)``: a section built from ``_target_``, checked against the callable's signature;
+* ``Free(...)``: a mapping passed through as it is.
+
+A name ending in ``*`` declares a family (``validation_dataset_*``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any, Literal, Union
+
+from automodel.config.instantiate import is_target_node
+from automodel.config.targets import TargetError, TargetResolver
+from automodel.errors import ConfigIssue
+from automodel.suggest import did_you_mean
+
+
+@dataclass(frozen=True)
+class Target:
+    """A section built by calling its ``_target_``; ``runtime_args`` are supplied by the builder, not the YAML."""
+
+    help: str = ""
+    runtime_args: tuple[str, ...] = ()
+    required: bool = False
+    plain: bool = False  # may be a plain mapping without _target_ (then checked against default_target)
+    default_target: str | None = None
+
+
+@dataclass(frozen=True)
+class Free:
+    """A section whose keys are not checked here (the builder that reads it checks them)."""
+
+    help: str = ""
+
+
+SectionSpec = Union[type, Target, Free]
+
+
+def find_spec(name: str, sections: dict[str, SectionSpec]) -> SectionSpec | None:
+    if name in sections:
+        return sections[name]
+    for pattern, spec in sections.items():
+        if pattern.endswith("*") and name.startswith(pattern[:-1]) and len(name) > len(pattern) - 1:
+            return spec
+    return None
+
+
+# ---- scalar types ------------------------------------------------------------------------------------------
+
+def _type_name(tp: Any) -> str:
+    if tp is type(None):
+        return "null"
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is not None:
+        return getattr(origin, "__name__", str(tp))
+    return getattr(tp, "__name__", str(tp))
+
+
+def check_type(value: Any, tp: Any) -> tuple[bool, Any]:
+    """Whether ``value`` fits the annotation ``tp``, and the value converted (an int given for a float)."""
+    if tp is Any:
+        return True, value
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            ok, converted = check_type(value, arg)
+            if ok:
+                return True, converted
+        return False, value
+    if origin is Literal:
+        return value in typing.get_args(tp), value
+    if tp is type(None) or tp is None:
+        return value is None, value
+    if tp is bool:
+        return isinstance(value, bool), value
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return True, float(value)
+        return False, value
+    if tp is str:
+        return isinstance(value, str), value
+    if origin in (list, tuple) or tp in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            return False, value
+        args = typing.get_args(tp)
+        if args and args[-1] is not Ellipsis:
+            items = [check_type(v, args[0]) for v in value]
+            if not all(ok for ok, _ in items):
+                return False, value
+            return True, [v for _, v in items]
+        return True, list(value)
+    if origin is dict or tp is dict:
+        return isinstance(value, dict), value
+    if isinstance(tp, type):
+        return isinstance(value, tp), value
+    return True, value
+
+
+# ---- dataclass sections ------------------------------------------------------------------------------------
+
+def section_fields(cls: type) -> list[tuple[dataclasses.Field, Any]]:
+    hints = typing.get_type_hints(cls)
+    return [(f, hints.get(f.name, Any)) for f in dataclasses.fields(cls) if f.init]
+
+
+def _aliases(cls: type) -> dict[str, str]:
+    return {alias: f.name for f, _ in section_fields(cls) for alias in f.metadata.get("aliases", ())}
+
+
+def validate_dataclass(cls: type, node: Any, key: str, issues: list[ConfigIssue]) -> Any:
+    if node is None:
+        node = {}
+    if not isinstance(node, dict):
+        issues.append(ConfigIssue(key, f"expected a section (mapping), found {type(node).__name__} {node!r}"))
+        return None
+    fields = dict((f.name, (f, tp)) for f, tp in section_fields(cls))
+    aliases = _aliases(cls)
+    kwargs: dict[str, Any] = {}
+    start = len(issues)
+    for name, value in node.items():
+        canonical = aliases.get(name, name)
+        if canonical not in fields:
+            suggestion = did_you_mean(str(name), [*fields, *aliases])
+            issues.append(ConfigIssue(f"{key}.{name}", f"unknown key; '{key}' accepts: {', '.join(fields)}",
+                                      suggestion))
+            continue
+        if canonical in kwargs:
+            issues.append(ConfigIssue(f"{key}.{name}", f"given twice (as '{canonical}' and its alias '{name}')"))
+            continue
+        _, tp = fields[canonical]
+        ok, converted = check_type(value, tp)
+        if not ok:
+            issues.append(ConfigIssue(f"{key}.{name}", f"expected {_type_name(tp)}, found "
+                                                       f"{type(value).__name__} {value!r}"))
+            continue
+        kwargs[canonical] = converted
+    for name, (f, _) in fields.items():
+        missing = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if missing and name not in kwargs:
+            issues.append(ConfigIssue(f"{key}.{name}", "required key is missing"))
+    if len(issues) > start:
+        return None
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as err:
+        issues.append(ConfigIssue(key, str(err)))
+        return None
+
+
+# ---- target sections ---------------------------------------------------------------------------------------
+
+def _signature(fn: Any) -> inspect.Signature | None:
+    try:
+        return inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+
+
+def check_target_node(node: dict, key: str, resolver: TargetResolver, issues: list[ConfigIssue],
+                      runtime_args: tuple[str, ...] = (), default_target: str | None = None) -> None:
+    """Resolve the node's target and check its keyword arguments against the signature, recursively."""
+    name = node.get("_target_", default_target)
+    kwargs = {k: v for k, v in node.items() if k != "_target_"}
+    for k, v in kwargs.items():
+        check_nested(v, f"{key}.{k}", resolver, issues)
+    try:
+        fn = resolver.resolve(name)
+    except TargetError as err:
+        issues.append(ConfigIssue(f"{key}._target_" if "_target_" in node else key, str(err), err.suggestion))
+        return
+    sig = _signature(fn)
+    if sig is None:
+        return
+    params = sig.parameters
+    accepts_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    named = [n for n, p in params.items()
+             if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+    if not accepts_any:
+        for k in kwargs:
+            if k not in named:
+                issues.append(ConfigIssue(f"{key}.{k}", f"{name} does not accept an argument '{k}' "
+                                                        f"(it accepts: {', '.join(named) or 'nothing'})",
+                                          did_you_mean(k, named)))
+    for n in named:
+        p = params[n]
+        if p.default is inspect.Parameter.empty and n not in kwargs and n not in runtime_args:
+            issues.append(ConfigIssue(f"{key}.{n}", f"missing required argument '{n}' of {name}"))
+
+
+def check_nested(value: Any, key: str, resolver: TargetResolver, issues: list[ConfigIssue]) -> None:
+    if is_target_node(value):
+        check_target_node(value, key, resolver, issues)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            check_nested(v, f"{key}.{k}", resolver, issues)
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            check_nested(v, f"{key}[{i}]", resolver, issues)
+
+
+def validate_sections(data: dict, sections: dict[str, SectionSpec], resolver: TargetResolver,
+                      issues: list[ConfigIssue]) -> dict[str, Any]:
+    """Check every top-level section; returns the section values (dataclass instances or raw mappings)."""
+    values: dict[str, Any] = {}
+    known = [name.rstrip("*") for name in sections]
+    for name, node in data.items():
+        spec = find_spec(str(name), sections)
+        if spec is None:
+            issues.append(ConfigIssue(str(name), "unknown section for this recipe", did_you_mean(str(name), known)))
+            continue
+        if isinstance(spec, type) and dataclasses.is_dataclass(spec):
+            values[name] = validate_dataclass(spec, node, str(name), issues)
+        elif isinstance(spec, Target):
+            if node is None:
+                continue
+            if not isinstance(node, dict):
+                issues.append(ConfigIssue(str(name), f"expected a section with _target_, found {node!r}"))
+            elif "_target_" in node:
+                check_target_node(node, str(name), resolver, issues, spec.runtime_args)
+            elif spec.plain and spec.default_target:
+                check_target_node(node, str(name), resolver, issues, spec.runtime_args, spec.default_target)
+            elif not spec.plain:
+                issues.append(ConfigIssue(f"{name}._target_", "missing: this section is built from a _target_ "
+                                                              "(a dotted path such as pkg.module.Class)"))
+            else:
+                check_nested(node, str(name), resolver, issues)
+            values[name] = node
+        else:
+            check_nested(node, str(name), resolver, issues)
+            values[name] = node
+    for name, spec in sections.items():
+        if name.endswith("*") or name in values:
+            continue
+        if isinstance(spec, Target) and spec.required and data.get(name) is None:
+            issues.append(ConfigIssue(name, "required section is missing" + (f": {spec.help}" if spec.help else "")))
+        elif isinstance(spec, type) and dataclasses.is_dataclass(spec) and name not in data:
+            values[name] = validate_dataclass(spec, {}, name, issues)
+    return values

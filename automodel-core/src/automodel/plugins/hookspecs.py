@@ -1,0 +1,60 @@
+"""Hook specifications: what a plugin may implement. Every hook is optional.
+
+Hooks receive a registry and call its ``add``-style methods, so that validation (duplicates, bad names) stays
+in the host and plugins stay small. Registration takes dotted strings where possible so that listing routes
+imports nothing heavy. Hooks are called once per process, when the plugin manager first loads, in plugin
+registration order (the core first).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from automodel.plugins.markers import hookspec
+
+if TYPE_CHECKING:
+    import click
+
+    from automodel.plugins.registries import (
+        AliasRegistry,
+        BuilderRegistry,
+        LoggerRegistry,
+        RouteRegistry,
+        StageRegistry,
+    )
+
+
+@hookspec
+def automodel_register_routes(routes: RouteRegistry) -> None:
+    """Add (command, domain) routes: ``routes.add("finetune", "llm", recipe="pkg.mod.Class", help=..., examples=[...])``."""
+
+
+@hookspec
+def automodel_register_aliases(aliases: AliasRegistry) -> None:
+    """Add command, domain and target aliases: ``aliases.command("sft", "finetune")``, ``aliases.domain(...)``,
+    ``aliases.target("SquadDataset", "pkg.mod.SquadDataset")``."""
+
+
+@hookspec
+def automodel_register_builders(builders: BuilderRegistry) -> None:
+    """Add or override builders: ``builders.add("model", fn, domain="vlm")``."""
+
+
+@hookspec
+def automodel_register_stages(stages: StageRegistry) -> None:
+    """Add an implementation to a fixed pipeline slot: ``stages.add("sharding", "fsdp2", fn)``."""
+
+
+@hookspec
+def automodel_allowed_targets() -> list[str]:
+    """Return module prefixes that this plugin's configs may name in ``_target_``."""
+
+
+@hookspec
+def automodel_register_commands(cli: click.Group) -> None:
+    """Add whole click commands to the ``automodel`` group (core commands cannot be shadowed)."""
+
+
+@hookspec
+def automodel_register_loggers(loggers: LoggerRegistry) -> None:
+    """Add metric logging backends: ``loggers.add("wandb", factory)``."""

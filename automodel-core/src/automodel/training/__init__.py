@@ -1,0 +1,1 @@
+"""The shared training engine: the one loop, its default builders, the pipeline and checkpointing."""

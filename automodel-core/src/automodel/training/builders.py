@@ -1,0 +1,114 @@
+"""Default builders. Each takes the recipe (and what it needs) and returns one component.
+
+Domains override any of them for their domain through ``automodel_register_builders``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from automodel.config import ConfigNode, TargetError
+from automodel.errors import ConfigError, ConfigIssue
+from automodel.training.checkpoint import Checkpointer
+from automodel.training.loss import as_sum_loss
+from automodel.training.sections import CheckpointConfig
+from automodel.training.step_scheduler import StepScheduler
+
+if TYPE_CHECKING:
+    from automodel.training.recipe import TrainRecipe
+
+DEFAULT_DATALOADER = "torchdata.stateful_dataloader.StatefulDataLoader"
+DEFAULT_OPTIMIZER = {"_target_": "torch.optim.AdamW", "lr": 1e-5}
+
+
+def accepted(fn: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The subset of ``kwargs`` that ``fn`` accepts (all of them when it takes ``**kwargs``)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return kwargs
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
+def instantiate_with(node: ConfigNode, runtime: dict[str, Any], default_target: str | None = None) -> Any:
+    """Instantiate a node with the runtime arguments its target accepts (they win over the config's)."""
+    fn = node._resolver.resolve(node.target or default_target)
+    return node.instantiate(default_target=default_target, **accepted(fn, runtime))
+
+
+def build_model(recipe: TrainRecipe) -> torch.nn.Module:
+    return instantiate_with(recipe.cfg.model, recipe.model_runtime_args())
+
+
+def build_optimizer(recipe: TrainRecipe, model: torch.nn.Module) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ConfigError(ConfigIssue("freeze", "every parameter is frozen: nothing would train"))
+    node = recipe.cfg.optimizer or ConfigNode(dict(DEFAULT_OPTIMIZER), "optimizer", recipe.cfg.resolver)
+    return node.instantiate(params=params)
+
+
+def build_loss_fn(recipe: TrainRecipe) -> torch.nn.Module:
+    node = recipe.cfg.loss_fn
+    return as_sum_loss(node.instantiate() if node is not None else recipe.default_loss_fn())
+
+
+def build_lr_scheduler(recipe: TrainRecipe, optimizer: torch.optim.Optimizer, total_steps: int) -> Any:
+    node = recipe.cfg.lr_scheduler
+    if node is None:
+        return None
+    if node.target is None:
+        raise ConfigError(ConfigIssue("lr_scheduler._target_", "missing (e.g. automodel.optim.CosineAnnealingWarmup)"))
+    runtime = {"optimizer": optimizer}
+    if "total_steps" not in node:
+        runtime["total_steps"] = total_steps
+    return instantiate_with(node, runtime)
+
+
+def _collate(recipe: TrainRecipe, node: ConfigNode | None) -> Any:
+    value = None if node is None else node.get("collate_fn")
+    if value is None:
+        return recipe.default_collate_fn()
+    key = f"{node.key}.collate_fn"
+    if isinstance(value, str):
+        try:
+            return recipe.cfg.resolver.resolve(value)
+        except TargetError as err:
+            raise ConfigError(ConfigIssue(key, str(err), err.suggestion)) from None
+    return value.instantiate()
+
+
+def build_dataloader(recipe: TrainRecipe, dataset: Any, node: ConfigNode | None, train: bool) -> StatefulDataLoader:
+    """A StatefulDataLoader (resumable) over ``dataset``; shuffled with a seeded generator for training."""
+    settings = {} if node is None else {k: v for k, v in node.to_dict().items() if k not in ("_target_", "collate_fn")}
+    settings.setdefault("batch_size", recipe.micro_batch_size)
+    settings.setdefault("shuffle", train)
+    if not torch.cuda.is_available():
+        settings["pin_memory"] = False  # pinning needs an accelerator; accepted and ignored on CPU
+    generator = torch.Generator()
+    generator.manual_seed(recipe.cfg.rng.seed if recipe.cfg.rng else 0)
+    shuffle = settings.pop("shuffle")
+    sampler = recipe.data_sampler(dataset, shuffle=shuffle, generator=generator)
+    if sampler is not None:
+        settings["sampler"] = sampler
+    else:
+        settings["generator"] = generator
+        settings["shuffle"] = shuffle
+    target = node.target if node is not None and node.target else DEFAULT_DATALOADER
+    fn = recipe.cfg.resolver.resolve(target)
+    return fn(dataset=dataset, collate_fn=_collate(recipe, node), **settings)
+
+
+def build_step_scheduler(recipe: TrainRecipe, steps_per_epoch: int | None) -> StepScheduler:
+    return StepScheduler(recipe.cfg.step_scheduler, recipe.grad_accumulation_steps, steps_per_epoch)
+
+
+def build_checkpoint_config(recipe: TrainRecipe) -> Checkpointer:
+    config = recipe.cfg.checkpoint or CheckpointConfig()
+    return Checkpointer(config, recipe.cfg.to_yaml())

@@ -1,0 +1,226 @@
+"""Checkpoints as DESIGN §10 lays them out, written aside and renamed so only complete ones ever appear.
+
+```
+<checkpoint_dir>/epoch_<E>_step_<S>/{model/, optim/, rng/, dataloader/, trainer_state.json, config.yaml}
+<checkpoint_dir>/LATEST      # name of the newest complete checkpoint, replaced atomically, written last
+```
+Weights are safetensors; everything else is loaded back with ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from automodel.errors import AutomodelError
+from automodel.training.sections import CheckpointConfig
+
+LATEST = "LATEST"
+_NAME = re.compile(r"^epoch_(\d+)_step_(\d+)$")
+_STAGING = ".incomplete-"
+
+# Where each tracked attribute goes; anything else tracked lands in extra/<name>.pt.
+_ROLE_DIRS = {"optimizer": "optim", "lr_scheduler": "optim", "rng": "rng", "dataloader": "dataloader"}
+
+
+class CheckpointError(AutomodelError):
+    pass
+
+
+def checkpoint_name(epoch: int, step: int) -> str:
+    return f"epoch_{epoch}_step_{step}"
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints under ``root``, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(2)), p) for p in root.iterdir() if p.is_dir() and (m := _NAME.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def read_latest(root: Path) -> Path | None:
+    marker = root / LATEST
+    if not marker.is_file():
+        return None
+    target = root / marker.read_text(encoding="utf-8").strip()
+    return target if target.is_dir() else None
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_state_dict_safetensors(state: dict[str, torch.Tensor], directory: Path) -> None:
+    """Plain safetensors for models that are not HF ``PreTrainedModel``s (shared storage cloned)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors, seen = {}, {}
+    for key, tensor in state.items():
+        ptr = (tensor.data_ptr(), tensor.shape)
+        tensors[key] = tensor.detach().clone().contiguous() if ptr in seen else tensor.detach().contiguous()
+        seen[ptr] = key
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+
+
+def load_safetensors_dir(directory: Path) -> dict[str, torch.Tensor]:
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors weights in '{directory}'")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        state.update(load_file(str(file)))
+    return state
+
+
+def load_weights_into(model: torch.nn.Module, state: dict[str, torch.Tensor], source: Path) -> None:
+    """Copy saved weights into ``model``; a different architecture fails with the mismatched keys and shapes."""
+    own = model.state_dict()
+    mismatched = [f"{k}: checkpoint {tuple(v.shape)} vs model {tuple(own[k].shape)}"
+                  for k, v in state.items() if k in own and own[k].shape != v.shape]
+    unexpected = [k for k in state if k not in own]
+    loaded_ptrs = {own[k].data_ptr() for k in state if k in own}
+    missing = [k for k in own if k not in state and own[k].data_ptr() not in loaded_ptrs]
+    if mismatched or unexpected or missing:
+        lines = [f"checkpoint '{source}' does not match the model (is restore_from.path the same architecture?)"]
+        for title, items in (("shape mismatches", mismatched), ("keys only in the checkpoint", unexpected),
+                             ("keys missing from the checkpoint", missing)):
+            if items:
+                lines.append(f"  {title} ({len(items)}): " + ", ".join(items[:8]) + (" ..." if len(items) > 8 else ""))
+        raise CheckpointError("\n".join(lines))
+    with torch.no_grad():
+        for key, value in state.items():
+            own[key].copy_(value)
+
+
+class Checkpointer:
+    """Saves and restores every tracked attribute of a recipe."""
+
+    def __init__(self, config: CheckpointConfig, config_yaml: str):
+        self.config = config
+        self.root = Path(config.checkpoint_dir)
+        self.config_yaml = config_yaml
+
+    # ---- saving -------------------------------------------------------------------------------------------
+
+    def prepare(self) -> None:
+        """Create the directory (a clear error if it cannot be written) and clear staging left by a crash."""
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            probe = self.root / f".write-test-{os.getpid()}"
+            probe.write_text("ok")
+            probe.unlink()
+        except OSError as err:
+            raise CheckpointError(f"checkpoint.checkpoint_dir: '{self.root}' is not writable: {err.strerror or err}; "
+                                  "choose a directory you can write to") from None
+        for stale in self.root.glob(f"{_STAGING}*"):
+            shutil.rmtree(stale, ignore_errors=True)
+
+    def save(self, stateful: dict[str, Any], save_model: Callable[[Path], None], trainer_state: dict[str, Any],
+             epoch: int, step: int) -> Path:
+        name = checkpoint_name(epoch, step)
+        final = self.root / name
+        staging = self.root / f"{_STAGING}{name}-{os.getpid()}"
+        try:
+            staging.mkdir(parents=True)
+            save_model(staging / "model")
+            self._save_state(staging, stateful)
+            (staging / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2), encoding="utf-8")
+            (staging / "config.yaml").write_text(self.config_yaml, encoding="utf-8")
+            _fsync_dir(staging)
+            self._publish(staging, final)
+        except BaseException as err:
+            shutil.rmtree(staging, ignore_errors=True)
+            if isinstance(err, OSError):
+                raise CheckpointError(f"writing checkpoint '{final}' failed: {err}; the previous checkpoint "
+                                      "is intact") from err
+            raise
+        self._apply_retention(final)
+        return final
+
+    def _save_state(self, directory: Path, stateful: dict[str, Any]) -> None:
+        groups: dict[str, dict[str, Any]] = {}
+        for name, obj in stateful.items():
+            if name == "model" or name == "step_scheduler":
+                continue
+            sub = _ROLE_DIRS.get(name, "extra")
+            groups.setdefault(sub, {})[name] = obj.state_dict()
+        for sub, states in groups.items():
+            (directory / sub).mkdir(exist_ok=True)
+            for name, state in states.items():
+                torch.save(state, directory / sub / f"{name}.pt")
+
+    def _publish(self, staging: Path, final: Path) -> None:
+        trash = None
+        if final.exists():  # re-running over an old directory: move the old one aside first
+            trash = final.with_name(f"{_STAGING}old-{final.name}-{os.getpid()}")
+            os.replace(final, trash)
+        os.replace(staging, final)
+        _fsync_dir(self.root)
+        _write_atomic(self.root / LATEST, final.name + "\n")
+        if trash is not None:
+            shutil.rmtree(trash, ignore_errors=True)
+
+    def _apply_retention(self, latest: Path) -> None:
+        keep = self.config.keep_last
+        if not keep:
+            return
+        checkpoints = [p for p in list_checkpoints(self.root) if p.resolve() != latest.resolve()]
+        for old in checkpoints[: max(0, len(checkpoints) - (keep - 1))]:
+            doomed = old.with_name(f"{_STAGING}delete-{old.name}")
+            os.replace(old, doomed)  # never a half-deleted directory under a checkpoint's name
+            shutil.rmtree(doomed, ignore_errors=True)
+
+    # ---- restoring ----------------------------------------------------------------------------------------
+
+    def resolve(self, spec: str) -> Path:
+        """A checkpoint path, a directory name under checkpoint_dir, or 'latest'."""
+        if spec == "latest":
+            found = read_latest(self.root)
+            if found is None:
+                raise CheckpointError(f"restore_from.path: latest: no complete checkpoint under '{self.root}' "
+                                      f"(no {LATEST} file); train without restore_from first")
+            return found
+        for candidate in (Path(spec), self.root / spec):
+            if candidate.is_dir() and (candidate / "trainer_state.json").is_file():
+                return candidate
+        raise CheckpointError(f"restore_from.path: '{spec}' is not a checkpoint (looked for '{spec}' and "
+                              f"'{self.root / spec}' containing trainer_state.json)")
+
+    @staticmethod
+    def load_state(path: Path, stateful: dict[str, Any]) -> dict[str, Any]:
+        """Restore every tracked non-model attribute; returns trainer_state.json."""
+        for name, obj in stateful.items():
+            if name in ("model", "step_scheduler"):
+                continue
+            file = path / _ROLE_DIRS.get(name, "extra") / f"{name}.pt"
+            if not file.is_file():
+                raise CheckpointError(f"restore_from.path: '{path}' has no saved state for '{name}' ({file})")
+            obj.load_state_dict(torch.load(file, weights_only=True, map_location="cpu"))
+        trainer_state = json.loads((path / "trainer_state.json").read_text(encoding="utf-8"))
+        if "step_scheduler" in stateful:
+            stateful["step_scheduler"].load_state_dict(trainer_state["step_scheduler"])
+        return trainer_state

@@ -1,0 +1,46 @@
+"""The infrastructure pipeline: fixed slots in a fixed order, owned by the core (DESIGN §8).
+
+For each slot the recipe says which registered implementation (if any) acts for this config; the pipeline
+calls them in slot order and logs one line per stage that acted. Plugins add implementations, never slots.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from automodel.errors import ConfigIssue
+from automodel.plugins.registries import PIPELINE_SLOTS, StageRegistry
+
+if TYPE_CHECKING:
+    from automodel.training.recipe import TrainRecipe
+
+
+def missing_stages(selection: dict[str, tuple[str, str]], stages: StageRegistry) -> list[ConfigIssue]:
+    """Validation: a configured stage whose implementation is not installed."""
+    issues = []
+    for slot, (name, key) in selection.items():
+        if (slot, name) not in stages.stages:
+            have = ", ".join(stages.implementations(slot)) or "none installed"
+            issues.append(ConfigIssue(key, f"pipeline stage '{slot}' needs implementation '{name}', which is not "
+                                           f"installed (available: {have})"))
+    return issues
+
+
+def apply_pipeline(recipe: TrainRecipe, model: Any, selection: dict[str, tuple[str, str]], stages: StageRegistry,
+                   log: Callable[[str], None]) -> Any:
+    """Run each selected stage in slot order. A stage returns the (possibly wrapped) model, or a message."""
+    for slot in PIPELINE_SLOTS:
+        if slot not in selection:
+            continue
+        name, _ = selection[slot]
+        fn = stages.get(slot, name)
+        result = fn(recipe, model)
+        if isinstance(result, tuple):
+            model, message = result
+        elif isinstance(result, str) or result is None:
+            message = result
+        else:
+            model, message = result, None
+        log(f"pipeline: {slot} [{name}]" + (f": {message}" if message else ""))
+    return model

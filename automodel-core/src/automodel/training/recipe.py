@@ -1,0 +1,396 @@
+"""TrainRecipe: the one training loop (DESIGN §9), shared by every domain.
+
+A domain subclasses it and overrides what differs — how a micro-batch becomes a summed loss
+(``compute_loss``), how label tokens are counted, the collate function, its sections and builders — never the
+loop itself.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from tqdm import tqdm
+
+from automodel.config import Config, ConfigNode, Target
+from automodel.errors import AutomodelError, ConfigIssue
+from automodel.plugins.manager import get_plugin_manager
+from automodel.recipe import BaseRecipe
+from automodel.training import sections as s
+from automodel.training.checkpoint import Checkpointer, load_safetensors_dir, load_weights_into, \
+    save_state_dict_safetensors
+from automodel.training.metrics import JsonlWriter, MetricsSample, device_peak_flops, peak_memory_gib
+from automodel.training.pipeline import apply_pipeline, missing_stages
+from automodel.training.rng import StatefulRNG
+
+# torchdata calls a deprecated torch API on every iterator; the warning is noise for users.
+warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+
+_DATALOADER = Target("data loading (a StatefulDataLoader's keyword arguments)", runtime_args=("dataset",),
+                     plain=True, default_target="torchdata.stateful_dataloader.StatefulDataLoader")
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The user's model inside DDP / torch.compile wrappers."""
+    while True:
+        inner = getattr(model, "_orig_mod", None) or getattr(model, "module", None)
+        if not isinstance(inner, torch.nn.Module):
+            return model
+        model = inner
+
+
+class TrainRecipe(BaseRecipe):
+    """Builds model, data, optimizer and schedulers from config, applies the pipeline, trains and validates."""
+
+    domain: ClassVar[str | None] = None
+    hf_artifacts: ClassVar[tuple[str, ...]] = ("tokenizer", "processor")  # saved beside the weights in model/
+
+    sections = {
+        "step_scheduler": s.StepSchedulerConfig,
+        "dist_env": s.DistEnvConfig,
+        "rng": s.RngConfig,
+        "model": Target("the model to train: {_target_: ..., ...}", required=True),
+        "compile": s.CompileConfig,
+        "clip_grad_norm": s.ClipGradConfig,
+        "distributed": s.DistributedConfig,
+        "loss_fn": Target("the loss (the engine sums it over label tokens)"),
+        "dataset": Target("the training data set", required=True),
+        "validation_dataset": Target("a validation data set"),
+        "validation_dataset_*": Target("more validation data sets, reported by name"),
+        "dataloader": _DATALOADER,
+        "validation_dataloader": _DATALOADER,
+        "optimizer": Target("the optimizer (default torch.optim.AdamW, lr 1e-5)", runtime_args=("params",)),
+        "lr_scheduler": Target("learning-rate schedule", runtime_args=("optimizer",)),
+        "checkpoint": s.CheckpointConfig,
+        "restore_from": s.RestoreConfig,
+        "peft": Target("parameter-efficient fine-tuning (LoRA)", plain=True),
+        "fp8": s.FP8Config,
+        "qat": s.QATConfig,
+        "freeze": s.FreezeConfig,
+    }
+
+    # ---- validation (classmethods: they run before anything is built) --------------------------------------
+
+    @classmethod
+    def batch_layout(cls, cfg: Config) -> tuple[int, int, int, list[ConfigIssue]]:
+        """(micro batch size, dp size, grad accumulation steps) and the arithmetic problems found."""
+        issues: list[ConfigIssue] = []
+        steps = cfg.step_scheduler
+        loader = cfg.dataloader
+        batch_size = loader.get("batch_size") if loader is not None else None
+        local = steps.local_batch_size if steps else None
+        if batch_size is not None and local is not None and batch_size != local:
+            issues.append(ConfigIssue("step_scheduler.local_batch_size",
+                                      f"{local} disagrees with dataloader.batch_size={batch_size}; set one of them"))
+        batch_size = batch_size or local or 1
+        dist = cfg.distributed
+        dp = dist.dp_size if dist is not None and isinstance(dist.dp_size, int) else world_size()
+        if steps is None:
+            return batch_size, dp, 1, issues
+        accumulation, global_size = steps.grad_accumulation_steps, steps.global_batch_size
+        if global_size is not None:
+            if accumulation is not None and global_size != batch_size * dp * accumulation:
+                issues.append(ConfigIssue(
+                    "step_scheduler.global_batch_size",
+                    f"{global_size} != batch_size ({batch_size}) * dp_size ({dp}) * grad_accumulation_steps "
+                    f"({accumulation}) = {batch_size * dp * accumulation}; fix one of the three"))
+            elif accumulation is None:
+                if global_size % (batch_size * dp):
+                    issues.append(ConfigIssue(
+                        "step_scheduler.global_batch_size",
+                        f"{global_size} is not divisible by batch_size ({batch_size}) * dp_size ({dp}) = "
+                        f"{batch_size * dp}, so grad_accumulation_steps cannot be derived"))
+                accumulation = max(1, global_size // (batch_size * dp))
+        return batch_size, dp, accumulation or 1, issues
+
+    @classmethod
+    def pipeline_selection(cls, cfg: Config) -> dict[str, tuple[str, str]]:
+        """slot -> (implementation name, config key that asked for it), for the stages this config uses."""
+        chosen: dict[str, tuple[str, str]] = {}
+        if cfg.peft is not None:
+            chosen["peft"] = ("lora", "peft")
+        if cfg.fp8 is not None and cfg.fp8.enabled:
+            chosen["fp8"] = ("torchao", "fp8.enabled")
+        if cfg.qat is not None and cfg.qat.enabled:
+            chosen["qat"] = ("torchao", "qat.enabled")
+        if cfg.restore_from is not None and cfg.restore_from.path:
+            chosen["checkpoint"] = ("restore", "restore_from.path")
+        if "freeze" in cfg:
+            chosen["freeze"] = ("patterns", "freeze")
+        dist = cfg.distributed
+        if dist is not None and world_size() > 1:
+            chosen["sharding"] = (dist.strategy, "distributed.strategy")
+        chosen["device"] = ("single", "dist_env")
+        if cfg.compile is not None and cfg.compile.enabled:
+            chosen["compile"] = ("torch", "compile.enabled")
+        if dist is not None and dist.cp_size > 1:
+            chosen["context_parallel"] = ("torch", "distributed.cp_size")
+        return chosen
+
+    @classmethod
+    def check_config(cls, cfg: Config) -> list[ConfigIssue]:
+        issues = list(super().check_config(cfg))
+        issues += cls.batch_layout(cfg)[3]
+        dist = cfg.distributed
+        if dist is not None:
+            for name in ("tp_size", "pp_size"):
+                if getattr(dist, name) > 1:
+                    issues.append(ConfigIssue(f"distributed.{name}", f"{getattr(dist, name)} is not supported yet; "
+                                                                     "only data parallelism (dp_size) is"))
+        issues += missing_stages(cls.pipeline_selection(cfg), get_plugin_manager().stages)
+        return issues
+
+    @classmethod
+    def describe_plan(cls, cfg: Config) -> list[str]:
+        batch_size, dp, accumulation, _ = cls.batch_layout(cfg)
+        steps = cfg.step_scheduler
+        lines = [f"recipe: {cls.__module__}.{cls.__qualname__}",
+                 f"model: {cfg.model.target}",
+                 f"dataset: {cfg.dataset.target}"]
+        lines += [f"{name}: {cfg.get(name).target}" for name in cfg.section_names()
+                  if name.startswith("validation_dataset") and isinstance(cfg.get(name), ConfigNode)]
+        lines += [f"batch: {batch_size} per micro-batch x {dp} ranks x {accumulation} accumulation = "
+                  f"{batch_size * dp * accumulation} samples per step",
+                  f"steps: max_steps={steps.max_steps} num_epochs={steps.num_epochs} "
+                  f"val every {steps.val_check_interval} ckpt every {steps.checkpoint_interval}",
+                  f"optimizer: {cfg.optimizer.target if cfg.optimizer else 'torch.optim.AdamW (default)'}"]
+        lines += [f"pipeline {slot}: {name}" for slot, (name, _) in cls.pipeline_selection(cfg).items()]
+        ckpt = cfg.checkpoint
+        lines.append(f"checkpoints: {ckpt.checkpoint_dir}" if ckpt.enabled else "checkpoints: disabled")
+        return lines
+
+    # ---- what a domain overrides ----------------------------------------------------------------------------
+
+    def compute_loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        """The micro-batch's loss *summed* over its label tokens (the loop divides by the step's count)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement compute_loss(model, batch)")
+
+    def count_label_tokens(self, batch: Any) -> int:
+        """How many targets ``compute_loss`` sums over (samples by default)."""
+        first = next(iter(batch.values())) if isinstance(batch, dict) else batch
+        return len(first)
+
+    def count_input_tokens(self, batch: Any) -> int:
+        """Tokens processed, for tokens/s (defaults to the label count)."""
+        return self.count_label_tokens(batch)
+
+    def default_collate_fn(self) -> Any:
+        return None  # torch's default collate
+
+    def default_loss_fn(self) -> torch.nn.Module | None:
+        return None
+
+    def model_runtime_args(self) -> dict[str, Any]:
+        return {}
+
+    def dataset_runtime_args(self) -> dict[str, Any]:
+        return {}
+
+    def data_sampler(self, dataset: Any, shuffle: bool, generator: torch.Generator) -> Any:
+        return None
+
+    def setup_domain(self) -> None:
+        """Build what the domain needs before the model (a tokenizer, say)."""
+
+    def extra_validation_metrics(self, name: str, dataloader: Any) -> dict[str, float]:
+        return {}
+
+    def on_train_end(self, final_checkpoint: Path | None) -> None:
+        if final_checkpoint is not None:
+            self.log(f"final checkpoint: {final_checkpoint}")
+
+    # ---- building -------------------------------------------------------------------------------------------
+
+    def build(self, name: str, *args: Any) -> Any:
+        return get_plugin_manager().builders.get(name, self.domain)(self, *args)
+
+    def log(self, message: str) -> None:
+        if self.is_main_process:
+            tqdm.write(message, file=sys.stderr)
+
+    def select_device(self) -> torch.device:
+        if torch.cuda.is_available():
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        return torch.device("cpu")
+
+    def build_dataset(self, node: ConfigNode) -> Any:
+        from automodel.training.builders import instantiate_with
+
+        dataset = instantiate_with(node, self.dataset_runtime_args())
+        if hasattr(dataset, "__len__") and len(dataset) == 0:
+            raise AutomodelError(f"{node.key}: the data set is empty; check its path and filters")
+        return dataset
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.is_main_process = self.rank == 0
+        self.device = self.select_device()
+        self.micro_batch_size, self.dp_size, self.grad_accumulation_steps, _ = self.batch_layout(cfg)
+        self.rng = StatefulRNG(cfg.rng.seed, cfg.rng.ranked, self.rank)
+        self.checkpointer: Checkpointer = self.build("checkpoint_config")
+        self.restore_path: Path | None = None
+        if cfg.checkpoint.enabled and self.is_main_process:
+            self.checkpointer.prepare()
+        self.setup_domain()
+        model = self.build("model")
+        stages = get_plugin_manager().stages
+        self.model = apply_pipeline(self, model, self.pipeline_selection(cfg), stages, self.log)
+        self.loss_fn = self.build("loss_fn")
+        self.untrack("loss_fn")
+        self.optimizer = self.build("optimizer", self.model)
+        self.train_dataset = self.build_dataset(cfg.dataset)
+        self.untrack("train_dataset")
+        self.dataloader = self.build("dataloader", self.train_dataset, cfg.dataloader, True)
+        self.val_dataloaders = {
+            name.removeprefix("validation_dataset_") if name != "validation_dataset" else "validation":
+                self.build("dataloader", self.build_dataset(cfg.get(name)), cfg.validation_dataloader, False)
+            for name in cfg.section_names()
+            if (name == "validation_dataset" or name.startswith("validation_dataset_")) and cfg.get(name) is not None
+        }
+        per_epoch = len(self.dataloader) // self.grad_accumulation_steps if hasattr(self.dataloader, "__len__") \
+            else None
+        self.step_scheduler = self.build("step_scheduler", per_epoch)
+        self.lr_scheduler = self.build("lr_scheduler", self.optimizer, self.step_scheduler.max_steps)
+        self.trainable_params = [p for p in self.model.parameters() if p.requires_grad]
+        self.step_losses: list[float] = []
+        if self.restore_path is not None:
+            state = Checkpointer.load_state(self.restore_path, self.stateful_attributes())
+            self.step_losses = list(state.get("losses", []))
+            self.log(f"resumed from {self.restore_path} at step {self.step_scheduler.step}")
+        root = Path(cfg.checkpoint.checkpoint_dir)
+        self.train_log = JsonlWriter(root / "training.jsonl")
+        self.val_log = JsonlWriter(root / "validation.jsonl")
+        self.peak_flops = device_peak_flops(self.device)
+        self.num_params = sum(p.numel() for p in self.model.parameters())
+
+    # ---- weights ---------------------------------------------------------------------------------------------
+
+    def save_model(self, directory: Path) -> None:
+        """HF layout: ``save_pretrained`` when the model has it (safetensors), plus tokenizer/processor files."""
+        model = unwrap(self.model)
+        if hasattr(model, "save_pretrained"):
+            model.save_pretrained(str(directory))
+        else:
+            save_state_dict_safetensors(model.state_dict(), directory)
+        for name in self.hf_artifacts:
+            artifact = getattr(self, name, None)
+            if artifact is not None and hasattr(artifact, "save_pretrained"):
+                artifact.save_pretrained(str(directory))
+
+    def load_model_weights(self, model: torch.nn.Module, directory: Path) -> None:
+        load_weights_into(unwrap(model), load_safetensors_dir(directory), directory)
+
+    # ---- the loop --------------------------------------------------------------------------------------------
+
+    def move_to_device(self, batch: Any) -> Any:
+        if isinstance(batch, torch.Tensor):
+            return batch.to(self.device, non_blocking=True)
+        if isinstance(batch, dict):
+            return {k: self.move_to_device(v) for k, v in batch.items()}
+        if isinstance(batch, (list, tuple)):
+            return type(batch)(self.move_to_device(v) for v in batch)
+        return batch
+
+    def train_step(self, batches: list[Any]) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """One optimizer update over the step's micro-batches; the loss is token-weighted over the whole step."""
+        label_tokens = sum(self.count_label_tokens(b) for b in batches)
+        input_tokens = sum(self.count_input_tokens(b) for b in batches)
+        denominator = max(label_tokens, 1)
+        total = torch.zeros((), device=self.device)
+        for batch in batches:
+            loss_sum = self.compute_loss(self.model, self.move_to_device(batch))
+            (loss_sum / denominator).backward()
+            total += loss_sum.detach().float()
+        max_norm = self.cfg.clip_grad_norm.max_norm or math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable_params, max_norm,
+                                                   norm_type=self.cfg.clip_grad_norm.norm_type)
+        self.optimizer.step()
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return total / denominator, grad_norm, input_tokens
+
+    @torch.no_grad()
+    def validate(self) -> None:
+        self.model.eval()
+        try:
+            for name, loader in self.val_dataloaders.items():
+                total = torch.zeros((), device=self.device)
+                tokens = 0
+                for batch in loader:
+                    tokens += self.count_label_tokens(batch)
+                    total += self.compute_loss(self.model, self.move_to_device(batch)).float()
+                record = {"step": self.step_scheduler.step, "epoch": self.step_scheduler.epoch, "name": name,
+                          "val_loss": total.item() / max(tokens, 1), "num_label_tokens": tokens}
+                record.update(self.extra_validation_metrics(name, loader))
+                record["timestamp"] = time.time()
+                if self.is_main_process:
+                    self.val_log.write(record)
+                shown = ", ".join(f"{k}={v:.4f}" for k, v in record.items()
+                                  if isinstance(v, float) and k != "timestamp")
+                self.log(f"validation [{name}] step {record['step']}: {shown}")
+        finally:
+            self.model.train()
+
+    def save_checkpoint(self) -> Path | None:
+        if not self.cfg.checkpoint.enabled or not self.is_main_process:
+            return None
+        steps = self.step_scheduler
+        trainer_state = {"step": steps.step, "epoch": steps.epoch, "losses": self.step_losses,
+                         "step_scheduler": steps.state_dict()}
+        path = self.checkpointer.save(self.stateful_attributes(), self.save_model, trainer_state,
+                                      steps.epoch, steps.step)
+        self.log(f"checkpoint: {path}")
+        return path
+
+    def _sample(self, loss: float, grad_norm: torch.Tensor, tokens: int, elapsed: float) -> MetricsSample:
+        tps = tokens / elapsed if elapsed > 0 else 0.0
+        mfu = 6 * self.num_params * tps / self.peak_flops if self.peak_flops else None
+        return MetricsSample(step=self.step_scheduler.step, epoch=self.step_scheduler.epoch, loss=loss,
+                             grad_norm=float(grad_norm), lr=self.optimizer.param_groups[0]["lr"],
+                             mem=peak_memory_gib(self.device), tps=tps, mfu=mfu)
+
+    def run_train_validation_loop(self) -> None:
+        steps = self.step_scheduler
+        self.model.train()
+        progress = tqdm(total=steps.max_steps, initial=steps.step, desc="train", unit="step", file=sys.stderr,
+                        disable=not self.is_main_process, dynamic_ncols=True)
+        window_tokens, window_start = 0, time.perf_counter()
+        saved_at = None
+        try:
+            for batches in steps.batches(self.dataloader):
+                loss, grad_norm, tokens = self.train_step(batches)
+                step = steps.finish_step()
+                window_tokens += tokens
+                progress.update(1)
+                if steps.is_log_step():
+                    loss_value = loss.item()
+                    self.step_losses.append(loss_value)
+                    sample = self._sample(loss_value, grad_norm, window_tokens, time.perf_counter() - window_start)
+                    if self.is_main_process:
+                        self.train_log.write(sample.to_dict())
+                    progress.set_postfix(loss=f"{loss_value:.4f}", lr=f"{sample.lr:.2e}", tps=f"{sample.tps:.0f}")
+                    window_tokens, window_start = 0, time.perf_counter()
+                if steps.is_val_step() and self.val_dataloaders:
+                    self.validate()
+                if steps.is_checkpoint_step(last=step >= steps.max_steps):
+                    saved_at = step
+                    self.final_checkpoint = self.save_checkpoint()
+            if saved_at != steps.step and steps.step > 0:
+                self.final_checkpoint = self.save_checkpoint()
+        finally:
+            progress.close()
+            self.train_log.close()
+            self.val_log.close()
+        self.on_train_end(getattr(self, "final_checkpoint", None))

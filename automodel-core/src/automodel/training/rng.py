@@ -1,0 +1,38 @@
+"""Seeding and saving the state of every random number generator a run uses."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+
+
+class StatefulRNG:
+    """Seeds python, numpy and torch (CPU and CUDA); its state_dict holds plain types and tensors only."""
+
+    def __init__(self, seed: int = 42, ranked: bool = False, rank: int = 0):
+        self.seed = seed + (rank if ranked else 0)
+        random.seed(self.seed)
+        np.random.seed(self.seed % (2**32))
+        torch.manual_seed(self.seed)
+
+    def state_dict(self) -> dict:
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        state = {
+            "python": random.getstate(),
+            "numpy": [kind, keys.tolist(), pos, has_gauss, cached],
+            "torch": torch.get_rng_state(),
+        }
+        if torch.cuda.is_available():
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        version, internal, gauss = state["python"]
+        random.setstate((version, tuple(internal), gauss))
+        kind, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+        torch.set_rng_state(state["torch"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda"])

@@ -1,0 +1,135 @@
+"""The engine's config sections as dataclasses: keys, types, defaults and help (validated before building)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+def _help(text: str, aliases: tuple[str, ...] = ()) -> dict:
+    return {"help": text, "aliases": aliases}
+
+
+def _positive(section: str, **values: int | float | None) -> None:
+    for name, value in values.items():
+        if value is not None and value < 1:
+            raise ValueError(f"{section}.{name} must be >= 1, found {value}")
+
+
+@dataclass
+class StepSchedulerConfig:
+    max_steps: int | None = field(default=None, metadata=_help("optimizer steps to run (None: num_epochs decides)"))
+    num_epochs: int = field(default=1, metadata=_help("passes over the training data (the first limit reached wins)"))
+    grad_accumulation_steps: int | None = field(
+        default=None, metadata=_help("micro-batches per optimizer step (derived from global_batch_size if unset)"))
+    global_batch_size: int | None = field(
+        default=None, metadata=_help("samples per optimizer step = batch_size * dp_size * grad_accumulation_steps"))
+    local_batch_size: int | None = field(
+        default=None, metadata=_help("samples per micro-batch on one rank (same as dataloader.batch_size)"))
+    val_check_interval: int | None = field(
+        default=None, metadata=_help("validate every N steps (and never if unset)", ("val_every_steps",)))
+    checkpoint_interval: int | None = field(
+        default=None, metadata=_help("checkpoint every N steps (and always after the last step)",
+                                     ("ckpt_every_steps",)))
+    log_interval: int = field(default=10, metadata=_help("write a MetricsSample every N steps"))
+    max_grad_norm_skips: int | None = field(default=None, metadata=_help("reserved: limit on skipped steps"))
+
+    def __post_init__(self) -> None:
+        _positive("step_scheduler", max_steps=self.max_steps, num_epochs=self.num_epochs,
+                  grad_accumulation_steps=self.grad_accumulation_steps, global_batch_size=self.global_batch_size,
+                  local_batch_size=self.local_batch_size, val_check_interval=self.val_check_interval,
+                  checkpoint_interval=self.checkpoint_interval, log_interval=self.log_interval)
+
+
+@dataclass
+class DistEnvConfig:
+    master_addr: str = field(default="localhost", metadata=_help("rendezvous address for multi-process runs"))
+    master_port: int = field(default=29500, metadata=_help("rendezvous port for multi-process runs"))
+    backend: Literal["nccl", "gloo"] | None = field(
+        default=None, metadata=_help("torch.distributed backend (default: nccl on CUDA, gloo on CPU)"))
+    timeout_minutes: int = field(default=30, metadata=_help("collective timeout"))
+
+
+@dataclass
+class RngConfig:
+    seed: int = field(default=42, metadata=_help("seed for python, numpy and torch"))
+    ranked: bool = field(default=False, metadata=_help("offset the seed by the process rank"))
+
+
+@dataclass
+class CompileConfig:
+    enabled: bool = field(default=False, metadata=_help("wrap the model with torch.compile"))
+    backend: str = field(default="inductor", metadata=_help("torch.compile backend"))
+    mode: str | None = field(default=None, metadata=_help("torch.compile mode (default, reduce-overhead, ...)"))
+    fullgraph: bool = field(default=False, metadata=_help("require a single graph"))
+    dynamic: bool | None = field(default=None, metadata=_help("dynamic shapes (None: let torch decide)"))
+
+
+@dataclass
+class ClipGradConfig:
+    max_norm: float | None = field(default=None, metadata=_help("clip the global gradient norm to this (None: no clip)"))
+    norm_type: float = field(default=2.0, metadata=_help("p of the p-norm"))
+
+
+@dataclass
+class DistributedConfig:
+    strategy: Literal["fsdp2", "megatron_fsdp", "ddp"] = field(
+        default="ddp", metadata=_help("how the model is sharded across data-parallel ranks"))
+    dp_size: int | Literal["auto"] | None = field(
+        default="auto", metadata=_help("data-parallel ranks ('auto': the world size)"))
+    tp_size: int = field(default=1, metadata=_help("tensor-parallel size (only 1 is supported)"))
+    cp_size: int = field(default=1, metadata=_help("context-parallel size (only 1 is supported)"))
+    pp_size: int = field(default=1, metadata=_help("pipeline-parallel size (only 1 is supported)"))
+    sequence_parallel: bool = field(default=False, metadata=_help("sequence parallelism (needs tp_size > 1)"))
+    activation_checkpointing: bool = field(default=False, metadata=_help("recompute activations in backward"))
+
+    def __post_init__(self) -> None:
+        _positive("distributed", tp_size=self.tp_size, cp_size=self.cp_size, pp_size=self.pp_size)
+        if isinstance(self.dp_size, int):
+            _positive("distributed", dp_size=self.dp_size)
+
+
+@dataclass
+class CheckpointConfig:
+    enabled: bool = field(default=True, metadata=_help("write checkpoints"))
+    checkpoint_dir: str = field(default="checkpoints", metadata=_help("where checkpoints and metrics go"))
+    model_save_format: Literal["safetensors", "torch_save"] = field(
+        default="safetensors", metadata=_help("weights format (safetensors; pickle is never used for weights)"))
+    save_consolidated: bool = field(default=True, metadata=_help("write one HF-loadable model directory"))
+    keep_last: int | None = field(default=None, metadata=_help("keep only the newest N checkpoints"))
+    model_repo_id: str | None = field(default=None, metadata=_help("accepted for upstream configs; unused"))
+    model_cache_dir: str | None = field(default=None, metadata=_help("accepted for upstream configs; unused"))
+    is_peft: bool | None = field(default=None, metadata=_help("accepted for upstream configs; set from peft:"))
+
+    def __post_init__(self) -> None:
+        if self.model_save_format == "torch_save":
+            raise ValueError("checkpoint.model_save_format: torch_save (pickle) is not supported for weights; "
+                             "use safetensors")
+        _positive("checkpoint", keep_last=self.keep_last)
+
+
+@dataclass
+class RestoreConfig:
+    path: str | None = field(default=None, metadata=_help(
+        "checkpoint to resume from: a path, a directory name under checkpoint_dir, or 'latest'"))
+
+
+@dataclass
+class FreezeConfig:
+    patterns: list[str] = field(default_factory=list, metadata=_help("glob patterns of parameter names to freeze"))
+    unfreeze_modules: list[str] = field(
+        default_factory=list, metadata=_help("glob patterns kept trainable even if a freeze pattern matches"))
+    embeddings: bool = field(default=False, metadata=_help("freeze the input embeddings"))
+
+
+@dataclass
+class FP8Config:
+    enabled: bool = field(default=False, metadata=_help("float8 training through torchao (needs a capable GPU)"))
+    recipe_name: str | None = field(default=None, metadata=_help("torchao float8 recipe (tensorwise, rowwise)"))
+
+
+@dataclass
+class QATConfig:
+    enabled: bool = field(default=False, metadata=_help("quantisation-aware training through torchao"))
+    quantizer: str = field(default="int8_dynamic_act_int4_weight", metadata=_help("torchao fake-quantiser"))
+    group_size: int = field(default=32, metadata=_help("weight group size"))

@@ -1,0 +1,51 @@
+"""``automodel export``: a LoRA checkpoint merged into its base model, written as a plain HF model directory."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import click
+
+from automodel.errors import UsageError
+
+
+@click.command()
+@click.argument("checkpoint", type=click.Path(exists=True, file_okay=False))
+@click.argument("output", type=click.Path(file_okay=False))
+@click.option("--force", is_flag=True, help="replace OUTPUT if it exists")
+def export(checkpoint: str, output: str, force: bool) -> None:
+    """Write CHECKPOINT's model as a merged Hugging Face model in OUTPUT (LoRA adapters merged into the base)."""
+    from automodel.cli.execute import import_recipe
+    from automodel.config import build_config, load_yaml_file
+    from automodel.plugins.manager import get_plugin_manager
+    from automodel.training.checkpoint import read_latest
+    from automodel_llm.peft import apply_lora, is_adapter_dir, load_adapter_weights
+
+    source = Path(checkpoint)
+    source = read_latest(source) or source  # a checkpoint_dir means its newest checkpoint
+    model_dir, out = source / "model", Path(output)
+    if not model_dir.is_dir() or not (source / "config.yaml").is_file():
+        raise UsageError(f"'{source}' is not a checkpoint directory (expected model/ and config.yaml)")
+    if out.exists() and not force:
+        raise UsageError(f"'{out}' already exists; pass --force to replace it")
+    staging = out.with_name(out.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    if not is_adapter_dir(model_dir):
+        shutil.copytree(model_dir, staging)
+    else:
+        manager = get_plugin_manager()
+        recipe_cls = import_recipe(manager.routes.get("finetune", "llm").recipe)
+        cfg = build_config(load_yaml_file(source / "config.yaml"), recipe_cls, manager.resolver(),
+                           source=str(source / "config.yaml"))
+        recipe = recipe_cls(cfg)
+        recipe.setup_domain()
+        model, _ = apply_lora(recipe, recipe.build("model"))
+        load_adapter_weights(model, model_dir)
+        merged = model.merge_and_unload()
+        merged.save_pretrained(str(staging))
+        recipe.tokenizer.save_pretrained(str(staging))
+    if out.exists():
+        shutil.rmtree(out)
+    staging.rename(out)
+    click.echo(f"exported {source} to {out} (load with AutoModelForCausalLM.from_pretrained('{out}'))")

@@ -1,0 +1,52 @@
+"""The LLM domain's registrations (exactly what a third-party plugin would write). Import-light."""
+
+from automodel import hookimpl
+
+_RECIPE = "automodel_llm.recipe.FinetuneRecipeForNextTokenPrediction"
+
+
+@hookimpl
+def automodel_register_routes(routes) -> None:
+    routes.add("finetune", "llm", recipe=_RECIPE, help="Fine-tune a causal language model",
+               examples=["llm/tiny_squad"])
+    routes.add("pretrain", "llm", recipe=_RECIPE, help="Pre-train a causal language model (same recipe, config differs)")
+
+
+@hookimpl
+def automodel_register_aliases(aliases) -> None:
+    aliases.domain("text", "llm")
+    aliases.command("sft", "finetune")
+    aliases.target("SquadDataset", "automodel_llm.datasets.SquadDataset")
+    aliases.target("AutoModelForCausalLM", "automodel_llm.AutoModelForCausalLM.from_pretrained")
+    aliases.target("pad_collate", "automodel_llm.datasets.collate.pad_collate")
+    # Upstream (NeMo AutoModel) public paths, so its users' configs run unchanged.
+    aliases.target("nemo_automodel.models.llm.NemotronHForCausalLM", "automodel_llm.models.nemotron_h_for_causal_lm")
+    aliases.target("nemo_automodel.datasets.squad.SquadDataset", "automodel_llm.datasets.SquadDataset")
+    aliases.target("nemo_automodel.schedulers.CosineAnnealingWarmup", "automodel.optim.CosineAnnealingWarmup")
+    aliases.target("nemo_automodel.NeMoAutoModelForCausalLM.from_pretrained",
+                   "automodel_llm.AutoModelForCausalLM.from_pretrained")
+    aliases.target("nemo_automodel.NeMoAutoModelForCausalLM.from_config",
+                   "automodel_llm.AutoModelForCausalLM.from_config")
+    aliases.target("nemo_automodel.components.loss.masked_ce.MaskedCrossEntropy",
+                   "automodel.training.loss.MaskedCrossEntropy")
+    aliases.target("nemo_automodel.components.datasets.llm.squad.make_squad_dataset",
+                   "automodel_llm.datasets.make_squad_dataset")
+    aliases.target("TrainFinetuneRecipeForNextTokenPrediction", _RECIPE)
+    aliases.target("nemo_automodel.recipes.llm.train_ft.TrainFinetuneRecipeForNextTokenPrediction", _RECIPE)
+
+
+@hookimpl
+def automodel_register_stages(stages) -> None:
+    stages.add("peft", "lora", "automodel_llm.peft.apply_lora")
+
+
+@hookimpl
+def automodel_register_commands(cli) -> None:
+    from automodel_llm.export import export
+
+    cli.add_command(export)
+
+
+@hookimpl
+def automodel_allowed_targets() -> list[str]:
+    return ["automodel_llm"]

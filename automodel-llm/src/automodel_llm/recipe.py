@@ -1,0 +1,149 @@
+"""Next-token-prediction recipe for fine-tuning and pre-training causal LMs, on the core's shared loop."""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from automodel.config import Target
+from automodel.errors import AutomodelError
+from automodel.training.recipe import TrainRecipe, unwrap
+from automodel_llm.datasets.collate import pad_collate
+from automodel_llm.datasets.loading import load_tokenizer
+from automodel_llm.generation import exact_match
+from automodel_llm.peft import is_adapter_dir, load_adapter_weights
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class PackedSequenceConfig:
+    enabled: bool = field(default=False, metadata={"help": "pack several samples into each row"})
+    packed_sequence_size: int = field(default=0, metadata={"help": "tokens per packed row (0: packing off)"})
+    split_across_pack: bool = field(default=False, metadata={"help": "let a sample continue in the next row"})
+    max_packs: int | None = field(default=None, metadata={"help": "stop after this many packed rows"})
+
+
+@dataclass
+class EvalGenerationConfig:
+    enabled: bool = field(default=True, metadata={"help": "answer validation questions greedily after training"})
+    num_examples: int | None = field(default=None, metadata={"help": "how many validation questions (None: all)"})
+    num_shown: int = field(default=3, metadata={"help": "how many answers to print"})
+    max_new_tokens: int = field(default=8, metadata={"help": "generation length limit"})
+
+
+class FinetuneRecipeForNextTokenPrediction(TrainRecipe):
+    """Causal LM training: loss on label tokens (answers for SFT, everything for pre-training)."""
+
+    domain = "llm"
+    sections = {
+        "tokenizer": Target("tokenizer (default: the model's): {pretrained_model_name_or_path: ...}", plain=True,
+                            default_target="transformers.AutoTokenizer.from_pretrained"),
+        "dataset": Target("the training data set", required=True, runtime_args=("tokenizer",)),
+        "validation_dataset": Target("a validation data set", runtime_args=("tokenizer",)),
+        "validation_dataset_*": Target("more validation data sets, reported by name", runtime_args=("tokenizer",)),
+        "peft": Target("LoRA adapters through peft: {dim, alpha, dropout, target_modules | match_all_linear}",
+                       plain=True, default_target="automodel_llm.peft.PeftConfig"),
+        "packed_sequence": PackedSequenceConfig,
+        "eval_generation": EvalGenerationConfig,
+    }
+
+    # ---- building -------------------------------------------------------------------------------------------
+
+    def _tokenizer_source(self) -> tuple[str | None, str]:
+        model = self.cfg.model
+        for key in ("pretrained_model_name_or_path", "name_or_path", "config"):
+            value = model.get(key)
+            if isinstance(value, str):
+                path = Path(value)
+                return (str(path.parent) if path.is_file() else value), f"model.{key}"
+        dataset = self.cfg.dataset
+        if isinstance(dataset.get("tokenizer_name_or_path"), str):
+            return dataset["tokenizer_name_or_path"], "dataset.tokenizer_name_or_path"
+        return None, "tokenizer"
+
+    def setup_domain(self) -> None:
+        import datasets
+        import transformers
+
+        datasets.disable_progress_bars()  # our own progress bar is the one to watch
+        transformers.utils.logging.disable_progress_bar()
+        node = self.cfg.tokenizer
+        if node is not None:
+            self.tokenizer = node.instantiate(default_target="transformers.AutoTokenizer.from_pretrained")
+        else:
+            source, key = self._tokenizer_source()
+            if source is None:
+                raise AutomodelError("tokenizer: none found; add `tokenizer: {pretrained_model_name_or_path: ...}`")
+            self.tokenizer = load_tokenizer(source, key)
+        self.untrack("tokenizer")
+        if self.tokenizer.pad_token_id is None and self.tokenizer.eos_token_id is not None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+
+    def dataset_runtime_args(self) -> dict[str, Any]:
+        return {"tokenizer": self.tokenizer}
+
+    def default_collate_fn(self) -> Any:
+        return functools.partial(pad_collate, pad_token_id=self.tokenizer.pad_token_id or 0)
+
+    def setup(self) -> None:
+        super().setup()
+        vocab = getattr(getattr(unwrap(self.model), "config", None), "vocab_size", None)
+        if vocab is not None and len(self.tokenizer) > vocab:
+            raise AutomodelError(f"tokenizer: {len(self.tokenizer)} tokens but model.config.vocab_size is {vocab}; "
+                                 "use the model's own tokenizer or resize the model's embeddings")
+
+    def load_model_weights(self, model: torch.nn.Module, directory: Path) -> None:
+        if is_adapter_dir(directory):
+            load_adapter_weights(model, directory)
+        else:
+            super().load_model_weights(model, directory)
+
+    # ---- the loss ---------------------------------------------------------------------------------------------
+
+    def compute_loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        labels = batch["labels"]
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        logits = model(**inputs).logits
+        return self.loss_fn(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+
+    def count_label_tokens(self, batch: dict[str, torch.Tensor]) -> int:
+        return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+
+    def count_input_tokens(self, batch: dict[str, torch.Tensor]) -> int:
+        mask = batch.get("attention_mask")
+        return int(mask.sum()) if mask is not None else batch["input_ids"].numel()
+
+    # ---- after training -------------------------------------------------------------------------------------
+
+    def _generation_pairs(self) -> list[tuple[str, str]]:
+        for loader in self.val_dataloaders.values():
+            pairs = getattr(loader.dataset, "qa_pairs", None)
+            if pairs:
+                return list(pairs)
+        return []
+
+    def on_train_end(self, final_checkpoint: Path | None) -> None:
+        settings = self.cfg.eval_generation
+        pairs = self._generation_pairs()
+        if settings is not None and settings.enabled and pairs and self.is_main_process and \
+                "eval_generation" in self.cfg:
+            pairs = pairs[: settings.num_examples] if settings.num_examples else pairs
+            score, results = exact_match(unwrap(self.model), self.tokenizer, pairs, settings.max_new_tokens,
+                                         self.device)
+            for prompt, expected, got in results[: settings.num_shown]:
+                self.log(f"  Q: {prompt}\n     expected: {expected!r}  model: {got!r}")
+            self.log(f"exact match on {len(results)} validation questions: {score:.3f}")
+            if final_checkpoint is not None:
+                record = {"step": self.step_scheduler.step, "exact_match": score, "num_questions": len(results)}
+                with open(Path(self.cfg.checkpoint.checkpoint_dir) / "eval_generation.json", "w") as f:
+                    json.dump(record, f)
+        if final_checkpoint is not None:
+            model_dir = final_checkpoint / "model"
+            self.log(f"Trained model in {model_dir} — load it with transformers: "
+                     f"AutoModelForCausalLM.from_pretrained('{model_dir}') and AutoTokenizer.from_pretrained('{model_dir}')")
