@@ -9,7 +9,12 @@ _RECIPE = "automodel_llm.recipe.FinetuneRecipeForNextTokenPrediction"
 def automodel_register_routes(routes) -> None:
     routes.add("finetune", "llm", recipe=_RECIPE, help="Fine-tune a causal language model",
                examples=["llm/tiny_squad"])
-    routes.add("pretrain", "llm", recipe=_RECIPE, help="Pre-train a causal language model (same recipe, config differs)")
+    routes.add("pretrain", "llm", recipe=_RECIPE,
+               help="Pre-train a causal language model (same recipe, config differs)")
+    routes.add("kd", "llm", recipe="automodel_llm.kd.KnowledgeDistillationRecipe",
+               help="Distil a frozen teacher_model into the student model")
+    routes.add("benchmark", "llm", recipe="automodel_llm.benchmark.BenchmarkRecipe",
+               help="Measure training throughput on synthetic data (JSON with tokens/s, step times, memory, MFU)")
 
 
 @hookimpl
@@ -32,6 +37,20 @@ def automodel_register_aliases(aliases) -> None:
     aliases.target("nemo_automodel.components.datasets.llm.squad.make_squad_dataset",
                    "automodel_llm.datasets.make_squad_dataset")
     aliases.target("TrainFinetuneRecipeForNextTokenPrediction", _RECIPE)
+    aliases.target("ColumnMappedTextInstructionDataset",
+                   "automodel_llm.datasets.ColumnMappedTextInstructionDataset")
+    aliases.target("nemo_automodel.components.datasets.llm.column_mapped_text_instruction_dataset."
+                   "ColumnMappedTextInstructionDataset", "automodel_llm.datasets.ColumnMappedTextInstructionDataset")
+    aliases.target("nemo_automodel.components.datasets.utils.default_collater",
+                   "automodel_llm.datasets.collate.default_collater")
+    aliases.target("nemo_automodel.components.training.rng.StatefulRNG", "automodel.training.rng.StatefulRNG")
+    aliases.target("nemo_automodel.components._peft.lora.PeftConfig", "automodel_llm.peft.PeftConfig")
+    aliases.target("nemo_automodel.components.loss.kd_loss.KDLoss", "automodel_llm.kd.KDLoss")
+    aliases.target("nemo_automodel.recipes.llm.kd.KnowledgeDistillationRecipeForNextTokenPrediction",
+                   "automodel_llm.kd.KnowledgeDistillationRecipe")
+    aliases.target("ChatDataset", "automodel_llm.datasets.ChatDataset")
+    aliases.target("PretrainingTextDataset", "automodel_llm.datasets.PretrainingTextDataset")
+    aliases.target("MockDataset", "automodel_llm.datasets.MockDataset")
     aliases.target("nemo_automodel.recipes.llm.train_ft.TrainFinetuneRecipeForNextTokenPrediction", _RECIPE)
 
 

@@ -15,10 +15,12 @@ from automodel.errors import AutomodelError
 from automodel.training.recipe import TrainRecipe, unwrap
 from automodel_llm.datasets.collate import pad_collate
 from automodel_llm.datasets.loading import load_tokenizer
+from automodel_llm.datasets.packing import PackedDataset, packed_collate
 from automodel_llm.generation import exact_match
 from automodel_llm.peft import is_adapter_dir, load_adapter_weights
 
 IGNORE_INDEX = -100
+MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
 
 
 @dataclass
@@ -88,8 +90,29 @@ class FinetuneRecipeForNextTokenPrediction(TrainRecipe):
     def dataset_runtime_args(self) -> dict[str, Any]:
         return {"tokenizer": self.tokenizer}
 
-    def default_collate_fn(self) -> Any:
-        return functools.partial(pad_collate, pad_token_id=self.tokenizer.pad_token_id or 0)
+    @property
+    def pack_size(self) -> int | None:
+        packing = self.cfg.packed_sequence
+        if packing is None or not (packing.enabled or packing.packed_sequence_size > 0):
+            return None
+        if packing.packed_sequence_size < 2:
+            raise AutomodelError("packed_sequence.packed_sequence_size: set it (tokens per packed row) when "
+                                 "packed_sequence.enabled is true")
+        return packing.packed_sequence_size
+
+    def build_dataset(self, node: Any) -> Any:
+        dataset = super().build_dataset(node)
+        if node is not None and node.key == "dataset" and self.pack_size:
+            packing = self.cfg.packed_sequence
+            dataset = PackedDataset(dataset, self.pack_size, packing.split_across_pack, packing.max_packs)
+            self.log(f"packed the training data into {len(dataset)} rows of {self.pack_size} tokens")
+        return dataset
+
+    def default_collate_fn(self, train: bool = True) -> Any:
+        pad = self.tokenizer.pad_token_id or 0
+        if train and self.pack_size:
+            return functools.partial(packed_collate, pack_size=self.pack_size, pad_token_id=pad)
+        return functools.partial(pad_collate, pad_token_id=pad)
 
     def setup(self) -> None:
         super().setup()
@@ -108,18 +131,28 @@ class FinetuneRecipeForNextTokenPrediction(TrainRecipe):
 
     def compute_loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         labels = batch["labels"]
-        inputs = {k: v for k, v in batch.items() if k != "labels"}
-        logits = model(**inputs).logits
+        inputs = {k: v for k, v in batch.items() if k in MODEL_INPUTS}
+        logits = model(**inputs, use_cache=False).logits
         return self.loss_fn(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
 
     def count_label_tokens(self, batch: dict[str, torch.Tensor]) -> int:
         return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
 
     def count_input_tokens(self, batch: dict[str, torch.Tensor]) -> int:
+        """Non-padding tokens (what tokens/s counts)."""
+        if "token_count" in batch:
+            return int(batch["token_count"].sum())
         mask = batch.get("attention_mask")
         return int(mask.sum()) if mask is not None else batch["input_ids"].numel()
 
-    # ---- after training -------------------------------------------------------------------------------------
+    # ---- after training ------------------------------------------------------------------------------------
+
+    def final_message(self, model_dir: Path) -> str:
+        if (model_dir / "adapter_config.json").is_file():
+            return (f"Trained LoRA adapter in {model_dir}: load it with peft.PeftModel.from_pretrained(base_model, "
+                    f"'{model_dir}'), or merge it with `automodel export {model_dir.parent} merged/`")
+        return (f"Trained model in {model_dir}: load it with transformers.AutoModelForCausalLM.from_pretrained("
+                f"'{model_dir}') and AutoTokenizer.from_pretrained('{model_dir}')")
 
     def _generation_pairs(self) -> list[tuple[str, str]]:
         for loader in self.val_dataloaders.values():
@@ -145,5 +178,4 @@ class FinetuneRecipeForNextTokenPrediction(TrainRecipe):
                     json.dump(record, f)
         if final_checkpoint is not None:
             model_dir = final_checkpoint / "model"
-            self.log(f"Trained model in {model_dir} — load it with transformers: "
-                     f"AutoModelForCausalLM.from_pretrained('{model_dir}') and AutoTokenizer.from_pretrained('{model_dir}')")
+            self.log(self.final_message(model_dir))

@@ -34,11 +34,17 @@ def run(ctx: click.Context, config: str, dry_run: bool, print_config: bool, npro
 
 
 def _best_route_for(path: Path, extra: list[str]):
-    """The installed recipe that a config without `recipe:` fits best (fewest problems; `finetune llm` on ties)."""
+    """The installed recipe that a config without `recipe:` fits best: the fewest top-level sections it does not
+    know (an unknown section is one issue however much it holds), then the fewest problems; `finetune llm` on ties.
+    """
     from automodel.cli.execute import import_recipe, load_and_validate
+    from automodel.config import load_yaml_file
+    from automodel.config.schema import find_spec
 
     manager = get_plugin_manager()
+    names = [str(name) for name in load_yaml_file(path)]
     best = None
+    best_rank = None
     routes = sorted(manager.routes.routes.values(), key=lambda r: (r.command, r.domain) != ("finetune", "llm"))
     for route in routes:
         try:
@@ -49,8 +55,10 @@ def _best_route_for(path: Path, extra: list[str]):
             load_and_validate(recipe_cls, path, extra, manager)
             return route, None
         except ConfigError as err:
-            if best is None or len(err.issues) < len(best[1].issues):
-                best = (route, err)
+            sections = recipe_cls.all_sections()
+            rank = (sum(find_spec(name, sections) is None for name in names), len(err.issues))
+            if best_rank is None or rank < best_rank:
+                best, best_rank = (route, err), rank
     if best is None:
         raise UsageError("no recipes are installed to validate against; install a domain such as automodel-llm")
     return best

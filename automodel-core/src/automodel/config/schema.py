@@ -42,7 +42,7 @@ class Free:
     help: str = ""
 
 
-SectionSpec = Union[type, Target, Free]
+SectionSpec = type | Target | Free
 
 
 def find_spec(name: str, sections: dict[str, SectionSpec]) -> SectionSpec | None:
@@ -132,6 +132,8 @@ def validate_dataclass(cls: type, node: Any, key: str, issues: list[ConfigIssue]
     aliases = _aliases(cls)
     kwargs: dict[str, Any] = {}
     start = len(issues)
+    if "_target_" in node:
+        node = _absorb_target(cls, node, key, issues)
     for name, value in node.items():
         canonical = aliases.get(name, name)
         if canonical not in fields:
@@ -160,6 +162,23 @@ def validate_dataclass(cls: type, node: Any, key: str, issues: list[ConfigIssue]
     except (ValueError, TypeError) as err:
         issues.append(ConfigIssue(key, str(err)))
         return None
+
+
+def _absorb_target(cls: type, node: dict, key: str, issues: list[ConfigIssue]) -> dict:
+    """Keyed sections may name an upstream manager class as ``_target_`` (``rng: {_target_: ...StatefulRNG}``).
+
+    ``cls.accepted_targets`` maps the class name to the keys it implies; the target is never imported.
+    """
+    accepted = getattr(cls, "accepted_targets", {})
+    target = node["_target_"]
+    name = target.rsplit(".", 1)[-1] if isinstance(target, str) else None
+    rest = {k: v for k, v in node.items() if k != "_target_"}
+    if name not in accepted:
+        allowed = ", ".join(accepted) or "none"
+        issues.append(ConfigIssue(f"{key}._target_", f"'{target}' is not accepted here: this section is set by its "
+                                                     f"keys (a _target_ may only name: {allowed})"))
+        return rest
+    return {**accepted[name], **rest}
 
 
 # ---- target sections ---------------------------------------------------------------------------------------

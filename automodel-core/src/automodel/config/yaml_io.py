@@ -46,7 +46,8 @@ def _yaml_error_to_issue(err: yaml.YAMLError, source: str) -> ConfigIssue:
         return ConfigIssue(where, "a tab character is used for indentation; YAML needs spaces")
     if "could not determine a constructor for the tag" in problem:
         tag = problem.split("tag", 1)[1].strip().strip("'").replace("tag:yaml.org,2002:", "!!")
-        return ConfigIssue(where, f"the YAML tag {tag} is not allowed: configs are plain data (use `_target_` for objects)")
+        return ConfigIssue(where, f"the YAML tag {tag} is not allowed: configs are plain data "
+                                  "(use `_target_` for objects)")
     return ConfigIssue(where, f"malformed YAML: {problem}")
 
 
@@ -71,7 +72,8 @@ def load_yaml_file(path: str | Path) -> dict:
     if data is None:
         raise ConfigError(ConfigIssue(str(path), "the config file is empty"))
     if not isinstance(data, dict):
-        raise ConfigError(ConfigIssue(str(path), f"the top level must be a mapping of sections, found {type(data).__name__}"))
+        raise ConfigError(ConfigIssue(str(path), "the top level must be a mapping of sections, found "
+                                                 f"{type(data).__name__}"))
     return data
 
 

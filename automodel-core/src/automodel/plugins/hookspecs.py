@@ -26,7 +26,8 @@ if TYPE_CHECKING:
 
 @hookspec
 def automodel_register_routes(routes: RouteRegistry) -> None:
-    """Add (command, domain) routes: ``routes.add("finetune", "llm", recipe="pkg.mod.Class", help=..., examples=[...])``."""
+    """Add (command, domain) routes:
+    ``routes.add("finetune", "llm", recipe="pkg.mod.Class", help=..., examples=[...])``."""
 
 
 @hookspec

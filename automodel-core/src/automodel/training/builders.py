@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader.sampler import RandomSampler
 
 from automodel.config import ConfigNode, TargetError
 from automodel.errors import ConfigError, ConfigIssue
@@ -63,18 +64,16 @@ def build_lr_scheduler(recipe: TrainRecipe, optimizer: torch.optim.Optimizer, to
     node = recipe.cfg.lr_scheduler
     if node is None:
         return None
-    if node.target is None:
-        raise ConfigError(ConfigIssue("lr_scheduler._target_", "missing (e.g. automodel.optim.CosineAnnealingWarmup)"))
     runtime = {"optimizer": optimizer}
     if "total_steps" not in node:
         runtime["total_steps"] = total_steps
-    return instantiate_with(node, runtime)
+    return instantiate_with(node, runtime, default_target="automodel.optim.build_scheduler")
 
 
-def _collate(recipe: TrainRecipe, node: ConfigNode | None) -> Any:
+def _collate(recipe: TrainRecipe, node: ConfigNode | None, train: bool) -> Any:
     value = None if node is None else node.get("collate_fn")
     if value is None:
-        return recipe.default_collate_fn()
+        return recipe.default_collate_fn(train)
     key = f"{node.key}.collate_fn"
     if isinstance(value, str):
         try:
@@ -95,6 +94,13 @@ def build_dataloader(recipe: TrainRecipe, dataset: Any, node: ConfigNode | None,
     generator.manual_seed(recipe.cfg.rng.seed if recipe.cfg.rng else 0)
     shuffle = settings.pop("shuffle")
     sampler = recipe.data_sampler(dataset, shuffle=shuffle, generator=generator)
+    if sampler is None and shuffle and not isinstance(dataset, torch.utils.data.IterableDataset):
+        # The shuffling sampler gets the seeded generator to itself: the loader also draws each epoch's worker
+        # base seed from its own `generator`, a draw a restored StatefulDataLoader does not replay, so sharing
+        # one generator made every epoch after a resume shuffle differently from the uninterrupted run.
+        sampler = RandomSampler(dataset, generator=generator)
+        settings["generator"] = torch.Generator()
+        settings["generator"].manual_seed(recipe.cfg.rng.seed if recipe.cfg.rng else 0)
     if sampler is not None:
         settings["sampler"] = sampler
     else:
@@ -102,7 +108,7 @@ def build_dataloader(recipe: TrainRecipe, dataset: Any, node: ConfigNode | None,
         settings["shuffle"] = shuffle
     target = node.target if node is not None and node.target else DEFAULT_DATALOADER
     fn = recipe.cfg.resolver.resolve(target)
-    return fn(dataset=dataset, collate_fn=_collate(recipe, node), **settings)
+    return fn(dataset=dataset, collate_fn=_collate(recipe, node, train), **settings)
 
 
 def build_step_scheduler(recipe: TrainRecipe, steps_per_epoch: int | None) -> StepScheduler:

@@ -18,16 +18,22 @@ from typing import Any, ClassVar
 import torch
 from tqdm import tqdm
 
-from automodel.config import Config, ConfigNode, Target
+from automodel.config import Config, ConfigNode, Free, Target
 from automodel.errors import AutomodelError, ConfigIssue
 from automodel.plugins.manager import get_plugin_manager
 from automodel.recipe import BaseRecipe
 from automodel.training import sections as s
-from automodel.training.checkpoint import Checkpointer, load_safetensors_dir, load_weights_into, \
-    save_state_dict_safetensors
+from automodel.training.checkpoint import (
+    Checkpointer,
+    load_safetensors_dir,
+    load_weights_into,
+    read_latest,
+    save_state_dict_safetensors,
+)
 from automodel.training.metrics import JsonlWriter, MetricsSample, device_peak_flops, peak_memory_gib
 from automodel.training.pipeline import apply_pipeline, missing_stages
 from automodel.training.rng import StatefulRNG
+from automodel.training.signals import StopRequest, TrainingStopped
 
 # torchdata calls a deprecated torch API on every iterator; the warning is noise for users.
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
@@ -70,7 +76,11 @@ class TrainRecipe(BaseRecipe):
         "dataloader": _DATALOADER,
         "validation_dataloader": _DATALOADER,
         "optimizer": Target("the optimizer (default torch.optim.AdamW, lr 1e-5)", runtime_args=("params",)),
-        "lr_scheduler": Target("learning-rate schedule", runtime_args=("optimizer",)),
+        "lr_scheduler": Target("learning-rate schedule: {_target_: ...} or upstream keys (lr_decay_style, ...)",
+                               runtime_args=("optimizer",), plain=True,
+                               default_target="automodel.optim.build_scheduler"),
+        "fault_tolerance": s.FaultToleranceConfig,
+        "ci": Free("upstream CI metadata; accepted and ignored (a note says so)"),
         "checkpoint": s.CheckpointConfig,
         "restore_from": s.RestoreConfig,
         "peft": Target("parameter-efficient fine-tuning (LoRA)", plain=True),
@@ -156,7 +166,7 @@ class TrainRecipe(BaseRecipe):
         steps = cfg.step_scheduler
         lines = [f"recipe: {cls.__module__}.{cls.__qualname__}",
                  f"model: {cfg.model.target}",
-                 f"dataset: {cfg.dataset.target}"]
+                 f"dataset: {cfg.dataset.target if cfg.dataset is not None else 'built by the recipe'}"]
         lines += [f"{name}: {cfg.get(name).target}" for name in cfg.section_names()
                   if name.startswith("validation_dataset") and isinstance(cfg.get(name), ConfigNode)]
         lines += [f"batch: {batch_size} per micro-batch x {dp} ranks x {accumulation} accumulation = "
@@ -184,7 +194,7 @@ class TrainRecipe(BaseRecipe):
         """Tokens processed, for tokens/s (defaults to the label count)."""
         return self.count_label_tokens(batch)
 
-    def default_collate_fn(self) -> Any:
+    def default_collate_fn(self, train: bool = True) -> Any:
         return None  # torch's default collate
 
     def default_loss_fn(self) -> torch.nn.Module | None:
@@ -204,6 +214,9 @@ class TrainRecipe(BaseRecipe):
 
     def extra_validation_metrics(self, name: str, dataloader: Any) -> dict[str, float]:
         return {}
+
+    def after_step(self, step: int, tokens: int, seconds: float) -> None:
+        """Called after every optimizer step with its input tokens and wall time (benchmarks use it)."""
 
     def on_train_end(self, final_checkpoint: Path | None) -> None:
         if final_checkpoint is not None:
@@ -242,6 +255,8 @@ class TrainRecipe(BaseRecipe):
         self.restore_path: Path | None = None
         if cfg.checkpoint.enabled and self.is_main_process:
             self.checkpointer.prepare()
+        if "ci" in cfg:
+            self.log("note: section 'ci' is upstream CI metadata and is ignored")
         self.setup_domain()
         model = self.build("model")
         stages = get_plugin_manager().stages
@@ -264,6 +279,7 @@ class TrainRecipe(BaseRecipe):
         self.lr_scheduler = self.build("lr_scheduler", self.optimizer, self.step_scheduler.max_steps)
         self.trainable_params = [p for p in self.model.parameters() if p.requires_grad]
         self.step_losses: list[float] = []
+        self.skipped_steps = 0
         if self.restore_path is not None:
             state = Checkpointer.load_state(self.restore_path, self.stateful_attributes())
             self.step_losses = list(state.get("losses", []))
@@ -315,11 +331,32 @@ class TrainRecipe(BaseRecipe):
         max_norm = self.cfg.clip_grad_norm.max_norm or math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable_params, max_norm,
                                                    norm_type=self.cfg.clip_grad_norm.norm_type)
-        self.optimizer.step()
+        loss = total / denominator
+        if not (torch.isfinite(grad_norm) and torch.isfinite(loss)):
+            self._nonfinite(loss, grad_norm)
+        else:
+            self.optimizer.step()
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return total / denominator, grad_norm, input_tokens
+        return loss, grad_norm, input_tokens
+
+    def _nonfinite(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        """A NaN/inf step: stop with where to resume from (policy raise) or skip its update (policy skip)."""
+        step = self.step_scheduler.step + 1
+        policy = self.cfg.fault_tolerance
+        if policy.nonfinite == "skip":
+            self.skipped_steps += 1
+            self.log(f"step {step}: non-finite loss {loss.item()} / grad norm {grad_norm.item()}: update skipped "
+                     f"({self.skipped_steps} so far)")
+            if policy.max_skipped_steps is None or self.skipped_steps <= policy.max_skipped_steps:
+                return
+        last = read_latest(self.checkpointer.root) if self.cfg.checkpoint.enabled else None
+        where = f"the last good checkpoint is {last} (resume with --restore_from.path {last})" if last else \
+            "no checkpoint was written before it"
+        raise AutomodelError(f"step {step}: the loss is {loss.item()} and the gradient norm {grad_norm.item()}; "
+                             f"training stopped (fault_tolerance.nonfinite: {policy.nonfinite}); {where}. Lower "
+                             "optimizer.lr or set clip_grad_norm.max_norm")
 
     @torch.no_grad()
     def validate(self) -> None:
@@ -361,6 +398,12 @@ class TrainRecipe(BaseRecipe):
                              grad_norm=float(grad_norm), lr=self.optimizer.param_groups[0]["lr"],
                              mem=peak_memory_gib(self.device), tps=tps, mfu=mfu)
 
+    def _stop(self, stop: StopRequest, saved: bool) -> None:
+        path = self.final_checkpoint if saved else self.save_checkpoint()
+        name = {2: "SIGINT", 15: "SIGTERM"}.get(stop.signum, f"signal {stop.signum}")
+        where = f"checkpoint: {path}; resume with --restore_from.path latest" if path else "no checkpoint (disabled)"
+        raise TrainingStopped(stop.signum, f"stopped by {name} after step {self.step_scheduler.step}; {where}")
+
     def run_train_validation_loop(self) -> None:
         steps = self.step_scheduler
         self.model.train()
@@ -368,29 +411,42 @@ class TrainRecipe(BaseRecipe):
                         disable=not self.is_main_process, dynamic_ncols=True)
         window_tokens, window_start = 0, time.perf_counter()
         saved_at = None
-        try:
-            for batches in steps.batches(self.dataloader):
-                loss, grad_norm, tokens = self.train_step(batches)
-                step = steps.finish_step()
-                window_tokens += tokens
-                progress.update(1)
-                if steps.is_log_step():
-                    loss_value = loss.item()
-                    self.step_losses.append(loss_value)
-                    sample = self._sample(loss_value, grad_norm, window_tokens, time.perf_counter() - window_start)
-                    if self.is_main_process:
-                        self.train_log.write(sample.to_dict())
-                    progress.set_postfix(loss=f"{loss_value:.4f}", lr=f"{sample.lr:.2e}", tps=f"{sample.tps:.0f}")
-                    window_tokens, window_start = 0, time.perf_counter()
-                if steps.is_val_step() and self.val_dataloaders:
-                    self.validate()
-                if steps.is_checkpoint_step(last=step >= steps.max_steps):
-                    saved_at = step
+        self.final_checkpoint: Path | None = None
+        with StopRequest() as stop:
+            try:
+                step_start = time.perf_counter()
+                for batches in steps.batches(self.dataloader):
+                    loss, grad_norm, tokens = self.train_step(batches)
+                    step = steps.finish_step()
+                    self.after_step(step, tokens, time.perf_counter() - step_start)
+                    window_tokens += tokens
+                    progress.update(1)
+                    if steps.is_log_step():
+                        self._log_step(loss.item(), grad_norm, window_tokens, time.perf_counter() - window_start,
+                                       progress)
+                        window_tokens, window_start = 0, time.perf_counter()
+                    if steps.is_val_step() and self.val_dataloaders:
+                        self.validate()
+                    if steps.is_checkpoint_step(last=step >= steps.max_steps):
+                        saved_at = step
+                        self.final_checkpoint = self.save_checkpoint()
+                    if stop.requested:
+                        self._stop(stop, saved=saved_at == step)
+                    step_start = time.perf_counter()
+                if saved_at != steps.step and steps.step > 0:
                     self.final_checkpoint = self.save_checkpoint()
-            if saved_at != steps.step and steps.step > 0:
-                self.final_checkpoint = self.save_checkpoint()
-        finally:
-            progress.close()
-            self.train_log.close()
-            self.val_log.close()
-        self.on_train_end(getattr(self, "final_checkpoint", None))
+            finally:
+                progress.close()
+                self.train_log.close()
+                self.val_log.close()
+        self.on_train_end(self.final_checkpoint)
+
+    def _log_step(self, loss: float, grad_norm: torch.Tensor, tokens: int, elapsed: float, progress: tqdm) -> None:
+        self.step_losses.append(loss)
+        sample = self._sample(loss, grad_norm, tokens, elapsed)
+        record = sample.to_dict()
+        if self.cfg.fault_tolerance.nonfinite == "skip":
+            record["skipped_steps"] = self.skipped_steps
+        if self.is_main_process:
+            self.train_log.write(record)
+        progress.set_postfix(loss=f"{loss:.4f}", lr=f"{sample.lr:.2e}", tps=f"{sample.tps:.0f}")

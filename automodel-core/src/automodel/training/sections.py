@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 
 def _help(text: str, aliases: tuple[str, ...] = ()) -> dict:
@@ -32,7 +32,6 @@ class StepSchedulerConfig:
         default=None, metadata=_help("checkpoint every N steps (and always after the last step)",
                                      ("ckpt_every_steps",)))
     log_interval: int = field(default=10, metadata=_help("write a MetricsSample every N steps"))
-    max_grad_norm_skips: int | None = field(default=None, metadata=_help("reserved: limit on skipped steps"))
 
     def __post_init__(self) -> None:
         _positive("step_scheduler", max_steps=self.max_steps, num_epochs=self.num_epochs,
@@ -52,6 +51,7 @@ class DistEnvConfig:
 
 @dataclass
 class RngConfig:
+    accepted_targets: ClassVar[dict] = {"StatefulRNG": {}}
     seed: int = field(default=42, metadata=_help("seed for python, numpy and torch"))
     ranked: bool = field(default=False, metadata=_help("offset the seed by the process rank"))
 
@@ -59,7 +59,7 @@ class RngConfig:
 @dataclass
 class CompileConfig:
     enabled: bool = field(default=False, metadata=_help("wrap the model with torch.compile"))
-    backend: str = field(default="inductor", metadata=_help("torch.compile backend"))
+    backend: str | None = field(default="inductor", metadata=_help("torch.compile backend (null: inductor)"))
     mode: str | None = field(default=None, metadata=_help("torch.compile mode (default, reduce-overhead, ...)"))
     fullgraph: bool = field(default=False, metadata=_help("require a single graph"))
     dynamic: bool | None = field(default=None, metadata=_help("dynamic shapes (None: let torch decide)"))
@@ -67,24 +67,28 @@ class CompileConfig:
 
 @dataclass
 class ClipGradConfig:
-    max_norm: float | None = field(default=None, metadata=_help("clip the global gradient norm to this (None: no clip)"))
+    max_norm: float | None = field(default=None, metadata=_help("clip the global gradient norm to this (None: off)"))
     norm_type: float = field(default=2.0, metadata=_help("p of the p-norm"))
 
 
 @dataclass
 class DistributedConfig:
+    accepted_targets: ClassVar[dict] = {"FSDP2Manager": {"strategy": "fsdp2"}, "DDPManager": {"strategy": "ddp"},
+                                        "MegatronFSDPManager": {"strategy": "megatron_fsdp"}}
     strategy: Literal["fsdp2", "megatron_fsdp", "ddp"] = field(
         default="ddp", metadata=_help("how the model is sharded across data-parallel ranks"))
-    dp_size: int | Literal["auto"] | None = field(
-        default="auto", metadata=_help("data-parallel ranks ('auto': the world size)"))
+    dp_size: int | Literal["auto", "none"] | None = field(
+        default="auto", metadata=_help("data-parallel ranks ('auto', 'none' or null: the world size)"))
     tp_size: int = field(default=1, metadata=_help("tensor-parallel size (only 1 is supported)"))
     cp_size: int = field(default=1, metadata=_help("context-parallel size (only 1 is supported)"))
     pp_size: int = field(default=1, metadata=_help("pipeline-parallel size (only 1 is supported)"))
+    ep_size: int | None = field(default=None, metadata=_help("expert-parallel size (only 1 or null is supported)"))
     sequence_parallel: bool = field(default=False, metadata=_help("sequence parallelism (needs tp_size > 1)"))
     activation_checkpointing: bool = field(default=False, metadata=_help("recompute activations in backward"))
 
     def __post_init__(self) -> None:
-        _positive("distributed", tp_size=self.tp_size, cp_size=self.cp_size, pp_size=self.pp_size)
+        _positive("distributed", tp_size=self.tp_size, cp_size=self.cp_size, pp_size=self.pp_size,
+                  ep_size=self.ep_size)
         if isinstance(self.dp_size, int):
             _positive("distributed", dp_size=self.dp_size)
 
@@ -100,6 +104,7 @@ class CheckpointConfig:
     model_repo_id: str | None = field(default=None, metadata=_help("accepted for upstream configs; unused"))
     model_cache_dir: str | None = field(default=None, metadata=_help("accepted for upstream configs; unused"))
     is_peft: bool | None = field(default=None, metadata=_help("accepted for upstream configs; set from peft:"))
+    dequantize_base_checkpoint: bool | None = field(default=None, metadata=_help("accepted for upstream configs"))
 
     def __post_init__(self) -> None:
         if self.model_save_format == "torch_save":
@@ -133,3 +138,11 @@ class QATConfig:
     enabled: bool = field(default=False, metadata=_help("quantisation-aware training through torchao"))
     quantizer: str = field(default="int8_dynamic_act_int4_weight", metadata=_help("torchao fake-quantiser"))
     group_size: int = field(default=32, metadata=_help("weight group size"))
+
+
+@dataclass
+class FaultToleranceConfig:
+    nonfinite: Literal["raise", "skip"] = field(
+        default="raise", metadata=_help("a NaN/inf loss or gradient norm: stop the run (raise) or skip that update"))
+    max_skipped_steps: int | None = field(
+        default=None, metadata=_help("with nonfinite: skip, stop after this many skipped steps"))

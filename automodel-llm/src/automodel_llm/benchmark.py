@@ -1,0 +1,75 @@
+"""``automodel benchmark llm``: throughput on synthetic data, warm-up excluded, written as JSON."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from automodel.config import Target
+from automodel.training.metrics import device_peak_flops, peak_memory_gib
+from automodel.training.recipe import unwrap
+from automodel_llm.datasets.pretraining import MockDataset
+from automodel_llm.recipe import FinetuneRecipeForNextTokenPrediction
+
+
+@dataclass
+class BenchmarkConfig:
+    warmup_steps: int = field(default=3, metadata={"help": "steps excluded from the figures"})
+    seq_length: int = field(default=128, metadata={"help": "tokens per synthetic sample"})
+    num_samples: int = field(default=4096, metadata={"help": "synthetic samples"})
+    peak_tflops: float | None = field(default=None, metadata={"help": "device peak TFLOP/s for MFU (else known GPUs)"})
+    output: str = field(default="benchmark.json", metadata={"help": "where the JSON goes"})
+
+
+class BenchmarkRecipe(FinetuneRecipeForNextTokenPrediction):
+    """The fine-tuning recipe on random tokens (unless a dataset is given), timing every step."""
+
+    sections = {
+        "benchmark": BenchmarkConfig,
+        "dataset": Target("training data (default: random tokens of benchmark.seq_length)",
+                          runtime_args=("tokenizer",)),
+    }
+
+    def setup(self) -> None:
+        if "checkpoint" not in self.cfg:
+            self.cfg.checkpoint.enabled = False  # a benchmark measures training, not checkpoint writes
+        self.step_times: list[tuple[float, int]] = []
+        super().setup()
+
+    def build_dataset(self, node: Any) -> Any:
+        if node is not None:
+            return super().build_dataset(node)
+        bench = self.cfg.benchmark
+        return MockDataset(num_samples=bench.num_samples, seq_length=bench.seq_length, tokenizer=self.tokenizer,
+                           seed=self.cfg.rng.seed)
+
+    def after_step(self, step: int, tokens: int, seconds: float) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.step_times.append((seconds, tokens))
+
+    def on_train_end(self, final_checkpoint: Path | None) -> None:
+        bench = self.cfg.benchmark
+        timed = self.step_times[bench.warmup_steps:] or self.step_times
+        seconds = [s for s, _ in timed]
+        tokens = sum(t for _, t in timed)
+        tps = tokens / sum(seconds) if sum(seconds) else 0.0
+        peak = bench.peak_tflops * 1e12 if bench.peak_tflops else device_peak_flops(self.device)
+        params = sum(p.numel() for p in unwrap(self.model).parameters())
+        result = {
+            "steps_timed": len(timed), "warmup_steps": bench.warmup_steps, "tokens_per_second": tps,
+            "step_time_p50": statistics.median(seconds),
+            "step_time_p90": statistics.quantiles(seconds, n=10)[-1] if len(seconds) > 1 else seconds[0],
+            "peak_memory_gib": peak_memory_gib(self.device), "parameters": params,
+            "mfu": 6 * params * tps / peak if peak else None, "device": str(self.device),
+        }
+        Path(bench.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(bench.output).write_text(json.dumps(result, indent=2))
+        for key, value in result.items():
+            self.log(f"{key}: {value}")
+        self.log(f"benchmark written to {bench.output}")

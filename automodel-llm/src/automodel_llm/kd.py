@@ -1,0 +1,81 @@
+"""Knowledge distillation: loss = (1 - kd_ratio) * CE + kd_ratio * KD, both over the label tokens."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from automodel.config import Free, Target
+from automodel.errors import ConfigIssue
+from automodel_llm.recipe import MODEL_INPUTS, FinetuneRecipeForNextTokenPrediction
+
+IGNORE_INDEX = -100
+
+
+class KDLoss(torch.nn.Module):
+    """Forward KL(teacher || student) at ``temperature``, scaled by T², summed over label tokens."""
+
+    def __init__(self, temperature: float = 1.0, ignore_index: int = IGNORE_INDEX):
+        super().__init__()
+        if temperature <= 0:
+            raise ValueError(f"kd_loss_fn.temperature must be > 0, found {temperature}")
+        self.temperature, self.ignore_index = temperature, ignore_index
+
+    def forward(self, student_logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor
+                ) -> torch.Tensor:
+        keep = labels.reshape(-1) != self.ignore_index
+        t = self.temperature
+        student = F.log_softmax(student_logits.reshape(-1, student_logits.shape[-1])[keep].float() / t, dim=-1)
+        teacher = F.log_softmax(teacher_logits.reshape(-1, teacher_logits.shape[-1])[keep].float() / t, dim=-1)
+        return F.kl_div(student, teacher, log_target=True, reduction="sum") * (t * t)
+
+
+class KnowledgeDistillationRecipe(FinetuneRecipeForNextTokenPrediction):
+    """Trains the student (``model``) towards a frozen ``teacher_model`` and the labels."""
+
+    sections = {
+        "teacher_model": Target("the frozen teacher: {_target_: ..., ...}", required=True),
+        "kd_ratio": Free("weight of the KD term in [0, 1] (0: plain fine-tuning)"),
+        "temperature": Free("softmax temperature of the KD term (default 1.0)"),
+        "kd_loss_fn": Target("the distillation loss (default automodel_llm.kd.KDLoss)"),
+    }
+
+    @classmethod
+    def check_config(cls, cfg: Any) -> list[ConfigIssue]:
+        issues = super().check_config(cfg)
+        ratio = cfg.resolved.get("kd_ratio", 0.5)
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1:
+            issues.append(ConfigIssue("kd_ratio", f"expected a number in [0, 1], found {ratio!r}"))
+        temperature = cfg.resolved.get("temperature", 1.0)
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature <= 0:
+            issues.append(ConfigIssue("temperature", f"expected a number > 0, found {temperature!r}"))
+        return issues
+
+    def setup(self) -> None:
+        self.kd_ratio = float(self.cfg.resolved.get("kd_ratio", 0.5))
+        super().setup()
+        teacher = self.cfg.teacher_model.instantiate()
+        teacher.to(self.device).eval()
+        teacher.requires_grad_(False)
+        self.teacher = teacher
+        self.untrack("teacher")
+        node = self.cfg.kd_loss_fn
+        temperature = float(self.cfg.resolved.get("temperature", 1.0))
+        self.kd_loss_fn = node.instantiate() if node is not None else KDLoss(temperature)
+        self.untrack("kd_loss_fn")
+        self.log(f"distilling from {self.cfg.teacher_model.target} (frozen) with kd_ratio={self.kd_ratio}")
+
+    def compute_loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        labels = batch["labels"]
+        inputs = {k: v for k, v in batch.items() if k in MODEL_INPUTS}
+        logits = model(**inputs, use_cache=False).logits[:, :-1]
+        shifted = labels[:, 1:]
+        ce = self.loss_fn(logits.reshape(-1, logits.shape[-1]), shifted.reshape(-1))
+        if self.kd_ratio == 0:
+            return ce
+        with torch.no_grad():
+            teacher_logits = self.teacher(**inputs, use_cache=False).logits[:, :-1]
+        kd = self.kd_loss_fn(logits, teacher_logits, shifted)
+        return (1 - self.kd_ratio) * ce + self.kd_ratio * kd
