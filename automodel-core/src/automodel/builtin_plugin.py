@@ -28,6 +28,9 @@ def automodel_register_stages(stages) -> None:
     stages.add("checkpoint", "restore", f"{_TRAINING}.stages.restore_checkpoint")
     stages.add("freeze", "patterns", f"{_TRAINING}.stages.freeze_parameters")
     stages.add("device", "single", f"{_TRAINING}.stages.place_on_device")
+    stages.add("sharding", "ddp", f"{_TRAINING}.distributed.wrap_ddp")
+    stages.add("sharding", "fsdp2", f"{_TRAINING}.distributed.wrap_fsdp2")
+    stages.add("sharding", "megatron_fsdp", f"{_TRAINING}.distributed.wrap_megatron_fsdp")
 
 
 @hookimpl

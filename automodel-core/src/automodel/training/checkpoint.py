@@ -139,15 +139,16 @@ class Checkpointer:
         for stale in self.root.glob(f"{_STAGING}*"):
             shutil.rmtree(stale, ignore_errors=True)
 
-    def save(self, stateful: dict[str, Any], save_model: Callable[[Path], None], trainer_state: dict[str, Any],
+    def save(self, states: dict[str, Any], save_model: Callable[[Path], None], trainer_state: dict[str, Any],
              epoch: int, step: int) -> Path:
+        """Write one checkpoint: weights through ``save_model``, every other state dict in ``states``."""
         name = checkpoint_name(epoch, step)
         final = self.root / name
         staging = self.root / f"{_STAGING}{name}-{os.getpid()}"
         try:
             staging.mkdir(parents=True)
             save_model(staging / "model")
-            self._save_state(staging, stateful)
+            self._save_states(staging, states)
             (staging / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2), encoding="utf-8")
             (staging / "config.yaml").write_text(self.config_yaml, encoding="utf-8")
             _fsync_dir(staging)
@@ -161,17 +162,11 @@ class Checkpointer:
         self._apply_retention(final)
         return final
 
-    def _save_state(self, directory: Path, stateful: dict[str, Any]) -> None:
-        groups: dict[str, dict[str, Any]] = {}
-        for name, obj in stateful.items():
-            if name == "model" or name == "step_scheduler":
-                continue
-            sub = _ROLE_DIRS.get(name, "extra")
-            groups.setdefault(sub, {})[name] = obj.state_dict()
-        for sub, states in groups.items():
-            (directory / sub).mkdir(exist_ok=True)
-            for name, state in states.items():
-                torch.save(state, directory / sub / f"{name}.pt")
+    def _save_states(self, directory: Path, states: dict[str, Any]) -> None:
+        for name, state in states.items():
+            sub = directory / _ROLE_DIRS.get(name, "extra")
+            sub.mkdir(exist_ok=True)
+            torch.save(state, sub / f"{name}.pt")
 
     def _publish(self, staging: Path, final: Path) -> None:
         trash = None
@@ -211,16 +206,16 @@ class Checkpointer:
                               f"'{self.root / spec}' containing trainer_state.json)")
 
     @staticmethod
-    def load_state(path: Path, stateful: dict[str, Any]) -> dict[str, Any]:
-        """Restore every tracked non-model attribute; returns trainer_state.json."""
-        for name, obj in stateful.items():
-            if name in ("model", "step_scheduler"):
-                continue
+    def read_states(path: Path, names: list[str]) -> dict[str, Any]:
+        """The saved state dicts of ``names``, loaded with ``weights_only=True`` (no pickle code runs)."""
+        states = {}
+        for name in names:
             file = path / _ROLE_DIRS.get(name, "extra") / f"{name}.pt"
             if not file.is_file():
                 raise CheckpointError(f"restore_from.path: '{path}' has no saved state for '{name}' ({file})")
-            obj.load_state_dict(torch.load(file, weights_only=True, map_location="cpu"))
-        trainer_state = json.loads((path / "trainer_state.json").read_text(encoding="utf-8"))
-        if "step_scheduler" in stateful:
-            stateful["step_scheduler"].load_state_dict(trainer_state["step_scheduler"])
-        return trainer_state
+            states[name] = torch.load(file, weights_only=True, map_location="cpu")
+        return states
+
+    @staticmethod
+    def read_trainer_state(path: Path) -> dict[str, Any]:
+        return json.loads((path / "trainer_state.json").read_text(encoding="utf-8"))

@@ -30,6 +30,16 @@ from automodel.training.checkpoint import (
     read_latest,
     save_state_dict_safetensors,
 )
+from automodel.training.distributed import (
+    all_reduce_sum,
+    any_rank,
+    distributed_sampler,
+    init_process_group,
+    is_distributed,
+    is_fsdp2,
+    strategy_issues,
+    world_size,
+)
 from automodel.training.metrics import JsonlWriter, MetricsSample, device_peak_flops, peak_memory_gib
 from automodel.training.pipeline import apply_pipeline, missing_stages
 from automodel.training.rng import StatefulRNG
@@ -40,10 +50,6 @@ warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
 
 _DATALOADER = Target("data loading (a StatefulDataLoader's keyword arguments)", runtime_args=("dataset",),
                      plain=True, default_target="torchdata.stateful_dataloader.StatefulDataLoader")
-
-
-def world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -157,6 +163,8 @@ class TrainRecipe(BaseRecipe):
                 if getattr(dist, name) > 1:
                     issues.append(ConfigIssue(f"distributed.{name}", f"{getattr(dist, name)} is not supported yet; "
                                                                      "only data parallelism (dp_size) is"))
+        if dist is not None:
+            issues += strategy_issues(dist.strategy)
         issues += missing_stages(cls.pipeline_selection(cfg), get_plugin_manager().stages)
         return issues
 
@@ -207,7 +215,8 @@ class TrainRecipe(BaseRecipe):
         return {}
 
     def data_sampler(self, dataset: Any, shuffle: bool, generator: torch.Generator) -> Any:
-        return None
+        """A sampler for ``dataset`` (None: the loader's own); under torchrun each rank reads its own shard."""
+        return distributed_sampler(dataset, shuffle, self.cfg.rng.seed)
 
     def setup_domain(self) -> None:
         """Build what the domain needs before the model (a tokenizer, say)."""
@@ -246,8 +255,10 @@ class TrainRecipe(BaseRecipe):
 
     def setup(self) -> None:
         cfg = self.cfg
+        self.is_main_process = int(os.environ.get("RANK", "0")) == 0
+        init_process_group(cfg.dist_env.backend, cfg.dist_env.timeout_minutes, self.log)
         self.rank = int(os.environ.get("RANK", "0"))
-        self.is_main_process = self.rank == 0
+        self.world_size = world_size()
         self.device = self.select_device()
         self.micro_batch_size, self.dp_size, self.grad_accumulation_steps, _ = self.batch_layout(cfg)
         self.rng = StatefulRNG(cfg.rng.seed, cfg.rng.ranked, self.rank)
@@ -281,9 +292,7 @@ class TrainRecipe(BaseRecipe):
         self.step_losses: list[float] = []
         self.skipped_steps = 0
         if self.restore_path is not None:
-            state = Checkpointer.load_state(self.restore_path, self.stateful_attributes())
-            self.step_losses = list(state.get("losses", []))
-            self.log(f"resumed from {self.restore_path} at step {self.step_scheduler.step}")
+            self.restore_training_state(self.restore_path)
         root = Path(cfg.checkpoint.checkpoint_dir)
         self.train_log = JsonlWriter(root / "training.jsonl")
         self.val_log = JsonlWriter(root / "validation.jsonl")
@@ -292,13 +301,13 @@ class TrainRecipe(BaseRecipe):
 
     # ---- weights ---------------------------------------------------------------------------------------------
 
-    def save_model(self, directory: Path) -> None:
+    def save_model(self, directory: Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
         """HF layout: ``save_pretrained`` when the model has it (safetensors), plus tokenizer/processor files."""
         model = unwrap(self.model)
         if hasattr(model, "save_pretrained"):
-            model.save_pretrained(str(directory))
+            model.save_pretrained(str(directory), state_dict=state_dict)
         else:
-            save_state_dict_safetensors(model.state_dict(), directory)
+            save_state_dict_safetensors(state_dict or model.state_dict(), directory)
         for name in self.hf_artifacts:
             artifact = getattr(self, name, None)
             if artifact is not None and hasattr(artifact, "save_pretrained"):
@@ -306,6 +315,53 @@ class TrainRecipe(BaseRecipe):
 
     def load_model_weights(self, model: torch.nn.Module, directory: Path) -> None:
         load_weights_into(unwrap(model), load_safetensors_dir(directory), directory)
+
+    def _full_model_state(self) -> dict[str, torch.Tensor] | None:
+        """The whole model's weights (gathered from every rank under FSDP2; a collective there)."""
+        if is_fsdp2(self.model):
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return None
+
+    def checkpoint_states(self) -> dict[str, Any]:
+        """State dicts of every tracked attribute but the weights and step counter (collective under FSDP2).
+
+        The optimizer's is keyed by parameter name (torch.distributed.checkpoint's full form), so a checkpoint
+        written by N ranks resumes on M.
+        """
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        states = {}
+        for name, obj in self.stateful_attributes().items():
+            if name in ("model", "step_scheduler"):
+                continue
+            if name == "optimizer":
+                states[name] = get_optimizer_state_dict(
+                    self.model, obj, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            else:
+                states[name] = obj.state_dict()
+        return states
+
+    def restore_training_state(self, path: Path) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        trainer_state = Checkpointer.read_trainer_state(path)
+        stateful = {k: v for k, v in self.stateful_attributes().items() if k not in ("model", "step_scheduler")}
+        saved_world = trainer_state.get("world_size", 1)
+        if saved_world != self.world_size and "dataloader" in stateful:
+            self.log(f"restore: written by {saved_world} ranks, resuming on {self.world_size}: the data order "
+                     "restarts at the current epoch's beginning")
+            stateful.pop("dataloader")
+        for name, state in Checkpointer.read_states(path, list(stateful)).items():
+            if name == "optimizer":
+                set_optimizer_state_dict(self.model, self.optimizer, state,
+                                         options=StateDictOptions(full_state_dict=True))
+            else:
+                stateful[name].load_state_dict(state)
+        self.step_scheduler.load_state_dict(trainer_state["step_scheduler"])
+        self.step_losses = list(trainer_state.get("losses", []))
+        self.log(f"resumed from {path} at step {self.step_scheduler.step}")
 
     # ---- the loop --------------------------------------------------------------------------------------------
 
@@ -322,12 +378,21 @@ class TrainRecipe(BaseRecipe):
         """One optimizer update over the step's micro-batches; the loss is token-weighted over the whole step."""
         label_tokens = sum(self.count_label_tokens(b) for b in batches)
         input_tokens = sum(self.count_input_tokens(b) for b in batches)
+        if self.world_size > 1:
+            # Every rank divides by the tokens of the whole step; DDP/FSDP average gradients over ranks,
+            # which the world-size factor undoes, so N ranks equal one process accumulating N times as much.
+            (global_tokens,) = all_reduce_sum(label_tokens, device=self.device)
+            label_tokens = int(global_tokens.item())
         denominator = max(label_tokens, 1)
+        scale = self.world_size / denominator
         total = torch.zeros((), device=self.device)
         for batch in batches:
             loss_sum = self.compute_loss(self.model, self.move_to_device(batch))
-            (loss_sum / denominator).backward()
+            (loss_sum * scale).backward()
             total += loss_sum.detach().float()
+        if self.world_size > 1:
+            (total,) = all_reduce_sum(total, device=self.device)
+            total = total.float()
         max_norm = self.cfg.clip_grad_norm.max_norm or math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable_params, max_norm,
                                                    norm_type=self.cfg.clip_grad_norm.norm_type)
@@ -381,14 +446,21 @@ class TrainRecipe(BaseRecipe):
             self.model.train()
 
     def save_checkpoint(self) -> Path | None:
-        if not self.cfg.checkpoint.enabled or not self.is_main_process:
+        """Every rank gathers (FSDP2 needs all of them); rank 0 writes."""
+        if not self.cfg.checkpoint.enabled:
             return None
-        steps = self.step_scheduler
-        trainer_state = {"step": steps.step, "epoch": steps.epoch, "losses": self.step_losses,
-                         "step_scheduler": steps.state_dict()}
-        path = self.checkpointer.save(self.stateful_attributes(), self.save_model, trainer_state,
-                                      steps.epoch, steps.step)
-        self.log(f"checkpoint: {path}")
+        weights = self._full_model_state()
+        states = self.checkpoint_states()
+        path = None
+        if self.is_main_process:
+            steps = self.step_scheduler
+            trainer_state = {"step": steps.step, "epoch": steps.epoch, "losses": self.step_losses,
+                             "world_size": self.world_size, "step_scheduler": steps.state_dict()}
+            path = self.checkpointer.save(states, lambda d: self.save_model(d, weights), trainer_state,
+                                          steps.epoch, steps.step)
+            self.log(f"checkpoint: {path}")
+        if is_distributed():
+            torch.distributed.barrier()
         return path
 
     def _sample(self, loss: float, grad_norm: torch.Tensor, tokens: int, elapsed: float) -> MetricsSample:
@@ -430,7 +502,7 @@ class TrainRecipe(BaseRecipe):
                     if steps.is_checkpoint_step(last=step >= steps.max_steps):
                         saved_at = step
                         self.final_checkpoint = self.save_checkpoint()
-                    if stop.requested:
+                    if any_rank(stop.requested, self.device) if self.world_size > 1 else stop.requested:
                         self._stop(stop, saved=saved_at == step)
                     step_start = time.perf_counter()
                 if saved_at != steps.step and steps.step > 0:

@@ -39,6 +39,9 @@ class StepScheduler:
         while self.step < self.max_steps and self.epoch < self.num_epochs:
             buffer: list[Any] = []
             yielded = False
+            set_epoch = getattr(getattr(dataloader, "sampler", None), "set_epoch", None)
+            if set_epoch is not None:
+                set_epoch(self.epoch)  # a distributed sampler shuffles per epoch
             for batch in dataloader:
                 buffer.append(batch)
                 if len(buffer) == self.grad_accumulation_steps:
