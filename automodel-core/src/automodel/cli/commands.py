@@ -79,7 +79,10 @@ def validate(ctx: click.Context, route: tuple[str, ...], config: str) -> None:
 
     manager = get_plugin_manager()
     path = resolve_config_path(config, manager)
-    extra = list(ctx.args)
+    # click hands unknown options to the ROUTE words too: words up to the first --option name the route.
+    words = list(route)
+    first_option = next((i for i, w in enumerate(words) if w.startswith("--")), len(words))
+    route, extra = tuple(words[:first_option]), words[first_option:] + list(ctx.args)
     if route:
         if len(route) != 2 or manager.routes.get(route[0], manager.aliases.domains.get(route[1], route[1])) is None:
             raise UsageError(f"unknown route '{' '.join(route)}'; `automodel recipes` lists them")

@@ -117,5 +117,48 @@ def strategy_issues(strategy: str) -> list[ConfigIssue]:
     return []
 
 
+def _has(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def pipeline_issues(cfg: Any) -> list[ConfigIssue]:
+    """Stages configured on a machine that cannot run them: refused before anything is built."""
+    issues = []
+    cuda = torch.cuda.is_available()
+    if cfg.fp8 is not None and cfg.fp8.enabled:
+        capable = cuda and torch.cuda.get_device_capability() >= (8, 9)
+        if not capable or not _has("torchao"):
+            need = [w for w, ok in (("a CUDA GPU with compute capability >= 8.9 (H100, L40S, RTX 4090)", capable),
+                                    ("torchao (pip install torchao)", _has("torchao"))) if not ok]
+            issues.append(ConfigIssue("fp8.enabled", f"FP8 training needs {' and '.join(need)}; this machine has "
+                                                     f"{'no GPU' if not cuda else torch.cuda.get_device_name()}"))
+    if cfg.qat is not None and cfg.qat.enabled:
+        from automodel.training.stages import QAT_QUANTIZERS
+
+        if not _has("torchao"):
+            issues.append(ConfigIssue("qat.enabled", "QAT needs torchao: pip install torchao"))
+        if cfg.qat.quantizer not in QAT_QUANTIZERS:
+            issues.append(ConfigIssue("qat.quantizer", f"'{cfg.qat.quantizer}' is not one of "
+                                                       f"{', '.join(QAT_QUANTIZERS)}"))
+        if cfg.peft is not None:
+            issues.append(ConfigIssue("qat.enabled", "QAT together with peft (LoRA) is not supported: the fake-"
+                                                     "quantised layers would sit under the adapters; use one"))
+    dist = cfg.distributed
+    if dist is not None and dist.cp_size > 1:
+        issues.append(ConfigIssue("distributed.cp_size", f"{dist.cp_size}: context parallelism is not supported "
+                                                         "by this build; use cp_size: 1"))
+    if cfg.compile is not None and cfg.compile.enabled and (cfg.compile.backend or "inductor") == "inductor" \
+            and not cuda and not _has_compiler():
+        issues.append(ConfigIssue("compile.backend", "inductor on CPU needs a C++ compiler (gcc/clang) on PATH; "
+                                                     "install one or use backend: aot_eager"))
+    return issues
+
+
+def _has_compiler() -> bool:
+    import shutil
+
+    return any(shutil.which(c) for c in ("g++", "c++", "clang++"))
+
+
 def is_fsdp2(model: torch.nn.Module) -> bool:
     return any(type(m).__name__.startswith("FSDP") for m in model.modules())

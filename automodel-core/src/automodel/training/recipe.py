@@ -37,6 +37,7 @@ from automodel.training.distributed import (
     init_process_group,
     is_distributed,
     is_fsdp2,
+    pipeline_issues,
     strategy_issues,
     world_size,
 )
@@ -149,8 +150,6 @@ class TrainRecipe(BaseRecipe):
         chosen["device"] = ("single", "dist_env")
         if cfg.compile is not None and cfg.compile.enabled:
             chosen["compile"] = ("torch", "compile.enabled")
-        if dist is not None and dist.cp_size > 1:
-            chosen["context_parallel"] = ("torch", "distributed.cp_size")
         return chosen
 
     @classmethod
@@ -165,6 +164,7 @@ class TrainRecipe(BaseRecipe):
                                                                      "only data parallelism (dp_size) is"))
         if dist is not None:
             issues += strategy_issues(dist.strategy)
+        issues += pipeline_issues(cfg)
         issues += missing_stages(cls.pipeline_selection(cfg), get_plugin_manager().stages)
         return issues
 
