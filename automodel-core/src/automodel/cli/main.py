@@ -50,6 +50,7 @@ class RouteCommand(click.Command):
                 click.Option(["--node-rank"], type=int, default=None, help="this node's rank (torchrun)"),
                 click.Option(["--master-addr"], default=None, help="rendezvous address (torchrun)"),
                 click.Option(["--master-port"], type=int, default=None, help="rendezvous port (torchrun)"),
+                click.Option(["--slurm"], is_flag=True, help="write an sbatch script (slurm: section) and exit"),
             ],
             help=f"Run a '{name}' recipe. Domains: {', '.join(domains)}. Extra --section.key value pairs "
                  "override the config.",
@@ -57,7 +58,8 @@ class RouteCommand(click.Command):
             context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
         )
 
-    def _run(self, domain: str | None, config: str | None, dry_run: bool, print_config: bool, **launch):
+    def _run(self, domain: str | None, config: str | None, dry_run: bool, print_config: bool, slurm: bool,
+             **launch):
         from automodel.cli.execute import import_recipe, resolve_config_path, run_recipe
 
         ctx = click.get_current_context()
@@ -80,6 +82,14 @@ class RouteCommand(click.Command):
                              + (f" (try -c {route.examples[0]})" if route.examples else ""))
         path = resolve_config_path(config, manager)
         recipe_cls = import_recipe(route.recipe)
+        if slurm:
+            from automodel.cli.execute import load_and_validate
+            from automodel.cli.slurm import write_sbatch
+
+            cfg = load_and_validate(recipe_cls, path, list(ctx.args), manager)
+            script = write_sbatch(cfg.get("slurm"))
+            click.echo(f"wrote {script}: submit it with `sbatch {script}`")
+            ctx.exit(0)
         ctx.exit(run_recipe(recipe_cls, path, list(ctx.args), manager, dry_run, print_config, launch))
 
 

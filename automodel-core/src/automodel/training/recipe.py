@@ -7,6 +7,7 @@ loop itself.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import sys
@@ -18,6 +19,7 @@ from typing import Any, ClassVar
 import torch
 from tqdm import tqdm
 
+from automodel.cli.slurm import SlurmConfig
 from automodel.config import Config, ConfigNode, Free, Target
 from automodel.errors import AutomodelError, ConfigIssue
 from automodel.plugins.manager import get_plugin_manager
@@ -46,8 +48,10 @@ from automodel.training.pipeline import apply_pipeline, missing_stages
 from automodel.training.rng import StatefulRNG
 from automodel.training.signals import StopRequest, TrainingStopped
 
-# torchdata calls a deprecated torch API on every iterator; the warning is noise for users.
+# Third-party deprecation chatter on every run (torchdata's set_vital; torchao's enum registration, which
+# transformers triggers on import when torchao is installed) is noise for users.
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
 
 _DATALOADER = Target("data loading (a StatefulDataLoader's keyword arguments)", runtime_args=("dataset",),
                      plain=True, default_target="torchdata.stateful_dataloader.StatefulDataLoader")
@@ -87,6 +91,7 @@ class TrainRecipe(BaseRecipe):
                                runtime_args=("optimizer",), plain=True,
                                default_target="automodel.optim.build_scheduler"),
         "fault_tolerance": s.FaultToleranceConfig,
+        "slurm": SlurmConfig,
         "ci": Free("upstream CI metadata; accepted and ignored (a note says so)"),
         "checkpoint": s.CheckpointConfig,
         "restore_from": s.RestoreConfig,
