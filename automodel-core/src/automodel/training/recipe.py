@@ -402,6 +402,7 @@ class TrainRecipe(BaseRecipe):
         grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable_params, max_norm,
                                                    norm_type=self.cfg.clip_grad_norm.norm_type)
         loss = total / denominator
+        self.step_lr = self.optimizer.param_groups[0]["lr"]  # the rate this update uses (logged)
         if not (torch.isfinite(grad_norm) and torch.isfinite(loss)):
             self._nonfinite(loss, grad_norm)
         else:
@@ -472,7 +473,7 @@ class TrainRecipe(BaseRecipe):
         tps = tokens / elapsed if elapsed > 0 else 0.0
         mfu = 6 * self.num_params * tps / self.peak_flops if self.peak_flops else None
         return MetricsSample(step=self.step_scheduler.step, epoch=self.step_scheduler.epoch, loss=loss,
-                             grad_norm=float(grad_norm), lr=self.optimizer.param_groups[0]["lr"],
+                             grad_norm=float(grad_norm), lr=self.step_lr,
                              mem=peak_memory_gib(self.device), tps=tps, mfu=mfu)
 
     def _stop(self, stop: StopRequest, saved: bool) -> None:
