@@ -1,0 +1,139 @@
+"""Shared fixtures for the core's tests: a clean environment, importable target modules, tiny plugin dists."""
+
+from __future__ import annotations
+
+import os
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+_AUTOMODEL_ENV = ("AUTOMODEL_ALLOW_TARGETS", "AUTOMODEL_DISABLE_PLUGINS", "AUTOMODEL_DEBUG")
+
+# A module of harmless callables that the tests allow as targets (prefix ``amt_targets``).
+TARGETS_MODULE = '''
+import os
+from pathlib import Path
+from subprocess import run as run_command   # re-exported from a denied module: must never resolve
+
+system = os.system                           # re-exported from a denied module: must never resolve
+CALLS = []
+
+
+def make_thing(size: int, color: str = "red", marker: str | None = None):
+    """A thing; ``marker`` (a path) is written when it is built, to prove that building happened."""
+    if marker:
+        Path(marker).write_text("built")
+    CALLS.append(("make_thing", size, color))
+    return {"size": size, "color": color}
+
+
+def combine(left, right=None, items=()):
+    CALLS.append(("combine",))
+    return {"left": left, "right": right, "items": list(items)}
+
+
+def anything(**kwargs):
+    return kwargs
+
+
+def touch(path: str):
+    Path(path).write_text("touched")
+    return path
+
+
+class Widget:
+    def __init__(self, size: int = 1, *, name: str = "w"):
+        self.size, self.name = size, name
+
+    @classmethod
+    def create(cls, size: int = 2):
+        CALLS.append(("Widget.create", size))
+        return cls(size, name="created")
+
+
+NOT_CALLABLE = 42
+
+from automodel import BaseRecipe
+
+
+class TinyRecipe(BaseRecipe):
+    """A recipe class: it takes the config (``cfg``), never keyword arguments from the YAML."""
+'''
+
+
+def _write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    """Every test starts without the user's automodel environment variables."""
+    for name in _AUTOMODEL_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def targets_dir(tmp_path_factory):
+    """A directory on sys.path holding ``amt_targets`` (harmless callables)."""
+    root = tmp_path_factory.mktemp("amt_targets_root")
+    _write(root / "amt_targets.py", TARGETS_MODULE)
+    sys.path.insert(0, str(root))
+    yield root
+    sys.path.remove(str(root))
+    sys.modules.pop("amt_targets", None)
+
+
+@pytest.fixture
+def targets(targets_dir):
+    """The imported ``amt_targets`` module, its call log emptied."""
+    import amt_targets
+
+    amt_targets.CALLS.clear()
+    return amt_targets
+
+
+@pytest.fixture
+def resolver(targets):
+    from automodel.config import CORE_PREFIXES, TargetResolver
+
+    return TargetResolver([*CORE_PREFIXES, "amt_targets"], aliases={"Thing": "amt_targets.make_thing",
+                                                                     "Chain": "Thing"})
+
+
+def write_dist(root: Path, dist: str, version: str, entry_points: dict[str, str], files: dict[str, str]) -> Path:
+    """An installed-looking distribution under ``root``: package files plus a real ``.dist-info``."""
+    for rel, text in files.items():
+        _write(root / rel, text)
+    info = root / f"{dist.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+    (info / "entry_points.txt").write_text(
+        "[automodel]\n" + "".join(f"{name} = {value}\n" for name, value in entry_points.items()))
+    return root
+
+
+@pytest.fixture
+def make_dist(monkeypatch):
+    """Create a dist under a fresh directory and put that directory on sys.path (entry points become visible)."""
+    created: list[str] = []
+
+    def make(root: Path, dist: str, version: str, entry_points: dict[str, str], files: dict[str, str]) -> Path:
+        write_dist(root, dist, version, entry_points, files)
+        monkeypatch.syspath_prepend(str(root))
+        created.extend(Path(rel).parts[0].removesuffix(".py") for rel in files)
+        return root
+
+    yield make
+    for name in list(sys.modules):
+        if name.split(".")[0] in created:
+            del sys.modules[name]
