@@ -36,7 +36,7 @@ class BenchmarkRecipe(FinetuneRecipeForNextTokenPrediction):
     }
 
     def setup(self) -> None:
-        if "checkpoint" not in self.cfg:
+        if "enabled" not in (self.cfg.resolved.get("checkpoint") or {}):
             self.cfg.checkpoint.enabled = False  # a benchmark measures training, not checkpoint writes
         self.step_times: list[tuple[float, int]] = []
         super().setup()

@@ -20,6 +20,7 @@ def export(checkpoint: str, output: str, force: bool) -> None:
     from automodel.config import build_config, load_yaml_file
     from automodel.plugins.manager import get_plugin_manager
     from automodel.training.checkpoint import read_latest
+    from automodel.training.rng import StatefulRNG
     from automodel_llm.peft import apply_lora, is_adapter_dir, load_adapter_weights
 
     source = Path(checkpoint)
@@ -39,6 +40,7 @@ def export(checkpoint: str, output: str, force: bool) -> None:
         cfg = build_config(load_yaml_file(source / "config.yaml"), recipe_cls, manager.resolver(),
                            source=str(source / "config.yaml"))
         recipe = recipe_cls(cfg)
+        StatefulRNG(cfg.rng.seed, cfg.rng.ranked)  # seeded as training was, so a from_config base is identical
         recipe.setup_domain()
         model, _ = apply_lora(recipe, recipe.build("model"))
         load_adapter_weights(model, model_dir)

@@ -18,14 +18,19 @@ IGNORE_INDEX = -100
 
 
 class PackedDataset(Dataset):
-    """Greedy, order-preserving packing of a tokenized dataset into rows of at most ``pack_size`` tokens."""
+    """First-fit packing of a tokenized dataset into rows of at most ``pack_size`` tokens.
 
-    def __init__(self, dataset: Any, pack_size: int, split_across_pack: bool = False, max_packs: int | None = None):
+    Each sample goes into the first of the most recent ``open_rows`` rows that has room, so short samples fill
+    the gaps long ones leave; samples are never reordered within a row.
+    """
+
+    def __init__(self, dataset: Any, pack_size: int, split_across_pack: bool = False, max_packs: int | None = None,
+                 open_rows: int = 64):
         if pack_size < 2:
             raise AutomodelError(f"packed_sequence.packed_sequence_size must be >= 2, found {pack_size}")
         self.pack_size = pack_size
         self.rows: list[dict[str, list[int]]] = []
-        row = {"input_ids": [], "labels": [], "position_ids": []}
+        first_open = 0
         for index in range(len(dataset)):
             sample = dataset[index]
             ids, labels = list(sample["input_ids"]), [IGNORE_INDEX] + list(sample["labels"])[1:]
@@ -36,21 +41,19 @@ class PackedDataset(Dataset):
                 piece_ids, piece_labels = ids[start:start + pack_size], labels[start:start + pack_size]
                 if start:
                     piece_labels = [IGNORE_INDEX] + piece_labels[1:]
-                if len(row["input_ids"]) + len(piece_ids) > pack_size:
-                    self._flush(row)
+                first_open = max(first_open, len(self.rows) - open_rows)
+                row = next((r for r in self.rows[first_open:] if len(r["input_ids"]) + len(piece_ids) <= pack_size),
+                           None)
+                if row is None:
                     row = {"input_ids": [], "labels": [], "position_ids": []}
+                    self.rows.append(row)
                 row["input_ids"] += piece_ids
                 row["labels"] += piece_labels
                 row["position_ids"] += list(range(len(piece_ids)))
-            if max_packs is not None and len(self.rows) >= max_packs:
+            if max_packs is not None and len(self.rows) > max_packs:
                 break
-        self._flush(row)
         if max_packs is not None:
             self.rows = self.rows[:max_packs]
-
-    def _flush(self, row: dict[str, list[int]]) -> None:
-        if row["input_ids"]:
-            self.rows.append(row)
 
     def __len__(self) -> int:
         return len(self.rows)

@@ -1,0 +1,65 @@
+"""Configs written in the upstream (NeMo AutoModel) schema run with only model and dataset paths overridden."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from llm_testing import SQUAD_DIR, TOKENIZER_DIR, checkpoint_dirs, run_cli
+
+CONFIGS = Path(__file__).parent / "upstream_configs"
+
+
+@pytest.fixture(scope="module")
+def local_model(tmp_path_factory, tiny_llama_config):
+    """A tiny Llama saved like a hub checkpoint (weights + tokenizer)."""
+    from transformers import AutoTokenizer
+
+    from automodel_llm import AutoModelForCausalLM
+
+    path = tmp_path_factory.mktemp("model") / "tiny"
+    AutoModelForCausalLM.from_config(str(tiny_llama_config), seed=0).save_pretrained(path)
+    AutoTokenizer.from_pretrained(TOKENIZER_DIR).save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def prompt_completion(tmp_path):
+    rows = [json.loads(line) for line in (SQUAD_DIR / "train.jsonl").read_text().splitlines()[:40]]
+    paths = {}
+    for split, part in (("train", rows[:32]), ("validation", rows[32:])):
+        paths[split] = tmp_path / f"{split}.jsonl"
+        paths[split].write_text("".join(json.dumps({"prompt": f"{r['context']} {r['question']}",
+                                                    "completion": r["answers"]["text"][0]}) + "\n" for r in part))
+    return paths
+
+
+@pytest.mark.parametrize("command", [["finetune", "llm"], ["run"]])
+def test_upstream_full_sft_config(command, local_model, tmp_path):
+    result = run_cli(*command, "-c", CONFIGS / "squad_sft.yaml",
+                     "--model.pretrained_model_name_or_path", local_model,
+                     "--dataset.dataset_name", SQUAD_DIR, "--validation_dataset.dataset_name", SQUAD_DIR,
+                     cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert checkpoint_dirs(tmp_path / "checkpoints") == ["epoch_0_step_2", "epoch_0_step_4"]
+    assert "validation [validation] step 4" in result.stderr
+
+
+@pytest.mark.parametrize("command", [["finetune", "llm"], ["run"]])
+def test_upstream_lora_config(command, local_model, prompt_completion, tmp_path):
+    result = run_cli(*command, "-c", CONFIGS / "squad_lora.yaml",
+                     "--model.pretrained_model_name_or_path", local_model,
+                     "--dataset.path_or_dataset_id", prompt_completion["train"],
+                     "--validation_dataset.path_or_dataset_id", prompt_completion["validation"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "section 'ci'" in result.stderr  # reported by name, not silently ignored
+    final = (tmp_path / "checkpoints" / (tmp_path / "checkpoints" / "LATEST").read_text().strip())
+    assert (final / "model" / "adapter_model.safetensors").is_file()
+    assert (final / "model" / "adapter_config.json").is_file()
+
+
+def test_unsupported_upstream_key_is_reported_by_name(local_model, tmp_path):
+    result = run_cli("validate", "-c", CONFIGS / "squad_lora.yaml", "--lr_scheduler.wd_incr_style", "linear",
+                     "--model.pretrained_model_name_or_path", local_model, cwd=tmp_path)
+    assert result.returncode == 2 and "lr_scheduler.wd_incr_style" in result.stderr
