@@ -63,6 +63,10 @@ def test_step_loss_is_token_weighted_not_mean_of_means(make_config, tmp_path, ra
     captured = {}
 
     def snapshot(recipe):
+        # Sharpen the freshly initialised output layer so token losses differ (at a near-uniform init every
+        # token costs ~log V and the two averages coincide).
+        with torch.no_grad():
+            recipe.model.get_output_embeddings().weight.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(0))
         captured["state"] = {k: v.detach().clone() for k, v in recipe.model.state_dict().items()}
         captured["batches"] = list(recipe.dataloader)[:4]
 
