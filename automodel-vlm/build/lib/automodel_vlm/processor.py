@@ -1,0 +1,126 @@
+"""The ``processor:`` section: a transformers processor (image processor + tokenizer + chat template).
+
+Either ``AutoProcessor.from_pretrained`` of a directory / hub name (``load_processor``, the default), or one built
+from its parts (``build_processor``): an image processor config, a tokenizer and the processor class's own
+settings, for a model whose processor was never saved as one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from automodel.errors import AutomodelError
+
+PROCESSOR_KEY = "processor"
+
+
+def _finish(processor: Any, key: str) -> Any:
+    tokenizer = getattr(processor, "tokenizer", None)
+    if tokenizer is None:
+        raise AutomodelError(f"{key}: built {type(processor).__name__}, which has no tokenizer; a vision-language "
+                             "model needs a processor with one (AutoProcessor of the model's directory)")
+    if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if not getattr(processor, "chat_template", None):
+        template = getattr(tokenizer, "chat_template", None)
+        if not template:
+            raise AutomodelError(f"{key}: the processor has no chat_template (nor has its tokenizer); add "
+                                 f"{key}.chat_template or use a processor that ships one")
+        processor.chat_template = template
+    return processor
+
+
+def load_processor(pretrained_model_name_or_path: str | None = None, *, name_or_path: str | None = None,
+                   **kwargs: Any) -> Any:
+    """``transformers.AutoProcessor.from_pretrained`` with errors that name the config key."""
+    from transformers import AutoProcessor
+
+    path = pretrained_model_name_or_path or name_or_path
+    key = f"{PROCESSOR_KEY}.pretrained_model_name_or_path"
+    if not path:
+        raise AutomodelError(f"{key}: missing (a processor directory or hub name)")
+    if Path(str(path)).is_absolute() and not Path(str(path)).exists():
+        raise AutomodelError(f"{key}: '{path}' does not exist")
+    try:
+        processor = AutoProcessor.from_pretrained(str(path), **kwargs)
+    except Exception as err:  # noqa: BLE001 - transformers raises OSError/ValueError/KeyError for a bad directory
+        raise AutomodelError(f"{key}: cannot load a processor from '{path}': {type(err).__name__}: {err}") from None
+    return _finish(processor, PROCESSOR_KEY)
+
+
+def _image_processor(value: Any) -> Any:
+    from transformers import AutoImageProcessor
+
+    key = f"{PROCESSOR_KEY}.image_processor"
+    if isinstance(value, dict):
+        settings = dict(value)
+        kind = settings.pop("image_processor_type", None)
+        if not kind:
+            raise AutomodelError(f"{key}: a mapping needs 'image_processor_type' (CLIPImageProcessor, ...)")
+        import transformers
+
+        cls = _pil_fallback(getattr(transformers, kind, None), kind, key)
+        return cls(**settings)
+    path = Path(str(value))
+    if path.is_file():  # a preprocessor_config.json itself
+        path = path.parent
+    try:
+        return AutoImageProcessor.from_pretrained(str(path))
+    except Exception as err:  # noqa: BLE001
+        raise AutomodelError(f"{key}: cannot load an image processor from '{value}': {type(err).__name__}: "
+                             f"{err}") from None
+
+
+def _pil_fallback(cls: Any, kind: str, key: str) -> Any:
+    """The class named ``kind``, or its Pillow-backed twin when the torchvision one cannot run here."""
+    import importlib.util
+
+    import transformers
+
+    if cls is None or not isinstance(cls, type):
+        raise AutomodelError(f"{key}.image_processor_type: '{kind}' is not a transformers image processor class")
+    if importlib.util.find_spec("torchvision") is None:
+        twin = getattr(transformers, kind + "Pil", None)
+        if isinstance(twin, type):
+            return twin
+    return cls
+
+
+def _tokenizer(value: Any) -> Any:
+    from transformers import AutoTokenizer
+
+    key = f"{PROCESSOR_KEY}.tokenizer"
+    settings = dict(value) if isinstance(value, dict) else {"pretrained_model_name_or_path": value}
+    path = settings.pop("pretrained_model_name_or_path", None) or settings.pop("name_or_path", None)
+    if not path:
+        raise AutomodelError(f"{key}: a tokenizer directory or hub name is needed")
+    try:
+        return AutoTokenizer.from_pretrained(str(path), **settings)
+    except Exception as err:  # noqa: BLE001
+        raise AutomodelError(f"{key}: cannot load a tokenizer from '{path}': {type(err).__name__}: {err}") from None
+
+
+def build_processor(image_processor: Any, tokenizer: Any, processor_class: str = "LlavaProcessor",
+                    chat_template: str | None = None, **kwargs: Any) -> Any:
+    """A processor from its parts: ``processor_class(image_processor, tokenizer, chat_template, **kwargs)``.
+
+    ``image_processor`` is a directory / preprocessor_config.json or a mapping with ``image_processor_type``;
+    ``tokenizer`` a directory / hub name (or ``{pretrained_model_name_or_path, ...}``); ``chat_template``
+    defaults to the tokenizer's. Other keys are the processor class's own (Llava: ``patch_size``,
+    ``vision_feature_select_strategy``, ``num_additional_image_tokens``, ``image_token``).
+    """
+    import transformers
+
+    cls = getattr(transformers, str(processor_class), None)
+    if not isinstance(cls, type) or not str(processor_class).endswith("Processor"):
+        raise AutomodelError(f"{PROCESSOR_KEY}.processor_class: '{processor_class}' is not a transformers processor "
+                             "class (LlavaProcessor, Qwen2VLProcessor, ...)")
+    tok = _tokenizer(tokenizer)
+    template = chat_template or getattr(tok, "chat_template", None)
+    try:
+        processor = cls(image_processor=_image_processor(image_processor), tokenizer=tok, chat_template=template,
+                        **kwargs)
+    except (TypeError, ValueError, IndexError) as err:
+        raise AutomodelError(f"{PROCESSOR_KEY}: cannot build {processor_class}: {err}") from None
+    return _finish(processor, PROCESSOR_KEY)

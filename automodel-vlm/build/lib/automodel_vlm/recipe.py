@@ -1,0 +1,190 @@
+"""Vision-language fine-tuning on the core's shared loop: image + conversation in, loss on assistant tokens."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from automodel.config import Target
+from automodel.errors import AutomodelError
+from automodel.training.checkpoint import load_safetensors_dir, load_weights_into
+from automodel.training.recipe import TrainRecipe, unwrap
+from automodel_llm.peft import is_adapter_dir, load_adapter_weights
+from automodel_llm.recipe import EvalGenerationConfig
+from automodel_vlm.datasets.collate import IGNORE_INDEX, VLMCollator, render
+from automodel_vlm.freeze import VLMFreezeConfig
+from automodel_vlm.models import checkpoint_key_mapping
+from automodel_vlm.parts import base_model
+
+DATASET_ARGS = ("config_key",)
+
+
+class FinetuneRecipeForVLM(TrainRecipe):
+    """Fine-tunes an image-text-to-text model (Llava-style and others) on image conversations."""
+
+    domain = "vlm"
+    hf_artifacts = ("processor",)
+    sections = {
+        "processor": Target("the processor (image processor + tokenizer + chat template; default: the model's): "
+                            "{pretrained_model_name_or_path: ...} or {_target_: automodel_vlm.processor."
+                            "build_processor, image_processor: ..., tokenizer: ..., ...}", plain=True,
+                            default_target="automodel_vlm.processor.load_processor"),
+        "dataset": Target("the training data set", required=True, runtime_args=DATASET_ARGS),
+        "validation_dataset": Target("a validation data set", runtime_args=DATASET_ARGS),
+        "validation_dataset_*": Target("more validation data sets, reported by name", runtime_args=DATASET_ARGS),
+        "peft": Target("LoRA adapters on the language model: {dim, alpha, dropout, target_modules | "
+                       "match_all_linear} (or _target_: peft.LoraConfig, used as given)", plain=True,
+                       default_target="automodel_llm.peft.PeftConfig"),
+        "freeze": VLMFreezeConfig,
+        "eval_generation": EvalGenerationConfig,
+    }
+
+    @classmethod
+    def pipeline_selection(cls, cfg: Any) -> dict[str, tuple[str, str]]:
+        chosen = super().pipeline_selection(cfg)
+        if "peft" in chosen:
+            chosen["peft"] = ("vlm_lora", "peft")
+        chosen["freeze"] = ("vlm", "freeze")  # freeze.vision_tower defaults to true
+        return chosen
+
+    # ---- building -------------------------------------------------------------------------------------------
+
+    def _processor_source(self) -> str | None:
+        model = self.cfg.model
+        for key in ("pretrained_model_name_or_path", "name_or_path"):
+            value = model.get(key)
+            if isinstance(value, str):
+                return value
+        return None
+
+    def setup_domain(self) -> None:
+        import datasets
+        import transformers
+
+        datasets.disable_progress_bars()
+        transformers.utils.logging.disable_progress_bar()
+        node = self.cfg.processor
+        if node is not None:
+            self.processor = node.instantiate(default_target="automodel_vlm.processor.load_processor")
+        else:
+            from automodel_vlm.processor import load_processor
+
+            source = self._processor_source()
+            if source is None:
+                raise AutomodelError("processor: none found; add `processor: {pretrained_model_name_or_path: ...}` "
+                                     "or build one from its parts (automodel_vlm.processor.build_processor)")
+            self.processor = load_processor(source)
+        self.untrack("processor")
+
+    def build_dataset(self, node: Any) -> Any:
+        self._dataset_key = node.key
+        return super().build_dataset(node)
+
+    def dataset_runtime_args(self) -> dict[str, Any]:
+        return {"config_key": getattr(self, "_dataset_key", "dataset")}
+
+    def default_collate_fn(self, train: bool = True) -> Any:
+        return VLMCollator(self.processor)
+
+    def setup(self) -> None:
+        super().setup()
+        config = getattr(base_model(self.model), "config", None)
+        text = getattr(config, "text_config", None) or config
+        vocab = getattr(text, "vocab_size", None)
+        tokenizer = self.processor.tokenizer
+        if vocab is not None and len(tokenizer) > vocab:
+            raise AutomodelError(f"processor: its tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
+                                 f"{vocab}; use the model's own processor or resize its embeddings")
+        image_id = getattr(config, "image_token_id", None)
+        if image_id is None:
+            image_id = getattr(config, "image_token_index", None)
+        processor_id = getattr(self.processor, "image_token_id", None)
+        if image_id is not None and processor_id is not None and image_id != processor_id:
+            raise AutomodelError(f"processor: its image token id is {processor_id} but the model's image_token_index "
+                                 f"is {image_id}; the processor and model do not belong together")
+
+    def load_model_weights(self, model: torch.nn.Module, directory: Path) -> None:
+        if is_adapter_dir(directory):
+            load_adapter_weights(model, directory)
+            return
+        inner = unwrap(model)
+        mapping = checkpoint_key_mapping(inner)
+        state = {mapping.get(k, k): v for k, v in load_safetensors_dir(directory).items()}
+        load_weights_into(inner, state, directory)
+
+    # ---- the loss ---------------------------------------------------------------------------------------------
+
+    def compute_loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        labels = batch["labels"]
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        logits = model(**inputs, use_cache=False).logits
+        return self.loss_fn(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+
+    def count_label_tokens(self, batch: dict[str, torch.Tensor]) -> int:
+        return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+
+    def count_input_tokens(self, batch: dict[str, torch.Tensor]) -> int:
+        mask = batch.get("attention_mask")
+        return int(mask.sum()) if mask is not None else batch["input_ids"].numel()
+
+    # ---- after training ------------------------------------------------------------------------------------
+
+    def _validation_set(self) -> Any:
+        for loader in self.val_dataloaders.values():
+            if hasattr(loader.dataset, "qa_pairs"):
+                return loader.dataset
+        return None
+
+    @torch.no_grad()
+    def answer(self, messages: list[dict], images: list[Any], max_new_tokens: int) -> str:
+        """Greedy answer of the model to a conversation that ends before an assistant turn."""
+        model = unwrap(self.model)
+        prompt = render(self.processor, messages, generation_prompt=True)
+        needed = sum(1 for m in messages for p in m["content"] if p.get("type") == "image")
+        kwargs = {"images": images[:needed]} if needed else {}
+        inputs = self.processor(text=[prompt], return_tensors="pt", add_special_tokens=False, **kwargs)
+        inputs = self.move_to_device(dict(inputs))
+        tokenizer = self.processor.tokenizer
+        output = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
+                                pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        new = output[0, inputs["input_ids"].shape[1]:]
+        return tokenizer.decode(new, skip_special_tokens=True).strip()
+
+    def exact_match(self, dataset: Any, limit: int | None, max_new_tokens: int) -> tuple[float, list[tuple]]:
+        pairs = dataset.qa_pairs[:limit] if limit else dataset.qa_pairs
+        model = unwrap(self.model)
+        was_training = model.training
+        model.eval()
+        try:
+            results = [(prefix, expected, self.answer(prefix, dataset[index]["images"], max_new_tokens))
+                       for index, prefix, expected in pairs]
+        finally:
+            model.train(was_training)
+        score = sum(got == expected for _, expected, got in results) / max(len(results), 1)
+        return score, results
+
+    def on_train_end(self, final_checkpoint: Path | None) -> None:
+        settings = self.cfg.eval_generation
+        dataset = self._validation_set()
+        if settings is not None and settings.enabled and dataset is not None and self.is_main_process and \
+                "eval_generation" in self.cfg:
+            score, results = self.exact_match(dataset, settings.num_examples, settings.max_new_tokens)
+            for prefix, expected, got in results[: settings.num_shown]:
+                question = " ".join(p.get("text", "") for p in prefix[-1]["content"] if p.get("type") == "text")
+                self.log(f"  Q: [image] {question}\n     expected: {expected!r}  model: {got!r}")
+            self.log(f"exact match on {len(results)} validation questions: {score:.3f}")
+            if final_checkpoint is not None:
+                record = {"step": self.step_scheduler.step, "exact_match": score, "num_questions": len(results)}
+                with open(Path(self.cfg.checkpoint.checkpoint_dir) / "eval_generation.json", "w") as f:
+                    json.dump(record, f)
+        if final_checkpoint is not None:
+            model_dir = final_checkpoint / "model"
+            if (model_dir / "adapter_config.json").is_file():
+                self.log(f"Trained LoRA adapter in {model_dir}: load it with peft.PeftModel.from_pretrained("
+                         f"base_model, '{model_dir}') and AutoProcessor.from_pretrained('{model_dir}')")
+            else:
+                self.log(f"Trained model in {model_dir}: load it with transformers.AutoModelForImageTextToText."
+                         f"from_pretrained('{model_dir}') and AutoProcessor.from_pretrained('{model_dir}')")

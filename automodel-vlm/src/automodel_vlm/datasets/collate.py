@@ -1,0 +1,111 @@
+"""Collation: the processor renders, tokenises and batches conversations with their images; labels keep only the
+assistant turns.
+
+Which tokens are the assistant's is found on the conversation as the chat template renders it, before the
+processor expands image placeholders (one ``<image>`` becomes one token per image patch): each assistant turn
+spans from the render up to it with the generation prompt to the render through it, as in the LLM domain. Those
+token positions are then carried over to the processor's ``input_ids``, which differ only by the expanded
+placeholders (runs of image tokens; a general sequence alignment handles processors that insert other tokens).
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+def render(processor: Any, messages: list[dict], generation_prompt: bool = False) -> str:
+    if not messages:
+        return ""
+    return processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+
+def assistant_mask(processor: Any, messages: list[dict]) -> tuple[str, list[int], list[bool]]:
+    """(rendered text, its token ids before image expansion, which of them belong to assistant turns)."""
+    tokenizer = processor.tokenizer
+
+    def count(text: str) -> int:
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    text = render(processor, messages)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    mask = [False] * len(ids)
+    for i, message in enumerate(messages):
+        if message.get("role") != "assistant":
+            continue
+        start = count(render(processor, messages[:i], generation_prompt=True))
+        end = count(render(processor, messages[: i + 1]))
+        mask[start:end] = [True] * (end - start)
+    return text, ids, mask
+
+
+def placeholder_ids(processor: Any) -> set[int]:
+    ids = set()
+    for name in ("image_token_id", "video_token_id"):
+        value = getattr(processor, name, None)
+        if isinstance(value, int):
+            ids.add(value)
+    return ids
+
+
+def carry_labels(ids: list[int], mask: list[bool], expanded: list[int], placeholders: set[int]) -> list[int]:
+    """Labels over ``expanded`` (the processor's ids): the token where ``mask`` marks the matching token of ``ids``,
+    -100 elsewhere. Placeholder runs (never labels) may differ in length between the two."""
+    labels = [IGNORE_INDEX] * len(expanded)
+    i = j = 0
+    while i < len(ids) and j < len(expanded):
+        if ids[i] in placeholders and expanded[j] in placeholders:
+            while i < len(ids) and ids[i] in placeholders:
+                i += 1
+            while j < len(expanded) and expanded[j] in placeholders:
+                j += 1
+        elif ids[i] == expanded[j]:
+            if mask[i]:
+                labels[j] = expanded[j]
+            i += 1
+            j += 1
+        else:
+            break
+    if i == len(ids) and j == len(expanded):
+        return labels
+    # The processor changed more than placeholder runs: align the two sequences in general.
+    labels = [IGNORE_INDEX] * len(expanded)
+    matcher = difflib.SequenceMatcher(None, ids, expanded, autojunk=False)
+    for a, b, size in matcher.get_matching_blocks():
+        for k in range(size):
+            if mask[a + k] and expanded[b + k] not in placeholders:
+                labels[b + k] = expanded[b + k]
+    return labels
+
+
+class VLMCollator:
+    """``collate(samples) -> {input_ids, attention_mask, pixel_values, ..., labels}`` for ``{messages, images}``
+    samples; what else the processor returns (``image_sizes``, ``image_grid_thw``) passes through to the model."""
+
+    def __init__(self, processor: Any):
+        self.processor = processor
+        self.placeholders = placeholder_ids(processor)
+
+    def __call__(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        rendered = [assistant_mask(self.processor, s["messages"]) for s in samples]
+        images = [list(s.get("images") or []) for s in samples]
+        kwargs: dict[str, Any] = {}
+        if any(images):
+            kwargs["images"] = images if all(images) else [im for group in images for im in group]
+        batch = self.processor(text=[text for text, _, _ in rendered], return_tensors="pt", padding=True,
+                               add_special_tokens=False, **kwargs)
+        batch = dict(batch)
+        input_ids = batch["input_ids"]
+        attention = batch.get("attention_mask", torch.ones_like(input_ids))
+        labels = torch.full_like(input_ids, IGNORE_INDEX)
+        for row, (_, ids, mask) in enumerate(rendered):
+            positions = attention[row].nonzero().flatten()  # left or right padding alike
+            expanded = input_ids[row, positions].tolist()
+            labels[row, positions] = torch.tensor(carry_labels(ids, mask, expanded, self.placeholders),
+                                                  dtype=labels.dtype)
+        batch["labels"] = labels
+        return batch

@@ -1,0 +1,161 @@
+"""Model entry points for configs: ``AutoModelForImageTextToText.from_pretrained`` / ``.from_config``.
+
+They wrap transformers' ``AutoModelForImageTextToText`` (Llava, Qwen2-VL, Gemma 3, ...). transformers is imported
+inside the methods, so that listing routes and validating configs stays light.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+from automodel.errors import AutomodelError
+
+_WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt")
+_SUB_CONFIGS = ("vision_config", "text_config")
+
+
+def _dtype(value: Any) -> Any:
+    if value is None or value == "auto" or not isinstance(value, str):
+        return value
+    import torch
+
+    dtype = getattr(torch, value.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise AutomodelError(f"model.dtype: '{value}' is not a torch dtype (float32, bfloat16, float16)")
+    return dtype
+
+
+def _read_json(path: Path, key: str) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as err:
+        raise AutomodelError(f"{key}: cannot read '{path}': {err}") from None
+
+
+def _config_dict(value: Any, key: str) -> dict | None:
+    """A config as a plain dict: from a mapping, a config.json file or a directory holding one (None: neither)."""
+    if isinstance(value, dict):
+        return copy.deepcopy(value)
+    if hasattr(value, "to_dict"):
+        return value.to_dict()
+    path = Path(str(value))
+    if path.is_file():
+        return _read_json(path, key)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise AutomodelError(f"{key}: '{path}' holds no config.json")
+        return _read_json(path / "config.json", key)
+    return None
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load_config(config: Any, vision_config: Any = None, text_config: Any = None, **overrides: Any) -> Any:
+    """A transformers config from a path / mapping / hub name; ``vision_config``/``text_config`` (a mapping merged
+    into the one in ``config``, or a path to a config.json that replaces it) and top-level overrides win."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    if isinstance(config, PretrainedConfig) and vision_config is None and text_config is None and not overrides:
+        return config
+    data = _config_dict(config, "model.config")
+    if data is None:  # a hub name
+        try:
+            data = AutoConfig.from_pretrained(str(config)).to_dict()
+        except OSError as err:
+            raise AutomodelError(f"model.config: cannot load '{config}': {err}") from None
+    for name, value in (("vision_config", vision_config), ("text_config", text_config)):
+        if value is None:
+            continue
+        if isinstance(value, dict):
+            data[name] = _merge(data.get(name) or {}, value)
+        else:
+            sub = _config_dict(value, f"model.{name}")
+            if sub is None:
+                raise AutomodelError(f"model.{name}: '{value}' is neither a mapping nor an existing config file")
+            data[name] = sub
+    data = _merge(data, overrides)
+    model_type = data.pop("model_type", None)
+    if model_type is None:
+        raise AutomodelError("model.config: a config needs a 'model_type' (llava, qwen2_vl, ...)")
+    for name in _SUB_CONFIGS:
+        if isinstance(data.get(name), dict) and "model_type" not in data[name]:
+            raise AutomodelError(f"model.{name}: needs a 'model_type' (clip_vision_model, llama, ...)")
+    try:
+        return AutoConfig.for_model(model_type, **data)
+    except (ValueError, KeyError) as err:
+        raise AutomodelError(f"model.config: model_type '{model_type}': {err}") from None
+
+
+def _has_weights(path: Path) -> bool:
+    return path.is_dir() and any(any(path.glob(p)) for p in _WEIGHT_PATTERNS)
+
+
+class AutoModelForImageTextToText:
+    """Builds a ``transformers`` image-text-to-text model from a checkpoint or from a config."""
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: str | None = None, *, name_or_path: str | None = None,
+                        dtype: Any = None, torch_dtype: Any = None, **kwargs: Any) -> Any:
+        import transformers
+
+        path = pretrained_model_name_or_path or name_or_path
+        if not path:
+            raise AutomodelError("model.pretrained_model_name_or_path: missing (a hub name or a local directory)")
+        local = Path(str(path))
+        if local.is_dir() and (local / "config.json").is_file() and not _has_weights(local):
+            # A directory with only config.json: a fresh, randomly initialised model of that architecture.
+            return cls.from_config(str(local), dtype=dtype or torch_dtype, **kwargs)
+        try:
+            return transformers.AutoModelForImageTextToText.from_pretrained(
+                str(path), dtype=_dtype(dtype or torch_dtype), **kwargs)
+        except (OSError, ValueError) as err:
+            raise AutomodelError(f"model: cannot load '{path}' as an image-text-to-text model: {err}") from None
+
+    @classmethod
+    def from_config(cls, config: Any, *, vision_config: Any = None, text_config: Any = None, dtype: Any = None,
+                    torch_dtype: Any = None, seed: int | None = None, **kwargs: Any) -> Any:
+        """A randomly initialised model (``seed`` makes the initialisation reproducible)."""
+        import torch
+        import transformers
+
+        model_kwargs = {k: kwargs.pop(k) for k in ("attn_implementation", "trust_remote_code") if k in kwargs}
+        hf_config = load_config(config, vision_config, text_config, **kwargs)
+        if seed is not None:
+            torch.manual_seed(seed)
+        try:
+            model = transformers.AutoModelForImageTextToText.from_config(hf_config, **model_kwargs)
+        except ValueError as err:
+            raise AutomodelError(f"model.config: {err}") from None
+        chosen = _dtype(dtype or torch_dtype)
+        return model.to(chosen) if isinstance(chosen, torch.dtype) else model
+
+
+def checkpoint_key_mapping(model: Any) -> dict[str, str]:
+    """Saved-checkpoint key -> the model's own key.
+
+    transformers' ``save_pretrained`` writes some architectures (Llava among them) under their original hub names
+    (``language_model.model.layers...`` for ``model.language_model.layers...``); a restore into the live model
+    needs the way back. It is learnt by running transformers' own save-time renaming on placeholder tensors, so
+    it is the exact inverse of what the save did. Empty when there is no renaming (or it cannot be derived).
+    """
+    import torch
+
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:
+        return {}
+    probes = {key: torch.empty(0) for key in model.state_dict()}
+    by_id = {id(t): key for key, t in probes.items()}
+    try:
+        reverted = revert_weight_conversion(model, dict(probes))
+    except Exception:  # noqa: BLE001 - a converting (not renaming) mapping: keys stay as they are
+        return {}
+    return {saved: by_id[id(t)] for saved, t in reverted.items() if id(t) in by_id and saved != by_id[id(t)]}

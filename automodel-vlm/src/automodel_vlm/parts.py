@@ -1,0 +1,54 @@
+"""Where a vision-language model keeps its vision tower, projector and language model.
+
+Found by module name (transformers' conventions across architectures), through peft and DDP wrappers, so the
+freeze and LoRA stages work on any image-text-to-text model that follows them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+PART_NAMES = {
+    "vision_tower": ("vision_tower", "visual", "vision_model", "vision_encoder", "image_encoder"),
+    "multi_modal_projector": ("multi_modal_projector", "mm_projector", "connector", "vision_projection"),
+    "language_model": ("language_model", "text_model", "llm"),
+}
+
+
+def base_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model inside torch.compile / DDP / peft wrappers."""
+    from automodel.training.recipe import unwrap
+
+    model = unwrap(model)
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) and hasattr(model, "peft_config") else model
+
+
+def find_part(model: torch.nn.Module, part: str) -> tuple[str, torch.nn.Module] | None:
+    """(name, module) of the outermost module called like ``part`` (names relative to ``base_model(model)``)."""
+    names = PART_NAMES[part]
+    found = [(name, module) for name, module in base_model(model).named_modules()
+             if name and name.rsplit(".", 1)[-1] in names]
+    if not found:
+        return None
+    return min(found, key=lambda item: item[0].count("."))
+
+
+def part_parameters(model: torch.nn.Module, part: str) -> list[torch.nn.Parameter] | None:
+    """The parameters of one part (the language model's include its output head); None: no such part."""
+    located = find_part(model, part)
+    if located is None:
+        return None
+    params = list(located[1].parameters())
+    if part == "language_model":
+        head = getattr(base_model(model), "get_output_embeddings", lambda: None)()
+        if isinstance(head, torch.nn.Module):
+            params += [p for p in head.parameters() if all(p is not q for q in params)]
+    return params
+
+
+def describe(model: Any) -> str:
+    parts = {part: find_part(model, part) for part in PART_NAMES}
+    return ", ".join(f"{part}={found[0] if found else '-'}" for part, found in parts.items())

@@ -1,0 +1,125 @@
+"""Helpers for the VLM domain's tests: the shipped example with test-sized overrides, in-process runs.
+
+A run here is the example's tiny Llava (CLIP 2x32 + Llama 2x64) on 64 of the shipped shapes images at batch size 8,
+a couple of dozen steps: a few seconds on a CPU.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+PKG_DIR = Path(importlib.util.find_spec("automodel_vlm").submodule_search_locations[0])
+EXAMPLE = PKG_DIR / "examples" / "tiny_llava.yaml"
+ASSETS = PKG_DIR / "examples" / "assets"
+SHAPES = ASSETS / "tiny_shapes"
+TOKENIZER_DIR = ASSETS / "tiny_tokenizer"
+IMAGE_PROCESSOR_DIR = ASSETS / "tiny_image_processor"
+LLAVA_CONFIG = ASSETS / "tiny_llava" / "config.json"
+
+# Test-sized: 64 training rows at batch 8 (an epoch is 8 steps), 16 validation rows.
+TEST_OVERRIDES: dict[str, Any] = {
+    "step_scheduler": {"max_steps": 24, "val_check_interval": 8, "checkpoint_interval": 8, "log_interval": 1},
+    "dataset": {"limit_dataset_samples": 64},
+    "validation_dataset": {"limit_dataset_samples": 16},
+    "dataloader": {"batch_size": 8},
+    "lr_scheduler": {"warmup_steps": 3},
+    "checkpoint": {"keep_last": None},
+    "eval_generation": {"num_examples": 8, "max_new_tokens": 2},
+}
+
+
+def deep_update(base: dict, extra: dict) -> dict:
+    """``extra`` merged into a copy of ``base``; a value of None removes the key."""
+    out = copy.deepcopy(base)
+    for key, value in extra.items():
+        if value is None:
+            out.pop(key, None)
+        elif isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_update(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def example_config() -> dict[str, Any]:
+    return yaml.safe_load(EXAMPLE.read_text())
+
+
+def write_config(path: Path, checkpoint_dir: Path, **sections: Any) -> Path:
+    """The example (test-sized; ``sections`` deep-merged on top, None removes) written to ``path``."""
+    data = deep_update(deep_update(example_config(), TEST_OVERRIDES), sections)
+    data["checkpoint"]["checkpoint_dir"] = str(checkpoint_dir)
+    Path(path).write_text(yaml.safe_dump(data, sort_keys=False))
+    return Path(path)
+
+
+def train_inprocess(config: Path, *overrides: str, before_run=None, setup_only: bool = False):
+    """Validate and run ``finetune vlm`` in this process, as the CLI does; returns the recipe."""
+    from automodel.cli.execute import import_recipe, load_and_validate
+    from automodel.plugins.manager import get_plugin_manager
+
+    manager = get_plugin_manager()
+    recipe_cls = import_recipe(manager.routes.get("finetune", "vlm").recipe)
+    cfg = load_and_validate(recipe_cls, Path(config), [str(o) for o in overrides], manager)
+    recipe = recipe_cls(cfg)
+    recipe.setup()
+    if setup_only:
+        return recipe
+    if before_run is not None:
+        before_run(recipe)
+    recipe.run_train_validation_loop()
+    return recipe
+
+
+def tiny_processor():
+    from automodel_vlm.processor import build_processor
+
+    return build_processor(str(IMAGE_PROCESSOR_DIR), str(TOKENIZER_DIR), processor_class="LlavaProcessor",
+                           patch_size=8, vision_feature_select_strategy="default", num_additional_image_tokens=1)
+
+
+def conversation(question: str, answer: str | None = None, image: Any = None) -> list[dict]:
+    part = {"type": "image"} if image is None else {"type": "image", "image": image}
+    messages = [{"role": "user", "content": [part, {"type": "text", "text": question}]}]
+    if answer is not None:
+        messages.append({"role": "assistant", "content": [{"type": "text", "text": answer}]})
+    return messages
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    Path(path).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return Path(path)
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def checkpoint_dirs(root: Path) -> list[str]:
+    return sorted((p.name for p in Path(root).iterdir() if p.is_dir() and p.name.startswith("epoch_")),
+                  key=lambda n: int(n.rsplit("_", 1)[1]))
+
+
+def load_safetensors_state(model_dir: Path) -> dict:
+    from safetensors.torch import load_file
+
+    state: dict = {}
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
+        state.update(load_file(str(file)))
+    return state
+
+
+def clone_state(model) -> dict:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
