@@ -69,7 +69,8 @@ def test_unknown_command_did_you_mean(cli):
 
 def test_unknown_finetune_vlm_says_what_to_install(cli, write):
     write("x.yaml", "a: 1\n")
-    result = cli("finetune", "vlm", "-c", "x.yaml")
+    # automodel-vlm may be installed in this venv: disabling it is what "not installed" looks like to the CLI
+    result = cli("finetune", "vlm", "-c", "x.yaml", AUTOMODEL_DISABLE_PLUGINS="vlm")
     assert result.returncode == 2
     assert "pip install automodel-vlm" in result.stderr
     assert "Traceback" not in result.stderr
@@ -77,7 +78,7 @@ def test_unknown_finetune_vlm_says_what_to_install(cli, write):
 
 def test_route_finetune_exists_but_not_vlm(cli, dists, write):
     write("x.yaml", "a: 1\n")
-    result = cli("finetune", "vlm", "-c", "x.yaml", dists=[dists.probe])
+    result = cli("finetune", "vlm", "-c", "x.yaml", dists=[dists.probe], AUTOMODEL_DISABLE_PLUGINS="vlm")
     assert result.returncode == 2
     assert "no recipe for 'finetune vlm'" in result.stderr
     assert re.search(r"available for 'finetune': [^;]*\bworld\b", result.stderr), result.stderr

@@ -1,0 +1,136 @@
+"""Image-caption data through ``datasets`` (images decoded by Pillow): a JSONL file, an image folder, a hub set.
+
+Sources ``ImageCaptionDataset(path=...)`` reads:
+
+* a JSONL file of ``{"image": "relative/or/absolute.png", "caption": "..."}`` (paths relative to the file);
+* a directory holding ``<split>.jsonl`` (the same format), or ``metadata.jsonl`` in the Hugging Face imagefolder
+  convention (``{"file_name": ..., "caption": ...}``), or images with same-named ``.txt`` caption files;
+* anything else is a ``datasets.load_dataset`` name (with ``image_column`` / ``caption_column``).
+
+Each sample is ``{"pixel_values": float tensor (3, resolution, resolution) in [-1, 1], "caption": str}``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from automodel.errors import AutomodelError
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif")
+
+
+def _read_jsonl(path: Path, image_key: str, caption_key: str) -> tuple[list[str], list[str]]:
+    images, captions = [], []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise AutomodelError(f"dataset.path: {path}:{number} is not JSON: {err}") from None
+        keys = (image_key, "image", "file_name") if image_key else ("image", "file_name")
+        image = next((row[k] for k in keys if k in row), None)
+        if image is None or caption_key not in row:
+            raise AutomodelError(f"dataset.path: {path}:{number} needs '{image_key}' (or 'file_name') and "
+                                 f"'{caption_key}' keys, found {sorted(row)}")
+        file = Path(image)
+        images.append(str(file if file.is_absolute() else path.parent / file))
+        captions.append(str(row[caption_key]))
+    return images, captions
+
+
+def _read_folder(folder: Path, split: str, image_key: str, caption_key: str) -> tuple[list[str], list[str]]:
+    for name in (f"{split}.jsonl", "metadata.jsonl"):
+        if (folder / name).is_file():
+            return _read_jsonl(folder / name, image_key, caption_key)
+    images = sorted(p for p in folder.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
+    missing = [p.name for p in images if not p.with_suffix(".txt").is_file()]
+    if missing:
+        raise AutomodelError(f"dataset.path: '{folder}' has no {split}.jsonl or metadata.jsonl, and {len(missing)} "
+                             f"images have no caption file (.txt beside the image), e.g. {missing[0]}")
+    captions = [p.with_suffix(".txt").read_text(encoding="utf-8").strip() for p in images]
+    return [str(p) for p in images], captions
+
+
+def load_image_captions(path: str, split: str = "train", image_column: str = "image",
+                        caption_column: str = "caption") -> Any:
+    """A ``datasets.Dataset`` with an ``image`` column (decoded by Pillow) and a ``caption`` column."""
+    import datasets
+
+    source = Path(path)
+    if source.is_file() or source.is_dir():
+        images, captions = (_read_jsonl(source, image_column, caption_column) if source.is_file()
+                            else _read_folder(source, split, image_column, caption_column))
+        absent = [p for p in images if not Path(p).is_file()]
+        if absent:
+            raise AutomodelError(f"dataset.path: {len(absent)} images listed in '{path}' do not exist, e.g. "
+                                 f"'{absent[0]}'")
+        table = datasets.Dataset.from_dict({"image": images, "caption": captions})
+        return table.cast_column("image", datasets.Image())
+    try:
+        table = datasets.load_dataset(path, split=split)
+    except Exception as err:  # noqa: BLE001 - datasets raises many types; the user needs the message
+        raise AutomodelError(f"dataset.path: '{path}' is not a file, a directory or a loadable data set: "
+                             f"{type(err).__name__}: {err}") from None
+    for column in (image_column, caption_column):
+        if column not in table.column_names:
+            raise AutomodelError(f"dataset: '{path}' has no column '{column}' (it has: "
+                                 f"{', '.join(table.column_names)}); set image_column / caption_column")
+    table = table.select_columns([image_column, caption_column])
+    table = table.rename_columns({image_column: "image", caption_column: "caption"})
+    return table.cast_column("image", datasets.Image())
+
+
+def image_to_tensor(image: Any, resolution: int, center_crop: bool = True) -> torch.Tensor:
+    """A Pillow image -> (3, resolution, resolution) float tensor in [-1, 1] (shorter side resized, then cropped)."""
+    from PIL import Image
+
+    image = image.convert("RGB")
+    width, height = image.size
+    scale = resolution / min(width, height)
+    size = (max(resolution, round(width * scale)), max(resolution, round(height * scale)))
+    if size != image.size:
+        image = image.resize(size, Image.Resampling.BICUBIC)
+    left = (size[0] - resolution) // 2 if center_crop else 0
+    top = (size[1] - resolution) // 2 if center_crop else 0
+    image = image.crop((left, top, left + resolution, top + resolution))
+    array = np.asarray(image, dtype=np.float32) / 127.5 - 1.0
+    return torch.from_numpy(array).permute(2, 0, 1).contiguous()
+
+
+class ImageCaptionDataset(torch.utils.data.Dataset):
+    """Images and captions for text-to-image training (see the module docstring for the sources)."""
+
+    def __init__(self, path: str, resolution: int = 512, split: str = "train", image_column: str = "image",
+                 caption_column: str = "caption", center_crop: bool = True, random_flip: bool = False,
+                 limit_samples: int | None = None):
+        if resolution < 8:
+            raise AutomodelError(f"dataset.resolution: {resolution} is too small (at least 8 pixels)")
+        self.data = load_image_captions(path, split, image_column, caption_column)
+        if limit_samples is not None:
+            self.data = self.data.select(range(min(limit_samples, len(self.data))))
+        self.resolution, self.center_crop, self.random_flip = resolution, center_crop, random_flip
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        row = self.data[int(index)]
+        pixels = image_to_tensor(row["image"], self.resolution, self.center_crop)
+        if self.random_flip and torch.rand(()) < 0.5:  # torch's RNG: saved with the run's RNG state
+            pixels = pixels.flip(-1)
+        return {"pixel_values": pixels, "caption": row["caption"]}
+
+    @property
+    def captions(self) -> list[str]:
+        return list(self.data["caption"])
+
+
+def collate_image_captions(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"pixel_values": torch.stack([s["pixel_values"] for s in samples]),
+            "captions": [s["caption"] for s in samples]}

@@ -1,0 +1,191 @@
+"""``parallel_scheme``: each pipeline component's data-parallel strategy (DDP or FSDP2) and its options.
+
+```yaml
+parallel_scheme:
+  transformer: {strategy: fsdp2, reshard_after_forward: true}   # the trained denoiser
+  vae: {strategy: ddp}                                           # frozen: replicated on every rank
+  text_encoder: fsdp2                                            # frozen, sharded (a large T5, say)
+```
+Validation (``scheme_issues``) runs before anything is built; the sharding stage (``shard_components``) applies
+the scheme under torchrun. Import-light: torch is imported inside the stage only.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from automodel.errors import ConfigIssue
+from automodel.suggest import did_you_mean
+
+if TYPE_CHECKING:
+    import torch
+
+    from automodel_diffusion.recipe import DiffusionRecipe
+
+STRATEGIES = ("ddp", "fsdp2")
+OPTIONS = {
+    "ddp": ("find_unused_parameters", "broadcast_buffers", "gradient_as_bucket_view", "bucket_cap_mb",
+            "static_graph"),
+    "fsdp2": ("reshard_after_forward", "shard_blocks", "param_dtype", "reduce_dtype"),
+}
+UNSUPPORTED = "megatron_fsdp"
+UNSUPPORTED_MESSAGE = "megatron_fsdp is not supported: diffusion supports DDP and FSDP2 only (strategy: ddp or fsdp2)"
+
+
+def example_scheme(components: list[str] | None = None, denoiser: str = "transformer") -> str:
+    """A YAML snippet of a valid scheme (for the components of this pipeline when known)."""
+    names = sorted(components or [denoiser, "vae", "text_encoder"], key=lambda n: n != denoiser)
+    lines = ["parallel_scheme:"]
+    for name in names:
+        lines.append(f"  {name}: {{strategy: {'fsdp2' if name == denoiser else 'ddp'}}}")
+    return "\n".join(lines)
+
+
+def parse_entry(value: Any) -> dict[str, Any]:
+    """``fsdp2`` or ``{strategy: fsdp2, ...}`` -> ``{"strategy": "fsdp2", ...}``."""
+    if isinstance(value, str):
+        return {"strategy": value}
+    return dict(value) if isinstance(value, dict) else {}
+
+
+def _find_unsupported(value: Any, key: str) -> list[str]:
+    """Dotted keys under ``key`` where megatron_fsdp appears, as a value or as a key."""
+    found = []
+    if isinstance(value, str) and value.strip().lower() == UNSUPPORTED:
+        found.append(key)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            if str(k).strip().lower() == UNSUPPORTED:
+                found.append(f"{key}.{k}")
+            else:
+                found += _find_unsupported(v, f"{key}.{k}")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            found += _find_unsupported(v, f"{key}[{i}]")
+    return found
+
+
+def scheme_issues(scheme: Any, components: list[str] | None, trainable: list[str] | None,
+                  denoiser: str = "transformer") -> list[ConfigIssue]:
+    """Everything wrong with a ``parallel_scheme`` value (``components``/``trainable`` when known)."""
+    example = example_scheme(components, denoiser)
+    if scheme is None:
+        return [ConfigIssue("parallel_scheme", "required section is missing: diffusion needs each pipeline "
+                                               "component's data-parallel strategy (ddp or fsdp2), for example:\n"
+                                               + example)]
+    unsupported = _find_unsupported(scheme, "parallel_scheme")
+    issues = [ConfigIssue(key, UNSUPPORTED_MESSAGE) for key in unsupported]
+    if not isinstance(scheme, dict) or not scheme:
+        if not unsupported:
+            issues.append(ConfigIssue("parallel_scheme", f"expected a mapping from component name to its strategy, "
+                                                         f"found {scheme!r}; for example:\n{example}"))
+        return issues
+    strategies: dict[str, str] = {}
+    for name, value in scheme.items():
+        key = f"parallel_scheme.{name}"
+        if components is not None and name not in components:
+            issues.append(ConfigIssue(key, f"not a component of this pipeline (it has: {', '.join(components)})",
+                                      did_you_mean(str(name), components)))
+        if not isinstance(value, (str, dict)):
+            issues.append(ConfigIssue(key, f"expected a strategy (ddp, fsdp2) or {{strategy: ..., options}}, found "
+                                           f"{value!r}"))
+            continue
+        entry = parse_entry(value)
+        strategy = entry.get("strategy")
+        if any(k.startswith(key) for k in unsupported):
+            continue
+        if strategy is None:
+            issues.append(ConfigIssue(f"{key}.strategy", "required key is missing (ddp or fsdp2)"))
+            continue
+        if strategy not in STRATEGIES:
+            issues.append(ConfigIssue(f"{key}.strategy" if isinstance(value, dict) else key,
+                                      f"'{strategy}' is not a strategy; diffusion supports ddp and fsdp2",
+                                      did_you_mean(str(strategy), STRATEGIES)))
+            continue
+        strategies[name] = strategy
+        for option, setting in entry.items():
+            if option == "strategy":
+                continue
+            if option not in OPTIONS[strategy]:
+                issues.append(ConfigIssue(f"{key}.{option}", f"not an option of {strategy} (it accepts: "
+                                                             f"{', '.join(OPTIONS[strategy])})",
+                                          did_you_mean(str(option), OPTIONS[strategy])))
+            elif option in ("param_dtype", "reduce_dtype") and setting not in ("float32", "bfloat16", "float16"):
+                issues.append(ConfigIssue(f"{key}.{option}", f"expected float32, bfloat16 or float16, found "
+                                                             f"{setting!r}"))
+    if trainable is not None:
+        for name in trainable:
+            if name not in scheme and (components is None or name in components):
+                issues.append(ConfigIssue("parallel_scheme", f"no strategy for the trained component '{name}'; "
+                                                             f"add `{name}: {{strategy: fsdp2}}` (or ddp)"))
+        used = {strategies[n] for n in trainable if n in strategies}
+        if len(used) > 1:
+            issues.append(ConfigIssue("parallel_scheme", "the trained components must share one strategy (found "
+                                                         + ", ".join(f"{n}: {strategies[n]}" for n in trainable
+                                                                     if n in strategies) + ")"))
+    return issues
+
+
+# ---- the sharding stage (runs under torchrun only) ---------------------------------------------------------------
+
+
+def _blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The largest ModuleList of identical blocks (transformer layers): each becomes its own FSDP unit."""
+    import torch
+
+    best: list[torch.nn.Module] = []
+    for child in module.modules():
+        if isinstance(child, torch.nn.ModuleList) and len(child) > len(best) and len({type(m) for m in child}) == 1:
+            best = list(child)
+    return best
+
+
+def _fully_shard(module: torch.nn.Module, entry: dict[str, Any], mesh: Any) -> None:
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+
+    kwargs: dict[str, Any] = {"mesh": mesh}
+    if "reshard_after_forward" in entry:
+        kwargs["reshard_after_forward"] = bool(entry["reshard_after_forward"])
+    if "param_dtype" in entry or "reduce_dtype" in entry:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=getattr(torch, entry["param_dtype"]) if "param_dtype" in entry else None,
+            reduce_dtype=getattr(torch, entry["reduce_dtype"]) if "reduce_dtype" in entry else None)
+    if entry.get("shard_blocks", True):
+        for block in _blocks(module):
+            fully_shard(block, **kwargs)
+    fully_shard(module, **kwargs)
+    for method in ("encode", "decode"):  # a VAE is called through these, not forward()
+        if callable(getattr(module, method, None)):
+            register_fsdp_forward_method(module, method)
+
+
+def shard_components(recipe: DiffusionRecipe, model: Any) -> tuple[Any, str]:
+    """Apply ``parallel_scheme``: FSDP2 components are sharded (trained or frozen); trained DDP components are
+    wrapped (one DDP over the trained module); frozen DDP components are replicated on every rank."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.nn.parallel import DistributedDataParallel
+
+    scheme = {name: parse_entry(value) for name, value in (recipe.cfg.resolved.get("parallel_scheme") or {}).items()}
+    mesh = init_device_mesh(recipe.device.type, (dist.get_world_size(),))
+    model.to(recipe.device)
+    for component in model.frozen_components().values():
+        component.to(recipe.device)
+    done = []
+    for name, component in model.frozen_components().items():
+        entry = scheme.get(name, {"strategy": "ddp"})
+        if entry["strategy"] == "fsdp2":
+            _fully_shard(component, entry, mesh)
+        done.append(f"{name}: {entry['strategy']} (frozen)")
+    trained = {name: scheme.get(name, {"strategy": "ddp"}) for name in model.trainable_components}
+    strategy = next(iter(trained.values()))["strategy"]
+    if strategy == "fsdp2":
+        for name in model.trainable_components:
+            _fully_shard(model.components[name], trained[name], mesh)
+    else:
+        options = {k: v for entry in trained.values() for k, v in entry.items() if k != "strategy"}
+        device_ids = [recipe.device.index] if recipe.device.type == "cuda" else None
+        model = DistributedDataParallel(model, device_ids=device_ids, **options)
+    done += [f"{name}: {strategy}" for name in trained]
+    return model, f"over {dist.get_world_size()} ranks: " + ", ".join(done)

@@ -1,0 +1,348 @@
+"""Text-to-image diffusion training (``finetune diffusion`` / ``pretrain diffusion``) on the core's shared loop.
+
+What differs from the LLM recipe is only what the engine lets a domain override: the model is an
+``AutoDiffusionPipeline`` (the trained components of a diffusers pipeline as one module), a micro-batch's loss is
+the objective's per-image loss summed (the loop divides by the images of the step), checkpoints are diffusers
+pipeline directories, and each validation step also writes a PNG grid of samples from fixed prompts and seeds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from automodel.config import Config, Free, Target
+from automodel.errors import AutomodelError, ConfigError, ConfigIssue
+from automodel.training.builders import instantiate_with
+from automodel.training.checkpoint import CheckpointError, load_safetensors_dir, load_weights_into
+from automodel.training.distributed import world_size
+from automodel.training.recipe import TrainRecipe, unwrap
+from automodel_diffusion.datasets import collate_image_captions
+from automodel_diffusion.objectives import ObjectiveConfig, build_objective
+from automodel_diffusion.parallel import UNSUPPORTED_MESSAGE, scheme_issues
+from automodel_diffusion.pipeline import AutoDiffusionPipeline, model_class, pipeline_components, read_model_index
+from automodel_diffusion.sampling import call_kwargs, image_grid, sample_images
+
+FROZEN_BASE = "pipeline_base"  # under checkpoint_dir: the frozen components, written once, hard-linked into each
+_NOT_MODULES = ("Tokenizer", "Scheduler", "Processor", "FeatureExtractor")
+
+
+@dataclass
+class SampleGenerationConfig:
+    enabled: bool = field(default=True, metadata={"help": "write a PNG grid of samples at each validation step"})
+    prompts: list[str] = field(default_factory=list, metadata={
+        "help": "fixed prompts, one grid column each (empty: the first 4 distinct validation/training captions)"})
+    num_images_per_prompt: int = field(default=1, metadata={"help": "grid rows: images per prompt"})
+    seed: int = field(default=0, metadata={"help": "image (row r, column c) uses seed + r * len(prompts) + c"})
+    num_inference_steps: int = field(default=4, metadata={"help": "denoising steps per sample"})
+    guidance_scale: float = field(default=1.0, metadata={"help": "classifier-free guidance (1: off)"})
+    height: int | None = field(default=None, metadata={"help": "sample height (null: the training resolution)"})
+    width: int | None = field(default=None, metadata={"help": "sample width (null: the training resolution)"})
+
+    def __post_init__(self) -> None:
+        for name in ("num_images_per_prompt", "num_inference_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"sample_generation.{name} must be >= 1, found {getattr(self, name)}")
+
+
+def _model_source(model: Any) -> Any:
+    if model is None:
+        return None
+    for key in ("pretrained_model_name_or_path", "name_or_path", "config"):
+        if isinstance(model.get(key), str):
+            return model.get(key)
+    return None
+
+
+def pipeline_layout(cfg: Config) -> tuple[list[str] | None, list[str] | None, str]:
+    """(model components, trained components, denoiser name) as far as the config shows them unbuilt."""
+    model = cfg.model
+    trainable = list(model.get("trainable_components") or []) if model is not None else []
+    source = _model_source(model)
+    index = read_model_index(source) if isinstance(source, str) else None
+    if index is None:
+        return None, trainable or None, trainable[0] if trainable else "transformer"
+    components = [name for name, (_, cls) in pipeline_components(index).items()
+                  if not any(word in cls for word in _NOT_MODULES)]
+    denoiser = next((n for n in ("transformer", "unet") if n in components), "transformer")
+    return components, trainable or [denoiser], denoiser
+
+
+def build_pipeline_model(recipe: DiffusionRecipe) -> AutoDiffusionPipeline:
+    """The ``model`` builder of the diffusion domain: the pipeline, its objective, frozen parts on the device."""
+    import diffusers
+
+    model = instantiate_with(recipe.cfg.model, recipe.model_runtime_args())
+    if isinstance(model, diffusers.DiffusionPipeline):
+        model = AutoDiffusionPipeline(model)
+    if not isinstance(model, AutoDiffusionPipeline):
+        raise AutomodelError(f"model: {recipe.cfg.model.target} built a {type(model).__name__}; diffusion trains a "
+                             "diffusers pipeline: use automodel_diffusion.AutoDiffusionPipeline.from_pretrained")
+    components = [n for n, c in model.pipeline.components.items() if isinstance(c, torch.nn.Module)]
+    issues = scheme_issues(recipe.cfg.resolved.get("parallel_scheme"), components, model.trainable_components,
+                           model.denoiser_name)
+    if issues:
+        raise ConfigError(issues)
+    model.objective = build_objective(recipe.cfg.objective, model.pipeline.scheduler)
+    model.pipeline.set_progress_bar_config(disable=True)
+    for component in model.frozen_components().values():
+        component.to(recipe.device)
+    recipe.untrack("pipeline")
+    recipe.pipeline = model.pipeline
+    recipe.write_frozen_base(model)
+    return model
+
+
+def _link_tree(source: Path, target: Path) -> None:
+    """``target`` gets ``source``'s files as hard links (copies where links are impossible)."""
+    for path in sorted(source.rglob("*")):
+        dest = target / path.relative_to(source)
+        if path.is_dir():
+            dest.mkdir(parents=True, exist_ok=True)
+            continue
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(path, dest)
+        except OSError:
+            shutil.copy2(path, dest)
+
+
+def save_component(component: Any, directory: Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+    """One component in its library's layout (``ComponentClass.from_pretrained(directory)`` loads it)."""
+    import diffusers
+    from safetensors.torch import save_file
+
+    if state_dict is None:
+        if isinstance(component, diffusers.ModelMixin):
+            component.save_pretrained(str(directory), safe_serialization=True)
+        else:
+            component.save_pretrained(str(directory))
+        return
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().contiguous() for k, v in state_dict.items()}
+    if isinstance(component, diffusers.ModelMixin):
+        component.save_config(str(directory))
+        config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+        config["_class_name"] = model_class(component).__name__  # not FSDP2's FSDP<Class>
+        (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        save_file(tensors, str(directory / "diffusion_pytorch_model.safetensors"), metadata={"format": "pt"})
+    else:
+        component.config.save_pretrained(str(directory))
+        save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+
+
+class DiffusionRecipe(TrainRecipe):
+    """Train a diffusers pipeline's denoiser (flow matching, epsilon or v-prediction) on images and captions."""
+
+    domain = "diffusion"
+    sections = {
+        "model": Target("the diffusers pipeline: {_target_: automodel_diffusion.AutoDiffusionPipeline."
+                        "from_pretrained, pretrained_model_name_or_path: ...} (or .from_config, config: <dir>)",
+                        required=True),
+        "parallel_scheme": Free("required: each pipeline component's strategy (ddp or fsdp2) and options, e.g. "
+                                "{transformer: {strategy: fsdp2}, vae: {strategy: ddp}, text_encoder: "
+                                "{strategy: ddp}}"),
+        "objective": ObjectiveConfig,
+        "sample_generation": SampleGenerationConfig,
+        "dataset": Target("the training images and captions: {_target_: automodel_diffusion.datasets."
+                          "ImageCaptionDataset, path: ..., resolution: ...}", required=True),
+    }
+
+    # ---- validation --------------------------------------------------------------------------------------------
+
+    @classmethod
+    def pipeline_selection(cls, cfg: Config) -> dict[str, tuple[str, str]]:
+        chosen = super().pipeline_selection(cfg)
+        chosen.pop("peft", None)  # refused by check_config
+        if world_size() > 1:
+            chosen["sharding"] = ("diffusion", "parallel_scheme")
+        return chosen
+
+    @classmethod
+    def check_config(cls, cfg: Config) -> list[ConfigIssue]:
+        issues = [i for i in super().check_config(cfg)
+                  if not (i.key == "distributed.strategy" and "megatron" in i.message)]
+        if cfg.distributed is not None and cfg.distributed.strategy == "megatron_fsdp":
+            issues.append(ConfigIssue("distributed.strategy", UNSUPPORTED_MESSAGE))
+        components, trainable, denoiser = pipeline_layout(cfg)
+        issues += scheme_issues(cfg.resolved.get("parallel_scheme"), components, trainable, denoiser)
+        if cfg.peft is not None:
+            issues.append(ConfigIssue("peft", "LoRA is not supported by the diffusion recipe yet; train the full "
+                                              "denoiser (model.trainable_components) or freeze parts of it (freeze:)"))
+        return issues
+
+    @classmethod
+    def describe_plan(cls, cfg: Config) -> list[str]:
+        lines = super().describe_plan(cfg)
+        objective = cfg.objective
+        if objective is not None:
+            lines.append(f"objective: {objective.type} ({objective.timestep_sampling} timesteps)")
+        scheme = cfg.resolved.get("parallel_scheme") or {}
+        lines.append("parallel_scheme: " + ", ".join(
+            f"{name}: {value if isinstance(value, str) else value.get('strategy')}" for name, value in scheme.items()))
+        return lines
+
+    # ---- building ----------------------------------------------------------------------------------------------
+
+    def setup_domain(self) -> None:
+        import datasets
+        import diffusers
+        import transformers
+
+        datasets.disable_progress_bars()
+        transformers.utils.logging.disable_progress_bar()
+        diffusers.utils.logging.disable_progress_bar()
+        self.loss_generator: torch.Generator | None = None
+
+    def default_collate_fn(self, train: bool = True) -> Any:
+        return collate_image_captions
+
+    @property
+    def frozen_base(self) -> Path:
+        return Path(self.cfg.checkpoint.checkpoint_dir) / FROZEN_BASE
+
+    def write_frozen_base(self, model: AutoDiffusionPipeline) -> None:
+        """The frozen components, tokenizers, scheduler and model_index.json, saved once for every checkpoint.
+
+        Written aside and swapped in whole: checkpoints hold hard links to the files, never modified in place.
+        """
+        if not (self.cfg.checkpoint.enabled and self.is_main_process):
+            return
+        base = self.frozen_base
+        staging = base.with_name(f".incomplete-{FROZEN_BASE}-{os.getpid()}")
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        for name, component in model.pipeline.components.items():
+            if component is not None and name not in model.trainable_components:
+                save_component(component, staging / name)
+        model.pipeline.save_config(str(staging))
+        old = base.with_name(f".incomplete-old-{FROZEN_BASE}-{os.getpid()}")
+        if base.exists():
+            os.replace(base, old)
+        os.replace(staging, base)
+        shutil.rmtree(old, ignore_errors=True)
+
+    # ---- weights: diffusers layout ---------------------------------------------------------------------------
+
+    def save_model(self, directory: Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        """``model/`` is a whole diffusers pipeline: frozen parts linked from ``pipeline_base``, trained ones fresh."""
+        model = unwrap(self.model)
+        directory.mkdir(parents=True, exist_ok=True)
+        if self.frozen_base.is_dir():
+            _link_tree(self.frozen_base, directory)
+        else:
+            for name, component in model.pipeline.components.items():
+                if component is not None and name not in model.trainable_components:
+                    save_component(component, directory / name)
+            model.pipeline.save_config(str(directory))
+        for name in model.trainable_components:
+            component = unwrap(model.components[name])
+            prefix = f"components.{name}."
+            own = None if state_dict is None else \
+                {k.removeprefix(prefix): v for k, v in state_dict.items() if k.startswith(prefix)}
+            save_component(component, directory / name, own)
+
+    def load_model_weights(self, model: torch.nn.Module, directory: Path) -> None:
+        """Every component saved under ``directory`` (trained ones must be there; frozen ones are when the
+        checkpoint is a whole pipeline, which makes a resumed run independent of how they were initialised)."""
+        model = unwrap(model)
+        for name in model.trainable_components:
+            sub = directory / name
+            if not sub.is_dir():
+                raise CheckpointError(f"restore_from.path: '{directory}' has no '{name}' folder; it is not a "
+                                      "checkpoint of this pipeline")
+            load_weights_into(unwrap(model.components[name]), load_safetensors_dir(sub), sub)
+        for name, component in model.frozen_components().items():
+            sub = directory / name
+            if sub.is_dir() and any(sub.glob("*.safetensors")):
+                load_weights_into(component, load_safetensors_dir(sub), sub)
+        self.write_frozen_base(model)
+
+    # ---- the loss ----------------------------------------------------------------------------------------------
+
+    def compute_loss(self, model: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+        """The micro-batch's per-image losses, summed (the engine divides by the images of the whole step)."""
+        return model(batch["pixel_values"], batch["captions"], generator=self.loss_generator).sum()
+
+    def count_label_tokens(self, batch: dict[str, Any]) -> int:
+        return len(batch["captions"])
+
+    def count_input_tokens(self, batch: dict[str, Any]) -> int:
+        return len(batch["captions"])  # tps counts images per second
+
+    # ---- validation: a fixed-noise loss, and sample images -----------------------------------------------------
+
+    def validate(self) -> None:
+        """Validation losses with fixed noise (comparable across steps; the training RNG is left untouched)."""
+        self.loss_generator = torch.Generator().manual_seed(self.cfg.rng.seed)
+        try:
+            super().validate()
+        finally:
+            self.loss_generator = None
+        self.write_samples()
+
+    def after_step(self, step: int, tokens: int, seconds: float) -> None:
+        if not self.val_dataloaders and self.step_scheduler.is_val_step():
+            self.write_samples()  # no validation data: the engine does not validate, but samples still come
+
+    def sample_prompts(self) -> list[str]:
+        settings = self.cfg.sample_generation
+        if settings.prompts:
+            return list(settings.prompts)
+        loaders = [*self.val_dataloaders.values()]
+        datasets = [loader.dataset for loader in loaders] + [self.train_dataset]
+        for dataset in datasets:
+            captions = getattr(dataset, "captions", None)
+            if captions:
+                return list(dict.fromkeys(captions))[:4]
+        return ["a photo"]
+
+    def sample_size(self) -> tuple[int | None, int | None]:
+        settings = self.cfg.sample_generation
+        resolution = getattr(self.train_dataset, "resolution", None)
+        return settings.height or resolution, settings.width or resolution
+
+    @torch.no_grad()
+    def write_samples(self) -> Path | None:
+        """A PNG grid (columns: prompts, rows: seeds) in ``<checkpoint_dir>/samples/step_<S>.png``."""
+        settings = self.cfg.sample_generation
+        if settings is None or not settings.enabled:
+            return None
+        model = unwrap(self.model)
+        prompts = self.sample_prompts()
+        height, width = self.sample_size()
+        extra = call_kwargs(model.pipeline, max_sequence_length=model.max_sequence_length)
+        self.model.eval()
+        try:
+            images = sample_images(model.pipeline, prompts, settings.num_images_per_prompt, settings.seed,
+                                   settings.num_inference_steps, settings.guidance_scale, height, width, **extra)
+        finally:
+            self.model.train()
+        if not self.is_main_process:
+            return None
+        path = Path(self.cfg.checkpoint.checkpoint_dir) / "samples" / f"step_{self.step_scheduler.step}.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        image_grid(images, rows=settings.num_images_per_prompt, columns=len(prompts)).save(path)
+        self.log(f"samples [{len(prompts)} prompts x {settings.num_images_per_prompt}] step "
+                 f"{self.step_scheduler.step}: {path}")
+        return path
+
+    # ---- after training ----------------------------------------------------------------------------------------
+
+    def on_train_end(self, final_checkpoint: Path | None) -> None:
+        if final_checkpoint is None:
+            return
+        model = unwrap(self.model)
+        model_dir = final_checkpoint / "model"
+        trained = ", ".join(f"{model_class(unwrap(model.components[n])).__module__.split('.')[0]}."
+                            f"{model_class(unwrap(model.components[n])).__name__}.from_pretrained('{model_dir / n}')"
+                            for n in model.trainable_components)
+        hint = f" (sample with max_sequence_length={model.max_sequence_length})" if model.max_sequence_length else ""
+        self.log(f"Trained pipeline in {model_dir}: load it with diffusers.DiffusionPipeline.from_pretrained("
+                 f"'{model_dir}'){hint}; the trained component alone: {trained}")

@@ -1,0 +1,45 @@
+"""Fixtures for the diffusion domain's tests (helpers live in diffusion_testing.py, importable from every module)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import diffusion_testing  # noqa: E402,F401  (sets the offline environment before anything imports HF libraries)
+
+
+def pytest_configure(config):
+    # torchdata calls a deprecated torch API on every dataloader iterator (the engine filters it for users too)
+    config.addinivalue_line("filterwarnings", "ignore:'set_vital' is deprecated:UserWarning")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """Tiny tensors: one intra-op thread is faster, and immune to a busy shared machine (restored afterwards)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def flow_run(tmp_path_factory):
+    """The shipped diffusion/tiny_flow example, trained once (60 steps; validation and checkpoints at 30 and 60)."""
+    root = tmp_path_factory.mktemp("tiny_flow")
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        recipe = diffusion_testing.train_inprocess(diffusion_testing.EXAMPLES / "tiny_flow.yaml",
+                                                   "--checkpoint.checkpoint_dir", root / "ckpt")
+    finally:
+        torch.set_num_threads(before)
+    final = {k: v.detach().clone() for k, v in recipe.model.state_dict().items()}
+    return {"recipe": recipe, "ckpt": root / "ckpt", "final": final}

@@ -1,0 +1,50 @@
+"""Two CPU ranks (gloo) through the CLI with the parallel_scheme applied: the trained transformer and the frozen
+VAE sharded with FSDP2 (the VAE is called through encode/decode, not forward), the text encoders replicated."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+from diffusion_testing import assert_states_equal, load_safetensors_state, losses_by_step, train_inprocess
+
+AUTOMODEL = Path(sys.executable).with_name("automodel")
+
+
+def test_fsdp2_on_two_ranks_saves_a_diffusers_pipeline_that_resumes_on_one(tmp_path):
+    out = tmp_path / "two"
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    result = subprocess.run(
+        [str(AUTOMODEL), "finetune", "diffusion", "-c", "diffusion/tiny_flow", "--nproc-per-node", "2",
+         "--checkpoint.checkpoint_dir", str(out), "--step_scheduler.max_steps", "4",
+         "--step_scheduler.checkpoint_interval", "2", "--step_scheduler.val_check_interval", "4",
+         "--step_scheduler.log_interval", "1", "--dataloader.batch_size", "8",
+         "--parallel_scheme.vae.strategy", "fsdp2"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "sharding [diffusion]: over 2 ranks: vae: fsdp2 (frozen)" in result.stderr
+    assert "transformer: fsdp2" in result.stderr
+    losses = losses_by_step(out / "training.jsonl")
+    assert sorted(losses) == [1, 2, 3, 4] and all(np.isfinite(v) for v in losses.values())
+    assert (out / "samples" / "step_4.png").is_file()
+
+    from diffusers import DiffusionPipeline
+
+    model_dir = out / "epoch_0_step_4" / "model"
+    pipeline = DiffusionPipeline.from_pretrained(str(model_dir))  # gathered weights, the real class names
+    assert type(pipeline.transformer).__name__ == "SD3Transformer2DModel"
+
+    # the two-rank checkpoint resumes in one process (steps 3-4 run; the data order restarts at the epoch start)
+    single = train_inprocess(Path(__file__).parent.parent / "src/automodel_diffusion/examples/tiny_flow.yaml",
+                             "--checkpoint.checkpoint_dir", tmp_path / "one", "--restore_from.path",
+                             out / "epoch_0_step_2", "--step_scheduler.max_steps", 4,
+                             "--step_scheduler.checkpoint_interval", 2, "--step_scheduler.log_interval", 1,
+                             "--step_scheduler.val_check_interval", 4, "--dataloader.batch_size", 8)
+    assert sorted(losses_by_step(tmp_path / "one" / "training.jsonl")) == [3, 4]
+    restored = load_safetensors_state(out / "epoch_0_step_2" / "model" / "transformer")
+    assert restored.keys() == {k.removeprefix("components.transformer.") for k in single.model.state_dict()}
+    assert_states_equal(load_safetensors_state(out / "epoch_0_step_2" / "model" / "vae"),
+                        load_safetensors_state(tmp_path / "one" / "epoch_0_step_4" / "model" / "vae"))
