@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 # Distributions in dependency order (core first).
-DISTS := automodel-core automodel-llm automodel-vlm automodel-diffusion
+DISTS := automodel-core automodel-llm automodel-vlm automodel-diffusion automodel-retrieval
 PYPROJECTS := $(foreach d,$(DISTS),$(d)/pyproject.toml)
 export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1

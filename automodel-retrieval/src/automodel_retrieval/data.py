@@ -1,0 +1,201 @@
+"""Retrieval data: JSONL rows ``{query, positive | positives, negatives}`` read through ``datasets``.
+
+A document is a string, or a mapping with ``text`` (and optionally ``title``, prepended). ``positive`` may be one
+document or a list; ``positives`` a list; ``negatives`` (hard negatives) is optional. Each (query, positive) pair is
+one training example (``expand_positives``), carrying every positive of its query so that none of them is ever
+treated as a negative.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from automodel.errors import AutomodelError
+
+_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+def load_rows(name_or_path: str, split: str = "train", key: str = "dataset.path") -> Any:
+    """A ``datasets.Dataset`` of one split: a local JSON/JSONL/CSV/parquet file or directory, or a hub name."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    path = Path(str(name_or_path))
+    try:
+        if path.is_file():
+            builder = _BUILDERS.get(path.suffix.lower())
+            if builder is None:
+                raise AutomodelError(f"{key}: '{path}' has an unsupported extension; use one of "
+                                     f"{', '.join(sorted(_BUILDERS))}")
+            if path.stat().st_size == 0:
+                raise AutomodelError(f"{key}: '{path}' is empty")
+            return datasets.load_dataset(builder, data_files=str(path), split="train")
+        if path.is_dir():
+            return datasets.load_dataset(str(path), split=split)
+        if path.is_absolute() or str(name_or_path).startswith(("./", "../")) or path.suffix in _BUILDERS:
+            raise AutomodelError(f"{key}: '{name_or_path}' does not exist")
+        return datasets.load_dataset(str(name_or_path), split=split)
+    except AutomodelError:
+        raise
+    except Exception as err:  # noqa: BLE001 - datasets raises many types for a bad file or an offline hub name
+        hint = " (offline? point it at a local file or directory)" if not path.exists() else ""
+        raise AutomodelError(f"{key}: cannot load '{name_or_path}'{hint}: {type(err).__name__}: {err}") from None
+
+
+def doc_text(value: Any, key: str = "document") -> str:
+    """A document's text: the string itself, or ``title`` + ``text`` of a mapping."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("text"), str):
+        title = value.get("title")
+        return f"{title} {value['text']}" if isinstance(title, str) and title else value["text"]
+    raise AutomodelError(f"{key}: a document must be a string or a mapping with 'text', found {value!r}")
+
+
+def _documents(value: Any, key: str) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return [doc_text(v, key) for v in value if v is not None]
+    return [doc_text(value, key)]
+
+
+def row_positives(row: dict[str, Any], key: str = "dataset") -> list[str]:
+    positives = _documents(row.get("positives"), f"{key}.positives") + _documents(row.get("positive"),
+                                                                                   f"{key}.positive")
+    return list(dict.fromkeys(positives))
+
+
+def row_negatives(row: dict[str, Any], key: str = "dataset") -> list[str]:
+    return _documents(row.get("negatives"), f"{key}.negatives")
+
+
+def load_corpus(name_or_path: str, key: str = "corpus") -> list[str]:
+    """Documents from a ``.txt`` file (one per line) or a JSON/JSONL/CSV/parquet file (a ``text`` column)."""
+    path = Path(str(name_or_path))
+    if path.suffix.lower() == ".txt":
+        if not path.is_file():
+            raise AutomodelError(f"{key}: '{path}' does not exist")
+        return [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    rows = load_rows(name_or_path, "train", key)
+    if "text" not in rows.column_names:
+        raise AutomodelError(f"{key}: '{name_or_path}' has no 'text' column (found: {', '.join(rows.column_names)})")
+    return [doc_text(row, key) for row in rows]
+
+
+class RetrievalDataset(torch.utils.data.Dataset):
+    """(query, positive, negatives) examples for bi-encoder and cross-encoder training.
+
+    Validation uses ``queries``, ``corpus`` and ``positive_ids``: each query is ranked against the whole corpus
+    (``corpus`` file documents plus every document the rows mention).
+    """
+
+    def __init__(self, path: str | None = None, *, dataset_name: str | None = None, split: str = "train",
+                 corpus: str | None = None, num_negatives: int | None = None, expand_positives: bool = True,
+                 limit_dataset_samples: int | None = None, query_field: str = "query"):
+        source = path or dataset_name
+        if not source:
+            raise AutomodelError("dataset.path: missing (a JSONL file of {query, positive(s), negatives} rows)")
+        if num_negatives is not None and num_negatives < 0:
+            raise AutomodelError(f"dataset.num_negatives: must be >= 0, found {num_negatives}")
+        rows = load_rows(source, split, "dataset.path")
+        if query_field not in rows.column_names:
+            raise AutomodelError(f"dataset.query_field: '{source}' has no '{query_field}' column (found: "
+                                 f"{', '.join(rows.column_names)})")
+        if limit_dataset_samples is not None:
+            rows = rows.select(range(min(limit_dataset_samples, len(rows))))
+        documents: dict[str, int] = {}
+        if corpus is not None:
+            for text in load_corpus(corpus, "dataset.corpus"):
+                documents.setdefault(text, len(documents))
+        self.queries: list[str] = []
+        self.positive_ids: list[set[int]] = []
+        self.examples: list[dict[str, Any]] = []
+        for index, row in enumerate(rows):
+            query = row[query_field]
+            if not isinstance(query, str):
+                raise AutomodelError(f"dataset: row {index} of '{source}': '{query_field}' is not a string")
+            positives = row_positives(row, f"dataset row {index}")
+            if not positives:
+                raise AutomodelError(f"dataset: row {index} of '{source}' has no 'positive' or 'positives'")
+            negatives = [n for n in row_negatives(row, f"dataset row {index}") if n not in positives]
+            if num_negatives is not None:
+                negatives = negatives[:num_negatives]
+            for text in positives + negatives:
+                documents.setdefault(text, len(documents))
+            self.queries.append(query)
+            self.positive_ids.append({documents[p] for p in positives})
+            for positive in positives if expand_positives else positives[:1]:
+                self.examples.append({"query": query, "positive": positive, "positives": positives,
+                                      "negatives": negatives})
+        self.corpus: list[str] = list(documents)
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return self.examples[index]
+
+
+# ---- collation ----------------------------------------------------------------------------------------------
+
+def tokenize(tokenizer: Any, texts: list[str], max_length: int, pairs: list[str] | None = None) -> dict:
+    encoded = tokenizer(texts, pairs, padding=True, truncation=True if pairs is None else "longest_first",
+                        max_length=max_length, return_tensors="pt")
+    return dict(encoded)
+
+
+class BiEncoderCollator:
+    """Tokenizes a batch's queries and documents: every positive first (query i's is document i), then every
+    hard negative. ``exclude`` [B, D] marks the other copies of each query's positives."""
+
+    def __init__(self, tokenizer: Any, query_max_length: int = 64, document_max_length: int = 128,
+                 query_prefix: str = "", document_prefix: str = ""):
+        self.tokenizer = tokenizer
+        self.query_max_length, self.document_max_length = query_max_length, document_max_length
+        self.query_prefix, self.document_prefix = query_prefix, document_prefix
+
+    def encode_queries(self, queries: list[str]) -> dict:
+        return tokenize(self.tokenizer, [self.query_prefix + q for q in queries], self.query_max_length)
+
+    def encode_documents(self, documents: list[str]) -> dict:
+        return tokenize(self.tokenizer, [self.document_prefix + d for d in documents], self.document_max_length)
+
+    def __call__(self, items: list[dict[str, Any]]) -> dict[str, Any]:
+        documents = [item["positive"] for item in items] + [n for item in items for n in item["negatives"]]
+        exclude = torch.zeros(len(items), len(documents), dtype=torch.bool)
+        for i, item in enumerate(items):
+            positives = set(item["positives"])
+            for j, text in enumerate(documents):
+                if j != i and text in positives:
+                    exclude[i, j] = True
+        return {"query": self.encode_queries([item["query"] for item in items]),
+                "document": self.encode_documents(documents),
+                "labels": torch.arange(len(items)), "exclude": exclude}
+
+
+class CrossEncoderCollator:
+    """Tokenizes each (query, document) pair jointly: per example its positive (column 0) and its negatives.
+
+    ``valid`` [B, G] marks real pairs (examples with fewer negatives are padded); ``pairs`` holds the tokenized
+    real pairs in row-major order of ``valid``.
+    """
+
+    def __init__(self, tokenizer: Any, max_length: int = 128, query_prefix: str = "", document_prefix: str = ""):
+        self.tokenizer, self.max_length = tokenizer, max_length
+        self.query_prefix, self.document_prefix = query_prefix, document_prefix
+
+    def __call__(self, items: list[dict[str, Any]]) -> dict[str, Any]:
+        group = 1 + max(len(item["negatives"]) for item in items)
+        valid = torch.zeros(len(items), group, dtype=torch.bool)
+        queries, documents = [], []
+        for i, item in enumerate(items):
+            docs = [item["positive"], *item["negatives"]]
+            valid[i, : len(docs)] = True
+            queries += [self.query_prefix + item["query"]] * len(docs)
+            documents += [self.document_prefix + d for d in docs]
+        return {"pairs": tokenize(self.tokenizer, queries, self.max_length, documents), "valid": valid,
+                "labels": torch.zeros(len(items), dtype=torch.long)}

@@ -1,0 +1,316 @@
+"""Retrieval models: a bi-encoder (query and document encoders + pooling) and a cross-encoder factory.
+
+Checkpoint layout of a bi-encoder (``save_pretrained(directory)``), each encoder loadable with
+``transformers.AutoModel.from_pretrained``::
+
+    directory/                         separate encoders (the default)
+      bi_encoder_config.json           {"shared": false, "pooling": "mean", "normalize": true, ...}
+      query_encoder/                   config.json, model.safetensors, tokenizer files
+      document_encoder/                config.json, model.safetensors, tokenizer files
+
+    directory/                         shared: true (one encoder for both sides)
+      bi_encoder_config.json  config.json  model.safetensors  tokenizer files
+
+transformers is imported inside the functions, so importing this module for config validation stays light.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from automodel.errors import AutomodelError
+
+POOLINGS = ("mean", "cls", "last")
+CONFIG_NAME = "bi_encoder_config.json"
+QUERY_DIR, DOCUMENT_DIR = "query_encoder", "document_encoder"
+_WEIGHT_PATTERNS = ("*.safetensors", "*.bin")
+_ENCODER_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "position_ids")
+
+
+# ---- pooling ----------------------------------------------------------------------------------------------
+
+def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, pooling: str = "mean") -> torch.Tensor:
+    """One vector per sequence from ``hidden`` [B, T, H]: mean over real tokens, the first token, or the last one."""
+    mask = attention_mask.to(hidden.dtype)
+    if pooling == "mean":
+        summed = (hidden * mask.unsqueeze(-1)).sum(dim=1)
+        return summed / mask.sum(dim=1, keepdim=True).clamp(min=1.0)
+    if pooling == "cls":
+        return hidden[:, 0]
+    if pooling == "last":
+        # the last real token, whichever side the padding is on
+        positions = torch.arange(hidden.shape[1], device=hidden.device).expand_as(attention_mask)
+        last = (positions * (attention_mask > 0)).argmax(dim=1)
+        return hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
+    raise AutomodelError(f"model.pooling: '{pooling}' is not one of {', '.join(POOLINGS)}")
+
+
+def _check_pooling(pooling: str) -> str:
+    if pooling not in POOLINGS:
+        raise AutomodelError(f"model.pooling: '{pooling}' is not one of {', '.join(POOLINGS)}")
+    return pooling
+
+
+# ---- loading helpers ----------------------------------------------------------------------------------------
+
+def resolve_model_dir(path: str | Path) -> Path:
+    """A model directory from a run's checkpoint_dir (its LATEST), one checkpoint, or the model directory itself."""
+    path = Path(str(path))
+    latest = path / "LATEST"
+    if latest.is_file():
+        path = path / latest.read_text(encoding="utf-8").strip()
+    if (path / "trainer_state.json").is_file() and (path / "model").is_dir():
+        path = path / "model"
+    return path
+
+
+def _has_weights(path: Path) -> bool:
+    return path.is_dir() and any(any(path.glob(p)) for p in _WEIGHT_PATTERNS)
+
+
+def _dtype(value: Any) -> Any:
+    if value is None or value == "auto" or not isinstance(value, str):
+        return value
+    dtype = getattr(torch, value.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise AutomodelError(f"model.dtype: '{value}' is not a torch dtype (float32, bfloat16, float16)")
+    return dtype
+
+
+def load_hf_config(config: Any, **overrides: Any) -> Any:
+    """A transformers config from a config.json path, a directory, a hub name or a mapping with model_type."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    if isinstance(config, PretrainedConfig):
+        for key, value in overrides.items():
+            setattr(config, key, value)
+        return config
+    if isinstance(config, dict):
+        data = dict(config)
+        model_type = data.pop("model_type", None)
+        if model_type is None:
+            raise AutomodelError("model.config: a config mapping needs a 'model_type' (bert, ...)")
+        data.pop("architectures", None)
+        return AutoConfig.for_model(model_type, **{**data, **overrides})
+    path = Path(str(config))
+    if path.is_file():
+        return load_hf_config(json.loads(path.read_text(encoding="utf-8")), **overrides)
+    try:
+        return AutoConfig.from_pretrained(str(config), **overrides)
+    except OSError as err:
+        raise AutomodelError(f"model.config: cannot load '{config}': {err}") from None
+
+
+@contextlib.contextmanager
+def _seeded(seed: int | None) -> Iterator[None]:
+    """Initialise under ``seed`` without disturbing the global RNG (no seed: the global RNG, as seeded)."""
+    if seed is None:
+        yield
+        return
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+def _encoder_from_config(config: Any, seed: int | None, attn_implementation: str | None, **overrides: Any) -> Any:
+    from transformers import AutoModel
+
+    hf_config = load_hf_config(config, **overrides)
+    kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    with _seeded(seed):
+        return AutoModel.from_config(hf_config, **kwargs)
+
+
+def _encoder_from_pretrained(path: str | Path, dtype: Any = None, **kwargs: Any) -> Any:
+    from transformers import AutoModel
+
+    local = Path(str(path))
+    if local.is_dir() and (local / "config.json").is_file() and not _has_weights(local):
+        return _encoder_from_config(local / "config.json", None, kwargs.pop("attn_implementation", None))
+    try:
+        return AutoModel.from_pretrained(str(path), dtype=_dtype(dtype), **kwargs)
+    except OSError as err:
+        raise AutomodelError(f"model: cannot load an encoder from '{path}': {err}") from None
+
+
+def read_bi_encoder_config(directory: str | Path) -> dict[str, Any]:
+    """The saved bi-encoder settings of a model directory ({} for a plain encoder)."""
+    file = Path(str(directory)) / CONFIG_NAME
+    return json.loads(file.read_text(encoding="utf-8")) if file.is_file() else {}
+
+
+# ---- the bi-encoder -----------------------------------------------------------------------------------------
+
+class BiEncoder(nn.Module):
+    """A query encoder and a document encoder (one module when ``shared``), pooled and optionally L2-normalised.
+
+    ``forward(query=..., document=...)`` takes the tokenizer's outputs for each side and returns their
+    embeddings ``(query [Bq, H], document [Bd, H])`` (either may be None).
+    """
+
+    def __init__(self, query_encoder: nn.Module, document_encoder: nn.Module | None = None, pooling: str = "mean",
+                 normalize: bool = True):
+        super().__init__()
+        self.query_encoder = query_encoder
+        self.shared = document_encoder is None or document_encoder is query_encoder
+        if not self.shared:
+            self.document_encoder = document_encoder
+        self.pooling = _check_pooling(pooling)
+        self.normalize = normalize
+        for encoder in {id(m): m for m in (query_encoder, document_encoder) if m is not None}.values():
+            # The encoder's own pooler (BERT's tanh head) plays no part in the embedding: frozen, so that the
+            # optimizer skips it and DDP does not wait for gradients that never come. It is still saved, so the
+            # checkpoint loads into AutoModel without missing weights.
+            head = getattr(encoder, "pooler", None)
+            if isinstance(head, nn.Module):
+                head.requires_grad_(False)
+
+    def encoder(self, side: str) -> nn.Module:
+        if side not in ("query", "document"):
+            raise ValueError(f"side must be 'query' or 'document', found {side!r}")
+        return self.query_encoder if side == "query" or self.shared else self.document_encoder
+
+    def encode(self, side: str, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        inputs = {k: v for k, v in inputs.items() if k in _ENCODER_INPUTS}
+        hidden = self.encoder(side)(**inputs).last_hidden_state
+        embeddings = pool(hidden, inputs["attention_mask"], self.pooling)
+        return F.normalize(embeddings.float(), dim=-1) if self.normalize else embeddings.float()
+
+    def forward(self, query: dict[str, torch.Tensor] | None = None,
+                document: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return (self.encode("query", query) if query is not None else None,
+                self.encode("document", document) if document is not None else None)
+
+    # ---- building ---------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_config(cls, config: Any, *, shared: bool = False, pooling: str = "mean", normalize: bool = True,
+                    seed: int | None = None, attn_implementation: str | None = None, **overrides: Any) -> BiEncoder:
+        """A freshly initialised bi-encoder of the architecture in ``config`` (a config.json, a directory, ...).
+
+        Keys in ``overrides`` replace the config's (``hidden_dropout_prob: 0.0``). With separate encoders the
+        document encoder starts as a copy of the query encoder (as when both start from one pre-trained model).
+        """
+        encoder = _encoder_from_config(config, seed, attn_implementation, **overrides)
+        return cls(encoder, None if shared else copy.deepcopy(encoder), pooling, normalize)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: str | None = None, *, name_or_path: str | None = None,
+                        query_encoder: str | None = None, document_encoder: str | None = None,
+                        shared: bool | None = None, pooling: str | None = None, normalize: bool | None = None,
+                        dtype: Any = None, **kwargs: Any) -> BiEncoder:
+        """Load a bi-encoder saved by this package (a model directory, a checkpoint, or a run's checkpoint_dir),
+        or start one from a plain encoder (a hub name or directory loadable with ``AutoModel``).
+
+        ``query_encoder`` / ``document_encoder`` name the two sides' encoders separately instead.
+        """
+        path = pretrained_model_name_or_path or name_or_path
+        if query_encoder is not None or document_encoder is not None:
+            if query_encoder is None:
+                raise AutomodelError("model.query_encoder: missing (document_encoder is set)")
+            query = _encoder_from_pretrained(query_encoder, dtype, **kwargs)
+            document = _encoder_from_pretrained(document_encoder, dtype, **kwargs) if document_encoder else None
+            if document is None and not shared:
+                document = copy.deepcopy(query)
+            return cls(query, document, pooling or "mean", True if normalize is None else normalize)
+        if not path:
+            raise AutomodelError("model.pretrained_model_name_or_path: missing (a bi-encoder checkpoint, or an "
+                                 "encoder's hub name or directory)")
+        directory = resolve_model_dir(path)
+        saved = read_bi_encoder_config(directory)
+        pooling = pooling or saved.get("pooling", "mean")
+        normalize = saved.get("normalize", True) if normalize is None else normalize
+        if (directory / QUERY_DIR).is_dir():
+            query = _encoder_from_pretrained(directory / saved.get("query_encoder", QUERY_DIR), dtype, **kwargs)
+            document = _encoder_from_pretrained(directory / saved.get("document_encoder", DOCUMENT_DIR), dtype,
+                                                **kwargs)
+            if shared:
+                raise AutomodelError(f"model.shared: '{directory}' holds two separate encoders; drop shared: true "
+                                     "or point at one of them")
+            return cls(query, document, pooling, normalize)
+        encoder = _encoder_from_pretrained(directory if directory.exists() else path, dtype, **kwargs)
+        shared = saved.get("shared", False) if shared is None else shared
+        return cls(encoder, None if shared else copy.deepcopy(encoder), pooling, normalize)
+
+    # ---- saving and loading -------------------------------------------------------------------------------
+
+    def settings(self) -> dict[str, Any]:
+        layout = {} if self.shared else {"query_encoder": QUERY_DIR, "document_encoder": DOCUMENT_DIR}
+        return {"shared": self.shared, "pooling": self.pooling, "normalize": self.normalize, **layout}
+
+    def save_pretrained(self, directory: str | Path, state_dict: dict[str, torch.Tensor] | None = None,
+                        tokenizer: Any = None, extra: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        """HF layout (see the module docstring); ``state_dict`` (the whole model's, e.g. gathered from FSDP2
+        ranks) is split between the encoders; ``extra`` settings are recorded in bi_encoder_config.json."""
+        directory = Path(str(directory))
+        directory.mkdir(parents=True, exist_ok=True)
+        targets = [(self.query_encoder, directory, "query_encoder.")] if self.shared else [
+            (self.query_encoder, directory / QUERY_DIR, "query_encoder."),
+            (self.document_encoder, directory / DOCUMENT_DIR, "document_encoder.")]
+        for encoder, where, prefix in targets:
+            part = None if state_dict is None else {
+                k.removeprefix(prefix): v for k, v in state_dict.items() if k.startswith(prefix)}
+            encoder.save_pretrained(str(where), state_dict=part, **kwargs)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(str(where))
+        settings = {**self.settings(), **(extra or {})}
+        (directory / CONFIG_NAME).write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
+
+    def load_weights(self, directory: str | Path) -> None:
+        """Copy the weights saved by ``save_pretrained`` into this model (shapes and keys must match)."""
+        from automodel.training.checkpoint import load_safetensors_dir, load_weights_into
+
+        directory = Path(str(directory))
+        saved = read_bi_encoder_config(directory)
+        if saved and saved.get("shared", False) != self.shared:
+            raise AutomodelError(f"'{directory}' holds a {'shared' if saved['shared'] else 'two-encoder'} bi-encoder "
+                                 f"but the model is {'shared' if self.shared else 'two-encoder'}; set model.shared "
+                                 "to match")
+        if self.shared:
+            load_weights_into(self.query_encoder, load_safetensors_dir(directory), directory)
+            return
+        for encoder, name in ((self.query_encoder, QUERY_DIR), (self.document_encoder, DOCUMENT_DIR)):
+            load_weights_into(encoder, load_safetensors_dir(directory / name), directory / name)
+
+
+# ---- the cross-encoder --------------------------------------------------------------------------------------
+
+class CrossEncoder:
+    """Builds ``transformers.AutoModelForSequenceClassification`` with one logit: a (query, document) score."""
+
+    @classmethod
+    def from_config(cls, config: Any, *, num_labels: int = 1, seed: int | None = None,
+                    attn_implementation: str | None = None, **overrides: Any) -> Any:
+        from transformers import AutoModelForSequenceClassification
+
+        hf_config = load_hf_config(config, num_labels=num_labels, **overrides)
+        kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
+        with _seeded(seed):
+            return AutoModelForSequenceClassification.from_config(hf_config, **kwargs)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: str | None = None, *, name_or_path: str | None = None,
+                        num_labels: int = 1, dtype: Any = None, **kwargs: Any) -> Any:
+        """A cross-encoder checkpoint, or a plain encoder (the one-logit head then starts fresh)."""
+        from transformers import AutoModelForSequenceClassification
+
+        path = pretrained_model_name_or_path or name_or_path
+        if not path:
+            raise AutomodelError("model.pretrained_model_name_or_path: missing (a hub name or a local directory)")
+        directory = resolve_model_dir(path)
+        if directory.is_dir() and (directory / "config.json").is_file() and not _has_weights(directory):
+            return cls.from_config(directory / "config.json", num_labels=num_labels, **kwargs)
+        try:
+            return AutoModelForSequenceClassification.from_pretrained(
+                str(directory if directory.exists() else path), num_labels=num_labels, dtype=_dtype(dtype), **kwargs)
+        except OSError as err:
+            raise AutomodelError(f"model: cannot load '{path}': {err}") from None

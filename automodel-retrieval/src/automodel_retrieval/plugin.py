@@ -1,0 +1,39 @@
+"""The retrieval domain's registrations (exactly what a third-party plugin would write). Import-light."""
+
+from automodel import hookimpl
+
+_BI = "automodel_retrieval.recipe.BiEncoderRecipe"
+_CROSS = "automodel_retrieval.recipe.CrossEncoderRecipe"
+_MINE = "automodel_retrieval.mining.MineHardNegativesRecipe"
+
+
+@hookimpl
+def automodel_register_routes(routes) -> None:
+    routes.add("finetune", "retrieval", recipe=_BI, examples=["retrieval/tiny_bi_encoder"],
+               help="Fine-tune a bi-encoder (query and document encoders) with contrastive InfoNCE")
+    routes.add("finetune", "cross-encoder", recipe=_CROSS, examples=["retrieval/tiny_cross_encoder"],
+               help="Fine-tune a cross-encoder reranker (one logit per query-document pair)")
+    routes.add("mine", "retrieval", recipe=_MINE, examples=["retrieval/tiny_mine"],
+               help="Mine hard negatives for bi-encoder training with a trained bi-encoder")
+
+
+@hookimpl
+def automodel_register_aliases(aliases) -> None:
+    aliases.domain("bi-encoder", "retrieval")
+    aliases.target("BiEncoder", "automodel_retrieval.models.BiEncoder.from_pretrained")
+    aliases.target("CrossEncoder", "automodel_retrieval.models.CrossEncoder.from_pretrained")
+    aliases.target("RetrievalDataset", "automodel_retrieval.data.RetrievalDataset")
+    aliases.target("InfoNCELoss", "automodel_retrieval.losses.InfoNCELoss")
+    aliases.target("ListwiseCrossEntropy", "automodel_retrieval.losses.ListwiseCrossEntropy")
+
+
+@hookimpl
+def automodel_register_builders(builders) -> None:
+    # loss_fn may be given without _target_ ({temperature: 0.02}): the recipe's default loss takes the keys
+    for domain in ("retrieval", "cross-encoder"):
+        builders.add("loss_fn", "automodel_retrieval.losses.build_loss_fn", domain=domain)
+
+
+@hookimpl
+def automodel_allowed_targets() -> list[str]:
+    return ["automodel_retrieval"]

@@ -1,0 +1,295 @@
+"""Bi-encoder and cross-encoder training recipes, on the core's shared loop.
+
+Both read ``{query, positive | positives, negatives}`` rows (``automodel_retrieval.RetrievalDataset``, the default
+dataset target) and differ in how a micro-batch becomes a loss and what validation reports.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from automodel.config import Config, ConfigNode, Target
+from automodel.errors import AutomodelError, ConfigIssue
+from automodel.training.recipe import TrainRecipe, unwrap
+from automodel_retrieval.data import BiEncoderCollator, CrossEncoderCollator
+from automodel_retrieval.losses import InfoNCELoss, ListwiseCrossEntropy
+from automodel_retrieval.metrics import group_metrics, ranking_metrics
+from automodel_retrieval.models import POOLINGS, QUERY_DIR, BiEncoder, resolve_model_dir
+
+DATASET = "automodel_retrieval.data.RetrievalDataset"
+
+
+def _dataset_section(help: str) -> Target:
+    return Target(help, runtime_args=(), plain=True, default_target=DATASET)
+
+
+@dataclass
+class BiEncoderSettings:
+    query_max_length: int = field(default=64, metadata={"help": "tokens per query (longer ones are truncated)"})
+    document_max_length: int = field(default=128, metadata={"help": "tokens per document"})
+    query_prefix: str = field(default="", metadata={"help": "text put before every query (e.g. 'query: ')"})
+    document_prefix: str = field(default="", metadata={"help": "text put before every document (e.g. 'passage: ')"})
+    recall_at: list[int] = field(default_factory=lambda: [1, 5, 10],
+                                 metadata={"help": "validation reports recall@k for each k"})
+    eval_batch_size: int = field(default=64, metadata={"help": "texts per forward pass when validation embeds "
+                                                               "its queries and corpus"})
+
+    def __post_init__(self) -> None:
+        for name in ("query_max_length", "document_max_length", "eval_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"retrieval.{name} must be >= 1, found {getattr(self, name)}")
+        if not self.recall_at or any(k < 1 for k in self.recall_at):
+            raise ValueError(f"retrieval.recall_at must be a list of k >= 1, found {self.recall_at}")
+
+
+@dataclass
+class CrossEncoderSettings:
+    max_length: int = field(default=192, metadata={"help": "tokens per (query, document) pair"})
+    query_prefix: str = field(default="", metadata={"help": "text put before every query"})
+    document_prefix: str = field(default="", metadata={"help": "text put before every document"})
+
+    def __post_init__(self) -> None:
+        if self.max_length < 2:
+            raise ValueError(f"retrieval.max_length must be >= 2, found {self.max_length}")
+
+
+class _RetrievalRecipe(TrainRecipe):
+    """What both retrieval recipes share: the tokenizer, the data sets, the loss builder's default target."""
+
+    default_loss_target: ClassVar[str] = ""
+    sections = {
+        "tokenizer": Target("tokenizer (default: the model's): {pretrained_model_name_or_path: ...}", plain=True,
+                            default_target="transformers.AutoTokenizer.from_pretrained"),
+        "dataset": _dataset_section("training rows {query, positive | positives, negatives} "
+                                    "(default _target_: automodel_retrieval.RetrievalDataset)"),
+        "validation_dataset": _dataset_section("validation rows (same format)"),
+        "validation_dataset_*": _dataset_section("more validation data sets, reported by name"),
+    }
+
+    @classmethod
+    def check_config(cls, cfg: Config) -> list[ConfigIssue]:
+        issues = list(super().check_config(cfg))
+        loss = cfg.loss_fn
+        if isinstance(loss, ConfigNode):
+            temperature = loss.get("temperature")
+            if isinstance(temperature, (int, float)) and temperature <= 0:
+                issues.append(ConfigIssue("loss_fn.temperature", f"must be > 0, found {temperature}"))
+        return issues
+
+    @classmethod
+    def describe_plan(cls, cfg: Config) -> list[str]:
+        lines = []
+        for line in super().describe_plan(cfg):
+            name, _, value = line.partition(": ")
+            if value == "None" and name.startswith(("dataset", "validation_dataset")):
+                line = f"{name}: {DATASET}"  # a data set section without _target_ is a RetrievalDataset
+            lines.append(line)
+        return lines
+
+    def _tokenizer_source(self) -> str | None:
+        model = self.cfg.model
+        for key in ("pretrained_model_name_or_path", "name_or_path", "query_encoder", "config"):
+            value = model.get(key)
+            if isinstance(value, str):
+                path = resolve_model_dir(value)
+                if path.is_file():
+                    path = path.parent
+                if (path / QUERY_DIR).is_dir():
+                    path = path / QUERY_DIR
+                return str(path) if path.exists() else value
+        return None
+
+    def setup_domain(self) -> None:
+        import datasets
+        import transformers
+
+        datasets.disable_progress_bars()
+        transformers.utils.logging.disable_progress_bar()
+        node = self.cfg.tokenizer
+        if node is not None:
+            self.tokenizer = node.instantiate(default_target="transformers.AutoTokenizer.from_pretrained")
+        else:
+            source = self._tokenizer_source()
+            try:
+                self.tokenizer = transformers.AutoTokenizer.from_pretrained(source) if source else None
+            except (OSError, ValueError) as err:
+                raise AutomodelError(f"tokenizer: none found beside the model ({source}): {err}; add "
+                                     "`tokenizer: {pretrained_model_name_or_path: ...}`") from None
+            if self.tokenizer is None:
+                raise AutomodelError("tokenizer: none found; add `tokenizer: {pretrained_model_name_or_path: ...}`")
+        self.untrack("tokenizer")
+
+    def build_dataset(self, node: ConfigNode) -> Any:
+        from automodel.training.builders import instantiate_with
+
+        dataset = instantiate_with(node, self.dataset_runtime_args(), default_target=DATASET)
+        if hasattr(dataset, "__len__") and len(dataset) == 0:
+            raise AutomodelError(f"{node.key}: the data set is empty; check its path")
+        return dataset
+
+    def _check_vocab(self, encoders: list[torch.nn.Module]) -> None:
+        for encoder in encoders:
+            vocab = getattr(getattr(encoder, "config", None), "vocab_size", None)
+            if vocab is not None and len(self.tokenizer) > vocab:
+                raise AutomodelError(f"tokenizer: {len(self.tokenizer)} tokens but the model's vocab_size is {vocab}; "
+                                     "use the model's own tokenizer")
+
+    def count_input_tokens(self, batch: dict[str, Any]) -> int:
+        return sum(int(v["attention_mask"].sum()) for v in batch.values()
+                   if isinstance(v, dict) and "attention_mask" in v)
+
+    def count_label_tokens(self, batch: dict[str, Any]) -> int:
+        return len(batch["labels"])  # the loss is summed over queries (groups)
+
+
+class BiEncoderRecipe(_RetrievalRecipe):
+    """Contrastive bi-encoder training: InfoNCE over in-batch and hard negatives; validation ranks the corpus."""
+
+    domain = "retrieval"
+    default_loss_target = "automodel_retrieval.losses.InfoNCELoss"
+    sections = {
+        "model": Target("the bi-encoder: {_target_: automodel_retrieval.BiEncoder.from_config | .from_pretrained, "
+                        "shared, pooling, normalize, ...}", required=True),
+        "loss_fn": Target("the contrastive loss (default automodel_retrieval.InfoNCELoss: {temperature: 0.05})",
+                          plain=True, default_target="automodel_retrieval.losses.InfoNCELoss"),
+        "retrieval": BiEncoderSettings,
+    }
+
+    @classmethod
+    def check_config(cls, cfg: Config) -> list[ConfigIssue]:
+        issues = super().check_config(cfg)
+        model = cfg.model
+        if isinstance(model, ConfigNode) and model.get("pooling") is not None and model["pooling"] not in POOLINGS:
+            issues.append(ConfigIssue("model.pooling", f"'{model['pooling']}' is not one of {', '.join(POOLINGS)}"))
+        return issues
+
+    def default_loss_fn(self) -> torch.nn.Module:
+        return InfoNCELoss()
+
+    @property
+    def settings(self) -> BiEncoderSettings:
+        return self.cfg.retrieval
+
+    def default_collate_fn(self, train: bool = True) -> Any:
+        s = self.settings
+        return BiEncoderCollator(self.tokenizer, s.query_max_length, s.document_max_length, s.query_prefix,
+                                 s.document_prefix)
+
+    def setup(self) -> None:
+        super().setup()
+        model = unwrap(self.model)
+        if not isinstance(model, BiEncoder):
+            raise AutomodelError(f"model: the bi-encoder recipe needs an automodel_retrieval.BiEncoder, built "
+                                 f"{type(model).__name__}; use automodel_retrieval.BiEncoder.from_config or "
+                                 ".from_pretrained")
+        self._check_vocab([model.encoder("query"), model.encoder("document")])
+
+    def compute_loss(self, model: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+        query, documents = model(query=batch["query"], document=batch["document"])
+        return self.loss_fn(query, documents, batch["labels"], batch.get("exclude"))
+
+    # ---- validation: rank each query against the validation set's whole corpus -----------------------------
+
+    def _embed(self, model: BiEncoder, side: str, texts: list[str], collator: BiEncoderCollator) -> torch.Tensor:
+        encode = collator.encode_queries if side == "query" else collator.encode_documents
+        size = self.settings.eval_batch_size
+        chunks = [model.encode(side, self.move_to_device(encode(texts[i: i + size])))
+                  for i in range(0, len(texts), size)]
+        return torch.cat(chunks) if chunks else torch.zeros(0)
+
+    def extra_validation_metrics(self, name: str, dataloader: Any) -> dict[str, float]:
+        dataset = dataloader.dataset
+        if not all(hasattr(dataset, a) for a in ("queries", "corpus", "positive_ids")):
+            return {}
+        model = unwrap(self.model)
+        collator = self.default_collate_fn(False)
+        queries = self._embed(model, "query", dataset.queries, collator)
+        corpus = self._embed(model, "document", dataset.corpus, collator)
+        metrics = ranking_metrics(queries @ corpus.T, dataset.positive_ids, self.settings.recall_at)
+        metrics["corpus_size"] = len(dataset.corpus)
+        return metrics
+
+    # ---- weights --------------------------------------------------------------------------------------------
+
+    def save_model(self, directory: Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        s = self.settings
+        extra = {"query_prefix": s.query_prefix, "document_prefix": s.document_prefix,
+                 "query_max_length": s.query_max_length, "document_max_length": s.document_max_length}
+        unwrap(self.model).save_pretrained(directory, state_dict=state_dict, tokenizer=self.tokenizer, extra=extra)
+
+    def load_model_weights(self, model: torch.nn.Module, directory: Path) -> None:
+        unwrap(model).load_weights(directory)
+
+    def on_train_end(self, final_checkpoint: Path | None) -> None:
+        if final_checkpoint is None:
+            return
+        model_dir = final_checkpoint / "model"
+        if unwrap(self.model).shared:
+            how = f"transformers.AutoModel.from_pretrained('{model_dir}') (one encoder for queries and documents)"
+        else:
+            how = (f"transformers.AutoModel.from_pretrained('{model_dir / 'query_encoder'}') and "
+                   f"'{model_dir / 'document_encoder'}'")
+        self.log(f"Trained bi-encoder in {model_dir}: load it with {how}, or all of it with "
+                 f"automodel_retrieval.BiEncoder.from_pretrained('{model_dir}'); pooling: "
+                 f"{unwrap(self.model).pooling}")
+
+
+class CrossEncoderRecipe(_RetrievalRecipe):
+    """Cross-encoder (reranker) training: one logit per (query, document), listwise cross-entropy over each
+    positive and its negatives; validation reports accuracy (the positive ranked first) and MRR."""
+
+    domain = "cross-encoder"
+    default_loss_target = "automodel_retrieval.losses.ListwiseCrossEntropy"
+    sections = {
+        "model": Target("the cross-encoder: {_target_: automodel_retrieval.CrossEncoder.from_config | "
+                        ".from_pretrained, ...} (AutoModelForSequenceClassification, one logit)", required=True),
+        "loss_fn": Target("the listwise loss (default automodel_retrieval.ListwiseCrossEntropy)", plain=True,
+                          default_target="automodel_retrieval.losses.ListwiseCrossEntropy"),
+        "retrieval": CrossEncoderSettings,
+    }
+
+    def default_loss_fn(self) -> torch.nn.Module:
+        return ListwiseCrossEntropy()
+
+    def default_collate_fn(self, train: bool = True) -> Any:
+        s = self.cfg.retrieval
+        return CrossEncoderCollator(self.tokenizer, s.max_length, s.query_prefix, s.document_prefix)
+
+    def setup(self) -> None:
+        super().setup()
+        model = unwrap(self.model)
+        labels = getattr(getattr(model, "config", None), "num_labels", None)
+        if labels != 1:
+            raise AutomodelError(f"model: a cross-encoder scores each pair with one logit; the model has "
+                                 f"num_labels={labels} (set model.num_labels: 1)")
+        self._check_vocab([model])
+
+    def scores(self, model: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+        """[B, G] scores of each group's candidates (-inf where a group is padded)."""
+        logits = model(**batch["pairs"]).logits.reshape(-1).float()
+        valid = batch["valid"]
+        scores = torch.full(valid.shape, float("-inf"), device=logits.device)
+        return scores.masked_scatter(valid, logits)
+
+    def compute_loss(self, model: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+        return self.loss_fn(self.scores(model, batch), batch["valid"], batch["labels"])
+
+    def extra_validation_metrics(self, name: str, dataloader: Any) -> dict[str, float]:
+        correct = reciprocal = chance = 0.0
+        groups = 0
+        for batch in dataloader:
+            batch = self.move_to_device(batch)
+            c, r, p = group_metrics(self.scores(self.model, batch), batch["valid"], batch["labels"])
+            correct, reciprocal, chance, groups = correct + c, reciprocal + r, chance + p, groups + len(batch["labels"])
+        groups = max(groups, 1)
+        return {"accuracy": correct / groups, "mrr": reciprocal / groups, "chance_accuracy": chance / groups}
+
+    def on_train_end(self, final_checkpoint: Path | None) -> None:
+        if final_checkpoint is not None:
+            model_dir = final_checkpoint / "model"
+            self.log(f"Trained cross-encoder in {model_dir}: load it with transformers."
+                     f"AutoModelForSequenceClassification.from_pretrained('{model_dir}') and AutoTokenizer")

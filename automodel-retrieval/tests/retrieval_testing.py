@@ -1,0 +1,137 @@
+"""Helpers for the retrieval domain's tests: tiny configs in tmp_path pointing at the shipped assets.
+
+Every run here is a few seconds on a CPU: a 2-layer, 64-wide BERT, a few hundred short texts, tens of steps.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+PKG_DIR = Path(importlib.util.find_spec("automodel_retrieval").submodule_search_locations[0])
+DIST_DIR = PKG_DIR.parent.parent
+ASSETS = PKG_DIR / "examples" / "assets"
+DATA = ASSETS / "tiny_retrieval"
+TOKENIZER_DIR = ASSETS / "tiny_tokenizer"
+BERT_CONFIG = ASSETS / "tiny_bert" / "config.json"
+
+_COMMON = {
+    "step_scheduler": {"max_steps": 6, "grad_accumulation_steps": 1, "log_interval": 1, "num_epochs": 100},
+    "rng": {"seed": 1234},
+    "tokenizer": {"pretrained_model_name_or_path": str(TOKENIZER_DIR)},
+    "dataloader": {"batch_size": 16},
+    "clip_grad_norm": {"max_norm": 1.0},
+    "optimizer": {"_target_": "torch.optim.AdamW", "lr": 2.0e-3, "weight_decay": 0.01},
+    "lr_scheduler": {"_target_": "automodel.optim.CosineAnnealingWarmup", "warmup_steps": 5, "min_lr": 1.0e-5},
+}
+
+BI_ENCODER = {
+    **_COMMON,
+    "model": {"_target_": "automodel_retrieval.BiEncoder.from_config", "config": str(BERT_CONFIG),
+              "pooling": "mean"},
+    "dataset": {"path": str(DATA / "train.jsonl"), "num_negatives": 3},
+    "validation_dataset": {"path": str(DATA / "validation.jsonl"), "corpus": str(DATA / "corpus.jsonl")},
+    "retrieval": {"query_max_length": 32, "document_max_length": 48},
+    "loss_fn": {"temperature": 0.05},
+}
+
+CROSS_ENCODER = {
+    **_COMMON,
+    "model": {"_target_": "automodel_retrieval.CrossEncoder.from_config", "config": str(BERT_CONFIG),
+              "num_labels": 1},
+    "dataset": {"path": str(DATA / "train.jsonl"), "num_negatives": 3},
+    "validation_dataset": {"path": str(DATA / "validation.jsonl"), "num_negatives": 3},
+    "retrieval": {"max_length": 64},
+    "optimizer": {"_target_": "torch.optim.AdamW", "lr": 3.0e-3, "weight_decay": 0.01},
+}
+
+ROUTES = {"bi": ("finetune", "retrieval"), "cross": ("finetune", "cross-encoder"), "mine": ("mine", "retrieval")}
+
+
+def deep_update(base: dict, extra: dict) -> dict:
+    """``extra`` merged into a copy of ``base``; a value of None removes the key."""
+    out = copy.deepcopy(base)
+    for key, value in extra.items():
+        if value is None:
+            out.pop(key, None)
+        elif isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_update(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def write_config(path: Path, base: dict, checkpoint_dir: Path | None = None, **sections: Any) -> Path:
+    data = deep_update(base, sections)
+    if checkpoint_dir is not None:
+        data = deep_update(data, {"checkpoint": {"checkpoint_dir": str(checkpoint_dir)}})
+    Path(path).write_text(yaml.safe_dump(data, sort_keys=False))
+    return Path(path)
+
+
+def recipe_class(kind: str) -> type:
+    from automodel.cli.execute import import_recipe
+    from automodel.plugins.manager import get_plugin_manager
+
+    return import_recipe(get_plugin_manager().routes.get(*ROUTES[kind]).recipe)
+
+
+def load_config(kind: str, config: Path, *overrides: Any):
+    from automodel.cli.execute import load_and_validate
+    from automodel.plugins.manager import get_plugin_manager
+
+    return load_and_validate(recipe_class(kind), Path(config), [str(o) for o in overrides], get_plugin_manager())
+
+
+def run_inprocess(kind: str, config: Path, *overrides: Any, before_run=None):
+    """Validate and run a route's recipe in this process, as the CLI does; returns the recipe afterwards."""
+    recipe = recipe_class(kind)(load_config(kind, config, *overrides))
+    recipe.setup()
+    if before_run is not None:
+        before_run(recipe)
+    recipe.run_train_validation_loop()
+    return recipe
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def checkpoint_dirs(root: Path) -> list[str]:
+    return sorted((p.name for p in Path(root).iterdir() if p.is_dir() and p.name.startswith("epoch_")),
+                  key=lambda n: int(n.rsplit("_", 1)[1]))
+
+
+def latest(root: Path) -> Path:
+    return Path(root) / (Path(root) / "LATEST").read_text().strip()
+
+
+def encode_with_transformers(encoder_dir: Path, texts: list[str], pooling: str = "mean", max_length: int = 48):
+    """Embeddings computed only with transformers (AutoModel + AutoTokenizer) and the pooling written out here,
+    independently of the package's own code."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoModel, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(encoder_dir))
+    model = AutoModel.from_pretrained(str(encoder_dir)).eval()
+    with torch.no_grad():
+        batch = tokenizer(texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
+        hidden = model(**batch).last_hidden_state
+        mask = batch["attention_mask"].unsqueeze(-1).float()
+        if pooling == "mean":
+            pooled = (hidden * mask).sum(1) / mask.sum(1)
+        else:
+            pooled = hidden[:, 0]
+        return F.normalize(pooled, dim=-1)
