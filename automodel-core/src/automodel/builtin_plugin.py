@@ -43,3 +43,10 @@ def automodel_register_aliases(aliases) -> None:
     aliases.target("LinearWarmup", "automodel.optim.LinearWarmup")
     aliases.target("ConstantWarmup", "automodel.optim.ConstantWarmup")
     aliases.target("StatefulDataLoader", "torchdata.stateful_dataloader.StatefulDataLoader")
+
+
+@hookimpl
+def automodel_register_loggers(loggers) -> None:
+    loggers.add("tensorboard", f"{_TRAINING}.loggers.TensorBoardLogger")
+    loggers.add("mlflow", f"{_TRAINING}.loggers.MLflowLogger")
+    loggers.add("wandb", f"{_TRAINING}.loggers.WandbLogger")

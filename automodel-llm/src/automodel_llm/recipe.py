@@ -14,7 +14,7 @@ from automodel.config import Target
 from automodel.errors import AutomodelError
 from automodel.training.recipe import TrainRecipe, unwrap
 from automodel_llm.datasets.collate import pad_collate
-from automodel_llm.datasets.loading import load_tokenizer
+from automodel_llm.datasets.loading import load_tokenizer, missing_local_path
 from automodel_llm.datasets.packing import PackedDataset, packed_collate
 from automodel_llm.generation import exact_match
 from automodel_llm.peft import is_adapter_dir, load_adapter_weights
@@ -77,6 +77,9 @@ class FinetuneRecipeForNextTokenPrediction(TrainRecipe):
         transformers.utils.logging.disable_progress_bar()
         node = self.cfg.tokenizer
         if node is not None:
+            source = node.get("pretrained_model_name_or_path")
+            if node.target is None and missing_local_path(source):
+                raise AutomodelError(f"tokenizer.pretrained_model_name_or_path: '{source}' does not exist")
             self.tokenizer = node.instantiate(default_target="transformers.AutoTokenizer.from_pretrained")
         else:
             source, key = self._tokenizer_source()

@@ -9,6 +9,8 @@ from pathlib import Path
 import click
 
 from automodel.cli.examples import list_examples
+from automodel.cli.plot import plot
+from automodel.cli.scaffold import new
 from automodel.errors import ConfigError, UsageError
 from automodel.plugins.manager import get_plugin_manager
 
@@ -173,4 +175,4 @@ def cp(example: str | None, dest: str | None, force: bool) -> None:
     click.echo(f"copied {example} to {target}")
 
 
-CORE_COMMANDS = (run, validate, recipes, plugins, cp)
+CORE_COMMANDS = (run, validate, recipes, plugins, cp, new, plot)

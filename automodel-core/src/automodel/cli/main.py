@@ -136,9 +136,11 @@ class AutomodelGroup(click.Group):
         if cmd is None and not name.startswith("-"):
             available = self.list_commands(ctx)
             hint = did_you_mean(name, available)
+            domain = args[1] if len(args) > 1 else ""
+            installed = {d for _, d in self.manager.routes.routes} | set(self.manager.aliases.domains)
             raise UsageError(
                 f"unknown command '{name}'" + (f" (did you mean '{hint}'?)" if hint else "")
-                + f"; available: {', '.join(available)}" + _install_hint(args[1] if len(args) > 1 else "")
+                + f"; available: {', '.join(available)}" + (_install_hint(domain) if domain not in installed else "")
                 + _failed_plugin_hint(self.manager, name, args[1] if len(args) > 1 else ""))
         return super().resolve_command(ctx, args)
 

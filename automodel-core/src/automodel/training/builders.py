@@ -13,7 +13,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import RandomSampler
 
 from automodel.config import ConfigNode, TargetError
-from automodel.errors import ConfigError, ConfigIssue
+from automodel.errors import AutomodelError, ConfigError, ConfigIssue
 from automodel.training.checkpoint import Checkpointer
 from automodel.training.loss import as_sum_loss
 from automodel.training.sections import CheckpointConfig
@@ -44,7 +44,11 @@ def instantiate_with(node: ConfigNode, runtime: dict[str, Any], default_target: 
 
 
 def build_model(recipe: TrainRecipe) -> torch.nn.Module:
-    return instantiate_with(recipe.cfg.model, recipe.model_runtime_args())
+    model = instantiate_with(recipe.cfg.model, recipe.model_runtime_args())
+    if not isinstance(model, torch.nn.Module):
+        raise AutomodelError(f"model: {recipe.cfg.model.target} returned {type(model).__name__}, not a "
+                             "torch.nn.Module; name a model class or factory in model._target_")
+    return model
 
 
 def build_optimizer(recipe: TrainRecipe, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -70,17 +74,54 @@ def build_lr_scheduler(recipe: TrainRecipe, optimizer: torch.optim.Optimizer, to
     return instantiate_with(node, runtime, default_target="automodel.optim.build_scheduler")
 
 
+def describe_batch(value: Any, depth: int = 0) -> str:
+    """A short structural description of a batch or sample (keys, tensor shapes, list lengths) for error messages."""
+    if isinstance(value, torch.Tensor):
+        return f"Tensor{tuple(value.shape)} {str(value.dtype).removeprefix('torch.')}"
+    if isinstance(value, dict):
+        if depth > 1:
+            return "dict"
+        return "{" + ", ".join(f"{k}: {describe_batch(v, depth + 1)}" for k, v in list(value.items())[:12]) + "}"
+    if isinstance(value, (list, tuple)):
+        inner = f" of {describe_batch(value[0], depth + 1)}" if value and depth < 2 else ""
+        return f"{type(value).__name__}[{len(value)}]{inner}"
+    return type(value).__name__
+
+
+class CheckedCollate:
+    """A collate function whose failures name the config key and describe the samples it was given."""
+
+    def __init__(self, fn: Any, key: str):
+        self.fn, self.key = fn, key
+
+    def __call__(self, samples: list[Any]) -> Any:
+        try:
+            return self.fn(samples)
+        except AutomodelError:
+            raise
+        except Exception as err:
+            name = getattr(getattr(self.fn, "func", self.fn), "__qualname__", type(self.fn).__name__)
+            sample = describe_batch(samples[0]) if samples else "nothing"
+            raise AutomodelError(
+                f"{self.key}: {name} failed on a batch of {len(samples)} samples (the first is {sample}): "
+                f"{type(err).__name__}: {err}. The collate function turns a list of the data set's samples into "
+                "the batch the recipe's compute_loss reads: remove collate_fn to use the recipe's default, or "
+                "name one that accepts samples like these") from err
+
+
 def _collate(recipe: TrainRecipe, node: ConfigNode | None, train: bool) -> Any:
     value = None if node is None else node.get("collate_fn")
+    loader_key = node.key if node is not None else ("dataloader" if train else "validation_dataloader")
     if value is None:
-        return recipe.default_collate_fn(train)
+        fn = recipe.default_collate_fn(train)
+        return None if fn is None else CheckedCollate(fn, f"{loader_key} (the recipe's default collate_fn)")
     key = f"{node.key}.collate_fn"
     if isinstance(value, str):
         try:
-            return recipe.cfg.resolver.resolve(value)
+            return CheckedCollate(recipe.cfg.resolver.resolve(value), key)
         except TargetError as err:
             raise ConfigError(ConfigIssue(key, str(err), err.suggestion)) from None
-    return value.instantiate()
+    return CheckedCollate(value.instantiate(), key)
 
 
 def build_dataloader(recipe: TrainRecipe, dataset: Any, node: ConfigNode | None, train: bool) -> StatefulDataLoader:

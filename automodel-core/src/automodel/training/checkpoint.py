@@ -35,6 +35,37 @@ class CheckpointError(AutomodelError):
     pass
 
 
+# What a failed write looks like from the libraries that write checkpoints: an OSError from Python, a
+# SafetensorError ("I/O error: No space left on device (os error 28)") from safetensors, a RuntimeError from
+# torch.save's stream writer ("PytorchStreamWriter failed writing file", "unexpected pos", "iostream error").
+_WRITE_ERROR_TEXT = ("os error", "i/o error", "pytorchstreamwriter", "inline_container", "iostream error",
+                     "no space left", "file too large", "disk quota", "read-only file system")
+
+
+def _error_chain(err: BaseException) -> list[BaseException]:
+    chain, seen = [], set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        chain.append(err)
+        err = err.__cause__ or err.__context__
+    return chain
+
+
+def is_write_error(err: BaseException) -> bool:
+    """Whether ``err`` (raised while writing a checkpoint) is the file system refusing the write."""
+    for link in _error_chain(err):
+        if isinstance(link, OSError):
+            return True
+        if (isinstance(link, RuntimeError) or type(link).__name__ == "SafetensorError") and \
+                any(text in str(link).lower() for text in _WRITE_ERROR_TEXT):
+            return True
+    return False
+
+
+def describe_write_error(err: BaseException) -> str:
+    return "; ".join(f"{type(link).__name__}: {str(link).strip() or '(no message)'}" for link in _error_chain(err))
+
+
 def checkpoint_name(epoch: int, step: int) -> str:
     return f"epoch_{epoch}_step_{step}"
 
@@ -155,9 +186,10 @@ class Checkpointer:
             self._publish(staging, final)
         except BaseException as err:
             shutil.rmtree(staging, ignore_errors=True)
-            if isinstance(err, OSError):
-                raise CheckpointError(f"writing checkpoint '{final}' failed: {err}; the previous checkpoint "
-                                      "is intact") from err
+            if is_write_error(err):
+                raise CheckpointError(f"writing checkpoint '{final}' failed: {describe_write_error(err)}; the "
+                                      f"previous checkpoint is intact ({read_latest(self.root) or 'none yet'}). "
+                                      "Is the disk full, or a quota or file-size limit reached?") from err
             raise
         self._apply_retention(final)
         return final
@@ -199,11 +231,13 @@ class Checkpointer:
                 raise CheckpointError(f"restore_from.path: latest: no complete checkpoint under '{self.root}' "
                                       f"(no {LATEST} file); train without restore_from first")
             return found
-        for candidate in (Path(spec), self.root / spec):
+        candidates = list(dict.fromkeys((Path(spec), self.root / spec)))  # one, when spec is absolute
+        for candidate in candidates:
             if candidate.is_dir() and (candidate / "trainer_state.json").is_file():
                 return candidate
-        raise CheckpointError(f"restore_from.path: '{spec}' is not a checkpoint (looked for '{spec}' and "
-                              f"'{self.root / spec}' containing trainer_state.json)")
+        looked = " and ".join(f"'{c}'" for c in candidates)
+        raise CheckpointError(f"restore_from.path: '{spec}' is not a checkpoint (looked for {looked} containing "
+                              "trainer_state.json)")
 
     @staticmethod
     def read_states(path: Path, names: list[str]) -> dict[str, Any]:

@@ -48,6 +48,33 @@ def device_peak_flops(device: torch.device) -> float | None:
     return next((flops for key, flops in _PEAK_FLOPS.items() if key in name), None)
 
 
+def _drop_partial_last_line(path: Path) -> None:
+    """Truncate an unterminated last line (what a kill -9 in the middle of a write leaves behind)."""
+    try:
+        with open(path, "rb+") as f:
+            size = f.seek(0, 2)
+            if size == 0:
+                return
+            f.seek(size - 1)
+            if f.read(1) == b"\n":
+                return
+            keep = 0
+            block = 4096
+            pos = size
+            while pos > 0:  # find the last newline, reading backwards
+                start = max(0, pos - block)
+                f.seek(start)
+                chunk = f.read(pos - start)
+                index = chunk.rfind(b"\n")
+                if index >= 0:
+                    keep = start + index + 1
+                    break
+                pos = start
+            f.truncate(keep)
+    except FileNotFoundError:
+        return
+
+
 class JsonlWriter:
     """Appends one JSON object per line and flushes, so a crash loses at most the current line."""
 
@@ -58,6 +85,7 @@ class JsonlWriter:
     def write(self, record: dict[str, Any]) -> None:
         if self._file is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            _drop_partial_last_line(self.path)  # a run killed mid-line must not corrupt the resumed run's lines
             self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open for the run
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()

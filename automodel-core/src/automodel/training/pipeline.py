@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from automodel.errors import ConfigIssue
+from automodel.errors import AutomodelError, ConfigIssue, PluginError
 from automodel.plugins.registries import PIPELINE_SLOTS, StageRegistry
 
 if TYPE_CHECKING:
@@ -34,8 +34,16 @@ def apply_pipeline(recipe: TrainRecipe, model: Any, selection: dict[str, tuple[s
         if slot not in selection:
             continue
         name, _ = selection[slot]
-        fn = stages.get(slot, name)
-        result = fn(recipe, model)
+        try:
+            result = stages.get(slot, name)(recipe, model)
+        except AutomodelError:
+            raise
+        except Exception as err:  # a plugin's stage failed: name the plugin (the core's own propagate as they are)
+            stage = stages.stages.get((slot, name))
+            if stage is None or stage.source in ("core", "automodel-core"):
+                raise
+            raise PluginError(f"pipeline stage '{slot}' [{name}] registered by plugin '{stage.source}' failed: "
+                              f"{type(err).__name__}: {err} (AUTOMODEL_DEBUG=1 shows the traceback)") from err
         if isinstance(result, tuple):
             model, message = result
         elif isinstance(result, str) or result is None:

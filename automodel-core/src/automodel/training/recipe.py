@@ -7,6 +7,7 @@ loop itself.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -20,8 +21,8 @@ import torch
 from tqdm import tqdm
 
 from automodel.cli.slurm import SlurmConfig
-from automodel.config import Config, ConfigNode, Free, Target
-from automodel.errors import AutomodelError, ConfigIssue
+from automodel.config import Config, ConfigNode, Free, Target, TargetError
+from automodel.errors import AutomodelError, ConfigIssue, PluginError
 from automodel.plugins.manager import get_plugin_manager
 from automodel.recipe import BaseRecipe
 from automodel.training import sections as s
@@ -43,6 +44,7 @@ from automodel.training.distributed import (
     strategy_issues,
     world_size,
 )
+from automodel.training.loggers import FAILED, STOPPED, SUCCESS, LoggerContext, MetricLoggers, resolve_backends
 from automodel.training.metrics import JsonlWriter, MetricsSample, device_peak_flops, peak_memory_gib
 from automodel.training.pipeline import apply_pipeline, missing_stages
 from automodel.training.rng import StatefulRNG
@@ -93,6 +95,12 @@ class TrainRecipe(BaseRecipe):
         "fault_tolerance": s.FaultToleranceConfig,
         "slurm": SlurmConfig,
         "ci": Free("upstream CI metadata; accepted and ignored (a note says so)"),
+        "logging": Free("metric logging backends: {backends: [tensorboard, mlflow, wandb], <backend>: {settings}}; "
+                        "see docs/logging.md (checked by validation against the registered backends)"),
+        "wandb": Free("upstream-style Weights & Biases settings {project, entity, name, save_dir, mode, ...}: the "
+                      "same as logging.wandb (enable: false turns it off)"),
+        "mlflow": Free("upstream-style MLflow settings {experiment_name, run_name, tracking_uri, tags, ...}: the "
+                       "same as logging.mlflow (enable: false turns it off)"),
         "checkpoint": s.CheckpointConfig,
         "restore_from": s.RestoreConfig,
         "peft": Target("parameter-efficient fine-tuning (LoRA)", plain=True),
@@ -161,6 +169,17 @@ class TrainRecipe(BaseRecipe):
     def check_config(cls, cfg: Config) -> list[ConfigIssue]:
         issues = list(super().check_config(cfg))
         issues += cls.batch_layout(cfg)[3]
+        for name in ("dataloader", "validation_dataloader"):
+            loader = cfg.get(name)
+            size = loader.get("batch_size") if isinstance(loader, ConfigNode) else None
+            if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
+                issues.append(ConfigIssue(f"{name}.batch_size", f"must be a positive integer, found {size!r}"))
+            collate = loader.get("collate_fn") if isinstance(loader, ConfigNode) else None
+            if isinstance(collate, str):  # a dotted path (not a _target_ node): checked like one, before building
+                try:
+                    cfg.resolver.resolve(collate)
+                except TargetError as err:
+                    issues.append(ConfigIssue(f"{name}.collate_fn", str(err), err.suggestion))
         dist = cfg.distributed
         if dist is not None:
             for name in ("tp_size", "pp_size"):
@@ -171,6 +190,7 @@ class TrainRecipe(BaseRecipe):
             issues += strategy_issues(dist.strategy)
         issues += pipeline_issues(cfg)
         issues += missing_stages(cls.pipeline_selection(cfg), get_plugin_manager().stages)
+        issues += resolve_backends(cfg, get_plugin_manager().loggers)[1]
         return issues
 
     @classmethod
@@ -190,6 +210,9 @@ class TrainRecipe(BaseRecipe):
         lines += [f"pipeline {slot}: {name}" for slot, (name, _) in cls.pipeline_selection(cfg).items()]
         ckpt = cfg.checkpoint
         lines.append(f"checkpoints: {ckpt.checkpoint_dir}" if ckpt.enabled else "checkpoints: disabled")
+        backends = [spec.name for spec in resolve_backends(cfg, get_plugin_manager().loggers)[0]]
+        if backends:
+            lines.append(f"logging: {', '.join(backends)}")
         return lines
 
     # ---- what a domain overrides ----------------------------------------------------------------------------
@@ -239,7 +262,17 @@ class TrainRecipe(BaseRecipe):
     # ---- building -------------------------------------------------------------------------------------------
 
     def build(self, name: str, *args: Any) -> Any:
-        return get_plugin_manager().builders.get(name, self.domain)(self, *args)
+        registry = get_plugin_manager().builders
+        try:
+            return registry.get(name, self.domain)(self, *args)
+        except AutomodelError:
+            raise
+        except Exception as err:  # a plugin's builder failed: name the plugin (the core's own propagate as they are)
+            entry = registry.builders.get((name, self.domain)) or registry.builders.get((name, None))
+            if entry is None or entry.source in ("core", "automodel-core"):
+                raise
+            raise PluginError(f"builder '{name}' registered by plugin '{entry.source}' failed: "
+                              f"{type(err).__name__}: {err} (AUTOMODEL_DEBUG=1 shows the traceback)") from err
 
     def log(self, message: str) -> None:
         if self.is_main_process:
@@ -271,6 +304,8 @@ class TrainRecipe(BaseRecipe):
         self.restore_path: Path | None = None
         if cfg.checkpoint.enabled and self.is_main_process:
             self.checkpointer.prepare()
+        if cfg.restore_from is not None and cfg.restore_from.path:
+            self.checkpointer.resolve(cfg.restore_from.path)  # a missing checkpoint fails before anything is built
         if "ci" in cfg:
             self.log("note: section 'ci' is upstream CI metadata and is ignored")
         self.setup_domain()
@@ -303,6 +338,10 @@ class TrainRecipe(BaseRecipe):
         self.val_log = JsonlWriter(root / "validation.jsonl")
         self.peak_flops = device_peak_flops(self.device)
         self.num_params = sum(p.numel() for p in self.model.parameters())
+        # Metric backends (rank 0 only); they start when training starts and close when it ends.
+        specs = resolve_backends(cfg, get_plugin_manager().loggers)[0] if self.is_main_process else []
+        self.metric_loggers = MetricLoggers(specs, LoggerContext(root, f"{type(self).__module__}."
+                                                                    f"{type(self).__qualname__}", self.log))
 
     # ---- weights ---------------------------------------------------------------------------------------------
 
@@ -360,8 +399,10 @@ class TrainRecipe(BaseRecipe):
             stateful.pop("dataloader")
         for name, state in Checkpointer.read_states(path, list(stateful)).items():
             if name == "optimizer":
+                # strict=False: a trainable parameter that never received a gradient (a VLM's unused vision
+                # head, say) has no optimizer state in the checkpoint, and the uninterrupted run had none either.
                 set_optimizer_state_dict(self.model, self.optimizer, state,
-                                         options=StateDictOptions(full_state_dict=True))
+                                         options=StateDictOptions(full_state_dict=True, strict=False))
             else:
                 stateful[name].load_state_dict(state)
         self.step_scheduler.load_state_dict(trainer_state["step_scheduler"])
@@ -381,8 +422,9 @@ class TrainRecipe(BaseRecipe):
 
     def train_step(self, batches: list[Any]) -> tuple[torch.Tensor, torch.Tensor, int]:
         """One optimizer update over the step's micro-batches; the loss is token-weighted over the whole step."""
-        label_tokens = sum(self.count_label_tokens(b) for b in batches)
-        input_tokens = sum(self.count_input_tokens(b) for b in batches)
+        with self.batch_errors(batches[0], "dataloader"):
+            label_tokens = sum(self.count_label_tokens(b) for b in batches)
+            input_tokens = sum(self.count_input_tokens(b) for b in batches)
         if self.world_size > 1:
             # Every rank divides by the tokens of the whole step; DDP/FSDP average gradients over ranks,
             # which the world-size factor undoes, so N ranks equal one process accumulating N times as much.
@@ -392,7 +434,8 @@ class TrainRecipe(BaseRecipe):
         scale = self.world_size / denominator
         total = torch.zeros((), device=self.device)
         for batch in batches:
-            loss_sum = self.compute_loss(self.model, self.move_to_device(batch))
+            with self.batch_errors(batch, "dataloader"):
+                loss_sum = self.compute_loss(self.model, self.move_to_device(batch))
             (loss_sum * scale).backward()
             total += loss_sum.detach().float()
         if self.world_size > 1:
@@ -429,6 +472,41 @@ class TrainRecipe(BaseRecipe):
                              f"training stopped (fault_tolerance.nonfinite: {policy.nonfinite}); {where}. Lower "
                              "optimizer.lr or set clip_grad_norm.max_norm")
 
+    @contextlib.contextmanager
+    def batch_errors(self, batch: Any, loader_key: str):
+        """A batch that does not fit what compute_loss / count_label_tokens read: say so, describing the batch."""
+        try:
+            yield
+        except AutomodelError:
+            raise
+        except (KeyError, TypeError, IndexError, AttributeError) as err:
+            from automodel.training.builders import describe_batch
+
+            name = type(self).__name__
+            raise AutomodelError(
+                f"the batch does not fit {name}.compute_loss / count_label_tokens: {type(err).__name__}: {err}. "
+                f"The batch is {describe_batch(batch)}; it is what {loader_key}.collate_fn returns (the recipe's "
+                "default when unset). Remove collate_fn, or make it return the keys and tensors the recipe reads; "
+                "AUTOMODEL_DEBUG=1 shows the traceback") from err
+
+    @contextlib.contextmanager
+    def validation_oom(self, name: str, loader: Any):
+        """Running out of memory in validation only (training fit): point at the validation batch size."""
+        try:
+            yield
+        except RuntimeError as err:  # torch.OutOfMemoryError (CUDA) is a RuntimeError; so is a failed CPU alloc
+            text = str(err)
+            if not (isinstance(err, torch.OutOfMemoryError) or "out of memory" in text.lower()
+                    or "can't allocate memory" in text):
+                raise
+            first = text.strip().splitlines()[0] if text.strip() else type(err).__name__
+            size = getattr(loader, "batch_size", None)
+            raise AutomodelError(
+                f"validation [{name}] at step {self.step_scheduler.step} ran out of memory with batch size {size}: "
+                f"{type(err).__name__}: {first[:300]}. Training fit, so lower validation_dataloader.batch_size "
+                "(it defaults to dataloader.batch_size) or shorten the validation samples; validation runs "
+                "under torch.no_grad() in eval mode") from err
+
     @torch.no_grad()
     def validate(self) -> None:
         self.model.eval()
@@ -437,14 +515,16 @@ class TrainRecipe(BaseRecipe):
                 total = torch.zeros((), device=self.device)
                 tokens = 0
                 for batch in loader:
-                    tokens += self.count_label_tokens(batch)
-                    total += self.compute_loss(self.model, self.move_to_device(batch)).float()
+                    with self.batch_errors(batch, "validation_dataloader"), self.validation_oom(name, loader):
+                        tokens += self.count_label_tokens(batch)
+                        total += self.compute_loss(self.model, self.move_to_device(batch)).float()
                 record = {"step": self.step_scheduler.step, "epoch": self.step_scheduler.epoch, "name": name,
                           "val_loss": total.item() / max(tokens, 1), "num_label_tokens": tokens}
                 record.update(self.extra_validation_metrics(name, loader))
                 record["timestamp"] = time.time()
                 if self.is_main_process:
                     self.val_log.write(record)
+                    self.metric_loggers.log_validation(record, record["step"])
                 shown = ", ".join(f"{k}={v:.4f}" for k, v in record.items()
                                   if isinstance(v, float) and k != "timestamp")
                 self.log(f"validation [{name}] step {record['step']}: {shown}")
@@ -490,8 +570,10 @@ class TrainRecipe(BaseRecipe):
         window_tokens, window_start = 0, time.perf_counter()
         saved_at = None
         self.final_checkpoint: Path | None = None
+        status = FAILED  # what the metric backends are told when the loop ends
         with StopRequest() as stop:
             try:
+                self.metric_loggers.open(self.cfg.raw)  # secrets are masked before any backend sees the config
                 step_start = time.perf_counter()
                 for batches in steps.batches(self.dataloader):
                     loss, grad_norm, tokens = self.train_step(batches)
@@ -513,10 +595,17 @@ class TrainRecipe(BaseRecipe):
                     step_start = time.perf_counter()
                 if saved_at != steps.step and steps.step > 0:
                     self.final_checkpoint = self.save_checkpoint()
+                if self.final_checkpoint is not None:
+                    self.metric_loggers.log_model(self.final_checkpoint / "model")
+                status = SUCCESS
+            except TrainingStopped:
+                status = STOPPED
+                raise
             finally:
                 progress.close()
                 self.train_log.close()
                 self.val_log.close()
+                self.metric_loggers.close(status)
         self.on_train_end(self.final_checkpoint)
 
     def _log_step(self, loss: float, grad_norm: torch.Tensor, tokens: int, elapsed: float, progress: tqdm) -> None:
@@ -527,4 +616,5 @@ class TrainRecipe(BaseRecipe):
             record["skipped_steps"] = self.skipped_steps
         if self.is_main_process:
             self.train_log.write(record)
+            self.metric_loggers.log_train(record, record["step"])
         progress.set_postfix(loss=f"{loss:.4f}", lr=f"{sample.lr:.2e}", tps=f"{sample.tps:.0f}")

@@ -39,9 +39,23 @@ def load_rows(name_or_path: str, split: str = "train", key: str = "dataset.datas
         raise AutomodelError(f"{key}: cannot load '{name_or_path}'{hint}: {type(err).__name__}: {err}") from None
 
 
+def missing_local_path(name_or_path: Any) -> bool:
+    """A value that is clearly a local path (absolute, ./ ../ ~, or a file name) and does not exist.
+
+    Without this, transformers reports a missing directory as an invalid hub repository id.
+    """
+    if not isinstance(name_or_path, str) or not name_or_path:
+        return False
+    path = Path(name_or_path).expanduser()
+    local = path.is_absolute() or name_or_path.startswith(("./", "../", "~")) or path.suffix in (".json", ".yaml")
+    return local and not path.exists()
+
+
 def load_tokenizer(name_or_path: str, key: str) -> Any:
     from transformers import AutoTokenizer
 
+    if missing_local_path(str(name_or_path)):
+        raise AutomodelError(f"{key}: '{name_or_path}' does not exist")
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(name_or_path))
     except Exception as err:  # noqa: BLE001 - transformers raises OSError/ValueError/... for a bad path

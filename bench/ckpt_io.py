@@ -1,0 +1,117 @@
+"""Checkpoint IO: the engine's save/restore path against raw safetensors on the same tensors (one process).
+
+engine save = ``Checkpointer.save`` (staging directory, the recipe's ``save_model`` = ``model.save_pretrained``,
+trainer_state.json, config.yaml, directory fsync, atomic rename, LATEST) and no other state;
+engine load = the recipe's ``load_model_weights`` (what the restore stage calls on resume: adapter check,
+``load_safetensors_dir`` + ``load_weights_into`` with its key/shape checks and the copy into the model).
+raw save = ``safetensors.torch.save_file`` of the model's (de-duplicated) state dict to a new file, removing the
+previous one (the engine also writes a new directory and, with keep_last=1, removes the previous one: overwriting
+one file in place measures the filesystem's truncate path instead); raw load = ``load_file`` + the copy into the
+model (``load_state_dict``). ``load_file`` alone only maps the file (tensors are read lazily on first touch), so it
+is recorded too (raw_load_file_only) but is not a like-for-like baseline.
+The operations alternate, their order flipped every repetition; prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "baselines"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model-config", required=True)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--dir", default=None)
+    args = parser.parse_args()
+
+    import torch
+    from common import build_model, seed_everything
+    from safetensors.torch import load_file, save_file
+
+    from automodel.training.checkpoint import Checkpointer
+    from automodel.training.sections import CheckpointConfig
+    from automodel_llm.recipe import FinetuneRecipeForNextTokenPrediction as Recipe
+
+    seed_everything(0)
+    model = build_model(args.model_config)
+    target = build_model(args.model_config)  # what a resume loads into
+    recipe = Recipe.__new__(Recipe)  # the recipe's own save/load methods, without building a run
+    object.__setattr__(recipe, "_stateful", {})
+    object.__setattr__(recipe, "_untracked", set())
+    recipe.model = model
+
+    state, seen = {}, set()
+    for key, tensor in model.state_dict().items():
+        if tensor.data_ptr() in seen:
+            continue
+        seen.add(tensor.data_ptr())
+        state[key] = tensor.detach().contiguous()
+    num_params = sum(t.numel() for t in state.values())
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+
+    root = Path(args.dir or tempfile.mkdtemp(prefix="automodel-bench-ckpt-"))
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    checkpointer = Checkpointer(CheckpointConfig(checkpoint_dir=str(root / "engine"), keep_last=1), "bench: true\n")
+    checkpointer.prepare()
+    raw_dir = root / "raw"
+    raw_dir.mkdir()
+
+    times: dict[str, list[float]] = {"engine_save": [], "raw_save": [], "engine_load": [], "raw_load": [],
+                                     "raw_load_file_only": []}
+    latest: list[Path] = []
+    raw_latest: list[Path] = []
+
+    def engine_save(rep: int) -> None:
+        # no optimizer/RNG/data states: the weights are what is compared with the raw file
+        latest[:] = [checkpointer.save({}, recipe.save_model, {"step": rep + 1, "epoch": 0}, 0, rep + 1)]
+
+    def raw_save(rep: int) -> None:
+        file = raw_dir / f"model-{rep + 1}.safetensors"
+        save_file(state, str(file), metadata={"format": "pt"})
+        for old in raw_latest:
+            old.unlink()
+        raw_latest[:] = [file]
+
+    def engine_load(rep: int) -> None:
+        recipe.load_model_weights(target, latest[0] / "model")
+
+    def raw_load(rep: int) -> None:
+        target.load_state_dict(load_file(str(raw_latest[0])), strict=False)
+
+    def raw_load_file_only(rep: int) -> None:
+        assert len(load_file(str(raw_latest[0]))) == len(state)
+
+    ops = [("engine_save", engine_save), ("raw_save", raw_save), ("engine_load", engine_load),
+           ("raw_load", raw_load), ("raw_load_file_only", raw_load_file_only)]
+    engine_save(-1), raw_save(-1)  # warm-up: first-call costs (imports, page cache) are not what we compare
+    for rep in range(args.reps):
+        # saves before loads (a load reads what was just saved); within each pair the order alternates
+        pairs = [ops[0:2], ops[2:4], ops[4:]]
+        for pair in pairs:
+            for name, fn in (pair if rep % 2 == 0 else pair[::-1]):
+                start = time.perf_counter()
+                fn(rep)
+                times[name].append(time.perf_counter() - start)
+    recipe.load_model_weights(target, latest[0] / "model")
+    with torch.no_grad():
+        pairs = zip(model.state_dict().values(), target.state_dict().values(), strict=True)
+        same = all(torch.equal(a, b) for a, b in pairs)
+    files = sorted(p.name for p in (latest[0] / "model").iterdir())
+    shutil.rmtree(root, ignore_errors=True)
+    print(json.dumps({"num_params": num_params, "bytes": nbytes, "times_s": times,
+                      "median_s": {k: statistics.median(v) for k, v in times.items()},
+                      "engine_files": files, "round_trip_equal": same}))
+
+
+if __name__ == "__main__":
+    main()
