@@ -28,7 +28,7 @@ run: install
 	$(VENV)/bin/automodel finetune llm -c llm/tiny_squad
 
 test: install
-	$(PY) -m pytest --import-mode=importlib -q $(foreach d,$(DISTS),$(d)/tests) tests
+	$(PY) -m pytest --rootdir=. --import-mode=importlib -q $(foreach d,$(DISTS),$(d)/tests) tests
 
 lint: install
 	$(VENV)/bin/ruff check .
