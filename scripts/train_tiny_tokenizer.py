@@ -3,8 +3,11 @@
 
 A byte-level BPE (GPT-2 style, so any text can be encoded without ``<unk>``)
 with a small vocabulary, trained on the contexts, questions and prompt words of
-``tiny_squad/{train,validation}.jsonl``.  The vocabulary is large enough that
-every word of the data set, with its leading space, is a single token.
+``tiny_squad/{train,validation}.jsonl``.  ``--vocab-size`` is an upper bound:
+on this small corpus BPE runs out of merges first (482 tokens for the shipped
+data), so every word of the data set, with its leading space, is a single
+token.  ``tiny_llama/config.json``'s ``vocab_size`` must equal ``len(tokenizer)``
+(re-check it after regenerating).
 
 Special tokens: ``<pad>`` (0), ``<s>`` (1, bos), ``</s>`` (2, eos), ``<unk>`` (3).
 A TemplateProcessing post-processor prepends ``<s>`` when the tokenizer is

@@ -14,6 +14,25 @@ Usage (defaults are the chosen hyper-parameters)::
 
 Options that change the model override the values in
 ``tiny_llama/config.json``.
+
+Findings (2 CPU threads, torch 2.13 CPU, transformers 5.x; the training time
+excludes imports and the intermediate validation-loss evaluations):
+
+* Chosen: the 2-layer config.json model (hidden 128, 4 heads, MLP 256, tied
+  embeddings, ~0.39M parameters), batch 64, no accumulation, 500 steps,
+  AdamW lr 3e-3 betas (0.9, 0.95) weight_decay 0.1 (on all parameters),
+  warmup 30 then cosine to 3e-4, grad clip 1.0.  ~25 s on an idle machine;
+  validation EM 0.99-1.00 for seeds 0, 1, 2, 3, 4, 42; validation loss
+  6.3 -> ~0.2-0.9 (step 100) -> <0.03 (step 500).
+* Adam beta2 matters: with the default 0.999, 500 steps give EM 0.84-0.87;
+  300 steps give 0.78-0.80.  weight_decay 0.01 instead of 0.1 leaves some
+  seeds stuck at ~0.94 (one category memorised instead of copied).
+* 300 steps (even with beta2 0.95) are seed dependent (0.84-1.00).
+  lr 6e-3 and 1e-2 diverge / stall; batch 128 with half the steps is worse
+  than batch 64: the number of optimizer steps is what counts here.
+* Data design: shuffled fact order or "Who ...?" questions, and larger word
+  lists, were much slower to generalise (the model memorises the 800 training
+  rows before it learns to copy); see scripts/make_tiny_squad.py.
 """
 
 from __future__ import annotations
@@ -212,9 +231,24 @@ def run(args, seed):
     em, preds = exact_match(model, tok, val)
     em_s = time.perf_counter() - te
     train_em, _ = exact_match(model, tok, train[:100])
+    em_single = None
+    if args.check_unbatched:  # one prompt at a time, no padding: must agree
+        correct = 0
+        model.eval()
+        with torch.no_grad():
+            for e in val:
+                ids = torch.tensor([e["prompt_ids"]])
+                out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                     max_new_tokens=4, do_sample=False,
+                                     pad_token_id=tok.pad_token_id,
+                                     eos_token_id=tok.eos_token_id)[0, ids.shape[1]:].tolist()
+                if tok.eos_token_id in out:
+                    out = out[: out.index(tok.eos_token_id)]
+                correct += tok.decode(out, skip_special_tokens=True).strip() == e["answer"]
+        em_single = correct / len(val)
     return {
         "seed": seed, "params": n_params, "train_s": train_s, "train_cpu_s": train_cpu_s, "eval_em_s": em_s,
-        "em": em, "train_em_100": train_em, "epochs": epoch, "curve": curve,
+        "em": em, "em_single": em_single, "train_em_100": train_em, "epochs": epoch, "curve": curve,
         "by_type": by_type(val, preds),
         "wrong": [(e["answer"], p) for e, p in zip(val, preds) if p != e["answer"]][:5],
     }
@@ -238,20 +272,22 @@ def main():
     p.add_argument("--heads", type=int)
     p.add_argument("--kv-heads", type=int)
     p.add_argument("--intermediate-size", type=int)
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--grad-accum", type=int, default=1)
-    p.add_argument("--max-steps", type=int, default=200)
+    p.add_argument("--max-steps", type=int, default=500)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--min-lr", type=float, default=3e-4)
-    p.add_argument("--warmup-steps", type=int, default=20)
-    p.add_argument("--weight-decay", type=float, default=0.01)
-    p.add_argument("--beta2", type=float, default=0.999)
+    p.add_argument("--warmup-steps", type=int, default=30)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--beta2", type=float, default=0.95)
     p.add_argument("--no-decay-norms", action="store_true")
     p.add_argument("--max-seq-length", type=int, default=64)
-    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seeds", type=int, nargs="+", default=[42])
     p.add_argument("--verbose", action="store_true")
+    p.add_argument("--check-unbatched", action="store_true",
+                   help="also score EM generating one unpadded prompt at a time")
     args = p.parse_args()
 
     import torch
@@ -262,7 +298,9 @@ def main():
         curve = " ".join(f"{s}:{l:.3f}" for s, l in r["curve"])
         print(
             f"seed {seed}: params {r['params']} train {r['train_s']:.1f}s wall / {r['train_cpu_s']:.1f}s cpu, epochs {r['epochs']} "
-            f"EM {r['em']:.2f} (train EM {r['train_em_100']:.2f}, eval {r['eval_em_s']:.1f}s) "
+            f"EM {r['em']:.2f}"
+            + (f" (unbatched {r['em_single']:.2f})" if r["em_single"] is not None else "")
+            + f" (train EM {r['train_em_100']:.2f}, eval {r['eval_em_s']:.1f}s) "
             f"val loss {curve}\n    by type: {r['by_type']}\n    wrong: {r['wrong']}",
             flush=True,
         )
