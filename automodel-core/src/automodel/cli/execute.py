@@ -88,9 +88,29 @@ def run_recipe(recipe_cls: type, config_path: Path, extra_args: list[str], manag
         click.echo("dry run: nothing was built")
         return 0
     recipe = recipe_cls(cfg)
-    recipe.setup()
-    recipe.run_train_validation_loop()
+    try:
+        recipe.setup()
+        recipe.run_train_validation_loop()
+        finished = True
+    except BaseException:
+        finished = False
+        raise
+    finally:
+        _close_process_group(finished)
     return 0
+
+
+def _close_process_group(finished: bool) -> None:
+    """Leave a torchrun job cleanly: ranks that finished wait for each other, then tear the group down.
+
+    Exiting with the group still alive lets gloo's threads race interpreter shutdown (an occasional SIGABRT).
+    """
+    torch_dist = sys.modules.get("torch.distributed")
+    if torch_dist is None or not torch_dist.is_available() or not torch_dist.is_initialized():
+        return
+    if finished:
+        torch_dist.barrier()
+    torch_dist.destroy_process_group()
 
 
 def _under_torchrun() -> bool:
