@@ -22,20 +22,10 @@ from typing import Any
 import torch
 
 from automodel.errors import AutomodelError
+from automodel.model_files import has_weights, parse_dtype
 
 DENOISERS = ("transformer", "unet")
-_WEIGHT_PATTERNS = ("*.safetensors", "*.bin")
 _SUPPORTED = "SD3Transformer2DModel (StableDiffusion3Pipeline) and UNet2DConditionModel (StableDiffusionPipeline)"
-
-
-def as_dtype(value: Any) -> Any:
-    """``"bfloat16"`` / ``"torch.float16"`` -> the torch dtype (None and dtypes pass through)."""
-    if value is None or isinstance(value, torch.dtype):
-        return value
-    dtype = getattr(torch, str(value).removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        raise AutomodelError(f"model.dtype: '{value}' is not a torch dtype (float32, bfloat16, float16)")
-    return dtype
 
 
 def read_model_index(path: str | Path) -> dict[str, Any] | None:
@@ -52,10 +42,6 @@ def pipeline_components(index: dict[str, Any]) -> dict[str, tuple[str, str]]:
             if not name.startswith("_") and isinstance(value, list) and len(value) == 2 and value[0] and value[1]}
 
 
-def _has_weights(directory: Path) -> bool:
-    return directory.is_dir() and any(any(directory.glob(p)) for p in _WEIGHT_PATTERNS)
-
-
 def _load_component(library: str, class_name: str, directory: Path, dtype: torch.dtype | None) -> Any:
     """One component from its subfolder: weights when it has them, a fresh initialisation from its config if not."""
     import diffusers
@@ -69,7 +55,7 @@ def _load_component(library: str, class_name: str, directory: Path, dtype: torch
     if isinstance(cls, type) and issubclass(cls, diffusers.SchedulerMixin):
         return cls.from_pretrained(str(directory))
     if isinstance(cls, type) and issubclass(cls, (diffusers.ModelMixin, transformers.PreTrainedModel)):
-        if _has_weights(directory):
+        if has_weights(directory):
             return cls.from_pretrained(str(directory), torch_dtype=dtype) if library == "diffusers" else \
                 cls.from_pretrained(str(directory), dtype=dtype)
         if issubclass(cls, diffusers.ModelMixin):
@@ -96,14 +82,14 @@ def load_pipeline(path: str | Path, dtype: torch.dtype | None = None, **kwargs: 
     root = Path(str(path))
     models = {name: spec for name, spec in (pipeline_components(index) if index else {}).items()
               if (root / name / "config.json").is_file()}
-    if index is None or all(_has_weights(root / name) for name in models):
+    if index is None or all(has_weights(root / name) for name in models):
         try:
             return diffusers.DiffusionPipeline.from_pretrained(str(path), torch_dtype=dtype, **kwargs)
         except (OSError, ValueError) as err:
             raise AutomodelError(f"model: cannot load the diffusers pipeline '{path}': {err}") from None
     if kwargs:
         raise AutomodelError(f"model: {', '.join(sorted(kwargs))}: not accepted for '{path}', whose components "
-                             f"{', '.join(n for n in models if not _has_weights(root / n))} have no weights yet")
+                             f"{', '.join(n for n in models if not has_weights(root / n))} have no weights yet")
     components = {name: None for name, value in index.items() if not name.startswith("_") and isinstance(value, list)}
     for name, (library, class_name) in pipeline_components(index).items():
         components[name] = _load_component(library, class_name, root / name, dtype)
@@ -166,7 +152,7 @@ class AutoDiffusionPipeline(torch.nn.Module):
         path = pretrained_model_name_or_path or name_or_path
         if not path:
             raise AutomodelError("model.pretrained_model_name_or_path: missing (a hub name or a pipeline directory)")
-        pipeline = load_pipeline(path, as_dtype(dtype or torch_dtype), **kwargs)
+        pipeline = load_pipeline(path, parse_dtype(dtype or torch_dtype), **kwargs)
         return cls(pipeline, trainable_components, max_sequence_length)
 
     @classmethod
@@ -179,7 +165,7 @@ class AutoDiffusionPipeline(torch.nn.Module):
             raise AutomodelError(f"model.config: '{config}' is not a pipeline directory (no model_index.json)")
         if seed is not None:
             torch.manual_seed(seed)
-        return cls(load_pipeline(config, as_dtype(dtype or torch_dtype)), trainable_components, max_sequence_length)
+        return cls(load_pipeline(config, parse_dtype(dtype or torch_dtype)), trainable_components, max_sequence_length)
 
     # ---- the components --------------------------------------------------------------------------------------
 

@@ -10,20 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from automodel.errors import AutomodelError
-
-_WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt")
-
-
-def _dtype(value: Any) -> Any:
-    if value is None or value == "auto" or not isinstance(value, str):
-        return value
-    import torch
-
-    name = value.removeprefix("torch.")
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise AutomodelError(f"model.dtype: '{value}' is not a torch dtype (float32, bfloat16, float16)")
-    return dtype
+from automodel.model_files import has_weights, parse_dtype
 
 
 def _load_config(config: Any, **overrides: Any) -> Any:
@@ -48,10 +35,6 @@ def _load_config(config: Any, **overrides: Any) -> Any:
     return AutoConfig.from_pretrained(str(config), **overrides)
 
 
-def _has_weights(path: Path) -> bool:
-    return path.is_dir() and any(any(path.glob(p)) for p in _WEIGHT_PATTERNS)
-
-
 class AutoModelForCausalLM:
     """Builds a ``transformers`` causal LM: from a checkpoint (``from_pretrained``) or a config (``from_config``)."""
 
@@ -64,12 +47,12 @@ class AutoModelForCausalLM:
         if not path:
             raise AutomodelError("model.pretrained_model_name_or_path: missing (a hub name or a local directory)")
         local = Path(str(path))
-        if local.is_dir() and (local / "config.json").is_file() and not _has_weights(local):
+        if local.is_dir() and (local / "config.json").is_file() and not has_weights(local):
             # A directory with only config.json: a fresh, randomly initialised model of that architecture.
             return cls.from_config(str(local), dtype=dtype or torch_dtype, **kwargs)
         try:
             return transformers.AutoModelForCausalLM.from_pretrained(
-                str(path), dtype=_dtype(dtype or torch_dtype), **kwargs)
+                str(path), dtype=parse_dtype(dtype or torch_dtype), **kwargs)
         except OSError as err:
             raise AutomodelError(f"model: cannot load '{path}': {err}") from None
 
@@ -84,7 +67,7 @@ class AutoModelForCausalLM:
         if seed is not None:
             torch.manual_seed(seed)
         model = transformers.AutoModelForCausalLM.from_config(hf_config, **model_kwargs)
-        chosen = _dtype(dtype or torch_dtype)
+        chosen = parse_dtype(dtype or torch_dtype)
         return model.to(chosen) if isinstance(chosen, torch.dtype) else model
 
 

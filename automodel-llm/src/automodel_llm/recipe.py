@@ -70,11 +70,9 @@ class FinetuneRecipeForNextTokenPrediction(TrainRecipe):
         return None, "tokenizer"
 
     def setup_domain(self) -> None:
-        import datasets
         import transformers
 
-        datasets.disable_progress_bars()  # our own progress bar is the one to watch
-        transformers.utils.logging.disable_progress_bar()
+        transformers.utils.logging.disable_progress_bar()  # our own progress bar is the one to watch
         node = self.cfg.tokenizer
         if node is not None:
             source = node.get("pretrained_model_name_or_path")

@@ -13,36 +13,8 @@ from typing import Any
 
 import torch
 
+from automodel.data import load_rows
 from automodel.errors import AutomodelError
-
-_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
-
-
-def load_rows(name_or_path: str, split: str = "train", key: str = "dataset.path") -> Any:
-    """A ``datasets.Dataset`` of one split: a local JSON/JSONL/CSV/parquet file or directory, or a hub name."""
-    import datasets
-
-    datasets.disable_progress_bars()
-    path = Path(str(name_or_path))
-    try:
-        if path.is_file():
-            builder = _BUILDERS.get(path.suffix.lower())
-            if builder is None:
-                raise AutomodelError(f"{key}: '{path}' has an unsupported extension; use one of "
-                                     f"{', '.join(sorted(_BUILDERS))}")
-            if path.stat().st_size == 0:
-                raise AutomodelError(f"{key}: '{path}' is empty")
-            return datasets.load_dataset(builder, data_files=str(path), split="train")
-        if path.is_dir():
-            return datasets.load_dataset(str(path), split=split)
-        if path.is_absolute() or str(name_or_path).startswith(("./", "../")) or path.suffix in _BUILDERS:
-            raise AutomodelError(f"{key}: '{name_or_path}' does not exist")
-        return datasets.load_dataset(str(name_or_path), split=split)
-    except AutomodelError:
-        raise
-    except Exception as err:  # noqa: BLE001 - datasets raises many types for a bad file or an offline hub name
-        hint = " (offline? point it at a local file or directory)" if not path.exists() else ""
-        raise AutomodelError(f"{key}: cannot load '{name_or_path}'{hint}: {type(err).__name__}: {err}") from None
 
 
 def doc_text(value: Any, key: str = "document") -> str:

@@ -28,11 +28,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from automodel.errors import AutomodelError
+from automodel.model_files import has_weights, parse_dtype
 
 POOLINGS = ("mean", "cls", "last")
 CONFIG_NAME = "bi_encoder_config.json"
 QUERY_DIR, DOCUMENT_DIR = "query_encoder", "document_encoder"
-_WEIGHT_PATTERNS = ("*.safetensors", "*.bin")
 _ENCODER_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "position_ids")
 
 
@@ -71,19 +71,6 @@ def resolve_model_dir(path: str | Path) -> Path:
     if (path / "trainer_state.json").is_file() and (path / "model").is_dir():
         path = path / "model"
     return path
-
-
-def _has_weights(path: Path) -> bool:
-    return path.is_dir() and any(any(path.glob(p)) for p in _WEIGHT_PATTERNS)
-
-
-def _dtype(value: Any) -> Any:
-    if value is None or value == "auto" or not isinstance(value, str):
-        return value
-    dtype = getattr(torch, value.removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        raise AutomodelError(f"model.dtype: '{value}' is not a torch dtype (float32, bfloat16, float16)")
-    return dtype
 
 
 def load_hf_config(config: Any, **overrides: Any) -> Any:
@@ -134,10 +121,10 @@ def _encoder_from_pretrained(path: str | Path, dtype: Any = None, **kwargs: Any)
     from transformers import AutoModel
 
     local = Path(str(path))
-    if local.is_dir() and (local / "config.json").is_file() and not _has_weights(local):
+    if local.is_dir() and (local / "config.json").is_file() and not has_weights(local):
         return _encoder_from_config(local / "config.json", None, kwargs.pop("attn_implementation", None))
     try:
-        return AutoModel.from_pretrained(str(path), dtype=_dtype(dtype), **kwargs)
+        return AutoModel.from_pretrained(str(path), dtype=parse_dtype(dtype), **kwargs)
     except OSError as err:
         raise AutomodelError(f"model: cannot load an encoder from '{path}': {err}") from None
 
@@ -307,10 +294,11 @@ class CrossEncoder:
         if not path:
             raise AutomodelError("model.pretrained_model_name_or_path: missing (a hub name or a local directory)")
         directory = resolve_model_dir(path)
-        if directory.is_dir() and (directory / "config.json").is_file() and not _has_weights(directory):
+        if directory.is_dir() and (directory / "config.json").is_file() and not has_weights(directory):
             return cls.from_config(directory / "config.json", num_labels=num_labels, **kwargs)
         try:
             return AutoModelForSequenceClassification.from_pretrained(
-                str(directory if directory.exists() else path), num_labels=num_labels, dtype=_dtype(dtype), **kwargs)
+                str(directory if directory.exists() else path), num_labels=num_labels, dtype=parse_dtype(dtype),
+                **kwargs)
         except OSError as err:
             raise AutomodelError(f"model: cannot load '{path}': {err}") from None

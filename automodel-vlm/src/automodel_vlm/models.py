@@ -12,20 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from automodel.errors import AutomodelError
+from automodel.model_files import has_weights, parse_dtype
 
-_WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt")
 _SUB_CONFIGS = ("vision_config", "text_config")
-
-
-def _dtype(value: Any) -> Any:
-    if value is None or value == "auto" or not isinstance(value, str):
-        return value
-    import torch
-
-    dtype = getattr(torch, value.removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        raise AutomodelError(f"model.dtype: '{value}' is not a torch dtype (float32, bfloat16, float16)")
-    return dtype
 
 
 def _read_json(path: Path, key: str) -> dict:
@@ -94,10 +83,6 @@ def load_config(config: Any, vision_config: Any = None, text_config: Any = None,
         raise AutomodelError(f"model.config: model_type '{model_type}': {err}") from None
 
 
-def _has_weights(path: Path) -> bool:
-    return path.is_dir() and any(any(path.glob(p)) for p in _WEIGHT_PATTERNS)
-
-
 class AutoModelForImageTextToText:
     """Builds a ``transformers`` image-text-to-text model from a checkpoint or from a config."""
 
@@ -110,12 +95,12 @@ class AutoModelForImageTextToText:
         if not path:
             raise AutomodelError("model.pretrained_model_name_or_path: missing (a hub name or a local directory)")
         local = Path(str(path))
-        if local.is_dir() and (local / "config.json").is_file() and not _has_weights(local):
+        if local.is_dir() and (local / "config.json").is_file() and not has_weights(local):
             # A directory with only config.json: a fresh, randomly initialised model of that architecture.
             return cls.from_config(str(local), dtype=dtype or torch_dtype, **kwargs)
         try:
             return transformers.AutoModelForImageTextToText.from_pretrained(
-                str(path), dtype=_dtype(dtype or torch_dtype), **kwargs)
+                str(path), dtype=parse_dtype(dtype or torch_dtype), **kwargs)
         except (OSError, ValueError) as err:
             raise AutomodelError(f"model: cannot load '{path}' as an image-text-to-text model: {err}") from None
 
@@ -134,7 +119,7 @@ class AutoModelForImageTextToText:
             model = transformers.AutoModelForImageTextToText.from_config(hf_config, **model_kwargs)
         except ValueError as err:
             raise AutomodelError(f"model.config: {err}") from None
-        chosen = _dtype(dtype or torch_dtype)
+        chosen = parse_dtype(dtype or torch_dtype)
         return model.to(chosen) if isinstance(chosen, torch.dtype) else model
 
 

@@ -1,42 +1,12 @@
-"""Reading rows through ``datasets``: a hub name, or a local JSON/JSONL/CSV/parquet file or directory."""
+"""Loading tokenizers by name or path (data rows come from :func:`automodel.data.load_rows`)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+from automodel.data import load_rows
 from automodel.errors import AutomodelError
-
-_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
-
-
-def load_rows(name_or_path: str, split: str = "train", key: str = "dataset.dataset_name",
-              streaming: bool = False) -> Any:
-    """A ``datasets.Dataset`` (or IterableDataset when streaming) for one split."""
-    import datasets
-
-    path = Path(str(name_or_path))
-    try:
-        if path.is_file():
-            builder = _BUILDERS.get(path.suffix.lower())
-            if builder is None:
-                raise AutomodelError(f"{key}: '{path}' has an unsupported extension; use one of "
-                                     f"{', '.join(sorted(_BUILDERS))}")
-            if path.stat().st_size == 0:
-                raise AutomodelError(f"{key}: '{path}' is empty")
-            return datasets.load_dataset(builder, data_files=str(path), split="train", streaming=streaming)
-        if path.is_dir():
-            return datasets.load_dataset(str(path), split=split, streaming=streaming)
-        if path.is_absolute() or str(name_or_path).startswith(("./", "../")) or path.suffix in _BUILDERS:
-            raise AutomodelError(f"{key}: '{name_or_path}' does not exist")
-        return datasets.load_dataset(str(name_or_path), split=split, streaming=streaming)
-    except AutomodelError:
-        raise
-    except ValueError as err:
-        raise AutomodelError(f"{key}: cannot read split '{split}' of '{name_or_path}': {err}") from None
-    except Exception as err:  # datasets raises many types for a missing/offline hub name or a bad file
-        hint = " (offline? point it at a local file or directory)" if not path.exists() else ""
-        raise AutomodelError(f"{key}: cannot load '{name_or_path}'{hint}: {type(err).__name__}: {err}") from None
 
 
 def missing_local_path(name_or_path: Any) -> bool:
@@ -63,3 +33,6 @@ def load_tokenizer(name_or_path: str, key: str) -> Any:
     if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+__all__ = ["load_rows", "load_tokenizer", "missing_local_path"]
