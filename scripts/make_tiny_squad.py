@@ -105,7 +105,7 @@ def make_row(
     rng: random.Random, idx: int, split: str, shuffle: bool = False, who: bool = False
 ) -> dict:
     people = rng.sample(PEOPLE, len(FACTS))
-    facts = [make(p, rng) for make, p in zip(FACTS, people)]
+    facts = [make(p, rng) for make, p in zip(FACTS, people, strict=False)]
     order = list(range(len(facts)))
     if shuffle:
         rng.shuffle(order)

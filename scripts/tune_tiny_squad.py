@@ -177,7 +177,7 @@ def run(args, seed):
     n_params = sum(p.numel() for p in model.parameters())
 
     decay, no_decay = [], []
-    for name, p in model.named_parameters():
+    for _name, p in model.named_parameters():
         (no_decay if p.ndim < 2 else decay).append(p)
     optim = torch.optim.AdamW(
         [{"params": decay, "weight_decay": args.weight_decay},
@@ -250,13 +250,13 @@ def run(args, seed):
         "seed": seed, "params": n_params, "train_s": train_s, "train_cpu_s": train_cpu_s, "eval_em_s": em_s,
         "em": em, "em_single": em_single, "train_em_100": train_em, "epochs": epoch, "curve": curve,
         "by_type": by_type(val, preds),
-        "wrong": [(e["answer"], p) for e, p in zip(val, preds) if p != e["answer"]][:5],
+        "wrong": [(e["answer"], p) for e, p in zip(val, preds, strict=False) if p != e["answer"]][:5],
     }
 
 
 def by_type(examples, preds):
     stats = {}
-    for e, p in zip(examples, preds):
+    for e, p in zip(examples, preds, strict=False):
         ok, n = stats.get(e["qtype"], (0, 0))
         stats[e["qtype"]] = (ok + (p == e["answer"]), n + 1)
     return " ".join(f"{k.replace(' ', '_')}={ok}/{n}" for k, (ok, n) in sorted(stats.items()))
@@ -295,9 +295,10 @@ def main():
     torch.set_num_threads(args.threads)
     for seed in args.seeds:
         r = run(args, seed)
-        curve = " ".join(f"{s}:{l:.3f}" for s, l in r["curve"])
+        curve = " ".join(f"{s}:{loss:.3f}" for s, loss in r["curve"])
         print(
-            f"seed {seed}: params {r['params']} train {r['train_s']:.1f}s wall / {r['train_cpu_s']:.1f}s cpu, epochs {r['epochs']} "
+            f"seed {seed}: params {r['params']} train {r['train_s']:.1f}s wall / {r['train_cpu_s']:.1f}s cpu, "
+            f"epochs {r['epochs']} "
             f"EM {r['em']:.2f}"
             + (f" (unbatched {r['em_single']:.2f})" if r["em_single"] is not None else "")
             + f" (train EM {r['train_em_100']:.2f}, eval {r['eval_em_s']:.1f}s) "
