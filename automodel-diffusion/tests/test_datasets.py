@@ -7,11 +7,11 @@ import json
 import numpy as np
 import pytest
 import torch
-from automodel_diffusion.datasets import ImageCaptionDataset, collate_image_captions, image_to_tensor
 from diffusion_testing import SHAPES
 from PIL import Image
 
 from automodel.errors import AutomodelError
+from automodel_diffusion.datasets import ImageCaptionDataset, collate_image_captions, image_to_tensor
 
 
 def write_image(path, colour, size=(40, 24)):

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from automodel_diffusion.objectives import FlowMatching, ObjectiveConfig, build_objective, sample_unit
 from diffusers import DDPMScheduler, FlowMatchEulerDiscreteScheduler
 
 from automodel.errors import AutomodelError
+from automodel_diffusion.objectives import FlowMatching, ObjectiveConfig, build_objective, sample_unit
 
 
 def latents(seed=0, shape=(64, 4, 8, 8)):

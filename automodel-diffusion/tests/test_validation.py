@@ -11,9 +11,8 @@ from diffusion_testing import EXAMPLES, cli
 @pytest.fixture
 def nothing_is_built(monkeypatch):
     """Fail the test if validation lets the run reach the pipeline or the recipe's setup."""
-    from automodel_diffusion.pipeline import AutoDiffusionPipeline
-
     from automodel.training.recipe import TrainRecipe
+    from automodel_diffusion.pipeline import AutoDiffusionPipeline
 
     def forbidden(*args, **kwargs):
         raise AssertionError("a pipeline/recipe was built although the config is invalid")

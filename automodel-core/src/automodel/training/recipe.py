@@ -617,4 +617,4 @@ class TrainRecipe(BaseRecipe):
         if self.is_main_process:
             self.train_log.write(record)
             self.metric_loggers.log_train(record, record["step"])
-        progress.set_postfix(loss=f"{loss:.4f}", lr=f"{sample.lr:.2e}", tps=f"{sample.tps:.0f}")
+        progress.set_postfix(loss=f"{loss:.4f}", lr=f"{sample.lr:.2e}", tps=f"{sample.tps:.0f}", refresh=False)
