@@ -177,8 +177,13 @@ def test_knowledge_distillation(make_config, tmp_path, tiny_llama_config):
     recipe, teacher_before = run(kd_config, "--step_scheduler.max_steps", "6")
     assert all(torch.equal(teacher_before[k], v) for k, v in recipe.teacher.state_dict().items())
     assert not recipe.teacher.training
+    assert recipe.teacher_head is not None  # the teacher's head projects only label positions too
     losses = [r["loss"] for r in read_jsonl(tmp_path / "ckpt" / "training.jsonl")]
     assert losses[-1] < losses[0]
+    run(kd_config, "--step_scheduler.max_steps", "6", "--logits.label_positions_only", "false",
+        "--checkpoint.checkpoint_dir", str(tmp_path / "all_positions"))
+    every = [r["loss"] for r in read_jsonl(tmp_path / "all_positions" / "training.jsonl")]
+    assert every == pytest.approx(losses, rel=1e-5)
     run(kd_config, "--step_scheduler.max_steps", "3", "--kd_ratio", "0", "--checkpoint.checkpoint_dir",
         str(tmp_path / "kd0"))
     train_inprocess(config, "--step_scheduler.max_steps", "3", "--checkpoint.checkpoint_dir", str(tmp_path / "sft"))

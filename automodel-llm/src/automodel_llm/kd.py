@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 from automodel.config import Free, Target
 from automodel.errors import ConfigIssue
-from automodel_llm.recipe import MODEL_INPUTS, FinetuneRecipeForNextTokenPrediction
+from automodel.training.loss import HeadOnPositions
+from automodel_llm.recipe import FinetuneRecipeForNextTokenPrediction
 
 IGNORE_INDEX = -100
 
@@ -61,6 +62,7 @@ class KnowledgeDistillationRecipe(FinetuneRecipeForNextTokenPrediction):
         teacher.requires_grad_(False)
         self.teacher = teacher
         self.untrack("teacher")
+        self.teacher_head = HeadOnPositions.attach(teacher) if self.cfg.logits.label_positions_only else None
         node = self.cfg.kd_loss_fn
         temperature = float(self.cfg.resolved.get("temperature", 1.0))
         self.kd_loss_fn = node.instantiate() if node is not None else KDLoss(temperature)
@@ -68,14 +70,11 @@ class KnowledgeDistillationRecipe(FinetuneRecipeForNextTokenPrediction):
         self.log(f"distilling from {self.cfg.teacher_model.target} (frozen) with kd_ratio={self.kd_ratio}")
 
     def compute_loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        labels = batch["labels"]
-        inputs = {k: v for k, v in batch.items() if k in MODEL_INPUTS}
-        logits = model(**inputs, use_cache=False).logits[:, :-1]
-        shifted = labels[:, 1:]
-        ce = self.loss_fn(logits.reshape(-1, logits.shape[-1]), shifted.reshape(-1))
+        logits, targets = self.next_token_logits(model, batch, self.head_positions)
+        ce = self.loss_fn(logits, targets)
         if self.kd_ratio == 0:
             return ce
         with torch.no_grad():
-            teacher_logits = self.teacher(**inputs, use_cache=False).logits[:, :-1]
-        kd = self.kd_loss_fn(logits, teacher_logits, shifted)
+            teacher_logits, _ = self.next_token_logits(self.teacher, batch, self.teacher_head)
+        kd = self.kd_loss_fn(logits, teacher_logits, targets)
         return (1 - self.kd_ratio) * ce + self.kd_ratio * kd

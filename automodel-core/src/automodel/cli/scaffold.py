@@ -201,7 +201,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from automodel_llm.recipe import IGNORE_INDEX, MODEL_INPUTS, FinetuneRecipeForNextTokenPrediction
+from automodel_llm.recipe import IGNORE_INDEX, FinetuneRecipeForNextTokenPrediction
 
 
 @dataclass
@@ -225,10 +225,8 @@ class @@RECIPE_CLASS@@(FinetuneRecipeForNextTokenPrediction):
         smoothing = self.cfg.@@SECTION@@.label_smoothing
         if not smoothing:
             return super().compute_loss(model, batch)
-        inputs = {k: v for k, v in batch.items() if k in MODEL_INPUTS}
-        logits = model(**inputs, use_cache=False).logits
-        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
-                               batch["labels"][:, 1:].reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum",
+        logits, targets = self.next_token_logits(model, batch, self.head_positions)  # one row per target token
+        return F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="sum",
                                label_smoothing=smoothing)
 '''
 
