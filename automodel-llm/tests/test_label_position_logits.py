@@ -12,7 +12,8 @@ import torch
 from llm_testing import VALIDATION, assert_states_equal, read_jsonl, train_inprocess
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from automodel.training.loss import IGNORE_INDEX, HeadOnPositions, MaskedCrossEntropy, label_positions
+from automodel.training.loss import IGNORE_INDEX, MaskedCrossEntropy
+from automodel.training.next_token import HeadOnPositions, label_positions
 
 
 def tiny_llama(vocab: int = 64) -> torch.nn.Module:

@@ -156,3 +156,24 @@ def test_resume_with_a_trainable_vision_tower_is_exact(tmp_path):
     assert [r["loss"] for r in got] == [ref_losses[s] for s in range(7, 13)]
     final, expected = clone_state(resumed.model), clone_state(reference.model)
     assert all(torch.equal(final[k], expected[k]) for k in expected)
+
+
+def test_logits_at_label_positions_only_change_nothing_but_the_work(tmp_path):
+    """The default (`logits.label_positions_only: true`) projects only the assistant-token positions through the
+    LM head; the losses and trained weights are those of computing logits at every position."""
+    runs = {}
+    for on in (True, False):
+        name = "labels" if on else "every"
+        config = write_config(tmp_path / f"{name}.yaml", tmp_path / name, logits={"label_positions_only": on},
+                              step_scheduler={"max_steps": 4, "checkpoint_interval": 100, "val_check_interval": 4},
+                              eval_generation={"enabled": False})
+        recipe = train_inprocess(config)
+        assert (recipe.head_positions is not None) == on
+        runs[on] = (recipe, read_jsonl(tmp_path / name / "training.jsonl"),
+                    read_jsonl(tmp_path / name / "validation.jsonl"))
+    (on, on_rows, on_val), (off, off_rows, off_val) = runs[True], runs[False]
+    assert len(on_rows) == len(off_rows) == 4 and len(on_val) == len(off_val) == 1
+    assert [r["loss"] for r in on_rows] == pytest.approx([r["loss"] for r in off_rows], rel=1e-5)
+    assert on_val[0]["val_loss"] == pytest.approx(off_val[0]["val_loss"], rel=1e-5)
+    final, expected = clone_state(on.model), clone_state(off.model)
+    assert all(torch.allclose(final[k], expected[k], atol=1e-5) for k in expected)

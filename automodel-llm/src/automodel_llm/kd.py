@@ -9,7 +9,6 @@ import torch.nn.functional as F
 
 from automodel.config import Free, Target
 from automodel.errors import ConfigIssue
-from automodel.training.loss import HeadOnPositions
 from automodel_llm.recipe import FinetuneRecipeForNextTokenPrediction
 
 IGNORE_INDEX = -100
@@ -62,7 +61,7 @@ class KnowledgeDistillationRecipe(FinetuneRecipeForNextTokenPrediction):
         teacher.requires_grad_(False)
         self.teacher = teacher
         self.untrack("teacher")
-        self.teacher_head = HeadOnPositions.attach(teacher) if self.cfg.logits.label_positions_only else None
+        self.teacher_head = self.attach_head(teacher) if self.cfg.logits.label_positions_only else None
         node = self.cfg.kd_loss_fn
         temperature = float(self.cfg.resolved.get("temperature", 1.0))
         self.kd_loss_fn = node.instantiate() if node is not None else KDLoss(temperature)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 from dataclasses import dataclass, field
@@ -13,7 +12,7 @@ import torch
 
 from automodel.config import Target
 from automodel.errors import AutomodelError
-from automodel.training.loss import HeadOnPositions, label_positions
+from automodel.training.next_token import NextTokenLogits
 from automodel.training.recipe import TrainRecipe, unwrap
 from automodel_llm.datasets.collate import pad_collate
 from automodel_llm.datasets.loading import load_tokenizer, missing_local_path
@@ -23,7 +22,6 @@ from automodel_llm.peft import is_adapter_dir, load_adapter_weights
 
 IGNORE_INDEX = -100
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
-LABEL_POSITIONS = "label_positions"  # batch key: flat indices of the positions that carry a label
 
 
 @dataclass
@@ -35,13 +33,6 @@ class PackedSequenceConfig:
 
 
 @dataclass
-class LogitsConfig:
-    label_positions_only: bool = field(default=True, metadata={
-        "help": "compute the LM head's logits only where a label is (the same loss; less compute and memory, "
-                "most of all for SFT with a large vocabulary)"})
-
-
-@dataclass
 class EvalGenerationConfig:
     enabled: bool = field(default=True, metadata={"help": "answer validation questions greedily after training"})
     num_examples: int | None = field(default=None, metadata={"help": "how many validation questions (None: all)"})
@@ -49,7 +40,7 @@ class EvalGenerationConfig:
     max_new_tokens: int = field(default=8, metadata={"help": "generation length limit"})
 
 
-class FinetuneRecipeForNextTokenPrediction(TrainRecipe):
+class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
     """Causal LM training: loss on label tokens (answers for SFT, everything for pre-training)."""
 
     domain = "llm"
@@ -62,7 +53,6 @@ class FinetuneRecipeForNextTokenPrediction(TrainRecipe):
         "peft": Target("LoRA adapters through peft: {dim, alpha, dropout, target_modules | match_all_linear}",
                        plain=True, default_target="automodel_llm.peft.PeftConfig"),
         "packed_sequence": PackedSequenceConfig,
-        "logits": LogitsConfig,
         "eval_generation": EvalGenerationConfig,
     }
 
@@ -128,8 +118,6 @@ class FinetuneRecipeForNextTokenPrediction(TrainRecipe):
 
     def setup(self) -> None:
         super().setup()
-        self.head_positions = HeadOnPositions.attach(unwrap(self.model)) \
-            if self.cfg.logits.label_positions_only else None
         vocab = getattr(getattr(unwrap(self.model), "config", None), "vocab_size", None)
         if vocab is not None and len(self.tokenizer) > vocab:
             raise AutomodelError(f"tokenizer: {len(self.tokenizer)} tokens but model.config.vocab_size is {vocab}; "
@@ -143,27 +131,8 @@ class FinetuneRecipeForNextTokenPrediction(TrainRecipe):
 
     # ---- the loss ---------------------------------------------------------------------------------------------
 
-    def move_to_device(self, batch: Any) -> Any:
-        """Batches with labels also carry their label positions, found on the host so the device never waits."""
-        if self.cfg.logits.label_positions_only and isinstance(batch, dict) and "labels" in batch:
-            batch = {**batch, LABEL_POSITIONS: label_positions(batch["labels"])}
-        return super().move_to_device(batch)
-
-    def next_token_logits(self, model: torch.nn.Module, batch: dict[str, torch.Tensor],
-                          head: HeadOnPositions | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(logits, targets)``, one row per predicted token: only the positions that carry a label when the
-        batch lists them (``logits.label_positions_only``), else every position but each row's last."""
-        labels = batch["labels"]
-        inputs = {k: v for k, v in batch.items() if k in MODEL_INPUTS}
-        index = batch.get(LABEL_POSITIONS)
-        if index is None:
-            logits = model(**inputs, use_cache=False).logits
-            return logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1)
-        with head.only(index) if head is not None else contextlib.nullcontext():
-            logits = model(**inputs, use_cache=False).logits
-        if logits.dim() == 3:  # the model did not project through its output-embeddings module
-            logits = logits.reshape(-1, logits.shape[-1]).index_select(0, index)
-        return logits, labels.reshape(-1)[index + 1]
+    def model_inputs(self, batch: dict[str, Any]) -> dict[str, Any]:
+        return {**{k: v for k, v in batch.items() if k in MODEL_INPUTS}, "use_cache": False}
 
     def compute_loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.loss_fn(*self.next_token_logits(model, batch, self.head_positions))

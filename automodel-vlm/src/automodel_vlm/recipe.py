@@ -11,6 +11,7 @@ import torch
 from automodel.config import Target
 from automodel.errors import AutomodelError, ConfigIssue
 from automodel.training.checkpoint import load_safetensors_dir, load_weights_into
+from automodel.training.next_token import LABEL_POSITIONS, NextTokenLogits
 from automodel.training.recipe import TrainRecipe, unwrap
 from automodel_llm.peft import is_adapter_dir, load_adapter_weights
 from automodel_llm.recipe import EvalGenerationConfig
@@ -31,7 +32,7 @@ def _processor_source(model: Any) -> str | None:
     return None
 
 
-class FinetuneRecipeForVLM(TrainRecipe):
+class FinetuneRecipeForVLM(NextTokenLogits, TrainRecipe):
     """Fine-tunes an image-text-to-text model (Llava-style and others) on image conversations."""
 
     domain = "vlm"
@@ -129,11 +130,11 @@ class FinetuneRecipeForVLM(TrainRecipe):
 
     # ---- the loss ---------------------------------------------------------------------------------------------
 
+    def model_inputs(self, batch: dict[str, Any]) -> dict[str, Any]:
+        return {**{k: v for k, v in batch.items() if k not in ("labels", LABEL_POSITIONS)}, "use_cache": False}
+
     def compute_loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        labels = batch["labels"]
-        inputs = {k: v for k, v in batch.items() if k != "labels"}
-        logits = model(**inputs, use_cache=False).logits
-        return self.loss_fn(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+        return self.loss_fn(*self.next_token_logits(model, batch, self.head_positions))
 
     def count_label_tokens(self, batch: dict[str, torch.Tensor]) -> int:
         return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -48,51 +44,3 @@ def as_sum_loss(loss_fn: nn.Module | None) -> nn.Module:
         loss_fn.ignore_index = IGNORE_INDEX
     return loss_fn
 
-
-def label_positions(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
-    """Flat indices into ``batch x sequence`` of the positions whose next token carries a label.
-
-    Position ``i`` of a row predicts token ``i + 1``, so the logits a next-token loss needs are those at the flat
-    indices returned here, and their targets are ``labels.view(-1)[index + 1]``.
-    """
-    keep = torch.zeros(labels.shape, dtype=torch.bool, device=labels.device)
-    keep[:, :-1] = labels[:, 1:] != ignore_index
-    return keep.view(-1).nonzero().squeeze(1)
-
-
-class HeadOnPositions:
-    """Lets a causal LM's output head project only chosen positions instead of every one.
-
-    A next-token loss needs logits only where a label is: in supervised fine-tuning that is the answer, often a
-    few percent of a batch's positions, and for a large vocabulary the full ``[batch, sequence, vocab]`` logits
-    are a step's biggest activation and a large share of its FLOPs. A forward pre-hook on the model's output
-    embeddings (``get_output_embeddings()``) gathers the chosen rows of the hidden states, so the model returns
-    ``[positions, vocab]`` logits and still applies its own post-processing (soft-capping, logit scaling) to them.
-    Each kept row's logits are computed exactly as before, so the loss and the gradients are the same.
-    """
-
-    def __init__(self, head: nn.Module):
-        self._index: torch.Tensor | None = None
-        head.register_forward_pre_hook(self._gather)
-
-    @classmethod
-    def attach(cls, model: nn.Module) -> HeadOnPositions | None:
-        """The hook on ``model``'s output head, or None when the model has no separate head module."""
-        get_head = getattr(model, "get_output_embeddings", None)
-        head = get_head() if callable(get_head) else None
-        return cls(head) if isinstance(head, nn.Module) else None
-
-    def _gather(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
-        if self._index is None or not args or not isinstance(args[0], torch.Tensor) or args[0].dim() != 3:
-            return None
-        hidden = args[0]
-        return (hidden.reshape(-1, hidden.shape[-1]).index_select(0, self._index), *args[1:])
-
-    @contextmanager
-    def only(self, index: torch.Tensor) -> Iterator[None]:
-        """Within the block the head projects only the flat positions ``index`` (see :func:`label_positions`)."""
-        self._index = index
-        try:
-            yield
-        finally:
-            self._index = None

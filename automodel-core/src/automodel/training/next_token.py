@@ -1,0 +1,120 @@
+"""Next-token logits at the positions that carry a label only (``logits.label_positions_only``).
+
+A next-token loss needs logits only where a label is: in supervised fine-tuning that is the answer, often a few
+percent of a batch's positions, yet a causal LM computes ``[batch, sequence, vocab]`` logits, for a large
+vocabulary the biggest activation of a step and a large share of its FLOPs. Here the model's output head
+(``get_output_embeddings()``) is made to project only the labelled hidden states. Each kept row is computed exactly
+as before, so the loss and the gradients are the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from automodel.training.loss import IGNORE_INDEX
+from automodel.training.recipe import unwrap
+
+LABEL_POSITIONS = "label_positions"  # batch key: flat indices of the positions whose next token has a label
+
+
+def label_positions(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Flat indices into ``batch x sequence`` of the positions whose next token carries a label.
+
+    Position ``i`` of a row predicts token ``i + 1``, so the logits a next-token loss needs are those at the flat
+    indices returned here, and their targets are ``labels.view(-1)[index + 1]``.
+    """
+    keep = torch.zeros(labels.shape, dtype=torch.bool, device=labels.device)
+    keep[:, :-1] = labels[:, 1:] != ignore_index
+    return keep.view(-1).nonzero().squeeze(1)
+
+
+class HeadOnPositions:
+    """Lets a causal LM's output head project only chosen positions instead of every one.
+
+    A forward pre-hook on the output embeddings gathers the chosen rows of the hidden states, so the model returns
+    ``[positions, vocab]`` logits and still applies its own post-processing (soft-capping, logit scaling) to them.
+    """
+
+    def __init__(self, head: nn.Module):
+        self._index: torch.Tensor | None = None
+        head.register_forward_pre_hook(self._gather)
+
+    @classmethod
+    def attach(cls, model: nn.Module) -> HeadOnPositions | None:
+        """The hook on ``model``'s output head, or None when the model has no separate head module."""
+        get_head = getattr(model, "get_output_embeddings", None)
+        head = get_head() if callable(get_head) else None
+        return cls(head) if isinstance(head, nn.Module) else None
+
+    def _gather(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        if self._index is None or not args or not isinstance(args[0], torch.Tensor) or args[0].dim() != 3:
+            return None
+        hidden = args[0]
+        return (hidden.reshape(-1, hidden.shape[-1]).index_select(0, self._index), *args[1:])
+
+    @contextlib.contextmanager
+    def only(self, index: torch.Tensor) -> Iterator[None]:
+        """Within the block the head projects only the flat positions ``index`` (see :func:`label_positions`)."""
+        self._index = index
+        try:
+            yield
+        finally:
+            self._index = None
+
+
+@dataclass
+class LogitsConfig:
+    label_positions_only: bool = field(default=True, metadata={
+        "help": "compute the LM head's logits only where a label is (the same loss; less compute and memory, "
+                "most of all for SFT with a large vocabulary)"})
+
+
+def next_token_logits(model: nn.Module, inputs: dict[str, Any], labels: torch.Tensor,
+                      index: torch.Tensor | None, head: HeadOnPositions | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logits, targets)``, one row per predicted token: the positions ``index`` (see :func:`label_positions`)
+    when given, else every position but each row's last (whose targets may be ``IGNORE_INDEX``)."""
+    if index is None:
+        logits = model(**inputs).logits
+        return logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1)
+    with head.only(index) if head is not None else contextlib.nullcontext():
+        logits = model(**inputs).logits
+    if logits.dim() == 3:  # the model did not project through its output-embeddings module
+        logits = logits.reshape(-1, logits.shape[-1]).index_select(0, index)
+    return logits, labels.reshape(-1)[index + 1]
+
+
+class NextTokenLogits:
+    """Recipe mixin (before ``TrainRecipe`` in the bases): the ``logits`` section, the output-head hook, and
+    batches that carry their label positions, found on the host before the copy so the device never waits."""
+
+    sections = {"logits": LogitsConfig}
+    head_positions: HeadOnPositions | None = None
+
+    def setup(self) -> None:
+        super().setup()
+        if self.cfg.logits.label_positions_only:
+            self.head_positions = self.attach_head(self.model)
+
+    def attach_head(self, model: nn.Module) -> HeadOnPositions | None:
+        """The hook on ``model``'s output head (inside DDP / compile wrappers), or None where it has none."""
+        return HeadOnPositions.attach(unwrap(model))
+
+    def move_to_device(self, batch: Any) -> Any:
+        if self.cfg.logits.label_positions_only and isinstance(batch, dict) and "labels" in batch:
+            batch = {**batch, LABEL_POSITIONS: label_positions(batch["labels"])}
+        return super().move_to_device(batch)
+
+    def model_inputs(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """The model's keyword arguments, taken from a batch."""
+        raise NotImplementedError
+
+    def next_token_logits(self, model: nn.Module, batch: dict[str, Any], head: HeadOnPositions | None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(logits, targets)`` of ``batch`` through ``model`` (see :func:`next_token_logits`)."""
+        return next_token_logits(model, self.model_inputs(batch), batch["labels"], batch.get(LABEL_POSITIONS), head)
