@@ -72,7 +72,8 @@ def main() -> None:
                         collate_fn=functools.partial(pad_collate, pad_token_id=tokenizer.pad_token_id))
     opt_cfg, sched_cfg = cfg.optimizer, cfg.lr_scheduler
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=opt_cfg["lr"], weight_decay=opt_cfg["weight_decay"])
+    optimizer = torch.optim.AdamW(params, lr=opt_cfg["lr"], betas=tuple(opt_cfg["betas"]),
+                                  weight_decay=opt_cfg["weight_decay"])
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_warmup(
         sched_cfg["warmup_steps"], args.steps, opt_cfg["lr"], sched_cfg["min_lr"]))
     max_norm = cfg.clip_grad_norm.max_norm

@@ -130,6 +130,7 @@ def add_common_args(parser: Any) -> None:
     parser.add_argument("--max-steps", type=int, default=30)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--weight-decay", type=float, default=0.01)
+    parser.add_argument("--betas", type=float, nargs=2, default=(0.9, 0.95), help="AdamW betas")
     parser.add_argument("--warmup-steps", type=int, default=20)
     parser.add_argument("--min-lr", type=float, default=1e-4)
     parser.add_argument("--max-norm", type=float, default=1.0)

@@ -49,7 +49,8 @@ def main() -> None:
     loader = DataLoader(samples, batch_size=args.batch_size, sampler=EpochShuffle(len(samples), args.seed),
                         collate_fn=functools.partial(pad_collate, pad_token_id=tokenizer.pad_token_id))
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=tuple(args.betas),
+                                  weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, cosine_warmup(args.warmup_steps, args.max_steps, args.lr, args.min_lr))
 

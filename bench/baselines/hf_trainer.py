@@ -70,7 +70,8 @@ def main() -> None:
                 del self.pending[step]
 
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=tuple(args.betas),
+                                  weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, cosine_warmup(args.warmup_steps, args.max_steps, args.lr, args.min_lr))
     with tempfile.TemporaryDirectory() as out_dir:

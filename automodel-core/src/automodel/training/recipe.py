@@ -44,6 +44,7 @@ from automodel.training.distributed import (
     strategy_issues,
     world_size,
 )
+from automodel.training.host_memory import keep_freed_memory_in_heap
 from automodel.training.loggers import FAILED, STOPPED, SUCCESS, LoggerContext, MetricLoggers, resolve_backends
 from automodel.training.metrics import JsonlWriter, MetricsSample, device_peak_flops, peak_memory_gib
 from automodel.training.pipeline import apply_pipeline, missing_stages
@@ -298,6 +299,8 @@ class TrainRecipe(BaseRecipe):
         self.rank = int(os.environ.get("RANK", "0"))
         self.world_size = world_size()
         self.device = self.select_device()
+        if self.device.type == "cpu" and cfg.dist_env.cpu_malloc_tuning and keep_freed_memory_in_heap():
+            self.log("host memory: glibc malloc keeps freed step buffers in the heap (dist_env.cpu_malloc_tuning)")
         self.micro_batch_size, self.dp_size, self.grad_accumulation_steps, _ = self.batch_layout(cfg)
         self.rng = StatefulRNG(cfg.rng.seed, cfg.rng.ranked, self.rank)
         self.checkpointer: Checkpointer = self.build("checkpoint_config")

@@ -47,6 +47,9 @@ class DistEnvConfig:
     backend: Literal["nccl", "gloo"] | None = field(
         default=None, metadata=_help("torch.distributed backend (default: nccl on CUDA, gloo on CPU)"))
     timeout_minutes: int = field(default=30, metadata=_help("collective timeout"))
+    cpu_malloc_tuning: bool = field(
+        default=True, metadata=_help("on CPU with glibc, keep freed step buffers in the heap instead of returning "
+                                     "them to the kernel each step (automodel.training.host_memory)"))
 
 
 @dataclass
