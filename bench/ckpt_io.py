@@ -5,8 +5,11 @@ trainer_state.json, config.yaml, directory fsync, atomic rename, LATEST) and no 
 engine load = the recipe's ``load_model_weights`` (what the restore stage calls on resume: adapter check,
 ``load_safetensors_dir`` + ``load_weights_into`` with its key/shape checks and the copy into the model).
 raw save = ``safetensors.torch.save_file`` of the model's (de-duplicated) state dict to a new file, removing the
-previous one (the engine also writes a new directory and, with keep_last=1, removes the previous one: overwriting
-one file in place measures the filesystem's truncate path instead); raw load = ``load_file`` + the copy into the
+previous one (the engine also writes a new directory and, with keep_last=1, retires the previous one: overwriting
+one file in place measures the filesystem's truncate path instead). Each side is timed for what its caller waits
+for: the raw side's unlink runs inline, the engine deletes the retired directory on a background thread, which is
+awaited *outside* the timed region (``engine_retention``, recorded) so it never overlaps the other side's timing;
+raw load = ``load_file`` + the copy into the
 model (``load_state_dict``). ``load_file`` alone only maps the file (tensors are read lazily on first touch), so it
 is recorded too (raw_load_file_only) but is not a like-for-like baseline.
 The operations alternate, their order flipped every repetition; prints one JSON object.
@@ -67,7 +70,7 @@ def main() -> None:
     raw_dir.mkdir()
 
     times: dict[str, list[float]] = {"engine_save": [], "raw_save": [], "engine_load": [], "raw_load": [],
-                                     "raw_load_file_only": []}
+                                     "raw_load_file_only": [], "engine_retention": []}
     latest: list[Path] = []
     raw_latest: list[Path] = []
 
@@ -93,7 +96,8 @@ def main() -> None:
 
     ops = [("engine_save", engine_save), ("raw_save", raw_save), ("engine_load", engine_load),
            ("raw_load", raw_load), ("raw_load_file_only", raw_load_file_only)]
-    engine_save(-1), raw_save(-1)  # warm-up: first-call costs (imports, page cache) are not what we compare
+    # warm-up: first-call costs (imports, page cache) are not what we compare
+    engine_save(-1), checkpointer.wait(), raw_save(-1)
     for rep in range(args.reps):
         # saves before loads (a load reads what was just saved); within each pair the order alternates
         pairs = [ops[0:2], ops[2:4], ops[4:]]
@@ -102,6 +106,10 @@ def main() -> None:
                 start = time.perf_counter()
                 fn(rep)
                 times[name].append(time.perf_counter() - start)
+                if name == "engine_save":
+                    start = time.perf_counter()
+                    checkpointer.wait()
+                    times["engine_retention"].append(time.perf_counter() - start)
     recipe.load_model_weights(target, latest[0] / "model")
     with torch.no_grad():
         pairs = zip(model.state_dict().values(), target.state_dict().values(), strict=True)

@@ -700,7 +700,9 @@ def section_checkpoint_io(runner: Runner, rows: list[Row], quick: bool) -> dict[
             note += (f"; round trip equal: {data['round_trip_equal']}; raw = load_file + load_state_dict "
                      f"(load_file alone maps lazily: {med['raw_load_file_only'] * 1e3:.1f} ms)")
         else:
-            note += f"; engine writes {', '.join(data['engine_files'])} + trainer_state/config, fsync, rename"
+            note += (f"; engine writes {', '.join(data['engine_files'])} + trainer_state/config, fsync, rename; "
+                     f"raw's time includes unlinking its previous file, the engine deletes the retired "
+                     f"checkpoint in the background (then {med['engine_retention'] * 1e3:.1f} ms, awaited untimed)")
         rows.append(Row("4", f"checkpoint {op} (Llama {millions('llama_20m')})", fmt(med[f"engine_{op}"], " s", 3),
                         fmt(med[f"raw_{op}"], " s", 3) + " safetensors", r, "<= 1.25", check(r, "<=", 1.25), note))
         data[f"ratio_{op}"] = r

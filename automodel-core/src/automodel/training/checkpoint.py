@@ -13,6 +13,7 @@ import json
 import os
 import re
 import shutil
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -106,6 +107,11 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _delete_all(directories: list[Path]) -> None:
+    for directory in directories:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 def save_state_dict_safetensors(state: dict[str, torch.Tensor], directory: Path) -> None:
     """Plain safetensors for models that are not HF ``PreTrainedModel``s (shared storage cloned)."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -154,6 +160,7 @@ class Checkpointer:
         self.config = config
         self.root = Path(config.checkpoint_dir)
         self.config_yaml = config_yaml
+        self._deleting: threading.Thread | None = None
 
     # ---- saving -------------------------------------------------------------------------------------------
 
@@ -173,6 +180,7 @@ class Checkpointer:
     def save(self, states: dict[str, Any], save_model: Callable[[Path], None], trainer_state: dict[str, Any],
              epoch: int, step: int) -> Path:
         """Write one checkpoint: weights through ``save_model``, every other state dict in ``states``."""
+        self.wait()  # one retired checkpoint being deleted at a time
         name = checkpoint_name(epoch, step)
         final = self.root / name
         staging = self.root / f"{_STAGING}{name}-{os.getpid()}"
@@ -212,14 +220,28 @@ class Checkpointer:
             shutil.rmtree(trash, ignore_errors=True)
 
     def _apply_retention(self, latest: Path) -> None:
+        """Retire checkpoints beyond ``keep_last``: renamed out of sight now, their files deleted in the background.
+
+        Unlinking a big checkpoint's files takes as long as writing a small one, and training need not wait for it.
+        A deletion cut short (the process killed) leaves an ``.incomplete-`` directory that ``prepare`` removes."""
         keep = self.config.keep_last
         if not keep:
             return
         checkpoints = [p for p in list_checkpoints(self.root) if p.resolve() != latest.resolve()]
+        doomed = []
         for old in checkpoints[: max(0, len(checkpoints) - (keep - 1))]:
-            doomed = old.with_name(f"{_STAGING}delete-{old.name}")
-            os.replace(old, doomed)  # never a half-deleted directory under a checkpoint's name
-            shutil.rmtree(doomed, ignore_errors=True)
+            doomed.append(old.with_name(f"{_STAGING}delete-{old.name}"))
+            os.replace(old, doomed[-1])  # never a half-deleted directory under a checkpoint's name
+        if doomed:
+            self._deleting = threading.Thread(target=_delete_all, args=(doomed,), name="checkpoint-retention",
+                                              daemon=True)
+            self._deleting.start()
+
+    def wait(self) -> None:
+        """Until the retired checkpoints are deleted (the loop calls it before it returns)."""
+        if self._deleting is not None:
+            self._deleting.join()
+            self._deleting = None
 
     # ---- restoring ----------------------------------------------------------------------------------------
 

@@ -606,6 +606,7 @@ class TrainRecipe(BaseRecipe):
                 raise
             finally:
                 progress.close()
+                self.checkpointer.wait()
                 self.train_log.close()
                 self.val_log.close()
                 self.metric_loggers.close(status)
