@@ -190,7 +190,6 @@ class Checkpointer:
             self._save_states(staging, states)
             (staging / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2), encoding="utf-8")
             (staging / "config.yaml").write_text(self.config_yaml, encoding="utf-8")
-            _fsync_dir(staging)
             self._publish(staging, final)
         except BaseException as err:
             shutil.rmtree(staging, ignore_errors=True)
