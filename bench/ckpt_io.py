@@ -8,10 +8,10 @@ raw save = ``safetensors.torch.save_file`` of the model's (de-duplicated) state 
 previous one (the engine also writes a new directory and, with keep_last=1, retires the previous one: overwriting
 one file in place measures the filesystem's truncate path instead). Each side is timed for what its caller waits
 for: the raw side's unlink runs inline, the engine deletes the retired directory on a background thread, which is
-awaited *outside* the timed region (``engine_retention``, recorded) so it never overlaps the other side's timing;
-raw load = ``load_file`` + the copy into the
-model (``load_state_dict``). ``load_file`` alone only maps the file (tensors are read lazily on first touch), so it
-is recorded too (raw_load_file_only) but is not a like-for-like baseline.
+awaited *outside* the timed region (``engine_retention``, recorded) so it never overlaps the other side's timing.
+raw load = ``load_file`` + the copy into the model (``load_state_dict``). ``load_file`` alone only maps the file
+(tensors are read lazily on first touch), so it is recorded too (raw_load_file_only) but is not a like-for-like
+baseline.
 The operations alternate, their order flipped every repetition; prints one JSON object.
 """
 

@@ -3,8 +3,8 @@
 Every step allocates and frees the same few-MiB activation and gradient buffers. With glibc's defaults a freed
 block above the mmap threshold goes back to the kernel and the next step's allocation page-faults it in again,
 zero-filled; on a small CPU job that churn costs several percent of the step time (measured in
-docs/performance.md). Raising the mmap threshold to glibc's maximum and the trim threshold well above a step's
-working set makes glibc reuse the blocks instead. Peak memory is unchanged: the heap only stops shrinking
+docs/performance.md). Fixing the mmap threshold at the cap of glibc's own dynamic one and the trim threshold well
+above a step's working set makes glibc reuse the blocks instead. Peak memory is unchanged: the heap only stops shrinking
 between steps. PyTorch's own CPU launcher (``torch.backends.xeon.run_cpu``) swaps in jemalloc/tcmalloc for the
 same reason; this needs no preloaded library.
 """
@@ -18,8 +18,8 @@ import platform
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 
-MMAP_THRESHOLD = 32 * 1024 * 1024  # the cap of glibc's own dynamic threshold on 64-bit
-TRIM_THRESHOLD = 1024 * 1024 * 1024
+_MMAP_THRESHOLD_BYTES = 32 * 1024 * 1024  # the cap of glibc's own dynamic threshold on 64-bit
+_TRIM_THRESHOLD_BYTES = 1024 * 1024 * 1024
 
 
 def keep_freed_memory_in_heap() -> bool:
@@ -30,7 +30,8 @@ def keep_freed_memory_in_heap() -> bool:
     if mallopt is None:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES)) and \
+        bool(mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD_BYTES))
 
 
-__all__ = ["MMAP_THRESHOLD", "TRIM_THRESHOLD", "keep_freed_memory_in_heap"]
+__all__ = ["keep_freed_memory_in_heap"]
