@@ -28,7 +28,7 @@ def _load_config(config: Any, **overrides: Any) -> Any:
     if path.is_file():
         data = json.loads(path.read_text(encoding="utf-8"))
         return _load_config(data, **overrides)
-    from automodel_llm.datasets.loading import missing_local_path
+    from automodel.hf import missing_local_path
 
     if missing_local_path(str(config)):
         raise AutomodelError(f"model.config: '{config}' does not exist")

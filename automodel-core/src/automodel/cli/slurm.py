@@ -4,27 +4,10 @@ from __future__ import annotations
 
 import shlex
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from automodel.cli.launch import strip_launch_options
-
-
-@dataclass
-class SlurmConfig:
-    job_name: str = field(default="automodel", metadata={"help": "#SBATCH --job-name"})
-    nodes: int = field(default=1, metadata={"help": "#SBATCH --nodes"})
-    gpus_per_node: int = field(default=8, metadata={"help": "processes (GPUs) per node for torchrun"})
-    partition: str | None = field(default=None, metadata={"help": "#SBATCH --partition"})
-    account: str | None = field(default=None, metadata={"help": "#SBATCH --account"})
-    time: str = field(default="04:00:00", metadata={"help": "#SBATCH --time"})
-    master_port: int = field(default=29500, metadata={"help": "rendezvous port on the first node"})
-    output: str = field(default="slurm-%j.out", metadata={"help": "#SBATCH --output"})
-    script: str = field(default="automodel.sbatch", metadata={"help": "where the script is written"})
-
-    def __post_init__(self) -> None:
-        if self.nodes < 1 or self.gpus_per_node < 1:
-            raise ValueError("slurm.nodes and slurm.gpus_per_node must be >= 1")
+from automodel.training.sections import SlurmConfig
 
 
 def sbatch_script(cfg: SlurmConfig, argv: list[str]) -> str:

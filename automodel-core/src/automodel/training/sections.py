@@ -129,6 +129,10 @@ class FreezeConfig:
         default_factory=list, metadata=_help("glob patterns kept trainable even if a freeze pattern matches"))
     embeddings: bool = field(default=False, metadata=_help("freeze the input embeddings"))
 
+    def freezes_anything(self) -> bool:
+        """Whether these settings freeze something (the freeze stage then acts even without a freeze: section)."""
+        return bool(self.patterns) or self.embeddings
+
 
 @dataclass
 class FP8Config:
@@ -149,3 +153,20 @@ class FaultToleranceConfig:
         default="raise", metadata=_help("a NaN/inf loss or gradient norm: stop the run (raise) or skip that update"))
     max_skipped_steps: int | None = field(
         default=None, metadata=_help("with nonfinite: skip, stop after this many skipped steps"))
+
+
+@dataclass
+class SlurmConfig:
+    job_name: str = field(default="automodel", metadata={"help": "#SBATCH --job-name"})
+    nodes: int = field(default=1, metadata={"help": "#SBATCH --nodes"})
+    gpus_per_node: int = field(default=8, metadata={"help": "processes (GPUs) per node for torchrun"})
+    partition: str | None = field(default=None, metadata={"help": "#SBATCH --partition"})
+    account: str | None = field(default=None, metadata={"help": "#SBATCH --account"})
+    time: str = field(default="04:00:00", metadata={"help": "#SBATCH --time"})
+    master_port: int = field(default=29500, metadata={"help": "rendezvous port on the first node"})
+    output: str = field(default="slurm-%j.out", metadata={"help": "#SBATCH --output"})
+    script: str = field(default="automodel.sbatch", metadata={"help": "where the script is written"})
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1 or self.gpus_per_node < 1:
+            raise ValueError("slurm.nodes and slurm.gpus_per_node must be >= 1")
