@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from diffusion_testing import assert_states_equal, load_safetensors_state, losses_by_step, train_inprocess
+
+from automodel.testing import assert_states_equal, load_safetensors_state, losses_by_step, train_inprocess
 
 AUTOMODEL = Path(sys.executable).with_name("automodel")
 

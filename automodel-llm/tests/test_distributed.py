@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from llm_testing import read_jsonl, run_cli
+
+from automodel.testing import read_jsonl, run_cli
 
 COMMON = ["--step_scheduler.max_steps", "4", "--dataloader.batch_size", "2", "--dataloader.shuffle", "false",
           "--step_scheduler.checkpoint_interval", "2"]
