@@ -65,12 +65,12 @@ def load_tokenizer(name_or_path: str, key: str) -> Any:
     return tokenizer
 
 
-def check_vocab(tokenizer: Any, model_config: Any, key: str = "tokenizer",
-                fix: str = "use the model's own tokenizer or resize the model's embeddings") -> None:
-    """A tokenizer with more tokens than the model's embedding table would index out of range: refuse it."""
+def check_vocab(tokenizer: Any, model_config: Any, message: str) -> None:
+    """A tokenizer with more tokens than the model's embedding table would index out of range: refuse it with
+    ``message`` (formatted with ``tokens`` and ``vocab``)."""
     vocab = getattr(model_config, "vocab_size", None)
     if vocab is not None and len(tokenizer) > vocab:
-        raise AutomodelError(f"{key}: {len(tokenizer)} tokens but the model's vocab_size is {vocab}; {fix}")
+        raise AutomodelError(message.format(tokens=len(tokenizer), vocab=vocab))
 
 
 # ---- LoRA -------------------------------------------------------------------------------------------------------

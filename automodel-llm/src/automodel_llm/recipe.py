@@ -114,7 +114,9 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
 
     def setup(self) -> None:
         super().setup()
-        check_vocab(self.tokenizer, getattr(unwrap(self.model), "config", None))
+        check_vocab(self.tokenizer, getattr(unwrap(self.model), "config", None),
+                    "tokenizer: {tokens} tokens but model.config.vocab_size is {vocab}; use the model's own "
+                    "tokenizer or resize the model's embeddings")
 
     def load_model_weights(self, model: torch.nn.Module, directory: Path) -> None:
         if is_adapter_dir(directory):

@@ -118,7 +118,9 @@ class _RetrievalRecipe(TrainRecipe):
 
     def _check_vocab(self, encoders: list[torch.nn.Module]) -> None:
         for encoder in encoders:
-            check_vocab(self.tokenizer, getattr(encoder, "config", None), fix="use the model's own tokenizer")
+            check_vocab(self.tokenizer, getattr(encoder, "config", None),
+                        "tokenizer: {tokens} tokens but the model's vocab_size is {vocab}; use the model's own "
+                        "tokenizer")
 
     def count_input_tokens(self, batch: dict[str, Any]) -> int:
         return sum(int(v["attention_mask"].sum()) for v in batch.values()

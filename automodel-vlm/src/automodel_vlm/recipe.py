@@ -95,8 +95,9 @@ class FinetuneRecipeForVLM(NextTokenLogits, TrainRecipe):
     def setup(self) -> None:
         super().setup()
         config = getattr(base_model(self.model), "config", None)
-        check_vocab(self.processor.tokenizer, getattr(config, "text_config", None) or config, "processor",
-                    "use the model's own processor or resize its embeddings")
+        check_vocab(self.processor.tokenizer, getattr(config, "text_config", None) or config,
+                    "processor: its tokenizer has {tokens} tokens but the model's vocab_size is {vocab}; use the "
+                    "model's own processor or resize its embeddings")
         image_id = getattr(config, "image_token_id", None)
         if image_id is None:
             image_id = getattr(config, "image_token_index", None)

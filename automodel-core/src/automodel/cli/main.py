@@ -7,6 +7,7 @@ import sys
 
 import click
 
+from automodel.cli.execute import OVERRIDE_SETTINGS
 from automodel.errors import AutomodelError, UsageError
 from automodel.plugins.manager import PluginManager, get_plugin_manager
 from automodel.suggest import did_you_mean
@@ -55,7 +56,7 @@ class RouteCommand(click.Command):
             help=f"Run a '{name}' recipe. Domains: {', '.join(domains)}. Extra --section.key value pairs "
                  "override the config.",
             short_help=f"{name} recipes: {', '.join(domains)}",
-            context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+            context_settings=OVERRIDE_SETTINGS,
         )
 
     def _run(self, domain: str | None, config: str | None, dry_run: bool, print_config: bool, slurm: bool,

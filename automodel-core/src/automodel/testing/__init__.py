@@ -2,9 +2,9 @@
 
 Reading what a run wrote (``read_jsonl``, ``checkpoint_dirs``, ``load_safetensors_state``), writing configs and
 plugin distributions (``deep_update``, ``write_yaml``, ``write_dist``), running a recipe in this process as the CLI
-does (``train_inprocess``) or the installed console script in a subprocess (``run_cli``), and a toy recipe — a
-tiny torch model on synthetic data, registered by ``ToyPlugin`` as ``automodel train toy`` — that exercises the
-engine in milliseconds without any Hugging Face library.
+does (``train_inprocess``) or the installed console script in a subprocess (``run_cli``). The toy recipe
+(``automodel.testing.toy``: a tiny torch model on synthetic data that exercises the engine in milliseconds,
+without any Hugging Face library) is importable from here too. Importing this package imports no torch.
 """
 
 from __future__ import annotations
@@ -17,11 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
 import yaml
-
-from automodel.plugins.markers import hookimpl
-from automodel.training.recipe import TrainRecipe
 
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
            "TOKENIZERS_PARALLELISM": "false"}
@@ -48,17 +44,19 @@ def checkpoint_dirs(root: str | Path) -> list[str]:
                   key=lambda n: int(n.rsplit("_", 1)[1]))
 
 
-def load_safetensors_state(directory: str | Path) -> dict[str, torch.Tensor]:
+def load_safetensors_state(directory: str | Path) -> dict[str, Any]:
     from safetensors.torch import load_file
 
-    state: dict[str, torch.Tensor] = {}
+    state: dict[str, Any] = {}
     for file in sorted(Path(directory).glob("*.safetensors")):
         state.update(load_file(str(file)))
     return state
 
 
-def assert_states_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float = 0.0) -> None:
+def assert_states_equal(a: dict[str, Any], b: dict[str, Any], atol: float = 0.0) -> None:
     """Same keys and shapes; values bitwise equal (``atol=0``) or within ``atol``."""
+    import torch
+
     assert a.keys() == b.keys(), sorted(a.keys() ^ b.keys())
     for key in a:
         x, y = a[key].detach().cpu(), b[key].detach().cpu()
@@ -152,79 +150,12 @@ def run_cli(*args: Any, cwd: str | Path, timeout: float = 300, **env: str) -> su
                           text=True, timeout=timeout, check=False)
 
 
-# ---- the toy recipe ----------------------------------------------------------------------------------------------
-
-class ToyDataset(torch.utils.data.Dataset):
-    """Synthetic regression rows: ``x`` [targets, dim] -> ``y`` [targets]; ``mask`` keeps 1..targets of them, so
-    samples carry different numbers of targets (like answers of different lengths)."""
-
-    def __init__(self, size: int = 64, dim: int = 8, targets: int = 4, seed: int = 0):
-        generator = torch.Generator().manual_seed(seed)
-        self.x = torch.randn(size, targets, dim, generator=generator)
-        weights = torch.randn(dim, generator=generator)
-        self.y = torch.tanh(self.x @ weights) + 0.1 * torch.randn(size, targets, generator=generator)
-        lengths = torch.randint(1, targets + 1, (size,), generator=generator)
-        self.mask = (torch.arange(targets) < lengths[:, None]).float()
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return {"x": self.x[index], "y": self.y[index], "mask": self.mask[index]}
+_TOY = ("ToyDataset", "ToyModel", "ToyPlugin", "ToyRecipe", "toy_config")
 
 
-class ToyModel(torch.nn.Module):
-    """A small MLP with a ModuleList of identical blocks (what FSDP2 shards block by block)."""
+def __getattr__(name: str) -> Any:
+    if name in _TOY:  # the toy recipe imports torch: loaded on first use
+        from automodel.testing import toy
 
-    def __init__(self, dim: int = 8, hidden: int = 32, layers: int = 2):
-        super().__init__()
-        self.embed = torch.nn.Linear(dim, hidden)
-        self.blocks = torch.nn.ModuleList(torch.nn.Linear(hidden, hidden) for _ in range(layers))
-        self.head = torch.nn.Linear(hidden, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.embed(x))
-        for block in self.blocks:
-            h = h + torch.tanh(block(h))
-        return self.head(h).squeeze(-1)
-
-
-class ToyRecipe(TrainRecipe):
-    """Squared error summed over the masked targets of a ToyDataset; a target counts as a label token."""
-
-    domain = "toy"
-
-    def compute_loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return ((model(batch["x"]) - batch["y"]) ** 2 * batch["mask"]).sum()
-
-    def count_label_tokens(self, batch: dict[str, torch.Tensor]) -> int:
-        return int(batch["mask"].sum())
-
-
-class ToyPlugin:
-    """Registers ``automodel train toy`` (pass it to ``PluginManager(extra_plugins=[("toy", ToyPlugin)])``)."""
-
-    @staticmethod
-    @hookimpl
-    def automodel_register_routes(routes: Any) -> None:
-        routes.add("train", "toy", recipe="automodel.testing.ToyRecipe", help="The engine on a toy model")
-
-    @staticmethod
-    @hookimpl
-    def automodel_allowed_targets() -> list[str]:
-        return ["automodel.testing"]
-
-
-def toy_config(checkpoint_dir: str | Path, **sections: Any) -> dict[str, Any]:
-    """A toy run's config (``sections`` deep-merged in; None removes one): 64 rows at batch 4, 6 steps."""
-    base = {
-        "recipe": {"_target_": "automodel.testing.ToyRecipe"},
-        "step_scheduler": {"max_steps": 6, "log_interval": 1, "num_epochs": 100},
-        "rng": {"seed": 1234},
-        "model": {"_target_": "automodel.testing.ToyModel"},
-        "dataset": {"_target_": "automodel.testing.ToyDataset"},
-        "dataloader": {"batch_size": 4},
-        "optimizer": {"_target_": "torch.optim.AdamW", "lr": 1.0e-2},
-        "checkpoint": {"checkpoint_dir": str(checkpoint_dir)},
-    }
-    return deep_update(base, sections)
+        return getattr(toy, name)
+    raise AttributeError(f"module 'automodel.testing' has no attribute '{name}'")
