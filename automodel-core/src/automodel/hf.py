@@ -1,7 +1,7 @@
 """Hugging Face helpers the domains share: where a model section loads from, tokenizers and the vocabulary check,
 LoRA through peft (config, apply, adapter files) and greedy-generation evaluation.
 
-transformers and peft are imported on first use, so importing this module stays light.
+torch, transformers and peft are imported on first use, so importing this module stays light.
 """
 
 from __future__ import annotations
@@ -9,12 +9,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from automodel.data import load_rows
 from automodel.errors import AutomodelError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["ADAPTER_WEIGHTS", "EvalGenerationConfig", "PeftConfig", "apply_lora", "check_vocab", "exact_match",
            "is_adapter_dir", "load_adapter_weights", "load_rows", "load_tokenizer", "lora_config",
@@ -169,11 +170,13 @@ class EvalGenerationConfig:
     max_new_tokens: int = field(default=8, metadata={"help": "generation length limit"})
 
 
-@torch.no_grad()
 def greedy_answer(model: Any, tokenizer: Any, prompt: str, max_new_tokens: int, device: torch.device) -> str:
+    import torch
+
     ids = torch.tensor([tokenizer(prompt)["input_ids"]], device=device)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
     return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
 
 

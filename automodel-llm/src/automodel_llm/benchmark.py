@@ -11,8 +11,8 @@ from typing import Any
 import torch
 
 from automodel.config import Target
-from automodel.training.metrics import device_peak_flops, peak_memory_gib
 from automodel.training.context import BuildContext
+from automodel.training.metrics import device_peak_flops, peak_memory_gib
 from automodel.training.modules import unwrap
 from automodel_llm.datasets.pretraining import MockDataset
 from automodel_llm.recipe import FinetuneRecipeForNextTokenPrediction

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from automodel.errors import AutomodelError
-from automodel.model_files import has_weights, parse_dtype
+from automodel.model_files import MODEL_KWARGS, fresh_model, pretrained_or_fresh
 
 
 def _load_config(config: Any, **overrides: Any) -> Any:
@@ -43,32 +43,17 @@ class AutoModelForCausalLM:
                         dtype: Any = None, torch_dtype: Any = None, **kwargs: Any) -> Any:
         import transformers
 
-        path = pretrained_model_name_or_path or name_or_path
-        if not path:
-            raise AutomodelError("model.pretrained_model_name_or_path: missing (a hub name or a local directory)")
-        local = Path(str(path))
-        if local.is_dir() and (local / "config.json").is_file() and not has_weights(local):
-            # A directory with only config.json: a fresh, randomly initialised model of that architecture.
-            return cls.from_config(str(local), dtype=dtype or torch_dtype, **kwargs)
-        try:
-            return transformers.AutoModelForCausalLM.from_pretrained(
-                str(path), dtype=parse_dtype(dtype or torch_dtype), **kwargs)
-        except OSError as err:
-            raise AutomodelError(f"model: cannot load '{path}': {err}") from None
+        return pretrained_or_fresh(transformers.AutoModelForCausalLM, pretrained_model_name_or_path or name_or_path,
+                                   dtype or torch_dtype, cls.from_config, kwargs)
 
     @classmethod
     def from_config(cls, config: Any, *, dtype: Any = None, torch_dtype: Any = None, seed: int | None = None,
                     **kwargs: Any) -> Any:
-        import torch
         import transformers
 
-        model_kwargs = {k: kwargs.pop(k) for k in ("attn_implementation", "trust_remote_code") if k in kwargs}
-        hf_config = _load_config(config, **kwargs)
-        if seed is not None:
-            torch.manual_seed(seed)
-        model = transformers.AutoModelForCausalLM.from_config(hf_config, **model_kwargs)
-        chosen = parse_dtype(dtype or torch_dtype)
-        return model.to(chosen) if isinstance(chosen, torch.dtype) else model
+        model_kwargs = {k: kwargs.pop(k) for k in MODEL_KWARGS if k in kwargs}
+        return fresh_model(transformers.AutoModelForCausalLM.from_config, _load_config(config, **kwargs),
+                           model_kwargs, dtype or torch_dtype, seed)
 
 
 def nemotron_h_for_causal_lm(name_or_path: str | None = None, pretrained_model_name_or_path: str | None = None,
