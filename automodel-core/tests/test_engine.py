@@ -158,3 +158,12 @@ def test_declared_stage_choices_and_refusals_are_validated(make_toy, capsys):
     with pytest.raises(Exception, match="dist_env: pipeline stage 'device' needs implementation 'elsewhere', which "
                                         "is not installed"):
         load_config(make_toy(), recipe=Elsewhere)
+
+
+def test_the_toy_plugin_routes_train_toy(make_toy, tmp_path, with_plugin):
+    from automodel.testing import ToyPlugin, read_jsonl
+
+    with_plugin("toy", ToyPlugin)
+    assert main(["train", "toy", "-c", str(make_toy()), "--step_scheduler.max_steps", "2"]) == 0
+    assert [row["step"] for row in read_jsonl(tmp_path / "ckpt" / "training.jsonl")] == [1, 2]
+    assert checkpoint_dirs(tmp_path / "ckpt") == ["epoch_0_step_2"]
