@@ -11,9 +11,9 @@ import math
 
 import pytest
 import torch
-from vlm_testing import LLAVA_CONFIG, SHAPES, clone_state, write_config
+from vlm_testing import LLAVA_CONFIG, SHAPES, clone_state, train_inprocess, write_config
 
-from automodel.testing import checkpoint_dirs, read_jsonl, train_inprocess
+from automodel.testing import checkpoint_dirs, read_jsonl
 
 RUN = {"step_scheduler": {"checkpoint_interval": 4}}
 

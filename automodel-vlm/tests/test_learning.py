@@ -3,9 +3,7 @@ than any image-blind guess could (one colour in six)."""
 
 from __future__ import annotations
 
-from vlm_testing import write_config
-
-from automodel.testing import train_inprocess
+from vlm_testing import train_inprocess, write_config
 
 # The whole training set (320 rows) at the example's batch size 16: 150 steps, ~7.5 epochs.
 RUN = {"step_scheduler": {"max_steps": 150, "val_check_interval": 150, "checkpoint_interval": 1000,

@@ -7,10 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from vlm_testing import EXAMPLE, IMAGE_PROCESSOR_DIR, LLAVA_CONFIG, TOKENIZER_DIR
+from vlm_testing import EXAMPLE, IMAGE_PROCESSOR_DIR, LLAVA_CONFIG, TOKENIZER_DIR, train_inprocess
 
 from automodel.errors import AutomodelError
-from automodel.testing import train_inprocess
 from automodel_vlm import AutoModelForImageTextToText
 from automodel_vlm.freeze import VLMFreezeConfig, freeze_vlm
 from automodel_vlm.peft import language_model_targets

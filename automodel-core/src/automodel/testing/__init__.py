@@ -135,6 +135,15 @@ def train_inprocess(config: str | Path, *overrides: Any, route: tuple[str, str] 
     return run
 
 
+def free_port() -> int:
+    """A TCP port nothing listens on now (a torchrun rendezvous of its own, so parallel test runs never collide)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def cli_env(**extra: str) -> dict[str, str]:
     """The environment for a CLI subprocess: offline, no AUTOMODEL_* settings of the caller, ``extra`` on top."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOMODEL_")}
