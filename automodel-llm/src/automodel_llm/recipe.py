@@ -85,7 +85,7 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
         if self.tokenizer.pad_token_id is None and self.tokenizer.eos_token_id is not None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
 
-    def dataset_runtime_args(self) -> dict[str, Any]:
+    def dataset_runtime_args(self, node: Any) -> dict[str, Any]:
         return {"tokenizer": self.tokenizer}
 
     @property

@@ -12,7 +12,6 @@ from automodel.config import Target
 from automodel.errors import AutomodelError, ConfigIssue
 from automodel.hf import EvalGenerationConfig, check_vocab, is_adapter_dir, load_adapter_weights, model_source
 from automodel.training.checkpoint import load_safetensors_dir, load_weights_into
-from automodel.training.context import BuildContext
 from automodel.training.modules import unwrap
 from automodel.training.next_token import LABEL_POSITIONS, NextTokenLogits
 from automodel.training.recipe import TrainRecipe
@@ -82,12 +81,8 @@ class FinetuneRecipeForVLM(NextTokenLogits, TrainRecipe):
                                      "or build one from its parts (automodel_vlm.processor.build_processor)")
             self.processor = load_processor(source)
 
-    def build_dataset(self, ctx: BuildContext, node: Any) -> Any:
-        self._dataset_key = node.key
-        return super().build_dataset(ctx, node)
-
-    def dataset_runtime_args(self) -> dict[str, Any]:
-        return {"config_key": getattr(self, "_dataset_key", "dataset")}
+    def dataset_runtime_args(self, node: Any) -> dict[str, Any]:
+        return {"config_key": node.key}  # errors in a row name the section it came from
 
     def default_collate_fn(self, train: bool = True) -> Any:
         return VLMCollator(self.processor)

@@ -135,8 +135,8 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
     def default_collate_fn(self, train: bool = True) -> Any:
         return None  # torch's default collate
 
-    def dataset_runtime_args(self) -> dict[str, Any]:
-        """Arguments the recipe gives every data set's target (a tokenizer, say), if the target accepts them."""
+    def dataset_runtime_args(self, node: ConfigNode) -> dict[str, Any]:
+        """Arguments the recipe gives the data set section ``node``'s target (a tokenizer, say), if it accepts them."""
         return {}
 
     def setup_domain(self) -> None:
@@ -158,7 +158,7 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
         return ctx.build("model")
 
     def build_dataset(self, ctx: BuildContext, node: ConfigNode) -> Any:
-        return builders.build_dataset(ctx, node, self.dataset_runtime_args())
+        return builders.build_dataset(ctx, node, self.dataset_runtime_args(node))
 
     def build_dataloader(self, ctx: BuildContext, dataset: Any, node: ConfigNode, train: bool) -> Any:
         return ctx.build("dataloader", dataset, node, train, self.default_collate_fn(train))
@@ -175,7 +175,7 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
     def build_step_scheduler(self, ctx: BuildContext, steps_per_epoch: int | None) -> StepScheduler:
         return ctx.build("step_scheduler", steps_per_epoch)
 
-    def build_checkpointer(self, ctx: BuildContext) -> Checkpointer:
+    def build_checkpoint_config(self, ctx: BuildContext) -> Checkpointer:
         return ctx.build("checkpoint_config")
 
     def select_device(self) -> torch.device:
@@ -236,7 +236,7 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
         if ctx.device.type == "cpu" and cfg.dist_env.cpu_malloc_tuning and keep_freed_memory_in_heap():
             self.log("host memory: glibc malloc keeps freed step buffers in the heap (dist_env.cpu_malloc_tuning)")
         self.rng = StatefulRNG(cfg.rng.seed, cfg.rng.ranked, ctx.rank)
-        self.checkpointer = self.build_checkpointer(ctx)
+        self.checkpointer = self.build_checkpoint_config(ctx)
         if cfg.checkpoint.enabled and ctx.is_main_process:
             self.checkpointer.prepare()
         if cfg.restore_from is not None and cfg.restore_from.path:
