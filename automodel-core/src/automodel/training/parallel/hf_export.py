@@ -1,0 +1,230 @@
+"""The HF-loadable ``model/`` directory, written from a sharded checkpoint without gathering the model anywhere.
+
+At save time rank 0 records what the export needs beside the shards (:func:`write_export_files`): which saved
+tensor becomes which HF name (a tied tensor once; for a peft model only the adapter, under peft's names) and the
+config files (``config.json``, ``generation_config.json`` or ``adapter_config.json``) in ``hf/``. :func:`export_hf`
+then streams: every output file is planned from the shard files' JSON headers alone, each rank writes its share of
+the output files (file ``i`` by rank ``i % world``), assembling one whole tensor at a time from the slices the ranks
+saved, and rank 0 writes ``model.safetensors.index.json``. One process without a process group writes them all
+(``automodel export``). ``transformers.AutoModel*.from_pretrained`` / ``peft.PeftModel.from_pretrained`` load it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import shutil
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from automodel.errors import AutomodelError
+
+EXPORT_FILE = "hf_export.json"
+HF_FILES = "hf"
+INDEX_FILE = "model.safetensors.index.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+DEFAULT_MAX_FILE_BYTES = 5 * 1024**3
+_DCP_INFO = "DCP_SHARDING_INFO"
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    file: Path
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+    dtype: str  # the safetensors code: F32, BF16, ...
+
+
+def export_names(model: nn.Module, prefix: str = "") -> tuple[str, dict[str, str]]:
+    """("model" | "adapter", saved key -> HF name) for ``model``'s ``state_dict`` keys (plus ``prefix``): a tied
+    tensor once, under its first name (as ``save_pretrained`` writes it); a peft model's adapter under peft's names.
+    """
+    state = model.state_dict(keep_vars=True)
+    key_of: dict[int, str] = {}
+    for key, tensor in state.items():
+        key_of.setdefault(id(tensor), key)
+    if hasattr(model, "peft_config"):
+        from peft import get_peft_model_state_dict
+
+        adapter = get_peft_model_state_dict(model, state_dict=state)
+        if any(id(tensor) not in key_of for tensor in adapter.values()):
+            raise AutomodelError("peft's adapter state is not made of the model's own tensors; this adapter type "
+                                 "cannot be exported from a sharded checkpoint")
+        return "adapter", {prefix + key_of[id(tensor)]: name for name, tensor in adapter.items()}
+    return "model", {prefix + key: key for key in key_of.values()}
+
+
+def write_export_files(model: nn.Module, directory: Path, prefix: str) -> None:
+    """Beside the shards: ``hf_export.json`` and the model's HF config files in ``hf/`` (rank 0 calls it)."""
+    kind, names = export_names(model, prefix)
+    (directory / EXPORT_FILE).write_text(json.dumps({"kind": kind, "weights": names}, indent=1), encoding="utf-8")
+    target = directory / HF_FILES
+    target.mkdir(exist_ok=True)
+    if kind == "adapter":
+        for config in model.peft_config.values():
+            config = copy.deepcopy(config)
+            config.inference_mode = True  # what PeftModel.save_pretrained writes
+            config.save_pretrained(str(target))
+        return
+    for name in ("config", "generation_config"):
+        config = getattr(model, name, None)
+        if config is not None and hasattr(config, "save_pretrained"):
+            config.save_pretrained(str(target))
+
+
+def export_hf(directory: str | Path, out: str | Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> list[Path]:
+    """Write the HF directory ``out`` from the sharded checkpoint ``directory``; every rank calls it.
+
+    Returns the weight files this rank wrote."""
+    directory, out = Path(directory), Path(out)
+    try:
+        plan = json.loads((directory / EXPORT_FILE).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as err:
+        raise AutomodelError(f"'{directory}' is not an exportable sharded checkpoint ({EXPORT_FILE}: {err})") from None
+    chunks = _read_chunks(directory)
+    missing = [key for key in plan["weights"] if key not in chunks]
+    if missing:
+        raise AutomodelError(f"'{directory}' lacks saved tensors the export needs: {', '.join(missing[:8])}")
+    files = _plan_files(plan, chunks, max_file_bytes)
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() \
+        else (0, 1)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    with _Reader() as reader:
+        for number, (name, entries) in enumerate(files.items()):
+            if number % world == rank:
+                _write_file(out / name, entries, chunks, reader)
+                written.append(out / name)
+    if rank == 0:
+        if len(files) > 1:
+            _write_index(out / INDEX_FILE, files, chunks)
+        for config in sorted((directory / HF_FILES).glob("*")):
+            shutil.copyfile(config, out / config.name)
+    if world > 1:
+        dist.barrier()
+    return written
+
+
+def _read_chunks(directory: Path) -> dict[str, list[_Chunk]]:
+    """Every saved tensor's slices: which file, at which offsets, of which shape (from the JSON headers)."""
+    from safetensors import safe_open
+
+    chunks: dict[str, list[_Chunk]] = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                info = json.loads((handle.metadata() or {}).get(_DCP_INFO, "{}"))
+                for key in handle.keys():
+                    part = handle.get_slice(key)
+                    shape = tuple(part.get_shape())
+                    offsets = tuple(info.get(key, {}).get("saved_offsets", [0] * len(shape)))
+                    chunks.setdefault(key, []).append(_Chunk(file, offsets, shape, part.get_dtype()))
+        except Exception as err:  # a truncated or foreign file: safetensors raises its own error type
+            raise AutomodelError(f"cannot read '{file}' as a checkpoint shard: {err}") from None
+    return chunks
+
+
+def _full_shape(parts: list[_Chunk]) -> tuple[int, ...]:
+    return tuple(max(c.offsets[d] + c.shape[d] for c in parts) for d in range(len(parts[0].shape)))
+
+
+def _nbytes(parts: list[_Chunk]) -> int:
+    if parts[0].dtype not in _DTYPES:
+        raise AutomodelError(f"'{parts[0].file}' holds a tensor of dtype {parts[0].dtype}, which the export does "
+                             "not write")
+    return math.prod(_full_shape(parts)) * _DTYPES[parts[0].dtype].itemsize
+
+
+def _plan_files(plan: dict[str, Any], chunks: dict[str, list[_Chunk]], max_file_bytes: int
+                ) -> dict[str, list[tuple[str, str]]]:
+    """Output file name -> its (saved key, HF name) entries: one adapter file, or model files of bounded size."""
+    entries = sorted(plan["weights"].items(), key=lambda item: item[1])
+    if plan["kind"] == "adapter":
+        return {ADAPTER_WEIGHTS: entries}
+    buckets: list[list[tuple[str, str]]] = [[]]
+    used = 0
+    for key, name in entries:
+        size = _nbytes(chunks[key])
+        if buckets[-1] and used + size > max_file_bytes:
+            buckets.append([])
+            used = 0
+        buckets[-1].append((key, name))
+        used += size
+    if len(buckets) == 1:
+        return {"model.safetensors": buckets[0]}
+    return {f"model-{i:05d}-of-{len(buckets):05d}.safetensors": bucket for i, bucket in enumerate(buckets, 1)}
+
+
+class _Reader:
+    """Open shard files, kept open while a file is written (a context manager)."""
+
+    def __init__(self) -> None:
+        self.handles: dict[Path, Any] = {}
+
+    def __enter__(self) -> _Reader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self.handles.values():
+            handle.__exit__(None, None, None)
+
+    def tensor(self, chunk: _Chunk, key: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        if chunk.file not in self.handles:
+            self.handles[chunk.file] = safe_open(str(chunk.file), framework="pt").__enter__()
+        return self.handles[chunk.file].get_tensor(key)
+
+
+def _assemble(key: str, parts: list[_Chunk], reader: _Reader) -> torch.Tensor:
+    """The whole tensor ``key`` from its saved slices (the only whole tensor held at a time)."""
+    full = None
+    for chunk in parts:
+        piece = reader.tensor(chunk, key)
+        if full is None:
+            full = torch.empty(_full_shape(parts), dtype=piece.dtype)
+        full[tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.shape, strict=True))] = piece
+    return full
+
+
+def _header(entries: list[tuple[str, str]], chunks: dict[str, list[_Chunk]]) -> bytes:
+    """The safetensors header of a file holding ``entries``, in order (JSON, padded to 8 bytes)."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for key, name in entries:
+        parts = chunks[key]
+        size = _nbytes(parts)
+        header[name] = {"dtype": parts[0].dtype, "shape": list(_full_shape(parts)),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    return raw + b" " * (-len(raw) % 8)
+
+
+def _write_file(path: Path, entries: list[tuple[str, str]], chunks: dict[str, list[_Chunk]], reader: _Reader
+                ) -> None:
+    header = _header(entries, chunks)
+    with open(path, "wb") as stream:
+        stream.write(struct.pack("<Q", len(header)))
+        stream.write(header)
+        for key, _name in entries:
+            full = _assemble(key, chunks[key], reader)
+            if full.numel():
+                stream.write(full.reshape(-1).view(torch.uint8).numpy().data)
+
+
+def _write_index(path: Path, files: dict[str, list[tuple[str, str]]], chunks: dict[str, list[_Chunk]]) -> None:
+    weight_map = {name: file for file, entries in files.items() for _key, name in entries}
+    total = sum(_nbytes(chunks[key]) for entries in files.values() for key, _ in entries)
+    path.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2),
+                    encoding="utf-8")
