@@ -87,11 +87,11 @@ def _plan(world_size: int, dp_size: Any, dp_replicate_size: Any, tp_size: Any, c
         return MeshLayout(world_size), issues
     replicate, tp, cp, pp = (sizes[n] for n in ("dp_replicate_size", "tp_size", "cp_size", "pp_size"))
     others = tp * cp * pp
-    explain = f"tp_size ({tp}) * cp_size ({cp}) * pp_size ({pp}) = {others}"
+    factors = f"tp_size ({tp}) * cp_size ({cp}) * pp_size ({pp})"
     if dp_size in _AUTO:
         if world_size % others:
-            issues.append(ConfigIssue(f"{section}.dp_size", f"'{dp_size}' derives dp_size = world size / "
-                                      f"({explain}), but the world size {world_size} is not divisible by {others}; "
+            issues.append(ConfigIssue(f"{section}.dp_size", f"'{dp_size}' derives dp_size = world size / ({factors} "
+                                      f"= {others}), but the world size {world_size} is not divisible by {others}; "
                                       "change the parallel sizes or the number of processes"))
             return MeshLayout(world_size), issues
         dp = world_size // others
@@ -100,7 +100,7 @@ def _plan(world_size: int, dp_size: Any, dp_replicate_size: Any, tp_size: Any, c
         if dp is None:
             return MeshLayout(world_size), issues
         if dp * others != world_size:
-            issues.append(ConfigIssue(f"{section}.dp_size", f"{dp} * {explain} = {dp * others} ranks, but the run "
+            issues.append(ConfigIssue(f"{section}.dp_size", f"{dp} * {factors} = {dp * others} ranks, but the run "
                                       f"has {world_size} (--nproc-per-node x --nnodes); set dp_size: auto or "
                                       "make the product equal the world size"))
             return MeshLayout(world_size), issues

@@ -1,0 +1,211 @@
+"""Scenarios that the distributed tests run on N gloo ranks (``parallel_testing.launch``), and the model and
+training helpers they share with the single-process side of each comparison.
+
+Run as ``python parallel_workers.py <scenario> <json args> <result file>``; RANK / WORLD_SIZE come from the
+environment (absent: one process without a process group).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from automodel.training.parallel.activation_checkpointing import apply_activation_checkpointing
+from automodel.training.parallel.fsdp import apply_fsdp2
+from automodel.training.parallel.hf_export import export_hf
+from automodel.training.parallel.materialize import materialize, parameters_on_meta
+from automodel.training.parallel.mesh import build_device_mesh, data_parallel_mesh, plan_mesh
+from automodel.training.parallel.precision import resolve_precision
+from automodel.training.parallel.sharded_checkpoint import load_sharded_state, save_sharded_state
+
+VOCAB, SEQ, GLOBAL_BATCH = 97, 16, 4  # an odd vocabulary: FSDP2's uneven (padded) shards
+
+
+def tiny_config(tied: bool = True, layers: int = 3, hidden: int = 32, intermediate: int = 64, vocab: int = VOCAB):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                       max_position_embeddings=64, tie_word_embeddings=tied)
+
+
+def lora_config():
+    import peft
+
+    return peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+
+
+def meta_model(config, lora: bool = False, checkpointing: bool = False) -> torch.nn.Module:
+    """The model built on the meta device, LoRA and activation checkpointing applied (the pipeline's order)."""
+    from transformers import AutoModelForCausalLM
+
+    with parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(config)
+    if lora:
+        import peft
+
+        model = peft.get_peft_model(model, lora_config())
+    if checkpointing:
+        assert apply_activation_checkpointing(model) == config.num_hidden_layers
+    return model
+
+
+def sharded_model(config, seed: int = 7, weights: str | None = None, lora: bool = False,
+                  checkpointing: bool = False, precision: Any = None, dp_replicate: int = 1) -> torch.nn.Module:
+    """``meta_model`` sharded with FSDP2 over every rank (HSDP with ``dp_replicate`` > 1), then materialised."""
+    model = meta_model(config, lora, checkpointing)
+    layout = plan_mesh(dist.get_world_size(), dp_replicate_size=dp_replicate)
+    apply_fsdp2(model, data_parallel_mesh(build_device_mesh(layout, "cpu"), layout), precision)
+    materialize(model, "cpu", seed, weights)
+    return model
+
+
+def local_model(config, seed: int = 7, weights: str | None = None, lora: bool = False,
+                checkpointing: bool = False) -> torch.nn.Module:
+    """The single-process path: the same meta build and the same materialisation, no sharding."""
+    model = meta_model(config, lora, checkpointing)
+    materialize(model, "cpu", seed, weights)
+    return model
+
+
+def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every tensor of ``model.state_dict()`` gathered whole (a collective under FSDP2)."""
+    from torch.distributed.tensor import DTensor
+
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+            for k, v in model.state_dict().items()}
+
+
+def token_batch(step: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=torch.Generator().manual_seed(1000 + step))
+
+
+def train(model: torch.nn.Module, steps: int, precision: Any = None, fsdp2: bool = False, first_step: int = 0,
+          optimizer: torch.optim.Optimizer | None = None) -> list[float]:
+    """``steps`` AdamW steps on ``token_batch``; under a process group each rank takes its rows of the batch."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = precision.grad_scaler("cpu", torch.float32, fsdp2) if precision is not None else None
+    autocast = precision.autocast("cpu") if precision is not None and not fsdp2 else contextlib.nullcontext()
+    losses = []
+    for step in range(first_step, first_step + steps):
+        rows = token_batch(step)[rank * GLOBAL_BATCH // world:(rank + 1) * GLOBAL_BATCH // world]
+        with autocast:
+            logits = model(input_ids=rows).logits
+        loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), rows[:, 1:].reshape(-1))
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        reported = loss.detach().clone()
+        if world > 1:
+            dist.all_reduce(reported)
+            reported /= world
+        losses.append(reported.item())
+    return losses
+
+
+def save_tensors(state: dict[str, torch.Tensor], file: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in state.items()}, str(file))
+
+
+# ---- scenarios ------------------------------------------------------------------------------------------------
+
+
+def scenario_fsdp(args: dict[str, Any], out: Path) -> dict[str, Any]:
+    """Materialisation (fresh, from files, HSDP, LoRA) and training (fp32 with and without activation
+    checkpointing, bf16, fp16) under FSDP2; rank 0 writes the gathered weights for the parent to compare."""
+    rank = dist.get_rank()
+    layout = plan_mesh(dist.get_world_size(), dp_replicate_size=2)
+    mesh = build_device_mesh(layout, "cpu")
+    result: dict[str, Any] = {"mesh": {
+        "names": list(mesh.mesh_dim_names), "shape": list(mesh.shape), "coordinate": mesh.get_coordinate(),
+        "layout_coordinate": list(layout.coordinates(rank).values()), "dp_size": mesh["dp"].size(),
+        "dp_rank": mesh["dp"].get_local_rank(), "layout_dp_rank": layout.dp_rank(rank)}}
+    hsdp = sharded_model(tiny_config(), weights=args["base"], dp_replicate=2)
+    result["hsdp_placements"] = [str(p) for p in hsdp.model.layers[0].mlp.up_proj.weight.placements]
+    gathered = {
+        "fresh": full_state(sharded_model(tiny_config())),
+        "loaded": full_state(sharded_model(tiny_config(), weights=args["base"])),
+        "hsdp": full_state(hsdp),
+        "lora": full_state(sharded_model(tiny_config(), weights=args["base"], lora=True)),
+    }
+    if rank == 0:
+        for name, state in gathered.items():
+            save_tensors(state, out / f"{name}.safetensors")
+    result["fp32"] = train(sharded_model(tiny_config(tied=False)), 3, fsdp2=True)
+    result["fp32_checkpointed"] = train(sharded_model(tiny_config(tied=False), checkpointing=True), 3, fsdp2=True)
+    for name in ("bf16", "fp16"):
+        precision = resolve_precision({"param_dtype": name, "reduce_dtype": "fp32"}, torch.device("cpu"), True)
+        result[name] = train(sharded_model(tiny_config(tied=False), precision=precision), 3, precision, True)
+    return result
+
+
+def scenario_checkpoint(args: dict[str, Any], out: Path) -> dict[str, Any]:
+    """Sharded save (sync and async, full model and LoRA), HF export, and restores on this world size: of this
+    run's checkpoint and of the single-process checkpoint ``args["one_process"]``."""
+    rank, small = dist.get_rank(), 20_000  # small files: several per rank, written by both ranks
+    config, result = tiny_config(), {}
+    model = sharded_model(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    result["steps_1_2"] = train(model, 2, fsdp2=True, optimizer=optimizer)
+    save_sharded_state(out / "two", model, optimizer, max_file_bytes=small)
+    export_hf(out / "two", out / "two_model", max_file_bytes=small)
+    step2 = full_state(model)
+    result["steps_3_4"] = train(model, 2, fsdp2=True, first_step=2, optimizer=optimizer)
+    step4 = full_state(model)
+    pending = save_sharded_state(out / "async", model, optimizer, max_file_bytes=small, async_save=True)
+    result["step_5_during_async_save"] = train(model, 1, fsdp2=True, first_step=4, optimizer=optimizer)
+    pending.wait()
+
+    resumed = sharded_model(config, seed=99)
+    resumed_optimizer = torch.optim.AdamW(resumed.parameters(), lr=1e-2)
+    load_sharded_state(out / "two", resumed, resumed_optimizer)
+    result["resumed_3_4"] = train(resumed, 2, fsdp2=True, first_step=2, optimizer=resumed_optimizer)
+    from_async = sharded_model(config, seed=99)
+    load_sharded_state(out / "async", from_async)
+    from_one = sharded_model(config, seed=99)
+    one_optimizer = torch.optim.AdamW(from_one.parameters(), lr=1e-2)
+    load_sharded_state(args["one_process"], from_one, one_optimizer)
+    result["from_one_process_3_4"] = train(from_one, 2, fsdp2=True, first_step=2, optimizer=one_optimizer)
+
+    lora = sharded_model(config, lora=True)
+    lora_optimizer = torch.optim.AdamW([p for p in lora.parameters() if p.requires_grad], lr=1e-2)
+    train(lora, 2, fsdp2=True, optimizer=lora_optimizer)
+    save_sharded_state(out / "lora", lora, lora_optimizer, max_file_bytes=small)
+    export_hf(out / "lora", out / "lora_model")
+    states = {"step2": step2, "step4": step4, "async_step4": full_state(from_async), "lora_step2": full_state(lora)}
+    if rank == 0:
+        for name, state in states.items():
+            save_tensors(state, out / f"{name}.safetensors")
+    return result
+
+
+def main() -> None:
+    scenario, args, result_file = sys.argv[1], json.loads(sys.argv[2]), Path(sys.argv[3])
+    torch.set_num_threads(1)
+    if "WORLD_SIZE" in os.environ:
+        dist.init_process_group("gloo")
+    try:
+        result = globals()[f"scenario_{scenario}"](args, result_file.parent)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    result_file.write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
