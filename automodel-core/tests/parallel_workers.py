@@ -136,7 +136,7 @@ def scenario_fsdp(args: dict[str, Any], out: Path) -> dict[str, Any]:
         "layout_coordinate": list(layout.coordinates(rank).values()), "dp_size": mesh["dp"].size(),
         "dp_rank": mesh["dp"].get_local_rank(), "layout_dp_rank": layout.dp_rank(rank)}}
     hsdp = sharded_model(tiny_config(), weights=args["base"], dp_replicate=2)
-    result["hsdp_placements"] = [str(p) for p in hsdp.model.layers[0].mlp.up_proj.weight.placements]
+    result["hsdp_placements"] = [repr(p) for p in hsdp.model.layers[0].mlp.up_proj.weight.placements]
     gathered = {
         "fresh": full_state(sharded_model(tiny_config())),
         "loaded": full_state(sharded_model(tiny_config(), weights=args["base"])),
