@@ -16,8 +16,11 @@ writer. The caller writes into a staging directory and publishes it (rename, ``L
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -76,9 +79,11 @@ def save_sharded_state(directory: str | Path, model: nn.Module, optimizer: torch
     _barrier()
     writer = HuggingFaceStorageWriter(str(directory), fqn_to_index_mapping=_file_index(tensors, max_file_bytes),
                                       save_distributed=True)
-    if async_save:
-        return PendingSave(dcp.async_save(tensors, storage_writer=writer, process_group=_async_group()))
-    dcp.save(tensors, storage_writer=writer)
+    with _single_process_is_intended():
+        if async_save:
+            return PendingSave(dcp.async_save(tensors, storage_writer=writer, process_group=_async_group(),
+                                              no_dist=not _distributed()))
+        dcp.save(tensors, storage_writer=writer, no_dist=not _distributed())
     return None
 
 
@@ -107,7 +112,8 @@ def load_sharded_state(directory: str | Path, model: nn.Module, optimizer: torch
         manifest = _read_manifest(directory)
         targets.update(_optimizer_targets(optim_state, manifest, directory))
     _check_sizes(targets, saved, directory)
-    dcp.load(targets, storage_reader=reader)
+    with _single_process_is_intended():
+        dcp.load(targets, storage_reader=reader, no_dist=not _distributed())
     set_model_state_dict(model, {name: targets[MODEL + name] for name in model_state})
     if optimizer is not None:
         restored = _join_optimizer_state(targets, manifest, optim_state)
@@ -177,8 +183,11 @@ def _join_optimizer_state(loaded: dict[str, torch.Tensor], manifest: dict[str, A
             else:
                 value = saved["value"]
             state.setdefault(fqn, {})[name] = value
+    if len(manifest["param_groups"]) != len(current["param_groups"]):
+        raise ShardedCheckpointError(f"the checkpoint's optimizer has {len(manifest['param_groups'])} parameter "
+                                     f"groups, this one {len(current['param_groups'])}: is it the same optimizer?")
     groups = []
-    for saved, now in zip(manifest["param_groups"], current["param_groups"], strict=False):
+    for saved, now in zip(manifest["param_groups"], current["param_groups"], strict=True):
         groups.append({k: tuple(v) if isinstance(now.get(k), tuple) and isinstance(v, list) else v
                        for k, v in saved.items()})
     return {"state": state, "param_groups": groups}
@@ -219,19 +228,31 @@ def _check_sizes(targets: dict[str, torch.Tensor], saved: dict[str, torch.Size],
         raise ShardedCheckpointError("\n".join(lines))
 
 
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+@contextlib.contextmanager
+def _single_process_is_intended() -> Iterator[None]:
+    """DCP warns on every save and load without a process group; one process is a supported case here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
 def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return dist.get_rank() if _distributed() else 0
 
 
 def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
+    if _distributed():
         dist.barrier()
 
 
 def _async_group() -> Any:
     """A gloo group of every rank for background saves, so their collectives never interleave with training's."""
     global _checkpoint_group
-    if not (dist.is_available() and dist.is_initialized()):
+    if not _distributed():
         return None
     if _checkpoint_group is None:
         _checkpoint_group = dist.new_group(backend="gloo")
