@@ -194,6 +194,94 @@ def scenario_checkpoint(args: dict[str, Any], out: Path) -> dict[str, Any]:
     return result
 
 
+def memory_config():
+    """About 13.4 M parameters (54 MB in fp32), none of them more than 2% of the model."""
+    return tiny_config(tied=False, layers=8, hidden=384, intermediate=1024, vocab=512)
+
+
+def _status_bytes(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def _resident_means_live() -> None:
+    """glibc: every block of 64 KiB or more is its own mapping, returned to the system when freed, so resident
+    memory follows the live tensors instead of what the heap kept from earlier phases."""
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    libc.mallopt(-3, 65536)  # M_MMAP_THRESHOLD, fixed (no dynamic raise)
+    libc.mallopt(-1, 65536)  # M_TRIM_THRESHOLD
+
+
+def _peak_growth(action: Any) -> int:
+    """How far this process's peak resident memory rose above its live size while ``action`` ran."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    ctypes.CDLL(None).malloc_trim(0)  # freed heap memory back to the system: resident = live
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident size
+    before = _status_bytes("VmRSS")
+    action()
+    return _status_bytes("VmHWM") - before
+
+
+def _warm_up(build: Any, sharded: bool, out: Path) -> None:
+    """Everything the phases run, once on a tiny model: imports and first-use caches are not the phases' growth."""
+    model = build(tiny_config())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    train(model, 1, fsdp2=sharded, optimizer=optimizer)
+    save_sharded_state(out / "warm", model, optimizer)
+    export_hf(out / "warm", out / "warm_model")
+    load_sharded_state(out / "warm", model, optimizer)
+    full_state(model)
+
+
+def scenario_memory(args: dict[str, Any], out: Path) -> dict[str, Any]:
+    """Peak memory growth of loading from HF safetensors, a sharded save with HF export, and a restore (model and
+    optimizer) in this process: on each of N ranks, or in one process without a process group."""
+    config, sharded = memory_config(), dist.is_initialized()
+    build = sharded_model if sharded else local_model
+    slices = args["model_bytes"] // 8  # files of 1/8 of the model: what a rank serialises at once stays small
+    _resident_means_live()
+    _warm_up(build, sharded, out)
+    state: dict[str, Any] = {}
+    growth = {"load": _peak_growth(lambda: state.update(model=build(config, weights=args["base"])))}
+    state["optimizer"] = torch.optim.AdamW(state["model"].parameters(), lr=1e-3)
+    train(state["model"], 1, fsdp2=sharded, optimizer=state["optimizer"])
+
+    def save() -> None:
+        save_sharded_state(out / "ckpt", state["model"], state["optimizer"], max_file_bytes=slices)
+
+    def export() -> None:
+        export_hf(out / "ckpt", out / "model", max_file_bytes=slices)
+
+    def restore() -> None:
+        state["restored"] = build(config, seed=1)
+        state["restored_optimizer"] = torch.optim.AdamW(state["restored"].parameters(), lr=1e-3)
+        load_sharded_state(out / "ckpt", state["restored"], state["restored_optimizer"])
+
+    growth["save"] = _peak_growth(save)
+    growth["export"] = _peak_growth(export)
+    growth["restore"] = _peak_growth(restore)
+    if sharded:  # the control: a rank that does hold a whole copy of the model
+        growth["gather"] = _peak_growth(lambda: state.update(full=full_state(state["model"])))
+    return growth
+
+
+def scenario_all(args: dict[str, Any], out: Path) -> dict[str, Any]:
+    """Every two-rank check in one launch (starting processes costs more than most checks): memory first, while
+    the heap holds nothing else, then FSDP2 and checkpoints. Each part writes under its own directory."""
+    result = {}
+    for name, scenario in (("memory", scenario_memory), ("fsdp", scenario_fsdp), ("checkpoint", scenario_checkpoint)):
+        (out / name).mkdir(exist_ok=True)
+        result[name] = scenario(args[name], out / name)
+    return result
+
+
 def main() -> None:
     scenario, args, result_file = sys.argv[1], json.loads(sys.argv[2]), Path(sys.argv[3])
     torch.set_num_threads(1)

@@ -10,7 +10,6 @@ import shutil
 
 import pytest
 import torch
-from parallel_testing import launch
 from parallel_workers import full_state, local_model, tiny_config, train
 from safetensors.torch import load_file
 
@@ -24,15 +23,9 @@ from automodel.training.parallel.sharded_checkpoint import (
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("checkpoint")
-    model = local_model(tiny_config())
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    one = {"steps_1_2": train(model, 2, optimizer=optimizer)}
-    save_sharded_state(tmp / "one", model, optimizer, max_file_bytes=20_000)
-    one["steps_3_4"] = train(model, 2, first_step=2, optimizer=optimizer)
-    ranks = launch("checkpoint", 2, tmp / "ranks", one_process=tmp / "one")
-    return {"dir": tmp / "ranks", "tmp": tmp, "one": one, "ranks": ranks}
+def run(two_ranks):
+    return {"dir": two_ranks["dir"] / "checkpoint", "one": two_ranks["one_process"],
+            "ranks": [rank["checkpoint"] for rank in two_ranks["ranks"]]}
 
 
 def gathered(run, name):
@@ -141,13 +134,14 @@ def test_broken_checkpoints_fail_clearly(run, tmp_path):
         load_sharded_state(tmp_path, model)
 
 
-def test_one_process_save_and_restore_round_trip(tmp_path):
-    model = local_model(tiny_config(tied=False))
+@pytest.mark.parametrize("tied", [True, False])
+def test_one_process_save_and_restore_round_trip(tmp_path, tied):
+    model = local_model(tiny_config(tied=tied))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     train(model, 1, optimizer=optimizer)
     save_sharded_state(tmp_path / "ckpt", model, optimizer)
     assert len(list((tmp_path / "ckpt").glob("*.safetensors"))) == 1  # below max_file_bytes: one file
-    restored = local_model(tiny_config(tied=False), seed=3)
+    restored = local_model(tiny_config(tied=tied), seed=3)
     restored_optimizer = torch.optim.SGD(restored.parameters(), lr=0.1, momentum=0.9)
     load_sharded_state(tmp_path / "ckpt", restored, restored_optimizer)
     expected = full_state(model)

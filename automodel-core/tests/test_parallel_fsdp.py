@@ -1,13 +1,13 @@
 """Two gloo ranks with FSDP2 against one process: the device mesh, meta-device materialisation (fresh, from sharded
 HF safetensors, HSDP, LoRA), fp32 / bf16 / fp16 training and activation checkpointing under FSDP2.
 
-One launch (``parallel_workers.scenario_fsdp``) produces everything; each test checks one property of it."""
+``parallel_workers.scenario_fsdp`` produces everything (in the session's one launch); each test checks one
+property of it."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from parallel_testing import launch
 from parallel_workers import local_model, tiny_config, train
 from safetensors.torch import load_file
 
@@ -15,16 +15,13 @@ from automodel.training.parallel.precision import resolve_precision
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(two_ranks):
     from transformers import AutoModelForCausalLM
 
-    tmp = tmp_path_factory.mktemp("fsdp")
-    torch.manual_seed(0)
-    reference = AutoModelForCausalLM.from_config(tiny_config())  # the usual way: weights and buffers in memory
-    reference.save_pretrained(tmp / "base", max_shard_size="20KB")  # several files and an index, tied head dropped
-    assert (tmp / "base" / "model.safetensors.index.json").is_file()
-    results = launch("fsdp", 2, tmp / "ranks", base=tmp / "base")
-    return {"dir": tmp / "ranks", "base": tmp / "base", "reference": reference, "ranks": results}
+    assert (two_ranks["base"] / "model.safetensors.index.json").is_file()  # several files, the tied head dropped
+    return {"dir": two_ranks["dir"] / "fsdp", "base": two_ranks["base"],
+            "reference": AutoModelForCausalLM.from_pretrained(two_ranks["base"]),
+            "ranks": [rank["fsdp"] for rank in two_ranks["ranks"]]}
 
 
 def gathered(run, name):

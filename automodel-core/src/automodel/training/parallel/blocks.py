@@ -1,4 +1,4 @@
-"""Which submodules are a model's repeated transformer blocks, and module names free of wrapper prefixes."""
+"""Which submodules are a model's repeated transformer blocks; names free of wrapper prefixes; tied tensors."""
 
 from __future__ import annotations
 
@@ -23,3 +23,10 @@ def clean_name(name: str) -> str:
     for part in _WRAPPER_PARTS:
         name = name.replace(part, "")
     return name
+
+
+def tied_to(model: nn.Module) -> dict[str, str]:
+    """``state_dict`` key -> the first key holding the same tensor (itself when not tied). Decided by the module
+    structure, so every rank agrees (storage pointers do not: a rank's shard of a tensor may be empty)."""
+    first: dict[int, str] = {}
+    return {key: first.setdefault(id(tensor), key) for key, tensor in model.state_dict(keep_vars=True).items()}

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from automodel.errors import AutomodelError
+from automodel.training.parallel.blocks import tied_to
 
 EXPORT_FILE = "hf_export.json"
 HF_FILES = "hf"
@@ -49,19 +50,17 @@ def export_names(model: nn.Module, prefix: str = "") -> tuple[str, dict[str, str
     """("model" | "adapter", saved key -> HF name) for ``model``'s ``state_dict`` keys (plus ``prefix``): a tied
     tensor once, under its first name (as ``save_pretrained`` writes it); a peft model's adapter under peft's names.
     """
-    state = model.state_dict(keep_vars=True)
-    key_of: dict[int, str] = {}
-    for key, tensor in state.items():
-        key_of.setdefault(id(tensor), key)
     if hasattr(model, "peft_config"):
         from peft import get_peft_model_state_dict
 
+        state = model.state_dict(keep_vars=True)
+        key_of = {id(tensor): key for key, tensor in reversed(state.items())}  # a tied tensor: its first key
         adapter = get_peft_model_state_dict(model, state_dict=state)
         if any(id(tensor) not in key_of for tensor in adapter.values()):
             raise AutomodelError("peft's adapter state is not made of the model's own tensors; this adapter type "
                                  "cannot be exported from a sharded checkpoint")
         return "adapter", {prefix + key_of[id(tensor)]: name for name, tensor in adapter.items()}
-    return "model", {prefix + key: key for key in key_of.values()}
+    return "model", {prefix + key: key for key, first in tied_to(model).items() if key == first}
 
 
 def write_export_files(model: nn.Module, directory: Path, prefix: str) -> None:
@@ -100,11 +99,11 @@ def export_hf(directory: str | Path, out: str | Path, max_file_bytes: int = DEFA
         else (0, 1)
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    with _Reader() as reader:
-        for number, (name, entries) in enumerate(files.items()):
-            if number % world == rank:
+    for number, (name, entries) in enumerate(files.items()):
+        if number % world == rank:
+            with _Reader() as reader:  # the shard files' mapped pages leave memory after each output file
                 _write_file(out / name, entries, chunks, reader)
-                written.append(out / name)
+            written.append(out / name)
     if rank == 0:
         if len(files) > 1:
             _write_index(out / INDEX_FILE, files, chunks)

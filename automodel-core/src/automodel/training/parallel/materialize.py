@@ -92,15 +92,20 @@ def materialize(model: nn.Module, device: torch.device | str, seed: int, weights
     report = MaterializeReport()
     done: set[int] = set()
     if weights is not None:
-        with SafetensorsFiles(Path(weights)) as files:
-            for name, tensor in _unique_tensors(model):
-                key = checkpoint_key(name)
-                if key in files.keys:
-                    files.read_into(key, tensor)
+        files = weight_files(Path(weights))
+        todo: dict[Path, list[tuple[str, str, torch.Tensor]]] = {}
+        for name, tensor in _unique_tensors(model):
+            key = checkpoint_key(name)
+            if key in files:
+                todo.setdefault(files[key], []).append((name, key, tensor))
+        for file, entries in sorted(todo.items()):  # one file mapped at a time: its pages leave memory after it
+            with _open(file) as handle:
+                for name, key, tensor in entries:
+                    _read_slice(handle, key, tensor, file)
                     done.add(id(tensor))
                     report.loaded.append(name)
-            used = {checkpoint_key(name) for name in report.loaded}
-            report.unused = sorted(set(files.keys) - used)
+        used = {key for entries in todo.values() for _, key, _ in entries}
+        report.unused = sorted(set(files) - used)
     report.initialised = init_module_by_module(model, seed, skip=done)
     return report
 
@@ -130,47 +135,38 @@ def local_slices(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]
     return local.data, tuple(slice(start, start + size) for start, size in zip(offset, shape, strict=True))
 
 
-class SafetensorsFiles:
-    """The tensors of a directory of safetensors files, read lazily slice by slice (a context manager)."""
+def weight_files(directory: Path) -> dict[str, Path]:
+    """Tensor key -> the safetensors file holding it (``model.safetensors.index.json``, else every file's keys)."""
+    index = directory / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise AutomodelError(f"'{index}' is not a safetensors index (no readable weight_map: {err})") from None
+        files = {key: directory / name for key, name in weight_map.items()}
+        for file in set(files.values()) - {p for p in files.values() if p.is_file()}:
+            raise AutomodelError(f"'{index}' names '{file.name}', which is missing from '{directory}'")
+        return files
+    files = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        with _open(file) as handle:
+            files.update(dict.fromkeys(handle.keys(), file))
+    if not files:
+        raise AutomodelError(f"'{directory}' holds no safetensors weights (no {INDEX_FILE}, no *.safetensors)")
+    return files
 
-    def __init__(self, directory: Path):
-        index = directory / INDEX_FILE
-        if index.is_file():
-            weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
-            self.files = {key: directory / name for key, name in weight_map.items()}
-        else:
-            self.files = {}
-            for file in sorted(directory.glob("*.safetensors")):
-                with _open(file) as handle:
-                    self.files.update(dict.fromkeys(handle.keys(), file))
-        if not self.files:
-            raise AutomodelError(f"'{directory}' holds no safetensors weights (no {INDEX_FILE}, no *.safetensors)")
-        self.keys = set(self.files)
-        self._handles: dict[Path, Any] = {}
-        self._stack = contextlib.ExitStack()
 
-    def __enter__(self) -> SafetensorsFiles:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stack.close()
-
-    def read_into(self, key: str, tensor: torch.Tensor) -> None:
-        """Copy this rank's slice of ``key`` into ``tensor``'s local part (a dtype cast where they differ)."""
-        file = self.files[key]
-        if file not in self._handles:
-            if not file.is_file():
-                raise AutomodelError(f"{file.parent / INDEX_FILE} names '{file.name}' for '{key}', which is missing")
-            self._handles[file] = self._stack.enter_context(_open(file))
-        part = self._handles[file].get_slice(key)
-        if tuple(part.get_shape()) != tuple(tensor.shape):
-            raise AutomodelError(f"'{key}' in '{file}' has shape {tuple(part.get_shape())}, the model's is "
-                                 f"{tuple(tensor.shape)}: is the checkpoint for this architecture and config?")
-        local, slices = local_slices(tensor)
-        if local.numel() == 0:
-            return
-        with torch.no_grad():
-            local.copy_(part[slices] if slices else self._handles[file].get_tensor(key))
+def _read_slice(handle: Any, key: str, tensor: torch.Tensor, file: Path) -> None:
+    """Copy this rank's slice of ``key`` into ``tensor``'s local part (a dtype cast where they differ)."""
+    part = handle.get_slice(key)
+    if tuple(part.get_shape()) != tuple(tensor.shape):
+        raise AutomodelError(f"'{key}' in '{file}' has shape {tuple(part.get_shape())}, the model's is "
+                             f"{tuple(tensor.shape)}: is the checkpoint for this architecture and config?")
+    local, slices = local_slices(tensor)
+    if local.numel() == 0:
+        return
+    with torch.no_grad():
+        local.copy_(part[slices] if slices else handle.get_tensor(key))
 
 
 def _open(file: Path) -> Any:

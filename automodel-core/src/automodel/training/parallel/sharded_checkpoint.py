@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from automodel.errors import AutomodelError
+from automodel.training.parallel.blocks import tied_to
 from automodel.training.parallel.hf_export import write_export_files
 
 OPTIMIZER_FILE = "optimizer.json"
@@ -66,7 +67,8 @@ def save_sharded_state(directory: str | Path, model: nn.Module, optimizer: torch
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     directory = Path(directory)
-    tensors = {MODEL + name: tensor for name, tensor in get_model_state_dict(model).items()}
+    tied = tied_to(model)
+    tensors = {MODEL + name: tensor for name, tensor in get_model_state_dict(model).items() if tied[name] == name}
     manifest = None
     if optimizer is not None:
         optim_tensors, manifest = _split_optimizer_state(get_optimizer_state_dict(model, optimizer))
@@ -106,7 +108,8 @@ def load_sharded_state(directory: str | Path, model: nn.Module, optimizer: torch
     reader = HuggingFaceStorageReader(str(directory))
     saved = _saved_sizes(reader, directory)
     model_state = get_model_state_dict(model)
-    targets = {MODEL + name: tensor for name, tensor in model_state.items()}
+    tied = tied_to(model)  # a tied tensor is saved and loaded once, under its first name
+    targets = {MODEL + name: tensor for name, tensor in model_state.items() if tied[name] == name}
     if optimizer is not None:
         optim_state = get_optimizer_state_dict(model, optimizer)
         manifest = _read_manifest(directory)
@@ -114,7 +117,7 @@ def load_sharded_state(directory: str | Path, model: nn.Module, optimizer: torch
     _check_sizes(targets, saved, directory)
     with _single_process_is_intended():
         dcp.load(targets, storage_reader=reader, no_dist=not _distributed())
-    set_model_state_dict(model, {name: targets[MODEL + name] for name in model_state})
+    set_model_state_dict(model, {name: targets[MODEL + tied[name]] for name in model_state})
     if optimizer is not None:
         restored = _join_optimizer_state(targets, manifest, optim_state)
         set_optimizer_state_dict(model, optimizer, restored, options=StateDictOptions(strict=False))
