@@ -197,19 +197,19 @@ def init_module_by_module(model: nn.Module, seed: int, skip: set[int] = frozense
                   if isinstance(getattr(m, c, None), nn.Module) for p in getattr(m, c).parameters()}
     models = [(prefix, m) for prefix, m in model.named_modules() if hasattr(m, "_init_weights")]
     for name, module in model.named_modules():
-        if _is_lora_layer(module):
+        lora = _is_lora_layer(module)
+        if lora:
             params = {f"{c}.{n}": p for c in _LORA_CONTAINERS if isinstance(getattr(module, c, None), nn.Module)
                       for n, p in getattr(module, c).named_parameters()}
-            initialiser = _lora_initialiser(model, module, name)
         else:
             params = {n: p for n, p in module.named_parameters(recurse=False) if id(p) not in lora_owned}
-            initialiser = _module_initialiser(models, module, name)
         todo = {n: p for n, p in params.items() if id(p) not in done}
         if not todo:
             continue
+        initialiser = _lora_initialiser(model, module, name) if lora else _module_initialiser(models, module, name)
         _init_unit(module, todo, initialiser, module_seed(seed, clean_name(name)), clean_name(name))
         done.update(id(p) for p in todo.values())
-        initialised += [clean_name(f"{name}.{n}" if name else n) for n in todo]
+        initialised += [clean_name(_join(name, n)) for n in todo]
     return initialised
 
 
@@ -222,22 +222,26 @@ def _init_unit(module: nn.Module, params: dict[str, nn.Parameter], initialiser: 
         full = torch.full(param.shape, float("nan"), dtype=param.dtype) if param.dtype.is_floating_point \
             else torch.zeros(param.shape, dtype=param.dtype)
         owner._parameters[attr] = nn.Parameter(full, requires_grad=param.requires_grad)
-        swapped.append((owner, attr, param))
+        swapped.append((owner, attr, param, dotted))
     try:
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             torch.random.default_generator.manual_seed(seed)
             initialiser()
-        for owner, attr, param in swapped:
+        for owner, attr, param, dotted in swapped:
             full = owner._parameters[attr].data
             if full.is_floating_point() and torch.isnan(full).any():
-                raise AutomodelError(f"'{clean_name(f'{name}.{attr}')}' ({type(owner).__name__}) is not set by the "
+                raise AutomodelError(f"'{clean_name(_join(name, dotted))}' ({type(owner).__name__}) is not set by the "
                                      "model's _init_weights, so it cannot be initialised on the meta device; load "
                                      "it from a checkpoint or build the model without meta-device initialisation")
             local, slices = local_slices(param)
             local.copy_(full[slices] if slices else full)
     finally:
-        for owner, attr, param in swapped:
+        for owner, attr, param, _ in swapped:
             owner._parameters[attr] = param
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
 
 
 def _owner(module: nn.Module, dotted: str) -> tuple[nn.Module, str]:
