@@ -1,8 +1,10 @@
 """Scenarios that the distributed tests run on N gloo ranks (``parallel_testing.launch``), and the model and
 training helpers they share with the single-process side of each comparison.
 
-Run as ``python parallel_workers.py <scenario> <json args> <result file>``; RANK / WORLD_SIZE come from the
-environment (absent: one process without a process group).
+Run as ``python parallel_workers.py <scenario> <json args> <result file>`` (``{rank}`` in the file name is the
+rank's); RANK / WORLD_SIZE come from the environment (absent: one process without a process group), or from
+torchrun. ``AUTOMODEL_TEST_DEVICE=cuda`` runs on the GPUs with nccl (scripts/gpu_check.sh); the default is CPU
+with gloo.
 """
 
 from __future__ import annotations
@@ -27,6 +29,12 @@ from automodel.training.parallel.precision import resolve_precision
 from automodel.training.parallel.sharded_checkpoint import load_sharded_state, save_sharded_state
 
 VOCAB, SEQ, GLOBAL_BATCH = 97, 16, 4  # an odd vocabulary: FSDP2's uneven (padded) shards
+
+
+def device() -> torch.device:
+    if os.environ.get("AUTOMODEL_TEST_DEVICE", "cpu") == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
 
 
 def tiny_config(tied: bool = True, layers: int = 3, hidden: int = 32, intermediate: int = 64, vocab: int = VOCAB):
@@ -63,8 +71,8 @@ def sharded_model(config, seed: int = 7, weights: str | None = None, lora: bool 
     """``meta_model`` sharded with FSDP2 over every rank (HSDP with ``dp_replicate`` > 1), then materialised."""
     model = meta_model(config, lora, checkpointing)
     layout = plan_mesh(dist.get_world_size(), dp_replicate_size=dp_replicate)
-    apply_fsdp2(model, data_parallel_mesh(build_device_mesh(layout, "cpu"), layout), precision)
-    materialize(model, "cpu", seed, weights)
+    apply_fsdp2(model, data_parallel_mesh(build_device_mesh(layout, device().type), layout), precision)
+    materialize(model, device(), seed, weights)
     return model
 
 
@@ -72,7 +80,7 @@ def local_model(config, seed: int = 7, weights: str | None = None, lora: bool = 
                 checkpointing: bool = False) -> torch.nn.Module:
     """The single-process path: the same meta build and the same materialisation, no sharding."""
     model = meta_model(config, lora, checkpointing)
-    materialize(model, "cpu", seed, weights)
+    materialize(model, device(), seed, weights)
     return model
 
 
@@ -80,7 +88,7 @@ def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every tensor of ``model.state_dict()`` gathered whole (a collective under FSDP2)."""
     from torch.distributed.tensor import DTensor
 
-    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().clone()
             for k, v in model.state_dict().items()}
 
 
@@ -93,11 +101,12 @@ def train(model: torch.nn.Module, steps: int, precision: Any = None, fsdp2: bool
     """``steps`` AdamW steps on ``token_batch``; under a process group each rank takes its rows of the batch."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=1e-2)
-    scaler = precision.grad_scaler("cpu", torch.float32, fsdp2) if precision is not None else None
-    autocast = precision.autocast("cpu") if precision is not None and not fsdp2 else contextlib.nullcontext()
+    kind = device().type
+    scaler = precision.grad_scaler(kind, torch.float32, fsdp2) if precision is not None else None
+    autocast = precision.autocast(kind) if precision is not None and not fsdp2 else contextlib.nullcontext()
     losses = []
     for step in range(first_step, first_step + steps):
-        rows = token_batch(step)[rank * GLOBAL_BATCH // world:(rank + 1) * GLOBAL_BATCH // world]
+        rows = token_batch(step)[rank * GLOBAL_BATCH // world:(rank + 1) * GLOBAL_BATCH // world].to(device())
         with autocast:
             logits = model(input_ids=rows).logits
         loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), rows[:, 1:].reshape(-1))
@@ -130,7 +139,7 @@ def scenario_fsdp(args: dict[str, Any], out: Path) -> dict[str, Any]:
     checkpointing, bf16, fp16) under FSDP2; rank 0 writes the gathered weights for the parent to compare."""
     rank = dist.get_rank()
     layout = plan_mesh(dist.get_world_size(), dp_replicate_size=2)
-    mesh = build_device_mesh(layout, "cpu")
+    mesh = build_device_mesh(layout, device().type)
     result: dict[str, Any] = {"mesh": {
         "names": list(mesh.mesh_dim_names), "shape": list(mesh.shape), "coordinate": mesh.get_coordinate(),
         "layout_coordinate": list(layout.coordinates(rank).values()), "dp_size": mesh["dp"].size(),
@@ -149,7 +158,7 @@ def scenario_fsdp(args: dict[str, Any], out: Path) -> dict[str, Any]:
     result["fp32"] = train(sharded_model(tiny_config(tied=False)), 3, fsdp2=True)
     result["fp32_checkpointed"] = train(sharded_model(tiny_config(tied=False), checkpointing=True), 3, fsdp2=True)
     for name in ("bf16", "fp16"):
-        precision = resolve_precision({"param_dtype": name, "reduce_dtype": "fp32"}, torch.device("cpu"), True)
+        precision = resolve_precision({"param_dtype": name, "reduce_dtype": "fp32"}, device(), True)
         result[name] = train(sharded_model(tiny_config(tied=False), precision=precision), 3, precision, True)
     return result
 
@@ -282,17 +291,35 @@ def scenario_all(args: dict[str, Any], out: Path) -> dict[str, Any]:
     return result
 
 
+def scenario_smoke(args: dict[str, Any], out: Path) -> dict[str, Any]:
+    """A short run for real accelerators (scripts/gpu_check.sh): bf16 FSDP2 over every rank, a sharded save, the
+    HF export and a restore, on this machine's device and backend."""
+    precision = resolve_precision({"param_dtype": "bf16", "reduce_dtype": "fp32"}, device(), True)
+    model = sharded_model(tiny_config(tied=False), precision=precision)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = train(model, 3, precision, True, optimizer=optimizer)
+    save_sharded_state(out / "ckpt", model, optimizer)
+    export_hf(out / "ckpt", out / "model")
+    restored = sharded_model(tiny_config(tied=False), seed=1, precision=precision)
+    load_sharded_state(out / "ckpt", restored, torch.optim.AdamW(restored.parameters(), lr=1e-2))
+    saved, loaded = full_state(model), full_state(restored)
+    return {"backend": dist.get_backend(), "world": dist.get_world_size(), "device": str(device()), "losses": losses,
+            "restored_equal": all(torch.equal(saved[k], loaded[k]) for k in saved)}
+
+
 def main() -> None:
-    scenario, args, result_file = sys.argv[1], json.loads(sys.argv[2]), Path(sys.argv[3])
+    scenario, args, result_file = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
     torch.set_num_threads(1)
     if "WORLD_SIZE" in os.environ:
-        dist.init_process_group("gloo")
+        if device().type == "cuda":
+            torch.cuda.set_device(device())
+        dist.init_process_group("nccl" if device().type == "cuda" else "gloo")
     try:
-        result = globals()[f"scenario_{scenario}"](args, result_file.parent)
+        result = globals()[f"scenario_{scenario}"](args, Path(result_file).parent)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    result_file.write_text(json.dumps(result))
+    Path(result_file.replace("{rank}", os.environ.get("RANK", "0"))).write_text(json.dumps(result))
 
 
 if __name__ == "__main__":
