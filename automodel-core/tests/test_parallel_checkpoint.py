@@ -134,6 +134,17 @@ def test_broken_checkpoints_fail_clearly(run, tmp_path):
         load_sharded_state(tmp_path, model)
 
 
+def test_a_missing_rank_file_is_refused_not_half_loaded(run, tmp_path):
+    incomplete = tmp_path / "incomplete"
+    shutil.copytree(run["dir"] / "two", incomplete)
+    for file in incomplete.glob("shard-00002-*.safetensors"):  # every file rank 1 wrote
+        file.unlink()
+    with pytest.raises(ShardedCheckpointError, match="holds only part of .*is a shard file missing"):
+        load_sharded_state(incomplete, local_model(tiny_config(), seed=1))
+    with pytest.raises(AutomodelError, match="holds only part of .*is a shard file missing"):
+        export_hf(incomplete, tmp_path / "out")
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_one_process_save_and_restore_round_trip(tmp_path, tied):
     model = local_model(tiny_config(tied=tied))

@@ -26,7 +26,8 @@ def clean_name(name: str) -> str:
 
 
 def tied_to(model: nn.Module) -> dict[str, str]:
-    """``state_dict`` key -> the first key holding the same tensor (itself when not tied). Decided by the module
-    structure, so every rank agrees (storage pointers do not: a rank's shard of a tensor may be empty)."""
+    """Clean ``state_dict`` key -> the first clean key holding the same tensor (itself when not tied). Decided by
+    the module structure, so every rank agrees (storage pointers do not: a rank's shard may be empty)."""
     first: dict[int, str] = {}
-    return {key: first.setdefault(id(tensor), key) for key, tensor in model.state_dict(keep_vars=True).items()}
+    return {clean_name(key): clean_name(first.setdefault(id(tensor), key))
+            for key, tensor in model.state_dict(keep_vars=True).items()}

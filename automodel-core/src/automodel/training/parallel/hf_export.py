@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from automodel.errors import AutomodelError
-from automodel.training.parallel.blocks import tied_to
+from automodel.training.parallel.blocks import clean_name, tied_to
 
 EXPORT_FILE = "hf_export.json"
 HF_FILES = "hf"
@@ -53,13 +53,16 @@ def export_names(model: nn.Module, prefix: str = "") -> tuple[str, dict[str, str
     if hasattr(model, "peft_config"):
         from peft import get_peft_model_state_dict
 
+        if len(model.peft_config) != 1:
+            raise AutomodelError(f"the model has {len(model.peft_config)} LoRA adapters "
+                                 f"({', '.join(model.peft_config)}); the HF export writes one")
         state = model.state_dict(keep_vars=True)
         key_of = {id(tensor): key for key, tensor in reversed(state.items())}  # a tied tensor: its first key
-        adapter = get_peft_model_state_dict(model, state_dict=state)
+        adapter = get_peft_model_state_dict(model, state_dict=state, adapter_name=next(iter(model.peft_config)))
         if any(id(tensor) not in key_of for tensor in adapter.values()):
             raise AutomodelError("peft's adapter state is not made of the model's own tensors; this adapter type "
                                  "cannot be exported from a sharded checkpoint")
-        return "adapter", {prefix + key_of[id(tensor)]: name for name, tensor in adapter.items()}
+        return "adapter", {prefix + clean_name(key_of[id(tensor)]): name for name, tensor in adapter.items()}
     return "model", {prefix + key: key for key, first in tied_to(model).items() if key == first}
 
 
@@ -70,10 +73,9 @@ def write_export_files(model: nn.Module, directory: Path, prefix: str) -> None:
     target = directory / HF_FILES
     target.mkdir(exist_ok=True)
     if kind == "adapter":
-        for config in model.peft_config.values():
-            config = copy.deepcopy(config)
-            config.inference_mode = True  # what PeftModel.save_pretrained writes
-            config.save_pretrained(str(target))
+        config = copy.deepcopy(next(iter(model.peft_config.values())))
+        config.inference_mode = True  # what PeftModel.save_pretrained writes
+        config.save_pretrained(str(target))
         return
     for name in ("config", "generation_config"):
         config = getattr(model, name, None)
@@ -94,6 +96,10 @@ def export_hf(directory: str | Path, out: str | Path, max_file_bytes: int = DEFA
     missing = [key for key in plan["weights"] if key not in chunks]
     if missing:
         raise AutomodelError(f"'{directory}' lacks saved tensors the export needs: {', '.join(missing[:8])}")
+    partial = [key for key in plan["weights"]
+               if sum(math.prod(c.shape) for c in chunks[key]) != math.prod(_full_shape(chunks[key]))]
+    if partial:
+        raise AutomodelError(f"'{directory}' holds only part of {', '.join(partial[:8])}: is a shard file missing?")
     files = _plan_files(plan, chunks, max_file_bytes)
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() \
         else (0, 1)

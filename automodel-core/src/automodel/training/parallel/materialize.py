@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from automodel.errors import AutomodelError
-from automodel.training.parallel.blocks import clean_name
+from automodel.training.parallel.blocks import clean_name, tied_to
 
 INDEX_FILE = "model.safetensors.index.json"
 _LORA_CONTAINERS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B")
@@ -112,13 +112,9 @@ def materialize(model: nn.Module, device: torch.device | str, seed: int, weights
 
 def _unique_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """Parameters and persistent buffers under their ``state_dict`` names, a tied tensor once (its first name)."""
-    seen: set[int] = set()
-    unique = []
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        if id(tensor) not in seen:
-            seen.add(id(tensor))
-            unique.append((name, tensor))
-    return unique
+    tied = tied_to(model)
+    return [(name, tensor) for name, tensor in model.state_dict(keep_vars=True).items()
+            if tied[clean_name(name)] == clean_name(name)]
 
 
 def local_slices(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
@@ -186,7 +182,7 @@ def module_seed(seed: int, name: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "little") & (2**63 - 1)
 
 
-def init_module_by_module(model: nn.Module, seed: int, skip: set[int] = frozenset()) -> list[str]:
+def init_module_by_module(model: nn.Module, seed: int, skip: Collection[int] = ()) -> list[str]:
     """Initialise every parameter not in ``skip`` (ids) as the definition in this module's docstring says.
 
     Returns the clean names of the parameters initialised. A parameter the model's initialiser leaves untouched is
@@ -282,4 +278,9 @@ def _lora_initialiser(model: nn.Module, layer: nn.Module, name: str) -> Callable
                                  "from the full base weights, which meta-device initialisation never holds; use "
                                  "init_lora_weights true or 'gaussian' without DoRA")
         modes[adapter] = mode
-    return lambda: [layer.reset_lora_parameters(adapter, mode) for adapter, mode in modes.items()]
+
+    def initialise() -> None:
+        for adapter, mode in modes.items():
+            layer.reset_lora_parameters(adapter, mode)
+
+    return initialise

@@ -73,8 +73,8 @@ def save_sharded_state(directory: str | Path, model: nn.Module, optimizer: torch
     if optimizer is not None:
         optim_tensors, manifest = _split_optimizer_state(get_optimizer_state_dict(model, optimizer))
         tensors.update(optim_tensors)
+    directory.mkdir(parents=True, exist_ok=True)
     if _rank() == 0:
-        directory.mkdir(parents=True, exist_ok=True)
         if manifest is not None:
             (directory / OPTIMIZER_FILE).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
         write_export_files(model, directory, MODEL)
@@ -212,11 +212,19 @@ def _file_index(tensors: dict[str, torch.Tensor], max_file_bytes: int) -> dict[s
 
 
 def _saved_sizes(reader: Any, directory: Path) -> dict[str, torch.Size]:
+    """Each saved tensor's full size, from the files' JSON headers; a tensor whose slices do not cover it (a
+    shard file missing) is an error, not a silently uninitialised region."""
     try:
         metadata = reader.read_metadata()
     except Exception as err:  # a truncated or foreign file: safetensors and json raise their own types
         raise ShardedCheckpointError(f"cannot read the sharded checkpoint '{directory}': {err}") from None
-    return {key: md.size for key, md in metadata.state_dict_metadata.items()}
+    sizes = {key: md.size for key, md in metadata.state_dict_metadata.items()}
+    partial = [key for key, md in metadata.state_dict_metadata.items()
+               if sum(math.prod(chunk.sizes) for chunk in md.chunks) != math.prod(md.size)]
+    if partial:
+        raise ShardedCheckpointError(f"the sharded checkpoint '{directory}' holds only part of "
+                                     f"{', '.join(partial[:8])}: is a shard file missing?")
+    return sizes
 
 
 def _check_sizes(targets: dict[str, torch.Tensor], saved: dict[str, torch.Size], directory: Path) -> None:
