@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import shutil
 import struct
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,24 +24,15 @@ from torch import nn
 
 from automodel.errors import AutomodelError
 from automodel.training.parallel.blocks import clean_name, tied_to
+from automodel.training.parallel.shard_files import DTYPES, Slice, nbytes, read_slices
+
+_Tensor = tuple[tuple[int, ...], list[Slice]]  # a saved tensor's full shape and its slices
 
 EXPORT_FILE = "hf_export.json"
 HF_FILES = "hf"
 INDEX_FILE = "model.safetensors.index.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 DEFAULT_MAX_FILE_BYTES = 5 * 1024**3
-_DCP_INFO = "DCP_SHARDING_INFO"
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool}
-
-
-@dataclass(frozen=True)
-class _Chunk:
-    file: Path
-    offsets: tuple[int, ...]
-    shape: tuple[int, ...]
-    dtype: str  # the safetensors code: F32, BF16, ...
 
 
 def export_names(model: nn.Module, prefix: str = "") -> tuple[str, dict[str, str]]:
@@ -92,14 +81,11 @@ def export_hf(directory: str | Path, out: str | Path, max_file_bytes: int = DEFA
         plan = json.loads((directory / EXPORT_FILE).read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as err:
         raise AutomodelError(f"'{directory}' is not an exportable sharded checkpoint ({EXPORT_FILE}: {err})") from None
-    chunks = _read_chunks(directory)
-    missing = [key for key in plan["weights"] if key not in chunks]
+    shapes, slices = read_slices(directory)
+    missing = [key for key in plan["weights"] if key not in shapes]
     if missing:
         raise AutomodelError(f"'{directory}' lacks saved tensors the export needs: {', '.join(missing[:8])}")
-    partial = [key for key in plan["weights"]
-               if sum(math.prod(c.shape) for c in chunks[key]) != math.prod(_full_shape(chunks[key]))]
-    if partial:
-        raise AutomodelError(f"'{directory}' holds only part of {', '.join(partial[:8])}: is a shard file missing?")
+    chunks = {key: (shapes[key], slices[key]) for key in plan["weights"]}
     files = _plan_files(plan, chunks, max_file_bytes)
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() \
         else (0, 1)
@@ -120,37 +106,7 @@ def export_hf(directory: str | Path, out: str | Path, max_file_bytes: int = DEFA
     return written
 
 
-def _read_chunks(directory: Path) -> dict[str, list[_Chunk]]:
-    """Every saved tensor's slices: which file, at which offsets, of which shape (from the JSON headers)."""
-    from safetensors import safe_open
-
-    chunks: dict[str, list[_Chunk]] = {}
-    for file in sorted(directory.glob("*.safetensors")):
-        try:
-            with safe_open(str(file), framework="pt") as handle:
-                info = json.loads((handle.metadata() or {}).get(_DCP_INFO, "{}"))
-                for key in handle.keys():
-                    part = handle.get_slice(key)
-                    shape = tuple(part.get_shape())
-                    offsets = tuple(info.get(key, {}).get("saved_offsets", [0] * len(shape)))
-                    chunks.setdefault(key, []).append(_Chunk(file, offsets, shape, part.get_dtype()))
-        except Exception as err:  # a truncated or foreign file: safetensors raises its own error type
-            raise AutomodelError(f"cannot read '{file}' as a checkpoint shard: {err}") from None
-    return chunks
-
-
-def _full_shape(parts: list[_Chunk]) -> tuple[int, ...]:
-    return tuple(max(c.offsets[d] + c.shape[d] for c in parts) for d in range(len(parts[0].shape)))
-
-
-def _nbytes(parts: list[_Chunk]) -> int:
-    if parts[0].dtype not in _DTYPES:
-        raise AutomodelError(f"'{parts[0].file}' holds a tensor of dtype {parts[0].dtype}, which the export does "
-                             "not write")
-    return math.prod(_full_shape(parts)) * _DTYPES[parts[0].dtype].itemsize
-
-
-def _plan_files(plan: dict[str, Any], chunks: dict[str, list[_Chunk]], max_file_bytes: int
+def _plan_files(plan: dict[str, Any], chunks: dict[str, _Tensor], max_file_bytes: int
                 ) -> dict[str, list[tuple[str, str]]]:
     """Output file name -> its (saved key, HF name) entries: one adapter file, or model files of bounded size."""
     entries = sorted(plan["weights"].items(), key=lambda item: item[1])
@@ -159,7 +115,7 @@ def _plan_files(plan: dict[str, Any], chunks: dict[str, list[_Chunk]], max_file_
     buckets: list[list[tuple[str, str]]] = [[]]
     used = 0
     for key, name in entries:
-        size = _nbytes(chunks[key])
+        size = _size(chunks[key])
         if buckets[-1] and used + size > max_file_bytes:
             buckets.append([])
             used = 0
@@ -183,7 +139,7 @@ class _Reader:
         for handle in self.handles.values():
             handle.__exit__(None, None, None)
 
-    def tensor(self, chunk: _Chunk, key: str) -> torch.Tensor:
+    def tensor(self, chunk: Slice, key: str) -> torch.Tensor:
         from safetensors import safe_open
 
         if chunk.file not in self.handles:
@@ -191,33 +147,34 @@ class _Reader:
         return self.handles[chunk.file].get_tensor(key)
 
 
-def _assemble(key: str, parts: list[_Chunk], reader: _Reader) -> torch.Tensor:
+def _assemble(key: str, tensor: _Tensor, reader: _Reader) -> torch.Tensor:
     """The whole tensor ``key`` from its saved slices (the only whole tensor held at a time)."""
-    full = None
-    for chunk in parts:
-        piece = reader.tensor(chunk, key)
-        if full is None:
-            full = torch.empty(_full_shape(parts), dtype=piece.dtype)
-        full[tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.shape, strict=True))] = piece
+    shape, parts = tensor
+    full = torch.empty(shape, dtype=DTYPES[parts[0].dtype])
+    for part in parts:
+        full[tuple(slice(o, o + s) for o, s in zip(part.offsets, part.shape, strict=True))] = reader.tensor(part, key)
     return full
 
 
-def _header(entries: list[tuple[str, str]], chunks: dict[str, list[_Chunk]]) -> bytes:
+def _size(tensor: _Tensor) -> int:
+    shape, parts = tensor
+    return nbytes(parts, shape)
+
+
+def _header(entries: list[tuple[str, str]], chunks: dict[str, _Tensor]) -> bytes:
     """The safetensors header of a file holding ``entries``, in order (JSON, padded to 8 bytes)."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for key, name in entries:
-        parts = chunks[key]
-        size = _nbytes(parts)
-        header[name] = {"dtype": parts[0].dtype, "shape": list(_full_shape(parts)),
-                        "data_offsets": [offset, offset + size]}
+        shape, parts = chunks[key]
+        size = _size(chunks[key])
+        header[name] = {"dtype": parts[0].dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
         offset += size
     raw = json.dumps(header, separators=(",", ":")).encode()
     return raw + b" " * (-len(raw) % 8)
 
 
-def _write_file(path: Path, entries: list[tuple[str, str]], chunks: dict[str, list[_Chunk]], reader: _Reader
-                ) -> None:
+def _write_file(path: Path, entries: list[tuple[str, str]], chunks: dict[str, _Tensor], reader: _Reader) -> None:
     header = _header(entries, chunks)
     with open(path, "wb") as stream:
         stream.write(struct.pack("<Q", len(header)))
@@ -228,8 +185,8 @@ def _write_file(path: Path, entries: list[tuple[str, str]], chunks: dict[str, li
                 stream.write(full.reshape(-1).view(torch.uint8).numpy().data)
 
 
-def _write_index(path: Path, files: dict[str, list[tuple[str, str]]], chunks: dict[str, list[_Chunk]]) -> None:
+def _write_index(path: Path, files: dict[str, list[tuple[str, str]]], chunks: dict[str, _Tensor]) -> None:
     weight_map = {name: file for file, entries in files.items() for _key, name in entries}
-    total = sum(_nbytes(chunks[key]) for entries in files.values() for key, _ in entries)
+    total = sum(_size(chunks[key]) for entries in files.values() for key, _ in entries)
     path.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2),
                     encoding="utf-8")

@@ -6,6 +6,7 @@ safetensors files (torch's ``HuggingFaceStorageWriter`` / ``Reader``, whose meta
 the shard's offsets), everything else is JSON. One directory holds::
 
     shard-<rank>-model-<k>-of-<n>.safetensors   tensors "model.<name>" and "optim.<name>.<state>" (rank's shards)
+    tensors.json                                every saved tensor's full shape (see shard_files.py)
     optimizer.json                              param_groups, non-tensor state, which tensor is which state
     hf_export.json, hf/                         what the HF export of the weights needs (see hf_export.py)
 
@@ -29,19 +30,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from automodel.errors import AutomodelError
 from automodel.training.parallel.blocks import tied_to
 from automodel.training.parallel.hf_export import write_export_files
+from automodel.training.parallel.shard_files import ShardedCheckpointError, read_slices, write_tensor_shapes
 
 OPTIMIZER_FILE = "optimizer.json"
 MODEL, OPTIM = "model.", "optim."
 DEFAULT_MAX_FILE_BYTES = 2 * 1024**3
 
 _checkpoint_group: Any = None
-
-
-class ShardedCheckpointError(AutomodelError):
-    pass
 
 
 @dataclass
@@ -75,6 +72,7 @@ def save_sharded_state(directory: str | Path, model: nn.Module, optimizer: torch
         tensors.update(optim_tensors)
     directory.mkdir(parents=True, exist_ok=True)
     if _rank() == 0:
+        write_tensor_shapes(directory, tensors)
         if manifest is not None:
             (directory / OPTIMIZER_FILE).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
         write_export_files(model, directory, MODEL)
@@ -103,10 +101,7 @@ def load_sharded_state(directory: str | Path, model: nn.Module, optimizer: torch
     )
 
     directory = Path(directory)
-    if not any(directory.glob("*.safetensors")):
-        raise ShardedCheckpointError(f"'{directory}' holds no sharded checkpoint (no *.safetensors files)")
-    reader = HuggingFaceStorageReader(str(directory))
-    saved = _saved_sizes(reader, directory)
+    saved = read_slices(directory)[0]
     model_state = get_model_state_dict(model)
     tied = tied_to(model)  # a tied tensor is saved and loaded once, under its first name
     targets = {MODEL + name: tensor for name, tensor in model_state.items() if tied[name] == name}
@@ -116,7 +111,7 @@ def load_sharded_state(directory: str | Path, model: nn.Module, optimizer: torch
         targets.update(_optimizer_targets(optim_state, manifest, directory))
     _check_sizes(targets, saved, directory)
     with _single_process_is_intended():
-        dcp.load(targets, storage_reader=reader, no_dist=not _distributed())
+        dcp.load(targets, storage_reader=HuggingFaceStorageReader(str(directory)), no_dist=not _distributed())
     set_model_state_dict(model, {name: targets[MODEL + tied[name]] for name in model_state})
     if optimizer is not None:
         restored = _join_optimizer_state(targets, manifest, optim_state)
@@ -211,23 +206,7 @@ def _file_index(tensors: dict[str, torch.Tensor], max_file_bytes: int) -> dict[s
     return mapping
 
 
-def _saved_sizes(reader: Any, directory: Path) -> dict[str, torch.Size]:
-    """Each saved tensor's full size, from the files' JSON headers; a tensor whose slices do not cover it (a
-    shard file missing) is an error, not a silently uninitialised region."""
-    try:
-        metadata = reader.read_metadata()
-    except Exception as err:  # a truncated or foreign file: safetensors and json raise their own types
-        raise ShardedCheckpointError(f"cannot read the sharded checkpoint '{directory}': {err}") from None
-    sizes = {key: md.size for key, md in metadata.state_dict_metadata.items()}
-    partial = [key for key, md in metadata.state_dict_metadata.items()
-               if sum(math.prod(chunk.sizes) for chunk in md.chunks) != math.prod(md.size)]
-    if partial:
-        raise ShardedCheckpointError(f"the sharded checkpoint '{directory}' holds only part of "
-                                     f"{', '.join(partial[:8])}: is a shard file missing?")
-    return sizes
-
-
-def _check_sizes(targets: dict[str, torch.Tensor], saved: dict[str, torch.Size], directory: Path) -> None:
+def _check_sizes(targets: dict[str, torch.Tensor], saved: dict[str, tuple[int, ...]], directory: Path) -> None:
     missing = [key for key in targets if key not in saved]
     wrong = [f"{key}: saved {tuple(saved[key])}, now {tuple(t.shape)}" for key, t in targets.items()
              if key in saved and tuple(saved[key]) != tuple(t.shape)]
