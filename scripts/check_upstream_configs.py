@@ -54,21 +54,16 @@ def local_assets() -> dict[str, dict[str, str]]:
     """Per domain: the local tiny asset that stands in for a hub model / tokenizer / processor / data set."""
     from importlib.resources import files
 
-    def asset(package: str, *parts: str) -> str:
-        return str(files(package).joinpath("examples", "assets", *parts))
+    def kinds(package: str, model: str, tokenizer: str, processor: str, dataset: str) -> dict[str, str]:
+        root = files(package).joinpath("examples", "assets")
+        names = {"model": model, "tokenizer": tokenizer, "processor": processor, "dataset": dataset}
+        return {kind: str(root.joinpath(name)) for kind, name in names.items()}
 
-    llm = {"model": asset("automodel_llm", "tiny_llama"), "tokenizer": asset("automodel_llm", "tiny_tokenizer"),
-           "processor": asset("automodel_llm", "tiny_tokenizer"), "dataset": asset("automodel_llm", "tiny_squad")}
-    vlm = {"model": asset("automodel_vlm", "tiny_llava"), "tokenizer": asset("automodel_vlm", "tiny_tokenizer"),
-           "processor": asset("automodel_vlm", "tiny_image_processor"), "dataset": asset("automodel_vlm", "tiny_shapes")}
-    retrieval = {"model": asset("automodel_retrieval", "tiny_bert"),
-                 "tokenizer": asset("automodel_retrieval", "tiny_tokenizer"),
-                 "processor": asset("automodel_retrieval", "tiny_tokenizer"),
-                 "dataset": asset("automodel_retrieval", "tiny_retrieval")}
-    diffusion = {"model": asset("automodel_diffusion", "tiny_flow"), "tokenizer": asset("automodel_diffusion", "tiny_flow"),
-                 "processor": asset("automodel_diffusion", "tiny_flow"),
-                 "dataset": asset("automodel_diffusion", "tiny_shapes")}
-    return {"llm": llm, "vlm": vlm, "retrieval": retrieval, "diffusion": diffusion}
+    return {"llm": kinds("automodel_llm", "tiny_llama", "tiny_tokenizer", "tiny_tokenizer", "tiny_squad"),
+            "vlm": kinds("automodel_vlm", "tiny_llava", "tiny_tokenizer", "tiny_image_processor", "tiny_shapes"),
+            "retrieval": kinds("automodel_retrieval", "tiny_bert", "tiny_tokenizer", "tiny_tokenizer",
+                               "tiny_retrieval"),
+            "diffusion": kinds("automodel_diffusion", "tiny_flow", "tiny_flow", "tiny_flow", "tiny_shapes")}
 
 
 def hub_overrides(data: Any, assets: dict[str, str], prefix: str = "") -> Iterator[tuple[str, str]]:
