@@ -1,4 +1,4 @@
-"""Learning-rate schedulers with warmup, as plain ``LRScheduler`` subclasses (their state is plain numbers)."""
+"""Warmup-then-decay schedulers named by ``_target_`` (``CosineAnnealingWarmup``, ...); their state is plain numbers."""
 
 from __future__ import annotations
 
@@ -58,22 +58,3 @@ class ConstantWarmup(_WarmupScheduler):
 
     def _decay(self, progress: float) -> float:
         return 1.0
-
-
-
-
-_STYLES = {"cosine": CosineAnnealingWarmup, "linear": LinearWarmup, "constant": ConstantWarmup}
-
-
-def build_scheduler(optimizer: Optimizer, lr_decay_style: str = "cosine", lr_warmup_steps: int = 0,
-                    min_lr: float = 0.0, lr_decay_steps: int | None = None, total_steps: int | None = None
-                    ) -> LRScheduler:
-    """The scheduler a plain ``lr_scheduler:`` section (upstream keys, no ``_target_``) describes."""
-    if lr_decay_style not in _STYLES:
-        raise ValueError(f"lr_scheduler.lr_decay_style: '{lr_decay_style}' is not supported; use one of "
-                         f"{', '.join(_STYLES)}")
-    return _STYLES[lr_decay_style](optimizer, warmup_steps=lr_warmup_steps, min_lr=min_lr,
-                                   total_steps=lr_decay_steps or total_steps)
-
-
-__all__ = ["ConstantWarmup", "CosineAnnealingWarmup", "LinearWarmup", "build_scheduler"]

@@ -23,6 +23,7 @@ from tqdm import tqdm
 from automodel.cli.slurm import SlurmConfig
 from automodel.config import Config, ConfigNode, Free, Target, TargetError
 from automodel.errors import AutomodelError, ConfigIssue, PluginError
+from automodel.optim import lr_scheduler_issues
 from automodel.plugins.manager import get_plugin_manager
 from automodel.recipe import BaseRecipe
 from automodel.training import sections as s
@@ -90,7 +91,8 @@ class TrainRecipe(BaseRecipe):
         "dataloader": _DATALOADER,
         "validation_dataloader": _DATALOADER,
         "optimizer": Target("the optimizer (default torch.optim.AdamW, lr 1e-5)", runtime_args=("params",)),
-        "lr_scheduler": Target("learning-rate schedule: {_target_: ...} or upstream keys (lr_decay_style, ...)",
+        "lr_scheduler": Target("learning-rate schedule: {_target_: ...} or upstream keys (lr_decay_style, ...; "
+                               "null ones default as upstream's, see docs/targets.md#learning-rate-schedules)",
                                runtime_args=("optimizer",), plain=True,
                                default_target="automodel.optim.build_scheduler"),
         "fault_tolerance": s.FaultToleranceConfig,
@@ -170,6 +172,8 @@ class TrainRecipe(BaseRecipe):
     def check_config(cls, cfg: Config) -> list[ConfigIssue]:
         issues = list(super().check_config(cfg))
         issues += cls.batch_layout(cfg)[3]
+        steps = cfg.step_scheduler
+        issues += lr_scheduler_issues(cfg.get("lr_scheduler"), steps.max_steps if steps is not None else None)
         for name in ("dataloader", "validation_dataloader"):
             loader = cfg.get(name)
             size = loader.get("batch_size") if isinstance(loader, ConfigNode) else None

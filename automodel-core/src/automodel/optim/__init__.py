@@ -1,0 +1,13 @@
+"""Learning-rate schedules, as plain ``LRScheduler`` subclasses (their state is plain numbers, so checkpoints resume
+them): warmup-then-decay classes named by ``_target_``, and the upstream schedule of a plain ``lr_scheduler:``."""
+
+from automodel.optim.param_scheduler import (
+    LR_DECAY_STYLES,
+    OptimizerParamScheduler,
+    build_scheduler,
+    lr_scheduler_issues,
+)
+from automodel.optim.warmup import ConstantWarmup, CosineAnnealingWarmup, LinearWarmup
+
+__all__ = ["LR_DECAY_STYLES", "ConstantWarmup", "CosineAnnealingWarmup", "LinearWarmup", "OptimizerParamScheduler",
+           "build_scheduler", "lr_scheduler_issues"]
