@@ -155,6 +155,8 @@ def target_status(resolver: Any, name: str) -> str:
         resolver.resolve(name)
     except TargetError as err:
         return f"refused: {str(err).split(';')[0].split(' (')[0].replace(repr(name), 'it')}"
+    except Exception as err:  # an import that fails outside the resolver's checks (a missing optional backend)
+        return f"crash {type(err).__name__}: {str(err).strip().splitlines()[0][:80]}"
     if expanded.split(".")[0].startswith("automodel"):
         return f"ours: {expanded}" if expanded != name else "ours"
     return "library"
