@@ -208,6 +208,8 @@ def test_build_time_checks_name_the_key():
     lbfgs = torch.optim.LBFGS([torch.nn.Parameter(torch.ones(1))], lr=0.1)  # has no weight decay
     with pytest.raises(ConfigError, match="lr_scheduler.start_wd: LBFGS has no weight_decay"):
         build_scheduler(lbfgs, total_steps=5, start_wd=0.1, end_wd=0.1)
+    with pytest.raises(ConfigError, match="lr_scheduler.min_lr: expected a number >= 0, found 'low'"):
+        OptimizerParamScheduler(make_optimizer(), lr_decay_steps=5, min_lr="low")    # the _target_ form
     with pytest.raises(ConfigError, match="set lr_decay_steps and lr_warmup_steps"):
         build_scheduler(make_optimizer(), total_steps=None)
 

@@ -132,13 +132,13 @@ class OptimizerParamScheduler(LRScheduler):
         base_lr = float(first.get("initial_lr", first["lr"]))
         base_wd = float(first.get("weight_decay", 0.0))
         settings = {
-            "init_lr": base_lr * 0.1 if init_lr is None else float(init_lr),
-            "max_lr": base_lr if max_lr is None else float(max_lr),
-            "min_lr": base_lr * 0.01 if min_lr is None else float(min_lr),
+            "init_lr": base_lr * 0.1 if init_lr is None else init_lr,
+            "max_lr": base_lr if max_lr is None else max_lr,
+            "min_lr": base_lr * 0.01 if min_lr is None else min_lr,
             "lr_warmup_steps": lr_warmup_steps, "lr_decay_steps": lr_decay_steps, "lr_decay_style": lr_decay_style,
             "wsd_decay_steps": wsd_decay_steps, "lr_wsd_decay_style": lr_wsd_decay_style,
-            "start_wd": base_wd if start_wd is None else float(start_wd),
-            "end_wd": base_wd if end_wd is None else float(end_wd),
+            "start_wd": base_wd if start_wd is None else start_wd,
+            "end_wd": base_wd if end_wd is None else end_wd,
             "wd_incr_steps": lr_decay_steps if wd_incr_steps is None else wd_incr_steps,
             "wd_incr_style": wd_incr_style,
             "use_checkpoint_opt_param_scheduler": (not override_opt_param_scheduler
@@ -153,7 +153,7 @@ class OptimizerParamScheduler(LRScheduler):
                                          "start_wd / end_wd unset or use an optimizer with weight decay"))
         if problems:
             raise ConfigError([ConfigIssue(f"{SECTION}.{key}", message) for key, message in problems])
-        self.__dict__.update(settings)
+        self.__dict__.update(settings, **{key: float(settings[key]) for key in _RATE_KEYS})
         super().__init__(optimizer, last_epoch)
 
     def lr_at(self, n: int) -> float:
