@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from llm_testing import read_jsonl, run_cli
+from automodel.testing import read_jsonl, run_cli
 
 # WSD: warmup 2 steps from init_lr, stable, then a cosine decay over the last 3 of 8 steps to min_lr.
 UPSTREAM_SCHEDULE = {"_target_": None, "warmup_steps": None, "min_lr": 1.0e-4, "lr_decay_style": "WSD",
