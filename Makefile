@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
 
-.PHONY: install run test lint bench clean
+.PHONY: install run test lint bench dist clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -36,5 +36,12 @@ lint: install
 bench: install
 	$(PY) bench/run.py
 
+# Release artifacts: an sdist and a wheel (built from that sdist) per distribution, in dist/. --no-isolation builds
+# with the pinned setuptools of .venv, offline.
+dist: install
+	rm -rf dist
+	$(foreach d,$(DISTS),$(PY) -m build --no-isolation --quiet --outdir dist $(d) &&) true
+	ls -1 dist
+
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) runs dist
