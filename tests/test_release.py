@@ -4,6 +4,7 @@ changelog, one version written once, and compatible-release pins between the aut
 from __future__ import annotations
 
 import ast
+import importlib.util
 import re
 import shlex
 import subprocess
@@ -147,3 +148,36 @@ def test_domains_pin_automodel_distributions_to_the_compatible_minor_release(dis
         assert Version(spec.version).release[:2] == target.release[:2], f"{dist}: {pin} vs {pin.name} {target}"
         assert pin.specifier.contains(target), f"{dist}: {pin} excludes {pin.name} {target}"
         assert not pin.specifier.contains(f"{target.major}.{target.minor + 1}.0"), f"{dist}: {pin} admits a break"
+
+
+def load_min_constraints():
+    spec = importlib.util.spec_from_file_location("min_constraints", ROOT / "scripts" / "min_constraints.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_min_constraints_pin_every_floor_and_refuse_a_missing_or_split_one(tmp_path):
+    script = load_min_constraints()
+    floors = script.floors()
+    assert floors["torch"][0] == "2.13" and set(floors["transformers"][1]) == set(DOMAINS)
+    for dist in DISTS:
+        for requirement in project(dist)["dependencies"]:
+            name = script.normalize(Requirement(requirement).name)
+            if not name.startswith("automodel-"):
+                assert f">={floors[name][0]}" in str(Requirement(requirement).specifier), (dist, requirement)
+    for dist in DISTS:
+        (tmp_path / dist).mkdir()
+        (tmp_path / dist / "pyproject.toml").write_text(
+            f'[project]\nname = "{dist}"\ndependencies = ["numpy>=2.0", "click"]\n')
+    (tmp_path / "automodel-llm" / "pyproject.toml").write_text('[project]\ndependencies = ["numpy>=1.26"]\n')
+    with pytest.raises(ValueError) as err:
+        script.floors(tmp_path)
+    assert "'click' has no '>=' floor" in str(err.value) and "numpy: floors differ" in str(err.value)
+
+
+def test_installation_doc_lists_every_floor_as_declared():
+    documented = dict(re.findall(r"^\| (\S+) \| ([0-9][^ |]*) \|", (ROOT / "docs" / "installation.md").read_text(),
+                                 re.M))
+    floors = {name: floor for name, (floor, _) in load_min_constraints().floors().items()}
+    assert {name.lower(): floor for name, floor in documented.items()} == floors
