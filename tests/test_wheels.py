@@ -12,14 +12,18 @@ the wheelhouse and those packages, so a dependency on another domain would be in
 
 from __future__ import annotations
 
+import email
 import json
 import os
 import subprocess
 import sys
 import sysconfig
+import tarfile
+import zipfile
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 WHEELHOUSE = ("automodel-core", "automodel-llm", "automodel-vlm", "automodel-retrieval")
@@ -37,6 +41,10 @@ EXAMPLES = {
 }
 # Where in a checkpoint the trained model lies, and the transformers class that loads it.
 LOADERS = {"retrieval": ("model/query_encoder", "AutoModel"), "vlm": ("model", "AutoModelForImageTextToText")}
+
+
+def project_version(dist: str) -> str:
+    return tomllib.loads((ROOT / dist / "pyproject.toml").read_text(encoding="utf-8"))["project"]["version"]
 
 
 def run(argv: list, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -69,6 +77,24 @@ def third_party_site(tmp_path_factory) -> Path:
             continue
         (links / entry.name).symlink_to(entry)
     return links
+
+
+@pytest.mark.parametrize("dist", WHEELHOUSE)
+def test_wheel_and_sdist_carry_the_license_urls_readme_and_changelog(dist, wheelhouse):
+    stem = f"{dist.replace('-', '_')}-{project_version(dist)}"
+    license_text = (ROOT / "LICENSE").read_text(encoding="utf-8")
+    with zipfile.ZipFile(wheelhouse / f"{stem}-py3-none-any.whl") as wheel:
+        assert wheel.read(f"{stem}.dist-info/licenses/LICENSE").decode() == license_text
+        meta = email.message_from_bytes(wheel.read(f"{stem}.dist-info/METADATA"))
+    assert meta["License-Expression"] == "Apache-2.0" and meta["License-File"] == "LICENSE"
+    assert {url.split(",")[0] for url in meta.get_all("Project-URL")} == \
+        {"Homepage", "Documentation", "Repository", "Issues", "Changelog"}
+    assert meta.get_payload() == (ROOT / dist / "README.md").read_text(encoding="utf-8")
+    with tarfile.open(wheelhouse / f"{stem}.tar.gz") as sdist:
+        for name in ("LICENSE", "CHANGELOG.md", "README.md", "pyproject.toml"):
+            member = sdist.getmember(f"{stem}/{name}")
+            assert member.isfile(), f"{name} is not a regular file in the sdist"
+        assert sdist.extractfile(f"{stem}/LICENSE").read().decode() == license_text
 
 
 class AnotherDomainCameAlong(AssertionError):
