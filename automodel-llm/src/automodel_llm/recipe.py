@@ -16,8 +16,6 @@ from automodel.hf import (
     EvalGenerationConfig,
     check_vocab,
     exact_match,
-    is_adapter_dir,
-    load_adapter_weights,
     load_tokenizer,
     missing_local_path,
     model_source,
@@ -117,12 +115,6 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
         check_vocab(self.tokenizer, getattr(unwrap(self.model), "config", None),
                     "tokenizer: {tokens} tokens but model.config.vocab_size is {vocab}; use the model's own "
                     "tokenizer or resize the model's embeddings")
-
-    def load_model_weights(self, model: torch.nn.Module, directory: Path) -> None:
-        if is_adapter_dir(directory):
-            load_adapter_weights(model, directory)
-        else:
-            super().load_model_weights(model, directory)
 
     # ---- the loss ---------------------------------------------------------------------------------------------
 

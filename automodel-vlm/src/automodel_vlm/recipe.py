@@ -10,14 +10,12 @@ import torch
 
 from automodel.config import Target
 from automodel.errors import AutomodelError, ConfigIssue
-from automodel.hf import EvalGenerationConfig, check_vocab, is_adapter_dir, load_adapter_weights, model_source
-from automodel.training.checkpoint import load_safetensors_dir, load_weights_into
+from automodel.hf import EvalGenerationConfig, check_vocab, model_source
 from automodel.training.modules import unwrap
 from automodel.training.next_token import LABEL_POSITIONS, NextTokenLogits
 from automodel.training.recipe import TrainRecipe
 from automodel_vlm.datasets.collate import IGNORE_INDEX, VLMCollator, render
 from automodel_vlm.freeze import VLMFreezeConfig
-from automodel_vlm.models import checkpoint_key_mapping
 from automodel_vlm.parts import base_model
 
 DATASET_ARGS = ("config_key",)
@@ -100,15 +98,6 @@ class FinetuneRecipeForVLM(NextTokenLogits, TrainRecipe):
         if image_id is not None and processor_id is not None and image_id != processor_id:
             raise AutomodelError(f"processor: its image token id is {processor_id} but the model's image_token_index "
                                  f"is {image_id}; the processor and model do not belong together")
-
-    def load_model_weights(self, model: torch.nn.Module, directory: Path) -> None:
-        if is_adapter_dir(directory):
-            load_adapter_weights(model, directory)
-            return
-        inner = unwrap(model)
-        mapping = checkpoint_key_mapping(inner)
-        state = {mapping.get(k, k): v for k, v in load_safetensors_dir(directory).items()}
-        load_weights_into(inner, state, directory)
 
     # ---- the loss ---------------------------------------------------------------------------------------------
 
