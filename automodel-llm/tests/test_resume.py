@@ -81,15 +81,15 @@ def test_resume_latest_at_epoch_boundary(reference, tmp_path):
 
 
 def test_resume_by_directory_name_into_same_dir(reference, tmp_path):
-    """A bare checkpoint name resolves under checkpoint_dir; resuming into the run's own directory appends."""
+    """A bare checkpoint name resolves under checkpoint_dir; resuming into the run's own directory drops the
+    records past the restored step (each step is logged once) and re-saves steps 8 and 10 in place."""
     root = tmp_path / "ckpt"
     shutil.copytree(reference["ckpt"], root)
-    before = len(read_jsonl(root / "training.jsonl"))
     recipe = train_inprocess(reference["config"], "--checkpoint.checkpoint_dir", root,
                              "--restore_from.path", "epoch_1_step_6")
     rows = read_jsonl(root / "training.jsonl")
-    assert len(rows) == before + 4 and [r["step"] for r in rows[before:]] == [7, 8, 9, 10]
-    assert [r["loss"] for r in rows[before:]] == reference["losses"][6:]
+    assert [r["step"] for r in rows] == list(range(1, 11))
+    assert [r["loss"] for r in rows] == reference["losses"]
     assert_states_equal(recipe.model.state_dict(), reference["final"])
     assert (root / "LATEST").read_text().strip() == "epoch_2_step_10"
     assert not [p.name for p in root.iterdir() if p.name.startswith(".incomplete")]
@@ -98,6 +98,6 @@ def test_resume_by_directory_name_into_same_dir(reference, tmp_path):
 def test_restore_from_missing_checkpoint_is_a_clear_error(reference, tmp_path):
     from automodel.errors import AutomodelError
 
-    with pytest.raises(AutomodelError, match="restore_from.path"):
+    with pytest.raises(AutomodelError, match="restore_from.path: 'epoch_0_step_2' is not a checkpoint"):
         train_inprocess(reference["config"], "--checkpoint.checkpoint_dir", tmp_path / "empty",
-                        "--restore_from.path", "latest")
+                        "--restore_from.path", "epoch_0_step_2")

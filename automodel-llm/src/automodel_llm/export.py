@@ -1,4 +1,5 @@
-"""``automodel export``: a LoRA checkpoint merged into its base model, written as a plain HF model directory."""
+"""``automodel export``: a checkpoint's model as a plain HF model directory — consolidated from its shards when it
+was saved with ``checkpoint.save_consolidated: false``, and a LoRA adapter merged into its base model."""
 
 from __future__ import annotations
 
@@ -15,26 +16,33 @@ from automodel.errors import UsageError
 @click.argument("output", type=click.Path(file_okay=False))
 @click.option("--force", is_flag=True, help="replace OUTPUT if it exists")
 def export(checkpoint: str, output: str, force: bool) -> None:
-    """Write CHECKPOINT's model as a merged Hugging Face model in OUTPUT (LoRA adapters merged into the base)."""
+    """Write CHECKPOINT's model as a merged Hugging Face model in OUTPUT (consolidated from its shards when it has
+    no model/; LoRA adapters merged into the base)."""
     from automodel.cli.execute import import_recipe
     from automodel.config import build_config, load_yaml_file
     from automodel.hf import is_adapter_dir, load_adapter_weights
     from automodel.plugins.manager import get_plugin_manager
     from automodel.training.checkpoint import read_latest
+    from automodel.training.parallel.hf_export import export_hf
     from automodel.training.rng import StatefulRNG
     from automodel.training.stages.peft import add_lora
 
     source = Path(checkpoint)
     source = read_latest(source) or source  # a checkpoint_dir means its newest checkpoint
-    model_dir, out = source / "model", Path(output)
-    if not model_dir.is_dir() or not (source / "config.yaml").is_file():
-        raise UsageError(f"'{source}' is not a checkpoint directory (expected model/ and config.yaml)")
+    model_dir, shards, out = source / "model", source / "model_shards", Path(output)
+    if not (model_dir.is_dir() or shards.is_dir()) or not (source / "config.yaml").is_file():
+        raise UsageError(f"'{source}' is not a checkpoint directory (expected model/ or model_shards/, and "
+                         "config.yaml)")
     if out.exists() and not force:
         raise UsageError(f"'{out}' already exists; pass --force to replace it")
     staging = out.with_name(out.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
+    if not model_dir.is_dir():  # saved sharded only: stream the Hugging Face files out of the shards
+        export_hf(shards, staging)
+        model_dir = staging
     if not is_adapter_dir(model_dir):
-        shutil.copytree(model_dir, staging)
+        if model_dir != staging:
+            shutil.copytree(model_dir, staging)
     else:
         manager = get_plugin_manager()
         recipe_cls = import_recipe(manager.routes.get("finetune", "llm").recipe)
@@ -47,6 +55,7 @@ def export(checkpoint: str, output: str, force: bool) -> None:
         model, _ = add_lora(ctx, recipe.build_model(ctx))
         load_adapter_weights(model, model_dir)
         merged = model.merge_and_unload()
+        shutil.rmtree(staging, ignore_errors=True)  # a consolidated adapter, read by now
         merged.save_pretrained(str(staging))
         recipe.tokenizer.save_pretrained(str(staging))
     if out.exists():

@@ -26,7 +26,7 @@ from automodel.errors import AutomodelError
 from automodel.training.modules import unwrap
 from automodel.training.parallel.blocks import clean_name, tied_to
 from automodel.training.parallel.shard_files import DTYPES, Slice, mismatch_report, nbytes, read_slices
-from automodel.training.parallel.writer import all_ok, barrier, distributed, group_rank
+from automodel.training.parallel.writer import all_ok, barrier, distributed, group_rank, single_process_is_intended
 
 _Tensor = tuple[tuple[int, ...], list[Slice]]  # a saved tensor's full shape and its slices
 
@@ -152,7 +152,8 @@ def load_hf_weights(directory: Path, model: nn.Module) -> None:
             f"checkpoint '{directory}' does not match the model (is restore_from.path the same architecture, with "
             "the same peft settings?)", {"shape mismatches": wrong, "keys only in the checkpoint": only_saved,
                                          "keys missing from the checkpoint": missing}))
-    dcp.load(targets, storage_reader=HuggingFaceStorageReader(str(directory)), no_dist=not distributed())
+    with single_process_is_intended():
+        dcp.load(targets, storage_reader=HuggingFaceStorageReader(str(directory)), no_dist=not distributed())
     tied = tied_to(unwrap(model))
     set_model_state_dict(model, {key: targets[names[tied[key]]] for key in state if tied[key] in names},
                          options=StateDictOptions(strict=False))

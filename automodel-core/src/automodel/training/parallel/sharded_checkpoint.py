@@ -18,11 +18,8 @@ The caller writes into a staging directory and publishes it (rename, ``LATEST``)
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +36,13 @@ from automodel.training.parallel.shard_files import (
     read_slices,
     write_tensor_shapes,
 )
-from automodel.training.parallel.writer import PendingSave, checkpoint_group, distributed, run_in_background
+from automodel.training.parallel.writer import (
+    PendingSave,
+    checkpoint_group,
+    distributed,
+    run_in_background,
+    single_process_is_intended,
+)
 
 OPTIMIZER_FILE = "optimizer.json"
 MODEL, OPTIM = "model.", "optim."
@@ -84,7 +87,7 @@ def write_sharded_tensors(directory: Path, tensors: dict[str, torch.Tensor],
         return
     writer = HuggingFaceStorageWriter(str(directory), fqn_to_index_mapping=_file_index(tensors, max_file_bytes),
                                       save_distributed=True)
-    with _single_process_is_intended():
+    with single_process_is_intended():
         dcp.save(tensors, storage_writer=writer, process_group=group, no_dist=not distributed())
 
 
@@ -148,7 +151,7 @@ def load_sharded_state(directory: str | Path, model: nn.Module, optimizer: torch
         targets.update(_optimizer_targets(optim_state, manifest, directory))
     _check_sizes(targets, saved, directory)
     if targets:
-        with _single_process_is_intended():
+        with single_process_is_intended():
             dcp.load(targets, storage_reader=HuggingFaceStorageReader(str(directory)), no_dist=not distributed())
     if weights:
         set_model_state_dict(model, {name: targets[MODEL + tied[name]] for name in model_state
@@ -254,14 +257,6 @@ def _check_sizes(targets: dict[str, torch.Tensor], saved: dict[str, tuple[int, .
         raise ShardedCheckpointError(mismatch_report(
             f"the sharded checkpoint '{directory}' does not match the model (same architecture and config?)",
             {"missing": missing, "shape mismatches": wrong}))
-
-
-@contextlib.contextmanager
-def _single_process_is_intended() -> Iterator[None]:
-    """DCP warns on every save and load without a process group; one process is a supported case here."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        yield
 
 
 def _rank() -> int:

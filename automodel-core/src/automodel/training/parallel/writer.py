@@ -8,7 +8,9 @@ succeeded.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import warnings
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -75,3 +77,11 @@ def all_ok(ok: bool, group: Any = None) -> bool:
 def barrier(group: Any = None) -> None:
     if distributed():
         dist.barrier(group=group if group is not None else checkpoint_group())
+
+
+@contextlib.contextmanager
+def single_process_is_intended() -> Iterator[None]:
+    """DCP warns on every save and load without a process group; one process is a supported case here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
