@@ -101,3 +101,22 @@ def test_restore_from_missing_checkpoint_is_a_clear_error(reference, tmp_path):
     with pytest.raises(AutomodelError, match="restore_from.path: 'epoch_0_step_2' is not a checkpoint"):
         train_inprocess(reference["config"], "--checkpoint.checkpoint_dir", tmp_path / "empty",
                         "--restore_from.path", "epoch_0_step_2")
+
+
+def test_a_resume_never_unpickles(reference, tmp_path, monkeypatch):
+    """Everything a resume reads is JSON or safetensors: with pickle and torch.load refusing, it continues."""
+    import pickle
+
+    import torch
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a checkpoint read unpickled")
+
+    for name in ("load", "loads", "Unpickler"):
+        monkeypatch.setattr(pickle, name, refuse)
+    monkeypatch.setattr(torch, "load", refuse)
+    recipe = train_inprocess(reference["config"], "--checkpoint.checkpoint_dir", tmp_path / "resumed",
+                             "--restore_from.path", reference["ckpt"] / "epoch_1_step_6")
+    monkeypatch.undo()
+    assert [r["loss"] for r in read_jsonl(tmp_path / "resumed" / "training.jsonl")] == reference["losses"][6:]
+    assert_states_equal(recipe.model.state_dict(), reference["final"])

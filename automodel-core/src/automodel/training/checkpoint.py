@@ -29,6 +29,9 @@ from automodel.training.sections import CheckpointConfig
 LATEST = "LATEST"
 STAGING = ".incomplete-"
 MAX_STEP = 10**12  # far beyond any run; a larger number in a checkpoint is damage, not progress
+# what to do about a checkpoint that cannot be resumed
+RESUME_ELSEWHERE = ("resume from another checkpoint (--restore_from.path <checkpoint directory>), or use a new "
+                    "checkpoint.checkpoint_dir to start over")
 _NAME = re.compile(r"^epoch_(\d{1,13})_step_(\d{1,13})$")
 
 
@@ -129,8 +132,7 @@ def load_safetensors_dir(directory: Path) -> dict[str, torch.Tensor]:
         try:
             state.update(load_file(str(file)))
         except Exception as err:  # safetensors raises its own error type for a truncated or foreign file
-            raise CheckpointError(f"'{file}' is corrupted ({err}); resume from another checkpoint "
-                                  "(--restore_from.path <checkpoint directory>)") from None
+            raise CheckpointError(f"'{file}' is corrupted ({err}); {RESUME_ELSEWHERE}") from None
     return state
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from automodel.errors import AutomodelError
-from automodel.training.checkpoint import CheckpointError
+from automodel.training.checkpoint import RESUME_ELSEWHERE, CheckpointError
 from automodel.training.checkpoint_write import RANK_STATES, SHARED_STATES, state_file
 from automodel.training.parallel.hf_export import load_hf_weights
 from automodel.training.parallel.sharded_checkpoint import load_sharded_state
@@ -42,12 +42,10 @@ def reading(path: Path, what: str) -> Iterator[None]:
     except CheckpointError:
         raise
     except AutomodelError as err:
-        raise CheckpointError(f"{err}; resume from another checkpoint (--restore_from.path <checkpoint directory>), "
-                              "or use a new checkpoint.checkpoint_dir to start over") from None
+        raise CheckpointError(f"{err}; {RESUME_ELSEWHERE}") from None
     except (KeyError, IndexError, TypeError, ValueError, AttributeError, RuntimeError, StopIteration) as err:
         raise CheckpointError(f"'{path}' does not hold a valid {what} ({type(err).__name__}: {str(err)[:300]}); "
-                              "resume from another checkpoint (--restore_from.path <checkpoint directory>), or use "
-                              "a new checkpoint.checkpoint_dir to start over") from None
+                              f"{RESUME_ELSEWHERE}") from None
 
 
 def restore_weights(path: Path, model: torch.nn.Module, trainer_state: dict[str, Any]) -> None:
@@ -75,7 +73,7 @@ def _check_position(loader: Any, state: Any, file: Path) -> None:
             (samples is not None and any(isinstance(c, int) and c > samples for c in counts)):
         raise CheckpointError(f"'{file}': its data position is past the end of the data ({batches} batches, "
                               f"{samples} samples per epoch): the data set changed since the checkpoint, or the file "
-                              "is damaged; resume from another checkpoint, or use a new checkpoint.checkpoint_dir")
+                              f"is damaged; {RESUME_ELSEWHERE}")
 
 
 def restore_states(path: Path, model: torch.nn.Module, stateful: dict[str, Any], rank: int, world_size: int,

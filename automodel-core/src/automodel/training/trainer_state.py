@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from automodel.training.checkpoint import MAX_STEP, CheckpointError, parse_name
+from automodel.training.checkpoint import MAX_STEP, RESUME_ELSEWHERE, CheckpointError, parse_name
 
 FILE = "trainer_state.json"
 FORMAT = 2
@@ -21,8 +21,7 @@ _MAX_WORLD = 1 << 20
 
 
 def _fix(path: Path) -> str:
-    return (f"resume from another checkpoint (--restore_from.path <checkpoint directory>), or use a new "
-            f"checkpoint.checkpoint_dir to start over; '{path}' cannot be resumed")
+    return f"{RESUME_ELSEWHERE}; '{path}' cannot be resumed"
 
 
 def _integer(file: Path, path: Path, data: dict[str, Any], key: str, low: int, high: int) -> int:
