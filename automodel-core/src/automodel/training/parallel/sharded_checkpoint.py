@@ -54,10 +54,13 @@ def sharded_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None = 
     model only the adapter, the rest is its unchanged base) when ``weights``, and the optimizer's state."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
+    # The model's state first, always: FSDP2's state_dict hook puts the sharded parameters back in place (a no_grad
+    # forward, validation, can leave a module unsharded), and the optimizer's state is keyed by them.
+    model_state = get_model_state_dict(model)
     tensors: dict[str, torch.Tensor] = {}
     if weights:
         saved = export_names(model, MODEL)[1]
-        tensors = {MODEL + name: t for name, t in get_model_state_dict(model).items() if MODEL + name in saved}
+        tensors = {MODEL + name: t for name, t in model_state.items() if MODEL + name in saved}
     manifest = None
     if optimizer is not None:
         optim_tensors, manifest = _split_optimizer_state(get_optimizer_state_dict(model, optimizer))
