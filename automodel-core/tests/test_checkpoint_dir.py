@@ -134,6 +134,45 @@ def test_a_crash_between_the_two_renames_of_a_re_save_is_repaired(tmp_path):
     ck.release()
 
 
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc to name the file behind an fsync")
+def test_every_file_and_directory_reaches_the_disk_before_latest_names_it(tmp_path, monkeypatch):
+    """A power cut after LATEST is replaced finds the checkpoint it names complete: every file and directory of it
+    was fsynced, its rename into place too (the parent directory), and LATEST's own content before its rename."""
+    root = tmp_path.resolve()
+    ck = _checkpointer(root)
+    staging, final = ck.staging_path(0, 2)
+    ck.open_staging(staging)
+    (staging / "model").mkdir()
+    (staging / "model" / "model.safetensors").write_bytes(b"weights")
+    (staging / "trainer_state.json").write_text("{}")
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("rename", str(src), str(dst)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    ck.publish(staging, final)
+    monkeypatch.undo()
+    renames = [i for i, event in enumerate(events) if event[0] == "rename"]
+    into_place = next(i for i in renames if events[i][1:] == (str(staging), str(final)))
+    latest = next(i for i in renames if events[i][2] == str(root / "LATEST"))
+    synced = {event[1] for event in events[:into_place] if event[0] == "fsync"}
+    expected = {str(staging), str(staging / "model"), str(staging / "model" / "model.safetensors"),
+                str(staging / "trainer_state.json")}
+    assert expected <= synced, (expected - synced, events)
+    assert ("fsync", str(root)) in events[into_place:latest], "the rename into place is durable before LATEST"
+    assert ("fsync", events[latest][1]) in events[into_place:latest], "LATEST's content is on disk before its rename"
+    assert ("fsync", str(root)) in events[latest:], "the new LATEST entry itself is made durable"
+    ck.release()
+
+
 @pytest.mark.parametrize("name", ["../x", "/etc", "a/b", "epoch_0_step_2/..", "", "epoch_0_step_" + "9" * 20])
 def test_latest_must_name_a_checkpoint_inside_the_directory(name, tmp_path):
     (tmp_path / "LATEST").write_text(name + "\n")

@@ -18,7 +18,7 @@ RUN = {"step_scheduler": {"max_steps": 10, "checkpoint_interval": 2, "log_interv
 
 
 def losses(path, steps):
-    by_step = {r["step"]: r["loss"] for r in read_jsonl(path)}  # a resumed run appends: the last line wins
+    by_step = {r["step"]: r["loss"] for r in read_jsonl(path)}
     return [by_step[s] for s in steps]
 
 
@@ -120,3 +120,36 @@ def test_a_resume_never_unpickles(reference, tmp_path, monkeypatch):
     monkeypatch.undo()
     assert [r["loss"] for r in read_jsonl(tmp_path / "resumed" / "training.jsonl")] == reference["losses"][6:]
     assert_states_equal(recipe.model.state_dict(), reference["final"])
+
+
+def test_a_checkpoint_saved_only_sharded_resumes_exactly(reference, tmp_path):
+    """``checkpoint.save_consolidated: false``: the weights are only model_shards/, and a resume reads them."""
+    sharded = tmp_path / "sharded"
+    train_inprocess(reference["config"], "--checkpoint.checkpoint_dir", sharded,
+                    "--checkpoint.save_consolidated", "false")
+    saved = sharded / "epoch_1_step_6"
+    assert not (saved / "model").exists() and list((saved / "model_shards").glob("shard-*.safetensors"))
+    assert json.loads((saved / "trainer_state.json").read_text())["weights"] == "model_shards"
+    assert losses(sharded / "training.jsonl", range(1, 11)) == reference["losses"]
+    recipe = train_inprocess(reference["config"], "--checkpoint.checkpoint_dir", tmp_path / "resumed",
+                             "--restore_from.path", saved)
+    assert [r["loss"] for r in read_jsonl(tmp_path / "resumed" / "training.jsonl")] == reference["losses"][6:]
+    assert_states_equal(recipe.model.state_dict(), reference["final"])
+
+
+def test_a_resume_drops_the_validation_records_past_the_restored_step(tiny_llama_config, tmp_path):
+    """Resumed into its own directory from step 2, the run validates steps 4 and 6 again: each step once, with the
+    uninterrupted run's numbers."""
+    from llm_testing import VALIDATION, write_config
+
+    root = tmp_path / "ckpt"
+    config = write_config(tmp_path / "cfg.yaml", tiny_llama_config, root, validation_dataset=VALIDATION,
+                          step_scheduler={"max_steps": 6, "checkpoint_interval": 2, "val_check_interval": 2})
+    train_inprocess(config)
+    first = read_jsonl(root / "validation.jsonl")
+    assert [r["step"] for r in first] == [2, 4, 6]
+    train_inprocess(config, "--restore_from.path", "epoch_0_step_2")
+    again = read_jsonl(root / "validation.jsonl")
+    assert [r["step"] for r in again] == [2, 4, 6]
+    assert [r["val_loss"] for r in again] == [r["val_loss"] for r in first]
+    assert [r["step"] for r in read_jsonl(root / "training.jsonl")] == [1, 2, 3, 4, 5, 6]
