@@ -20,6 +20,7 @@ from automodel.hf import (
     missing_local_path,
     model_source,
 )
+from automodel.training.checkpoint_write import sharded_only_message
 from automodel.training.context import BuildContext
 from automodel.training.modules import unwrap
 from automodel.training.next_token import NextTokenLogits
@@ -137,6 +138,8 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
     # ---- after training ------------------------------------------------------------------------------------
 
     def final_message(self, model_dir: Path) -> str:
+        if not model_dir.is_dir():
+            return sharded_only_message(model_dir.parent)
         if (model_dir / "adapter_config.json").is_file():
             return (f"Trained LoRA adapter in {model_dir}: load it with peft.PeftModel.from_pretrained(base_model, "
                     f"'{model_dir}'), or merge it with `automodel export {model_dir.parent} merged/`")

@@ -11,6 +11,7 @@ import torch
 from automodel.config import Target
 from automodel.errors import AutomodelError, ConfigIssue
 from automodel.hf import EvalGenerationConfig, check_vocab, model_source
+from automodel.training.checkpoint_write import sharded_only_message
 from automodel.training.modules import unwrap
 from automodel.training.next_token import LABEL_POSITIONS, NextTokenLogits
 from automodel.training.recipe import TrainRecipe
@@ -166,7 +167,9 @@ class FinetuneRecipeForVLM(NextTokenLogits, TrainRecipe):
                     json.dump(record, f)
         if final_checkpoint is not None:
             model_dir = final_checkpoint / "model"
-            if (model_dir / "adapter_config.json").is_file():
+            if not model_dir.is_dir():
+                self.log(sharded_only_message(final_checkpoint))
+            elif (model_dir / "adapter_config.json").is_file():
                 self.log(f"Trained LoRA adapter in {model_dir}: load it with peft.PeftModel.from_pretrained("
                          f"base_model, '{model_dir}') and AutoProcessor.from_pretrained('{model_dir}')")
             else:

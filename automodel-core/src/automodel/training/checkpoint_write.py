@@ -82,6 +82,12 @@ def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
+def sharded_only_message(checkpoint: Path) -> str:
+    """What a run says about its final checkpoint when the weights are only the sharded form (no model/)."""
+    return (f"Trained model in {checkpoint / 'model_shards'} (sharded: checkpoint.save_consolidated is false): "
+            f"`automodel export {checkpoint} out/` writes it as a Hugging Face model directory")
+
+
 class CheckpointWrite:
     """One checkpoint being written by every rank; ``finish()`` publishes it once every file is complete."""
 
