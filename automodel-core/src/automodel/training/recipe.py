@@ -294,10 +294,10 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
         """The configured stages, with slot ``checkpoint`` acting exactly when a checkpoint is resumed (also one
         found in checkpoint_dir without restore_from, and not for ``latest`` before the first checkpoint)."""
         selection = dict(self.pipeline_selection(self.cfg))
-        selection.pop("checkpoint", None)
+        configured = selection.pop("checkpoint", None)
         if ctx.restore_path is not None and "checkpoint" not in self.merged("unsupported_stages"):
-            selection["checkpoint"] = (self.merged("stage_implementations").get("checkpoint", "restore"),
-                                       "restore_from.path")
+            selection["checkpoint"] = configured or (
+                self.merged("stage_implementations").get("checkpoint", "restore"), "restore_from.path")
         return {slot: selection[slot] for slot in PIPELINE_SLOTS if slot in selection}
 
     def open_metric_files(self) -> None:
