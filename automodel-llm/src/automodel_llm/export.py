@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from automodel.cli.trust_options import trust_options
 from automodel.errors import UsageError
 
 
@@ -14,6 +15,7 @@ from automodel.errors import UsageError
 @click.argument("checkpoint", type=click.Path(exists=True, file_okay=False))
 @click.argument("output", type=click.Path(file_okay=False))
 @click.option("--force", is_flag=True, help="replace OUTPUT if it exists")
+@trust_options
 def export(checkpoint: str, output: str, force: bool) -> None:
     """Write CHECKPOINT's model as a merged Hugging Face model in OUTPUT (LoRA adapters merged into the base)."""
     from automodel.cli.execute import import_recipe

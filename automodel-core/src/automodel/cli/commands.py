@@ -11,6 +11,7 @@ import click
 from automodel.cli.examples import list_examples
 from automodel.cli.plot import plot
 from automodel.cli.scaffold import new
+from automodel.cli.trust_options import trust_options
 from automodel.errors import ConfigError, UsageError
 from automodel.plugins.manager import get_plugin_manager
 
@@ -22,6 +23,7 @@ _OVERRIDES = {"ignore_unknown_options": True, "allow_extra_args": True}
 @click.option("--dry-run", is_flag=True, help="validate and print the plan; build nothing heavy")
 @click.option("--print-config", is_flag=True, help="print the resolved config (secrets masked)")
 @click.option("--nproc-per-node", type=int, default=None, help="processes per node (torchrun)")
+@trust_options
 @click.pass_context
 def run(ctx: click.Context, config: str, dry_run: bool, print_config: bool, nproc_per_node: int | None) -> None:
     """Run the recipe named by the config's `recipe:` key."""
@@ -69,6 +71,7 @@ def _best_route_for(path: Path, extra: list[str]):
 @click.command(context_settings=_OVERRIDES)
 @click.argument("route", nargs=-1)
 @click.option("-c", "--config", required=True, help="config YAML")
+@trust_options
 @click.pass_context
 def validate(ctx: click.Context, route: tuple[str, ...], config: str) -> None:
     """Report every problem in a config at once (exit 2 when there are any).

@@ -222,8 +222,15 @@ def check_target_node(node: dict, key: str, resolver: TargetResolver, issues: li
 
 
 def check_nested(value: Any, key: str, resolver: TargetResolver, issues: list[ConfigIssue]) -> None:
+    """Resolve every nested target node, and every string under a key ending in ``_fn`` (a callable passed, not
+    called: ``collate_fn: pkg.fn``), so that validation refuses what building would."""
     if is_target_node(value):
         check_target_node(value, key, resolver, issues)
+    elif isinstance(value, str) and key.rsplit(".", 1)[-1].endswith("_fn"):
+        try:
+            resolver.resolve(value)
+        except TargetError as err:
+            issues.append(ConfigIssue(key, str(err), err.suggestion))
     elif isinstance(value, dict):
         for k, v in value.items():
             check_nested(v, f"{key}.{k}", resolver, issues)

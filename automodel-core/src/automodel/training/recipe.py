@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from automodel.cli.slurm import SlurmConfig
-from automodel.config import Config, ConfigNode, Free, Target, TargetError
+from automodel.config import Config, ConfigNode, Free, Target
 from automodel.errors import AutomodelError, ConfigIssue, PluginError
 from automodel.plugins.manager import get_plugin_manager
 from automodel.recipe import BaseRecipe
@@ -175,12 +175,6 @@ class TrainRecipe(BaseRecipe):
             size = loader.get("batch_size") if isinstance(loader, ConfigNode) else None
             if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
                 issues.append(ConfigIssue(f"{name}.batch_size", f"must be a positive integer, found {size!r}"))
-            collate = loader.get("collate_fn") if isinstance(loader, ConfigNode) else None
-            if isinstance(collate, str):  # a dotted path (not a _target_ node): checked like one, before building
-                try:
-                    cfg.resolver.resolve(collate)
-                except TargetError as err:
-                    issues.append(ConfigIssue(f"{name}.collate_fn", str(err), err.suggestion))
         dist = cfg.distributed
         if dist is not None:
             for name in ("tp_size", "pp_size"):
