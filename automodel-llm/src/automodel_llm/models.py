@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Any
 
 from automodel.errors import AutomodelError
-from automodel.model_files import has_weights, parse_dtype
+from automodel.model_files import has_weights, parse_dtype, pop_hub_arguments
 
 
-def _load_config(config: Any, **overrides: Any) -> Any:
+def _load_config(config: Any, hub: dict[str, Any], **overrides: Any) -> Any:
     from transformers import AutoConfig, PretrainedConfig
 
     if isinstance(config, PretrainedConfig):
@@ -27,12 +27,12 @@ def _load_config(config: Any, **overrides: Any) -> Any:
     path = Path(str(config))
     if path.is_file():
         data = json.loads(path.read_text(encoding="utf-8"))
-        return _load_config(data, **overrides)
+        return _load_config(data, hub, **overrides)
     from automodel_llm.datasets.loading import missing_local_path
 
     if missing_local_path(str(config)):
         raise AutomodelError(f"model.config: '{config}' does not exist")
-    return AutoConfig.from_pretrained(str(config), **overrides)
+    return AutoConfig.from_pretrained(str(config), **hub, **overrides)
 
 
 class AutoModelForCausalLM:
@@ -62,8 +62,10 @@ class AutoModelForCausalLM:
         import torch
         import transformers
 
-        model_kwargs = {k: kwargs.pop(k) for k in ("attn_implementation", "trust_remote_code") if k in kwargs}
-        hf_config = _load_config(config, **kwargs)
+        hub = pop_hub_arguments(kwargs)  # to AutoConfig.from_pretrained only: never into the saved config
+        model_kwargs = {k: v for k, v in (("attn_implementation", kwargs.pop("attn_implementation", None)),
+                                          ("trust_remote_code", hub.get("trust_remote_code"))) if v is not None}
+        hf_config = _load_config(config, hub, **kwargs)
         if seed is not None:
             torch.manual_seed(seed)
         model = transformers.AutoModelForCausalLM.from_config(hf_config, **model_kwargs)
