@@ -1,13 +1,24 @@
-"""``--slurm``: write an sbatch script that runs the same command under torchrun on every node."""
+"""``--slurm``: write an sbatch script that runs the same command under torchrun on every node.
+
+The ``slurm`` section is untrusted like the rest of the config: its strings become ``#SBATCH`` lines, so they are
+checked at validation (a newline would start a line of its own, which bash runs) and the command line is quoted.
+"""
 
 from __future__ import annotations
 
+import re
 import shlex
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from automodel.cli.launch import strip_launch_options
+from automodel.config.schema import FieldErrors, require_positive
+
+# What an #SBATCH value may hold: names, paths, times and sbatch's %-patterns; no spaces, quotes or control
+# characters (sbatch splits the line on spaces; a newline ends the directive and starts a shell line).
+_SBATCH_VALUE = re.compile(r"^[A-Za-z0-9._:@%/+,=~-]+$")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 @dataclass
@@ -23,8 +34,20 @@ class SlurmConfig:
     script: str = field(default="automodel.sbatch", metadata={"help": "where the script is written"})
 
     def __post_init__(self) -> None:
-        if self.nodes < 1 or self.gpus_per_node < 1:
-            raise ValueError("slurm.nodes and slurm.gpus_per_node must be >= 1")
+        bad = {}
+        for name in ("job_name", "partition", "account", "time", "output"):
+            value = getattr(self, name)
+            if value is not None and not _SBATCH_VALUE.match(value):
+                bad[name] = (f"{value!r} cannot go into an #SBATCH line: use letters, digits and . _ : @ % / + , = ~ - "
+                             "only (no spaces, quotes or control characters such as a newline)")
+        if _CONTROL.search(self.script):
+            bad["script"] = f"{self.script!r} holds a control character; name a plain file path"
+        try:
+            require_positive(self, "nodes", "gpus_per_node", "master_port")
+        except FieldErrors as err:
+            bad.update(err.errors)
+        if bad:
+            raise FieldErrors(bad)
 
 
 def sbatch_script(cfg: SlurmConfig, argv: list[str]) -> str:

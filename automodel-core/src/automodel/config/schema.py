@@ -45,6 +45,23 @@ class Free:
 SectionSpec = type | Target | Free
 
 
+class FieldErrors(ValueError):
+    """Raised by a section dataclass's ``__post_init__`` with one message per bad field, so that validation reports
+    every one of them at once, each under its own dotted key."""
+
+    def __init__(self, errors: dict[str, str]):
+        self.errors = dict(errors)
+        super().__init__("; ".join(f"{name}: {message}" for name, message in self.errors.items()))
+
+
+def require_positive(section: Any, *names: str) -> None:
+    """Refuse, all at once, every named field of the dataclass instance ``section`` that is below 1 (None is fine)."""
+    bad = {name: f"must be >= 1, found {getattr(section, name)}" for name in names
+           if getattr(section, name) is not None and getattr(section, name) < 1}
+    if bad:
+        raise FieldErrors(bad)
+
+
 def find_spec(name: str, sections: dict[str, SectionSpec]) -> SectionSpec | None:
     if name in sections:
         return sections[name]
@@ -159,6 +176,9 @@ def validate_dataclass(cls: type, node: Any, key: str, issues: list[ConfigIssue]
         return None
     try:
         return cls(**kwargs)
+    except FieldErrors as err:
+        issues.extend(ConfigIssue(f"{key}.{name}", message) for name, message in err.errors.items())
+        return None
     except (ValueError, TypeError) as err:
         issues.append(ConfigIssue(key, str(err)))
         return None

@@ -5,15 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
+from automodel.config.schema import require_positive
+
 
 def _help(text: str, aliases: tuple[str, ...] = ()) -> dict:
     return {"help": text, "aliases": aliases}
-
-
-def _positive(section: str, **values: int | float | None) -> None:
-    for name, value in values.items():
-        if value is not None and value < 1:
-            raise ValueError(f"{section}.{name} must be >= 1, found {value}")
 
 
 @dataclass
@@ -34,10 +30,8 @@ class StepSchedulerConfig:
     log_interval: int = field(default=10, metadata=_help("write a MetricsSample every N steps"))
 
     def __post_init__(self) -> None:
-        _positive("step_scheduler", max_steps=self.max_steps, num_epochs=self.num_epochs,
-                  grad_accumulation_steps=self.grad_accumulation_steps, global_batch_size=self.global_batch_size,
-                  local_batch_size=self.local_batch_size, val_check_interval=self.val_check_interval,
-                  checkpoint_interval=self.checkpoint_interval, log_interval=self.log_interval)
+        require_positive(self, "max_steps", "num_epochs", "grad_accumulation_steps", "global_batch_size",
+                         "local_batch_size", "val_check_interval", "checkpoint_interval", "log_interval")
 
 
 @dataclass
@@ -90,10 +84,8 @@ class DistributedConfig:
     activation_checkpointing: bool = field(default=False, metadata=_help("recompute activations in backward"))
 
     def __post_init__(self) -> None:
-        _positive("distributed", tp_size=self.tp_size, cp_size=self.cp_size, pp_size=self.pp_size,
-                  ep_size=self.ep_size)
-        if isinstance(self.dp_size, int):
-            _positive("distributed", dp_size=self.dp_size)
+        require_positive(self, "tp_size", "cp_size", "pp_size", "ep_size",
+                         *(("dp_size",) if isinstance(self.dp_size, int) else ()))
 
 
 @dataclass
@@ -113,7 +105,7 @@ class CheckpointConfig:
         if self.model_save_format == "torch_save":
             raise ValueError("checkpoint.model_save_format: torch_save (pickle) is not supported for weights; "
                              "use safetensors")
-        _positive("checkpoint", keep_last=self.keep_last)
+        require_positive(self, "keep_last")
 
 
 @dataclass
