@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from automodel.cli.examples import list_examples
+from automodel.cli.list_targets import targets
 from automodel.cli.plot import plot
 from automodel.cli.scaffold import new
 from automodel.cli.trust_options import trust_options
@@ -178,4 +179,4 @@ def cp(example: str | None, dest: str | None, force: bool) -> None:
     click.echo(f"copied {example} to {target}")
 
 
-CORE_COMMANDS = (run, validate, recipes, plugins, cp, new, plot)
+CORE_COMMANDS = (run, validate, recipes, plugins, targets, cp, new, plot)

@@ -182,7 +182,8 @@ def automodel_register_aliases(aliases):
 
 @hookimpl
 def automodel_allowed_targets():
-    # Module prefixes this plugin's configs may name in `_target_` (its own datasets, models, losses).
+    # What this plugin's configs may name in `_target_`: its own package (datasets, models, losses) by prefix, and
+    # the exact callables of other libraries they use (e.g. "torch.optim.SGD").
     return ["@@PACKAGE@@"]
 '''
 
@@ -363,7 +364,7 @@ def test_plugin_registers_its_route_and_aliases():
     route = m.routes.get("@@COMMAND@@", "@@DOMAIN@@")
     assert route is not None and route.recipe == RECIPE
     assert m.aliases.targets["@@RECIPE_CLASS@@"] == RECIPE
-    assert "@@PACKAGE@@" in m.allowed_prefixes
+    assert "@@PACKAGE@@" in m.targets.prefixes()
 
 
 def test_example_validates(cli):
