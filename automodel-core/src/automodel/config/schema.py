@@ -239,6 +239,22 @@ def check_target_node(node: dict, key: str, resolver: TargetResolver, issues: li
         p = params[n]
         if p.default is inspect.Parameter.empty and n not in kwargs and n not in runtime_args:
             issues.append(ConfigIssue(f"{key}.{n}", f"missing required argument '{n}' of {name}"))
+    for n, tp in _choice_hints(fn).items():
+        if n in kwargs and not is_target_node(kwargs[n]) and not check_type(kwargs[n], tp)[0]:
+            issues.append(ConfigIssue(f"{key}.{n}", f"expected {_type_name(tp)}, found {kwargs[n]!r}"))
+
+
+def _choice_hints(fn: Any) -> dict[str, Any]:
+    """The parameters of ``fn`` annotated with a ``Literal`` (or an optional one): their values can be checked
+    before anything is built (``on_bad_row: skp`` is refused at validation, not when the data is read)."""
+    try:
+        hints = typing.get_type_hints(fn.__init__ if isinstance(fn, type) else fn)
+    except Exception:  # noqa: BLE001 - annotations that do not evaluate here are simply not checked
+        return {}
+    return {name: tp for name, tp in hints.items()
+            if typing.get_origin(tp) is Literal
+            or (typing.get_origin(tp) in (Union, types.UnionType)
+                and any(typing.get_origin(a) is Literal for a in typing.get_args(tp)))}
 
 
 def check_nested(value: Any, key: str, resolver: TargetResolver, issues: list[ConfigIssue]) -> None:
