@@ -226,6 +226,12 @@ class Cli:
         return Result(proc.returncode, proc.stdout, proc.stderr)
 
 
+@pytest.fixture(autouse=True)
+def _own_user_config(tmp_path, monkeypatch):
+    """Never the developer's ~/.config/automodel/trusted-targets.txt: each test has its own (empty) config home."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg-config"))
+
+
 @pytest.fixture
 def cli(tmp_path) -> Cli:
     return Cli(tmp_path)
