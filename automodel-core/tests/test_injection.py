@@ -91,6 +91,17 @@ def _cases(tmp: Path) -> list[tuple[str, str, dict]]:
         ("sys-module", "sys.exit", {}),
         ("runpy", "runpy.run_path", {"path_name": str(evil_py)}),
         ("ctypes", "ctypes.CDLL", {"name": str(tmp / "evil.so")}),
+        # the red team's gadgets inside libraries (issue 21): refused by the registry and by the deny-list
+        ("transformers-run_command", "transformers.testing_utils.run_command", {"command": ["touch", str(sentinel)]}),
+        ("transformers-import-file", "transformers.utils.import_utils.direct_transformers_import",
+         {"path": str(tmp), "file": "amt_sentinel_mod.py"}),
+        ("datapipes-unpickle", "torch.utils.data.datapipes.utils.decoder.basichandlers",
+         {"extension": "pickle", "data": _evil_pickle(sentinel)}),
+        ("flight-recorder-unpickle", "torch.distributed.flight_recorder.components.loader.read_dump",
+         {"prefix": "evil", "filename": str(pickled)}),
+        ("model-dump-unpickle", "torch.utils.model_dump.get_model_info", {"path_or_file": str(pickled)}),
+        ("load_from_disk", "datasets.Dataset.load_from_disk", {"dataset_path": str(tmp)}),
+        ("unregistered-library-callable", "transformers.pipeline", {"task": "text-generation"}),
     ]
 
 

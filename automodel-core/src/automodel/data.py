@@ -108,7 +108,7 @@ class BadRows:
         """Whether a required field of the row is absent or null (then :meth:`bad` has been called)."""
         for field in fields:
             if row.get(field) is None:
-                self.bad(index, f"the field '{field}' is " + ("null" if field in row else "missing"))
+                self.bad(index, f"the field '{field}' is missing or null")
                 return True
         return False
 
