@@ -24,6 +24,19 @@ class Touch:
         return (os.system, (f"touch {self.path}",))
 
 
+def run_main(*argv: Any) -> tuple[int, str]:
+    """``automodel <argv>`` in this process: (exit code, stdout + stderr)."""
+    import io
+    from contextlib import redirect_stderr, redirect_stdout
+
+    from automodel.cli.main import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        rc = main([str(a) for a in argv])
+    return rc, out.getvalue() + err.getvalue()
+
+
 def marker(directory: Path) -> Path:
     return Path(directory) / "marker"
 

@@ -13,25 +13,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 import reliability_helpers as h  # noqa: E402
-
-
-@pytest.fixture
-def cwd(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("AUTOMODEL_ALLOW_TARGETS", raising=False)
-    return tmp_path
-
-
-def _main(*argv) -> tuple[int, str]:
-    import io
-    from contextlib import redirect_stderr, redirect_stdout
-
-    from automodel.cli.main import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with redirect_stdout(out), redirect_stderr(err):
-        rc = main([str(a) for a in argv])
-    return rc, out.getvalue() + err.getvalue()
+import security_helpers as s  # noqa: E402
 
 
 def _squad_rows(count: int = 16) -> list[dict]:
@@ -60,7 +42,7 @@ def test_a_squad_row_without_question_is_refused_with_file_row_and_field(cwd):
     rows = _squad_rows()
     del rows[2]["question"]
     data = _write_jsonl(cwd / "train.jsonl", rows)
-    rc, text = _main("finetune", "llm", "-c", _squad_config(cwd, data))
+    rc, text = s.run_main("finetune", "llm", "-c", _squad_config(cwd, data))
     assert rc == 1, text
     assert f"dataset: row 3 of '{data}': the field 'question' is missing or null" in text
     assert "on_bad_row: skip" in text and "Traceback" not in text
@@ -72,7 +54,7 @@ def test_skipping_bad_rows_is_the_users_choice_and_is_counted(cwd):
     del rows[2]["question"]
     rows[5]["context"] = None
     data = _write_jsonl(cwd / "train.jsonl", rows)
-    rc, text = _main("finetune", "llm", "-c", _squad_config(cwd, data, on_bad_row="skip"))
+    rc, text = s.run_main("finetune", "llm", "-c", _squad_config(cwd, data, on_bad_row="skip"))
     assert rc == 0, text
     assert "dataset: skipped 2 bad row(s) (on_bad_row: skip); the first: row 3 of" in text
     from automodel_llm.datasets import SquadDataset
@@ -84,7 +66,7 @@ def test_skipping_bad_rows_is_the_users_choice_and_is_counted(cwd):
 
 def test_an_unknown_policy_is_refused_at_validation(cwd):
     data = _write_jsonl(cwd / "train.jsonl", _squad_rows())
-    rc, text = _main("validate", "finetune", "llm", "-c", _squad_config(cwd, data, on_bad_row="skp"))
+    rc, text = s.run_main("validate", "finetune", "llm", "-c", _squad_config(cwd, data, on_bad_row="skp"))
     assert rc == 2 and "dataset.on_bad_row: expected 'error' | 'skip', found 'skp'" in text, text
 
 
@@ -92,13 +74,13 @@ def test_malformed_json_lines_name_the_file_and_line(cwd):
     rows = [json.dumps(r) for r in _squad_rows(6)]
     rows[3] = rows[3].replace('", "question"', '" "question"')
     data = _write_jsonl(cwd / "train.jsonl", rows)
-    rc, text = _main("finetune", "llm", "-c", _squad_config(cwd, data))
+    rc, text = s.run_main("finetune", "llm", "-c", _squad_config(cwd, data))
     assert rc == 1, text
     assert f"dataset.dataset_name: '{data}' line 4, column" in text and "malformed JSON: Expecting ','" in text
     folder = cwd / "folder"
     folder.mkdir()
     _write_jsonl(folder / "train.jsonl", rows)
-    rc, text = _main("finetune", "llm", "-c", _squad_config(cwd, folder))
+    rc, text = s.run_main("finetune", "llm", "-c", _squad_config(cwd, folder))
     assert rc == 1 and f"'{folder / 'train.jsonl'}' line 4, column" in text, text
 
 
@@ -176,7 +158,7 @@ def test_vlm_and_diffusion_rows_can_be_skipped(cwd):
 def test_every_bad_interval_is_reported_at_once(cwd):
     data = _write_jsonl(cwd / "train.jsonl", _squad_rows())
     path = _squad_config(cwd, data)
-    rc, text = _main("validate", "finetune", "llm", "-c", path, "--step_scheduler.val_check_interval", "0",
+    rc, text = s.run_main("validate", "finetune", "llm", "-c", path, "--step_scheduler.val_check_interval", "0",
                      "--step_scheduler.checkpoint_interval", "-2", "--step_scheduler.log_interval", "0",
                      "--checkpoint.keep_last", "0", "--distributed.tp_size", "0", "--distributed.cp_size", "0")
     assert rc == 2, text

@@ -43,12 +43,9 @@ IDS = list(hostile_cases(Path("/nonexistent-security-battery")))
 
 
 @pytest.fixture
-def hostile(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delenv("AUTOMODEL_ALLOW_TARGETS", raising=False)
-    monkeypatch.delenv("AUTOMODEL_DEBUG", raising=False)
-    yield tmp_path
+def hostile(cwd, monkeypatch):
+    monkeypatch.syspath_prepend(str(cwd))
+    yield cwd
     sys.modules.pop("evilpkg", None)
     sys.modules.pop("evilpkg.sub", None)
 
@@ -63,18 +60,6 @@ def _config(cwd: Path, case_id: str) -> dict:
         node = node.setdefault(part, {})
     node[parts[-1]] = copy.deepcopy(value)
     return config
-
-
-def _main(*argv) -> tuple[int, str]:
-    import io
-    from contextlib import redirect_stderr, redirect_stdout
-
-    from automodel.cli.main import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with redirect_stdout(out), redirect_stderr(err):
-        rc = main([str(a) for a in argv])
-    return rc, out.getvalue() + err.getvalue()
 
 
 def _received_checkpoint(cwd: Path, config: dict) -> Path:
@@ -100,7 +85,7 @@ def test_no_hostile_config_runs_anything(hostile, case_id, mode):
             "run": ["finetune", "llm", "-c", path],
             "export": ["export", _received_checkpoint(hostile, config), hostile / "exported"],
             "slurm": ["finetune", "llm", "-c", path, "--slurm"]}[mode]
-    rc, text = _main(*argv)
+    rc, text = s.run_main(*argv)
     assert rc == 2, text
     assert f"{hostile_cases(hostile)[case_id][2]}: " in text and "Traceback" not in text, text
     assert not s.marker(hostile).exists(), text

@@ -16,26 +16,6 @@ import reliability_helpers as h  # noqa: E402
 import security_helpers as s  # noqa: E402
 
 
-@pytest.fixture
-def cwd(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("AUTOMODEL_ALLOW_TARGETS", raising=False)
-    monkeypatch.delenv("AUTOMODEL_DEBUG", raising=False)
-    return tmp_path
-
-
-def _main(*argv) -> tuple[int, str]:
-    import io
-    from contextlib import redirect_stderr, redirect_stdout
-
-    from automodel.cli.main import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with redirect_stdout(out), redirect_stderr(err):
-        rc = main([str(a) for a in argv])
-    return rc, out.getvalue() + err.getvalue()
-
-
 def _remote_code_config(cwd: Path) -> Path:
     model = s.write_remote_code_model(cwd)
     config = h.run_config(h.write_tiny_llama(cwd / "tiny"), step_scheduler={"max_steps": 1})
@@ -51,7 +31,7 @@ MODES = {"validate": ["validate", "finetune", "llm"], "dry-run": ["finetune", "l
 @pytest.mark.parametrize("mode", list(MODES))
 def test_a_local_model_with_its_own_code_does_not_run_it_without_the_flag(cwd, mode):
     config = _remote_code_config(cwd)
-    rc, text = _main(*MODES[mode], "-c", config)
+    rc, text = s.run_main(*MODES[mode], "-c", config)
     assert rc == 2, text
     assert "model.trust_remote_code: true runs the Python code a model ships" in text
     assert "pass --trust-remote-code on the command line" in text and "Traceback" not in text
@@ -62,9 +42,9 @@ def test_a_local_model_with_its_own_code_does_not_run_it_without_the_flag(cwd, m
 def test_the_flag_lets_the_key_act(cwd):
     """The positive control: with --trust-remote-code the model's configuration_*.py is imported (the marker)."""
     config = _remote_code_config(cwd)
-    assert _main("validate", "finetune", "llm", "-c", config, "--trust-remote-code")[0] == 0
+    assert s.run_main("validate", "finetune", "llm", "-c", config, "--trust-remote-code")[0] == 0
     assert not s.marker(cwd).exists()  # validating imports nothing
-    _main("finetune", "llm", "-c", config, "--trust-remote-code")  # its model class is unknown: it stops there
+    s.run_main("finetune", "llm", "-c", config, "--trust-remote-code")  # its model class is unknown: it stops there
     assert s.marker(cwd).exists()
 
 
@@ -72,7 +52,7 @@ def test_the_flag_alone_asks_for_nothing(cwd):
     """--trust-remote-code permits; the config must still ask (a model without trust_remote_code stays safe)."""
     config = yaml.safe_load(_remote_code_config(cwd).read_text())
     del config["model"]["trust_remote_code"]
-    rc, text = _main("finetune", "llm", "-c", h.write_yaml(cwd / "no.yaml", config), "--trust-remote-code")
+    rc, text = s.run_main("finetune", "llm", "-c", h.write_yaml(cwd / "no.yaml", config), "--trust-remote-code")
     assert rc == 1 and not s.marker(cwd).exists(), text
 
 
@@ -92,9 +72,9 @@ def test_every_code_loading_key_anywhere_is_refused(cwd, key, value, fragment, p
         node = node.setdefault(part, {})
     node[key] = value
     path = h.write_yaml(cwd / "cfg.yaml", config)
-    rc, text = _main("validate", "finetune", "llm", "-c", path)
+    rc, text = s.run_main("validate", "finetune", "llm", "-c", path)
     assert rc == 2 and f"{place}.{key}: " in text and fragment in text, text
-    _, trusted = _main("validate", "finetune", "llm", "-c", path, "--trust-remote-code")
+    _, trusted = s.run_main("validate", "finetune", "llm", "-c", path, "--trust-remote-code")
     assert fragment not in trusted, trusted  # (a callable without that argument may still refuse it by name)
 
 
@@ -111,13 +91,13 @@ def test_a_model_directory_with_only_pickle_weights_is_refused(cwd):
     config["model"] = {"_target_": "automodel_llm.AutoModelForCausalLM.from_pretrained",
                        "pretrained_model_name_or_path": str(model_dir)}
     path = h.write_yaml(cwd / "cfg.yaml", config)
-    rc, text = _main("validate", "finetune", "llm", "-c", path)
+    rc, text = s.run_main("validate", "finetune", "llm", "-c", path)
     assert rc == 2, text
     assert "model.pretrained_model_name_or_path: " in text and "holds weights only as pickle files " \
         "(pytorch_model.bin)" in text, text
-    assert _main("validate", "finetune", "llm", "-c", path, "--trust-remote-code")[0] == 0
+    assert s.run_main("validate", "finetune", "llm", "-c", path, "--trust-remote-code")[0] == 0
     model.save_pretrained(model_dir)  # safetensors beside the pickle: the loaders take the safetensors
-    assert _main("validate", "finetune", "llm", "-c", path)[0] == 0
+    assert s.run_main("validate", "finetune", "llm", "-c", path)[0] == 0
 
 
 def _hostile_checkpoint(cwd: Path, model_node: dict) -> Path:
@@ -138,7 +118,7 @@ def test_export_refuses_remote_code_in_a_received_checkpoint(cwd):
     model = s.write_remote_code_model(cwd)
     received = _hostile_checkpoint(cwd, {"_target_": "automodel_llm.AutoModelForCausalLM.from_pretrained",
                                          "pretrained_model_name_or_path": str(model), "trust_remote_code": True})
-    rc, text = _main("export", received, cwd / "out")
+    rc, text = s.run_main("export", received, cwd / "out")
     assert rc == 2, text
     assert f"{received / 'epoch_0_step_1' / 'config.yaml'}: model.trust_remote_code: true runs" in text, text
     assert not s.marker(cwd).exists() and not (cwd / "out").exists() and not (cwd / "out.partial").exists()
@@ -148,7 +128,7 @@ def test_export_refuses_remote_code_in_a_received_checkpoint(cwd):
 def test_export_refuses_every_gadget_in_a_received_checkpoint(cwd, gid):
     gadgets = dict(s.gadgets(cwd))
     received = _hostile_checkpoint(cwd, gadgets[gid])
-    rc, text = _main("export", received, cwd / "out")
+    rc, text = s.run_main("export", received, cwd / "out")
     assert rc == 2, text
     assert f"config.yaml: model._target_: '{gadgets[gid]['_target_']}' is refused" in text, text
     assert not s.marker(cwd).exists() and not (cwd / "out").exists()

@@ -15,28 +15,9 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))
 import reliability_helpers as h  # noqa: E402
+import security_helpers as s  # noqa: E402
 
-SECRET_KEYS = ["token", "hf_token", "access_token", "private_key", "passphrase", "access_key", "hf_auth", "wandb_key",
-               "api_key_id", "api_key", "db_password", "client_secret", "use_auth_token", "aws_secret_access_key",
-               "Authorization", "credentials", "apiKey", "ssh_key", "signing_key"]
-NOT_SECRET_KEYS = ["tokenizer", "tokenizer_name_or_path", "pad_token", "pad_token_id", "eos_token_id", "add_eos_token",
-                   "max_new_tokens", "num_key_value_heads", "past_key_values", "sort_keys", "key_map", "caption_key",
-                   "image_key", "token_loss_weight", "tokens_per_second", "skip_special_tokens", "mask_token_id",
-                   "selected_token_ids_path", "author", "key", "keys", "num_tokens", "max_tokens"]
-
-
-@pytest.mark.parametrize("key", SECRET_KEYS)
-def test_secret_keys(key):
-    from automodel.config import is_secret_key
-
-    assert is_secret_key(key)
-
-
-@pytest.mark.parametrize("key", NOT_SECRET_KEYS)
-def test_keys_that_are_not_secrets(key):
-    from automodel.config import is_secret_key
-
-    assert not is_secret_key(key)
+# Which keys are secrets: automodel-core/tests/test_env_and_secrets.py.
 
 
 def test_url_credentials_are_masked_wherever_they_appear():
@@ -71,9 +52,7 @@ def _backends_available() -> dict:
 
 
 @pytest.fixture
-def secret_run(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("AUTOMODEL_ALLOW_TARGETS", raising=False)
+def secret_run(cwd, tmp_path, monkeypatch):
     monkeypatch.setenv("AMT_SEC_TOKEN", ENV_TOKEN)
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     for name in ("MLFLOW_TRACKING_URI", "WANDB_API_KEY", "WANDB_MODE"):
@@ -91,25 +70,13 @@ def secret_run(tmp_path, monkeypatch):
     return h.write_yaml(tmp_path / "cfg.yaml", config), tmp_path
 
 
-def _main(*argv) -> tuple[int, str]:
-    import io
-    from contextlib import redirect_stderr, redirect_stdout
-
-    from automodel.cli.main import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with redirect_stdout(out), redirect_stderr(err):
-        rc = main([str(a) for a in argv])
-    return rc, out.getvalue() + err.getvalue()
-
-
 def _secrets() -> list[bytes]:
     return [v.encode() for v in [*LITERALS.values(), URL_PASSWORD, ENV_TOKEN]]
 
 
 def test_print_config_masks_every_secret_and_keeps_placeholders(secret_run):
     config, _ = secret_run
-    rc, text = _main("finetune", "llm", "-c", config, "--print-config")
+    rc, text = s.run_main("finetune", "llm", "-c", config, "--print-config")
     assert rc == 0, text
     printed = yaml.safe_load(text)
     assert printed["model"]["token"] == "${AMT_SEC_TOKEN}"
@@ -121,7 +88,7 @@ def test_print_config_masks_every_secret_and_keeps_placeholders(secret_run):
 
 def test_no_file_of_a_run_holds_a_secret(secret_run):
     config, cwd = secret_run
-    rc, text = _main("finetune", "llm", "-c", config)
+    rc, text = s.run_main("finetune", "llm", "-c", config)
     assert rc == 0, text
     assert not any(secret.decode() in text for secret in _secrets()), text
     saved = yaml.safe_load((cwd / "ckpt" / "epoch_0_step_1" / "config.yaml").read_text())

@@ -17,25 +17,6 @@ import reliability_helpers as h  # noqa: E402
 import security_helpers as s  # noqa: E402
 
 
-@pytest.fixture
-def cwd(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("AUTOMODEL_ALLOW_TARGETS", raising=False)
-    return tmp_path
-
-
-def _main(*argv) -> tuple[int, str]:
-    import io
-    from contextlib import redirect_stderr, redirect_stdout
-
-    from automodel.cli.main import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with redirect_stdout(out), redirect_stderr(err):
-        rc = main([str(a) for a in argv])
-    return rc, out.getvalue() + err.getvalue()
-
-
 def _config(cwd: Path, slurm: dict) -> Path:
     config = h.run_config(h.write_tiny_llama(cwd / "model"), step_scheduler={"max_steps": 1})
     config["slurm"] = {"script": str(cwd / "job.sbatch"), **slurm}
@@ -53,16 +34,16 @@ def _config(cwd: Path, slurm: dict) -> Path:
 ])
 def test_a_slurm_string_that_leaves_its_line_is_refused(cwd, key, value):
     value = value.format(marker=s.marker(cwd))
-    rc, text = _main("finetune", "llm", "-c", _config(cwd, {key: value}), "--slurm")
+    rc, text = s.run_main("finetune", "llm", "-c", _config(cwd, {key: value}), "--slurm")
     assert rc == 2, text
     assert f"slurm.{key}: " in text and "Traceback" not in text, text
     assert not (cwd / "job.sbatch").exists() and not s.marker(cwd).exists()
-    rc, text = _main("validate", "finetune", "llm", "-c", _config(cwd, {key: value}))
+    rc, text = s.run_main("validate", "finetune", "llm", "-c", _config(cwd, {key: value}))
     assert rc == 2 and f"slurm.{key}: " in text
 
 
 def test_every_bad_slurm_field_is_reported_at_once(cwd):
-    rc, text = _main("validate", "finetune", "llm", "-c",
+    rc, text = s.run_main("validate", "finetune", "llm", "-c",
                      _config(cwd, {"job_name": "a\nb", "partition": "p q", "nodes": 0, "gpus_per_node": 0}))
     assert rc == 2 and "(4 problems)" in text, text
     for key in ("slurm.job_name", "slurm.partition", "slurm.nodes", "slurm.gpus_per_node"):

@@ -23,12 +23,9 @@ LIBRARIES = "torch,transformers,datasets"
 
 
 @pytest.fixture
-def armed(tmp_path, monkeypatch):
-    """cwd holding every gadget's files; the gadgets' own modules importable."""
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("AUTOMODEL_ALLOW_TARGETS", raising=False)
-    monkeypatch.delenv("AUTOMODEL_DEBUG", raising=False)
-    yield {gid: node for gid, node in s.gadgets(tmp_path)}, tmp_path
+def armed(cwd):
+    """cwd holding every gadget's files."""
+    yield {gid: node for gid, node in s.gadgets(cwd)}, cwd
     sys.modules.pop("evilpkg", None)
 
 
@@ -36,18 +33,6 @@ def _config(cwd: Path, **sections) -> Path:
     config = h.run_config(h.write_tiny_llama(cwd / "model"), step_scheduler={"max_steps": 1})
     config.update(sections)
     return h.write_yaml(cwd / "cfg.yaml", config)  # bytes become !!binary
-
-
-def _main(*argv: str) -> tuple[int, str]:
-    import io
-    from contextlib import redirect_stderr, redirect_stdout
-
-    from automodel.cli.main import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with redirect_stdout(out), redirect_stderr(err):
-        rc = main([str(a) for a in argv])
-    return rc, out.getvalue() + err.getvalue()
 
 
 # ---- the red team's gadgets --------------------------------------------------------------------------------
@@ -62,7 +47,7 @@ def test_gadget_is_refused_at_validation(armed, gid, place):
         node = node.setdefault(part, {})
     node[parts[-1]] = copy.deepcopy(gadgets[gid])
     path = h.write_yaml(cwd / "cfg.yaml", config)
-    rc, text = _main("validate", "finetune", "llm", "-c", path)
+    rc, text = s.run_main("validate", "finetune", "llm", "-c", path)
     assert rc == 2, text
     assert f"{place}._target_: '{gadgets[gid]['_target_']}' is " in text, text
     assert "Traceback" not in text
@@ -73,7 +58,8 @@ def test_gadget_is_refused_at_validation(armed, gid, place):
 def test_trusting_the_whole_library_does_not_unlock_a_gadget(armed, gid, monkeypatch):
     gadgets, cwd = armed
     monkeypatch.setenv("AUTOMODEL_ALLOW_TARGETS", LIBRARIES)
-    rc, text = _main("finetune", "llm", "-c", _config(cwd, optimizer=gadgets[gid]), "--allow-target", "transformers")
+    path = _config(cwd, optimizer=gadgets[gid])
+    rc, text = s.run_main("finetune", "llm", "-c", path, "--allow-target", "transformers")
     assert rc == 2 and "optimizer._target_" in text and "refused" in text, text
     assert not s.marker(cwd).exists()
 
@@ -83,7 +69,7 @@ def test_pickle_in_the_yaml_is_bytes_and_never_unpickled(armed):
     path = _config(cwd, optimizer=gadgets["basichandlers-pickle"])
     assert "!!binary" in path.read_text()
     for argv in (["validate", "finetune", "llm"], ["finetune", "llm", "--dry-run"], ["finetune", "llm"]):
-        rc, text = _main(*argv, "-c", path)
+        rc, text = s.run_main(*argv, "-c", path)
         assert rc == 2, text  # before: the run exited 0 after unpickling
     assert not s.marker(cwd).exists()
 
@@ -92,7 +78,7 @@ def test_dotted_collate_fn_strings_are_checked_at_validation(armed):
     _, cwd = armed
     path = _config(cwd, dataloader={"batch_size": 4, "collate_fn": "transformers.testing_utils.run_command"},
                    ci={"nested": {"deep": {"post_tokenize_hook_fn": "torch.utils.model_dump.get_model_info"}}})
-    rc, text = _main("validate", "finetune", "llm", "-c", path)
+    rc, text = s.run_main("validate", "finetune", "llm", "-c", path)
     assert rc == 2 and "(2 problems)" in text, text
     assert "dataloader.collate_fn: 'transformers.testing_utils.run_command' is refused" in text
     assert "ci.nested.deep.post_tokenize_hook_fn: 'torch.utils.model_dump.get_model_info' is refused" in text
@@ -201,7 +187,7 @@ def own_code(tmp_path, monkeypatch):
 
 
 def test_own_code_is_refused_until_trusted(own_code):
-    rc, text = _main("validate", "finetune", "llm", "-c", own_code)
+    rc, text = s.run_main("validate", "finetune", "llm", "-c", own_code)
     assert rc == 2 and "'amt_own.sgd_nesterov' is not a registered target" in text, text
     for hint in ("--allow-target amt_own.sgd_nesterov", "AUTOMODEL_ALLOW_TARGETS=amt_own.sgd_nesterov",
                  "trusted-targets.txt"):
@@ -221,17 +207,17 @@ def test_own_code_trusted_by_flag_environment_or_file(own_code, how, monkeypatch
         file = tmp_path / "xdg-config" / "automodel" / "trusted-targets.txt"
         file.parent.mkdir(parents=True)
         file.write_text("# mine\namt_other\namt_own   # my optimizers\n")
-    rc, text = _main(*argv)
+    rc, text = s.run_main(*argv)
     assert rc == 0, text
     # a trusted package's re-export of a denied callable still never resolves, even with its module trusted
-    rc, text = _main(*argv, "--optimizer._target_", "amt_own.run", "--allow-target", "subprocess")
+    rc, text = s.run_main(*argv, "--optimizer._target_", "amt_own.run", "--allow-target", "subprocess")
     refusal = "'amt_own.run' is not a registered target" if how == "flag-exact" else "'amt_own.run' is refused"
     assert rc == 2 and refusal in text, text
 
 
 def test_the_flag_is_per_invocation(own_code):
-    assert _main("validate", "finetune", "llm", "-c", own_code, "--allow-target", "amt_own")[0] == 0
-    assert _main("validate", "finetune", "llm", "-c", own_code)[0] == 2
+    assert s.run_main("validate", "finetune", "llm", "-c", own_code, "--allow-target", "amt_own")[0] == 0
+    assert s.run_main("validate", "finetune", "llm", "-c", own_code)[0] == 2
 
 
 def test_trust_options_reach_torchrun_ranks_and_sbatch_scripts():
@@ -252,11 +238,11 @@ def test_run_command_and_export_take_the_trust_options(own_code, tmp_path):
     config = yaml.safe_load(own_code.read_text())
     config["recipe"] = {"_target_": "automodel_llm.recipe.FinetuneRecipeForNextTokenPrediction"}
     path = h.write_yaml(tmp_path / "run.yaml", config)
-    rc, text = _main("run", "-c", path, "--dry-run")
+    rc, text = s.run_main("run", "-c", path, "--dry-run")
     assert rc == 2 and "amt_own.sgd_nesterov" in text
-    rc, text = _main("run", "-c", path, "--dry-run", "--allow-target", "amt_own")
+    rc, text = s.run_main("run", "-c", path, "--dry-run", "--allow-target", "amt_own")
     assert rc == 0, text
-    rc, text = _main("export", "--help")
+    rc, text = s.run_main("export", "--help")
     assert "--allow-target" in text and "--trust-remote-code" in text
 
 
@@ -305,12 +291,12 @@ def _shipped_examples() -> list[Path]:
 @pytest.mark.parametrize("example", _shipped_examples(), ids=lambda p: f"{p.parent.parent.name}/{p.stem}")
 def test_every_shipped_example_validates(example, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
-    rc, text = _main("validate", "-c", example)
+    rc, text = s.run_main("validate", "-c", example)
     assert rc == 0, text
 
 
 def test_bad_configs_assets_valid_config_validates(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("AMT_BAD_CONFIGS", str(ROOT / "tests" / "bad_configs"))
-    rc, text = _main("validate", "finetune", "llm", "-c", ROOT / "tests" / "bad_configs" / "assets" / "valid.yaml")
+    rc, text = s.run_main("validate", "finetune", "llm", "-c", ROOT / "tests" / "bad_configs" / "assets" / "valid.yaml")
     assert rc == 0, text
