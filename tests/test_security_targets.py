@@ -234,6 +234,22 @@ def test_trust_options_reach_torchrun_ranks_and_sbatch_scripts():
     assert "--allow-target amt_own --trust-remote-code" in script
 
 
+def test_the_flag_reaches_every_torchrun_rank(own_code, tmp_path):
+    """A real two-process run: each rank re-parses the command line and trusts the same package."""
+    import socket
+    import subprocess
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = h.cli_env(PYTHONPATH=str(tmp_path), AUTOMODEL_ALLOW_TARGETS="", OMP_NUM_THREADS="1")
+    result = subprocess.run(h.cli_command("finetune", "llm", "-c", own_code, "--nproc-per-node", "2",
+                                          "--master-port", port, "--allow-target", "amt_own"),
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "ckpt" / "LATEST").is_file()
+
+
 def test_run_command_and_export_take_the_trust_options(own_code, tmp_path):
     config = yaml.safe_load(own_code.read_text())
     config["recipe"] = {"_target_": "automodel_llm.recipe.FinetuneRecipeForNextTokenPrediction"}
