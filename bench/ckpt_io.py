@@ -48,8 +48,6 @@ def main() -> None:
     model = build_model(args.model_config)
     target = build_model(args.model_config)  # what a resume loads into
     recipe = Recipe.__new__(Recipe)  # the recipe's own save/load methods, without building a run
-    object.__setattr__(recipe, "_stateful", {})
-    object.__setattr__(recipe, "_untracked", set())
     recipe.model = model
 
     state, seen = {}, set()

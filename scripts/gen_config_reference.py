@@ -107,6 +107,10 @@ def describe_target(name: str, spec: Any) -> list[str]:
     if spec.runtime_args:
         supplied = ", ".join(f"`{a}`" for a in spec.runtime_args)
         text += f" Supplied by the recipe at build time, not the YAML: {supplied}."
+    if spec.default:
+        text += " When absent: `{" + ", ".join(f"{k}: {v}" for k, v in spec.default.items()) + "}`."
+    elif spec.default is not None:
+        text += f" When absent: `{spec.default_target}` with its defaults."
     return lines + [text, ""]
 
 

@@ -22,7 +22,7 @@ END = "<!-- END registry -->"
 
 
 def render_section() -> str:
-    from automodel.cli.list_targets import aliases, registered
+    from automodel.cli.commands.targets import aliases, registered
     from automodel.plugins.manager import PluginManager
 
     manager = PluginManager()

@@ -57,48 +57,28 @@ PLACES = ["mill", "bakery", "harbour", "school", "market", "forge", "library", "
 COLOURS = ["red", "green", "blue", "yellow", "black", "white", "grey", "brown"]
 
 
-def _fact_lives(person: str, rng: random.Random):
-    town = rng.choice(TOWNS)
-    # sentence pieces: (text, slot-name or None)
-    pieces = [(person, "person"), (" lives in ", None), (town, "town"), (".", None)]
-    questions = [
-        (f"What town does {person} live in?", "town"),
-        (f"Who lives in {town}?", "person"),
-    ]
-    return pieces, questions
+class Fact:
+    """One kind of fact: "<person><verb><value>." with a question asking for the value and one asking who."""
+
+    def __init__(self, slot: str, values: list[str], verb: str, ask_value: str, ask_person: str):
+        self.slot, self.values, self.verb = slot, values, verb
+        self.ask_value, self.ask_person = ask_value, ask_person
+
+    def __call__(self, person: str, rng: random.Random):
+        value = rng.choice(self.values)
+        # sentence pieces: (text, slot-name or None)
+        pieces = [(person, "person"), (self.verb, None), (value, self.slot), (".", None)]
+        questions = [(self.ask_value.format(person=person), self.slot),
+                     (self.ask_person.format(value=value), "person")]
+        return pieces, questions
 
 
-def _fact_keeps(person: str, rng: random.Random):
-    animal = rng.choice(ANIMALS)
-    pieces = [(person, "person"), (" keeps a ", None), (animal, "animal"), (".", None)]
-    questions = [
-        (f"What animal does {person} keep?", "animal"),
-        (f"Who keeps a {animal}?", "person"),
-    ]
-    return pieces, questions
-
-
-def _fact_wears(person: str, rng: random.Random):
-    colour = rng.choice(COLOURS)
-    pieces = [(person, "person"), (" wears ", None), (colour, "colour"), (".", None)]
-    questions = [
-        (f"What colour does {person} wear?", "colour"),
-        (f"Who wears {colour}?", "person"),
-    ]
-    return pieces, questions
-
-
-def _fact_works(person: str, rng: random.Random):
-    place = rng.choice(PLACES)
-    pieces = [(person, "person"), (" works at the ", None), (place, "place"), (".", None)]
-    questions = [
-        (f"What place does {person} work at?", "place"),
-        (f"Who works at the {place}?", "person"),
-    ]
-    return pieces, questions
-
-
-FACTS = [_fact_lives, _fact_keeps, _fact_works, _fact_wears]
+FACTS = [
+    Fact("town", TOWNS, " lives in ", "What town does {person} live in?", "Who lives in {value}?"),
+    Fact("animal", ANIMALS, " keeps a ", "What animal does {person} keep?", "Who keeps a {value}?"),
+    Fact("place", PLACES, " works at the ", "What place does {person} work at?", "Who works at the {value}?"),
+    Fact("colour", COLOURS, " wears ", "What colour does {person} wear?", "Who wears {value}?"),
+]
 
 
 def make_row(

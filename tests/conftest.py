@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from automodel.testing import write_dist
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
@@ -135,18 +137,6 @@ def automodel_register_commands(cli):
         click.echo("SHADOWED")
     cli.add_command(fake)
 '''
-
-
-def write_dist(root: Path, dist: str, version: str, entry_points: str, files: dict[str, str]) -> Path:
-    for rel, text in files.items():
-        path = root / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    info = root / f"{dist.replace('-', '_')}-{version}.dist-info"
-    info.mkdir(parents=True)
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
-    (info / "entry_points.txt").write_text(entry_points)
-    return root
 
 
 @dataclass(frozen=True)

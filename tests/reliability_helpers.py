@@ -1,7 +1,7 @@
 """Helpers for the reliability tests (tests/test_reliability_*.py), and a fault-injecting model target.
 
-Import it from a test module with ``sys.path.insert(0, str(Path(__file__).parent))`` (pytest runs with
-``--import-mode=importlib``, so test directories are not on ``sys.path``).
+Test modules import it by name (pytest.ini puts this directory on ``sys.path``); the helpers every distribution
+shares (reading metric files, writing configs and plugin distributions, in-process runs) are ``automodel.testing``.
 
 The same module is also a *target package* for configs: with this directory on ``PYTHONPATH`` and
 ``AUTOMODEL_ALLOW_TARGETS=reliability_helpers`` a config may say
@@ -31,12 +31,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from automodel import testing
+from automodel.testing import OFFLINE
+
+for _name, _value in OFFLINE.items():
+    os.environ.setdefault(_name, _value)
 
 HERE = Path(__file__).resolve().parent
 BAD_CONFIGS = HERE / "bad_configs"
@@ -95,28 +95,6 @@ def run_config(model_config: Path, checkpoint_dir: str | Path = "ckpt", *, fault
     return data
 
 
-def write_yaml(path: Path, data: dict[str, Any]) -> Path:
-    Path(path).write_text(yaml.safe_dump(data, sort_keys=False))
-    return Path(path)
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-
-
-def losses_by_step(path: Path) -> dict[int, float]:
-    """Step -> loss from training.jsonl (a resumed run appends; the last line of a step wins)."""
-    return {r["step"]: r["loss"] for r in read_jsonl(path)}
-
-
-def checkpoint_names(root: Path) -> list[str]:
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    return sorted((p.name for p in root.iterdir() if p.is_dir() and p.name.startswith("epoch_")),
-                  key=lambda n: int(n.rsplit("_", 1)[1]))
-
-
 def assert_complete_checkpoint(path: Path) -> None:
     """What a resume needs is all there and loadable: weights, optimizer, RNG, data position, state, config."""
     import torch
@@ -167,13 +145,10 @@ def inprocess_env():
 # ---- running the CLI ---------------------------------------------------------------------------------------
 
 def cli_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("AUTOMODEL_", "AMT_FAULT_")) and k != "PYTHONPATH"}
-    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-               TRANSFORMERS_NO_ADVISORY_WARNINGS="1", PYTHONPATH=str(HERE), AUTOMODEL_ALLOW_TARGETS=ALLOW,
-               PYTHONUNBUFFERED="1")
-    env.update(extra)
-    return env
+    """automodel.testing's CLI environment with this directory's targets allowed and no inherited fault settings."""
+    env = testing.cli_env(**{"PYTHONPATH": str(HERE), "AUTOMODEL_ALLOW_TARGETS": ALLOW, "PYTHONUNBUFFERED": "1",
+                             **extra})
+    return {k: v for k, v in env.items() if not k.startswith("AMT_FAULT_") or k in extra}
 
 
 def cli_command(*args: Any) -> list[str]:
@@ -220,22 +195,6 @@ def jsonl_lines(path: Path) -> int:
         return sum(1 for line in Path(path).read_text().splitlines() if line.strip())
     except FileNotFoundError:
         return 0
-
-
-def train_inprocess(config: Path, *overrides: Any, before_run=None):
-    """``finetune llm`` in this process as the CLI runs it (load, validate, setup, loop); returns the recipe."""
-    from automodel.cli.execute import import_recipe, load_and_validate
-    from automodel.plugins.manager import get_plugin_manager
-
-    manager = get_plugin_manager()
-    recipe_cls = import_recipe(manager.routes.get("finetune", "llm").recipe)
-    cfg = load_and_validate(recipe_cls, Path(config), [str(o) for o in overrides], manager)
-    recipe = recipe_cls(cfg)
-    recipe.setup()
-    if before_run is not None:
-        before_run(recipe)
-    recipe.run_train_validation_loop()
-    return recipe
 
 
 # ---- the fault-injecting model target ----------------------------------------------------------------------
@@ -337,15 +296,3 @@ def faulty_model(config: Any, nan_at_steps: list[int] | None = None, seed: int |
     return model
 
 
-def write_dist(root: Path, dist: str, version: str, entry_points: str, files: dict[str, str]) -> Path:
-    """A plugin distribution as ``pip install`` leaves it (package + .dist-info); put ``root`` on PYTHONPATH."""
-    root = Path(root)
-    for rel, text in files.items():
-        path = root / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    info = root / f"{dist.replace('-', '_')}-{version}.dist-info"
-    info.mkdir(parents=True)
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
-    (info / "entry_points.txt").write_text(entry_points)
-    return root

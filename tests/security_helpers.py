@@ -1,7 +1,7 @@
 """The red team's gadgets (issue 21), each armed: the files it needs are written into a directory, and calling it
 would create ``<dir>/marker``. tests/test_security_*.py place them in configs and check that nothing ever runs.
 
-Import with ``sys.path.insert(0, str(Path(__file__).parent))`` (pytest runs with ``--import-mode=importlib``).
+Tests import it by name: pytest.ini puts tests/ on the path.
 """
 
 from __future__ import annotations

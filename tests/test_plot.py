@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from automodel.cli.commands.plot import MISSING_EXTRA, load_run
 from automodel.cli.main import main
-from automodel.cli.plot import MISSING_EXTRA, load_run
 
 TINY_RUN = """\
 step_scheduler: {max_steps: 6, val_check_interval: 3, checkpoint_interval: 6, log_interval: 1}

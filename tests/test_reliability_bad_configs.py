@@ -25,15 +25,12 @@ from __future__ import annotations
 import contextlib
 import shlex
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
-import reliability_helpers as h  # noqa: E402
+import reliability_helpers as h
 
 CASE_DIR = h.BAD_CONFIGS
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")

@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import resource
 import signal
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import reliability_helpers as h
 
-sys.path.insert(0, str(Path(__file__).parent))
-import reliability_helpers as h  # noqa: E402
+from automodel.testing import checkpoint_dirs, losses_by_step, read_jsonl, train_inprocess, write_yaml
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
 _inprocess = pytest.fixture(scope="module", name="inprocess")(h.inprocess_env)
@@ -42,13 +41,13 @@ def _at_pause(point: str, root: Path) -> None:
     staging = sorted(p.name for p in root.glob(".incomplete-*"))
     latest = (root / "LATEST").read_text().strip()
     if point == "step:3":
-        assert (latest, h.checkpoint_names(root), staging) == ("epoch_0_step_2", ["epoch_0_step_2"], [])
+        assert (latest, checkpoint_dirs(root), staging) == ("epoch_0_step_2", ["epoch_0_step_2"], [])
     elif point == "save_model:2":
         assert latest == "epoch_0_step_2" and len(staging) == 1 and staging[0].startswith(".incomplete-epoch_0_step_4")
         partial = root / staging[0]
         assert list((partial / "model").glob("*.safetensors")) and not (partial / "optim").exists()
     elif point == "latest:2":
-        assert latest == "epoch_0_step_2" and h.checkpoint_names(root) == ["epoch_0_step_2", "epoch_0_step_4"]
+        assert latest == "epoch_0_step_2" and checkpoint_dirs(root) == ["epoch_0_step_2", "epoch_0_step_4"]
     elif point == "retention:1":
         assert latest == "epoch_1_step_6" and staging == [".incomplete-delete-epoch_0_step_2"]
         assert not (root / staging[0] / "model").exists() and (root / staging[0] / "optim").exists()
@@ -72,12 +71,12 @@ def _limit_file_size(proc, cwd: Path) -> None:
 @pytest.fixture(scope="module")
 def crashed(tmp_path_factory, inprocess):
     root = tmp_path_factory.mktemp("crash")
-    config = h.write_yaml(root / "cfg.yaml", h.run_config(h.write_tiny_llama(root / "model"), "ckpt", faulty=True,
+    config = write_yaml(root / "cfg.yaml", h.run_config(h.write_tiny_llama(root / "model"), "ckpt", faulty=True,
                                                           **RUN))
-    h.train_inprocess(config, "--checkpoint.checkpoint_dir", root / "reference" / "ckpt")
-    reference = h.losses_by_step(root / "reference" / "ckpt" / "training.jsonl")
+    train_inprocess(config, "--checkpoint.checkpoint_dir", root / "reference" / "ckpt")
+    reference = losses_by_step(root / "reference" / "ckpt" / "training.jsonl")
     assert sorted(reference) == list(range(1, MAX_STEPS + 1))
-    assert h.checkpoint_names(root / "reference" / "ckpt") == FINAL
+    assert checkpoint_dirs(root / "reference" / "ckpt") == FINAL
 
     pauses = {**{point: point for point in KILL_POINTS}, "write_error": "step:3"}  # run name -> where it pauses
     procs = {}
@@ -106,11 +105,11 @@ def crashed(tmp_path_factory, inprocess):
 
 def _resume_and_compare(crashed, cwd: Path, monkeypatch) -> None:
     monkeypatch.chdir(cwd)
-    recipe = h.train_inprocess(crashed["config"], "--restore_from.path", "latest")
+    recipe = train_inprocess(crashed["config"], "--restore_from.path", "latest")
     assert recipe.step_scheduler.step == MAX_STEPS
     root = cwd / "ckpt"
-    assert h.losses_by_step(root / "training.jsonl") == crashed["reference"]
-    assert h.checkpoint_names(root) == FINAL  # keep_last: 2 is honoured
+    assert losses_by_step(root / "training.jsonl") == crashed["reference"]
+    assert checkpoint_dirs(root) == FINAL  # keep_last: 2 is honoured
     assert h.assert_latest_is_complete(root) == FINAL[-1]
     leftovers = [p.name for p in root.iterdir() if p.name not in (*FINAL, "LATEST", "training.jsonl")]
     assert leftovers == [], leftovers  # staging, half-deleted and LATEST.tmp files are all cleared
@@ -124,9 +123,9 @@ def test_kill_9_leaves_latest_complete_and_restore_latest_continues_exactly(poin
     expected_latest = {"step:3": "epoch_0_step_2", "save_model:2": "epoch_0_step_2", "latest:2": "epoch_0_step_2",
                        "retention:1": "epoch_1_step_6"}[point]
     assert h.assert_latest_is_complete(root) == expected_latest
-    for name in h.checkpoint_names(root):  # whatever carries a checkpoint's name is a complete checkpoint
+    for name in checkpoint_dirs(root):  # whatever carries a checkpoint's name is a complete checkpoint
         h.assert_complete_checkpoint(root / name)
-    logged = h.read_jsonl(root / "training.jsonl")
+    logged = read_jsonl(root / "training.jsonl")
     for row in logged:
         assert row["loss"] == crashed["reference"][row["step"]]
     if point == "step:3":
@@ -144,7 +143,7 @@ def test_write_error_fails_clearly_and_keeps_the_previous_checkpoint(crashed, mo
     assert "error: writing checkpoint 'ckpt/epoch_0_step_4' failed" in log
     assert "File too large" in log
     assert "the previous checkpoint is intact (ckpt/epoch_0_step_2)" in log
-    assert h.checkpoint_names(root) == ["epoch_0_step_2"]
+    assert checkpoint_dirs(root) == ["epoch_0_step_2"]
     assert h.assert_latest_is_complete(root) == "epoch_0_step_2"
     assert not list(root.glob(".incomplete-*")), "the failed checkpoint's staging directory is removed"
     _resume_and_compare(crashed, run["cwd"], monkeypatch)

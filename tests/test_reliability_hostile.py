@@ -18,10 +18,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import reliability_helpers as h
 import yaml
 
-sys.path.insert(0, str(Path(__file__).parent))
-import reliability_helpers as h  # noqa: E402
+from automodel.testing import write_yaml
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
 
@@ -109,7 +109,7 @@ def _config(cwd: Path, cases) -> Path:
     config["validation_dataset"] = dict(config["dataset"], split="validation")
     for _, section, _, node in cases:
         _place(config, section, node)
-    return h.write_yaml(cwd / "hostile.yaml", config)
+    return write_yaml(cwd / "hostile.yaml", config)
 
 
 def assert_nothing_ran(cwd: Path, text: str) -> None:
@@ -194,7 +194,7 @@ def test_saved_config_keeps_placeholders_and_masks_secrets(tmp_path, monkeypatch
     config["tokenizer"] = {"pretrained_model_name_or_path": "${AMT_REL_ASSETS}/tiny_tokenizer",
                            "token": "${AMT_REL_HF_TOKEN}"}
     config["dataset"]["dataset_name"] = "${AMT_REL_ASSETS}/tiny_squad"
-    h.write_yaml(tmp_path / "cfg.yaml", config)
+    write_yaml(tmp_path / "cfg.yaml", config)
     capsys.readouterr()
     assert main(["finetune", "llm", "-c", "cfg.yaml", "--ci.api_key", literal]) == 0, capsys.readouterr().err
     output = capsys.readouterr()

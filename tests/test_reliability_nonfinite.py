@@ -8,13 +8,11 @@ of reliability_helpers (``nan_at_steps``: that step's logits are multiplied by N
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
+import reliability_helpers as h
 
-sys.path.insert(0, str(Path(__file__).parent))
-import reliability_helpers as h  # noqa: E402
+from automodel.testing import checkpoint_dirs, read_jsonl, train_inprocess, write_yaml
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
 _inprocess = pytest.fixture(scope="module", name="inprocess")(h.inprocess_env)
@@ -37,14 +35,14 @@ def _main(capsys, *argv) -> tuple[int, str]:
 def test_huge_learning_rate_stops_with_the_step_and_no_checkpoint(model_config, tmp_path, monkeypatch, capsys,
                                                                   inprocess):
     monkeypatch.chdir(tmp_path)
-    h.write_yaml(tmp_path / "cfg.yaml", h.run_config(model_config, step_scheduler={"checkpoint_interval": None}))
+    write_yaml(tmp_path / "cfg.yaml", h.run_config(model_config, step_scheduler={"checkpoint_interval": None}))
     rc, text = _main(capsys, "finetune", "llm", "-c", "cfg.yaml", "--optimizer.lr", "1e30")
     assert rc == 1 and "Traceback" not in text, text
     assert "error: step 2: the loss is" in text and "gradient norm nan" in text
     assert "training stopped (fault_tolerance.nonfinite: raise)" in text
     assert "no checkpoint was written before it" in text and "Lower optimizer.lr" in text
-    assert [r["step"] for r in h.read_jsonl(tmp_path / "ckpt" / "training.jsonl")] == [1]
-    assert h.checkpoint_names(tmp_path / "ckpt") == [] and not (tmp_path / "ckpt" / "LATEST").exists()
+    assert [r["step"] for r in read_jsonl(tmp_path / "ckpt" / "training.jsonl")] == [1]
+    assert checkpoint_dirs(tmp_path / "ckpt") == [] and not (tmp_path / "ckpt" / "LATEST").exists()
 
 
 def test_nan_loss_stops_with_the_step_and_the_last_good_checkpoint(model_config, tmp_path, monkeypatch, capsys,
@@ -52,15 +50,15 @@ def test_nan_loss_stops_with_the_step_and_the_last_good_checkpoint(model_config,
     monkeypatch.chdir(tmp_path)
     config = h.run_config(model_config, faulty=True)
     config["model"]["nan_at_steps"] = [3]
-    h.write_yaml(tmp_path / "cfg.yaml", config)
+    write_yaml(tmp_path / "cfg.yaml", config)
     rc, text = _main(capsys, "finetune", "llm", "-c", "cfg.yaml")
     assert rc == 1 and "Traceback" not in text, text
     assert "error: step 3: the loss is nan" in text
     assert "the last good checkpoint is ckpt/epoch_0_step_2 (resume with --restore_from.path ckpt/epoch_0_step_2)" \
         in text
     root = tmp_path / "ckpt"
-    assert [r["step"] for r in h.read_jsonl(root / "training.jsonl")] == [1, 2]
-    assert h.checkpoint_names(root) == ["epoch_0_step_2"]  # nothing was saved from the bad step
+    assert [r["step"] for r in read_jsonl(root / "training.jsonl")] == [1, 2]
+    assert checkpoint_dirs(root) == ["epoch_0_step_2"]  # nothing was saved from the bad step
     assert h.assert_latest_is_complete(root) == "epoch_0_step_2"
 
 
@@ -80,12 +78,12 @@ def test_skip_policy_skips_the_update_and_counts_skipped_steps(model_config, tmp
     monkeypatch.chdir(tmp_path)
     config = h.run_config(model_config, faulty=True, fault_tolerance={"nonfinite": "skip"})
     config["model"]["nan_at_steps"] = [3, 5]
-    cfg = h.write_yaml(tmp_path / "cfg.yaml", config)
+    cfg = write_yaml(tmp_path / "cfg.yaml", config)
     updates: list[int] = []
-    recipe = h.train_inprocess(cfg, before_run=_count_updates(updates))
+    recipe = train_inprocess(cfg, before_run=_count_updates(updates))
     assert recipe.step_scheduler.step == 6
     assert updates == [1, 2, 4, 6], "steps 3 and 5 did not update the weights"
-    rows = h.read_jsonl(tmp_path / "ckpt" / "training.jsonl")
+    rows = read_jsonl(tmp_path / "ckpt" / "training.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     assert [r["skipped_steps"] for r in rows] == [0, 0, 1, 1, 2, 2]
     assert [r["loss"] is None for r in rows] == [False, False, True, False, True, False]  # NaN is logged as null
@@ -98,7 +96,7 @@ def test_skip_policy_gives_up_after_max_skipped_steps(model_config, tmp_path, mo
     monkeypatch.chdir(tmp_path)
     config = h.run_config(model_config, faulty=True, fault_tolerance={"nonfinite": "skip", "max_skipped_steps": 1})
     config["model"]["nan_at_steps"] = [3, 4]
-    h.write_yaml(tmp_path / "cfg.yaml", config)
+    write_yaml(tmp_path / "cfg.yaml", config)
     rc, text = _main(capsys, "finetune", "llm", "-c", "cfg.yaml")
     assert rc == 1 and "Traceback" not in text, text
     assert "step 3: non-finite loss nan" in text and "update skipped (1 so far)" in text

@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+import reliability_helpers as h
 
-sys.path.insert(0, str(Path(__file__).parent))
-import reliability_helpers as h  # noqa: E402
+from automodel.testing import write_dist, write_yaml
 
 FAULTY_PLUGIN = '''\
 from automodel import hookimpl
@@ -29,7 +27,7 @@ def automodel_register_aliases(aliases):
 def automodel_register_builders(builders):
     builders.add("loss_fn", "automodel_faulty.plugin.build_loss_fn", domain="llm")
 
-def build_loss_fn(recipe):
+def build_loss_fn(ctx):
     raise RuntimeError("the loss builder exploded")
 '''
 
@@ -62,10 +60,10 @@ class HelloRecipe(BaseRecipe):
 @pytest.fixture(scope="module")
 def plugin_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("plugin_faults")
-    faulty = h.write_dist(root / "faulty", "automodel-faulty", "0.1.0",
+    faulty = write_dist(root / "faulty", "automodel-faulty", "0.1.0",
                           "[automodel]\nfaulty = automodel_faulty.plugin\n",
                           {"automodel_faulty/__init__.py": "", "automodel_faulty/plugin.py": FAULTY_PLUGIN})
-    hello = h.write_dist(root / "hi", "automodel-hi", "1.0", "[automodel]\nhi = automodel_hi.plugin\n",
+    hello = write_dist(root / "hi", "automodel-hi", "1.0", "[automodel]\nhi = automodel_hi.plugin\n",
                          {"automodel_hi/__init__.py": "", "automodel_hi/plugin.py": HELLO_PLUGIN,
                           "automodel_hi/recipe.py": HELLO_RECIPE})
     (root / "greet.yaml").write_text("greeting:\n  name: Ada\n")
@@ -121,25 +119,32 @@ def test_a_builder_that_raises_at_run_time_names_the_plugin(plugin_runs):
     assert not list(run["cwd"].glob("ckpt/epoch_*")) and not (run["cwd"] / "ckpt" / "LATEST").exists()
 
 
-def test_a_pipeline_stage_that_raises_names_the_plugin():
+def test_a_pipeline_stage_that_raises_names_the_plugin(tmp_path):
     """In the fixed pipeline a plugin's stage implementation raising is reported against that plugin."""
+    from dataclasses import replace
+
     from automodel.errors import PluginError
+    from automodel.plugins.manager import PluginManager
     from automodel.plugins.registries import StageRegistry
+    from automodel.testing import ToyRecipe, load_config, toy_config
     from automodel.training.pipeline import apply_pipeline
 
-    def explode(recipe, model):
+    def explode(ctx, model):
         raise ValueError("the stage exploded")
 
     stages = StageRegistry()
     stages.source = "automodel-faulty"
     stages.add("freeze", "faulty", explode)
     stages.source = "automodel-core"
-    stages.add("device", "single", lambda recipe, model: (model, "placed"))
+    stages.add("device", "single", lambda ctx, model: (model, "placed"))
+    manager = PluginManager(load_entry_points=False)
+    manager.stages = stages
+    _, cfg = load_config(write_yaml(tmp_path / "toy.yaml", toy_config(tmp_path / "ckpt")), recipe=ToyRecipe)
     logged: list[str] = []
+    ctx = replace(ToyRecipe(cfg).build_context(), plugins=manager, log=logged.append)
     with pytest.raises(PluginError, match=r"pipeline stage 'freeze' \[faulty\] registered by plugin "
                                           r"'automodel-faulty' failed: ValueError: the stage exploded"):
-        apply_pipeline(None, object(), {"freeze": ("faulty", "freeze"), "device": ("single", "dist_env")}, stages,
-                       logged.append)
+        apply_pipeline(ctx, object(), {"freeze": ("faulty", "freeze"), "device": ("single", "dist_env")})
     assert logged == []
-    assert apply_pipeline(None, "m", {"device": ("single", "dist_env")}, stages, logged.append) == "m"
+    assert apply_pipeline(ctx, "m", {"device": ("single", "dist_env")}) == "m"
     assert logged == ["pipeline: device [single]: placed"]

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import re
 import signal
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import reliability_helpers as h
 
-sys.path.insert(0, str(Path(__file__).parent))
-import reliability_helpers as h  # noqa: E402
+from automodel.testing import checkpoint_dirs, losses_by_step, read_jsonl, train_inprocess, write_yaml
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
 _inprocess = pytest.fixture(scope="module", name="inprocess")(h.inprocess_env)
@@ -42,10 +41,10 @@ def _double_sigint(proc, cwd: Path) -> None:
 def runs(tmp_path_factory, inprocess):
     """The uninterrupted reference, then three interrupted runs of the same config side by side."""
     root = tmp_path_factory.mktemp("signals")
-    config = h.write_yaml(root / "cfg.yaml", h.run_config(h.write_tiny_llama(root / "model"), "ckpt", faulty=True,
+    config = write_yaml(root / "cfg.yaml", h.run_config(h.write_tiny_llama(root / "model"), "ckpt", faulty=True,
                                                           **RUN))
-    h.train_inprocess(config, "--checkpoint.checkpoint_dir", root / "reference" / "ckpt")
-    reference = h.losses_by_step(root / "reference" / "ckpt" / "training.jsonl")
+    train_inprocess(config, "--checkpoint.checkpoint_dir", root / "reference" / "ckpt")
+    reference = losses_by_step(root / "reference" / "ckpt" / "training.jsonl")
     assert sorted(reference) == list(range(1, MAX_STEPS + 1))
 
     plans = {
@@ -91,7 +90,7 @@ def _check_graceful_stop(run, name: str, code: int, reference) -> int:
     root = cwd / "ckpt"
     latest = h.assert_latest_is_complete(root)
     assert match.group(3) == f"ckpt/{latest}" and latest.endswith(f"_step_{step}")
-    rows = h.read_jsonl(root / "training.jsonl")
+    rows = read_jsonl(root / "training.jsonl")
     assert [r["step"] for r in rows] == list(range(1, step + 1)), "the current step is finished, no more"
     assert not list(root.glob(".incomplete-*"))
     for r in rows:
@@ -101,18 +100,18 @@ def _check_graceful_stop(run, name: str, code: int, reference) -> int:
 
 def _check_resumed(cwd: Path, step: int, reference) -> None:
     root = cwd / "ckpt"
-    losses = h.losses_by_step(root / "training.jsonl")
+    losses = losses_by_step(root / "training.jsonl")
     assert sorted(losses) == list(range(1, MAX_STEPS + 1))
     assert losses == reference, "the resumed run continues with the losses of the uninterrupted one"
     assert (root / "LATEST").read_text().strip().endswith(f"_step_{MAX_STEPS}")
-    assert [r["step"] for r in h.read_jsonl(root / "training.jsonl")] == [*range(1, step + 1),
+    assert [r["step"] for r in read_jsonl(root / "training.jsonl")] == [*range(1, step + 1),
                                                                            *range(step + 1, MAX_STEPS + 1)]
 
 
 def test_sigterm_checkpoints_then_restore_latest_completes_exactly(runs, monkeypatch, inprocess):
     step = _check_graceful_stop(runs["sigterm"], "SIGTERM", signal.SIGTERM, runs["reference"])
     monkeypatch.chdir(runs["sigterm"]["cwd"])
-    recipe = h.train_inprocess(runs["config"], "--restore_from.path", "latest")
+    recipe = train_inprocess(runs["config"], "--restore_from.path", "latest")
     assert recipe.step_scheduler.step == MAX_STEPS
     _check_resumed(runs["sigterm"]["cwd"], step, runs["reference"])
 
@@ -135,7 +134,7 @@ def test_second_sigint_aborts_at_once_without_a_checkpoint(runs):
     assert run["rc"] == 130, run["log"]
     assert re.search(r"^(aborted|interrupted)$", run["log"], re.M) and "Traceback" not in run["log"]
     assert "stopped by SIGINT" not in run["log"]  # it did not wait for the step to finish
-    assert [r["step"] for r in h.read_jsonl(root / "training.jsonl")] == [1, 2, 3, 4, 5]
-    assert h.checkpoint_names(root) == ["epoch_0_step_4"]  # the one before; nothing for step 6
+    assert [r["step"] for r in read_jsonl(root / "training.jsonl")] == [1, 2, 3, 4, 5]
+    assert checkpoint_dirs(root) == ["epoch_0_step_4"]  # the one before; nothing for step 6
     assert h.assert_latest_is_complete(root) == "epoch_0_step_4"
     assert not list(root.glob(".incomplete-*"))

@@ -6,14 +6,13 @@ malformed JSON Lines name the line; every bad interval is reported at once.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
+import reliability_helpers as h
+import security_helpers as s
 
-sys.path.insert(0, str(Path(__file__).parent))
-import reliability_helpers as h  # noqa: E402
-import security_helpers as s  # noqa: E402
+from automodel.testing import write_yaml
 
 
 def _squad_rows(count: int = 16) -> list[dict]:
@@ -35,7 +34,7 @@ def _tokenizer():
 def _squad_config(cwd: Path, data: Path, **dataset) -> Path:
     config = h.run_config(h.write_tiny_llama(cwd / "model"), step_scheduler={"max_steps": 1})
     config["dataset"] = {**config["dataset"], "dataset_name": str(data), **dataset}
-    return h.write_yaml(cwd / "cfg.yaml", config)
+    return write_yaml(cwd / "cfg.yaml", config)
 
 
 def test_a_squad_row_without_question_is_refused_with_file_row_and_field(cwd):

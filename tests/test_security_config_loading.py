@@ -13,10 +13,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import reliability_helpers as h
+import security_helpers as s
 
-sys.path.insert(0, str(Path(__file__).parent))
-import reliability_helpers as h  # noqa: E402
-import security_helpers as s  # noqa: E402
+from automodel.testing import write_yaml
 
 MEMORY_CAP = 3 * 1024**3  # a billion-laughs expansion would need far more
 
@@ -33,7 +33,7 @@ def _module_cli(cwd: Path, *args) -> subprocess.CompletedProcess:
 def _config(cwd: Path, **sections) -> Path:
     config = h.run_config(h.write_tiny_llama(cwd / "model"), step_scheduler={"max_steps": 1})
     config.update(sections)
-    return h.write_yaml(cwd / "cfg.yaml", config)
+    return write_yaml(cwd / "cfg.yaml", config)
 
 
 # ---- ${pkg:NAME} -------------------------------------------------------------------------------------------

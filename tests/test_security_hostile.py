@@ -14,11 +14,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import reliability_helpers as h
+import security_helpers as s
 import yaml
 
-sys.path.insert(0, str(Path(__file__).parent))
-import reliability_helpers as h  # noqa: E402
-import security_helpers as s  # noqa: E402
+from automodel.testing import write_yaml
 
 
 def hostile_cases(cwd: Path) -> dict[str, tuple[str, object, str]]:
@@ -79,7 +79,7 @@ MODES = ["validate", "dry-run", "run", "export", "slurm"]
 @pytest.mark.parametrize("case_id", IDS)
 def test_no_hostile_config_runs_anything(hostile, case_id, mode):
     config = _config(hostile, case_id)
-    path = h.write_yaml(hostile / "hostile.yaml", config)
+    path = write_yaml(hostile / "hostile.yaml", config)
     argv = {"validate": ["validate", "finetune", "llm", "-c", path],
             "dry-run": ["finetune", "llm", "-c", path, "--dry-run"],
             "run": ["finetune", "llm", "-c", path],

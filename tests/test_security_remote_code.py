@@ -9,11 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import reliability_helpers as h
+import security_helpers as s
 import yaml
 
-sys.path.insert(0, str(Path(__file__).parent))
-import reliability_helpers as h  # noqa: E402
-import security_helpers as s  # noqa: E402
+from automodel.testing import write_yaml
 
 
 def _remote_code_config(cwd: Path) -> Path:
@@ -21,7 +21,7 @@ def _remote_code_config(cwd: Path) -> Path:
     config = h.run_config(h.write_tiny_llama(cwd / "tiny"), step_scheduler={"max_steps": 1})
     config["model"] = {"_target_": "automodel_llm.AutoModelForCausalLM.from_pretrained",
                        "pretrained_model_name_or_path": str(model), "trust_remote_code": True}
-    return h.write_yaml(cwd / "remote.yaml", config)
+    return write_yaml(cwd / "remote.yaml", config)
 
 
 MODES = {"validate": ["validate", "finetune", "llm"], "dry-run": ["finetune", "llm", "--dry-run"],
@@ -52,7 +52,7 @@ def test_the_flag_alone_asks_for_nothing(cwd):
     """--trust-remote-code permits; the config must still ask (a model without trust_remote_code stays safe)."""
     config = yaml.safe_load(_remote_code_config(cwd).read_text())
     del config["model"]["trust_remote_code"]
-    rc, text = s.run_main("finetune", "llm", "-c", h.write_yaml(cwd / "no.yaml", config), "--trust-remote-code")
+    rc, text = s.run_main("finetune", "llm", "-c", write_yaml(cwd / "no.yaml", config), "--trust-remote-code")
     assert rc == 1 and not s.marker(cwd).exists(), text
 
 
@@ -71,7 +71,7 @@ def test_every_code_loading_key_anywhere_is_refused(cwd, key, value, fragment, p
     for part in place.split("."):
         node = node.setdefault(part, {})
     node[key] = value
-    path = h.write_yaml(cwd / "cfg.yaml", config)
+    path = write_yaml(cwd / "cfg.yaml", config)
     rc, text = s.run_main("validate", "finetune", "llm", "-c", path)
     assert rc == 2 and f"{place}.{key}: " in text and fragment in text, text
     _, trusted = s.run_main("validate", "finetune", "llm", "-c", path, "--trust-remote-code")
@@ -90,7 +90,7 @@ def test_a_model_directory_with_only_pickle_weights_is_refused(cwd):
     config = h.run_config(h.write_tiny_llama(cwd / "tiny"), step_scheduler={"max_steps": 1})
     config["model"] = {"_target_": "automodel_llm.AutoModelForCausalLM.from_pretrained",
                        "pretrained_model_name_or_path": str(model_dir)}
-    path = h.write_yaml(cwd / "cfg.yaml", config)
+    path = write_yaml(cwd / "cfg.yaml", config)
     rc, text = s.run_main("validate", "finetune", "llm", "-c", path)
     assert rc == 2, text
     assert "model.pretrained_model_name_or_path: " in text and "holds weights only as pickle files " \
@@ -109,7 +109,7 @@ def _hostile_checkpoint(cwd: Path, model_node: dict) -> Path:
     config = h.run_config(h.write_tiny_llama(cwd / "tiny"), step_scheduler={"max_steps": 1})
     config["model"] = model_node
     config["peft"] = {"dim": 4, "alpha": 8, "target_modules": ["q_proj"]}
-    h.write_yaml(step / "config.yaml", config)
+    write_yaml(step / "config.yaml", config)
     (cwd / "received" / "LATEST").write_text("epoch_0_step_1")
     return cwd / "received"
 

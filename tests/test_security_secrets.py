@@ -7,15 +7,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+import reliability_helpers as h
+import security_helpers as s
 import yaml
 
-sys.path.insert(0, str(Path(__file__).parent))
-import reliability_helpers as h  # noqa: E402
-import security_helpers as s  # noqa: E402
+from automodel.testing import write_yaml
 
 # Which keys are secrets: automodel-core/tests/test_env_and_secrets.py.
 
@@ -67,7 +66,7 @@ def secret_run(cwd, tmp_path, monkeypatch):
     config["logging"] = _backends_available()
     if importlib.util.find_spec("wandb"):
         config["wandb"] = {"project": "p", "name": "n", "save_dir": str(tmp_path / "wb"), "mode": "offline"}
-    return h.write_yaml(tmp_path / "cfg.yaml", config), tmp_path
+    return write_yaml(tmp_path / "cfg.yaml", config), tmp_path
 
 
 def _secrets() -> list[bytes]:

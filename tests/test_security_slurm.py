@@ -7,20 +7,19 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+import reliability_helpers as h
+import security_helpers as s
 
-sys.path.insert(0, str(Path(__file__).parent))
-import reliability_helpers as h  # noqa: E402
-import security_helpers as s  # noqa: E402
+from automodel.testing import write_yaml
 
 
 def _config(cwd: Path, slurm: dict) -> Path:
     config = h.run_config(h.write_tiny_llama(cwd / "model"), step_scheduler={"max_steps": 1})
     config["slurm"] = {"script": str(cwd / "job.sbatch"), **slurm}
-    return h.write_yaml(cwd / "cfg.yaml", config)
+    return write_yaml(cwd / "cfg.yaml", config)
 
 
 @pytest.mark.parametrize("key,value", [

@@ -11,11 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import reliability_helpers as h
+import security_helpers as s
 import yaml
 
-sys.path.insert(0, str(Path(__file__).parent))
-import reliability_helpers as h  # noqa: E402
-import security_helpers as s  # noqa: E402
+from automodel.testing import write_yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 # What a user might think unlocks the libraries: it must unlock none of the gadgets (the deny-list stands).
@@ -32,7 +32,7 @@ def armed(cwd):
 def _config(cwd: Path, **sections) -> Path:
     config = h.run_config(h.write_tiny_llama(cwd / "model"), step_scheduler={"max_steps": 1})
     config.update(sections)
-    return h.write_yaml(cwd / "cfg.yaml", config)  # bytes become !!binary
+    return write_yaml(cwd / "cfg.yaml", config)  # bytes become !!binary
 
 
 # ---- the red team's gadgets --------------------------------------------------------------------------------
@@ -46,7 +46,7 @@ def test_gadget_is_refused_at_validation(armed, gid, place):
     for part in parts[:-1]:
         node = node.setdefault(part, {})
     node[parts[-1]] = copy.deepcopy(gadgets[gid])
-    path = h.write_yaml(cwd / "cfg.yaml", config)
+    path = write_yaml(cwd / "cfg.yaml", config)
     rc, text = s.run_main("validate", "finetune", "llm", "-c", path)
     assert rc == 2, text
     assert f"{place}._target_: '{gadgets[gid]['_target_']}' is " in text, text
@@ -222,7 +222,8 @@ def test_the_flag_is_per_invocation(own_code):
 
 def test_trust_options_reach_torchrun_ranks_and_sbatch_scripts():
     from automodel.cli.launch import torchrun_command
-    from automodel.cli.slurm import SlurmConfig, sbatch_script
+    from automodel.cli.slurm import sbatch_script
+    from automodel.training.sections import SlurmConfig
 
     argv = ["finetune", "llm", "-c", "x.yaml", "--nproc-per-node", "2", "--allow-target", "amt_own",
             "--trust-remote-code", "--optimizer.lr", "0.1"]
@@ -253,7 +254,7 @@ def test_the_flag_reaches_every_torchrun_rank(own_code, tmp_path):
 def test_run_command_and_export_take_the_trust_options(own_code, tmp_path):
     config = yaml.safe_load(own_code.read_text())
     config["recipe"] = {"_target_": "automodel_llm.recipe.FinetuneRecipeForNextTokenPrediction"}
-    path = h.write_yaml(tmp_path / "run.yaml", config)
+    path = write_yaml(tmp_path / "run.yaml", config)
     rc, text = s.run_main("run", "-c", path, "--dry-run")
     assert rc == 2 and "amt_own.sgd_nesterov" in text
     rc, text = s.run_main("run", "-c", path, "--dry-run", "--allow-target", "amt_own")

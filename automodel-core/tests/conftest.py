@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from automodel.testing import write_dist
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
@@ -121,25 +123,13 @@ def resolver(targets, make_resolver):
     return make_resolver("amt_targets", aliases={"Thing": "amt_targets.make_thing", "Chain": "Thing"})
 
 
-def write_dist(root: Path, dist: str, version: str, entry_points: dict[str, str], files: dict[str, str]) -> Path:
-    """An installed-looking distribution under ``root``: package files plus a real ``.dist-info``."""
-    for rel, text in files.items():
-        _write(root / rel, text)
-    info = root / f"{dist.replace('-', '_')}-{version}.dist-info"
-    info.mkdir(parents=True)
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
-    (info / "entry_points.txt").write_text(
-        "[automodel]\n" + "".join(f"{name} = {value}\n" for name, value in entry_points.items()))
-    return root
-
-
 @pytest.fixture
 def make_dist(monkeypatch):
     """Create a dist under a fresh directory and put that directory on sys.path (entry points become visible)."""
     created: list[str] = []
 
     def make(root: Path, dist: str, version: str, entry_points: dict[str, str], files: dict[str, str]) -> Path:
-        write_dist(root, dist, version, entry_points, files)
+        write_dist(root, dist, version, entry_points, {rel: textwrap.dedent(text) for rel, text in files.items()})
         monkeypatch.syspath_prepend(str(root))
         created.extend(Path(rel).parts[0].removesuffix(".py") for rel in files)
         return root
@@ -148,3 +138,15 @@ def make_dist(monkeypatch):
     for name in list(sys.modules):
         if name.split(".")[0] in created:
             del sys.modules[name]
+
+
+@pytest.fixture
+def make_toy(tmp_path):
+    """``make_toy(name="toy.yaml", **sections)``: a toy run's YAML (automodel.testing.toy_config) in tmp_path,
+    checkpoints in tmp_path/ckpt."""
+    from automodel.testing import toy_config, write_yaml
+
+    def make(name: str = "toy.yaml", **sections) -> Path:
+        return write_yaml(tmp_path / name, toy_config(tmp_path / "ckpt", **sections))
+
+    return make

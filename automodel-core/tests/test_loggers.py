@@ -28,7 +28,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWa
 from automodel import hookimpl  # noqa: E402
 from automodel.errors import ConfigError  # noqa: E402
 from automodel.plugins.manager import PluginManager, reset_plugin_manager  # noqa: E402
-from automodel.training.loggers import MetricLogger, module_available, resolve_backends  # noqa: E402
+from automodel.training.logging import MetricLogger, module_available, resolve_backends  # noqa: E402
 
 ASSETS = Path(importlib.util.find_spec("automodel_llm").submodule_search_locations[0]) / "examples" / "assets"
 SQUAD = ASSETS / "tiny_squad"
@@ -456,7 +456,7 @@ def test_plan_lists_the_backends_and_help_imports_none_of_them(manager, tmp_path
     assert main(["finetune", "llm", "-c", str(config), "--dry-run"]) == 0
     assert "logging: recorder" in capsys.readouterr().out
     probe = ("import sys\nfrom automodel.cli.main import main\nmain(['--help'])\n"
-             "print(sorted(m for m in ('torch', 'tensorboard', 'mlflow', 'wandb', 'automodel.training.loggers') "
+             "print(sorted(m for m in ('torch', 'tensorboard', 'mlflow', 'wandb', 'automodel.training.logging') "
              "if m in sys.modules), file=sys.stderr)")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode == 0 and out.stderr.strip().splitlines()[-1] == "[]", out.stderr

@@ -2,19 +2,8 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
+import diffusion_testing  # noqa: F401  (sets the offline environment before anything imports HF libraries)
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
-
-import diffusion_testing  # noqa: E402,F401  (sets the offline environment before anything imports HF libraries)
-
-
-def pytest_configure(config):
-    # torchdata calls a deprecated torch API on every dataloader iterator (the engine filters it for users too)
-    config.addinivalue_line("filterwarnings", "ignore:'set_vital' is deprecated:UserWarning")
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -9,7 +9,9 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from diffusion_testing import assert_states_equal, load_safetensors_state, losses_by_step, train_inprocess
+from diffusion_testing import train_inprocess
+
+from automodel.testing import assert_states_equal, free_port, load_safetensors_state, losses_by_step
 
 AUTOMODEL = Path(sys.executable).with_name("automodel")
 
@@ -19,6 +21,7 @@ def test_fsdp2_on_two_ranks_saves_a_diffusers_pipeline_that_resumes_on_one(tmp_p
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     result = subprocess.run(
         [str(AUTOMODEL), "finetune", "diffusion", "-c", "diffusion/tiny_flow", "--nproc-per-node", "2",
+         "--master-port", str(free_port()),
          "--checkpoint.checkpoint_dir", str(out), "--step_scheduler.max_steps", "4",
          "--step_scheduler.checkpoint_interval", "2", "--step_scheduler.val_check_interval", "4",
          "--step_scheduler.log_interval", "1", "--dataloader.batch_size", "8",

@@ -6,8 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from diffusion_testing import assert_states_equal, load_safetensors_state, losses_by_step, read_jsonl
 from PIL import Image
+
+from automodel.testing import assert_states_equal, load_safetensors_state, losses_by_step, read_jsonl
 
 PROMPTS = 4  # the example's sample_generation.prompts
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from diffusion_testing import EXAMPLES, losses_by_step, train_inprocess
+from diffusion_testing import EXAMPLES, train_inprocess
 from PIL import Image
+
+from automodel.testing import losses_by_step
 
 STEPS = 8
 

@@ -1,20 +1,11 @@
-"""Fixtures for the LLM domain's tests (helpers live in llm_testing.py, importable from every test module)."""
+"""Fixtures for the LLM domain's tests; its helpers are in llm_testing.py (on pytest.ini's pythonpath)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
+import llm_testing
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
-
-import llm_testing  # noqa: E402
-
-
-def pytest_configure(config):
-    # torchdata calls a deprecated torch API on every dataloader iterator (the engine filters it for users too)
-    config.addinivalue_line("filterwarnings", "ignore:'set_vital' is deprecated:UserWarning")
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,9 @@ import json
 
 import pytest
 import torch
-from llm_testing import SQUAD_DIR, TOKENIZER_DIR, read_jsonl, run_cli, train_inprocess
+from llm_testing import SQUAD_DIR, TOKENIZER_DIR
+
+from automodel.testing import read_jsonl, run_cli, train_inprocess
 
 
 def _squad_rows(limit: int = 48) -> list[dict]:

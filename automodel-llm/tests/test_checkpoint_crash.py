@@ -6,7 +6,8 @@ import json
 
 import pytest
 import torch
-from llm_testing import assert_states_equal, checkpoint_dirs, load_safetensors_state, read_jsonl, train_inprocess
+
+from automodel.testing import assert_states_equal, checkpoint_dirs, load_safetensors_state, read_jsonl, train_inprocess
 
 RUN = {"step_scheduler": {"max_steps": 4, "checkpoint_interval": 2}}
 

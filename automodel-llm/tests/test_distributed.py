@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from llm_testing import read_jsonl, run_cli
+
+from automodel.testing import free_port, read_jsonl, run_cli
 
 COMMON = ["--step_scheduler.max_steps", "4", "--dataloader.batch_size", "2", "--dataloader.shuffle", "false",
           "--step_scheduler.checkpoint_interval", "2"]
@@ -32,7 +33,8 @@ def test_two_ranks_match_one_process_with_doubled_accumulation(strategy, single_
     config, single = single_process
     out = tmp_path / strategy
     result = run_cli("finetune", "llm", "-c", config, *COMMON, "--distributed.strategy", strategy,
-                     "--nproc-per-node", "2", "--checkpoint.checkpoint_dir", out, cwd=tmp_path)
+                     "--nproc-per-node", "2", "--master-port", free_port(), "--checkpoint.checkpoint_dir", out,
+                     cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"sharding [{strategy}]" in result.stderr
     assert _losses(out) == pytest.approx(_losses(single / "ckpt"), abs=1e-5)
@@ -46,9 +48,11 @@ def test_fsdp2_checkpoint_resumes_on_two_ranks_exactly_and_on_one_rank(single_pr
     config, _ = single_process
     first, again, single = tmp_path / "first", tmp_path / "again", tmp_path / "one"
     base = ["finetune", "llm", "-c", config, *COMMON, "--distributed.strategy", "fsdp2"]
-    assert run_cli(*base, "--nproc-per-node", "2", "--checkpoint.checkpoint_dir", first, cwd=tmp_path).returncode == 0
+    assert run_cli(*base, "--nproc-per-node", "2", "--master-port", free_port(), "--checkpoint.checkpoint_dir",
+                   first, cwd=tmp_path).returncode == 0
     restore = ["--restore_from.path", first / "epoch_0_step_2"]
-    resumed = run_cli(*base, "--nproc-per-node", "2", "--checkpoint.checkpoint_dir", again, *restore, cwd=tmp_path)
+    resumed = run_cli(*base, "--nproc-per-node", "2", "--master-port", free_port(), "--checkpoint.checkpoint_dir",
+                      again, *restore, cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert _losses(again) == _losses(first)[2:]  # bitwise: steps 3-4
     on_one = run_cli(*base, "--checkpoint.checkpoint_dir", single, *restore, cwd=tmp_path)

@@ -9,16 +9,9 @@ import math
 import pytest
 import torch
 import yaml
-from llm_testing import (
-    METRIC_FIELDS,
-    TINY_LLAMA_OVERRIDES,
-    VALIDATION,
-    assert_states_equal,
-    checkpoint_dirs,
-    read_jsonl,
-    run_cli,
-    train_inprocess,
-)
+from llm_testing import METRIC_FIELDS, TINY_LLAMA_OVERRIDES, VALIDATION
+
+from automodel.testing import assert_states_equal, checkpoint_dirs, read_jsonl, run_cli, train_inprocess
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from llm_testing import VALIDATION, assert_states_equal, read_jsonl, train_inprocess
+from llm_testing import VALIDATION
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from automodel.testing import assert_states_equal, read_jsonl, train_inprocess
 from automodel.training.loss import IGNORE_INDEX, MaskedCrossEntropy
 from automodel.training.next_token import HeadOnPositions, label_positions
 

@@ -10,7 +10,8 @@ import json
 import shutil
 
 import pytest
-from llm_testing import assert_states_equal, checkpoint_dirs, load_safetensors_state, read_jsonl, train_inprocess
+
+from automodel.testing import assert_states_equal, checkpoint_dirs, load_safetensors_state, read_jsonl, train_inprocess
 
 RUN = {"step_scheduler": {"max_steps": 10, "checkpoint_interval": 2, "log_interval": 1},
        "dataset": {"limit_dataset_samples": 16}, "dataloader": {"batch_size": 4, "shuffle": True}}

@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from llm_testing import SQUAD_DIR, TOKENIZER_DIR, checkpoint_dirs, read_jsonl, run_cli
+from llm_testing import SQUAD_DIR, TOKENIZER_DIR
+
+from automodel.testing import checkpoint_dirs, read_jsonl, run_cli
 
 SEED_CONFIG = Path("/work/shared/seed-config.yaml")
 if not SEED_CONFIG.is_file():  # the repository's copy, when the shared one is not mounted

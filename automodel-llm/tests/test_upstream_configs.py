@@ -6,7 +6,9 @@ import json
 from pathlib import Path
 
 import pytest
-from llm_testing import SQUAD_DIR, TOKENIZER_DIR, checkpoint_dirs, run_cli
+from llm_testing import SQUAD_DIR, TOKENIZER_DIR
+
+from automodel.testing import checkpoint_dirs, run_cli
 
 CONFIGS = Path(__file__).parent / "upstream_configs"
 

@@ -6,18 +6,10 @@ checkpoint and mining tests alike, which keeps the whole suite within about a mi
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
+import retrieval_testing as rt
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-import retrieval_testing as rt  # noqa: E402
-
-
-def pytest_configure(config):
-    config.addinivalue_line("filterwarnings", "ignore:'set_vital' is deprecated:UserWarning")
+from automodel.testing import read_jsonl
 
 
 def _validation_before_training(recipe) -> None:
@@ -32,7 +24,7 @@ def bi_encoder_run(tmp_path_factory):
                              step_scheduler={"max_steps": 40, "val_check_interval": 40})
     recipe = rt.run_inprocess("bi", config, before_run=_validation_before_training)
     return {"recipe": recipe, "root": root, "ckpt": root / "ckpt", "config": config,
-            "validation": rt.read_jsonl(root / "ckpt" / "validation.jsonl")}
+            "validation": read_jsonl(root / "ckpt" / "validation.jsonl")}
 
 
 @pytest.fixture(scope="session")
@@ -42,4 +34,4 @@ def cross_encoder_run(tmp_path_factory):
                              step_scheduler={"max_steps": 60, "val_check_interval": 60})
     recipe = rt.run_inprocess("cross", config, before_run=_validation_before_training)
     return {"recipe": recipe, "root": root, "ckpt": root / "ckpt", "config": config,
-            "validation": rt.read_jsonl(root / "ckpt" / "validation.jsonl")}
+            "validation": read_jsonl(root / "ckpt" / "validation.jsonl")}

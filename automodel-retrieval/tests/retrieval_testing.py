@@ -5,19 +5,16 @@ Every run here is a few seconds on a CPU: a 2-layer, 64-wide BERT, a few hundred
 
 from __future__ import annotations
 
-import copy
 import importlib.util
-import json
 import os
 from pathlib import Path
 from typing import Any
 
-import yaml
+from automodel import testing
+from automodel.testing import OFFLINE, deep_update, write_yaml
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+for _name, _value in OFFLINE.items():
+    os.environ.setdefault(_name, _value)
 
 PKG_DIR = Path(importlib.util.find_spec("automodel_retrieval").submodule_search_locations[0])
 DIST_DIR = PKG_DIR.parent.parent
@@ -59,58 +56,20 @@ CROSS_ENCODER = {
 ROUTES = {"bi": ("finetune", "retrieval"), "cross": ("finetune", "cross-encoder"), "mine": ("mine", "retrieval")}
 
 
-def deep_update(base: dict, extra: dict) -> dict:
-    """``extra`` merged into a copy of ``base``; a value of None removes the key."""
-    out = copy.deepcopy(base)
-    for key, value in extra.items():
-        if value is None:
-            out.pop(key, None)
-        elif isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = deep_update(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
-
-
 def write_config(path: Path, base: dict, checkpoint_dir: Path | None = None, **sections: Any) -> Path:
     data = deep_update(base, sections)
     if checkpoint_dir is not None:
         data = deep_update(data, {"checkpoint": {"checkpoint_dir": str(checkpoint_dir)}})
-    Path(path).write_text(yaml.safe_dump(data, sort_keys=False))
-    return Path(path)
-
-
-def recipe_class(kind: str) -> type:
-    from automodel.cli.execute import import_recipe
-    from automodel.plugins.manager import get_plugin_manager
-
-    return import_recipe(get_plugin_manager().routes.get(*ROUTES[kind]).recipe)
+    return write_yaml(path, data)
 
 
 def load_config(kind: str, config: Path, *overrides: Any):
-    from automodel.cli.execute import load_and_validate
-    from automodel.plugins.manager import get_plugin_manager
-
-    return load_and_validate(recipe_class(kind), Path(config), [str(o) for o in overrides], get_plugin_manager())
+    return testing.load_config(config, *overrides, route=ROUTES[kind])[1]
 
 
 def run_inprocess(kind: str, config: Path, *overrides: Any, before_run=None):
     """Validate and run a route's recipe in this process, as the CLI does; returns the recipe afterwards."""
-    recipe = recipe_class(kind)(load_config(kind, config, *overrides))
-    recipe.setup()
-    if before_run is not None:
-        before_run(recipe)
-    recipe.run_train_validation_loop()
-    return recipe
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-
-
-def checkpoint_dirs(root: Path) -> list[str]:
-    return sorted((p.name for p in Path(root).iterdir() if p.is_dir() and p.name.startswith("epoch_")),
-                  key=lambda n: int(n.rsplit("_", 1)[1]))
+    return testing.train_inprocess(config, *overrides, route=ROUTES[kind], before_run=before_run)
 
 
 def latest(root: Path) -> Path:

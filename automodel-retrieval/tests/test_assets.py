@@ -8,7 +8,9 @@ import re
 import shutil
 import sys
 
-from retrieval_testing import ASSETS, BERT_CONFIG, DIST_DIR, TOKENIZER_DIR, read_jsonl
+from retrieval_testing import ASSETS, BERT_CONFIG, DIST_DIR, TOKENIZER_DIR
+
+from automodel.testing import read_jsonl
 
 
 def _run_script(name: str, *args: str, monkeypatch) -> None:

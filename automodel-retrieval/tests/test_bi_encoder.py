@@ -6,7 +6,9 @@ import json
 
 import pytest
 import torch
-from retrieval_testing import BI_ENCODER, DATA, latest, read_jsonl, run_inprocess, write_config
+from retrieval_testing import BI_ENCODER, DATA, latest, run_inprocess, write_config
+
+from automodel.testing import read_jsonl
 
 
 def test_training_raises_held_out_recall_above_the_untrained_model(bi_encoder_run):

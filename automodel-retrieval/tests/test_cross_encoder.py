@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import torch
-from retrieval_testing import latest, read_jsonl
+from retrieval_testing import latest
+
+from automodel.testing import read_jsonl
 
 
 def test_training_lifts_accuracy_above_chance(cross_encoder_run):

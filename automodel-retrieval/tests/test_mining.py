@@ -5,15 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from retrieval_testing import (
-    BI_ENCODER,
-    DATA,
-    encode_with_transformers,
-    latest,
-    read_jsonl,
-    run_inprocess,
-    write_config,
-)
+from retrieval_testing import BI_ENCODER, DATA, encode_with_transformers, latest, run_inprocess, write_config
+
+from automodel.testing import read_jsonl
 
 NUM_NEGATIVES = 4
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from retrieval_testing import BI_ENCODER, CROSS_ENCODER, checkpoint_dirs, read_jsonl, run_inprocess, write_config
+from retrieval_testing import BI_ENCODER, CROSS_ENCODER, run_inprocess, write_config
+
+from automodel.testing import checkpoint_dirs, read_jsonl
 
 RUN = {"step_scheduler": {"max_steps": 6, "checkpoint_interval": 3, "log_interval": 1},
        "dataset": {"limit_dataset_samples": 16}, "dataloader": {"batch_size": 4, "shuffle": True},

@@ -1,20 +1,14 @@
-"""Fixtures for the VLM domain's tests (helpers live in vlm_testing.py, importable from every test module)."""
+"""Fixtures for the VLM domain's tests; its helpers are in vlm_testing.py (on pytest.ini's pythonpath)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
-
-import vlm_testing  # noqa: E402
+import vlm_testing
 
 
 def pytest_configure(config):
-    # torchdata calls a deprecated torch API on every dataloader iterator (the engine filters it for users too)
-    config.addinivalue_line("filterwarnings", "ignore:'set_vital' is deprecated:UserWarning")
     # peft asks transformers a deprecated question on every LoRA model
     config.addinivalue_line("filterwarnings", "ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
     # The models here are tiny: one thread is as fast as two, and far steadier on a shared machine.

@@ -7,9 +7,10 @@ import json
 import shutil
 
 import pytest
-from vlm_testing import SHAPES, conversation, read_jsonl, train_inprocess, write_jsonl
+from vlm_testing import SHAPES, conversation, train_inprocess, write_jsonl
 
 from automodel.errors import AutomodelError
+from automodel.testing import read_jsonl
 from automodel_vlm.datasets import ImageTextChatDataset, VLMCollator
 from automodel_vlm.datasets.collate import IGNORE_INDEX, carry_labels
 

@@ -11,15 +11,9 @@ import math
 
 import pytest
 import torch
-from vlm_testing import (
-    LLAVA_CONFIG,
-    SHAPES,
-    checkpoint_dirs,
-    clone_state,
-    read_jsonl,
-    train_inprocess,
-    write_config,
-)
+from vlm_testing import LLAVA_CONFIG, SHAPES, clone_state, train_inprocess, write_config
+
+from automodel.testing import checkpoint_dirs, read_jsonl
 
 RUN = {"step_scheduler": {"checkpoint_interval": 4}}
 

@@ -6,7 +6,9 @@ import json
 
 import pytest
 import torch
-from vlm_testing import LLAVA_CONFIG, checkpoint_dirs, clone_state, read_jsonl, train_inprocess, write_config
+from vlm_testing import LLAVA_CONFIG, clone_state, train_inprocess, write_config
+
+from automodel.testing import checkpoint_dirs, read_jsonl
 
 LORA = {"peft": {"dim": 4, "alpha": 8, "match_all_linear": True},
         "step_scheduler": {"max_steps": 6, "val_check_interval": 6, "checkpoint_interval": 6},

@@ -6,7 +6,6 @@ a couple of dozen steps: a few seconds on a CPU.
 
 from __future__ import annotations
 
-import copy
 import importlib.util
 import json
 import os
@@ -15,10 +14,11 @@ from typing import Any
 
 import yaml
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from automodel import testing
+from automodel.testing import OFFLINE, deep_update, write_yaml
+
+for _name, _value in OFFLINE.items():
+    os.environ.setdefault(_name, _value)
 
 PKG_DIR = Path(importlib.util.find_spec("automodel_vlm").submodule_search_locations[0])
 EXAMPLE = PKG_DIR / "examples" / "tiny_llava.yaml"
@@ -40,19 +40,6 @@ TEST_OVERRIDES: dict[str, Any] = {
 }
 
 
-def deep_update(base: dict, extra: dict) -> dict:
-    """``extra`` merged into a copy of ``base``; a value of None removes the key."""
-    out = copy.deepcopy(base)
-    for key, value in extra.items():
-        if value is None:
-            out.pop(key, None)
-        elif isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = deep_update(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
-
-
 def example_config() -> dict[str, Any]:
     return yaml.safe_load(EXAMPLE.read_text())
 
@@ -61,26 +48,13 @@ def write_config(path: Path, checkpoint_dir: Path, **sections: Any) -> Path:
     """The example (test-sized; ``sections`` deep-merged on top, None removes) written to ``path``."""
     data = deep_update(deep_update(example_config(), TEST_OVERRIDES), sections)
     data["checkpoint"]["checkpoint_dir"] = str(checkpoint_dir)
-    Path(path).write_text(yaml.safe_dump(data, sort_keys=False))
-    return Path(path)
+    return write_yaml(path, data)
 
 
 def train_inprocess(config: Path, *overrides: str, before_run=None, setup_only: bool = False):
     """Validate and run ``finetune vlm`` in this process, as the CLI does; returns the recipe."""
-    from automodel.cli.execute import import_recipe, load_and_validate
-    from automodel.plugins.manager import get_plugin_manager
-
-    manager = get_plugin_manager()
-    recipe_cls = import_recipe(manager.routes.get("finetune", "vlm").recipe)
-    cfg = load_and_validate(recipe_cls, Path(config), [str(o) for o in overrides], manager)
-    recipe = recipe_cls(cfg)
-    recipe.setup()
-    if setup_only:
-        return recipe
-    if before_run is not None:
-        before_run(recipe)
-    recipe.run_train_validation_loop()
-    return recipe
+    return testing.train_inprocess(config, *overrides, route=("finetune", "vlm"), before_run=before_run,
+                                   setup_only=setup_only)
 
 
 def tiny_processor():
@@ -101,24 +75,6 @@ def conversation(question: str, answer: str | None = None, image: Any = None) ->
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
     Path(path).write_text("".join(json.dumps(r) + "\n" for r in rows))
     return Path(path)
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-
-
-def checkpoint_dirs(root: Path) -> list[str]:
-    return sorted((p.name for p in Path(root).iterdir() if p.is_dir() and p.name.startswith("epoch_")),
-                  key=lambda n: int(n.rsplit("_", 1)[1]))
-
-
-def load_safetensors_state(model_dir: Path) -> dict:
-    from safetensors.torch import load_file
-
-    state: dict = {}
-    for file in sorted(Path(model_dir).glob("*.safetensors")):
-        state.update(load_file(str(file)))
-    return state
 
 
 def clone_state(model) -> dict:

@@ -138,6 +138,26 @@ def add_common_args(parser: Any) -> None:
     parser.add_argument("--out", required=True, help="JSONL: one line per optimizer step")
 
 
+def prepare(description: str) -> tuple[Any, StepLog, Any, Any, list[dict[str, Any]]]:
+    """Parse the common arguments and build, in the engine's order, what every baseline starts from:
+    ``(args, log, tokenizer, model, samples)`` (the validation split is tokenized as the engine's setup does)."""
+    import argparse
+
+    from transformers import AutoTokenizer
+
+    parser = argparse.ArgumentParser(description=description)
+    add_common_args(parser)
+    args = parser.parse_args()
+    log = StepLog(args.out)
+    seed_everything(args.seed)
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    model = build_model(args.model_config)
+    samples = tokenize_squad(tokenizer, read_rows(args.data, "train"), args.max_seq_length, args.truncation)
+    if args.val_data:
+        tokenize_squad(tokenizer, read_rows(args.val_data, "validation"), args.max_seq_length, args.truncation)
+    return args, log, tokenizer, model, samples
+
+
 class StepLog:
     """One JSON line per optimizer step: step, loss, tokens (non-padding input tokens), timestamp, cpu (the
     process's CPU seconds so far)."""

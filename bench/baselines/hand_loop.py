@@ -9,43 +9,18 @@ non-padding input tokens, timestamp), like the engine's training.jsonl with log_
 
 from __future__ import annotations
 
-import argparse
 import functools
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from common import (  # noqa: E402
-    EpochShuffle,
-    StepLog,
-    add_common_args,
-    build_model,
-    cosine_warmup,
-    pad_collate,
-    read_rows,
-    seed_everything,
-    tokenize_squad,
-)
+from common import EpochShuffle, cosine_warmup, pad_collate, prepare  # the script's directory is on sys.path
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    add_common_args(parser)
-    args = parser.parse_args()
+    args, log, tokenizer, model, samples = prepare(__doc__)
 
     import torch
     import torch.nn.functional as F
     from torch.utils.data import DataLoader
-    from transformers import AutoTokenizer
 
-    log = StepLog(args.out)
-    seed_everything(args.seed)
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
-    model = build_model(args.model_config)
-    samples = tokenize_squad(tokenizer, read_rows(args.data, "train"), args.max_seq_length, args.truncation)
-    if args.val_data:  # the engine tokenizes its validation set at setup too
-        tokenize_squad(tokenizer, read_rows(args.val_data, "validation"), args.max_seq_length, args.truncation)
     loader = DataLoader(samples, batch_size=args.batch_size, sampler=EpochShuffle(len(samples), args.seed),
                         collate_fn=functools.partial(pad_collate, pad_token_id=tokenizer.pad_token_id))
     params = [p for p in model.parameters() if p.requires_grad]

@@ -8,42 +8,17 @@ loss with Trainer's ``num_items_in_batch``). Logs one JSON line per optimizer st
 
 from __future__ import annotations
 
-import argparse
 import functools
-import os
-import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from common import (  # noqa: E402
-    EpochShuffle,
-    StepLog,
-    add_common_args,
-    build_model,
-    cosine_warmup,
-    pad_collate,
-    read_rows,
-    seed_everything,
-    tokenize_squad,
-)
+from common import EpochShuffle, cosine_warmup, pad_collate, prepare  # the script's directory is on sys.path
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    add_common_args(parser)
-    args = parser.parse_args()
+    args, log, tokenizer, model, samples = prepare(__doc__)
 
     import torch
-    from transformers import AutoTokenizer, Trainer, TrainerCallback, TrainingArguments
-
-    log = StepLog(args.out)
-    seed_everything(args.seed)
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
-    model = build_model(args.model_config)
-    samples = tokenize_squad(tokenizer, read_rows(args.data, "train"), args.max_seq_length, args.truncation)
-    if args.val_data:
-        tokenize_squad(tokenizer, read_rows(args.val_data, "validation"), args.max_seq_length, args.truncation)
+    from transformers import Trainer, TrainerCallback, TrainingArguments
 
     collated_tokens: list[int] = []  # in batch order; the loader may run one batch ahead of the step
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from automodel.plugins.markers import hookimpl
 
 _TRAINING = "automodel.training"
+_STAGES = "automodel.training.stages"
 
 
 @hookimpl
@@ -25,15 +26,16 @@ def automodel_register_builders(builders) -> None:
 
 @hookimpl
 def automodel_register_stages(stages) -> None:
-    stages.add("checkpoint", "restore", f"{_TRAINING}.stages.restore_checkpoint")
-    stages.add("freeze", "patterns", f"{_TRAINING}.stages.freeze_parameters")
-    stages.add("device", "single", f"{_TRAINING}.stages.place_on_device")
-    stages.add("fp8", "torchao", f"{_TRAINING}.stages.float8_training")
-    stages.add("qat", "torchao", f"{_TRAINING}.stages.fake_quantize")
-    stages.add("compile", "torch", f"{_TRAINING}.stages.compile_model")
-    stages.add("sharding", "ddp", f"{_TRAINING}.distributed.wrap_ddp")
-    stages.add("sharding", "fsdp2", f"{_TRAINING}.distributed.wrap_fsdp2")
-    stages.add("sharding", "megatron_fsdp", f"{_TRAINING}.distributed.wrap_megatron_fsdp")
+    stages.add("peft", "lora", f"{_STAGES}.peft.add_lora")
+    stages.add("checkpoint", "restore", f"{_STAGES}.checkpoint.restore_checkpoint")
+    stages.add("freeze", "patterns", f"{_STAGES}.freeze.freeze_parameters")
+    stages.add("device", "single", f"{_STAGES}.device.place_on_device")
+    stages.add("fp8", "torchao", f"{_STAGES}.fp8.float8_training")
+    stages.add("qat", "torchao", f"{_STAGES}.qat.fake_quantize")
+    stages.add("compile", "torch", f"{_STAGES}.compile.compile_model")
+    stages.add("sharding", "ddp", f"{_STAGES}.sharding.wrap_ddp")
+    stages.add("sharding", "fsdp2", f"{_STAGES}.sharding.wrap_fsdp2")
+    stages.add("sharding", "megatron_fsdp", f"{_STAGES}.sharding.wrap_megatron_fsdp")
 
 
 @hookimpl
@@ -54,6 +56,6 @@ def automodel_allowed_targets() -> list[str]:
 
 @hookimpl
 def automodel_register_loggers(loggers) -> None:
-    loggers.add("tensorboard", f"{_TRAINING}.loggers.TensorBoardLogger")
-    loggers.add("mlflow", f"{_TRAINING}.loggers.MLflowLogger")
-    loggers.add("wandb", f"{_TRAINING}.loggers.WandbLogger")
+    loggers.add("tensorboard", f"{_TRAINING}.logging.tensorboard.TensorBoardLogger")
+    loggers.add("mlflow", f"{_TRAINING}.logging.mlflow.MLflowLogger")
+    loggers.add("wandb", f"{_TRAINING}.logging.wandb.WandbLogger")

@@ -12,45 +12,43 @@ from automodel.errors import ConfigIssue
 class BaseRecipe:
     """A recipe builds every component from its config in ``setup()`` and trains in ``run_train_validation_loop()``.
 
-    ``sections`` declares the top-level YAML sections the recipe reads (merged along the class hierarchy); any
-    other section is a validation error. Attributes holding objects with ``state_dict``/``load_state_dict``
-    (model, optimizer, schedulers, dataloader, RNG) are tracked automatically so checkpoints save them all.
+    ``sections`` declares the top-level YAML sections the recipe reads, ``stateful`` the attributes a checkpoint
+    saves and restores (objects with ``state_dict``/``load_state_dict``); both are merged along the class
+    hierarchy, so a subclass lists only what it adds.
     """
 
     # The recipe class receives the config itself (``cfg``), never keyword arguments from the YAML.
     sections: ClassVar[dict[str, Any]] = {
         "recipe": Target("the recipe class `automodel run` uses: {_target_: ...}", runtime_args=("cfg",)),
     }
+    stateful: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, cfg: Config):
-        object.__setattr__(self, "_stateful", {})
-        object.__setattr__(self, "_untracked", set())
         self.cfg = cfg
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        object.__setattr__(self, name, value)
-        if name.startswith("_") or name in self._untracked:
-            return
-        if callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None)):
-            self._stateful[name] = value
-        else:
-            self._stateful.pop(name, None)
-
-    def untrack(self, name: str) -> None:
-        """Exclude an attribute from checkpoints (a frozen teacher model, say)."""
-        self._untracked.add(name)
-        self._stateful.pop(name, None)
-
-    def stateful_attributes(self) -> dict[str, Any]:
-        """Name -> object for everything a checkpoint must save to resume exactly."""
-        return dict(self._stateful)
+    @classmethod
+    def merged(cls, attribute: str) -> dict[str, Any]:
+        """A dict class attribute merged along the class hierarchy (a subclass's entries win)."""
+        merged: dict[str, Any] = {}
+        for klass in reversed(cls.__mro__):
+            merged.update(klass.__dict__.get(attribute, {}))
+        return merged
 
     @classmethod
     def all_sections(cls) -> dict[str, Any]:
-        merged: dict[str, Any] = {}
+        return cls.merged("sections")
+
+    @classmethod
+    def all_stateful(cls) -> tuple[str, ...]:
+        """The declared stateful attribute names of the whole class hierarchy, base classes first."""
+        names: dict[str, None] = {}
         for klass in reversed(cls.__mro__):
-            merged.update(klass.__dict__.get("sections", {}))
-        return merged
+            names.update(dict.fromkeys(klass.__dict__.get("stateful", ())))
+        return tuple(names)
+
+    def stateful_attributes(self) -> dict[str, Any]:
+        """Name -> object for everything a checkpoint must save to resume exactly (declared and already built)."""
+        return {name: value for name in self.all_stateful() if (value := getattr(self, name, None)) is not None}
 
     @classmethod
     def check_config(cls, cfg: Config) -> list[ConfigIssue]:

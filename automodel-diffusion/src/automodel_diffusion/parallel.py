@@ -20,7 +20,7 @@ from automodel.suggest import did_you_mean
 if TYPE_CHECKING:
     import torch
 
-    from automodel_diffusion.recipe import DiffusionRecipe
+    from automodel.training.context import BuildContext
 
 STRATEGIES = ("ddp", "fsdp2")
 OPTIONS = {
@@ -129,17 +129,6 @@ def scheme_issues(scheme: Any, components: list[str] | None, trainable: list[str
 # ---- the sharding stage (runs under torchrun only) ---------------------------------------------------------------
 
 
-def _blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
-    """The largest ModuleList of identical blocks (transformer layers): each becomes its own FSDP unit."""
-    import torch
-
-    best: list[torch.nn.Module] = []
-    for child in module.modules():
-        if isinstance(child, torch.nn.ModuleList) and len(child) > len(best) and len({type(m) for m in child}) == 1:
-            best = list(child)
-    return best
-
-
 def _fully_shard(module: torch.nn.Module, entry: dict[str, Any], mesh: Any) -> None:
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
@@ -152,7 +141,9 @@ def _fully_shard(module: torch.nn.Module, entry: dict[str, Any], mesh: Any) -> N
             param_dtype=getattr(torch, entry["param_dtype"]) if "param_dtype" in entry else None,
             reduce_dtype=getattr(torch, entry["reduce_dtype"]) if "reduce_dtype" in entry else None)
     if entry.get("shard_blocks", True):
-        for block in _blocks(module):
+        from automodel.training.stages.sharding import repeated_blocks
+
+        for block in repeated_blocks(module):
             fully_shard(block, **kwargs)
     fully_shard(module, **kwargs)
     for method in ("encode", "decode"):  # a VAE is called through these, not forward()
@@ -160,18 +151,18 @@ def _fully_shard(module: torch.nn.Module, entry: dict[str, Any], mesh: Any) -> N
             register_fsdp_forward_method(module, method)
 
 
-def shard_components(recipe: DiffusionRecipe, model: Any) -> tuple[Any, str]:
+def shard_components(ctx: BuildContext, model: Any) -> tuple[Any, str]:
     """Apply ``parallel_scheme``: FSDP2 components are sharded (trained or frozen); trained DDP components are
     wrapped (one DDP over the trained module); frozen DDP components are replicated on every rank."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.nn.parallel import DistributedDataParallel
 
-    scheme = {name: parse_entry(value) for name, value in (recipe.cfg.resolved.get("parallel_scheme") or {}).items()}
-    mesh = init_device_mesh(recipe.device.type, (dist.get_world_size(),))
-    model.to(recipe.device)
+    scheme = {name: parse_entry(value) for name, value in (ctx.cfg.resolved.get("parallel_scheme") or {}).items()}
+    mesh = init_device_mesh(ctx.device.type, (dist.get_world_size(),))
+    model.to(ctx.device)
     for component in model.frozen_components().values():
-        component.to(recipe.device)
+        component.to(ctx.device)
     done = []
     for name, component in model.frozen_components().items():
         entry = scheme.get(name, {"strategy": "ddp"})
@@ -185,7 +176,7 @@ def shard_components(recipe: DiffusionRecipe, model: Any) -> tuple[Any, str]:
             _fully_shard(model.components[name], trained[name], mesh)
     else:
         options = {k: v for entry in trained.values() for k, v in entry.items() if k != "strategy"}
-        device_ids = [recipe.device.index] if recipe.device.type == "cuda" else None
+        device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         model = DistributedDataParallel(model, device_ids=device_ids, **options)
     done += [f"{name}: {strategy}" for name in trained]
     return model, f"over {dist.get_world_size()} ranks: " + ", ".join(done)

@@ -23,11 +23,6 @@ def automodel_register_aliases(aliases) -> None:
 
 
 @hookimpl
-def automodel_register_builders(builders) -> None:
-    builders.add("model", "automodel_diffusion.recipe.build_pipeline_model", domain="diffusion")
-
-
-@hookimpl
 def automodel_register_stages(stages) -> None:
     stages.add("sharding", "diffusion", "automodel_diffusion.parallel.shard_components")
 

@@ -19,10 +19,11 @@ import torch
 
 from automodel.config import Config, Free, Target, require_positive
 from automodel.errors import AutomodelError, ConfigError, ConfigIssue
-from automodel.training.builders import instantiate_with
+from automodel.hf import model_source
 from automodel.training.checkpoint import CheckpointError, load_safetensors_dir, load_weights_into
-from automodel.training.distributed import world_size
-from automodel.training.recipe import TrainRecipe, unwrap
+from automodel.training.context import BuildContext
+from automodel.training.modules import unwrap
+from automodel.training.recipe import TrainRecipe
 from automodel_diffusion.datasets import collate_image_captions
 from automodel_diffusion.objectives import ObjectiveConfig, build_objective
 from automodel_diffusion.parallel import UNSUPPORTED_MESSAGE, scheme_issues
@@ -49,52 +50,18 @@ class SampleGenerationConfig:
         require_positive(self, "num_images_per_prompt", "num_inference_steps")
 
 
-def _model_source(model: Any) -> Any:
-    if model is None:
-        return None
-    for key in ("pretrained_model_name_or_path", "name_or_path", "config"):
-        if isinstance(model.get(key), str):
-            return model.get(key)
-    return None
-
-
 def pipeline_layout(cfg: Config) -> tuple[list[str] | None, list[str] | None, str]:
     """(model components, trained components, denoiser name) as far as the config shows them unbuilt."""
     model = cfg.model
     trainable = list(model.get("trainable_components") or []) if model is not None else []
-    source = _model_source(model)
-    index = read_model_index(source) if isinstance(source, str) else None
+    source = model_source(model)
+    index = read_model_index(source[0]) if source is not None else None
     if index is None:
         return None, trainable or None, trainable[0] if trainable else "transformer"
     components = [name for name, (_, cls) in pipeline_components(index).items()
                   if not any(word in cls for word in _NOT_MODULES)]
     denoiser = next((n for n in ("transformer", "unet") if n in components), "transformer")
     return components, trainable or [denoiser], denoiser
-
-
-def build_pipeline_model(recipe: DiffusionRecipe) -> AutoDiffusionPipeline:
-    """The ``model`` builder of the diffusion domain: the pipeline, its objective, frozen parts on the device."""
-    import diffusers
-
-    model = instantiate_with(recipe.cfg.model, recipe.model_runtime_args())
-    if isinstance(model, diffusers.DiffusionPipeline):
-        model = AutoDiffusionPipeline(model)
-    if not isinstance(model, AutoDiffusionPipeline):
-        raise AutomodelError(f"model: {recipe.cfg.model.target} built a {type(model).__name__}; diffusion trains a "
-                             "diffusers pipeline: use automodel_diffusion.AutoDiffusionPipeline.from_pretrained")
-    components = [n for n, c in model.pipeline.components.items() if isinstance(c, torch.nn.Module)]
-    issues = scheme_issues(recipe.cfg.resolved.get("parallel_scheme"), components, model.trainable_components,
-                           model.denoiser_name)
-    if issues:
-        raise ConfigError(issues)
-    model.objective = build_objective(recipe.cfg.objective, model.pipeline.scheduler)
-    model.pipeline.set_progress_bar_config(disable=True)
-    for component in model.frozen_components().values():
-        component.to(recipe.device)
-    recipe.untrack("pipeline")
-    recipe.pipeline = model.pipeline
-    recipe.write_frozen_base(model)
-    return model
 
 
 def _link_tree(source: Path, target: Path) -> None:
@@ -139,6 +106,9 @@ class DiffusionRecipe(TrainRecipe):
     """Train a diffusers pipeline's denoiser (flow matching, epsilon or v-prediction) on images and captions."""
 
     domain = "diffusion"
+    stage_implementations = {"sharding": "diffusion"}
+    unsupported_stages = {"peft": "LoRA is not supported by the diffusion recipe yet; train the full denoiser "
+                                  "(model.trainable_components) or freeze parts of it (freeze:)"}
     sections = {
         "model": Target("the diffusers pipeline: {_target_: automodel_diffusion.AutoDiffusionPipeline."
                         "from_pretrained, pretrained_model_name_or_path: ...} (or .from_config, config: <dir>)",
@@ -155,24 +125,12 @@ class DiffusionRecipe(TrainRecipe):
     # ---- validation --------------------------------------------------------------------------------------------
 
     @classmethod
-    def pipeline_selection(cls, cfg: Config) -> dict[str, tuple[str, str]]:
-        chosen = super().pipeline_selection(cfg)
-        chosen.pop("peft", None)  # refused by check_config
-        if world_size() > 1:
-            chosen["sharding"] = ("diffusion", "parallel_scheme")
-        return chosen
-
-    @classmethod
     def check_config(cls, cfg: Config) -> list[ConfigIssue]:
-        issues = [i for i in super().check_config(cfg)
-                  if not (i.key == "distributed.strategy" and "megatron" in i.message)]
+        issues = super().check_config(cfg)
         if cfg.distributed is not None and cfg.distributed.strategy == "megatron_fsdp":
             issues.append(ConfigIssue("distributed.strategy", UNSUPPORTED_MESSAGE))
         components, trainable, denoiser = pipeline_layout(cfg)
         issues += scheme_issues(cfg.resolved.get("parallel_scheme"), components, trainable, denoiser)
-        if cfg.peft is not None:
-            issues.append(ConfigIssue("peft", "LoRA is not supported by the diffusion recipe yet; train the full "
-                                              "denoiser (model.trainable_components) or freeze parts of it (freeze:)"))
         return issues
 
     @classmethod
@@ -200,6 +158,36 @@ class DiffusionRecipe(TrainRecipe):
 
     def default_collate_fn(self, train: bool = True) -> Any:
         return collate_image_captions
+
+    def build_model(self, ctx: BuildContext) -> AutoDiffusionPipeline:
+        """The pipeline as one module, with its objective; its frozen parts on the device, as the checkpoint being
+        resumed holds them, and written once to ``pipeline_base`` (before the pipeline may shard them)."""
+        import diffusers
+
+        model = ctx.instantiate("model")
+        if isinstance(model, diffusers.DiffusionPipeline):
+            model = AutoDiffusionPipeline(model)
+        if not isinstance(model, AutoDiffusionPipeline):
+            raise AutomodelError(f"model: {ctx.cfg.model.target} built a {type(model).__name__}; diffusion trains a "
+                                 "diffusers pipeline: use automodel_diffusion.AutoDiffusionPipeline.from_pretrained")
+        components = [n for n, c in model.pipeline.components.items() if isinstance(c, torch.nn.Module)]
+        issues = scheme_issues(ctx.cfg.resolved.get("parallel_scheme"), components, model.trainable_components,
+                               model.denoiser_name)
+        if issues:
+            raise ConfigError(issues)
+        model.objective = build_objective(ctx.cfg.objective, model.pipeline.scheduler)
+        model.pipeline.set_progress_bar_config(disable=True)
+        for component in model.frozen_components().values():
+            component.to(ctx.device)
+        if ctx.restore_path is not None:
+            self.load_frozen_components(model, ctx.restore_path / "model")
+        self.write_frozen_base(model)
+        return model
+
+    @property
+    def pipeline(self) -> Any:
+        """The whole diffusers pipeline (frozen components included) of the model being trained."""
+        return unwrap(self.model).pipeline
 
     @property
     def frozen_base(self) -> Path:
@@ -256,11 +244,13 @@ class DiffusionRecipe(TrainRecipe):
                 raise CheckpointError(f"restore_from.path: '{directory}' has no '{name}' folder; it is not a "
                                       "checkpoint of this pipeline")
             load_weights_into(unwrap(model.components[name]), load_safetensors_dir(sub), sub)
+        self.load_frozen_components(model, directory)
+
+    def load_frozen_components(self, model: AutoDiffusionPipeline, directory: Path) -> None:
         for name, component in model.frozen_components().items():
             sub = directory / name
             if sub.is_dir() and any(sub.glob("*.safetensors")):
                 load_weights_into(component, load_safetensors_dir(sub), sub)
-        self.write_frozen_base(model)
 
     # ---- the loss ----------------------------------------------------------------------------------------------
 

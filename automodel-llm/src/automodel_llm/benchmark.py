@@ -11,8 +11,9 @@ from typing import Any
 import torch
 
 from automodel.config import Target
+from automodel.training.context import BuildContext
 from automodel.training.metrics import device_peak_flops, peak_memory_gib
-from automodel.training.recipe import unwrap
+from automodel.training.modules import unwrap
 from automodel_llm.datasets.pretraining import MockDataset
 from automodel_llm.recipe import FinetuneRecipeForNextTokenPrediction
 
@@ -41,9 +42,9 @@ class BenchmarkRecipe(FinetuneRecipeForNextTokenPrediction):
         self.step_times: list[tuple[float, int]] = []
         super().setup()
 
-    def build_dataset(self, node: Any) -> Any:
+    def build_dataset(self, ctx: BuildContext, node: Any) -> Any:
         if node is not None:
-            return super().build_dataset(node)
+            return super().build_dataset(ctx, node)
         bench = self.cfg.benchmark
         return MockDataset(num_samples=bench.num_samples, seq_length=bench.seq_length, tokenizer=self.tokenizer,
                            seed=self.cfg.rng.seed)

@@ -25,10 +25,11 @@ def export(checkpoint: str, output: str, force: bool) -> None:
     """
     from automodel.cli.execute import import_recipe
     from automodel.config import build_config, load_yaml_file
+    from automodel.hf import is_adapter_dir, load_adapter_weights
     from automodel.plugins.manager import get_plugin_manager
     from automodel.training.checkpoint import read_latest
     from automodel.training.rng import StatefulRNG
-    from automodel_llm.peft import apply_lora, is_adapter_dir, load_adapter_weights
+    from automodel.training.stages.peft import add_lora
 
     source = Path(checkpoint)
     source = read_latest(source) or source  # a checkpoint_dir means its newest checkpoint
@@ -51,9 +52,10 @@ def export(checkpoint: str, output: str, force: bool) -> None:
             raise ConfigError([ConfigIssue(f"{config_file}: {issue.key}", issue.message, issue.suggestion)
                                for issue in err.issues]) from None
         recipe = recipe_cls(cfg)
+        ctx = recipe.build_context()
         StatefulRNG(cfg.rng.seed, cfg.rng.ranked)  # seeded as training was, so a from_config base is identical
         recipe.setup_domain()
-        model, _ = apply_lora(recipe, recipe.build("model"))
+        model, _ = add_lora(ctx, recipe.build_model(ctx))
         load_adapter_weights(model, model_dir)
         merged = model.merge_and_unload()
         merged.save_pretrained(str(staging))

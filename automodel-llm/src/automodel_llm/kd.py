@@ -60,12 +60,10 @@ class KnowledgeDistillationRecipe(FinetuneRecipeForNextTokenPrediction):
         teacher.to(self.device).eval()
         teacher.requires_grad_(False)
         self.teacher = teacher
-        self.untrack("teacher")
         self.teacher_head = self.attach_head(teacher) if self.cfg.logits.label_positions_only else None
         node = self.cfg.kd_loss_fn
         temperature = float(self.cfg.resolved.get("temperature", 1.0))
         self.kd_loss_fn = node.instantiate() if node is not None else KDLoss(temperature)
-        self.untrack("kd_loss_fn")
         self.log(f"distilling from {self.cfg.teacher_model.target} (frozen) with kd_ratio={self.kd_ratio}")
 
     def compute_loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:

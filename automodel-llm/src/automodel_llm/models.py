@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from automodel.errors import AutomodelError
-from automodel.model_files import has_weights, parse_dtype, pop_hub_arguments
+from automodel.model_files import MODEL_KWARGS, fresh_model, pop_hub_arguments, pretrained_or_fresh
 
 
 def _load_config(config: Any, hub: dict[str, Any], **overrides: Any) -> Any:
@@ -28,7 +28,7 @@ def _load_config(config: Any, hub: dict[str, Any], **overrides: Any) -> Any:
     if path.is_file():
         data = json.loads(path.read_text(encoding="utf-8"))
         return _load_config(data, hub, **overrides)
-    from automodel_llm.datasets.loading import missing_local_path
+    from automodel.hf import missing_local_path
 
     if missing_local_path(str(config)):
         raise AutomodelError(f"model.config: '{config}' does not exist")
@@ -43,34 +43,18 @@ class AutoModelForCausalLM:
                         dtype: Any = None, torch_dtype: Any = None, **kwargs: Any) -> Any:
         import transformers
 
-        path = pretrained_model_name_or_path or name_or_path
-        if not path:
-            raise AutomodelError("model.pretrained_model_name_or_path: missing (a hub name or a local directory)")
-        local = Path(str(path))
-        if local.is_dir() and (local / "config.json").is_file() and not has_weights(local):
-            # A directory with only config.json: a fresh, randomly initialised model of that architecture.
-            return cls.from_config(str(local), dtype=dtype or torch_dtype, **kwargs)
-        try:
-            return transformers.AutoModelForCausalLM.from_pretrained(
-                str(path), dtype=parse_dtype(dtype or torch_dtype), **kwargs)
-        except OSError as err:
-            raise AutomodelError(f"model: cannot load '{path}': {err}") from None
+        return pretrained_or_fresh(transformers.AutoModelForCausalLM, pretrained_model_name_or_path or name_or_path,
+                                   dtype or torch_dtype, cls.from_config, kwargs)
 
     @classmethod
     def from_config(cls, config: Any, *, dtype: Any = None, torch_dtype: Any = None, seed: int | None = None,
                     **kwargs: Any) -> Any:
-        import torch
         import transformers
 
         hub = pop_hub_arguments(kwargs)  # to AutoConfig.from_pretrained only: never into the saved config
-        model_kwargs = {k: v for k, v in (("attn_implementation", kwargs.pop("attn_implementation", None)),
-                                          ("trust_remote_code", hub.get("trust_remote_code"))) if v is not None}
-        hf_config = _load_config(config, hub, **kwargs)
-        if seed is not None:
-            torch.manual_seed(seed)
-        model = transformers.AutoModelForCausalLM.from_config(hf_config, **model_kwargs)
-        chosen = parse_dtype(dtype or torch_dtype)
-        return model.to(chosen) if isinstance(chosen, torch.dtype) else model
+        model_kwargs = {k: kwargs.pop(k, hub.get(k)) for k in MODEL_KWARGS if k in kwargs or k in hub}
+        return fresh_model(transformers.AutoModelForCausalLM.from_config, _load_config(config, hub, **kwargs),
+                           model_kwargs, dtype or torch_dtype, seed)
 
 
 def nemotron_h_for_causal_lm(name_or_path: str | None = None, pretrained_model_name_or_path: str | None = None,

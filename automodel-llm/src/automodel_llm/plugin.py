@@ -55,11 +55,6 @@ def automodel_register_aliases(aliases) -> None:
 
 
 @hookimpl
-def automodel_register_stages(stages) -> None:
-    stages.add("peft", "lora", "automodel_llm.peft.apply_lora")
-
-
-@hookimpl
 def automodel_register_commands(cli) -> None:
     from automodel_llm.export import export
 

@@ -12,13 +12,22 @@ import torch
 
 from automodel.config import Target
 from automodel.errors import AutomodelError
+from automodel.hf import (
+    EvalGenerationConfig,
+    check_vocab,
+    exact_match,
+    is_adapter_dir,
+    load_adapter_weights,
+    load_tokenizer,
+    missing_local_path,
+    model_source,
+)
+from automodel.training.context import BuildContext
+from automodel.training.modules import unwrap
 from automodel.training.next_token import NextTokenLogits
-from automodel.training.recipe import TrainRecipe, unwrap
+from automodel.training.recipe import TrainRecipe
 from automodel_llm.datasets.collate import pad_collate
-from automodel_llm.datasets.loading import load_tokenizer, missing_local_path
 from automodel_llm.datasets.packing import PackedDataset, packed_collate
-from automodel_llm.generation import exact_match
-from automodel_llm.peft import is_adapter_dir, load_adapter_weights
 
 IGNORE_INDEX = -100
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
@@ -32,14 +41,6 @@ class PackedSequenceConfig:
     max_packs: int | None = field(default=None, metadata={"help": "stop after this many packed rows"})
 
 
-@dataclass
-class EvalGenerationConfig:
-    enabled: bool = field(default=True, metadata={"help": "answer validation questions greedily after training"})
-    num_examples: int | None = field(default=None, metadata={"help": "how many validation questions (None: all)"})
-    num_shown: int = field(default=3, metadata={"help": "how many answers to print"})
-    max_new_tokens: int = field(default=8, metadata={"help": "generation length limit"})
-
-
 class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
     """Causal LM training: loss on label tokens (answers for SFT, everything for pre-training)."""
 
@@ -50,8 +51,6 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
         "dataset": Target("the training data set", required=True, runtime_args=("tokenizer",)),
         "validation_dataset": Target("a validation data set", runtime_args=("tokenizer",)),
         "validation_dataset_*": Target("more validation data sets, reported by name", runtime_args=("tokenizer",)),
-        "peft": Target("LoRA adapters through peft: {dim, alpha, dropout, target_modules | match_all_linear}",
-                       plain=True, default_target="automodel_llm.peft.PeftConfig"),
         "packed_sequence": PackedSequenceConfig,
         "eval_generation": EvalGenerationConfig,
     }
@@ -59,12 +58,10 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
     # ---- building -------------------------------------------------------------------------------------------
 
     def _tokenizer_source(self) -> tuple[str | None, str]:
-        model = self.cfg.model
-        for key in ("pretrained_model_name_or_path", "name_or_path", "config"):
-            value = model.get(key)
-            if isinstance(value, str):
-                path = Path(value)
-                return (str(path.parent) if path.is_file() else value), f"model.{key}"
+        found = model_source(self.cfg.model)
+        if found is not None:
+            value, key = found
+            return (str(Path(value).parent) if Path(value).is_file() else value), key
         dataset = self.cfg.dataset
         if isinstance(dataset.get("tokenizer_name_or_path"), str):
             return dataset["tokenizer_name_or_path"], "dataset.tokenizer_name_or_path"
@@ -85,11 +82,10 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
             if source is None:
                 raise AutomodelError("tokenizer: none found; add `tokenizer: {pretrained_model_name_or_path: ...}`")
             self.tokenizer = load_tokenizer(source, key)
-        self.untrack("tokenizer")
         if self.tokenizer.pad_token_id is None and self.tokenizer.eos_token_id is not None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
 
-    def dataset_runtime_args(self) -> dict[str, Any]:
+    def dataset_runtime_args(self, node: Any) -> dict[str, Any]:
         return {"tokenizer": self.tokenizer}
 
     @property
@@ -102,8 +98,8 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
                                  "packed_sequence.enabled is true")
         return packing.packed_sequence_size
 
-    def build_dataset(self, node: Any) -> Any:
-        dataset = super().build_dataset(node)
+    def build_dataset(self, ctx: BuildContext, node: Any) -> Any:
+        dataset = super().build_dataset(ctx, node)
         if node is not None and node.key == "dataset" and self.pack_size:
             packing = self.cfg.packed_sequence
             dataset = PackedDataset(dataset, self.pack_size, packing.split_across_pack, packing.max_packs)
@@ -118,10 +114,9 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
 
     def setup(self) -> None:
         super().setup()
-        vocab = getattr(getattr(unwrap(self.model), "config", None), "vocab_size", None)
-        if vocab is not None and len(self.tokenizer) > vocab:
-            raise AutomodelError(f"tokenizer: {len(self.tokenizer)} tokens but model.config.vocab_size is {vocab}; "
-                                 "use the model's own tokenizer or resize the model's embeddings")
+        check_vocab(self.tokenizer, getattr(unwrap(self.model), "config", None),
+                    "tokenizer: {tokens} tokens but model.config.vocab_size is {vocab}; use the model's own "
+                    "tokenizer or resize the model's embeddings")
 
     def load_model_weights(self, model: torch.nn.Module, directory: Path) -> None:
         if is_adapter_dir(directory):

@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-if TYPE_CHECKING:
-    from automodel.training.recipe import TrainRecipe
 
 
 def _reduce(losses: torch.Tensor, reduction: str) -> torch.Tensor:
@@ -66,14 +61,3 @@ class ListwiseCrossEntropy(nn.Module):
         if labels is None:
             labels = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
         return _reduce(F.cross_entropy(logits, labels, reduction="none"), self.reduction)
-
-
-def build_loss_fn(recipe: TrainRecipe) -> Any:
-    """The retrieval domains' loss builder: ``loss_fn`` may omit ``_target_`` (the recipe's default loss)."""
-    from automodel.training.builders import instantiate_with
-    from automodel.training.loss import as_sum_loss
-
-    node = recipe.cfg.loss_fn
-    if node is None:
-        return as_sum_loss(recipe.default_loss_fn())
-    return as_sum_loss(instantiate_with(node, {}, default_target=recipe.default_loss_target))

@@ -28,12 +28,5 @@ def automodel_register_aliases(aliases) -> None:
 
 
 @hookimpl
-def automodel_register_builders(builders) -> None:
-    # loss_fn may be given without _target_ ({temperature: 0.02}): the recipe's default loss takes the keys
-    for domain in ("retrieval", "cross-encoder"):
-        builders.add("loss_fn", "automodel_retrieval.losses.build_loss_fn", domain=domain)
-
-
-@hookimpl
 def automodel_allowed_targets() -> list[str]:
     return ["automodel_retrieval"]

@@ -8,15 +8,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
 from automodel.config import Config, ConfigNode, FieldErrors, Target, require_positive
 from automodel.errors import AutomodelError, ConfigIssue
-from automodel.training.recipe import TrainRecipe, unwrap
+from automodel.hf import check_vocab, model_source
+from automodel.training.modules import unwrap
+from automodel.training.recipe import TrainRecipe
 from automodel_retrieval.data import BiEncoderCollator, CrossEncoderCollator
-from automodel_retrieval.losses import InfoNCELoss, ListwiseCrossEntropy
 from automodel_retrieval.metrics import group_metrics, ranking_metrics
 from automodel_retrieval.models import POOLINGS, QUERY_DIR, BiEncoder, resolve_model_dir
 
@@ -25,6 +26,11 @@ DATASET = "automodel_retrieval.data.RetrievalDataset"
 
 def _dataset_section(help: str) -> Target:
     return Target(help, runtime_args=(), plain=True, default_target=DATASET)
+
+
+def _loss_section(help: str, target: str) -> Target:
+    """``loss_fn`` may leave out ``_target_`` ({temperature: 0.02}) or be absent: the recipe's loss either way."""
+    return Target(help, plain=True, default_target=target, default={})
 
 
 @dataclass
@@ -56,9 +62,8 @@ class CrossEncoderSettings:
 
 
 class _RetrievalRecipe(TrainRecipe):
-    """What both retrieval recipes share: the tokenizer, the data sets, the loss builder's default target."""
+    """What both retrieval recipes share: the tokenizer and the data sets."""
 
-    default_loss_target: ClassVar[str] = ""
     sections = {
         "tokenizer": Target("tokenizer (default: the model's): {pretrained_model_name_or_path: ...}", plain=True,
                             default_target="transformers.AutoTokenizer.from_pretrained"),
@@ -78,28 +83,17 @@ class _RetrievalRecipe(TrainRecipe):
                 issues.append(ConfigIssue("loss_fn.temperature", f"must be > 0, found {temperature}"))
         return issues
 
-    @classmethod
-    def describe_plan(cls, cfg: Config) -> list[str]:
-        lines = []
-        for line in super().describe_plan(cfg):
-            name, _, value = line.partition(": ")
-            if value == "None" and name.startswith(("dataset", "validation_dataset")):
-                line = f"{name}: {DATASET}"  # a data set section without _target_ is a RetrievalDataset
-            lines.append(line)
-        return lines
-
     def _tokenizer_source(self) -> str | None:
-        model = self.cfg.model
-        for key in ("pretrained_model_name_or_path", "name_or_path", "query_encoder", "config"):
-            value = model.get(key)
-            if isinstance(value, str):
-                path = resolve_model_dir(value)
-                if path.is_file():
-                    path = path.parent
-                if (path / QUERY_DIR).is_dir():
-                    path = path / QUERY_DIR
-                return str(path) if path.exists() else value
-        return None
+        found = model_source(self.cfg.model, ("pretrained_model_name_or_path", "name_or_path", "query_encoder",
+                                              "config"))
+        if found is None:
+            return None
+        path = resolve_model_dir(found[0])
+        if path.is_file():
+            path = path.parent
+        if (path / QUERY_DIR).is_dir():
+            path = path / QUERY_DIR
+        return str(path) if path.exists() else found[0]
 
     def setup_domain(self) -> None:
         import datasets
@@ -119,22 +113,12 @@ class _RetrievalRecipe(TrainRecipe):
                                      "`tokenizer: {pretrained_model_name_or_path: ...}`") from None
             if self.tokenizer is None:
                 raise AutomodelError("tokenizer: none found; add `tokenizer: {pretrained_model_name_or_path: ...}`")
-        self.untrack("tokenizer")
-
-    def build_dataset(self, node: ConfigNode) -> Any:
-        from automodel.training.builders import instantiate_with
-
-        dataset = instantiate_with(node, self.dataset_runtime_args(), default_target=DATASET)
-        if hasattr(dataset, "__len__") and len(dataset) == 0:
-            raise AutomodelError(f"{node.key}: the data set is empty; check its path")
-        return dataset
 
     def _check_vocab(self, encoders: list[torch.nn.Module]) -> None:
         for encoder in encoders:
-            vocab = getattr(getattr(encoder, "config", None), "vocab_size", None)
-            if vocab is not None and len(self.tokenizer) > vocab:
-                raise AutomodelError(f"tokenizer: {len(self.tokenizer)} tokens but the model's vocab_size is {vocab}; "
-                                     "use the model's own tokenizer")
+            check_vocab(self.tokenizer, getattr(encoder, "config", None),
+                        "tokenizer: {tokens} tokens but the model's vocab_size is {vocab}; use the model's own "
+                        "tokenizer")
 
     def count_input_tokens(self, batch: dict[str, Any]) -> int:
         return sum(int(v["attention_mask"].sum()) for v in batch.values()
@@ -148,12 +132,11 @@ class BiEncoderRecipe(_RetrievalRecipe):
     """Contrastive bi-encoder training: InfoNCE over in-batch and hard negatives; validation ranks the corpus."""
 
     domain = "retrieval"
-    default_loss_target = "automodel_retrieval.losses.InfoNCELoss"
     sections = {
         "model": Target("the bi-encoder: {_target_: automodel_retrieval.BiEncoder.from_config | .from_pretrained, "
                         "shared, pooling, normalize, ...}", required=True),
-        "loss_fn": Target("the contrastive loss (default automodel_retrieval.InfoNCELoss: {temperature: 0.05})",
-                          plain=True, default_target="automodel_retrieval.losses.InfoNCELoss"),
+        "loss_fn": _loss_section("the contrastive loss (default automodel_retrieval.InfoNCELoss: {temperature: "
+                                 "0.05})", "automodel_retrieval.losses.InfoNCELoss"),
         "retrieval": BiEncoderSettings,
     }
 
@@ -164,9 +147,6 @@ class BiEncoderRecipe(_RetrievalRecipe):
         if isinstance(model, ConfigNode) and model.get("pooling") is not None and model["pooling"] not in POOLINGS:
             issues.append(ConfigIssue("model.pooling", f"'{model['pooling']}' is not one of {', '.join(POOLINGS)}"))
         return issues
-
-    def default_loss_fn(self) -> torch.nn.Module:
-        return InfoNCELoss()
 
     @property
     def settings(self) -> BiEncoderSettings:
@@ -241,17 +221,13 @@ class CrossEncoderRecipe(_RetrievalRecipe):
     positive and its negatives; validation reports accuracy (the positive ranked first) and MRR."""
 
     domain = "cross-encoder"
-    default_loss_target = "automodel_retrieval.losses.ListwiseCrossEntropy"
     sections = {
         "model": Target("the cross-encoder: {_target_: automodel_retrieval.CrossEncoder.from_config | "
                         ".from_pretrained, ...} (AutoModelForSequenceClassification, one logit)", required=True),
-        "loss_fn": Target("the listwise loss (default automodel_retrieval.ListwiseCrossEntropy)", plain=True,
-                          default_target="automodel_retrieval.losses.ListwiseCrossEntropy"),
+        "loss_fn": _loss_section("the listwise loss (default automodel_retrieval.ListwiseCrossEntropy)",
+                                 "automodel_retrieval.losses.ListwiseCrossEntropy"),
         "retrieval": CrossEncoderSettings,
     }
-
-    def default_loss_fn(self) -> torch.nn.Module:
-        return ListwiseCrossEntropy()
 
     def default_collate_fn(self, train: bool = True) -> Any:
         s = self.cfg.retrieval

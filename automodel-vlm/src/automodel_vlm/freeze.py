@@ -8,16 +8,14 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from automodel.errors import AutomodelError
+from automodel.training.context import BuildContext
 from automodel.training.sections import FreezeConfig
+from automodel.training.stages.freeze import unfrozen
 from automodel_vlm.parts import PART_NAMES, base_model, part_parameters
-
-if TYPE_CHECKING:
-    from automodel.training.recipe import TrainRecipe
 
 
 @dataclass
@@ -28,14 +26,17 @@ class VLMFreezeConfig(FreezeConfig):
     language_model: bool = field(default=False, metadata={
         "help": "freeze the language model and its output head (LoRA adapters still train)"})
 
+    def freezes_anything(self) -> bool:
+        return super().freezes_anything() or self.vision_tower or self.multi_modal_projector or self.language_model
+
 
 def _is_adapter(name: str) -> bool:
     return "lora_" in name or ".modules_to_save." in name
 
 
-def freeze_vlm(recipe: TrainRecipe, model: torch.nn.Module) -> str:
+def freeze_vlm(ctx: BuildContext, model: torch.nn.Module) -> tuple[torch.nn.Module, str]:
     """Freeze the parts the ``freeze`` section names; ``unfreeze_modules`` patterns stay trainable."""
-    cfg = recipe.cfg.freeze
+    cfg = ctx.cfg.freeze
     names = {id(p): n for n, p in model.named_parameters()}
     chosen: dict[int, str] = {}  # parameter id -> why
     for part in PART_NAMES:
@@ -60,11 +61,11 @@ def freeze_vlm(recipe: TrainRecipe, model: torch.nn.Module) -> str:
     for name, p in model.named_parameters():
         if id(p) not in chosen:
             continue
-        if any(fnmatch.fnmatch(name, u) or name.startswith(u + ".") for u in cfg.unfreeze_modules):
+        if unfrozen(name, cfg.unfreeze_modules):
             continue
         p.requires_grad_(False)
         counts[chosen[id(p)]] = counts.get(chosen[id(p)], 0) + 1
     total = sum(1 for _ in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     detail = ", ".join(f"{why} {n}" for why, n in counts.items()) or "nothing"
-    return f"froze {sum(counts.values())} of {total} parameter tensors ({detail}); {trainable} parameters train"
+    return model, f"froze {sum(counts.values())} of {total} parameter tensors ({detail}); {trainable} parameters train"

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from automodel.errors import AutomodelError
-from automodel.model_files import has_weights, parse_dtype, pop_hub_arguments
+from automodel.model_files import MODEL_KWARGS, fresh_model, pop_hub_arguments, pretrained_or_fresh
 
 _SUB_CONFIGS = ("vision_config", "text_config")
 
@@ -92,36 +92,24 @@ class AutoModelForImageTextToText:
                         dtype: Any = None, torch_dtype: Any = None, **kwargs: Any) -> Any:
         import transformers
 
-        path = pretrained_model_name_or_path or name_or_path
-        if not path:
-            raise AutomodelError("model.pretrained_model_name_or_path: missing (a hub name or a local directory)")
-        local = Path(str(path))
-        if local.is_dir() and (local / "config.json").is_file() and not has_weights(local):
-            # A directory with only config.json: a fresh, randomly initialised model of that architecture.
-            return cls.from_config(str(local), dtype=dtype or torch_dtype, **kwargs)
-        try:
-            return transformers.AutoModelForImageTextToText.from_pretrained(
-                str(path), dtype=parse_dtype(dtype or torch_dtype), **kwargs)
-        except (OSError, ValueError) as err:
-            raise AutomodelError(f"model: cannot load '{path}' as an image-text-to-text model: {err}") from None
+        return pretrained_or_fresh(transformers.AutoModelForImageTextToText,
+                                   pretrained_model_name_or_path or name_or_path, dtype or torch_dtype,
+                                   cls.from_config, kwargs, (OSError, ValueError),
+                                   " as an image-text-to-text model")
 
     @classmethod
     def from_config(cls, config: Any, *, vision_config: Any = None, text_config: Any = None, dtype: Any = None,
                     torch_dtype: Any = None, seed: int | None = None, **kwargs: Any) -> Any:
         """A randomly initialised model (``seed`` makes the initialisation reproducible)."""
-        import torch
         import transformers
 
-        model_kwargs = {k: kwargs.pop(k) for k in ("attn_implementation", "trust_remote_code") if k in kwargs}
+        model_kwargs = {k: kwargs.pop(k) for k in MODEL_KWARGS if k in kwargs}
         hf_config = load_config(config, vision_config, text_config, **kwargs)
-        if seed is not None:
-            torch.manual_seed(seed)
         try:
-            model = transformers.AutoModelForImageTextToText.from_config(hf_config, **model_kwargs)
+            return fresh_model(transformers.AutoModelForImageTextToText.from_config, hf_config, model_kwargs,
+                               dtype or torch_dtype, seed)
         except ValueError as err:
             raise AutomodelError(f"model.config: {err}") from None
-        chosen = parse_dtype(dtype or torch_dtype)
-        return model.to(chosen) if isinstance(chosen, torch.dtype) else model
 
 
 def checkpoint_key_mapping(model: Any) -> dict[str, str]:

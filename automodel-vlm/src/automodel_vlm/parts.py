@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from automodel.training.modules import unwrap
+
 PART_NAMES = {
     "vision_tower": ("vision_tower", "visual", "vision_model", "vision_encoder", "image_encoder"),
     "multi_modal_projector": ("multi_modal_projector", "mm_projector", "connector", "vision_projection"),
@@ -19,8 +21,6 @@ PART_NAMES = {
 
 def base_model(model: torch.nn.Module) -> torch.nn.Module:
     """The transformers model inside torch.compile / DDP / peft wrappers."""
-    from automodel.training.recipe import unwrap
-
     model = unwrap(model)
     get_base = getattr(model, "get_base_model", None)
     return get_base() if callable(get_base) and hasattr(model, "peft_config") else model

@@ -1,22 +1,21 @@
 """LoRA on the language model (pipeline slot ``peft``, implementation ``vlm_lora``), through peft.
 
-The ``peft:`` section is the LLM domain's (``automodel_llm.peft.PeftConfig``: dim, alpha, dropout,
-target_modules | match_all_linear); here its targets are limited to the language model's linear layers, so the
-vision tower and projector get no adapters. A ``peft._target_: peft.LoraConfig`` is used exactly as given.
+The ``peft:`` section is the core's (``automodel.hf.PeftConfig``: dim, alpha, dropout, target_modules |
+match_all_linear); here its targets are limited to the language model's linear layers, so the vision tower and
+projector get no adapters. A ``peft._target_: peft.LoraConfig`` is used exactly as given.
 """
 
 from __future__ import annotations
 
 import fnmatch
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from automodel.errors import AutomodelError
+from automodel.hf import PeftConfig, apply_lora, lora_config
+from automodel.training.context import BuildContext
 from automodel_vlm.parts import base_model, find_part
-
-if TYPE_CHECKING:
-    from automodel.training.recipe import TrainRecipe
 
 
 def _linear(module: torch.nn.Module) -> bool:
@@ -47,23 +46,10 @@ def language_model_targets(model: torch.nn.Module, patterns: Any) -> list[str]:
     return names
 
 
-def apply_lora_to_language_model(recipe: TrainRecipe, model: torch.nn.Module) -> tuple[torch.nn.Module, str]:
-    import peft
-
-    from automodel_llm.peft import PeftConfig, lora_config_from
-
-    built = recipe.cfg.peft.instantiate(default_target="automodel_llm.peft.PeftConfig")
-    if isinstance(built, PeftConfig):
-        config = built.to_lora_config()
-        config.target_modules = language_model_targets(model, config.target_modules)
-    else:
-        config = lora_config_from(recipe)  # a peft.LoraConfig, used as given
-    try:
-        wrapped = peft.get_peft_model(model, config)
-    except ValueError as err:
-        raise AutomodelError(f"peft.target_modules: {err}") from None
-    trainable = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in wrapped.parameters())
-    where = f"{len(config.target_modules)} language-model layers" if isinstance(built, PeftConfig) else \
-        f"{config.target_modules}"
-    return wrapped, f"LoRA r={config.r} alpha={config.lora_alpha} on {where}: {trainable} of {total} parameters train"
+def apply_lora_to_language_model(ctx: BuildContext, model: torch.nn.Module) -> tuple[torch.nn.Module, str]:
+    built = ctx.instantiate("peft")
+    config = lora_config(built)
+    if not isinstance(built, PeftConfig):  # a peft.LoraConfig, used as given
+        return apply_lora(model, config, f" on {config.target_modules}")
+    config.target_modules = language_model_targets(model, config.target_modules)
+    return apply_lora(model, config, f" on {len(config.target_modules)} language-model layers")

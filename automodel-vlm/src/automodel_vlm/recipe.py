@@ -10,11 +10,11 @@ import torch
 
 from automodel.config import Target
 from automodel.errors import AutomodelError, ConfigIssue
+from automodel.hf import EvalGenerationConfig, check_vocab, is_adapter_dir, load_adapter_weights, model_source
 from automodel.training.checkpoint import load_safetensors_dir, load_weights_into
+from automodel.training.modules import unwrap
 from automodel.training.next_token import LABEL_POSITIONS, NextTokenLogits
-from automodel.training.recipe import TrainRecipe, unwrap
-from automodel_llm.peft import is_adapter_dir, load_adapter_weights
-from automodel_llm.recipe import EvalGenerationConfig
+from automodel.training.recipe import TrainRecipe
 from automodel_vlm.datasets.collate import IGNORE_INDEX, VLMCollator, render
 from automodel_vlm.freeze import VLMFreezeConfig
 from automodel_vlm.models import checkpoint_key_mapping
@@ -25,11 +25,8 @@ DATASET_ARGS = ("config_key",)
 
 def _processor_source(model: Any) -> str | None:
     """Where the model section loads from (its processor is there too), if it names a directory or hub name."""
-    for key in ("pretrained_model_name_or_path", "name_or_path"):
-        value = model.get(key)
-        if isinstance(value, str):
-            return value
-    return None
+    found = model_source(model, ("pretrained_model_name_or_path", "name_or_path"))
+    return found[0] if found else None
 
 
 class FinetuneRecipeForVLM(NextTokenLogits, TrainRecipe):
@@ -37,6 +34,7 @@ class FinetuneRecipeForVLM(NextTokenLogits, TrainRecipe):
 
     domain = "vlm"
     hf_artifacts = ("processor",)
+    stage_implementations = {"peft": "vlm_lora", "freeze": "vlm"}
     sections = {
         "processor": Target("the processor (image processor + tokenizer + chat template; default: the model's): "
                             "{pretrained_model_name_or_path: ...} or {_target_: automodel_vlm.processor."
@@ -47,7 +45,7 @@ class FinetuneRecipeForVLM(NextTokenLogits, TrainRecipe):
         "validation_dataset_*": Target("more validation data sets, reported by name", runtime_args=DATASET_ARGS),
         "peft": Target("LoRA adapters on the language model: {dim, alpha, dropout, target_modules | "
                        "match_all_linear} (or _target_: peft.LoraConfig, used as given)", plain=True,
-                       default_target="automodel_llm.peft.PeftConfig"),
+                       default_target="automodel.hf.PeftConfig"),
         "freeze": VLMFreezeConfig,
         "eval_generation": EvalGenerationConfig,
     }
@@ -62,14 +60,6 @@ class FinetuneRecipeForVLM(NextTokenLogits, TrainRecipe):
                                                    "{pretrained_model_name_or_path: ...}` or build one from its parts "
                                                    "(_target_: automodel_vlm.processor.build_processor)"))
         return issues
-
-    @classmethod
-    def pipeline_selection(cls, cfg: Any) -> dict[str, tuple[str, str]]:
-        chosen = super().pipeline_selection(cfg)
-        if "peft" in chosen:
-            chosen["peft"] = ("vlm_lora", "peft")
-        chosen["freeze"] = ("vlm", "freeze")  # freeze.vision_tower defaults to true
-        return chosen
 
     # ---- building -------------------------------------------------------------------------------------------
 
@@ -90,14 +80,9 @@ class FinetuneRecipeForVLM(NextTokenLogits, TrainRecipe):
                 raise AutomodelError("processor: none found; add `processor: {pretrained_model_name_or_path: ...}` "
                                      "or build one from its parts (automodel_vlm.processor.build_processor)")
             self.processor = load_processor(source)
-        self.untrack("processor")
 
-    def build_dataset(self, node: Any) -> Any:
-        self._dataset_key = node.key
-        return super().build_dataset(node)
-
-    def dataset_runtime_args(self) -> dict[str, Any]:
-        return {"config_key": getattr(self, "_dataset_key", "dataset")}
+    def dataset_runtime_args(self, node: Any) -> dict[str, Any]:
+        return {"config_key": node.key}  # errors in a row name the section it came from
 
     def default_collate_fn(self, train: bool = True) -> Any:
         return VLMCollator(self.processor)
@@ -105,12 +90,9 @@ class FinetuneRecipeForVLM(NextTokenLogits, TrainRecipe):
     def setup(self) -> None:
         super().setup()
         config = getattr(base_model(self.model), "config", None)
-        text = getattr(config, "text_config", None) or config
-        vocab = getattr(text, "vocab_size", None)
-        tokenizer = self.processor.tokenizer
-        if vocab is not None and len(tokenizer) > vocab:
-            raise AutomodelError(f"processor: its tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
-                                 f"{vocab}; use the model's own processor or resize its embeddings")
+        check_vocab(self.processor.tokenizer, getattr(config, "text_config", None) or config,
+                    "processor: its tokenizer has {tokens} tokens but the model's vocab_size is {vocab}; use the "
+                    "model's own processor or resize its embeddings")
         image_id = getattr(config, "image_token_id", None)
         if image_id is None:
             image_id = getattr(config, "image_token_index", None)

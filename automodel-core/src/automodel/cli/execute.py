@@ -14,6 +14,9 @@ from automodel.config import Config, TargetError, build_config, load_yaml_file, 
 from automodel.errors import ConfigError, ConfigIssue, UsageError
 from automodel.plugins.manager import PluginManager
 
+# Commands that take a config also take `--a.b value` overrides, which click would otherwise refuse.
+OVERRIDE_SETTINGS = {"ignore_unknown_options": True, "allow_extra_args": True}
+
 
 def resolve_config_path(config: str, manager: PluginManager) -> Path:
     """A file path, or the name of a shipped example (``llm/tiny_squad``)."""

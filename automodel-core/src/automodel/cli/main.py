@@ -7,6 +7,7 @@ import sys
 
 import click
 
+from automodel.cli.execute import OVERRIDE_SETTINGS
 from automodel.cli.trust_options import trust_params
 from automodel.config.trust import set_command_line_trust
 from automodel.errors import AutomodelError, UsageError
@@ -58,7 +59,7 @@ class RouteCommand(click.Command):
             help=f"Run a '{name}' recipe. Domains: {', '.join(domains)}. Extra --section.key value pairs "
                  "override the config.",
             short_help=f"{name} recipes: {', '.join(domains)}",
-            context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+            context_settings=OVERRIDE_SETTINGS,
         )
 
     def _run(self, domain: str | None, config: str | None, dry_run: bool, print_config: bool, slurm: bool,

@@ -48,6 +48,10 @@ class ConfigNode(Mapping):
         return self._key
 
     @property
+    def resolver(self) -> TargetResolver:
+        return self._resolver
+
+    @property
     def target(self) -> str | None:
         return self._data.get("_target_")
 

@@ -15,7 +15,8 @@ import dataclasses
 import inspect
 import types
 import typing
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
 from automodel.config.instantiate import is_target_node
@@ -26,13 +27,18 @@ from automodel.suggest import did_you_mean
 
 @dataclass(frozen=True)
 class Target:
-    """A section built by calling its ``_target_``; ``runtime_args`` are supplied by the builder, not the YAML."""
+    """A section built by calling its ``_target_``; ``runtime_args`` are supplied by the builder, not the YAML.
+
+    ``default`` is the one place a section's default lives: the mapping an absent section stands for (built
+    like a written one: its ``_target_``, else ``default_target``); None when an absent section builds nothing.
+    """
 
     help: str = ""
     runtime_args: tuple[str, ...] = ()
     required: bool = False
     plain: bool = False  # may be a plain mapping without _target_ (then checked against default_target)
     default_target: str | None = None
+    default: Mapping[str, Any] | None = field(default=None, hash=False)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The plugin system: hook markers, hookspecs, registries and the manager."""
 
 from automodel.plugins.markers import hookimpl, hookspec
-from automodel.plugins.registries import PIPELINE_SLOTS
+from automodel.training.pipeline import PIPELINE_SLOTS
 
 __all__ = ["PIPELINE_SLOTS", "hookimpl", "hookspec"]

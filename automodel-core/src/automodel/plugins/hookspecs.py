@@ -38,12 +38,14 @@ def automodel_register_aliases(aliases: AliasRegistry) -> None:
 
 @hookspec
 def automodel_register_builders(builders: BuilderRegistry) -> None:
-    """Add or override builders: ``builders.add("model", fn, domain="vlm")``."""
+    """Add or override builders: ``builders.add("model", fn, domain="vlm")``; ``fn(ctx, *args)`` receives the
+    ``BuildContext`` and the core builder's arguments and returns what it builds."""
 
 
 @hookspec
 def automodel_register_stages(stages: StageRegistry) -> None:
-    """Add an implementation to a fixed pipeline slot: ``stages.add("sharding", "fsdp2", fn)``."""
+    """Add an implementation to a fixed pipeline slot: ``stages.add("sharding", "fsdp2", fn)``; ``fn(ctx, model)``
+    returns ``(model, message)``."""
 
 
 @hookspec

@@ -7,10 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from automodel.errors import PluginError
-
-# The infrastructure pipeline's slots, in the order the core applies them (DESIGN §8). Plugins fill slots;
-# they never add slots or change the order.
-PIPELINE_SLOTS = ("peft", "fp8", "qat", "checkpoint", "freeze", "sharding", "device", "compile", "context_parallel")
+from automodel.training.pipeline import PIPELINE_SLOTS
 
 
 class _Registry:

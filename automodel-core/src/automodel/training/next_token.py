@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from automodel.training.loss import IGNORE_INDEX
-from automodel.training.recipe import unwrap
+from automodel.training.modules import unwrap
 
 LABEL_POSITIONS = "label_positions"  # batch key: flat indices of the positions whose next token has a label
 

@@ -1,23 +1,67 @@
 """The infrastructure pipeline: fixed slots in a fixed order, owned by the core (DESIGN §8).
 
-For each slot the recipe says which registered implementation (if any) acts for this config; the pipeline
-calls them in slot order and logs one line per stage that acted. Plugins add implementations, never slots.
+Each slot is one module, ``automodel.training.stages.<slot>``, holding the slot's ``select(cfg)`` (whether it
+acts for a config, with which implementation by default, and which config key asked), its ``issues(cfg,
+implementation)`` (what the config asks that this machine or build cannot do) and the core's implementations. A
+recipe may name another registered implementation for a slot (``TrainRecipe.stage_implementations``) or refuse
+a slot with a reason (``TrainRecipe.unsupported_stages``). Plugins add implementations, never slots or an order.
+
+Importing this module imports no torch (the plugin registries read the slot order from here).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import importlib
+from collections.abc import Mapping
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from automodel.errors import AutomodelError, ConfigIssue, PluginError
-from automodel.plugins.registries import PIPELINE_SLOTS, StageRegistry
 
 if TYPE_CHECKING:
-    from automodel.training.recipe import TrainRecipe
+    from automodel.config import Config
+    from automodel.plugins.registries import StageRegistry
+    from automodel.training.context import BuildContext
+
+# The slots, in the order the core applies them. Plugins fill slots; they never add slots or change the order.
+PIPELINE_SLOTS = ("peft", "fp8", "qat", "checkpoint", "freeze", "sharding", "device", "compile", "context_parallel")
+
+# slot -> (implementation name, config key that asked for it), for the stages that act
+Selection = dict[str, tuple[str, str]]
 
 
-def missing_stages(selection: dict[str, tuple[str, str]], stages: StageRegistry) -> list[ConfigIssue]:
-    """Validation: a configured stage whose implementation is not installed."""
+def slot_module(slot: str) -> ModuleType:
+    return importlib.import_module(f"automodel.training.stages.{slot}")
+
+
+def select_stages(cfg: Config, implementations: Mapping[str, str], unsupported: Mapping[str, str]) -> Selection:
+    """The stages that act for ``cfg``, in slot order; a recipe's ``implementations`` replace the defaults and
+    its ``unsupported`` slots never act (validation refuses a config that asks for one)."""
+    chosen: Selection = {}
+    for slot in PIPELINE_SLOTS:
+        found = slot_module(slot).select(cfg)
+        if found is not None and slot not in unsupported:
+            name, key = found
+            chosen[slot] = (implementations.get(slot, name), key)
+    return chosen
+
+
+def pipeline_issues(cfg: Config, stages: StageRegistry, implementations: Mapping[str, str],
+                    unsupported: Mapping[str, str]) -> list[ConfigIssue]:
+    """Validation: every slot's own checks, refused slots, and selected implementations that are not installed."""
+    issues: list[ConfigIssue] = []
+    for slot in PIPELINE_SLOTS:
+        issues += slot_module(slot).issues(cfg, implementations.get(slot))
+    for slot, reason in unsupported.items():
+        found = slot_module(slot).select(cfg)
+        if found is not None:
+            issues.append(ConfigIssue(found[1], reason))
+    issues += missing_stages(select_stages(cfg, implementations, unsupported), stages)
+    return issues
+
+
+def missing_stages(selection: Selection, stages: StageRegistry) -> list[ConfigIssue]:
+    """A configured stage whose implementation is not installed."""
     issues = []
     for slot, (name, key) in selection.items():
         if (slot, name) not in stages.stages:
@@ -27,28 +71,27 @@ def missing_stages(selection: dict[str, tuple[str, str]], stages: StageRegistry)
     return issues
 
 
-def apply_pipeline(recipe: TrainRecipe, model: Any, selection: dict[str, tuple[str, str]], stages: StageRegistry,
-                   log: Callable[[str], None]) -> Any:
-    """Run each selected stage in slot order. A stage returns the (possibly wrapped) model, or a message."""
+def apply_pipeline(ctx: BuildContext, model: Any, selection: Selection) -> Any:
+    """Run each selected stage in slot order as ``fn(ctx, model) -> (model, message)``; log one line per stage."""
+    stages = ctx.plugins.stages
     for slot in PIPELINE_SLOTS:
         if slot not in selection:
             continue
         name, _ = selection[slot]
+        stage = stages.stages[(slot, name)]
+        plugin = stage.source not in ("core", "automodel-core")
         try:
-            result = stages.get(slot, name)(recipe, model)
+            result = stages.get(slot, name)(ctx, model)
         except AutomodelError:
             raise
         except Exception as err:  # a plugin's stage failed: name the plugin (the core's own propagate as they are)
-            stage = stages.stages.get((slot, name))
-            if stage is None or stage.source in ("core", "automodel-core"):
+            if not plugin:
                 raise
             raise PluginError(f"pipeline stage '{slot}' [{name}] registered by plugin '{stage.source}' failed: "
                               f"{type(err).__name__}: {err} (AUTOMODEL_DEBUG=1 shows the traceback)") from err
-        if isinstance(result, tuple):
-            model, message = result
-        elif isinstance(result, str) or result is None:
-            message = result
-        else:
-            model, message = result, None
-        log(f"pipeline: {slot} [{name}]" + (f": {message}" if message else ""))
+        if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], (str, type(None)))):
+            raise PluginError(f"pipeline stage '{slot}' [{name}] registered by '{stage.source}' returned "
+                              f"{type(result).__name__}; a stage returns (model, message)")
+        model, message = result
+        ctx.log(f"pipeline: {slot} [{name}]" + (f": {message}" if message else ""))
     return model

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
-from automodel.config.schema import require_positive
+from automodel.config.schema import FieldErrors, require_positive
+
+# What a slurm #SBATCH value may hold: names, paths, times and sbatch's %-patterns; no spaces, quotes or control
+# characters (sbatch splits the line on spaces; a newline ends the directive and starts a shell line).
+_SBATCH_VALUE = re.compile(r"^[A-Za-z0-9._:@%/+,=~-]+$")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 def _help(text: str, aliases: tuple[str, ...] = ()) -> dict:
@@ -121,6 +127,10 @@ class FreezeConfig:
         default_factory=list, metadata=_help("glob patterns kept trainable even if a freeze pattern matches"))
     embeddings: bool = field(default=False, metadata=_help("freeze the input embeddings"))
 
+    def freezes_anything(self) -> bool:
+        """Whether these settings freeze something (the freeze stage then acts even without a freeze: section)."""
+        return bool(self.patterns) or self.embeddings
+
 
 @dataclass
 class FP8Config:
@@ -141,3 +151,32 @@ class FaultToleranceConfig:
         default="raise", metadata=_help("a NaN/inf loss or gradient norm: stop the run (raise) or skip that update"))
     max_skipped_steps: int | None = field(
         default=None, metadata=_help("with nonfinite: skip, stop after this many skipped steps"))
+
+
+@dataclass
+class SlurmConfig:
+    job_name: str = field(default="automodel", metadata={"help": "#SBATCH --job-name"})
+    nodes: int = field(default=1, metadata={"help": "#SBATCH --nodes"})
+    gpus_per_node: int = field(default=8, metadata={"help": "processes (GPUs) per node for torchrun"})
+    partition: str | None = field(default=None, metadata={"help": "#SBATCH --partition"})
+    account: str | None = field(default=None, metadata={"help": "#SBATCH --account"})
+    time: str = field(default="04:00:00", metadata={"help": "#SBATCH --time"})
+    master_port: int = field(default=29500, metadata={"help": "rendezvous port on the first node"})
+    output: str = field(default="slurm-%j.out", metadata={"help": "#SBATCH --output"})
+    script: str = field(default="automodel.sbatch", metadata={"help": "where the script is written"})
+
+    def __post_init__(self) -> None:
+        bad = {}
+        for name in ("job_name", "partition", "account", "time", "output"):
+            value = getattr(self, name)
+            if value is not None and not _SBATCH_VALUE.match(value):
+                bad[name] = (f"{value!r} cannot go into an #SBATCH line: use letters, digits and . _ : @ % / + , = ~ - "
+                             "only (no spaces, quotes or control characters such as a newline)")
+        if _CONTROL.search(self.script):
+            bad["script"] = f"{self.script!r} holds a control character; name a plain file path"
+        try:
+            require_positive(self, "nodes", "gpus_per_node", "master_port")
+        except FieldErrors as err:
+            bad.update(err.errors)
+        if bad:
+            raise FieldErrors(bad)

@@ -6,9 +6,8 @@ from typing import Any
 
 from torch.utils.data import Dataset
 
-from automodel.data import BadRows, OnBadRow
+from automodel.data import BadRows, OnBadRow, load_rows
 from automodel.errors import AutomodelError
-from automodel_llm.datasets.loading import load_rows
 
 IGNORE_INDEX = -100
 _ROLES = ("context", "question", "answer")

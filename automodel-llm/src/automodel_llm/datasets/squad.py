@@ -6,9 +6,9 @@ from typing import Any
 
 from torch.utils.data import Dataset
 
-from automodel.data import BadRows, OnBadRow
+from automodel.data import BadRows, OnBadRow, load_rows
 from automodel.errors import AutomodelError
-from automodel_llm.datasets.loading import load_rows, load_tokenizer
+from automodel.hf import load_tokenizer
 
 IGNORE_INDEX = -100
 

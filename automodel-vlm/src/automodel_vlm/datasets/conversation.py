@@ -34,7 +34,7 @@ def _data_file(path: Path, split: str) -> Path | None:
 
 def load_conversation_rows(path_or_dataset_id: str, split: str, key: str) -> tuple[Any, Path | None]:
     """(rows, the folder relative image paths start from) for a file, a folder with ``<split>.jsonl``, or a hub name."""
-    from automodel_llm.datasets.loading import load_rows
+    from automodel.data import load_rows
 
     path = Path(str(path_or_dataset_id))
     if path.is_dir():

@@ -1,0 +1,81 @@
+"""``automodel validate``: every problem of a config at once, against the recipe it is for."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from automodel.cli.execute import OVERRIDE_SETTINGS
+from automodel.cli.trust_options import trust_options
+from automodel.errors import ConfigError, UsageError
+from automodel.plugins.manager import get_plugin_manager
+
+
+def _best_route_for(path: Path, extra: list[str]):
+    """The installed recipe that a config without `recipe:` fits best: the fewest top-level sections it does not
+    know (an unknown section is one issue however much it holds), then the fewest problems; `finetune llm` on ties.
+    """
+    from automodel.cli.execute import import_recipe, load_and_validate
+    from automodel.config import load_yaml_file
+    from automodel.config.schema import find_spec
+
+    manager = get_plugin_manager()
+    names = [str(name) for name in load_yaml_file(path)]
+    best = None
+    best_rank = None
+    routes = sorted(manager.routes.routes.values(), key=lambda r: (r.command, r.domain) != ("finetune", "llm"))
+    for route in routes:
+        try:
+            recipe_cls = import_recipe(route.recipe)
+        except UsageError:
+            continue
+        try:
+            load_and_validate(recipe_cls, path, extra, manager)
+            return route, None
+        except ConfigError as err:
+            sections = recipe_cls.all_sections()
+            rank = (sum(find_spec(name, sections) is None for name in names), len(err.issues))
+            if best_rank is None or rank < best_rank:
+                best, best_rank = (route, err), rank
+    if best is None:
+        raise UsageError("no recipes are installed to validate against; install a domain such as automodel-llm")
+    return best
+
+
+@click.command(context_settings=OVERRIDE_SETTINGS)
+@click.argument("route", nargs=-1)
+@click.option("-c", "--config", required=True, help="config YAML")
+@trust_options
+@click.pass_context
+def validate(ctx: click.Context, route: tuple[str, ...], config: str) -> None:
+    """Report every problem in a config at once (exit 2 when there are any).
+
+    The recipe is the one named by ROUTE (`automodel validate finetune llm -c x.yaml`), else the config's
+    `recipe:` key, else the installed recipe the config fits best.
+    """
+    from automodel.cli.execute import import_recipe, load_and_validate, recipe_from_config, resolve_config_path
+    from automodel.config import load_yaml_file
+
+    manager = get_plugin_manager()
+    path = resolve_config_path(config, manager)
+    # click hands unknown options to the ROUTE words too: words up to the first --option name the route.
+    words = list(route)
+    first_option = next((i for i, w in enumerate(words) if w.startswith("--")), len(words))
+    route, extra = tuple(words[:first_option]), words[first_option:] + list(ctx.args)
+    if route:
+        if len(route) != 2 or manager.routes.get(route[0], manager.aliases.domains.get(route[1], route[1])) is None:
+            raise UsageError(f"unknown route '{' '.join(route)}'; `automodel recipes` lists them")
+        found = manager.routes.get(route[0], manager.aliases.domains.get(route[1], route[1]))
+        load_and_validate(import_recipe(found.recipe), path, extra, manager)
+        label = f"{found.command} {found.domain}"
+    elif "recipe" in load_yaml_file(path):
+        recipe_cls = recipe_from_config(load_yaml_file(path), manager)
+        load_and_validate(recipe_cls, path, extra, manager)
+        label = f"{recipe_cls.__module__}.{recipe_cls.__qualname__}"
+    else:
+        found, error = _best_route_for(path, extra)
+        if error is not None:
+            raise error
+        label = f"{found.command} {found.domain}"
+    click.echo(f"{path}: valid for {label}")

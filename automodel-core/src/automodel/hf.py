@@ -1,0 +1,194 @@
+"""Hugging Face helpers the domains share: where a model section loads from, tokenizers and the vocabulary check,
+LoRA through peft (config, apply, adapter files) and greedy-generation evaluation.
+
+torch, transformers and peft are imported on first use, so importing this module stays light.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from automodel.data import load_rows
+from automodel.errors import AutomodelError
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["ADAPTER_WEIGHTS", "EvalGenerationConfig", "PeftConfig", "apply_lora", "check_vocab", "exact_match",
+           "is_adapter_dir", "load_adapter_weights", "load_rows", "load_tokenizer", "lora_config",
+           "missing_local_path", "model_source"]
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+SOURCE_KEYS = ("pretrained_model_name_or_path", "name_or_path", "config")
+
+
+# ---- where a model loads from, tokenizers ------------------------------------------------------------------------
+
+def model_source(model: Mapping[str, Any] | None, keys: tuple[str, ...] = SOURCE_KEYS) -> tuple[str, str] | None:
+    """``(value, "model.<key>")`` of the first of ``keys`` that the model section sets to a string: the directory,
+    file or hub name the model loads from (its tokenizer or processor usually lives there too)."""
+    if model is None:
+        return None
+    for key in keys:
+        value = model.get(key)
+        if isinstance(value, str):
+            return value, f"model.{key}"
+    return None
+
+
+def missing_local_path(name_or_path: Any) -> bool:
+    """A value that is clearly a local path (absolute, ./ ../ ~, or a file name) and does not exist.
+
+    Without this, transformers reports a missing directory as an invalid hub repository id.
+    """
+    if not isinstance(name_or_path, str) or not name_or_path:
+        return False
+    path = Path(name_or_path).expanduser()
+    local = path.is_absolute() or name_or_path.startswith(("./", "../", "~")) or path.suffix in (".json", ".yaml")
+    return local and not path.exists()
+
+
+def load_tokenizer(name_or_path: str, key: str) -> Any:
+    """``AutoTokenizer.from_pretrained`` with errors naming ``key``; the pad token falls back to EOS."""
+    from transformers import AutoTokenizer
+
+    if missing_local_path(str(name_or_path)):
+        raise AutomodelError(f"{key}: '{name_or_path}' does not exist")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(name_or_path))
+    except Exception as err:  # noqa: BLE001 - transformers raises OSError/ValueError/... for a bad path
+        raise AutomodelError(f"{key}: cannot load a tokenizer from '{name_or_path}': {err}") from None
+    if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def check_vocab(tokenizer: Any, model_config: Any, message: str) -> None:
+    """A tokenizer with more tokens than the model's embedding table would index out of range: refuse it with
+    ``message`` (formatted with ``tokens`` and ``vocab``)."""
+    vocab = getattr(model_config, "vocab_size", None)
+    if vocab is not None and len(tokenizer) > vocab:
+        raise AutomodelError(message.format(tokens=len(tokenizer), vocab=vocab))
+
+
+# ---- LoRA -------------------------------------------------------------------------------------------------------
+
+class PeftConfig:
+    """LoRA settings with upstream-compatible names (``dim``/``alpha``/``match_all_linear``) or peft's own.
+
+    ``target_modules`` are module-name patterns (``q_proj``, ``*.v_proj``); with none given, or
+    ``match_all_linear: true``, every linear layer except the output head gets an adapter.
+    """
+
+    def __init__(self, target_modules: list[str] | str | None = None, match_all_linear: bool = False,
+                 exclude_modules: list[str] | None = None, dim: int | None = None, r: int | None = None,
+                 rank: int | None = None, alpha: float | None = None, lora_alpha: float | None = None,
+                 dropout: float | None = None, lora_dropout: float | None = None, use_triton: bool = False,
+                 use_dora: bool = False, dropout_position: str = "pre", lora_A_init: str | None = None):
+        given = [v for v in (dim, r, rank) if v is not None]
+        if len(set(given)) > 1:
+            raise ValueError(f"peft: dim/r/rank disagree ({given}); give one")
+        self.rank = given[0] if given else 8
+        self.alpha = alpha if alpha is not None else (lora_alpha if lora_alpha is not None else 2 * self.rank)
+        self.dropout = dropout if dropout is not None else (lora_dropout or 0.0)
+        self.target_modules = target_modules
+        self.match_all_linear = match_all_linear or not target_modules
+        self.exclude_modules = exclude_modules
+        self.use_dora = use_dora
+        if self.rank < 1:
+            raise ValueError(f"peft.dim must be >= 1, found {self.rank}")
+
+    def to_lora_config(self) -> Any:
+        import peft
+
+        if self.match_all_linear:
+            targets: Any = "all-linear"
+        elif isinstance(self.target_modules, str):
+            targets = self.target_modules
+        else:
+            # peft matches plain names as suffixes; glob patterns become one regular expression.
+            targets = [t.replace("*.", "").replace("*", "") for t in self.target_modules]
+        return peft.LoraConfig(r=self.rank, lora_alpha=self.alpha, lora_dropout=self.dropout,
+                               target_modules=targets, exclude_modules=self.exclude_modules,
+                               use_dora=self.use_dora, task_type="CAUSAL_LM")
+
+
+def lora_config(built: Any) -> Any:
+    """The ``peft.LoraConfig`` of what the ``peft:`` section built (our PeftConfig, or a peft config as given)."""
+    import peft
+
+    if isinstance(built, PeftConfig):
+        return built.to_lora_config()
+    if isinstance(built, peft.PeftConfig):
+        return built
+    raise AutomodelError(f"peft._target_: built {type(built).__name__}; expected automodel.hf.PeftConfig (also "
+                         "automodel_llm.peft.PeftConfig) or peft.LoraConfig")
+
+
+def apply_lora(model: torch.nn.Module, config: Any, where: str = "") -> tuple[torch.nn.Module, str]:
+    """``model`` wrapped with LoRA adapters (only they train) and a line saying how many parameters train."""
+    import peft
+
+    try:
+        wrapped = peft.get_peft_model(model, config)
+    except ValueError as err:
+        raise AutomodelError(f"peft.target_modules: {err}") from None
+    trainable = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in wrapped.parameters())
+    return wrapped, f"LoRA r={config.r} alpha={config.lora_alpha}{where}: {trainable} of {total} parameters train"
+
+
+def is_adapter_dir(directory: Path) -> bool:
+    return (directory / ADAPTER_WEIGHTS).is_file()
+
+
+def load_adapter_weights(model: torch.nn.Module, directory: Path) -> None:
+    """Adapter weights of a saved LoRA ``model/`` directory into a model that has the same adapters."""
+    import peft
+    from safetensors.torch import load_file
+
+    if not hasattr(model, "peft_config"):
+        raise AutomodelError(f"restore_from.path: '{directory}' holds a LoRA adapter but this config has no peft: "
+                             "section; add the same peft: settings as the run that wrote it")
+    result = peft.set_peft_model_state_dict(model, load_file(str(directory / ADAPTER_WEIGHTS)))
+    unexpected = getattr(result, "unexpected_keys", [])
+    if unexpected:
+        raise AutomodelError(f"restore_from.path: adapter in '{directory}' does not match the model: unexpected "
+                             f"keys {unexpected[:5]}")
+
+
+# ---- greedy-generation evaluation -------------------------------------------------------------------------------
+
+@dataclass
+class EvalGenerationConfig:
+    enabled: bool = field(default=True, metadata={"help": "answer validation questions greedily after training"})
+    num_examples: int | None = field(default=None, metadata={"help": "how many validation questions (None: all)"})
+    num_shown: int = field(default=3, metadata={"help": "how many answers to print"})
+    max_new_tokens: int = field(default=8, metadata={"help": "generation length limit"})
+
+
+def greedy_answer(model: Any, tokenizer: Any, prompt: str, max_new_tokens: int, device: torch.device) -> str:
+    import torch
+
+    ids = torch.tensor([tokenizer(prompt)["input_ids"]], device=device)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+
+
+def exact_match(model: Any, tokenizer: Any, pairs: list[tuple[str, str]], max_new_tokens: int,
+                device: torch.device) -> tuple[float, list[tuple[str, str, str]]]:
+    """Accuracy over (prompt, answer) pairs and the (prompt, expected, generated) triples."""
+    was_training = model.training
+    model.eval()
+    try:
+        results = [(prompt, answer, greedy_answer(model, tokenizer, prompt, max_new_tokens, device))
+                   for prompt, answer in pairs]
+    finally:
+        model.train(was_training)
+    correct = sum(1 for _, expected, got in results if got.strip() == expected.strip())
+    return correct / max(len(results), 1), results

@@ -1,0 +1,106 @@
+"""What builders and pipeline stages may see: the run's config and environment, nothing of the recipe itself.
+
+``TrainRecipe.setup`` makes one ``BuildContext`` and hands it to every builder (``fn(ctx, ...)``) and every
+stage (``fn(ctx, model) -> (model, message)``); they return what they build and write nothing back.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from automodel.config import Config, ConfigNode, Target
+from automodel.config.schema import find_spec
+from automodel.errors import AutomodelError, PluginError
+
+if TYPE_CHECKING:
+    import torch
+
+    from automodel.plugins.manager import PluginManager
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """How the samples of one optimizer step are laid out (checked at validation, see ``plan.batch_layout``)."""
+
+    micro_batch_size: int  # samples per micro-batch on one rank
+    dp_size: int  # data-parallel ranks
+    grad_accumulation_steps: int  # micro-batches per optimizer step
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.micro_batch_size * self.dp_size * self.grad_accumulation_steps
+
+
+@dataclass(frozen=True)
+class BuildContext:
+    cfg: Config  # the validated config
+    sections: Mapping[str, Any]  # the recipe's declared sections (a Target spec holds its section's default)
+    plugins: PluginManager  # the registries: builders, stages, loggers
+    domain: str | None  # the recipe's domain: selects domain-specific registered builders
+    device: torch.device
+    rank: int
+    world_size: int
+    seed: int  # rng.seed
+    batch: BatchLayout
+    log: Callable[[str], None]  # one line to the user (rank 0 prints)
+    load_model_weights: Callable[[torch.nn.Module, Path], None]  # the recipe's reader of a saved model/ directory
+    restore_path: Path | None = None  # the checkpoint this run resumes from (restore_from.path, resolved)
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.rank == 0
+
+    def build(self, name: str, *args: Any) -> Any:
+        """Call the builder registered for ``name`` (this domain's, else the default) as ``fn(self, *args)``."""
+        registry = self.plugins.builders
+        entry = registry.builders.get((name, self.domain)) or registry.builders.get((name, None))
+        try:
+            return registry.get(name, self.domain)(self, *args)
+        except AutomodelError:
+            raise
+        except Exception as err:  # a plugin's builder failed: name the plugin (the core's own propagate as they are)
+            if entry is None or entry.source in ("core", "automodel-core"):
+                raise
+            raise PluginError(f"builder '{name}' registered by plugin '{entry.source}' failed: "
+                              f"{type(err).__name__}: {err} (AUTOMODEL_DEBUG=1 shows the traceback)") from err
+
+    def section(self, name: str) -> ConfigNode | None:
+        """The config's section ``name``, or the mapping its ``Target`` spec declares as the default when absent."""
+        node = self.cfg.get(name)
+        spec = find_spec(name, self.sections)
+        if node is None and isinstance(spec, Target) and spec.default is not None:
+            node = ConfigNode(dict(spec.default), name, self.cfg.resolver)
+        return node
+
+    def instantiate(self, node: ConfigNode | str | None, **runtime: Any) -> Any:
+        """Build a target section (a node, or a section name: see ``section``); None when there is nothing to build.
+
+        A node without ``_target_`` uses its spec's ``default_target``; of ``runtime`` (model parameters, a
+        tokenizer, ...) only the arguments the target accepts are passed, and they win over the config's keys.
+        """
+        if isinstance(node, str):
+            node = self.section(node)
+        if node is None:
+            return None
+        return node.instantiate(default_target=self.default_target(node),
+                                **accepted(node.resolver.resolve(node.target or self.default_target(node)), runtime))
+
+    def default_target(self, node: ConfigNode) -> str | None:
+        """What a section without ``_target_`` calls: its ``Target`` spec's ``default_target``."""
+        spec = find_spec(node.key, self.sections)
+        return spec.default_target if isinstance(spec, Target) else None
+
+
+def accepted(fn: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The subset of ``kwargs`` that ``fn`` accepts (all of them when it takes ``**kwargs``)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return kwargs
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k in params}

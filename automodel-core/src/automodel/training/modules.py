@@ -1,0 +1,23 @@
+"""Looking inside the wrappers the pipeline puts around a model (DDP, torch.compile, FSDP2)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The user's model inside DDP / torch.compile wrappers."""
+    while True:
+        inner = getattr(model, "_orig_mod", None) or getattr(model, "module", None)
+        if not isinstance(inner, torch.nn.Module):
+            return model
+        model = inner
+
+
+def is_fsdp2(model: torch.nn.Module) -> bool:
+    """Whether FSDP2 (``fully_shard``) sharded any module of ``model``."""
+    return any(type(m).__name__.startswith("FSDP") for m in model.modules())
+
+
+def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]

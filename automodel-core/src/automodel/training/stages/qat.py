@@ -1,0 +1,43 @@
+"""Slot ``qat``: quantisation-aware training through torchao's fake quantisers (``qat.enabled``; runs on CPU)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from automodel.config import Config
+from automodel.errors import ConfigIssue
+from automodel.training.context import BuildContext
+
+QAT_QUANTIZERS = {
+    "int8_dynamic_act_int4_weight": "Int8DynActInt4WeightQATQuantizer",
+    "int4_weight_only": "Int4WeightOnlyQATQuantizer",
+}
+
+
+def select(cfg: Config) -> tuple[str, str] | None:
+    return ("torchao", "qat.enabled") if cfg.qat is not None and cfg.qat.enabled else None
+
+
+def issues(cfg: Config, implementation: str | None) -> list[ConfigIssue]:
+    if select(cfg) is None:
+        return []
+    found = []
+    if importlib.util.find_spec("torchao") is None:
+        found.append(ConfigIssue("qat.enabled", "QAT needs torchao: pip install torchao"))
+    if cfg.qat.quantizer not in QAT_QUANTIZERS:
+        found.append(ConfigIssue("qat.quantizer", f"'{cfg.qat.quantizer}' is not one of {', '.join(QAT_QUANTIZERS)}"))
+    if cfg.peft is not None:
+        found.append(ConfigIssue("qat.enabled", "QAT together with peft (LoRA) is not supported: the fake-quantised "
+                                                "layers would sit under the adapters; use one"))
+    return found
+
+
+def fake_quantize(ctx: BuildContext, model: torch.nn.Module) -> tuple[torch.nn.Module, str]:
+    """torchao swaps the linear layers for fake-quantised ones."""
+    import torchao.quantization.qat as qat
+
+    cfg = ctx.cfg.qat
+    quantizer = getattr(qat, QAT_QUANTIZERS[cfg.quantizer])(groupsize=cfg.group_size)
+    return quantizer.prepare(model), f"QAT fake quantisation {cfg.quantizer} (group size {cfg.group_size})"

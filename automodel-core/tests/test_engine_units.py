@@ -1,0 +1,203 @@
+"""Unit semantics of the engine: the masked loss, the warmup schedulers, the step scheduler (DESIGN §9)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+# ---- MaskedCrossEntropy --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_masked_ce_all_ignored_is_zero_not_nan(reduction):
+    from automodel.training.loss import MaskedCrossEntropy
+
+    logits = torch.randn(2, 5, 11, requires_grad=True)
+    labels = torch.full((2, 5), -100)
+    loss = MaskedCrossEntropy(reduction=reduction)(logits, labels)
+    assert loss.item() == 0.0 and not torch.isnan(loss)
+    loss.backward()
+    assert torch.isfinite(logits.grad).all() and logits.grad.abs().sum() == 0
+
+
+def test_masked_ce_matches_torch_on_label_tokens():
+    from automodel.training.loss import MaskedCrossEntropy
+
+    torch.manual_seed(0)
+    logits = torch.randn(3, 7, 13)
+    labels = torch.randint(0, 13, (3, 7))
+    labels[0, :4] = -100
+    labels[2, 5:] = -100
+    kept = labels != -100
+    expected_sum = F.cross_entropy(logits[kept], labels[kept], reduction="sum")
+    assert MaskedCrossEntropy()(logits, labels).item() == pytest.approx(expected_sum.item(), rel=1e-6)
+    assert MaskedCrossEntropy(reduction="mean")(logits, labels).item() == pytest.approx(
+        expected_sum.item() / int(kept.sum()), rel=1e-6)
+
+
+def test_masked_ce_upcasts_half_precision():
+    from automodel.training.loss import MaskedCrossEntropy
+
+    logits = torch.randn(4, 9).to(torch.bfloat16)
+    labels = torch.tensor([1, 2, -100, 3])
+    loss = MaskedCrossEntropy()(logits, labels)
+    assert loss.dtype == torch.float32
+    assert loss.item() == pytest.approx(F.cross_entropy(logits.float()[[0, 1, 3]], labels[[0, 1, 3]],
+                                                        reduction="sum").item(), rel=1e-6)
+
+
+def test_as_sum_loss_switches_torch_losses_to_sum():
+    from automodel.training.loss import MaskedCrossEntropy, as_sum_loss
+
+    assert isinstance(as_sum_loss(None), MaskedCrossEntropy)
+    ce = as_sum_loss(torch.nn.CrossEntropyLoss())
+    assert ce.reduction == "sum" and ce.ignore_index == -100
+    assert ce(torch.randn(3, 4), torch.full((3,), -100)).item() == 0.0
+
+
+# ---- CosineAnnealingWarmup and friends -------------------------------------------------------------------------
+
+
+def lrs(scheduler_cls, steps, **kwargs):
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    scheduler = scheduler_cls(opt, **kwargs)
+    values = [opt.param_groups[0]["lr"]]  # lr used by step 1
+    for _ in range(steps):
+        opt.step()
+        scheduler.step()
+        values.append(opt.param_groups[0]["lr"])
+    return values, scheduler
+
+
+def test_cosine_annealing_warmup_values():
+    from automodel.optim import CosineAnnealingWarmup
+
+    values, _ = lrs(CosineAnnealingWarmup, 14, warmup_steps=4, min_lr=0.1, total_steps=12)
+    # linear warmup: 1/4, 2/4, 3/4, then the base lr at the end of warmup
+    assert values[:5] == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0])
+    # half-way through the decay (step 8 of 12): min + (base - min) / 2
+    assert values[8] == pytest.approx(0.55)
+    assert values[6] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.25)))
+    # reaches min_lr at total_steps and stays there
+    assert values[12] == pytest.approx(0.1) and values[13] == pytest.approx(0.1) and values[14] == pytest.approx(0.1)
+    assert all(a >= b - 1e-12 for a, b in zip(values[4:-1], values[5:], strict=True)), "decay is monotone"
+
+
+def test_cosine_annealing_warmup_without_warmup_and_state_round_trip():
+    from automodel.optim import CosineAnnealingWarmup
+
+    values, scheduler = lrs(CosineAnnealingWarmup, 5, warmup_steps=0, min_lr=0.0, total_steps=10)
+    assert values[0] == pytest.approx(1.0) and values[5] == pytest.approx(0.5)
+    state = scheduler.state_dict()
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    fresh = CosineAnnealingWarmup(opt, warmup_steps=0, min_lr=0.0, total_steps=10)
+    fresh.load_state_dict(state)
+    opt.step()
+    fresh.step()
+    scheduler.optimizer.step()
+    scheduler.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(scheduler.optimizer.param_groups[0]["lr"])
+
+
+def test_linear_and_constant_warmup():
+    from automodel.optim import ConstantWarmup, LinearWarmup
+
+    linear, _ = lrs(LinearWarmup, 10, warmup_steps=2, min_lr=0.0, total_steps=10)
+    assert linear[:3] == pytest.approx([0.5, 1.0, 1.0]) and linear[6] == pytest.approx(0.5)
+    assert linear[10] == pytest.approx(0.0)
+    constant, _ = lrs(ConstantWarmup, 6, warmup_steps=2, total_steps=6)
+    assert constant == pytest.approx([0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+
+
+# ---- StepScheduler -----------------------------------------------------------------------------------------------
+
+
+def scheduler(accumulation=1, steps_per_epoch=None, **config):
+    from automodel.training.sections import StepSchedulerConfig
+    from automodel.training.step_scheduler import StepScheduler
+
+    return StepScheduler(StepSchedulerConfig(**config), accumulation, steps_per_epoch)
+
+
+def drive(steps, data):
+    """Run the loop's protocol; returns [(step, epoch, micro-batches)] per step."""
+    seen = []
+    for batches in steps.batches(data):
+        step = steps.finish_step()
+        seen.append((step, steps.epoch, list(batches)))
+    return seen
+
+
+def test_step_groups_accumulation_and_drops_partial_step_at_epoch_end():
+    steps = scheduler(accumulation=3, steps_per_epoch=2, max_steps=5, num_epochs=10)
+    seen = drive(steps, list(range(7)))  # 7 micro-batches: two steps, one left over per epoch
+    assert [s for s, _, _ in seen] == [1, 2, 3, 4, 5]
+    assert seen[0][2] == [0, 1, 2] and seen[1][2] == [3, 4, 5] and seen[2][2] == [0, 1, 2]
+    assert [e for _, e, _ in seen] == [0, 0, 1, 1, 2]
+    assert steps.step == 5
+
+
+def test_num_epochs_limits_when_max_steps_unset():
+    steps = scheduler(accumulation=2, steps_per_epoch=2, num_epochs=3)
+    assert steps.max_steps == 6
+    seen = drive(steps, list(range(4)))
+    assert len(seen) == 6 and [e for _, e, _ in seen] == [0, 0, 1, 1, 2, 2]
+
+
+def test_first_limit_wins():
+    steps = scheduler(steps_per_epoch=4, max_steps=100, num_epochs=2)
+    assert len(drive(steps, list(range(4)))) == 8
+    steps = scheduler(steps_per_epoch=4, max_steps=3, num_epochs=2)
+    assert len(drive(steps, list(range(4)))) == 3
+
+
+def test_log_val_checkpoint_predicates():
+    steps = scheduler(steps_per_epoch=100, max_steps=10, log_interval=3, val_check_interval=5, checkpoint_interval=4)
+    logs, vals, ckpts = [], [], []
+    for _ in steps.batches(list(range(100))):
+        s = steps.finish_step()
+        logs += [s] if steps.is_log_step() else []
+        vals += [s] if steps.is_val_step() else []
+        ckpts += [s] if steps.is_checkpoint_step(last=s >= steps.max_steps) else []
+    assert logs == [3, 6, 9, 10]  # and always the last step
+    assert vals == [5, 10]
+    assert ckpts == [4, 8, 10]
+
+
+def test_no_validation_when_interval_unset():
+    steps = scheduler(steps_per_epoch=10, max_steps=3)
+    for _ in steps.batches(list(range(10))):
+        steps.finish_step()
+        assert not steps.is_val_step()
+
+
+def test_step_scheduler_state_round_trip():
+    steps = scheduler(steps_per_epoch=2, max_steps=5, num_epochs=10)
+    drive_some = steps.batches(list(range(2)))
+    for _ in range(3):
+        next(drive_some)
+        steps.finish_step()
+    state = steps.state_dict()
+    assert state == {"step": 3, "epoch": 1}
+    other = scheduler(steps_per_epoch=2, max_steps=5, num_epochs=10)
+    other.load_state_dict(state)
+    assert (other.step, other.epoch) == (3, 1)
+    assert [s for s, _, _ in drive(other, list(range(2)))] == [4, 5]
+
+
+def test_too_little_data_for_one_step_is_a_clear_error():
+    from automodel.errors import AutomodelError
+
+    with pytest.raises(AutomodelError, match="grad_accumulation_steps"):
+        scheduler(accumulation=4, steps_per_epoch=0, max_steps=3)
+
+
+@pytest.mark.parametrize("key", ["max_steps", "grad_accumulation_steps", "log_interval", "checkpoint_interval"])
+def test_step_scheduler_rejects_non_positive(key):
+    from automodel.training.sections import StepSchedulerConfig
+
+    with pytest.raises(ValueError, match=key):
+        StepSchedulerConfig(**{key: 0})

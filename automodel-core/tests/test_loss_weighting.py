@@ -1,0 +1,65 @@
+"""The step loss is the mean over all label tokens of the whole step (DESIGN §9), whatever the micro-batching.
+
+The toy data's samples carry 1 to 4 targets each, so micro-batches hold different numbers of label tokens: a mean
+of micro-batch means (or a per-micro-batch mean loss) gives different losses and gradients.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from automodel.testing import ToyRecipe, assert_states_equal, read_jsonl, toy_config, train_inprocess, write_yaml
+
+
+def run(tmp_path, name, batch_size, accumulation):
+    config = write_yaml(tmp_path / f"{name}.yaml", toy_config(
+        tmp_path / name,
+        step_scheduler={"max_steps": 2, "grad_accumulation_steps": accumulation, "global_batch_size": 8},
+        dataloader={"batch_size": batch_size, "shuffle": False},
+        checkpoint={"enabled": False},
+        optimizer={"lr": 1.0e-3},
+    ))
+    recipe = train_inprocess(config, recipe=ToyRecipe)
+    return recipe, read_jsonl(tmp_path / name / "training.jsonl")
+
+
+def test_micro_batching_does_not_change_losses_or_weights(tmp_path):
+    small, small_rows = run(tmp_path, "accumulated", 2, 4)
+    big, big_rows = run(tmp_path, "single", 8, 1)
+
+    # The test only means something if the micro-batches carry different numbers of label tokens.
+    counts = [small.count_label_tokens(b) for b in list(small.dataloader)[:4]]
+    assert len(set(counts)) > 1, counts
+
+    assert [r["step"] for r in small_rows] == [r["step"] for r in big_rows] == [1, 2]
+    for a, b in zip(small_rows, big_rows, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], abs=1e-5)
+    assert_states_equal(small.model.state_dict(), big.model.state_dict(), atol=1e-5)
+
+
+def test_step_loss_is_token_weighted_not_mean_of_means(tmp_path, make_toy):
+    """The logged step-1 loss equals (sum of target losses) / (targets) recomputed from the initial model."""
+    captured = {}
+
+    def snapshot(recipe):
+        captured["state"] = {k: v.detach().clone() for k, v in recipe.model.state_dict().items()}
+        captured["batches"] = list(recipe.dataloader)[:4]
+
+    config = make_toy(step_scheduler={"max_steps": 1, "grad_accumulation_steps": 4},
+                      dataloader={"batch_size": 2, "shuffle": False}, checkpoint={"enabled": False})
+    recipe = train_inprocess(config, recipe=ToyRecipe, before_run=snapshot)
+    logged = read_jsonl(tmp_path / "ckpt" / "training.jsonl")[0]["loss"]
+
+    model = recipe.model
+    model.load_state_dict(captured["state"])
+    sums, counts = [], []
+    with torch.no_grad():
+        for batch in captured["batches"]:
+            sums.append(float(recipe.compute_loss(model, batch)))
+            counts.append(recipe.count_label_tokens(batch))
+    token_weighted = sum(sums) / sum(counts)
+    mean_of_means = sum(s / c for s, c in zip(sums, counts, strict=True)) / len(sums)
+    assert logged == pytest.approx(token_weighted, abs=1e-5)
+    assert abs(token_weighted - mean_of_means) > 1e-4, "data not ragged enough to tell the two apart"
