@@ -35,7 +35,7 @@ def render_section() -> str:
         lines.append(f"**{source}**")
         lines.append("")
         if kinds["prefix"]:
-            lines.append("- its own package, by prefix: " + ", ".join(f"`{n}`" for n in kinds["prefix"]))
+            lines.append("- its own package or parts of it, by prefix: " + ", ".join(f"`{n}`" for n in kinds["prefix"]))
         if kinds["exact"]:
             lines.append("- exact: " + ", ".join(f"`{n}`" for n in kinds["exact"]))
         lines.append("")

@@ -104,8 +104,13 @@ def gadgets(directory: Path) -> list[tuple[str, dict[str, Any]]]:
         ("flight_recorder", {"_target_": "torch.distributed.flight_recorder.components.loader.read_dump",
                              "prefix": "rank", "filename": str(write_flight_recorder_dump(directory))}),
         ("load_from_disk", {"_target_": "datasets.Dataset.load_from_disk", "dataset_path": str(directory)}),
+        # the core's own package: a nested CLI invocation, and a test helper that writes files
+        ("automodel-cli", {"_target_": "automodel.cli.main.main",
+                           "argv": ["cp", "llm/tiny_squad", str(marker(directory))]}),
+        ("automodel-write_dist", {"_target_": "automodel.testing.write_dist", "root": str(directory), "dist": "evil",
+                                  "version": "1", "entry_points": {}, "files": {marker(directory).name: ""}}),
     ]
 
 
 GADGET_IDS = ["run_command", "direct_transformers_import", "basichandlers-pickle", "model_dump", "flight_recorder",
-              "load_from_disk"]
+              "load_from_disk", "automodel-cli", "automodel-write_dist"]

@@ -19,7 +19,7 @@ from automodel.testing import write_yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 # What a user might think unlocks the libraries: it must unlock none of the gadgets (the deny-list stands).
-LIBRARIES = "torch,transformers,datasets"
+LIBRARIES = "torch,transformers,datasets,automodel"
 
 
 @pytest.fixture
@@ -270,7 +270,8 @@ def test_targets_lists_the_registry_without_importing_torch(cli):
     assert result.returncode == 0, result.stderr
     data = result.json()
     rows = {(t["name"], t["kind"]): t["sources"] for t in data["targets"]}
-    assert rows[("automodel", "prefix")] == ["automodel-core"]
+    assert rows[("automodel.optim", "prefix")] == ["automodel-core"]
+    assert ("automodel", "prefix") not in rows  # never the whole core package (its CLI, its test helpers)
     assert rows[("torch.optim.AdamW", "exact")] == ["automodel-core"]
     assert rows[("automodel_llm", "prefix")] == ["automodel-llm"]
     assert sorted(rows[("peft.LoraConfig", "exact")]) == ["automodel-llm", "automodel-vlm"]

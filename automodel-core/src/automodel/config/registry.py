@@ -41,6 +41,9 @@ DENIED = (
     "peft.utils.save_and_load.torch_load",
     # load shared libraries named by their arguments
     "torch.classes", "torch.cuda.memory.CUDAPluggableAllocator",
+    # the core's own: the CLI runs commands (a nested one with its own trust flags); test helpers write plugin
+    # distributions and files, or start the CLI with an environment of the caller's choosing
+    "automodel.cli", "automodel.testing.run_cli", "automodel.testing.write_dist", "automodel.testing.write_yaml",
 )
 CONSTRUCTOR = "constructor"  # a public from_* classmethod of a class registered exactly
 

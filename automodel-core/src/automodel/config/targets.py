@@ -23,11 +23,11 @@ from automodel.config.registry import (
     CONSTRUCTOR,
     DENIED,
     DOTTED,
-    EXACT,
     PREFIX,
     Grant,
     Registration,
     TargetRegistry,
+    classify,
     under,
 )
 from automodel.config.trust import ALLOW_ENV, ALLOW_FLAG, UserTrust, trusted_targets_file
@@ -44,8 +44,7 @@ class TargetError(Exception):
 
 def core_registry() -> TargetRegistry:
     """The core's own registrations (what the core plugin registers through ``automodel_allowed_targets``)."""
-    return TargetRegistry(Registration(name, PREFIX if "." not in name else EXACT, "automodel-core")
-                          for name in CORE_TARGETS)
+    return TargetRegistry(classify(CORE_TARGETS, {"automodel"}, "automodel-core")[0])
 
 
 def how_to_trust(name: str) -> str:
