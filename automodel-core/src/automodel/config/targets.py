@@ -5,9 +5,10 @@ exactly (or a ``from_*`` constructor of a class registered exactly), or a name u
 or under a name the person running trusts (:mod:`automodel.config.trust`). Then the lookup itself is checked: every
 module it passes through must be the module its path names (``torch.os`` is the module ``os``, so
 ``torch.os.system`` never resolves), and the callable's defining module must not be denied and, for a name admitted
-by prefix, must itself be registered by prefix (so a trusted package's ``from subprocess import run`` does not
-make ``subprocess.run`` a target). The deny-list (:data:`automodel.config.registry.DENIED`) applies to every
-name, whoever registered or trusted it.
+by prefix, must itself be registered by prefix, or the callable's own location must be (so a trusted package's
+``from subprocess import run`` does not make ``subprocess.run`` a target, while ``automodel_llm.peft.PeftConfig``
+may stand for the registered ``automodel.hf.PeftConfig``). The deny-list
+(:data:`automodel.config.registry.DENIED`) applies to every name, whoever registered or trusted it.
 """
 
 from __future__ import annotations
@@ -163,7 +164,7 @@ class TargetResolver:
         location = f"{module}.{qualname}" if isinstance(qualname, str) else module
         if under(module, DENIED) or under(location, DENIED):
             raise TargetError(f"'{path}' is refused: it is {location}, which can execute arbitrary code")
-        if grant.how == PREFIX and not (under(module, self.registry.prefixes())
-                                        or under(location, [grant.registration.name])):
+        registered = self.registry.prefixes()
+        if grant.how == PREFIX and not (under(module, registered) or under(location, registered)):
             raise TargetError(f"'{path}' is refused: it is defined in module '{module}', which is not registered "
                               f"(a name under '{grant.registration.name}' re-exported from elsewhere)")
