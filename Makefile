@@ -7,11 +7,17 @@ STAMP := $(VENV)/.installed
 # Distributions in dependency order (core first).
 DISTS := automodel-core automodel-llm automodel-vlm automodel-diffusion automodel-retrieval
 PYPROJECTS := $(foreach d,$(DISTS),$(d)/pyproject.toml)
+# make test-min: a second virtualenv holding every declared dependency floor. pytest 8.0 is the newest that
+# accepts pluggy's floor (1.3).
+VENV_MIN := .venv-min
+PY_MIN := $(VENV_MIN)/bin/python
+PYTEST_MIN := pytest==8.0.2
+SMOKE_TESTS = $(shell grep -rl --include='test_*.py' 'pytest.mark.smoke' $(foreach d,$(DISTS),$(d)/tests) tests)
 export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
 
-.PHONY: install run test lint bench clean
+.PHONY: install run test test-min lint bench dist clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -30,11 +36,27 @@ run: install
 test: install
 	$(PY) -m pytest --rootdir=. --import-mode=importlib -q $(foreach d,$(DISTS),$(d)/tests) tests
 
+# The smoke tests (pytest -m smoke) against the lowest versions the pyprojects declare, in a fresh .venv-min.
+test-min:
+	rm -rf $(VENV_MIN)
+	$(PYTHON) -m venv $(VENV_MIN)
+	$(PYTHON) scripts/min_constraints.py > $(VENV_MIN)/min-constraints.txt
+	$(PY_MIN) -m pip install -q -c $(VENV_MIN)/min-constraints.txt $(foreach d,$(DISTS),-e $(d)) $(PYTEST_MIN)
+	$(PY_MIN) -m pip check
+	$(PY_MIN) -m pytest --rootdir=. --import-mode=importlib -q -p no:cacheprovider -m smoke $(SMOKE_TESTS)
+
 lint: install
 	$(VENV)/bin/ruff check .
 
 bench: install
 	$(PY) bench/run.py
 
+# Release artifacts: an sdist and a wheel (built from that sdist) per distribution, in dist/. --no-isolation builds
+# with the pinned setuptools of .venv, offline.
+dist: install
+	rm -rf dist
+	$(foreach d,$(DISTS),$(PY) -m build --no-isolation --quiet --outdir dist $(d) &&) true
+	ls -1 dist
+
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) $(VENV_MIN) runs dist

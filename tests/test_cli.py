@@ -7,6 +7,8 @@ import re
 
 import pytest
 
+pytestmark = pytest.mark.smoke  # the core's share of make test-min
+
 LIGHT_COMMANDS = [["--help"], ["recipes"], ["plugins"], ["plugins", "--json"], ["cp"], ["hello", "--help"]]
 
 NO_TORCH = """

@@ -63,7 +63,7 @@ def test_new_writes_a_complete_distribution(scaffolded):
     project = tomllib.loads((dest / "pyproject.toml").read_text())
     assert project["project"]["name"] == "automodel-label-sft"
     assert project["project"]["entry-points"]["automodel"] == {"label-sft": "automodel_label_sft.plugin"}
-    assert "automodel-llm>=" in " ".join(project["project"]["dependencies"])
+    assert "automodel-llm~=" in " ".join(project["project"]["dependencies"])
     assert project["tool"]["setuptools"]["package-data"]["automodel_label_sft"] == ["examples/*.yaml"]
     recipe = ast.parse((pkg / "recipe.py").read_text())
     cls = next(n for n in recipe.body if isinstance(n, ast.ClassDef) and n.name == "LabelSftRecipe")

@@ -150,3 +150,11 @@ def make_toy(tmp_path):
         return write_yaml(tmp_path / name, toy_config(tmp_path / "ckpt", **sections))
 
     return make
+
+
+@pytest.fixture(scope="session")
+def two_ranks(tmp_path_factory):
+    """The distributed scenarios' results: one launch of two gloo ranks (see parallel_testing.run_all_scenarios)."""
+    from parallel_testing import run_all_scenarios
+
+    return run_all_scenarios(tmp_path_factory.mktemp("two_ranks"))

@@ -24,6 +24,8 @@ from automodel.plugins.registries import (
     StageRegistry,
 )
 
+pytestmark = pytest.mark.smoke  # the core's share of make test-min
+
 SPEC_NAMES = sorted(n for n in dir(hookspecs) if hasattr(getattr(hookspecs, n), "automodel_spec"))
 
 

@@ -15,6 +15,8 @@ from automodel.config import (
 )
 from automodel.errors import ConfigError
 
+pytestmark = pytest.mark.smoke  # the core's share of make test-min
+
 # ---- YAML text that loads -------------------------------------------------------------------------------
 
 GOOD_YAML = [

@@ -13,6 +13,7 @@ from automodel.testing import assert_states_equal, load_safetensors_state, losse
 PROMPTS = 4  # the example's sample_generation.prompts
 
 
+@pytest.mark.smoke
 def test_loss_falls(flow_run):
     losses = losses_by_step(flow_run["ckpt"] / "training.jsonl")
     assert sorted(losses) == list(range(5, 61, 5))
@@ -64,6 +65,7 @@ def test_trained_component_loads_with_its_diffusers_class(flow_run):
     assert_states_equal(load_safetensors_state(model_dir / "transformer"), trained)
 
 
+@pytest.mark.smoke
 def test_pipeline_loads_with_diffusers_and_reproduces_the_validation_sample(flow_run):
     from diffusers import DiffusionPipeline
 

@@ -43,6 +43,7 @@ DATASETS = {
 }
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("kind", sorted(DATASETS))
 def test_each_dataset_kind_trains_a_few_steps(kind, data_files, make_config, tmp_path):
     import yaml
@@ -112,6 +113,7 @@ def test_packed_loss_equals_unpacked_loss_and_packing_raises_useful_tokens(make_
     assert useful_packed > useful_padded
 
 
+@pytest.mark.smoke
 def test_lora_adapter_loads_with_peft_gives_the_trained_logits_and_exports_merged(make_config, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM

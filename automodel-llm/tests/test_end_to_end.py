@@ -104,6 +104,7 @@ def test_trained_model_loads_with_transformers_and_matches_final_weights(tmp_pat
         assert torch.equal(model(**inputs).logits, recipe.model(**inputs).logits)
 
 
+@pytest.mark.smoke
 def test_shipped_example_runs_through_cli_and_loads(tmp_path):
     """``-c llm/tiny_squad`` (the shipped example) with model-size and run-length overrides, then transformers."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

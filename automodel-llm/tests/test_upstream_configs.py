@@ -62,6 +62,6 @@ def test_upstream_lora_config(command, local_model, prompt_completion, tmp_path)
 
 
 def test_unsupported_upstream_key_is_reported_by_name(local_model, tmp_path):
-    result = run_cli("validate", "-c", CONFIGS / "squad_lora.yaml", "--lr_scheduler.wd_incr_style", "linear",
+    result = run_cli("validate", "-c", CONFIGS / "squad_lora.yaml", "--lr_scheduler.lr_decay_style", "polynomial",
                      "--model.pretrained_model_name_or_path", local_model, cwd=tmp_path)
-    assert result.returncode == 2 and "lr_scheduler.wd_incr_style" in result.stderr
+    assert result.returncode == 2 and "lr_scheduler.lr_decay_style: 'polynomial' is not supported" in result.stderr

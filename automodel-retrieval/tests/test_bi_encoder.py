@@ -26,6 +26,7 @@ def test_training_raises_held_out_recall_above_the_untrained_model(bi_encoder_ru
     assert sum(losses[-5:]) < sum(losses[:5])
 
 
+@pytest.mark.smoke
 def test_checkpoint_encoders_load_with_transformers_automodel(bi_encoder_run):
     from transformers import AutoModel, AutoTokenizer
 

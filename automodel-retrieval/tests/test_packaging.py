@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 import tomllib
 from retrieval_testing import DIST_DIR, PKG_DIR
 
@@ -95,6 +96,7 @@ def test_routes_aliases_and_examples(capsys):
     assert "dry run: nothing was built" in capsys.readouterr().out
 
 
+@pytest.mark.smoke
 def test_core_and_retrieval_alone_train_from_the_cli(tmp_path):
     """In a fresh interpreter where the other domain packages cannot be imported at all: the plugin loads, and
     `automodel finetune bi-encoder` trains two steps and writes a checkpoint."""

@@ -29,6 +29,7 @@ def run(tmp_path_factory):
             "losses": {r["step"]: r["loss"] for r in read_jsonl(root / "ckpt" / "training.jsonl")}}
 
 
+@pytest.mark.smoke
 def test_example_trains_and_validation_loss_falls(run):
     ckpt = run["ckpt"]
     assert checkpoint_dirs(ckpt) == [f"epoch_{(s - 1) // 8}_step_{s}" for s in (4, 8, 12, 16, 20, 24)]
@@ -63,6 +64,7 @@ def test_default_freeze_keeps_vision_tower_bitwise_and_trains_the_rest(run):
     assert all(params[k].requires_grad for k in language + projector)
 
 
+@pytest.mark.smoke
 def test_checkpoint_loads_with_auto_classes_and_generates_from_an_image(run):
     from PIL import Image
     from transformers import AutoModelForImageTextToText, AutoProcessor, LlavaForConditionalGeneration, LlavaProcessor

@@ -41,6 +41,7 @@ def test_lora_trains_only_language_model_adapters(lora_run):
     assert json.loads((lora_run["ckpt"] / "eval_generation.json").read_text())["num_questions"] == 8
 
 
+@pytest.mark.smoke
 def test_lora_checkpoint_is_a_peft_adapter_loadable_by_peft(lora_run):
     import peft
     from transformers import AutoProcessor

@@ -4,12 +4,16 @@
 imported on first use.
 """
 
+from importlib import metadata
 from typing import Any
 
 from automodel.plugins.markers import hookimpl
 from automodel.recipe import BaseRecipe
 
-__version__ = "0.1.0"
+try:  # pyproject.toml is the one place the version is written; the installed metadata carries it
+    __version__ = metadata.version("automodel-core")
+except metadata.PackageNotFoundError:  # a source tree on sys.path, not installed
+    __version__ = "0+unknown"
 __all__ = ["BaseRecipe", "TrainRecipe", "hookimpl", "__version__"]
 
 

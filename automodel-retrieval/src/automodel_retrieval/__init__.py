@@ -8,9 +8,13 @@ Importing the package is light (no torch): the public names below load their mod
 from __future__ import annotations
 
 import importlib
+from importlib import metadata
 from typing import Any
 
-__version__ = "0.1.0"
+try:  # pyproject.toml is the one place the version is written; the installed metadata carries it
+    __version__ = metadata.version("automodel-retrieval")
+except metadata.PackageNotFoundError:  # a source tree on sys.path, not installed
+    __version__ = "0+unknown"
 
 _EXPORTS = {
     "BiEncoder": "automodel_retrieval.models",

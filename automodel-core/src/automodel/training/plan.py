@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from automodel.config import Config, ConfigNode, Target
 from automodel.errors import ConfigIssue
+from automodel.optim import lr_scheduler_issues
 from automodel.training.context import BatchLayout
 from automodel.training.dist import world_size
 from automodel.training.logging.select import resolve_backends
@@ -72,6 +73,8 @@ def loader_issues(cfg: Config) -> list[ConfigIssue]:
 def engine_issues(recipe: type[TrainRecipe], cfg: Config, plugins: PluginManager) -> list[ConfigIssue]:
     """Everything the engine checks across sections before building."""
     issues = batch_layout(cfg)[1] + loader_issues(cfg)
+    steps = cfg.step_scheduler
+    issues += lr_scheduler_issues(cfg.get("lr_scheduler"), steps.max_steps if steps is not None else None)
     issues += pipeline_issues(cfg, plugins.stages, recipe.merged("stage_implementations"),
                               recipe.merged("unsupported_stages"))
     issues += resolve_backends(cfg, plugins.loggers)[1]

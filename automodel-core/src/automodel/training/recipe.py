@@ -80,7 +80,8 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
         "validation_dataloader": _DATALOADER,
         "optimizer": Target("the optimizer", runtime_args=("params",),
                             default={"_target_": "torch.optim.AdamW", "lr": 1e-5}),
-        "lr_scheduler": Target("learning-rate schedule: {_target_: ...} or upstream keys (lr_decay_style, ...)",
+        "lr_scheduler": Target("learning-rate schedule: {_target_: ...} or upstream keys (lr_decay_style, ...; "
+                               "null ones default as upstream's, see docs/targets.md#learning-rate-schedules)",
                                runtime_args=("optimizer",), plain=True,
                                default_target="automodel.optim.build_scheduler"),
         "fault_tolerance": s.FaultToleranceConfig,

@@ -1,0 +1,33 @@
+"""Activation checkpointing: each transformer block's activations are recomputed in backward instead of kept.
+
+torch's ``checkpoint_wrapper`` (non-reentrant ``torch.utils.checkpoint``) wraps each block, chosen over the HF
+model's ``gradient_checkpointing_enable`` because it works for any model with repeated blocks (the diffusion,
+retrieval and VLM domains' models too), it does not depend on a transformers version's layer classes, and the
+wrapper sits outside FSDP2's unit, the composition torch documents: apply it *before* ``fully_shard``. The wrapper
+keeps ``state_dict()`` names unchanged; :func:`automodel.training.parallel.blocks.clean_name` strips its prefix from
+``named_parameters()`` names.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from automodel.training.parallel.blocks import transformer_blocks
+
+
+def apply_activation_checkpointing(model: nn.Module) -> int:
+    """Wrap every transformer block of ``model`` in place; returns how many (0: the model has none)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        checkpoint_wrapper,
+    )
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing as wrap_modules,
+    )
+
+    blocks = {id(block) for block in transformer_blocks(model)}
+    if not blocks:
+        return 0
+    wrap_modules(model, checkpoint_wrapper_fn=lambda m: checkpoint_wrapper(m, CheckpointImpl.NO_REENTRANT),
+                 check_fn=lambda m: id(m) in blocks)
+    return len(blocks)

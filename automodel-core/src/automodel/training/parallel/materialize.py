@@ -1,0 +1,286 @@
+"""Build a model on the meta device and give each rank only its own shards, read from files or freshly initialised.
+
+1. :func:`parameters_on_meta` around the model's construction: parameters are created on the meta device (no
+   memory), buffers are real, so rotary caches and other non-persistent buffers are computed as usual.
+2. LoRA (``peft.get_peft_model``), activation checkpointing and FSDP2 are applied to the meta model.
+3. :func:`materialize` allocates each rank's shards and fills them: from safetensors files, each rank reading only
+   its slices (``safe_open(...).get_slice``) of each tensor at the offsets its ``DTensor`` placement gives (any
+   ``Shard(dim)`` / ``Replicate`` placement, so tensor parallelism plugs in); and whatever the files lack (all of it
+   for a fresh model; LoRA adapters) by :func:`init_module_by_module`.
+
+Fresh initialisation is defined module by module: in a fixed order, each module's full parameters are initialised
+by the model's own ``_init_weights`` (peft's for LoRA layers) with the random generator seeded from ``(seed,
+module name)``; each rank then keeps its slice. One process and N ranks use this same function, so they get the
+same weights, and no rank holds more than one module's full parameters at a time. (It is not the random stream of
+``AutoModelForCausalLM.from_config`` after ``torch.manual_seed``: reproducing that needs the whole model at once.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+from collections.abc import Callable, Collection, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from automodel.errors import AutomodelError
+from automodel.training.parallel.blocks import clean_name, tied_to
+
+INDEX_FILE = "model.safetensors.index.json"
+_LORA_CONTAINERS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B")
+_LORA_INITS = (True, "gaussian", False)
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Within the block every registered parameter is moved to the meta device; buffers stay real."""
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None and not param.is_meta:
+            module._parameters[name] = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+@dataclass
+class MaterializeReport:
+    """What filled the parameters (clean names): read from the files, freshly initialised; file keys not used."""
+
+    loaded: list[str] = field(default_factory=list)
+    initialised: list[str] = field(default_factory=list)
+    unused: list[str] = field(default_factory=list)
+
+
+def hf_checkpoint_key(name: str) -> str:
+    """The key of a model's tensor in its HF base checkpoint (a peft model's names without its wrapping)."""
+    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+
+
+def materialize(model: nn.Module, device: torch.device | str, seed: int, weights: str | Path | None = None,
+                checkpoint_key: Callable[[str], str] = hf_checkpoint_key) -> MaterializeReport:
+    """Allocate ``model``'s (sharded) parameters on ``device`` and fill them; every rank calls it.
+
+    ``weights``: a directory of safetensors files (one file, or several with ``model.safetensors.index.json``);
+    parameters and persistent buffers found there (under ``checkpoint_key(name)``) are read slice by slice, the
+    rest are initialised from ``seed`` by :func:`init_module_by_module`. No ``weights``: all are initialised.
+    """
+    device = torch.device(device)
+    buffers = [(module, name, buffer) for module in model.modules()
+               for name, buffer in module._buffers.items() if buffer is not None and not buffer.is_meta]
+    holders: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                holders.setdefault(id(param), []).append((module, name))
+    model.to_empty(device=device)
+    for module, name, buffer in buffers:  # to_empty replaced them with uninitialised memory
+        module._buffers[name] = buffer.to(device)
+    for (first, first_name), *others in (group for group in holders.values() if len(group) > 1):
+        for module, name in others:  # to_empty gives each holder of a tied parameter its own copy
+            module._parameters[name] = first._parameters[first_name]
+    report = MaterializeReport()
+    done: set[int] = set()
+    if weights is not None:
+        files = weight_files(Path(weights))
+        todo: dict[Path, list[tuple[str, str, torch.Tensor]]] = {}
+        for name, tensor in _unique_tensors(model):
+            key = checkpoint_key(name)
+            if key in files:
+                todo.setdefault(files[key], []).append((name, key, tensor))
+        for file, entries in sorted(todo.items()):  # one file mapped at a time: its pages leave memory after it
+            with _open(file) as handle:
+                for name, key, tensor in entries:
+                    _read_slice(handle, key, tensor, file)
+                    done.add(id(tensor))
+                    report.loaded.append(name)
+        used = {key for entries in todo.values() for _, key, _ in entries}
+        report.unused = sorted(set(files) - used)
+    report.initialised = init_module_by_module(model, seed, skip=done)
+    return report
+
+
+def _unique_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Parameters and persistent buffers under their ``state_dict`` names, a tied tensor once (its first name)."""
+    tied = tied_to(model)
+    return [(name, tensor) for name, tensor in model.state_dict(keep_vars=True).items()
+            if tied[clean_name(name)] == clean_name(name)]
+
+
+def local_slices(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
+    """This rank's local part of ``tensor`` (a ``DTensor`` or a plain tensor) and where it sits in the full one."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not isinstance(tensor, DTensor):
+        return tensor.data, tuple(slice(0, size) for size in tensor.shape)
+    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    local = tensor.to_local()
+    if tuple(local.shape) != tuple(shape):
+        raise AutomodelError(f"unexpected local shard shape {tuple(local.shape)} (expected {tuple(shape)})")
+    return local.data, tuple(slice(start, start + size) for start, size in zip(offset, shape, strict=True))
+
+
+def weight_files(directory: Path) -> dict[str, Path]:
+    """Tensor key -> the safetensors file holding it (``model.safetensors.index.json``, else every file's keys)."""
+    index = directory / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise AutomodelError(f"'{index}' is not a safetensors index (no readable weight_map: {err})") from None
+        files = {key: directory / name for key, name in weight_map.items()}
+        for file in set(files.values()) - {p for p in files.values() if p.is_file()}:
+            raise AutomodelError(f"'{index}' names '{file.name}', which is missing from '{directory}'")
+        return files
+    files = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        with _open(file) as handle:
+            files.update(dict.fromkeys(handle.keys(), file))
+    if not files:
+        raise AutomodelError(f"'{directory}' holds no safetensors weights (no {INDEX_FILE}, no *.safetensors)")
+    return files
+
+
+def _read_slice(handle: Any, key: str, tensor: torch.Tensor, file: Path) -> None:
+    """Copy this rank's slice of ``key`` into ``tensor``'s local part (a dtype cast where they differ)."""
+    part = handle.get_slice(key)
+    if tuple(part.get_shape()) != tuple(tensor.shape):
+        raise AutomodelError(f"'{key}' in '{file}' has shape {tuple(part.get_shape())}, the model's is "
+                             f"{tuple(tensor.shape)}: is the checkpoint for this architecture and config?")
+    local, slices = local_slices(tensor)
+    if local.numel() == 0:
+        return
+    with torch.no_grad():
+        local.copy_(part[slices] if slices else handle.get_tensor(key))
+
+
+def _open(file: Path) -> Any:
+    from safetensors import safe_open
+
+    try:
+        return safe_open(str(file), framework="pt", device="cpu")
+    except Exception as err:  # safetensors raises its own error type for a truncated or foreign file
+        raise AutomodelError(f"cannot read '{file}' as safetensors: {err}") from None
+
+
+# ---- fresh initialisation ---------------------------------------------------------------------------------------
+
+
+def module_seed(seed: int, name: str) -> int:
+    """The generator seed of module ``name``: the same in every process and every run."""
+    return int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "little") & (2**63 - 1)
+
+
+def init_module_by_module(model: nn.Module, seed: int, skip: Collection[int] = ()) -> list[str]:
+    """Initialise every parameter not in ``skip`` (ids) as the definition in this module's docstring says.
+
+    Returns the clean names of the parameters initialised. A parameter the model's initialiser leaves untouched is
+    an error (its constructor's value is gone on the meta device)."""
+    done: set[int] = set(skip)
+    initialised: list[str] = []
+    lora_owned = {id(p) for m in model.modules() if _is_lora_layer(m) for c in _LORA_CONTAINERS
+                  if isinstance(getattr(m, c, None), nn.Module) for p in getattr(m, c).parameters()}
+    models = [(prefix, m) for prefix, m in model.named_modules() if hasattr(m, "_init_weights")]
+    for name, module in model.named_modules():
+        lora = _is_lora_layer(module)
+        if lora:
+            params = {f"{c}.{n}": p for c in _LORA_CONTAINERS if isinstance(getattr(module, c, None), nn.Module)
+                      for n, p in getattr(module, c).named_parameters()}
+        else:
+            params = {n: p for n, p in module.named_parameters(recurse=False) if id(p) not in lora_owned}
+        todo = {n: p for n, p in params.items() if id(p) not in done}
+        if not todo:
+            continue
+        initialiser = _lora_initialiser(model, module, name) if lora else _module_initialiser(models, module, name)
+        _init_unit(module, todo, initialiser, module_seed(seed, clean_name(name)), clean_name(name))
+        done.update(id(p) for p in todo.values())
+        initialised += [clean_name(_join(name, n)) for n in todo]
+    return initialised
+
+
+def _init_unit(module: nn.Module, params: dict[str, nn.Parameter], initialiser: Callable[[], None], seed: int,
+               name: str) -> None:
+    """Swap full-size CPU tensors in for ``params``, initialise them, copy each rank's slice back, swap back."""
+    swapped = []
+    for dotted, param in params.items():
+        owner, attr = _owner(module, dotted)
+        full = torch.full(param.shape, float("nan"), dtype=param.dtype) if param.dtype.is_floating_point \
+            else torch.zeros(param.shape, dtype=param.dtype)
+        owner._parameters[attr] = nn.Parameter(full, requires_grad=param.requires_grad)
+        swapped.append((owner, attr, param, dotted))
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.random.default_generator.manual_seed(seed)
+            initialiser()
+        for owner, attr, param, dotted in swapped:
+            full = owner._parameters[attr].data
+            if full.is_floating_point() and torch.isnan(full).any():
+                raise AutomodelError(f"'{clean_name(_join(name, dotted))}' ({type(owner).__name__}) is not set by the "
+                                     "model's _init_weights, so it cannot be initialised on the meta device; load "
+                                     "it from a checkpoint or build the model without meta-device initialisation")
+            local, slices = local_slices(param)
+            local.copy_(full[slices] if slices else full)
+    finally:
+        for owner, attr, param, _ in swapped:
+            owner._parameters[attr] = param
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _owner(module: nn.Module, dotted: str) -> tuple[nn.Module, str]:
+    *path, attr = dotted.split(".")
+    for part in path:
+        module = getattr(module, part)
+    return module, attr
+
+
+def _is_lora_layer(module: nn.Module) -> bool:
+    return hasattr(module, "reset_lora_parameters") and isinstance(getattr(module, "lora_A", None), nn.ModuleDict)
+
+
+def _module_initialiser(models: list[tuple[str, nn.Module]], module: nn.Module, name: str) -> Callable[[], None]:
+    """The ``_init_weights`` of the innermost HF model (of ``models``) holding ``module``; else its
+    ``reset_parameters``."""
+    holders = [(prefix, m) for prefix, m in models if not prefix or name == prefix or name.startswith(prefix + ".")]
+    if holders:
+        owner = max(holders, key=lambda held: len(held[0]))[1]
+        return lambda: owner._init_weights(module)
+    if hasattr(module, "reset_parameters"):
+        return module.reset_parameters
+    raise AutomodelError(f"'{clean_name(name)}' ({type(module).__name__}) has parameters but neither an "
+                         "_init_weights of its model nor reset_parameters() to initialise them")
+
+
+def _lora_initialiser(model: nn.Module, layer: nn.Module, name: str) -> Callable[[], None]:
+    """peft's own initialisation of a LoRA layer's adapters (those that need no base weights)."""
+    configs = getattr(model, "peft_config", {})
+    adapters = list(layer.lora_A.keys()) + list(getattr(layer, "lora_embedding_A", {}).keys())
+    modes = {}
+    for adapter in adapters:
+        config = configs.get(adapter)
+        mode = getattr(config, "init_lora_weights", True)
+        if mode not in _LORA_INITS or getattr(config, "use_dora", False):
+            what = "DoRA" if getattr(config, "use_dora", False) else f"init_lora_weights={mode!r}"
+            raise AutomodelError(f"LoRA adapter '{adapter}' at '{clean_name(name)}': {what} computes the adapter "
+                                 "from the full base weights, which meta-device initialisation never holds; use "
+                                 "init_lora_weights true or 'gaussian' without DoRA")
+        modes[adapter] = mode
+
+    def initialise() -> None:
+        for adapter, mode in modes.items():
+            layer.reset_lora_parameters(adapter, mode)
+
+    return initialise

@@ -1,0 +1,249 @@
+"""Sharded checkpoints of model and optimizer state with ``torch.distributed.checkpoint`` (DCP).
+
+Each rank writes only its own shards; a restore reads, on any number of ranks (or one process without a process
+group), exactly the slices each rank now holds, so N ranks resume on M. Reading never unpickles: the tensors are
+safetensors files (torch's ``HuggingFaceStorageWriter`` / ``Reader``, whose metadata is each file's JSON header with
+the shard's offsets), everything else is JSON. One directory holds::
+
+    shard-<rank>-model-<k>-of-<n>.safetensors   tensors "model.<name>" and "optim.<name>.<state>" (rank's shards)
+    tensors.json                                every saved tensor's full shape (see shard_files.py)
+    optimizer.json                              param_groups, non-tensor state, which tensor is which state
+    hf_export.json, hf/                         what the HF export of the weights needs (see hf_export.py)
+
+Tensors are grouped into files of at most ``max_file_bytes`` (of the whole tensors), which also bounds what a rank
+serialises at once. Model and optimizer are saved in one DCP call, so an asynchronous save has one background
+writer. The caller writes into a staging directory and publishes it (rename, ``LATEST``) after the save finished.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from automodel.training.parallel.blocks import tied_to
+from automodel.training.parallel.hf_export import write_export_files
+from automodel.training.parallel.shard_files import ShardedCheckpointError, read_slices, write_tensor_shapes
+
+OPTIMIZER_FILE = "optimizer.json"
+MODEL, OPTIM = "model.", "optim."
+DEFAULT_MAX_FILE_BYTES = 2 * 1024**3
+
+_checkpoint_group: Any = None
+
+
+@dataclass
+class PendingSave:
+    """An asynchronous save in flight: ``wait()`` before publishing the directory or starting the next save."""
+
+    future: Any
+
+    def wait(self) -> None:
+        result = self.future
+        upload = getattr(result, "upload_completion", None)  # an AsyncSaveResponse (staging, upload futures)
+        (upload if upload is not None else result).result()
+
+
+def save_sharded_state(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                       max_file_bytes: int = DEFAULT_MAX_FILE_BYTES, async_save: bool = False) -> PendingSave | None:
+    """Write ``model``'s (and ``optimizer``'s) state into ``directory``; every rank calls it.
+
+    ``async_save``: the state is copied to host memory, then written in the background; the returned
+    ``PendingSave`` says when the files are complete. Training may change the parameters meanwhile."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    directory = Path(directory)
+    tied = tied_to(model)
+    tensors = {MODEL + name: tensor for name, tensor in get_model_state_dict(model).items() if tied[name] == name}
+    manifest = None
+    if optimizer is not None:
+        optim_tensors, manifest = _split_optimizer_state(get_optimizer_state_dict(model, optimizer))
+        tensors.update(optim_tensors)
+    directory.mkdir(parents=True, exist_ok=True)
+    if _rank() == 0:
+        write_tensor_shapes(directory, tensors)
+        if manifest is not None:
+            (directory / OPTIMIZER_FILE).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
+        write_export_files(model, directory, MODEL)
+    _barrier()
+    writer = HuggingFaceStorageWriter(str(directory), fqn_to_index_mapping=_file_index(tensors, max_file_bytes),
+                                      save_distributed=True)
+    with _single_process_is_intended():
+        if async_save:
+            return PendingSave(dcp.async_save(tensors, storage_writer=writer, process_group=_async_group(),
+                                              no_dist=not _distributed()))
+        dcp.save(tensors, storage_writer=writer, no_dist=not _distributed())
+    return None
+
+
+def load_sharded_state(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+                       ) -> None:
+    """Fill ``model`` (and ``optimizer``) from ``directory``, resharded to how they are sharded now."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    directory = Path(directory)
+    saved = read_slices(directory)[0]
+    model_state = get_model_state_dict(model)
+    tied = tied_to(model)  # a tied tensor is saved and loaded once, under its first name
+    targets = {MODEL + name: tensor for name, tensor in model_state.items() if tied[name] == name}
+    if optimizer is not None:
+        optim_state = get_optimizer_state_dict(model, optimizer)
+        manifest = _read_manifest(directory)
+        targets.update(_optimizer_targets(optim_state, manifest, directory))
+    _check_sizes(targets, saved, directory)
+    with _single_process_is_intended():
+        dcp.load(targets, storage_reader=HuggingFaceStorageReader(str(directory)), no_dist=not _distributed())
+    set_model_state_dict(model, {name: targets[MODEL + tied[name]] for name in model_state})
+    if optimizer is not None:
+        restored = _join_optimizer_state(targets, manifest, optim_state)
+        set_optimizer_state_dict(model, optimizer, restored, options=StateDictOptions(strict=False))
+
+
+# ---- optimizer state: tensors to DCP, the rest to JSON -----------------------------------------------------------
+
+
+def _split_optimizer_state(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """``get_optimizer_state_dict``'s form -> (tensors keyed for DCP, a JSON-able manifest of everything else).
+
+    0-d tensors (Adam's ``step``) are the same on every rank and go to JSON with their dtype."""
+    tensors: dict[str, torch.Tensor] = {}
+    manifest: dict[str, Any] = {"tensors": {}, "scalars": {}, "param_groups": []}
+    for fqn, entries in state["state"].items():
+        for name, value in entries.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                key = f"{OPTIM}{fqn}.{name}"
+                tensors[key] = value
+                manifest["tensors"][key] = [fqn, name]
+            elif isinstance(value, torch.Tensor):
+                manifest["scalars"].setdefault(fqn, {})[name] = {"tensor": value.item(),
+                                                                  "dtype": str(value.dtype).removeprefix("torch.")}
+            else:
+                manifest["scalars"].setdefault(fqn, {})[name] = {"value": value}
+    for group in state["param_groups"]:
+        manifest["param_groups"].append({k: list(v) if isinstance(v, tuple) else v for k, v in group.items()})
+    return tensors, manifest
+
+
+def _read_manifest(directory: Path) -> dict[str, Any]:
+    file = directory / OPTIMIZER_FILE
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ShardedCheckpointError(f"'{directory}' has no optimizer state ({OPTIMIZER_FILE} is missing)") from None
+    except json.JSONDecodeError as err:
+        raise ShardedCheckpointError(f"'{file}' is corrupted: {err}") from None
+
+
+def _optimizer_targets(current: dict[str, Any], manifest: dict[str, Any], directory: Path
+                       ) -> dict[str, torch.Tensor]:
+    """Where each saved optimizer tensor goes: the optimizer's own (sharded) state tensor of that name."""
+    targets = {}
+    for key, (fqn, name) in manifest["tensors"].items():
+        tensor = current["state"].get(fqn, {}).get(name)
+        if not isinstance(tensor, torch.Tensor):
+            raise ShardedCheckpointError(f"'{directory}' holds optimizer state '{name}' of '{fqn}', which this "
+                                         "model and optimizer do not have: is it the same model and optimizer?")
+        targets[key] = tensor
+    return targets
+
+
+def _join_optimizer_state(loaded: dict[str, torch.Tensor], manifest: dict[str, Any], current: dict[str, Any]
+                          ) -> dict[str, Any]:
+    """The ``set_optimizer_state_dict`` form. A parameter without saved state gets none (as before the save)."""
+    state: dict[str, dict[str, Any]] = {}
+    for key, (fqn, name) in manifest["tensors"].items():
+        state.setdefault(fqn, {})[name] = loaded[key]
+    for fqn, entries in manifest["scalars"].items():
+        for name, saved in entries.items():
+            if "tensor" in saved:
+                like = current["state"].get(fqn, {}).get(name)
+                device = like.device if isinstance(like, torch.Tensor) else "cpu"
+                value = torch.tensor(saved["tensor"], dtype=getattr(torch, saved["dtype"]), device=device)
+            else:
+                value = saved["value"]
+            state.setdefault(fqn, {})[name] = value
+    if len(manifest["param_groups"]) != len(current["param_groups"]):
+        raise ShardedCheckpointError(f"the checkpoint's optimizer has {len(manifest['param_groups'])} parameter "
+                                     f"groups, this one {len(current['param_groups'])}: is it the same optimizer?")
+    groups = []
+    for saved, now in zip(manifest["param_groups"], current["param_groups"], strict=True):
+        groups.append({k: tuple(v) if isinstance(now.get(k), tuple) and isinstance(v, list) else v
+                       for k, v in saved.items()})
+    return {"state": state, "param_groups": groups}
+
+
+# ---- helpers ----------------------------------------------------------------------------------------------------
+
+
+def _file_index(tensors: dict[str, torch.Tensor], max_file_bytes: int) -> dict[str, int]:
+    """Key -> file number (1-based): consecutive keys fill a file up to ``max_file_bytes`` of whole tensors."""
+    index, used, mapping = 1, 0, {}
+    for key, tensor in tensors.items():
+        size = math.prod(tensor.shape) * tensor.element_size()
+        if used and used + size > max_file_bytes:
+            index, used = index + 1, 0
+        mapping[key] = index
+        used += size
+    return mapping
+
+
+def _check_sizes(targets: dict[str, torch.Tensor], saved: dict[str, tuple[int, ...]], directory: Path) -> None:
+    missing = [key for key in targets if key not in saved]
+    wrong = [f"{key}: saved {tuple(saved[key])}, now {tuple(t.shape)}" for key, t in targets.items()
+             if key in saved and tuple(saved[key]) != tuple(t.shape)]
+    if missing or wrong:
+        lines = [f"the sharded checkpoint '{directory}' does not match the model (same architecture and config?)"]
+        for title, items in (("missing", missing), ("shape mismatches", wrong)):
+            if items:
+                lines.append(f"  {title} ({len(items)}): " + ", ".join(items[:8]) + (" ..." if len(items) > 8 else ""))
+        raise ShardedCheckpointError("\n".join(lines))
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+@contextlib.contextmanager
+def _single_process_is_intended() -> Iterator[None]:
+    """DCP warns on every save and load without a process group; one process is a supported case here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else 0
+
+
+def _barrier() -> None:
+    if _distributed():
+        dist.barrier()
+
+
+def _async_group() -> Any:
+    """A gloo group of every rank for background saves, so their collectives never interleave with training's."""
+    global _checkpoint_group
+    if not _distributed():
+        return None
+    if _checkpoint_group is None:
+        _checkpoint_group = dist.new_group(backend="gloo")
+    return _checkpoint_group

@@ -1,0 +1,101 @@
+"""Meta-device materialisation in one process: what it reports, and input it refuses with a clear error (the
+two-rank behaviour is in test_parallel_fsdp.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from parallel_workers import local_model, meta_model, tiny_config
+from torch import nn
+
+from automodel.errors import AutomodelError
+from automodel.training.parallel.materialize import materialize, module_seed, parameters_on_meta
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    directory = tmp_path_factory.mktemp("base")
+    AutoModelForCausalLM.from_config(tiny_config()).save_pretrained(directory)  # one model.safetensors
+    return directory
+
+
+def test_parameters_on_meta_leaves_buffers_real():
+    with parameters_on_meta():
+        model = nn.BatchNorm1d(4)
+    assert model.weight.is_meta and model.bias.is_meta
+    assert not model.running_mean.is_meta and torch.equal(model.running_var, torch.ones(4))
+    assert not nn.Linear(2, 2).weight.is_meta  # outside the block: as usual
+
+
+def test_report_says_what_came_from_the_files(base):
+    model = meta_model(tiny_config(), lora=True)
+    report = materialize(model, "cpu", seed=3, weights=base)
+    assert "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight" in report.loaded
+    assert sorted(report.initialised) == sorted(n for n, _ in model.named_parameters() if "lora_" in n)
+    assert report.unused == []
+
+
+def test_a_plain_module_without_hf_init_uses_reset_parameters():
+    with parameters_on_meta():
+        model = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3))
+    report = materialize(model, "cpu", seed=5)
+    assert report.initialised == ["0.weight", "0.bias", "1.weight", "1.bias"]
+    assert torch.equal(model[1].weight, torch.ones(3))
+    generator_seeded = nn.Linear(4, 3)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(module_seed(5, "0"))
+        generator_seeded.reset_parameters()
+    assert torch.equal(model[0].weight, generator_seeded.weight)  # the documented seed of module "0"
+
+
+def test_a_parameter_the_initialiser_does_not_set_is_an_error():
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(3))  # its constructor's value is lost on the meta device
+
+    with parameters_on_meta():
+        model = Scaled()
+    model.reset_parameters = lambda: None
+    with pytest.raises(AutomodelError, match="'scale' .* is not set by the model's _init_weights"):
+        materialize(model, "cpu", seed=0)
+
+
+def test_a_mismatching_checkpoint_is_refused(base):
+    model = meta_model(tiny_config(hidden=48))
+    with pytest.raises(AutomodelError, match=r"has shape \(97, 32\), the model's is \(97, 48\)"):
+        materialize(model, "cpu", seed=0, weights=base)
+
+
+def test_broken_weight_directories_fail_clearly(base, tmp_path):
+    with pytest.raises(AutomodelError, match="holds no safetensors weights"):
+        materialize(meta_model(tiny_config()), "cpu", seed=0, weights=tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(AutomodelError, match="cannot read .* as safetensors"):
+        materialize(meta_model(tiny_config()), "cpu", seed=0, weights=tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"lm_head.weight": "x.st"}}))
+    with pytest.raises(AutomodelError, match="names 'x.st', which is missing"):
+        materialize(meta_model(tiny_config()), "cpu", seed=0, weights=tmp_path)
+
+
+def test_dora_adapters_are_refused_on_the_meta_device():
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    with parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(tiny_config())
+    model = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj"], use_dora=True))
+    with pytest.raises(AutomodelError, match="DoRA computes the adapter from the full base weights"):
+        materialize(model, "cpu", seed=0)
+
+
+def test_materialised_model_is_on_the_requested_device_and_trainable():
+    model = local_model(tiny_config(tied=False))
+    assert all(p.device.type == "cpu" and not p.is_meta and p.requires_grad for p in model.parameters())
+    model(input_ids=torch.zeros(1, 4, dtype=torch.long)).logits.sum().backward()
+    assert model.lm_head.weight.grad is not None
