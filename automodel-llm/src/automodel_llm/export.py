@@ -8,24 +8,26 @@ from pathlib import Path
 
 import click
 
-from automodel.errors import UsageError
+from automodel.cli.trust_options import trust_options
+from automodel.errors import ConfigError, ConfigIssue, UsageError
 
 
 @click.command()
 @click.argument("checkpoint", type=click.Path(exists=True, file_okay=False))
 @click.argument("output", type=click.Path(file_okay=False))
 @click.option("--force", is_flag=True, help="replace OUTPUT if it exists")
+@trust_options
 def export(checkpoint: str, output: str, force: bool) -> None:
     """Write CHECKPOINT's model as a merged Hugging Face model in OUTPUT (consolidated from its shards when it has
-    no model/; LoRA adapters merged into the base)."""
-    from automodel.cli.execute import import_recipe
-    from automodel.config import build_config, load_yaml_file
-    from automodel.hf import is_adapter_dir, load_adapter_weights
-    from automodel.plugins.manager import get_plugin_manager
+    no model/; LoRA adapters merged into the base).
+
+    A LoRA checkpoint's base model is rebuilt from its config.yaml, which is untrusted like any config: it is
+    validated against the registry and the trust flags of this command line (--allow-target,
+    --trust-remote-code) before anything is built, and refused (exit 2) naming the file and the key.
+    """
+    from automodel.hf import is_adapter_dir
     from automodel.training.checkpoint import read_latest
     from automodel.training.parallel.hf_export import export_hf
-    from automodel.training.rng import StatefulRNG
-    from automodel.training.stages.peft import add_lora
 
     source = Path(checkpoint)
     source = read_latest(source) or source  # a checkpoint_dir means its newest checkpoint
@@ -37,28 +39,46 @@ def export(checkpoint: str, output: str, force: bool) -> None:
         raise UsageError(f"'{out}' already exists; pass --force to replace it")
     staging = out.with_name(out.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
-    if not model_dir.is_dir():  # saved sharded only: stream the Hugging Face files out of the shards
-        export_hf(shards, staging)
-        model_dir = staging
-    if not is_adapter_dir(model_dir):
-        if model_dir != staging:
+    try:
+        if not model_dir.is_dir():  # saved sharded only: stream the Hugging Face files out of the shards
+            export_hf(shards, staging)
+            model_dir = staging
+        if is_adapter_dir(model_dir):
+            _merge_adapter(source / "config.yaml", model_dir, staging)
+        elif model_dir != staging:
             shutil.copytree(model_dir, staging)
-    else:
-        manager = get_plugin_manager()
-        recipe_cls = import_recipe(manager.routes.get("finetune", "llm").recipe)
-        cfg = build_config(load_yaml_file(source / "config.yaml"), recipe_cls, manager.resolver(),
-                           source=str(source / "config.yaml"))
-        recipe = recipe_cls(cfg)
-        ctx = recipe.build_context()
-        StatefulRNG(cfg.rng.seed, cfg.rng.ranked)  # seeded as training was, so a from_config base is identical
-        recipe.setup_domain()
-        model, _ = add_lora(ctx, recipe.build_model(ctx))
-        load_adapter_weights(model, model_dir)
-        merged = model.merge_and_unload()
-        shutil.rmtree(staging, ignore_errors=True)  # a consolidated adapter, read by now
-        merged.save_pretrained(str(staging))
-        recipe.tokenizer.save_pretrained(str(staging))
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)  # no half-written output is left
+        raise
     if out.exists():
         shutil.rmtree(out)
     staging.rename(out)
     click.echo(f"exported {source} to {out} (load with AutoModelForCausalLM.from_pretrained('{out}'))")
+
+
+def _merge_adapter(config_file: Path, adapter_dir: Path, out: Path) -> None:
+    """The base model rebuilt from the run's (checked) config, the adapter loaded and merged, saved in ``out``."""
+    from automodel.cli.execute import import_recipe
+    from automodel.config import build_config, load_yaml_file
+    from automodel.hf import load_adapter_weights
+    from automodel.plugins.manager import get_plugin_manager
+    from automodel.training.rng import StatefulRNG
+    from automodel.training.stages.peft import add_lora
+
+    manager = get_plugin_manager()
+    recipe_cls = import_recipe(manager.routes.get("finetune", "llm").recipe)
+    try:
+        cfg = build_config(load_yaml_file(config_file), recipe_cls, manager.resolver(), source=str(config_file))
+    except ConfigError as err:
+        raise ConfigError([ConfigIssue(f"{config_file}: {issue.key}", issue.message, issue.suggestion)
+                           for issue in err.issues]) from None
+    recipe = recipe_cls(cfg)
+    ctx = recipe.build_context()
+    StatefulRNG(cfg.rng.seed, cfg.rng.ranked)  # seeded as training was, so a from_config base is identical
+    recipe.setup_domain()
+    model, _ = add_lora(ctx, recipe.build_model(ctx))
+    load_adapter_weights(model, adapter_dir)
+    merged = model.merge_and_unload()
+    shutil.rmtree(out, ignore_errors=True)  # a consolidated adapter, read by now
+    merged.save_pretrained(str(out))
+    recipe.tokenizer.save_pretrained(str(out))

@@ -8,6 +8,8 @@ import sys
 import click
 
 from automodel.cli.execute import OVERRIDE_SETTINGS
+from automodel.cli.trust_options import trust_params
+from automodel.config.trust import set_command_line_trust
 from automodel.errors import AutomodelError, UsageError
 from automodel.plugins.manager import PluginManager, get_plugin_manager
 from automodel.suggest import did_you_mean
@@ -52,6 +54,7 @@ class RouteCommand(click.Command):
                 click.Option(["--master-addr"], default=None, help="rendezvous address (torchrun)"),
                 click.Option(["--master-port"], type=int, default=None, help="rendezvous port (torchrun)"),
                 click.Option(["--slurm"], is_flag=True, help="write an sbatch script (slurm: section) and exit"),
+                *trust_params(),
             ],
             help=f"Run a '{name}' recipe. Domains: {', '.join(domains)}. Extra --section.key value pairs "
                  "override the config.",
@@ -169,6 +172,7 @@ def _warn_failed_plugins(argv: list[str]) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = os.environ.get("AUTOMODEL_DEBUG") == "1"
+    set_command_line_trust(names=(), remote_code=False)  # each invocation's options decide afresh
     try:
         _warn_failed_plugins(argv)
         result = cli.main(args=argv, prog_name="automodel", standalone_mode=False)
