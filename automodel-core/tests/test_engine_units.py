@@ -181,7 +181,7 @@ def test_step_scheduler_state_round_trip():
         next(drive_some)
         steps.finish_step()
     state = steps.state_dict()
-    assert state == {"step": 3, "epoch": 1}
+    assert state == {"step": 3, "epoch": 1, "epoch_step": 1}  # one step into epoch 1
     other = scheduler(steps_per_epoch=2, max_steps=5, num_epochs=10)
     other.load_state_dict(state)
     assert (other.step, other.epoch) == (3, 1)

@@ -39,10 +39,15 @@ class EverySlotToy(ToyRecipe):
 
 
 def test_every_slot_runs_in_the_core_order_whatever_the_registration_order(make_toy):
+    """The second run resumes the first's checkpoint, so slot ``checkpoint`` acts too (it acts only on a resume)."""
     reset_plugin_manager(PluginManager(extra_plugins=[("recording", RecordingStages)]))
-    CALLS.clear()
+    config = make_toy()
     try:
-        train_inprocess(make_toy(), "--step_scheduler.max_steps", "1", recipe=EverySlotToy)
+        CALLS.clear()
+        train_inprocess(config, "--step_scheduler.max_steps", "1", recipe=EverySlotToy)
+        assert "checkpoint" not in CALLS
+        CALLS.clear()
+        train_inprocess(config, "--step_scheduler.max_steps", "2", recipe=EverySlotToy)
     finally:
         reset_plugin_manager(None)
     assert CALLS == ["peft", "fp8", "qat", "checkpoint", "freeze", "sharding", "device", "compile",

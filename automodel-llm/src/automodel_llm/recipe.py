@@ -16,12 +16,11 @@ from automodel.hf import (
     EvalGenerationConfig,
     check_vocab,
     exact_match,
-    is_adapter_dir,
-    load_adapter_weights,
     load_tokenizer,
     missing_local_path,
     model_source,
 )
+from automodel.training.checkpoint_write import sharded_only_message
 from automodel.training.context import BuildContext
 from automodel.training.modules import unwrap
 from automodel.training.next_token import NextTokenLogits
@@ -118,12 +117,6 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
                     "tokenizer: {tokens} tokens but model.config.vocab_size is {vocab}; use the model's own "
                     "tokenizer or resize the model's embeddings")
 
-    def load_model_weights(self, model: torch.nn.Module, directory: Path) -> None:
-        if is_adapter_dir(directory):
-            load_adapter_weights(model, directory)
-        else:
-            super().load_model_weights(model, directory)
-
     # ---- the loss ---------------------------------------------------------------------------------------------
 
     def model_inputs(self, batch: dict[str, Any]) -> dict[str, Any]:
@@ -145,6 +138,8 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
     # ---- after training ------------------------------------------------------------------------------------
 
     def final_message(self, model_dir: Path) -> str:
+        if not model_dir.is_dir():
+            return sharded_only_message(model_dir.parent)
         if (model_dir / "adapter_config.json").is_file():
             return (f"Trained LoRA adapter in {model_dir}: load it with peft.PeftModel.from_pretrained(base_model, "
                     f"'{model_dir}'), or merge it with `automodel export {model_dir.parent} merged/`")

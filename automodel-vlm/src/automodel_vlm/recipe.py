@@ -10,14 +10,13 @@ import torch
 
 from automodel.config import Target
 from automodel.errors import AutomodelError, ConfigIssue
-from automodel.hf import EvalGenerationConfig, check_vocab, is_adapter_dir, load_adapter_weights, model_source
-from automodel.training.checkpoint import load_safetensors_dir, load_weights_into
+from automodel.hf import EvalGenerationConfig, check_vocab, model_source
+from automodel.training.checkpoint_write import sharded_only_message
 from automodel.training.modules import unwrap
 from automodel.training.next_token import LABEL_POSITIONS, NextTokenLogits
 from automodel.training.recipe import TrainRecipe
 from automodel_vlm.datasets.collate import IGNORE_INDEX, VLMCollator, render
 from automodel_vlm.freeze import VLMFreezeConfig
-from automodel_vlm.models import checkpoint_key_mapping
 from automodel_vlm.parts import base_model
 
 DATASET_ARGS = ("config_key",)
@@ -101,15 +100,6 @@ class FinetuneRecipeForVLM(NextTokenLogits, TrainRecipe):
             raise AutomodelError(f"processor: its image token id is {processor_id} but the model's image_token_index "
                                  f"is {image_id}; the processor and model do not belong together")
 
-    def load_model_weights(self, model: torch.nn.Module, directory: Path) -> None:
-        if is_adapter_dir(directory):
-            load_adapter_weights(model, directory)
-            return
-        inner = unwrap(model)
-        mapping = checkpoint_key_mapping(inner)
-        state = {mapping.get(k, k): v for k, v in load_safetensors_dir(directory).items()}
-        load_weights_into(inner, state, directory)
-
     # ---- the loss ---------------------------------------------------------------------------------------------
 
     def model_inputs(self, batch: dict[str, Any]) -> dict[str, Any]:
@@ -177,7 +167,9 @@ class FinetuneRecipeForVLM(NextTokenLogits, TrainRecipe):
                     json.dump(record, f)
         if final_checkpoint is not None:
             model_dir = final_checkpoint / "model"
-            if (model_dir / "adapter_config.json").is_file():
+            if not model_dir.is_dir():
+                self.log(sharded_only_message(final_checkpoint))
+            elif (model_dir / "adapter_config.json").is_file():
                 self.log(f"Trained LoRA adapter in {model_dir}: load it with peft.PeftModel.from_pretrained("
                          f"base_model, '{model_dir}') and AutoProcessor.from_pretrained('{model_dir}')")
             else:

@@ -20,11 +20,14 @@ from tqdm import tqdm
 from automodel.errors import AutomodelError
 from automodel.training.builders import describe_batch
 from automodel.training.checkpoint import read_latest
-from automodel.training.dist import all_reduce_sum, any_rank, barrier
+from automodel.training.checkpoint_write import CheckpointParts, CheckpointWrite
+from automodel.training.dist import all_reduce_sum, any_rank
 from automodel.training.logging import FAILED, STOPPED, SUCCESS
 from automodel.training.metrics import MetricsSample, peak_memory_gib
 from automodel.training.signals import StopRequest, TrainingStopped
-from automodel.training.state import full_model_state, gather_states
+from automodel.training.state import small_states
+from automodel.training.trainer_state import FORMAT as TRAINER_STATE_FORMAT
+from automodel.training.trainer_state import encode_losses
 
 
 class TrainingLoop:
@@ -148,22 +151,41 @@ class TrainingLoop:
         finally:
             self.model.train()
 
+    def checkpoint_parts(self) -> CheckpointParts:
+        """What a checkpoint of this moment holds (the state dicts are taken when it is written)."""
+        steps, stateful = self.step_scheduler, self.stateful_attributes()
+        trainer_state = {"format": TRAINER_STATE_FORMAT, "step": steps.step, "epoch": steps.epoch,
+                         "losses": encode_losses(self.step_losses), "world_size": self.world_size,
+                         "skipped_steps": self.skipped_steps, "step_scheduler": steps.state_dict()}
+        return CheckpointParts(self.model, stateful.get("optimizer"), small_states(stateful), trainer_state,
+                               self.save_artifacts, self.save_model if self.writes_own_layout() else None)
+
     def save_checkpoint(self) -> Path | None:
-        """Every rank gathers (FSDP2 needs all of them); rank 0 writes."""
+        """Every rank writes its own part; with ``checkpoint.async_save`` training goes on while the files are
+        written and the checkpoint is published (``LATEST``) between two later steps."""
         if not self.cfg.checkpoint.enabled:
             return None
-        weights = full_model_state(self.model)
-        states = gather_states(self.model, self.stateful_attributes())
-        path = None
-        if self.is_main_process:
-            steps = self.step_scheduler
-            trainer_state = {"step": steps.step, "epoch": steps.epoch, "losses": self.step_losses,
-                             "world_size": self.world_size, "step_scheduler": steps.state_dict()}
-            path = self.checkpointer.save(states, lambda d: self.save_model(d, weights), trainer_state,
-                                          steps.epoch, steps.step)
-            self.log(f"checkpoint: {path}")
-        barrier()
+        self.publish_checkpoint()  # one checkpoint in flight at a time
+        self.checkpoint_in_flight = CheckpointWrite(self.checkpointer, self.checkpoint_parts(), self.rank,
+                                                    self.device, self.cfg.checkpoint.async_save)
+        if self.cfg.checkpoint.async_save:
+            return self.checkpoint_in_flight.final
+        return self.publish_checkpoint()
+
+    def publish_checkpoint(self) -> Path | None:
+        """Wait until the checkpoint in flight (if any) is written by every rank, then name it in LATEST."""
+        write, self.checkpoint_in_flight = self.checkpoint_in_flight, None
+        if write is None:
+            return None
+        path = write.finish()
+        self.log(f"checkpoint: {path}")
         return path
+
+    def _publish_when_written(self) -> None:
+        """Between steps: publish an asynchronous checkpoint once every rank has written its part."""
+        write = self.checkpoint_in_flight
+        if write is not None and not any_rank(not write.done(), self.device):
+            self.publish_checkpoint()
 
     def _sample(self, loss: float, grad_norm: torch.Tensor, tokens: int, elapsed: float) -> MetricsSample:
         tps = tokens / elapsed if elapsed > 0 else 0.0
@@ -173,22 +195,45 @@ class TrainingLoop:
                              mem=peak_memory_gib(self.device), tps=tps, mfu=mfu)
 
     def _stop(self, stop: StopRequest, saved: bool) -> None:
-        path = self.final_checkpoint if saved else self.save_checkpoint()
+        if not saved:
+            self.final_checkpoint = self.save_checkpoint()
+        self.publish_checkpoint()
+        path = self.final_checkpoint
         name = {2: "SIGINT", 15: "SIGTERM"}.get(stop.signum, f"signal {stop.signum}")
         where = f"checkpoint: {path}; resume with --restore_from.path latest" if path else "no checkpoint (disabled)"
         raise TrainingStopped(stop.signum, f"stopped by {name} after step {self.step_scheduler.step}; {where}")
 
+    def _already_complete(self) -> bool:
+        """A rerun of a finished run: say so and train nothing (its weights stay as they are)."""
+        steps, restored = self.step_scheduler, self.ctx.restore_path
+        if restored is None or not steps.done:
+            return False
+        self.log(f"the run is complete: {restored} is at step {steps.step} (step_scheduler.max_steps: "
+                 f"{steps.max_steps}); nothing to train. Raise step_scheduler.max_steps to train on, or choose a new "
+                 "checkpoint.checkpoint_dir to start over")
+        return True
+
     def run_train_validation_loop(self) -> None:
+        try:
+            if not self._already_complete():
+                self._train()
+        finally:
+            self.checkpointer.release()
+
+    def _train(self) -> None:
         steps = self.step_scheduler
         self.model.train()
         progress = tqdm(total=steps.max_steps, initial=steps.step, desc="train", unit="step", file=sys.stderr,
                         disable=not self.is_main_process, dynamic_ncols=True)
         window_tokens, window_start = 0, time.perf_counter()
-        saved_at = None
+        saved_at = steps.step if self.ctx.restore_path is not None else None  # never re-save the restored step
         self.final_checkpoint: Path | None = None
         status = FAILED  # what the metric backends are told when the loop ends
         with StopRequest() as stop:
             try:
+                if self.is_main_process:  # records past the step this run starts from are redone: dropped now
+                    self.train_log.open()
+                    self.val_log.open()
                 self.metric_loggers.open(self.cfg.raw)  # secrets are masked before any backend sees the config
                 step_start = time.perf_counter()
                 for batches in steps.batches(self.dataloader):
@@ -203,6 +248,7 @@ class TrainingLoop:
                         window_tokens, window_start = 0, time.perf_counter()
                     if steps.is_val_step() and self.val_dataloaders:
                         self.validate()
+                    self._publish_when_written()
                     if steps.is_checkpoint_step(last=step >= steps.max_steps):
                         saved_at = step
                         self.final_checkpoint = self.save_checkpoint()
@@ -211,6 +257,7 @@ class TrainingLoop:
                     step_start = time.perf_counter()
                 if saved_at != steps.step and steps.step > 0:
                     self.final_checkpoint = self.save_checkpoint()
+                self.publish_checkpoint()
                 if self.final_checkpoint is not None:
                     self.metric_loggers.log_model(self.final_checkpoint / "model")
                 status = SUCCESS

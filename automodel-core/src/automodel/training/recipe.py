@@ -10,8 +10,10 @@ sections, a ``build_*`` method, which stage implementation fills a slot — neve
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import warnings
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, ClassVar
@@ -25,12 +27,7 @@ from automodel.plugins.manager import get_plugin_manager
 from automodel.recipe import BaseRecipe
 from automodel.training import builders, plan
 from automodel.training import sections as s
-from automodel.training.checkpoint import (
-    Checkpointer,
-    load_safetensors_dir,
-    load_weights_into,
-    save_state_dict_safetensors,
-)
+from automodel.training.checkpoint import Checkpointer, load_safetensors_dir, load_weights_into
 from automodel.training.context import BuildContext
 from automodel.training.dist import init_process_group, local_rank, rank, world_size
 from automodel.training.host_memory import keep_freed_memory_in_heap
@@ -38,10 +35,12 @@ from automodel.training.logging import LoggerContext, MetricLoggers, resolve_bac
 from automodel.training.loop import TrainingLoop
 from automodel.training.metrics import JsonlWriter, device_peak_flops
 from automodel.training.modules import trainable_parameters, unwrap
-from automodel.training.pipeline import Selection, apply_pipeline, select_stages
+from automodel.training.pipeline import PIPELINE_SLOTS, Selection, apply_pipeline, select_stages
+from automodel.training.resume import choose_checkpoint, hold_checkpoint_dir
 from automodel.training.rng import StatefulRNG
-from automodel.training.state import restore_states
+from automodel.training.state import restore_states, restore_weights
 from automodel.training.step_scheduler import StepScheduler
+from automodel.training.trainer_state import read_trainer_state
 
 # Third-party deprecation chatter on every run (torchdata's set_vital; torchao's enum registration, which
 # transformers triggers on import when torchao is installed) is noise for users.
@@ -107,7 +106,11 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
 
     @classmethod
     def check_config(cls, cfg: Config) -> list[ConfigIssue]:
-        return list(super().check_config(cfg)) + plan.engine_issues(cls, cfg, get_plugin_manager())
+        issues = list(super().check_config(cfg)) + plan.engine_issues(cls, cfg, get_plugin_manager())
+        if cls.save_model is not None and cfg.checkpoint is not None and not cfg.checkpoint.save_consolidated:
+            issues.append(ConfigIssue("checkpoint.save_consolidated", f"{cls.__name__} writes model/ in a layout of "
+                                      "its own, which has no sharded form; remove the key (or set it to true)"))
+        return issues
 
     @classmethod
     def describe_plan(cls, cfg: Config) -> list[str]:
@@ -184,21 +187,25 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
             return torch.device("cuda", local_rank())
         return torch.device("cpu")
 
-    # ---- weights: the HF layout (a domain with another layout overrides both) ----------------------------------
+    # ---- weights ------------------------------------------------------------------------------------------------
+    # The engine writes model/ in the Hugging Face layout from every rank's shards (checkpoint_write.py). A recipe
+    # whose weights are something else (a diffusers pipeline, a bi-encoder) defines
+    # ``save_model(self, directory, state_dict)``: it gets the whole weights gathered (``state_dict``; None when
+    # every rank holds them) and writes model/ on rank 0; ``load_model_weights`` reads that layout back on resume.
+    save_model: ClassVar[Callable[[Path, dict[str, torch.Tensor] | None], None] | None] = None
 
-    def save_model(self, directory: Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
-        """``save_pretrained`` when the model has it (safetensors), plus tokenizer/processor files."""
-        model = unwrap(self.model)
-        if hasattr(model, "save_pretrained"):
-            model.save_pretrained(str(directory), state_dict=state_dict)
-        else:
-            save_state_dict_safetensors(state_dict or model.state_dict(), directory)
+    def writes_own_layout(self) -> bool:
+        return self.save_model is not None
+
+    def save_artifacts(self, directory: Path) -> None:
+        """The tokenizer / processor files that go beside the weights in model/ (rank 0)."""
         for name in self.hf_artifacts:
             artifact = getattr(self, name, None)
             if artifact is not None and hasattr(artifact, "save_pretrained"):
                 artifact.save_pretrained(str(directory))
 
     def load_model_weights(self, model: torch.nn.Module, directory: Path) -> None:
+        """Read a model/ that ``save_model`` wrote (the checkpoint stage calls it before sharding)."""
         load_weights_into(unwrap(model), load_safetensors_dir(directory), directory)
 
     # ---- assembly ----------------------------------------------------------------------------------------------
@@ -238,15 +245,23 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
             self.log("host memory: glibc malloc keeps freed step buffers in the heap (dist_env.cpu_malloc_tuning)")
         self.rng = StatefulRNG(cfg.rng.seed, cfg.rng.ranked, ctx.rank)
         self.checkpointer = self.build_checkpoint_config(ctx)
-        if cfg.checkpoint.enabled and ctx.is_main_process:
-            self.checkpointer.prepare()
-        if cfg.restore_from is not None and cfg.restore_from.path:
-            # resolved before anything is built: a missing checkpoint fails fast
-            self.ctx = ctx = replace(ctx, restore_path=self.checkpointer.resolve(cfg.restore_from.path))
+        hold_checkpoint_dir(self.checkpointer, ctx)
+        try:
+            self.assemble(ctx)
+        except BaseException:
+            self.checkpointer.release()
+            raise
+
+    def assemble(self, ctx: BuildContext) -> None:
+        """Build everything (the checkpoint directory is held): model and pipeline, optimizer, data, schedulers,
+        then the state of the checkpoint being resumed."""
+        cfg = self.cfg
+        # resolved (and its trainer_state.json checked) before anything is built: a bad checkpoint fails fast
+        self.ctx = ctx = replace(ctx, restore_path=choose_checkpoint(cfg, self.checkpointer, self.log))
         if "ci" in cfg:
             self.log("note: section 'ci' is upstream CI metadata and is ignored")
         self.setup_domain()
-        self.model = apply_pipeline(ctx, self.build_model(ctx), self.pipeline_selection(cfg))
+        self.model = apply_pipeline(ctx, self.build_model(ctx), self.runtime_selection(ctx))
         self.loss_fn = self.build_loss_fn(ctx)
         self.optimizer = self.build_optimizer(ctx, self.model)
         self.train_dataset = self.build_dataset(ctx, cfg.dataset)
@@ -265,16 +280,32 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
         self.trainable_params = trainable_parameters(self.model)
         self.step_losses: list[float] = []
         self.skipped_steps = 0
+        self.checkpoint_in_flight = None
         if ctx.restore_path is not None:
-            self.step_losses = restore_states(ctx.restore_path, self.model, self.stateful_attributes(),
-                                              ctx.world_size, self.log)
+            restored = read_trainer_state(ctx.restore_path)
+            restore_weights(ctx.restore_path, self.model, restored)
+            restore_states(ctx.restore_path, self.model, self.stateful_attributes(), ctx.rank, ctx.world_size,
+                           self.log)
+            self.step_losses = [math.nan if v is None else v for v in restored["losses"]]
+            self.skipped_steps = restored["skipped_steps"]
         self.open_metric_files()
+
+    def runtime_selection(self, ctx: BuildContext) -> Selection:
+        """The configured stages, with slot ``checkpoint`` acting exactly when a checkpoint is resumed (also one
+        found in checkpoint_dir without restore_from, and not for ``latest`` before the first checkpoint)."""
+        selection = dict(self.pipeline_selection(self.cfg))
+        configured = selection.pop("checkpoint", None)
+        if ctx.restore_path is not None and "checkpoint" not in self.merged("unsupported_stages"):
+            selection["checkpoint"] = configured or (
+                self.merged("stage_implementations").get("checkpoint", "restore"), "restore_from.path")
+        return {slot: selection[slot] for slot in PIPELINE_SLOTS if slot in selection}
 
     def open_metric_files(self) -> None:
         """training.jsonl / validation.jsonl and the metric backends (rank 0 only; they start with training)."""
         root = Path(self.cfg.checkpoint.checkpoint_dir)
-        self.train_log = JsonlWriter(root / "training.jsonl")
-        self.val_log = JsonlWriter(root / "validation.jsonl")
+        keep = self.step_scheduler.step if self.ctx.restore_path is not None else -1  # records past it are redone
+        self.train_log = JsonlWriter(root / "training.jsonl", keep)
+        self.val_log = JsonlWriter(root / "validation.jsonl", keep)
         self.peak_flops = device_peak_flops(self.device)
         self.num_params = sum(p.numel() for p in self.model.parameters())
         specs = resolve_backends(self.cfg, self.ctx.plugins.loggers)[0] if self.is_main_process else []

@@ -100,7 +100,12 @@ class CheckpointConfig:
     checkpoint_dir: str = field(default="checkpoints", metadata=_help("where checkpoints and metrics go"))
     model_save_format: Literal["safetensors", "torch_save"] = field(
         default="safetensors", metadata=_help("weights format (safetensors; pickle is never used for weights)"))
-    save_consolidated: bool = field(default=True, metadata=_help("write one HF-loadable model directory"))
+    save_consolidated: bool = field(default=True, metadata=_help(
+        "true: model/ in the Hugging Face layout (written by every rank from its shards, the weights' only copy); "
+        "false: only the sharded form model_shards/ (automodel export makes model/ later)"))
+    async_save: bool = field(default=False, metadata=_help(
+        "write checkpoints in the background from host copies while training goes on; LATEST names one once "
+        "every file is written"))
     keep_last: int | None = field(default=None, metadata=_help("keep only the newest N checkpoints"))
     model_repo_id: str | None = field(default=None, metadata=_help("accepted for upstream configs; unused"))
     model_cache_dir: str | None = field(default=None, metadata=_help("accepted for upstream configs; unused"))

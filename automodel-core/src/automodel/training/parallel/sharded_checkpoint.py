@@ -11,18 +11,15 @@ the shard's offsets), everything else is JSON. One directory holds::
     hf_export.json, hf/                         what the HF export of the weights needs (see hf_export.py)
 
 Tensors are grouped into files of at most ``max_file_bytes`` (of the whole tensors), which also bounds what a rank
-serialises at once. Model and optimizer are saved in one DCP call, so an asynchronous save has one background
-writer. The caller writes into a staging directory and publishes it (rename, ``LATEST``) after the save finished.
+serialises at once. A peft model's weights are its adapter (the base is unchanged). Background saves run one after
+the other on one writer thread (``run_in_background``) and talk over their own gloo group (``checkpoint_group``).
+The caller writes into a staging directory and publishes it (rename, ``LATEST``) after the save finished.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import warnings
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,66 +27,109 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from automodel.training.modules import unwrap
 from automodel.training.parallel.blocks import tied_to
-from automodel.training.parallel.hf_export import write_export_files
-from automodel.training.parallel.shard_files import ShardedCheckpointError, read_slices, write_tensor_shapes
+from automodel.training.parallel.hf_export import export_names, write_export_files
+from automodel.training.parallel.shard_files import (
+    ShardedCheckpointError,
+    mismatch_report,
+    read_slices,
+    write_tensor_shapes,
+)
+from automodel.training.parallel.writer import (
+    PendingSave,
+    checkpoint_group,
+    distributed,
+    run_in_background,
+    single_process_is_intended,
+)
 
 OPTIMIZER_FILE = "optimizer.json"
 MODEL, OPTIM = "model.", "optim."
 DEFAULT_MAX_FILE_BYTES = 2 * 1024**3
 
-_checkpoint_group: Any = None
-
-
-@dataclass
-class PendingSave:
-    """An asynchronous save in flight: ``wait()`` before publishing the directory or starting the next save."""
-
-    future: Any
-
-    def wait(self) -> None:
-        result = self.future
-        upload = getattr(result, "upload_completion", None)  # an AsyncSaveResponse (staging, upload futures)
-        (upload if upload is not None else result).result()
-
-
-def save_sharded_state(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                       max_file_bytes: int = DEFAULT_MAX_FILE_BYTES, async_save: bool = False) -> PendingSave | None:
-    """Write ``model``'s (and ``optimizer``'s) state into ``directory``; every rank calls it.
-
-    ``async_save``: the state is copied to host memory, then written in the background; the returned
-    ``PendingSave`` says when the files are complete. Training may change the parameters meanwhile."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+def sharded_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, weights: bool = True
+                    ) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+    """(DCP key -> this rank's tensor, the optimizer's JSON manifest): the weights (a tied tensor once; of a peft
+    model only the adapter, the rest is its unchanged base) when ``weights``, and the optimizer's state."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    directory = Path(directory)
-    tied = tied_to(model)
-    tensors = {MODEL + name: tensor for name, tensor in get_model_state_dict(model).items() if tied[name] == name}
+    # The model's state first, always: FSDP2's state_dict hook puts the sharded parameters back in place (a no_grad
+    # forward, validation, can leave a module unsharded), and the optimizer's state is keyed by them.
+    model_state = get_model_state_dict(model)
+    tensors: dict[str, torch.Tensor] = {}
+    if weights:
+        saved = export_names(model, MODEL)[1]
+        tensors = {MODEL + name: t for name, t in model_state.items() if MODEL + name in saved}
     manifest = None
     if optimizer is not None:
         optim_tensors, manifest = _split_optimizer_state(get_optimizer_state_dict(model, optimizer))
         tensors.update(optim_tensors)
+    return tensors, manifest
+
+
+def write_sharded_metadata(directory: Path, model: nn.Module, tensors: dict[str, torch.Tensor],
+                           manifest: dict[str, Any] | None, weights: bool = True) -> None:
+    """What a sharded directory holds beside the shards (rank 0): shapes, optimizer manifest, export plan."""
     directory.mkdir(parents=True, exist_ok=True)
-    if _rank() == 0:
-        write_tensor_shapes(directory, tensors)
-        if manifest is not None:
-            (directory / OPTIMIZER_FILE).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
+    write_tensor_shapes(directory, tensors)
+    if manifest is not None:
+        (directory / OPTIMIZER_FILE).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
+    if weights:
         write_export_files(model, directory, MODEL)
-    _barrier()
+
+
+def write_sharded_tensors(directory: Path, tensors: dict[str, torch.Tensor],
+                          max_file_bytes: int = DEFAULT_MAX_FILE_BYTES, group: Any = None) -> None:
+    """Every rank of ``group`` writes its shards of ``tensors`` into ``directory`` (one DCP save)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    directory.mkdir(parents=True, exist_ok=True)
+    if not tensors:
+        return
     writer = HuggingFaceStorageWriter(str(directory), fqn_to_index_mapping=_file_index(tensors, max_file_bytes),
                                       save_distributed=True)
-    with _single_process_is_intended():
-        if async_save:
-            return PendingSave(dcp.async_save(tensors, storage_writer=writer, process_group=_async_group(),
-                                              no_dist=not _distributed()))
-        dcp.save(tensors, storage_writer=writer, no_dist=not _distributed())
-    return None
+    with single_process_is_intended():
+        dcp.save(tensors, storage_writer=writer, process_group=group, no_dist=not distributed())
 
 
-def load_sharded_state(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
-                       ) -> None:
-    """Fill ``model`` (and ``optimizer``) from ``directory``, resharded to how they are sharded now."""
+def stage_on_cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A copy of this rank's ``tensors`` in host memory that training no longer changes (what a background save
+    writes)."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    stager = DefaultStager(StagingOptions(False, False, False, False))
+    try:
+        return stager.stage(tensors)
+    finally:
+        stager.close()
+
+
+def save_sharded_state(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                       max_file_bytes: int = DEFAULT_MAX_FILE_BYTES, async_save: bool = False,
+                       weights: bool = True) -> PendingSave | None:
+    """Write ``model``'s weights (when ``weights``) and ``optimizer``'s state into ``directory``; every rank
+    calls it.
+
+    ``async_save``: the state is copied to host memory, then written in the background; the returned
+    ``PendingSave`` says when the files are complete. Training may change the parameters meanwhile."""
+    directory = Path(directory)
+    tensors, manifest = sharded_tensors(model, optimizer, weights)
+    if _rank() == 0:
+        write_sharded_metadata(directory, model, tensors, manifest, weights)
+    _barrier()
+    if not async_save:
+        write_sharded_tensors(directory, tensors, max_file_bytes)
+        return None
+    staged, group = stage_on_cpu(tensors), checkpoint_group()
+    return run_in_background(lambda: write_sharded_tensors(directory, staged, max_file_bytes, group))
+
+
+def load_sharded_state(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                       weights: bool = True) -> None:
+    """Fill ``model``'s weights (when ``weights``) and ``optimizer`` from ``directory``, resharded to how they
+    are sharded now."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
     from torch.distributed.checkpoint.state_dict import (
@@ -103,16 +143,22 @@ def load_sharded_state(directory: str | Path, model: nn.Module, optimizer: torch
     directory = Path(directory)
     saved = read_slices(directory)[0]
     model_state = get_model_state_dict(model)
-    tied = tied_to(model)  # a tied tensor is saved and loaded once, under its first name
-    targets = {MODEL + name: tensor for name, tensor in model_state.items() if tied[name] == name}
+    tied = tied_to(unwrap(model))  # a tied tensor is saved and loaded once, under its first name
+    targets = {}
+    if weights:
+        names = export_names(model, MODEL)[1]
+        targets = {MODEL + name: tensor for name, tensor in model_state.items() if MODEL + name in names}
     if optimizer is not None:
         optim_state = get_optimizer_state_dict(model, optimizer)
         manifest = _read_manifest(directory)
         targets.update(_optimizer_targets(optim_state, manifest, directory))
     _check_sizes(targets, saved, directory)
-    with _single_process_is_intended():
-        dcp.load(targets, storage_reader=HuggingFaceStorageReader(str(directory)), no_dist=not _distributed())
-    set_model_state_dict(model, {name: targets[MODEL + tied[name]] for name in model_state})
+    if targets:
+        with single_process_is_intended():
+            dcp.load(targets, storage_reader=HuggingFaceStorageReader(str(directory)), no_dist=not distributed())
+    if weights:
+        set_model_state_dict(model, {name: targets[MODEL + tied[name]] for name in model_state
+                                     if MODEL + tied[name] in targets}, options=StateDictOptions(strict=False))
     if optimizer is not None:
         restored = _join_optimizer_state(targets, manifest, optim_state)
         set_optimizer_state_dict(model, optimizer, restored, options=StateDictOptions(strict=False))
@@ -211,39 +257,15 @@ def _check_sizes(targets: dict[str, torch.Tensor], saved: dict[str, tuple[int, .
     wrong = [f"{key}: saved {tuple(saved[key])}, now {tuple(t.shape)}" for key, t in targets.items()
              if key in saved and tuple(saved[key]) != tuple(t.shape)]
     if missing or wrong:
-        lines = [f"the sharded checkpoint '{directory}' does not match the model (same architecture and config?)"]
-        for title, items in (("missing", missing), ("shape mismatches", wrong)):
-            if items:
-                lines.append(f"  {title} ({len(items)}): " + ", ".join(items[:8]) + (" ..." if len(items) > 8 else ""))
-        raise ShardedCheckpointError("\n".join(lines))
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-@contextlib.contextmanager
-def _single_process_is_intended() -> Iterator[None]:
-    """DCP warns on every save and load without a process group; one process is a supported case here."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        yield
+        raise ShardedCheckpointError(mismatch_report(
+            f"the sharded checkpoint '{directory}' does not match the model (same architecture and config?)",
+            {"missing": missing, "shape mismatches": wrong}))
 
 
 def _rank() -> int:
-    return dist.get_rank() if _distributed() else 0
+    return dist.get_rank() if distributed() else 0
 
 
 def _barrier() -> None:
-    if _distributed():
+    if distributed():
         dist.barrier()
-
-
-def _async_group() -> Any:
-    """A gloo group of every rank for background saves, so their collectives never interleave with training's."""
-    global _checkpoint_group
-    if not _distributed():
-        return None
-    if _checkpoint_group is None:
-        _checkpoint_group = dist.new_group(backend="gloo")
-    return _checkpoint_group
