@@ -150,7 +150,7 @@ class MineHardNegativesRecipe(BaseRecipe):
         import transformers
 
         from automodel_retrieval.data import BiEncoderCollator, load_corpus, load_rows, row_negatives, row_positives
-        from automodel_retrieval.models import QUERY_DIR, BiEncoder, read_bi_encoder_config, resolve_model_dir
+        from automodel_retrieval.models import BiEncoder, encoder_dir, resolve_model_dir
 
         m = self.mining = self.cfg.mining
         transformers.utils.logging.disable_progress_bar()
@@ -159,7 +159,6 @@ class MineHardNegativesRecipe(BaseRecipe):
         else:
             self.device = torch.device(m.device)
         model_dir = resolve_model_dir(m.model)
-        saved = read_bi_encoder_config(model_dir)
         try:
             model = BiEncoder.from_pretrained(str(model_dir), pooling=m.pooling)
         except AutomodelError as err:
@@ -169,19 +168,18 @@ class MineHardNegativesRecipe(BaseRecipe):
                                  f"failed ({err}); train a bi-encoder first (automodel finetune retrieval -c ...) and "
                                  "point mining.model at its checkpoint_dir") from None
         self.model = model.to(self.device).eval()
-        source = m.tokenizer or str(model_dir / QUERY_DIR if (model_dir / QUERY_DIR).is_dir() else model_dir)
+        source = m.tokenizer or str(encoder_dir(model_dir))
         try:
             self.tokenizer = transformers.AutoTokenizer.from_pretrained(source)
         except (OSError, ValueError) as err:
             raise AutomodelError(f"mining.tokenizer: cannot load a tokenizer from '{source}': {err}") from None
 
-        def pick(name: str, default: Any) -> Any:
+        def pick(name: str) -> Any:  # the mining section's, else the model's own (or the default)
             value = getattr(m, name)
-            return value if value is not None else saved.get(name, default)
+            return value if value is not None else model.input_setting(name)
 
-        self.collator = BiEncoderCollator(self.tokenizer, pick("query_max_length", 64),
-                                          pick("document_max_length", 128), pick("query_prefix", ""),
-                                          pick("document_prefix", ""))
+        self.collator = BiEncoderCollator(self.tokenizer, pick("query_max_length"), pick("document_max_length"),
+                                          pick("query_prefix"), pick("document_prefix"))
         rows = load_rows(m.data, m.split, "mining.data")
         if "query" not in rows.column_names:
             raise AutomodelError(f"mining.data: '{m.data}' has no 'query' column (found: "
