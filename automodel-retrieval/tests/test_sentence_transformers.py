@@ -8,35 +8,21 @@ import json
 
 import pytest
 import torch
-from retrieval_testing import BERT_CONFIG, BI_ENCODER, TOKENIZER_DIR, latest, run_inprocess, write_config
+from retrieval_testing import (
+    BERT_CONFIG,
+    BI_ENCODER,
+    DOCUMENTS,
+    QUERIES,
+    TOKENIZER_DIR,
+    assert_same_embeddings,
+    latest,
+    recipe_embeddings,
+    run_inprocess,
+    st_modules,
+    write_config,
+)
 
 sentence_transformers = pytest.importorskip("sentence_transformers", reason="pip install 'automodel-retrieval[test]'")
-
-QUERIES = ["capital of Sikia", "currency of Borvania", "who rules Tessaly and since when"]
-DOCUMENTS = ["Sikia's capital city is Zoranton, home to its royal court.",
-             "Borvania pays with the florin, minted in its northern hills.", "Tessaly"]
-
-
-def recipe_embeddings(recipe, side: str, texts: list[str]) -> torch.Tensor:
-    """What the recipe computes (its collator: prefix, truncation; its model: pooling, normalisation)."""
-    collator = recipe.default_collate_fn(False)
-    encode = collator.encode_queries if side == "query" else collator.encode_documents
-    model = recipe.model.eval()
-    with torch.no_grad():
-        return model.encode(side, encode(texts))
-
-
-def assert_same_embeddings(theirs: torch.Tensor, ours: torch.Tensor) -> None:
-    theirs = theirs.float().cpu()
-    assert theirs.shape == ours.shape
-    cosine = torch.nn.functional.cosine_similarity(theirs, ours, dim=-1)
-    assert cosine.min() >= 1 - 1e-6, cosine
-    assert torch.allclose(theirs.norm(dim=-1), ours.norm(dim=-1), rtol=1e-4)
-
-
-def st_modules(directory) -> list[str]:
-    return [m["type"].rsplit(".", 1)[-1] for m in json.loads((directory / "modules.json").read_text())]
-
 
 def test_two_encoder_checkpoint_holds_two_sentence_transformers_models(bi_encoder_run):
     """Separate encoders: query_encoder/ and document_encoder/ each load with SentenceTransformer, mean pooling
