@@ -4,9 +4,11 @@ Documents are identified by a 64-bit hash of their text (``text_key``), so that 
 positives is never pushed away as a negative, also when the copy comes from another rank's micro-batch.
 
 Under DDP / FSDP2 every rank scores its queries against the documents of all ranks: the document embeddings are
-gathered with ``torch.distributed.nn.functional.all_gather``, whose backward sends each rank the gradient that
-the other ranks' losses put on its documents. With the loop's loss scaling (world size / the step's queries) and
-the gradient averaging of DDP / FSDP2, N ranks then train exactly as one process with an N times larger batch.
+gathered with torch's autograd-aware ``all_gather_single`` (``torch.distributed._functional_collectives``, what
+torch 2.13 names in place of the deprecated ``torch.distributed.nn.functional.all_gather``), whose backward sends
+each rank the gradient that the other ranks' losses put on its documents. With the loop's loss scaling (world size
+/ the step's queries) and the gradient averaging of DDP / FSDP2, N ranks then train exactly as one process with an
+N times larger batch.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ def gather_documents(documents: torch.Tensor, keys: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """Every rank's document embeddings [R * D_max, H] (gradient flowing back to each rank's own), their keys,
     which rows are real (ranks with fewer documents are padded) and where this rank's documents start."""
-    from torch.distributed.nn.functional import all_gather
+    from torch.distributed._functional_collectives import all_gather_single
 
     count = torch.tensor([documents.shape[0]], device=documents.device)
     dist.all_reduce(count, op=dist.ReduceOp.MAX)
@@ -46,7 +48,7 @@ def gather_documents(documents: torch.Tensor, keys: torch.Tensor
         documents = torch.cat([documents, documents.new_zeros(padding, documents.shape[1])])
         keys = torch.cat([keys, keys.new_zeros(padding)])
         valid = torch.cat([valid, valid.new_zeros(padding)])
-    gathered = torch.cat(all_gather(documents))
+    gathered = all_gather_single(documents, 0, dist.group.WORLD)
     labels = torch.stack([keys, valid.long()], dim=1)  # the keys and validity need no gradient: a plain gather
     parts = [torch.empty_like(labels) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, labels)
