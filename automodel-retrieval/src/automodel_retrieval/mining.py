@@ -205,13 +205,13 @@ class MineHardNegativesRecipe(BaseRecipe):
 
     def embed(self, side: str, texts: list[str], desc: str) -> Any:
         import torch
-        from tqdm import tqdm
+
+        from automodel.training.progress import TaskProgress
 
         encode = self.collator.encode_queries if side == "query" else self.collator.encode_documents
         size = self.mining.batch_size
         out = []
-        with torch.no_grad(), tqdm(total=len(texts), desc=desc, unit="text", file=sys.stderr,
-                                   dynamic_ncols=True) as bar:
+        with torch.no_grad(), TaskProgress(len(texts), desc, unit="text") as bar:
             for i in range(0, len(texts), size):
                 inputs = {k: v.to(self.device) for k, v in encode(texts[i: i + size]).items()}
                 out.append(self.model.encode(side, inputs).float())
@@ -220,7 +220,8 @@ class MineHardNegativesRecipe(BaseRecipe):
 
     def run_train_validation_loop(self) -> None:
         import torch
-        from tqdm import tqdm
+
+        from automodel.training.progress import TaskProgress
 
         m = self.mining
         index = {text: i for i, text in enumerate(self.corpus)}
@@ -238,8 +239,7 @@ class MineHardNegativesRecipe(BaseRecipe):
         lowest = torch.tensor([min(s) for s in positive_scores], dtype=torch.float64, device=self.device)
         thresholds = margin_thresholds(lowest, m.margin_type, m.margin)
         excluded = [{index[p] for p in row["positives"] if p in index} for row in self.rows]
-        with tqdm(total=len(self.rows) * len(self.corpus), desc="search", unit="pair", unit_scale=True,
-                  file=sys.stderr, dynamic_ncols=True) as bar:
+        with TaskProgress(len(self.rows) * len(self.corpus), "search", unit="pair", unit_scale=True) as bar:
             ids, scores = top_k_negatives(queries, corpus, excluded, thresholds, m.num_negatives, m.chunk_size,
                                           m.query_batch_size, bar)
         output = Path(m.output)

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import sys
 
 import click
 
 from automodel.cli.execute import OVERRIDE_SETTINGS
 from automodel.errors import AutomodelError, UsageError
+from automodel.noise import debug_enabled, filter_third_party_noise
 from automodel.plugins.manager import PluginManager, get_plugin_manager
 from automodel.suggest import did_you_mean
 
@@ -168,7 +168,8 @@ def _warn_failed_plugins(argv: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    debug = os.environ.get("AUTOMODEL_DEBUG") == "1"
+    debug = debug_enabled()
+    filter_third_party_noise()
     try:
         _warn_failed_plugins(argv)
         result = cli.main(args=argv, prog_name="automodel", standalone_mode=False)
