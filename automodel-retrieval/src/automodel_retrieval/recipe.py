@@ -15,6 +15,7 @@ import torch
 from automodel.config import Config, ConfigNode, Target
 from automodel.errors import AutomodelError, ConfigIssue
 from automodel.hf import check_vocab, model_source
+from automodel.training.context import BuildContext
 from automodel.training.modules import unwrap
 from automodel.training.recipe import TrainRecipe
 from automodel_retrieval.data import BiEncoderCollator, CrossEncoderCollator
@@ -256,6 +257,23 @@ class CrossEncoderRecipe(_RetrievalRecipe):
     def default_collate_fn(self, train: bool = True) -> Any:
         s = self.cfg.retrieval
         return CrossEncoderCollator(self.tokenizer, s.max_length, s.query_prefix, s.document_prefix)
+
+    def build_dataset(self, ctx: BuildContext, node: ConfigNode) -> Any:
+        """A data set whose queries all come without negatives is refused: each group would hold only its
+        positive, so the listwise loss is 0 (nothing trains) and accuracy and MRR are 1.0 whatever the model."""
+        dataset = super().build_dataset(ctx, node)
+        examples = getattr(dataset, "examples", None)
+        if examples and not any(example["negatives"] for example in examples):
+            source = node.get("path") or node.get("dataset_name") or "the data"
+            what = "nothing would train (the loss of a group of one document is 0)" if node.key == "dataset" \
+                else "accuracy and MRR would be 1.0 whatever the model (each query ranked against itself alone)"
+            if node.get("num_negatives") == 0:
+                raise AutomodelError(f"{node.key}.num_negatives: 0 leaves every query of '{source}' without "
+                                     f"negatives, so {what}; set it to 1 or more")
+            raise AutomodelError(f"{node.key}: no row of '{source}' has negatives, so {what}. A cross-encoder "
+                                 "ranks each positive against its negatives: add a 'negatives' list to the rows "
+                                 "(`automodel mine retrieval` mines them with a trained bi-encoder)")
+        return dataset
 
     def setup(self) -> None:
         super().setup()
