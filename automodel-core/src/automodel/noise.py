@@ -16,6 +16,8 @@ LOG_NOISE = (
     # torchao's optional C extensions (_C_mxfp8, _C_cutlass_90a, ...) built for CUDA: absent or unloadable here,
     # and nothing automodel uses needs them
     ("torchao", "Failed to load "),
+    # torchao's int-matmul kernels want triton (a GPU compiler); the CPU path needs none
+    ("torchao.kernel.intmm", "Detected no triton"),
     # diffusers probing torchao's tensor subclasses for torch.load's safe globals; automodel never torch.loads
     ("diffusers.quantizers.torchao.torchao_quantizer", "Unable to import `torchao` Tensor objects"),
     # torch 2.13 deprecating register_constant() on Enums, which torchao calls on import
@@ -26,6 +28,7 @@ LOG_NOISE = (
 # warning messages (regular expressions matched at the start)
 WARNING_NOISE = (
     "'set_vital' is deprecated",  # torchdata calls a deprecated torch API on every dataloader iterator
+    "`is_gradient_checkpointing` is deprecated",  # peft reads the old name when it wraps a model
 )
 
 

@@ -14,6 +14,7 @@ from automodel.config import Target
 from automodel.errors import AutomodelError
 from automodel.hf import (
     EvalGenerationConfig,
+    align_special_tokens,
     check_vocab,
     exact_match,
     is_adapter_dir,
@@ -21,6 +22,7 @@ from automodel.hf import (
     load_tokenizer,
     missing_local_path,
     model_source,
+    record_adapter_base,
 )
 from automodel.training.context import BuildContext
 from automodel.training.modules import unwrap
@@ -117,6 +119,16 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
         check_vocab(self.tokenizer, getattr(unwrap(self.model), "config", None),
                     "tokenizer: {tokens} tokens but model.config.vocab_size is {vocab}; use the model's own "
                     "tokenizer or resize the model's embeddings")
+        changes = align_special_tokens(unwrap(self.model), self.tokenizer)
+        if changes:
+            self.log(f"special tokens: the model's {', '.join(changes)} (the tokenizer's, which training uses; "
+                     "saved in config.json and generation_config.json, so generate() stops at its EOS)")
+
+    def save_model(self, directory: Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        super().save_model(directory, state_dict)
+        found = model_source(self.cfg.model)
+        if is_adapter_dir(directory) and found is not None:
+            record_adapter_base(directory, found[0])  # the resolved base, for `automodel export` and peft
 
     def load_model_weights(self, model: torch.nn.Module, directory: Path) -> None:
         if is_adapter_dir(directory):
