@@ -205,9 +205,10 @@ def test_a_chat_template_given_to_the_dataset_renders_and_is_saved_with_the_toke
                                                                                         plain_tokenizer_dir):
     from transformers import AutoTokenizer
 
-    template_file = tmp_path / "template.jinja"
+    template_file, json_file = tmp_path / "template.jinja", tmp_path / "tokenizer_config.json"
     template_file.write_text(TEMPLATE)
-    for given in (TEMPLATE, str(template_file)):
+    json_file.write_text(json.dumps({"chat_template": TEMPLATE}))
+    for given in (TEMPLATE, str(template_file), str(json_file)):
         tokenizer = AutoTokenizer.from_pretrained(plain_tokenizer_dir)  # has no template of its own
         sample = datasets.ChatDataset(data["chat_file"], tokenizer=tokenizer, chat_template=given)[0]
         assert tokenizer.decode(sample["input_ids"]).startswith("[user] ")

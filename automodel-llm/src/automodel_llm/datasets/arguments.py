@@ -14,6 +14,7 @@ its key and a data set built from Python raises it as an error naming the same k
 from __future__ import annotations
 
 import inspect
+import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -164,8 +165,6 @@ def resolve_chat_template(value: str | None, key: str = "dataset.chat_template")
         return value
     text = Path(value).read_text(encoding="utf-8")
     if Path(value).suffix == ".json":
-        import json
-
         try:
             return json.loads(text)["chat_template"]
         except (ValueError, KeyError, TypeError):
