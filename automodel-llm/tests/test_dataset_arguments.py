@@ -29,6 +29,12 @@ def _write_jsonl(path, records) -> str:
     return str(path)
 
 
+BAD_ROW = {"squad": {"context": None, "question": "q", "answers": {"text": ["a"]}},
+           "instruction": {"ctx": "c", "q": None, "a": "a"},
+           "chat": {"messages": None, "conv": None},
+           "text": {"text": None, "other": "o"}}
+
+
 def _formats(rows: list[dict]) -> dict[str, list[dict]]:
     return {
         "squad": rows,
@@ -58,6 +64,7 @@ def data(tmp_path_factory) -> dict:
         paths[kind] = str(root / kind)
         paths[f"{kind}_subsets"] = str(root / f"{kind}_subsets")
         paths[f"{kind}_file"] = _write_jsonl(root / f"{kind}_file.jsonl", splits["train"][kind][:8])
+        paths[f"{kind}_bad"] = _write_jsonl(root / f"{kind}_bad.jsonl", splits["train"][kind][:8] + [BAD_ROW[kind]])
     return paths
 
 
@@ -113,6 +120,7 @@ SHARED = {
     "padding": ("max_length", {}),
     "limit_dataset_samples": (5, {}),
     "shuffle_seed": (7, {}),
+    "on_bad_row": ("skip", {"<source>": "<bad file>"}),
 }
 OWN = {
     "SquadDataset": {"tokenizer_name_or_path": ("<plain tokenizer>", {}), "seed": (7, {})},
@@ -156,7 +164,7 @@ def test_the_table_below_covers_every_argument_of_every_llm_dataset():
 def test_every_argument_acts(kind, argument, data, tokenizer, plain_tokenizer_dir):
     base = {**_base(data, kind), "tokenizer": tokenizer}
     fmt = FORMAT.get(kind, "squad")
-    places = {"<file>": data[f"{fmt}_file"], "<subsets>": data[f"{fmt}_subsets"],
+    places = {"<file>": data[f"{fmt}_file"], "<subsets>": data[f"{fmt}_subsets"], "<bad file>": data[f"{fmt}_bad"],
               "<source>": SOURCE.get(kind, "path_or_dataset_id"), "<plain tokenizer>": str(plain_tokenizer_dir),
               "<longest-1>": max(len(sample["input_ids"]) for sample in _outcome(kind, base)) - 1}
     fill = lambda v: places.get(v, v) if isinstance(v, str) else v  # noqa: E731
@@ -248,7 +256,8 @@ def test_validation_refuses_both_spellings_a_tokenizer_unknown_arguments_and_bad
     issues = "\n".join(_issues(config))
     assert "dataset.dataset_name: the same argument as path_or_dataset_id, which is also given" in issues
     assert "dataset.tokenizer: the run has one tokenizer, and the tokenizer: section is given too" in issues
-    assert "dataset.truncation: 'sometimes' is not one of" in issues
+    assert "dataset.truncation: expected bool | 'do_not_truncate' | 'longest_first' | 'only_first', found " \
+           "'sometimes'" in issues
     assert "dataset.padding: max_length pads each sample to seq_length, which is not set" in issues
     assert "validation_dataset.chat_template: 'no-such-file.jinja' is neither a Jinja template" in issues
     assert "validation_dataset.start_of_turn_token: ChatDataset does not accept an argument" in issues

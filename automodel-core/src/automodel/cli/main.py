@@ -7,6 +7,8 @@ import sys
 import click
 
 from automodel.cli.execute import OVERRIDE_SETTINGS
+from automodel.cli.trust_options import trust_params
+from automodel.config.trust import set_command_line_trust
 from automodel.errors import AutomodelError, UsageError
 from automodel.noise import debug_enabled, filter_third_party_noise
 from automodel.plugins.manager import PluginManager, get_plugin_manager
@@ -52,6 +54,7 @@ class RouteCommand(click.Command):
                 click.Option(["--master-addr"], default=None, help="rendezvous address (torchrun)"),
                 click.Option(["--master-port"], type=int, default=None, help="rendezvous port (torchrun)"),
                 click.Option(["--slurm"], is_flag=True, help="write an sbatch script (slurm: section) and exit"),
+                *trust_params(),
             ],
             help=f"Run a '{name}' recipe. Domains: {', '.join(domains)}. Extra --section.key value pairs "
                  "override the config.",
@@ -170,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = debug_enabled()
     filter_third_party_noise()
+    set_command_line_trust(names=(), remote_code=False)  # each invocation's options decide afresh
     try:
         _warn_failed_plugins(argv)
         result = cli.main(args=argv, prog_name="automodel", standalone_mode=False)

@@ -7,8 +7,8 @@ directory), ``seq_length`` (the token limit of a sample), ``name`` (a hub data s
 ``argument_aliases``, which validation and docs/config-reference.md read). Giving both spellings of one argument
 is a config error.
 
-Each check returns the problem as text (or None) so that ``automodel validate`` reports it as a config issue under
-its key and a data set built from Python raises it as an error naming the same key.
+Validation checks the values of ``truncation``, ``padding`` and ``on_bad_row`` from their ``Literal`` types;
+``argument_issues`` adds what a type cannot say. A data set built from Python checks the same, naming the same keys.
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ ARGUMENT_HELP = {
                "other values leave padding to the collator, which pads each batch to its longest sample",
     "limit_dataset_samples": "use only the first N rows (after shuffling)",
     "shuffle_seed": "shuffle the rows with this seed before limit_dataset_samples",
+    "on_bad_row": "error: a row missing a required field (or holding an unusable one) stops the run, naming the "
+                  "file, row and field; skip: such rows are left out and counted",
 }
 
 Truncation = bool | Literal["do_not_truncate", "longest_first", "only_first"]
@@ -68,18 +70,13 @@ def both_spellings(name: str) -> str:
 
 # ---- value checks (shared by validation and the data sets) ---------------------------------------------------
 
-def truncation_problem(value: Any) -> str | None:
-    if value is None or (isinstance(value, (bool, str)) and value in _TRUNCATE):
+PAD_WITHOUT_LENGTH = "max_length pads each sample to seq_length, which is not set; set seq_length"
+
+
+def _choice_problem(value: Any, choices: Mapping[Any, bool]) -> str | None:
+    if value is None or (isinstance(value, (bool, str)) and value in choices):
         return None
-    return f"{value!r} is not one of true, false, {', '.join(k for k in _TRUNCATE if isinstance(k, str))}"
-
-
-def padding_problem(value: Any, seq_length: Any) -> str | None:
-    if value is not None and not (isinstance(value, (bool, str)) and value in _PAD_TO_LENGTH):
-        return f"{value!r} is not one of true, false, {', '.join(k for k in _PAD_TO_LENGTH if isinstance(k, str))}"
-    if value == "max_length" and seq_length is None:
-        return "max_length pads each sample to seq_length, which is not set; set seq_length"
-    return None
+    return f"{value!r} is not one of true, false, {', '.join(k for k in choices if isinstance(k, str))}"
 
 
 def chat_template_problem(value: Any) -> str | None:
@@ -128,8 +125,10 @@ class SampleLength:
     padding: Padding | None = "do_not_pad"
 
     def __post_init__(self) -> None:
-        _raise("dataset.truncation", truncation_problem(self.truncation))
-        _raise("dataset.padding", padding_problem(self.padding, self.limit.value))
+        _raise("dataset.truncation", _choice_problem(self.truncation, _TRUNCATE))
+        _raise("dataset.padding", _choice_problem(self.padding, _PAD_TO_LENGTH))
+        if self.padding == "max_length" and self.limit.value is None:
+            _raise("dataset.padding", PAD_WITHOUT_LENGTH)
 
     def fit(self, ids: list[int], labels: list[int], pad_token_id: int | None, where: str) -> dict[str, list[int]]:
         """The sample, truncated (or refused when longer and truncation is off) and padded as asked.
@@ -175,18 +174,18 @@ def resolve_chat_template(value: str | None, key: str = "dataset.chat_template")
 # ---- validation ----------------------------------------------------------------------------------------------
 
 def argument_issues(node: Mapping[str, Any], key: str, fn: Callable) -> list[ConfigIssue]:
-    """What validation refuses in a data set section built by ``fn``: both spellings of one argument, and bad
-    truncation / padding / chat_template values."""
+    """What validation refuses in a data set section built by ``fn`` beyond the types of its arguments: both
+    spellings of one argument, padding to a length that is not set, a chat template that is neither."""
     aliases = getattr(fn, "argument_aliases", {})
     issues = [ConfigIssue(f"{key}.{alias}", both_spellings(name)) for alias, name in aliases.items()
               if node.get(alias) is not None and node.get(name) is not None]
     accepted = _parameters(fn)
-    seq_length = node.get("seq_length", node.get("max_seq_length"))
-    problems = {"truncation": truncation_problem(node.get("truncation")),
-                "padding": padding_problem(node.get("padding"), seq_length),
-                "chat_template": chat_template_problem(node.get("chat_template"))}
-    issues += [ConfigIssue(f"{key}.{name}", problem) for name, problem in problems.items()
-               if problem is not None and name in node and name in accepted]
+    if "padding" in accepted and node.get("padding") == "max_length" and \
+            node.get("seq_length", node.get("max_seq_length")) is None:
+        issues.append(ConfigIssue(f"{key}.padding", PAD_WITHOUT_LENGTH))
+    problem = chat_template_problem(node.get("chat_template")) if "chat_template" in accepted else None
+    if problem is not None:
+        issues.append(ConfigIssue(f"{key}.chat_template", problem))
     return issues
 
 

@@ -6,6 +6,7 @@ from typing import Any
 
 from torch.utils.data import Dataset
 
+from automodel.data import BadRows, OnBadRow
 from automodel.errors import AutomodelError
 from automodel_llm.datasets.arguments import (
     ALIASES,
@@ -52,7 +53,8 @@ class ChatDataset(Dataset):
     the assistant turns.
 
     ``chat_template`` (inline, or a .jinja file) becomes the tokenizer's template, so the tokenizer saved with the
-    checkpoint renders conversations as training did.
+    checkpoint renders conversations as training did. A row whose messages are null, not a list of mappings, or
+    hold no assistant turn is refused, or skipped with ``on_bad_row: skip``.
     """
 
     argument_aliases = ALIASES
@@ -65,7 +67,8 @@ class ChatDataset(Dataset):
                  tokenizer: Any = None, seq_length: int | None = None, messages_column: str = "messages",
                  chat_template: str | None = None, truncation: Truncation = False, padding: Padding = "do_not_pad",
                  limit_dataset_samples: int | None = None, shuffle_seed: int | None = None,
-                 dataset_name: str | None = None, max_seq_length: int | None = None):
+                 on_bad_row: OnBadRow = "error", dataset_name: str | None = None,
+                 max_seq_length: int | None = None):
         source = given("path_or_dataset_id", path_or_dataset_id, "dataset_name", dataset_name)
         length = SampleLength(given("seq_length", seq_length, "max_seq_length", max_seq_length), truncation, padding)
         if tokenizer is None:
@@ -80,16 +83,23 @@ class ChatDataset(Dataset):
             raise AutomodelError(f"dataset.messages_column: '{source.value}' has no column '{messages_column}' "
                                  f"(found: {', '.join(rows.column_names)})")
         self.samples: list[dict[str, list[int]]] = []
+        bad_rows = BadRows(on_bad_row, source.value)
         for index, row in enumerate(rows):
+            if bad_rows.missing(index, row, (messages_column,)):
+                continue
             messages = row[messages_column]
+            if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+                bad_rows.bad(index, f"'{messages_column}' must be a list of {{role, content}} messages")
+                continue
             if not any(m.get("role") == "assistant" for m in messages):
-                raise AutomodelError(f"dataset: conversation {index} of '{source.value}' has no assistant "
-                                     "turn to learn from")
+                bad_rows.bad(index, "the conversation has no assistant turn to learn from")
+                continue
             ids, labels = tokenize_conversation(tokenizer, messages)
             sample = length.fit(ids, labels, tokenizer.pad_token_id, f"conversation {index} of '{source.value}'")
             if learns_nothing(sample["labels"]):
                 continue
             self.samples.append(sample)
+        bad_rows.report()
         if not self.samples:
             raise AutomodelError(f"{source.key}: '{source.value}' has no conversation with assistant tokens left")
 

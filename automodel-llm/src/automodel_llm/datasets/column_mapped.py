@@ -6,6 +6,7 @@ from typing import Any
 
 from torch.utils.data import Dataset
 
+from automodel.data import BadRows, OnBadRow
 from automodel.errors import AutomodelError
 from automodel_llm.datasets.arguments import (
     ALIASES,
@@ -24,7 +25,10 @@ _ROLES = ("context", "question", "answer")
 
 class ColumnMappedTextInstructionDataset(Dataset):
     """Prompt = the context and question columns, completion = the answer column (the loss on it only by
-    default)."""
+    default).
+
+    A row whose mapped column is null is refused, or skipped with ``on_bad_row: skip``; an empty answer is left out.
+    """
 
     argument_aliases = ALIASES
     argument_help = {**ARGUMENT_HELP,
@@ -36,7 +40,7 @@ class ColumnMappedTextInstructionDataset(Dataset):
                  split: str = "train", name: str | None = None, tokenizer: Any = None, seq_length: int | None = None,
                  answer_only_loss_mask: bool = True, truncation: Truncation = False, padding: Padding = "do_not_pad",
                  limit_dataset_samples: int | None = None, shuffle_seed: int | None = None,
-                 dataset_name: str | None = None, max_seq_length: int | None = None):
+                 on_bad_row: OnBadRow = "error", dataset_name: str | None = None, max_seq_length: int | None = None):
         source = given("path_or_dataset_id", path_or_dataset_id, "dataset_name", dataset_name)
         length = SampleLength(given("seq_length", seq_length, "max_seq_length", max_seq_length), truncation, padding)
         if not column_mapping:
@@ -57,10 +61,13 @@ class ColumnMappedTextInstructionDataset(Dataset):
                                  f"{', '.join(missing)} (found: {', '.join(rows.column_names)})")
         self.samples: list[dict[str, list[int]]] = []
         self.qa_pairs: list[tuple[str, str]] = []
+        bad_rows = BadRows(on_bad_row, source.value)
         for index, row in enumerate(rows):
+            if bad_rows.missing(index, row, column_mapping.values()):
+                continue
             parts = [str(row[column_mapping[r]]).strip() for r in ("context", "question") if r in column_mapping]
             prompt = " ".join(p for p in parts if p)
-            answer = str(row[column_mapping["answer"]] or "").strip()
+            answer = str(row[column_mapping["answer"]]).strip()
             if not answer:
                 continue
             ids, labels = tokenize_prompt_answer(tokenizer, prompt, answer)
@@ -71,6 +78,7 @@ class ColumnMappedTextInstructionDataset(Dataset):
                 continue
             self.samples.append(sample)
             self.qa_pairs.append((prompt, answer))
+        bad_rows.report()
         if not self.samples:
             raise AutomodelError(f"{source.key}: '{source.value}' (split {split}) has no usable rows: every answer "
                                  "was empty or truncated away")

@@ -7,13 +7,17 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
+from automodel.data import BadRows, OnBadRow
 from automodel.errors import AutomodelError
 from automodel_llm.datasets.arguments import ALIASES, ARGUMENT_HELP, given, read_rows
 
 
 class PretrainingTextDataset(Dataset):
     """A text column tokenized, joined with EOS and cut into blocks of ``seq_length`` tokens; every token is a
-    label. The tail shorter than a block is dropped."""
+    label. The tail shorter than a block is dropped.
+
+    A row whose text is null or not text is refused, or skipped with ``on_bad_row: skip``; empty text adds nothing.
+    """
 
     argument_aliases = ALIASES
     argument_help = {**ARGUMENT_HELP, "seq_length": "tokens per block (default 512)",
@@ -22,7 +26,8 @@ class PretrainingTextDataset(Dataset):
     def __init__(self, path_or_dataset_id: str | None = None, split: str = "train", name: str | None = None,
                  tokenizer: Any = None, seq_length: int | None = None, text_column: str = "text",
                  limit_dataset_samples: int | None = None, shuffle_seed: int | None = None,
-                 dataset_name: str | None = None, max_seq_length: int | None = None):
+                 on_bad_row: OnBadRow = "error", dataset_name: str | None = None,
+                 max_seq_length: int | None = None):
         source = given("path_or_dataset_id", path_or_dataset_id, "dataset_name", dataset_name)
         block = given("seq_length", seq_length, "max_seq_length", max_seq_length, 512)
         if tokenizer is None:
@@ -33,9 +38,13 @@ class PretrainingTextDataset(Dataset):
                                  f"(found: {', '.join(rows.column_names)})")
         stream: list[int] = []
         eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-        for text in rows[text_column]:
-            if text:
+        bad_rows = BadRows(on_bad_row, source.value)
+        for index, text in enumerate(rows[text_column]):
+            if not isinstance(text, str):
+                bad_rows.bad(index, f"the field '{text_column}' is " + ("null" if text is None else "not text"))
+            elif text:
                 stream += tokenizer(text, add_special_tokens=False)["input_ids"] + eos
+        bad_rows.report()
         count = len(stream) // block.value
         if count == 0:
             raise AutomodelError(f"{source.key}: '{source.value}' has {len(stream)} tokens, fewer than one block of "

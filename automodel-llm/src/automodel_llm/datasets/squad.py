@@ -6,6 +6,7 @@ from typing import Any
 
 from torch.utils.data import Dataset
 
+from automodel.data import BadRows, OnBadRow
 from automodel.errors import AutomodelError
 from automodel.hf import load_tokenizer
 from automodel_llm.datasets.arguments import (
@@ -45,7 +46,12 @@ def tokenize_prompt_answer(tokenizer: Any, prompt: str, answer: str) -> tuple[li
 
 class SquadDataset(Dataset):
     """Rows ``{context, question, answers: {text: [...]}}`` (SQuAD's columns) as ``Context: ... Question: ...
-    Answer:`` and the first answer, with the loss on the answer."""
+    Answer:`` and the first answer, with the loss on the answer.
+
+    A row without ``context``, ``question`` or ``answers`` (or with null or non-text ones) is refused, or skipped
+    with ``on_bad_row: skip``; a row whose ``answers`` hold no text (an unanswerable SQuAD v2 question) is left
+    out, as there is nothing to learn from it.
+    """
 
     argument_aliases = {**ALIASES, "seed": "shuffle_seed"}
     argument_help = {**ARGUMENT_HELP,
@@ -55,8 +61,8 @@ class SquadDataset(Dataset):
     def __init__(self, path_or_dataset_id: str | None = None, split: str = "train", name: str | None = None,
                  tokenizer_name_or_path: str | None = None, seq_length: int | None = None, tokenizer: Any = None,
                  limit_dataset_samples: int | None = None, shuffle_seed: int | None = None,
-                 truncation: Truncation = False, padding: Padding = "do_not_pad", dataset_name: str | None = None,
-                 max_seq_length: int | None = None, seed: int | None = None):
+                 truncation: Truncation = False, padding: Padding = "do_not_pad", on_bad_row: OnBadRow = "error",
+                 dataset_name: str | None = None, max_seq_length: int | None = None, seed: int | None = None):
         source = given("path_or_dataset_id", path_or_dataset_id, "dataset_name", dataset_name, "rajpurkar/squad")
         length = SampleLength(given("seq_length", seq_length, "max_seq_length", max_seq_length), truncation, padding)
         shuffle = given("shuffle_seed", shuffle_seed, "seed", seed)
@@ -73,7 +79,13 @@ class SquadDataset(Dataset):
         self.samples: list[dict[str, list[int]]] = []
         self.qa_pairs: list[tuple[str, str]] = []
         dropped = 0
+        bad_rows = BadRows(on_bad_row, source.value)
         for index, row in enumerate(rows):
+            if bad_rows.missing(index, row, ("context", "question", "answers")):
+                continue
+            if not isinstance(row["context"], str) or not isinstance(row["question"], str):
+                bad_rows.bad(index, "'context' and 'question' must be text")
+                continue
             answer = _answer_text(row["answers"])
             if not answer:
                 dropped += 1
@@ -86,6 +98,7 @@ class SquadDataset(Dataset):
                 continue
             self.samples.append(sample)
             self.qa_pairs.append((prompt, answer))
+        bad_rows.report()
         if not self.samples:
             raise AutomodelError(f"{source.key}: '{source.value}' (split {split}) has no usable samples: {dropped} "
                                  "rows had no answer or no answer tokens left")
@@ -99,12 +112,13 @@ class SquadDataset(Dataset):
 
 def make_squad_dataset(tokenizer: Any, seq_length: int | None = None, limit_dataset_samples: int | None = None,
                        split: str = "train", dataset_name: str | None = None, padding: Padding = False,
-                       truncation: Truncation = False, path_or_dataset_id: str | None = None,
-                       max_seq_length: int | None = None) -> SquadDataset:
+                       truncation: Truncation = False, on_bad_row: OnBadRow = "error",
+                       path_or_dataset_id: str | None = None, max_seq_length: int | None = None) -> SquadDataset:
     """Upstream's factory for ``SquadDataset``, under upstream's argument names (``dataset_name`` here)."""
     return SquadDataset(path_or_dataset_id=path_or_dataset_id, dataset_name=dataset_name, split=split,
                         tokenizer=tokenizer, seq_length=seq_length, max_seq_length=max_seq_length,
-                        limit_dataset_samples=limit_dataset_samples, padding=padding, truncation=truncation)
+                        limit_dataset_samples=limit_dataset_samples, padding=padding, truncation=truncation,
+                        on_bad_row=on_bad_row)
 
 
 make_squad_dataset.argument_aliases = ALIASES

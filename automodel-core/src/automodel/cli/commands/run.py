@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from automodel.cli.execute import OVERRIDE_SETTINGS
+from automodel.cli.trust_options import trust_options
 from automodel.plugins.manager import get_plugin_manager
 
 
@@ -13,6 +14,7 @@ from automodel.plugins.manager import get_plugin_manager
 @click.option("--dry-run", is_flag=True, help="validate and print the plan; build nothing heavy")
 @click.option("--print-config", is_flag=True, help="print the resolved config (secrets masked)")
 @click.option("--nproc-per-node", type=int, default=None, help="processes per node (torchrun)")
+@trust_options
 @click.pass_context
 def run(ctx: click.Context, config: str, dry_run: bool, print_config: bool, nproc_per_node: int | None) -> None:
     """Run the recipe named by the config's `recipe:` key."""

@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from automodel.cli.execute import OVERRIDE_SETTINGS
+from automodel.cli.trust_options import trust_options
 from automodel.errors import ConfigError, UsageError
 from automodel.plugins.manager import get_plugin_manager
 
@@ -45,6 +46,7 @@ def _best_route_for(path: Path, extra: list[str]):
 @click.command(context_settings=OVERRIDE_SETTINGS)
 @click.argument("route", nargs=-1)
 @click.option("-c", "--config", required=True, help="config YAML")
+@trust_options
 @click.pass_context
 def validate(ctx: click.Context, route: tuple[str, ...], config: str) -> None:
     """Report every problem in a config at once (exit 2 when there are any).
