@@ -12,6 +12,31 @@ from automodel.cli.trust_options import trust_options
 from automodel.errors import ConfigError, ConfigIssue, UsageError
 
 
+def with_recorded_base(data: dict, model_dir: Path) -> dict:
+    """The run's config with the base model and tokenizer the run recorded, never re-resolved from today's
+    environment: config.yaml keeps ``${VAR}`` placeholders, so ``${BASE}`` would otherwise mean whatever BASE is
+    now. The adapter's ``base_model_name_or_path`` (the resolved path, or config, the run loaded) replaces the model
+    section's source, and the tokenizer saved beside the adapter replaces the tokenizer section."""
+    from automodel.hf import missing_local_path, model_source, recorded_adapter_base
+
+    found = model_source(data.get("model"))
+    recorded = recorded_adapter_base(model_dir)
+    if recorded is None:
+        if found is not None and "${" in found[0]:
+            raise UsageError(f"'{model_dir / 'adapter_config.json'}' records no base model and the run's {found[1]} "
+                             f"is '{found[0]}', which today's environment would decide; set base_model_name_or_path "
+                             "in adapter_config.json to the base the adapter was trained on")
+        return data
+    if missing_local_path(recorded):
+        raise UsageError(f"the base model recorded with the run, '{recorded}' (adapter_config.json "
+                         "base_model_name_or_path), no longer exists; restore it, or point base_model_name_or_path "
+                         "at the same base")
+    data = {**data, "model": {**data["model"], found[1].removeprefix("model."): recorded}} if found else data
+    if (model_dir / "tokenizer_config.json").is_file():
+        data["tokenizer"] = {"pretrained_model_name_or_path": str(model_dir)}
+    return data
+
+
 @click.command()
 @click.argument("checkpoint", type=click.Path(exists=True, file_okay=False))
 @click.argument("output", type=click.Path(file_okay=False))
@@ -68,7 +93,8 @@ def _merge_adapter(config_file: Path, adapter_dir: Path, out: Path) -> None:
     manager = get_plugin_manager()
     recipe_cls = import_recipe(manager.routes.get("finetune", "llm").recipe)
     try:
-        cfg = build_config(load_yaml_file(config_file), recipe_cls, manager.resolver(), source=str(config_file))
+        cfg = build_config(with_recorded_base(load_yaml_file(config_file), adapter_dir), recipe_cls, manager.resolver(),
+                           source=str(config_file))
     except ConfigError as err:
         raise ConfigError([ConfigIssue(f"{config_file}: {issue.key}", issue.message, issue.suggestion)
                            for issue in err.issues]) from None

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 
 import click
@@ -11,6 +10,7 @@ from automodel.cli.execute import OVERRIDE_SETTINGS
 from automodel.cli.trust_options import trust_params
 from automodel.config.trust import set_command_line_trust
 from automodel.errors import AutomodelError, UsageError
+from automodel.noise import debug_enabled, filter_third_party_noise
 from automodel.plugins.manager import PluginManager, get_plugin_manager
 from automodel.suggest import did_you_mean
 
@@ -171,7 +171,8 @@ def _warn_failed_plugins(argv: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    debug = os.environ.get("AUTOMODEL_DEBUG") == "1"
+    debug = debug_enabled()
+    filter_third_party_noise()
     set_command_line_trust(names=(), remote_code=False)  # each invocation's options decide afresh
     try:
         _warn_failed_plugins(argv)

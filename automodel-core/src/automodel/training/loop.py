@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import math
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from automodel.errors import AutomodelError
 from automodel.training.builders import describe_batch
@@ -24,6 +22,7 @@ from automodel.training.checkpoint_write import CheckpointParts, CheckpointWrite
 from automodel.training.dist import all_reduce_sum, any_rank
 from automodel.training.logging import FAILED, STOPPED, SUCCESS
 from automodel.training.metrics import MetricsSample, peak_memory_gib
+from automodel.training.progress import Progress
 from automodel.training.signals import StopRequest, TrainingStopped
 from automodel.training.state import small_states
 from automodel.training.trainer_state import FORMAT as TRAINER_STATE_FORMAT
@@ -223,8 +222,7 @@ class TrainingLoop:
     def _train(self) -> None:
         steps = self.step_scheduler
         self.model.train()
-        progress = tqdm(total=steps.max_steps, initial=steps.step, desc="train", unit="step", file=sys.stderr,
-                        disable=not self.is_main_process, dynamic_ncols=True)
+        progress = Progress(steps.max_steps, steps.step, enabled=self.is_main_process)
         window_tokens, window_start = 0, time.perf_counter()
         saved_at = steps.step if self.ctx.restore_path is not None else None  # never re-save the restored step
         self.final_checkpoint: Path | None = None
@@ -272,7 +270,8 @@ class TrainingLoop:
                 self.metric_loggers.close(status)
         self.on_train_end(self.final_checkpoint)
 
-    def _log_step(self, loss: float, grad_norm: torch.Tensor, tokens: int, elapsed: float, progress: tqdm) -> None:
+    def _log_step(self, loss: float, grad_norm: torch.Tensor, tokens: int, elapsed: float,
+                  progress: Progress) -> None:
         self.step_losses.append(loss)
         sample = self._sample(loss, grad_norm, tokens, elapsed)
         record = sample.to_dict()
@@ -281,4 +280,4 @@ class TrainingLoop:
         if self.is_main_process:
             self.train_log.write(record)
             self.metric_loggers.log_train(record, record["step"])
-        progress.set_postfix(loss=f"{loss:.4f}", lr=f"{sample.lr:.2e}", tps=f"{sample.tps:.0f}", refresh=False)
+        progress.show(loss, sample.lr, sample.tps)

@@ -9,10 +9,8 @@ sections, a ``build_*`` method, which stage implementation fills a slot — neve
 
 from __future__ import annotations
 
-import logging
 import math
 import sys
-import warnings
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -23,6 +21,7 @@ from tqdm import tqdm
 
 from automodel.config import Config, ConfigNode, Free, Target
 from automodel.errors import ConfigIssue
+from automodel.noise import debug_enabled, filter_third_party_noise
 from automodel.plugins.manager import get_plugin_manager
 from automodel.recipe import BaseRecipe
 from automodel.training import builders, plan
@@ -42,10 +41,7 @@ from automodel.training.state import restore_states, restore_weights
 from automodel.training.step_scheduler import StepScheduler
 from automodel.training.trainer_state import read_trainer_state
 
-# Third-party deprecation chatter on every run (torchdata's set_vital; torchao's enum registration, which
-# transformers triggers on import when torchao is installed) is noise for users.
-warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
-logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
+filter_third_party_noise()  # also when a recipe runs without the CLI (tests, notebooks)
 
 _DATALOADER = Target("data loading (a StatefulDataLoader's keyword arguments)", runtime_args=("dataset",),
                      plain=True, default_target="torchdata.stateful_dataloader.StatefulDataLoader", default={})
@@ -230,6 +226,11 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
         if self.is_main_process:
             tqdm.write(message, file=sys.stderr)
 
+    def debug(self, message: str) -> None:
+        """An internal tuning line, shown only with ``AUTOMODEL_DEBUG=1``."""
+        if debug_enabled():
+            self.log(message)
+
     def build_context(self) -> BuildContext:
         """What builders and stages see; the process group is joined first (the device depends on it)."""
         cfg = self.cfg
@@ -242,7 +243,7 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
         cfg = self.cfg
         self.ctx = ctx = self.build_context()
         if ctx.device.type == "cpu" and cfg.dist_env.cpu_malloc_tuning and keep_freed_memory_in_heap():
-            self.log("host memory: glibc malloc keeps freed step buffers in the heap (dist_env.cpu_malloc_tuning)")
+            self.debug("host memory: glibc malloc keeps freed step buffers in the heap (dist_env.cpu_malloc_tuning)")
         self.rng = StatefulRNG(cfg.rng.seed, cfg.rng.ranked, ctx.rank)
         self.checkpointer = self.build_checkpoint_config(ctx)
         hold_checkpoint_dir(self.checkpointer, ctx)
