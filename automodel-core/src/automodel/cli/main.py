@@ -51,6 +51,9 @@ class RouteCommand(click.Command):
                 click.Option(["--node-rank"], type=int, default=None, help="this node's rank (torchrun)"),
                 click.Option(["--master-addr"], default=None, help="rendezvous address (torchrun)"),
                 click.Option(["--master-port"], type=int, default=None, help="rendezvous port (torchrun)"),
+                click.Option(["--rdzv-backend"], default=None, help="rendezvous backend, e.g. c10d (torchrun)"),
+                click.Option(["--rdzv-endpoint"], default=None, help="rendezvous host:port (torchrun)"),
+                click.Option(["--rdzv-id"], default=None, help="rendezvous job id (torchrun)"),
                 click.Option(["--slurm"], is_flag=True, help="write an sbatch script (slurm: section) and exit"),
             ],
             help=f"Run a '{name}' recipe. Domains: {', '.join(domains)}. Extra --section.key value pairs "

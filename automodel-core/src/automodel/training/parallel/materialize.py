@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -67,13 +67,19 @@ def hf_checkpoint_key(name: str) -> str:
     return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
 
 
-def materialize(model: nn.Module, device: torch.device | str, seed: int, weights: str | Path | None = None,
+WeightSource = tuple[str | Path, Callable[[str], str]]  # a safetensors directory, model key -> key in its files
+
+
+def materialize(model: nn.Module, device: torch.device | str, seed: int,
+                weights: str | Path | Sequence[WeightSource] | None = None,
                 checkpoint_key: Callable[[str], str] = hf_checkpoint_key) -> MaterializeReport:
     """Allocate ``model``'s (sharded) parameters on ``device`` and fill them; every rank calls it.
 
-    ``weights``: a directory of safetensors files (one file, or several with ``model.safetensors.index.json``);
-    parameters and persistent buffers found there (under ``checkpoint_key(name)``) are read slice by slice, the
-    rest are initialised from ``seed`` by :func:`init_module_by_module`. No ``weights``: all are initialised.
+    ``weights``: a directory of safetensors files (one file, or several with ``model.safetensors.index.json``),
+    its tensors named ``checkpoint_key(name)``; or several ``(directory, checkpoint_key)`` sources, the first
+    holding a tensor wins (a LoRA checkpoint's adapters before the base model's files). Parameters and persistent
+    buffers found there are read slice by slice, the rest are initialised from ``seed`` by
+    :func:`init_module_by_module`. No ``weights``: all are initialised.
     """
     device = torch.device(device)
     buffers = [(module, name, buffer) for module in model.modules()
@@ -91,23 +97,45 @@ def materialize(model: nn.Module, device: torch.device | str, seed: int, weights
             module._parameters[name] = first._parameters[first_name]
     report = MaterializeReport()
     done: set[int] = set()
-    if weights is not None:
-        files = weight_files(Path(weights))
-        todo: dict[Path, list[tuple[str, str, torch.Tensor]]] = {}
-        for name, tensor in _unique_tensors(model):
-            key = checkpoint_key(name)
-            if key in files:
-                todo.setdefault(files[key], []).append((name, key, tensor))
-        for file, entries in sorted(todo.items()):  # one file mapped at a time: its pages leave memory after it
-            with _open(file) as handle:
-                for name, key, tensor in entries:
-                    _read_slice(handle, key, tensor, file)
-                    done.add(id(tensor))
-                    report.loaded.append(name)
-        used = {key for entries in todo.values() for _, key, _ in entries}
-        report.unused = sorted(set(files) - used)
+    sources = [(weights, checkpoint_key)] if isinstance(weights, (str, Path)) else list(weights or ())
+    unused: set[str] = set()
+    for directory, key_of in sources:
+        unused |= _read_files(model, Path(directory), key_of, done, report)
+    report.unused = sorted(unused)
     report.initialised = init_module_by_module(model, seed, skip=done)
     return report
+
+
+def _read_files(model: nn.Module, directory: Path, checkpoint_key: Callable[[str], str], done: set[int],
+                report: MaterializeReport) -> set[str]:
+    """Read the tensors not in ``done`` (ids) that ``directory`` holds; returns its keys no tensor maps to."""
+    files = weight_files(directory)
+    todo: dict[Path, list[tuple[str, str, torch.Tensor]]] = {}
+    matched = set()
+    for name, tensor in _unique_tensors(model):
+        key = checkpoint_key(name)
+        if key in files:
+            matched.add(key)
+            if id(tensor) not in done:
+                todo.setdefault(files[key], []).append((name, key, tensor))
+    for file, entries in sorted(todo.items()):  # one file mapped at a time: its pages leave memory after it
+        with _open(file) as handle:
+            for name, key, tensor in entries:
+                _read_slice(handle, key, tensor, file)
+                done.add(id(tensor))
+                report.loaded.append(name)
+    return set(files) - matched
+
+
+def compare_keys(model: nn.Module, directory: Path, checkpoint_key: Callable[[str], str] = hf_checkpoint_key,
+                 include: Callable[[str], bool] = lambda name: True) -> tuple[list[str], list[str]]:
+    """The model's tensors (those ``include`` accepts, a tied tensor once) that the safetensors files under
+    ``directory`` lack, and the file keys no tensor of the model maps to (reads the files' headers only)."""
+    files = weight_files(directory)
+    wanted = [name for name, _ in _unique_tensors(model) if include(name)]
+    missing = [name for name in wanted if checkpoint_key(name) not in files]
+    mapped = {checkpoint_key(name) for name, _ in _unique_tensors(model)}
+    return missing, sorted(set(files) - mapped)
 
 
 def _unique_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
