@@ -14,11 +14,25 @@ import subprocess
 import sys
 from typing import Any
 
+import click
+
 # click's parameter names of the launcher's options, and the torchrun flag of each (the CLI spells them the same)
 LAUNCH_FLAGS = {"nproc_per_node": "--nproc-per-node", "nnodes": "--nnodes", "node_rank": "--node-rank",
                 "master_addr": "--master-addr", "master_port": "--master-port", "rdzv_backend": "--rdzv-backend",
                 "rdzv_endpoint": "--rdzv-endpoint", "rdzv_id": "--rdzv-id"}
 LAUNCH_OPTIONS = tuple(LAUNCH_FLAGS.values())
+_HELP = {"nproc_per_node": (int, "processes per node (torchrun)"), "nnodes": (int, "number of nodes (torchrun)"),
+         "node_rank": (int, "this node's rank (torchrun)"), "master_addr": (str, "rendezvous address (torchrun; "
+                                                                              "default dist_env.master_addr)"),
+         "master_port": (int, "rendezvous port (torchrun; default dist_env.master_port)"),
+         "rdzv_backend": (str, "rendezvous backend, e.g. c10d (torchrun)"),
+         "rdzv_endpoint": (str, "rendezvous host:port (torchrun)"), "rdzv_id": (str, "rendezvous job id (torchrun)")}
+
+
+def launch_params() -> list[click.Option]:
+    """The launcher's options for a click command (each arrives as a keyword argument named as in LAUNCH_FLAGS)."""
+    return [click.Option([flag], type=_HELP[name][0], default=None, help=_HELP[name][1])
+            for name, flag in LAUNCH_FLAGS.items()]
 
 
 def strip_launch_options(argv: list[str]) -> list[str]:

@@ -8,6 +8,7 @@ import sys
 import click
 
 from automodel.cli.execute import OVERRIDE_SETTINGS
+from automodel.cli.launch import launch_params
 from automodel.errors import AutomodelError, UsageError
 from automodel.plugins.manager import PluginManager, get_plugin_manager
 from automodel.suggest import did_you_mean
@@ -46,14 +47,7 @@ class RouteCommand(click.Command):
                 click.Option(["-c", "--config"], help="config YAML (a path, or a shipped example name)"),
                 click.Option(["--dry-run"], is_flag=True, help="validate and print the plan; build nothing heavy"),
                 click.Option(["--print-config"], is_flag=True, help="print the resolved config (secrets masked)"),
-                click.Option(["--nproc-per-node"], type=int, default=None, help="processes per node (torchrun)"),
-                click.Option(["--nnodes"], type=int, default=None, help="number of nodes (torchrun)"),
-                click.Option(["--node-rank"], type=int, default=None, help="this node's rank (torchrun)"),
-                click.Option(["--master-addr"], default=None, help="rendezvous address (torchrun)"),
-                click.Option(["--master-port"], type=int, default=None, help="rendezvous port (torchrun)"),
-                click.Option(["--rdzv-backend"], default=None, help="rendezvous backend, e.g. c10d (torchrun)"),
-                click.Option(["--rdzv-endpoint"], default=None, help="rendezvous host:port (torchrun)"),
-                click.Option(["--rdzv-id"], default=None, help="rendezvous job id (torchrun)"),
+                *launch_params(),
                 click.Option(["--slurm"], is_flag=True, help="write an sbatch script (slurm: section) and exit"),
             ],
             help=f"Run a '{name}' recipe. Domains: {', '.join(domains)}. Extra --section.key value pairs "

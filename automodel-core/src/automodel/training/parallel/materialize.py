@@ -111,13 +111,11 @@ def _read_files(model: nn.Module, directory: Path, checkpoint_key: Callable[[str
     """Read the tensors not in ``done`` (ids) that ``directory`` holds; returns its keys no tensor maps to."""
     files = weight_files(directory)
     todo: dict[Path, list[tuple[str, str, torch.Tensor]]] = {}
-    matched = set()
+    matched = {checkpoint_key(clean_name(name)) for name in model.state_dict(keep_vars=True)} & set(files)
     for name, tensor in _unique_tensors(model):
         key = checkpoint_key(name)
-        if key in files:
-            matched.add(key)
-            if id(tensor) not in done:
-                todo.setdefault(files[key], []).append((name, key, tensor))
+        if key in files and id(tensor) not in done:
+            todo.setdefault(files[key], []).append((name, key, tensor))
     for file, entries in sorted(todo.items()):  # one file mapped at a time: its pages leave memory after it
         with _open(file) as handle:
             for name, key, tensor in entries:
@@ -134,7 +132,7 @@ def compare_keys(model: nn.Module, directory: Path, checkpoint_key: Callable[[st
     files = weight_files(directory)
     wanted = [name for name, _ in _unique_tensors(model) if include(name)]
     missing = [name for name in wanted if checkpoint_key(name) not in files]
-    mapped = {checkpoint_key(name) for name, _ in _unique_tensors(model)}
+    mapped = {checkpoint_key(clean_name(name)) for name in model.state_dict(keep_vars=True)}  # tied aliases too
     return missing, sorted(set(files) - mapped)
 
 
