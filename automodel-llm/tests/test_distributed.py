@@ -3,27 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from llm_testing import DISTRIBUTED_OVERRIDES as COMMON
+from llm_testing import losses as _losses
 
 from automodel.testing import free_port, read_jsonl, run_cli
-
-COMMON = ["--step_scheduler.max_steps", "4", "--dataloader.batch_size", "2", "--dataloader.shuffle", "false",
-          "--step_scheduler.checkpoint_interval", "2"]
-
-
-def _losses(directory):
-    return [row["loss"] for row in read_jsonl(directory / "training.jsonl")]
-
-
-@pytest.fixture(scope="module")
-def single_process(tmp_path_factory, tiny_llama_config):
-    import llm_testing
-
-    tmp = tmp_path_factory.mktemp("single")
-    config = llm_testing.write_config(tmp / "cfg.yaml", tiny_llama_config, tmp / "ckpt")
-    result = run_cli("finetune", "llm", "-c", config, *COMMON, "--step_scheduler.grad_accumulation_steps", "2",
-                     cwd=tmp)
-    assert result.returncode == 0, result.stderr[-2000:]
-    return config, tmp
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
