@@ -9,17 +9,19 @@ from llm_testing import losses as _losses
 from automodel.testing import free_port, read_jsonl, run_cli
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-def test_two_ranks_match_one_process_with_doubled_accumulation(strategy, single_process, tmp_path):
+@pytest.mark.parametrize(("strategy", "checkpointing"), [("ddp", "true"), ("fsdp2", "false")])
+def test_two_ranks_match_one_process_with_doubled_accumulation(strategy, checkpointing, single_process, tmp_path):
+    """DDP also with activation checkpointing (it recomputes, the losses stay the same)."""
     from transformers import AutoModelForCausalLM
 
     config, single = single_process
     out = tmp_path / strategy
     result = run_cli("finetune", "llm", "-c", config, *COMMON, "--distributed.strategy", strategy,
-                     "--nproc-per-node", "2", "--master-port", free_port(), "--checkpoint.checkpoint_dir", out,
-                     cwd=tmp_path)
+                     "--distributed.activation_checkpointing", checkpointing, "--nproc-per-node", "2",
+                     "--master-port", free_port(), "--checkpoint.checkpoint_dir", out, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"sharding [{strategy}]" in result.stderr
+    assert ("activation checkpointing on 1 transformer blocks" in result.stderr) == (checkpointing == "true")
     assert _losses(out) == pytest.approx(_losses(single / "ckpt"), abs=1e-5)
     model = AutoModelForCausalLM.from_pretrained(out / "epoch_0_step_4" / "model")
     reference = AutoModelForCausalLM.from_pretrained(single / "ckpt" / "epoch_0_step_4" / "model")
