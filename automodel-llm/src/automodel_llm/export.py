@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -21,6 +22,8 @@ def export(checkpoint: str, output: str, force: bool) -> None:
     from automodel.hf import is_adapter_dir, load_adapter_weights
     from automodel.plugins.manager import get_plugin_manager
     from automodel.training.checkpoint import read_latest
+    from automodel.meta_build import building_on_meta
+    from automodel.training.model_init import materialize_model, on_meta
     from automodel.training.rng import StatefulRNG
     from automodel.training.stages.peft import add_lora
 
@@ -44,8 +47,13 @@ def export(checkpoint: str, output: str, force: bool) -> None:
         ctx = recipe.build_context()
         StatefulRNG(cfg.rng.seed, cfg.rng.ranked)  # seeded as training was, so a from_config base is identical
         recipe.setup_domain()
-        model, _ = add_lora(ctx, recipe.build_model(ctx))
-        load_adapter_weights(model, model_dir)
+        with building_on_meta() as meta:  # built as training built it: the same base weights
+            base = recipe.build_model(ctx)
+        model, _ = add_lora(ctx, base)
+        if on_meta(model):  # the base from its files or seeded initialisation, the adapter from the checkpoint
+            materialize_model(replace(ctx, meta_build=meta, restore_path=source), model)
+        else:
+            load_adapter_weights(model, model_dir)
         merged = model.merge_and_unload()
         merged.save_pretrained(str(staging))
         recipe.tokenizer.save_pretrained(str(staging))
