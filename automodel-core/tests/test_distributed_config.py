@@ -129,3 +129,27 @@ def test_rendezvous_options_pass_through_and_are_stripped_for_the_ranks():
     command = torchrun_command(launch, argv)
     assert {"--rdzv-backend=c10d", "--rdzv-endpoint=h:29400", "--rdzv-id=job7"} <= set(command)
     assert strip_launch_options(argv) == ["run", "-c", "x.yaml"]
+
+
+def test_fp16_trains_with_a_grad_scaler_unscaled_before_clipping(make_toy, tmp_path, capsys, monkeypatch):
+    """A step whose fp16 gradients overflow is skipped and halves the scale (and is counted); the logged gradient
+    norm is the true one: the scaler unscales before clipping."""
+    import math
+
+    import torch
+
+    from automodel.testing import ToyRecipe, read_jsonl, train_inprocess
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    plain = train_inprocess(make_toy(checkpoint={"checkpoint_dir": str(tmp_path / "fp32")}), recipe=ToyRecipe)
+    recipe = train_inprocess(make_toy(distributed={"mp_policy": {"param_dtype": "fp16"}}, clip_grad_norm={
+        "max_norm": 1.0}), recipe=ToyRecipe)
+    assert plain.grad_scaler is None and isinstance(recipe.grad_scaler, torch.amp.GradScaler)
+    rows = read_jsonl(tmp_path / "ckpt" / "training.jsonl")
+    reference = read_jsonl(tmp_path / "fp32" / "training.jsonl")
+    skipped = rows[-1]["skipped_steps"]
+    overflowed = capsys.readouterr().err.count("fp16 gradients overflowed")
+    assert overflowed == skipped and recipe.grad_scaler.get_scale() == 65536.0 * 0.5 ** skipped
+    assert all(math.isfinite(row["loss"]) for row in rows)
+    first = next(row for row in rows if row["grad_norm"] is not None)  # an overflowed step logs none
+    assert first["grad_norm"] == pytest.approx(reference[first["step"] - 1]["grad_norm"], rel=0.5)
