@@ -20,9 +20,9 @@ def export(checkpoint: str, output: str, force: bool) -> None:
     from automodel.cli.execute import import_recipe
     from automodel.config import build_config, load_yaml_file
     from automodel.hf import is_adapter_dir, load_adapter_weights
+    from automodel.meta_build import building_on_meta
     from automodel.plugins.manager import get_plugin_manager
     from automodel.training.checkpoint import read_latest
-    from automodel.meta_build import building_on_meta
     from automodel.training.model_init import materialize_model, on_meta
     from automodel.training.rng import StatefulRNG
     from automodel.training.stages.peft import add_lora
