@@ -81,12 +81,13 @@ def _pretrained_on_meta(auto_class: Any, path: str, dtype: Any, kwargs: dict[str
 
 def fresh_model(build: Callable[..., Any], hf_config: Any, model_kwargs: dict[str, Any], dtype: Any,
                 seed: int | None) -> Any:
-    """``build(hf_config, **model_kwargs)`` (an Auto class's ``from_config``) after seeding torch with ``seed``
-    (a reproducible initialisation), cast to ``dtype`` when one is given.
+    """``build(hf_config, **model_kwargs)`` (an Auto class's ``from_config``), cast to ``dtype`` when one is given.
 
-    When the engine asks (``automodel.meta_build``) the model is built on the meta device instead; the engine then
-    initialises it module by module from ``seed`` (else ``rng.seed``), the same values on one process and on N
-    ranks (``automodel.training.parallel.materialize``)."""
+    With a ``seed`` the weights are initialised module by module from it
+    (``automodel.training.parallel.materialize.init_module_by_module``): the same values the engine gives a run
+    whose ``model.seed`` (else ``rng.seed``) is that seed, on one process or on N ranks. When the engine asks
+    (``automodel.meta_build``) the model is returned on the meta device and the engine initialises it so, each rank
+    only its shards. Without either, transformers initialises it from torch's global generator."""
     import torch
 
     from automodel.meta_build import build_on_meta, meta_request
@@ -102,9 +103,14 @@ def fresh_model(build: Callable[..., Any], hf_config: Any, model_kwargs: dict[st
         owner = getattr(build, "__self__", None)  # transformers.AutoModel*.from_config is a bound classmethod
         name = f"{owner.__name__}.{build.__name__}" if isinstance(owner, type) else build.__qualname__
         return build_on_meta(request, construct, name, seed=seed)
-    if seed is not None:
-        torch.manual_seed(seed)
-    return construct()
+    if seed is None:
+        return construct()
+    from automodel.training.parallel.materialize import materialize, parameters_on_meta
+
+    with parameters_on_meta():
+        model = construct()
+    materialize(model, "cpu", seed)
+    return model
 
 
 def checkpoint_key_mapping(model: Any) -> dict[str, str]:

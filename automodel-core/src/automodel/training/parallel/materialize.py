@@ -10,7 +10,8 @@
 
 Fresh initialisation is defined module by module: in a fixed order, each module's full parameters are initialised
 by the model's own ``_init_weights`` (peft's for LoRA layers) with the random generator seeded from ``(seed,
-module name)``; each rank then keeps its slice. One process and N ranks use this same function, so they get the
+module name)`` (the name in the base model: with or without LoRA, the base weights are the same); each rank then
+keeps its slice. One process and N ranks use this same function, so they get the
 same weights, and no rank holds more than one module's full parameters at a time. (It is not the random stream of
 ``AutoModelForCausalLM.from_config`` after ``torch.manual_seed``: reproducing that needs the whole model at once.)
 """
@@ -229,7 +230,7 @@ def init_module_by_module(model: nn.Module, seed: int, skip: Collection[int] = (
         if not todo:
             continue
         initialiser = _lora_initialiser(model, module, name) if lora else _module_initialiser(models, module, name)
-        _init_unit(module, todo, initialiser, module_seed(seed, clean_name(name)), clean_name(name))
+        _init_unit(module, todo, initialiser, module_seed(seed, _seed_name(name, lora)), clean_name(name))
         done.update(id(p) for p in todo.values())
         initialised += [clean_name(_join(name, n)) for n in todo]
     return initialised
@@ -260,6 +261,13 @@ def _init_unit(module: nn.Module, params: dict[str, nn.Parameter], initialiser: 
     finally:
         for owner, attr, param, _ in swapped:
             owner._parameters[attr] = param
+
+
+def _seed_name(name: str, lora: bool) -> str:
+    """What a module's generator is seeded by: its name in the base model (peft's wrapping removed, so a LoRA run
+    starts from the plain model's weights); a LoRA layer's adapters draw from a stream of their own."""
+    base = clean_name(name).removeprefix("base_model.model.").replace(".base_layer", "")
+    return f"{base}#lora" if lora else base
 
 
 def _join(prefix: str, name: str) -> str:
