@@ -69,6 +69,13 @@ DISTRIBUTED_OVERRIDES = ["--step_scheduler.max_steps", "4", "--dataloader.batch_
                          "false", "--step_scheduler.checkpoint_interval", "2"]
 
 
+def val_losses(checkpoint_dir: Path) -> list[tuple[int, float]]:
+    """(step, validation loss) of each validation record a run wrote, in order."""
+    from automodel.testing import read_jsonl
+
+    return [(row["step"], row["val_loss"]) for row in read_jsonl(Path(checkpoint_dir) / "validation.jsonl")]
+
+
 def losses(checkpoint_dir: Path) -> list[float]:
     """The step losses a run wrote to training.jsonl, in order."""
     from automodel.testing import read_jsonl

@@ -5,13 +5,16 @@ from __future__ import annotations
 import pytest
 from llm_testing import DISTRIBUTED_OVERRIDES as COMMON
 from llm_testing import losses as _losses
+from llm_testing import val_losses
 
 from automodel.testing import free_port, read_jsonl, run_cli
 
 
 @pytest.mark.parametrize(("strategy", "checkpointing"), [("ddp", "true"), ("fsdp2", "false")])
 def test_two_ranks_match_one_process_with_doubled_accumulation(strategy, checkpointing, single_process, tmp_path):
-    """DDP also with activation checkpointing (it recomputes, the losses stay the same)."""
+    """DDP also with activation checkpointing (it recomputes, the losses stay the same). Validation runs on both
+    ranks, each its half of the samples (under FSDP2 a forward needs every rank), and rank 0 reports the loss over
+    all of them: the one process's."""
     from transformers import AutoModelForCausalLM
 
     config, single = single_process
@@ -23,6 +26,9 @@ def test_two_ranks_match_one_process_with_doubled_accumulation(strategy, checkpo
     assert f"sharding [{strategy}]" in result.stderr
     assert ("activation checkpointing on 1 transformer blocks" in result.stderr) == (checkpointing == "true")
     assert _losses(out) == pytest.approx(_losses(single / "ckpt"), abs=1e-5)
+    validation, reference = val_losses(out), val_losses(single / "ckpt")
+    assert [step for step, _ in validation] == [step for step, _ in reference] == [2, 4]
+    assert [loss for _, loss in validation] == pytest.approx([loss for _, loss in reference], abs=1e-5)
     model = AutoModelForCausalLM.from_pretrained(out / "epoch_0_step_4" / "model")
     reference = AutoModelForCausalLM.from_pretrained(single / "ckpt" / "epoch_0_step_4" / "model")
     for (name, a), (_, b) in zip(model.state_dict().items(), reference.state_dict().items(), strict=True):
