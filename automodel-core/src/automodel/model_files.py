@@ -12,6 +12,17 @@ from automodel.errors import AutomodelError
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt")
 
+# ``from_pretrained`` keyword arguments that say how to fetch a model (a token among them), never what the model is.
+# A constructor must not copy them into the model's config, where ``save_pretrained`` would write them.
+HUB_ARGUMENTS = ("token", "use_auth_token", "cache_dir", "revision", "local_files_only", "force_download",
+                 "proxies", "subfolder", "resume_download", "trust_remote_code")
+
+
+def pop_hub_arguments(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Remove and return the hub arguments in ``kwargs``: they go to ``AutoConfig.from_pretrained`` (a hub name or
+    directory) and nowhere else; a config file or mapping has nothing to fetch."""
+    return {name: kwargs.pop(name) for name in HUB_ARGUMENTS if name in kwargs}
+
 
 def parse_dtype(value: Any, key: str = "model.dtype") -> Any:
     """``"bfloat16"`` / ``"torch.float16"`` -> the torch dtype; None, ``"auto"`` and dtypes pass through."""

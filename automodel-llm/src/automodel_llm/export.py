@@ -8,15 +8,22 @@ from pathlib import Path
 
 import click
 
-from automodel.errors import UsageError
+from automodel.cli.trust_options import trust_options
+from automodel.errors import ConfigError, ConfigIssue, UsageError
 
 
 @click.command()
 @click.argument("checkpoint", type=click.Path(exists=True, file_okay=False))
 @click.argument("output", type=click.Path(file_okay=False))
 @click.option("--force", is_flag=True, help="replace OUTPUT if it exists")
+@trust_options
 def export(checkpoint: str, output: str, force: bool) -> None:
-    """Write CHECKPOINT's model as a merged Hugging Face model in OUTPUT (LoRA adapters merged into the base)."""
+    """Write CHECKPOINT's model as a merged Hugging Face model in OUTPUT (LoRA adapters merged into the base).
+
+    A LoRA checkpoint's base model is rebuilt from its config.yaml, which is untrusted like any config: it is
+    validated against the registry and the trust flags of this command line (--allow-target,
+    --trust-remote-code) before anything is built, and refused (exit 2) naming the file and the key.
+    """
     from automodel.cli.execute import import_recipe
     from automodel.config import build_config, load_yaml_file
     from automodel.hf import is_adapter_dir, load_adapter_weights
@@ -41,8 +48,12 @@ def export(checkpoint: str, output: str, force: bool) -> None:
     else:
         manager = get_plugin_manager()
         recipe_cls = import_recipe(manager.routes.get("finetune", "llm").recipe)
-        cfg = build_config(load_yaml_file(source / "config.yaml"), recipe_cls, manager.resolver(),
-                           source=str(source / "config.yaml"))
+        config_file = source / "config.yaml"
+        try:
+            cfg = build_config(load_yaml_file(config_file), recipe_cls, manager.resolver(), source=str(config_file))
+        except ConfigError as err:
+            raise ConfigError([ConfigIssue(f"{config_file}: {issue.key}", issue.message, issue.suggestion)
+                               for issue in err.issues]) from None
         recipe = recipe_cls(cfg)
         ctx = recipe.build_context()
         StatefulRNG(cfg.rng.seed, cfg.rng.ranked)  # seeded as training was, so a from_config base is identical

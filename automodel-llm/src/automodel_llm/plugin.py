@@ -63,4 +63,9 @@ def automodel_register_commands(cli) -> None:
 
 @hookimpl
 def automodel_allowed_targets() -> list[str]:
-    return ["automodel_llm"]
+    return [
+        "automodel_llm",  # its own package
+        "transformers.AutoConfig",  # model.config: AutoConfig.from_pretrained (upstream configs)
+        "transformers.AutoConfig.for_model",  # model.config built from keys
+        "peft.LoraConfig",  # peft: used as given
+    ]

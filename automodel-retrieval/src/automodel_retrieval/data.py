@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from automodel.data import load_rows
+from automodel.data import BadRows, OnBadRow, load_rows
 from automodel.errors import AutomodelError
 
 
@@ -62,12 +62,14 @@ class RetrievalDataset(torch.utils.data.Dataset):
     """(query, positive, negatives) examples for bi-encoder and cross-encoder training.
 
     Validation uses ``queries``, ``corpus`` and ``positive_ids``: each query is ranked against the whole corpus
-    (``corpus`` file documents plus every document the rows mention).
+    (``corpus`` file documents plus every document the rows mention). A row without a text query or without a
+    positive is refused, or skipped with ``on_bad_row: skip``.
     """
 
     def __init__(self, path: str | None = None, *, dataset_name: str | None = None, split: str = "train",
                  corpus: str | None = None, num_negatives: int | None = None, expand_positives: bool = True,
-                 limit_dataset_samples: int | None = None, query_field: str = "query"):
+                 limit_dataset_samples: int | None = None, query_field: str = "query",
+                 on_bad_row: OnBadRow = "error"):
         source = path or dataset_name
         if not source:
             raise AutomodelError("dataset.path: missing (a JSONL file of {query, positive(s), negatives} rows)")
@@ -86,13 +88,18 @@ class RetrievalDataset(torch.utils.data.Dataset):
         self.queries: list[str] = []
         self.positive_ids: list[set[int]] = []
         self.examples: list[dict[str, Any]] = []
+        bad_rows = BadRows(on_bad_row, source)
         for index, row in enumerate(rows):
+            if bad_rows.missing(index, row, (query_field,)):
+                continue
             query = row[query_field]
             if not isinstance(query, str):
-                raise AutomodelError(f"dataset: row {index} of '{source}': '{query_field}' is not a string")
-            positives = row_positives(row, f"dataset row {index}")
+                bad_rows.bad(index, f"the field '{query_field}' is not text")
+                continue
+            positives = row_positives(row, f"dataset row {index + 1}")
             if not positives:
-                raise AutomodelError(f"dataset: row {index} of '{source}' has no 'positive' or 'positives'")
+                bad_rows.bad(index, "it has no 'positive' or 'positives'")
+                continue
             negatives = [n for n in row_negatives(row, f"dataset row {index}") if n not in positives]
             if num_negatives is not None:
                 negatives = negatives[:num_negatives]
@@ -103,6 +110,9 @@ class RetrievalDataset(torch.utils.data.Dataset):
             for positive in positives if expand_positives else positives[:1]:
                 self.examples.append({"query": query, "positive": positive, "positives": positives,
                                       "negatives": negatives})
+        bad_rows.report()
+        if not self.examples:
+            raise AutomodelError(f"dataset.path: '{source}' has no usable rows")
         self.corpus: list[str] = list(documents)
 
     def __len__(self) -> int:

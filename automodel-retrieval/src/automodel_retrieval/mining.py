@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from automodel.config import Config
+from automodel.config import Config, require_positive
 from automodel.errors import AutomodelError
 from automodel.recipe import BaseRecipe
 
@@ -62,11 +62,8 @@ class MiningConfig:
     device: str = field(default="auto", metadata=_help("auto (cuda when available), cpu, cuda, cuda:1, ..."))
 
     def __post_init__(self) -> None:
-        for name in ("num_negatives", "chunk_size", "query_batch_size", "batch_size", "limit", "query_max_length",
-                     "document_max_length"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"mining.{name} must be >= 1, found {value}")
+        require_positive(self, "num_negatives", "chunk_size", "query_batch_size", "batch_size", "limit",
+                         "query_max_length", "document_max_length")
         if self.margin_type == "perc" and not 0 < self.margin <= 1:
             raise ValueError(f"mining.margin must be in (0, 1] with margin_type perc, found {self.margin}")
         if self.margin_type == "abs" and self.margin < 0:

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from automodel.errors import AutomodelError
-from automodel.model_files import has_weights, parse_dtype
+from automodel.model_files import has_weights, parse_dtype, pop_hub_arguments
 
 POOLINGS = ("mean", "cls", "last")
 CONFIG_NAME = "bi_encoder_config.json"
@@ -77,6 +77,7 @@ def load_hf_config(config: Any, **overrides: Any) -> Any:
     """A transformers config from a config.json path, a directory, a hub name or a mapping with model_type."""
     from transformers import AutoConfig, PretrainedConfig
 
+    hub = pop_hub_arguments(overrides)  # to AutoConfig.from_pretrained only: never into the saved config
     if isinstance(config, PretrainedConfig):
         for key, value in overrides.items():
             setattr(config, key, value)
@@ -92,7 +93,7 @@ def load_hf_config(config: Any, **overrides: Any) -> Any:
     if path.is_file():
         return load_hf_config(json.loads(path.read_text(encoding="utf-8")), **overrides)
     try:
-        return AutoConfig.from_pretrained(str(config), **overrides)
+        return AutoConfig.from_pretrained(str(config), **hub, **overrides)
     except OSError as err:
         raise AutomodelError(f"model.config: cannot load '{config}': {err}") from None
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from automodel.config import Config, ConfigNode, Target
+from automodel.config import Config, ConfigNode, FieldErrors, Target, require_positive
 from automodel.errors import AutomodelError, ConfigIssue
 from automodel.hf import check_vocab, model_source
 from automodel.training.modules import unwrap
@@ -45,11 +45,9 @@ class BiEncoderSettings:
                                                                "its queries and corpus"})
 
     def __post_init__(self) -> None:
-        for name in ("query_max_length", "document_max_length", "eval_batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"retrieval.{name} must be >= 1, found {getattr(self, name)}")
         if not self.recall_at or any(k < 1 for k in self.recall_at):
-            raise ValueError(f"retrieval.recall_at must be a list of k >= 1, found {self.recall_at}")
+            raise FieldErrors({"recall_at": f"must be a list of k >= 1, found {self.recall_at}"})
+        require_positive(self, "query_max_length", "document_max_length", "eval_batch_size")
 
 
 @dataclass

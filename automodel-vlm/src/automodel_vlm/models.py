@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from automodel.errors import AutomodelError
-from automodel.model_files import MODEL_KWARGS, fresh_model, pretrained_or_fresh
+from automodel.model_files import MODEL_KWARGS, fresh_model, pop_hub_arguments, pretrained_or_fresh
 
 _SUB_CONFIGS = ("vision_config", "text_config")
 
@@ -52,12 +52,13 @@ def load_config(config: Any, vision_config: Any = None, text_config: Any = None,
     into the one in ``config``, or a path to a config.json that replaces it) and top-level overrides win."""
     from transformers import AutoConfig, PretrainedConfig
 
+    hub = pop_hub_arguments(overrides)  # to AutoConfig.from_pretrained only: never into the saved config
     if isinstance(config, PretrainedConfig) and vision_config is None and text_config is None and not overrides:
         return config
     data = _config_dict(config, "model.config")
     if data is None:  # a hub name
         try:
-            data = AutoConfig.from_pretrained(str(config)).to_dict()
+            data = AutoConfig.from_pretrained(str(config), **hub).to_dict()
         except OSError as err:
             raise AutomodelError(f"model.config: cannot load '{config}': {err}") from None
     for name, value in (("vision_config", vision_config), ("text_config", text_config)):

@@ -9,6 +9,8 @@ import click
 
 from automodel.cli.execute import OVERRIDE_SETTINGS
 from automodel.cli.launch import launch_params
+from automodel.cli.trust_options import trust_params
+from automodel.config.trust import set_command_line_trust
 from automodel.errors import AutomodelError, UsageError
 from automodel.plugins.manager import PluginManager, get_plugin_manager
 from automodel.suggest import did_you_mean
@@ -49,6 +51,7 @@ class RouteCommand(click.Command):
                 click.Option(["--print-config"], is_flag=True, help="print the resolved config (secrets masked)"),
                 *launch_params(),
                 click.Option(["--slurm"], is_flag=True, help="write an sbatch script (slurm: section) and exit"),
+                *trust_params(),
             ],
             help=f"Run a '{name}' recipe. Domains: {', '.join(domains)}. Extra --section.key value pairs "
                  "override the config.",
@@ -166,6 +169,7 @@ def _warn_failed_plugins(argv: list[str]) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = os.environ.get("AUTOMODEL_DEBUG") == "1"
+    set_command_line_trust(names=(), remote_code=False)  # each invocation's options decide afresh
     try:
         _warn_failed_plugins(argv)
         result = cli.main(args=argv, prog_name="automodel", standalone_mode=False)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from automodel.config import Config, ConfigNode, Target, TargetError
+from automodel.config import Config, ConfigNode, Target
 from automodel.errors import ConfigIssue
 from automodel.optim import lr_scheduler_issues
 from automodel.training.context import BatchLayout
@@ -58,7 +58,8 @@ def batch_layout(cfg: Config) -> tuple[BatchLayout, list[ConfigIssue]]:
 
 
 def loader_issues(cfg: Config) -> list[ConfigIssue]:
-    """A data loader's batch size must be a positive integer; a dotted ``collate_fn`` must resolve."""
+    """A data loader's batch size must be a positive integer (a dotted ``collate_fn`` is checked by the schema, like
+    every ``*_fn`` string)."""
     issues = []
     for name in LOADERS:
         loader = cfg.get(name)
@@ -67,12 +68,6 @@ def loader_issues(cfg: Config) -> list[ConfigIssue]:
         size = loader.get("batch_size")
         if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
             issues.append(ConfigIssue(f"{name}.batch_size", f"must be a positive integer, found {size!r}"))
-        collate = loader.get("collate_fn")
-        if isinstance(collate, str):  # a dotted path (not a _target_ node): checked like one, before building
-            try:
-                cfg.resolver.resolve(collate)
-            except TargetError as err:
-                issues.append(ConfigIssue(f"{name}.collate_fn", str(err), err.suggestion))
     return issues
 
 

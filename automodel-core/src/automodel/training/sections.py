@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
+
+from automodel.config.schema import FieldErrors, require_positive
+
+# What a slurm #SBATCH value may hold: names, paths, times and sbatch's %-patterns; no spaces, quotes or control
+# characters (sbatch splits the line on spaces; a newline ends the directive and starts a shell line).
+_SBATCH_VALUE = re.compile(r"^[A-Za-z0-9._:@%/+,=~-]+$")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 def _help(text: str, aliases: tuple[str, ...] = ()) -> dict:
     return {"help": text, "aliases": aliases}
-
-
-def _positive(section: str, **values: int | float | None) -> None:
-    for name, value in values.items():
-        if value is not None and value < 1:
-            raise ValueError(f"{section}.{name} must be >= 1, found {value}")
 
 
 @dataclass
@@ -34,10 +36,8 @@ class StepSchedulerConfig:
     log_interval: int = field(default=10, metadata=_help("write a MetricsSample every N steps"))
 
     def __post_init__(self) -> None:
-        _positive("step_scheduler", max_steps=self.max_steps, num_epochs=self.num_epochs,
-                  grad_accumulation_steps=self.grad_accumulation_steps, global_batch_size=self.global_batch_size,
-                  local_batch_size=self.local_batch_size, val_check_interval=self.val_check_interval,
-                  checkpoint_interval=self.checkpoint_interval, log_interval=self.log_interval)
+        require_positive(self, "max_steps", "num_epochs", "grad_accumulation_steps", "global_batch_size",
+                         "local_batch_size", "val_check_interval", "checkpoint_interval", "log_interval")
 
 
 @dataclass
@@ -109,10 +109,8 @@ class DistributedConfig:
                                      "upstream does with mp_policy.output_dtype fp32"))
 
     def __post_init__(self) -> None:
-        _positive("distributed", tp_size=self.tp_size, cp_size=self.cp_size, pp_size=self.pp_size,
-                  ep_size=self.ep_size, dp_replicate_size=self.dp_replicate_size)
-        if isinstance(self.dp_size, int):
-            _positive("distributed", dp_size=self.dp_size)
+        require_positive(self, "tp_size", "cp_size", "pp_size", "ep_size", "dp_replicate_size",
+                         *(("dp_size",) if isinstance(self.dp_size, int) else ()))
         if self.dp_replicate_size is None:
             self.dp_replicate_size = 1
 
@@ -134,7 +132,7 @@ class CheckpointConfig:
         if self.model_save_format == "torch_save":
             raise ValueError("checkpoint.model_save_format: torch_save (pickle) is not supported for weights; "
                              "use safetensors")
-        _positive("checkpoint", keep_last=self.keep_last)
+        require_positive(self, "keep_last")
 
 
 @dataclass
@@ -189,5 +187,17 @@ class SlurmConfig:
     script: str = field(default="automodel.sbatch", metadata={"help": "where the script is written"})
 
     def __post_init__(self) -> None:
-        if self.nodes < 1 or self.gpus_per_node < 1:
-            raise ValueError("slurm.nodes and slurm.gpus_per_node must be >= 1")
+        bad = {}
+        for name in ("job_name", "partition", "account", "time", "output"):
+            value = getattr(self, name)
+            if value is not None and not _SBATCH_VALUE.match(value):
+                bad[name] = (f"{value!r} cannot go into an #SBATCH line: use letters, digits and . _ : @ % / + , = ~ - "
+                             "only (no spaces, quotes or control characters such as a newline)")
+        if _CONTROL.search(self.script):
+            bad["script"] = f"{self.script!r} holds a control character; name a plain file path"
+        try:
+            require_positive(self, "nodes", "gpus_per_node", "master_port")
+        except FieldErrors as err:
+            bad.update(err.errors)
+        if bad:
+            raise FieldErrors(bad)

@@ -6,7 +6,7 @@ from typing import Any
 
 from torch.utils.data import Dataset
 
-from automodel.data import load_rows
+from automodel.data import BadRows, OnBadRow, load_rows
 from automodel.errors import AutomodelError
 
 IGNORE_INDEX = -100
@@ -39,11 +39,15 @@ def tokenize_conversation(tokenizer: Any, messages: list[dict]) -> tuple[list[in
 
 
 class ChatDataset(Dataset):
-    """Rows with a list of ``{role, content}`` messages (``messages`` column by default)."""
+    """Rows with a list of ``{role, content}`` messages (``messages`` column by default).
+
+    A row whose messages are null, not a list of mappings, or hold no assistant turn is refused, or skipped with
+    ``on_bad_row: skip``.
+    """
 
     def __init__(self, path_or_dataset_id: str, split: str = "train", tokenizer: Any = None,
                  seq_length: int | None = None, messages_column: str = "messages", truncation: bool = False,
-                 limit_dataset_samples: int | None = None):
+                 limit_dataset_samples: int | None = None, on_bad_row: OnBadRow = "error"):
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise AutomodelError("tokenizer: ChatDataset needs a tokenizer with a chat_template")
         rows = load_rows(path_or_dataset_id, split, key="dataset.path_or_dataset_id")
@@ -53,11 +57,17 @@ class ChatDataset(Dataset):
             raise AutomodelError(f"dataset.messages_column: '{path_or_dataset_id}' has no column '{messages_column}' "
                                  f"(found: {', '.join(rows.column_names)})")
         self.samples: list[dict[str, list[int]]] = []
+        bad_rows = BadRows(on_bad_row, path_or_dataset_id)
         for index, row in enumerate(rows):
+            if bad_rows.missing(index, row, (messages_column,)):
+                continue
             messages = row[messages_column]
+            if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+                bad_rows.bad(index, f"'{messages_column}' must be a list of {{role, content}} messages")
+                continue
             if not any(m.get("role") == "assistant" for m in messages):
-                raise AutomodelError(f"dataset: conversation {index} of '{path_or_dataset_id}' has no assistant "
-                                     "turn to learn from")
+                bad_rows.bad(index, "the conversation has no assistant turn to learn from")
+                continue
             ids, labels = tokenize_conversation(tokenizer, messages)
             if seq_length is not None and len(ids) > seq_length:
                 if not truncation:
@@ -67,6 +77,7 @@ class ChatDataset(Dataset):
             if all(label == IGNORE_INDEX for label in labels[1:]):
                 continue
             self.samples.append({"input_ids": ids, "labels": labels})
+        bad_rows.report()
         if not self.samples:
             raise AutomodelError(f"dataset.path_or_dataset_id: '{path_or_dataset_id}' has no conversation with "
                                  "assistant tokens left")

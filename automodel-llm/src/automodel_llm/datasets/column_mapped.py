@@ -6,7 +6,7 @@ from typing import Any
 
 from torch.utils.data import Dataset
 
-from automodel.data import load_rows
+from automodel.data import BadRows, OnBadRow, load_rows
 from automodel.errors import AutomodelError
 
 IGNORE_INDEX = -100
@@ -24,13 +24,16 @@ def _fits(ids: list[int], labels: list[int], limit: int | None, truncate: bool, 
 
 
 class ColumnMappedTextInstructionDataset(Dataset):
-    """Prompt = context and question columns, completion = the answer column (loss on it only by default)."""
+    """Prompt = context and question columns, completion = the answer column (loss on it only by default).
+
+    A row whose mapped column is null is refused, or skipped with ``on_bad_row: skip``; an empty answer is left out.
+    """
 
     def __init__(self, path_or_dataset_id: str, column_mapping: dict[str, str], split: str = "train",
                  tokenizer: Any = None, seq_length: int | None = None, answer_only_loss_mask: bool = True,
                  truncation: bool | str = False, padding: str | bool = "do_not_pad",
                  limit_dataset_samples: int | None = None, start_of_turn_token: str | None = None,
-                 name: str | None = None):
+                 name: str | None = None, on_bad_row: OnBadRow = "error"):
         if tokenizer is None:
             raise AutomodelError("dataset: ColumnMappedTextInstructionDataset needs a tokenizer (tokenizer: section)")
         unknown = [role for role in column_mapping if role not in _ROLES]
@@ -50,10 +53,13 @@ class ColumnMappedTextInstructionDataset(Dataset):
         truncate = truncation not in (False, None, "do_not_truncate")
         self.samples: list[dict[str, list[int]]] = []
         self.qa_pairs: list[tuple[str, str]] = []
+        bad_rows = BadRows(on_bad_row, path_or_dataset_id)
         for index, row in enumerate(rows):
+            if bad_rows.missing(index, row, column_mapping.values()):
+                continue
             parts = [str(row[column_mapping[r]]).strip() for r in ("context", "question") if r in column_mapping]
             prompt = " ".join(p for p in parts if p)
-            answer = str(row[column_mapping["answer"]] or "").strip()
+            answer = str(row[column_mapping["answer"]]).strip()
             if not answer:
                 continue
             prompt_ids = tokenizer(prompt)["input_ids"]
@@ -68,6 +74,7 @@ class ColumnMappedTextInstructionDataset(Dataset):
                 continue
             self.samples.append({"input_ids": ids, "labels": labels})
             self.qa_pairs.append((prompt, answer))
+        bad_rows.report()
         if not self.samples:
             raise AutomodelError(f"dataset.path_or_dataset_id: '{path_or_dataset_id}' (split {split}) has no usable "
                                  "rows: every answer was empty or truncated away")

@@ -7,15 +7,19 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from automodel.data import load_rows
+from automodel.data import BadRows, OnBadRow, load_rows
 from automodel.errors import AutomodelError
 
 
 class PretrainingTextDataset(Dataset):
-    """Blocks of ``seq_length`` tokens; every token is a label. The tail shorter than a block is dropped."""
+    """Blocks of ``seq_length`` tokens; every token is a label. The tail shorter than a block is dropped.
+
+    A row whose text is null or not text is refused, or skipped with ``on_bad_row: skip``; empty text adds nothing.
+    """
 
     def __init__(self, path_or_dataset_id: str, split: str = "train", tokenizer: Any = None, seq_length: int = 512,
-                 text_column: str = "text", limit_dataset_samples: int | None = None):
+                 text_column: str = "text", limit_dataset_samples: int | None = None,
+                 on_bad_row: OnBadRow = "error"):
         if tokenizer is None:
             raise AutomodelError("dataset: PretrainingTextDataset needs a tokenizer (tokenizer: section)")
         rows = load_rows(path_or_dataset_id, split, key="dataset.path_or_dataset_id")
@@ -26,9 +30,13 @@ class PretrainingTextDataset(Dataset):
                                  f"(found: {', '.join(rows.column_names)})")
         stream: list[int] = []
         eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-        for text in rows[text_column]:
-            if text:
+        bad_rows = BadRows(on_bad_row, path_or_dataset_id)
+        for index, text in enumerate(rows[text_column]):
+            if not isinstance(text, str):
+                bad_rows.bad(index, f"the field '{text_column}' is " + ("null" if text is None else "not text"))
+            elif text:
                 stream += tokenizer(text, add_special_tokens=False)["input_ids"] + eos
+        bad_rows.report()
         count = len(stream) // seq_length
         if count == 0:
             raise AutomodelError(f"dataset.path_or_dataset_id: '{path_or_dataset_id}' has {len(stream)} tokens, fewer "

@@ -6,7 +6,7 @@ from typing import Any
 
 from torch.utils.data import Dataset
 
-from automodel.data import load_rows
+from automodel.data import BadRows, OnBadRow, load_rows
 from automodel.errors import AutomodelError
 from automodel.hf import load_tokenizer
 
@@ -36,12 +36,17 @@ def tokenize_prompt_answer(tokenizer: Any, prompt: str, answer: str) -> tuple[li
 
 
 class SquadDataset(Dataset):
-    """Rows ``{context, question, answers: {text: [...]}}`` from a hub name or local file/directory."""
+    """Rows ``{context, question, answers: {text: [...]}}`` from a hub name or local file/directory.
+
+    A row without ``context``, ``question`` or ``answers`` (or with null or non-text ones) is refused, or skipped
+    with ``on_bad_row: skip``; a row whose ``answers`` hold no text (an unanswerable SQuAD v2 question) is left
+    out, as there is nothing to learn from it.
+    """
 
     def __init__(self, dataset_name: str = "rajpurkar/squad", split: str = "train",
                  tokenizer_name_or_path: str | None = None, max_seq_length: int | None = None,
                  tokenizer: Any = None, limit_dataset_samples: int | None = None, truncation: bool = False,
-                 seed: int | None = None):
+                 seed: int | None = None, on_bad_row: OnBadRow = "error"):
         if tokenizer_name_or_path is not None:
             tokenizer = load_tokenizer(tokenizer_name_or_path, "dataset.tokenizer_name_or_path")
         if tokenizer is None:
@@ -57,7 +62,13 @@ class SquadDataset(Dataset):
         self.samples: list[dict[str, list[int]]] = []
         self.qa_pairs: list[tuple[str, str]] = []
         dropped = 0
+        bad_rows = BadRows(on_bad_row, dataset_name)
         for index, row in enumerate(rows):
+            if bad_rows.missing(index, row, ("context", "question", "answers")):
+                continue
+            if not isinstance(row["context"], str) or not isinstance(row["question"], str):
+                bad_rows.bad(index, "'context' and 'question' must be text")
+                continue
             answer = _answer_text(row["answers"])
             if not answer:
                 dropped += 1
@@ -75,6 +86,7 @@ class SquadDataset(Dataset):
                 continue
             self.samples.append({"input_ids": input_ids, "labels": labels})
             self.qa_pairs.append((prompt, answer))
+        bad_rows.report()
         if not self.samples:
             raise AutomodelError(f"dataset.dataset_name: '{dataset_name}' (split {split}) has no usable samples: "
                                  f"{dropped} rows had no answer or no answer tokens left")

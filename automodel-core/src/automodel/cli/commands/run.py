@@ -8,6 +8,7 @@ import click
 
 from automodel.cli.execute import OVERRIDE_SETTINGS
 from automodel.cli.launch import launch_params
+from automodel.cli.trust_options import trust_options
 from automodel.plugins.manager import get_plugin_manager
 
 
@@ -15,6 +16,7 @@ from automodel.plugins.manager import get_plugin_manager
 @click.option("-c", "--config", required=True, help="config YAML with a `recipe:` key")
 @click.option("--dry-run", is_flag=True, help="validate and print the plan; build nothing heavy")
 @click.option("--print-config", is_flag=True, help="print the resolved config (secrets masked)")
+@trust_options
 @click.pass_context
 def run(ctx: click.Context, config: str, dry_run: bool, print_config: bool, **launch: Any) -> None:
     """Run the recipe named by the config's `recipe:` key."""

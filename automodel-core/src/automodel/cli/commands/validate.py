@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from automodel.cli.execute import OVERRIDE_SETTINGS
+from automodel.cli.trust_options import trust_options
 from automodel.errors import ConfigError, UsageError
 from automodel.plugins.manager import get_plugin_manager
 
@@ -48,6 +49,7 @@ def _best_route_for(path: Path, extra: list[str]):
 @click.option("-c", "--config", required=True, help="config YAML")
 @click.option("--nproc-per-node", type=int, default=None, help="check for this many processes per node")
 @click.option("--nnodes", type=int, default=None, help="check for this many nodes")
+@trust_options
 @click.pass_context
 def validate(ctx: click.Context, route: tuple[str, ...], config: str, nproc_per_node: int | None,
              nnodes: int | None) -> None:
