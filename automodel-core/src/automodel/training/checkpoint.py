@@ -133,6 +133,17 @@ def load_safetensors_dir(directory: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def mismatch_message(source: Path, mismatched: list[str], unexpected: list[str], missing: list[str],
+                     question: str = "is restore_from.path the same architecture?") -> str:
+    """What differs between a checkpoint's weights and the model: shapes, then keys on either side."""
+    lines = [f"checkpoint '{source}' does not match the model ({question})"]
+    for title, items in (("shape mismatches", mismatched), ("keys only in the checkpoint", unexpected),
+                         ("keys missing from the checkpoint", missing)):
+        if items:
+            lines.append(f"  {title} ({len(items)}): " + ", ".join(items[:8]) + (" ..." if len(items) > 8 else ""))
+    return "\n".join(lines)
+
+
 def load_weights_into(model: torch.nn.Module, state: dict[str, torch.Tensor], source: Path) -> None:
     """Copy saved weights into ``model``; a different architecture fails with the mismatched keys and shapes."""
     own = model.state_dict()
@@ -142,12 +153,7 @@ def load_weights_into(model: torch.nn.Module, state: dict[str, torch.Tensor], so
     loaded_ptrs = {own[k].data_ptr() for k in state if k in own}
     missing = [k for k in own if k not in state and own[k].data_ptr() not in loaded_ptrs]
     if mismatched or unexpected or missing:
-        lines = [f"checkpoint '{source}' does not match the model (is restore_from.path the same architecture?)"]
-        for title, items in (("shape mismatches", mismatched), ("keys only in the checkpoint", unexpected),
-                             ("keys missing from the checkpoint", missing)):
-            if items:
-                lines.append(f"  {title} ({len(items)}): " + ", ".join(items[:8]) + (" ..." if len(items) > 8 else ""))
-        raise CheckpointError("\n".join(lines))
+        raise CheckpointError(mismatch_message(source, mismatched, unexpected, missing))
     with torch.no_grad():
         for key, value in state.items():
             own[key].copy_(value)

@@ -17,6 +17,7 @@ import torch
 
 from automodel.errors import AutomodelError
 from automodel.hf import is_adapter_dir
+from automodel.training.checkpoint import mismatch_message
 from automodel.training.context import BuildContext
 from automodel.training.parallel.activation_checkpointing import apply_activation_checkpointing
 from automodel.training.parallel.materialize import (
@@ -59,15 +60,17 @@ def _restore_source(ctx: BuildContext, model: torch.nn.Module) -> WeightSource |
         if not hasattr(model, "peft_config"):
             raise AutomodelError(f"restore_from.path: '{directory}' holds a LoRA adapter but this config has no "
                                  "peft: section; add the same peft: settings as the run that wrote it")
-        missing, unexpected = compare_keys(model, directory, adapter_key, include=lambda n: ".lora_" in n)
+        missing, unexpected, mismatched = compare_keys(model, directory, adapter_key,
+                                                       include=lambda n: ".lora_" in n)
         source: WeightSource = (directory, adapter_key)
+        question = "is restore_from.path the same architecture with the same peft: settings?"
     else:
         key = meta.checkpoint_key if meta is not None and meta.checkpoint_key else hf_checkpoint_key
-        missing, unexpected = compare_keys(model, directory, key)
+        missing, unexpected, mismatched = compare_keys(model, directory, key)
         source = (directory, key)
-    if missing or unexpected:
-        raise AutomodelError(f"restore_from.path: '{directory}' does not match the model (is it the same "
-                             f"architecture and peft: settings?): missing {missing[:5]}, unexpected {unexpected[:5]}")
+        question = "is restore_from.path the same architecture?"
+    if missing or unexpected or mismatched:
+        raise AutomodelError(mismatch_message(directory, mismatched, unexpected, missing, question))
     return source
 
 

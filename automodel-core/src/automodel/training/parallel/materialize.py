@@ -127,14 +127,28 @@ def _read_files(model: nn.Module, directory: Path, checkpoint_key: Callable[[str
 
 
 def compare_keys(model: nn.Module, directory: Path, checkpoint_key: Callable[[str], str] = hf_checkpoint_key,
-                 include: Callable[[str], bool] = lambda name: True) -> tuple[list[str], list[str]]:
+                 include: Callable[[str], bool] = lambda name: True) -> tuple[list[str], list[str], list[str]]:
     """The model's tensors (those ``include`` accepts, a tied tensor once) that the safetensors files under
-    ``directory`` lack, and the file keys no tensor of the model maps to (reads the files' headers only)."""
+    ``directory`` lack, the file keys no tensor of the model maps to, and the tensors whose shapes differ
+    (``key: checkpoint (...) vs model (...)``); reads the files' headers only."""
     files = weight_files(directory)
-    wanted = [name for name, _ in _unique_tensors(model) if include(name)]
-    missing = [name for name in wanted if checkpoint_key(name) not in files]
+    wanted = [(name, tensor) for name, tensor in _unique_tensors(model) if include(name)]
+    missing = [name for name, _ in wanted if checkpoint_key(name) not in files]
     mapped = {checkpoint_key(clean_name(name)) for name in model.state_dict(keep_vars=True)}  # tied aliases too
-    return missing, sorted(set(files) - mapped)
+    shapes = _file_shapes({key: files[key] for key in (checkpoint_key(name) for name, _ in wanted) if key in files})
+    mismatched = [f"{checkpoint_key(name)}: checkpoint {shapes[checkpoint_key(name)]} vs model {tuple(tensor.shape)}"
+                  for name, tensor in wanted
+                  if checkpoint_key(name) in shapes and shapes[checkpoint_key(name)] != tuple(tensor.shape)]
+    return missing, sorted(set(files) - mapped), mismatched
+
+
+def _file_shapes(files: dict[str, Path]) -> dict[str, tuple[int, ...]]:
+    """Each key's shape from the header of the file holding it (each file opened once)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in set(files.values()):
+        with _open(file) as handle:
+            shapes.update({key: tuple(handle.get_slice(key).get_shape()) for key, f in files.items() if f == file})
+    return shapes
 
 
 def _unique_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
