@@ -12,17 +12,14 @@ import json
 
 import pytest
 import torch
+from llm_testing import DISTRIBUTED_OVERRIDES as COMMON
+from llm_testing import losses as _losses
+from llm_testing import val_losses
 
 from automodel.testing import free_port, read_jsonl, run_cli
 
-COMMON = ["--step_scheduler.max_steps", "4", "--dataloader.batch_size", "2", "--dataloader.shuffle", "false",
-          "--step_scheduler.checkpoint_interval", "2"]
 TWO = ["--nproc-per-node", "2"]
 ACCUMULATE = ["--step_scheduler.grad_accumulation_steps", "2"]  # one process: the samples of two ranks per step
-
-
-def _losses(directory):
-    return [row["loss"] for row in read_jsonl(directory / "training.jsonl")]
 
 
 def _run(config, cwd, directory, *args):
@@ -35,16 +32,6 @@ def _run(config, cwd, directory, *args):
 
 
 @pytest.fixture(scope="module")
-def single_process(tmp_path_factory, tiny_llama_config):
-    import llm_testing
-
-    tmp = tmp_path_factory.mktemp("single")
-    config = llm_testing.write_config(tmp / "cfg.yaml", tiny_llama_config, tmp / "ckpt")
-    _run(config, tmp, tmp / "ckpt", *ACCUMULATE)
-    return config, tmp
-
-
-@pytest.fixture(scope="module")
 def fsdp2_run(single_process, tmp_path_factory):
     config, _ = single_process
     tmp = tmp_path_factory.mktemp("fsdp2")
@@ -52,8 +39,12 @@ def fsdp2_run(single_process, tmp_path_factory):
     return tmp, result
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-def test_two_ranks_match_one_process_with_doubled_accumulation(strategy, single_process, fsdp2_run, tmp_path):
+@pytest.mark.parametrize(("strategy", "checkpointing"), [("ddp", "true"), ("fsdp2", "false")])
+def test_two_ranks_match_one_process_with_doubled_accumulation(strategy, checkpointing, single_process, fsdp2_run,
+                                                               tmp_path):
+    """DDP also with activation checkpointing (it recomputes, the losses stay the same). Validation runs on both
+    ranks, each its half of the samples (under FSDP2 a forward needs every rank), and rank 0 reports the loss over
+    all of them: the one process's."""
     from transformers import AutoModelForCausalLM
 
     config, single = single_process
@@ -61,9 +52,14 @@ def test_two_ranks_match_one_process_with_doubled_accumulation(strategy, single_
         out, result = fsdp2_run[0] / "ckpt", fsdp2_run[1]
     else:
         out = tmp_path / strategy
-        result = _run(config, tmp_path, out, *TWO, "--distributed.strategy", strategy)
+        result = _run(config, tmp_path, out, *TWO, "--distributed.strategy", strategy,
+                      "--distributed.activation_checkpointing", checkpointing)
     assert f"sharding [{strategy}]" in result.stderr
+    assert ("activation checkpointing on 1 transformer blocks" in result.stderr) == (checkpointing == "true")
     assert _losses(out) == pytest.approx(_losses(single / "ckpt"), abs=1e-5)
+    validation, reference = val_losses(out), val_losses(single / "ckpt")
+    assert [step for step, _ in validation] == [step for step, _ in reference] == [2, 4]
+    assert [loss for _, loss in validation] == pytest.approx([loss for _, loss in reference], abs=1e-5)
     model = AutoModelForCausalLM.from_pretrained(out / "epoch_0_step_4" / "model")
     reference = AutoModelForCausalLM.from_pretrained(single / "ckpt" / "epoch_0_step_4" / "model")
     for (name, a), (_, b) in zip(model.state_dict().items(), reference.state_dict().items(), strict=True):

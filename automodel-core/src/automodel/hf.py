@@ -214,23 +214,28 @@ class EvalGenerationConfig:
     max_new_tokens: int = field(default=8, metadata={"help": "generation length limit"})
 
 
-def greedy_answer(model: Any, tokenizer: Any, prompt: str, max_new_tokens: int, device: torch.device) -> str:
+def greedy_answer(model: Any, tokenizer: Any, prompt: str, max_new_tokens: int, device: torch.device,
+                  synced: bool = False) -> str:
+    """The model's greedy continuation of ``prompt``. ``synced``: every rank generates together (the weights are
+    sharded, so each forward is a collective): ranks that finish early keep joining the others' forwards."""
     import torch
 
     ids = torch.tensor([tokenizer(prompt)["input_ids"]], device=device)
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+                             do_sample=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                             synced_gpus=synced)
     return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
 
 
 def exact_match(model: Any, tokenizer: Any, pairs: list[tuple[str, str]], max_new_tokens: int,
-                device: torch.device) -> tuple[float, list[tuple[str, str, str]]]:
-    """Accuracy over (prompt, answer) pairs and the (prompt, expected, generated) triples."""
+                device: torch.device, synced: bool = False) -> tuple[float, list[tuple[str, str, str]]]:
+    """Accuracy over (prompt, answer) pairs and the (prompt, expected, generated) triples (``synced``: see
+    :func:`greedy_answer`; every rank then calls this with the same pairs)."""
     was_training = model.training
     model.eval()
     try:
-        results = [(prompt, answer, greedy_answer(model, tokenizer, prompt, max_new_tokens, device))
+        results = [(prompt, answer, greedy_answer(model, tokenizer, prompt, max_new_tokens, device, synced))
                    for prompt, answer in pairs]
     finally:
         model.train(was_training)

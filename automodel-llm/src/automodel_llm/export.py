@@ -4,6 +4,7 @@ was saved with ``checkpoint.save_consolidated: false``, and a LoRA adapter merge
 from __future__ import annotations
 
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -86,7 +87,9 @@ def _merge_adapter(config_file: Path, adapter_dir: Path, out: Path) -> None:
     from automodel.cli.execute import import_recipe
     from automodel.config import build_config, load_yaml_file
     from automodel.hf import load_adapter_weights
+    from automodel.meta_build import building_on_meta
     from automodel.plugins.manager import get_plugin_manager
+    from automodel.training.model_init import materialize_model, on_meta
     from automodel.training.rng import StatefulRNG
     from automodel.training.stages.peft import add_lora
 
@@ -102,7 +105,11 @@ def _merge_adapter(config_file: Path, adapter_dir: Path, out: Path) -> None:
     ctx = recipe.build_context()
     StatefulRNG(cfg.rng.seed, cfg.rng.ranked)  # seeded as training was, so a from_config base is identical
     recipe.setup_domain()
-    model, _ = add_lora(ctx, recipe.build_model(ctx))
+    with building_on_meta() as meta:  # built as training built it: the same base weights
+        base = recipe.build_model(ctx)
+    model, _ = add_lora(ctx, base)
+    if on_meta(model):  # the base from its files or the seeded module-by-module initialisation
+        materialize_model(replace(ctx, meta_build=meta), model)
     load_adapter_weights(model, adapter_dir)
     merged = model.merge_and_unload()
     shutil.rmtree(out, ignore_errors=True)  # a consolidated adapter, read by now

@@ -158,15 +158,17 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
     def on_train_end(self, final_checkpoint: Path | None) -> None:
         settings = self.cfg.eval_generation
         pairs = self._generation_pairs()
-        if settings is not None and settings.enabled and pairs and self.is_main_process and \
+        collective = self.forwards_are_collective  # FSDP2: every rank generates the same answers together
+        if settings is not None and settings.enabled and pairs and (self.is_main_process or collective) and \
                 "eval_generation" in self.cfg:
             pairs = pairs[: settings.num_examples] if settings.num_examples else pairs
-            score, results = exact_match(unwrap(self.model), self.tokenizer, pairs, settings.max_new_tokens,
-                                         self.device)
+            with self.forward_context():
+                score, results = exact_match(unwrap(self.model), self.tokenizer, pairs, settings.max_new_tokens,
+                                             self.device, synced=collective)
             for prompt, expected, got in results[: settings.num_shown]:
                 self.log(f"  Q: {prompt}\n     expected: {expected!r}  model: {got!r}")
             self.log(f"exact match on {len(results)} validation questions: {score:.3f}")
-            if final_checkpoint is not None:
+            if final_checkpoint is not None and self.is_main_process:
                 record = {"step": self.step_scheduler.step, "exact_match": score, "num_questions": len(results)}
                 with open(Path(self.cfg.checkpoint.checkpoint_dir) / "eval_generation.json", "w") as f:
                     json.dump(record, f)

@@ -133,8 +133,10 @@ class FinetuneRecipeForVLM(NextTokenLogits, TrainRecipe):
         inputs = self.processor(text=[prompt], return_tensors="pt", add_special_tokens=False, **kwargs)
         inputs = self.move_to_device(dict(inputs))
         tokenizer = self.processor.tokenizer
-        output = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
-                                pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        with self.forward_context():
+            output = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
+                                    pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                                    synced_gpus=self.forwards_are_collective)
         new = output[0, inputs["input_ids"].shape[1]:]
         return tokenizer.decode(new, skip_special_tokens=True).strip()
 
@@ -154,14 +156,15 @@ class FinetuneRecipeForVLM(NextTokenLogits, TrainRecipe):
     def on_train_end(self, final_checkpoint: Path | None) -> None:
         settings = self.cfg.eval_generation
         dataset = self._validation_set()
-        if settings is not None and settings.enabled and dataset is not None and self.is_main_process and \
-                "eval_generation" in self.cfg:
+        # FSDP2: every rank generates the same answers together (each forward gathers the sharded weights)
+        if settings is not None and settings.enabled and dataset is not None and \
+                (self.is_main_process or self.forwards_are_collective) and "eval_generation" in self.cfg:
             score, results = self.exact_match(dataset, settings.num_examples, settings.max_new_tokens)
             for prefix, expected, got in results[: settings.num_shown]:
                 question = " ".join(p.get("text", "") for p in prefix[-1]["content"] if p.get("type") == "text")
                 self.log(f"  Q: [image] {question}\n     expected: {expected!r}  model: {got!r}")
             self.log(f"exact match on {len(results)} validation questions: {score:.3f}")
-            if final_checkpoint is not None:
+            if final_checkpoint is not None and self.is_main_process:
                 record = {"step": self.step_scheduler.step, "exact_match": score, "num_questions": len(results)}
                 with open(Path(self.cfg.checkpoint.checkpoint_dir) / "eval_generation.json", "w") as f:
                     json.dump(record, f)

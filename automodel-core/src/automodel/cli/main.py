@@ -7,6 +7,7 @@ import sys
 import click
 
 from automodel.cli.execute import OVERRIDE_SETTINGS
+from automodel.cli.launch import launch_params
 from automodel.cli.trust_options import trust_params
 from automodel.config.trust import set_command_line_trust
 from automodel.errors import AutomodelError, UsageError
@@ -48,11 +49,7 @@ class RouteCommand(click.Command):
                 click.Option(["-c", "--config"], help="config YAML (a path, or a shipped example name)"),
                 click.Option(["--dry-run"], is_flag=True, help="validate and print the plan; build nothing heavy"),
                 click.Option(["--print-config"], is_flag=True, help="print the resolved config (secrets masked)"),
-                click.Option(["--nproc-per-node"], type=int, default=None, help="processes per node (torchrun)"),
-                click.Option(["--nnodes"], type=int, default=None, help="number of nodes (torchrun)"),
-                click.Option(["--node-rank"], type=int, default=None, help="this node's rank (torchrun)"),
-                click.Option(["--master-addr"], default=None, help="rendezvous address (torchrun)"),
-                click.Option(["--master-port"], type=int, default=None, help="rendezvous port (torchrun)"),
+                *launch_params(),
                 click.Option(["--slurm"], is_flag=True, help="write an sbatch script (slurm: section) and exit"),
                 *trust_params(),
             ],

@@ -136,6 +136,14 @@ def load_safetensors_dir(directory: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def mismatch_message(source: Path, mismatched: list[str], unexpected: list[str], missing: list[str],
+                     question: str = "is restore_from.path the same architecture?") -> str:
+    """What differs between a checkpoint's weights and the model: shapes, then keys on either side."""
+    return mismatch_report(f"checkpoint '{source}' does not match the model ({question})",
+                           {"shape mismatches": mismatched, "keys only in the checkpoint": unexpected,
+                            "keys missing from the checkpoint": missing})
+
+
 def load_weights_into(model: torch.nn.Module, state: dict[str, torch.Tensor], source: Path) -> None:
     """Copy saved weights into ``model``; a different architecture fails with the mismatched keys and shapes."""
     own = model.state_dict()
@@ -145,10 +153,7 @@ def load_weights_into(model: torch.nn.Module, state: dict[str, torch.Tensor], so
     loaded_ptrs = {own[k].data_ptr() for k in state if k in own}
     missing = [k for k in own if k not in state and own[k].data_ptr() not in loaded_ptrs]
     if mismatched or unexpected or missing:
-        raise CheckpointError(mismatch_report(
-            f"checkpoint '{source}' does not match the model (is restore_from.path the same architecture?)",
-            {"shape mismatches": mismatched, "keys only in the checkpoint": unexpected,
-             "keys missing from the checkpoint": missing}))
+        raise CheckpointError(mismatch_message(source, mismatched, unexpected, missing))
     with torch.no_grad():
         for key, value in state.items():
             own[key].copy_(value)

@@ -19,7 +19,7 @@ from automodel.errors import AutomodelError
 from automodel.training.builders import describe_batch
 from automodel.training.checkpoint import read_latest
 from automodel.training.checkpoint_write import CheckpointParts, CheckpointWrite
-from automodel.training.dist import all_reduce_sum, any_rank
+from automodel.training.dist import all_reduce_sum, any_rank, naming_stalls
 from automodel.training.logging import FAILED, STOPPED, SUCCESS
 from automodel.training.metrics import MetricsSample, peak_memory_gib
 from automodel.training.progress import Progress
@@ -41,8 +41,17 @@ class TrainingLoop:
             return type(batch)(self.move_to_device(v) for v in batch)
         return batch
 
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        """What a forward runs under: ``torch.autocast`` where the precision asks for it (not under FSDP2's policy
+        unless ``distributed.autocast_dtype``); the loss itself is always computed in float32."""
+        return self.ctx.precision.forward_context(self.device.type, self.ctx.fsdp2)
+
     def train_step(self, batches: list[Any]) -> tuple[torch.Tensor, torch.Tensor, int]:
         """One optimizer update over the step's micro-batches; the loss is token-weighted over the whole step."""
+        with naming_stalls(lambda: f"step {self.step_scheduler.step + 1}", self.cfg.dist_env.timeout_minutes):
+            return self._train_step(batches)
+
+    def _train_step(self, batches: list[Any]) -> tuple[torch.Tensor, torch.Tensor, int]:
         with self.batch_errors(batches[0], "dataloader"):
             label_tokens = sum(self.count_label_tokens(b) for b in batches)
             input_tokens = sum(self.count_input_tokens(b) for b in batches)
@@ -53,28 +62,51 @@ class TrainingLoop:
             label_tokens = int(global_tokens.item())
         denominator = max(label_tokens, 1)
         scale = self.world_size / denominator
+        scaler = self.grad_scaler
         total = torch.zeros((), device=self.device)
         for batch in batches:
-            with self.batch_errors(batch, "dataloader"):
+            with self.batch_errors(batch, "dataloader"), self.forward_context():
                 loss_sum = self.compute_loss(self.model, self.move_to_device(batch))
-            (loss_sum * scale).backward()
+            scaled = loss_sum.float() * scale
+            (scaler.scale(scaled) if scaler is not None else scaled).backward()
             total += loss_sum.detach().float()
         if self.world_size > 1:
             (total,) = all_reduce_sum(total, device=self.device)
             total = total.float()
+        if scaler is not None:
+            scaler.unscale_(self.optimizer)  # clipping and the reported norm see the true gradients
         max_norm = self.cfg.clip_grad_norm.max_norm or math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable_params, max_norm,
                                                    norm_type=self.cfg.clip_grad_norm.norm_type)
         loss = total / denominator
         self.step_lr = self.optimizer.param_groups[0]["lr"]  # the rate this update uses (logged)
-        if not (torch.isfinite(grad_norm) and torch.isfinite(loss)):
+        if not torch.isfinite(loss) or (scaler is None and not torch.isfinite(grad_norm)):
             self._nonfinite(loss, grad_norm)
+        elif scaler is not None:
+            self._scaled_update(scaler, grad_norm)
         else:
             self.optimizer.step()
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss, grad_norm, input_tokens
+
+    def _scaled_update(self, scaler: Any, grad_norm: torch.Tensor) -> None:
+        """fp16: the scaler skips an update whose gradients overflowed and lowers its scale; such a step counts as
+        skipped (``skipped_steps`` in training.jsonl) and ``fault_tolerance.max_skipped_steps`` bounds them."""
+        scale = scaler.get_scale()
+        scaler.step(self.optimizer)
+        scaler.update()
+        if torch.isfinite(grad_norm):
+            return
+        self.skipped_steps += 1
+        step, limit = self.step_scheduler.step + 1, self.cfg.fault_tolerance.max_skipped_steps
+        self.log(f"step {step}: fp16 gradients overflowed at loss scale {scale:g}: update skipped, scale now "
+                 f"{scaler.get_scale():g} ({self.skipped_steps} skipped so far)")
+        if limit is not None and self.skipped_steps > limit:
+            raise AutomodelError(f"step {step}: {self.skipped_steps} updates skipped for fp16 gradient overflow, more "
+                                 f"than fault_tolerance.max_skipped_steps ({limit}); lower optimizer.lr, set "
+                                 "clip_grad_norm.max_norm, or train in bf16 (distributed.mp_policy.param_dtype)")
 
     def _nonfinite(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         """A NaN/inf step: stop with where to resume from (policy raise) or skip its update (policy skip)."""
@@ -128,25 +160,14 @@ class TrainingLoop:
 
     @torch.no_grad()
     def validate(self) -> None:
+        """Every rank runs its share of each validation set (a forward under FSDP2 needs them all); the sums are
+        reduced over the ranks and rank 0 reports."""
         self.model.eval()
         try:
-            for name, loader in self.val_dataloaders.items():
-                total = torch.zeros((), device=self.device)
-                tokens = 0
-                for batch in loader:
-                    with self.batch_errors(batch, "validation_dataloader"), self.validation_oom(name, loader):
-                        tokens += self.count_label_tokens(batch)
-                        total += self.compute_loss(self.model, self.move_to_device(batch)).float()
-                record = {"step": self.step_scheduler.step, "epoch": self.step_scheduler.epoch, "name": name,
-                          "val_loss": total.item() / max(tokens, 1), "num_label_tokens": tokens}
-                record.update(self.extra_validation_metrics(name, loader))
-                record["timestamp"] = time.time()
-                if self.is_main_process:
-                    self.val_log.write(record)
-                    self.metric_loggers.log_validation(record, record["step"])
-                shown = ", ".join(f"{k}={v:.4f}" for k, v in record.items()
-                                  if isinstance(v, float) and k != "timestamp")
-                self.log(f"validation [{name}] step {record['step']}: {shown}")
+            with naming_stalls(lambda: f"validation after step {self.step_scheduler.step}",
+                               self.cfg.dist_env.timeout_minutes):
+                for name, loader in self.val_dataloaders.items():
+                    self._validate_one(name, loader)
         finally:
             self.model.train()
 
@@ -158,6 +179,27 @@ class TrainingLoop:
                          "skipped_steps": self.skipped_steps, "step_scheduler": steps.state_dict()}
         return CheckpointParts(self.model, stateful.get("optimizer"), small_states(stateful), trainer_state,
                                self.save_artifacts, self.save_model if self.writes_own_layout() else None)
+
+    def _validate_one(self, name: str, loader: Any) -> None:
+        total = torch.zeros((), device=self.device)
+        tokens = 0
+        for batch in loader:
+            with self.batch_errors(batch, "validation_dataloader"), self.validation_oom(name, loader), \
+                    self.forward_context():
+                tokens += self.count_label_tokens(batch)
+                total += self.compute_loss(self.model, self.move_to_device(batch)).float()
+        if self.world_size > 1:
+            total, summed = all_reduce_sum(total, tokens, device=self.device)
+            tokens = int(summed.item())
+        record = {"step": self.step_scheduler.step, "epoch": self.step_scheduler.epoch, "name": name,
+                  "val_loss": total.item() / max(tokens, 1), "num_label_tokens": tokens}
+        record.update(self.extra_validation_metrics(name, loader))
+        record["timestamp"] = time.time()
+        if self.is_main_process:
+            self.val_log.write(record)
+            self.metric_loggers.log_validation(record, record["step"])
+        shown = ", ".join(f"{k}={v:.4f}" for k, v in record.items() if isinstance(v, float) and k != "timestamp")
+        self.log(f"validation [{name}] step {record['step']}: {shown}")
 
     def save_checkpoint(self) -> Path | None:
         """Every rank writes its own part; with ``checkpoint.async_save`` training goes on while the files are
@@ -275,7 +317,7 @@ class TrainingLoop:
         self.step_losses.append(loss)
         sample = self._sample(loss, grad_norm, tokens, elapsed)
         record = sample.to_dict()
-        if self.cfg.fault_tolerance.nonfinite == "skip":
+        if self.cfg.fault_tolerance.nonfinite == "skip" or self.grad_scaler is not None:
             record["skipped_steps"] = self.skipped_steps
         if self.is_main_process:
             self.train_log.write(record)

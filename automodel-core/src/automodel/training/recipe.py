@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from automodel.config import Config, ConfigNode, Free, Target
 from automodel.errors import ConfigIssue
+from automodel.meta_build import MetaBuild, building_on_meta
 from automodel.noise import debug_enabled, filter_third_party_noise
 from automodel.plugins.manager import get_plugin_manager
 from automodel.recipe import BaseRecipe
@@ -33,7 +34,9 @@ from automodel.training.host_memory import keep_freed_memory_in_heap
 from automodel.training.logging import LoggerContext, MetricLoggers, resolve_backends
 from automodel.training.loop import TrainingLoop
 from automodel.training.metrics import JsonlWriter, device_peak_flops
-from automodel.training.modules import trainable_parameters, unwrap
+from automodel.training.modules import is_fsdp2, trainable_parameters, unwrap
+from automodel.training.parallel.mesh import build_device_mesh
+from automodel.training.parallelism import parallel_layout, run_precision, shards_with_fsdp2
 from automodel.training.pipeline import PIPELINE_SLOTS, Selection, apply_pipeline, select_stages
 from automodel.training.resume import choose_checkpoint, hold_checkpoint_dir
 from automodel.training.rng import StatefulRNG
@@ -56,7 +59,7 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
     stage_implementations: ClassVar[dict[str, str]] = {}
     # slot -> why this recipe refuses a config that asks for it (merged like sections)
     unsupported_stages: ClassVar[dict[str, str]] = {}
-    stateful = ("model", "optimizer", "lr_scheduler", "step_scheduler", "dataloader", "rng")
+    stateful = ("model", "optimizer", "lr_scheduler", "step_scheduler", "dataloader", "rng", "grad_scaler")
 
     sections = {
         "step_scheduler": s.StepSchedulerConfig,
@@ -222,6 +225,12 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
     def is_main_process(self) -> bool:
         return rank() == 0
 
+    @property
+    def forwards_are_collective(self) -> bool:
+        """Whether a forward needs every rank (FSDP2 gathers the sharded weights): then anything that runs one —
+        validation, end-of-run generation — runs on every rank, and rank 0 reports."""
+        return self.world_size > 1 and is_fsdp2(self.model)
+
     def log(self, message: str) -> None:
         if self.is_main_process:
             tqdm.write(message, file=sys.stderr)
@@ -232,12 +241,19 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
             self.log(message)
 
     def build_context(self) -> BuildContext:
-        """What builders and stages see; the process group is joined first (the device depends on it)."""
+        """What builders and stages see; the process group is joined first (the device depends on it), then the
+        device mesh is built and the precision resolved (both validated with the config)."""
         cfg = self.cfg
         init_process_group(cfg.dist_env.backend, cfg.dist_env.timeout_minutes, self.log)
+        device, world = self.select_device(), world_size()
+        sharding = self.pipeline_selection(cfg).get("sharding", (None, ""))[0]
+        fsdp2 = shards_with_fsdp2(cfg, sharding, world)
+        layout = parallel_layout(cfg, world)
         return BuildContext(cfg=cfg, sections=self.all_sections(), plugins=get_plugin_manager(), domain=self.domain,
-                            device=self.select_device(), rank=rank(), world_size=world_size(), seed=cfg.rng.seed,
-                            batch=plan.batch_layout(cfg)[0], log=self.log, load_model_weights=self.load_model_weights)
+                            device=device, rank=rank(), world_size=world, seed=cfg.rng.seed,
+                            batch=plan.batch_layout(cfg)[0], log=self.log, load_model_weights=self.load_model_weights,
+                            mesh=layout, device_mesh=build_device_mesh(layout, device.type) if world > 1 else None,
+                            precision=run_precision(cfg, device, fsdp2)[0], fsdp2=fsdp2)
 
     def setup(self) -> None:
         cfg = self.cfg
@@ -262,7 +278,11 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
         if "ci" in cfg:
             self.log("note: section 'ci' is upstream CI metadata and is ignored")
         self.setup_domain()
-        self.model = apply_pipeline(ctx, self.build_model(ctx), self.runtime_selection(ctx))
+        with building_on_meta() as meta:
+            model = self.build_model(ctx)
+        self.ctx = ctx = self.after_model_built(ctx, model, meta)
+        self.model = apply_pipeline(ctx, model, self.runtime_selection(ctx))
+        self.grad_scaler = ctx.precision.grad_scaler(ctx.device.type, self.storage_dtype, ctx.fsdp2)
         self.loss_fn = self.build_loss_fn(ctx)
         self.optimizer = self.build_optimizer(ctx, self.model)
         self.train_dataset = self.build_dataset(ctx, cfg.dataset)
@@ -300,6 +320,21 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
             selection["checkpoint"] = configured or (
                 self.merged("stage_implementations").get("checkpoint", "restore"), "restore_from.path")
         return {slot: selection[slot] for slot in PIPELINE_SLOTS if slot in selection}
+
+    def after_model_built(self, ctx: BuildContext, model: torch.nn.Module, meta: MetaBuild) -> BuildContext:
+        """Log how the model was built and its precision; the context then carries the meta-device build."""
+        floats = [p.dtype for p in model.parameters() if p.dtype.is_floating_point]
+        self.storage_dtype = max(set(floats), key=floats.count) if floats else torch.float32
+        if meta.built:
+            source = f"the weights in {meta.weights}" if meta.weights else "a seeded module-by-module initialisation"
+            self.log(f"model: built on the meta device by {meta.factory}; each rank materialises "
+                     f"{'only its shards' if ctx.fsdp2 else 'it'} from {source}")
+        elif ctx.fsdp2:
+            self.log(f"model: {ctx.cfg.model.target} does not build on the meta device, so every rank builds the "
+                     "whole model before FSDP2 shards it (automodel_llm / automodel_vlm model factories build on "
+                     "meta)")
+        self.log(ctx.precision.describe(self.storage_dtype, ctx.fsdp2))
+        return replace(ctx, meta_build=meta if meta.built else None)
 
     def open_metric_files(self) -> None:
         """training.jsonl / validation.jsonl and the metric backends (rank 0 only; they start with training)."""
