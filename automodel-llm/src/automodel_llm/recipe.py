@@ -13,11 +13,11 @@ import torch
 from automodel.config import Config, ConfigNode, Target
 from automodel.errors import AutomodelError, ConfigIssue
 from automodel.hf import (
+    ADAPTER_CONFIG,
     EvalGenerationConfig,
     align_special_tokens,
     check_vocab,
     exact_match,
-    is_adapter_dir,
     model_source,
     record_adapter_base,
 )
@@ -113,10 +113,11 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
             self.log(f"special tokens: the model's {', '.join(changes)} (the tokenizer's, which training uses; "
                      "saved in config.json and generation_config.json, so generate() stops at its EOS)")
 
-    def save_model(self, directory: Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
-        super().save_model(directory, state_dict)
+    def save_artifacts(self, directory: Path) -> None:
+        """Also records, in a LoRA checkpoint's ``adapter_config.json``, the base as this run resolved it."""
+        super().save_artifacts(directory)
         found = model_source(self.cfg.model)
-        if is_adapter_dir(directory) and found is not None:
+        if (directory / ADAPTER_CONFIG).is_file() and found is not None:
             record_adapter_base(directory, found[0])  # the resolved base, for `automodel export` and peft
 
     # ---- the loss ---------------------------------------------------------------------------------------------
