@@ -17,7 +17,7 @@ import torch
 
 from automodel.errors import AutomodelError
 from automodel.hf import is_adapter_dir
-from automodel.training.checkpoint import mismatch_message
+from automodel.training.checkpoint import RESUME_ELSEWHERE, CheckpointError, mismatch_message
 from automodel.training.context import BuildContext
 from automodel.training.parallel.activation_checkpointing import apply_activation_checkpointing
 from automodel.training.parallel.materialize import (
@@ -74,14 +74,27 @@ def _restore_source(ctx: BuildContext, model: torch.nn.Module) -> WeightSource |
     return source
 
 
+def _checkpoint_error(ctx: BuildContext, err: AutomodelError) -> None:
+    """Re-raise ``err``; a damaged file of the checkpoint being resumed also says how to go on."""
+    if ctx.restore_path is not None and str(ctx.restore_path) in str(err) and not isinstance(err, CheckpointError):
+        raise CheckpointError(f"{err}; {RESUME_ELSEWHERE}") from None
+    raise err
+
+
 def materialize_model(ctx: BuildContext, model: torch.nn.Module) -> str:
     """Give a meta-device ``model`` its values on ``ctx.device`` (see the module docstring); returns the log line."""
     meta = ctx.meta_build
-    sources = [s for s in (_restore_source(ctx, model),) if s is not None]
+    try:
+        sources = [s for s in (_restore_source(ctx, model),) if s is not None]
+    except AutomodelError as err:
+        _checkpoint_error(ctx, err)
     if meta is not None and meta.weights is not None:
         sources.append((meta.weights, meta.checkpoint_key or hf_checkpoint_key))
     seed = meta.seed if meta is not None and meta.seed is not None else ctx.seed
-    report = materialize(model, ctx.device, seed, sources)
+    try:
+        report = materialize(model, ctx.device, seed, sources)
+    except AutomodelError as err:
+        _checkpoint_error(ctx, err)
     read = ", ".join(str(Path(d)) for d, _ in sources) or "no files"
     line = (f"materialised on {ctx.device}: {len(report.loaded)} tensors read from {read}, "
             f"{len(report.initialised)} initialised module by module from seed {seed}")

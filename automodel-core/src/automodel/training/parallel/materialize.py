@@ -212,7 +212,8 @@ def _open(file: Path) -> Any:
     try:
         return safe_open(str(file), framework="pt", device="cpu")
     except Exception as err:  # safetensors raises its own error type for a truncated or foreign file
-        raise AutomodelError(f"cannot read '{file}' as safetensors: {err}") from None
+        raise AutomodelError(f"'{file}' is corrupted: it is not a complete safetensors file ({err}); replace "
+                             "it with an intact copy, or point the config at another checkpoint or model") from None
 
 
 # ---- fresh initialisation ---------------------------------------------------------------------------------------
