@@ -55,9 +55,9 @@ def export_names(model: nn.Module, prefix: str = "") -> tuple[str, dict[str, str
     return "model", {prefix + key: key for key, first in tied_to(model).items() if key == first}
 
 
-def write_export_files(model: nn.Module, directory: Path, prefix: str) -> None:
-    """Beside the shards: ``hf_export.json`` and the model's HF config files in ``hf/`` (rank 0 calls it)."""
-    kind, names = export_names(model, prefix)
+def write_export_files(model: nn.Module, directory: Path, kind: str, names: dict[str, str]) -> None:
+    """Beside the shards: ``hf_export.json`` (``kind`` and ``names`` from :func:`export_names`, merged over the
+    model's parts) and the model's HF config files in ``hf/`` (rank 0 calls it)."""
     (directory / EXPORT_FILE).write_text(json.dumps({"kind": kind, "weights": names}, indent=1), encoding="utf-8")
     target = directory / HF_FILES
     target.mkdir(exist_ok=True)

@@ -21,7 +21,7 @@ import contextlib
 import json
 import math
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,8 +30,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from automodel.errors import AutomodelError
 from automodel.training.parallel.blocks import tied_to
-from automodel.training.parallel.hf_export import write_export_files
+from automodel.training.parallel.checkpoint_metadata import gather_metadata, merge_metadata
+from automodel.training.parallel.hf_export import export_names, write_export_files
 from automodel.training.parallel.shard_files import ShardedCheckpointError, read_slices, write_tensor_shapes
 
 OPTIMIZER_FILE = "optimizer.json"
@@ -53,29 +55,40 @@ class PendingSave:
         (upload if upload is not None else result).result()
 
 
-def save_sharded_state(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+def save_sharded_state(directory: str | Path, model: nn.Module | Sequence[nn.Module],
+                       optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
                        max_file_bytes: int = DEFAULT_MAX_FILE_BYTES, async_save: bool = False) -> PendingSave | None:
     """Write ``model``'s (and ``optimizer``'s) state into ``directory``; every rank calls it.
 
-    ``async_save``: the state is copied to host memory, then written in the background; the returned
-    ``PendingSave`` says when the files are complete. Training may change the parameters meanwhile."""
+    ``model`` may be a list of parts holding disjoint parts of one model under its names (the stages a pipeline
+    rank runs), ``optimizer`` then one optimizer per part. ``async_save``: the state is copied to host memory,
+    then written in the background; the returned ``PendingSave`` says when the files are complete. Training may
+    change the parameters meanwhile."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     directory = Path(directory)
-    tied = tied_to(model)
-    tensors = {MODEL + name: tensor for name, tensor in get_model_state_dict(model).items() if tied[name] == name}
-    manifest = None
-    if optimizer is not None:
-        optim_tensors, manifest = _split_optimizer_state(get_optimizer_state_dict(model, optimizer))
-        tensors.update(optim_tensors)
+    tensors: dict[str, torch.Tensor] = {}
+    metadata: dict[str, Any] | None = None
+    for part, part_optimizer in _parts(model, optimizer):
+        tied = tied_to(part)
+        mine = {MODEL + name: tensor for name, tensor in get_model_state_dict(part).items() if tied[name] == name}
+        manifest = None
+        if part_optimizer is not None:
+            optim_tensors, manifest = _split_optimizer_state(get_optimizer_state_dict(part, part_optimizer))
+            mine.update(optim_tensors)
+        tensors.update(mine)
+        part_metadata = {"shapes": {key: list(t.shape) for key, t in mine.items()}, "optimizer": manifest,
+                         "export": list(export_names(part, MODEL))}
+        metadata = part_metadata if metadata is None else merge_metadata(metadata, part_metadata)
     directory.mkdir(parents=True, exist_ok=True)
-    if _rank() == 0:
-        write_tensor_shapes(directory, tensors)
-        if manifest is not None:
-            (directory / OPTIMIZER_FILE).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
-        write_export_files(model, directory, MODEL)
+    merged = gather_metadata(metadata)
+    if merged is not None:
+        write_tensor_shapes(directory, merged["shapes"])
+        if merged["optimizer"] is not None:
+            (directory / OPTIMIZER_FILE).write_text(json.dumps(merged["optimizer"], indent=1), encoding="utf-8")
+        write_export_files(_parts(model, None)[0][0], directory, *merged["export"])
     _barrier()
     writer = HuggingFaceStorageWriter(str(directory), fqn_to_index_mapping=_file_index(tensors, max_file_bytes),
                                       save_distributed=True)
@@ -87,9 +100,10 @@ def save_sharded_state(directory: str | Path, model: nn.Module, optimizer: torch
     return None
 
 
-def load_sharded_state(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
-                       ) -> None:
-    """Fill ``model`` (and ``optimizer``) from ``directory``, resharded to how they are sharded now."""
+def load_sharded_state(directory: str | Path, model: nn.Module | Sequence[nn.Module],
+                       optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None) -> None:
+    """Fill ``model`` (and ``optimizer``; parts as for :func:`save_sharded_state`) from ``directory``, resharded to
+    how they are sharded now; a part reads the tensors of the names it holds."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
     from torch.distributed.checkpoint.state_dict import (
@@ -102,20 +116,35 @@ def load_sharded_state(directory: str | Path, model: nn.Module, optimizer: torch
 
     directory = Path(directory)
     saved = read_slices(directory)[0]
-    model_state = get_model_state_dict(model)
-    tied = tied_to(model)  # a tied tensor is saved and loaded once, under its first name
-    targets = {MODEL + name: tensor for name, tensor in model_state.items() if tied[name] == name}
-    if optimizer is not None:
-        optim_state = get_optimizer_state_dict(model, optimizer)
-        manifest = _read_manifest(directory)
-        targets.update(_optimizer_targets(optim_state, manifest, directory))
+    parts = _parts(model, optimizer)
+    manifest = _read_manifest(directory) if optimizer is not None else None
+    targets: dict[str, torch.Tensor] = {}
+    states = []
+    for part, part_optimizer in parts:
+        model_state = get_model_state_dict(part)
+        tied = tied_to(part)  # a tied tensor is saved and loaded once, under its first name
+        targets.update({MODEL + name: tensor for name, tensor in model_state.items() if tied[name] == name})
+        optim_state = get_optimizer_state_dict(part, part_optimizer) if part_optimizer is not None else None
+        if optim_state is not None:
+            targets.update(_optimizer_targets(optim_state, manifest, directory, set(model_state)))
+        states.append((model_state, tied, optim_state))
     _check_sizes(targets, saved, directory)
     with _single_process_is_intended():
         dcp.load(targets, storage_reader=HuggingFaceStorageReader(str(directory)), no_dist=not _distributed())
-    set_model_state_dict(model, {name: targets[MODEL + tied[name]] for name in model_state})
-    if optimizer is not None:
-        restored = _join_optimizer_state(targets, manifest, optim_state)
-        set_optimizer_state_dict(model, optimizer, restored, options=StateDictOptions(strict=False))
+    for (part, part_optimizer), (model_state, tied, optim_state) in zip(parts, states, strict=True):
+        set_model_state_dict(part, {name: targets[MODEL + tied[name]] for name in model_state})
+        if optim_state is not None:
+            restored = _join_optimizer_state(targets, manifest, optim_state)
+            set_optimizer_state_dict(part, part_optimizer, restored, options=StateDictOptions(strict=False))
+
+
+def _parts(model: nn.Module | Sequence[nn.Module], optimizer: Any) -> list[tuple[nn.Module, Any]]:
+    """(module, its optimizer or None) for each model part."""
+    models = list(model) if isinstance(model, Sequence) else [model]
+    optimizers = list(optimizer) if isinstance(optimizer, Sequence) else [optimizer] * len(models)
+    if len(optimizers) != len(models):
+        raise AutomodelError(f"{len(models)} model parts but {len(optimizers)} optimizers: give one per part")
+    return list(zip(models, optimizers, strict=True))
 
 
 # ---- optimizer state: tensors to DCP, the rest to JSON -----------------------------------------------------------
@@ -153,11 +182,14 @@ def _read_manifest(directory: Path) -> dict[str, Any]:
         raise ShardedCheckpointError(f"'{file}' is corrupted: {err}") from None
 
 
-def _optimizer_targets(current: dict[str, Any], manifest: dict[str, Any], directory: Path
+def _optimizer_targets(current: dict[str, Any], manifest: dict[str, Any], directory: Path, held: set[str]
                        ) -> dict[str, torch.Tensor]:
-    """Where each saved optimizer tensor goes: the optimizer's own (sharded) state tensor of that name."""
+    """Where each saved optimizer tensor of a parameter in ``held`` (the part's names) goes: the optimizer's own
+    (sharded) state tensor of that name."""
     targets = {}
     for key, (fqn, name) in manifest["tensors"].items():
+        if fqn not in held:
+            continue
         tensor = current["state"].get(fqn, {}).get(name)
         if not isinstance(tensor, torch.Tensor):
             raise ShardedCheckpointError(f"'{directory}' holds optimizer state '{name}' of '{fqn}', which this "
@@ -168,11 +200,15 @@ def _optimizer_targets(current: dict[str, Any], manifest: dict[str, Any], direct
 
 def _join_optimizer_state(loaded: dict[str, torch.Tensor], manifest: dict[str, Any], current: dict[str, Any]
                           ) -> dict[str, Any]:
-    """The ``set_optimizer_state_dict`` form. A parameter without saved state gets none (as before the save)."""
+    """The ``set_optimizer_state_dict`` form for the parameters of ``current`` (a part's optimizer). A parameter
+    without saved state gets none (as before the save); the groups keep their parameters and get the saved
+    hyperparameters."""
+    held = {fqn for group in current["param_groups"] for fqn in group["params"]}
     state: dict[str, dict[str, Any]] = {}
     for key, (fqn, name) in manifest["tensors"].items():
-        state.setdefault(fqn, {})[name] = loaded[key]
-    for fqn, entries in manifest["scalars"].items():
+        if fqn in held:
+            state.setdefault(fqn, {})[name] = loaded[key]
+    for fqn, entries in ((f, e) for f, e in manifest["scalars"].items() if f in held):
         for name, saved in entries.items():
             if "tensor" in saved:
                 like = current["state"].get(fqn, {}).get(name)
@@ -186,8 +222,8 @@ def _join_optimizer_state(loaded: dict[str, torch.Tensor], manifest: dict[str, A
                                      f"groups, this one {len(current['param_groups'])}: is it the same optimizer?")
     groups = []
     for saved, now in zip(manifest["param_groups"], current["param_groups"], strict=True):
-        groups.append({k: tuple(v) if isinstance(now.get(k), tuple) and isinstance(v, list) else v
-                       for k, v in saved.items()})
+        groups.append({**{k: tuple(v) if isinstance(now.get(k), tuple) and isinstance(v, list) else v
+                          for k, v in saved.items()}, "params": now["params"]})
     return {"state": state, "param_groups": groups}
 
 
