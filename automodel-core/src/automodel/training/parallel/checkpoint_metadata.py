@@ -3,7 +3,8 @@
 Under data and tensor parallelism every rank holds every tensor (or a shard of it), so any rank's view is the whole
 model's; under pipeline parallelism a rank holds only its stages (one module each, under the whole model's names).
 The saved tensors' shapes, the optimizer's JSON manifest (param groups list parameters by name) and the names of
-the HF export are therefore merged over the parts of a rank and then over the ranks, and rank 0 writes the union.
+the HF export are therefore merged over the parts of a rank and then over the ranks: rank 0 writes the union, and
+every rank groups the tensors into the same files.
 A part is one module with its optimizer (a pipeline rank running two stages has two parts).
 """
 
@@ -16,7 +17,8 @@ import torch.distributed as dist
 
 from automodel.errors import AutomodelError
 
-Metadata = dict[str, Any]  # {"shapes": {key: shape}, "optimizer": manifest | None, "export": [kind, {key: name}]}
+# {"shapes": {key: shape}, "bytes": {key: size}, "optimizer": manifest | None, "export": [kind, {key: name}]}
+Metadata = dict[str, Any]
 
 
 def merge_manifests(first: dict[str, Any] | None, second: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -43,20 +45,18 @@ def merge_metadata(first: Metadata, second: Metadata) -> Metadata:
                                  f"{second['shapes'][key]} in another")
     if first["export"][0] != second["export"][0]:
         raise AutomodelError(f"one model part exports a {first['export'][0]}, another a {second['export'][0]}")
-    return {"shapes": {**first["shapes"], **second["shapes"]},
+    return {"shapes": {**first["shapes"], **second["shapes"]}, "bytes": {**first["bytes"], **second["bytes"]},
             "optimizer": merge_manifests(first["optimizer"], second["optimizer"]),
             "export": [first["export"][0], {**first["export"][1], **second["export"][1]}]}
 
 
-def gather_metadata(mine: Metadata) -> Metadata | None:
-    """Every rank's records merged, on rank 0 (None on the others); every rank calls it. Sent as JSON text."""
+def gather_metadata(mine: Metadata) -> Metadata:
+    """Every rank's records merged, on every rank (all call it; each gets the same, in the same order). Sent as
+    JSON text."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return mine
-    rank = dist.get_rank()
-    received: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
-    dist.gather_object(json.dumps(mine), received, dst=0)
-    if received is None:
-        return None
+    received: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(received, json.dumps(mine))
     merged = json.loads(received[0])
     for text in received[1:]:
         merged = merge_metadata(merged, json.loads(text))

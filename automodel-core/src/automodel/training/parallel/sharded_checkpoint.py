@@ -79,18 +79,19 @@ def save_sharded_state(directory: str | Path, model: nn.Module | Sequence[nn.Mod
             optim_tensors, manifest = _split_optimizer_state(get_optimizer_state_dict(part, part_optimizer))
             mine.update(optim_tensors)
         tensors.update(mine)
-        part_metadata = {"shapes": {key: list(t.shape) for key, t in mine.items()}, "optimizer": manifest,
-                         "export": list(export_names(part, MODEL))}
+        part_metadata = {"shapes": {key: list(t.shape) for key, t in mine.items()},
+                         "bytes": {key: math.prod(t.shape) * t.element_size() for key, t in mine.items()},
+                         "optimizer": manifest, "export": list(export_names(part, MODEL))}
         metadata = part_metadata if metadata is None else merge_metadata(metadata, part_metadata)
     directory.mkdir(parents=True, exist_ok=True)
     merged = gather_metadata(metadata)
-    if merged is not None:
+    if _rank() == 0:
         write_tensor_shapes(directory, merged["shapes"])
         if merged["optimizer"] is not None:
             (directory / OPTIMIZER_FILE).write_text(json.dumps(merged["optimizer"], indent=1), encoding="utf-8")
         write_export_files(_parts(model, None)[0][0], directory, *merged["export"])
     _barrier()
-    writer = HuggingFaceStorageWriter(str(directory), fqn_to_index_mapping=_file_index(tensors, max_file_bytes),
+    writer = HuggingFaceStorageWriter(str(directory), fqn_to_index_mapping=_file_index(merged["bytes"], max_file_bytes),
                                       save_distributed=True)
     with _single_process_is_intended():
         if async_save:
@@ -230,11 +231,11 @@ def _join_optimizer_state(loaded: dict[str, torch.Tensor], manifest: dict[str, A
 # ---- helpers ----------------------------------------------------------------------------------------------------
 
 
-def _file_index(tensors: dict[str, torch.Tensor], max_file_bytes: int) -> dict[str, int]:
-    """Key -> file number (1-based): consecutive keys fill a file up to ``max_file_bytes`` of whole tensors."""
+def _file_index(sizes: dict[str, int], max_file_bytes: int) -> dict[str, int]:
+    """Key -> file number (1-based): consecutive keys (of every rank) fill a file up to ``max_file_bytes`` of whole
+    tensors."""
     index, used, mapping = 1, 0, {}
-    for key, tensor in tensors.items():
-        size = math.prod(tensor.shape) * tensor.element_size()
+    for key, size in sizes.items():
         if used and used + size > max_file_bytes:
             index, used = index + 1, 0
         mapping[key] = index

@@ -156,7 +156,8 @@ def tp_issues(model_config: Any, tp_size: int, sequence_parallel: bool = False, 
         sizes.append(("num_key_value_heads", "key/value heads"))
     if styles & {"colwise", "rowwise", "local_colwise", "local_rowwise"}:
         sizes.append(("intermediate_size", "MLP intermediate size"))
-    if styles & {"embedding_rowwise", *HEAD_STYLES}:
+    own_plan = model_config.model_type not in registry  # transformers adds a vocabulary-parallel embedding to it
+    if own_plan or styles & {"embedding_rowwise", *HEAD_STYLES}:
         sizes.append(("vocab_size", "vocabulary size"))
     if "embedding_colwise" in styles:
         sizes.append(("hidden_size", "hidden size"))

@@ -64,18 +64,25 @@ class SequenceLayout(ParallelStyle):
         self.source, self.target = (_SEQUENCE, Replicate()) if direction == "gather" else (Replicate(), _SEQUENCE)
 
     def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
-        def convert(value: Any) -> Any:
-            tensor = value if isinstance(value, DTensor) else DTensor.from_local(value, device_mesh, [self.source],
-                                                                                  run_check=False)
-            return tensor.redistribute(placements=[self.target]).to_local()
-
         def pre_hook(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             if args:
-                return (convert(args[0]), *args[1:]), kwargs
-            return args, {**kwargs, "hidden_states": convert(kwargs["hidden_states"])}
+                return (_convert(args[0], device_mesh, self.source, self.target), *args[1:]), kwargs
+            hidden = _convert(kwargs["hidden_states"], device_mesh, self.source, self.target)
+            return args, {**kwargs, "hidden_states": hidden}
 
         module.register_forward_pre_hook(pre_hook, with_kwargs=True)
         return module
+
+
+def _convert(value: Any, mesh: Any, source: Any, target: Any) -> Any:
+    """``value`` (local, laid out as ``source``, or a DTensor) redistributed to ``target``, as a local tensor."""
+    if not isinstance(value, DTensor):
+        value = DTensor.from_local(value, mesh, [source], run_check=False)
+    if target == _SEQUENCE and value.shape[1] % mesh.size():
+        raise AutomodelError(f"sequence parallelism splits the sequence over tp_size {mesh.size()} ranks, but this "
+                             f"batch's sequences have {value.shape[1]} positions; pad them to a multiple of "
+                             f"{mesh.size()}")
+    return value.redistribute(placements=[target]).to_local()
 
 
 def _as_dtensor(inputs: tuple, mesh: Any, placement: Any) -> tuple:
@@ -221,8 +228,10 @@ class LayerSequenceBoundary(ParallelStyle):
         if self.split_input:
             SequenceLayout("split")._apply(module, device_mesh)
         if self.gather_output:
-            PrepareModuleOutput(output_layouts=_SEQUENCE, desired_output_layouts=Replicate())._apply(
-                module, device_mesh)
+            # A copy, not DTensor's view of the gathered tensor: the layer may be an FSDP unit, whose output must
+            # not be a view (an in-place op on it would skip FSDP's pre-backward hook).
+            module.register_forward_hook(
+                lambda mod, args, output: _convert(output, device_mesh, _SEQUENCE, Replicate()).clone())
         return module
 
 
