@@ -36,8 +36,7 @@ from automodel.training.parallel.grad_norm import clip_grad_norm_
 from automodel.training.parallel.hf_export import export_hf
 from automodel.training.parallel.materialize import materialize
 from automodel.training.parallel.mesh import build_device_mesh, data_parallel_mesh, plan_mesh
-from automodel.training.parallel.pipeline_parallel import Pipeline, PipelineSettings
-from automodel.training.parallel.pipeline_stages import split_model
+from automodel.training.parallel.pipeline_parallel import Pipeline, PipelineSettings, split_for_pipeline
 from automodel.training.parallel.sharded_checkpoint import load_sharded_state, save_sharded_state
 from automodel.training.parallel.tensor_parallel import apply_tensor_parallel, local_loss
 
@@ -164,8 +163,7 @@ def train_tp(config, mesh, layout, out: Path | None = None, **options: Any) -> d
         lambda m, args: seen.append(args[0].shape[1]), prepend=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     place = _place(mesh, layout)
-    result = train(model_runner(model, tp), list(model.parameters()), [optimizer], place, STEPS,
-                   micro_batches=max(1, 2 // layout.dp))
+    result = train(model_runner(model, tp), list(model.parameters()), [optimizer], place, STEPS)
     result.update(norm_sequence=seen[0], plan=tp.describe(), vocab_parallel=tp.vocab_parallel,
                   q_proj=[repr(p) for p in model.model.layers[0].self_attn.q_proj.weight.placements],
                   tied=model.lm_head.weight is model.model.embed_tokens.weight)
@@ -180,8 +178,7 @@ def resume_fsdp(checkpoint: Path, mesh, layout) -> dict[str, list[float]]:
     model = sharded_model(mp_config(), seed=99)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     load_sharded_state(checkpoint, model, optimizer)
-    return train(model_runner(model), list(model.parameters()), [optimizer], _place(mesh, layout), RESUMED, STEPS,
-                 max(1, 2 // layout.dp))
+    return train(model_runner(model), list(model.parameters()), [optimizer], _place(mesh, layout), RESUMED, STEPS)
 
 
 # ---- scenarios ------------------------------------------------------------------------------------------------
@@ -195,8 +192,7 @@ def scenario_two(args: dict[str, Any], out: Path) -> dict[str, Any]:
               "tp_sp": train_tp(mp_config(), mesh, layout, sequence_parallel=True)}
     qwen, qwen_tp = tp_model(qwen3_config(), mesh, layout)
     qwen_optimizer = torch.optim.AdamW(qwen.parameters(), lr=LR)
-    result["tp_qwen3"] = train(model_runner(qwen, qwen_tp), list(qwen.parameters()), [qwen_optimizer], Place(), 3,
-                               micro_batches=2)
+    result["tp_qwen3"] = train(model_runner(qwen, qwen_tp), list(qwen.parameters()), [qwen_optimizer], Place(), 3)
     dp_layout, dp_mesh = _mesh()
     result["tp_to_dp2"] = resume_fsdp(out / "tp_ckpt", dp_mesh, dp_layout)
     pp_layout, pp_mesh = _mesh(pp_size=2)
@@ -208,7 +204,8 @@ def scenario_two(args: dict[str, Any], out: Path) -> dict[str, Any]:
 
 
 def scenario_four(args: dict[str, Any], out: Path) -> dict[str, Any]:
-    """On 4 ranks: dp=2 x tp=2 (with and without sequence parallelism; a checkpoint resumed by dp=4), pp=2 x dp=2."""
+    """On 4 ranks: dp=2 x tp=2 (with and without sequence parallelism; a checkpoint resumed by dp=4), pp=2 x dp=2,
+    pp=2 x tp=2 (interleaved, sequence parallel)."""
     layout, mesh = _mesh(tp_size=2)
     result = {"dp2_tp2": train_tp(mp_config(), mesh, layout, out / "dp2_tp2_ckpt", fsdp=True),
               "dp2_tp2_sp": train_tp(mp_config(), mesh, layout, sequence_parallel=True, fsdp=True)}
@@ -216,13 +213,17 @@ def scenario_four(args: dict[str, Any], out: Path) -> dict[str, Any]:
     result["dp2_tp2_to_dp4"] = resume_fsdp(out / "dp2_tp2_ckpt", dp_mesh, dp_layout)
     pp_layout, pp_mesh = _mesh(pp_size=2)
     result["pp2_dp2"] = train_pp(pp_mesh, pp_layout, "1f1b", 1, fsdp=True)
+    pp_tp_layout, pp_tp_mesh = _mesh(pp_size=2, tp_size=2)
+    result["pp2_tp2"] = train_pp(pp_tp_mesh, pp_tp_layout, "interleaved1f1b", 1, tp=True)
     return result
 
 
-def pp_stages(mesh, layout, settings: PipelineSettings, seed: int = 7, fsdp: bool = False) -> list:
-    stages = split_model(meta_model(mp_config(tied=False)), mesh["pp"].get_local_rank(), layout.pp,
-                         settings.num_stages(4, layout.pp) // layout.pp)
+def pp_stages(mesh, layout, settings: PipelineSettings, seed: int = 7, fsdp: bool = False, tp: bool = False
+              ) -> list:
+    stages = split_for_pipeline(meta_model(mp_config(tied=False)), mesh["pp"], settings)
     for stage in stages:
+        if tp:
+            apply_tensor_parallel(stage, mesh["tp"], sequence_parallel=True)
         if fsdp:
             apply_fsdp2(stage, data_parallel_mesh(mesh, layout))
         materialize(stage, device(), seed)
@@ -230,11 +231,11 @@ def pp_stages(mesh, layout, settings: PipelineSettings, seed: int = 7, fsdp: boo
 
 
 def train_pp(mesh, layout, schedule: str, micro_batches: int, checkpoint: Path | None = None,
-             fsdp: bool = False) -> dict[str, Any]:
+             fsdp: bool = False, tp: bool = False) -> dict[str, Any]:
     """Six steps through the pipeline; with ``checkpoint``: saved, exported, resumed by fresh stages."""
     settings = PipelineSettings(pp_schedule=schedule)
     rows = ROWS // layout.dp // micro_batches
-    stages = pp_stages(mesh, layout, settings, fsdp=fsdp)
+    stages = pp_stages(mesh, layout, settings, fsdp=fsdp, tp=tp)
     pipe = Pipeline(stages, mesh["pp"], device(), settings, rows, logits_loss_sum)
     optimizers = [torch.optim.AdamW(stage.parameters(), lr=LR) for stage in stages]
     params = [p for stage in stages for p in stage.parameters()]

@@ -1,6 +1,6 @@
 """Pipeline parallelism: pp=2 on two gloo ranks with GPipe (two batches accumulated per step), 1F1B and interleaved
-1F1B (two stages per rank), and pp=2 x dp=2 (FSDP2) on four, against one process (six AdamW steps of the engine's
-token-weighted loss); how the model is cut; ``pp_issues`` with the numbers."""
+1F1B (two stages per rank), pp=2 x dp=2 (FSDP2) and pp=2 x tp=2 on four, against one process (six AdamW steps of
+the engine's token-weighted loss); how the model is cut; ``pp_issues`` with the numbers."""
 
 from __future__ import annotations
 
@@ -34,8 +34,10 @@ def test_pp2_losses_and_grad_norms_equal_one_process(runs, schedule, layers):
     assert ranks[0]["norms"] == pytest.approx(runs["untied"]["norms"][:6], rel=RTOL)  # over both stages
 
 
-def test_pp2_x_dp2_equals_one_process_with_doubled_accumulation(runs):
-    ranks = [rank["pp2_dp2"] for rank in runs["four"]]
+@pytest.mark.parametrize("name", ["pp2_dp2", "pp2_tp2"])
+def test_pp2_x_dp2_and_pp2_x_tp2_equal_one_process(runs, name):
+    """dp=2 against one process with doubled accumulation; tp=2 (sequence parallel) inside interleaved stages."""
+    ranks = [rank[name] for rank in runs["four"]]
     assert all(rank["losses"] == ranks[0]["losses"] for rank in ranks)
     assert ranks[0]["losses"] == pytest.approx(runs["untied"]["losses"][:6], rel=RTOL)
     assert ranks[0]["norms"] == pytest.approx(runs["untied"]["norms"][:6], rel=RTOL)

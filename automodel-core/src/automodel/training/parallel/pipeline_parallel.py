@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from automodel.errors import AutomodelError, ConfigIssue
 
@@ -141,6 +142,16 @@ def _microbatch_issues(settings: PipelineSettings, stages: int, pp_size: int, ba
         return [ConfigIssue(f"{key}.pp_microbatch_size", f"{count} micro-batches are not a multiple of the "
                             f"interleaved schedule's {rounds} rounds (micro-batches // pp_size {pp_size})")]
     return []
+
+
+def split_for_pipeline(model: nn.Module, pp_mesh: DeviceMesh, settings: PipelineSettings
+                       ) -> list[PipelineStageModel]:
+    """The stages this rank runs of ``model`` (on the meta device), cut as ``settings`` say."""
+    from automodel.training.parallel.pipeline_stages import split_model
+
+    pp_size = pp_mesh.size()
+    stages = settings.num_stages(model.config.get_text_config().num_hidden_layers, pp_size)
+    return split_model(model, pp_mesh.get_local_rank(), pp_size, stages // pp_size, settings.stage_layers)
 
 
 class Pipeline:

@@ -54,6 +54,7 @@ class PipelineStageModel(nn.Module):
         super().__init__()
         self.config = model.config
         self.generation_config = getattr(model, "generation_config", None)
+        self.tp_plan = dict(getattr(model, "tp_plan", None) or {})  # transformers' plan, for tensor parallelism
         self.index, self.num_stages, self.layer_range = index, num_stages, layers
         self.is_first, self.is_last = index == 0, index == num_stages - 1
         self._base, self._head = model.base_model_prefix, parts["head"]
