@@ -25,6 +25,7 @@ from parallel_workers import device, full_state, main, meta_model, sharded_model
 
 from automodel.training.loss import IGNORE_INDEX, MaskedCrossEntropy
 from automodel.training.next_token import next_token_logits
+from automodel.training.parallel.activation_checkpointing import apply_activation_checkpointing
 from automodel.training.parallel.context_parallel import (
     ContextParallelBatch,
     causal_attention_without_mask,
@@ -146,9 +147,12 @@ def _place(mesh, layout, pp: bool = False) -> Place:
                  mesh["pp"].get_group() if pp else None)
 
 
-def tp_model(config, mesh, layout, sequence_parallel: bool = False, fsdp: bool = False):
+def tp_model(config, mesh, layout, sequence_parallel: bool = False, fsdp: bool = False, checkpointing: bool = False):
+    """The build order: meta -> TP -> activation checkpointing -> FSDP2 -> materialise."""
     model = meta_model(config)
     tp = apply_tensor_parallel(model, mesh["tp"], sequence_parallel=sequence_parallel)
+    if checkpointing:
+        apply_activation_checkpointing(model)
     if fsdp:
         apply_fsdp2(model, data_parallel_mesh(mesh, layout))
     materialize(model, device(), 7)
@@ -204,11 +208,12 @@ def scenario_two(args: dict[str, Any], out: Path) -> dict[str, Any]:
 
 
 def scenario_four(args: dict[str, Any], out: Path) -> dict[str, Any]:
-    """On 4 ranks: dp=2 x tp=2 (with and without sequence parallelism; a checkpoint resumed by dp=4), pp=2 x dp=2,
-    pp=2 x tp=2 (interleaved, sequence parallel)."""
+    """On 4 ranks: dp=2 x tp=2 (with and without sequence parallelism, the latter with activation checkpointing; a
+    checkpoint resumed by dp=4), pp=2 x dp=2 (with activation checkpointing), pp=2 x tp=2 (interleaved, sequence
+    parallel)."""
     layout, mesh = _mesh(tp_size=2)
     result = {"dp2_tp2": train_tp(mp_config(), mesh, layout, out / "dp2_tp2_ckpt", fsdp=True),
-              "dp2_tp2_sp": train_tp(mp_config(), mesh, layout, sequence_parallel=True, fsdp=True)}
+              "dp2_tp2_sp": train_tp(mp_config(), mesh, layout, sequence_parallel=True, fsdp=True, checkpointing=True)}
     dp_layout, dp_mesh = _mesh()
     result["dp2_tp2_to_dp4"] = resume_fsdp(out / "dp2_tp2_ckpt", dp_mesh, dp_layout)
     pp_layout, pp_mesh = _mesh(pp_size=2)
@@ -225,6 +230,7 @@ def pp_stages(mesh, layout, settings: PipelineSettings, seed: int = 7, fsdp: boo
         if tp:
             apply_tensor_parallel(stage, mesh["tp"], sequence_parallel=True)
         if fsdp:
+            apply_activation_checkpointing(stage)
             apply_fsdp2(stage, data_parallel_mesh(mesh, layout))
         materialize(stage, device(), seed)
     return stages
