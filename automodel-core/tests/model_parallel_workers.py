@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from parallel_workers import device, full_state, main, meta_model, sharded_model, tiny_config
@@ -111,6 +112,15 @@ def train(run, params: list, optimizers: list, place: Place, steps: int, first_s
             optimizer.zero_grad(set_to_none=True)
         losses.append(total.item() / tokens.item())
     return {"losses": losses, "norms": norms}
+
+
+def assert_like_one_process(ranks: list[dict[str, list[float]]], expected: dict[str, list[float]],
+                            steps: int = STEPS, rtol: float = 1e-4) -> None:
+    """Every rank reports the same losses, and the first ``steps`` losses and gradient norms equal the
+    single-process run's."""
+    assert all(rank["losses"] == ranks[0]["losses"] for rank in ranks)
+    for key in ("losses", "norms"):
+        assert len(ranks[0][key]) == steps and ranks[0][key] == pytest.approx(expected[key][:steps], rel=rtol), key
 
 
 def model_runner(model: torch.nn.Module, tp: Any = None):
