@@ -60,6 +60,8 @@ def test_stage_layer_split():
         stage_layer_ranges(3, 4)
     with pytest.raises(AutomodelError, match="ties its output head"):
         split_model(meta_model(mp_config(tied=True)), 0, 2)
+    with pytest.raises(AutomodelError, match="pipeline stages of a LoRA .peft. model are not supported"):
+        split_model(meta_model(mp_config(tied=False), lora=True), 0, 2)
 
 
 def test_upstream_settings():

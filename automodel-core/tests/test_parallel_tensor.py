@@ -90,6 +90,13 @@ def test_bad_plans_are_refused():
         model_plan(model, TPPlanRegistry())
 
 
+def test_lora_models_are_refused():
+    from automodel.training.parallel.tensor_parallel import apply_tensor_parallel
+
+    with pytest.raises(AutomodelError, match="tensor parallelism of a LoRA .peft. model is not supported"):
+        apply_tensor_parallel(meta_model(mp_config(), lora=True), tp_mesh=None)  # refused before the mesh is used
+
+
 def test_style_names_map_to_torch_styles():
     styles = torch_styles({"a": "colwise", "b": "rowwise_split_input", "c": "embedding_rowwise", "d": "replicate",
                            "e": "colwise_gather_output", "f": "replicated_with_grad_allreduce"}, vocab_parallel=True)

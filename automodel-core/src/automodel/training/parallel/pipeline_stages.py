@@ -103,6 +103,9 @@ def split_model(model: nn.Module, pp_rank: int, pp_size: int, stages_per_rank: i
                 layers_per_stage: int | None = None) -> list[PipelineStageModel]:
     """The stages rank ``pp_rank`` of ``pp_size`` runs (``stages_per_rank`` > 1 for interleaved schedules), each a
     pruned copy of ``model`` (on the meta device, before materialisation)."""
+    if hasattr(model, "peft_config"):
+        raise AutomodelError("pipeline stages of a LoRA (peft) model are not supported; set distributed.pp_size: 1 "
+                             "or train without peft")
     if getattr(model.config.get_text_config(), "tie_word_embeddings", False):
         raise AutomodelError("the model ties its output head to its input embedding, which pipeline stages hold "
                              "apart (first and last stage); set tie_word_embeddings: false or pp_size: 1")

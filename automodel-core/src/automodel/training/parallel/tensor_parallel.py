@@ -74,6 +74,10 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
     only those it holds are sharded."""
     from torch.distributed.tensor.parallel import parallelize_module
 
+    if hasattr(model, "peft_config"):
+        raise AutomodelError("tensor parallelism of a LoRA (peft) model is not supported: torch's styles shard "
+                             "nn.Linear layers, not peft's LoRA layers; set distributed.tp_size: 1 or train without "
+                             "peft")
     plan = model_plan(model, registry)
     is_stage = any(isinstance(m, LayerPlaceholder) for m in model.modules())
     concrete = expand_plan(plan, model, require_all=not is_stage)
