@@ -216,6 +216,21 @@ class Cli:
         return Result(proc.returncode, proc.stdout, proc.stderr)
 
 
+@pytest.fixture(autouse=True)
+def _own_user_config(tmp_path, monkeypatch):
+    """Never the developer's ~/.config/automodel/trusted-targets.txt: each test has its own (empty) config home."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg-config"))
+
+
+@pytest.fixture
+def cwd(tmp_path, monkeypatch) -> Path:
+    """The test's own working directory (``tmp_path``), without the user's automodel environment variables."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("AUTOMODEL_ALLOW_TARGETS", "AUTOMODEL_DEBUG", "AUTOMODEL_DISABLE_PLUGINS"):
+        monkeypatch.delenv(name, raising=False)
+    return tmp_path
+
+
 @pytest.fixture
 def cli(tmp_path) -> Cli:
     return Cli(tmp_path)

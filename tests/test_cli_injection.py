@@ -70,7 +70,10 @@ def _assert_all_refused(result, cwd):
     assert "thing._target_: 'os.system' is refused" in err
     for key, target, _ in INJECTIONS:
         assert f"hub.{key}._target_: '{target}'" in err, (key, err)
-    assert f"({len(INJECTIONS) + 1} problems)" in err
+    unpickling = [key for key, _, kwargs in INJECTIONS if kwargs.get("weights_only") is False]
+    for key in unpickling:  # the argument is refused too, whatever the target
+        assert f"hub.{key}.weights_only: false unpickles" in err, (key, err)
+    assert f"({len(INJECTIONS) + 1 + len(unpickling)} problems)" in err
     assert not (cwd / "sentinel").exists()
 
 

@@ -171,6 +171,9 @@ def test_every_injection_at_once_through_the_console_script(hostile_dir):
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
     keys = {case[2] for case in cases}
+    # the arguments that unpickle are refused too, whatever the target (weights_only: false, allow_pickle: true)
+    keys |= {f"{section}.{arg}" for _, section, _, node in cases if isinstance(node, dict)
+             for arg, bad in (("weights_only", False), ("allow_pickle", True)) if node.get(arg) is bad}
     for key in keys:
         assert f"  - {key}: " in proc.stderr, (key, proc.stderr)
     assert f"({len(keys)} problems)" in proc.stderr

@@ -76,10 +76,11 @@ def _write(path: Path, text: str) -> Path:
 
 
 @pytest.fixture(autouse=True)
-def _clean_env(monkeypatch):
+def _clean_env(monkeypatch, tmp_path):
     """Every test starts without the user's automodel environment variables."""
     for name in _AUTOMODEL_ENV:
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg-config"))  # never the developer's trusted-targets
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
 
@@ -105,11 +106,21 @@ def targets(targets_dir):
 
 
 @pytest.fixture
-def resolver(targets):
-    from automodel.config import CORE_PREFIXES, TargetResolver
+def make_resolver():
+    """``make_resolver("pkg", aliases=...)``: a resolver over the core's registrations plus ``pkg`` by prefix (as
+    if a test distribution registered its own package), with this process's user trust."""
+    from automodel.config import Registration, TargetResolver, core_registry
 
-    return TargetResolver([*CORE_PREFIXES, "amt_targets"], aliases={"Thing": "amt_targets.make_thing",
-                                                                     "Chain": "Thing"})
+    def make(*prefixes: str, aliases: dict[str, str] | None = None) -> TargetResolver:
+        registry = core_registry().extended(Registration(p, "prefix", "amt-test") for p in prefixes)
+        return TargetResolver(registry, aliases)
+
+    return make
+
+
+@pytest.fixture
+def resolver(targets, make_resolver):
+    return make_resolver("amt_targets", aliases={"Thing": "amt_targets.make_thing", "Chain": "Thing"})
 
 
 @pytest.fixture

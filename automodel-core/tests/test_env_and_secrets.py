@@ -88,10 +88,17 @@ def test_pkg_placeholder_finds_a_package_without_importing_it():
 
 SECRET_KEYS = ["hf_token", "HF_TOKEN", "token", "access_token", "hub_token", "password", "db_passwd", "api_key",
                "apikey", "OPENAI_API_KEY", "secret", "client_secret", "authorization", "Authorization",
-               "aws_credentials"]
+               "aws_credentials",
+               # issue 21: credentials that are keys, passphrases and auth, whatever their spelling
+               "private_key", "passphrase", "access_key", "hf_auth", "wandb_key", "api_key_id", "use_auth_token",
+               "aws_secret_access_key", "apiKey", "ssh_key", "signing_key", "hfAuthToken"]
 NOT_SECRET_KEYS = ["tokenizer_name_or_path", "tokenizer", "pad_token_id", "eos_token_id", "bos_token", "pad_token",
                    "max_tokens", "max_new_tokens", "num_tokens", "tokens", "additional_special_tokens",
-                   "tokens_per_second", "name", "lr", "model"]
+                   "tokens_per_second", "name", "lr", "model",
+                   # field names and model dimensions that mention keys or tokens
+                   "add_eos_token", "num_key_value_heads", "past_key_values", "sort_keys", "key_map", "caption_key",
+                   "image_key", "token_loss_weight", "skip_special_tokens", "mask_token_id",
+                   "selected_token_ids_path", "author", "key", "keys"]
 
 
 @pytest.mark.parametrize("key", SECRET_KEYS)

@@ -70,7 +70,7 @@ class AllHooks:
 
     @hookimpl
     def automodel_allowed_targets(self):
-        return ["amt_moon"]
+        return ["amt_moon.make_moon", "torch.optim.SGD"]  # exact callables (this test plugin owns no package)
 
     @hookimpl
     def automodel_register_commands(self, cli):
@@ -106,8 +106,10 @@ def _check_stages(mgr, group):
 
 
 def _check_allowed_targets(mgr, group):
-    assert "amt_moon" in mgr.allowed_prefixes
-    assert "amt_moon" in mgr.resolver().allowed
+    mine = {(r.name, r.kind) for r in mgr.targets.entries() if r.source == "t"}
+    assert mine == {("amt_moon.make_moon", "exact"), ("torch.optim.SGD", "exact")}
+    assert mgr.resolver().registry.grant("amt_moon.make_moon") is not None
+    assert mgr.resolver().registry.grant("amt_moon.other") is None
 
 
 def _check_commands(mgr, group):
@@ -210,7 +212,7 @@ class BadAllowedTargets:
 def test_allowed_targets_must_be_a_list():
     mgr = PluginManager(load_entry_points=False, extra_plugins=[("p", BadAllowedTargets())])
     assert "must return a list" in mgr.plugins["p"].hook_errors["automodel_allowed_targets"]
-    assert "amt_str_not_list" not in mgr.allowed_prefixes
+    assert all(r.source != "p" for r in mgr.targets.entries())
 
 
 def _routes_plugin(command, domain, recipe):

@@ -64,7 +64,7 @@ def test_resize_and_center_crop():
 
 def test_bad_sources_are_reported(tmp_path):
     (tmp_path / "rows.jsonl").write_text(json.dumps({"image": "missing.png", "caption": "c"}) + "\n")
-    with pytest.raises(AutomodelError, match="do not exist"):
+    with pytest.raises(AutomodelError, match="does not exist"):
         ImageCaptionDataset(str(tmp_path / "rows.jsonl"), resolution=8)
     (tmp_path / "rows.jsonl").write_text(json.dumps({"picture": "a.png"}) + "\n")
     with pytest.raises(AutomodelError, match="needs 'image'"):

@@ -94,7 +94,7 @@ def test_config_errors_are_reported_together(tmp_path, temperature):
     with pytest.raises(ConfigError) as err:
         load_config("bi", config)
     keys = {issue.key for issue in err.value.issues}
-    assert {"model.pooling", "loss_fn.temperature", "retrieval", "dataset.num_negativs"} <= keys, keys
+    assert {"model.pooling", "loss_fn.temperature", "retrieval.recall_at", "dataset.num_negativs"} <= keys, keys
 
 
 def test_fine_tuning_continues_from_a_trained_checkpoint_with_its_own_tokenizer(bi_encoder_run, tmp_path):

@@ -84,10 +84,10 @@ def test_missing_image_file_names_key_file_and_row(tmp_path):
     with pytest.raises(AutomodelError) as err:
         ImageTextChatDataset(str(path), config_key="validation_dataset", image_root=str(SHAPES))
     message = str(err.value)
-    assert message.startswith("validation_dataset: row 1 of ") and str(path) in message
+    assert message.startswith("validation_dataset: row 2 of ") and str(path) in message
     assert "'images/nope.png' not found" in message and "validation_dataset.image_root" in message
     # without image_root the paths are relative to the data file's folder, where there are no images
-    with pytest.raises(AutomodelError, match=r"dataset: row 0 of .*'images/train_0000.png' not found"):
+    with pytest.raises(AutomodelError, match=r"dataset: row 1 of .*'images/train_0000.png' not found"):
         ImageTextChatDataset(str(path))
 
 
@@ -95,7 +95,7 @@ def test_conversation_without_assistant_turn_names_the_row(tmp_path):
     rows = _rows(3)
     rows[2]["messages"] = rows[2]["messages"][:1]
     path = write_jsonl(tmp_path / "data.jsonl", rows)
-    with pytest.raises(AutomodelError, match=r"^dataset: row 2 of .*data.jsonl'.* no assistant turn .*roles: user"):
+    with pytest.raises(AutomodelError, match=r"^dataset: row 3 of .*data.jsonl'.* no assistant turn .*roles: user"):
         ImageTextChatDataset(str(path), image_root=str(SHAPES))
 
 
@@ -105,7 +105,7 @@ def test_the_recipe_names_the_section_of_a_broken_data_set(make_config, tmp_path
     path = write_jsonl(tmp_path / "bad.jsonl", rows)
     config = make_config(validation_dataset={"path_or_dataset_id": str(path), "image_root": str(SHAPES),
                                              "limit_dataset_samples": None})
-    with pytest.raises(AutomodelError, match=r"^validation_dataset: row 1 of .*'missing.png' not found"):
+    with pytest.raises(AutomodelError, match=r"^validation_dataset: row 2 of .*'missing.png' not found"):
         train_inprocess(config, setup_only=True)
 
 
@@ -113,7 +113,7 @@ def test_image_count_must_match_the_image_parts(tmp_path):
     rows = _rows(1)
     rows[0]["image"] = ["images/train_0000.png", "images/train_0001.png"]
     path = write_jsonl(tmp_path / "data.jsonl", rows)
-    with pytest.raises(AutomodelError, match=r"row 0 .*1 image part\(s\) in the messages but 2 image\(s\)"):
+    with pytest.raises(AutomodelError, match=r"row 1 .*1 image part\(s\) in the messages but 2 image\(s\)"):
         ImageTextChatDataset(str(path), image_root=str(SHAPES))
 
 

@@ -48,6 +48,13 @@ def automodel_register_aliases(aliases) -> None:
 
 
 @hookimpl
+def automodel_allowed_targets() -> list[str]:
+    from automodel.config.core_targets import CORE_TARGETS
+
+    return list(CORE_TARGETS)
+
+
+@hookimpl
 def automodel_register_loggers(loggers) -> None:
     loggers.add("tensorboard", f"{_TRAINING}.logging.tensorboard.TensorBoardLogger")
     loggers.add("mlflow", f"{_TRAINING}.logging.mlflow.MLflowLogger")

@@ -1,21 +1,29 @@
 """Reading data rows through ``datasets``: a hub name, or a local JSON/JSONL/CSV/parquet/text file or directory.
 
-Shared by every domain (``datasets`` is imported on first use, so the core does not depend on it).
+Shared by every domain (``datasets`` is imported on first use, so the core does not depend on it), with what
+every data set does with a bad row (:class:`BadRows`, the ``on_bad_row`` argument of each data set).
 """
 
 from __future__ import annotations
 
+import json
+import os
+import sys
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from automodel.errors import AutomodelError
+
+OnBadRow = Literal["error", "skip"]
 
 _BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
 
 
 def load_rows(name_or_path: str, split: str = "train", key: str = "dataset.dataset_name",
-              streaming: bool = False) -> Any:
-    """A ``datasets.Dataset`` (or IterableDataset when streaming) for one split."""
+              streaming: bool = False, name: str | None = None) -> Any:
+    """A ``datasets.Dataset`` (or IterableDataset when streaming) for one split; ``name`` picks the subset
+    (configuration) of a hub data set or a data set directory with several."""
     import datasets
 
     datasets.disable_progress_bars()  # the training progress bar is the one to watch
@@ -30,14 +38,82 @@ def load_rows(name_or_path: str, split: str = "train", key: str = "dataset.datas
                 raise AutomodelError(f"{key}: '{path}' is empty")
             return datasets.load_dataset(builder, data_files=str(path), split="train", streaming=streaming)
         if path.is_dir():
-            return datasets.load_dataset(str(path), split=split, streaming=streaming)
+            return datasets.load_dataset(str(path), name, split=split, streaming=streaming)
         if path.is_absolute() or str(name_or_path).startswith(("./", "../")) or path.suffix in _BUILDERS:
             raise AutomodelError(f"{key}: '{name_or_path}' does not exist")
-        return datasets.load_dataset(str(name_or_path), split=split, streaming=streaming)
+        return datasets.load_dataset(str(name_or_path), name, split=split, streaming=streaming)
     except AutomodelError:
         raise
-    except ValueError as err:
-        raise AutomodelError(f"{key}: cannot read split '{split}' of '{name_or_path}': {err}") from None
     except Exception as err:  # datasets raises many types for a missing/offline hub name or a bad file
-        hint = " (offline? point it at a local file or directory)" if not path.exists() else ""
-        raise AutomodelError(f"{key}: cannot load '{name_or_path}'{hint}: {type(err).__name__}: {err}") from None
+        files = [path] if path.is_file() else sorted(path.glob("*.json*")) if path.is_dir() else []
+        for file in (f for f in files if f.suffix.lower() in (".json", ".jsonl")):
+            where = json_problem(file)
+            if where is not None:
+                raise AutomodelError(f"{key}: '{file}' {where}; fix that line") from None
+        if not isinstance(err, ValueError):
+            hint = " (offline? point it at a local file or directory)" if not path.exists() else ""
+            raise AutomodelError(f"{key}: cannot load '{name_or_path}'{hint}: {type(err).__name__}: {err}") from None
+        raise AutomodelError(f"{key}: cannot read split '{split}' of '{name_or_path}': {err}") from None
+
+
+def json_problem(path: Path) -> str | None:
+    """Where a JSON or JSON Lines file is malformed (``line 7, column 12: Expecting ',' delimiter``), or None.
+
+    Only called after ``datasets`` failed to read the file, whose errors do not say where.
+    """
+    text = path.read_text(encoding="utf-8", errors="replace")
+    lines = [(number, line) for number, line in enumerate(text.splitlines(), start=1) if line.strip()]
+    if not lines:
+        return None
+    try:
+        json.loads(lines[0][1])
+        one_document = False
+    except json.JSONDecodeError:
+        one_document = True  # a pretty-printed .json document, not JSON Lines
+    if one_document:
+        try:
+            json.loads(text)
+        except json.JSONDecodeError as err:
+            return f"line {err.lineno}, column {err.colno}: malformed JSON: {err.msg}"
+        return None
+    for number, line in lines:
+        try:
+            json.loads(line)
+        except json.JSONDecodeError as err:
+            return f"line {number}, column {err.colno}: malformed JSON: {err.msg}"
+    return None
+
+
+class BadRows:
+    """What a data set does with a row that lacks a required field (absent or null) or holds an unusable value.
+
+    ``on_bad_row: error`` (the default) stops with the file, the row (counted from 1) and the field; ``skip``
+    leaves such rows out, and :meth:`report` says how many (and the first) once the data set is read.
+    """
+
+    def __init__(self, on_bad_row: str, source: str, key: str = "dataset"):
+        if on_bad_row not in ("error", "skip"):
+            raise AutomodelError(f"{key}.on_bad_row: expected 'error' or 'skip', found {on_bad_row!r}")
+        self.skip, self.source, self.key = on_bad_row == "skip", source, key
+        self.skipped: list[str] = []
+
+    def bad(self, index: int, problem: str) -> None:
+        """Row ``index`` (0-based) is bad: raise, or count it when skipping."""
+        where = f"row {index + 1} of '{self.source}'"
+        if not self.skip:
+            raise AutomodelError(f"{self.key}: {where}: {problem}; fix the row, or set {self.key}.on_bad_row: skip "
+                                 "to leave such rows out")
+        self.skipped.append(f"{where}: {problem}")
+
+    def missing(self, index: int, row: dict[str, Any], fields: Iterable[str]) -> bool:
+        """Whether a required field of the row is absent or null (then :meth:`bad` has been called)."""
+        for field in fields:
+            if row.get(field) is None:
+                self.bad(index, f"the field '{field}' is missing or null")
+                return True
+        return False
+
+    def report(self) -> None:
+        if self.skipped and os.environ.get("RANK", "0") == "0":
+            print(f"{self.key}: skipped {len(self.skipped)} bad row(s) (on_bad_row: skip); the first: "
+                  f"{self.skipped[0]}", file=sys.stderr)

@@ -19,12 +19,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from automodel.data import BadRows, OnBadRow
 from automodel.errors import AutomodelError
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif")
 
 
-def _read_jsonl(path: Path, image_key: str, caption_key: str) -> tuple[list[str], list[str]]:
+def _read_jsonl(path: Path, image_key: str, caption_key: str, bad_rows: BadRows) -> tuple[list[str], list[str]]:
     images, captions = [], []
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
         if not line.strip():
@@ -34,20 +35,28 @@ def _read_jsonl(path: Path, image_key: str, caption_key: str) -> tuple[list[str]
         except json.JSONDecodeError as err:
             raise AutomodelError(f"dataset.path: {path}:{number} is not JSON: {err}") from None
         keys = (image_key, "image", "file_name") if image_key else ("image", "file_name")
-        image = next((row[k] for k in keys if k in row), None)
-        if image is None or caption_key not in row:
-            raise AutomodelError(f"dataset.path: {path}:{number} needs '{image_key}' (or 'file_name') and "
-                                 f"'{caption_key}' keys, found {sorted(row)}")
+        image = next((row[k] for k in keys if row.get(k) is not None), None) if isinstance(row, dict) else None
+        if image is None or not isinstance(row.get(caption_key), str):
+            found = sorted(row) if isinstance(row, dict) else type(row).__name__
+            bad_rows.bad(number - 1, f"(line {number}) needs '{image_key}' (or 'file_name') and a text "
+                                     f"'{caption_key}', found {found}")
+            continue
         file = Path(image)
-        images.append(str(file if file.is_absolute() else path.parent / file))
-        captions.append(str(row[caption_key]))
+        file = file if file.is_absolute() else path.parent / file
+        if not file.is_file():
+            bad_rows.bad(number - 1, f"(line {number}) its image '{image}' does not exist (looked for '{file}')")
+            continue
+        images.append(str(file))
+        captions.append(row[caption_key])
     return images, captions
 
 
-def _read_folder(folder: Path, split: str, image_key: str, caption_key: str) -> tuple[list[str], list[str]]:
+def _read_folder(folder: Path, split: str, image_key: str, caption_key: str,
+                 bad_rows: BadRows) -> tuple[list[str], list[str]]:
     for name in (f"{split}.jsonl", "metadata.jsonl"):
         if (folder / name).is_file():
-            return _read_jsonl(folder / name, image_key, caption_key)
+            bad_rows.source = str(folder / name)
+            return _read_jsonl(folder / name, image_key, caption_key, bad_rows)
     images = sorted(p for p in folder.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
     missing = [p.name for p in images if not p.with_suffix(".txt").is_file()]
     if missing:
@@ -58,18 +67,18 @@ def _read_folder(folder: Path, split: str, image_key: str, caption_key: str) -> 
 
 
 def load_image_captions(path: str, split: str = "train", image_column: str = "image",
-                        caption_column: str = "caption") -> Any:
+                        caption_column: str = "caption", on_bad_row: OnBadRow = "error") -> Any:
     """A ``datasets.Dataset`` with an ``image`` column (decoded by Pillow) and a ``caption`` column."""
     import datasets
 
     source = Path(path)
+    bad_rows = BadRows(on_bad_row, str(path), "dataset")
     if source.is_file() or source.is_dir():
-        images, captions = (_read_jsonl(source, image_column, caption_column) if source.is_file()
-                            else _read_folder(source, split, image_column, caption_column))
-        absent = [p for p in images if not Path(p).is_file()]
-        if absent:
-            raise AutomodelError(f"dataset.path: {len(absent)} images listed in '{path}' do not exist, e.g. "
-                                 f"'{absent[0]}'")
+        images, captions = (_read_jsonl(source, image_column, caption_column, bad_rows) if source.is_file()
+                            else _read_folder(source, split, image_column, caption_column, bad_rows))
+        bad_rows.report()
+        if not images:
+            raise AutomodelError(f"dataset.path: '{path}' has no usable rows")
         table = datasets.Dataset.from_dict({"image": images, "caption": captions})
         return table.cast_column("image", datasets.Image())
     try:
@@ -83,6 +92,15 @@ def load_image_captions(path: str, split: str = "train", image_column: str = "im
                                  f"{', '.join(table.column_names)}); set image_column / caption_column")
     table = table.select_columns([image_column, caption_column])
     table = table.rename_columns({image_column: "image", caption_column: "caption"})
+    keep = []
+    for index, caption in enumerate(table["caption"]):
+        if not isinstance(caption, str):
+            bad_rows.bad(index, f"the field '{caption_column}' is " + ("null" if caption is None else "not text"))
+        else:
+            keep.append(index)
+    bad_rows.report()
+    if len(keep) < len(table):
+        table = table.select(keep)
     return table.cast_column("image", datasets.Image())
 
 
@@ -104,14 +122,16 @@ def image_to_tensor(image: Any, resolution: int, center_crop: bool = True) -> to
 
 
 class ImageCaptionDataset(torch.utils.data.Dataset):
-    """Images and captions for text-to-image training (see the module docstring for the sources)."""
+    """Images and captions for text-to-image training (see the module docstring for the sources). A row without
+    an image or a text caption, or whose image file does not exist, is refused, or skipped with
+    ``on_bad_row: skip``."""
 
     def __init__(self, path: str, resolution: int = 512, split: str = "train", image_column: str = "image",
                  caption_column: str = "caption", center_crop: bool = True, random_flip: bool = False,
-                 limit_samples: int | None = None):
+                 limit_samples: int | None = None, on_bad_row: OnBadRow = "error"):
         if resolution < 8:
             raise AutomodelError(f"dataset.resolution: {resolution} is too small (at least 8 pixels)")
-        self.data = load_image_captions(path, split, image_column, caption_column)
+        self.data = load_image_captions(path, split, image_column, caption_column, on_bad_row)
         if limit_samples is not None:
             self.data = self.data.select(range(min(limit_samples, len(self.data))))
         self.resolution, self.center_crop, self.random_flip = resolution, center_crop, random_flip

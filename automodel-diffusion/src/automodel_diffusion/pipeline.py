@@ -25,6 +25,9 @@ from automodel.errors import AutomodelError
 from automodel.model_files import has_weights, parse_dtype
 
 DENOISERS = ("transformer", "unet")
+# The libraries a model_index.json may name for a component. The file is data from the model directory: importing
+# whatever module it names would run a local `<name>.py` (the working directory is on sys.path under torchrun).
+COMPONENT_LIBRARIES = ("diffusers", "transformers")
 _SUPPORTED = "SD3Transformer2DModel (StableDiffusion3Pipeline) and UNet2DConditionModel (StableDiffusionPipeline)"
 
 
@@ -47,6 +50,9 @@ def _load_component(library: str, class_name: str, directory: Path, dtype: torch
     import diffusers
     import transformers
 
+    if library not in COMPONENT_LIBRARIES:
+        raise AutomodelError(f"model: component '{directory.name}' names the library '{library}'; only "
+                             f"{' and '.join(COMPONENT_LIBRARIES)} components are loaded")
     try:
         cls = getattr(importlib.import_module(library), class_name)
     except (ImportError, AttributeError) as err:

@@ -29,4 +29,4 @@ def automodel_register_stages(stages) -> None:
 
 @hookimpl
 def automodel_allowed_targets() -> list[str]:
-    return ["automodel_diffusion", "diffusers"]
+    return ["automodel_diffusion"]

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from automodel.config import Config, Free, Target
+from automodel.config import Config, Free, Target, require_positive
 from automodel.errors import AutomodelError, ConfigError, ConfigIssue
 from automodel.hf import model_source
 from automodel.training.checkpoint import CheckpointError, load_safetensors_dir, load_weights_into
@@ -47,9 +47,7 @@ class SampleGenerationConfig:
     width: int | None = field(default=None, metadata={"help": "sample width (null: the training resolution)"})
 
     def __post_init__(self) -> None:
-        for name in ("num_images_per_prompt", "num_inference_steps"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"sample_generation.{name} must be >= 1, found {getattr(self, name)}")
+        require_positive(self, "num_images_per_prompt", "num_inference_steps")
 
 
 def pipeline_layout(cfg: Config) -> tuple[list[str] | None, list[str] | None, str]:

@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Any
 
 from automodel.errors import AutomodelError
-from automodel.model_files import MODEL_KWARGS, fresh_model, pretrained_or_fresh
+from automodel.model_files import MODEL_KWARGS, fresh_model, pop_hub_arguments, pretrained_or_fresh
 
 
-def _load_config(config: Any, **overrides: Any) -> Any:
+def _load_config(config: Any, hub: dict[str, Any], **overrides: Any) -> Any:
     from transformers import AutoConfig, PretrainedConfig
 
     if isinstance(config, PretrainedConfig):
@@ -27,12 +27,12 @@ def _load_config(config: Any, **overrides: Any) -> Any:
     path = Path(str(config))
     if path.is_file():
         data = json.loads(path.read_text(encoding="utf-8"))
-        return _load_config(data, **overrides)
+        return _load_config(data, hub, **overrides)
     from automodel.hf import missing_local_path
 
     if missing_local_path(str(config)):
         raise AutomodelError(f"model.config: '{config}' does not exist")
-    return AutoConfig.from_pretrained(str(config), **overrides)
+    return AutoConfig.from_pretrained(str(config), **hub, **overrides)
 
 
 class AutoModelForCausalLM:
@@ -51,8 +51,9 @@ class AutoModelForCausalLM:
                     **kwargs: Any) -> Any:
         import transformers
 
-        model_kwargs = {k: kwargs.pop(k) for k in MODEL_KWARGS if k in kwargs}
-        return fresh_model(transformers.AutoModelForCausalLM.from_config, _load_config(config, **kwargs),
+        hub = pop_hub_arguments(kwargs)  # to AutoConfig.from_pretrained only: never into the saved config
+        model_kwargs = {k: kwargs.pop(k, hub.get(k)) for k in MODEL_KWARGS if k in kwargs or k in hub}
+        return fresh_model(transformers.AutoModelForCausalLM.from_config, _load_config(config, hub, **kwargs),
                            model_kwargs, dtype or torch_dtype, seed)
 
 

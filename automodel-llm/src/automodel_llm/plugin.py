@@ -49,6 +49,8 @@ def automodel_register_aliases(aliases) -> None:
     aliases.target("nemo_automodel.recipes.llm.kd.KnowledgeDistillationRecipeForNextTokenPrediction",
                    "automodel_llm.kd.KnowledgeDistillationRecipe")
     aliases.target("ChatDataset", "automodel_llm.datasets.ChatDataset")
+    aliases.target("nemo_automodel.components.datasets.llm.chat_dataset.ChatDataset",
+                   "automodel_llm.datasets.ChatDataset")
     aliases.target("PretrainingTextDataset", "automodel_llm.datasets.PretrainingTextDataset")
     aliases.target("MockDataset", "automodel_llm.datasets.MockDataset")
     aliases.target("nemo_automodel.recipes.llm.train_ft.TrainFinetuneRecipeForNextTokenPrediction", _RECIPE)
@@ -63,4 +65,9 @@ def automodel_register_commands(cli) -> None:
 
 @hookimpl
 def automodel_allowed_targets() -> list[str]:
-    return ["automodel_llm"]
+    return [
+        "automodel_llm",  # its own package
+        "transformers.AutoConfig",  # model.config: AutoConfig.from_pretrained (upstream configs)
+        "transformers.AutoConfig.for_model",  # model.config built from keys
+        "peft.LoraConfig",  # peft: used as given
+    ]

@@ -13,8 +13,9 @@ from typing import Any
 
 import torch
 
-from automodel.data import load_rows
+from automodel.data import BadRows, OnBadRow, load_rows
 from automodel.errors import AutomodelError
+from automodel_retrieval.negatives import text_key
 
 
 def doc_text(value: Any, key: str = "document") -> str:
@@ -62,12 +63,14 @@ class RetrievalDataset(torch.utils.data.Dataset):
     """(query, positive, negatives) examples for bi-encoder and cross-encoder training.
 
     Validation uses ``queries``, ``corpus`` and ``positive_ids``: each query is ranked against the whole corpus
-    (``corpus`` file documents plus every document the rows mention).
+    (``corpus`` file documents plus every document the rows mention). A row without a text query or without a
+    positive is refused, or skipped with ``on_bad_row: skip``.
     """
 
     def __init__(self, path: str | None = None, *, dataset_name: str | None = None, split: str = "train",
                  corpus: str | None = None, num_negatives: int | None = None, expand_positives: bool = True,
-                 limit_dataset_samples: int | None = None, query_field: str = "query"):
+                 limit_dataset_samples: int | None = None, query_field: str = "query",
+                 on_bad_row: OnBadRow = "error"):
         source = path or dataset_name
         if not source:
             raise AutomodelError("dataset.path: missing (a JSONL file of {query, positive(s), negatives} rows)")
@@ -86,13 +89,18 @@ class RetrievalDataset(torch.utils.data.Dataset):
         self.queries: list[str] = []
         self.positive_ids: list[set[int]] = []
         self.examples: list[dict[str, Any]] = []
+        bad_rows = BadRows(on_bad_row, source)
         for index, row in enumerate(rows):
+            if bad_rows.missing(index, row, (query_field,)):
+                continue
             query = row[query_field]
             if not isinstance(query, str):
-                raise AutomodelError(f"dataset: row {index} of '{source}': '{query_field}' is not a string")
-            positives = row_positives(row, f"dataset row {index}")
+                bad_rows.bad(index, f"the field '{query_field}' is not text")
+                continue
+            positives = row_positives(row, f"dataset row {index + 1}")
             if not positives:
-                raise AutomodelError(f"dataset: row {index} of '{source}' has no 'positive' or 'positives'")
+                bad_rows.bad(index, "it has no 'positive' or 'positives'")
+                continue
             negatives = [n for n in row_negatives(row, f"dataset row {index}") if n not in positives]
             if num_negatives is not None:
                 negatives = negatives[:num_negatives]
@@ -103,6 +111,9 @@ class RetrievalDataset(torch.utils.data.Dataset):
             for positive in positives if expand_positives else positives[:1]:
                 self.examples.append({"query": query, "positive": positive, "positives": positives,
                                       "negatives": negatives})
+        bad_rows.report()
+        if not self.examples:
+            raise AutomodelError(f"dataset.path: '{source}' has no usable rows")
         self.corpus: list[str] = list(documents)
 
     def __len__(self) -> int:
@@ -122,7 +133,8 @@ def tokenize(tokenizer: Any, texts: list[str], max_length: int, pairs: list[str]
 
 class BiEncoderCollator:
     """Tokenizes a batch's queries and documents: every positive first (query i's is document i), then every
-    hard negative. ``exclude`` [B, D] marks the other copies of each query's positives."""
+    hard negative. ``document_keys`` [D] and ``positive_keys`` [B, P] identify the documents by their text (see
+    negatives.py), so that no copy of a query's positive counts as its negative."""
 
     def __init__(self, tokenizer: Any, query_max_length: int = 64, document_max_length: int = 128,
                  query_prefix: str = "", document_prefix: str = ""):
@@ -138,15 +150,14 @@ class BiEncoderCollator:
 
     def __call__(self, items: list[dict[str, Any]]) -> dict[str, Any]:
         documents = [item["positive"] for item in items] + [n for item in items for n in item["negatives"]]
-        exclude = torch.zeros(len(items), len(documents), dtype=torch.bool)
-        for i, item in enumerate(items):
-            positives = set(item["positives"])
-            for j, text in enumerate(documents):
-                if j != i and text in positives:
-                    exclude[i, j] = True
+        width = max(len(item["positives"]) for item in items)
+        positive_keys = [[text_key(p) for p in item["positives"]] for item in items]
+        positive_keys = [keys + [keys[0]] * (width - len(keys)) for keys in positive_keys]
         return {"query": self.encode_queries([item["query"] for item in items]),
                 "document": self.encode_documents(documents),
-                "labels": torch.arange(len(items)), "exclude": exclude}
+                "labels": torch.arange(len(items)),
+                "document_keys": torch.tensor([text_key(d) for d in documents], dtype=torch.long),
+                "positive_keys": torch.tensor(positive_keys, dtype=torch.long)}
 
 
 class CrossEncoderCollator:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from automodel.errors import AutomodelError
-from automodel.model_files import MODEL_KWARGS, fresh_model, pretrained_or_fresh
+from automodel.model_files import MODEL_KWARGS, fresh_model, pop_hub_arguments, pretrained_or_fresh
 
 _SUB_CONFIGS = ("vision_config", "text_config")
 
@@ -52,12 +52,13 @@ def load_config(config: Any, vision_config: Any = None, text_config: Any = None,
     into the one in ``config``, or a path to a config.json that replaces it) and top-level overrides win."""
     from transformers import AutoConfig, PretrainedConfig
 
+    hub = pop_hub_arguments(overrides)  # to AutoConfig.from_pretrained only: never into the saved config
     if isinstance(config, PretrainedConfig) and vision_config is None and text_config is None and not overrides:
         return config
     data = _config_dict(config, "model.config")
     if data is None:  # a hub name
         try:
-            data = AutoConfig.from_pretrained(str(config)).to_dict()
+            data = AutoConfig.from_pretrained(str(config), **hub).to_dict()
         except OSError as err:
             raise AutomodelError(f"model.config: cannot load '{config}': {err}") from None
     for name, value in (("vision_config", vision_config), ("text_config", text_config)):
@@ -109,26 +110,3 @@ class AutoModelForImageTextToText:
                                dtype or torch_dtype, seed)
         except ValueError as err:
             raise AutomodelError(f"model.config: {err}") from None
-
-
-def checkpoint_key_mapping(model: Any) -> dict[str, str]:
-    """Saved-checkpoint key -> the model's own key.
-
-    transformers' ``save_pretrained`` writes some architectures (Llava among them) under their original hub names
-    (``language_model.model.layers...`` for ``model.language_model.layers...``); a restore into the live model
-    needs the way back. It is learnt by running transformers' own save-time renaming on placeholder tensors, so
-    it is the exact inverse of what the save did. Empty when there is no renaming (or it cannot be derived).
-    """
-    import torch
-
-    try:
-        from transformers.core_model_loading import revert_weight_conversion
-    except ImportError:
-        return {}
-    probes = {key: torch.empty(0) for key in model.state_dict()}
-    by_id = {id(t): key for key, t in probes.items()}
-    try:
-        reverted = revert_weight_conversion(model, dict(probes))
-    except Exception:  # noqa: BLE001 - a converting (not renaming) mapping: keys stay as they are
-        return {}
-    return {saved: by_id[id(t)] for saved, t in reverted.items() if id(t) in by_id and saved != by_id[id(t)]}

@@ -32,4 +32,8 @@ def automodel_register_stages(stages) -> None:
 
 @hookimpl
 def automodel_allowed_targets() -> list[str]:
-    return ["automodel_vlm"]
+    return [
+        "automodel_vlm",  # its own package
+        "transformers.AutoProcessor",  # processor: AutoProcessor.from_pretrained (upstream configs)
+        "peft.LoraConfig",  # peft: used as given
+    ]

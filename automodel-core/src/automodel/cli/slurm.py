@@ -1,4 +1,9 @@
-"""``--slurm``: write an sbatch script that runs the same command under torchrun on every node."""
+"""``--slurm``: write an sbatch script that runs the same command under torchrun on every node.
+
+The ``slurm`` section is untrusted like the rest of the config: its strings become ``#SBATCH`` lines, so they are
+checked at validation (``SlurmConfig`` in training/sections.py: a newline would start a line of its own, which
+bash runs) and the command line is quoted.
+"""
 
 from __future__ import annotations
 

@@ -5,20 +5,24 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from automodel.config.code_loading import code_loading_issues
 from automodel.config.env import interpolate
 from automodel.config.instantiate import BuildError, instantiate, is_target_node
 from automodel.config.node import Config, ConfigNode
 from automodel.config.overrides import apply_overrides, parse_overrides
-from automodel.config.schema import Free, Target, validate_sections
+from automodel.config.registry import Registration, TargetRegistry
+from automodel.config.schema import FieldErrors, Free, Target, require_positive, validate_sections
 from automodel.config.secrets import is_secret_key, mask_secrets
-from automodel.config.targets import CORE_PREFIXES, TargetError, TargetResolver
+from automodel.config.targets import TargetError, TargetResolver, core_registry
+from automodel.config.trust import UserTrust
 from automodel.config.yaml_io import dump_yaml, load_yaml_file, parse_scalar, parse_yaml
 from automodel.errors import ConfigError, ConfigIssue
 
 __all__ = [
-    "BuildError", "Config", "ConfigNode", "CORE_PREFIXES", "Free", "Target", "TargetError", "TargetResolver",
-    "apply_overrides", "build_config", "dump_yaml", "instantiate", "interpolate", "is_secret_key",
-    "is_target_node", "load_yaml_file", "mask_secrets", "parse_overrides", "parse_scalar", "parse_yaml",
+    "BuildError", "Config", "ConfigNode", "FieldErrors", "Free", "Registration", "Target", "TargetError",
+    "TargetRegistry", "TargetResolver", "UserTrust", "apply_overrides", "build_config", "core_registry", "dump_yaml",
+    "instantiate", "interpolate", "is_secret_key", "is_target_node", "load_yaml_file", "mask_secrets",
+    "parse_overrides", "parse_scalar", "parse_yaml", "require_positive",
 ]
 
 
@@ -29,6 +33,7 @@ def build_config(data: dict, recipe_cls: Any, resolver: TargetResolver, source: 
     issues: list[ConfigIssue] = []
     resolved = interpolate(raw, issues)
     values = validate_sections(resolved, recipe_cls.all_sections(), resolver, issues)
+    issues += code_loading_issues(resolved, resolver.trust.remote_code)
     sections = {
         name: ConfigNode(value, name, resolver) if isinstance(value, dict) else value
         for name, value in values.items()

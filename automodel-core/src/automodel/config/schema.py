@@ -31,6 +31,8 @@ class Target:
 
     ``default`` is the one place a section's default lives: the mapping an absent section stands for (built
     like a written one: its ``_target_``, else ``default_target``); None when an absent section builds nothing.
+    ``documented_targets`` are the callables the section is usually built from (dotted paths): the generated
+    config reference lists their arguments.
     """
 
     help: str = ""
@@ -39,6 +41,7 @@ class Target:
     plain: bool = False  # may be a plain mapping without _target_ (then checked against default_target)
     default_target: str | None = None
     default: Mapping[str, Any] | None = field(default=None, hash=False)
+    documented_targets: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,23 @@ class Free:
 
 
 SectionSpec = type | Target | Free
+
+
+class FieldErrors(ValueError):
+    """Raised by a section dataclass's ``__post_init__`` with one message per bad field, so that validation reports
+    every one of them at once, each under its own dotted key."""
+
+    def __init__(self, errors: dict[str, str]):
+        self.errors = dict(errors)
+        super().__init__("; ".join(f"{name}: {message}" for name, message in self.errors.items()))
+
+
+def require_positive(section: Any, *names: str) -> None:
+    """Refuse, all at once, every named field of the dataclass instance ``section`` that is below 1 (None is fine)."""
+    bad = {name: f"must be >= 1, found {getattr(section, name)}" for name in names
+           if getattr(section, name) is not None and getattr(section, name) < 1}
+    if bad:
+        raise FieldErrors(bad)
 
 
 def find_spec(name: str, sections: dict[str, SectionSpec]) -> SectionSpec | None:
@@ -165,6 +185,9 @@ def validate_dataclass(cls: type, node: Any, key: str, issues: list[ConfigIssue]
         return None
     try:
         return cls(**kwargs)
+    except FieldErrors as err:
+        issues.extend(ConfigIssue(f"{key}.{name}", message) for name, message in err.errors.items())
+        return None
     except (ValueError, TypeError) as err:
         issues.append(ConfigIssue(key, str(err)))
         return None
@@ -225,11 +248,34 @@ def check_target_node(node: dict, key: str, resolver: TargetResolver, issues: li
         p = params[n]
         if p.default is inspect.Parameter.empty and n not in kwargs and n not in runtime_args:
             issues.append(ConfigIssue(f"{key}.{n}", f"missing required argument '{n}' of {name}"))
+    for n, tp in _choice_hints(fn).items():
+        if n in kwargs and not is_target_node(kwargs[n]) and not check_type(kwargs[n], tp)[0]:
+            issues.append(ConfigIssue(f"{key}.{n}", f"expected {_type_name(tp)}, found {kwargs[n]!r}"))
+
+
+def _choice_hints(fn: Any) -> dict[str, Any]:
+    """The parameters of ``fn`` annotated with a ``Literal`` (or an optional one): their values can be checked
+    before anything is built (``on_bad_row: skp`` is refused at validation, not when the data is read)."""
+    try:
+        hints = typing.get_type_hints(fn.__init__ if isinstance(fn, type) else fn)
+    except Exception:  # noqa: BLE001 - annotations that do not evaluate here are simply not checked
+        return {}
+    return {name: tp for name, tp in hints.items()
+            if typing.get_origin(tp) is Literal
+            or (typing.get_origin(tp) in (Union, types.UnionType)
+                and any(typing.get_origin(a) is Literal for a in typing.get_args(tp)))}
 
 
 def check_nested(value: Any, key: str, resolver: TargetResolver, issues: list[ConfigIssue]) -> None:
+    """Resolve every nested target node, and every string under a key ending in ``_fn`` (a callable passed, not
+    called: ``collate_fn: pkg.fn``), so that validation refuses what building would."""
     if is_target_node(value):
         check_target_node(value, key, resolver, issues)
+    elif isinstance(value, str) and key.rsplit(".", 1)[-1].endswith("_fn"):
+        try:
+            resolver.resolve(value)
+        except TargetError as err:
+            issues.append(ConfigIssue(key, str(err), err.suggestion))
     elif isinstance(value, dict):
         for k, v in value.items():
             check_nested(v, f"{key}.{k}", resolver, issues)

@@ -1,47 +1,38 @@
-"""Resolving ``_target_`` strings to callables, behind an allow-list.
+"""Resolving ``_target_`` strings to callables, behind the registry of what installed distributions registered.
 
-A target is a dotted path to a public callable inside an allowed top-level package. The allow-list is checked
-on the *string* and again on every module the lookup passes through and on the module the callable was defined
-in, so ``torch.os.system`` or a function re-exported from ``subprocess`` never resolves even though ``torch``
-is allowed. Some callables inside allowed packages run arbitrary code (``torch.load`` unpickles) and are refused
-always, whatever the allow-list says.
+A target resolves only when the registry admits it (:mod:`automodel.config.registry`): a callable registered
+exactly (or a ``from_*`` constructor of a class registered exactly), or a name under a distribution's own package
+or under a name the person running trusts (:mod:`automodel.config.trust`). Then the lookup itself is checked: every
+module it passes through must be the module its path names (``torch.os`` is the module ``os``, so
+``torch.os.system`` never resolves), and the callable's defining module must not be denied and, for a name admitted
+by prefix, must itself be registered by prefix, or the callable's own location must be (so a trusted package's
+``from subprocess import run`` does not make ``subprocess.run`` a target, while ``automodel_llm.peft.PeftConfig``
+may stand for the registered ``automodel.hf.PeftConfig``). The deny-list
+(:data:`automodel.config.registry.DENIED`) applies to every name, whoever registered or trusted it.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
-import os
-import re
 import types
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from automodel.suggest import did_you_mean
-
-CORE_PREFIXES = ("automodel", "torch", "transformers", "peft", "datasets", "torchdata", "safetensors")
-
-# Never resolvable, even when a user's AUTOMODEL_ALLOW_TARGETS names them: they execute code or reach the OS.
-DENIED_PREFIXES = (
-    "os", "posix", "nt", "sys", "subprocess", "builtins", "importlib", "pickle", "_pickle", "marshal", "shutil",
-    "runpy", "ctypes", "socket", "pty", "code", "codeop", "shelve", "dill", "cloudpickle", "multiprocessing",
-    "signal", "threading", "asyncio", "pathlib", "io", "tempfile", "webbrowser", "http", "urllib", "requests",
-    "torch.load", "torch.serialization", "torch.hub", "torch.jit.load", "torch.jit._serialization", "torch.package",
-    "torch.utils.cpp_extension", "torch.ops", "torch.library", "torch.distributed.rpc", "torch.compiler",
-    "torch.utils.model_zoo", "numpy.load", "datasets.load_from_disk",
-    "transformers.dynamic_module_utils", "torch._dynamo", "torch.fx",
-    # run shell commands or launch scripts / binaries named by their arguments
-    "torch.utils.collect_env", "torch.distributed.run", "torch.distributed.launch", "torch.distributed.launcher",
-    "torch.distributed.elastic", "torch.backends.xeon", "torch.utils.benchmark",
-    # unpickle files named by their arguments
-    "torch.export.load", "torch.export.pt2_archive", "torch.distributed.checkpoint",
-    "transformers.modeling_utils.load_state_dict", "peft.utils.save_and_load.torch_load",
-    # load shared libraries named by their arguments
-    "torch.classes", "torch.cuda.memory.CUDAPluggableAllocator",
+from automodel.config.core_targets import CORE_TARGETS
+from automodel.config.registry import (
+    CONSTRUCTOR,
+    DENIED,
+    DOTTED,
+    PREFIX,
+    Grant,
+    Registration,
+    TargetRegistry,
+    classify,
+    under,
 )
-
-ALLOW_ENV = "AUTOMODEL_ALLOW_TARGETS"
-_DOTTED = re.compile(r"^[A-Za-z][A-Za-z0-9_]*(\.[A-Za-z][A-Za-z0-9_]*)*$")
+from automodel.config.trust import ALLOW_ENV, ALLOW_FLAG, UserTrust, trusted_targets_file
+from automodel.suggest import did_you_mean
 
 
 class TargetError(Exception):
@@ -52,19 +43,28 @@ class TargetError(Exception):
         self.suggestion = suggestion
 
 
-def _under(name: str, prefixes: Iterable[str]) -> bool:
-    return any(name == p or name.startswith(p + ".") for p in prefixes)
+def core_registry() -> TargetRegistry:
+    """The core's own registrations (what the core plugin registers through ``automodel_allowed_targets``)."""
+    return TargetRegistry(classify(CORE_TARGETS, {"automodel"}, "automodel-core")[0])
 
 
-def user_allowed_prefixes() -> tuple[str, ...]:
-    return tuple(p.strip() for p in os.environ.get(ALLOW_ENV, "").split(",") if p.strip())
+def how_to_trust(name: str) -> str:
+    return (f"if it is your own code and you trust it, pass {ALLOW_FLAG} {name}, set {ALLOW_ENV}={name} or add "
+            f"it as a line to {trusted_targets_file()}")
 
 
 class TargetResolver:
-    """Resolves target strings; aliases map short or upstream names to dotted paths of our own."""
+    """Resolves target strings; aliases map short or upstream names to registered dotted paths.
 
-    def __init__(self, allowed_prefixes: Iterable[str] = CORE_PREFIXES, aliases: Mapping[str, str] | None = None):
-        self.allowed = tuple(dict.fromkeys([*allowed_prefixes, *user_allowed_prefixes()]))
+    ``registry`` defaults to the core's registrations; ``trust`` (default: this process's, see
+    :meth:`UserTrust.current`) adds the person running's trusted names as prefixes.
+    """
+
+    def __init__(self, registry: TargetRegistry | None = None, aliases: Mapping[str, str] | None = None,
+                 trust: UserTrust | None = None):
+        self.trust = trust if trust is not None else UserTrust.current()
+        base = registry if registry is not None else core_registry()
+        self.registry = base.extended(Registration(t.name, PREFIX, t.source) for t in self.trust.names)
         self.aliases = dict(aliases or {})
         self._cache: dict[str, Callable] = {}
 
@@ -82,34 +82,32 @@ class TargetResolver:
         if name in self._cache:
             return self._cache[name]
         path = self.expand(name)
-        self._check_path(path, original=name)
-        obj = self._import(path)
+        grant = self._check_path(path, original=name)
+        obj = self._import(path, grant)
         self._cache[name] = obj
         return obj
 
-    def _check_path(self, path: str, original: str) -> None:
+    def _check_path(self, path: str, original: str) -> Grant:
         if "/" in path or "\\" in path or ":" in path or path.endswith(".py"):
             raise TargetError(f"'{original}' looks like a file path; a target must be an importable dotted path "
                               "such as torch.optim.AdamW")
         if any(part.startswith("_") for part in path.split(".")):
             raise TargetError(f"'{original}' names a private attribute (a part starting with '_'); only public "
                               "callables may be targets")
-        if not _DOTTED.match(path):
+        if not DOTTED.match(path):
             raise TargetError(f"'{original}' is not a dotted Python path such as torch.optim.AdamW")
-        if _under(path, DENIED_PREFIXES):
+        if under(path, DENIED):
             raise TargetError(f"'{original}' is refused: it can execute arbitrary code or reach the operating system")
-        if not _under(path, self.allowed):
-            known = ", ".join(self.allowed)
-            raise TargetError(f"'{original}' is not under an allowed module prefix ({known}); to allow your own "
-                              f"package set {ALLOW_ENV}=yourpkg",
-                              did_you_mean(original, self.aliases))
+        grant = self.registry.grant(path)
+        if grant is None:
+            shown = original if original == path else f"{original}' (alias of '{path}"
+            raise TargetError(f"'{shown}' is not a registered target: a config may name only callables that an "
+                              "installed distribution registered (`automodel targets` lists them) or that you "
+                              f"trust; {how_to_trust(path)}",
+                              did_you_mean(original, [*self.aliases, *self.registry.exact_names()]))
+        return grant
 
-    def _check_module(self, module: types.ModuleType, path: str) -> None:
-        name = module.__name__
-        if _under(name, DENIED_PREFIXES) or not _under(name, self.allowed):
-            raise TargetError(f"'{path}' is refused: it reaches module '{name}', which is not allowed")
-
-    def _import(self, path: str) -> Callable:
+    def _import(self, path: str, grant: Grant) -> Callable:
         parts = path.split(".")
         try:
             obj: Any = importlib.import_module(parts[0])
@@ -119,7 +117,7 @@ class TargetResolver:
             raise TargetError(f"importing '{parts[0]}' failed: {err}") from None
         for i, part in enumerate(parts[1:], start=1):
             if isinstance(obj, types.ModuleType):
-                self._check_module(obj, path)
+                self._check_module(obj, ".".join(parts[:i]), path)
             if hasattr(obj, part):
                 obj = getattr(obj, part)
                 continue
@@ -142,19 +140,31 @@ class TargetResolver:
             raise TargetError(f"'{path}' is a module, not a callable; name a class or function inside it")
         if not callable(obj):
             raise TargetError(f"'{path}' is not callable (found {type(obj).__name__})")
-        self._check_defining_module(obj, path)
+        if grant.how == CONSTRUCTOR and not (inspect.ismethod(obj) and isinstance(obj.__self__, type)):
+            raise TargetError(f"'{path}' is not a classmethod constructor of the registered class "
+                              f"'{grant.registration.name}'")
+        self._check_defining_module(obj, path, grant)
         return obj
 
-    def _check_defining_module(self, obj: Any, path: str) -> None:
+    @staticmethod
+    def _check_module(module: types.ModuleType, expected: str, path: str) -> None:
+        """A module on the way must be the module its path names, never another one reached by attribute."""
+        name = module.__name__
+        if under(name, DENIED) or name != expected:
+            raise TargetError(f"'{path}' is refused: '{expected}' is the module '{name}', which is not allowed")
+
+    def _check_defining_module(self, obj: Any, path: str, grant: Grant) -> None:
         owner = obj.__self__ if inspect.ismethod(obj) else obj
         if inspect.ismethod(obj) and not isinstance(owner, type):
             owner = type(owner)
         module = getattr(owner, "__module__", None)
         if not isinstance(module, str):
             return
-        if _under(module, DENIED_PREFIXES) or not _under(module, self.allowed):
-            raise TargetError(f"'{path}' is refused: it is defined in module '{module}', which is not allowed")
-        # A denied callable re-exported under another public name (torch.cuda.CUDAPluggableAllocator).
-        qualname = getattr(getattr(obj, "__func__", obj), "__qualname__", None)
-        if isinstance(qualname, str) and _under(f"{module}.{qualname}", DENIED_PREFIXES):
-            raise TargetError(f"'{path}' is refused: it is {module}.{qualname}, which can execute arbitrary code")
+        qualname = getattr(owner, "__qualname__", None)
+        location = f"{module}.{qualname}" if isinstance(qualname, str) else module
+        if under(module, DENIED) or under(location, DENIED):
+            raise TargetError(f"'{path}' is refused: it is {location}, which can execute arbitrary code")
+        registered = self.registry.prefixes()
+        if grant.how == PREFIX and not (under(module, registered) or under(location, registered)):
+            raise TargetError(f"'{path}' is refused: it is defined in module '{module}', which is not registered "
+                              f"(a name under '{grant.registration.name}' re-exported from elsewhere)")

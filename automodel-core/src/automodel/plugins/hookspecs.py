@@ -50,7 +50,10 @@ def automodel_register_stages(stages: StageRegistry) -> None:
 
 @hookspec
 def automodel_allowed_targets() -> list[str]:
-    """Return module prefixes that this plugin's configs may name in ``_target_``."""
+    """Return what this plugin's configs may name in ``_target_``, as dotted strings: the exact callables of other
+    libraries they use (a class also admits its public ``from_*`` classmethods), and the plugin's own package as a
+    prefix (``"automodel_hello"``: everything under it). A package the plugin's distribution does not ship is not
+    accepted as a prefix: it is ignored and recorded as this hook's error."""
 
 
 @hookspec

@@ -16,7 +16,8 @@ from typing import Any
 
 import pluggy
 
-from automodel.config.targets import CORE_PREFIXES, TargetResolver
+from automodel.config.registry import TargetRegistry, classify, distribution_packages
+from automodel.config.targets import TargetResolver
 from automodel.plugins import hookspecs
 from automodel.plugins.markers import PROJECT
 from automodel.plugins.registries import (
@@ -69,7 +70,7 @@ class PluginManager:
         self.builders = BuilderRegistry()
         self.stages = StageRegistry()
         self.loggers = LoggerRegistry()
-        self.allowed_prefixes: list[str] = list(CORE_PREFIXES)
+        self.targets = TargetRegistry()
         self._register_core()
         if load_entry_points:
             self._load_entry_points()
@@ -148,14 +149,19 @@ class PluginManager:
         self.call_each("automodel_register_builders", self.builders, builders=self.builders)
         self.call_each("automodel_register_stages", self.stages, stages=self.stages)
         self.call_each("automodel_register_loggers", self.loggers, loggers=self.loggers)
-        for name, prefixes in self.call_each("automodel_allowed_targets"):
-            if prefixes is None:
+        for name, names in self.call_each("automodel_allowed_targets"):
+            if names is None:
                 continue
-            if isinstance(prefixes, str) or not all(isinstance(p, str) for p in prefixes):
-                self.plugins[name].hook_errors["automodel_allowed_targets"] = (
-                    f"must return a list of module prefixes, returned {prefixes!r}")
+            info = self.plugins[name]
+            if isinstance(names, str) or not isinstance(names, (list, tuple)):
+                info.hook_errors["automodel_allowed_targets"] = (
+                    f"must return a list of dotted names (exact callables, or its own package), returned {names!r}")
                 continue
-            self.allowed_prefixes.extend(p for p in prefixes if p not in self.allowed_prefixes)
+            registrations, problems = classify(names, owned_packages(info), info.distribution)
+            for registration in registrations:
+                self.targets.add(registration)
+            if problems:
+                info.hook_errors["automodel_allowed_targets"] = "; ".join(problems)
 
     def register_commands(self, cli: Any) -> None:
         self.call_each("automodel_register_commands", cli=cli)
@@ -163,10 +169,16 @@ class PluginManager:
     # ---- queries ----------------------------------------------------------------------------------------
 
     def resolver(self) -> TargetResolver:
-        return TargetResolver(self.allowed_prefixes, self.aliases.targets)
+        """A resolver over every plugin's registrations and aliases, plus what the person running trusts."""
+        return TargetResolver(self.targets, self.aliases.targets)
 
     def failed(self) -> list[PluginInfo]:
         return [info for info in self.plugins.values() if not info.ok]
+
+
+def owned_packages(info: PluginInfo) -> set[str]:
+    """The top-level packages a plugin's distribution ships (its metadata), else its plugin module's package."""
+    return distribution_packages(info.distribution) or {info.module.split(".")[0].split(":")[0]}
 
 
 _manager: PluginManager | None = None

@@ -83,6 +83,10 @@ class AliasRegistry(_Registry):
     def target(self, alias: str, dotted_path: str) -> None:
         self._add("target", self.targets, alias, dotted_path)
 
+    def target_source(self, alias: str) -> str:
+        """The distribution that registered a target alias."""
+        return self._sources[("target", alias)]
+
 
 @dataclass
 class Builder:

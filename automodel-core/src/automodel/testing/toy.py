@@ -64,17 +64,15 @@ class ToyRecipe(TrainRecipe):
 
 
 class ToyPlugin:
-    """Registers ``automodel train toy`` (pass it to ``PluginManager(extra_plugins=[("toy", ToyPlugin)])``)."""
+    """Registers ``automodel train toy`` (pass it to ``PluginManager(extra_plugins=[("toy", ToyPlugin)])``).
+
+    It registers no targets: the toy's classes are the core's, which registers ``automodel.testing.toy``.
+    """
 
     @staticmethod
     @hookimpl
     def automodel_register_routes(routes: Any) -> None:
         routes.add("train", "toy", recipe="automodel.testing.toy.ToyRecipe", help="The engine on a toy model")
-
-    @staticmethod
-    @hookimpl
-    def automodel_allowed_targets() -> list[str]:
-        return ["automodel.testing"]
 
 
 def toy_config(checkpoint_dir: str | Path, **sections: Any) -> dict[str, Any]:

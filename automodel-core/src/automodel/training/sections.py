@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
+
+from automodel.config.schema import FieldErrors, require_positive
+
+# What a slurm #SBATCH value may hold: names, paths, times and sbatch's %-patterns; no spaces, quotes or control
+# characters (sbatch splits the line on spaces; a newline ends the directive and starts a shell line).
+_SBATCH_VALUE = re.compile(r"^[A-Za-z0-9._:@%/+,=~-]+$")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 def _help(text: str, aliases: tuple[str, ...] = ()) -> dict:
     return {"help": text, "aliases": aliases}
-
-
-def _positive(section: str, **values: int | float | None) -> None:
-    for name, value in values.items():
-        if value is not None and value < 1:
-            raise ValueError(f"{section}.{name} must be >= 1, found {value}")
 
 
 @dataclass
@@ -34,10 +36,8 @@ class StepSchedulerConfig:
     log_interval: int = field(default=10, metadata=_help("write a MetricsSample every N steps"))
 
     def __post_init__(self) -> None:
-        _positive("step_scheduler", max_steps=self.max_steps, num_epochs=self.num_epochs,
-                  grad_accumulation_steps=self.grad_accumulation_steps, global_batch_size=self.global_batch_size,
-                  local_batch_size=self.local_batch_size, val_check_interval=self.val_check_interval,
-                  checkpoint_interval=self.checkpoint_interval, log_interval=self.log_interval)
+        require_positive(self, "max_steps", "num_epochs", "grad_accumulation_steps", "global_batch_size",
+                         "local_batch_size", "val_check_interval", "checkpoint_interval", "log_interval")
 
 
 @dataclass
@@ -46,10 +46,15 @@ class DistEnvConfig:
     master_port: int = field(default=29500, metadata=_help("rendezvous port for multi-process runs"))
     backend: Literal["nccl", "gloo"] | None = field(
         default=None, metadata=_help("torch.distributed backend (default: nccl on CUDA, gloo on CPU)"))
-    timeout_minutes: int = field(default=30, metadata=_help("collective timeout"))
+    timeout_minutes: float = field(default=30, metadata=_help(
+        "how long a collective may wait for the other ranks before the run stops with an error naming the step"))
     cpu_malloc_tuning: bool = field(
         default=True, metadata=_help("on CPU with glibc, keep freed step buffers in the heap instead of returning "
                                      "them to the kernel each step (automodel.training.host_memory)"))
+
+    def __post_init__(self) -> None:
+        if self.timeout_minutes <= 0:
+            raise ValueError(f"dist_env.timeout_minutes must be > 0, found {self.timeout_minutes}")
 
 
 @dataclass
@@ -81,19 +86,33 @@ class DistributedConfig:
     strategy: Literal["fsdp2", "megatron_fsdp", "ddp"] = field(
         default="ddp", metadata=_help("how the model is sharded across data-parallel ranks"))
     dp_size: int | Literal["auto", "none"] | None = field(
-        default="auto", metadata=_help("data-parallel ranks ('auto', 'none' or null: the world size)"))
+        default="auto", metadata=_help("data-parallel ranks in all ('auto', 'none' or null: world size / (tp_size * "
+                                       "cp_size * pp_size))"))
+    dp_replicate_size: int | None = field(
+        default=1, metadata=_help("HSDP: replicas of the model, each sharded over dp_size / dp_replicate_size ranks "
+                                  "(fsdp2 only; null: 1)"))
     tp_size: int = field(default=1, metadata=_help("tensor-parallel size (only 1 is supported)"))
     cp_size: int = field(default=1, metadata=_help("context-parallel size (only 1 is supported)"))
     pp_size: int = field(default=1, metadata=_help("pipeline-parallel size (only 1 is supported)"))
     ep_size: int | None = field(default=None, metadata=_help("expert-parallel size (only 1 or null is supported)"))
-    sequence_parallel: bool = field(default=False, metadata=_help("sequence parallelism (needs tp_size > 1)"))
-    activation_checkpointing: bool = field(default=False, metadata=_help("recompute activations in backward"))
+    sequence_parallel: bool = field(default=False, metadata=_help("sequence parallelism (needs tp_size > 1; not "
+                                                                  "supported)"))
+    activation_checkpointing: bool = field(
+        default=False, metadata=_help("recompute each transformer block's activations in backward instead of "
+                                      "keeping them (less memory, about a third more compute)"))
+    mp_policy: dict | None = field(
+        default=None, metadata=_help("mixed precision {param_dtype, reduce_dtype, output_dtype, cast_forward_inputs} "
+                                     "(dtypes bf16 | fp16 | fp32; also `_target_: torch.distributed.fsdp."
+                                     "MixedPrecisionPolicy`); null: fp32 on CPU, bf16 on GPUs that support it"))
+    autocast_dtype: str | None = field(
+        default=None, metadata=_help("also run the forward under torch.autocast in this dtype (bf16 | fp16), as "
+                                     "upstream does with mp_policy.output_dtype fp32"))
 
     def __post_init__(self) -> None:
-        _positive("distributed", tp_size=self.tp_size, cp_size=self.cp_size, pp_size=self.pp_size,
-                  ep_size=self.ep_size)
-        if isinstance(self.dp_size, int):
-            _positive("distributed", dp_size=self.dp_size)
+        require_positive(self, "tp_size", "cp_size", "pp_size", "ep_size", "dp_replicate_size",
+                         *(("dp_size",) if isinstance(self.dp_size, int) else ()))
+        if self.dp_replicate_size is None:
+            self.dp_replicate_size = 1
 
 
 @dataclass
@@ -102,7 +121,12 @@ class CheckpointConfig:
     checkpoint_dir: str = field(default="checkpoints", metadata=_help("where checkpoints and metrics go"))
     model_save_format: Literal["safetensors", "torch_save"] = field(
         default="safetensors", metadata=_help("weights format (safetensors; pickle is never used for weights)"))
-    save_consolidated: bool = field(default=True, metadata=_help("write one HF-loadable model directory"))
+    save_consolidated: bool = field(default=True, metadata=_help(
+        "true: model/ in the Hugging Face layout (written by every rank from its shards, the weights' only copy); "
+        "false: only the sharded form model_shards/ (automodel export makes model/ later)"))
+    async_save: bool = field(default=False, metadata=_help(
+        "write checkpoints in the background from host copies while training goes on; LATEST names one once "
+        "every file is written"))
     keep_last: int | None = field(default=None, metadata=_help("keep only the newest N checkpoints"))
     model_repo_id: str | None = field(default=None, metadata=_help("accepted for upstream configs; unused"))
     model_cache_dir: str | None = field(default=None, metadata=_help("accepted for upstream configs; unused"))
@@ -113,7 +137,7 @@ class CheckpointConfig:
         if self.model_save_format == "torch_save":
             raise ValueError("checkpoint.model_save_format: torch_save (pickle) is not supported for weights; "
                              "use safetensors")
-        _positive("checkpoint", keep_last=self.keep_last)
+        require_positive(self, "keep_last")
 
 
 @dataclass
@@ -168,5 +192,17 @@ class SlurmConfig:
     script: str = field(default="automodel.sbatch", metadata={"help": "where the script is written"})
 
     def __post_init__(self) -> None:
-        if self.nodes < 1 or self.gpus_per_node < 1:
-            raise ValueError("slurm.nodes and slurm.gpus_per_node must be >= 1")
+        bad = {}
+        for name in ("job_name", "partition", "account", "time", "output"):
+            value = getattr(self, name)
+            if value is not None and not _SBATCH_VALUE.match(value):
+                bad[name] = (f"{value!r} cannot go into an #SBATCH line: use letters, digits and . _ : @ % / + , = ~ - "
+                             "only (no spaces, quotes or control characters such as a newline)")
+        if _CONTROL.search(self.script):
+            bad["script"] = f"{self.script!r} holds a control character; name a plain file path"
+        try:
+            require_positive(self, "nodes", "gpus_per_node", "master_port")
+        except FieldErrors as err:
+            bad.update(err.errors)
+        if bad:
+            raise FieldErrors(bad)

@@ -16,6 +16,7 @@ from typing import Any
 
 from torch.utils.data import Dataset
 
+from automodel.data import BadRows, OnBadRow
 from automodel.errors import AutomodelError
 
 _INLINE_KEYS = ("image", "path", "url", "image_url")
@@ -84,7 +85,8 @@ class ImageTextChatDataset(Dataset):
 
     def __init__(self, path_or_dataset_id: str, split: str = "train", messages_column: str = "messages",
                  image_column: str | None = "image", image_root: str | None = None,
-                 limit_dataset_samples: int | None = None, config_key: str = "dataset"):
+                 limit_dataset_samples: int | None = None, config_key: str = "dataset",
+                 on_bad_row: OnBadRow = "error"):
         self.key = config_key
         self.source = str(path_or_dataset_id)
         rows, folder = load_conversation_rows(path_or_dataset_id, split, f"{config_key}.path_or_dataset_id")
@@ -107,13 +109,26 @@ class ImageTextChatDataset(Dataset):
             raise AutomodelError(f"{config_key}.image_root: '{image_root}' is not a folder")
         rows = _undecoded(rows, image_column)
         self.samples: list[tuple[list[dict], list[Any]]] = []
+        self.row_indices: list[int] = []  # the row each sample came from (rows may be skipped)
+        bad_rows = BadRows(on_bad_row, self.source, config_key)
         for index, row in enumerate(rows):
-            self.samples.append(self._prepare(index, row, messages_column))
+            try:
+                self.samples.append(self._prepare(index, row, messages_column))
+            except AutomodelError as err:
+                if not bad_rows.skip:
+                    raise AutomodelError(f"{err}; or set {config_key}.on_bad_row: skip to leave such rows out") \
+                        from None
+                bad_rows.skipped.append(str(err).removeprefix(f"{self.key}: "))
+                continue
+            self.row_indices.append(index)
+        bad_rows.report()
+        if not self.samples:
+            raise AutomodelError(f"{config_key}.path_or_dataset_id: '{self.source}' has no usable rows")
 
     # ---- reading rows ------------------------------------------------------------------------------------------
 
     def _where(self, index: int) -> str:
-        return f"{self.key}: row {index} of '{self.source}'"
+        return f"{self.key}: row {index + 1} of '{self.source}'"
 
     def _prepare(self, index: int, row: dict, messages_column: str) -> tuple[list[dict], list[Any]]:
         messages = row[messages_column]
@@ -214,11 +229,11 @@ class ImageTextChatDataset(Dataset):
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         messages, refs = self.samples[index]
-        return {"messages": messages, "images": [self.open_image(index, ref) for ref in refs]}
+        return {"messages": messages, "images": [self.open_image(self.row_indices[index], ref) for ref in refs]}
 
     @property
     def qa_pairs(self) -> list[tuple[int, list[dict], str]]:
-        """(row, the conversation before its last assistant turn, that turn's text) for generation checks."""
+        """(sample, the conversation before its last assistant turn, that turn's text) for generation checks."""
         pairs = []
         for index, (messages, _) in enumerate(self.samples):
             last = max(i for i, m in enumerate(messages) if m.get("role") == "assistant")

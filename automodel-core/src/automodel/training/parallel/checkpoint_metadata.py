@@ -16,8 +16,10 @@ from typing import Any
 import torch.distributed as dist
 
 from automodel.errors import AutomodelError
+from automodel.training.parallel.writer import distributed
 
-# {"shapes": {key: shape}, "bytes": {key: size}, "optimizer": manifest | None, "export": [kind, {key: name}]}
+# {"shapes": {key: shape}, "bytes": {key: size}, "optimizer": manifest | None,
+#  "export": [kind, {key: name}] | None (None: the weights are not saved)}
 Metadata = dict[str, Any]
 
 
@@ -43,17 +45,24 @@ def merge_metadata(first: Metadata, second: Metadata) -> Metadata:
         if list(first["shapes"][key]) != list(second["shapes"][key]):
             raise AutomodelError(f"'{key}' has shape {first['shapes'][key]} in one model part and "
                                  f"{second['shapes'][key]} in another")
-    if first["export"][0] != second["export"][0]:
-        raise AutomodelError(f"one model part exports a {first['export'][0]}, another a {second['export'][0]}")
     return {"shapes": {**first["shapes"], **second["shapes"]}, "bytes": {**first["bytes"], **second["bytes"]},
             "optimizer": merge_manifests(first["optimizer"], second["optimizer"]),
-            "export": [first["export"][0], {**first["export"][1], **second["export"][1]}]}
+            "export": merge_exports(first["export"], second["export"])}
+
+
+def merge_exports(first: list[Any] | None, second: list[Any] | None) -> list[Any] | None:
+    """Two export plans (``[kind, {key: name}]``, None where the weights are not saved) as one."""
+    if first is None or second is None:
+        return first if second is None else second
+    if first[0] != second[0]:
+        raise AutomodelError(f"one model part exports a {first[0]}, another a {second[0]}")
+    return [first[0], {**first[1], **second[1]}]
 
 
 def gather_metadata(mine: Metadata) -> Metadata:
     """Every rank's records merged, on every rank (all call it; each gets the same, in the same order). Sent as
     JSON text."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not distributed() or dist.get_world_size() == 1:
         return mine
     received: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(received, json.dumps(mine))
