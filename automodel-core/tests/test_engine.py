@@ -121,7 +121,8 @@ def test_stateful_attributes_are_declared_and_merged():
     class WithTeacher(ToyRecipe):
         stateful = ("ema",)
 
-    assert ToyRecipe.all_stateful() == ("model", "optimizer", "lr_scheduler", "step_scheduler", "dataloader", "rng")
+    assert ToyRecipe.all_stateful() == ("model", "optimizer", "lr_scheduler", "step_scheduler", "dataloader", "rng",
+                                         "grad_scaler")
     assert WithTeacher.all_stateful() == (*ToyRecipe.all_stateful(), "ema")
 
 
