@@ -36,6 +36,7 @@ from automodel.training.checkpoint import Checkpointer, CheckpointError, is_writ
 from automodel.training.dist import any_rank, barrier
 from automodel.training.durable import write_durable
 from automodel.training.modules import is_fsdp2
+from automodel.training.parallel.checkpoint_metadata import Metadata
 from automodel.training.parallel.hf_export import HF_FILES, export_hf
 from automodel.training.parallel.sharded_checkpoint import (
     sharded_tensors,
@@ -107,18 +108,19 @@ class CheckpointWrite:
         gathered = self._gather(parts)  # collectives first: no rank may fail out of one
         self._agree(self._attempt(lambda: self._write_small_files(parts, gathered)))
         if async_save:
-            gathered["tensors"] = {name: stage_on_cpu(tensors) for name, tensors in gathered["tensors"].items()}
-            self.pending = run_in_background(lambda: self._write_tensors(gathered["tensors"]))
+            gathered["shards"] = {name: (stage_on_cpu(tensors), metadata)
+                                  for name, (tensors, metadata) in gathered["shards"].items()}
+            self.pending = run_in_background(lambda: self._write_tensors(gathered["shards"]))
         else:
-            self._agree(self._attempt(lambda: self._write_tensors(gathered["tensors"])))
+            self._agree(self._attempt(lambda: self._write_tensors(gathered["shards"])))
 
     def _gather(self, parts: CheckpointParts) -> dict[str, Any]:
+        """Directory name -> (this rank's tensors, the metadata of every rank's), and the full weights for a
+        recipe's own layout."""
         own_layout = self.weights == "recipe"
-        model_tensors, _ = ({}, None) if own_layout else sharded_tensors(parts.model)
-        optim_tensors, manifest = sharded_tensors(parts.model, parts.optimizer, weights=False) \
-            if parts.optimizer is not None else ({}, None)
-        return {"tensors": {"model_shards": model_tensors, "optim": optim_tensors}, "manifest": manifest,
-                "full": full_model_state(parts.model) if own_layout else None}
+        shards = {} if own_layout else {"model_shards": sharded_tensors(parts.model)}
+        shards["optim"] = sharded_tensors(parts.model, parts.optimizer, weights=False)
+        return {"shards": shards, "full": full_model_state(parts.model) if own_layout else None}
 
     def _write_small_files(self, parts: CheckpointParts, gathered: dict[str, Any]) -> None:
         staging, rank = self.staging, self.rank
@@ -132,19 +134,18 @@ class CheckpointWrite:
         state = {**parts.trainer_state, "weights": self.weights}
         write_durable(staging / TRAINER_STATE, json.dumps(state, indent=2))
         write_durable(staging / "config.yaml", self.checkpointer.config_yaml)
-        write_sharded_metadata(staging / "optim", parts.model, gathered["tensors"]["optim"], gathered["manifest"],
-                               weights=False)
+        write_sharded_metadata(staging / "optim", parts.model, gathered["shards"]["optim"][1])
         if parts.save_model is not None:
             parts.save_model(staging / "model", gathered["full"])
             return
         shards = staging / "model_shards"
-        write_sharded_metadata(shards, parts.model, gathered["tensors"]["model_shards"], None)
+        write_sharded_metadata(shards, parts.model, gathered["shards"]["model_shards"][1])
         parts.save_artifacts(shards / HF_FILES)  # export copies hf/ (model config, tokenizer) into model/
 
-    def _write_tensors(self, tensors: dict[str, dict[str, torch.Tensor]]) -> None:
+    def _write_tensors(self, shards: dict[str, tuple[dict[str, torch.Tensor], Metadata]]) -> None:
         """The big writes, every rank on the checkpoint group (inline or on the background writer thread)."""
-        for name, part in tensors.items():
-            write_sharded_tensors(self.staging / name, part, group=self.group)
+        for name, (tensors, metadata) in shards.items():
+            write_sharded_tensors(self.staging / name, tensors, metadata["bytes"], group=self.group)
         if self.weights == "model":
             export_hf(self.staging / "model_shards", self.staging / "model", group=self.group)
             if self.rank == 0:  # every rank has finished exporting (export_hf ends with a barrier)

@@ -78,9 +78,9 @@ def _hub_names(model: nn.Module) -> dict[str, str]:
     return {key_of[id(t)]: saved for saved, t in reverted.items() if id(t) in key_of and saved != key_of[id(t)]}
 
 
-def write_export_files(model: nn.Module, directory: Path, prefix: str) -> None:
-    """Beside the shards: ``hf_export.json`` and the model's HF config files in ``hf/`` (rank 0 calls it)."""
-    kind, names = export_names(model, prefix)
+def write_export_files(model: nn.Module, directory: Path, kind: str, names: dict[str, str]) -> None:
+    """Beside the shards: ``hf_export.json`` (``kind`` and ``names`` from :func:`export_names`, merged over the
+    model's parts) and the model's HF config files in ``hf/`` (rank 0 calls it)."""
     model = unwrap(model)
     (directory / EXPORT_FILE).write_text(json.dumps({"kind": kind, "weights": names}, indent=1), encoding="utf-8")
     target = directory / HF_FILES

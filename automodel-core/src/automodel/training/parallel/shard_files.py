@@ -44,9 +44,8 @@ def mismatch_report(heading: str, groups: dict[str, list[str]]) -> str:
     return "\n".join(lines)
 
 
-def write_tensor_shapes(directory: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """``tensors.json``: each key's full shape (rank 0 writes it; a ``DTensor``'s shape is the full one)."""
-    shapes = {key: list(tensor.shape) for key, tensor in tensors.items()}
+def write_tensor_shapes(directory: Path, shapes: dict[str, list[int]]) -> None:
+    """``tensors.json``: each saved key's full shape (rank 0 writes it, for the tensors of every rank)."""
     (directory / TENSORS_FILE).write_text(json.dumps({"shapes": shapes}, indent=1), encoding="utf-8")
 
 
