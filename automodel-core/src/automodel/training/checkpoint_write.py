@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,6 +96,8 @@ class CheckpointWrite:
     def __init__(self, checkpointer: Checkpointer, parts: CheckpointParts, rank: int, device: torch.device,
                  async_save: bool = False):
         self.checkpointer, self.rank, self.device = checkpointer, rank, device
+        self.started = time.perf_counter()
+        self.seconds: float | None = None  # from the start to the publish, set by finish()
         state = parts.trainer_state
         self.staging, self.final = checkpointer.staging_path(state["epoch"], state["step"])
         own_layout = parts.save_model is not None
@@ -165,6 +168,7 @@ class CheckpointWrite:
             self._agree(self._attempt(pending.wait))
         self._agree(self._attempt(lambda: self.checkpointer.publish(self.staging, self.final))
                     if self.rank == 0 else None)
+        self.seconds = time.perf_counter() - self.started
         return self.final
 
     def _attempt(self, work: Callable[[], Any]) -> BaseException | None:

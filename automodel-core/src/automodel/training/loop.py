@@ -219,7 +219,7 @@ class TrainingLoop:
         if write is None:
             return None
         path = write.finish()
-        self.log(f"checkpoint: {path}")
+        self.log(f"checkpoint: {path} (written in {write.seconds:.1f} s)")
         return path
 
     def _publish_when_written(self) -> None:
