@@ -103,13 +103,14 @@ def write_sharded_tensors(directory: Path, tensors: dict[str, torch.Tensor], siz
     """Every rank of ``group`` writes its shards of ``tensors`` into ``directory`` (one DCP save); ``sizes``: every
     rank's keys and their sizes (the metadata's ``bytes``), so that all group the keys into the same files."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    from automodel.training.parallel.shard_writer import StreamingShardWriter
 
     directory.mkdir(parents=True, exist_ok=True)
     if not sizes:
         return
-    writer = HuggingFaceStorageWriter(str(directory), fqn_to_index_mapping=_file_index(sizes, max_file_bytes),
-                                      save_distributed=True)
+    writer = StreamingShardWriter(str(directory), fqn_to_index_mapping=_file_index(sizes, max_file_bytes),
+                                  save_distributed=True)
     with single_process_is_intended():
         dcp.save(tensors, storage_writer=writer, process_group=group, no_dist=not distributed())
 
