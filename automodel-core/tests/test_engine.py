@@ -135,7 +135,8 @@ def test_checkpoint_holds_every_stateful_attribute_and_resumes_exactly(make_toy,
     middle = root / "epoch_0_step_3"
     for sub in ("optim", "rng", "dataloader"):
         assert sorted((middle / sub).glob("*.pt")), sub
-    assert json.loads((middle / "trainer_state.json").read_text())["step_scheduler"] == {"step": 3, "epoch": 0}
+    assert json.loads((middle / "trainer_state.json").read_text())["step_scheduler"] == {"step": 3, "epoch": 0,
+                                                                                        "epoch_step": 3}
 
     resumed = train_inprocess(config, "--checkpoint.checkpoint_dir", tmp_path / "again", "--restore_from.path",
                               middle, recipe=ToyRecipe)

@@ -11,6 +11,7 @@ import contextlib
 import math
 import sys
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from automodel.errors import AutomodelError
 from automodel.training.builders import describe_batch
 from automodel.training.checkpoint import read_latest
 from automodel.training.dist import all_reduce_sum, any_rank, barrier
+from automodel.training.garbage import PeriodicGarbageCollection
 from automodel.training.logging import FAILED, STOPPED, SUCCESS
 from automodel.training.metrics import MetricsSample, peak_memory_gib
 from automodel.training.signals import StopRequest, TrainingStopped
@@ -180,35 +182,45 @@ class TrainingLoop:
 
     def run_train_validation_loop(self) -> None:
         steps = self.step_scheduler
+        settings = self.cfg.step_scheduler
         self.model.train()
-        progress = tqdm(total=steps.max_steps, initial=steps.step, desc="train", unit="step", file=sys.stderr,
+        progress = tqdm(total=steps.total_steps, initial=steps.step, desc="train", unit="step", file=sys.stderr,
                         disable=not self.is_main_process, dynamic_ncols=True)
         window_tokens, window_start = 0, time.perf_counter()
+        recent_losses = deque(maxlen=settings.loss_average_window_steps or 1)
         saved_at = None
         self.final_checkpoint: Path | None = None
         status = FAILED  # what the metric backends are told when the loop ends
-        with StopRequest() as stop:
+        with StopRequest() as stop, PeriodicGarbageCollection(settings.gc_every_steps) as garbage:
             try:
                 self.metric_loggers.open(self.cfg.raw)  # secrets are masked before any backend sees the config
+                if settings.val_at_start and steps.step == 0 and self.val_dataloaders:
+                    self.validate()  # the untouched model, recorded as step 0
                 step_start = time.perf_counter()
                 for batches in steps.batches(self.dataloader):
                     loss, grad_norm, tokens = self.train_step(batches)
                     step = steps.finish_step()
                     self.after_step(step, tokens, time.perf_counter() - step_start)
                     window_tokens += tokens
+                    recent_losses.append(loss.detach())
                     progress.update(1)
-                    if steps.is_log_step():
+                    to_file, to_backends = steps.is_log_step(), steps.is_remote_log_step()
+                    if to_file or to_backends:
+                        average = torch.stack(list(recent_losses)).mean().item() \
+                            if settings.loss_average_window_steps else None
                         self._log_step(loss.item(), grad_norm, window_tokens, time.perf_counter() - window_start,
-                                       progress)
+                                       progress, to_file, to_backends, average)
                         window_tokens, window_start = 0, time.perf_counter()
                     if steps.is_val_step() and self.val_dataloaders:
                         self.validate()
-                    if steps.is_checkpoint_step(last=step >= steps.max_steps):
+                    if steps.is_checkpoint_step(last=step >= steps.total_steps):
                         saved_at = step
                         self.final_checkpoint = self.save_checkpoint()
+                    garbage.after_step(step)
                     if any_rank(stop.requested, self.device) if self.world_size > 1 else stop.requested:
                         self._stop(stop, saved=saved_at == step)
                     step_start = time.perf_counter()
+                self.log(f"training ended after step {steps.step}: {steps.stop_reason()}")
                 if saved_at != steps.step and steps.step > 0:
                     self.final_checkpoint = self.save_checkpoint()
                 if self.final_checkpoint is not None:
@@ -225,13 +237,20 @@ class TrainingLoop:
                 self.metric_loggers.close(status)
         self.on_train_end(self.final_checkpoint)
 
-    def _log_step(self, loss: float, grad_norm: torch.Tensor, tokens: int, elapsed: float, progress: tqdm) -> None:
-        self.step_losses.append(loss)
+    def _log_step(self, loss: float, grad_norm: torch.Tensor, tokens: int, elapsed: float, progress: tqdm,
+                  to_file: bool, to_backends: bool, average: float | None) -> None:
+        """One MetricsSample: to training.jsonl (``log_interval``) and/or the backends (``log_remote_every_steps``)."""
         sample = self._sample(loss, grad_norm, tokens, elapsed)
         record = sample.to_dict()
         if self.cfg.fault_tolerance.nonfinite == "skip":
             record["skipped_steps"] = self.skipped_steps
+        if average is not None:
+            record["loss_avg_window"] = average
+        if to_file:
+            self.step_losses.append(loss)
         if self.is_main_process:
-            self.train_log.write(record)
-            self.metric_loggers.log_train(record, record["step"])
+            if to_file:
+                self.train_log.write(record)
+            if to_backends:
+                self.metric_loggers.log_train(record, record["step"])
         progress.set_postfix(loss=f"{loss:.4f}", lr=f"{sample.lr:.2e}", tps=f"{sample.tps:.0f}", refresh=False)

@@ -70,6 +70,26 @@ def loader_issues(cfg: Config) -> list[ConfigIssue]:
     return issues
 
 
+def has_validation_data(cfg: Config) -> bool:
+    return any(cfg.get(name) is not None for name in cfg.section_names()
+               if name == "validation_dataset" or name.startswith("validation_dataset_"))
+
+
+def step_scheduler_issues(cfg: Config, backends: list[Any]) -> list[ConfigIssue]:
+    """Step-schedule keys that act only together with another section."""
+    steps, issues = cfg.step_scheduler, []
+    if steps is None:
+        return issues
+    if steps.val_at_start and not has_validation_data(cfg):
+        issues.append(ConfigIssue("step_scheduler.val_at_start", "true, but there is no validation_dataset to "
+                                  "validate on; add one or remove the key"))
+    if steps.log_remote_every_steps is not None and not backends:
+        issues.append(ConfigIssue("step_scheduler.log_remote_every_steps", "sets how often the metric backends "
+                                  "receive the training metrics, but none is turned on (logging.backends, wandb:, "
+                                  "mlflow:); turn one on or remove the key (log_interval governs training.jsonl)"))
+    return issues
+
+
 def engine_issues(recipe: type[TrainRecipe], cfg: Config, plugins: PluginManager) -> list[ConfigIssue]:
     """Everything the engine checks across sections before building."""
     issues = batch_layout(cfg)[1] + loader_issues(cfg)
@@ -77,7 +97,8 @@ def engine_issues(recipe: type[TrainRecipe], cfg: Config, plugins: PluginManager
     issues += lr_scheduler_issues(cfg.get("lr_scheduler"), steps.max_steps if steps is not None else None)
     issues += pipeline_issues(cfg, plugins.stages, recipe.merged("stage_implementations"),
                               recipe.merged("unsupported_stages"))
-    issues += resolve_backends(cfg, plugins.loggers)[1]
+    backends, backend_issues = resolve_backends(cfg, plugins.loggers)
+    issues += backend_issues + step_scheduler_issues(cfg, backends)
     return issues
 
 
@@ -89,6 +110,12 @@ def _target(recipe: type[TrainRecipe], cfg: Config, name: str) -> Any:
     if isinstance(spec, Target) and isinstance(node, ConfigNode) and spec.default_target:
         return spec.default_target
     return None
+
+
+def _epochs(steps: Any) -> str:
+    if steps.num_epochs is not None:
+        return str(steps.num_epochs)
+    return "as many as max_steps needs" if steps.max_steps is not None else "1"
 
 
 def plan_lines(recipe: type[TrainRecipe], cfg: Config, plugins: PluginManager) -> list[str]:
@@ -103,7 +130,7 @@ def plan_lines(recipe: type[TrainRecipe], cfg: Config, plugins: PluginManager) -
     optimizer = recipe.all_sections()["optimizer"].default
     lines += [f"batch: {layout.micro_batch_size} per micro-batch x {layout.dp_size} ranks x "
               f"{layout.grad_accumulation_steps} accumulation = {layout.samples_per_step} samples per step",
-              f"steps: max_steps={steps.max_steps} num_epochs={steps.num_epochs} "
+              f"steps: max_steps={steps.max_steps} num_epochs={_epochs(steps)} "
               f"val every {steps.val_check_interval} ckpt every {steps.checkpoint_interval}",
               f"optimizer: {cfg.optimizer.target if cfg.optimizer else optimizer['_target_'] + ' (default)'}"]
     lines += [f"pipeline {slot}: {name}" for slot, (name, _) in recipe.pipeline_selection(cfg).items()]

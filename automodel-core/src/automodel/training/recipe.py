@@ -41,7 +41,7 @@ from automodel.training.modules import trainable_parameters, unwrap
 from automodel.training.pipeline import Selection, apply_pipeline, select_stages
 from automodel.training.rng import StatefulRNG
 from automodel.training.state import restore_states
-from automodel.training.step_scheduler import StepScheduler
+from automodel.training.step_scheduler import StepScheduler, steps_per_epoch
 
 # Third-party deprecation chatter on every run (torchdata's set_vital; torchao's enum registration, which
 # transformers triggers on import when torchao is installed) is noise for users.
@@ -258,10 +258,10 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
             for name in cfg.section_names()
             if (name == "validation_dataset" or name.startswith("validation_dataset_")) and cfg.get(name) is not None
         }
-        per_epoch = len(self.dataloader) // ctx.batch.grad_accumulation_steps \
+        per_epoch = steps_per_epoch(len(self.dataloader), ctx.batch.grad_accumulation_steps) \
             if hasattr(self.dataloader, "__len__") else None
         self.step_scheduler = self.build_step_scheduler(ctx, per_epoch)
-        self.lr_scheduler = self.build_lr_scheduler(ctx, self.optimizer, self.step_scheduler.max_steps)
+        self.lr_scheduler = self.build_lr_scheduler(ctx, self.optimizer, self.step_scheduler.total_steps)
         self.trainable_params = trainable_parameters(self.model)
         self.step_losses: list[float] = []
         self.skipped_steps = 0

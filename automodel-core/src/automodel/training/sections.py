@@ -21,7 +21,9 @@ def _help(text: str, aliases: tuple[str, ...] = ()) -> dict:
 @dataclass
 class StepSchedulerConfig:
     max_steps: int | None = field(default=None, metadata=_help("optimizer steps to run (None: num_epochs decides)"))
-    num_epochs: int = field(default=1, metadata=_help("passes over the training data (the first limit reached wins)"))
+    num_epochs: int | None = field(default=None, metadata=_help(
+        "passes over the training data; unset: as many as max_steps needs (one pass without max_steps); with both "
+        "set, the first limit reached ends the run"))
     grad_accumulation_steps: int | None = field(
         default=None, metadata=_help("micro-batches per optimizer step (derived from global_batch_size if unset)"))
     global_batch_size: int | None = field(
@@ -30,14 +32,26 @@ class StepSchedulerConfig:
         default=None, metadata=_help("samples per micro-batch on one rank (same as dataloader.batch_size)"))
     val_check_interval: int | None = field(
         default=None, metadata=_help("validate every N steps (and never if unset)", ("val_every_steps",)))
+    val_at_start: bool = field(default=False, metadata=_help(
+        "also validate the untouched model before the first step (recorded as step 0; not on a resume)"))
     checkpoint_interval: int | None = field(
         default=None, metadata=_help("checkpoint every N steps (and always after the last step)",
                                      ("ckpt_every_steps",)))
-    log_interval: int = field(default=10, metadata=_help("write a MetricsSample every N steps"))
+    save_checkpoint_every_epoch: bool = field(default=False, metadata=_help(
+        "also checkpoint after each epoch's last step (upstream's default is true)"))
+    log_interval: int = field(default=10, metadata=_help("write a MetricsSample to training.jsonl every N steps"))
+    log_remote_every_steps: int | None = field(default=None, metadata=_help(
+        "send a MetricsSample to the metric backends (logging / wandb / mlflow) every N steps (unset: with "
+        "training.jsonl)"))
+    loss_average_window_steps: int | None = field(default=None, metadata=_help(
+        "add loss_avg_window, the mean loss of the last N steps, to every MetricsSample"))
+    gc_every_steps: int | None = field(default=None, metadata=_help(
+        "run Python's garbage collector every N steps instead of automatically (off for the run)"))
 
     def __post_init__(self) -> None:
         require_positive(self, "max_steps", "num_epochs", "grad_accumulation_steps", "global_batch_size",
-                         "local_batch_size", "val_check_interval", "checkpoint_interval", "log_interval")
+                         "local_batch_size", "val_check_interval", "checkpoint_interval", "log_interval",
+                         "log_remote_every_steps", "loss_average_window_steps", "gc_every_steps")
 
 
 @dataclass
