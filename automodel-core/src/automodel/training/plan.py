@@ -90,6 +90,18 @@ def step_scheduler_issues(cfg: Config, backends: list[Any]) -> list[ConfigIssue]
     return issues
 
 
+def checkpoint_issues(recipe: type[TrainRecipe], cfg: Config) -> list[ConfigIssue]:
+    """``checkpoint.diffusers_compatible`` is what the recipe's model/ is, or it is refused."""
+    wanted = cfg.checkpoint.diffusers_compatible if cfg.checkpoint is not None else None
+    if wanted is None or wanted == recipe.writes_diffusers_pipeline:
+        return []
+    if wanted:
+        why = f"{recipe.__name__} writes model/ as a Hugging Face model directory, not a diffusers pipeline"
+    else:
+        why = f"{recipe.__name__} always writes model/ as a diffusers pipeline (diffusers' from_pretrained loads it)"
+    return [ConfigIssue("checkpoint.diffusers_compatible", f"{str(wanted).lower()}, but {why}; remove the key")]
+
+
 def engine_issues(recipe: type[TrainRecipe], cfg: Config, plugins: PluginManager) -> list[ConfigIssue]:
     """Everything the engine checks across sections before building."""
     issues = batch_layout(cfg)[1] + loader_issues(cfg)
@@ -98,7 +110,7 @@ def engine_issues(recipe: type[TrainRecipe], cfg: Config, plugins: PluginManager
     issues += pipeline_issues(cfg, plugins.stages, recipe.merged("stage_implementations"),
                               recipe.merged("unsupported_stages"))
     backends, backend_issues = resolve_backends(cfg, plugins.loggers)
-    issues += backend_issues + step_scheduler_issues(cfg, backends)
+    issues += backend_issues + step_scheduler_issues(cfg, backends) + checkpoint_issues(recipe, cfg)
     return issues
 
 

@@ -57,6 +57,7 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
 
     domain: ClassVar[str | None] = None  # selects the builders a plugin registered for this domain
     hf_artifacts: ClassVar[tuple[str, ...]] = ("tokenizer", "processor")  # saved beside the weights in model/
+    writes_diffusers_pipeline: ClassVar[bool] = False  # model/ is a diffusers pipeline (diffusers_compatible)
     # slot -> the registered implementation this recipe uses instead of the slot's default (merged like sections)
     stage_implementations: ClassVar[dict[str, str]] = {}
     # slot -> why this recipe refuses a config that asks for it (merged like sections)

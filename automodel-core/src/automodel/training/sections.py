@@ -108,24 +108,61 @@ class DistributedConfig:
                          *(("dp_size",) if isinstance(self.dp_size, int) else ()))
 
 
+# save_consolidated's values: upstream's bools and its strings (every = true; final and false need a form of the
+# weights other than model/, which this build's checkpoints do not write).
+_CONSOLIDATED = {True: True, "true": True, "every": True, False: False, "false": False}
+
+
 @dataclass
 class CheckpointConfig:
     enabled: bool = field(default=True, metadata=_help("write checkpoints"))
     checkpoint_dir: str = field(default="checkpoints", metadata=_help("where checkpoints and metrics go"))
-    model_save_format: Literal["safetensors", "torch_save"] = field(
-        default="safetensors", metadata=_help("weights format (safetensors; pickle is never used for weights)"))
-    save_consolidated: bool = field(default=True, metadata=_help("write one HF-loadable model directory"))
+    model_save_format: Literal["safetensors", "torch_save"] = field(default="safetensors", metadata=_help(
+        "weights format: safetensors (upstream's torch_save, pickle files, is refused: a checkpoint here is never "
+        "unpickled)"))
+    save_consolidated: bool | Literal["every", "final", "true", "false"] = field(default=True, metadata=_help(
+        "true (upstream's every): each checkpoint holds model/, the Hugging Face directory, which is also the "
+        "weights resume reads; false and final (no model/ in some checkpoints) are refused"))
     keep_last: int | None = field(default=None, metadata=_help("keep only the newest N checkpoints"))
-    model_repo_id: str | None = field(default=None, metadata=_help("accepted for upstream configs; unused"))
-    model_cache_dir: str | None = field(default=None, metadata=_help("accepted for upstream configs; unused"))
+    diffusers_compatible: bool | None = field(default=None, metadata=_help(
+        "true: model/ loads with diffusers' from_pretrained, which is what the diffusion recipe writes (refused "
+        "for the other recipes, and false for the diffusion recipe)"))
+    model_repo_id: str | None = field(default=None, metadata=_help(
+        "refused: upstream fills it from model: (a YAML value never acts there); model/ comes from the model trained"))
+    model_cache_dir: str | None = field(default=None, metadata=_help(
+        "refused: upstream fills it from model: (a YAML value never acts there); model/ comes from the model trained"))
     is_peft: bool | None = field(default=None, metadata=_help("accepted for upstream configs; set from peft:"))
     dequantize_base_checkpoint: bool | None = field(default=None, metadata=_help("accepted for upstream configs"))
 
     def __post_init__(self) -> None:
+        errors = {}
         if self.model_save_format == "torch_save":
-            raise ValueError("checkpoint.model_save_format: torch_save (pickle) is not supported for weights; "
-                             "use safetensors")
-        require_positive(self, "keep_last")
+            errors["model_save_format"] = (
+                "torch_save is upstream's pickle format (torch.save files); a checkpoint here is never unpickled, "
+                "so its weights are always safetensors (the same tensors, loadable by transformers): remove the key "
+                "or set safetensors")
+        if self.save_consolidated == "final":
+            errors["save_consolidated"] = (
+                "final (upstream: the Hugging Face model/ only in the last checkpoint, the others holding the "
+                "weights sharded) needs a second form of the weights, which this build's checkpoints do not write: "
+                "model/ is what a resume reads; remove the key or set true (every)")
+        else:
+            self.save_consolidated = _CONSOLIDATED[self.save_consolidated]
+            if not self.save_consolidated:
+                errors["save_consolidated"] = (
+                    "false asks for checkpoints without the Hugging Face model/ directory, but model/ holds a "
+                    "checkpoint's only copy of the weights (what a resume reads): remove the key or set true")
+        for name in ("model_repo_id", "model_cache_dir"):
+            if getattr(self, name) is not None:
+                errors[name] = (f"upstream sets {name} from model: and never reads this value; the checkpoint's "
+                                "model/ is written from the model being trained, so there is nothing to set: remove "
+                                "the key")
+        try:
+            require_positive(self, "keep_last")
+        except FieldErrors as err:
+            errors.update(err.errors)
+        if errors:
+            raise FieldErrors(errors)
 
 
 @dataclass
