@@ -208,8 +208,16 @@ def test_without_log_remote_every_steps_the_backends_get_what_training_jsonl_get
 
 def test_log_remote_every_steps_without_a_backend_is_refused(make_toy):
     with pytest.raises(ConfigError, match="step_scheduler.log_remote_every_steps: sets how often the metric "
-                                          "backends receive the training metrics, but none is turned on"):
+                                          "backends receive the training metrics, but none is configured"):
         load_config(make_toy(step_scheduler={"log_remote_every_steps": 2}), recipe=ToyRecipe)
+
+
+def test_log_remote_every_steps_with_a_backend_turned_off_is_kept_with_a_note(make_toy, tmp_path, capsys):
+    """Like the section's own settings, it acts once the backend is turned on (upstream configs ship it so)."""
+    config = make_toy(step_scheduler={"max_steps": 2, "log_remote_every_steps": 1}, wandb={"enable": False})
+    train_inprocess(config, recipe=ToyRecipe)
+    assert "note: step_scheduler.log_remote_every_steps governs nothing this run: every metric backend is turned " \
+           "off" in capsys.readouterr().err
 
 
 def test_loss_average_window_steps_adds_the_mean_of_the_last_n_losses(make_toy, tmp_path):

@@ -14,7 +14,7 @@ from automodel.errors import ConfigIssue
 from automodel.optim import lr_scheduler_issues
 from automodel.training.context import BatchLayout
 from automodel.training.dist import world_size
-from automodel.training.logging.select import resolve_backends
+from automodel.training.logging.select import UPSTREAM_SECTIONS, resolve_backends
 from automodel.training.pipeline import pipeline_issues
 
 if TYPE_CHECKING:
@@ -83,10 +83,13 @@ def step_scheduler_issues(cfg: Config, backends: list[Any]) -> list[ConfigIssue]
     if steps.val_at_start and not has_validation_data(cfg):
         issues.append(ConfigIssue("step_scheduler.val_at_start", "true, but there is no validation_dataset to "
                                   "validate on; add one or remove the key"))
-    if steps.log_remote_every_steps is not None and not backends:
+    # A backend section that is only turned off (wandb: {enable: false}) keeps the key: it acts once the backend is
+    # turned on, like the section's own settings; the run says it governs nothing meanwhile.
+    configured = any(cfg.get(name) is not None for name in ("logging", *UPSTREAM_SECTIONS))
+    if steps.log_remote_every_steps is not None and not backends and not configured:
         issues.append(ConfigIssue("step_scheduler.log_remote_every_steps", "sets how often the metric backends "
-                                  "receive the training metrics, but none is turned on (logging.backends, wandb:, "
-                                  "mlflow:); turn one on or remove the key (log_interval governs training.jsonl)"))
+                                  "receive the training metrics, but none is configured (logging.backends, wandb:, "
+                                  "mlflow:); add one or remove the key (log_interval governs training.jsonl)"))
     return issues
 
 

@@ -279,5 +279,8 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
         self.peak_flops = device_peak_flops(self.device)
         self.num_params = sum(p.numel() for p in self.model.parameters())
         specs = resolve_backends(self.cfg, self.ctx.plugins.loggers)[0] if self.is_main_process else []
+        if self.cfg.step_scheduler.log_remote_every_steps is not None and not specs:
+            self.log("note: step_scheduler.log_remote_every_steps governs nothing this run: every metric backend "
+                     "is turned off")
         self.metric_loggers = MetricLoggers(specs, LoggerContext(root, f"{type(self).__module__}."
                                                                     f"{type(self).__qualname__}", self.log))
