@@ -187,7 +187,8 @@ class TrainingLoop:
         progress = tqdm(total=steps.total_steps, initial=steps.step, desc="train", unit="step", file=sys.stderr,
                         disable=not self.is_main_process, dynamic_ncols=True)
         window_tokens, window_start = 0, time.perf_counter()
-        recent_losses = deque(maxlen=settings.loss_average_window_steps or 1)
+        window = settings.loss_average_window_steps
+        recent_losses = deque(maxlen=window) if window else None  # loss_avg_window's steps
         saved_at = None
         self.final_checkpoint: Path | None = None
         status = FAILED  # what the metric backends are told when the loop ends
@@ -202,14 +203,12 @@ class TrainingLoop:
                     step = steps.finish_step()
                     self.after_step(step, tokens, time.perf_counter() - step_start)
                     window_tokens += tokens
-                    recent_losses.append(loss.detach())
+                    if recent_losses is not None:
+                        recent_losses.append(loss.detach())
                     progress.update(1)
-                    to_file, to_backends = steps.is_log_step(), steps.is_remote_log_step()
-                    if to_file or to_backends:
-                        average = torch.stack(list(recent_losses)).mean().item() \
-                            if settings.loss_average_window_steps else None
+                    if steps.is_log_step() or steps.is_remote_log_step():
                         self._log_step(loss.item(), grad_norm, window_tokens, time.perf_counter() - window_start,
-                                       progress, to_file, to_backends, average)
+                                       progress, recent_losses)
                         window_tokens, window_start = 0, time.perf_counter()
                     if steps.is_val_step() and self.val_dataloaders:
                         self.validate()
@@ -238,14 +237,16 @@ class TrainingLoop:
         self.on_train_end(self.final_checkpoint)
 
     def _log_step(self, loss: float, grad_norm: torch.Tensor, tokens: int, elapsed: float, progress: tqdm,
-                  to_file: bool, to_backends: bool, average: float | None) -> None:
+                  recent_losses: deque[torch.Tensor] | None) -> None:
         """One MetricsSample: to training.jsonl (``log_interval``) and/or the backends (``log_remote_every_steps``)."""
+        steps = self.step_scheduler
+        to_file, to_backends = steps.is_log_step(), steps.is_remote_log_step()
         sample = self._sample(loss, grad_norm, tokens, elapsed)
         record = sample.to_dict()
         if self.cfg.fault_tolerance.nonfinite == "skip":
             record["skipped_steps"] = self.skipped_steps
-        if average is not None:
-            record["loss_avg_window"] = average
+        if recent_losses is not None:
+            record["loss_avg_window"] = torch.stack(list(recent_losses)).mean().item()
         if to_file:
             self.step_losses.append(loss)
         if self.is_main_process:
