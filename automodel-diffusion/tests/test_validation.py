@@ -137,3 +137,12 @@ def test_diffusers_compatible_true_is_what_the_recipe_writes_and_false_is_refuse
     assert code == 2, text
     assert "checkpoint.diffusers_compatible: false, but DiffusionRecipe always writes model/ as a diffusers " \
            "pipeline (diffusers' from_pretrained loads it); remove the key" in text
+
+
+def test_a_sharded_only_checkpoint_is_refused_for_a_diffusers_pipeline(example, capsys, nothing_is_built):
+    """The pipeline's model/ is a layout of its own, with no sharded form: save_consolidated: false could not act."""
+    code, text = run(capsys, "finetune", "diffusion", "-c", example(), "--checkpoint.save_consolidated", "false")
+    assert code == 2, text
+    assert "checkpoint.save_consolidated" in text and "writes model/ in a layout of its own, which has no sharded " \
+        "form; remove the key (or set it to true)" in text
+    assert "Traceback" not in text

@@ -60,3 +60,18 @@ def test_checkpoint_form_writes_model_in_every_checkpoint(tmp_path, monkeypatch,
     assert checkpoint_dirs(ckpt) == ["epoch_0_step_2", "epoch_0_step_3"]
     for name in checkpoint_dirs(ckpt):
         assert (ckpt / name / "model" / "config.json").is_file() and list((ckpt / name / "model").glob("*.safetensors"))
+
+
+def test_checkpoint_form_with_final_writes_model_only_in_the_last_checkpoint(tmp_path, monkeypatch, capsys):
+    """Upstream's default save_consolidated: the earlier checkpoints hold the shards, the last one model/ (and the
+    run's last line points at it)."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["finetune", "llm", "-c", str(FORMS / "checkpoint_upstream_keys.yaml"),
+                 "--checkpoint.save_consolidated", "final"]) == 0
+    ckpt = tmp_path / "checkpoints"
+    assert checkpoint_dirs(ckpt) == ["epoch_0_step_2", "epoch_0_step_3"]
+    assert not (ckpt / "epoch_0_step_2" / "model").exists()
+    assert list((ckpt / "epoch_0_step_2" / "model_shards").glob("*.safetensors"))
+    assert (ckpt / "epoch_0_step_3" / "model" / "config.json").is_file()
+    assert not (ckpt / "epoch_0_step_3" / "model_shards").exists()
+    assert f"Trained model in {Path('checkpoints/epoch_0_step_3/model')}" in capsys.readouterr().err

@@ -49,6 +49,8 @@ def automodel_register_aliases(aliases) -> None:
     aliases.target("nemo_automodel.recipes.llm.kd.KnowledgeDistillationRecipeForNextTokenPrediction",
                    "automodel_llm.kd.KnowledgeDistillationRecipe")
     aliases.target("ChatDataset", "automodel_llm.datasets.ChatDataset")
+    aliases.target("nemo_automodel.components.datasets.llm.chat_dataset.ChatDataset",
+                   "automodel_llm.datasets.ChatDataset")
     aliases.target("PretrainingTextDataset", "automodel_llm.datasets.PretrainingTextDataset")
     aliases.target("MockDataset", "automodel_llm.datasets.MockDataset")
     aliases.target("nemo_automodel.recipes.llm.train_ft.TrainFinetuneRecipeForNextTokenPrediction", _RECIPE)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import sys
 from pathlib import Path
@@ -69,27 +70,40 @@ def load_and_validate(recipe_cls: type, config_path: Path, extra_args: list[str]
     return build_config(data, recipe_cls, manager.resolver(), source=str(config_path), overrides=overrides)
 
 
+def planning_for(launch: dict[str, Any] | None) -> contextlib.AbstractContextManager:
+    """Validation and the plan within the block are for the run ``launch`` describes (its world size)."""
+    if not launch:
+        return contextlib.nullcontext()
+    from automodel.cli.launch import planned_world
+    from automodel.training.dist import planned_world_size
+
+    return planned_world_size(*planned_world(launch))
+
+
 def run_recipe(recipe_cls: type, config_path: Path, extra_args: list[str], manager: PluginManager,
                dry_run: bool = False, print_config: bool = False, launch: dict[str, Any] | None = None) -> int:
+    from automodel.cli.launch import needs_torchrun
+
     launch = launch or {}
-    nproc = launch.get("nproc_per_node") or 1
-    if nproc > 1 and not _under_torchrun():
+    relaunch = needs_torchrun(launch) and not _under_torchrun()
+    with planning_for(launch if relaunch else None):
+        # Validated here once, for the whole launch, so a config mistake is reported once, not by every rank.
+        cfg = load_and_validate(recipe_cls, config_path, extra_args, manager)
+        if print_config:
+            click.echo(cfg.to_yaml(), nl=False)
+            return 0
+        if dry_run:
+            click.echo(f"config {config_path} is valid; plan:")
+            for line in recipe_cls.describe_plan(cfg):
+                click.echo(f"  {line}")
+            click.echo("dry run: nothing was built")
+            return 0
+    if relaunch:
         from automodel.cli.launch import relaunch_under_torchrun
 
-        # Validate once here so a config mistake is reported once, not by every rank.
-        load_and_validate(recipe_cls, config_path, extra_args, manager)
-        if not (dry_run or print_config):
-            return relaunch_under_torchrun(launch)
-    cfg = load_and_validate(recipe_cls, config_path, extra_args, manager)
-    if print_config:
-        click.echo(cfg.to_yaml(), nl=False)
-        return 0
-    if dry_run:
-        click.echo(f"config {config_path} is valid; plan:")
-        for line in recipe_cls.describe_plan(cfg):
-            click.echo(f"  {line}")
-        click.echo("dry run: nothing was built")
-        return 0
+        dist_env = cfg.get("dist_env")  # the rendezvous address when --master-addr / --master-port are not given
+        where = (dist_env.master_addr, dist_env.master_port) if dist_env is not None else ("localhost", 29500)
+        return relaunch_under_torchrun(launch, *where)
     recipe = recipe_cls(cfg)
     try:
         recipe.setup()

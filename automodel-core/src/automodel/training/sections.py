@@ -60,10 +60,15 @@ class DistEnvConfig:
     master_port: int = field(default=29500, metadata=_help("rendezvous port for multi-process runs"))
     backend: Literal["nccl", "gloo"] | None = field(
         default=None, metadata=_help("torch.distributed backend (default: nccl on CUDA, gloo on CPU)"))
-    timeout_minutes: int = field(default=30, metadata=_help("collective timeout"))
+    timeout_minutes: float = field(default=30, metadata=_help(
+        "how long a collective may wait for the other ranks before the run stops with an error naming the step"))
     cpu_malloc_tuning: bool = field(
         default=True, metadata=_help("on CPU with glibc, keep freed step buffers in the heap instead of returning "
                                      "them to the kernel each step (automodel.training.host_memory)"))
+
+    def __post_init__(self) -> None:
+        if self.timeout_minutes <= 0:
+            raise ValueError(f"dist_env.timeout_minutes must be > 0, found {self.timeout_minutes}")
 
 
 @dataclass
@@ -95,22 +100,37 @@ class DistributedConfig:
     strategy: Literal["fsdp2", "megatron_fsdp", "ddp"] = field(
         default="ddp", metadata=_help("how the model is sharded across data-parallel ranks"))
     dp_size: int | Literal["auto", "none"] | None = field(
-        default="auto", metadata=_help("data-parallel ranks ('auto', 'none' or null: the world size)"))
+        default="auto", metadata=_help("data-parallel ranks in all ('auto', 'none' or null: world size / (tp_size * "
+                                       "cp_size * pp_size))"))
+    dp_replicate_size: int | None = field(
+        default=1, metadata=_help("HSDP: replicas of the model, each sharded over dp_size / dp_replicate_size ranks "
+                                  "(fsdp2 only; null: 1)"))
     tp_size: int = field(default=1, metadata=_help("tensor-parallel size (only 1 is supported)"))
     cp_size: int = field(default=1, metadata=_help("context-parallel size (only 1 is supported)"))
     pp_size: int = field(default=1, metadata=_help("pipeline-parallel size (only 1 is supported)"))
     ep_size: int | None = field(default=None, metadata=_help("expert-parallel size (only 1 or null is supported)"))
-    sequence_parallel: bool = field(default=False, metadata=_help("sequence parallelism (needs tp_size > 1)"))
-    activation_checkpointing: bool = field(default=False, metadata=_help("recompute activations in backward"))
+    sequence_parallel: bool = field(default=False, metadata=_help("sequence parallelism (needs tp_size > 1; not "
+                                                                  "supported)"))
+    activation_checkpointing: bool = field(
+        default=False, metadata=_help("recompute each transformer block's activations in backward instead of "
+                                      "keeping them (less memory, about a third more compute)"))
+    mp_policy: dict | None = field(
+        default=None, metadata=_help("mixed precision {param_dtype, reduce_dtype, output_dtype, cast_forward_inputs} "
+                                     "(dtypes bf16 | fp16 | fp32; also `_target_: torch.distributed.fsdp."
+                                     "MixedPrecisionPolicy`); null: fp32 on CPU, bf16 on GPUs that support it"))
+    autocast_dtype: str | None = field(
+        default=None, metadata=_help("also run the forward under torch.autocast in this dtype (bf16 | fp16), as "
+                                     "upstream does with mp_policy.output_dtype fp32"))
 
     def __post_init__(self) -> None:
-        require_positive(self, "tp_size", "cp_size", "pp_size", "ep_size",
+        require_positive(self, "tp_size", "cp_size", "pp_size", "ep_size", "dp_replicate_size",
                          *(("dp_size",) if isinstance(self.dp_size, int) else ()))
+        if self.dp_replicate_size is None:
+            self.dp_replicate_size = 1
 
 
-# save_consolidated's values: upstream's bools and its strings (every = true; final and false need a form of the
-# weights other than model/, which this build's checkpoints do not write).
-_CONSOLIDATED = {True: True, "true": True, "every": True, False: False, "false": False}
+# save_consolidated's values: upstream's bools and its strings (every = true); final stays "final".
+_CONSOLIDATED = {True: True, "true": True, "every": True, False: False, "false": False, "final": "final"}
 
 
 @dataclass
@@ -121,8 +141,12 @@ class CheckpointConfig:
         "weights format: safetensors (upstream's torch_save, pickle files, is refused: a checkpoint here is never "
         "unpickled)"))
     save_consolidated: bool | Literal["every", "final", "true", "false"] = field(default=True, metadata=_help(
-        "true (upstream's every): each checkpoint holds model/, the Hugging Face directory, which is also the "
-        "weights resume reads; false and final (no model/ in some checkpoints) are refused"))
+        "true (upstream's every): model/ in the Hugging Face layout in every checkpoint (written by every rank "
+        "from its shards, the weights' only copy); false: only the sharded form model_shards/ (automodel export "
+        "makes model/ later); final: model_shards/, and model/ in the run's last checkpoint"))
+    async_save: bool = field(default=False, metadata=_help(
+        "write checkpoints in the background from host copies while training goes on; LATEST names one once "
+        "every file is written"))
     keep_last: int | None = field(default=None, metadata=_help("keep only the newest N checkpoints"))
     diffusers_compatible: bool | None = field(default=None, metadata=_help(
         "true: model/ loads with diffusers' from_pretrained, which is what the diffusion recipe writes (refused "
@@ -141,22 +165,11 @@ class CheckpointConfig:
                 "torch_save is upstream's pickle format (torch.save files); a checkpoint here is never unpickled, "
                 "so its weights are always safetensors (the same tensors, loadable by transformers): remove the key "
                 "or set safetensors")
-        if self.save_consolidated == "final":
-            errors["save_consolidated"] = (
-                "final (upstream: the Hugging Face model/ only in the last checkpoint, the others holding the "
-                "weights sharded) needs a second form of the weights, which this build's checkpoints do not write: "
-                "model/ is what a resume reads; remove the key or set true (every)")
-        else:
-            self.save_consolidated = _CONSOLIDATED[self.save_consolidated]
-            if not self.save_consolidated:
-                errors["save_consolidated"] = (
-                    "false asks for checkpoints without the Hugging Face model/ directory, but model/ holds a "
-                    "checkpoint's only copy of the weights (what a resume reads): remove the key or set true")
-        for name in ("model_repo_id", "model_cache_dir"):
+        self.save_consolidated = _CONSOLIDATED[self.save_consolidated]
+        for name, section in (("model_repo_id", "model:"), ("model_cache_dir", "model:")):
             if getattr(self, name) is not None:
-                errors[name] = (f"upstream sets {name} from model: and never reads this value; the checkpoint's "
-                                "model/ is written from the model being trained, so there is nothing to set: remove "
-                                "the key")
+                errors[name] = (f"upstream sets {name} from {section} and never reads this value; here too the run "
+                                f"takes it from {section}, so there is nothing to set: remove the key")
         try:
             require_positive(self, "keep_last")
         except FieldErrors as err:

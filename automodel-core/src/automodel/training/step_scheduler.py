@@ -42,6 +42,7 @@ class StepScheduler:
         self.epoch = 0
         self.epoch_step = 0  # steps trained in the current epoch
         self._epoch_exhausted = False  # the current epoch's data has run out (its last step is being trained)
+        self._skip = 0  # micro-batches of the current epoch already trained (a resume on another number of ranks)
 
     @property
     def total_steps(self) -> int:
@@ -64,6 +65,9 @@ class StepScheduler:
                 set_epoch(self.epoch)  # a distributed sampler shuffles per epoch
             for batch in dataloader:
                 seen += 1
+                if self._skip:
+                    self._skip -= 1
+                    continue
                 buffer.append(batch)
                 if len(buffer) == self.grad_accumulation_steps:
                     yield buffer
@@ -78,11 +82,17 @@ class StepScheduler:
             self.epoch += 1
             self.epoch_step = 0
             self._epoch_exhausted = False
+            self._skip = 0
 
     def finish_step(self) -> int:
         self.step += 1
         self.epoch_step += 1
         return self.step
+
+    def skip_trained_steps(self, steps: int) -> None:
+        """Resuming with a fresh data loader: pass over the micro-batches of the ``steps`` already trained in the
+        current epoch before the next step."""
+        self._skip = steps * self.grad_accumulation_steps
 
     @property
     def done(self) -> bool:
@@ -128,5 +138,4 @@ class StepScheduler:
         return {"step": self.step, "epoch": self.epoch, "epoch_step": self.epoch_step}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self.step, self.epoch = int(state["step"]), int(state["epoch"])
-        self.epoch_step = int(state.get("epoch_step", 0))  # written since the epoch-end checkpoint existed
+        self.step, self.epoch, self.epoch_step = int(state["step"]), int(state["epoch"]), int(state["epoch_step"])
