@@ -1,16 +1,17 @@
 """Upstream's checkpoint keys that are not about resuming: each acts here or is refused with its reason
 (``save_consolidated``'s values, ``model_save_format: torch_save``, ``diffusers_compatible``, ``model_repo_id``,
-``model_cache_dir``)."""
+``model_cache_dir``, ``is_peft``, ``dequantize_base_checkpoint``)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from automodel.errors import ConfigError
+from automodel.errors import AutomodelError, ConfigError
 from automodel.testing import (
     ToyRecipe,
     assert_states_equal,
@@ -117,9 +118,10 @@ def test_torch_save_is_refused_saying_why(make_toy):
 
 
 @pytest.mark.parametrize("key, value, section", [("model_repo_id", "meta-llama/Llama-3.2-1B", "model:"),
-                                                 ("model_cache_dir", "/cache", "model:")])
+                                                 ("model_cache_dir", "/cache", "model:"),
+                                                 ("is_peft", True, "peft:"), ("is_peft", False, "peft:")])
 def test_keys_upstream_fills_from_other_sections_are_refused(make_toy, key, value, section):
-    """Upstream overwrites them from model: whatever the YAML says; here it decides too."""
+    """Upstream overwrites them from model: / peft: whatever the YAML says; here those sections decide too."""
     text = refusal(make_toy(checkpoint={key: value}))
     assert f"checkpoint.{key}: upstream sets {key} from {section} and never reads this value" in text
 
@@ -131,8 +133,33 @@ def test_diffusers_compatible_is_refused_for_a_recipe_that_writes_no_diffusers_p
     load_config(make_toy(checkpoint={"diffusers_compatible": False}), recipe=ToyRecipe)  # what it writes: valid
 
 
+class QuantizedBaseToy(ToyRecipe):
+    """A toy whose base model's config says it is quantized (as an FP8 checkpoint's config.json does)."""
+
+    def build_model(self, ctx):
+        model = super().build_model(ctx)
+        model.config = SimpleNamespace(quantization_config={"quant_method": "fp8"})
+        return model
+
+
+@pytest.mark.parametrize("value", [True, False])
+def test_dequantize_base_checkpoint_is_checked_against_the_base_model(make_toy, capsys, value):
+    config = make_toy(step_scheduler={"max_steps": 1}, checkpoint={"dequantize_base_checkpoint": value})
+    train_inprocess(config, recipe=ToyRecipe)
+    assert f"note: checkpoint.dequantize_base_checkpoint: {str(value).lower()} governs nothing this run: the base " \
+           "model is not quantized" in capsys.readouterr().err
+    with pytest.raises(AutomodelError, match=f"checkpoint.dequantize_base_checkpoint: {str(value).lower()}, but the "
+                                             "base model is quantized \\(quantization_config, quant_method fp8\\)"):
+        train_inprocess(config, recipe=QuantizedBaseToy, setup_only=True)
+
+
+def test_dequantize_base_checkpoint_unset_says_nothing(make_toy, capsys):
+    train_inprocess(make_toy(step_scheduler={"max_steps": 1}), recipe=QuantizedBaseToy, setup_only=True)
+    assert "dequantize_base_checkpoint" not in capsys.readouterr().err
+
+
 def test_every_refusal_at_once(make_toy):
     text = refusal(make_toy(checkpoint={"model_save_format": "torch_save", "model_repo_id": "x/y",
-                                        "model_cache_dir": "/cache"}))
-    for key in ("model_save_format", "model_repo_id", "model_cache_dir"):
+                                        "model_cache_dir": "/cache", "is_peft": True}))
+    for key in ("model_save_format", "model_repo_id", "model_cache_dir", "is_peft"):
         assert f"checkpoint.{key}: " in text

@@ -53,13 +53,15 @@ def test_step_scheduler_form_runs_with_finetune_llm(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("command", [["run"], ["finetune", "llm"]])
-def test_checkpoint_form_writes_model_in_every_checkpoint(tmp_path, monkeypatch, command):
+def test_checkpoint_form_writes_model_in_every_checkpoint(tmp_path, monkeypatch, capsys, command):
     monkeypatch.chdir(tmp_path)
     assert main([*command, "-c", str(FORMS / "checkpoint_upstream_keys.yaml")]) == 0
     ckpt = tmp_path / "checkpoints"
     assert checkpoint_dirs(ckpt) == ["epoch_0_step_2", "epoch_0_step_3"]
     for name in checkpoint_dirs(ckpt):
         assert (ckpt / name / "model" / "config.json").is_file() and list((ckpt / name / "model").glob("*.safetensors"))
+    assert "note: checkpoint.dequantize_base_checkpoint: true governs nothing this run: the base model is not " \
+           "quantized" in capsys.readouterr().err
 
 
 def test_checkpoint_form_with_final_writes_model_only_in_the_last_checkpoint(tmp_path, monkeypatch, capsys):

@@ -155,8 +155,11 @@ class CheckpointConfig:
         "refused: upstream fills it from model: (a YAML value never acts there); model/ comes from the model trained"))
     model_cache_dir: str | None = field(default=None, metadata=_help(
         "refused: upstream fills it from model: (a YAML value never acts there); model/ comes from the model trained"))
-    is_peft: bool | None = field(default=None, metadata=_help("accepted for upstream configs; set from peft:"))
-    dequantize_base_checkpoint: bool | None = field(default=None, metadata=_help("accepted for upstream configs"))
+    is_peft: bool | None = field(default=None, metadata=_help(
+        "refused: upstream fills it from peft: (a YAML value never acts there); peft: decides here too"))
+    dequantize_base_checkpoint: bool | None = field(default=None, metadata=_help(
+        "checked against the base model at setup: a quantized base (quantization_config) is refused, since this "
+        "build loads no quantized weights; otherwise there is nothing to dequantize and the run says so"))
 
     def __post_init__(self) -> None:
         errors = {}
@@ -166,7 +169,7 @@ class CheckpointConfig:
                 "so its weights are always safetensors (the same tensors, loadable by transformers): remove the key "
                 "or set safetensors")
         self.save_consolidated = _CONSOLIDATED[self.save_consolidated]
-        for name, section in (("model_repo_id", "model:"), ("model_cache_dir", "model:")):
+        for name, section in (("model_repo_id", "model:"), ("model_cache_dir", "model:"), ("is_peft", "peft:")):
             if getattr(self, name) is not None:
                 errors[name] = (f"upstream sets {name} from {section} and never reads this value; here too the run "
                                 f"takes it from {section}, so there is nothing to set: remove the key")
