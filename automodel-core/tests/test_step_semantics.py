@@ -161,6 +161,17 @@ def test_val_at_start_validates_the_untouched_model_as_step_0(make_toy, tmp_path
     assert records[0]["val_loss"] == pytest.approx(expected, rel=1e-6)
 
 
+def test_val_at_start_is_not_repeated_by_a_resume(make_toy, tmp_path):
+    """As documented: a resumed run starts past step 0, so it does not validate the untouched model again."""
+    config = make_toy(**VALIDATION, step_scheduler={"max_steps": 4, "val_check_interval": 2, "val_at_start": True,
+                                                    "checkpoint_interval": 2})
+    train_inprocess(config, recipe=ToyRecipe)
+    assert [r["step"] for r in read_jsonl(tmp_path / "ckpt" / "validation.jsonl")] == [0, 2, 4]
+    train_inprocess(config, "--checkpoint.checkpoint_dir", tmp_path / "again", "--restore_from.path",
+                    tmp_path / "ckpt" / "epoch_0_step_2", recipe=ToyRecipe)
+    assert [r["step"] for r in read_jsonl(tmp_path / "again" / "validation.jsonl")] == [4]
+
+
 def test_val_at_start_without_validation_data_is_refused(make_toy):
     config = make_toy(step_scheduler={"val_at_start": True})
     with pytest.raises(ConfigError, match="step_scheduler.val_at_start: true, but there is no validation_dataset"):
