@@ -136,13 +136,19 @@ def drive(steps, data):
     return seen
 
 
-def test_step_groups_accumulation_and_drops_partial_step_at_epoch_end():
-    steps = scheduler(accumulation=3, steps_per_epoch=2, max_steps=5, num_epochs=10)
-    seen = drive(steps, list(range(7)))  # 7 micro-batches: two steps, one left over per epoch
+def test_the_last_shorter_group_of_an_epoch_is_a_step():
+    steps = scheduler(accumulation=3, steps_per_epoch=3, max_steps=5, num_epochs=10)
+    seen = drive(steps, list(range(7)))  # 7 micro-batches: two full steps and one of a single micro-batch
     assert [s for s, _, _ in seen] == [1, 2, 3, 4, 5]
-    assert seen[0][2] == [0, 1, 2] and seen[1][2] == [3, 4, 5] and seen[2][2] == [0, 1, 2]
-    assert [e for _, e, _ in seen] == [0, 0, 1, 1, 2]
+    assert [b for _, _, b in seen] == [[0, 1, 2], [3, 4, 5], [6], [0, 1, 2], [3, 4, 5]]
+    assert [e for _, e, _ in seen] == [0, 0, 0, 1, 1]
     assert steps.step == 5
+
+
+def test_steps_per_epoch_counts_the_shorter_group():
+    from automodel.training.step_scheduler import steps_per_epoch
+
+    assert (steps_per_epoch(7, 3), steps_per_epoch(6, 3), steps_per_epoch(1, 4)) == (3, 2, 1)
 
 
 def test_num_epochs_limits_when_max_steps_unset():
@@ -152,11 +158,38 @@ def test_num_epochs_limits_when_max_steps_unset():
     assert len(seen) == 6 and [e for _, e, _ in seen] == [0, 0, 1, 1, 2, 2]
 
 
-def test_first_limit_wins():
+def test_without_num_epochs_max_steps_decides_over_as_many_epochs_as_it_needs():
+    steps = scheduler(steps_per_epoch=4, max_steps=10)
+    seen = drive(steps, list(range(4)))
+    assert len(seen) == 10 and [e for _, e, _ in seen] == [0] * 4 + [1] * 4 + [2] * 2
+    assert steps.total_steps == 10 and steps.stop_reason() == "step_scheduler.max_steps: 10 reached"
+
+
+def test_without_either_limit_one_epoch_runs():
+    steps = scheduler(steps_per_epoch=4)
+    assert (steps.max_steps, steps.num_epochs) == (4, 1)
+    assert len(drive(steps, list(range(4)))) == 4
+
+
+def test_first_limit_wins_and_says_which():
     steps = scheduler(steps_per_epoch=4, max_steps=100, num_epochs=2)
+    assert steps.total_steps == 8
     assert len(drive(steps, list(range(4)))) == 8
+    assert steps.stop_reason() == "step_scheduler.num_epochs: 2 done before max_steps: 100"
     steps = scheduler(steps_per_epoch=4, max_steps=3, num_epochs=2)
+    assert steps.total_steps == 3
     assert len(drive(steps, list(range(4)))) == 3
+    assert steps.stop_reason() == "step_scheduler.max_steps: 3 reached"
+
+
+def test_streaming_data_without_max_steps_is_refused_and_an_empty_epoch_stops():
+    from automodel.errors import AutomodelError
+
+    with pytest.raises(AutomodelError, match="max_steps must be set"):
+        scheduler(accumulation=2)
+    steps = scheduler(accumulation=2, max_steps=5)
+    with pytest.raises(AutomodelError, match="an epoch gave no batch"):
+        drive(steps, [])
 
 
 def test_log_val_checkpoint_predicates():
@@ -189,18 +222,62 @@ def test_step_scheduler_state_round_trip():
     assert state == {"step": 3, "epoch": 1, "epoch_step": 1}  # one step into epoch 1
     other = scheduler(steps_per_epoch=2, max_steps=5, num_epochs=10)
     other.load_state_dict(state)
-    assert (other.step, other.epoch) == (3, 1)
+    assert (other.step, other.epoch, other.epoch_step) == (3, 1, 1)
     assert [s for s, _, _ in drive(other, list(range(2)))] == [4, 5]
 
 
-def test_too_little_data_for_one_step_is_a_clear_error():
+def test_a_checkpoint_after_an_epochs_shorter_last_step_resumes_in_the_next_epoch():
+    """The data ran out before that step: the loader's saved position is the end of its pass, so the resume
+    starts the next epoch (its first pass over the restored loader is a whole new one)."""
+    steps = scheduler(accumulation=2, steps_per_epoch=2, max_steps=6)
+    drive_some = steps.batches(list(range(3)))
+    for _ in range(2):
+        next(drive_some)
+        steps.finish_step()
+    assert steps.is_epoch_end()
+    assert steps.state_dict() == {"step": 2, "epoch": 1, "epoch_step": 0}
+
+
+def steps_where(steps, data, predicate):
+    """The steps after which ``predicate(steps)`` holds, driving the loop's protocol."""
+    found = []
+    for _ in steps.batches(data):
+        steps.finish_step()
+        found += [steps.step] if predicate(steps) else []
+    return found
+
+
+def test_epoch_end_checkpoints_when_asked():
+    def checkpoint(steps):
+        return steps.is_checkpoint_step(last=steps.step >= steps.total_steps)
+
+    asked = scheduler(accumulation=2, steps_per_epoch=2, max_steps=5, save_checkpoint_every_epoch=True)
+    assert steps_where(asked, list(range(3)), checkpoint) == [2, 4, 5]
+    full_groups = scheduler(accumulation=2, steps_per_epoch=2, max_steps=5, save_checkpoint_every_epoch=True)
+    assert steps_where(full_groups, list(range(4)), checkpoint) == [2, 4, 5]
+    unasked = scheduler(accumulation=2, steps_per_epoch=2, max_steps=5)
+    assert steps_where(unasked, list(range(3)), checkpoint) == [5]
+
+
+def test_remote_logging_has_its_own_interval():
+    steps = scheduler(steps_per_epoch=10, max_steps=7, log_interval=3, log_remote_every_steps=2)
+    assert steps_where(steps, list(range(10)), lambda s: s.is_remote_log_step()) == [2, 4, 6, 7]
+    steps = scheduler(steps_per_epoch=10, max_steps=7, log_interval=3, log_remote_every_steps=2)
+    assert steps_where(steps, list(range(10)), lambda s: s.is_log_step()) == [3, 6, 7]
+    steps = scheduler(steps_per_epoch=10, max_steps=7, log_interval=3)
+    assert steps_where(steps, list(range(10)), lambda s: s.is_remote_log_step()) == [3, 6, 7]
+
+
+def test_a_loader_without_batches_is_a_clear_error():
     from automodel.errors import AutomodelError
 
-    with pytest.raises(AutomodelError, match="grad_accumulation_steps"):
+    with pytest.raises(AutomodelError, match="yields no batch"):
         scheduler(accumulation=4, steps_per_epoch=0, max_steps=3)
 
 
-@pytest.mark.parametrize("key", ["max_steps", "grad_accumulation_steps", "log_interval", "checkpoint_interval"])
+@pytest.mark.parametrize("key", ["max_steps", "grad_accumulation_steps", "log_interval", "checkpoint_interval",
+                                 "num_epochs", "gc_every_steps", "log_remote_every_steps",
+                                 "loss_average_window_steps"])
 def test_step_scheduler_rejects_non_positive(key):
     from automodel.training.sections import StepSchedulerConfig
 

@@ -126,6 +126,19 @@ def test_the_example_validates_and_dry_runs(example, capsys, nothing_is_built):
     assert code == 0, text
 
 
+def test_diffusers_compatible_true_is_what_the_recipe_writes_and_false_is_refused(capsys, nothing_is_built):
+    """model/ is always a diffusers pipeline here (test_tiny_flow loads it with DiffusionPipeline.from_pretrained),
+    so upstream's ``checkpoint.diffusers_compatible: true`` holds and ``false`` cannot."""
+    code, text = run(capsys, "validate", "finetune", "diffusion", "-c", "diffusion/tiny_flow",
+                     "--checkpoint.diffusers_compatible", "true")
+    assert code == 0, text
+    code, text = run(capsys, "validate", "finetune", "diffusion", "-c", "diffusion/tiny_flow",
+                     "--checkpoint.diffusers_compatible", "false")
+    assert code == 2, text
+    assert "checkpoint.diffusers_compatible: false, but DiffusionRecipe always writes model/ as a diffusers " \
+           "pipeline (diffusers' from_pretrained loads it); remove the key" in text
+
+
 def test_a_sharded_only_checkpoint_is_refused_for_a_diffusers_pipeline(example, capsys, nothing_is_built):
     """The pipeline's model/ is a layout of its own, with no sharded form: save_consolidated: false could not act."""
     code, text = run(capsys, "finetune", "diffusion", "-c", example(), "--checkpoint.save_consolidated", "false")

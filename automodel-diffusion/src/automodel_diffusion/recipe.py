@@ -106,6 +106,7 @@ class DiffusionRecipe(TrainRecipe):
     """Train a diffusers pipeline's denoiser (flow matching, epsilon or v-prediction) on images and captions."""
 
     domain = "diffusion"
+    writes_diffusers_pipeline = True
     stage_implementations = {"sharding": "diffusion"}
     unsupported_stages = {"peft": "LoRA is not supported by the diffusion recipe yet; train the full denoiser "
                                   "(model.trainable_components) or freeze parts of it (freeze:)"}

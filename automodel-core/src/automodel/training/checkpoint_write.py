@@ -2,9 +2,11 @@
 
 ```
 epoch_<E>_step_<S>/
-  model/              checkpoint.save_consolidated: true — the Hugging Face layout, the weights' only copy,
-                      streamed from the shards by every rank (hf_export); a resume reads each rank's slices of it
-  model_shards/       save_consolidated: false — the weights as DCP shards (automodel export makes model/ of it)
+  model/              checkpoint.save_consolidated: true (and final, in the run's last checkpoint) — the Hugging
+                      Face layout, the weights' only copy, streamed from the shards by every rank (hf_export); a
+                      resume reads each rank's slices of it
+  model_shards/       save_consolidated: false (and final, before the last) — the weights as DCP shards
+                      (automodel export makes model/ of it)
   optim/              the optimizer as DCP shards (shard-*.safetensors, tensors.json, optimizer.json);
                       lr_scheduler.json (rank 0)
   rng/ dataloader/    rank_<r>.json (+ .safetensors): each rank's generators and data position
@@ -94,15 +96,18 @@ class CheckpointWrite:
     """One checkpoint being written by every rank; ``finish()`` publishes it once every file is complete."""
 
     def __init__(self, checkpointer: Checkpointer, parts: CheckpointParts, rank: int, device: torch.device,
-                 async_save: bool = False):
+                 async_save: bool = False, last: bool = True):
+        """``last``: the run's last checkpoint (``save_consolidated: final`` writes model/ only there)."""
         self.checkpointer, self.rank, self.device = checkpointer, rank, device
         self.started = time.perf_counter()
         self.seconds: float | None = None  # from the start to the publish, set by finish()
         state = parts.trainer_state
         self.staging, self.final = checkpointer.staging_path(state["epoch"], state["step"])
         own_layout = parts.save_model is not None
+        consolidated = checkpointer.config.save_consolidated
+        whole = consolidated is True or (consolidated == "final" and last)
         # where the weights go (trainer_state.json records it for the resume)
-        self.weights = "recipe" if own_layout else "model" if checkpointer.config.save_consolidated else "model_shards"
+        self.weights = "recipe" if own_layout else "model" if whole else "model_shards"
         self.group = checkpoint_group()
         self.pending: PendingSave | None = None
         if rank == 0:

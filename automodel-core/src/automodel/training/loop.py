@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from automodel.training.builders import describe_batch
 from automodel.training.checkpoint import read_latest
 from automodel.training.checkpoint_write import CheckpointParts, CheckpointWrite
 from automodel.training.dist import all_reduce_sum, any_rank, naming_stalls
+from automodel.training.garbage import PeriodicGarbageCollection
 from automodel.training.logging import FAILED, STOPPED, SUCCESS
 from automodel.training.metrics import MetricsSample, peak_memory_gib
 from automodel.training.progress import Progress
@@ -201,14 +203,15 @@ class TrainingLoop:
         shown = ", ".join(f"{k}={v:.4f}" for k, v in record.items() if isinstance(v, float) and k != "timestamp")
         self.log(f"validation [{name}] step {record['step']}: {shown}")
 
-    def save_checkpoint(self) -> Path | None:
+    def save_checkpoint(self, last: bool = False) -> Path | None:
         """Every rank writes its own part; with ``checkpoint.async_save`` training goes on while the files are
-        written and the checkpoint is published (``LATEST``) between two later steps."""
+        written and the checkpoint is published (``LATEST``) between two later steps. ``last``: the run's last
+        checkpoint after its last step."""
         if not self.cfg.checkpoint.enabled:
             return None
         self.publish_checkpoint()  # one checkpoint in flight at a time
         self.checkpoint_in_flight = CheckpointWrite(self.checkpointer, self.checkpoint_parts(), self.rank,
-                                                    self.device, self.cfg.checkpoint.async_save)
+                                                    self.device, self.cfg.checkpoint.async_save, last)
         if self.cfg.checkpoint.async_save:
             return self.checkpoint_in_flight.final
         return self.publish_checkpoint()
@@ -249,8 +252,8 @@ class TrainingLoop:
         steps, restored = self.step_scheduler, self.ctx.restore_path
         if restored is None or not steps.done:
             return False
-        self.log(f"the run is complete: {restored} is at step {steps.step} (step_scheduler.max_steps: "
-                 f"{steps.max_steps}); nothing to train. Raise step_scheduler.max_steps to train on, or choose a new "
+        self.log(f"the run is complete: {restored} is at step {steps.step} ({steps.stop_reason()}); nothing to "
+                 "train. Raise step_scheduler.max_steps (or num_epochs) to train on, or choose a new "
                  "checkpoint.checkpoint_dir to start over")
         return True
 
@@ -263,40 +266,50 @@ class TrainingLoop:
 
     def _train(self) -> None:
         steps = self.step_scheduler
+        settings = self.cfg.step_scheduler
         self.model.train()
-        progress = Progress(steps.max_steps, steps.step, enabled=self.is_main_process)
+        progress = Progress(steps.total_steps, steps.step, enabled=self.is_main_process)
         window_tokens, window_start = 0, time.perf_counter()
+        window = settings.loss_average_window_steps
+        recent_losses = deque(maxlen=window) if window else None  # loss_avg_window's steps
         saved_at = steps.step if self.ctx.restore_path is not None else None  # never re-save the restored step
         self.final_checkpoint: Path | None = None
         status = FAILED  # what the metric backends are told when the loop ends
-        with StopRequest() as stop:
+        with StopRequest() as stop, PeriodicGarbageCollection(settings.gc_every_steps) as garbage:
             try:
                 if self.is_main_process:  # records past the step this run starts from are redone: dropped now
                     self.train_log.open()
                     self.val_log.open()
                 self.metric_loggers.open(self.cfg.raw)  # secrets are masked before any backend sees the config
+                if settings.val_at_start and steps.step == 0 and self.val_dataloaders:
+                    self.validate()  # the untouched model, recorded as step 0
                 step_start = time.perf_counter()
                 for batches in steps.batches(self.dataloader):
                     loss, grad_norm, tokens = self.train_step(batches)
                     step = steps.finish_step()
                     self.after_step(step, tokens, time.perf_counter() - step_start)
                     window_tokens += tokens
+                    if recent_losses is not None:
+                        recent_losses.append(loss.detach())
                     progress.update(1)
-                    if steps.is_log_step():
+                    if steps.is_log_step() or steps.is_remote_log_step():
                         self._log_step(loss.item(), grad_norm, window_tokens, time.perf_counter() - window_start,
-                                       progress)
+                                       progress, recent_losses)
                         window_tokens, window_start = 0, time.perf_counter()
                     if steps.is_val_step() and self.val_dataloaders:
                         self.validate()
                     self._publish_when_written()
-                    if steps.is_checkpoint_step(last=step >= steps.max_steps):
+                    last = step >= steps.total_steps
+                    if steps.is_checkpoint_step(last=last):
                         saved_at = step
-                        self.final_checkpoint = self.save_checkpoint()
+                        self.final_checkpoint = self.save_checkpoint(last=last)
+                    garbage.after_step(step)
                     if any_rank(stop.requested, self.device) if self.world_size > 1 else stop.requested:
                         self._stop(stop, saved=saved_at == step)
                     step_start = time.perf_counter()
+                self.log(f"training ended after step {steps.step}: {steps.stop_reason()}")
                 if saved_at != steps.step and steps.step > 0:
-                    self.final_checkpoint = self.save_checkpoint()
+                    self.final_checkpoint = self.save_checkpoint(last=True)
                 self.publish_checkpoint()
                 if self.final_checkpoint is not None:
                     self.metric_loggers.log_model(self.final_checkpoint / "model")
@@ -312,14 +325,24 @@ class TrainingLoop:
                 self.metric_loggers.close(status)
         self.on_train_end(self.final_checkpoint)
 
-    def _log_step(self, loss: float, grad_norm: torch.Tensor, tokens: int, elapsed: float,
-                  progress: Progress) -> None:
-        self.step_losses.append(loss)
+    def _log_step(self, loss: float, grad_norm: torch.Tensor, tokens: int, elapsed: float, progress: Progress,
+                  recent_losses: deque[torch.Tensor] | None) -> None:
+        """One MetricsSample: to training.jsonl and the progress line (``log_interval``) and/or the backends
+        (``log_remote_every_steps``)."""
+        steps = self.step_scheduler
+        to_file, to_backends = steps.is_log_step(), steps.is_remote_log_step()
         sample = self._sample(loss, grad_norm, tokens, elapsed)
         record = sample.to_dict()
         if self.cfg.fault_tolerance.nonfinite == "skip" or self.grad_scaler is not None:
             record["skipped_steps"] = self.skipped_steps
+        if recent_losses is not None:
+            record["loss_avg_window"] = torch.stack(list(recent_losses)).mean().item()
+        if to_file:
+            self.step_losses.append(loss)
         if self.is_main_process:
-            self.train_log.write(record)
-            self.metric_loggers.log_train(record, record["step"])
-        progress.show(loss, sample.lr, sample.tps)
+            if to_file:
+                self.train_log.write(record)
+            if to_backends:
+                self.metric_loggers.log_train(record, record["step"])
+        if to_file:
+            progress.show(loss, sample.lr, sample.tps)

@@ -14,7 +14,7 @@ from automodel.errors import ConfigIssue
 from automodel.optim import lr_scheduler_issues
 from automodel.training.context import BatchLayout
 from automodel.training.dist import expected_world_size
-from automodel.training.logging.select import resolve_backends
+from automodel.training.logging.select import UPSTREAM_SECTIONS, resolve_backends
 from automodel.training.parallelism import mesh_layout
 from automodel.training.parallelism import plan_lines as parallel_plan_lines
 from automodel.training.pipeline import pipeline_issues
@@ -71,6 +71,41 @@ def loader_issues(cfg: Config) -> list[ConfigIssue]:
     return issues
 
 
+def has_validation_data(cfg: Config) -> bool:
+    return any(cfg.get(name) is not None for name in cfg.section_names()
+               if name == "validation_dataset" or name.startswith("validation_dataset_"))
+
+
+def step_scheduler_issues(cfg: Config, backends: list[Any]) -> list[ConfigIssue]:
+    """Step-schedule keys that act only together with another section."""
+    steps, issues = cfg.step_scheduler, []
+    if steps is None:
+        return issues
+    if steps.val_at_start and not has_validation_data(cfg):
+        issues.append(ConfigIssue("step_scheduler.val_at_start", "true, but there is no validation_dataset to "
+                                  "validate on; add one or remove the key"))
+    # A backend section that is only turned off (wandb: {enable: false}) keeps the key: it acts once the backend is
+    # turned on, like the section's own settings; the run says it governs nothing meanwhile.
+    configured = any(cfg.get(name) is not None for name in ("logging", *UPSTREAM_SECTIONS))
+    if steps.log_remote_every_steps is not None and not backends and not configured:
+        issues.append(ConfigIssue("step_scheduler.log_remote_every_steps", "sets how often the metric backends "
+                                  "receive the training metrics, but none is configured (logging.backends, wandb:, "
+                                  "mlflow:); add one or remove the key (log_interval governs training.jsonl)"))
+    return issues
+
+
+def checkpoint_issues(recipe: type[TrainRecipe], cfg: Config) -> list[ConfigIssue]:
+    """``checkpoint.diffusers_compatible`` is what the recipe's model/ is, or it is refused."""
+    wanted = cfg.checkpoint.diffusers_compatible if cfg.checkpoint is not None else None
+    if wanted is None or wanted == recipe.writes_diffusers_pipeline:
+        return []
+    if wanted:
+        why = f"{recipe.__name__} writes model/ as a Hugging Face model directory, not a diffusers pipeline"
+    else:
+        why = f"{recipe.__name__} always writes model/ as a diffusers pipeline (diffusers' from_pretrained loads it)"
+    return [ConfigIssue("checkpoint.diffusers_compatible", f"{str(wanted).lower()}, but {why}; remove the key")]
+
+
 def engine_issues(recipe: type[TrainRecipe], cfg: Config, plugins: PluginManager) -> list[ConfigIssue]:
     """Everything the engine checks across sections before building."""
     issues = batch_layout(cfg)[1] + loader_issues(cfg)
@@ -78,7 +113,8 @@ def engine_issues(recipe: type[TrainRecipe], cfg: Config, plugins: PluginManager
     issues += lr_scheduler_issues(cfg.get("lr_scheduler"), steps.max_steps if steps is not None else None)
     issues += pipeline_issues(cfg, plugins.stages, recipe.merged("stage_implementations"),
                               recipe.merged("unsupported_stages"))
-    issues += resolve_backends(cfg, plugins.loggers)[1]
+    backends, backend_issues = resolve_backends(cfg, plugins.loggers)
+    issues += backend_issues + step_scheduler_issues(cfg, backends) + checkpoint_issues(recipe, cfg)
     return issues
 
 
@@ -90,6 +126,12 @@ def _target(recipe: type[TrainRecipe], cfg: Config, name: str) -> Any:
     if isinstance(spec, Target) and isinstance(node, ConfigNode) and spec.default_target:
         return spec.default_target
     return None
+
+
+def _epochs(steps: Any) -> str:
+    if steps.num_epochs is not None:
+        return str(steps.num_epochs)
+    return "as many as max_steps needs" if steps.max_steps is not None else "1"
 
 
 def plan_lines(recipe: type[TrainRecipe], cfg: Config, plugins: PluginManager) -> list[str]:
@@ -104,7 +146,7 @@ def plan_lines(recipe: type[TrainRecipe], cfg: Config, plugins: PluginManager) -
     optimizer = recipe.all_sections()["optimizer"].default
     lines += [f"batch: {layout.micro_batch_size} per micro-batch x {layout.dp_size} ranks x "
               f"{layout.grad_accumulation_steps} accumulation = {layout.samples_per_step} samples per step",
-              f"steps: max_steps={steps.max_steps} num_epochs={steps.num_epochs} "
+              f"steps: max_steps={steps.max_steps} num_epochs={_epochs(steps)} "
               f"val every {steps.val_check_interval} ckpt every {steps.checkpoint_interval}",
               f"optimizer: {cfg.optimizer.target if cfg.optimizer else optimizer['_target_'] + ' (default)'}"]
     selection = recipe.pipeline_selection(cfg)

@@ -20,7 +20,7 @@ import torch
 from tqdm import tqdm
 
 from automodel.config import Config, ConfigNode, Free, Target
-from automodel.errors import ConfigIssue
+from automodel.errors import AutomodelError, ConfigIssue
 from automodel.meta_build import MetaBuild, building_on_meta
 from automodel.noise import debug_enabled, filter_third_party_noise
 from automodel.plugins.manager import get_plugin_manager
@@ -41,7 +41,7 @@ from automodel.training.pipeline import PIPELINE_SLOTS, Selection, apply_pipelin
 from automodel.training.resume import choose_checkpoint, hold_checkpoint_dir
 from automodel.training.rng import StatefulRNG
 from automodel.training.state import restore_states, restore_weights
-from automodel.training.step_scheduler import StepScheduler
+from automodel.training.step_scheduler import StepScheduler, steps_per_epoch
 from automodel.training.trainer_state import read_trainer_state
 
 filter_third_party_noise()  # also when a recipe runs without the CLI (tests, notebooks)
@@ -55,6 +55,7 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
 
     domain: ClassVar[str | None] = None  # selects the builders a plugin registered for this domain
     hf_artifacts: ClassVar[tuple[str, ...]] = ("tokenizer", "processor")  # saved beside the weights in model/
+    writes_diffusers_pipeline: ClassVar[bool] = False  # model/ is a diffusers pipeline (diffusers_compatible)
     # slot -> the registered implementation this recipe uses instead of the slot's default (merged like sections)
     stage_implementations: ClassVar[dict[str, str]] = {}
     # slot -> why this recipe refuses a config that asks for it (merged like sections)
@@ -278,8 +279,10 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
         if "ci" in cfg:
             self.log("note: section 'ci' is upstream CI metadata and is ignored")
         self.setup_domain()
+        self.checkpoint_notes()
         with building_on_meta() as meta:
             model = self.build_model(ctx)
+        self.check_base_quantization(model)
         self.ctx = ctx = self.after_model_built(ctx, model, meta)
         self.model = apply_pipeline(ctx, model, self.runtime_selection(ctx))
         self.grad_scaler = ctx.precision.grad_scaler(ctx.device.type, self.storage_dtype, ctx.fsdp2)
@@ -294,10 +297,10 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
             for name in cfg.section_names()
             if (name == "validation_dataset" or name.startswith("validation_dataset_")) and cfg.get(name) is not None
         }
-        per_epoch = len(self.dataloader) // ctx.batch.grad_accumulation_steps \
+        per_epoch = steps_per_epoch(len(self.dataloader), ctx.batch.grad_accumulation_steps) \
             if hasattr(self.dataloader, "__len__") else None
         self.step_scheduler = self.build_step_scheduler(ctx, per_epoch)
-        self.lr_scheduler = self.build_lr_scheduler(ctx, self.optimizer, self.step_scheduler.max_steps)
+        self.lr_scheduler = self.build_lr_scheduler(ctx, self.optimizer, self.step_scheduler.total_steps)
         self.trainable_params = trainable_parameters(self.model)
         self.step_losses: list[float] = []
         self.skipped_steps = 0
@@ -336,6 +339,30 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
         self.log(ctx.precision.describe(self.storage_dtype, ctx.fsdp2))
         return replace(ctx, meta_build=meta if meta.built else None)
 
+    def checkpoint_notes(self) -> None:
+        """``save_consolidated: final`` for a recipe whose model/ is a layout of its own: there is no sharded form to
+        write before the last checkpoint, so every checkpoint holds model/ (the last one too, as final asks)."""
+        if self.writes_own_layout() and self.cfg.checkpoint.save_consolidated == "final":
+            self.log(f"note: checkpoint.save_consolidated: final: {type(self).__name__} writes model/ in a layout of "
+                     "its own, with no sharded form, so every checkpoint holds model/, the last one too")
+
+    def check_base_quantization(self, model: torch.nn.Module) -> None:
+        """``checkpoint.dequantize_base_checkpoint`` against the model built: upstream dequantizes a quantized base
+        checkpoint (its config's ``quantization_config``) while loading it; this build loads no quantized weights."""
+        wanted = self.cfg.checkpoint.dequantize_base_checkpoint
+        if wanted is None:
+            return
+        quantization = getattr(getattr(model, "config", None), "quantization_config", None)
+        if quantization is None:
+            self.log(f"note: checkpoint.dequantize_base_checkpoint: {str(wanted).lower()} governs nothing this run: "
+                     "the base model is not quantized (its config has no quantization_config)")
+            return
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else \
+            getattr(quantization, "quant_method", None)
+        raise AutomodelError(f"checkpoint.dequantize_base_checkpoint: {str(wanted).lower()}, but the base model is "
+                             f"quantized (quantization_config, quant_method {method}) and this build loads no "
+                             "quantized weights, dequantized or not; train from a bf16 or fp32 copy of the model")
+
     def open_metric_files(self) -> None:
         """training.jsonl / validation.jsonl and the metric backends (rank 0 only; they start with training)."""
         root = Path(self.cfg.checkpoint.checkpoint_dir)
@@ -345,5 +372,8 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
         self.peak_flops = device_peak_flops(self.device)
         self.num_params = sum(p.numel() for p in self.model.parameters())
         specs = resolve_backends(self.cfg, self.ctx.plugins.loggers)[0] if self.is_main_process else []
+        if self.cfg.step_scheduler.log_remote_every_steps is not None and not specs:
+            self.log("note: step_scheduler.log_remote_every_steps governs nothing this run: every metric backend "
+                     "is turned off")
         self.metric_loggers = MetricLoggers(specs, LoggerContext(root, f"{type(self).__module__}."
                                                                     f"{type(self).__qualname__}", self.log))

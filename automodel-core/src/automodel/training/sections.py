@@ -21,7 +21,9 @@ def _help(text: str, aliases: tuple[str, ...] = ()) -> dict:
 @dataclass
 class StepSchedulerConfig:
     max_steps: int | None = field(default=None, metadata=_help("optimizer steps to run (None: num_epochs decides)"))
-    num_epochs: int = field(default=1, metadata=_help("passes over the training data (the first limit reached wins)"))
+    num_epochs: int | None = field(default=None, metadata=_help(
+        "passes over the training data; unset: as many as max_steps needs (one pass without max_steps); with both "
+        "set, the first limit reached ends the run"))
     grad_accumulation_steps: int | None = field(
         default=None, metadata=_help("micro-batches per optimizer step (derived from global_batch_size if unset)"))
     global_batch_size: int | None = field(
@@ -30,14 +32,26 @@ class StepSchedulerConfig:
         default=None, metadata=_help("samples per micro-batch on one rank (same as dataloader.batch_size)"))
     val_check_interval: int | None = field(
         default=None, metadata=_help("validate every N steps (and never if unset)", ("val_every_steps",)))
+    val_at_start: bool = field(default=False, metadata=_help(
+        "also validate the untouched model before the first step (recorded as step 0; not on a resume)"))
     checkpoint_interval: int | None = field(
         default=None, metadata=_help("checkpoint every N steps (and always after the last step)",
                                      ("ckpt_every_steps",)))
-    log_interval: int = field(default=10, metadata=_help("write a MetricsSample every N steps"))
+    save_checkpoint_every_epoch: bool = field(default=False, metadata=_help(
+        "also checkpoint after each epoch's last step (upstream's default is true)"))
+    log_interval: int = field(default=10, metadata=_help("write a MetricsSample to training.jsonl every N steps"))
+    log_remote_every_steps: int | None = field(default=None, metadata=_help(
+        "send a MetricsSample to the metric backends (logging / wandb / mlflow) every N steps (unset: with "
+        "training.jsonl)"))
+    loss_average_window_steps: int | None = field(default=None, metadata=_help(
+        "add loss_avg_window, the mean loss of the last N steps, to every MetricsSample"))
+    gc_every_steps: int | None = field(default=None, metadata=_help(
+        "run Python's garbage collector every N steps instead of automatically (off for the run)"))
 
     def __post_init__(self) -> None:
         require_positive(self, "max_steps", "num_epochs", "grad_accumulation_steps", "global_batch_size",
-                         "local_batch_size", "val_check_interval", "checkpoint_interval", "log_interval")
+                         "local_batch_size", "val_check_interval", "checkpoint_interval", "log_interval",
+                         "log_remote_every_steps", "loss_average_window_steps", "gc_every_steps")
 
 
 @dataclass
@@ -115,29 +129,56 @@ class DistributedConfig:
             self.dp_replicate_size = 1
 
 
+# save_consolidated's values: upstream's bools and its strings (every = true); final stays "final".
+_CONSOLIDATED = {True: True, "true": True, "every": True, False: False, "false": False, "final": "final"}
+
+
 @dataclass
 class CheckpointConfig:
     enabled: bool = field(default=True, metadata=_help("write checkpoints"))
     checkpoint_dir: str = field(default="checkpoints", metadata=_help("where checkpoints and metrics go"))
-    model_save_format: Literal["safetensors", "torch_save"] = field(
-        default="safetensors", metadata=_help("weights format (safetensors; pickle is never used for weights)"))
-    save_consolidated: bool = field(default=True, metadata=_help(
-        "true: model/ in the Hugging Face layout (written by every rank from its shards, the weights' only copy); "
-        "false: only the sharded form model_shards/ (automodel export makes model/ later)"))
+    model_save_format: Literal["safetensors", "torch_save"] = field(default="safetensors", metadata=_help(
+        "weights format: safetensors (upstream's torch_save, pickle files, is refused: a checkpoint here is never "
+        "unpickled)"))
+    save_consolidated: bool | Literal["every", "final", "true", "false"] = field(default=True, metadata=_help(
+        "true (upstream's every): model/ in the Hugging Face layout in every checkpoint (written by every rank "
+        "from its shards, the weights' only copy); false: only the sharded form model_shards/ (automodel export "
+        "makes model/ later); final: model_shards/, and model/ in the run's last checkpoint"))
     async_save: bool = field(default=False, metadata=_help(
         "write checkpoints in the background from host copies while training goes on; LATEST names one once "
         "every file is written"))
     keep_last: int | None = field(default=None, metadata=_help("keep only the newest N checkpoints"))
-    model_repo_id: str | None = field(default=None, metadata=_help("accepted for upstream configs; unused"))
-    model_cache_dir: str | None = field(default=None, metadata=_help("accepted for upstream configs; unused"))
-    is_peft: bool | None = field(default=None, metadata=_help("accepted for upstream configs; set from peft:"))
-    dequantize_base_checkpoint: bool | None = field(default=None, metadata=_help("accepted for upstream configs"))
+    diffusers_compatible: bool | None = field(default=None, metadata=_help(
+        "true: model/ loads with diffusers' from_pretrained, which is what the diffusion recipe writes (refused "
+        "for the other recipes, and false for the diffusion recipe)"))
+    model_repo_id: str | None = field(default=None, metadata=_help(
+        "refused: upstream fills it from model: (a YAML value never acts there); model/ comes from the model trained"))
+    model_cache_dir: str | None = field(default=None, metadata=_help(
+        "refused: upstream fills it from model: (a YAML value never acts there); model/ comes from the model trained"))
+    is_peft: bool | None = field(default=None, metadata=_help(
+        "refused: upstream fills it from peft: (a YAML value never acts there); peft: decides here too"))
+    dequantize_base_checkpoint: bool | None = field(default=None, metadata=_help(
+        "checked against the base model at setup: a quantized base (quantization_config) is refused, since this "
+        "build loads no quantized weights; otherwise there is nothing to dequantize and the run says so"))
 
     def __post_init__(self) -> None:
+        errors = {}
         if self.model_save_format == "torch_save":
-            raise ValueError("checkpoint.model_save_format: torch_save (pickle) is not supported for weights; "
-                             "use safetensors")
-        require_positive(self, "keep_last")
+            errors["model_save_format"] = (
+                "torch_save is upstream's pickle format (torch.save files); a checkpoint here is never unpickled, "
+                "so its weights are always safetensors (the same tensors, loadable by transformers): remove the key "
+                "or set safetensors")
+        self.save_consolidated = _CONSOLIDATED[self.save_consolidated]
+        for name, section in (("model_repo_id", "model:"), ("model_cache_dir", "model:"), ("is_peft", "peft:")):
+            if getattr(self, name) is not None:
+                errors[name] = (f"upstream sets {name} from {section} and never reads this value; here too the run "
+                                f"takes it from {section}, so there is nothing to set: remove the key")
+        try:
+            require_positive(self, "keep_last")
+        except FieldErrors as err:
+            errors.update(err.errors)
+        if errors:
+            raise FieldErrors(errors)
 
 
 @dataclass

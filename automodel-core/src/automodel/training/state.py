@@ -88,10 +88,10 @@ def restore_states(path: Path, model: torch.nn.Module, stateful: dict[str, Any],
     steps: StepScheduler = stateful["step_scheduler"]
     for name, obj in small_states(stateful).items():
         if name == "dataloader" and saved_world != world_size:
-            steps.skip_trained_steps(trainer_state["step_scheduler"]["epoch_step"])
+            at = trainer_state["step_scheduler"]
+            steps.skip_trained_steps(at["epoch_step"])
             log(f"restore: written by {saved_world} ranks, resuming on {world_size}: the data loader starts epoch "
-                f"{trainer_state['epoch']} again and skips the {trainer_state['step_scheduler']['epoch_step']} "
-                "steps trained in it")
+                f"{at['epoch']} again and skips the {at['epoch_step']} steps trained in it")
             continue
         stem = state_file(path, name, rank if rank < saved_world or name in SHARED_STATES else 0)
         if name not in SHARED_STATES and name not in RANK_STATES and not stem.with_suffix(".json").exists():

@@ -53,11 +53,13 @@ def read_trainer_state(path: Path) -> dict[str, Any]:
     scheduler = data.get("step_scheduler")
     if not isinstance(scheduler, dict):
         raise CheckpointError(f"'{file}' is damaged: 'step_scheduler' is not an object; {_fix(path)}")
-    if (_integer(file, path, scheduler, "step", 0, MAX_STEP), _integer(file, path, scheduler, "epoch", 0, MAX_STEP)) \
-            != (step, epoch):
+    scheduler_at = (_integer(file, path, scheduler, "step", 0, MAX_STEP),
+                    _integer(file, path, scheduler, "epoch", 0, MAX_STEP),
+                    _integer(file, path, scheduler, "epoch_step", 0, step))
+    # after the step that used up its epoch's data, the scheduler's state is the next epoch's start
+    if scheduler_at[:2] != (step, epoch) and scheduler_at != (step, epoch + 1, 0):
         raise CheckpointError(f"'{file}' is damaged: 'step_scheduler' disagrees with step {step} / epoch {epoch}; "
                               f"{_fix(path)}")
-    _integer(file, path, scheduler, "epoch_step", 0, step)
     losses = data.get("losses")
     if not isinstance(losses, list) or len(losses) > step or \
             not all(v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)) for v in losses):
