@@ -117,8 +117,7 @@ def export_hf(directory: str | Path, out: str | Path, max_file_bytes: int = DEFA
         out.mkdir(parents=True, exist_ok=True)
         for number, (name, entries) in enumerate(files.items()):
             if number % world == rank:
-                with _Reader() as reader:  # the shard files' mapped pages leave memory after each output file
-                    _write_file(out / name, entries, chunks, reader)
+                _write_file(out / name, entries, chunks)
                 written.append(out / name)
     except Exception as err:  # every rank must hear of it before anyone waits on the others
         failure = err
@@ -196,33 +195,21 @@ def _plan_files(plan: dict[str, Any], chunks: dict[str, _Tensor], max_file_bytes
     return {f"model-{i:05d}-of-{len(buckets):05d}.safetensors": bucket for i, bucket in enumerate(buckets, 1)}
 
 
-class _Reader:
-    """Open shard files, kept open while a file is written (a context manager)."""
+def _read_slice(chunk: Slice, key: str) -> torch.Tensor:
+    """One saved slice. Its file is opened for this slice only: a file kept open keeps every page read from it
+    mapped into the process, and the rank writing an output file would end up holding all of it that way."""
+    from safetensors import safe_open
 
-    def __init__(self) -> None:
-        self.handles: dict[Path, Any] = {}
-
-    def __enter__(self) -> _Reader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for handle in self.handles.values():
-            handle.__exit__(None, None, None)
-
-    def tensor(self, chunk: Slice, key: str) -> torch.Tensor:
-        from safetensors import safe_open
-
-        if chunk.file not in self.handles:
-            self.handles[chunk.file] = safe_open(str(chunk.file), framework="pt").__enter__()
-        return self.handles[chunk.file].get_tensor(key)
+    with safe_open(str(chunk.file), framework="pt") as handle:
+        return handle.get_tensor(key)
 
 
-def _assemble(key: str, tensor: _Tensor, reader: _Reader) -> torch.Tensor:
+def _assemble(key: str, tensor: _Tensor) -> torch.Tensor:
     """The whole tensor ``key`` from its saved slices (the only whole tensor held at a time)."""
     shape, parts = tensor
     full = torch.empty(shape, dtype=DTYPES[parts[0].dtype])
     for part in parts:
-        full[tuple(slice(o, o + s) for o, s in zip(part.offsets, part.shape, strict=True))] = reader.tensor(part, key)
+        full[tuple(slice(o, o + s) for o, s in zip(part.offsets, part.shape, strict=True))] = _read_slice(part, key)
     return full
 
 
@@ -244,13 +231,13 @@ def _header(entries: list[tuple[str, str]], chunks: dict[str, _Tensor]) -> bytes
     return raw + b" " * (-len(raw) % 8)
 
 
-def _write_file(path: Path, entries: list[tuple[str, str]], chunks: dict[str, _Tensor], reader: _Reader) -> None:
+def _write_file(path: Path, entries: list[tuple[str, str]], chunks: dict[str, _Tensor]) -> None:
     header = _header(entries, chunks)
     with open(path, "wb") as stream:
         stream.write(struct.pack("<Q", len(header)))
         stream.write(header)
         for key, _name in entries:
-            full = _assemble(key, chunks[key], reader)
+            full = _assemble(key, chunks[key])
             if full.numel():
                 stream.write(full.reshape(-1).view(torch.uint8).numpy().data)
         stream.flush()

@@ -49,7 +49,8 @@ from automodel.training.parallel.writer import (
 
 OPTIMIZER_FILE = "optimizer.json"
 MODEL, OPTIM = "model.", "optim."
-DEFAULT_MAX_FILE_BYTES = 2 * 1024**3
+# A restore maps one shard file at a time (DCP's reader): the file size bounds the pages it holds beside the state.
+DEFAULT_MAX_FILE_BYTES = 256 * 1024**2
 
 Parts = nn.Module | Sequence[nn.Module]
 Optimizers = torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None
