@@ -57,15 +57,17 @@ class TargetResolver:
     """Resolves target strings; aliases map short or upstream names to registered dotted paths.
 
     ``registry`` defaults to the core's registrations; ``trust`` (default: this process's, see
-    :meth:`UserTrust.current`) adds the person running's trusted names as prefixes.
+    :meth:`UserTrust.current`) adds the person running's trusted names as prefixes. ``unsupported`` maps names
+    that a distribution knows and does not implement to the reason they are refused.
     """
 
     def __init__(self, registry: TargetRegistry | None = None, aliases: Mapping[str, str] | None = None,
-                 trust: UserTrust | None = None):
+                 trust: UserTrust | None = None, unsupported: Mapping[str, str] | None = None):
         self.trust = trust if trust is not None else UserTrust.current()
         base = registry if registry is not None else core_registry()
         self.registry = base.extended(Registration(t.name, PREFIX, t.source) for t in self.trust.names)
         self.aliases = dict(aliases or {})
+        self.unsupported = dict(unsupported or {})
         self._cache: dict[str, Callable] = {}
 
     def expand(self, name: str) -> str:
@@ -81,6 +83,8 @@ class TargetResolver:
             raise TargetError(f"_target_ must be a dotted path string, found {name!r}")
         if name in self._cache:
             return self._cache[name]
+        if name in self.unsupported:
+            raise TargetError(f"'{name}' is not supported here: {self.unsupported[name]}")
         path = self.expand(name)
         grant = self._check_path(path, original=name)
         obj = self._import(path, grant)

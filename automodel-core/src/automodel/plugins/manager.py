@@ -170,7 +170,7 @@ class PluginManager:
 
     def resolver(self) -> TargetResolver:
         """A resolver over every plugin's registrations and aliases, plus what the person running trusts."""
-        return TargetResolver(self.targets, self.aliases.targets)
+        return TargetResolver(self.targets, self.aliases.targets, unsupported=self.aliases.unsupported_targets)
 
     def failed(self) -> list[PluginInfo]:
         return [info for info in self.plugins.values() if not info.ok]

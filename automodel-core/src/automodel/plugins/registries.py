@@ -64,6 +64,7 @@ class AliasRegistry(_Registry):
         self.commands: dict[str, str] = {}
         self.domains: dict[str, str] = {}
         self.targets: dict[str, str] = {}
+        self.unsupported_targets: dict[str, str] = {}
         self._sources: dict[tuple[str, str], str] = {}
 
     def _add(self, kind: str, table: dict[str, str], alias: str, target: str) -> None:
@@ -82,6 +83,11 @@ class AliasRegistry(_Registry):
 
     def target(self, alias: str, dotted_path: str) -> None:
         self._add("target", self.targets, alias, dotted_path)
+
+    def unsupported(self, name: str, reason: str) -> None:
+        """A name configs may write (an upstream one, say) that nothing here implements: resolving it is refused
+        with ``reason``, which should say what to use instead."""
+        self._add("unsupported target", self.unsupported_targets, name, reason)
 
     def target_source(self, alias: str) -> str:
         """The distribution that registered a target alias."""
