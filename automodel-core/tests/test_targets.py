@@ -195,8 +195,8 @@ def test_unsupported_name_is_refused_with_its_reason_even_if_an_alias_exists():
 
 
 def test_alias_registry_records_unsupported_names_and_refuses_a_conflicting_reason():
-    from automodel.plugins.registries import AliasRegistry
     from automodel.errors import PluginError
+    from automodel.plugins.registries import AliasRegistry
 
     aliases = AliasRegistry()
     aliases.source = "dist-a"

@@ -217,8 +217,12 @@ def _signature(fn: Any) -> inspect.Signature | None:
 
 
 def check_target_node(node: dict, key: str, resolver: TargetResolver, issues: list[ConfigIssue],
-                      runtime_args: tuple[str, ...] = (), default_target: str | None = None) -> None:
-    """Resolve the node's target and check its keyword arguments against the signature, recursively."""
+                      runtime_args: tuple[str, ...] = (), default_target: str | None = None,
+                      passed: bool = False) -> None:
+    """Resolve the node's target and check its keyword arguments against the signature, recursively.
+
+    ``passed``: the node is a callable passed, not called (under a key ending in ``_fn``), whose first parameter
+    is supplied when it runs (a function's samples; a collator class's tokenizer or processor)."""
     name = node.get("_target_", default_target)
     kwargs = {k: v for k, v in node.items() if k != "_target_"}
     for k, v in kwargs.items():
@@ -232,6 +236,8 @@ def check_target_node(node: dict, key: str, resolver: TargetResolver, issues: li
     if sig is None:
         return
     params = sig.parameters
+    if passed and params:
+        runtime_args = (*runtime_args, next(iter(params)))
     accepts_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     named = [n for n, p in params.items()
              if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
@@ -267,7 +273,8 @@ def check_nested(value: Any, key: str, resolver: TargetResolver, issues: list[Co
     """Resolve every nested target node, and every string under a key ending in ``_fn`` (a callable passed, not
     called: ``collate_fn: pkg.fn``), so that validation refuses what building would."""
     if is_target_node(value):
-        check_target_node(value, key, resolver, issues)
+        # a nested `*_fn` node is passed (top-level `*_fn` sections, such as loss_fn, are built)
+        check_target_node(value, key, resolver, issues, passed="." in key and key.rsplit(".", 1)[-1].endswith("_fn"))
     elif isinstance(value, str) and key.rsplit(".", 1)[-1].endswith("_fn"):
         try:
             resolver.resolve(value)

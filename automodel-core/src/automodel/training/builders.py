@@ -8,7 +8,9 @@ spec's, read through ``ctx.section``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+import inspect
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -98,17 +100,45 @@ class CheckedCollate:
                 "name one that accepts samples like these") from err
 
 
+def _accepted(fn: Callable, runtime: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``runtime`` arguments that ``fn`` (a class: its constructor) takes by name."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {name: value for name, value in runtime.items()
+            if name in params and params[name].kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                        inspect.Parameter.KEYWORD_ONLY)}
+
+
+def collate_callable(fn: Callable, kwargs: Mapping[str, Any], runtime: Mapping[str, Any]) -> Callable:
+    """A configured collate target as the loader's ``collate_fn`` (keys ending in ``_fn`` are passed, not called):
+    a class is built once with ``kwargs`` (a collator object); a function gets them bound. Either also gets the
+    recipe's ``runtime`` arguments it names in its signature (the processor, a tokenizer)."""
+    bound = {**_accepted(fn, runtime), **kwargs}
+    if isinstance(fn, type):
+        return fn(**bound)
+    return functools.partial(fn, **bound) if bound else fn
+
+
 def _collate(ctx: BuildContext, node: ConfigNode, default: Callable | None) -> Any:
     value = node.get("collate_fn")
     if value is None:
         return None if default is None else CheckedCollate(default, f"{node.key} (the recipe's default collate_fn)")
     key = f"{node.key}.collate_fn"
-    if isinstance(value, str):
-        try:
-            return CheckedCollate(ctx.cfg.resolver.resolve(value), key)
-        except TargetError as err:
-            raise ConfigError(ConfigIssue(key, str(err), err.suggestion)) from None
-    return CheckedCollate(value.instantiate(), key)
+    name = value if isinstance(value, str) else value.target
+    kwargs = {} if isinstance(value, str) else {k: v for k, v in value.to_dict().items() if k != "_target_"}
+    try:
+        fn = ctx.cfg.resolver.resolve(name)
+    except TargetError as err:
+        raise ConfigError(ConfigIssue(key if isinstance(value, str) else f"{key}._target_", str(err),
+                                      err.suggestion)) from None
+    try:
+        return CheckedCollate(collate_callable(fn, kwargs, ctx.collate_args), key)
+    except AutomodelError:
+        raise
+    except (TypeError, ValueError) as err:
+        raise ConfigError(ConfigIssue(key, f"cannot build {name}: {err}")) from None
 
 
 def _seeded(seed: int) -> torch.Generator:

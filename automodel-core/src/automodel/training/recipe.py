@@ -136,6 +136,11 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
     def default_collate_fn(self, train: bool = True) -> Any:
         return None  # torch's default collate
 
+    def collate_runtime_args(self) -> dict[str, Any]:
+        """What a configured ``collate_fn`` gets from the recipe when its signature names it (upstream passes the
+        VLM processor, the retrieval tokenizer); available after ``setup_domain``."""
+        return {}
+
     def dataset_runtime_args(self, node: ConfigNode) -> dict[str, Any]:
         """Arguments the recipe gives the data set section ``node``'s target (a tokenizer, say), if it accepts them."""
         return {}
@@ -246,6 +251,7 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
         if "ci" in cfg:
             self.log("note: section 'ci' is upstream CI metadata and is ignored")
         self.setup_domain()
+        self.ctx = ctx = replace(ctx, collate_args=self.collate_runtime_args())
         self.model = apply_pipeline(ctx, self.build_model(ctx), self.pipeline_selection(cfg))
         self.loss_fn = self.build_loss_fn(ctx)
         self.optimizer = self.build_optimizer(ctx, self.model)
