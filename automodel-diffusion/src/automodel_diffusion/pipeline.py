@@ -210,7 +210,9 @@ class AutoDiffusionPipeline(torch.nn.Module):
         noisy, timesteps, target = self.objective.noise(latents, generator)
         denoiser = self.components[self.denoiser_name] if self.denoiser_name in self.components else self.denoiser
         prediction = self.conditioning.denoise(denoiser, noisy.to(self.denoiser.dtype), timesteps, cond)
-        return (prediction.float() - target.float()).pow(2).flatten(1).mean(1)
+        losses = (prediction.float() - target.float()).pow(2).flatten(1).mean(1)
+        weights = self.objective.loss_weights(timesteps)
+        return losses if weights is None else losses * weights.to(losses.device, losses.dtype)
 
 
 # ---- text conditioning and the denoiser's call, per pipeline family ---------------------------------------------

@@ -9,7 +9,6 @@ spec's, read through ``ctx.section``.
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -20,7 +19,7 @@ from torchdata.stateful_dataloader.sampler import RandomSampler
 from automodel.config import ConfigNode, TargetError
 from automodel.errors import AutomodelError, ConfigError, ConfigIssue
 from automodel.training.checkpoint import Checkpointer
-from automodel.training.context import BuildContext
+from automodel.training.context import BuildContext, accepted
 from automodel.training.dist import distributed_sampler
 from automodel.training.loss import as_sum_loss
 from automodel.training.modules import trainable_parameters
@@ -100,22 +99,11 @@ class CheckedCollate:
                 "name one that accepts samples like these") from err
 
 
-def _accepted(fn: Callable, runtime: Mapping[str, Any]) -> dict[str, Any]:
-    """The ``runtime`` arguments that ``fn`` (a class: its constructor) takes by name."""
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return {}
-    return {name: value for name, value in runtime.items()
-            if name in params and params[name].kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                                                        inspect.Parameter.KEYWORD_ONLY)}
-
-
 def collate_callable(fn: Callable, kwargs: Mapping[str, Any], runtime: Mapping[str, Any]) -> Callable:
     """A configured collate target as the loader's ``collate_fn`` (keys ending in ``_fn`` are passed, not called):
     a class is built once with ``kwargs`` (a collator object); a function gets them bound. Either also gets the
     recipe's ``runtime`` arguments it names in its signature (the processor, a tokenizer)."""
-    bound = {**_accepted(fn, runtime), **kwargs}
+    bound = {**accepted(fn, dict(runtime)), **kwargs}
     if isinstance(fn, type):
         return fn(**bound)
     return functools.partial(fn, **bound) if bound else fn

@@ -52,7 +52,8 @@ class TrainingLoop:
         denominator = max(label_tokens, 1)
         scale = self.world_size / denominator
         total = torch.zeros((), device=self.device)
-        for batch in batches:
+        for index, batch in enumerate(batches):
+            self.prepare_micro_batch(last=index == len(batches) - 1)
             with self.batch_errors(batch, "dataloader"):
                 loss_sum = self.compute_loss(self.model, self.move_to_device(batch))
             (loss_sum * scale).backward()
@@ -73,6 +74,10 @@ class TrainingLoop:
             self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss, grad_norm, input_tokens
+
+    def prepare_micro_batch(self, last: bool) -> None:
+        """Called before each micro-batch of a step (``last``: the step's final one); a recipe may, say, defer
+        FSDP2's gradient reduction to the last one."""
 
     def _nonfinite(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         """A NaN/inf step: stop with where to resume from (policy raise) or skip its update (policy skip)."""
