@@ -151,7 +151,9 @@ class DiffusionRecipe(TrainRecipe):
             issues.append(ConfigIssue("distributed.strategy", UNSUPPORTED_MESSAGE))
         issues += upstream.upstream_issues(cfg)
         components, trainable, denoiser = pipeline_layout(cfg)
-        issues += scheme_issues(upstream.effective_scheme(cfg, trainable, denoiser), components, trainable, denoiser)
+        if not upstream.scheme_unchecked(cfg):
+            issues += scheme_issues(upstream.effective_scheme(cfg, trainable, denoiser), components, trainable,
+                                    denoiser)
         return issues
 
     @classmethod

@@ -436,11 +436,17 @@ def effective_scheme(cfg: Config, trainable: list[str] | None, denoiser: str) ->
     if cfg.resolved.get("parallel_scheme") is not None:
         return cfg.resolved["parallel_scheme"]
     names = trainable or [denoiser]
-    if "fsdp" in cfg:
-        return {name: cfg.fsdp.scheme_entry(compute_dtype(cfg)) for name in names}
-    if "ddp" in cfg:
-        return {name: cfg.ddp.scheme_entry() for name in names}
+    for name in ("fsdp", "ddp"):
+        section = given(cfg, name)
+        if section is not None:
+            entry = section.scheme_entry(compute_dtype(cfg)) if name == "fsdp" else section.scheme_entry()
+            return {component: entry for component in names}
     return None
+
+
+def scheme_unchecked(cfg: Config) -> bool:
+    """Whether fsdp: / ddp: is written but failed validation (its own issues say why; no scheme to check)."""
+    return any(name in cfg and cfg.get(name) is None for name in ("fsdp", "ddp"))
 
 
 def given(cfg: Config, name: str) -> Any:
