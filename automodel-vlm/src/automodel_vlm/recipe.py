@@ -16,7 +16,7 @@ from automodel.training.modules import unwrap
 from automodel.training.next_token import LABEL_POSITIONS, NextTokenLogits
 from automodel.training.recipe import TrainRecipe
 from automodel_vlm.datasets.collate import IGNORE_INDEX, VLMCollator, render
-from automodel_vlm.freeze import VLMFreezeConfig
+from automodel_vlm.freeze import UpstreamFreezeConfig, VLMFreezeConfig
 from automodel_vlm.models import checkpoint_key_mapping
 from automodel_vlm.parts import base_model
 
@@ -47,12 +47,16 @@ class FinetuneRecipeForVLM(NextTokenLogits, TrainRecipe):
                        "match_all_linear} (or _target_: peft.LoraConfig, used as given)", plain=True,
                        default_target="automodel.hf.PeftConfig"),
         "freeze": VLMFreezeConfig,
+        "freeze_config": UpstreamFreezeConfig,
         "eval_generation": EvalGenerationConfig,
     }
 
     @classmethod
     def check_config(cls, cfg: Any) -> list[ConfigIssue]:
         issues = list(super().check_config(cfg))
+        if "freeze" in cfg and "freeze_config" in cfg:
+            issues.append(ConfigIssue("freeze_config", "give one of freeze (ours) and freeze_config (upstream's "
+                                                       "keys): they set the same thing"))
         model = cfg.model
         if "processor" not in cfg and model is not None and _processor_source(model) is None:
             issues.append(ConfigIssue("processor", "missing: the model is not loaded from a directory or hub name "
@@ -86,6 +90,9 @@ class FinetuneRecipeForVLM(NextTokenLogits, TrainRecipe):
 
     def default_collate_fn(self, train: bool = True) -> Any:
         return VLMCollator(self.processor)
+
+    def collate_runtime_args(self) -> dict[str, Any]:
+        return {"processor": self.processor}  # upstream passes its VLM collate functions the processor
 
     def setup(self) -> None:
         super().setup()
