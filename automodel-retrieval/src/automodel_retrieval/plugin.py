@@ -5,6 +5,35 @@ from automodel import hookimpl
 _BI = "automodel_retrieval.recipe.BiEncoderRecipe"
 _CROSS = "automodel_retrieval.recipe.CrossEncoderRecipe"
 _MINE = "automodel_retrieval.mining.MineHardNegativesRecipe"
+_LLM_DATA = "nemo_automodel.components.datasets.llm"
+_UPSTREAM = {
+    "nemo_automodel.NeMoAutoModelBiEncoder.from_pretrained": "bi_encoder_from_pretrained",
+    "nemo_automodel._transformers.auto_model.NeMoAutoModelBiEncoder.from_pretrained": "bi_encoder_from_pretrained",
+    "nemo_automodel.NeMoAutoModelCrossEncoder.from_pretrained": "cross_encoder_from_pretrained",
+    "nemo_automodel._transformers.auto_model.NeMoAutoModelCrossEncoder.from_pretrained":
+        "cross_encoder_from_pretrained",
+    "nemo_automodel.NeMoAutoTokenizer.from_pretrained": "tokenizer_from_pretrained",
+    "nemo_automodel._transformers.auto_tokenizer.NeMoAutoTokenizer.from_pretrained": "tokenizer_from_pretrained",
+    f"{_LLM_DATA}.retrieval_dataset.RetrievalDatasetConfig": "retrieval_dataset",
+    f"{_LLM_DATA}.BiEncoderCollator": "bi_encoder_collator",
+    f"{_LLM_DATA}.retrieval_collator.BiEncoderCollator": "bi_encoder_collator",
+    f"{_LLM_DATA}.CrossEncoderCollator": "cross_encoder_collator",
+    f"{_LLM_DATA}.retrieval_collator.CrossEncoderCollator": "cross_encoder_collator",
+}
+_DISTILL = ("embedding distillation (a student trained on a teacher's embeddings) has no recipe here; "
+            "automodel finetune retrieval trains a bi-encoder contrastively")
+_UNSUPPORTED = {
+    "EmbeddingDistillRecipe": _DISTILL,
+    "nemo_automodel.recipes.retrieval.distill_bi_encoder.EmbeddingDistillRecipe": _DISTILL,
+    f"{_LLM_DATA}.BiEncoderDistillCollator": _DISTILL,
+    f"{_LLM_DATA}.make_retrieval_dataset": "upstream's legacy dataloader.dataset form is not read; give dataset: "
+                                           "{_target_: ...RetrievalDatasetConfig, ...} (or RetrievalDataset)",
+    f"{_LLM_DATA}.ProcessorMethodCollator": "image-and-text (multimodal) retrieval is not implemented; the "
+                                            "retrieval recipes embed text with a tokenizer",
+    "nemo_automodel.components.models.llama_nemotron_vl.processor.LlamaNemotronVLProcessor.from_pretrained":
+        "image-and-text (multimodal) retrieval is not implemented; give a text tokenizer "
+        "(NeMoAutoTokenizer.from_pretrained or transformers.AutoTokenizer.from_pretrained)",
+}
 
 
 @hookimpl
@@ -25,6 +54,15 @@ def automodel_register_aliases(aliases) -> None:
     aliases.target("RetrievalDataset", "automodel_retrieval.data.RetrievalDataset")
     aliases.target("InfoNCELoss", "automodel_retrieval.losses.InfoNCELoss")
     aliases.target("ListwiseCrossEntropy", "automodel_retrieval.losses.ListwiseCrossEntropy")
+    # Upstream (NeMo AutoModel) names, on this package's models, data and collators (automodel_retrieval.upstream).
+    aliases.target("TrainBiEncoderRecipe", _BI)
+    aliases.target("nemo_automodel.recipes.retrieval.train_bi_encoder.TrainBiEncoderRecipe", _BI)
+    aliases.target("TrainCrossEncoderRecipe", _CROSS)
+    aliases.target("nemo_automodel.recipes.retrieval.train_cross_encoder.TrainCrossEncoderRecipe", _CROSS)
+    for name, ours in _UPSTREAM.items():
+        aliases.target(name, f"automodel_retrieval.upstream.{ours}")
+    for name, reason in _UNSUPPORTED.items():
+        aliases.unsupported(name, reason)
 
 
 @hookimpl
