@@ -15,10 +15,10 @@ _UPSTREAM = {
     "nemo_automodel.NeMoAutoTokenizer.from_pretrained": "tokenizer_from_pretrained",
     "nemo_automodel._transformers.auto_tokenizer.NeMoAutoTokenizer.from_pretrained": "tokenizer_from_pretrained",
     f"{_LLM_DATA}.retrieval_dataset.RetrievalDatasetConfig": "retrieval_dataset",
-    f"{_LLM_DATA}.BiEncoderCollator": "bi_encoder_collator",
-    f"{_LLM_DATA}.retrieval_collator.BiEncoderCollator": "bi_encoder_collator",
-    f"{_LLM_DATA}.CrossEncoderCollator": "cross_encoder_collator",
-    f"{_LLM_DATA}.retrieval_collator.CrossEncoderCollator": "cross_encoder_collator",
+    f"{_LLM_DATA}.BiEncoderCollator": "UpstreamBiEncoderCollator",
+    f"{_LLM_DATA}.retrieval_collator.BiEncoderCollator": "UpstreamBiEncoderCollator",
+    f"{_LLM_DATA}.CrossEncoderCollator": "UpstreamCrossEncoderCollator",
+    f"{_LLM_DATA}.retrieval_collator.CrossEncoderCollator": "UpstreamCrossEncoderCollator",
 }
 _DISTILL = ("embedding distillation (a student trained on a teacher's embeddings) has no recipe here; "
             "automodel finetune retrieval trains a bi-encoder contrastively")
@@ -58,6 +58,7 @@ def automodel_register_aliases(aliases) -> None:
     aliases.target("TrainBiEncoderRecipe", _BI)
     aliases.target("nemo_automodel.recipes.retrieval.train_bi_encoder.TrainBiEncoderRecipe", _BI)
     aliases.target("TrainCrossEncoderRecipe", _CROSS)
+    aliases.target("nemo_automodel.recipes.retrieval.mine_hard_negatives.MineHardNegativesRecipe", _MINE)
     aliases.target("nemo_automodel.recipes.retrieval.train_cross_encoder.TrainCrossEncoderRecipe", _CROSS)
     for name, ours in _UPSTREAM.items():
         aliases.target(name, f"automodel_retrieval.upstream.{ours}")

@@ -26,6 +26,7 @@ DATASET = "automodel_retrieval.data.RetrievalDataset"
 
 
 UPSTREAM = "automodel_retrieval.upstream"
+UPSTREAM_COLLATORS = (f"{UPSTREAM}.UpstreamBiEncoderCollator", f"{UPSTREAM}.UpstreamCrossEncoderCollator")
 
 
 def _expanded(cfg: Config, node: Any) -> str | None:
@@ -114,7 +115,7 @@ class _RetrievalRecipe(TrainRecipe):
                 issues += upstream.dataset_issues(settings, name, cls.model_type)
         loader = cfg.get("dataloader")
         collate = loader.get("collate_fn") if isinstance(loader, ConfigNode) else None
-        if _expanded(cfg, collate) in (f"{UPSTREAM}.bi_encoder_collator", f"{UPSTREAM}.cross_encoder_collator"):
+        if _expanded(cfg, collate) in UPSTREAM_COLLATORS:
             issues += upstream.collator_issues(collate.to_dict())
             if "retrieval" in cfg:
                 issues.append(ConfigIssue("retrieval", "give the lengths and prefixes in dataloader.collate_fn "
@@ -131,7 +132,7 @@ class _RetrievalRecipe(TrainRecipe):
 
         loader = self.cfg.get("dataloader")
         node = loader.get("collate_fn") if isinstance(loader, ConfigNode) else None
-        if _expanded(self.cfg, node) not in (f"{UPSTREAM}.bi_encoder_collator", f"{UPSTREAM}.cross_encoder_collator"):
+        if _expanded(self.cfg, node) not in UPSTREAM_COLLATORS:
             return None
         kwargs = {k: v for k, v in node.to_dict().items() if k != "_target_"}
         return collate_callable(self.cfg.resolver.resolve(node.target), kwargs, self.collate_runtime_args())

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from automodel.errors import AutomodelError, ConfigIssue
+from automodel_retrieval.data import BiEncoderCollator, CrossEncoderCollator
 
 GPU_ONLY = "needs a CUDA GPU, which this machine lacks"
 POOLINGS = {"avg": "mean", "mean": "mean", "cls": "cls", "last": "last"}
@@ -158,28 +159,28 @@ def _prefix(text: str) -> str:
     return f"{text} " if text else ""
 
 
-def bi_encoder_collator(tokenizer: Any = None, q_max_len: int = 512, p_max_len: int = 512, query_prefix: str = "",
-                        passage_prefix: str = "", padding: bool | str = True, pad_to_multiple_of: int | None = None,
-                        use_dataset_instruction: bool = False) -> Any:
-    """Upstream's BiEncoderCollator arguments on :class:`automodel_retrieval.data.BiEncoderCollator` (the
-    recipe passes its tokenizer)."""
-    from automodel_retrieval.data import BiEncoderCollator
+class UpstreamBiEncoderCollator(BiEncoderCollator):
+    """Upstream's BiEncoderCollator arguments on this package's bi-encoder collator (built once, with the
+    recipe's tokenizer)."""
 
-    _refuse(collator_issues({"padding": padding, "use_dataset_instruction": use_dataset_instruction}))
-    return BiEncoderCollator(tokenizer, q_max_len, p_max_len, _prefix(query_prefix), _prefix(passage_prefix),
-                             pad_to_multiple_of)
+    def __init__(self, tokenizer: Any = None, q_max_len: int = 512, p_max_len: int = 512, query_prefix: str = "",
+                 passage_prefix: str = "", padding: bool | str = True, pad_to_multiple_of: int | None = None,
+                 use_dataset_instruction: bool = False):
+        _refuse(collator_issues({"padding": padding, "use_dataset_instruction": use_dataset_instruction}))
+        super().__init__(tokenizer, q_max_len, p_max_len, _prefix(query_prefix), _prefix(passage_prefix),
+                         pad_to_multiple_of)
 
 
-def cross_encoder_collator(tokenizer: Any = None, rerank_max_length: int = 512,
-                           prompt_template: str = "question:{query} \n \n passage:{passage}",
-                           pad_to_multiple_of: int | None = None, padding: bool | str = True) -> Any:
-    """Upstream's CrossEncoderCollator arguments on :class:`automodel_retrieval.data.CrossEncoderCollator`: each
-    pair is one text made from ``prompt_template``."""
-    from automodel_retrieval.data import CrossEncoderCollator
+class UpstreamCrossEncoderCollator(CrossEncoderCollator):
+    """Upstream's CrossEncoderCollator arguments on this package's cross-encoder collator: each pair is one text
+    made from ``prompt_template``."""
 
-    _refuse(collator_issues({"padding": padding}))
-    return CrossEncoderCollator(tokenizer, rerank_max_length, prompt_template=prompt_template,
-                                pad_to_multiple_of=pad_to_multiple_of)
+    def __init__(self, tokenizer: Any = None, rerank_max_length: int = 512,
+                 prompt_template: str = "question:{query} \n \n passage:{passage}",
+                 pad_to_multiple_of: int | None = None, padding: bool | str = True):
+        _refuse(collator_issues({"padding": padding}))
+        super().__init__(tokenizer, rerank_max_length, prompt_template=prompt_template,
+                         pad_to_multiple_of=pad_to_multiple_of)
 
 
 def collator_issues(settings: dict[str, Any], key: str = "dataloader.collate_fn") -> list[ConfigIssue]:
@@ -303,18 +304,3 @@ def _example(record: dict[str, Any], negatives: int, index: int) -> dict[str, An
                              f"{negatives} negative(s)")
     chosen = [found[i % len(found)] for i in range(negatives)] if negatives > 0 else []
     return {"query": query, "positive": positives[0], "negatives": chosen}
-
-
-# ---- mining: upstream's mining_config keys ---------------------------------------------------------------------
-
-
-def mining_issues(mining: Any, key: str = "mining") -> list[ConfigIssue]:
-    """Upstream mining keys that cannot act here."""
-    issues = []
-    if getattr(mining, "load_embeddings_from_cache", False) or getattr(mining, "cache_embeddings_dir", None):
-        issues.append(ConfigIssue(f"{key}.load_embeddings_from_cache", "caching embeddings is not implemented "
-                                                                       "(they are computed each run); remove it"))
-    if getattr(mining, "use_negatives_from_file", False):
-        issues.append(ConfigIssue(f"{key}.use_negatives_from_file", "true is not supported: the mined negatives "
-                                                                    "replace the file's; set false"))
-    return issues
