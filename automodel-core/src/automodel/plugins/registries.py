@@ -89,9 +89,9 @@ class AliasRegistry(_Registry):
         with ``reason``, which should say what to use instead."""
         self._add("unsupported target", self.unsupported_targets, name, reason)
 
-    def target_source(self, alias: str) -> str:
-        """The distribution that registered a target alias."""
-        return self._sources[("target", alias)]
+    def target_source(self, alias: str, kind: str = "target") -> str:
+        """The distribution that registered a target alias (``kind="unsupported target"``: a refused name)."""
+        return self._sources[(kind, alias)]
 
 
 @dataclass
