@@ -150,6 +150,9 @@ def test_drop_overlong_leaves_long_samples_out(upstream_data):
     (("--processor._target_", "nemo_automodel.components.models.inkling.processing.build_inkling_processor"),
      "processor._target_", "use the model's AutoProcessor"),
     (("--freeze.vision_tower", "true"), "freeze_config", "give one of freeze"),
+    (("--packed_sequence", "{pretokenize: true, pack_size: 4096}"), "packed_sequence", "not implemented"),
+    (("--model._target_", "nemo_automodel.NeMoAutoModelForMultimodalLM.from_pretrained"), "model._target_",
+     "images and text only"),
     (("--freeze_config.freeze_vision_towr", "true"), "freeze_config.freeze_vision_towr", "freeze_vision_tower"),
 ])
 def test_upstream_names_and_keys_that_cannot_act_are_refused_with_the_reason(override, key, needle):

@@ -486,8 +486,8 @@ def upstream_issues(cfg: Config) -> list[ConfigIssue]:
                                              "...}, or upstream's data.dataloader)"))
     backend = cfg.dist_env.backend if cfg.dist_env is not None else None
     for name in ("fsdp", "ddp"):
-        section = cfg.get(name) if name in cfg else None
-        if section is not None and section.backend is not None and section.backend != backend:
+        section = given(cfg, name)
+        if cfg.dist_env is not None and section is not None and section.backend not in (None, backend):
             issues.append(ConfigIssue(f"{name}.backend", f"'{section.backend}' but dist_env.backend is "
                                                          f"{backend!r}: dist_env.backend sets it; remove this or "
                                                          "make them agree"))

@@ -32,7 +32,7 @@ def _model_issues(settings: dict[str, Any], key: str) -> list[ConfigIssue]:
     attention = settings.get("attn_implementation")
     if attention is not None and attention not in CPU_ATTENTION:
         issues.append(ConfigIssue(f"{key}.attn_implementation", f"'{attention}' {GPU_ONLY}; use sdpa or eager"))
-    if settings.get("use_sdpa_patching") and attention not in (None, "sdpa"):
+    if settings.get("use_sdpa_patching") and attention == "eager":
         issues.append(ConfigIssue(f"{key}.use_sdpa_patching", f"true asks for sdpa attention, but "
                                                               f"attn_implementation is '{attention}'"))
     return issues

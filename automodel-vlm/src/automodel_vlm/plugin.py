@@ -33,6 +33,12 @@ UNSUPPORTED = {
     f"{_COLLATE}.kimi_k25_vl_collate_fn": "Kimi-K2.5-VL's remote-code processor collation is not implemented; "
                                           + _GENERIC_COLLATE,
     f"{_COLLATE}.nemotron_parse_collate_fn": "Nemotron-Parse's collation is not implemented; " + _GENERIC_COLLATE,
+    "nemo_automodel.components.models.gemma4_drafter.composite.Gemma4WithDrafter.from_pretrained":
+        "Gemma 4 trained jointly with a drafter (upstream's own composite model) is not implemented; fine-tune the "
+        "Gemma 4 model itself with NeMoAutoModelForImageTextToText.from_pretrained",
+    "nemo_automodel.NeMoAutoModelForMultimodalLM.from_pretrained":
+        "audio-and-video (omni) models are not supported by the VLM recipe (images and text only); use "
+        "NeMoAutoModelForImageTextToText.from_pretrained for an image-text-to-text model",
     "transformers.models.qwen3_vl.video_processing_qwen3_vl.Qwen3VLVideoProcessor.from_pretrained":
         "video inputs are not supported by the VLM recipe (images only); remove processor.video_processor",
     "nemo_automodel.components.models.minimax_m3_vl.processing.build_minimax_m3_vl_processor":

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from automodel.config import Target
+from automodel.config import Free, Target
 from automodel.errors import AutomodelError, ConfigIssue
 from automodel.hf import EvalGenerationConfig, check_vocab, is_adapter_dir, load_adapter_weights, model_source
 from automodel.training.checkpoint import load_safetensors_dir, load_weights_into
@@ -48,12 +48,19 @@ class FinetuneRecipeForVLM(NextTokenLogits, TrainRecipe):
                        default_target="automodel.hf.PeftConfig"),
         "freeze": VLMFreezeConfig,
         "freeze_config": UpstreamFreezeConfig,
+        "packed_sequence": Free("upstream's VLM sequence packing (pretokenize, pack_size, ...): not implemented; "
+                                "refused when given"),
         "eval_generation": EvalGenerationConfig,
     }
 
     @classmethod
     def check_config(cls, cfg: Any) -> list[ConfigIssue]:
         issues = list(super().check_config(cfg))
+        if cfg.resolved.get("packed_sequence"):
+            issues.append(ConfigIssue("packed_sequence", "packing VLM samples (upstream's pretokenization and packed "
+                                                         "streams) is not implemented: remove packed_sequence; each "
+                                                         "batch is padded to its longest sample (or to "
+                                                         "collate_fn.max_length)"))
         if "freeze" in cfg and "freeze_config" in cfg:
             issues.append(ConfigIssue("freeze_config", "give one of freeze (ours) and freeze_config (upstream's "
                                                        "keys): they set the same thing"))
