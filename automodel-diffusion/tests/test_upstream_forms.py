@@ -293,3 +293,8 @@ def test_fsdp_prefetch_depths_and_deferred_gradient_sync_act_on_fsdp2_modules():
         assert all(s._fsdp_param_group.reduce_grads for s in states)
     finally:
         dist.destroy_process_group()
+
+
+def test_a_backend_is_compared_only_with_a_valid_dist_env():
+    found = refusals(FINETUNE, "--fsdp.backend", "nccl", "--dist_env.backend", "mpi")
+    assert "dist_env.backend" in found and "fsdp.backend" not in found, found

@@ -467,9 +467,10 @@ def compute_dtype(cfg: Config) -> str | None:
 def upstream_issues(cfg: Config) -> list[ConfigIssue]:
     """Across sections: one place for each setting, and upstream values that cannot act here."""
     issues = []
-    given = [name for name in ("parallel_scheme", "fsdp", "ddp") if name in cfg]
-    if len(given) > 1:
-        issues.append(ConfigIssue(given[1], f"give one of parallel_scheme, fsdp and ddp (found {', '.join(given)})"))
+    schemes = [name for name in ("parallel_scheme", "fsdp", "ddp") if name in cfg]
+    if len(schemes) > 1:
+        issues.append(ConfigIssue(schemes[1], f"give one of parallel_scheme, fsdp and ddp (found "
+                                              f"{', '.join(schemes)})"))
     if "objective" in cfg and "flow_matching" in cfg:
         issues.append(ConfigIssue("flow_matching", "give one of objective and flow_matching (the same settings)"))
     model = cfg.model
