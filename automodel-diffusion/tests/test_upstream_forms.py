@@ -3,6 +3,7 @@ at validation with its reason."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy
@@ -298,3 +299,13 @@ def test_fsdp_prefetch_depths_and_deferred_gradient_sync_act_on_fsdp2_modules():
 def test_a_backend_is_compared_only_with_a_valid_dist_env():
     found = refusals(FINETUNE, "--fsdp.backend", "nccl", "--dist_env.backend", "mpi")
     assert "dist_env.backend" in found and "fsdp.backend" not in found, found
+
+
+def test_a_pipeline_of_another_family_is_refused_at_validation(tmp_path):
+    flux = tmp_path / "flux"
+    flux.mkdir()
+    (flux / "model_index.json").write_text(json.dumps({
+        "_class_name": "FluxPipeline", "transformer": ["diffusers", "FluxTransformer2DModel"],
+        "vae": ["diffusers", "AutoencoderKL"], "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"]}))
+    found = refusals(FINETUNE, "--model.pretrained_model_name_or_path", flux)
+    assert "FluxPipeline with a FluxTransformer2DModel denoiser" in found["model"], found

@@ -30,6 +30,17 @@ DENOISERS = ("transformer", "unet")
 # whatever module it names would run a local `<name>.py` (the working directory is on sys.path under torchrun).
 COMPONENT_LIBRARIES = ("diffusers", "transformers")
 _SUPPORTED = "SD3Transformer2DModel (StableDiffusion3Pipeline) and UNet2DConditionModel (StableDiffusionPipeline)"
+DENOISER_CLASSES = ("SD3Transformer2DModel", "UNet2DConditionModel")  # the denoisers a Conditioning exists for
+
+
+def index_issue(index: dict[str, Any]) -> str | None:
+    """Why a pipeline directory's model_index.json names a pipeline this recipe cannot train (None: it can)."""
+    components = pipeline_components(index)
+    denoiser = next((components[name][1] for name in DENOISERS if name in components), None)
+    if denoiser in DENOISER_CLASSES:
+        return None
+    return (f"the pipeline is a {index.get('_class_name')} with a {denoiser or 'no'} denoiser, which diffusion "
+            f"training does not support here; supported: {_SUPPORTED}")
 
 
 def read_model_index(path: str | Path) -> dict[str, Any] | None:

@@ -30,7 +30,13 @@ from automodel_diffusion import upstream
 from automodel_diffusion.datasets import collate_image_captions
 from automodel_diffusion.objectives import ObjectiveConfig, build_objective
 from automodel_diffusion.parallel import UNSUPPORTED_MESSAGE, parse_entry, scheme_issues
-from automodel_diffusion.pipeline import AutoDiffusionPipeline, model_class, pipeline_components, read_model_index
+from automodel_diffusion.pipeline import (
+    AutoDiffusionPipeline,
+    index_issue,
+    model_class,
+    pipeline_components,
+    read_model_index,
+)
 from automodel_diffusion.sampling import call_kwargs, image_grid, sample_images
 
 FROZEN_BASE = "pipeline_base"  # under checkpoint_dir: the frozen components, written once, hard-linked into each
@@ -150,6 +156,11 @@ class DiffusionRecipe(TrainRecipe):
         if cfg.distributed is not None and cfg.distributed.strategy == "megatron_fsdp":
             issues.append(ConfigIssue("distributed.strategy", UNSUPPORTED_MESSAGE))
         issues += upstream.upstream_issues(cfg)
+        source = model_source(cfg.model) if cfg.model is not None else None
+        index = read_model_index(source[0]) if source is not None else None
+        if index is not None and index_issue(index):
+            issues.append(ConfigIssue("model", index_issue(index)))
+            return issues
         components, trainable, denoiser = pipeline_layout(cfg)
         if not upstream.scheme_unchecked(cfg):
             issues += scheme_issues(upstream.effective_scheme(cfg, trainable, denoiser), components, trainable,
