@@ -152,3 +152,16 @@ def test_cross_encoder_pooling_and_the_distillation_recipe_are_refused():
 
     with pytest.raises(ConfigError, match="embedding distillation .* has no recipe here"):
         recipe_from_config({"recipe": {"_target_": "EmbeddingDistillRecipe"}}, get_plugin_manager())
+
+
+def test_extract_submodel_takes_a_part_of_a_larger_model_as_the_encoder(tmp_path):
+    from transformers import T5Config, T5Model
+
+    from automodel_retrieval.upstream import bi_encoder_from_pretrained
+
+    config = T5Config(vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2)
+    T5Model(config).save_pretrained(str(tmp_path / "t5"))
+    model = bi_encoder_from_pretrained(str(tmp_path / "t5"), extract_submodel="encoder")
+    assert type(model.query_encoder).__name__ == "T5Stack" and model.shared and model.pooling == "mean"
+    with pytest.raises(AutomodelError, match="has no part 'nowhere'"):
+        bi_encoder_from_pretrained(str(tmp_path / "t5"), extract_submodel="nowhere")
