@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from automodel.config.node import Config
-from automodel.config.schema import Target
+from automodel.config.schema import RecipeRef
+from automodel.config.targets import TargetError
 from automodel.errors import ConfigIssue
 
 
@@ -19,7 +20,8 @@ class BaseRecipe:
 
     # The recipe class receives the config itself (``cfg``), never keyword arguments from the YAML.
     sections: ClassVar[dict[str, Any]] = {
-        "recipe": Target("the recipe class `automodel run` uses: {_target_: ...}", runtime_args=("cfg",)),
+        "recipe": RecipeRef("the recipe `automodel run` runs: a recipe name an installed domain registered (upstream's "
+                            "class names, `automodel recipes`), a dotted path, or {_target_: ...}"),
     }
     stateful: ClassVar[tuple[str, ...]] = ()
 
@@ -53,6 +55,26 @@ class BaseRecipe:
     @classmethod
     def check_config(cls, cfg: Config) -> list[ConfigIssue]:
         """Recipe-level checks across sections (batch arithmetic, say); sections that failed to validate are None."""
+        return cls.recipe_issues(cfg)
+
+    @classmethod
+    def recipe_issues(cls, cfg: Config) -> list[ConfigIssue]:
+        """A config's ``recipe:`` must name a recipe, and one this recipe is (a route runs its own recipe)."""
+        node = cfg.get("recipe")
+        if node is None:
+            return []
+        try:
+            named = cfg.resolver.resolve_recipe(node.target)
+        except TargetError:  # reported by the section's own check already
+            return []
+        if not issubclass(named, BaseRecipe):
+            return [ConfigIssue("recipe", f"'{node.target}' is {named.__module__}.{named.__qualname__}, not a recipe "
+                                          "(a subclass of automodel.BaseRecipe)")]
+        if not issubclass(cls, named):
+            return [ConfigIssue("recipe", f"'{node.target}' is {named.__module__}.{named.__qualname__}, but this "
+                                          f"command runs {cls.__module__}.{cls.__qualname__}: run the config with "
+                                          "`automodel run -c FILE` (it runs the recipe the config names), or "
+                                          "remove `recipe:`")]
         return []
 
     @classmethod

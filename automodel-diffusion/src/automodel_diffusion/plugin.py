@@ -18,6 +18,9 @@ def automodel_register_routes(routes) -> None:
 @hookimpl
 def automodel_register_aliases(aliases) -> None:
     aliases.domain("t2i", "diffusion")
+    # Upstream's diffusion recipe (its examples run it from a script, without `recipe:`), by name and by path.
+    aliases.recipe("TrainDiffusionRecipe", "finetune", "diffusion")
+    aliases.recipe("nemo_automodel.recipes.diffusion.train.TrainDiffusionRecipe", "finetune", "diffusion")
     aliases.target("AutoDiffusionPipeline", "automodel_diffusion.AutoDiffusionPipeline.from_pretrained")
     aliases.target("ImageCaptionDataset", "automodel_diffusion.datasets.ImageCaptionDataset")
 

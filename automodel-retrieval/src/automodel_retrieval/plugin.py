@@ -5,6 +5,11 @@ from automodel import hookimpl
 _BI = "automodel_retrieval.recipe.BiEncoderRecipe"
 _CROSS = "automodel_retrieval.recipe.CrossEncoderRecipe"
 _MINE = "automodel_retrieval.mining.MineHardNegativesRecipe"
+_UPSTREAM_RECIPES = {"TrainBiEncoderRecipe": ("finetune", "retrieval"),
+                     "TrainCrossEncoderRecipe": ("finetune", "cross-encoder"),
+                     "MineHardNegativesRecipe": ("mine", "retrieval")}
+_UPSTREAM_MODULES = {"TrainBiEncoderRecipe": "train_bi_encoder", "TrainCrossEncoderRecipe": "train_cross_encoder",
+                     "MineHardNegativesRecipe": "mine_hard_negatives"}
 
 
 @hookimpl
@@ -20,6 +25,10 @@ def automodel_register_routes(routes) -> None:
 @hookimpl
 def automodel_register_aliases(aliases) -> None:
     aliases.domain("bi-encoder", "retrieval")
+    # Upstream's recipe class names (a config's `recipe:`), by bare name and by path.
+    for name, route in _UPSTREAM_RECIPES.items():
+        aliases.recipe(name, *route)
+        aliases.recipe(f"nemo_automodel.recipes.retrieval.{_UPSTREAM_MODULES[name]}.{name}", *route)
     aliases.target("BiEncoder", "automodel_retrieval.models.BiEncoder.from_pretrained")
     aliases.target("CrossEncoder", "automodel_retrieval.models.CrossEncoder.from_pretrained")
     aliases.target("RetrievalDataset", "automodel_retrieval.data.RetrievalDataset")

@@ -14,6 +14,8 @@ def automodel_register_routes(routes) -> None:
 @hookimpl
 def automodel_register_aliases(aliases) -> None:
     aliases.domain("vision-language", "vlm")
+    aliases.recipe("FinetuneRecipeForVLM", "finetune", "vlm")  # upstream's recipe class, by name and by path
+    aliases.recipe("nemo_automodel.recipes.vlm.finetune.FinetuneRecipeForVLM", "finetune", "vlm")
     aliases.target("AutoModelForImageTextToText", "automodel_vlm.AutoModelForImageTextToText.from_pretrained")
     aliases.target("ImageTextChatDataset", "automodel_vlm.datasets.ImageTextChatDataset")
     # Upstream (NeMo AutoModel) public paths, so its users' configs run unchanged.
@@ -21,7 +23,6 @@ def automodel_register_aliases(aliases) -> None:
                    "automodel_vlm.AutoModelForImageTextToText.from_pretrained")
     aliases.target("nemo_automodel.NeMoAutoModelForImageTextToText.from_config",
                    "automodel_vlm.AutoModelForImageTextToText.from_config")
-    aliases.target("nemo_automodel.recipes.vlm.finetune.FinetuneRecipeForVLM", _RECIPE)
 
 
 @hookimpl

@@ -50,15 +50,17 @@ def recipe_from_config(data: dict, manager: PluginManager) -> type:
 
     node = data.get("recipe")
     if node is None:
-        raise ConfigError(ConfigIssue("recipe", "missing: `automodel run` needs `recipe: {_target_: pkg.Class}` "
-                                                "(or use `automodel <command> <domain> -c ...`)"))
+        raise ConfigError(ConfigIssue("recipe", "missing: `automodel run` needs `recipe: Name` or "
+                                                "`recipe: {_target_: pkg.Class}` (or use `automodel <command> "
+                                                "<domain> -c ...`)"))
     name = node.get("_target_") if isinstance(node, dict) else node
+    key = "recipe._target_" if isinstance(node, dict) else "recipe"
     try:
-        cls = manager.resolver().resolve(name)
+        cls = manager.resolver().resolve_recipe(name)
     except TargetError as err:
-        raise ConfigError(ConfigIssue("recipe._target_", str(err), err.suggestion)) from None
-    if not (isinstance(cls, type) and issubclass(cls, BaseRecipe)):
-        raise ConfigError(ConfigIssue("recipe._target_", f"'{name}' is not a recipe (a BaseRecipe subclass)"))
+        raise ConfigError(ConfigIssue(key, str(err), err.suggestion)) from None
+    if not issubclass(cls, BaseRecipe):
+        raise ConfigError(ConfigIssue(key, f"'{name}' is not a recipe (a BaseRecipe subclass)"))
     return cls
 
 

@@ -4,7 +4,8 @@ A recipe's ``sections`` maps a section name to one of:
 
 * a dataclass: the section's keys, types, defaults and help (``field(metadata={"help": ..., "aliases": (...)})``);
 * ``Target(...)``: a section built from ``_target_``, checked against the callable's signature;
-* ``Free(...)``: a mapping passed through as it is.
+* ``Free(...)``: a mapping passed through as it is;
+* ``RecipeRef(...)``: the ``recipe`` section (see :func:`check_recipe`).
 
 A name ending in ``*`` declares a family (``validation_dataset_*``).
 """
@@ -48,7 +49,16 @@ class Free:
     help: str = ""
 
 
-SectionSpec = type | Target | Free
+@dataclass(frozen=True)
+class RecipeRef:
+    """The recipe a config is for: ``{_target_: pkg.Class}``, or a string: a dotted path or a recipe name an installed
+    domain registered for its route (upstream's bare class names such as TrainFinetuneRecipeForNextTokenPrediction).
+    """
+
+    help: str = ""
+
+
+SectionSpec = type | Target | Free | RecipeRef
 
 
 class FieldErrors(ValueError):
@@ -281,6 +291,27 @@ def check_nested(value: Any, key: str, resolver: TargetResolver, issues: list[Co
             check_nested(v, f"{key}[{i}]", resolver, issues)
 
 
+def check_recipe(node: Any, key: str, resolver: TargetResolver, issues: list[ConfigIssue]) -> dict | None:
+    """The ``recipe`` section as ``{_target_: name}`` once its name resolves to an installed recipe (None if not)."""
+    name = node.get("_target_") if isinstance(node, dict) else node
+    where = f"{key}._target_" if isinstance(node, dict) else key
+    if not isinstance(name, str) or not name:
+        issues.append(ConfigIssue(where, f"expected a recipe name or {{_target_: pkg.Class}}, found {node!r}"))
+        return None
+    try:
+        resolver.resolve_recipe(name)
+    except TargetError as err:
+        issues.append(ConfigIssue(where, str(err), err.suggestion))
+        return None
+    extra = [k for k in node if k != "_target_"] if isinstance(node, dict) else []
+    if extra:
+        issues.append(ConfigIssue(f"{key}.{extra[0]}", "the recipe section holds only the recipe's name "
+                                                        "(recipe: Name or recipe: {_target_: ...}); the recipe "
+                                                        "reads its settings from the other sections"))
+        return None
+    return {"_target_": name}
+
+
 def validate_sections(data: dict, sections: dict[str, SectionSpec], resolver: TargetResolver,
                       issues: list[ConfigIssue]) -> dict[str, Any]:
     """Check every top-level section; returns the section values (dataclass instances or raw mappings)."""
@@ -293,6 +324,8 @@ def validate_sections(data: dict, sections: dict[str, SectionSpec], resolver: Ta
             continue
         if isinstance(spec, type) and dataclasses.is_dataclass(spec):
             values[name] = validate_dataclass(spec, node, str(name), issues)
+        elif isinstance(spec, RecipeRef):
+            values[name] = check_recipe(node, str(name), resolver, issues) if node is not None else None
         elif isinstance(spec, Target):
             if node is None:
                 continue
