@@ -49,6 +49,23 @@ def touch(path: str):
     return path
 
 
+def scaled_batch(batch, scale: float = 1.0, *, tag: str = "plain"):
+    """A collate function with settings: the caller passes the batch, the config the rest."""
+    CALLS.append(("scaled_batch", scale, tag))
+    return {"items": list(batch), "scale": scale, "tag": tag}
+
+
+class Collator:
+    """A collator class: built once with the recipe's tokenizer and its settings, then called per batch."""
+
+    def __init__(self, tokenizer, suffix: str = ""):
+        CALLS.append(("Collator", tokenizer, suffix))
+        self.tokenizer, self.suffix = tokenizer, suffix
+
+    def __call__(self, batch):
+        return {"items": list(batch), "by": f"{self.tokenizer}{self.suffix}"}
+
+
 class Widget:
     def __init__(self, size: int = 1, *, name: str = "w"):
         self.size, self.name = size, name

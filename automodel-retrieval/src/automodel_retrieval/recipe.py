@@ -114,6 +114,9 @@ class _RetrievalRecipe(TrainRecipe):
             if self.tokenizer is None:
                 raise AutomodelError("tokenizer: none found; add `tokenizer: {pretrained_model_name_or_path: ...}`")
 
+    def collate_runtime_args(self) -> dict[str, Any]:
+        return {"tokenizer": self.tokenizer}
+
     def _check_vocab(self, encoders: list[torch.nn.Module]) -> None:
         for encoder in encoders:
             check_vocab(self.tokenizer, getattr(encoder, "config", None),

@@ -87,6 +87,9 @@ class FinetuneRecipeForVLM(NextTokenLogits, TrainRecipe):
     def default_collate_fn(self, train: bool = True) -> Any:
         return VLMCollator(self.processor)
 
+    def collate_runtime_args(self) -> dict[str, Any]:
+        return {"tokenizer": self.processor}  # upstream hands a collator class the processor as `tokenizer`
+
     def setup(self) -> None:
         super().setup()
         config = getattr(base_model(self.model), "config", None)

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
-from automodel.config.instantiate import is_target_node
+from automodel.config.instantiate import is_callable_key, is_target_node
 from automodel.config.targets import TargetError, TargetResolver
 from automodel.errors import ConfigIssue
 from automodel.suggest import did_you_mean
@@ -238,6 +238,36 @@ def check_target_node(node: dict, key: str, resolver: TargetResolver, issues: li
     except TargetError as err:
         issues.append(ConfigIssue(f"{key}._target_" if "_target_" in node else key, str(err), err.suggestion))
         return
+    _check_arguments(fn, str(name), kwargs, key, runtime_args, issues)
+
+
+def check_callable_node(node: dict, key: str, resolver: TargetResolver, issues: list[ConfigIssue]) -> None:
+    """A ``_target_`` node under a key ending in ``_fn``: its callable is passed, not called (a partial binding the
+    node's other keys), so they are checked against its parameters after the first, which the caller fills (a
+    collate function's batch); a class (a collator) is built once with the recipe's ``tokenizer`` as upstream
+    does, so its constructor's parameters are the ones checked."""
+    kwargs = {k: v for k, v in node.items() if k != "_target_"}
+    for k, v in kwargs.items():
+        check_nested(v, f"{key}.{k}", resolver, issues)
+    try:
+        fn = resolver.resolve(node["_target_"])
+    except TargetError as err:
+        issues.append(ConfigIssue(f"{key}._target_", str(err), err.suggestion))
+        return
+    sig = _signature(fn)
+    if isinstance(fn, type) or sig is None:
+        runtime: tuple[str, ...] = ("tokenizer",)
+    else:
+        positional = [n for n, p in sig.parameters.items()
+                      if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+        runtime = tuple(positional[:1])
+    _check_arguments(fn, str(node["_target_"]), kwargs, key, runtime, issues)
+
+
+def _check_arguments(fn: Any, name: str, kwargs: dict, key: str, runtime_args: tuple[str, ...],
+                     issues: list[ConfigIssue]) -> None:
+    """The config's keyword arguments against ``fn``'s signature: no unknown ones, every required one given (or
+    supplied at build time: ``runtime_args``), choices among a ``Literal``'s values."""
     sig = _signature(fn)
     if sig is None:
         return
@@ -246,11 +276,12 @@ def check_target_node(node: dict, key: str, resolver: TargetResolver, issues: li
     named = [n for n, p in params.items()
              if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
     if not accepts_any:
+        settable = [n for n in named if n not in runtime_args]
         for k in kwargs:
             if k not in named:
                 issues.append(ConfigIssue(f"{key}.{k}", f"{name} does not accept an argument '{k}' "
-                                                        f"(it accepts: {', '.join(named) or 'nothing'})",
-                                          did_you_mean(k, named)))
+                                                        f"(it accepts: {', '.join(settable) or 'nothing'})",
+                                          did_you_mean(k, settable)))
     for n in named:
         p = params[n]
         if p.default is inspect.Parameter.empty and n not in kwargs and n not in runtime_args:
@@ -274,11 +305,14 @@ def _choice_hints(fn: Any) -> dict[str, Any]:
 
 
 def check_nested(value: Any, key: str, resolver: TargetResolver, issues: list[ConfigIssue]) -> None:
-    """Resolve every nested target node, and every string under a key ending in ``_fn`` (a callable passed, not
-    called: ``collate_fn: pkg.fn``), so that validation refuses what building would."""
-    if is_target_node(value):
+    """Resolve every nested target node, and what every key ending in ``_fn`` names (a callable passed, not called:
+    ``collate_fn: pkg.fn`` or ``collate_fn: {_target_: pkg.fn, ...}``), so that validation refuses what building
+    would."""
+    if is_callable_key(key) and is_target_node(value):
+        check_callable_node(value, key, resolver, issues)
+    elif is_target_node(value):
         check_target_node(value, key, resolver, issues)
-    elif isinstance(value, str) and key.rsplit(".", 1)[-1].endswith("_fn"):
+    elif isinstance(value, str) and is_callable_key(key):
         try:
             resolver.resolve(value)
         except TargetError as err:

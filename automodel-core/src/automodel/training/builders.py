@@ -8,6 +8,7 @@ spec's, read through ``ctx.section``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -15,10 +16,11 @@ import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import RandomSampler
 
-from automodel.config import ConfigNode, TargetError
+from automodel.config import BuildError, ConfigNode
+from automodel.config.instantiate import build_value, callable_value
 from automodel.errors import AutomodelError, ConfigError, ConfigIssue
 from automodel.training.checkpoint import Checkpointer
-from automodel.training.context import BuildContext
+from automodel.training.context import BuildContext, accepted
 from automodel.training.dist import distributed_sampler
 from automodel.training.loss import as_sum_loss
 from automodel.training.modules import trainable_parameters
@@ -99,16 +101,22 @@ class CheckedCollate:
 
 
 def _collate(ctx: BuildContext, node: ConfigNode, default: Callable | None) -> Any:
-    value = node.get("collate_fn")
+    """The loader's collate function: the recipe's default, or what ``collate_fn`` names (passed, not called; a
+    collator class is built once with its keys and the recipe's ``ctx.collate_args``, as upstream does)."""
+    value = node.to_dict().get("collate_fn")
     if value is None:
         return None if default is None else CheckedCollate(default, f"{node.key} (the recipe's default collate_fn)")
     key = f"{node.key}.collate_fn"
-    if isinstance(value, str):
+    fn = callable_value(value, ctx.cfg.resolver, key)
+    cls = fn.func if isinstance(fn, functools.partial) else fn
+    if isinstance(cls, type):
         try:
-            return CheckedCollate(ctx.cfg.resolver.resolve(value), key)
-        except TargetError as err:
-            raise ConfigError(ConfigIssue(key, str(err), err.suggestion)) from None
-    return CheckedCollate(value.instantiate(), key)
+            fn = fn(**accepted(cls, dict(ctx.collate_args)))
+        except AutomodelError:
+            raise
+        except Exception as err:
+            raise BuildError(key, f"{cls.__module__}.{cls.__qualname__}", err) from err
+    return CheckedCollate(fn, key)
 
 
 def _seeded(seed: int) -> torch.Generator:
@@ -121,7 +129,8 @@ def build_dataloader(ctx: BuildContext, dataset: Any, node: ConfigNode, train: b
                      default_collate: Callable | None) -> StatefulDataLoader:
     """A resumable loader over ``dataset`` as ``node`` (a dataloader section) says; shuffled with a seeded generator
     for training; under torchrun each rank reads its own shard. ``default_collate`` is the recipe's."""
-    settings = {k: v for k, v in node.to_dict().items() if k not in ("_target_", "collate_fn")}
+    settings = {k: build_value(v, ctx.cfg.resolver, f"{node.key}.{k}") for k, v in node.to_dict().items()
+                if k not in ("_target_", "collate_fn")}
     settings.setdefault("batch_size", ctx.batch.micro_batch_size)
     shuffle = settings.pop("shuffle", train)
     if not torch.cuda.is_available():

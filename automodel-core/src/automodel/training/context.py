@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +49,8 @@ class BuildContext:
     log: Callable[[str], None]  # one line to the user (rank 0 prints)
     load_model_weights: Callable[[torch.nn.Module, Path], None]  # the recipe's reader of a saved model/ directory
     restore_path: Path | None = None  # the checkpoint this run resumes from (restore_from.path, resolved)
+    # what a collator class named by a `collate_fn` node is built with (the recipe's tokenizer or processor)
+    collate_args: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def is_main_process(self) -> bool:

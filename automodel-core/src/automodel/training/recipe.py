@@ -140,6 +140,11 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
         """Arguments the recipe gives the data set section ``node``'s target (a tokenizer, say), if it accepts them."""
         return {}
 
+    def collate_runtime_args(self) -> dict[str, Any]:
+        """What a collator class named by a ``collate_fn`` node is built with, besides its keys (upstream passes
+        the tokenizer, or the processor, as ``tokenizer``); called after ``setup_domain``."""
+        return {}
+
     def setup_domain(self) -> None:
         """Build what the domain needs before the model (a tokenizer, say)."""
 
@@ -246,6 +251,7 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
         if "ci" in cfg:
             self.log("note: section 'ci' is upstream CI metadata and is ignored")
         self.setup_domain()
+        self.ctx = ctx = replace(ctx, collate_args=self.collate_runtime_args())
         self.model = apply_pipeline(ctx, self.build_model(ctx), self.pipeline_selection(cfg))
         self.loss_fn = self.build_loss_fn(ctx)
         self.optimizer = self.build_optimizer(ctx, self.model)

@@ -1,0 +1,105 @@
+"""Config-level forms of upstream NeMo AutoModel configs that the core implements (issue 20): keys ending in ``_fn``
+name a callable that is passed, not called."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from automodel.config import BuildError, ConfigNode, Target, build_config, instantiate
+from automodel.config.instantiate import callable_value
+from automodel.errors import ConfigError
+from automodel.recipe import BaseRecipe
+
+
+class _Recipe(BaseRecipe):
+    sections = {"model": Target("anything"), "dataloader": Target("a loader", plain=True,
+                                                                  default_target="amt_targets.anything")}
+
+
+def _issues(data, resolver):
+    with pytest.raises(ConfigError) as info:
+        build_config(data, _Recipe, resolver)
+    return {i.key: i.message for i in info.value.issues}
+
+
+# ---- keys ending in _fn ---------------------------------------------------------------------------------------
+
+def test_fn_values_are_the_callable_as_is_or_a_partial_and_never_called(targets, resolver):
+    assert callable_value("amt_targets.scaled_batch", resolver, "d.collate_fn") is targets.scaled_batch
+    assert callable_value({"_target_": "amt_targets.scaled_batch"}, resolver, "d.collate_fn") is targets.scaled_batch
+    bound = callable_value({"_target_": "amt_targets.scaled_batch", "scale": 2.0, "tag": "t"}, resolver,
+                           "d.collate_fn")
+    assert isinstance(bound, functools.partial) and bound.func is targets.scaled_batch
+    assert bound.keywords == {"scale": 2.0, "tag": "t"}
+    assert targets.CALLS == []  # nothing was called to get there
+    assert bound([1, 2]) == {"items": [1, 2], "scale": 2.0, "tag": "t"}
+
+
+def test_fn_key_inside_a_built_node_is_passed_not_called(targets, resolver):
+    node = {"_target_": "amt_targets.anything", "size": 3,
+            "collate_fn": {"_target_": "amt_targets.scaled_batch", "scale": 0.5},
+            "worker_init_fn": "amt_targets.touch"}
+    built = instantiate(node, resolver, "model")
+    assert built["collate_fn"].func is targets.scaled_batch and built["collate_fn"].keywords == {"scale": 0.5}
+    assert built["worker_init_fn"] is targets.touch
+    assert targets.CALLS == []
+
+
+def test_top_level_fn_section_is_built(targets, resolver):
+    """``loss_fn`` is a section like any other (upstream builds it): only nested ``*_fn`` keys are passed."""
+    assert instantiate({"_target_": "amt_targets.make_thing", "size": 2}, resolver, "loss_fn") == \
+        {"size": 2, "color": "red"}
+
+
+def test_fn_node_is_checked_against_the_callable_minus_what_the_caller_passes(targets, resolver):
+    ok = {"model": {"_target_": "amt_targets.anything"},
+          "dataloader": {"collate_fn": {"_target_": "amt_targets.scaled_batch", "scale": 2.0}}}
+    build_config(ok, _Recipe, resolver)  # `batch` (the first parameter) is the caller's, not required
+    issues = _issues({"model": {"_target_": "amt_targets.anything"},
+                      "dataloader": {"collate_fn": {"_target_": "amt_targets.scaled_batch", "scael": 2.0}}},
+                     resolver)
+    assert "amt_targets.scaled_batch does not accept an argument 'scael' (it accepts: scale, tag)" in \
+        issues["dataloader.collate_fn.scael"]
+
+
+def test_fn_class_is_checked_against_its_constructor_with_the_tokenizer_supplied(targets, resolver):
+    build_config({"model": {"_target_": "amt_targets.anything"},
+                  "dataloader": {"collate_fn": {"_target_": "amt_targets.Collator", "suffix": "!"}}}, _Recipe, resolver)
+    issues = _issues({"model": {"_target_": "amt_targets.anything"},
+                      "dataloader": {"collate_fn": {"_target_": "amt_targets.Collator", "sufix": "!"}}}, resolver)
+    assert "dataloader.collate_fn.sufix" in issues
+
+
+@pytest.mark.parametrize("value,key", [
+    ({"_target_": "os.system"}, "dataloader.collate_fn._target_"),
+    ("subprocess.run", "dataloader.collate_fn"),
+    ({"_target_": "amt_targets.system"}, "dataloader.collate_fn._target_"),  # os.system re-exported
+])
+def test_fn_targets_go_through_the_allow_list(targets, resolver, value, key):
+    issues = _issues({"model": {"_target_": "amt_targets.anything"}, "dataloader": {"collate_fn": value}}, resolver)
+    assert key in issues
+    with pytest.raises(ConfigError):
+        callable_value(value, resolver, "dataloader.collate_fn")
+
+
+def test_collate_fn_builder_passes_functions_and_builds_collator_classes_with_the_recipes_tokenizer(
+        targets, resolver, tmp_path):
+    from automodel.training.builders import _collate
+
+    class Ctx:
+        cfg = type("Cfg", (), {"resolver": resolver})()
+        collate_args = {"tokenizer": "TOK", "processor": "ignored: the class does not take it"}
+
+    def loader(collate_fn):
+        return ConfigNode({"collate_fn": collate_fn}, "dataloader", resolver)
+
+    partial = _collate(Ctx, loader({"_target_": "amt_targets.scaled_batch", "tag": "x"}), None)
+    assert partial([1]) == {"items": [1], "scale": 1.0, "tag": "x"}
+    collator = _collate(Ctx, loader({"_target_": "amt_targets.Collator", "suffix": "!"}), None)
+    assert targets.CALLS == [("scaled_batch", 1.0, "x"), ("Collator", "TOK", "!")]  # built once, at build time
+    assert collator([1]) == {"items": [1], "by": "TOK!"}
+    Ctx.collate_args = {}
+    with pytest.raises(BuildError, match="dataloader.collate_fn: building amt_targets.Collator failed"):
+        _collate(Ctx, loader({"_target_": "amt_targets.Collator"}), None)
