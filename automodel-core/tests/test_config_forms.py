@@ -103,3 +103,65 @@ def test_collate_fn_builder_passes_functions_and_builds_collator_classes_with_th
     Ctx.collate_args = {}
     with pytest.raises(BuildError, match="dataloader.collate_fn: building amt_targets.Collator failed"):
         _collate(Ctx, loader({"_target_": "amt_targets.Collator"}), None)
+
+
+# ---- ${a.b.c}: a reference to another key when the config holds it, else the environment (upstream) ------------
+
+def _interpolate(data):
+    from automodel.config import interpolate
+
+    issues = []
+    return interpolate(data, issues), issues
+
+
+def test_reference_takes_the_keys_value_with_its_type(monkeypatch):
+    monkeypatch.setenv("optimizer.lr", "from the environment")  # a key the config holds wins over the variable
+    out, issues = _interpolate({
+        "optimizer": {"lr": 0.01, "betas": [0.9, 0.95]},
+        "lr_scheduler": {"max_lr": "${optimizer.lr}", "first_beta": "${optimizer.betas.1}",
+                         "note": "lr=${optimizer.lr} betas=${optimizer.betas.0}"},
+        "copy": "${optimizer}",
+    })
+    assert issues == []
+    assert out["lr_scheduler"] == {"max_lr": 0.01, "first_beta": 0.95, "note": "lr=0.01 betas=0.9"}
+    assert out["copy"] == {"lr": 0.01, "betas": [0.9, 0.95]}
+
+
+def test_references_chain_and_see_interpolated_values(monkeypatch):
+    monkeypatch.setenv("AMT_ROOT", "/runs")
+    out, issues = _interpolate({"paths": {"root": "${AMT_ROOT}", "run": "${paths.root}/a"},
+                                "checkpoint": {"checkpoint_dir": "${paths.run}/ckpt"}})
+    assert issues == [] and out["checkpoint"]["checkpoint_dir"] == "/runs/a/ckpt"
+
+
+def test_a_name_the_config_does_not_hold_is_an_environment_variable_as_upstream(monkeypatch):
+    monkeypatch.setenv("forms.train.samples", "12")
+    out, issues = _interpolate({"dataset": {"n": "${forms.train.samples}", "m": "${forms.val.samples,4}",
+                                            "lr": "${oc.env:dataset.n,7}"}})
+    assert issues == [] and out["dataset"] == {"n": 12, "m": 4, "lr": 7}  # oc.env: always the environment
+
+
+@pytest.mark.parametrize("data,key,chain", [
+    ({"a": "${b}", "b": "${a}"}, "a", "a -> b -> a"),
+    ({"a": {"x": "${a}"}}, "a.x", "a.x -> a.x"),
+    ({"a": "${a}"}, "a", "a -> a"),
+    ({"l": ["${m}"], "m": "x${l.0}"}, "l[0]", "l.0 -> m -> l.0"),
+])
+def test_reference_cycles_are_an_error_naming_the_chain(data, key, chain):
+    _, issues = _interpolate(data)
+    assert [i.key for i in issues] == [key]
+    assert f"the references form a cycle: {chain}" in issues[0].message
+
+
+def test_a_section_inside_a_string_and_a_missing_key_are_errors():
+    _, issues = _interpolate({"a": {"b": 1}, "c": "x-${a}", "d": "${nothing.here}"})
+    messages = {i.key: i.message for i in issues}
+    assert "${a} is a dict; only a whole value may reference a section or a list" in messages["c"]
+    assert "environment variable 'nothing.here' is not set, the config has no key of that name" in messages["d"]
+
+
+def test_references_see_overrides_and_printing_keeps_the_placeholder(targets, resolver):
+    cfg = build_config({"model": {"_target_": "amt_targets.anything", "size": 2, "twice": "${model.size}"}},
+                       _Recipe, resolver, overrides=[("model.size", 5)])
+    assert cfg.model["twice"] == 5
+    assert "twice: ${model.size}" in cfg.to_yaml()
