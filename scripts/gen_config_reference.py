@@ -141,8 +141,21 @@ def describe_free(name: str, spec: Any) -> list[str]:
     return [f"### `{name}`", "", f"Free section: {text}. Its keys are not checked by validation.", ""]
 
 
+def describe_alias(name: str, spec: Any) -> list[str]:
+    implied = ", ".join(f"`{k}` = {scalar(v)}" for k, v in spec.implies.items())
+    text = f"Top-level key: {spec.help.rstrip('.')}. Validation sets `{spec.key}` from it"
+    text += f" (and {implied} unless the config gives it)." if implied else "."
+    return [f"### `{name}`", "", text + " Giving both with different values is an error.", ""]
+
+
+def describe_recipe(name: str, spec: Any) -> list[str]:
+    return [f"### `{name}`", "", f"Recipe section: {spec.help.rstrip('.')}. `automodel recipes` lists the names.",
+            ""]
+
+
 def describe(name: str, spec: Any) -> list[str]:
-    from automodel.config import Free, Target
+    from automodel.config import Free, KeyAlias, Target
+    from automodel.config.schema import RecipeRef
 
     if name.endswith("*"):
         shown = name[:-1] + "<name>"
@@ -156,6 +169,10 @@ def describe(name: str, spec: Any) -> list[str]:
         return describe_target(name, spec)
     if isinstance(spec, Free):
         return describe_free(name, spec)
+    if isinstance(spec, KeyAlias):
+        return describe_alias(name, spec)
+    if isinstance(spec, RecipeRef):
+        return describe_recipe(name, spec)
     return [f"### `{name}`", "", f"Declared as `{spec!r}`.", ""]
 
 

@@ -165,3 +165,42 @@ def test_references_see_overrides_and_printing_keeps_the_placeholder(targets, re
                        _Recipe, resolver, overrides=[("model.size", 5)])
     assert cfg.model["twice"] == 5
     assert "twice: ${model.size}" in cfg.to_yaml()
+
+
+# ---- top-level seed (upstream): rng.seed under another name, ranked as upstream's -----------------------------
+
+def _toy(tmp_path, **sections):
+    from automodel.plugins.manager import get_plugin_manager
+    from automodel.testing import ToyRecipe, toy_config
+
+    data = toy_config(tmp_path / "ckpt", **sections)
+    return ToyRecipe, build_config(data, ToyRecipe, get_plugin_manager().resolver())
+
+
+def test_top_level_seed_is_the_runs_seed_ranked_as_upstream(tmp_path):
+    _, cfg = _toy(tmp_path, rng=None, seed=7)
+    assert (cfg.rng.seed, cfg.rng.ranked, cfg.seed) == (7, True, 7)
+    _, cfg = _toy(tmp_path, rng={"seed": 7, "ranked": False}, seed=7)  # the same value twice is fine
+    assert (cfg.rng.seed, cfg.rng.ranked) == (7, False)
+
+
+def test_top_level_seed_disagreeing_with_rng_seed_is_refused(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        _toy(tmp_path, rng={"seed": 1111}, seed=42)
+    assert [(i.key, i.message) for i in info.value.issues] == [
+        ("seed", "42 disagrees with rng.seed: 1111; 'seed' is rng.seed under another name: give one of them")]
+
+
+def test_top_level_seed_seeds_the_run(tmp_path):
+    from automodel.testing import read_jsonl
+
+    def losses(name, **sections):
+        recipe_cls, cfg = _toy(tmp_path / name, **sections)
+        recipe = recipe_cls(cfg)
+        recipe.setup()
+        recipe.run_train_validation_loop()
+        return [r["loss"] for r in read_jsonl(tmp_path / name / "ckpt" / "training.jsonl")]
+
+    by_rng = losses("rng", rng={"seed": 5})
+    assert losses("seed", rng=None, seed=5) == by_rng
+    assert losses("other", rng=None, seed=6) != by_rng

@@ -20,8 +20,8 @@ class BaseRecipe:
 
     # The recipe class receives the config itself (``cfg``), never keyword arguments from the YAML.
     sections: ClassVar[dict[str, Any]] = {
-        "recipe": RecipeRef("the recipe `automodel run` runs: a recipe name an installed domain registered (upstream's "
-                            "class names, `automodel recipes`), a dotted path, or {_target_: ...}"),
+        "recipe": RecipeRef("the recipe `automodel run` runs: a name an installed domain registered for its route "
+                            "(upstream's recipe class names), the recipe's dotted path, or {_target_: ...}"),
     }
     stateful: ClassVar[tuple[str, ...]] = ()
 

@@ -11,7 +11,7 @@ from automodel.config.instantiate import BuildError, instantiate, is_target_node
 from automodel.config.node import Config, ConfigNode
 from automodel.config.overrides import apply_overrides, parse_overrides
 from automodel.config.registry import Registration, TargetRegistry
-from automodel.config.schema import FieldErrors, Free, Target, require_positive, validate_sections
+from automodel.config.schema import FieldErrors, Free, KeyAlias, Target, require_positive, validate_sections
 from automodel.config.secrets import is_secret_key, mask_secrets
 from automodel.config.targets import TargetError, TargetResolver, core_registry
 from automodel.config.trust import UserTrust
@@ -19,7 +19,7 @@ from automodel.config.yaml_io import dump_yaml, load_yaml_file, parse_scalar, pa
 from automodel.errors import ConfigError, ConfigIssue
 
 __all__ = [
-    "BuildError", "Config", "ConfigNode", "FieldErrors", "Free", "Registration", "Target", "TargetError",
+    "BuildError", "Config", "ConfigNode", "FieldErrors", "Free", "KeyAlias", "Registration", "Target", "TargetError",
     "TargetRegistry", "TargetResolver", "UserTrust", "apply_overrides", "build_config", "core_registry", "dump_yaml",
     "instantiate", "interpolate", "is_secret_key", "is_target_node", "load_yaml_file", "mask_secrets",
     "parse_overrides", "parse_scalar", "parse_yaml", "require_positive",

@@ -5,7 +5,8 @@ A recipe's ``sections`` maps a section name to one of:
 * a dataclass: the section's keys, types, defaults and help (``field(metadata={"help": ..., "aliases": (...)})``);
 * ``Target(...)``: a section built from ``_target_``, checked against the callable's signature;
 * ``Free(...)``: a mapping passed through as it is;
-* ``RecipeRef(...)``: the ``recipe`` section (see :func:`check_recipe`).
+* ``RecipeRef(...)``: the ``recipe`` section (see :func:`check_recipe`);
+* ``KeyAlias(...)``: a top-level key standing for a key of a keyed section (upstream's ``seed:`` is ``rng.seed``).
 
 A name ending in ``*`` declares a family (``validation_dataset_*``).
 """
@@ -58,7 +59,37 @@ class RecipeRef:
     help: str = ""
 
 
-SectionSpec = type | Target | Free | RecipeRef
+@dataclass(frozen=True)
+class KeyAlias:
+    """A top-level key that stands for ``key`` (``section.name``) of a keyed section, which validation sets from it;
+    ``implies`` are more keys of that section it sets unless the config gives them. Giving both the alias and the
+    key with different values is an error."""
+
+    key: str
+    help: str = ""
+    implies: Mapping[str, Any] = field(default_factory=dict, hash=False)
+
+
+SectionSpec = type | Target | Free | RecipeRef | KeyAlias
+
+
+def apply_key_aliases(data: dict, sections: dict[str, SectionSpec], issues: list[ConfigIssue]) -> dict:
+    """``data`` with every top-level ``KeyAlias`` copied into the section key it stands for."""
+    out = dict(data)
+    for name, spec in sections.items():
+        if not isinstance(spec, KeyAlias) or data.get(name) is None:
+            continue
+        section, key = spec.key.split(".", 1)
+        node = out.get(section) or {}
+        if not isinstance(node, dict):
+            continue  # the section's own check reports it
+        value = data[name]
+        if key in node and node[key] != value:
+            issues.append(ConfigIssue(name, f"{value!r} disagrees with {spec.key}: {node[key]!r}; '{name}' is "
+                                            f"{spec.key} under another name: give one of them"))
+            continue
+        out[section] = {**{k: v for k, v in spec.implies.items() if k not in node}, **node, key: value}
+    return out
 
 
 class FieldErrors(ValueError):
@@ -351,6 +382,7 @@ def validate_sections(data: dict, sections: dict[str, SectionSpec], resolver: Ta
     """Check every top-level section; returns the section values (dataclass instances or raw mappings)."""
     values: dict[str, Any] = {}
     known = [name.rstrip("*") for name in sections]
+    data = apply_key_aliases(data, sections, issues)
     for name, node in data.items():
         spec = find_spec(str(name), sections)
         if spec is None:
@@ -360,6 +392,8 @@ def validate_sections(data: dict, sections: dict[str, SectionSpec], resolver: Ta
             values[name] = validate_dataclass(spec, node, str(name), issues)
         elif isinstance(spec, RecipeRef):
             values[name] = check_recipe(node, str(name), resolver, issues) if node is not None else None
+        elif isinstance(spec, KeyAlias):
+            values[name] = node  # validated as the key it stands for
         elif isinstance(spec, Target):
             if node is None:
                 continue

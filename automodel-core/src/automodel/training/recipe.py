@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 import torch
 from tqdm import tqdm
 
-from automodel.config import Config, ConfigNode, Free, Target
+from automodel.config import Config, ConfigNode, Free, KeyAlias, Target
 from automodel.errors import ConfigIssue
 from automodel.plugins.manager import get_plugin_manager
 from automodel.recipe import BaseRecipe
@@ -67,6 +67,8 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
         "step_scheduler": s.StepSchedulerConfig,
         "dist_env": s.DistEnvConfig,
         "rng": s.RngConfig,
+        "seed": KeyAlias("rng.seed", "the run's seed, upstream's top-level key: the same as rng.seed, and ranked "
+                         "(seed + rank per process) unless rng.ranked says otherwise", implies={"ranked": True}),
         "model": Target("the model to train: {_target_: ..., ...}", required=True),
         "compile": s.CompileConfig,
         "clip_grad_norm": s.ClipGradConfig,
