@@ -204,3 +204,66 @@ def test_top_level_seed_seeds_the_run(tmp_path):
     by_rng = losses("rng", rng={"seed": 5})
     assert losses("seed", rng=None, seed=5) == by_rng
     assert losses("other", rng=None, seed=6) != by_rng
+
+
+# ---- dist_env: init_method, master_addr / master_port -----------------------------------------------------------
+
+def test_init_method_reaches_init_process_group(monkeypatch):
+    import torch.distributed as dist
+
+    from automodel.training.dist import init_process_group
+
+    calls, lines = [], []
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kwargs: calls.append((backend, kwargs)))
+    init_process_group("gloo", 3, lines.append, "tcp://10.0.0.1:2345")
+    backend, kwargs = calls[0]
+    assert (backend, kwargs["init_method"], kwargs["rank"], kwargs["world_size"]) == \
+        ("gloo", "tcp://10.0.0.1:2345", 1, 2)  # tcp:// and file:// need rank and world size from torchrun
+    assert kwargs["timeout"].total_seconds() == 180
+    assert lines == ["process group: gloo, 2 processes, rendezvous tcp://10.0.0.1:2345"]
+
+
+@pytest.mark.parametrize("dist_env,key,fragment", [
+    ({"init_method": "zmq://x"}, "dist_env.init_method", "not a rendezvous URL"),
+    ({"init_method": "tcp://h:1", "master_port": 5}, "dist_env.init_method", "names the rendezvous itself"),
+    ({"master_port": 70000}, "dist_env.master_port", "must be a TCP port"),
+])
+def test_dist_env_refusals(tmp_path, dist_env, key, fragment):
+    with pytest.raises(ConfigError) as info:
+        _toy(tmp_path, dist_env=dist_env)
+    assert any(i.key == key and fragment in i.message for i in info.value.issues), info.value.issues
+
+
+def test_master_port_disagreeing_with_the_launchers_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_PORT", "29511")
+    _toy(tmp_path, dist_env={"master_port": 29511})  # what the launcher was given: fine
+    with pytest.raises(ConfigError, match="dist_env.master_port: 1234 but this process was started with "
+                                          "MASTER_PORT=29511"):
+        _toy(tmp_path, dist_env={"master_port": 1234})
+
+
+def test_master_addr_and_port_are_the_launch_rendezvous_unless_the_command_line_gives_one(tmp_path):
+    from automodel.cli.execute import with_config_rendezvous
+    from automodel.cli.launch import torchrun_command
+
+    _, cfg = _toy(tmp_path, dist_env={"master_addr": "10.1.2.3", "master_port": 2345})
+    cmd = torchrun_command(with_config_rendezvous({"nproc_per_node": 2}, cfg), ["run", "-c", "x.yaml"])
+    assert "--master-addr=10.1.2.3" in cmd and "--master-port=2345" in cmd
+    flags = with_config_rendezvous({"nproc_per_node": 2, "master_port": 4444}, cfg)
+    assert "--master-port=4444" in torchrun_command(flags, [])
+
+
+def test_config_master_port_rendezvous_of_a_two_process_run(tmp_path):
+    from automodel.testing import free_port, run_cli, toy_config, write_yaml
+
+    port = free_port()
+    write_yaml(tmp_path / "toy.yaml", toy_config(tmp_path / "ckpt", step_scheduler={"max_steps": 2},
+                                                dist_env={"master_port": port, "init_method": "env://"}))
+    result = run_cli("run", "-c", "toy.yaml", "--nproc-per-node", "2", cwd=tmp_path, OMP_NUM_THREADS="1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"--master-port={port}" in result.stderr
+    assert "process group: gloo, 2 processes, rendezvous env://" in result.stderr

@@ -79,9 +79,9 @@ def run_recipe(recipe_cls: type, config_path: Path, extra_args: list[str], manag
         from automodel.cli.launch import relaunch_under_torchrun
 
         # Validate once here so a config mistake is reported once, not by every rank.
-        load_and_validate(recipe_cls, config_path, extra_args, manager)
+        cfg = load_and_validate(recipe_cls, config_path, extra_args, manager)
         if not (dry_run or print_config):
-            return relaunch_under_torchrun(launch)
+            return relaunch_under_torchrun(with_config_rendezvous(launch, cfg))
     cfg = load_and_validate(recipe_cls, config_path, extra_args, manager)
     if print_config:
         click.echo(cfg.to_yaml(), nl=False)
@@ -103,6 +103,15 @@ def run_recipe(recipe_cls: type, config_path: Path, extra_args: list[str], manag
     finally:
         _close_process_group(finished)
     return 0
+
+
+def with_config_rendezvous(launch: dict[str, Any], cfg: Config) -> dict[str, Any]:
+    """The launch settings with ``dist_env.master_addr`` / ``master_port`` where the command line gives none."""
+    env = cfg.get("dist_env")
+    if env is None:
+        return launch
+    return {**launch, "master_addr": launch.get("master_addr") or env.master_addr,
+            "master_port": launch.get("master_port") or env.master_port}
 
 
 def _close_process_group(finished: bool) -> None:

@@ -38,5 +38,6 @@ def torchrun_command(launch: dict[str, Any], argv: list[str]) -> list[str]:
 
 def relaunch_under_torchrun(launch: dict[str, Any]) -> int:
     cmd = torchrun_command(launch, sys.argv[1:])
-    print(f"launching {launch['nproc_per_node']} processes: {' '.join(cmd[1:6])} ...", file=sys.stderr)
+    torchrun = cmd[1:cmd.index("automodel.cli.main") - 1]
+    print(f"launching {launch['nproc_per_node']} processes: {' '.join(torchrun)} ...", file=sys.stderr)
     return subprocess.call(cmd, env=os.environ.copy())

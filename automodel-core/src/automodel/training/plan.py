@@ -7,6 +7,7 @@ built; the same layout is what ``TrainRecipe.setup`` builds with.
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
 from automodel.config import Config, ConfigNode, Target
@@ -78,6 +79,9 @@ def engine_issues(recipe: type[TrainRecipe], cfg: Config, plugins: PluginManager
     issues += pipeline_issues(cfg, plugins.stages, recipe.merged("stage_implementations"),
                               recipe.merged("unsupported_stages"))
     issues += resolve_backends(cfg, plugins.loggers)[1]
+    if cfg.dist_env is not None:
+        issues += [ConfigIssue(f"dist_env.{key}", message)
+                   for key, message in cfg.dist_env.rendezvous_issues(os.environ).items()]
     return issues
 
 

@@ -233,7 +233,13 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
     def build_context(self) -> BuildContext:
         """What builders and stages see; the process group is joined first (the device depends on it)."""
         cfg = self.cfg
-        init_process_group(cfg.dist_env.backend, cfg.dist_env.timeout_minutes, self.log)
+        env = cfg.dist_env
+        init_process_group(env.backend, env.timeout_minutes, self.log, env.init_method)
+        rendezvous = [f"{k}={getattr(env, k)}" for k in ("master_addr", "master_port", "init_method")
+                      if getattr(env, k) is not None]
+        if rendezvous and world_size() == 1:
+            self.log(f"note: dist_env {', '.join(rendezvous)}: the rendezvous of a multi-process run "
+                     "(--nproc-per-node N, torchrun); this run is one process")
         return BuildContext(cfg=cfg, sections=self.all_sections(), plugins=get_plugin_manager(), domain=self.domain,
                             device=self.select_device(), rank=rank(), world_size=world_size(), seed=cfg.rng.seed,
                             batch=plan.batch_layout(cfg)[0], log=self.log, load_model_weights=self.load_model_weights)
