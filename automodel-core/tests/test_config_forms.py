@@ -267,3 +267,71 @@ def test_config_master_port_rendezvous_of_a_two_process_run(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"--master-port={port}" in result.stderr
     assert "process group: gloo, 2 processes, rendezvous env://" in result.stderr
+
+
+# ---- model.backend (upstream's BackendConfig) ---------------------------------------------------------------------
+
+def test_backend_settings_that_act_select_the_attention():
+    from automodel.model_backend import BackendConfig, apply_backend
+
+    assert BackendConfig(attn="eager", linear="torch", rms_norm="torch_fp32", rope_fusion=False, experts="torch",
+                         dispatcher="torch", enable_hf_state_dict_adapter=True).attn_implementation == "eager"
+    for backend in (BackendConfig(attn="sdpa"), {"attn": "sdpa", "_target_": "BackendConfig"}, {"attn": "sdpa"}):
+        kwargs = {"backend": backend, "num_hidden_layers": 1}
+        apply_backend(kwargs)
+        assert kwargs == {"attn_implementation": "sdpa", "num_hidden_layers": 1}  # backend never reaches the model
+    kwargs = {"backend": {"linear": "torch"}}
+    apply_backend(kwargs)
+    assert kwargs == {}
+
+
+@pytest.mark.parametrize("setting,value,fragment", [
+    ("attn", "te", "needs CUDA and its attention kernels"),
+    ("attn", "tilelang", "needs CUDA"),
+    ("attn", "flex", "FlexAttention has no backward pass on a CPU"),
+    ("linear", "te", "needs CUDA and Transformer Engine"),
+    ("rms_norm", "te", "needs CUDA and Transformer Engine"),
+    ("rope", "quack", "needs CUDA and QuACK"),
+    ("rope_fusion", True, "needs CUDA and Transformer Engine"),
+    ("experts", "gmm", "grouped-GEMM kernels"),
+    ("dispatcher", "deepep", "DeepEP"),
+    ("dispatcher_num_sms", 64, "sets the CUDA MoE dispatchers"),
+    ("enable_deepep", True, "was removed upstream"),
+    ("fake_balanced_gate", True, "routes with its learned gate"),
+    ("fake_gate_noise", 0.3, "sets fake_balanced_gate"),
+    ("enable_hf_state_dict_adapter", False, "always in the Hugging Face layout"),
+    ("enable_fsdp_optimizations", True, "upstream's own MoE model code"),
+    ("te_fp8", {"recipe": "delayed"}, "Transformer Engine"),
+    ("gate_precision", "float32", "router precision"),
+    ("compile_attn", True, "compile.enabled: true"),
+    ("cuda_graph", {"enabled": True}, "CUDA graphs"),
+])
+def test_backend_settings_that_cannot_act_are_refused_with_the_reason(setting, value, fragment):
+    from automodel.model_backend import BackendConfig, backend_issues
+
+    assert fragment in backend_issues({setting: value})[setting]
+    with pytest.raises(ValueError, match=setting):
+        BackendConfig(**{setting: value})
+
+
+def test_backend_checks_of_the_model_node():
+    from automodel.model_backend import model_backend_issues
+
+    assert model_backend_issues({"backend": {"attn": "sdpa", "rms_norm": "torch"}}) == {}  # float32 weights
+    issues = model_backend_issues({"backend": {"attn": "sdpa", "rms_norm": "torch", "colour": 1},
+                                   "attn_implementation": "eager", "torch_dtype": "bfloat16"})
+    assert set(issues) == {"backend.attn", "backend.rms_norm", "backend.colour"}
+    assert "give one of them" in issues["backend.attn"] and "use torch_fp32" in issues["backend.rms_norm"]
+    # a _target_ node's settings are its own check's (see the next test); the model checks what spans both
+    assert model_backend_issues({"backend": {"_target_": "BackendConfig", "attn": "te"}}) == {}
+
+
+def test_backend_node_is_checked_by_its_own_check_at_validation(targets):
+    from automodel.config import Registration, TargetResolver, core_registry
+
+    resolver = TargetResolver(core_registry().extended([Registration("amt_targets", "prefix", "t")]),
+                              {"BackendConfig": "automodel.model_backend.BackendConfig"})
+    issues = _issues({"model": {"_target_": "amt_targets.anything",
+                                "backend": {"_target_": "BackendConfig", "attn": "te", "linear": "torch"}}},
+                     resolver)
+    assert list(issues) == ["model.backend.attn"] and "needs CUDA" in issues["model.backend.attn"]

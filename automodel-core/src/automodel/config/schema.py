@@ -270,6 +270,16 @@ def check_target_node(node: dict, key: str, resolver: TargetResolver, issues: li
         issues.append(ConfigIssue(f"{key}._target_" if "_target_" in node else key, str(err), err.suggestion))
         return
     _check_arguments(fn, str(name), kwargs, key, runtime_args, issues)
+    _own_checks(fn, kwargs, key, issues)
+
+
+def _own_checks(fn: Any, kwargs: dict, key: str, issues: list[ConfigIssue]) -> None:
+    """A target may check its own keyword arguments before anything is built: its class (or the class of a
+    classmethod constructor) defines ``automodel_config_issues(kwargs) -> {argument: message}``."""
+    owner = fn.__self__ if inspect.ismethod(fn) else fn
+    check = getattr(owner, "automodel_config_issues", None) if isinstance(owner, type) else None
+    if callable(check):
+        issues.extend(ConfigIssue(f"{key}.{name}", message) for name, message in check(kwargs).items())
 
 
 def check_callable_node(node: dict, key: str, resolver: TargetResolver, issues: list[ConfigIssue]) -> None:
