@@ -154,7 +154,7 @@ def describe_recipe(name: str, spec: Any) -> list[str]:
 
 
 def describe(name: str, spec: Any) -> list[str]:
-    from automodel.config import Free, KeyAlias, Target
+    from automodel.config import Free, KeyAlias, Metadata, Refused, Target
     from automodel.config.schema import RecipeRef
 
     if name.endswith("*"):
@@ -173,6 +173,11 @@ def describe(name: str, spec: Any) -> list[str]:
         return describe_alias(name, spec)
     if isinstance(spec, RecipeRef):
         return describe_recipe(name, spec)
+    if isinstance(spec, Metadata):
+        return [f"### `{name}`", "", f"Metadata section: {spec.help.rstrip('.')}. Not interpolated or validated; "
+                "validation names it in a note line (as it does any top-level key starting with `_`).", ""]
+    if isinstance(spec, Refused):
+        return [f"### `{name}`", "", f"Refused at validation: {spec.reason}.", ""]
     return [f"### `{name}`", "", f"Declared as `{spec!r}`.", ""]
 
 
@@ -219,7 +224,9 @@ def render() -> str:
         "- **keyed**: a dataclass; the keys below, with their types and defaults, and nothing else;",
         "- **target**: built by calling its `_target_` (see [targets.md](targets.md)); its keys are that "
         "callable's keyword arguments, checked against its signature;",
-        "- **free**: passed through unchecked.",
+        "- **free**: passed through unchecked;",
+        "- **metadata**: read by nothing (upstream's `ci:`), not validated, named in a note line;",
+        "- **refused**: validation refuses it, saying why.",
         "",
         "Any other top-level section is an error with a did-you-mean. `automodel validate -c cfg.yaml` checks a "
         "config against all of this at once; `--a.b value` overrides any key from the command line.",

@@ -335,3 +335,28 @@ def test_backend_node_is_checked_by_its_own_check_at_validation(targets):
                                 "backend": {"_target_": "BackendConfig", "attn": "te", "linear": "torch"}}},
                      resolver)
     assert list(issues) == ["model.backend.attn"] and "needs CUDA" in issues["model.backend.attn"]
+
+
+# ---- metadata sections: not interpolated, not validated, named in one note; launcher sections refused ----------
+
+def test_metadata_sections_are_left_unread_and_named_in_one_note(tmp_path, monkeypatch):
+    monkeypatch.delenv("AMT_UNSET_TOKEN", raising=False)
+    ci = {"recipe_owner": "x", "nightly": {"dataset": {"_target_": "os.system"}, "trust_remote_code": True,
+                                           "token": "${AMT_UNSET_TOKEN}"}}
+    aside = {"_target_": "nemo_automodel.components.datasets.llm.hellaswag.HellaSwag"}
+    _, cfg = _toy(tmp_path, ci=ci, _validation_dataset=aside, _template="a YAML anchor's holder")
+    assert cfg.notes == ["note: not validated and read by nothing in the run: 'ci' (upstream's CI settings, which "
+                         "its CI tooling reads), '_validation_dataset' (a top-level key starting with '_'), "
+                         "'_template' (a top-level key starting with '_')"]
+    assert cfg.resolved["ci"] == ci  # as written: no placeholder replaced, no target resolved
+    _, plain = _toy(tmp_path)
+    assert plain.notes == []
+
+
+def test_launcher_sections_are_refused_without_reading_them(tmp_path, monkeypatch):
+    monkeypatch.delenv("AMT_UNSET_TOKEN", raising=False)
+    with pytest.raises(ConfigError) as info:
+        _toy(tmp_path, skypilot={"hf_token": "${AMT_UNSET_TOKEN}"}, nemo_run={"executor": "slurm"})
+    issues = {i.key: i.message for i in info.value.issues}
+    assert set(issues) == {"skypilot", "nemo_run"}  # the unset variable inside is not what is reported
+    assert "through SkyPilot" in issues["skypilot"] and "torchrun" in issues["skypilot"]

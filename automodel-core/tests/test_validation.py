@@ -135,8 +135,8 @@ def test_required_dataclass_key_missing(check):
 
 
 def test_sections_merge_along_the_class_hierarchy():
-    assert set(Child.all_sections()) == {"recipe", "step_scheduler", "model", "optimizer", "dataset",
-                                         "validation_dataset_*", "extra", "restore_from"}
+    assert set(Child.all_sections()) == {"recipe", "ci", "skypilot", "nemo_run", "step_scheduler", "model",
+                                         "optimizer", "dataset", "validation_dataset_*", "extra", "restore_from"}
 
 
 def test_valid_config_types_defaults_and_aliases(check, monkeypatch):

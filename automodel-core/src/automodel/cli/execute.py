@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -65,10 +66,16 @@ def recipe_from_config(data: dict, manager: PluginManager) -> type:
 
 
 def load_and_validate(recipe_cls: type, config_path: Path, extra_args: list[str],
-                      manager: PluginManager) -> Config:
+                      manager: PluginManager, quiet: bool = False) -> Config:
+    """The validated config; its notes go to stderr once (rank 0 only, and not by a launcher about to start the
+    ranks: ``quiet``)."""
     overrides = parse_overrides(extra_args)
     data = load_yaml_file(config_path)
-    return build_config(data, recipe_cls, manager.resolver(), source=str(config_path), overrides=overrides)
+    cfg = build_config(data, recipe_cls, manager.resolver(), source=str(config_path), overrides=overrides)
+    if not quiet and os.environ.get("RANK", "0") == "0":
+        for note in cfg.notes:
+            echo_err(note)
+    return cfg
 
 
 def run_recipe(recipe_cls: type, config_path: Path, extra_args: list[str], manager: PluginManager,
@@ -79,10 +86,11 @@ def run_recipe(recipe_cls: type, config_path: Path, extra_args: list[str], manag
         from automodel.cli.launch import relaunch_under_torchrun
 
         # Validate once here so a config mistake is reported once, not by every rank.
-        cfg = load_and_validate(recipe_cls, config_path, extra_args, manager)
-        if not (dry_run or print_config):
+        relaunch = not (dry_run or print_config)
+        cfg = load_and_validate(recipe_cls, config_path, extra_args, manager, quiet=relaunch)
+        if relaunch:
             return relaunch_under_torchrun(with_config_rendezvous(launch, cfg))
-    cfg = load_and_validate(recipe_cls, config_path, extra_args, manager)
+    cfg = load_and_validate(recipe_cls, config_path, extra_args, manager, quiet=print_config)
     if print_config:
         click.echo(cfg.to_yaml(), nl=False)
         return 0
@@ -128,8 +136,6 @@ def _close_process_group(finished: bool) -> None:
 
 
 def _under_torchrun() -> bool:
-    import os
-
     return "TORCHELASTIC_RUN_ID" in os.environ or ("LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 

@@ -6,7 +6,10 @@ A recipe's ``sections`` maps a section name to one of:
 * ``Target(...)``: a section built from ``_target_``, checked against the callable's signature;
 * ``Free(...)``: a mapping passed through as it is;
 * ``RecipeRef(...)``: the ``recipe`` section (see :func:`check_recipe`);
-* ``KeyAlias(...)``: a top-level key standing for a key of a keyed section (upstream's ``seed:`` is ``rng.seed``).
+* ``KeyAlias(...)``: a top-level key standing for a key of a keyed section (upstream's ``seed:`` is ``rng.seed``);
+* ``Metadata(...)``: a section nothing reads (upstream's ``ci:``): neither interpolated nor validated, and named in a
+  note; so is any top-level key starting with ``_`` (a YAML anchor's holder, a section set aside);
+* ``Refused(...)``: a section automodel cannot act on, refused with its reason (its content is not read).
 
 A name ending in ``*`` declares a family (``validation_dataset_*``).
 """
@@ -70,7 +73,38 @@ class KeyAlias:
     implies: Mapping[str, Any] = field(default_factory=dict, hash=False)
 
 
-SectionSpec = type | Target | Free | RecipeRef | KeyAlias
+@dataclass(frozen=True)
+class Metadata:
+    """A section nothing in a run reads: neither interpolated nor validated; validation names it in a note."""
+
+    help: str = ""
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A section automodel cannot act on: validation refuses it with ``reason``, without reading its content."""
+
+    reason: str
+
+
+SectionSpec = type | Target | Free | RecipeRef | KeyAlias | Metadata | Refused
+
+
+def is_inert(name: str, sections: dict[str, SectionSpec]) -> bool:
+    """Whether a top-level section's content is left unread (metadata, a key starting with ``_``, or refused)."""
+    return str(name).startswith("_") or isinstance(find_spec(str(name), sections), (Metadata, Refused))
+
+
+def metadata_note(data: dict, sections: dict[str, SectionSpec]) -> str | None:
+    """The one note line naming the config's metadata sections (None when it has none)."""
+    named = []
+    for name in data:
+        spec = find_spec(str(name), sections)
+        if isinstance(spec, Metadata):
+            named.append(f"'{name}' ({spec.help.rstrip('.')})" if spec.help else f"'{name}'")
+        elif str(name).startswith("_") and spec is None:
+            named.append(f"'{name}' (a top-level key starting with '_')")
+    return f"note: not validated and read by nothing in the run: {', '.join(named)}" if named else None
 
 
 def apply_key_aliases(data: dict, sections: dict[str, SectionSpec], issues: list[ConfigIssue]) -> dict:
@@ -395,6 +429,12 @@ def validate_sections(data: dict, sections: dict[str, SectionSpec], resolver: Ta
     data = apply_key_aliases(data, sections, issues)
     for name, node in data.items():
         spec = find_spec(str(name), sections)
+        if isinstance(spec, Metadata) or (spec is None and str(name).startswith("_")):
+            values[name] = node
+            continue
+        if isinstance(spec, Refused):
+            issues.append(ConfigIssue(str(name), spec.reason))
+            continue
         if spec is None:
             issues.append(ConfigIssue(str(name), "unknown section for this recipe", did_you_mean(str(name), known)))
             continue

@@ -88,7 +88,6 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
                                default_target="automodel.optim.build_scheduler"),
         "fault_tolerance": s.FaultToleranceConfig,
         "slurm": s.SlurmConfig,
-        "ci": Free("upstream CI metadata; accepted and ignored (a note says so)"),
         "logging": Free("metric logging backends: {backends: [tensorboard, mlflow, wandb], <backend>: {settings}}; "
                         "see docs/logging.md (checked by validation against the registered backends)"),
         "wandb": Free("upstream-style Weights & Biases settings {project, entity, name, save_dir, mode, ...}: the "
@@ -256,8 +255,6 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
         if cfg.restore_from is not None and cfg.restore_from.path:
             # resolved before anything is built: a missing checkpoint fails fast
             self.ctx = ctx = replace(ctx, restore_path=self.checkpointer.resolve(cfg.restore_from.path))
-        if "ci" in cfg:
-            self.log("note: section 'ci' is upstream CI metadata and is ignored")
         self.setup_domain()
         self.ctx = ctx = replace(ctx, collate_args=self.collate_runtime_args())
         self.model = apply_pipeline(ctx, self.build_model(ctx), self.pipeline_selection(cfg))
