@@ -23,7 +23,8 @@ def automodel_register_routes(routes) -> None:
     routes.add("kd", "llm", recipe="automodel_llm.kd.KnowledgeDistillationRecipe",
                help="Distil a frozen teacher_model into the student model")
     routes.add("benchmark", "llm", recipe="automodel_llm.benchmark.BenchmarkRecipe",
-               help="Measure training throughput on synthetic data (JSON with tokens/s, step times, memory, MFU)")
+               help="Measure training throughput on synthetic data (JSON with tokens/s, step times, memory, MFU)",
+               examples=["llm/tiny_benchmark"])
 
 
 @hookimpl

@@ -194,6 +194,11 @@ class FaultToleranceConfig:
     max_skipped_steps: int | None = field(
         default=None, metadata=_help("with nonfinite: skip, stop after this many skipped steps"))
 
+    def __post_init__(self) -> None:
+        if self.max_skipped_steps is not None and self.nonfinite != "skip":
+            raise FieldErrors({"max_skipped_steps": f"counts skipped steps, and with nonfinite: {self.nonfinite} no "
+                                                    "step is skipped: set nonfinite: skip, or remove it"})
+
 
 @dataclass
 class SlurmConfig:
