@@ -360,3 +360,10 @@ def test_launcher_sections_are_refused_without_reading_them(tmp_path, monkeypatc
     issues = {i.key: i.message for i in info.value.issues}
     assert set(issues) == {"skypilot", "nemo_run"}  # the unset variable inside is not what is reported
     assert "through SkyPilot" in issues["skypilot"] and "torchrun" in issues["skypilot"]
+
+
+def test_references_may_read_a_metadata_holder(tmp_path):
+    _, cfg = _toy(tmp_path, _vars={"lr": 0.5, "steps": 3}, optimizer={"lr": "${_vars.lr}"},
+                  step_scheduler={"max_steps": "${_vars.steps}"})
+    assert cfg.optimizer["lr"] == 0.5 and cfg.step_scheduler.max_steps == 3
+    assert "'_vars' (a top-level key starting with '_')" in cfg.notes[0]

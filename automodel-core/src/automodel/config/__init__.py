@@ -43,8 +43,9 @@ def build_config(data: dict, recipe_cls: Any, resolver: TargetResolver, source: 
     raw = apply_overrides(data, list(overrides))
     issues: list[ConfigIssue] = []
     declared = recipe_cls.all_sections()
-    # metadata and refused sections are left as written: nothing reads them, so nothing in them is checked
-    read = interpolate({k: v for k, v in raw.items() if not is_inert(k, declared)}, issues)
+    # metadata and refused sections are left as written: nothing reads them, so nothing in them is checked (a
+    # reference may still read a value there: `_vars: {lr: 1e-3}` and `lr: ${_vars.lr}`)
+    read = interpolate({k: v for k, v in raw.items() if not is_inert(k, declared)}, issues, root=raw)
     resolved = {k: read.get(k, v) for k, v in raw.items()}
     values = validate_sections(resolved, declared, resolver, issues)
     issues += code_loading_issues(read, resolver.trust.remote_code)

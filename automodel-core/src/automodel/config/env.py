@@ -161,6 +161,7 @@ def _shown(path: str) -> str:
     return re.sub(r"\.(\d+)(?=\.|$)", r"[\1]", path)
 
 
-def interpolate(data: Any, issues: list[ConfigIssue], key: str = "") -> Any:
-    """A copy of ``data`` with every placeholder replaced; unresolvable ones are added to ``issues``."""
-    return _Interpolation(data, issues).value(data, key)
+def interpolate(data: Any, issues: list[ConfigIssue], key: str = "", root: Any = None) -> Any:
+    """A copy of ``data`` with every placeholder replaced; unresolvable ones are added to ``issues``. References
+    look keys up in ``root`` (default: ``data``), so a part of a config can be interpolated against all of it."""
+    return _Interpolation(data if root is None else root, issues).value(data, key)
