@@ -107,6 +107,9 @@ def describe_target(name: str, spec: Any) -> list[str]:
     if spec.runtime_args:
         supplied = ", ".join(f"`{a}`" for a in spec.runtime_args)
         text += f" Supplied by the recipe at build time, not the YAML: {supplied}."
+    if spec.documented_targets:
+        text += " Usually built from one of: " + ", ".join(
+            f"[`{t.rsplit('.', 1)[-1]}`](#{anchor(t)})" for t in spec.documented_targets) + "."
     if spec.default:
         text += " When absent: `{" + ", ".join(f"{k}: {v}" for k, v in spec.default.items()) + "}`."
     elif spec.default is not None:
@@ -134,6 +137,46 @@ def default_target_keys(dotted: str, runtime_args: tuple[str, ...]) -> str:
             default = "" if param.default is inspect.Parameter.empty else f" = {scalar(param.default)}"
             keys.append(f"`{name}`{default}")
     return (": " + ", ".join(keys)) if keys else ""
+
+
+def documented_targets(specs: list[Any]) -> dict[str, tuple[str, ...]]:
+    """dotted path -> the runtime arguments recipes supply, for every documented target of the sections."""
+    from automodel.config import Target
+
+    found: dict[str, tuple[str, ...]] = {}
+    for spec in specs:
+        if isinstance(spec, Target):
+            for target in spec.documented_targets:
+                found[target] = tuple(dict.fromkeys(found.get(target, ()) + spec.runtime_args))
+    return found
+
+
+def describe_callable(dotted: str, runtime_args: tuple[str, ...]) -> list[str]:
+    """One documented target: what it is, the names configs may give it, and its arguments."""
+    import inspect
+
+    from automodel.plugins.manager import get_plugin_manager
+
+    resolver = get_plugin_manager().resolver()
+    fn = resolver.resolve(dotted)
+    names = sorted(alias for alias in resolver.aliases if resolver.expand(alias) == dotted)
+    doc = " ".join(inspect.getdoc(fn).split("\n\n")[0].split()) if inspect.getdoc(fn) else ""
+    lines = [f"### `{dotted}`", "", cell(doc.replace("``", "`")), ""]
+    if names:
+        lines += ["Also named in `_target_` as " + ", ".join(f"`{n}`" for n in names) + ".", ""]
+    init = fn.__init__ if isinstance(fn, type) else fn
+    hints = typing.get_type_hints(init)
+    aliases = getattr(fn, "argument_aliases", {})
+    helps = getattr(fn, "argument_help", {})
+    lines += ["| argument | type | default | description |", "|---|---|---|---|"]
+    for name, param in inspect.signature(fn).parameters.items():
+        if param.kind not in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY):
+            continue
+        default = "required" if param.default is inspect.Parameter.empty else scalar(param.default)
+        note = (f"another spelling of `{aliases[name]}`" if name in aliases else
+                "supplied by the recipe" if name in runtime_args else cell(helps.get(name, "")))
+        lines.append(f"| `{name}` | {type_name(hints.get(name, Any))} | {default} | {note} |")
+    return lines + [""]
 
 
 def describe_free(name: str, spec: Any) -> list[str]:
@@ -263,12 +306,25 @@ def render() -> str:
             out += ["Added or redefined by this recipe:", ""]
             for name, spec in changed.items():
                 out += ["#" + line if line.startswith("### ") else line for line in describe(name, spec)]
+    documented = documented_targets([spec for cls in classes.values() for spec in cls.all_sections().values()])
+    if documented:
+        out += ["## Documented targets", "",
+                "The callables sections are usually built from (their `_target_`), with every argument a config may "
+                "give; a recipe supplies the ones noted. Giving an argument under both of its spellings, or one "
+                "not listed, is a config error.", ""]
+        for dotted, runtime_args in documented.items():
+            out += describe_callable(dotted, runtime_args)
     return "\n".join(out).rstrip() + "\n"
+
+
+def anchor(heading: str) -> str:
+    """GitHub's anchor for a heading's text."""
+    return "".join(c for c in heading.lower() if c.isalnum() or c in "-_ ").replace(" ", "-")
 
 
 def anchor_for(path: str) -> str:
     """GitHub's anchor for the heading '## Recipe `path`'."""
-    return "recipe-" + "".join(c for c in path.lower() if c.isalnum() or c in "-_ ").replace(" ", "-")
+    return anchor(f"Recipe {path}")
 
 
 def main(argv: list[str] | None = None) -> int:

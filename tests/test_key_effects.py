@@ -23,20 +23,15 @@ from automodel.testing import deep_update
 from automodel.testing.key_effects import key_effects, keyed_sections, launch_phase, run_phase, slurm_phase
 from automodel.training.recipe import TrainRecipe
 
-# Keys of the core's sections that other branches of issue 20 make act or refuse (item 2: distributed.* on the
-# branches fsdp / modelpar, checkpoint.* on ckpt / uploop). Tolerated here only until those branches are merged:
-# the lead empties this list then; test_tolerated_keys_are_still_unfixed says when an entry can go.
+# Keys of the core's sections that another branch of issue 20 makes act or refuse (item 2: checkpoint.* on uploop).
+# Tolerated here only until that branch is merged: the lead empties this list then;
+# test_tolerated_keys_are_still_unfixed says when an entry can go.
 ISSUE_20_FIXED_ON_OTHER_BRANCHES = {
-    "distributed.strategy": "fsdp / modelpar (a one-process run never reads it)",
-    "distributed.ep_size": "fsdp / modelpar",
-    "distributed.sequence_parallel": "fsdp / modelpar",
-    "distributed.activation_checkpointing": "fsdp / modelpar",
-    "checkpoint.model_save_format": "ckpt / uploop (torch_save is refused under 'checkpoint', not this key)",
-    "checkpoint.save_consolidated": "ckpt / uploop",
-    "checkpoint.model_repo_id": "ckpt / uploop",
-    "checkpoint.model_cache_dir": "ckpt / uploop",
-    "checkpoint.is_peft": "ckpt / uploop",
-    "checkpoint.dequantize_base_checkpoint": "ckpt / uploop",
+    "checkpoint.model_save_format": "uploop (torch_save is refused under 'checkpoint', not this key)",
+    "checkpoint.model_repo_id": "uploop",
+    "checkpoint.model_cache_dir": "uploop",
+    "checkpoint.is_peft": "uploop",
+    "checkpoint.dequantize_base_checkpoint": "uploop",
 }
 
 # The settings under which a section's keys matter (a section with `enabled` is otherwise switched on).

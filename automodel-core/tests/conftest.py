@@ -175,3 +175,12 @@ def two_ranks(tmp_path_factory):
     from parallel_testing import run_all_scenarios
 
     return run_all_scenarios(tmp_path_factory.mktemp("two_ranks"))
+
+
+@pytest.fixture(scope="session")
+def model_parallel_ranks(tmp_path_factory):
+    """The model-parallel scenarios' results and their single-process references (see
+    parallel_testing.run_model_parallel_scenarios)."""
+    from parallel_testing import run_model_parallel_scenarios
+
+    return run_model_parallel_scenarios(tmp_path_factory.mktemp("model_parallel"))

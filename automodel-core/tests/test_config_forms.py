@@ -247,14 +247,16 @@ def test_master_port_disagreeing_with_the_launchers_is_refused(tmp_path, monkeyp
 
 
 def test_master_addr_and_port_are_the_launch_rendezvous_unless_the_command_line_gives_one(tmp_path):
-    from automodel.cli.execute import with_config_rendezvous
+    from automodel.cli.execute import config_rendezvous
     from automodel.cli.launch import torchrun_command
 
     _, cfg = _toy(tmp_path, dist_env={"master_addr": "10.1.2.3", "master_port": 2345})
-    cmd = torchrun_command(with_config_rendezvous({"nproc_per_node": 2}, cfg), ["run", "-c", "x.yaml"])
+    cmd = torchrun_command({"nproc_per_node": 2}, ["run", "-c", "x.yaml"], *config_rendezvous(cfg))
     assert "--master-addr=10.1.2.3" in cmd and "--master-port=2345" in cmd
-    flags = with_config_rendezvous({"nproc_per_node": 2, "master_port": 4444}, cfg)
-    assert "--master-port=4444" in torchrun_command(flags, [])
+    flags = torchrun_command({"nproc_per_node": 2, "master_port": 4444}, [], *config_rendezvous(cfg))
+    assert "--master-port=4444" in flags
+    _, unset = _toy(tmp_path, dist_env={})
+    assert config_rendezvous(unset) == ("localhost", 29500)
 
 
 def test_config_master_port_rendezvous_of_a_two_process_run(tmp_path):

@@ -108,6 +108,7 @@ def test_model_backend_selects_the_attention_or_is_refused_with_the_reason(tmp_p
     monkeypatch.chdir(tmp_path)
     recipe = train_inprocess(FORMS / "model_backend.yaml", setup_only=True)
     assert recipe.model.config._attn_implementation == "sdpa"
+    recipe.checkpointer.release()  # the run lock of its checkpoint_dir, for the next setup in this process
     eager = train_inprocess(FORMS / "model_backend.yaml", "--model.backend.attn", "eager", setup_only=True)
     assert eager.model.config._attn_implementation == "eager"
     assert "backend" not in eager.model.config.to_dict()  # never written into the saved config.json

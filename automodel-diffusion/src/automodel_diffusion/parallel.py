@@ -141,9 +141,9 @@ def _fully_shard(module: torch.nn.Module, entry: dict[str, Any], mesh: Any) -> N
             param_dtype=getattr(torch, entry["param_dtype"]) if "param_dtype" in entry else None,
             reduce_dtype=getattr(torch, entry["reduce_dtype"]) if "reduce_dtype" in entry else None)
     if entry.get("shard_blocks", True):
-        from automodel.training.stages.sharding import repeated_blocks
+        from automodel.training.parallel.blocks import transformer_blocks
 
-        for block in repeated_blocks(module):
+        for block in transformer_blocks(module):
             fully_shard(block, **kwargs)
     fully_shard(module, **kwargs)
     for method in ("encode", "decode"):  # a VAE is called through these, not forward()

@@ -61,6 +61,8 @@ def automodel_register_aliases(aliases) -> None:
     aliases.target("nemo_automodel.components._peft.lora.PeftConfig", "automodel_llm.peft.PeftConfig")
     aliases.target("nemo_automodel.components.loss.kd_loss.KDLoss", "automodel_llm.kd.KDLoss")
     aliases.target("ChatDataset", "automodel_llm.datasets.ChatDataset")
+    aliases.target("nemo_automodel.components.datasets.llm.chat_dataset.ChatDataset",
+                   "automodel_llm.datasets.ChatDataset")
     aliases.target("PretrainingTextDataset", "automodel_llm.datasets.PretrainingTextDataset")
     aliases.target("MockDataset", "automodel_llm.datasets.MockDataset")
 

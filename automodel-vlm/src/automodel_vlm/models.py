@@ -116,26 +116,3 @@ class AutoModelForImageTextToText:
                                dtype or torch_dtype, seed)
         except ValueError as err:
             raise AutomodelError(f"model.config: {err}") from None
-
-
-def checkpoint_key_mapping(model: Any) -> dict[str, str]:
-    """Saved-checkpoint key -> the model's own key.
-
-    transformers' ``save_pretrained`` writes some architectures (Llava among them) under their original hub names
-    (``language_model.model.layers...`` for ``model.language_model.layers...``); a restore into the live model
-    needs the way back. It is learnt by running transformers' own save-time renaming on placeholder tensors, so
-    it is the exact inverse of what the save did. Empty when there is no renaming (or it cannot be derived).
-    """
-    import torch
-
-    try:
-        from transformers.core_model_loading import revert_weight_conversion
-    except ImportError:
-        return {}
-    probes = {key: torch.empty(0) for key in model.state_dict()}
-    by_id = {id(t): key for key, t in probes.items()}
-    try:
-        reverted = revert_weight_conversion(model, dict(probes))
-    except Exception:  # noqa: BLE001 - a converting (not renaming) mapping: keys stay as they are
-        return {}
-    return {saved: by_id[id(t)] for saved, t in reverted.items() if id(t) in by_id and saved != by_id[id(t)]}

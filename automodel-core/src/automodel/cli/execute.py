@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import sys
@@ -78,28 +79,40 @@ def load_and_validate(recipe_cls: type, config_path: Path, extra_args: list[str]
     return cfg
 
 
+def planning_for(launch: dict[str, Any] | None) -> contextlib.AbstractContextManager:
+    """Validation and the plan within the block are for the run ``launch`` describes (its world size)."""
+    if not launch:
+        return contextlib.nullcontext()
+    from automodel.cli.launch import planned_world
+    from automodel.training.dist import planned_world_size
+
+    return planned_world_size(*planned_world(launch))
+
+
 def run_recipe(recipe_cls: type, config_path: Path, extra_args: list[str], manager: PluginManager,
                dry_run: bool = False, print_config: bool = False, launch: dict[str, Any] | None = None) -> int:
+    from automodel.cli.launch import needs_torchrun
+
     launch = launch or {}
-    nproc = launch.get("nproc_per_node") or 1
-    if nproc > 1 and not _under_torchrun():
+    relaunch = needs_torchrun(launch) and not _under_torchrun()
+    with planning_for(launch if relaunch else None):
+        # Validated here once, for the whole launch, so a config mistake is reported once, not by every rank (the
+        # notes are printed by rank 0 of the launched run, and not beside --print-config's YAML).
+        quiet = print_config or (relaunch and not dry_run)
+        cfg = load_and_validate(recipe_cls, config_path, extra_args, manager, quiet=quiet)
+        if print_config:
+            click.echo(cfg.to_yaml(), nl=False)
+            return 0
+        if dry_run:
+            click.echo(f"config {config_path} is valid; plan:")
+            for line in recipe_cls.describe_plan(cfg):
+                click.echo(f"  {line}")
+            click.echo("dry run: nothing was built")
+            return 0
+    if relaunch:
         from automodel.cli.launch import relaunch_under_torchrun
 
-        # Validate once here so a config mistake is reported once, not by every rank.
-        relaunch = not (dry_run or print_config)
-        cfg = load_and_validate(recipe_cls, config_path, extra_args, manager, quiet=relaunch)
-        if relaunch:
-            return relaunch_under_torchrun(with_config_rendezvous(launch, cfg))
-    cfg = load_and_validate(recipe_cls, config_path, extra_args, manager, quiet=print_config)
-    if print_config:
-        click.echo(cfg.to_yaml(), nl=False)
-        return 0
-    if dry_run:
-        click.echo(f"config {config_path} is valid; plan:")
-        for line in recipe_cls.describe_plan(cfg):
-            click.echo(f"  {line}")
-        click.echo("dry run: nothing was built")
-        return 0
+        return relaunch_under_torchrun(launch, *config_rendezvous(cfg))
     recipe = recipe_cls(cfg)
     try:
         recipe.setup()
@@ -113,13 +126,13 @@ def run_recipe(recipe_cls: type, config_path: Path, extra_args: list[str], manag
     return 0
 
 
-def with_config_rendezvous(launch: dict[str, Any], cfg: Config) -> dict[str, Any]:
-    """The launch settings with ``dist_env.master_addr`` / ``master_port`` where the command line gives none."""
+def config_rendezvous(cfg: Config) -> tuple[str, int]:
+    """The rendezvous torchrun is given where the command line has no --master-addr / --master-port: the config's
+    ``dist_env.master_addr`` / ``master_port``, else localhost:29500."""
     env = cfg.get("dist_env")
     if env is None:
-        return launch
-    return {**launch, "master_addr": launch.get("master_addr") or env.master_addr,
-            "master_port": launch.get("master_port") or env.master_port}
+        return "localhost", 29500
+    return env.master_addr or "localhost", env.master_port or 29500
 
 
 def _close_process_group(finished: bool) -> None:

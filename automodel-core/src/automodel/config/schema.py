@@ -36,6 +36,8 @@ class Target:
 
     ``default`` is the one place a section's default lives: the mapping an absent section stands for (built
     like a written one: its ``_target_``, else ``default_target``); None when an absent section builds nothing.
+    ``documented_targets`` are the callables the section is usually built from (dotted paths): the generated
+    config reference lists their arguments.
     """
 
     help: str = ""
@@ -44,6 +46,7 @@ class Target:
     plain: bool = False  # may be a plain mapping without _target_ (then checked against default_target)
     default_target: str | None = None
     default: Mapping[str, Any] | None = field(default=None, hash=False)
+    documented_targets: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

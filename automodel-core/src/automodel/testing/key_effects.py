@@ -133,8 +133,8 @@ def key_effects(recipe: type, base: dict, sections: list[str], validate: Callabl
                 merged = deep_update(merged, {name: context})
             else:
                 context_refused[name] = why
-    for overrides in ([{}, merged] if merged else [{}]):
-        cfg = validate(deep_update(base, overrides))
+    for index, overrides in enumerate([{}, merged] if merged else [{}]):
+        cfg = validate(_fresh_run(deep_update(base, overrides), index))
         with recorded_reads(classes) as found:
             for phase in phases:
                 phase(cfg)
@@ -153,6 +153,15 @@ def key_effects(recipe: type, base: dict, sections: list[str], validate: Callabl
                 refused = messages[0] if values and all(messages) else context_refused.get(name)
             effects.append(KeyEffect(name, f.name, read_by, refused))
     return effects
+
+
+def _fresh_run(data: dict, index: int) -> dict:
+    """The config of the ``index``-th pass: a later pass saves to its own ``checkpoint.checkpoint_dir``, since a run
+    started where another saved resumes it (and, resumed at its last step, would train no step to read keys in)."""
+    where = (data.get("checkpoint") or {}).get("checkpoint_dir")
+    if not index or not where:
+        return data
+    return deep_update(data, {"checkpoint": {"checkpoint_dir": f"{where}-pass{index}"}})
 
 
 def _context(cls: type, given: dict | None) -> dict:
@@ -181,10 +190,10 @@ def run_phase(recipe: type) -> Callable[[Any], None]:
 
 def launch_phase(cfg: Any) -> None:
     """What ``--nproc-per-node 2`` builds from the config before starting the processes."""
-    from automodel.cli.execute import with_config_rendezvous
+    from automodel.cli.execute import config_rendezvous
     from automodel.cli.launch import torchrun_command
 
-    torchrun_command(with_config_rendezvous({"nproc_per_node": 2}, cfg), ["run", "-c", "cfg.yaml"])
+    torchrun_command({"nproc_per_node": 2}, ["run", "-c", "cfg.yaml"], *config_rendezvous(cfg))
 
 
 def slurm_phase(cfg: Any) -> None:

@@ -128,7 +128,7 @@ def _seeded(seed: int) -> torch.Generator:
 def build_dataloader(ctx: BuildContext, dataset: Any, node: ConfigNode, train: bool,
                      default_collate: Callable | None) -> StatefulDataLoader:
     """A resumable loader over ``dataset`` as ``node`` (a dataloader section) says; shuffled with a seeded generator
-    for training; under torchrun each rank reads its own shard. ``default_collate`` is the recipe's."""
+    for training; under torchrun each data-parallel rank reads its own shard. ``default_collate`` is the recipe's."""
     settings = {k: build_value(v, ctx.cfg.resolver, f"{node.key}.{k}") for k, v in node.to_dict().items()
                 if k not in ("_target_", "collate_fn")}
     settings.setdefault("batch_size", ctx.batch.micro_batch_size)
@@ -136,7 +136,7 @@ def build_dataloader(ctx: BuildContext, dataset: Any, node: ConfigNode, train: b
     if not torch.cuda.is_available():
         settings["pin_memory"] = False  # pinning needs an accelerator; accepted and ignored on CPU
     generator = _seeded(ctx.seed)
-    sampler = distributed_sampler(dataset, shuffle, ctx.seed)
+    sampler = distributed_sampler(dataset, shuffle, ctx.seed, ctx.mesh.dp, ctx.mesh.dp_rank(ctx.rank))
     if sampler is None and shuffle and not isinstance(dataset, torch.utils.data.IterableDataset):
         # The shuffling sampler gets the seeded generator to itself: the loader also draws each epoch's worker
         # base seed from its own `generator`, a draw a restored StatefulDataLoader does not replay, so sharing

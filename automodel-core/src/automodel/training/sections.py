@@ -57,7 +57,8 @@ class DistEnvConfig:
         "MASTER_ADDR / MASTER_PORT, the default), tcp://host:port or file:///shared/path"))
     backend: Literal["nccl", "gloo"] | None = field(
         default=None, metadata=_help("torch.distributed backend (default: nccl on CUDA, gloo on CPU)"))
-    timeout_minutes: int = field(default=30, metadata=_help("collective timeout"))
+    timeout_minutes: float = field(default=30, metadata=_help(
+        "how long a collective may wait for the other ranks before the run stops with an error naming the step"))
     cpu_malloc_tuning: bool = field(
         default=True, metadata=_help("on CPU with glibc, keep freed step buffers in the heap instead of returning "
                                      "them to the kernel each step (automodel.training.host_memory)"))
@@ -72,10 +73,8 @@ class DistEnvConfig:
                                   "would not be used: give one of them")
         if self.master_port is not None and not 0 < self.master_port < 65536:
             bad["master_port"] = f"must be a TCP port (1-65535), found {self.master_port}"
-        try:
-            require_positive(self, "timeout_minutes")
-        except FieldErrors as err:
-            bad.update(err.errors)
+        if self.timeout_minutes <= 0:
+            bad["timeout_minutes"] = f"must be > 0, found {self.timeout_minutes}"
         if bad:
             raise FieldErrors(bad)
 
@@ -123,17 +122,33 @@ class DistributedConfig:
     strategy: Literal["fsdp2", "megatron_fsdp", "ddp"] = field(
         default="ddp", metadata=_help("how the model is sharded across data-parallel ranks"))
     dp_size: int | Literal["auto", "none"] | None = field(
-        default="auto", metadata=_help("data-parallel ranks ('auto', 'none' or null: the world size)"))
+        default="auto", metadata=_help("data-parallel ranks in all ('auto', 'none' or null: world size / (tp_size * "
+                                       "cp_size * pp_size))"))
+    dp_replicate_size: int | None = field(
+        default=1, metadata=_help("HSDP: replicas of the model, each sharded over dp_size / dp_replicate_size ranks "
+                                  "(fsdp2 only; null: 1)"))
     tp_size: int = field(default=1, metadata=_help("tensor-parallel size (only 1 is supported)"))
     cp_size: int = field(default=1, metadata=_help("context-parallel size (only 1 is supported)"))
     pp_size: int = field(default=1, metadata=_help("pipeline-parallel size (only 1 is supported)"))
     ep_size: int | None = field(default=None, metadata=_help("expert-parallel size (only 1 or null is supported)"))
-    sequence_parallel: bool = field(default=False, metadata=_help("sequence parallelism (needs tp_size > 1)"))
-    activation_checkpointing: bool = field(default=False, metadata=_help("recompute activations in backward"))
+    sequence_parallel: bool = field(default=False, metadata=_help("sequence parallelism (needs tp_size > 1; not "
+                                                                  "supported)"))
+    activation_checkpointing: bool = field(
+        default=False, metadata=_help("recompute each transformer block's activations in backward instead of "
+                                      "keeping them (less memory, about a third more compute)"))
+    mp_policy: dict | None = field(
+        default=None, metadata=_help("mixed precision {param_dtype, reduce_dtype, output_dtype, cast_forward_inputs} "
+                                     "(dtypes bf16 | fp16 | fp32; also `_target_: torch.distributed.fsdp."
+                                     "MixedPrecisionPolicy`); null: fp32 on CPU, bf16 on GPUs that support it"))
+    autocast_dtype: str | None = field(
+        default=None, metadata=_help("also run the forward under torch.autocast in this dtype (bf16 | fp16), as "
+                                     "upstream does with mp_policy.output_dtype fp32"))
 
     def __post_init__(self) -> None:
-        require_positive(self, "tp_size", "cp_size", "pp_size", "ep_size",
+        require_positive(self, "tp_size", "cp_size", "pp_size", "ep_size", "dp_replicate_size",
                          *(("dp_size",) if isinstance(self.dp_size, int) else ()))
+        if self.dp_replicate_size is None:
+            self.dp_replicate_size = 1
 
 
 @dataclass
@@ -142,7 +157,12 @@ class CheckpointConfig:
     checkpoint_dir: str = field(default="checkpoints", metadata=_help("where checkpoints and metrics go"))
     model_save_format: Literal["safetensors", "torch_save"] = field(
         default="safetensors", metadata=_help("weights format (safetensors; pickle is never used for weights)"))
-    save_consolidated: bool = field(default=True, metadata=_help("write one HF-loadable model directory"))
+    save_consolidated: bool = field(default=True, metadata=_help(
+        "true: model/ in the Hugging Face layout (written by every rank from its shards, the weights' only copy); "
+        "false: only the sharded form model_shards/ (automodel export makes model/ later)"))
+    async_save: bool = field(default=False, metadata=_help(
+        "write checkpoints in the background from host copies while training goes on; LATEST names one once "
+        "every file is written"))
     keep_last: int | None = field(default=None, metadata=_help("keep only the newest N checkpoints"))
     model_repo_id: str | None = field(default=None, metadata=_help("accepted for upstream configs; unused"))
     model_cache_dir: str | None = field(default=None, metadata=_help("accepted for upstream configs; unused"))
