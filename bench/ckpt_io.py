@@ -1,9 +1,10 @@
 """Checkpoint IO: the engine's save/restore path against raw safetensors on the same tensors (one process).
 
-engine save = ``Checkpointer.save`` (staging directory, the recipe's ``save_model`` = ``model.save_pretrained``,
-trainer_state.json, config.yaml, directory fsync, atomic rename, LATEST) and no other state;
-engine load = the recipe's ``load_model_weights`` (what the restore stage calls on resume: adapter check,
-``load_safetensors_dir`` + ``load_weights_into`` with its key/shape checks and the copy into the model).
+engine save = ``CheckpointWrite`` + ``finish`` as the loop calls them (staging directory, the weights written with
+``torch.distributed.checkpoint`` and streamed into the Hugging Face ``model/``, trainer_state.json, config.yaml,
+fsync of the tree, atomic rename, LATEST) with no optimizer and no other state;
+engine load = ``state.restore_weights`` (what a resume calls: the shapes checked from the files' headers, then
+``torch.distributed.checkpoint``'s safetensors reader straight into the model's tensors).
 raw save = ``safetensors.torch.save_file`` of the model's (de-duplicated) state dict to a new file, removing the
 previous one (the engine also writes a new directory and, with keep_last=1, retires the previous one: overwriting
 one file in place measures the filesystem's truncate path instead). Each side is timed for what its caller waits
@@ -41,14 +42,15 @@ def main() -> None:
     from safetensors.torch import load_file, save_file
 
     from automodel.training.checkpoint import Checkpointer
+    from automodel.training.checkpoint_write import CheckpointParts, CheckpointWrite
     from automodel.training.sections import CheckpointConfig
-    from automodel_llm.recipe import FinetuneRecipeForNextTokenPrediction as Recipe
+    from automodel.training.state import restore_weights
+    from automodel.training.trainer_state import FORMAT, read_trainer_state
 
     seed_everything(0)
     model = build_model(args.model_config)
     target = build_model(args.model_config)  # what a resume loads into
-    recipe = Recipe.__new__(Recipe)  # the recipe's own save/load methods, without building a run
-    recipe.model = model
+    cpu = torch.device("cpu")
 
     state, seen = {}, set()
     for key, tensor in model.state_dict().items():
@@ -74,7 +76,11 @@ def main() -> None:
 
     def engine_save(rep: int) -> None:
         # no optimizer/RNG/data states: the weights are what is compared with the raw file
-        latest[:] = [checkpointer.save({}, recipe.save_model, {"step": rep + 1, "epoch": 0}, 0, rep + 1)]
+        step = rep + 2  # the warm-up is rep -1: step 1
+        trainer_state = {"format": FORMAT, "step": step, "epoch": 0, "losses": [], "world_size": 1,
+                         "skipped_steps": 0, "step_scheduler": {"step": step, "epoch": 0, "epoch_step": step}}
+        parts = CheckpointParts(model, None, {}, trainer_state, save_artifacts=lambda directory: None)
+        latest[:] = [CheckpointWrite(checkpointer, parts, rank=0, device=cpu).finish()]
 
     def raw_save(rep: int) -> None:
         file = raw_dir / f"model-{rep + 1}.safetensors"
@@ -84,7 +90,7 @@ def main() -> None:
         raw_latest[:] = [file]
 
     def engine_load(rep: int) -> None:
-        recipe.load_model_weights(target, latest[0] / "model")
+        restore_weights(latest[0], target, read_trainer_state(latest[0]))
 
     def raw_load(rep: int) -> None:
         target.load_state_dict(load_file(str(raw_latest[0])), strict=False)
@@ -108,7 +114,10 @@ def main() -> None:
                     start = time.perf_counter()
                     checkpointer.wait()
                     times["engine_retention"].append(time.perf_counter() - start)
-    recipe.load_model_weights(target, latest[0] / "model")
+    with torch.no_grad():
+        for tensor in target.state_dict().values():
+            tensor.zero_()  # the round trip below must fill every tensor
+    engine_load(args.reps)
     with torch.no_grad():
         pairs = zip(model.state_dict().values(), target.state_dict().values(), strict=True)
         same = all(torch.equal(a, b) for a, b in pairs)

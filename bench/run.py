@@ -8,7 +8,7 @@ repetition), and reports medians; every raw figure lands in ``bench/results.json
 every side. See docs/performance.md for what each number means. The harness (harness.py), statistics (stats.py),
 table (report.py), generated data (data.py) and one module per section (sections/) live beside this file.
 
-  .venv/bin/python bench/run.py            # full run (~6-8 min on 2 busy cores)
+  .venv/bin/python bench/run.py            # full run (~15-20 min on 2 busy cores, sections 9-11 included)
   .venv/bin/python bench/run.py --quick    # ~1-2 min: fewer repetitions, no scaling sweep
   .venv/bin/python bench/run.py --only training,cli_start
 """
@@ -31,7 +31,8 @@ from sections import SECTIONS
 
 # seconds each section needs on this 2-core machine, full / quick (a section is skipped past the budget)
 COST = {"training": (120, 35), "loop_overhead": (45, 20), "training_20m": (70, 25), "cli_start": (20, 8),
-        "config_refusal": (20, 8), "checkpoint_io": (30, 15), "packing": (80, 45), "scaling": (110, 60)}
+        "config_refusal": (20, 8), "checkpoint_io": (30, 15), "packing": (80, 45), "scaling": (110, 60),
+        "fsdp_memory": (160, 130), "activation_memory": (180, 180), "precision": (90, 60)}
 
 
 def main() -> int:
@@ -43,7 +44,7 @@ def main() -> int:
                              "2-thread run waits on whichever core is busy; 0 = torch's default)")
     parser.add_argument("--sequential", action="store_true",
                         help="run the sides of a comparison one after another instead of at the same time")
-    parser.add_argument("--budget", type=float, default=780, help="seconds; sections that would end later are skipped")
+    parser.add_argument("--budget", type=float, default=1200, help="seconds; sections that would end later are skipped")
     parser.add_argument("--run-timeout", type=float, default=300, help="seconds per training run")
     parser.add_argument("--out", default=str(BENCH / "results.json"))
     parser.add_argument("--keep", action="store_true", help=f"keep run directories under {WORK}/runs")

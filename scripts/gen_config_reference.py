@@ -107,6 +107,9 @@ def describe_target(name: str, spec: Any) -> list[str]:
     if spec.runtime_args:
         supplied = ", ".join(f"`{a}`" for a in spec.runtime_args)
         text += f" Supplied by the recipe at build time, not the YAML: {supplied}."
+    if spec.documented_targets:
+        text += " Usually built from one of: " + ", ".join(
+            f"[`{t.rsplit('.', 1)[-1]}`](#{anchor(t)})" for t in spec.documented_targets) + "."
     if spec.default:
         text += " When absent: `{" + ", ".join(f"{k}: {v}" for k, v in spec.default.items()) + "}`."
     elif spec.default is not None:
@@ -136,13 +139,66 @@ def default_target_keys(dotted: str, runtime_args: tuple[str, ...]) -> str:
     return (": " + ", ".join(keys)) if keys else ""
 
 
+def documented_targets(specs: list[Any]) -> dict[str, tuple[str, ...]]:
+    """dotted path -> the runtime arguments recipes supply, for every documented target of the sections."""
+    from automodel.config import Target
+
+    found: dict[str, tuple[str, ...]] = {}
+    for spec in specs:
+        if isinstance(spec, Target):
+            for target in spec.documented_targets:
+                found[target] = tuple(dict.fromkeys(found.get(target, ()) + spec.runtime_args))
+    return found
+
+
+def describe_callable(dotted: str, runtime_args: tuple[str, ...]) -> list[str]:
+    """One documented target: what it is, the names configs may give it, and its arguments."""
+    import inspect
+
+    from automodel.plugins.manager import get_plugin_manager
+
+    resolver = get_plugin_manager().resolver()
+    fn = resolver.resolve(dotted)
+    names = sorted(alias for alias in resolver.aliases if resolver.expand(alias) == dotted)
+    doc = " ".join(inspect.getdoc(fn).split("\n\n")[0].split()) if inspect.getdoc(fn) else ""
+    lines = [f"### `{dotted}`", "", cell(doc.replace("``", "`")), ""]
+    if names:
+        lines += ["Also named in `_target_` as " + ", ".join(f"`{n}`" for n in names) + ".", ""]
+    init = fn.__init__ if isinstance(fn, type) else fn
+    hints = typing.get_type_hints(init)
+    aliases = getattr(fn, "argument_aliases", {})
+    helps = getattr(fn, "argument_help", {})
+    lines += ["| argument | type | default | description |", "|---|---|---|---|"]
+    for name, param in inspect.signature(fn).parameters.items():
+        if param.kind not in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY):
+            continue
+        default = "required" if param.default is inspect.Parameter.empty else scalar(param.default)
+        note = (f"another spelling of `{aliases[name]}`" if name in aliases else
+                "supplied by the recipe" if name in runtime_args else cell(helps.get(name, "")))
+        lines.append(f"| `{name}` | {type_name(hints.get(name, Any))} | {default} | {note} |")
+    return lines + [""]
+
+
 def describe_free(name: str, spec: Any) -> list[str]:
     text = (spec.help or "passed through unchecked").rstrip(".")
     return [f"### `{name}`", "", f"Free section: {text}. Its keys are not checked by validation.", ""]
 
 
+def describe_alias(name: str, spec: Any) -> list[str]:
+    implied = ", ".join(f"`{k}` = {scalar(v)}" for k, v in spec.implies.items())
+    text = f"Top-level key: {spec.help.rstrip('.')}. Validation sets `{spec.key}` from it"
+    text += f" (and {implied} unless the config gives it)." if implied else "."
+    return [f"### `{name}`", "", text + " Giving both with different values is an error.", ""]
+
+
+def describe_recipe(name: str, spec: Any) -> list[str]:
+    return [f"### `{name}`", "", f"Recipe section: {spec.help.rstrip('.')}. `automodel recipes` lists the names.",
+            ""]
+
+
 def describe(name: str, spec: Any) -> list[str]:
-    from automodel.config import Free, Target
+    from automodel.config import Free, KeyAlias, Metadata, Refused, Target
+    from automodel.config.schema import RecipeRef
 
     if name.endswith("*"):
         shown = name[:-1] + "<name>"
@@ -156,6 +212,15 @@ def describe(name: str, spec: Any) -> list[str]:
         return describe_target(name, spec)
     if isinstance(spec, Free):
         return describe_free(name, spec)
+    if isinstance(spec, KeyAlias):
+        return describe_alias(name, spec)
+    if isinstance(spec, RecipeRef):
+        return describe_recipe(name, spec)
+    if isinstance(spec, Metadata):
+        return [f"### `{name}`", "", f"Metadata section: {spec.help.rstrip('.')}. Not interpolated or validated; "
+                "validation names it in a note line (as it does any top-level key starting with `_`).", ""]
+    if isinstance(spec, Refused):
+        return [f"### `{name}`", "", f"Refused at validation: {spec.reason}.", ""]
     return [f"### `{name}`", "", f"Declared as `{spec!r}`.", ""]
 
 
@@ -202,7 +267,9 @@ def render() -> str:
         "- **keyed**: a dataclass; the keys below, with their types and defaults, and nothing else;",
         "- **target**: built by calling its `_target_` (see [targets.md](targets.md)); its keys are that "
         "callable's keyword arguments, checked against its signature;",
-        "- **free**: passed through unchecked.",
+        "- **free**: passed through unchecked;",
+        "- **metadata**: read by nothing (upstream's `ci:`), not validated, named in a note line;",
+        "- **refused**: validation refuses it, saying why.",
         "",
         "Any other top-level section is an error with a did-you-mean. `automodel validate -c cfg.yaml` checks a "
         "config against all of this at once; `--a.b value` overrides any key from the command line.",
@@ -239,12 +306,25 @@ def render() -> str:
             out += ["Added or redefined by this recipe:", ""]
             for name, spec in changed.items():
                 out += ["#" + line if line.startswith("### ") else line for line in describe(name, spec)]
+    documented = documented_targets([spec for cls in classes.values() for spec in cls.all_sections().values()])
+    if documented:
+        out += ["## Documented targets", "",
+                "The callables sections are usually built from (their `_target_`), with every argument a config may "
+                "give; a recipe supplies the ones noted. Giving an argument under both of its spellings, or one "
+                "not listed, is a config error.", ""]
+        for dotted, runtime_args in documented.items():
+            out += describe_callable(dotted, runtime_args)
     return "\n".join(out).rstrip() + "\n"
+
+
+def anchor(heading: str) -> str:
+    """GitHub's anchor for a heading's text."""
+    return "".join(c for c in heading.lower() if c.isalnum() or c in "-_ ").replace(" ", "-")
 
 
 def anchor_for(path: str) -> str:
     """GitHub's anchor for the heading '## Recipe `path`'."""
-    return "recipe-" + "".join(c for c in path.lower() if c.isalnum() or c in "-_ ").replace(" ", "-")
+    return anchor(f"Recipe {path}")
 
 
 def main(argv: list[str] | None = None) -> int:

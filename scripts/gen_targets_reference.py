@@ -45,7 +45,7 @@ def render_section() -> str:
     refused = manager.aliases.unsupported_targets
     lines += ["", "Names refused with a reason (upstream names nothing here implements):", "",
               "| name | why, and what to use instead | registered by |", "|---|---|---|"]
-    lines += [f"| `{name}` | {refused[name]} | {manager.aliases.target_source(name, 'unsupported target')} |"
+    lines += [f"| `{name}` | {refused[name]} | {manager.aliases.source_of('unsupported target', name)} |"
               for name in sorted(refused)]
     return "\n".join([*lines, "", END])
 

@@ -10,14 +10,14 @@
 # installs them and this checkout's automodel-core and automodel-llm into /tmp/site without touching the image.
 # `run` then prints, each under its own time limit:
 #   1. the GPU and the software;
-#   2. a bf16 FSDP2 fine-tune of a ~0.5B-parameter Llama built from a config through the CLI (`automodel benchmark
-#      llm`, random tokens, 2048 per sample): tokens/s, MFU, peak memory;
+#   2. a bf16 fine-tune of a ~0.5B-parameter Llama built from a config through the CLI (`automodel benchmark
+#      llm`, random tokens, 2048 per sample; FSDP2 over the GPUs when there are several, torch.autocast on one):
+#      tokens/s, MFU, peak memory;
 #   3. the same with FP8 (torchao float8, tensorwise) where the GPU has compute capability >= 8.9;
 #   4. the distributed tests of the core (tests/test_parallel_*.py: two gloo ranks on the CPU, as in CI);
 #   5. bf16 FSDP2, a sharded save, the HF export and a restore on nccl, one rank per GPU (torchrun).
 # It ends with one PASS/FAIL line per check and exits non-zero if any failed. Paste its output into
-# docs/performance.md. Checks 2 and 3 use `distributed.mp_policy`, which the recipe reads once
-# automodel.training.parallel is wired into it (issue 18's second phase); before that they fail at validation.
+# docs/performance.md (section "GPU check").
 set -uo pipefail
 
 WHEELS=(torchdata==0.11.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 torchao==0.18.0)
@@ -80,10 +80,11 @@ YAML
 }
 
 benchmark() {  # benchmark NAME EXTRA_OVERRIDES...: the CLI run, its main lines, then its JSON report
-    local name=$1 code=0
+    local name=$1 code=0 launch=()
     shift
-    automodel benchmark llm -c "$WORK/bench.yaml" --benchmark.output "$WORK/$name.json" "$@" >"$WORK/$name.log" 2>&1 ||
-        code=$?
+    [ "$GPUS" -gt 1 ] && launch=(--nproc-per-node "$GPUS")  # FSDP2 over every GPU; one GPU: a single process
+    automodel benchmark llm -c "$WORK/bench.yaml" --benchmark.output "$WORK/$name.json" "${launch[@]}" "$@" \
+        >"$WORK/$name.log" 2>&1 || code=$?
     grep -E "pipeline|precision|device mesh|tokens_per_second|mfu|peak_memory|step_time" "$WORK/$name.log"
     if [ "$code" -ne 0 ]; then
         tail -n 30 "$WORK/$name.log"
@@ -105,7 +106,9 @@ run() {
             \"transformers\", transformers.__version__, \"gpus\", torch.cuda.device_count(),
             \"capability\", torch.cuda.get_device_capability())"'
     write_configs "$WORK"
-    check "bf16 FSDP2 fine-tune, 0.5B Llama from config" 120 benchmark bf16
+    GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())")
+    export GPUS
+    check "bf16 fine-tune (FSDP2 over $GPUS GPU(s) when more than one), 0.5B Llama from config" 120 benchmark bf16
     if python3 -c "import sys, torch; sys.exit(torch.cuda.get_device_capability() < (8, 9))"; then
         check "FP8 (torchao float8 tensorwise) fine-tune, 0.5B Llama" 120 \
             benchmark fp8 --fp8.enabled true --fp8.recipe_name tensorwise
@@ -115,10 +118,8 @@ run() {
     check "distributed tests (gloo, CPU)" 120 python3 -m pytest --rootdir=. --import-mode=importlib -q -x \
         -p no:cacheprovider automodel-core/tests/test_parallel_mesh.py automodel-core/tests/test_parallel_fsdp.py \
         automodel-core/tests/test_parallel_checkpoint.py automodel-core/tests/test_parallel_memory.py
-    local gpus
-    gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
-    check "nccl: bf16 FSDP2, sharded save, HF export, restore on $gpus GPU(s)" 60 env AUTOMODEL_TEST_DEVICE=cuda \
-        python3 -m torch.distributed.run --nproc-per-node "$gpus" automodel-core/tests/parallel_workers.py smoke '{}' \
+    check "nccl: bf16 FSDP2, sharded save, HF export, restore on $GPUS GPU(s)" 60 env AUTOMODEL_TEST_DEVICE=cuda \
+        python3 -m torch.distributed.run --nproc-per-node "$GPUS" automodel-core/tests/parallel_workers.py smoke '{}' \
         "$WORK/smoke-{rank}.json"
     cat "$WORK"/smoke-*.json 2>/dev/null && echo
     printf '%s\n' "=== summary (${SECONDS}s in all, $((SECONDS - start))s for run)" "${SUMMARY[@]}"

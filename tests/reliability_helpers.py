@@ -12,10 +12,11 @@ same weights as ``automodel_llm.AutoModelForCausalLM.from_config``) and, when as
 * ``AMT_FAULT_SLEEP=0.3``: every training step sleeps that long (so a signal lands mid-run);
 * ``AMT_FAULT_PAUSE=<point>:<n>`` with ``AMT_FAULT_MARKER=<file>``: at the n-th occurrence of the point the
   process writes the marker file and waits until ``<marker>.go`` exists (or forever: the test kills it).
-  Points: ``step`` (inside the forward of training step n), ``save_model`` (the n-th checkpoint's weights are
-  written into its staging directory, its optimizer/RNG states are not yet), ``latest`` (the n-th checkpoint
-  has been renamed into place but LATEST has not been replaced yet), ``retention`` (keep_last is deleting its
-  n-th old checkpoint and has removed part of it).
+  Points: ``step`` (inside the forward of training step n), ``write`` (the n-th checkpoint's shards are in its
+  staging directory, its model/ is not exported from them yet), ``latest`` (the n-th checkpoint has been renamed
+  into place but LATEST has not been replaced yet), ``exchange`` (the n-th re-save of an existing step is
+  complete beside it, about to be swapped in), ``retention`` (keep_last is deleting its n-th old checkpoint and
+  has removed part of it).
 
 Environment variables (not config keys) carry the pauses, so a crashed run and its resume use the same config.
 """
@@ -26,6 +27,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -96,9 +98,12 @@ def run_config(model_config: Path, checkpoint_dir: str | Path = "ckpt", *, fault
 
 
 def assert_complete_checkpoint(path: Path) -> None:
-    """What a resume needs is all there and loadable: weights, optimizer, RNG, data position, state, config."""
-    import torch
+    """What a resume needs is all there and readable without unpickling: weights, optimizer shards, RNG, data
+    position, counters, config."""
     from safetensors.torch import load_file
+
+    from automodel.training.parallel.shard_files import read_slices
+    from automodel.training.state_files import read_state
 
     path = Path(path)
     state = json.loads((path / "trainer_state.json").read_text())
@@ -108,11 +113,12 @@ def assert_complete_checkpoint(path: Path) -> None:
     assert weights, f"{path}: no weights"
     for file in weights:
         load_file(str(file))
-    for sub in ("optim", "rng", "dataloader"):
-        files = sorted((path / sub).glob("*.pt"))
+    read_slices(path / "optim")
+    for sub in ("rng", "dataloader"):
+        files = sorted((path / sub).glob("rank_*.json"))
         assert files, f"{path}/{sub}: empty"
         for file in files:
-            torch.load(file, weights_only=True)
+            read_state(file.with_suffix(""))
 
 
 def assert_latest_is_complete(root: Path) -> str | None:
@@ -156,11 +162,20 @@ def cli_command(*args: Any) -> list[str]:
     return [*exe, *map(str, args)]
 
 
-def start_cli(*args: Any, cwd: Path, log: Path, **env: str) -> subprocess.Popen:
-    """Start ``automodel <args>`` with stdout+stderr going to ``log`` (read it while it runs)."""
+def start_cli(*args: Any, cwd: Path, log: Path, piped: bool = False, **env: str) -> subprocess.Popen:
+    """Start ``automodel <args>`` with stdout+stderr going to ``log`` (read it while it runs). ``piped``: through a
+    pipe this process copies into ``log`` (so a file-size limit put on the child does not bind its output)."""
     out = open(log, "w")  # noqa: SIM115 - the child holds it; closed by the caller's finish()
-    proc = subprocess.Popen(cli_command(*args), cwd=cwd, env=cli_env(**env), stdout=out, stderr=subprocess.STDOUT,
-                            text=True)
+    proc = subprocess.Popen(cli_command(*args), cwd=cwd, env=cli_env(**env), stdout=subprocess.PIPE if piped else out,
+                            stderr=subprocess.STDOUT, text=True)
+    if piped:
+        def copy() -> None:
+            for line in proc.stdout:
+                out.write(line)
+                out.flush()
+
+        proc.copier = threading.Thread(target=copy, daemon=True)  # type: ignore[attr-defined]
+        proc.copier.start()  # type: ignore[attr-defined]
     proc.log_file = out  # type: ignore[attr-defined]
     proc.log_path = Path(log)  # type: ignore[attr-defined]
     return proc
@@ -173,6 +188,8 @@ def finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, str]:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        if hasattr(proc, "copier"):
+            proc.copier.join(timeout=30)
         proc.log_file.close()  # type: ignore[attr-defined]
     return rc, proc.log_path.read_text()  # type: ignore[attr-defined]
 
@@ -230,17 +247,24 @@ class _Counter:
 def _install_checkpoint_pauses(counter: _Counter) -> None:
     import shutil as real_shutil
 
-    from automodel.training import checkpoint
+    from automodel.training import checkpoint, checkpoint_write
 
-    if counter.point == "latest":
-        real_write = checkpoint._write_atomic
+    def pause_before(module, name, point, when=lambda *args: True):
+        real = getattr(module, name)
 
-        def write_atomic(path, text):
-            if Path(path).name == checkpoint.LATEST:
-                counter.hit("latest")
-            return real_write(path, text)
+        def wrapper(*args, **kwargs):
+            if when(*args):
+                counter.hit(point)
+            return real(*args, **kwargs)
 
-        checkpoint._write_atomic = write_atomic
+        setattr(module, name, wrapper)
+
+    if counter.point == "write":  # shards written, model/ not yet exported from them
+        pause_before(checkpoint_write, "export_hf", "write")
+    if counter.point == "latest":  # renamed into place, LATEST not yet replaced
+        pause_before(checkpoint, "write_atomic", "latest", lambda path, text: Path(path).name == checkpoint.LATEST)
+    if counter.point == "exchange":  # re-saving a step: the new copy complete, about to swap it in
+        pause_before(checkpoint, "exchange", "exchange")
     if counter.point == "retention":
         class _Shutil:
             def __getattr__(self, name):
@@ -283,15 +307,6 @@ def faulty_model(config: Any, nan_at_steps: list[int] | None = None, seed: int |
 
     model.register_forward_pre_hook(pre_hook, with_kwargs=True)
     model.register_forward_hook(post_hook, with_kwargs=True)
-    if counter.point == "save_model":
-        real_save = model.save_pretrained
-
-        def save_pretrained(*args, **kw):
-            result = real_save(*args, **kw)
-            counter.hit("save_model")
-            return result
-
-        model.save_pretrained = save_pretrained
     _install_checkpoint_pauses(counter)
     return model
 

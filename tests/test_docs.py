@@ -9,8 +9,9 @@ The conventions (also in docs/README.md, for whoever writes docs):
   assignments) are run, command by command, in the doc's working directory (one fresh directory per document,
   blocks in order). A command must exit 0, unless the comment line just before it says ``# exits with code N``.
   A block starting with ``# doc-test: skip (reason)`` is not run (commands needing several GPUs, say).
-* Other shell blocks are not run, except that ``pip install ... -e DIR`` in them is emulated (DIR's ``src`` and
-  a ``.dist-info`` with its ``automodel`` entry points go on ``sys.path``), so later commands see the plugin.
+* Other shell blocks are not run, except that ``[python -m] pip install ... -e DIR[extra]`` in them is emulated
+  (DIR's ``src`` and a ``.dist-info`` with its ``automodel`` entry points go on ``sys.path``), so later commands
+  see the plugin.
 * A ```text block right after a shell block is the output of its last command: each non-empty line must appear,
   in order, in what the command printed (stdout and stderr); ``...`` inside a line matches anything.
 
@@ -256,9 +257,10 @@ def run_document(path: Path, box: Sandbox) -> list[str]:
             if not cmds:
                 continue
             if cmds[0].argv[:1] != ["automodel"]:
-                for cmd in cmds:  # not run; `pip install -e DIR` is emulated for the blocks after it
-                    if cmd.argv[:2] == ["pip", "install"] and "-e" in cmd.argv:
-                        target = cmd.argv[cmd.argv.index("-e") + 1]
+                for cmd in cmds:  # not run; `[python -m] pip install -e DIR[extra]` is emulated for the blocks after it
+                    argv = cmd.argv[2:] if cmd.argv[:3] == ["python", "-m", "pip"] else cmd.argv
+                    if argv[:2] == ["pip", "install"] and "-e" in argv:
+                        target = argv[argv.index("-e") + 1].split("[")[0]
                         box.install_editable((box.cwd / target).resolve())
                         log.append(f"{where(block)}: emulated pip install -e {target}")
                 continue

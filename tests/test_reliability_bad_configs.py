@@ -23,6 +23,7 @@ The refusal wall time of each case is printed after the module's tests (no asser
 from __future__ import annotations
 
 import contextlib
+import json
 import shlex
 import subprocess
 import time
@@ -103,7 +104,9 @@ def battery_env(tmp_path_factory):
     ckpt = tmp_path_factory.mktemp("other_arch") / "epoch_0_step_1"
     model = AutoModelForCausalLM.from_config(str(h.write_tiny_llama(ckpt.parent / "cfg", hidden_size=48)))
     model.save_pretrained(str(ckpt / "model"))
-    (ckpt / "trainer_state.json").write_text('{"step": 1, "epoch": 0}')
+    (ckpt / "trainer_state.json").write_text(json.dumps(
+        {"format": 2, "step": 1, "epoch": 0, "losses": [], "world_size": 1, "skipped_steps": 0,
+         "step_scheduler": {"step": 1, "epoch": 0, "epoch_step": 1}, "weights": "model"}))
     return {"AMT_BAD_CONFIGS": str(CASE_DIR), "AMT_OTHER_ARCH_CKPT": str(ckpt)}
 
 

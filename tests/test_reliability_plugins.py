@@ -123,6 +123,8 @@ def test_a_pipeline_stage_that_raises_names_the_plugin(tmp_path):
     """In the fixed pipeline a plugin's stage implementation raising is reported against that plugin."""
     from dataclasses import replace
 
+    import torch
+
     from automodel.errors import PluginError
     from automodel.plugins.manager import PluginManager
     from automodel.plugins.registries import StageRegistry
@@ -146,5 +148,6 @@ def test_a_pipeline_stage_that_raises_names_the_plugin(tmp_path):
                                           r"'automodel-faulty' failed: ValueError: the stage exploded"):
         apply_pipeline(ctx, object(), {"freeze": ("faulty", "freeze"), "device": ("single", "dist_env")})
     assert logged == []
-    assert apply_pipeline(ctx, "m", {"device": ("single", "dist_env")}) == "m"
+    model = torch.nn.Linear(1, 1)
+    assert apply_pipeline(ctx, model, {"device": ("single", "dist_env")}) is model
     assert logged == ["pipeline: device [single]: placed"]

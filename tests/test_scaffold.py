@@ -1,22 +1,20 @@
-"""`automodel new`: the scaffolded plugin distribution installs, its own tests pass and its route trains."""
+"""`automodel new`: the scaffolded plugin distribution installs with the steps `new` prints, its own tests pass and
+its route trains."""
 
 from __future__ import annotations
 
 import ast
 import contextlib
-import importlib
 import io
 import os
+import shlex
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import tomllib
+from venv_testing import AUTOMODEL_FILES, PYTEST, ROOT, fresh_venv, repack_wheel, run, third_party_links
 
 from automodel.cli.main import main
-
-AUTOMODEL = [sys.executable, "-m", "automodel.cli.main"]
 
 
 def run_main(*args) -> tuple[int, str]:
@@ -28,20 +26,6 @@ def run_main(*args) -> tuple[int, str]:
         code = main([str(a) for a in args])
     reset_plugin_manager(None)
     return code, out.getvalue()
-
-
-def install_for_test(dest: Path, site: Path) -> dict[str, str]:
-    """What `pip install -e DEST` leaves behind: a .dist-info with its entry points; returns a subprocess env."""
-    project = tomllib.loads((dest / "pyproject.toml").read_text())["project"]
-    info = site / f"{project['name'].replace('-', '_')}-{project['version']}.dist-info"
-    info.mkdir(parents=True)
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {project['name']}\nVersion: {project['version']}\n")
-    entry_points = project["entry-points"]["automodel"]
-    (info / "entry_points.txt").write_text("[automodel]\n" + "".join(f"{k} = {v}\n" for k, v in entry_points.items()))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOMODEL_")}
-    env.update(PYTHONPATH=os.pathsep.join([str(site), str(dest / "src")]), HF_HUB_OFFLINE="1",
-               HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    return env
 
 
 @pytest.fixture(scope="module")
@@ -78,32 +62,40 @@ def test_new_writes_a_complete_distribution(scaffolded):
         compile(path.read_text(), str(path), "exec")
 
 
-def test_installed_plugin_passes_its_own_tests_and_its_route_trains(scaffolded, monkeypatch):
-    root, dest, _ = scaffolded
-    env = install_for_test(dest, root / "site")
-    listed = subprocess.run([*AUTOMODEL, "recipes"], cwd=root, env=env, capture_output=True, text=True, timeout=120)
-    assert listed.returncode == 0, listed.stderr
+def printed_steps(output: str) -> list[str]:
+    lines = output.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("next steps"))
+    return [line.strip() for line in lines[start + 1:] if line.startswith("  ")]
+
+
+def test_the_printed_next_steps_work_in_a_clean_virtualenv(scaffolded, tmp_path):
+    """A virtualenv holding automodel-core and automodel-llm and their dependencies but no pytest (the issue: a
+    plain `pip install -e` left the scaffold's tests without one, or with another interpreter's): the steps `new`
+    printed, run as printed with the virtualenv first on PATH, install the [test] extra, pass the tests and train.
+    Offline: pip finds pytest in a local wheelhouse, and builds with the setuptools already installed."""
+    root, dest, output = scaffolded
+    steps = printed_steps(output)
+    assert steps == [f"python -m pip install -e '{dest}[test]'", f"python -m pytest -q {dest / 'tests'}",
+                     "automodel finetune label-sft -c label-sft/tiny"]
+    python = fresh_venv(tmp_path / "venv", third_party_links(tmp_path / "site", AUTOMODEL_FILES + PYTEST))
+    offline = {"PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(repack_wheel("pytest", tmp_path / "wheels")),
+               # pip keeps this variable's value in build_isolation: a false value turns isolation off
+               "PIP_NO_BUILD_ISOLATION": "0", "PATH": f"{python.parent}{os.pathsep}{os.environ['PATH']}"}
+    run([python, "-m", "pip", "install", "-e", ROOT / "automodel-core", "-e", ROOT / "automodel-llm"], cwd=tmp_path,
+        timeout=600, **offline)
+    missing = subprocess.run([python, "-c", "import pytest"], capture_output=True, text=True, check=False)
+    assert missing.returncode != 0, "pytest leaked into the clean virtualenv"
+
+    install, tests, train = (shlex.split(step) for step in steps)
+    installed = run(install, cwd=root, timeout=600, **offline)
+    assert "pytest" in installed.stdout and "automodel-label-sft" in installed.stdout  # the [test] extra came along
+    result = run(tests, cwd=root, timeout=600, **offline)
+    assert "4 passed" in result.stdout, result.stdout[-2000:]
+    listed = run(["automodel", "recipes"], cwd=root, **offline)
     assert "finetune label-sft" in listed.stdout and "[automodel-label-sft 0.1.0]" in listed.stdout
     assert "example: label-sft/tiny" in listed.stdout
-
-    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"], cwd=dest,
-                           env=env, capture_output=True, text=True, timeout=600)
-    assert tests.returncode == 0, tests.stdout[-3000:] + tests.stderr[-3000:]
-    assert "4 passed" in tests.stdout, tests.stdout[-2000:]
-
-    # The route through the installed entry point, in this process (torch is already imported here): the same
-    # sys.path the subprocesses had, and a fresh plugin manager that discovers the .dist-info.
-    monkeypatch.chdir(root)
-    for path in reversed(env["PYTHONPATH"].split(os.pathsep)):
-        monkeypatch.syspath_prepend(path)
-    importlib.invalidate_caches()
-    try:
-        code, output = run_main("finetune", "label-sft", "-c", "label-sft/tiny", "--step_scheduler.max_steps", 2,
-                                "--checkpoint.checkpoint_dir", "run")
-    finally:
-        for name in [m for m in sys.modules if m.split(".")[0] == "automodel_label_sft"]:
-            del sys.modules[name]
-    assert code == 0, output[-3000:]
+    run([*train, "--step_scheduler.max_steps", 2, "--checkpoint.checkpoint_dir", "run"], cwd=root, timeout=600,
+        **offline)
     assert (root / "run" / "LATEST").read_text().strip() == "epoch_0_step_2"
     assert (root / "run" / "epoch_0_step_2" / "model" / "model.safetensors").is_file()
     config = (root / "run" / "epoch_0_step_2" / "config.yaml").read_text()

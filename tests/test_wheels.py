@@ -14,21 +14,16 @@ from __future__ import annotations
 
 import email
 import json
-import os
-import subprocess
 import sys
-import sysconfig
 import tarfile
 import zipfile
 from pathlib import Path
 
 import pytest
 import tomllib
+from venv_testing import AUTOMODEL_FILES, PIP, ROOT, fresh_venv, run, third_party_links
 
-ROOT = Path(__file__).resolve().parent.parent
 WHEELHOUSE = ("automodel-core", "automodel-llm", "automodel-vlm", "automodel-retrieval")
-# What the reused site-packages must not show the fresh environment.
-HIDDEN = ("automodel", "__editable__", "pip", "__pycache__")
 
 EXAMPLES = {
     "retrieval": ["finetune", "retrieval", "-c", "retrieval/tiny_bi_encoder", "--step_scheduler.max_steps", "2",
@@ -47,17 +42,6 @@ def project_version(dist: str) -> str:
     return tomllib.loads((ROOT / dist / "pyproject.toml").read_text(encoding="utf-8"))["project"]["version"]
 
 
-def run(argv: list, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME") and not k.startswith(("PIP_", "AUTOMODEL_"))}
-    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1", PIP_CONFIG_FILE=os.devnull,
-               PIP_DISABLE_PIP_VERSION_CHECK="1")
-    result = subprocess.run([str(a) for a in argv], cwd=cwd, env=env, capture_output=True, text=True,
-                            timeout=timeout, check=False)
-    assert result.returncode == 0, f"{argv} exited {result.returncode}:\n{result.stdout[-2000:]}{result.stderr[-4000:]}"
-    return result
-
-
 @pytest.fixture(scope="module")
 def wheelhouse(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("wheelhouse")
@@ -70,13 +54,7 @@ def wheelhouse(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def third_party_site(tmp_path_factory) -> Path:
     """Links to this interpreter's site-packages entries, less automodel and the installer's own packages."""
-    site = Path(sysconfig.get_paths()["purelib"])
-    links = tmp_path_factory.mktemp("third_party_site")
-    for entry in site.iterdir():
-        if entry.name.startswith(HIDDEN) or entry.suffix == ".pth":
-            continue
-        (links / entry.name).symlink_to(entry)
-    return links
+    return third_party_links(tmp_path_factory.mktemp("third_party_site"), AUTOMODEL_FILES + PIP)
 
 
 @pytest.mark.parametrize("dist", WHEELHOUSE)
@@ -99,14 +77,6 @@ def test_wheel_and_sdist_carry_the_license_urls_readme_and_changelog(dist, wheel
 
 class AnotherDomainCameAlong(AssertionError):
     """Installing one domain installed another automodel distribution besides the core."""
-
-
-def fresh_venv(root: Path, third_party_site: Path) -> Path:
-    run([sys.executable, "-m", "venv", "--without-pip", root], cwd=root.parent)
-    python = root / "bin" / "python"
-    purelib = run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd=root).stdout
-    (Path(purelib.strip()) / "third_party_site.pth").write_text(f"{third_party_site}\n")
-    return python
 
 
 def pip(python: Path) -> list:

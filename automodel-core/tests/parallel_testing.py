@@ -40,6 +40,19 @@ def run_all_scenarios(tmp: Path) -> dict[str, Any]:
             "memory_one": one[0], "ranks": ranks}
 
 
+def run_model_parallel_scenarios(tmp: Path) -> dict[str, Any]:
+    """``scenario_two`` on two gloo ranks and ``scenario_four`` on four, launched together, then the
+    single-process references (tied and untied tiny Llama, Qwen3). The session fixture ``model_parallel_ranks``
+    returns this."""
+    from model_parallel_workers import mp_config, qwen3_config, reference
+
+    two, four = launch_together([("two", 2, tmp / "two", {}), ("four", 4, tmp / "four", {})], timeout=600,
+                                workers=WORKERS.with_name("model_parallel_workers.py"))
+    (tied, tied_state), (untied, untied_state) = reference(mp_config()), reference(mp_config(tied=False))
+    return {"dir": tmp, "two": two, "four": four, "tied": tied, "tied_state": tied_state, "untied": untied,
+            "untied_state": untied_state, "qwen3": reference(qwen3_config(), steps=3)[0]}
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -53,10 +66,11 @@ def launch(scenario: str, world: int, out: Path, timeout: float = 300, **args: A
     return launch_together([(scenario, world, out, args)], timeout)[0]
 
 
-def launch_together(jobs: list[tuple[str, int, Path, dict[str, Any]]], timeout: float = 300
-                    ) -> list[list[dict[str, Any]]]:
-    """Several launches at the same time (``(scenario, world, out, args)`` each); their results in order."""
-    started = [_start(scenario, world, out, args) for scenario, world, out, args in jobs]
+def launch_together(jobs: list[tuple[str, int, Path, dict[str, Any]]], timeout: float = 300,
+                    workers: Path = WORKERS) -> list[list[dict[str, Any]]]:
+    """Several launches at the same time (``(scenario, world, out, args)`` each) of scenarios in the script
+    ``workers``; their results in order."""
+    started = [_start(workers, scenario, world, out, args) for scenario, world, out, args in jobs]
     failed = []
     for procs, (_, _, out, _) in zip(started, jobs, strict=True):
         for rank, (proc, log) in enumerate(procs):
@@ -75,7 +89,8 @@ def launch_together(jobs: list[tuple[str, int, Path, dict[str, Any]]], timeout: 
             for _, world, out, _ in jobs]
 
 
-def _start(scenario: str, world: int, out: Path, args: dict[str, Any]) -> list[tuple[subprocess.Popen, Any]]:
+def _start(workers: Path, scenario: str, world: int, out: Path, args: dict[str, Any]
+           ) -> list[tuple[subprocess.Popen, Any]]:
     out.mkdir(parents=True, exist_ok=True)
     port = free_port()
     procs = []
@@ -88,7 +103,7 @@ def _start(scenario: str, world: int, out: Path, args: dict[str, Any]) -> list[t
             for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
                 env.pop(key, None)
         log = open(out / f"rank{rank}.log", "w")  # noqa: SIM115 - closed once the process ends
-        procs.append((subprocess.Popen([sys.executable, str(WORKERS), scenario, json.dumps(args, default=str),
+        procs.append((subprocess.Popen([sys.executable, str(workers), scenario, json.dumps(args, default=str),
                                         str(out / f"rank{rank}.json")], env=env, stdout=log,
                                        stderr=subprocess.STDOUT), log))
     return procs

@@ -307,7 +307,9 @@ def scenario_smoke(args: dict[str, Any], out: Path) -> dict[str, Any]:
             "restored_equal": all(torch.equal(saved[k], loaded[k]) for k in saved)}
 
 
-def main() -> None:
+def main(scenarios: dict[str, Any] | None = None) -> None:
+    """Run the scenario named on the command line: ``scenario_<name>`` of ``scenarios`` (this module's)."""
+    scenarios = globals() if scenarios is None else scenarios
     scenario, args, result_file = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
     torch.set_num_threads(1)
     if "WORLD_SIZE" in os.environ:
@@ -315,7 +317,7 @@ def main() -> None:
             torch.cuda.set_device(device())
         dist.init_process_group("nccl" if device().type == "cuda" else "gloo")
     try:
-        result = globals()[f"scenario_{scenario}"](args, Path(result_file).parent)
+        result = scenarios[f"scenario_{scenario}"](args, Path(result_file).parent)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

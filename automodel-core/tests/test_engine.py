@@ -121,7 +121,8 @@ def test_stateful_attributes_are_declared_and_merged():
     class WithTeacher(ToyRecipe):
         stateful = ("ema",)
 
-    assert ToyRecipe.all_stateful() == ("model", "optimizer", "lr_scheduler", "step_scheduler", "dataloader", "rng")
+    assert ToyRecipe.all_stateful() == ("model", "optimizer", "lr_scheduler", "step_scheduler", "dataloader", "rng",
+                                         "grad_scaler")
     assert WithTeacher.all_stateful() == (*ToyRecipe.all_stateful(), "ema")
 
 
@@ -133,9 +134,13 @@ def test_checkpoint_holds_every_stateful_attribute_and_resumes_exactly(make_toy,
     root = tmp_path / "ckpt"
     assert checkpoint_dirs(root) == ["epoch_0_step_3", "epoch_0_step_6"]
     middle = root / "epoch_0_step_3"
-    for sub in ("optim", "rng", "dataloader"):
-        assert sorted((middle / sub).glob("*.pt")), sub
-    assert json.loads((middle / "trainer_state.json").read_text())["step_scheduler"] == {"step": 3, "epoch": 0}
+    files = sorted(str(p.relative_to(middle)) for p in middle.rglob("*") if p.is_file())
+    assert [f for f in files if not f.startswith(("model/", "optim/shard-"))] == [
+        "config.yaml", "dataloader/rank_0.json", "dataloader/rank_0.safetensors", "optim/lr_scheduler.json",
+        "optim/optimizer.json", "optim/tensors.json", "rng/rank_0.json", "rng/rank_0.safetensors",
+        "trainer_state.json"]  # JSON and safetensors only: nothing is pickled
+    state = json.loads((middle / "trainer_state.json").read_text())
+    assert state["step_scheduler"] == {"step": 3, "epoch": 0, "epoch_step": 3} and state["weights"] == "model"
 
     resumed = train_inprocess(config, "--checkpoint.checkpoint_dir", tmp_path / "again", "--restore_from.path",
                               middle, recipe=ToyRecipe)

@@ -49,13 +49,18 @@ def test_masked_ce_upcasts_half_precision():
                                                         reduction="sum").item(), rel=1e-6)
 
 
-def test_as_sum_loss_switches_torch_losses_to_sum():
-    from automodel.training.loss import MaskedCrossEntropy, as_sum_loss
+def test_as_sum_loss_switches_torch_losses_to_sum_in_float32():
+    from automodel.training.loss import Float32Loss, MaskedCrossEntropy, as_sum_loss
 
     assert isinstance(as_sum_loss(None), MaskedCrossEntropy)
     ce = as_sum_loss(torch.nn.CrossEntropyLoss())
-    assert ce.reduction == "sum" and ce.ignore_index == -100
+    assert isinstance(ce, Float32Loss) and ce.loss.reduction == "sum" and ce.loss.ignore_index == -100
     assert ce(torch.randn(3, 4), torch.full((3,), -100)).item() == 0.0
+    logits, labels = torch.randn(5, 7, generator=torch.Generator().manual_seed(0)), torch.arange(5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the forward's precision does not reach the loss
+        loss = ce(logits.bfloat16(), labels)
+    assert loss.dtype == torch.float32
+    assert loss.item() == F.cross_entropy(logits.bfloat16().float(), labels, reduction="sum").item()
 
 
 # ---- CosineAnnealingWarmup and friends -------------------------------------------------------------------------
@@ -181,7 +186,7 @@ def test_step_scheduler_state_round_trip():
         next(drive_some)
         steps.finish_step()
     state = steps.state_dict()
-    assert state == {"step": 3, "epoch": 1}
+    assert state == {"step": 3, "epoch": 1, "epoch_step": 1}  # one step into epoch 1
     other = scheduler(steps_per_epoch=2, max_steps=5, num_epochs=10)
     other.load_state_dict(state)
     assert (other.step, other.epoch) == (3, 1)

@@ -316,8 +316,10 @@ def test_backends_are_closed_with_the_run_outcome(manager, backend_env, tmp_path
 
 def test_only_rank_0_feeds_the_backends(manager, backend_env, tmp_path, monkeypatch):
     monkeypatch.setenv("RANK", "1")  # what a second torchrun rank's process sees (one process here: no collectives)
+    # no checkpoint: every rank writes its part of one and rank 0 publishes it, and there is no rank 0 here
     config = write_config(tmp_path, logging={"backends": ["recorder"]}, validation_dataset=None,
-                          step_scheduler={"max_steps": 2, "log_interval": 1})
+                          step_scheduler={"max_steps": 2, "log_interval": 1},
+                          checkpoint={"checkpoint_dir": str(tmp_path / "ckpt"), "enabled": False})
     CALLS.clear()
     recipe = train(manager, config)
     assert recipe.step_scheduler.step == 2 and not recipe.is_main_process

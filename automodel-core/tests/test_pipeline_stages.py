@@ -39,10 +39,15 @@ class EverySlotToy(ToyRecipe):
 
 
 def test_every_slot_runs_in_the_core_order_whatever_the_registration_order(make_toy):
+    """The second run resumes the first's checkpoint, so slot ``checkpoint`` acts too (it acts only on a resume)."""
     reset_plugin_manager(PluginManager(extra_plugins=[("recording", RecordingStages)]))
-    CALLS.clear()
+    config = make_toy()
     try:
-        train_inprocess(make_toy(), "--step_scheduler.max_steps", "1", recipe=EverySlotToy)
+        CALLS.clear()
+        train_inprocess(config, "--step_scheduler.max_steps", "1", recipe=EverySlotToy)
+        assert "checkpoint" not in CALLS
+        CALLS.clear()
+        train_inprocess(config, "--step_scheduler.max_steps", "2", recipe=EverySlotToy)
     finally:
         reset_plugin_manager(None)
     assert CALLS == ["peft", "fp8", "qat", "checkpoint", "freeze", "sharding", "device", "compile",
@@ -76,3 +81,22 @@ def test_stages_that_cannot_run_here_are_refused_at_validation(make_toy, tmp_pat
     err = capsys.readouterr().err
     assert code == 2 and fragment in err and "Traceback" not in err
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_activation_checkpointing_needs_transformer_blocks(make_toy):
+    from automodel.errors import AutomodelError
+
+    with pytest.raises(AutomodelError, match="distributed.activation_checkpointing: ToyModel has no repeated "
+                                             "transformer blocks"):
+        train_inprocess(make_toy(model={"layers": 0}, distributed={"activation_checkpointing": True}),
+                        recipe=ToyRecipe, setup_only=True)
+
+
+def test_activation_checkpointing_wraps_the_toy_blocks_and_keeps_the_losses(make_toy, tmp_path):
+    plain = train_inprocess(make_toy(checkpoint={"checkpoint_dir": str(tmp_path / "plain")}), recipe=ToyRecipe)
+    wrapped = train_inprocess(make_toy(checkpoint={"checkpoint_dir": str(tmp_path / "ac")},
+                                       distributed={"activation_checkpointing": True}), recipe=ToyRecipe)
+    assert sum("CheckpointWrapper" in type(m).__name__ for m in wrapped.model.modules()) == 2
+    assert not any("CheckpointWrapper" in type(m).__name__ for m in plain.model.modules())
+    assert [r["loss"] for r in read_jsonl(tmp_path / "ac" / "training.jsonl")] == \
+        [r["loss"] for r in read_jsonl(tmp_path / "plain" / "training.jsonl")]

@@ -124,3 +124,12 @@ def test_the_example_validates_and_dry_runs(example, capsys, nothing_is_built):
             "text_encoder_3: ddp") in text
     code, text = run(capsys, "pretrain", "diffusion", "-c", "diffusion/tiny_unet", "--dry-run")
     assert code == 0, text
+
+
+def test_a_sharded_only_checkpoint_is_refused_for_a_diffusers_pipeline(example, capsys, nothing_is_built):
+    """The pipeline's model/ is a layout of its own, with no sharded form: save_consolidated: false could not act."""
+    code, text = run(capsys, "finetune", "diffusion", "-c", example(), "--checkpoint.save_consolidated", "false")
+    assert code == 2, text
+    assert "checkpoint.save_consolidated" in text and "writes model/ in a layout of its own, which has no sharded " \
+        "form; remove the key (or set it to true)" in text
+    assert "Traceback" not in text

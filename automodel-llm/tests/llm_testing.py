@@ -61,3 +61,23 @@ VALIDATION = {"_target_": "automodel_llm.datasets.SquadDataset", "dataset_name":
 def write_config(path: Path, model_config: Path, checkpoint_dir: Path, **sections: Any) -> Path:
     """A tiny run's YAML (``sections`` deep-merged into the base; None removes a section) written to ``path``."""
     return write_yaml(path, deep_update(base_config(model_config, checkpoint_dir), sections))
+
+
+# Two ranks vs one process: four steps of batch 2 in a fixed order, checkpoints at steps 2 and 4. The process
+# reference accumulates twice as many micro-batches (``single_process`` in conftest.py).
+DISTRIBUTED_OVERRIDES = ["--step_scheduler.max_steps", "4", "--dataloader.batch_size", "2", "--dataloader.shuffle",
+                         "false", "--step_scheduler.checkpoint_interval", "2"]
+
+
+def val_losses(checkpoint_dir: Path) -> list[tuple[int, float]]:
+    """(step, validation loss) of each validation record a run wrote, in order."""
+    from automodel.testing import read_jsonl
+
+    return [(row["step"], row["val_loss"]) for row in read_jsonl(Path(checkpoint_dir) / "validation.jsonl")]
+
+
+def losses(checkpoint_dir: Path) -> list[float]:
+    """The step losses a run wrote to training.jsonl, in order."""
+    from automodel.testing import read_jsonl
+
+    return [row["loss"] for row in read_jsonl(Path(checkpoint_dir) / "training.jsonl")]

@@ -32,7 +32,7 @@ def test_checkpoint_dirs_and_latest(cli_run):
     # 32 samples / batch 4 = 8 steps per epoch: steps 4 and 8 fall in epoch 0, step 10 in epoch 1.
     assert checkpoint_dirs(cli_run) == ["epoch_0_step_4", "epoch_0_step_8", "epoch_1_step_10"]
     assert (cli_run / "LATEST").read_text().strip() == "epoch_1_step_10"
-    assert not [p.name for p in cli_run.iterdir() if p.name.startswith(".")], "staging left behind"
+    assert [p.name for p in cli_run.iterdir() if p.name.startswith(".")] == [".lock"], "staging left behind"
 
 
 def test_training_jsonl_has_every_step_and_field(cli_run):

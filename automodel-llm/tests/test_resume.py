@@ -18,7 +18,7 @@ RUN = {"step_scheduler": {"max_steps": 10, "checkpoint_interval": 2, "log_interv
 
 
 def losses(path, steps):
-    by_step = {r["step"]: r["loss"] for r in read_jsonl(path)}  # a resumed run appends: the last line wins
+    by_step = {r["step"]: r["loss"] for r in read_jsonl(path)}
     return [by_step[s] for s in steps]
 
 
@@ -81,15 +81,15 @@ def test_resume_latest_at_epoch_boundary(reference, tmp_path):
 
 
 def test_resume_by_directory_name_into_same_dir(reference, tmp_path):
-    """A bare checkpoint name resolves under checkpoint_dir; resuming into the run's own directory appends."""
+    """A bare checkpoint name resolves under checkpoint_dir; resuming into the run's own directory drops the
+    records past the restored step (each step is logged once) and re-saves steps 8 and 10 in place."""
     root = tmp_path / "ckpt"
     shutil.copytree(reference["ckpt"], root)
-    before = len(read_jsonl(root / "training.jsonl"))
     recipe = train_inprocess(reference["config"], "--checkpoint.checkpoint_dir", root,
                              "--restore_from.path", "epoch_1_step_6")
     rows = read_jsonl(root / "training.jsonl")
-    assert len(rows) == before + 4 and [r["step"] for r in rows[before:]] == [7, 8, 9, 10]
-    assert [r["loss"] for r in rows[before:]] == reference["losses"][6:]
+    assert [r["step"] for r in rows] == list(range(1, 11))
+    assert [r["loss"] for r in rows] == reference["losses"]
     assert_states_equal(recipe.model.state_dict(), reference["final"])
     assert (root / "LATEST").read_text().strip() == "epoch_2_step_10"
     assert not [p.name for p in root.iterdir() if p.name.startswith(".incomplete")]
@@ -98,6 +98,58 @@ def test_resume_by_directory_name_into_same_dir(reference, tmp_path):
 def test_restore_from_missing_checkpoint_is_a_clear_error(reference, tmp_path):
     from automodel.errors import AutomodelError
 
-    with pytest.raises(AutomodelError, match="restore_from.path"):
+    with pytest.raises(AutomodelError, match="restore_from.path: 'epoch_0_step_2' is not a checkpoint"):
         train_inprocess(reference["config"], "--checkpoint.checkpoint_dir", tmp_path / "empty",
-                        "--restore_from.path", "latest")
+                        "--restore_from.path", "epoch_0_step_2")
+
+
+def test_a_resume_never_unpickles(reference, tmp_path, monkeypatch):
+    """Everything a resume reads is JSON or safetensors: with pickle and torch.load refusing, it continues."""
+    import pickle
+
+    import torch
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a checkpoint read unpickled")
+
+    for name in ("load", "loads", "Unpickler"):
+        monkeypatch.setattr(pickle, name, refuse)
+    monkeypatch.setattr(torch, "load", refuse)
+    recipe = train_inprocess(reference["config"], "--checkpoint.checkpoint_dir", tmp_path / "resumed",
+                             "--restore_from.path", reference["ckpt"] / "epoch_1_step_6")
+    monkeypatch.undo()
+    assert [r["loss"] for r in read_jsonl(tmp_path / "resumed" / "training.jsonl")] == reference["losses"][6:]
+    assert_states_equal(recipe.model.state_dict(), reference["final"])
+
+
+def test_a_checkpoint_saved_only_sharded_resumes_exactly(reference, tmp_path):
+    """``checkpoint.save_consolidated: false``: the weights are only model_shards/, and a resume reads them."""
+    sharded = tmp_path / "sharded"
+    train_inprocess(reference["config"], "--checkpoint.checkpoint_dir", sharded,
+                    "--checkpoint.save_consolidated", "false")
+    saved = sharded / "epoch_1_step_6"
+    assert not (saved / "model").exists() and list((saved / "model_shards").glob("shard-*.safetensors"))
+    assert json.loads((saved / "trainer_state.json").read_text())["weights"] == "model_shards"
+    assert losses(sharded / "training.jsonl", range(1, 11)) == reference["losses"]
+    recipe = train_inprocess(reference["config"], "--checkpoint.checkpoint_dir", tmp_path / "resumed",
+                             "--restore_from.path", saved)
+    assert [r["loss"] for r in read_jsonl(tmp_path / "resumed" / "training.jsonl")] == reference["losses"][6:]
+    assert_states_equal(recipe.model.state_dict(), reference["final"])
+
+
+def test_a_resume_drops_the_validation_records_past_the_restored_step(tiny_llama_config, tmp_path):
+    """Resumed into its own directory from step 2, the run validates steps 4 and 6 again: each step once, with the
+    uninterrupted run's numbers."""
+    from llm_testing import VALIDATION, write_config
+
+    root = tmp_path / "ckpt"
+    config = write_config(tmp_path / "cfg.yaml", tiny_llama_config, root, validation_dataset=VALIDATION,
+                          step_scheduler={"max_steps": 6, "checkpoint_interval": 2, "val_check_interval": 2})
+    train_inprocess(config)
+    first = read_jsonl(root / "validation.jsonl")
+    assert [r["step"] for r in first] == [2, 4, 6]
+    train_inprocess(config, "--restore_from.path", "epoch_0_step_2")
+    again = read_jsonl(root / "validation.jsonl")
+    assert [r["step"] for r in again] == [2, 4, 6]
+    assert [r["val_loss"] for r in again] == [r["val_loss"] for r in first]
+    assert [r["step"] for r in read_jsonl(root / "training.jsonl")] == [1, 2, 3, 4, 5, 6]

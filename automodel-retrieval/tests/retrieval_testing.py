@@ -6,6 +6,7 @@ Every run here is a few seconds on a CPU: a 2-layer, 64-wide BERT, a few hundred
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -94,3 +95,35 @@ def encode_with_transformers(encoder_dir: Path, texts: list[str], pooling: str =
         else:
             pooled = hidden[:, 0]
         return F.normalize(pooled, dim=-1)
+
+
+# ---- sentence-transformers comparisons ----------------------------------------------------------------
+
+QUERIES = ["capital of Sikia", "currency of Borvania", "who rules Tessaly and since when"]
+DOCUMENTS = ["Sikia's capital city is Zoranton, home to its royal court.",
+             "Borvania pays with the florin, minted in its northern hills.", "Tessaly"]
+
+
+def recipe_embeddings(recipe, side: str, texts: list[str]):
+    """What the recipe computes (its collator: prefix, truncation; its model: pooling, normalisation)."""
+    import torch
+
+    collator = recipe.default_collate_fn(False)
+    encode = collator.encode_queries if side == "query" else collator.encode_documents
+    model = recipe.model.eval()
+    with torch.no_grad():
+        return model.encode(side, encode(texts))
+
+
+def assert_same_embeddings(theirs, ours) -> None:
+    import torch
+
+    theirs = theirs.float().cpu()
+    assert theirs.shape == ours.shape
+    cosine = torch.nn.functional.cosine_similarity(theirs, ours, dim=-1)
+    assert cosine.min() >= 1 - 1e-6, cosine
+    assert torch.allclose(theirs.norm(dim=-1), ours.norm(dim=-1), rtol=1e-4)
+
+
+def st_modules(directory) -> list[str]:
+    return [m["type"].rsplit(".", 1)[-1] for m in json.loads((directory / "modules.json").read_text())]

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-import torch
-from retrieval_testing import latest
+import json
 
+import pytest
+import torch
+from retrieval_testing import CROSS_ENCODER, DATA, latest, run_inprocess, write_config
+
+from automodel.errors import AutomodelError
 from automodel.testing import read_jsonl
 
 
@@ -37,3 +41,22 @@ def test_checkpoint_loads_with_auto_model_for_sequence_classification(cross_enco
     with torch.no_grad():
         assert loaded(**batch).logits.shape == (2, 1)
         assert torch.allclose(loaded(**batch).logits, trained(**batch).logits, atol=1e-6)
+
+
+@pytest.mark.parametrize("section", ["validation_dataset", "dataset"])
+def test_a_data_set_without_negatives_is_refused_with_the_file_and_what_to_add(section, tmp_path):
+    """Groups of one document: accuracy = MRR = 1.0 from an untrained head (validation), a loss of 0 (training)."""
+    rows = [json.loads(line) for line in (DATA / "validation.jsonl").read_text().splitlines()]
+    bare = tmp_path / "no_negatives.jsonl"
+    bare.write_text("".join(json.dumps({"query": r["query"], "positive": r["positive"]}) + "\n" for r in rows))
+    config = write_config(tmp_path / "cfg.yaml", CROSS_ENCODER, tmp_path / "ckpt", step_scheduler={"max_steps": 1},
+                          **{section: {"path": str(bare), "num_negatives": None}})
+    with pytest.raises(AutomodelError) as err:
+        run_inprocess("cross", config)
+    message = str(err.value)
+    assert message.startswith(f"{section}: no row of '{bare}' has negatives") and "add a 'negatives' list" in message
+    assert not (tmp_path / "ckpt" / "LATEST").exists()
+    config = write_config(tmp_path / "zero.yaml", CROSS_ENCODER, tmp_path / "ckpt",
+                          **{section: {"num_negatives": 0}})
+    with pytest.raises(AutomodelError, match=f"{section}.num_negatives: 0 leaves every query"):
+        run_inprocess("cross", config)

@@ -84,7 +84,8 @@ def test_abs_margin(bi_encoder_run, tmp_path, independent_scores, capsys):
     out = _mine(tmp_path, latest(bi_encoder_run["ckpt"]), "abs", margin_type="abs", margin=0.2, limit=24)
     assert len(out) == 24
     progress = capsys.readouterr().err
-    assert "embed corpus" in progress and "search" in progress  # tqdm progress bars
+    assert "embed corpus: " in progress and "search: " in progress  # one line per task: stderr is no terminal
+    assert "\r" not in progress
     for q, record in enumerate(out):
         positive = float(scores[q, index[rows[q]["positive"]]])
         assert all(s <= positive - 0.2 + 1e-6 for s in record["negative_scores"])

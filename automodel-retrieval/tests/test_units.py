@@ -14,6 +14,7 @@ from automodel_retrieval.losses import InfoNCELoss, ListwiseCrossEntropy
 from automodel_retrieval.metrics import group_metrics, ranking_metrics
 from automodel_retrieval.mining import margin_thresholds, top_k_negatives
 from automodel_retrieval.models import pool
+from automodel_retrieval.negatives import exclusions
 
 # ---- pooling ------------------------------------------------------------------------------------------------
 
@@ -106,7 +107,12 @@ def test_bi_encoder_collator_puts_positives_first_and_excludes_duplicate_positiv
     assert batch["labels"].tolist() == [0, 1, 2]
     assert batch["query"]["input_ids"].shape[0] == 3 and batch["document"]["input_ids"].shape[0] == 6
     # documents: p1 p2 p3 n1 p2 n2 -> query 0 must not be pushed away from p2 (columns 1 and 4), nor query 1 from p1
-    assert batch["exclude"].nonzero().tolist() == [[0, 1], [0, 4], [1, 0], [1, 4]]
+    exclude = exclusions(batch["document_keys"], batch["positive_keys"], batch["labels"])
+    assert exclude.nonzero().tolist() == [[0, 1], [0, 4], [1, 0], [1, 4]]
+    # keys of the texts, not of their position: the same on another rank (gathered documents come in any order)
+    shuffled = torch.tensor([5, 4, 3, 2, 1, 0])
+    assert torch.equal(exclusions(batch["document_keys"][shuffled], batch["positive_keys"], torch.tensor([5, 4, 3])),
+                       exclude[:, shuffled])
 
 
 def test_cross_encoder_collator_groups_pairs_with_padding(tokenizer):
@@ -183,7 +189,8 @@ def test_every_trainable_bi_encoder_parameter_gets_a_gradient(tokenizer):
              {"query": "ruler of z", "positive": "z is ruled", "positives": ["z is ruled"], "negatives": []}]
     batch = BiEncoderCollator(tokenizer, 8, 8)(items)
     q, d = model(query=batch["query"], document=batch["document"])
-    InfoNCELoss()(q, d, batch["labels"], batch["exclude"]).backward()
+    InfoNCELoss()(q, d, batch["labels"], exclusions(batch["document_keys"], batch["positive_keys"],
+                                                    batch["labels"])).backward()
     missing = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
     assert not missing, missing
     # the document encoder starts as a copy of the query encoder, then trains on its own

@@ -3,7 +3,6 @@ data set factories, processor forms; each acts, or is refused at validation with
 
 from __future__ import annotations
 
-import functools
 import json
 import random
 from pathlib import Path
@@ -14,7 +13,7 @@ from vlm_testing import SHAPES
 
 from automodel import testing
 from automodel.errors import AutomodelError, ConfigError
-from automodel_vlm.datasets import default_collate_fn
+from automodel_vlm.datasets import VLMCollator
 from automodel_vlm.datasets.question_answer import json_tokens, receipt_tokens
 
 FORMS = Path(__file__).parent / "upstream_forms"
@@ -71,9 +70,8 @@ def test_medpix_form_trains_three_steps_with_freeze_config_and_the_collate_funct
     assert frozen and all("vision_tower" in n or "embed_tokens" in n for n in frozen)
     assert any("embed_tokens" in n for n in frozen), "freeze_embeddings acts"
     assert any(p.requires_grad for n, p in model.named_parameters() if "language_model.layers" in n)
-    collate = recipe.dataloader.collate_fn.fn
-    assert isinstance(collate, functools.partial) and collate.func is default_collate_fn
-    assert collate.keywords == {"processor": recipe.processor, "max_length": 160}
+    collate = recipe.dataloader.collate_fn.fn  # upstream's default_collate_fn: a collator built with the processor
+    assert isinstance(collate, VLMCollator) and (collate.processor, collate.max_length) == (recipe.processor, 160)
     batch = collate([recipe.train_dataset[i] for i in range(2)])
     assert batch["input_ids"].shape == (2, 160), "max_length pads every row to it"
 
@@ -129,13 +127,12 @@ def test_drop_overlong_leaves_long_samples_out(upstream_data):
     samples = [data[0], data[1]]
     samples[1] = {**samples[1], "messages": [samples[1]["messages"][0], {
         "role": "assistant", "content": [{"type": "text", "text": "very long " * 60}]}]}
-    full = default_collate_fn(samples, recipe.processor)
-    short = default_collate_fn(samples, recipe.processor, max_length=full["input_ids"].shape[1] - 10,
-                               drop_overlong=True)
+    full = VLMCollator(recipe.processor)(samples)
+    short = VLMCollator(recipe.processor, max_length=full["input_ids"].shape[1] - 10, drop_overlong=True)(samples)
     assert short["input_ids"].shape[0] == 1 and torch.equal(short["labels"][0][short["attention_mask"][0] == 1],
                                                             full["labels"][0][full["attention_mask"][0] == 1])
     with pytest.raises(AutomodelError, match="needs max_length"):
-        default_collate_fn(samples, recipe.processor, drop_overlong=True)
+        VLMCollator(recipe.processor, drop_overlong=True)
 
 
 @pytest.mark.parametrize("override,key,needle", [

@@ -21,8 +21,9 @@ _BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parq
 
 
 def load_rows(name_or_path: str, split: str = "train", key: str = "dataset.dataset_name",
-              streaming: bool = False) -> Any:
-    """A ``datasets.Dataset`` (or IterableDataset when streaming) for one split."""
+              streaming: bool = False, name: str | None = None) -> Any:
+    """A ``datasets.Dataset`` (or IterableDataset when streaming) for one split; ``name`` picks the subset
+    (configuration) of a hub data set or a data set directory with several."""
     import datasets
 
     datasets.disable_progress_bars()  # the training progress bar is the one to watch
@@ -37,10 +38,10 @@ def load_rows(name_or_path: str, split: str = "train", key: str = "dataset.datas
                 raise AutomodelError(f"{key}: '{path}' is empty")
             return datasets.load_dataset(builder, data_files=str(path), split="train", streaming=streaming)
         if path.is_dir():
-            return datasets.load_dataset(str(path), split=split, streaming=streaming)
+            return datasets.load_dataset(str(path), name, split=split, streaming=streaming)
         if path.is_absolute() or str(name_or_path).startswith(("./", "../")) or path.suffix in _BUILDERS:
             raise AutomodelError(f"{key}: '{name_or_path}' does not exist")
-        return datasets.load_dataset(str(name_or_path), split=split, streaming=streaming)
+        return datasets.load_dataset(str(name_or_path), name, split=split, streaming=streaming)
     except AutomodelError:
         raise
     except Exception as err:  # datasets raises many types for a missing/offline hub name or a bad file

@@ -6,6 +6,7 @@ torch, transformers and peft are imported on first use, so importing this module
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,11 +18,12 @@ from automodel.errors import AutomodelError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ADAPTER_WEIGHTS", "EvalGenerationConfig", "PeftConfig", "apply_lora", "check_vocab", "exact_match",
-           "is_adapter_dir", "load_adapter_weights", "load_rows", "load_tokenizer", "lora_config",
-           "missing_local_path", "model_source"]
+__all__ = ["ADAPTER_WEIGHTS", "EvalGenerationConfig", "PeftConfig", "align_special_tokens", "apply_lora",
+           "check_vocab", "exact_match", "is_adapter_dir", "load_adapter_weights", "load_rows", "load_tokenizer",
+           "lora_config", "missing_local_path", "model_source", "record_adapter_base", "recorded_adapter_base"]
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
 SOURCE_KEYS = ("pretrained_model_name_or_path", "name_or_path", "config")
 
 
@@ -72,6 +74,30 @@ def check_vocab(tokenizer: Any, model_config: Any, message: str) -> None:
     vocab = getattr(model_config, "vocab_size", None)
     if vocab is not None and len(tokenizer) > vocab:
         raise AutomodelError(message.format(tokens=len(tokenizer), vocab=vocab))
+
+
+SPECIAL_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def align_special_tokens(model: Any, tokenizer: Any) -> list[str]:
+    """Give the model's config and generation config the tokenizer's bos / eos / pad ids where they differ.
+
+    What the model was trained with is the tokenizer's tokens; a saved ``config.json`` / ``generation_config.json``
+    with other ids makes a plain ``model.generate()`` run past the tokenizer's EOS. An eos list that holds the
+    tokenizer's EOS (Llama 3: end of text and end of turn) is kept. Returns one line per change, for the log.
+    """
+    changes = []
+    holders = [(name, getattr(model, name, None)) for name in ("config", "generation_config")]
+    for name in SPECIAL_TOKENS:
+        wanted = getattr(tokenizer, name, None)
+        for where, holder in holders:
+            current = getattr(holder, name, None) if holder is not None else None
+            if holder is None or wanted is None or current == wanted or \
+                    (isinstance(current, (list, tuple)) and wanted in current):
+                continue
+            setattr(holder, name, wanted)
+            changes.append(f"{where}.{name} {current} -> {wanted}")
+    return changes
 
 
 # ---- LoRA -------------------------------------------------------------------------------------------------------
@@ -160,6 +186,24 @@ def load_adapter_weights(model: torch.nn.Module, directory: Path) -> None:
                              f"keys {unexpected[:5]}")
 
 
+def record_adapter_base(directory: Path, source: str) -> None:
+    """Record in ``adapter_config.json`` (``base_model_name_or_path``) the base model the adapter was trained on,
+    as the run resolved it (``${VAR}`` substituted; a local path made absolute): what ``automodel export`` merges
+    into, whatever the environment says later. For a freshly initialised base it is the config it was built from."""
+    path = Path(source).expanduser()
+    file = directory / ADAPTER_CONFIG
+    data = json.loads(file.read_text(encoding="utf-8"))
+    data["base_model_name_or_path"] = str(path.resolve()) if path.exists() else source
+    file.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def recorded_adapter_base(directory: Path) -> str | None:
+    """The base recorded in a saved adapter's ``adapter_config.json`` (None when it names none)."""
+    file = directory / ADAPTER_CONFIG
+    value = json.loads(file.read_text(encoding="utf-8")).get("base_model_name_or_path") if file.is_file() else None
+    return value if isinstance(value, str) and value else None
+
+
 # ---- greedy-generation evaluation -------------------------------------------------------------------------------
 
 @dataclass
@@ -170,23 +214,28 @@ class EvalGenerationConfig:
     max_new_tokens: int = field(default=8, metadata={"help": "generation length limit"})
 
 
-def greedy_answer(model: Any, tokenizer: Any, prompt: str, max_new_tokens: int, device: torch.device) -> str:
+def greedy_answer(model: Any, tokenizer: Any, prompt: str, max_new_tokens: int, device: torch.device,
+                  synced: bool = False) -> str:
+    """The model's greedy continuation of ``prompt``. ``synced``: every rank generates together (the weights are
+    sharded, so each forward is a collective): ranks that finish early keep joining the others' forwards."""
     import torch
 
     ids = torch.tensor([tokenizer(prompt)["input_ids"]], device=device)
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+                             do_sample=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                             synced_gpus=synced)
     return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
 
 
 def exact_match(model: Any, tokenizer: Any, pairs: list[tuple[str, str]], max_new_tokens: int,
-                device: torch.device) -> tuple[float, list[tuple[str, str, str]]]:
-    """Accuracy over (prompt, answer) pairs and the (prompt, expected, generated) triples."""
+                device: torch.device, synced: bool = False) -> tuple[float, list[tuple[str, str, str]]]:
+    """Accuracy over (prompt, answer) pairs and the (prompt, expected, generated) triples (``synced``: see
+    :func:`greedy_answer`; every rank then calls this with the same pairs)."""
     was_training = model.training
     model.eval()
     try:
-        results = [(prompt, answer, greedy_answer(model, tokenizer, prompt, max_new_tokens, device))
+        results = [(prompt, answer, greedy_answer(model, tokenizer, prompt, max_new_tokens, device, synced))
                    for prompt, answer in pairs]
     finally:
         model.train(was_training)

@@ -1,5 +1,6 @@
 """What every domain's model entry points share: dtype names, "does this folder hold weights", and loading a
-transformers Auto class from a checkpoint or a config. Torch and transformers are imported on first use."""
+transformers Auto class from a checkpoint or a config — on the meta device when the engine asks for it
+(``automodel.meta_build``). Torch and transformers are imported on first use."""
 
 from __future__ import annotations
 
@@ -49,26 +50,98 @@ def pretrained_or_fresh(auto_class: Any, path: str | None, dtype: Any, from_conf
                         kwargs: dict[str, Any], errors: tuple[type[Exception], ...] = (OSError,),
                         what: str = "") -> Any:
     """``auto_class.from_pretrained(path)``; a local directory holding only config.json gives a fresh, randomly
-    initialised model of that architecture (``from_config``). Errors name the config key."""
+    initialised model of that architecture (``from_config``). Errors name the config key. When the engine asks
+    (``automodel.meta_build``) and the weights are safetensors, the model is built on the meta device instead and
+    its parameters are read later, each rank its own slices."""
     if not path:
         raise AutomodelError("model.pretrained_model_name_or_path: missing (a hub name or a local directory)")
     local = Path(str(path))
     if local.is_dir() and (local / "config.json").is_file() and not has_weights(local):
         return from_config(str(local), dtype=dtype, **kwargs)
+    on_meta = _pretrained_on_meta(auto_class, str(path), dtype, kwargs, errors)
+    if on_meta is not None:
+        return on_meta
     try:
         return auto_class.from_pretrained(str(path), dtype=parse_dtype(dtype), **kwargs)
     except errors as err:
         raise AutomodelError(f"model: cannot load '{path}'{what}: {err}") from None
 
 
+def _pretrained_on_meta(auto_class: Any, path: str, dtype: Any, kwargs: dict[str, Any],
+                        errors: tuple[type[Exception], ...]) -> Any | None:
+    """The model of ``path`` on the meta device with its weights' directory recorded, when the engine asked for
+    it and the weights can be read in slices; None otherwise (``from_pretrained`` then loads it whole)."""
+    from automodel.meta_build import build_on_meta, local_weights, meta_request, pretrained_dtype
+
+    request = meta_request()
+    if request is None or set(kwargs) - {"attn_implementation"}:
+        return None  # trust_remote_code, a revision, config overrides: left to from_pretrained
+    weights = local_weights(path)
+    if weights is None:
+        return None
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(str(weights))
+    except errors:
+        return None
+    chosen = parse_dtype(dtype) if dtype not in (None, "auto") else pretrained_dtype(config, weights)
+    return build_on_meta(request, lambda: auto_class.from_config(config, dtype=chosen, **kwargs),
+                         f"{auto_class.__name__}.from_pretrained", weights=weights)
+
+
 def fresh_model(build: Callable[..., Any], hf_config: Any, model_kwargs: dict[str, Any], dtype: Any,
                 seed: int | None) -> Any:
-    """``build(hf_config, **model_kwargs)`` (an Auto class's ``from_config``) after seeding torch with ``seed``
-    (a reproducible initialisation), cast to ``dtype`` when one is given."""
+    """``build(hf_config, **model_kwargs)`` (an Auto class's ``from_config``), cast to ``dtype`` when one is given.
+
+    With a ``seed`` the weights are initialised module by module from it
+    (``automodel.training.parallel.materialize.init_module_by_module``): the same values the engine gives a run
+    whose ``model.seed`` (else ``rng.seed``) is that seed, on one process or on N ranks. When the engine asks
+    (``automodel.meta_build``) the model is returned on the meta device and the engine initialises it so, each rank
+    only its shards. Without either, transformers initialises it from torch's global generator."""
     import torch
 
-    if seed is not None:
-        torch.manual_seed(seed)
-    model = build(hf_config, **model_kwargs)
+    from automodel.meta_build import build_on_meta, meta_request
+
     chosen = parse_dtype(dtype)
-    return model.to(chosen) if isinstance(chosen, torch.dtype) else model
+
+    def construct() -> Any:
+        model = build(hf_config, **model_kwargs)
+        return model.to(chosen) if isinstance(chosen, torch.dtype) else model
+
+    request = meta_request()
+    if request is not None:
+        owner = getattr(build, "__self__", None)  # transformers.AutoModel*.from_config is a bound classmethod
+        name = f"{owner.__name__}.{build.__name__}" if isinstance(owner, type) else build.__qualname__
+        return build_on_meta(request, construct, name, seed=seed)
+    if seed is None:
+        return construct()
+    from automodel.training.parallel.materialize import materialize, parameters_on_meta
+
+    with parameters_on_meta():
+        model = construct()
+    materialize(model, "cpu", seed)
+    return model
+
+
+def checkpoint_key_mapping(model: Any) -> dict[str, str]:
+    """Saved-checkpoint key -> the model's own key.
+
+    transformers' ``save_pretrained`` writes some architectures (Llava among them) under their original hub names
+    (``language_model.model.layers...`` for ``model.language_model.layers...``); reading such files into the live
+    model needs the way back. It is learnt by running transformers' own save-time renaming on placeholder tensors,
+    so it is the exact inverse of what the save did. Empty when there is no renaming (or it cannot be derived).
+    """
+    import torch
+
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:
+        return {}
+    probes = {key: torch.empty(0) for key in model.state_dict()}
+    by_id = {id(t): key for key, t in probes.items()}
+    try:
+        reverted = revert_weight_conversion(model, dict(probes))
+    except Exception:  # noqa: BLE001 - a converting (not renaming) mapping: keys stay as they are
+        return {}
+    return {saved: by_id[id(t)] for saved, t in reverted.items() if id(t) in by_id and saved != by_id[id(t)]}

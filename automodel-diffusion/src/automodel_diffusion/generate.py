@@ -125,7 +125,6 @@ class GenerateRecipe(BaseRecipe):
         "vae": VaeConfig,
         "distributed": Free("upstream's multi-GPU generation: only null (generation runs in one process)"),
         "seed": Free("an integer: prompt i is drawn with seed + i (default 42)"),
-        "ci": Free("upstream CI metadata; ignored (a note says so)"),
     }
 
     @classmethod
@@ -154,8 +153,6 @@ class GenerateRecipe(BaseRecipe):
         from automodel.model_files import parse_dtype
         from automodel_diffusion.pipeline import load_pipeline
 
-        if "ci" in self.cfg:
-            self.log("note: section 'ci' is upstream CI metadata and is ignored")
         dtype = parse_dtype(self.cfg.inference.dtype, "inference.dtype")
         self.pipeline = load_pipeline(self.cfg.model.pretrained_model_name_or_path, dtype)
         if self.cfg.model.checkpoint:

@@ -142,9 +142,9 @@ def _fully_shard(module: torch.nn.Module, entry: dict[str, Any], mesh: Any) -> N
             param_dtype=getattr(torch, entry["param_dtype"]) if "param_dtype" in entry else None,
             reduce_dtype=getattr(torch, entry["reduce_dtype"]) if "reduce_dtype" in entry else None)
     if entry.get("shard_blocks", True):
-        from automodel.training.stages.sharding import repeated_blocks
+        from automodel.training.parallel.blocks import transformer_blocks
 
-        blocks = repeated_blocks(module)
+        blocks = transformer_blocks(module)
         for block in blocks:
             fully_shard(block, **kwargs)
         _prefetch(blocks, entry.get("forward_prefetch_depth"), entry.get("backward_prefetch_depth"))

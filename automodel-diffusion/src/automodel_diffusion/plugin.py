@@ -16,17 +16,18 @@ def automodel_register_routes(routes) -> None:
                examples=["diffusion/tiny_flow"])
     routes.add("generate", "diffusion", recipe="automodel_diffusion.generate.GenerateRecipe",
                help="Generate images from prompts with a diffusers pipeline or a trained checkpoint (upstream's "
-                    "generation config: model, inference, output, vae)")
+                    "generation config: model, inference, output, vae)", examples=["diffusion/tiny_generate"])
 
 
 @hookimpl
 def automodel_register_aliases(aliases) -> None:
     aliases.domain("t2i", "diffusion")
+    # Upstream's diffusion recipe (its examples run it from a script, without `recipe:`), by name and by path.
+    aliases.recipe("TrainDiffusionRecipe", "finetune", "diffusion")
+    aliases.recipe("nemo_automodel.recipes.diffusion.train.TrainDiffusionRecipe", "finetune", "diffusion")
     aliases.target("AutoDiffusionPipeline", "automodel_diffusion.AutoDiffusionPipeline.from_pretrained")
     aliases.target("ImageCaptionDataset", "automodel_diffusion.datasets.ImageCaptionDataset")
-    # Upstream (NeMo AutoModel) names: its diffusion recipe, its data loader builders.
-    aliases.target("TrainDiffusionRecipe", _RECIPE)
-    aliases.target("nemo_automodel.recipes.diffusion.train.TrainDiffusionRecipe", _RECIPE)
+    # Upstream (NeMo AutoModel) names: its data loader builders.
     aliases.target(f"{_UPSTREAM_DATA}.build_text_to_image_multiresolution_dataloader",
                    "automodel_diffusion.upstream.text_to_image_data")
     aliases.unsupported(f"{_UPSTREAM_DATA}.build_video_multiresolution_dataloader",

@@ -10,12 +10,11 @@ from typing import Any
 
 import torch
 
-from automodel.config import Target
 from automodel.training.context import BuildContext
 from automodel.training.metrics import device_peak_flops, peak_memory_gib
 from automodel.training.modules import unwrap
 from automodel_llm.datasets.pretraining import MockDataset
-from automodel_llm.recipe import FinetuneRecipeForNextTokenPrediction
+from automodel_llm.recipe import FinetuneRecipeForNextTokenPrediction, dataset_section
 
 
 @dataclass
@@ -32,8 +31,7 @@ class BenchmarkRecipe(FinetuneRecipeForNextTokenPrediction):
 
     sections = {
         "benchmark": BenchmarkConfig,
-        "dataset": Target("training data (default: random tokens of benchmark.seq_length)",
-                          runtime_args=("tokenizer",)),
+        "dataset": dataset_section("training data (default: random tokens of benchmark.seq_length)"),
     }
 
     def setup(self) -> None:

@@ -1,8 +1,10 @@
-"""``automodel export``: a LoRA checkpoint merged into its base model, written as a plain HF model directory."""
+"""``automodel export``: a checkpoint's model as a plain HF model directory — consolidated from its shards when it
+was saved with ``checkpoint.save_consolidated: false``, and a LoRA adapter merged into its base model."""
 
 from __future__ import annotations
 
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -11,56 +13,105 @@ from automodel.cli.trust_options import trust_options
 from automodel.errors import ConfigError, ConfigIssue, UsageError
 
 
+def with_recorded_base(data: dict, model_dir: Path) -> dict:
+    """The run's config with the base model and tokenizer the run recorded, never re-resolved from today's
+    environment: config.yaml keeps ``${VAR}`` placeholders, so ``${BASE}`` would otherwise mean whatever BASE is
+    now. The adapter's ``base_model_name_or_path`` (the resolved path, or config, the run loaded) replaces the model
+    section's source, and the tokenizer saved beside the adapter replaces the tokenizer section."""
+    from automodel.hf import missing_local_path, model_source, recorded_adapter_base
+
+    found = model_source(data.get("model"))
+    recorded = recorded_adapter_base(model_dir)
+    if recorded is None:
+        if found is not None and "${" in found[0]:
+            raise UsageError(f"'{model_dir / 'adapter_config.json'}' records no base model and the run's {found[1]} "
+                             f"is '{found[0]}', which today's environment would decide; set base_model_name_or_path "
+                             "in adapter_config.json to the base the adapter was trained on")
+        return data
+    if missing_local_path(recorded):
+        raise UsageError(f"the base model recorded with the run, '{recorded}' (adapter_config.json "
+                         "base_model_name_or_path), no longer exists; restore it, or point base_model_name_or_path "
+                         "at the same base")
+    data = {**data, "model": {**data["model"], found[1].removeprefix("model."): recorded}} if found else data
+    if (model_dir / "tokenizer_config.json").is_file():
+        data["tokenizer"] = {"pretrained_model_name_or_path": str(model_dir)}
+    return data
+
+
 @click.command()
 @click.argument("checkpoint", type=click.Path(exists=True, file_okay=False))
 @click.argument("output", type=click.Path(file_okay=False))
 @click.option("--force", is_flag=True, help="replace OUTPUT if it exists")
 @trust_options
 def export(checkpoint: str, output: str, force: bool) -> None:
-    """Write CHECKPOINT's model as a merged Hugging Face model in OUTPUT (LoRA adapters merged into the base).
+    """Write CHECKPOINT's model as a merged Hugging Face model in OUTPUT (consolidated from its shards when it has
+    no model/; LoRA adapters merged into the base).
 
     A LoRA checkpoint's base model is rebuilt from its config.yaml, which is untrusted like any config: it is
     validated against the registry and the trust flags of this command line (--allow-target,
     --trust-remote-code) before anything is built, and refused (exit 2) naming the file and the key.
     """
-    from automodel.cli.execute import import_recipe
-    from automodel.config import build_config, load_yaml_file
-    from automodel.hf import is_adapter_dir, load_adapter_weights
-    from automodel.plugins.manager import get_plugin_manager
+    from automodel.hf import is_adapter_dir
     from automodel.training.checkpoint import read_latest
-    from automodel.training.rng import StatefulRNG
-    from automodel.training.stages.peft import add_lora
+    from automodel.training.parallel.hf_export import export_hf
 
     source = Path(checkpoint)
     source = read_latest(source) or source  # a checkpoint_dir means its newest checkpoint
-    model_dir, out = source / "model", Path(output)
-    if not model_dir.is_dir() or not (source / "config.yaml").is_file():
-        raise UsageError(f"'{source}' is not a checkpoint directory (expected model/ and config.yaml)")
+    model_dir, shards, out = source / "model", source / "model_shards", Path(output)
+    if not (model_dir.is_dir() or shards.is_dir()) or not (source / "config.yaml").is_file():
+        raise UsageError(f"'{source}' is not a checkpoint directory (expected model/ or model_shards/, and "
+                         "config.yaml)")
     if out.exists() and not force:
         raise UsageError(f"'{out}' already exists; pass --force to replace it")
     staging = out.with_name(out.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
-    if not is_adapter_dir(model_dir):
-        shutil.copytree(model_dir, staging)
-    else:
-        manager = get_plugin_manager()
-        recipe_cls = import_recipe(manager.routes.get("finetune", "llm").recipe)
-        config_file = source / "config.yaml"
-        try:
-            cfg = build_config(load_yaml_file(config_file), recipe_cls, manager.resolver(), source=str(config_file))
-        except ConfigError as err:
-            raise ConfigError([ConfigIssue(f"{config_file}: {issue.key}", issue.message, issue.suggestion)
-                               for issue in err.issues]) from None
-        recipe = recipe_cls(cfg)
-        ctx = recipe.build_context()
-        StatefulRNG(cfg.rng.seed, cfg.rng.ranked)  # seeded as training was, so a from_config base is identical
-        recipe.setup_domain()
-        model, _ = add_lora(ctx, recipe.build_model(ctx))
-        load_adapter_weights(model, model_dir)
-        merged = model.merge_and_unload()
-        merged.save_pretrained(str(staging))
-        recipe.tokenizer.save_pretrained(str(staging))
+    try:
+        if not model_dir.is_dir():  # saved sharded only: stream the Hugging Face files out of the shards
+            export_hf(shards, staging)
+            model_dir = staging
+        if is_adapter_dir(model_dir):
+            _merge_adapter(source / "config.yaml", model_dir, staging)
+        elif model_dir != staging:
+            shutil.copytree(model_dir, staging)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)  # no half-written output is left
+        raise
     if out.exists():
         shutil.rmtree(out)
     staging.rename(out)
     click.echo(f"exported {source} to {out} (load with AutoModelForCausalLM.from_pretrained('{out}'))")
+
+
+def _merge_adapter(config_file: Path, adapter_dir: Path, out: Path) -> None:
+    """The base model rebuilt from the run's (checked) config, the adapter loaded and merged, saved in ``out``."""
+    from automodel.cli.execute import import_recipe
+    from automodel.config import build_config, load_yaml_file
+    from automodel.hf import load_adapter_weights
+    from automodel.meta_build import building_on_meta
+    from automodel.plugins.manager import get_plugin_manager
+    from automodel.training.model_init import materialize_model, on_meta
+    from automodel.training.rng import StatefulRNG
+    from automodel.training.stages.peft import add_lora
+
+    manager = get_plugin_manager()
+    recipe_cls = import_recipe(manager.routes.get("finetune", "llm").recipe)
+    try:
+        cfg = build_config(with_recorded_base(load_yaml_file(config_file), adapter_dir), recipe_cls, manager.resolver(),
+                           source=str(config_file))
+    except ConfigError as err:
+        raise ConfigError([ConfigIssue(f"{config_file}: {issue.key}", issue.message, issue.suggestion)
+                           for issue in err.issues]) from None
+    recipe = recipe_cls(cfg)
+    ctx = recipe.build_context()
+    StatefulRNG(cfg.rng.seed, cfg.rng.ranked)  # seeded as training was, so a from_config base is identical
+    recipe.setup_domain()
+    with building_on_meta() as meta:  # built as training built it: the same base weights
+        base = recipe.build_model(ctx)
+    model, _ = add_lora(ctx, base)
+    if on_meta(model):  # the base from its files or the seeded module-by-module initialisation
+        materialize_model(replace(ctx, meta_build=meta), model)
+    load_adapter_weights(model, adapter_dir)
+    merged = model.merge_and_unload()
+    shutil.rmtree(out, ignore_errors=True)  # a consolidated adapter, read by now
+    merged.save_pretrained(str(out))
+    recipe.tokenizer.save_pretrained(str(out))

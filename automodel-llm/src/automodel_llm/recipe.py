@@ -10,27 +10,36 @@ from typing import Any
 
 import torch
 
-from automodel.config import Target
-from automodel.errors import AutomodelError
+from automodel.config import Config, ConfigNode, Target
+from automodel.errors import AutomodelError, ConfigIssue
 from automodel.hf import (
+    ADAPTER_CONFIG,
     EvalGenerationConfig,
+    align_special_tokens,
     check_vocab,
     exact_match,
-    is_adapter_dir,
-    load_adapter_weights,
-    load_tokenizer,
-    missing_local_path,
     model_source,
+    record_adapter_base,
 )
+from automodel.training.checkpoint_write import sharded_only_message
 from automodel.training.context import BuildContext
 from automodel.training.modules import unwrap
 from automodel.training.next_token import NextTokenLogits
 from automodel.training.recipe import TrainRecipe
 from automodel_llm.datasets.collate import pad_collate
 from automodel_llm.datasets.packing import PackedDataset, packed_collate
+from automodel_llm.tokenizer import VOCAB_PROBLEM, build_tokenizer, tokenizer_issues
 
 IGNORE_INDEX = -100
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
+DATASETS = tuple(f"automodel_llm.datasets.{name}" for name in (
+    "SquadDataset", "make_squad_dataset", "ColumnMappedTextInstructionDataset", "ChatDataset",
+    "PretrainingTextDataset", "MockDataset"))
+
+
+def dataset_section(help: str, required: bool = False) -> Target:
+    """A data set section: the recipe passes its tokenizer; the LLM data sets are documented with it."""
+    return Target(help, required=required, runtime_args=("tokenizer",), documented_targets=DATASETS)
 
 
 @dataclass
@@ -48,44 +57,29 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
     sections = {
         "tokenizer": Target("tokenizer (default: the model's): {pretrained_model_name_or_path: ...}", plain=True,
                             default_target="transformers.AutoTokenizer.from_pretrained"),
-        "dataset": Target("the training data set", required=True, runtime_args=("tokenizer",)),
-        "validation_dataset": Target("a validation data set", runtime_args=("tokenizer",)),
-        "validation_dataset_*": Target("more validation data sets, reported by name", runtime_args=("tokenizer",)),
+        "dataset": dataset_section("the training data set", required=True),
+        "validation_dataset": dataset_section("a validation data set"),
+        "validation_dataset_*": dataset_section("more validation data sets, reported by name"),
         "packed_sequence": PackedSequenceConfig,
         "eval_generation": EvalGenerationConfig,
     }
 
     # ---- building -------------------------------------------------------------------------------------------
 
-    def _tokenizer_source(self) -> tuple[str | None, str]:
-        found = model_source(self.cfg.model)
-        if found is not None:
-            value, key = found
-            return (str(Path(value).parent) if Path(value).is_file() else value), key
-        dataset = self.cfg.dataset
-        if isinstance(dataset.get("tokenizer_name_or_path"), str):
-            return dataset["tokenizer_name_or_path"], "dataset.tokenizer_name_or_path"
-        return None, "tokenizer"
+    @classmethod
+    def check_config(cls, cfg: Config) -> list[ConfigIssue]:
+        return list(super().check_config(cfg)) + tokenizer_issues(cfg)
 
     def setup_domain(self) -> None:
         import transformers
 
         transformers.utils.logging.disable_progress_bar()  # our own progress bar is the one to watch
-        node = self.cfg.tokenizer
-        if node is not None:
-            source = node.get("pretrained_model_name_or_path")
-            if node.target is None and missing_local_path(source):
-                raise AutomodelError(f"tokenizer.pretrained_model_name_or_path: '{source}' does not exist")
-            self.tokenizer = node.instantiate(default_target="transformers.AutoTokenizer.from_pretrained")
-        else:
-            source, key = self._tokenizer_source()
-            if source is None:
-                raise AutomodelError("tokenizer: none found; add `tokenizer: {pretrained_model_name_or_path: ...}`")
-            self.tokenizer = load_tokenizer(source, key)
-        if self.tokenizer.pad_token_id is None and self.tokenizer.eos_token_id is not None:
-            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.tokenizer = build_tokenizer(self.cfg)
 
     def dataset_runtime_args(self, node: Any) -> dict[str, Any]:
+        return {"tokenizer": self.tokenizer}
+
+    def collate_runtime_args(self) -> dict[str, Any]:
         return {"tokenizer": self.tokenizer}
 
     @property
@@ -99,6 +93,8 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
         return packing.packed_sequence_size
 
     def build_dataset(self, ctx: BuildContext, node: Any) -> Any:
+        if node is not None and "tokenizer" in node:  # upstream's form of the run's tokenizer, built in setup_domain
+            node = ConfigNode({k: v for k, v in node.to_dict().items() if k != "tokenizer"}, node.key, node.resolver)
         dataset = super().build_dataset(ctx, node)
         if node is not None and node.key == "dataset" and self.pack_size:
             packing = self.cfg.packed_sequence
@@ -114,15 +110,18 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
 
     def setup(self) -> None:
         super().setup()
-        check_vocab(self.tokenizer, getattr(unwrap(self.model), "config", None),
-                    "tokenizer: {tokens} tokens but model.config.vocab_size is {vocab}; use the model's own "
-                    "tokenizer or resize the model's embeddings")
+        check_vocab(self.tokenizer, getattr(unwrap(self.model), "config", None), "tokenizer: " + VOCAB_PROBLEM)
+        changes = align_special_tokens(unwrap(self.model), self.tokenizer)
+        if changes:
+            self.log(f"special tokens: the model's {', '.join(changes)} (the tokenizer's, which training uses; "
+                     "saved in config.json and generation_config.json, so generate() stops at its EOS)")
 
-    def load_model_weights(self, model: torch.nn.Module, directory: Path) -> None:
-        if is_adapter_dir(directory):
-            load_adapter_weights(model, directory)
-        else:
-            super().load_model_weights(model, directory)
+    def save_artifacts(self, directory: Path) -> None:
+        """Also records, in a LoRA checkpoint's ``adapter_config.json``, the base as this run resolved it."""
+        super().save_artifacts(directory)
+        found = model_source(self.cfg.model)
+        if (directory / ADAPTER_CONFIG).is_file() and found is not None:
+            record_adapter_base(directory, found[0])  # the resolved base, for `automodel export` and peft
 
     # ---- the loss ---------------------------------------------------------------------------------------------
 
@@ -145,6 +144,8 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
     # ---- after training ------------------------------------------------------------------------------------
 
     def final_message(self, model_dir: Path) -> str:
+        if not model_dir.is_dir():
+            return sharded_only_message(model_dir.parent)
         if (model_dir / "adapter_config.json").is_file():
             return (f"Trained LoRA adapter in {model_dir}: load it with peft.PeftModel.from_pretrained(base_model, "
                     f"'{model_dir}'), or merge it with `automodel export {model_dir.parent} merged/`")
@@ -161,15 +162,17 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
     def on_train_end(self, final_checkpoint: Path | None) -> None:
         settings = self.cfg.eval_generation
         pairs = self._generation_pairs()
-        if settings is not None and settings.enabled and pairs and self.is_main_process and \
+        collective = self.forwards_are_collective  # FSDP2: every rank generates the same answers together
+        if settings is not None and settings.enabled and pairs and (self.is_main_process or collective) and \
                 "eval_generation" in self.cfg:
             pairs = pairs[: settings.num_examples] if settings.num_examples else pairs
-            score, results = exact_match(unwrap(self.model), self.tokenizer, pairs, settings.max_new_tokens,
-                                         self.device)
+            with self.forward_context():
+                score, results = exact_match(unwrap(self.model), self.tokenizer, pairs, settings.max_new_tokens,
+                                             self.device, synced=collective)
             for prompt, expected, got in results[: settings.num_shown]:
                 self.log(f"  Q: {prompt}\n     expected: {expected!r}  model: {got!r}")
             self.log(f"exact match on {len(results)} validation questions: {score:.3f}")
-            if final_checkpoint is not None:
+            if final_checkpoint is not None and self.is_main_process:
                 record = {"step": self.step_scheduler.step, "exact_match": score, "num_questions": len(results)}
                 with open(Path(self.cfg.checkpoint.checkpoint_dir) / "eval_generation.json", "w") as f:
                     json.dump(record, f)

@@ -15,6 +15,7 @@ import torch
 
 from automodel.data import BadRows, OnBadRow, load_rows
 from automodel.errors import AutomodelError
+from automodel_retrieval.negatives import text_key
 
 
 def doc_text(value: Any, key: str = "document") -> str:
@@ -145,7 +146,8 @@ def tokenize(tokenizer: Any, texts: list[str], max_length: int, pairs: list[str]
 
 class BiEncoderCollator:
     """Tokenizes a batch's queries and documents: every positive first (query i's is document i), then every
-    hard negative. ``exclude`` [B, D] marks the other copies of each query's positives."""
+    hard negative. ``document_keys`` [D] and ``positive_keys`` [B, P] identify the documents by their text (see
+    negatives.py), so that no copy of a query's positive counts as its negative."""
 
     def __init__(self, tokenizer: Any, query_max_length: int = 64, document_max_length: int = 128,
                  query_prefix: str = "", document_prefix: str = "", pad_to_multiple_of: int | None = None):
@@ -164,15 +166,14 @@ class BiEncoderCollator:
 
     def __call__(self, items: list[dict[str, Any]]) -> dict[str, Any]:
         documents = [item["positive"] for item in items] + [n for item in items for n in item["negatives"]]
-        exclude = torch.zeros(len(items), len(documents), dtype=torch.bool)
-        for i, item in enumerate(items):
-            positives = set(item["positives"])
-            for j, text in enumerate(documents):
-                if j != i and text in positives:
-                    exclude[i, j] = True
+        width = max(len(item["positives"]) for item in items)
+        positive_keys = [[text_key(p) for p in item["positives"]] for item in items]
+        positive_keys = [keys + [keys[0]] * (width - len(keys)) for keys in positive_keys]
         return {"query": self.encode_queries([item["query"] for item in items]),
                 "document": self.encode_documents(documents),
-                "labels": torch.arange(len(items)), "exclude": exclude}
+                "labels": torch.arange(len(items)),
+                "document_keys": torch.tensor([text_key(d) for d in documents], dtype=torch.long),
+                "positive_keys": torch.tensor(positive_keys, dtype=torch.long)}
 
 
 class CrossEncoderCollator:

@@ -176,7 +176,7 @@ class MineHardNegativesRecipe(BaseRecipe):
         import transformers
 
         from automodel_retrieval.data import BiEncoderCollator, load_corpus, load_rows, row_negatives, row_positives
-        from automodel_retrieval.models import QUERY_DIR, BiEncoder, read_bi_encoder_config, resolve_model_dir
+        from automodel_retrieval.models import BiEncoder, encoder_dir, resolve_model_dir
 
         m = self.mining = self.cfg.mining
         if "dist_env" in self.cfg:
@@ -187,7 +187,6 @@ class MineHardNegativesRecipe(BaseRecipe):
         else:
             self.device = torch.device(m.device)
         model_dir = resolve_model_dir(m.model)
-        saved = read_bi_encoder_config(model_dir)
         try:
             model = BiEncoder.from_pretrained(str(model_dir), pooling=m.pooling)
         except AutomodelError as err:
@@ -197,19 +196,18 @@ class MineHardNegativesRecipe(BaseRecipe):
                                  f"failed ({err}); train a bi-encoder first (automodel finetune retrieval -c ...) and "
                                  "point mining.model at its checkpoint_dir") from None
         self.model = model.to(self.device).eval()
-        source = m.tokenizer or str(model_dir / QUERY_DIR if (model_dir / QUERY_DIR).is_dir() else model_dir)
+        source = m.tokenizer or str(encoder_dir(model_dir))
         try:
             self.tokenizer = transformers.AutoTokenizer.from_pretrained(source)
         except (OSError, ValueError) as err:
             raise AutomodelError(f"mining.tokenizer: cannot load a tokenizer from '{source}': {err}") from None
 
-        def pick(name: str, default: Any) -> Any:
+        def pick(name: str) -> Any:  # the mining section's, else the model's own (or the default)
             value = getattr(m, name)
-            return value if value is not None else saved.get(name, default)
+            return value if value is not None else model.input_setting(name)
 
-        self.collator = BiEncoderCollator(self.tokenizer, pick("query_max_length", 64),
-                                          pick("document_max_length", 128), pick("query_prefix", ""),
-                                          pick("document_prefix", ""))
+        self.collator = BiEncoderCollator(self.tokenizer, pick("query_max_length"), pick("document_max_length"),
+                                          pick("query_prefix"), pick("document_prefix"))
         rows = load_rows(m.data, m.split, "mining.data")
         if "query" not in rows.column_names:
             raise AutomodelError(f"mining.data: '{m.data}' has no 'query' column (found: "
@@ -235,13 +233,13 @@ class MineHardNegativesRecipe(BaseRecipe):
 
     def embed(self, side: str, texts: list[str], desc: str) -> Any:
         import torch
-        from tqdm import tqdm
+
+        from automodel.training.progress import TaskProgress
 
         encode = self.collator.encode_queries if side == "query" else self.collator.encode_documents
         size = getattr(self.mining, f"{side}_embedding_batch_size") or self.mining.batch_size
         out = []
-        with torch.no_grad(), tqdm(total=len(texts), desc=desc, unit="text", file=sys.stderr,
-                                   dynamic_ncols=True) as bar:
+        with torch.no_grad(), TaskProgress(len(texts), desc, unit="text") as bar:
             for i in range(0, len(texts), size):
                 inputs = {k: v.to(self.device) for k, v in encode(texts[i: i + size]).items()}
                 out.append(self.model.encode(side, inputs).float())
@@ -250,7 +248,8 @@ class MineHardNegativesRecipe(BaseRecipe):
 
     def run_train_validation_loop(self) -> None:
         import torch
-        from tqdm import tqdm
+
+        from automodel.training.progress import TaskProgress
 
         m = self.mining
         index = {text: i for i, text in enumerate(self.corpus)}
@@ -268,8 +267,7 @@ class MineHardNegativesRecipe(BaseRecipe):
         lowest = torch.tensor([min(s) for s in positive_scores], dtype=torch.float64, device=self.device)
         thresholds = margin_thresholds(lowest, m.margin_type, m.margin)
         excluded = [{index[p] for p in row["positives"] if p in index} for row in self.rows]
-        with tqdm(total=len(self.rows) * len(self.corpus), desc="search", unit="pair", unit_scale=True,
-                  file=sys.stderr, dynamic_ncols=True) as bar:
+        with TaskProgress(len(self.rows) * len(self.corpus), "search", unit="pair", unit_scale=True) as bar:
             ids, scores = top_k_negatives(queries, corpus, excluded, thresholds, m.num_negatives, m.chunk_size,
                                           m.query_batch_size, bar)
         output = Path(m.output)

@@ -11,6 +11,10 @@ Checkpoint layout of a bi-encoder (``save_pretrained(directory)``), each encoder
     directory/                         shared: true (one encoder for both sides)
       bi_encoder_config.json  config.json  model.safetensors  tokenizer files
 
+Each encoder directory is also a sentence-transformers model (``modules.json``, pooling, ``Normalize``; see
+st_format.py), and ``from_pretrained`` reads a sentence-transformers directory's pooling, normalisation,
+``max_seq_length`` and prompts.
+
 transformers is imported inside the functions, so importing this module for config validation stays light.
 """
 
@@ -29,11 +33,14 @@ from torch import nn
 
 from automodel.errors import AutomodelError
 from automodel.model_files import has_weights, parse_dtype, pop_hub_arguments
+from automodel_retrieval.st_format import STSettings, is_st_dir, read_st_dir, write_st_dir
 
 POOLINGS = ("mean", "cls", "last")
 CONFIG_NAME = "bi_encoder_config.json"
 QUERY_DIR, DOCUMENT_DIR = "query_encoder", "document_encoder"
 _ENCODER_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "position_ids")
+# How texts become encoder inputs, when neither the config nor the model's source says otherwise.
+DEFAULT_INPUTS = {"query_max_length": 64, "document_max_length": 128, "query_prefix": "", "document_prefix": ""}
 
 
 # ---- pooling ----------------------------------------------------------------------------------------------
@@ -118,16 +125,28 @@ def _encoder_from_config(config: Any, seed: int | None, attn_implementation: str
         return AutoModel.from_config(hf_config, **kwargs)
 
 
-def _encoder_from_pretrained(path: str | Path, dtype: Any = None, **kwargs: Any) -> Any:
+def _encoder_from_pretrained(path: str | Path, dtype: Any = None, **kwargs: Any) -> tuple[Any, STSettings | None]:
+    """An encoder and, when ``path`` is a sentence-transformers directory, what that directory says."""
     from transformers import AutoModel
 
     local = Path(str(path))
+    st = read_st_dir(local) if is_st_dir(local) else None
+    if st is not None:
+        local = path = st.encoder_dir
     if local.is_dir() and (local / "config.json").is_file() and not has_weights(local):
-        return _encoder_from_config(local / "config.json", None, kwargs.pop("attn_implementation", None))
+        return _encoder_from_config(local / "config.json", None, kwargs.pop("attn_implementation", None)), st
     try:
-        return AutoModel.from_pretrained(str(path), dtype=parse_dtype(dtype), **kwargs)
+        return AutoModel.from_pretrained(str(path), dtype=parse_dtype(dtype), **kwargs), st
     except OSError as err:
         raise AutomodelError(f"model: cannot load an encoder from '{path}': {err}") from None
+
+
+def encoder_dir(path: str | Path) -> Path:
+    """Where the Hugging Face encoder of ``path`` lies (the query encoder's, for two encoders)."""
+    directory = resolve_model_dir(path)
+    if (directory / QUERY_DIR).is_dir():
+        directory = directory / QUERY_DIR
+    return read_st_dir(directory).encoder_dir if is_st_dir(directory) else directory
 
 
 def read_bi_encoder_config(directory: str | Path) -> dict[str, Any]:
@@ -136,17 +155,39 @@ def read_bi_encoder_config(directory: str | Path) -> dict[str, Any]:
     return json.loads(file.read_text(encoding="utf-8")) if file.is_file() else {}
 
 
+def _st_inputs(st: STSettings | None, sides: tuple[str, ...]) -> dict[str, Any]:
+    """Bi-encoder settings from a sentence-transformers directory, for the side(s) it encodes."""
+    if st is None:
+        return {}
+    found: dict[str, Any] = {"pooling": st.pooling, "normalize": st.normalize}
+    for side in sides:
+        prompt = st.prompts.get(side, st.prompts.get("passage") if side == "document" else None)
+        found.update({f"{side}_max_length": st.max_seq_length, f"{side}_prefix": prompt})
+    return {k: v for k, v in found.items() if v is not None}
+
+
+def _merge_sides(query: dict[str, Any], document: dict[str, Any], where: str) -> dict[str, Any]:
+    for key in ("pooling", "normalize"):
+        if key in query and key in document and query[key] != document[key]:
+            raise AutomodelError(f"model: the query and document encoders of '{where}' disagree on {key} "
+                                 f"({query[key]!r} vs {document[key]!r}); set model.{key}")
+    return {**document, **query}
+
+
 # ---- the bi-encoder -----------------------------------------------------------------------------------------
 
 class BiEncoder(nn.Module):
     """A query encoder and a document encoder (one module when ``shared``), pooled and optionally L2-normalised.
 
     ``forward(query=..., document=...)`` takes the tokenizer's outputs for each side and returns their
-    embeddings ``(query [Bq, H], document [Bd, H])`` (either may be None).
+    embeddings ``(query [Bq, H], document [Bd, H])`` (either may be None). ``input_settings`` holds what the
+    model's source said about its inputs (``query_max_length``, ``document_prefix``, ...: a sentence-transformers
+    directory's ``max_seq_length`` and prompts, or a saved bi-encoder's settings); the recipe's ``retrieval``
+    section overrides them.
     """
 
     def __init__(self, query_encoder: nn.Module, document_encoder: nn.Module | None = None, pooling: str = "mean",
-                 normalize: bool = True):
+                 normalize: bool = True, input_settings: dict[str, Any] | None = None):
         super().__init__()
         self.query_encoder = query_encoder
         self.shared = document_encoder is None or document_encoder is query_encoder
@@ -154,6 +195,7 @@ class BiEncoder(nn.Module):
             self.document_encoder = document_encoder
         self.pooling = _check_pooling(pooling)
         self.normalize = normalize
+        self.input_settings = {k: v for k, v in (input_settings or {}).items() if k in DEFAULT_INPUTS}
         for encoder in {id(m): m for m in (query_encoder, document_encoder) if m is not None}.values():
             # The encoder's own pooler (BERT's tanh head) plays no part in the embedding: frozen, so that the
             # optimizer skips it and DDP does not wait for gradients that never come. It is still saved, so the
@@ -161,6 +203,11 @@ class BiEncoder(nn.Module):
             head = getattr(encoder, "pooler", None)
             if isinstance(head, nn.Module):
                 head.requires_grad_(False)
+
+    def input_setting(self, name: str) -> Any:
+        """``query_max_length`` / ``document_max_length`` / ``query_prefix`` / ``document_prefix``: the source's
+        value, else the default."""
+        return self.input_settings.get(name, DEFAULT_INPUTS[name])
 
     def encoder(self, side: str) -> nn.Module:
         if side not in ("query", "document"):
@@ -197,60 +244,81 @@ class BiEncoder(nn.Module):
                         shared: bool | None = None, pooling: str | None = None, normalize: bool | None = None,
                         dtype: Any = None, **kwargs: Any) -> BiEncoder:
         """Load a bi-encoder saved by this package (a model directory, a checkpoint, or a run's checkpoint_dir),
-        or start one from a plain encoder (a hub name or directory loadable with ``AutoModel``).
+        or start one from a sentence-transformers model or a plain encoder (a hub name or directory loadable with
+        ``AutoModel``).
 
-        ``query_encoder`` / ``document_encoder`` name the two sides' encoders separately instead.
+        ``query_encoder`` / ``document_encoder`` name the two sides' encoders separately instead. ``pooling`` and
+        ``normalize`` left unset keep the saved model's (a sentence-transformers directory's), else mean and true.
         """
         path = pretrained_model_name_or_path or name_or_path
         if query_encoder is not None or document_encoder is not None:
             if query_encoder is None:
                 raise AutomodelError("model.query_encoder: missing (document_encoder is set)")
-            query = _encoder_from_pretrained(query_encoder, dtype, **kwargs)
-            document = _encoder_from_pretrained(document_encoder, dtype, **kwargs) if document_encoder else None
+            query, query_st = _encoder_from_pretrained(query_encoder, dtype, **kwargs)
+            document, document_st = _encoder_from_pretrained(document_encoder, dtype, **kwargs) \
+                if document_encoder else (None, None)
+            found = _merge_sides(_st_inputs(query_st, ("query",) if document_encoder else ("query", "document")),
+                                 _st_inputs(document_st, ("document",)), "model")
             if document is None and not shared:
                 document = copy.deepcopy(query)
-            return cls(query, document, pooling or "mean", True if normalize is None else normalize)
+            return cls._assemble(query, document, found, pooling, normalize)
         if not path:
             raise AutomodelError("model.pretrained_model_name_or_path: missing (a bi-encoder checkpoint, or an "
                                  "encoder's hub name or directory)")
         directory = resolve_model_dir(path)
         saved = read_bi_encoder_config(directory)
-        pooling = pooling or saved.get("pooling", "mean")
-        normalize = saved.get("normalize", True) if normalize is None else normalize
         if (directory / QUERY_DIR).is_dir():
-            query = _encoder_from_pretrained(directory / saved.get("query_encoder", QUERY_DIR), dtype, **kwargs)
-            document = _encoder_from_pretrained(directory / saved.get("document_encoder", DOCUMENT_DIR), dtype,
-                                                **kwargs)
             if shared:
                 raise AutomodelError(f"model.shared: '{directory}' holds two separate encoders; drop shared: true "
                                      "or point at one of them")
-            return cls(query, document, pooling, normalize)
-        encoder = _encoder_from_pretrained(directory if directory.exists() else path, dtype, **kwargs)
+            query, query_st = _encoder_from_pretrained(directory / saved.get("query_encoder", QUERY_DIR), dtype,
+                                                       **kwargs)
+            document, document_st = _encoder_from_pretrained(
+                directory / saved.get("document_encoder", DOCUMENT_DIR), dtype, **kwargs)
+            found = _merge_sides(_st_inputs(query_st, ("query",)), _st_inputs(document_st, ("document",)),
+                                 str(directory))
+            return cls._assemble(query, document, {**found, **saved}, pooling, normalize)
+        encoder, st = _encoder_from_pretrained(directory if directory.exists() else path, dtype, **kwargs)
         shared = saved.get("shared", False) if shared is None else shared
-        return cls(encoder, None if shared else copy.deepcopy(encoder), pooling, normalize)
+        found = {**_st_inputs(st, ("query", "document")), **saved}
+        return cls._assemble(encoder, None if shared else copy.deepcopy(encoder), found, pooling, normalize)
+
+    @classmethod
+    def _assemble(cls, query: nn.Module, document: nn.Module | None, found: dict[str, Any], pooling: str | None,
+                  normalize: bool | None) -> BiEncoder:
+        """The bi-encoder from its encoders: the arguments win over what the source said (``found``)."""
+        return cls(query, document, pooling or found.get("pooling", "mean"),
+                   found.get("normalize", True) if normalize is None else normalize, found)
 
     # ---- saving and loading -------------------------------------------------------------------------------
 
     def settings(self) -> dict[str, Any]:
         layout = {} if self.shared else {"query_encoder": QUERY_DIR, "document_encoder": DOCUMENT_DIR}
-        return {"shared": self.shared, "pooling": self.pooling, "normalize": self.normalize, **layout}
+        inputs = {name: self.input_setting(name) for name in DEFAULT_INPUTS}
+        return {"shared": self.shared, "pooling": self.pooling, "normalize": self.normalize, **inputs, **layout}
 
     def save_pretrained(self, directory: str | Path, state_dict: dict[str, torch.Tensor] | None = None,
                         tokenizer: Any = None, extra: dict[str, Any] | None = None, **kwargs: Any) -> None:
         """HF layout (see the module docstring); ``state_dict`` (the whole model's, e.g. gathered from FSDP2
-        ranks) is split between the encoders; ``extra`` settings are recorded in bi_encoder_config.json."""
+        ranks) is split between the encoders; ``extra`` settings (the recipe's max lengths and prefixes) are
+        recorded in bi_encoder_config.json and the sentence-transformers files."""
         directory = Path(str(directory))
         directory.mkdir(parents=True, exist_ok=True)
-        targets = [(self.query_encoder, directory, "query_encoder.")] if self.shared else [
-            (self.query_encoder, directory / QUERY_DIR, "query_encoder."),
-            (self.document_encoder, directory / DOCUMENT_DIR, "document_encoder.")]
-        for encoder, where, prefix in targets:
+        settings = {**self.settings(), **(extra or {})}
+        targets = [(self.query_encoder, directory, "query_encoder.", ("query", "document"))] if self.shared else [
+            (self.query_encoder, directory / QUERY_DIR, "query_encoder.", ("query",)),
+            (self.document_encoder, directory / DOCUMENT_DIR, "document_encoder.", ("document",))]
+        for encoder, where, prefix, sides in targets:
             part = None if state_dict is None else {
                 k.removeprefix(prefix): v for k, v in state_dict.items() if k.startswith(prefix)}
             encoder.save_pretrained(str(where), state_dict=part, **kwargs)
             if tokenizer is not None:
                 tokenizer.save_pretrained(str(where))
-        settings = {**self.settings(), **(extra or {})}
+            write_st_dir(where, pooling=self.pooling, normalize=self.normalize,
+                         embedding_dimension=encoder.config.hidden_size,
+                         max_seq_length=max(settings[f"{side}_max_length"] for side in sides),
+                         prompts={side: settings[f"{side}_prefix"] for side in sides},
+                         default_prompt_name=None if self.shared else sides[0])
         (directory / CONFIG_NAME).write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
 
     def load_weights(self, directory: str | Path) -> None:

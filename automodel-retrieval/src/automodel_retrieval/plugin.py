@@ -34,6 +34,11 @@ _UNSUPPORTED = {
         "image-and-text (multimodal) retrieval is not implemented; give a text tokenizer "
         "(NeMoAutoTokenizer.from_pretrained or transformers.AutoTokenizer.from_pretrained)",
 }
+_UPSTREAM_RECIPES = {"TrainBiEncoderRecipe": ("finetune", "retrieval"),
+                     "TrainCrossEncoderRecipe": ("finetune", "cross-encoder"),
+                     "MineHardNegativesRecipe": ("mine", "retrieval")}
+_UPSTREAM_MODULES = {"TrainBiEncoderRecipe": "train_bi_encoder", "TrainCrossEncoderRecipe": "train_cross_encoder",
+                     "MineHardNegativesRecipe": "mine_hard_negatives"}
 
 
 @hookimpl
@@ -49,17 +54,16 @@ def automodel_register_routes(routes) -> None:
 @hookimpl
 def automodel_register_aliases(aliases) -> None:
     aliases.domain("bi-encoder", "retrieval")
+    # Upstream's recipe class names (a config's `recipe:`), by bare name and by path.
+    for name, route in _UPSTREAM_RECIPES.items():
+        aliases.recipe(name, *route)
+        aliases.recipe(f"nemo_automodel.recipes.retrieval.{_UPSTREAM_MODULES[name]}.{name}", *route)
     aliases.target("BiEncoder", "automodel_retrieval.models.BiEncoder.from_pretrained")
     aliases.target("CrossEncoder", "automodel_retrieval.models.CrossEncoder.from_pretrained")
     aliases.target("RetrievalDataset", "automodel_retrieval.data.RetrievalDataset")
     aliases.target("InfoNCELoss", "automodel_retrieval.losses.InfoNCELoss")
     aliases.target("ListwiseCrossEntropy", "automodel_retrieval.losses.ListwiseCrossEntropy")
     # Upstream (NeMo AutoModel) names, on this package's models, data and collators (automodel_retrieval.upstream).
-    aliases.target("TrainBiEncoderRecipe", _BI)
-    aliases.target("nemo_automodel.recipes.retrieval.train_bi_encoder.TrainBiEncoderRecipe", _BI)
-    aliases.target("TrainCrossEncoderRecipe", _CROSS)
-    aliases.target("nemo_automodel.recipes.retrieval.mine_hard_negatives.MineHardNegativesRecipe", _MINE)
-    aliases.target("nemo_automodel.recipes.retrieval.train_cross_encoder.TrainCrossEncoderRecipe", _CROSS)
     for name, ours in _UPSTREAM.items():
         aliases.target(name, f"automodel_retrieval.upstream.{ours}")
     for name, reason in _UNSUPPORTED.items():

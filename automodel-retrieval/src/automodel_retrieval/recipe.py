@@ -15,12 +15,14 @@ import torch
 from automodel.config import Config, ConfigNode, FieldErrors, Free, Target, require_positive
 from automodel.errors import AutomodelError, ConfigIssue
 from automodel.hf import check_vocab, model_source
+from automodel.training.context import BuildContext
 from automodel.training.modules import unwrap
 from automodel.training.recipe import TrainRecipe
 from automodel_retrieval import upstream
 from automodel_retrieval.data import BiEncoderCollator, CrossEncoderCollator
 from automodel_retrieval.metrics import group_metrics, ranking_metrics
-from automodel_retrieval.models import POOLINGS, QUERY_DIR, BiEncoder, resolve_model_dir
+from automodel_retrieval.models import DEFAULT_INPUTS, POOLINGS, BiEncoder, encoder_dir
+from automodel_retrieval.negatives import exclusions, gather_documents
 
 DATASET = "automodel_retrieval.data.RetrievalDataset"
 
@@ -45,12 +47,20 @@ def _loss_section(help: str, target: str) -> Target:
     return Target(help, plain=True, default_target=target, default={})
 
 
+_FROM_MODEL = ("; unset: the model's own (a sentence-transformers model's {}, a trained bi-encoder's setting), "
+               "else {!r}")
+
+
 @dataclass
 class BiEncoderSettings:
-    query_max_length: int = field(default=64, metadata={"help": "tokens per query (longer ones are truncated)"})
-    document_max_length: int = field(default=128, metadata={"help": "tokens per document"})
-    query_prefix: str = field(default="", metadata={"help": "text put before every query (e.g. 'query: ')"})
-    document_prefix: str = field(default="", metadata={"help": "text put before every document (e.g. 'passage: ')"})
+    query_max_length: int | None = field(default=None, metadata={
+        "help": "tokens per query (longer ones are truncated)" + _FROM_MODEL.format("max_seq_length", 64)})
+    document_max_length: int | None = field(default=None, metadata={
+        "help": "tokens per document" + _FROM_MODEL.format("max_seq_length", 128)})
+    query_prefix: str | None = field(default=None, metadata={
+        "help": "text put before every query (e.g. 'query: ')" + _FROM_MODEL.format("'query' prompt", "")})
+    document_prefix: str | None = field(default=None, metadata={
+        "help": "text put before every document (e.g. 'passage: ')" + _FROM_MODEL.format("'document' prompt", "")})
     recall_at: list[int] = field(default_factory=lambda: [1, 5, 10],
                                  metadata={"help": "validation reports recall@k for each k"})
     eval_batch_size: int = field(default=64, metadata={"help": "texts per forward pass when validation embeds "
@@ -128,14 +138,13 @@ class _RetrievalRecipe(TrainRecipe):
     def configured_collator(self) -> Any:
         """The collator upstream's collate_fn node describes (None when the config names none): it also collates
         validation, as training does."""
-        from automodel.training.builders import collate_callable
+        from automodel.training.builders import configured_collate
 
         loader = self.cfg.get("dataloader")
         node = loader.get("collate_fn") if isinstance(loader, ConfigNode) else None
         if _expanded(self.cfg, node) not in UPSTREAM_COLLATORS:
             return None
-        kwargs = {k: v for k, v in node.to_dict().items() if k != "_target_"}
-        return collate_callable(self.cfg.resolver.resolve(node.target), kwargs, self.collate_runtime_args())
+        return configured_collate(node.to_dict(), self.cfg.resolver, node.key, self.collate_runtime_args())
 
     def build_loss_fn(self, ctx: Any) -> torch.nn.Module:
         """``loss_fn``, with the temperature upstream puts elsewhere (see ``upstream_temperature``)."""
@@ -152,11 +161,8 @@ class _RetrievalRecipe(TrainRecipe):
                                               "config"))
         if found is None:
             return None
-        path = resolve_model_dir(found[0])
-        if path.is_file():
-            path = path.parent
-        if (path / QUERY_DIR).is_dir():
-            path = path / QUERY_DIR
+        path = Path(found[0])
+        path = encoder_dir(path.parent if path.is_file() else path)
         return str(path) if path.exists() else found[0]
 
     def setup_domain(self) -> None:
@@ -236,26 +242,44 @@ class BiEncoderRecipe(_RetrievalRecipe):
                                  collator.document_prefix, self.cfg.retrieval.recall_at,
                                  self.cfg.retrieval.eval_batch_size)
 
-    def default_collate_fn(self, train: bool = True) -> Any:
-        configured = self.configured_collator()
-        if configured is not None:
-            return configured
-        s = self.settings
-        return BiEncoderCollator(self.tokenizer, s.query_max_length, s.document_max_length, s.query_prefix,
-                                 s.document_prefix)
-
-    def setup(self) -> None:
-        super().setup()
+    def input_settings(self) -> dict[str, Any]:
+        """Max lengths and prefixes: upstream's configured collator's or the retrieval section's, else the model's
+        own (what its sentence-transformers directory or saved bi-encoder said), else the defaults."""
         model = unwrap(self.model)
         if not isinstance(model, BiEncoder):
             raise AutomodelError(f"model: the bi-encoder recipe needs an automodel_retrieval.BiEncoder, built "
                                  f"{type(model).__name__}; use automodel_retrieval.BiEncoder.from_config or "
                                  ".from_pretrained")
+        return {name: getattr(self.settings, name) if getattr(self.settings, name) is not None
+                else model.input_setting(name) for name in DEFAULT_INPUTS}
+
+    def default_collate_fn(self, train: bool = True) -> Any:
+        configured = self.configured_collator()
+        if configured is not None:
+            return configured
+        s = self.input_settings()
+        return BiEncoderCollator(self.tokenizer, s["query_max_length"], s["document_max_length"], s["query_prefix"],
+                                 s["document_prefix"])
+
+    def setup(self) -> None:
+        super().setup()
+        model = unwrap(self.model)
+        s = self.input_settings()
+        self.log(f"bi-encoder: pooling {model.pooling}, normalize {str(model.normalize).lower()}, max length "
+                 f"{s['query_max_length']} (queries) / {s['document_max_length']} (documents)")
         self._check_vocab([model.encoder("query"), model.encoder("document")])
 
     def compute_loss(self, model: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+        """InfoNCE of the micro-batch's queries against its documents, or, when training on several ranks,
+        against every rank's documents (negatives.py: gathered with their gradients)."""
         query, documents = model(query=batch["query"], document=batch["document"])
-        return self.loss_fn(query, documents, batch["labels"], batch.get("exclude"))
+        keys, labels = batch["document_keys"], batch["labels"]
+        padding = None
+        if self.world_size > 1 and torch.is_grad_enabled():
+            documents, keys, valid, offset = gather_documents(documents, keys)
+            labels, padding = labels + offset, ~valid
+        exclude = exclusions(keys, batch["positive_keys"], labels)
+        return self.loss_fn(query, documents, labels, exclude if padding is None else exclude | padding)
 
     # ---- validation: rank each query against the validation set's whole corpus -----------------------------
 
@@ -281,10 +305,8 @@ class BiEncoderRecipe(_RetrievalRecipe):
     # ---- weights --------------------------------------------------------------------------------------------
 
     def save_model(self, directory: Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
-        s = self.settings
-        extra = {"query_prefix": s.query_prefix, "document_prefix": s.document_prefix,
-                 "query_max_length": s.query_max_length, "document_max_length": s.document_max_length}
-        unwrap(self.model).save_pretrained(directory, state_dict=state_dict, tokenizer=self.tokenizer, extra=extra)
+        unwrap(self.model).save_pretrained(directory, state_dict=state_dict, tokenizer=self.tokenizer,
+                                           extra=self.input_settings())
 
     def load_model_weights(self, model: torch.nn.Module, directory: Path) -> None:
         unwrap(model).load_weights(directory)
@@ -294,13 +316,13 @@ class BiEncoderRecipe(_RetrievalRecipe):
             return
         model_dir = final_checkpoint / "model"
         if unwrap(self.model).shared:
-            how = f"transformers.AutoModel.from_pretrained('{model_dir}') (one encoder for queries and documents)"
+            how = f"sentence_transformers.SentenceTransformer('{model_dir}') (encode_query / encode_document)"
         else:
-            how = (f"transformers.AutoModel.from_pretrained('{model_dir / 'query_encoder'}') and "
-                   f"'{model_dir / 'document_encoder'}'")
-        self.log(f"Trained bi-encoder in {model_dir}: load it with {how}, or all of it with "
-                 f"automodel_retrieval.BiEncoder.from_pretrained('{model_dir}'); pooling: "
-                 f"{unwrap(self.model).pooling}")
+            how = (f"sentence_transformers.SentenceTransformer('{model_dir / 'query_encoder'}') for queries and "
+                   f"'{model_dir / 'document_encoder'}' for documents")
+        self.log(f"Trained bi-encoder in {model_dir}: load it with {how}, transformers.AutoModel (then pool: "
+                 f"{unwrap(self.model).pooling}), or all of it with automodel_retrieval.BiEncoder.from_pretrained("
+                 f"'{model_dir}')")
 
 
 class CrossEncoderRecipe(_RetrievalRecipe):
@@ -331,6 +353,23 @@ class CrossEncoderRecipe(_RetrievalRecipe):
         if _expanded(self.cfg, model) == self.upstream_model:
             return model.get("temperature")
         return None
+
+    def build_dataset(self, ctx: BuildContext, node: ConfigNode) -> Any:
+        """A data set whose queries all come without negatives is refused: each group would hold only its
+        positive, so the listwise loss is 0 (nothing trains) and accuracy and MRR are 1.0 whatever the model."""
+        dataset = super().build_dataset(ctx, node)
+        examples = getattr(dataset, "examples", None)
+        if examples and not any(example["negatives"] for example in examples):
+            source = node.get("path") or node.get("dataset_name") or "the data"
+            what = "nothing would train (the loss of a group of one document is 0)" if node.key == "dataset" \
+                else "accuracy and MRR would be 1.0 whatever the model (each query ranked against itself alone)"
+            if node.get("num_negatives") == 0:
+                raise AutomodelError(f"{node.key}.num_negatives: 0 leaves every query of '{source}' without "
+                                     f"negatives, so {what}; set it to 1 or more")
+            raise AutomodelError(f"{node.key}: no row of '{source}' has negatives, so {what}. A cross-encoder "
+                                 "ranks each positive against its negatives: add a 'negatives' list to the rows "
+                                 "(`automodel mine retrieval` mines them with a trained bi-encoder)")
+        return dataset
 
     def setup(self) -> None:
         super().setup()

@@ -100,7 +100,7 @@ def bi_encoder_from_pretrained(pretrained_model_name_or_path: str, pooling: str 
     if extract_submodel is None:
         return BiEncoder.from_pretrained(pretrained_model_name_or_path, shared=True, pooling=POOLINGS[pooling],
                                          normalize=l2_normalize, **kwargs)
-    encoder = _encoder_from_pretrained(pretrained_model_name_or_path, **kwargs)
+    encoder = _encoder_from_pretrained(pretrained_model_name_or_path, **kwargs)[0]
     for part in extract_submodel.split("."):
         encoder = getattr(encoder, part, None)
         if encoder is None:

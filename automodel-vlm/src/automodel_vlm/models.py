@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from automodel.errors import AutomodelError
+from automodel.model_backend import apply_backend, model_backend_issues
 from automodel.model_files import MODEL_KWARGS, fresh_model, pop_hub_arguments, pretrained_or_fresh
 
 _SUB_CONFIGS = ("vision_config", "text_config")
@@ -85,13 +86,17 @@ def load_config(config: Any, vision_config: Any = None, text_config: Any = None,
 
 
 class AutoModelForImageTextToText:
-    """Builds a ``transformers`` image-text-to-text model from a checkpoint or from a config."""
+    """Builds a ``transformers`` image-text-to-text model from a checkpoint or from a config; ``backend`` (upstream's
+    BackendConfig) selects the attention, see :mod:`automodel.model_backend`."""
+
+    automodel_config_issues = staticmethod(model_backend_issues)
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | None = None, *, name_or_path: str | None = None,
                         dtype: Any = None, torch_dtype: Any = None, **kwargs: Any) -> Any:
         import transformers
 
+        apply_backend(kwargs)
         return pretrained_or_fresh(transformers.AutoModelForImageTextToText,
                                    pretrained_model_name_or_path or name_or_path, dtype or torch_dtype,
                                    cls.from_config, kwargs, (OSError, ValueError),
@@ -103,6 +108,7 @@ class AutoModelForImageTextToText:
         """A randomly initialised model (``seed`` makes the initialisation reproducible)."""
         import transformers
 
+        apply_backend(kwargs)
         model_kwargs = {k: kwargs.pop(k) for k in MODEL_KWARGS if k in kwargs}
         hf_config = load_config(config, vision_config, text_config, **kwargs)
         try:
@@ -110,26 +116,3 @@ class AutoModelForImageTextToText:
                                dtype or torch_dtype, seed)
         except ValueError as err:
             raise AutomodelError(f"model.config: {err}") from None
-
-
-def checkpoint_key_mapping(model: Any) -> dict[str, str]:
-    """Saved-checkpoint key -> the model's own key.
-
-    transformers' ``save_pretrained`` writes some architectures (Llava among them) under their original hub names
-    (``language_model.model.layers...`` for ``model.language_model.layers...``); a restore into the live model
-    needs the way back. It is learnt by running transformers' own save-time renaming on placeholder tensors, so
-    it is the exact inverse of what the save did. Empty when there is no renaming (or it cannot be derived).
-    """
-    import torch
-
-    try:
-        from transformers.core_model_loading import revert_weight_conversion
-    except ImportError:
-        return {}
-    probes = {key: torch.empty(0) for key in model.state_dict()}
-    by_id = {id(t): key for key, t in probes.items()}
-    try:
-        reverted = revert_weight_conversion(model, dict(probes))
-    except Exception:  # noqa: BLE001 - a converting (not renaming) mapping: keys stay as they are
-        return {}
-    return {saved: by_id[id(t)] for saved, t in reverted.items() if id(t) in by_id and saved != by_id[id(t)]}

@@ -62,6 +62,8 @@ def automodel_register_routes(routes) -> None:
 @hookimpl
 def automodel_register_aliases(aliases) -> None:
     aliases.domain("vision-language", "vlm")
+    aliases.recipe("FinetuneRecipeForVLM", "finetune", "vlm")  # upstream's recipe class, by name and by path
+    aliases.recipe("nemo_automodel.recipes.vlm.finetune.FinetuneRecipeForVLM", "finetune", "vlm")
     aliases.target("AutoModelForImageTextToText", "automodel_vlm.AutoModelForImageTextToText.from_pretrained")
     aliases.target("ImageTextChatDataset", "automodel_vlm.datasets.ImageTextChatDataset")
     # Upstream (NeMo AutoModel) public paths, so its users' configs run unchanged.
@@ -69,12 +71,12 @@ def automodel_register_aliases(aliases) -> None:
                    "automodel_vlm.AutoModelForImageTextToText.from_pretrained")
     aliases.target("nemo_automodel.NeMoAutoModelForImageTextToText.from_config",
                    "automodel_vlm.AutoModelForImageTextToText.from_config")
-    aliases.target("nemo_automodel.recipes.vlm.finetune.FinetuneRecipeForVLM", _RECIPE)
-    aliases.target("FinetuneRecipeForVLM", _RECIPE)
     for name in ("make_medpix_dataset", "make_rdr_dataset", "make_cord_v2_dataset"):
         aliases.target(f"{_DATASETS}.{name}", f"automodel_vlm.datasets.{name}")
+    # upstream's collate functions, called with the samples and the processor: here the collator class the core
+    # builds once with the recipe's processor and the node's keys (max_length, drop_overlong)
     for name in ("default_collate_fn", "qwen2_5_collate_fn", "llava_onevision_collate_fn"):
-        aliases.target(f"{_COLLATE}.{name}", "automodel_vlm.datasets.collate.default_collate_fn")
+        aliases.target(f"{_COLLATE}.{name}", "automodel_vlm.datasets.collate.VLMCollator")
     for name, reason in UNSUPPORTED.items():
         aliases.unsupported(name, reason)
 

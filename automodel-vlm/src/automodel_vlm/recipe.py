@@ -10,14 +10,13 @@ import torch
 
 from automodel.config import Free, Target
 from automodel.errors import AutomodelError, ConfigIssue
-from automodel.hf import EvalGenerationConfig, check_vocab, is_adapter_dir, load_adapter_weights, model_source
-from automodel.training.checkpoint import load_safetensors_dir, load_weights_into
+from automodel.hf import EvalGenerationConfig, check_vocab, model_source
+from automodel.training.checkpoint_write import sharded_only_message
 from automodel.training.modules import unwrap
 from automodel.training.next_token import LABEL_POSITIONS, NextTokenLogits
 from automodel.training.recipe import TrainRecipe
 from automodel_vlm.datasets.collate import IGNORE_INDEX, VLMCollator, render
 from automodel_vlm.freeze import UpstreamFreezeConfig, VLMFreezeConfig
-from automodel_vlm.models import checkpoint_key_mapping
 from automodel_vlm.parts import base_model
 
 DATASET_ARGS = ("config_key",)
@@ -99,7 +98,8 @@ class FinetuneRecipeForVLM(NextTokenLogits, TrainRecipe):
         return VLMCollator(self.processor)
 
     def collate_runtime_args(self) -> dict[str, Any]:
-        return {"processor": self.processor}  # upstream passes its VLM collate functions the processor
+        # upstream calls its VLM collate functions with the processor (here: VLMCollator, see plugin.py)
+        return {"processor": self.processor}
 
     def setup(self) -> None:
         super().setup()
@@ -114,15 +114,6 @@ class FinetuneRecipeForVLM(NextTokenLogits, TrainRecipe):
         if image_id is not None and processor_id is not None and image_id != processor_id:
             raise AutomodelError(f"processor: its image token id is {processor_id} but the model's image_token_index "
                                  f"is {image_id}; the processor and model do not belong together")
-
-    def load_model_weights(self, model: torch.nn.Module, directory: Path) -> None:
-        if is_adapter_dir(directory):
-            load_adapter_weights(model, directory)
-            return
-        inner = unwrap(model)
-        mapping = checkpoint_key_mapping(inner)
-        state = {mapping.get(k, k): v for k, v in load_safetensors_dir(directory).items()}
-        load_weights_into(inner, state, directory)
 
     # ---- the loss ---------------------------------------------------------------------------------------------
 
@@ -157,8 +148,10 @@ class FinetuneRecipeForVLM(NextTokenLogits, TrainRecipe):
         inputs = self.processor(text=[prompt], return_tensors="pt", add_special_tokens=False, **kwargs)
         inputs = self.move_to_device(dict(inputs))
         tokenizer = self.processor.tokenizer
-        output = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
-                                pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        with self.forward_context():
+            output = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
+                                    pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                                    synced_gpus=self.forwards_are_collective)
         new = output[0, inputs["input_ids"].shape[1]:]
         return tokenizer.decode(new, skip_special_tokens=True).strip()
 
@@ -178,20 +171,23 @@ class FinetuneRecipeForVLM(NextTokenLogits, TrainRecipe):
     def on_train_end(self, final_checkpoint: Path | None) -> None:
         settings = self.cfg.eval_generation
         dataset = self._validation_set()
-        if settings is not None and settings.enabled and dataset is not None and self.is_main_process and \
-                "eval_generation" in self.cfg:
+        # FSDP2: every rank generates the same answers together (each forward gathers the sharded weights)
+        if settings is not None and settings.enabled and dataset is not None and \
+                (self.is_main_process or self.forwards_are_collective) and "eval_generation" in self.cfg:
             score, results = self.exact_match(dataset, settings.num_examples, settings.max_new_tokens)
             for prefix, expected, got in results[: settings.num_shown]:
                 question = " ".join(p.get("text", "") for p in prefix[-1]["content"] if p.get("type") == "text")
                 self.log(f"  Q: [image] {question}\n     expected: {expected!r}  model: {got!r}")
             self.log(f"exact match on {len(results)} validation questions: {score:.3f}")
-            if final_checkpoint is not None:
+            if final_checkpoint is not None and self.is_main_process:
                 record = {"step": self.step_scheduler.step, "exact_match": score, "num_questions": len(results)}
                 with open(Path(self.cfg.checkpoint.checkpoint_dir) / "eval_generation.json", "w") as f:
                     json.dump(record, f)
         if final_checkpoint is not None:
             model_dir = final_checkpoint / "model"
-            if (model_dir / "adapter_config.json").is_file():
+            if not model_dir.is_dir():
+                self.log(sharded_only_message(final_checkpoint))
+            elif (model_dir / "adapter_config.json").is_file():
                 self.log(f"Trained LoRA adapter in {model_dir}: load it with peft.PeftModel.from_pretrained("
                          f"base_model, '{model_dir}') and AutoProcessor.from_pretrained('{model_dir}')")
             else:

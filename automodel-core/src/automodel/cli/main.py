@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-import os
 import sys
 
 import click
 
 from automodel.cli.execute import OVERRIDE_SETTINGS
+from automodel.cli.launch import launch_params
 from automodel.cli.trust_options import trust_params
 from automodel.config.trust import set_command_line_trust
 from automodel.errors import AutomodelError, UsageError
+from automodel.noise import debug_enabled, filter_third_party_noise
 from automodel.plugins.manager import PluginManager, get_plugin_manager
 from automodel.suggest import did_you_mean
 
@@ -48,11 +49,7 @@ class RouteCommand(click.Command):
                 click.Option(["-c", "--config"], help="config YAML (a path, or a shipped example name)"),
                 click.Option(["--dry-run"], is_flag=True, help="validate and print the plan; build nothing heavy"),
                 click.Option(["--print-config"], is_flag=True, help="print the resolved config (secrets masked)"),
-                click.Option(["--nproc-per-node"], type=int, default=None, help="processes per node (torchrun)"),
-                click.Option(["--nnodes"], type=int, default=None, help="number of nodes (torchrun)"),
-                click.Option(["--node-rank"], type=int, default=None, help="this node's rank (torchrun)"),
-                click.Option(["--master-addr"], default=None, help="rendezvous address (torchrun)"),
-                click.Option(["--master-port"], type=int, default=None, help="rendezvous port (torchrun)"),
+                *launch_params(),
                 click.Option(["--slurm"], is_flag=True, help="write an sbatch script (slurm: section) and exit"),
                 *trust_params(),
             ],
@@ -171,7 +168,8 @@ def _warn_failed_plugins(argv: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    debug = os.environ.get("AUTOMODEL_DEBUG") == "1"
+    debug = debug_enabled()
+    filter_third_party_noise()
     set_command_line_trust(names=(), remote_code=False)  # each invocation's options decide afresh
     try:
         _warn_failed_plugins(argv)

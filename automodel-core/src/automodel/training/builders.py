@@ -16,7 +16,8 @@ import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import RandomSampler
 
-from automodel.config import ConfigNode, TargetError
+from automodel.config import BuildError, ConfigNode, TargetResolver
+from automodel.config.instantiate import build_value, callable_value
 from automodel.errors import AutomodelError, ConfigError, ConfigIssue
 from automodel.training.checkpoint import Checkpointer
 from automodel.training.context import BuildContext, accepted
@@ -99,34 +100,31 @@ class CheckedCollate:
                 "name one that accepts samples like these") from err
 
 
-def collate_callable(fn: Callable, kwargs: Mapping[str, Any], runtime: Mapping[str, Any]) -> Callable:
-    """A configured collate target as the loader's ``collate_fn`` (keys ending in ``_fn`` are passed, not called):
-    a class is built once with ``kwargs`` (a collator object); a function gets them bound. Either also gets the
-    recipe's ``runtime`` arguments it names in its signature (the processor, a tokenizer)."""
-    bound = {**accepted(fn, dict(runtime)), **kwargs}
-    if isinstance(fn, type):
-        return fn(**bound)
-    return functools.partial(fn, **bound) if bound else fn
+def configured_collate(value: Any, resolver: TargetResolver, key: str, collate_args: Mapping[str, Any]) -> Any:
+    """What a ``collate_fn`` value names, as a loader's collate function: the callable is passed, not called (a
+    ``functools.partial`` with the node's other keys); a collator class is built once with those keys and the
+    ``collate_args`` (the recipe's ``collate_runtime_args()``: its tokenizer or processor) its constructor names,
+    as upstream does."""
+    fn = callable_value(value, resolver, key)
+    cls = fn.func if isinstance(fn, functools.partial) else fn
+    if not isinstance(cls, type):
+        return fn
+    try:
+        return fn(**accepted(cls, dict(collate_args)))
+    except AutomodelError:
+        raise
+    except Exception as err:
+        raise BuildError(key, f"{cls.__module__}.{cls.__qualname__}", err) from err
 
 
 def _collate(ctx: BuildContext, node: ConfigNode, default: Callable | None) -> Any:
-    value = node.get("collate_fn")
+    """The loader's collate function: the recipe's default, or what ``collate_fn`` names (see
+    :func:`configured_collate`)."""
+    value = node.to_dict().get("collate_fn")
     if value is None:
         return None if default is None else CheckedCollate(default, f"{node.key} (the recipe's default collate_fn)")
     key = f"{node.key}.collate_fn"
-    name = value if isinstance(value, str) else value.target
-    kwargs = {} if isinstance(value, str) else {k: v for k, v in value.to_dict().items() if k != "_target_"}
-    try:
-        fn = ctx.cfg.resolver.resolve(name)
-    except TargetError as err:
-        raise ConfigError(ConfigIssue(key if isinstance(value, str) else f"{key}._target_", str(err),
-                                      err.suggestion)) from None
-    try:
-        return CheckedCollate(collate_callable(fn, kwargs, ctx.collate_args), key)
-    except AutomodelError:
-        raise
-    except (TypeError, ValueError) as err:
-        raise ConfigError(ConfigIssue(key, f"cannot build {name}: {err}")) from None
+    return CheckedCollate(configured_collate(value, ctx.cfg.resolver, key, ctx.collate_args), key)
 
 
 def _seeded(seed: int) -> torch.Generator:
@@ -138,14 +136,15 @@ def _seeded(seed: int) -> torch.Generator:
 def build_dataloader(ctx: BuildContext, dataset: Any, node: ConfigNode, train: bool,
                      default_collate: Callable | None) -> StatefulDataLoader:
     """A resumable loader over ``dataset`` as ``node`` (a dataloader section) says; shuffled with a seeded generator
-    for training; under torchrun each rank reads its own shard. ``default_collate`` is the recipe's."""
-    settings = {k: v for k, v in node.to_dict().items() if k not in ("_target_", "collate_fn")}
+    for training; under torchrun each data-parallel rank reads its own shard. ``default_collate`` is the recipe's."""
+    settings = {k: build_value(v, ctx.cfg.resolver, f"{node.key}.{k}") for k, v in node.to_dict().items()
+                if k not in ("_target_", "collate_fn")}
     settings.setdefault("batch_size", ctx.batch.micro_batch_size)
     shuffle = settings.pop("shuffle", train)
     if not torch.cuda.is_available():
         settings["pin_memory"] = False  # pinning needs an accelerator; accepted and ignored on CPU
     generator = _seeded(ctx.seed)
-    sampler = distributed_sampler(dataset, shuffle, ctx.seed)
+    sampler = distributed_sampler(dataset, shuffle, ctx.seed, ctx.mesh.dp, ctx.mesh.dp_rank(ctx.rank))
     if sampler is None and shuffle and not isinstance(dataset, torch.utils.data.IterableDataset):
         # The shuffling sampler gets the seeded generator to itself: the loader also draws each epoch's worker
         # base seed from its own `generator`, a draw a restored StatefulDataLoader does not replay, so sharing

@@ -1,35 +1,38 @@
-"""Checkpoints as DESIGN §10 lays them out, written aside and renamed so only complete ones ever appear.
+"""The checkpoint directory (DESIGN §10): one run at a time, checkpoints that appear only complete, ``LATEST``.
 
 ```
-<checkpoint_dir>/epoch_<E>_step_<S>/{model/, optim/, rng/, dataloader/, trainer_state.json, config.yaml}
-<checkpoint_dir>/LATEST      # name of the newest complete checkpoint, replaced atomically, written last
+<checkpoint_dir>/.lock        the run holding the directory (flock; pid and host inside)
+<checkpoint_dir>/LATEST       the newest complete checkpoint's name, replaced atomically, written last
+<checkpoint_dir>/epoch_<E>_step_<S>/   written as .incomplete-epoch_<E>_step_<S>, fsynced, then renamed
 ```
-Weights are safetensors; everything else is loaded back with ``torch.load(weights_only=True)``.
+What a checkpoint holds is written by ``checkpoint_write``; this module names, publishes, retires and finds them.
+Re-saving a step that exists swaps the two directories in one rename, so ``LATEST`` never names a missing or
+partial directory. ``LATEST`` and ``trainer_state.json`` are untrusted input: a name that is not a direct child, a
+number out of range or a damaged file is refused with the file and what to do.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
 import threading
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from automodel.errors import AutomodelError
+from automodel.training.durable import RunLock, exchange, fsync_file, fsync_tree, write_atomic
+from automodel.training.parallel.shard_files import mismatch_report
 from automodel.training.sections import CheckpointConfig
 
 LATEST = "LATEST"
-_NAME = re.compile(r"^epoch_(\d+)_step_(\d+)$")
-_STAGING = ".incomplete-"
-
-# Where each tracked attribute goes; anything else tracked lands in extra/<name>.pt.
-_ROLE_DIRS = {"optimizer": "optim", "lr_scheduler": "optim", "rng": "rng", "dataloader": "dataloader"}
+STAGING = ".incomplete-"
+MAX_STEP = 10**12  # far beyond any run; a larger number in a checkpoint is damage, not progress
+# what to do about a checkpoint that cannot be resumed
+RESUME_ELSEWHERE = ("resume from another checkpoint (--restore_from.path <checkpoint directory>), or use a new "
+                    "checkpoint.checkpoint_dir to start over")
+_NAME = re.compile(r"^epoch_(\d{1,13})_step_(\d{1,13})$")
 
 
 class CheckpointError(AutomodelError):
@@ -37,8 +40,8 @@ class CheckpointError(AutomodelError):
 
 
 # What a failed write looks like from the libraries that write checkpoints: an OSError from Python, a
-# SafetensorError ("I/O error: No space left on device (os error 28)") from safetensors, a RuntimeError from
-# torch.save's stream writer ("PytorchStreamWriter failed writing file", "unexpected pos", "iostream error").
+# SafetensorError ("I/O error: No space left on device (os error 28)") from safetensors, a RuntimeError or
+# CheckpointException from torch.distributed.checkpoint wrapping one of those.
 _WRITE_ERROR_TEXT = ("os error", "i/o error", "pytorchstreamwriter", "inline_container", "iostream error",
                      "no space left", "file too large", "disk quota", "read-only file system")
 
@@ -57,54 +60,60 @@ def is_write_error(err: BaseException) -> bool:
     for link in _error_chain(err):
         if isinstance(link, OSError):
             return True
-        if (isinstance(link, RuntimeError) or type(link).__name__ == "SafetensorError") and \
-                any(text in str(link).lower() for text in _WRITE_ERROR_TEXT):
+        if any(text in str(link).lower() for text in _WRITE_ERROR_TEXT):
             return True
     return False
 
 
 def describe_write_error(err: BaseException) -> str:
-    return "; ".join(f"{type(link).__name__}: {str(link).strip() or '(no message)'}" for link in _error_chain(err))
+    return "; ".join(f"{type(link).__name__}: {str(link).strip()[:500] or '(no message)'}"
+                     for link in _error_chain(err))
 
 
 def checkpoint_name(epoch: int, step: int) -> str:
     return f"epoch_{epoch}_step_{step}"
 
 
+def parse_name(name: str) -> tuple[int, int] | None:
+    """(epoch, step) of a checkpoint directory name; None for any other name or a number out of range."""
+    match = _NAME.match(name)
+    if match is None:
+        return None
+    epoch, step = int(match.group(1)), int(match.group(2))
+    return (epoch, step) if epoch <= MAX_STEP and step <= MAX_STEP else None
+
+
 def list_checkpoints(root: Path) -> list[Path]:
     """Complete checkpoints under ``root``, oldest first."""
     if not root.is_dir():
         return []
-    found = [(int(m.group(2)), p) for p in root.iterdir() if p.is_dir() and (m := _NAME.match(p.name))]
+    found = [(parsed[1], p) for p in root.iterdir() if p.is_dir() and (parsed := parse_name(p.name))]
     return [p for _, p in sorted(found)]
 
 
 def read_latest(root: Path) -> Path | None:
+    """The checkpoint ``LATEST`` names (None without ``LATEST``); a name that is not a checkpoint directory inside
+    ``root`` is refused."""
     marker = root / LATEST
-    if not marker.is_file():
+    try:
+        text = marker.read_text(encoding="utf-8")
+    except FileNotFoundError:
         return None
-    target = root / marker.read_text(encoding="utf-8").strip()
-    return target if target.is_dir() else None
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    except (OSError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"'{marker}' cannot be read ({err}); delete it and pass --restore_from.path "
+                              "<checkpoint directory> to choose the checkpoint to resume") from None
+    name = text.strip()
+    if parse_name(name) is None:
+        shown = name[:80] + ("..." if len(name) > 80 else "")
+        raise CheckpointError(f"'{marker}' names {shown!r}, which is not a checkpoint directory inside '{root}' "
+                              "(LATEST holds one name such as epoch_0_step_100); fix it, or delete it and pass "
+                              "--restore_from.path <checkpoint directory>")
+    target = root / name
+    if not target.is_dir():
+        raise CheckpointError(f"'{marker}' names '{name}', which does not exist in '{root}'; write the name of an "
+                              "existing checkpoint into it, or delete it and pass --restore_from.path "
+                              "<checkpoint directory>")
+    return target
 
 
 def _delete_all(directories: list[Path]) -> None:
@@ -112,25 +121,27 @@ def _delete_all(directories: list[Path]) -> None:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def save_state_dict_safetensors(state: dict[str, torch.Tensor], directory: Path) -> None:
-    """Plain safetensors for models that are not HF ``PreTrainedModel``s (shared storage cloned)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    tensors, seen = {}, {}
-    for key, tensor in state.items():
-        ptr = (tensor.data_ptr(), tensor.shape)
-        tensors[key] = tensor.detach().clone().contiguous() if ptr in seen else tensor.detach().contiguous()
-        seen[ptr] = key
-    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-
-
 def load_safetensors_dir(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"no *.safetensors weights in '{directory}'")
     state: dict[str, torch.Tensor] = {}
     for file in files:
-        state.update(load_file(str(file)))
+        try:
+            state.update(load_file(str(file)))
+        except Exception as err:  # safetensors raises its own error type for a truncated or foreign file
+            raise CheckpointError(f"'{file}' is corrupted ({err}); {RESUME_ELSEWHERE}") from None
     return state
+
+
+def mismatch_message(source: Path, mismatched: list[str], unexpected: list[str], missing: list[str],
+                     question: str = "is restore_from.path the same architecture?") -> str:
+    """What differs between a checkpoint's weights and the model: shapes, then keys on either side."""
+    return mismatch_report(f"checkpoint '{source}' does not match the model ({question})",
+                           {"shape mismatches": mismatched, "keys only in the checkpoint": unexpected,
+                            "keys missing from the checkpoint": missing})
 
 
 def load_weights_into(model: torch.nn.Module, state: dict[str, torch.Tensor], source: Path) -> None:
@@ -142,94 +153,123 @@ def load_weights_into(model: torch.nn.Module, state: dict[str, torch.Tensor], so
     loaded_ptrs = {own[k].data_ptr() for k in state if k in own}
     missing = [k for k in own if k not in state and own[k].data_ptr() not in loaded_ptrs]
     if mismatched or unexpected or missing:
-        lines = [f"checkpoint '{source}' does not match the model (is restore_from.path the same architecture?)"]
-        for title, items in (("shape mismatches", mismatched), ("keys only in the checkpoint", unexpected),
-                             ("keys missing from the checkpoint", missing)):
-            if items:
-                lines.append(f"  {title} ({len(items)}): " + ", ".join(items[:8]) + (" ..." if len(items) > 8 else ""))
-        raise CheckpointError("\n".join(lines))
+        raise CheckpointError(mismatch_message(source, mismatched, unexpected, missing))
     with torch.no_grad():
         for key, value in state.items():
             own[key].copy_(value)
 
 
 class Checkpointer:
-    """Saves and restores every tracked attribute of a recipe."""
+    """The checkpoint directory of one run: its lock, staging, publishing, retention and lookup."""
 
     def __init__(self, config: CheckpointConfig, config_yaml: str):
         self.config = config
         self.root = Path(config.checkpoint_dir)
         self.config_yaml = config_yaml
+        self._lock = RunLock(self.root)
         self._deleting: threading.Thread | None = None
 
-    # ---- saving -------------------------------------------------------------------------------------------
+    # ---- the run's hold on the directory (rank 0) -------------------------------------------------------------
 
     def prepare(self) -> None:
-        """Create the directory (a clear error if it cannot be written) and clear staging left by a crash."""
+        """Create and lock the directory (clear errors when it cannot be written or another run holds it), finish
+        a re-save a crash interrupted, and clear staging and deletions left behind."""
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            probe = self.root / f".write-test-{os.getpid()}"
-            probe.write_text("ok")
-            probe.unlink()
+            holder = self._lock.acquire()
         except OSError as err:
             raise CheckpointError(f"checkpoint.checkpoint_dir: '{self.root}' is not writable: {err.strerror or err}; "
                                   "choose a directory you can write to") from None
-        for stale in self.root.glob(f"{_STAGING}*"):
-            shutil.rmtree(stale, ignore_errors=True)
+        if holder is not None:
+            raise CheckpointError(f"checkpoint.checkpoint_dir: '{self.root}' is in use by another run ({holder}); "
+                                  "wait for it to finish, or give this run another checkpoint.checkpoint_dir")
+        self._recover_swap()
+        for stale in [*self.root.glob(f"{STAGING}*"), *self.root.glob(f"{LATEST}.tmp-*")]:
+            if stale.is_dir():
+                shutil.rmtree(stale, ignore_errors=True)
+            else:
+                stale.unlink(missing_ok=True)
 
-    def save(self, states: dict[str, Any], save_model: Callable[[Path], None], trainer_state: dict[str, Any],
-             epoch: int, step: int) -> Path:
-        """Write one checkpoint: weights through ``save_model``, every other state dict in ``states``."""
-        self.wait()  # one retired checkpoint being deleted at a time
-        name = checkpoint_name(epoch, step)
-        final = self.root / name
-        staging = self.root / f"{_STAGING}{name}-{os.getpid()}"
+    def _recover_swap(self) -> None:
+        """Where exchanging directories is impossible, a re-save moves the old copy aside first; a crash in that
+        instant leaves LATEST naming nothing, and the old copy comes back under its name."""
         try:
-            staging.mkdir(parents=True)
-            save_model(staging / "model")
-            self._save_states(staging, states)
-            (staging / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2), encoding="utf-8")
-            (staging / "config.yaml").write_text(self.config_yaml, encoding="utf-8")
-            self._publish(staging, final)
-        except BaseException as err:
-            shutil.rmtree(staging, ignore_errors=True)
-            if is_write_error(err):
-                raise CheckpointError(f"writing checkpoint '{final}' failed: {describe_write_error(err)}; the "
-                                      f"previous checkpoint is intact ({read_latest(self.root) or 'none yet'}). "
-                                      "Is the disk full, or a quota or file-size limit reached?") from err
-            raise
+            name = (self.root / LATEST).read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError):
+            return
+        old = self.root / f"{STAGING}old-{name}"
+        if parse_name(name) and not (self.root / name).exists() and old.is_dir():
+            os.replace(old, self.root / name)
+            fsync_file(self.root)
+
+    def release(self) -> None:
+        self._lock.release()
+
+    # ---- saving -------------------------------------------------------------------------------------------------
+
+    def staging_path(self, epoch: int, step: int) -> tuple[Path, Path]:
+        """(where checkpoint ``epoch``/``step`` is written, its final name); every rank computes the same."""
+        name = checkpoint_name(epoch, step)
+        return self.root / f"{STAGING}{name}", self.root / name
+
+    def open_staging(self, staging: Path) -> None:
+        """An empty staging directory (rank 0, before every rank writes into it)."""
+        self.wait()  # one retired checkpoint being deleted at a time
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+
+    def publish(self, staging: Path, final: Path) -> Path:
+        """Make the complete ``staging`` checkpoint ``final`` and name it in LATEST (rank 0)."""
+        fsync_tree(staging)
+        if final.exists():
+            self._replace(staging, final)
+        else:
+            os.replace(staging, final)
+            fsync_file(self.root)
+        write_atomic(self.root / LATEST, final.name + "\n")
         self._apply_retention(final)
         return final
 
-    def _save_states(self, directory: Path, states: dict[str, Any]) -> None:
-        for name, state in states.items():
-            sub = directory / _ROLE_DIRS.get(name, "extra")
-            sub.mkdir(exist_ok=True)
-            torch.save(state, sub / f"{name}.pt")
-
-    def _publish(self, staging: Path, final: Path) -> None:
-        trash = None
-        if final.exists():  # re-running over an old directory: move the old one aside first
-            trash = final.with_name(f"{_STAGING}old-{final.name}-{os.getpid()}")
-            os.replace(final, trash)
+    def _replace(self, staging: Path, final: Path) -> None:
+        """Re-saving a step: swap the new copy in, delete the old one last; LATEST stays valid throughout."""
+        if exchange(staging, final):
+            fsync_file(self.root)
+            shutil.rmtree(staging, ignore_errors=True)  # now the old copy
+            return
+        old = self.root / f"{STAGING}old-{final.name}"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)  # a crash between these two renames is repaired by prepare() (_recover_swap)
         os.replace(staging, final)
-        _fsync_dir(self.root)
-        _write_atomic(self.root / LATEST, final.name + "\n")
-        if trash is not None:
-            shutil.rmtree(trash, ignore_errors=True)
+        fsync_file(self.root)
+        shutil.rmtree(old, ignore_errors=True)
+
+    def discard(self, staging: Path) -> None:
+        shutil.rmtree(staging, ignore_errors=True)
+
+    def write_failed(self, err: BaseException, final: Path) -> CheckpointError:
+        """The error to raise for a checkpoint write that failed, saying what is intact."""
+        try:
+            intact = read_latest(self.root) or "none yet"
+        except CheckpointError:
+            intact = "none"
+        return CheckpointError(f"writing checkpoint '{final}' failed: {describe_write_error(err)}; the previous "
+                               f"checkpoint is intact ({intact}). Is the disk full, or a quota or file-size limit "
+                               "reached?")
 
     def _apply_retention(self, latest: Path) -> None:
         """Retire checkpoints beyond ``keep_last``: renamed out of sight now, their files deleted in the background.
 
-        Unlinking a big checkpoint's files takes as long as writing a small one, and training need not wait for it.
-        A deletion cut short (the process killed) leaves an ``.incomplete-`` directory that ``prepare`` removes."""
+        Only checkpoints older than ``latest`` are candidates (newer ones are a resumed run's future, re-saved as
+        it gets there). A deletion cut short (the process killed) leaves an ``.incomplete-`` directory that
+        ``prepare`` removes."""
         keep = self.config.keep_last
+        latest_step = parse_name(latest.name)[1]
         if not keep:
             return
-        checkpoints = [p for p in list_checkpoints(self.root) if p.resolve() != latest.resolve()]
+        older = [p for p in list_checkpoints(self.root) if parse_name(p.name)[1] < latest_step]
         doomed = []
-        for old in checkpoints[: max(0, len(checkpoints) - (keep - 1))]:
-            doomed.append(old.with_name(f"{_STAGING}delete-{old.name}"))
+        for old in older[: max(0, len(older) - (keep - 1))]:
+            doomed.append(old.with_name(f"{STAGING}delete-{old.name}"))
             os.replace(old, doomed[-1])  # never a half-deleted directory under a checkpoint's name
         if doomed:
             self._deleting = threading.Thread(target=_delete_all, args=(doomed,), name="checkpoint-retention",
@@ -242,16 +282,13 @@ class Checkpointer:
             self._deleting.join()
             self._deleting = None
 
-    # ---- restoring ----------------------------------------------------------------------------------------
+    # ---- finding a checkpoint to resume ------------------------------------------------------------------------
+
+    def latest(self) -> Path | None:
+        return read_latest(self.root)
 
     def resolve(self, spec: str) -> Path:
-        """A checkpoint path, a directory name under checkpoint_dir, or 'latest'."""
-        if spec == "latest":
-            found = read_latest(self.root)
-            if found is None:
-                raise CheckpointError(f"restore_from.path: latest: no complete checkpoint under '{self.root}' "
-                                      f"(no {LATEST} file); train without restore_from first")
-            return found
+        """A checkpoint path or a directory name under checkpoint_dir (``latest`` is the caller's to decide)."""
         candidates = list(dict.fromkeys((Path(spec), self.root / spec)))  # one, when spec is absolute
         for candidate in candidates:
             if candidate.is_dir() and (candidate / "trainer_state.json").is_file():
@@ -259,18 +296,3 @@ class Checkpointer:
         looked = " and ".join(f"'{c}'" for c in candidates)
         raise CheckpointError(f"restore_from.path: '{spec}' is not a checkpoint (looked for {looked} containing "
                               "trainer_state.json)")
-
-    @staticmethod
-    def read_states(path: Path, names: list[str]) -> dict[str, Any]:
-        """The saved state dicts of ``names``, loaded with ``weights_only=True`` (no pickle code runs)."""
-        states = {}
-        for name in names:
-            file = path / _ROLE_DIRS.get(name, "extra") / f"{name}.pt"
-            if not file.is_file():
-                raise CheckpointError(f"restore_from.path: '{path}' has no saved state for '{name}' ({file})")
-            states[name] = torch.load(file, weights_only=True, map_location="cpu")
-        return states
-
-    @staticmethod
-    def read_trainer_state(path: Path) -> dict[str, Any]:
-        return json.loads((path / "trainer_state.json").read_text(encoding="utf-8"))

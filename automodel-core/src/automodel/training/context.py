@@ -15,9 +15,13 @@ from typing import TYPE_CHECKING, Any
 from automodel.config import Config, ConfigNode, Target
 from automodel.config.schema import find_spec
 from automodel.errors import AutomodelError, PluginError
+from automodel.meta_build import MetaBuild
+from automodel.training.parallel.mesh import MeshLayout
+from automodel.training.parallel.precision import Precision
 
 if TYPE_CHECKING:
     import torch
+    from torch.distributed.device_mesh import DeviceMesh
 
     from automodel.plugins.manager import PluginManager
 
@@ -49,7 +53,13 @@ class BuildContext:
     log: Callable[[str], None]  # one line to the user (rank 0 prints)
     load_model_weights: Callable[[torch.nn.Module, Path], None]  # the recipe's reader of a saved model/ directory
     restore_path: Path | None = None  # the checkpoint this run resumes from (restore_from.path, resolved)
-    # what the recipe gives a configured collate_fn that accepts it by name (the VLM processor, a tokenizer)
+    # how the ranks split into pp x dp_replicate x dp_shard x cp x tp (training/parallelism.py; 1 rank: all 1)
+    mesh: MeshLayout = field(default_factory=lambda: MeshLayout(1))
+    device_mesh: DeviceMesh | None = None  # the torch DeviceMesh of ``mesh`` (None in a single process)
+    precision: Precision = field(default_factory=Precision)  # distributed.mp_policy / autocast_dtype, resolved
+    fsdp2: bool = False  # the sharding slot runs the core's FSDP2 (its policy casts; no autocast around it)
+    meta_build: MetaBuild | None = None  # set when the model factory built on the meta device (automodel.meta_build)
+    # what a collator class named by a `collate_fn` node is built with (the recipe's tokenizer or processor)
     collate_args: Mapping[str, Any] = field(default_factory=dict)
 
     @property

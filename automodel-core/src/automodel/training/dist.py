@@ -1,19 +1,57 @@
-"""torch.distributed plumbing: the process group, reductions over ranks and each rank's data shard."""
+"""torch.distributed plumbing: the process group, reductions over ranks, each rank's data shard, the world size
+validation plans for, and errors that name the step where a collective stalled."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from automodel.errors import AutomodelError
+
+# (world size, where it comes from) while the CLI validates a run it is about to launch (see planned_world_size)
+_PLANNED: ContextVar[tuple[int, str] | None] = ContextVar("automodel_planned_world", default=None)
+# What gloo / nccl / the store say when a peer stalled past the timeout or went away
+_PEER_FAILURES = ("timed out", "timeout", "connection closed by peer", "connection reset by peer", "broken pipe",
+                  "socket closed", "wait timeout")
+
 
 def world_size() -> int:
     """The number of processes of this run (torchrun's WORLD_SIZE; 1 outside torchrun)."""
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+@contextlib.contextmanager
+def planned_world_size(size: int, source: str) -> Iterator[None]:
+    """Within the block, validation and ``--dry-run`` plan for ``size`` processes (``source`` says why: the CLI's
+    ``--nproc-per-node`` x ``--nnodes`` before it launches them)."""
+    token = _PLANNED.set((size, source))
+    try:
+        yield
+    finally:
+        _PLANNED.reset(token)
+
+
+def expected_world_size() -> int:
+    """The world size a config is validated and planned for: the launch being prepared, else this process's."""
+    planned = _PLANNED.get()
+    return planned[0] if planned is not None else world_size()
+
+
+def world_size_source() -> str:
+    """Where ``expected_world_size`` comes from, for the messages that report it."""
+    planned = _PLANNED.get()
+    if planned is not None:
+        return planned[1]
+    if "WORLD_SIZE" in os.environ:
+        return f"WORLD_SIZE={world_size()}"
+    return "WORLD_SIZE is not set; --nproc-per-node N --nnodes M plan for N x M"
 
 
 def rank() -> int:
@@ -28,8 +66,10 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def init_process_group(backend: str | None, timeout_minutes: int, log: Callable[[str], None]) -> None:
-    """Join the torchrun job (nccl on CUDA, gloo on CPU; a configured nccl without CUDA falls back to gloo)."""
+def init_process_group(backend: str | None, timeout_minutes: float, log: Callable[[str], None],
+                       init_method: str | None = None) -> None:
+    """Join the torchrun job (nccl on CUDA, gloo on CPU; a configured nccl without CUDA falls back to gloo) through
+    ``init_method`` (torch's default: env://, the MASTER_ADDR / MASTER_PORT torchrun sets)."""
     if world_size() <= 1 or dist.is_initialized():
         return
     chosen = backend or ("nccl" if torch.cuda.is_available() else "gloo")
@@ -38,7 +78,9 @@ def init_process_group(backend: str | None, timeout_minutes: int, log: Callable[
         chosen = "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank())
-    dist.init_process_group(chosen, timeout=datetime.timedelta(minutes=timeout_minutes))
+    dist.init_process_group(chosen, init_method=init_method, rank=rank(), world_size=world_size(),
+                            timeout=datetime.timedelta(minutes=timeout_minutes))
+    log(f"process group: {chosen}, {world_size()} processes, rendezvous {init_method or 'env://'}")
 
 
 def barrier() -> None:
@@ -63,11 +105,37 @@ def any_rank(flag: bool, device: torch.device) -> bool:
     return bool(tensor.item())
 
 
-def distributed_sampler(dataset: Any, shuffle: bool, seed: int) -> Any:
-    """Each rank reads its own shard; resumable (torchdata's stateful sampler). None in a single process."""
-    if not is_distributed():
+def distributed_sampler(dataset: Any, shuffle: bool, seed: int, replicas: int, replica: int) -> Any:
+    """Data-parallel replica ``replica`` of ``replicas`` reads its own shard; resumable (torchdata's stateful
+    sampler). None in a single process or with one data-parallel replica."""
+    if not is_distributed() or replicas <= 1:
         return None
     from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
-    return StatefulDistributedSampler(dataset, num_replicas=dist.get_world_size(), rank=dist.get_rank(),
-                                      shuffle=shuffle, seed=seed, drop_last=True)
+    return StatefulDistributedSampler(dataset, num_replicas=replicas, rank=replica, shuffle=shuffle, seed=seed,
+                                      drop_last=True)
+
+
+def is_peer_failure(err: BaseException) -> bool:
+    """Whether ``err`` is a collective that failed because another rank stalled past the timeout or died."""
+    if not isinstance(err, (RuntimeError, dist.DistError)):
+        return False
+    text = str(err).lower()
+    return isinstance(err, dist.DistError) or any(part in text for part in _PEER_FAILURES)
+
+
+@contextlib.contextmanager
+def naming_stalls(where: Callable[[], str], timeout_minutes: float) -> Iterator[None]:
+    """A collective inside the block that another rank never joined (``dist_env.timeout_minutes``) or left: an
+    ``AutomodelError`` naming ``where()`` (the step) instead of a backend traceback."""
+    try:
+        yield
+    except (RuntimeError, dist.DistError) as err:
+        if not is_distributed() or not is_peer_failure(err):
+            raise
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
+        raise AutomodelError(
+            f"{where()}: a collective across the {dist.get_world_size()} ranks did not complete: another rank "
+            f"stalled for longer than dist_env.timeout_minutes ({timeout_minutes:g}) or stopped ({first}). Every "
+            "rank must run the same forwards and collectives; see the other ranks' output for the first error, "
+            "and raise dist_env.timeout_minutes if a rank is only slow (a long save or data load)") from err

@@ -9,22 +9,24 @@ from __future__ import annotations
 
 import contextlib
 import math
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from automodel.errors import AutomodelError
 from automodel.training.builders import describe_batch
 from automodel.training.checkpoint import read_latest
-from automodel.training.dist import all_reduce_sum, any_rank, barrier
+from automodel.training.checkpoint_write import CheckpointParts, CheckpointWrite
+from automodel.training.dist import all_reduce_sum, any_rank, naming_stalls
 from automodel.training.logging import FAILED, STOPPED, SUCCESS
 from automodel.training.metrics import MetricsSample, peak_memory_gib
+from automodel.training.progress import Progress
 from automodel.training.signals import StopRequest, TrainingStopped
-from automodel.training.state import full_model_state, gather_states
+from automodel.training.state import small_states
+from automodel.training.trainer_state import FORMAT as TRAINER_STATE_FORMAT
+from automodel.training.trainer_state import encode_losses
 
 
 class TrainingLoop:
@@ -39,8 +41,17 @@ class TrainingLoop:
             return type(batch)(self.move_to_device(v) for v in batch)
         return batch
 
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        """What a forward runs under: ``torch.autocast`` where the precision asks for it (not under FSDP2's policy
+        unless ``distributed.autocast_dtype``); the loss itself is always computed in float32."""
+        return self.ctx.precision.forward_context(self.device.type, self.ctx.fsdp2)
+
     def train_step(self, batches: list[Any]) -> tuple[torch.Tensor, torch.Tensor, int]:
         """One optimizer update over the step's micro-batches; the loss is token-weighted over the whole step."""
+        with naming_stalls(lambda: f"step {self.step_scheduler.step + 1}", self.cfg.dist_env.timeout_minutes):
+            return self._train_step(batches)
+
+    def _train_step(self, batches: list[Any]) -> tuple[torch.Tensor, torch.Tensor, int]:
         with self.batch_errors(batches[0], "dataloader"):
             label_tokens = sum(self.count_label_tokens(b) for b in batches)
             input_tokens = sum(self.count_input_tokens(b) for b in batches)
@@ -51,23 +62,29 @@ class TrainingLoop:
             label_tokens = int(global_tokens.item())
         denominator = max(label_tokens, 1)
         scale = self.world_size / denominator
+        scaler = self.grad_scaler
         total = torch.zeros((), device=self.device)
         for index, batch in enumerate(batches):
             self.prepare_micro_batch(last=index == len(batches) - 1)
-            with self.batch_errors(batch, "dataloader"):
+            with self.batch_errors(batch, "dataloader"), self.forward_context():
                 loss_sum = self.compute_loss(self.model, self.move_to_device(batch))
-            (loss_sum * scale).backward()
+            scaled = loss_sum.float() * scale
+            (scaler.scale(scaled) if scaler is not None else scaled).backward()
             total += loss_sum.detach().float()
         if self.world_size > 1:
             (total,) = all_reduce_sum(total, device=self.device)
             total = total.float()
+        if scaler is not None:
+            scaler.unscale_(self.optimizer)  # clipping and the reported norm see the true gradients
         max_norm = self.cfg.clip_grad_norm.max_norm or math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable_params, max_norm,
                                                    norm_type=self.cfg.clip_grad_norm.norm_type)
         loss = total / denominator
         self.step_lr = self.optimizer.param_groups[0]["lr"]  # the rate this update uses (logged)
-        if not (torch.isfinite(grad_norm) and torch.isfinite(loss)):
+        if not torch.isfinite(loss) or (scaler is None and not torch.isfinite(grad_norm)):
             self._nonfinite(loss, grad_norm)
+        elif scaler is not None:
+            self._scaled_update(scaler, grad_norm)
         else:
             self.optimizer.step()
         if self.lr_scheduler is not None:
@@ -78,6 +95,23 @@ class TrainingLoop:
     def prepare_micro_batch(self, last: bool) -> None:
         """Called before each micro-batch of a step (``last``: the step's final one); a recipe may, say, defer
         FSDP2's gradient reduction to the last one."""
+
+    def _scaled_update(self, scaler: Any, grad_norm: torch.Tensor) -> None:
+        """fp16: the scaler skips an update whose gradients overflowed and lowers its scale; such a step counts as
+        skipped (``skipped_steps`` in training.jsonl) and ``fault_tolerance.max_skipped_steps`` bounds them."""
+        scale = scaler.get_scale()
+        scaler.step(self.optimizer)
+        scaler.update()
+        if torch.isfinite(grad_norm):
+            return
+        self.skipped_steps += 1
+        step, limit = self.step_scheduler.step + 1, self.cfg.fault_tolerance.max_skipped_steps
+        self.log(f"step {step}: fp16 gradients overflowed at loss scale {scale:g}: update skipped, scale now "
+                 f"{scaler.get_scale():g} ({self.skipped_steps} skipped so far)")
+        if limit is not None and self.skipped_steps > limit:
+            raise AutomodelError(f"step {step}: {self.skipped_steps} updates skipped for fp16 gradient overflow, more "
+                                 f"than fault_tolerance.max_skipped_steps ({limit}); lower optimizer.lr, set "
+                                 "clip_grad_norm.max_norm, or train in bf16 (distributed.mp_policy.param_dtype)")
 
     def _nonfinite(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         """A NaN/inf step: stop with where to resume from (policy raise) or skip its update (policy skip)."""
@@ -131,44 +165,73 @@ class TrainingLoop:
 
     @torch.no_grad()
     def validate(self) -> None:
+        """Every rank runs its share of each validation set (a forward under FSDP2 needs them all); the sums are
+        reduced over the ranks and rank 0 reports."""
         self.model.eval()
         try:
-            for name, loader in self.val_dataloaders.items():
-                total = torch.zeros((), device=self.device)
-                tokens = 0
-                for batch in loader:
-                    with self.batch_errors(batch, "validation_dataloader"), self.validation_oom(name, loader):
-                        tokens += self.count_label_tokens(batch)
-                        total += self.compute_loss(self.model, self.move_to_device(batch)).float()
-                record = {"step": self.step_scheduler.step, "epoch": self.step_scheduler.epoch, "name": name,
-                          "val_loss": total.item() / max(tokens, 1), "num_label_tokens": tokens}
-                record.update(self.extra_validation_metrics(name, loader))
-                record["timestamp"] = time.time()
-                if self.is_main_process:
-                    self.val_log.write(record)
-                    self.metric_loggers.log_validation(record, record["step"])
-                shown = ", ".join(f"{k}={v:.4f}" for k, v in record.items()
-                                  if isinstance(v, float) and k != "timestamp")
-                self.log(f"validation [{name}] step {record['step']}: {shown}")
+            with naming_stalls(lambda: f"validation after step {self.step_scheduler.step}",
+                               self.cfg.dist_env.timeout_minutes):
+                for name, loader in self.val_dataloaders.items():
+                    self._validate_one(name, loader)
         finally:
             self.model.train()
 
+    def checkpoint_parts(self) -> CheckpointParts:
+        """What a checkpoint of this moment holds (the state dicts are taken when it is written)."""
+        steps, stateful = self.step_scheduler, self.stateful_attributes()
+        trainer_state = {"format": TRAINER_STATE_FORMAT, "step": steps.step, "epoch": steps.epoch,
+                         "losses": encode_losses(self.step_losses), "world_size": self.world_size,
+                         "skipped_steps": self.skipped_steps, "step_scheduler": steps.state_dict()}
+        return CheckpointParts(self.model, stateful.get("optimizer"), small_states(stateful), trainer_state,
+                               self.save_artifacts, self.save_model if self.writes_own_layout() else None)
+
+    def _validate_one(self, name: str, loader: Any) -> None:
+        total = torch.zeros((), device=self.device)
+        tokens = 0
+        for batch in loader:
+            with self.batch_errors(batch, "validation_dataloader"), self.validation_oom(name, loader), \
+                    self.forward_context():
+                tokens += self.count_label_tokens(batch)
+                total += self.compute_loss(self.model, self.move_to_device(batch)).float()
+        if self.world_size > 1:
+            total, summed = all_reduce_sum(total, tokens, device=self.device)
+            tokens = int(summed.item())
+        record = {"step": self.step_scheduler.step, "epoch": self.step_scheduler.epoch, "name": name,
+                  "val_loss": total.item() / max(tokens, 1), "num_label_tokens": tokens}
+        record.update(self.extra_validation_metrics(name, loader))
+        record["timestamp"] = time.time()
+        if self.is_main_process:
+            self.val_log.write(record)
+            self.metric_loggers.log_validation(record, record["step"])
+        shown = ", ".join(f"{k}={v:.4f}" for k, v in record.items() if isinstance(v, float) and k != "timestamp")
+        self.log(f"validation [{name}] step {record['step']}: {shown}")
+
     def save_checkpoint(self) -> Path | None:
-        """Every rank gathers (FSDP2 needs all of them); rank 0 writes."""
+        """Every rank writes its own part; with ``checkpoint.async_save`` training goes on while the files are
+        written and the checkpoint is published (``LATEST``) between two later steps."""
         if not self.cfg.checkpoint.enabled:
             return None
-        weights = full_model_state(self.model)
-        states = gather_states(self.model, self.stateful_attributes())
-        path = None
-        if self.is_main_process:
-            steps = self.step_scheduler
-            trainer_state = {"step": steps.step, "epoch": steps.epoch, "losses": self.step_losses,
-                             "world_size": self.world_size, "step_scheduler": steps.state_dict()}
-            path = self.checkpointer.save(states, lambda d: self.save_model(d, weights), trainer_state,
-                                          steps.epoch, steps.step)
-            self.log(f"checkpoint: {path}")
-        barrier()
+        self.publish_checkpoint()  # one checkpoint in flight at a time
+        self.checkpoint_in_flight = CheckpointWrite(self.checkpointer, self.checkpoint_parts(), self.rank,
+                                                    self.device, self.cfg.checkpoint.async_save)
+        if self.cfg.checkpoint.async_save:
+            return self.checkpoint_in_flight.final
+        return self.publish_checkpoint()
+
+    def publish_checkpoint(self) -> Path | None:
+        """Wait until the checkpoint in flight (if any) is written by every rank, then name it in LATEST."""
+        write, self.checkpoint_in_flight = self.checkpoint_in_flight, None
+        if write is None:
+            return None
+        path = write.finish()
+        self.log(f"checkpoint: {path}")
         return path
+
+    def _publish_when_written(self) -> None:
+        """Between steps: publish an asynchronous checkpoint once every rank has written its part."""
+        write = self.checkpoint_in_flight
+        if write is not None and not any_rank(not write.done(), self.device):
+            self.publish_checkpoint()
 
     def _sample(self, loss: float, grad_norm: torch.Tensor, tokens: int, elapsed: float) -> MetricsSample:
         tps = tokens / elapsed if elapsed > 0 else 0.0
@@ -178,22 +241,44 @@ class TrainingLoop:
                              mem=peak_memory_gib(self.device), tps=tps, mfu=mfu)
 
     def _stop(self, stop: StopRequest, saved: bool) -> None:
-        path = self.final_checkpoint if saved else self.save_checkpoint()
+        if not saved:
+            self.final_checkpoint = self.save_checkpoint()
+        self.publish_checkpoint()
+        path = self.final_checkpoint
         name = {2: "SIGINT", 15: "SIGTERM"}.get(stop.signum, f"signal {stop.signum}")
         where = f"checkpoint: {path}; resume with --restore_from.path latest" if path else "no checkpoint (disabled)"
         raise TrainingStopped(stop.signum, f"stopped by {name} after step {self.step_scheduler.step}; {where}")
 
+    def _already_complete(self) -> bool:
+        """A rerun of a finished run: say so and train nothing (its weights stay as they are)."""
+        steps, restored = self.step_scheduler, self.ctx.restore_path
+        if restored is None or not steps.done:
+            return False
+        self.log(f"the run is complete: {restored} is at step {steps.step} (step_scheduler.max_steps: "
+                 f"{steps.max_steps}); nothing to train. Raise step_scheduler.max_steps to train on, or choose a new "
+                 "checkpoint.checkpoint_dir to start over")
+        return True
+
     def run_train_validation_loop(self) -> None:
+        try:
+            if not self._already_complete():
+                self._train()
+        finally:
+            self.checkpointer.release()
+
+    def _train(self) -> None:
         steps = self.step_scheduler
         self.model.train()
-        progress = tqdm(total=steps.max_steps, initial=steps.step, desc="train", unit="step", file=sys.stderr,
-                        disable=not self.is_main_process, dynamic_ncols=True)
+        progress = Progress(steps.max_steps, steps.step, enabled=self.is_main_process)
         window_tokens, window_start = 0, time.perf_counter()
-        saved_at = None
+        saved_at = steps.step if self.ctx.restore_path is not None else None  # never re-save the restored step
         self.final_checkpoint: Path | None = None
         status = FAILED  # what the metric backends are told when the loop ends
         with StopRequest() as stop:
             try:
+                if self.is_main_process:  # records past the step this run starts from are redone: dropped now
+                    self.train_log.open()
+                    self.val_log.open()
                 self.metric_loggers.open(self.cfg.raw)  # secrets are masked before any backend sees the config
                 step_start = time.perf_counter()
                 for batches in steps.batches(self.dataloader):
@@ -208,6 +293,7 @@ class TrainingLoop:
                         window_tokens, window_start = 0, time.perf_counter()
                     if steps.is_val_step() and self.val_dataloaders:
                         self.validate()
+                    self._publish_when_written()
                     if steps.is_checkpoint_step(last=step >= steps.max_steps):
                         saved_at = step
                         self.final_checkpoint = self.save_checkpoint()
@@ -216,6 +302,7 @@ class TrainingLoop:
                     step_start = time.perf_counter()
                 if saved_at != steps.step and steps.step > 0:
                     self.final_checkpoint = self.save_checkpoint()
+                self.publish_checkpoint()
                 if self.final_checkpoint is not None:
                     self.metric_loggers.log_model(self.final_checkpoint / "model")
                 status = SUCCESS
@@ -230,13 +317,14 @@ class TrainingLoop:
                 self.metric_loggers.close(status)
         self.on_train_end(self.final_checkpoint)
 
-    def _log_step(self, loss: float, grad_norm: torch.Tensor, tokens: int, elapsed: float, progress: tqdm) -> None:
+    def _log_step(self, loss: float, grad_norm: torch.Tensor, tokens: int, elapsed: float,
+                  progress: Progress) -> None:
         self.step_losses.append(loss)
         sample = self._sample(loss, grad_norm, tokens, elapsed)
         record = sample.to_dict()
-        if self.cfg.fault_tolerance.nonfinite == "skip":
+        if self.cfg.fault_tolerance.nonfinite == "skip" or self.grad_scaler is not None:
             record["skipped_steps"] = self.skipped_steps
         if self.is_main_process:
             self.train_log.write(record)
             self.metric_loggers.log_train(record, record["step"])
-        progress.set_postfix(loss=f"{loss:.4f}", lr=f"{sample.lr:.2e}", tps=f"{sample.tps:.0f}", refresh=False)
+        progress.show(loss, sample.lr, sample.tps)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -34,13 +36,36 @@ class MaskedCrossEntropy(nn.Module):
         return total / count.clamp(min=1)
 
 
+class Float32Loss(nn.Module):
+    """Runs ``loss`` in float32 whatever precision the forward ran in: its floating-point tensor arguments are
+    upcast and autocast is off inside it (a bf16 logit's rounding would otherwise enter the loss)."""
+
+    def __init__(self, loss: nn.Module):
+        super().__init__()
+        self.loss = loss
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        args = tuple(_upcast(a) for a in args)
+        kwargs = {k: _upcast(v) for k, v in kwargs.items()}
+        devices = [a.device.type for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        with torch.autocast(devices[0] if devices else "cpu", enabled=False):
+            return self.loss(*args, **kwargs)
+
+
+def _upcast(value: Any) -> Any:
+    return value.float() if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+
+
 def as_sum_loss(loss_fn: nn.Module | None) -> nn.Module:
-    """A loss that returns the sum over label tokens: ours, or a torch loss switched to ``reduction='sum'``."""
+    """A loss that returns the sum over label tokens, computed in float32: ours (which upcasts itself, as its
+    ``fp32_upcast`` says), or another switched to ``reduction='sum'`` and wrapped in ``Float32Loss``."""
     if loss_fn is None:
         return MaskedCrossEntropy()
+    if isinstance(loss_fn, MaskedCrossEntropy):
+        return loss_fn
     if hasattr(loss_fn, "reduction"):
         loss_fn.reduction = "sum"
     if isinstance(loss_fn, nn.CrossEntropyLoss):
         loss_fn.ignore_index = IGNORE_INDEX
-    return loss_fn
+    return Float32Loss(loss_fn)
 

@@ -1,17 +1,22 @@
-"""MetricsSample and the JSONL files the loop writes (appended to on resume)."""
+"""MetricsSample and the JSONL files the loop writes (continued on resume, each step once)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import resource
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from automodel.errors import AutomodelError
+from automodel.training.durable import write_atomic
 
 
 @dataclass
@@ -48,49 +53,67 @@ def device_peak_flops(device: torch.device) -> float | None:
     return next((flops for key, flops in _PEAK_FLOPS.items() if key in name), None)
 
 
-def _drop_partial_last_line(path: Path) -> None:
-    """Truncate an unterminated last line (what a kill -9 in the middle of a write leaves behind)."""
+def _kept_lines(path: Path, keep_through_step: int) -> list[bytes]:
+    """The complete lines of ``path`` whose step is at most ``keep_through_step`` (a torn last line, what a kill in
+    the middle of a write leaves, is dropped too)."""
     try:
-        with open(path, "rb+") as f:
-            size = f.seek(0, 2)
-            if size == 0:
-                return
-            f.seek(size - 1)
-            if f.read(1) == b"\n":
-                return
-            keep = 0
-            block = 4096
-            pos = size
-            while pos > 0:  # find the last newline, reading backwards
-                start = max(0, pos - block)
-                f.seek(start)
-                chunk = f.read(pos - start)
-                index = chunk.rfind(b"\n")
-                if index >= 0:
-                    keep = start + index + 1
-                    break
-                pos = start
-            f.truncate(keep)
+        raw = path.read_bytes()
     except FileNotFoundError:
-        return
+        return []
+    kept = []
+    for line in raw.split(b"\n")[:-1]:  # the part after the last newline is a torn line (or empty)
+        try:
+            step = json.loads(line).get("step")
+        except (ValueError, AttributeError):
+            continue
+        if isinstance(step, int) and step <= keep_through_step:
+            kept.append(line + b"\n")
+    return kept
 
 
 class JsonlWriter:
-    """Appends one JSON object per line and flushes, so a crash loses at most the current line."""
+    """Appends one JSON object per line and flushes, so a crash loses at most the current line.
 
-    def __init__(self, path: Path):
+    Opening it drops the records past ``keep_through_step`` (the step a resumed run continues from; -1 for a run
+    that starts fresh), so after any resume the file holds each step once. A write the disk refuses stops the run
+    naming the file."""
+
+    def __init__(self, path: Path, keep_through_step: int = -1):
         self.path = path
+        self.keep_through_step = keep_through_step
+        self._opened = False
         self._file = None
 
+    def open(self) -> None:
+        """Drop the records past ``keep_through_step`` (and a torn last line) from the file, once."""
+        if self._opened:
+            return
+        self._opened = True
+        with self._writing():
+            kept = _kept_lines(self.path, self.keep_through_step)
+            if kept or self.path.exists():
+                write_atomic(self.path, b"".join(kept))
+
     def write(self, record: dict[str, Any]) -> None:
-        if self._file is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            _drop_partial_last_line(self.path)  # a run killed mid-line must not corrupt the resumed run's lines
-            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open for the run
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        self.open()
+        with self._writing():
+            if self._file is None:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open for the run
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        try:
+            yield
+        except OSError as err:
+            raise AutomodelError(f"writing '{self.path}' failed: {err.strerror or err}; is the disk full, or a quota "
+                                 "or file-size limit reached? The checkpoints and LATEST are not affected: make room "
+                                 "and run the same command again to resume") from None
 
     def close(self) -> None:
         if self._file is not None:
-            self._file.close()
+            with contextlib.suppress(OSError):  # a line the disk refused is already reported
+                self._file.close()
             self._file = None

@@ -26,6 +26,9 @@ if TYPE_CHECKING:
 # The slots, in the order the core applies them. Plugins fill slots; they never add slots or change the order.
 PIPELINE_SLOTS = ("peft", "fp8", "qat", "checkpoint", "freeze", "sharding", "device", "compile", "context_parallel")
 
+# Slots whose stages get a model with values: a meta-device model is materialised before the first of them acts
+AFTER_MATERIALISATION = ("sharding", "device", "compile", "context_parallel")
+
 # slot -> (implementation name, config key that asked for it), for the stages that act
 Selection = dict[str, tuple[str, str]]
 
@@ -72,16 +75,28 @@ def missing_stages(selection: Selection, stages: StageRegistry) -> list[ConfigIs
 
 
 def apply_pipeline(ctx: BuildContext, model: Any, selection: Selection) -> Any:
-    """Run each selected stage in slot order as ``fn(ctx, model) -> (model, message)``; log one line per stage."""
+    """Run each selected stage in slot order as ``fn(ctx, model) -> (model, message)``; log one line per stage.
+
+    Before the ``sharding`` slot, ``distributed.activation_checkpointing`` wraps the transformer blocks; a model
+    built on the meta device is materialised before the first stage from ``sharding`` on that needs values (every
+    stage but one marked ``shards_meta_models``, the core's FSDP2, which materialises after sharding)."""
+    from automodel.training import model_init
+
     stages = ctx.plugins.stages
     for slot in PIPELINE_SLOTS:
+        if slot == "sharding" and ctx.cfg.distributed is not None and ctx.cfg.distributed.activation_checkpointing:
+            ctx.log(f"pipeline: {model_init.checkpoint_activations(ctx, model)}")
         if slot not in selection:
             continue
         name, _ = selection[slot]
         stage = stages.stages[(slot, name)]
+        fn = stages.get(slot, name)
+        if slot in AFTER_MATERIALISATION and not getattr(fn, "shards_meta_models", False) \
+                and model_init.on_meta(model):
+            ctx.log(f"pipeline: {model_init.materialize_model(ctx, model)}")
         plugin = stage.source not in ("core", "automodel-core")
         try:
-            result = stages.get(slot, name)(ctx, model)
+            result = fn(ctx, model)
         except AutomodelError:
             raise
         except Exception as err:  # a plugin's stage failed: name the plugin (the core's own propagate as they are)

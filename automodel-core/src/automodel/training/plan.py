@@ -7,14 +7,17 @@ built; the same layout is what ``TrainRecipe.setup`` builds with.
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
 from automodel.config import Config, ConfigNode, Target
 from automodel.errors import ConfigIssue
 from automodel.optim import lr_scheduler_issues
 from automodel.training.context import BatchLayout
-from automodel.training.dist import world_size
+from automodel.training.dist import expected_world_size
 from automodel.training.logging.select import resolve_backends
+from automodel.training.parallelism import mesh_layout
+from automodel.training.parallelism import plan_lines as parallel_plan_lines
 from automodel.training.pipeline import pipeline_issues
 
 if TYPE_CHECKING:
@@ -35,8 +38,7 @@ def batch_layout(cfg: Config) -> tuple[BatchLayout, list[ConfigIssue]]:
         issues.append(ConfigIssue("step_scheduler.local_batch_size",
                                   f"{local} disagrees with dataloader.batch_size={batch_size}; set one of them"))
     batch_size = batch_size or local or 1
-    dist = cfg.distributed
-    dp = dist.dp_size if dist is not None and isinstance(dist.dp_size, int) else world_size()
+    dp = mesh_layout(cfg, expected_world_size())[0].dp
     if steps is None:
         return BatchLayout(batch_size, dp, 1), issues
     accumulation, global_size = steps.grad_accumulation_steps, steps.global_batch_size
@@ -78,6 +80,9 @@ def engine_issues(recipe: type[TrainRecipe], cfg: Config, plugins: PluginManager
     issues += pipeline_issues(cfg, plugins.stages, recipe.merged("stage_implementations"),
                               recipe.merged("unsupported_stages"))
     issues += resolve_backends(cfg, plugins.loggers)[1]
+    if cfg.dist_env is not None:
+        issues += [ConfigIssue(f"dist_env.{key}", message)
+                   for key, message in cfg.dist_env.rendezvous_issues(os.environ).items()]
     return issues
 
 
@@ -106,7 +111,11 @@ def plan_lines(recipe: type[TrainRecipe], cfg: Config, plugins: PluginManager) -
               f"steps: max_steps={steps.max_steps} num_epochs={steps.num_epochs} "
               f"val every {steps.val_check_interval} ckpt every {steps.checkpoint_interval}",
               f"optimizer: {cfg.optimizer.target if cfg.optimizer else optimizer['_target_'] + ' (default)'}"]
-    lines += [f"pipeline {slot}: {name}" for slot, (name, _) in recipe.pipeline_selection(cfg).items()]
+    selection = recipe.pipeline_selection(cfg)
+    lines += parallel_plan_lines(cfg, selection.get("sharding", (None, ""))[0])
+    lines += [f"pipeline {slot}: {name}" for slot, (name, _) in selection.items()]
+    if cfg.distributed is not None and cfg.distributed.activation_checkpointing:
+        lines.append("activation checkpointing: every transformer block (before sharding)")
     ckpt = cfg.checkpoint
     lines.append(f"checkpoints: {ckpt.checkpoint_dir}" if ckpt.enabled else "checkpoints: disabled")
     backends = [spec.name for spec in resolve_backends(cfg, plugins.loggers)[0]]

@@ -9,9 +9,9 @@ sections, a ``build_*`` method, which stage implementation fills a slot — neve
 
 from __future__ import annotations
 
-import logging
+import math
 import sys
-import warnings
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, ClassVar
@@ -19,34 +19,32 @@ from typing import Any, ClassVar
 import torch
 from tqdm import tqdm
 
-from automodel.config import Config, ConfigNode, Free, Target
+from automodel.config import Config, ConfigNode, Free, KeyAlias, Target
 from automodel.errors import ConfigIssue
+from automodel.meta_build import MetaBuild, building_on_meta
+from automodel.noise import debug_enabled, filter_third_party_noise
 from automodel.plugins.manager import get_plugin_manager
 from automodel.recipe import BaseRecipe
 from automodel.training import builders, plan
 from automodel.training import sections as s
-from automodel.training.checkpoint import (
-    Checkpointer,
-    load_safetensors_dir,
-    load_weights_into,
-    save_state_dict_safetensors,
-)
+from automodel.training.checkpoint import Checkpointer, load_safetensors_dir, load_weights_into
 from automodel.training.context import BuildContext
 from automodel.training.dist import init_process_group, local_rank, rank, world_size
 from automodel.training.host_memory import keep_freed_memory_in_heap
 from automodel.training.logging import LoggerContext, MetricLoggers, resolve_backends
 from automodel.training.loop import TrainingLoop
 from automodel.training.metrics import JsonlWriter, device_peak_flops
-from automodel.training.modules import trainable_parameters, unwrap
-from automodel.training.pipeline import Selection, apply_pipeline, select_stages
+from automodel.training.modules import is_fsdp2, trainable_parameters, unwrap
+from automodel.training.parallel.mesh import build_device_mesh
+from automodel.training.parallelism import parallel_layout, run_precision, shards_with_fsdp2
+from automodel.training.pipeline import PIPELINE_SLOTS, Selection, apply_pipeline, select_stages
+from automodel.training.resume import choose_checkpoint, hold_checkpoint_dir
 from automodel.training.rng import StatefulRNG
-from automodel.training.state import restore_states
+from automodel.training.state import restore_states, restore_weights
 from automodel.training.step_scheduler import StepScheduler
+from automodel.training.trainer_state import read_trainer_state
 
-# Third-party deprecation chatter on every run (torchdata's set_vital; torchao's enum registration, which
-# transformers triggers on import when torchao is installed) is noise for users.
-warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
-logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
+filter_third_party_noise()  # also when a recipe runs without the CLI (tests, notebooks)
 
 _DATALOADER = Target("data loading (a StatefulDataLoader's keyword arguments)", runtime_args=("dataset",),
                      plain=True, default_target="torchdata.stateful_dataloader.StatefulDataLoader", default={})
@@ -61,12 +59,14 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
     stage_implementations: ClassVar[dict[str, str]] = {}
     # slot -> why this recipe refuses a config that asks for it (merged like sections)
     unsupported_stages: ClassVar[dict[str, str]] = {}
-    stateful = ("model", "optimizer", "lr_scheduler", "step_scheduler", "dataloader", "rng")
+    stateful = ("model", "optimizer", "lr_scheduler", "step_scheduler", "dataloader", "rng", "grad_scaler")
 
     sections = {
         "step_scheduler": s.StepSchedulerConfig,
         "dist_env": s.DistEnvConfig,
         "rng": s.RngConfig,
+        "seed": KeyAlias("rng.seed", "the run's seed, upstream's top-level key: the same as rng.seed, and ranked "
+                         "(seed + rank per process) unless rng.ranked says otherwise", implies={"ranked": True}),
         "model": Target("the model to train: {_target_: ..., ...}", required=True),
         "compile": s.CompileConfig,
         "clip_grad_norm": s.ClipGradConfig,
@@ -86,7 +86,6 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
                                default_target="automodel.optim.build_scheduler"),
         "fault_tolerance": s.FaultToleranceConfig,
         "slurm": s.SlurmConfig,
-        "ci": Free("upstream CI metadata; accepted and ignored (a note says so)"),
         "logging": Free("metric logging backends: {backends: [tensorboard, mlflow, wandb], <backend>: {settings}}; "
                         "see docs/logging.md (checked by validation against the registered backends)"),
         "wandb": Free("upstream-style Weights & Biases settings {project, entity, name, save_dir, mode, ...}: the "
@@ -107,7 +106,11 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
 
     @classmethod
     def check_config(cls, cfg: Config) -> list[ConfigIssue]:
-        return list(super().check_config(cfg)) + plan.engine_issues(cls, cfg, get_plugin_manager())
+        issues = list(super().check_config(cfg)) + plan.engine_issues(cls, cfg, get_plugin_manager())
+        if cls.save_model is not None and cfg.checkpoint is not None and not cfg.checkpoint.save_consolidated:
+            issues.append(ConfigIssue("checkpoint.save_consolidated", f"{cls.__name__} writes model/ in a layout of "
+                                      "its own, which has no sharded form; remove the key (or set it to true)"))
+        return issues
 
     @classmethod
     def describe_plan(cls, cfg: Config) -> list[str]:
@@ -136,13 +139,14 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
     def default_collate_fn(self, train: bool = True) -> Any:
         return None  # torch's default collate
 
-    def collate_runtime_args(self) -> dict[str, Any]:
-        """What a configured ``collate_fn`` gets from the recipe when its signature names it (upstream passes the
-        VLM processor, the retrieval tokenizer); available after ``setup_domain``."""
-        return {}
-
     def dataset_runtime_args(self, node: ConfigNode) -> dict[str, Any]:
         """Arguments the recipe gives the data set section ``node``'s target (a tokenizer, say), if it accepts them."""
+        return {}
+
+    def collate_runtime_args(self) -> dict[str, Any]:
+        """What a collator class named by a ``collate_fn`` node is built with, besides its keys, to the constructor
+        parameters of these names (upstream builds its collators with the tokenizer; the VLM recipe gives its
+        ``processor``); called after ``setup_domain``."""
         return {}
 
     def setup_domain(self) -> None:
@@ -189,21 +193,25 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
             return torch.device("cuda", local_rank())
         return torch.device("cpu")
 
-    # ---- weights: the HF layout (a domain with another layout overrides both) ----------------------------------
+    # ---- weights ------------------------------------------------------------------------------------------------
+    # The engine writes model/ in the Hugging Face layout from every rank's shards (checkpoint_write.py). A recipe
+    # whose weights are something else (a diffusers pipeline, a bi-encoder) defines
+    # ``save_model(self, directory, state_dict)``: it gets the whole weights gathered (``state_dict``; None when
+    # every rank holds them) and writes model/ on rank 0; ``load_model_weights`` reads that layout back on resume.
+    save_model: ClassVar[Callable[[Path, dict[str, torch.Tensor] | None], None] | None] = None
 
-    def save_model(self, directory: Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
-        """``save_pretrained`` when the model has it (safetensors), plus tokenizer/processor files."""
-        model = unwrap(self.model)
-        if hasattr(model, "save_pretrained"):
-            model.save_pretrained(str(directory), state_dict=state_dict)
-        else:
-            save_state_dict_safetensors(state_dict or model.state_dict(), directory)
+    def writes_own_layout(self) -> bool:
+        return self.save_model is not None
+
+    def save_artifacts(self, directory: Path) -> None:
+        """The tokenizer / processor files that go beside the weights in model/ (rank 0)."""
         for name in self.hf_artifacts:
             artifact = getattr(self, name, None)
             if artifact is not None and hasattr(artifact, "save_pretrained"):
                 artifact.save_pretrained(str(directory))
 
     def load_model_weights(self, model: torch.nn.Module, directory: Path) -> None:
+        """Read a model/ that ``save_model`` wrote (the checkpoint stage calls it before sharding)."""
         load_weights_into(unwrap(model), load_safetensors_dir(directory), directory)
 
     # ---- assembly ----------------------------------------------------------------------------------------------
@@ -224,35 +232,69 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
     def is_main_process(self) -> bool:
         return rank() == 0
 
+    @property
+    def forwards_are_collective(self) -> bool:
+        """Whether a forward needs every rank (FSDP2 gathers the sharded weights): then anything that runs one —
+        validation, end-of-run generation — runs on every rank, and rank 0 reports."""
+        return self.world_size > 1 and is_fsdp2(self.model)
+
     def log(self, message: str) -> None:
         if self.is_main_process:
             tqdm.write(message, file=sys.stderr)
 
+    def debug(self, message: str) -> None:
+        """An internal tuning line, shown only with ``AUTOMODEL_DEBUG=1``."""
+        if debug_enabled():
+            self.log(message)
+
     def build_context(self) -> BuildContext:
-        """What builders and stages see; the process group is joined first (the device depends on it)."""
+        """What builders and stages see; the process group is joined first (the device depends on it), then the
+        device mesh is built and the precision resolved (both validated with the config)."""
         cfg = self.cfg
-        init_process_group(cfg.dist_env.backend, cfg.dist_env.timeout_minutes, self.log)
+        env = cfg.dist_env
+        init_process_group(env.backend, env.timeout_minutes, self.log, env.init_method)
+        rendezvous = [f"{k}={getattr(env, k)}" for k in ("master_addr", "master_port", "init_method")
+                      if getattr(env, k) is not None]
+        if rendezvous and world_size() == 1:
+            self.log(f"note: dist_env {', '.join(rendezvous)}: the rendezvous of a multi-process run "
+                     "(--nproc-per-node N, torchrun); this run is one process")
+        device, world = self.select_device(), world_size()
+        sharding = self.pipeline_selection(cfg).get("sharding", (None, ""))[0]
+        fsdp2 = shards_with_fsdp2(cfg, sharding, world)
+        layout = parallel_layout(cfg, world)
         return BuildContext(cfg=cfg, sections=self.all_sections(), plugins=get_plugin_manager(), domain=self.domain,
-                            device=self.select_device(), rank=rank(), world_size=world_size(), seed=cfg.rng.seed,
-                            batch=plan.batch_layout(cfg)[0], log=self.log, load_model_weights=self.load_model_weights)
+                            device=device, rank=rank(), world_size=world, seed=cfg.rng.seed,
+                            batch=plan.batch_layout(cfg)[0], log=self.log, load_model_weights=self.load_model_weights,
+                            mesh=layout, device_mesh=build_device_mesh(layout, device.type) if world > 1 else None,
+                            precision=run_precision(cfg, device, fsdp2)[0], fsdp2=fsdp2)
 
     def setup(self) -> None:
         cfg = self.cfg
         self.ctx = ctx = self.build_context()
         if ctx.device.type == "cpu" and cfg.dist_env.cpu_malloc_tuning and keep_freed_memory_in_heap():
-            self.log("host memory: glibc malloc keeps freed step buffers in the heap (dist_env.cpu_malloc_tuning)")
+            self.debug("host memory: glibc malloc keeps freed step buffers in the heap (dist_env.cpu_malloc_tuning)")
         self.rng = StatefulRNG(cfg.rng.seed, cfg.rng.ranked, ctx.rank)
         self.checkpointer = self.build_checkpoint_config(ctx)
-        if cfg.checkpoint.enabled and ctx.is_main_process:
-            self.checkpointer.prepare()
-        if cfg.restore_from is not None and cfg.restore_from.path:
-            # resolved before anything is built: a missing checkpoint fails fast
-            self.ctx = ctx = replace(ctx, restore_path=self.checkpointer.resolve(cfg.restore_from.path))
-        if "ci" in cfg:
-            self.log("note: section 'ci' is upstream CI metadata and is ignored")
+        hold_checkpoint_dir(self.checkpointer, ctx)
+        try:
+            self.assemble(ctx)
+        except BaseException:
+            self.checkpointer.release()
+            raise
+
+    def assemble(self, ctx: BuildContext) -> None:
+        """Build everything (the checkpoint directory is held): model and pipeline, optimizer, data, schedulers,
+        then the state of the checkpoint being resumed."""
+        cfg = self.cfg
+        # resolved (and its trainer_state.json checked) before anything is built: a bad checkpoint fails fast
+        self.ctx = ctx = replace(ctx, restore_path=choose_checkpoint(cfg, self.checkpointer, self.log))
         self.setup_domain()
         self.ctx = ctx = replace(ctx, collate_args=self.collate_runtime_args())
-        self.model = apply_pipeline(ctx, self.build_model(ctx), self.pipeline_selection(cfg))
+        with building_on_meta() as meta:
+            model = self.build_model(ctx)
+        self.ctx = ctx = self.after_model_built(ctx, model, meta)
+        self.model = apply_pipeline(ctx, model, self.runtime_selection(ctx))
+        self.grad_scaler = ctx.precision.grad_scaler(ctx.device.type, self.storage_dtype, ctx.fsdp2)
         self.loss_fn = self.build_loss_fn(ctx)
         self.optimizer = self.build_optimizer(ctx, self.model)
         self.train_dataset = self.build_dataset(ctx, cfg.dataset)
@@ -271,16 +313,47 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
         self.trainable_params = trainable_parameters(self.model)
         self.step_losses: list[float] = []
         self.skipped_steps = 0
+        self.checkpoint_in_flight = None
         if ctx.restore_path is not None:
-            self.step_losses = restore_states(ctx.restore_path, self.model, self.stateful_attributes(),
-                                              ctx.world_size, self.log)
+            restored = read_trainer_state(ctx.restore_path)
+            restore_weights(ctx.restore_path, self.model, restored)
+            restore_states(ctx.restore_path, self.model, self.stateful_attributes(), ctx.rank, ctx.world_size,
+                           self.log)
+            self.step_losses = [math.nan if v is None else v for v in restored["losses"]]
+            self.skipped_steps = restored["skipped_steps"]
         self.open_metric_files()
+
+    def runtime_selection(self, ctx: BuildContext) -> Selection:
+        """The configured stages, with slot ``checkpoint`` acting exactly when a checkpoint is resumed (also one
+        found in checkpoint_dir without restore_from, and not for ``latest`` before the first checkpoint)."""
+        selection = dict(self.pipeline_selection(self.cfg))
+        configured = selection.pop("checkpoint", None)
+        if ctx.restore_path is not None and "checkpoint" not in self.merged("unsupported_stages"):
+            selection["checkpoint"] = configured or (
+                self.merged("stage_implementations").get("checkpoint", "restore"), "restore_from.path")
+        return {slot: selection[slot] for slot in PIPELINE_SLOTS if slot in selection}
+
+    def after_model_built(self, ctx: BuildContext, model: torch.nn.Module, meta: MetaBuild) -> BuildContext:
+        """Log how the model was built and its precision; the context then carries the meta-device build."""
+        floats = [p.dtype for p in model.parameters() if p.dtype.is_floating_point]
+        self.storage_dtype = max(set(floats), key=floats.count) if floats else torch.float32
+        if meta.built:
+            source = f"the weights in {meta.weights}" if meta.weights else "a seeded module-by-module initialisation"
+            self.log(f"model: built on the meta device by {meta.factory}; each rank materialises "
+                     f"{'only its shards' if ctx.fsdp2 else 'it'} from {source}")
+        elif ctx.fsdp2:
+            self.log(f"model: {ctx.cfg.model.target} does not build on the meta device, so every rank builds the "
+                     "whole model before FSDP2 shards it (automodel_llm / automodel_vlm model factories build on "
+                     "meta)")
+        self.log(ctx.precision.describe(self.storage_dtype, ctx.fsdp2))
+        return replace(ctx, meta_build=meta if meta.built else None)
 
     def open_metric_files(self) -> None:
         """training.jsonl / validation.jsonl and the metric backends (rank 0 only; they start with training)."""
         root = Path(self.cfg.checkpoint.checkpoint_dir)
-        self.train_log = JsonlWriter(root / "training.jsonl")
-        self.val_log = JsonlWriter(root / "validation.jsonl")
+        keep = self.step_scheduler.step if self.ctx.restore_path is not None else -1  # records past it are redone
+        self.train_log = JsonlWriter(root / "training.jsonl", keep)
+        self.val_log = JsonlWriter(root / "validation.jsonl", keep)
         self.peak_flops = device_peak_flops(self.device)
         self.num_params = sum(p.numel() for p in self.model.parameters())
         specs = resolve_backends(self.cfg, self.ctx.plugins.loggers)[0] if self.is_main_process else []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
@@ -40,16 +41,56 @@ class StepSchedulerConfig:
                          "local_batch_size", "val_check_interval", "checkpoint_interval", "log_interval")
 
 
+_INIT_METHODS = ("env://", "tcp://", "file://")
+
+
 @dataclass
 class DistEnvConfig:
-    master_addr: str = field(default="localhost", metadata=_help("rendezvous address for multi-process runs"))
-    master_port: int = field(default=29500, metadata=_help("rendezvous port for multi-process runs"))
+    master_addr: str | None = field(default=None, metadata=_help(
+        "rendezvous address of the processes --nproc-per-node starts (torchrun's --master-addr; the command line's "
+        "--master-addr wins; default localhost)"))
+    master_port: int | None = field(default=None, metadata=_help(
+        "rendezvous port of the processes --nproc-per-node starts (torchrun's --master-port; the command line's "
+        "--master-port wins; default 29500)"))
+    init_method: str | None = field(default=None, metadata=_help(
+        "how the processes find each other (torch.distributed.init_process_group's init_method): env:// (torchrun's "
+        "MASTER_ADDR / MASTER_PORT, the default), tcp://host:port or file:///shared/path"))
     backend: Literal["nccl", "gloo"] | None = field(
         default=None, metadata=_help("torch.distributed backend (default: nccl on CUDA, gloo on CPU)"))
-    timeout_minutes: int = field(default=30, metadata=_help("collective timeout"))
+    timeout_minutes: float = field(default=30, metadata=_help(
+        "how long a collective may wait for the other ranks before the run stops with an error naming the step"))
     cpu_malloc_tuning: bool = field(
         default=True, metadata=_help("on CPU with glibc, keep freed step buffers in the heap instead of returning "
                                      "them to the kernel each step (automodel.training.host_memory)"))
+
+    def __post_init__(self) -> None:
+        bad = {}
+        if self.init_method is not None and not self.init_method.startswith(_INIT_METHODS):
+            bad["init_method"] = (f"{self.init_method!r} is not a rendezvous URL torch.distributed reads: use "
+                                  "env://, tcp://host:port or file:///path")
+        elif self.init_method not in (None, "env://") and (self.master_addr or self.master_port):
+            bad["init_method"] = (f"{self.init_method} names the rendezvous itself, so master_addr / master_port "
+                                  "would not be used: give one of them")
+        if self.master_port is not None and not 0 < self.master_port < 65536:
+            bad["master_port"] = f"must be a TCP port (1-65535), found {self.master_port}"
+        if self.timeout_minutes <= 0:
+            bad["timeout_minutes"] = f"must be > 0, found {self.timeout_minutes}"
+        if bad:
+            raise FieldErrors(bad)
+
+    def rendezvous_issues(self, environ: Mapping[str, str]) -> dict[str, str]:
+        """Under a launcher that already chose the rendezvous (torchrun's MASTER_ADDR / MASTER_PORT), a different
+        master_addr / master_port here could not act: the keys that disagree, with why."""
+        issues: dict[str, str] = {}
+        if int(environ.get("WORLD_SIZE", "1")) <= 1:
+            return issues  # no launcher's rendezvous: one process, or a launch still to come (--nproc-per-node)
+        for key, variable in (("master_addr", "MASTER_ADDR"), ("master_port", "MASTER_PORT")):
+            value = getattr(self, key)
+            if value is not None and variable in environ and str(value) != environ[variable]:
+                issues[key] = (f"{value} but this process was started with {variable}={environ[variable]} (the "
+                               f"launcher's rendezvous, which every process already uses): remove the key or give "
+                               f"the launcher --{key.replace('_', '-')} {value}")
+        return issues
 
 
 @dataclass
@@ -81,17 +122,33 @@ class DistributedConfig:
     strategy: Literal["fsdp2", "megatron_fsdp", "ddp"] = field(
         default="ddp", metadata=_help("how the model is sharded across data-parallel ranks"))
     dp_size: int | Literal["auto", "none"] | None = field(
-        default="auto", metadata=_help("data-parallel ranks ('auto', 'none' or null: the world size)"))
+        default="auto", metadata=_help("data-parallel ranks in all ('auto', 'none' or null: world size / (tp_size * "
+                                       "cp_size * pp_size))"))
+    dp_replicate_size: int | None = field(
+        default=1, metadata=_help("HSDP: replicas of the model, each sharded over dp_size / dp_replicate_size ranks "
+                                  "(fsdp2 only; null: 1)"))
     tp_size: int = field(default=1, metadata=_help("tensor-parallel size (only 1 is supported)"))
     cp_size: int = field(default=1, metadata=_help("context-parallel size (only 1 is supported)"))
     pp_size: int = field(default=1, metadata=_help("pipeline-parallel size (only 1 is supported)"))
     ep_size: int | None = field(default=None, metadata=_help("expert-parallel size (only 1 or null is supported)"))
-    sequence_parallel: bool = field(default=False, metadata=_help("sequence parallelism (needs tp_size > 1)"))
-    activation_checkpointing: bool = field(default=False, metadata=_help("recompute activations in backward"))
+    sequence_parallel: bool = field(default=False, metadata=_help("sequence parallelism (needs tp_size > 1; not "
+                                                                  "supported)"))
+    activation_checkpointing: bool = field(
+        default=False, metadata=_help("recompute each transformer block's activations in backward instead of "
+                                      "keeping them (less memory, about a third more compute)"))
+    mp_policy: dict | None = field(
+        default=None, metadata=_help("mixed precision {param_dtype, reduce_dtype, output_dtype, cast_forward_inputs} "
+                                     "(dtypes bf16 | fp16 | fp32; also `_target_: torch.distributed.fsdp."
+                                     "MixedPrecisionPolicy`); null: fp32 on CPU, bf16 on GPUs that support it"))
+    autocast_dtype: str | None = field(
+        default=None, metadata=_help("also run the forward under torch.autocast in this dtype (bf16 | fp16), as "
+                                     "upstream does with mp_policy.output_dtype fp32"))
 
     def __post_init__(self) -> None:
-        require_positive(self, "tp_size", "cp_size", "pp_size", "ep_size",
+        require_positive(self, "tp_size", "cp_size", "pp_size", "ep_size", "dp_replicate_size",
                          *(("dp_size",) if isinstance(self.dp_size, int) else ()))
+        if self.dp_replicate_size is None:
+            self.dp_replicate_size = 1
 
 
 @dataclass
@@ -100,7 +157,12 @@ class CheckpointConfig:
     checkpoint_dir: str = field(default="checkpoints", metadata=_help("where checkpoints and metrics go"))
     model_save_format: Literal["safetensors", "torch_save"] = field(
         default="safetensors", metadata=_help("weights format (safetensors; pickle is never used for weights)"))
-    save_consolidated: bool = field(default=True, metadata=_help("write one HF-loadable model directory"))
+    save_consolidated: bool = field(default=True, metadata=_help(
+        "true: model/ in the Hugging Face layout (written by every rank from its shards, the weights' only copy); "
+        "false: only the sharded form model_shards/ (automodel export makes model/ later)"))
+    async_save: bool = field(default=False, metadata=_help(
+        "write checkpoints in the background from host copies while training goes on; LATEST names one once "
+        "every file is written"))
     keep_last: int | None = field(default=None, metadata=_help("keep only the newest N checkpoints"))
     model_repo_id: str | None = field(default=None, metadata=_help("accepted for upstream configs; unused"))
     model_cache_dir: str | None = field(default=None, metadata=_help("accepted for upstream configs; unused"))
@@ -151,6 +213,11 @@ class FaultToleranceConfig:
         default="raise", metadata=_help("a NaN/inf loss or gradient norm: stop the run (raise) or skip that update"))
     max_skipped_steps: int | None = field(
         default=None, metadata=_help("with nonfinite: skip, stop after this many skipped steps"))
+
+    def __post_init__(self) -> None:
+        if self.max_skipped_steps is not None and self.nonfinite != "skip":
+            raise FieldErrors({"max_skipped_steps": f"counts skipped steps, and with nonfinite: {self.nonfinite} no "
+                                                    "step is skipped: set nonfinite: skip, or remove it"})
 
 
 @dataclass

@@ -1,72 +1,107 @@
-"""The training state a checkpoint holds besides the weights: gathered for a save, restored on resume.
+"""Restoring a checkpoint (see checkpoint_write.py for its layout): weights, optimizer and every tracked state.
 
-The optimizer's state is keyed by parameter name (torch.distributed.checkpoint's full form, gathered from every
-rank under FSDP2), so a checkpoint written by N ranks resumes on M.
+Everything is read from safetensors and JSON (``state_files``, DCP's safetensors reader), never unpickled, and
+resharded to this run: model and optimizer by ``torch.distributed.checkpoint``, each rank reading only its slices.
+Written by N ranks and resumed on M, each rank takes the RNG state of its own rank (rank 0's where the checkpoint
+has none) and the data position is recomputed: the loader starts the current epoch again and skips the steps
+already trained (exact where the data order does not depend on the number of ranks: unshuffled data, or
+checkpoints at the end of an epoch).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from automodel.training.checkpoint import Checkpointer
-from automodel.training.modules import is_fsdp2
+from automodel.errors import AutomodelError
+from automodel.training.checkpoint import RESUME_ELSEWHERE, CheckpointError
+from automodel.training.checkpoint_write import RANK_STATES, SHARED_STATES, state_file
+from automodel.training.parallel.hf_export import load_hf_weights
+from automodel.training.parallel.sharded_checkpoint import load_sharded_state
+from automodel.training.state_files import read_state
+from automodel.training.step_scheduler import StepScheduler
+from automodel.training.trainer_state import read_trainer_state
 
-NOT_STATES = ("model", "step_scheduler")  # the weights go to model/, the step counter to trainer_state.json
-
-
-def _options(**kwargs: Any) -> Any:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    return StateDictOptions(full_state_dict=True, **kwargs)
-
-
-def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
-    """The whole model's weights gathered from every rank under FSDP2 (a collective there); None otherwise."""
-    if not is_fsdp2(model):
-        return None
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-    return get_model_state_dict(model, options=_options(cpu_offload=True))
+NOT_STATES = ("model", "optimizer", "step_scheduler")  # written by DCP / into trainer_state.json
 
 
-def gather_states(model: torch.nn.Module, stateful: dict[str, Any]) -> dict[str, Any]:
-    """The state dicts of the stateful attributes but the weights and step counter (collective under FSDP2)."""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+def small_states(stateful: dict[str, Any]) -> dict[str, Any]:
+    """The tracked attributes saved as state files (everything but weights, optimizer and step counter)."""
+    return {name: obj for name, obj in stateful.items() if name not in NOT_STATES}
 
-    states = {}
-    for name, obj in stateful.items():
-        if name in NOT_STATES:
+
+@contextlib.contextmanager
+def reading(path: Path, what: str) -> Iterator[None]:
+    """A file that does not hold what it should: exit 1 naming it and what to do, never a traceback."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except AutomodelError as err:
+        raise CheckpointError(f"{err}; {RESUME_ELSEWHERE}") from None
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError, RuntimeError, StopIteration) as err:
+        raise CheckpointError(f"'{path}' does not hold a valid {what} ({type(err).__name__}: {str(err)[:300]}); "
+                              f"{RESUME_ELSEWHERE}") from None
+
+
+def restore_weights(path: Path, model: torch.nn.Module, trainer_state: dict[str, Any]) -> None:
+    """The engine's weights into the (sharded) model; a recipe's own layout was loaded by the checkpoint stage."""
+    form = trainer_state["weights"]
+    if form == "model":
+        with reading(path / "model", "Hugging Face model"):
+            load_hf_weights(path / "model", model)
+    elif form == "model_shards":
+        with reading(path / "model_shards", "sharded model"):
+            load_sharded_state(path / "model_shards", model)
+
+
+def _check_position(loader: Any, state: Any, file: Path) -> None:
+    """A data position past the end of the data (a changed data set, or damage) is refused before training."""
+    batches = len(loader) if hasattr(loader, "__len__") else None
+    samples = len(loader.dataset) if hasattr(getattr(loader, "dataset", None), "__len__") else None
+    if not isinstance(state, dict):
+        return
+    sampler = state.get("_sampler_iter_state")
+    counts = [v for k, v in sampler.items() if k in ("samples_yielded", "yielded")] if isinstance(sampler, dict) \
+        else []
+    position = state.get("_num_yielded")
+    if (batches is not None and isinstance(position, int) and position > batches) or \
+            (samples is not None and any(isinstance(c, int) and c > samples for c in counts)):
+        raise CheckpointError(f"'{file}': its data position is past the end of the data ({batches} batches, "
+                              f"{samples} samples per epoch): the data set changed since the checkpoint, or the file "
+                              f"is damaged; {RESUME_ELSEWHERE}")
+
+
+def restore_states(path: Path, model: torch.nn.Module, stateful: dict[str, Any], rank: int, world_size: int,
+                   log: Callable[[str], None]) -> dict[str, Any]:
+    """Load optimizer, step counter and every tracked state from ``path``; returns its trainer_state."""
+    trainer_state = read_trainer_state(path)
+    optimizer = stateful.get("optimizer")
+    if optimizer is not None:
+        with reading(path / "optim", "optimizer state"):
+            load_sharded_state(path / "optim", model, optimizer, weights=False)
+    saved_world = trainer_state["world_size"]
+    steps: StepScheduler = stateful["step_scheduler"]
+    for name, obj in small_states(stateful).items():
+        if name == "dataloader" and saved_world != world_size:
+            steps.skip_trained_steps(trainer_state["step_scheduler"]["epoch_step"])
+            log(f"restore: written by {saved_world} ranks, resuming on {world_size}: the data loader starts epoch "
+                f"{trainer_state['epoch']} again and skips the {trainer_state['step_scheduler']['epoch_step']} "
+                "steps trained in it")
             continue
-        if name == "optimizer":
-            states[name] = get_optimizer_state_dict(model, obj, options=_options(cpu_offload=True))
-        else:
-            states[name] = obj.state_dict()
-    return states
-
-
-def restore_states(path: Path, model: torch.nn.Module, stateful: dict[str, Any], world_size: int,
-                   log: Callable[[str], None]) -> list[float]:
-    """Load every stateful attribute's state from the checkpoint at ``path``; returns its logged step losses."""
-    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-
-    trainer_state = Checkpointer.read_trainer_state(path)
-    targets = {k: v for k, v in stateful.items() if k not in NOT_STATES}
-    saved_world = trainer_state.get("world_size", 1)
-    if saved_world != world_size and "dataloader" in targets:
-        log(f"restore: written by {saved_world} ranks, resuming on {world_size}: the data order restarts at the "
-            "current epoch's beginning")
-        targets.pop("dataloader")
-    for name, state in Checkpointer.read_states(path, list(targets)).items():
-        if name == "optimizer":
-            # strict=False: a trainable parameter that never received a gradient (a VLM's unused vision head,
-            # say) has no optimizer state in the checkpoint, and the uninterrupted run had none either.
-            set_optimizer_state_dict(model, targets[name], state, options=_options(strict=False))
-        else:
-            targets[name].load_state_dict(state)
-    stateful["step_scheduler"].load_state_dict(trainer_state["step_scheduler"])
-    log(f"resumed from {path} at step {stateful['step_scheduler'].step}")
-    return list(trainer_state.get("losses", []))
+        stem = state_file(path, name, rank if rank < saved_world or name in SHARED_STATES else 0)
+        if name not in SHARED_STATES and name not in RANK_STATES and not stem.with_suffix(".json").exists():
+            raise CheckpointError(f"'{path}' has no saved state for '{name}' ({stem}.json); it was written by a "
+                                  "recipe that does not track it")
+        with reading(stem.with_suffix(".json"), f"'{name}' state"):
+            state = read_state(stem)
+            if name == "dataloader":
+                _check_position(obj, state, stem.with_suffix(".json"))
+            obj.load_state_dict(state)
+    steps.load_state_dict(trainer_state["step_scheduler"])
+    log(f"resumed from {path} at step {steps.step}")
+    return trainer_state

@@ -33,6 +33,8 @@ class StepScheduler:
                 f"step_scheduler.grad_accumulation_steps={grad_accumulation_steps}; use more data or smaller batches")
         self.step = 0
         self.epoch = 0
+        self.epoch_step = 0  # steps trained in the current epoch
+        self._skip = 0  # micro-batches of the current epoch already trained (a resume on another number of ranks)
 
     def batches(self, dataloader: Iterable[Any]) -> Iterator[list[Any]]:
         """Yield the micro-batches of each step until max_steps or num_epochs is reached."""
@@ -43,6 +45,9 @@ class StepScheduler:
             if set_epoch is not None:
                 set_epoch(self.epoch)  # a distributed sampler shuffles per epoch
             for batch in dataloader:
+                if self._skip:
+                    self._skip -= 1
+                    continue
                 buffer.append(batch)
                 if len(buffer) == self.grad_accumulation_steps:
                     yielded = True
@@ -53,10 +58,18 @@ class StepScheduler:
             if not yielded and self.step < self.max_steps and self.steps_per_epoch is None:
                 raise AutomodelError("the training data ran out before one full step")
             self.epoch += 1
+            self.epoch_step = 0
+            self._skip = 0
 
     def finish_step(self) -> int:
         self.step += 1
+        self.epoch_step += 1
         return self.step
+
+    def skip_trained_steps(self, steps: int) -> None:
+        """Resuming with a fresh data loader: pass over the micro-batches of the ``steps`` already trained in the
+        current epoch before the next step."""
+        self._skip = steps * self.grad_accumulation_steps
 
     @property
     def done(self) -> bool:
@@ -75,7 +88,7 @@ class StepScheduler:
         return self._every(self.config.checkpoint_interval) or last
 
     def state_dict(self) -> dict[str, int]:
-        return {"step": self.step, "epoch": self.epoch}
+        return {"step": self.step, "epoch": self.epoch, "epoch_step": self.epoch_step}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self.step, self.epoch = int(state["step"]), int(state["epoch"])
+        self.step, self.epoch, self.epoch_step = int(state["step"]), int(state["epoch"]), int(state["epoch_step"])

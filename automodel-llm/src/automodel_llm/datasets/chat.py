@@ -6,10 +6,20 @@ from typing import Any
 
 from torch.utils.data import Dataset
 
-from automodel.data import BadRows, OnBadRow, load_rows
+from automodel.data import BadRows, OnBadRow
 from automodel.errors import AutomodelError
-
-IGNORE_INDEX = -100
+from automodel_llm.datasets.arguments import (
+    ALIASES,
+    ARGUMENT_HELP,
+    IGNORE_INDEX,
+    Padding,
+    SampleLength,
+    Truncation,
+    given,
+    learns_nothing,
+    read_rows,
+    resolve_chat_template,
+)
 
 
 def _render(tokenizer: Any, messages: list[dict], generation_prompt: bool) -> list[int]:
@@ -39,25 +49,41 @@ def tokenize_conversation(tokenizer: Any, messages: list[dict]) -> tuple[list[in
 
 
 class ChatDataset(Dataset):
-    """Rows with a list of ``{role, content}`` messages (``messages`` column by default).
+    """Rows with a list of ``{role, content}`` messages, rendered with the tokenizer's chat template; the loss on
+    the assistant turns.
 
-    A row whose messages are null, not a list of mappings, or hold no assistant turn is refused, or skipped with
-    ``on_bad_row: skip``.
+    ``chat_template`` (inline, or a .jinja file) becomes the tokenizer's template, so the tokenizer saved with the
+    checkpoint renders conversations as training did. A row whose messages are null, not a list of mappings, or
+    hold no assistant turn is refused, or skipped with ``on_bad_row: skip``.
     """
 
-    def __init__(self, path_or_dataset_id: str, split: str = "train", tokenizer: Any = None,
-                 seq_length: int | None = None, messages_column: str = "messages", truncation: bool = False,
-                 limit_dataset_samples: int | None = None, on_bad_row: OnBadRow = "error"):
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-            raise AutomodelError("tokenizer: ChatDataset needs a tokenizer with a chat_template")
-        rows = load_rows(path_or_dataset_id, split, key="dataset.path_or_dataset_id")
-        if limit_dataset_samples is not None:
-            rows = rows.select(range(min(limit_dataset_samples, len(rows))))
+    argument_aliases = ALIASES
+    argument_help = {**ARGUMENT_HELP, "messages_column": "the column holding each row's list of messages",
+                     "chat_template": "a Jinja chat template, inline or the path of a file (.jinja, or JSON with a "
+                                      "chat_template key); it becomes the tokenizer's and is saved with it"}
+    requires_chat_template = True  # validation checks a local tokenizer for one unless chat_template is given
+
+    def __init__(self, path_or_dataset_id: str | None = None, split: str = "train", name: str | None = None,
+                 tokenizer: Any = None, seq_length: int | None = None, messages_column: str = "messages",
+                 chat_template: str | None = None, truncation: Truncation = False, padding: Padding = "do_not_pad",
+                 limit_dataset_samples: int | None = None, shuffle_seed: int | None = None,
+                 on_bad_row: OnBadRow = "error", dataset_name: str | None = None,
+                 max_seq_length: int | None = None):
+        source = given("path_or_dataset_id", path_or_dataset_id, "dataset_name", dataset_name)
+        length = SampleLength(given("seq_length", seq_length, "max_seq_length", max_seq_length), truncation, padding)
+        if tokenizer is None:
+            raise AutomodelError("dataset: ChatDataset needs a tokenizer (tokenizer: section)")
+        template = resolve_chat_template(chat_template)
+        if template is not None:
+            tokenizer.chat_template = template
+        if not getattr(tokenizer, "chat_template", None):
+            raise AutomodelError(f"dataset.chat_template: {missing_template_problem(tokenizer.name_or_path)}")
+        rows = read_rows(source, split, name, shuffle_seed, limit_dataset_samples)
         if messages_column not in rows.column_names:
-            raise AutomodelError(f"dataset.messages_column: '{path_or_dataset_id}' has no column '{messages_column}' "
+            raise AutomodelError(f"dataset.messages_column: '{source.value}' has no column '{messages_column}' "
                                  f"(found: {', '.join(rows.column_names)})")
         self.samples: list[dict[str, list[int]]] = []
-        bad_rows = BadRows(on_bad_row, path_or_dataset_id)
+        bad_rows = BadRows(on_bad_row, source.value)
         for index, row in enumerate(rows):
             if bad_rows.missing(index, row, (messages_column,)):
                 continue
@@ -69,21 +95,24 @@ class ChatDataset(Dataset):
                 bad_rows.bad(index, "the conversation has no assistant turn to learn from")
                 continue
             ids, labels = tokenize_conversation(tokenizer, messages)
-            if seq_length is not None and len(ids) > seq_length:
-                if not truncation:
-                    raise AutomodelError(f"dataset.seq_length: conversation {index} has {len(ids)} tokens, more than "
-                                         f"{seq_length}; raise seq_length or set dataset.truncation: true")
-                ids, labels = ids[:seq_length], labels[:seq_length]
-            if all(label == IGNORE_INDEX for label in labels[1:]):
+            sample = length.fit(ids, labels, tokenizer.pad_token_id, f"conversation {index} of '{source.value}'")
+            if learns_nothing(sample["labels"]):
                 continue
-            self.samples.append({"input_ids": ids, "labels": labels})
+            self.samples.append(sample)
         bad_rows.report()
         if not self.samples:
-            raise AutomodelError(f"dataset.path_or_dataset_id: '{path_or_dataset_id}' has no conversation with "
-                                 "assistant tokens left")
+            raise AutomodelError(f"{source.key}: '{source.value}' has no conversation with assistant tokens left")
 
     def __len__(self) -> int:
         return len(self.samples)
 
     def __getitem__(self, index: int) -> dict[str, list[int]]:
         return self.samples[index]
+
+
+def missing_template_problem(tokenizer_source: Any) -> str:
+    """What to do when the tokenizer has no chat template (shared by validation and the data set)."""
+    return (f"ChatDataset renders each conversation with the tokenizer's chat template, and the tokenizer "
+            f"('{tokenizer_source}') has none. Set dataset.chat_template to a Jinja template or the path of a "
+            ".jinja file (it is saved with the tokenizer), or tokenizer.chat_template to an inline template, or use "
+            "the tokenizer of an instruct/chat model, which ships one")

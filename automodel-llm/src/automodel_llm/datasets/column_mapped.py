@@ -6,34 +6,45 @@ from typing import Any
 
 from torch.utils.data import Dataset
 
-from automodel.data import BadRows, OnBadRow, load_rows
+from automodel.data import BadRows, OnBadRow
 from automodel.errors import AutomodelError
+from automodel_llm.datasets.arguments import (
+    ALIASES,
+    ARGUMENT_HELP,
+    Padding,
+    SampleLength,
+    Truncation,
+    given,
+    learns_nothing,
+    read_rows,
+)
+from automodel_llm.datasets.squad import tokenize_prompt_answer
 
-IGNORE_INDEX = -100
 _ROLES = ("context", "question", "answer")
 
 
-def _fits(ids: list[int], labels: list[int], limit: int | None, truncate: bool, where: str, key: str
-          ) -> tuple[list[int], list[int]]:
-    if limit is None or len(ids) <= limit:
-        return ids, labels
-    if not truncate:
-        raise AutomodelError(f"{key}.seq_length: {where} has {len(ids)} tokens, more than {limit}; raise "
-                             f"seq_length or set {key}.truncation: true")
-    return ids[:limit], labels[:limit]
-
-
 class ColumnMappedTextInstructionDataset(Dataset):
-    """Prompt = context and question columns, completion = the answer column (loss on it only by default).
+    """Prompt = the context and question columns, completion = the answer column (the loss on it only by
+    default).
 
     A row whose mapped column is null is refused, or skipped with ``on_bad_row: skip``; an empty answer is left out.
     """
 
-    def __init__(self, path_or_dataset_id: str, column_mapping: dict[str, str], split: str = "train",
-                 tokenizer: Any = None, seq_length: int | None = None, answer_only_loss_mask: bool = True,
-                 truncation: bool | str = False, padding: str | bool = "do_not_pad",
-                 limit_dataset_samples: int | None = None, start_of_turn_token: str | None = None,
-                 name: str | None = None, on_bad_row: OnBadRow = "error"):
+    argument_aliases = ALIASES
+    argument_help = {**ARGUMENT_HELP,
+                     "column_mapping": "role -> column name: context and/or question make the prompt, answer the "
+                                       "completion",
+                     "answer_only_loss_mask": "the loss on the answer only (false: on the prompt too)"}
+
+    def __init__(self, path_or_dataset_id: str | None = None, column_mapping: dict[str, str] | None = None,
+                 split: str = "train", name: str | None = None, tokenizer: Any = None, seq_length: int | None = None,
+                 answer_only_loss_mask: bool = True, truncation: Truncation = False, padding: Padding = "do_not_pad",
+                 limit_dataset_samples: int | None = None, shuffle_seed: int | None = None,
+                 on_bad_row: OnBadRow = "error", dataset_name: str | None = None, max_seq_length: int | None = None):
+        source = given("path_or_dataset_id", path_or_dataset_id, "dataset_name", dataset_name)
+        length = SampleLength(given("seq_length", seq_length, "max_seq_length", max_seq_length), truncation, padding)
+        if not column_mapping:
+            raise AutomodelError("dataset.column_mapping: missing (context / question / answer -> column names)")
         if tokenizer is None:
             raise AutomodelError("dataset: ColumnMappedTextInstructionDataset needs a tokenizer (tokenizer: section)")
         unknown = [role for role in column_mapping if role not in _ROLES]
@@ -43,17 +54,14 @@ class ColumnMappedTextInstructionDataset(Dataset):
             raise AutomodelError("dataset.column_mapping.answer: required (the column holding the completion)")
         if not {"context", "question"} & set(column_mapping):
             raise AutomodelError("dataset.column_mapping: map at least one of context or question")
-        rows = load_rows(path_or_dataset_id, split, key="dataset.path_or_dataset_id")
-        if limit_dataset_samples is not None:
-            rows = rows.select(range(min(limit_dataset_samples, len(rows))))
+        rows = read_rows(source, split, name, shuffle_seed, limit_dataset_samples)
         missing = [col for col in column_mapping.values() if col not in rows.column_names]
         if missing:
-            raise AutomodelError(f"dataset.column_mapping: '{path_or_dataset_id}' has no column(s) "
+            raise AutomodelError(f"dataset.column_mapping: '{source.value}' has no column(s) "
                                  f"{', '.join(missing)} (found: {', '.join(rows.column_names)})")
-        truncate = truncation not in (False, None, "do_not_truncate")
         self.samples: list[dict[str, list[int]]] = []
         self.qa_pairs: list[tuple[str, str]] = []
-        bad_rows = BadRows(on_bad_row, path_or_dataset_id)
+        bad_rows = BadRows(on_bad_row, source.value)
         for index, row in enumerate(rows):
             if bad_rows.missing(index, row, column_mapping.values()):
                 continue
@@ -62,22 +70,18 @@ class ColumnMappedTextInstructionDataset(Dataset):
             answer = str(row[column_mapping["answer"]]).strip()
             if not answer:
                 continue
-            prompt_ids = tokenizer(prompt)["input_ids"]
-            answer_ids = tokenizer(" " + answer, add_special_tokens=False)["input_ids"]
-            if tokenizer.eos_token_id is not None:
-                answer_ids = answer_ids + [tokenizer.eos_token_id]
-            ids = prompt_ids + answer_ids
-            labels = ([IGNORE_INDEX] * len(prompt_ids) if answer_only_loss_mask else list(prompt_ids)) + answer_ids
-            ids, labels = _fits(ids, labels, seq_length, truncate, f"row {index} of '{path_or_dataset_id}'",
-                                "dataset")
-            if all(label == IGNORE_INDEX for label in labels[1:]):
+            ids, labels = tokenize_prompt_answer(tokenizer, prompt, answer)
+            if not answer_only_loss_mask:
+                labels = list(ids)
+            sample = length.fit(ids, labels, tokenizer.pad_token_id, f"row {index} of '{source.value}'")
+            if learns_nothing(sample["labels"]):
                 continue
-            self.samples.append({"input_ids": ids, "labels": labels})
+            self.samples.append(sample)
             self.qa_pairs.append((prompt, answer))
         bad_rows.report()
         if not self.samples:
-            raise AutomodelError(f"dataset.path_or_dataset_id: '{path_or_dataset_id}' (split {split}) has no usable "
-                                 "rows: every answer was empty or truncated away")
+            raise AutomodelError(f"{source.key}: '{source.value}' (split {split}) has no usable rows: every answer "
+                                 "was empty or truncated away")
 
     def __len__(self) -> int:
         return len(self.samples)

@@ -7,41 +7,49 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from automodel.data import BadRows, OnBadRow, load_rows
+from automodel.data import BadRows, OnBadRow
 from automodel.errors import AutomodelError
+from automodel_llm.datasets.arguments import ALIASES, ARGUMENT_HELP, given, read_rows
 
 
 class PretrainingTextDataset(Dataset):
-    """Blocks of ``seq_length`` tokens; every token is a label. The tail shorter than a block is dropped.
+    """A text column tokenized, joined with EOS and cut into blocks of ``seq_length`` tokens; every token is a
+    label. The tail shorter than a block is dropped.
 
     A row whose text is null or not text is refused, or skipped with ``on_bad_row: skip``; empty text adds nothing.
     """
 
-    def __init__(self, path_or_dataset_id: str, split: str = "train", tokenizer: Any = None, seq_length: int = 512,
-                 text_column: str = "text", limit_dataset_samples: int | None = None,
-                 on_bad_row: OnBadRow = "error"):
+    argument_aliases = ALIASES
+    argument_help = {**ARGUMENT_HELP, "seq_length": "tokens per block (default 512)",
+                     "text_column": "the column holding the text"}
+
+    def __init__(self, path_or_dataset_id: str | None = None, split: str = "train", name: str | None = None,
+                 tokenizer: Any = None, seq_length: int | None = None, text_column: str = "text",
+                 limit_dataset_samples: int | None = None, shuffle_seed: int | None = None,
+                 on_bad_row: OnBadRow = "error", dataset_name: str | None = None,
+                 max_seq_length: int | None = None):
+        source = given("path_or_dataset_id", path_or_dataset_id, "dataset_name", dataset_name)
+        block = given("seq_length", seq_length, "max_seq_length", max_seq_length, 512)
         if tokenizer is None:
             raise AutomodelError("dataset: PretrainingTextDataset needs a tokenizer (tokenizer: section)")
-        rows = load_rows(path_or_dataset_id, split, key="dataset.path_or_dataset_id")
-        if limit_dataset_samples is not None:
-            rows = rows.select(range(min(limit_dataset_samples, len(rows))))
+        rows = read_rows(source, split, name, shuffle_seed, limit_dataset_samples)
         if text_column not in rows.column_names:
-            raise AutomodelError(f"dataset.text_column: '{path_or_dataset_id}' has no column '{text_column}' "
+            raise AutomodelError(f"dataset.text_column: '{source.value}' has no column '{text_column}' "
                                  f"(found: {', '.join(rows.column_names)})")
         stream: list[int] = []
         eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-        bad_rows = BadRows(on_bad_row, path_or_dataset_id)
+        bad_rows = BadRows(on_bad_row, source.value)
         for index, text in enumerate(rows[text_column]):
             if not isinstance(text, str):
                 bad_rows.bad(index, f"the field '{text_column}' is " + ("null" if text is None else "not text"))
             elif text:
                 stream += tokenizer(text, add_special_tokens=False)["input_ids"] + eos
         bad_rows.report()
-        count = len(stream) // seq_length
+        count = len(stream) // block.value
         if count == 0:
-            raise AutomodelError(f"dataset.path_or_dataset_id: '{path_or_dataset_id}' has {len(stream)} tokens, fewer "
-                                 f"than one block of seq_length={seq_length}")
-        self.blocks = torch.tensor(stream[: count * seq_length], dtype=torch.long).view(count, seq_length)
+            raise AutomodelError(f"{source.key}: '{source.value}' has {len(stream)} tokens, fewer than one block of "
+                                 f"{block.key}={block.value}")
+        self.blocks = torch.tensor(stream[: count * block.value], dtype=torch.long).view(count, block.value)
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -52,10 +60,17 @@ class PretrainingTextDataset(Dataset):
 
 
 class MockDataset(Dataset):
-    """Random token sequences of a fixed length, for benchmarks (seeded, so runs are comparable)."""
+    """Random token sequences of ``seq_length`` tokens (default 128), for benchmarks (seeded, so runs are
+    comparable)."""
 
-    def __init__(self, num_samples: int = 1024, seq_length: int = 128, vocab_size: int | None = None,
-                 tokenizer: Any = None, seed: int = 0):
+    argument_aliases = {"max_seq_length": "seq_length"}
+    argument_help = {"num_samples": "how many sequences", "seq_length": "tokens per sequence (default 128)",
+                     "vocab_size": "token ids are drawn below it (default: the tokenizer's size)",
+                     "seed": "the random generator's seed"}
+
+    def __init__(self, num_samples: int = 1024, seq_length: int | None = None, vocab_size: int | None = None,
+                 tokenizer: Any = None, seed: int = 0, max_seq_length: int | None = None):
+        seq_length = given("seq_length", seq_length, "max_seq_length", max_seq_length, 128).value
         vocab = vocab_size or (len(tokenizer) if tokenizer is not None else None)
         if not vocab:
             raise AutomodelError("dataset.vocab_size: needed when no tokenizer is available")

@@ -6,11 +6,20 @@ from typing import Any
 
 from torch.utils.data import Dataset
 
-from automodel.data import BadRows, OnBadRow, load_rows
+from automodel.data import BadRows, OnBadRow
 from automodel.errors import AutomodelError
 from automodel.hf import load_tokenizer
-
-IGNORE_INDEX = -100
+from automodel_llm.datasets.arguments import (
+    ALIASES,
+    ARGUMENT_HELP,
+    IGNORE_INDEX,
+    Padding,
+    SampleLength,
+    Truncation,
+    given,
+    learns_nothing,
+    read_rows,
+)
 
 
 def squad_prompt(context: str, question: str) -> str:
@@ -36,33 +45,41 @@ def tokenize_prompt_answer(tokenizer: Any, prompt: str, answer: str) -> tuple[li
 
 
 class SquadDataset(Dataset):
-    """Rows ``{context, question, answers: {text: [...]}}`` from a hub name or local file/directory.
+    """Rows ``{context, question, answers: {text: [...]}}`` (SQuAD's columns) as ``Context: ... Question: ...
+    Answer:`` and the first answer, with the loss on the answer.
 
     A row without ``context``, ``question`` or ``answers`` (or with null or non-text ones) is refused, or skipped
     with ``on_bad_row: skip``; a row whose ``answers`` hold no text (an unanswerable SQuAD v2 question) is left
     out, as there is nothing to learn from it.
     """
 
-    def __init__(self, dataset_name: str = "rajpurkar/squad", split: str = "train",
-                 tokenizer_name_or_path: str | None = None, max_seq_length: int | None = None,
-                 tokenizer: Any = None, limit_dataset_samples: int | None = None, truncation: bool = False,
-                 seed: int | None = None, on_bad_row: OnBadRow = "error"):
+    argument_aliases = {**ALIASES, "seed": "shuffle_seed"}
+    argument_help = {**ARGUMENT_HELP,
+                     "path_or_dataset_id": ARGUMENT_HELP["path_or_dataset_id"] + " (default: rajpurkar/squad)",
+                     "tokenizer_name_or_path": "a tokenizer for this data set instead of the recipe's"}
+
+    def __init__(self, path_or_dataset_id: str | None = None, split: str = "train", name: str | None = None,
+                 tokenizer_name_or_path: str | None = None, seq_length: int | None = None, tokenizer: Any = None,
+                 limit_dataset_samples: int | None = None, shuffle_seed: int | None = None,
+                 truncation: Truncation = False, padding: Padding = "do_not_pad", on_bad_row: OnBadRow = "error",
+                 dataset_name: str | None = None, max_seq_length: int | None = None, seed: int | None = None):
+        source = given("path_or_dataset_id", path_or_dataset_id, "dataset_name", dataset_name, "rajpurkar/squad")
+        length = SampleLength(given("seq_length", seq_length, "max_seq_length", max_seq_length), truncation, padding)
+        shuffle = given("shuffle_seed", shuffle_seed, "seed", seed)
         if tokenizer_name_or_path is not None:
             tokenizer = load_tokenizer(tokenizer_name_or_path, "dataset.tokenizer_name_or_path")
         if tokenizer is None:
             raise AutomodelError("dataset.tokenizer_name_or_path: no tokenizer; name one here or in tokenizer:")
         self.tokenizer = tokenizer
-        rows = load_rows(dataset_name, split)
-        if limit_dataset_samples is not None:
-            rows = rows.select(range(min(limit_dataset_samples, len(rows))))
+        rows = read_rows(source, split, name, shuffle.value, limit_dataset_samples, shuffle.key)
         missing = [c for c in ("context", "question", "answers") if c not in rows.column_names]
         if missing:
-            raise AutomodelError(f"dataset.dataset_name: '{dataset_name}' lacks the column(s) {', '.join(missing)} "
+            raise AutomodelError(f"{source.key}: '{source.value}' lacks the column(s) {', '.join(missing)} "
                                  f"(found: {', '.join(rows.column_names)})")
         self.samples: list[dict[str, list[int]]] = []
         self.qa_pairs: list[tuple[str, str]] = []
         dropped = 0
-        bad_rows = BadRows(on_bad_row, dataset_name)
+        bad_rows = BadRows(on_bad_row, source.value)
         for index, row in enumerate(rows):
             if bad_rows.missing(index, row, ("context", "question", "answers")):
                 continue
@@ -74,22 +91,17 @@ class SquadDataset(Dataset):
                 dropped += 1
                 continue
             prompt = squad_prompt(row["context"], row["question"])
-            input_ids, labels = tokenize_prompt_answer(tokenizer, prompt, answer)
-            if max_seq_length is not None and len(input_ids) > max_seq_length:
-                if not truncation:
-                    raise AutomodelError(
-                        f"dataset.max_seq_length: sample {index} of '{dataset_name}' has {len(input_ids)} tokens, "
-                        f"more than {max_seq_length}; raise max_seq_length or set dataset.truncation: true")
-                input_ids, labels = input_ids[:max_seq_length], labels[:max_seq_length]
-            if all(label == IGNORE_INDEX for label in labels[1:]):
+            ids, labels = tokenize_prompt_answer(tokenizer, prompt, answer)
+            sample = length.fit(ids, labels, tokenizer.pad_token_id, f"sample {index} of '{source.value}'")
+            if learns_nothing(sample["labels"]):
                 dropped += 1
                 continue
-            self.samples.append({"input_ids": input_ids, "labels": labels})
+            self.samples.append(sample)
             self.qa_pairs.append((prompt, answer))
         bad_rows.report()
         if not self.samples:
-            raise AutomodelError(f"dataset.dataset_name: '{dataset_name}' (split {split}) has no usable samples: "
-                                 f"{dropped} rows had no answer or no answer tokens left")
+            raise AutomodelError(f"{source.key}: '{source.value}' (split {split}) has no usable samples: {dropped} "
+                                 "rows had no answer or no answer tokens left")
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -99,7 +111,15 @@ class SquadDataset(Dataset):
 
 
 def make_squad_dataset(tokenizer: Any, seq_length: int | None = None, limit_dataset_samples: int | None = None,
-                       split: str = "train", dataset_name: str = "rajpurkar/squad", **kwargs: Any) -> SquadDataset:
-    """Upstream-compatible factory for :class:`SquadDataset`."""
-    return SquadDataset(dataset_name=dataset_name, split=split, tokenizer=tokenizer, max_seq_length=seq_length,
-                        limit_dataset_samples=limit_dataset_samples, **kwargs)
+                       split: str = "train", dataset_name: str | None = None, padding: Padding = False,
+                       truncation: Truncation = False, on_bad_row: OnBadRow = "error",
+                       path_or_dataset_id: str | None = None, max_seq_length: int | None = None) -> SquadDataset:
+    """Upstream's factory for ``SquadDataset``, under upstream's argument names (``dataset_name`` here)."""
+    return SquadDataset(path_or_dataset_id=path_or_dataset_id, dataset_name=dataset_name, split=split,
+                        tokenizer=tokenizer, seq_length=seq_length, max_seq_length=max_seq_length,
+                        limit_dataset_samples=limit_dataset_samples, padding=padding, truncation=truncation,
+                        on_bad_row=on_bad_row)
+
+
+make_squad_dataset.argument_aliases = ALIASES
+make_squad_dataset.argument_help = SquadDataset.argument_help

@@ -1,8 +1,7 @@
 """Image-text conversation data and its collation."""
 
-from automodel_vlm.datasets.collate import VLMCollator, default_collate_fn
+from automodel_vlm.datasets.collate import VLMCollator
 from automodel_vlm.datasets.conversation import ImageTextChatDataset
 from automodel_vlm.datasets.question_answer import make_cord_v2_dataset, make_medpix_dataset, make_rdr_dataset
 
-__all__ = ["ImageTextChatDataset", "VLMCollator", "default_collate_fn", "make_cord_v2_dataset", "make_medpix_dataset",
-           "make_rdr_dataset"]
+__all__ = ["ImageTextChatDataset", "VLMCollator", "make_cord_v2_dataset", "make_medpix_dataset", "make_rdr_dataset"]

@@ -133,13 +133,3 @@ class VLMCollator:
                                                   dtype=labels.dtype)
         batch["labels"] = labels
         return batch
-
-
-def default_collate_fn(examples: list[dict[str, Any]], processor: Any = None, max_length: int | None = None,
-                       drop_overlong: bool = False) -> dict[str, torch.Tensor]:
-    """Upstream's VLM ``default_collate_fn`` as a function (``collate_fn: {_target_: ..., max_length: ...}``): the
-    processor renders the conversations with their chat template and batches them with their images; labels keep
-    only the assistant turns (:class:`VLMCollator`). The VLM recipe passes its ``processor``."""
-    if processor is None:
-        raise AutomodelError("collate_fn: default_collate_fn needs the processor (the VLM recipe passes it)")
-    return VLMCollator(processor, max_length, drop_overlong)(examples)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import shlex
 from dataclasses import dataclass
 from importlib import metadata, resources
 from pathlib import Path
@@ -146,7 +147,7 @@ def plan_files(names: Names, base: Base) -> dict[str, str]:
 
 
 def scaffold(dest: Path, name: str | None = None, domain: str = "llm", command: str = "finetune",
-             force: bool = False, manager: PluginManager | None = None) -> tuple[Names, list[Path]]:
+             force: bool = False, manager: PluginManager | None = None) -> tuple[Names, Base, list[Path]]:
     manager = manager or get_plugin_manager()
     name = name or dest.resolve().name
     name = name.removeprefix("automodel-").removeprefix("automodel_")
@@ -171,7 +172,7 @@ def scaffold(dest: Path, name: str | None = None, domain: str = "llm", command: 
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text, encoding="utf-8")
         written.append(path)
-    return names, written
+    return names, base, written
 
 
 @click.command("new")
@@ -182,12 +183,19 @@ def scaffold(dest: Path, name: str | None = None, domain: str = "llm", command: 
 @click.option("--force", is_flag=True, help="write into a non-empty DEST, replacing files")
 def new(dest: Path, name: str | None, domain: str, command_word: str, force: bool) -> None:
     """Scaffold a recipe plugin distribution in DEST (pyproject, plugin, recipe, example, test)."""
-    names, written = scaffold(dest, name, domain, command_word, force)
+    names, base, written = scaffold(dest, name, domain, command_word, force)
     click.echo(f"created {names.dist} in {dest}: route `automodel {names.command} {names.domain}`, recipe "
                f"{names.recipe_path}")
     for path in written:
         click.echo(f"  {path}")
-    click.echo("next:\n"
-               f"  pip install -e {dest}\n"
-               f"  pytest -q {dest / 'tests'}\n"
-               f"  automodel {names.command} {names.domain} -c {names.domain}/tiny")
+    click.echo(f"next steps (in the virtualenv where {base.distribution} is installed):")
+    for step in next_steps(dest, names):
+        click.echo(f"  {step}")
+
+
+def next_steps(dest: Path, names: Names) -> list[str]:
+    """The commands that install the scaffold with its test extra, run its tests with that interpreter's pytest,
+    and run its route (tests/test_scaffold.py runs exactly these in a clean virtualenv)."""
+    return [f"python -m pip install -e {shlex.quote(f'{dest}[test]')}",
+            f"python -m pytest -q {shlex.quote(str(dest / 'tests'))}",
+            f"automodel {names.command} {names.domain} -c {names.domain}/tiny"]

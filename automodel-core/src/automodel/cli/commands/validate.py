@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import click
@@ -31,7 +32,7 @@ def _best_route_for(path: Path, extra: list[str]):
         except UsageError:
             continue
         try:
-            load_and_validate(recipe_cls, path, extra, manager)
+            load_and_validate(recipe_cls, path, extra, manager, quiet=True)
             return route, None
         except ConfigError as err:
             sections = recipe_cls.all_sections()
@@ -46,14 +47,30 @@ def _best_route_for(path: Path, extra: list[str]):
 @click.command(context_settings=OVERRIDE_SETTINGS)
 @click.argument("route", nargs=-1)
 @click.option("-c", "--config", required=True, help="config YAML")
+@click.option("--nproc-per-node", type=int, default=None, help="check for this many processes per node")
+@click.option("--nnodes", type=int, default=None, help="check for this many nodes")
 @trust_options
 @click.pass_context
-def validate(ctx: click.Context, route: tuple[str, ...], config: str) -> None:
+def validate(ctx: click.Context, route: tuple[str, ...], config: str, nproc_per_node: int | None,
+             nnodes: int | None) -> None:
     """Report every problem in a config at once (exit 2 when there are any).
 
     The recipe is the one named by ROUTE (`automodel validate finetune llm -c x.yaml`), else the config's
-    `recipe:` key, else the installed recipe the config fits best.
+    `recipe:` key, else the installed recipe the config fits best. The device mesh (`distributed.*`) is checked
+    against --nproc-per-node x --nnodes processes, else against WORLD_SIZE (1 when it is unset).
     """
+    from automodel.cli.launch import planned_world
+    from automodel.training.dist import expected_world_size, planned_world_size, world_size_source
+
+    launch = {"nproc_per_node": nproc_per_node, "nnodes": nnodes}
+    planned = planned_world_size(*planned_world(launch)) if nproc_per_node or nnodes else contextlib.nullcontext()
+    with planned:
+        label, path = _validate(ctx, route, config)
+        world, source = expected_world_size(), world_size_source()
+    click.echo(f"{path}: valid for {label} (checked for {world} process{'es' if world > 1 else ''}: {source})")
+
+
+def _validate(ctx: click.Context, route: tuple[str, ...], config: str) -> tuple[str, Path]:
     from automodel.cli.execute import import_recipe, load_and_validate, recipe_from_config, resolve_config_path
     from automodel.config import load_yaml_file
 
@@ -77,5 +94,6 @@ def validate(ctx: click.Context, route: tuple[str, ...], config: str) -> None:
         found, error = _best_route_for(path, extra)
         if error is not None:
             raise error
+        load_and_validate(import_recipe(found.recipe), path, extra, manager)  # once more, for its notes
         label = f"{found.command} {found.domain}"
-    click.echo(f"{path}: valid for {label}")
+    return label, path

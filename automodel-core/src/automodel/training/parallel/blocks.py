@@ -2,19 +2,33 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
 # Prefixes wrappers insert into parameter and module names: activation checkpointing, torch.compile.
 _WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.")
 
 
+class LayerPlaceholder(nn.Module):
+    """Stands in for a transformer layer that another pipeline stage holds: it passes the hidden states through,
+    so the model's own forward runs this stage's layers only and every layer keeps its index (and its names)."""
+
+    def forward(self, hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
+        return hidden_states
+
+
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
-    """The longest ``ModuleList`` of modules of one type (a transformer's layers): each is one FSDP unit and one
-    activation-checkpointing region. Empty when the model has no such list."""
+    """The longest ``ModuleList`` of modules of one type (a transformer's layers), not counting the placeholders of
+    a pipeline stage: each is one FSDP unit and one activation-checkpointing region. Empty when the model has no
+    such list."""
     best: list[nn.Module] = []
     for module in model.modules():
-        if isinstance(module, nn.ModuleList) and len(module) > len(best) and len({type(m) for m in module}) == 1:
-            best = list(module)
+        if not isinstance(module, nn.ModuleList):
+            continue
+        layers = [m for m in module if not isinstance(m, LayerPlaceholder)]
+        if len(layers) > len(best) and len({type(m) for m in layers}) == 1:
+            best = layers
     return best
 
 

@@ -13,18 +13,20 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import shutil
 import struct
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from automodel.errors import AutomodelError
+from automodel.training.modules import unwrap
 from automodel.training.parallel.blocks import clean_name, tied_to
-from automodel.training.parallel.shard_files import DTYPES, Slice, nbytes, read_slices
+from automodel.training.parallel.shard_files import DTYPES, Slice, mismatch_report, nbytes, read_slices
+from automodel.training.parallel.writer import all_ok, barrier, distributed, group_rank, single_process_is_intended
 
 _Tensor = tuple[tuple[int, ...], list[Slice]]  # a saved tensor's full shape and its slices
 
@@ -37,8 +39,9 @@ DEFAULT_MAX_FILE_BYTES = 5 * 1024**3
 
 def export_names(model: nn.Module, prefix: str = "") -> tuple[str, dict[str, str]]:
     """("model" | "adapter", saved key -> HF name) for ``model``'s ``state_dict`` keys (plus ``prefix``): a tied
-    tensor once, under its first name (as ``save_pretrained`` writes it); a peft model's adapter under peft's names.
-    """
+    tensor once, under the name ``save_pretrained`` writes it with; a peft model's adapter under peft's names.
+    ``model`` may be wrapped (DDP, torch.compile): the names are the inner model's."""
+    model = unwrap(model)
     if hasattr(model, "peft_config"):
         from peft import get_peft_model_state_dict
 
@@ -52,12 +55,33 @@ def export_names(model: nn.Module, prefix: str = "") -> tuple[str, dict[str, str
             raise AutomodelError("peft's adapter state is not made of the model's own tensors; this adapter type "
                                  "cannot be exported from a sharded checkpoint")
         return "adapter", {prefix + clean_name(key_of[id(tensor)]): name for name, tensor in adapter.items()}
-    return "model", {prefix + key: key for key, first in tied_to(model).items() if key == first}
+    hub = _hub_names(model)
+    return "model", {prefix + key: hub.get(key, key) for key, first in tied_to(model).items() if key == first}
 
 
-def write_export_files(model: nn.Module, directory: Path, prefix: str) -> None:
-    """Beside the shards: ``hf_export.json`` and the model's HF config files in ``hf/`` (rank 0 calls it)."""
-    kind, names = export_names(model, prefix)
+def _hub_names(model: nn.Module) -> dict[str, str]:
+    """state_dict key -> the name ``save_pretrained`` writes it under, where transformers renames an architecture's
+    keys back to their hub names (Llava: ``model.language_model.x`` -> ``language_model.model.x``). Learnt by running
+    transformers' own save-time renaming on placeholder tensors; empty when nothing is renamed."""
+    if not hasattr(model, "config"):
+        return {}
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:
+        return {}
+    probes = {key: torch.empty(0) for key in model.state_dict()}
+    key_of = {id(t): key for key, t in probes.items()}
+    try:
+        reverted = revert_weight_conversion(model, dict(probes))
+    except Exception:  # noqa: BLE001 - a converting (not renaming) mapping: keys stay as they are
+        return {}
+    return {key_of[id(t)]: saved for saved, t in reverted.items() if id(t) in key_of and saved != key_of[id(t)]}
+
+
+def write_export_files(model: nn.Module, directory: Path, kind: str, names: dict[str, str]) -> None:
+    """Beside the shards: ``hf_export.json`` (``kind`` and ``names`` from :func:`export_names`, merged over the
+    model's parts) and the model's HF config files in ``hf/`` (rank 0 calls it)."""
+    model = unwrap(model)
     (directory / EXPORT_FILE).write_text(json.dumps({"kind": kind, "weights": names}, indent=1), encoding="utf-8")
     target = directory / HF_FILES
     target.mkdir(exist_ok=True)
@@ -72,10 +96,10 @@ def write_export_files(model: nn.Module, directory: Path, prefix: str) -> None:
             config.save_pretrained(str(target))
 
 
-def export_hf(directory: str | Path, out: str | Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> list[Path]:
-    """Write the HF directory ``out`` from the sharded checkpoint ``directory``; every rank calls it.
-
-    Returns the weight files this rank wrote."""
+def export_hf(directory: str | Path, out: str | Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+              group: Any = None) -> list[Path]:
+    """Write the HF directory ``out`` from the sharded checkpoint ``directory``; every rank of ``group`` (a gloo
+    group; the checkpoint group when None) calls it. Returns the weight files this rank wrote, each fsynced."""
     directory, out = Path(directory), Path(out)
     try:
         plan = json.loads((directory / EXPORT_FILE).read_text(encoding="utf-8"))
@@ -87,23 +111,69 @@ def export_hf(directory: str | Path, out: str | Path, max_file_bytes: int = DEFA
         raise AutomodelError(f"'{directory}' lacks saved tensors the export needs: {', '.join(missing[:8])}")
     chunks = {key: (shapes[key], slices[key]) for key in plan["weights"]}
     files = _plan_files(plan, chunks, max_file_bytes)
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() \
-        else (0, 1)
-    out.mkdir(parents=True, exist_ok=True)
-    written = []
-    for number, (name, entries) in enumerate(files.items()):
-        if number % world == rank:
-            with _Reader() as reader:  # the shard files' mapped pages leave memory after each output file
-                _write_file(out / name, entries, chunks, reader)
-            written.append(out / name)
+    rank, world = group_rank(group)
+    written, failure = [], None
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        for number, (name, entries) in enumerate(files.items()):
+            if number % world == rank:
+                with _Reader() as reader:  # the shard files' mapped pages leave memory after each output file
+                    _write_file(out / name, entries, chunks, reader)
+                written.append(out / name)
+    except Exception as err:  # every rank must hear of it before anyone waits on the others
+        failure = err
+    if not all_ok(failure is None, group):
+        raise failure or AutomodelError(f"another rank failed to write its part of '{out}'")
     if rank == 0:
         if len(files) > 1:
             _write_index(out / INDEX_FILE, files, chunks)
         for config in sorted((directory / HF_FILES).glob("*")):
             shutil.copyfile(config, out / config.name)
-    if world > 1:
-        dist.barrier()
+    barrier(group)
     return written
+
+
+def load_hf_weights(directory: Path, model: nn.Module) -> None:
+    """Fill ``model`` (sharded or not) from the HF directory ``directory`` that :func:`export_hf` wrote for a model
+    like it, each rank reading only the slices it holds (``HuggingFaceStorageReader``); a peft model's adapter."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    names = export_names(model)[1]
+    state = get_model_state_dict(model)
+    targets = {names[key]: tensor for key, tensor in state.items() if key in names}
+    saved = _hf_shapes(directory)
+    wrong = [f"{name}: checkpoint {saved[name]} vs model {tuple(t.shape)}" for name, t in targets.items()
+             if name in saved and saved[name] != tuple(t.shape)]
+    only_saved, missing = [n for n in saved if n not in targets], [n for n in targets if n not in saved]
+    if wrong or only_saved or missing:
+        raise AutomodelError(mismatch_report(
+            f"checkpoint '{directory}' does not match the model (is restore_from.path the same architecture, with "
+            "the same peft settings?)", {"shape mismatches": wrong, "keys only in the checkpoint": only_saved,
+                                         "keys missing from the checkpoint": missing}))
+    with single_process_is_intended():
+        dcp.load(targets, storage_reader=HuggingFaceStorageReader(str(directory)), no_dist=not distributed())
+    tied = tied_to(unwrap(model))
+    set_model_state_dict(model, {key: targets[names[tied[key]]] for key in state if tied[key] in names},
+                         options=StateDictOptions(strict=False))
+
+
+def _hf_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape from the headers of ``directory``'s safetensors files (a damaged file is named)."""
+    from safetensors import safe_open
+
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise AutomodelError(f"'{directory}' holds no *.safetensors weights")
+    shapes = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                shapes.update({key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()})
+        except Exception as err:  # safetensors raises its own error type for a truncated or foreign file
+            raise AutomodelError(f"'{file}' is corrupted ({err})") from None
+    return shapes
 
 
 def _plan_files(plan: dict[str, Any], chunks: dict[str, _Tensor], max_file_bytes: int
@@ -183,6 +253,8 @@ def _write_file(path: Path, entries: list[tuple[str, str]], chunks: dict[str, _T
             full = _assemble(key, chunks[key], reader)
             if full.numel():
                 stream.write(full.reshape(-1).view(torch.uint8).numpy().data)
+        stream.flush()
+        os.fsync(stream.fileno())
 
 
 def _write_index(path: Path, files: dict[str, list[tuple[str, str]]], chunks: dict[str, _Tensor]) -> None:

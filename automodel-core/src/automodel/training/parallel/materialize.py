@@ -10,7 +10,8 @@
 
 Fresh initialisation is defined module by module: in a fixed order, each module's full parameters are initialised
 by the model's own ``_init_weights`` (peft's for LoRA layers) with the random generator seeded from ``(seed,
-module name)``; each rank then keeps its slice. One process and N ranks use this same function, so they get the
+module name)`` (the name in the base model: with or without LoRA, the base weights are the same); each rank then
+keeps its slice. One process and N ranks use this same function, so they get the
 same weights, and no rank holds more than one module's full parameters at a time. (It is not the random stream of
 ``AutoModelForCausalLM.from_config`` after ``torch.manual_seed``: reproducing that needs the whole model at once.)
 """
@@ -20,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -67,13 +68,19 @@ def hf_checkpoint_key(name: str) -> str:
     return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
 
 
-def materialize(model: nn.Module, device: torch.device | str, seed: int, weights: str | Path | None = None,
+WeightSource = tuple[str | Path, Callable[[str], str]]  # a safetensors directory, model key -> key in its files
+
+
+def materialize(model: nn.Module, device: torch.device | str, seed: int,
+                weights: str | Path | Sequence[WeightSource] | None = None,
                 checkpoint_key: Callable[[str], str] = hf_checkpoint_key) -> MaterializeReport:
     """Allocate ``model``'s (sharded) parameters on ``device`` and fill them; every rank calls it.
 
-    ``weights``: a directory of safetensors files (one file, or several with ``model.safetensors.index.json``);
-    parameters and persistent buffers found there (under ``checkpoint_key(name)``) are read slice by slice, the
-    rest are initialised from ``seed`` by :func:`init_module_by_module`. No ``weights``: all are initialised.
+    ``weights``: a directory of safetensors files (one file, or several with ``model.safetensors.index.json``),
+    its tensors named ``checkpoint_key(name)``; or several ``(directory, checkpoint_key)`` sources, the first
+    holding a tensor wins (a LoRA checkpoint's adapters before the base model's files). Parameters and persistent
+    buffers found there are read slice by slice, the rest are initialised from ``seed`` by
+    :func:`init_module_by_module`. No ``weights``: all are initialised.
     """
     device = torch.device(device)
     buffers = [(module, name, buffer) for module in model.modules()
@@ -91,23 +98,57 @@ def materialize(model: nn.Module, device: torch.device | str, seed: int, weights
             module._parameters[name] = first._parameters[first_name]
     report = MaterializeReport()
     done: set[int] = set()
-    if weights is not None:
-        files = weight_files(Path(weights))
-        todo: dict[Path, list[tuple[str, str, torch.Tensor]]] = {}
-        for name, tensor in _unique_tensors(model):
-            key = checkpoint_key(name)
-            if key in files:
-                todo.setdefault(files[key], []).append((name, key, tensor))
-        for file, entries in sorted(todo.items()):  # one file mapped at a time: its pages leave memory after it
-            with _open(file) as handle:
-                for name, key, tensor in entries:
-                    _read_slice(handle, key, tensor, file)
-                    done.add(id(tensor))
-                    report.loaded.append(name)
-        used = {key for entries in todo.values() for _, key, _ in entries}
-        report.unused = sorted(set(files) - used)
+    sources = [(weights, checkpoint_key)] if isinstance(weights, (str, Path)) else list(weights or ())
+    unused: set[str] = set()
+    for directory, key_of in sources:
+        unused |= _read_files(model, Path(directory), key_of, done, report)
+    report.unused = sorted(unused)
     report.initialised = init_module_by_module(model, seed, skip=done)
     return report
+
+
+def _read_files(model: nn.Module, directory: Path, checkpoint_key: Callable[[str], str], done: set[int],
+                report: MaterializeReport) -> set[str]:
+    """Read the tensors not in ``done`` (ids) that ``directory`` holds; returns its keys no tensor maps to."""
+    files = weight_files(directory)
+    todo: dict[Path, list[tuple[str, str, torch.Tensor]]] = {}
+    matched = {checkpoint_key(clean_name(name)) for name in model.state_dict(keep_vars=True)} & set(files)
+    for name, tensor in _unique_tensors(model):
+        key = checkpoint_key(name)
+        if key in files and id(tensor) not in done:
+            todo.setdefault(files[key], []).append((name, key, tensor))
+    for file, entries in sorted(todo.items()):  # one file mapped at a time: its pages leave memory after it
+        with _open(file) as handle:
+            for name, key, tensor in entries:
+                _read_slice(handle, key, tensor, file)
+                done.add(id(tensor))
+                report.loaded.append(name)
+    return set(files) - matched
+
+
+def compare_keys(model: nn.Module, directory: Path, checkpoint_key: Callable[[str], str] = hf_checkpoint_key,
+                 include: Callable[[str], bool] = lambda name: True) -> tuple[list[str], list[str], list[str]]:
+    """The model's tensors (those ``include`` accepts, a tied tensor once) that the safetensors files under
+    ``directory`` lack, the file keys no tensor of the model maps to, and the tensors whose shapes differ
+    (``key: checkpoint (...) vs model (...)``); reads the files' headers only."""
+    files = weight_files(directory)
+    wanted = [(name, tensor) for name, tensor in _unique_tensors(model) if include(name)]
+    missing = [name for name, _ in wanted if checkpoint_key(name) not in files]
+    mapped = {checkpoint_key(clean_name(name)) for name in model.state_dict(keep_vars=True)}  # tied aliases too
+    shapes = _file_shapes({key: files[key] for key in (checkpoint_key(name) for name, _ in wanted) if key in files})
+    mismatched = [f"{checkpoint_key(name)}: checkpoint {shapes[checkpoint_key(name)]} vs model {tuple(tensor.shape)}"
+                  for name, tensor in wanted
+                  if checkpoint_key(name) in shapes and shapes[checkpoint_key(name)] != tuple(tensor.shape)]
+    return missing, sorted(set(files) - mapped), mismatched
+
+
+def _file_shapes(files: dict[str, Path]) -> dict[str, tuple[int, ...]]:
+    """Each key's shape from the header of the file holding it (each file opened once)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in set(files.values()):
+        with _open(file) as handle:
+            shapes.update({key: tuple(handle.get_slice(key).get_shape()) for key, f in files.items() if f == file})
+    return shapes
 
 
 def _unique_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -171,7 +212,8 @@ def _open(file: Path) -> Any:
     try:
         return safe_open(str(file), framework="pt", device="cpu")
     except Exception as err:  # safetensors raises its own error type for a truncated or foreign file
-        raise AutomodelError(f"cannot read '{file}' as safetensors: {err}") from None
+        raise AutomodelError(f"'{file}' is corrupted: it is not a complete safetensors file ({err}); replace "
+                             "it with an intact copy, or point the config at another checkpoint or model") from None
 
 
 # ---- fresh initialisation ---------------------------------------------------------------------------------------
@@ -203,7 +245,7 @@ def init_module_by_module(model: nn.Module, seed: int, skip: Collection[int] = (
         if not todo:
             continue
         initialiser = _lora_initialiser(model, module, name) if lora else _module_initialiser(models, module, name)
-        _init_unit(module, todo, initialiser, module_seed(seed, clean_name(name)), clean_name(name))
+        _init_unit(module, todo, initialiser, module_seed(seed, _seed_name(name, lora)), clean_name(name))
         done.update(id(p) for p in todo.values())
         initialised += [clean_name(_join(name, n)) for n in todo]
     return initialised
@@ -234,6 +276,13 @@ def _init_unit(module: nn.Module, params: dict[str, nn.Parameter], initialiser: 
     finally:
         for owner, attr, param, _ in swapped:
             owner._parameters[attr] = param
+
+
+def _seed_name(name: str, lora: bool) -> str:
+    """What a module's generator is seeded by: its name in the base model (peft's wrapping removed, so a LoRA run
+    starts from the plain model's weights); a LoRA layer's adapters draw from a stream of their own."""
+    base = clean_name(name).removeprefix("base_model.model.").replace(".base_layer", "")
+    return f"{base}#lora" if lora else base
 
 
 def _join(prefix: str, name: str) -> str:

@@ -8,12 +8,16 @@ name in ``_target_``), with its meaning of an unset dtype: ``param_dtype`` (the 
 engine's cross entropy upcasts the logits). fp16 needs a gradient scaler, which :meth:`Precision.grad_scaler`
 makes. Without FSDP2 (one process, DDP) ``torch.autocast`` runs the forward in ``param_dtype``; there gradients are
 reduced in float32 and outputs are not cast, so other values of those keys are refused. Without ``mp_policy``:
-float32 on a CPU, bf16 (reduced and output in fp32) on a GPU that supports it.
+float32 on a CPU, bf16 (reduced and output in fp32) on a GPU that supports it. Upstream's sibling key
+``distributed.autocast_dtype`` also runs the forward under ``torch.autocast`` in that dtype, under FSDP2 too (its
+pattern: ``output_dtype: fp32`` keeps the residual stream in fp32 while the matmuls run in bf16); without FSDP2 it
+is the autocast dtype, and must agree with ``param_dtype`` when both are set.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +41,7 @@ class Precision:
     reduce_dtype: torch.dtype | None = None
     output_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
+    autocast_dtype: torch.dtype | None = None  # distributed.autocast_dtype
 
     @property
     def mixed(self) -> bool:
@@ -50,15 +55,22 @@ class Precision:
                                     output_dtype=self.output_dtype, cast_forward_inputs=self.cast_forward_inputs)
 
     def autocast(self, device_type: str) -> contextlib.AbstractContextManager:
-        """The forward's context without FSDP2 (single process, DDP): autocast to ``param_dtype`` when mixed.
+        """The forward's context without FSDP2 (single process, DDP): autocast to ``param_dtype`` (or
+        ``autocast_dtype``) when mixed. Under FSDP2 see :meth:`forward_context`."""
+        return self.forward_context(device_type, fsdp2=False)
 
-        Under FSDP2 the policy casts the parameters itself; use ``contextlib.nullcontext()`` there."""
-        if not self.mixed:
+    def forward_context(self, device_type: str, fsdp2: bool) -> contextlib.AbstractContextManager:
+        """What the forward (and the loss) run under: FSDP2's policy casts the parameters itself, so there only
+        ``autocast_dtype`` adds an autocast; elsewhere autocast runs in the compute dtype when it is mixed."""
+        dtype = self.autocast_dtype if fsdp2 else (self.autocast_dtype or (self.param_dtype if self.mixed else None))
+        if dtype is None:
             return contextlib.nullcontext()
-        return torch.autocast(device_type, dtype=self.param_dtype)
+        return torch.autocast(device_type, dtype=dtype)
 
     def compute_dtype(self, storage_dtype: torch.dtype, fsdp2: bool) -> torch.dtype:
-        """The dtype the forward and backward run in."""
+        """The dtype the forward and backward run in (the matmuls', under ``autocast_dtype``)."""
+        if self.autocast_dtype is not None:
+            return self.autocast_dtype
         if fsdp2:
             return self.param_dtype or storage_dtype
         return self.param_dtype if self.mixed else storage_dtype
@@ -81,9 +93,13 @@ class Precision:
             reduce, output = self.reduce_dtype or compute, self.output_dtype or compute
         else:
             reduce, output = storage_dtype, compute
+        if fsdp2 and self.autocast_dtype is not None:
+            output = self.output_dtype or self.param_dtype or storage_dtype
         if compute == storage_dtype and reduce == storage_dtype and output == storage_dtype:
             return f"precision: {_name(storage_dtype)} (no mixed precision), loss fp32"
         how = "FSDP2 MixedPrecisionPolicy" if fsdp2 else "torch.autocast"
+        if fsdp2 and self.autocast_dtype is not None:
+            how += f" + torch.autocast {_name(self.autocast_dtype)}"
         return (f"mixed precision ({how}): params {_name(compute)} (stored {_name(storage_dtype)}), reduce "
                 f"{_name(reduce)}, output {_name(output)}, loss fp32"
                 + (", gradient scaler" if compute == torch.float16 else ""))
@@ -110,18 +126,38 @@ def default_precision(device: torch.device) -> Precision:
 
 
 def precision_issues(mp_policy: Mapping[str, Any] | None, device: torch.device, fsdp2: bool,
-                     section: str = "distributed.mp_policy") -> list[ConfigIssue]:
-    """Every problem with an ``mp_policy`` mapping, each under its dotted key (``fsdp2``: the run shards with it)."""
-    return _parse(mp_policy, device, fsdp2, section)[1]
+                     section: str = "distributed.mp_policy", autocast_dtype: Any = None) -> list[ConfigIssue]:
+    """Every problem with an ``mp_policy`` mapping (and ``autocast_dtype``), each under its dotted key (``fsdp2``:
+    the run shards with it)."""
+    return _with_autocast(mp_policy, device, fsdp2, section, autocast_dtype)[1]
 
 
 def resolve_precision(mp_policy: Mapping[str, Any] | None, device: torch.device, fsdp2: bool,
-                      section: str = "distributed.mp_policy") -> Precision:
-    """The precision for ``mp_policy`` (None: :func:`default_precision`); a ``ConfigError`` when it is wrong."""
-    precision, issues = _parse(mp_policy, device, fsdp2, section)
+                      section: str = "distributed.mp_policy", autocast_dtype: Any = None) -> Precision:
+    """The precision for ``mp_policy`` (None: :func:`default_precision`) and upstream's ``autocast_dtype``
+    (None: none); a ``ConfigError`` when either is wrong."""
+    precision, issues = _with_autocast(mp_policy, device, fsdp2, section, autocast_dtype)
     if issues:
         raise ConfigError(issues)
     return precision
+
+
+def _with_autocast(mp_policy: Mapping[str, Any] | None, device: torch.device, fsdp2: bool, section: str,
+                   autocast_dtype: Any) -> tuple[Precision, list[ConfigIssue]]:
+    precision, issues = _parse(mp_policy, device, fsdp2, section)
+    if autocast_dtype is None:
+        return precision, issues
+    key = f"{section.rsplit('.', 1)[0]}.autocast_dtype" if "." in section else "autocast_dtype"
+    dtype = parse_dtype_name(autocast_dtype)
+    if dtype not in (torch.bfloat16, torch.float16):
+        issues.append(ConfigIssue(key, f"{autocast_dtype!r} is not an autocast dtype; use bf16 (bfloat16) or fp16 "
+                                  "(float16), or remove the key"))
+        return precision, issues
+    if not fsdp2 and precision.mixed and precision.param_dtype != dtype:
+        issues.append(ConfigIssue(key, f"{_name(dtype)} disagrees with {section}.param_dtype "
+                                  f"({_name(precision.param_dtype)}); without fsdp2 both name the autocast dtype: "
+                                  "give one"))
+    return dataclasses.replace(precision, autocast_dtype=dtype), issues
 
 
 def _parse(mp_policy: Mapping[str, Any] | None, device: torch.device, fsdp2: bool,

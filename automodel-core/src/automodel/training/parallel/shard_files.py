@@ -35,9 +35,17 @@ class Slice:
     dtype: str  # the safetensors code: F32, BF16, ...
 
 
-def write_tensor_shapes(directory: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """``tensors.json``: each key's full shape (rank 0 writes it; a ``DTensor``'s shape is the full one)."""
-    shapes = {key: list(tensor.shape) for key, tensor in tensors.items()}
+def mismatch_report(heading: str, groups: dict[str, list[str]]) -> str:
+    """``heading`` and each non-empty group of mismatches (title -> items), a few items each."""
+    lines = [heading]
+    for title, items in groups.items():
+        if items:
+            lines.append(f"  {title} ({len(items)}): " + ", ".join(items[:8]) + (" ..." if len(items) > 8 else ""))
+    return "\n".join(lines)
+
+
+def write_tensor_shapes(directory: Path, shapes: dict[str, list[int]]) -> None:
+    """``tensors.json``: each saved key's full shape (rank 0 writes it, for the tensors of every rank)."""
     (directory / TENSORS_FILE).write_text(json.dumps({"shapes": shapes}, indent=1), encoding="utf-8")
 
 

@@ -11,18 +11,16 @@ the shard's offsets), everything else is JSON. One directory holds::
     hf_export.json, hf/                         what the HF export of the weights needs (see hf_export.py)
 
 Tensors are grouped into files of at most ``max_file_bytes`` (of the whole tensors), which also bounds what a rank
-serialises at once. Model and optimizer are saved in one DCP call, so an asynchronous save has one background
-writer. The caller writes into a staging directory and publishes it (rename, ``LATEST``) after the save finished.
+serialises at once. A peft model's weights are its adapter (the base is unchanged). Background saves run one after
+the other on one writer thread (``run_in_background``) and talk over their own gloo group (``checkpoint_group``).
+The caller writes into a staging directory and publishes it (rename, ``LATEST``) after the save finished.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import warnings
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,66 +28,130 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from automodel.errors import AutomodelError
+from automodel.training.modules import unwrap
 from automodel.training.parallel.blocks import tied_to
-from automodel.training.parallel.hf_export import write_export_files
-from automodel.training.parallel.shard_files import ShardedCheckpointError, read_slices, write_tensor_shapes
+from automodel.training.parallel.checkpoint_metadata import Metadata, gather_metadata, merge_metadata
+from automodel.training.parallel.hf_export import export_names, write_export_files
+from automodel.training.parallel.shard_files import (
+    ShardedCheckpointError,
+    mismatch_report,
+    read_slices,
+    write_tensor_shapes,
+)
+from automodel.training.parallel.writer import (
+    PendingSave,
+    checkpoint_group,
+    distributed,
+    run_in_background,
+    single_process_is_intended,
+)
 
 OPTIMIZER_FILE = "optimizer.json"
 MODEL, OPTIM = "model.", "optim."
 DEFAULT_MAX_FILE_BYTES = 2 * 1024**3
 
-_checkpoint_group: Any = None
+Parts = nn.Module | Sequence[nn.Module]
+Optimizers = torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None
 
 
-@dataclass
-class PendingSave:
-    """An asynchronous save in flight: ``wait()`` before publishing the directory or starting the next save."""
+def sharded_tensors(model: Parts, optimizer: Optimizers = None, weights: bool = True
+                    ) -> tuple[dict[str, torch.Tensor], Metadata]:
+    """(DCP key -> this rank's tensor, what the directory records beside the shards): the weights (a tied tensor
+    once; of a peft model only the adapter, the rest is its unchanged base) when ``weights``, and the optimizer's
+    state. ``model`` may be a list of parts holding disjoint parts of one model under its names (the stages a
+    pipeline rank runs), ``optimizer`` then one optimizer per part. The record is merged over the parts and every
+    rank (see checkpoint_metadata.py): a collective, every rank calls it."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    future: Any
+    tensors: dict[str, torch.Tensor] = {}
+    metadata: Metadata | None = None
+    for part, part_optimizer in _parts(model, optimizer):
+        # The model's state first, always: FSDP2's state_dict hook puts the sharded parameters back in place (a
+        # no_grad forward, validation, can leave a module unsharded), and the optimizer's state is keyed by them.
+        model_state = get_model_state_dict(part)
+        mine: dict[str, torch.Tensor] = {}
+        export = None
+        if weights:
+            export = list(export_names(part, MODEL))
+            mine = {MODEL + name: t for name, t in model_state.items() if MODEL + name in export[1]}
+        manifest = None
+        if part_optimizer is not None:
+            optim_tensors, manifest = _split_optimizer_state(get_optimizer_state_dict(part, part_optimizer))
+            mine.update(optim_tensors)
+        tensors.update(mine)
+        part_metadata = {"shapes": {key: list(t.shape) for key, t in mine.items()},
+                         "bytes": {key: math.prod(t.shape) * t.element_size() for key, t in mine.items()},
+                         "optimizer": manifest, "export": export}
+        metadata = part_metadata if metadata is None else merge_metadata(metadata, part_metadata)
+    return tensors, gather_metadata(metadata)
 
-    def wait(self) -> None:
-        result = self.future
-        upload = getattr(result, "upload_completion", None)  # an AsyncSaveResponse (staging, upload futures)
-        (upload if upload is not None else result).result()
+
+def write_sharded_metadata(directory: Path, model: Parts, metadata: Metadata) -> None:
+    """What a sharded directory holds beside the shards (rank 0): shapes, optimizer manifest, export plan (when
+    the weights are saved; the HF config files from the first part)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    write_tensor_shapes(directory, metadata["shapes"])
+    if metadata["optimizer"] is not None:
+        (directory / OPTIMIZER_FILE).write_text(json.dumps(metadata["optimizer"], indent=1), encoding="utf-8")
+    if metadata["export"] is not None:
+        write_export_files(_parts(model, None)[0][0], directory, *metadata["export"])
 
 
-def save_sharded_state(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                       max_file_bytes: int = DEFAULT_MAX_FILE_BYTES, async_save: bool = False) -> PendingSave | None:
-    """Write ``model``'s (and ``optimizer``'s) state into ``directory``; every rank calls it.
+def write_sharded_tensors(directory: Path, tensors: dict[str, torch.Tensor], sizes: dict[str, int],
+                          max_file_bytes: int = DEFAULT_MAX_FILE_BYTES, group: Any = None) -> None:
+    """Every rank of ``group`` writes its shards of ``tensors`` into ``directory`` (one DCP save); ``sizes``: every
+    rank's keys and their sizes (the metadata's ``bytes``), so that all group the keys into the same files."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    directory.mkdir(parents=True, exist_ok=True)
+    if not sizes:
+        return
+    writer = HuggingFaceStorageWriter(str(directory), fqn_to_index_mapping=_file_index(sizes, max_file_bytes),
+                                      save_distributed=True)
+    with single_process_is_intended():
+        dcp.save(tensors, storage_writer=writer, process_group=group, no_dist=not distributed())
+
+
+def stage_on_cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A copy of this rank's ``tensors`` in host memory that training no longer changes (what a background save
+    writes)."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    stager = DefaultStager(StagingOptions(False, False, False, False))
+    try:
+        return stager.stage(tensors)
+    finally:
+        stager.close()
+
+
+def save_sharded_state(directory: str | Path, model: Parts, optimizer: Optimizers = None,
+                       max_file_bytes: int = DEFAULT_MAX_FILE_BYTES, async_save: bool = False,
+                       weights: bool = True) -> PendingSave | None:
+    """Write ``model``'s weights (when ``weights``) and ``optimizer``'s state into ``directory``; every rank
+    calls it. Model parts and their optimizers as for :func:`sharded_tensors`.
 
     ``async_save``: the state is copied to host memory, then written in the background; the returned
     ``PendingSave`` says when the files are complete. Training may change the parameters meanwhile."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import HuggingFaceStorageWriter
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
     directory = Path(directory)
-    tied = tied_to(model)
-    tensors = {MODEL + name: tensor for name, tensor in get_model_state_dict(model).items() if tied[name] == name}
-    manifest = None
-    if optimizer is not None:
-        optim_tensors, manifest = _split_optimizer_state(get_optimizer_state_dict(model, optimizer))
-        tensors.update(optim_tensors)
-    directory.mkdir(parents=True, exist_ok=True)
+    tensors, metadata = sharded_tensors(model, optimizer, weights)
     if _rank() == 0:
-        write_tensor_shapes(directory, tensors)
-        if manifest is not None:
-            (directory / OPTIMIZER_FILE).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
-        write_export_files(model, directory, MODEL)
+        write_sharded_metadata(directory, model, metadata)
     _barrier()
-    writer = HuggingFaceStorageWriter(str(directory), fqn_to_index_mapping=_file_index(tensors, max_file_bytes),
-                                      save_distributed=True)
-    with _single_process_is_intended():
-        if async_save:
-            return PendingSave(dcp.async_save(tensors, storage_writer=writer, process_group=_async_group(),
-                                              no_dist=not _distributed()))
-        dcp.save(tensors, storage_writer=writer, no_dist=not _distributed())
-    return None
+    if not async_save:
+        write_sharded_tensors(directory, tensors, metadata["bytes"], max_file_bytes)
+        return None
+    staged, group = stage_on_cpu(tensors), checkpoint_group()
+    return run_in_background(lambda: write_sharded_tensors(directory, staged, metadata["bytes"], max_file_bytes,
+                                                           group))
 
 
-def load_sharded_state(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+def load_sharded_state(directory: str | Path, model: Parts, optimizer: Optimizers = None, weights: bool = True
                        ) -> None:
-    """Fill ``model`` (and ``optimizer``) from ``directory``, resharded to how they are sharded now."""
+    """Fill ``model``'s weights (when ``weights``) and ``optimizer`` from ``directory``, resharded to how they
+    are sharded now; model parts and their optimizers as for :func:`sharded_tensors`, each part reading the
+    tensors of the names it holds."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
     from torch.distributed.checkpoint.state_dict import (
@@ -102,20 +164,40 @@ def load_sharded_state(directory: str | Path, model: nn.Module, optimizer: torch
 
     directory = Path(directory)
     saved = read_slices(directory)[0]
-    model_state = get_model_state_dict(model)
-    tied = tied_to(model)  # a tied tensor is saved and loaded once, under its first name
-    targets = {MODEL + name: tensor for name, tensor in model_state.items() if tied[name] == name}
-    if optimizer is not None:
-        optim_state = get_optimizer_state_dict(model, optimizer)
-        manifest = _read_manifest(directory)
-        targets.update(_optimizer_targets(optim_state, manifest, directory))
+    parts = _parts(model, optimizer)
+    manifest = _read_manifest(directory) if optimizer is not None else None
+    targets: dict[str, torch.Tensor] = {}
+    states = []
+    for part, part_optimizer in parts:
+        model_state = get_model_state_dict(part)
+        tied = tied_to(unwrap(part))  # a tied tensor is saved and loaded once, under its first name
+        if weights:
+            names = export_names(part, MODEL)[1]
+            targets.update({MODEL + name: t for name, t in model_state.items() if MODEL + name in names})
+        optim_state = get_optimizer_state_dict(part, part_optimizer) if part_optimizer is not None else None
+        if optim_state is not None:
+            targets.update(_optimizer_targets(optim_state, manifest, directory, set(model_state)))
+        states.append((model_state, tied, optim_state))
     _check_sizes(targets, saved, directory)
-    with _single_process_is_intended():
-        dcp.load(targets, storage_reader=HuggingFaceStorageReader(str(directory)), no_dist=not _distributed())
-    set_model_state_dict(model, {name: targets[MODEL + tied[name]] for name in model_state})
-    if optimizer is not None:
-        restored = _join_optimizer_state(targets, manifest, optim_state)
-        set_optimizer_state_dict(model, optimizer, restored, options=StateDictOptions(strict=False))
+    if targets:
+        with single_process_is_intended():
+            dcp.load(targets, storage_reader=HuggingFaceStorageReader(str(directory)), no_dist=not distributed())
+    for (part, part_optimizer), (model_state, tied, optim_state) in zip(parts, states, strict=True):
+        if weights:
+            set_model_state_dict(part, {name: targets[MODEL + tied[name]] for name in model_state
+                                        if MODEL + tied[name] in targets}, options=StateDictOptions(strict=False))
+        if optim_state is not None:
+            restored = _join_optimizer_state(targets, manifest, optim_state)
+            set_optimizer_state_dict(part, part_optimizer, restored, options=StateDictOptions(strict=False))
+
+
+def _parts(model: Parts, optimizer: Optimizers) -> list[tuple[nn.Module, Any]]:
+    """(module, its optimizer or None) for each model part."""
+    models = list(model) if isinstance(model, Sequence) else [model]
+    optimizers = list(optimizer) if isinstance(optimizer, Sequence) else [optimizer] * len(models)
+    if len(optimizers) != len(models):
+        raise AutomodelError(f"{len(models)} model parts but {len(optimizers)} optimizers: give one per part")
+    return list(zip(models, optimizers, strict=True))
 
 
 # ---- optimizer state: tensors to DCP, the rest to JSON -----------------------------------------------------------
@@ -153,11 +235,14 @@ def _read_manifest(directory: Path) -> dict[str, Any]:
         raise ShardedCheckpointError(f"'{file}' is corrupted: {err}") from None
 
 
-def _optimizer_targets(current: dict[str, Any], manifest: dict[str, Any], directory: Path
+def _optimizer_targets(current: dict[str, Any], manifest: dict[str, Any], directory: Path, held: set[str]
                        ) -> dict[str, torch.Tensor]:
-    """Where each saved optimizer tensor goes: the optimizer's own (sharded) state tensor of that name."""
+    """Where each saved optimizer tensor of a parameter in ``held`` (the part's names) goes: the optimizer's own
+    (sharded) state tensor of that name."""
     targets = {}
     for key, (fqn, name) in manifest["tensors"].items():
+        if fqn not in held:
+            continue
         tensor = current["state"].get(fqn, {}).get(name)
         if not isinstance(tensor, torch.Tensor):
             raise ShardedCheckpointError(f"'{directory}' holds optimizer state '{name}' of '{fqn}', which this "
@@ -168,11 +253,15 @@ def _optimizer_targets(current: dict[str, Any], manifest: dict[str, Any], direct
 
 def _join_optimizer_state(loaded: dict[str, torch.Tensor], manifest: dict[str, Any], current: dict[str, Any]
                           ) -> dict[str, Any]:
-    """The ``set_optimizer_state_dict`` form. A parameter without saved state gets none (as before the save)."""
+    """The ``set_optimizer_state_dict`` form for the parameters of ``current`` (a part's optimizer). A parameter
+    without saved state gets none (as before the save); the groups keep their parameters and get the saved
+    hyperparameters."""
+    held = {fqn for group in current["param_groups"] for fqn in group["params"]}
     state: dict[str, dict[str, Any]] = {}
     for key, (fqn, name) in manifest["tensors"].items():
-        state.setdefault(fqn, {})[name] = loaded[key]
-    for fqn, entries in manifest["scalars"].items():
+        if fqn in held:
+            state.setdefault(fqn, {})[name] = loaded[key]
+    for fqn, entries in ((f, e) for f, e in manifest["scalars"].items() if f in held):
         for name, saved in entries.items():
             if "tensor" in saved:
                 like = current["state"].get(fqn, {}).get(name)
@@ -186,19 +275,19 @@ def _join_optimizer_state(loaded: dict[str, torch.Tensor], manifest: dict[str, A
                                      f"groups, this one {len(current['param_groups'])}: is it the same optimizer?")
     groups = []
     for saved, now in zip(manifest["param_groups"], current["param_groups"], strict=True):
-        groups.append({k: tuple(v) if isinstance(now.get(k), tuple) and isinstance(v, list) else v
-                       for k, v in saved.items()})
+        groups.append({**{k: tuple(v) if isinstance(now.get(k), tuple) and isinstance(v, list) else v
+                          for k, v in saved.items()}, "params": now["params"]})
     return {"state": state, "param_groups": groups}
 
 
 # ---- helpers ----------------------------------------------------------------------------------------------------
 
 
-def _file_index(tensors: dict[str, torch.Tensor], max_file_bytes: int) -> dict[str, int]:
-    """Key -> file number (1-based): consecutive keys fill a file up to ``max_file_bytes`` of whole tensors."""
+def _file_index(sizes: dict[str, int], max_file_bytes: int) -> dict[str, int]:
+    """Key -> file number (1-based): consecutive keys (of every rank) fill a file up to ``max_file_bytes`` of whole
+    tensors."""
     index, used, mapping = 1, 0, {}
-    for key, tensor in tensors.items():
-        size = math.prod(tensor.shape) * tensor.element_size()
+    for key, size in sizes.items():
         if used and used + size > max_file_bytes:
             index, used = index + 1, 0
         mapping[key] = index
@@ -211,39 +300,15 @@ def _check_sizes(targets: dict[str, torch.Tensor], saved: dict[str, tuple[int, .
     wrong = [f"{key}: saved {tuple(saved[key])}, now {tuple(t.shape)}" for key, t in targets.items()
              if key in saved and tuple(saved[key]) != tuple(t.shape)]
     if missing or wrong:
-        lines = [f"the sharded checkpoint '{directory}' does not match the model (same architecture and config?)"]
-        for title, items in (("missing", missing), ("shape mismatches", wrong)):
-            if items:
-                lines.append(f"  {title} ({len(items)}): " + ", ".join(items[:8]) + (" ..." if len(items) > 8 else ""))
-        raise ShardedCheckpointError("\n".join(lines))
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-@contextlib.contextmanager
-def _single_process_is_intended() -> Iterator[None]:
-    """DCP warns on every save and load without a process group; one process is a supported case here."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        yield
+        raise ShardedCheckpointError(mismatch_report(
+            f"the sharded checkpoint '{directory}' does not match the model (same architecture and config?)",
+            {"missing": missing, "shape mismatches": wrong}))
 
 
 def _rank() -> int:
-    return dist.get_rank() if _distributed() else 0
+    return dist.get_rank() if distributed() else 0
 
 
 def _barrier() -> None:
-    if _distributed():
+    if distributed():
         dist.barrier()
-
-
-def _async_group() -> Any:
-    """A gloo group of every rank for background saves, so their collectives never interleave with training's."""
-    global _checkpoint_group
-    if not _distributed():
-        return None
-    if _checkpoint_group is None:
-        _checkpoint_group = dist.new_group(backend="gloo")
-    return _checkpoint_group

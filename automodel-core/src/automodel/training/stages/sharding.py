@@ -1,33 +1,40 @@
 """Slot ``sharding``: data parallelism across torchrun ranks, as ``distributed.strategy`` says (ddp, fsdp2,
-megatron_fsdp); acts only under torchrun with more than one process."""
+megatron_fsdp), over the device mesh's data-parallel dimension; acts only with more than one process.
+
+FSDP2 shards a model built on the meta device and then materialises it, each rank only its shards
+(``training/model_init.py``); a model its factory built in full (a factory without meta-device support) is sharded
+as it is. HSDP (``dp_replicate_size > 1``) shards over the mesh's ``(dp_replicate, dp_shard)`` dimensions.
+"""
 
 from __future__ import annotations
 
 import importlib.util
 
 import torch
-import torch.distributed as dist
 
 from automodel.config import Config
 from automodel.errors import ConfigIssue
 from automodel.training.context import BuildContext
-from automodel.training.dist import world_size
+from automodel.training.dist import expected_world_size
+from automodel.training.model_init import materialize_model, on_meta
+from automodel.training.parallel.fsdp import apply_fsdp2
+from automodel.training.parallel.mesh import DP, data_parallel_mesh
+from automodel.training.parallelism import parallel_issues
 
 
 def select(cfg: Config) -> tuple[str, str] | None:
-    if cfg.distributed is None or world_size() <= 1:
+    if cfg.distributed is None or expected_world_size() <= 1:
         return None
     return (cfg.distributed.strategy, "distributed.strategy")
 
 
 def issues(cfg: Config, implementation: str | None) -> list[ConfigIssue]:
-    """Unsupported sizes, and (for the core's strategies) what a strategy needs that this machine lacks."""
+    """The mesh, precision and parallel sizes (training/parallelism.py), and (for the core's strategies) what a
+    strategy needs that this machine lacks."""
     settings = cfg.distributed
     if settings is None:
         return []
-    found = [ConfigIssue(f"distributed.{name}", f"{getattr(settings, name)} is not supported yet; only data "
-                                                "parallelism (dp_size) is")
-             for name in ("tp_size", "pp_size") if getattr(settings, name) > 1]
+    found = parallel_issues(cfg, implementation)
     if implementation is None and settings.strategy == "megatron_fsdp":
         missing = [what for what, ok in (("CUDA", torch.cuda.is_available()),
                                          ("the megatron_fsdp package", importlib.util.find_spec("megatron_fsdp")))
@@ -43,33 +50,32 @@ def wrap_ddp(ctx: BuildContext, model: torch.nn.Module) -> tuple[torch.nn.Module
 
     model.to(ctx.device)
     device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=device_ids), f"DDP over {dist.get_world_size()} ranks"
-
-
-def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The largest ModuleList of identical layer types (transformer blocks): each becomes one FSDP unit."""
-    best: list[torch.nn.Module] = []
-    for module in model.modules():
-        if isinstance(module, torch.nn.ModuleList) and len(module) > len(best) and len({type(m) for m in module}) == 1:
-            best = list(module)
-    return best
+    group = ctx.device_mesh[DP].get_group() if ctx.device_mesh is not None else None
+    return (DistributedDataParallel(model, device_ids=device_ids, process_group=group),
+            f"DDP over {ctx.mesh.dp} ranks")
 
 
 def wrap_fsdp2(ctx: BuildContext, model: torch.nn.Module) -> tuple[torch.nn.Module, str]:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    """``fully_shard`` per transformer block and at the root with the run's precision; then the meta-device model
+    gets its values (each rank its shards only)."""
+    meta = on_meta(model)
+    if not meta:
+        model.to(ctx.device)
+    layout = ctx.mesh
+    blocks = apply_fsdp2(model, data_parallel_mesh(ctx.device_mesh, layout), ctx.precision)
+    how = (f"HSDP: {layout.dp_replicate} replicas x FSDP2 over {layout.dp_shard} ranks" if layout.dp_replicate > 1
+           else f"FSDP2 over {layout.dp_shard} ranks")
+    message = f"{how} ({blocks} blocks sharded)"
+    if meta:
+        message += "; " + materialize_model(ctx, model)
+    return model, message
 
-    model.to(ctx.device)
-    mesh = init_device_mesh(ctx.device.type, (dist.get_world_size(),))
-    blocks = repeated_blocks(model)
-    for block in blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model, f"FSDP2 over {dist.get_world_size()} ranks ({len(blocks)} blocks sharded)"
+
+wrap_fsdp2.shards_meta_models = True  # the pipeline leaves a meta-device model to it (it materialises after sharding)
 
 
 def wrap_megatron_fsdp(ctx: BuildContext, model: torch.nn.Module) -> tuple[torch.nn.Module, str]:
     import megatron_fsdp  # validated present before anything is built
 
     model.to(ctx.device)
-    return megatron_fsdp.fully_shard(model), f"Megatron-FSDP over {dist.get_world_size()} ranks"
+    return megatron_fsdp.fully_shard(model), f"Megatron-FSDP over {ctx.mesh.dp} ranks"

@@ -1,0 +1,106 @@
+"""What the pipeline does to a model between freezing and sharding: activation checkpointing, and materialising a
+model built on the meta device (``automodel.meta_build``) where its sharding stage does not do it itself.
+
+A meta-device model gets its values in ``materialize_model``, on every rank, each rank only its shards: read in
+slices from the checkpoint being resumed (its ``model/`` directory: full weights, or a LoRA adapter over the base
+model's), then from the pretrained safetensors the model factory named, and whatever neither holds is initialised
+module by module from the seed (``automodel.training.parallel.materialize``): one process and N ranks start from
+the same weights.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from automodel.errors import AutomodelError
+from automodel.hf import is_adapter_dir
+from automodel.training.checkpoint import RESUME_ELSEWHERE, CheckpointError, mismatch_message
+from automodel.training.context import BuildContext
+from automodel.training.parallel.activation_checkpointing import apply_activation_checkpointing
+from automodel.training.parallel.materialize import (
+    WeightSource,
+    compare_keys,
+    hf_checkpoint_key,
+    materialize,
+)
+
+_ADAPTER_NAME = re.compile(r"\.(lora_[A-Za-z_]+)\.[^.]+(?=\.|$)")  # "...lora_A.default.weight" -> "...lora_A.weight"
+
+
+def on_meta(model: torch.nn.Module) -> bool:
+    """Whether any parameter of ``model`` is still on the meta device (no values yet)."""
+    return any(p.is_meta for p in model.parameters())
+
+
+def adapter_key(name: str) -> str:
+    """A LoRA parameter's key in peft's saved ``adapter_model.safetensors`` (the adapter's name dropped)."""
+    return _ADAPTER_NAME.sub(r".\1", name)
+
+
+def checkpoint_activations(ctx: BuildContext, model: torch.nn.Module) -> str:
+    """``distributed.activation_checkpointing``: wrap every transformer block; a model without any is an error."""
+    count = apply_activation_checkpointing(model)
+    if count == 0:
+        raise AutomodelError(f"distributed.activation_checkpointing: {type(model).__name__} has no repeated "
+                             "transformer blocks (a ModuleList of layers of one type) to checkpoint; set it to "
+                             "false for this model")
+    return f"activation checkpointing on {count} transformer blocks"
+
+
+def _restore_source(ctx: BuildContext, model: torch.nn.Module) -> WeightSource | None:
+    """The resumed checkpoint's ``model/`` as a weight source, checked to fit the model exactly."""
+    directory = ctx.restore_path / "model" if ctx.restore_path is not None else None
+    if directory is None or not any(directory.glob("*.safetensors")):
+        return None  # a sharded-only checkpoint: its weights are restored with the rest of the state
+    meta = ctx.meta_build
+    if is_adapter_dir(directory):
+        if not hasattr(model, "peft_config"):
+            raise AutomodelError(f"restore_from.path: '{directory}' holds a LoRA adapter but this config has no "
+                                 "peft: section; add the same peft: settings as the run that wrote it")
+        missing, unexpected, mismatched = compare_keys(model, directory, adapter_key,
+                                                       include=lambda n: ".lora_" in n)
+        source: WeightSource = (directory, adapter_key)
+        question = "is restore_from.path the same architecture with the same peft: settings?"
+    else:
+        key = meta.checkpoint_key if meta is not None and meta.checkpoint_key else hf_checkpoint_key
+        missing, unexpected, mismatched = compare_keys(model, directory, key)
+        source = (directory, key)
+        question = "is restore_from.path the same architecture?"
+    if missing or unexpected or mismatched:
+        raise AutomodelError(mismatch_message(directory, mismatched, unexpected, missing, question))
+    return source
+
+
+def _checkpoint_error(ctx: BuildContext, err: AutomodelError) -> None:
+    """Re-raise ``err``; a damaged file of the checkpoint being resumed also says how to go on."""
+    if ctx.restore_path is not None and str(ctx.restore_path) in str(err) and not isinstance(err, CheckpointError):
+        raise CheckpointError(f"{err}; {RESUME_ELSEWHERE}") from None
+    raise err
+
+
+def materialize_model(ctx: BuildContext, model: torch.nn.Module) -> str:
+    """Give a meta-device ``model`` its values on ``ctx.device`` (see the module docstring); returns the log line."""
+    meta = ctx.meta_build
+    try:
+        sources = [s for s in (_restore_source(ctx, model),) if s is not None]
+    except AutomodelError as err:
+        _checkpoint_error(ctx, err)
+    if meta is not None and meta.weights is not None:
+        sources.append((meta.weights, meta.checkpoint_key or hf_checkpoint_key))
+    seed = meta.seed if meta is not None and meta.seed is not None else ctx.seed
+    try:
+        report = materialize(model, ctx.device, seed, sources)
+    except AutomodelError as err:
+        _checkpoint_error(ctx, err)
+    read = ", ".join(str(Path(d)) for d, _ in sources) or "no files"
+    line = (f"materialised on {ctx.device}: {len(report.loaded)} tensors read from {read}, "
+            f"{len(report.initialised)} initialised module by module from seed {seed}")
+    if ctx.world_size > 1:
+        line += " (each rank only its own shards)"
+    if report.unused:
+        line += f"; {len(report.unused)} tensors of the files are not used ({', '.join(report.unused[:3])}"
+        line += ", ...)" if len(report.unused) > 3 else ")"
+    return line

@@ -1,0 +1,209 @@
+"""Pipeline parallelism over the mesh's ``pp`` dimension with ``torch.distributed.pipelining``.
+
+The settings are upstream's ``distributed.pipeline`` keys (:class:`PipelineSettings`): ``pp_schedule`` (``gpipe``,
+``1f1b``, ``interleaved1f1b``), ``pp_microbatch_size`` (rows per pipeline micro-batch), ``layers_per_stage`` and
+``round_virtual_stages_to_pp_multiple``. The model is cut with :func:`pipeline_stages.split_model` (on the meta
+device), each stage then goes through TP / activation checkpointing / FSDP2 / materialisation like a whole model,
+and :func:`build_pipeline` makes the schedule.
+
+The training step delegates its forward and backward to :meth:`Pipeline.step`, one call per batch of the step:
+the schedule splits the batch into micro-batches, and its loss function is the engine's: the loss *summed* over
+the micro-batch's label tokens, multiplied by ``scale`` (data-parallel size / the step's label tokens, counted
+before the schedule runs), so gradients are the unpipelined model's and nothing is averaged per micro-batch
+(``scale_grads=False``). The summed loss comes back on every rank of the pipeline.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from automodel.errors import AutomodelError, ConfigIssue
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from automodel.training.parallel.pipeline_stages import PipelineStageModel
+
+SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved1f1b": "Interleaved1F1B"}
+INTERLEAVED = ("interleaved1f1b",)
+ROUNDING = ("up", "down")
+DEFAULT_STAGES_PER_RANK = 2  # interleaved schedules without layers_per_stage
+
+
+@dataclass(frozen=True)
+class PipelineSettings:
+    """``distributed.pipeline``, upstream's keys and defaults."""
+
+    pp_schedule: str = "1f1b"
+    pp_microbatch_size: int = 1
+    layers_per_stage: int | None = None
+    round_virtual_stages_to_pp_multiple: str | None = None
+
+    @property
+    def schedule(self) -> str:
+        """The schedule's key in :data:`SCHEDULES` (``Interleaved_1F1B`` and ``interleaved1f1b`` are one)."""
+        return self.pp_schedule.lower().replace("_", "")
+
+    @property
+    def interleaved(self) -> bool:
+        return self.schedule in INTERLEAVED
+
+    def num_stages(self, num_layers: int, pp_size: int) -> int:
+        """Stages in all: one per rank, several per rank for interleaved schedules."""
+        if self.layers_per_stage is None:
+            return pp_size * (DEFAULT_STAGES_PER_RANK if self.interleaved else 1)
+        stages = math.ceil(num_layers / self.layers_per_stage)
+        if self.round_virtual_stages_to_pp_multiple == "up":
+            return math.ceil(stages / pp_size) * pp_size
+        if self.round_virtual_stages_to_pp_multiple == "down":
+            return max(pp_size, stages // pp_size * pp_size)
+        return stages
+
+    @property
+    def stage_layers(self) -> int | None:
+        """Layers per stage to cut with (None: as even as possible)."""
+        exact = self.layers_per_stage is not None and self.round_virtual_stages_to_pp_multiple is None
+        return self.layers_per_stage if exact else None
+
+
+def pp_issues(model_config: Any, pp_size: int, settings: PipelineSettings, batch: int,
+              section: str = "distributed") -> list[ConfigIssue]:
+    """Whether ``model_config``'s model can run ``settings`` over ``pp_size`` stages with ``batch`` rows per
+    schedule step (the batch each data-parallel rank feeds the pipeline at once), each problem with the numbers."""
+    key = f"{section}.pipeline"
+    issues = []
+    if settings.schedule not in SCHEDULES:
+        issues.append(ConfigIssue(f"{key}.pp_schedule", f"'{settings.pp_schedule}' is not supported here; use "
+                                  "gpipe, 1f1b or interleaved1f1b"))
+    if settings.round_virtual_stages_to_pp_multiple not in (None, *ROUNDING):
+        issues.append(ConfigIssue(f"{key}.round_virtual_stages_to_pp_multiple", "must be up, down or null, found "
+                                  f"{settings.round_virtual_stages_to_pp_multiple!r}"))
+    for name in ("pp_microbatch_size", "layers_per_stage"):
+        value = getattr(settings, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            issues.append(ConfigIssue(f"{key}.{name}", f"must be a positive integer, found {value!r}"))
+    if issues or pp_size == 1:
+        return issues
+    text = model_config.get_text_config()
+    if not getattr(model_config, "base_model_pp_plan", None):
+        return [ConfigIssue(f"{section}.pp_size", f"{pp_size}: the model ({model_config.model_type}) has no pipeline "
+                                                  "plan (base_model_pp_plan); set pp_size: 1")]
+    if getattr(text, "tie_word_embeddings", False):
+        issues.append(ConfigIssue(f"{section}.pp_size", f"{pp_size}: the model ties its output head to its input "
+                                  "embedding (tie_word_embeddings), which the first and the last stage hold apart; "
+                                  "untie them or set pp_size: 1"))
+    layers = text.num_hidden_layers
+    stages = settings.num_stages(layers, pp_size)
+    if pp_size > layers or stages > layers:
+        issues.append(ConfigIssue(f"{section}.pp_size", f"{pp_size} ranks x {stages // pp_size} stages each = {stages} "
+                                  f"stages, but the model has {layers} layers (num_hidden_layers); each stage "
+                                  "needs a layer"))
+        return issues
+    issues += _stage_issues(settings, layers, stages, pp_size, key)
+    issues += _microbatch_issues(settings, stages, pp_size, batch, key)
+    return issues
+
+
+def _stage_issues(settings: PipelineSettings, layers: int, stages: int, pp_size: int, key: str) -> list[ConfigIssue]:
+    where = f"{key}.layers_per_stage" if settings.layers_per_stage is not None else f"{key}.pp_schedule"
+    if not settings.interleaved and stages != pp_size:
+        return [ConfigIssue(where, f"{settings.layers_per_stage} layers per stage make {stages} stages, but "
+                            f"{settings.pp_schedule} runs one stage per rank ({pp_size}); use interleaved1f1b or "
+                            f"layers_per_stage {layers // pp_size}")]
+    if stages % pp_size:
+        return [ConfigIssue(where, f"{stages} stages do not spread evenly over pp_size {pp_size} ranks; set "
+                            "round_virtual_stages_to_pp_multiple: up or down, or change layers_per_stage")]
+    stage_layers = settings.stage_layers
+    if settings.interleaved and layers % stages or stage_layers is not None and stage_layers * stages != layers:
+        return [ConfigIssue(where, f"the model's {layers} layers do not split into {stages} stages "
+                            f"(pp_size {pp_size} x {stages // pp_size} virtual stages) of equal size")]
+    return []
+
+
+def _microbatch_issues(settings: PipelineSettings, stages: int, pp_size: int, batch: int, key: str
+                       ) -> list[ConfigIssue]:
+    size = settings.pp_microbatch_size
+    if batch % size:
+        return [ConfigIssue(f"{key}.pp_microbatch_size", f"{size} does not divide the {batch} rows each "
+                            "data-parallel rank feeds the pipeline per batch; make the batch a multiple of it")]
+    count = batch // size
+    if settings.schedule == "1f1b" and count < stages:
+        return [ConfigIssue(f"{key}.pp_microbatch_size", f"{size} makes {count} micro-batches of the {batch} rows, "
+                            f"but 1f1b needs at least one per stage ({stages}); lower pp_microbatch_size")]
+    rounds = max(1, count // pp_size)
+    if settings.interleaved and count % rounds:
+        return [ConfigIssue(f"{key}.pp_microbatch_size", f"{count} micro-batches are not a multiple of the "
+                            f"interleaved schedule's {rounds} rounds (micro-batches // pp_size {pp_size})")]
+    return []
+
+
+def split_for_pipeline(model: nn.Module, pp_mesh: DeviceMesh, settings: PipelineSettings
+                       ) -> list[PipelineStageModel]:
+    """The stages this rank runs of ``model`` (on the meta device), cut as ``settings`` say."""
+    from automodel.training.parallel.pipeline_stages import split_model
+
+    pp_size = pp_mesh.size()
+    stages = settings.num_stages(model.config.get_text_config().num_hidden_layers, pp_size)
+    return split_model(model, pp_mesh.get_local_rank(), pp_size, stages // pp_size, settings.stage_layers)
+
+
+class Pipeline:
+    """The schedule over this rank's stages. ``loss_sum(output, labels)``: the loss summed over the label tokens of
+    one micro-batch (the engine's ``compute_loss`` on the last stage's logits)."""
+
+    def __init__(self, stages: list[PipelineStageModel], pp_mesh: DeviceMesh, device: torch.device,
+                 settings: PipelineSettings, batch: int,
+                 loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+        from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.pipelining.schedules import get_schedule_class
+
+        self.stages, self.batch, self.loss_sum = stages, batch, loss_sum
+        self.group = pp_mesh.get_group()
+        self.last_rank = dist.get_global_rank(self.group, pp_mesh.size() - 1)
+        self.microbatches = batch // settings.pp_microbatch_size
+        self._scale = 1.0
+        runs = [PipelineStage(stage, stage.index, stage.num_stages, device, group=self.group) for stage in stages]
+        schedule_class = get_schedule_class(SCHEDULES[settings.schedule])
+        self.schedule = schedule_class(runs if settings.interleaved else runs[0], self.microbatches,
+                                       loss_fn=self._loss, scale_grads=False)
+
+    def step(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float, **kwargs: Any) -> torch.Tensor:
+        """Forward and backward of one batch (every rank of the pipeline calls it with the same batch); returns
+        its loss summed over the label tokens, on every rank. Gradients accumulate over calls."""
+        self._check(inputs)
+        self._scale = scale
+        losses: list[torch.Tensor] = []
+        self.schedule.step(inputs, target=labels, losses=losses, return_outputs=False, **kwargs)
+        return self._gathered_sum(losses, scale, inputs.device)
+
+    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        """The forward only: the batch's loss summed over its label tokens, on every rank."""
+        self._check(inputs)
+        self._scale = 1.0
+        losses: list[torch.Tensor] = []
+        with torch.no_grad():
+            self.schedule.eval(inputs, target=labels, losses=losses, **kwargs)
+        return self._gathered_sum(losses, 1.0, inputs.device)
+
+    def _loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.loss_sum(output, labels) * self._scale
+
+    def _gathered_sum(self, losses: list[torch.Tensor], scale: float, device: torch.device) -> torch.Tensor:
+        """The micro-batches' losses (on the rank holding the last stage) unscaled, summed, sent to every rank."""
+        total = torch.stack([loss.detach().float() for loss in losses]).sum() / scale if losses \
+            else torch.zeros((), device=device)
+        dist.broadcast(total, src=self.last_rank, group=self.group)
+        return total
+
+    def _check(self, inputs: torch.Tensor) -> None:
+        if inputs.shape[0] != self.batch:
+            raise AutomodelError(f"the pipeline was built for batches of {self.batch} rows "
+                                 f"({self.microbatches} micro-batches), this one has {inputs.shape[0]}; use "
+                                 "drop_last batches of a fixed size with pipeline parallelism")

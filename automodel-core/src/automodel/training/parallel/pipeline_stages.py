@@ -1,0 +1,135 @@
+"""A Hugging Face causal LM cut into pipeline stages, each a module holding the original model's names.
+
+The cut follows the model's own pipeline plan (transformers' ``pp_plan``: the input embedding, the decoder layers,
+the final norm, the output head). Stage ``s`` of ``n`` holds a contiguous range of layers; the first also holds
+the embedding, the last the final norm and the head, every stage the rotary embedding (a buffer) and whatever else
+the base model holds. Layers of other stages become :class:`LayerPlaceholder`\\ s and the model's own forward runs
+each stage (``inputs_embeds`` carries the hidden states between stages), so masks, positions and rotary
+embeddings are the model's. A stage's ``state_dict`` names are the whole model's (``model.layers.7.mlp.up_proj
+.weight``), so sharded checkpoints, the HF export and :func:`materialize` (seeded per module name) treat a stage
+like a part of the one model: a stage is initialised, loaded and saved exactly as the same modules of the model.
+
+Cut the model on the meta device (each stage is a copy of it) and materialise the stages afterwards.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+from automodel.errors import AutomodelError
+from automodel.training.parallel.blocks import LayerPlaceholder
+
+
+def stage_layer_ranges(num_layers: int, num_stages: int, layers_per_stage: int | None = None) -> list[range]:
+    """The layers of each stage: ``layers_per_stage`` each, else as even as possible (the first stages one more)."""
+    if layers_per_stage is not None:
+        if layers_per_stage * num_stages != num_layers:
+            raise AutomodelError(f"{num_stages} stages of layers_per_stage {layers_per_stage} hold "
+                                 f"{layers_per_stage * num_stages} layers, the model has {num_layers}")
+        return [range(s * layers_per_stage, (s + 1) * layers_per_stage) for s in range(num_stages)]
+    if num_stages > num_layers:
+        raise AutomodelError(f"{num_stages} pipeline stages for {num_layers} layers: each stage needs a layer")
+    size, extra = divmod(num_layers, num_stages)
+    starts = [s * size + min(s, extra) for s in range(num_stages + 1)]
+    return [range(starts[s], starts[s + 1]) for s in range(num_stages)]
+
+
+def stage_indices(pp_rank: int, pp_size: int, stages_per_rank: int) -> list[int]:
+    """The stages rank ``pp_rank`` runs: ``pp_rank``, ``pp_rank + pp_size``, ... (the looped order of torch's
+    interleaved schedules)."""
+    return [pp_rank + k * pp_size for k in range(stages_per_rank)]
+
+
+class PipelineStageModel(nn.Module):
+    """One stage: the causal LM's own children (pruned to this stage), under the causal LM's names.
+
+    ``forward(inputs, attention_mask=None)``: token ids on the first stage, the previous stage's hidden states
+    on the others; returns the hidden states, or the logits on the last stage."""
+
+    def __init__(self, model: nn.Module, index: int, num_stages: int, layers: range, parts: dict[str, str]):
+        super().__init__()
+        self.config = model.config
+        self.generation_config = getattr(model, "generation_config", None)
+        self.tp_plan = dict(getattr(model, "tp_plan", None) or {})  # transformers' plan, for tensor parallelism
+        self.index, self.num_stages, self.layer_range = index, num_stages, layers
+        self.is_first, self.is_last = index == 0, index == num_stages - 1
+        self._base, self._head = model.base_model_prefix, parts["head"]
+        for name, child in model.named_children():
+            self.add_module(name, child)
+
+    def forward(self, inputs: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        base = getattr(self, self._base)
+        given = {"input_ids": inputs} if self.is_first else {"inputs_embeds": inputs}
+        hidden = base(**given, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        return getattr(self, self._head)(hidden) if self.is_last else hidden
+
+    def _init_weights(self, module: nn.Module) -> None:
+        """The model's initialisation, for the head this stage holds outside the base model."""
+        getattr(self, self._base)._init_weights(module)
+
+
+def model_parts(model: nn.Module) -> dict[str, str]:
+    """Names (relative to the causal LM) of its embedding, layers, head and the modules after the layers (the final
+    norm), read from its pipeline plan; an ``AutomodelError`` when it has none this module understands."""
+    plan = dict(getattr(model, "pp_plan", None) or {})
+    modules = dict(model.named_modules())
+    parts: dict[str, Any] = {"after": []}
+    for name, (inputs, outputs) in plan.items():
+        if name not in modules:
+            raise AutomodelError(f"the pipeline plan of '{type(model).__name__}' names '{name}', which it lacks")
+        if "input_ids" in inputs:
+            parts["embedding"] = name
+        elif "logits" in outputs:
+            parts["head"] = name
+        elif isinstance(modules[name], nn.ModuleList):
+            parts["layers"] = name
+        else:
+            parts["after"].append(name)
+    missing = [part for part in ("embedding", "layers", "head") if part not in parts]
+    if missing:
+        raise AutomodelError(f"'{type(model).__name__}' has no pipeline plan naming its {', '.join(missing)} "
+                             "(transformers' pp_plan); set distributed.pp_size: 1")
+    if "." in parts["head"] or not parts["layers"].startswith(model.base_model_prefix + "."):
+        raise AutomodelError(f"'{type(model).__name__}': the pipeline plan's head '{parts['head']}' or layers "
+                             f"'{parts['layers']}' are not where a causal LM keeps them; set distributed.pp_size: 1")
+    return parts
+
+
+def split_model(model: nn.Module, pp_rank: int, pp_size: int, stages_per_rank: int = 1,
+                layers_per_stage: int | None = None) -> list[PipelineStageModel]:
+    """The stages rank ``pp_rank`` of ``pp_size`` runs (``stages_per_rank`` > 1 for interleaved schedules), each a
+    pruned copy of ``model`` (on the meta device, before materialisation)."""
+    if hasattr(model, "peft_config"):
+        raise AutomodelError("pipeline stages of a LoRA (peft) model are not supported; set distributed.pp_size: 1 "
+                             "or train without peft")
+    if getattr(model.config.get_text_config(), "tie_word_embeddings", False):
+        raise AutomodelError("the model ties its output head to its input embedding, which pipeline stages hold "
+                             "apart (first and last stage); set tie_word_embeddings: false or pp_size: 1")
+    parts = model_parts(model)
+    num_stages = pp_size * stages_per_rank
+    num_layers = len(model.get_submodule(parts["layers"]))
+    ranges = stage_layer_ranges(num_layers, num_stages, layers_per_stage)
+    stages = []
+    for index in stage_indices(pp_rank, pp_size, stages_per_rank):
+        stage = copy.deepcopy(model)
+        layers = stage.get_submodule(parts["layers"])
+        for number in range(num_layers):
+            if number not in ranges[index]:
+                layers[number] = LayerPlaceholder()
+        if index != 0:
+            _replace(stage, parts["embedding"], None)
+        if index != num_stages - 1:
+            for name in parts["after"]:
+                _replace(stage, name, LayerPlaceholder())
+            _replace(stage, parts["head"], None)
+        stages.append(PipelineStageModel(stage, index, num_stages, ranges[index], parts))
+    return stages
+
+
+def _replace(model: nn.Module, name: str, module: nn.Module | None) -> None:
+    parent, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, attr, module)

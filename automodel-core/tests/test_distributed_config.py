@@ -1,0 +1,155 @@
+"""``distributed.*`` at validation and in ``--dry-run``: the device mesh checked against the launch's world size
+(--nproc-per-node x --nnodes, else WORLD_SIZE, else 1), the precision, what is refused and why; and how the CLI
+turns launch options into a torchrun command line. All in-process on the toy recipe (nothing is launched)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from automodel.cli.launch import needs_torchrun, planned_world, strip_launch_options, torchrun_command
+from automodel.cli.main import main
+
+
+def _cli(capsys, *args) -> tuple[int, str]:
+    code = main([str(a) for a in args])
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err
+
+
+def test_bare_validate_checks_one_process_and_says_so(make_toy, capsys, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    code, out = _cli(capsys, "validate", "-c", make_toy())
+    assert code == 0 and "checked for 1 process: WORLD_SIZE is not set" in out
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    code, out = _cli(capsys, "validate", "-c", make_toy(distributed={"dp_size": 4}))
+    assert code == 0 and "checked for 4 processes: WORLD_SIZE=4" in out
+
+
+def test_dp_size_is_checked_against_the_launch(make_toy, capsys, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    config = make_toy(distributed={"strategy": "fsdp2", "dp_size": 3})
+    code, out = _cli(capsys, "validate", "-c", config, "--nproc-per-node", "2")
+    assert code == 2 and "distributed.dp_size" in out and "the run has 2" in out
+    code, out = _cli(capsys, "validate", "-c", config, "--nproc-per-node", "1", "--nnodes", "3")
+    assert code == 0 and "checked for 3 processes: --nproc-per-node 1 x --nnodes 3" in out
+    code, out = _cli(capsys, "run", "-c", config, "--nproc-per-node", "4", "--dry-run")
+    assert code == 2 and "distributed.dp_size" in out
+
+
+def test_dry_run_prints_the_hsdp_mesh_and_the_precision(make_toy, capsys, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    config = make_toy(distributed={"strategy": "fsdp2", "dp_replicate_size": 2,
+                                   "mp_policy": {"param_dtype": "bf16", "reduce_dtype": "fp32"}},
+                      step_scheduler={"global_batch_size": 32})
+    code, out = _cli(capsys, "run", "-c", config, "--nproc-per-node", "2", "--nnodes", "2", "--dry-run")
+    assert code == 0, out
+    assert "world size: 4 (--nproc-per-node 2 x --nnodes 2)" in out
+    assert "pp 1 x dp_replicate 2 x dp_shard 2 x cp 1 x tp 1 = 4 ranks" in out and "HSDP shards over 2" in out
+    assert "rank 3: pp 0, dp_replicate 1, dp_shard 1, cp 0, tp 0 (dp 3)" in out
+    assert "batch: 4 per micro-batch x 4 ranks x 2 accumulation = 32 samples per step" in out
+    assert "mixed precision (FSDP2 MixedPrecisionPolicy): params bf16" in out
+    assert "pipeline sharding: fsdp2" in out
+
+
+@pytest.mark.parametrize(("distributed", "key", "fragment"), [
+    ({"tp_size": 2}, "distributed.tp_size", "tensor parallelism is not implemented yet"),
+    ({"pp_size": 2}, "distributed.pp_size", "pipeline parallelism is not implemented yet"),
+    ({"sequence_parallel": True}, "distributed.sequence_parallel", "needs tensor parallelism"),
+    ({"ep_size": 2}, "distributed.ep_size", "expert parallelism"),
+    ({"strategy": "ddp", "dp_replicate_size": 2}, "distributed.dp_replicate_size", "needs distributed.strategy: fsdp2"),
+    ({"mp_policy": {"param_dtype": "int8"}}, "distributed.mp_policy.param_dtype", "not a training dtype"),
+    ({"mp_policy": {"param_dtype": "bf16", "reduce_dtype": "bf16"}}, "distributed.mp_policy.reduce_dtype",
+     "needs distributed.strategy: fsdp2"),
+    ({"autocast_dtype": "fp32"}, "distributed.autocast_dtype", "not an autocast dtype"),
+    ({"mp_policy": {"param_dtype": "bf16"}, "autocast_dtype": "fp16"}, "distributed.autocast_dtype", "disagrees"),
+    ({"activation_checkpointing": "selective"}, "distributed.activation_checkpointing", "expected bool"),
+])
+def test_what_cannot_act_is_refused_with_its_reason(make_toy, capsys, monkeypatch, distributed, key, fragment):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    code, out = _cli(capsys, "validate", "-c", make_toy(distributed=distributed), "--nproc-per-node", "2")
+    assert code == 2, out
+    assert key in out and fragment in out, out
+
+
+def test_upstream_mixed_precision_policy_target_is_absorbed(make_toy, capsys, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    policy = {"_target_": "torch.distributed.fsdp.MixedPrecisionPolicy", "param_dtype": "bfloat16",
+              "reduce_dtype": "float32", "output_dtype": "float32", "cast_forward_inputs": True}
+    config = make_toy(distributed={"strategy": "fsdp2", "mp_policy": policy, "autocast_dtype": "bfloat16"})
+    code, out = _cli(capsys, "run", "-c", config, "--nproc-per-node", "2", "--dry-run")
+    assert code == 0, out
+    assert "FSDP2 MixedPrecisionPolicy + torch.autocast bf16): params bf16 (stored fp32), reduce fp32, output fp32" \
+        in out
+
+
+def test_single_process_bf16_autocast_runs_and_says_so(make_toy, capsys, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    config = make_toy(distributed={"mp_policy": {"param_dtype": "bf16"}}, step_scheduler={"max_steps": 2})
+    code, out = _cli(capsys, "run", "-c", config)
+    assert code == 0, out
+    assert "mixed precision (torch.autocast): params bf16 (stored fp32), reduce fp32, output bf16, loss fp32" in out
+
+
+# ---- launching ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("launch", "relaunch"), [
+    ({"nproc_per_node": 1}, False), ({}, False), ({"nproc_per_node": 2}, True), ({"nnodes": 2}, True),
+    ({"nproc_per_node": 1, "node_rank": 0}, True), ({"master_addr": "10.0.0.1"}, True), ({"master_port": 1234}, True),
+    ({"rdzv_endpoint": "host:29400"}, True),
+])
+def test_every_node_or_rendezvous_option_means_torchrun(launch, relaunch):
+    assert needs_torchrun(launch) is relaunch
+
+
+def test_two_nodes_of_one_process_each_get_a_real_torchrun_command():
+    argv = ["finetune", "llm", "-c", "x.yaml", "--nnodes", "2", "--node-rank=1", "--nproc-per-node", "1",
+            "--master-addr", "10.1.2.3", "--master-port", "4567", "--optimizer.lr", "1e-3"]
+    launch = {"nproc_per_node": 1, "nnodes": 2, "node_rank": 1, "master_addr": "10.1.2.3", "master_port": 4567}
+    command = torchrun_command(launch, argv)
+    assert command[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert command[3:8] == ["--nproc-per-node=1", "--nnodes=2", "--node-rank=1", "--master-addr=10.1.2.3",
+                            "--master-port=4567"]
+    assert command[8:] == ["-m", "automodel.cli.main", "finetune", "llm", "-c", "x.yaml", "--optimizer.lr", "1e-3"]
+    assert planned_world(launch) == (2, "--nproc-per-node 1 x --nnodes 2")
+
+
+def test_dist_env_gives_the_rendezvous_address_when_the_flags_are_absent():
+    command = torchrun_command({"nproc_per_node": 2}, ["run", "-c", "x.yaml"], "10.9.8.7", 31337)
+    assert "--master-addr=10.9.8.7" in command and "--master-port=31337" in command
+    flags = torchrun_command({"nproc_per_node": 2, "master_port": 2222}, [], "10.9.8.7", 31337)
+    assert "--master-port=2222" in flags and "--master-addr=10.9.8.7" in flags
+
+
+def test_rendezvous_options_pass_through_and_are_stripped_for_the_ranks():
+    argv = ["run", "-c", "x.yaml", "--rdzv-backend", "c10d", "--rdzv-endpoint=h:29400", "--rdzv-id", "job7"]
+    launch = {"nproc_per_node": 2, "nnodes": 2, "rdzv_backend": "c10d", "rdzv_endpoint": "h:29400",
+              "rdzv_id": "job7"}
+    command = torchrun_command(launch, argv)
+    assert {"--rdzv-backend=c10d", "--rdzv-endpoint=h:29400", "--rdzv-id=job7"} <= set(command)
+    assert strip_launch_options(argv) == ["run", "-c", "x.yaml"]
+
+
+def test_fp16_trains_with_a_grad_scaler_unscaled_before_clipping(make_toy, tmp_path, capsys, monkeypatch):
+    """A step whose fp16 gradients overflow is skipped and halves the scale (and is counted); the logged gradient
+    norm is the true one: the scaler unscales before clipping."""
+    import math
+
+    import torch
+
+    from automodel.testing import ToyRecipe, read_jsonl, train_inprocess
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    plain = train_inprocess(make_toy(checkpoint={"checkpoint_dir": str(tmp_path / "fp32")}), recipe=ToyRecipe)
+    recipe = train_inprocess(make_toy(distributed={"mp_policy": {"param_dtype": "fp16"}}, clip_grad_norm={
+        "max_norm": 1.0}), recipe=ToyRecipe)
+    assert plain.grad_scaler is None and isinstance(recipe.grad_scaler, torch.amp.GradScaler)
+    rows = read_jsonl(tmp_path / "ckpt" / "training.jsonl")
+    reference = read_jsonl(tmp_path / "fp32" / "training.jsonl")
+    skipped = rows[-1]["skipped_steps"]
+    overflowed = capsys.readouterr().err.count("fp16 gradients overflowed")
+    assert overflowed == skipped and recipe.grad_scaler.get_scale() == 65536.0 * 0.5 ** skipped
+    assert all(math.isfinite(row["loss"]) for row in rows)
+    first = next(row for row in rows if row["grad_norm"] is not None)  # an overflowed step logs none
+    assert first["grad_norm"] == pytest.approx(reference[first["step"] - 1]["grad_norm"], rel=0.5)

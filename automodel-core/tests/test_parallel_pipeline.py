@@ -1,0 +1,117 @@
+"""Pipeline parallelism: pp=2 on two gloo ranks with GPipe (two batches accumulated per step), 1F1B and interleaved
+1F1B (two stages per rank), pp=2 x dp=2 (FSDP2) and pp=2 x tp=2 on four, against one process (six AdamW steps of
+the engine's token-weighted loss); how the model is cut; ``pp_issues`` with the numbers."""
+
+from __future__ import annotations
+
+import pytest
+from model_parallel_workers import assert_like_one_process, mp_config
+from parallel_workers import meta_model
+
+from automodel.errors import AutomodelError
+from automodel.training.parallel.blocks import LayerPlaceholder, transformer_blocks
+from automodel.training.parallel.pipeline_parallel import PipelineSettings, pp_issues
+from automodel.training.parallel.pipeline_stages import split_model, stage_indices, stage_layer_ranges
+
+
+@pytest.fixture(scope="module")
+def runs(model_parallel_ranks):
+    return model_parallel_ranks
+
+
+@pytest.mark.parametrize(("schedule", "layers"), [
+    ("gpipe", [[[0, 1]], [[2, 3]]]),
+    ("1f1b", [[[0, 1]], [[2, 3]]]),
+    ("interleaved1f1b", [[[0], [2]], [[1], [3]]]),
+])
+def test_pp2_losses_and_grad_norms_equal_one_process(runs, schedule, layers):
+    ranks = [rank[f"pp_{schedule}"] for rank in runs["two"]]
+    assert [rank["layers"] for rank in ranks] == layers
+    assert_like_one_process(ranks, runs["untied"])  # the last stage's loss reaches every rank; norms of both stages
+
+
+@pytest.mark.parametrize("name", ["pp2_dp2", "pp2_tp2"])
+def test_pp2_x_dp2_and_pp2_x_tp2_equal_one_process(runs, name):
+    """dp=2 against one process with doubled accumulation; tp=2 (sequence parallel) inside interleaved stages."""
+    assert_like_one_process([rank[name] for rank in runs["four"]], runs["untied"])
+
+
+def test_stages_keep_the_whole_models_names():
+    model = meta_model(mp_config(tied=False))
+    full = set(model.state_dict())
+    first, = split_model(meta_model(mp_config(tied=False)), 0, 2)
+    last, = split_model(meta_model(mp_config(tied=False)), 1, 2)
+    assert set(first.state_dict()) | set(last.state_dict()) == full
+    assert not set(first.state_dict()) & set(last.state_dict())
+    assert "model.embed_tokens.weight" in first.state_dict() and "lm_head.weight" in last.state_dict()
+    assert "model.norm.weight" in last.state_dict() and "model.norm.weight" not in first.state_dict()
+    assert isinstance(first.model.layers[3], LayerPlaceholder) and isinstance(first.model.norm, LayerPlaceholder)
+    assert isinstance(last.model.layers[0], LayerPlaceholder) and last.model.embed_tokens is None
+    assert len(transformer_blocks(last)) == 2  # FSDP2 units and checkpointing regions: the stage's own layers
+    assert "model.rotary_emb.inv_freq" in dict(last.named_buffers())  # every stage computes rotary embeddings
+    assert (first.is_first, first.is_last, last.is_first, last.is_last) == (True, False, False, True)
+
+
+def test_stage_layer_split():
+    assert stage_layer_ranges(7, 3) == [range(0, 3), range(3, 5), range(5, 7)]
+    assert stage_layer_ranges(8, 4, layers_per_stage=2)[3] == range(6, 8)
+    assert stage_indices(1, 2, 3) == [1, 3, 5]
+    with pytest.raises(AutomodelError, match="4 pipeline stages for 3 layers"):
+        stage_layer_ranges(3, 4)
+    with pytest.raises(AutomodelError, match="ties its output head"):
+        split_model(meta_model(mp_config(tied=True)), 0, 2)
+    with pytest.raises(AutomodelError, match="pipeline stages of a LoRA .peft. model are not supported"):
+        split_model(meta_model(mp_config(tied=False), lora=True), 0, 2)
+
+
+def test_upstream_settings():
+    settings = PipelineSettings(pp_schedule="Interleaved_1F1B", layers_per_stage=2)
+    assert settings.schedule == "interleaved1f1b" and settings.num_stages(8, 2) == 4
+    assert PipelineSettings().schedule == "1f1b" and PipelineSettings().pp_microbatch_size == 1
+    assert PipelineSettings(layers_per_stage=3, round_virtual_stages_to_pp_multiple="up").num_stages(8, 2) == 4
+    assert PipelineSettings(layers_per_stage=3, round_virtual_stages_to_pp_multiple="down").num_stages(8, 2) == 2
+
+
+def _messages(pp_size, batch=8, config=None, **settings):
+    return [(issue.key, issue.message) for issue in pp_issues(config or mp_config(tied=False), pp_size,
+                                                               PipelineSettings(**settings), batch)]
+
+
+@pytest.mark.parametrize(("pp", "settings", "batch", "key", "words"), [
+    (8, {}, 8, "distributed.pp_size", "8 ranks x 1 stages each = 8 stages, but the model has 4 layers"),
+    (2, {"pp_microbatch_size": 3}, 8, "distributed.pipeline.pp_microbatch_size",
+     "3 does not divide the 8 rows each data-parallel rank feeds"),
+    (2, {"pp_microbatch_size": 8}, 8, "distributed.pipeline.pp_microbatch_size",
+     "8 makes 1 micro-batches of the 8 rows, but 1f1b needs at least one per stage (2)"),
+    (2, {"pp_schedule": "interleaved1f1b", "layers_per_stage": 1}, 8, "distributed.pipeline.layers_per_stage",
+     None),
+    (2, {"pp_schedule": "zero_bubble"}, 8, "distributed.pipeline.pp_schedule", "'zero_bubble' is not supported"),
+    (2, {"layers_per_stage": 1}, 8, "distributed.pipeline.layers_per_stage",
+     "1 layers per stage make 4 stages, but 1f1b runs one stage per rank (2)"),
+    (2, {"layers_per_stage": 0}, 8, "distributed.pipeline.layers_per_stage", "must be a positive integer, found 0"),
+])
+def test_pp_layouts_are_checked_with_the_numbers(pp, settings, batch, key, words):
+    found = _messages(pp, batch, **settings)
+    if words is None:
+        assert found == []
+        return
+    assert [k for k, _ in found] == [key], found
+    assert words in found[0][1]
+
+
+def test_interleaved_needs_layers_divisible_by_its_stages():
+    config = mp_config(tied=False)
+    config.num_hidden_layers = 6
+    found = _messages(2, 8, config, pp_schedule="interleaved1f1b")
+    assert found == [("distributed.pipeline.pp_schedule", "the model's 6 layers do not split into 4 stages "
+                      "(pp_size 2 x 2 virtual stages) of equal size")]
+
+
+def test_tied_embeddings_and_models_without_a_pipeline_plan_are_refused():
+    (key, message), = _messages(2, 8, mp_config(tied=True))
+    assert key == "distributed.pp_size" and "ties its output head to its input embedding" in message
+    from transformers import GPT2Config
+
+    (key, message), = _messages(2, 8, GPT2Config(tie_word_embeddings=False))
+    assert "has no pipeline plan" in message
+    assert _messages(1, 8, mp_config(tied=True)) == []  # pp_size 1: nothing to cut

@@ -1,0 +1,163 @@
+"""Tensor and sequence parallelism: tp=2 on two gloo ranks and dp=2 x tp=2 (FSDP2) on four against one process
+(six AdamW steps of the engine's token-weighted loss), the plan from the model's own ``tp_plan`` or the registry,
+the sequence-parallel styles, and ``tp_issues`` with the numbers.
+
+The distributed runs come from ``model_parallel_workers.scenario_two`` / ``scenario_four`` (one launch each)."""
+
+from __future__ import annotations
+
+import pytest
+from model_parallel_workers import SEQ, assert_like_one_process, mp_config, qwen3_config
+from parallel_workers import meta_model
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+from automodel.errors import AutomodelError
+from automodel.training.parallel.tensor_parallel import describe_plan, tp_issues
+from automodel.training.parallel.tp_plans import (
+    STYLES,
+    LayerSequenceBoundary,
+    ReplicateWithGradSum,
+    SequenceLayout,
+    TPPlanRegistry,
+    expand_plan,
+    model_plan,
+    sequence_parallel_entries,
+    torch_styles,
+)
+
+
+@pytest.fixture(scope="module")
+def runs(model_parallel_ranks):
+    return model_parallel_ranks
+
+
+@pytest.mark.parametrize("name", ["tp", "tp_sp"])
+def test_tp2_losses_and_grad_norms_equal_one_process(runs, name):
+    assert_like_one_process([rank[name] for rank in runs["two"]], runs["tied"])  # one loss for the tp group
+
+
+@pytest.mark.parametrize("name", ["dp2_tp2", "dp2_tp2_sp"])
+def test_dp2_x_tp2_equals_one_process_with_doubled_accumulation(runs, name):
+    ranks = [rank[name] for rank in runs["four"]]
+    assert_like_one_process(ranks, runs["tied"])
+    assert ranks[0]["q_proj"] == ["_StridedShard(dim=0, sf=2)", "Shard(dim=0)"]  # FSDP2 over dp on top of TP
+
+
+def test_per_head_norms_sum_their_gradients_over_the_tp_ranks(runs):
+    """Qwen3's q_norm / k_norm ('replicated_with_grad_allreduce') see each rank's heads only."""
+    assert_like_one_process([rank["tp_qwen3"] for rank in runs["two"]], runs["qwen3"], steps=3)
+
+
+def test_sequence_parallel_norms_run_on_half_the_sequence(runs):
+    assert runs["two"][0]["tp"]["norm_sequence"] == SEQ
+    assert runs["two"][0]["tp_sp"]["norm_sequence"] == SEQ // 2
+    assert runs["four"][0]["dp2_tp2_sp"]["norm_sequence"] == SEQ // 2
+
+
+def test_the_head_is_vocabulary_parallel_and_stays_tied(runs):
+    result = runs["two"][0]["tp"]
+    assert result["vocab_parallel"] and result["tied"] and result["q_proj"] == ["Shard(dim=0)"]
+    assert "  model.layers.*.mlp.down_proj: rowwise (row-wise: input features sharded, output all-reduced) x 4" \
+        in result["plan"]
+    assert runs["two"][0]["tp_sp"]["plan"][0] == "tensor parallel over tp 2, sequence parallel, " \
+                                                "vocabulary-parallel loss"
+
+
+def test_the_models_own_plan_is_used_and_a_registered_plan_replaces_it():
+    model = meta_model(mp_config())
+    own = expand_plan(model_plan(model), model)
+    assert own["model.layers.3.self_attn.q_proj"] == "colwise" and own["lm_head"] == "colwise_gather_output"
+    assert own["model.embed_tokens"] == "embedding_rowwise"
+    registry = TPPlanRegistry()
+    registry.register("llama", {"model.layers.*.mlp.up_proj": "colwise", "model.layers.*.mlp.down_proj": "rowwise"})
+    assert "llama" in registry
+    replaced = expand_plan(model_plan(model, registry), model)
+    assert sorted(replaced) == sorted(f"model.layers.{i}.mlp.{p}" for i in range(4) for p in ("up_proj", "down_proj"))
+
+
+def test_bad_plans_are_refused():
+    registry = TPPlanRegistry()
+    with pytest.raises(AutomodelError, match="unknown styles packed_colwise"):
+        registry.register("mine", {"layers.*.qkv": "packed_colwise"})
+    model = meta_model(mp_config())
+    with pytest.raises(AutomodelError, match="'model.layers.*.attn.qkv', which matches no module"):
+        expand_plan({"model.layers.*.attn.qkv": "colwise"}, model)
+    assert expand_plan({"model.layers.*.attn.qkv": "colwise"}, model, require_all=False) == {}
+    model.config.base_model_tp_plan = None
+    model._tp_plan = {}
+    with pytest.raises(AutomodelError, match="has no tensor-parallel plan"):
+        model_plan(model, TPPlanRegistry())
+
+
+def test_lora_models_are_refused():
+    from automodel.training.parallel.tensor_parallel import apply_tensor_parallel
+
+    with pytest.raises(AutomodelError, match="tensor parallelism of a LoRA .peft. model is not supported"):
+        apply_tensor_parallel(meta_model(mp_config(), lora=True), tp_mesh=None)  # refused before the mesh is used
+
+
+def test_style_names_map_to_torch_styles():
+    styles = torch_styles({"a": "colwise", "b": "rowwise_split_input", "c": "embedding_rowwise", "d": "replicate",
+                           "e": "colwise_gather_output", "f": "replicated_with_grad_allreduce"}, vocab_parallel=True)
+    assert "d" not in styles
+    assert isinstance(styles["a"], ColwiseParallel) and styles["a"].output_layouts == (Shard(-1),)
+    assert isinstance(styles["b"], RowwiseParallel) and styles["b"].input_layouts == (Replicate(),)
+    assert isinstance(styles["c"], RowwiseParallel) and styles["c"].output_layouts == (Replicate(),)
+    assert styles["e"].output_layouts == (Shard(-1),) and not styles["e"].use_local_output  # logits stay DTensors
+    assert torch_styles({"e": "colwise_gather_output"}, vocab_parallel=False)["e"].output_layouts == (Replicate(),)
+    assert isinstance(styles["f"], ReplicateWithGradSum)
+    assert {"colwise_rep", "local_colwise", "gather", "sequence_parallel"} <= set(STYLES)  # transformers 4.x names
+
+
+def test_sequence_parallel_styles_of_a_stage():
+    model = meta_model(mp_config())
+    plan = expand_plan(model_plan(model), model)
+    layers = [(f"model.layers.{i}", model.model.layers[i]) for i in range(4)]
+    entries = sequence_parallel_entries(plan, layers)
+    assert isinstance(entries["model.layers.2.input_layernorm"], SequenceParallel)
+    assert isinstance(entries["model.layers.2.self_attn"], SequenceLayout)
+    assert entries["model.layers.2.self_attn"].target == Replicate()  # gathered into the attention
+    assert entries["model.layers.2.mlp.down_proj"].output_layouts == (Shard(1),)  # reduce-scattered back
+    boundaries = [(e.split_input, e.gather_output) for e in (entries[f"model.layers.{i}"] for i in range(4))]
+    assert boundaries == [(True, False), (False, False), (False, False), (False, True)]
+    assert all(isinstance(entries[f"model.layers.{i}"], LayerSequenceBoundary) for i in range(4))
+
+
+@pytest.mark.parametrize(("tp", "sp", "words"), [
+    (3, False, "3 does not divide the model's attention heads (num_attention_heads = 4)"),
+    (4, False, "4 does not divide the model's key/value heads (num_key_value_heads = 2)"),
+    (5, False, "5 does not divide the model's vocabulary size (vocab_size = 96)"),
+    (3, False, "3 does not divide the model's MLP intermediate size (intermediate_size = 64)"),
+])
+def test_tp_size_is_checked_against_the_model_with_the_numbers(tp, sp, words):
+    messages = [issue.message for issue in tp_issues(mp_config(), tp, sp)]
+    assert any(words in message for message in messages), messages
+    assert all(issue.key == "distributed.tp_size" for issue in tp_issues(mp_config(), tp, sp))
+
+
+def test_good_tp_sizes_pass_and_models_without_a_plan_are_refused():
+    assert tp_issues(mp_config(), 2, True) == [] and tp_issues(mp_config(), 1) == []
+    assert tp_issues(qwen3_config(), 2) == []
+    from transformers import GPT2Config
+
+    (issue,) = tp_issues(GPT2Config(), 2)
+    assert "(gpt2) has no tensor-parallel plan" in issue.message
+    registry = TPPlanRegistry()
+    registry.register("gpt2", {"transformer.h.*.mlp.c_fc": "colwise"})
+    assert tp_issues(GPT2Config(), 2, registry=registry) == []
+
+
+def test_unsupported_styles_are_refused_with_their_modules():
+    config = mp_config()
+    config.base_model_tp_plan = {"layers.*.mlp.experts": "moe_tp_experts", "layers.*.self_attn.q_proj": "colwise"}
+    (issue,) = tp_issues(config, 2)
+    assert "styles not supported here: layers.*.mlp.experts (moe_tp_experts)" in issue.message
+
+
+def test_the_plan_description_folds_layers():
+    lines = describe_plan({"model.layers.0.mlp.up_proj": "colwise", "model.layers.1.mlp.up_proj": "colwise",
+                           "lm_head": "colwise_gather_output"}, 2, False, True)
+    assert lines == ["tensor parallel over tp 2, vocabulary-parallel loss",
+                     "  model.layers.*.mlp.up_proj: colwise (column-wise: output features sharded) x 2",
+                     "  lm_head: colwise_gather_output (column-wise head: vocabulary-parallel logits)"]

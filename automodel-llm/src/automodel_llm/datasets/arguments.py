@@ -1,0 +1,196 @@
+"""The arguments the LLM data sets share, under one set of names, and what each does: one place for all of them.
+
+Upstream NeMo AutoModel's names are the canonical ones: ``path_or_dataset_id`` (a hub id, or a local file or
+directory), ``seq_length`` (the token limit of a sample), ``name`` (a hub data set's subset), ``shuffle_seed``,
+``truncation`` and ``padding`` (with upstream's values). The spellings some data sets used before,
+``dataset_name`` and ``max_seq_length``, are aliases everywhere (``ALIASES``; each data set lists its own in
+``argument_aliases``, which validation and docs/config-reference.md read). Giving both spellings of one argument
+is a config error.
+
+Validation checks the values of ``truncation``, ``padding`` and ``on_bad_row`` from their ``Literal`` types;
+``argument_issues`` adds what a type cannot say. A data set built from Python checks the same, naming the same keys.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from automodel.data import load_rows
+from automodel.errors import AutomodelError, ConfigIssue
+
+IGNORE_INDEX = -100
+ALIASES = {"dataset_name": "path_or_dataset_id", "max_seq_length": "seq_length"}
+# what each shared argument does; each data set's ``argument_help`` adds its own (docs/config-reference.md)
+ARGUMENT_HELP = {
+    "path_or_dataset_id": "a hub data set id, or a local JSON/JSONL/CSV/parquet/text file or a directory of them",
+    "split": "the split to read (a single local file is its only split)",
+    "name": "the subset (configuration) of a hub data set or data set directory",
+    "seq_length": "token limit of a sample: a longer one is refused, or cut when truncation is on",
+    "truncation": "cut samples longer than seq_length instead of refusing them (true, longest_first, only_first)",
+    "padding": "max_length pads each sample to seq_length (padding is masked out of attention and loss); the "
+               "other values leave padding to the collator, which pads each batch to its longest sample",
+    "limit_dataset_samples": "use only the first N rows (after shuffling)",
+    "shuffle_seed": "shuffle the rows with this seed before limit_dataset_samples",
+    "on_bad_row": "error: a row missing a required field (or holding an unusable one) stops the run, naming the "
+                  "file, row and field; skip: such rows are left out and counted",
+}
+
+Truncation = bool | Literal["do_not_truncate", "longest_first", "only_first"]
+Padding = bool | Literal["do_not_pad", "longest", "max_length"]
+_TRUNCATE = {True: True, "longest_first": True, "only_first": True, False: False, "do_not_truncate": False}
+# pad each sample to seq_length, or leave it to the collator, which pads a batch to its longest sample
+_PAD_TO_LENGTH = {"max_length": True, True: False, "longest": False, False: False, "do_not_pad": False}
+
+
+@dataclass(frozen=True)
+class Given:
+    """An argument's value and the key the config gave it under (for errors)."""
+
+    value: Any
+    key: str
+
+
+def given(name: str, value: Any, alias: str, alias_value: Any, default: Any = None) -> Given:
+    """The argument given as ``name`` or as its ``alias``; both given is an error."""
+    if alias_value is None:
+        return Given(default if value is None else value, f"dataset.{name}")
+    if value is not None:
+        raise AutomodelError(f"dataset.{alias}: {both_spellings(name)}")
+    return Given(alias_value, f"dataset.{alias}")
+
+
+def both_spellings(name: str) -> str:
+    return f"the same argument as {name}, which is also given; give only {name}"
+
+
+# ---- value checks (shared by validation and the data sets) ---------------------------------------------------
+
+PAD_WITHOUT_LENGTH = "max_length pads each sample to seq_length, which is not set; set seq_length"
+
+
+def _choice_problem(value: Any, choices: Mapping[Any, bool]) -> str | None:
+    if value is None or (isinstance(value, (bool, str)) and value in choices):
+        return None
+    return f"{value!r} is not one of true, false, {', '.join(k for k in choices if isinstance(k, str))}"
+
+
+def chat_template_problem(value: Any) -> str | None:
+    if value is None or _is_template_text(value) or (isinstance(value, str) and Path(value).is_file()):
+        return None
+    return (f"{value!r} is neither a Jinja template (no '{{{{' or '{{%') nor an existing file; give the template "
+            "inline or the path of a .jinja file")
+
+
+def _is_template_text(value: Any) -> bool:
+    return isinstance(value, str) and ("{{" in value or "{%" in value)
+
+
+def _raise(key: str, problem: str | None) -> None:
+    if problem is not None:
+        raise AutomodelError(f"{key}: {problem}")
+
+
+# ---- what the arguments do -----------------------------------------------------------------------------------
+
+def read_rows(source: Given, split: str, name: str | None = None, shuffle_seed: int | None = None,
+              limit: int | None = None, shuffle_key: str = "dataset.shuffle_seed") -> Any:
+    """The rows of ``split``: ``name`` picks a hub data set's subset; rows are shuffled with ``shuffle_seed``
+    before the first ``limit`` are kept (so a limited run sees a sample of the whole split)."""
+    if not source.value:
+        raise AutomodelError(f"{source.key}: missing (a hub id, or a local file or directory)")
+    if name is not None and Path(str(source.value)).is_file():
+        raise AutomodelError(f"dataset.name: '{name}' names a subset of a hub data set, but {source.key} is the "
+                             f"file '{source.value}'; remove name")
+    rows = load_rows(source.value, split, key=source.key, name=name)
+    if shuffle_seed is not None:
+        if isinstance(shuffle_seed, bool) or not isinstance(shuffle_seed, int):
+            raise AutomodelError(f"{shuffle_key}: expected an integer, found {shuffle_seed!r}")
+        rows = rows.shuffle(seed=shuffle_seed)
+    if limit is not None:
+        rows = rows.select(range(min(limit, len(rows))))
+    return rows
+
+
+@dataclass(frozen=True)
+class SampleLength:
+    """``seq_length`` with what ``truncation`` and ``padding`` make of a longer or shorter sample."""
+
+    limit: Given
+    truncation: Truncation | None = False
+    padding: Padding | None = "do_not_pad"
+
+    def __post_init__(self) -> None:
+        _raise("dataset.truncation", _choice_problem(self.truncation, _TRUNCATE))
+        _raise("dataset.padding", _choice_problem(self.padding, _PAD_TO_LENGTH))
+        if self.padding == "max_length" and self.limit.value is None:
+            _raise("dataset.padding", PAD_WITHOUT_LENGTH)
+
+    def fit(self, ids: list[int], labels: list[int], pad_token_id: int | None, where: str) -> dict[str, list[int]]:
+        """The sample, truncated (or refused when longer and truncation is off) and padded as asked.
+
+        A sample padded here carries its ``attention_mask``, so the padding is neither attended to nor learned.
+        """
+        limit = self.limit.value
+        if limit is not None and len(ids) > limit:
+            if not _TRUNCATE.get(self.truncation, False):
+                raise AutomodelError(f"{self.limit.key}: {where} has {len(ids)} tokens, more than {limit}; raise "
+                                     "it or set dataset.truncation: true")
+            ids, labels = ids[:limit], labels[:limit]
+        sample = {"input_ids": ids, "labels": labels}
+        if _PAD_TO_LENGTH.get(self.padding, False) and len(ids) < limit:
+            fill = limit - len(ids)
+            sample = {"input_ids": ids + [pad_token_id or 0] * fill, "labels": labels + [IGNORE_INDEX] * fill,
+                      "attention_mask": [1] * len(ids) + [0] * fill}
+        return sample
+
+
+def learns_nothing(labels: list[int]) -> bool:
+    """No label left past the first token (a causal LM never predicts the first): nothing to train on."""
+    return all(label == IGNORE_INDEX for label in labels[1:])
+
+
+def resolve_chat_template(value: str | None, key: str = "dataset.chat_template") -> str | None:
+    """A chat template given inline or as the path of a file (a .jinja template, or JSON with a
+    ``chat_template`` key, as upstream takes it)."""
+    if value is None:
+        return None
+    _raise(key, chat_template_problem(value))
+    if _is_template_text(value):
+        return value
+    text = Path(value).read_text(encoding="utf-8")
+    if Path(value).suffix == ".json":
+        try:
+            return json.loads(text)["chat_template"]
+        except (ValueError, KeyError, TypeError):
+            raise AutomodelError(f"{key}: '{value}' is JSON without a 'chat_template' string") from None
+    return text
+
+
+# ---- validation ----------------------------------------------------------------------------------------------
+
+def argument_issues(node: Mapping[str, Any], key: str, fn: Callable) -> list[ConfigIssue]:
+    """What validation refuses in a data set section built by ``fn`` beyond the types of its arguments: both
+    spellings of one argument, padding to a length that is not set, a chat template that is neither."""
+    aliases = getattr(fn, "argument_aliases", {})
+    issues = [ConfigIssue(f"{key}.{alias}", both_spellings(name)) for alias, name in aliases.items()
+              if node.get(alias) is not None and node.get(name) is not None]
+    accepted = _parameters(fn)
+    if "padding" in accepted and node.get("padding") == "max_length" and \
+            node.get("seq_length", node.get("max_seq_length")) is None:
+        issues.append(ConfigIssue(f"{key}.padding", PAD_WITHOUT_LENGTH))
+    problem = chat_template_problem(node.get("chat_template")) if "chat_template" in accepted else None
+    if problem is not None:
+        issues.append(ConfigIssue(f"{key}.chat_template", problem))
+    return issues
+
+
+def _parameters(fn: Callable) -> Mapping[str, inspect.Parameter]:
+    try:
+        return inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return {}

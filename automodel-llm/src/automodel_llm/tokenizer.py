@@ -1,0 +1,141 @@
+"""The LLM recipe's tokenizer: where it comes from, building it, and what validation checks with it.
+
+The tokenizer is the ``tokenizer:`` section, else (upstream's form) the training data set's ``tokenizer``, else the
+model's (the directory it loads from). Validation loads the tokenizer when it is on this machine and checks,
+before any model is built, what would otherwise fail later: a chat data set without a chat template, and a
+tokenizer with more tokens than the model's embedding table (read from the model's local config.json).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from automodel.config import Config, ConfigNode
+from automodel.config.targets import TargetError
+from automodel.errors import AutomodelError, ConfigIssue
+from automodel.hf import load_tokenizer, missing_local_path, model_source
+from automodel_llm.datasets.arguments import argument_issues
+from automodel_llm.datasets.chat import missing_template_problem
+
+AUTO_TOKENIZER = "transformers.AutoTokenizer.from_pretrained"
+VOCAB_PROBLEM = ("{tokens} tokens but the model's vocab_size is {vocab}: token ids past {vocab} have no embedding; "
+                 "use the model's own tokenizer, or a model whose vocabulary holds the tokenizer's")
+
+
+def tokenizer_section(cfg: Config) -> ConfigNode | None:
+    """The section the tokenizer is built from: ``tokenizer``, else the training data set's ``tokenizer``."""
+    if cfg.tokenizer is not None:
+        return cfg.tokenizer
+    dataset = cfg.dataset
+    nested = dataset.get("tokenizer") if dataset is not None else None
+    return nested if isinstance(nested, ConfigNode) else None
+
+
+def tokenizer_source(cfg: Config) -> tuple[str | None, str]:
+    """``(name or path, config key)`` the tokenizer loads from: its section's, else the model's (the directory of
+    a config file), else the data set's ``tokenizer_name_or_path``."""
+    node = tokenizer_section(cfg)
+    if node is not None:
+        return node.get("pretrained_model_name_or_path"), f"{node.key}.pretrained_model_name_or_path"
+    found = model_source(cfg.model)
+    if found is not None:
+        value, key = found
+        return (str(Path(value).parent) if Path(value).is_file() else value), key
+    dataset = cfg.dataset
+    if dataset is not None and isinstance(dataset.get("tokenizer_name_or_path"), str):
+        return dataset["tokenizer_name_or_path"], "dataset.tokenizer_name_or_path"
+    return None, "tokenizer"
+
+
+def build_tokenizer(cfg: Config) -> Any:
+    """The tokenizer the recipe trains with; the pad token falls back to EOS."""
+    node = tokenizer_section(cfg)
+    source, key = tokenizer_source(cfg)
+    if node is not None:
+        if node.target is None and missing_local_path(source):
+            raise AutomodelError(f"{key}: '{source}' does not exist")
+        tokenizer = node.instantiate(default_target=AUTO_TOKENIZER)
+    elif source is None:
+        raise AutomodelError("tokenizer: none found; add `tokenizer: {pretrained_model_name_or_path: ...}`")
+    else:
+        tokenizer = load_tokenizer(source, key)
+    if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def model_vocab_size(cfg: Config) -> int | None:
+    """The model's vocab_size when its config.json is on this machine (or the model section sets it)."""
+    model = cfg.model
+    if model is None:
+        return None
+    if isinstance(model.get("vocab_size"), int):
+        return model["vocab_size"]
+    found = model_source(model)
+    if found is None:
+        return None
+    path = Path(found[0])
+    path = path / "config.json" if path.is_dir() else path
+    if path.suffix != ".json" or not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None  # building the model reports an unreadable config with its key
+    vocab = data.get("vocab_size", (data.get("text_config") or {}).get("vocab_size"))
+    return vocab if isinstance(vocab, int) else None
+
+
+def dataset_sections(cfg: Config) -> list[tuple[str, Any, Any]]:
+    """``(key, node, callable)`` of each data set section whose ``_target_`` resolves."""
+    found = []
+    for name in cfg.section_names():
+        node = cfg.get(name)
+        if not (name == "dataset" or name.startswith("validation_dataset")) or node is None or node.target is None:
+            continue
+        try:
+            found.append((name, node, cfg.resolver.resolve(node.target)))
+        except TargetError:
+            continue  # section validation reported it
+    return found
+
+
+def _local_tokenizer(cfg: Config) -> Any:
+    """The tokenizer when it loads from this machine without error, else None (setup reports the error)."""
+    source, _ = tokenizer_source(cfg)
+    if not isinstance(source, str) or not Path(source).expanduser().exists():
+        return None
+    try:
+        return build_tokenizer(cfg)
+    except Exception:  # noqa: BLE001 - any failure is reported by setup, with its key
+        return None
+
+
+def tokenizer_issues(cfg: Config) -> list[ConfigIssue]:
+    """The data set sections' argument problems, a data set ``tokenizer`` that cannot be the run's, then, with a
+    local tokenizer, a chat data set without a chat template and a vocabulary larger than the model's."""
+    sections = dataset_sections(cfg)
+    issues = [issue for key, node, fn in sections for issue in argument_issues(node, key, fn)]
+    for key, node, _ in sections:
+        if node.get("tokenizer") is None or (key == "dataset" and cfg.tokenizer is None):
+            continue
+        where = "the tokenizer: section is given too" if key == "dataset" else "only the training data set's counts"
+        issues.append(ConfigIssue(f"{key}.tokenizer", f"the run has one tokenizer, and {where}; give it once, in "
+                                                      "tokenizer: (or dataset.tokenizer, upstream's form)"))
+    chat = [key for key, node, fn in sections
+            if getattr(fn, "requires_chat_template", False) and node.get("chat_template") is None]
+    vocab = model_vocab_size(cfg)
+    if not chat and vocab is None:
+        return issues
+    tokenizer = _local_tokenizer(cfg)
+    if tokenizer is None:
+        return issues
+    if not getattr(tokenizer, "chat_template", None):
+        issues += [ConfigIssue(f"{key}.chat_template", missing_template_problem(tokenizer_source(cfg)[0]))
+                   for key in chat]
+    if vocab is not None and len(tokenizer) > vocab:
+        issues.append(ConfigIssue(tokenizer_source(cfg)[1], VOCAB_PROBLEM.format(tokens=len(tokenizer),
+                                                                                  vocab=vocab)))
+    return issues
