@@ -184,8 +184,21 @@ def describe_free(name: str, spec: Any) -> list[str]:
     return [f"### `{name}`", "", f"Free section: {text}. Its keys are not checked by validation.", ""]
 
 
+def describe_alias(name: str, spec: Any) -> list[str]:
+    implied = ", ".join(f"`{k}` = {scalar(v)}" for k, v in spec.implies.items())
+    text = f"Top-level key: {spec.help.rstrip('.')}. Validation sets `{spec.key}` from it"
+    text += f" (and {implied} unless the config gives it)." if implied else "."
+    return [f"### `{name}`", "", text + " Giving both with different values is an error.", ""]
+
+
+def describe_recipe(name: str, spec: Any) -> list[str]:
+    return [f"### `{name}`", "", f"Recipe section: {spec.help.rstrip('.')}. `automodel recipes` lists the names.",
+            ""]
+
+
 def describe(name: str, spec: Any) -> list[str]:
-    from automodel.config import Free, Target
+    from automodel.config import Free, KeyAlias, Metadata, Refused, Target
+    from automodel.config.schema import RecipeRef
 
     if name.endswith("*"):
         shown = name[:-1] + "<name>"
@@ -199,6 +212,15 @@ def describe(name: str, spec: Any) -> list[str]:
         return describe_target(name, spec)
     if isinstance(spec, Free):
         return describe_free(name, spec)
+    if isinstance(spec, KeyAlias):
+        return describe_alias(name, spec)
+    if isinstance(spec, RecipeRef):
+        return describe_recipe(name, spec)
+    if isinstance(spec, Metadata):
+        return [f"### `{name}`", "", f"Metadata section: {spec.help.rstrip('.')}. Not interpolated or validated; "
+                "validation names it in a note line (as it does any top-level key starting with `_`).", ""]
+    if isinstance(spec, Refused):
+        return [f"### `{name}`", "", f"Refused at validation: {spec.reason}.", ""]
     return [f"### `{name}`", "", f"Declared as `{spec!r}`.", ""]
 
 
@@ -245,7 +267,9 @@ def render() -> str:
         "- **keyed**: a dataclass; the keys below, with their types and defaults, and nothing else;",
         "- **target**: built by calling its `_target_` (see [targets.md](targets.md)); its keys are that "
         "callable's keyword arguments, checked against its signature;",
-        "- **free**: passed through unchecked.",
+        "- **free**: passed through unchecked;",
+        "- **metadata**: read by nothing (upstream's `ci:`), not validated, named in a note line;",
+        "- **refused**: validation refuses it, saying why.",
         "",
         "Any other top-level section is an error with a did-you-mean. `automodel validate -c cfg.yaml` checks a "
         "config against all of this at once; `--a.b value` overrides any key from the command line.",

@@ -42,6 +42,11 @@ def render_section() -> str:
     lines += ["Target aliases (a short or upstream name and the dotted path it stands for):", "",
               "| alias | stands for | registered by |", "|---|---|---|"]
     lines += [f"| `{a['alias']}` | `{a['target']}` | {a['source']} |" for a in aliases(manager)]
+    refused = manager.aliases.unsupported_targets
+    lines += ["", "Names refused with a reason (upstream names nothing here implements):", "",
+              "| name | why, and what to use instead | registered by |", "|---|---|---|"]
+    lines += [f"| `{name}` | {refused[name]} | {manager.aliases.source_of('unsupported target', name)} |"
+              for name in sorted(refused)]
     return "\n".join([*lines, "", END])
 
 

@@ -49,6 +49,33 @@ def touch(path: str):
     return path
 
 
+def scaled_batch(batch, scale: float = 1.0, *, tag: str = "plain"):
+    """A collate function with settings: the caller passes the batch, the config the rest."""
+    CALLS.append(("scaled_batch", scale, tag))
+    return {"items": list(batch), "scale": scale, "tag": tag}
+
+
+class Collator:
+    """A collator class: built once with the recipe's tokenizer and its settings, then called per batch."""
+
+    def __init__(self, tokenizer, suffix: str = ""):
+        CALLS.append(("Collator", tokenizer, suffix))
+        self.tokenizer, self.suffix = tokenizer, suffix
+
+    def __call__(self, batch):
+        return {"items": list(batch), "by": f"{self.tokenizer}{self.suffix}"}
+
+
+class ProcessorCollator:
+    """A collator class built with the VLM recipe's processor (as upstream calls its VLM collate functions)."""
+
+    def __init__(self, processor, max_length: int | None = None):
+        self.processor, self.max_length = processor, max_length
+
+    def __call__(self, batch):
+        return {"items": list(batch), "by": self.processor, "max_length": self.max_length}
+
+
 class Widget:
     def __init__(self, size: int = 1, *, name: str = "w"):
         self.size, self.name = size, name

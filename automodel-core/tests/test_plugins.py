@@ -59,6 +59,7 @@ class AllHooks:
         aliases.command("gr", "greet")
         aliases.domain("luna", "moon")
         aliases.target("Thing", "amt_targets.make_thing")
+        aliases.recipe("UpstreamMoonRecipe", "greet", "moon")
 
     @hookimpl
     def automodel_register_builders(self, builders):
@@ -92,6 +93,10 @@ def _check_aliases(mgr, group):
     assert mgr.aliases.commands["gr"] == "greet"
     assert mgr.aliases.domains["luna"] == "moon"
     assert mgr.resolver().expand("Thing") == "amt_targets.make_thing"
+    recipes = mgr.resolver().recipes
+    assert recipes.paths["UpstreamMoonRecipe"] == "amt_moon.recipe.MoonRecipe"  # selects the route's recipe
+    assert recipes.routes["amt_moon.recipe.MoonRecipe"] == ("greet moon",)
+    assert "greet moon: amt_moon.recipe.MoonRecipe; also named UpstreamMoonRecipe" in recipes.describe()
 
 
 def _check_builders(mgr, group):
@@ -246,6 +251,18 @@ def test_duplicate_route_names_both_distributions():
 def test_route_registry_refuses_bad_routes(command, domain, recipe, needle):
     with pytest.raises(PluginError, match=needle):
         RouteRegistry().add(command, domain, recipe=recipe)
+
+
+class RecipeNameForNoRoute:
+    @hookimpl
+    def automodel_register_aliases(self, aliases):
+        aliases.recipe("OrphanRecipe", "finetune", "nowhere")
+
+
+def test_recipe_name_for_a_route_nobody_registers_is_the_plugins_error():
+    mgr = PluginManager(load_entry_points=False, extra_plugins=[("p", RecipeNameForNoRoute())])
+    assert "'finetune nowhere'" in mgr.plugins["p"].hook_errors["automodel_register_aliases"]
+    assert "OrphanRecipe" not in mgr.resolver().recipes.paths
 
 
 def test_alias_registry_conflicts_name_both_sources():

@@ -183,3 +183,26 @@ def test_config_to_yaml_prints_raw_masked(resolver):
     assert cfg.model.name == "m" and "model" in cfg and "other" not in cfg
     with pytest.raises(AttributeError, match="no section 'other'"):
         _ = cfg.other
+
+
+def test_unsupported_name_is_refused_with_its_reason_even_if_an_alias_exists():
+    resolver = TargetResolver(aliases={"upstream.Thing": "torch.optim.AdamW"},
+                              unsupported={"upstream.Other": "no such data set here; use pkg.Mine"})
+    with pytest.raises(TargetError, match=r"'upstream.Other' is not supported here: no such data set here; "
+                                          r"use pkg.Mine"):
+        resolver.resolve("upstream.Other")
+    assert resolver.resolve("upstream.Thing").__name__ == "AdamW"
+
+
+def test_alias_registry_records_unsupported_names_and_refuses_a_conflicting_reason():
+    from automodel.errors import PluginError
+    from automodel.plugins.registries import AliasRegistry
+
+    aliases = AliasRegistry()
+    aliases.source = "dist-a"
+    aliases.unsupported("up.Name", "use ours")
+    aliases.unsupported("up.Name", "use ours")  # the same twice is fine
+    assert aliases.unsupported_targets == {"up.Name": "use ours"}
+    aliases.source = "dist-b"
+    with pytest.raises(PluginError, match="dist-a"):
+        aliases.unsupported("up.Name", "something else")

@@ -135,8 +135,8 @@ def test_required_dataclass_key_missing(check):
 
 
 def test_sections_merge_along_the_class_hierarchy():
-    assert set(Child.all_sections()) == {"recipe", "step_scheduler", "model", "optimizer", "dataset",
-                                         "validation_dataset_*", "extra", "restore_from"}
+    assert set(Child.all_sections()) == {"recipe", "ci", "skypilot", "nemo_run", "step_scheduler", "model",
+                                         "optimizer", "dataset", "validation_dataset_*", "extra", "restore_from"}
 
 
 def test_valid_config_types_defaults_and_aliases(check, monkeypatch):
@@ -185,11 +185,20 @@ def test_recipe_checks_run_with_section_errors(check):
     assert {i.key for i in issues} == {"bogus", "step_scheduler.val_check_interval"}
 
 
-def test_recipe_section_names_a_class_that_takes_the_config(check):
-    cfg = check({"recipe": {"_target_": "amt_targets.TinyRecipe"}})
-    assert cfg.recipe.target == "amt_targets.TinyRecipe"  # its `cfg` argument is not required from the YAML
-    issues = _issues(check, {"recipe": {"_target_": "amt_targets.TinyRecipe", "lr": 1}})
-    assert [i.key for i in issues] == ["recipe.lr"]
+def test_recipe_section_names_the_recipe_being_run(targets, resolver):
+    tiny = targets.TinyRecipe
+    for form in ({"_target_": "amt_targets.TinyRecipe"}, "amt_targets.TinyRecipe"):
+        assert build_config({"recipe": form}, tiny, resolver).recipe.target == "amt_targets.TinyRecipe"
+    with pytest.raises(ConfigError) as info:
+        build_config({"recipe": {"_target_": "amt_targets.TinyRecipe", "lr": 1}}, tiny, resolver)
+    assert [i.key for i in info.value.issues] == ["recipe.lr"]  # the section holds the name only
+
+
+def test_recipe_section_naming_another_recipe_is_refused(check):
+    """A route runs its own recipe: a config written for another one says so instead of running the wrong one."""
+    issues = _issues(check, {"recipe": "amt_targets.TinyRecipe"})
+    assert [i.key for i in issues] == ["recipe"]
+    assert "amt_targets.TinyRecipe" in issues[0].message and "automodel run -c FILE" in issues[0].message
 
 
 @pytest.mark.parametrize("name,candidates,expected", [

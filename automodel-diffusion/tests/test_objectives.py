@@ -98,3 +98,48 @@ def test_objective_and_scheduler_must_agree():
     assert build_objective(ObjectiveConfig(), DDPMScheduler(prediction_type="v_prediction")).name == "v_prediction"
     with pytest.raises(ValueError, match="logit_std"):
         ObjectiveConfig(logit_std=0)
+
+
+def test_upstream_sigma_sampling_shift_clamp_and_mix_by_hand():
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=1.0)
+    config = ObjectiveConfig(type="flow_matching", timestep_sampling="logit_normal", shift=2.5, sigma_min=0.2,
+                             sigma_max=0.7, mix_uniform_ratio=0.5, num_train_timesteps=500)
+    objective = build_objective(config, scheduler)
+    drawn = objective.sigmas(64, torch.Generator().manual_seed(4))
+    generator = torch.Generator().manual_seed(4)
+    coin = float(torch.rand(1, generator=generator))  # one draw per micro-batch: uniform instead, with p = 0.5
+    u = torch.rand(64, generator=generator) if coin < 0.5 else torch.sigmoid(torch.randn(64, generator=generator))
+    u = u.clamp(min=1e-5)
+    expected = (2.5 / (2.5 + (1 / u - 1))).clamp(0.2, 0.7)  # upstream's form of the shift
+    torch.testing.assert_close(drawn, expected)
+    assert objective.num_train_timesteps == 500
+    x0 = latents()
+    _, timesteps, _ = objective.noise(x0, torch.Generator().manual_seed(5))
+    assert float(timesteps.min()) >= 0.2 * 500 - 1e-3 and float(timesteps.max()) <= 0.7 * 500 + 1e-3
+
+
+def test_unshifted_beta_and_mode_sampling():
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    plain = build_objective(ObjectiveConfig(type="flow_matching", shift_sigmas=False), scheduler)
+    torch.testing.assert_close(plain.sigmas(16, torch.Generator().manual_seed(1)),
+                               torch.rand(16, generator=torch.Generator().manual_seed(1)))
+    beta = build_objective(ObjectiveConfig(type="flow_matching", timestep_sampling="beta", beta_alpha=2.0,
+                                           beta_beta=6.0), scheduler)
+    state = torch.get_rng_state()
+    draws = beta.sigmas(20000, torch.Generator().manual_seed(2))
+    assert torch.equal(state, torch.get_rng_state()), "a generator's draw leaves the global RNG alone"
+    assert abs(float(draws.mean()) - 2.0 / 8.0) < 0.01  # Beta(2, 6) has mean 1/4, and is not shifted
+    mode = ObjectiveConfig(timestep_sampling="mode")
+    u = torch.rand(8, generator=torch.Generator().manual_seed(3))
+    expected = (1 - u - 1.29 * (torch.cos(torch.pi * u / 2) ** 2 - 1 + u)).clamp(0, 1)
+    torch.testing.assert_close(sample_unit(8, mode, torch.Generator().manual_seed(3)), expected)
+
+
+def test_linear_loss_weights_and_flow_only_settings():
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    linear = build_objective(ObjectiveConfig(loss_weighting="linear"), scheduler)
+    timesteps = torch.tensor([0.0, 500.0, 1000.0])
+    torch.testing.assert_close(linear.loss_weights(timesteps), torch.tensor([1.0, 2.5, 4.0]))
+    assert build_objective(ObjectiveConfig(), scheduler).loss_weights(timesteps) is None
+    with pytest.raises(AutomodelError, match="loss_weighting apply to flow matching only"):
+        build_objective(ObjectiveConfig(loss_weighting="linear"), DDPMScheduler())

@@ -19,9 +19,16 @@ def tiny_model(**overrides):
     return AutoModelForImageTextToText.from_config(str(LLAVA_CONFIG), seed=0, **overrides)
 
 
+class FreezeOnly(SimpleNamespace):
+    """A config holding only a ``freeze`` section (no upstream ``freeze_config``)."""
+
+    def __contains__(self, name: str) -> bool:
+        return name in vars(self)
+
+
 def frozen_after(model, **settings) -> dict[str, bool]:
     """Per top-level part: whether ALL its parameters are frozen (True), all trainable (False), or mixed (None)."""
-    freeze_vlm(SimpleNamespace(cfg=SimpleNamespace(freeze=VLMFreezeConfig(**settings))), model)
+    freeze_vlm(SimpleNamespace(cfg=FreezeOnly(freeze=VLMFreezeConfig(**settings))), model)
     parts = {"vision": "model.vision_tower.", "projector": "model.multi_modal_projector.",
              "embeddings": "model.language_model.embed_tokens.", "layers": "model.language_model.layers.",
              "head": "lm_head."}

@@ -45,6 +45,11 @@ def automodel_register_aliases(aliases) -> None:
     aliases.target("LinearWarmup", "automodel.optim.LinearWarmup")
     aliases.target("ConstantWarmup", "automodel.optim.ConstantWarmup")
     aliases.target("StatefulDataLoader", "torchdata.stateful_dataloader.StatefulDataLoader")
+    # upstream's model.backend, which every model domain's factories accept
+    aliases.target("BackendConfig", "automodel.model_backend.BackendConfig")
+    for path in ("nemo_automodel.components.models.common.BackendConfig",
+                 "nemo_automodel.components.models.common.utils.BackendConfig"):
+        aliases.target(path, "automodel.model_backend.BackendConfig")
 
 
 @hookimpl

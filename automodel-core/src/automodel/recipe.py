@@ -5,8 +5,12 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from automodel.config.node import Config
-from automodel.config.schema import Target
+from automodel.config.schema import Metadata, RecipeRef, Refused
+from automodel.config.targets import TargetError
 from automodel.errors import ConfigIssue
+
+_LAUNCHER = ("upstream's CLI submits the job through {name} with this section; automodel launches with torchrun "
+             "(--nproc-per-node, --nnodes) or writes a Slurm script (slurm:): remove it")
 
 
 class BaseRecipe:
@@ -19,7 +23,11 @@ class BaseRecipe:
 
     # The recipe class receives the config itself (``cfg``), never keyword arguments from the YAML.
     sections: ClassVar[dict[str, Any]] = {
-        "recipe": Target("the recipe class `automodel run` uses: {_target_: ...}", runtime_args=("cfg",)),
+        "recipe": RecipeRef("the recipe `automodel run` runs: a name an installed domain registered for its route "
+                            "(upstream's recipe class names), the recipe's dotted path, or {_target_: ...}"),
+        "ci": Metadata("upstream's CI settings, which its CI tooling reads"),
+        "skypilot": Refused(_LAUNCHER.format(name="SkyPilot")),
+        "nemo_run": Refused(_LAUNCHER.format(name="NeMo-Run")),
     }
     stateful: ClassVar[tuple[str, ...]] = ()
 
@@ -53,6 +61,26 @@ class BaseRecipe:
     @classmethod
     def check_config(cls, cfg: Config) -> list[ConfigIssue]:
         """Recipe-level checks across sections (batch arithmetic, say); sections that failed to validate are None."""
+        return cls.recipe_issues(cfg)
+
+    @classmethod
+    def recipe_issues(cls, cfg: Config) -> list[ConfigIssue]:
+        """A config's ``recipe:`` must name a recipe, and one this recipe is (a route runs its own recipe)."""
+        node = cfg.get("recipe")
+        if node is None:
+            return []
+        try:
+            named = cfg.resolver.resolve_recipe(node.target)
+        except TargetError:  # reported by the section's own check already
+            return []
+        if not issubclass(named, BaseRecipe):
+            return [ConfigIssue("recipe", f"'{node.target}' is {named.__module__}.{named.__qualname__}, not a recipe "
+                                          "(a subclass of automodel.BaseRecipe)")]
+        if not issubclass(cls, named):
+            return [ConfigIssue("recipe", f"'{node.target}' is {named.__module__}.{named.__qualname__}, but this "
+                                          f"command runs {cls.__module__}.{cls.__qualname__}: run the config with "
+                                          "`automodel run -c FILE` (it runs the recipe the config names), or "
+                                          "remove `recipe:`")]
         return []
 
     @classmethod

@@ -26,7 +26,8 @@ STRATEGIES = ("ddp", "fsdp2")
 OPTIONS = {
     "ddp": ("find_unused_parameters", "broadcast_buffers", "gradient_as_bucket_view", "bucket_cap_mb",
             "static_graph"),
-    "fsdp2": ("reshard_after_forward", "shard_blocks", "param_dtype", "reduce_dtype"),
+    "fsdp2": ("reshard_after_forward", "shard_blocks", "param_dtype", "reduce_dtype", "forward_prefetch_depth",
+              "backward_prefetch_depth"),
 }
 UNSUPPORTED = "megatron_fsdp"
 UNSUPPORTED_MESSAGE = "megatron_fsdp is not supported: diffusion supports DDP and FSDP2 only (strategy: ddp or fsdp2)"
@@ -71,8 +72,8 @@ def scheme_issues(scheme: Any, components: list[str] | None, trainable: list[str
     example = example_scheme(components, denoiser)
     if scheme is None:
         return [ConfigIssue("parallel_scheme", "required section is missing: diffusion needs each pipeline "
-                                               "component's data-parallel strategy (ddp or fsdp2), for example:\n"
-                                               + example)]
+                                               "component's data-parallel strategy (ddp or fsdp2), or upstream's "
+                                               "fsdp: / ddp: section, for example:\n" + example)]
     unsupported = _find_unsupported(scheme, "parallel_scheme")
     issues = [ConfigIssue(key, UNSUPPORTED_MESSAGE) for key in unsupported]
     if not isinstance(scheme, dict) or not scheme:
@@ -143,12 +144,24 @@ def _fully_shard(module: torch.nn.Module, entry: dict[str, Any], mesh: Any) -> N
     if entry.get("shard_blocks", True):
         from automodel.training.parallel.blocks import transformer_blocks
 
-        for block in transformer_blocks(module):
+        blocks = transformer_blocks(module)
+        for block in blocks:
             fully_shard(block, **kwargs)
+        _prefetch(blocks, entry.get("forward_prefetch_depth"), entry.get("backward_prefetch_depth"))
     fully_shard(module, **kwargs)
     for method in ("encode", "decode"):  # a VAE is called through these, not forward()
         if callable(getattr(module, method, None)):
             register_fsdp_forward_method(module, method)
+
+
+def _prefetch(blocks: list[Any], forward: int | None, backward: int | None) -> None:
+    """FSDP2 all-gathers the next ``forward`` blocks ahead in forward and the previous ``backward`` in backward
+    (FSDP2 itself prefetches one block implicitly; explicit depths overlap more communication with compute)."""
+    for index, block in enumerate(blocks):
+        if forward:
+            block.set_modules_to_forward_prefetch(blocks[index + 1:index + 1 + forward])
+        if backward:
+            block.set_modules_to_backward_prefetch(blocks[max(0, index - backward):index][::-1])
 
 
 def shard_components(ctx: BuildContext, model: Any) -> tuple[Any, str]:
@@ -158,7 +171,10 @@ def shard_components(ctx: BuildContext, model: Any) -> tuple[Any, str]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.nn.parallel import DistributedDataParallel
 
-    scheme = {name: parse_entry(value) for name, value in (ctx.cfg.resolved.get("parallel_scheme") or {}).items()}
+    from automodel_diffusion.upstream import effective_scheme
+
+    written = effective_scheme(ctx.cfg, model.trainable_components, model.denoiser_name) or {}
+    scheme = {name: parse_entry(value) for name, value in written.items()}
     mesh = init_device_mesh(ctx.device.type, (dist.get_world_size(),))
     model.to(ctx.device)
     for component in model.frozen_components().values():

@@ -13,6 +13,7 @@ objective, the denoiser's prediction compared with the objective's target. It re
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 from collections.abc import Iterable
@@ -29,6 +30,17 @@ DENOISERS = ("transformer", "unet")
 # whatever module it names would run a local `<name>.py` (the working directory is on sys.path under torchrun).
 COMPONENT_LIBRARIES = ("diffusers", "transformers")
 _SUPPORTED = "SD3Transformer2DModel (StableDiffusion3Pipeline) and UNet2DConditionModel (StableDiffusionPipeline)"
+DENOISER_CLASSES = ("SD3Transformer2DModel", "UNet2DConditionModel")  # the denoisers a Conditioning exists for
+
+
+def index_issue(index: dict[str, Any]) -> str | None:
+    """Why a pipeline directory's model_index.json names a pipeline this recipe cannot train (None: it can)."""
+    components = pipeline_components(index)
+    denoiser = next((components[name][1] for name in DENOISERS if name in components), None)
+    if denoiser in DENOISER_CLASSES:
+        return None
+    return (f"the pipeline is a {index.get('_class_name')} with a {denoiser or 'no'} denoiser, which diffusion "
+            f"training does not support here; supported: {_SUPPORTED}")
 
 
 def read_model_index(path: str | Path) -> dict[str, Any] | None:
@@ -141,6 +153,7 @@ class AutoDiffusionPipeline(torch.nn.Module):
             if name not in names:
                 module.eval()
         self.objective: Any = None  # set by the recipe (automodel_diffusion.objectives)
+        self.autocast_dtype: torch.dtype | None = None  # the trained denoiser computes in this dtype (autocast)
         self.max_sequence_length = max_sequence_length
         self.conditioning = conditioning_for(pipeline, self.denoiser_name, max_sequence_length)
 
@@ -197,6 +210,12 @@ class AutoDiffusionPipeline(torch.nn.Module):
         shift = getattr(config, "shift_factor", None) or 0.0
         return (latents - shift) * getattr(config, "scaling_factor", 1.0)
 
+    def denoiser_precision(self, device: torch.device) -> Any:
+        """torch.autocast to ``autocast_dtype`` around the denoiser (parameters stay in their stored dtype)."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=self.autocast_dtype)
+
     def forward(self, pixel_values: torch.Tensor, captions: list[str],
                 generator: torch.Generator | None = None) -> torch.Tensor:
         """Per-sample losses of one micro-batch (noise and timesteps from ``generator``, else torch's global RNG)."""
@@ -209,8 +228,11 @@ class AutoDiffusionPipeline(torch.nn.Module):
             cond = self.conditioning.encode(captions, latents.device)
         noisy, timesteps, target = self.objective.noise(latents, generator)
         denoiser = self.components[self.denoiser_name] if self.denoiser_name in self.components else self.denoiser
-        prediction = self.conditioning.denoise(denoiser, noisy.to(self.denoiser.dtype), timesteps, cond)
-        return (prediction.float() - target.float()).pow(2).flatten(1).mean(1)
+        with self.denoiser_precision(latents.device):
+            prediction = self.conditioning.denoise(denoiser, noisy.to(self.denoiser.dtype), timesteps, cond)
+        losses = (prediction.float() - target.float()).pow(2).flatten(1).mean(1)
+        weights = self.objective.loss_weights(timesteps)
+        return losses if weights is None else losses * weights.to(losses.device, losses.dtype)
 
 
 # ---- text conditioning and the denoiser's call, per pipeline family ---------------------------------------------

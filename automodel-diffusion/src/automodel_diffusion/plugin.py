@@ -3,6 +3,7 @@
 from automodel import hookimpl
 
 _RECIPE = "automodel_diffusion.recipe.DiffusionRecipe"
+_UPSTREAM_DATA = "nemo_automodel.components.datasets.diffusion"
 
 
 @hookimpl
@@ -13,13 +14,29 @@ def automodel_register_routes(routes) -> None:
     routes.add("pretrain", "diffusion", recipe=_RECIPE,
                help="Pre-train a text-to-image denoiser from a pipeline config (same recipe, config differs)",
                examples=["diffusion/tiny_flow"])
+    routes.add("generate", "diffusion", recipe="automodel_diffusion.generate.GenerateRecipe",
+               help="Generate images from prompts with a diffusers pipeline or a trained checkpoint (upstream's "
+                    "generation config: model, inference, output, vae)", examples=["diffusion/tiny_generate"])
 
 
 @hookimpl
 def automodel_register_aliases(aliases) -> None:
     aliases.domain("t2i", "diffusion")
+    # Upstream's diffusion recipe (its examples run it from a script, without `recipe:`), by name and by path.
+    aliases.recipe("TrainDiffusionRecipe", "finetune", "diffusion")
+    aliases.recipe("nemo_automodel.recipes.diffusion.train.TrainDiffusionRecipe", "finetune", "diffusion")
     aliases.target("AutoDiffusionPipeline", "automodel_diffusion.AutoDiffusionPipeline.from_pretrained")
     aliases.target("ImageCaptionDataset", "automodel_diffusion.datasets.ImageCaptionDataset")
+    # Upstream (NeMo AutoModel) names: its data loader builders.
+    aliases.target(f"{_UPSTREAM_DATA}.build_text_to_image_multiresolution_dataloader",
+                   "automodel_diffusion.upstream.text_to_image_data")
+    aliases.unsupported(f"{_UPSTREAM_DATA}.build_video_multiresolution_dataloader",
+                        "text-to-video data: video pipelines (Wan, HunyuanVideo, LTX-2) are not implemented here; "
+                        "diffusion trains text-to-image pipelines on images (build_text_to_image_multiresolution_"
+                        "dataloader with a folder of images and captions, or dataset: ImageCaptionDataset)")
+    aliases.unsupported(f"{_UPSTREAM_DATA}.image_edit_dataset.ImageEditDataloaderConfig",
+                        "image-editing data (Qwen-Image-Edit) is not implemented here; diffusion trains "
+                        "text-to-image pipelines (dataset: ImageCaptionDataset)")
 
 
 @hookimpl

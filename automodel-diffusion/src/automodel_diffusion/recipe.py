@@ -17,17 +17,26 @@ from typing import Any
 
 import torch
 
-from automodel.config import Config, Free, Target, require_positive
+from automodel.config import Config, ConfigNode, Free, Target, require_positive
 from automodel.errors import AutomodelError, ConfigError, ConfigIssue
 from automodel.hf import model_source
+from automodel.model_files import parse_dtype
 from automodel.training.checkpoint import CheckpointError, load_safetensors_dir, load_weights_into
 from automodel.training.context import BuildContext
 from automodel.training.modules import unwrap
+from automodel.training.parallel.activation_checkpointing import apply_activation_checkpointing
 from automodel.training.recipe import TrainRecipe
+from automodel_diffusion import upstream
 from automodel_diffusion.datasets import collate_image_captions
 from automodel_diffusion.objectives import ObjectiveConfig, build_objective
-from automodel_diffusion.parallel import UNSUPPORTED_MESSAGE, scheme_issues
-from automodel_diffusion.pipeline import AutoDiffusionPipeline, model_class, pipeline_components, read_model_index
+from automodel_diffusion.parallel import UNSUPPORTED_MESSAGE, parse_entry, scheme_issues
+from automodel_diffusion.pipeline import (
+    AutoDiffusionPipeline,
+    index_issue,
+    model_class,
+    pipeline_components,
+    read_model_index,
+)
 from automodel_diffusion.sampling import call_kwargs, image_grid, sample_images
 
 FROZEN_BASE = "pipeline_base"  # under checkpoint_dir: the frozen components, written once, hard-linked into each
@@ -48,6 +57,13 @@ class SampleGenerationConfig:
 
     def __post_init__(self) -> None:
         require_positive(self, "num_images_per_prompt", "num_inference_steps")
+
+
+def objective_config(cfg: Config) -> ObjectiveConfig | None:
+    """``objective:``, or the flow matching upstream's ``flow_matching:`` describes."""
+    if "flow_matching" in cfg:
+        return cfg.flow_matching.objective()
+    return cfg.objective
 
 
 def pipeline_layout(cfg: Config) -> tuple[list[str] | None, list[str] | None, str]:
@@ -112,15 +128,25 @@ class DiffusionRecipe(TrainRecipe):
                                   "(model.trainable_components) or freeze parts of it (freeze:)"}
     sections = {
         "model": Target("the diffusers pipeline: {_target_: automodel_diffusion.AutoDiffusionPipeline."
-                        "from_pretrained, pretrained_model_name_or_path: ...} (or .from_config, config: <dir>)",
-                        required=True),
-        "parallel_scheme": Free("required: each pipeline component's strategy (ddp or fsdp2) and options, e.g. "
+                        "from_pretrained, pretrained_model_name_or_path: ...} (or .from_config, config: <dir>); "
+                        "without _target_, upstream's keys {pretrained_model_name_or_path, mode, torch_dtype, "
+                        "compute_dtype, ...} (automodel_diffusion.upstream.load_upstream_pipeline)", required=True,
+                        plain=True, default_target="automodel_diffusion.upstream.load_upstream_pipeline"),
+        "parallel_scheme": Free("each pipeline component's strategy (ddp or fsdp2) and options, e.g. "
                                 "{transformer: {strategy: fsdp2}, vae: {strategy: ddp}, text_encoder: "
-                                "{strategy: ddp}}"),
+                                "{strategy: ddp}}; required unless upstream's fsdp: or ddp: is given"),
+        "fsdp": upstream.FsdpSection,
+        "ddp": upstream.DdpSection,
         "objective": ObjectiveConfig,
+        "flow_matching": upstream.FlowMatchingSection,
+        "performance": upstream.PerformanceSection,
         "sample_generation": SampleGenerationConfig,
         "dataset": Target("the training images and captions: {_target_: automodel_diffusion.datasets."
-                          "ImageCaptionDataset, path: ..., resolution: ...}", required=True),
+                          "ImageCaptionDataset, path: ..., resolution: ...} (or upstream's data.dataloader)"),
+        "data": Free("upstream's {dataloader: {_target_: ...build_text_to_image_multiresolution_dataloader, "
+                     "cache_dir, base_resolution, ...}}: cache_dir is a folder of images and captions here "
+                     "(automodel_diffusion.upstream.text_to_image_data)"),
+        "checkpoint": upstream.DiffusionCheckpointConfig,
     }
 
     # ---- validation --------------------------------------------------------------------------------------------
@@ -130,17 +156,26 @@ class DiffusionRecipe(TrainRecipe):
         issues = super().check_config(cfg)
         if cfg.distributed is not None and cfg.distributed.strategy == "megatron_fsdp":
             issues.append(ConfigIssue("distributed.strategy", UNSUPPORTED_MESSAGE))
+        issues += upstream.upstream_issues(cfg)
+        source = model_source(cfg.model) if cfg.model is not None else None
+        index = read_model_index(source[0]) if source is not None else None
+        if index is not None and index_issue(index):
+            issues.append(ConfigIssue("model", index_issue(index)))
+            return issues
         components, trainable, denoiser = pipeline_layout(cfg)
-        issues += scheme_issues(cfg.resolved.get("parallel_scheme"), components, trainable, denoiser)
+        if not upstream.scheme_unchecked(cfg):
+            issues += scheme_issues(upstream.effective_scheme(cfg, trainable, denoiser), components, trainable,
+                                    denoiser)
         return issues
 
     @classmethod
     def describe_plan(cls, cfg: Config) -> list[str]:
         lines = super().describe_plan(cfg)
-        objective = cfg.objective
+        objective = objective_config(cfg)
         if objective is not None:
             lines.append(f"objective: {objective.type} ({objective.timestep_sampling} timesteps)")
-        scheme = cfg.resolved.get("parallel_scheme") or {}
+        _, trainable, denoiser = pipeline_layout(cfg)
+        scheme = upstream.effective_scheme(cfg, trainable, denoiser) or {}
         lines.append("parallel_scheme: " + ", ".join(
             f"{name}: {value if isinstance(value, str) else value.get('strategy')}" for name, value in scheme.items()))
         return lines
@@ -156,9 +191,26 @@ class DiffusionRecipe(TrainRecipe):
         transformers.utils.logging.disable_progress_bar()
         diffusers.utils.logging.disable_progress_bar()
         self.loss_generator: torch.Generator | None = None
+        self.upstream_loader: dict[str, Any] | None = None  # data.dataloader's loader settings
 
     def default_collate_fn(self, train: bool = True) -> Any:
         return collate_image_captions
+
+    def build_dataset(self, ctx: BuildContext, node: ConfigNode | None) -> Any:
+        """``dataset:``, or upstream's ``data.dataloader`` (its data set; its loader settings kept for the loader)."""
+        if node is not None or "data" not in ctx.cfg:
+            return super().build_dataset(ctx, node)
+        data = ctx.cfg.data["dataloader"].instantiate()
+        self.upstream_loader = data.loader
+        return data.dataset
+
+    def build_dataloader(self, ctx: BuildContext, dataset: Any, node: ConfigNode | None, train: bool) -> Any:
+        if train and self.upstream_loader is not None:
+            if "dataloader" in ctx.cfg:
+                raise ConfigError(ConfigIssue("dataloader", "give the loader settings in data.dataloader (upstream's "
+                                                            "section) or here, not both"))
+            node = ConfigNode(dict(self.upstream_loader), "dataloader", ctx.cfg.resolver)
+        return super().build_dataloader(ctx, dataset, node, train)
 
     def build_model(self, ctx: BuildContext) -> AutoDiffusionPipeline:
         """The pipeline as one module, with its objective; its frozen parts on the device, as the checkpoint being
@@ -172,11 +224,15 @@ class DiffusionRecipe(TrainRecipe):
             raise AutomodelError(f"model: {ctx.cfg.model.target} built a {type(model).__name__}; diffusion trains a "
                                  "diffusers pipeline: use automodel_diffusion.AutoDiffusionPipeline.from_pretrained")
         components = [n for n, c in model.pipeline.components.items() if isinstance(c, torch.nn.Module)]
-        issues = scheme_issues(ctx.cfg.resolved.get("parallel_scheme"), components, model.trainable_components,
-                               model.denoiser_name)
+        scheme = upstream.effective_scheme(ctx.cfg, model.trainable_components, model.denoiser_name)
+        issues = scheme_issues(scheme, components, model.trainable_components, model.denoiser_name)
         if issues:
             raise ConfigError(issues)
-        model.objective = build_objective(ctx.cfg.objective, model.pipeline.scheduler)
+        problem = upstream.steps_issue(upstream.given(ctx.cfg, "fsdp"), ctx.world_size)
+        if problem:
+            raise AutomodelError(problem)
+        model.objective = build_objective(objective_config(ctx.cfg), model.pipeline.scheduler)
+        self.apply_upstream_settings(ctx, model, scheme)
         model.pipeline.set_progress_bar_config(disable=True)
         for component in model.frozen_components().values():
             component.to(ctx.device)
@@ -184,6 +240,34 @@ class DiffusionRecipe(TrainRecipe):
             self.load_frozen_components(model, ctx.restore_path / "model")
         self.write_frozen_base(model)
         return model
+
+    def apply_upstream_settings(self, ctx: BuildContext, model: AutoDiffusionPipeline, scheme: dict) -> None:
+        """What fsdp: / ddp: / model.compute_dtype ask of the trained components: activation checkpointing,
+        torch.compile, and the compute dtype (autocast, unless FSDP2 casts the parameters under torchrun)."""
+        parallel = upstream.given(ctx.cfg, "fsdp") or upstream.given(ctx.cfg, "ddp")
+        for name in model.trainable_components:
+            component = model.components[name]
+            if parallel is not None and parallel.activation_checkpointing:
+                if getattr(component, "_supports_gradient_checkpointing", False):
+                    component.enable_gradient_checkpointing()
+                else:
+                    apply_activation_checkpointing(component)
+            if parallel is not None and getattr(parallel, "enable_compile", False):
+                component.compile()
+        dtype = upstream.compute_dtype(ctx.cfg)
+        sharded = ctx.world_size > 1 and any(parse_entry(scheme.get(n, {})).get("strategy") == "fsdp2"
+                                             for n in model.trainable_components)
+        if dtype is not None and not sharded:
+            model.autocast_dtype = parse_dtype(dtype, "model.compute_dtype")
+
+    def prepare_micro_batch(self, last: bool) -> None:
+        """fsdp.defer_fsdp_grad_sync: FSDP2 reduces the trained components' gradients after the last micro-batch."""
+        fsdp = upstream.given(self.cfg, "fsdp")
+        if fsdp is None or not fsdp.defer_fsdp_grad_sync:
+            return
+        for component in unwrap(self.model).components.values():
+            if hasattr(component, "set_requires_gradient_sync"):
+                component.set_requires_gradient_sync(last)
 
     @property
     def pipeline(self) -> Any:
@@ -257,7 +341,13 @@ class DiffusionRecipe(TrainRecipe):
 
     def compute_loss(self, model: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor:
         """The micro-batch's per-image losses, summed (the engine divides by the images of the whole step)."""
-        return model(batch["pixel_values"], batch["captions"], generator=self.loss_generator).sum()
+        losses = model(batch["pixel_values"], batch["captions"], generator=self.loss_generator)
+        if self.cfg.performance.check_loss:
+            mean = float(losses.detach().mean())
+            if upstream.exploded(mean):
+                raise AutomodelError(f"performance.check_loss: a micro-batch's loss is {mean} (NaN or above 100): "
+                                     "the loss exploded; lower optimizer.lr or set clip_grad_norm.max_norm")
+        return losses.sum()
 
     def count_label_tokens(self, batch: dict[str, Any]) -> int:
         return len(batch["captions"])
@@ -277,6 +367,8 @@ class DiffusionRecipe(TrainRecipe):
         self.write_samples()
 
     def after_step(self, step: int, tokens: int, seconds: float) -> None:
+        for line in upstream.sigma_lines(step, unwrap(self.model).objective, upstream.given(self.cfg, "flow_matching")):
+            self.log(line)
         if not self.val_dataloaders and self.step_scheduler.is_val_step():
             self.write_samples()  # no validation data: the engine does not validate, but samples still come
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from automodel.errors import AutomodelError
+from automodel.model_backend import apply_backend, model_backend_issues
 from automodel.model_files import MODEL_KWARGS, fresh_model, pop_hub_arguments, pretrained_or_fresh
 
 
@@ -36,13 +37,17 @@ def _load_config(config: Any, hub: dict[str, Any], **overrides: Any) -> Any:
 
 
 class AutoModelForCausalLM:
-    """Builds a ``transformers`` causal LM: from a checkpoint (``from_pretrained``) or a config (``from_config``)."""
+    """Builds a ``transformers`` causal LM: from a checkpoint (``from_pretrained``) or a config (``from_config``).
+    ``backend`` (upstream's BackendConfig) selects the attention; see :mod:`automodel.model_backend`."""
+
+    automodel_config_issues = staticmethod(model_backend_issues)
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | None = None, *, name_or_path: str | None = None,
                         dtype: Any = None, torch_dtype: Any = None, **kwargs: Any) -> Any:
         import transformers
 
+        apply_backend(kwargs)
         return pretrained_or_fresh(transformers.AutoModelForCausalLM, pretrained_model_name_or_path or name_or_path,
                                    dtype or torch_dtype, cls.from_config, kwargs)
 
@@ -51,6 +56,7 @@ class AutoModelForCausalLM:
                     **kwargs: Any) -> Any:
         import transformers
 
+        apply_backend(kwargs)
         hub = pop_hub_arguments(kwargs)  # to AutoConfig.from_pretrained only: never into the saved config
         model_kwargs = {k: kwargs.pop(k, hub.get(k)) for k in MODEL_KWARGS if k in kwargs or k in hub}
         return fresh_model(transformers.AutoModelForCausalLM.from_config, _load_config(config, hub, **kwargs),

@@ -3,6 +3,15 @@
 from automodel import hookimpl
 
 _RECIPE = "automodel_llm.recipe.FinetuneRecipeForNextTokenPrediction"
+_UPSTREAM = "nemo_automodel.recipes.llm"
+_UPSTREAM_RECIPES = {
+    ("finetune", "llm"): ("TrainFinetuneRecipeForNextTokenPrediction",
+                          f"{_UPSTREAM}.train_ft.TrainFinetuneRecipeForNextTokenPrediction"),
+    ("kd", "llm"): ("KnowledgeDistillationRecipeForNextTokenPrediction",
+                    f"{_UPSTREAM}.kd.KnowledgeDistillationRecipeForNextTokenPrediction"),
+    ("benchmark", "llm"): ("BenchmarkingRecipeForNextTokenPrediction",
+                           f"{_UPSTREAM}.benchmark.BenchmarkingRecipeForNextTokenPrediction"),
+}
 
 
 @hookimpl
@@ -14,13 +23,19 @@ def automodel_register_routes(routes) -> None:
     routes.add("kd", "llm", recipe="automodel_llm.kd.KnowledgeDistillationRecipe",
                help="Distil a frozen teacher_model into the student model")
     routes.add("benchmark", "llm", recipe="automodel_llm.benchmark.BenchmarkRecipe",
-               help="Measure training throughput on synthetic data (JSON with tokens/s, step times, memory, MFU)")
+               help="Measure training throughput on synthetic data (JSON with tokens/s, step times, memory, MFU)",
+               examples=["llm/tiny_benchmark"])
 
 
 @hookimpl
 def automodel_register_aliases(aliases) -> None:
     aliases.domain("text", "llm")
     aliases.command("sft", "finetune")
+    # Upstream's recipe class names (a config's `recipe:`), by bare name and by path: upstream pre-trains with its
+    # fine-tuning recipe too, so that name selects `finetune llm` (the same recipe as `pretrain llm`).
+    for route, names in _UPSTREAM_RECIPES.items():
+        for name in names:
+            aliases.recipe(name, *route)
     aliases.target("SquadDataset", "automodel_llm.datasets.SquadDataset")
     aliases.target("AutoModelForCausalLM", "automodel_llm.AutoModelForCausalLM.from_pretrained")
     aliases.target("pad_collate", "automodel_llm.datasets.collate.pad_collate")
@@ -36,7 +51,6 @@ def automodel_register_aliases(aliases) -> None:
                    "automodel.training.loss.MaskedCrossEntropy")
     aliases.target("nemo_automodel.components.datasets.llm.squad.make_squad_dataset",
                    "automodel_llm.datasets.make_squad_dataset")
-    aliases.target("TrainFinetuneRecipeForNextTokenPrediction", _RECIPE)
     aliases.target("ColumnMappedTextInstructionDataset",
                    "automodel_llm.datasets.ColumnMappedTextInstructionDataset")
     aliases.target("nemo_automodel.components.datasets.llm.column_mapped_text_instruction_dataset."
@@ -46,14 +60,11 @@ def automodel_register_aliases(aliases) -> None:
     aliases.target("nemo_automodel.components.training.rng.StatefulRNG", "automodel.training.rng.StatefulRNG")
     aliases.target("nemo_automodel.components._peft.lora.PeftConfig", "automodel_llm.peft.PeftConfig")
     aliases.target("nemo_automodel.components.loss.kd_loss.KDLoss", "automodel_llm.kd.KDLoss")
-    aliases.target("nemo_automodel.recipes.llm.kd.KnowledgeDistillationRecipeForNextTokenPrediction",
-                   "automodel_llm.kd.KnowledgeDistillationRecipe")
     aliases.target("ChatDataset", "automodel_llm.datasets.ChatDataset")
     aliases.target("nemo_automodel.components.datasets.llm.chat_dataset.ChatDataset",
                    "automodel_llm.datasets.ChatDataset")
     aliases.target("PretrainingTextDataset", "automodel_llm.datasets.PretrainingTextDataset")
     aliases.target("MockDataset", "automodel_llm.datasets.MockDataset")
-    aliases.target("nemo_automodel.recipes.llm.train_ft.TrainFinetuneRecipeForNextTokenPrediction", _RECIPE)
 
 
 @hookimpl

@@ -79,6 +79,9 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
     def dataset_runtime_args(self, node: Any) -> dict[str, Any]:
         return {"tokenizer": self.tokenizer}
 
+    def collate_runtime_args(self) -> dict[str, Any]:
+        return {"tokenizer": self.tokenizer}
+
     @property
     def pack_size(self) -> int | None:
         packing = self.cfg.packed_sequence

@@ -74,9 +74,21 @@ class RetrievalDataset(torch.utils.data.Dataset):
         source = path or dataset_name
         if not source:
             raise AutomodelError("dataset.path: missing (a JSONL file of {query, positive(s), negatives} rows)")
+        self._read(load_rows(source, split, "dataset.path"), source, corpus, num_negatives, expand_positives,
+                   limit_dataset_samples, query_field, on_bad_row)
+
+    @classmethod
+    def from_rows(cls, rows: Any, source: str, num_negatives: int | None = None,
+                  expand_positives: bool = True) -> RetrievalDataset:
+        """The data set of already loaded rows (``source``: what errors name)."""
+        dataset = cls.__new__(cls)
+        dataset._read(rows, source, None, num_negatives, expand_positives, None, "query", "error")
+        return dataset
+
+    def _read(self, rows: Any, source: str, corpus: str | None, num_negatives: int | None, expand_positives: bool,
+              limit_dataset_samples: int | None, query_field: str, on_bad_row: OnBadRow) -> None:
         if num_negatives is not None and num_negatives < 0:
             raise AutomodelError(f"dataset.num_negatives: must be >= 0, found {num_negatives}")
-        rows = load_rows(source, split, "dataset.path")
         if query_field not in rows.column_names:
             raise AutomodelError(f"dataset.query_field: '{source}' has no '{query_field}' column (found: "
                                  f"{', '.join(rows.column_names)})")
@@ -125,9 +137,10 @@ class RetrievalDataset(torch.utils.data.Dataset):
 
 # ---- collation ----------------------------------------------------------------------------------------------
 
-def tokenize(tokenizer: Any, texts: list[str], max_length: int, pairs: list[str] | None = None) -> dict:
+def tokenize(tokenizer: Any, texts: list[str], max_length: int, pairs: list[str] | None = None,
+             pad_to_multiple_of: int | None = None) -> dict:
     encoded = tokenizer(texts, pairs, padding=True, truncation=True if pairs is None else "longest_first",
-                        max_length=max_length, return_tensors="pt")
+                        max_length=max_length, pad_to_multiple_of=pad_to_multiple_of, return_tensors="pt")
     return dict(encoded)
 
 
@@ -137,16 +150,19 @@ class BiEncoderCollator:
     negatives.py), so that no copy of a query's positive counts as its negative."""
 
     def __init__(self, tokenizer: Any, query_max_length: int = 64, document_max_length: int = 128,
-                 query_prefix: str = "", document_prefix: str = ""):
+                 query_prefix: str = "", document_prefix: str = "", pad_to_multiple_of: int | None = None):
         self.tokenizer = tokenizer
         self.query_max_length, self.document_max_length = query_max_length, document_max_length
         self.query_prefix, self.document_prefix = query_prefix, document_prefix
+        self.pad_to_multiple_of = pad_to_multiple_of
 
     def encode_queries(self, queries: list[str]) -> dict:
-        return tokenize(self.tokenizer, [self.query_prefix + q for q in queries], self.query_max_length)
+        return tokenize(self.tokenizer, [self.query_prefix + q for q in queries], self.query_max_length,
+                        pad_to_multiple_of=self.pad_to_multiple_of)
 
     def encode_documents(self, documents: list[str]) -> dict:
-        return tokenize(self.tokenizer, [self.document_prefix + d for d in documents], self.document_max_length)
+        return tokenize(self.tokenizer, [self.document_prefix + d for d in documents], self.document_max_length,
+                        pad_to_multiple_of=self.pad_to_multiple_of)
 
     def __call__(self, items: list[dict[str, Any]]) -> dict[str, Any]:
         documents = [item["positive"] for item in items] + [n for item in items for n in item["negatives"]]
@@ -167,9 +183,18 @@ class CrossEncoderCollator:
     real pairs in row-major order of ``valid``.
     """
 
-    def __init__(self, tokenizer: Any, max_length: int = 128, query_prefix: str = "", document_prefix: str = ""):
+    def __init__(self, tokenizer: Any, max_length: int = 128, query_prefix: str = "", document_prefix: str = "",
+                 prompt_template: str | None = None, pad_to_multiple_of: int | None = None):
         self.tokenizer, self.max_length = tokenizer, max_length
         self.query_prefix, self.document_prefix = query_prefix, document_prefix
+        self.prompt_template, self.pad_to_multiple_of = prompt_template, pad_to_multiple_of
+
+    def encode(self, queries: list[str], documents: list[str]) -> dict:
+        """Each pair as one sequence from ``prompt_template`` ({query}, {passage}), else as a tokenizer text pair."""
+        if self.prompt_template is None:
+            return tokenize(self.tokenizer, queries, self.max_length, documents, self.pad_to_multiple_of)
+        texts = [self.prompt_template.format(query=q, passage=d) for q, d in zip(queries, documents, strict=True)]
+        return tokenize(self.tokenizer, texts, self.max_length, pad_to_multiple_of=self.pad_to_multiple_of)
 
     def __call__(self, items: list[dict[str, Any]]) -> dict[str, Any]:
         group = 1 + max(len(item["negatives"]) for item in items)
@@ -180,5 +205,5 @@ class CrossEncoderCollator:
             valid[i, : len(docs)] = True
             queries += [self.query_prefix + item["query"]] * len(docs)
             documents += [self.document_prefix + d for d in docs]
-        return {"pairs": tokenize(self.tokenizer, queries, self.max_length, documents), "valid": valid,
+        return {"pairs": self.encode(queries, documents), "valid": valid,
                 "labels": torch.zeros(len(items), dtype=torch.long)}

@@ -25,45 +25,72 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from automodel.config import Config, require_positive
+from automodel.config import Config, FieldErrors, Free, require_positive
 from automodel.errors import AutomodelError
 from automodel.recipe import BaseRecipe
 
 
-def _help(text: str) -> dict:
-    return {"help": text}
+def _help(text: str, *aliases: str) -> dict:
+    return {"help": text, "aliases": aliases}
 
 
 @dataclass
 class MiningConfig:
     model: str = field(metadata=_help("the bi-encoder: a run's checkpoint_dir (its LATEST), a checkpoint, or a "
-                                      "model directory (or any encoder AutoModel loads, with `pooling`)"))
-    data: str = field(metadata=_help("rows {query, positive | positives[, negatives]} (JSONL, ... or a hub name)"))
-    output: str = field(metadata=_help("where the mined JSONL is written"))
+                                      "model directory (or any encoder AutoModel loads, with `pooling`)",
+                                      "model_name_or_path"))
+    data: str = field(metadata=_help("rows {query, positive | positives[, negatives]} (JSONL, ... or a hub name)",
+                                     "train_qa_file_path"))
+    output: str = field(metadata=_help("where the mined JSONL is written", "train_file_output_path"))
     split: str = field(default="train", metadata=_help("split of `data` when it is a directory or hub name"))
     corpus: str | None = field(default=None, metadata=_help(
         "documents to mine from: .txt (one per line) or JSON/JSONL with `text` (default: every document of data)"))
-    num_negatives: int = field(default=5, metadata=_help("hard negatives kept per query (top-k)"))
+    num_negatives: int = field(default=5, metadata=_help("hard negatives kept per query (top-k)",
+                                                         "hard_negatives_to_mine"))
     margin_type: Literal["perc", "abs", "none"] = field(default="perc", metadata=_help(
-        "perc: score <= margin * positive score; abs: score <= positive score - margin; none: no filter"))
-    margin: float = field(default=0.95, metadata=_help("the margin filter's value"))
-    chunk_size: int = field(default=8192, metadata=_help("documents scored at once (bounds memory)"))
-    query_batch_size: int = field(default=256, metadata=_help("queries scored at once"))
+        "perc: score <= margin * positive score; abs: score <= positive score - margin; none: no filter",
+        "hard_neg_margin_type"))
+    margin: float = field(default=0.95, metadata=_help("the margin filter's value", "hard_neg_margin"))
+    chunk_size: int = field(default=8192, metadata=_help("documents scored at once (bounds memory)",
+                                                         "corpus_chunk_size"))
+    query_batch_size: int = field(default=256, metadata=_help("queries scored at once", "mining_batch_size"))
     batch_size: int = field(default=64, metadata=_help("texts per forward pass while embedding"))
-    tokenizer: str | None = field(default=None, metadata=_help("tokenizer (default: the model's)"))
+    query_embedding_batch_size: int | None = field(default=None, metadata=_help(
+        "queries per forward pass while embedding (default: batch_size)"))
+    document_embedding_batch_size: int | None = field(default=None, metadata=_help(
+        "documents per forward pass while embedding (default: batch_size)"))
+    tokenizer: str | None = field(default=None, metadata=_help("tokenizer (default: the model's)",
+                                                               "tokenizer_name_or_path"))
     pooling: Literal["mean", "cls", "last"] | None = field(default=None, metadata=_help(
         "pooling (default: the checkpoint's)"))
     query_prefix: str | None = field(default=None, metadata=_help("default: the checkpoint's"))
-    document_prefix: str | None = field(default=None, metadata=_help("default: the checkpoint's"))
+    document_prefix: str | None = field(default=None, metadata=_help("default: the checkpoint's", "passage_prefix"))
     query_max_length: int | None = field(default=None, metadata=_help("default: the checkpoint's, else 64"))
-    document_max_length: int | None = field(default=None, metadata=_help("default: the checkpoint's, else 128"))
+    document_max_length: int | None = field(default=None, metadata=_help("default: the checkpoint's, else 128",
+                                                                         "passage_max_length"))
     limit: int | None = field(default=None, metadata=_help("mine only the first N rows"))
     write_scores: bool = field(default=True, metadata=_help("write positive_scores and negative_scores"))
     device: str = field(default="auto", metadata=_help("auto (cuda when available), cpu, cuda, cuda:1, ..."))
 
+    load_embeddings_from_cache: bool = field(default=False, metadata=_help(
+        "upstream's embedding cache: not implemented (only false)"))
+    cache_embeddings_dir: str | None = field(default=None, metadata=_help(
+        "upstream's embedding cache folder: not implemented (only null)"))
+    use_negatives_from_file: bool = field(default=False, metadata=_help(
+        "keep the data's own negatives besides the mined ones: not implemented (only false; the mined replace them)"))
+
     def __post_init__(self) -> None:
+        unsupported = {
+            "load_embeddings_from_cache": "true is not supported: embeddings are computed each run",
+            "cache_embeddings_dir": "is not supported: embeddings are computed each run (no cache)",
+            "use_negatives_from_file": "true is not supported: the mined negatives replace the data's",
+        }
+        bad = {name: why for name, why in unsupported.items() if getattr(self, name) not in (None, False)}
+        if bad:
+            raise FieldErrors(bad)
         require_positive(self, "num_negatives", "chunk_size", "query_batch_size", "batch_size", "limit",
-                         "query_max_length", "document_max_length")
+                         "query_max_length", "document_max_length", "query_embedding_batch_size",
+                         "document_embedding_batch_size")
         if self.margin_type == "perc" and not 0 < self.margin <= 1:
             raise ValueError(f"mining.margin must be in (0, 1] with margin_type perc, found {self.margin}")
         if self.margin_type == "abs" and self.margin < 0:
@@ -126,7 +153,9 @@ def top_k_negatives(queries: Any, corpus: Any, excluded: list[set[int]], thresho
 class MineHardNegativesRecipe(BaseRecipe):
     """Embeds queries and a corpus with a trained bi-encoder and writes the hardest negatives of every query."""
 
-    sections = {"mining": MiningConfig}
+    sections = {"mining": MiningConfig,
+                "dist_env": Free("upstream's process-group settings: mining runs in one process here, so they "
+                                 "configure nothing (a note says so)")}
 
     @classmethod
     def describe_plan(cls, cfg: Config) -> list[str]:
@@ -150,6 +179,8 @@ class MineHardNegativesRecipe(BaseRecipe):
         from automodel_retrieval.models import BiEncoder, encoder_dir, resolve_model_dir
 
         m = self.mining = self.cfg.mining
+        if "dist_env" in self.cfg:
+            self.log("note: section 'dist_env' configures nothing: mine retrieval runs in one process")
         transformers.utils.logging.disable_progress_bar()
         if m.device == "auto":
             self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -206,7 +237,7 @@ class MineHardNegativesRecipe(BaseRecipe):
         from automodel.training.progress import TaskProgress
 
         encode = self.collator.encode_queries if side == "query" else self.collator.encode_documents
-        size = self.mining.batch_size
+        size = getattr(self.mining, f"{side}_embedding_batch_size") or self.mining.batch_size
         out = []
         with torch.no_grad(), TaskProgress(len(texts), desc, unit="text") as bar:
             for i in range(0, len(texts), size):

@@ -5,6 +5,40 @@ from automodel import hookimpl
 _BI = "automodel_retrieval.recipe.BiEncoderRecipe"
 _CROSS = "automodel_retrieval.recipe.CrossEncoderRecipe"
 _MINE = "automodel_retrieval.mining.MineHardNegativesRecipe"
+_LLM_DATA = "nemo_automodel.components.datasets.llm"
+_UPSTREAM = {
+    "nemo_automodel.NeMoAutoModelBiEncoder.from_pretrained": "bi_encoder_from_pretrained",
+    "nemo_automodel._transformers.auto_model.NeMoAutoModelBiEncoder.from_pretrained": "bi_encoder_from_pretrained",
+    "nemo_automodel.NeMoAutoModelCrossEncoder.from_pretrained": "cross_encoder_from_pretrained",
+    "nemo_automodel._transformers.auto_model.NeMoAutoModelCrossEncoder.from_pretrained":
+        "cross_encoder_from_pretrained",
+    "nemo_automodel.NeMoAutoTokenizer.from_pretrained": "tokenizer_from_pretrained",
+    "nemo_automodel._transformers.auto_tokenizer.NeMoAutoTokenizer.from_pretrained": "tokenizer_from_pretrained",
+    f"{_LLM_DATA}.retrieval_dataset.RetrievalDatasetConfig": "retrieval_dataset",
+    f"{_LLM_DATA}.BiEncoderCollator": "UpstreamBiEncoderCollator",
+    f"{_LLM_DATA}.retrieval_collator.BiEncoderCollator": "UpstreamBiEncoderCollator",
+    f"{_LLM_DATA}.CrossEncoderCollator": "UpstreamCrossEncoderCollator",
+    f"{_LLM_DATA}.retrieval_collator.CrossEncoderCollator": "UpstreamCrossEncoderCollator",
+}
+_DISTILL = ("embedding distillation (a student trained on a teacher's embeddings) has no recipe here; "
+            "automodel finetune retrieval trains a bi-encoder contrastively")
+_UNSUPPORTED = {
+    "EmbeddingDistillRecipe": _DISTILL,
+    "nemo_automodel.recipes.retrieval.distill_bi_encoder.EmbeddingDistillRecipe": _DISTILL,
+    f"{_LLM_DATA}.BiEncoderDistillCollator": _DISTILL,
+    f"{_LLM_DATA}.make_retrieval_dataset": "upstream's legacy dataloader.dataset form is not read; give dataset: "
+                                           "{_target_: ...RetrievalDatasetConfig, ...} (or RetrievalDataset)",
+    f"{_LLM_DATA}.ProcessorMethodCollator": "image-and-text (multimodal) retrieval is not implemented; the "
+                                            "retrieval recipes embed text with a tokenizer",
+    "nemo_automodel.components.models.llama_nemotron_vl.processor.LlamaNemotronVLProcessor.from_pretrained":
+        "image-and-text (multimodal) retrieval is not implemented; give a text tokenizer "
+        "(NeMoAutoTokenizer.from_pretrained or transformers.AutoTokenizer.from_pretrained)",
+}
+_UPSTREAM_RECIPES = {"TrainBiEncoderRecipe": ("finetune", "retrieval"),
+                     "TrainCrossEncoderRecipe": ("finetune", "cross-encoder"),
+                     "MineHardNegativesRecipe": ("mine", "retrieval")}
+_UPSTREAM_MODULES = {"TrainBiEncoderRecipe": "train_bi_encoder", "TrainCrossEncoderRecipe": "train_cross_encoder",
+                     "MineHardNegativesRecipe": "mine_hard_negatives"}
 
 
 @hookimpl
@@ -20,11 +54,20 @@ def automodel_register_routes(routes) -> None:
 @hookimpl
 def automodel_register_aliases(aliases) -> None:
     aliases.domain("bi-encoder", "retrieval")
+    # Upstream's recipe class names (a config's `recipe:`), by bare name and by path.
+    for name, route in _UPSTREAM_RECIPES.items():
+        aliases.recipe(name, *route)
+        aliases.recipe(f"nemo_automodel.recipes.retrieval.{_UPSTREAM_MODULES[name]}.{name}", *route)
     aliases.target("BiEncoder", "automodel_retrieval.models.BiEncoder.from_pretrained")
     aliases.target("CrossEncoder", "automodel_retrieval.models.CrossEncoder.from_pretrained")
     aliases.target("RetrievalDataset", "automodel_retrieval.data.RetrievalDataset")
     aliases.target("InfoNCELoss", "automodel_retrieval.losses.InfoNCELoss")
     aliases.target("ListwiseCrossEntropy", "automodel_retrieval.losses.ListwiseCrossEntropy")
+    # Upstream (NeMo AutoModel) names, on this package's models, data and collators (automodel_retrieval.upstream).
+    for name, ours in _UPSTREAM.items():
+        aliases.target(name, f"automodel_retrieval.upstream.{ours}")
+    for name, reason in _UNSUPPORTED.items():
+        aliases.unsupported(name, reason)
 
 
 @hookimpl

@@ -12,18 +12,30 @@ from typing import Any
 
 import torch
 
-from automodel.config import Config, ConfigNode, FieldErrors, Target, require_positive
+from automodel.config import Config, ConfigNode, FieldErrors, Free, Target, require_positive
 from automodel.errors import AutomodelError, ConfigIssue
 from automodel.hf import check_vocab, model_source
 from automodel.training.context import BuildContext
 from automodel.training.modules import unwrap
 from automodel.training.recipe import TrainRecipe
+from automodel_retrieval import upstream
 from automodel_retrieval.data import BiEncoderCollator, CrossEncoderCollator
 from automodel_retrieval.metrics import group_metrics, ranking_metrics
 from automodel_retrieval.models import DEFAULT_INPUTS, POOLINGS, BiEncoder, encoder_dir
 from automodel_retrieval.negatives import exclusions, gather_documents
 
 DATASET = "automodel_retrieval.data.RetrievalDataset"
+
+
+UPSTREAM = "automodel_retrieval.upstream"
+UPSTREAM_COLLATORS = (f"{UPSTREAM}.UpstreamBiEncoderCollator", f"{UPSTREAM}.UpstreamCrossEncoderCollator")
+
+
+def _expanded(cfg: Config, node: Any) -> str | None:
+    """The dotted path a target node's ``_target_`` stands for (through aliases), or None."""
+    if not isinstance(node, ConfigNode) or not isinstance(node.target, str):
+        return None
+    return cfg.resolver.expand(node.target)
 
 
 def _dataset_section(help: str) -> Target:
@@ -83,6 +95,9 @@ class _RetrievalRecipe(TrainRecipe):
         "validation_dataset_*": _dataset_section("more validation data sets, reported by name"),
     }
 
+    upstream_model = ""  # the upstream model factory this recipe's model may name (its alias target)
+    model_type = ""  # upstream's RetrievalDatasetConfig.model_type for this recipe
+
     @classmethod
     def check_config(cls, cfg: Config) -> list[ConfigIssue]:
         issues = list(super().check_config(cfg))
@@ -91,7 +106,55 @@ class _RetrievalRecipe(TrainRecipe):
             temperature = loss.get("temperature")
             if isinstance(temperature, (int, float)) and temperature <= 0:
                 issues.append(ConfigIssue("loss_fn.temperature", f"must be > 0, found {temperature}"))
+        return issues + cls.upstream_issues(cfg)
+
+    @classmethod
+    def upstream_issues(cls, cfg: Config) -> list[ConfigIssue]:
+        """Upstream keys (through the upstream names' aliases) that cannot act here, each with its reason."""
+        issues = []
+        for name in ("model", "tokenizer", "dataset", "validation_dataset"):
+            node = cfg.get(name)
+            target = _expanded(cfg, node)
+            settings = node.to_dict() if isinstance(node, ConfigNode) else {}
+            if target == cls.upstream_model:
+                check = upstream.bi_encoder_issues if cls.model_type == "bi_encoder" else upstream.cross_encoder_issues
+                issues += check(settings, name)
+            elif target == f"{UPSTREAM}.tokenizer_from_pretrained":
+                issues += upstream.tokenizer_issues(settings, name)
+            elif target == f"{UPSTREAM}.retrieval_dataset":
+                issues += upstream.dataset_issues(settings, name, cls.model_type)
+        loader = cfg.get("dataloader")
+        collate = loader.get("collate_fn") if isinstance(loader, ConfigNode) else None
+        if _expanded(cfg, collate) in UPSTREAM_COLLATORS:
+            issues += upstream.collator_issues(collate.to_dict())
+            if "retrieval" in cfg:
+                issues.append(ConfigIssue("retrieval", "give the lengths and prefixes in dataloader.collate_fn "
+                                                       "(upstream's collator) or here, not both"))
         return issues
+
+    def collate_runtime_args(self) -> dict[str, Any]:
+        return {"tokenizer": self.tokenizer}  # upstream builds its collator classes with the tokenizer
+
+    def configured_collator(self) -> Any:
+        """The collator upstream's collate_fn node describes (None when the config names none): it also collates
+        validation, as training does."""
+        from automodel.training.builders import configured_collate
+
+        loader = self.cfg.get("dataloader")
+        node = loader.get("collate_fn") if isinstance(loader, ConfigNode) else None
+        if _expanded(self.cfg, node) not in UPSTREAM_COLLATORS:
+            return None
+        return configured_collate(node.to_dict(), self.cfg.resolver, node.key, self.collate_runtime_args())
+
+    def build_loss_fn(self, ctx: Any) -> torch.nn.Module:
+        """``loss_fn``, with the temperature upstream puts elsewhere (see ``upstream_temperature``)."""
+        temperature = self.upstream_temperature()
+        if temperature is None:
+            return super().build_loss_fn(ctx)
+        return ctx.instantiate("loss_fn", temperature=temperature)
+
+    def upstream_temperature(self) -> float | None:
+        return None
 
     def _tokenizer_source(self) -> str | None:
         found = model_source(self.cfg.model, ("pretrained_model_name_or_path", "name_or_path", "query_encoder",
@@ -139,29 +202,49 @@ class BiEncoderRecipe(_RetrievalRecipe):
     """Contrastive bi-encoder training: InfoNCE over in-batch and hard negatives; validation ranks the corpus."""
 
     domain = "retrieval"
+    upstream_model = f"{UPSTREAM}.bi_encoder_from_pretrained"
+    model_type = "bi_encoder"
     sections = {
         "model": Target("the bi-encoder: {_target_: automodel_retrieval.BiEncoder.from_config | .from_pretrained, "
                         "shared, pooling, normalize, ...}", required=True),
         "loss_fn": _loss_section("the contrastive loss (default automodel_retrieval.InfoNCELoss: {temperature: "
                                  "0.05})", "automodel_retrieval.losses.InfoNCELoss"),
         "retrieval": BiEncoderSettings,
+        "temperature": Free("upstream's name for the contrastive temperature (loss_fn.temperature): a number > 0"),
     }
 
     @classmethod
     def check_config(cls, cfg: Config) -> list[ConfigIssue]:
         issues = super().check_config(cfg)
         model = cfg.model
-        if isinstance(model, ConfigNode) and model.get("pooling") is not None and model["pooling"] not in POOLINGS:
+        if isinstance(model, ConfigNode) and _expanded(cfg, model) != cls.upstream_model and \
+                model.get("pooling") is not None and model["pooling"] not in POOLINGS:
             issues.append(ConfigIssue("model.pooling", f"'{model['pooling']}' is not one of {', '.join(POOLINGS)}"))
+        temperature = cfg.resolved.get("temperature")
+        if temperature is not None:
+            given = cfg.loss_fn.get("temperature") if isinstance(cfg.loss_fn, ConfigNode) else None
+            if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature <= 0:
+                issues.append(ConfigIssue("temperature", f"expected a number > 0, found {temperature!r}"))
+            elif given is not None and given != temperature:
+                issues.append(ConfigIssue("temperature", f"{temperature}, but loss_fn.temperature is {given}: "
+                                                         "they are the same setting; give one"))
         return issues
+
+    def upstream_temperature(self) -> float | None:
+        return self.cfg.resolved.get("temperature")
 
     @property
     def settings(self) -> BiEncoderSettings:
-        return self.cfg.retrieval
+        collator = self.configured_collator()
+        if collator is None:
+            return self.cfg.retrieval
+        return BiEncoderSettings(collator.query_max_length, collator.document_max_length, collator.query_prefix,
+                                 collator.document_prefix, self.cfg.retrieval.recall_at,
+                                 self.cfg.retrieval.eval_batch_size)
 
     def input_settings(self) -> dict[str, Any]:
-        """Max lengths and prefixes: the retrieval section's, else the model's own (what its sentence-transformers
-        directory or saved bi-encoder said), else the defaults."""
+        """Max lengths and prefixes: upstream's configured collator's or the retrieval section's, else the model's
+        own (what its sentence-transformers directory or saved bi-encoder said), else the defaults."""
         model = unwrap(self.model)
         if not isinstance(model, BiEncoder):
             raise AutomodelError(f"model: the bi-encoder recipe needs an automodel_retrieval.BiEncoder, built "
@@ -171,6 +254,9 @@ class BiEncoderRecipe(_RetrievalRecipe):
                 else model.input_setting(name) for name in DEFAULT_INPUTS}
 
     def default_collate_fn(self, train: bool = True) -> Any:
+        configured = self.configured_collator()
+        if configured is not None:
+            return configured
         s = self.input_settings()
         return BiEncoderCollator(self.tokenizer, s["query_max_length"], s["document_max_length"], s["query_prefix"],
                                  s["document_prefix"])
@@ -244,6 +330,8 @@ class CrossEncoderRecipe(_RetrievalRecipe):
     positive and its negatives; validation reports accuracy (the positive ranked first) and MRR."""
 
     domain = "cross-encoder"
+    upstream_model = f"{UPSTREAM}.cross_encoder_from_pretrained"
+    model_type = "cross_encoder"
     sections = {
         "model": Target("the cross-encoder: {_target_: automodel_retrieval.CrossEncoder.from_config | "
                         ".from_pretrained, ...} (AutoModelForSequenceClassification, one logit)", required=True),
@@ -253,8 +341,18 @@ class CrossEncoderRecipe(_RetrievalRecipe):
     }
 
     def default_collate_fn(self, train: bool = True) -> Any:
+        configured = self.configured_collator()
+        if configured is not None:
+            return configured
         s = self.cfg.retrieval
         return CrossEncoderCollator(self.tokenizer, s.max_length, s.query_prefix, s.document_prefix)
+
+    def upstream_temperature(self) -> float | None:
+        """Upstream gives the cross-encoder model a temperature that divides its scores: the loss's here."""
+        model = self.cfg.model
+        if _expanded(self.cfg, model) == self.upstream_model:
+            return model.get("temperature")
+        return None
 
     def build_dataset(self, ctx: BuildContext, node: ConfigNode) -> Any:
         """A data set whose queries all come without negatives is refused: each group would hold only its

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from automodel.errors import AutomodelError
+from automodel.model_backend import apply_backend, model_backend_issues
 from automodel.model_files import MODEL_KWARGS, fresh_model, pop_hub_arguments, pretrained_or_fresh
 
 _SUB_CONFIGS = ("vision_config", "text_config")
@@ -85,13 +86,17 @@ def load_config(config: Any, vision_config: Any = None, text_config: Any = None,
 
 
 class AutoModelForImageTextToText:
-    """Builds a ``transformers`` image-text-to-text model from a checkpoint or from a config."""
+    """Builds a ``transformers`` image-text-to-text model from a checkpoint or from a config; ``backend`` (upstream's
+    BackendConfig) selects the attention, see :mod:`automodel.model_backend`."""
+
+    automodel_config_issues = staticmethod(model_backend_issues)
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | None = None, *, name_or_path: str | None = None,
                         dtype: Any = None, torch_dtype: Any = None, **kwargs: Any) -> Any:
         import transformers
 
+        apply_backend(kwargs)
         return pretrained_or_fresh(transformers.AutoModelForImageTextToText,
                                    pretrained_model_name_or_path or name_or_path, dtype or torch_dtype,
                                    cls.from_config, kwargs, (OSError, ValueError),
@@ -103,6 +108,7 @@ class AutoModelForImageTextToText:
         """A randomly initialised model (``seed`` makes the initialisation reproducible)."""
         import transformers
 
+        apply_backend(kwargs)
         model_kwargs = {k: kwargs.pop(k) for k in MODEL_KWARGS if k in kwargs}
         hf_config = load_config(config, vision_config, text_config, **kwargs)
         try:

@@ -3,6 +3,54 @@
 from automodel import hookimpl
 
 _RECIPE = "automodel_vlm.recipe.FinetuneRecipeForVLM"
+_DATASETS = "nemo_automodel.components.datasets.vlm.datasets"
+_COLLATE = "nemo_automodel.components.datasets.vlm.collate_fns"
+_OURS = ("use ImageTextChatDataset (a JSONL/JSON/parquet file or hub set of {messages, image} rows) or one of "
+         "make_medpix_dataset, make_rdr_dataset, make_cord_v2_dataset")
+_GENERIC_COLLATE = ("use default_collate_fn (the processor's chat template renders the conversation; labels on the "
+                    "assistant turns), which serves processors that follow transformers' conventions")
+# Upstream names nothing here implements, each with the reason and what to use instead.
+UNSUPPORTED = {
+    f"{_DATASETS}.make_tulu3_dataset": "text-only chat data (no images) is not a VLM data set here; " + _OURS,
+    f"{_DATASETS}.make_tulu3_magicoder_text_mix_dataset": "text-only chat data is not a VLM data set here; " + _OURS,
+    f"{_DATASETS}.make_shopify_product_catalogue_dataset": "the Shopify catalogue's schema is not implemented; "
+                                                          + _OURS,
+    f"{_DATASETS}.make_meta_dataset": "upstream's meta-JSON data mixtures are not implemented; " + _OURS,
+    "nemo_automodel.components.datasets.vlm.mock.build_mock_vlm_dataset": "synthetic random-image data is not "
+                                                                          "implemented; " + _OURS,
+    "nemo_automodel.components.datasets.audio.datasets.make_cv17_dataset": "audio data is not supported by the VLM "
+                                                                           "recipe (images only)",
+    f"{_COLLATE}.gemma4_prefix_collate_fn": "Gemma 4's thinking-channel prefix injection is not implemented; "
+                                            + _GENERIC_COLLATE,
+    f"{_COLLATE}.gemma4_inject_thinking_prefix": "Gemma 4's thinking-channel prefix injection is not implemented",
+    f"{_COLLATE}.nemotron_omni_collate_fn": "Nemotron Omni's audio/video collation is not implemented; "
+                                            + _GENERIC_COLLATE,
+    f"{_COLLATE}.qwen3_omni_collate_fn": "Qwen3-Omni's audio/video collation is not implemented; " + _GENERIC_COLLATE,
+    f"{_COLLATE}.phi4_mm_collate_fn": "Phi-4-multimodal's (remote-code processor, audio) collation is not "
+                                      "implemented; " + _GENERIC_COLLATE,
+    f"{_COLLATE}.kimi_vl_collate_fn": "Kimi-VL's remote-code processor collation is not implemented; "
+                                      + _GENERIC_COLLATE,
+    f"{_COLLATE}.kimi_k25_vl_collate_fn": "Kimi-K2.5-VL's remote-code processor collation is not implemented; "
+                                          + _GENERIC_COLLATE,
+    f"{_COLLATE}.nemotron_parse_collate_fn": "Nemotron-Parse's collation is not implemented; " + _GENERIC_COLLATE,
+    "nemo_automodel.components.models.gemma4_drafter.composite.Gemma4WithDrafter.from_pretrained":
+        "Gemma 4 trained jointly with a drafter (upstream's own composite model) is not implemented; fine-tune the "
+        "Gemma 4 model itself with NeMoAutoModelForImageTextToText.from_pretrained",
+    "nemo_automodel.NeMoAutoModelForMultimodalLM.from_pretrained":
+        "audio-and-video (omni) models are not supported by the VLM recipe (images and text only); use "
+        "NeMoAutoModelForImageTextToText.from_pretrained for an image-text-to-text model",
+    "transformers.models.qwen3_vl.video_processing_qwen3_vl.Qwen3VLVideoProcessor.from_pretrained":
+        "video inputs are not supported by the VLM recipe (images only); remove processor.video_processor",
+    "nemo_automodel.components.models.minimax_m3_vl.processing.build_minimax_m3_vl_processor":
+        "upstream's own MiniMax-M3-VL processor builder is not here; use the model's AutoProcessor "
+        "(processor: {pretrained_model_name_or_path: ...})",
+    "nemo_automodel.components.models.inkling.processing.build_inkling_processor":
+        "upstream's own Inkling processor builder is not here; use the model's AutoProcessor "
+        "(processor: {pretrained_model_name_or_path: ...})",
+    "nemo_automodel.components.models.step3p7.processing_step3.Step3VLProcessor.from_pretrained":
+        "upstream's own Step3-VL processor is not here; use the model's AutoProcessor "
+        "(processor: {pretrained_model_name_or_path: ...})",
+}
 
 
 @hookimpl
@@ -14,6 +62,8 @@ def automodel_register_routes(routes) -> None:
 @hookimpl
 def automodel_register_aliases(aliases) -> None:
     aliases.domain("vision-language", "vlm")
+    aliases.recipe("FinetuneRecipeForVLM", "finetune", "vlm")  # upstream's recipe class, by name and by path
+    aliases.recipe("nemo_automodel.recipes.vlm.finetune.FinetuneRecipeForVLM", "finetune", "vlm")
     aliases.target("AutoModelForImageTextToText", "automodel_vlm.AutoModelForImageTextToText.from_pretrained")
     aliases.target("ImageTextChatDataset", "automodel_vlm.datasets.ImageTextChatDataset")
     # Upstream (NeMo AutoModel) public paths, so its users' configs run unchanged.
@@ -21,7 +71,14 @@ def automodel_register_aliases(aliases) -> None:
                    "automodel_vlm.AutoModelForImageTextToText.from_pretrained")
     aliases.target("nemo_automodel.NeMoAutoModelForImageTextToText.from_config",
                    "automodel_vlm.AutoModelForImageTextToText.from_config")
-    aliases.target("nemo_automodel.recipes.vlm.finetune.FinetuneRecipeForVLM", _RECIPE)
+    for name in ("make_medpix_dataset", "make_rdr_dataset", "make_cord_v2_dataset"):
+        aliases.target(f"{_DATASETS}.{name}", f"automodel_vlm.datasets.{name}")
+    # upstream's collate functions, called with the samples and the processor: here the collator class the core
+    # builds once with the recipe's processor and the node's keys (max_length, drop_overlong)
+    for name in ("default_collate_fn", "qwen2_5_collate_fn", "llava_onevision_collate_fn"):
+        aliases.target(f"{_COLLATE}.{name}", "automodel_vlm.datasets.collate.VLMCollator")
+    for name, reason in UNSUPPORTED.items():
+        aliases.unsupported(name, reason)
 
 
 @hookimpl

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from automodel.config import Target
+from automodel.config import Free, Target
 from automodel.errors import AutomodelError, ConfigIssue
 from automodel.hf import EvalGenerationConfig, check_vocab, model_source
 from automodel.training.checkpoint_write import sharded_only_message
@@ -16,7 +16,7 @@ from automodel.training.modules import unwrap
 from automodel.training.next_token import LABEL_POSITIONS, NextTokenLogits
 from automodel.training.recipe import TrainRecipe
 from automodel_vlm.datasets.collate import IGNORE_INDEX, VLMCollator, render
-from automodel_vlm.freeze import VLMFreezeConfig
+from automodel_vlm.freeze import UpstreamFreezeConfig, VLMFreezeConfig
 from automodel_vlm.parts import base_model
 
 DATASET_ARGS = ("config_key",)
@@ -46,12 +46,23 @@ class FinetuneRecipeForVLM(NextTokenLogits, TrainRecipe):
                        "match_all_linear} (or _target_: peft.LoraConfig, used as given)", plain=True,
                        default_target="automodel.hf.PeftConfig"),
         "freeze": VLMFreezeConfig,
+        "freeze_config": UpstreamFreezeConfig,
+        "packed_sequence": Free("upstream's VLM sequence packing (pretokenize, pack_size, ...): not implemented; "
+                                "refused when given"),
         "eval_generation": EvalGenerationConfig,
     }
 
     @classmethod
     def check_config(cls, cfg: Any) -> list[ConfigIssue]:
         issues = list(super().check_config(cfg))
+        if cfg.resolved.get("packed_sequence"):
+            issues.append(ConfigIssue("packed_sequence", "packing VLM samples (upstream's pretokenization and packed "
+                                                         "streams) is not implemented: remove packed_sequence; each "
+                                                         "batch is padded to its longest sample (or to "
+                                                         "collate_fn.max_length)"))
+        if "freeze" in cfg and "freeze_config" in cfg:
+            issues.append(ConfigIssue("freeze_config", "give one of freeze (ours) and freeze_config (upstream's "
+                                                       "keys): they set the same thing"))
         model = cfg.model
         if "processor" not in cfg and model is not None and _processor_source(model) is None:
             issues.append(ConfigIssue("processor", "missing: the model is not loaded from a directory or hub name "
@@ -85,6 +96,10 @@ class FinetuneRecipeForVLM(NextTokenLogits, TrainRecipe):
 
     def default_collate_fn(self, train: bool = True) -> Any:
         return VLMCollator(self.processor)
+
+    def collate_runtime_args(self) -> dict[str, Any]:
+        # upstream calls its VLM collate functions with the processor (here: VLMCollator, see plugin.py)
+        return {"processor": self.processor}
 
     def setup(self) -> None:
         super().setup()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -51,23 +52,31 @@ def recipe_from_config(data: dict, manager: PluginManager) -> type:
 
     node = data.get("recipe")
     if node is None:
-        raise ConfigError(ConfigIssue("recipe", "missing: `automodel run` needs `recipe: {_target_: pkg.Class}` "
-                                                "(or use `automodel <command> <domain> -c ...`)"))
+        raise ConfigError(ConfigIssue("recipe", "missing: `automodel run` needs `recipe: Name` or "
+                                                "`recipe: {_target_: pkg.Class}` (or use `automodel <command> "
+                                                "<domain> -c ...`)"))
     name = node.get("_target_") if isinstance(node, dict) else node
+    key = "recipe._target_" if isinstance(node, dict) else "recipe"
     try:
-        cls = manager.resolver().resolve(name)
+        cls = manager.resolver().resolve_recipe(name)
     except TargetError as err:
-        raise ConfigError(ConfigIssue("recipe._target_", str(err), err.suggestion)) from None
-    if not (isinstance(cls, type) and issubclass(cls, BaseRecipe)):
-        raise ConfigError(ConfigIssue("recipe._target_", f"'{name}' is not a recipe (a BaseRecipe subclass)"))
+        raise ConfigError(ConfigIssue(key, str(err), err.suggestion)) from None
+    if not issubclass(cls, BaseRecipe):
+        raise ConfigError(ConfigIssue(key, f"'{name}' is not a recipe (a BaseRecipe subclass)"))
     return cls
 
 
 def load_and_validate(recipe_cls: type, config_path: Path, extra_args: list[str],
-                      manager: PluginManager) -> Config:
+                      manager: PluginManager, quiet: bool = False) -> Config:
+    """The validated config; its notes go to stderr once (rank 0 only, and not by a launcher about to start the
+    ranks: ``quiet``)."""
     overrides = parse_overrides(extra_args)
     data = load_yaml_file(config_path)
-    return build_config(data, recipe_cls, manager.resolver(), source=str(config_path), overrides=overrides)
+    cfg = build_config(data, recipe_cls, manager.resolver(), source=str(config_path), overrides=overrides)
+    if not quiet and os.environ.get("RANK", "0") == "0":
+        for note in cfg.notes:
+            echo_err(note)
+    return cfg
 
 
 def planning_for(launch: dict[str, Any] | None) -> contextlib.AbstractContextManager:
@@ -87,8 +96,10 @@ def run_recipe(recipe_cls: type, config_path: Path, extra_args: list[str], manag
     launch = launch or {}
     relaunch = needs_torchrun(launch) and not _under_torchrun()
     with planning_for(launch if relaunch else None):
-        # Validated here once, for the whole launch, so a config mistake is reported once, not by every rank.
-        cfg = load_and_validate(recipe_cls, config_path, extra_args, manager)
+        # Validated here once, for the whole launch, so a config mistake is reported once, not by every rank (the
+        # notes are printed by rank 0 of the launched run, and not beside --print-config's YAML).
+        quiet = print_config or (relaunch and not dry_run)
+        cfg = load_and_validate(recipe_cls, config_path, extra_args, manager, quiet=quiet)
         if print_config:
             click.echo(cfg.to_yaml(), nl=False)
             return 0
@@ -101,9 +112,7 @@ def run_recipe(recipe_cls: type, config_path: Path, extra_args: list[str], manag
     if relaunch:
         from automodel.cli.launch import relaunch_under_torchrun
 
-        dist_env = cfg.get("dist_env")  # the rendezvous address when --master-addr / --master-port are not given
-        where = (dist_env.master_addr, dist_env.master_port) if dist_env is not None else ("localhost", 29500)
-        return relaunch_under_torchrun(launch, *where)
+        return relaunch_under_torchrun(launch, *config_rendezvous(cfg))
     recipe = recipe_cls(cfg)
     try:
         recipe.setup()
@@ -115,6 +124,15 @@ def run_recipe(recipe_cls: type, config_path: Path, extra_args: list[str], manag
     finally:
         _close_process_group(finished)
     return 0
+
+
+def config_rendezvous(cfg: Config) -> tuple[str, int]:
+    """The rendezvous torchrun is given where the command line has no --master-addr / --master-port: the config's
+    ``dist_env.master_addr`` / ``master_port``, else localhost:29500."""
+    env = cfg.get("dist_env")
+    if env is None:
+        return "localhost", 29500
+    return env.master_addr or "localhost", env.master_port or 29500
 
 
 def _close_process_group(finished: bool) -> None:
@@ -131,8 +149,6 @@ def _close_process_group(finished: bool) -> None:
 
 
 def _under_torchrun() -> bool:
-    import os
-
     return "TORCHELASTIC_RUN_ID" in os.environ or ("LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 

@@ -11,7 +11,18 @@ from automodel.config.instantiate import BuildError, instantiate, is_target_node
 from automodel.config.node import Config, ConfigNode
 from automodel.config.overrides import apply_overrides, parse_overrides
 from automodel.config.registry import Registration, TargetRegistry
-from automodel.config.schema import FieldErrors, Free, Target, require_positive, validate_sections
+from automodel.config.schema import (
+    FieldErrors,
+    Free,
+    KeyAlias,
+    Metadata,
+    Refused,
+    Target,
+    is_inert,
+    metadata_note,
+    require_positive,
+    validate_sections,
+)
 from automodel.config.secrets import is_secret_key, mask_secrets
 from automodel.config.targets import TargetError, TargetResolver, core_registry
 from automodel.config.trust import UserTrust
@@ -19,10 +30,10 @@ from automodel.config.yaml_io import dump_yaml, load_yaml_file, parse_scalar, pa
 from automodel.errors import ConfigError, ConfigIssue
 
 __all__ = [
-    "BuildError", "Config", "ConfigNode", "FieldErrors", "Free", "Registration", "Target", "TargetError",
-    "TargetRegistry", "TargetResolver", "UserTrust", "apply_overrides", "build_config", "core_registry", "dump_yaml",
-    "instantiate", "interpolate", "is_secret_key", "is_target_node", "load_yaml_file", "mask_secrets",
-    "parse_overrides", "parse_scalar", "parse_yaml", "require_positive",
+    "BuildError", "Config", "ConfigNode", "FieldErrors", "Free", "KeyAlias", "Metadata", "Refused", "Registration",
+    "Target", "TargetError", "TargetRegistry", "TargetResolver", "UserTrust", "apply_overrides", "build_config",
+    "core_registry", "dump_yaml", "instantiate", "interpolate", "is_secret_key", "is_target_node", "load_yaml_file",
+    "mask_secrets", "parse_overrides", "parse_scalar", "parse_yaml", "require_positive",
 ]
 
 
@@ -31,16 +42,21 @@ def build_config(data: dict, recipe_cls: Any, resolver: TargetResolver, source: 
     """Apply overrides, interpolate, validate against the recipe; raise one ConfigError listing every problem."""
     raw = apply_overrides(data, list(overrides))
     issues: list[ConfigIssue] = []
-    resolved = interpolate(raw, issues)
-    values = validate_sections(resolved, recipe_cls.all_sections(), resolver, issues)
-    issues += code_loading_issues(resolved, resolver.trust.remote_code)
+    declared = recipe_cls.all_sections()
+    # metadata and refused sections are left as written: nothing reads them, so nothing in them is checked (a
+    # reference may still read a value there: `_vars: {lr: 1e-3}` and `lr: ${_vars.lr}`)
+    read = interpolate({k: v for k, v in raw.items() if not is_inert(k, declared)}, issues, root=raw)
+    resolved = {k: read.get(k, v) for k, v in raw.items()}
+    values = validate_sections(resolved, declared, resolver, issues)
+    issues += code_loading_issues(read, resolver.trust.remote_code)
     sections = {
         name: ConfigNode(value, name, resolver) if isinstance(value, dict) else value
         for name, value in values.items()
     }
-    for name in recipe_cls.all_sections():
+    for name in declared:
         sections.setdefault(name, None)
-    cfg = Config(raw, resolved, sections, resolver, source)
+    note = metadata_note(raw, declared)
+    cfg = Config(raw, resolved, sections, resolver, source, notes=[note] if note else [])
     issues += recipe_cls.check_config(cfg)
     if issues:
         raise ConfigError(issues)

@@ -24,6 +24,7 @@ CORE_TARGETS: tuple[str, ...] = (
     "automodel.training.loss",  # loss_fn: MaskedCrossEntropy (the default)
     "automodel.training.rng",  # StatefulRNG (upstream configs name it)
     "automodel.hf.PeftConfig",  # peft (the default)
+    "automodel.model_backend.BackendConfig",  # model.backend (upstream's kernel selection)
     "automodel.testing.toy",  # the toy recipe, model and data set (engine tests, plugin authors' tests)
     *(f"torch.optim.{name}" for name in _OPTIMIZERS),  # optimizer (the builder adds params)
     *(f"torch.optim.lr_scheduler.{name}" for name in _SCHEDULERS),  # lr_scheduler (the builder adds optimizer)

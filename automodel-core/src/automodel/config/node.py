@@ -71,8 +71,9 @@ class Config:
     """
 
     def __init__(self, raw: dict, resolved: dict, sections: dict[str, Any], resolver: TargetResolver,
-                 source: str = "<config>"):
+                 source: str = "<config>", notes: list[str] | None = None):
         self.raw, self.resolved, self.resolver, self.source = raw, resolved, resolver, source
+        self.notes = list(notes or [])  # what validation tells the user besides errors (printed once per run)
         self._sections = sections
 
     def __getattr__(self, name: str) -> Any:

@@ -4,7 +4,12 @@ A recipe's ``sections`` maps a section name to one of:
 
 * a dataclass: the section's keys, types, defaults and help (``field(metadata={"help": ..., "aliases": (...)})``);
 * ``Target(...)``: a section built from ``_target_``, checked against the callable's signature;
-* ``Free(...)``: a mapping passed through as it is.
+* ``Free(...)``: a mapping passed through as it is;
+* ``RecipeRef(...)``: the ``recipe`` section (see :func:`check_recipe`);
+* ``KeyAlias(...)``: a top-level key standing for a key of a keyed section (upstream's ``seed:`` is ``rng.seed``);
+* ``Metadata(...)``: a section nothing reads (upstream's ``ci:``): neither interpolated nor validated, and named in a
+  note; so is any top-level key starting with ``_`` (a YAML anchor's holder, a section set aside);
+* ``Refused(...)``: a section automodel cannot act on, refused with its reason (its content is not read).
 
 A name ending in ``*`` declares a family (``validation_dataset_*``).
 """
@@ -19,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
-from automodel.config.instantiate import is_target_node
+from automodel.config.instantiate import is_callable_key, is_target_node
 from automodel.config.targets import TargetError, TargetResolver
 from automodel.errors import ConfigIssue
 from automodel.suggest import did_you_mean
@@ -51,7 +56,77 @@ class Free:
     help: str = ""
 
 
-SectionSpec = type | Target | Free
+@dataclass(frozen=True)
+class RecipeRef:
+    """The recipe a config is for: ``{_target_: pkg.Class}``, or a string: a dotted path or a recipe name an installed
+    domain registered for its route (upstream's bare class names such as TrainFinetuneRecipeForNextTokenPrediction).
+    """
+
+    help: str = ""
+
+
+@dataclass(frozen=True)
+class KeyAlias:
+    """A top-level key that stands for ``key`` (``section.name``) of a keyed section, which validation sets from it;
+    ``implies`` are more keys of that section it sets unless the config gives them. Giving both the alias and the
+    key with different values is an error."""
+
+    key: str
+    help: str = ""
+    implies: Mapping[str, Any] = field(default_factory=dict, hash=False)
+
+
+@dataclass(frozen=True)
+class Metadata:
+    """A section nothing in a run reads: neither interpolated nor validated; validation names it in a note."""
+
+    help: str = ""
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A section automodel cannot act on: validation refuses it with ``reason``, without reading its content."""
+
+    reason: str
+
+
+SectionSpec = type | Target | Free | RecipeRef | KeyAlias | Metadata | Refused
+
+
+def is_inert(name: str, sections: dict[str, SectionSpec]) -> bool:
+    """Whether a top-level section's content is left unread (metadata, a key starting with ``_``, or refused)."""
+    return str(name).startswith("_") or isinstance(find_spec(str(name), sections), (Metadata, Refused))
+
+
+def metadata_note(data: dict, sections: dict[str, SectionSpec]) -> str | None:
+    """The one note line naming the config's metadata sections (None when it has none)."""
+    named = []
+    for name in data:
+        spec = find_spec(str(name), sections)
+        if isinstance(spec, Metadata):
+            named.append(f"'{name}' ({spec.help.rstrip('.')})" if spec.help else f"'{name}'")
+        elif str(name).startswith("_") and spec is None:
+            named.append(f"'{name}' (a top-level key starting with '_')")
+    return f"note: not validated and read by nothing in the run: {', '.join(named)}" if named else None
+
+
+def apply_key_aliases(data: dict, sections: dict[str, SectionSpec], issues: list[ConfigIssue]) -> dict:
+    """``data`` with every top-level ``KeyAlias`` copied into the section key it stands for."""
+    out = dict(data)
+    for name, spec in sections.items():
+        if not isinstance(spec, KeyAlias) or data.get(name) is None:
+            continue
+        section, key = spec.key.split(".", 1)
+        node = out.get(section) or {}
+        if not isinstance(node, dict):
+            continue  # the section's own check reports it
+        value = data[name]
+        if key in node and node[key] != value:
+            issues.append(ConfigIssue(name, f"{value!r} disagrees with {spec.key}: {node[key]!r}; '{name}' is "
+                                            f"{spec.key} under another name: give one of them"))
+            continue
+        out[section] = {**{k: v for k, v in spec.implies.items() if k not in node}, **node, key: value}
+    return out
 
 
 class FieldErrors(ValueError):
@@ -231,6 +306,51 @@ def check_target_node(node: dict, key: str, resolver: TargetResolver, issues: li
     except TargetError as err:
         issues.append(ConfigIssue(f"{key}._target_" if "_target_" in node else key, str(err), err.suggestion))
         return
+    _check_arguments(fn, str(name), kwargs, key, runtime_args, issues)
+    _own_checks(fn, kwargs, key, issues)
+
+
+def _own_checks(fn: Any, kwargs: dict, key: str, issues: list[ConfigIssue]) -> None:
+    """A target may check its own keyword arguments before anything is built: its class (or the class of a
+    classmethod constructor) defines ``automodel_config_issues(kwargs) -> {argument: message}``."""
+    owner = fn.__self__ if inspect.ismethod(fn) else fn
+    check = getattr(owner, "automodel_config_issues", None) if isinstance(owner, type) else None
+    if callable(check):
+        issues.extend(ConfigIssue(f"{key}.{name}", message) for name, message in check(kwargs).items())
+
+
+# What the recipes' collate_runtime_args() give a collator class by name (see check_callable_node)
+COLLATOR_RUNTIME_ARGS = ("tokenizer", "processor")
+
+
+def check_callable_node(node: dict, key: str, resolver: TargetResolver, issues: list[ConfigIssue]) -> None:
+    """A ``_target_`` node under a key ending in ``_fn``: its callable is passed, not called (a partial binding the
+    node's other keys), so they are checked against its parameters after the first, which the caller fills (a
+    collate function's batch); a class (a collator) is built once with what the recipe supplies by name (its
+    ``tokenizer``, the VLM recipe's ``processor``: ``collate_runtime_args``) as upstream does, so its
+    constructor's parameters are the ones checked, less those."""
+    kwargs = {k: v for k, v in node.items() if k != "_target_"}
+    for k, v in kwargs.items():
+        check_nested(v, f"{key}.{k}", resolver, issues)
+    try:
+        fn = resolver.resolve(node["_target_"])
+    except TargetError as err:
+        issues.append(ConfigIssue(f"{key}._target_", str(err), err.suggestion))
+        return
+    sig = _signature(fn)
+    if isinstance(fn, type) or sig is None:
+        runtime: tuple[str, ...] = COLLATOR_RUNTIME_ARGS
+    else:
+        positional = [n for n, p in sig.parameters.items()
+                      if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+        runtime = tuple(positional[:1])
+    _check_arguments(fn, str(node["_target_"]), kwargs, key, runtime, issues)
+
+
+def _check_arguments(fn: Any, name: str, kwargs: dict, key: str, runtime_args: tuple[str, ...],
+                     issues: list[ConfigIssue]) -> None:
+    """The config's keyword arguments against ``fn``'s signature: no unknown ones, every required one given (or
+    supplied at build time: ``runtime_args``), choices among a ``Literal``'s values."""
     sig = _signature(fn)
     if sig is None:
         return
@@ -239,11 +359,12 @@ def check_target_node(node: dict, key: str, resolver: TargetResolver, issues: li
     named = [n for n, p in params.items()
              if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
     if not accepts_any:
+        settable = [n for n in named if n not in runtime_args]
         for k in kwargs:
             if k not in named:
                 issues.append(ConfigIssue(f"{key}.{k}", f"{name} does not accept an argument '{k}' "
-                                                        f"(it accepts: {', '.join(named) or 'nothing'})",
-                                          did_you_mean(k, named)))
+                                                        f"(it accepts: {', '.join(settable) or 'nothing'})",
+                                          did_you_mean(k, settable)))
     for n in named:
         p = params[n]
         if p.default is inspect.Parameter.empty and n not in kwargs and n not in runtime_args:
@@ -267,11 +388,14 @@ def _choice_hints(fn: Any) -> dict[str, Any]:
 
 
 def check_nested(value: Any, key: str, resolver: TargetResolver, issues: list[ConfigIssue]) -> None:
-    """Resolve every nested target node, and every string under a key ending in ``_fn`` (a callable passed, not
-    called: ``collate_fn: pkg.fn``), so that validation refuses what building would."""
-    if is_target_node(value):
+    """Resolve every nested target node, and what every key ending in ``_fn`` names (a callable passed, not called:
+    ``collate_fn: pkg.fn`` or ``collate_fn: {_target_: pkg.fn, ...}``), so that validation refuses what building
+    would."""
+    if is_callable_key(key) and is_target_node(value):
+        check_callable_node(value, key, resolver, issues)
+    elif is_target_node(value):
         check_target_node(value, key, resolver, issues)
-    elif isinstance(value, str) and key.rsplit(".", 1)[-1].endswith("_fn"):
+    elif isinstance(value, str) and is_callable_key(key):
         try:
             resolver.resolve(value)
         except TargetError as err:
@@ -284,18 +408,50 @@ def check_nested(value: Any, key: str, resolver: TargetResolver, issues: list[Co
             check_nested(v, f"{key}[{i}]", resolver, issues)
 
 
+def check_recipe(node: Any, key: str, resolver: TargetResolver, issues: list[ConfigIssue]) -> dict | None:
+    """The ``recipe`` section as ``{_target_: name}`` once its name resolves to an installed recipe (None if not)."""
+    name = node.get("_target_") if isinstance(node, dict) else node
+    where = f"{key}._target_" if isinstance(node, dict) else key
+    if not isinstance(name, str) or not name:
+        issues.append(ConfigIssue(where, f"expected a recipe name or {{_target_: pkg.Class}}, found {node!r}"))
+        return None
+    try:
+        resolver.resolve_recipe(name)
+    except TargetError as err:
+        issues.append(ConfigIssue(where, str(err), err.suggestion))
+        return None
+    extra = [k for k in node if k != "_target_"] if isinstance(node, dict) else []
+    if extra:
+        issues.append(ConfigIssue(f"{key}.{extra[0]}", "the recipe section holds only the recipe's name "
+                                                        "(recipe: Name or recipe: {_target_: ...}); the recipe "
+                                                        "reads its settings from the other sections"))
+        return None
+    return {"_target_": name}
+
+
 def validate_sections(data: dict, sections: dict[str, SectionSpec], resolver: TargetResolver,
                       issues: list[ConfigIssue]) -> dict[str, Any]:
     """Check every top-level section; returns the section values (dataclass instances or raw mappings)."""
     values: dict[str, Any] = {}
     known = [name.rstrip("*") for name in sections]
+    data = apply_key_aliases(data, sections, issues)
     for name, node in data.items():
         spec = find_spec(str(name), sections)
+        if isinstance(spec, Metadata) or (spec is None and str(name).startswith("_")):
+            values[name] = node
+            continue
+        if isinstance(spec, Refused):
+            issues.append(ConfigIssue(str(name), spec.reason))
+            continue
         if spec is None:
             issues.append(ConfigIssue(str(name), "unknown section for this recipe", did_you_mean(str(name), known)))
             continue
         if isinstance(spec, type) and dataclasses.is_dataclass(spec):
             values[name] = validate_dataclass(spec, node, str(name), issues)
+        elif isinstance(spec, RecipeRef):
+            values[name] = check_recipe(node, str(name), resolver, issues) if node is not None else None
+        elif isinstance(spec, KeyAlias):
+            values[name] = node  # validated as the key it stands for
         elif isinstance(spec, Target):
             if node is None:
                 continue

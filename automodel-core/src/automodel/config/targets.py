@@ -17,6 +17,7 @@ import importlib
 import inspect
 import types
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from automodel.config.core_targets import CORE_TARGETS
@@ -53,20 +54,60 @@ def how_to_trust(name: str) -> str:
             f"it as a line to {trusted_targets_file()}")
 
 
+@dataclass(frozen=True)
+class InstalledRecipes:
+    """What a config's ``recipe:`` may name: each installed route's recipe (by its dotted path) and the names the
+    domains registered for a route (``aliases.recipe``: upstream's recipe class names and paths)."""
+
+    paths: Mapping[str, str] = field(default_factory=dict)  # a name -> the recipe's dotted path
+    routes: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # a recipe's dotted path -> its routes
+
+    def describe(self) -> str:
+        if not self.routes:
+            return "no recipes are installed; install a domain such as automodel-llm"
+        lines = []
+        for path, routes in sorted(self.routes.items(), key=lambda item: item[1]):
+            names = sorted(n for n, p in self.paths.items() if p == path and n != path and "." not in n)
+            also = f"; also named {', '.join(names)}" if names else ""
+            lines.append(f"{' / '.join(routes)}: {path}{also}")
+        return "the installed recipes are " + " | ".join(lines)
+
+
 class TargetResolver:
     """Resolves target strings; aliases map short or upstream names to registered dotted paths.
 
     ``registry`` defaults to the core's registrations; ``trust`` (default: this process's, see
-    :meth:`UserTrust.current`) adds the person running's trusted names as prefixes.
+    :meth:`UserTrust.current`) adds the person running's trusted names as prefixes; ``unsupported`` maps names
+    that a distribution knows and does not implement to the reason they are refused; ``recipes`` are the names a
+    config's ``recipe:`` may give (:meth:`resolve_recipe`).
     """
 
     def __init__(self, registry: TargetRegistry | None = None, aliases: Mapping[str, str] | None = None,
-                 trust: UserTrust | None = None):
+                 trust: UserTrust | None = None, unsupported: Mapping[str, str] | None = None,
+                 recipes: InstalledRecipes | None = None):
         self.trust = trust if trust is not None else UserTrust.current()
         base = registry if registry is not None else core_registry()
         self.registry = base.extended(Registration(t.name, PREFIX, t.source) for t in self.trust.names)
         self.aliases = dict(aliases or {})
+        self.unsupported = dict(unsupported or {})
+        self.recipes = recipes if recipes is not None else InstalledRecipes()
         self._cache: dict[str, Callable] = {}
+
+    def resolve_recipe(self, name: Any) -> type:
+        """The recipe class a config's ``recipe:`` names: an installed route's recipe (by a registered recipe name
+        or its dotted path), else a registered target that is a class (a recipe of your own, trusted)."""
+        path = self.recipes.paths.get(name, name) if isinstance(name, str) else name
+        try:
+            cls = self.resolve(path)
+        except TargetError as err:
+            # an unsupported name's reason says what to use instead; a dotted path's error says why it did not resolve
+            known = isinstance(name, str) and ("." in name or name in self.unsupported)
+            reason = f" ({self.unsupported[name] if name in self.unsupported else err})" if known else ""
+            raise TargetError(f"'{name}' names no recipe installed here{reason}; {self.recipes.describe()}; or run "
+                              "a route directly: automodel <command> <domain> -c FILE") from None
+        if not isinstance(cls, type):
+            raise TargetError(f"'{name}' is not a recipe class; {self.recipes.describe()}")
+        return cls
 
     def expand(self, name: str) -> str:
         """The dotted path an alias stands for (or the name itself)."""
@@ -81,6 +122,8 @@ class TargetResolver:
             raise TargetError(f"_target_ must be a dotted path string, found {name!r}")
         if name in self._cache:
             return self._cache[name]
+        if name in self.unsupported:
+            raise TargetError(f"'{name}' is not supported here: {self.unsupported[name]}")
         path = self.expand(name)
         grant = self._check_path(path, original=name)
         obj = self._import(path, grant)

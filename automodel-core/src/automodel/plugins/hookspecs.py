@@ -32,8 +32,10 @@ def automodel_register_routes(routes: RouteRegistry) -> None:
 
 @hookspec
 def automodel_register_aliases(aliases: AliasRegistry) -> None:
-    """Add command, domain and target aliases: ``aliases.command("sft", "finetune")``, ``aliases.domain(...)``,
-    ``aliases.target("SquadDataset", "pkg.mod.SquadDataset")``."""
+    """Add command, domain, target and recipe aliases: ``aliases.command("sft", "finetune")``,
+    ``aliases.domain(...)``, ``aliases.target("SquadDataset", "pkg.mod.SquadDataset")``,
+    ``aliases.recipe("UpstreamRecipeName", "finetune", "llm")`` (a name a config's ``recipe:`` may give), and
+    names refused with a reason: ``aliases.unsupported("upstream.Name", "what to use instead")``."""
 
 
 @hookspec

@@ -17,7 +17,7 @@ from typing import Any
 import pluggy
 
 from automodel.config.registry import TargetRegistry, classify, distribution_packages
-from automodel.config.targets import TargetResolver
+from automodel.config.targets import InstalledRecipes, TargetResolver
 from automodel.plugins import hookspecs
 from automodel.plugins.markers import PROJECT
 from automodel.plugins.registries import (
@@ -146,6 +146,7 @@ class PluginManager:
     def _collect(self) -> None:
         self.call_each("automodel_register_routes", self.routes, routes=self.routes)
         self.call_each("automodel_register_aliases", self.aliases, aliases=self.aliases)
+        self._check_recipe_names()
         self.call_each("automodel_register_builders", self.builders, builders=self.builders)
         self.call_each("automodel_register_stages", self.stages, stages=self.stages)
         self.call_each("automodel_register_loggers", self.loggers, loggers=self.loggers)
@@ -163,6 +164,17 @@ class PluginManager:
             if problems:
                 info.hook_errors["automodel_allowed_targets"] = "; ".join(problems)
 
+    def _check_recipe_names(self) -> None:
+        """A recipe name must select an installed route; one that does not is its plugin's hook error."""
+        for name, route in list(self.aliases.recipes.items()):
+            if self.routes.get(*route.split(" ", 1)) is None:
+                del self.aliases.recipes[name]
+                source = self.aliases.source_of("recipe", name)
+                info = next((p for p in self.plugins.values() if source in (p.distribution, p.name)), None)
+                if info is not None:
+                    info.hook_errors["automodel_register_aliases"] = (
+                        f"recipe name '{name}' selects the route '{route}', which no installed plugin registers")
+
     def register_commands(self, cli: Any) -> None:
         self.call_each("automodel_register_commands", cli=cli)
 
@@ -170,7 +182,19 @@ class PluginManager:
 
     def resolver(self) -> TargetResolver:
         """A resolver over every plugin's registrations and aliases, plus what the person running trusts."""
-        return TargetResolver(self.targets, self.aliases.targets)
+        return TargetResolver(self.targets, self.aliases.targets, unsupported=self.aliases.unsupported_targets,
+                              recipes=self.installed_recipes())
+
+    def installed_recipes(self) -> InstalledRecipes:
+        """Each route's recipe by its dotted path, and the recipe names registered for the routes."""
+        paths: dict[str, str] = {}
+        routes: dict[str, tuple[str, ...]] = {}
+        for route in sorted(self.routes.routes.values(), key=lambda r: (r.command, r.domain)):
+            paths[route.recipe] = route.recipe
+            routes[route.recipe] = (*routes.get(route.recipe, ()), f"{route.command} {route.domain}")
+        for name, route in self.aliases.recipes.items():
+            paths[name] = self.routes.get(*route.split(" ", 1)).recipe
+        return InstalledRecipes(paths, routes)
 
     def failed(self) -> list[PluginInfo]:
         return [info for info in self.plugins.values() if not info.ok]

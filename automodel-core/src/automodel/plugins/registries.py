@@ -64,6 +64,8 @@ class AliasRegistry(_Registry):
         self.commands: dict[str, str] = {}
         self.domains: dict[str, str] = {}
         self.targets: dict[str, str] = {}
+        self.unsupported_targets: dict[str, str] = {}
+        self.recipes: dict[str, str] = {}  # recipe name -> "command domain" (the route it selects)
         self._sources: dict[tuple[str, str], str] = {}
 
     def _add(self, kind: str, table: dict[str, str], alias: str, target: str) -> None:
@@ -83,9 +85,24 @@ class AliasRegistry(_Registry):
     def target(self, alias: str, dotted_path: str) -> None:
         self._add("target", self.targets, alias, dotted_path)
 
+    def unsupported(self, name: str, reason: str) -> None:
+        """A name configs may write (an upstream one, say) that nothing here implements: resolving it is refused
+        with ``reason``, which should say what to use instead."""
+        self._add("unsupported target", self.unsupported_targets, name, reason)
+
+    def recipe(self, name: str, command: str, domain: str) -> None:
+        """A name a config's ``recipe:`` may give (an upstream recipe class name or its dotted path) for the
+        installed route ``command domain``: ``recipe: Name`` then runs that route's recipe."""
+        self._add("recipe", self.recipes, name, f"{command} {domain}")
+
     def target_source(self, alias: str) -> str:
         """The distribution that registered a target alias."""
-        return self._sources[("target", alias)]
+        return self.source_of("target", alias)
+
+    def source_of(self, kind: str, alias: str) -> str:
+        """The distribution that registered an alias of ``kind`` (command, domain, target, recipe,
+        unsupported target: a refused name)."""
+        return self._sources[(kind, alias)]
 
 
 @dataclass

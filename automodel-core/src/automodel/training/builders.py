@@ -8,17 +8,19 @@ spec's, read through ``ctx.section``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import RandomSampler
 
-from automodel.config import ConfigNode, TargetError
+from automodel.config import BuildError, ConfigNode, TargetResolver
+from automodel.config.instantiate import build_value, callable_value
 from automodel.errors import AutomodelError, ConfigError, ConfigIssue
 from automodel.training.checkpoint import Checkpointer
-from automodel.training.context import BuildContext
+from automodel.training.context import BuildContext, accepted
 from automodel.training.dist import distributed_sampler
 from automodel.training.loss import as_sum_loss
 from automodel.training.modules import trainable_parameters
@@ -98,17 +100,31 @@ class CheckedCollate:
                 "name one that accepts samples like these") from err
 
 
+def configured_collate(value: Any, resolver: TargetResolver, key: str, collate_args: Mapping[str, Any]) -> Any:
+    """What a ``collate_fn`` value names, as a loader's collate function: the callable is passed, not called (a
+    ``functools.partial`` with the node's other keys); a collator class is built once with those keys and the
+    ``collate_args`` (the recipe's ``collate_runtime_args()``: its tokenizer or processor) its constructor names,
+    as upstream does."""
+    fn = callable_value(value, resolver, key)
+    cls = fn.func if isinstance(fn, functools.partial) else fn
+    if not isinstance(cls, type):
+        return fn
+    try:
+        return fn(**accepted(cls, dict(collate_args)))
+    except AutomodelError:
+        raise
+    except Exception as err:
+        raise BuildError(key, f"{cls.__module__}.{cls.__qualname__}", err) from err
+
+
 def _collate(ctx: BuildContext, node: ConfigNode, default: Callable | None) -> Any:
-    value = node.get("collate_fn")
+    """The loader's collate function: the recipe's default, or what ``collate_fn`` names (see
+    :func:`configured_collate`)."""
+    value = node.to_dict().get("collate_fn")
     if value is None:
         return None if default is None else CheckedCollate(default, f"{node.key} (the recipe's default collate_fn)")
     key = f"{node.key}.collate_fn"
-    if isinstance(value, str):
-        try:
-            return CheckedCollate(ctx.cfg.resolver.resolve(value), key)
-        except TargetError as err:
-            raise ConfigError(ConfigIssue(key, str(err), err.suggestion)) from None
-    return CheckedCollate(value.instantiate(), key)
+    return CheckedCollate(configured_collate(value, ctx.cfg.resolver, key, ctx.collate_args), key)
 
 
 def _seeded(seed: int) -> torch.Generator:
@@ -121,7 +137,8 @@ def build_dataloader(ctx: BuildContext, dataset: Any, node: ConfigNode, train: b
                      default_collate: Callable | None) -> StatefulDataLoader:
     """A resumable loader over ``dataset`` as ``node`` (a dataloader section) says; shuffled with a seeded generator
     for training; under torchrun each data-parallel rank reads its own shard. ``default_collate`` is the recipe's."""
-    settings = {k: v for k, v in node.to_dict().items() if k not in ("_target_", "collate_fn")}
+    settings = {k: build_value(v, ctx.cfg.resolver, f"{node.key}.{k}") for k, v in node.to_dict().items()
+                if k not in ("_target_", "collate_fn")}
     settings.setdefault("batch_size", ctx.batch.micro_batch_size)
     shuffle = settings.pop("shuffle", train)
     if not torch.cuda.is_available():

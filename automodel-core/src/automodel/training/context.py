@@ -59,6 +59,8 @@ class BuildContext:
     precision: Precision = field(default_factory=Precision)  # distributed.mp_policy / autocast_dtype, resolved
     fsdp2: bool = False  # the sharding slot runs the core's FSDP2 (its policy casts; no autocast around it)
     meta_build: MetaBuild | None = None  # set when the model factory built on the meta device (automodel.meta_build)
+    # what a collator class named by a `collate_fn` node is built with (the recipe's tokenizer or processor)
+    collate_args: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def is_main_process(self) -> bool:

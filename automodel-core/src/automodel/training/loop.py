@@ -66,7 +66,8 @@ class TrainingLoop:
         scale = self.world_size / denominator
         scaler = self.grad_scaler
         total = torch.zeros((), device=self.device)
-        for batch in batches:
+        for index, batch in enumerate(batches):
+            self.prepare_micro_batch(last=index == len(batches) - 1)
             with self.batch_errors(batch, "dataloader"), self.forward_context():
                 loss_sum = self.compute_loss(self.model, self.move_to_device(batch))
             scaled = loss_sum.float() * scale
@@ -92,6 +93,10 @@ class TrainingLoop:
             self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss, grad_norm, input_tokens
+
+    def prepare_micro_batch(self, last: bool) -> None:
+        """Called before each micro-batch of a step (``last``: the step's final one); a recipe may, say, defer
+        FSDP2's gradient reduction to the last one."""
 
     def _scaled_update(self, scaler: Any, grad_norm: torch.Tensor) -> None:
         """fp16: the scaler skips an update whose gradients overflowed and lowers its scale; such a step counts as

@@ -7,6 +7,7 @@ built; the same layout is what ``TrainRecipe.setup`` builds with.
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
 from automodel.config import Config, ConfigNode, Target
@@ -115,6 +116,9 @@ def engine_issues(recipe: type[TrainRecipe], cfg: Config, plugins: PluginManager
                               recipe.merged("unsupported_stages"))
     backends, backend_issues = resolve_backends(cfg, plugins.loggers)
     issues += backend_issues + step_scheduler_issues(cfg, backends) + checkpoint_issues(recipe, cfg)
+    if cfg.dist_env is not None:
+        issues += [ConfigIssue(f"dist_env.{key}", message)
+                   for key, message in cfg.dist_env.rendezvous_issues(os.environ).items()]
     return issues
 
 

@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 import torch
 from tqdm import tqdm
 
-from automodel.config import Config, ConfigNode, Free, Target
+from automodel.config import Config, ConfigNode, Free, KeyAlias, Target
 from automodel.errors import AutomodelError, ConfigIssue
 from automodel.meta_build import MetaBuild, building_on_meta
 from automodel.noise import debug_enabled, filter_third_party_noise
@@ -70,6 +70,8 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
         "step_scheduler": s.StepSchedulerConfig,
         "dist_env": s.DistEnvConfig,
         "rng": s.RngConfig,
+        "seed": KeyAlias("rng.seed", "the run's seed, upstream's top-level key: the same as rng.seed, and ranked "
+                         "(seed + rank per process) unless rng.ranked says otherwise", implies={"ranked": True}),
         "model": Target("the model to train: {_target_: ..., ...}", required=True),
         "compile": s.CompileConfig,
         "clip_grad_norm": s.ClipGradConfig,
@@ -89,7 +91,6 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
                                default_target="automodel.optim.build_scheduler"),
         "fault_tolerance": s.FaultToleranceConfig,
         "slurm": s.SlurmConfig,
-        "ci": Free("upstream CI metadata; accepted and ignored (a note says so)"),
         "logging": Free("metric logging backends: {backends: [tensorboard, mlflow, wandb], <backend>: {settings}}; "
                         "see docs/logging.md (checked by validation against the registered backends)"),
         "wandb": Free("upstream-style Weights & Biases settings {project, entity, name, save_dir, mode, ...}: the "
@@ -145,6 +146,12 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
 
     def dataset_runtime_args(self, node: ConfigNode) -> dict[str, Any]:
         """Arguments the recipe gives the data set section ``node``'s target (a tokenizer, say), if it accepts them."""
+        return {}
+
+    def collate_runtime_args(self) -> dict[str, Any]:
+        """What a collator class named by a ``collate_fn`` node is built with, besides its keys, to the constructor
+        parameters of these names (upstream builds its collators with the tokenizer; the VLM recipe gives its
+        ``processor``); called after ``setup_domain``."""
         return {}
 
     def setup_domain(self) -> None:
@@ -249,7 +256,13 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
         """What builders and stages see; the process group is joined first (the device depends on it), then the
         device mesh is built and the precision resolved (both validated with the config)."""
         cfg = self.cfg
-        init_process_group(cfg.dist_env.backend, cfg.dist_env.timeout_minutes, self.log)
+        env = cfg.dist_env
+        init_process_group(env.backend, env.timeout_minutes, self.log, env.init_method)
+        rendezvous = [f"{k}={getattr(env, k)}" for k in ("master_addr", "master_port", "init_method")
+                      if getattr(env, k) is not None]
+        if rendezvous and world_size() == 1:
+            self.log(f"note: dist_env {', '.join(rendezvous)}: the rendezvous of a multi-process run "
+                     "(--nproc-per-node N, torchrun); this run is one process")
         device, world = self.select_device(), world_size()
         sharding = self.pipeline_selection(cfg).get("sharding", (None, ""))[0]
         fsdp2 = shards_with_fsdp2(cfg, sharding, world)
@@ -282,10 +295,9 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
         cfg = self.cfg
         # resolved (and its trainer_state.json checked) before anything is built: a bad checkpoint fails fast
         self.ctx = ctx = replace(ctx, restore_path=choose_checkpoint(cfg, self.checkpointer, self.log))
-        if "ci" in cfg:
-            self.log("note: section 'ci' is upstream CI metadata and is ignored")
         self.setup_domain()
         self.checkpoint_notes()
+        self.ctx = ctx = replace(ctx, collate_args=self.collate_runtime_args())
         with building_on_meta() as meta:
             model = self.build_model(ctx)
         self.check_base_quantization(model)

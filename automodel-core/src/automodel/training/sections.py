@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
@@ -54,10 +55,20 @@ class StepSchedulerConfig:
                          "log_remote_every_steps", "loss_average_window_steps", "gc_every_steps")
 
 
+_INIT_METHODS = ("env://", "tcp://", "file://")
+
+
 @dataclass
 class DistEnvConfig:
-    master_addr: str = field(default="localhost", metadata=_help("rendezvous address for multi-process runs"))
-    master_port: int = field(default=29500, metadata=_help("rendezvous port for multi-process runs"))
+    master_addr: str | None = field(default=None, metadata=_help(
+        "rendezvous address of the processes --nproc-per-node starts (torchrun's --master-addr; the command line's "
+        "--master-addr wins; default localhost)"))
+    master_port: int | None = field(default=None, metadata=_help(
+        "rendezvous port of the processes --nproc-per-node starts (torchrun's --master-port; the command line's "
+        "--master-port wins; default 29500)"))
+    init_method: str | None = field(default=None, metadata=_help(
+        "how the processes find each other (torch.distributed.init_process_group's init_method): env:// (torchrun's "
+        "MASTER_ADDR / MASTER_PORT, the default), tcp://host:port or file:///shared/path"))
     backend: Literal["nccl", "gloo"] | None = field(
         default=None, metadata=_help("torch.distributed backend (default: nccl on CUDA, gloo on CPU)"))
     timeout_minutes: float = field(default=30, metadata=_help(
@@ -68,8 +79,33 @@ class DistEnvConfig:
                                      "(automodel.training.host_memory)"))
 
     def __post_init__(self) -> None:
+        bad = {}
+        if self.init_method is not None and not self.init_method.startswith(_INIT_METHODS):
+            bad["init_method"] = (f"{self.init_method!r} is not a rendezvous URL torch.distributed reads: use "
+                                  "env://, tcp://host:port or file:///path")
+        elif self.init_method not in (None, "env://") and (self.master_addr or self.master_port):
+            bad["init_method"] = (f"{self.init_method} names the rendezvous itself, so master_addr / master_port "
+                                  "would not be used: give one of them")
+        if self.master_port is not None and not 0 < self.master_port < 65536:
+            bad["master_port"] = f"must be a TCP port (1-65535), found {self.master_port}"
         if self.timeout_minutes <= 0:
-            raise ValueError(f"dist_env.timeout_minutes must be > 0, found {self.timeout_minutes}")
+            bad["timeout_minutes"] = f"must be > 0, found {self.timeout_minutes}"
+        if bad:
+            raise FieldErrors(bad)
+
+    def rendezvous_issues(self, environ: Mapping[str, str]) -> dict[str, str]:
+        """Under a launcher that already chose the rendezvous (torchrun's MASTER_ADDR / MASTER_PORT), a different
+        master_addr / master_port here could not act: the keys that disagree, with why."""
+        issues: dict[str, str] = {}
+        if int(environ.get("WORLD_SIZE", "1")) <= 1:
+            return issues  # no launcher's rendezvous: one process, or a launch still to come (--nproc-per-node)
+        for key, variable in (("master_addr", "MASTER_ADDR"), ("master_port", "MASTER_PORT")):
+            value = getattr(self, key)
+            if value is not None and variable in environ and str(value) != environ[variable]:
+                issues[key] = (f"{value} but this process was started with {variable}={environ[variable]} (the "
+                               f"launcher's rendezvous, which every process already uses): remove the key or give "
+                               f"the launcher --{key.replace('_', '-')} {value}")
+        return issues
 
 
 @dataclass
@@ -219,6 +255,11 @@ class FaultToleranceConfig:
         default="raise", metadata=_help("a NaN/inf loss or gradient norm: stop the run (raise) or skip that update"))
     max_skipped_steps: int | None = field(
         default=None, metadata=_help("with nonfinite: skip, stop after this many skipped steps"))
+
+    def __post_init__(self) -> None:
+        if self.max_skipped_steps is not None and self.nonfinite != "skip":
+            raise FieldErrors({"max_skipped_steps": f"counts skipped steps, and with nonfinite: {self.nonfinite} no "
+                                                    "step is skipped: set nonfinite: skip, or remove it"})
 
 
 @dataclass

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from automodel.errors import AutomodelError
+
 IGNORE_INDEX = -100
 
 
@@ -84,21 +86,43 @@ def carry_labels(ids: list[int], mask: list[bool], expanded: list[int], placehol
 
 class VLMCollator:
     """``collate(samples) -> {input_ids, attention_mask, pixel_values, ..., labels}`` for ``{messages, images}``
-    samples; what else the processor returns (``image_sizes``, ``image_grid_thw``) passes through to the model."""
+    samples; what else the processor returns (``image_sizes``, ``image_grid_thw``) passes through to the model.
 
-    def __init__(self, processor: Any):
+    ``max_length``: every row is padded to it and longer ones are truncated (upstream's collate); with
+    ``drop_overlong`` the samples longer than it are left out of the batch instead.
+    """
+
+    def __init__(self, processor: Any, max_length: int | None = None, drop_overlong: bool = False):
+        if drop_overlong and max_length is None:
+            raise AutomodelError("collate_fn.drop_overlong: needs max_length (the length samples are measured by)")
         self.processor = processor
         self.placeholders = placeholder_ids(processor)
+        self.max_length, self.drop_overlong = max_length, drop_overlong
+
+    def _process(self, rendered: list[tuple[str, list[int], list[bool]]], images: list[list[Any]],
+                 **settings: Any) -> dict[str, Any]:
+        kwargs: dict[str, Any] = dict(settings)
+        if any(images):
+            kwargs["images"] = images if all(images) else [im for group in images for im in group]
+        return dict(self.processor(text=[text for text, _, _ in rendered], return_tensors="pt",
+                                   add_special_tokens=False, **kwargs))
+
+    def _fits(self, rendered: tuple[str, list[int], list[bool]], images: list[Any]) -> bool:
+        return self._process([rendered], [images], padding=False)["input_ids"].shape[1] <= self.max_length
 
     def __call__(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         rendered = [assistant_mask(self.processor, s["messages"]) for s in samples]
         images = [list(s.get("images") or []) for s in samples]
-        kwargs: dict[str, Any] = {}
-        if any(images):
-            kwargs["images"] = images if all(images) else [im for group in images for im in group]
-        batch = self.processor(text=[text for text, _, _ in rendered], return_tensors="pt", padding=True,
-                               add_special_tokens=False, **kwargs)
-        batch = dict(batch)
+        if self.drop_overlong:
+            kept = [i for i in range(len(samples)) if self._fits(rendered[i], images[i])]
+            if not kept:
+                raise AutomodelError(f"collate_fn: every sample of this batch is longer than max_length "
+                                     f"({self.max_length}) and drop_overlong is true; raise max_length")
+            rendered, images = [rendered[i] for i in kept], [images[i] for i in kept]
+        padding: dict[str, Any] = {"padding": True}
+        if self.max_length is not None:
+            padding = {"padding": "max_length", "truncation": not self.drop_overlong, "max_length": self.max_length}
+        batch = self._process(rendered, images, **padding)
         input_ids = batch["input_ids"]
         attention = batch.get("attention_mask", torch.ones_like(input_ids))
         labels = torch.full_like(input_ids, IGNORE_INDEX)

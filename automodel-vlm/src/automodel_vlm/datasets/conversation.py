@@ -87,9 +87,26 @@ class ImageTextChatDataset(Dataset):
                  image_column: str | None = "image", image_root: str | None = None,
                  limit_dataset_samples: int | None = None, config_key: str = "dataset",
                  on_bad_row: OnBadRow = "error"):
-        self.key = config_key
-        self.source = str(path_or_dataset_id)
         rows, folder = load_conversation_rows(path_or_dataset_id, split, f"{config_key}.path_or_dataset_id")
+        self._read(rows, folder, str(path_or_dataset_id), messages_column, image_column, image_root,
+                   limit_dataset_samples, config_key, on_bad_row)
+
+    @classmethod
+    def from_rows(cls, rows: Any, folder: Path | None, source: str, config_key: str = "dataset",
+                  image_column: str | None = "image", limit_dataset_samples: int | None = None,
+                  on_bad_row: OnBadRow = "error") -> ImageTextChatDataset:
+        """The data set of already loaded rows holding a ``messages`` column (``folder``: where relative image
+        paths start; ``source``: what errors name)."""
+        dataset = cls.__new__(cls)
+        dataset._read(rows, folder, source, "messages", image_column, None, limit_dataset_samples, config_key,
+                      on_bad_row)
+        return dataset
+
+    def _read(self, rows: Any, folder: Path | None, source: str, messages_column: str, image_column: str | None,
+              image_root: str | None, limit_dataset_samples: int | None, config_key: str,
+              on_bad_row: OnBadRow) -> None:
+        self.key = config_key
+        self.source = source
         if limit_dataset_samples is not None:
             rows = rows.select(range(min(limit_dataset_samples, len(rows))))
         if messages_column not in rows.column_names:

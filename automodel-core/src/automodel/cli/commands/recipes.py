@@ -20,9 +20,10 @@ def recipes(as_json: bool) -> None:
     for route in sorted(manager.routes.routes.values(), key=lambda r: (r.command, r.domain)):
         info = manager.plugins.get(route.source) or next(
             (p for p in manager.plugins.values() if p.distribution == route.source), None)
+        names = sorted(n for n, r in manager.aliases.recipes.items() if r == f"{route.command} {route.domain}")
         rows.append({"command": route.command, "domain": route.domain, "recipe": route.recipe, "help": route.help,
                      "distribution": route.source, "version": info.version if info else None,
-                     "examples": route.examples})
+                     "examples": route.examples, "recipe_names": names})
     if as_json:
         click.echo(json.dumps({"routes": rows, "examples": {k: str(v) for k, v in examples.items()}}, indent=2))
         return
@@ -34,6 +35,9 @@ def recipes(as_json: bool) -> None:
             click.echo(f"    {row['help']}")
         for example in row["examples"]:
             click.echo(f"    example: {example}")
+        short = [n for n in row["recipe_names"] if "." not in n]
+        if short:
+            click.echo(f"    recipe: {', '.join(short)}  (names a config's `recipe:` may give for this route)")
     aliases = manager.aliases
     if aliases.commands or aliases.domains:
         click.echo("aliases: " + ", ".join(f"{a} -> {t}" for a, t in {**aliases.commands, **aliases.domains}.items()))

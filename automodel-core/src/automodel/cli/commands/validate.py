@@ -32,7 +32,7 @@ def _best_route_for(path: Path, extra: list[str]):
         except UsageError:
             continue
         try:
-            load_and_validate(recipe_cls, path, extra, manager)
+            load_and_validate(recipe_cls, path, extra, manager, quiet=True)
             return route, None
         except ConfigError as err:
             sections = recipe_cls.all_sections()
@@ -94,5 +94,6 @@ def _validate(ctx: click.Context, route: tuple[str, ...], config: str) -> tuple[
         found, error = _best_route_for(path, extra)
         if error is not None:
             raise error
+        load_and_validate(import_recipe(found.recipe), path, extra, manager)  # once more, for its notes
         label = f"{found.command} {found.domain}"
     return label, path

@@ -1,0 +1,189 @@
+"""Upstream's ``model.backend`` (NeMo AutoModel's ``BackendConfig``): which kernels a model runs, here.
+
+Upstream reads it in its own model implementations (Transformer Engine layers, DeepEP dispatchers, grouped-GEMM
+experts, fused RoPE ...). automodel trains Hugging Face models, so each setting either names what a Hugging Face
+model runs (it acts: ``attn`` selects ``attn_implementation``; ``linear: torch`` and the others are what the model
+is) or is refused at validation with the reason. Nothing is imported here: validation checks a config without
+torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+# setting -> the values that act here (None: not set)
+ATTENTION = {"sdpa": "sdpa", "eager": "eager", "flex": "flex_attention"}  # upstream name -> attn_implementation
+ACTS: dict[str, tuple[Any, ...]] = {
+    "attn": tuple(ATTENTION),
+    "linear": ("torch",),  # torch.nn.Linear: what a Hugging Face model is built from
+    "rms_norm": ("torch_fp32", "torch"),  # Hugging Face RMSNorm computes in float32 (see model_backend_issues)
+    "rope": ("torch",),
+    "rope_fusion": (False,),
+    "experts": ("torch",),  # a Hugging Face MoE block's own expert loop
+    "dispatcher": ("torch",),  # no expert parallelism: tokens stay on their rank
+    "dispatcher_num_sms": (20,),
+    "dispatcher_share_token_dispatcher": (True,),
+    "dispatcher_async_dispatch": (False,),
+    "mok": (None,),
+    "enable_deepep": (None,),
+    "fake_balanced_gate": (False,),
+    "fake_gate_noise": (0, 0.0),
+    "enable_hf_state_dict_adapter": (True,),  # weights are always in the Hugging Face layout here
+    "enable_fsdp_optimizations": (False,),
+    "te_fp8": (None,),
+    "gate_precision": (None,),
+    "compile_attn": (False,),
+    "cuda_graph": (None,),
+}
+
+
+def _needs_cuda(library: str, instead: str) -> str:
+    return (f"needs CUDA and {library}, which this machine lacks, and upstream's own model code, which automodel "
+            f"does not include (it trains Hugging Face models); {instead}")
+
+
+# why a value outside ACTS cannot act here ({value} is the value as written)
+REASONS = {
+    "attn": _needs_cuda("its attention kernels (Transformer Engine, TileLang, cuDNN or MagiAttention)",
+                        "Hugging Face models here run attn sdpa, eager or flex"),
+    "linear": _needs_cuda("Transformer Engine or QuACK", "use torch"),
+    "rms_norm": _needs_cuda("Transformer Engine or QuACK", "use torch_fp32"),
+    "rope": _needs_cuda("QuACK", "use torch"),
+    "rope_fusion": _needs_cuda("Transformer Engine", "use false (upstream itself turns fused RoPE off at present)"),
+    "experts": _needs_cuda("grouped-GEMM kernels (Transformer Engine, grouped_gemm, torch._grouped_mm)",
+                           "use torch"),
+    "dispatcher": _needs_cuda("its communication library (DeepEP, HybridEP, UCCL-EP or MoK)", "use torch"),
+    "dispatcher_num_sms": "sets the CUDA MoE dispatchers (DeepEP, HybridEP, UCCL-EP, MoK); dispatcher torch, the "
+                          "one here, has no such setting: remove it",
+    "dispatcher_share_token_dispatcher": "sets the CUDA MoE dispatchers; dispatcher torch, the one here, has no such "
+                                         "setting: remove it",
+    "dispatcher_async_dispatch": "sets the CUDA MoE dispatchers; dispatcher torch, the one here, has no such "
+                                 "setting: remove it",
+    "mok": "sets the Mixture-of-Kittens dispatcher, which needs CUDA: remove it",
+    "enable_deepep": "was removed upstream (it warns and ignores it): set dispatcher and experts instead",
+    "fake_balanced_gate": "replaces the learned router of upstream's own MoE models (for benchmarking); a Hugging "
+                          "Face MoE model here routes with its learned gate: use false",
+    "fake_gate_noise": "sets fake_balanced_gate, which only upstream's own MoE models have: remove it",
+    "enable_hf_state_dict_adapter": "keeps upstream's own models' native weight layout; here weights are always in "
+                                    "the Hugging Face layout: use true",
+    "enable_fsdp_optimizations": "acts in upstream's own MoE model code (it skips gradient sync and resharding "
+                                 "between micro-batches), which the Hugging Face models trained here do not have: "
+                                 "use false",
+    "te_fp8": _needs_cuda("Transformer Engine", "automodel's FP8 is the fp8: section (torchao)"),
+    "gate_precision": "sets the router precision of upstream's own MoE models; a Hugging Face MoE router runs in "
+                      "the model's dtype: remove it",
+    "compile_attn": "compiles upstream's own attention modules; compile the whole model with compile.enabled: true",
+    "cuda_graph": "captures CUDA graphs, which need CUDA (not on this machine): remove it",
+}
+_SIXTEEN_BIT = ("bfloat16", "float16", "bf16", "fp16", "half", "torch.bfloat16", "torch.float16")
+
+
+def _written(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else repr(value)
+
+
+def backend_issues(settings: Mapping[str, Any]) -> dict[str, str]:
+    """The settings that cannot act here, each with why; an unknown name when ``settings`` is a plain mapping (a
+    ``_target_`` node's names are checked against BackendConfig's signature)."""
+    issues = {}
+    for name, value in settings.items():
+        if name not in ACTS:
+            issues[name] = f"not a BackendConfig setting (it has: {', '.join(ACTS)})"
+        elif value is not None and value not in ACTS[name]:
+            issues[name] = f"{_written(value)} {REASONS[name]}"
+        elif name == "attn" and value == "flex" and not _has_cuda():
+            issues[name] = ("'flex' needs CUDA to train: torch's FlexAttention has no backward pass on a CPU (not on "
+                            "this machine); use sdpa or eager")
+    return issues
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    """``model.backend``: upstream's kernel selection, each setting what a Hugging Face model runs (None: not set).
+    Only ``attn`` changes what is built (the model's ``attn_implementation``); the other accepted values are what a
+    Hugging Face model is, and every other value is refused at validation (:data:`REASONS`)."""
+
+    attn: str | None = None
+    linear: str | None = None
+    rms_norm: str | None = None
+    rope: str | None = None
+    rope_fusion: bool | None = None
+    experts: str | None = None
+    dispatcher: str | None = None
+    dispatcher_num_sms: int | None = None
+    dispatcher_share_token_dispatcher: bool | None = None
+    dispatcher_async_dispatch: bool | None = None
+    mok: Any = None
+    enable_deepep: bool | None = None
+    fake_balanced_gate: bool | None = None
+    fake_gate_noise: float | None = None
+    enable_hf_state_dict_adapter: bool | None = None
+    enable_fsdp_optimizations: bool | None = None
+    te_fp8: Any = None
+    gate_precision: Any = None
+    compile_attn: bool | None = None
+    cuda_graph: Any = None
+
+    def __post_init__(self) -> None:
+        issues = backend_issues(vars(self))
+        if issues:
+            raise ValueError("; ".join(f"{name}: {message}" for name, message in issues.items()))
+
+    @staticmethod
+    def automodel_config_issues(kwargs: Mapping[str, Any]) -> dict[str, str]:
+        """Validation's check of a ``{_target_: BackendConfig, ...}`` node (nothing is built)."""
+        return backend_issues(kwargs)
+
+    @property
+    def attn_implementation(self) -> str | None:
+        return ATTENTION.get(self.attn) if self.attn is not None else None
+
+
+def _settings(backend: Any) -> Mapping[str, Any]:
+    if isinstance(backend, BackendConfig):
+        return vars(backend)
+    if isinstance(backend, Mapping):
+        return {k: v for k, v in backend.items() if k != "_target_"}
+    return {}
+
+
+def model_backend_issues(kwargs: Mapping[str, Any]) -> dict[str, str]:
+    """Validation's check of a model node's ``backend`` (a plain mapping is checked here; a ``_target_`` node by
+    BackendConfig's own check) against the node's other keys: the attention it selects must agree with an explicit
+    ``attn_implementation``, and upstream's input-dtype RMSNorm (``rms_norm: torch``) is what a Hugging Face model
+    runs only with float32 weights (its RMSNorm computes in float32)."""
+    backend = kwargs.get("backend")
+    if backend is None:
+        return {}
+    settings = _settings(backend)
+    issues = {} if isinstance(backend, Mapping) and "_target_" in backend else \
+        {f"backend.{k}": m for k, m in backend_issues(settings).items()}
+    attn, explicit = ATTENTION.get(settings.get("attn")), kwargs.get("attn_implementation")
+    if attn is not None and explicit is not None and explicit != attn:
+        issues["backend.attn"] = (f"{settings['attn']!r} selects attn_implementation {attn!r}, but the model also "
+                                  f"says attn_implementation: {explicit!r}: give one of them")
+    dtype = kwargs.get("dtype") or kwargs.get("torch_dtype")
+    if settings.get("rms_norm") == "torch" and str(dtype) in _SIXTEEN_BIT:
+        issues["backend.rms_norm"] = (f"'torch' (RMSNorm in the weights' {dtype}) is upstream's own kernel choice; a "
+                                      "Hugging Face model's RMSNorm computes in float32: use torch_fp32")
+    return issues
+
+
+def apply_backend(kwargs: dict[str, Any]) -> None:
+    """Take ``backend`` out of a model factory's keyword arguments; the attention it selects becomes
+    ``attn_implementation`` (its other accepted settings are what a Hugging Face model runs anyway)."""
+    backend = kwargs.pop("backend", None)
+    if backend is None:
+        return
+    if not isinstance(backend, BackendConfig):
+        backend = BackendConfig(**_settings(backend))
+    if backend.attn_implementation is not None:
+        kwargs.setdefault("attn_implementation", backend.attn_implementation)

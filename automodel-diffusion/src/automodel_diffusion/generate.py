@@ -1,0 +1,223 @@
+"""``automodel generate diffusion``: images from a diffusers pipeline (or a trained checkpoint), upstream's schema.
+
+The config is upstream's generation config (its ``examples/diffusion/generate/configs``): ``model``
+(the pipeline and an optional training ``checkpoint``), ``inference`` (prompts and the pipeline call's
+settings), ``output`` (where the PNGs go), ``vae`` (slicing, tiling), ``seed``. Prompt ``i`` is drawn with a CPU
+generator seeded ``seed + i`` and written as ``<output_dir>/sample_<iii>_<prompt>.png``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from automodel.config import Config, FieldErrors, Free
+from automodel.errors import AutomodelError, ConfigIssue
+from automodel.recipe import BaseRecipe
+from automodel_diffusion.upstream import GPU_ONLY
+
+VIDEO_ONLY = "applies to video output; video pipelines are not supported by generate diffusion (images only)"
+
+
+def _help(text: str) -> dict:
+    return {"help": text}
+
+
+@dataclass
+class GenerateModelConfig:
+    pretrained_model_name_or_path: str = field(metadata=_help("the diffusers pipeline: a hub name or directory"))
+    checkpoint: str | None = field(default=None, metadata=_help(
+        "a training checkpoint (epoch_<E>_step_<S>, or its model/ folder): its trained components replace the "
+        "pipeline's"))
+    lora_weights: str | None = field(default=None, metadata=_help("LoRA adapter weights: not supported (null)"))
+    lora_scale: float = field(default=1.0, metadata=_help("the LoRA adapter's scale: with lora_weights only (1.0)"))
+    lora_adapter_name: str = field(default="default", metadata=_help("with lora_weights only ('default')"))
+    checkpoint_high_noise: str | None = field(default=None, metadata=_help("Wan 2.2 two-stage: not supported"))
+    checkpoint_low_noise: str | None = field(default=None, metadata=_help("Wan 2.2 two-stage: not supported"))
+
+    def __post_init__(self) -> None:
+        bad = {}
+        if self.lora_weights is not None:
+            bad["lora_weights"] = "LoRA adapters are not supported for diffusion here (nor trained); remove it"
+        if self.lora_scale != 1.0 and self.lora_weights is None:
+            bad["lora_scale"] = "applies to lora_weights only; remove it"
+        if self.lora_adapter_name != "default" and self.lora_weights is None:
+            bad["lora_adapter_name"] = "applies to lora_weights only; remove it"
+        for name in ("checkpoint_high_noise", "checkpoint_low_noise"):
+            if getattr(self, name) is not None:
+                bad[name] = "two-transformer pipelines (Wan 2.2) are not supported; use checkpoint"
+        if bad:
+            raise FieldErrors(bad)
+
+
+@dataclass
+class InferenceConfig:
+    prompts: list[str] = field(metadata=_help("the prompts, one image each"))
+    num_inference_steps: int | None = field(default=None, metadata=_help("denoising steps (null: the pipeline's)"))
+    guidance_scale: float | None = field(default=None, metadata=_help("classifier-free guidance (null: the "
+                                                                      "pipeline's)"))
+    height: int | None = field(default=None, metadata=_help("image height (null: the pipeline's)"))
+    width: int | None = field(default=None, metadata=_help("image width (null: the pipeline's)"))
+    dtype: Literal["float32", "bfloat16", "float16"] = field(default="bfloat16", metadata=_help(
+        "the pipeline's dtype (float16 needs a GPU)"))
+    max_samples: int | None = field(default=None, metadata=_help("generate for the first N prompts only"))
+    pipeline_kwargs: dict = field(default_factory=dict, metadata=_help(
+        "more arguments of the pipeline's __call__ (negative_prompt, max_sequence_length, ...)"))
+    input_images: list[str] | None = field(default=None, metadata=_help(
+        "source images for image-editing pipelines: not supported (null)"))
+
+    def __post_init__(self) -> None:
+        bad = {}
+        if not self.prompts:
+            bad["prompts"] = "at least one prompt is needed"
+        for name in ("num_inference_steps", "height", "width", "max_samples"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                bad[name] = f"must be >= 1, found {getattr(self, name)}"
+        if self.input_images is not None:
+            bad["input_images"] = "image-editing pipelines are not supported by generate diffusion; remove it"
+        if "image" in self.pipeline_kwargs or "generator" in self.pipeline_kwargs:
+            bad["pipeline_kwargs"] = "'image' and 'generator' are not pipeline_kwargs here (seeded per prompt)"
+        if bad:
+            raise FieldErrors(bad)
+
+
+@dataclass
+class OutputConfig:
+    output_dir: str = field(default="./inference_outputs", metadata=_help("where the PNG images are written"))
+    fps: int | None = field(default=None, metadata=_help("video frame rate: " + VIDEO_ONLY))
+    audio_sample_rate: int | None = field(default=None, metadata=_help("video audio: " + VIDEO_ONLY))
+
+    def __post_init__(self) -> None:
+        bad = {name: VIDEO_ONLY + "; remove it" for name in ("fps", "audio_sample_rate")
+               if getattr(self, name) is not None}
+        if bad:
+            raise FieldErrors(bad)
+
+
+@dataclass
+class VaeConfig:
+    enable_slicing: bool = field(default=False, metadata=_help("decode a batch one image at a time (less memory)"))
+    enable_tiling: bool = field(default=False, metadata=_help("decode in overlapping tiles (large images)"))
+    enable_cpu_offload: bool = field(default=False, metadata=_help("model CPU offload: needs a GPU"))
+
+    def __post_init__(self) -> None:
+        if self.enable_cpu_offload:
+            raise FieldErrors({"enable_cpu_offload": f"true is not supported: offloading the pipeline to the CPU "
+                                                     f"between its stages {GPU_ONLY}; remove it"})
+
+
+def sample_name(index: int, prompt: str) -> str:
+    """``sample_<iii>_<the prompt's first 50 letters, digits, spaces, _ and ->.png`` (spaces as _)."""
+    safe = re.sub(r"[^A-Za-z0-9 _-]", "", prompt)[:50].strip().replace(" ", "_")
+    return f"sample_{index:03d}_{safe}.png"
+
+
+class GenerateRecipe(BaseRecipe):
+    """Generate one image per prompt with a diffusers pipeline, optionally with a trained checkpoint's weights."""
+
+    sections = {
+        "model": GenerateModelConfig,
+        "inference": InferenceConfig,
+        "output": OutputConfig,
+        "vae": VaeConfig,
+        "distributed": Free("upstream's multi-GPU generation: only null (generation runs in one process)"),
+        "seed": Free("an integer: prompt i is drawn with seed + i (default 42)"),
+    }
+
+    @classmethod
+    def check_config(cls, cfg: Config) -> list[ConfigIssue]:
+        issues = []
+        if cfg.resolved.get("distributed") is not None:
+            issues.append(ConfigIssue("distributed", "only null: generation runs in one process here"))
+        seed = cfg.resolved.get("seed", 42)
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            issues.append(ConfigIssue("seed", f"expected an integer, found {seed!r}"))
+        return issues
+
+    @classmethod
+    def describe_plan(cls, cfg: Config) -> list[str]:
+        inference = cfg.inference
+        prompts = inference.prompts[: inference.max_samples or None]
+        return [*super().describe_plan(cfg), f"pipeline: {cfg.model.pretrained_model_name_or_path}",
+                f"images: {len(prompts)} into {cfg.output.output_dir}"]
+
+    def log(self, message: str) -> None:
+        import sys
+
+        print(message, file=sys.stderr, flush=True)
+
+    def setup(self) -> None:
+        from automodel.model_files import parse_dtype
+        from automodel_diffusion.pipeline import load_pipeline
+
+        dtype = parse_dtype(self.cfg.inference.dtype, "inference.dtype")
+        self.pipeline = load_pipeline(self.cfg.model.pretrained_model_name_or_path, dtype)
+        if self.cfg.model.checkpoint:
+            self.load_checkpoint(Path(self.cfg.model.checkpoint), dtype)
+        vae = self.cfg.vae
+        if vae.enable_slicing:
+            self.pipeline.vae.enable_slicing()
+        if vae.enable_tiling:
+            self.pipeline.vae.enable_tiling()
+        self.pipeline.set_progress_bar_config(disable=True)
+        self.call_settings = self.pipeline_arguments()
+
+    def load_checkpoint(self, path: Path, dtype: Any) -> None:
+        """Each trained component of a training checkpoint (``model/<component>``) replaces the pipeline's."""
+        import diffusers
+
+        from automodel_diffusion.pipeline import DENOISERS
+
+        model_dir = path / "model" if (path / "model").is_dir() else path
+        found = [name for name in DENOISERS if (model_dir / name / "config.json").is_file()
+                 and getattr(self.pipeline, name, None) is not None]
+        if not found:
+            raise AutomodelError(f"model.checkpoint: '{path}' holds no {' or '.join(DENOISERS)} folder of this "
+                                 "pipeline; give a checkpoint of this pipeline (epoch_<E>_step_<S> or its model/)")
+        for name in found:
+            cls = type(getattr(self.pipeline, name))
+            if not issubclass(cls, diffusers.ModelMixin):
+                raise AutomodelError(f"model.checkpoint: the pipeline's '{name}' is a {cls.__name__}, not a "
+                                     "diffusers model")
+            self.pipeline.register_modules(**{name: cls.from_pretrained(str(model_dir / name), torch_dtype=dtype)})
+            self.log(f"model.checkpoint: {name} from {model_dir / name}")
+
+    def pipeline_arguments(self) -> dict[str, Any]:
+        """The pipeline call's arguments; one its __call__ does not take is an error naming the key."""
+        import inspect
+
+        inference = self.cfg.inference
+        settings = {k: getattr(inference, k) for k in ("num_inference_steps", "guidance_scale", "height", "width")
+                    if getattr(inference, k) is not None}
+        settings.update(inference.pipeline_kwargs)
+        params = inspect.signature(type(self.pipeline).__call__).parameters
+        unknown = [k for k in settings if k not in params]
+        if unknown:
+            raise AutomodelError(f"inference: {type(self.pipeline).__name__} does not take {', '.join(unknown)} "
+                                 f"(it takes: {', '.join(p for p in params if p != 'self')})")
+        return settings
+
+    def run_train_validation_loop(self) -> None:
+        """One image per prompt, each written aside and renamed into place."""
+        import torch
+
+        inference = self.cfg.inference
+        seed = self.cfg.resolved.get("seed", 42)
+        out = Path(self.cfg.output.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        prompts = inference.prompts[: inference.max_samples or None]
+        for index, prompt in enumerate(prompts):
+            generator = torch.Generator().manual_seed(seed + index)
+            with torch.no_grad():
+                result = self.pipeline(prompt=prompt, generator=generator, output_type="pil", **self.call_settings)
+            if not hasattr(result, "images"):
+                raise AutomodelError(f"model: {type(self.pipeline).__name__} does not return images; "
+                                     "generate diffusion writes images only")
+            path = out / sample_name(index, prompt)
+            staging = path.with_name(f".incomplete-{os.getpid()}-{path.name}")
+            result.images[0].save(staging, format="PNG")
+            os.replace(staging, path)
+            self.log(f"[{index + 1}/{len(prompts)}] {path}")

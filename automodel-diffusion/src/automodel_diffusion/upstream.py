@@ -1,0 +1,536 @@
+"""Upstream NeMo AutoModel's diffusion schema, mapped onto this recipe (what each key does here, or why not).
+
+Upstream's diffusion configs carry no ``_target_`` for the model and describe training with their own sections:
+
+* ``model:`` ``{pretrained_model_name_or_path, mode: finetune | pretrain, torch_dtype, compute_dtype, ...}`` ->
+  :func:`load_upstream_pipeline` (the section's default target);
+* ``fsdp:`` / ``ddp:`` (one of them): how the trained denoiser is distributed -> a ``parallel_scheme``;
+* ``flow_matching:`` -> the ``objective`` (flow matching with upstream's sampling, shift, clamping and weighting);
+* ``data.dataloader`` (upstream's text-to-image loader over a cache) -> a folder of images and captions, encoded
+  on the fly (:func:`text_to_image_data`); ``performance:`` -> the loss check.
+
+Keys that need what this recipe does not have (other model families, video, Transformer Engine, CUDA kernels)
+are refused at validation with the reason. Import-light: no torch at import.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from automodel.config import Config, ConfigNode, FieldErrors
+from automodel.errors import AutomodelError, ConfigIssue
+from automodel.training.sections import CheckpointConfig
+from automodel_diffusion.objectives import ObjectiveConfig
+
+SUPPORTED = "SD3-style (StableDiffusion3Pipeline) and Stable Diffusion UNet (StableDiffusionPipeline) pipelines"
+FAMILIES = {"flux": "FLUX.1", "flux2": "FLUX.2", "wan": "Wan", "hunyuan": "HunyuanVideo", "ltx2": "LTX-2",
+            "qwen_image": "Qwen-Image", "qwen_image_edit": "Qwen-Image-Edit"}
+CPU_ATTENTION = ("native", "_native_math")  # torch's scaled_dot_product_attention: what runs without CUDA kernels
+GPU_ONLY = "needs a CUDA GPU, which this machine lacks"
+
+
+def family_refusal(name: str) -> str:
+    family = FAMILIES.get(str(name), str(name))
+    return (f"the {family} model family is not implemented for diffusion training here; this recipe trains "
+            f"{SUPPORTED}")
+
+
+def _help(text: str) -> dict:
+    return {"help": text}
+
+
+# ---- model: (no _target_) ---------------------------------------------------------------------------------------
+
+_REFUSED_MODEL_KEYS = {
+    "transformer_engine_fp8": "Transformer Engine FP8 " + GPU_ONLY + " (and NVIDIA Transformer Engine)",
+    "transformer_engine_linear": "Transformer Engine linear layers " + GPU_ONLY + " (and NVIDIA Transformer Engine)",
+    "fuse_qkv_projections": "fused QKV projections are not implemented for training here",
+    "compact_fused_qkv_projections": "fused QKV projections are not implemented for training here",
+    "optimize_hunyuan_flash_varlen_mask": family_refusal("hunyuan"),
+}
+_TE_DETAILS = ("transformer_engine_fp8_recipe", "transformer_engine_fp8_amax_history_len",
+               "transformer_engine_fp8_amax_compute_algo")
+
+
+def load_upstream_pipeline(pretrained_model_name_or_path: str, mode: Literal["finetune", "pretrain"] = "finetune",
+                           cache_dir: str | None = None, torch_dtype: str | None = None,
+                           compute_dtype: str | None = None, attention_backend: str | None = None,
+                           pipeline_spec: dict | None = None, model_type: str | None = None,
+                           max_sequence_length: int | None = None, trainable_components: list[str] | None = None,
+                           seed: int | None = None, transformer_engine_fp8: bool = False,
+                           transformer_engine_linear: bool = False, transformer_engine_fp8_recipe: str | None = None,
+                           transformer_engine_fp8_amax_history_len: int | None = None,
+                           transformer_engine_fp8_amax_compute_algo: str | None = None,
+                           fuse_qkv_projections: bool = False, compact_fused_qkv_projections: bool = False,
+                           optimize_hunyuan_flash_varlen_mask: bool = False, stage: str | None = None,
+                           boundary_ratio: float | None = None) -> Any:
+    """Upstream's ``model:`` section: the diffusers pipeline ``pretrained_model_name_or_path`` (hub name or
+    directory, ``cache_dir`` its download cache) stored in ``torch_dtype``; ``mode: pretrain`` re-initialises the
+    trained denoiser from its config (``pipeline_spec`` names its class and folder) and keeps the other
+    components' weights; ``compute_dtype`` is the dtype the denoiser computes in (the recipe applies it);
+    ``attention_backend: native`` is torch's scaled-dot-product attention. The other keys are accepted only at the
+    values that need nothing this machine or recipe lacks (validation refuses the rest, see ``model_issues``)."""
+    refused = model_issues({k: v for k, v in locals().items() if v not in (None, False)}, "model")
+    import torch
+
+    from automodel_diffusion.pipeline import AutoDiffusionPipeline
+
+    if refused:
+        raise AutomodelError("; ".join(str(issue) for issue in refused))
+    kwargs = {"cache_dir": cache_dir} if cache_dir else {}
+    trained = trainable_components or ([pipeline_spec["subfolder"]] if pipeline_spec else None)
+    model = AutoDiffusionPipeline.from_pretrained(pretrained_model_name_or_path, torch_dtype=torch_dtype,
+                                                  trainable_components=trained,
+                                                  max_sequence_length=max_sequence_length, **kwargs)
+    if mode == "pretrain":
+        if seed is not None:
+            torch.manual_seed(seed)
+        for name in model.trainable_components:
+            fresh_component(model, name, (pipeline_spec or {}).get("transformer_cls"))
+    if attention_backend is not None and hasattr(model.denoiser, "set_attention_backend"):
+        model.denoiser.set_attention_backend(attention_backend)
+    model.compute_dtype = compute_dtype
+    return model
+
+
+def fresh_component(model: Any, name: str, expected_class: str | None) -> None:
+    """Replace the trained component ``name`` with a freshly initialised one of the same config (pre-training)."""
+    from automodel_diffusion.pipeline import model_class
+
+    current = model.pipeline.components[name]
+    cls = model_class(current)
+    if expected_class and cls.__name__ != expected_class:
+        raise AutomodelError(f"model.pipeline_spec.transformer_cls: '{expected_class}', but the pipeline's '{name}' "
+                             f"is a {cls.__name__}")
+    fresh = cls.from_config(current.config).to(dtype=current.dtype)
+    setattr(model.pipeline, name, fresh)
+    model.pipeline.register_modules(**{name: fresh})
+    model.components[name] = fresh
+
+
+def model_issues(model: Any, key: str = "model") -> list[ConfigIssue]:
+    """What upstream's ``model:`` keys ask for that cannot act here."""
+    issues = []
+    for name, reason in _REFUSED_MODEL_KEYS.items():
+        if model.get(name):
+            issues.append(ConfigIssue(f"{key}.{name}", f"true is not supported: {reason}; remove it or set false"))
+    issues += [ConfigIssue(f"{key}.{name}", f"a setting of transformer_engine_fp8, which {GPU_ONLY} (and NVIDIA "
+                                            "Transformer Engine); remove it")
+               for name in _TE_DETAILS if model.get(name) is not None]
+    backend = model.get("attention_backend")
+    if backend is not None and backend not in CPU_ATTENTION:
+        issues.append(ConfigIssue(f"{key}.attention_backend", f"'{backend}' {GPU_ONLY} (and its kernels); use "
+                                                              "native (torch's scaled-dot-product attention) or "
+                                                              "remove it"))
+    if model.get("model_type") is not None:
+        issues.append(ConfigIssue(f"{key}.model_type", f"'{model['model_type']}': {family_refusal(model['model_type'])}"
+                                                       "; remove model_type (the pipeline's own class decides)"))
+    for name in ("stage", "boundary_ratio"):
+        if model.get(name) is not None:
+            issues.append(ConfigIssue(f"{key}.{name}", "two-transformer pipelines (Wan 2.2's high/low-noise stages) "
+                                                       "are not implemented here"))
+    issues += _dtype_issues(model, key)
+    spec = model.get("pipeline_spec")
+    if spec is not None:
+        issues += _pipeline_spec_issues(spec, model.get("mode", "finetune"), f"{key}.pipeline_spec")
+    return issues
+
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+
+def _dtype_issues(model: Any, key: str) -> list[ConfigIssue]:
+    return [ConfigIssue(f"{key}.{name}", f"'{model[name]}' is not a dtype we train in (use one of "
+                                         f"{', '.join(DTYPE_NAMES)})")
+            for name in ("torch_dtype", "compute_dtype") if model.get(name) is not None
+            and str(model[name]).removeprefix("torch.") not in DTYPE_NAMES]
+
+
+def _pipeline_spec_issues(spec: Any, mode: str, key: str) -> list[ConfigIssue]:
+    if not isinstance(spec, (dict, ConfigNode)):
+        return [ConfigIssue(key, f"expected a mapping {{transformer_cls, subfolder, load_full_pipeline}}, found "
+                                 f"{spec!r}")]
+    issues = [ConfigIssue(f"{key}.{name}", "unknown key; pipeline_spec accepts: transformer_cls, subfolder, "
+                                           "load_full_pipeline, pipeline_cls")
+              for name in spec if name not in ("transformer_cls", "subfolder", "load_full_pipeline", "pipeline_cls")]
+    if mode != "pretrain":
+        issues.append(ConfigIssue(key, "applies to mode: pretrain only (finetune loads every weight); remove it"))
+    if spec.get("load_full_pipeline") is False:
+        issues.append(ConfigIssue(f"{key}.load_full_pipeline",
+                                  "false is not supported: upstream loads only the transformer because its data are "
+                                  "precomputed latents; this recipe encodes images and captions on the fly with the "
+                                  "pipeline's VAE and text encoders: set true or remove it"))
+    if spec.get("pipeline_cls") is not None:
+        issues.append(ConfigIssue(f"{key}.pipeline_cls", "the pipeline class comes from the model's "
+                                                         "model_index.json here; remove it"))
+    return issues
+
+
+# ---- fsdp: / ddp: -------------------------------------------------------------------------------------------
+
+
+@dataclass
+class FsdpSection:
+    """Upstream's ``fsdp:``: the trained denoiser is sharded with FSDP2 (the frozen components are replicated)."""
+
+    dp_size: int | Literal["none"] | None = field(default=None, metadata=_help(
+        "data-parallel ranks: the number of processes (none/null: all of them); checked when the run starts"))
+    dp_replicate_size: int | None = field(default=None, metadata=_help("HSDP replicas: only 1 (or null)"))
+    tp_size: int = field(default=1, metadata=_help("tensor parallelism: only 1"))
+    cp_size: int = field(default=1, metadata=_help("context parallelism: only 1"))
+    pp_size: int = field(default=1, metadata=_help("pipeline parallelism: only 1"))
+    ep_size: int | None = field(default=None, metadata=_help("expert parallelism: only 1 (or null)"))
+    activation_checkpointing: bool = field(default=True, metadata=_help(
+        "recompute each denoiser block's activations in backward (upstream's default: true)"))
+    cpu_offload: bool = field(default=False, metadata=_help("FSDP2 CPU offload of the shards: needs a GPU"))
+    defer_fsdp_grad_sync: bool = field(default=True, metadata=_help(
+        "reduce gradients once per step, after the last micro-batch (FSDP2, under torchrun)"))
+    enable_compile: bool = field(default=False, metadata=_help("torch.compile the denoiser"))
+    enable_fsdp2_prefetch: bool = field(default=True, metadata=_help(
+        "FSDP2 prefetches the next blocks' parameters (depths below; under torchrun)"))
+    fsdp2_forward_prefetch_depth: int | None = field(default=None, metadata=_help(
+        "blocks prefetched ahead in forward (null: FSDP2's implicit one)"))
+    fsdp2_backward_prefetch_depth: int | None = field(default=None, metadata=_help(
+        "blocks prefetched ahead in backward (null: FSDP2's implicit one)"))
+    reduce_dtype: str | None = field(default=None, metadata=_help("gradient reduction dtype (null: float32)"))
+    use_hf_tp_plan: bool = field(default=False, metadata=_help("tensor parallelism plan: only false"))
+    backend: str | None = field(default=None, metadata=_help("must agree with dist_env.backend, which sets it"))
+
+    def __post_init__(self) -> None:
+        bad = {}
+        for name in ("tp_size", "cp_size", "pp_size"):
+            if getattr(self, name) != 1:
+                bad[name] = f"{getattr(self, name)}: only 1 is supported (diffusion here is data-parallel only)"
+        for name in ("dp_replicate_size", "ep_size"):
+            if getattr(self, name) not in (None, 1):
+                bad[name] = f"{getattr(self, name)}: only 1 (or null) is supported"
+        if self.cpu_offload:
+            bad["cpu_offload"] = f"true is not supported: offloading shards to the CPU {GPU_ONLY}"
+        if self.use_hf_tp_plan:
+            bad["use_hf_tp_plan"] = "true is not supported: tensor parallelism is not implemented for diffusion"
+        if isinstance(self.dp_size, int) and self.dp_size < 1:
+            bad["dp_size"] = f"must be >= 1, found {self.dp_size}"
+        for name in ("fsdp2_forward_prefetch_depth", "fsdp2_backward_prefetch_depth"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                bad[name] = f"must be >= 1, found {getattr(self, name)}"
+        if self.reduce_dtype is not None and self.reduce_dtype not in ("float32", "bfloat16", "float16"):
+            bad["reduce_dtype"] = f"expected float32, bfloat16 or float16, found {self.reduce_dtype!r}"
+        if bad:
+            raise FieldErrors(bad)
+
+    def scheme_entry(self, compute_dtype: str | None) -> dict[str, Any]:
+        entry: dict[str, Any] = {"strategy": "fsdp2"}
+        if compute_dtype is not None:
+            entry["param_dtype"] = str(compute_dtype).removeprefix("torch.")
+        if self.reduce_dtype is not None:
+            entry["reduce_dtype"] = self.reduce_dtype
+        if self.enable_fsdp2_prefetch:
+            for name in ("forward", "backward"):
+                depth = getattr(self, f"fsdp2_{name}_prefetch_depth")
+                if depth is not None:
+                    entry[f"{name}_prefetch_depth"] = depth
+        return entry
+
+
+@dataclass
+class DdpSection:
+    """Upstream's ``ddp:``: the trained denoiser is replicated and its gradients all-reduced (DDP)."""
+
+    backend: str | None = field(default=None, metadata=_help("must agree with dist_env.backend, which sets it"))
+    activation_checkpointing: bool = field(default=False, metadata=_help(
+        "recompute each denoiser block's activations in backward"))
+    find_unused_parameters: bool = field(default=False, metadata=_help("DDP's find_unused_parameters"))
+    broadcast_buffers: bool | None = field(default=None, metadata=_help("DDP's broadcast_buffers"))
+    gradient_as_bucket_view: bool | None = field(default=None, metadata=_help("DDP's gradient_as_bucket_view"))
+    bucket_cap_mb: float | None = field(default=None, metadata=_help("DDP's bucket_cap_mb"))
+    static_graph: bool | None = field(default=None, metadata=_help("DDP's static_graph"))
+
+    def scheme_entry(self) -> dict[str, Any]:
+        options = ("find_unused_parameters", "broadcast_buffers", "gradient_as_bucket_view", "bucket_cap_mb",
+                   "static_graph")
+        return {"strategy": "ddp", **{k: getattr(self, k) for k in options if getattr(self, k) not in (None, False)}}
+
+
+# ---- flow_matching: ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class FlowMatchingSection:
+    """Upstream's ``flow_matching:`` (its defaults) -> the flow-matching ``objective``."""
+
+    adapter_type: str | None = field(default=None, metadata=_help(
+        "upstream's model-family adapter; null here: the pipeline's own conditioning (SD3 / SD UNet); every "
+        "upstream value names a family not implemented here"))
+    adapter_kwargs: dict = field(default_factory=dict, metadata=_help("the adapter's settings: only {}"))
+    timestep_sampling: Literal["uniform", "logit_normal", "lognorm", "mix", "mode", "beta"] = field(
+        default="logit_normal", metadata=_help("how sigmas are drawn (see objective.timestep_sampling)"))
+    logit_mean: float = field(default=0.0, metadata=_help("logit_normal: mean"))
+    logit_std: float = field(default=1.0, metadata=_help("logit_normal: standard deviation"))
+    flow_shift: float = field(default=3.0, metadata=_help("sigma shift (objective.shift); also scales linear "
+                                                          "loss weights"))
+    mix_uniform_ratio: float = field(default=0.1, metadata=_help(
+        "probability that a micro-batch draws uniform sigmas instead"))
+    beta_alpha: float = field(default=2.5, metadata=_help("beta sampling: alpha"))
+    beta_beta: float = field(default=1.5, metadata=_help("beta sampling: beta"))
+    use_sigma_noise: bool = field(default=True, metadata=_help(
+        "false: sigmas uniform and never shifted (objective.shift_sigmas)"))
+    sigma_min: float = field(default=0.0, metadata=_help("sigmas clamped to at least this"))
+    sigma_max: float = field(default=1.0, metadata=_help("sigmas clamped to at most this"))
+    num_train_timesteps: int = field(default=1000, metadata=_help("the denoiser's timestep is sigma * this"))
+    i2v_prob: float = field(default=0.0, metadata=_help(
+        "image-to-video conditioning (video data only): only 0 (images are always text-to-image)"))
+    cfg_dropout_prob: float = field(default=0.1, metadata=_help(
+        "probability of training a sample without its caption (here: on the empty caption, the unconditional "
+        "input the pipeline's classifier-free guidance uses)"))
+    use_loss_weighting: bool = field(default=True, metadata=_help("weight each sample's loss by its sigma"))
+    loss_weighting_scheme: Literal["linear", "bsmntw"] = field(default="linear", metadata=_help(
+        "linear: 1 + flow_shift * sigma; bsmntw: a bell curve over the timesteps"))
+    log_interval: int = field(default=100, metadata=_help(
+        "every N steps, a detailed line about the step's sigmas (range, mean, std, sampling)"))
+    summary_log_interval: int = field(default=10, metadata=_help("every N steps, a one-line sigma summary"))
+
+    def __post_init__(self) -> None:
+        bad = {}
+        if self.adapter_type is not None:
+            if self.adapter_type == "simple":
+                bad["adapter_type"] = ("'simple' is upstream's adapter for Wan-style transformers fed precomputed "
+                                       "text embeddings; this recipe encodes captions itself and calls the denoiser "
+                                       f"as its pipeline needs ({SUPPORTED}): remove adapter_type")
+            else:
+                bad["adapter_type"] = (f"'{self.adapter_type}': {family_refusal(self.adapter_type)}; remove "
+                                       "adapter_type and use one of those pipelines")
+        if self.adapter_kwargs:
+            bad["adapter_kwargs"] = "upstream's adapter settings do not apply here (no adapter); remove them"
+        if self.i2v_prob != 0:
+            bad["i2v_prob"] = (f"{self.i2v_prob}: image-to-video conditioning needs video data and a video "
+                               "pipeline, which are not implemented here; set 0 or remove it")
+        for name in ("log_interval", "summary_log_interval"):
+            if getattr(self, name) < 1:
+                bad[name] = f"must be >= 1, found {getattr(self, name)}"
+        if bad:
+            raise FieldErrors(bad)
+        try:
+            self.objective()
+        except FieldErrors as err:
+            raise FieldErrors({_UPSTREAM_NAMES.get(k, k): v for k, v in err.errors.items()}) from None
+
+    def objective(self) -> ObjectiveConfig:
+        weighting = self.loss_weighting_scheme if self.use_loss_weighting else "none"
+        return ObjectiveConfig(type="flow_matching", timestep_sampling=self.timestep_sampling,
+                               logit_mean=self.logit_mean, logit_std=self.logit_std,
+                               mix_uniform_ratio=self.mix_uniform_ratio, beta_alpha=self.beta_alpha,
+                               beta_beta=self.beta_beta, shift=self.flow_shift, shift_sigmas=self.use_sigma_noise,
+                               sigma_min=self.sigma_min, sigma_max=self.sigma_max,
+                               num_train_timesteps=self.num_train_timesteps, loss_weighting=weighting,
+                               caption_dropout=self.cfg_dropout_prob)
+
+
+_UPSTREAM_NAMES = {"shift": "flow_shift", "caption_dropout": "cfg_dropout_prob", "shift_sigmas": "use_sigma_noise"}
+
+
+# ---- performance: ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PerformanceSection:
+    check_loss: bool = field(default=False, metadata=_help(
+        "stop the run when a micro-batch's loss is NaN or above 100 (a loss explosion)"))
+    grad_clip_foreach: bool = field(default=True, metadata=_help(
+        "gradients are clipped with torch's foreach implementation (its default): only true"))
+
+    def __post_init__(self) -> None:
+        if not self.grad_clip_foreach:
+            raise FieldErrors({"grad_clip_foreach": "false is not supported: the engine clips with torch's foreach "
+                                                    "implementation; remove it"})
+
+
+# ---- checkpoint.diffusers_compatible ------------------------------------------------------------------------
+
+
+@dataclass
+class DiffusionCheckpointConfig(CheckpointConfig):
+    diffusers_compatible: bool = field(default=True, metadata=_help(
+        "model/ is a diffusers pipeline directory (diffusion_pytorch_model.safetensors per component), which "
+        "diffusers.DiffusionPipeline.from_pretrained loads: always true here"))
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.diffusers_compatible:
+            raise FieldErrors({"diffusers_compatible": "false is not supported: this recipe always writes diffusers "
+                                                       "pipeline directories; remove it"})
+
+
+# ---- data.dataloader: upstream's text-to-image loader over a folder of images -----------------------------------
+
+LOADER_KEYS = ("num_workers", "shuffle", "drop_last", "pin_memory", "prefetch_factor")
+CACHE_FILES = ("*.pt", "*.pth", "**/*.pt", "**/*.pth")
+
+
+@dataclass
+class ImageData:
+    """What upstream's text-to-image loader section describes here: the data set and the loader's settings."""
+
+    dataset: Any
+    loader: dict[str, Any]
+
+
+def text_to_image_data(cache_dir: str, base_resolution: list[int] | None = None, train_text_encoder: bool = False,
+                       dynamic_batch_size: bool = False, quantization: int | None = None, seed: int | None = None,
+                       num_workers: int = 2, shuffle: bool = True, drop_last: bool = False, pin_memory: bool = False,
+                       prefetch_factor: int | None = None) -> ImageData:
+    """Upstream's ``build_text_to_image_multiresolution_dataloader`` over ``cache_dir``, which here is a folder of
+    images and captions (the ``ImageCaptionDataset`` formats: ``train.jsonl`` / ``metadata.jsonl`` / images with
+    ``.txt`` captions) encoded through the pipeline's VAE and text encoders on the fly. Upstream's cache of
+    precomputed latents is ``torch.save`` (pickle) files, which are never loaded here. Each image is resized and
+    centre-cropped to the square ``base_resolution``; the loader keys are the data loader's, which shuffles with
+    the run's seed (``seed`` may only repeat it)."""
+    from automodel_diffusion.datasets import ImageCaptionDataset
+
+    problems = text_to_image_issues(locals())
+    if problems:
+        raise AutomodelError("; ".join(f"data.dataloader.{k}: {v}" for k, v in problems.items()))
+    resolution = (base_resolution or [512, 512])[0]
+    loader = {"num_workers": num_workers, "shuffle": shuffle, "drop_last": drop_last, "pin_memory": pin_memory}
+    if prefetch_factor is not None:
+        loader["prefetch_factor"] = prefetch_factor
+    return ImageData(ImageCaptionDataset(cache_dir, resolution=resolution), loader)
+
+
+def text_to_image_issues(settings: dict[str, Any]) -> dict[str, str]:
+    """Key -> why, for upstream text-to-image loader settings that cannot act here."""
+    bad = {}
+    size = settings.get("base_resolution") or [512, 512]
+    if not (isinstance(size, (list, tuple)) and len(size) == 2 and all(isinstance(v, int) for v in size)):
+        bad["base_resolution"] = f"expected [height, width], found {size!r}"
+    elif size[0] != size[1]:
+        bad["base_resolution"] = (f"{list(size)}: only square resolutions are supported (images are centre-cropped); "
+                                  "upstream's aspect-ratio buckets are not implemented")
+    if settings.get("quantization") is not None:
+        bad["quantization"] = ("upstream rounds its aspect-ratio buckets to this; buckets are not implemented here "
+                               "(images are centre-cropped to base_resolution): remove it")
+    if settings.get("dynamic_batch_size"):
+        bad["dynamic_batch_size"] = "true is not supported: per-bucket batch sizes are not implemented"
+    if settings.get("train_text_encoder"):
+        bad["train_text_encoder"] = ("true is not supported with upstream's loader here; to train a text encoder "
+                                     "name it in model.trainable_components")
+    cache = settings.get("cache_dir")
+    if isinstance(cache, str) and Path(cache).is_dir() and _is_latent_cache(Path(cache)):
+        bad["cache_dir"] = (f"'{cache}' is upstream's cache of precomputed latents (torch.save files): it is never "
+                            "loaded here, because loading it unpickles; point cache_dir at the images and captions "
+                            "(train.jsonl, metadata.jsonl or images with .txt captions) instead")
+    return bad
+
+
+def _is_latent_cache(folder: Path) -> bool:
+    return any(next(folder.glob(pattern), None) is not None for pattern in CACHE_FILES)
+
+
+# ---- the recipe's view: which sections say what -------------------------------------------------------------
+
+
+def effective_scheme(cfg: Config, trainable: list[str] | None, denoiser: str) -> Any:
+    """``parallel_scheme`` as written, or the one ``fsdp:`` / ``ddp:`` describe for the trained components."""
+    if cfg.resolved.get("parallel_scheme") is not None:
+        return cfg.resolved["parallel_scheme"]
+    names = trainable or [denoiser]
+    for name in ("fsdp", "ddp"):
+        section = given(cfg, name)
+        if section is not None:
+            entry = section.scheme_entry(compute_dtype(cfg)) if name == "fsdp" else section.scheme_entry()
+            return {component: entry for component in names}
+    return None
+
+
+def scheme_unchecked(cfg: Config) -> bool:
+    """Whether fsdp: / ddp: is written but failed validation (its own issues say why; no scheme to check)."""
+    return any(name in cfg and cfg.get(name) is None for name in ("fsdp", "ddp"))
+
+
+def given(cfg: Config, name: str) -> Any:
+    """A section the config writes (None when absent: an absent keyed section otherwise reads as its defaults)."""
+    return cfg.get(name) if name in cfg else None
+
+
+def compute_dtype(cfg: Config) -> str | None:
+    """The upstream ``model.compute_dtype`` when it differs from ``model.torch_dtype`` (None: no mixed precision)."""
+    model = cfg.model
+    if model is None or model.target is not None:
+        return None
+    wanted = model.get("compute_dtype")
+    stored = model.get("torch_dtype") or "float32"
+    return None if wanted is None or str(wanted) == str(stored) else str(wanted)
+
+
+def upstream_issues(cfg: Config) -> list[ConfigIssue]:
+    """Across sections: one place for each setting, and upstream values that cannot act here."""
+    issues = []
+    schemes = [name for name in ("parallel_scheme", "fsdp", "ddp") if name in cfg]
+    if len(schemes) > 1:
+        issues.append(ConfigIssue(schemes[1], f"give one of parallel_scheme, fsdp and ddp (found "
+                                              f"{', '.join(schemes)})"))
+    if "objective" in cfg and "flow_matching" in cfg:
+        issues.append(ConfigIssue("flow_matching", "give one of objective and flow_matching (the same settings)"))
+    model = cfg.model
+    if isinstance(model, ConfigNode) and model.target is None:
+        issues += model_issues(model)
+    data = cfg.get("data")
+    if data is not None:
+        issues += _data_issues(data, cfg.rng.seed)
+        if "dataset" in cfg:
+            issues.append(ConfigIssue("data", "give one of dataset and data.dataloader (both name training data)"))
+    elif "dataset" not in cfg:
+        issues.append(ConfigIssue("dataset", "required section is missing: the training images and captions "
+                                             "({_target_: automodel_diffusion.datasets.ImageCaptionDataset, path: "
+                                             "...}, or upstream's data.dataloader)"))
+    backend = cfg.dist_env.backend if cfg.dist_env is not None else None
+    for name in ("fsdp", "ddp"):
+        section = given(cfg, name)
+        if cfg.dist_env is not None and section is not None and section.backend not in (None, backend):
+            issues.append(ConfigIssue(f"{name}.backend", f"'{section.backend}' but dist_env.backend is "
+                                                         f"{backend!r}: dist_env.backend sets it; remove this or "
+                                                         "make them agree"))
+    return issues
+
+
+def _data_issues(data: Any, seed: int) -> list[ConfigIssue]:
+    if not isinstance(data, ConfigNode) or set(data) != {"dataloader"} or not isinstance(data["dataloader"],
+                                                                                          ConfigNode):
+        return [ConfigIssue("data", "expected {dataloader: {_target_: <upstream data loader builder>, ...}}")]
+    settings = {k: v for k, v in data["dataloader"].to_dict().items() if k != "_target_"}
+    issues = [ConfigIssue(f"data.dataloader.{k}", v) for k, v in text_to_image_issues(settings).items()]
+    if settings.get("seed") is not None and settings["seed"] != seed:
+        issues.append(ConfigIssue("data.dataloader.seed", f"{settings['seed']}: the loader shuffles with the run's "
+                                                          f"seed ({seed}) here; remove it or make them agree"))
+    return issues
+
+
+def steps_issue(fsdp: FsdpSection | None, world: int) -> str | None:
+    """At start-up: ``fsdp.dp_size`` must be the number of processes, as upstream's device mesh requires."""
+    if fsdp is None or not isinstance(fsdp.dp_size, int) or fsdp.dp_size == world:
+        return None
+    return (f"fsdp.dp_size: {fsdp.dp_size}, but this run has {world} process(es); set it to {world} (or none), or "
+            f"launch {fsdp.dp_size} processes (--nproc-per-node {fsdp.dp_size})")
+
+
+def sigma_lines(step: int, objective: Any, settings: FlowMatchingSection | None) -> list[str]:
+    """The flow_matching log lines due after ``step`` (upstream's log_interval / summary_log_interval)."""
+    sigmas = getattr(objective, "last_sigmas", None)
+    if settings is None or sigmas is None:
+        return []
+    low, high = float(sigmas.min()), float(sigmas.max())
+    if step % settings.log_interval == 0:
+        spread = float(sigmas.std()) if sigmas.numel() > 1 else 0.0
+        return [f"flow matching step {step}: {objective.last_method} sampling, shift {objective.shift:g}, sigma "
+                f"[{low:.4f}, {high:.4f}] mean {float(sigmas.mean()):.4f} std {spread:.4f}, timesteps "
+                f"[{low * objective.num_train_timesteps:.1f}, {high * objective.num_train_timesteps:.1f}]"]
+    if step % settings.summary_log_interval == 0:
+        return [f"flow matching step {step}: sigma [{low:.3f}, {high:.3f}] ({objective.last_method})"]
+    return []
+
+
+def exploded(loss: float) -> bool:
+    """Upstream's performance.check_loss: a NaN, or a loss above 100."""
+    return math.isnan(loss) or loss > 100

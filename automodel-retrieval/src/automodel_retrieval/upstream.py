@@ -1,0 +1,306 @@
+"""Upstream NeMo AutoModel's retrieval names, on this package's models, data and collators.
+
+What the aliases in ``plugin.py`` lead to: ``NeMoAutoModelBiEncoder`` / ``NeMoAutoModelCrossEncoder`` /
+``NeMoAutoTokenizer`` ``.from_pretrained``, ``RetrievalDatasetConfig`` and the ``BiEncoderCollator`` /
+``CrossEncoderCollator`` classes, each with upstream's keyword arguments. Values that need what is not here (GPU
+kernels, upstream's custom backbones, cross-rank negatives, corpus-id data) are refused at validation by
+:func:`model_issues` and friends, with the reason; the factories refuse them too when called directly.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+from automodel.errors import AutomodelError, ConfigIssue
+from automodel_retrieval.data import BiEncoderCollator, CrossEncoderCollator
+
+GPU_ONLY = "needs a CUDA GPU, which this machine lacks"
+POOLINGS = {"avg": "mean", "mean": "mean", "cls": "cls", "last": "last"}
+CPU_ATTENTION = ("sdpa", "eager")
+HF_PREFIX = "hf://"
+
+
+def _model_issues(settings: dict[str, Any], key: str) -> list[ConfigIssue]:
+    """What upstream's retrieval model keys ask for that cannot act here."""
+    issues = []
+    if settings.get("use_liger_kernel"):
+        issues.append(ConfigIssue(f"{key}.use_liger_kernel", f"true is not supported: Liger's Triton kernels "
+                                                             f"{GPU_ONLY}; remove it or set false"))
+    attention = settings.get("attn_implementation")
+    if attention is not None and attention not in CPU_ATTENTION:
+        issues.append(ConfigIssue(f"{key}.attn_implementation", f"'{attention}' {GPU_ONLY}; use sdpa or eager"))
+    if settings.get("use_sdpa_patching") and attention == "eager":
+        issues.append(ConfigIssue(f"{key}.use_sdpa_patching", f"true asks for sdpa attention, but "
+                                                              f"attn_implementation is '{attention}'"))
+    return issues
+
+
+def bi_encoder_issues(settings: dict[str, Any], key: str = "model") -> list[ConfigIssue]:
+    issues = _model_issues(settings, key)
+    pooling = settings.get("pooling", "avg")
+    if pooling not in POOLINGS:
+        issues.append(ConfigIssue(f"{key}.pooling", f"'{pooling}' is not implemented here (weighted_avg, colbert and "
+                                                    "multi_vector are upstream's); use avg, cls or last"))
+    if settings.get("do_distributed_inbatch_negative"):
+        issues.append(ConfigIssue(f"{key}.do_distributed_inbatch_negative",
+                                  "true is not supported: in-batch negatives are the local batch's (gathering them "
+                                  "across ranks is not implemented); remove it or set false"))
+    if settings.get("detach_distributed_inbatch_negatives") is not None:
+        issues.append(ConfigIssue(f"{key}.detach_distributed_inbatch_negatives",
+                                  "applies to do_distributed_inbatch_negative, which is not supported; remove it"))
+    return issues
+
+
+def cross_encoder_issues(settings: dict[str, Any], key: str = "model") -> list[ConfigIssue]:
+    issues = _model_issues(settings, key)
+    if settings.get("pooling") is not None:
+        issues.append(ConfigIssue(f"{key}.pooling", "the cross-encoder here is transformers' "
+                                                    "AutoModelForSequenceClassification, which pools as its "
+                                                    "architecture does (BERT: [CLS]; decoders: the last token); "
+                                                    "upstream's pooling needs its own bidirectional retrieval "
+                                                    "backbones, which are not implemented: remove pooling"))
+    if settings.get("num_labels", 1) != 1:
+        issues.append(ConfigIssue(f"{key}.num_labels", "a cross-encoder scores each pair with one logit: set 1"))
+    return issues
+
+
+def _encoder_kwargs(torch_dtype: Any, use_sdpa_patching: bool, attn_implementation: str | None,
+                    trust_remote_code: bool) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"dtype": torch_dtype}
+    attention = attn_implementation or ("sdpa" if use_sdpa_patching else None)
+    if attention is not None:
+        kwargs["attn_implementation"] = attention
+    if trust_remote_code:
+        kwargs["trust_remote_code"] = True
+    return kwargs
+
+
+def _refuse(issues: list[ConfigIssue]) -> None:
+    if issues:
+        raise AutomodelError("; ".join(str(issue) for issue in issues))
+
+
+def bi_encoder_from_pretrained(pretrained_model_name_or_path: str, pooling: str = "avg", l2_normalize: bool = True,
+                               torch_dtype: Any = None, use_liger_kernel: bool = False,
+                               use_sdpa_patching: bool = False, attn_implementation: str | None = None,
+                               do_distributed_inbatch_negative: bool = False,
+                               detach_distributed_inbatch_negatives: bool | None = None,
+                               extract_submodel: str | None = None, trust_remote_code: bool = False) -> Any:
+    """Upstream's bi-encoder: ONE encoder for queries and documents (``shared``), pooled (``avg`` is our
+    ``mean``) and L2-normalised (``l2_normalize``); ``use_sdpa_patching`` runs attention through torch's
+    scaled-dot-product attention; ``extract_submodel`` (a dotted attribute such as ``language_model``) takes that
+    part of a larger model as the encoder."""
+    from automodel_retrieval.models import BiEncoder, _encoder_from_pretrained
+
+    _refuse(bi_encoder_issues({k: v for k, v in locals().items() if v is not None}))
+    kwargs = _encoder_kwargs(torch_dtype, use_sdpa_patching, attn_implementation, trust_remote_code)
+    if extract_submodel is None:
+        return BiEncoder.from_pretrained(pretrained_model_name_or_path, shared=True, pooling=POOLINGS[pooling],
+                                         normalize=l2_normalize, **kwargs)
+    encoder = _encoder_from_pretrained(pretrained_model_name_or_path, **kwargs)[0]
+    for part in extract_submodel.split("."):
+        encoder = getattr(encoder, part, None)
+        if encoder is None:
+            raise AutomodelError(f"model.extract_submodel: '{pretrained_model_name_or_path}' has no part "
+                                 f"'{extract_submodel}'")
+    if not hasattr(encoder, "save_pretrained"):
+        raise AutomodelError(f"model.extract_submodel: '{extract_submodel}' is not a transformers model (it has no "
+                             "config); name a sub-model such as language_model")
+    return BiEncoder(encoder, None, POOLINGS[pooling], l2_normalize)
+
+
+def cross_encoder_from_pretrained(pretrained_model_name_or_path: str, num_labels: int = 1,
+                                  temperature: float | None = None, pooling: str | None = None,
+                                  torch_dtype: Any = None, use_liger_kernel: bool = False,
+                                  use_sdpa_patching: bool = False, attn_implementation: str | None = None,
+                                  trust_remote_code: bool = False) -> Any:
+    """Upstream's cross-encoder as transformers' one-logit AutoModelForSequenceClassification; ``temperature``
+    divides its scores in the listwise loss (the cross-encoder recipe gives it to its loss_fn)."""
+    from automodel_retrieval.models import CrossEncoder
+
+    _refuse(cross_encoder_issues({k: v for k, v in locals().items() if v is not None}))
+    kwargs = _encoder_kwargs(torch_dtype, use_sdpa_patching, attn_implementation, trust_remote_code)
+    return CrossEncoder.from_pretrained(pretrained_model_name_or_path, num_labels=num_labels, **kwargs)
+
+
+def tokenizer_from_pretrained(pretrained_model_name_or_path: str, add_eos_token: bool = False,
+                              add_bos_token: bool = False, force_hf: bool = True, **kwargs: Any) -> Any:
+    """Upstream's NeMoAutoTokenizer: transformers' AutoTokenizer (``kwargs`` such as ``padding_side`` are its
+    own), adding only the special tokens the tokenizer itself adds."""
+    from transformers import AutoTokenizer
+
+    _refuse(tokenizer_issues({"add_eos_token": add_eos_token, "add_bos_token": add_bos_token,
+                              "force_hf": force_hf}))
+    try:
+        return AutoTokenizer.from_pretrained(pretrained_model_name_or_path, **kwargs)
+    except (OSError, ValueError) as err:
+        raise AutomodelError(f"tokenizer: cannot load '{pretrained_model_name_or_path}': {err}") from None
+
+
+def tokenizer_issues(settings: dict[str, Any], key: str = "tokenizer") -> list[ConfigIssue]:
+    issues = [ConfigIssue(f"{key}.{name}", "true is not supported: upstream's BOS/EOS enforcement is not "
+                                           "implemented (the tokenizer adds the special tokens it adds itself); "
+                                           "remove it or set false")
+              for name in ("add_eos_token", "add_bos_token") if settings.get(name)]
+    if settings.get("force_hf") is False:
+        issues.append(ConfigIssue(f"{key}.force_hf", "false is not supported: upstream's own tokenizer classes are "
+                                                     "not here; the tokenizer is always transformers' AutoTokenizer"))
+    return issues
+
+
+# ---- collators -------------------------------------------------------------------------------------------------
+
+
+def _prefix(text: str) -> str:
+    """Upstream joins a prefix and its text with a space (``"query:"`` + ``" "`` + text)."""
+    return f"{text} " if text else ""
+
+
+class UpstreamBiEncoderCollator(BiEncoderCollator):
+    """Upstream's BiEncoderCollator arguments on this package's bi-encoder collator (built once, with the
+    recipe's tokenizer)."""
+
+    def __init__(self, tokenizer: Any = None, q_max_len: int = 512, p_max_len: int = 512, query_prefix: str = "",
+                 passage_prefix: str = "", padding: bool | str = True, pad_to_multiple_of: int | None = None,
+                 use_dataset_instruction: bool = False):
+        _refuse(collator_issues({"padding": padding, "use_dataset_instruction": use_dataset_instruction}))
+        super().__init__(tokenizer, q_max_len, p_max_len, _prefix(query_prefix), _prefix(passage_prefix),
+                         pad_to_multiple_of)
+
+
+class UpstreamCrossEncoderCollator(CrossEncoderCollator):
+    """Upstream's CrossEncoderCollator arguments on this package's cross-encoder collator: each pair is one text
+    made from ``prompt_template``."""
+
+    def __init__(self, tokenizer: Any = None, rerank_max_length: int = 512,
+                 prompt_template: str = "question:{query} \n \n passage:{passage}",
+                 pad_to_multiple_of: int | None = None, padding: bool | str = True):
+        _refuse(collator_issues({"padding": padding}))
+        super().__init__(tokenizer, rerank_max_length, prompt_template=prompt_template,
+                         pad_to_multiple_of=pad_to_multiple_of)
+
+
+def collator_issues(settings: dict[str, Any], key: str = "dataloader.collate_fn") -> list[ConfigIssue]:
+    issues = []
+    if settings.get("padding", True) not in (True, "longest"):
+        issues.append(ConfigIssue(f"{key}.padding", f"'{settings['padding']}': batches are padded to their longest "
+                                                    "text here (true / longest)"))
+    if settings.get("use_dataset_instruction"):
+        issues.append(ConfigIssue(f"{key}.use_dataset_instruction", "true is not supported: instructions come from "
+                                                                    "upstream's corpus metadata, which is not read "
+                                                                    "here; put them in query_prefix / passage_prefix"))
+    return issues
+
+
+# ---- RetrievalDatasetConfig ------------------------------------------------------------------------------------
+
+
+def retrieval_dataset(data_dir_list: Any = None, model_type: str = "bi_encoder", data_type: str = "train",
+                      n_passages: int = 5, eval_negative_size: int | None = None, seed: int = 42,
+                      do_shuffle: bool = False, max_train_samples: int | None = None,
+                      train_data_select_offset: int = 0, use_dataset_instruction: bool = False,
+                      cycle_positive_docs: bool = False, use_text_in_document: bool = False) -> Any:
+    """Upstream's RetrievalDatasetConfig over local inline files: JSON / JSONL records ``{query | question,
+    pos_doc, neg_doc}`` (a document: its text, or ``{text}``; this package's ``positive(s)`` / ``negatives`` are
+    read too). Each example is the first positive and ``n_passages - 1`` negatives (``eval_negative_size`` for
+    ``data_type: eval``), repeated in turn when a row has fewer. ``{path, num_samples}`` entries draw that many
+    rows with ``seed``; ``max_train_samples`` keeps that many rows from ``train_data_select_offset`` (shuffled
+    with ``seed`` first when ``do_shuffle``)."""
+    import datasets
+
+    from automodel_retrieval.data import RetrievalDataset
+
+    settings = {k: v for k, v in locals().items() if k in RETRIEVAL_KEYS}
+    _refuse(dataset_issues(settings))
+    records: list[dict[str, Any]] = []
+    for path, num_samples in _entries(data_dir_list):
+        rows = _inline_records(path)
+        if num_samples is not None and num_samples < len(rows):
+            rows = random.Random(seed).sample(rows, num_samples)
+        records += rows
+    if max_train_samples is not None:
+        if do_shuffle:
+            random.Random(seed).shuffle(records)
+        records = records[train_data_select_offset:train_data_select_offset + max_train_samples]
+    negatives = eval_negative_size if data_type == "eval" and eval_negative_size is not None else n_passages - 1
+    examples = [_example(record, negatives, index) for index, record in enumerate(records)]
+    source = ", ".join(str(path) for path, _ in _entries(data_dir_list))
+    return RetrievalDataset.from_rows(datasets.Dataset.from_list(examples), source, expand_positives=False)
+
+
+RETRIEVAL_KEYS = ("data_dir_list", "model_type", "data_type", "n_passages", "eval_negative_size",
+                  "use_dataset_instruction", "cycle_positive_docs", "use_text_in_document")
+
+
+def dataset_issues(settings: dict[str, Any], key: str = "dataset", model_type: str | None = None
+                   ) -> list[ConfigIssue]:
+    issues = []
+    if settings.get("data_dir_list") is None:
+        issues.append(ConfigIssue(f"{key}.data_dir_list", "required: the JSON / JSONL files of the data"))
+    if model_type is not None and settings.get("model_type", "bi_encoder") != model_type:
+        issues.append(ConfigIssue(f"{key}.model_type", f"'{settings.get('model_type', 'bi_encoder')}', but this "
+                                                       f"recipe trains a {model_type}; set {model_type}"))
+    if settings.get("data_type", "train") not in ("train", "eval"):
+        issues.append(ConfigIssue(f"{key}.data_type", "expected train or eval"))
+    if settings.get("n_passages", 5) < 1:
+        issues.append(ConfigIssue(f"{key}.n_passages", "must be >= 1 (one positive, n_passages - 1 negatives)"))
+    for name, why in (("use_dataset_instruction", "instructions come from upstream's corpus metadata, which is "
+                                                  "not read here"),
+                      ("cycle_positive_docs", "rotating positives by epoch is not implemented (the first positive "
+                                              "is used)"),
+                      ("use_text_in_document", "image documents are not supported")):
+        if settings.get(name):
+            issues.append(ConfigIssue(f"{key}.{name}", f"true is not supported: {why}; remove it or set false"))
+    return issues
+
+
+def _entries(data_dir_list: Any) -> list[tuple[str, int | None]]:
+    entries = data_dir_list if isinstance(data_dir_list, list) else [data_dir_list]
+    parsed = []
+    for entry in entries:
+        path, num = (entry.get("path"), entry.get("num_samples")) if isinstance(entry, dict) else (entry, None)
+        if not isinstance(path, str):
+            raise AutomodelError(f"dataset.data_dir_list: expected a path or {{path, num_samples}}, found {entry!r}")
+        parsed.append((path, num))
+    return parsed
+
+
+def _inline_records(path: str) -> list[dict[str, Any]]:
+    if path.startswith(HF_PREFIX):
+        raise AutomodelError(f"dataset.data_dir_list: '{path}' is on the Hugging Face hub, which this run cannot "
+                             "reach offline; download the data and give its local JSON / JSONL files")
+    file = Path(path)
+    if not file.is_file():
+        raise AutomodelError(f"dataset.data_dir_list: '{path}' is not a file")
+    text = file.read_text(encoding="utf-8")
+    try:
+        data: Any = json.loads(text)
+    except json.JSONDecodeError:
+        data = [json.loads(line) for line in text.splitlines() if line.strip()]
+    if isinstance(data, dict) and "corpus" in data:
+        raise AutomodelError(f"dataset.data_dir_list: '{path}' is upstream's corpus-id format (documents by id in "
+                             "separate corpus folders), which is not read here; write inline records "
+                             "{query, pos_doc, neg_doc} with the documents' text")
+    records = data.get("data", data) if isinstance(data, dict) else data
+    return [records] if isinstance(records, dict) else list(records)
+
+
+def _texts(value: Any) -> list[str]:
+    values = value if isinstance(value, list) else [] if value is None else [value]
+    return [v["text"] if isinstance(v, dict) else str(v) for v in values]
+
+
+def _example(record: dict[str, Any], negatives: int, index: int) -> dict[str, Any]:
+    query = record.get("query", record.get("question"))
+    positives = _texts(record.get("pos_doc", record.get("positives", record.get("positive"))))
+    found = _texts(record.get("neg_doc", record.get("negatives")))
+    if query is None or not positives:
+        raise AutomodelError(f"dataset.data_dir_list: record {index + 1} needs a query (or question) and a pos_doc")
+    if negatives > 0 and not found:
+        raise AutomodelError(f"dataset.data_dir_list: record {index + 1} has no neg_doc, but n_passages asks for "
+                             f"{negatives} negative(s)")
+    chosen = [found[i % len(found)] for i in range(negatives)] if negatives > 0 else []
+    return {"query": query, "positive": positives[0], "negatives": chosen}
