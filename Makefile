@@ -8,7 +8,8 @@ STAMP := $(VENV)/.installed
 DISTS := automodel-core automodel-llm automodel-vlm automodel-diffusion automodel-retrieval
 PYPROJECTS := $(foreach d,$(DISTS),$(d)/pyproject.toml)
 # make test-min: a second virtualenv holding every declared dependency floor. pytest 8.0 is the newest that
-# accepts pluggy's floor (1.3).
+# accepts pluggy's floor (1.3). --no-compile: byte-compiling all of torch at install time costs minutes; the
+# tests compile only what they import.
 VENV_MIN := .venv-min
 PY_MIN := $(VENV_MIN)/bin/python
 PYTEST_MIN := pytest==8.0.2
@@ -45,7 +46,7 @@ test-min:
 	rm -rf $(VENV_MIN)
 	$(PYTHON) -m venv $(VENV_MIN)
 	$(PYTHON) scripts/min_constraints.py > $(VENV_MIN)/min-constraints.txt
-	$(PY_MIN) -m pip install -q -c $(VENV_MIN)/min-constraints.txt $(foreach d,$(DISTS),-e $(d)) $(PYTEST_MIN)
+	$(PY_MIN) -m pip install -q --no-compile -c $(VENV_MIN)/min-constraints.txt $(foreach d,$(DISTS),-e $(d)) $(PYTEST_MIN)
 	$(PY_MIN) -m pip check
 	$(PY_MIN) -m pytest --rootdir=. --import-mode=importlib -q -p no:cacheprovider -m smoke $(SMOKE_TESTS)
 

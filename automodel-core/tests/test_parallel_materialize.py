@@ -52,6 +52,65 @@ def test_a_plain_module_without_hf_init_uses_reset_parameters():
     assert torch.equal(model[0].weight, generator_seeded.weight)  # the documented seed of module "0"
 
 
+class Patches(nn.Module):
+    """Like CLIP's vision embeddings: its model's _init_weights sets its child convolution's weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 16, 4, bias=False)
+        self.cls = nn.Parameter(torch.zeros(16))
+
+
+class PatchModel(nn.Module):
+    """A model whose _init_weights (as in transformers, applied to every module, children before their parent) sets
+    a child's weight from the parent and overrides a child's own setting, and leaves the head's weight to the
+    constructor (reset_parameters)."""
+
+    def __init__(self):
+        super().__init__()
+        self.patches = Patches()
+        self.head = nn.Linear(16, 4)
+
+    def _init_weights(self, module):
+        if isinstance(module, nn.Conv2d):
+            nn.init.normal_(module.weight, std=0.02)  # overridden by its parent's below
+        elif isinstance(module, Patches):
+            nn.init.normal_(module.conv.weight, std=0.5)
+            nn.init.normal_(module.cls, std=2.0)
+        elif isinstance(module, nn.Linear):
+            nn.init.zeros_(module.bias)
+
+
+def test_a_parent_init_weights_sets_its_childrens_parameters_as_transformers_does():
+    with parameters_on_meta():
+        model = PatchModel()
+    materialize(model, "cpu", seed=1)
+    weight = model.patches.conv.weight
+    assert torch.isfinite(weight).all() and 0.45 < weight.std() < 0.55  # the parent's std, not the child's 0.02
+    assert 1.5 < model.patches.cls.std() < 2.5
+    assert torch.equal(model.head.bias, torch.zeros(4))
+    torch_default = nn.Linear(16, 4)  # the weight _init_weights leaves unset: the constructor's reset_parameters
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(module_seed(1, "head"))
+        torch_default.reset_parameters()
+    assert torch.equal(model.head.weight, torch_default.weight)
+
+
+def test_a_parent_init_weights_leaves_loaded_and_other_modules_weights_alone(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"patches.conv.weight": torch.ones(16, 3, 4, 4)}, str(tmp_path / "model.safetensors"))
+    with parameters_on_meta():
+        model = PatchModel()
+    report = materialize(model, "cpu", seed=1, weights=tmp_path)
+    assert report.loaded == ["patches.conv.weight"] and "patches.cls" in report.initialised
+    assert torch.equal(model.patches.conv.weight, torch.ones(16, 3, 4, 4))  # Patches' _init_weights ran for cls
+    with parameters_on_meta():
+        fresh = PatchModel()
+    materialize(fresh, "cpu", seed=1)
+    assert torch.equal(fresh.patches.cls, model.patches.cls)  # the same values whatever else the files hold
+
+
 def test_a_parameter_the_initialiser_does_not_set_is_an_error():
     class Scaled(nn.Module):
         def __init__(self):
@@ -61,7 +120,8 @@ def test_a_parameter_the_initialiser_does_not_set_is_an_error():
     with parameters_on_meta():
         model = Scaled()
     model.reset_parameters = lambda: None
-    with pytest.raises(AutomodelError, match="'scale' .* is not set by the model's _init_weights"):
+    with pytest.raises(AutomodelError,
+                       match="'scale' .* is set neither by the model's _init_weights .* nor by a reset_parameters"):
         materialize(model, "cpu", seed=0)
 
 

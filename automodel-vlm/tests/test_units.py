@@ -152,6 +152,24 @@ def test_model_from_config_with_sub_config_overrides(tmp_path):
         AutoModelForImageTextToText.from_config({"model_type": "llava", "text_config": {"hidden_size": 8}})
 
 
+@pytest.mark.smoke
+def test_seeded_model_has_the_initial_distributions_of_transformers_own_build():
+    """Module-by-module initialisation follows the model's _init_weights, parents included: CLIP sets its patch
+    convolution and attention projections from the parent module (at transformers 5.0 only there)."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(str(LLAVA_CONFIG.parent))
+    torch.manual_seed(0)
+    reference = dict(transformers.AutoModelForImageTextToText.from_config(config).named_parameters())
+    for name, param in tiny_model().named_parameters():
+        ours, theirs = param.detach(), reference[name].detach()
+        if theirs.std() == 0:  # constants: norms' ones, zero biases
+            assert torch.equal(ours, theirs), name
+            continue
+        low, high = (0.8, 1.25) if ours.numel() >= 256 else (0.5, 2.0)  # a small tensor's std is a rough estimate
+        assert low < ours.std() / theirs.std() < high, (name, float(ours.std()), float(theirs.std()))
+
+
 # ---- plugin and CLI ------------------------------------------------------------------------------------------
 
 def cli(*args, capsys) -> tuple[int, str, str]:

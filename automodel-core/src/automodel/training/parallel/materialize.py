@@ -9,11 +9,16 @@
    for a fresh model; LoRA adapters) by :func:`init_module_by_module`.
 
 Fresh initialisation is defined module by module: in a fixed order, each module's full parameters are initialised
-by the model's own ``_init_weights`` (peft's for LoRA layers) with the random generator seeded from ``(seed,
-module name)`` (the name in the base model: with or without LoRA, the base weights are the same); each rank then
-keeps its slice. One process and N ranks use this same function, so they get the
-same weights, and no rank holds more than one module's full parameters at a time. (It is not the random stream of
-``AutoModelForCausalLM.from_config`` after ``torch.manual_seed``: reproducing that needs the whole model at once.)
+with the random generator seeded from ``(seed, module name)`` (the name in the base model: with or without LoRA, the
+base weights are the same); each rank then keeps its slice. A module is initialised as transformers initialises a
+model, whose ``_init_weights`` runs on every module, children before their parent, so that a parent may set its
+children's parameters (CLIP's vision embeddings set the patch convolution, its attention the projections): the
+model's ``_init_weights`` of the module, then of each module holding it, while every other parameter is a meta
+stand-in that takes no write. A parameter these calls leave unset gets what a CPU build gives it: the module's
+``reset_parameters()`` (what its constructor ran), then the same calls. LoRA layers get peft's initialiser. One
+process and N ranks use this same function, so they get the same weights, and no rank holds more than one module's
+full parameters at a time. (It is not the random stream of ``AutoModelForCausalLM.from_config`` after
+``torch.manual_seed``: reproducing that needs the whole model at once; the distributions are the model's.)
 """
 
 from __future__ import annotations
@@ -227,55 +232,114 @@ def module_seed(seed: int, name: str) -> int:
 def init_module_by_module(model: nn.Module, seed: int, skip: Collection[int] = ()) -> list[str]:
     """Initialise every parameter not in ``skip`` (ids) as the definition in this module's docstring says.
 
-    Returns the clean names of the parameters initialised. A parameter the model's initialiser leaves untouched is
-    an error (its constructor's value is gone on the meta device)."""
-    done: set[int] = set(skip)
-    initialised: list[str] = []
+    Returns the clean names of the parameters initialised. A parameter that neither the model's initialisation nor
+    its module's ``reset_parameters()`` sets is an error (its constructor's value is gone on the meta device)."""
+    slots = _parameter_slots(model)
     lora_owned = {id(p) for m in model.modules() if _is_lora_layer(m) for c in _LORA_CONTAINERS
                   if isinstance(getattr(m, c, None), nn.Module) for p in getattr(m, c).parameters()}
-    models = [(prefix, m) for prefix, m in model.named_modules() if hasattr(m, "_init_weights")]
-    for name, module in model.named_modules():
+    modules = dict(model.named_modules())
+    models = {prefix: m for prefix, m in modules.items() if callable(getattr(type(m), "_init_weights", None))}
+    units = []  # (name, module, is a LoRA layer, {dotted name: parameter}), read before the stand-ins go in
+    for name, module in modules.items():
         lora = _is_lora_layer(module)
         if lora:
             params = {f"{c}.{n}": p for c in _LORA_CONTAINERS if isinstance(getattr(module, c, None), nn.Module)
                       for n, p in getattr(module, c).named_parameters()}
         else:
             params = {n: p for n, p in module.named_parameters(recurse=False) if id(p) not in lora_owned}
-        todo = {n: p for n, p in params.items() if id(p) not in done}
-        if not todo:
-            continue
-        initialiser = _lora_initialiser(model, module, name) if lora else _module_initialiser(models, module, name)
-        _init_unit(module, todo, initialiser, module_seed(seed, _seed_name(name, lora)), clean_name(name))
-        done.update(id(p) for p in todo.values())
-        initialised += [clean_name(_join(name, n)) for n in todo]
+        units.append((name, module, lora, params))
+    done: set[int] = set(skip)
+    initialised: list[str] = []
+    with _meta_stand_ins(slots) as stand_ins:
+        for name, module, lora, params in units:
+            todo = {n: p for n, p in params.items() if id(p) not in done}
+            if not todo:
+                continue
+            if lora:
+                initialiser, fallback = _lora_initialiser(model, module, name), None
+            else:
+                initialiser, fallback = _module_initialiser(models, modules, module, name)
+            _init_unit(slots, stand_ins, todo, initialiser, fallback, module_seed(seed, _seed_name(name, lora)),
+                       clean_name(name))
+            done.update(id(p) for p in todo.values())
+            initialised += [clean_name(_join(name, n)) for n in todo]
     return initialised
 
 
-def _init_unit(module: nn.Module, params: dict[str, nn.Parameter], initialiser: Callable[[], None], seed: int,
-               name: str) -> None:
-    """Swap full-size CPU tensors in for ``params``, initialise them, copy each rank's slice back, swap back."""
-    swapped = []
+Slots = dict[int, list[tuple[nn.Module, str]]]  # a parameter's id -> every (module, attribute) holding it
+
+
+def _parameter_slots(model: nn.Module) -> Slots:
+    slots: Slots = {}
+    for module in model.modules():
+        for attr, param in module._parameters.items():
+            if param is not None:
+                slots.setdefault(id(param), []).append((module, attr))
+    return slots
+
+
+@contextlib.contextmanager
+def _meta_stand_ins(slots: Slots) -> Iterator[dict[int, nn.Parameter]]:
+    """Within the block every parameter is replaced by a meta-device stand-in of its full shape (tied ones share
+    theirs): an initialiser that also writes other modules' parameters writes nothing (no memory, no random
+    draws), so no loaded weight or other module's shard is overwritten. Yields parameter id -> stand-in."""
+    originals = {key: [(module, attr, module._parameters[attr]) for module, attr in holders]
+                 for key, holders in slots.items()}
+    stand_ins = {}
+    for key, holders in originals.items():
+        param = holders[0][2]
+        stand_ins[key] = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"),
+                                      requires_grad=param.requires_grad)
+        for module, attr, _ in holders:
+            module._parameters[attr] = stand_ins[key]
+    try:
+        yield stand_ins
+    finally:
+        for holders in originals.values():
+            for module, attr, param in holders:
+                module._parameters[attr] = param
+
+
+def _init_unit(slots: Slots, stand_ins: dict[int, nn.Parameter], params: dict[str, nn.Parameter],
+               initialiser: Callable[[], None], fallback: Callable[[], None] | None, seed: int, name: str) -> None:
+    """Put full-size CPU tensors in ``params``' places, initialise them, copy each rank's slice into ``params``.
+
+    ``initialiser`` runs with the generator seeded by ``seed``. Where it leaves a parameter unset, the unit is
+    initialised again from the same seed as a CPU build would: ``fallback`` (the module's ``reset_parameters()``,
+    which its constructor runs), then ``initialiser``."""
+    scratch = {}
     for dotted, param in params.items():
-        owner, attr = _owner(module, dotted)
         full = torch.full(param.shape, float("nan"), dtype=param.dtype) if param.dtype.is_floating_point \
             else torch.zeros(param.shape, dtype=param.dtype)
-        owner._parameters[attr] = nn.Parameter(full, requires_grad=param.requires_grad)
-        swapped.append((owner, attr, param, dotted))
+        scratch[dotted] = (param, nn.Parameter(full, requires_grad=param.requires_grad))
+        for module, attr in slots[id(param)]:
+            module._parameters[attr] = scratch[dotted][1]
+
+    def unset() -> list[str]:
+        return [dotted for dotted, (_, full) in scratch.items() if full.is_floating_point() and full.isnan().any()]
+
     try:
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             torch.random.default_generator.manual_seed(seed)
             initialiser()
-        for owner, attr, param, dotted in swapped:
-            full = owner._parameters[attr].data
-            if full.is_floating_point() and torch.isnan(full).any():
-                raise AutomodelError(f"'{clean_name(_join(name, dotted))}' ({type(owner).__name__}) is not set by the "
-                                     "model's _init_weights, so it cannot be initialised on the meta device; load "
-                                     "it from a checkpoint or build the model without meta-device initialisation")
-            local, slices = local_slices(param)
-            local.copy_(full[slices] if slices else full)
+            if fallback is not None and unset():
+                torch.random.default_generator.manual_seed(seed)
+                fallback()
+                initialiser()
+            for dotted in unset():
+                owner = slots[id(scratch[dotted][0])][0][0]
+                raise AutomodelError(f"'{clean_name(_join(name, dotted))}' ({type(owner).__name__}) is set neither "
+                                     "by the model's _init_weights (of its module or of a module holding it) nor by "
+                                     "a reset_parameters() of its module, so it cannot be initialised on the meta "
+                                     "device; load it from a checkpoint or build the model without meta-device "
+                                     "initialisation")
+            for param, full in scratch.values():
+                local, slices = local_slices(param)
+                local.copy_(full.data[slices] if slices else full.data)
     finally:
-        for owner, attr, param, _ in swapped:
-            owner._parameters[attr] = param
+        for param, _ in scratch.values():
+            for module, attr in slots[id(param)]:
+                module._parameters[attr] = stand_ins[id(param)]
 
 
 def _seed_name(name: str, lora: bool) -> str:
@@ -289,28 +353,38 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-def _owner(module: nn.Module, dotted: str) -> tuple[nn.Module, str]:
-    *path, attr = dotted.split(".")
-    for part in path:
-        module = getattr(module, part)
-    return module, attr
-
-
 def _is_lora_layer(module: nn.Module) -> bool:
     return hasattr(module, "reset_lora_parameters") and isinstance(getattr(module, "lora_A", None), nn.ModuleDict)
 
 
-def _module_initialiser(models: list[tuple[str, nn.Module]], module: nn.Module, name: str) -> Callable[[], None]:
-    """The ``_init_weights`` of the innermost HF model (of ``models``) holding ``module``; else its
-    ``reset_parameters``."""
-    holders = [(prefix, m) for prefix, m in models if not prefix or name == prefix or name.startswith(prefix + ".")]
-    if holders:
-        owner = max(holders, key=lambda held: len(held[0]))[1]
-        return lambda: owner._init_weights(module)
-    if hasattr(module, "reset_parameters"):
-        return module.reset_parameters
-    raise AutomodelError(f"'{clean_name(name)}' ({type(module).__name__}) has parameters but neither an "
-                         "_init_weights of its model nor reset_parameters() to initialise them")
+def _module_initialiser(models: dict[str, nn.Module], modules: dict[str, nn.Module], module: nn.Module,
+                       name: str) -> tuple[Callable[[], None], Callable[[], None] | None]:
+    """What initialises ``module``'s own parameters: transformers' order (``_init_weights`` applied to every module,
+    children before their parent, each module by the innermost model holding it), restricted to ``module`` and the
+    modules holding it, since a parent's ``_init_weights`` may set its children's parameters (CLIP's attention sets
+    its projections); and its ``reset_parameters()`` as the fallback."""
+    path = _self_and_ancestors(name)
+    chain = []
+    for index, ancestor in enumerate(path):
+        holder = next((models[prefix] for prefix in path[index:] if prefix in models), None)
+        if holder is not None:
+            chain.append((holder, modules[ancestor]))
+    fallback = getattr(module, "reset_parameters", None)
+    if not chain and fallback is None:
+        raise AutomodelError(f"'{clean_name(name)}' ({type(module).__name__}) has parameters but neither an "
+                             "_init_weights of its model nor reset_parameters() to initialise them")
+
+    def initialise() -> None:
+        for holder, target in chain:
+            holder._init_weights(target)
+
+    return initialise, fallback
+
+
+def _self_and_ancestors(name: str) -> list[str]:
+    """``"a.b.c"`` -> ``["a.b.c", "a.b", "a", ""]``."""
+    parts = name.split(".") if name else []
+    return [".".join(parts[:end]) for end in range(len(parts), -1, -1)]
 
 
 def _lora_initialiser(model: nn.Module, layer: nn.Module, name: str) -> Callable[[], None]:
