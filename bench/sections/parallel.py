@@ -1,8 +1,9 @@
 """Benchmarks 9-11 (issue 18): what sharding, activation checkpointing and mixed precision buy, through the CLI.
 
-9  peak RSS of each rank of a 2-rank FSDP2 run (gloo) of a ~150M Llama built from a config vs the same job in one
-   process (the same micro-batch per process): FSDP2 over a model built on the meta device. The peak is that of the
-   biggest process of the run (wait4 of the CLI: it waits for torchrun, which waits for the ranks).
+9  peak RSS of each rank of a 2-rank FSDP2 run (gloo) of a ~150M Llama built from a config, including a sharded
+   checkpoint save and a restore, vs the same jobs in one process (the same micro-batch per process): FSDP2 over a
+   model built on the meta device. The peak is that of the biggest process of the run (wait4 of the CLI: it waits
+   for torchrun, which waits for the ranks). A second row compares the save's time.
 10 peak RSS of a long-sequence run (2 x 2048 random tokens, Llama 20M) with and without
    ``distributed.activation_checkpointing``, one process.
 11 tokens/s of bf16 (``distributed.mp_policy.param_dtype: bf16``: torch.autocast on the CPU) vs fp32, the two runs
