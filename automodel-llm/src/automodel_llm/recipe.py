@@ -103,7 +103,10 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
         pad = self.tokenizer.pad_token_id or 0
         if train and self.pack_size:
             return functools.partial(packed_collate, pack_size=self.pack_size, pad_token_id=pad)
-        return functools.partial(pad_collate, pad_token_id=pad)
+        settings = self.cfg.distributed
+        # sequence parallelism splits each row over the tensor-parallel ranks: rows padded to a multiple of them
+        multiple = settings.tp_size if settings is not None and settings.sequence_parallel else None
+        return functools.partial(pad_collate, pad_token_id=pad, pad_to_multiple_of=multiple)
 
     def setup(self) -> None:
         super().setup()

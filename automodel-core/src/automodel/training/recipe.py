@@ -229,7 +229,7 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
     def forwards_are_collective(self) -> bool:
         """Whether a forward needs every rank (FSDP2 gathers the sharded weights): then anything that runs one —
         validation, end-of-run generation — runs on every rank, and rank 0 reports."""
-        return self.world_size > 1 and is_fsdp2(self.model)
+        return self.world_size > 1 and (is_fsdp2(self.model) or self.ctx.mesh.tp > 1)
 
     def log(self, message: str) -> None:
         if self.is_main_process:
@@ -306,7 +306,7 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
             restored = read_trainer_state(ctx.restore_path)
             restore_weights(ctx.restore_path, self.model, restored)
             restore_states(ctx.restore_path, self.model, self.stateful_attributes(), ctx.rank, ctx.world_size,
-                           self.log)
+                           self.log, ctx.mesh.dp)
             self.step_losses = [math.nan if v is None else v for v in restored["losses"]]
             self.skipped_steps = restored["skipped_steps"]
         self.open_metric_files()

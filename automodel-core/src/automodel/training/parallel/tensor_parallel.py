@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -90,7 +91,18 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
         styles.update(sequence_parallel_entries(concrete, [(names[id(b)], b) for b in transformer_blocks(model)]))
     parallelize_module(model, tp_mesh, styles, src_data_rank=None)
     _retie(model, ties)
-    return TensorParallel(tp_mesh.size(), concrete, vocab_parallel, sequence_parallel)
+    applied = TensorParallel(tp_mesh.size(), concrete, vocab_parallel, sequence_parallel)
+    _APPLIED[model] = applied
+    return applied
+
+
+# model -> what apply_tensor_parallel did to it: the training loop asks (tensor_parallel_of) how to compute the loss
+_APPLIED: weakref.WeakKeyDictionary[nn.Module, TensorParallel] = weakref.WeakKeyDictionary()
+
+
+def tensor_parallel_of(model: nn.Module) -> TensorParallel | None:
+    """What :func:`apply_tensor_parallel` did to ``model`` (the unwrapped model), None when it is not sharded so."""
+    return _APPLIED.get(model)
 
 
 def local_loss(loss: torch.Tensor) -> torch.Tensor:

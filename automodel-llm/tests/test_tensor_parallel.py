@@ -1,0 +1,131 @@
+"""Tensor parallelism through the CLI on two CPU ranks (gloo): ``distributed.tp_size: 2`` (with and without sequence
+parallelism) trains a tiny Llama with the per-step losses and gradient norms of one process, its consolidated
+``model/`` is the one process's weights, a tp=2 checkpoint resumes in one process with the uninterrupted run's
+losses, and layouts the model cannot take are refused by ``automodel validate`` with the numbers.
+
+Both tensor-parallel ranks read the same rows (dp = 1), so the one-process reference trains on the same batches
+with the same accumulation. Gradient clipping (max_norm 1.0) acts on the parallel-aware norm.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from llm_testing import LLAMA_CONFIG, losses, write_config
+
+from automodel.testing import free_port, read_jsonl, run_cli
+
+STEPS = ["--step_scheduler.max_steps", "6", "--dataloader.batch_size", "2", "--dataloader.shuffle", "false",
+         "--step_scheduler.checkpoint_interval", "3"]
+TP2 = ["--nproc-per-node", "2", "--distributed.strategy", "fsdp2", "--distributed.tp_size", "2"]
+
+
+@pytest.fixture(scope="module")
+def tp_llama_config(tmp_path_factory) -> Path:
+    """A 2-layer Llama with 4 attention heads over 2 key/value heads (tp=2 divides every size), the shipped
+    tokenizer's vocabulary (482, even)."""
+    data = json.loads(LLAMA_CONFIG.read_text())
+    data.update(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, tie_word_embeddings=False)
+    path = tmp_path_factory.mktemp("tp_llama") / "config.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def _run(config: Path, cwd: Path, directory: Path, *args) -> str:
+    port = ["--master-port", str(free_port())] if "--nproc-per-node" in args else []
+    result = run_cli("finetune", "llm", "-c", config, *STEPS, *args, *port, "--checkpoint.checkpoint_dir", directory,
+                     cwd=cwd, OMP_NUM_THREADS="1")
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result.stderr
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, tp_llama_config) -> tuple[Path, Path]:
+    """(config, checkpoint_dir) of the one-process reference: six steps, checkpoints after steps 3 and 6."""
+    tmp = tmp_path_factory.mktemp("one")
+    config = write_config(tmp / "cfg.yaml", tp_llama_config, tmp / "ckpt")
+    _run(config, tmp, tmp / "ckpt")
+    return config, tmp / "ckpt"
+
+
+def _norms(directory: Path) -> list[float]:
+    return [row["grad_norm"] for row in read_jsonl(directory / "training.jsonl")]
+
+
+def _assert_same_weights(model_dir: Path, reference_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    reference = AutoModelForCausalLM.from_pretrained(reference_dir).state_dict()
+    assert model.keys() == reference.keys()
+    for key, value in reference.items():
+        assert (model[key] - value).abs().max().item() < 1e-5, key
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2_sequence_parallel"])
+def test_tp2_trains_like_one_process(one_process, tmp_path, sequence_parallel):
+    config, reference = one_process
+    out = tmp_path / "tp"
+    log = _run(config, tmp_path, out, *TP2, "--distributed.sequence_parallel", str(sequence_parallel).lower())
+    assert "tensor parallel over tp 2" in log and "FSDP2 over 1 ranks x tensor parallel over 2" in log
+    assert ("sequence parallel" in log) == sequence_parallel
+    assert "model.layers.*.self_attn.q_proj: colwise" in log
+    assert losses(out) == pytest.approx(losses(reference), rel=1e-4)
+    assert _norms(out) == pytest.approx(_norms(reference), rel=1e-4)
+    assert max(_norms(reference)) > 1.0  # clipping at 1.0 acted on some steps
+    _assert_same_weights(out / "epoch_0_step_6" / "model", reference / "epoch_0_step_6" / "model")
+
+
+def test_a_tp2_checkpoint_resumes_in_one_process(one_process, tmp_path):
+    config, reference = one_process
+    tp = tmp_path / "tp"
+    _run(config, tmp_path, tp, *TP2, "--step_scheduler.max_steps", "3")
+    state = json.loads((tp / "epoch_0_step_3" / "trainer_state.json").read_text())
+    assert (state["world_size"], state["dp_size"]) == (2, 1)
+    one = tmp_path / "one"
+    log = _run(config, tmp_path, one, "--restore_from.path", tp / "epoch_0_step_3")
+    assert "written by 2 ranks, resuming on 1" in log
+    assert [row["step"] for row in read_jsonl(one / "training.jsonl")] == [4, 5, 6]
+    assert losses(one) == pytest.approx(losses(reference)[3:], rel=1e-4)
+    _assert_same_weights(one / "epoch_0_step_6" / "model", reference / "epoch_0_step_6" / "model")
+
+
+def _validate(config: Path, cwd: Path, *args) -> tuple[int, str]:
+    result = run_cli("validate", "-c", config, *args, cwd=cwd)
+    return result.returncode, result.stdout + result.stderr
+
+
+def test_layouts_the_model_cannot_take_are_refused_by_validate(tp_llama_config, tmp_path):
+    config = write_config(tmp_path / "cfg.yaml", tp_llama_config, tmp_path / "ckpt",
+                          distributed={"strategy": "fsdp2", "tp_size": 3})
+    code, out = _validate(config, tmp_path, "--nproc-per-node", "3")
+    assert code == 2 and "Traceback" not in out
+    for what in ("attention heads (num_attention_heads = 4)", "key/value heads (num_key_value_heads = 2)",
+                 "vocabulary size (vocab_size = 482)"):
+        assert f"distributed.tp_size: 3 does not divide the model's {what}" in out
+    code, out = _validate(config, tmp_path, "--nproc-per-node", "4")
+    assert code == 2 and "the world size 4 is not divisible by 3" in out
+    code, out = _validate(config, tmp_path, "--nproc-per-node", "2", "--distributed.tp_size", "2",
+                          "--distributed.strategy", "ddp")
+    assert code == 2 and "distributed.strategy: ddp: tensor parallelism (tp_size 2) composes with FSDP2" in out
+    code, out = _validate(config, tmp_path, "--nproc-per-node", "2", "--distributed.tp_size", "1",
+                          "--distributed.sequence_parallel", "true")
+    assert code == 2 and "so it needs distributed.tp_size > 1" in out
+    code, out = _validate(config, tmp_path, "--nproc-per-node", "2", "--distributed.tp_size", "2")
+    assert code == 0, out
+
+
+def test_dry_run_prints_the_mesh_and_the_plan(tp_llama_config, tmp_path):
+    config = write_config(tmp_path / "cfg.yaml", tp_llama_config, tmp_path / "ckpt",
+                          distributed={"strategy": "fsdp2", "tp_size": 2, "sequence_parallel": True})
+    result = run_cli("finetune", "llm", "-c", config, "--nproc-per-node", "4", "--dry-run", cwd=tmp_path)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out
+    assert "device mesh: pp 1 x dp_replicate 1 x dp_shard 2 x cp 1 x tp 2 = 4 ranks" in out
+    assert "rank 3: pp 0, dp_replicate 0, dp_shard 1, cp 0, tp 1 (dp 1)" in out
+    assert "tensor parallel over tp 2, sequence parallel, vocabulary-parallel loss" in out
+    assert "model.layers.*.mlp.down_proj: rowwise" in out and "lm_head: colwise_gather_output" in out
+
