@@ -65,11 +65,21 @@ def _assert_same_weights(model_dir: Path, reference_dir: Path) -> None:
         assert (model[key] - value).abs().max().item() < 1e-5, key
 
 
+@pytest.fixture(scope="module")
+def tp2_run(tmp_path_factory, one_process) -> tuple[Path, str]:
+    """(checkpoint_dir, log) of the tp=2 run without sequence parallelism (its step-3 checkpoint is resumed)."""
+    tmp = tmp_path_factory.mktemp("tp2")
+    return tmp / "tp", _run(one_process[0], tmp, tmp / "tp", *TP2)
+
+
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2_sequence_parallel"])
-def test_tp2_trains_like_one_process(one_process, tmp_path, sequence_parallel):
+def test_tp2_trains_like_one_process(request, one_process, tmp_path, sequence_parallel):
     config, reference = one_process
-    out = tmp_path / "tp"
-    log = _run(config, tmp_path, out, *TP2, "--distributed.sequence_parallel", str(sequence_parallel).lower())
+    if sequence_parallel:
+        out = tmp_path / "tp"
+        log = _run(config, tmp_path, out, *TP2, "--distributed.sequence_parallel", "true")
+    else:
+        out, log = request.getfixturevalue("tp2_run")
     assert "tensor parallel over tp 2" in log and "FSDP2 over 1 ranks x tensor parallel over 2" in log
     assert ("sequence parallel" in log) == sequence_parallel
     assert "model.layers.*.self_attn.q_proj: colwise" in log
@@ -79,14 +89,13 @@ def test_tp2_trains_like_one_process(one_process, tmp_path, sequence_parallel):
     _assert_same_weights(out / "epoch_0_step_6" / "model", reference / "epoch_0_step_6" / "model")
 
 
-def test_a_tp2_checkpoint_resumes_in_one_process(one_process, tmp_path):
+def test_a_tp2_checkpoint_resumes_in_one_process(one_process, tp2_run, tmp_path):
     config, reference = one_process
-    tp = tmp_path / "tp"
-    _run(config, tmp_path, tp, *TP2, "--step_scheduler.max_steps", "3")
-    state = json.loads((tp / "epoch_0_step_3" / "trainer_state.json").read_text())
+    checkpoint = tp2_run[0] / "epoch_0_step_3"
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
     assert (state["world_size"], state["dp_size"]) == (2, 1)
     one = tmp_path / "one"
-    log = _run(config, tmp_path, one, "--restore_from.path", tp / "epoch_0_step_3")
+    log = _run(config, tmp_path, one, "--restore_from.path", checkpoint)
     assert "written by 2 ranks, resuming on 1" in log
     assert [row["step"] for row in read_jsonl(one / "training.jsonl")] == [4, 5, 6]
     assert losses(one) == pytest.approx(losses(reference)[3:], rel=1e-4)
