@@ -122,7 +122,7 @@ def test_layouts_the_model_cannot_take_are_refused_by_validate(tp_llama_config, 
     assert code == 2 and "distributed.strategy: ddp: tensor parallelism (tp_size 2) composes with FSDP2" in out
     code, out = _validate(config, tmp_path, "--nproc-per-node", "2", "--distributed.tp_size", "1",
                           "--distributed.sequence_parallel", "true")
-    assert code == 2 and "so it needs distributed.tp_size > 1" in out
+    assert code == 2 and "so it needs tensor parallelism (distributed.tp_size > 1)" in out
     code, out = _validate(config, tmp_path, "--nproc-per-node", "2", "--distributed.tp_size", "2")
     assert code == 0, out
 

@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 NOT_YET = {
     "pp_size": "pipeline parallelism is not implemented yet; use pp_size: 1 (data parallelism: dp_size)",
 }
+# model-section keys that name a Hugging Face model (its config, or a checkpoint holding one)
+HF_MODEL_KEYS = ("config", "pretrained_model_name_or_path", "name_or_path")
 # model-section keys that are not the architecture's (what from_config / from_pretrained take besides config keys)
 _NOT_CONFIG_KEYS = {"_target_", "config", "dtype", "torch_dtype", "seed", "pretrained_model_name_or_path",
                     "name_or_path", "attn_implementation", "trust_remote_code", *HUB_ARGUMENTS}
@@ -86,7 +88,8 @@ def parallel_issues(cfg: Config, implementation: str | None) -> list[ConfigIssue
         issues += tensor_parallel_issues(cfg, implementation)
     elif settings.sequence_parallel:
         issues.append(ConfigIssue("distributed.sequence_parallel", "true shards the sequence over the "
-                                  "tensor-parallel ranks, so it needs distributed.tp_size > 1; set it to false"))
+                                  "tensor-parallel ranks, so it needs tensor parallelism (distributed.tp_size > 1); "
+                                  "set it to false"))
     if settings.ep_size is not None and settings.ep_size > 1:
         issues.append(ConfigIssue("distributed.ep_size", f"{settings.ep_size}: expert parallelism needs MoE model "
                                   "implementations this build does not have yet; use ep_size: 1 (or null)"))
@@ -115,6 +118,10 @@ def tensor_parallel_issues(cfg: Config, implementation: str | None) -> list[Conf
     hf_config = model_hf_config(cfg)
     if hf_config is not None:
         issues += tp_issues(hf_config, settings.tp_size, settings.sequence_parallel)
+    elif cfg.model is None or not any(cfg.model.get(key) for key in HF_MODEL_KEYS):
+        issues.append(ConfigIssue("distributed.tp_size", f"{settings.tp_size}: tensor parallelism follows the plan of "
+                                  "a Hugging Face model, so it needs a Hugging Face model section (model.config or "
+                                  "model.pretrained_model_name_or_path); this model has neither, use tp_size: 1"))
     return issues
 
 
