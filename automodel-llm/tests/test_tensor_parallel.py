@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
-from llm_testing import LLAMA_CONFIG, losses, write_config
+from llm_testing import LLAMA_CONFIG, VALIDATION, losses, val_losses, write_config
 
 from automodel.testing import free_port, read_jsonl, run_cli
 
@@ -46,7 +46,8 @@ def _run(config: Path, cwd: Path, directory: Path, *args) -> str:
 def one_process(tmp_path_factory, tp_llama_config) -> tuple[Path, Path]:
     """(config, checkpoint_dir) of the one-process reference: six steps, checkpoints after steps 3 and 6."""
     tmp = tmp_path_factory.mktemp("one")
-    config = write_config(tmp / "cfg.yaml", tp_llama_config, tmp / "ckpt")
+    config = write_config(tmp / "cfg.yaml", tp_llama_config, tmp / "ckpt", validation_dataset=VALIDATION,
+                          step_scheduler={"val_check_interval": 3}, eval_generation={"enabled": True})
     _run(config, tmp, tmp / "ckpt")
     return config, tmp / "ckpt"
 
@@ -77,7 +78,8 @@ def test_tp2_trains_like_one_process(request, one_process, tmp_path, sequence_pa
     config, reference = one_process
     if sequence_parallel:
         out = tmp_path / "tp"
-        log = _run(config, tmp_path, out, *TP2, "--distributed.sequence_parallel", "true")
+        log = _run(config, tmp_path, out, *TP2, "--distributed.sequence_parallel", "true",
+                   "--eval_generation.enabled", "false")
     else:
         out, log = request.getfixturevalue("tp2_run")
     assert "tensor parallel over tp 2" in log and "FSDP2 over 1 ranks x tensor parallel over 2" in log
@@ -86,6 +88,11 @@ def test_tp2_trains_like_one_process(request, one_process, tmp_path, sequence_pa
     assert losses(out) == pytest.approx(losses(reference), rel=1e-4)
     assert _norms(out) == pytest.approx(_norms(reference), rel=1e-4)
     assert max(_norms(reference)) > 1.0  # clipping at 1.0 acted on some steps
+    assert [v for _, v in val_losses(out)] == pytest.approx([v for _, v in val_losses(reference)], rel=1e-4)
+    assert len(val_losses(out)) == 2
+    if not sequence_parallel:  # generation after training: every rank runs it, the head gathers the logits
+        report = json.loads((out / "eval_generation.json").read_text())
+        assert report == json.loads((reference / "eval_generation.json").read_text())
     _assert_same_weights(out / "epoch_0_step_6" / "model", reference / "epoch_0_step_6" / "model")
 
 
@@ -123,6 +130,9 @@ def test_layouts_the_model_cannot_take_are_refused_by_validate(tp_llama_config, 
     code, out = _validate(config, tmp_path, "--nproc-per-node", "2", "--distributed.tp_size", "1",
                           "--distributed.sequence_parallel", "true")
     assert code == 2 and "so it needs tensor parallelism (distributed.tp_size > 1)" in out
+    code, out = _validate(config, tmp_path, "--nproc-per-node", "2", "--distributed.tp_size", "2",
+                          "--distributed.sequence_parallel", "true", "--eval_generation.enabled", "true")
+    assert code == 2 and "eval_generation.enabled: generation feeds one token at a time" in out
     code, out = _validate(config, tmp_path, "--nproc-per-node", "2", "--distributed.tp_size", "2")
     assert code == 0, out
 

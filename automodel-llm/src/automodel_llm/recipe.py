@@ -68,7 +68,14 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
 
     @classmethod
     def check_config(cls, cfg: Config) -> list[ConfigIssue]:
-        return list(super().check_config(cfg)) + tokenizer_issues(cfg)
+        issues = list(super().check_config(cfg)) + tokenizer_issues(cfg)
+        settings, generation = cfg.distributed, cfg.get("eval_generation")
+        if settings is not None and settings.tp_size > 1 and settings.sequence_parallel and \
+                "eval_generation" in cfg and generation is not None and generation.enabled:
+            issues.append(ConfigIssue("eval_generation.enabled", "generation feeds one token at a time, which "
+                                      "sequence parallelism cannot split over the tensor-parallel ranks; set "
+                                      "eval_generation.enabled: false or distributed.sequence_parallel: false"))
+        return issues
 
     def setup_domain(self) -> None:
         import transformers
