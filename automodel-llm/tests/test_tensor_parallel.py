@@ -1,10 +1,11 @@
-"""Tensor parallelism through the CLI on two CPU ranks (gloo): ``distributed.tp_size: 2`` (with and without sequence
-parallelism) trains a tiny Llama with the per-step losses and gradient norms of one process, its consolidated
-``model/`` is the one process's weights, a tp=2 checkpoint resumes in one process with the uninterrupted run's
-losses, and layouts the model cannot take are refused by ``automodel validate`` with the numbers.
+"""Tensor parallelism through the CLI on CPU ranks (gloo): ``distributed.tp_size: 2`` on two ranks (with and without
+sequence parallelism) trains a tiny Llama with the per-step losses, gradient norms and validation losses of one
+process, its consolidated ``model/`` is the one process's weights, a tp=2 checkpoint resumes in one process with the
+uninterrupted run's losses; dp=2 x tp=2 on four ranks equals one process accumulating twice and its checkpoint
+resumes under FSDP2 on two ranks; layouts the model cannot take are refused by ``automodel validate``.
 
-Both tensor-parallel ranks read the same rows (dp = 1), so the one-process reference trains on the same batches
-with the same accumulation. Gradient clipping (max_norm 1.0) acts on the parallel-aware norm.
+The ranks of one tensor-parallel group read the same rows, so against one process only the data-parallel size
+changes the accumulation. Gradient clipping (max_norm 1.0) acts on the parallel-aware norm.
 """
 
 from __future__ import annotations
@@ -148,3 +149,32 @@ def test_dry_run_prints_the_mesh_and_the_plan(tp_llama_config, tmp_path):
     assert "tensor parallel over tp 2, sequence parallel, vocabulary-parallel loss" in out
     assert "model.layers.*.mlp.down_proj: rowwise" in out and "lm_head: colwise_gather_output" in out
 
+
+
+@pytest.fixture(scope="module")
+def accumulating(tmp_path_factory, one_process) -> Path:
+    """The one-process reference for dp = 2: two micro-batches per step (the samples of two data-parallel ranks)."""
+    tmp = tmp_path_factory.mktemp("accumulating")
+    _run(one_process[0], tmp, tmp / "ckpt", "--step_scheduler.grad_accumulation_steps", "2",
+         "--eval_generation.enabled", "false")
+    return tmp / "ckpt"
+
+
+def test_dp2_x_tp2_on_four_ranks_trains_like_one_process_and_resumes_with_fsdp2_on_two(one_process, accumulating,
+                                                                                     tmp_path):
+    """A 2-D mesh: FSDP2 shards each tensor-parallel shard over two data-parallel ranks; its step-3 checkpoint
+    resumes under FSDP2 alone on two ranks (another world size and layout)."""
+    config = one_process[0]
+    out, dp2 = tmp_path / "dp2_tp2", tmp_path / "dp2"
+    log = _run(config, tmp_path, out, "--nproc-per-node", "4", "--distributed.strategy", "fsdp2",
+               "--distributed.tp_size", "2", "--eval_generation.enabled", "false")
+    assert "FSDP2 over 2 ranks x tensor parallel over 2" in log
+    assert losses(out) == pytest.approx(losses(accumulating), rel=1e-4)
+    assert _norms(out) == pytest.approx(_norms(accumulating), rel=1e-4)
+    assert [v for _, v in val_losses(out)] == pytest.approx([v for _, v in val_losses(accumulating)], rel=1e-4)
+    _assert_same_weights(out / "epoch_0_step_6" / "model", accumulating / "epoch_0_step_6" / "model")
+    log = _run(config, tmp_path, dp2, "--nproc-per-node", "2", "--distributed.strategy", "fsdp2",
+               "--restore_from.path", out / "epoch_0_step_3", "--eval_generation.enabled", "false")
+    assert "written by 4 ranks, resuming on 2" in log
+    assert losses(dp2) == pytest.approx(losses(accumulating)[3:], rel=1e-4)
+    _assert_same_weights(dp2 / "epoch_0_step_6" / "model", accumulating / "epoch_0_step_6" / "model")
