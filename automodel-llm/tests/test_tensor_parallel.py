@@ -134,8 +134,18 @@ def test_layouts_the_model_cannot_take_are_refused_by_validate(tp_llama_config, 
     code, out = _validate(config, tmp_path, "--nproc-per-node", "2", "--distributed.tp_size", "2",
                           "--distributed.sequence_parallel", "true", "--eval_generation.enabled", "true")
     assert code == 2 and "eval_generation.enabled: generation feeds one token at a time" in out
+    code, out = _validate(config, tmp_path, "--nproc-per-node", "2", "--distributed.tp_size", "2",
+                          "--distributed.sequence_parallel", "true", "--packed_sequence.packed_sequence_size", "63",
+                          "--peft.dim", "4", "--peft.target_modules", "[q_proj]")
+    assert code == 2
+    assert "packed_sequence.packed_sequence_size: 63 does not divide by tp_size 2" in out
+    assert "distributed.tp_size: 2: tensor parallelism shards nn.Linear layers, not peft's LoRA layers" in out
     code, out = _validate(config, tmp_path, "--nproc-per-node", "2", "--distributed.tp_size", "2")
     assert code == 0, out
+    result = run_cli("validate", "kd", "llm", "-c", config, "--nproc-per-node", "2", "--distributed.tp_size", "2",
+                     "--teacher_model._target_", "automodel_llm.AutoModelForCausalLM.from_config",
+                     "--teacher_model.config", str(tp_llama_config), cwd=tmp_path)
+    assert result.returncode == 2 and "the distillation loss compares the student's whole logits" in result.stderr
 
 
 def test_dry_run_prints_the_mesh_and_the_plan(tp_llama_config, tmp_path):

@@ -54,6 +54,7 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
     """Causal LM training: loss on label tokens (answers for SFT, everything for pre-training)."""
 
     domain = "llm"
+    tensor_parallel_unsupported = None  # the loss runs on vocabulary-parallel logits (training/loop.py)
     sections = {
         "tokenizer": Target("tokenizer (default: the model's): {pretrained_model_name_or_path: ...}", plain=True,
                             default_target="transformers.AutoTokenizer.from_pretrained"),
@@ -75,6 +76,12 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
             issues.append(ConfigIssue("eval_generation.enabled", "generation feeds one token at a time, which "
                                       "sequence parallelism cannot split over the tensor-parallel ranks; set "
                                       "eval_generation.enabled: false or distributed.sequence_parallel: false"))
+        packing = cfg.get("packed_sequence")
+        size = getattr(packing, "packed_sequence_size", 0) or 0
+        if settings is not None and settings.tp_size > 1 and settings.sequence_parallel and size % settings.tp_size:
+            issues.append(ConfigIssue("packed_sequence.packed_sequence_size", f"{size} does not divide by tp_size "
+                                      f"{settings.tp_size}: sequence parallelism splits every row over the "
+                                      "tensor-parallel ranks; use a multiple of tp_size"))
         return issues
 
     def setup_domain(self) -> None:

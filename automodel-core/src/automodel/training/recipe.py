@@ -59,6 +59,10 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
     stage_implementations: ClassVar[dict[str, str]] = {}
     # slot -> why this recipe refuses a config that asks for it (merged like sections)
     unsupported_stages: ClassVar[dict[str, str]] = {}
+    # why distributed.tp_size > 1 is refused (None: the recipe's model and loss run tensor-parallel)
+    tensor_parallel_unsupported: ClassVar[str | None] = (
+        "this recipe's model and loss are not set up for tensor parallelism (the LLM fine-tuning recipe is); use "
+        "tp_size: 1")
     stateful = ("model", "optimizer", "lr_scheduler", "step_scheduler", "dataloader", "rng", "grad_scaler")
 
     sections = {
@@ -106,6 +110,9 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
     @classmethod
     def check_config(cls, cfg: Config) -> list[ConfigIssue]:
         issues = list(super().check_config(cfg)) + plan.engine_issues(cls, cfg, get_plugin_manager())
+        if cfg.distributed is not None and cfg.distributed.tp_size > 1 and cls.tensor_parallel_unsupported:
+            issues.append(ConfigIssue("distributed.tp_size", f"{cfg.distributed.tp_size}: "
+                                      f"{cls.tensor_parallel_unsupported}"))
         if cls.save_model is not None and cfg.checkpoint is not None and not cfg.checkpoint.save_consolidated:
             issues.append(ConfigIssue("checkpoint.save_consolidated", f"{cls.__name__} writes model/ in a layout of "
                                       "its own, which has no sharded form; remove the key (or set it to true)"))
