@@ -108,6 +108,10 @@ def test_a_tp2_checkpoint_resumes_in_one_process(one_process, tp2_run, tmp_path)
     assert [row["step"] for row in read_jsonl(one / "training.jsonl")] == [4, 5, 6]
     assert losses(one) == pytest.approx(losses(reference)[3:], rel=1e-4)
     _assert_same_weights(one / "epoch_0_step_6" / "model", reference / "epoch_0_step_6" / "model")
+    again = tmp_path / "again"  # the same layout: each rank's own data position and its slices of model/
+    log = _run(config, tmp_path, again, *TP2, "--restore_from.path", checkpoint, "--eval_generation.enabled", "false")
+    assert "resuming on" not in log
+    assert losses(again) == pytest.approx(losses(tp2_run[0])[3:], rel=1e-6)
 
 
 def _validate(config: Path, cwd: Path, *args) -> tuple[int, str]:
