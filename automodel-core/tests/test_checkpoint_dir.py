@@ -198,6 +198,7 @@ def _trainer_state(**changes):
     ({"step": "2"}, "'step' must be an integer"),
     ({"step": True}, "'step' must be an integer"),
     ({"world_size": 0}, "'world_size' must be an integer from 1"),
+    ({"dp_size": 2}, "'dp_size' must be an integer from 1 to 1"),
     ({"losses": ["x"]}, "'losses' must be a list"),
     ({"step_scheduler": {"step": 3, "epoch": 0, "epoch_step": 2}}, "disagrees with step 2"),
     ({"step": 3, "step_scheduler": {"step": 3, "epoch": 0, "epoch_step": 2}}, "says epoch 0 step 3 but its "

@@ -54,7 +54,9 @@ def test_dry_run_prints_the_hsdp_mesh_and_the_precision(make_toy, capsys, monkey
 
 
 @pytest.mark.parametrize(("distributed", "key", "fragment"), [
-    ({"tp_size": 2}, "distributed.tp_size", "tensor parallelism is not implemented yet"),
+    ({"tp_size": 2}, "distributed.strategy", "ddp: tensor parallelism (tp_size 2) composes with FSDP2"),
+    ({"strategy": "fsdp2", "tp_size": 2}, "distributed.tp_size", "needs a Hugging Face model"),
+    ({"strategy": "fsdp2", "tp_size": 2}, "distributed.tp_size", "not set up for tensor parallelism"),
     ({"pp_size": 2}, "distributed.pp_size", "pipeline parallelism is not implemented yet"),
     ({"sequence_parallel": True}, "distributed.sequence_parallel", "needs tensor parallelism"),
     ({"ep_size": 2}, "distributed.ep_size", "expert parallelism"),

@@ -1,4 +1,4 @@
-"""Benchmarks 9-11 (issue 18): what sharding, activation checkpointing and mixed precision buy, through the CLI.
+"""Benchmarks 9-12 (issues 18, 19): what sharding, activation checkpointing and mixed precision buy, through the CLI.
 
 9  peak RSS of each rank of a 2-rank FSDP2 run (gloo) of a ~150M Llama built from a config, including a sharded
    checkpoint save and a restore, vs the same jobs in one process (the same micro-batch per process): FSDP2 over a
@@ -10,6 +10,7 @@
    side by side (same competition), median over the steps after the warm-up. A small model (Llama 5M, 2 x 128
    tokens): on a CPU without bf16 matrix instructions a bf16 matmul is tens of times slower than fp32, and a
    bigger model's bf16 run would not finish in the run timeout.
+12 the job's tokens/s of tensor parallelism (tp=2) vs data parallelism (dp=2) on 2 ranks (information, no target).
 """
 
 from __future__ import annotations
@@ -155,4 +156,33 @@ def section_precision(runner: Runner, rows: list[Row], quick: bool) -> dict[str,
                     fmt(bf16, " tok/s"), fmt(fp32, " tok/s") + " fp32", ratio(bf16, fp32), "", "info",
                     f"median over steps {warmup + 1}-{steps}, both runs at once; a CPU without bf16 matrix units "
                     "(AMX / AVX512-BF16) gains nothing from bf16"))
+    return {"sides": sides}
+
+
+def section_model_parallel(runner: Runner, rows: list[Row], quick: bool) -> dict[str, Any]:
+    """12: the job's tokens/s under tensor parallelism (tp=2) vs data parallelism (FSDP2, dp=2), 2 ranks each, one
+    run after the other. Rank 0 logs its own tokens/s: the two tensor-parallel ranks read the same tokens, so that
+    is the job's; under dp=2 each rank reads its own half, so the job's is twice it."""
+    steps, warmup = (4, 1) if quick else (6, 2)
+    config = _mock_config(WORK / "runs" / "model_parallel" / "config.yaml", "llama_5m.json", 128, 4, steps)
+    layouts = {"tp2": (["--distributed.tp_size", "2"], 1), "dp2": ([], 2)}
+    sides = {}
+    for name, (extra, dp) in layouts.items():
+        run_dir = WORK / "runs" / f"model-parallel-{name}"
+        cmd = [AUTOMODEL, "finetune", "llm", "-c", str(config), "--checkpoint.checkpoint_dir", str(run_dir),
+               "--nproc-per-node", "2", "--distributed.strategy", "fsdp2", "--master-port", str(_free_port()),
+               *extra]
+        proc = run_proc(cmd, run_dir / "output.log", runner.env, timeout=runner.args.run_timeout)
+        logged = read_jsonl(run_dir / "training.jsonl") if proc.rc == 0 else []
+        tps = [r["tps"] * dp for r in logged[warmup:]]
+        sides[name] = {"rc": proc.rc, "wall_s": proc.wall, "tokens_per_s": statistics.median(tps) if tps else None,
+                       "losses": [r["loss"] for r in logged]}
+        if proc.rc != 0:
+            sides[name]["error"] = proc.tail()
+        runner.note(f"model parallel {name} rc={proc.rc} job tokens/s={sides[name]['tokens_per_s']}")
+    tp2, dp2 = sides["tp2"]["tokens_per_s"], sides["dp2"]["tokens_per_s"]
+    rows.append(Row("12", f"tp=2 vs dp=2 job tokens/s (Llama {millions('llama_5m')}, 2 ranks, CPU)",
+                    fmt(tp2, " tok/s"), fmt(dp2, " tok/s") + " dp=2", ratio(tp2, dp2), "", "info",
+                    f"median over steps {warmup + 1}-{steps}, 4 x 128 random tokens per rank and step, gloo; tensor "
+                    "parallelism pays collectives in every layer for memory, data parallelism only per step"))
     return {"sides": sides}

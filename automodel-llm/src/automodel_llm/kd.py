@@ -35,6 +35,9 @@ class KDLoss(torch.nn.Module):
 class KnowledgeDistillationRecipe(FinetuneRecipeForNextTokenPrediction):
     """Trains the student (``model``) towards a frozen ``teacher_model`` and the labels."""
 
+    tensor_parallel_unsupported = ("the distillation loss compares the student's whole logits with the teacher's, "
+                                   "which tensor parallelism keeps sharded over the vocabulary; use tp_size: 1")
+
     sections = {
         "teacher_model": Target("the frozen teacher: {_target_: ..., ...}", required=True),
         "kd_ratio": Free("weight of the KD term in [0, 1] (0: plain fine-tuning)"),

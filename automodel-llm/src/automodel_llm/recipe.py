@@ -54,6 +54,7 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
     """Causal LM training: loss on label tokens (answers for SFT, everything for pre-training)."""
 
     domain = "llm"
+    tensor_parallel_unsupported = None  # the loss runs on vocabulary-parallel logits (training/loop.py)
     sections = {
         "tokenizer": Target("tokenizer (default: the model's): {pretrained_model_name_or_path: ...}", plain=True,
                             default_target="transformers.AutoTokenizer.from_pretrained"),
@@ -68,7 +69,20 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
 
     @classmethod
     def check_config(cls, cfg: Config) -> list[ConfigIssue]:
-        return list(super().check_config(cfg)) + tokenizer_issues(cfg)
+        issues = list(super().check_config(cfg)) + tokenizer_issues(cfg)
+        settings, generation = cfg.distributed, cfg.get("eval_generation")
+        if settings is not None and settings.tp_size > 1 and settings.sequence_parallel and \
+                "eval_generation" in cfg and generation is not None and generation.enabled:
+            issues.append(ConfigIssue("eval_generation.enabled", "generation feeds one token at a time, which "
+                                      "sequence parallelism cannot split over the tensor-parallel ranks; set "
+                                      "eval_generation.enabled: false or distributed.sequence_parallel: false"))
+        packing = cfg.get("packed_sequence")
+        size = getattr(packing, "packed_sequence_size", 0) or 0
+        if settings is not None and settings.tp_size > 1 and settings.sequence_parallel and size % settings.tp_size:
+            issues.append(ConfigIssue("packed_sequence.packed_sequence_size", f"{size} does not divide by tp_size "
+                                      f"{settings.tp_size}: sequence parallelism splits every row over the "
+                                      "tensor-parallel ranks; use a multiple of tp_size"))
+        return issues
 
     def setup_domain(self) -> None:
         import transformers
@@ -106,7 +120,10 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
         pad = self.tokenizer.pad_token_id or 0
         if train and self.pack_size:
             return functools.partial(packed_collate, pack_size=self.pack_size, pad_token_id=pad)
-        return functools.partial(pad_collate, pad_token_id=pad)
+        settings = self.cfg.distributed
+        # sequence parallelism splits each row over the tensor-parallel ranks: rows padded to a multiple of them
+        multiple = settings.tp_size if settings is not None and settings.sequence_parallel else None
+        return functools.partial(pad_collate, pad_token_id=pad, pad_to_multiple_of=multiple)
 
     def setup(self) -> None:
         super().setup()

@@ -88,11 +88,13 @@ def barrier() -> None:
         dist.barrier()
 
 
-def all_reduce_sum(*values: float | int | torch.Tensor, device: torch.device) -> list[torch.Tensor]:
-    """Sum scalars over ranks in one collective (identity in a single process)."""
+def all_reduce_sum(*values: float | int | torch.Tensor, device: torch.device, group: Any = None
+                   ) -> list[torch.Tensor]:
+    """Sum scalars over ranks in one collective (identity in a single process); ``group``: only these ranks (the
+    data-parallel group under tensor parallelism), None: every rank."""
     tensor = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device).reshape(()) for v in values])
     if is_distributed():
-        dist.all_reduce(tensor)
+        dist.all_reduce(tensor, group=group)
     return list(tensor.unbind())
 
 

@@ -24,6 +24,10 @@ from automodel.training.dist import all_reduce_sum, any_rank, naming_stalls
 from automodel.training.garbage import PeriodicGarbageCollection
 from automodel.training.logging import FAILED, STOPPED, SUCCESS
 from automodel.training.metrics import MetricsSample, peak_memory_gib
+from automodel.training.modules import unwrap
+from automodel.training.parallel.grad_norm import clip_grad_norm_
+from automodel.training.parallel.mesh import DP
+from automodel.training.parallel.tensor_parallel import local_loss, tensor_parallel_of
 from automodel.training.progress import Progress
 from automodel.training.signals import StopRequest, TrainingStopped
 from automodel.training.state import small_states
@@ -43,6 +47,19 @@ class TrainingLoop:
             return type(batch)(self.move_to_device(v) for v in batch)
         return batch
 
+    def data_parallel_group(self) -> Any:
+        """The ranks that read different data and sum the loss's tokens: None (every rank) unless the mesh has
+        model-parallel dimensions, then its ``dp`` group."""
+        if self.ctx.mesh.dp == self.world_size:
+            return None
+        return self.ctx.device_mesh[DP].get_group()
+
+    def loss_context(self) -> contextlib.AbstractContextManager:
+        """Around a loss computation and its backward: torch's ``loss_parallel`` where tensor parallelism keeps the
+        logits sharded over the vocabulary, else nothing."""
+        applied = tensor_parallel_of(unwrap(self.model))
+        return applied.loss_context() if applied is not None else contextlib.nullcontext()
+
     def forward_context(self) -> contextlib.AbstractContextManager:
         """What a forward runs under: ``torch.autocast`` where the precision asks for it (not under FSDP2's policy
         unless ``distributed.autocast_dtype``); the loss itself is always computed in float32."""
@@ -57,30 +74,32 @@ class TrainingLoop:
         with self.batch_errors(batches[0], "dataloader"):
             label_tokens = sum(self.count_label_tokens(b) for b in batches)
             input_tokens = sum(self.count_input_tokens(b) for b in batches)
-        if self.world_size > 1:
-            # Every rank divides by the tokens of the whole step; DDP/FSDP average gradients over ranks,
-            # which the world-size factor undoes, so N ranks equal one process accumulating N times as much.
-            (global_tokens,) = all_reduce_sum(label_tokens, device=self.device)
+        dp = self.ctx.mesh.dp
+        if dp > 1:
+            # Every rank divides by the tokens of the whole step; DDP/FSDP average gradients over the data-parallel
+            # ranks, which the dp factor undoes, so N ranks equal one process accumulating N times as much. The
+            # ranks of one tensor-parallel group read the same rows: only the data-parallel group is summed.
+            (global_tokens,) = all_reduce_sum(label_tokens, device=self.device, group=self.data_parallel_group())
             label_tokens = int(global_tokens.item())
         denominator = max(label_tokens, 1)
-        scale = self.world_size / denominator
+        scale = dp / denominator
         scaler = self.grad_scaler
         total = torch.zeros((), device=self.device)
         for index, batch in enumerate(batches):
             self.prepare_micro_batch(last=index == len(batches) - 1)
-            with self.batch_errors(batch, "dataloader"), self.forward_context():
-                loss_sum = self.compute_loss(self.model, self.move_to_device(batch))
-            scaled = loss_sum.float() * scale
-            (scaler.scale(scaled) if scaler is not None else scaled).backward()
+            with self.loss_context():  # vocabulary-parallel cross entropy holds the loss and its backward
+                with self.batch_errors(batch, "dataloader"), self.forward_context():
+                    loss_sum = local_loss(self.compute_loss(self.model, self.move_to_device(batch)))
+                scaled = loss_sum.float() * scale
+                (scaler.scale(scaled) if scaler is not None else scaled).backward()
             total += loss_sum.detach().float()
-        if self.world_size > 1:
-            (total,) = all_reduce_sum(total, device=self.device)
+        if dp > 1:
+            (total,) = all_reduce_sum(total, device=self.device, group=self.data_parallel_group())
             total = total.float()
         if scaler is not None:
             scaler.unscale_(self.optimizer)  # clipping and the reported norm see the true gradients
         max_norm = self.cfg.clip_grad_norm.max_norm or math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable_params, max_norm,
-                                                   norm_type=self.cfg.clip_grad_norm.norm_type)
+        grad_norm = clip_grad_norm_(self.trainable_params, max_norm, norm_type=self.cfg.clip_grad_norm.norm_type)
         loss = total / denominator
         self.step_lr = self.optimizer.param_groups[0]["lr"]  # the rate this update uses (logged)
         if not torch.isfinite(loss) or (scaler is None and not torch.isfinite(grad_norm)):
@@ -183,6 +202,7 @@ class TrainingLoop:
         steps, stateful = self.step_scheduler, self.stateful_attributes()
         trainer_state = {"format": TRAINER_STATE_FORMAT, "step": steps.step, "epoch": steps.epoch,
                          "losses": encode_losses(self.step_losses), "world_size": self.world_size,
+                         "dp_size": self.ctx.mesh.dp,
                          "skipped_steps": self.skipped_steps, "step_scheduler": steps.state_dict()}
         return CheckpointParts(self.model, stateful.get("optimizer"), small_states(stateful), trainer_state,
                                self.save_artifacts, self.save_model if self.writes_own_layout() else None)
@@ -192,11 +212,11 @@ class TrainingLoop:
         tokens = 0
         for batch in loader:
             with self.batch_errors(batch, "validation_dataloader"), self.validation_oom(name, loader), \
-                    self.forward_context():
+                    self.loss_context(), self.forward_context():
                 tokens += self.count_label_tokens(batch)
-                total += self.compute_loss(self.model, self.move_to_device(batch)).float()
-        if self.world_size > 1:
-            total, summed = all_reduce_sum(total, tokens, device=self.device)
+                total += local_loss(self.compute_loss(self.model, self.move_to_device(batch))).float()
+        if self.ctx.mesh.dp > 1:
+            total, summed = all_reduce_sum(total, tokens, device=self.device, group=self.data_parallel_group())
             tokens = int(summed.item())
         record = {"step": self.step_scheduler.step, "epoch": self.step_scheduler.epoch, "name": name,
                   "val_loss": total.item() / max(tokens, 1), "num_label_tokens": tokens}

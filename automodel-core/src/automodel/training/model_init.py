@@ -1,5 +1,6 @@
-"""What the pipeline does to a model between freezing and sharding: activation checkpointing, and materialising a
-model built on the meta device (``automodel.meta_build``) where its sharding stage does not do it itself.
+"""What the pipeline does to a model between freezing and sharding: tensor parallelism, activation checkpointing, and
+materialising a model built on the meta device (``automodel.meta_build``) where its sharding stage does not do it
+itself.
 
 A meta-device model gets its values in ``materialize_model``, on every rank, each rank only its shards: read in
 slices from the checkpoint being resumed (its ``model/`` directory: full weights, or a LoRA adapter over the base
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from automodel.errors import AutomodelError
+from automodel.errors import AutomodelError, ConfigError
 from automodel.hf import is_adapter_dir
 from automodel.training.checkpoint import RESUME_ELSEWHERE, CheckpointError, mismatch_message
 from automodel.training.context import BuildContext
@@ -26,6 +27,7 @@ from automodel.training.parallel.materialize import (
     hf_checkpoint_key,
     materialize,
 )
+from automodel.training.parallel.tensor_parallel import apply_tensor_parallel, tp_issues
 
 _ADAPTER_NAME = re.compile(r"\.(lora_[A-Za-z_]+)\.[^.]+(?=\.|$)")  # "...lora_A.default.weight" -> "...lora_A.weight"
 
@@ -48,6 +50,20 @@ def checkpoint_activations(ctx: BuildContext, model: torch.nn.Module) -> str:
                              "transformer blocks (a ModuleList of layers of one type) to checkpoint; set it to "
                              "false for this model")
     return f"activation checkpointing on {count} transformer blocks"
+
+
+def tensor_parallelize(ctx: BuildContext, model: torch.nn.Module) -> str:
+    """``distributed.tp_size > 1``: shard the model's projections over the mesh's ``tp`` dimension (before
+    activation checkpointing and FSDP2); its sizes are checked first, as validation does where it could not read
+    the model's config."""
+    settings = ctx.cfg.distributed
+    config = getattr(model, "config", None)
+    if config is not None:
+        found = tp_issues(config, settings.tp_size, settings.sequence_parallel)
+        if found:
+            raise ConfigError(found)
+    applied = apply_tensor_parallel(model, ctx.device_mesh["tp"], sequence_parallel=settings.sequence_parallel)
+    return "\n".join(applied.describe())
 
 
 def _restore_source(ctx: BuildContext, model: torch.nn.Module) -> WeightSource | None:

@@ -43,7 +43,9 @@ class HeadOnPositions:
 
     def __init__(self, head: nn.Module):
         self._index: torch.Tensor | None = None
-        head.register_forward_pre_hook(self._gather)
+        # first of the head's hooks: it picks rows of the plain hidden states, before tensor parallelism's input hook
+        # turns them into a DTensor
+        head.register_forward_pre_hook(self._gather, prepend=True)
 
     @classmethod
     def attach(cls, model: nn.Module) -> HeadOnPositions | None:

@@ -7,23 +7,32 @@ else this process's ``WORLD_SIZE`` (1 outside torchrun) — see ``dist.expected_
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from automodel.errors import ConfigIssue
+from automodel.model_files import HUB_ARGUMENTS
 from automodel.training.dist import expected_world_size, world_size_source
 from automodel.training.parallel.mesh import MeshLayout, describe_mesh, mesh_issues, plan_mesh
 from automodel.training.parallel.precision import Precision, parse_dtype_name, precision_issues, resolve_precision
+from automodel.training.parallel.tensor_parallel import describe_plan, tp_issues
+from automodel.training.parallel.tp_plans import HEAD_STYLES, config_plan, expand_plan, model_plan
 
 if TYPE_CHECKING:
     from automodel.config import Config
 
 # Parallelism another issue implements: refused here, with what to use instead (the mesh keeps their dimensions)
 NOT_YET = {
-    "tp_size": "tensor parallelism is not implemented yet; use tp_size: 1 (data parallelism: dp_size)",
     "pp_size": "pipeline parallelism is not implemented yet; use pp_size: 1 (data parallelism: dp_size)",
 }
+# model-section keys that name a Hugging Face model (its config, or a checkpoint holding one)
+HF_MODEL_KEYS = ("config", "pretrained_model_name_or_path", "name_or_path")
+# model-section keys that are not the architecture's (what from_config / from_pretrained take besides config keys)
+_NOT_CONFIG_KEYS = {"_target_", "config", "dtype", "torch_dtype", "seed", "pretrained_model_name_or_path",
+                    "name_or_path", "attn_implementation", "trust_remote_code", *HUB_ARGUMENTS}
 
 
 def shards_with_fsdp2(cfg: Config, implementation: str | None, world: int) -> bool:
@@ -75,9 +84,12 @@ def parallel_issues(cfg: Config, implementation: str | None) -> list[ConfigIssue
     world = expected_world_size()
     issues = [ConfigIssue(f"distributed.{key}", f"{getattr(settings, key)}: {why}")
               for key, why in NOT_YET.items() if getattr(settings, key) > 1]
-    if settings.sequence_parallel:
-        issues.append(ConfigIssue("distributed.sequence_parallel", "true needs tensor parallelism (tp_size > 1), "
-                                  "which is not implemented yet; set it to false"))
+    if settings.tp_size > 1:
+        issues += tensor_parallel_issues(cfg, implementation)
+    elif settings.sequence_parallel:
+        issues.append(ConfigIssue("distributed.sequence_parallel", "true shards the sequence over the "
+                                  "tensor-parallel ranks, so it needs tensor parallelism (distributed.tp_size > 1); "
+                                  "set it to false"))
     if settings.ep_size is not None and settings.ep_size > 1:
         issues.append(ConfigIssue("distributed.ep_size", f"{settings.ep_size}: expert parallelism needs MoE model "
                                   "implementations this build does not have yet; use ep_size: 1 (or null)"))
@@ -89,6 +101,81 @@ def parallel_issues(cfg: Config, implementation: str | None) -> list[ConfigIssue
     issues += mesh_layout(cfg, world)[1]
     issues += run_precision(cfg, validation_device(), fsdp2)[1]
     return issues
+
+
+def tensor_parallel_issues(cfg: Config, implementation: str | None) -> list[ConfigIssue]:
+    """``tp_size > 1``: FSDP2 as the data-parallel strategy, no LoRA, and a model whose sizes ``tp_size`` divides
+    (checked again on the built model where its config cannot be read here)."""
+    settings = cfg.distributed
+    issues = []
+    if (implementation or settings.strategy) != "fsdp2":
+        issues.append(ConfigIssue("distributed.strategy", f"{implementation or settings.strategy}: tensor "
+                                  f"parallelism (tp_size {settings.tp_size}) composes with FSDP2 on the data-parallel "
+                                  "dimension only; set distributed.strategy: fsdp2"))
+    if cfg.get("peft") is not None:
+        issues.append(ConfigIssue("distributed.tp_size", f"{settings.tp_size}: tensor parallelism shards nn.Linear "
+                                  "layers, not peft's LoRA layers; train LoRA with tp_size: 1 (FSDP2 over dp_size)"))
+    hf_config = model_hf_config(cfg)
+    if hf_config is not None:
+        issues += tp_issues(hf_config, settings.tp_size, settings.sequence_parallel)
+    elif cfg.model is None or not any(cfg.model.get(key) for key in HF_MODEL_KEYS):
+        issues.append(ConfigIssue("distributed.tp_size", f"{settings.tp_size}: tensor parallelism follows the plan of "
+                                  "a Hugging Face model, so it needs a Hugging Face model section (model.config or "
+                                  "model.pretrained_model_name_or_path); this model has neither, use tp_size: 1"))
+    return issues
+
+
+def model_hf_config(cfg: Config) -> Any:
+    """The Hugging Face config of the model section where it can be read without building the model: ``model.
+    config`` (a config.json, a directory or a mapping with ``model_type``; the section's other keys override it),
+    else a local ``pretrained_model_name_or_path`` / ``name_or_path`` or one in the Hugging Face cache. None when
+    it cannot be read here (the built model is checked instead)."""
+    model = cfg.model
+    if model is None:
+        return None
+    try:
+        from transformers import AutoConfig
+
+        data = model.to_dict()
+        source = data.get("config")
+        if isinstance(source, dict) and "_target_" in source:  # upstream's AutoConfig.from_pretrained node
+            source = source.get("pretrained_model_name_or_path")
+        overrides = {k: v for k, v in data.items() if k not in _NOT_CONFIG_KEYS and not isinstance(v, (dict, list))}
+        if source is None:
+            name = data.get("pretrained_model_name_or_path") or data.get("name_or_path")
+            return AutoConfig.from_pretrained(str(name), local_files_only=True) if name else None
+        if isinstance(source, dict):
+            fields = dict(source)
+            return AutoConfig.for_model(fields.pop("model_type"), **{**fields, **overrides})
+        path = Path(str(source))
+        if path.is_file():
+            fields = json.loads(path.read_text(encoding="utf-8"))
+            return AutoConfig.for_model(fields.pop("model_type"), **{**fields, **overrides})
+        return AutoConfig.from_pretrained(str(source), local_files_only=True, **overrides)
+    except Exception:  # unreadable here (a hub name not cached, a damaged file): the model's build says why
+        return None
+
+
+def tensor_parallel_lines(cfg: Config) -> list[str]:
+    """The ``--dry-run`` lines of the tensor-parallel plan per module, when ``tp_size > 1``: that of the causal LM
+    the model's config describes, built on the meta device (no memory), else the plan its config declares."""
+    settings = cfg.distributed
+    if settings is None or settings.tp_size == 1:
+        return []
+    hf_config = model_hf_config(cfg)
+    if hf_config is None:
+        return [f"tensor parallel over tp {settings.tp_size}: the plan is the built model's (its config cannot be "
+                "read before the build)"]
+    try:
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(hf_config)
+        plan = expand_plan(model_plan(model), model, require_all=False)
+    except Exception:  # not a causal LM transformers knows, or no plan: the config's own plan, as patterns
+        plan = config_plan(hf_config) or {}
+    return describe_plan(plan, settings.tp_size, settings.sequence_parallel,
+                         vocab_parallel=any(style in HEAD_STYLES for style in plan.values()))
 
 
 def storage_dtype_name(cfg: Config) -> torch.dtype | None:
@@ -111,4 +198,4 @@ def plan_lines(cfg: Config, implementation: str | None) -> list[str]:
     line = precision.describe(stored or torch.float32, fsdp2)
     if stored is None:
         line += " (storage: the model's own dtype, fp32 assumed here)"
-    return [f"world size: {world} ({world_size_source()})", *describe_mesh(layout), line]
+    return [f"world size: {world} ({world_size_source()})", *describe_mesh(layout), *tensor_parallel_lines(cfg), line]

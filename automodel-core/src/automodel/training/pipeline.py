@@ -77,14 +77,19 @@ def missing_stages(selection: Selection, stages: StageRegistry) -> list[ConfigIs
 def apply_pipeline(ctx: BuildContext, model: Any, selection: Selection) -> Any:
     """Run each selected stage in slot order as ``fn(ctx, model) -> (model, message)``; log one line per stage.
 
-    Before the ``sharding`` slot, ``distributed.activation_checkpointing`` wraps the transformer blocks; a model
+    Before the ``sharding`` slot, ``distributed.tp_size > 1`` shards the model over the mesh's ``tp`` dimension
+    (validation made the sharding slot FSDP2), then ``distributed.activation_checkpointing`` wraps the transformer
+    blocks; a model
     built on the meta device is materialised before the first stage from ``sharding`` on that needs values (every
     stage but one marked ``shards_meta_models``, the core's FSDP2, which materialises after sharding)."""
     from automodel.training import model_init
 
     stages = ctx.plugins.stages
+    settings = ctx.cfg.distributed
     for slot in PIPELINE_SLOTS:
-        if slot == "sharding" and ctx.cfg.distributed is not None and ctx.cfg.distributed.activation_checkpointing:
+        if slot == "sharding" and settings is not None and settings.tp_size > 1:
+            ctx.log(f"pipeline: {model_init.tensor_parallelize(ctx, model)}")
+        if slot == "sharding" and settings is not None and settings.activation_checkpointing:
             ctx.log(f"pipeline: {model_init.checkpoint_activations(ctx, model)}")
         if slot not in selection:
             continue

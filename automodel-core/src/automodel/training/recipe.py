@@ -64,6 +64,10 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
     stage_implementations: ClassVar[dict[str, str]] = {}
     # slot -> why this recipe refuses a config that asks for it (merged like sections)
     unsupported_stages: ClassVar[dict[str, str]] = {}
+    # why distributed.tp_size > 1 is refused (None: the recipe's model and loss run tensor-parallel)
+    tensor_parallel_unsupported: ClassVar[str | None] = (
+        "this recipe's model and loss are not set up for tensor parallelism (the LLM fine-tuning recipe is); use "
+        "tp_size: 1")
     stateful = ("model", "optimizer", "lr_scheduler", "step_scheduler", "dataloader", "rng", "grad_scaler")
 
     sections = {
@@ -112,6 +116,9 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
     @classmethod
     def check_config(cls, cfg: Config) -> list[ConfigIssue]:
         issues = list(super().check_config(cfg)) + plan.engine_issues(cls, cfg, get_plugin_manager())
+        if cfg.distributed is not None and cfg.distributed.tp_size > 1 and cls.tensor_parallel_unsupported:
+            issues.append(ConfigIssue("distributed.tp_size", f"{cfg.distributed.tp_size}: "
+                                      f"{cls.tensor_parallel_unsupported}"))
         if cls.save_model is not None and cfg.checkpoint is not None and not cfg.checkpoint.save_consolidated:
             issues.append(ConfigIssue("checkpoint.save_consolidated", f"{cls.__name__} writes model/ in a layout of "
                                       "its own, which has no sharded form; remove the key (or set it to true)"))
@@ -241,7 +248,7 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
     def forwards_are_collective(self) -> bool:
         """Whether a forward needs every rank (FSDP2 gathers the sharded weights): then anything that runs one —
         validation, end-of-run generation — runs on every rank, and rank 0 reports."""
-        return self.world_size > 1 and is_fsdp2(self.model)
+        return self.world_size > 1 and (is_fsdp2(self.model) or self.ctx.mesh.tp > 1)
 
     def log(self, message: str) -> None:
         if self.is_main_process:
@@ -327,7 +334,7 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
             restored = read_trainer_state(ctx.restore_path)
             restore_weights(ctx.restore_path, self.model, restored)
             restore_states(ctx.restore_path, self.model, self.stateful_attributes(), ctx.rank, ctx.world_size,
-                           self.log)
+                           self.log, ctx.mesh.dp)
             self.step_losses = [math.nan if v is None else v for v in restored["losses"]]
             self.skipped_steps = restored["skipped_steps"]
         self.open_metric_files()

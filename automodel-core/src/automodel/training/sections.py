@@ -142,12 +142,16 @@ class DistributedConfig:
     dp_replicate_size: int | None = field(
         default=1, metadata=_help("HSDP: replicas of the model, each sharded over dp_size / dp_replicate_size ranks "
                                   "(fsdp2 only; null: 1)"))
-    tp_size: int = field(default=1, metadata=_help("tensor-parallel size (only 1 is supported)"))
+    tp_size: int = field(default=1, metadata=_help(
+        "tensor-parallel size: each attention / MLP projection (and the output head) sharded over this many ranks "
+        "with DTensor, by the model's tp plan (strategy fsdp2, which shards over dp_size; it must divide the "
+        "model's heads, key/value heads, intermediate and vocabulary sizes; no peft)"))
     cp_size: int = field(default=1, metadata=_help("context-parallel size (only 1 is supported)"))
     pp_size: int = field(default=1, metadata=_help("pipeline-parallel size (only 1 is supported)"))
     ep_size: int | None = field(default=None, metadata=_help("expert-parallel size (only 1 or null is supported)"))
-    sequence_parallel: bool = field(default=False, metadata=_help("sequence parallelism (needs tp_size > 1; not "
-                                                                  "supported)"))
+    sequence_parallel: bool = field(default=False, metadata=_help(
+        "with tp_size > 1: norms and dropout inside the decoder layers run on each rank's part of the sequence "
+        "(the sequence length must divide by tp_size)"))
     activation_checkpointing: bool = field(
         default=False, metadata=_help("recompute each transformer block's activations in backward instead of "
                                       "keeping them (less memory, about a third more compute)"))

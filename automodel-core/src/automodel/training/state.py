@@ -77,21 +77,26 @@ def _check_position(loader: Any, state: Any, file: Path) -> None:
 
 
 def restore_states(path: Path, model: torch.nn.Module, stateful: dict[str, Any], rank: int, world_size: int,
-                   log: Callable[[str], None]) -> dict[str, Any]:
-    """Load optimizer, step counter and every tracked state from ``path``; returns its trainer_state."""
+                   log: Callable[[str], None], dp_size: int | None = None) -> dict[str, Any]:
+    """Load optimizer, step counter and every tracked state from ``path``; returns its trainer_state. Each rank's
+    data position is its own only when the world and its data-parallel size (``dp_size``, default: the world) are
+    those that wrote the checkpoint; else the loader replays the epoch's data order up to the step."""
     trainer_state = read_trainer_state(path)
     optimizer = stateful.get("optimizer")
     if optimizer is not None:
         with reading(path / "optim", "optimizer state"):
             load_sharded_state(path / "optim", model, optimizer, weights=False)
     saved_world = trainer_state["world_size"]
+    saved_dp = trainer_state.get("dp_size", saved_world)
     steps: StepScheduler = stateful["step_scheduler"]
     for name, obj in small_states(stateful).items():
-        if name == "dataloader" and saved_world != world_size:
+        if name == "dataloader" and (saved_world, saved_dp) != (world_size, dp_size or world_size):
             at = trainer_state["step_scheduler"]
             steps.skip_trained_steps(at["epoch_step"])
-            log(f"restore: written by {saved_world} ranks, resuming on {world_size}: the data loader starts epoch "
-                f"{at['epoch']} again and skips the {at['epoch_step']} steps trained in it")
+            change = f"written by {saved_world} ranks, resuming on {world_size}" if saved_world != world_size else \
+                f"written with data parallel over {saved_dp} of {saved_world} ranks, resuming with {dp_size}"
+            log(f"restore: {change}: the data loader starts epoch {at['epoch']} again and skips the "
+                f"{at['epoch_step']} steps trained in it")
             continue
         stem = state_file(path, name, rank if rank < saved_world or name in SHARED_STATES else 0)
         if name not in SHARED_STATES and name not in RANK_STATES and not stem.with_suffix(".json").exists():

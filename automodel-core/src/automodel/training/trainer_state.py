@@ -48,7 +48,9 @@ def read_trainer_state(path: Path) -> dict[str, Any]:
                               f"this one reads format {FORMAT}, which never unpickles); {_fix(path)}")
     step = _integer(file, path, data, "step", 0, MAX_STEP)
     epoch = _integer(file, path, data, "epoch", 0, MAX_STEP)
-    _integer(file, path, data, "world_size", 1, _MAX_WORLD)
+    world = _integer(file, path, data, "world_size", 1, _MAX_WORLD)
+    if "dp_size" in data:  # the data-parallel ranks among them (absent before model parallelism: all of them)
+        _integer(file, path, data, "dp_size", 1, world)
     _integer(file, path, data, "skipped_steps", 0, MAX_STEP)
     scheduler = data.get("step_scheduler")
     if not isinstance(scheduler, dict):

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import re
+import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -51,14 +53,30 @@ class TensorParallel:
     plan: dict[str, str] = field(default_factory=dict)  # module name -> style name
     vocab_parallel: bool = False  # the logits are a DTensor sharded over the vocabulary
     sequence_parallel: bool = False
+    # whether a loss_context is open: outside one, the head gathers the logits (generation, any caller's forward)
+    _in_loss: list[bool] = field(default_factory=lambda: [False], repr=False, compare=False)
 
-    def loss_context(self) -> contextlib.AbstractContextManager:
-        """Around the loss computation and its backward: ``loss_parallel`` when the logits are vocab-parallel."""
+    @contextlib.contextmanager
+    def loss_context(self) -> Iterator[None]:
+        """Around the loss computation and its backward: ``loss_parallel`` when the logits are vocab-parallel (they
+        stay sharded only inside it; a forward outside it returns whole logits as a plain tensor)."""
         if not self.vocab_parallel:
-            return contextlib.nullcontext()
+            yield
+            return
         from torch.distributed.tensor.parallel import loss_parallel
 
-        return loss_parallel()
+        self._in_loss[0] = True
+        try:
+            with loss_parallel():
+                yield
+        finally:
+            self._in_loss[0] = False
+
+    def _head_output(self, module: nn.Module, args: Any, output: Any) -> Any:
+        """The head's forward hook: the logits gathered over the vocabulary outside :meth:`loss_context`."""
+        from torch.distributed.tensor import DTensor
+
+        return output.full_tensor() if isinstance(output, DTensor) and not self._in_loss[0] else output
 
     def describe(self) -> list[str]:
         """Lines for ``--dry-run``: the plan with layer indices folded to ``*``."""
@@ -90,7 +108,20 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
         styles.update(sequence_parallel_entries(concrete, [(names[id(b)], b) for b in transformer_blocks(model)]))
     parallelize_module(model, tp_mesh, styles, src_data_rank=None)
     _retie(model, ties)
-    return TensorParallel(tp_mesh.size(), concrete, vocab_parallel, sequence_parallel)
+    applied = TensorParallel(tp_mesh.size(), concrete, vocab_parallel, sequence_parallel)
+    if vocab_parallel:
+        model.get_submodule(head).register_forward_hook(applied._head_output)
+    _APPLIED[model] = applied
+    return applied
+
+
+# model -> what apply_tensor_parallel did to it: the training loop asks (tensor_parallel_of) how to compute the loss
+_APPLIED: weakref.WeakKeyDictionary[nn.Module, TensorParallel] = weakref.WeakKeyDictionary()
+
+
+def tensor_parallel_of(model: nn.Module) -> TensorParallel | None:
+    """What :func:`apply_tensor_parallel` did to ``model`` (the unwrapped model), None when it is not sharded so."""
+    return _APPLIED.get(model)
 
 
 def local_loss(loss: torch.Tensor) -> torch.Tensor:

@@ -65,6 +65,8 @@ def wrap_fsdp2(ctx: BuildContext, model: torch.nn.Module) -> tuple[torch.nn.Modu
     blocks = apply_fsdp2(model, data_parallel_mesh(ctx.device_mesh, layout), ctx.precision)
     how = (f"HSDP: {layout.dp_replicate} replicas x FSDP2 over {layout.dp_shard} ranks" if layout.dp_replicate > 1
            else f"FSDP2 over {layout.dp_shard} ranks")
+    if layout.tp > 1:
+        how += f" x tensor parallel over {layout.tp}"
     message = f"{how} ({blocks} blocks sharded)"
     if meta:
         message += "; " + materialize_model(ctx, model)

@@ -1,0 +1,194 @@
+"""Tensor parallelism through the CLI on CPU ranks (gloo): ``distributed.tp_size: 2`` on two ranks (with and without
+sequence parallelism) trains a tiny Llama with the per-step losses, gradient norms and validation losses of one
+process, its consolidated ``model/`` is the one process's weights, a tp=2 checkpoint resumes in one process with the
+uninterrupted run's losses; dp=2 x tp=2 on four ranks equals one process accumulating twice and its checkpoint
+resumes under FSDP2 on two ranks; layouts the model cannot take are refused by ``automodel validate``.
+
+The ranks of one tensor-parallel group read the same rows, so against one process only the data-parallel size
+changes the accumulation. Gradient clipping (max_norm 1.0) acts on the parallel-aware norm.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from llm_testing import LLAMA_CONFIG, VALIDATION, losses, val_losses, write_config
+
+from automodel.testing import free_port, read_jsonl, run_cli
+
+STEPS = ["--step_scheduler.max_steps", "6", "--dataloader.batch_size", "2", "--dataloader.shuffle", "false",
+         "--step_scheduler.checkpoint_interval", "3"]
+TP2 = ["--nproc-per-node", "2", "--distributed.strategy", "fsdp2", "--distributed.tp_size", "2"]
+
+
+@pytest.fixture(scope="module")
+def tp_llama_config(tmp_path_factory) -> Path:
+    """A 2-layer Llama with 4 attention heads over 2 key/value heads (tp=2 divides every size), the shipped
+    tokenizer's vocabulary (482, even)."""
+    data = json.loads(LLAMA_CONFIG.read_text())
+    data.update(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, tie_word_embeddings=False)
+    path = tmp_path_factory.mktemp("tp_llama") / "config.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def _run(config: Path, cwd: Path, directory: Path, *args) -> str:
+    port = ["--master-port", str(free_port())] if "--nproc-per-node" in args else []
+    result = run_cli("finetune", "llm", "-c", config, *STEPS, *args, *port, "--checkpoint.checkpoint_dir", directory,
+                     cwd=cwd, OMP_NUM_THREADS="1")
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result.stderr
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, tp_llama_config) -> tuple[Path, Path]:
+    """(config, checkpoint_dir) of the one-process reference: six steps, checkpoints after steps 3 and 6."""
+    tmp = tmp_path_factory.mktemp("one")
+    config = write_config(tmp / "cfg.yaml", tp_llama_config, tmp / "ckpt", validation_dataset=VALIDATION,
+                          step_scheduler={"val_check_interval": 3}, eval_generation={"enabled": True})
+    _run(config, tmp, tmp / "ckpt")
+    return config, tmp / "ckpt"
+
+
+def _norms(directory: Path) -> list[float]:
+    return [row["grad_norm"] for row in read_jsonl(directory / "training.jsonl")]
+
+
+def _assert_same_weights(model_dir: Path, reference_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    reference = AutoModelForCausalLM.from_pretrained(reference_dir).state_dict()
+    assert model.keys() == reference.keys()
+    for key, value in reference.items():
+        assert (model[key] - value).abs().max().item() < 1e-5, key
+
+
+@pytest.fixture(scope="module")
+def tp2_run(tmp_path_factory, one_process) -> tuple[Path, str]:
+    """(checkpoint_dir, log) of the tp=2 run without sequence parallelism (its step-3 checkpoint is resumed)."""
+    tmp = tmp_path_factory.mktemp("tp2")
+    return tmp / "tp", _run(one_process[0], tmp, tmp / "tp", *TP2)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2_sequence_parallel"])
+def test_tp2_trains_like_one_process(request, one_process, tmp_path, sequence_parallel):
+    config, reference = one_process
+    if sequence_parallel:
+        out = tmp_path / "tp"
+        log = _run(config, tmp_path, out, *TP2, "--distributed.sequence_parallel", "true",
+                   "--eval_generation.enabled", "false")
+    else:
+        out, log = request.getfixturevalue("tp2_run")
+    assert "tensor parallel over tp 2" in log and "FSDP2 over 1 ranks x tensor parallel over 2" in log
+    assert ("sequence parallel" in log) == sequence_parallel
+    assert "model.layers.*.self_attn.q_proj: colwise" in log
+    assert losses(out) == pytest.approx(losses(reference), rel=1e-4)
+    assert _norms(out) == pytest.approx(_norms(reference), rel=1e-4)
+    assert max(_norms(reference)) > 1.0  # clipping at 1.0 acted on some steps
+    assert [v for _, v in val_losses(out)] == pytest.approx([v for _, v in val_losses(reference)], rel=1e-4)
+    assert len(val_losses(out)) == 2
+    if not sequence_parallel:  # generation after training: every rank runs it, the head gathers the logits
+        report = json.loads((out / "eval_generation.json").read_text())
+        assert report == json.loads((reference / "eval_generation.json").read_text())
+    _assert_same_weights(out / "epoch_0_step_6" / "model", reference / "epoch_0_step_6" / "model")
+
+
+def test_a_tp2_checkpoint_resumes_in_one_process(one_process, tp2_run, tmp_path):
+    config, reference = one_process
+    checkpoint = tp2_run[0] / "epoch_0_step_3"
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    assert (state["world_size"], state["dp_size"]) == (2, 1)
+    one = tmp_path / "one"
+    log = _run(config, tmp_path, one, "--restore_from.path", checkpoint)
+    assert "written by 2 ranks, resuming on 1" in log
+    assert [row["step"] for row in read_jsonl(one / "training.jsonl")] == [4, 5, 6]
+    assert losses(one) == pytest.approx(losses(reference)[3:], rel=1e-4)
+    _assert_same_weights(one / "epoch_0_step_6" / "model", reference / "epoch_0_step_6" / "model")
+    again = tmp_path / "again"  # the same layout: each rank's own data position and its slices of model/
+    log = _run(config, tmp_path, again, *TP2, "--restore_from.path", checkpoint, "--eval_generation.enabled", "false")
+    assert "resuming on" not in log
+    assert losses(again) == pytest.approx(losses(tp2_run[0])[3:], rel=1e-6)
+
+
+def _validate(config: Path, cwd: Path, *args) -> tuple[int, str]:
+    result = run_cli("validate", "-c", config, *args, cwd=cwd)
+    return result.returncode, result.stdout + result.stderr
+
+
+def test_layouts_the_model_cannot_take_are_refused_by_validate(tp_llama_config, tmp_path):
+    config = write_config(tmp_path / "cfg.yaml", tp_llama_config, tmp_path / "ckpt",
+                          distributed={"strategy": "fsdp2", "tp_size": 3})
+    code, out = _validate(config, tmp_path, "--nproc-per-node", "3")
+    assert code == 2 and "Traceback" not in out
+    for what in ("attention heads (num_attention_heads = 4)", "key/value heads (num_key_value_heads = 2)",
+                 "vocabulary size (vocab_size = 482)"):
+        assert f"distributed.tp_size: 3 does not divide the model's {what}" in out
+    code, out = _validate(config, tmp_path, "--nproc-per-node", "4")
+    assert code == 2 and "the world size 4 is not divisible by 3" in out
+    code, out = _validate(config, tmp_path, "--nproc-per-node", "2", "--distributed.tp_size", "2",
+                          "--distributed.strategy", "ddp")
+    assert code == 2 and "distributed.strategy: ddp: tensor parallelism (tp_size 2) composes with FSDP2" in out
+    code, out = _validate(config, tmp_path, "--nproc-per-node", "2", "--distributed.tp_size", "1",
+                          "--distributed.sequence_parallel", "true")
+    assert code == 2 and "so it needs tensor parallelism (distributed.tp_size > 1)" in out
+    code, out = _validate(config, tmp_path, "--nproc-per-node", "2", "--distributed.tp_size", "2",
+                          "--distributed.sequence_parallel", "true", "--eval_generation.enabled", "true")
+    assert code == 2 and "eval_generation.enabled: generation feeds one token at a time" in out
+    code, out = _validate(config, tmp_path, "--nproc-per-node", "2", "--distributed.tp_size", "2",
+                          "--distributed.sequence_parallel", "true", "--packed_sequence.packed_sequence_size", "63",
+                          "--peft.dim", "4", "--peft.target_modules", "[q_proj]")
+    assert code == 2
+    assert "packed_sequence.packed_sequence_size: 63 does not divide by tp_size 2" in out
+    assert "distributed.tp_size: 2: tensor parallelism shards nn.Linear layers, not peft's LoRA layers" in out
+    code, out = _validate(config, tmp_path, "--nproc-per-node", "2", "--distributed.tp_size", "2")
+    assert code == 0, out
+    result = run_cli("validate", "kd", "llm", "-c", config, "--nproc-per-node", "2", "--distributed.tp_size", "2",
+                     "--teacher_model._target_", "automodel_llm.AutoModelForCausalLM.from_config",
+                     "--teacher_model.config", str(tp_llama_config), cwd=tmp_path)
+    assert result.returncode == 2 and "the distillation loss compares the student's whole logits" in result.stderr
+
+
+def test_dry_run_prints_the_mesh_and_the_plan(tp_llama_config, tmp_path):
+    config = write_config(tmp_path / "cfg.yaml", tp_llama_config, tmp_path / "ckpt",
+                          distributed={"strategy": "fsdp2", "tp_size": 2, "sequence_parallel": True})
+    result = run_cli("finetune", "llm", "-c", config, "--nproc-per-node", "4", "--dry-run", cwd=tmp_path)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out
+    assert "device mesh: pp 1 x dp_replicate 1 x dp_shard 2 x cp 1 x tp 2 = 4 ranks" in out
+    assert "rank 3: pp 0, dp_replicate 0, dp_shard 1, cp 0, tp 1 (dp 1)" in out
+    assert "tensor parallel over tp 2, sequence parallel, vocabulary-parallel loss" in out
+    assert "model.layers.*.mlp.down_proj: rowwise" in out and "lm_head: colwise_gather_output" in out
+
+
+
+@pytest.fixture(scope="module")
+def accumulating(tmp_path_factory, one_process) -> Path:
+    """The one-process reference for dp = 2: two micro-batches per step (the samples of two data-parallel ranks)."""
+    tmp = tmp_path_factory.mktemp("accumulating")
+    _run(one_process[0], tmp, tmp / "ckpt", "--step_scheduler.grad_accumulation_steps", "2",
+         "--eval_generation.enabled", "false")
+    return tmp / "ckpt"
+
+
+def test_dp2_x_tp2_on_four_ranks_trains_like_one_process_and_resumes_with_fsdp2_on_two(one_process, accumulating,
+                                                                                     tmp_path):
+    """A 2-D mesh: FSDP2 shards each tensor-parallel shard over two data-parallel ranks; its step-3 checkpoint
+    resumes under FSDP2 alone on two ranks (another world size and layout)."""
+    config = one_process[0]
+    out, dp2 = tmp_path / "dp2_tp2", tmp_path / "dp2"
+    log = _run(config, tmp_path, out, "--nproc-per-node", "4", "--distributed.strategy", "fsdp2",
+               "--distributed.tp_size", "2", "--eval_generation.enabled", "false")
+    assert "FSDP2 over 2 ranks x tensor parallel over 2" in log
+    assert losses(out) == pytest.approx(losses(accumulating), rel=1e-4)
+    assert _norms(out) == pytest.approx(_norms(accumulating), rel=1e-4)
+    assert [v for _, v in val_losses(out)] == pytest.approx([v for _, v in val_losses(accumulating)], rel=1e-4)
+    _assert_same_weights(out / "epoch_0_step_6" / "model", accumulating / "epoch_0_step_6" / "model")
+    log = _run(config, tmp_path, dp2, "--nproc-per-node", "2", "--distributed.strategy", "fsdp2",
+               "--restore_from.path", out / "epoch_0_step_3", "--eval_generation.enabled", "false")
+    assert "written by 4 ranks, resuming on 2" in log
+    assert losses(dp2) == pytest.approx(losses(accumulating)[3:], rel=1e-4)
+    _assert_same_weights(dp2 / "epoch_0_step_6" / "model", accumulating / "epoch_0_step_6" / "model")
