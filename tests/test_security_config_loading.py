@@ -41,11 +41,13 @@ def _config(cwd: Path, **sections) -> Path:
 @pytest.mark.parametrize("name", ["evilpkg", "evilpkg.sub"])
 def test_pkg_interpolation_imports_nothing_from_the_working_directory(tmp_path, name):
     s.write_evil_package(tmp_path)
-    config = _config(tmp_path, ci={"path": f"${{pkg:{name}}}/x"})
+    config = _config(tmp_path, checkpoint={"checkpoint_dir": f"${{pkg:{name}}}/x"}, ci={"path": f"${{pkg:{name}}}/x"})
     result = _module_cli(tmp_path, "validate", "finetune", "llm", "-c", config)
     assert result.returncode == 2, result.stderr
-    assert f"ci.path: ${{pkg:{name}}}: no installed distribution has a top-level package named '{name}'" \
-        in result.stderr
+    assert (f"checkpoint.checkpoint_dir: ${{pkg:{name}}}: no installed distribution has a top-level package named "
+            f"'{name}'") in result.stderr
+    # ci: is metadata, never interpolated; a package name there is refused all the same
+    assert "ci.path: ${pkg:NAME} names a package to import" in result.stderr
     assert not s.marker(tmp_path).exists()  # before: validate imported evilpkg/__init__.py
 
 

@@ -26,6 +26,7 @@ from automodel.config.schema import (
 from automodel.config.secrets import is_secret_key, mask_secrets
 from automodel.config.targets import TargetError, TargetResolver, core_registry
 from automodel.config.trust import UserTrust
+from automodel.config.unread import unread_section_issues
 from automodel.config.yaml_io import dump_yaml, load_yaml_file, parse_scalar, parse_yaml
 from automodel.errors import ConfigError, ConfigIssue
 
@@ -49,6 +50,7 @@ def build_config(data: dict, recipe_cls: Any, resolver: TargetResolver, source: 
     resolved = {k: read.get(k, v) for k, v in raw.items()}
     values = validate_sections(resolved, declared, resolver, issues)
     issues += code_loading_issues(read, resolver.trust.remote_code)
+    issues += unread_section_issues({k: v for k, v in raw.items() if is_inert(k, declared)}, resolver)
     sections = {
         name: ConfigNode(value, name, resolver) if isinstance(value, dict) else value
         for name, value in values.items()

@@ -117,6 +117,14 @@ class TargetResolver:
             name = self.aliases[name]
         return name
 
+    def check(self, name: Any) -> None:
+        """Raise TargetError where ``resolve`` would refuse ``name`` before importing anything; imports nothing."""
+        if not isinstance(name, str) or not name:
+            raise TargetError(f"_target_ must be a dotted path string, found {name!r}")
+        if name in self.unsupported:
+            raise TargetError(f"'{name}' is not supported here: {self.unsupported[name]}")
+        self._check_path(self.expand(name), original=name)
+
     def resolve(self, name: Any) -> Callable:
         if not isinstance(name, str) or not name:
             raise TargetError(f"_target_ must be a dotted path string, found {name!r}")

@@ -1,0 +1,51 @@
+"""The security checks for the sections nothing in a run reads (metadata such as ``ci:``, ``_``-keys, refused ones).
+
+Those sections are neither interpolated nor validated as settings, so nothing in them runs here. They are still
+refused when they hold what would run code in any tool that does read them (upstream's CI tooling reads ``ci:``):
+a ``_target_`` or a ``*_fn`` dotted path that is not a registered or trusted callable, a key that loads a model's
+code or unpickles, and ``${pkg:NAME}``, which names a package to import. A config stays data wherever a value sits
+in it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from automodel.config.code_loading import code_loading_issues
+from automodel.config.targets import TargetError, TargetResolver
+from automodel.errors import ConfigIssue
+
+
+def unread_section_issues(sections: dict[str, Any], resolver: TargetResolver) -> list[ConfigIssue]:
+    """Every code-bearing value in ``sections`` (top-level name -> content as written)."""
+    issues = code_loading_issues(sections, resolver.trust.remote_code)
+    for name, value in sections.items():
+        _walk(str(name), value, resolver, issues)
+    return issues
+
+
+def _walk(key: str, value: Any, resolver: TargetResolver, issues: list[ConfigIssue]) -> None:
+    if isinstance(value, dict):
+        if "_target_" in value:
+            _check(f"{key}._target_", value["_target_"], resolver, issues)
+        for child, item in value.items():
+            if str(child).endswith("_fn") and isinstance(item, str):  # upstream's rule: a callable's dotted path
+                _check(f"{key}.{child}", item, resolver, issues)
+            else:
+                _walk(f"{key}.{child}", item, resolver, issues)
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            _walk(f"{key}[{index}]", item, resolver, issues)
+    elif isinstance(value, str) and "${pkg:" in value:
+        issues.append(ConfigIssue(key, "${pkg:NAME} names a package to import, in a section nothing here reads or "
+                                       "interpolates: remove it (write the path itself)"))
+
+
+def _check(key: str, name: Any, resolver: TargetResolver, issues: list[ConfigIssue]) -> None:
+    try:
+        resolver.check(name)
+    except TargetError as err:
+        issues.append(ConfigIssue(key, f"{err} (in a section nothing here reads: a tool that reads it would call it)"))
+
+
+__all__ = ["unread_section_issues"]
