@@ -198,7 +198,7 @@ def describe_recipe(name: str, spec: Any) -> list[str]:
 
 def describe(name: str, spec: Any) -> list[str]:
     from automodel.config import Free, KeyAlias, Metadata, Refused, Target
-    from automodel.config.schema import RecipeRef
+    from automodel.config.specs import RecipeRef
 
     if name.endswith("*"):
         shown = name[:-1] + "<name>"

@@ -38,7 +38,7 @@ def run_example(cwd, **env_extra: str) -> subprocess.CompletedProcess:
 def test_a_non_terminal_run_writes_one_plain_progress_line_per_log_interval_and_no_noise(tmp_path):
     err = run_example(tmp_path).stderr
     assert "\r" not in err
-    progress = [line for line in err.splitlines() if line.startswith("train")]
+    progress = [line for line in err.splitlines() if line.startswith("train step")]
     assert len(progress) == STEPS // LOG_INTERVAL, progress
     assert all(PROGRESS_LINE.match(line) for line in progress), progress
     assert [int(PROGRESS_LINE.match(line)[1]) for line in progress] == [2, 4, 6]

@@ -53,7 +53,8 @@ def test_recipes_lists_the_plugin_route(cli, dists):
     rows = cli("recipes", "--json", dists=[dists.hello]).json()["routes"]
     row = next(r for r in rows if (r["command"], r["domain"]) == ("hello", "world"))
     assert row == {"command": "hello", "domain": "world", "recipe": "automodel_hello.recipe.HelloRecipe",
-                   "help": "Say hello", "distribution": "automodel-hello", "version": "0.3.0", "examples": []}
+                   "help": "Say hello", "distribution": "automodel-hello", "version": "0.3.0", "examples": [],
+                   "recipe_names": []}
 
 
 def test_plugins_json_lists_the_plugin(cli, dists):

@@ -11,7 +11,8 @@ from parallel_workers import local_model, meta_model, tiny_config
 from torch import nn
 
 from automodel.errors import AutomodelError
-from automodel.training.parallel.materialize import materialize, module_seed, parameters_on_meta
+from automodel.training.parallel.materialize import materialize, parameters_on_meta
+from automodel.training.parallel.module_init import module_seed
 
 
 @pytest.fixture(scope="module")

@@ -95,7 +95,7 @@ def fresh_model(build: Callable[..., Any], hf_config: Any, model_kwargs: dict[st
     """``build(hf_config, **model_kwargs)`` (an Auto class's ``from_config``), cast to ``dtype`` when one is given.
 
     With a ``seed`` the weights are initialised module by module from it
-    (``automodel.training.parallel.materialize.init_module_by_module``): the same values the engine gives a run
+    (``automodel.training.parallel.module_init.init_module_by_module``): the same values the engine gives a run
     whose ``model.seed`` (else ``rng.seed``) is that seed, on one process or on N ranks. When the engine asks
     (``automodel.meta_build``) the model is returned on the meta device and the engine initialises it so, each rank
     only its shards. Without either, transformers initialises it from torch's global generator."""

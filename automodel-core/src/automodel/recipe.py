@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from automodel.config.node import Config
-from automodel.config.schema import Metadata, RecipeRef, Refused
+from automodel.config.specs import Metadata, RecipeRef, Refused
 from automodel.config.targets import TargetError
 from automodel.errors import ConfigIssue
 

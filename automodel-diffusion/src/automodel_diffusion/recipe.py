@@ -146,7 +146,6 @@ class DiffusionRecipe(TrainRecipe):
         "data": Free("upstream's {dataloader: {_target_: ...build_text_to_image_multiresolution_dataloader, "
                      "cache_dir, base_resolution, ...}}: cache_dir is a folder of images and captions here "
                      "(automodel_diffusion.upstream.text_to_image_data)"),
-        "checkpoint": upstream.DiffusionCheckpointConfig,
     }
 
     # ---- validation --------------------------------------------------------------------------------------------

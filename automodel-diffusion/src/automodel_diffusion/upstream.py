@@ -22,7 +22,6 @@ from typing import Any, Literal
 
 from automodel.config import Config, ConfigNode, FieldErrors
 from automodel.errors import AutomodelError, ConfigIssue
-from automodel.training.sections import CheckpointConfig
 from automodel_diffusion.objectives import ObjectiveConfig
 
 SUPPORTED = "SD3-style (StableDiffusion3Pipeline) and Stable Diffusion UNet (StableDiffusionPipeline) pipelines"
@@ -345,22 +344,6 @@ class PerformanceSection:
         if not self.grad_clip_foreach:
             raise FieldErrors({"grad_clip_foreach": "false is not supported: the engine clips with torch's foreach "
                                                     "implementation; remove it"})
-
-
-# ---- checkpoint.diffusers_compatible ------------------------------------------------------------------------
-
-
-@dataclass
-class DiffusionCheckpointConfig(CheckpointConfig):
-    diffusers_compatible: bool = field(default=True, metadata=_help(
-        "model/ is a diffusers pipeline directory (diffusion_pytorch_model.safetensors per component), which "
-        "diffusers.DiffusionPipeline.from_pretrained loads: always true here"))
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not self.diffusers_compatible:
-            raise FieldErrors({"diffusers_compatible": "false is not supported: this recipe always writes diffusers "
-                                                       "pipeline directories; remove it"})
 
 
 # ---- data.dataloader: upstream's text-to-image loader over a folder of images -----------------------------------

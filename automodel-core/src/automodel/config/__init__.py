@@ -11,19 +11,9 @@ from automodel.config.instantiate import BuildError, instantiate, is_target_node
 from automodel.config.node import Config, ConfigNode
 from automodel.config.overrides import apply_overrides, parse_overrides
 from automodel.config.registry import Registration, TargetRegistry
-from automodel.config.schema import (
-    FieldErrors,
-    Free,
-    KeyAlias,
-    Metadata,
-    Refused,
-    Target,
-    is_inert,
-    metadata_note,
-    require_positive,
-    validate_sections,
-)
+from automodel.config.schema import FieldErrors, require_positive, validate_sections
 from automodel.config.secrets import is_secret_key, mask_secrets
+from automodel.config.specs import Free, KeyAlias, Metadata, Refused, Target, is_inert, metadata_note
 from automodel.config.targets import TargetError, TargetResolver, core_registry
 from automodel.config.trust import UserTrust
 from automodel.config.unread import unread_section_issues

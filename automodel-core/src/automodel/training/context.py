@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from automodel.config import Config, ConfigNode, Target
-from automodel.config.schema import find_spec
+from automodel.config.specs import find_spec
 from automodel.errors import AutomodelError, PluginError
 from automodel.meta_build import MetaBuild
 from automodel.training.parallel.mesh import MeshLayout

@@ -20,7 +20,7 @@ import torch
 from tqdm import tqdm
 
 from automodel.config import Config, ConfigNode, Free, KeyAlias, Target
-from automodel.errors import AutomodelError, ConfigIssue
+from automodel.errors import ConfigIssue
 from automodel.meta_build import MetaBuild, building_on_meta
 from automodel.noise import debug_enabled, filter_third_party_noise
 from automodel.plugins.manager import get_plugin_manager
@@ -42,6 +42,7 @@ from automodel.training.modules import is_fsdp2, trainable_parameters, unwrap
 from automodel.training.parallel.mesh import build_device_mesh
 from automodel.training.parallelism import parallel_layout, run_precision, shards_with_fsdp2
 from automodel.training.pipeline import PIPELINE_SLOTS, Selection, apply_pipeline, select_stages
+from automodel.training.quantized_base import base_quantization_note
 from automodel.training.resume import choose_checkpoint, hold_checkpoint_dir
 from automodel.training.rng import StatefulRNG
 from automodel.training.state import restore_states, restore_weights
@@ -307,7 +308,8 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
         self.ctx = ctx = replace(ctx, collate_args=self.collate_runtime_args())
         with building_on_meta() as meta:
             model = self.build_model(ctx)
-        self.check_base_quantization(model)
+        if note := base_quantization_note(self.cfg.checkpoint.dequantize_base_checkpoint, model):
+            self.log(note)
         self.ctx = ctx = self.after_model_built(ctx, model, meta)
         self.model = apply_pipeline(ctx, model, self.runtime_selection(ctx))
         self.grad_scaler = ctx.precision.grad_scaler(ctx.device.type, self.storage_dtype, ctx.fsdp2)
@@ -370,23 +372,6 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
         if self.writes_own_layout() and self.cfg.checkpoint.save_consolidated == "final":
             self.log(f"note: checkpoint.save_consolidated: final: {type(self).__name__} writes model/ in a layout of "
                      "its own, with no sharded form, so every checkpoint holds model/, the last one too")
-
-    def check_base_quantization(self, model: torch.nn.Module) -> None:
-        """``checkpoint.dequantize_base_checkpoint`` against the model built: upstream dequantizes a quantized base
-        checkpoint (its config's ``quantization_config``) while loading it; this build loads no quantized weights."""
-        wanted = self.cfg.checkpoint.dequantize_base_checkpoint
-        if wanted is None:
-            return
-        quantization = getattr(getattr(model, "config", None), "quantization_config", None)
-        if quantization is None:
-            self.log(f"note: checkpoint.dequantize_base_checkpoint: {str(wanted).lower()} governs nothing this run: "
-                     "the base model is not quantized (its config has no quantization_config)")
-            return
-        method = quantization.get("quant_method") if isinstance(quantization, dict) else \
-            getattr(quantization, "quant_method", None)
-        raise AutomodelError(f"checkpoint.dequantize_base_checkpoint: {str(wanted).lower()}, but the base model is "
-                             f"quantized (quantization_config, quant_method {method}) and this build loads no "
-                             "quantized weights, dequantized or not; train from a bf16 or fp32 copy of the model")
 
     def open_metric_files(self) -> None:
         """training.jsonl / validation.jsonl and the metric backends (rank 0 only; they start with training)."""

@@ -19,7 +19,7 @@ def _best_route_for(path: Path, extra: list[str]):
     """
     from automodel.cli.execute import import_recipe, load_and_validate
     from automodel.config import load_yaml_file
-    from automodel.config.schema import find_spec
+    from automodel.config.specs import find_spec
 
     manager = get_plugin_manager()
     names = [str(name) for name in load_yaml_file(path)]

@@ -1,0 +1,131 @@
+"""How recipes declare their top-level sections: the kinds of section, and where a name finds its spec.
+
+A recipe's ``sections`` maps a section name to one of:
+
+* a dataclass: the section's keys, types, defaults and help (``field(metadata={"help": ..., "aliases": (...)})``);
+* ``Target(...)``: a section built from ``_target_``, checked against the callable's signature;
+* ``Free(...)``: a mapping passed through as it is;
+* ``RecipeRef(...)``: the ``recipe`` section (see :func:`check_recipe`);
+* ``KeyAlias(...)``: a top-level key standing for a key of a keyed section (upstream's ``seed:`` is ``rng.seed``);
+* ``Metadata(...)``: a section nothing reads (upstream's ``ci:``): neither interpolated nor validated, and named in a
+  note; so is any top-level key starting with ``_`` (a YAML anchor's holder, a section set aside);
+* ``Refused(...)``: a section automodel cannot act on, refused with its reason (its content is not read).
+
+A name ending in ``*`` declares a family (``validation_dataset_*``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from automodel.errors import ConfigIssue
+
+
+@dataclass(frozen=True)
+class Target:
+    """A section built by calling its ``_target_``; ``runtime_args`` are supplied by the builder, not the YAML.
+
+    ``default`` is the one place a section's default lives: the mapping an absent section stands for (built
+    like a written one: its ``_target_``, else ``default_target``); None when an absent section builds nothing.
+    ``documented_targets`` are the callables the section is usually built from (dotted paths): the generated
+    config reference lists their arguments.
+    """
+
+    help: str = ""
+    runtime_args: tuple[str, ...] = ()
+    required: bool = False
+    plain: bool = False  # may be a plain mapping without _target_ (then checked against default_target)
+    default_target: str | None = None
+    default: Mapping[str, Any] | None = field(default=None, hash=False)
+    documented_targets: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Free:
+    """A section whose keys are not checked here (the builder that reads it checks them)."""
+
+    help: str = ""
+
+
+@dataclass(frozen=True)
+class RecipeRef:
+    """The recipe a config is for: ``{_target_: pkg.Class}``, or a string: a dotted path or a recipe name an installed
+    domain registered for its route (upstream's bare class names such as TrainFinetuneRecipeForNextTokenPrediction).
+    """
+
+    help: str = ""
+
+
+@dataclass(frozen=True)
+class KeyAlias:
+    """A top-level key that stands for ``key`` (``section.name``) of a keyed section, which validation sets from it;
+    ``implies`` are more keys of that section it sets unless the config gives them. Giving both the alias and the
+    key with different values is an error."""
+
+    key: str
+    help: str = ""
+    implies: Mapping[str, Any] = field(default_factory=dict, hash=False)
+
+
+@dataclass(frozen=True)
+class Metadata:
+    """A section nothing in a run reads: neither interpolated nor validated; validation names it in a note."""
+
+    help: str = ""
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A section automodel cannot act on: validation refuses it with ``reason``, without reading its content."""
+
+    reason: str
+
+
+SectionSpec = type | Target | Free | RecipeRef | KeyAlias | Metadata | Refused
+
+
+def is_inert(name: str, sections: dict[str, SectionSpec]) -> bool:
+    """Whether a top-level section's content is left unread (metadata, a key starting with ``_``, or refused)."""
+    return str(name).startswith("_") or isinstance(find_spec(str(name), sections), (Metadata, Refused))
+
+
+def metadata_note(data: dict, sections: dict[str, SectionSpec]) -> str | None:
+    """The one note line naming the config's metadata sections (None when it has none)."""
+    named = []
+    for name in data:
+        spec = find_spec(str(name), sections)
+        if isinstance(spec, Metadata):
+            named.append(f"'{name}' ({spec.help.rstrip('.')})" if spec.help else f"'{name}'")
+        elif str(name).startswith("_") and spec is None:
+            named.append(f"'{name}' (a top-level key starting with '_')")
+    return f"note: not validated and read by nothing in the run: {', '.join(named)}" if named else None
+
+
+def apply_key_aliases(data: dict, sections: dict[str, SectionSpec], issues: list[ConfigIssue]) -> dict:
+    """``data`` with every top-level ``KeyAlias`` copied into the section key it stands for."""
+    out = dict(data)
+    for name, spec in sections.items():
+        if not isinstance(spec, KeyAlias) or data.get(name) is None:
+            continue
+        section, key = spec.key.split(".", 1)
+        node = out.get(section) or {}
+        if not isinstance(node, dict):
+            continue  # the section's own check reports it
+        value = data[name]
+        if key in node and node[key] != value:
+            issues.append(ConfigIssue(name, f"{value!r} disagrees with {spec.key}: {node[key]!r}; '{name}' is "
+                                            f"{spec.key} under another name: give one of them"))
+            continue
+        out[section] = {**{k: v for k, v in spec.implies.items() if k not in node}, **node, key: value}
+    return out
+
+
+def find_spec(name: str, sections: dict[str, SectionSpec]) -> SectionSpec | None:
+    if name in sections:
+        return sections[name]
+    for pattern, spec in sections.items():
+        if pattern.endswith("*") and name.startswith(pattern[:-1]) and len(name) > len(pattern) - 1:
+            return spec
+    return None
