@@ -356,7 +356,8 @@ def test_backend_node_is_checked_by_its_own_check_at_validation(targets):
 
 def test_metadata_sections_are_left_unread_and_named_in_one_note(tmp_path, monkeypatch):
     monkeypatch.delenv("AMT_UNSET_TOKEN", raising=False)
-    ci = {"recipe_owner": "x", "nightly": {"dataset": {"_target_": "os.system"}, "trust_remote_code": True,
+    # (what could run code is refused even there: tests/test_security_hostile.py)
+    ci = {"recipe_owner": "x", "nightly": {"dataset": {"_target_": "some_ci_tool.NightlyData"}, "nodes": 2,
                                            "token": "${AMT_UNSET_TOKEN}"}}
     aside = {"_target_": "nemo_automodel.components.datasets.llm.hellaswag.HellaSwag"}
     _, cfg = _toy(tmp_path, ci=ci, _validation_dataset=aside, _template="a YAML anchor's holder")

@@ -54,6 +54,13 @@ def _package_dir(name: str) -> str | None:
     return None
 
 
+def unknown_packages(text: str) -> list[str]:
+    """The messages for each ``${pkg:NAME}`` in ``text`` that names no installed distribution's package (found
+    without importing anything, as interpolation would resolve it)."""
+    return [f"${{pkg:{name}}}: no installed distribution has a top-level package named '{name}'"
+            for kind, name, _ in _PLACEHOLDER.findall(text) if kind == "pkg" and _package_dir(name) is None]
+
+
 def _scalar_text(value: Any) -> str | None:
     """A referenced scalar as text inside a longer string (YAML spelling), or None for a mapping or a list."""
     if isinstance(value, bool):
@@ -120,8 +127,7 @@ class _Interpolation:
             if kind == "pkg":
                 found = _package_dir(name)
                 if found is None:
-                    self.issues.append(ConfigIssue(_shown(key), f"${{pkg:{name}}}: no installed distribution has "
-                                                                f"a top-level package named '{name}'"))
+                    self.issues += [ConfigIssue(_shown(key), message) for message in unknown_packages(match.group(0))]
                     return match.group(0)
                 return found
             if kind is None:

@@ -117,13 +117,13 @@ class TargetResolver:
             name = self.aliases[name]
         return name
 
-    def check(self, name: Any) -> None:
-        """Raise TargetError where ``resolve`` would refuse ``name`` before importing anything; imports nothing."""
+    def check_unread(self, name: Any) -> None:
+        """Raise TargetError for a target in a section nothing reads that is dangerous anywhere: not a dotted path,
+        private, or able to run arbitrary code. Whether it is registered does not matter there (nothing calls it:
+        upstream sets sections aside with a ``_`` prefix, targets and all). Imports nothing."""
         if not isinstance(name, str) or not name:
             raise TargetError(f"_target_ must be a dotted path string, found {name!r}")
-        if name in self.unsupported:
-            raise TargetError(f"'{name}' is not supported here: {self.unsupported[name]}")
-        self._check_path(self.expand(name), original=name)
+        self._check_path(self.expand(name), original=name, registered=False)
 
     def resolve(self, name: Any) -> Callable:
         if not isinstance(name, str) or not name:
@@ -138,7 +138,7 @@ class TargetResolver:
         self._cache[name] = obj
         return obj
 
-    def _check_path(self, path: str, original: str) -> Grant:
+    def _check_path(self, path: str, original: str, registered: bool = True) -> Grant | None:
         if "/" in path or "\\" in path or ":" in path or path.endswith(".py"):
             raise TargetError(f"'{original}' looks like a file path; a target must be an importable dotted path "
                               "such as torch.optim.AdamW")
@@ -149,6 +149,8 @@ class TargetResolver:
             raise TargetError(f"'{original}' is not a dotted Python path such as torch.optim.AdamW")
         if under(path, DENIED):
             raise TargetError(f"'{original}' is refused: it can execute arbitrary code or reach the operating system")
+        if not registered:
+            return None
         grant = self.registry.grant(path)
         if grant is None:
             shown = original if original == path else f"{original}' (alias of '{path}"

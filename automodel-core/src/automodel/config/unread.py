@@ -2,9 +2,10 @@
 
 Those sections are neither interpolated nor validated as settings, so nothing in them runs here. They are still
 refused when they hold what would run code in any tool that does read them (upstream's CI tooling reads ``ci:``):
-a ``_target_`` or a ``*_fn`` dotted path that is not a registered or trusted callable, a key that loads a model's
-code or unpickles, and ``${pkg:NAME}``, which names a package to import. A config stays data wherever a value sits
-in it.
+a ``_target_`` or ``*_fn`` dotted path that could run arbitrary code (the refused modules; whether it is registered
+does not matter where nothing calls it: upstream sets sections aside with a ``_`` prefix, targets and all), a key
+that loads a model's code or unpickles, and a ``${pkg:NAME}`` naming no installed distribution's package (a
+reference may interpolate the value later). A config stays data wherever a value sits in it.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from automodel.config.code_loading import code_loading_issues
+from automodel.config.env import unknown_packages
 from automodel.config.targets import TargetError, TargetResolver
 from automodel.errors import ConfigIssue
 
@@ -36,14 +38,13 @@ def _walk(key: str, value: Any, resolver: TargetResolver, issues: list[ConfigIss
     elif isinstance(value, list):
         for index, item in enumerate(value):
             _walk(f"{key}[{index}]", item, resolver, issues)
-    elif isinstance(value, str) and "${pkg:" in value:
-        issues.append(ConfigIssue(key, "${pkg:NAME} names a package to import, in a section nothing here reads or "
-                                       "interpolates: remove it (write the path itself)"))
+    elif isinstance(value, str):
+        issues += [ConfigIssue(key, message) for message in unknown_packages(value)]
 
 
 def _check(key: str, name: Any, resolver: TargetResolver, issues: list[ConfigIssue]) -> None:
     try:
-        resolver.check(name)
+        resolver.check_unread(name)
     except TargetError as err:
         issues.append(ConfigIssue(key, f"{err} (in a section nothing here reads: a tool that reads it would call it)"))
 
