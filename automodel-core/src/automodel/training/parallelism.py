@@ -86,6 +86,10 @@ def parallel_issues(cfg: Config, implementation: str | None) -> list[ConfigIssue
         issues.append(ConfigIssue("distributed.dp_replicate_size", f"{settings.dp_replicate_size}: HSDP replicates "
                                   "FSDP2's shards, so it needs distributed.strategy: fsdp2 and more than one "
                                   f"process (this run: {world_size_source()}); use 1"))
+    if settings.enable_fsdp2_prefetch and not fsdp2:
+        issues.append(ConfigIssue("distributed.enable_fsdp2_prefetch", "true orders FSDP2's parameter gathers, so "
+                                  "it needs distributed.strategy: fsdp2 and more than one process (this run: "
+                                  f"{world_size_source()}); set it false"))
     issues += mesh_layout(cfg, world)[1]
     issues += run_precision(cfg, validation_device(), fsdp2)[1]
     return issues

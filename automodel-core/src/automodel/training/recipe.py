@@ -72,6 +72,8 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
         "rng": s.RngConfig,
         "seed": KeyAlias("rng.seed", "the run's seed, upstream's top-level key: the same as rng.seed, and ranked "
                          "(seed + rank per process) unless rng.ranked says otherwise", implies={"ranked": True}),
+        "checkpoint.restore_from": KeyAlias("restore_from.path", "upstream's spelling of restore_from.path: a "
+                                            "checkpoint path, a directory name under checkpoint_dir, or LATEST"),
         "model": Target("the model to train: {_target_: ..., ...}", required=True),
         "compile": s.CompileConfig,
         "clip_grad_norm": s.ClipGradConfig,
@@ -297,6 +299,7 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
         self.ctx = ctx = replace(ctx, restore_path=choose_checkpoint(cfg, self.checkpointer, self.log))
         self.setup_domain()
         self.checkpoint_notes()
+        self.distributed_notes(ctx)
         self.ctx = ctx = replace(ctx, collate_args=self.collate_runtime_args())
         with building_on_meta() as meta:
             model = self.build_model(ctx)
@@ -363,6 +366,20 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
         if self.writes_own_layout() and self.cfg.checkpoint.save_consolidated == "final":
             self.log(f"note: checkpoint.save_consolidated: final: {type(self).__name__} writes model/ in a layout of "
                      "its own, with no sharded form, so every checkpoint holds model/, the last one too")
+
+    def distributed_notes(self, ctx: BuildContext) -> None:
+        """Upstream's ``distributed`` keys that govern nothing in this run, named (upstream ignores them too)."""
+        settings = self.cfg.distributed
+        if settings is None:
+            return
+        for name, size, what in (("pipeline", settings.pp_size, "pipeline parallelism (pp_size)"),
+                                 ("moe", settings.ep_size or 1, "expert parallelism (ep_size)")):
+            if getattr(settings, name) is not None and size == 1:
+                self.log(f"note: distributed.{name} governs nothing this run: {what} is off, and upstream ignores "
+                         "these settings then too")
+        if not settings.defer_fsdp_grad_sync and not ctx.fsdp2:
+            self.log("note: distributed.defer_fsdp_grad_sync: false governs nothing this run: it acts on FSDP2 "
+                     "models (distributed.strategy: fsdp2, more than one process)")
 
     def check_base_quantization(self, model: torch.nn.Module) -> None:
         """``checkpoint.dequantize_base_checkpoint`` against the model built: upstream dequantizes a quantized base
