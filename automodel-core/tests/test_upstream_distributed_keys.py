@@ -63,3 +63,27 @@ def test_prefetch_depths_and_upstream_sections_validate():
     settings = DistributedConfig(enable_fsdp2_prefetch=True, fsdp2_backward_prefetch_depth=3,
                                  pipeline={"pp_schedule": "1f1b"}, moe={"reshard_after_forward": False})
     assert settings.defer_fsdp_grad_sync  # upstream's default
+
+
+@pytest.mark.parametrize("setting, expected", [(None, [True, True, False]), (True, [True, True, True]),
+                                               (False, [False, False, False])])
+def test_reshard_after_forward_chooses_which_blocks_free_their_parameters(setting, expected):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from automodel.testing import free_port
+    from automodel.training.parallel.fsdp import apply_fsdp2
+
+    class Blocks(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        model = Blocks()
+        apply_fsdp2(model, init_device_mesh("cpu", (1,)), reshard_after_forward=setting)
+        groups = [block._get_fsdp_state()._fsdp_param_group for block in model.layers]
+        assert [g.post_forward_mesh_info is not None for g in groups] == expected
+    finally:
+        dist.destroy_process_group()

@@ -166,6 +166,7 @@ def test_hellaswag_under_upstreams_name_trains(tmp_path, monkeypatch):
     ("loss_fn", "_target_", "nemo_automodel.components.loss.linear_ce.FusedLinearCrossEntropy", "CUDA GPU"),
     ("loss_fn", "_target_", "nemo_automodel.components.loss.te_parallel_ce.TEParallelCrossEntropy", "CUDA GPU"),
     ("optimizer", "_target_", "transformer_engine.pytorch.optimizers.FusedAdam", "torch.optim.AdamW"),
+    ("optimizer", "_target_", "transformer_engine.pytorch.optimizers.fused_adam.FusedAdam", "torch.optim.AdamW"),
     ("dataset", "_target_", "nemo_automodel.components.datasets.llm.megatron_dataset.MegatronPretraining",
      "PretrainingTextDataset"),
 ])
@@ -202,3 +203,16 @@ def test_fp8_layer_filter_is_upstreams():
     assert not converts_to_float8(torch.nn.Linear(32, 16), "lm_head", ["lm_head"])
     assert not converts_to_float8(torch.nn.Linear(30, 16), "model.layers.0.mlp.up_proj", [])  # not a multiple of 16
     assert not converts_to_float8(torch.nn.LayerNorm(32), "model.norm", [])
+
+
+def test_packing_strategy_thd_is_the_packing_here_and_neat_is_refused(tmp_path, monkeypatch):
+    form = FORMS / "recipe_bare_name.yaml"
+    found = refusals(form, "--packed_sequence.packed_sequence_size", "64", "--packed_sequence.packing_strategy",
+                     "neat")
+    assert "neat (upstream's bin-packing" in found["packed_sequence.packing_strategy"]
+    monkeypatch.chdir(tmp_path)
+    recipe = train_inprocess(form, "--packed_sequence.packed_sequence_size", "256",
+                             "--packed_sequence.packing_strategy", "thd", setup_only=True)
+    rows = [recipe.train_dataset[i] for i in range(len(recipe.train_dataset))]
+    assert all(len(r["input_ids"]) <= 256 for r in rows)
+    assert any(list(r["position_ids"]).count(0) > 1 for r in rows)  # several samples a row, positions restarting

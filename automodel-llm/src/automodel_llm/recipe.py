@@ -6,11 +6,11 @@ import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
-from automodel.config import Config, ConfigNode, Target
+from automodel.config import Config, ConfigNode, FieldErrors, Target
 from automodel.errors import AutomodelError, ConfigIssue
 from automodel.hf import (
     ADAPTER_CONFIG,
@@ -48,6 +48,15 @@ class PackedSequenceConfig:
     packed_sequence_size: int = field(default=0, metadata={"help": "tokens per packed row (0: packing off)"})
     split_across_pack: bool = field(default=False, metadata={"help": "let a sample continue in the next row"})
     max_packs: int | None = field(default=None, metadata={"help": "stop after this many packed rows"})
+    packing_strategy: Literal["thd", "neat"] = field(default="thd", metadata={"help": (
+        "upstream's strategy: thd, samples packed in order into rows of packed_sequence_size (what packs here, "
+        "attention kept within each sample); neat (bin-packing) is refused")})
+
+    def __post_init__(self) -> None:
+        if self.packing_strategy == "neat":
+            raise FieldErrors({"packing_strategy": "neat (upstream's bin-packing with its own collater) is not "
+                                                   "implemented; use thd (or remove the key): samples packed in "
+                                                   "order"})
 
 
 class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):

@@ -377,9 +377,11 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
             if getattr(settings, name) is not None and size == 1:
                 self.log(f"note: distributed.{name} governs nothing this run: {what} is off, and upstream ignores "
                          "these settings then too")
-        if not settings.defer_fsdp_grad_sync and not ctx.fsdp2:
-            self.log("note: distributed.defer_fsdp_grad_sync: false governs nothing this run: it acts on FSDP2 "
-                     "models (distributed.strategy: fsdp2, more than one process)")
+        for name, given in (("defer_fsdp_grad_sync", not settings.defer_fsdp_grad_sync),
+                            ("reshard_after_forward", settings.reshard_after_forward is not None)):
+            if given and not ctx.fsdp2:
+                self.log(f"note: distributed.{name}: {str(getattr(settings, name)).lower()} governs nothing this "
+                         "run: it acts on FSDP2 models (distributed.strategy: fsdp2, more than one process)")
 
     def check_base_quantization(self, model: torch.nn.Module) -> None:
         """``checkpoint.dequantize_base_checkpoint`` against the model built: upstream dequantizes a quantized base

@@ -167,6 +167,9 @@ class DistributedConfig:
     defer_fsdp_grad_sync: bool = field(default=True, metadata=_help(
         "under FSDP2 with gradient accumulation, reduce-scatter the gradients once, after a step's last "
         "micro-batch (false: after every micro-batch; less memory, more communication)"))
+    reshard_after_forward: bool | None = field(default=None, metadata=_help(
+        "FSDP2 frees each block's gathered parameters after its forward: null, every block but the last (backward "
+        "needs it first); true: every block; false: none (more memory, no second gather in backward)"))
     enable_fsdp2_prefetch: bool = field(default=False, metadata=_help(
         "FSDP2 gathers the next blocks' parameters ahead of use (the depths below) instead of its implicit "
         "one-block prefetch (fsdp2 with more than one process)"))
