@@ -216,3 +216,19 @@ def test_packing_strategy_thd_is_the_packing_here_and_neat_is_refused(tmp_path, 
     rows = [recipe.train_dataset[i] for i in range(len(recipe.train_dataset))]
     assert all(len(r["input_ids"]) <= 256 for r in rows)
     assert any(list(r["position_ids"]).count(0) > 1 for r in rows)  # several samples a row, positions restarting
+
+
+def test_a_section_given_as_none_is_absent_as_upstreams_loader_reads_it(tmp_path, monkeypatch):
+    data = yaml.safe_load((FORMS / "recipe_bare_name.yaml").read_text())
+    data["validation_dataset"] = "none"
+    data["validation_dataloader"] = "None"
+    data["step_scheduler"].pop("val_every_steps", None)
+    monkeypatch.chdir(tmp_path)
+    recipe = train_inprocess(write_yaml(tmp_path / "none.yaml", data))
+    assert recipe.cfg.validation_dataset is None and not recipe.val_dataloaders
+    assert read_jsonl(tmp_path / "checkpoints" / "training.jsonl")[-1]["step"] == 3
+    assert not (tmp_path / "checkpoints" / "validation.jsonl").exists() or \
+        not read_jsonl(tmp_path / "checkpoints" / "validation.jsonl")
+    data["validation_dataset"] = "nothing"  # any other text is refused (it crashed the tokenizer check before)
+    found = refusals(write_yaml(tmp_path / "text.yaml", data))
+    assert "expected a section with _target_, found 'nothing'" in found["validation_dataset"]
