@@ -232,3 +232,10 @@ def test_a_section_given_as_none_is_absent_as_upstreams_loader_reads_it(tmp_path
     data["validation_dataset"] = "nothing"  # any other text is refused (it crashed the tokenizer check before)
     found = refusals(write_yaml(tmp_path / "text.yaml", data))
     assert "expected a section with _target_, found 'nothing'" in found["validation_dataset"]
+
+
+def test_a_benchmark_section_under_the_fine_tuning_recipe_points_to_the_benchmark_recipe(tmp_path):
+    data = yaml.safe_load((FORMS / "benchmark_upstream.yaml").read_text())
+    data["recipe"] = "TrainFinetuneRecipeForNextTokenPrediction"
+    found = refusals(write_yaml(tmp_path / "c.yaml", data))
+    assert "automodel benchmark llm -c FILE" in found["benchmark"]

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 import torch
 
-from automodel.config import Config, ConfigNode, FieldErrors, Target
+from automodel.config import Config, ConfigNode, FieldErrors, Refused, Target
 from automodel.errors import AutomodelError, ConfigIssue
 from automodel.hf import (
     ADAPTER_CONFIG,
@@ -71,6 +71,9 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
         "validation_dataset_*": dataset_section("more validation data sets, reported by name"),
         "packed_sequence": PackedSequenceConfig,
         "eval_generation": EvalGenerationConfig,
+        "benchmark": Refused("the benchmark recipe reads it (upstream's fine-tuning recipe ignores it): run "
+                             "automodel benchmark llm -c FILE, or recipe: BenchmarkingRecipeForNextTokenPrediction, "
+                             "to time the steps; or remove the section to fine-tune"),
     }
 
     # ---- building -------------------------------------------------------------------------------------------
