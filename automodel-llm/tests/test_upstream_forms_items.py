@@ -239,3 +239,15 @@ def test_a_benchmark_section_under_the_fine_tuning_recipe_points_to_the_benchmar
     data["recipe"] = "TrainFinetuneRecipeForNextTokenPrediction"
     found = refusals(write_yaml(tmp_path / "c.yaml", data))
     assert "automodel benchmark llm -c FILE" in found["benchmark"]
+
+
+@pytest.mark.parametrize("section, node, words", [
+    ("parallelizer", {"_target_": "nemo_automodel.components.moe.parallelizer.parallelize_model"}, "MoE model code"),
+    ("autopipeline", {"pp_schedule": "1f1b"}, "pipeline parallelism is not implemented yet"),
+    ("quantization", {"load_in_4bit": True}, "need a CUDA GPU and bitsandbytes"),
+])
+def test_upstream_sections_without_an_equivalent_are_refused_with_the_reason(tmp_path, section, node, words):
+    data = yaml.safe_load((FORMS / "recipe_bare_name.yaml").read_text())
+    data[section] = node
+    found = refusals(write_yaml(tmp_path / "c.yaml", data))
+    assert words in found[section]

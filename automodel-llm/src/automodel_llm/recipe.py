@@ -71,6 +71,12 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
         "validation_dataset_*": dataset_section("more validation data sets, reported by name"),
         "packed_sequence": PackedSequenceConfig,
         "eval_generation": EvalGenerationConfig,
+        "parallelizer": Refused("upstream's parallelizer for its own MoE model code (expert parallelism); the Hugging "
+                                "Face models here are sharded by distributed: (ddp / fsdp2): remove the section"),
+        "autopipeline": Refused("upstream's pipeline-parallel schedule (AutoPipeline); pipeline parallelism is not "
+                                "implemented yet: remove the section (distributed.pp_size: 1)"),
+        "quantization": Refused("bitsandbytes 4-/8-bit base weights (QLoRA) need a CUDA GPU and bitsandbytes, and this "
+                                "build loads no quantized weights: remove the section (LoRA on bf16 / fp32 weights)"),
         "benchmark": Refused("the benchmark recipe reads it (upstream's fine-tuning recipe ignores it): run "
                              "automodel benchmark llm -c FILE, or recipe: BenchmarkingRecipeForNextTokenPrediction, "
                              "to time the steps; or remove the section to fine-tune"),
