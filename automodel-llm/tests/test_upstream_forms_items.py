@@ -251,3 +251,26 @@ def test_upstream_sections_without_an_equivalent_are_refused_with_the_reason(tmp
     data[section] = node
     found = refusals(write_yaml(tmp_path / "c.yaml", data))
     assert words in found[section]
+
+
+def test_fsdp2_upstream_switches_train_the_same_losses_on_two_ranks(tmp_path):
+    """defer_fsdp_grad_sync true / false, explicit prefetch and reshard_after_forward: false change when FSDP2
+    communicates and frees, never what it computes: two ranks match one process accumulating the same samples."""
+    from automodel.testing import free_port, losses_by_step, run_cli
+
+    form = FORMS / "distributed_pipeline_replicate.yaml"
+    batch = ["--step_scheduler.global_batch_size", "16", "--step_scheduler.local_batch_size", "4",
+             "--dist_env.backend", "gloo", "--step_scheduler.log_interval", "1"]
+    runs = {"one": [], "deferred": ["--distributed.enable_fsdp2_prefetch", "true",
+                                    "--distributed.fsdp2_backward_prefetch_depth", "1",
+                                    "--distributed.reshard_after_forward", "false"],
+            "every": ["--distributed.defer_fsdp_grad_sync", "false"]}
+    found = {}
+    for name, extra in runs.items():
+        launch = [] if name == "one" else ["--nproc-per-node", "2", "--master-port", str(free_port())]
+        result = run_cli("finetune", "llm", "-c", form, *batch, *launch, *extra, "--checkpoint.checkpoint_dir",
+                         tmp_path / name, cwd=tmp_path, timeout=600, OMP_NUM_THREADS="1")
+        assert result.returncode == 0, result.stderr[-3000:]
+        found[name] = losses_by_step(tmp_path / name / "training.jsonl")
+    assert found["deferred"] == pytest.approx(found["one"], abs=1e-5)
+    assert found["every"] == pytest.approx(found["one"], abs=1e-5)
