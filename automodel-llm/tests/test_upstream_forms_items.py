@@ -274,3 +274,14 @@ def test_fsdp2_upstream_switches_train_the_same_losses_on_two_ranks(tmp_path):
         found[name] = losses_by_step(tmp_path / name / "training.jsonl")
     assert found["deferred"] == pytest.approx(found["one"], abs=1e-5)
     assert found["every"] == pytest.approx(found["one"], abs=1e-5)
+
+
+def test_upstream_lora_switches_for_its_own_modules_are_refused_and_their_off_values_accepted(tmp_path):
+    data = yaml.safe_load((FORMS / "recipe_bare_name.yaml").read_text())
+    data["peft"] = {"_target_": "nemo_automodel.components._peft.lora.PeftConfig", "dim": 4,
+                    "use_memory_efficient_lora": True, "moe_rank_scaling": True}
+    found = refusals(write_yaml(tmp_path / "on.yaml", data))
+    assert "not implemented here: set false" in found["peft.use_memory_efficient_lora"]
+    assert "upstream's own MoE model code" in found["peft.moe_rank_scaling"]
+    data["peft"].update(use_memory_efficient_lora=False, moe_rank_scaling=False)
+    load_config(write_yaml(tmp_path / "off.yaml", data))
