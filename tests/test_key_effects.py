@@ -35,7 +35,8 @@ CONTEXTS = {
     "objective": {"timestep_sampling": "beta"},  # beta_alpha / beta_beta act with beta sampling only
 }
 # Non-default values to validate a key with where its type gives none (a mapping)
-PROBES = {"flow_matching": {"adapter_kwargs": [{"setting": 1}]}}
+PROBES = {"flow_matching": {"adapter_kwargs": [{"setting": 1}]},
+          "distributed": {"multimodal": [{"frozen_sharding": "per_layer"}]}}
 # Each route's shipped example, made small: two steps on a few samples, validating and checkpointing once.
 TWO_STEPS = {"step_scheduler": {"max_steps": 2, "val_check_interval": 2, "checkpoint_interval": 2}}
 _FEW = {"dataset": {"limit_dataset_samples": 16}, "validation_dataset": {"limit_dataset_samples": 4},
@@ -86,7 +87,7 @@ def core_effects(tmp_path_factory):
         base = toy_config(cwd / "ckpt", step_scheduler={"max_steps": 2}, dataset={"size": 16})
         sections = list(keyed_sections(ToyRecipe))
         return key_effects(ToyRecipe, base, sections, _validator(ToyRecipe),
-                           [run_phase(ToyRecipe), launch_phase, slurm_phase], CONTEXTS)
+                           [run_phase(ToyRecipe), launch_phase, slurm_phase], CONTEXTS, PROBES)
 
 
 def test_core_sections_keys_act_or_are_refused(core_effects):

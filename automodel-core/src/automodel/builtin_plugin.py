@@ -41,6 +41,10 @@ def automodel_register_stages(stages) -> None:
 @hookimpl
 def automodel_register_aliases(aliases) -> None:
     aliases.target("MaskedCrossEntropy", "automodel.training.loss.MaskedCrossEntropy")
+    for path in ("transformer_engine.pytorch.optimizers.FusedAdam",
+                 "transformer_engine.pytorch.optimizers.fused_adam.FusedAdam"):
+        aliases.unsupported(path, "Transformer Engine's fused Adam needs a CUDA GPU and Transformer Engine; use "
+                                  "torch.optim.AdamW (the same update; fused: true on a GPU)")
     aliases.target("CosineAnnealingWarmup", "automodel.optim.CosineAnnealingWarmup")
     aliases.target("LinearWarmup", "automodel.optim.LinearWarmup")
     aliases.target("ConstantWarmup", "automodel.optim.ConstantWarmup")

@@ -113,7 +113,8 @@ class PeftConfig:
                  exclude_modules: list[str] | None = None, dim: int | None = None, r: int | None = None,
                  rank: int | None = None, alpha: float | None = None, lora_alpha: float | None = None,
                  dropout: float | None = None, lora_dropout: float | None = None, use_triton: bool = False,
-                 use_dora: bool = False, dropout_position: str = "pre", lora_A_init: str | None = None):
+                 use_dora: bool = False, dropout_position: str = "pre", lora_A_init: str | None = None,
+                 use_memory_efficient_lora: bool = False, moe_rank_scaling: bool = False):
         given = [v for v in (dim, r, rank) if v is not None]
         if len(set(given)) > 1:
             raise ValueError(f"peft: dim/r/rank disagree ({given}); give one")
@@ -126,6 +127,19 @@ class PeftConfig:
         self.use_dora = use_dora
         if self.rank < 1:
             raise ValueError(f"peft.dim must be >= 1, found {self.rank}")
+
+    @staticmethod
+    def automodel_config_issues(kwargs: Mapping[str, Any]) -> dict[str, str]:
+        """Upstream's LoRA switches that act in its own LoRA modules, which this build does not have."""
+        issues = {}
+        if kwargs.get("use_memory_efficient_lora"):
+            issues["use_memory_efficient_lora"] = (
+                "true is upstream's LoRA autograd function that recomputes the adapter's input instead of keeping "
+                "it (less activation memory, the same gradients); not implemented here: set false")
+        if kwargs.get("moe_rank_scaling"):
+            issues["moe_rank_scaling"] = ("true scales the LoRA rank of the experts of upstream's own MoE model "
+                                          "code, which the Hugging Face models trained here do not have: remove it")
+        return issues
 
     def to_lora_config(self) -> Any:
         import peft

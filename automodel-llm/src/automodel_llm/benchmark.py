@@ -10,7 +10,11 @@ from typing import Any
 
 import torch
 
+from automodel.config import Config
+from automodel.config.schema import FieldErrors
+from automodel.errors import ConfigIssue
 from automodel.training.context import BuildContext
+from automodel.training.dist import expected_node_count, world_size_source
 from automodel.training.metrics import device_peak_flops, peak_memory_gib
 from automodel.training.modules import unwrap
 from automodel_llm.datasets.pretraining import MockDataset
@@ -23,7 +27,28 @@ class BenchmarkConfig:
     seq_length: int = field(default=128, metadata={"help": "tokens per synthetic sample"})
     num_samples: int = field(default=4096, metadata={"help": "synthetic samples"})
     peak_tflops: float | None = field(default=None, metadata={"help": "device peak TFLOP/s for MFU (else known GPUs)"})
-    output: str = field(default="benchmark.json", metadata={"help": "where the JSON goes"})
+    output: str = field(default="benchmark.json", metadata={"help": "where the JSON goes",
+                                                            "aliases": ("json_output_path",)})
+    nsys_start: int = field(default=-1, metadata={"help": (
+        "refused unless -1: upstream starts an NVIDIA Nsight Systems capture at this step (needs CUDA and nsys); "
+        "profile here with torch.profiler outside the recipe")})
+    nsys_end: int = field(default=-1, metadata={"help": "refused unless -1: where upstream's nsys capture stops"})
+    nsys_ranks: list[int] = field(default_factory=list, metadata={"help": (
+        "refused unless empty: the ranks upstream's nsys capture runs on")})
+    num_nodes: int | None = field(default=None, metadata={"help": (
+        "the machines the run is launched on (upstream's record of it): checked against the launch (--nnodes, "
+        "torchrun's)")})
+
+    def __post_init__(self) -> None:
+        errors = {}
+        for name, off in (("nsys_start", -1), ("nsys_end", -1), ("nsys_ranks", [])):
+            if getattr(self, name) != off:
+                errors[name] = (f"{getattr(self, name)}: an NVIDIA Nsight Systems capture needs a CUDA GPU and "
+                                f"nsys, which this build does not drive; set {off} (or remove it)")
+        if self.num_nodes is not None and self.num_nodes < 1:
+            errors["num_nodes"] = f"must be >= 1, found {self.num_nodes}"
+        if errors:
+            raise FieldErrors(errors)
 
 
 class BenchmarkRecipe(FinetuneRecipeForNextTokenPrediction):
@@ -33,6 +58,18 @@ class BenchmarkRecipe(FinetuneRecipeForNextTokenPrediction):
         "benchmark": BenchmarkConfig,
         "dataset": dataset_section("training data (default: random tokens of benchmark.seq_length)"),
     }
+
+    @classmethod
+    def check_config(cls, cfg: Config) -> list[ConfigIssue]:
+        """``benchmark.num_nodes`` records the launch in upstream's configs: it must be the launch's."""
+        issues = list(super().check_config(cfg))
+        wanted = cfg.benchmark.num_nodes if cfg.benchmark is not None else None
+        nodes = expected_node_count()
+        if wanted is not None and wanted != nodes:
+            issues.append(ConfigIssue("benchmark.num_nodes", f"{wanted}, but the run is launched on {nodes} "
+                                      f"node{'s' if nodes > 1 else ''} ({world_size_source()}): launch with "
+                                      f"--nnodes {wanted} or set num_nodes: {nodes}"))
+        return issues
 
     def setup(self) -> None:
         if "enabled" not in (self.cfg.resolved.get("checkpoint") or {}):

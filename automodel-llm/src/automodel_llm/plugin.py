@@ -65,6 +65,25 @@ def automodel_register_aliases(aliases) -> None:
                    "automodel_llm.datasets.ChatDataset")
     aliases.target("PretrainingTextDataset", "automodel_llm.datasets.PretrainingTextDataset")
     aliases.target("MockDataset", "automodel_llm.datasets.MockDataset")
+    aliases.target("nemo_automodel.components.datasets.llm.hellaswag.HellaSwag", "automodel_llm.datasets.HellaSwag")
+    _UPSTREAM_LOSS = "nemo_automodel.components.loss"
+    aliases.unsupported(f"{_UPSTREAM_LOSS}.linear_ce.FusedLinearCrossEntropy",
+                        "the same loss as MaskedCrossEntropy without materialising the logits, through "
+                        "cut-cross-entropy's Triton kernels, which need a CUDA GPU (not on this machine); remove "
+                        "loss_fn (the default, MaskedCrossEntropy) and model.output_hidden_states")
+    aliases.unsupported(f"{_UPSTREAM_LOSS}.te_parallel_ce.TEParallelCrossEntropy",
+                        "Transformer Engine's fused cross entropy needs a CUDA GPU and Transformer Engine; remove "
+                        "loss_fn (the default, MaskedCrossEntropy)")
+    aliases.unsupported("nemo_automodel.components.datasets.utils.packed_sequence_thd_collater",
+                        "THD batches (sequences concatenated, qkv_format thd) feed Transformer Engine's attention "
+                        "kernels, which need a CUDA GPU and Transformer Engine; remove collate_fn (the default "
+                        "pads each batch; packed_sequence: packs samples for Hugging Face attention)")
+    aliases.unsupported("nemo_automodel.components.datasets.llm.megatron_dataset.MegatronPretraining",
+                        "Megatron's indexed binary data (.bin / .idx, with megatron-core's compiled index "
+                        "helpers) is not read here; use PretrainingTextDataset on the text (JSONL / parquet / "
+                        "text files or a hub data set)")
+    aliases.target("nemo_automodel.components.datasets.llm.mock_iterable_dataset.MockIterableDataset",
+                   "automodel_llm.datasets.mock_iterable_dataset")
 
 
 @hookimpl

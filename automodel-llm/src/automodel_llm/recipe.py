@@ -6,11 +6,11 @@ import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
-from automodel.config import Config, ConfigNode, Target
+from automodel.config import Config, ConfigNode, FieldErrors, Refused, Target
 from automodel.errors import AutomodelError, ConfigIssue
 from automodel.hf import (
     ADAPTER_CONFIG,
@@ -48,6 +48,15 @@ class PackedSequenceConfig:
     packed_sequence_size: int = field(default=0, metadata={"help": "tokens per packed row (0: packing off)"})
     split_across_pack: bool = field(default=False, metadata={"help": "let a sample continue in the next row"})
     max_packs: int | None = field(default=None, metadata={"help": "stop after this many packed rows"})
+    packing_strategy: Literal["thd", "neat"] = field(default="thd", metadata={"help": (
+        "upstream's strategy: thd, samples packed in order into rows of packed_sequence_size (what packs here, "
+        "attention kept within each sample); neat (bin-packing) is refused")})
+
+    def __post_init__(self) -> None:
+        if self.packing_strategy == "neat":
+            raise FieldErrors({"packing_strategy": "neat (upstream's bin-packing with its own collater) is not "
+                                                   "implemented; use thd (or remove the key): samples packed in "
+                                                   "order"})
 
 
 class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
@@ -63,6 +72,15 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
         "validation_dataset_*": dataset_section("more validation data sets, reported by name"),
         "packed_sequence": PackedSequenceConfig,
         "eval_generation": EvalGenerationConfig,
+        "parallelizer": Refused("upstream's parallelizer for its own MoE model code (expert parallelism); the Hugging "
+                                "Face models here are sharded by distributed: (ddp / fsdp2): remove the section"),
+        "autopipeline": Refused("upstream's pipeline-parallel schedule (AutoPipeline); pipeline parallelism is not "
+                                "implemented yet: remove the section (distributed.pp_size: 1)"),
+        "quantization": Refused("bitsandbytes 4-/8-bit base weights (QLoRA) need a CUDA GPU and bitsandbytes, and this "
+                                "build loads no quantized weights: remove the section (LoRA on bf16 / fp32 weights)"),
+        "benchmark": Refused("the benchmark recipe reads it (upstream's fine-tuning recipe ignores it): run "
+                             "automodel benchmark llm -c FILE, or recipe: BenchmarkingRecipeForNextTokenPrediction, "
+                             "to time the steps; or remove the section to fine-tune"),
     }
 
     # ---- building -------------------------------------------------------------------------------------------

@@ -93,7 +93,8 @@ def dataset_sections(cfg: Config) -> list[tuple[str, Any, Any]]:
     found = []
     for name in cfg.section_names():
         node = cfg.get(name)
-        if not (name == "dataset" or name.startswith("validation_dataset")) or node is None or node.target is None:
+        if not (name == "dataset" or name.startswith("validation_dataset")) or not isinstance(node, ConfigNode) \
+                or node.target is None:  # not a section (validation reports what it is)
             continue
         try:
             found.append((name, node, cfg.resolver.resolve(node.target)))

@@ -86,7 +86,7 @@ def planning_for(launch: dict[str, Any] | None) -> contextlib.AbstractContextMan
     from automodel.cli.launch import planned_world
     from automodel.training.dist import planned_world_size
 
-    return planned_world_size(*planned_world(launch))
+    return planned_world_size(*planned_world(launch), nodes=launch.get("nnodes") or 1)
 
 
 def run_recipe(recipe_cls: type, config_path: Path, extra_args: list[str], manager: PluginManager,

@@ -315,11 +315,15 @@ def check_recipe(node: Any, key: str, resolver: TargetResolver, issues: list[Con
     return {"_target_": name}
 
 
+# The strings upstream's config loader turns into null (`validation_dataset: none`), for a section built from _target_
+_NONE_WORDS = ("none", "None")
+
+
 def validate_sections(data: dict, sections: dict[str, SectionSpec], resolver: TargetResolver,
                       issues: list[ConfigIssue]) -> dict[str, Any]:
     """Check every top-level section; returns the section values (dataclass instances or raw mappings)."""
     values: dict[str, Any] = {}
-    known = [name.rstrip("*") for name in sections]
+    known = [name.rstrip("*") for name in sections if "." not in name]
     data = apply_key_aliases(data, sections, issues)
     for name, node in data.items():
         spec = find_spec(str(name), sections)
@@ -339,7 +343,7 @@ def validate_sections(data: dict, sections: dict[str, SectionSpec], resolver: Ta
         elif isinstance(spec, KeyAlias):
             values[name] = node  # validated as the key it stands for
         elif isinstance(spec, Target):
-            if node is None:
+            if node is None or node in _NONE_WORDS:  # upstream's loader reads `section: none` as null
                 continue
             if not isinstance(node, dict):
                 issues.append(ConfigIssue(str(name), f"expected a section with _target_, found {node!r}"))

@@ -6,7 +6,8 @@ A recipe's ``sections`` maps a section name to one of:
 * ``Target(...)``: a section built from ``_target_``, checked against the callable's signature;
 * ``Free(...)``: a mapping passed through as it is;
 * ``RecipeRef(...)``: the ``recipe`` section (see :func:`check_recipe`);
-* ``KeyAlias(...)``: a top-level key standing for a key of a keyed section (upstream's ``seed:`` is ``rng.seed``);
+* ``KeyAlias(...)``: a top-level key standing for a key of a keyed section (upstream's ``seed:`` is ``rng.seed``),
+  or, named ``section.key``, a key of one section standing for one of another (``checkpoint.restore_from``);
 * ``Metadata(...)``: a section nothing reads (upstream's ``ci:``): neither interpolated nor validated, and named in a
   note; so is any top-level key starting with ``_`` (a YAML anchor's holder, a section set aside);
 * ``Refused(...)``: a section automodel cannot act on, refused with its reason (its content is not read).
@@ -104,16 +105,26 @@ def metadata_note(data: dict, sections: dict[str, SectionSpec]) -> str | None:
 
 
 def apply_key_aliases(data: dict, sections: dict[str, SectionSpec], issues: list[ConfigIssue]) -> dict:
-    """``data`` with every top-level ``KeyAlias`` copied into the section key it stands for."""
+    """``data`` with every ``KeyAlias`` copied into the section key it stands for. An alias named ``section.key``
+    (upstream's ``checkpoint.restore_from``) is a key of another section, taken out of it (a null one too)."""
     out = dict(data)
     for name, spec in sections.items():
-        if not isinstance(spec, KeyAlias) or data.get(name) is None:
+        if not isinstance(spec, KeyAlias):
+            continue
+        value = data.get(name)
+        if "." in name:
+            home, own = name.split(".", 1)
+            holder = out.get(home)
+            if not isinstance(holder, dict) or own not in holder:
+                continue
+            value = holder[own]
+            out[home] = {k: v for k, v in holder.items() if k != own}
+        if value is None:
             continue
         section, key = spec.key.split(".", 1)
         node = out.get(section) or {}
         if not isinstance(node, dict):
             continue  # the section's own check reports it
-        value = data[name]
         if key in node and node[key] != value:
             issues.append(ConfigIssue(name, f"{value!r} disagrees with {spec.key}: {node[key]!r}; '{name}' is "
                                             f"{spec.key} under another name: give one of them"))

@@ -139,7 +139,8 @@ def build_dataloader(ctx: BuildContext, dataset: Any, node: ConfigNode, train: b
     for training; under torchrun each data-parallel rank reads its own shard. ``default_collate`` is the recipe's."""
     settings = {k: build_value(v, ctx.cfg.resolver, f"{node.key}.{k}") for k, v in node.to_dict().items()
                 if k not in ("_target_", "collate_fn")}
-    settings.setdefault("batch_size", ctx.batch.micro_batch_size)
+    if settings.get("batch_size") is None:  # null too: upstream's "the data set yields batches" (see plan)
+        settings["batch_size"] = ctx.batch.micro_batch_size
     shuffle = settings.pop("shuffle", train)
     if not torch.cuda.is_available():
         settings["pin_memory"] = False  # pinning needs an accelerator; accepted and ignored on CPU

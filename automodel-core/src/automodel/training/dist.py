@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 from automodel.errors import AutomodelError
 
-# (world size, where it comes from) while the CLI validates a run it is about to launch (see planned_world_size)
-_PLANNED: ContextVar[tuple[int, str] | None] = ContextVar("automodel_planned_world", default=None)
+# (world size, where it comes from, nodes) while the CLI validates a run it is about to launch (planned_world_size)
+_PLANNED: ContextVar[tuple[int, str, int] | None] = ContextVar("automodel_planned_world", default=None)
 # What gloo / nccl / the store say when a peer stalled past the timeout or went away
 _PEER_FAILURES = ("timed out", "timeout", "connection closed by peer", "connection reset by peer", "broken pipe",
                   "socket closed", "wait timeout")
@@ -28,10 +28,10 @@ def world_size() -> int:
 
 
 @contextlib.contextmanager
-def planned_world_size(size: int, source: str) -> Iterator[None]:
-    """Within the block, validation and ``--dry-run`` plan for ``size`` processes (``source`` says why: the CLI's
-    ``--nproc-per-node`` x ``--nnodes`` before it launches them)."""
-    token = _PLANNED.set((size, source))
+def planned_world_size(size: int, source: str, nodes: int = 1) -> Iterator[None]:
+    """Within the block, validation and ``--dry-run`` plan for ``size`` processes on ``nodes`` machines (``source``
+    says why: the CLI's ``--nproc-per-node`` x ``--nnodes`` before it launches them)."""
+    token = _PLANNED.set((size, source, nodes))
     try:
         yield
     finally:
@@ -42,6 +42,16 @@ def expected_world_size() -> int:
     """The world size a config is validated and planned for: the launch being prepared, else this process's."""
     planned = _PLANNED.get()
     return planned[0] if planned is not None else world_size()
+
+
+def expected_node_count() -> int:
+    """The machines of the run validated: the launch being prepared (``--nnodes``), else torchrun's (WORLD_SIZE /
+    LOCAL_WORLD_SIZE), else one."""
+    planned = _PLANNED.get()
+    if planned is not None:
+        return planned[2]
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size()))
+    return max(1, world_size() // max(local, 1))
 
 
 def world_size_source() -> str:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from automodel.errors import AutomodelError
 from automodel.training.builders import describe_batch
@@ -114,8 +115,12 @@ class TrainingLoop:
         return loss, grad_norm, input_tokens
 
     def prepare_micro_batch(self, last: bool) -> None:
-        """Called before each micro-batch of a step (``last``: the step's final one); a recipe may, say, defer
-        FSDP2's gradient reduction to the last one."""
+        """Called before each micro-batch of a step (``last``: the step's final one). ``distributed.
+        defer_fsdp_grad_sync`` (upstream's default, true): an FSDP2 model reduce-scatters its gradients after the
+        step's last micro-batch only, keeping the unsharded gradients until then; false: after every micro-batch."""
+        settings = self.cfg.distributed
+        if settings is not None and isinstance(self.model, FSDPModule):
+            self.model.set_requires_gradient_sync(last or not settings.defer_fsdp_grad_sync)
 
     def _scaled_update(self, scaler: Any, grad_norm: torch.Tensor) -> None:
         """fp16: the scaler skips an update whose gradients overflowed and lowers its scale; such a step counts as

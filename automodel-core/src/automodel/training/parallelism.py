@@ -98,6 +98,10 @@ def parallel_issues(cfg: Config, implementation: str | None) -> list[ConfigIssue
         issues.append(ConfigIssue("distributed.dp_replicate_size", f"{settings.dp_replicate_size}: HSDP replicates "
                                   "FSDP2's shards, so it needs distributed.strategy: fsdp2 and more than one "
                                   f"process (this run: {world_size_source()}); use 1"))
+    if settings.enable_fsdp2_prefetch and not fsdp2:
+        issues.append(ConfigIssue("distributed.enable_fsdp2_prefetch", "true orders FSDP2's parameter gathers, so "
+                                  "it needs distributed.strategy: fsdp2 and more than one process (this run: "
+                                  f"{world_size_source()}); set it false"))
     issues += mesh_layout(cfg, world)[1]
     issues += run_precision(cfg, validation_device(), fsdp2)[1]
     return issues
@@ -199,3 +203,22 @@ def plan_lines(cfg: Config, implementation: str | None) -> list[str]:
     if stored is None:
         line += " (storage: the model's own dtype, fp32 assumed here)"
     return [f"world size: {world} ({world_size_source()})", *describe_mesh(layout), *tensor_parallel_lines(cfg), line]
+
+
+def inert_distributed_notes(cfg: Config, fsdp2: bool) -> list[str]:
+    """Notes naming upstream's ``distributed`` keys that govern nothing in this run (upstream ignores them too)."""
+    settings = cfg.distributed
+    if settings is None:
+        return []
+    notes = []
+    for name, size, what in (("pipeline", settings.pp_size, "pipeline parallelism (pp_size)"),
+                             ("moe", settings.ep_size or 1, "expert parallelism (ep_size)")):
+        if getattr(settings, name) is not None and size == 1:
+            notes.append(f"note: distributed.{name} governs nothing this run: {what} is off, and upstream ignores "
+                         "these settings then too")
+    for name, given in (("defer_fsdp_grad_sync", not settings.defer_fsdp_grad_sync),
+                        ("reshard_after_forward", settings.reshard_after_forward is not None)):
+        if given and not fsdp2:
+            notes.append(f"note: distributed.{name}: {str(getattr(settings, name)).lower()} governs nothing this "
+                         "run: it acts on FSDP2 models (distributed.strategy: fsdp2, more than one process)")
+    return notes

@@ -40,7 +40,12 @@ from automodel.training.loop import TrainingLoop
 from automodel.training.metrics import JsonlWriter, device_peak_flops
 from automodel.training.modules import is_fsdp2, trainable_parameters, unwrap
 from automodel.training.parallel.mesh import build_device_mesh
-from automodel.training.parallelism import parallel_layout, run_precision, shards_with_fsdp2
+from automodel.training.parallelism import (
+    inert_distributed_notes,
+    parallel_layout,
+    run_precision,
+    shards_with_fsdp2,
+)
 from automodel.training.pipeline import PIPELINE_SLOTS, Selection, apply_pipeline, select_stages
 from automodel.training.quantized_base import base_quantization_note
 from automodel.training.resume import choose_checkpoint, hold_checkpoint_dir
@@ -77,6 +82,8 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
         "rng": s.RngConfig,
         "seed": KeyAlias("rng.seed", "the run's seed, upstream's top-level key: the same as rng.seed, and ranked "
                          "(seed + rank per process) unless rng.ranked says otherwise", implies={"ranked": True}),
+        "checkpoint.restore_from": KeyAlias("restore_from.path", "upstream's spelling of restore_from.path: a "
+                                            "checkpoint path, a directory name under checkpoint_dir, or LATEST"),
         "model": Target("the model to train: {_target_: ..., ...}", required=True),
         "compile": s.CompileConfig,
         "clip_grad_norm": s.ClipGradConfig,
@@ -305,6 +312,8 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
         self.ctx = ctx = replace(ctx, restore_path=choose_checkpoint(cfg, self.checkpointer, self.log))
         self.setup_domain()
         self.checkpoint_notes()
+        for note in inert_distributed_notes(cfg, ctx.fsdp2):
+            self.log(note)
         self.ctx = ctx = replace(ctx, collate_args=self.collate_runtime_args())
         with building_on_meta() as meta:
             model = self.build_model(ctx)

@@ -162,12 +162,82 @@ class DistributedConfig:
     autocast_dtype: str | None = field(
         default=None, metadata=_help("also run the forward under torch.autocast in this dtype (bf16 | fp16), as "
                                      "upstream does with mp_policy.output_dtype fp32"))
+    pipeline: dict | None = field(default=None, metadata=_help(
+        "upstream's pipeline-parallel settings (pp_schedule, pp_microbatch_size, layers_per_stage, ...): with "
+        "pp_size 1 they govern nothing, upstream's rule too, and the run says so; pp_size > 1 is refused above"))
+    moe: dict | None = field(default=None, metadata=_help(
+        "upstream's expert-parallel settings (ignore_router_for_ac, reshard_after_forward, wrap_outer_model, ...): "
+        "with ep_size 1 (or null) they govern nothing, upstream's rule too, and the run says so"))
+    defer_fsdp_grad_sync: bool = field(default=True, metadata=_help(
+        "under FSDP2 with gradient accumulation, reduce-scatter the gradients once, after a step's last "
+        "micro-batch (false: after every micro-batch; less memory, more communication)"))
+    reshard_after_forward: bool | None = field(default=None, metadata=_help(
+        "FSDP2 frees each block's gathered parameters after its forward: null, every block but the last (backward "
+        "needs it first); true: every block; false: none (more memory, no second gather in backward)"))
+    enable_fsdp2_prefetch: bool = field(default=False, metadata=_help(
+        "FSDP2 gathers the next blocks' parameters ahead of use (the depths below) instead of its implicit "
+        "one-block prefetch (fsdp2 with more than one process)"))
+    fsdp2_forward_prefetch_depth: int = field(default=1, metadata=_help(
+        "blocks gathered ahead in forward (with enable_fsdp2_prefetch)"))
+    fsdp2_backward_prefetch_depth: int = field(default=2, metadata=_help(
+        "blocks gathered ahead in backward (with enable_fsdp2_prefetch)"))
+    enable_compile: bool = field(default=False, metadata=_help(
+        "refused when true: upstream compiles each block of its own model code; compile the whole model with "
+        "compile.enabled: true"))
+    enable_async_tensor_parallel: bool = field(default=False, metadata=_help(
+        "refused when true: async tensor parallelism needs tp_size > 1 (not implemented yet) and CUDA"))
+    patch_is_packed_sequence: bool = field(default=False, metadata=_help(
+        "refused when true: upstream's patch removes a CUDA synchronisation per attention layer (for CUDA graphs "
+        "and torch.compile on GPUs); it would also mis-read packed sequences"))
+    multimodal: dict | None = field(default=None, metadata=_help(
+        "refused: upstream's FSDP2 policies for frozen vision / audio towers (frozen_sharding, vision."
+        "frame_sharding) are not implemented; FSDP2 here shards every transformer block it finds"))
 
     def __post_init__(self) -> None:
         require_positive(self, "tp_size", "cp_size", "pp_size", "ep_size", "dp_replicate_size",
+                         "fsdp2_forward_prefetch_depth", "fsdp2_backward_prefetch_depth",
                          *(("dp_size",) if isinstance(self.dp_size, int) else ()))
         if self.dp_replicate_size is None:
             self.dp_replicate_size = 1
+        errors = {}
+        if self.enable_compile:
+            errors["enable_compile"] = ("true compiles each block of upstream's own model code; here compile the "
+                                        "whole model with compile: {enabled: true} and set this false")
+        if self.enable_async_tensor_parallel:
+            errors["enable_async_tensor_parallel"] = (
+                "true overlaps tensor parallelism's reduce-scatter with compute; it needs tp_size > 1, which is not "
+                "implemented yet, and CUDA (symmetric memory): set it false")
+        if self.patch_is_packed_sequence:
+            errors["patch_is_packed_sequence"] = (
+                "true patches transformers to skip a CUDA synchronisation per attention layer (a speed-up for CUDA "
+                "graphs / torch.compile on GPUs), which this build does not do; set it false (training is the "
+                "same without it)")
+        if self.multimodal is not None:
+            errors["multimodal"] = ("upstream's FSDP2 policies for frozen vision / audio towers (frozen_sharding, "
+                                    "vision.frame_sharding) are not implemented here; FSDP2 shards every "
+                                    "transformer block it finds: remove the key")
+        for name in ("pipeline", "moe"):
+            value = getattr(self, name)
+            unknown = sorted(set(value) - _UPSTREAM_KEYS[name]) if isinstance(value, dict) else []
+            if unknown:
+                errors[name] = (f"{', '.join(unknown)}: not a key of upstream's {name} settings (they are: "
+                                f"{', '.join(sorted(_UPSTREAM_KEYS[name]))})")
+        if not self.enable_fsdp2_prefetch:
+            for name, default in (("fsdp2_forward_prefetch_depth", 1), ("fsdp2_backward_prefetch_depth", 2)):
+                if getattr(self, name) != default:
+                    errors[name] = f"{getattr(self, name)} acts only with enable_fsdp2_prefetch: true; set that too"
+        if errors:
+            raise FieldErrors(errors)
+
+
+# The keys of upstream's PipelineConfig and MoEParallelizerConfig (distributed.pipeline / distributed.moe)
+_UPSTREAM_KEYS = {
+    "pipeline": {"pp_schedule", "pp_schedule_csv", "pp_microbatch_size", "pp_batch_size", "layers_per_stage",
+                 "round_virtual_stages_to_pp_multiple", "module_fqns_per_model_part", "patch_inner_model",
+                 "patch_causal_lm_model", "patch_stage_backward_maybe_with_nosync", "dtype",
+                 "scale_grads_in_schedule", "loss_fn", "pp_seq_len"},
+    "moe": {"ignore_router_for_ac", "reshard_after_forward", "lm_head_precision", "wrap_outer_model", "mp_policy"},
+}
 
 
 # save_consolidated's values: upstream's bools and its strings (every = true); final stays "final".
@@ -244,6 +314,17 @@ class FreezeConfig:
 class FP8Config:
     enabled: bool = field(default=False, metadata=_help("float8 training through torchao (needs a capable GPU)"))
     recipe_name: str | None = field(default=None, metadata=_help("torchao float8 recipe (tensorwise, rowwise)"))
+    filter_fqns: list[str] = field(default_factory=list, metadata=_help(
+        "linear layers whose name contains one of these stay in high precision (layers with a dimension not "
+        "divisible by 16 always do)"))
+    emulate: bool = field(default=False, metadata=_help("torchao's emulated float8 matmuls (for testing)"))
+    enable_fsdp_float8_all_gather: bool = field(default=False, metadata=_help(
+        "FSDP2 gathers the weights in float8 (tensorwise scaling)"))
+    force_recompute_fp8_weight_in_bwd: bool = field(default=False, metadata=_help(
+        "recompute the float8 weights in backward instead of keeping them"))
+    precompute_float8_dynamic_scale_for_fsdp: bool = field(default=False, metadata=_help(
+        "refused when true: upstream computes the float8 all-gather scales once after each optimizer step; not "
+        "implemented here (each layer computes its scale itself, the same values)"))
 
 
 @dataclass

@@ -2,9 +2,10 @@
 
 from automodel_llm.datasets.chat import ChatDataset
 from automodel_llm.datasets.column_mapped import ColumnMappedTextInstructionDataset
+from automodel_llm.datasets.hellaswag import HellaSwag
 from automodel_llm.datasets.packing import PackedDataset
-from automodel_llm.datasets.pretraining import MockDataset, PretrainingTextDataset
+from automodel_llm.datasets.pretraining import MockDataset, PretrainingTextDataset, mock_iterable_dataset
 from automodel_llm.datasets.squad import SquadDataset, make_squad_dataset
 
-__all__ = ["ChatDataset", "ColumnMappedTextInstructionDataset", "MockDataset", "PackedDataset",
-           "PretrainingTextDataset", "SquadDataset", "make_squad_dataset"]
+__all__ = ["ChatDataset", "ColumnMappedTextInstructionDataset", "HellaSwag", "MockDataset", "PackedDataset",
+           "PretrainingTextDataset", "SquadDataset", "make_squad_dataset", "mock_iterable_dataset"]

@@ -74,12 +74,33 @@ class MockDataset(Dataset):
         vocab = vocab_size or (len(tokenizer) if tokenizer is not None else None)
         if not vocab:
             raise AutomodelError("dataset.vocab_size: needed when no tokenizer is available")
-        generator = torch.Generator().manual_seed(seed)
-        self.data = torch.randint(0, vocab, (num_samples, seq_length), generator=generator)
+        self.num_samples, self.seq_length, self.vocab_size, self.seed = num_samples, seq_length, vocab, seed
 
     def __len__(self) -> int:
-        return len(self.data)
+        return self.num_samples
 
     def __getitem__(self, index: int) -> dict[str, list[int]]:
-        row = self.data[index].tolist()
+        """Sample ``index``, drawn when asked (a million samples cost nothing until read), the same every time."""
+        if not 0 <= index < self.num_samples:
+            raise IndexError(index)
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        row = torch.randint(0, self.vocab_size, (self.seq_length,), generator=generator).tolist()
         return {"input_ids": row, "labels": row}
+
+
+def mock_iterable_dataset(vocab_size: int = 1024, seq_len: int = 1024, num_samples: int = 1_000_000,
+                          batch_size: int | None = 1) -> MockDataset:
+    """Upstream's ``MockIterableDataset``: ``num_samples`` random sequences of ``seq_len`` tokens below
+    ``vocab_size``, the loss on every token after the first. Upstream's data set yields whole batches of
+    ``batch_size`` (its dataloader's batch_size is null); here the dataloader forms them, of
+    step_scheduler.local_batch_size (or dataloader.batch_size) samples."""
+    if batch_size not in (None, 1):
+        raise AutomodelError(f"dataset.batch_size: {batch_size}: here the dataloader forms the batches; remove it "
+                             f"and set step_scheduler.local_batch_size: {batch_size} (upstream requires the two to "
+                             "match)")
+    return MockDataset(num_samples=num_samples, seq_length=seq_len, vocab_size=vocab_size)
+
+
+mock_iterable_dataset.argument_help = {"vocab_size": "token ids are drawn below it", "seq_len": "tokens per sample",
+                                       "num_samples": "how many samples",
+                                       "batch_size": "1 or null (the dataloader forms the batches)"}

@@ -63,7 +63,8 @@ def validate(ctx: click.Context, route: tuple[str, ...], config: str, nproc_per_
     from automodel.training.dist import expected_world_size, planned_world_size, world_size_source
 
     launch = {"nproc_per_node": nproc_per_node, "nnodes": nnodes}
-    planned = planned_world_size(*planned_world(launch)) if nproc_per_node or nnodes else contextlib.nullcontext()
+    planned = (planned_world_size(*planned_world(launch), nodes=nnodes or 1) if nproc_per_node or nnodes
+               else contextlib.nullcontext())
     with planned:
         label, path = _validate(ctx, route, config)
         world, source = expected_world_size(), world_size_source()

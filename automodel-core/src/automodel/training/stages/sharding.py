@@ -62,7 +62,11 @@ def wrap_fsdp2(ctx: BuildContext, model: torch.nn.Module) -> tuple[torch.nn.Modu
     if not meta:
         model.to(ctx.device)
     layout = ctx.mesh
-    blocks = apply_fsdp2(model, data_parallel_mesh(ctx.device_mesh, layout), ctx.precision)
+    settings = ctx.cfg.distributed
+    prefetch = ((settings.fsdp2_forward_prefetch_depth, settings.fsdp2_backward_prefetch_depth)
+                if settings.enable_fsdp2_prefetch else None)
+    blocks = apply_fsdp2(model, data_parallel_mesh(ctx.device_mesh, layout), ctx.precision, prefetch,
+                         settings.reshard_after_forward)
     how = (f"HSDP: {layout.dp_replicate} replicas x FSDP2 over {layout.dp_shard} ranks" if layout.dp_replicate > 1
            else f"FSDP2 over {layout.dp_shard} ranks")
     if layout.tp > 1:

@@ -1,0 +1,89 @@
+"""Upstream's FSDP2 switches that act here: ``distributed.defer_fsdp_grad_sync`` (the gradient reduce-scatter after
+a step's last micro-batch only) and ``enable_fsdp2_prefetch`` with its depths (explicit prefetch between blocks)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from automodel.training.loop import TrainingLoop
+from automodel.training.parallel.fsdp import set_prefetch
+from automodel.training.sections import DistributedConfig
+
+
+@pytest.fixture
+def sharded_blocks():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from automodel.testing import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        model = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(4)))
+        for block in model:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        yield model
+    finally:
+        dist.destroy_process_group()
+
+
+def _reduces(model: torch.nn.Module) -> list[bool]:
+    return [m._get_fsdp_state()._fsdp_param_group.reduce_grads for m in model]
+
+
+@pytest.mark.parametrize("defer, expected", [(True, [False, True]), (False, [True, True])])
+def test_defer_fsdp_grad_sync_reduces_after_the_last_micro_batch_only(sharded_blocks, defer, expected):
+    loop = SimpleNamespace(cfg=SimpleNamespace(distributed=DistributedConfig(defer_fsdp_grad_sync=defer)),
+                           model=sharded_blocks)
+    seen = []
+    for last in (False, True):
+        TrainingLoop.prepare_micro_batch(loop, last=last)
+        seen.append(all(_reduces(sharded_blocks)))
+        assert len(set(_reduces(sharded_blocks))) == 1  # every unit alike
+    assert seen == expected
+
+
+def test_explicit_prefetch_orders_the_gathers_by_depth(sharded_blocks):
+    blocks = list(sharded_blocks)
+    set_prefetch(blocks, forward_depth=2, backward_depth=1)
+    states = [b._get_fsdp_state() for b in blocks]
+    assert [s._states_to_forward_prefetch for s in states] == [states[1:3], states[2:4], states[3:4], []]
+    assert [s._states_to_backward_prefetch for s in states] == [[], [states[0]], [states[1]], [states[2]]]
+
+
+def test_prefetch_depths_and_upstream_sections_validate():
+    with pytest.raises(ValueError, match="enable_fsdp2_prefetch: true"):
+        DistributedConfig(fsdp2_backward_prefetch_depth=3)
+    settings = DistributedConfig(enable_fsdp2_prefetch=True, fsdp2_backward_prefetch_depth=3,
+                                 pipeline={"pp_schedule": "1f1b"}, moe={"reshard_after_forward": False})
+    assert settings.defer_fsdp_grad_sync  # upstream's default
+
+
+@pytest.mark.parametrize("setting, expected", [(None, [True, True, False]), (True, [True, True, True]),
+                                               (False, [False, False, False])])
+def test_reshard_after_forward_chooses_which_blocks_free_their_parameters(setting, expected):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from automodel.testing import free_port
+    from automodel.training.parallel.fsdp import apply_fsdp2
+
+    class Blocks(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        model = Blocks()
+        apply_fsdp2(model, init_device_mesh("cpu", (1,)), reshard_after_forward=setting)
+        groups = [block._get_fsdp_state()._fsdp_param_group for block in model.layers]
+        assert [g.post_forward_mesh_info is not None for g in groups] == expected
+    finally:
+        dist.destroy_process_group()

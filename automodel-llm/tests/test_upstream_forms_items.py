@@ -1,0 +1,287 @@
+"""Upstream forms of issue 20 beyond the config-level ones: `distributed.pipeline` / `moe` (inert at size 1, named in
+a note), `checkpoint.restore_from`, upstream's `benchmark:` keys, HellaSwag, MockIterableDataset, fp8 keys and the
+upstream names refused because they need a GPU. Each form validates and acts, or is refused with its reason."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from automodel.errors import AutomodelError, ConfigError
+from automodel.testing import load_config, read_jsonl, train_inprocess, write_yaml
+
+FORMS = Path(__file__).parent / "upstream_forms"
+
+
+def refusals(config: Path, *overrides, route=("finetune", "llm")) -> dict[str, str]:
+    with pytest.raises(ConfigError) as info:
+        load_config(config, *overrides, route=route)
+    return {issue.key: issue.message for issue in info.value.issues}
+
+
+def variant(tmp_path: Path, source: Path, **sections) -> Path:
+    data = yaml.safe_load(source.read_text())
+    for name, value in sections.items():
+        data[name] = value
+    return write_yaml(tmp_path / f"variant_{source.name}", data)
+
+
+def test_pipeline_and_moe_sections_are_inert_at_size_one_and_say_so(tmp_path, monkeypatch, capsys):
+    data = yaml.safe_load((FORMS / "distributed_pipeline_replicate.yaml").read_text())
+    data["distributed"]["moe"] = {"reshard_after_forward": False, "wrap_outer_model": False}
+    data["distributed"]["ep_size"] = 1
+    config = write_yaml(tmp_path / "pipeline_moe.yaml", data)
+    monkeypatch.chdir(tmp_path)
+    train_inprocess(config)
+    assert read_jsonl(tmp_path / "checkpoints" / "training.jsonl")[-1]["step"] == 3
+    err = capsys.readouterr().err
+    assert "note: distributed.pipeline governs nothing this run: pipeline parallelism (pp_size) is off" in err
+    assert "note: distributed.moe governs nothing this run: expert parallelism (ep_size) is off" in err
+
+
+def test_pipeline_and_moe_keys_are_upstreams_and_sizes_above_one_stay_refused(tmp_path):
+    config = FORMS / "distributed_pipeline_replicate.yaml"
+    found = refusals(config, "--distributed.pp_size", "2")
+    assert "pipeline parallelism is not implemented" in found["distributed.pp_size"]
+    data = yaml.safe_load(config.read_text())
+    data["distributed"]["pipeline"]["pp_shedule"] = "1f1b"
+    data["distributed"]["moe"] = {"wrap_outer_modle": True}
+    found = refusals(write_yaml(tmp_path / "typo.yaml", data))
+    assert "pp_shedule: not a key of upstream's pipeline settings" in found["distributed.pipeline"]
+    assert "wrap_outer_modle: not a key of upstream's moe settings" in found["distributed.moe"]
+
+
+@pytest.mark.parametrize("key, words", [("enable_compile", "compile: {enabled: true}"),
+                                        ("enable_async_tensor_parallel", "tp_size > 1"),
+                                        ("patch_is_packed_sequence", "CUDA synchronisation")])
+def test_upstream_fsdp2_switches_that_cannot_act_are_refused_with_the_reason(key, words):
+    found = refusals(FORMS / "distributed_pipeline_replicate.yaml", f"--distributed.{key}", "true")
+    assert words in found[f"distributed.{key}"]
+    load_config(FORMS / "distributed_pipeline_replicate.yaml", f"--distributed.{key}", "false")  # off: fine
+
+
+def test_fsdp2_prefetch_needs_fsdp2_processes_and_its_depths_need_it():
+    found = refusals(FORMS / "distributed_pipeline_replicate.yaml", "--distributed.enable_fsdp2_prefetch", "true")
+    assert "needs distributed.strategy: fsdp2 and more than one process" in found["distributed.enable_fsdp2_prefetch"]
+    found = refusals(FORMS / "distributed_pipeline_replicate.yaml", "--distributed.fsdp2_forward_prefetch_depth", "2")
+    assert "acts only with enable_fsdp2_prefetch: true" in found["distributed.fsdp2_forward_prefetch_depth"]
+
+
+def test_checkpoint_restore_from_is_restore_from_path(tmp_path, monkeypatch, capsys):
+    form = FORMS / "checkpoint_restore_from.yaml"
+    _, cfg = load_config(form)
+    assert cfg.restore_from.path == "LATEST" and "restore_from" not in vars(cfg.checkpoint)
+    monkeypatch.chdir(tmp_path)
+    train_inprocess(form)  # LATEST with no checkpoint yet: a fresh start
+    assert "starting fresh" in capsys.readouterr().err
+    train_inprocess(form, "--step_scheduler.max_steps", "4")  # LATEST now names step 3: resumed from it
+    steps = [r["step"] for r in read_jsonl(tmp_path / "checkpoints" / "training.jsonl")]
+    assert steps == [3, 4]  # each run logs its last step; the second trained step 4 only
+    found = refusals(form, "--restore_from.path", "elsewhere")
+    assert "disagrees with restore_from.path" in found["checkpoint.restore_from"]
+    _, cfg = load_config(form, "--checkpoint.restore_from", "null")
+    assert cfg.restore_from is None or cfg.restore_from.path is None
+
+
+def test_benchmark_upstream_keys_and_mock_iterable_dataset(tmp_path, monkeypatch):
+    form = FORMS / "benchmark_upstream.yaml"
+    route = ("benchmark", "llm")
+    monkeypatch.chdir(tmp_path)
+    recipe = train_inprocess(form, route=route)
+    assert len(recipe.train_dataset) == 64
+    sample = recipe.train_dataset[5]
+    assert len(sample["input_ids"]) == 32 and max(sample["input_ids"]) < 482 and sample["labels"] == \
+        sample["input_ids"] and recipe.train_dataset[5] == sample  # the same sample every time it is read
+    result = json.loads((tmp_path / "benchmark" / "result.json").read_text())  # json_output_path
+    assert result["steps_timed"] == 2
+    found = refusals(form, "--benchmark.nsys_start", "5", "--benchmark.nsys_ranks", "[0]", route=route)
+    assert "Nsight Systems capture needs a CUDA GPU" in found["benchmark.nsys_start"]
+    assert "benchmark.nsys_ranks" in found
+    found = refusals(form, "--benchmark.num_nodes", "2", route=route)
+    assert "launched on 1 node" in found["benchmark.num_nodes"] and "--nnodes 2" in found["benchmark.num_nodes"]
+    with pytest.raises(AutomodelError, match="dataset.batch_size: 2: here the dataloader forms the batches"):
+        train_inprocess(form, "--dataset.batch_size", "2", route=route, setup_only=True)
+
+
+def test_benchmark_num_nodes_is_checked_against_the_planned_launch():
+    from automodel.training.dist import planned_world_size
+
+    form = FORMS / "benchmark_upstream.yaml"
+    with planned_world_size(2, "--nproc-per-node 1 x --nnodes 2", nodes=2):
+        found = refusals(form, route=("benchmark", "llm"))
+    assert "benchmark.num_nodes" in found  # num_nodes: 1, but the launch has 2 nodes
+
+
+def _hellaswag_rows(path: Path) -> Path:
+    rows = [{"ctx": "A man is sitting on a roof. He", "endings": [" is using wrap.", " starts pulling up roofing.",
+                                                                   " is ripping level tiles.", " holds a rope."],
+             "label": "1"},
+            {"ctx": "A woman walks into the kitchen and", "endings": [" cooks.", " sings.", " sleeps.", " reads."],
+             "label": 0}] * 8
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_hellaswag_is_the_context_then_the_correct_ending_with_the_loss_on_the_ending(tmp_path):
+    import automodel_llm
+    from automodel.hf import load_tokenizer
+    from automodel_llm.datasets import HellaSwag
+
+    tokenizer = load_tokenizer(str(Path(automodel_llm.__file__).parent / "examples" / "assets" / "tiny_tokenizer"),
+                               "tokenizer")
+    data = _hellaswag_rows(tmp_path / "hellaswag.jsonl")
+    unpadded = HellaSwag(str(data), tokenizer=tokenizer, pad_to_max_length=False)
+    first = unpadded[0]
+    context = tokenizer("A man is sitting on a roof. He")["input_ids"]
+    ending = [t for t in tokenizer(" starts pulling up roofing.")["input_ids"] if t not in tokenizer.all_special_ids]
+    assert first["input_ids"] == context + ending  # endings[label]; label given as text
+    assert first["labels"] == [-100] * len(context) + ending
+    assert len(unpadded) == 16 and unpadded[1]["labels"][-len(ending):] != ending
+    padded = HellaSwag(str(data), tokenizer=tokenizer, num_samples_limit=4)
+    lengths = {len(s["input_ids"]) for s in padded.samples}
+    assert len(padded) == 4 and len(lengths) == 1 and lengths.pop() % 8 == 0
+    assert sum(padded[1]["attention_mask"]) == len(unpadded[1]["input_ids"])
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"ctx": "x", "endings": ["a"], "label": 3}) + "\n")
+    with pytest.raises(AutomodelError, match="'label' \\(3\\) is not an index of 'endings'"):
+        HellaSwag(str(bad), tokenizer=tokenizer)
+
+
+def test_hellaswag_under_upstreams_name_trains(tmp_path, monkeypatch):
+    data = _hellaswag_rows(tmp_path / "hellaswag.jsonl")
+    node = {"_target_": "nemo_automodel.components.datasets.llm.hellaswag.HellaSwag", "path_or_dataset": str(data),
+            "split": "train", "num_samples_limit": 12}
+    config = variant(tmp_path, FORMS / "recipe_bare_name.yaml", dataset=node,
+                     validation_dataset={**node, "num_samples_limit": 4})
+    monkeypatch.chdir(tmp_path)
+    recipe = train_inprocess(config)
+    assert len(recipe.train_dataset) == 12
+    assert read_jsonl(tmp_path / "checkpoints" / "training.jsonl")[-1]["step"] == 3
+
+
+@pytest.mark.parametrize("section, key, target, words", [
+    ("loss_fn", "_target_", "nemo_automodel.components.loss.linear_ce.FusedLinearCrossEntropy", "CUDA GPU"),
+    ("loss_fn", "_target_", "nemo_automodel.components.loss.te_parallel_ce.TEParallelCrossEntropy", "CUDA GPU"),
+    ("optimizer", "_target_", "transformer_engine.pytorch.optimizers.FusedAdam", "torch.optim.AdamW"),
+    ("optimizer", "_target_", "transformer_engine.pytorch.optimizers.fused_adam.FusedAdam", "torch.optim.AdamW"),
+    ("dataset", "_target_", "nemo_automodel.components.datasets.llm.megatron_dataset.MegatronPretraining",
+     "PretrainingTextDataset"),
+])
+def test_upstream_names_without_an_equivalent_here_are_refused_with_what_to_use(tmp_path, section, key, target,
+                                                                                 words):
+    data = yaml.safe_load((FORMS / "recipe_bare_name.yaml").read_text())
+    data[section] = {"_target_": target}
+    found = refusals(write_yaml(tmp_path / "c.yaml", data))
+    assert "is not supported here" in found[f"{section}._target_"] and words in found[f"{section}._target_"]
+
+
+def test_thd_collater_is_refused_as_needing_transformer_engine(tmp_path):
+    data = yaml.safe_load((FORMS / "recipe_bare_name.yaml").read_text())
+    data["dataloader"]["collate_fn"] = "nemo_automodel.components.datasets.utils.packed_sequence_thd_collater"
+    found = refusals(write_yaml(tmp_path / "c.yaml", data))
+    assert "Transformer Engine" in found["dataloader.collate_fn"]
+
+
+def test_fp8_upstream_keys_are_validated_and_refused_on_cpu_for_the_hardware(tmp_path):
+    data = yaml.safe_load((FORMS / "recipe_bare_name.yaml").read_text())
+    data["fp8"] = {"enabled": True, "recipe_name": "tensorwise", "enable_fsdp_float8_all_gather": True,
+                   "precompute_float8_dynamic_scale_for_fsdp": False, "force_recompute_fp8_weight_in_bwd": True,
+                   "filter_fqns": ["lm_head"], "emulate": False}
+    found = refusals(write_yaml(tmp_path / "c.yaml", data))
+    assert list(found) == ["fp8.enabled"] and "FP8 training needs a CUDA GPU" in found["fp8.enabled"]
+
+
+def test_fp8_layer_filter_is_upstreams():
+    import torch
+
+    from automodel.training.stages.fp8 import converts_to_float8
+
+    assert converts_to_float8(torch.nn.Linear(32, 16), "model.layers.0.mlp.up_proj", [])
+    assert not converts_to_float8(torch.nn.Linear(32, 16), "lm_head", ["lm_head"])
+    assert not converts_to_float8(torch.nn.Linear(30, 16), "model.layers.0.mlp.up_proj", [])  # not a multiple of 16
+    assert not converts_to_float8(torch.nn.LayerNorm(32), "model.norm", [])
+
+
+def test_packing_strategy_thd_is_the_packing_here_and_neat_is_refused(tmp_path, monkeypatch):
+    form = FORMS / "recipe_bare_name.yaml"
+    found = refusals(form, "--packed_sequence.packed_sequence_size", "64", "--packed_sequence.packing_strategy",
+                     "neat")
+    assert "neat (upstream's bin-packing" in found["packed_sequence.packing_strategy"]
+    monkeypatch.chdir(tmp_path)
+    recipe = train_inprocess(form, "--packed_sequence.packed_sequence_size", "256",
+                             "--packed_sequence.packing_strategy", "thd", setup_only=True)
+    rows = [recipe.train_dataset[i] for i in range(len(recipe.train_dataset))]
+    assert all(len(r["input_ids"]) <= 256 for r in rows)
+    assert any(list(r["position_ids"]).count(0) > 1 for r in rows)  # several samples a row, positions restarting
+
+
+def test_a_section_given_as_none_is_absent_as_upstreams_loader_reads_it(tmp_path, monkeypatch):
+    data = yaml.safe_load((FORMS / "recipe_bare_name.yaml").read_text())
+    data["validation_dataset"] = "none"
+    data["validation_dataloader"] = "None"
+    data["step_scheduler"].pop("val_every_steps", None)
+    monkeypatch.chdir(tmp_path)
+    recipe = train_inprocess(write_yaml(tmp_path / "none.yaml", data))
+    assert recipe.cfg.validation_dataset is None and not recipe.val_dataloaders
+    assert read_jsonl(tmp_path / "checkpoints" / "training.jsonl")[-1]["step"] == 3
+    assert not (tmp_path / "checkpoints" / "validation.jsonl").exists() or \
+        not read_jsonl(tmp_path / "checkpoints" / "validation.jsonl")
+    data["validation_dataset"] = "nothing"  # any other text is refused (it crashed the tokenizer check before)
+    found = refusals(write_yaml(tmp_path / "text.yaml", data))
+    assert "expected a section with _target_, found 'nothing'" in found["validation_dataset"]
+
+
+def test_a_benchmark_section_under_the_fine_tuning_recipe_points_to_the_benchmark_recipe(tmp_path):
+    data = yaml.safe_load((FORMS / "benchmark_upstream.yaml").read_text())
+    data["recipe"] = "TrainFinetuneRecipeForNextTokenPrediction"
+    found = refusals(write_yaml(tmp_path / "c.yaml", data))
+    assert "automodel benchmark llm -c FILE" in found["benchmark"]
+
+
+@pytest.mark.parametrize("section, node, words", [
+    ("parallelizer", {"_target_": "nemo_automodel.components.moe.parallelizer.parallelize_model"}, "MoE model code"),
+    ("autopipeline", {"pp_schedule": "1f1b"}, "pipeline parallelism is not implemented yet"),
+    ("quantization", {"load_in_4bit": True}, "need a CUDA GPU and bitsandbytes"),
+])
+def test_upstream_sections_without_an_equivalent_are_refused_with_the_reason(tmp_path, section, node, words):
+    data = yaml.safe_load((FORMS / "recipe_bare_name.yaml").read_text())
+    data[section] = node
+    found = refusals(write_yaml(tmp_path / "c.yaml", data))
+    assert words in found[section]
+
+
+def test_fsdp2_upstream_switches_train_the_same_losses_on_two_ranks(tmp_path):
+    """defer_fsdp_grad_sync true / false, explicit prefetch and reshard_after_forward: false change when FSDP2
+    communicates and frees, never what it computes: two ranks match one process accumulating the same samples."""
+    from automodel.testing import free_port, losses_by_step, run_cli
+
+    form = FORMS / "distributed_pipeline_replicate.yaml"
+    batch = ["--step_scheduler.global_batch_size", "16", "--step_scheduler.local_batch_size", "4",
+             "--dist_env.backend", "gloo", "--step_scheduler.log_interval", "1"]
+    runs = {"one": [], "deferred": ["--distributed.enable_fsdp2_prefetch", "true",
+                                    "--distributed.fsdp2_backward_prefetch_depth", "1",
+                                    "--distributed.reshard_after_forward", "false"],
+            "every": ["--distributed.defer_fsdp_grad_sync", "false"]}
+    found = {}
+    for name, extra in runs.items():
+        launch = [] if name == "one" else ["--nproc-per-node", "2", "--master-port", str(free_port())]
+        result = run_cli("finetune", "llm", "-c", form, *batch, *launch, *extra, "--checkpoint.checkpoint_dir",
+                         tmp_path / name, cwd=tmp_path, timeout=600, OMP_NUM_THREADS="1")
+        assert result.returncode == 0, result.stderr[-3000:]
+        found[name] = losses_by_step(tmp_path / name / "training.jsonl")
+    assert found["deferred"] == pytest.approx(found["one"], abs=1e-5)
+    assert found["every"] == pytest.approx(found["one"], abs=1e-5)
+
+
+def test_upstream_lora_switches_for_its_own_modules_are_refused_and_their_off_values_accepted(tmp_path):
+    data = yaml.safe_load((FORMS / "recipe_bare_name.yaml").read_text())
+    data["peft"] = {"_target_": "nemo_automodel.components._peft.lora.PeftConfig", "dim": 4,
+                    "use_memory_efficient_lora": True, "moe_rank_scaling": True}
+    found = refusals(write_yaml(tmp_path / "on.yaml", data))
+    assert "not implemented here: set false" in found["peft.use_memory_efficient_lora"]
+    assert "upstream's own MoE model code" in found["peft.moe_rank_scaling"]
+    data["peft"].update(use_memory_efficient_lora=False, moe_rank_scaling=False)
+    load_config(write_yaml(tmp_path / "off.yaml", data))
