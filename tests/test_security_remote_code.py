@@ -63,7 +63,7 @@ def test_the_flag_alone_asks_for_nothing(cwd):
     ("allow_pickle", True, "unpickles whatever the file holds"),
     ("custom_pipeline", "./evil_pipeline", "imports and runs a pipeline's Python file"),
 ])
-@pytest.mark.parametrize("place", ["model", "tokenizer", "ci.anything.deeper", "validation_dataset"])
+@pytest.mark.parametrize("place", ["model", "tokenizer", "validation_dataset"])
 def test_every_code_loading_key_anywhere_is_refused(cwd, key, value, fragment, place):
     config = h.run_config(h.write_tiny_llama(cwd / "tiny"), step_scheduler={"max_steps": 1})
     config["validation_dataset"] = dict(config["dataset"], split="validation")
@@ -76,6 +76,15 @@ def test_every_code_loading_key_anywhere_is_refused(cwd, key, value, fragment, p
     assert rc == 2 and f"{place}.{key}: " in text and fragment in text, text
     _, trusted = s.run_main("validate", "finetune", "llm", "-c", path, "--trust-remote-code")
     assert fragment not in trusted, trusted  # (a callable without that argument may still refuse it by name)
+
+
+def test_a_code_loading_key_in_a_section_nothing_reads_loads_nothing_and_is_left_alone(cwd):
+    """Upstream's CI settings carry trust_remote_code for their own tooling (ci.checkpoint_robustness); nothing
+    here reads ci:, so the key governs nothing and validation names the section in its note."""
+    config = h.run_config(h.write_tiny_llama(cwd / "tiny"), step_scheduler={"max_steps": 1})
+    config["ci"] = {"checkpoint_robustness": {"trust_remote_code": True, "tokenizer_name": "org/model"}}
+    rc, text = s.run_main("validate", "finetune", "llm", "-c", write_yaml(cwd / "cfg.yaml", config))
+    assert rc == 0 and "not validated and read by nothing in the run: 'ci'" in text, text
 
 
 def test_a_model_directory_with_only_pickle_weights_is_refused(cwd):

@@ -1,18 +1,17 @@
 """The security checks for the sections nothing in a run reads (metadata such as ``ci:``, ``_``-keys, refused ones).
 
 Those sections are neither interpolated nor validated as settings, so nothing in them runs here. They are still
-refused when they hold what would run code in any tool that does read them (upstream's CI tooling reads ``ci:``):
-a ``_target_`` or ``*_fn`` dotted path that could run arbitrary code (the refused modules; whether it is registered
-does not matter where nothing calls it: upstream sets sections aside with a ``_`` prefix, targets and all), a key
-that loads a model's code or unpickles, and a ``${pkg:NAME}`` naming no installed distribution's package (a
-reference may interpolate the value later). A config stays data wherever a value sits in it.
+refused when they hold a ``_target_`` or ``*_fn`` dotted path that could run arbitrary code (the refused modules;
+whether it is registered does not matter where nothing calls it: upstream sets sections aside with a ``_`` prefix,
+targets and all) and a ``${pkg:NAME}`` naming no installed distribution's package (a reference may interpolate the
+value later). A key that would load a model's code is left alone there: it loads nothing here, and upstream's own
+CI settings carry ``trust_remote_code: true`` for their tooling (``ci.checkpoint_robustness``).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from automodel.config.code_loading import code_loading_issues
 from automodel.config.env import unknown_packages
 from automodel.config.targets import TargetError, TargetResolver
 from automodel.errors import ConfigIssue
@@ -20,7 +19,7 @@ from automodel.errors import ConfigIssue
 
 def unread_section_issues(sections: dict[str, Any], resolver: TargetResolver) -> list[ConfigIssue]:
     """Every code-bearing value in ``sections`` (top-level name -> content as written)."""
-    issues = code_loading_issues(sections, resolver.trust.remote_code)
+    issues: list[ConfigIssue] = []
     for name, value in sections.items():
         _walk(str(name), value, resolver, issues)
     return issues
