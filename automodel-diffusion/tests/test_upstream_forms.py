@@ -200,7 +200,7 @@ def test_bsmntw_weights_are_a_bell_with_mean_one():
     (("--data.dataloader.seed", "7"), "data.dataloader.seed", "shuffles with the run's seed"),
     (("--data.dataloader._target_", "nemo_automodel.components.datasets.diffusion.build_video_multiresolution_"
       "dataloader"), "data.dataloader._target_", "video pipelines (Wan, HunyuanVideo, LTX-2) are not implemented"),
-    (("--checkpoint.diffusers_compatible", "false"), "checkpoint.diffusers_compatible", "always writes model/ as a diffusers pipeline"),
+    (("--checkpoint.diffusers_compatible", "false"), "checkpoint.diffusers_compatible", "as a diffusers pipeline"),
     (("--performance.grad_clip_foreach", "false"), "performance.grad_clip_foreach", "foreach"),
 ])
 def test_upstream_values_that_cannot_act_are_refused_with_the_reason(override, key, needle):
