@@ -6,6 +6,7 @@ step is trained, the epoch end is checkpointed, the backends (an offline W&B run
 from __future__ import annotations
 
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,17 @@ from automodel.cli.main import main
 from automodel.testing import checkpoint_dirs, read_jsonl, run_cli
 
 FORMS = Path(__file__).parent / "upstream_forms"
+
+
+@pytest.fixture(autouse=True)
+def own_wandb_service(monkeypatch):
+    """An earlier in-process W&B run leaves its wandb-core service behind (WANDB_SERVICE in the environment, W&B's
+    own singleton in this process): a run here would log through that one, configured for another directory,
+    instead of writing its own offline run files."""
+    wandb = sys.modules.get("wandb")
+    if wandb is not None:
+        wandb.teardown()
+    monkeypatch.delenv("WANDB_SERVICE", raising=False)
 
 
 def wandb_env(root: Path) -> dict[str, str]:
