@@ -7,6 +7,7 @@ import platform
 import re
 
 import pytest
+import torch
 
 from automodel.testing import ToyRecipe, train_inprocess
 from automodel.training.progress import Progress, TaskProgress
@@ -67,3 +68,10 @@ def test_the_malloc_tuning_line_is_a_debug_line(debug, make_toy, monkeypatch, ca
         monkeypatch.delenv("AUTOMODEL_DEBUG", raising=False)
     train_inprocess(make_toy(), recipe=ToyRecipe, setup_only=True)
     assert ("host memory: glibc malloc keeps freed buffers" in capsys.readouterr().err) is debug
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the note is for runs without a GPU")
+@pytest.mark.parametrize("pin", [False, True])
+def test_pin_memory_without_a_gpu_is_named_as_governing_nothing(pin, make_toy, capsys):
+    train_inprocess(make_toy(dataloader={"pin_memory": pin}), recipe=ToyRecipe, setup_only=True)
+    assert ("note: dataloader.pin_memory: true governs nothing this run" in capsys.readouterr().err) is pin

@@ -143,7 +143,10 @@ def build_dataloader(ctx: BuildContext, dataset: Any, node: ConfigNode, train: b
         settings["batch_size"] = ctx.batch.micro_batch_size
     shuffle = settings.pop("shuffle", train)
     if not torch.cuda.is_available():
-        settings["pin_memory"] = False  # pinning needs an accelerator; accepted and ignored on CPU
+        if settings.get("pin_memory"):  # upstream's configs set it; it speeds host-to-GPU copies only
+            ctx.log(f"note: {node.key}.pin_memory: true governs nothing this run: pinned host memory speeds copies "
+                    "to a GPU, and this run has none")
+        settings["pin_memory"] = False
     generator = _seeded(ctx.seed)
     sampler = distributed_sampler(dataset, shuffle, ctx.seed, ctx.mesh.dp, ctx.mesh.dp_rank(ctx.rank))
     if sampler is None and shuffle and not isinstance(dataset, torch.utils.data.IterableDataset):
