@@ -30,11 +30,7 @@ from automodel.training import sections as s
 from automodel.training.checkpoint import Checkpointer, load_safetensors_dir, load_weights_into
 from automodel.training.context import BuildContext
 from automodel.training.dist import init_process_group, local_rank, rank, world_size
-from automodel.training.host_memory import (
-    MMAP_THRESHOLD_BYTES,
-    SHARDED_MMAP_THRESHOLD_BYTES,
-    keep_freed_memory_in_heap,
-)
+from automodel.training.host_memory import KEEP_FREED, RETURN_FREED, apply_malloc_policy
 from automodel.training.logging import LoggerContext, MetricLoggers, resolve_backends
 from automodel.training.loop import TrainingLoop
 from automodel.training.metrics import JsonlWriter, device_peak_flops
@@ -291,10 +287,9 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
     def setup(self) -> None:
         cfg = self.cfg
         self.ctx = ctx = self.build_context()
-        threshold = SHARDED_MMAP_THRESHOLD_BYTES if ctx.fsdp2 else MMAP_THRESHOLD_BYTES
-        if ctx.device.type == "cpu" and cfg.dist_env.cpu_malloc_tuning and keep_freed_memory_in_heap(threshold):
-            self.debug(f"host memory: glibc malloc keeps freed buffers under {threshold >> 20} MiB in the heap "
-                       "(dist_env.cpu_malloc_tuning)")
+        policy = RETURN_FREED if ctx.fsdp2 else KEEP_FREED
+        if ctx.device.type == "cpu" and cfg.dist_env.cpu_malloc_tuning and apply_malloc_policy(policy):
+            self.debug(f"host memory: {policy.describe()} (dist_env.cpu_malloc_tuning)")
         self.rng = StatefulRNG(cfg.rng.seed, cfg.rng.ranked, ctx.rank)
         self.checkpointer = self.build_checkpoint_config(ctx)
         hold_checkpoint_dir(self.checkpointer, ctx)
