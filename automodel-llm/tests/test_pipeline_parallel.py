@@ -1,8 +1,9 @@
 """Pipeline parallelism through the CLI on CPU ranks (gloo): ``distributed.pp_size: 2`` on two ranks splits a tiny
 2-layer Llama into two stages (GPipe and 1F1B) and trains with the per-step losses, gradient norms and validation
 losses of one process, two micro-batches of different lengths accumulated per step; its consolidated ``model/`` is
-the one process's weights; a pp=2 checkpoint resumes in one process and on pp=2 with the uninterrupted run's
-losses; layouts and settings the pipeline cannot take are refused by ``automodel validate`` with the numbers.
+the one process's weights; a pp=2 checkpoint resumes in one process (from model/) and on pp=2 (from the sharded
+model_shards/) with the uninterrupted run's losses; layouts and settings the pipeline cannot take are refused by
+``automodel validate`` with the numbers.
 
 The ranks of one pipeline read the same rows, so the reference is one process with the same accumulation.
 Gradient clipping (max_norm 1.0) acts on the norm over both stages.
@@ -55,19 +56,23 @@ def one_process(tmp_path_factory, pp_llama_config) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def pp2_1f1b(tmp_path_factory, one_process) -> tuple[Path, str]:
-    """(checkpoint_dir, log) of the 1F1B run (its step-3 checkpoint is resumed)."""
+    """(checkpoint_dir, log) of the 1F1B run (its step-3 checkpoint, with model/, is resumed in one process)."""
     tmp = tmp_path_factory.mktemp("pp2")
     return tmp / "pp", _run(one_process[0], tmp, tmp / "pp", *PP2, "--distributed.pipeline.pp_schedule", "1f1b")
 
 
+@pytest.fixture(scope="module")
+def pp2_gpipe(tmp_path_factory, one_process) -> tuple[Path, str]:
+    """(checkpoint_dir, log) of the GPipe run; its step-3 checkpoint holds the sharded form only (model_shards/)."""
+    tmp = tmp_path_factory.mktemp("pp2_gpipe")
+    return tmp / "pp", _run(one_process[0], tmp, tmp / "pp", *PP2, "--distributed.pipeline.pp_schedule", "gpipe",
+                            "--checkpoint.save_consolidated", "final")
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_pp2_trains_like_one_process(request, one_process, tmp_path, schedule):
-    config, reference = one_process
-    if schedule == "1f1b":
-        out, log = request.getfixturevalue("pp2_1f1b")
-    else:
-        out = tmp_path / "pp"
-        log = _run(config, tmp_path, out, *PP2, "--distributed.pipeline.pp_schedule", schedule)
+def test_pp2_trains_like_one_process(request, one_process, schedule):
+    reference = one_process[1]
+    out, log = request.getfixturevalue(f"pp2_{schedule}")
     assert "pipeline stage 0 of 2 on this rank (embedding + layers 0-0)" in log
     assert f"{schedule} schedule" in log and "FSDP2 over 1 ranks" in log
     assert max(grad_norms(reference)) > 1.0 and len(val_losses(out)) == 2  # clipping acted; validation ran twice
@@ -85,13 +90,13 @@ def test_a_pp2_checkpoint_resumes_in_one_process(one_process, pp2_1f1b, tmp_path
     assert_same_weights(one / "epoch_0_step_6" / "model", reference / "epoch_0_step_6" / "model")
 
 
-def test_a_pp2_checkpoint_resumes_on_pp2(pp2_1f1b, one_process, tmp_path):
-    """The same layout, another schedule: each stage reads its own layers of model/."""
-    again = tmp_path / "again"
-    log = _run(one_process[0], tmp_path, again, *PP2, "--restore_from.path", pp2_1f1b[0] / "epoch_0_step_3",
-               "--distributed.pipeline.pp_schedule", "gpipe")
-    assert "resuming on" not in log
-    assert losses(again) == pytest.approx(losses(pp2_1f1b[0])[3:], rel=1e-6)
+def test_a_sharded_pp2_checkpoint_resumes_on_pp2(pp2_gpipe, one_process, tmp_path):
+    """The same layout, another schedule: each stage reads its own tensors of model_shards/ (DCP)."""
+    checkpoint, again = pp2_gpipe[0] / "epoch_0_step_3", tmp_path / "again"
+    assert (checkpoint / "model_shards").is_dir() and not (checkpoint / "model").exists()
+    log = _run(one_process[0], tmp_path, again, *PP2, "--restore_from.path", checkpoint)
+    assert "resuming on" not in log and "1f1b schedule" in log
+    assert losses(again) == pytest.approx(losses(pp2_gpipe[0])[3:], rel=1e-5)
 
 
 def _validate(config: Path, cwd: Path, *args) -> tuple[int, str]:

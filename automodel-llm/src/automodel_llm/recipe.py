@@ -32,6 +32,7 @@ from automodel_llm.tokenizer import VOCAB_PROBLEM, build_tokenizer, tokenizer_is
 
 IGNORE_INDEX = -100
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
+PIPELINE_LENGTH_MULTIPLE = 64  # pipelined batches are padded to a multiple of it: few shapes, few pipeline set-ups
 DATASETS = tuple(f"automodel_llm.datasets.{name}" for name in (
     "SquadDataset", "make_squad_dataset", "ColumnMappedTextInstructionDataset", "ChatDataset",
     "PretrainingTextDataset", "MockDataset"))
@@ -184,11 +185,13 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
     def compute_loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.loss_fn(*self.next_token_logits(model, batch, self.head_positions))
 
-    def pipeline_batches(self, batches: list[dict[str, torch.Tensor]]
+    def pipeline_batches(self, batches: list[dict[str, torch.Tensor]], length: int | None = None
                          ) -> list[tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]:
-        """The step's micro-batches padded to its longest (the pipeline runs one shape per step; padding carries
-        no label and is masked out of attention, so the loss is unchanged)."""
+        """The step's micro-batches padded to its longest, rounded up to a multiple of ``PIPELINE_LENGTH_MULTIPLE``,
+        or to ``length`` if longer (the pipeline runs one shape per step and sets up anew for a new shape; padding
+        carries no label and is masked out of attention, so the loss is unchanged)."""
         longest = max(batch["input_ids"].shape[1] for batch in batches)
+        longest = max(-(-longest // PIPELINE_LENGTH_MULTIPLE) * PIPELINE_LENGTH_MULTIPLE, length or 0)
         pad = self.tokenizer.pad_token_id or 0
         parts = []
         for batch in batches:

@@ -27,9 +27,10 @@ class PipelineSteps:
         "recipe is); use pp_size: 1")
     pipelines: StagePipelines | None = None
 
-    def pipeline_batches(self, batches: list[Any]) -> list[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]]:
+    def pipeline_batches(self, batches: list[Any], length: int | None = None
+                         ) -> list[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]]:
         """Pipeline parallelism: each micro-batch of a step (on the device) as ``(inputs, targets, keyword
-        arguments of every stage)``, all of one shape (see ``StagePipelines``)."""
+        arguments of every stage)``, all of one shape (see ``StagePipelines``), at least ``length`` long (dim 1)."""
         raise NotImplementedError(f"{type(self).__name__} must implement pipeline_batches to run pipelined")
 
     def pipeline_loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -52,7 +53,7 @@ class PipelineSteps:
                                  "(distributed.mp_policy.param_dtype) with distributed.pp_size > 1")
         total = torch.zeros((), device=self.device)
         with self.batch_errors(batches[0], "dataloader"):
-            parts = self.pipeline_batches([self.move_to_device(batch) for batch in batches])
+            parts = self._agreed_shape([self.move_to_device(batch) for batch in batches])
         for inputs, targets, kwargs in parts:
             with self.forward_context():
                 total += self.pipelines.step(inputs, targets, scale, **kwargs)
@@ -62,5 +63,15 @@ class PipelineSteps:
         """One validation batch's loss summed over its label tokens (through the pipeline where there is one)."""
         if self.pipelines is None:
             return local_loss(self.compute_loss(self.model, self.move_to_device(batch))).float()
-        ((inputs, targets, kwargs),) = self.pipeline_batches([self.move_to_device(batch)])
+        ((inputs, targets, kwargs),) = self._agreed_shape([self.move_to_device(batch)])
         return self.pipelines.evaluate(inputs, targets, **kwargs)
+
+    def _agreed_shape(self, batches: list[Any]) -> list[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]]:
+        """``pipeline_batches`` as long as the longest of every data-parallel rank's: a pipeline sets up anew for a
+        new shape, running FSDP2's collectives, so the data-parallel ranks must change shape together."""
+        parts = self.pipeline_batches(batches)
+        if self.ctx.mesh.dp == 1:
+            return parts
+        length = torch.tensor(parts[0][0].shape[1], device=self.device)
+        torch.distributed.all_reduce(length, op=torch.distributed.ReduceOp.MAX, group=self.data_parallel_group())
+        return parts if int(length) == parts[0][0].shape[1] else self.pipeline_batches(batches, int(length))

@@ -35,6 +35,7 @@ SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved1f1b": "Interleaved1F
 INTERLEAVED = ("interleaved1f1b",)
 ROUNDING = ("up", "down")
 DEFAULT_STAGES_PER_RANK = 2  # interleaved schedules without layers_per_stage
+KEPT_SHAPES = 4  # StagePipelines: pipelines kept for the batch shapes used last
 
 
 @dataclass(frozen=True)
@@ -267,7 +268,8 @@ class StagePipelines:
     """This rank's stages run by :class:`Pipeline` s, one per batch shape: torch's pipeline stages size their
     send and receive buffers from the first batch they run, so a batch of another shape gets a pipeline of its own.
     That first run also drops the stages' gradients (torch runs a real forward and backward to learn the shapes),
-    so every batch of one optimizer step must have the step's shape (the loop asks the recipe for that).
+    so every batch of one optimizer step must have the step's shape (the loop asks the recipe for that). The
+    pipelines of the :data:`KEPT_SHAPES` shapes used last are kept (each holds buffers for its micro-batches).
     Evaluation runs GPipe (forward only: the schedule changes nothing there) with micro-batches that divide the
     batch, so a shorter last validation batch runs too."""
 
@@ -290,7 +292,11 @@ class StagePipelines:
 
     def _pipeline(self, train: bool, inputs: torch.Tensor, settings: PipelineSettings) -> Pipeline:
         key = (train, tuple(inputs.shape))
-        if key not in self._pipelines:
+        if key in self._pipelines:
+            self._pipelines[key] = self._pipelines.pop(key)  # the most recently used last
+        else:
+            if len(self._pipelines) >= KEPT_SHAPES:
+                del self._pipelines[next(iter(self._pipelines))]
             rows = inputs.shape[0]
             found = _microbatch_issues(settings, len(self.stages) * self.pp_mesh.size(), self.pp_mesh.size(), rows,
                                        "distributed.pipeline")
