@@ -27,6 +27,7 @@ from automodel.training.parallel.materialize import (
     hf_checkpoint_key,
     materialize,
 )
+from automodel.training.parallel.pipeline_parallel import PipelineSettings, pp_issues, split_for_pipeline
 from automodel.training.parallel.tensor_parallel import apply_tensor_parallel, tp_issues
 
 _ADAPTER_NAME = re.compile(r"\.(lora_[A-Za-z_]+)\.[^.]+(?=\.|$)")  # "...lora_A.default.weight" -> "...lora_A.weight"
@@ -66,6 +67,23 @@ def tensor_parallelize(ctx: BuildContext, model: torch.nn.Module) -> str:
     return "\n".join(applied.describe())
 
 
+def pipeline_stage(ctx: BuildContext, model: torch.nn.Module) -> tuple[torch.nn.Module, str]:
+    """``distributed.pp_size > 1``: this rank's stage of the (meta-device) model, under the model's own names; the
+    rest of the pipeline (tensor parallelism, FSDP2 over ``dp``, materialisation) treats it as the whole model."""
+    settings = ctx.cfg.distributed
+    pipeline = PipelineSettings.from_section(settings.pipeline)
+    config = getattr(model, "config", None)
+    if config is not None:
+        found = pp_issues(config, settings.pp_size, pipeline, ctx.batch.micro_batch_size)
+        if found:
+            raise ConfigError(found)
+    (stage,) = split_for_pipeline(model, ctx.device_mesh["pp"], pipeline)
+    first, last = stage.layer_range.start, stage.layer_range.stop - 1
+    held = ["embedding"] * stage.is_first + [f"layers {first}-{last}"] + ["norm, head"] * stage.is_last
+    return stage, (f"pipeline stage {stage.index} of {stage.num_stages} on this rank ({' + '.join(held)}), "
+                   f"{pipeline.schedule} schedule")
+
+
 def _restore_source(ctx: BuildContext, model: torch.nn.Module) -> WeightSource | None:
     """The resumed checkpoint's ``model/`` as a weight source, checked to fit the model exactly."""
     directory = ctx.restore_path / "model" if ctx.restore_path is not None else None
@@ -85,6 +103,8 @@ def _restore_source(ctx: BuildContext, model: torch.nn.Module) -> WeightSource |
         missing, unexpected, mismatched = compare_keys(model, directory, key)
         source = (directory, key)
         question = "is restore_from.path the same architecture?"
+    if ctx.mesh.pp > 1:
+        unexpected = []  # a pipeline stage holds only its own layers of the model/ that holds them all
     if missing or unexpected or mismatched:
         raise AutomodelError(mismatch_message(directory, mismatched, unexpected, missing, question))
     return source

@@ -17,6 +17,7 @@ from automodel.errors import ConfigIssue
 from automodel.model_files import HUB_ARGUMENTS
 from automodel.training.dist import expected_world_size, world_size_source
 from automodel.training.parallel.mesh import MeshLayout, describe_mesh, mesh_issues, plan_mesh
+from automodel.training.parallel.pipeline_parallel import PipelineSettings, describe_stages, pp_issues, section_issues
 from automodel.training.parallel.precision import Precision, parse_dtype_name, precision_issues, resolve_precision
 from automodel.training.parallel.tensor_parallel import describe_plan, tp_issues
 from automodel.training.parallel.tp_plans import HEAD_STYLES, config_plan, expand_plan, model_plan
@@ -24,10 +25,6 @@ from automodel.training.parallel.tp_plans import HEAD_STYLES, config_plan, expan
 if TYPE_CHECKING:
     from automodel.config import Config
 
-# Parallelism another issue implements: refused here, with what to use instead (the mesh keeps their dimensions)
-NOT_YET = {
-    "pp_size": "pipeline parallelism is not implemented yet; use pp_size: 1 (data parallelism: dp_size)",
-}
 # model-section keys that name a Hugging Face model (its config, or a checkpoint holding one)
 HF_MODEL_KEYS = ("config", "pretrained_model_name_or_path", "name_or_path")
 # model-section keys that are not the architecture's (what from_config / from_pretrained take besides config keys)
@@ -82,8 +79,7 @@ def parallel_issues(cfg: Config, implementation: str | None) -> list[ConfigIssue
     if settings is None:
         return []
     world = expected_world_size()
-    issues = [ConfigIssue(f"distributed.{key}", f"{getattr(settings, key)}: {why}")
-              for key, why in NOT_YET.items() if getattr(settings, key) > 1]
+    issues = pipeline_parallel_issues(cfg, implementation) if settings.pp_size > 1 else []
     if settings.tp_size > 1:
         issues += tensor_parallel_issues(cfg, implementation)
     elif settings.sequence_parallel:
@@ -127,6 +123,65 @@ def tensor_parallel_issues(cfg: Config, implementation: str | None) -> list[Conf
                                   "a Hugging Face model, so it needs a Hugging Face model section (model.config or "
                                   "model.pretrained_model_name_or_path); this model has neither, use tp_size: 1"))
     return issues
+
+
+def pipeline_settings(cfg: Config) -> PipelineSettings:
+    """``distributed.pipeline`` as :class:`PipelineSettings` (upstream's defaults where it is absent)."""
+    return PipelineSettings.from_section(cfg.distributed.pipeline if cfg.distributed is not None else None)
+
+
+def rows_per_batch(cfg: Config) -> int:
+    """The rows of one micro-batch of a step on one data-parallel rank (what the pipeline splits further)."""
+    loader, steps = cfg.dataloader, cfg.step_scheduler
+    return (loader.get("batch_size") if loader is not None else None) or \
+        (steps.local_batch_size if steps is not None else None) or 1
+
+
+def pipeline_parallel_issues(cfg: Config, implementation: str | None) -> list[ConfigIssue]:
+    """``pp_size > 1``: FSDP2 as the data-parallel strategy, no LoRA, one stage per rank (GPipe or 1F1B: this
+    engine's model is one module per rank), upstream's other pipeline keys at the values that run here, and a model
+    whose layers and micro-batches the layout fits (checked on the model's Hugging Face config)."""
+    settings = cfg.distributed
+    pp = settings.pp_size
+    issues = section_issues(settings.pipeline)
+    if (implementation or settings.strategy) != "fsdp2":
+        issues.append(ConfigIssue("distributed.strategy", f"{implementation or settings.strategy}: pipeline "
+                                  f"parallelism (pp_size {pp}) composes with FSDP2 on the data-parallel dimension "
+                                  "only; set distributed.strategy: fsdp2"))
+    if cfg.get("peft") is not None:
+        issues.append(ConfigIssue("distributed.pp_size", f"{pp}: pipeline stages of a LoRA (peft) model are not "
+                                  "supported; train LoRA with pp_size: 1 (FSDP2 over dp_size)"))
+    if cfg.compile is not None and cfg.compile.enabled:
+        issues.append(ConfigIssue("compile.enabled", f"true: the pipeline schedule (pp_size {pp}) runs the stage "
+                                  "module itself, not a torch.compile wrapper; set it false with pipeline parallelism"))
+    pipeline = pipeline_settings(cfg)
+    if pipeline.interleaved:
+        issues.append(ConfigIssue("distributed.pipeline.pp_schedule", f"{pipeline.pp_schedule}: the training loop "
+                                  "runs one pipeline stage per rank; interleaved schedules (several stages per rank) "
+                                  "are not wired into it yet; use gpipe or 1f1b"))
+        return issues
+    hf_config = model_hf_config(cfg)
+    if hf_config is not None:
+        issues += pp_issues(hf_config, pp, pipeline, rows_per_batch(cfg))
+    elif cfg.model is None or not any(cfg.model.get(key) for key in HF_MODEL_KEYS):
+        issues.append(ConfigIssue("distributed.pp_size", f"{pp}: pipeline stages follow the pipeline plan of a "
+                                  "Hugging Face model, so it needs a Hugging Face model section (model.config or "
+                                  "model.pretrained_model_name_or_path); this model has neither, use pp_size: 1"))
+    return issues
+
+
+def pipeline_lines(cfg: Config) -> list[str]:
+    """The ``--dry-run`` lines of the pipeline stages per rank, when ``pp_size > 1``."""
+    settings = cfg.distributed
+    if settings is None or settings.pp_size == 1:
+        return []
+    hf_config = model_hf_config(cfg)
+    pipeline = pipeline_settings(cfg)
+    if hf_config is None or pp_issues(hf_config, settings.pp_size, pipeline, rows_per_batch(cfg)):
+        return [f"pipeline parallel over pp {settings.pp_size}: the stages are the built model's (its config cannot "
+                "be read or does not fit the layout)"]
+    layers = hf_config.get_text_config().num_hidden_layers
+    return describe_stages(layers, settings.pp_size, pipeline, rows_per_batch(cfg))
 
 
 def model_hf_config(cfg: Config) -> Any:
@@ -202,7 +257,8 @@ def plan_lines(cfg: Config, implementation: str | None) -> list[str]:
     line = precision.describe(stored or torch.float32, fsdp2)
     if stored is None:
         line += " (storage: the model's own dtype, fp32 assumed here)"
-    return [f"world size: {world} ({world_size_source()})", *describe_mesh(layout), *tensor_parallel_lines(cfg), line]
+    return [f"world size: {world} ({world_size_source()})", *describe_mesh(layout), *pipeline_lines(cfg),
+            *tensor_parallel_lines(cfg), line]
 
 
 def inert_distributed_notes(cfg: Config, fsdp2: bool) -> list[str]:

@@ -77,6 +77,7 @@ def missing_stages(selection: Selection, stages: StageRegistry) -> list[ConfigIs
 def apply_pipeline(ctx: BuildContext, model: Any, selection: Selection) -> Any:
     """Run each selected stage in slot order as ``fn(ctx, model) -> (model, message)``; log one line per stage.
 
+    First ``distributed.pp_size > 1`` cuts the model to this rank's pipeline stage (the stages after see only it).
     Before the ``sharding`` slot, ``distributed.tp_size > 1`` shards the model over the mesh's ``tp`` dimension
     (validation made the sharding slot FSDP2), then ``distributed.activation_checkpointing`` wraps the transformer
     blocks; a model
@@ -86,6 +87,9 @@ def apply_pipeline(ctx: BuildContext, model: Any, selection: Selection) -> Any:
 
     stages = ctx.plugins.stages
     settings = ctx.cfg.distributed
+    if settings is not None and settings.pp_size > 1:
+        model, message = model_init.pipeline_stage(ctx, model)
+        ctx.log(f"pipeline: {message}")
     for slot in PIPELINE_SLOTS:
         if slot == "sharding" and settings is not None and settings.tp_size > 1:
             ctx.log(f"pipeline: {model_init.tensor_parallelize(ctx, model)}")

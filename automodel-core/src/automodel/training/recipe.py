@@ -120,9 +120,10 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
     @classmethod
     def check_config(cls, cfg: Config) -> list[ConfigIssue]:
         issues = list(super().check_config(cfg)) + plan.engine_issues(cls, cfg, get_plugin_manager())
-        if cfg.distributed is not None and cfg.distributed.tp_size > 1 and cls.tensor_parallel_unsupported:
-            issues.append(ConfigIssue("distributed.tp_size", f"{cfg.distributed.tp_size}: "
-                                      f"{cls.tensor_parallel_unsupported}"))
+        for key, why in (("tp_size", cls.tensor_parallel_unsupported), ("pp_size", cls.pipeline_parallel_unsupported)):
+            size = getattr(cfg.distributed, key) if cfg.distributed is not None else 1
+            if size > 1 and why:
+                issues.append(ConfigIssue(f"distributed.{key}", f"{size}: {why}"))
         if cls.save_model is not None and cfg.checkpoint is not None and not cfg.checkpoint.save_consolidated:
             issues.append(ConfigIssue("checkpoint.save_consolidated", f"{cls.__name__} writes model/ in a layout of "
                                       "its own, which has no sharded form; remove the key (or set it to true)"))
@@ -316,6 +317,7 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
             self.log(note)
         self.ctx = ctx = self.after_model_built(ctx, model, meta)
         self.model = apply_pipeline(ctx, model, self.runtime_selection(ctx))
+        self.pipelines = self.build_pipelines(ctx)
         self.grad_scaler = ctx.precision.grad_scaler(ctx.device.type, self.storage_dtype, ctx.fsdp2)
         self.loss_fn = self.build_loss_fn(ctx)
         self.optimizer = self.build_optimizer(ctx, self.model)

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 DP = "dp"
+PP = "pp"
 _AUTO = ("auto", "none", None)
 
 
