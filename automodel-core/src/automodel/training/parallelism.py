@@ -16,6 +16,7 @@ import torch
 from automodel.errors import ConfigIssue
 from automodel.model_files import HUB_ARGUMENTS
 from automodel.training.dist import expected_world_size, world_size_source
+from automodel.training.parallel.expert_parallel import config_expert_count, expert_count_issues, experts_issues
 from automodel.training.parallel.mesh import MeshLayout, describe_mesh, mesh_issues, plan_mesh
 from automodel.training.parallel.precision import Precision, parse_dtype_name, precision_issues, resolve_precision
 from automodel.training.parallel.tensor_parallel import describe_plan, tp_issues
@@ -90,9 +91,8 @@ def parallel_issues(cfg: Config, implementation: str | None) -> list[ConfigIssue
         issues.append(ConfigIssue("distributed.sequence_parallel", "true shards the sequence over the "
                                   "tensor-parallel ranks, so it needs tensor parallelism (distributed.tp_size > 1); "
                                   "set it to false"))
-    if settings.ep_size is not None and settings.ep_size > 1:
-        issues.append(ConfigIssue("distributed.ep_size", f"{settings.ep_size}: expert parallelism needs MoE model "
-                                  "implementations this build does not have yet; use ep_size: 1 (or null)"))
+    if (settings.ep_size or 1) > 1:
+        issues += expert_parallel_issues(cfg, implementation, world)
     fsdp2 = shards_with_fsdp2(cfg, implementation, world)
     if settings.dp_replicate_size > 1 and not fsdp2:
         issues.append(ConfigIssue("distributed.dp_replicate_size", f"{settings.dp_replicate_size}: HSDP replicates "
@@ -127,6 +127,62 @@ def tensor_parallel_issues(cfg: Config, implementation: str | None) -> list[Conf
                                   "a Hugging Face model, so it needs a Hugging Face model section (model.config or "
                                   "model.pretrained_model_name_or_path); this model has neither, use tp_size: 1"))
     return issues
+
+
+def expert_parallel_issues(cfg: Config, implementation: str | None, world: int) -> list[ConfigIssue]:
+    """``ep_size > 1``: FSDP2 over the data-parallel ranks only (no tp / cp / pp), ``ep_size`` dividing the
+    data-parallel ranks and the model's experts, a MoE model whose experts module is handled here, no LoRA (checked
+    again on the built model where its config cannot be read here)."""
+    settings = cfg.distributed
+    ep = settings.ep_size
+    key = "distributed.ep_size"
+    issues = []
+    if (implementation or settings.strategy) != "fsdp2":
+        issues.append(ConfigIssue("distributed.strategy", f"{implementation or settings.strategy}: expert "
+                                  f"parallelism (ep_size {ep}) composes with FSDP2 only; set distributed.strategy: "
+                                  "fsdp2"))
+    others = {name: getattr(settings, name) for name in ("tp_size", "cp_size", "pp_size")
+              if getattr(settings, name) > 1}
+    if others:
+        sizes = ", ".join(f"{name} {size}" for name, size in others.items())
+        issues.append(ConfigIssue(key, f"{ep}: expert parallelism runs over the data-parallel ranks and is not "
+                                  f"combined with tensor / context / pipeline parallelism here ({sizes}); set those "
+                                  "to 1 or ep_size: 1"))
+    elif ep > world or world % ep:
+        issues.append(ConfigIssue(key, f"{ep} does not divide the data-parallel ranks (dp_size = {world}, "
+                                  f"{world_size_source()}): each group of ep_size ranks splits the experts; use an "
+                                  f"ep_size that divides {world}"))
+    if settings.moe is not None:
+        issues.append(ConfigIssue("distributed.moe", f"{', '.join(sorted(settings.moe)) or '{}'}: upstream's "
+                                  "settings for the FSDP wrapping of its own MoE model code; the Hugging Face model's "
+                                  f"experts here (ep_size {ep}) are split as described in docs/distributed.md and the "
+                                  "rest follows distributed.reshard_after_forward / mp_policy: move the values there "
+                                  "or remove the section"))
+    if cfg.get("peft") is not None:
+        issues.append(ConfigIssue(key, f"{ep}: LoRA (peft) with expert parallelism is not supported here; train LoRA "
+                                  "with ep_size: 1 (FSDP2 shards the experts over dp_size)"))
+    hf_config = model_hf_config(cfg)
+    if hf_config is not None:
+        issues += _model_expert_issues(hf_config, ep)
+    elif cfg.model is None or not any(cfg.model.get(k) for k in HF_MODEL_KEYS):
+        issues.append(ConfigIssue(key, f"{ep}: expert parallelism splits the experts of a Hugging Face MoE model, so "
+                                  "it needs a Hugging Face model section (model.config or model."
+                                  "pretrained_model_name_or_path); use ep_size: 1"))
+    return issues
+
+
+def _model_expert_issues(hf_config: Any, ep_size: int) -> list[ConfigIssue]:
+    """The experts of the causal LM ``hf_config`` describes, built on the meta device (no memory); where it
+    cannot be built here, its declared number of experts."""
+    try:
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(hf_config)
+    except Exception:  # not a causal LM transformers builds: the config's count, the built model is checked later
+        experts = config_expert_count(hf_config)
+        return expert_count_issues(experts, ep_size) if experts is not None else []
+    return experts_issues(model, ep_size)
 
 
 def model_hf_config(cfg: Config) -> Any:

@@ -148,7 +148,10 @@ class DistributedConfig:
         "model's heads, key/value heads, intermediate and vocabulary sizes; no peft)"))
     cp_size: int = field(default=1, metadata=_help("context-parallel size (only 1 is supported)"))
     pp_size: int = field(default=1, metadata=_help("pipeline-parallel size (only 1 is supported)"))
-    ep_size: int | None = field(default=None, metadata=_help("expert-parallel size (only 1 or null is supported)"))
+    ep_size: int | None = field(default=None, metadata=_help(
+        "expert-parallel size: each group of ep_size data-parallel ranks splits the experts of every MoE layer of a "
+        "Hugging Face MoE model (fused gate_up_proj / down_proj experts); it must divide the data-parallel ranks "
+        "and the number of experts (strategy fsdp2, no tp / cp / pp, no peft; null or 1: off)"))
     sequence_parallel: bool = field(default=False, metadata=_help(
         "with tp_size > 1: norms and dropout inside the decoder layers run on each rank's part of the sequence "
         "(the sequence length must divide by tp_size)"))
@@ -167,7 +170,8 @@ class DistributedConfig:
         "pp_size 1 they govern nothing, upstream's rule too, and the run says so; pp_size > 1 is refused above"))
     moe: dict | None = field(default=None, metadata=_help(
         "upstream's expert-parallel settings (ignore_router_for_ac, reshard_after_forward, wrap_outer_model, ...): "
-        "with ep_size 1 (or null) they govern nothing, upstream's rule too, and the run says so"))
+        "with ep_size 1 (or null) they govern nothing, upstream's rule too, and the run says so; with ep_size > 1 "
+        "they are refused (they configure upstream's own MoE model code)"))
     defer_fsdp_grad_sync: bool = field(default=True, metadata=_help(
         "under FSDP2 with gradient accumulation, reduce-scatter the gradients once, after a step's last "
         "micro-batch (false: after every micro-batch; less memory, more communication)"))
