@@ -135,3 +135,32 @@ def test_a_model_without_experts_is_refused(tmp_path):
     assert ("distributed.ep_size: 2: expert parallelism splits the experts of a mixture-of-experts model, and "
             "LlamaForCausalLM has no experts module") in out
     assert "distributed.ep_size: 2: LoRA (peft) with expert parallelism is not supported here" in out
+
+
+def test_fake_balanced_gate_spreads_the_tokens_evenly_over_the_experts(moe_config):
+    import torch
+
+    from automodel.errors import AutomodelError
+    from automodel_llm import AutoModelForCausalLM
+
+    seen = []
+    model = AutoModelForCausalLM.from_config(str(moe_config), backend={"fake_balanced_gate": True})
+    for module in model.modules():
+        if type(module).__name__ == "Qwen3MoeExperts":
+            module.register_forward_hook(lambda m, args, out: seen.append((args[1].clone(), args[2].clone())))
+    tokens = torch.randint(0, 400, (3, 8))
+    model(input_ids=tokens, labels=tokens).loss.backward()
+    assert len(seen) == 2  # both MoE layers
+    for index, weights in seen:
+        assert index.shape == (24, 2)
+        assert torch.bincount(index.flatten(), minlength=4).tolist() == [12, 12, 12, 12]
+        assert (index[:, 0] != index[:, 1]).all()  # a token's two slots go to two experts
+        assert torch.equal(weights, torch.full_like(weights, 0.5))
+    router = model.model.layers[0].mlp.gate.weight
+    assert router.grad is not None and router.grad.abs().max().item() == 0.0
+    learned = AutoModelForCausalLM.from_config(str(moe_config))
+    learned.model.layers[0].mlp.experts.register_forward_hook(lambda m, args, out: seen.append(args[1].clone()))
+    learned(input_ids=tokens)
+    assert not torch.equal(seen[-1], seen[0][0])  # without it the learned router chooses
+    with pytest.raises(AutomodelError, match="LlamaForCausalLM has no experts module"):
+        AutoModelForCausalLM.from_config(str(LLAMA_CONFIG), backend={"fake_balanced_gate": True})

@@ -2,8 +2,9 @@
 
 Upstream reads it in its own model implementations (Transformer Engine layers, DeepEP dispatchers, grouped-GEMM
 experts, fused RoPE ...). automodel trains Hugging Face models, so each setting either names what a Hugging Face
-model runs (it acts: ``attn`` selects ``attn_implementation``; ``linear: torch`` and the others are what the model
-is) or is refused at validation with the reason. Nothing is imported here: validation checks a config without
+model runs (it acts: ``attn`` selects ``attn_implementation``; ``fake_balanced_gate: true`` replaces the router's
+choice in the model's experts modules; ``linear: torch`` and the others are what the model is) or is refused at
+validation with the reason. Nothing is imported here: validation checks a config without
 torch.
 """
 
@@ -22,13 +23,13 @@ ACTS: dict[str, tuple[Any, ...]] = {
     "rope": ("torch",),
     "rope_fusion": (False,),
     "experts": ("torch",),  # a Hugging Face MoE block's own expert loop
-    "dispatcher": ("torch",),  # no expert parallelism: tokens stay on their rank
+    "dispatcher": ("torch",),  # torch collectives (all-gather / reduce-scatter) under expert parallelism
     "dispatcher_num_sms": (20,),
     "dispatcher_share_token_dispatcher": (True,),
     "dispatcher_async_dispatch": (False,),
     "mok": (None,),
     "enable_deepep": (None,),
-    "fake_balanced_gate": (False,),
+    "fake_balanced_gate": (False, True),  # true: balanced routing in a Hugging Face MoE model's experts
     "fake_gate_noise": (0, 0.0),
     "enable_hf_state_dict_adapter": (True,),  # weights are always in the Hugging Face layout here
     "enable_fsdp_optimizations": (False,),
@@ -63,9 +64,8 @@ REASONS = {
                                  "setting: remove it",
     "mok": "sets the Mixture-of-Kittens dispatcher, which needs CUDA: remove it",
     "enable_deepep": "was removed upstream (it warns and ignores it): set dispatcher and experts instead",
-    "fake_balanced_gate": "replaces the learned router of upstream's own MoE models (for benchmarking); a Hugging "
-                          "Face MoE model here routes with its learned gate: use false",
-    "fake_gate_noise": "sets fake_balanced_gate, which only upstream's own MoE models have: remove it",
+    "fake_gate_noise": "perturbs upstream's balanced routing with random draws; here fake_balanced_gate routes "
+                       "exactly balanced (noise 0): remove it or use 0",
     "enable_hf_state_dict_adapter": "keeps upstream's own models' native weight layout; here weights are always in "
                                     "the Hugging Face layout: use true",
     "enable_fsdp_optimizations": "acts in upstream's own MoE model code (it skips gradient sync and resharding "
@@ -108,8 +108,9 @@ def _has_cuda() -> bool:
 @dataclass(frozen=True)
 class BackendConfig:
     """``model.backend``: upstream's kernel selection, each setting what a Hugging Face model runs (None: not set).
-    Only ``attn`` changes what is built (the model's ``attn_implementation``); the other accepted values are what a
-    Hugging Face model is, and every other value is refused at validation (:data:`REASONS`)."""
+    ``attn`` changes what is built (the model's ``attn_implementation``) and ``fake_balanced_gate`` how its experts
+    are routed (:func:`apply_to_model`); the other accepted values are what a Hugging Face model is, and every other
+    value is refused at validation (:data:`REASONS`)."""
 
     attn: str | None = None
     linear: str | None = None
@@ -177,13 +178,46 @@ def model_backend_issues(kwargs: Mapping[str, Any]) -> dict[str, str]:
     return issues
 
 
-def apply_backend(kwargs: dict[str, Any]) -> None:
-    """Take ``backend`` out of a model factory's keyword arguments; the attention it selects becomes
-    ``attn_implementation`` (its other accepted settings are what a Hugging Face model runs anyway)."""
+def apply_backend(kwargs: dict[str, Any]) -> BackendConfig | None:
+    """Take ``backend`` out of a model factory's keyword arguments and return it; the attention it selects becomes
+    ``attn_implementation`` (pass the built model to :func:`apply_to_model` for the rest)."""
     backend = kwargs.pop("backend", None)
     if backend is None:
-        return
+        return None
     if not isinstance(backend, BackendConfig):
         backend = BackendConfig(**_settings(backend))
     if backend.attn_implementation is not None:
         kwargs.setdefault("attn_implementation", backend.attn_implementation)
+    return backend
+
+
+def apply_to_model(model: Any, backend: BackendConfig | None) -> Any:
+    """What ``backend`` changes in a built model: ``fake_balanced_gate: true`` (upstream's benchmarking gate)
+    replaces the router's top-k choice in every experts module with fused expert parameters (transformers' MoE
+    layout): token ``t``'s ``k`` slots go to experts ``t*k .. t*k+k-1`` modulo the number of experts, each with weight
+    ``1/k``, so every expert gets the same load. The router still runs, its weights get zero gradients."""
+    if backend is None or not backend.fake_balanced_gate:
+        return model
+    experts = [m for m in model.modules() if getattr(m, "_parameters", {}).get("gate_up_proj") is not None
+               and isinstance(getattr(m, "num_experts", None), int)]
+    if not experts:
+        from automodel.errors import AutomodelError
+
+        raise AutomodelError(f"model.backend.fake_balanced_gate: true routes the experts of a mixture-of-experts "
+                             f"model, and {type(model).__name__} has no experts module with fused gate_up_proj / "
+                             "down_proj parameters (transformers' MoE layout); use false")
+    for module in experts:
+        module.register_forward_pre_hook(_balanced_routing)
+    return model
+
+
+def _balanced_routing(module: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """An experts module's forward pre-hook: its ``(hidden_states, top_k_index, top_k_weights)`` with the top-k
+    choice replaced by the balanced one (:func:`apply_to_model`)."""
+    import torch
+
+    hidden_states, index, weights, *rest = args
+    tokens, k = index.shape
+    balanced = torch.arange(tokens * k, device=index.device).view(tokens, k) % module.num_experts
+    uniform = torch.full_like(weights, 1.0 / k) + 0.0 * weights  # keeps the router in the graph: zero gradients
+    return (hidden_states, balanced.to(index.dtype), uniform, *rest)
