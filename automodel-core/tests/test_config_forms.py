@@ -314,7 +314,6 @@ def test_backend_settings_that_act_select_the_attention():
     ("enable_deepep", True, "was removed upstream"),
     ("fake_gate_noise", 0.3, "routes exactly balanced"),
     ("enable_hf_state_dict_adapter", False, "always in the Hugging Face layout"),
-    ("enable_fsdp_optimizations", True, "upstream's own MoE model code"),
     ("te_fp8", {"recipe": "delayed"}, "Transformer Engine"),
     ("gate_precision", "float32", "router precision"),
     ("compile_attn", True, "compile.enabled: true"),

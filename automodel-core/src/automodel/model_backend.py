@@ -32,7 +32,42 @@ ACTS: dict[str, tuple[Any, ...]] = {
     "fake_balanced_gate": (False, True),  # true: balanced routing in a Hugging Face MoE model's experts
     "fake_gate_noise": (0, 0.0),
     "enable_hf_state_dict_adapter": (True,),  # weights are always in the Hugging Face layout here
-    "enable_fsdp_optimizations": (False,),
+    "enable_fsdp_optimizations": (False, True),  # true: FSDP2 keeps parameters gathered between micro-batches
+    "te_fp8": (None,),
+    "gate_precision": (None,),
+    "compile_attn": (False,),
+    "cuda_graph": (None,),
+}
+
+
+def _needs_cuda(library: str, instead: str) -> str:
+    return (f"needs CUDA and {library}, which this machine lacks, and upstream's own model code, which automodel "
+            f"does not include (it trains Hugging Face models); {instead}")
+
+
+# why a value outside ACTS cannot act here ({value} is the value as written)
+REASONS = {
+    "attn": _needs_cuda("its attention kernels (Transformer Engine, TileLang, cuDNN or MagiAttention)",
+                        "Hugging Face models here run attn sdpa, eager or flex"),
+    "linear": _needs_cuda("Transformer Engine or QuACK", "use torch"),
+    "rms_norm": _needs_cuda("Transformer Engine or QuACK", "use torch_fp32"),
+    "rope": _needs_cuda("QuACK", "use torch"),
+    "rope_fusion": _needs_cuda("Transformer Engine", "use false (upstream itself turns fused RoPE off at present)"),
+    "experts": _needs_cuda("grouped-GEMM kernels (Transformer Engine, grouped_gemm, torch._grouped_mm)",
+                           "use torch"),
+    "dispatcher": _needs_cuda("its communication library (DeepEP, HybridEP, UCCL-EP or MoK)", "use torch"),
+    "dispatcher_num_sms": "sets the CUDA MoE dispatchers (DeepEP, HybridEP, UCCL-EP, MoK); dispatcher torch, the "
+                          "one here, has no such setting: remove it",
+    "dispatcher_share_token_dispatcher": "sets the CUDA MoE dispatchers; dispatcher torch, the one here, has no such "
+                                         "setting: remove it",
+    "dispatcher_async_dispatch": "sets the CUDA MoE dispatchers; dispatcher torch, the one here, has no such "
+                                 "setting: remove it",
+    "mok": "sets the Mixture-of-Kittens dispatcher, which needs CUDA: remove it",
+    "enable_deepep": "was removed upstream (it warns and ignores it): set dispatcher and experts instead",
+    "fake_gate_noise": "perturbs upstream's balanced routing with random draws; here fake_balanced_gate routes "
+                       "exactly balanced (noise 0): remove it or use 0",
+    "enable_hf_state_dict_adapter": "keeps upstream's own models' native weight layout; here weights are always in "
+                                    "the Hugging Face layout: use true",
     "te_fp8": (None,),
     "gate_precision": (None,),
     "compile_attn": (False,),
@@ -108,9 +143,10 @@ def _has_cuda() -> bool:
 @dataclass(frozen=True)
 class BackendConfig:
     """``model.backend``: upstream's kernel selection, each setting what a Hugging Face model runs (None: not set).
-    ``attn`` changes what is built (the model's ``attn_implementation``) and ``fake_balanced_gate`` how its experts
-    are routed (:func:`apply_to_model`); the other accepted values are what a Hugging Face model is, and every other
-    value is refused at validation (:data:`REASONS`)."""
+    ``attn`` changes what is built (the model's ``attn_implementation``), ``fake_balanced_gate`` how its experts
+    are routed (:func:`apply_to_model`), ``enable_fsdp_optimizations`` what FSDP2 does between micro-batches (the
+    training loop reads it with :func:`backend_setting`); the other accepted values are what a Hugging Face model
+    is, and every other value is refused at validation (:data:`REASONS`)."""
 
     attn: str | None = None
     linear: str | None = None
@@ -146,6 +182,15 @@ class BackendConfig:
     @property
     def attn_implementation(self) -> str | None:
         return ATTENTION.get(self.attn) if self.attn is not None else None
+
+
+def backend_setting(model_section: Any, name: str) -> Any:
+    """The value of setting ``name`` in a model section's ``backend`` (a mapping, a config node or a
+    BackendConfig; None when unset): for the engine's parts that act on a setting after the model is built."""
+    backend = model_section.get("backend") if model_section is not None else None
+    if backend is not None and hasattr(backend, "to_dict"):
+        backend = backend.to_dict()
+    return _settings(backend).get(name)
 
 
 def _settings(backend: Any) -> Mapping[str, Any]:

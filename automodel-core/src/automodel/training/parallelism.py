@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from automodel.errors import ConfigIssue
+from automodel.model_backend import backend_setting
 from automodel.model_files import HUB_ARGUMENTS
 from automodel.training.dist import expected_world_size, world_size_source
 from automodel.training.parallel.expert_parallel import config_expert_count, expert_count_issues, experts_issues
@@ -98,6 +99,10 @@ def parallel_issues(cfg: Config, implementation: str | None) -> list[ConfigIssue
         issues.append(ConfigIssue("distributed.dp_replicate_size", f"{settings.dp_replicate_size}: HSDP replicates "
                                   "FSDP2's shards, so it needs distributed.strategy: fsdp2 and more than one "
                                   f"process (this run: {world_size_source()}); use 1"))
+    if backend_setting(cfg.model, "enable_fsdp_optimizations") and not settings.defer_fsdp_grad_sync:
+        issues.append(ConfigIssue("distributed.defer_fsdp_grad_sync", "false syncs the gradients after every "
+                                  "micro-batch, but model.backend.enable_fsdp_optimizations: true skips that sync "
+                                  "(and the resharding) until the step's last one; set one of them the other way"))
     if settings.enable_fsdp2_prefetch and not fsdp2:
         issues.append(ConfigIssue("distributed.enable_fsdp2_prefetch", "true orders FSDP2's parameter gathers, so "
                                   "it needs distributed.strategy: fsdp2 and more than one process (this run: "
@@ -262,11 +267,15 @@ def plan_lines(cfg: Config, implementation: str | None) -> list[str]:
 
 
 def inert_distributed_notes(cfg: Config, fsdp2: bool) -> list[str]:
-    """Notes naming upstream's ``distributed`` keys that govern nothing in this run (upstream ignores them too)."""
+    """Notes naming upstream's ``distributed`` keys (and ``model.backend.enable_fsdp_optimizations``) that govern
+    nothing in this run (upstream ignores them too)."""
+    notes = []
+    if backend_setting(cfg.model, "enable_fsdp_optimizations") and not fsdp2:
+        notes.append("note: model.backend.enable_fsdp_optimizations: true governs nothing this run: it acts on FSDP2 "
+                     "models (distributed.strategy: fsdp2, more than one process) with gradient accumulation")
     settings = cfg.distributed
     if settings is None:
-        return []
-    notes = []
+        return notes
     for name, size, what in (("pipeline", settings.pp_size, "pipeline parallelism (pp_size)"),
                              ("moe", settings.ep_size or 1, "expert parallelism (ep_size)")):
         if getattr(settings, name) is not None and size == 1:
