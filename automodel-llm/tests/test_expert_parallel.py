@@ -127,14 +127,31 @@ def test_layouts_the_model_cannot_take_are_refused_by_validate(moe_config, tmp_p
     assert code == 0, out
 
 
-def test_a_model_without_experts_is_refused(tmp_path):
+def test_a_model_without_experts_and_lora_on_the_experts_are_refused(moe_config, tmp_path):
     dense = write_config(tmp_path / "dense.yaml", write_tiny_llama_config(tmp_path), tmp_path / "ckpt",
-                         distributed={"strategy": "fsdp2", "ep_size": 2}, peft={"dim": 4, "target_modules": ["q_proj"]})
+                         distributed={"strategy": "fsdp2", "ep_size": 2})
     code, out = _validate(dense, tmp_path, "--nproc-per-node", "2")
     assert code == 2 and "Traceback" not in out
     assert ("distributed.ep_size: 2: expert parallelism splits the experts of a mixture-of-experts model, and "
             "LlamaForCausalLM has no experts module") in out
-    assert "distributed.ep_size: 2: LoRA (peft) with expert parallelism is not supported here" in out
+    moe = write_config(tmp_path / "moe.yaml", moe_config, tmp_path / "ckpt",
+                       distributed={"strategy": "fsdp2", "ep_size": 2}, peft={"dim": 4})
+    code, out = _validate(moe, tmp_path, "--nproc-per-node", "2")
+    assert code == 2 and "peft.target_modules: LoRA on all linear layers also adapts the MoE experts" in out
+    code, out = _validate(moe, tmp_path, "--nproc-per-node", "2", "--peft.target_modules", "[q_proj, gate]")
+    assert code == 0, out
+
+
+def test_lora_outside_the_experts_trains_like_one_process(one_process, tmp_path):
+    """LoRA on the attention and the router: the frozen experts are split, the adapters FSDP2-sharded."""
+    config = one_process[0]
+    lora = ["--peft.dim", "4", "--peft.target_modules", "[q_proj, v_proj, gate]", "--step_scheduler.max_steps", "3"]
+    one, ep = tmp_path / "one", tmp_path / "ep"
+    _run(config, tmp_path, one, *lora, "--step_scheduler.grad_accumulation_steps", "2")
+    log = _run(config, tmp_path, ep, *lora, *EP2)
+    assert "LoRA r=4" in log and "expert parallel over ep 2" in log
+    assert losses(ep) == pytest.approx(losses(one), rel=1e-4)
+    assert _norms(ep) == pytest.approx(_norms(one), rel=1e-4)
 
 
 def test_fake_balanced_gate_spreads_the_tokens_evenly_over_the_experts(moe_config):
@@ -164,3 +181,55 @@ def test_fake_balanced_gate_spreads_the_tokens_evenly_over_the_experts(moe_confi
     assert not torch.equal(seen[-1], seen[0][0])  # without it the learned router chooses
     with pytest.raises(AutomodelError, match="LlamaForCausalLM has no experts module"):
         AutoModelForCausalLM.from_config(str(LLAMA_CONFIG), backend={"fake_balanced_gate": True})
+
+
+def test_two_ep_groups_on_four_ranks_train_like_one_process(one_process, tmp_path):
+    """dp 4, ep 2: the groups (0, 1) and (2, 3) replicate the experts; their gradients are summed over the groups."""
+    config, reference = one_process
+    out = tmp_path / "ep"
+    log = _run(config, tmp_path, out, "--nproc-per-node", "4", "--distributed.strategy", "fsdp2",
+               "--distributed.ep_size", "2", "--dataloader.batch_size", "1", "--step_scheduler.max_steps", "3")
+    assert "expert parallel over ep 2 (2 groups of consecutive ranks)" in log
+    assert losses(out) == pytest.approx(losses(reference)[:3], rel=1e-4)
+    assert _norms(out) == pytest.approx(_norms(reference)[:3], rel=1e-4)
+    _assert_same_weights(out / "epoch_0_step_3" / "model", reference / "epoch_0_step_3" / "model")
+
+
+def test_dry_run_shows_the_expert_groups(moe_config, tmp_path):
+    config = write_config(tmp_path / "cfg.yaml", moe_config, tmp_path / "ckpt")
+    result = run_cli("finetune", "llm", "-c", config, "--nproc-per-node", "4", "--distributed.strategy", "fsdp2",
+                     "--distributed.ep_size", "2", "--dry-run", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert ("expert parallel over ep 2: 2 group(s) of 2 consecutive data-parallel ranks, each rank holds 2 of 4 "
+            "experts of every MoE layer (FSDP2 shards the rest over dp 4)") in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(("model_type", "sizes"), [
+    ("mixtral", {"num_local_experts": 4}),
+    ("olmoe", {"num_experts": 4}),
+    ("qwen2_moe", {"num_experts": 4, "moe_intermediate_size": 8, "shared_expert_intermediate_size": 8}),
+    ("deepseek_v3", {"n_routed_experts": 4, "moe_intermediate_size": 8, "first_k_dense_replace": 0, "n_group": 1,
+                     "topk_group": 1, "q_lora_rank": None, "kv_lora_rank": 8, "qk_rope_head_dim": 4,
+                     "qk_nope_head_dim": 4, "v_head_dim": 8}),
+    ("gpt_oss", {"num_local_experts": 4}),
+])
+def test_which_experts_modules_expert_parallelism_takes(model_type, sizes):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from automodel.training.parallel.expert_parallel import experts_issues
+
+    config = AutoConfig.for_model(model_type, vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                  num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_experts_per_tok=2,
+                                  **sizes)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    issues = [issue.message for issue in experts_issues(model, 2)]
+    if model_type == "gpt_oss":  # biased, transposed experts: refused by name
+        (message,) = issues
+        assert "the experts module GptOssExperts ('model.layers.0.mlp.experts') has a layout" in message
+        assert "has_bias=True" in message
+    else:
+        assert issues == []
+        (message,) = [issue.message for issue in experts_issues(model, 3)]
+        assert message.startswith("3 does not divide the number of experts (4, ")

@@ -136,8 +136,8 @@ def tensor_parallel_issues(cfg: Config, implementation: str | None) -> list[Conf
 
 def expert_parallel_issues(cfg: Config, implementation: str | None, world: int) -> list[ConfigIssue]:
     """``ep_size > 1``: FSDP2 over the data-parallel ranks only (no tp / cp / pp), ``ep_size`` dividing the
-    data-parallel ranks and the model's experts, a MoE model whose experts module is handled here, no LoRA (checked
-    again on the built model where its config cannot be read here)."""
+    data-parallel ranks and the model's experts, a MoE model whose experts module is handled here, no LoRA on the
+    experts (checked again on the built model where its config cannot be read here)."""
     settings = cfg.distributed
     ep = settings.ep_size
     key = "distributed.ep_size"
@@ -163,9 +163,7 @@ def expert_parallel_issues(cfg: Config, implementation: str | None, world: int) 
                                   f"experts here (ep_size {ep}) are split as described in docs/distributed.md and the "
                                   "rest follows distributed.reshard_after_forward / mp_policy: move the values there "
                                   "or remove the section"))
-    if cfg.get("peft") is not None:
-        issues.append(ConfigIssue(key, f"{ep}: LoRA (peft) with expert parallelism is not supported here; train LoRA "
-                                  "with ep_size: 1 (FSDP2 shards the experts over dp_size)"))
+    issues += _lora_expert_issues(cfg.get("peft"), ep)
     hf_config = model_hf_config(cfg)
     if hf_config is not None:
         issues += _model_expert_issues(hf_config, ep)
@@ -174,6 +172,23 @@ def expert_parallel_issues(cfg: Config, implementation: str | None, world: int) 
                                   "it needs a Hugging Face model section (model.config or model."
                                   "pretrained_model_name_or_path); use ep_size: 1"))
     return issues
+
+
+def _lora_expert_issues(peft: Any, ep_size: int) -> list[ConfigIssue]:
+    """LoRA that would adapt the experts (all-linear LoRA does: peft wraps their fused parameters): refused, since
+    its adapters would need the experts that other ranks hold."""
+    if peft is None:
+        return []
+    data = peft.to_dict() if hasattr(peft, "to_dict") else dict(peft)
+    targets = data.get("target_modules")
+    names = [targets] if isinstance(targets, str) else list(targets or [])
+    if data.get("match_all_linear") or not names or any("expert" in str(name) for name in names):
+        what = ", ".join(map(str, names)) if names and not data.get("match_all_linear") else "all linear layers"
+        return [ConfigIssue("peft.target_modules", f"LoRA on {what} also adapts the MoE experts, which expert "
+                            f"parallelism (ep_size {ep_size}) splits over ranks and LoRA cannot; name the modules to "
+                            "adapt outside the experts (for example [q_proj, k_proj, v_proj, o_proj, gate]) or use "
+                            "ep_size: 1")]
+    return []
 
 
 def _model_expert_issues(hf_config: Any, ep_size: int) -> list[ConfigIssue]:
@@ -263,7 +278,22 @@ def plan_lines(cfg: Config, implementation: str | None) -> list[str]:
     line = precision.describe(stored or torch.float32, fsdp2)
     if stored is None:
         line += " (storage: the model's own dtype, fp32 assumed here)"
-    return [f"world size: {world} ({world_size_source()})", *describe_mesh(layout), *tensor_parallel_lines(cfg), line]
+    return [f"world size: {world} ({world_size_source()})", *describe_mesh(layout), *tensor_parallel_lines(cfg),
+            *expert_parallel_lines(cfg, layout), line]
+
+
+def expert_parallel_lines(cfg: Config, layout: MeshLayout) -> list[str]:
+    """The ``--dry-run`` line of expert parallelism, when ``ep_size > 1``: the groups and each rank's experts."""
+    settings = cfg.distributed
+    ep = settings.ep_size if settings is not None else None
+    if ep is None or ep == 1 or layout.world_size % ep:
+        return []
+    hf_config = model_hf_config(cfg)
+    experts = config_expert_count(hf_config) if hf_config is not None else None
+    share = f"{experts // ep} of {experts} experts" if experts is not None and experts % ep == 0 else \
+        f"1/{ep} of the experts"
+    return [f"expert parallel over ep {ep}: {layout.world_size // ep} group(s) of {ep} consecutive data-parallel "
+            f"ranks, each rank holds {share} of every MoE layer (FSDP2 shards the rest over dp {layout.dp})"]
 
 
 def inert_distributed_notes(cfg: Config, fsdp2: bool) -> list[str]:

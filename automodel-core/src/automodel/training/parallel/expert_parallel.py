@@ -83,6 +83,11 @@ def experts_issues(model: nn.Module, ep_size: int, key: str = "distributed.ep_si
         return [ConfigIssue(key, f"{ep_size}: expert parallelism splits the experts of a mixture-of-experts model, "
                             f"and {type(model).__name__} has no experts module with fused gate_up_proj / down_proj "
                             "parameters (transformers' MoE layout); use ep_size: 1 (or null)")]
+    adapted = [name for name, _ in found if name.endswith(".base_layer")]
+    if adapted:
+        return [ConfigIssue("peft.target_modules", f"LoRA adapts the experts ('{adapted[0]}', {len(adapted)} modules), "
+                            f"which expert parallelism (ep_size {ep_size}) splits over ranks and LoRA cannot; name "
+                            "the modules to adapt outside the experts or use ep_size: 1")]
     issues = []
     kinds = {}
     for name, module in found:
