@@ -18,6 +18,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 
 from automodel.errors import AutomodelError
+from automodel.model_backend import backend_setting
 from automodel.training.builders import describe_batch
 from automodel.training.checkpoint import read_latest
 from automodel.training.checkpoint_write import CheckpointParts, CheckpointWrite
@@ -123,10 +124,14 @@ class TrainingLoop(PipelineSteps):
     def prepare_micro_batch(self, last: bool) -> None:
         """Called before each micro-batch of a step (``last``: the step's final one). ``distributed.
         defer_fsdp_grad_sync`` (upstream's default, true): an FSDP2 model reduce-scatters its gradients after the
-        step's last micro-batch only, keeping the unsharded gradients until then; false: after every micro-batch."""
+        step's last micro-batch only, keeping the unsharded gradients until then; false: after every micro-batch.
+        ``model.backend.enable_fsdp_optimizations: true`` (upstream's): the gathered parameters also stay gathered
+        from one micro-batch's backward to the next's forward (no re-gather), resharded after the last."""
         settings = self.cfg.distributed
         if settings is not None and isinstance(self.model, FSDPModule):
             self.model.set_requires_gradient_sync(last or not settings.defer_fsdp_grad_sync)
+            if backend_setting(self.cfg.model, "enable_fsdp_optimizations"):
+                self.model.set_reshard_after_backward(last)
 
     def _scaled_update(self, scaler: Any, grad_norm: torch.Tensor) -> None:
         """fp16: the scaler skips an update whose gradients overflowed and lowers its scale; such a step counts as

@@ -21,6 +21,7 @@ from automodel.hf import is_adapter_dir
 from automodel.training.checkpoint import RESUME_ELSEWHERE, CheckpointError, mismatch_message
 from automodel.training.context import BuildContext
 from automodel.training.parallel.activation_checkpointing import apply_activation_checkpointing
+from automodel.training.parallel.expert_parallel import apply_expert_parallel, build_expert_mesh, experts_issues
 from automodel.training.parallel.materialize import (
     WeightSource,
     compare_keys,
@@ -82,6 +83,22 @@ def pipeline_stage(ctx: BuildContext, model: torch.nn.Module) -> tuple[torch.nn.
     held = ["embedding"] * stage.is_first + [f"layers {first}-{last}"] + ["norm, head"] * stage.is_last
     return stage, (f"pipeline stage {stage.index} of {stage.num_stages} on this rank ({' + '.join(held)}), "
                    f"{pipeline.schedule} schedule")
+
+
+def expert_parallelize(ctx: BuildContext, model: torch.nn.Module) -> str:
+    """``distributed.ep_size > 1``: split the experts of every MoE layer over the ep groups of the data-parallel
+    ranks (before activation checkpointing and FSDP2, which then leaves them alone); the model's experts are checked
+    first, as validation does where it could not build the model."""
+    ep_size = ctx.cfg.distributed.ep_size
+    found = experts_issues(model, ep_size)
+    if found:
+        raise ConfigError(found)
+    mesh = build_expert_mesh(ctx.world_size, ep_size, ctx.device.type)
+    names = apply_expert_parallel(model, mesh, ctx.mesh.dp)
+    experts = model.get_submodule(names[0]).gate_up_proj.shape[0]
+    groups = ctx.world_size // ep_size
+    return (f"expert parallel over ep {ep_size} ({groups} group{'s' if groups > 1 else ''} of consecutive ranks): "
+            f"{len(names)} experts modules, each rank holds {experts // ep_size} of {experts} experts")
 
 
 def _restore_source(ctx: BuildContext, model: torch.nn.Module) -> WeightSource | None:

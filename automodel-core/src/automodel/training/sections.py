@@ -151,7 +151,10 @@ class DistributedConfig:
     pp_size: int = field(default=1, metadata=_help(
         "pipeline-parallel size: the decoder layers split into pp_size stages, one per rank (strategy fsdp2, "
         "which shards each stage over dp_size; the LLM recipes; schedules gpipe and 1f1b, see pipeline)"))
-    ep_size: int | None = field(default=None, metadata=_help("expert-parallel size (only 1 or null is supported)"))
+    ep_size: int | None = field(default=None, metadata=_help(
+        "expert-parallel size: each group of ep_size data-parallel ranks splits the experts of every MoE layer of a "
+        "Hugging Face MoE model (fused gate_up_proj / down_proj experts); it must divide the data-parallel ranks "
+        "and the number of experts (strategy fsdp2, no tp / cp / pp, LoRA only outside the experts; null or 1: off)"))
     sequence_parallel: bool = field(default=False, metadata=_help(
         "with tp_size > 1: norms and dropout inside the decoder layers run on each rank's part of the sequence "
         "(the sequence length must divide by tp_size)"))
@@ -171,7 +174,8 @@ class DistributedConfig:
         "upstream's rule too, and the run says so"))
     moe: dict | None = field(default=None, metadata=_help(
         "upstream's expert-parallel settings (ignore_router_for_ac, reshard_after_forward, wrap_outer_model, ...): "
-        "with ep_size 1 (or null) they govern nothing, upstream's rule too, and the run says so"))
+        "with ep_size 1 (or null) they govern nothing, upstream's rule too, and the run says so; with ep_size > 1 "
+        "they are refused (they configure upstream's own MoE model code)"))
     defer_fsdp_grad_sync: bool = field(default=True, metadata=_help(
         "under FSDP2 with gradient accumulation, reduce-scatter the gradients once, after a step's last "
         "micro-batch (false: after every micro-batch; less memory, more communication)"))
