@@ -141,8 +141,10 @@ def test_settings_the_pipeline_cannot_take_are_refused_by_validate(pp_llama_conf
     code, out = _validate(config, tmp_path, *two, "--distributed.pipeline.pp_schedule", "interleaved1f1b")
     assert code == 2 and "interleaved schedules (several stages per rank) are not wired into it yet" in out
     code, out = _validate(config, tmp_path, *two, "--eval_generation.enabled", "true",
-                          "--packed_sequence.packed_sequence_size", "64", "--peft.dim", "4")
+                          "--packed_sequence.packed_sequence_size", "64", "--peft.dim", "4",
+                          "--distributed.mp_policy.param_dtype", "fp16")
     assert code == 2
+    assert "distributed.mp_policy.param_dtype: fp16 needs loss scaling" in out
     assert "eval_generation.enabled: generation runs the whole model token by token" in out
     assert "packed_sequence.packed_sequence_size: packed rows keep attention within each sample" in out
     assert "distributed.pp_size: 2: pipeline stages of a LoRA (peft) model are not supported" in out
