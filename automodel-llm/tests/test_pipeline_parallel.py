@@ -5,7 +5,8 @@ the one process's weights; a pp=2 checkpoint resumes in one process (from model/
 model_shards/) with the uninterrupted run's losses; layouts and settings the pipeline cannot take are refused by
 ``automodel validate`` with the numbers.
 
-The ranks of one pipeline read the same rows, so the reference is one process with the same accumulation.
+The ranks of one pipeline read the same rows, so the reference is one process with the same accumulation; with
+pp=2 x dp=2 on four ranks, one process accumulating twice as many micro-batches.
 Gradient clipping (max_norm 1.0) acts on the norm over both stages.
 """
 
@@ -99,6 +100,17 @@ def test_a_sharded_pp2_checkpoint_resumes_on_pp2(pp2_gpipe, one_process, tmp_pat
     assert losses(again) == pytest.approx(losses(pp2_gpipe[0])[3:], rel=1e-5)
 
 
+def test_pp2_x_dp2_on_four_ranks_trains_like_one_process_accumulating_twice(one_process, tmp_path):
+    """FSDP2 shards each stage over two data-parallel ranks, which feed their pipelines different rows (three steps)."""
+    config, steps = one_process[0], ["--step_scheduler.max_steps", "3", "--step_scheduler.checkpoint_interval", "3"]
+    reference, out = tmp_path / "accumulating", tmp_path / "pp2_dp2"
+    _run(config, tmp_path, reference, *steps, "--step_scheduler.grad_accumulation_steps", "4")
+    log = _run(config, tmp_path, out, *steps, "--nproc-per-node", "4", "--distributed.strategy", "fsdp2",
+               "--distributed.pp_size", "2")
+    assert "FSDP2 over 2 ranks" in log
+    assert_like_reference(out, reference, steps=3)
+
+
 def _validate(config: Path, cwd: Path, *args) -> tuple[int, str]:
     result = run_cli("validate", "-c", config, *args, cwd=cwd)
     return result.returncode, result.stdout + result.stderr
@@ -129,8 +141,10 @@ def test_settings_the_pipeline_cannot_take_are_refused_by_validate(pp_llama_conf
     code, out = _validate(config, tmp_path, *two, "--distributed.pipeline.pp_schedule", "interleaved1f1b")
     assert code == 2 and "interleaved schedules (several stages per rank) are not wired into it yet" in out
     code, out = _validate(config, tmp_path, *two, "--eval_generation.enabled", "true",
-                          "--packed_sequence.packed_sequence_size", "64", "--peft.dim", "4")
+                          "--packed_sequence.packed_sequence_size", "64", "--peft.dim", "4",
+                          "--distributed.mp_policy.param_dtype", "fp16")
     assert code == 2
+    assert "distributed.mp_policy.param_dtype: fp16 needs loss scaling" in out
     assert "eval_generation.enabled: generation runs the whole model token by token" in out
     assert "packed_sequence.packed_sequence_size: packed rows keep attention within each sample" in out
     assert "distributed.pp_size: 2: pipeline stages of a LoRA (peft) model are not supported" in out

@@ -89,7 +89,7 @@ class TrainingLoop(PipelineSteps):
         scaler = self.grad_scaler
         total = torch.zeros((), device=self.device)
         if self.pipelines is not None:
-            total += self._pipelined(batches, scale)
+            total = self._pipelined(batches, scale)
         else:
             for index, batch in enumerate(batches):
                 self.prepare_micro_batch(last=index == len(batches) - 1)

@@ -159,6 +159,10 @@ def pipeline_parallel_issues(cfg: Config, implementation: str | None) -> list[Co
     if cfg.compile is not None and cfg.compile.enabled:
         issues.append(ConfigIssue("compile.enabled", f"true: the pipeline schedule (pp_size {pp}) runs the stage "
                                   "module itself, not a torch.compile wrapper; set it false with pipeline parallelism"))
+    precision, _ = run_precision(cfg, validation_device(), fsdp2=True)
+    if precision.compute_dtype(storage_dtype_name(cfg) or torch.float32, True) == torch.float16:
+        issues.append(ConfigIssue("distributed.mp_policy.param_dtype", f"fp16 needs loss scaling, which is not wired "
+                                  f"into the pipeline schedule (pp_size {pp}); use bf16 or fp32"))
     pipeline = pipeline_settings(cfg)
     if pipeline.interleaved:
         issues.append(ConfigIssue("distributed.pipeline.pp_schedule", f"{pipeline.pp_schedule}: the training loop "
