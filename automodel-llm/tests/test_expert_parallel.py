@@ -1,8 +1,9 @@
 """Expert parallelism through the CLI on CPU ranks (gloo): ``distributed.ep_size: 2`` on two ranks (dp 2, FSDP2)
 trains a tiny Qwen3-MoE (4 experts, top-2, two MoE layers) with the per-step losses, gradient norms and validation
 losses of one process accumulating twice; its consolidated ``model/`` is the one process's weights; its step-3
-checkpoint resumes in one process with the uninterrupted run's losses; layouts the model cannot take are refused by
-``automodel validate`` with the numbers.
+checkpoint resumes in one process with the uninterrupted run's losses, and the one process's under ep 2; dp 4 x ep 2
+(two replicated groups) and LoRA outside the experts train like one process too; layouts the model cannot take are
+refused by ``automodel validate`` with the numbers.
 """
 
 from __future__ import annotations
@@ -98,6 +99,17 @@ def test_an_ep2_checkpoint_resumes_in_one_process(one_process, ep2_run, tmp_path
     assert [row["step"] for row in read_jsonl(one / "training.jsonl")] == [4, 5, 6]
     assert losses(one) == pytest.approx(losses(reference)[3:], rel=1e-4)
     _assert_same_weights(one / "epoch_0_step_6" / "model", reference / "epoch_0_step_6" / "model")
+
+
+def test_a_one_process_checkpoint_resumes_under_ep2(one_process, ep2_run, tmp_path):
+    """Each rank reads its experts' slices of the one process's weights and optimizer state."""
+    config, reference = one_process
+    out = tmp_path / "ep"
+    log = _run(config, tmp_path, out, *EP2, "--restore_from.path", reference / "epoch_0_step_3")
+    assert "written by 1 ranks, resuming on 2" in log
+    assert [row["step"] for row in read_jsonl(out / "training.jsonl")] == [4, 5, 6]
+    assert losses(out) == pytest.approx(losses(ep2_run[0])[3:], rel=1e-4)
+    _assert_same_weights(out / "epoch_0_step_6" / "model", reference / "epoch_0_step_6" / "model")
 
 
 def _validate(config: Path, cwd: Path, *args) -> tuple[int, str]:

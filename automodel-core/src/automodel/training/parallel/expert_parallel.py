@@ -56,7 +56,7 @@ def config_expert_count(hf_config: Any) -> int | None:
 
 def _fused_experts(module: nn.Module) -> bool:
     """Whether ``module`` holds experts as fused 3-D parameters (any layout: checked by :func:`_layout_problems`)."""
-    param = module._parameters.get("gate_up_proj") if hasattr(module, "_parameters") else None
+    param = module._parameters.get("gate_up_proj")
     return param is not None and param.dim() == 3
 
 
@@ -108,6 +108,7 @@ def experts_issues(model: nn.Module, ep_size: int, key: str = "distributed.ep_si
 
 
 def expert_count_issues(experts: int, ep_size: int, key: str = "distributed.ep_size") -> list[ConfigIssue]:
+    """``ep_size`` against the number of experts a config declares (where the model cannot be built to check)."""
     if experts % ep_size:
         return [ConfigIssue(key, f"{ep_size} does not divide the model's number of experts ({experts}); use an "
                             f"ep_size that divides {experts}")]
@@ -127,7 +128,6 @@ class ExpertShard:
     factor and replica group that make its gradients those of one process."""
 
     group: Any
-    size: int
     first: int
     count: int
     num_experts: int
@@ -151,7 +151,7 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, dp_size: int) -> l
             param = module._parameters[attr]
             sharded = distribute_tensor(param.data, mesh, [Replicate(), Shard(0)], src_data_rank=None)
             module._parameters[attr] = nn.Parameter(sharded, requires_grad=param.requires_grad)
-        shard = ExpertShard(mesh["ep"].get_group(), size, rank * count, count, experts, 1.0 / dp_size, replicas)
+        shard = ExpertShard(mesh["ep"].get_group(), rank * count, count, experts, 1.0 / dp_size, replicas)
         module.forward = functools.partial(_forward, module, shard)
         names.append(name)
     return names
