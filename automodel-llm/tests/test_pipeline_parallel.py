@@ -6,8 +6,10 @@ model_shards/) with the uninterrupted run's losses; layouts and settings the pip
 ``automodel validate`` with the numbers.
 
 The ranks of one pipeline read the same rows, so the reference is one process with the same accumulation; with
-pp=2 x dp=2 on four ranks, one process accumulating twice as many micro-batches.
-Gradient clipping (max_norm 1.0) acts on the norm over both stages.
+pp=2 x dp=2 on four ranks, one process accumulating twice as many micro-batches; pp=2 x tp=2 on four ranks (each
+stage tensor-parallel) trains like one process too. Gradient clipping (max_norm 1.0) acts on the norm over both
+stages. The defaults that cannot act through the pipeline (``logits.label_positions_only``,
+``distributed.defer_fsdp_grad_sync``) are named in a note at the start of a run.
 """
 
 from __future__ import annotations
@@ -76,6 +78,9 @@ def test_pp2_trains_like_one_process(request, one_process, schedule):
     out, log = request.getfixturevalue(f"pp2_{schedule}")
     assert "pipeline stage 0 of 2 on this rank (embedding + layers 0-0)" in log
     assert f"{schedule} schedule" in log and "FSDP2 over 1 ranks" in log
+    # the defaults that cannot act through torch's pipeline stages are named at the start
+    assert "note: logits.label_positions_only: true governs nothing this run" in log
+    assert "note: distributed.defer_fsdp_grad_sync: true governs nothing this run" in log
     assert max(grad_norms(reference)) > 1.0 and len(val_losses(out)) == 2  # clipping acted; validation ran twice
     assert_like_reference(out, reference)
 
@@ -111,6 +116,20 @@ def test_pp2_x_dp2_on_four_ranks_trains_like_one_process_accumulating_twice(one_
     assert_like_reference(out, reference, steps=3)
 
 
+def test_pp2_x_tp2_on_four_ranks_trains_like_one_process(one_process, tmp_path):
+    """Each stage tensor-parallel over two ranks, which read the same rows (three steps: 1e-4 relative)."""
+    config, steps = one_process[0], ["--step_scheduler.max_steps", "3", "--step_scheduler.checkpoint_interval", "3"]
+    out = tmp_path / "pp2_tp2"
+    log = _run(config, tmp_path, out, *steps, "--nproc-per-node", "4", "--distributed.strategy", "fsdp2",
+               "--distributed.pp_size", "2", "--distributed.tp_size", "2")
+    reference = one_process[1]
+    assert "FSDP2 over 1 ranks" in log
+    assert losses(out) == pytest.approx(losses(reference)[:3], rel=1e-4)
+    assert grad_norms(out) == pytest.approx(grad_norms(reference)[:3], rel=1e-4)
+    assert [v for _, v in val_losses(out)] == pytest.approx([v for _, v in val_losses(reference)[:1]], rel=1e-4)
+    assert_same_weights(out / "epoch_0_step_3" / "model", reference / "epoch_0_step_3" / "model")
+
+
 def _validate(config: Path, cwd: Path, *args) -> tuple[int, str]:
     result = run_cli("validate", "-c", config, *args, cwd=cwd)
     return result.returncode, result.stdout + result.stderr
@@ -142,8 +161,10 @@ def test_settings_the_pipeline_cannot_take_are_refused_by_validate(pp_llama_conf
     assert code == 2 and "interleaved schedules (several stages per rank) are not wired into it yet" in out
     code, out = _validate(config, tmp_path, *two, "--eval_generation.enabled", "true",
                           "--packed_sequence.packed_sequence_size", "64", "--peft.dim", "4",
-                          "--distributed.mp_policy.param_dtype", "fp16")
+                          "--distributed.mp_policy.param_dtype", "fp16", "--model.backend.enable_fsdp_optimizations",
+                          "true")
     assert code == 2
+    assert "model.backend.enable_fsdp_optimizations: true keeps FSDP2's parameters gathered" in out
     assert "distributed.mp_policy.param_dtype: fp16 needs loss scaling" in out
     assert "eval_generation.enabled: generation runs the whole model token by token" in out
     assert "packed_sequence.packed_sequence_size: packed rows keep attention within each sample" in out

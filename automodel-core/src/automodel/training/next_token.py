@@ -74,7 +74,8 @@ class HeadOnPositions:
 class LogitsConfig:
     label_positions_only: bool = field(default=True, metadata={
         "help": "compute the LM head's logits only where a label is (the same loss; less compute and memory, "
-                "most of all for SFT with a large vocabulary)"})
+                "most of all for SFT with a large vocabulary; with pipeline parallelism the last stage computes "
+                "every position and a note says so)"})
 
 
 def next_token_logits(model: nn.Module, inputs: dict[str, Any], labels: torch.Tensor,
@@ -91,6 +92,15 @@ def next_token_logits(model: nn.Module, inputs: dict[str, Any], labels: torch.Te
     return logits, labels.reshape(-1)[index + 1]
 
 
+def pipeline_logits_note(pp_size: int) -> str:
+    """The run-start note that ``logits.label_positions_only: true`` (the default) is inert under pipeline
+    parallelism: torch's stages exchange tensors of one shape, set up once per sequence length, while the count of
+    label positions changes from batch to batch."""
+    return (f"note: logits.label_positions_only: true governs nothing this run: with pipeline parallelism (pp_size "
+            f"{pp_size}) the last stage computes the logits at every position (its output keeps one shape per "
+            "sequence length; the loss is the same)")
+
+
 class NextTokenLogits:
     """Recipe mixin (before ``TrainRecipe`` in the bases): the ``logits`` section, the output-head hook, and
     batches that carry their label positions, found on the host before the copy so the device never waits."""
@@ -100,7 +110,12 @@ class NextTokenLogits:
 
     def setup(self) -> None:
         super().setup()
-        if self.cfg.logits.label_positions_only:
+        if not self.cfg.logits.label_positions_only:
+            return
+        pp = self.cfg.distributed.pp_size if self.cfg.distributed is not None else 1
+        if pp > 1:
+            self.log(pipeline_logits_note(pp))
+        else:
             self.head_positions = self.attach_head(self.model)
 
     def attach_head(self, model: nn.Module) -> HeadOnPositions | None:

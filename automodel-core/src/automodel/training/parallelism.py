@@ -163,6 +163,11 @@ def pipeline_parallel_issues(cfg: Config, implementation: str | None) -> list[Co
     if precision.compute_dtype(storage_dtype_name(cfg) or torch.float32, True) == torch.float16:
         issues.append(ConfigIssue("distributed.mp_policy.param_dtype", f"fp16 needs loss scaling, which is not wired "
                                   f"into the pipeline schedule (pp_size {pp}); use bf16 or fp32"))
+    if backend_setting(cfg.model, "enable_fsdp_optimizations"):
+        issues.append(ConfigIssue("model.backend.enable_fsdp_optimizations", "true keeps FSDP2's parameters gathered "
+                                  "and its gradients unsynced until a step's last micro-batch, but torch's pipeline "
+                                  f"stage (pp_size {pp}) gathers, syncs and reshards them at the end of every "
+                                  "micro-batch; set it false with pipeline parallelism"))
     pipeline = pipeline_settings(cfg)
     if pipeline.interleaved:
         issues.append(ConfigIssue("distributed.pipeline.pp_schedule", f"{pipeline.pp_schedule}: the training loop "
@@ -370,6 +375,10 @@ def inert_distributed_notes(cfg: Config, fsdp2: bool) -> list[str]:
         if getattr(settings, name) is not None and size == 1:
             notes.append(f"note: distributed.{name} governs nothing this run: {what} is off, and upstream ignores "
                          "these settings then too")
+    if settings.pp_size > 1 and settings.defer_fsdp_grad_sync:
+        notes.append("note: distributed.defer_fsdp_grad_sync: true governs nothing this run: with pipeline "
+                     f"parallelism (pp_size {settings.pp_size}) torch's pipeline stage reduce-scatters FSDP2's "
+                     "gradients at the end of every micro-batch of a step (what false asks for)")
     for name, given in (("defer_fsdp_grad_sync", not settings.defer_fsdp_grad_sync),
                         ("reshard_after_forward", settings.reshard_after_forward is not None)):
         if given and not fsdp2:
