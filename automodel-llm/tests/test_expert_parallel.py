@@ -134,7 +134,7 @@ def test_layouts_the_model_cannot_take_are_refused_by_validate(moe_config, tmp_p
     assert code == 2 and "not combined with tensor / context / pipeline parallelism here (tp_size 2)" in out
     code, out = _validate(config, tmp_path, "--nproc-per-node", "2", "--distributed.ep_size", "2",
                           "--distributed.moe.wrap_outer_model", "false")
-    assert code == 2 and "distributed.moe: wrap_outer_model: upstream's settings" in out
+    assert code == 2 and "distributed.moe.wrap_outer_model: false makes upstream's inner model the FSDP root" in out
     code, out = _validate(config, tmp_path, "--nproc-per-node", "2", "--distributed.ep_size", "2")
     assert code == 0, out
 

@@ -216,12 +216,6 @@ def expert_parallel_issues(cfg: Config, implementation: str | None, world: int) 
         issues.append(ConfigIssue(key, f"{ep} does not divide the data-parallel ranks (dp_size = {world}, "
                                   f"{world_size_source()}): each group of ep_size ranks splits the experts; use an "
                                   f"ep_size that divides {world}"))
-    if settings.moe is not None:
-        issues.append(ConfigIssue("distributed.moe", f"{', '.join(sorted(settings.moe)) or '{}'}: upstream's "
-                                  "settings for the FSDP wrapping of its own MoE model code; the Hugging Face model's "
-                                  f"experts here (ep_size {ep}) are split as described in docs/distributed.md and the "
-                                  "rest follows distributed.reshard_after_forward / mp_policy: move the values there "
-                                  "or remove the section"))
     issues += _lora_expert_issues(cfg.get("peft"), ep)
     hf_config = model_hf_config(cfg)
     if hf_config is not None:
@@ -370,6 +364,13 @@ def inert_distributed_notes(cfg: Config, fsdp2: bool) -> list[str]:
         if getattr(settings, name) is not None and size == 1:
             notes.append(f"note: distributed.{name} governs nothing this run: {what} is off, and upstream ignores "
                          "these settings then too")
+    moe = settings.moe if isinstance(settings.moe, dict) and (settings.ep_size or 1) > 1 else {}
+    if "ignore_router_for_ac" in moe and not settings.activation_checkpointing:
+        notes.append("note: distributed.moe.ignore_router_for_ac governs nothing this run: it chooses how "
+                     "activation checkpointing treats the routing, and distributed.activation_checkpointing is off")
+    if moe.get("wrap_outer_model") is True:
+        notes.append("note: distributed.moe.wrap_outer_model: true is what FSDP2 here does anyway (the whole model "
+                     "is the root unit)")
     for name, given in (("defer_fsdp_grad_sync", not settings.defer_fsdp_grad_sync),
                         ("reshard_after_forward", settings.reshard_after_forward is not None)):
         if given and not fsdp2:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
 from torch import nn
 
 from automodel.training.parallel.blocks import transformer_blocks
@@ -16,7 +17,7 @@ if TYPE_CHECKING:
 
 def apply_fsdp2(model: nn.Module, dp_mesh: DeviceMesh, precision: Precision | None = None,
                 prefetch: tuple[int, int] | None = None, reshard_after_forward: bool | None = None,
-                ignored: set[nn.Parameter] | None = None) -> int:
+                ignored: set[nn.Parameter] | None = None, fp32_head: nn.Module | None = None) -> int:
     """Shard ``model`` in place (on the meta device or materialised) and return how many blocks became units.
 
     ``dp_mesh`` is 1-D (FSDP: ``Shard(0)``) or 2-D ``(dp_replicate, dp_shard)`` (HSDP: ``(Replicate(), Shard(0))``);
@@ -29,7 +30,10 @@ def apply_fsdp2(model: nn.Module, dp_mesh: DeviceMesh, precision: Precision | No
     ``prefetch`` (forward depth, backward depth): each block then gathers that many following blocks ahead in
     forward (preceding ones in backward) instead of FSDP2's implicit one-block prefetch (upstream's
     ``enable_fsdp2_prefetch``). ``ignored``: parameters FSDP2 leaves as they are (experts split by expert
-    parallelism, which syncs their gradients itself).
+    parallelism, which syncs their gradients itself). ``fp32_head``: the output head, made its own unit that
+    keeps its parameters, gradient reduction and output in float32 whatever ``precision`` says (upstream's
+    ``moe.lm_head_precision: float32``; its input is cast to float32); it must not share its weight with the
+    embeddings (checked by the caller).
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -38,6 +42,11 @@ def apply_fsdp2(model: nn.Module, dp_mesh: DeviceMesh, precision: Precision | No
     for index, block in enumerate(blocks):
         reshard = index < len(blocks) - 1 if reshard_after_forward is None else reshard_after_forward
         fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard, ignored_params=ignored)
+    if fp32_head is not None:
+        fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
+                                    output_dtype=torch.float32)
+        reshard = True if reshard_after_forward is None else reshard_after_forward
+        fully_shard(fp32_head, mesh=dp_mesh, mp_policy=fp32, reshard_after_forward=reshard)
     fully_shard(model, mesh=dp_mesh, mp_policy=policy, ignored_params=ignored)
     if prefetch is not None:
         set_prefetch(blocks, *prefetch)

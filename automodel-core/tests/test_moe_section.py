@@ -1,0 +1,154 @@
+"""Upstream's ``distributed.moe`` keys under expert parallelism (``ep_size > 1``): reshard_after_forward and mp_policy
+become the section's engine keys, ignore_router_for_ac keeps the routing top-k through activation checkpointing's
+recomputation, lm_head_precision float32 runs the output head in fp32; values that cannot act are refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from automodel.training.parallel.activation_checkpointing import apply_activation_checkpointing
+from automodel.training.sections import DistributedConfig, moe_head_fp32, moe_saves_routing
+
+
+def test_reshard_after_forward_and_mp_policy_act_as_the_engine_keys_under_ep():
+    moe = {"reshard_after_forward": False, "mp_policy": {"param_dtype": "bf16"}}
+    settings = DistributedConfig(ep_size=2, moe=dict(moe))
+    assert settings.reshard_after_forward is False and settings.mp_policy == {"param_dtype": "bf16"}
+    off = DistributedConfig(moe=dict(moe))  # no expert parallelism: they govern nothing (the run notes it)
+    assert off.reshard_after_forward is None and off.mp_policy is None
+    same = DistributedConfig(ep_size=2, reshard_after_forward=False, moe={"reshard_after_forward": False})
+    assert same.reshard_after_forward is False
+    with pytest.raises(ValueError, match="moe.reshard_after_forward: False differs from distributed"):
+        DistributedConfig(ep_size=2, reshard_after_forward=True, moe={"reshard_after_forward": False})
+    with pytest.raises(ValueError, match="moe.mp_policy: .* differs from distributed.mp_policy"):
+        DistributedConfig(ep_size=2, mp_policy={"param_dtype": "fp32"}, moe=dict(moe))
+
+
+@pytest.mark.parametrize("moe, message", [
+    ({"wrap_outer_model": False}, "moe.wrap_outer_model: false makes upstream's inner model the FSDP root"),
+    ({"lm_head_precision": "bfloat16"}, "moe.lm_head_precision: bfloat16: only float32 is taken"),
+    ({"ignore_router_for_ac": "yes"}, "moe.ignore_router_for_ac: 'yes': must be true or false"),
+])
+def test_values_that_cannot_act_are_refused(moe, message):
+    with pytest.raises(ValueError, match=message):
+        DistributedConfig(ep_size=2, moe=moe)
+
+
+def test_what_the_other_keys_switch_on():
+    settings = DistributedConfig(ep_size=2, activation_checkpointing=True,
+                                 moe={"wrap_outer_model": True, "ignore_router_for_ac": True,
+                                      "lm_head_precision": "torch.float32"})
+    assert moe_saves_routing(settings) and moe_head_fp32(settings)
+    assert not moe_saves_routing(DistributedConfig(ep_size=2, activation_checkpointing=True,
+                                                   moe={"ignore_router_for_ac": False}))
+    assert not moe_saves_routing(DistributedConfig(ep_size=2, moe={"ignore_router_for_ac": True}))
+    assert not moe_head_fp32(DistributedConfig(moe={"lm_head_precision": "float32"}))
+
+
+class _Routed(torch.nn.Module):
+    """A block that routes each token to its top-2 of 4 linear experts (tokens: rows)."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = torch.nn.Linear(8, 4)
+        self.experts = torch.nn.Parameter(torch.randn(4, 8, 8) / 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, index = torch.topk(self.router(x).softmax(-1), 2, dim=-1)
+        chosen = torch.einsum("th,tkoh->tko", x, self.experts[index])
+        return x + (chosen * weights[..., None]).sum(-2)
+
+
+class _Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_Routed() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class _CountTopk(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func is torch.ops.aten.topk.default
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("save_routing, recomputed", [(False, 3), (True, 0)])
+def test_ignore_router_for_ac_keeps_the_routing_of_the_forward(save_routing, recomputed):
+    torch.manual_seed(0)
+    model = _Model()
+    reference = _Model()
+    reference.load_state_dict(model.state_dict())
+    assert apply_activation_checkpointing(model, save_routing=save_routing) == 3
+    x = torch.randn(5, 8)
+    model(x).sum().backward()  # a first pass outside the counter (lazy initialisation)
+    model.zero_grad()
+    counter = _CountTopk()
+    out = model(x)
+    with counter:
+        out.sum().backward()
+    assert counter.calls == recomputed  # the recomputation in backward runs topk again, or reuses the saved one
+    reference(x).sum().backward()
+    for (name, param), ref in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert torch.allclose(param.grad, ref.grad, atol=1e-6), name
+
+
+@pytest.mark.parametrize("fp32_head, dtype", [(False, torch.bfloat16), (True, torch.float32)])
+def test_lm_head_precision_float32_runs_the_head_in_fp32(fp32_head, dtype):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from automodel.testing import free_port
+    from automodel.training.parallel.fsdp import apply_fsdp2
+    from automodel.training.parallel.precision import Precision
+
+    class LM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+            self.lm_head = torch.nn.Linear(8, 16, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = layer(x)
+            return self.lm_head(x)
+
+    seen = []
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        model = LM()
+        model.lm_head.register_forward_pre_hook(lambda module, args: seen.append(module.weight.dtype))
+        apply_fsdp2(model, init_device_mesh("cpu", (1,)), Precision(torch.bfloat16, torch.float32),
+                    fp32_head=model.lm_head if fp32_head else None)
+        logits = model(torch.randn(3, 8))
+        assert logits.dtype == dtype and seen == [dtype]  # the head's weight as it computes, and its output
+        logits.float().sum().backward()
+        assert model.lm_head.weight.grad.dtype == torch.float32
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_run_notes_values_that_describe_what_it_does_anyway():
+    from types import SimpleNamespace
+
+    from automodel.training.parallelism import inert_distributed_notes
+
+    def notes(**settings) -> str:
+        return "\n".join(inert_distributed_notes(SimpleNamespace(model=None, distributed=DistributedConfig(
+            **settings)), fsdp2=True))
+
+    moe = {"wrap_outer_model": True, "ignore_router_for_ac": True}
+    assert "distributed.moe.wrap_outer_model: true is what FSDP2 here does anyway" in notes(ep_size=2, moe=moe)
+    assert "distributed.moe.ignore_router_for_ac governs nothing this run" in notes(ep_size=2, moe=moe)
+    assert "ignore_router_for_ac" not in notes(ep_size=2, activation_checkpointing=True, moe=moe)
+    assert notes(moe=moe) == ("note: distributed.moe governs nothing this run: expert parallelism (ep_size) is off, "
+                              "and upstream ignores these settings then too")
