@@ -2,8 +2,8 @@
 trains a tiny Qwen3-MoE (4 experts, top-2, two MoE layers) with the per-step losses, gradient norms and validation
 losses of one process accumulating twice; its consolidated ``model/`` is the one process's weights; its step-3
 checkpoint resumes in one process with the uninterrupted run's losses, and the one process's under ep 2; dp 4 x ep 2
-(two replicated groups) and LoRA outside the experts train like one process too; layouts the model cannot take are
-refused by ``automodel validate`` with the numbers.
+(two replicated groups), LoRA outside the experts and upstream's moe keys train like one process too; layouts the
+model cannot take are refused by ``automodel validate`` with the numbers.
 """
 
 from __future__ import annotations
@@ -162,6 +162,22 @@ def test_lora_outside_the_experts_trains_like_one_process(one_process, tmp_path)
     _run(config, tmp_path, one, *lora, "--step_scheduler.grad_accumulation_steps", "2")
     log = _run(config, tmp_path, ep, *lora, *EP2)
     assert "LoRA r=4" in log and "expert parallel over ep 2" in log
+    assert losses(ep) == pytest.approx(losses(one), rel=1e-4)
+    assert _norms(ep) == pytest.approx(_norms(one), rel=1e-4)
+
+
+def test_upstreams_moe_keys_act_under_ep2_and_train_like_one_process(one_process, tmp_path):
+    """Upstream's moe section with activation checkpointing: the routing kept through the recomputation, the head in
+    fp32 (the run is fp32 on CPU, so the losses stay the one process's), no block resharded after forward."""
+    config = one_process[0]
+    three = ["--step_scheduler.max_steps", "3"]
+    moe = ["--distributed.activation_checkpointing", "true", "--distributed.moe.ignore_router_for_ac", "true",
+           "--distributed.moe.lm_head_precision", "float32", "--distributed.moe.reshard_after_forward", "false"]
+    one, ep = tmp_path / "one", tmp_path / "ep"
+    _run(config, tmp_path, one, *three, "--step_scheduler.grad_accumulation_steps", "2")
+    log = _run(config, tmp_path, ep, *three, *EP2, *moe)
+    assert "activation checkpointing on 2 transformer blocks (the routing top-k saved, not recomputed)" in log
+    assert "blocks sharded, the output head in fp32)" in log
     assert losses(ep) == pytest.approx(losses(one), rel=1e-4)
     assert _norms(ep) == pytest.approx(_norms(one), rel=1e-4)
 
