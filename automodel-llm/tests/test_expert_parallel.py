@@ -135,8 +135,21 @@ def test_layouts_the_model_cannot_take_are_refused_by_validate(moe_config, tmp_p
     code, out = _validate(config, tmp_path, "--nproc-per-node", "2", "--distributed.ep_size", "2",
                           "--distributed.moe.wrap_outer_model", "false")
     assert code == 2 and "distributed.moe.wrap_outer_model: false makes upstream's inner model the FSDP root" in out
-    code, out = _validate(config, tmp_path, "--nproc-per-node", "2", "--distributed.ep_size", "2")
+    tied = write_config(tmp_path / "tied.yaml", _tied(moe_config, tmp_path), tmp_path / "ckpt")
+    code, out = _validate(tied, tmp_path, "--nproc-per-node", "2", "--distributed.strategy", "fsdp2",
+                          "--distributed.ep_size", "2", "--distributed.moe.lm_head_precision", "float32")
+    assert code == 2 and "distributed.moe.lm_head_precision: float32: the model ties its output head" in out
+    code, out = _validate(config, tmp_path, "--nproc-per-node", "2", "--distributed.ep_size", "2",
+                          "--distributed.moe.lm_head_precision", "float32")
     assert code == 0, out
+
+
+def _tied(moe_config: Path, tmp_path: Path) -> Path:
+    data = {**json.loads(moe_config.read_text()), "tie_word_embeddings": True}
+    path = tmp_path / "tied" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(data))
+    return path
 
 
 def test_a_model_without_experts_and_lora_on_the_experts_are_refused(moe_config, tmp_path):
