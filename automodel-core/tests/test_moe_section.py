@@ -1,6 +1,7 @@
 """Upstream's ``distributed.moe`` keys under expert parallelism (``ep_size > 1``): reshard_after_forward and mp_policy
 become the section's engine keys, ignore_router_for_ac keeps the routing top-k through activation checkpointing's
-recomputation, lm_head_precision float32 runs the output head in fp32; values that cannot act are refused."""
+recomputation, lm_head_precision float32 runs the output head in fp32, wrap_outer_model false makes the inner model
+the FSDP2 root; values that cannot act are refused."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from automodel.training.parallel.activation_checkpointing import apply_activation_checkpointing
-from automodel.training.sections import DistributedConfig, moe_head_fp32, moe_saves_routing
+from automodel.training.sections import DistributedConfig, moe_head_fp32, moe_inner_root, moe_saves_routing
 
 
 def test_reshard_after_forward_and_mp_policy_act_as_the_engine_keys_under_ep():
@@ -27,7 +28,7 @@ def test_reshard_after_forward_and_mp_policy_act_as_the_engine_keys_under_ep():
 
 
 @pytest.mark.parametrize("moe, message", [
-    ({"wrap_outer_model": False}, "moe.wrap_outer_model: false makes upstream's inner model the FSDP root"),
+    ({"wrap_outer_model": 0}, "moe.wrap_outer_model: 0: must be true or false"),
     ({"lm_head_precision": "bfloat16"}, "moe.lm_head_precision: bfloat16: only float32 is taken"),
     ({"ignore_router_for_ac": "yes"}, "moe.ignore_router_for_ac: 'yes': must be true or false"),
 ])
@@ -45,6 +46,9 @@ def test_what_the_other_keys_switch_on():
                                                    moe={"ignore_router_for_ac": False}))
     assert not moe_saves_routing(DistributedConfig(ep_size=2, moe={"ignore_router_for_ac": True}))
     assert not moe_head_fp32(DistributedConfig(moe={"lm_head_precision": "float32"}))
+    assert not moe_inner_root(settings) and moe_inner_root(DistributedConfig(ep_size=2,
+                                                                            moe={"wrap_outer_model": False}))
+    assert not moe_inner_root(DistributedConfig(moe={"wrap_outer_model": False}))
 
 
 class _Routed(torch.nn.Module):
@@ -152,3 +156,70 @@ def test_the_run_notes_values_that_describe_what_it_does_anyway():
     assert "ignore_router_for_ac" not in notes(ep_size=2, activation_checkpointing=True, moe=moe)
     assert notes(moe=moe) == ("note: distributed.moe governs nothing this run: expert parallelism (ep_size) is off, "
                               "and upstream ignores these settings then too")
+
+
+class _Inner(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed_tokens = torch.nn.Embedding(16, 8)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class _CausalLM(torch.nn.Module):
+    """The shape of a Hugging Face causal LM: an inner model under ``base_model`` and an output head."""
+
+    def __init__(self, tied: bool = False):
+        super().__init__()
+        self.model = _Inner()
+        self.lm_head = torch.nn.Linear(8, 16, bias=False)
+        if tied:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def base_model(self) -> torch.nn.Module:
+        return self.model
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self.model.embed_tokens
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.lm_head
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model(ids))
+
+
+def test_wrap_outer_model_false_makes_the_inner_model_the_root():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+
+    from automodel.testing import free_port
+    from automodel.training.parallel.fsdp import apply_fsdp2, inner_root_issue
+
+    assert "tie_word_embeddings" in inner_root_issue(_CausalLM(tied=True))
+    extra = _CausalLM()
+    extra.scale = torch.nn.Parameter(torch.ones(()))
+    assert "parameters of its own (scale)" in inner_root_issue(extra)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        units = {}
+        for outer_root in (True, False):
+            torch.manual_seed(0)
+            model = _CausalLM()
+            assert inner_root_issue(model) is None
+            apply_fsdp2(model, init_device_mesh("cpu", (1,)), outer_root=outer_root)
+            units[outer_root] = [name for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+            model(torch.tensor([[1, 2, 3]])).sum().backward()
+            units[outer_root].append(model.lm_head.weight.grad.full_tensor())
+        assert units[True][:-1] == ["", "model.layers.0", "model.layers.1"]
+        assert units[False][:-1] == ["model", "model.layers.0", "model.layers.1", "lm_head"]
+        assert torch.equal(units[True][-1], units[False][-1])  # the same gradients, through other units
+    finally:
+        dist.destroy_process_group()

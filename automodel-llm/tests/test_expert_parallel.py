@@ -132,15 +132,16 @@ def test_layouts_the_model_cannot_take_are_refused_by_validate(moe_config, tmp_p
     code, out = _validate(config, tmp_path, "--nproc-per-node", "4", "--distributed.ep_size", "2",
                           "--distributed.tp_size", "2")
     assert code == 2 and "not combined with tensor / context / pipeline parallelism here (tp_size 2)" in out
-    code, out = _validate(config, tmp_path, "--nproc-per-node", "2", "--distributed.ep_size", "2",
-                          "--distributed.moe.wrap_outer_model", "false")
-    assert code == 2 and "distributed.moe.wrap_outer_model: false makes upstream's inner model the FSDP root" in out
     tied = write_config(tmp_path / "tied.yaml", _tied(moe_config, tmp_path), tmp_path / "ckpt")
     code, out = _validate(tied, tmp_path, "--nproc-per-node", "2", "--distributed.strategy", "fsdp2",
                           "--distributed.ep_size", "2", "--distributed.moe.lm_head_precision", "float32")
     assert code == 2 and "distributed.moe.lm_head_precision: float32: the model ties its output head" in out
+    code, out = _validate(tied, tmp_path, "--nproc-per-node", "2", "--distributed.strategy", "fsdp2",
+                          "--distributed.ep_size", "2", "--distributed.moe.wrap_outer_model", "false")
+    assert code == 2 and "distributed.moe.wrap_outer_model: false: the model ties its output head" in out
     code, out = _validate(config, tmp_path, "--nproc-per-node", "2", "--distributed.ep_size", "2",
-                          "--distributed.moe.lm_head_precision", "float32")
+                          "--distributed.moe.lm_head_precision", "float32", "--distributed.moe.wrap_outer_model",
+                          "false")
     assert code == 0, out
 
 
@@ -181,16 +182,18 @@ def test_lora_outside_the_experts_trains_like_one_process(one_process, tmp_path)
 
 def test_upstreams_moe_keys_act_under_ep2_and_train_like_one_process(one_process, tmp_path):
     """Upstream's moe section with activation checkpointing: the routing kept through the recomputation, the head in
-    fp32 (the run is fp32 on CPU, so the losses stay the one process's), no block resharded after forward."""
+    fp32 (the run is fp32 on CPU, so the losses stay the one process's), no block resharded after forward, the inner
+    model the FSDP2 root (with two micro-batches a step: every unit's gradient sync deferred to the last)."""
     config = one_process[0]
     three = ["--step_scheduler.max_steps", "3"]
     moe = ["--distributed.activation_checkpointing", "true", "--distributed.moe.ignore_router_for_ac", "true",
-           "--distributed.moe.lm_head_precision", "float32", "--distributed.moe.reshard_after_forward", "false"]
+           "--distributed.moe.lm_head_precision", "float32", "--distributed.moe.reshard_after_forward", "false",
+           "--distributed.moe.wrap_outer_model", "false"]
     one, ep = tmp_path / "one", tmp_path / "ep"
-    _run(config, tmp_path, one, *three, "--step_scheduler.grad_accumulation_steps", "2")
-    log = _run(config, tmp_path, ep, *three, *EP2, *moe)
+    _run(config, tmp_path, one, *three, "--step_scheduler.grad_accumulation_steps", "4")
+    log = _run(config, tmp_path, ep, *three, *EP2, *moe, "--step_scheduler.grad_accumulation_steps", "2")
     assert "activation checkpointing on 2 transformer blocks (the routing top-k saved, not recomputed)" in log
-    assert "blocks sharded, the output head in fp32)" in log
+    assert "blocks sharded, the output head in fp32, the inner model as root, the outer unsharded)" in log
     assert losses(ep) == pytest.approx(losses(one), rel=1e-4)
     assert _norms(ep) == pytest.approx(_norms(one), rel=1e-4)
 

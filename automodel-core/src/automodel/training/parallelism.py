@@ -23,7 +23,7 @@ from automodel.training.parallel.pipeline_parallel import PipelineSettings, desc
 from automodel.training.parallel.precision import Precision, parse_dtype_name, precision_issues, resolve_precision
 from automodel.training.parallel.tensor_parallel import describe_plan, tp_issues
 from automodel.training.parallel.tp_plans import HEAD_STYLES, config_plan, expand_plan, model_plan
-from automodel.training.sections import moe_head_fp32
+from automodel.training.sections import moe_head_fp32, moe_inner_root
 
 if TYPE_CHECKING:
     from automodel.config import Config
@@ -221,10 +221,15 @@ def expert_parallel_issues(cfg: Config, implementation: str | None, world: int) 
     hf_config = model_hf_config(cfg)
     if hf_config is not None:
         issues += _model_expert_issues(hf_config, ep)
-        if moe_head_fp32(settings) and getattr(hf_config.get_text_config(), "tie_word_embeddings", False):
-            issues.append(ConfigIssue("distributed.moe.lm_head_precision", "float32: the model ties its output head "
-                                      "to the input embeddings (tie_word_embeddings), so the head cannot run in its "
-                                      "own precision; remove the key"))
+        if getattr(hf_config.get_text_config(), "tie_word_embeddings", False):
+            if moe_head_fp32(settings):
+                issues.append(ConfigIssue("distributed.moe.lm_head_precision", "float32: the model ties its output "
+                                          "head to the input embeddings (tie_word_embeddings), so the head cannot "
+                                          "run in its own precision; remove the key"))
+            if moe_inner_root(settings):
+                issues.append(ConfigIssue("distributed.moe.wrap_outer_model", "false: the model ties its output "
+                                          "head to the input embeddings (tie_word_embeddings), which must then stay "
+                                          "in one FSDP2 root, the whole model's; set it true"))
     elif cfg.model is None or not any(cfg.model.get(k) for k in HF_MODEL_KEYS):
         issues.append(ConfigIssue(key, f"{ep}: expert parallelism splits the experts of a Hugging Face MoE model, so "
                                   "it needs a Hugging Face model section (model.config or model."

@@ -176,8 +176,9 @@ class DistributedConfig:
         "upstream's expert-parallel settings; with ep_size > 1: reshard_after_forward and mp_policy act as "
         "distributed.reshard_after_forward / mp_policy (a different value there is refused), lm_head_precision "
         "float32 keeps the output head in fp32 (its own FSDP2 unit), ignore_router_for_ac true (with "
-        "activation_checkpointing) saves the routing top-k instead of recomputing it, wrap_outer_model true is what "
-        "FSDP2 here does (false is refused); with ep_size 1 (or null) they govern nothing, upstream's rule too, and "
+        "activation_checkpointing) saves the routing top-k instead of recomputing it, wrap_outer_model false makes "
+        "the inner model the FSDP2 root (true: the whole model, what FSDP2 here does anyway); with ep_size 1 (or "
+        "null) they govern nothing, upstream's rule too, and "
         "the run says so"))
     defer_fsdp_grad_sync: bool = field(default=True, metadata=_help(
         "under FSDP2 with gradient accumulation, reduce-scatter the gradients once, after a step's last "
@@ -259,11 +260,6 @@ class DistributedConfig:
         for name in ("ignore_router_for_ac", "wrap_outer_model"):
             if not isinstance(self.moe.get(name, True), bool):
                 errors[f"moe.{name}"] = f"{self.moe[name]!r}: must be true or false"
-        if self.moe.get("wrap_outer_model") is False:
-            errors["moe.wrap_outer_model"] = (
-                "false makes upstream's inner model the FSDP root and leaves the outer causal-LM wrapper unsharded; "
-                "here FSDP2's root is always the whole model (the loop drives its gradient sync through it), which "
-                "is upstream's true: set it true or remove it")
         head = self.moe.get("lm_head_precision")
         if head is not None and str(head).removeprefix("torch.") not in _FP32_NAMES:
             errors["moe.lm_head_precision"] = (
@@ -279,6 +275,14 @@ def moe_head_fp32(settings: DistributedConfig | None) -> bool:
     """``distributed.moe.lm_head_precision: float32`` under expert parallelism: the output head runs in fp32."""
     return (settings is not None and (settings.ep_size or 1) > 1 and isinstance(settings.moe, dict)
             and settings.moe.get("lm_head_precision") is not None)
+
+
+def moe_inner_root(settings: DistributedConfig | None) -> bool:
+    """``distributed.moe.wrap_outer_model: false`` under expert parallelism: the inner model is the FSDP2 root, the
+    output head its own unit, the outer causal-LM wrapper unsharded (true: the whole model is the root, as
+    without the key)."""
+    return (settings is not None and (settings.ep_size or 1) > 1 and isinstance(settings.moe, dict)
+            and settings.moe.get("wrap_outer_model") is False)
 
 
 def moe_saves_routing(settings: DistributedConfig | None) -> bool:

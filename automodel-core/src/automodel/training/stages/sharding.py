@@ -18,10 +18,10 @@ from automodel.training.context import BuildContext
 from automodel.training.dist import expected_world_size
 from automodel.training.model_init import materialize_model, on_meta
 from automodel.training.parallel.expert_parallel import expert_parameters
-from automodel.training.parallel.fsdp import apply_fsdp2
+from automodel.training.parallel.fsdp import apply_fsdp2, inner_root_issue
 from automodel.training.parallel.mesh import DP, data_parallel_mesh
 from automodel.training.parallelism import parallel_issues
-from automodel.training.sections import moe_head_fp32
+from automodel.training.sections import moe_head_fp32, moe_inner_root
 
 
 def select(cfg: Config) -> tuple[str, str] | None:
@@ -69,15 +69,22 @@ def wrap_fsdp2(ctx: BuildContext, model: torch.nn.Module) -> tuple[torch.nn.Modu
                 if settings.enable_fsdp2_prefetch else None)
     experts = expert_parameters(model)
     head = fp32_head(model) if moe_head_fp32(settings) else None
+    outer_root = not moe_inner_root(settings)
+    if not outer_root and inner_root_issue(model):
+        raise AutomodelError(f"distributed.moe.wrap_outer_model: false: {inner_root_issue(model)}, so the inner "
+                             "model cannot be the FSDP2 root alone; set it true")
     blocks = apply_fsdp2(model, data_parallel_mesh(ctx.device_mesh, layout), ctx.precision, prefetch,
-                         settings.reshard_after_forward, ignored=experts or None, fp32_head=head)
+                         settings.reshard_after_forward, ignored=experts or None, fp32_head=head,
+                         outer_root=outer_root)
     how = (f"HSDP: {layout.dp_replicate} replicas x FSDP2 over {layout.dp_shard} ranks" if layout.dp_replicate > 1
            else f"FSDP2 over {layout.dp_shard} ranks")
     if layout.tp > 1:
         how += f" x tensor parallel over {layout.tp}"
     if experts:
         how += f", expert parameters ({len(experts)}) split by expert parallelism instead"
-    message = f"{how} ({blocks} blocks sharded{', the output head in fp32' if head is not None else ''})"
+    details = [f"{blocks} blocks sharded"] + ["the output head in fp32"] * (head is not None) + [
+        "the inner model as root, the outer unsharded"] * (not outer_root)
+    message = f"{how} ({', '.join(details)})"
     if meta:
         message += "; " + materialize_model(ctx, model)
     return model, message
