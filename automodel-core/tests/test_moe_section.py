@@ -31,6 +31,7 @@ def test_reshard_after_forward_and_mp_policy_act_as_the_engine_keys_under_ep():
     ({"wrap_outer_model": 0}, "moe.wrap_outer_model: 0: must be true or false"),
     ({"lm_head_precision": "bfloat16"}, "moe.lm_head_precision: bfloat16: only float32 is taken"),
     ({"ignore_router_for_ac": "yes"}, "moe.ignore_router_for_ac: 'yes': must be true or false"),
+    ({"reshard_after_forward": "no"}, "moe.reshard_after_forward: 'no': must be true or false"),
 ])
 def test_values_that_cannot_act_are_refused(moe, message):
     with pytest.raises(ValueError, match=message):

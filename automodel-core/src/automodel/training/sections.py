@@ -178,8 +178,7 @@ class DistributedConfig:
         "float32 keeps the output head in fp32 (its own FSDP2 unit), ignore_router_for_ac true (with "
         "activation_checkpointing) saves the routing top-k instead of recomputing it, wrap_outer_model false makes "
         "the inner model the FSDP2 root (true: the whole model, what FSDP2 here does anyway); with ep_size 1 (or "
-        "null) they govern nothing, upstream's rule too, and "
-        "the run says so"))
+        "null) they govern nothing, upstream's rule too, and the run says so"))
     defer_fsdp_grad_sync: bool = field(default=True, metadata=_help(
         "under FSDP2 with gradient accumulation, reduce-scatter the gradients once, after a step's last "
         "micro-batch (false: after every micro-batch; less memory, more communication)"))
@@ -246,10 +245,14 @@ class DistributedConfig:
     def _take_moe_settings(self) -> dict[str, str]:
         """With ``ep_size > 1``: upstream's ``moe.reshard_after_forward`` / ``moe.mp_policy`` become this section's
         keys of the same name (which FSDP2 here applies to the whole model, experts aside); the other keys are
-        checked here and read where they act (:func:`moe_head_fp32`, :func:`moe_saves_routing`)."""
+        checked here and read where they act (:func:`moe_head_fp32`, :func:`moe_inner_root`,
+        :func:`moe_saves_routing`)."""
         errors = {}
+        for name in ("ignore_router_for_ac", "wrap_outer_model", "reshard_after_forward"):
+            if not isinstance(self.moe.get(name, True), bool):
+                errors[f"moe.{name}"] = f"{self.moe[name]!r}: must be true or false"
         for name in ("reshard_after_forward", "mp_policy"):
-            if name not in self.moe:
+            if name not in self.moe or f"moe.{name}" in errors:
                 continue
             value, own = self.moe[name], getattr(self, name)
             if own is not None and own != value:
@@ -257,9 +260,6 @@ class DistributedConfig:
                                          f"{name} for the whole model: give one value, in either place")
             else:
                 setattr(self, name, value)
-        for name in ("ignore_router_for_ac", "wrap_outer_model"):
-            if not isinstance(self.moe.get(name, True), bool):
-                errors[f"moe.{name}"] = f"{self.moe[name]!r}: must be true or false"
         head = self.moe.get("lm_head_precision")
         if head is not None and str(head).removeprefix("torch.") not in _FP32_NAMES:
             errors["moe.lm_head_precision"] = (
