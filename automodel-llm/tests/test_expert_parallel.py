@@ -2,8 +2,8 @@
 trains a tiny Qwen3-MoE (4 experts, top-2, two MoE layers) with the per-step losses, gradient norms and validation
 losses of one process accumulating twice; its consolidated ``model/`` is the one process's weights; its step-3
 checkpoint resumes in one process with the uninterrupted run's losses, and the one process's under ep 2; dp 4 x ep 2
-(two replicated groups) and LoRA outside the experts train like one process too; layouts the model cannot take are
-refused by ``automodel validate`` with the numbers.
+(two replicated groups), LoRA outside the experts and upstream's moe keys train like one process too; layouts the
+model cannot take are refused by ``automodel validate`` with the numbers.
 """
 
 from __future__ import annotations
@@ -132,11 +132,25 @@ def test_layouts_the_model_cannot_take_are_refused_by_validate(moe_config, tmp_p
     code, out = _validate(config, tmp_path, "--nproc-per-node", "4", "--distributed.ep_size", "2",
                           "--distributed.tp_size", "2")
     assert code == 2 and "not combined with tensor / context / pipeline parallelism here (tp_size 2)" in out
+    tied = write_config(tmp_path / "tied.yaml", _tied(moe_config, tmp_path), tmp_path / "ckpt")
+    code, out = _validate(tied, tmp_path, "--nproc-per-node", "2", "--distributed.strategy", "fsdp2",
+                          "--distributed.ep_size", "2", "--distributed.moe.lm_head_precision", "float32")
+    assert code == 2 and "distributed.moe.lm_head_precision: float32: the model ties its output head" in out
+    code, out = _validate(tied, tmp_path, "--nproc-per-node", "2", "--distributed.strategy", "fsdp2",
+                          "--distributed.ep_size", "2", "--distributed.moe.wrap_outer_model", "false")
+    assert code == 2 and "distributed.moe.wrap_outer_model: false: the model ties its output head" in out
     code, out = _validate(config, tmp_path, "--nproc-per-node", "2", "--distributed.ep_size", "2",
-                          "--distributed.moe.wrap_outer_model", "false")
-    assert code == 2 and "distributed.moe: wrap_outer_model: upstream's settings" in out
-    code, out = _validate(config, tmp_path, "--nproc-per-node", "2", "--distributed.ep_size", "2")
+                          "--distributed.moe.lm_head_precision", "float32", "--distributed.moe.wrap_outer_model",
+                          "false")
     assert code == 0, out
+
+
+def _tied(moe_config: Path, tmp_path: Path) -> Path:
+    data = {**json.loads(moe_config.read_text()), "tie_word_embeddings": True}
+    path = tmp_path / "tied" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(data))
+    return path
 
 
 def test_a_model_without_experts_and_lora_on_the_experts_are_refused(moe_config, tmp_path):
@@ -162,6 +176,24 @@ def test_lora_outside_the_experts_trains_like_one_process(one_process, tmp_path)
     _run(config, tmp_path, one, *lora, "--step_scheduler.grad_accumulation_steps", "2")
     log = _run(config, tmp_path, ep, *lora, *EP2)
     assert "LoRA r=4" in log and "expert parallel over ep 2" in log
+    assert losses(ep) == pytest.approx(losses(one), rel=1e-4)
+    assert _norms(ep) == pytest.approx(_norms(one), rel=1e-4)
+
+
+def test_upstreams_moe_keys_act_under_ep2_and_train_like_one_process(one_process, tmp_path):
+    """Upstream's moe section with activation checkpointing: the routing kept through the recomputation, the head in
+    fp32 (the run is fp32 on CPU, so the losses stay the one process's), no block resharded after forward, the inner
+    model the FSDP2 root (with two micro-batches a step: every unit's gradient sync deferred to the last)."""
+    config = one_process[0]
+    three = ["--step_scheduler.max_steps", "3"]
+    moe = ["--distributed.activation_checkpointing", "true", "--distributed.moe.ignore_router_for_ac", "true",
+           "--distributed.moe.lm_head_precision", "float32", "--distributed.moe.reshard_after_forward", "false",
+           "--distributed.moe.wrap_outer_model", "false"]
+    one, ep = tmp_path / "one", tmp_path / "ep"
+    _run(config, tmp_path, one, *three, "--step_scheduler.grad_accumulation_steps", "4")
+    log = _run(config, tmp_path, ep, *three, *EP2, *moe, "--step_scheduler.grad_accumulation_steps", "2")
+    assert "activation checkpointing on 2 transformer blocks (the routing top-k saved, not recomputed)" in log
+    assert "blocks sharded, the output head in fp32, the inner model as root, the outer unsharded)" in log
     assert losses(ep) == pytest.approx(losses(one), rel=1e-4)
     assert _norms(ep) == pytest.approx(_norms(one), rel=1e-4)
 

@@ -128,10 +128,13 @@ class TrainingLoop(PipelineSteps):
         ``model.backend.enable_fsdp_optimizations: true`` (upstream's): the gathered parameters also stay gathered
         from one micro-batch's backward to the next's forward (no re-gather), resharded after the last."""
         settings = self.cfg.distributed
-        if settings is not None and isinstance(self.model, FSDPModule):
-            self.model.set_requires_gradient_sync(last or not settings.defer_fsdp_grad_sync)
+        units = [module for module in self.model.modules() if isinstance(module, FSDPModule)]
+        if settings is None:
+            return
+        for unit in units:  # every unit: the whole model need not be one (distributed.moe.wrap_outer_model: false)
+            unit.set_requires_gradient_sync(last or not settings.defer_fsdp_grad_sync, recurse=False)
             if backend_setting(self.cfg.model, "enable_fsdp_optimizations"):
-                self.model.set_reshard_after_backward(last)
+                unit.set_reshard_after_backward(last, recurse=False)
 
     def _scaled_update(self, scaler: Any, grad_norm: torch.Tensor) -> None:
         """fp16: the scaler skips an update whose gradients overflowed and lowers its scale; such a step counts as

@@ -30,6 +30,7 @@ from automodel.training.parallel.materialize import (
 )
 from automodel.training.parallel.pipeline_parallel import PipelineSettings, pp_issues, split_for_pipeline
 from automodel.training.parallel.tensor_parallel import apply_tensor_parallel, tp_issues
+from automodel.training.sections import moe_saves_routing
 
 _ADAPTER_NAME = re.compile(r"\.(lora_[A-Za-z_]+)\.[^.]+(?=\.|$)")  # "...lora_A.default.weight" -> "...lora_A.weight"
 
@@ -46,12 +47,14 @@ def adapter_key(name: str) -> str:
 
 def checkpoint_activations(ctx: BuildContext, model: torch.nn.Module) -> str:
     """``distributed.activation_checkpointing``: wrap every transformer block; a model without any is an error."""
-    count = apply_activation_checkpointing(model)
+    saves_routing = moe_saves_routing(ctx.cfg.distributed)
+    count = apply_activation_checkpointing(model, save_routing=saves_routing)
     if count == 0:
         raise AutomodelError(f"distributed.activation_checkpointing: {type(model).__name__} has no repeated "
                              "transformer blocks (a ModuleList of layers of one type) to checkpoint; set it to "
                              "false for this model")
-    return f"activation checkpointing on {count} transformer blocks"
+    routing = " (the routing top-k saved, not recomputed)" if saves_routing else ""
+    return f"activation checkpointing on {count} transformer blocks{routing}"
 
 
 def tensor_parallelize(ctx: BuildContext, model: torch.nn.Module) -> str:

@@ -23,6 +23,7 @@ from automodel.training.parallel.pipeline_parallel import PipelineSettings, desc
 from automodel.training.parallel.precision import Precision, parse_dtype_name, precision_issues, resolve_precision
 from automodel.training.parallel.tensor_parallel import describe_plan, tp_issues
 from automodel.training.parallel.tp_plans import HEAD_STYLES, config_plan, expand_plan, model_plan
+from automodel.training.sections import moe_head_fp32, moe_inner_root
 
 if TYPE_CHECKING:
     from automodel.config import Config
@@ -221,16 +222,19 @@ def expert_parallel_issues(cfg: Config, implementation: str | None, world: int) 
         issues.append(ConfigIssue(key, f"{ep} does not divide the data-parallel ranks (dp_size = {world}, "
                                   f"{world_size_source()}): each group of ep_size ranks splits the experts; use an "
                                   f"ep_size that divides {world}"))
-    if settings.moe is not None:
-        issues.append(ConfigIssue("distributed.moe", f"{', '.join(sorted(settings.moe)) or '{}'}: upstream's "
-                                  "settings for the FSDP wrapping of its own MoE model code; the Hugging Face model's "
-                                  f"experts here (ep_size {ep}) are split as described in docs/distributed.md and the "
-                                  "rest follows distributed.reshard_after_forward / mp_policy: move the values there "
-                                  "or remove the section"))
     issues += _lora_expert_issues(cfg.get("peft"), ep)
     hf_config = model_hf_config(cfg)
     if hf_config is not None:
         issues += _model_expert_issues(hf_config, ep)
+        if getattr(hf_config.get_text_config(), "tie_word_embeddings", False):
+            if moe_head_fp32(settings):
+                issues.append(ConfigIssue("distributed.moe.lm_head_precision", "float32: the model ties its output "
+                                          "head to the input embeddings (tie_word_embeddings), so the head cannot "
+                                          "run in its own precision; remove the key"))
+            if moe_inner_root(settings):
+                issues.append(ConfigIssue("distributed.moe.wrap_outer_model", "false: the model ties its output "
+                                          "head to the input embeddings (tie_word_embeddings), which must then stay "
+                                          "in one FSDP2 root, the whole model's; set it true"))
     elif cfg.model is None or not any(cfg.model.get(k) for k in HF_MODEL_KEYS):
         issues.append(ConfigIssue(key, f"{ep}: expert parallelism splits the experts of a Hugging Face MoE model, so "
                                   "it needs a Hugging Face model section (model.config or model."
@@ -379,6 +383,13 @@ def inert_distributed_notes(cfg: Config, fsdp2: bool) -> list[str]:
         notes.append("note: distributed.defer_fsdp_grad_sync: true governs nothing this run: with pipeline "
                      f"parallelism (pp_size {settings.pp_size}) torch's pipeline stage reduce-scatters FSDP2's "
                      "gradients at the end of every micro-batch of a step (what false asks for)")
+    moe = settings.moe if isinstance(settings.moe, dict) and (settings.ep_size or 1) > 1 else {}
+    if "ignore_router_for_ac" in moe and not settings.activation_checkpointing:
+        notes.append("note: distributed.moe.ignore_router_for_ac governs nothing this run: it chooses how "
+                     "activation checkpointing treats the routing, and distributed.activation_checkpointing is off")
+    if moe.get("wrap_outer_model") is True:
+        notes.append("note: distributed.moe.wrap_outer_model: true is what FSDP2 here does anyway (the whole model "
+                     "is the root unit)")
     for name, given in (("defer_fsdp_grad_sync", not settings.defer_fsdp_grad_sync),
                         ("reshard_after_forward", settings.reshard_after_forward is not None)):
         if given and not fsdp2:

@@ -173,9 +173,12 @@ class DistributedConfig:
         "pp_microbatch_size (rows per pipeline micro-batch), layers_per_stage; with pp_size 1 they govern nothing, "
         "upstream's rule too, and the run says so"))
     moe: dict | None = field(default=None, metadata=_help(
-        "upstream's expert-parallel settings (ignore_router_for_ac, reshard_after_forward, wrap_outer_model, ...): "
-        "with ep_size 1 (or null) they govern nothing, upstream's rule too, and the run says so; with ep_size > 1 "
-        "they are refused (they configure upstream's own MoE model code)"))
+        "upstream's expert-parallel settings; with ep_size > 1: reshard_after_forward and mp_policy act as "
+        "distributed.reshard_after_forward / mp_policy (a different value there is refused), lm_head_precision "
+        "float32 keeps the output head in fp32 (its own FSDP2 unit), ignore_router_for_ac true (with "
+        "activation_checkpointing) saves the routing top-k instead of recomputing it, wrap_outer_model false makes "
+        "the inner model the FSDP2 root (true: the whole model, what FSDP2 here does anyway); with ep_size 1 (or "
+        "null) they govern nothing, upstream's rule too, and the run says so"))
     defer_fsdp_grad_sync: bool = field(default=True, metadata=_help(
         "under FSDP2 with gradient accumulation, reduce-scatter the gradients once, after a step's last "
         "micro-batch (false: after every micro-batch; less memory, more communication)"))
@@ -230,12 +233,63 @@ class DistributedConfig:
             if unknown:
                 errors[name] = (f"{', '.join(unknown)}: not a key of upstream's {name} settings (they are: "
                                 f"{', '.join(sorted(_UPSTREAM_KEYS[name]))})")
+        if (self.ep_size or 1) > 1 and isinstance(self.moe, dict):
+            errors.update(self._take_moe_settings())
         if not self.enable_fsdp2_prefetch:
             for name, default in (("fsdp2_forward_prefetch_depth", 1), ("fsdp2_backward_prefetch_depth", 2)):
                 if getattr(self, name) != default:
                     errors[name] = f"{getattr(self, name)} acts only with enable_fsdp2_prefetch: true; set that too"
         if errors:
             raise FieldErrors(errors)
+
+    def _take_moe_settings(self) -> dict[str, str]:
+        """With ``ep_size > 1``: upstream's ``moe.reshard_after_forward`` / ``moe.mp_policy`` become this section's
+        keys of the same name (which FSDP2 here applies to the whole model, experts aside); the other keys are
+        checked here and read where they act (:func:`moe_head_fp32`, :func:`moe_inner_root`,
+        :func:`moe_saves_routing`)."""
+        errors = {}
+        for name in ("ignore_router_for_ac", "wrap_outer_model", "reshard_after_forward"):
+            if not isinstance(self.moe.get(name, True), bool):
+                errors[f"moe.{name}"] = f"{self.moe[name]!r}: must be true or false"
+        for name in ("reshard_after_forward", "mp_policy"):
+            if name not in self.moe or f"moe.{name}" in errors:
+                continue
+            value, own = self.moe[name], getattr(self, name)
+            if own is not None and own != value:
+                errors[f"moe.{name}"] = (f"{value} differs from distributed.{name} ({own}); FSDP2 here has one "
+                                         f"{name} for the whole model: give one value, in either place")
+            else:
+                setattr(self, name, value)
+        head = self.moe.get("lm_head_precision")
+        if head is not None and str(head).removeprefix("torch.") not in _FP32_NAMES:
+            errors["moe.lm_head_precision"] = (
+                f"{head}: only float32 is taken (the output head in fp32, its own FSDP2 unit); in any other dtype "
+                "the head follows distributed.mp_policy like the rest of the model: remove the key")
+        return errors
+
+
+_FP32_NAMES = ("float32", "fp32")
+
+
+def moe_head_fp32(settings: DistributedConfig | None) -> bool:
+    """``distributed.moe.lm_head_precision: float32`` under expert parallelism: the output head runs in fp32."""
+    return (settings is not None and (settings.ep_size or 1) > 1 and isinstance(settings.moe, dict)
+            and settings.moe.get("lm_head_precision") is not None)
+
+
+def moe_inner_root(settings: DistributedConfig | None) -> bool:
+    """``distributed.moe.wrap_outer_model: false`` under expert parallelism: the inner model is the FSDP2 root, the
+    output head its own unit, the outer causal-LM wrapper unsharded (true: the whole model is the root, as
+    without the key)."""
+    return (settings is not None and (settings.ep_size or 1) > 1 and isinstance(settings.moe, dict)
+            and settings.moe.get("wrap_outer_model") is False)
+
+
+def moe_saves_routing(settings: DistributedConfig | None) -> bool:
+    """``distributed.moe.ignore_router_for_ac: true`` under expert parallelism and activation checkpointing: the
+    routing top-k of the first forward is saved, not recomputed in backward (false: recomputed, as without it)."""
+    return (settings is not None and (settings.ep_size or 1) > 1 and settings.activation_checkpointing
+            and isinstance(settings.moe, dict) and settings.moe.get("ignore_router_for_ac") is True)
 
 
 # The keys of upstream's PipelineConfig and MoEParallelizerConfig (distributed.pipeline / distributed.moe)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
 from torch import nn
 
 from automodel.training.parallel.blocks import transformer_blocks
@@ -16,7 +17,8 @@ if TYPE_CHECKING:
 
 def apply_fsdp2(model: nn.Module, dp_mesh: DeviceMesh, precision: Precision | None = None,
                 prefetch: tuple[int, int] | None = None, reshard_after_forward: bool | None = None,
-                ignored: set[nn.Parameter] | None = None) -> int:
+                ignored: set[nn.Parameter] | None = None, fp32_head: nn.Module | None = None,
+                outer_root: bool = True) -> int:
     """Shard ``model`` in place (on the meta device or materialised) and return how many blocks became units.
 
     ``dp_mesh`` is 1-D (FSDP: ``Shard(0)``) or 2-D ``(dp_replicate, dp_shard)`` (HSDP: ``(Replicate(), Shard(0))``);
@@ -29,7 +31,12 @@ def apply_fsdp2(model: nn.Module, dp_mesh: DeviceMesh, precision: Precision | No
     ``prefetch`` (forward depth, backward depth): each block then gathers that many following blocks ahead in
     forward (preceding ones in backward) instead of FSDP2's implicit one-block prefetch (upstream's
     ``enable_fsdp2_prefetch``). ``ignored``: parameters FSDP2 leaves as they are (experts split by expert
-    parallelism, which syncs their gradients itself).
+    parallelism, which syncs their gradients itself). ``fp32_head``: the output head, made its own unit that
+    keeps its parameters, gradient reduction and output in float32 whatever ``precision`` says (upstream's
+    ``moe.lm_head_precision: float32``; its input is cast to float32); it must not share its weight with the
+    embeddings (checked by the caller). ``outer_root`` false (upstream's ``moe.wrap_outer_model: false``): the
+    causal LM's inner model (``base_model``) is the root unit and the output head a unit of its own, and the outer
+    wrapper is left unsharded (it holds no parameters of its own; see :func:`inner_root_issue`).
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -38,7 +45,18 @@ def apply_fsdp2(model: nn.Module, dp_mesh: DeviceMesh, precision: Precision | No
     for index, block in enumerate(blocks):
         reshard = index < len(blocks) - 1 if reshard_after_forward is None else reshard_after_forward
         fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard, ignored_params=ignored)
-    fully_shard(model, mesh=dp_mesh, mp_policy=policy, ignored_params=ignored)
+    reshard = True if reshard_after_forward is None else reshard_after_forward
+    if fp32_head is not None:
+        fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
+                                    output_dtype=torch.float32)
+        fully_shard(fp32_head, mesh=dp_mesh, mp_policy=fp32, reshard_after_forward=reshard)
+    if outer_root:
+        fully_shard(model, mesh=dp_mesh, mp_policy=policy, ignored_params=ignored)
+    else:
+        head = model.get_output_embeddings()
+        if head is not fp32_head:
+            fully_shard(head, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
+        fully_shard(model.base_model, mesh=dp_mesh, mp_policy=policy, ignored_params=ignored)
     if prefetch is not None:
         set_prefetch(blocks, *prefetch)
     return len(blocks)
@@ -54,3 +72,19 @@ def set_prefetch(blocks: list[nn.Module], forward_depth: int, backward_depth: in
         behind = blocks[max(0, index - backward_depth):index][::-1]
         if behind:
             block.set_modules_to_backward_prefetch(behind)
+
+
+def inner_root_issue(model: nn.Module) -> str | None:
+    """Why ``model`` cannot have its inner model as the FSDP2 root (``outer_root`` false), or None: it must be a
+    causal LM wrapper whose parameters are its inner model's and an untied output head's."""
+    inner = getattr(model, "base_model", None)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if inner is None or inner is model or head is None:
+        return f"{type(model).__name__} is not an inner model wrapped with an output head"
+    if head.weight is model.get_input_embeddings().weight:
+        return "the output head shares its weight with the input embeddings (tie_word_embeddings)"
+    covered = {id(p) for p in inner.parameters()} | {id(p) for p in head.parameters()}
+    others = [name for name, p in model.named_parameters() if id(p) not in covered]
+    if others:
+        return f"the outer model holds parameters of its own ({others[0]})"
+    return None

@@ -13,14 +13,15 @@ import importlib.util
 import torch
 
 from automodel.config import Config
-from automodel.errors import ConfigIssue
+from automodel.errors import AutomodelError, ConfigIssue
 from automodel.training.context import BuildContext
 from automodel.training.dist import expected_world_size
 from automodel.training.model_init import materialize_model, on_meta
 from automodel.training.parallel.expert_parallel import expert_parameters
-from automodel.training.parallel.fsdp import apply_fsdp2
+from automodel.training.parallel.fsdp import apply_fsdp2, inner_root_issue
 from automodel.training.parallel.mesh import DP, data_parallel_mesh
 from automodel.training.parallelism import parallel_issues
+from automodel.training.sections import moe_head_fp32, moe_inner_root
 
 
 def select(cfg: Config) -> tuple[str, str] | None:
@@ -67,18 +68,41 @@ def wrap_fsdp2(ctx: BuildContext, model: torch.nn.Module) -> tuple[torch.nn.Modu
     prefetch = ((settings.fsdp2_forward_prefetch_depth, settings.fsdp2_backward_prefetch_depth)
                 if settings.enable_fsdp2_prefetch else None)
     experts = expert_parameters(model)
+    head = fp32_head(model) if moe_head_fp32(settings) else None
+    outer_root = not moe_inner_root(settings)
+    if not outer_root and inner_root_issue(model):
+        raise AutomodelError(f"distributed.moe.wrap_outer_model: false: {inner_root_issue(model)}, so the inner "
+                             "model cannot be the FSDP2 root alone; set it true")
     blocks = apply_fsdp2(model, data_parallel_mesh(ctx.device_mesh, layout), ctx.precision, prefetch,
-                         settings.reshard_after_forward, ignored=experts or None)
+                         settings.reshard_after_forward, ignored=experts or None, fp32_head=head,
+                         outer_root=outer_root)
     how = (f"HSDP: {layout.dp_replicate} replicas x FSDP2 over {layout.dp_shard} ranks" if layout.dp_replicate > 1
            else f"FSDP2 over {layout.dp_shard} ranks")
     if layout.tp > 1:
         how += f" x tensor parallel over {layout.tp}"
     if experts:
         how += f", expert parameters ({len(experts)}) split by expert parallelism instead"
-    message = f"{how} ({blocks} blocks sharded)"
+    details = [f"{blocks} blocks sharded"] + ["the output head in fp32"] * (head is not None) + [
+        "the inner model as root, the outer unsharded"] * (not outer_root)
+    message = f"{how} ({', '.join(details)})"
     if meta:
         message += "; " + materialize_model(ctx, model)
     return model, message
+
+
+def fp32_head(model: torch.nn.Module) -> torch.nn.Module:
+    """The output head ``distributed.moe.lm_head_precision: float32`` keeps in fp32 (refused where it shares its
+    weight with the input embeddings, which then run in the model's precision)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None:
+        raise AutomodelError(f"distributed.moe.lm_head_precision: {type(model).__name__} has no output head to keep "
+                             "in float32; remove the key")
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if embeddings is not None and embeddings.weight is head.weight:
+        raise AutomodelError("distributed.moe.lm_head_precision: float32: the output head shares its weight with the "
+                             "input embeddings (tie_word_embeddings), so it cannot run in its own precision; remove "
+                             "the key or untie the embeddings")
+    return head
 
 
 wrap_fsdp2.shards_meta_models = True  # the pipeline leaves a meta-device model to it (it materialises after sharding)
