@@ -115,6 +115,25 @@ def test_benchmark_num_nodes_is_checked_against_the_planned_launch():
     assert "benchmark.num_nodes" in found  # num_nodes: 1, but the launch has 2 nodes
 
 
+def test_bare_validate_plans_benchmark_num_nodes_machines(tmp_path, capsys, monkeypatch):
+    from automodel.cli.main import main
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    form = str(FORMS / "benchmark_upstream.yaml")
+    assert main(["validate", "benchmark", "llm", "-c", form, "--benchmark.num_nodes", "2"]) == 2
+    assert "global_batch_size: 2 is not divisible by batch_size (2) * dp_size (2)" in capsys.readouterr().err
+    form = str(variant(tmp_path, FORMS / "benchmark_upstream.yaml",
+                       step_scheduler={"global_batch_size": 4, "local_batch_size": 2, "max_steps": 3}))
+    assert main(["validate", "benchmark", "llm", "-c", form, "--benchmark.num_nodes", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "checked for 2 processes: the layout's own size" in out and "--nproc-per-node 1 --nnodes 2" in out
+    assert main(["validate", "benchmark", "llm", "-c", form, "--benchmark.num_nodes", "2", "--nnodes", "1"]) == 2
+    assert "benchmark.num_nodes" in capsys.readouterr().err  # a launch given is checked as given
+    assert main(["validate", "benchmark", "llm", "-c", form, "--benchmark.num_nodes", "2",
+                 "--distributed.dp_size", "3", "--step_scheduler.global_batch_size", "6"]) == 2
+    assert "do not split evenly over 2 nodes" in capsys.readouterr().err
+
+
 def _hellaswag_rows(path: Path) -> Path:
     rows = [{"ctx": "A man is sitting on a roof. He", "endings": [" is using wrap.", " starts pulling up roofing.",
                                                                    " is ripping level tiles.", " holds a rope."],

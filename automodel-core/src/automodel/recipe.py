@@ -59,6 +59,14 @@ class BaseRecipe:
         return {name: value for name in self.all_stateful() if (value := getattr(self, name, None)) is not None}
 
     @classmethod
+    def own_world(cls, data: dict, nodes: int = 1) -> tuple[int, int]:
+        """``(processes, nodes)``: the smallest launch the config's own layout needs (``data``: the config as
+        written, overrides applied and references resolved). ``automodel validate`` checks a config for it when
+        it is given no launch to check against (no --nproc-per-node / --nnodes, no WORLD_SIZE). A recipe without
+        a parallel layout runs in one process."""
+        return 1, nodes
+
+    @classmethod
     def check_config(cls, cfg: Config) -> list[ConfigIssue]:
         """Recipe-level checks across sections (batch arithmetic, say); sections that failed to validate are None."""
         return cls.recipe_issues(cfg)

@@ -139,9 +139,9 @@ class DistributedConfig:
     dp_size: int | Literal["auto", "none"] | None = field(
         default="auto", metadata=_help("data-parallel ranks in all ('auto', 'none' or null: world size / (tp_size * "
                                        "cp_size * pp_size))"))
-    dp_replicate_size: int | None = field(
+    dp_replicate_size: int | Literal["none"] | None = field(
         default=1, metadata=_help("HSDP: replicas of the model, each sharded over dp_size / dp_replicate_size ranks "
-                                  "(fsdp2 only; null: 1)"))
+                                  "(fsdp2 only; null or 'none', upstream's spelling: 1)"))
     tp_size: int = field(default=1, metadata=_help(
         "tensor-parallel size: each attention / MLP projection (and the output head) sharded over this many ranks "
         "with DTensor, by the model's tp plan (strategy fsdp2, which shards over dp_size; it must divide the "
@@ -194,11 +194,11 @@ class DistributedConfig:
         "frame_sharding) are not implemented; FSDP2 here shards every transformer block it finds"))
 
     def __post_init__(self) -> None:
+        if self.dp_replicate_size in (None, "none"):
+            self.dp_replicate_size = 1
         require_positive(self, "tp_size", "cp_size", "pp_size", "ep_size", "dp_replicate_size",
                          "fsdp2_forward_prefetch_depth", "fsdp2_backward_prefetch_depth",
                          *(("dp_size",) if isinstance(self.dp_size, int) else ()))
-        if self.dp_replicate_size is None:
-            self.dp_replicate_size = 1
         errors = {}
         if self.enable_compile:
             errors["enable_compile"] = ("true compiles each block of upstream's own model code; here compile the "
