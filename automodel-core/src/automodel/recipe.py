@@ -5,12 +5,12 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from automodel.config.node import Config
-from automodel.config.specs import Metadata, RecipeRef, Refused
+from automodel.config.specs import Metadata, RecipeRef
 from automodel.config.targets import TargetError
 from automodel.errors import ConfigIssue
 
-_LAUNCHER = ("upstream's CLI submits the job through {name} with this section; automodel launches with torchrun "
-             "(--nproc-per-node, --nnodes) or writes a Slurm script (slurm:): remove it")
+_LAUNCHER = ("upstream's CLI submits the job through {name} with it; automodel launches here, with torchrun "
+             "(--nproc-per-node, --nnodes), or writes a Slurm script (slurm:)")
 
 
 class BaseRecipe:
@@ -26,8 +26,8 @@ class BaseRecipe:
         "recipe": RecipeRef("the recipe `automodel run` runs: a name an installed domain registered for its route "
                             "(upstream's recipe class names), the recipe's dotted path, or {_target_: ...}"),
         "ci": Metadata("upstream's CI settings, which its CI tooling reads"),
-        "skypilot": Refused(_LAUNCHER.format(name="SkyPilot")),
-        "nemo_run": Refused(_LAUNCHER.format(name="NeMo-Run")),
+        "skypilot": Metadata(_LAUNCHER.format(name="SkyPilot")),
+        "nemo_run": Metadata(_LAUNCHER.format(name="NeMo-Run")),
     }
     stateful: ClassVar[tuple[str, ...]] = ()
 
