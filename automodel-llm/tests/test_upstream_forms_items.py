@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from automodel.errors import AutomodelError, ConfigError
@@ -304,3 +305,19 @@ def test_upstream_lora_switches_for_its_own_modules_are_refused_and_their_off_va
     assert "upstream's own MoE model code" in found["peft.moe_rank_scaling"]
     data["peft"].update(use_memory_efficient_lora=False, moe_rank_scaling=False)
     load_config(write_yaml(tmp_path / "off.yaml", data))
+
+
+def test_kd_loss_fp32_upcast_is_where_the_temperature_divides():
+    from automodel_llm.kd import KDLoss
+
+    _, cfg = load_config(FORMS / "kd_upstream.yaml", route=("kd", "llm"))
+    assert cfg.kd_loss_fn["fp32_upcast"] is True
+    gen = torch.Generator().manual_seed(0)
+    student, teacher = (torch.randn(2, 5, 50, generator=gen).mul(7).bfloat16() for _ in range(2))
+    labels = torch.tensor([[1, 2, 3, -100, 4], [5, -100, 6, 7, 8]])
+    upcast = KDLoss(temperature=3.0)(student, teacher, labels)
+    native = KDLoss(temperature=3.0, fp32_upcast=False)(student, teacher, labels)
+    exact = KDLoss(temperature=3.0)(student.float(), teacher.float(), labels)
+    assert upcast.dtype == native.dtype == torch.float32
+    assert torch.equal(upcast, exact) and not torch.equal(native, exact)  # false: divided in bf16 first
+    assert torch.allclose(native, exact, rtol=0.05)  # the same loss up to bf16 rounding
