@@ -321,3 +321,40 @@ def test_kd_loss_fp32_upcast_is_where_the_temperature_divides():
     assert upcast.dtype == native.dtype == torch.float32
     assert torch.equal(upcast, exact) and not torch.equal(native, exact)  # false: divided in bf16 first
     assert torch.allclose(native, exact, rtol=0.05)  # the same loss up to bf16 rounding
+
+
+def test_neftune_adds_bounded_noise_to_the_embeddings_while_training_only(tmp_path, monkeypatch):
+    from automodel.training.modules import unwrap
+
+    form = FORMS / "neftune_nvtx.yaml"
+    monkeypatch.chdir(tmp_path)
+    recipe = train_inprocess(form, setup_only=True)
+    embeddings = unwrap(recipe.model).get_input_embeddings()
+    ids = torch.arange(12).reshape(1, 12)
+    clean = torch.nn.functional.embedding(ids, embeddings.weight).detach()
+    bound = 5.0 / (12 * clean.shape[-1]) ** 0.5  # noise_alpha / sqrt(sequence length x hidden size)
+    recipe.model.train()
+    noise = (embeddings(ids) - clean).detach()
+    assert 0.8 * bound < noise.abs().max() <= bound * 1.0001
+    recipe.model.eval()
+    assert torch.equal(embeddings(ids), clean)  # validation and generation: no noise
+    noisy = read_losses(train_inprocess(form, "--checkpoint.checkpoint_dir", "noisy"))
+    data = yaml.safe_load(form.read_text())
+    del data["neftune"]
+    plain = read_losses(train_inprocess(write_yaml(tmp_path / "plain.yaml", data), "--checkpoint.checkpoint_dir",
+                                        "plain"))
+    assert noisy != plain  # same seed, same data, same steps: the noise is the change
+
+
+def read_losses(recipe) -> list[float]:
+    return [r["loss"] for r in read_jsonl(Path(recipe.cfg.checkpoint.checkpoint_dir) / "training.jsonl")]
+
+
+def test_neftune_needs_its_alpha_and_nvtx_is_accepted_off_only():
+    form = FORMS / "neftune_nvtx.yaml"
+    found = refusals(form, "--neftune.noise_alpha", "0")
+    assert "must be > 0" in found["neftune.noise_alpha"]
+    found = refusals(form, "--nvtx", "true")
+    expected = "which this build does not add" if torch.cuda.is_available() else "need a CUDA GPU"
+    assert "NVTX ranges for NVIDIA Nsight Systems" in found["nvtx"] and expected in found["nvtx"]
+    assert "expected true or false" in refusals(form, "--nvtx", "7")["nvtx"]

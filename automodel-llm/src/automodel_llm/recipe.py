@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 import torch
 
-from automodel.config import Config, ConfigNode, FieldErrors, Refused, Target
+from automodel.config import Config, ConfigNode, FieldErrors, Free, Refused, Target
 from automodel.errors import AutomodelError, ConfigIssue
 from automodel.hf import (
     ADAPTER_CONFIG,
@@ -28,6 +28,7 @@ from automodel.training.next_token import NextTokenLogits
 from automodel.training.recipe import TrainRecipe
 from automodel_llm.datasets.collate import pad_collate
 from automodel_llm.datasets.packing import PackedDataset, packed_collate
+from automodel_llm.embeddings import NEFTuneConfig, add_neftune_noise, nvtx_issues
 from automodel_llm.tokenizer import VOCAB_PROBLEM, build_tokenizer, tokenizer_issues
 
 IGNORE_INDEX = -100
@@ -72,6 +73,8 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
         "validation_dataset_*": dataset_section("more validation data sets, reported by name"),
         "packed_sequence": PackedSequenceConfig,
         "eval_generation": EvalGenerationConfig,
+        "neftune": NEFTuneConfig,
+        "nvtx": Free("upstream's NVTX ranges around every module for NVIDIA Nsight Systems: false (off) only"),
         "parallelizer": Refused("upstream's parallelizer for its own MoE model code (expert parallelism); the Hugging "
                                 "Face models here are sharded by distributed: (ddp / fsdp2): remove the section"),
         "autopipeline": Refused("upstream's pipeline-parallel schedule (AutoPipeline); pipeline parallelism is not "
@@ -94,6 +97,7 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
             issues.append(ConfigIssue("eval_generation.enabled", "generation feeds one token at a time, which "
                                       "sequence parallelism cannot split over the tensor-parallel ranks; set "
                                       "eval_generation.enabled: false or distributed.sequence_parallel: false"))
+        issues += nvtx_issues(cfg.resolved.get("nvtx"))
         packing = cfg.get("packed_sequence")
         size = getattr(packing, "packed_sequence_size", 0) or 0
         if settings is not None and settings.tp_size > 1 and settings.sequence_parallel and size % settings.tp_size:
@@ -150,6 +154,10 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
         if changes:
             self.log(f"special tokens: the model's {', '.join(changes)} (the tokenizer's, which training uses; "
                      "saved in config.json and generation_config.json, so generate() stops at its EOS)")
+        neftune = self.cfg.get("neftune")
+        if neftune is not None and neftune.noise_alpha is not None:
+            add_neftune_noise(unwrap(self.model), neftune.noise_alpha)
+            self.log(f"NEFTune: noise alpha {neftune.noise_alpha} on the input embeddings while training")
 
     def save_artifacts(self, directory: Path) -> None:
         """Also records, in a LoRA checkpoint's ``adapter_config.json``, the base as this run resolved it."""
