@@ -358,3 +358,75 @@ def test_neftune_needs_its_alpha_and_nvtx_is_accepted_off_only():
     expected = "which this build does not add" if torch.cuda.is_available() else "need a CUDA GPU"
     assert "NVTX ranges for NVIDIA Nsight Systems" in found["nvtx"] and expected in found["nvtx"]
     assert "expected true or false" in refusals(form, "--nvtx", "7")["nvtx"]
+
+
+def _damaged_checkpoint(directory: Path, rows: list[int]) -> Path:
+    """A saved 1-layer Llama with untied embeddings whose input-embedding ``rows`` are zero (one of them 1e-6)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import automodel_llm
+
+    config = AutoConfig.from_pretrained(str(Path(automodel_llm.__file__).parent / "examples/assets/tiny_llama"),
+                                        num_hidden_layers=1, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        model.get_input_embeddings().weight[0].normal_(0.0, 0.02)  # the padding row starts at zero: healthy here
+        model.get_input_embeddings().weight[rows] = 0.0
+        model.get_input_embeddings().weight[rows[0], 0] = 1e-6
+    model.save_pretrained(str(directory))
+    return directory
+
+
+def test_embedding_row_repair_rebuilds_the_damaged_rows_from_the_output_embedding(tmp_path, monkeypatch, capsys):
+    from automodel.training.modules import unwrap
+
+    base = _damaged_checkpoint(tmp_path / "base", [3, 7, 100])
+    model = {"_target_": "nemo_automodel.NeMoAutoModelForCausalLM.from_pretrained",
+             "pretrained_model_name_or_path": str(base)}
+    form = variant(tmp_path, FORMS / "embedding_row_repair.yaml", model=model)
+    monkeypatch.chdir(tmp_path)
+    from safetensors.torch import load_file
+
+    weights = load_file(str(base / "model.safetensors"))
+    before, head = weights["model.embed_tokens.weight"], weights["lm_head.weight"]
+    recipe = train_inprocess(form, setup_only=True)
+    after = unwrap(recipe.model).get_input_embeddings().weight.detach()
+    healthy = [i for i in range(before.shape[0]) if i not in (3, 7, 100)]
+    assert torch.equal(after[healthy], before[healthy])  # healthy rows untouched
+    target = before[healthy].norm(dim=-1).pow(2).mean().sqrt()
+    for row in (3, 7, 100):
+        assert torch.allclose(after[row].norm(), target, rtol=1e-5)
+        direction = torch.nn.functional.cosine_similarity(after[row], head[row], dim=0)
+        assert direction > 0.9999  # the output row's direction
+    assert "rebuilt 3 input-embedding rows (tokens 3, 7, 100" in capsys.readouterr().err
+    with pytest.raises(AutomodelError, match="3 damaged input-embedding rows, more than max_rows 2"):
+        train_inprocess(form, "--embedding_row_repair.max_rows", "2", "--checkpoint.checkpoint_dir", "c2",
+                        setup_only=True)
+    recipe = train_inprocess(form, "--embedding_row_repair.enabled", "false", "--checkpoint.checkpoint_dir", "c3",
+                             setup_only=True)
+    assert torch.equal(unwrap(recipe.model).get_input_embeddings().weight[7].detach(), before[7])  # off: as loaded
+    data = yaml.safe_load(form.read_text())
+    del data["embedding_row_repair"]
+    recipe = train_inprocess(write_yaml(tmp_path / "absent.yaml", data), "--checkpoint.checkpoint_dir", "c4",
+                             setup_only=True)
+    assert torch.equal(unwrap(recipe.model).get_input_embeddings().weight[7].detach(), before[7])  # absent: off
+
+
+def test_embedding_row_repair_refuses_tied_or_sharded_embeddings(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    form = FORMS / "embedding_row_repair.yaml"
+    found = refusals(form, "--model.tie_word_embeddings", "true")  # the model's config, read at validation
+    assert "ties its output embedding to the input one" in found["embedding_row_repair"]
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from automodel_llm.embeddings import repair_embedding_rows
+
+    tied = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", vocab_size=16, hidden_size=8,
+                                                                 num_hidden_layers=1, num_attention_heads=2,
+                                                                 intermediate_size=8, tie_word_embeddings=True))
+    with pytest.raises(AutomodelError, match="no separate output embedding"):  # a model built by other code
+        repair_embedding_rows(tied, 1e-4, 8)
+    found = refusals(form, "--distributed.tp_size", "2", "--distributed.strategy", "fsdp2")
+    assert "FSDP2, tensor and pipeline parallelism split over ranks" in found["embedding_row_repair"]
+    train_inprocess(form, "--step_scheduler.max_steps", "1")  # healthy rows: trains, the embedding unchanged

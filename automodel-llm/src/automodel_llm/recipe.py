@@ -23,12 +23,20 @@ from automodel.hf import (
 )
 from automodel.training.checkpoint_write import sharded_only_message
 from automodel.training.context import BuildContext
+from automodel.training.dist import expected_world_size
 from automodel.training.modules import unwrap
 from automodel.training.next_token import NextTokenLogits
 from automodel.training.recipe import TrainRecipe
 from automodel_llm.datasets.collate import pad_collate
 from automodel_llm.datasets.packing import PackedDataset, packed_collate
-from automodel_llm.embeddings import NEFTuneConfig, add_neftune_noise, nvtx_issues
+from automodel_llm.embeddings import (
+    EmbeddingRowRepairConfig,
+    NEFTuneConfig,
+    add_neftune_noise,
+    nvtx_issues,
+    repair_embedding_rows,
+    repair_issues,
+)
 from automodel_llm.tokenizer import VOCAB_PROBLEM, build_tokenizer, tokenizer_issues
 
 IGNORE_INDEX = -100
@@ -74,6 +82,7 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
         "packed_sequence": PackedSequenceConfig,
         "eval_generation": EvalGenerationConfig,
         "neftune": NEFTuneConfig,
+        "embedding_row_repair": EmbeddingRowRepairConfig,
         "nvtx": Free("upstream's NVTX ranges around every module for NVIDIA Nsight Systems: false (off) only"),
         "parallelizer": Refused("upstream's parallelizer for its own MoE model code (expert parallelism); the Hugging "
                                 "Face models here are sharded by distributed: (ddp / fsdp2): remove the section"),
@@ -98,6 +107,11 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
                                       "sequence parallelism cannot split over the tensor-parallel ranks; set "
                                       "eval_generation.enabled: false or distributed.sequence_parallel: false"))
         issues += nvtx_issues(cfg.resolved.get("nvtx"))
+        repair = cfg.get("embedding_row_repair")
+        sharded = settings is not None and (settings.tp_size > 1 or settings.pp_size > 1 or (
+            settings.strategy == "fsdp2" and expected_world_size() > 1))
+        if "embedding_row_repair" in cfg and repair is not None and repair.enabled:
+            issues += repair_issues(cfg, sharded)
         packing = cfg.get("packed_sequence")
         size = getattr(packing, "packed_sequence_size", 0) or 0
         if settings is not None and settings.tp_size > 1 and settings.sequence_parallel and size % settings.tp_size:
@@ -154,6 +168,9 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
         if changes:
             self.log(f"special tokens: the model's {', '.join(changes)} (the tokenizer's, which training uses; "
                      "saved in config.json and generation_config.json, so generate() stops at its EOS)")
+        repair = self.cfg.get("embedding_row_repair")
+        if "embedding_row_repair" in self.cfg and repair.enabled:
+            self.log(repair_embedding_rows(unwrap(self.model), repair.min_norm, repair.max_rows))
         neftune = self.cfg.get("neftune")
         if neftune is not None and neftune.noise_alpha is not None:
             add_neftune_noise(unwrap(self.model), neftune.noise_alpha)
