@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 import torch
 
-from automodel.config import Config, ConfigNode, FieldErrors, Free, Refused, Target
+from automodel.config import Config, ConfigNode, FieldErrors, Free, Metadata, Refused, Target
 from automodel.errors import AutomodelError, ConfigIssue
 from automodel.hf import (
     ADAPTER_CONFIG,
@@ -90,9 +90,9 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
                                 "implemented yet: remove the section (distributed.pp_size: 1)"),
         "quantization": Refused("bitsandbytes 4-/8-bit base weights (QLoRA) need a CUDA GPU and bitsandbytes, and this "
                                 "build loads no quantized weights: remove the section (LoRA on bf16 / fp32 weights)"),
-        "benchmark": Refused("the benchmark recipe reads it (upstream's fine-tuning recipe ignores it): run "
-                             "automodel benchmark llm -c FILE, or recipe: BenchmarkingRecipeForNextTokenPrediction, "
-                             "to time the steps; or remove the section to fine-tune"),
+        "benchmark": Metadata("the benchmark recipe's settings; fine-tuning ignores them, as upstream's does: "
+                              "automodel benchmark llm -c FILE, or recipe: BenchmarkingRecipeForNextTokenPrediction, "
+                              "times the steps"),
     }
 
     # ---- building -------------------------------------------------------------------------------------------
