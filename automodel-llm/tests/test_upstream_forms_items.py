@@ -301,12 +301,51 @@ def test_fsdp2_upstream_switches_train_the_same_losses_on_two_ranks(tmp_path):
 def test_upstream_lora_switches_for_its_own_modules_are_refused_and_their_off_values_accepted(tmp_path):
     data = yaml.safe_load((FORMS / "recipe_bare_name.yaml").read_text())
     data["peft"] = {"_target_": "nemo_automodel.components._peft.lora.PeftConfig", "dim": 4,
-                    "use_memory_efficient_lora": True, "moe_rank_scaling": True}
+                    "use_memory_efficient_lora": True, "use_dora": True, "moe_rank_scaling": True}
     found = refusals(write_yaml(tmp_path / "on.yaml", data))
-    assert "not implemented here: set false" in found["peft.use_memory_efficient_lora"]
+    assert "DoRA (use_dora: true) has no such path" in found["peft.use_memory_efficient_lora"]
     assert "upstream's own MoE model code" in found["peft.moe_rank_scaling"]
     data["peft"].update(use_memory_efficient_lora=False, moe_rank_scaling=False)
     load_config(write_yaml(tmp_path / "off.yaml", data))
+
+
+def test_memory_efficient_lora_keeps_less_and_gives_the_same_gradients(tmp_path, monkeypatch, capsys):
+    data = yaml.safe_load((FORMS / "recipe_bare_name.yaml").read_text())
+    data["peft"] = {"_target_": "nemo_automodel.components._peft.lora.PeftConfig", "dim": 4, "alpha": 8,
+                    "dropout": 0.0, "use_memory_efficient_lora": True}
+    monkeypatch.chdir(tmp_path)
+    saved = {}
+
+    def measure(flag: bool) -> tuple[list[torch.Tensor], int]:
+        data["peft"]["use_memory_efficient_lora"] = flag
+        recipe = train_inprocess(write_yaml(tmp_path / f"{flag}.yaml", data), "--checkpoint.checkpoint_dir",
+                                 f"c{flag}", setup_only=True)
+        model = recipe.model
+        for name, param in model.named_parameters():
+            if "lora_B" in name:  # peft starts B at zero; give it values so every gradient is non-trivial
+                with torch.no_grad():
+                    param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(len(name))))
+        ids = torch.arange(40).reshape(2, 20)
+        weights = {p.data_ptr() for p in model.parameters()}
+        kept = []  # activations kept for backward (the weights saved with them are the parameters themselves)
+
+        def keep(t: torch.Tensor) -> torch.Tensor:
+            kept.append(0 if t.data_ptr() in weights else t.numel())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        saved[flag] = sum(kept)
+        return [p.grad.clone() for p in model.parameters() if p.requires_grad], saved[flag]
+
+    plain, _ = measure(False)
+    recomputed, _ = measure(True)
+    assert "adapters recompute their rank-r activation in backward" in capsys.readouterr().err
+    assert len(plain) == len(recomputed) > 0
+    for a, b in zip(plain, recomputed, strict=True):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+    assert saved[False] - saved[True] == 7 * 40 * 4  # 7 adapted layers: their 40 tokens x rank 4 are not kept
 
 
 def test_kd_loss_fp32_upcast_is_where_the_temperature_divides():

@@ -52,4 +52,5 @@ def apply_lora_to_language_model(ctx: BuildContext, model: torch.nn.Module) -> t
     if not isinstance(built, PeftConfig):  # a peft.LoraConfig, used as given
         return apply_lora(model, config, f" on {config.target_modules}")
     config.target_modules = language_model_targets(model, config.target_modules)
-    return apply_lora(model, config, f" on {len(config.target_modules)} language-model layers")
+    return apply_lora(model, config, f" on {len(config.target_modules)} language-model layers",
+                      memory_efficient=built.memory_efficient)
