@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from automodel.errors import AutomodelError
-from automodel.model_backend import apply_backend, model_backend_issues
+from automodel.model_backend import apply_backend, finish_backend, model_backend_issues
 from automodel.model_files import MODEL_KWARGS, fresh_model, pop_hub_arguments, pretrained_or_fresh
 
 
@@ -47,20 +47,22 @@ class AutoModelForCausalLM:
                         dtype: Any = None, torch_dtype: Any = None, **kwargs: Any) -> Any:
         import transformers
 
-        apply_backend(kwargs)
-        return pretrained_or_fresh(transformers.AutoModelForCausalLM, pretrained_model_name_or_path or name_or_path,
-                                   dtype or torch_dtype, cls.from_config, kwargs)
+        backend = apply_backend(kwargs)
+        return finish_backend(backend, pretrained_or_fresh(
+            transformers.AutoModelForCausalLM, pretrained_model_name_or_path or name_or_path, dtype or torch_dtype,
+            cls.from_config, kwargs))
 
     @classmethod
     def from_config(cls, config: Any, *, dtype: Any = None, torch_dtype: Any = None, seed: int | None = None,
                     **kwargs: Any) -> Any:
         import transformers
 
-        apply_backend(kwargs)
+        backend = apply_backend(kwargs)
         hub = pop_hub_arguments(kwargs)  # to AutoConfig.from_pretrained only: never into the saved config
         model_kwargs = {k: kwargs.pop(k, hub.get(k)) for k in MODEL_KWARGS if k in kwargs or k in hub}
-        return fresh_model(transformers.AutoModelForCausalLM.from_config, _load_config(config, hub, **kwargs),
-                           model_kwargs, dtype or torch_dtype, seed)
+        return finish_backend(backend, fresh_model(transformers.AutoModelForCausalLM.from_config,
+                                                   _load_config(config, hub, **kwargs), model_kwargs,
+                                                   dtype or torch_dtype, seed))
 
 
 def nemotron_h_for_causal_lm(name_or_path: str | None = None, pretrained_model_name_or_path: str | None = None,

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from automodel.errors import AutomodelError
-from automodel.model_backend import apply_backend, model_backend_issues
+from automodel.model_backend import apply_backend, finish_backend, model_backend_issues
 from automodel.model_files import MODEL_KWARGS, fresh_model, pop_hub_arguments, pretrained_or_fresh
 
 _SUB_CONFIGS = ("vision_config", "text_config")
@@ -96,11 +96,10 @@ class AutoModelForImageTextToText:
                         dtype: Any = None, torch_dtype: Any = None, **kwargs: Any) -> Any:
         import transformers
 
-        apply_backend(kwargs)
-        return pretrained_or_fresh(transformers.AutoModelForImageTextToText,
-                                   pretrained_model_name_or_path or name_or_path, dtype or torch_dtype,
-                                   cls.from_config, kwargs, (OSError, ValueError),
-                                   " as an image-text-to-text model")
+        backend = apply_backend(kwargs)
+        return finish_backend(backend, pretrained_or_fresh(
+            transformers.AutoModelForImageTextToText, pretrained_model_name_or_path or name_or_path,
+            dtype or torch_dtype, cls.from_config, kwargs, (OSError, ValueError), " as an image-text-to-text model"))
 
     @classmethod
     def from_config(cls, config: Any, *, vision_config: Any = None, text_config: Any = None, dtype: Any = None,
@@ -108,11 +107,11 @@ class AutoModelForImageTextToText:
         """A randomly initialised model (``seed`` makes the initialisation reproducible)."""
         import transformers
 
-        apply_backend(kwargs)
+        backend = apply_backend(kwargs)
         model_kwargs = {k: kwargs.pop(k) for k in MODEL_KWARGS if k in kwargs}
         hf_config = load_config(config, vision_config, text_config, **kwargs)
         try:
-            return fresh_model(transformers.AutoModelForImageTextToText.from_config, hf_config, model_kwargs,
-                               dtype or torch_dtype, seed)
+            return finish_backend(backend, fresh_model(transformers.AutoModelForImageTextToText.from_config,
+                                                       hf_config, model_kwargs, dtype or torch_dtype, seed))
         except ValueError as err:
             raise AutomodelError(f"model.config: {err}") from None
