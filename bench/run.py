@@ -33,7 +33,7 @@ from sections import SECTIONS
 COST = {"training": (120, 35), "loop_overhead": (45, 20), "training_20m": (70, 25), "cli_start": (20, 8),
         "config_refusal": (20, 8), "checkpoint_io": (30, 15), "packing": (80, 45), "scaling": (110, 60),
         "fsdp_memory": (420, 300), "activation_memory": (180, 180), "precision": (90, 60),
-        "model_parallel": (120, 90)}
+        "model_parallel": (180, 135)}
 
 
 def main() -> int:

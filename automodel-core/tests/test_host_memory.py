@@ -15,9 +15,9 @@ pytestmark = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ve
 # Runs 20 steps; prints the page faults of the last 19.
 PROBE = """
 import ctypes, resource, sys
-from automodel.training.host_memory import keep_freed_memory_in_heap
+from automodel.training.host_memory import KEEP_FREED, apply_malloc_policy
 if sys.argv[1] == "tuned":
-    assert keep_freed_memory_in_heap()
+    assert apply_malloc_policy(KEEP_FREED)
 libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
 libc.free.argtypes = [ctypes.c_void_p]
@@ -49,20 +49,21 @@ def test_tuned_malloc_reuses_freed_buffers_instead_of_faulting_them_in_again():
     assert tuned < pages_per_step  # tuned: the heap keeps them; at most a handful of faults in 19 steps
 
 
-# Sixteen 8 MiB buffers (a sharded run's gathered parameters and gradients) allocated, written and freed while a
-# small long-lived block allocated after them pins the heap's top; prints how much of them stays resident.
+# 128 MiB of buffers of one size (argv[2] KiB: a sharded run's gathered parameters and gradients, its autograd
+# temporaries) allocated, written and freed while a small long-lived block allocated after them pins the heap's
+# top; prints how much of them stays resident.
 HOLES = """
 import ctypes, sys
-from automodel.training.host_memory import keep_freed_memory_in_heap, MMAP_THRESHOLD_BYTES, SHARDED_MMAP_THRESHOLD_BYTES
-assert keep_freed_memory_in_heap({"sharded": SHARDED_MMAP_THRESHOLD_BYTES, "plain": MMAP_THRESHOLD_BYTES}[sys.argv[1]])
+from automodel.training.host_memory import KEEP_FREED, RETURN_FREED, apply_malloc_policy
+assert apply_malloc_policy({"sharded": RETURN_FREED, "plain": KEEP_FREED}[sys.argv[1]])
 libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
 libc.free.argtypes = [ctypes.c_void_p]
 def rss_mib():
     return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmRSS:")) / 1024
-size = 8 * 1024 * 1024
+size = int(sys.argv[2]) * 1024
 before = rss_mib()
-blocks = [libc.malloc(size) for _ in range(16)]
+blocks = [libc.malloc(size) for _ in range(128 * 1024 * 1024 // size)]
 for p in blocks:
     ctypes.memset(p, 1, size)
 kept = libc.malloc(1024)  # a long-lived allocation above them: the heap cannot shrink below it
@@ -72,11 +73,12 @@ print(rss_mib() - before)
 """
 
 
-def resident_after_free(mode: str) -> float:
-    out = subprocess.run([sys.executable, "-c", HOLES, mode], capture_output=True, text=True, check=True)
+def resident_after_free(mode: str, kib: int) -> float:
+    out = subprocess.run([sys.executable, "-c", HOLES, mode, str(kib)], capture_output=True, text=True, check=True)
     return float(out.stdout.strip())
 
 
-def test_a_sharded_run_returns_freed_gather_buffers_to_the_kernel():
-    assert resident_after_free("plain") > 100  # 128 MiB freed, held in the heap
-    assert resident_after_free("sharded") < 16  # each 8 MiB buffer had its own mapping, unmapped when freed
+@pytest.mark.parametrize("kib", [8192, 512])
+def test_a_sharded_run_returns_freed_buffers_to_the_kernel(kib: int):
+    assert resident_after_free("plain", kib) > 100  # 128 MiB freed, held in the heap
+    assert resident_after_free("sharded", kib) < 16  # each buffer had its own mapping, unmapped when freed

@@ -10,7 +10,6 @@ from model_parallel_workers import lm_batch
 
 from automodel.training.loss import IGNORE_INDEX
 from automodel.training.parallel.context_parallel import ContextParallelBatch, cp_issues, next_token_targets
-from automodel.training.parallel.expert_parallel import ep_issues
 
 
 @pytest.fixture(scope="module")
@@ -55,16 +54,3 @@ def test_targets_are_the_next_tokens_labels():
     assert batch.position_ids.tolist() == [[0, 1, 2, 3]]
     assert batch.label_tokens() == int((labels[:, 1:] != IGNORE_INDEX).sum()) == 2  # the engine's count
 
-
-@pytest.mark.parametrize(("value", "words"), [
-    (2, "2: expert parallelism (experts of a mixture-of-experts model spread over ranks) is not supported here"),
-    (0, "must be a positive integer or null, found 0"),
-    (True, "must be a positive integer or null, found True"),
-])
-def test_expert_parallel_is_refused(value, words):
-    (issue,) = ep_issues(value)
-    assert issue.key == "distributed.ep_size" and words in issue.message
-
-
-def test_expert_parallel_of_one_or_unset_passes():
-    assert ep_issues(1) == [] and ep_issues(None) == []

@@ -67,7 +67,7 @@ def test_the_malloc_tuning_line_is_a_debug_line(debug, make_toy, monkeypatch, ca
     else:
         monkeypatch.delenv("AUTOMODEL_DEBUG", raising=False)
     train_inprocess(make_toy(), recipe=ToyRecipe, setup_only=True)
-    assert ("host memory: glibc malloc keeps freed buffers" in capsys.readouterr().err) is debug
+    assert ("host memory: glibc malloc maps blocks" in capsys.readouterr().err) is debug
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the note is for runs without a GPU")

@@ -1,5 +1,6 @@
 """Upstream's FSDP2 switches that act here: ``distributed.defer_fsdp_grad_sync`` (the gradient reduce-scatter after
-a step's last micro-batch only) and ``enable_fsdp2_prefetch`` with its depths (explicit prefetch between blocks)."""
+a step's last micro-batch only), ``model.backend.enable_fsdp_optimizations`` (no resharding between micro-batches
+either) and ``enable_fsdp2_prefetch`` with its depths (explicit prefetch between blocks)."""
 
 from __future__ import annotations
 
@@ -39,13 +40,32 @@ def _reduces(model: torch.nn.Module) -> list[bool]:
 
 @pytest.mark.parametrize("defer, expected", [(True, [False, True]), (False, [True, True])])
 def test_defer_fsdp_grad_sync_reduces_after_the_last_micro_batch_only(sharded_blocks, defer, expected):
-    loop = SimpleNamespace(cfg=SimpleNamespace(distributed=DistributedConfig(defer_fsdp_grad_sync=defer)),
-                           model=sharded_blocks)
+    loop = SimpleNamespace(cfg=SimpleNamespace(distributed=DistributedConfig(defer_fsdp_grad_sync=defer),
+                                               model=None), model=sharded_blocks)
     seen = []
     for last in (False, True):
         TrainingLoop.prepare_micro_batch(loop, last=last)
         seen.append(all(_reduces(sharded_blocks)))
         assert len(set(_reduces(sharded_blocks))) == 1  # every unit alike
+    assert seen == expected
+
+
+@pytest.mark.parametrize("backend, expected", [({"enable_fsdp_optimizations": True}, [False, True]),
+                                               ({"enable_fsdp_optimizations": False}, [True, True]),
+                                               (None, [True, True])])
+def test_enable_fsdp_optimizations_keeps_parameters_gathered_until_the_last_micro_batch(sharded_blocks, backend,
+                                                                                       expected):
+    """upstream's model.backend.enable_fsdp_optimizations: no resharding after a micro-batch's backward (and no
+    gradient sync) but the step's last one."""
+    model_section = {"_target_": "automodel_llm.AutoModelForCausalLM.from_config", "backend": backend}
+    loop = SimpleNamespace(cfg=SimpleNamespace(distributed=DistributedConfig(), model=model_section),
+                           model=sharded_blocks)
+    seen = []
+    for last in (False, True):
+        TrainingLoop.prepare_micro_batch(loop, last=last)
+        reshards = [m._get_fsdp_state()._fsdp_param_group.reshard_after_backward for m in sharded_blocks]
+        assert len(set(reshards)) == 1 and all(_reduces(sharded_blocks)) == last
+        seen.append(reshards[0])
     assert seen == expected
 
 

@@ -11,6 +11,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from automodel.testing import OFFLINE, deep_update, write_yaml
 
 for _name, _value in OFFLINE.items():
@@ -81,3 +83,52 @@ def losses(checkpoint_dir: Path) -> list[float]:
     from automodel.testing import read_jsonl
 
     return [row["loss"] for row in read_jsonl(Path(checkpoint_dir) / "training.jsonl")]
+
+
+def grad_norms(checkpoint_dir: Path) -> list[float]:
+    """The step gradient norms a run wrote to training.jsonl, in order."""
+    from automodel.testing import read_jsonl
+
+    return [row["grad_norm"] for row in read_jsonl(Path(checkpoint_dir) / "training.jsonl")]
+
+
+def assert_same_weights(model_dir: Path, reference_dir: Path, tolerance: float = 1e-5) -> None:
+    """Two Hugging Face model directories hold the same tensors (within ``tolerance``)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    reference = AutoModelForCausalLM.from_pretrained(reference_dir).state_dict()
+    assert model.keys() == reference.keys()
+    for key, value in reference.items():
+        assert (model[key] - value).abs().max().item() < tolerance, key
+
+
+def write_two_layer_llama_config(directory: Path) -> Path:
+    """A 2-layer Llama with 4 attention heads over 2 key/value heads and its own output head (tp=2 divides every
+    size, pp=2 puts a layer on each stage), the shipped tokenizer's vocabulary (482, even)."""
+    data = json.loads(LLAMA_CONFIG.read_text())
+    data.update(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, tie_word_embeddings=False)
+    path = Path(directory) / "config.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def run_finetune(config: Path, cwd: Path, directory: Path, *args: Any) -> str:
+    """``automodel finetune llm`` into ``directory`` (a free rendezvous port for several processes); its log."""
+    from automodel.testing import free_port, run_cli
+
+    port = ["--master-port", str(free_port())] if "--nproc-per-node" in args else []
+    result = run_cli("finetune", "llm", "-c", config, *args, *port, "--checkpoint.checkpoint_dir", directory,
+                     cwd=cwd, OMP_NUM_THREADS="1")
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result.stderr
+
+
+def assert_like_reference(out: Path, reference: Path, steps: int = 6) -> None:
+    """A run's step losses, gradient norms and validation losses equal the reference run's (1e-4 relative), and
+    its last checkpoint's model/ the reference's weights."""
+    assert losses(out) == pytest.approx(losses(reference), rel=1e-4)
+    assert grad_norms(out) == pytest.approx(grad_norms(reference), rel=1e-4)
+    assert [v for _, v in val_losses(out)] == pytest.approx([v for _, v in val_losses(reference)], rel=1e-4)
+    assert_same_weights(out / f"epoch_0_step_{steps}" / "model", reference / f"epoch_0_step_{steps}" / "model")

@@ -14,9 +14,18 @@ import json
 from pathlib import Path
 
 import pytest
-from llm_testing import LLAMA_CONFIG, VALIDATION, losses, val_losses, write_config
+from llm_testing import (
+    VALIDATION,
+    assert_same_weights,
+    grad_norms,
+    losses,
+    run_finetune,
+    val_losses,
+    write_config,
+    write_two_layer_llama_config,
+)
 
-from automodel.testing import free_port, read_jsonl, run_cli
+from automodel.testing import read_jsonl, run_cli
 
 STEPS = ["--step_scheduler.max_steps", "6", "--dataloader.batch_size", "2", "--dataloader.shuffle", "false",
          "--step_scheduler.checkpoint_interval", "3"]
@@ -27,20 +36,11 @@ TP2 = ["--nproc-per-node", "2", "--distributed.strategy", "fsdp2", "--distribute
 def tp_llama_config(tmp_path_factory) -> Path:
     """A 2-layer Llama with 4 attention heads over 2 key/value heads (tp=2 divides every size), the shipped
     tokenizer's vocabulary (482, even)."""
-    data = json.loads(LLAMA_CONFIG.read_text())
-    data.update(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=8, tie_word_embeddings=False)
-    path = tmp_path_factory.mktemp("tp_llama") / "config.json"
-    path.write_text(json.dumps(data))
-    return path
+    return write_two_layer_llama_config(tmp_path_factory.mktemp("tp_llama"))
 
 
 def _run(config: Path, cwd: Path, directory: Path, *args) -> str:
-    port = ["--master-port", str(free_port())] if "--nproc-per-node" in args else []
-    result = run_cli("finetune", "llm", "-c", config, *STEPS, *args, *port, "--checkpoint.checkpoint_dir", directory,
-                     cwd=cwd, OMP_NUM_THREADS="1")
-    assert result.returncode == 0, result.stderr[-4000:]
-    return result.stderr
+    return run_finetune(config, cwd, directory, *STEPS, *args)
 
 
 @pytest.fixture(scope="module")
@@ -51,20 +51,6 @@ def one_process(tmp_path_factory, tp_llama_config) -> tuple[Path, Path]:
                           step_scheduler={"val_check_interval": 3}, eval_generation={"enabled": True})
     _run(config, tmp, tmp / "ckpt")
     return config, tmp / "ckpt"
-
-
-def _norms(directory: Path) -> list[float]:
-    return [row["grad_norm"] for row in read_jsonl(directory / "training.jsonl")]
-
-
-def _assert_same_weights(model_dir: Path, reference_dir: Path) -> None:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
-    reference = AutoModelForCausalLM.from_pretrained(reference_dir).state_dict()
-    assert model.keys() == reference.keys()
-    for key, value in reference.items():
-        assert (model[key] - value).abs().max().item() < 1e-5, key
 
 
 @pytest.fixture(scope="module")
@@ -87,14 +73,14 @@ def test_tp2_trains_like_one_process(request, one_process, tmp_path, sequence_pa
     assert ("sequence parallel" in log) == sequence_parallel
     assert "model.layers.*.self_attn.q_proj: colwise" in log
     assert losses(out) == pytest.approx(losses(reference), rel=1e-4)
-    assert _norms(out) == pytest.approx(_norms(reference), rel=1e-4)
-    assert max(_norms(reference)) > 1.0  # clipping at 1.0 acted on some steps
+    assert grad_norms(out) == pytest.approx(grad_norms(reference), rel=1e-4)
+    assert max(grad_norms(reference)) > 1.0  # clipping at 1.0 acted on some steps
     assert [v for _, v in val_losses(out)] == pytest.approx([v for _, v in val_losses(reference)], rel=1e-4)
     assert len(val_losses(out)) == 2
     if not sequence_parallel:  # generation after training: every rank runs it, the head gathers the logits
         report = json.loads((out / "eval_generation.json").read_text())
         assert report == json.loads((reference / "eval_generation.json").read_text())
-    _assert_same_weights(out / "epoch_0_step_6" / "model", reference / "epoch_0_step_6" / "model")
+    assert_same_weights(out / "epoch_0_step_6" / "model", reference / "epoch_0_step_6" / "model")
 
 
 def test_a_tp2_checkpoint_resumes_in_one_process(one_process, tp2_run, tmp_path):
@@ -107,7 +93,7 @@ def test_a_tp2_checkpoint_resumes_in_one_process(one_process, tp2_run, tmp_path)
     assert "written by 2 ranks, resuming on 1" in log
     assert [row["step"] for row in read_jsonl(one / "training.jsonl")] == [4, 5, 6]
     assert losses(one) == pytest.approx(losses(reference)[3:], rel=1e-4)
-    _assert_same_weights(one / "epoch_0_step_6" / "model", reference / "epoch_0_step_6" / "model")
+    assert_same_weights(one / "epoch_0_step_6" / "model", reference / "epoch_0_step_6" / "model")
     again = tmp_path / "again"  # the same layout: each rank's own data position and its slices of model/
     log = _run(config, tmp_path, again, *TP2, "--restore_from.path", checkpoint, "--eval_generation.enabled", "false")
     assert "resuming on" not in log
@@ -184,11 +170,11 @@ def test_dp2_x_tp2_on_four_ranks_trains_like_one_process_and_resumes_with_fsdp2_
                "--distributed.tp_size", "2", "--eval_generation.enabled", "false")
     assert "FSDP2 over 2 ranks x tensor parallel over 2" in log
     assert losses(out) == pytest.approx(losses(accumulating), rel=1e-4)
-    assert _norms(out) == pytest.approx(_norms(accumulating), rel=1e-4)
+    assert grad_norms(out) == pytest.approx(grad_norms(accumulating), rel=1e-4)
     assert [v for _, v in val_losses(out)] == pytest.approx([v for _, v in val_losses(accumulating)], rel=1e-4)
-    _assert_same_weights(out / "epoch_0_step_6" / "model", accumulating / "epoch_0_step_6" / "model")
+    assert_same_weights(out / "epoch_0_step_6" / "model", accumulating / "epoch_0_step_6" / "model")
     log = _run(config, tmp_path, dp2, "--nproc-per-node", "2", "--distributed.strategy", "fsdp2",
                "--restore_from.path", out / "epoch_0_step_3", "--eval_generation.enabled", "false")
     assert "written by 4 ranks, resuming on 2" in log
     assert losses(dp2) == pytest.approx(losses(accumulating)[3:], rel=1e-4)
-    _assert_same_weights(dp2 / "epoch_0_step_6" / "model", accumulating / "epoch_0_step_6" / "model")
+    assert_same_weights(dp2 / "epoch_0_step_6" / "model", accumulating / "epoch_0_step_6" / "model")

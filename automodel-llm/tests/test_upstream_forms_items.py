@@ -43,10 +43,14 @@ def test_pipeline_and_moe_sections_are_inert_at_size_one_and_say_so(tmp_path, mo
     assert "note: distributed.moe governs nothing this run: expert parallelism (ep_size) is off" in err
 
 
-def test_pipeline_and_moe_keys_are_upstreams_and_sizes_above_one_stay_refused(tmp_path):
+def test_pipeline_and_moe_keys_are_upstreams_and_sizes_above_one_are_checked(tmp_path):
     config = FORMS / "distributed_pipeline_replicate.yaml"
     found = refusals(config, "--distributed.pp_size", "2")
-    assert "pipeline parallelism is not implemented" in found["distributed.pp_size"]
+    assert "2 stages, but the model has 1 layers (num_hidden_layers)" in found["distributed.pp_size"]
+    found = refusals(config, "--distributed.pp_size", "2", "--distributed.pipeline.dtype", "bf16",
+                     "--distributed.pipeline.scale_grads_in_schedule", "true")
+    assert "upstream's setting, which this build's pipeline does not implement" in found["distributed.pipeline.dtype"]
+    assert "scales every micro-batch's loss" in found["distributed.pipeline.scale_grads_in_schedule"]
     data = yaml.safe_load(config.read_text())
     data["distributed"]["pipeline"]["pp_shedule"] = "1f1b"
     data["distributed"]["moe"] = {"wrap_outer_modle": True}
@@ -265,7 +269,7 @@ def test_a_benchmark_section_under_the_fine_tuning_recipe_is_named_in_the_note_a
 
 @pytest.mark.parametrize("section, node, words", [
     ("parallelizer", {"_target_": "nemo_automodel.components.moe.parallelizer.parallelize_model"}, "MoE model code"),
-    ("autopipeline", {"pp_schedule": "1f1b"}, "pipeline parallelism is not implemented yet"),
+    ("autopipeline", {"pp_schedule": "1f1b"}, "pipeline parallelism here is distributed.pp_size"),
     ("quantization", {"load_in_4bit": True}, "need a CUDA GPU and bitsandbytes"),
 ])
 def test_upstream_sections_without_an_equivalent_are_refused_with_the_reason(tmp_path, section, node, words):

@@ -3,8 +3,9 @@
 Upstream reads it in its own model implementations (Transformer Engine layers, DeepEP dispatchers, grouped-GEMM
 experts, fused RoPE ...). automodel trains Hugging Face models, so each setting either names what a Hugging Face
 model runs (it acts: ``attn`` selects ``attn_implementation``, ``rms_norm: torch`` the RMSNorm arithmetic;
-``linear: torch`` and the others are what the model is) or is refused at validation with the reason. Nothing is
-imported here: validation checks a config without torch.
+``fake_balanced_gate: true`` replaces the router's choice in the model's experts modules; ``linear: torch`` and the
+others are what the model is) or is refused at validation with the reason. Nothing is imported here: validation
+checks a config without torch.
 """
 
 from __future__ import annotations
@@ -22,16 +23,16 @@ ACTS: dict[str, tuple[Any, ...]] = {
     "rope": ("torch",),
     "rope_fusion": (False,),
     "experts": ("torch",),  # a Hugging Face MoE block's own expert loop
-    "dispatcher": ("torch",),  # no expert parallelism: tokens stay on their rank
+    "dispatcher": ("torch",),  # torch collectives (all-gather / reduce-scatter) under expert parallelism
     "dispatcher_num_sms": (20,),
     "dispatcher_share_token_dispatcher": (True,),
     "dispatcher_async_dispatch": (False,),
     "mok": (None,),
     "enable_deepep": (None,),
-    "fake_balanced_gate": (False,),
+    "fake_balanced_gate": (False, True),  # true: balanced routing in a Hugging Face MoE model's experts
     "fake_gate_noise": (0, 0.0),
     "enable_hf_state_dict_adapter": (True,),  # weights are always in the Hugging Face layout here
-    "enable_fsdp_optimizations": (False,),
+    "enable_fsdp_optimizations": (False, True),  # true: FSDP2 keeps parameters gathered between micro-batches
     "te_fp8": (None,),
     "gate_precision": (None,),
     "compile_attn": (False,),
@@ -63,9 +64,43 @@ REASONS = {
                                  "setting: remove it",
     "mok": "sets the Mixture-of-Kittens dispatcher, which needs CUDA: remove it",
     "enable_deepep": "was removed upstream (it warns and ignores it): set dispatcher and experts instead",
-    "fake_balanced_gate": "replaces the learned router of upstream's own MoE models (for benchmarking); a Hugging "
-                          "Face MoE model here routes with its learned gate: use false",
-    "fake_gate_noise": "sets fake_balanced_gate, which only upstream's own MoE models have: remove it",
+    "fake_gate_noise": "perturbs upstream's balanced routing with random draws; here fake_balanced_gate routes "
+                       "exactly balanced (noise 0): remove it or use 0",
+    "enable_hf_state_dict_adapter": "keeps upstream's own models' native weight layout; here weights are always in "
+                                    "the Hugging Face layout: use true",
+    "te_fp8": (None,),
+    "gate_precision": (None,),
+    "compile_attn": (False,),
+    "cuda_graph": (None,),
+}
+
+
+def _needs_cuda(library: str, instead: str) -> str:
+    return (f"needs CUDA and {library}, which this machine lacks, and upstream's own model code, which automodel "
+            f"does not include (it trains Hugging Face models); {instead}")
+
+
+# why a value outside ACTS cannot act here ({value} is the value as written)
+REASONS = {
+    "attn": _needs_cuda("its attention kernels (Transformer Engine, TileLang, cuDNN or MagiAttention)",
+                        "Hugging Face models here run attn sdpa, eager or flex"),
+    "linear": _needs_cuda("Transformer Engine or QuACK", "use torch"),
+    "rms_norm": _needs_cuda("Transformer Engine or QuACK", "use torch_fp32"),
+    "rope": _needs_cuda("QuACK", "use torch"),
+    "rope_fusion": _needs_cuda("Transformer Engine", "use false (upstream itself turns fused RoPE off at present)"),
+    "experts": _needs_cuda("grouped-GEMM kernels (Transformer Engine, grouped_gemm, torch._grouped_mm)",
+                           "use torch"),
+    "dispatcher": _needs_cuda("its communication library (DeepEP, HybridEP, UCCL-EP or MoK)", "use torch"),
+    "dispatcher_num_sms": "sets the CUDA MoE dispatchers (DeepEP, HybridEP, UCCL-EP, MoK); dispatcher torch, the "
+                          "one here, has no such setting: remove it",
+    "dispatcher_share_token_dispatcher": "sets the CUDA MoE dispatchers; dispatcher torch, the one here, has no such "
+                                         "setting: remove it",
+    "dispatcher_async_dispatch": "sets the CUDA MoE dispatchers; dispatcher torch, the one here, has no such "
+                                 "setting: remove it",
+    "mok": "sets the Mixture-of-Kittens dispatcher, which needs CUDA: remove it",
+    "enable_deepep": "was removed upstream (it warns and ignores it): set dispatcher and experts instead",
+    "fake_gate_noise": "perturbs upstream's balanced routing with random draws; here fake_balanced_gate routes "
+                       "exactly balanced (noise 0): remove it or use 0",
     "enable_hf_state_dict_adapter": "keeps upstream's own models' native weight layout; here weights are always in "
                                     "the Hugging Face layout: use true",
     "enable_fsdp_optimizations": "acts in upstream's own MoE model code (it skips gradient sync and resharding "
@@ -107,8 +142,10 @@ def _has_cuda() -> bool:
 @dataclass(frozen=True)
 class BackendConfig:
     """``model.backend``: upstream's kernel selection, each setting what a Hugging Face model runs (None: not set).
-    Only ``attn`` changes what is built (the model's ``attn_implementation``); the other accepted values are what a
-    Hugging Face model is, and every other value is refused at validation (:data:`REASONS`)."""
+    ``attn`` changes what is built (the model's ``attn_implementation``), ``fake_balanced_gate`` how its experts
+    are routed (:func:`apply_to_model`), ``enable_fsdp_optimizations`` what FSDP2 does between micro-batches (the
+    training loop reads it with :func:`backend_setting`); the other accepted values are what a Hugging Face model
+    is, and every other value is refused at validation (:data:`REASONS`)."""
 
     attn: str | None = None
     linear: str | None = None
@@ -146,6 +183,15 @@ class BackendConfig:
         return ATTENTION.get(self.attn) if self.attn is not None else None
 
 
+def backend_setting(model_section: Any, name: str) -> Any:
+    """The value of setting ``name`` in a model section's ``backend`` (a mapping, a config node or a
+    BackendConfig; None when unset): for the engine's parts that act on a setting after the model is built."""
+    backend = model_section.get("backend") if model_section is not None else None
+    if backend is not None and hasattr(backend, "to_dict"):
+        backend = backend.to_dict()
+    return _settings(backend).get(name)
+
+
 def _settings(backend: Any) -> Mapping[str, Any]:
     if isinstance(backend, BackendConfig):
         return vars(backend)
@@ -172,8 +218,8 @@ def model_backend_issues(kwargs: Mapping[str, Any]) -> dict[str, str]:
 
 
 def apply_backend(kwargs: dict[str, Any]) -> BackendConfig | None:
-    """Take ``backend`` out of a model factory's keyword arguments; the attention it selects becomes
-    ``attn_implementation``. The factory passes what this returns to :func:`finish_backend` with the built model."""
+    """Take ``backend`` out of a model factory's keyword arguments and return it; the attention it selects becomes
+    ``attn_implementation`` (pass the built model to :func:`apply_to_model` for the rest)."""
     backend = kwargs.pop("backend", None)
     if backend is None:
         return None
@@ -184,11 +230,38 @@ def apply_backend(kwargs: dict[str, Any]) -> BackendConfig | None:
     return backend
 
 
-def finish_backend(backend: BackendConfig | None, model: Any) -> Any:
-    """The built ``model`` as ``backend`` asks: ``rms_norm: torch`` makes its RMSNorms compute in the input's dtype
-    (:mod:`automodel.rms_norm`); the other accepted settings are what a Hugging Face model runs anyway."""
+def apply_to_model(model: Any, backend: BackendConfig | None) -> Any:
+    """What ``backend`` changes in a built model: ``rms_norm: torch`` makes its RMSNorms compute in the input's dtype
+    (:mod:`automodel.rms_norm`); ``fake_balanced_gate: true`` (upstream's benchmarking gate)
+    replaces the router's top-k choice in every experts module with fused expert parameters (transformers' MoE
+    layout): token ``t``'s ``k`` slots go to experts ``t*k .. t*k+k-1`` modulo the number of experts, each with weight
+    ``1/k``, so every expert gets the same load. The router still runs, its weights get zero gradients."""
     if backend is not None and backend.rms_norm == "torch":
         from automodel.rms_norm import use_input_dtype_rms_norm
 
         use_input_dtype_rms_norm(model)
+    if backend is None or not backend.fake_balanced_gate:
+        return model
+    experts = [m for m in model.modules() if getattr(m, "_parameters", {}).get("gate_up_proj") is not None
+               and isinstance(getattr(m, "num_experts", None), int)]
+    if not experts:
+        from automodel.errors import AutomodelError
+
+        raise AutomodelError(f"model.backend.fake_balanced_gate: true routes the experts of a mixture-of-experts "
+                             f"model, and {type(model).__name__} has no experts module with fused gate_up_proj / "
+                             "down_proj parameters (transformers' MoE layout); use false")
+    for module in experts:
+        module.register_forward_pre_hook(_balanced_routing)
     return model
+
+
+def _balanced_routing(module: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """An experts module's forward pre-hook: its ``(hidden_states, top_k_index, top_k_weights)`` with the top-k
+    choice replaced by the balanced one (:func:`apply_to_model`)."""
+    import torch
+
+    hidden_states, index, weights, *rest = args
+    tokens, k = index.shape
+    balanced = torch.arange(tokens * k, device=index.device).view(tokens, k) % module.num_experts
+    uniform = torch.full_like(weights, 1.0 / k) + 0.0 * weights  # keeps the router in the graph: zero gradients
+    return (hidden_states, balanced.to(index.dtype), uniform, *rest)

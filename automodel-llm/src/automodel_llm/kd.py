@@ -44,6 +44,8 @@ class KnowledgeDistillationRecipe(FinetuneRecipeForNextTokenPrediction):
 
     tensor_parallel_unsupported = ("the distillation loss compares the student's whole logits with the teacher's, "
                                    "which tensor parallelism keeps sharded over the vocabulary; use tp_size: 1")
+    pipeline_parallel_unsupported = ("the teacher runs beside the student on whole batches, which pipeline stages "
+                                     "split over ranks; use pp_size: 1")
 
     sections = {
         "teacher_model": Target("the frozen teacher: {_target_: ..., ...}", required=True),

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from automodel.errors import AutomodelError
-from automodel.model_backend import apply_backend, finish_backend, model_backend_issues
+from automodel.model_backend import apply_backend, apply_to_model, model_backend_issues
 from automodel.model_files import MODEL_KWARGS, fresh_model, pop_hub_arguments, pretrained_or_fresh
 
 
@@ -48,9 +48,8 @@ class AutoModelForCausalLM:
         import transformers
 
         backend = apply_backend(kwargs)
-        return finish_backend(backend, pretrained_or_fresh(
-            transformers.AutoModelForCausalLM, pretrained_model_name_or_path or name_or_path, dtype or torch_dtype,
-            cls.from_config, kwargs))
+        return apply_to_model(pretrained_or_fresh(transformers.AutoModelForCausalLM, pretrained_model_name_or_path or
+                                                  name_or_path, dtype or torch_dtype, cls.from_config, kwargs), backend)
 
     @classmethod
     def from_config(cls, config: Any, *, dtype: Any = None, torch_dtype: Any = None, seed: int | None = None,
@@ -60,9 +59,9 @@ class AutoModelForCausalLM:
         backend = apply_backend(kwargs)
         hub = pop_hub_arguments(kwargs)  # to AutoConfig.from_pretrained only: never into the saved config
         model_kwargs = {k: kwargs.pop(k, hub.get(k)) for k in MODEL_KWARGS if k in kwargs or k in hub}
-        return finish_backend(backend, fresh_model(transformers.AutoModelForCausalLM.from_config,
-                                                   _load_config(config, hub, **kwargs), model_kwargs,
-                                                   dtype or torch_dtype, seed))
+        return apply_to_model(fresh_model(transformers.AutoModelForCausalLM.from_config, _load_config(config, hub,
+                                                                                                       **kwargs),
+                                          model_kwargs, dtype or torch_dtype, seed), backend)
 
 
 def nemotron_h_for_causal_lm(name_or_path: str | None = None, pretrained_model_name_or_path: str | None = None,

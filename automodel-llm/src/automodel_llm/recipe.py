@@ -41,6 +41,7 @@ from automodel_llm.tokenizer import VOCAB_PROBLEM, build_tokenizer, tokenizer_is
 
 IGNORE_INDEX = -100
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
+PIPELINE_LENGTH_MULTIPLE = 64  # pipelined batches are padded to a multiple of it: few shapes, few pipeline set-ups
 DATASETS = tuple(f"automodel_llm.datasets.{name}" for name in (
     "SquadDataset", "make_squad_dataset", "ColumnMappedTextInstructionDataset", "ChatDataset",
     "PretrainingTextDataset", "MockDataset"))
@@ -68,11 +69,26 @@ class PackedSequenceConfig:
                                                    "order"})
 
 
+def pipeline_issues(cfg: Config, generation: Any, packing: Any) -> list[ConfigIssue]:
+    """What this recipe cannot run with ``distributed.pp_size > 1``."""
+    pp = cfg.distributed.pp_size
+    issues = []
+    if "eval_generation" in cfg and generation is not None and generation.enabled:
+        issues.append(ConfigIssue("eval_generation.enabled", f"generation runs the whole model token by token, which "
+                                  f"the pipeline stages (pp_size {pp}) hold apart; set eval_generation.enabled: false"))
+    if packing is not None and (packing.enabled or packing.packed_sequence_size > 0):
+        issues.append(ConfigIssue("packed_sequence.packed_sequence_size", f"packed rows keep attention within each "
+                                  f"sample, which the pipeline stages (pp_size {pp}) do not pass on; turn packing "
+                                  "off (packed_sequence.enabled: false, packed_sequence_size: 0)"))
+    return issues
+
+
 class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
     """Causal LM training: loss on label tokens (answers for SFT, everything for pre-training)."""
 
     domain = "llm"
     tensor_parallel_unsupported = None  # the loss runs on vocabulary-parallel logits (training/loop.py)
+    pipeline_parallel_unsupported = None  # pipeline_batches / pipeline_loss below
     sections = {
         "tokenizer": Target("tokenizer (default: the model's): {pretrained_model_name_or_path: ...}", plain=True,
                             default_target="transformers.AutoTokenizer.from_pretrained"),
@@ -86,8 +102,9 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
         "nvtx": Free("upstream's NVTX ranges around every module for NVIDIA Nsight Systems: false (off) only"),
         "parallelizer": Refused("upstream's parallelizer for its own MoE model code (expert parallelism); the Hugging "
                                 "Face models here are sharded by distributed: (ddp / fsdp2): remove the section"),
-        "autopipeline": Refused("upstream's pipeline-parallel schedule (AutoPipeline); pipeline parallelism is not "
-                                "implemented yet: remove the section (distributed.pp_size: 1)"),
+        "autopipeline": Refused("upstream's pipeline-parallel builder (AutoPipeline); pipeline parallelism here is "
+                                "distributed.pp_size with distributed.pipeline (pp_schedule, pp_microbatch_size): "
+                                "remove the section"),
         "quantization": Refused("bitsandbytes 4-/8-bit base weights (QLoRA) need a CUDA GPU and bitsandbytes, and this "
                                 "build loads no quantized weights: remove the section (LoRA on bf16 / fp32 weights)"),
         "benchmark": Metadata("the benchmark recipe's settings; fine-tuning ignores them, as upstream's does: "
@@ -114,6 +131,8 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
             issues += repair_issues(cfg, sharded)
         packing = cfg.get("packed_sequence")
         size = getattr(packing, "packed_sequence_size", 0) or 0
+        if settings is not None and settings.pp_size > 1:
+            issues += pipeline_issues(cfg, generation, packing)
         if settings is not None and settings.tp_size > 1 and settings.sequence_parallel and size % settings.tp_size:
             issues.append(ConfigIssue("packed_sequence.packed_sequence_size", f"{size} does not divide by tp_size "
                                       f"{settings.tp_size}: sequence parallelism splits every row over the "
@@ -190,6 +209,29 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
 
     def compute_loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.loss_fn(*self.next_token_logits(model, batch, self.head_positions))
+
+    def pipeline_batches(self, batches: list[dict[str, torch.Tensor]], length: int | None = None
+                         ) -> list[tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]:
+        """The step's micro-batches padded to its longest, rounded up to a multiple of ``PIPELINE_LENGTH_MULTIPLE``,
+        or to ``length`` if longer (the pipeline runs one shape per step and sets up anew for a new shape; padding
+        carries no label and is masked out of attention, so the loss is unchanged)."""
+        longest = max(batch["input_ids"].shape[1] for batch in batches)
+        longest = max(-(-longest // PIPELINE_LENGTH_MULTIPLE) * PIPELINE_LENGTH_MULTIPLE, length or 0)
+        pad = self.tokenizer.pad_token_id or 0
+        parts = []
+        for batch in batches:
+            extra = longest - batch["input_ids"].shape[1]
+            mask = batch.get("attention_mask", torch.ones_like(batch["input_ids"]))
+            kwargs = {"attention_mask": torch.nn.functional.pad(mask, (0, extra), value=0)}
+            if "position_ids" in batch:
+                kwargs["position_ids"] = torch.nn.functional.pad(batch["position_ids"], (0, extra), value=0)
+            parts.append((torch.nn.functional.pad(batch["input_ids"], (0, extra), value=pad),
+                          torch.nn.functional.pad(batch["labels"], (0, extra), value=IGNORE_INDEX), kwargs))
+        return parts
+
+    def pipeline_loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The next-token loss on the last stage's logits, summed over the label tokens."""
+        return self.loss_fn(output[:, :-1].reshape(-1, output.shape[-1]), targets[:, 1:].reshape(-1))
 
     def count_label_tokens(self, batch: dict[str, torch.Tensor]) -> int:
         return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())

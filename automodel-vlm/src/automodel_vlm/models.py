@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from automodel.errors import AutomodelError
-from automodel.model_backend import apply_backend, finish_backend, model_backend_issues
+from automodel.model_backend import apply_backend, apply_to_model, model_backend_issues
 from automodel.model_files import MODEL_KWARGS, fresh_model, pop_hub_arguments, pretrained_or_fresh
 
 _SUB_CONFIGS = ("vision_config", "text_config")
@@ -97,9 +97,11 @@ class AutoModelForImageTextToText:
         import transformers
 
         backend = apply_backend(kwargs)
-        return finish_backend(backend, pretrained_or_fresh(
-            transformers.AutoModelForImageTextToText, pretrained_model_name_or_path or name_or_path,
-            dtype or torch_dtype, cls.from_config, kwargs, (OSError, ValueError), " as an image-text-to-text model"))
+        model = pretrained_or_fresh(transformers.AutoModelForImageTextToText,
+                                    pretrained_model_name_or_path or name_or_path, dtype or torch_dtype,
+                                    cls.from_config, kwargs, (OSError, ValueError),
+                                    " as an image-text-to-text model")
+        return apply_to_model(model, backend)
 
     @classmethod
     def from_config(cls, config: Any, *, vision_config: Any = None, text_config: Any = None, dtype: Any = None,
@@ -111,7 +113,8 @@ class AutoModelForImageTextToText:
         model_kwargs = {k: kwargs.pop(k) for k in MODEL_KWARGS if k in kwargs}
         hf_config = load_config(config, vision_config, text_config, **kwargs)
         try:
-            return finish_backend(backend, fresh_model(transformers.AutoModelForImageTextToText.from_config,
-                                                       hf_config, model_kwargs, dtype or torch_dtype, seed))
+            model = fresh_model(transformers.AutoModelForImageTextToText.from_config, hf_config, model_kwargs,
+                                dtype or torch_dtype, seed)
         except ValueError as err:
             raise AutomodelError(f"model.config: {err}") from None
+        return apply_to_model(model, backend)

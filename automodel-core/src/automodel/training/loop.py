@@ -18,6 +18,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 
 from automodel.errors import AutomodelError
+from automodel.model_backend import backend_setting
 from automodel.training.builders import describe_batch
 from automodel.training.checkpoint import read_latest
 from automodel.training.checkpoint_write import CheckpointParts, CheckpointWrite
@@ -27,8 +28,9 @@ from automodel.training.logging import FAILED, STOPPED, SUCCESS
 from automodel.training.metrics import MetricsSample, peak_memory_gib
 from automodel.training.modules import unwrap
 from automodel.training.parallel.grad_norm import clip_grad_norm_
-from automodel.training.parallel.mesh import DP
+from automodel.training.parallel.mesh import DP, PP
 from automodel.training.parallel.tensor_parallel import local_loss, tensor_parallel_of
+from automodel.training.pipeline_steps import PipelineSteps
 from automodel.training.progress import Progress
 from automodel.training.signals import StopRequest, TrainingStopped
 from automodel.training.state import small_states
@@ -36,7 +38,7 @@ from automodel.training.trainer_state import FORMAT as TRAINER_STATE_FORMAT
 from automodel.training.trainer_state import encode_losses
 
 
-class TrainingLoop:
+class TrainingLoop(PipelineSteps):
     """The loop and its events; the attributes it reads are built by ``TrainRecipe.setup``."""
 
     def move_to_device(self, batch: Any) -> Any:
@@ -86,21 +88,26 @@ class TrainingLoop:
         scale = dp / denominator
         scaler = self.grad_scaler
         total = torch.zeros((), device=self.device)
-        for index, batch in enumerate(batches):
-            self.prepare_micro_batch(last=index == len(batches) - 1)
-            with self.loss_context():  # vocabulary-parallel cross entropy holds the loss and its backward
-                with self.batch_errors(batch, "dataloader"), self.forward_context():
-                    loss_sum = local_loss(self.compute_loss(self.model, self.move_to_device(batch)))
-                scaled = loss_sum.float() * scale
-                (scaler.scale(scaled) if scaler is not None else scaled).backward()
-            total += loss_sum.detach().float()
+        if self.pipelines is not None:
+            total += self._pipelined(batches, scale)
+        else:
+            for index, batch in enumerate(batches):
+                self.prepare_micro_batch(last=index == len(batches) - 1)
+                with self.loss_context():  # vocabulary-parallel cross entropy holds the loss and its backward
+                    with self.batch_errors(batch, "dataloader"), self.forward_context():
+                        loss_sum = local_loss(self.compute_loss(self.model, self.move_to_device(batch)))
+                    scaled = loss_sum.float() * scale
+                    (scaler.scale(scaled) if scaler is not None else scaled).backward()
+                total += loss_sum.detach().float()
         if dp > 1:
             (total,) = all_reduce_sum(total, device=self.device, group=self.data_parallel_group())
             total = total.float()
         if scaler is not None:
             scaler.unscale_(self.optimizer)  # clipping and the reported norm see the true gradients
         max_norm = self.cfg.clip_grad_norm.max_norm or math.inf
-        grad_norm = clip_grad_norm_(self.trainable_params, max_norm, norm_type=self.cfg.clip_grad_norm.norm_type)
+        pp_group = self.ctx.device_mesh[PP].get_group() if self.pipelines is not None else None
+        grad_norm = clip_grad_norm_(self.trainable_params, max_norm, norm_type=self.cfg.clip_grad_norm.norm_type,
+                                    pp_group=pp_group)
         loss = total / denominator
         self.step_lr = self.optimizer.param_groups[0]["lr"]  # the rate this update uses (logged)
         if not torch.isfinite(loss) or (scaler is None and not torch.isfinite(grad_norm)):
@@ -117,10 +124,14 @@ class TrainingLoop:
     def prepare_micro_batch(self, last: bool) -> None:
         """Called before each micro-batch of a step (``last``: the step's final one). ``distributed.
         defer_fsdp_grad_sync`` (upstream's default, true): an FSDP2 model reduce-scatters its gradients after the
-        step's last micro-batch only, keeping the unsharded gradients until then; false: after every micro-batch."""
+        step's last micro-batch only, keeping the unsharded gradients until then; false: after every micro-batch.
+        ``model.backend.enable_fsdp_optimizations: true`` (upstream's): the gathered parameters also stay gathered
+        from one micro-batch's backward to the next's forward (no re-gather), resharded after the last."""
         settings = self.cfg.distributed
         if settings is not None and isinstance(self.model, FSDPModule):
             self.model.set_requires_gradient_sync(last or not settings.defer_fsdp_grad_sync)
+            if backend_setting(self.cfg.model, "enable_fsdp_optimizations"):
+                self.model.set_reshard_after_backward(last)
 
     def _scaled_update(self, scaler: Any, grad_norm: torch.Tensor) -> None:
         """fp16: the scaler skips an update whose gradients overflowed and lowers its scale; such a step counts as
@@ -219,7 +230,7 @@ class TrainingLoop:
             with self.batch_errors(batch, "validation_dataloader"), self.validation_oom(name, loader), \
                     self.loss_context(), self.forward_context():
                 tokens += self.count_label_tokens(batch)
-                total += local_loss(self.compute_loss(self.model, self.move_to_device(batch))).float()
+                total += self._validation_loss(batch)
         if self.ctx.mesh.dp > 1:
             total, summed = all_reduce_sum(total, tokens, device=self.device, group=self.data_parallel_group())
             tokens = int(summed.item())

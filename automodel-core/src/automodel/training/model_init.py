@@ -21,12 +21,14 @@ from automodel.hf import is_adapter_dir
 from automodel.training.checkpoint import RESUME_ELSEWHERE, CheckpointError, mismatch_message
 from automodel.training.context import BuildContext
 from automodel.training.parallel.activation_checkpointing import apply_activation_checkpointing
+from automodel.training.parallel.expert_parallel import apply_expert_parallel, build_expert_mesh, experts_issues
 from automodel.training.parallel.materialize import (
     WeightSource,
     compare_keys,
     hf_checkpoint_key,
     materialize,
 )
+from automodel.training.parallel.pipeline_parallel import PipelineSettings, pp_issues, split_for_pipeline
 from automodel.training.parallel.tensor_parallel import apply_tensor_parallel, tp_issues
 
 _ADAPTER_NAME = re.compile(r"\.(lora_[A-Za-z_]+)\.[^.]+(?=\.|$)")  # "...lora_A.default.weight" -> "...lora_A.weight"
@@ -66,6 +68,39 @@ def tensor_parallelize(ctx: BuildContext, model: torch.nn.Module) -> str:
     return "\n".join(applied.describe())
 
 
+def pipeline_stage(ctx: BuildContext, model: torch.nn.Module) -> tuple[torch.nn.Module, str]:
+    """``distributed.pp_size > 1``: this rank's stage of the (meta-device) model, under the model's own names; the
+    rest of the pipeline (tensor parallelism, FSDP2 over ``dp``, materialisation) treats it as the whole model."""
+    settings = ctx.cfg.distributed
+    pipeline = PipelineSettings.from_section(settings.pipeline)
+    config = getattr(model, "config", None)
+    if config is not None:
+        found = pp_issues(config, settings.pp_size, pipeline, ctx.batch.micro_batch_size)
+        if found:
+            raise ConfigError(found)
+    (stage,) = split_for_pipeline(model, ctx.device_mesh["pp"], pipeline)
+    first, last = stage.layer_range.start, stage.layer_range.stop - 1
+    held = ["embedding"] * stage.is_first + [f"layers {first}-{last}"] + ["norm, head"] * stage.is_last
+    return stage, (f"pipeline stage {stage.index} of {stage.num_stages} on this rank ({' + '.join(held)}), "
+                   f"{pipeline.schedule} schedule")
+
+
+def expert_parallelize(ctx: BuildContext, model: torch.nn.Module) -> str:
+    """``distributed.ep_size > 1``: split the experts of every MoE layer over the ep groups of the data-parallel
+    ranks (before activation checkpointing and FSDP2, which then leaves them alone); the model's experts are checked
+    first, as validation does where it could not build the model."""
+    ep_size = ctx.cfg.distributed.ep_size
+    found = experts_issues(model, ep_size)
+    if found:
+        raise ConfigError(found)
+    mesh = build_expert_mesh(ctx.world_size, ep_size, ctx.device.type)
+    names = apply_expert_parallel(model, mesh, ctx.mesh.dp)
+    experts = model.get_submodule(names[0]).gate_up_proj.shape[0]
+    groups = ctx.world_size // ep_size
+    return (f"expert parallel over ep {ep_size} ({groups} group{'s' if groups > 1 else ''} of consecutive ranks): "
+            f"{len(names)} experts modules, each rank holds {experts // ep_size} of {experts} experts")
+
+
 def _restore_source(ctx: BuildContext, model: torch.nn.Module) -> WeightSource | None:
     """The resumed checkpoint's ``model/`` as a weight source, checked to fit the model exactly."""
     directory = ctx.restore_path / "model" if ctx.restore_path is not None else None
@@ -85,6 +120,8 @@ def _restore_source(ctx: BuildContext, model: torch.nn.Module) -> WeightSource |
         missing, unexpected, mismatched = compare_keys(model, directory, key)
         source = (directory, key)
         question = "is restore_from.path the same architecture?"
+    if ctx.mesh.pp > 1:
+        unexpected = []  # a pipeline stage holds only its own layers of the model/ that holds them all
     if missing or unexpected or mismatched:
         raise AutomodelError(mismatch_message(directory, mismatched, unexpected, missing, question))
     return source

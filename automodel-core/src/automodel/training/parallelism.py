@@ -14,9 +14,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from automodel.errors import ConfigIssue
+from automodel.model_backend import backend_setting
 from automodel.model_files import HUB_ARGUMENTS
 from automodel.training.dist import expected_world_size, world_size_source
+from automodel.training.parallel.expert_parallel import config_expert_count, expert_count_issues, experts_issues
 from automodel.training.parallel.mesh import MeshLayout, describe_mesh, mesh_issues, plan_mesh
+from automodel.training.parallel.pipeline_parallel import PipelineSettings, describe_stages, pp_issues, section_issues
 from automodel.training.parallel.precision import Precision, parse_dtype_name, precision_issues, resolve_precision
 from automodel.training.parallel.tensor_parallel import describe_plan, tp_issues
 from automodel.training.parallel.tp_plans import HEAD_STYLES, config_plan, expand_plan, model_plan
@@ -24,10 +27,6 @@ from automodel.training.parallel.tp_plans import HEAD_STYLES, config_plan, expan
 if TYPE_CHECKING:
     from automodel.config import Config
 
-# Parallelism another issue implements: refused here, with what to use instead (the mesh keeps their dimensions)
-NOT_YET = {
-    "pp_size": "pipeline parallelism is not implemented yet; use pp_size: 1 (data parallelism: dp_size)",
-}
 # model-section keys that name a Hugging Face model (its config, or a checkpoint holding one)
 HF_MODEL_KEYS = ("config", "pretrained_model_name_or_path", "name_or_path")
 # model-section keys that are not the architecture's (what from_config / from_pretrained take besides config keys)
@@ -82,22 +81,24 @@ def parallel_issues(cfg: Config, implementation: str | None) -> list[ConfigIssue
     if settings is None:
         return []
     world = expected_world_size()
-    issues = [ConfigIssue(f"distributed.{key}", f"{getattr(settings, key)}: {why}")
-              for key, why in NOT_YET.items() if getattr(settings, key) > 1]
+    issues = pipeline_parallel_issues(cfg, implementation) if settings.pp_size > 1 else []
     if settings.tp_size > 1:
         issues += tensor_parallel_issues(cfg, implementation)
     elif settings.sequence_parallel:
         issues.append(ConfigIssue("distributed.sequence_parallel", "true shards the sequence over the "
                                   "tensor-parallel ranks, so it needs tensor parallelism (distributed.tp_size > 1); "
                                   "set it to false"))
-    if settings.ep_size is not None and settings.ep_size > 1:
-        issues.append(ConfigIssue("distributed.ep_size", f"{settings.ep_size}: expert parallelism needs MoE model "
-                                  "implementations this build does not have yet; use ep_size: 1 (or null)"))
+    if (settings.ep_size or 1) > 1:
+        issues += expert_parallel_issues(cfg, implementation, world)
     fsdp2 = shards_with_fsdp2(cfg, implementation, world)
     if settings.dp_replicate_size > 1 and not fsdp2:
         issues.append(ConfigIssue("distributed.dp_replicate_size", f"{settings.dp_replicate_size}: HSDP replicates "
                                   "FSDP2's shards, so it needs distributed.strategy: fsdp2 and more than one "
                                   f"process (this run: {world_size_source()}); use 1"))
+    if backend_setting(cfg.model, "enable_fsdp_optimizations") and not settings.defer_fsdp_grad_sync:
+        issues.append(ConfigIssue("distributed.defer_fsdp_grad_sync", "false syncs the gradients after every "
+                                  "micro-batch, but model.backend.enable_fsdp_optimizations: true skips that sync "
+                                  "(and the resharding) until the step's last one; set one of them the other way"))
     if settings.enable_fsdp2_prefetch and not fsdp2:
         issues.append(ConfigIssue("distributed.enable_fsdp2_prefetch", "true orders FSDP2's parameter gathers, so "
                                   "it needs distributed.strategy: fsdp2 and more than one process (this run: "
@@ -127,6 +128,136 @@ def tensor_parallel_issues(cfg: Config, implementation: str | None) -> list[Conf
                                   "a Hugging Face model, so it needs a Hugging Face model section (model.config or "
                                   "model.pretrained_model_name_or_path); this model has neither, use tp_size: 1"))
     return issues
+
+
+def pipeline_settings(cfg: Config) -> PipelineSettings:
+    """``distributed.pipeline`` as :class:`PipelineSettings` (upstream's defaults where it is absent)."""
+    return PipelineSettings.from_section(cfg.distributed.pipeline if cfg.distributed is not None else None)
+
+
+def rows_per_batch(cfg: Config) -> int:
+    """The rows of one micro-batch of a step on one data-parallel rank (what the pipeline splits further)."""
+    loader, steps = cfg.dataloader, cfg.step_scheduler
+    return (loader.get("batch_size") if loader is not None else None) or \
+        (steps.local_batch_size if steps is not None else None) or 1
+
+
+def pipeline_parallel_issues(cfg: Config, implementation: str | None) -> list[ConfigIssue]:
+    """``pp_size > 1``: FSDP2 as the data-parallel strategy, no LoRA, one stage per rank (GPipe or 1F1B: this
+    engine's model is one module per rank), upstream's other pipeline keys at the values that run here, and a model
+    whose layers and micro-batches the layout fits (checked on the model's Hugging Face config)."""
+    settings = cfg.distributed
+    pp = settings.pp_size
+    issues = section_issues(settings.pipeline)
+    if (implementation or settings.strategy) != "fsdp2":
+        issues.append(ConfigIssue("distributed.strategy", f"{implementation or settings.strategy}: pipeline "
+                                  f"parallelism (pp_size {pp}) composes with FSDP2 on the data-parallel dimension "
+                                  "only; set distributed.strategy: fsdp2"))
+    if cfg.get("peft") is not None:
+        issues.append(ConfigIssue("distributed.pp_size", f"{pp}: pipeline stages of a LoRA (peft) model are not "
+                                  "supported; train LoRA with pp_size: 1 (FSDP2 over dp_size)"))
+    if cfg.compile is not None and cfg.compile.enabled:
+        issues.append(ConfigIssue("compile.enabled", f"true: the pipeline schedule (pp_size {pp}) runs the stage "
+                                  "module itself, not a torch.compile wrapper; set it false with pipeline parallelism"))
+    pipeline = pipeline_settings(cfg)
+    if pipeline.interleaved:
+        issues.append(ConfigIssue("distributed.pipeline.pp_schedule", f"{pipeline.pp_schedule}: the training loop "
+                                  "runs one pipeline stage per rank; interleaved schedules (several stages per rank) "
+                                  "are not wired into it yet; use gpipe or 1f1b"))
+        return issues
+    hf_config = model_hf_config(cfg)
+    if hf_config is not None:
+        issues += pp_issues(hf_config, pp, pipeline, rows_per_batch(cfg))
+    elif cfg.model is None or not any(cfg.model.get(key) for key in HF_MODEL_KEYS):
+        issues.append(ConfigIssue("distributed.pp_size", f"{pp}: pipeline stages follow the pipeline plan of a "
+                                  "Hugging Face model, so it needs a Hugging Face model section (model.config or "
+                                  "model.pretrained_model_name_or_path); this model has neither, use pp_size: 1"))
+    return issues
+
+
+def pipeline_lines(cfg: Config) -> list[str]:
+    """The ``--dry-run`` lines of the pipeline stages per rank, when ``pp_size > 1``."""
+    settings = cfg.distributed
+    if settings is None or settings.pp_size == 1:
+        return []
+    hf_config = model_hf_config(cfg)
+    pipeline = pipeline_settings(cfg)
+    if hf_config is None or pp_issues(hf_config, settings.pp_size, pipeline, rows_per_batch(cfg)):
+        return [f"pipeline parallel over pp {settings.pp_size}: the stages are the built model's (its config cannot "
+                "be read or does not fit the layout)"]
+    layers = hf_config.get_text_config().num_hidden_layers
+    return describe_stages(layers, settings.pp_size, pipeline, rows_per_batch(cfg))
+
+
+def expert_parallel_issues(cfg: Config, implementation: str | None, world: int) -> list[ConfigIssue]:
+    """``ep_size > 1``: FSDP2 over the data-parallel ranks only (no tp / cp / pp), ``ep_size`` dividing the
+    data-parallel ranks and the model's experts, a MoE model whose experts module is handled here, no LoRA on the
+    experts (checked again on the built model where its config cannot be read here)."""
+    settings = cfg.distributed
+    ep = settings.ep_size
+    key = "distributed.ep_size"
+    issues = []
+    if (implementation or settings.strategy) != "fsdp2":
+        issues.append(ConfigIssue("distributed.strategy", f"{implementation or settings.strategy}: expert "
+                                  f"parallelism (ep_size {ep}) composes with FSDP2 only; set distributed.strategy: "
+                                  "fsdp2"))
+    others = {name: getattr(settings, name) for name in ("tp_size", "cp_size", "pp_size")
+              if getattr(settings, name) > 1}
+    if others:
+        sizes = ", ".join(f"{name} {size}" for name, size in others.items())
+        issues.append(ConfigIssue(key, f"{ep}: expert parallelism runs over the data-parallel ranks and is not "
+                                  f"combined with tensor / context / pipeline parallelism here ({sizes}); set those "
+                                  "to 1 or ep_size: 1"))
+    elif ep > world or world % ep:
+        issues.append(ConfigIssue(key, f"{ep} does not divide the data-parallel ranks (dp_size = {world}, "
+                                  f"{world_size_source()}): each group of ep_size ranks splits the experts; use an "
+                                  f"ep_size that divides {world}"))
+    if settings.moe is not None:
+        issues.append(ConfigIssue("distributed.moe", f"{', '.join(sorted(settings.moe)) or '{}'}: upstream's "
+                                  "settings for the FSDP wrapping of its own MoE model code; the Hugging Face model's "
+                                  f"experts here (ep_size {ep}) are split as described in docs/distributed.md and the "
+                                  "rest follows distributed.reshard_after_forward / mp_policy: move the values there "
+                                  "or remove the section"))
+    issues += _lora_expert_issues(cfg.get("peft"), ep)
+    hf_config = model_hf_config(cfg)
+    if hf_config is not None:
+        issues += _model_expert_issues(hf_config, ep)
+    elif cfg.model is None or not any(cfg.model.get(k) for k in HF_MODEL_KEYS):
+        issues.append(ConfigIssue(key, f"{ep}: expert parallelism splits the experts of a Hugging Face MoE model, so "
+                                  "it needs a Hugging Face model section (model.config or model."
+                                  "pretrained_model_name_or_path); use ep_size: 1"))
+    return issues
+
+
+def _lora_expert_issues(peft: Any, ep_size: int) -> list[ConfigIssue]:
+    """LoRA that would adapt the experts (all-linear LoRA does: peft wraps their fused parameters): refused, since
+    its adapters would need the experts that other ranks hold."""
+    if peft is None:
+        return []
+    data = peft.to_dict() if hasattr(peft, "to_dict") else dict(peft)
+    targets = data.get("target_modules")
+    names = [targets] if isinstance(targets, str) else list(targets or [])
+    if data.get("match_all_linear") or not names or any("expert" in str(name) for name in names):
+        what = ", ".join(map(str, names)) if names and not data.get("match_all_linear") else "all linear layers"
+        return [ConfigIssue("peft.target_modules", f"LoRA on {what} also adapts the MoE experts, which expert "
+                            f"parallelism (ep_size {ep_size}) splits over ranks and LoRA cannot; name the modules to "
+                            "adapt outside the experts (for example [q_proj, k_proj, v_proj, o_proj, gate]) or use "
+                            "ep_size: 1")]
+    return []
+
+
+def _model_expert_issues(hf_config: Any, ep_size: int) -> list[ConfigIssue]:
+    """The experts of the causal LM ``hf_config`` describes, built on the meta device (no memory); where it
+    cannot be built here, its declared number of experts."""
+    try:
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(hf_config)
+    except Exception:  # not a causal LM transformers builds: the config's count, the built model is checked later
+        experts = config_expert_count(hf_config)
+        return expert_count_issues(experts, ep_size) if experts is not None else []
+    return experts_issues(model, ep_size)
 
 
 def model_hf_config(cfg: Config) -> Any:
@@ -202,15 +333,34 @@ def plan_lines(cfg: Config, implementation: str | None) -> list[str]:
     line = precision.describe(stored or torch.float32, fsdp2)
     if stored is None:
         line += " (storage: the model's own dtype, fp32 assumed here)"
-    return [f"world size: {world} ({world_size_source()})", *describe_mesh(layout), *tensor_parallel_lines(cfg), line]
+    return [f"world size: {world} ({world_size_source()})", *describe_mesh(layout), *pipeline_lines(cfg),
+            *tensor_parallel_lines(cfg), *expert_parallel_lines(cfg, layout), line]
+
+
+def expert_parallel_lines(cfg: Config, layout: MeshLayout) -> list[str]:
+    """The ``--dry-run`` line of expert parallelism, when ``ep_size > 1``: the groups and each rank's experts."""
+    settings = cfg.distributed
+    ep = settings.ep_size if settings is not None else None
+    if ep is None or ep == 1 or layout.world_size % ep:
+        return []
+    hf_config = model_hf_config(cfg)
+    experts = config_expert_count(hf_config) if hf_config is not None else None
+    share = f"{experts // ep} of {experts} experts" if experts is not None and experts % ep == 0 else \
+        f"1/{ep} of the experts"
+    return [f"expert parallel over ep {ep}: {layout.world_size // ep} group(s) of {ep} consecutive data-parallel "
+            f"ranks, each rank holds {share} of every MoE layer (FSDP2 shards the rest over dp {layout.dp})"]
 
 
 def inert_distributed_notes(cfg: Config, fsdp2: bool) -> list[str]:
-    """Notes naming upstream's ``distributed`` keys that govern nothing in this run (upstream ignores them too)."""
+    """Notes naming upstream's ``distributed`` keys (and ``model.backend.enable_fsdp_optimizations``) that govern
+    nothing in this run (upstream ignores them too)."""
+    notes = []
+    if backend_setting(cfg.model, "enable_fsdp_optimizations") and not fsdp2:
+        notes.append("note: model.backend.enable_fsdp_optimizations: true governs nothing this run: it acts on FSDP2 "
+                     "models (distributed.strategy: fsdp2, more than one process) with gradient accumulation")
     settings = cfg.distributed
     if settings is None:
-        return []
-    notes = []
+        return notes
     for name, size, what in (("pipeline", settings.pp_size, "pipeline parallelism (pp_size)"),
                              ("moe", settings.ep_size or 1, "expert parallelism (ep_size)")):
         if getattr(settings, name) is not None and size == 1:

@@ -77,18 +77,24 @@ def missing_stages(selection: Selection, stages: StageRegistry) -> list[ConfigIs
 def apply_pipeline(ctx: BuildContext, model: Any, selection: Selection) -> Any:
     """Run each selected stage in slot order as ``fn(ctx, model) -> (model, message)``; log one line per stage.
 
+    First ``distributed.pp_size > 1`` cuts the model to this rank's pipeline stage (the stages after see only it).
     Before the ``sharding`` slot, ``distributed.tp_size > 1`` shards the model over the mesh's ``tp`` dimension
-    (validation made the sharding slot FSDP2), then ``distributed.activation_checkpointing`` wraps the transformer
-    blocks; a model
+    (validation made the sharding slot FSDP2), ``distributed.ep_size > 1`` splits the experts of a MoE model over
+    the data-parallel ranks, then ``distributed.activation_checkpointing`` wraps the transformer blocks; a model
     built on the meta device is materialised before the first stage from ``sharding`` on that needs values (every
     stage but one marked ``shards_meta_models``, the core's FSDP2, which materialises after sharding)."""
     from automodel.training import model_init
 
     stages = ctx.plugins.stages
     settings = ctx.cfg.distributed
+    if settings is not None and settings.pp_size > 1:
+        model, message = model_init.pipeline_stage(ctx, model)
+        ctx.log(f"pipeline: {message}")
     for slot in PIPELINE_SLOTS:
         if slot == "sharding" and settings is not None and settings.tp_size > 1:
             ctx.log(f"pipeline: {model_init.tensor_parallelize(ctx, model)}")
+        if slot == "sharding" and settings is not None and (settings.ep_size or 1) > 1:
+            ctx.log(f"pipeline: {model_init.expert_parallelize(ctx, model)}")
         if slot == "sharding" and settings is not None and settings.activation_checkpointing:
             ctx.log(f"pipeline: {model_init.checkpoint_activations(ctx, model)}")
         if slot not in selection:

@@ -30,11 +30,7 @@ from automodel.training import sections as s
 from automodel.training.checkpoint import Checkpointer, load_safetensors_dir, load_weights_into
 from automodel.training.context import BuildContext
 from automodel.training.dist import init_process_group, local_rank, rank, world_size
-from automodel.training.host_memory import (
-    MMAP_THRESHOLD_BYTES,
-    SHARDED_MMAP_THRESHOLD_BYTES,
-    keep_freed_memory_in_heap,
-)
+from automodel.training.host_memory import KEEP_FREED, RETURN_FREED, apply_malloc_policy
 from automodel.training.logging import LoggerContext, MetricLoggers, resolve_backends
 from automodel.training.loop import TrainingLoop
 from automodel.training.metrics import JsonlWriter, device_peak_flops
@@ -131,9 +127,10 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
     @classmethod
     def check_config(cls, cfg: Config) -> list[ConfigIssue]:
         issues = list(super().check_config(cfg)) + plan.engine_issues(cls, cfg, get_plugin_manager())
-        if cfg.distributed is not None and cfg.distributed.tp_size > 1 and cls.tensor_parallel_unsupported:
-            issues.append(ConfigIssue("distributed.tp_size", f"{cfg.distributed.tp_size}: "
-                                      f"{cls.tensor_parallel_unsupported}"))
+        for key, why in (("tp_size", cls.tensor_parallel_unsupported), ("pp_size", cls.pipeline_parallel_unsupported)):
+            size = getattr(cfg.distributed, key) if cfg.distributed is not None else 1
+            if size > 1 and why:
+                issues.append(ConfigIssue(f"distributed.{key}", f"{size}: {why}"))
         if cls.save_model is not None and cfg.checkpoint is not None and not cfg.checkpoint.save_consolidated:
             issues.append(ConfigIssue("checkpoint.save_consolidated", f"{cls.__name__} writes model/ in a layout of "
                                       "its own, which has no sharded form; remove the key (or set it to true)"))
@@ -298,10 +295,9 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
     def setup(self) -> None:
         cfg = self.cfg
         self.ctx = ctx = self.build_context()
-        threshold = SHARDED_MMAP_THRESHOLD_BYTES if ctx.fsdp2 else MMAP_THRESHOLD_BYTES
-        if ctx.device.type == "cpu" and cfg.dist_env.cpu_malloc_tuning and keep_freed_memory_in_heap(threshold):
-            self.debug(f"host memory: glibc malloc keeps freed buffers under {threshold >> 20} MiB in the heap "
-                       "(dist_env.cpu_malloc_tuning)")
+        policy = RETURN_FREED if ctx.fsdp2 else KEEP_FREED
+        if ctx.device.type == "cpu" and cfg.dist_env.cpu_malloc_tuning and apply_malloc_policy(policy):
+            self.debug(f"host memory: {policy.describe()} (dist_env.cpu_malloc_tuning)")
         self.rng = StatefulRNG(cfg.rng.seed, cfg.rng.ranked, ctx.rank)
         self.checkpointer = self.build_checkpoint_config(ctx)
         hold_checkpoint_dir(self.checkpointer, ctx)
@@ -328,6 +324,7 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
             self.log(note)
         self.ctx = ctx = self.after_model_built(ctx, model, meta)
         self.model = apply_pipeline(ctx, model, self.runtime_selection(ctx))
+        self.pipelines = self.build_pipelines(ctx)
         self.grad_scaler = ctx.precision.grad_scaler(ctx.device.type, self.storage_dtype, ctx.fsdp2)
         self.loss_fn = self.build_loss_fn(ctx)
         self.optimizer = self.build_optimizer(ctx, self.model)

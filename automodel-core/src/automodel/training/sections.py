@@ -75,7 +75,8 @@ class DistEnvConfig:
         "how long a collective may wait for the other ranks before the run stops with an error naming the step"))
     cpu_malloc_tuning: bool = field(
         default=True, metadata=_help("on CPU with glibc, keep freed step buffers in the heap instead of returning "
-                                     "them to the kernel each step; under FSDP2 only those under 4 MiB "
+                                     "them to the kernel each step (speed); under FSDP2 the opposite: every block "
+                                     "of 256 KiB or more goes back to the kernel when freed (memory) "
                                      "(automodel.training.host_memory)"))
 
     def __post_init__(self) -> None:
@@ -147,8 +148,13 @@ class DistributedConfig:
         "with DTensor, by the model's tp plan (strategy fsdp2, which shards over dp_size; it must divide the "
         "model's heads, key/value heads, intermediate and vocabulary sizes; no peft)"))
     cp_size: int = field(default=1, metadata=_help("context-parallel size (only 1 is supported)"))
-    pp_size: int = field(default=1, metadata=_help("pipeline-parallel size (only 1 is supported)"))
-    ep_size: int | None = field(default=None, metadata=_help("expert-parallel size (only 1 or null is supported)"))
+    pp_size: int = field(default=1, metadata=_help(
+        "pipeline-parallel size: the decoder layers split into pp_size stages, one per rank (strategy fsdp2, "
+        "which shards each stage over dp_size; the LLM recipes; schedules gpipe and 1f1b, see pipeline)"))
+    ep_size: int | None = field(default=None, metadata=_help(
+        "expert-parallel size: each group of ep_size data-parallel ranks splits the experts of every MoE layer of a "
+        "Hugging Face MoE model (fused gate_up_proj / down_proj experts); it must divide the data-parallel ranks "
+        "and the number of experts (strategy fsdp2, no tp / cp / pp, LoRA only outside the experts; null or 1: off)"))
     sequence_parallel: bool = field(default=False, metadata=_help(
         "with tp_size > 1: norms and dropout inside the decoder layers run on each rank's part of the sequence "
         "(the sequence length must divide by tp_size)"))
@@ -163,11 +169,13 @@ class DistributedConfig:
         default=None, metadata=_help("also run the forward under torch.autocast in this dtype (bf16 | fp16), as "
                                      "upstream does with mp_policy.output_dtype fp32"))
     pipeline: dict | None = field(default=None, metadata=_help(
-        "upstream's pipeline-parallel settings (pp_schedule, pp_microbatch_size, layers_per_stage, ...): with "
-        "pp_size 1 they govern nothing, upstream's rule too, and the run says so; pp_size > 1 is refused above"))
+        "upstream's pipeline-parallel settings: pp_schedule (gpipe, 1f1b; interleaved1f1b is refused), "
+        "pp_microbatch_size (rows per pipeline micro-batch), layers_per_stage; with pp_size 1 they govern nothing, "
+        "upstream's rule too, and the run says so"))
     moe: dict | None = field(default=None, metadata=_help(
         "upstream's expert-parallel settings (ignore_router_for_ac, reshard_after_forward, wrap_outer_model, ...): "
-        "with ep_size 1 (or null) they govern nothing, upstream's rule too, and the run says so"))
+        "with ep_size 1 (or null) they govern nothing, upstream's rule too, and the run says so; with ep_size > 1 "
+        "they are refused (they configure upstream's own MoE model code)"))
     defer_fsdp_grad_sync: bool = field(default=True, metadata=_help(
         "under FSDP2 with gradient accumulation, reduce-scatter the gradients once, after a step's last "
         "micro-batch (false: after every micro-batch; less memory, more communication)"))

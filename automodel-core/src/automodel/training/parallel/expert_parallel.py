@@ -1,18 +1,219 @@
-"""Expert parallelism (``distributed.ep_size``): not implemented; validation refuses it rather than ignore it."""
+"""Expert parallelism (``distributed.ep_size``) of a Hugging Face mixture-of-experts model over the data-parallel
+ranks, as upstream lays it out: the ``ep_size`` consecutive data-parallel ranks of an *ep group* split the experts of
+every MoE layer (rank ``i`` keeps experts ``i * E / ep ..``), the groups replicate each other, and FSDP2 shards every
+other parameter over the data-parallel ranks as usual.
+
+Which experts modules: transformers' fused experts (``@use_experts_implementation``: ``gate_up_proj`` ``[E, 2I, H]``,
+``down_proj`` ``[E, H, I]``, no bias, concatenated gate/up, not transposed), the layout of Qwen3-MoE, Mixtral, OLMoE,
+DeepSeek-V3 and most MoE models of transformers 5; others are refused by name (:func:`experts_issues`).
+
+:func:`apply_expert_parallel` turns both parameters into ``DTensor``\\ s on the 2-D mesh ``(ep_replicate, ep)`` with
+placements ``(Replicate(), Shard(0))`` (the expert dimension sharded), so materialisation, DCP checkpoints and the
+HF export read and consolidate them like any sharded parameter, and FSDP2 leaves them alone (ignored parameters).
+Its forward: the group's ranks gather each other's tokens with their top-k routing (padded to the longest rank),
+each computes its own experts' contributions to all of them, and a reduce-scatter returns each rank the sum for its
+own tokens; the collectives are differentiable (``all_gather_single_autograd`` / ``reduce_scatter_single_autograd``),
+so the router and the layers below get their gradients through them.
+
+Gradients: a local expert's gradient arrives summed over the ep group's tokens (the all-gather's backward); it is
+summed over the replicas of the group too and divided by the data-parallel size, which equals FSDP2's average over
+the data-parallel ranks of every other parameter (the loop scales each rank's loss by ``dp / tokens``), so N ranks
+train like one process.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
 
 from automodel.errors import ConfigIssue
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
-def ep_issues(ep_size: Any, section: str = "distributed") -> list[ConfigIssue]:
-    """``ep_size`` 1 or unset (upstream writes ``null``) runs every expert on every rank; more is refused."""
-    if ep_size is None or ep_size == 1 and not isinstance(ep_size, bool):
-        return []
-    if isinstance(ep_size, bool) or not isinstance(ep_size, int) or ep_size < 1:
-        return [ConfigIssue(f"{section}.ep_size", f"must be a positive integer or null, found {ep_size!r}")]
-    return [ConfigIssue(f"{section}.ep_size", f"{ep_size}: expert parallelism (experts of a mixture-of-experts model "
-                        "spread over ranks) is not supported here; set ep_size: 1 (every rank holds every expert; "
-                        "FSDP2 shards them over the data-parallel ranks) or null")]
+EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
+EP_MESH_DIMS = ("ep_replicate", "ep")
+# a Hugging Face config's number of routed experts, under the names MoE architectures use
+_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+# the layout flags transformers' @use_experts_implementation sets on an experts module, and the values handled here
+_LAYOUT = {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True,
+           "has_post_expert_norm": False}
+
+
+def config_expert_count(hf_config: Any) -> int | None:
+    """The number of routed experts a Hugging Face config declares (None: not a MoE config we can read)."""
+    for key in _EXPERT_COUNT_KEYS:
+        value = getattr(hf_config, key, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def _fused_experts(module: nn.Module) -> bool:
+    """Whether ``module`` holds experts as fused 3-D parameters (any layout: checked by :func:`_layout_problems`)."""
+    param = module._parameters.get("gate_up_proj") if hasattr(module, "_parameters") else None
+    return param is not None and param.dim() == 3
+
+
+def _layout_problems(module: nn.Module) -> list[str]:
+    names = set(module._parameters)
+    problems = [f"{flag}={getattr(module, flag, None)}" for flag, wanted in _LAYOUT.items()
+                if getattr(module, flag, None) != wanted]
+    if names != set(EXPERT_PARAMETERS):
+        problems.append(f"parameters {sorted(names)}")
+    if not hasattr(module, "act_fn") or not hasattr(module, "num_experts"):
+        problems.append("no act_fn / num_experts")
+    return problems
+
+
+def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every module of ``model`` holding fused 3-D expert parameters, with its name."""
+    return [(name, module) for name, module in model.named_modules() if _fused_experts(module)]
+
+
+def experts_issues(model: nn.Module, ep_size: int, key: str = "distributed.ep_size") -> list[ConfigIssue]:
+    """Why ``model``'s experts cannot be split over ``ep_size`` ranks (empty when they can)."""
+    found = experts_modules(model)
+    if not found:
+        return [ConfigIssue(key, f"{ep_size}: expert parallelism splits the experts of a mixture-of-experts model, "
+                            f"and {type(model).__name__} has no experts module with fused gate_up_proj / down_proj "
+                            "parameters (transformers' MoE layout); use ep_size: 1 (or null)")]
+    adapted = [name for name, _ in found if name.endswith(".base_layer")]
+    if adapted:
+        return [ConfigIssue("peft.target_modules", f"LoRA adapts the experts ('{adapted[0]}', {len(adapted)} modules), "
+                            f"which expert parallelism (ep_size {ep_size}) splits over ranks and LoRA cannot; name "
+                            "the modules to adapt outside the experts or use ep_size: 1")]
+    issues = []
+    kinds = {}
+    for name, module in found:
+        kinds.setdefault(type(module).__name__, (name, module))
+    for kind, (name, module) in kinds.items():
+        problems = _layout_problems(module)
+        if problems:
+            issues.append(ConfigIssue(key, f"{ep_size}: the experts module {kind} ('{name}') has a layout expert "
+                                      f"parallelism does not handle here ({', '.join(problems)}; supported: "
+                                      "gate_up_proj [E, 2I, H] and down_proj [E, H, I] without bias, as in Qwen3-MoE, "
+                                      "Mixtral, OLMoE); use ep_size: 1 (or null)"))
+            continue
+        experts = module.gate_up_proj.shape[0]
+        if experts % ep_size:
+            issues.append(ConfigIssue(key, f"{ep_size} does not divide the number of experts ({experts}, {kind} "
+                                      f"'{name}'); use an ep_size that divides {experts}"))
+    return issues
+
+
+def expert_count_issues(experts: int, ep_size: int, key: str = "distributed.ep_size") -> list[ConfigIssue]:
+    if experts % ep_size:
+        return [ConfigIssue(key, f"{ep_size} does not divide the model's number of experts ({experts}); use an "
+                            f"ep_size that divides {experts}")]
+    return []
+
+
+def build_expert_mesh(world_size: int, ep_size: int, device_type: str) -> DeviceMesh:
+    """The 2-D mesh ``(ep_replicate, ep)``: consecutive ranks form an ep group (every rank calls it)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, (world_size // ep_size, ep_size), mesh_dim_names=EP_MESH_DIMS)
+
+
+@dataclass(frozen=True)
+class ExpertShard:
+    """One rank's part of an experts module: its group, its experts ``first .. first + count``, and the gradient
+    factor and replica group that make its gradients those of one process."""
+
+    group: Any
+    size: int
+    first: int
+    count: int
+    num_experts: int
+    grad_scale: float
+    replicas: Any  # the process group of the ranks holding the same experts (None when there is one ep group)
+
+
+def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, dp_size: int) -> list[str]:
+    """Shard every experts module of ``model`` (on the meta device or materialised) over ``mesh``'s ``ep``
+    dimension and replace its forward; ``dp_size``: the ranks FSDP2 averages gradients over. Returns the names of
+    the modules sharded (validated first by :func:`experts_issues`)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    size, rank = mesh["ep"].size(), mesh["ep"].get_local_rank()
+    replicas = mesh["ep_replicate"].get_group() if mesh["ep_replicate"].size() > 1 else None
+    names = []
+    for name, module in experts_modules(model):
+        experts = module.gate_up_proj.shape[0]
+        count = experts // size
+        for attr in EXPERT_PARAMETERS:
+            param = module._parameters[attr]
+            sharded = distribute_tensor(param.data, mesh, [Replicate(), Shard(0)], src_data_rank=None)
+            module._parameters[attr] = nn.Parameter(sharded, requires_grad=param.requires_grad)
+        shard = ExpertShard(mesh["ep"].get_group(), size, rank * count, count, experts, 1.0 / dp_size, replicas)
+        module.forward = functools.partial(_forward, module, shard)
+        names.append(name)
+    return names
+
+
+def expert_parameters(model: nn.Module) -> set[nn.Parameter]:
+    """The parameters :func:`apply_expert_parallel` sharded (FSDP2 must leave them alone)."""
+    from torch.distributed.tensor import DTensor
+
+    return {module._parameters[attr] for _, module in experts_modules(model) for attr in EXPERT_PARAMETERS
+            if isinstance(module._parameters[attr], DTensor)}
+
+
+class _ExpertGradient(torch.autograd.Function):
+    """Identity forward; backward turns the ep group's summed gradient of the local experts into one process's."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: torch.Tensor, scale: float, replicas: Any) -> torch.Tensor:
+        ctx.scale, ctx.replicas = scale, replicas
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        grad = grad * ctx.scale
+        if ctx.replicas is not None:
+            dist.all_reduce(grad, group=ctx.replicas)
+        return grad, None, None
+
+
+def _forward(module: nn.Module, shard: ExpertShard, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+             top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The experts module's forward over the ep group (see the module docstring)."""
+    from torch.distributed._functional_collectives import (
+        all_gather_single,
+        all_gather_single_autograd,
+        reduce_scatter_single_autograd,
+    )
+
+    tokens = hidden_states.shape[0]
+    longest = torch.tensor([tokens], device=hidden_states.device)
+    dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=shard.group)
+    pad = int(longest.item()) - tokens
+    hidden = nn.functional.pad(hidden_states, (0, 0, 0, pad))
+    index = nn.functional.pad(top_k_index, (0, 0, 0, pad), value=shard.num_experts)  # padding: no expert
+    weights = nn.functional.pad(top_k_weights, (0, 0, 0, pad))
+    hidden = all_gather_single_autograd(hidden, 0, shard.group)
+    weights = all_gather_single_autograd(weights, 0, shard.group)
+    index = torch.as_tensor(all_gather_single(index, 0, shard.group))
+    gate_up = _ExpertGradient.apply(module.gate_up_proj.to_local(), shard.grad_scale, shard.replicas)
+    down = _ExpertGradient.apply(module.down_proj.to_local(), shard.grad_scale, shard.replicas)
+    gate_up, down = gate_up.to(hidden.dtype), down.to(hidden.dtype)
+    out = torch.zeros_like(hidden)
+    used = False
+    for local in range(shard.count):
+        token, slot = torch.where(index == shard.first + local)
+        if token.numel() == 0:
+            continue
+        used = True
+        part = module._apply_gate(nn.functional.linear(hidden[token], gate_up[local]))
+        part = nn.functional.linear(part, down[local]) * weights[token, slot, None]
+        out = out.index_add(0, token, part.to(out.dtype))
+    if not used:  # no token chose these experts: their gradient is zero (as in one process), not missing
+        out = out + 0.0 * (gate_up.sum() + down.sum())
+    mine = reduce_scatter_single_autograd(out, "sum", 0, shard.group)
+    return mine[:tokens]

@@ -15,7 +15,8 @@ if TYPE_CHECKING:
 
 
 def apply_fsdp2(model: nn.Module, dp_mesh: DeviceMesh, precision: Precision | None = None,
-                prefetch: tuple[int, int] | None = None, reshard_after_forward: bool | None = None) -> int:
+                prefetch: tuple[int, int] | None = None, reshard_after_forward: bool | None = None,
+                ignored: set[nn.Parameter] | None = None) -> int:
     """Shard ``model`` in place (on the meta device or materialised) and return how many blocks became units.
 
     ``dp_mesh`` is 1-D (FSDP: ``Shard(0)``) or 2-D ``(dp_replicate, dp_shard)`` (HSDP: ``(Replicate(), Shard(0))``);
@@ -27,7 +28,8 @@ def apply_fsdp2(model: nn.Module, dp_mesh: DeviceMesh, precision: Precision | No
     ``reshard_after_forward`` true / false frees every block's / no block's parameters after forward instead.
     ``prefetch`` (forward depth, backward depth): each block then gathers that many following blocks ahead in
     forward (preceding ones in backward) instead of FSDP2's implicit one-block prefetch (upstream's
-    ``enable_fsdp2_prefetch``).
+    ``enable_fsdp2_prefetch``). ``ignored``: parameters FSDP2 leaves as they are (experts split by expert
+    parallelism, which syncs their gradients itself).
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -35,8 +37,8 @@ def apply_fsdp2(model: nn.Module, dp_mesh: DeviceMesh, precision: Precision | No
     blocks = transformer_blocks(model)
     for index, block in enumerate(blocks):
         reshard = index < len(blocks) - 1 if reshard_after_forward is None else reshard_after_forward
-        fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
-    fully_shard(model, mesh=dp_mesh, mp_policy=policy)
+        fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard, ignored_params=ignored)
+    fully_shard(model, mesh=dp_mesh, mp_policy=policy, ignored_params=ignored)
     if prefetch is not None:
         set_prefetch(blocks, *prefetch)
     return len(blocks)

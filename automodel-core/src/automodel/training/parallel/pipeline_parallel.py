@@ -35,6 +35,7 @@ SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved1f1b": "Interleaved1F
 INTERLEAVED = ("interleaved1f1b",)
 ROUNDING = ("up", "down")
 DEFAULT_STAGES_PER_RANK = 2  # interleaved schedules without layers_per_stage
+KEPT_SHAPES = 4  # StagePipelines: pipelines kept for the batch shapes used last
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,13 @@ class PipelineSettings:
     def interleaved(self) -> bool:
         return self.schedule in INTERLEAVED
 
+    @classmethod
+    def from_section(cls, section: dict[str, Any] | None) -> PipelineSettings:
+        """The settings of a ``distributed.pipeline`` mapping (its other upstream keys are checked by
+        :func:`section_issues`)."""
+        given = section or {}
+        return cls(**{name: given[name] for name in cls.__dataclass_fields__ if name in given})
+
     def num_stages(self, num_layers: int, pp_size: int) -> int:
         """Stages in all: one per rank, several per rank for interleaved schedules."""
         if self.layers_per_stage is None:
@@ -71,6 +79,53 @@ class PipelineSettings:
         """Layers per stage to cut with (None: as even as possible)."""
         exact = self.layers_per_stage is not None and self.round_virtual_stages_to_pp_multiple is None
         return self.layers_per_stage if exact else None
+
+
+# upstream's other distributed.pipeline keys: the value that is what runs here, and why another cannot
+UPSTREAM_KEYS = {
+    "scale_grads_in_schedule": (False, "the engine scales every micro-batch's loss by the step's label tokens "
+                                       "itself, so the schedule must not average gradients"),
+    "patch_inner_model": (False, "the stages run the Hugging Face model's own forward, unpatched"),
+    "patch_causal_lm_model": (False, "the stages run the Hugging Face model's own forward, unpatched"),
+}
+
+
+def section_issues(section: dict[str, Any] | None, key: str = "distributed.pipeline") -> list[ConfigIssue]:
+    """Keys of ``distributed.pipeline`` that are neither :class:`PipelineSettings`' nor upstream's keys whose value
+    is what runs here (with pipeline parallelism on)."""
+    issues = []
+    for name, value in (section or {}).items():
+        if name in PipelineSettings.__dataclass_fields__:
+            continue
+        if name in UPSTREAM_KEYS and value == UPSTREAM_KEYS[name][0]:
+            continue
+        if name in UPSTREAM_KEYS:
+            issues.append(ConfigIssue(f"{key}.{name}", f"{value!r}: {UPSTREAM_KEYS[name][1]}; set it to "
+                                      f"{UPSTREAM_KEYS[name][0]!r} or remove it"))
+        else:
+            known = ", ".join([*PipelineSettings.__dataclass_fields__, *UPSTREAM_KEYS])
+            issues.append(ConfigIssue(f"{key}.{name}", f"{value!r}: upstream's setting, which this build's pipeline "
+                                      f"does not implement; remove it (the settings that act: {known})"))
+    return issues
+
+
+def describe_stages(num_layers: int, pp_size: int, settings: PipelineSettings, batch: int) -> list[str]:
+    """``--dry-run`` lines: the schedule, its micro-batches and the layers each pipeline rank holds."""
+    from automodel.training.parallel.pipeline_stages import stage_indices, stage_layer_ranges
+
+    stages = settings.num_stages(num_layers, pp_size)
+    ranges = stage_layer_ranges(num_layers, stages, settings.stage_layers)
+    size = settings.pp_microbatch_size
+    lines = [f"pipeline parallel over pp {pp_size}: {settings.schedule} schedule, {stages} stages, {batch // size} "
+             f"micro-batches of {size} rows per batch"]
+    for pp_rank in range(pp_size):
+        held = []
+        for index in stage_indices(pp_rank, pp_size, stages // pp_size):
+            parts = [f"layers {ranges[index].start}-{ranges[index].stop - 1}"]
+            parts = (["embedding"] if index == 0 else []) + parts + (["norm, head"] if index == stages - 1 else [])
+            held.append(f"stage {index} ({' + '.join(parts)})")
+        lines.append(f"  pp rank {pp_rank}: {'; '.join(held)}")
+    return lines
 
 
 def pp_issues(model_config: Any, pp_size: int, settings: PipelineSettings, batch: int,
@@ -207,3 +262,45 @@ class Pipeline:
             raise AutomodelError(f"the pipeline was built for batches of {self.batch} rows "
                                  f"({self.microbatches} micro-batches), this one has {inputs.shape[0]}; use "
                                  "drop_last batches of a fixed size with pipeline parallelism")
+
+
+class StagePipelines:
+    """This rank's stages run by :class:`Pipeline` s, one per batch shape: torch's pipeline stages size their
+    send and receive buffers from the first batch they run, so a batch of another shape gets a pipeline of its own.
+    That first run also drops the stages' gradients (torch runs a real forward and backward to learn the shapes),
+    so every batch of one optimizer step must have the step's shape (the loop asks the recipe for that). The
+    pipelines of the :data:`KEPT_SHAPES` shapes used last are kept (each holds buffers for its micro-batches).
+    Evaluation runs GPipe (forward only: the schedule changes nothing there) with micro-batches that divide the
+    batch, so a shorter last validation batch runs too."""
+
+    def __init__(self, stages: list[PipelineStageModel], pp_mesh: DeviceMesh, device: torch.device,
+                 settings: PipelineSettings, loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+        self.stages, self.pp_mesh, self.device, self.settings, self.loss_sum = stages, pp_mesh, device, settings, \
+            loss_sum
+        self.group = pp_mesh.get_group()
+        self._pipelines: dict[tuple[bool, tuple[int, ...]], Pipeline] = {}
+
+    def step(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float, **kwargs: Any) -> torch.Tensor:
+        """:meth:`Pipeline.step` with the pipeline for this batch's shape."""
+        return self._pipeline(True, inputs, self.settings).step(inputs, labels, scale, **kwargs)
+
+    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        """:meth:`Pipeline.evaluate` with the (GPipe) pipeline for this batch's shape."""
+        rows, size = inputs.shape[0], self.settings.pp_microbatch_size
+        settings = PipelineSettings(pp_schedule="gpipe", pp_microbatch_size=size if rows % size == 0 else 1)
+        return self._pipeline(False, inputs, settings).evaluate(inputs, labels, **kwargs)
+
+    def _pipeline(self, train: bool, inputs: torch.Tensor, settings: PipelineSettings) -> Pipeline:
+        key = (train, tuple(inputs.shape))
+        if key in self._pipelines:
+            self._pipelines[key] = self._pipelines.pop(key)  # the most recently used last
+        else:
+            if len(self._pipelines) >= KEPT_SHAPES:
+                del self._pipelines[next(iter(self._pipelines))]
+            rows = inputs.shape[0]
+            found = _microbatch_issues(settings, len(self.stages) * self.pp_mesh.size(), self.pp_mesh.size(), rows,
+                                       "distributed.pipeline")
+            if found:
+                raise AutomodelError(f"a batch of {rows} rows: {found[0].key}: {found[0].message}")
+            self._pipelines[key] = Pipeline(self.stages, self.pp_mesh, self.device, settings, rows, self.loss_sum)
+        return self._pipelines[key]

@@ -47,8 +47,8 @@ def stage_indices(pp_rank: int, pp_size: int, stages_per_rank: int) -> list[int]
 class PipelineStageModel(nn.Module):
     """One stage: the causal LM's own children (pruned to this stage), under the causal LM's names.
 
-    ``forward(inputs, attention_mask=None)``: token ids on the first stage, the previous stage's hidden states
-    on the others; returns the hidden states, or the logits on the last stage."""
+    ``forward(inputs, attention_mask=None, position_ids=None)``: token ids on the first stage, the previous stage's
+    hidden states on the others; returns the hidden states, or the logits on the last stage."""
 
     def __init__(self, model: nn.Module, index: int, num_stages: int, layers: range, parts: dict[str, str]):
         super().__init__()
@@ -61,10 +61,12 @@ class PipelineStageModel(nn.Module):
         for name, child in model.named_children():
             self.add_module(name, child)
 
-    def forward(self, inputs: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, inputs: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
         base = getattr(self, self._base)
         given = {"input_ids": inputs} if self.is_first else {"inputs_embeds": inputs}
-        hidden = base(**given, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        hidden = base(**given, attention_mask=attention_mask, position_ids=position_ids,
+                      use_cache=False).last_hidden_state
         return getattr(self, self._head)(hidden) if self.is_last else hidden
 
     def _init_weights(self, module: nn.Module) -> None:

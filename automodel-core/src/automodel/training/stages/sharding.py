@@ -17,6 +17,7 @@ from automodel.errors import ConfigIssue
 from automodel.training.context import BuildContext
 from automodel.training.dist import expected_world_size
 from automodel.training.model_init import materialize_model, on_meta
+from automodel.training.parallel.expert_parallel import expert_parameters
 from automodel.training.parallel.fsdp import apply_fsdp2
 from automodel.training.parallel.mesh import DP, data_parallel_mesh
 from automodel.training.parallelism import parallel_issues
@@ -65,12 +66,15 @@ def wrap_fsdp2(ctx: BuildContext, model: torch.nn.Module) -> tuple[torch.nn.Modu
     settings = ctx.cfg.distributed
     prefetch = ((settings.fsdp2_forward_prefetch_depth, settings.fsdp2_backward_prefetch_depth)
                 if settings.enable_fsdp2_prefetch else None)
+    experts = expert_parameters(model)
     blocks = apply_fsdp2(model, data_parallel_mesh(ctx.device_mesh, layout), ctx.precision, prefetch,
-                         settings.reshard_after_forward)
+                         settings.reshard_after_forward, ignored=experts or None)
     how = (f"HSDP: {layout.dp_replicate} replicas x FSDP2 over {layout.dp_shard} ranks" if layout.dp_replicate > 1
            else f"FSDP2 over {layout.dp_shard} ranks")
     if layout.tp > 1:
         how += f" x tensor parallel over {layout.tp}"
+    if experts:
+        how += f", expert parameters ({len(experts)}) split by expert parallelism instead"
     message = f"{how} ({blocks} blocks sharded)"
     if meta:
         message += "; " + materialize_model(ctx, model)

@@ -1,0 +1,77 @@
+"""Pipeline parallelism in the loop (``distributed.pp_size > 1``): what a recipe provides to run pipelined, and the
+step and validation forwards that go through the schedule (``parallel/pipeline_parallel.py``) instead of
+``compute_loss``. ``TrainingLoop`` is built on it; a recipe opts in by implementing ``pipeline_batches`` and
+``pipeline_loss`` and setting ``pipeline_parallel_unsupported = None``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+from automodel.errors import AutomodelError
+from automodel.training.context import BuildContext
+from automodel.training.modules import unwrap
+from automodel.training.parallel.mesh import PP
+from automodel.training.parallel.pipeline_parallel import PipelineSettings, StagePipelines
+from automodel.training.parallel.tensor_parallel import local_loss
+
+
+class PipelineSteps:
+    """The pipelined forms of a training step and a validation batch (``self.pipelines`` None: not pipelined)."""
+
+    # why distributed.pp_size > 1 is refused (None: the recipe implements pipeline_batches and pipeline_loss)
+    pipeline_parallel_unsupported: ClassVar[str | None] = (
+        "this recipe's model and loss are not set up for pipeline parallelism (the LLM fine-tuning and pretraining "
+        "recipe is); use pp_size: 1")
+    pipelines: StagePipelines | None = None
+
+    def pipeline_batches(self, batches: list[Any], length: int | None = None
+                         ) -> list[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]]:
+        """Pipeline parallelism: each micro-batch of a step (on the device) as ``(inputs, targets, keyword
+        arguments of every stage)``, all of one shape (see ``StagePipelines``), at least ``length`` long (dim 1)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement pipeline_batches to run pipelined")
+
+    def pipeline_loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Pipeline parallelism: the loss *summed* over the label tokens of the last stage's ``output`` for one
+        pipeline micro-batch (``compute_loss`` on logits)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement pipeline_loss to run pipelined")
+
+    def build_pipelines(self, ctx: BuildContext) -> StagePipelines | None:
+        """The schedules over this rank's stage (``self.model`` after the build pipeline), when pipelined."""
+        if ctx.mesh.pp == 1:
+            return None
+        settings = PipelineSettings.from_section(ctx.cfg.distributed.pipeline)
+        return StagePipelines([unwrap(self.model)], ctx.device_mesh[PP], ctx.device, settings, self.pipeline_loss)
+
+    def _pipelined(self, batches: list[Any], scale: float) -> torch.Tensor:
+        """Pipeline parallelism: each micro-batch of the step through the schedule, forward and backward together
+        (torch's stage syncs FSDP2's gradients itself); the step's loss summed over its label tokens."""
+        if self.grad_scaler is not None:
+            raise AutomodelError("fp16 loss scaling is not wired into the pipeline schedule; train in bf16 or fp32 "
+                                 "(distributed.mp_policy.param_dtype) with distributed.pp_size > 1")
+        total = torch.zeros((), device=self.device)
+        with self.batch_errors(batches[0], "dataloader"):
+            parts = self._agreed_shape([self.move_to_device(batch) for batch in batches])
+        for inputs, targets, kwargs in parts:
+            with self.forward_context():
+                total += self.pipelines.step(inputs, targets, scale, **kwargs)
+        return total
+
+    def _validation_loss(self, batch: Any) -> torch.Tensor:
+        """One validation batch's loss summed over its label tokens (through the pipeline where there is one)."""
+        if self.pipelines is None:
+            return local_loss(self.compute_loss(self.model, self.move_to_device(batch))).float()
+        ((inputs, targets, kwargs),) = self._agreed_shape([self.move_to_device(batch)])
+        return self.pipelines.evaluate(inputs, targets, **kwargs)
+
+    def _agreed_shape(self, batches: list[Any]) -> list[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]]:
+        """``pipeline_batches`` as long as the longest of every data-parallel rank's: a pipeline sets up anew for a
+        new shape, running FSDP2's collectives, so the data-parallel ranks must change shape together."""
+        parts = self.pipeline_batches(batches)
+        if self.ctx.mesh.dp == 1:
+            return parts
+        length = torch.tensor(parts[0][0].shape[1], device=self.device)
+        torch.distributed.all_reduce(length, op=torch.distributed.ReduceOp.MAX, group=self.data_parallel_group())
+        return parts if int(length) == parts[0][0].shape[1] else self.pipeline_batches(batches, int(length))

@@ -1,0 +1,235 @@
+"""Expert parallelism through the CLI on CPU ranks (gloo): ``distributed.ep_size: 2`` on two ranks (dp 2, FSDP2)
+trains a tiny Qwen3-MoE (4 experts, top-2, two MoE layers) with the per-step losses, gradient norms and validation
+losses of one process accumulating twice; its consolidated ``model/`` is the one process's weights; its step-3
+checkpoint resumes in one process with the uninterrupted run's losses; layouts the model cannot take are refused by
+``automodel validate`` with the numbers.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from llm_testing import LLAMA_CONFIG, VALIDATION, losses, val_losses, write_config, write_tiny_llama_config
+
+from automodel.testing import free_port, read_jsonl, run_cli
+
+STEPS = ["--step_scheduler.max_steps", "6", "--dataloader.batch_size", "2", "--dataloader.shuffle", "false",
+         "--step_scheduler.checkpoint_interval", "3"]
+EP2 = ["--nproc-per-node", "2", "--distributed.strategy", "fsdp2", "--distributed.ep_size", "2"]
+
+
+@pytest.fixture(scope="module")
+def moe_config(tmp_path_factory) -> Path:
+    """A 2-layer Qwen3-MoE: 4 experts of width 16, 2 per token, the shipped tokenizer's vocabulary."""
+    llama = json.loads(LLAMA_CONFIG.read_text())
+    data = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": llama["vocab_size"],
+            "bos_token_id": llama.get("bos_token_id"), "eos_token_id": llama.get("eos_token_id"),
+            "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16, "num_experts": 4,
+            "num_experts_per_tok": 2, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 8, "tie_word_embeddings": False, "max_position_embeddings": 256}
+    path = tmp_path_factory.mktemp("tiny_moe") / "config.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def _run(config: Path, cwd: Path, directory: Path, *args) -> str:
+    port = ["--master-port", str(free_port())] if "--nproc-per-node" in args else []
+    result = run_cli("finetune", "llm", "-c", config, *STEPS, *args, *port, "--checkpoint.checkpoint_dir", directory,
+                     cwd=cwd, OMP_NUM_THREADS="1")
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result.stderr
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, moe_config) -> tuple[Path, Path]:
+    """(config, checkpoint_dir) of the one-process reference: two micro-batches per step (the two ranks' share),
+    checkpoints after steps 3 and 6, validation after both."""
+    tmp = tmp_path_factory.mktemp("one")
+    config = write_config(tmp / "cfg.yaml", moe_config, tmp / "ckpt", validation_dataset=VALIDATION,
+                          step_scheduler={"val_check_interval": 3})
+    _run(config, tmp, tmp / "ckpt", "--step_scheduler.grad_accumulation_steps", "2")
+    return config, tmp / "ckpt"
+
+
+@pytest.fixture(scope="module")
+def ep2_run(tmp_path_factory, one_process) -> tuple[Path, str]:
+    tmp = tmp_path_factory.mktemp("ep2")
+    return tmp / "ep", _run(one_process[0], tmp, tmp / "ep", *EP2)
+
+
+def _norms(directory: Path) -> list[float]:
+    return [row["grad_norm"] for row in read_jsonl(directory / "training.jsonl")]
+
+
+def _assert_same_weights(model_dir: Path, reference_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    reference = AutoModelForCausalLM.from_pretrained(reference_dir).state_dict()
+    assert model.keys() == reference.keys()
+    assert "model.layers.1.mlp.experts.gate_up_proj" in model
+    for key, value in reference.items():
+        assert model[key].shape == value.shape, key
+        assert (model[key] - value).abs().max().item() < 1e-5, key
+
+
+def test_ep2_trains_like_one_process(one_process, ep2_run):
+    _, reference = one_process
+    out, log = ep2_run
+    assert "expert parallel over ep 2" in log and "each rank holds 2 of 4 experts" in log
+    assert "expert parameters (4) split by expert parallelism" in log
+    assert losses(out) == pytest.approx(losses(reference), rel=1e-4)
+    assert _norms(out) == pytest.approx(_norms(reference), rel=1e-4)
+    assert max(_norms(reference)) > 1.0  # clipping at 1.0 acted: the norm spans the experts' shards too
+    assert [v for _, v in val_losses(out)] == pytest.approx([v for _, v in val_losses(reference)], rel=1e-4)
+    assert len(val_losses(out)) == 2
+    _assert_same_weights(out / "epoch_0_step_6" / "model", reference / "epoch_0_step_6" / "model")
+
+
+def test_an_ep2_checkpoint_resumes_in_one_process(one_process, ep2_run, tmp_path):
+    config, reference = one_process
+    checkpoint = ep2_run[0] / "epoch_0_step_3"
+    one = tmp_path / "one"
+    log = _run(config, tmp_path, one, "--restore_from.path", checkpoint, "--step_scheduler.grad_accumulation_steps",
+               "2")
+    assert "written by 2 ranks, resuming on 1" in log
+    assert [row["step"] for row in read_jsonl(one / "training.jsonl")] == [4, 5, 6]
+    assert losses(one) == pytest.approx(losses(reference)[3:], rel=1e-4)
+    _assert_same_weights(one / "epoch_0_step_6" / "model", reference / "epoch_0_step_6" / "model")
+
+
+def _validate(config: Path, cwd: Path, *args) -> tuple[int, str]:
+    result = run_cli("validate", "-c", config, *args, cwd=cwd)
+    return result.returncode, result.stdout + result.stderr
+
+
+def test_layouts_the_model_cannot_take_are_refused_by_validate(moe_config, tmp_path):
+    config = write_config(tmp_path / "cfg.yaml", moe_config, tmp_path / "ckpt",
+                          distributed={"strategy": "fsdp2", "ep_size": 3})
+    code, out = _validate(config, tmp_path, "--nproc-per-node", "3")
+    assert code == 2 and "Traceback" not in out
+    assert ("distributed.ep_size: 3 does not divide the number of experts (4, Qwen3MoeExperts "
+            "'model.layers.0.mlp.experts')") in out
+    code, out = _validate(config, tmp_path, "--nproc-per-node", "2", "--distributed.ep_size", "4")
+    assert code == 2 and "distributed.ep_size: 4 does not divide the data-parallel ranks (dp_size = 2" in out
+    code, out = _validate(config, tmp_path, "--nproc-per-node", "2", "--distributed.ep_size", "2",
+                          "--distributed.strategy", "ddp")
+    assert code == 2 and "ddp: expert parallelism (ep_size 2) composes with FSDP2 only" in out
+    code, out = _validate(config, tmp_path, "--nproc-per-node", "4", "--distributed.ep_size", "2",
+                          "--distributed.tp_size", "2")
+    assert code == 2 and "not combined with tensor / context / pipeline parallelism here (tp_size 2)" in out
+    code, out = _validate(config, tmp_path, "--nproc-per-node", "2", "--distributed.ep_size", "2",
+                          "--distributed.moe.wrap_outer_model", "false")
+    assert code == 2 and "distributed.moe: wrap_outer_model: upstream's settings" in out
+    code, out = _validate(config, tmp_path, "--nproc-per-node", "2", "--distributed.ep_size", "2")
+    assert code == 0, out
+
+
+def test_a_model_without_experts_and_lora_on_the_experts_are_refused(moe_config, tmp_path):
+    dense = write_config(tmp_path / "dense.yaml", write_tiny_llama_config(tmp_path), tmp_path / "ckpt",
+                         distributed={"strategy": "fsdp2", "ep_size": 2})
+    code, out = _validate(dense, tmp_path, "--nproc-per-node", "2")
+    assert code == 2 and "Traceback" not in out
+    assert ("distributed.ep_size: 2: expert parallelism splits the experts of a mixture-of-experts model, and "
+            "LlamaForCausalLM has no experts module") in out
+    moe = write_config(tmp_path / "moe.yaml", moe_config, tmp_path / "ckpt",
+                       distributed={"strategy": "fsdp2", "ep_size": 2}, peft={"dim": 4})
+    code, out = _validate(moe, tmp_path, "--nproc-per-node", "2")
+    assert code == 2 and "peft.target_modules: LoRA on all linear layers also adapts the MoE experts" in out
+    code, out = _validate(moe, tmp_path, "--nproc-per-node", "2", "--peft.target_modules", "[q_proj, gate]")
+    assert code == 0, out
+
+
+def test_lora_outside_the_experts_trains_like_one_process(one_process, tmp_path):
+    """LoRA on the attention and the router: the frozen experts are split, the adapters FSDP2-sharded."""
+    config = one_process[0]
+    lora = ["--peft.dim", "4", "--peft.target_modules", "[q_proj, v_proj, gate]", "--step_scheduler.max_steps", "3"]
+    one, ep = tmp_path / "one", tmp_path / "ep"
+    _run(config, tmp_path, one, *lora, "--step_scheduler.grad_accumulation_steps", "2")
+    log = _run(config, tmp_path, ep, *lora, *EP2)
+    assert "LoRA r=4" in log and "expert parallel over ep 2" in log
+    assert losses(ep) == pytest.approx(losses(one), rel=1e-4)
+    assert _norms(ep) == pytest.approx(_norms(one), rel=1e-4)
+
+
+def test_fake_balanced_gate_spreads_the_tokens_evenly_over_the_experts(moe_config):
+    import torch
+
+    from automodel.errors import AutomodelError
+    from automodel_llm import AutoModelForCausalLM
+
+    seen = []
+    model = AutoModelForCausalLM.from_config(str(moe_config), backend={"fake_balanced_gate": True})
+    for module in model.modules():
+        if type(module).__name__ == "Qwen3MoeExperts":
+            module.register_forward_hook(lambda m, args, out: seen.append((args[1].clone(), args[2].clone())))
+    tokens = torch.randint(0, 400, (3, 8))
+    model(input_ids=tokens, labels=tokens).loss.backward()
+    assert len(seen) == 2  # both MoE layers
+    for index, weights in seen:
+        assert index.shape == (24, 2)
+        assert torch.bincount(index.flatten(), minlength=4).tolist() == [12, 12, 12, 12]
+        assert (index[:, 0] != index[:, 1]).all()  # a token's two slots go to two experts
+        assert torch.equal(weights, torch.full_like(weights, 0.5))
+    router = model.model.layers[0].mlp.gate.weight
+    assert router.grad is not None and router.grad.abs().max().item() == 0.0
+    learned = AutoModelForCausalLM.from_config(str(moe_config))
+    learned.model.layers[0].mlp.experts.register_forward_hook(lambda m, args, out: seen.append(args[1].clone()))
+    learned(input_ids=tokens)
+    assert not torch.equal(seen[-1], seen[0][0])  # without it the learned router chooses
+    with pytest.raises(AutomodelError, match="LlamaForCausalLM has no experts module"):
+        AutoModelForCausalLM.from_config(str(LLAMA_CONFIG), backend={"fake_balanced_gate": True})
+
+
+def test_two_ep_groups_on_four_ranks_train_like_one_process(one_process, tmp_path):
+    """dp 4, ep 2: the groups (0, 1) and (2, 3) replicate the experts; their gradients are summed over the groups."""
+    config, reference = one_process
+    out = tmp_path / "ep"
+    log = _run(config, tmp_path, out, "--nproc-per-node", "4", "--distributed.strategy", "fsdp2",
+               "--distributed.ep_size", "2", "--dataloader.batch_size", "1", "--step_scheduler.max_steps", "3")
+    assert "expert parallel over ep 2 (2 groups of consecutive ranks)" in log
+    assert losses(out) == pytest.approx(losses(reference)[:3], rel=1e-4)
+    assert _norms(out) == pytest.approx(_norms(reference)[:3], rel=1e-4)
+    _assert_same_weights(out / "epoch_0_step_3" / "model", reference / "epoch_0_step_3" / "model")
+
+
+def test_dry_run_shows_the_expert_groups(moe_config, tmp_path):
+    config = write_config(tmp_path / "cfg.yaml", moe_config, tmp_path / "ckpt")
+    result = run_cli("finetune", "llm", "-c", config, "--nproc-per-node", "4", "--distributed.strategy", "fsdp2",
+                     "--distributed.ep_size", "2", "--dry-run", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert ("expert parallel over ep 2: 2 group(s) of 2 consecutive data-parallel ranks, each rank holds 2 of 4 "
+            "experts of every MoE layer (FSDP2 shards the rest over dp 4)") in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(("model_type", "sizes"), [
+    ("mixtral", {"num_local_experts": 4}),
+    ("olmoe", {"num_experts": 4}),
+    ("qwen2_moe", {"num_experts": 4, "moe_intermediate_size": 8, "shared_expert_intermediate_size": 8}),
+    ("deepseek_v3", {"n_routed_experts": 4, "moe_intermediate_size": 8, "first_k_dense_replace": 0, "n_group": 1,
+                     "topk_group": 1, "q_lora_rank": None, "kv_lora_rank": 8, "qk_rope_head_dim": 4,
+                     "qk_nope_head_dim": 4, "v_head_dim": 8}),
+    ("gpt_oss", {"num_local_experts": 4}),
+])
+def test_which_experts_modules_expert_parallelism_takes(model_type, sizes):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from automodel.training.parallel.expert_parallel import experts_issues
+
+    config = AutoConfig.for_model(model_type, vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                  num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_experts_per_tok=2,
+                                  **sizes)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    issues = [issue.message for issue in experts_issues(model, 2)]
+    if model_type == "gpt_oss":  # biased, transposed experts: refused by name
+        (message,) = issues
+        assert "the experts module GptOssExperts ('model.layers.0.mlp.experts') has a layout" in message
+        assert "has_bias=True" in message
+    else:
+        assert issues == []
+        (message,) = [issue.message for issue in experts_issues(model, 3)]
+        assert message.startswith("3 does not divide the number of experts (4, ")

@@ -1,0 +1,156 @@
+"""Pipeline parallelism through the CLI on CPU ranks (gloo): ``distributed.pp_size: 2`` on two ranks splits a tiny
+2-layer Llama into two stages (GPipe and 1F1B) and trains with the per-step losses, gradient norms and validation
+losses of one process, two micro-batches of different lengths accumulated per step; its consolidated ``model/`` is
+the one process's weights; a pp=2 checkpoint resumes in one process (from model/) and on pp=2 (from the sharded
+model_shards/) with the uninterrupted run's losses; layouts and settings the pipeline cannot take are refused by
+``automodel validate`` with the numbers.
+
+The ranks of one pipeline read the same rows, so the reference is one process with the same accumulation.
+Gradient clipping (max_norm 1.0) acts on the norm over both stages.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from llm_testing import (
+    VALIDATION,
+    assert_like_reference,
+    assert_same_weights,
+    grad_norms,
+    losses,
+    run_finetune,
+    val_losses,
+    write_config,
+    write_two_layer_llama_config,
+)
+
+from automodel.testing import read_jsonl, run_cli
+
+STEPS = ["--step_scheduler.max_steps", "6", "--dataloader.batch_size", "2", "--dataloader.shuffle", "false",
+         "--step_scheduler.checkpoint_interval", "3", "--step_scheduler.grad_accumulation_steps", "2"]
+PP2 = ["--nproc-per-node", "2", "--distributed.strategy", "fsdp2", "--distributed.pp_size", "2"]
+
+
+@pytest.fixture(scope="module")
+def pp_llama_config(tmp_path_factory) -> Path:
+    """A 2-layer Llama with its own output head (pipeline stages cannot tie it to the embedding)."""
+    return write_two_layer_llama_config(tmp_path_factory.mktemp("pp_llama"))
+
+
+def _run(config: Path, cwd: Path, directory: Path, *args) -> str:
+    return run_finetune(config, cwd, directory, *STEPS, *args)
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, pp_llama_config) -> tuple[Path, Path]:
+    """(config, checkpoint_dir) of the one-process reference: six steps, checkpoints after steps 3 and 6."""
+    tmp = tmp_path_factory.mktemp("one")
+    config = write_config(tmp / "cfg.yaml", pp_llama_config, tmp / "ckpt", validation_dataset=VALIDATION,
+                          step_scheduler={"val_check_interval": 3})
+    _run(config, tmp, tmp / "ckpt")
+    return config, tmp / "ckpt"
+
+
+@pytest.fixture(scope="module")
+def pp2_1f1b(tmp_path_factory, one_process) -> tuple[Path, str]:
+    """(checkpoint_dir, log) of the 1F1B run (its step-3 checkpoint, with model/, is resumed in one process)."""
+    tmp = tmp_path_factory.mktemp("pp2")
+    return tmp / "pp", _run(one_process[0], tmp, tmp / "pp", *PP2, "--distributed.pipeline.pp_schedule", "1f1b")
+
+
+@pytest.fixture(scope="module")
+def pp2_gpipe(tmp_path_factory, one_process) -> tuple[Path, str]:
+    """(checkpoint_dir, log) of the GPipe run; its step-3 checkpoint holds the sharded form only (model_shards/)."""
+    tmp = tmp_path_factory.mktemp("pp2_gpipe")
+    return tmp / "pp", _run(one_process[0], tmp, tmp / "pp", *PP2, "--distributed.pipeline.pp_schedule", "gpipe",
+                            "--checkpoint.save_consolidated", "final")
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pp2_trains_like_one_process(request, one_process, schedule):
+    reference = one_process[1]
+    out, log = request.getfixturevalue(f"pp2_{schedule}")
+    assert "pipeline stage 0 of 2 on this rank (embedding + layers 0-0)" in log
+    assert f"{schedule} schedule" in log and "FSDP2 over 1 ranks" in log
+    assert max(grad_norms(reference)) > 1.0 and len(val_losses(out)) == 2  # clipping acted; validation ran twice
+    assert_like_reference(out, reference)
+
+
+def test_a_pp2_checkpoint_resumes_in_one_process(one_process, pp2_1f1b, tmp_path):
+    config, reference = one_process
+    checkpoint, one = pp2_1f1b[0] / "epoch_0_step_3", tmp_path / "one"
+    log = _run(config, tmp_path, one, "--restore_from.path", checkpoint)
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    assert (state["world_size"], state["dp_size"]) == (2, 1) and "written by 2 ranks, resuming on 1" in log
+    assert [row["step"] for row in read_jsonl(one / "training.jsonl")] == [4, 5, 6]
+    assert losses(one) == pytest.approx(losses(reference)[3:], rel=1e-4)
+    assert_same_weights(one / "epoch_0_step_6" / "model", reference / "epoch_0_step_6" / "model")
+
+
+def test_a_sharded_pp2_checkpoint_resumes_on_pp2(pp2_gpipe, one_process, tmp_path):
+    """The same layout, another schedule: each stage reads its own tensors of model_shards/ (DCP)."""
+    checkpoint, again = pp2_gpipe[0] / "epoch_0_step_3", tmp_path / "again"
+    assert (checkpoint / "model_shards").is_dir() and not (checkpoint / "model").exists()
+    log = _run(one_process[0], tmp_path, again, *PP2, "--restore_from.path", checkpoint)
+    assert "resuming on" not in log and "1f1b schedule" in log
+    assert losses(again) == pytest.approx(losses(pp2_gpipe[0])[3:], rel=1e-5)
+
+
+def _validate(config: Path, cwd: Path, *args) -> tuple[int, str]:
+    result = run_cli("validate", "-c", config, *args, cwd=cwd)
+    return result.returncode, result.stdout + result.stderr
+
+
+def test_layouts_the_pipeline_cannot_take_are_refused_by_validate(pp_llama_config, tmp_path):
+    config = write_config(tmp_path / "cfg.yaml", pp_llama_config, tmp_path / "ckpt",
+                          distributed={"strategy": "fsdp2", "pp_size": 3}, dataloader={"batch_size": 4})
+    code, out = _validate(config, tmp_path, "--nproc-per-node", "3")
+    assert code == 2 and "Traceback" not in out
+    assert "distributed.pp_size: 3 ranks x 1 stages each = 3 stages, but the model has 2 layers" in out
+    two = ["--nproc-per-node", "2", "--distributed.pp_size", "2"]
+    code, out = _validate(config, tmp_path, *two, "--dataloader.batch_size", "1")
+    assert code == 2 and "1 makes 1 micro-batches of the 1 rows, but 1f1b needs at least one per stage (2)" in out
+    code, out = _validate(config, tmp_path, *two, "--distributed.strategy", "ddp", "--model.tie_word_embeddings",
+                          "true", "--distributed.pipeline.pp_schedule", "gpipe")
+    assert code == 2 and "Traceback" not in out
+    assert "distributed.strategy: ddp: pipeline parallelism (pp_size 2) composes with FSDP2" in out
+    assert "the model ties its output head to its input embedding (tie_word_embeddings)" in out
+    code, out = _validate(config, tmp_path, *two, "--distributed.pipeline.pp_microbatch_size", "3")
+    assert code == 2 and "pp_microbatch_size: 3 does not divide the 4 rows" in out
+
+
+def test_settings_the_pipeline_cannot_take_are_refused_by_validate(pp_llama_config, tmp_path):
+    config = write_config(tmp_path / "cfg.yaml", pp_llama_config, tmp_path / "ckpt",
+                          distributed={"strategy": "fsdp2", "pp_size": 2}, dataloader={"batch_size": 4})
+    two = ["--nproc-per-node", "2"]
+    code, out = _validate(config, tmp_path, *two, "--distributed.pipeline.pp_schedule", "interleaved1f1b")
+    assert code == 2 and "interleaved schedules (several stages per rank) are not wired into it yet" in out
+    code, out = _validate(config, tmp_path, *two, "--eval_generation.enabled", "true",
+                          "--packed_sequence.packed_sequence_size", "64", "--peft.dim", "4")
+    assert code == 2
+    assert "eval_generation.enabled: generation runs the whole model token by token" in out
+    assert "packed_sequence.packed_sequence_size: packed rows keep attention within each sample" in out
+    assert "distributed.pp_size: 2: pipeline stages of a LoRA (peft) model are not supported" in out
+    code, out = _validate(config, tmp_path, *two)
+    assert code == 0, out
+    result = run_cli("validate", "kd", "llm", "-c", config, *two,
+                     "--teacher_model._target_", "automodel_llm.AutoModelForCausalLM.from_config",
+                     "--teacher_model.config", str(pp_llama_config), cwd=tmp_path)
+    assert result.returncode == 2 and "the teacher runs beside the student on whole batches" in result.stderr
+
+
+def test_dry_run_prints_the_stages_per_rank(pp_llama_config, tmp_path):
+    config = write_config(tmp_path / "cfg.yaml", pp_llama_config, tmp_path / "ckpt",
+                          distributed={"strategy": "fsdp2", "pp_size": 2, "pipeline": {"pp_schedule": "gpipe",
+                                                                                       "pp_microbatch_size": 2}})
+    result = run_cli("finetune", "llm", "-c", config, "--nproc-per-node", "4", "--dry-run", cwd=tmp_path)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out
+    assert "device mesh: pp 2 x dp_replicate 1 x dp_shard 2 x cp 1 x tp 1 = 4 ranks" in out
+    assert "rank 3: pp 1, dp_replicate 0, dp_shard 1, cp 0, tp 0 (dp 1)" in out
+    assert "pipeline parallel over pp 2: gpipe schedule, 2 stages, 2 micro-batches of 2 rows per batch" in out
+    assert "pp rank 0: stage 0 (embedding + layers 0-0)" in out
+    assert "pp rank 1: stage 1 (layers 1-1 + norm, head)" in out
