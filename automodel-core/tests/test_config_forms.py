@@ -197,11 +197,14 @@ def test_top_level_seed_is_the_runs_seed_ranked_as_upstream(tmp_path):
     assert (cfg.rng.seed, cfg.rng.ranked) == (7, False)
 
 
-def test_top_level_seed_disagreeing_with_rng_seed_is_refused(tmp_path):
-    with pytest.raises(ConfigError) as info:
-        _toy(tmp_path, rng={"seed": 1111}, seed=42)
-    assert [(i.key, i.message) for i in info.value.issues] == [
-        ("seed", "42 disagrees with rng.seed: 1111; 'seed' is rng.seed under another name: give one of them")]
+def test_top_level_seed_wins_over_a_different_rng_seed_and_the_note_says_so(tmp_path):
+    # upstream's recipes read only the top-level seed (7 of its files also carry rng: {seed: 1111})
+    _, cfg = _toy(tmp_path, rng={"seed": 1111, "ranked": False}, seed=42)
+    assert (cfg.rng.seed, cfg.rng.ranked, cfg.seed) == (42, False, 42)
+    named = [n for n in cfg.notes if "rng.seed" in n]
+    assert len(named) == 1 and named[0].startswith("note: seed: 42 is the value that acts, not rng.seed: 1111 (")
+    _, cfg = _toy(tmp_path, rng={"seed": 42}, seed=42)
+    assert not [n for n in cfg.notes if "rng.seed" in n]
 
 
 def test_top_level_seed_seeds_the_run(tmp_path):
@@ -216,6 +219,7 @@ def test_top_level_seed_seeds_the_run(tmp_path):
 
     by_rng = losses("rng", rng={"seed": 5})
     assert losses("seed", rng=None, seed=5) == by_rng
+    assert losses("both", rng={"seed": 1111}, seed=5) == by_rng  # the top-level seed wins, as upstream
     assert losses("other", rng=None, seed=6) != by_rng
 
 

@@ -77,7 +77,9 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
         "dist_env": s.DistEnvConfig,
         "rng": s.RngConfig,
         "seed": KeyAlias("rng.seed", "the run's seed, upstream's top-level key: the same as rng.seed, and ranked "
-                         "(seed + rank per process) unless rng.ranked says otherwise", implies={"ranked": True}),
+                         "(seed + rank per process) unless rng.ranked says otherwise; given with a different "
+                         "rng.seed it wins, as upstream's recipes read only this key (the global RNGs, the model's "
+                         "initialisation and the data order)", implies={"ranked": True}, wins=True),
         "checkpoint.restore_from": KeyAlias("restore_from.path", "upstream's spelling of restore_from.path: a "
                                             "checkpoint path, a directory name under checkpoint_dir, or LATEST"),
         "model": Target("the model to train: {_target_: ..., ...}", required=True),
