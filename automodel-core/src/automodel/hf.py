@@ -7,6 +7,7 @@ torch, transformers and peft are imported on first use, so importing this module
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -146,14 +147,25 @@ class PeftConfig:
 
         if self.match_all_linear:
             targets: Any = "all-linear"
-        elif isinstance(self.target_modules, str):
-            targets = self.target_modules
         else:
-            # peft matches plain names as suffixes; glob patterns become one regular expression.
-            targets = [t.replace("*.", "").replace("*", "") for t in self.target_modules]
+            targets = peft_patterns(self.target_modules)
+        excluded = peft_patterns(self.exclude_modules) if self.exclude_modules else None
         return peft.LoraConfig(r=self.rank, lora_alpha=self.alpha, lora_dropout=self.dropout,
-                               target_modules=targets, exclude_modules=self.exclude_modules,
+                               target_modules=targets, exclude_modules=excluded,
                                use_dora=self.use_dora, task_type="CAUSAL_LM")
+
+
+def peft_patterns(patterns: list[str] | str) -> list[str] | str:
+    """Upstream's module patterns as peft takes them: one name or a list of them, each a module's own name
+    (``q_proj``: any module so named) or a glob over the module's whole name (``*_proj``, ``*.layers.0.*.v_proj``:
+    ``*`` spans any characters, dots included). Plain names stay a list (peft matches them as name suffixes); with a
+    glob among them they become one regular expression, which peft matches against the whole name."""
+    names = [patterns] if isinstance(patterns, str) else list(patterns)
+    if not any("*" in name for name in names):
+        return names
+    parts = [".*".join(re.escape(piece) for piece in name.split("*")) if "*" in name
+             else rf"(?:.*\.)?{re.escape(name)}" for name in names]
+    return "|".join(f"(?:{part})" for part in parts)
 
 
 def lora_config(built: Any) -> Any:
