@@ -193,7 +193,7 @@ class DistributedConfig:
         "refused when true: upstream compiles each block of its own model code; compile the whole model with "
         "compile.enabled: true"))
     enable_async_tensor_parallel: bool = field(default=False, metadata=_help(
-        "refused when true: async tensor parallelism needs tp_size > 1 (not implemented yet) and CUDA"))
+        "refused when true: async tensor parallelism needs tp_size > 1 and CUDA, and is not done here"))
     patch_is_packed_sequence: bool = field(default=False, metadata=_help(
         "refused when true: upstream's patch removes a CUDA synchronisation per attention layer (for CUDA graphs "
         "and torch.compile on GPUs); it would also mis-read packed sequences"))
@@ -213,8 +213,9 @@ class DistributedConfig:
                                         "whole model with compile: {enabled: true} and set this false")
         if self.enable_async_tensor_parallel:
             errors["enable_async_tensor_parallel"] = (
-                "true overlaps tensor parallelism's reduce-scatter with compute; it needs tp_size > 1, which is not "
-                "implemented yet, and CUDA (symmetric memory): set it false")
+                "true overlaps tensor parallelism's reduce-scatter with compute, which needs tp_size > 1 and CUDA "
+                "(symmetric memory); this build's tensor parallelism does not overlap them: set it false (tp_size "
+                "acts without it)")
         if self.patch_is_packed_sequence:
             errors["patch_is_packed_sequence"] = (
                 "true patches transformers to skip a CUDA synchronisation per attention layer (a speed-up for CUDA "
