@@ -188,7 +188,9 @@ def describe_alias(name: str, spec: Any) -> list[str]:
     implied = ", ".join(f"`{k}` = {scalar(v)}" for k, v in spec.implies.items())
     text = f"Top-level key: {spec.help.rstrip('.')}. Validation sets `{spec.key}` from it"
     text += f" (and {implied} unless the config gives it)." if implied else "."
-    return [f"### `{name}`", "", text + " Giving both with different values is an error.", ""]
+    both = (f" Given with a different `{spec.key}`, this key's value acts and a note line names the one it overrides."
+            if spec.wins else " Giving both with different values is an error.")
+    return [f"### `{name}`", "", text + both, ""]
 
 
 def describe_recipe(name: str, spec: Any) -> list[str]:

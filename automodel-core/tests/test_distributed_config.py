@@ -1,6 +1,7 @@
 """``distributed.*`` at validation and in ``--dry-run``: the device mesh checked against the launch's world size
-(--nproc-per-node x --nnodes, else WORLD_SIZE, else 1), the precision, what is refused and why; and how the CLI
-turns launch options into a torchrun command line. All in-process on the toy recipe (nothing is launched)."""
+(--nproc-per-node x --nnodes, else WORLD_SIZE, else 1 for a run and the layout's own size for validate), the
+precision, what is refused and why; and how the CLI turns launch options into a torchrun command line. All
+in-process on the toy recipe (nothing is launched)."""
 
 from __future__ import annotations
 
@@ -18,10 +19,25 @@ def _cli(capsys, *args) -> tuple[int, str]:
     return code, captured.out + captured.err
 
 
-def test_bare_validate_checks_one_process_and_says_so(make_toy, capsys, monkeypatch):
+def test_bare_validate_checks_the_layouts_own_size_and_says_so(make_toy, capsys, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     code, out = _cli(capsys, "validate", "-c", make_toy())
-    assert code == 0 and "checked for 1 process: WORLD_SIZE is not set" in out
+    assert code == 0 and "checked for 1 process: the layout's own size, as neither --nproc-per-node" in out
+    config = make_toy(distributed={"strategy": "fsdp2", "dp_size": 4, "dp_replicate_size": 2})
+    code, out = _cli(capsys, "validate", "-c", config)
+    assert code == 0, out
+    assert "checked for 4 processes: the layout's own size" in out and "launch with --nproc-per-node 4" in out
+    code, out = _cli(capsys, "validate", "-c", config, "--distributed.dp_size", "auto")
+    assert code == 0 and "checked for 2 processes" in out  # HSDP's 2 replicas of 1 shard: the fewest ranks
+    # a launch given keeps the check against it: the same config for 2 or 3 processes is refused
+    code, out = _cli(capsys, "validate", "-c", config, "--nproc-per-node", "2")
+    assert code == 2 and "the run has 2" in out
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    code, out = _cli(capsys, "validate", "-c", config)
+    assert code == 2 and "the run has 3" in out
+    monkeypatch.delenv("WORLD_SIZE")
+    code, out = _cli(capsys, "run", "-c", config, "--dry-run")  # a run in this one process
+    assert code == 2 and "the run has 1" in out
     monkeypatch.setenv("WORLD_SIZE", "4")
     code, out = _cli(capsys, "validate", "-c", make_toy(distributed={"dp_size": 4}))
     assert code == 0 and "checked for 4 processes: WORLD_SIZE=4" in out
@@ -156,3 +172,45 @@ def test_fp16_trains_with_a_grad_scaler_unscaled_before_clipping(make_toy, tmp_p
     assert all(math.isfinite(row["loss"]) for row in rows)
     first = next(row for row in rows if row["grad_norm"] is not None)  # an overflowed step logs none
     assert first["grad_norm"] == pytest.approx(reference[first["step"] - 1]["grad_norm"], rel=0.5)
+
+
+@pytest.mark.parametrize(("sizes", "nodes", "world"), [
+    ({}, 1, 1),
+    ({"tp_size": 2, "cp_size": 2, "pp_size": 2}, 1, 8),
+    ({"dp_size": 3, "tp_size": 2}, 1, 6),  # a fixed dp_size: exactly the product
+    ({"dp_size": "none", "dp_replicate_size": 2, "tp_size": 2}, 1, 4),
+    ({"ep_size": 8, "tp_size": 2}, 1, 8),  # experts over dp x cp x tp: dp 4
+    ({"ep_size": 8, "cp_size": 2, "pp_size": 4}, 1, 32),  # dp 4 x cp 2 = 8 expert ranks, per pipeline stage
+    ({"ep_size": 6, "dp_replicate_size": 4}, 1, 12),  # dp a multiple of 4 that 6 divides
+    ({"tp_size": 8}, 16, 16),  # over 16 nodes: one each
+    ({"tp_size": 8, "ep_size": 32}, 16, 32),
+    ({"tp_size": 4, "dp_size": "auto"}, 2, 4),
+    ({"tp_size": "x", "ep_size": None}, 1, 1),  # malformed: validation reports it, the size counts 1
+])
+def test_smallest_world_is_the_fewest_ranks_the_layout_needs(sizes, nodes, world):
+    from automodel.training.parallel.mesh import mesh_issues, smallest_world
+
+    found = smallest_world(**sizes, nodes=nodes)
+    assert found == world
+    valid = {k: v for k, v in sizes.items() if k != "ep_size" and not isinstance(v, str) or v in ("auto", "none")}
+    assert not mesh_issues(found, **valid)  # the layout fits the world it was sized for
+
+
+def test_dp_replicate_size_none_is_upstreams_spelling_of_one(make_toy, capsys, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    config = make_toy(distributed={"strategy": "fsdp2", "dp_size": "none", "dp_replicate_size": "none"})
+    code, out = _cli(capsys, "run", "-c", config, "--nproc-per-node", "2", "--dry-run")
+    assert code == 0 and "dp_replicate 1 x dp_shard 2" in out and "(FSDP shards over 2)" in out
+    code, out = _cli(capsys, "validate", "-c", config, "--distributed.dp_replicate_size", "nine")
+    assert code == 2 and "distributed.dp_replicate_size" in out
+
+
+def test_a_refused_distributed_section_does_not_add_batch_arithmetic_errors(make_toy, capsys, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    config = make_toy(distributed={"strategy": "fsdp2", "dp_size": 4, "multimodal": {"frozen_sharding": True}},
+                      step_scheduler={"global_batch_size": 1})
+    code, out = _cli(capsys, "validate", "-c", config)
+    assert code == 2 and "distributed.multimodal" in out
+    assert "global_batch_size" not in out  # dp is unknown while the section is refused: no second, bogus error
+    code, out = _cli(capsys, "validate", "-c", config, "--distributed.multimodal", "null")
+    assert code == 2 and "step_scheduler.global_batch_size: 1 is not divisible" in out

@@ -224,7 +224,8 @@ def test_a_chat_template_given_to_the_dataset_renders_and_is_saved_with_the_toke
         assert AutoTokenizer.from_pretrained(tmp_path / "saved").chat_template == TEMPLATE
 
 
-def test_a_tokenizer_in_the_training_dataset_is_the_runs_tokenizer_as_upstream(make_config, plain_tokenizer_dir):
+def test_a_tokenizer_in_the_training_dataset_is_the_runs_tokenizer_as_upstream(make_config, plain_tokenizer_dir,
+                                                                                 tmp_path):
     tokenizer = {"pretrained_model_name_or_path": str(plain_tokenizer_dir)}
     config = make_config(tokenizer=None, dataset={"tokenizer": tokenizer})
     recipe = train_inprocess(config, setup_only=True)
@@ -234,6 +235,13 @@ def test_a_tokenizer_in_the_training_dataset_is_the_runs_tokenizer_as_upstream(m
     assert _issues(make_config("two.yaml", tokenizer=None, validation_dataset=validation)) == [
         "validation_dataset.tokenizer: the run has one tokenizer, and only the training data set's counts; give it "
         "once, in tokenizer: (or dataset.tokenizer, upstream's form)"]
+    # upstream repeats the run's tokenizer in each data set: written the same, it is that tokenizer
+    validation["tokenizer"] = tokenizer
+    recipe = train_inprocess(make_config("same.yaml", tokenizer=None, dataset={"tokenizer": tokenizer},
+                                         validation_dataset=validation),
+                             "--checkpoint.checkpoint_dir", str(tmp_path / "same"), setup_only=True)
+    assert recipe.val_dataloaders["validation"].dataset[0]["input_ids"][-1] == 3  # the plain tokenizer's EOS
+    assert _issues(make_config("both.yaml", tokenizer=tokenizer, dataset={"tokenizer": tokenizer})) == []
 
 
 # ---- validation ----------------------------------------------------------------------------------------------

@@ -129,7 +129,14 @@ def test_layouts_the_model_cannot_take_are_refused_by_validate(tp_llama_config, 
                           "--peft.dim", "4", "--peft.target_modules", "[q_proj]")
     assert code == 2
     assert "packed_sequence.packed_sequence_size: 63 does not divide by tp_size 2" in out
-    assert "distributed.tp_size: 2: tensor parallelism shards nn.Linear layers, not peft's LoRA layers" in out
+    assert "distributed.sequence_parallel: true with LoRA (peft) and tp_size 2" in out
+    code, out = _validate(config, tmp_path, "--nproc-per-node", "2", "--distributed.tp_size", "2", "--peft.dim", "4",
+                          "--peft.dropout", "0.1", "--peft.use_dora", "true")
+    assert code == 2 and "Traceback" not in out
+    assert "peft.dropout: 0.1 with tp_size 2: each tensor-parallel rank would draw its own dropout mask" in out
+    assert "peft.use_dora: true with tp_size 2" in out
+    code, out = _validate(config, tmp_path, "--nproc-per-node", "2", "--distributed.tp_size", "2", "--peft.dim", "4")
+    assert code == 0, out
     code, out = _validate(config, tmp_path, "--nproc-per-node", "2", "--distributed.tp_size", "2")
     assert code == 0, out
     result = run_cli("validate", "kd", "llm", "-c", config, "--nproc-per-node", "2", "--distributed.tp_size", "2",

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from automodel.errors import AutomodelError, ConfigError
@@ -117,6 +118,25 @@ def test_benchmark_num_nodes_is_checked_against_the_planned_launch():
     with planned_world_size(2, "--nproc-per-node 1 x --nnodes 2", nodes=2):
         found = refusals(form, route=("benchmark", "llm"))
     assert "benchmark.num_nodes" in found  # num_nodes: 1, but the launch has 2 nodes
+
+
+def test_bare_validate_plans_benchmark_num_nodes_machines(tmp_path, capsys, monkeypatch):
+    from automodel.cli.main import main
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    form = str(FORMS / "benchmark_upstream.yaml")
+    assert main(["validate", "benchmark", "llm", "-c", form, "--benchmark.num_nodes", "2"]) == 2
+    assert "global_batch_size: 2 is not divisible by batch_size (2) * dp_size (2)" in capsys.readouterr().err
+    form = str(variant(tmp_path, FORMS / "benchmark_upstream.yaml",
+                       step_scheduler={"global_batch_size": 4, "local_batch_size": 2, "max_steps": 3}))
+    assert main(["validate", "benchmark", "llm", "-c", form, "--benchmark.num_nodes", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "checked for 2 processes: the layout's own size" in out and "--nproc-per-node 1 --nnodes 2" in out
+    assert main(["validate", "benchmark", "llm", "-c", form, "--benchmark.num_nodes", "2", "--nnodes", "1"]) == 2
+    assert "benchmark.num_nodes" in capsys.readouterr().err  # a launch given is checked as given
+    assert main(["validate", "benchmark", "llm", "-c", form, "--benchmark.num_nodes", "2",
+                 "--distributed.dp_size", "3", "--step_scheduler.global_batch_size", "6"]) == 2
+    assert "do not split evenly over 2 nodes" in capsys.readouterr().err
 
 
 def _hellaswag_rows(path: Path) -> Path:
@@ -238,11 +258,13 @@ def test_a_section_given_as_none_is_absent_as_upstreams_loader_reads_it(tmp_path
     assert "expected a section with _target_, found 'nothing'" in found["validation_dataset"]
 
 
-def test_a_benchmark_section_under_the_fine_tuning_recipe_points_to_the_benchmark_recipe(tmp_path):
+def test_a_benchmark_section_under_the_fine_tuning_recipe_is_named_in_the_note_as_upstream_ignores_it(tmp_path):
     data = yaml.safe_load((FORMS / "benchmark_upstream.yaml").read_text())
     data["recipe"] = "TrainFinetuneRecipeForNextTokenPrediction"
-    found = refusals(write_yaml(tmp_path / "c.yaml", data))
-    assert "automodel benchmark llm -c FILE" in found["benchmark"]
+    data["benchmark"]["nsys_start"] = 5  # not validated: nothing in a fine-tuning run reads the section
+    _, cfg = load_config(write_yaml(tmp_path / "c.yaml", data))
+    assert len(cfg.notes) == 1 and "'benchmark' (the benchmark recipe's settings; fine-tuning ignores them" in \
+        cfg.notes[0] and "automodel benchmark llm -c FILE" in cfg.notes[0]
 
 
 @pytest.mark.parametrize("section, node, words", [
@@ -283,9 +305,173 @@ def test_fsdp2_upstream_switches_train_the_same_losses_on_two_ranks(tmp_path):
 def test_upstream_lora_switches_for_its_own_modules_are_refused_and_their_off_values_accepted(tmp_path):
     data = yaml.safe_load((FORMS / "recipe_bare_name.yaml").read_text())
     data["peft"] = {"_target_": "nemo_automodel.components._peft.lora.PeftConfig", "dim": 4,
-                    "use_memory_efficient_lora": True, "moe_rank_scaling": True}
+                    "use_memory_efficient_lora": True, "use_dora": True, "moe_rank_scaling": True}
     found = refusals(write_yaml(tmp_path / "on.yaml", data))
-    assert "not implemented here: set false" in found["peft.use_memory_efficient_lora"]
+    assert "DoRA (use_dora: true) has no such path" in found["peft.use_memory_efficient_lora"]
     assert "upstream's own MoE model code" in found["peft.moe_rank_scaling"]
     data["peft"].update(use_memory_efficient_lora=False, moe_rank_scaling=False)
     load_config(write_yaml(tmp_path / "off.yaml", data))
+
+
+def test_memory_efficient_lora_keeps_less_and_gives_the_same_gradients(tmp_path, monkeypatch, capsys):
+    data = yaml.safe_load((FORMS / "recipe_bare_name.yaml").read_text())
+    data["peft"] = {"_target_": "nemo_automodel.components._peft.lora.PeftConfig", "dim": 4, "alpha": 8,
+                    "dropout": 0.0, "use_memory_efficient_lora": True}
+    monkeypatch.chdir(tmp_path)
+    saved = {}
+
+    def measure(flag: bool) -> tuple[list[torch.Tensor], int]:
+        data["peft"]["use_memory_efficient_lora"] = flag
+        recipe = train_inprocess(write_yaml(tmp_path / f"{flag}.yaml", data), "--checkpoint.checkpoint_dir",
+                                 f"c{flag}", setup_only=True)
+        model = recipe.model
+        for name, param in model.named_parameters():
+            if "lora_B" in name:  # peft starts B at zero; give it values so every gradient is non-trivial
+                with torch.no_grad():
+                    param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(len(name))))
+        ids = torch.arange(40).reshape(2, 20)
+        weights = {p.data_ptr() for p in model.parameters()}
+        kept = []  # activations kept for backward (the weights saved with them are the parameters themselves)
+
+        def keep(t: torch.Tensor) -> torch.Tensor:
+            kept.append(0 if t.data_ptr() in weights else t.numel())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        saved[flag] = sum(kept)
+        return [p.grad.clone() for p in model.parameters() if p.requires_grad], saved[flag]
+
+    plain, _ = measure(False)
+    recomputed, _ = measure(True)
+    assert "adapters recompute their rank-r activation in backward" in capsys.readouterr().err
+    assert len(plain) == len(recomputed) > 0
+    for a, b in zip(plain, recomputed, strict=True):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+    assert saved[False] - saved[True] == 7 * 40 * 4  # 7 adapted layers: their 40 tokens x rank 4 are not kept
+
+
+def test_kd_loss_fp32_upcast_is_where_the_temperature_divides():
+    from automodel_llm.kd import KDLoss
+
+    _, cfg = load_config(FORMS / "kd_upstream.yaml", route=("kd", "llm"))
+    assert cfg.kd_loss_fn["fp32_upcast"] is True
+    gen = torch.Generator().manual_seed(0)
+    student, teacher = (torch.randn(2, 5, 50, generator=gen).mul(7).bfloat16() for _ in range(2))
+    labels = torch.tensor([[1, 2, 3, -100, 4], [5, -100, 6, 7, 8]])
+    upcast = KDLoss(temperature=3.0)(student, teacher, labels)
+    native = KDLoss(temperature=3.0, fp32_upcast=False)(student, teacher, labels)
+    exact = KDLoss(temperature=3.0)(student.float(), teacher.float(), labels)
+    assert upcast.dtype == native.dtype == torch.float32
+    assert torch.equal(upcast, exact) and not torch.equal(native, exact)  # false: divided in bf16 first
+    assert torch.allclose(native, exact, rtol=0.05)  # the same loss up to bf16 rounding
+
+
+def test_neftune_adds_bounded_noise_to_the_embeddings_while_training_only(tmp_path, monkeypatch):
+    from automodel.training.modules import unwrap
+
+    form = FORMS / "neftune_nvtx.yaml"
+    monkeypatch.chdir(tmp_path)
+    recipe = train_inprocess(form, setup_only=True)
+    embeddings = unwrap(recipe.model).get_input_embeddings()
+    ids = torch.arange(12).reshape(1, 12)
+    clean = torch.nn.functional.embedding(ids, embeddings.weight).detach()
+    bound = 5.0 / (12 * clean.shape[-1]) ** 0.5  # noise_alpha / sqrt(sequence length x hidden size)
+    recipe.model.train()
+    noise = (embeddings(ids) - clean).detach()
+    assert 0.8 * bound < noise.abs().max() <= bound * 1.0001
+    recipe.model.eval()
+    assert torch.equal(embeddings(ids), clean)  # validation and generation: no noise
+    noisy = read_losses(train_inprocess(form, "--checkpoint.checkpoint_dir", "noisy"))
+    data = yaml.safe_load(form.read_text())
+    del data["neftune"]
+    plain = read_losses(train_inprocess(write_yaml(tmp_path / "plain.yaml", data), "--checkpoint.checkpoint_dir",
+                                        "plain"))
+    assert noisy != plain  # same seed, same data, same steps: the noise is the change
+
+
+def read_losses(recipe) -> list[float]:
+    return [r["loss"] for r in read_jsonl(Path(recipe.cfg.checkpoint.checkpoint_dir) / "training.jsonl")]
+
+
+def test_neftune_needs_its_alpha_and_nvtx_is_accepted_off_only():
+    form = FORMS / "neftune_nvtx.yaml"
+    found = refusals(form, "--neftune.noise_alpha", "0")
+    assert "must be > 0" in found["neftune.noise_alpha"]
+    found = refusals(form, "--nvtx", "true")
+    expected = "which this build does not add" if torch.cuda.is_available() else "need a CUDA GPU"
+    assert "NVTX ranges for NVIDIA Nsight Systems" in found["nvtx"] and expected in found["nvtx"]
+    assert "expected true or false" in refusals(form, "--nvtx", "7")["nvtx"]
+
+
+def _damaged_checkpoint(directory: Path, rows: list[int]) -> Path:
+    """A saved 1-layer Llama with untied embeddings whose input-embedding ``rows`` are zero (one of them 1e-6)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import automodel_llm
+
+    config = AutoConfig.from_pretrained(str(Path(automodel_llm.__file__).parent / "examples/assets/tiny_llama"),
+                                        num_hidden_layers=1, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        model.get_input_embeddings().weight[0].normal_(0.0, 0.02)  # the padding row starts at zero: healthy here
+        model.get_input_embeddings().weight[rows] = 0.0
+        model.get_input_embeddings().weight[rows[0], 0] = 1e-6
+    model.save_pretrained(str(directory))
+    return directory
+
+
+def test_embedding_row_repair_rebuilds_the_damaged_rows_from_the_output_embedding(tmp_path, monkeypatch, capsys):
+    from automodel.training.modules import unwrap
+
+    base = _damaged_checkpoint(tmp_path / "base", [3, 7, 100])
+    model = {"_target_": "nemo_automodel.NeMoAutoModelForCausalLM.from_pretrained",
+             "pretrained_model_name_or_path": str(base)}
+    form = variant(tmp_path, FORMS / "embedding_row_repair.yaml", model=model)
+    monkeypatch.chdir(tmp_path)
+    from safetensors.torch import load_file
+
+    weights = load_file(str(base / "model.safetensors"))
+    before, head = weights["model.embed_tokens.weight"], weights["lm_head.weight"]
+    recipe = train_inprocess(form, setup_only=True)
+    after = unwrap(recipe.model).get_input_embeddings().weight.detach()
+    healthy = [i for i in range(before.shape[0]) if i not in (3, 7, 100)]
+    assert torch.equal(after[healthy], before[healthy])  # healthy rows untouched
+    target = before[healthy].norm(dim=-1).pow(2).mean().sqrt()
+    for row in (3, 7, 100):
+        assert torch.allclose(after[row].norm(), target, rtol=1e-5)
+        direction = torch.nn.functional.cosine_similarity(after[row], head[row], dim=0)
+        assert direction > 0.9999  # the output row's direction
+    assert "rebuilt 3 input-embedding rows (tokens 3, 7, 100" in capsys.readouterr().err
+    with pytest.raises(AutomodelError, match="3 damaged input-embedding rows, more than max_rows 2"):
+        train_inprocess(form, "--embedding_row_repair.max_rows", "2", "--checkpoint.checkpoint_dir", "c2",
+                        setup_only=True)
+    recipe = train_inprocess(form, "--embedding_row_repair.enabled", "false", "--checkpoint.checkpoint_dir", "c3",
+                             setup_only=True)
+    assert torch.equal(unwrap(recipe.model).get_input_embeddings().weight[7].detach(), before[7])  # off: as loaded
+    data = yaml.safe_load(form.read_text())
+    del data["embedding_row_repair"]
+    recipe = train_inprocess(write_yaml(tmp_path / "absent.yaml", data), "--checkpoint.checkpoint_dir", "c4",
+                             setup_only=True)
+    assert torch.equal(unwrap(recipe.model).get_input_embeddings().weight[7].detach(), before[7])  # absent: off
+
+
+def test_embedding_row_repair_refuses_tied_or_sharded_embeddings(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    form = FORMS / "embedding_row_repair.yaml"
+    found = refusals(form, "--model.tie_word_embeddings", "true")  # the model's config, read at validation
+    assert "ties its output embedding to the input one" in found["embedding_row_repair"]
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from automodel_llm.embeddings import repair_embedding_rows
+
+    tied = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", vocab_size=16, hidden_size=8,
+                                                                 num_hidden_layers=1, num_attention_heads=2,
+                                                                 intermediate_size=8, tie_word_embeddings=True))
+    with pytest.raises(AutomodelError, match="no separate output embedding"):  # a model built by other code
+        repair_embedding_rows(tied, 1e-4, 8)
+    found = refusals(form, "--distributed.tp_size", "2", "--distributed.strategy", "fsdp2")
+    assert "FSDP2, tensor and pipeline parallelism split over ranks" in found["embedding_row_repair"]
+    train_inprocess(form, "--step_scheduler.max_steps", "1")  # healthy rows: trains, the embedding unchanged

@@ -7,6 +7,7 @@ torch, transformers and peft are imported on first use, so importing this module
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -125,6 +126,7 @@ class PeftConfig:
         self.match_all_linear = match_all_linear or not target_modules
         self.exclude_modules = exclude_modules
         self.use_dora = use_dora
+        self.memory_efficient = use_memory_efficient_lora
         if self.rank < 1:
             raise ValueError(f"peft.dim must be >= 1, found {self.rank}")
 
@@ -132,10 +134,9 @@ class PeftConfig:
     def automodel_config_issues(kwargs: Mapping[str, Any]) -> dict[str, str]:
         """Upstream's LoRA switches that act in its own LoRA modules, which this build does not have."""
         issues = {}
-        if kwargs.get("use_memory_efficient_lora"):
-            issues["use_memory_efficient_lora"] = (
-                "true is upstream's LoRA autograd function that recomputes the adapter's input instead of keeping "
-                "it (less activation memory, the same gradients); not implemented here: set false")
+        if kwargs.get("use_memory_efficient_lora") and kwargs.get("use_dora"):
+            issues["use_memory_efficient_lora"] = ("true recomputes plain LoRA's rank-r activation; DoRA "
+                                                   "(use_dora: true) has no such path: set one of them false")
         if kwargs.get("moe_rank_scaling"):
             issues["moe_rank_scaling"] = ("true scales the LoRA rank of the experts of upstream's own MoE model "
                                           "code, which the Hugging Face models trained here do not have: remove it")
@@ -146,14 +147,25 @@ class PeftConfig:
 
         if self.match_all_linear:
             targets: Any = "all-linear"
-        elif isinstance(self.target_modules, str):
-            targets = self.target_modules
         else:
-            # peft matches plain names as suffixes; glob patterns become one regular expression.
-            targets = [t.replace("*.", "").replace("*", "") for t in self.target_modules]
+            targets = peft_patterns(self.target_modules)
+        excluded = peft_patterns(self.exclude_modules) if self.exclude_modules else None
         return peft.LoraConfig(r=self.rank, lora_alpha=self.alpha, lora_dropout=self.dropout,
-                               target_modules=targets, exclude_modules=self.exclude_modules,
+                               target_modules=targets, exclude_modules=excluded,
                                use_dora=self.use_dora, task_type="CAUSAL_LM")
+
+
+def peft_patterns(patterns: list[str] | str) -> list[str] | str:
+    """Upstream's module patterns as peft takes them: one name or a list of them, each a module's own name
+    (``q_proj``: any module so named) or a glob over the module's whole name (``*_proj``, ``*.layers.0.*.v_proj``:
+    ``*`` spans any characters, dots included). Plain names stay a list (peft matches them as name suffixes); with a
+    glob among them they become one regular expression, which peft matches against the whole name."""
+    names = [patterns] if isinstance(patterns, str) else list(patterns)
+    if not any("*" in name for name in names):
+        return names
+    parts = [".*".join(re.escape(piece) for piece in name.split("*")) if "*" in name
+             else rf"(?:.*\.)?{re.escape(name)}" for name in names]
+    return "|".join(f"(?:{part})" for part in parts)
 
 
 def lora_config(built: Any) -> Any:
@@ -168,8 +180,10 @@ def lora_config(built: Any) -> Any:
                          "automodel_llm.peft.PeftConfig) or peft.LoraConfig")
 
 
-def apply_lora(model: torch.nn.Module, config: Any, where: str = "") -> tuple[torch.nn.Module, str]:
-    """``model`` wrapped with LoRA adapters (only they train) and a line saying how many parameters train."""
+def apply_lora(model: torch.nn.Module, config: Any, where: str = "", memory_efficient: bool = False
+               ) -> tuple[torch.nn.Module, str]:
+    """``model`` wrapped with LoRA adapters (only they train) and a line saying how many parameters train;
+    ``memory_efficient``: each adapter's rank-r activation is recomputed in backward (``lora_memory``)."""
     import peft
 
     try:
@@ -178,7 +192,17 @@ def apply_lora(model: torch.nn.Module, config: Any, where: str = "") -> tuple[to
         raise AutomodelError(f"peft.target_modules: {err}") from None
     trainable = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
     total = sum(p.numel() for p in wrapped.parameters())
-    return wrapped, f"LoRA r={config.r} alpha={config.lora_alpha}{where}: {trainable} of {total} parameters train"
+    line = f"LoRA r={config.r} alpha={config.lora_alpha}{where}: {trainable} of {total} parameters train"
+    if memory_efficient:
+        from automodel.lora_memory import recompute_lora_branches
+
+        line += f"; {recompute_lora_branches(wrapped)} adapters recompute their rank-r activation in backward"
+    return wrapped, line
+
+
+def memory_efficient(built: Any) -> bool:
+    """Whether the ``peft:`` section asked for upstream's ``use_memory_efficient_lora``."""
+    return isinstance(built, PeftConfig) and built.memory_efficient
 
 
 def is_adapter_dir(directory: Path) -> bool:

@@ -2,10 +2,10 @@
 
 Upstream reads it in its own model implementations (Transformer Engine layers, DeepEP dispatchers, grouped-GEMM
 experts, fused RoPE ...). automodel trains Hugging Face models, so each setting either names what a Hugging Face
-model runs (it acts: ``attn`` selects ``attn_implementation``; ``fake_balanced_gate: true`` replaces the router's
-choice in the model's experts modules; ``linear: torch`` and the others are what the model is) or is refused at
-validation with the reason. Nothing is imported here: validation checks a config without
-torch.
+model runs (it acts: ``attn`` selects ``attn_implementation``, ``rms_norm: torch`` the RMSNorm arithmetic;
+``fake_balanced_gate: true`` replaces the router's choice in the model's experts modules; ``linear: torch`` and the
+others are what the model is) or is refused at validation with the reason. Nothing is imported here: validation
+checks a config without torch.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ ATTENTION = {"sdpa": "sdpa", "eager": "eager", "flex": "flex_attention"}  # upst
 ACTS: dict[str, tuple[Any, ...]] = {
     "attn": tuple(ATTENTION),
     "linear": ("torch",),  # torch.nn.Linear: what a Hugging Face model is built from
-    "rms_norm": ("torch_fp32", "torch"),  # Hugging Face RMSNorm computes in float32 (see model_backend_issues)
+    "rms_norm": ("torch_fp32", "torch"),  # Hugging Face's float32 RMSNorm; torch: in the input dtype (rms_norm.py)
     "rope": ("torch",),
     "rope_fusion": (False,),
     "experts": ("torch",),  # a Hugging Face MoE block's own expert loop
@@ -112,7 +112,6 @@ REASONS = {
     "compile_attn": "compiles upstream's own attention modules; compile the whole model with compile.enabled: true",
     "cuda_graph": "captures CUDA graphs, which need CUDA (not on this machine): remove it",
 }
-_SIXTEEN_BIT = ("bfloat16", "float16", "bf16", "fp16", "half", "torch.bfloat16", "torch.float16")
 
 
 def _written(value: Any) -> str:
@@ -204,8 +203,7 @@ def _settings(backend: Any) -> Mapping[str, Any]:
 def model_backend_issues(kwargs: Mapping[str, Any]) -> dict[str, str]:
     """Validation's check of a model node's ``backend`` (a plain mapping is checked here; a ``_target_`` node by
     BackendConfig's own check) against the node's other keys: the attention it selects must agree with an explicit
-    ``attn_implementation``, and upstream's input-dtype RMSNorm (``rms_norm: torch``) is what a Hugging Face model
-    runs only with float32 weights (its RMSNorm computes in float32)."""
+    ``attn_implementation``."""
     backend = kwargs.get("backend")
     if backend is None:
         return {}
@@ -216,10 +214,6 @@ def model_backend_issues(kwargs: Mapping[str, Any]) -> dict[str, str]:
     if attn is not None and explicit is not None and explicit != attn:
         issues["backend.attn"] = (f"{settings['attn']!r} selects attn_implementation {attn!r}, but the model also "
                                   f"says attn_implementation: {explicit!r}: give one of them")
-    dtype = kwargs.get("dtype") or kwargs.get("torch_dtype")
-    if settings.get("rms_norm") == "torch" and str(dtype) in _SIXTEEN_BIT:
-        issues["backend.rms_norm"] = (f"'torch' (RMSNorm in the weights' {dtype}) is upstream's own kernel choice; a "
-                                      "Hugging Face model's RMSNorm computes in float32: use torch_fp32")
     return issues
 
 
@@ -237,10 +231,15 @@ def apply_backend(kwargs: dict[str, Any]) -> BackendConfig | None:
 
 
 def apply_to_model(model: Any, backend: BackendConfig | None) -> Any:
-    """What ``backend`` changes in a built model: ``fake_balanced_gate: true`` (upstream's benchmarking gate)
+    """What ``backend`` changes in a built model: ``rms_norm: torch`` makes its RMSNorms compute in the input's dtype
+    (:mod:`automodel.rms_norm`); ``fake_balanced_gate: true`` (upstream's benchmarking gate)
     replaces the router's top-k choice in every experts module with fused expert parameters (transformers' MoE
     layout): token ``t``'s ``k`` slots go to experts ``t*k .. t*k+k-1`` modulo the number of experts, each with weight
     ``1/k``, so every expert gets the same load. The router still runs, its weights get zero gradients."""
+    if backend is not None and backend.rms_norm == "torch":
+        from automodel.rms_norm import use_input_dtype_rms_norm
+
+        use_input_dtype_rms_norm(model)
     if backend is None or not backend.fake_balanced_gate:
         return model
     experts = [m for m in model.modules() if getattr(m, "_parameters", {}).get("gate_up_proj") is not None

@@ -5,12 +5,12 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from automodel.config.node import Config
-from automodel.config.specs import Metadata, RecipeRef, Refused
+from automodel.config.specs import Metadata, RecipeRef
 from automodel.config.targets import TargetError
 from automodel.errors import ConfigIssue
 
-_LAUNCHER = ("upstream's CLI submits the job through {name} with this section; automodel launches with torchrun "
-             "(--nproc-per-node, --nnodes) or writes a Slurm script (slurm:): remove it")
+_LAUNCHER = ("upstream's CLI submits the job through {name} with it; automodel launches here, with torchrun "
+             "(--nproc-per-node, --nnodes), or writes a Slurm script (slurm:)")
 
 
 class BaseRecipe:
@@ -26,8 +26,8 @@ class BaseRecipe:
         "recipe": RecipeRef("the recipe `automodel run` runs: a name an installed domain registered for its route "
                             "(upstream's recipe class names), the recipe's dotted path, or {_target_: ...}"),
         "ci": Metadata("upstream's CI settings, which its CI tooling reads"),
-        "skypilot": Refused(_LAUNCHER.format(name="SkyPilot")),
-        "nemo_run": Refused(_LAUNCHER.format(name="NeMo-Run")),
+        "skypilot": Metadata(_LAUNCHER.format(name="SkyPilot")),
+        "nemo_run": Metadata(_LAUNCHER.format(name="NeMo-Run")),
     }
     stateful: ClassVar[tuple[str, ...]] = ()
 
@@ -57,6 +57,14 @@ class BaseRecipe:
     def stateful_attributes(self) -> dict[str, Any]:
         """Name -> object for everything a checkpoint must save to resume exactly (declared and already built)."""
         return {name: value for name in self.all_stateful() if (value := getattr(self, name, None)) is not None}
+
+    @classmethod
+    def own_world(cls, data: dict, nodes: int = 1) -> tuple[int, int]:
+        """``(processes, nodes)``: the smallest launch the config's own layout needs (``data``: the config as
+        written, overrides applied and references resolved). ``automodel validate`` checks a config for it when
+        it is given no launch to check against (no --nproc-per-node / --nnodes, no WORLD_SIZE). A recipe without
+        a parallel layout runs in one process."""
+        return 1, nodes
 
     @classmethod
     def check_config(cls, cfg: Config) -> list[ConfigIssue]:

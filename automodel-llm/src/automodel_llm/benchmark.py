@@ -14,7 +14,7 @@ from automodel.config import Config
 from automodel.config.schema import FieldErrors
 from automodel.errors import ConfigIssue
 from automodel.training.context import BuildContext
-from automodel.training.dist import expected_node_count, world_size_source
+from automodel.training.dist import expected_node_count, expected_world_size, world_size_source
 from automodel.training.metrics import device_peak_flops, peak_memory_gib
 from automodel.training.modules import unwrap
 from automodel_llm.datasets.pretraining import MockDataset
@@ -64,12 +64,25 @@ class BenchmarkRecipe(FinetuneRecipeForNextTokenPrediction):
         """``benchmark.num_nodes`` records the launch in upstream's configs: it must be the launch's."""
         issues = list(super().check_config(cfg))
         wanted = cfg.benchmark.num_nodes if cfg.benchmark is not None else None
-        nodes = expected_node_count()
+        nodes, world = expected_node_count(), expected_world_size()
         if wanted is not None and wanted != nodes:
             issues.append(ConfigIssue("benchmark.num_nodes", f"{wanted}, but the run is launched on {nodes} "
                                       f"node{'s' if nodes > 1 else ''} ({world_size_source()}): launch with "
                                       f"--nnodes {wanted} or set num_nodes: {nodes}"))
+        elif world % nodes:
+            issues.append(ConfigIssue("benchmark.num_nodes", f"{nodes}: the run's {world} processes "
+                                      f"({world_size_source()}) do not split evenly over {nodes} nodes; change "
+                                      "num_nodes or the parallel sizes (distributed.dp_size)"))
         return issues
+
+    @classmethod
+    def own_world(cls, data: dict, nodes: int = 1) -> tuple[int, int]:
+        """Upstream's ``benchmark.num_nodes`` records the machines the benchmark is launched on: the layout is
+        planned over that many."""
+        bench = data.get("benchmark")
+        wanted = bench.get("num_nodes") if isinstance(bench, dict) else None
+        valid = isinstance(wanted, int) and not isinstance(wanted, bool) and wanted > 0
+        return super().own_world(data, wanted if valid else nodes)
 
     def setup(self) -> None:
         if "enabled" not in (self.cfg.resolved.get("checkpoint") or {}):

@@ -15,21 +15,28 @@ IGNORE_INDEX = -100
 
 
 class KDLoss(torch.nn.Module):
-    """Forward KL(teacher || student) at ``temperature``, scaled by T², summed over label tokens."""
+    """Forward KL(teacher || student) at ``temperature``, scaled by T², summed over label tokens.
 
-    def __init__(self, temperature: float = 1.0, ignore_index: int = IGNORE_INDEX):
+    ``fp32_upcast`` (upstream's key): the logits are cast to float32 before the temperature divides them (true, the
+    default), or divided in their own dtype, bf16 say (false); the softmax computes in float32 either way."""
+
+    def __init__(self, temperature: float = 1.0, ignore_index: int = IGNORE_INDEX, fp32_upcast: bool = True):
         super().__init__()
         if temperature <= 0:
             raise ValueError(f"kd_loss_fn.temperature must be > 0, found {temperature}")
-        self.temperature, self.ignore_index = temperature, ignore_index
+        self.temperature, self.ignore_index, self.fp32_upcast = temperature, ignore_index, fp32_upcast
 
     def forward(self, student_logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor
                 ) -> torch.Tensor:
         keep = labels.reshape(-1) != self.ignore_index
         t = self.temperature
-        student = F.log_softmax(student_logits.reshape(-1, student_logits.shape[-1])[keep].float() / t, dim=-1)
-        teacher = F.log_softmax(teacher_logits.reshape(-1, teacher_logits.shape[-1])[keep].float() / t, dim=-1)
+        student = F.log_softmax(self._scaled(student_logits, keep), dim=-1, dtype=torch.float32)
+        teacher = F.log_softmax(self._scaled(teacher_logits, keep), dim=-1, dtype=torch.float32)
         return F.kl_div(student, teacher, log_target=True, reduction="sum") * (t * t)
+
+    def _scaled(self, logits: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        kept = logits.reshape(-1, logits.shape[-1])[keep]
+        return (kept.float() if self.fp32_upcast else kept) / self.temperature
 
 
 class KnowledgeDistillationRecipe(FinetuneRecipeForNextTokenPrediction):

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 import torch
 
-from automodel.config import Config, ConfigNode, FieldErrors, Refused, Target
+from automodel.config import Config, ConfigNode, FieldErrors, Free, Metadata, Refused, Target
 from automodel.errors import AutomodelError, ConfigIssue
 from automodel.hf import (
     ADAPTER_CONFIG,
@@ -23,11 +23,20 @@ from automodel.hf import (
 )
 from automodel.training.checkpoint_write import sharded_only_message
 from automodel.training.context import BuildContext
+from automodel.training.dist import expected_world_size
 from automodel.training.modules import unwrap
 from automodel.training.next_token import NextTokenLogits
 from automodel.training.recipe import TrainRecipe
 from automodel_llm.datasets.collate import pad_collate
 from automodel_llm.datasets.packing import PackedDataset, packed_collate
+from automodel_llm.embeddings import (
+    EmbeddingRowRepairConfig,
+    NEFTuneConfig,
+    add_neftune_noise,
+    nvtx_issues,
+    repair_embedding_rows,
+    repair_issues,
+)
 from automodel_llm.tokenizer import VOCAB_PROBLEM, build_tokenizer, tokenizer_issues
 
 IGNORE_INDEX = -100
@@ -88,6 +97,9 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
         "validation_dataset_*": dataset_section("more validation data sets, reported by name"),
         "packed_sequence": PackedSequenceConfig,
         "eval_generation": EvalGenerationConfig,
+        "neftune": NEFTuneConfig,
+        "embedding_row_repair": EmbeddingRowRepairConfig,
+        "nvtx": Free("upstream's NVTX ranges around every module for NVIDIA Nsight Systems: false (off) only"),
         "parallelizer": Refused("upstream's parallelizer for its own MoE model code (expert parallelism); the Hugging "
                                 "Face models here are sharded by distributed: (ddp / fsdp2): remove the section"),
         "autopipeline": Refused("upstream's pipeline-parallel builder (AutoPipeline); pipeline parallelism here is "
@@ -95,9 +107,9 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
                                 "remove the section"),
         "quantization": Refused("bitsandbytes 4-/8-bit base weights (QLoRA) need a CUDA GPU and bitsandbytes, and this "
                                 "build loads no quantized weights: remove the section (LoRA on bf16 / fp32 weights)"),
-        "benchmark": Refused("the benchmark recipe reads it (upstream's fine-tuning recipe ignores it): run "
-                             "automodel benchmark llm -c FILE, or recipe: BenchmarkingRecipeForNextTokenPrediction, "
-                             "to time the steps; or remove the section to fine-tune"),
+        "benchmark": Metadata("the benchmark recipe's settings; fine-tuning ignores them, as upstream's does: "
+                              "automodel benchmark llm -c FILE, or recipe: BenchmarkingRecipeForNextTokenPrediction, "
+                              "times the steps"),
     }
 
     # ---- building -------------------------------------------------------------------------------------------
@@ -111,6 +123,12 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
             issues.append(ConfigIssue("eval_generation.enabled", "generation feeds one token at a time, which "
                                       "sequence parallelism cannot split over the tensor-parallel ranks; set "
                                       "eval_generation.enabled: false or distributed.sequence_parallel: false"))
+        issues += nvtx_issues(cfg.resolved.get("nvtx"))
+        repair = cfg.get("embedding_row_repair")
+        sharded = settings is not None and (settings.tp_size > 1 or settings.pp_size > 1 or (
+            settings.strategy == "fsdp2" and expected_world_size() > 1))
+        if "embedding_row_repair" in cfg and repair is not None and repair.enabled:
+            issues += repair_issues(cfg, sharded)
         packing = cfg.get("packed_sequence")
         size = getattr(packing, "packed_sequence_size", 0) or 0
         if settings is not None and settings.pp_size > 1:
@@ -169,6 +187,13 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
         if changes:
             self.log(f"special tokens: the model's {', '.join(changes)} (the tokenizer's, which training uses; "
                      "saved in config.json and generation_config.json, so generate() stops at its EOS)")
+        repair = self.cfg.get("embedding_row_repair")
+        if "embedding_row_repair" in self.cfg and repair.enabled:
+            self.log(repair_embedding_rows(unwrap(self.model), repair.min_norm, repair.max_rows))
+        neftune = self.cfg.get("neftune")
+        if neftune is not None and neftune.noise_alpha is not None:
+            add_neftune_noise(unwrap(self.model), neftune.noise_alpha)
+            self.log(f"NEFTune: noise alpha {neftune.noise_alpha} on the input embeddings while training")
 
     def save_artifacts(self, directory: Path) -> None:
         """Also records, in a LoRA checkpoint's ``adapter_config.json``, the base as this run resolved it."""

@@ -114,14 +114,23 @@ def _local_tokenizer(cfg: Config) -> Any:
         return None
 
 
+def _same_node(given: Any, node: ConfigNode | None) -> bool:
+    """Whether a data set's ``tokenizer`` is written exactly as the run's tokenizer section."""
+    if node is None:
+        return False
+    return (given.to_dict() if isinstance(given, ConfigNode) else given) == node.to_dict()
+
+
 def tokenizer_issues(cfg: Config) -> list[ConfigIssue]:
     """The data set sections' argument problems, a data set ``tokenizer`` that cannot be the run's, then, with a
     local tokenizer, a chat data set without a chat template and a vocabulary larger than the model's."""
     sections = dataset_sections(cfg)
     issues = [issue for key, node, fn in sections for issue in argument_issues(node, key, fn)]
+    run_tokenizer = tokenizer_section(cfg)
     for key, node, _ in sections:
-        if node.get("tokenizer") is None or (key == "dataset" and cfg.tokenizer is None):
-            continue
+        given = node.get("tokenizer")
+        if given is None or (key == "dataset" and cfg.tokenizer is None) or _same_node(given, run_tokenizer):
+            continue  # the run's tokenizer itself (upstream repeats it in each data set): the run uses it
         where = "the tokenizer: section is given too" if key == "dataset" else "only the training data set's counts"
         issues.append(ConfigIssue(f"{key}.tokenizer", f"the run has one tokenizer, and {where}; give it once, in "
                                                       "tokenizer: (or dataset.tokenizer, upstream's form)"))

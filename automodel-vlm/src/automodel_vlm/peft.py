@@ -51,5 +51,7 @@ def apply_lora_to_language_model(ctx: BuildContext, model: torch.nn.Module) -> t
     config = lora_config(built)
     if not isinstance(built, PeftConfig):  # a peft.LoraConfig, used as given
         return apply_lora(model, config, f" on {config.target_modules}")
-    config.target_modules = language_model_targets(model, config.target_modules)
-    return apply_lora(model, config, f" on {len(config.target_modules)} language-model layers")
+    patterns = "all-linear" if built.match_all_linear else built.target_modules  # upstream's names and globs
+    config.target_modules = language_model_targets(model, patterns)
+    return apply_lora(model, config, f" on {len(config.target_modules)} language-model layers",
+                      memory_efficient=built.memory_efficient)

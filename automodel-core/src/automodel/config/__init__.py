@@ -13,7 +13,7 @@ from automodel.config.overrides import apply_overrides, parse_overrides
 from automodel.config.registry import Registration, TargetRegistry
 from automodel.config.schema import FieldErrors, require_positive, validate_sections
 from automodel.config.secrets import is_secret_key, mask_secrets
-from automodel.config.specs import Free, KeyAlias, Metadata, Refused, Target, is_inert, metadata_note
+from automodel.config.specs import Free, KeyAlias, Metadata, Refused, Target, alias_notes, is_inert, metadata_note
 from automodel.config.targets import TargetError, TargetResolver, core_registry
 from automodel.config.trust import UserTrust
 from automodel.config.unread import unread_section_issues
@@ -48,7 +48,8 @@ def build_config(data: dict, recipe_cls: Any, resolver: TargetResolver, source: 
     for name in declared:
         sections.setdefault(name, None)
     note = metadata_note(raw, declared)
-    cfg = Config(raw, resolved, sections, resolver, source, notes=[note] if note else [])
+    notes = ([note] if note else []) + alias_notes(resolved, declared)
+    cfg = Config(raw, resolved, sections, resolver, source, notes=notes)
     issues += recipe_cls.check_config(cfg)
     if issues:
         raise ConfigError(issues)

@@ -63,11 +63,13 @@ class RecipeRef:
 class KeyAlias:
     """A top-level key that stands for ``key`` (``section.name``) of a keyed section, which validation sets from it;
     ``implies`` are more keys of that section it sets unless the config gives them. Giving both the alias and the
-    key with different values is an error."""
+    key with different values is an error, unless ``wins``: then the alias's value is the one that acts (upstream
+    reads only the alias) and :func:`alias_notes` names the key it overrides."""
 
     key: str
     help: str = ""
     implies: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    wins: bool = False
 
 
 @dataclass(frozen=True)
@@ -125,12 +127,26 @@ def apply_key_aliases(data: dict, sections: dict[str, SectionSpec], issues: list
         node = out.get(section) or {}
         if not isinstance(node, dict):
             continue  # the section's own check reports it
-        if key in node and node[key] != value:
+        if key in node and node[key] != value and not spec.wins:
             issues.append(ConfigIssue(name, f"{value!r} disagrees with {spec.key}: {node[key]!r}; '{name}' is "
                                             f"{spec.key} under another name: give one of them"))
             continue
         out[section] = {**{k: v for k, v in spec.implies.items() if k not in node}, **node, key: value}
     return out
+
+
+def alias_notes(data: dict, sections: dict[str, SectionSpec]) -> list[str]:
+    """A note line for each winning ``KeyAlias`` given alongside a different value of the key it stands for."""
+    notes = []
+    for name, spec in sections.items():
+        if not (isinstance(spec, KeyAlias) and spec.wins) or "." in name or data.get(name) is None:
+            continue
+        section, key = spec.key.split(".", 1)
+        node = data.get(section)
+        if isinstance(node, dict) and key in node and node[key] != data[name]:
+            notes.append(f"note: {name}: {data[name]!r} is the value that acts, not {spec.key}: {node[key]!r} "
+                         f"(upstream's recipes read only '{name}')")
+    return notes
 
 
 def find_spec(name: str, sections: dict[str, SectionSpec]) -> SectionSpec | None:

@@ -118,9 +118,7 @@ def tensor_parallel_issues(cfg: Config, implementation: str | None) -> list[Conf
         issues.append(ConfigIssue("distributed.strategy", f"{implementation or settings.strategy}: tensor "
                                   f"parallelism (tp_size {settings.tp_size}) composes with FSDP2 on the data-parallel "
                                   "dimension only; set distributed.strategy: fsdp2"))
-    if cfg.get("peft") is not None:
-        issues.append(ConfigIssue("distributed.tp_size", f"{settings.tp_size}: tensor parallelism shards nn.Linear "
-                                  "layers, not peft's LoRA layers; train LoRA with tp_size: 1 (FSDP2 over dp_size)"))
+    issues += _lora_tp_issues(cfg)
     hf_config = model_hf_config(cfg)
     if hf_config is not None:
         issues += tp_issues(hf_config, settings.tp_size, settings.sequence_parallel)
@@ -128,6 +126,30 @@ def tensor_parallel_issues(cfg: Config, implementation: str | None) -> list[Conf
         issues.append(ConfigIssue("distributed.tp_size", f"{settings.tp_size}: tensor parallelism follows the plan of "
                                   "a Hugging Face model, so it needs a Hugging Face model section (model.config or "
                                   "model.pretrained_model_name_or_path); this model has neither, use tp_size: 1"))
+    return issues
+
+
+def _lora_tp_issues(cfg: Config) -> list[ConfigIssue]:
+    """LoRA under tensor parallelism: each adapter matrix is sharded like its base projection or replicated over the
+    ``tp`` ranks, so what would make the ranks' replicated copies differ, or needs a whole weight, is refused."""
+    peft = cfg.get("peft")
+    if peft is None:
+        return []
+    tp = cfg.distributed.tp_size
+    get = peft.get if hasattr(peft, "get") else (lambda key, default=None: getattr(peft, key, default))
+    issues = []
+    if cfg.distributed.sequence_parallel:
+        issues.append(ConfigIssue("distributed.sequence_parallel", f"true with LoRA (peft) and tp_size {tp}: the "
+                                  "replicated adapter matrices would see each rank's slice of the sequence; set it "
+                                  "false"))
+    dropout = get("dropout", None) or get("lora_dropout", None) or 0.0
+    if dropout:
+        issues.append(ConfigIssue("peft.dropout", f"{dropout} with tp_size {tp}: each tensor-parallel rank would draw "
+                                  "its own dropout mask for one replicated adapter input; set it to 0.0"))
+    for key in ("use_dora", "use_memory_efficient_lora"):
+        if get(key, False):
+            issues.append(ConfigIssue(f"peft.{key}", f"true with tp_size {tp}: it computes on whole adapter and base "
+                                      "weights, which tensor parallelism shards; set it false or tp_size: 1"))
     return issues
 
 

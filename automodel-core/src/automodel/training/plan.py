@@ -39,7 +39,9 @@ def batch_layout(cfg: Config) -> tuple[BatchLayout, list[ConfigIssue]]:
                                   f"{local} disagrees with dataloader.batch_size={batch_size}; set one of them"))
     batch_size = batch_size or local or 1
     dp = mesh_layout(cfg, expected_world_size())[0].dp
-    if steps is None:
+    # a distributed section that failed validation (reported under its keys) leaves dp unknown: nothing to check
+    unknown_dp = cfg.distributed is None and cfg.resolved.get("distributed") is not None
+    if steps is None or unknown_dp:
         return BatchLayout(batch_size, dp, 1), issues
     accumulation, global_size = steps.grad_accumulation_steps, steps.global_batch_size
     if global_size is not None:

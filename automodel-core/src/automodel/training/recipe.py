@@ -35,7 +35,7 @@ from automodel.training.logging import LoggerContext, MetricLoggers, resolve_bac
 from automodel.training.loop import TrainingLoop
 from automodel.training.metrics import JsonlWriter, device_peak_flops
 from automodel.training.modules import is_fsdp2, trainable_parameters, unwrap
-from automodel.training.parallel.mesh import build_device_mesh
+from automodel.training.parallel.mesh import LAYOUT_KEYS, build_device_mesh, smallest_world
 from automodel.training.parallelism import (
     inert_distributed_notes,
     parallel_layout,
@@ -77,7 +77,9 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
         "dist_env": s.DistEnvConfig,
         "rng": s.RngConfig,
         "seed": KeyAlias("rng.seed", "the run's seed, upstream's top-level key: the same as rng.seed, and ranked "
-                         "(seed + rank per process) unless rng.ranked says otherwise", implies={"ranked": True}),
+                         "(seed + rank per process) unless rng.ranked says otherwise; given with a different "
+                         "rng.seed it wins, as upstream's recipes read only this key (the global RNGs, the model's "
+                         "initialisation and the data order)", implies={"ranked": True}, wins=True),
         "checkpoint.restore_from": KeyAlias("restore_from.path", "upstream's spelling of restore_from.path: a "
                                             "checkpoint path, a directory name under checkpoint_dir, or LATEST"),
         "model": Target("the model to train: {_target_: ..., ...}", required=True),
@@ -116,6 +118,13 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
     }
 
     # ---- validation and plan (classmethods: they run before anything is built) -------------------------------
+
+    @classmethod
+    def own_world(cls, data: dict, nodes: int = 1) -> tuple[int, int]:
+        """The fewest processes ``distributed.*`` describes (``mesh.smallest_world``), split over ``nodes``."""
+        settings = data.get("distributed")
+        sizes = {key: settings[key] for key in LAYOUT_KEYS if key in settings} if isinstance(settings, dict) else {}
+        return smallest_world(**sizes, nodes=nodes), nodes
 
     @classmethod
     def check_config(cls, cfg: Config) -> list[ConfigIssue]:

@@ -140,9 +140,9 @@ class DistributedConfig:
     dp_size: int | Literal["auto", "none"] | None = field(
         default="auto", metadata=_help("data-parallel ranks in all ('auto', 'none' or null: world size / (tp_size * "
                                        "cp_size * pp_size))"))
-    dp_replicate_size: int | None = field(
+    dp_replicate_size: int | Literal["none"] | None = field(
         default=1, metadata=_help("HSDP: replicas of the model, each sharded over dp_size / dp_replicate_size ranks "
-                                  "(fsdp2 only; null: 1)"))
+                                  "(fsdp2 only; null or 'none', upstream's spelling: 1)"))
     tp_size: int = field(default=1, metadata=_help(
         "tensor-parallel size: each attention / MLP projection (and the output head) sharded over this many ranks "
         "with DTensor, by the model's tp plan (strategy fsdp2, which shards over dp_size; it must divide the "
@@ -196,7 +196,7 @@ class DistributedConfig:
         "refused when true: upstream compiles each block of its own model code; compile the whole model with "
         "compile.enabled: true"))
     enable_async_tensor_parallel: bool = field(default=False, metadata=_help(
-        "refused when true: async tensor parallelism needs tp_size > 1 (not implemented yet) and CUDA"))
+        "refused when true: async tensor parallelism needs tp_size > 1 and CUDA, and is not done here"))
     patch_is_packed_sequence: bool = field(default=False, metadata=_help(
         "refused when true: upstream's patch removes a CUDA synchronisation per attention layer (for CUDA graphs "
         "and torch.compile on GPUs); it would also mis-read packed sequences"))
@@ -205,19 +205,20 @@ class DistributedConfig:
         "frame_sharding) are not implemented; FSDP2 here shards every transformer block it finds"))
 
     def __post_init__(self) -> None:
+        if self.dp_replicate_size in (None, "none"):
+            self.dp_replicate_size = 1
         require_positive(self, "tp_size", "cp_size", "pp_size", "ep_size", "dp_replicate_size",
                          "fsdp2_forward_prefetch_depth", "fsdp2_backward_prefetch_depth",
                          *(("dp_size",) if isinstance(self.dp_size, int) else ()))
-        if self.dp_replicate_size is None:
-            self.dp_replicate_size = 1
         errors = {}
         if self.enable_compile:
             errors["enable_compile"] = ("true compiles each block of upstream's own model code; here compile the "
                                         "whole model with compile: {enabled: true} and set this false")
         if self.enable_async_tensor_parallel:
             errors["enable_async_tensor_parallel"] = (
-                "true overlaps tensor parallelism's reduce-scatter with compute; it needs tp_size > 1, which is not "
-                "implemented yet, and CUDA (symmetric memory): set it false")
+                "true overlaps tensor parallelism's reduce-scatter with compute, which needs tp_size > 1 and CUDA "
+                "(symmetric memory); this build's tensor parallelism does not overlap them: set it false (tp_size "
+                "acts without it)")
         if self.patch_is_packed_sequence:
             errors["patch_is_packed_sequence"] = (
                 "true patches transformers to skip a CUDA synchronisation per attention layer (a speed-up for CUDA "

@@ -21,6 +21,8 @@ MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 DP = "dp"
 PP = "pp"
 _AUTO = ("auto", "none", None)
+# distributed.* keys that size the layout (smallest_world's arguments)
+LAYOUT_KEYS = ("dp_size", "dp_replicate_size", "tp_size", "cp_size", "pp_size", "ep_size")
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,27 @@ def _plan(world_size: int, dp_size: Any, dp_replicate_size: Any, tp_size: Any, c
                                   "needs dp_size = dp_replicate_size x (ranks each replica is sharded over)"))
         return MeshLayout(world_size), issues
     return MeshLayout(world_size, pp=pp, dp_replicate=replicate, dp_shard=dp // replicate, cp=cp, tp=tp), issues
+
+
+def _size_or_one(value: Any) -> int:
+    """A size as given, 1 where it is unset or malformed (validation reports a malformed one under its key)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 1
+
+
+def smallest_world(dp_size: Any = "auto", dp_replicate_size: Any = 1, tp_size: Any = 1, cp_size: Any = 1,
+                   pp_size: Any = 1, ep_size: Any = 1, nodes: int = 1) -> int:
+    """The fewest ranks a layout needs: ``dp_size x tp_size x cp_size x pp_size`` with a fixed ``dp_size``; with
+    'auto' the smallest data-parallel size that ``dp_replicate_size`` divides and that makes ``dp x cp x tp`` a
+    multiple of ``ep_size`` (experts shard over those ranks). With ``nodes`` (a run planned on that many machines)
+    and ``dp_size`` 'auto': the smallest such world that splits evenly over them."""
+    tp, cp, pp, ep = (_size_or_one(v) for v in (tp_size, cp_size, pp_size, ep_size))
+    replicate, nodes = _size_or_one(dp_replicate_size), max(nodes, 1)
+    if dp_size not in _AUTO:
+        return _size_or_one(dp_size) * tp * cp * pp
+    dp = replicate
+    while (dp * cp * tp) % ep or (dp * tp * cp * pp) % nodes:
+        dp += replicate
+    return dp * tp * cp * pp
 
 
 def build_device_mesh(layout: MeshLayout, device_type: str) -> DeviceMesh:

@@ -92,13 +92,12 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
     only those it holds are sharded."""
     from torch.distributed.tensor.parallel import parallelize_module
 
+    wrapper = model
     if hasattr(model, "peft_config"):
-        raise AutomodelError("tensor parallelism of a LoRA (peft) model is not supported: torch's styles shard "
-                             "nn.Linear layers, not peft's LoRA layers; set distributed.tp_size: 1 or train without "
-                             "peft")
+        model = model.get_base_model()  # the plan names the base model's modules
     plan = model_plan(model, registry)
     is_stage = any(isinstance(m, LayerPlaceholder) for m in model.modules())
-    concrete = expand_plan(plan, model, require_all=not is_stage)
+    concrete = _with_lora_layers(model, expand_plan(plan, model, require_all=not is_stage))
     head = _head_name(model)
     vocab_parallel = vocab_parallel and concrete.get(head) in HEAD_STYLES
     ties = _tied_parameters(model)
@@ -112,7 +111,33 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
     if vocab_parallel:
         model.get_submodule(head).register_forward_hook(applied._head_output)
     _APPLIED[model] = applied
+    _APPLIED[wrapper] = applied
     return applied
+
+
+def _with_lora_layers(model: nn.Module, concrete: dict[str, str]) -> dict[str, str]:
+    """``concrete`` with each entry on a peft LoRA layer replaced by its base layer and the adapter matrix that
+    shares its sharded dimension: a column-wise base (output features sharded) gets ``lora_B`` column-wise and
+    ``lora_A`` replicated; a row-wise one (input features sharded) ``lora_A`` row-wise and ``lora_B`` replicated.
+    Both then add their output shard or their all-reduced output as the base layer does."""
+    out: dict[str, str] = {}
+    for name, style in concrete.items():
+        module = model.get_submodule(name)
+        adapters = getattr(module, "lora_A", None)
+        if not isinstance(adapters, nn.ModuleDict) or not hasattr(module, "base_layer"):
+            out[name] = style
+            continue
+        sharded = {"colwise": "lora_B", "rowwise": "lora_A"}.get(style)
+        if sharded is None or not isinstance(module.base_layer, nn.Linear) \
+                or any(getattr(module, "use_dora", {}).values()):
+            raise AutomodelError(f"LoRA on '{clean_name(name)}', which the tensor-parallel plan shards '{style}', "
+                                 "is not supported: LoRA under tensor parallelism adapts plain column-wise or "
+                                 "row-wise nn.Linear projections only; leave it out of peft.target_modules "
+                                 "(peft.exclude_modules) or set distributed.tp_size: 1")
+        out[f"{name}.base_layer"] = style
+        for adapter in adapters:
+            out[f"{name}.{sharded}.{adapter}"] = style
+    return out
 
 
 # model -> what apply_tensor_parallel did to it: the training loop asks (tensor_parallel_of) how to compute the loss

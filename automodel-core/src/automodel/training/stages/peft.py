@@ -8,7 +8,7 @@ import torch
 
 from automodel.config import Config
 from automodel.errors import ConfigIssue
-from automodel.hf import apply_lora, lora_config
+from automodel.hf import apply_lora, lora_config, memory_efficient
 from automodel.training.context import BuildContext
 
 
@@ -24,5 +24,5 @@ def issues(cfg: Config, implementation: str | None) -> list[ConfigIssue]:
 
 def add_lora(ctx: BuildContext, model: torch.nn.Module) -> tuple[torch.nn.Module, str]:
     """Wrap the model with LoRA adapters as ``peft:`` says; only adapter weights train."""
-    config = lora_config(ctx.instantiate("peft"))
-    return apply_lora(model, config)
+    built = ctx.instantiate("peft")
+    return apply_lora(model, lora_config(built), memory_efficient=memory_efficient(built))

@@ -1,0 +1,50 @@
+"""LoRA under tensor parallelism through the CLI on CPU ranks (gloo): ``distributed.tp_size: 2`` with ``peft:`` on
+every projection of a tiny Llama (column-wise q/k/v/gate/up, row-wise o/down) trains with the per-step losses of
+one process, and its saved adapter loads in peft with the one process's values.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from llm_testing import losses, run_finetune, write_config, write_two_layer_llama_config
+
+STEPS = ["--step_scheduler.max_steps", "4", "--dataloader.batch_size", "2", "--dataloader.shuffle", "false",
+         "--step_scheduler.checkpoint_interval", "4"]
+TP2 = ["--nproc-per-node", "2", "--distributed.strategy", "fsdp2", "--distributed.tp_size", "2"]
+PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+PEFT = {"_target_": "nemo_automodel.components._peft.lora.PeftConfig", "target_modules": PROJECTIONS, "dim": 4,
+        "alpha": 8, "dropout": 0.0}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    tmp = tmp_path_factory.mktemp("tp_lora")
+    config = write_config(tmp / "cfg.yaml", write_two_layer_llama_config(tmp), tmp / "ckpt", peft=PEFT)
+    run_finetune(config, tmp, tmp / "one", *STEPS)
+    log = run_finetune(config, tmp, tmp / "tp2", *STEPS, *TP2)
+    assert "lora_B" in log  # the plan the build logs names the sharded adapter matrices
+    return {"one": tmp / "one", "tp2": tmp / "tp2", "config": tmp / "config.json"}
+
+
+def test_lora_tp2_has_the_losses_of_one_process(runs):
+    one, tp2 = losses(runs["one"]), losses(runs["tp2"])
+    assert len(one) == 4 and tp2 == pytest.approx(one, rel=1e-4)
+
+
+def test_lora_tp2_adapter_loads_in_peft_and_equals_one_process(runs):
+    from peft import PeftModel
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    adapters = {}
+    for name in ("one", "tp2"):
+        base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(runs["config"]))
+        model = PeftModel.from_pretrained(base, runs[name] / "epoch_0_step_4" / "model")
+        adapters[name] = {k: v for k, v in model.state_dict().items() if "lora_" in k}
+    assert adapters["tp2"].keys() == adapters["one"].keys()
+    assert any("o_proj.lora_A" in k for k in adapters["one"]) and any("q_proj.lora_B" in k for k in adapters["one"])
+    assert any(v.abs().sum() > 0 for k, v in adapters["tp2"].items() if "lora_B" in k)
+    for key, value in adapters["one"].items():
+        assert torch.allclose(adapters["tp2"][key], value, atol=1e-5), key
