@@ -322,6 +322,8 @@ def test_backend_settings_that_act_select_the_attention():
     ("gate_precision", "float32", "router precision"),
     ("compile_attn", True, "compile.enabled: true"),
     ("cuda_graph", {"enabled": True}, "CUDA graphs"),
+    ("fake_balanced_gate", "yes", "must be true"),
+    ("enable_fsdp_optimizations", "on", "must be true"),
 ])
 def test_backend_settings_that_cannot_act_are_refused_with_the_reason(setting, value, fragment):
     from automodel.model_backend import BackendConfig, backend_issues
@@ -329,6 +331,12 @@ def test_backend_settings_that_cannot_act_are_refused_with_the_reason(setting, v
     assert fragment in backend_issues({setting: value})[setting]
     with pytest.raises(ValueError, match=setting):
         BackendConfig(**{setting: value})
+
+
+def test_every_backend_setting_has_a_reason_for_the_values_it_refuses():
+    from automodel.model_backend import ACTS, REASONS
+
+    assert set(ACTS) == set(REASONS)
 
 
 def test_backend_checks_of_the_model_node():

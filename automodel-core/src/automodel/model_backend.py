@@ -64,48 +64,13 @@ REASONS = {
                                  "setting: remove it",
     "mok": "sets the Mixture-of-Kittens dispatcher, which needs CUDA: remove it",
     "enable_deepep": "was removed upstream (it warns and ignores it): set dispatcher and experts instead",
+    "fake_balanced_gate": "must be true (balanced routing in a Hugging Face MoE model's experts) or false",
     "fake_gate_noise": "perturbs upstream's balanced routing with random draws; here fake_balanced_gate routes "
                        "exactly balanced (noise 0): remove it or use 0",
     "enable_hf_state_dict_adapter": "keeps upstream's own models' native weight layout; here weights are always in "
                                     "the Hugging Face layout: use true",
-    "te_fp8": (None,),
-    "gate_precision": (None,),
-    "compile_attn": (False,),
-    "cuda_graph": (None,),
-}
-
-
-def _needs_cuda(library: str, instead: str) -> str:
-    return (f"needs CUDA and {library}, which this machine lacks, and upstream's own model code, which automodel "
-            f"does not include (it trains Hugging Face models); {instead}")
-
-
-# why a value outside ACTS cannot act here ({value} is the value as written)
-REASONS = {
-    "attn": _needs_cuda("its attention kernels (Transformer Engine, TileLang, cuDNN or MagiAttention)",
-                        "Hugging Face models here run attn sdpa, eager or flex"),
-    "linear": _needs_cuda("Transformer Engine or QuACK", "use torch"),
-    "rms_norm": _needs_cuda("Transformer Engine or QuACK", "use torch_fp32"),
-    "rope": _needs_cuda("QuACK", "use torch"),
-    "rope_fusion": _needs_cuda("Transformer Engine", "use false (upstream itself turns fused RoPE off at present)"),
-    "experts": _needs_cuda("grouped-GEMM kernels (Transformer Engine, grouped_gemm, torch._grouped_mm)",
-                           "use torch"),
-    "dispatcher": _needs_cuda("its communication library (DeepEP, HybridEP, UCCL-EP or MoK)", "use torch"),
-    "dispatcher_num_sms": "sets the CUDA MoE dispatchers (DeepEP, HybridEP, UCCL-EP, MoK); dispatcher torch, the "
-                          "one here, has no such setting: remove it",
-    "dispatcher_share_token_dispatcher": "sets the CUDA MoE dispatchers; dispatcher torch, the one here, has no such "
-                                         "setting: remove it",
-    "dispatcher_async_dispatch": "sets the CUDA MoE dispatchers; dispatcher torch, the one here, has no such "
-                                 "setting: remove it",
-    "mok": "sets the Mixture-of-Kittens dispatcher, which needs CUDA: remove it",
-    "enable_deepep": "was removed upstream (it warns and ignores it): set dispatcher and experts instead",
-    "fake_gate_noise": "perturbs upstream's balanced routing with random draws; here fake_balanced_gate routes "
-                       "exactly balanced (noise 0): remove it or use 0",
-    "enable_hf_state_dict_adapter": "keeps upstream's own models' native weight layout; here weights are always in "
-                                    "the Hugging Face layout: use true",
-    "enable_fsdp_optimizations": "acts in upstream's own MoE model code (it skips gradient sync and resharding "
-                                 "between micro-batches), which the Hugging Face models trained here do not have: "
-                                 "use false",
+    "enable_fsdp_optimizations": "must be true (FSDP2 keeps the gathered parameters and the gradient sync until a "
+                                 "step's last micro-batch) or false",
     "te_fp8": _needs_cuda("Transformer Engine", "automodel's FP8 is the fp8: section (torchao)"),
     "gate_precision": "sets the router precision of upstream's own MoE models; a Hugging Face MoE router runs in "
                       "the model's dtype: remove it",
