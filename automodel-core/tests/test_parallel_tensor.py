@@ -90,11 +90,22 @@ def test_bad_plans_are_refused():
         model_plan(model, TPPlanRegistry())
 
 
-def test_lora_models_are_refused():
-    from automodel.training.parallel.tensor_parallel import apply_tensor_parallel
+def test_lora_layers_shard_the_adapter_matrix_that_shares_the_base_layers_sharded_dimension():
+    from automodel.training.parallel.tensor_parallel import _with_lora_layers
+    from automodel.training.parallel.tp_plans import expand_plan, model_plan
 
-    with pytest.raises(AutomodelError, match="tensor parallelism of a LoRA .peft. model is not supported"):
-        apply_tensor_parallel(meta_model(mp_config(), lora=True), tp_mesh=None)  # refused before the mesh is used
+    import peft
+
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"], task_type="CAUSAL_LM")
+    base = peft.get_peft_model(meta_model(mp_config()), lora).get_base_model()
+    concrete = _with_lora_layers(base, expand_plan(model_plan(base), base))
+    q, o = "model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.o_proj"
+    adapted = [name for name, module in base.named_modules() if name.endswith(("q_proj", "o_proj"))
+               and hasattr(module, "lora_A")]
+    assert q in adapted and o in adapted and q not in concrete and o not in concrete
+    assert concrete[f"{q}.base_layer"] == concrete[f"{q}.lora_B.default"] == "colwise"  # output features sharded
+    assert concrete[f"{o}.base_layer"] == concrete[f"{o}.lora_A.default"] == "rowwise"  # input features sharded
+    assert f"{q}.lora_A.default" not in concrete and f"{o}.lora_B.default" not in concrete  # replicated
 
 
 def test_style_names_map_to_torch_styles():
