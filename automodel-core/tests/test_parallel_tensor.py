@@ -91,10 +91,10 @@ def test_bad_plans_are_refused():
 
 
 def test_lora_layers_shard_the_adapter_matrix_that_shares_the_base_layers_sharded_dimension():
+    import peft
+
     from automodel.training.parallel.tensor_parallel import _with_lora_layers
     from automodel.training.parallel.tp_plans import expand_plan, model_plan
-
-    import peft
 
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"], task_type="CAUSAL_LM")
     base = peft.get_peft_model(meta_model(mp_config()), lora).get_base_model()
