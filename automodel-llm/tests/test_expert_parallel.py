@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from llm_testing import LLAMA_CONFIG, VALIDATION, losses, val_losses, write_config, write_tiny_llama_config
 
-from automodel.testing import free_port, read_jsonl, run_cli
+from automodel.testing import free_port, read_jsonl, run_cli, run_cli_inprocess
 
 STEPS = ["--step_scheduler.max_steps", "6", "--dataloader.batch_size", "2", "--dataloader.shuffle", "false",
          "--step_scheduler.checkpoint_interval", "3"]
@@ -112,15 +112,17 @@ def test_a_one_process_checkpoint_resumes_under_ep2(one_process, ep2_run, tmp_pa
     _assert_same_weights(out / "epoch_0_step_6" / "model", reference / "epoch_0_step_6" / "model")
 
 
-def _validate(config: Path, cwd: Path, *args) -> tuple[int, str]:
-    result = run_cli("validate", "-c", config, *args, cwd=cwd)
+def _validate(config: Path, cwd: Path, *args, subprocess: bool = False) -> tuple[int, str]:
+    """``automodel validate`` in this process (seconds saved per case), or, ``subprocess``, the console script."""
+    run = run_cli if subprocess else run_cli_inprocess
+    result = run("validate", "-c", config, *args, cwd=cwd)
     return result.returncode, result.stdout + result.stderr
 
 
 def test_layouts_the_model_cannot_take_are_refused_by_validate(moe_config, tmp_path):
     config = write_config(tmp_path / "cfg.yaml", moe_config, tmp_path / "ckpt",
                           distributed={"strategy": "fsdp2", "ep_size": 3})
-    code, out = _validate(config, tmp_path, "--nproc-per-node", "3")
+    code, out = _validate(config, tmp_path, "--nproc-per-node", "3", subprocess=True)
     assert code == 2 and "Traceback" not in out
     assert ("distributed.ep_size: 3 does not divide the number of experts (4, Qwen3MoeExperts "
             "'model.layers.0.mlp.experts')") in out
@@ -156,7 +158,7 @@ def _tied(moe_config: Path, tmp_path: Path) -> Path:
 def test_a_model_without_experts_and_lora_on_the_experts_are_refused(moe_config, tmp_path):
     dense = write_config(tmp_path / "dense.yaml", write_tiny_llama_config(tmp_path), tmp_path / "ckpt",
                          distributed={"strategy": "fsdp2", "ep_size": 2})
-    code, out = _validate(dense, tmp_path, "--nproc-per-node", "2")
+    code, out = _validate(dense, tmp_path, "--nproc-per-node", "2", subprocess=True)
     assert code == 2 and "Traceback" not in out
     assert ("distributed.ep_size: 2: expert parallelism splits the experts of a mixture-of-experts model, and "
             "LlamaForCausalLM has no experts module") in out

@@ -30,7 +30,7 @@ from llm_testing import (
     write_two_layer_llama_config,
 )
 
-from automodel.testing import read_jsonl, run_cli
+from automodel.testing import read_jsonl, run_cli, run_cli_inprocess
 
 STEPS = ["--step_scheduler.max_steps", "6", "--dataloader.batch_size", "2", "--dataloader.shuffle", "false",
          "--step_scheduler.checkpoint_interval", "3", "--step_scheduler.grad_accumulation_steps", "2"]
@@ -130,15 +130,17 @@ def test_pp2_x_tp2_on_four_ranks_trains_like_one_process(one_process, tmp_path):
     assert_same_weights(out / "epoch_0_step_3" / "model", reference / "epoch_0_step_3" / "model")
 
 
-def _validate(config: Path, cwd: Path, *args) -> tuple[int, str]:
-    result = run_cli("validate", "-c", config, *args, cwd=cwd)
+def _validate(config: Path, cwd: Path, *args, subprocess: bool = False) -> tuple[int, str]:
+    """``automodel validate`` in this process (seconds saved per case), or, ``subprocess``, the console script."""
+    run = run_cli if subprocess else run_cli_inprocess
+    result = run("validate", "-c", config, *args, cwd=cwd)
     return result.returncode, result.stdout + result.stderr
 
 
 def test_layouts_the_pipeline_cannot_take_are_refused_by_validate(pp_llama_config, tmp_path):
     config = write_config(tmp_path / "cfg.yaml", pp_llama_config, tmp_path / "ckpt",
                           distributed={"strategy": "fsdp2", "pp_size": 3}, dataloader={"batch_size": 4})
-    code, out = _validate(config, tmp_path, "--nproc-per-node", "3")
+    code, out = _validate(config, tmp_path, "--nproc-per-node", "3", subprocess=True)
     assert code == 2 and "Traceback" not in out
     assert "distributed.pp_size: 3 ranks x 1 stages each = 3 stages, but the model has 2 layers" in out
     two = ["--nproc-per-node", "2", "--distributed.pp_size", "2"]
@@ -157,7 +159,8 @@ def test_settings_the_pipeline_cannot_take_are_refused_by_validate(pp_llama_conf
     config = write_config(tmp_path / "cfg.yaml", pp_llama_config, tmp_path / "ckpt",
                           distributed={"strategy": "fsdp2", "pp_size": 2}, dataloader={"batch_size": 4})
     two = ["--nproc-per-node", "2"]
-    code, out = _validate(config, tmp_path, *two, "--distributed.pipeline.pp_schedule", "interleaved1f1b")
+    code, out = _validate(config, tmp_path, *two, "--distributed.pipeline.pp_schedule", "interleaved1f1b",
+                          subprocess=True)
     assert code == 2 and "interleaved schedules (several stages per rank) are not wired into it yet" in out
     code, out = _validate(config, tmp_path, *two, "--eval_generation.enabled", "true",
                           "--packed_sequence.packed_sequence_size", "64", "--peft.dim", "4",

@@ -2,9 +2,10 @@
 
 Reading what a run wrote (``read_jsonl``, ``checkpoint_dirs``, ``load_safetensors_state``), writing configs and
 plugin distributions (``deep_update``, ``write_yaml``, ``write_dist``), running a recipe in this process as the CLI
-does (``train_inprocess``) or the installed console script in a subprocess (``run_cli``). The toy recipe
-(``automodel.testing.toy``: a tiny torch model on synthetic data that exercises the engine in milliseconds,
-without any Hugging Face library) is importable from here too. Importing this package imports no torch.
+does (``train_inprocess``), the installed console script in a subprocess (``run_cli``) or its entry point in this
+process (``run_cli_inprocess``). The toy recipe (``automodel.testing.toy``: a tiny torch model on synthetic data
+that exercises the engine in milliseconds, without any Hugging Face library) is importable from here too. Importing
+this package imports no torch.
 """
 
 from __future__ import annotations
@@ -157,6 +158,39 @@ def run_cli(*args: Any, cwd: str | Path, timeout: float = 300, **env: str) -> su
     command = [str(AUTOMODEL_BIN)] if AUTOMODEL_BIN.exists() else [sys.executable, "-m", "automodel.cli.main"]
     return subprocess.run([*command, *map(str, args)], cwd=cwd, env=cli_env(**env), capture_output=True,
                           text=True, timeout=timeout, check=False)
+
+
+def run_cli_inprocess(*args: Any, cwd: str | Path, **env: str) -> subprocess.CompletedProcess:
+    """``automodel <args>`` through the console script's entry point (``automodel.cli.main.main``) in this process:
+    the same parsing, error reporting and exit code as ``run_cli``, without a new interpreter importing torch and
+    transformers each time (seconds per call). For commands that only check, such as ``validate``; a run stays a
+    subprocess. The environment is ``cli_env(**env)`` and the working directory ``cwd`` for the call, both restored
+    after; an exception that escapes the entry point is printed to the captured stderr with exit code 1, as the
+    console script would.
+    """
+    import contextlib
+    import io
+    import traceback
+
+    from automodel.cli.main import main
+
+    out, err = io.StringIO(), io.StringIO()
+    saved_env, saved_cwd = dict(os.environ), os.getcwd()
+    os.environ.clear()
+    os.environ.update(cli_env(**env))
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main([str(a) for a in args])
+            except Exception:
+                traceback.print_exc()
+                code = 1
+    finally:
+        os.chdir(saved_cwd)
+        os.environ.clear()
+        os.environ.update(saved_env)
+    return subprocess.CompletedProcess(["automodel", *map(str, args)], code, out.getvalue(), err.getvalue())
 
 
 _TOY = ("ToyDataset", "ToyModel", "ToyPlugin", "ToyRecipe", "toy_config")
