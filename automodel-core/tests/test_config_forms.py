@@ -4,6 +4,7 @@ name a callable that is passed, not called."""
 from __future__ import annotations
 
 import functools
+from types import SimpleNamespace
 
 import pytest
 
@@ -317,7 +318,7 @@ def test_backend_settings_that_act_select_the_attention():
     ("dispatcher_num_sms", 64, "sets the CUDA MoE dispatchers"),
     ("enable_deepep", True, "was removed upstream"),
     ("fake_gate_noise", 0.3, "routes exactly balanced"),
-    ("enable_hf_state_dict_adapter", False, "always in the Hugging Face layout"),
+    ("enable_hf_state_dict_adapter", "no", "must be true or false"),
     ("te_fp8", {"recipe": "delayed"}, "Transformer Engine"),
     ("gate_precision", "float32", "router precision"),
     ("compile_attn", True, "compile.enabled: true"),
@@ -331,6 +332,18 @@ def test_backend_settings_that_cannot_act_are_refused_with_the_reason(setting, v
     assert fragment in backend_issues({setting: value})[setting]
     with pytest.raises(ValueError, match=setting):
         BackendConfig(**{setting: value})
+
+
+def test_hf_state_dict_adapter_false_is_accepted_with_a_note_on_the_layout_it_keeps():
+    from automodel.model_backend import backend_issues
+    from automodel.training.parallelism import inert_distributed_notes
+
+    assert backend_issues({"enable_hf_state_dict_adapter": False}) == {}
+    for value, noted in ((False, True), (True, False), (None, False)):
+        notes = inert_distributed_notes(SimpleNamespace(model={"backend": {"enable_hf_state_dict_adapter": value}},
+                                                        distributed=None), fsdp2=False)
+        assert any("enable_hf_state_dict_adapter: false keeps a model's own weight layout" in n
+                   for n in notes) is noted
 
 
 def test_every_backend_setting_has_a_reason_for_the_values_it_refuses():

@@ -31,7 +31,8 @@ ACTS: dict[str, tuple[Any, ...]] = {
     "enable_deepep": (None,),
     "fake_balanced_gate": (False, True),  # true: balanced routing in a Hugging Face MoE model's experts
     "fake_gate_noise": (0, 0.0),
-    "enable_hf_state_dict_adapter": (True,),  # weights are always in the Hugging Face layout here
+    # a Hugging Face model has no state-dict adapter: its own layout, which checkpoints keep, is the HF layout
+    "enable_hf_state_dict_adapter": (True, False),
     "enable_fsdp_optimizations": (False, True),  # true: FSDP2 keeps parameters gathered between micro-batches
     "te_fp8": (None,),
     "gate_precision": (None,),
@@ -67,8 +68,8 @@ REASONS = {
     "fake_balanced_gate": "must be true (balanced routing in a Hugging Face MoE model's experts) or false",
     "fake_gate_noise": "perturbs upstream's balanced routing with random draws; here fake_balanced_gate routes "
                        "exactly balanced (noise 0): remove it or use 0",
-    "enable_hf_state_dict_adapter": "keeps upstream's own models' native weight layout; here weights are always in "
-                                    "the Hugging Face layout: use true",
+    "enable_hf_state_dict_adapter": "must be true or false (a Hugging Face model's own layout is the Hugging Face "
+                                    "layout either way)",
     "enable_fsdp_optimizations": "must be true (FSDP2 keeps the gathered parameters and the gradient sync until a "
                                  "step's last micro-batch) or false",
     "te_fp8": _needs_cuda("Transformer Engine", "automodel's FP8 is the fp8: section (torchao)"),

@@ -387,9 +387,13 @@ def expert_parallel_lines(cfg: Config, layout: MeshLayout) -> list[str]:
 
 
 def inert_distributed_notes(cfg: Config, fsdp2: bool) -> list[str]:
-    """Notes naming upstream's ``distributed`` keys (and ``model.backend.enable_fsdp_optimizations``) that govern
-    nothing in this run (upstream ignores them too)."""
+    """Notes naming upstream's ``distributed`` keys (and ``model.backend.enable_fsdp_optimizations`` /
+    ``enable_hf_state_dict_adapter``) that govern nothing in this run (upstream ignores them too)."""
     notes = []
+    if backend_setting(cfg.model, "enable_hf_state_dict_adapter") is False:
+        notes.append("note: model.backend.enable_hf_state_dict_adapter: false keeps a model's own weight layout in "
+                     "its checkpoints; the Hugging Face models trained here have no state-dict adapter, and their own "
+                     "layout is the Hugging Face layout, which the checkpoints hold as with true")
     if backend_setting(cfg.model, "enable_fsdp_optimizations") and not fsdp2:
         notes.append("note: model.backend.enable_fsdp_optimizations: true governs nothing this run: it acts on FSDP2 "
                      "models (distributed.strategy: fsdp2, more than one process) with gradient accumulation")
