@@ -1,6 +1,7 @@
 """Upstream's FSDP2 switches that act here: ``distributed.defer_fsdp_grad_sync`` (the gradient reduce-scatter after
 a step's last micro-batch only), ``model.backend.enable_fsdp_optimizations`` (no resharding between micro-batches
-either) and ``enable_fsdp2_prefetch`` with its depths (explicit prefetch between blocks)."""
+either) and ``enable_fsdp2_prefetch`` with its depths (explicit prefetch between blocks); DDP's own options
+(``find_unused_parameters``, ``static_graph``, ``bucket_cap_mb``, ``gradient_as_bucket_view``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from automodel.config import ConfigError
+from automodel.testing import free_port, load_config, train_inprocess
+from automodel.testing.toy import ToyRecipe
 from automodel.training.loop import TrainingLoop
 from automodel.training.parallel.fsdp import set_prefetch
 from automodel.training.sections import DistributedConfig
@@ -19,8 +23,6 @@ def sharded_blocks():
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-
-    from automodel.testing import free_port
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
@@ -107,3 +109,45 @@ def test_reshard_after_forward_chooses_which_blocks_free_their_parameters(settin
         assert [g.post_forward_mesh_info is not None for g in groups] == expected
     finally:
         dist.destroy_process_group()
+
+
+def test_ddp_options_reach_distributed_data_parallel():
+    import torch.distributed as dist
+
+    from automodel.training.stages.sharding import wrap_ddp
+
+    def wrap(settings: DistributedConfig) -> tuple[torch.nn.Module, str]:
+        ctx = SimpleNamespace(device=torch.device("cpu"), device_mesh=None, mesh=SimpleNamespace(dp=1),
+                              cfg=SimpleNamespace(distributed=settings))
+        return wrap_ddp(ctx, torch.nn.Linear(4, 4))
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        given, described = wrap(DistributedConfig(find_unused_parameters=True, bucket_cap_mb=4.0,
+                                                  gradient_as_bucket_view=True))
+        assert given.find_unused_parameters and given.gradient_as_bucket_view and not given.static_graph
+        assert given.bucket_bytes_cap == 4 * 1024 * 1024
+        assert described == ("DDP over 1 ranks (find_unused_parameters=True, bucket_cap_mb=4.0, "
+                             "gradient_as_bucket_view=True)")
+        static, _ = wrap(DistributedConfig(static_graph=True))
+        assert static.static_graph
+        default, described = wrap(DistributedConfig())
+        assert not (default.find_unused_parameters or default.gradient_as_bucket_view or default.static_graph)
+        assert default.bucket_bytes_cap == 25 * 1024 * 1024 and described == "DDP over 1 ranks"
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_options_without_ddp_are_refused_or_noted(make_toy, capsys):
+    with pytest.raises(ConfigError) as refused:
+        load_config(make_toy(distributed={"strategy": "fsdp2", "static_graph": True, "bucket_cap_mb": 400}),
+                    recipe=ToyRecipe)
+    for name, value in (("static_graph", "true"), ("bucket_cap_mb", "400.0")):
+        assert (f"distributed.{name}: {value} is an option of torch's DistributedDataParallel (strategy ddp); "
+                "strategy fsdp2 does not run DDP") in str(refused.value)
+    with pytest.raises(ConfigError, match="bucket_cap_mb: must be > 0"):
+        load_config(make_toy(distributed={"bucket_cap_mb": 0}), recipe=ToyRecipe)
+    train_inprocess(make_toy(distributed={"strategy": "ddp", "find_unused_parameters": True}), recipe=ToyRecipe,
+                    setup_only=True)
+    assert ("note: distributed.find_unused_parameters: true governs nothing this run: it is an option of DDP, "
+            "which runs with more than one process") in capsys.readouterr().err

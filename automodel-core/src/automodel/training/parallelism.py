@@ -104,6 +104,12 @@ def parallel_issues(cfg: Config, implementation: str | None) -> list[ConfigIssue
         issues.append(ConfigIssue("distributed.enable_fsdp2_prefetch", "true orders FSDP2's parameter gathers, so "
                                   "it needs distributed.strategy: fsdp2 and more than one process (this run: "
                                   f"{world_size_source()}); set it false"))
+    strategy = implementation or settings.strategy
+    if strategy != "ddp":
+        for name, value in settings.ddp_options_given().items():
+            issues.append(ConfigIssue(f"distributed.{name}", f"{str(value).lower()} is an option of torch's "
+                                      f"DistributedDataParallel (strategy ddp); strategy {strategy} does not run "
+                                      "DDP: remove it or use distributed.strategy: ddp"))
     issues += mesh_layout(cfg, world)[1]
     issues += run_precision(cfg, validation_device(), fsdp2)[1]
     return issues
@@ -416,6 +422,10 @@ def inert_distributed_notes(cfg: Config, fsdp2: bool) -> list[str]:
     if moe.get("wrap_outer_model") is True:
         notes.append("note: distributed.moe.wrap_outer_model: true is what FSDP2 here does anyway (the whole model "
                      "is the root unit)")
+    if settings.strategy == "ddp" and expected_world_size() <= 1:
+        for name, value in settings.ddp_options_given().items():
+            notes.append(f"note: distributed.{name}: {str(value).lower()} governs nothing this run: it is an option "
+                         "of DDP, which runs with more than one process")
     for name, given in (("defer_fsdp_grad_sync", not settings.defer_fsdp_grad_sync),
                         ("reshard_after_forward", settings.reshard_after_forward is not None)):
         if given and not fsdp2:

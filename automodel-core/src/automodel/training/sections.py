@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from automodel.config.schema import FieldErrors, require_positive
 
@@ -203,6 +203,27 @@ class DistributedConfig:
     multimodal: dict | None = field(default=None, metadata=_help(
         "refused: upstream's FSDP2 policies for frozen vision / audio towers (frozen_sharding, vision."
         "frame_sharding) are not implemented; FSDP2 here shards every transformer block it finds"))
+    # torch DDP's own options (upstream's DDPConfig), passed to DistributedDataParallel (strategy ddp)
+    find_unused_parameters: bool = field(default=False, metadata=_help(
+        "DDP: look for parameters a forward did not use, so their gradients count as ready (a model with branches "
+        "a batch may skip; costs a graph traversal per step)"))
+    static_graph: bool = field(default=False, metadata=_help(
+        "DDP: the set of used parameters is the same every step, so DDP may fix its plan after the first one"))
+    bucket_cap_mb: float | None = field(default=None, metadata=_help(
+        "DDP: the size in MiB of each bucket of gradients all-reduced together (null: torch's default, 25)"))
+    gradient_as_bucket_view: bool = field(default=False, metadata=_help(
+        "DDP: the gradients are views into DDP's buckets instead of copies (less memory)"))
+
+    def ddp_options(self) -> dict[str, Any]:
+        """The keyword arguments of ``DistributedDataParallel`` these settings give (bucket_cap_mb when set)."""
+        options = {name: getattr(self, name) for name in DDP_OPTIONS if name != "bucket_cap_mb"}
+        if self.bucket_cap_mb is not None:
+            options["bucket_cap_mb"] = self.bucket_cap_mb
+        return options
+
+    def ddp_options_given(self) -> dict[str, Any]:
+        """The DDP options set to something other than torch's default, by name."""
+        return {name: getattr(self, name) for name, default in DDP_OPTIONS.items() if getattr(self, name) != default}
 
     def __post_init__(self) -> None:
         if self.dp_replicate_size in (None, "none"):
@@ -211,6 +232,8 @@ class DistributedConfig:
                          "fsdp2_forward_prefetch_depth", "fsdp2_backward_prefetch_depth",
                          *(("dp_size",) if isinstance(self.dp_size, int) else ()))
         errors = {}
+        if self.bucket_cap_mb is not None and self.bucket_cap_mb <= 0:
+            errors["bucket_cap_mb"] = f"must be > 0 (MiB), found {self.bucket_cap_mb}"
         if self.enable_compile:
             errors["enable_compile"] = ("true compiles each block of upstream's own model code; here compile the "
                                         "whole model with compile: {enabled: true} and set this false")
@@ -270,6 +293,9 @@ class DistributedConfig:
 
 
 _FP32_NAMES = ("float32", "fp32")
+# DistributedDataParallel's options that distributed.* passes on, with torch's defaults
+DDP_OPTIONS = {"find_unused_parameters": False, "static_graph": False, "bucket_cap_mb": None,
+               "gradient_as_bucket_view": False}
 
 
 def moe_head_fp32(settings: DistributedConfig | None) -> bool:

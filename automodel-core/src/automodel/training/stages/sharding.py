@@ -53,8 +53,11 @@ def wrap_ddp(ctx: BuildContext, model: torch.nn.Module) -> tuple[torch.nn.Module
     model.to(ctx.device)
     device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
     group = ctx.device_mesh[DP].get_group() if ctx.device_mesh is not None else None
-    return (DistributedDataParallel(model, device_ids=device_ids, process_group=group),
-            f"DDP over {ctx.mesh.dp} ranks")
+    options = ctx.cfg.distributed.ddp_options()
+    given = ctx.cfg.distributed.ddp_options_given()
+    described = f" ({', '.join(f'{k}={v}' for k, v in given.items())})" if given else ""
+    return (DistributedDataParallel(model, device_ids=device_ids, process_group=group, **options),
+            f"DDP over {ctx.mesh.dp} ranks{described}")
 
 
 def wrap_fsdp2(ctx: BuildContext, model: torch.nn.Module) -> tuple[torch.nn.Module, str]:
