@@ -224,6 +224,23 @@ def test_top_level_seed_seeds_the_run(tmp_path):
     assert losses("other", rng=None, seed=6) != by_rng
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_rng_deterministic_turns_on_torchs_deterministic_algorithms(tmp_path, capsys, deterministic):
+    import torch
+
+    recipe_cls, cfg = _toy(tmp_path, rng={"seed": 1, "deterministic": deterministic})
+    try:
+        recipe_cls(cfg).setup()
+        assert torch.are_deterministic_algorithms_enabled() is deterministic
+        assert ("rng.deterministic: torch runs deterministic algorithms only" in capsys.readouterr().err) \
+            is deterministic
+        # in deterministic mode torch also fills new memory (NaN for floats) instead of leaving what was there
+        if deterministic:
+            assert torch.empty(64).isnan().all()
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
 # ---- dist_env: init_method, master_addr / master_port -----------------------------------------------------------
 
 def test_init_method_reaches_init_process_group(monkeypatch):

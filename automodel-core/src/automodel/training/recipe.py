@@ -45,7 +45,7 @@ from automodel.training.parallelism import (
 from automodel.training.pipeline import PIPELINE_SLOTS, Selection, apply_pipeline, select_stages
 from automodel.training.quantized_base import base_quantization_note
 from automodel.training.resume import choose_checkpoint, hold_checkpoint_dir
-from automodel.training.rng import StatefulRNG
+from automodel.training.rng import StatefulRNG, use_deterministic_algorithms
 from automodel.training.state import restore_states, restore_weights
 from automodel.training.step_scheduler import StepScheduler, steps_per_epoch
 from automodel.training.trainer_state import read_trainer_state
@@ -301,6 +301,9 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
         if ctx.device.type == "cpu" and cfg.dist_env.cpu_malloc_tuning and apply_malloc_policy(policy):
             self.debug(f"host memory: {policy.describe()} (dist_env.cpu_malloc_tuning)")
         self.rng = StatefulRNG(cfg.rng.seed, cfg.rng.ranked, ctx.rank)
+        if cfg.rng.deterministic:
+            use_deterministic_algorithms()
+            self.log("rng.deterministic: torch runs deterministic algorithms only (torch.use_deterministic_algorithms)")
         self.checkpointer = self.build_checkpoint_config(ctx)
         hold_checkpoint_dir(self.checkpointer, ctx)
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 
 import numpy as np
@@ -36,3 +37,12 @@ class StatefulRNG:
         torch.set_rng_state(state["torch"])
         if "cuda" in state and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def use_deterministic_algorithms() -> None:
+    """``rng.deterministic``: torch runs only deterministic kernels (and raises for an operation that has none).
+    cuBLAS needs a fixed workspace for that (``CUBLAS_WORKSPACE_CONFIG``, read when CUDA starts); cuDNN's autotuner
+    would pick kernels by timing."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False

@@ -114,6 +114,10 @@ class RngConfig:
     accepted_targets: ClassVar[dict] = {"StatefulRNG": {}}
     seed: int = field(default=42, metadata=_help("seed for python, numpy and torch"))
     ranked: bool = field(default=False, metadata=_help("offset the seed by the process rank"))
+    deterministic: bool = field(default=False, metadata=_help(
+        "torch.use_deterministic_algorithms for the run: an operation with no deterministic implementation stops "
+        "the run with torch's error instead of running nondeterministically (on CUDA also cuBLAS's reproducible "
+        "workspace and no cuDNN autotuning)"))
 
 
 @dataclass
