@@ -123,8 +123,9 @@ SHARED = {
     "on_bad_row": ("skip", {"<source>": "<bad file>"}),
 }
 OWN = {
-    "SquadDataset": {"tokenizer_name_or_path": ("<plain tokenizer>", {}), "seed": (7, {})},
-    "make_squad_dataset": {},
+    "SquadDataset": {"tokenizer_name_or_path": ("<plain tokenizer>", {}), "seed": (7, {}),
+                     "chat_template": (TEMPLATE, {})},
+    "make_squad_dataset": {"chat_template": (TEMPLATE, {})},
     "ColumnMappedTextInstructionDataset": {"column_mapping": ({"question": "q", "answer": "a"}, {}),
                                            "answer_only_loss_mask": (False, {})},
     "ChatDataset": {"messages_column": ("conv", {}), "chat_template": (TEMPLATE, {})},
@@ -222,6 +223,38 @@ def test_a_chat_template_given_to_the_dataset_renders_and_is_saved_with_the_toke
         assert tokenizer.decode(sample["input_ids"]).startswith("[user] ")
         tokenizer.save_pretrained(tmp_path / "saved")
         assert AutoTokenizer.from_pretrained(tmp_path / "saved").chat_template == TEMPLATE
+
+
+def test_squad_with_a_chat_template_is_a_user_and_an_assistant_turn_with_the_loss_on_the_answer(data,
+                                                                                                 plain_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    from automodel.training.loss import IGNORE_INDEX
+
+    tokenizer = AutoTokenizer.from_pretrained(plain_tokenizer_dir)
+    built = datasets.make_squad_dataset(tokenizer, dataset_name=data["squad"], chat_template=TEMPLATE)
+    prompt, answer = built.qa_pairs[0]
+    sample = built[0]
+    learned = [t for t, label in zip(sample["input_ids"], sample["labels"], strict=True) if label != IGNORE_INDEX]
+    assert tokenizer.decode(sample["input_ids"]).startswith("[user] Context: ")
+    assert tokenizer.decode(learned) == f"[assistant] {answer}{tokenizer.eos_token}"
+    assert prompt.startswith("[user] Context: ") and prompt.endswith(tokenizer.eos_token)  # as the model saw it
+    assert tokenizer.chat_template == TEMPLATE  # saved with the tokenizer, so generation renders the same way
+
+
+def test_a_prompt_that_holds_its_bos_token_is_not_given_another(tokenizer):
+    from types import SimpleNamespace
+
+    import torch
+
+    from automodel.hf import greedy_answer
+
+    asked = []
+    model = SimpleNamespace(generate=lambda ids, **kwargs: asked.append(ids[0].tolist()) or ids)  # records the ask
+    assert tokenizer.bos_token and tokenizer("Q")["input_ids"][0] == tokenizer.bos_token_id
+    greedy_answer(model, tokenizer, "Q", 4, torch.device("cpu"))
+    greedy_answer(model, tokenizer, f"{tokenizer.bos_token}Q", 4, torch.device("cpu"))  # a chat render holds it
+    assert asked[0] == asked[1] == tokenizer("Q")["input_ids"]
 
 
 def test_a_tokenizer_in_the_training_dataset_is_the_runs_tokenizer_as_upstream(make_config, plain_tokenizer_dir,

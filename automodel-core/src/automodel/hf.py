@@ -258,7 +258,9 @@ def greedy_answer(model: Any, tokenizer: Any, prompt: str, max_new_tokens: int, 
     sharded, so each forward is a collective): ranks that finish early keep joining the others' forwards."""
     import torch
 
-    ids = torch.tensor([tokenizer(prompt)["input_ids"]], device=device)
+    bos = getattr(tokenizer, "bos_token", None)
+    rendered = bool(bos) and prompt.startswith(bos)  # a chat template's render already holds the BOS token
+    ids = torch.tensor([tokenizer(prompt, add_special_tokens=not rendered)["input_ids"]], device=device)
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                              do_sample=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,

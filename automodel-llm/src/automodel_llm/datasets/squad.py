@@ -19,7 +19,9 @@ from automodel_llm.datasets.arguments import (
     given,
     learns_nothing,
     read_rows,
+    resolve_chat_template,
 )
+from automodel_llm.datasets.chat import tokenize_conversation
 
 
 def squad_prompt(context: str, question: str) -> str:
@@ -44,9 +46,24 @@ def tokenize_prompt_answer(tokenizer: Any, prompt: str, answer: str) -> tuple[li
     return prompt_ids + answer_ids, [IGNORE_INDEX] * len(prompt_ids) + answer_ids
 
 
+def tokenize_chat_prompt_answer(tokenizer: Any, prompt: str, answer: str) -> tuple[list[int], list[int]]:
+    """The prompt as the user's turn and the answer as the assistant's, rendered with the tokenizer's chat
+    template; labels keep the assistant turn."""
+    return tokenize_conversation(tokenizer, [{"role": "user", "content": prompt},
+                                             {"role": "assistant", "content": answer}])
+
+
+def chat_prompt(tokenizer: Any, prompt: str) -> str:
+    """The text a chat-trained model is asked: the user's turn and the template's generation prompt."""
+    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                         add_generation_prompt=True)
+
+
 class SquadDataset(Dataset):
     """Rows ``{context, question, answers: {text: [...]}}`` (SQuAD's columns) as ``Context: ... Question: ...
-    Answer:`` and the first answer, with the loss on the answer.
+    Answer:`` and the first answer, with the loss on the answer. With ``chat_template`` (upstream's argument) the
+    prompt is the user's turn and the answer the assistant's, rendered with that template (which becomes the
+    tokenizer's, saved with it), the loss on the assistant turn; the exact-match prompts are rendered the same way.
 
     A row without ``context``, ``question`` or ``answers`` (or with null or non-text ones) is refused, or skipped
     with ``on_bad_row: skip``; a row whose ``answers`` hold no text (an unanswerable SQuAD v2 question) is left
@@ -56,13 +73,17 @@ class SquadDataset(Dataset):
     argument_aliases = {**ALIASES, "seed": "shuffle_seed"}
     argument_help = {**ARGUMENT_HELP,
                      "path_or_dataset_id": ARGUMENT_HELP["path_or_dataset_id"] + " (default: rajpurkar/squad)",
-                     "tokenizer_name_or_path": "a tokenizer for this data set instead of the recipe's"}
+                     "tokenizer_name_or_path": "a tokenizer for this data set instead of the recipe's",
+                     "chat_template": "a Jinja chat template, inline or the path of a file: each row becomes a user "
+                                      "turn (the prompt) and an assistant turn (the answer); it becomes the "
+                                      "tokenizer's and is saved with it"}
 
     def __init__(self, path_or_dataset_id: str | None = None, split: str = "train", name: str | None = None,
                  tokenizer_name_or_path: str | None = None, seq_length: int | None = None, tokenizer: Any = None,
                  limit_dataset_samples: int | None = None, shuffle_seed: int | None = None,
                  truncation: Truncation = False, padding: Padding = "do_not_pad", on_bad_row: OnBadRow = "error",
-                 dataset_name: str | None = None, max_seq_length: int | None = None, seed: int | None = None):
+                 dataset_name: str | None = None, max_seq_length: int | None = None, seed: int | None = None,
+                 chat_template: str | None = None):
         source = given("path_or_dataset_id", path_or_dataset_id, "dataset_name", dataset_name, "rajpurkar/squad")
         length = SampleLength(given("seq_length", seq_length, "max_seq_length", max_seq_length), truncation, padding)
         shuffle = given("shuffle_seed", shuffle_seed, "seed", seed)
@@ -71,6 +92,10 @@ class SquadDataset(Dataset):
         if tokenizer is None:
             raise AutomodelError("dataset.tokenizer_name_or_path: no tokenizer; name one here or in tokenizer:")
         self.tokenizer = tokenizer
+        template = resolve_chat_template(chat_template)
+        if template is not None:
+            tokenizer.chat_template = template
+        tokenize = tokenize_prompt_answer if template is None else tokenize_chat_prompt_answer
         rows = read_rows(source, split, name, shuffle.value, limit_dataset_samples, shuffle.key)
         missing = [c for c in ("context", "question", "answers") if c not in rows.column_names]
         if missing:
@@ -91,13 +116,13 @@ class SquadDataset(Dataset):
                 dropped += 1
                 continue
             prompt = squad_prompt(row["context"], row["question"])
-            ids, labels = tokenize_prompt_answer(tokenizer, prompt, answer)
+            ids, labels = tokenize(tokenizer, prompt, answer)
             sample = length.fit(ids, labels, tokenizer.pad_token_id, f"sample {index} of '{source.value}'")
             if learns_nothing(sample["labels"]):
                 dropped += 1
                 continue
             self.samples.append(sample)
-            self.qa_pairs.append((prompt, answer))
+            self.qa_pairs.append((prompt if template is None else chat_prompt(tokenizer, prompt), answer))
         bad_rows.report()
         if not self.samples:
             raise AutomodelError(f"{source.key}: '{source.value}' (split {split}) has no usable samples: {dropped} "
@@ -113,12 +138,13 @@ class SquadDataset(Dataset):
 def make_squad_dataset(tokenizer: Any, seq_length: int | None = None, limit_dataset_samples: int | None = None,
                        split: str = "train", dataset_name: str | None = None, padding: Padding = False,
                        truncation: Truncation = False, on_bad_row: OnBadRow = "error",
-                       path_or_dataset_id: str | None = None, max_seq_length: int | None = None) -> SquadDataset:
+                       path_or_dataset_id: str | None = None, max_seq_length: int | None = None,
+                       chat_template: str | None = None) -> SquadDataset:
     """Upstream's factory for ``SquadDataset``, under upstream's argument names (``dataset_name`` here)."""
     return SquadDataset(path_or_dataset_id=path_or_dataset_id, dataset_name=dataset_name, split=split,
                         tokenizer=tokenizer, seq_length=seq_length, max_seq_length=max_seq_length,
                         limit_dataset_samples=limit_dataset_samples, padding=padding, truncation=truncation,
-                        on_bad_row=on_bad_row)
+                        on_bad_row=on_bad_row, chat_template=chat_template)
 
 
 make_squad_dataset.argument_aliases = ALIASES
