@@ -2,7 +2,8 @@
 
 ``TrainingLoop`` is a base of ``TrainRecipe``; it runs what ``setup`` built (``self.model``, ``self.optimizer``,
 ``self.dataloader``, ...) and calls the recipe's override points (``compute_loss``, ``count_label_tokens``,
-``extra_validation_metrics``, ``after_step``, ``on_train_end``, ``save_model``). Domains never copy it.
+``context_parallel_batch``, ``extra_validation_metrics``, ``after_step``, ``on_train_end``, ``save_model``).
+Domains never copy it.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import contextlib
 import math
 import time
 from collections import deque
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +29,9 @@ from automodel.training.garbage import PeriodicGarbageCollection
 from automodel.training.logging import FAILED, STOPPED, SUCCESS
 from automodel.training.metrics import MetricsSample, peak_memory_gib
 from automodel.training.modules import unwrap
+from automodel.training.parallel.context_parallel import context_parallel_region
 from automodel.training.parallel.grad_norm import clip_grad_norm_
-from automodel.training.parallel.mesh import DP, PP
+from automodel.training.parallel.mesh import CP, DP, PP
 from automodel.training.parallel.tensor_parallel import local_loss, tensor_parallel_of
 from automodel.training.pipeline_steps import PipelineSteps
 from automodel.training.progress import Progress
@@ -77,15 +80,16 @@ class TrainingLoop(PipelineSteps):
         with self.batch_errors(batches[0], "dataloader"):
             label_tokens = sum(self.count_label_tokens(b) for b in batches)
             input_tokens = sum(self.count_input_tokens(b) for b in batches)
-        dp = self.ctx.mesh.dp
+        dp, cp = self.ctx.mesh.dp, self.ctx.mesh.cp
         if dp > 1:
             # Every rank divides by the tokens of the whole step; DDP/FSDP average gradients over the data-parallel
             # ranks, which the dp factor undoes, so N ranks equal one process accumulating N times as much. The
-            # ranks of one tensor-parallel group read the same rows: only the data-parallel group is summed.
+            # ranks of one tensor- or context-parallel group read the same rows: only the data-parallel group is
+            # summed (the tokens are counted before context parallelism splits the sequences).
             (global_tokens,) = all_reduce_sum(label_tokens, device=self.device, group=self.data_parallel_group())
             label_tokens = int(global_tokens.item())
         denominator = max(label_tokens, 1)
-        scale = dp / denominator
+        scale = dp * cp / denominator  # FSDP2 averages over dp x cp ranks under context parallelism
         scaler = self.grad_scaler
         total = torch.zeros((), device=self.device)
         if self.pipelines is not None:
@@ -93,14 +97,18 @@ class TrainingLoop(PipelineSteps):
         else:
             for index, batch in enumerate(batches):
                 self.prepare_micro_batch(last=index == len(batches) - 1)
-                with self.loss_context():  # vocabulary-parallel cross entropy holds the loss and its backward
+                # vocabulary-parallel cross entropy / context parallelism's region hold the loss and its backward
+                with self.loss_context(), self.sequence_parts(batch) as part:
                     with self.batch_errors(batch, "dataloader"), self.forward_context():
-                        loss_sum = local_loss(self.compute_loss(self.model, self.move_to_device(batch)))
+                        loss_sum = local_loss(self.compute_loss(self.model, part))
                     scaled = loss_sum.float() * scale
                     (scaler.scale(scaled) if scaler is not None else scaled).backward()
                 total += loss_sum.detach().float()
         if dp > 1:
             (total,) = all_reduce_sum(total, device=self.device, group=self.data_parallel_group())
+            total = total.float()
+        if cp > 1:  # each context-parallel rank summed the loss over its part of the sequences
+            (total,) = all_reduce_sum(total, device=self.device, group=self.ctx.device_mesh[CP].get_group())
             total = total.float()
         if scaler is not None:
             scaler.unscale_(self.optimizer)  # clipping and the reported norm see the true gradients
@@ -120,6 +128,21 @@ class TrainingLoop(PipelineSteps):
             self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss, grad_norm, input_tokens
+
+    @contextlib.contextmanager
+    def sequence_parts(self, batch: Any) -> Iterator[Any]:
+        """What a micro-batch's loss and backward run on: the batch on the device; with context parallelism
+        (``distributed.cp_size > 1``) this rank's part of its sequences (the recipe's ``context_parallel_batch``:
+        tokens, positions, next-token targets), the forward and backward inside torch's context-parallel region
+        over the mesh's ``cp`` group."""
+        batch = self.move_to_device(batch)
+        if self.ctx.mesh.cp == 1:
+            yield batch
+            return
+        with self.batch_errors(batch, "dataloader"):
+            split = self.context_parallel_batch(batch)
+        with context_parallel_region(self.ctx.device_mesh[CP], split):
+            yield split
 
     def prepare_micro_batch(self, last: bool) -> None:
         """Called before each micro-batch of a step (``last``: the step's final one). ``distributed.

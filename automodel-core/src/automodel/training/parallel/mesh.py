@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 DP = "dp"
 PP = "pp"
+CP = "cp"
 _AUTO = ("auto", "none", None)
 # distributed.* keys that size the layout (smallest_world's arguments)
 LAYOUT_KEYS = ("dp_size", "dp_replicate_size", "tp_size", "cp_size", "pp_size", "ep_size")
