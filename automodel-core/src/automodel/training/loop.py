@@ -2,8 +2,7 @@
 
 ``TrainingLoop`` is a base of ``TrainRecipe``; it runs what ``setup`` built (``self.model``, ``self.optimizer``,
 ``self.dataloader``, ...) and calls the recipe's override points (``compute_loss``, ``count_label_tokens``,
-``context_parallel_batch``, ``extra_validation_metrics``, ``after_step``, ``on_train_end``, ``save_model``).
-Domains never copy it.
+``extra_validation_metrics``, ``after_step``, ``on_train_end``, ``save_model``). Domains never copy it.
 """
 
 from __future__ import annotations
@@ -12,7 +11,6 @@ import contextlib
 import math
 import time
 from collections import deque
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +22,12 @@ from automodel.model_backend import backend_setting
 from automodel.training.builders import describe_batch
 from automodel.training.checkpoint import read_latest
 from automodel.training.checkpoint_write import CheckpointParts, CheckpointWrite
+from automodel.training.context_steps import ContextParallelSteps
 from automodel.training.dist import all_reduce_sum, any_rank, naming_stalls
 from automodel.training.garbage import PeriodicGarbageCollection
 from automodel.training.logging import FAILED, STOPPED, SUCCESS
 from automodel.training.metrics import MetricsSample, peak_memory_gib
 from automodel.training.modules import unwrap
-from automodel.training.parallel.context_parallel import context_parallel_region
 from automodel.training.parallel.grad_norm import clip_grad_norm_
 from automodel.training.parallel.mesh import CP, DP, PP
 from automodel.training.parallel.tensor_parallel import local_loss, tensor_parallel_of
@@ -41,7 +39,7 @@ from automodel.training.trainer_state import FORMAT as TRAINER_STATE_FORMAT
 from automodel.training.trainer_state import encode_losses
 
 
-class TrainingLoop(PipelineSteps):
+class TrainingLoop(PipelineSteps, ContextParallelSteps):
     """The loop and its events; the attributes it reads are built by ``TrainRecipe.setup``."""
 
     def move_to_device(self, batch: Any) -> Any:
@@ -128,21 +126,6 @@ class TrainingLoop(PipelineSteps):
             self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss, grad_norm, input_tokens
-
-    @contextlib.contextmanager
-    def sequence_parts(self, batch: Any) -> Iterator[Any]:
-        """What a micro-batch's loss and backward run on: the batch on the device; with context parallelism
-        (``distributed.cp_size > 1``) this rank's part of its sequences (the recipe's ``context_parallel_batch``:
-        tokens, positions, next-token targets), the forward and backward inside torch's context-parallel region
-        over the mesh's ``cp`` group."""
-        batch = self.move_to_device(batch)
-        if self.ctx.mesh.cp == 1:
-            yield batch
-            return
-        with self.batch_errors(batch, "dataloader"):
-            split = self.context_parallel_batch(batch)
-        with context_parallel_region(self.ctx.device_mesh[CP], split):
-            yield split
 
     def prepare_micro_batch(self, last: bool) -> None:
         """Called before each micro-batch of a step (``last``: the step's final one). ``distributed.

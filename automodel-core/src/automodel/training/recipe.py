@@ -35,7 +35,6 @@ from automodel.training.logging import LoggerContext, MetricLoggers, resolve_bac
 from automodel.training.loop import TrainingLoop
 from automodel.training.metrics import JsonlWriter, device_peak_flops
 from automodel.training.modules import is_fsdp2, trainable_parameters, unwrap
-from automodel.training.parallel.context_parallel import ContextParallelBatch
 from automodel.training.parallel.mesh import LAYOUT_KEYS, build_device_mesh, smallest_world
 from automodel.training.parallelism import (
     inert_distributed_notes,
@@ -71,10 +70,6 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
     tensor_parallel_unsupported: ClassVar[str | None] = (
         "this recipe's model and loss are not set up for tensor parallelism (the LLM fine-tuning recipe is); use "
         "tp_size: 1")
-    # why distributed.cp_size > 1 is refused (None: the recipe defines context_parallel_batch and its loss takes it)
-    context_parallel_unsupported: ClassVar[str | None] = (
-        "this recipe does not split its sequences over context-parallel ranks (the LLM fine-tuning and pre-training "
-        "recipe does); use cp_size: 1")
     stateful = ("model", "optimizer", "lr_scheduler", "step_scheduler", "dataloader", "rng", "grad_scaler")
 
     sections = {
@@ -158,11 +153,6 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
     def compute_loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
         """The micro-batch's loss *summed* over its label tokens (the loop divides by the step's count)."""
         raise NotImplementedError(f"{type(self).__name__} must implement compute_loss(model, batch)")
-
-    def context_parallel_batch(self, batch: Any) -> ContextParallelBatch:
-        """A micro-batch (on the device) as context parallelism splits it; ``compute_loss`` then gets this rank's
-        part. Only for recipes with ``context_parallel_unsupported = None`` (validation refuses cp_size > 1 else)."""
-        raise NotImplementedError(f"{type(self).__name__} must implement context_parallel_batch(batch)")
 
     def count_label_tokens(self, batch: Any) -> int:
         """How many targets ``compute_loss`` sums over (samples by default)."""

@@ -147,10 +147,8 @@ class DistributedConfig:
         "tensor-parallel size: each attention / MLP projection (and the output head) sharded over this many ranks "
         "with DTensor, by the model's tp plan (strategy fsdp2, which shards over dp_size; it must divide the "
         "model's heads, key/value heads, intermediate and vocabulary sizes; no peft)"))
-    cp_size: int = field(default=1, metadata=_help(
-        "context-parallel size: every sequence split over this many ranks, attention run as torch's ring attention "
-        "(CUDA GPUs only: refused on CPU; strategy fsdp2, which shards over dp_size x cp_size; the LLM recipes; no "
-        "tp / pp / ep, compile or packed sequences; rows padded to a multiple of 2 x cp_size)"))
+    cp_size: int = field(default=1, metadata=_help("context-parallel size: each sequence split over this many ranks, "
+                                                   "torch's ring attention (CUDA only; fsdp2; LLM recipes; no tp/pp)"))
     pp_size: int = field(default=1, metadata=_help(
         "pipeline-parallel size: the decoder layers split into pp_size stages, one per rank (strategy fsdp2, "
         "which shards each stage over dp_size; the LLM recipes; schedules gpipe and 1f1b, see pipeline)"))

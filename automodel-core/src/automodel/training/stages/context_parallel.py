@@ -2,7 +2,7 @@
 sequence and attention runs as torch's ring attention (``training/parallel/context_parallel.py``).
 
 The stage makes the attention modules run causal without the model's mask; the loop
-(``TrainingLoop.sequence_parts``) splits each micro-batch and runs its forward and backward inside torch's
+(``ContextParallelSteps.sequence_parts``) splits each micro-batch and runs its forward and backward inside torch's
 context-parallel region; FSDP2 shards over ``dp_shard x cp`` (the sharding slot). Validation refuses where torch
 cannot run it (not CUDA) and the combinations this path does not handle, each with the reason.
 """
