@@ -277,7 +277,7 @@ def context_parallel_split(mesh) -> dict[str, Any]:
     """Each cp rank's part of a batch (tokens, positions, targets), and whether torch's ring attention runs on
     this device."""
     ids, labels = lm_batch(0)
-    batch = ContextParallelBatch.from_labels(ids.clone(), labels)
+    batch = ContextParallelBatch.from_labels(ids, labels)
     result: dict[str, Any] = {"global_tokens": batch.label_tokens(), "fsdp_mesh": fsdp_mesh(mesh, plan_mesh(
         2, cp_size=2)).mesh_dim_names}
     model = meta_model(tiny_config(layers=1, vocab=VOCAB))

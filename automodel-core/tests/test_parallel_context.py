@@ -1,20 +1,59 @@
 """Context parallelism where this machine can test it: the refusal on CPU (and that torch's ring attention indeed
 does not run here), how a batch is split over two cp ranks (tokens, positions and next-token targets stay
-together, the label tokens add up), FSDP's mesh over dp x cp; expert parallelism refused."""
+together, the label tokens add up), FSDP's mesh over dp x cp, and the loop's context-parallel step on 2 and 4 gloo
+ranks against one process (context_parallel_workers.py: a model without attention, so the split is exact here)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
 from model_parallel_workers import lm_batch
+from transformers import LlamaConfig, LlamaForCausalLM
 
+from automodel.errors import AutomodelError
 from automodel.training.loss import IGNORE_INDEX
-from automodel.training.parallel.context_parallel import ContextParallelBatch, cp_issues, next_token_targets
+from automodel.training.next_token import NextTokenLogits
+from automodel.training.parallel.activation_checkpointing import apply_activation_checkpointing
+from automodel.training.parallel.context_parallel import (
+    ContextParallelBatch,
+    causal_attention_without_mask,
+    cp_issues,
+    next_token_targets,
+)
 
 
 @pytest.fixture(scope="module")
 def ranks(model_parallel_ranks):
     return [rank["cp"] for rank in model_parallel_ranks["two"]]
+
+
+@pytest.fixture(scope="module")
+def cp_steps(tmp_path_factory):
+    """The loop's step: one process, cp 2 on two ranks, dp 2 x cp 2 on four."""
+    from parallel_testing import launch_together
+
+    tmp = tmp_path_factory.mktemp("cp_steps")
+    one, cp2, dp2_cp2 = launch_together(
+        [("cp", 0, tmp / "one", {"dp": 1}), ("cp", 2, tmp / "cp2", {"dp": 1}), ("cp", 4, tmp / "dp2_cp2", {"dp": 2})],
+        workers=Path(__file__).with_name("context_parallel_workers.py"), timeout=600)
+    return {"one": one[0], "cp2": cp2, "dp2_cp2": dp2_cp2}
+
+
+@pytest.mark.parametrize("layout", ["cp2", "dp2_cp2"])
+@pytest.mark.parametrize("logits", ["head", "all_positions"])
+def test_the_loops_context_parallel_step_equals_one_process(cp_steps, layout, logits):
+    """Losses, gradient norms (the gradients' scale: dp * cp / tokens) and weights after three steps of two
+    micro-batches; with the output head projecting only each rank's labelled positions, and every position."""
+    one = cp_steps["one"][logits]
+    for rank in cp_steps[layout]:
+        ran = rank[logits]
+        assert ran["losses"] == pytest.approx(one["losses"], abs=1e-6)
+        assert ran["norms"] == pytest.approx(one["norms"], rel=1e-5)
+        assert sorted(ran["state"]) == sorted(one["state"])
+        for key, value in one["state"].items():
+            assert torch.allclose(torch.tensor(ran["state"][key]), torch.tensor(value), atol=1e-6), key
 
 
 def test_cp_is_refused_on_cpu_saying_what_would_run_it():
@@ -54,3 +93,33 @@ def test_targets_are_the_next_tokens_labels():
     assert batch.position_ids.tolist() == [[0, 1, 2, 3]]
     assert batch.label_tokens() == int((labels[:, 1:] != IGNORE_INDEX).sum()) == 2  # the engine's count
 
+
+
+def test_the_batch_keeps_its_own_positions_and_new_tensors():
+    ids, labels = torch.tensor([[1, 2, 3, 4]]), torch.tensor([[1, 2, 3, 4]])
+    positions = torch.tensor([[0, 1, 0, 1]])
+    batch = ContextParallelBatch.from_labels(ids, labels, positions)
+    assert batch.position_ids.tolist() == [[0, 1, 0, 1]]
+    assert batch.input_ids is not ids and batch.position_ids is not positions  # the region splits them in place
+
+
+def test_left_padding_is_refused_with_what_to_do():
+    batch = {"input_ids": torch.tensor([[0, 5, 6, 7]]), "labels": torch.tensor([[IGNORE_INDEX, 5, 6, 7]]),
+             "attention_mask": torch.tensor([[0, 1, 1, 1]])}
+    with pytest.raises(AutomodelError, match="left padding.*pad on the right"):
+        NextTokenLogits.context_parallel_batch(None, batch)
+    right = {**batch, "attention_mask": torch.tensor([[1, 1, 1, 0]])}
+    assert NextTokenLogits.context_parallel_batch(None, right).targets.tolist() == [[5, 6, 7, IGNORE_INDEX]]
+
+
+def test_attention_is_found_below_activation_checkpointing_and_runs_without_the_mask():
+    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2)
+    model = LlamaForCausalLM(config)
+    apply_activation_checkpointing(model)
+    assert causal_attention_without_mask(model) == 2
+    seen = []
+    model.model.layers[0].self_attn.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(kwargs.get("attention_mask", "absent")), with_kwargs=True)
+    model(input_ids=torch.tensor([[1, 2, 3, 4]]), attention_mask=torch.tensor([[1, 1, 1, 0]]))
+    assert seen == [None]

@@ -65,5 +65,7 @@ def test_describe_names_each_rank_and_stops_at_a_limit():
                          for r in range(4)]
     many = describe_mesh(MeshLayout(64, dp_shard=64), max_ranks=3)
     assert "(FSDP shards over 64)" in many[0]
+    assert "dp = dp_replicate x dp_shard = 2 (FSDP shards over dp_shard x cp = 4)" in describe_mesh(
+        MeshLayout(4, dp_shard=2, cp=2))[0]  # context parallelism: FSDP2 over dp_shard x cp
     assert len(many) == 5 and many[-1] == "  ... 61 more ranks in the same pattern"
     assert MESH_DIMS == ("pp", "dp_replicate", "dp_shard", "cp", "tp")

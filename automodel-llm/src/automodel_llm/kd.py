@@ -46,6 +46,8 @@ class KnowledgeDistillationRecipe(FinetuneRecipeForNextTokenPrediction):
                                    "which tensor parallelism keeps sharded over the vocabulary; use tp_size: 1")
     pipeline_parallel_unsupported = ("the teacher runs beside the student on whole batches, which pipeline stages "
                                      "split over ranks; use pp_size: 1")
+    context_parallel_unsupported = ("the teacher runs beside the student on whole sequences, which context "
+                                    "parallelism splits over ranks; use cp_size: 1")
 
     sections = {
         "teacher_model": Target("the frozen teacher: {_target_: ..., ...}", required=True),

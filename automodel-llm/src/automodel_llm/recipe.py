@@ -69,6 +69,22 @@ class PackedSequenceConfig:
                                                    "order"})
 
 
+def context_parallel_issues(cfg: Config, generation: Any, packing: Any) -> list[ConfigIssue]:
+    """What this recipe cannot run with ``distributed.cp_size > 1`` (attention runs causal without a mask)."""
+    cp = cfg.distributed.cp_size
+    issues = []
+    if "eval_generation" in cfg and generation is not None and generation.enabled:
+        issues.append(ConfigIssue("eval_generation.enabled", f"generation pads its prompts and needs their attention "
+                                  f"mask, which context parallelism (cp_size {cp}) drops from every attention "
+                                  "module; set eval_generation.enabled: false"))
+    if packing is not None and (packing.enabled or packing.packed_sequence_size > 0):
+        issues.append(ConfigIssue("packed_sequence.packed_sequence_size", f"packed rows keep attention within each "
+                                  f"sample, but context parallelism (cp_size {cp}) runs one causal attention over "
+                                  "the whole row; turn packing off (packed_sequence.enabled: false, "
+                                  "packed_sequence_size: 0)"))
+    return issues
+
+
 def pipeline_issues(cfg: Config, generation: Any, packing: Any) -> list[ConfigIssue]:
     """What this recipe cannot run with ``distributed.pp_size > 1``."""
     pp = cfg.distributed.pp_size
@@ -89,6 +105,7 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
     domain = "llm"
     tensor_parallel_unsupported = None  # the loss runs on vocabulary-parallel logits (training/loop.py)
     pipeline_parallel_unsupported = None  # pipeline_batches / pipeline_loss below
+    context_parallel_unsupported = None  # NextTokenLogits' context_parallel_batch; rows padded to 2 x cp_size
     sections = {
         "tokenizer": Target("tokenizer (default: the model's): {pretrained_model_name_or_path: ...}", plain=True,
                             default_target="transformers.AutoTokenizer.from_pretrained"),
@@ -133,6 +150,8 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
         size = getattr(packing, "packed_sequence_size", 0) or 0
         if settings is not None and settings.pp_size > 1:
             issues += pipeline_issues(cfg, generation, packing)
+        if settings is not None and settings.cp_size > 1:
+            issues += context_parallel_issues(cfg, generation, packing)
         if settings is not None and settings.tp_size > 1 and settings.sequence_parallel and size % settings.tp_size:
             issues.append(ConfigIssue("packed_sequence.packed_sequence_size", f"{size} does not divide by tp_size "
                                       f"{settings.tp_size}: sequence parallelism splits every row over the "
@@ -175,10 +194,16 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
         pad = self.tokenizer.pad_token_id or 0
         if train and self.pack_size:
             return functools.partial(packed_collate, pack_size=self.pack_size, pad_token_id=pad)
+        return functools.partial(pad_collate, pad_token_id=pad, pad_to_multiple_of=self.length_multiple())
+
+    def length_multiple(self) -> int | None:
+        """What the default collate pads each row's length to a multiple of: sequence parallelism splits each row
+        over the tensor-parallel ranks, context parallelism into 2 x cp_size chunks (validation refuses both
+        together)."""
         settings = self.cfg.distributed
-        # sequence parallelism splits each row over the tensor-parallel ranks: rows padded to a multiple of them
-        multiple = settings.tp_size if settings is not None and settings.sequence_parallel else None
-        return functools.partial(pad_collate, pad_token_id=pad, pad_to_multiple_of=multiple)
+        if settings is not None and settings.cp_size > 1:
+            return 2 * settings.cp_size
+        return settings.tp_size if settings is not None and settings.sequence_parallel else None
 
     def setup(self) -> None:
         super().setup()

@@ -22,13 +22,14 @@ from automodel.model_backend import backend_setting
 from automodel.training.builders import describe_batch
 from automodel.training.checkpoint import read_latest
 from automodel.training.checkpoint_write import CheckpointParts, CheckpointWrite
+from automodel.training.context_steps import ContextParallelSteps
 from automodel.training.dist import all_reduce_sum, any_rank, naming_stalls
 from automodel.training.garbage import PeriodicGarbageCollection
 from automodel.training.logging import FAILED, STOPPED, SUCCESS
 from automodel.training.metrics import MetricsSample, peak_memory_gib
 from automodel.training.modules import unwrap
 from automodel.training.parallel.grad_norm import clip_grad_norm_
-from automodel.training.parallel.mesh import DP, PP
+from automodel.training.parallel.mesh import CP, DP, PP
 from automodel.training.parallel.tensor_parallel import local_loss, tensor_parallel_of
 from automodel.training.pipeline_steps import PipelineSteps
 from automodel.training.progress import Progress
@@ -38,7 +39,7 @@ from automodel.training.trainer_state import FORMAT as TRAINER_STATE_FORMAT
 from automodel.training.trainer_state import encode_losses
 
 
-class TrainingLoop(PipelineSteps):
+class TrainingLoop(PipelineSteps, ContextParallelSteps):
     """The loop and its events; the attributes it reads are built by ``TrainRecipe.setup``."""
 
     def move_to_device(self, batch: Any) -> Any:
@@ -77,15 +78,16 @@ class TrainingLoop(PipelineSteps):
         with self.batch_errors(batches[0], "dataloader"):
             label_tokens = sum(self.count_label_tokens(b) for b in batches)
             input_tokens = sum(self.count_input_tokens(b) for b in batches)
-        dp = self.ctx.mesh.dp
+        dp, cp = self.ctx.mesh.dp, self.ctx.mesh.cp
         if dp > 1:
             # Every rank divides by the tokens of the whole step; DDP/FSDP average gradients over the data-parallel
             # ranks, which the dp factor undoes, so N ranks equal one process accumulating N times as much. The
-            # ranks of one tensor-parallel group read the same rows: only the data-parallel group is summed.
+            # ranks of one tensor- or context-parallel group read the same rows: only the data-parallel group is
+            # summed (the tokens are counted before context parallelism splits the sequences).
             (global_tokens,) = all_reduce_sum(label_tokens, device=self.device, group=self.data_parallel_group())
             label_tokens = int(global_tokens.item())
         denominator = max(label_tokens, 1)
-        scale = dp / denominator
+        scale = dp * cp / denominator  # FSDP2 averages over dp x cp ranks under context parallelism
         scaler = self.grad_scaler
         total = torch.zeros((), device=self.device)
         if self.pipelines is not None:
@@ -93,14 +95,18 @@ class TrainingLoop(PipelineSteps):
         else:
             for index, batch in enumerate(batches):
                 self.prepare_micro_batch(last=index == len(batches) - 1)
-                with self.loss_context():  # vocabulary-parallel cross entropy holds the loss and its backward
+                # vocabulary-parallel cross entropy / context parallelism's region hold the loss and its backward
+                with self.loss_context(), self.sequence_parts(batch) as part:
                     with self.batch_errors(batch, "dataloader"), self.forward_context():
-                        loss_sum = local_loss(self.compute_loss(self.model, self.move_to_device(batch)))
+                        loss_sum = local_loss(self.compute_loss(self.model, part))
                     scaled = loss_sum.float() * scale
                     (scaler.scale(scaled) if scaler is not None else scaled).backward()
                 total += loss_sum.detach().float()
         if dp > 1:
             (total,) = all_reduce_sum(total, device=self.device, group=self.data_parallel_group())
+            total = total.float()
+        if cp > 1:  # each context-parallel rank summed the loss over its part of the sequences
+            (total,) = all_reduce_sum(total, device=self.device, group=self.ctx.device_mesh[CP].get_group())
             total = total.float()
         if scaler is not None:
             scaler.unscale_(self.optimizer)  # clipping and the reported norm see the true gradients

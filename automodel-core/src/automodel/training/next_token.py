@@ -17,8 +17,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from automodel.errors import AutomodelError
 from automodel.training.loss import IGNORE_INDEX
 from automodel.training.modules import unwrap
+from automodel.training.parallel.context_parallel import ContextParallelBatch
 
 LABEL_POSITIONS = "label_positions"  # batch key: flat indices of the positions whose next token has a label
 
@@ -85,11 +87,31 @@ def next_token_logits(model: nn.Module, inputs: dict[str, Any], labels: torch.Te
     if index is None:
         logits = model(**inputs).logits
         return logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1)
+    return logits_at(model, inputs, index, head), labels.reshape(-1)[index + 1]
+
+
+def logits_at(model: nn.Module, inputs: dict[str, Any], index: torch.Tensor, head: HeadOnPositions | None
+              ) -> torch.Tensor:
+    """The logits of the flat positions ``index`` only (the head projects only them where it can)."""
     with head.only(index) if head is not None else contextlib.nullcontext():
         logits = model(**inputs).logits
     if logits.dim() == 3:  # the model did not project through its output-embeddings module
         logits = logits.reshape(-1, logits.shape[-1]).index_select(0, index)
-    return logits, labels.reshape(-1)[index + 1]
+    return logits
+
+
+def split_next_token_logits(model: nn.Module, batch: ContextParallelBatch, head: HeadOnPositions | None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logits, targets)`` of a rank's part of a context-parallel batch: its targets are already the next
+    tokens' labels (shifted before the split), so they pair with the logits of the same positions, unshifted; with
+    ``head`` only the positions whose target is a label are projected."""
+    inputs = {"input_ids": batch.input_ids, "position_ids": batch.position_ids, "use_cache": False}
+    targets = batch.targets.reshape(-1)
+    if head is None:
+        logits = model(**inputs).logits
+        return logits.reshape(-1, logits.shape[-1]), targets
+    index = (targets != IGNORE_INDEX).nonzero().squeeze(1)
+    return logits_at(model, inputs, index, head), targets.index_select(0, index)
 
 
 def pipeline_logits_note(pp_size: int) -> str:
@@ -131,7 +153,21 @@ class NextTokenLogits:
         """The model's keyword arguments, taken from a batch."""
         raise NotImplementedError
 
-    def next_token_logits(self, model: nn.Module, batch: dict[str, Any], head: HeadOnPositions | None
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(logits, targets)`` of ``batch`` through ``model`` (see :func:`next_token_logits`)."""
+    def next_token_logits(self, model: nn.Module, batch: dict[str, Any] | ContextParallelBatch,
+                          head: HeadOnPositions | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(logits, targets)`` of ``batch`` through ``model`` (see :func:`next_token_logits`), or of a rank's
+        part of a context-parallel batch (:func:`split_next_token_logits`)."""
+        if isinstance(batch, ContextParallelBatch):
+            return split_next_token_logits(model, batch, head)
         return next_token_logits(model, self.model_inputs(batch), batch["labels"], batch.get(LABEL_POSITIONS), head)
+
+    def context_parallel_batch(self, batch: dict[str, Any]) -> ContextParallelBatch:
+        """Token ids, positions and next-token targets: what context parallelism splits over its ranks (the
+        other keys, the attention mask among them, stay behind: the attention runs causal without a mask)."""
+        mask = batch.get("attention_mask")
+        if mask is not None and bool((mask[:, 1:] > mask[:, :-1]).any()):
+            raise AutomodelError("context parallelism (distributed.cp_size) runs causal attention without a mask, "
+                                 "which keeps padding at the end of a row out of every real token's attention, but "
+                                 "this batch has padding before real tokens (left padding); pad on the right "
+                                 "(the recipe's default collate_fn does)")
+        return ContextParallelBatch.from_labels(batch["input_ids"], batch["labels"], batch.get("position_ids"))

@@ -151,7 +151,8 @@ class DistributedConfig:
         "tensor-parallel size: each attention / MLP projection (and the output head) sharded over this many ranks "
         "with DTensor, by the model's tp plan (strategy fsdp2, which shards over dp_size; it must divide the "
         "model's heads, key/value heads, intermediate and vocabulary sizes; no peft)"))
-    cp_size: int = field(default=1, metadata=_help("context-parallel size (only 1 is supported)"))
+    cp_size: int = field(default=1, metadata=_help("context-parallel size: each sequence split over this many ranks, "
+                                                   "torch's ring attention (CUDA only; fsdp2; LLM recipes; no tp/pp)"))
     pp_size: int = field(default=1, metadata=_help(
         "pipeline-parallel size: the decoder layers split into pp_size stages, one per rank (strategy fsdp2, "
         "which shards each stage over dp_size; the LLM recipes; schedules gpipe and 1f1b, see pipeline)"))

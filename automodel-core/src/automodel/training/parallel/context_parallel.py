@@ -84,9 +84,13 @@ class ContextParallelBatch:
     targets: torch.Tensor
 
     @classmethod
-    def from_labels(cls, input_ids: torch.Tensor, labels: torch.Tensor) -> ContextParallelBatch:
-        positions = torch.arange(input_ids.shape[SEQUENCE_DIM], device=input_ids.device).expand_as(input_ids)
-        return cls(input_ids, positions.contiguous(), next_token_targets(labels))
+    def from_labels(cls, input_ids: torch.Tensor, labels: torch.Tensor,
+                    position_ids: torch.Tensor | None = None) -> ContextParallelBatch:
+        """The batch's own ``position_ids`` where it has them, else each row's ``0 .. length - 1``; the tensors
+        are new ones (the region splits them in place, the collated batch stays whole)."""
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[SEQUENCE_DIM], device=input_ids.device).expand_as(input_ids)
+        return cls(input_ids.clone(), position_ids.clone().contiguous(), next_token_targets(labels))
 
     def label_tokens(self) -> int:
         return int((self.targets != IGNORE_INDEX).sum())
@@ -114,15 +118,20 @@ def context_parallel_region(cp_mesh: DeviceMesh, batch: ContextParallelBatch) ->
 
 def causal_attention_without_mask(model: nn.Module) -> int:
     """Make every attention module of ``model``'s transformer blocks run causal without a mask (the model's mask,
-    built from the split position ids, would not match ring attention); returns how many were hooked."""
+    built from the split position ids, would not match ring attention); returns how many were hooked. The modules
+    are found below wrappers (activation checkpointing) too."""
     def drop_mask(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
         return args, {**kwargs, "attention_mask": None}
 
     hooked = 0
     for block in transformer_blocks(model):
-        for name, child in block.named_children():
-            if "attn" in name or type(child).__name__.endswith("Attention"):
+        taken: list[str] = []  # the outermost attention module of a branch only (not its own 'c_attn' projection)
+        for name, child in block.named_modules():
+            if not name or any(name.startswith(f"{outer}.") for outer in taken):
+                continue
+            if "attn" in name.rsplit(".", 1)[-1] or type(child).__name__.endswith("Attention"):
                 child.register_forward_pre_hook(drop_mask, with_kwargs=True)
+                taken.append(name)
                 hooked += 1
     if not hooked:
         raise AutomodelError(f"context parallelism found no attention module in the layers of "

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 DP = "dp"
 PP = "pp"
+CP = "cp"
 _AUTO = ("auto", "none", None)
 # distributed.* keys that size the layout (smallest_world's arguments)
 LAYOUT_KEYS = ("dp_size", "dp_replicate_size", "tp_size", "cp_size", "pp_size", "ep_size")
@@ -153,8 +154,9 @@ def describe_mesh(layout: MeshLayout, max_ranks: int = 16) -> list[str]:
     """Lines for ``--dry-run``: the mesh's shape and where each rank sits (the first ``max_ranks`` of them)."""
     shape = " x ".join(f"{name} {size}" for name, size in zip(MESH_DIMS, layout.shape, strict=True))
     kind = "HSDP" if layout.dp_replicate > 1 else "FSDP"
+    over = f"dp_shard x cp = {layout.dp_shard * layout.cp}" if layout.cp > 1 else f"{layout.dp_shard}"
     lines = [f"device mesh: {shape} = {layout.world_size} ranks; data parallel dp = dp_replicate x dp_shard = "
-             f"{layout.dp} ({kind} shards over {layout.dp_shard})"]
+             f"{layout.dp} ({kind} shards over {over})"]
     shown = min(layout.world_size, max_ranks)
     for rank in range(shown):
         where = ", ".join(f"{name} {index}" for name, index in layout.coordinates(rank).items())

@@ -1,19 +1,60 @@
-"""Slot ``context_parallel``: this build has no implementation, so ``distributed.cp_size > 1`` is refused at
-validation and the slot never acts."""
+"""Slot ``context_parallel`` (``distributed.cp_size > 1``): each rank of a ``cp`` group holds a part of every
+sequence and attention runs as torch's ring attention (``training/parallel/context_parallel.py``).
+
+The stage makes the attention modules run causal without the model's mask; the loop
+(``ContextParallelSteps.sequence_parts``) splits each micro-batch and runs its forward and backward inside torch's
+context-parallel region; FSDP2 shards over ``dp_shard x cp`` (the sharding slot). Validation refuses where torch
+cannot run it (not CUDA) and the combinations this path does not handle, each with the reason.
+"""
 
 from __future__ import annotations
 
+import torch
+
 from automodel.config import Config
 from automodel.errors import ConfigIssue
+from automodel.training.context import BuildContext
+from automodel.training.modules import unwrap
+from automodel.training.parallel.context_parallel import causal_attention_without_mask, cp_issues
+from automodel.training.parallelism import validation_device
 
 
 def select(cfg: Config) -> tuple[str, str] | None:
-    return None
+    dist = cfg.distributed
+    return ("ring_attention", "distributed.cp_size") if dist is not None and dist.cp_size > 1 else None
 
 
 def issues(cfg: Config, implementation: str | None) -> list[ConfigIssue]:
+    """This machine's device (CUDA), the model's attention (SDPA), and what the path does not compose with."""
     dist = cfg.distributed
-    if dist is not None and dist.cp_size > 1:
-        return [ConfigIssue("distributed.cp_size", f"{dist.cp_size}: context parallelism is not supported by this "
-                                                   "build; use cp_size: 1")]
-    return []
+    if dist is None or dist.cp_size == 1:
+        return []
+    cp = dist.cp_size
+    attention = cfg.model.get("attn_implementation") if cfg.model is not None else None
+    found = cp_issues(validation_device(), cp, attention)
+    if dist.strategy != "fsdp2":
+        found.append(ConfigIssue("distributed.strategy", f"{dist.strategy}: the {cp} context-parallel ranks of a "
+                                 "batch hold partial gradients, which FSDP2 sums over dp x cp ranks; set "
+                                 "distributed.strategy: fsdp2"))
+    for key, size, why in (
+            ("pp_size", dist.pp_size, "the pipeline schedule runs the micro-batches itself, outside the "
+                                      "context-parallel region that must hold each forward and backward"),
+            ("tp_size", dist.tp_size, "tensor parallelism's vocabulary-parallel loss and sequence sharding are not "
+                                      "wired to the split sequences")):
+        if size > 1:
+            found.append(ConfigIssue(f"distributed.{key}", f"{size} with cp_size {cp}: {why}; use {key}: 1 with "
+                                     "context parallelism"))
+    if cfg.compile is not None and cfg.compile.enabled:
+        found.append(ConfigIssue("compile.enabled", f"true with cp_size {cp}: torch's context-parallel region swaps "
+                                 "torch.nn.functional.scaled_dot_product_attention for its ring attention while it "
+                                 "is entered, which a graph traced once does not follow; set it false"))
+    return found
+
+
+def ring_attention(ctx: BuildContext, model: torch.nn.Module) -> tuple[torch.nn.Module, str]:
+    """The attention modules run causal without the model's mask (ring attention needs ``is_causal``; a mask
+    built from a rank's split positions would be wrong); the loop does the rest per micro-batch."""
+    hooked = causal_attention_without_mask(unwrap(model))
+    cp = ctx.mesh.cp
+    return model, (f"{hooked} attention modules run as ring attention over cp {cp} (each sequence split into "
+                   f"{2 * cp} chunks, rank r holding chunks r and {2 * cp - 1} - r)")

@@ -3,7 +3,8 @@ megatron_fsdp), over the device mesh's data-parallel dimension; acts only with m
 
 FSDP2 shards a model built on the meta device and then materialises it, each rank only its shards
 (``training/model_init.py``); a model its factory built in full (a factory without meta-device support) is sharded
-as it is. HSDP (``dp_replicate_size > 1``) shards over the mesh's ``(dp_replicate, dp_shard)`` dimensions.
+as it is. HSDP (``dp_replicate_size > 1``) shards over the mesh's ``(dp_replicate, dp_shard)`` dimensions; with context
+parallelism (``cp_size > 1``) ``dp_shard`` is joined with ``cp`` (``parallel/context_parallel.fsdp_mesh``).
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from automodel.errors import AutomodelError, ConfigIssue
 from automodel.training.context import BuildContext
 from automodel.training.dist import expected_world_size
 from automodel.training.model_init import materialize_model, on_meta
+from automodel.training.parallel.context_parallel import fsdp_mesh
 from automodel.training.parallel.expert_parallel import expert_parameters
 from automodel.training.parallel.fsdp import apply_fsdp2, inner_root_issue
-from automodel.training.parallel.mesh import DP, data_parallel_mesh
+from automodel.training.parallel.mesh import DP
 from automodel.training.parallelism import parallel_issues
 from automodel.training.sections import moe_head_fp32, moe_inner_root
 
@@ -76,11 +78,13 @@ def wrap_fsdp2(ctx: BuildContext, model: torch.nn.Module) -> tuple[torch.nn.Modu
     if not outer_root and inner_root_issue(model):
         raise AutomodelError(f"distributed.moe.wrap_outer_model: false: {inner_root_issue(model)}, so the inner "
                              "model cannot be the FSDP2 root alone; set it true")
-    blocks = apply_fsdp2(model, data_parallel_mesh(ctx.device_mesh, layout), ctx.precision, prefetch,
+    blocks = apply_fsdp2(model, fsdp_mesh(ctx.device_mesh, layout), ctx.precision, prefetch,
                          settings.reshard_after_forward, ignored=experts or None, fp32_head=head,
                          outer_root=outer_root)
     how = (f"HSDP: {layout.dp_replicate} replicas x FSDP2 over {layout.dp_shard} ranks" if layout.dp_replicate > 1
            else f"FSDP2 over {layout.dp_shard} ranks")
+    if layout.cp > 1:
+        how += f" x context parallel over {layout.cp} (FSDP2 shards over dp_shard x cp)"
     if layout.tp > 1:
         how += f" x tensor parallel over {layout.tp}"
     if experts:
