@@ -40,6 +40,11 @@ def issues(cfg: Config, implementation: str | None) -> list[ConfigIssue]:
         found.append(ConfigIssue("distributed.enable_compile", "true compiles each transformer block and "
                                  "compile.enabled: true the whole model; a model is compiled one way: set one of them "
                                  "false (compile:'s backend, mode, fullgraph and dynamic apply to either)"))
+    if per_block(cfg) and cfg.distributed.tp_size > 1:
+        found.append(ConfigIssue("distributed.enable_compile", f"true with tp_size {cfg.distributed.tp_size}: blocks "
+                                 "compiled over tensor-parallel (DTensor) weights train other losses than the same "
+                                 "blocks run eagerly (seen from the second step on), so the two are not combined "
+                                 "here; set enable_compile false or tp_size 1"))
     options = cfg.compile if cfg.compile is not None else CompileConfig()
     if select(cfg) is None or (options.backend or "inductor") != "inductor" or torch.cuda.is_available():
         return found
