@@ -89,8 +89,7 @@ PARALLELIZER = ArgumentsFor(
                               "given in the config is not taken: remove the key",
              "frozen_multimodal_sharding": "upstream's FSDP2 policy for frozen vision / audio towers; FSDP2 here "
                                            "shards every transformer block it finds: remove the key"},
-    help="upstream's parallelizer arguments (_target_: nemo_automodel.components.moe.parallelizer."
-         "parallelize_model), each standing for the distributed key of the same meaning")
+    help="the arguments of upstream's MoE parallelizer, each standing for the distributed key of the same meaning")
 
 
 def pipeline_issues(cfg: Config, generation: Any, packing: Any) -> list[ConfigIssue]:
