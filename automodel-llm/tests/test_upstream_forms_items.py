@@ -67,15 +67,18 @@ def test_upstream_fsdp2_switches_that_cannot_act_are_refused_with_the_reason(key
     load_config(FORMS / "distributed_pipeline_replicate.yaml", f"--distributed.{key}", "false")  # off: fine
 
 
-def test_per_block_compile_is_refused_with_whole_model_compile_and_with_tensor_parallelism():
+def test_per_block_compile_is_refused_with_whole_model_compile_and_with_tensor_parallelism(capsys):
+    """Alone it acts (the plan says so; test_compile_blocks.py trains with it)."""
+    from automodel.cli.main import main
+
     form = FORMS / "distributed_pipeline_replicate.yaml"
     found = refusals(form, "--distributed.enable_compile", "true", "--compile.enabled", "true")
     assert "a model is compiled one way: set one of them false" in found["distributed.enable_compile"]
     found = refusals(form, "--distributed.enable_compile", "true", "--distributed.tp_size", "2")
     assert "true with tp_size 2: blocks compiled over tensor-parallel (DTensor) weights train other losses" in \
         found["distributed.enable_compile"]
-    _, cfg = load_config(form, "--distributed.enable_compile", "true")  # alone: it acts (test_compile_blocks.py)
-    assert cfg.distributed.enable_compile
+    assert main(["finetune", "llm", "-c", str(form), "--distributed.enable_compile", "true", "--dry-run"]) == 0
+    assert "compile: each transformer block in place (after sharding)" in "".join(capsys.readouterr())
 
 
 def test_fsdp2_prefetch_needs_fsdp2_processes_and_its_depths_need_it():
