@@ -40,11 +40,12 @@ def issues(cfg: Config, implementation: str | None) -> list[ConfigIssue]:
         found.append(ConfigIssue("distributed.enable_compile", "true compiles each transformer block and "
                                  "compile.enabled: true the whole model; a model is compiled one way: set one of them "
                                  "false (compile:'s backend, mode, fullgraph and dynamic apply to either)"))
-    if per_block(cfg) and cfg.distributed.tp_size > 1:
-        found.append(ConfigIssue("distributed.enable_compile", f"true with tp_size {cfg.distributed.tp_size}: blocks "
-                                 "compiled over tensor-parallel (DTensor) weights train other losses than the same "
-                                 "blocks run eagerly (seen from the second step on), so the two are not combined "
-                                 "here; set enable_compile false or tp_size 1"))
+    tp = cfg.distributed.tp_size if cfg.distributed is not None else 1
+    if select(cfg) is not None and tp > 1:
+        found.append(ConfigIssue(select(cfg)[1], f"true with tp_size {tp}: torch.compile over tensor-parallel "
+                                 "(DTensor) weights does not train right here (each block compiled: other losses "
+                                 "than eager ones from the second step; the whole model: dynamo stops on mixed fake "
+                                 "tensor modes), so the two are not combined; set it false or tp_size 1"))
     options = cfg.compile if cfg.compile is not None else CompileConfig()
     if select(cfg) is None or (options.backend or "inductor") != "inductor" or torch.cuda.is_available():
         return found
