@@ -193,13 +193,21 @@ def describe_alias(name: str, spec: Any) -> list[str]:
     return [f"### `{name}`", "", text + both, ""]
 
 
+def describe_arguments(name: str, spec: Any) -> list[str]:
+    keys = ", ".join(f"`{k}` (`{v}`)" for k, v in spec.keys.items())
+    return [f"### `{name}`", "", f"Upstream's section of arguments: {spec.help.rstrip('.')}. Accepted only with "
+            f"`_target_: {spec.target}`; each argument sets the key it stands for: {keys}. A value that differs from "
+            f"the one the config gives there is an error. Refused with the reason: {', '.join(spec.refused)}; any "
+            "other key too.", ""]
+
+
 def describe_recipe(name: str, spec: Any) -> list[str]:
     return [f"### `{name}`", "", f"Recipe section: {spec.help.rstrip('.')}. `automodel recipes` lists the names.",
             ""]
 
 
 def describe(name: str, spec: Any) -> list[str]:
-    from automodel.config import Free, KeyAlias, Metadata, Refused, Target
+    from automodel.config import ArgumentsFor, Free, KeyAlias, Metadata, Refused, Target
     from automodel.config.specs import RecipeRef
 
     if name.endswith("*"):
@@ -216,6 +224,8 @@ def describe(name: str, spec: Any) -> list[str]:
         return describe_free(name, spec)
     if isinstance(spec, KeyAlias):
         return describe_alias(name, spec)
+    if isinstance(spec, ArgumentsFor):
+        return describe_arguments(name, spec)
     if isinstance(spec, RecipeRef):
         return describe_recipe(name, spec)
     if isinstance(spec, Metadata):

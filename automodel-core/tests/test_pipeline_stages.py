@@ -92,6 +92,15 @@ def test_activation_checkpointing_needs_transformer_blocks(make_toy):
                         recipe=ToyRecipe, setup_only=True)
 
 
+def test_per_block_compile_needs_transformer_blocks(make_toy):
+    from automodel.errors import AutomodelError
+
+    with pytest.raises(AutomodelError, match="distributed.enable_compile: ToyModel has no repeated transformer "
+                                             "blocks .* compile the whole model with compile.enabled: true"):
+        train_inprocess(make_toy(model={"layers": 0}, distributed={"enable_compile": True}),
+                        recipe=ToyRecipe, setup_only=True)
+
+
 def test_activation_checkpointing_wraps_the_toy_blocks_and_keeps_the_losses(make_toy, tmp_path):
     plain = train_inprocess(make_toy(checkpoint={"checkpoint_dir": str(tmp_path / "plain")}), recipe=ToyRecipe)
     wrapped = train_inprocess(make_toy(checkpoint={"checkpoint_dir": str(tmp_path / "ac")},

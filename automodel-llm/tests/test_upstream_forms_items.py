@@ -59,13 +59,27 @@ def test_pipeline_and_moe_keys_are_upstreams_and_sizes_above_one_are_checked(tmp
     assert "wrap_outer_modle: not a key of upstream's moe settings" in found["distributed.moe"]
 
 
-@pytest.mark.parametrize("key, words", [("enable_compile", "compile: {enabled: true}"),
-                                        ("enable_async_tensor_parallel", "tp_size > 1"),
+@pytest.mark.parametrize("key, words", [("enable_async_tensor_parallel", "tp_size > 1"),
                                         ("patch_is_packed_sequence", "CUDA synchronisation")])
 def test_upstream_fsdp2_switches_that_cannot_act_are_refused_with_the_reason(key, words):
     found = refusals(FORMS / "distributed_pipeline_replicate.yaml", f"--distributed.{key}", "true")
     assert words in found[f"distributed.{key}"]
     load_config(FORMS / "distributed_pipeline_replicate.yaml", f"--distributed.{key}", "false")  # off: fine
+
+
+def test_per_block_compile_is_refused_with_whole_model_compile_and_with_tensor_parallelism(capsys):
+    """Alone it acts (the plan says so; test_compile_blocks.py trains with it)."""
+    from automodel.cli.main import main
+
+    form = FORMS / "distributed_pipeline_replicate.yaml"
+    found = refusals(form, "--distributed.enable_compile", "true", "--compile.enabled", "true")
+    assert "a model is compiled one way: set one of them false" in found["distributed.enable_compile"]
+    for key in ("distributed.enable_compile", "compile.enabled"):
+        found = refusals(form, f"--{key}", "true", "--distributed.tp_size", "2")
+        assert "true with tp_size 2: torch.compile over tensor-parallel (DTensor) weights does not train right" in \
+            found[key]
+    assert main(["finetune", "llm", "-c", str(form), "--distributed.enable_compile", "true", "--dry-run"]) == 0
+    assert "compile: each transformer block in place (after sharding)" in "".join(capsys.readouterr())
 
 
 def test_fsdp2_prefetch_needs_fsdp2_processes_and_its_depths_need_it():
@@ -268,7 +282,6 @@ def test_a_benchmark_section_under_the_fine_tuning_recipe_is_named_in_the_note_a
 
 
 @pytest.mark.parametrize("section, node, words", [
-    ("parallelizer", {"_target_": "nemo_automodel.components.moe.parallelizer.parallelize_model"}, "MoE model code"),
     ("autopipeline", {"pp_schedule": "1f1b"}, "pipeline parallelism here is distributed.pp_size"),
     ("quantization", {"load_in_4bit": True}, "need a CUDA GPU and bitsandbytes"),
 ])
@@ -277,6 +290,74 @@ def test_upstream_sections_without_an_equivalent_are_refused_with_the_reason(tmp
     data[section] = node
     found = refusals(write_yaml(tmp_path / "c.yaml", data))
     assert words in found[section]
+
+
+PARALLELIZE_MODEL = "nemo_automodel.components.moe.parallelizer.parallelize_model"
+
+
+def with_parallelizer(tmp_path: Path, distributed: dict | None = None, **arguments) -> Path:
+    data = yaml.safe_load((FORMS / "recipe_bare_name.yaml").read_text())
+    data["parallelizer"] = {"_target_": PARALLELIZE_MODEL, **arguments}
+    if distributed is not None:
+        data["distributed"] = distributed
+    return write_yaml(tmp_path / "parallelizer.yaml", data)
+
+
+def test_parallelizer_activation_checkpointing_checkpoints_the_blocks(tmp_path, capsys):
+    from automodel.cli.main import main
+
+    for flag in (False, True):
+        assert main(["finetune", "llm", "-c", str(with_parallelizer(tmp_path, activation_checkpointing=flag)),
+                     "--dry-run"]) == 0
+        plan = "".join(capsys.readouterr())
+        assert ("activation checkpointing: every transformer block" in plan) is flag
+    recipe = train_inprocess(with_parallelizer(tmp_path, activation_checkpointing=True), setup_only=True)
+    assert sum("CheckpointWrapper" in type(m).__name__ for m in recipe.model.modules()) == 1
+
+
+@pytest.mark.parametrize("argument, value, read", [
+    ("reshard_after_forward", False, lambda d: d.reshard_after_forward),
+    ("mp_policy", {"param_dtype": "bf16"}, lambda d: d.mp_policy),
+    ("ignore_router_for_ac", False, lambda d: d.moe["ignore_router_for_ac"]),
+    ("lm_head_precision", "float32", lambda d: d.moe["lm_head_precision"]),
+    ("wrap_outer_model", False, lambda d: d.moe["wrap_outer_model"]),
+])
+def test_parallelizer_arguments_are_the_distributed_keys_they_stand_for(tmp_path, argument, value, read):
+    _, cfg = load_config(with_parallelizer(tmp_path, **{argument: value}))
+    assert read(cfg.distributed) == value
+
+
+@pytest.mark.parametrize("argument, words", [("enable_async_tensor_parallel", "tp_size > 1"),
+                                             ("sequence_parallel", "needs tensor parallelism")])
+def test_parallelizer_arguments_are_refused_where_the_distributed_keys_are(tmp_path, argument, words):
+    """At tp_size 1 both switches are refused, as distributed.* would be: the argument is the key."""
+    found = refusals(with_parallelizer(tmp_path, **{argument: True}))
+    assert words in found[f"distributed.{argument}"]
+
+
+def test_parallelizer_arguments_that_disagree_with_distributed_are_refused_naming_both(tmp_path):
+    found = refusals(with_parallelizer(tmp_path, {"activation_checkpointing": False, "reshard_after_forward": True},
+                                       activation_checkpointing=True, reshard_after_forward=False))
+    assert "True disagrees with distributed.activation_checkpointing: False" in \
+        found["parallelizer.activation_checkpointing"]
+    assert "False disagrees with distributed.reshard_after_forward: True" in \
+        found["parallelizer.reshard_after_forward"]
+    _, cfg = load_config(with_parallelizer(tmp_path, {"activation_checkpointing": True},
+                                           activation_checkpointing=True))  # the same value twice: fine
+    assert cfg.distributed.activation_checkpointing
+
+
+def test_parallelizer_other_targets_and_arguments_without_an_equivalent_are_refused(tmp_path):
+    found = refusals(with_parallelizer(tmp_path, tp_shard_plan={"lm_head": "colwise"}, moe_mesh=None,
+                                       activation_checkpointing_scope="all", offload_polcy=None))
+    assert "the model's own plan (distributed.tp_size)" in found["parallelizer.tp_shard_plan"]
+    assert "here distributed.*_size make the mesh" in found["parallelizer.moe_mesh"]
+    assert "every transformer block" in found["parallelizer.activation_checkpointing_scope"]
+    assert "not an argument of " + PARALLELIZE_MODEL in found["parallelizer.offload_polcy"]
+    data = yaml.safe_load(with_parallelizer(tmp_path).read_text())
+    data["parallelizer"]["_target_"] = "nemo_automodel.components.distributed.parallelizer.fsdp2_strategy_parallelize"
+    found = refusals(write_yaml(tmp_path / "other.yaml", data))
+    assert "only " + PARALLELIZE_MODEL + " is taken here" in found["parallelizer._target_"]
 
 
 def test_fsdp2_upstream_switches_train_the_same_losses_on_two_ranks(tmp_path):

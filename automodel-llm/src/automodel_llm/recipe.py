@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 import torch
 
-from automodel.config import Config, ConfigNode, FieldErrors, Free, Metadata, Refused, Target
+from automodel.config import ArgumentsFor, Config, ConfigNode, FieldErrors, Free, Metadata, Refused, Target
 from automodel.errors import AutomodelError, ConfigIssue
 from automodel.hf import (
     ADAPTER_CONFIG,
@@ -85,6 +85,29 @@ def context_parallel_issues(cfg: Config, generation: Any, packing: Any) -> list[
     return issues
 
 
+_RUN_TIME = ("filled by upstream's recipe when it builds the model (the model, its device meshes and their axis "
+             "names), never from YAML; here distributed.*_size make the mesh: remove the key")
+# upstream's parallelize_model(...) arguments (nemo_automodel.components.moe.parallelizer): each stands for the
+# distributed key of the same meaning, or is refused with why
+PARALLELIZER = ArgumentsFor(
+    "nemo_automodel.components.moe.parallelizer.parallelize_model",
+    keys={name: f"distributed.{name}" for name in (
+        "activation_checkpointing", "reshard_after_forward", "mp_policy", "sequence_parallel",
+        "enable_async_tensor_parallel")} | {
+        name: f"distributed.moe.{name}" for name in ("ignore_router_for_ac", "lm_head_precision", "wrap_outer_model")},
+    refused={**dict.fromkeys(("model", "world_mesh", "moe_mesh", "dp_axis_names", "cp_axis_name", "tp_axis_name",
+                              "ep_axis_name", "ep_shard_axis_names"), _RUN_TIME),
+             "activation_checkpointing_scope": "upstream's choice of layer groups to checkpoint; activation "
+                                               "checkpointing here covers every transformer block (upstream's 'all'): "
+                                               "remove the key",
+             "offload_policy": "CPU offload of the sharded parameters is not implemented here: remove the key",
+             "tp_shard_plan": "tensor parallelism here shards by the model's own plan (distributed.tp_size); a plan "
+                              "given in the config is not taken: remove the key",
+             "frozen_multimodal_sharding": "upstream's FSDP2 policy for frozen vision / audio towers; FSDP2 here "
+                                           "shards every transformer block it finds: remove the key"},
+    help="the arguments of upstream's MoE parallelizer, each standing for the distributed key of the same meaning")
+
+
 def pipeline_issues(cfg: Config, generation: Any, packing: Any) -> list[ConfigIssue]:
     """What this recipe cannot run with ``distributed.pp_size > 1``."""
     pp = cfg.distributed.pp_size
@@ -117,8 +140,7 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
         "neftune": NEFTuneConfig,
         "embedding_row_repair": EmbeddingRowRepairConfig,
         "nvtx": Free("upstream's NVTX ranges around every module for NVIDIA Nsight Systems: false (off) only"),
-        "parallelizer": Refused("upstream's parallelizer for its own MoE model code (expert parallelism); the Hugging "
-                                "Face models here are sharded by distributed: (ddp / fsdp2): remove the section"),
+        "parallelizer": PARALLELIZER,
         "autopipeline": Refused("upstream's pipeline-parallel builder (AutoPipeline); pipeline parallelism here is "
                                 "distributed.pp_size with distributed.pipeline (pp_schedule, pp_microbatch_size): "
                                 "remove the section"),

@@ -13,7 +13,17 @@ from automodel.config.overrides import apply_overrides, parse_overrides
 from automodel.config.registry import Registration, TargetRegistry
 from automodel.config.schema import FieldErrors, require_positive, validate_sections
 from automodel.config.secrets import is_secret_key, mask_secrets
-from automodel.config.specs import Free, KeyAlias, Metadata, Refused, Target, alias_notes, is_inert, metadata_note
+from automodel.config.specs import (
+    ArgumentsFor,
+    Free,
+    KeyAlias,
+    Metadata,
+    Refused,
+    Target,
+    alias_notes,
+    is_inert,
+    metadata_note,
+)
 from automodel.config.targets import TargetError, TargetResolver, core_registry
 from automodel.config.trust import UserTrust
 from automodel.config.unread import unread_section_issues
@@ -21,10 +31,10 @@ from automodel.config.yaml_io import dump_yaml, load_yaml_file, parse_scalar, pa
 from automodel.errors import ConfigError, ConfigIssue
 
 __all__ = [
-    "BuildError", "Config", "ConfigNode", "FieldErrors", "Free", "KeyAlias", "Metadata", "Refused", "Registration",
-    "Target", "TargetError", "TargetRegistry", "TargetResolver", "UserTrust", "apply_overrides", "build_config",
-    "core_registry", "dump_yaml", "instantiate", "interpolate", "is_secret_key", "is_target_node", "load_yaml_file",
-    "mask_secrets", "parse_overrides", "parse_scalar", "parse_yaml", "require_positive",
+    "ArgumentsFor", "BuildError", "Config", "ConfigNode", "FieldErrors", "Free", "KeyAlias", "Metadata", "Refused",
+    "Registration", "Target", "TargetError", "TargetRegistry", "TargetResolver", "UserTrust", "apply_overrides",
+    "build_config", "core_registry", "dump_yaml", "instantiate", "interpolate", "is_secret_key", "is_target_node",
+    "load_yaml_file", "mask_secrets", "parse_overrides", "parse_scalar", "parse_yaml", "require_positive",
 ]
 
 

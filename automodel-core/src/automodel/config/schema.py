@@ -10,12 +10,14 @@ from typing import Any, Literal, Union
 
 from automodel.config.instantiate import is_callable_key, is_target_node
 from automodel.config.specs import (
+    ArgumentsFor,
     KeyAlias,
     Metadata,
     RecipeRef,
     Refused,
     SectionSpec,
     Target,
+    apply_arguments_for,
     apply_key_aliases,
     find_spec,
 )
@@ -324,7 +326,7 @@ def validate_sections(data: dict, sections: dict[str, SectionSpec], resolver: Ta
     """Check every top-level section; returns the section values (dataclass instances or raw mappings)."""
     values: dict[str, Any] = {}
     known = [name.rstrip("*") for name in sections if "." not in name]
-    data = apply_key_aliases(data, sections, issues)
+    data = apply_arguments_for(apply_key_aliases(data, sections, issues), sections, issues)
     for name, node in data.items():
         spec = find_spec(str(name), sections)
         if isinstance(spec, Metadata) or (spec is None and str(name).startswith("_")):
@@ -340,8 +342,8 @@ def validate_sections(data: dict, sections: dict[str, SectionSpec], resolver: Ta
             values[name] = validate_dataclass(spec, node, str(name), issues)
         elif isinstance(spec, RecipeRef):
             values[name] = check_recipe(node, str(name), resolver, issues) if node is not None else None
-        elif isinstance(spec, KeyAlias):
-            values[name] = node  # validated as the key it stands for
+        elif isinstance(spec, (KeyAlias, ArgumentsFor)):
+            values[name] = node  # validated as the keys it stands for
         elif isinstance(spec, Target):
             if node is None or node in _NONE_WORDS:  # upstream's loader reads `section: none` as null
                 continue

@@ -8,6 +8,8 @@ A recipe's ``sections`` maps a section name to one of:
 * ``RecipeRef(...)``: the ``recipe`` section (see :func:`check_recipe`);
 * ``KeyAlias(...)``: a top-level key standing for a key of a keyed section (upstream's ``seed:`` is ``rng.seed``),
   or, named ``section.key``, a key of one section standing for one of another (``checkpoint.restore_from``);
+* ``ArgumentsFor(...)``: upstream's section of one function's arguments whose keys stand for keys of other sections
+  (``parallelizer:``'s for ``distributed.*``);
 * ``Metadata(...)``: a section nothing reads (upstream's ``ci:``): neither interpolated nor validated, and named in a
   note; so is any top-level key starting with ``_`` (a YAML anchor's holder, a section set aside);
 * ``Refused(...)``: a section automodel cannot act on, refused with its reason (its content is not read).
@@ -73,6 +75,19 @@ class KeyAlias:
 
 
 @dataclass(frozen=True)
+class ArgumentsFor:
+    """Upstream's section of the arguments of one function (``_target_: target``) whose keys stand for keys of other
+    sections: validation sets the dotted key ``keys`` names for each (``section.key`` or ``section.sub.key``),
+    refusing a value that differs from one the config gives there, a key of ``refused`` with its reason, any other
+    key, and any other ``_target_``."""
+
+    target: str
+    keys: Mapping[str, str] = field(default_factory=dict, hash=False)
+    refused: Mapping[str, str] = field(default_factory=dict, hash=False)
+    help: str = ""
+
+
+@dataclass(frozen=True)
 class Metadata:
     """A section nothing in a run reads: neither interpolated nor validated; validation names it in a note."""
 
@@ -86,7 +101,7 @@ class Refused:
     reason: str
 
 
-SectionSpec = type | Target | Free | RecipeRef | KeyAlias | Metadata | Refused
+SectionSpec = type | Target | Free | RecipeRef | KeyAlias | ArgumentsFor | Metadata | Refused
 
 
 def is_inert(name: str, sections: dict[str, SectionSpec]) -> bool:
@@ -133,6 +148,51 @@ def apply_key_aliases(data: dict, sections: dict[str, SectionSpec], issues: list
             continue
         out[section] = {**{k: v for k, v in spec.implies.items() if k not in node}, **node, key: value}
     return out
+
+
+def apply_arguments_for(data: dict, sections: dict[str, SectionSpec], issues: list[ConfigIssue]) -> dict:
+    """``data`` with every ``ArgumentsFor`` section's keys set where they stand for (the section stays as given)."""
+    out = dict(data)
+    for name, spec in sections.items():
+        node = data.get(name)
+        if not isinstance(spec, ArgumentsFor) or node is None:
+            continue
+        if not isinstance(node, dict) or node.get("_target_") != spec.target:
+            found = node.get("_target_") if isinstance(node, dict) else node
+            issues.append(ConfigIssue(f"{name}._target_" if isinstance(node, dict) else name,
+                                      f"{found!r}: only {spec.target} is taken here (its arguments stand for "
+                                      f"{', '.join(sorted({k.split('.')[0] for k in spec.keys.values()}))} keys): "
+                                      "name it or remove the section"))
+            continue
+        for key, value in node.items():
+            if key == "_target_":
+                continue
+            if key in spec.refused:
+                issues.append(ConfigIssue(f"{name}.{key}", spec.refused[key]))
+            elif key not in spec.keys:
+                issues.append(ConfigIssue(f"{name}.{key}", f"not an argument of {spec.target} taken here (they "
+                                          f"are: {', '.join(spec.keys)})"))
+            else:
+                _set_dotted(out, spec.keys[key], value, f"{name}.{key}", issues)
+    return out
+
+
+def _set_dotted(data: dict, dotted: str, value: Any, given_as: str, issues: list[ConfigIssue]) -> None:
+    """Set ``data``'s ``dotted`` key (copying each mapping on the way, so ``data``'s own are left as they were)
+    unless the config gives it a different value; a null or absent mapping on the way is an empty one."""
+    *path, last = dotted.split(".")
+    holder = data
+    for part in path:
+        inner = holder.get(part)
+        if inner is not None and not isinstance(inner, dict):
+            return  # the section's own check reports it
+        holder[part] = dict(inner or {})
+        holder = holder[part]
+    if last in holder and holder[last] is not None and holder[last] != value:
+        issues.append(ConfigIssue(given_as, f"{value!r} disagrees with {dotted}: {holder[last]!r}; '{given_as}' is "
+                                            f"{dotted} under upstream's other name: give one value, in either place"))
+        return
+    holder[last] = value
 
 
 def alias_notes(data: dict, sections: dict[str, SectionSpec]) -> list[str]:

@@ -160,6 +160,8 @@ def plan_lines(recipe: type[TrainRecipe], cfg: Config, plugins: PluginManager) -
     lines += [f"pipeline {slot}: {name}" for slot, (name, _) in selection.items()]
     if cfg.distributed is not None and cfg.distributed.activation_checkpointing:
         lines.append("activation checkpointing: every transformer block (before sharding)")
+    if cfg.distributed is not None and cfg.distributed.enable_compile:
+        lines.append("compile: each transformer block in place (after sharding)")
     ckpt = cfg.checkpoint
     lines.append(f"checkpoints: {ckpt.checkpoint_dir}" if ckpt.enabled else "checkpoints: disabled")
     backends = [spec.name for spec in resolve_backends(cfg, plugins.loggers)[0]]

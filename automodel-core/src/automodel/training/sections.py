@@ -198,8 +198,9 @@ class DistributedConfig:
     fsdp2_backward_prefetch_depth: int = field(default=2, metadata=_help(
         "blocks gathered ahead in backward (with enable_fsdp2_prefetch)"))
     enable_compile: bool = field(default=False, metadata=_help(
-        "refused when true: upstream compiles each block of its own model code; compile the whole model with "
-        "compile.enabled: true"))
+        "torch.compile each transformer block in place, after activation checkpointing and sharding (upstream's "
+        "per-layer compile; names unchanged), with compile:'s backend, mode, fullgraph and dynamic; not together "
+        "with compile.enabled, which compiles the whole model"))
     enable_async_tensor_parallel: bool = field(default=False, metadata=_help(
         "refused when true: async tensor parallelism needs tp_size > 1 and CUDA, and is not done here"))
     patch_is_packed_sequence: bool = field(default=False, metadata=_help(
@@ -239,9 +240,6 @@ class DistributedConfig:
         errors = {}
         if self.bucket_cap_mb is not None and self.bucket_cap_mb <= 0:
             errors["bucket_cap_mb"] = f"must be > 0 (MiB), found {self.bucket_cap_mb}"
-        if self.enable_compile:
-            errors["enable_compile"] = ("true compiles each block of upstream's own model code; here compile the "
-                                        "whole model with compile: {enabled: true} and set this false")
         if self.enable_async_tensor_parallel:
             errors["enable_async_tensor_parallel"] = (
                 "true overlaps tensor parallelism's reduce-scatter with compute, which needs tp_size > 1 and CUDA "
