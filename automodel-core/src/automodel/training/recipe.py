@@ -19,14 +19,13 @@ from typing import Any, ClassVar
 import torch
 from tqdm import tqdm
 
-from automodel.config import Config, ConfigNode, Free, KeyAlias, Target
+from automodel.config import Config, ConfigNode
 from automodel.errors import ConfigIssue
 from automodel.meta_build import MetaBuild, building_on_meta
 from automodel.noise import debug_enabled, filter_third_party_noise
 from automodel.plugins.manager import get_plugin_manager
 from automodel.recipe import BaseRecipe
 from automodel.training import builders, plan
-from automodel.training import sections as s
 from automodel.training.checkpoint import Checkpointer, load_safetensors_dir, load_weights_into
 from automodel.training.context import BuildContext
 from automodel.training.dist import init_process_group, local_rank, rank, world_size
@@ -44,6 +43,7 @@ from automodel.training.parallelism import (
 )
 from automodel.training.pipeline import PIPELINE_SLOTS, Selection, apply_pipeline, select_stages
 from automodel.training.quantized_base import base_quantization_note
+from automodel.training.recipe_sections import TRAIN_SECTIONS
 from automodel.training.resume import choose_checkpoint, hold_checkpoint_dir
 from automodel.training.rng import StatefulRNG, use_deterministic_algorithms
 from automodel.training.state import restore_states, restore_weights
@@ -51,9 +51,6 @@ from automodel.training.step_scheduler import StepScheduler, steps_per_epoch
 from automodel.training.trainer_state import read_trainer_state
 
 filter_third_party_noise()  # also when a recipe runs without the CLI (tests, notebooks)
-
-_DATALOADER = Target("data loading (a StatefulDataLoader's keyword arguments)", runtime_args=("dataset",),
-                     plain=True, default_target="torchdata.stateful_dataloader.StatefulDataLoader", default={})
 
 
 class TrainRecipe(TrainingLoop, BaseRecipe):
@@ -72,50 +69,7 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
         "tp_size: 1")
     stateful = ("model", "optimizer", "lr_scheduler", "step_scheduler", "dataloader", "rng", "grad_scaler")
 
-    sections = {
-        "step_scheduler": s.StepSchedulerConfig,
-        "dist_env": s.DistEnvConfig,
-        "rng": s.RngConfig,
-        "seed": KeyAlias("rng.seed", "the run's seed, upstream's top-level key: the same as rng.seed, and ranked "
-                         "(seed + rank per process) unless rng.ranked says otherwise; given with a different "
-                         "rng.seed it wins, as upstream's recipes read only this key (the global RNGs, the model's "
-                         "initialisation and the data order)", implies={"ranked": True}, wins=True),
-        "checkpoint.restore_from": KeyAlias("restore_from.path", "upstream's spelling of restore_from.path: a "
-                                            "checkpoint path, a directory name under checkpoint_dir, or LATEST"),
-        "model": Target("the model to train: {_target_: ..., ...}", required=True),
-        "compile": s.CompileConfig,
-        "clip_grad_norm": s.ClipGradConfig,
-        "distributed": s.DistributedConfig,
-        "loss_fn": Target("the loss (the engine sums it over label tokens)",
-                          default={"_target_": "automodel.training.loss.MaskedCrossEntropy"}),
-        "dataset": Target("the training data set", required=True),
-        "validation_dataset": Target("a validation data set"),
-        "validation_dataset_*": Target("more validation data sets, reported by name"),
-        "dataloader": _DATALOADER,
-        "validation_dataloader": _DATALOADER,
-        "optimizer": Target("the optimizer", runtime_args=("params",),
-                            default={"_target_": "torch.optim.AdamW", "lr": 1e-5}),
-        "lr_scheduler": Target("learning-rate schedule: {_target_: ...} or upstream keys (lr_decay_style, ...; "
-                               "null ones default as upstream's, see docs/targets.md#learning-rate-schedules)",
-                               runtime_args=("optimizer",), plain=True,
-                               default_target="automodel.optim.build_scheduler"),
-        "fault_tolerance": s.FaultToleranceConfig,
-        "slurm": s.SlurmConfig,
-        "logging": Free("metric logging backends: {backends: [tensorboard, mlflow, wandb], <backend>: {settings}}; "
-                        "see docs/logging.md (checked by validation against the registered backends)"),
-        "wandb": Free("upstream-style Weights & Biases settings {project, entity, name, save_dir, mode, ...}: the "
-                      "same as logging.wandb (enable: false turns it off)"),
-        "mlflow": Free("upstream-style MLflow settings {experiment_name, run_name, tracking_uri, tags, ...}: the "
-                       "same as logging.mlflow (enable: false turns it off)"),
-        "checkpoint": s.CheckpointConfig,
-        "restore_from": s.RestoreConfig,
-        "peft": Target("LoRA adapters through peft: {dim, alpha, dropout, target_modules | match_all_linear} (or "
-                       "_target_: peft.LoraConfig, used as given)", plain=True,
-                       default_target="automodel.hf.PeftConfig"),
-        "fp8": s.FP8Config,
-        "qat": s.QATConfig,
-        "freeze": s.FreezeConfig,
-    }
+    sections = dict(TRAIN_SECTIONS)
 
     # ---- validation and plan (classmethods: they run before anything is built) -------------------------------
 
