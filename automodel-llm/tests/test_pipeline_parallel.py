@@ -130,6 +130,33 @@ def test_pp2_x_tp2_on_four_ranks_trains_like_one_process(one_process, tmp_path):
     assert_same_weights(out / "epoch_0_step_3" / "model", reference / "epoch_0_step_3" / "model")
 
 
+@pytest.fixture(scope="module")
+def four_layers(tmp_path_factory) -> tuple[Path, Path]:
+    """(config, checkpoint_dir) of the one-process reference with a 4-layer Llama (two stages on each of two ranks
+    with an interleaved schedule)."""
+    tmp = tmp_path_factory.mktemp("four")
+    model = write_two_layer_llama_config(tmp)
+    model.write_text(json.dumps({**json.loads(model.read_text()), "num_hidden_layers": 4}))
+    config = write_config(tmp / "cfg.yaml", model, tmp / "ckpt", validation_dataset=VALIDATION,
+                          step_scheduler={"val_check_interval": 3})
+    _run(config, tmp, tmp / "ckpt")
+    return config, tmp / "ckpt"
+
+
+def test_interleaved_1f1b_runs_two_stages_per_rank_like_one_process(four_layers, tmp_path):
+    """Stages 0 and 2 on one rank, 1 and 3 on the other; the step-3 checkpoint (its model/ exported from every
+    stage's shards) resumes in one process with the uninterrupted run's losses."""
+    config, reference = four_layers
+    out, one = tmp_path / "pp", tmp_path / "one"
+    log = _run(config, tmp_path, out, *PP2, "--distributed.pipeline.pp_schedule", "interleaved1f1b")
+    assert "pipeline stages 0 (embedding + layers 0-0), 2 (layers 2-2) of 4 on this rank" in log
+    assert "interleaved1f1b schedule" in log
+    assert_like_reference(out, reference)
+    log = _run(config, tmp_path, one, "--restore_from.path", out / "epoch_0_step_3")
+    assert "written by 2 ranks, resuming on 1" in log
+    assert losses(one) == pytest.approx(losses(reference)[3:], rel=1e-4)
+
+
 def _validate(config: Path, cwd: Path, *args) -> tuple[int, str]:
     result = run_cli("validate", "-c", config, *args, cwd=cwd)
     return result.returncode, result.stdout + result.stderr
@@ -158,7 +185,7 @@ def test_settings_the_pipeline_cannot_take_are_refused_by_validate(pp_llama_conf
                           distributed={"strategy": "fsdp2", "pp_size": 2}, dataloader={"batch_size": 4})
     two = ["--nproc-per-node", "2"]
     code, out = _validate(config, tmp_path, *two, "--distributed.pipeline.pp_schedule", "interleaved1f1b")
-    assert code == 2 and "interleaved schedules (several stages per rank) are not wired into it yet" in out
+    assert code == 2 and "distributed.pp_size: 2 ranks x 2 stages each = 4 stages, but the model has 2 layers" in out
     code, out = _validate(config, tmp_path, *two, "--eval_generation.enabled", "true",
                           "--packed_sequence.packed_sequence_size", "64", "--peft.dim", "4",
                           "--distributed.mp_policy.param_dtype", "fp16", "--model.backend.enable_fsdp_optimizations",
