@@ -144,17 +144,21 @@ def four_layers(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def test_interleaved_1f1b_runs_two_stages_per_rank_like_one_process(four_layers, tmp_path):
-    """Stages 0 and 2 on one rank, 1 and 3 on the other; the step-3 checkpoint (its model/ exported from every
-    stage's shards) resumes in one process with the uninterrupted run's losses."""
+    """Stages 0 and 2 on one rank, 1 and 3 on the other; the last checkpoint's model/ is exported from every
+    stage's shards; the sharded step-3 checkpoint (model_shards/ and the optimizer's, keyed by the model's names)
+    resumes in one process with the uninterrupted run's losses."""
     config, reference = four_layers
     out, one = tmp_path / "pp", tmp_path / "one"
-    log = _run(config, tmp_path, out, *PP2, "--distributed.pipeline.pp_schedule", "interleaved1f1b")
+    log = _run(config, tmp_path, out, *PP2, "--distributed.pipeline.pp_schedule", "interleaved1f1b",
+               "--checkpoint.save_consolidated", "final")
     assert "pipeline stages 0 (embedding + layers 0-0), 2 (layers 2-2) of 4 on this rank" in log
     assert "interleaved1f1b schedule" in log
     assert_like_reference(out, reference)
+    assert not (out / "epoch_0_step_3" / "model").exists()
     log = _run(config, tmp_path, one, "--restore_from.path", out / "epoch_0_step_3")
     assert "written by 2 ranks, resuming on 1" in log
     assert losses(one) == pytest.approx(losses(reference)[3:], rel=1e-4)
+    assert_same_weights(one / "epoch_0_step_6" / "model", reference / "epoch_0_step_6" / "model")
 
 
 def _validate(config: Path, cwd: Path, *args) -> tuple[int, str]:
