@@ -65,7 +65,8 @@ class PipelineSettings:
         return cls(**{name: given[name] for name in cls.__dataclass_fields__ if name in given})
 
     def num_stages(self, num_layers: int, pp_size: int) -> int:
-        """Stages in all: one per rank, several per rank for interleaved schedules."""
+        """Stages in all: one per rank, several per rank for interleaved schedules. ``layers_per_stage`` decides
+        the count only, as upstream: the layers are then split as evenly as they go (the first stages one more)."""
         if self.layers_per_stage is None:
             return pp_size * (DEFAULT_STAGES_PER_RANK if self.interleaved else 1)
         stages = math.ceil(num_layers / self.layers_per_stage)
@@ -74,12 +75,6 @@ class PipelineSettings:
         if self.round_virtual_stages_to_pp_multiple == "down":
             return max(pp_size, stages // pp_size * pp_size)
         return stages
-
-    @property
-    def stage_layers(self) -> int | None:
-        """Layers per stage to cut with (None: as even as possible)."""
-        exact = self.layers_per_stage is not None and self.round_virtual_stages_to_pp_multiple is None
-        return self.layers_per_stage if exact else None
 
 
 # upstream's other distributed.pipeline keys: the value that is what runs here, and why another cannot
@@ -115,7 +110,7 @@ def describe_stages(num_layers: int, pp_size: int, settings: PipelineSettings, b
     from automodel.training.parallel.pipeline_stages import stage_indices, stage_layer_ranges
 
     stages = settings.num_stages(num_layers, pp_size)
-    ranges = stage_layer_ranges(num_layers, stages, settings.stage_layers)
+    ranges = stage_layer_ranges(num_layers, stages)
     size = settings.pp_microbatch_size
     lines = [f"pipeline parallel over pp {pp_size}: {settings.schedule} schedule, {stages} stages, {batch // size} "
              f"micro-batches of {size} rows per batch"]
@@ -176,10 +171,12 @@ def _stage_issues(settings: PipelineSettings, layers: int, stages: int, pp_size:
     if stages % pp_size:
         return [ConfigIssue(where, f"{stages} stages do not spread evenly over pp_size {pp_size} ranks; set "
                             "round_virtual_stages_to_pp_multiple: up or down, or change layers_per_stage")]
-    stage_layers = settings.stage_layers
-    if settings.interleaved and layers % stages or stage_layers is not None and stage_layers * stages != layers:
-        return [ConfigIssue(where, f"the model's {layers} layers do not split into {stages} stages "
-                            f"(pp_size {pp_size} x {stages // pp_size} virtual stages) of equal size")]
+    if settings.interleaved and stages // pp_size < 2:
+        fewer = layers // (2 * pp_size)
+        change = f"layers_per_stage {fewer} or lower" if fewer else "gpipe or 1f1b"
+        return [ConfigIssue(where, f"{settings.layers_per_stage} layers per stage make {stages} stages, "
+                            f"{stages // pp_size} per rank over pp_size {pp_size}, but {settings.pp_schedule} runs "
+                            f"at least 2 stages per rank (upstream's rule); use {change}")]
     return []
 
 
@@ -207,7 +204,7 @@ def split_for_pipeline(model: nn.Module, pp_mesh: DeviceMesh, settings: Pipeline
 
     pp_size = pp_mesh.size()
     stages = settings.num_stages(model.config.get_text_config().num_hidden_layers, pp_size)
-    return split_model(model, pp_mesh.get_local_rank(), pp_size, stages // pp_size, settings.stage_layers)
+    return split_model(model, pp_mesh.get_local_rank(), pp_size, stages // pp_size)
 
 
 class Pipeline:

@@ -27,13 +27,8 @@ from automodel.errors import AutomodelError
 from automodel.training.parallel.blocks import LayerPlaceholder
 
 
-def stage_layer_ranges(num_layers: int, num_stages: int, layers_per_stage: int | None = None) -> list[range]:
-    """The layers of each stage: ``layers_per_stage`` each, else as even as possible (the first stages one more)."""
-    if layers_per_stage is not None:
-        if layers_per_stage * num_stages != num_layers:
-            raise AutomodelError(f"{num_stages} stages of layers_per_stage {layers_per_stage} hold "
-                                 f"{layers_per_stage * num_stages} layers, the model has {num_layers}")
-        return [range(s * layers_per_stage, (s + 1) * layers_per_stage) for s in range(num_stages)]
+def stage_layer_ranges(num_layers: int, num_stages: int) -> list[range]:
+    """The layers of each stage, as even as possible (the first stages one more)."""
     if num_stages > num_layers:
         raise AutomodelError(f"{num_stages} pipeline stages for {num_layers} layers: each stage needs a layer")
     size, extra = divmod(num_layers, num_stages)
@@ -104,8 +99,8 @@ def model_parts(model: nn.Module) -> dict[str, str]:
     return parts
 
 
-def split_model(model: nn.Module, pp_rank: int, pp_size: int, stages_per_rank: int = 1,
-                layers_per_stage: int | None = None) -> list[PipelineStageModel]:
+def split_model(model: nn.Module, pp_rank: int, pp_size: int, stages_per_rank: int = 1
+                ) -> list[PipelineStageModel]:
     """The stages rank ``pp_rank`` of ``pp_size`` runs (``stages_per_rank`` > 1 for interleaved schedules), each a
     pruned copy of ``model`` (on the meta device, before materialisation)."""
     if hasattr(model, "peft_config"):
@@ -117,7 +112,7 @@ def split_model(model: nn.Module, pp_rank: int, pp_size: int, stages_per_rank: i
     parts = model_parts(model)
     num_stages = pp_size * stages_per_rank
     num_layers = len(model.get_submodule(parts["layers"]))
-    ranges = stage_layer_ranges(num_layers, num_stages, layers_per_stage)
+    ranges = stage_layer_ranges(num_layers, num_stages)
     stages = []
     for index in stage_indices(pp_rank, pp_size, stages_per_rank):
         stage = copy.deepcopy(model)
