@@ -3,7 +3,8 @@
 losses of one process, two micro-batches of different lengths accumulated per step; its consolidated ``model/`` is
 the one process's weights; a pp=2 checkpoint resumes in one process (from model/) and on pp=2 (from the sharded
 model_shards/) with the uninterrupted run's losses; layouts and settings the pipeline cannot take are refused by
-``automodel validate`` with the numbers.
+``automodel validate`` with the numbers. A 4-layer Llama on pp=2 with the interleaved 1F1B schedule (two stages per
+rank) trains like one process too, and its sharded checkpoint resumes in one process.
 
 The ranks of one pipeline read the same rows, so the reference is one process with the same accumulation; with
 pp=2 x dp=2 on four ranks, one process accumulating twice as many micro-batches; pp=2 x tp=2 on four ranks (each
