@@ -210,7 +210,7 @@ def scenario_two(args: dict[str, Any], out: Path) -> dict[str, Any]:
     dp_layout, dp_mesh = _mesh()
     result["tp_to_dp2"] = resume_fsdp(out / "tp_ckpt", dp_mesh, dp_layout)
     pp_layout, pp_mesh = _mesh(pp_size=2)
-    for schedule, micro_batches in (("gpipe", 2), ("1f1b", 1), ("interleaved1f1b", 1)):
+    for schedule, micro_batches in (("gpipe", 2), ("1f1b", 1), ("interleaved1f1b", 1), ("loopedbfs", 1)):
         checkpoint = out / "pp_ckpt" if schedule == "1f1b" else None
         result[f"pp_{schedule}"] = train_pp(pp_mesh, pp_layout, schedule, micro_batches, checkpoint)
     result["cp"] = context_parallel_split(_mesh(cp_size=2)[1])

@@ -1,6 +1,7 @@
-"""Pipeline parallelism: pp=2 on two gloo ranks with GPipe (two batches accumulated per step), 1F1B and interleaved
-1F1B (two stages per rank), pp=2 x dp=2 (FSDP2) and pp=2 x tp=2 on four, against one process (six AdamW steps of
-the engine's token-weighted loss); how the model is cut; ``pp_issues`` with the numbers."""
+"""Pipeline parallelism: pp=2 on two gloo ranks with GPipe (two batches accumulated per step), 1F1B, interleaved
+1F1B and looped BFS (two stages per rank), pp=2 x dp=2 (FSDP2) and pp=2 x tp=2 on four, against one process (six
+AdamW steps of the engine's token-weighted loss); how the model is cut; a rank's stages as one module;
+``pp_issues`` with the numbers."""
 
 from __future__ import annotations
 
@@ -11,7 +12,13 @@ from parallel_workers import meta_model
 from automodel.errors import AutomodelError
 from automodel.training.parallel.blocks import LayerPlaceholder, transformer_blocks
 from automodel.training.parallel.pipeline_parallel import PipelineSettings, pp_issues
-from automodel.training.parallel.pipeline_stages import split_model, stage_indices, stage_layer_ranges
+from automodel.training.parallel.pipeline_stages import (
+    LocalStages,
+    split_model,
+    stage_indices,
+    stage_layer_ranges,
+    stages_of,
+)
 
 
 @pytest.fixture(scope="module")
@@ -23,6 +30,7 @@ def runs(model_parallel_ranks):
     ("gpipe", [[[0, 1]], [[2, 3]]]),
     ("1f1b", [[[0, 1]], [[2, 3]]]),
     ("interleaved1f1b", [[[0], [2]], [[1], [3]]]),
+    ("loopedbfs", [[[0], [2]], [[1], [3]]]),
 ])
 def test_pp2_losses_and_grad_norms_equal_one_process(runs, schedule, layers):
     ranks = [rank[f"pp_{schedule}"] for rank in runs["two"]]
@@ -52,9 +60,24 @@ def test_stages_keep_the_whole_models_names():
     assert (first.is_first, first.is_last, last.is_first, last.is_last) == (True, False, False, True)
 
 
+def test_a_ranks_stages_are_one_module_under_the_models_names():
+    """Rank 0 of pp=2 with two stages each holds stages 0 and 2: their tensors (the same objects) under the model's
+    names, the layers of other ranks' stages as placeholders."""
+    stages = split_model(meta_model(mp_config(tied=False)), 0, 2, stages_per_rank=2)
+    local = LocalStages(stages)
+    assert stages_of(local) == stages and stages_of(stages[0]) == [stages[0]]
+    assert local.state_dict(keep_vars=True) == {**stages[0].state_dict(keep_vars=True),
+                                                **stages[1].state_dict(keep_vars=True)}
+    assert "model.embed_tokens.weight" in local.state_dict() and "lm_head.weight" not in local.state_dict()
+    assert isinstance(local.model.layers[1], LayerPlaceholder) and local.model.layers[2] is stages[1].model.layers[2]
+    assert local.config is stages[0].config
+    local.eval()
+    assert not any(module.training for stage in stages for module in stage.modules())
+
+
 def test_stage_layer_split():
     assert stage_layer_ranges(7, 3) == [range(0, 3), range(3, 5), range(5, 7)]
-    assert stage_layer_ranges(8, 4, layers_per_stage=2)[3] == range(6, 8)
+    assert stage_layer_ranges(8, 4)[3] == range(6, 8)
     assert stage_indices(1, 2, 3) == [1, 3, 5]
     with pytest.raises(AutomodelError, match="4 pipeline stages for 3 layers"):
         stage_layer_ranges(3, 4)
@@ -99,12 +122,19 @@ def test_pp_layouts_are_checked_with_the_numbers(pp, settings, batch, key, words
     assert words in found[0][1]
 
 
-def test_interleaved_needs_layers_divisible_by_its_stages():
+def test_interleaved_stages_split_the_layers_as_upstream():
+    """``layers_per_stage`` decides how many stages (upstream's rule: the layers then split as evenly as they go,
+    so 6 layers make stages of 2, 2, 1, 1); interleaved schedules need two stages per rank at least."""
     config = mp_config(tied=False)
     config.num_hidden_layers = 6
-    found = _messages(2, 8, config, pp_schedule="interleaved1f1b")
-    assert found == [("distributed.pipeline.pp_schedule", "the model's 6 layers do not split into 4 stages "
-                      "(pp_size 2 x 2 virtual stages) of equal size")]
+    assert _messages(2, 8, config, pp_schedule="interleaved1f1b") == []
+    assert stage_layer_ranges(6, 4) == [range(0, 2), range(2, 4), range(4, 5), range(5, 6)]
+    assert _messages(2, 8, config, pp_schedule="interleaved1f1b", layers_per_stage=2,
+                     round_virtual_stages_to_pp_multiple="up") == []  # 3 stages rounded up to 4
+    found = _messages(2, 8, config, pp_schedule="interleaved1f1b", layers_per_stage=3)
+    assert found == [("distributed.pipeline.layers_per_stage", "3 layers per stage make 2 stages, 1 per rank over "
+                      "pp_size 2, but interleaved1f1b runs at least 2 stages per rank (upstream's rule); use "
+                      "layers_per_stage 1 or lower")]
 
 
 def test_tied_embeddings_and_models_without_a_pipeline_plan_are_refused():

@@ -3,7 +3,8 @@
 losses of one process, two micro-batches of different lengths accumulated per step; its consolidated ``model/`` is
 the one process's weights; a pp=2 checkpoint resumes in one process (from model/) and on pp=2 (from the sharded
 model_shards/) with the uninterrupted run's losses; layouts and settings the pipeline cannot take are refused by
-``automodel validate`` with the numbers.
+``automodel validate`` with the numbers. A 4-layer Llama on pp=2 with the interleaved 1F1B schedule (two stages per
+rank) trains like one process too, and its sharded checkpoint resumes in one process.
 
 The ranks of one pipeline read the same rows, so the reference is one process with the same accumulation; with
 pp=2 x dp=2 on four ranks, one process accumulating twice as many micro-batches; pp=2 x tp=2 on four ranks (each
@@ -130,6 +131,37 @@ def test_pp2_x_tp2_on_four_ranks_trains_like_one_process(one_process, tmp_path):
     assert_same_weights(out / "epoch_0_step_3" / "model", reference / "epoch_0_step_3" / "model")
 
 
+@pytest.fixture(scope="module")
+def four_layers(tmp_path_factory) -> tuple[Path, Path]:
+    """(config, checkpoint_dir) of the one-process reference with a 4-layer Llama (two stages on each of two ranks
+    with an interleaved schedule)."""
+    tmp = tmp_path_factory.mktemp("four")
+    model = write_two_layer_llama_config(tmp)
+    model.write_text(json.dumps({**json.loads(model.read_text()), "num_hidden_layers": 4}))
+    config = write_config(tmp / "cfg.yaml", model, tmp / "ckpt", validation_dataset=VALIDATION,
+                          step_scheduler={"val_check_interval": 3})
+    _run(config, tmp, tmp / "ckpt")
+    return config, tmp / "ckpt"
+
+
+def test_interleaved_1f1b_runs_two_stages_per_rank_like_one_process(four_layers, tmp_path):
+    """Stages 0 and 2 on one rank, 1 and 3 on the other; the last checkpoint's model/ is exported from every
+    stage's shards; the sharded step-3 checkpoint (model_shards/ and the optimizer's, keyed by the model's names)
+    resumes in one process with the uninterrupted run's losses."""
+    config, reference = four_layers
+    out, one = tmp_path / "pp", tmp_path / "one"
+    log = _run(config, tmp_path, out, *PP2, "--distributed.pipeline.pp_schedule", "interleaved1f1b",
+               "--checkpoint.save_consolidated", "final")
+    assert "pipeline stages 0 (embedding + layers 0-0), 2 (layers 2-2) of 4 on this rank" in log
+    assert "interleaved1f1b schedule" in log
+    assert_like_reference(out, reference)
+    assert not (out / "epoch_0_step_3" / "model").exists()
+    log = _run(config, tmp_path, one, "--restore_from.path", out / "epoch_0_step_3")
+    assert "written by 2 ranks, resuming on 1" in log
+    assert losses(one) == pytest.approx(losses(reference)[3:], rel=1e-4)
+    assert_same_weights(one / "epoch_0_step_6" / "model", reference / "epoch_0_step_6" / "model")
+
+
 def _validate(config: Path, cwd: Path, *args, subprocess: bool = False) -> tuple[int, str]:
     """``automodel validate`` in this process (seconds saved per case), or, ``subprocess``, the console script."""
     run = run_cli if subprocess else run_cli_inprocess
@@ -161,7 +193,7 @@ def test_settings_the_pipeline_cannot_take_are_refused_by_validate(pp_llama_conf
     two = ["--nproc-per-node", "2"]
     code, out = _validate(config, tmp_path, *two, "--distributed.pipeline.pp_schedule", "interleaved1f1b",
                           subprocess=True)
-    assert code == 2 and "interleaved schedules (several stages per rank) are not wired into it yet" in out
+    assert code == 2 and "distributed.pp_size: 2 ranks x 2 stages each = 4 stages, but the model has 2 layers" in out
     code, out = _validate(config, tmp_path, *two, "--eval_generation.enabled", "true",
                           "--packed_sequence.packed_sequence_size", "64", "--peft.dim", "4",
                           "--distributed.mp_policy.param_dtype", "fp16", "--model.backend.enable_fsdp_optimizations",

@@ -29,6 +29,7 @@ from automodel.training.parallel.materialize import (
     materialize,
 )
 from automodel.training.parallel.pipeline_parallel import PipelineSettings, pp_issues, split_for_pipeline
+from automodel.training.parallel.pipeline_stages import PipelineStageModel
 from automodel.training.parallel.tensor_parallel import apply_tensor_parallel, tp_issues
 from automodel.training.sections import moe_saves_routing
 
@@ -71,9 +72,10 @@ def tensor_parallelize(ctx: BuildContext, model: torch.nn.Module) -> str:
     return "\n".join(applied.describe())
 
 
-def pipeline_stage(ctx: BuildContext, model: torch.nn.Module) -> tuple[torch.nn.Module, str]:
-    """``distributed.pp_size > 1``: this rank's stage of the (meta-device) model, under the model's own names; the
-    rest of the pipeline (tensor parallelism, FSDP2 over ``dp``, materialisation) treats it as the whole model."""
+def pipeline_stages(ctx: BuildContext, model: torch.nn.Module) -> tuple[list[PipelineStageModel], str]:
+    """``distributed.pp_size > 1``: this rank's stages of the (meta-device) model (several with an interleaved
+    schedule), under the model's own names; the rest of the pipeline (tensor parallelism, FSDP2 over ``dp``,
+    materialisation) treats each as a whole model."""
     settings = ctx.cfg.distributed
     pipeline = PipelineSettings.from_section(settings.pipeline)
     config = getattr(model, "config", None)
@@ -81,11 +83,19 @@ def pipeline_stage(ctx: BuildContext, model: torch.nn.Module) -> tuple[torch.nn.
         found = pp_issues(config, settings.pp_size, pipeline, ctx.batch.micro_batch_size)
         if found:
             raise ConfigError(found)
-    (stage,) = split_for_pipeline(model, ctx.device_mesh["pp"], pipeline)
-    first, last = stage.layer_range.start, stage.layer_range.stop - 1
-    held = ["embedding"] * stage.is_first + [f"layers {first}-{last}"] + ["norm, head"] * stage.is_last
-    return stage, (f"pipeline stage {stage.index} of {stage.num_stages} on this rank ({' + '.join(held)}), "
-                   f"{pipeline.schedule} schedule")
+    stages = split_for_pipeline(model, ctx.device_mesh["pp"], pipeline)
+    described = []
+    for stage in stages:
+        first, last = stage.layer_range.start, stage.layer_range.stop - 1
+        held = ["embedding"] * stage.is_first + [f"layers {first}-{last}"] + ["norm, head"] * stage.is_last
+        described.append((stage.index, " + ".join(held)))
+    total = stages[0].num_stages
+    if len(stages) == 1:
+        (index, held), = described
+        where = f"stage {index} of {total} on this rank ({held})"
+    else:
+        where = f"stages {', '.join(f'{index} ({held})' for index, held in described)} of {total} on this rank"
+    return stages, f"pipeline {where}, {pipeline.schedule} schedule"
 
 
 def expert_parallelize(ctx: BuildContext, model: torch.nn.Module) -> str:

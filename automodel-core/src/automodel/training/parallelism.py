@@ -172,9 +172,9 @@ def rows_per_batch(cfg: Config) -> int:
 
 
 def pipeline_parallel_issues(cfg: Config, implementation: str | None) -> list[ConfigIssue]:
-    """``pp_size > 1``: FSDP2 as the data-parallel strategy, no LoRA, one stage per rank (GPipe or 1F1B: this
-    engine's model is one module per rank), upstream's other pipeline keys at the values that run here, and a model
-    whose layers and micro-batches the layout fits (checked on the model's Hugging Face config)."""
+    """``pp_size > 1``: FSDP2 as the data-parallel strategy, no LoRA, upstream's other pipeline keys at the values
+    that run here, and a model whose layers and micro-batches the layout fits, one stage per rank or several
+    (interleaved schedules; checked on the model's Hugging Face config)."""
     settings = cfg.distributed
     pp = settings.pp_size
     issues = section_issues(settings.pipeline)
@@ -198,11 +198,6 @@ def pipeline_parallel_issues(cfg: Config, implementation: str | None) -> list[Co
                                   f"stage (pp_size {pp}) gathers, syncs and reshards them at the end of every "
                                   "micro-batch; set it false with pipeline parallelism"))
     pipeline = pipeline_settings(cfg)
-    if pipeline.interleaved:
-        issues.append(ConfigIssue("distributed.pipeline.pp_schedule", f"{pipeline.pp_schedule}: the training loop "
-                                  "runs one pipeline stage per rank; interleaved schedules (several stages per rank) "
-                                  "are not wired into it yet; use gpipe or 1f1b"))
-        return issues
     hf_config = model_hf_config(cfg)
     if hf_config is not None:
         issues += pp_issues(hf_config, pp, pipeline, rows_per_batch(cfg))

@@ -77,7 +77,9 @@ def missing_stages(selection: Selection, stages: StageRegistry) -> list[ConfigIs
 def apply_pipeline(ctx: BuildContext, model: Any, selection: Selection) -> Any:
     """Run each selected stage in slot order as ``fn(ctx, model) -> (model, message)``; log one line per stage.
 
-    First ``distributed.pp_size > 1`` cuts the model to this rank's pipeline stage (the stages after see only it).
+    First ``distributed.pp_size > 1`` cuts the model to this rank's pipeline stage (the stages after see only it);
+    a rank running several stages (an interleaved schedule) puts each through the slots on its own and returns
+    them as one :class:`LocalStages`.
     Before the ``sharding`` slot, ``distributed.tp_size > 1`` shards the model over the mesh's ``tp`` dimension
     (validation made the sharding slot FSDP2), ``distributed.ep_size > 1`` splits the experts of a MoE model over
     the data-parallel ranks, then ``distributed.activation_checkpointing`` wraps the transformer blocks; a model
@@ -85,11 +87,23 @@ def apply_pipeline(ctx: BuildContext, model: Any, selection: Selection) -> Any:
     stage but one marked ``shards_meta_models``, the core's FSDP2, which materialises after sharding)."""
     from automodel.training import model_init
 
+    settings = ctx.cfg.distributed
+    if settings is None or settings.pp_size == 1:
+        return _apply_slots(ctx, model, selection)
+    from automodel.training.parallel.pipeline_stages import LocalStages
+
+    parts, message = model_init.pipeline_stages(ctx, model)
+    ctx.log(f"pipeline: {message}")
+    built = [_apply_slots(ctx, part, selection) for part in parts]
+    return built[0] if len(built) == 1 else LocalStages(built)
+
+
+def _apply_slots(ctx: BuildContext, model: Any, selection: Selection) -> Any:
+    """The slots of :func:`apply_pipeline` on one model (or one pipeline stage)."""
+    from automodel.training import model_init
+
     stages = ctx.plugins.stages
     settings = ctx.cfg.distributed
-    if settings is not None and settings.pp_size > 1:
-        model, message = model_init.pipeline_stage(ctx, model)
-        ctx.log(f"pipeline: {message}")
     for slot in PIPELINE_SLOTS:
         if slot == "sharding" and settings is not None and settings.tp_size > 1:
             ctx.log(f"pipeline: {model_init.tensor_parallelize(ctx, model)}")

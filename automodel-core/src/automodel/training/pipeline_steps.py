@@ -15,6 +15,7 @@ from automodel.training.context import BuildContext
 from automodel.training.modules import unwrap
 from automodel.training.parallel.mesh import PP
 from automodel.training.parallel.pipeline_parallel import PipelineSettings, StagePipelines
+from automodel.training.parallel.pipeline_stages import stages_of
 from automodel.training.parallel.tensor_parallel import local_loss
 
 
@@ -39,11 +40,12 @@ class PipelineSteps:
         raise NotImplementedError(f"{type(self).__name__} must implement pipeline_loss to run pipelined")
 
     def build_pipelines(self, ctx: BuildContext) -> StagePipelines | None:
-        """The schedules over this rank's stage (``self.model`` after the build pipeline), when pipelined."""
+        """The schedules over this rank's stages (``self.model`` after the build pipeline), when pipelined."""
         if ctx.mesh.pp == 1:
             return None
         settings = PipelineSettings.from_section(ctx.cfg.distributed.pipeline)
-        return StagePipelines([unwrap(self.model)], ctx.device_mesh[PP], ctx.device, settings, self.pipeline_loss)
+        return StagePipelines(stages_of(unwrap(self.model)), ctx.device_mesh[PP], ctx.device, settings,
+                              self.pipeline_loss)
 
     def _pipelined(self, batches: list[Any], scale: float) -> torch.Tensor:
         """Pipeline parallelism: each micro-batch of the step through the schedule, forward and backward together

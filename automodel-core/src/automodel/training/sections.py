@@ -174,9 +174,9 @@ class DistributedConfig:
         default=None, metadata=_help("also run the forward under torch.autocast in this dtype (bf16 | fp16), as "
                                      "upstream does with mp_policy.output_dtype fp32"))
     pipeline: dict | None = field(default=None, metadata=_help(
-        "upstream's pipeline-parallel settings: pp_schedule (gpipe, 1f1b; interleaved1f1b is refused), "
-        "pp_microbatch_size (rows per pipeline micro-batch), layers_per_stage; with pp_size 1 they govern nothing, "
-        "upstream's rule too, and the run says so"))
+        "upstream's pipeline-parallel settings: pp_schedule (gpipe, 1f1b; interleaved1f1b, looped_bfs: several "
+        "stages per rank), pp_microbatch_size, layers_per_stage, round_virtual_stages_to_pp_multiple (up, down); "
+        "with pp_size 1 they govern nothing, upstream's rule too, and the run says so"))
     moe: dict | None = field(default=None, metadata=_help(
         "upstream's expert-parallel settings; with ep_size > 1: reshard_after_forward and mp_policy act as "
         "distributed.reshard_after_forward / mp_policy (a different value there is refused), lm_head_precision "

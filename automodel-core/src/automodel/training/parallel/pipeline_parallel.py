@@ -1,10 +1,11 @@
 """Pipeline parallelism over the mesh's ``pp`` dimension with ``torch.distributed.pipelining``.
 
 The settings are upstream's ``distributed.pipeline`` keys (:class:`PipelineSettings`): ``pp_schedule`` (``gpipe``,
-``1f1b``, ``interleaved1f1b``), ``pp_microbatch_size`` (rows per pipeline micro-batch), ``layers_per_stage`` and
-``round_virtual_stages_to_pp_multiple``. The model is cut with :func:`pipeline_stages.split_model` (on the meta
-device), each stage then goes through TP / activation checkpointing / FSDP2 / materialisation like a whole model,
-and :func:`build_pipeline` makes the schedule.
+``1f1b``; ``interleaved1f1b`` and ``looped_bfs`` run several stages per rank), ``pp_microbatch_size`` (rows per
+pipeline micro-batch), ``layers_per_stage`` and ``round_virtual_stages_to_pp_multiple``. The model is cut with
+:func:`pipeline_stages.split_model` (on the meta device), each stage then goes through TP / activation
+checkpointing / FSDP2 / materialisation like a whole model, and :class:`Pipeline` makes the schedule; a rank's
+several stages reach the training loop as one :class:`pipeline_stages.LocalStages`.
 
 The training step delegates its forward and backward to :meth:`Pipeline.step`, one call per batch of the step:
 the schedule splits the batch into micro-batches, and its loss function is the engine's: the loss *summed* over
@@ -31,8 +32,8 @@ if TYPE_CHECKING:
 
     from automodel.training.parallel.pipeline_stages import PipelineStageModel
 
-SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved1f1b": "Interleaved1F1B"}
-INTERLEAVED = ("interleaved1f1b",)
+SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved1f1b": "Interleaved1F1B", "loopedbfs": "LoopedBFS"}
+INTERLEAVED = ("interleaved1f1b", "loopedbfs")  # several stages per rank
 ROUNDING = ("up", "down")
 DEFAULT_STAGES_PER_RANK = 2  # interleaved schedules without layers_per_stage
 KEPT_SHAPES = 4  # StagePipelines: pipelines kept for the batch shapes used last
@@ -64,7 +65,8 @@ class PipelineSettings:
         return cls(**{name: given[name] for name in cls.__dataclass_fields__ if name in given})
 
     def num_stages(self, num_layers: int, pp_size: int) -> int:
-        """Stages in all: one per rank, several per rank for interleaved schedules."""
+        """Stages in all: one per rank, several per rank for interleaved schedules. ``layers_per_stage`` decides
+        the count only, as upstream: the layers are then split as evenly as they go (the first stages one more)."""
         if self.layers_per_stage is None:
             return pp_size * (DEFAULT_STAGES_PER_RANK if self.interleaved else 1)
         stages = math.ceil(num_layers / self.layers_per_stage)
@@ -73,12 +75,6 @@ class PipelineSettings:
         if self.round_virtual_stages_to_pp_multiple == "down":
             return max(pp_size, stages // pp_size * pp_size)
         return stages
-
-    @property
-    def stage_layers(self) -> int | None:
-        """Layers per stage to cut with (None: as even as possible)."""
-        exact = self.layers_per_stage is not None and self.round_virtual_stages_to_pp_multiple is None
-        return self.layers_per_stage if exact else None
 
 
 # upstream's other distributed.pipeline keys: the value that is what runs here, and why another cannot
@@ -114,7 +110,7 @@ def describe_stages(num_layers: int, pp_size: int, settings: PipelineSettings, b
     from automodel.training.parallel.pipeline_stages import stage_indices, stage_layer_ranges
 
     stages = settings.num_stages(num_layers, pp_size)
-    ranges = stage_layer_ranges(num_layers, stages, settings.stage_layers)
+    ranges = stage_layer_ranges(num_layers, stages)
     size = settings.pp_microbatch_size
     lines = [f"pipeline parallel over pp {pp_size}: {settings.schedule} schedule, {stages} stages, {batch // size} "
              f"micro-batches of {size} rows per batch"]
@@ -136,7 +132,7 @@ def pp_issues(model_config: Any, pp_size: int, settings: PipelineSettings, batch
     issues = []
     if settings.schedule not in SCHEDULES:
         issues.append(ConfigIssue(f"{key}.pp_schedule", f"'{settings.pp_schedule}' is not supported here; use "
-                                  "gpipe, 1f1b or interleaved1f1b"))
+                                  "gpipe, 1f1b, interleaved1f1b or looped_bfs"))
     if settings.round_virtual_stages_to_pp_multiple not in (None, *ROUNDING):
         issues.append(ConfigIssue(f"{key}.round_virtual_stages_to_pp_multiple", "must be up, down or null, found "
                                   f"{settings.round_virtual_stages_to_pp_multiple!r}"))
@@ -170,15 +166,17 @@ def _stage_issues(settings: PipelineSettings, layers: int, stages: int, pp_size:
     where = f"{key}.layers_per_stage" if settings.layers_per_stage is not None else f"{key}.pp_schedule"
     if not settings.interleaved and stages != pp_size:
         return [ConfigIssue(where, f"{settings.layers_per_stage} layers per stage make {stages} stages, but "
-                            f"{settings.pp_schedule} runs one stage per rank ({pp_size}); use interleaved1f1b or "
-                            f"layers_per_stage {layers // pp_size}")]
+                            f"{settings.pp_schedule} runs one stage per rank ({pp_size}); use interleaved1f1b, "
+                            f"looped_bfs or layers_per_stage {layers // pp_size}")]
     if stages % pp_size:
         return [ConfigIssue(where, f"{stages} stages do not spread evenly over pp_size {pp_size} ranks; set "
                             "round_virtual_stages_to_pp_multiple: up or down, or change layers_per_stage")]
-    stage_layers = settings.stage_layers
-    if settings.interleaved and layers % stages or stage_layers is not None and stage_layers * stages != layers:
-        return [ConfigIssue(where, f"the model's {layers} layers do not split into {stages} stages "
-                            f"(pp_size {pp_size} x {stages // pp_size} virtual stages) of equal size")]
+    if settings.interleaved and stages // pp_size < 2:
+        fewer = layers // (2 * pp_size)
+        change = f"layers_per_stage {fewer} or lower" if fewer else "gpipe or 1f1b"
+        return [ConfigIssue(where, f"{settings.layers_per_stage} layers per stage make {stages} stages, "
+                            f"{stages // pp_size} per rank over pp_size {pp_size}, but {settings.pp_schedule} runs "
+                            f"at least 2 stages per rank (upstream's rule); use {change}")]
     return []
 
 
@@ -193,7 +191,7 @@ def _microbatch_issues(settings: PipelineSettings, stages: int, pp_size: int, ba
         return [ConfigIssue(f"{key}.pp_microbatch_size", f"{size} makes {count} micro-batches of the {batch} rows, "
                             f"but 1f1b needs at least one per stage ({stages}); lower pp_microbatch_size")]
     rounds = max(1, count // pp_size)
-    if settings.interleaved and count % rounds:
+    if settings.schedule == "interleaved1f1b" and count % rounds:
         return [ConfigIssue(f"{key}.pp_microbatch_size", f"{count} micro-batches are not a multiple of the "
                             f"interleaved schedule's {rounds} rounds (micro-batches // pp_size {pp_size})")]
     return []
@@ -206,7 +204,7 @@ def split_for_pipeline(model: nn.Module, pp_mesh: DeviceMesh, settings: Pipeline
 
     pp_size = pp_mesh.size()
     stages = settings.num_stages(model.config.get_text_config().num_hidden_layers, pp_size)
-    return split_model(model, pp_mesh.get_local_rank(), pp_size, stages // pp_size, settings.stage_layers)
+    return split_model(model, pp_mesh.get_local_rank(), pp_size, stages // pp_size)
 
 
 class Pipeline:
@@ -270,8 +268,8 @@ class StagePipelines:
     That first run also drops the stages' gradients (torch runs a real forward and backward to learn the shapes),
     so every batch of one optimizer step must have the step's shape (the loop asks the recipe for that). The
     pipelines of the :data:`KEPT_SHAPES` shapes used last are kept (each holds buffers for its micro-batches).
-    Evaluation runs GPipe (forward only: the schedule changes nothing there) with micro-batches that divide the
-    batch, so a shorter last validation batch runs too."""
+    Evaluation runs GPipe, or LoopedBFS (its form for several stages per rank), forward only (the schedule changes
+    nothing there), with micro-batches that divide the batch, so a shorter last validation batch runs too."""
 
     def __init__(self, stages: list[PipelineStageModel], pp_mesh: DeviceMesh, device: torch.device,
                  settings: PipelineSettings, loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
@@ -285,9 +283,10 @@ class StagePipelines:
         return self._pipeline(True, inputs, self.settings).step(inputs, labels, scale, **kwargs)
 
     def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        """:meth:`Pipeline.evaluate` with the (GPipe) pipeline for this batch's shape."""
+        """:meth:`Pipeline.evaluate` with the (GPipe / LoopedBFS) pipeline for this batch's shape."""
         rows, size = inputs.shape[0], self.settings.pp_microbatch_size
-        settings = PipelineSettings(pp_schedule="gpipe", pp_microbatch_size=size if rows % size == 0 else 1)
+        schedule = "gpipe" if len(self.stages) == 1 else "loopedbfs"
+        settings = PipelineSettings(pp_schedule=schedule, pp_microbatch_size=size if rows % size == 0 else 1)
         return self._pipeline(False, inputs, settings).evaluate(inputs, labels, **kwargs)
 
     def _pipeline(self, train: bool, inputs: torch.Tensor, settings: PipelineSettings) -> Pipeline:

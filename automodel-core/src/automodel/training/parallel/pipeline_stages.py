@@ -9,7 +9,10 @@ embeddings are the model's. A stage's ``state_dict`` names are the whole model's
 .weight``), so sharded checkpoints, the HF export and :func:`materialize` (seeded per module name) treat a stage
 like a part of the one model: a stage is initialised, loaded and saved exactly as the same modules of the model.
 
-Cut the model on the meta device (each stage is a copy of it) and materialise the stages afterwards.
+Cut the model on the meta device (each stage is a copy of it) and materialise the stages afterwards. A rank that
+runs several stages (interleaved schedules) hands the training loop :class:`LocalStages`: its stages' modules
+(shared, not copied) in one tree under the model's names, so the optimizer, the gradient clipping and the
+checkpoints see one model, as with one stage per rank.
 """
 
 from __future__ import annotations
@@ -24,13 +27,8 @@ from automodel.errors import AutomodelError
 from automodel.training.parallel.blocks import LayerPlaceholder
 
 
-def stage_layer_ranges(num_layers: int, num_stages: int, layers_per_stage: int | None = None) -> list[range]:
-    """The layers of each stage: ``layers_per_stage`` each, else as even as possible (the first stages one more)."""
-    if layers_per_stage is not None:
-        if layers_per_stage * num_stages != num_layers:
-            raise AutomodelError(f"{num_stages} stages of layers_per_stage {layers_per_stage} hold "
-                                 f"{layers_per_stage * num_stages} layers, the model has {num_layers}")
-        return [range(s * layers_per_stage, (s + 1) * layers_per_stage) for s in range(num_stages)]
+def stage_layer_ranges(num_layers: int, num_stages: int) -> list[range]:
+    """The layers of each stage, as even as possible (the first stages one more)."""
     if num_stages > num_layers:
         raise AutomodelError(f"{num_stages} pipeline stages for {num_layers} layers: each stage needs a layer")
     size, extra = divmod(num_layers, num_stages)
@@ -101,8 +99,8 @@ def model_parts(model: nn.Module) -> dict[str, str]:
     return parts
 
 
-def split_model(model: nn.Module, pp_rank: int, pp_size: int, stages_per_rank: int = 1,
-                layers_per_stage: int | None = None) -> list[PipelineStageModel]:
+def split_model(model: nn.Module, pp_rank: int, pp_size: int, stages_per_rank: int = 1
+                ) -> list[PipelineStageModel]:
     """The stages rank ``pp_rank`` of ``pp_size`` runs (``stages_per_rank`` > 1 for interleaved schedules), each a
     pruned copy of ``model`` (on the meta device, before materialisation)."""
     if hasattr(model, "peft_config"):
@@ -114,7 +112,7 @@ def split_model(model: nn.Module, pp_rank: int, pp_size: int, stages_per_rank: i
     parts = model_parts(model)
     num_stages = pp_size * stages_per_rank
     num_layers = len(model.get_submodule(parts["layers"]))
-    ranges = stage_layer_ranges(num_layers, num_stages, layers_per_stage)
+    ranges = stage_layer_ranges(num_layers, num_stages)
     stages = []
     for index in stage_indices(pp_rank, pp_size, stages_per_rank):
         stage = copy.deepcopy(model)
@@ -135,3 +133,60 @@ def split_model(model: nn.Module, pp_rank: int, pp_size: int, stages_per_rank: i
 def _replace(model: nn.Module, name: str, module: nn.Module | None) -> None:
     parent, _, attr = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, attr, module)
+
+
+class LocalStages(nn.Module):
+    """The stages one pipeline rank runs (interleaved schedules), as one module under the causal LM's names: each
+    submodule is the stage's own (its embedding, layers, norm, head; the modules every stage holds, parameterless
+    like the rotary embedding, from the first), so ``parameters()`` and ``state_dict()`` are the stages' together
+    and a checkpoint is keyed as the one model's. It has no forward: the schedule runs :attr:`stages`, each still
+    its own FSDP2 root and its own torch pipeline stage."""
+
+    def __init__(self, stages: list[PipelineStageModel]):
+        super().__init__()
+        self.stages = tuple(stages)  # not submodules: state_dict holds the merged tree only
+        self.config, self.generation_config = stages[0].config, stages[0].generation_config
+        for name, child in _merged_children(list(stages)).items():
+            self.add_module(name, child)
+
+    def train(self, mode: bool = True) -> LocalStages:
+        """Also the stages' own containers (the root and base model each stage runs forward through)."""
+        for stage in self.stages:
+            stage.train(mode)
+        return super().train(mode)
+
+
+def stages_of(model: nn.Module) -> list[PipelineStageModel]:
+    """The stages ``model`` (a stage, or a rank's :class:`LocalStages`) runs."""
+    return list(model.stages) if isinstance(model, LocalStages) else [model]
+
+
+def _merged_children(modules: list[nn.Module]) -> dict[str, nn.Module | None]:
+    """Child name -> the merge of that child over ``modules`` (several copies of one container)."""
+    names = dict.fromkeys(name for module in modules for name in module._modules)
+    return {name: _merge([module._modules.get(name) for module in modules]) for name in names}
+
+
+def _merge(copies: list[nn.Module | None]) -> nn.Module | None:
+    """One module for what several stages hold at one place: the one stage's module where only one holds a real
+    module there, else (a container every stage keeps) a container of the merged children; a placeholder where none
+    holds one."""
+    real = [m for m in copies if m is not None and not isinstance(m, LayerPlaceholder)]
+    if not real:
+        return next((m for m in copies if m is not None), None)
+    if len(real) == 1:
+        return real[0]
+    if not any(m._modules for m in real):
+        if any(True for m in real for _ in m.parameters()):
+            raise AutomodelError(f"{len(real)} pipeline stages of one rank each hold a '{type(real[0]).__name__}' "
+                                 "with parameters; each parameter must belong to one stage")
+        return real[0]  # parameterless, the same in every stage (the rotary embedding)
+    if any(m._parameters for m in real):
+        raise AutomodelError(f"{len(real)} pipeline stages of one rank each hold parameters of a "
+                             f"'{type(real[0]).__name__}'; each parameter must belong to one stage")
+    merged = nn.ModuleList() if isinstance(real[0], nn.ModuleList) else nn.Module()
+    for name, child in _merged_children(real).items():
+        merged.add_module(name, child)
+    for name, buffer in real[0]._buffers.items():
+        merged.register_buffer(name, buffer, persistent=name not in real[0]._non_persistent_buffers_set)
+    return merged
