@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from automodel.training.distributed_section import DistributedConfig, moe_head_fp32, moe_inner_root, moe_saves_routing
 from automodel.training.parallel.activation_checkpointing import apply_activation_checkpointing
-from automodel.training.sections import DistributedConfig, moe_head_fp32, moe_inner_root, moe_saves_routing
 
 
 def test_reshard_after_forward_and_mp_policy_act_as_the_engine_keys_under_ep():

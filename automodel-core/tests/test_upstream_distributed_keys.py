@@ -13,9 +13,9 @@ import torch
 from automodel.config import ConfigError
 from automodel.testing import free_port, load_config, train_inprocess
 from automodel.testing.toy import ToyRecipe
+from automodel.training.distributed_section import DistributedConfig
 from automodel.training.loop import TrainingLoop
 from automodel.training.parallel.fsdp import set_prefetch
-from automodel.training.sections import DistributedConfig
 
 
 @pytest.fixture

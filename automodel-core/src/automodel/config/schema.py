@@ -35,6 +35,11 @@ class FieldErrors(ValueError):
         super().__init__("; ".join(f"{name}: {message}" for name, message in self.errors.items()))
 
 
+def field_help(text: str, aliases: tuple[str, ...] = ()) -> dict:
+    """A section field's metadata: its help line and the other names it may be written under."""
+    return {"help": text, "aliases": aliases}
+
+
 def require_positive(section: Any, *names: str) -> None:
     """Refuse, all at once, every named field of the dataclass instance ``section`` that is below 1 (None is fine)."""
     bad = {name: f"must be >= 1, found {getattr(section, name)}" for name in names

@@ -20,6 +20,7 @@ from automodel.errors import AutomodelError, ConfigError
 from automodel.hf import is_adapter_dir
 from automodel.training.checkpoint import RESUME_ELSEWHERE, CheckpointError, mismatch_message
 from automodel.training.context import BuildContext
+from automodel.training.distributed_section import moe_saves_routing
 from automodel.training.parallel.activation_checkpointing import apply_activation_checkpointing
 from automodel.training.parallel.expert_parallel import apply_expert_parallel, build_expert_mesh, experts_issues
 from automodel.training.parallel.materialize import (
@@ -31,7 +32,6 @@ from automodel.training.parallel.materialize import (
 from automodel.training.parallel.pipeline_parallel import PipelineSettings, pp_issues, split_for_pipeline
 from automodel.training.parallel.pipeline_stages import PipelineStageModel
 from automodel.training.parallel.tensor_parallel import apply_tensor_parallel, tp_issues
-from automodel.training.sections import moe_saves_routing
 
 _ADAPTER_NAME = re.compile(r"\.(lora_[A-Za-z_]+)\.[^.]+(?=\.|$)")  # "...lora_A.default.weight" -> "...lora_A.weight"
 

@@ -17,13 +17,13 @@ from automodel.errors import ConfigIssue
 from automodel.model_backend import backend_setting
 from automodel.model_files import HUB_ARGUMENTS
 from automodel.training.dist import expected_world_size, world_size_source
+from automodel.training.distributed_section import moe_head_fp32, moe_inner_root
 from automodel.training.parallel.expert_parallel import config_expert_count, expert_count_issues, experts_issues
 from automodel.training.parallel.mesh import MeshLayout, describe_mesh, mesh_issues, plan_mesh
 from automodel.training.parallel.pipeline_parallel import PipelineSettings, describe_stages, pp_issues, section_issues
 from automodel.training.parallel.precision import Precision, parse_dtype_name, precision_issues, resolve_precision
 from automodel.training.parallel.tensor_parallel import describe_plan, tp_issues
 from automodel.training.parallel.tp_plans import HEAD_STYLES, config_plan, expand_plan, model_plan
-from automodel.training.sections import moe_head_fp32, moe_inner_root
 
 if TYPE_CHECKING:
     from automodel.config import Config

@@ -8,6 +8,7 @@ from typing import Any
 
 from automodel.config import Free, KeyAlias, Target
 from automodel.training import sections as s
+from automodel.training.distributed_section import DistributedConfig
 
 _DATALOADER = Target("data loading (a StatefulDataLoader's keyword arguments)", runtime_args=("dataset",),
                      plain=True, default_target="torchdata.stateful_dataloader.StatefulDataLoader", default={})
@@ -25,7 +26,7 @@ TRAIN_SECTIONS: dict[str, Any] = {
     "model": Target("the model to train: {_target_: ..., ...}", required=True),
     "compile": s.CompileConfig,
     "clip_grad_norm": s.ClipGradConfig,
-    "distributed": s.DistributedConfig,
+    "distributed": DistributedConfig,
     "loss_fn": Target("the loss (the engine sums it over label tokens)",
                       default={"_target_": "automodel.training.loss.MaskedCrossEntropy"}),
     "dataset": Target("the training data set", required=True),

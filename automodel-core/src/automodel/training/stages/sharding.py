@@ -17,13 +17,13 @@ from automodel.config import Config
 from automodel.errors import AutomodelError, ConfigIssue
 from automodel.training.context import BuildContext
 from automodel.training.dist import expected_world_size
+from automodel.training.distributed_section import moe_head_fp32, moe_inner_root
 from automodel.training.model_init import materialize_model, on_meta
 from automodel.training.parallel.context_parallel import fsdp_mesh
 from automodel.training.parallel.expert_parallel import expert_parameters
 from automodel.training.parallel.fsdp import apply_fsdp2, inner_root_issue
 from automodel.training.parallel.mesh import DP
 from automodel.training.parallelism import parallel_issues
-from automodel.training.sections import moe_head_fp32, moe_inner_root
 
 
 def select(cfg: Config) -> tuple[str, str] | None:
