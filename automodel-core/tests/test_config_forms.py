@@ -353,7 +353,7 @@ def test_backend_settings_that_cannot_act_are_refused_with_the_reason(setting, v
 
 def test_hf_state_dict_adapter_false_is_accepted_with_a_note_on_the_layout_it_keeps():
     from automodel.model_backend import backend_issues
-    from automodel.training.parallelism import inert_distributed_notes
+    from automodel.training.inert_notes import inert_distributed_notes
 
     assert backend_issues({"enable_hf_state_dict_adapter": False}) == {}
     for value, noted in ((False, True), (True, False), (None, False)):

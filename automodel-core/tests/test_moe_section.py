@@ -145,7 +145,7 @@ def test_lm_head_precision_float32_runs_the_head_in_fp32(fp32_head, dtype):
 def test_the_run_notes_values_that_describe_what_it_does_anyway():
     from types import SimpleNamespace
 
-    from automodel.training.parallelism import inert_distributed_notes
+    from automodel.training.inert_notes import inert_distributed_notes
 
     def notes(**settings) -> str:
         return "\n".join(inert_distributed_notes(SimpleNamespace(model=None, distributed=DistributedConfig(

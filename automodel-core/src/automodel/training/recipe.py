@@ -30,13 +30,13 @@ from automodel.training.checkpoint import Checkpointer, load_safetensors_dir, lo
 from automodel.training.context import BuildContext
 from automodel.training.dist import init_process_group, local_rank, rank, world_size
 from automodel.training.host_memory import KEEP_FREED, RETURN_FREED, apply_malloc_policy
+from automodel.training.inert_notes import inert_distributed_notes
 from automodel.training.logging import LoggerContext, MetricLoggers, resolve_backends
 from automodel.training.loop import TrainingLoop
 from automodel.training.metrics import JsonlWriter, device_peak_flops
 from automodel.training.modules import is_fsdp2, trainable_parameters, unwrap
 from automodel.training.parallel.mesh import LAYOUT_KEYS, build_device_mesh, smallest_world
 from automodel.training.parallelism import (
-    inert_distributed_notes,
     parallel_layout,
     run_precision,
     shards_with_fsdp2,
