@@ -107,6 +107,11 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
                                 "remove the section"),
         "quantization": Refused("bitsandbytes 4-/8-bit base weights (QLoRA) need a CUDA GPU and bitsandbytes, and this "
                                 "build loads no quantized weights: remove the section (LoRA on bf16 / fp32 weights)"),
+        "tool_call_eval": Refused("upstream's tool-call accuracy evaluation (its ToolCallAccuracyEvaluator generates "
+                                  "on function-calling samples and scores the tool calls) is not implemented; "
+                                  "validation here reports the loss, and eval_generation the exact-match of generated "
+                                  "answers: remove the section"),
+        "longalign": Metadata("a key of upstream's GLM-5.2 LoRA example that nothing in upstream reads"),
         "benchmark": Metadata("the benchmark recipe's settings; fine-tuning ignores them, as upstream's does: "
                               "automodel benchmark llm -c FILE, or recipe: BenchmarkingRecipeForNextTokenPrediction, "
                               "times the steps"),

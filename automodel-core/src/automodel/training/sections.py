@@ -390,11 +390,90 @@ class FP8Config:
         "implemented here (each layer computes its scale itself, the same values)"))
 
 
+# upstream's QATConfig.quantizer_type -> qat.quantizer here (the same torchao quantizers)
+_UPSTREAM_QUANTIZER_TYPES = {"int8_dynact_int4weight": "int8_dynamic_act_int4_weight",
+                             "int4_weight_only": "int4_weight_only"}
+
+
 @dataclass
 class QATConfig:
+    """``qat_config`` is upstream's form of ``quantizer`` / ``group_size`` (its QATConfig, never imported): it sets
+    them, with torchao's group size (256) where it names none, as upstream's does."""
+
     enabled: bool = field(default=False, metadata=_help("quantisation-aware training through torchao"))
-    quantizer: str = field(default="int8_dynamic_act_int4_weight", metadata=_help("torchao fake-quantiser"))
-    group_size: int = field(default=32, metadata=_help("weight group size"))
+    quantizer: str | None = field(default=None, metadata=_help(
+        "torchao fake-quantiser: int8_dynamic_act_int4_weight (unset: this one) or int4_weight_only"))
+    group_size: int | None = field(default=None, metadata=_help(
+        "weight group size (unset: 32; 256, torchao's, under qat_config without groupsize)"))
+    fake_quant_after_n_steps: int | None = field(default=None, metadata=_help(
+        "upstream's delay: the first N optimizer steps (and validations) run without fake quantisation, which "
+        "turns on before step N+1, also on a resume (0 or unset: from the start)"))
+    qat_config: dict | None = field(default=None, metadata=_help(
+        "upstream's form: {_target_: ...QATConfig, quantizer_type: int8_dynact_int4weight | int4_weight_only, "
+        "groupsize}; sets quantizer and group_size"))
+
+    def __post_init__(self) -> None:
+        errors = {}
+        if self.fake_quant_after_n_steps is not None and self.fake_quant_after_n_steps < 0:
+            errors["fake_quant_after_n_steps"] = f"{self.fake_quant_after_n_steps} is negative; use 0 or more steps"
+        if self.qat_config is not None:
+            errors.update(self._absorb_upstream(self.qat_config))
+        if errors:
+            raise FieldErrors(errors)
+        if self.quantizer is None:
+            self.quantizer = "int8_dynamic_act_int4_weight"
+        if self.group_size is None:
+            self.group_size = 32
+
+    def _absorb_upstream(self, node: dict) -> dict[str, str]:
+        """Sets ``quantizer`` / ``group_size`` from upstream's QATConfig; the problems, by key, if it cannot."""
+        target = str(node.get("_target_", ""))
+        if target.rsplit(".", 1)[-1] != "QATConfig":
+            return {"qat_config": f"_target_ {target or '(missing)'!r}: only upstream's QATConfig is read here "
+                                  "(nemo_automodel.components.quantization.qat.QATConfig)"}
+        extra = sorted(set(node) - {"_target_", "quantizer_type", "groupsize"})
+        if extra:
+            return {"qat_config": f"{', '.join(extra)}: torchao quantizer arguments not set here (quantizer_type "
+                                  "and groupsize are); remove them"}
+        kind = node.get("quantizer_type", "int8_dynact_int4weight")
+        if kind not in _UPSTREAM_QUANTIZER_TYPES:
+            return {"qat_config": f"quantizer_type {kind!r} is not one of {', '.join(_UPSTREAM_QUANTIZER_TYPES)}"}
+        groupsize = node.get("groupsize")
+        wanted = {"quantizer": _UPSTREAM_QUANTIZER_TYPES[kind], "group_size": 256 if groupsize is None else groupsize}
+        clashes = {name: f"{getattr(self, name)!r} disagrees with qat_config's {value!r}; give one of them"
+                   for name, value in wanted.items() if getattr(self, name) not in (None, value)}
+        if not clashes:
+            self.quantizer, self.group_size = wanted["quantizer"], wanted["group_size"]
+        return clashes
+
+
+_PREWARMS = {
+    "cublas_backward": "cuBLAS's backward-pass workspaces (a tiny matmul per dtype)",
+    "fla_gdn_autotune": "the Triton autotuning of flash-linear-attention's gated-delta-rule kernels",
+    "mamba_ssd_autotune": "the Triton autotuning of Mamba's SSD kernels",
+    "comm_groups": "the NCCL communicators of the gradient-norm all-reduce",
+}
+
+
+@dataclass
+class PrewarmConfig:
+    """Upstream's ``prewarm:``: one-time CUDA initialisations run at setup rather than in the first step, so their
+    memory spikes come before the activations do. They change no result (upstream's runs train the same with
+    them off), and none is implemented here: false (or absent) is the only setting."""
+
+    cublas_backward: bool = field(default=False, metadata=_help(f"refused when true: {_PREWARMS['cublas_backward']}"))
+    fla_gdn_autotune: bool = field(default=False, metadata=_help(
+        f"refused when true: {_PREWARMS['fla_gdn_autotune']}"))
+    mamba_ssd_autotune: bool = field(default=False, metadata=_help(
+        f"refused when true: {_PREWARMS['mamba_ssd_autotune']}"))
+    comm_groups: bool = field(default=False, metadata=_help(f"refused when true: {_PREWARMS['comm_groups']}"))
+
+    def __post_init__(self) -> None:
+        on = {name: what for name, what in _PREWARMS.items() if getattr(self, name)}
+        if on:
+            raise FieldErrors({name: f"true initialises {what} at setup instead of in the first step (upstream's "
+                                     "CUDA out-of-memory guard; training is the same without it), which this build "
+                                     "does not do: set false or remove it" for name, what in on.items()})
 
 
 @dataclass

@@ -41,3 +41,12 @@ def fake_quantize(ctx: BuildContext, model: torch.nn.Module) -> tuple[torch.nn.M
     cfg = ctx.cfg.qat
     quantizer = getattr(qat, QAT_QUANTIZERS[cfg.quantizer])(groupsize=cfg.group_size)
     return quantizer.prepare(model), f"QAT fake quantisation {cfg.quantizer} (group size {cfg.group_size})"
+
+
+def set_fake_quantization(model: torch.nn.Module, enabled: bool) -> None:
+    """Turn the fake quantisers of every torchao fake-quantised linear layer on or off (upstream's
+    ``qat.fake_quant_after_n_steps`` runs the first steps with them off); the layers' weights are untouched."""
+    from torchao.quantization.qat.linear import enable_linear_fake_quant
+
+    for module in model.modules():
+        enable_linear_fake_quant(module, enabled)
