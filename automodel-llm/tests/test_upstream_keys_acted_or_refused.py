@@ -90,3 +90,41 @@ def test_fake_quantization_turns_on_after_n_steps(tmp_path, monkeypatch):
     assert [delayed[1], delayed[2]] == pytest.approx([never[1], never[2]], rel=1e-6)
     assert delayed[3] != pytest.approx(never[3], rel=1e-6)
     assert from_start[1] != pytest.approx(never[1], rel=1e-6)
+
+
+def test_chat_dataset_masks_reasoning_content_in_the_assistant_turns(tmp_path):
+    import json
+
+    from transformers import AutoTokenizer
+
+    from automodel_llm.datasets import ChatDataset
+
+    template = ("{% for m in messages %}<{{ m.role }}>{% if m.reasoning_content %} thinking: "
+                "{{ m.reasoning_content }} done.{% endif %} {{ m.content }}\n{% endfor %}"
+                "{% if add_generation_prompt %}<assistant>{% endif %}")
+    turns = [{"role": "user", "content": "What is two plus two?"},
+             {"role": "assistant", "content": "It is four.", "reasoning_content": "add the numbers"},
+             {"role": "user", "content": "And three plus three?"},
+             {"role": "assistant", "content": "It is six.", "reasoning_content": "again add them"}]
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps({"messages": turns}) + "\n")
+    tokenizer = AutoTokenizer.from_pretrained(Path(__file__).parents[1] / "src" / "automodel_llm" / "examples" /
+                                              "assets" / "tiny_tokenizer")
+
+    def learned(mask: bool) -> str:
+        sample = ChatDataset(str(data), tokenizer=tokenizer, chat_template=template, mask_reasoning_content=mask)[0]
+        return tokenizer.decode([t if label != -100 else tokenizer.encode("|", add_special_tokens=False)[0]
+                                 for t, label in zip(sample["input_ids"], sample["labels"], strict=True)])
+
+    assert "add the numbers" in learned(False) and "again add them" in learned(False)
+    masked = learned(True)
+    assert "It is four." in masked and "It is six." in masked
+    assert "add the numbers" not in masked and "again add them" not in masked and "thinking" not in masked
+
+
+def test_packing_num_proc_one_is_what_packs_here_and_more_is_refused(tmp_path):
+    packing = {"enabled": True, "packed_sequence_size": 128, "num_proc": 1}
+    _, cfg = load_config(with_sections(tmp_path, "recipe_bare_name.yaml", packed_sequence=packing))
+    assert cfg.packed_sequence.num_proc == 1
+    found = refusals(with_sections(tmp_path, "recipe_bare_name.yaml", packed_sequence={**packing, "num_proc": 4}))
+    assert "tokenized when built, before packing" in found["packed_sequence.num_proc"]

@@ -61,12 +61,21 @@ class PackedSequenceConfig:
     packing_strategy: Literal["thd", "neat"] = field(default="thd", metadata={"help": (
         "upstream's strategy: thd, samples packed in order into rows of packed_sequence_size (what packs here, "
         "attention kept within each sample); neat (bin-packing) is refused")})
+    num_proc: int = field(default=1, metadata={"help": (
+        "upstream's worker processes tokenizing a lazily tokenized data set before packing: 1 only (the data sets "
+        "here are tokenized when built, before packing)")})
 
     def __post_init__(self) -> None:
+        errors = {}
         if self.packing_strategy == "neat":
-            raise FieldErrors({"packing_strategy": "neat (upstream's bin-packing with its own collater) is not "
-                                                   "implemented; use thd (or remove the key): samples packed in "
-                                                   "order"})
+            errors["packing_strategy"] = ("neat (upstream's bin-packing with its own collater) is not implemented; use "
+                                          "thd (or remove the key): samples packed in order")
+        if self.num_proc != 1:
+            errors["num_proc"] = (f"{self.num_proc}: upstream tokenizes a lazily tokenized data set in that many "
+                                  "processes before packing; the data sets here are tokenized when built, before "
+                                  "packing, which leaves those processes nothing to do: set 1 or remove it")
+        if errors:
+            raise FieldErrors(errors)
 
 
 def pipeline_issues(cfg: Config, generation: Any, packing: Any) -> list[ConfigIssue]:
