@@ -62,11 +62,10 @@ def test_a_separate_teacher_mesh_is_refused_and_false_is_accepted(tmp_path):
 def test_qat_config_sets_the_quantizer_and_group_size_as_upstreams_does():
     form = FORMS / "qat_upstream_keys.yaml"
     _, cfg = load_config(form)
-    assert (cfg.qat.quantizer, cfg.qat.group_size, cfg.qat.fake_quant_after_n_steps) == \
-        ("int8_dynamic_act_int4_weight", 32, 1)
+    assert (*cfg.qat.settings(), cfg.qat.fake_quant_after_n_steps) == ("int8_dynamic_act_int4_weight", 32, 1)
     _, cfg = load_config(form, "--qat.qat_config.quantizer_type", "int4_weight_only", "--qat.qat_config.groupsize",
                          "null")
-    assert (cfg.qat.quantizer, cfg.qat.group_size) == ("int4_weight_only", 256)
+    assert cfg.qat.settings() == ("int4_weight_only", 256)
     found = refusals(form, "--qat.group_size", "64")
     assert "64 disagrees with qat_config's 32" in found["qat.group_size"]
     found = refusals(form, "--qat.qat_config.padding_allowed", "true")

@@ -26,8 +26,9 @@ def issues(cfg: Config, implementation: str | None) -> list[ConfigIssue]:
     found = []
     if importlib.util.find_spec("torchao") is None:
         found.append(ConfigIssue("qat.enabled", "QAT needs torchao: pip install torchao"))
-    if cfg.qat.quantizer not in QAT_QUANTIZERS:
-        found.append(ConfigIssue("qat.quantizer", f"'{cfg.qat.quantizer}' is not one of {', '.join(QAT_QUANTIZERS)}"))
+    quantizer, _ = cfg.qat.settings()
+    if quantizer not in QAT_QUANTIZERS:
+        found.append(ConfigIssue("qat.quantizer", f"'{quantizer}' is not one of {', '.join(QAT_QUANTIZERS)}"))
     if cfg.peft is not None:
         found.append(ConfigIssue("qat.enabled", "QAT together with peft (LoRA) is not supported: the fake-quantised "
                                                 "layers would sit under the adapters; use one"))
@@ -38,9 +39,9 @@ def fake_quantize(ctx: BuildContext, model: torch.nn.Module) -> tuple[torch.nn.M
     """torchao swaps the linear layers for fake-quantised ones."""
     import torchao.quantization.qat as qat
 
-    cfg = ctx.cfg.qat
-    quantizer = getattr(qat, QAT_QUANTIZERS[cfg.quantizer])(groupsize=cfg.group_size)
-    return quantizer.prepare(model), f"QAT fake quantisation {cfg.quantizer} (group size {cfg.group_size})"
+    name, group_size = ctx.cfg.qat.settings()
+    quantizer = getattr(qat, QAT_QUANTIZERS[name])(groupsize=group_size)
+    return quantizer.prepare(model), f"QAT fake quantisation {name} (group size {group_size})"
 
 
 def set_fake_quantization(model: torch.nn.Module, enabled: bool) -> None:
