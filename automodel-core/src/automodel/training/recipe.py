@@ -43,26 +43,21 @@ from automodel.training.parallelism import (
     shards_with_fsdp2,
 )
 from automodel.training.pipeline import PIPELINE_SLOTS, Selection, apply_pipeline, select_stages
+from automodel.training.prewarm_section import PrewarmConfig
+from automodel.training.qat_section import QATConfig
 from automodel.training.quantized_base import base_quantization_note
 from automodel.training.resume import choose_checkpoint, hold_checkpoint_dir
 from automodel.training.rng import StatefulRNG
-from automodel.training.stages.qat import set_fake_quantization
+from automodel.training.stages.qat import delay_fake_quantization, set_fake_quantization
 from automodel.training.state import restore_states, restore_weights
 from automodel.training.step_scheduler import StepScheduler, steps_per_epoch
 from automodel.training.trainer_state import read_trainer_state
 
 filter_third_party_noise()  # also when a recipe runs without the CLI (tests, notebooks)
 
-# upstream's dataloader arguments that pick a sampler for data sets automodel does not read
-_LOADER_REFUSED_ARGS = {
-    "dataloader_type": "upstream's choice of Megatron's batch sampler (single: in order; cyclic: reshuffled every "
-                       "epoch), for Megatron's indexed pretraining data only (upstream refuses it with any other "
-                       "data set), and that data is not read here: remove the key (shuffle: true / false chooses "
-                       "the order here)",
-}
 _DATALOADER = Target("data loading (a StatefulDataLoader's keyword arguments)", runtime_args=("dataset",),
                      plain=True, default_target="torchdata.stateful_dataloader.StatefulDataLoader", default={},
-                     refused_args=_LOADER_REFUSED_ARGS)
+                     refused_args=builders.LOADER_REFUSED_ARGS)
 
 
 class TrainRecipe(TrainingLoop, BaseRecipe):
@@ -122,9 +117,9 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
                        "_target_: peft.LoraConfig, used as given)", plain=True,
                        default_target="automodel.hf.PeftConfig"),
         "fp8": s.FP8Config,
-        "qat": s.QATConfig,
+        "qat": QATConfig,
         "freeze": s.FreezeConfig,
-        "prewarm": s.PrewarmConfig,
+        "prewarm": PrewarmConfig,
         "distributed_config": Metadata("upstream's FSDP2Config section in some of its examples, which its recipes "
                                        "never read (the strategy comes from distributed:, as here)"),
     }
@@ -366,22 +361,11 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
                            self.log, ctx.mesh.dp)
             self.step_losses = [math.nan if v is None else v for v in restored["losses"]]
             self.skipped_steps = restored["skipped_steps"]
-        self.fake_quant_from = self.delay_fake_quantization()
+        self.fake_quant_from = delay_fake_quantization(cfg, self.model, self.step_scheduler.step, self.log)
         self.open_metric_files()
 
-    def delay_fake_quantization(self) -> int | None:
-        """``qat.fake_quant_after_n_steps: N`` (upstream's): the first N steps run with the fake quantisers off;
-        returns the step count at which they turn on (None: they are on, or QAT is off)."""
-        qat = self.cfg.qat
-        after = qat.fake_quant_after_n_steps if qat is not None and qat.enabled else None
-        if not after or self.step_scheduler.step >= after:
-            return None
-        set_fake_quantization(self.model, False)
-        self.log(f"QAT: fake quantisation off for the first {after} steps (qat.fake_quant_after_n_steps), on from "
-                 f"step {after + 1}")
-        return after
-
     def train_step(self, batches: list[Any]) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Turns fake quantisation on first when ``qat.fake_quant_after_n_steps`` ends with this step."""
         if self.fake_quant_from is not None and self.step_scheduler.step >= self.fake_quant_from:
             set_fake_quantization(self.model, True)
             self.fake_quant_from = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 
 import torch
 
@@ -51,3 +52,17 @@ def set_fake_quantization(model: torch.nn.Module, enabled: bool) -> None:
 
     for module in model.modules():
         enable_linear_fake_quant(module, enabled)
+
+
+def delay_fake_quantization(cfg: Config, model: torch.nn.Module, step: int, log: Callable[[str], None]) -> int | None:
+    """``qat.fake_quant_after_n_steps: N`` (upstream's): the first N steps run with the fake quantisers off (from
+    ``step``, the step a run starts from); returns the step count at which they turn on (None: they are on, or
+    QAT is off)."""
+    qat = cfg.qat
+    after = qat.fake_quant_after_n_steps if qat is not None and qat.enabled else None
+    if not after or step >= after:
+        return None
+    set_fake_quantization(model, False)
+    log(f"QAT: fake quantisation off for the first {after} steps (qat.fake_quant_after_n_steps), on from step "
+        f"{after + 1}")
+    return after
