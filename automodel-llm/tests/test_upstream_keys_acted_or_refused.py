@@ -75,20 +75,31 @@ def test_qat_config_sets_the_quantizer_and_group_size_as_upstreams_does():
 
 
 def test_fake_quantization_turns_on_after_n_steps(tmp_path, monkeypatch):
-    """The first N steps train exactly as a QAT run whose fake quantisers never turn on (N past the last step);
-    step N+1 differs from it, and so does a run with them on from the start."""
+    """The first N steps train exactly as without QAT (the fake quantisers are off; the embeddings are untied, as
+    torchao's swap of lm_head unties them); step N+1 differs, and so does a run with them on from the start."""
     form = FORMS / "qat_upstream_keys.yaml"
     losses = {}
-    for name, after in {"never": "100", "delayed": "2", "from_start": "0"}.items():
+    for name, extra in {"plain": ["--qat.enabled", "false"], "delayed": ["--qat.fake_quant_after_n_steps", "2"],
+                        "from_start": ["--qat.fake_quant_after_n_steps", "0"]}.items():
         (tmp_path / name).mkdir()
         monkeypatch.chdir(tmp_path / name)
         train_inprocess(form, "--step_scheduler.val_every_steps", "null", "--step_scheduler.log_interval", "1",
-                        "--qat.fake_quant_after_n_steps", after)
+                        "--model.tie_word_embeddings", "false", *extra)
         losses[name] = losses_by_step(tmp_path / name / "checkpoints" / "training.jsonl")
-    never, delayed, from_start = losses["never"], losses["delayed"], losses["from_start"]
-    assert [delayed[1], delayed[2]] == pytest.approx([never[1], never[2]], rel=1e-6)
-    assert delayed[3] != pytest.approx(never[3], rel=1e-6)
-    assert from_start[1] != pytest.approx(never[1], rel=1e-6)
+    plain, delayed, from_start = losses["plain"], losses["delayed"], losses["from_start"]
+    assert [delayed[1], delayed[2]] == pytest.approx([plain[1], plain[2]], rel=1e-6)
+    assert delayed[3] != pytest.approx(plain[3], rel=1e-6)
+    assert from_start[1] != pytest.approx(plain[1], rel=1e-6)
+    # resumed after step 1, the delay still ends after step 2: the same losses as the uninterrupted run
+    (tmp_path / "resumed").mkdir()
+    monkeypatch.chdir(tmp_path / "resumed")
+    for steps in ("1", "3"):
+        run = train_inprocess(form, "--step_scheduler.val_every_steps", "null", "--step_scheduler.log_interval", "1",
+                        "--model.tie_word_embeddings", "false", "--qat.fake_quant_after_n_steps", "2",
+                        "--step_scheduler.ckpt_every_steps", "1", "--step_scheduler.max_steps", steps)
+    assert run.ctx.restore_path is not None and run.ctx.restore_path.name == "epoch_0_step_1"
+    resumed = losses_by_step(tmp_path / "resumed" / "checkpoints" / "training.jsonl")
+    assert [resumed[2], resumed[3]] == pytest.approx([delayed[2], delayed[3]], rel=1e-6)
 
 
 def test_chat_dataset_masks_reasoning_content_in_the_assistant_turns(tmp_path):
