@@ -17,6 +17,9 @@ from automodel.testing import deep_update, load_config, losses_by_step, run_cli,
 from automodel_llm import datasets
 
 TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{{ eos_token }}{% endfor %}"
+# renders an assistant turn's reasoning_content (the "conv" rows carry one) before its answer
+REASONING_TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}]{% if m.reasoning_content %} think: "
+                      "{{ m.reasoning_content }}.{% endif %} {{ m['content'] }}{{ eos_token }}{% endfor %}")
 
 
 def _rows(split: str, limit: int) -> list[dict]:
@@ -42,7 +45,8 @@ def _formats(rows: list[dict]) -> dict[str, list[dict]]:
         "chat": [{"messages": [{"role": "user", "content": f"{r['context']} {r['question']}"},
                                {"role": "assistant", "content": r["answers"]["text"][0]}],
                   "conv": [{"role": "user", "content": r["context"]},
-                           {"role": "assistant", "content": r["answers"]["text"][0]}]} for r in rows],
+                           {"role": "assistant", "content": r["answers"]["text"][0],
+                            "reasoning_content": f"the answer to {r['question']}"}]} for r in rows],
         "text": [{"text": f"{r['context']} {r['answers']['text'][0]}", "other": r["question"]} for r in rows],
     }
 
@@ -128,7 +132,8 @@ OWN = {
     "make_squad_dataset": {"chat_template": (TEMPLATE, {})},
     "ColumnMappedTextInstructionDataset": {"column_mapping": ({"question": "q", "answer": "a"}, {}),
                                            "answer_only_loss_mask": (False, {})},
-    "ChatDataset": {"messages_column": ("conv", {}), "chat_template": (TEMPLATE, {})},
+    "ChatDataset": {"messages_column": ("conv", {}), "chat_template": (TEMPLATE, {}),
+                    "mask_reasoning_content": (True, {"messages_column": "conv", "chat_template": REASONING_TEMPLATE})},
     "PretrainingTextDataset": {"text_column": ("other", {}), "seq_length": (16, {}),
                                "max_seq_length": (16, {"seq_length": None})},
     "MockDataset": {"num_samples": (4, {}), "seq_length": (8, {}), "max_seq_length": (8, {"seq_length": None}),

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from automodel.config import Free, Target
+from automodel.config import Free, Refused, Target
 from automodel.errors import ConfigIssue
 from automodel_llm.recipe import FinetuneRecipeForNextTokenPrediction
 
@@ -39,6 +39,11 @@ class KDLoss(torch.nn.Module):
         return (kept.float() if self.fp32_upcast else kept) / self.temperature
 
 
+# Why upstream's separate teacher mesh (separate_meshes / teacher_distributed) is refused
+_TEACHER_PLACEMENT = ("here the teacher is a whole frozen copy on every rank of the student, fed the student's own "
+                      "batches; putting it on ranks of its own and sending its logits across is not implemented")
+
+
 class KnowledgeDistillationRecipe(FinetuneRecipeForNextTokenPrediction):
     """Trains the student (``model``) towards a frozen ``teacher_model`` and the labels."""
 
@@ -54,6 +59,10 @@ class KnowledgeDistillationRecipe(FinetuneRecipeForNextTokenPrediction):
         "kd_ratio": Free("weight of the KD term in [0, 1] (0: plain fine-tuning)"),
         "temperature": Free("softmax temperature of the KD term (default 1.0)"),
         "kd_loss_fn": Target("the distillation loss (default automodel_llm.kd.KDLoss)"),
+        "separate_meshes": Free("upstream's choice of ranks of its own for the teacher: false only (the default, "
+                                "upstream's too: the teacher runs on the student's ranks)"),
+        "teacher_distributed": Refused(f"the teacher's own layout (upstream's, with separate_meshes: true); "
+                                       f"{_TEACHER_PLACEMENT}: remove the section"),
     }
 
     @classmethod
@@ -65,6 +74,13 @@ class KnowledgeDistillationRecipe(FinetuneRecipeForNextTokenPrediction):
         temperature = cfg.resolved.get("temperature", 1.0)
         if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature <= 0:
             issues.append(ConfigIssue("temperature", f"expected a number > 0, found {temperature!r}"))
+        separate = cfg.resolved.get("separate_meshes", False)
+        if separate is True:
+            issues.append(ConfigIssue("separate_meshes", f"true puts the teacher on ranks of its own (upstream's "
+                                                         f"teacher_distributed: layout); {_TEACHER_PLACEMENT}: set "
+                                                         "false and remove teacher_distributed"))
+        elif separate not in (False, None):
+            issues.append(ConfigIssue("separate_meshes", f"expected true or false, found {separate!r}"))
         return issues
 
     def setup(self) -> None:
@@ -79,6 +95,8 @@ class KnowledgeDistillationRecipe(FinetuneRecipeForNextTokenPrediction):
         temperature = float(self.cfg.resolved.get("temperature", 1.0))
         self.kd_loss_fn = node.instantiate() if node is not None else KDLoss(temperature)
         self.log(f"distilling from {self.cfg.teacher_model.target} (frozen) with kd_ratio={self.kd_ratio}")
+        if self.cfg.resolved.get("separate_meshes") is False:
+            self.log("note: separate_meshes: false is what runs: the teacher is on every rank of the student")
 
     def compute_loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         logits, targets = self.next_token_logits(model, batch, self.head_positions)

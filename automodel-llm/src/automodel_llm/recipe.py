@@ -61,12 +61,21 @@ class PackedSequenceConfig:
     packing_strategy: Literal["thd", "neat"] = field(default="thd", metadata={"help": (
         "upstream's strategy: thd, samples packed in order into rows of packed_sequence_size (what packs here, "
         "attention kept within each sample); neat (bin-packing) is refused")})
+    num_proc: int = field(default=1, metadata={"help": (
+        "upstream's worker processes tokenizing a lazily tokenized data set before packing: 1 only (the data sets "
+        "here are tokenized when built, before packing)")})
 
     def __post_init__(self) -> None:
+        errors = {}
         if self.packing_strategy == "neat":
-            raise FieldErrors({"packing_strategy": "neat (upstream's bin-packing with its own collater) is not "
-                                                   "implemented; use thd (or remove the key): samples packed in "
-                                                   "order"})
+            errors["packing_strategy"] = ("neat (upstream's bin-packing with its own collater) is not implemented; use "
+                                          "thd (or remove the key): samples packed in order")
+        if self.num_proc != 1:
+            errors["num_proc"] = (f"{self.num_proc}: upstream tokenizes a lazily tokenized data set in that many "
+                                  "processes before packing; the data sets here are tokenized when built, before "
+                                  "packing, which leaves those processes nothing to do: set 1 or remove it")
+        if errors:
+            raise FieldErrors(errors)
 
 
 def context_parallel_issues(cfg: Config, generation: Any, packing: Any) -> list[ConfigIssue]:
@@ -146,6 +155,11 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
                                 "remove the section"),
         "quantization": Refused("bitsandbytes 4-/8-bit base weights (QLoRA) need a CUDA GPU and bitsandbytes, and this "
                                 "build loads no quantized weights: remove the section (LoRA on bf16 / fp32 weights)"),
+        "tool_call_eval": Refused("upstream's tool-call accuracy evaluation (its ToolCallAccuracyEvaluator generates "
+                                  "on function-calling samples and scores the tool calls) is not implemented; "
+                                  "validation here reports the loss, and eval_generation the exact-match of generated "
+                                  "answers: remove the section"),
+        "longalign": Metadata("a key of upstream's GLM-5.2 LoRA example that nothing in upstream reads"),
         "benchmark": Metadata("the benchmark recipe's settings; fine-tuning ignores them, as upstream's does: "
                               "automodel benchmark llm -c FILE, or recipe: BenchmarkingRecipeForNextTokenPrediction, "
                               "times the steps"),

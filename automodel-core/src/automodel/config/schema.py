@@ -352,6 +352,10 @@ def validate_sections(data: dict, sections: dict[str, SectionSpec], resolver: Ta
         elif isinstance(spec, Target):
             if node is None or node in _NONE_WORDS:  # upstream's loader reads `section: none` as null
                 continue
+            if isinstance(node, dict) and spec.refused_args:
+                issues.extend(ConfigIssue(f"{name}.{arg}", spec.refused_args[arg])
+                              for arg in node if arg in spec.refused_args)
+                node = {k: v for k, v in node.items() if k not in spec.refused_args}
             if not isinstance(node, dict):
                 issues.append(ConfigIssue(str(name), f"expected a section with _target_, found {node!r}"))
             elif "_target_" in node:

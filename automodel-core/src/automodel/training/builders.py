@@ -133,6 +133,15 @@ def _seeded(seed: int) -> torch.Generator:
     return generator
 
 
+# upstream's dataloader arguments that pick a sampler for data sets automodel does not read
+LOADER_REFUSED_ARGS = {
+    "dataloader_type": "upstream's choice of Megatron's batch sampler (single: in order; cyclic: reshuffled every "
+                       "epoch), for Megatron's indexed pretraining data only (upstream refuses it with any other "
+                       "data set), and that data is not read here: remove the key (shuffle: true / false chooses "
+                       "the order here)",
+}
+
+
 def build_dataloader(ctx: BuildContext, dataset: Any, node: ConfigNode, train: bool,
                      default_collate: Callable | None) -> StatefulDataLoader:
     """A resumable loader over ``dataset`` as ``node`` (a dataloader section) says; shuffled with a seeded generator

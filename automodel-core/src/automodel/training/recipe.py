@@ -46,6 +46,7 @@ from automodel.training.quantized_base import base_quantization_note
 from automodel.training.recipe_sections import TRAIN_SECTIONS
 from automodel.training.resume import choose_checkpoint, hold_checkpoint_dir
 from automodel.training.rng import StatefulRNG, use_deterministic_algorithms
+from automodel.training.stages.qat import delay_fake_quantization, set_fake_quantization
 from automodel.training.state import restore_states, restore_weights
 from automodel.training.step_scheduler import StepScheduler, steps_per_epoch
 from automodel.training.trainer_state import read_trainer_state
@@ -312,7 +313,16 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
                            self.log, ctx.mesh.dp)
             self.step_losses = [math.nan if v is None else v for v in restored["losses"]]
             self.skipped_steps = restored["skipped_steps"]
+        self.fake_quant_from = delay_fake_quantization(cfg, self.model, self.step_scheduler.step, self.log)
         self.open_metric_files()
+
+    def train_step(self, batches: list[Any]) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Turns fake quantisation on first when ``qat.fake_quant_after_n_steps`` ends with this step."""
+        if self.fake_quant_from is not None and self.step_scheduler.step >= self.fake_quant_from:
+            set_fake_quantization(self.model, True)
+            self.fake_quant_from = None
+            self.log(f"QAT: fake quantisation on from step {self.step_scheduler.step + 1}")
+        return super().train_step(batches)
 
     def runtime_selection(self, ctx: BuildContext) -> Selection:
         """The configured stages, with slot ``checkpoint`` acting exactly when a checkpoint is resumed (also one

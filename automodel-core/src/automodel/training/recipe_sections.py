@@ -6,12 +6,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from automodel.config import Free, KeyAlias, Target
+from automodel.config import Free, KeyAlias, Metadata, Target
+from automodel.training import builders
 from automodel.training import sections as s
 from automodel.training.distributed_section import DistributedConfig
+from automodel.training.prewarm_section import PrewarmConfig
+from automodel.training.qat_section import QATConfig
 
 _DATALOADER = Target("data loading (a StatefulDataLoader's keyword arguments)", runtime_args=("dataset",),
-                     plain=True, default_target="torchdata.stateful_dataloader.StatefulDataLoader", default={})
+                     plain=True, default_target="torchdata.stateful_dataloader.StatefulDataLoader", default={},
+                     refused_args=builders.LOADER_REFUSED_ARGS)
 
 TRAIN_SECTIONS: dict[str, Any] = {
     "step_scheduler": s.StepSchedulerConfig,
@@ -54,6 +58,9 @@ TRAIN_SECTIONS: dict[str, Any] = {
                    "_target_: peft.LoraConfig, used as given)", plain=True,
                    default_target="automodel.hf.PeftConfig"),
     "fp8": s.FP8Config,
-    "qat": s.QATConfig,
+    "qat": QATConfig,
     "freeze": s.FreezeConfig,
+    "prewarm": PrewarmConfig,
+    "distributed_config": Metadata("upstream's FSDP2Config section in some of its examples, which its recipes "
+                                   "never read (the strategy comes from distributed:, as here)"),
 }

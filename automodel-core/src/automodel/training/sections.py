@@ -222,13 +222,6 @@ class FP8Config:
 
 
 @dataclass
-class QATConfig:
-    enabled: bool = field(default=False, metadata=_help("quantisation-aware training through torchao"))
-    quantizer: str = field(default="int8_dynamic_act_int4_weight", metadata=_help("torchao fake-quantiser"))
-    group_size: int = field(default=32, metadata=_help("weight group size"))
-
-
-@dataclass
 class FaultToleranceConfig:
     nonfinite: Literal["raise", "skip"] = field(
         default="raise", metadata=_help("a NaN/inf loss or gradient norm: stop the run (raise) or skip that update"))

@@ -31,11 +31,15 @@ def _render(tokenizer: Any, messages: list[dict], generation_prompt: bool) -> li
     return list(result)
 
 
-def tokenize_conversation(tokenizer: Any, messages: list[dict]) -> tuple[list[int], list[int]]:
+def tokenize_conversation(tokenizer: Any, messages: list[dict], mask_reasoning: bool = False
+                          ) -> tuple[list[int], list[int]]:
     """Token ids of the whole conversation and labels that keep only the assistant turns.
 
     Each assistant turn's tokens are the difference between the conversation rendered through that turn and
     rendered up to it with the generation prompt, so any template whose renders extend each other works.
+    ``mask_reasoning`` also leaves out each assistant turn's rendered ``reasoning_content`` (upstream's
+    ``mask_reasoning_content``): the tokens that differ from the conversation rendered with that turn's reasoning
+    emptied, as upstream finds them.
     """
     ids = _render(tokenizer, messages, generation_prompt=False)
     labels = [IGNORE_INDEX] * len(ids)
@@ -45,7 +49,21 @@ def tokenize_conversation(tokenizer: Any, messages: list[dict]) -> tuple[list[in
         start = len(_render(tokenizer, messages[:i], generation_prompt=True))
         end = len(_render(tokenizer, messages[: i + 1], generation_prompt=False))
         labels[start:end] = ids[start:end]
+    for i, message in enumerate(messages):
+        if mask_reasoning and message.get("role") == "assistant" and message.get("reasoning_content"):
+            emptied = [*messages[:i], {**message, "reasoning_content": ""}, *messages[i + 1:]]
+            start, end = _differing_span(ids, _render(tokenizer, emptied, generation_prompt=False))
+            labels[start:end] = [IGNORE_INDEX] * (end - start)
     return ids, labels
+
+
+def _differing_span(ids: list[int], other: list[int]) -> tuple[int, int]:
+    """The span of ``ids`` between its longest common prefix and suffix with ``other`` (empty if they agree)."""
+    prefix = next((n for n, (a, b) in enumerate(zip(ids, other, strict=False)) if a != b),
+                  min(len(ids), len(other)))
+    limit = min(len(ids), len(other)) - prefix
+    suffix = next((n for n in range(limit) if ids[-1 - n] != other[-1 - n]), limit)
+    return prefix, max(prefix, len(ids) - suffix)
 
 
 class ChatDataset(Dataset):
@@ -60,7 +78,9 @@ class ChatDataset(Dataset):
     argument_aliases = ALIASES
     argument_help = {**ARGUMENT_HELP, "messages_column": "the column holding each row's list of messages",
                      "chat_template": "a Jinja chat template, inline or the path of a file (.jinja, or JSON with a "
-                                      "chat_template key); it becomes the tokenizer's and is saved with it"}
+                                      "chat_template key); it becomes the tokenizer's and is saved with it",
+                     "mask_reasoning_content": "no loss on the assistant turns' reasoning_content as the chat "
+                                               "template renders it (upstream's); the answers keep theirs"}
     requires_chat_template = True  # validation checks a local tokenizer for one unless chat_template is given
 
     def __init__(self, path_or_dataset_id: str | None = None, split: str = "train", name: str | None = None,
@@ -68,7 +88,7 @@ class ChatDataset(Dataset):
                  chat_template: str | None = None, truncation: Truncation = False, padding: Padding = "do_not_pad",
                  limit_dataset_samples: int | None = None, shuffle_seed: int | None = None,
                  on_bad_row: OnBadRow = "error", dataset_name: str | None = None,
-                 max_seq_length: int | None = None):
+                 max_seq_length: int | None = None, mask_reasoning_content: bool = False):
         source = given("path_or_dataset_id", path_or_dataset_id, "dataset_name", dataset_name)
         length = SampleLength(given("seq_length", seq_length, "max_seq_length", max_seq_length), truncation, padding)
         if tokenizer is None:
@@ -94,7 +114,7 @@ class ChatDataset(Dataset):
             if not any(m.get("role") == "assistant" for m in messages):
                 bad_rows.bad(index, "the conversation has no assistant turn to learn from")
                 continue
-            ids, labels = tokenize_conversation(tokenizer, messages)
+            ids, labels = tokenize_conversation(tokenizer, messages, mask_reasoning_content)
             sample = length.fit(ids, labels, tokenizer.pad_token_id, f"conversation {index} of '{source.value}'")
             if learns_nothing(sample["labels"]):
                 continue
