@@ -77,9 +77,8 @@ class MockVLMDataset(Dataset):
 
     def __init__(self, num_samples: int = 10, num_images_per_sample: int = 1,
                  image_size: list[int] | tuple[int, int] = (256, 256), prompt: str = "Describe this image.",
-                 responses: list[str] | None = None,
-                 max_length: int | None = None, seed: int = 0, pretokenize: bool = False, processor: Any = None,
-                 config_key: str = "dataset"):
+                 responses: list[str] | None = None, max_length: int | None = None, seed: int = 0,
+                 pretokenize: bool = False, processor: Any = None, config_key: str = "dataset"):
         given = dict(num_samples=num_samples, num_images_per_sample=num_images_per_sample, image_size=image_size,
                      prompt=prompt, responses=responses, max_length=max_length, seed=seed, pretokenize=pretokenize)
         issues = config_issues(given)
