@@ -138,7 +138,7 @@ def test_drop_overlong_leaves_long_samples_out(upstream_data):
 @pytest.mark.parametrize("override,key,needle", [
     (("--dataset._target_", "nemo_automodel.components.datasets.vlm.datasets.make_tulu3_dataset"),
      "dataset._target_", "text-only chat data"),
-    (("--dataset._target_", "nemo_automodel.components.datasets.vlm.mock.build_mock_vlm_dataset"),
+    (("--dataset._target_", "nemo_automodel.components.datasets.vlm.datasets.make_meta_dataset"),
      "dataset._target_", "use ImageTextChatDataset"),
     (("--dataloader.collate_fn._target_", "nemo_automodel.components.datasets.vlm.collate_fns."
                                           "gemma4_prefix_collate_fn"), "dataloader.collate_fn._target_",

@@ -16,8 +16,6 @@ UNSUPPORTED = {
     f"{_DATASETS}.make_shopify_product_catalogue_dataset": "the Shopify catalogue's schema is not implemented; "
                                                           + _OURS,
     f"{_DATASETS}.make_meta_dataset": "upstream's meta-JSON data mixtures are not implemented; " + _OURS,
-    "nemo_automodel.components.datasets.vlm.mock.build_mock_vlm_dataset": "synthetic random-image data is not "
-                                                                          "implemented; " + _OURS,
     "nemo_automodel.components.datasets.audio.datasets.make_cv17_dataset": "audio data is not supported by the VLM "
                                                                            "recipe (images only)",
     f"{_COLLATE}.gemma4_prefix_collate_fn": "Gemma 4's thinking-channel prefix injection is not implemented; "
@@ -73,6 +71,8 @@ def automodel_register_aliases(aliases) -> None:
                    "automodel_vlm.AutoModelForImageTextToText.from_config")
     for name in ("make_medpix_dataset", "make_rdr_dataset", "make_cord_v2_dataset"):
         aliases.target(f"{_DATASETS}.{name}", f"automodel_vlm.datasets.{name}")
+    aliases.target("nemo_automodel.components.datasets.vlm.mock.build_mock_vlm_dataset",
+                   "automodel_vlm.datasets.MockVLMDataset")
     # upstream's collate functions, called with the samples and the processor: here the collator class the core
     # builds once with the recipe's processor and the node's keys (max_length, drop_overlong)
     for name in ("default_collate_fn", "qwen2_5_collate_fn", "llava_onevision_collate_fn"):

@@ -19,7 +19,7 @@ from automodel_vlm.datasets.collate import IGNORE_INDEX, VLMCollator, render
 from automodel_vlm.freeze import UpstreamFreezeConfig, VLMFreezeConfig
 from automodel_vlm.parts import base_model
 
-DATASET_ARGS = ("config_key",)
+DATASET_ARGS = ("config_key", "processor")
 
 
 def _processor_source(model: Any) -> str | None:
@@ -92,7 +92,8 @@ class FinetuneRecipeForVLM(NextTokenLogits, TrainRecipe):
             self.processor = load_processor(source)
 
     def dataset_runtime_args(self, node: Any) -> dict[str, Any]:
-        return {"config_key": node.key}  # errors in a row name the section it came from
+        # errors in a row name the section it came from; the processor measures samples (MockVLMDataset.max_length)
+        return {"config_key": node.key, "processor": self.processor}
 
     def default_collate_fn(self, train: bool = True) -> Any:
         return VLMCollator(self.processor)

@@ -2,6 +2,8 @@
 
 from automodel_vlm.datasets.collate import VLMCollator
 from automodel_vlm.datasets.conversation import ImageTextChatDataset
+from automodel_vlm.datasets.mock import MockVLMDataset
 from automodel_vlm.datasets.question_answer import make_cord_v2_dataset, make_medpix_dataset, make_rdr_dataset
 
-__all__ = ["ImageTextChatDataset", "VLMCollator", "make_cord_v2_dataset", "make_medpix_dataset", "make_rdr_dataset"]
+__all__ = ["ImageTextChatDataset", "MockVLMDataset", "VLMCollator", "make_cord_v2_dataset", "make_medpix_dataset",
+           "make_rdr_dataset"]
