@@ -338,7 +338,7 @@ def test_backend_settings_that_act_select_the_attention():
     ("enable_hf_state_dict_adapter", "no", "must be true or false"),
     ("te_fp8", {"recipe": "delayed"}, "Transformer Engine"),
     ("gate_precision", "float32", "router precision"),
-    ("compile_attn", True, "compile.enabled: true"),
+    ("compile_attn", "yes", "must be true"),
     ("cuda_graph", {"enabled": True}, "CUDA graphs"),
     ("fake_balanced_gate", "yes", "must be true"),
     ("enable_fsdp_optimizations", "on", "must be true"),

@@ -36,7 +36,7 @@ ACTS: dict[str, tuple[Any, ...]] = {
     "enable_fsdp_optimizations": (False, True),  # true: FSDP2 keeps parameters gathered between micro-batches
     "te_fp8": (None,),
     "gate_precision": (None,),
-    "compile_attn": (False,),
+    "compile_attn": (False, True),  # true: each attention module compiled (the compile slot)
     "cuda_graph": (None,),
 }
 
@@ -75,7 +75,7 @@ REASONS = {
     "te_fp8": _needs_cuda("Transformer Engine", "automodel's FP8 is the fp8: section (torchao)"),
     "gate_precision": "sets the router precision of upstream's own MoE models; a Hugging Face MoE router runs in "
                       "the model's dtype: remove it",
-    "compile_attn": "compiles upstream's own attention modules; compile the whole model with compile.enabled: true",
+    "compile_attn": "must be true (each transformer block's attention module compiled, fullgraph) or false",
     "cuda_graph": "captures CUDA graphs, which need CUDA (not on this machine): remove it",
 }
 
@@ -110,7 +110,8 @@ class BackendConfig:
     """``model.backend``: upstream's kernel selection, each setting what a Hugging Face model runs (None: not set).
     ``attn`` changes what is built (the model's ``attn_implementation``), ``fake_balanced_gate`` how its experts
     are routed (:func:`apply_to_model`), ``enable_fsdp_optimizations`` what FSDP2 does between micro-batches (the
-    training loop reads it with :func:`backend_setting`); the other accepted values are what a Hugging Face model
+    training loop reads it with :func:`backend_setting`), ``compile_attn`` whether the compile slot compiles each
+    attention module; the other accepted values are what a Hugging Face model
     is, and every other value is refused at validation (:data:`REASONS`)."""
 
     attn: str | None = None

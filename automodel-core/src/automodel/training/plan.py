@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from automodel.config import Config, ConfigNode, Target
 from automodel.errors import ConfigIssue
+from automodel.model_backend import backend_setting
 from automodel.optim import lr_scheduler_issues
 from automodel.training.context import BatchLayout
 from automodel.training.dist import expected_world_size
@@ -162,6 +163,9 @@ def plan_lines(recipe: type[TrainRecipe], cfg: Config, plugins: PluginManager) -
         lines.append("activation checkpointing: every transformer block (before sharding)")
     if cfg.distributed is not None and cfg.distributed.enable_compile:
         lines.append("compile: each transformer block in place (after sharding)")
+    if backend_setting(cfg.model, "compile_attn") is True:
+        lines.append("compile: each transformer block's attention module in place, fullgraph (model.backend."
+                     "compile_attn)")
     ckpt = cfg.checkpoint
     lines.append(f"checkpoints: {ckpt.checkpoint_dir}" if ckpt.enabled else "checkpoints: disabled")
     backends = [spec.name for spec in resolve_backends(cfg, plugins.loggers)[0]]

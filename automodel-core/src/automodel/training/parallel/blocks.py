@@ -32,6 +32,22 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     return best
 
 
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The attention module of each of ``model``'s transformer blocks, found below wrappers (activation
+    checkpointing) too: a child named ``*attn*`` or of a class named ``*Attention``, the outermost of a branch only
+    (not its own ``c_attn`` projection)."""
+    found = []
+    for block in transformer_blocks(model):
+        taken: list[str] = []
+        for name, child in block.named_modules():
+            if not name or any(name.startswith(f"{outer}.") for outer in taken):
+                continue
+            if "attn" in name.rsplit(".", 1)[-1] or type(child).__name__.endswith("Attention"):
+                found.append(child)
+                taken.append(name)
+    return found
+
+
 def clean_name(name: str) -> str:
     """``name`` as the unwrapped model spells it (what ``state_dict()`` and the HF files use)."""
     for part in _WRAPPER_PARTS:

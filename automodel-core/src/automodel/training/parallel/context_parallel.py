@@ -26,7 +26,7 @@ from torch import nn
 
 from automodel.errors import AutomodelError, ConfigIssue
 from automodel.training.loss import IGNORE_INDEX
-from automodel.training.parallel.blocks import transformer_blocks
+from automodel.training.parallel.blocks import attention_modules
 from automodel.training.parallel.mesh import data_parallel_mesh
 
 if TYPE_CHECKING:
@@ -123,16 +123,10 @@ def causal_attention_without_mask(model: nn.Module) -> int:
     def drop_mask(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
         return args, {**kwargs, "attention_mask": None}
 
-    hooked = 0
-    for block in transformer_blocks(model):
-        taken: list[str] = []  # the outermost attention module of a branch only (not its own 'c_attn' projection)
-        for name, child in block.named_modules():
-            if not name or any(name.startswith(f"{outer}.") for outer in taken):
-                continue
-            if "attn" in name.rsplit(".", 1)[-1] or type(child).__name__.endswith("Attention"):
-                child.register_forward_pre_hook(drop_mask, with_kwargs=True)
-                taken.append(name)
-                hooked += 1
+    modules = attention_modules(model)
+    for module in modules:
+        module.register_forward_pre_hook(drop_mask, with_kwargs=True)
+    hooked = len(modules)
     if not hooked:
         raise AutomodelError(f"context parallelism found no attention module in the layers of "
                              f"'{type(model).__name__}'")

@@ -1,5 +1,7 @@
-"""Slot ``compile``: ``torch.compile`` of the whole model (``compile.enabled``) or of each transformer block in place
-(``distributed.enable_compile``, upstream's per-layer compile); the eager model stays reachable for saving.
+"""Slot ``compile``: ``torch.compile`` of the whole model (``compile.enabled``), of each transformer block in place
+(``distributed.enable_compile``, upstream's per-layer compile) or of each block's attention module in place
+(``model.backend.compile_attn``, upstream's: one graph, ``fullgraph``, fixed shapes); the eager model stays
+reachable for saving.
 
 Per-block compile runs here, after activation checkpointing and sharding, as upstream's does: each block is
 compiled as it stands, its checkpoint wrapper included (torch traces the checkpoint, so backward recomputes what
@@ -16,17 +18,22 @@ import torch
 
 from automodel.config import Config
 from automodel.errors import AutomodelError, ConfigIssue
+from automodel.model_backend import backend_setting
 from automodel.training.context import BuildContext
-from automodel.training.parallel.blocks import transformer_blocks
+from automodel.training.parallel.blocks import attention_modules, transformer_blocks
 from automodel.training.sections import CompileConfig
 
 
 def select(cfg: Config) -> tuple[str, str] | None:
-    if cfg.compile is not None and cfg.compile.enabled:
-        return ("torch", "compile.enabled")
-    if per_block(cfg):
-        return ("torch", "distributed.enable_compile")
-    return None
+    asked = _asked(cfg)
+    return ("torch", asked[0]) if asked else None
+
+
+def _asked(cfg: Config) -> list[str]:
+    """The keys asking for a compile, in the order they are tried."""
+    return [key for key, on in (("compile.enabled", cfg.compile is not None and cfg.compile.enabled),
+                                ("distributed.enable_compile", per_block(cfg)),
+                                ("model.backend.compile_attn", per_attention(cfg))) if on]
 
 
 def per_block(cfg: Config) -> bool:
@@ -34,12 +41,18 @@ def per_block(cfg: Config) -> bool:
     return cfg.distributed is not None and cfg.distributed.enable_compile
 
 
+def per_attention(cfg: Config) -> bool:
+    """``model.backend.compile_attn``: each transformer block's attention module is compiled."""
+    return backend_setting(cfg.model, "compile_attn") is True
+
+
 def issues(cfg: Config, implementation: str | None) -> list[ConfigIssue]:
     found = []
-    if per_block(cfg) and cfg.compile is not None and cfg.compile.enabled:
-        found.append(ConfigIssue("distributed.enable_compile", "true compiles each transformer block and "
-                                 "compile.enabled: true the whole model; a model is compiled one way: set one of them "
-                                 "false (compile:'s backend, mode, fullgraph and dynamic apply to either)"))
+    asked = _asked(cfg)
+    if len(asked) > 1:
+        found.append(ConfigIssue(asked[1], f"true compiles {_WHAT[asked[1]]} and {asked[0]}: true {_WHAT[asked[0]]}; "
+                                 "a model is compiled one way: set one of them false (compile:'s backend and mode "
+                                 "apply to any)"))
     tp = cfg.distributed.tp_size if cfg.distributed is not None else 1
     if select(cfg) is not None and tp > 1:
         found.append(ConfigIssue(select(cfg)[1], f"true with tp_size {tp}: torch.compile over tensor-parallel "
@@ -55,12 +68,18 @@ def issues(cfg: Config, implementation: str | None) -> list[ConfigIssue]:
                                                    "install one or use backend: aot_eager")]
 
 
+_WHAT = {"compile.enabled": "the whole model", "distributed.enable_compile": "each transformer block",
+         "model.backend.compile_attn": "each block's attention module"}
+
+
 def compile_model(ctx: BuildContext, model: torch.nn.Module) -> tuple[torch.nn.Module, str]:
     """``torch.compile`` with the configured backend and mode: the whole model, or each block in place."""
     options = ctx.cfg.compile if ctx.cfg.compile is not None else CompileConfig()
     kwargs = {"backend": options.backend or "inductor", "mode": options.mode, "fullgraph": options.fullgraph,
               "dynamic": options.dynamic}
     how = f"backend={kwargs['backend']} mode={options.mode or 'default'}"
+    if per_attention(ctx.cfg):
+        return model, _compile_attention(model, kwargs["backend"], options.mode)
     if not per_block(ctx.cfg):
         return torch.compile(model, **kwargs), f"torch.compile {how}"
     blocks = transformer_blocks(model)
@@ -71,3 +90,15 @@ def compile_model(ctx: BuildContext, model: torch.nn.Module) -> tuple[torch.nn.M
     for block in blocks:
         block.compile(**kwargs)
     return model, f"torch.compile of each of {len(blocks)} transformer blocks, in place, {how}"
+
+
+def _compile_attention(model: torch.nn.Module, backend: str, mode: str | None) -> str:
+    """Upstream's ``compile_attn``: each attention module's forward as one graph (``fullgraph``, shapes fixed)."""
+    modules = attention_modules(model)
+    if not modules:
+        raise AutomodelError(f"model.backend.compile_attn: found no attention module in the transformer blocks of "
+                             f"{type(model).__name__}; set it false")
+    for module in modules:
+        module.compile(backend=backend, mode=mode, fullgraph=True, dynamic=False)
+    return (f"torch.compile of each of {len(modules)} attention modules ({type(modules[0]).__name__}), in place, "
+            f"fullgraph, backend={backend} mode={mode or 'default'}")
