@@ -7,9 +7,10 @@ A developer tool (it reads a local copy of upstream's ``examples/`` directory; n
 For every YAML under the surveyed folders it runs ``automodel validate -c FILE`` in-process, exactly as the CLI
 does (route from ``recipe:``, else the best-fitting installed recipe). Where validation refuses a key naming a hub
 model or data set by id (unreachable offline), every hub id is overridden with a local tiny asset shipped with
-this project, as a user without network would. It prints PASS or each refusal per file, then a summary grouping
-refusals by cause (the message with names and numbers blanked out), and the ``_target_`` names the examples use
-with the dotted path each expands to here.
+this project, as a user without network would. It validates from the directory above ``examples/`` (upstream's
+repository root, where upstream runs its examples), so relative paths in the configs resolve as there. It prints
+PASS or each refusal per file, then a summary grouping refusals by cause (the message with names and numbers
+blanked out), and the ``_target_`` names the examples use with the dotted path each expands to here.
 
 When ``recipe:`` names something that cannot be resolved at all, validation stops at that one issue; the tool
 then validates the config again without ``recipe:`` (best fit) and lists those refusals too, marked ``[best fit]``.
@@ -208,14 +209,16 @@ def main() -> int:
     fallback_causes: collections.Counter[str] = collections.Counter()
     per_folder: dict[str, list[int]] = {}
     targets: collections.Counter[str] = collections.Counter()
-    with tempfile.TemporaryDirectory() as workdir:
+    examples = args.examples.resolve()
+    # upstream runs its examples from its repository root, where their relative paths (chat templates) point
+    with tempfile.TemporaryDirectory() as workdir, contextlib.chdir(examples.parent):
         for folder in args.folders:
-            files = sorted(p for p in (args.examples / folder).rglob("*") if p.suffix in (".yaml", ".yml"))
+            files = sorted(p for p in (examples / folder).rglob("*") if p.suffix in (".yaml", ".yml"))
             per_folder[folder] = [0, len(files)]
             for path in files:
                 total += 1
                 lines, found, fallback = survey_file(path, assets[domain_of(folder)], Path(workdir))
-                print(path.relative_to(args.examples))
+                print(path.relative_to(examples))
                 print("\n".join(lines), flush=True)
                 if not found:
                     passed += 1
