@@ -218,3 +218,4 @@ def test_validation_with_core_resolver_only():
     """Without the test prefix, the test's own module is not allowed: reported, not imported."""
     with pytest.raises(ConfigError, match="is not a registered target"):
         build_config({"dataset": {"_target_": "amt_targets.anything"}}, Recipe, TargetResolver())
+

@@ -119,3 +119,14 @@ def test_mining_recipe_is_not_a_training_loop():
 
     assert issubclass(MineHardNegativesRecipe, BaseRecipe)
     assert not issubclass(MineHardNegativesRecipe, TrainRecipe)
+
+
+def test_a_missing_required_key_names_its_other_spellings(tmp_path):
+    from automodel.config import ConfigError
+    from automodel.testing import load_config, write_yaml
+
+    config = write_yaml(tmp_path / "mine.yaml", {"mining": {"data": "rows.jsonl", "output": "out.jsonl"}})
+    with pytest.raises(ConfigError) as refused:
+        load_config(config, route=("mine", "retrieval"))
+    assert ("mining.model: required key is missing (also written model_name_or_path): give it here or as "
+            "--mining.model") in str(refused.value)

@@ -148,7 +148,9 @@ def validate_dataclass(cls: type, node: Any, key: str, issues: list[ConfigIssue]
     for name, (f, _) in fields.items():
         missing = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         if missing and name not in kwargs:
-            issues.append(ConfigIssue(f"{key}.{name}", "required key is missing"))
+            aliases = f.metadata.get("aliases", ())
+            also = f" (also written {' or '.join(aliases)}): give it here or as --{key}.{name}" if aliases else ""
+            issues.append(ConfigIssue(f"{key}.{name}", f"required key is missing{also}"))
     if len(issues) > start:
         return None
     try:
