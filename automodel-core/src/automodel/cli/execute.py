@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import gc
 import importlib
 import os
 import sys
@@ -136,16 +138,26 @@ def config_rendezvous(cfg: Config) -> tuple[str, int]:
 
 
 def _close_process_group(finished: bool) -> None:
-    """Leave a torchrun job cleanly: ranks that finished wait for each other, then tear the group down.
+    """Leave a torchrun job cleanly: ranks that finished wait for each other, then every group is torn down while
+    the interpreter is still whole.
 
-    Exiting with the group still alive lets gloo's threads race interpreter shutdown (an occasional SIGABRT).
+    ``destroy_process_group`` only unregisters the groups: each gloo group's worker and transport threads live until
+    its last Python reference goes, and the model (DDP), the device mesh and the cached checkpoint group hold such
+    references, the first two in reference cycles. Left alone, those groups die during interpreter finalization,
+    when a gloo thread that still needs the GIL is ended by Python mid C++ (``terminate called without an active
+    exception``, SIGABRT, a nonzero exit; more likely the busier the machine). So the cached group is dropped now and
+    the cycles are collected at exit, before finalization starts (atexit), which joins those threads.
     """
     torch_dist = sys.modules.get("torch.distributed")
     if torch_dist is None or not torch_dist.is_available() or not torch_dist.is_initialized():
         return
+    from automodel.training.parallel.writer import forget_checkpoint_group
+
     if finished:
         torch_dist.barrier()
     torch_dist.destroy_process_group()
+    forget_checkpoint_group()
+    atexit.register(gc.collect)
 
 
 def _under_torchrun() -> bool:

@@ -58,6 +58,13 @@ def checkpoint_group() -> Any:
     return _checkpoint_group
 
 
+def forget_checkpoint_group() -> None:
+    """Drop the cached group once the process groups are destroyed: a destroyed group must not be handed out again,
+    and this module's reference must not keep its gloo threads alive until interpreter shutdown."""
+    global _checkpoint_group
+    _checkpoint_group = None
+
+
 def group_rank(group: Any = None) -> tuple[int, int]:
     """(this rank, the number of ranks) in ``group``; (0, 1) without a process group."""
     if not distributed():
