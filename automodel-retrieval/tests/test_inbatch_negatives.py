@@ -82,6 +82,19 @@ def test_the_recipe_reads_the_mode_from_upstreams_model_and_gathers_with_gradien
     assert BiEncoderRecipe.inbatch_negatives(native[1]) == "gathered"
 
 
+def test_the_dry_run_plan_names_the_negatives(tmp_path):
+    common = ["finetune", "retrieval", "-c", BI_FORM, "--model.pretrained_model_name_or_path", TOKENIZER_DIR,
+              "--dataset.data_dir_list", "[rows.jsonl]", "--validation_dataset.data_dir_list", "[rows.jsonl]",
+              "--step_scheduler.local_batch_size", 4, "--dry-run"]
+    for launch, overrides, line in (
+            ([], [GATHER, "true"], "in-batch negatives: the micro-batch's documents (one process)"),
+            (["--nproc-per-node", 2], [], "in-batch negatives: each rank's own micro-batch"),
+            (["--nproc-per-node", 2], [GATHER, "true"], "in-batch negatives: every rank's documents, the other "
+                                                        "ranks' without gradients")):
+        result = testing.run_cli_inprocess(*common, *launch, *overrides, cwd=tmp_path)
+        assert result.returncode == 0 and line in result.stdout, result.stdout + result.stderr
+
+
 @pytest.mark.parametrize("value", ["sometimes", 3])
 def test_values_other_than_true_or_false_are_refused(value):
     with pytest.raises(ConfigError) as info:
