@@ -29,6 +29,13 @@ DATASET = "automodel_retrieval.data.RetrievalDataset"
 
 UPSTREAM = "automodel_retrieval.upstream"
 UPSTREAM_COLLATORS = (f"{UPSTREAM}.UpstreamBiEncoderCollator", f"{UPSTREAM}.UpstreamCrossEncoderCollator")
+NEGATIVES = {  # what each in-batch negatives mode (BiEncoderRecipe.inbatch_negatives) does on several ranks
+    upstream.GATHERED: "every rank's documents, gathered with their gradients (N ranks train as one process with "
+                       "N times the batch)",
+    upstream.DETACHED: "every rank's documents, the other ranks' without gradients "
+                       "(model.detach_distributed_inbatch_negatives)",
+    upstream.LOCAL: "each rank's own micro-batch (model.do_distributed_inbatch_negative: false)",
+}
 
 
 def _expanded(cfg: Config, node: Any) -> str | None:
@@ -261,6 +268,24 @@ class BiEncoderRecipe(_RetrievalRecipe):
         return BiEncoderCollator(self.tokenizer, s["query_max_length"], s["document_max_length"], s["query_prefix"],
                                  s["document_prefix"])
 
+    @classmethod
+    def inbatch_negatives(cls, cfg: Config) -> str:
+        """Where training takes each query's in-batch negatives from on several ranks: every rank's documents,
+        gathered with their gradients (``gathered``), unless upstream's bi-encoder asks otherwise (its
+        ``do_distributed_inbatch_negative`` / ``detach_distributed_inbatch_negatives``: ``local``, ``detached``)."""
+        model = cfg.model
+        if _expanded(cfg, model) != cls.upstream_model:
+            return upstream.GATHERED
+        return upstream.inbatch_negatives(model.to_dict())
+
+    @classmethod
+    def describe_plan(cls, cfg: Config) -> list[str]:
+        from automodel.training.dist import expected_world_size
+
+        several = expected_world_size() > 1
+        found = NEGATIVES[cls.inbatch_negatives(cfg)] if several else "the micro-batch's documents (one process)"
+        return super().describe_plan(cfg) + [f"in-batch negatives: {found}"]
+
     def setup(self) -> None:
         super().setup()
         model = unwrap(self.model)
@@ -268,15 +293,22 @@ class BiEncoderRecipe(_RetrievalRecipe):
         self.log(f"bi-encoder: pooling {model.pooling}, normalize {str(model.normalize).lower()}, max length "
                  f"{s['query_max_length']} (queries) / {s['document_max_length']} (documents)")
         self._check_vocab([model.encoder("query"), model.encoder("document")])
+        self.negatives_mode = self.inbatch_negatives(self.cfg) if self.world_size > 1 else upstream.LOCAL
+        if _expanded(self.cfg, self.cfg.model) == self.upstream_model:
+            for note in upstream.inbatch_negatives_notes(self.cfg.model.to_dict(), self.world_size):
+                self.log(note)
+        if self.world_size > 1:
+            self.log(f"in-batch negatives: {NEGATIVES[self.negatives_mode]}")
 
     def compute_loss(self, model: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor:
         """InfoNCE of the micro-batch's queries against its documents, or, when training on several ranks,
-        against every rank's documents (negatives.py: gathered with their gradients)."""
+        against every rank's documents (negatives.py: gathered with their gradients, or with the other ranks' as
+        constants) unless ``inbatch_negatives`` keeps them local."""
         query, documents = model(query=batch["query"], document=batch["document"])
         keys, labels = batch["document_keys"], batch["labels"]
         padding = None
-        if self.world_size > 1 and torch.is_grad_enabled():
-            documents, keys, valid, offset = gather_documents(documents, keys)
+        if self.negatives_mode != upstream.LOCAL and torch.is_grad_enabled():
+            documents, keys, valid, offset = gather_documents(documents, keys, self.negatives_mode == upstream.DETACHED)
             labels, padding = labels + offset, ~valid
         exclude = exclusions(keys, batch["positive_keys"], labels)
         return self.loss_fn(query, documents, labels, exclude if padding is None else exclude | padding)

@@ -3,7 +3,7 @@
 What the aliases in ``plugin.py`` lead to: ``NeMoAutoModelBiEncoder`` / ``NeMoAutoModelCrossEncoder`` /
 ``NeMoAutoTokenizer`` ``.from_pretrained``, ``RetrievalDatasetConfig`` and the ``BiEncoderCollator`` /
 ``CrossEncoderCollator`` classes, each with upstream's keyword arguments. Values that need what is not here (GPU
-kernels, upstream's custom backbones, cross-rank negatives, corpus-id data) are refused at validation by
+kernels, upstream's custom backbones, corpus-id data) are refused at validation by
 :func:`model_issues` and friends, with the reason; the factories refuse them too when called directly.
 """
 
@@ -21,6 +21,8 @@ GPU_ONLY = "needs a CUDA GPU, which this machine lacks"
 POOLINGS = {"avg": "mean", "mean": "mean", "cls": "cls", "last": "last"}
 CPU_ATTENTION = ("sdpa", "eager")
 HF_PREFIX = "hf://"
+GATHER, DETACH = "do_distributed_inbatch_negative", "detach_distributed_inbatch_negatives"
+LOCAL, GATHERED, DETACHED = "local", "gathered", "detached"
 
 
 def _model_issues(settings: dict[str, Any], key: str) -> list[ConfigIssue]:
@@ -44,14 +46,33 @@ def bi_encoder_issues(settings: dict[str, Any], key: str = "model") -> list[Conf
     if pooling not in POOLINGS:
         issues.append(ConfigIssue(f"{key}.pooling", f"'{pooling}' is not implemented here (weighted_avg, colbert and "
                                                     "multi_vector are upstream's); use avg, cls or last"))
-    if settings.get("do_distributed_inbatch_negative"):
-        issues.append(ConfigIssue(f"{key}.do_distributed_inbatch_negative",
-                                  "true is not supported: in-batch negatives are the local batch's (gathering them "
-                                  "across ranks is not implemented); remove it or set false"))
-    if settings.get("detach_distributed_inbatch_negatives") is not None:
-        issues.append(ConfigIssue(f"{key}.detach_distributed_inbatch_negatives",
-                                  "applies to do_distributed_inbatch_negative, which is not supported; remove it"))
+    for name in (GATHER, DETACH):
+        value = settings.get(name)
+        if value is not None and not isinstance(value, bool):
+            issues.append(ConfigIssue(f"{key}.{name}", f"expected true or false, found {value!r}"))
     return issues
+
+
+def inbatch_negatives(settings: dict[str, Any]) -> str:
+    """Where upstream's bi-encoder takes each query's in-batch negatives from on several ranks: ``local`` (its own
+    rank's micro-batch: upstream's default), ``gathered`` (every rank's documents, with their gradients) or
+    ``detached`` (every rank's, the other ranks' as constants: upstream's default once gathering is on)."""
+    if not settings.get(GATHER, False):
+        return LOCAL
+    return DETACHED if settings.get(DETACH, True) else GATHERED
+
+
+def inbatch_negatives_notes(settings: dict[str, Any], world_size: int, key: str = "model") -> list[str]:
+    """Notes naming the in-batch negative keys that govern nothing in this run (upstream ignores them then too)."""
+    given = [f"{key}.{name}: {str(settings[name]).lower()}" for name in (GATHER, DETACH) if name in settings]
+    if settings.get(GATHER) and world_size == 1:
+        verb = "governs" if len(given) == 1 else "govern"
+        return [f"note: {' and '.join(given)} {verb} nothing this run: gathering the other ranks' documents as "
+                "negatives needs more than one process, and this run is one"]
+    if DETACH in settings and not settings.get(GATHER):
+        return [f"note: {key}.{DETACH}: {str(settings[DETACH]).lower()} governs nothing this run: it applies with "
+                f"{key}.{GATHER}: true (upstream ignores it then too)"]
+    return []
 
 
 def cross_encoder_issues(settings: dict[str, Any], key: str = "model") -> list[ConfigIssue]:
@@ -87,12 +108,14 @@ def bi_encoder_from_pretrained(pretrained_model_name_or_path: str, pooling: str 
                                torch_dtype: Any = None, use_liger_kernel: bool = False,
                                use_sdpa_patching: bool = False, attn_implementation: str | None = None,
                                do_distributed_inbatch_negative: bool = False,
-                               detach_distributed_inbatch_negatives: bool | None = None,
+                               detach_distributed_inbatch_negatives: bool = True,
                                extract_submodel: str | None = None, trust_remote_code: bool = False) -> Any:
     """Upstream's bi-encoder: ONE encoder for queries and documents (``shared``), pooled (``avg`` is our
     ``mean``) and L2-normalised (``l2_normalize``); ``use_sdpa_patching`` runs attention through torch's
     scaled-dot-product attention; ``extract_submodel`` (a dotted attribute such as ``language_model``) takes that
-    part of a larger model as the encoder."""
+    part of a larger model as the encoder. ``do_distributed_inbatch_negative`` and
+    ``detach_distributed_inbatch_negatives`` choose the loss's negatives, as upstream: the bi-encoder recipe reads
+    them from the model section (:func:`inbatch_negatives`)."""
     from automodel_retrieval.models import BiEncoder, _encoder_from_pretrained
 
     _refuse(bi_encoder_issues({k: v for k, v in locals().items() if v is not None}))
