@@ -222,6 +222,45 @@ def test_lora_on_the_experts_trains_like_one_process_and_resumes_there(one_proce
     assert losses(resumed) == pytest.approx(losses(one)[3:], rel=1e-4)
 
 
+def test_the_expert_parallel_forward_adds_the_experts_lora_and_keeps_their_hooks(moe_config):
+    """ep 1 in this process (gloo): with all-linear LoRA on the experts (nonzero factors), the replaced forward gives
+    peft's loss and gradients of the experts' factors, and fake_balanced_gate's hook on the experts module still
+    routes (the learned router would choose other experts)."""
+    import torch
+    import torch.distributed as dist
+
+    from automodel.hf import PeftConfig, apply_lora
+    from automodel.training.parallel.expert_parallel import apply_expert_parallel, build_expert_mesh
+    from automodel_llm import AutoModelForCausalLM
+
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        base = AutoModelForCausalLM.from_config(str(moe_config), backend={"fake_balanced_gate": True})
+        model, _ = apply_lora(base, PeftConfig(dim=4).to_lora_config(base))
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(param, std=0.1)
+        models.append(model)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        assert len(apply_expert_parallel(models[1], build_expert_mesh(1, 1, "cpu"), 1)) == 2
+        tokens = torch.randint(0, 400, (2, 8))
+        results = []
+        for model in models:
+            loss = model(input_ids=tokens, labels=tokens).loss
+            loss.backward()
+            results.append((loss.item(), {name: param.grad for name, param in model.named_parameters()
+                                          if "experts" in name and param.grad is not None}))
+    finally:
+        dist.destroy_process_group()
+    (loss, grads), (ep_loss, ep_grads) = results
+    assert ep_loss == pytest.approx(loss, rel=1e-5)
+    assert grads.keys() == ep_grads.keys() and len(grads) == 8  # lora_A / lora_B of 2 parameters x 2 layers
+    for name, grad in grads.items():
+        assert torch.allclose(ep_grads[name], grad, rtol=1e-4, atol=1e-6), name
+
+
 def test_moe_rank_scaling_needs_fused_experts_and_a_dim_of_the_experts_per_token_at_least(moe_config):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -90,8 +90,7 @@ def experts_issues(model: nn.Module, ep_size: int, key: str = "distributed.ep_si
                             "parameters (transformers' MoE layout); use ep_size: 1 (or null)")]
     issues = []
     for name, _ in found:
-        _, wrappers = _lora_wrappers(model, name)
-        if any(not hasattr(wrapper, "parameter_name") for wrapper in wrappers.values()):
+        if any(not hasattr(wrapper, "parameter_name") for wrapper in _lora_wrappers(model, name).values()):
             return [ConfigIssue("peft.target_modules", f"an adapter wraps the experts module '{name}' in a way "
                                 "expert parallelism does not handle (only peft's LoRA on their fused parameters); "
                                 "name the modules to adapt outside the experts or use ep_size: 1")]
@@ -158,21 +157,23 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, dp_size: int) -> l
             sharded = distribute_tensor(param.data, mesh, [Replicate(), Shard(0)], src_data_rank=None)
             module._parameters[attr] = nn.Parameter(sharded, requires_grad=param.requires_grad)
         shard = ExpertShard(mesh["ep"].get_group(), rank * count, count, experts, 1.0 / dp_size, replicas)
-        outer, wrappers = _lora_wrappers(model, name)
-        model.get_submodule(outer).forward = functools.partial(_forward, module, shard, wrappers)
+        wrappers = _lora_wrappers(model, name)
+        module.forward = functools.partial(_forward, module, shard, wrappers)
+        for wrapper in wrappers.values():  # its own forward would add the whole experts' update to the local slice
+            wrapper.forward = wrapper.base_layer.__call__
         names.append(name)
     return names
 
 
-def _lora_wrappers(model: nn.Module, name: str) -> tuple[str, dict[str, nn.Module]]:
-    """The outermost module around the experts module ``name`` and the LoRA wrappers between (peft's
-    ``ParamWrapper``, one per adapted parameter, nested through ``base_layer``), by the parameter each adapts."""
+def _lora_wrappers(model: nn.Module, name: str) -> dict[str, nn.Module]:
+    """The LoRA wrappers around the experts module ``name`` (peft's ``ParamWrapper``, one per adapted parameter,
+    nested through ``base_layer``), by the parameter each adapts."""
     wrappers = {}
     while name.endswith(".base_layer"):
         name = name.removesuffix(".base_layer")
         wrapper = model.get_submodule(name)
         wrappers[getattr(wrapper, "parameter_name", type(wrapper).__name__)] = wrapper
-    return name, wrappers
+    return wrappers
 
 
 def _local_lora_delta(wrapper: nn.Module, shard: ExpertShard) -> torch.Tensor | None:
@@ -232,8 +233,8 @@ class _ExpertGradient(torch.autograd.Function):
 
 def _forward(module: nn.Module, shard: ExpertShard, wrappers: dict[str, nn.Module], hidden_states: torch.Tensor,
              top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-    """The experts module's forward over the ep group (see the module docstring); it replaces the forward of the
-    outermost LoRA wrapper too (``wrappers``), whose own would add the whole experts' update to the local slice."""
+    """The experts module's forward over the ep group (see the module docstring), with the LoRA update of the
+    local experts where ``wrappers`` adapt its parameters (their own forwards then only call through)."""
     from torch.distributed._functional_collectives import (
         all_gather_single,
         all_gather_single_autograd,
