@@ -2,8 +2,9 @@
 trains a tiny Qwen3-MoE (4 experts, top-2, two MoE layers) with the per-step losses, gradient norms and validation
 losses of one process accumulating twice; its consolidated ``model/`` is the one process's weights; its step-3
 checkpoint resumes in one process with the uninterrupted run's losses, and the one process's under ep 2; dp 4 x ep 2
-(two replicated groups), LoRA outside the experts and upstream's moe keys train like one process too; layouts the
-model cannot take are refused by ``automodel validate`` with the numbers.
+(two replicated groups), LoRA outside the experts and on them (with upstream's moe_rank_scaling) and upstream's moe
+keys train like one process too; layouts the model cannot take are refused by ``automodel validate`` with the
+numbers.
 """
 
 from __future__ import annotations
@@ -155,7 +156,7 @@ def _tied(moe_config: Path, tmp_path: Path) -> Path:
     return path
 
 
-def test_a_model_without_experts_and_lora_on_the_experts_are_refused(moe_config, tmp_path):
+def test_a_model_without_experts_is_refused_and_lora_on_the_experts_accepted(moe_config, tmp_path):
     dense = write_config(tmp_path / "dense.yaml", write_tiny_llama_config(tmp_path), tmp_path / "ckpt",
                          distributed={"strategy": "fsdp2", "ep_size": 2})
     code, out = _validate(dense, tmp_path, "--nproc-per-node", "2", subprocess=True)
@@ -164,9 +165,7 @@ def test_a_model_without_experts_and_lora_on_the_experts_are_refused(moe_config,
             "LlamaForCausalLM has no experts module") in out
     moe = write_config(tmp_path / "moe.yaml", moe_config, tmp_path / "ckpt",
                        distributed={"strategy": "fsdp2", "ep_size": 2}, peft={"dim": 4})
-    code, out = _validate(moe, tmp_path, "--nproc-per-node", "2")
-    assert code == 2 and "peft.target_modules: LoRA on all linear layers also adapts the MoE experts" in out
-    code, out = _validate(moe, tmp_path, "--nproc-per-node", "2", "--peft.target_modules", "[q_proj, gate]")
+    code, out = _validate(moe, tmp_path, "--nproc-per-node", "2", "--peft.moe_rank_scaling", "true")
     assert code == 0, out
 
 
@@ -180,6 +179,106 @@ def test_lora_outside_the_experts_trains_like_one_process(one_process, tmp_path)
     assert "LoRA r=4" in log and "expert parallel over ep 2" in log
     assert losses(ep) == pytest.approx(losses(one), rel=1e-4)
     assert _norms(ep) == pytest.approx(_norms(one), rel=1e-4)
+
+
+def _adapter(directory: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(directory / "model" / "adapter_model.safetensors"))
+
+
+def test_lora_on_the_experts_trains_like_one_process_and_resumes_there(one_process, moe_config, tmp_path):
+    """All-linear LoRA (the experts' fused parameters adapted by peft's ParamWrapper) with upstream's
+    moe_rank_scaling: the experts' rank is dim 4 // 2 experts per token; under ep 2 each rank adds its experts' slices
+    of the factors. The ep 2 run's losses, gradient norms and adapter are the one process's, the adapter loads in
+    peft, and its step-3 checkpoint resumes in one process."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = one_process[0]
+    lora = ["--peft.dim", "4", "--peft.alpha", "8", "--peft.moe_rank_scaling", "true"]
+    one, ep, resumed = tmp_path / "one", tmp_path / "ep", tmp_path / "resumed"
+    _run(config, tmp_path, one, *lora, "--step_scheduler.grad_accumulation_steps", "2")
+    log = _run(config, tmp_path, ep, *lora, *EP2)
+    assert "LoRA r=4" in log and "expert parallel over ep 2" in log
+    assert losses(ep) == pytest.approx(losses(one), rel=1e-4)
+    assert _norms(ep) == pytest.approx(_norms(one), rel=1e-4)
+    adapter, reference = _adapter(ep / "epoch_0_step_6"), _adapter(one / "epoch_0_step_6")
+    assert adapter.keys() == reference.keys()
+    experts = "base_model.model.model.layers.1.mlp.experts"
+    assert adapter[f"{experts}.base_layer.lora_A.weight"].shape == (2 * 4, 32)  # rank 2 per expert, 4 experts
+    assert adapter[f"{experts}.lora_B.weight"].shape == (32, 2 * 4)
+    assert adapter["base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight"].shape == (4, 32)
+    for key, value in reference.items():
+        assert (adapter[key] - value).abs().max().item() < 1e-5, key
+    assert adapter[f"{experts}.lora_B.weight"].abs().max().item() > 0  # the experts' adapters trained
+    base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(moe_config.parent))
+    loaded = PeftModel.from_pretrained(base, ep / "epoch_0_step_6" / "model").state_dict()
+    assert torch.equal(loaded[f"{experts}.lora_B.default.weight"], adapter[f"{experts}.lora_B.weight"])
+    log = _run(config, tmp_path, resumed, *lora, "--restore_from.path", ep / "epoch_0_step_3",
+               "--step_scheduler.grad_accumulation_steps", "2")
+    assert "written by 2 ranks, resuming on 1" in log
+    assert losses(resumed) == pytest.approx(losses(one)[3:], rel=1e-4)
+
+
+def test_the_expert_parallel_forward_adds_the_experts_lora_and_keeps_their_hooks(moe_config):
+    """ep 1 in this process (gloo): with all-linear LoRA on the experts (nonzero factors), the replaced forward gives
+    peft's loss and gradients of the experts' factors, and fake_balanced_gate's hook on the experts module still
+    routes (the learned router would choose other experts)."""
+    import torch
+    import torch.distributed as dist
+
+    from automodel.hf import PeftConfig, apply_lora
+    from automodel.training.parallel.expert_parallel import apply_expert_parallel, build_expert_mesh
+    from automodel_llm import AutoModelForCausalLM
+
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        base = AutoModelForCausalLM.from_config(str(moe_config), backend={"fake_balanced_gate": True})
+        model, _ = apply_lora(base, PeftConfig(dim=4).to_lora_config(base))
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(param, std=0.1)
+        models.append(model)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        assert len(apply_expert_parallel(models[1], build_expert_mesh(1, 1, "cpu"), 1)) == 2
+        tokens = torch.randint(0, 400, (2, 8))
+        results = []
+        for model in models:
+            loss = model(input_ids=tokens, labels=tokens).loss
+            loss.backward()
+            results.append((loss.item(), {name: param.grad for name, param in model.named_parameters()
+                                          if "experts" in name and param.grad is not None}))
+    finally:
+        dist.destroy_process_group()
+    (loss, grads), (ep_loss, ep_grads) = results
+    assert ep_loss == pytest.approx(loss, rel=1e-5)
+    assert grads.keys() == ep_grads.keys() and len(grads) == 8  # lora_A / lora_B of 2 parameters x 2 layers
+    for name, grad in grads.items():
+        assert torch.allclose(ep_grads[name], grad, rtol=1e-4, atol=1e-6), name
+
+
+def test_moe_rank_scaling_needs_fused_experts_and_a_dim_of_the_experts_per_token_at_least(moe_config):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from automodel.errors import AutomodelError
+    from automodel.hf import PeftConfig
+
+    with torch.device("meta"):
+        moe = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(moe_config.parent))
+        dense = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(LLAMA_CONFIG.parent))
+    config = PeftConfig(dim=4, alpha=16, moe_rank_scaling=True).to_lora_config(moe)
+    assert sorted(set(config.rank_pattern.values())) == [2] and len(config.rank_pattern) == 4  # 2 layers x 2
+    assert set(config.alpha_pattern.values()) == {16}
+    assert PeftConfig(dim=4).to_lora_config(moe).rank_pattern == {}
+    with pytest.raises(AutomodelError, match=r"dim 1 // 2 experts per token = 0; set peft.dim to at least 2"):
+        PeftConfig(dim=1, moe_rank_scaling=True).to_lora_config(moe)
+    with pytest.raises(AutomodelError, match="this model has no fused experts"):
+        PeftConfig(dim=4, moe_rank_scaling=True).to_lora_config(dense)
 
 
 def test_upstreams_moe_keys_act_under_ep2_and_train_like_one_process(one_process, tmp_path):

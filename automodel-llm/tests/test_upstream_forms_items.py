@@ -383,13 +383,14 @@ def test_fsdp2_upstream_switches_train_the_same_losses_on_two_ranks(tmp_path):
     assert found["every"] == pytest.approx(found["one"], abs=1e-5)
 
 
-def test_upstream_lora_switches_for_its_own_modules_are_refused_and_their_off_values_accepted(tmp_path):
+def test_upstream_lora_switches_that_cannot_act_are_refused_and_their_off_values_accepted(tmp_path):
     data = yaml.safe_load((FORMS / "recipe_bare_name.yaml").read_text())
     data["peft"] = {"_target_": "nemo_automodel.components._peft.lora.PeftConfig", "dim": 4,
-                    "use_memory_efficient_lora": True, "use_dora": True, "moe_rank_scaling": True}
+                    "use_memory_efficient_lora": True, "use_dora": True, "moe_rank_scaling": True,
+                    "target_modules": ["q_proj"]}
     found = refusals(write_yaml(tmp_path / "on.yaml", data))
     assert "DoRA (use_dora: true) has no such path" in found["peft.use_memory_efficient_lora"]
-    assert "upstream's own MoE model code" in found["peft.moe_rank_scaling"]
+    assert "only LoRA on all linear layers adapts here" in found["peft.moe_rank_scaling"]
     data["peft"].update(use_memory_efficient_lora=False, moe_rank_scaling=False)
     load_config(write_yaml(tmp_path / "off.yaml", data))
 

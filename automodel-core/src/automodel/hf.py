@@ -127,6 +127,7 @@ class PeftConfig:
         self.exclude_modules = exclude_modules
         self.use_dora = use_dora
         self.memory_efficient = use_memory_efficient_lora
+        self.moe_rank_scaling = moe_rank_scaling
         if self.rank < 1:
             raise ValueError(f"peft.dim must be >= 1, found {self.rank}")
 
@@ -137,12 +138,14 @@ class PeftConfig:
         if kwargs.get("use_memory_efficient_lora") and kwargs.get("use_dora"):
             issues["use_memory_efficient_lora"] = ("true recomputes plain LoRA's rank-r activation; DoRA "
                                                    "(use_dora: true) has no such path: set one of them false")
-        if kwargs.get("moe_rank_scaling"):
-            issues["moe_rank_scaling"] = ("true scales the LoRA rank of the experts of upstream's own MoE model "
-                                          "code, which the Hugging Face models trained here do not have: remove it")
+        if kwargs.get("moe_rank_scaling") and kwargs.get("target_modules") and not kwargs.get("match_all_linear"):
+            issues["moe_rank_scaling"] = ("true scales the LoRA rank of the MoE experts, which only LoRA on all "
+                                          "linear layers adapts here (target_modules names modules, and the experts "
+                                          "are fused parameters): remove target_modules or moe_rank_scaling")
         return issues
 
-    def to_lora_config(self) -> Any:
+    def to_lora_config(self, model: torch.nn.Module | None = None) -> Any:
+        """peft's config; ``model`` (the model to adapt) is needed for ``moe_rank_scaling``."""
         import peft
 
         if self.match_all_linear:
@@ -150,9 +153,35 @@ class PeftConfig:
         else:
             targets = peft_patterns(self.target_modules)
         excluded = peft_patterns(self.exclude_modules) if self.exclude_modules else None
+        ranks, alphas = self._moe_patterns(model) if self.moe_rank_scaling else ({}, {})
         return peft.LoraConfig(r=self.rank, lora_alpha=self.alpha, lora_dropout=self.dropout,
-                               target_modules=targets, exclude_modules=excluded,
-                               use_dora=self.use_dora, task_type="CAUSAL_LM")
+                               target_modules=targets, exclude_modules=excluded, rank_pattern=ranks,
+                               alpha_pattern=alphas, use_dora=self.use_dora, task_type="CAUSAL_LM")
+
+    def _moe_patterns(self, model: torch.nn.Module | None) -> tuple[dict[str, int], dict[str, float]]:
+        """Upstream's ``moe_rank_scaling``: the experts' LoRA rank is ``dim // experts per token`` and their alpha
+        ``alpha`` (as upstream: peft would double both for the fused gate_up_proj), so the experts a token visits
+        add together about the rank of one dense projection. The keys of peft's ``rank_pattern`` / ``alpha_pattern``
+        for them: each fused experts parameter (3-D ``gate_up_proj`` / ``down_proj``) by its full name, as
+        ``(?:name)`` so that in the ``adapter_config.json`` peft writes with sorted keys they still come before
+        peft's own ``.*\\.gate_up_proj`` (peft takes the first pattern that matches)."""
+        if model is None:
+            raise AutomodelError("peft.moe_rank_scaling: true scales the rank of LoRA on a causal LM's MoE experts, "
+                                 "which this LoRA (on named language-model layers) does not adapt; remove it")
+        config = getattr(model, "config", None)
+        per_token = getattr(config.get_text_config(), "num_experts_per_tok", None) if config is not None else None
+        names = [name for name, param in model.named_parameters()
+                 if param.dim() == 3 and name.rsplit(".", 1)[-1] in ("gate_up_proj", "down_proj")]
+        if not names or not isinstance(per_token, int):
+            raise AutomodelError("peft.moe_rank_scaling: true scales the LoRA rank of a mixture-of-experts model's "
+                                 "experts, and this model has no fused experts (3-D gate_up_proj / down_proj) with "
+                                 "num_experts_per_tok in its config; remove it")
+        if self.rank < per_token:
+            raise AutomodelError(f"peft.moe_rank_scaling: true gives the experts rank dim {self.rank} // "
+                                 f"{per_token} experts per token = 0; set peft.dim to at least {per_token} or "
+                                 "remove moe_rank_scaling")
+        keys = [f"(?:{re.escape(name)})" for name in names]
+        return {key: self.rank // per_token for key in keys}, {key: self.alpha for key in keys}
 
 
 def peft_patterns(patterns: list[str] | str) -> list[str] | str:
@@ -168,12 +197,13 @@ def peft_patterns(patterns: list[str] | str) -> list[str] | str:
     return "|".join(f"(?:{part})" for part in parts)
 
 
-def lora_config(built: Any) -> Any:
-    """The ``peft.LoraConfig`` of what the ``peft:`` section built (our PeftConfig, or a peft config as given)."""
+def lora_config(built: Any, model: torch.nn.Module | None = None) -> Any:
+    """The ``peft.LoraConfig`` of what the ``peft:`` section built (our PeftConfig, or a peft config as given) for
+    ``model``."""
     import peft
 
     if isinstance(built, PeftConfig):
-        return built.to_lora_config()
+        return built.to_lora_config(model)
     if isinstance(built, peft.PeftConfig):
         return built
     raise AutomodelError(f"peft._target_: built {type(built).__name__}; expected automodel.hf.PeftConfig (also "

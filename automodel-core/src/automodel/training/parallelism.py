@@ -224,8 +224,8 @@ def pipeline_lines(cfg: Config) -> list[str]:
 
 def expert_parallel_issues(cfg: Config, implementation: str | None, world: int) -> list[ConfigIssue]:
     """``ep_size > 1``: FSDP2 over the data-parallel ranks only (no tp / cp / pp), ``ep_size`` dividing the
-    data-parallel ranks and the model's experts, a MoE model whose experts module is handled here, no LoRA on the
-    experts (checked again on the built model where its config cannot be read here)."""
+    data-parallel ranks and the model's experts, a MoE model whose experts module is handled here (checked again on the
+    built model where its config cannot be read here)."""
     settings = cfg.distributed
     ep = settings.ep_size
     key = "distributed.ep_size"
@@ -245,7 +245,6 @@ def expert_parallel_issues(cfg: Config, implementation: str | None, world: int) 
         issues.append(ConfigIssue(key, f"{ep} does not divide the data-parallel ranks (dp_size = {world}, "
                                   f"{world_size_source()}): each group of ep_size ranks splits the experts; use an "
                                   f"ep_size that divides {world}"))
-    issues += _lora_expert_issues(cfg.get("peft"), ep)
     hf_config = model_hf_config(cfg)
     if hf_config is not None:
         issues += _model_expert_issues(hf_config, ep)
@@ -263,23 +262,6 @@ def expert_parallel_issues(cfg: Config, implementation: str | None, world: int) 
                                   "it needs a Hugging Face model section (model.config or model."
                                   "pretrained_model_name_or_path); use ep_size: 1"))
     return issues
-
-
-def _lora_expert_issues(peft: Any, ep_size: int) -> list[ConfigIssue]:
-    """LoRA that would adapt the experts (all-linear LoRA does: peft wraps their fused parameters): refused, since
-    its adapters would need the experts that other ranks hold."""
-    if peft is None:
-        return []
-    data = peft.to_dict() if hasattr(peft, "to_dict") else dict(peft)
-    targets = data.get("target_modules")
-    names = [targets] if isinstance(targets, str) else list(targets or [])
-    if data.get("match_all_linear") or not names or any("expert" in str(name) for name in names):
-        what = ", ".join(map(str, names)) if names and not data.get("match_all_linear") else "all linear layers"
-        return [ConfigIssue("peft.target_modules", f"LoRA on {what} also adapts the MoE experts, which expert "
-                            f"parallelism (ep_size {ep_size}) splits over ranks and LoRA cannot; name the modules to "
-                            "adapt outside the experts (for example [q_proj, k_proj, v_proj, o_proj, gate]) or use "
-                            "ep_size: 1")]
-    return []
 
 
 def _model_expert_issues(hf_config: Any, ep_size: int) -> list[ConfigIssue]:

@@ -15,6 +15,11 @@ each computes its own experts' contributions to all of them, and a reduce-scatte
 own tokens; the collectives are differentiable (``all_gather_single_autograd`` / ``reduce_scatter_single_autograd``),
 so the router and the layers below get their gradients through them.
 
+LoRA on the experts (peft's ``ParamWrapper`` around the fused parameters, as ``all-linear`` LoRA does): the
+forward adds to each local expert's slice its own low-rank update from the stacked factors, which FSDP2 shards
+over the data-parallel ranks like every other adapter; a rank's gradient is nonzero only in its experts' slices,
+and FSDP2's sum over the ranks divided by the data-parallel size is one process's gradient, as for the experts.
+
 Gradients: a local expert's gradient arrives summed over the ep group's tokens (the all-gather's backward); it is
 summed over the replicas of the group too and divided by the data-parallel size, which equals FSDP2's average over
 the data-parallel ranks of every other parameter (the loop scales each rank's loss by ``dp / tokens``), so N ranks
@@ -83,12 +88,12 @@ def experts_issues(model: nn.Module, ep_size: int, key: str = "distributed.ep_si
         return [ConfigIssue(key, f"{ep_size}: expert parallelism splits the experts of a mixture-of-experts model, "
                             f"and {type(model).__name__} has no experts module with fused gate_up_proj / down_proj "
                             "parameters (transformers' MoE layout); use ep_size: 1 (or null)")]
-    adapted = [name for name, _ in found if name.endswith(".base_layer")]
-    if adapted:
-        return [ConfigIssue("peft.target_modules", f"LoRA adapts the experts ('{adapted[0]}', {len(adapted)} modules), "
-                            f"which expert parallelism (ep_size {ep_size}) splits over ranks and LoRA cannot; name "
-                            "the modules to adapt outside the experts or use ep_size: 1")]
     issues = []
+    for name, _ in found:
+        if any(not hasattr(wrapper, "parameter_name") for wrapper in _lora_wrappers(model, name).values()):
+            return [ConfigIssue("peft.target_modules", f"an adapter wraps the experts module '{name}' in a way "
+                                "expert parallelism does not handle (only peft's LoRA on their fused parameters); "
+                                "name the modules to adapt outside the experts or use ep_size: 1")]
     kinds = {}
     for name, module in found:
         kinds.setdefault(type(module).__name__, (name, module))
@@ -152,9 +157,54 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, dp_size: int) -> l
             sharded = distribute_tensor(param.data, mesh, [Replicate(), Shard(0)], src_data_rank=None)
             module._parameters[attr] = nn.Parameter(sharded, requires_grad=param.requires_grad)
         shard = ExpertShard(mesh["ep"].get_group(), rank * count, count, experts, 1.0 / dp_size, replicas)
-        module.forward = functools.partial(_forward, module, shard)
+        wrappers = _lora_wrappers(model, name)
+        module.forward = functools.partial(_forward, module, shard, wrappers)
+        for wrapper in wrappers.values():  # its own forward would add the whole experts' update to the local slice
+            wrapper.forward = wrapper.base_layer.__call__
         names.append(name)
     return names
+
+
+def _lora_wrappers(model: nn.Module, name: str) -> dict[str, nn.Module]:
+    """The LoRA wrappers around the experts module ``name`` (peft's ``ParamWrapper``, one per adapted parameter,
+    nested through ``base_layer``), by the parameter each adapts."""
+    wrappers = {}
+    while name.endswith(".base_layer"):
+        name = name.removesuffix(".base_layer")
+        wrapper = model.get_submodule(name)
+        wrappers[getattr(wrapper, "parameter_name", type(wrapper).__name__)] = wrapper
+    return wrappers
+
+
+def _local_lora_delta(wrapper: nn.Module, shard: ExpertShard) -> torch.Tensor | None:
+    """The LoRA update of this rank's experts of the parameter ``wrapper`` adapts, ``[count, out, in]`` like the
+    local slice of that parameter (None: no active adapter). peft's ``ParamWrapper`` stacks the experts' factors:
+    ``lora_A`` ``(r*E, in)`` expert-major, ``lora_B`` ``(out, r*E)`` expert-minor; the factors stay whole (FSDP2
+    shards them over the data-parallel ranks like any adapter) and only the local experts' slices are used, so
+    each slice's gradient comes from the rank holding its expert and FSDP2's reduction over the ranks sums them."""
+    if wrapper.disable_adapters:
+        return None
+    delta = None
+    first, last = shard.first, shard.first + shard.count
+    for adapter in wrapper.active_adapters:
+        if adapter not in wrapper.lora_A:
+            continue
+        lora_a, lora_b = wrapper.lora_A[adapter].weight, wrapper.lora_B[adapter].weight
+        lora_a = lora_a.reshape(shard.num_experts, -1, lora_a.shape[-1])[first:last]
+        lora_b = lora_b.reshape(lora_b.shape[0], -1, shard.num_experts)[..., first:last]
+        # the layout handled here, [E, out, in] (not transposed), is the one peft reads as in/out swapped
+        part = torch.einsum("ore,eri->eoi", lora_b, lora_a) * wrapper.scaling[adapter]
+        delta = part if delta is None else delta + part
+    return delta
+
+
+def _expert_weight(module: nn.Module, shard: ExpertShard, wrappers: dict[str, nn.Module], attr: str
+                   ) -> torch.Tensor:
+    """This rank's experts' slice of ``module``'s parameter ``attr``, with the gradient of one process and its
+    LoRA update (when an adapter wraps it)."""
+    weight = _ExpertGradient.apply(module._parameters[attr].to_local(), shard.grad_scale, shard.replicas)
+    delta = _local_lora_delta(wrappers[attr], shard) if attr in wrappers else None
+    return weight if delta is None else weight + delta.to(weight.dtype)
 
 
 def expert_parameters(model: nn.Module) -> set[nn.Parameter]:
@@ -181,9 +231,10 @@ class _ExpertGradient(torch.autograd.Function):
         return grad, None, None
 
 
-def _forward(module: nn.Module, shard: ExpertShard, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-             top_k_weights: torch.Tensor) -> torch.Tensor:
-    """The experts module's forward over the ep group (see the module docstring)."""
+def _forward(module: nn.Module, shard: ExpertShard, wrappers: dict[str, nn.Module], hidden_states: torch.Tensor,
+             top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The experts module's forward over the ep group (see the module docstring), with the LoRA update of the
+    local experts where ``wrappers`` adapt its parameters (their own forwards then only call through)."""
     from torch.distributed._functional_collectives import (
         all_gather_single,
         all_gather_single_autograd,
@@ -200,9 +251,8 @@ def _forward(module: nn.Module, shard: ExpertShard, hidden_states: torch.Tensor,
     hidden = all_gather_single_autograd(hidden, 0, shard.group)
     weights = all_gather_single_autograd(weights, 0, shard.group)
     index = torch.as_tensor(all_gather_single(index, 0, shard.group))
-    gate_up = _ExpertGradient.apply(module.gate_up_proj.to_local(), shard.grad_scale, shard.replicas)
-    down = _ExpertGradient.apply(module.down_proj.to_local(), shard.grad_scale, shard.replicas)
-    gate_up, down = gate_up.to(hidden.dtype), down.to(hidden.dtype)
+    gate_up = _expert_weight(module, shard, wrappers, "gate_up_proj").to(hidden.dtype)
+    down = _expert_weight(module, shard, wrappers, "down_proj").to(hidden.dtype)
     out = torch.zeros_like(hidden)
     used = False
     for local in range(shard.count):

@@ -25,4 +25,4 @@ def issues(cfg: Config, implementation: str | None) -> list[ConfigIssue]:
 def add_lora(ctx: BuildContext, model: torch.nn.Module) -> tuple[torch.nn.Module, str]:
     """Wrap the model with LoRA adapters as ``peft:`` says; only adapter weights train."""
     built = ctx.instantiate("peft")
-    return apply_lora(model, lora_config(built), memory_efficient=memory_efficient(built))
+    return apply_lora(model, lora_config(built, model), memory_efficient=memory_efficient(built))
