@@ -29,3 +29,40 @@ def test_target_modules_match_as_upstream(targets, expected):
 
 def test_exclude_modules_globs_leave_modules_out():
     assert _adapted(target_modules="*_proj", exclude_modules=["*.layers.1.*"]) == [NAMES[0], NAMES[1], NAMES[3]]
+
+
+def _tiny(moe: bool):
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3MoeConfig
+
+    sizes = {"vocab_size": 64, "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+             "num_key_value_heads": 1}
+    config = Qwen3MoeConfig(**sizes, moe_intermediate_size=8, num_experts=4, num_experts_per_tok=2, head_dim=8) \
+        if moe else LlamaConfig(**sizes, intermediate_size=32)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def _lora_ranks(model, config) -> dict[str, int]:
+    import peft
+
+    wrapped = peft.get_peft_model(model, config)
+    return {name.removeprefix("base_model.model.").split(".lora_A")[0]: param.shape[0]
+            for name, param in wrapped.named_parameters() if ".lora_A." in name}
+
+
+def test_a_bare_star_adapts_every_linear_layer_and_the_experts_as_upstream():
+    from automodel.errors import AutomodelError
+
+    dense = _tiny(moe=False)
+    ranks = _lora_ranks(dense, PeftConfig(dim=4, target_modules=["*"]).to_lora_config(dense))
+    linear = [n for n, m in _tiny(moe=False).named_modules() if type(m).__name__ == "Linear"]
+    assert sorted(ranks) == sorted(linear) and "lm_head" in ranks  # upstream's '*': the output head too
+    moe = _tiny(moe=True)
+    ranks = _lora_ranks(moe, PeftConfig(dim=4, target_modules="*", moe_rank_scaling=True).to_lora_config(moe))
+    assert "model.layers.0.mlp.experts" in ranks and "model.layers.0.self_attn.q_proj" in ranks
+    assert ranks["model.layers.0.self_attn.q_proj"] == 4
+    # peft stacks the 4 experts' factors; each expert's rank is dim 4 // 2 experts per token, both fused weights
+    assert ranks["model.layers.0.mlp.experts"] == ranks["model.layers.0.mlp.experts.base_layer"] == 4 * (4 // 2)
+    with pytest.raises(AutomodelError, match="matches no linear layer or MoE experts module"):
+        PeftConfig(dim=4, target_modules=["*.nothing"]).to_lora_config(dense)
+    with pytest.raises(AutomodelError, match="reach none"):
+        PeftConfig(dim=4, target_modules=["*_proj"], moe_rank_scaling=True).to_lora_config(_tiny(moe=True))

@@ -390,7 +390,7 @@ def test_upstream_lora_switches_that_cannot_act_are_refused_and_their_off_values
                     "target_modules": ["q_proj"]}
     found = refusals(write_yaml(tmp_path / "on.yaml", data))
     assert "DoRA (use_dora: true) has no such path" in found["peft.use_memory_efficient_lora"]
-    assert "only LoRA on all linear layers adapts here" in found["peft.moe_rank_scaling"]
+    assert "only LoRA on all linear layers or a glob (such as '*') adapts here" in found["peft.moe_rank_scaling"]
     data["peft"].update(use_memory_efficient_lora=False, moe_rank_scaling=False)
     load_config(write_yaml(tmp_path / "off.yaml", data))
 

@@ -138,25 +138,35 @@ class PeftConfig:
         if kwargs.get("use_memory_efficient_lora") and kwargs.get("use_dora"):
             issues["use_memory_efficient_lora"] = ("true recomputes plain LoRA's rank-r activation; DoRA "
                                                    "(use_dora: true) has no such path: set one of them false")
-        if kwargs.get("moe_rank_scaling") and kwargs.get("target_modules") and not kwargs.get("match_all_linear"):
+        targets = kwargs.get("target_modules")
+        globs = any("*" in str(t) for t in ([targets] if isinstance(targets, str) else targets or []))
+        if kwargs.get("moe_rank_scaling") and targets and not globs and not kwargs.get("match_all_linear"):
             issues["moe_rank_scaling"] = ("true scales the LoRA rank of the MoE experts, which only LoRA on all "
-                                          "linear layers adapts here (target_modules names modules, and the experts "
-                                          "are fused parameters): remove target_modules or moe_rank_scaling")
+                                          "linear layers or a glob (such as '*') adapts here (target_modules names "
+                                          "modules, and the experts are fused parameters): remove target_modules or "
+                                          "moe_rank_scaling")
         return issues
 
     def to_lora_config(self, model: torch.nn.Module | None = None) -> Any:
         """peft's config; ``model`` (the model to adapt) is needed for ``moe_rank_scaling``."""
         import peft
 
+        parameters: list[str] = []
         if self.match_all_linear:
             targets: Any = "all-linear"
         else:
             targets = peft_patterns(self.target_modules)
+            if isinstance(targets, str) and model is not None:
+                targets, parameters = glob_targets(model, targets, self.target_modules)
         excluded = peft_patterns(self.exclude_modules) if self.exclude_modules else None
+        if self.moe_rank_scaling and not self.match_all_linear and not parameters:
+            raise AutomodelError(f"peft.moe_rank_scaling: true scales the LoRA rank of the MoE experts, and "
+                                 f"target_modules {self.target_modules} reach none; remove it or target the experts")
         ranks, alphas = self._moe_patterns(model) if self.moe_rank_scaling else ({}, {})
         return peft.LoraConfig(r=self.rank, lora_alpha=self.alpha, lora_dropout=self.dropout,
                                target_modules=targets, exclude_modules=excluded, rank_pattern=ranks,
-                               alpha_pattern=alphas, use_dora=self.use_dora, task_type="CAUSAL_LM")
+                               alpha_pattern=alphas, use_dora=self.use_dora, task_type="CAUSAL_LM",
+                               target_parameters=parameters or None)
 
     def _moe_patterns(self, model: torch.nn.Module | None) -> tuple[dict[str, int], dict[str, float]]:
         """Upstream's ``moe_rank_scaling``: the experts' LoRA rank is ``dim // experts per token`` and their alpha
@@ -171,7 +181,7 @@ class PeftConfig:
         config = getattr(model, "config", None)
         per_token = getattr(config.get_text_config(), "num_experts_per_tok", None) if config is not None else None
         names = [name for name, param in model.named_parameters()
-                 if param.dim() == 3 and name.rsplit(".", 1)[-1] in ("gate_up_proj", "down_proj")]
+                 if param.dim() == 3 and name.rsplit(".", 1)[-1] in EXPERT_PARAMETERS]
         if not names or not isinstance(per_token, int):
             raise AutomodelError("peft.moe_rank_scaling: true scales the LoRA rank of a mixture-of-experts model's "
                                  "experts, and this model has no fused experts (3-D gate_up_proj / down_proj) with "
@@ -195,6 +205,28 @@ def peft_patterns(patterns: list[str] | str) -> list[str] | str:
     parts = [".*".join(re.escape(piece) for piece in name.split("*")) if "*" in name
              else rf"(?:.*\.)?{re.escape(name)}" for name in names]
     return "|".join(f"(?:{part})" for part in parts)
+
+
+# the fused expert weights of a Hugging Face MoE block (3-D: experts x out x in)
+EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
+
+
+def glob_targets(model: torch.nn.Module, pattern: str, written: Any) -> tuple[list[str], list[str]]:
+    """What upstream's glob patterns adapt, as upstream's matcher does: every linear layer whose whole name the
+    pattern matches (``*`` includes the output head), and every MoE experts module it matches, through its fused
+    weights (peft's ``target_parameters``). Returns (module names, parameter names)."""
+    import torch
+
+    regex = re.compile(pattern)
+    modules = [name for name, module in model.named_modules()
+               if isinstance(module, torch.nn.Linear) and regex.fullmatch(name)]
+    parameters = [name for name, param in model.named_parameters()
+                  if param.dim() == 3 and name.rsplit(".", 1)[-1] in EXPERT_PARAMETERS
+                  and regex.fullmatch(name.rsplit(".", 1)[0])]
+    if not modules and not parameters:
+        raise AutomodelError(f"peft.target_modules: {written} matches no linear layer or MoE experts module of "
+                             f"{type(model).__name__}")
+    return modules, parameters
 
 
 def lora_config(built: Any, model: torch.nn.Module | None = None) -> Any:
