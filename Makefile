@@ -35,7 +35,7 @@ run: install
 	$(VENV)/bin/automodel finetune llm -c llm/tiny_squad
 
 test: install
-	$(PY) -m pytest --rootdir=. --import-mode=importlib -q --durations=25 $(foreach d,$(DISTS),$(d)/tests) tests
+	$(PY) -m pytest --rootdir=. --import-mode=importlib -q -n 2 --dist loadfile --durations=25 $(foreach d,$(DISTS),$(d)/tests) tests
 
 # Opt-in tests with real pre-trained models (installed from the package index into .venv when missing).
 test-real: install
