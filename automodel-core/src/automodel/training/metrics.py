@@ -38,6 +38,13 @@ class MetricsSample:
 def peak_memory_gib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
+    try:  # Linux: this process's own high-water mark (ru_maxrss keeps the forking parent's across exec)
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 2**20  # KiB
+    except OSError:
+        pass
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return rss / (2**30 if sys.platform == "darwin" else 2**20)
 
