@@ -13,9 +13,17 @@ import json
 from pathlib import Path
 
 import pytest
-from llm_testing import LLAMA_CONFIG, VALIDATION, losses, val_losses, write_config, write_tiny_llama_config
+from llm_testing import (
+    LLAMA_CONFIG,
+    VALIDATION,
+    losses,
+    val_losses,
+    validate_cli,
+    write_config,
+    write_tiny_llama_config,
+)
 
-from automodel.testing import free_port, read_jsonl, run_cli, run_cli_inprocess
+from automodel.testing import free_port, read_jsonl, run_cli
 
 STEPS = ["--step_scheduler.max_steps", "6", "--dataloader.batch_size", "2", "--dataloader.shuffle", "false",
          "--step_scheduler.checkpoint_interval", "3"]
@@ -113,36 +121,29 @@ def test_a_one_process_checkpoint_resumes_under_ep2(one_process, ep2_run, tmp_pa
     _assert_same_weights(out / "epoch_0_step_6" / "model", reference / "epoch_0_step_6" / "model")
 
 
-def _validate(config: Path, cwd: Path, *args, subprocess: bool = False) -> tuple[int, str]:
-    """``automodel validate`` in this process (seconds saved per case), or, ``subprocess``, the console script."""
-    run = run_cli if subprocess else run_cli_inprocess
-    result = run("validate", "-c", config, *args, cwd=cwd)
-    return result.returncode, result.stdout + result.stderr
-
-
-def test_layouts_the_model_cannot_take_are_refused_by_validate(moe_config, tmp_path):
+def test_layouts_the_model_cannot_take_are_refused_byvalidate_cli(moe_config, tmp_path):
     config = write_config(tmp_path / "cfg.yaml", moe_config, tmp_path / "ckpt",
                           distributed={"strategy": "fsdp2", "ep_size": 3})
-    code, out = _validate(config, tmp_path, "--nproc-per-node", "3", subprocess=True)
+    code, out = validate_cli(config, tmp_path, "--nproc-per-node", "3", subprocess=True)
     assert code == 2 and "Traceback" not in out
     assert ("distributed.ep_size: 3 does not divide the number of experts (4, Qwen3MoeExperts "
             "'model.layers.0.mlp.experts')") in out
-    code, out = _validate(config, tmp_path, "--nproc-per-node", "2", "--distributed.ep_size", "4")
+    code, out = validate_cli(config, tmp_path, "--nproc-per-node", "2", "--distributed.ep_size", "4")
     assert code == 2 and "distributed.ep_size: 4 does not divide the data-parallel ranks (dp_size = 2" in out
-    code, out = _validate(config, tmp_path, "--nproc-per-node", "2", "--distributed.ep_size", "2",
+    code, out = validate_cli(config, tmp_path, "--nproc-per-node", "2", "--distributed.ep_size", "2",
                           "--distributed.strategy", "ddp")
     assert code == 2 and "ddp: expert parallelism (ep_size 2) composes with FSDP2 only" in out
-    code, out = _validate(config, tmp_path, "--nproc-per-node", "4", "--distributed.ep_size", "2",
+    code, out = validate_cli(config, tmp_path, "--nproc-per-node", "4", "--distributed.ep_size", "2",
                           "--distributed.tp_size", "2")
     assert code == 2 and "not combined with tensor / context / pipeline parallelism here (tp_size 2)" in out
     tied = write_config(tmp_path / "tied.yaml", _tied(moe_config, tmp_path), tmp_path / "ckpt")
-    code, out = _validate(tied, tmp_path, "--nproc-per-node", "2", "--distributed.strategy", "fsdp2",
+    code, out = validate_cli(tied, tmp_path, "--nproc-per-node", "2", "--distributed.strategy", "fsdp2",
                           "--distributed.ep_size", "2", "--distributed.moe.lm_head_precision", "float32")
     assert code == 2 and "distributed.moe.lm_head_precision: float32: the model ties its output head" in out
-    code, out = _validate(tied, tmp_path, "--nproc-per-node", "2", "--distributed.strategy", "fsdp2",
+    code, out = validate_cli(tied, tmp_path, "--nproc-per-node", "2", "--distributed.strategy", "fsdp2",
                           "--distributed.ep_size", "2", "--distributed.moe.wrap_outer_model", "false")
     assert code == 2 and "distributed.moe.wrap_outer_model: false: the model ties its output head" in out
-    code, out = _validate(config, tmp_path, "--nproc-per-node", "2", "--distributed.ep_size", "2",
+    code, out = validate_cli(config, tmp_path, "--nproc-per-node", "2", "--distributed.ep_size", "2",
                           "--distributed.moe.lm_head_precision", "float32", "--distributed.moe.wrap_outer_model",
                           "false")
     assert code == 0, out
@@ -159,13 +160,13 @@ def _tied(moe_config: Path, tmp_path: Path) -> Path:
 def test_a_model_without_experts_is_refused_and_lora_on_the_experts_accepted(moe_config, tmp_path):
     dense = write_config(tmp_path / "dense.yaml", write_tiny_llama_config(tmp_path), tmp_path / "ckpt",
                          distributed={"strategy": "fsdp2", "ep_size": 2})
-    code, out = _validate(dense, tmp_path, "--nproc-per-node", "2", subprocess=True)
+    code, out = validate_cli(dense, tmp_path, "--nproc-per-node", "2", subprocess=True)
     assert code == 2 and "Traceback" not in out
     assert ("distributed.ep_size: 2: expert parallelism splits the experts of a mixture-of-experts model, and "
             "LlamaForCausalLM has no experts module") in out
     moe = write_config(tmp_path / "moe.yaml", moe_config, tmp_path / "ckpt",
                        distributed={"strategy": "fsdp2", "ep_size": 2}, peft={"dim": 4})
-    code, out = _validate(moe, tmp_path, "--nproc-per-node", "2", "--peft.moe_rank_scaling", "true")
+    code, out = validate_cli(moe, tmp_path, "--nproc-per-node", "2", "--peft.moe_rank_scaling", "true")
     assert code == 0, out
 
 

@@ -27,11 +27,12 @@ from llm_testing import (
     losses,
     run_finetune,
     val_losses,
+    validate_cli,
     write_config,
     write_two_layer_llama_config,
 )
 
-from automodel.testing import read_jsonl, run_cli, run_cli_inprocess
+from automodel.testing import read_jsonl, run_cli
 
 STEPS = ["--step_scheduler.max_steps", "6", "--dataloader.batch_size", "2", "--dataloader.shuffle", "false",
          "--step_scheduler.checkpoint_interval", "3", "--step_scheduler.grad_accumulation_steps", "2"]
@@ -162,39 +163,32 @@ def test_interleaved_1f1b_runs_two_stages_per_rank_like_one_process(four_layers,
     assert_same_weights(one / "epoch_0_step_6" / "model", reference / "epoch_0_step_6" / "model")
 
 
-def _validate(config: Path, cwd: Path, *args, subprocess: bool = False) -> tuple[int, str]:
-    """``automodel validate`` in this process (seconds saved per case), or, ``subprocess``, the console script."""
-    run = run_cli if subprocess else run_cli_inprocess
-    result = run("validate", "-c", config, *args, cwd=cwd)
-    return result.returncode, result.stdout + result.stderr
-
-
-def test_layouts_the_pipeline_cannot_take_are_refused_by_validate(pp_llama_config, tmp_path):
+def test_layouts_the_pipeline_cannot_take_are_refused_byvalidate_cli(pp_llama_config, tmp_path):
     config = write_config(tmp_path / "cfg.yaml", pp_llama_config, tmp_path / "ckpt",
                           distributed={"strategy": "fsdp2", "pp_size": 3}, dataloader={"batch_size": 4})
-    code, out = _validate(config, tmp_path, "--nproc-per-node", "3", subprocess=True)
+    code, out = validate_cli(config, tmp_path, "--nproc-per-node", "3", subprocess=True)
     assert code == 2 and "Traceback" not in out
     assert "distributed.pp_size: 3 ranks x 1 stages each = 3 stages, but the model has 2 layers" in out
     two = ["--nproc-per-node", "2", "--distributed.pp_size", "2"]
-    code, out = _validate(config, tmp_path, *two, "--dataloader.batch_size", "1")
+    code, out = validate_cli(config, tmp_path, *two, "--dataloader.batch_size", "1")
     assert code == 2 and "1 makes 1 micro-batches of the 1 rows, but 1f1b needs at least one per stage (2)" in out
-    code, out = _validate(config, tmp_path, *two, "--distributed.strategy", "ddp", "--model.tie_word_embeddings",
+    code, out = validate_cli(config, tmp_path, *two, "--distributed.strategy", "ddp", "--model.tie_word_embeddings",
                           "true", "--distributed.pipeline.pp_schedule", "gpipe")
     assert code == 2 and "Traceback" not in out
     assert "distributed.strategy: ddp: pipeline parallelism (pp_size 2) composes with FSDP2" in out
     assert "the model ties its output head to its input embedding (tie_word_embeddings)" in out
-    code, out = _validate(config, tmp_path, *two, "--distributed.pipeline.pp_microbatch_size", "3")
+    code, out = validate_cli(config, tmp_path, *two, "--distributed.pipeline.pp_microbatch_size", "3")
     assert code == 2 and "pp_microbatch_size: 3 does not divide the 4 rows" in out
 
 
-def test_settings_the_pipeline_cannot_take_are_refused_by_validate(pp_llama_config, tmp_path):
+def test_settings_the_pipeline_cannot_take_are_refused_byvalidate_cli(pp_llama_config, tmp_path):
     config = write_config(tmp_path / "cfg.yaml", pp_llama_config, tmp_path / "ckpt",
                           distributed={"strategy": "fsdp2", "pp_size": 2}, dataloader={"batch_size": 4})
     two = ["--nproc-per-node", "2"]
-    code, out = _validate(config, tmp_path, *two, "--distributed.pipeline.pp_schedule", "interleaved1f1b",
+    code, out = validate_cli(config, tmp_path, *two, "--distributed.pipeline.pp_schedule", "interleaved1f1b",
                           subprocess=True)
     assert code == 2 and "distributed.pp_size: 2 ranks x 2 stages each = 4 stages, but the model has 2 layers" in out
-    code, out = _validate(config, tmp_path, *two, "--eval_generation.enabled", "true",
+    code, out = validate_cli(config, tmp_path, *two, "--eval_generation.enabled", "true",
                           "--packed_sequence.packed_sequence_size", "64", "--peft.dim", "4",
                           "--distributed.mp_policy.param_dtype", "fp16", "--model.backend.enable_fsdp_optimizations",
                           "true")
@@ -204,7 +198,7 @@ def test_settings_the_pipeline_cannot_take_are_refused_by_validate(pp_llama_conf
     assert "eval_generation.enabled: generation runs the whole model token by token" in out
     assert "packed_sequence.packed_sequence_size: packed rows keep attention within each sample" in out
     assert "distributed.pp_size: 2: pipeline stages of a LoRA (peft) model are not supported" in out
-    code, out = _validate(config, tmp_path, *two)
+    code, out = validate_cli(config, tmp_path, *two)
     assert code == 0, out
     result = run_cli("validate", "kd", "llm", "-c", config, *two,
                      "--teacher_model._target_", "automodel_llm.AutoModelForCausalLM.from_config",

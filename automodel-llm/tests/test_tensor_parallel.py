@@ -21,11 +21,12 @@ from llm_testing import (
     losses,
     run_finetune,
     val_losses,
+    validate_cli,
     write_config,
     write_two_layer_llama_config,
 )
 
-from automodel.testing import read_jsonl, run_cli, run_cli_inprocess
+from automodel.testing import read_jsonl, run_cli
 
 STEPS = ["--step_scheduler.max_steps", "6", "--dataloader.batch_size", "2", "--dataloader.shuffle", "false",
          "--step_scheduler.checkpoint_interval", "3"]
@@ -100,46 +101,39 @@ def test_a_tp2_checkpoint_resumes_in_one_process(one_process, tp2_run, tmp_path)
     assert losses(again) == pytest.approx(losses(tp2_run[0])[3:], rel=1e-6)
 
 
-def _validate(config: Path, cwd: Path, *args, subprocess: bool = False) -> tuple[int, str]:
-    """``automodel validate`` in this process (seconds saved per case), or, ``subprocess``, the console script."""
-    run = run_cli if subprocess else run_cli_inprocess
-    result = run("validate", "-c", config, *args, cwd=cwd)
-    return result.returncode, result.stdout + result.stderr
-
-
-def test_layouts_the_model_cannot_take_are_refused_by_validate(tp_llama_config, tmp_path):
+def test_layouts_the_model_cannot_take_are_refused_byvalidate_cli(tp_llama_config, tmp_path):
     config = write_config(tmp_path / "cfg.yaml", tp_llama_config, tmp_path / "ckpt",
                           distributed={"strategy": "fsdp2", "tp_size": 3})
-    code, out = _validate(config, tmp_path, "--nproc-per-node", "3", subprocess=True)
+    code, out = validate_cli(config, tmp_path, "--nproc-per-node", "3", subprocess=True)
     assert code == 2 and "Traceback" not in out
     for what in ("attention heads (num_attention_heads = 4)", "key/value heads (num_key_value_heads = 2)",
                  "vocabulary size (vocab_size = 482)"):
         assert f"distributed.tp_size: 3 does not divide the model's {what}" in out
-    code, out = _validate(config, tmp_path, "--nproc-per-node", "4")
+    code, out = validate_cli(config, tmp_path, "--nproc-per-node", "4")
     assert code == 2 and "the world size 4 is not divisible by 3" in out
-    code, out = _validate(config, tmp_path, "--nproc-per-node", "2", "--distributed.tp_size", "2",
+    code, out = validate_cli(config, tmp_path, "--nproc-per-node", "2", "--distributed.tp_size", "2",
                           "--distributed.strategy", "ddp")
     assert code == 2 and "distributed.strategy: ddp: tensor parallelism (tp_size 2) composes with FSDP2" in out
-    code, out = _validate(config, tmp_path, "--nproc-per-node", "2", "--distributed.tp_size", "1",
+    code, out = validate_cli(config, tmp_path, "--nproc-per-node", "2", "--distributed.tp_size", "1",
                           "--distributed.sequence_parallel", "true")
     assert code == 2 and "so it needs tensor parallelism (distributed.tp_size > 1)" in out
-    code, out = _validate(config, tmp_path, "--nproc-per-node", "2", "--distributed.tp_size", "2",
+    code, out = validate_cli(config, tmp_path, "--nproc-per-node", "2", "--distributed.tp_size", "2",
                           "--distributed.sequence_parallel", "true", "--eval_generation.enabled", "true")
     assert code == 2 and "eval_generation.enabled: generation feeds one token at a time" in out
-    code, out = _validate(config, tmp_path, "--nproc-per-node", "2", "--distributed.tp_size", "2",
+    code, out = validate_cli(config, tmp_path, "--nproc-per-node", "2", "--distributed.tp_size", "2",
                           "--distributed.sequence_parallel", "true", "--packed_sequence.packed_sequence_size", "63",
                           "--peft.dim", "4", "--peft.target_modules", "[q_proj]")
     assert code == 2
     assert "packed_sequence.packed_sequence_size: 63 does not divide by tp_size 2" in out
     assert "distributed.sequence_parallel: true with LoRA (peft) and tp_size 2" in out
-    code, out = _validate(config, tmp_path, "--nproc-per-node", "2", "--distributed.tp_size", "2", "--peft.dim", "4",
+    code, out = validate_cli(config, tmp_path, "--nproc-per-node", "2", "--distributed.tp_size", "2", "--peft.dim", "4",
                           "--peft.dropout", "0.1", "--peft.use_dora", "true")
     assert code == 2 and "Traceback" not in out
     assert "peft.dropout: 0.1 with tp_size 2: each tensor-parallel rank would draw its own dropout mask" in out
     assert "peft.use_dora: true with tp_size 2" in out
-    code, out = _validate(config, tmp_path, "--nproc-per-node", "2", "--distributed.tp_size", "2", "--peft.dim", "4")
+    code, out = validate_cli(config, tmp_path, "--nproc-per-node", "2", "--distributed.tp_size", "2", "--peft.dim", "4")
     assert code == 0, out
-    code, out = _validate(config, tmp_path, "--nproc-per-node", "2", "--distributed.tp_size", "2")
+    code, out = validate_cli(config, tmp_path, "--nproc-per-node", "2", "--distributed.tp_size", "2")
     assert code == 0, out
     result = run_cli("validate", "kd", "llm", "-c", config, "--nproc-per-node", "2", "--distributed.tp_size", "2",
                      "--teacher_model._target_", "automodel_llm.AutoModelForCausalLM.from_config",
