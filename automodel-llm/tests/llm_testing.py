@@ -70,6 +70,15 @@ def write_config(path: Path, model_config: Path, checkpoint_dir: Path, **section
 DISTRIBUTED_OVERRIDES = ["--step_scheduler.max_steps", "4", "--dataloader.batch_size", "2", "--dataloader.shuffle",
                          "false", "--step_scheduler.checkpoint_interval", "2"]
 
+# The model-parallel tests (tensor, pipeline, expert): six steps of batch 2 in a fixed order, a checkpoint at step 3.
+SIX_STEPS = ["--step_scheduler.max_steps", "6", "--dataloader.batch_size", "2", "--dataloader.shuffle", "false",
+             "--step_scheduler.checkpoint_interval", "3"]
+
+
+def fsdp2_ranks_with(dimension: str, size: int = 2) -> list[str]:
+    """Launcher flags for ``size`` ranks under FSDP2 with ``distributed.<dimension>`` equal to ``size``."""
+    return ["--nproc-per-node", str(size), "--distributed.strategy", "fsdp2", f"--distributed.{dimension}", str(size)]
+
 
 def val_losses(checkpoint_dir: Path) -> list[tuple[int, float]]:
     """(step, validation loss) of each validation record a run wrote, in order."""

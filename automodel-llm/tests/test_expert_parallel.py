@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 from llm_testing import (
     LLAMA_CONFIG,
+    SIX_STEPS,
     VALIDATION,
+    fsdp2_ranks_with,
     losses,
     val_losses,
     validate_cli,
@@ -25,9 +27,7 @@ from llm_testing import (
 
 from automodel.testing import free_port, read_jsonl, run_cli
 
-STEPS = ["--step_scheduler.max_steps", "6", "--dataloader.batch_size", "2", "--dataloader.shuffle", "false",
-         "--step_scheduler.checkpoint_interval", "3"]
-EP2 = ["--nproc-per-node", "2", "--distributed.strategy", "fsdp2", "--distributed.ep_size", "2"]
+EP2 = fsdp2_ranks_with("ep_size")
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +46,8 @@ def moe_config(tmp_path_factory) -> Path:
 
 def _run(config: Path, cwd: Path, directory: Path, *args) -> str:
     port = ["--master-port", str(free_port())] if "--nproc-per-node" in args else []
-    result = run_cli("finetune", "llm", "-c", config, *STEPS, *args, *port, "--checkpoint.checkpoint_dir", directory,
-                     cwd=cwd, OMP_NUM_THREADS="1")
+    result = run_cli("finetune", "llm", "-c", config, *SIX_STEPS, *args, *port,
+                     "--checkpoint.checkpoint_dir", directory, cwd=cwd, OMP_NUM_THREADS="1")
     assert result.returncode == 0, result.stderr[-4000:]
     return result.stderr
 

@@ -20,9 +20,11 @@ from pathlib import Path
 
 import pytest
 from llm_testing import (
+    SIX_STEPS,
     VALIDATION,
     assert_like_reference,
     assert_same_weights,
+    fsdp2_ranks_with,
     grad_norms,
     losses,
     run_finetune,
@@ -34,9 +36,8 @@ from llm_testing import (
 
 from automodel.testing import read_jsonl, run_cli
 
-STEPS = ["--step_scheduler.max_steps", "6", "--dataloader.batch_size", "2", "--dataloader.shuffle", "false",
-         "--step_scheduler.checkpoint_interval", "3", "--step_scheduler.grad_accumulation_steps", "2"]
-PP2 = ["--nproc-per-node", "2", "--distributed.strategy", "fsdp2", "--distributed.pp_size", "2"]
+STEPS = [*SIX_STEPS, "--step_scheduler.grad_accumulation_steps", "2"]
+PP2 = fsdp2_ranks_with("pp_size")
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,10 @@ from pathlib import Path
 
 import pytest
 from llm_testing import (
+    SIX_STEPS,
     VALIDATION,
     assert_same_weights,
+    fsdp2_ranks_with,
     grad_norms,
     losses,
     run_finetune,
@@ -28,9 +30,7 @@ from llm_testing import (
 
 from automodel.testing import read_jsonl, run_cli
 
-STEPS = ["--step_scheduler.max_steps", "6", "--dataloader.batch_size", "2", "--dataloader.shuffle", "false",
-         "--step_scheduler.checkpoint_interval", "3"]
-TP2 = ["--nproc-per-node", "2", "--distributed.strategy", "fsdp2", "--distributed.tp_size", "2"]
+TP2 = fsdp2_ranks_with("tp_size")
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,7 @@ def tp_llama_config(tmp_path_factory) -> Path:
 
 
 def _run(config: Path, cwd: Path, directory: Path, *args) -> str:
-    return run_finetune(config, cwd, directory, *STEPS, *args)
+    return run_finetune(config, cwd, directory, *SIX_STEPS, *args)
 
 
 @pytest.fixture(scope="module")
