@@ -228,6 +228,7 @@ def scenario_four(args: dict[str, Any], out: Path) -> dict[str, Any]:
     result["dp2_tp2_to_dp4"] = resume_fsdp(out / "dp2_tp2_ckpt", dp_mesh, dp_layout)
     pp_layout, pp_mesh = _mesh(pp_size=2)
     result["pp2_dp2"] = train_pp(pp_mesh, pp_layout, "1f1b", 1, fsdp=True)
+    result["pp2_dp2_deferred"] = train_pp(pp_mesh, pp_layout, "gpipe", 2, fsdp=True, defer=True)
     pp_tp_layout, pp_tp_mesh = _mesh(pp_size=2, tp_size=2)
     result["pp2_tp2"] = train_pp(pp_tp_mesh, pp_tp_layout, "interleaved1f1b", 1, tp=True)
     return result
@@ -247,8 +248,10 @@ def pp_stages(mesh, layout, settings: PipelineSettings, seed: int = 7, fsdp: boo
 
 
 def train_pp(mesh, layout, schedule: str, micro_batches: int, checkpoint: Path | None = None,
-             fsdp: bool = False, tp: bool = False) -> dict[str, Any]:
-    """Six steps through the pipeline; with ``checkpoint``: saved, exported, resumed by fresh stages."""
+             fsdp: bool = False, tp: bool = False, defer: bool = False) -> dict[str, Any]:
+    """Six steps through the pipeline; with ``checkpoint``: saved, exported, resumed by fresh stages; ``defer``:
+    FSDP2 reduces the gradients after each step's last micro-batch only, the parameters kept gathered until then
+    (what was seen after the other micro-batches in ``result["deferred"]``)."""
     settings = PipelineSettings(pp_schedule=schedule)
     rows = ROWS // layout.dp // micro_batches
     stages = pp_stages(mesh, layout, settings, fsdp=fsdp, tp=tp)
@@ -256,7 +259,10 @@ def train_pp(mesh, layout, schedule: str, micro_batches: int, checkpoint: Path |
     optimizers = [torch.optim.AdamW(stage.parameters(), lr=LR) for stage in stages]
     params = [p for stage in stages for p in stage.parameters()]
     place = _place(mesh, layout, pp=True)
-    result = train(pipe.step, params, optimizers, place, STEPS, micro_batches=micro_batches)
+    seen: list[dict[str, bool]] = []
+    run = _deferring(pipe, params, micro_batches, seen) if defer else pipe.step
+    result = train(run, params, optimizers, place, STEPS, micro_batches=micro_batches)
+    result["deferred"] = seen
     result["layers"] = [list(stage.layer_range) for stage in stages]
     if checkpoint is None:
         return result
@@ -271,6 +277,26 @@ def train_pp(mesh, layout, schedule: str, micro_batches: int, checkpoint: Path |
                     STEPS, micro_batches)
     result["resumed"] = resumed["losses"]
     return result
+
+
+def _deferring(pipe: Pipeline, params: list, micro_batches: int, seen: list[dict[str, bool]]):
+    """``pipe.step`` reducing FSDP2's gradients at a step's last micro-batch only, keeping the parameters gathered
+    before it; after each other micro-batch, whether the (sharded) parameters got gradients (they must not yet) and
+    whether the stage's parameters are the gathered ones (FSDP2 swaps them in while unsharded)."""
+    from torch.distributed.tensor import DTensor
+
+    calls = iter(range(10**6))
+
+    def run(ids: torch.Tensor, labels: torch.Tensor, scale: float) -> torch.Tensor:
+        last = next(calls) % micro_batches == micro_batches - 1
+        loss = pipe.step(ids, labels, scale, reduce_grads=last, keep_gathered=not last)
+        if not last:
+            held = [p for stage in pipe.stages for p in stage.parameters()]
+            seen.append({"reduced": any(p.grad is not None for p in params),
+                         "gathered": not any(isinstance(p, DTensor) for p in held)})
+        return loss
+
+    return run
 
 
 def context_parallel_split(mesh) -> dict[str, Any]:

@@ -44,6 +44,15 @@ def test_pp2_x_dp2_and_pp2_x_tp2_equal_one_process(runs, name):
     assert_like_one_process([rank[name] for rank in runs["four"]], runs["untied"])
 
 
+def test_the_gradients_of_a_steps_micro_batches_are_reduced_once_with_the_parameters_kept_gathered(runs):
+    """pp=2 x dp=2, two pipeline runs per step: FSDP2 reduce-scatters after the second only (the sharded parameters
+    have no gradient after the first) and keeps the parameters gathered in between; the step equals one process."""
+    ranks = [rank["pp2_dp2_deferred"] for rank in runs["four"]]
+    assert_like_one_process(ranks, runs["untied"])
+    seen = [entry for rank in ranks for entry in rank["deferred"]]
+    assert len(seen) == 4 * 6 and all(not entry["reduced"] and entry["gathered"] for entry in seen)
+
+
 def test_stages_keep_the_whole_models_names():
     model = meta_model(mp_config(tied=False))
     full = set(model.state_dict())

@@ -98,6 +98,30 @@ def test_ep2_trains_like_one_process(one_process, ep2_run):
     _assert_same_weights(out / "epoch_0_step_6" / "model", reference / "epoch_0_step_6" / "model")
 
 
+def test_ep2_in_each_stage_of_pp2_on_four_ranks_trains_like_one_process(one_process, tmp_path):
+    """pp 2 x dp 2 with ep 2: each stage's two data-parallel ranks split the experts of its MoE layer; two batches
+    of one row per step with upstream's enable_fsdp_optimizations (gradients reduced after the second only, the
+    parameters kept gathered in between), the one process's rows per step; its sharded checkpoint resumes there."""
+    config, reference = one_process
+    out = tmp_path / "pp_ep"
+    log = _run(config, tmp_path, out, "--nproc-per-node", "4", "--distributed.strategy", "fsdp2",
+               "--distributed.ep_size", "2", "--distributed.pp_size", "2",
+               "--distributed.pipeline.pp_schedule", "gpipe",
+               "--dataloader.batch_size", "1", "--step_scheduler.grad_accumulation_steps", "2",
+               "--model.backend.enable_fsdp_optimizations", "true")
+    assert "pipeline stage 0 of 2 on this rank (embedding + layers 0-0)" in log
+    assert "of this pipeline stage): 1 experts modules, each rank holds 2 of 4 experts" in log
+    assert losses(out) == pytest.approx(losses(reference), rel=1e-4)
+    assert _norms(out) == pytest.approx(_norms(reference), rel=1e-4)
+    assert [v for _, v in val_losses(out)] == pytest.approx([v for _, v in val_losses(reference)], rel=1e-4)
+    _assert_same_weights(out / "epoch_0_step_6" / "model", reference / "epoch_0_step_6" / "model")
+    one = tmp_path / "one"
+    log = _run(config, tmp_path, one, "--restore_from.path", out / "epoch_0_step_3",
+               "--step_scheduler.grad_accumulation_steps", "2")
+    assert "written by 4 ranks, resuming on 1" in log
+    assert losses(one) == pytest.approx(losses(reference)[3:], rel=1e-4)
+
+
 def test_an_ep2_checkpoint_resumes_in_one_process(one_process, ep2_run, tmp_path):
     config, reference = one_process
     checkpoint = ep2_run[0] / "epoch_0_step_3"
@@ -135,7 +159,7 @@ def test_layouts_the_model_cannot_take_are_refused_byvalidate_cli(moe_config, tm
     assert code == 2 and "ddp: expert parallelism (ep_size 2) composes with FSDP2 only" in out
     code, out = validate_cli(config, tmp_path, "--nproc-per-node", "4", "--distributed.ep_size", "2",
                           "--distributed.tp_size", "2")
-    assert code == 2 and "not combined with tensor / context / pipeline parallelism here (tp_size 2)" in out
+    assert code == 2 and "not combined with tensor / context parallelism here (tp_size 2)" in out
     tied = write_config(tmp_path / "tied.yaml", _tied(moe_config, tmp_path), tmp_path / "ckpt")
     code, out = validate_cli(tied, tmp_path, "--nproc-per-node", "2", "--distributed.strategy", "fsdp2",
                           "--distributed.ep_size", "2", "--distributed.moe.lm_head_precision", "float32")

@@ -35,7 +35,8 @@ class DistributedConfig:
     ep_size: int | None = field(default=None, metadata=_help(
         "expert-parallel size: each group of ep_size data-parallel ranks splits the experts of every MoE layer of a "
         "Hugging Face MoE model (fused gate_up_proj / down_proj experts); it must divide the data-parallel ranks "
-        "and the number of experts (strategy fsdp2, no tp / cp / pp; LoRA on the experts too; null or 1: off)"))
+        "(of each pipeline stage with pp_size) and the number of experts (strategy fsdp2, no tp / cp; LoRA on the "
+        "experts too; null or 1: off)"))
     sequence_parallel: bool = field(default=False, metadata=_help(
         "with tp_size > 1: norms and dropout inside the decoder layers run on each rank's part of the sequence "
         "(the sequence length must divide by tp_size)"))

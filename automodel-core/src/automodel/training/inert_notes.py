@@ -32,10 +32,6 @@ def inert_distributed_notes(cfg: Config, fsdp2: bool) -> list[str]:
         if getattr(settings, name) is not None and size == 1:
             notes.append(f"note: distributed.{name} governs nothing this run: {what} is off, and upstream ignores "
                          "these settings then too")
-    if settings.pp_size > 1 and settings.defer_fsdp_grad_sync:
-        notes.append("note: distributed.defer_fsdp_grad_sync: true governs nothing this run: with pipeline "
-                     f"parallelism (pp_size {settings.pp_size}) torch's pipeline stage reduce-scatters FSDP2's "
-                     "gradients at the end of every micro-batch of a step (what false asks for)")
     moe = settings.moe if isinstance(settings.moe, dict) and (settings.ep_size or 1) > 1 else {}
     if "ignore_router_for_ac" in moe and not settings.activation_checkpointing:
         notes.append("note: distributed.moe.ignore_router_for_ac governs nothing this run: it chooses how "

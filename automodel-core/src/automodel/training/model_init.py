@@ -22,7 +22,12 @@ from automodel.training.checkpoint import RESUME_ELSEWHERE, CheckpointError, mis
 from automodel.training.context import BuildContext
 from automodel.training.distributed_section import moe_saves_routing
 from automodel.training.parallel.activation_checkpointing import apply_activation_checkpointing
-from automodel.training.parallel.expert_parallel import apply_expert_parallel, build_expert_mesh, experts_issues
+from automodel.training.parallel.expert_parallel import (
+    apply_expert_parallel,
+    build_expert_mesh,
+    experts_issues,
+    experts_modules,
+)
 from automodel.training.parallel.materialize import (
     WeightSource,
     compare_keys,
@@ -103,15 +108,19 @@ def expert_parallelize(ctx: BuildContext, model: torch.nn.Module) -> str:
     ranks (before activation checkpointing and FSDP2, which then leaves them alone); the model's experts are checked
     first, as validation does where it could not build the model."""
     ep_size = ctx.cfg.distributed.ep_size
-    found = experts_issues(model, ep_size)
+    stage_without_experts = ctx.mesh.pp > 1 and not experts_modules(model)  # say, a stage of dense first layers
+    found = [] if stage_without_experts else experts_issues(model, ep_size)
     if found:
         raise ConfigError(found)
-    mesh = build_expert_mesh(ctx.world_size, ep_size, ctx.device.type)
+    mesh = build_expert_mesh(ctx.world_size, ep_size, ctx.device.type, ctx.mesh.pp)  # collective: every stage
+    if stage_without_experts:
+        return f"expert parallel over ep {ep_size}: no experts module in this pipeline stage"
     names = apply_expert_parallel(model, mesh, ctx.mesh.dp)
     experts = model.get_submodule(names[0]).gate_up_proj.shape[0]
-    groups = ctx.world_size // ep_size
-    return (f"expert parallel over ep {ep_size} ({groups} group{'s' if groups > 1 else ''} of consecutive ranks): "
-            f"{len(names)} experts modules, each rank holds {experts // ep_size} of {experts} experts")
+    groups = ctx.mesh.dp // ep_size
+    stage = " of this pipeline stage" if ctx.mesh.pp > 1 else ""
+    return (f"expert parallel over ep {ep_size} ({groups} group{'s' if groups > 1 else ''} of consecutive ranks"
+            f"{stage}): {len(names)} experts modules, each rank holds {experts // ep_size} of {experts} experts")
 
 
 def _restore_source(ctx: BuildContext, model: torch.nn.Module) -> WeightSource | None:

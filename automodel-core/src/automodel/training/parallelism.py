@@ -192,11 +192,6 @@ def pipeline_parallel_issues(cfg: Config, implementation: str | None) -> list[Co
     if precision.compute_dtype(storage_dtype_name(cfg) or torch.float32, True) == torch.float16:
         issues.append(ConfigIssue("distributed.mp_policy.param_dtype", f"fp16 needs loss scaling, which is not wired "
                                   f"into the pipeline schedule (pp_size {pp}); use bf16 or fp32"))
-    if backend_setting(cfg.model, "enable_fsdp_optimizations"):
-        issues.append(ConfigIssue("model.backend.enable_fsdp_optimizations", "true keeps FSDP2's parameters gathered "
-                                  "and its gradients unsynced until a step's last micro-batch, but torch's pipeline "
-                                  f"stage (pp_size {pp}) gathers, syncs and reshards them at the end of every "
-                                  "micro-batch; set it false with pipeline parallelism"))
     pipeline = pipeline_settings(cfg)
     hf_config = model_hf_config(cfg)
     if hf_config is not None:
@@ -223,9 +218,9 @@ def pipeline_lines(cfg: Config) -> list[str]:
 
 
 def expert_parallel_issues(cfg: Config, implementation: str | None, world: int) -> list[ConfigIssue]:
-    """``ep_size > 1``: FSDP2 over the data-parallel ranks only (no tp / cp / pp), ``ep_size`` dividing the
-    data-parallel ranks and the model's experts, a MoE model whose experts module is handled here (checked again on the
-    built model where its config cannot be read here)."""
+    """``ep_size > 1``: FSDP2 over the data-parallel ranks only (no tp / cp; with pp over each stage's), ``ep_size``
+    dividing the data-parallel ranks and the model's experts, a MoE model whose experts module is handled here
+    (checked again on the built model where its config cannot be read here)."""
     settings = cfg.distributed
     ep = settings.ep_size
     key = "distributed.ep_size"
@@ -234,17 +229,18 @@ def expert_parallel_issues(cfg: Config, implementation: str | None, world: int) 
         issues.append(ConfigIssue("distributed.strategy", f"{implementation or settings.strategy}: expert "
                                   f"parallelism (ep_size {ep}) composes with FSDP2 only; set distributed.strategy: "
                                   "fsdp2"))
-    others = {name: getattr(settings, name) for name in ("tp_size", "cp_size", "pp_size")
-              if getattr(settings, name) > 1}
+    others = {name: getattr(settings, name) for name in ("tp_size", "cp_size") if getattr(settings, name) > 1}
+    dp = world // settings.pp_size
     if others:
         sizes = ", ".join(f"{name} {size}" for name, size in others.items())
         issues.append(ConfigIssue(key, f"{ep}: expert parallelism runs over the data-parallel ranks and is not "
-                                  f"combined with tensor / context / pipeline parallelism here ({sizes}); set those "
-                                  "to 1 or ep_size: 1"))
-    elif ep > world or world % ep:
-        issues.append(ConfigIssue(key, f"{ep} does not divide the data-parallel ranks (dp_size = {world}, "
+                                  f"combined with tensor / context parallelism here ({sizes}); set those to 1 or "
+                                  "ep_size: 1"))
+    elif ep > dp or dp % ep:
+        stages = f" = world size / pp_size {settings.pp_size}" if settings.pp_size > 1 else ""
+        issues.append(ConfigIssue(key, f"{ep} does not divide the data-parallel ranks (dp_size = {dp}{stages}, "
                                   f"{world_size_source()}): each group of ep_size ranks splits the experts; use an "
-                                  f"ep_size that divides {world}"))
+                                  f"ep_size that divides {dp}"))
     hf_config = model_hf_config(cfg)
     if hf_config is not None:
         issues += _model_expert_issues(hf_config, ep)

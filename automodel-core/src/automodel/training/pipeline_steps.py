@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 import torch
 
 from automodel.errors import AutomodelError
+from automodel.model_backend import backend_setting
 from automodel.training.context import BuildContext
 from automodel.training.modules import unwrap
 from automodel.training.parallel.mesh import PP
@@ -48,17 +49,23 @@ class PipelineSteps:
                               self.pipeline_loss)
 
     def _pipelined(self, batches: list[Any], scale: float) -> torch.Tensor:
-        """Pipeline parallelism: each micro-batch of the step through the schedule, forward and backward together
-        (torch's stage syncs FSDP2's gradients itself); the step's loss summed over its label tokens."""
+        """Pipeline parallelism: each micro-batch of the step through the schedule, forward and backward together;
+        FSDP2's gradients are reduced after the step's last one (``distributed.defer_fsdp_grad_sync``, default
+        true; false: after each), the parameters kept gathered in between with ``model.backend.
+        enable_fsdp_optimizations: true``; the step's loss summed over its label tokens."""
         if self.grad_scaler is not None:
             raise AutomodelError("fp16 loss scaling is not wired into the pipeline schedule; train in bf16 or fp32 "
                                  "(distributed.mp_policy.param_dtype) with distributed.pp_size > 1")
         total = torch.zeros((), device=self.device)
         with self.batch_errors(batches[0], "dataloader"):
             parts = self._agreed_shape([self.move_to_device(batch) for batch in batches])
-        for inputs, targets, kwargs in parts:
+        defer = self.cfg.distributed.defer_fsdp_grad_sync
+        keep = bool(backend_setting(self.cfg.model, "enable_fsdp_optimizations"))
+        for index, (inputs, targets, kwargs) in enumerate(parts):
+            last = index == len(parts) - 1
             with self.forward_context():
-                total += self.pipelines.step(inputs, targets, scale, **kwargs)
+                total += self.pipelines.step(inputs, targets, scale, reduce_grads=last or not defer,
+                                             keep_gathered=keep and not last, **kwargs)
         return total
 
     def _validation_loss(self, batch: Any) -> torch.Tensor:

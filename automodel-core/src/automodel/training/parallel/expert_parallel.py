@@ -1,7 +1,8 @@
 """Expert parallelism (``distributed.ep_size``) of a Hugging Face mixture-of-experts model over the data-parallel
 ranks, as upstream lays it out: the ``ep_size`` consecutive data-parallel ranks of an *ep group* split the experts of
 every MoE layer (rank ``i`` keeps experts ``i * E / ep ..``), the groups replicate each other, and FSDP2 shards every
-other parameter over the data-parallel ranks as usual.
+other parameter over the data-parallel ranks as usual. Under pipeline parallelism each stage's data-parallel ranks
+do this for the MoE layers of that stage.
 
 Which experts modules: transformers' fused experts (``@use_experts_implementation``: ``gate_up_proj`` ``[E, 2I, H]``,
 ``down_proj`` ``[E, H, I]``, no bias, concatenated gate/up, not transposed), the layout of Qwen3-MoE, Mixtral, OLMoE,
@@ -120,11 +121,16 @@ def expert_count_issues(experts: int, ep_size: int, key: str = "distributed.ep_s
     return []
 
 
-def build_expert_mesh(world_size: int, ep_size: int, device_type: str) -> DeviceMesh:
-    """The 2-D mesh ``(ep_replicate, ep)``: consecutive ranks form an ep group (every rank calls it)."""
+def build_expert_mesh(world_size: int, ep_size: int, device_type: str, pp_size: int = 1) -> DeviceMesh:
+    """The 2-D mesh ``(ep_replicate, ep)`` of this rank's pipeline stage: the data-parallel ranks of one stage are
+    consecutive (``pp`` is the device mesh's slowest dimension) and consecutive ranks among them form an ep group, so
+    an ep group and its replicas never span two stages (every rank calls it)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device_type, (world_size // ep_size, ep_size), mesh_dim_names=EP_MESH_DIMS)
+    per_stage = world_size // pp_size
+    mesh = init_device_mesh(device_type, (pp_size, per_stage // ep_size, ep_size),
+                            mesh_dim_names=("ep_pp", *EP_MESH_DIMS))
+    return mesh[EP_MESH_DIMS]
 
 
 @dataclass(frozen=True)
@@ -263,7 +269,11 @@ def _forward(module: nn.Module, shard: ExpertShard, wrappers: dict[str, nn.Modul
         part = module._apply_gate(nn.functional.linear(hidden[token], gate_up[local]))
         part = nn.functional.linear(part, down[local]) * weights[token, slot, None]
         out = out.index_add(0, token, part.to(out.dtype))
-    if not used:  # no token chose these experts: their gradient is zero (as in one process), not missing
-        out = out + 0.0 * (gate_up.sum() + down.sum())
+    if not used:
+        # no token chose these experts: their gradient is zero (as in one process), not missing, and the backward
+        # still runs the reduce-scatters of the gathered tokens and weights that the group's other ranks run (a
+        # rank skipping them would leave the others waiting: torch's pipeline stages, for one, first run a
+        # backward on uninitialised activations, whose routing is arbitrary)
+        out = out + 0.0 * (gate_up.sum() + down.sum() + hidden.sum() + weights.sum())
     mine = reduce_scatter_single_autograd(out, "sum", 0, shard.group)
     return mine[:tokens]

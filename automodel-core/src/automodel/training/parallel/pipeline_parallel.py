@@ -214,24 +214,30 @@ class Pipeline:
     def __init__(self, stages: list[PipelineStageModel], pp_mesh: DeviceMesh, device: torch.device,
                  settings: PipelineSettings, batch: int,
                  loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
-        from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining.schedules import get_schedule_class
+
+        from automodel.training.parallel.pipeline_grad_sync import AccumulatingStage
 
         self.stages, self.batch, self.loss_sum = stages, batch, loss_sum
         self.group = pp_mesh.get_group()
         self.last_rank = dist.get_global_rank(self.group, pp_mesh.size() - 1)
         self.microbatches = batch // settings.pp_microbatch_size
         self._scale = 1.0
-        runs = [PipelineStage(stage, stage.index, stage.num_stages, device, group=self.group) for stage in stages]
+        self.runs = [AccumulatingStage(stage, stage.index, stage.num_stages, device, group=self.group)
+                     for stage in stages]
         schedule_class = get_schedule_class(SCHEDULES[settings.schedule])
-        self.schedule = schedule_class(runs if settings.interleaved else runs[0], self.microbatches,
+        self.schedule = schedule_class(self.runs if settings.interleaved else self.runs[0], self.microbatches,
                                        loss_fn=self._loss, scale_grads=False)
 
-    def step(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float, **kwargs: Any) -> torch.Tensor:
+    def step(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float, reduce_grads: bool = True,
+             keep_gathered: bool = False, **kwargs: Any) -> torch.Tensor:
         """Forward and backward of one batch (every rank of the pipeline calls it with the same batch); returns
-        its loss summed over the label tokens, on every rank. Gradients accumulate over calls."""
+        its loss summed over the label tokens, on every rank. Gradients accumulate over calls; FSDP2 reduces them
+        at the end of this batch only with ``reduce_grads`` (see ``pipeline_grad_sync``)."""
         self._check(inputs)
         self._scale = scale
+        for run in self.runs:
+            run.reduce_grads, run.keep_gathered = reduce_grads, keep_gathered
         losses: list[torch.Tensor] = []
         self.schedule.step(inputs, target=labels, losses=losses, return_outputs=False, **kwargs)
         return self._gathered_sum(losses, scale, inputs.device)
@@ -278,9 +284,11 @@ class StagePipelines:
         self.group = pp_mesh.get_group()
         self._pipelines: dict[tuple[bool, tuple[int, ...]], Pipeline] = {}
 
-    def step(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float, **kwargs: Any) -> torch.Tensor:
+    def step(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float, reduce_grads: bool = True,
+             keep_gathered: bool = False, **kwargs: Any) -> torch.Tensor:
         """:meth:`Pipeline.step` with the pipeline for this batch's shape."""
-        return self._pipeline(True, inputs, self.settings).step(inputs, labels, scale, **kwargs)
+        return self._pipeline(True, inputs, self.settings).step(inputs, labels, scale, reduce_grads, keep_gathered,
+                                                                **kwargs)
 
     def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         """:meth:`Pipeline.evaluate` with the (GPipe / LoopedBFS) pipeline for this batch's shape."""
