@@ -1,13 +1,14 @@
 """``model.config`` as a ``_target_`` node naming one of transformers' configuration classes (upstream's form for a
 proxy model built from scratch): the rule of the registry admits its constructor, and a tiny Qwen3-MoE built that
 way trains through the CLI (in bf16 autocast with ``model.backend.gate_precision: float32``, which a model without
-routers would refuse); ``trust_remote_code: true`` in the file stays refused (a config cannot ask for it)."""
+routers would refuse), and validation reads the model's layout from it; ``trust_remote_code: true`` in the file
+stays refused (a config cannot ask for it)."""
 
 from __future__ import annotations
 
 import json
 
-from llm_testing import LLAMA_CONFIG, write_config
+from llm_testing import LLAMA_CONFIG, validate_cli, write_config
 
 from automodel.testing import read_jsonl, run_cli
 
@@ -24,6 +25,9 @@ def test_a_model_config_built_from_a_transformers_configuration_class_trains(tmp
     refused = run_cli("validate", "-c", path, cwd=tmp_path)
     assert refused.returncode == 2 and "model.trust_remote_code: true runs the Python code" in refused.stderr
     assert "model.config" not in refused.stderr  # the configuration class itself is admitted
+    code, out = validate_cli(path, tmp_path, "--model.trust_remote_code", "false", "--nproc-per-node", "3",
+                             "--distributed.strategy", "fsdp2", "--distributed.ep_size", "3")
+    assert code == 2 and "distributed.ep_size: 3 does not divide the number of experts (4" in out  # read from it
     result = run_cli("finetune", "llm", "-c", path, "--model.trust_remote_code", "false",
                      "--step_scheduler.max_steps", "3", cwd=tmp_path, OMP_NUM_THREADS="1")
     assert result.returncode == 0, result.stderr[-4000:]
