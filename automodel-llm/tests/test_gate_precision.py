@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from llm_testing import LLAMA_CONFIG, write_config, write_tiny_moe_config
+from llm_testing import LLAMA_CONFIG, validate_cli, write_config, write_tiny_moe_config
 
 from automodel.testing import free_port, run_cli
 
@@ -51,12 +51,17 @@ def test_the_routers_compute_their_logits_in_gate_precision(moe_config, precisio
     assert router.grad.abs().max().item() > 0.0
 
 
-def test_a_model_without_routers_is_refused():
+def test_a_model_without_routers_is_refused(moe_config, tmp_path):
     from automodel.errors import AutomodelError
     from automodel_llm import AutoModelForCausalLM
 
     with pytest.raises(AutomodelError, match="gate_precision: .*LlamaForCausalLM has no router"):
         AutoModelForCausalLM.from_config(str(LLAMA_CONFIG), backend={"gate_precision": "float32"})
+    for model_config, refused in ((LLAMA_CONFIG, True), (moe_config, False)):  # by validation, from the config
+        config = write_config(tmp_path / "cfg.yaml", model_config, tmp_path / "ckpt",
+                              model={"backend": {"gate_precision": "float32"}})
+        code, out = validate_cli(config, tmp_path)
+        assert (code, "model.backend.gate_precision: sets the dtype" in out) == ((2, True) if refused else (0, False))
 
 
 def test_under_fsdp2_each_router_is_a_float32_unit_in_a_bf16_policy(moe_config):

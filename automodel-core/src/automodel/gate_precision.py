@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from automodel.errors import AutomodelError
+from automodel.errors import AutomodelError, ConfigIssue
 
 
 def is_router(module: torch.nn.Module) -> bool:
@@ -60,13 +60,31 @@ def _parameters_in(module: torch.nn.Module, dtype: torch.dtype) -> Iterator[None
         module._parameters.update(stored)
 
 
+def _no_router(model: torch.nn.Module) -> str:
+    return (f"sets the dtype of a mixture-of-experts model's router, and {type(model).__name__} has no router (a "
+            "module with a [num_experts, hidden] weight and top_k): remove the setting")
+
+
+def router_issues(hf_config: Any) -> list[ConfigIssue]:
+    """Validation's check of ``model.backend.gate_precision`` against the causal LM ``hf_config`` describes, built
+    on the meta device (no memory); none where transformers cannot build it here (the built model is checked)."""
+    try:
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(hf_config)
+    except Exception:  # not a causal LM transformers builds from its config alone
+        return []
+    if any(is_router(m) for m in model.modules()):
+        return []
+    return [ConfigIssue("model.backend.gate_precision", _no_router(model))]
+
+
 def use_gate_precision(model: torch.nn.Module, dtype: torch.dtype) -> int:
     """Every router of ``model`` computes in ``dtype``; how many. An ``AutomodelError`` when it has none."""
     routers = [m for m in model.modules() if is_router(m)]
     if not routers:
-        raise AutomodelError(f"model.backend.gate_precision: sets the dtype of a mixture-of-experts model's router, "
-                             f"and {type(model).__name__} has no router (a module with a [num_experts, hidden] weight "
-                             "and top_k): remove the setting")
+        raise AutomodelError(f"model.backend.gate_precision: {_no_router(model)}")
     for module in routers:
         cls = type(module)
         if not isinstance(module, _RouterInPrecision):
