@@ -29,7 +29,7 @@ def render_section() -> str:
     by_source: dict[str, dict[str, list[str]]] = {}
     for row in registered(manager):
         for source in row["sources"]:
-            by_source.setdefault(source, {"prefix": [], "exact": []})[row["kind"]].append(row["name"])
+            by_source.setdefault(source, {"prefix": [], "exact": [], "rule": []})[row["kind"]].append(row["name"])
     lines = [BEGIN, ""]
     for source, kinds in sorted(by_source.items(), key=lambda item: (item[0] != "automodel-core", item[0])):
         lines.append(f"**{source}**")
@@ -38,6 +38,9 @@ def render_section() -> str:
             lines.append("- its own package or parts of it, by prefix: " + ", ".join(f"`{n}`" for n in kinds["prefix"]))
         if kinds["exact"]:
             lines.append("- exact: " + ", ".join(f"`{n}`" for n in kinds["exact"]))
+        if kinds["rule"]:
+            lines.append("- by rule (the constructors of transformers' own configuration classes): "
+                         + ", ".join(f"`{n}`" for n in kinds["rule"]))
         lines.append("")
     lines += ["Target aliases (a short or upstream name and the dotted path it stands for):", "",
               "| alias | stands for | registered by |", "|---|---|---|"]

@@ -273,6 +273,8 @@ def test_targets_lists_the_registry_without_importing_torch(cli):
     assert rows[("automodel.optim", "prefix")] == ["automodel-core"]
     assert ("automodel", "prefix") not in rows  # never the whole core package (its CLI, its test helpers)
     assert rows[("torch.optim.AdamW", "exact")] == ["automodel-core"]
+    rule = "transformers.models.<model>.configuration_<model>.<Name>Config"  # its configuration classes only
+    assert rows[(rule, "rule")] == ["automodel-core"]
     assert rows[("automodel_llm", "prefix")] == ["automodel-llm"]
     assert sorted(rows[("peft.LoraConfig", "exact")]) == ["automodel-llm", "automodel-vlm"]
     assert not any(kind == "prefix" and name.split(".")[0] in ("torch", "transformers", "datasets", "diffusers", "peft")
@@ -283,6 +285,7 @@ def test_targets_lists_the_registry_without_importing_torch(cli):
                                                                      "automodel-llm")
     text = cli("targets", "--allow-target", "amt_flag")
     assert "amt_flag" in text.stdout and "--allow-target" in text.stdout and "aliases:" in text.stdout
+    assert "rule: transformers' own configuration classes" in text.stdout
     probe = cli.python("import sys\nfrom automodel.cli.main import main\nmain(['targets'])\n"
                        "print('TORCH', 'torch' in sys.modules, 'transformers' in sys.modules)")
     assert "TORCH False False" in probe.stdout, probe.stderr

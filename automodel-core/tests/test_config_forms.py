@@ -337,7 +337,8 @@ def test_backend_settings_that_act_select_the_attention():
     ("fake_gate_noise", 0.3, "routes exactly balanced"),
     ("enable_hf_state_dict_adapter", "no", "must be true or false"),
     ("te_fp8", {"recipe": "delayed"}, "Transformer Engine"),
-    ("gate_precision", "float32", "router precision"),
+    ("gate_precision", "float8", "not a floating dtype for the router's logits"),
+    ("gate_precision", "int32", "not a floating dtype for the router's logits"),
     ("compile_attn", "yes", "must be true"),
     ("cuda_graph", {"enabled": True}, "CUDA graphs"),
     ("fake_balanced_gate", "yes", "must be true"),
@@ -361,6 +362,13 @@ def test_hf_state_dict_adapter_false_is_accepted_with_a_note_on_the_layout_it_ke
                                                         distributed=None), fsdp2=False)
         assert any("enable_hf_state_dict_adapter: false keeps a model's own weight layout" in n
                    for n in notes) is noted
+
+
+@pytest.mark.parametrize("value", ["float32", "torch.float32", "FP32", "bf16", "torch.bfloat16", "float16", "double"])
+def test_gate_precision_takes_upstreams_dtype_names(value):
+    from automodel.model_backend import backend_issues
+
+    assert backend_issues({"gate_precision": value}) == {}
 
 
 def test_every_backend_setting_has_a_reason_for_the_values_it_refuses():

@@ -133,7 +133,7 @@ def test_lm_head_precision_float32_runs_the_head_in_fp32(fp32_head, dtype):
         model = LM()
         model.lm_head.register_forward_pre_hook(lambda module, args: seen.append(module.weight.dtype))
         apply_fsdp2(model, init_device_mesh("cpu", (1,)), Precision(torch.bfloat16, torch.float32),
-                    fp32_head=model.lm_head if fp32_head else None)
+                    own_dtype={model.lm_head: torch.float32} if fp32_head else None)
         logits = model(torch.randn(3, 8))
         assert logits.dtype == dtype and seen == [dtype]  # the head's weight as it computes, and its output
         logits.float().sum().backward()

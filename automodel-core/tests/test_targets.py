@@ -206,3 +206,41 @@ def test_alias_registry_records_unsupported_names_and_refuses_a_conflicting_reas
     aliases.source = "dist-b"
     with pytest.raises(PluginError, match="dist-a"):
         aliases.unsupported("up.Name", "something else")
+
+
+# ---- the rule: transformers' own configuration classes, their constructors only ------------------------------
+
+QWEN3_MOE_CONFIG = "transformers.models.qwen3_moe.configuration_qwen3_moe.Qwen3MoeConfig"
+
+
+@pytest.mark.parametrize("name", [QWEN3_MOE_CONFIG, "transformers.Qwen3MoeConfig"])
+def test_a_transformers_configuration_class_builds_by_the_rule(name):
+    from transformers import Qwen3MoeConfig
+
+    node = {"_target_": name, "num_experts": 4, "hidden_size": 32, "rope_theta": 1000.0}
+    config = instantiate(node, TargetResolver(), "model.config")
+    assert type(config) is Qwen3MoeConfig and config.num_experts == 4 and config.hidden_size == 32
+    assert config.rope_parameters["rope_theta"] == 1000.0  # a legacy key transformers converts (not in the signature)
+
+
+@pytest.mark.parametrize("name, fragment", [
+    (f"{QWEN3_MOE_CONFIG}.from_pretrained", "is not a registered target"),
+    ("transformers.Qwen3MoeConfig.from_pretrained", "is not a registered target"),
+    ("transformers.Qwen3MoeConfig.from_dict", "is not a registered target"),
+    ("transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeForCausalLM", "is not a registered target"),
+    ("transformers.models.auto.configuration_auto.AutoConfig", "is not one of transformers' configuration classes"),
+    ("transformers.GenerationConfig", "is not one of transformers' configuration classes"),
+    ("transformers.PretrainedConfig", "is not one of transformers' configuration classes"),
+    ("transformers.BitsAndBytesConfig", "is not one of transformers' configuration classes"),
+])
+def test_the_rule_admits_nothing_but_the_configuration_classes(name, fragment):
+    with pytest.raises(TargetError, match=fragment):
+        TargetResolver().resolve(name)
+
+
+def test_a_plugin_may_register_the_rule_and_nothing_like_it():
+    from automodel.config.registry import HF_CONFIG_RULE, RULE, classify
+
+    registrations, problems = classify([HF_CONFIG_RULE, "transformers.models.<model>.anything"], set(), "p")
+    assert [(r.name, r.kind) for r in registrations] == [(HF_CONFIG_RULE, RULE)]
+    assert len(problems) == 1 and "is not a dotted path" in problems[0]

@@ -39,6 +39,19 @@ def write_tiny_llama_config(directory: Path) -> Path:
     return path
 
 
+def write_tiny_moe_config(directory: Path) -> Path:
+    """A 2-layer Qwen3-MoE: 4 experts of width 16, 2 per token, the shipped tokenizer's vocabulary."""
+    llama = json.loads(LLAMA_CONFIG.read_text())
+    data = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": llama["vocab_size"],
+            "bos_token_id": llama.get("bos_token_id"), "eos_token_id": llama.get("eos_token_id"),
+            "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16, "num_experts": 4,
+            "num_experts_per_tok": 2, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 8, "tie_word_embeddings": False, "max_position_embeddings": 256}
+    path = Path(directory) / "config.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
 def base_config(model_config: Path, checkpoint_dir: Path) -> dict[str, Any]:
     return {
         "step_scheduler": {"max_steps": 10, "grad_accumulation_steps": 1, "log_interval": 1, "num_epochs": 100},

@@ -23,6 +23,7 @@ from llm_testing import (
     validate_cli,
     write_config,
     write_tiny_llama_config,
+    write_tiny_moe_config,
 )
 
 from automodel.testing import free_port, read_jsonl, run_cli
@@ -32,16 +33,7 @@ EP2 = fsdp2_ranks_with("ep_size")
 
 @pytest.fixture(scope="module")
 def moe_config(tmp_path_factory) -> Path:
-    """A 2-layer Qwen3-MoE: 4 experts of width 16, 2 per token, the shipped tokenizer's vocabulary."""
-    llama = json.loads(LLAMA_CONFIG.read_text())
-    data = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": llama["vocab_size"],
-            "bos_token_id": llama.get("bos_token_id"), "eos_token_id": llama.get("eos_token_id"),
-            "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16, "num_experts": 4,
-            "num_experts_per_tok": 2, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "head_dim": 8, "tie_word_embeddings": False, "max_position_embeddings": 256}
-    path = tmp_path_factory.mktemp("tiny_moe") / "config.json"
-    path.write_text(json.dumps(data))
-    return path
+    return write_tiny_moe_config(tmp_path_factory.mktemp("tiny_moe"))
 
 
 def _run(config: Path, cwd: Path, directory: Path, *args) -> str:

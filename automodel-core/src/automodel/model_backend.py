@@ -3,9 +3,9 @@
 Upstream reads it in its own model implementations (Transformer Engine layers, DeepEP dispatchers, grouped-GEMM
 experts, fused RoPE ...). automodel trains Hugging Face models, so each setting either names what a Hugging Face
 model runs (it acts: ``attn`` selects ``attn_implementation``, ``rms_norm: torch`` the RMSNorm arithmetic;
-``fake_balanced_gate: true`` replaces the router's choice in the model's experts modules; ``linear: torch`` and the
-others are what the model is) or is refused at validation with the reason. Nothing is imported here: validation
-checks a config without torch.
+``fake_balanced_gate: true`` replaces the router's choice in the model's experts modules, ``gate_precision`` the
+dtype its routers compute in; ``linear: torch`` and the others are what the model is) or is refused at validation
+with the reason. Nothing is imported here: validation checks a config without torch.
 """
 
 from __future__ import annotations
@@ -16,6 +16,10 @@ from typing import Any
 
 # setting -> the values that act here (None: not set)
 ATTENTION = {"sdpa": "sdpa", "eager": "eager", "flex": "flex_attention"}  # upstream name -> attn_implementation
+# gate_precision's names (upstream's, with or without "torch.", any case; and fp32 / fp16 as elsewhere here) -> dtype
+GATE_DTYPES = {"float32": "float32", "float": "float32", "fp32": "float32", "bfloat16": "bfloat16",
+               "bf16": "bfloat16", "float16": "float16", "half": "float16", "fp16": "float16", "float64": "float64",
+               "double": "float64"}
 ACTS: dict[str, tuple[Any, ...]] = {
     "attn": tuple(ATTENTION),
     "linear": ("torch",),  # torch.nn.Linear: what a Hugging Face model is built from
@@ -35,7 +39,7 @@ ACTS: dict[str, tuple[Any, ...]] = {
     "enable_hf_state_dict_adapter": (True, False),
     "enable_fsdp_optimizations": (False, True),  # true: FSDP2 keeps parameters gathered between micro-batches
     "te_fp8": (None,),
-    "gate_precision": (None,),
+    "gate_precision": (None, *GATE_DTYPES),  # the routers of a Hugging Face MoE model compute in it
     "compile_attn": (False, True),  # true: each attention module compiled (the compile slot)
     "cuda_graph": (None,),
 }
@@ -73,8 +77,8 @@ REASONS = {
     "enable_fsdp_optimizations": "must be true (FSDP2 keeps the gathered parameters and the gradient sync until a "
                                  "step's last micro-batch) or false",
     "te_fp8": _needs_cuda("Transformer Engine", "automodel's FP8 is the fp8: section (torchao)"),
-    "gate_precision": "sets the router precision of upstream's own MoE models; a Hugging Face MoE router runs in "
-                      "the model's dtype: remove it",
+    "gate_precision": f"is not a floating dtype for the router's logits; use one of {', '.join(GATE_DTYPES)} "
+                      "(torch.float32 and the like too), or remove it",
     "compile_attn": "must be true (each transformer block's attention module compiled, fullgraph) or false",
     "cuda_graph": "captures CUDA graphs, which need CUDA (not on this machine): remove it",
 }
@@ -91,12 +95,19 @@ def backend_issues(settings: Mapping[str, Any]) -> dict[str, str]:
     for name, value in settings.items():
         if name not in ACTS:
             issues[name] = f"not a BackendConfig setting (it has: {', '.join(ACTS)})"
+        elif name == "gate_precision" and _gate_dtype_name(value) in ACTS[name]:
+            continue
         elif value is not None and value not in ACTS[name]:
             issues[name] = f"{_written(value)} {REASONS[name]}"
         elif name == "attn" and value == "flex" and not _has_cuda():
             issues[name] = ("'flex' needs CUDA to train: torch's FlexAttention has no backward pass on a CPU (not on "
                             "this machine); use sdpa or eager")
     return issues
+
+
+def _gate_dtype_name(value: Any) -> str | None:
+    """``torch.float32`` / ``FP32`` / a torch dtype -> ``float32`` and the like (None when not a name or dtype)."""
+    return str(value).strip().lower().removeprefix("torch.") if value is not None else None
 
 
 def _has_cuda() -> bool:
@@ -109,7 +120,8 @@ def _has_cuda() -> bool:
 class BackendConfig:
     """``model.backend``: upstream's kernel selection, each setting what a Hugging Face model runs (None: not set).
     ``attn`` changes what is built (the model's ``attn_implementation``), ``fake_balanced_gate`` how its experts
-    are routed (:func:`apply_to_model`), ``enable_fsdp_optimizations`` what FSDP2 does between micro-batches (the
+    are routed (:func:`apply_to_model`), ``gate_precision`` the dtype its routers compute in,
+    ``enable_fsdp_optimizations`` what FSDP2 does between micro-batches (the
     training loop reads it with :func:`backend_setting`), ``compile_attn`` whether the compile slot compiles each
     attention module; the other accepted values are what a Hugging Face model
     is, and every other value is refused at validation (:data:`REASONS`)."""
@@ -202,11 +214,18 @@ def apply_to_model(model: Any, backend: BackendConfig | None) -> Any:
     (:mod:`automodel.rms_norm`); ``fake_balanced_gate: true`` (upstream's benchmarking gate)
     replaces the router's top-k choice in every experts module with fused expert parameters (transformers' MoE
     layout): token ``t``'s ``k`` slots go to experts ``t*k .. t*k+k-1`` modulo the number of experts, each with weight
-    ``1/k``, so every expert gets the same load. The router still runs, its weights get zero gradients."""
+    ``1/k``, so every expert gets the same load. The router still runs, its weights get zero gradients.
+    ``gate_precision`` makes every router compute its logits in that dtype (:mod:`automodel.gate_precision`)."""
     if backend is not None and backend.rms_norm == "torch":
         from automodel.rms_norm import use_input_dtype_rms_norm
 
         use_input_dtype_rms_norm(model)
+    if backend is not None and backend.gate_precision is not None:
+        import torch
+
+        from automodel.gate_precision import use_gate_precision
+
+        use_gate_precision(model, getattr(torch, GATE_DTYPES[_gate_dtype_name(backend.gate_precision)]))
     if backend is None or not backend.fake_balanced_gate:
         return model
     experts = [m for m in model.modules() if getattr(m, "_parameters", {}).get("gate_up_proj") is not None

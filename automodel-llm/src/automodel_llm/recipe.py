@@ -12,6 +12,7 @@ import torch
 
 from automodel.config import ArgumentsFor, Config, ConfigNode, FieldErrors, Free, Metadata, Refused, Target
 from automodel.errors import AutomodelError, ConfigIssue
+from automodel.gate_precision import router_issues
 from automodel.hf import (
     ADAPTER_CONFIG,
     EvalGenerationConfig,
@@ -21,11 +22,13 @@ from automodel.hf import (
     model_source,
     record_adapter_base,
 )
+from automodel.model_backend import backend_setting
 from automodel.training.checkpoint_write import sharded_only_message
 from automodel.training.context import BuildContext
 from automodel.training.dist import expected_world_size
 from automodel.training.modules import unwrap
 from automodel.training.next_token import NextTokenLogits
+from automodel.training.parallelism import model_hf_config
 from automodel.training.recipe import TrainRecipe
 from automodel_llm.datasets.collate import pad_collate
 from automodel_llm.datasets.packing import PackedDataset, packed_collate
@@ -177,6 +180,8 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
                                       "sequence parallelism cannot split over the tensor-parallel ranks; set "
                                       "eval_generation.enabled: false or distributed.sequence_parallel: false"))
         issues += nvtx_issues(cfg.resolved.get("nvtx"))
+        if backend_setting(cfg.model, "gate_precision") is not None:
+            issues += router_issues(model_hf_config(cfg))
         repair = cfg.get("embedding_row_repair")
         sharded = settings is not None and (settings.tp_size > 1 or settings.pp_size > 1 or (
             settings.strategy == "fsdp2" and expected_world_size() > 1))

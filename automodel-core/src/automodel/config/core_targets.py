@@ -9,6 +9,8 @@ and the test helpers in it write files and start processes.
 
 from __future__ import annotations
 
+from automodel.config.registry import HF_CONFIG_RULE
+
 _OPTIMIZERS = ("ASGD", "Adadelta", "Adafactor", "Adagrad", "Adam", "AdamW", "Adamax", "LBFGS", "Muon", "NAdam",
                "RAdam", "RMSprop", "Rprop", "SGD", "SparseAdam")
 _SCHEDULERS = ("LambdaLR", "MultiplicativeLR", "StepLR", "MultiStepLR", "ConstantLR", "LinearLR", "ExponentialLR",
@@ -33,4 +35,5 @@ CORE_TARGETS: tuple[str, ...] = (
     "torch.utils.data.DataLoader",  # dataloader (upstream configs name it)
     "torch.utils.data.default_collate",  # dataloader.collate_fn
     "transformers.AutoTokenizer",  # tokenizer (from_pretrained is the default)
+    HF_CONFIG_RULE,  # model.config: transformers' configuration classes, their constructors only (upstream's form)
 )

@@ -7,6 +7,11 @@ Each installed distribution registers, by dotted string (nothing is imported), t
 * a **prefix**: everything under one of the distribution's *own* top-level packages (``automodel_llm``). A prefix
   naming another library's package is refused at registration, because every large library holds callables
   that run commands, import files or unpickle.
+* the **rule** :data:`HF_CONFIG_RULE`: the constructor of any of transformers' own configuration classes (a
+  ``PretrainedConfig`` subclass defined in ``transformers.models.<model>.configuration_<model>``, by that path or
+  its ``transformers.<Name>Config`` re-export), never its ``from_pretrained`` or anything else: they are data
+  classes of a model's hyperparameters, and upstream's configs build ``model.config`` with them. The resolver
+  checks what the name imports to (:meth:`automodel.config.targets.TargetResolver.resolve`).
 
 What the person running trusts (:mod:`automodel.config.trust`) is added as prefixes.
 """
@@ -19,7 +24,11 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import PurePosixPath
 
-EXACT, PREFIX = "exact", "prefix"
+EXACT, PREFIX, RULE = "exact", "prefix", "rule"
+HF_CONFIG_RULE = "transformers.models.<model>.configuration_<model>.<Name>Config"
+# what HF_CONFIG_RULE admits by name: the class in its configuration module, or its re-export at the top level
+HF_CONFIG_PATH = re.compile(r"transformers\.(models\.[a-z0-9_]+\.configuration_[a-z0-9_]+\.)?[A-Z][A-Za-z0-9]*Config")
+HF_CONFIG_MODULE = re.compile(r"transformers\.models\.[a-z0-9_]+\.configuration_[a-z0-9_]+")
 
 # Never resolvable, whoever registers or trusts them: they execute code, reach the operating system or unpickle.
 # Registration by exact callable is the boundary; this list is defense in depth for names trusted by prefix.
@@ -53,13 +62,14 @@ DOTTED = re.compile(r"^[A-Za-z][A-Za-z0-9_]*(\.[A-Za-z][A-Za-z0-9_]*)*$")
 @dataclass(frozen=True)
 class Registration:
     name: str
-    kind: str  # EXACT or PREFIX
+    kind: str  # EXACT, PREFIX or RULE
     source: str  # the distribution that registered it, or where the person running trusted it
 
 
 @dataclass(frozen=True)
 class Grant:
-    """Why a dotted path may be resolved: the registration that admits it, and how (exact, constructor, prefix)."""
+    """Why a dotted path may be resolved: the registration that admits it, and how (exact, constructor, prefix,
+    rule)."""
 
     registration: Registration
     how: str
@@ -102,6 +112,8 @@ class TargetRegistry:
         owner, _, last = path.rpartition(".")
         if last.startswith("from_") and (owner, EXACT) in self._entries:
             return Grant(self._entries[(owner, EXACT)][0], CONSTRUCTOR)
+        if (HF_CONFIG_RULE, RULE) in self._entries and HF_CONFIG_PATH.fullmatch(path):
+            return Grant(self._entries[(HF_CONFIG_RULE, RULE)][0], RULE)
         matching = [p for p in self.prefixes() if under(path, [p])]
         if matching:
             return Grant(self._entries[(max(matching, key=len), PREFIX)][0], PREFIX)
@@ -130,12 +142,15 @@ def distribution_packages(distribution: str) -> set[str]:
 def classify(names: Iterable[str], owned: set[str], source: str) -> tuple[list[Registration], list[str]]:
     """A plugin's ``automodel_allowed_targets()`` answer as registrations, and the problems with it.
 
-    A name inside one of the plugin's own packages (``owned``) is a prefix; any other dotted name is an exact
-    callable; a bare package name the plugin does not own is refused (a prefix may only be its own package).
+    A name inside one of the plugin's own packages (``owned``) is a prefix; :data:`HF_CONFIG_RULE` the rule; any
+    other dotted name is an exact callable; a bare package name the plugin does not own is refused (a prefix may
+    only be its own package).
     """
     registrations, problems = [], []
     for name in names:
-        if not isinstance(name, str) or not DOTTED.match(name) or any(p.startswith("_") for p in name.split(".")):
+        if name == HF_CONFIG_RULE:
+            registrations.append(Registration(name, RULE, source))
+        elif not isinstance(name, str) or not DOTTED.match(name) or any(p.startswith("_") for p in name.split(".")):
             problems.append(f"{name!r} is not a dotted path to a public callable or package")
         elif under(name, DENIED):
             problems.append(f"'{name}' is refused always: it can execute code, reach the operating system or unpickle")

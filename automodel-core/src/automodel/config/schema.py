@@ -21,7 +21,7 @@ from automodel.config.specs import (
     apply_key_aliases,
     find_spec,
 )
-from automodel.config.targets import TargetError, TargetResolver
+from automodel.config.targets import TargetError, TargetResolver, is_hf_config_class
 from automodel.errors import ConfigIssue
 from automodel.suggest import did_you_mean
 
@@ -244,13 +244,14 @@ def check_callable_node(node: dict, key: str, resolver: TargetResolver, issues: 
 
 def _check_arguments(fn: Any, name: str, kwargs: dict, key: str, runtime_args: tuple[str, ...],
                      issues: list[ConfigIssue]) -> None:
-    """The config's keyword arguments against ``fn``'s signature: no unknown ones, every required one given (or
-    supplied at build time: ``runtime_args``), choices among a ``Literal``'s values."""
+    """The config's keyword arguments against ``fn``'s signature: no unknown ones (a transformers configuration
+    class takes any, like a ``model.config`` mapping), every required one given (or supplied at build time:
+    ``runtime_args``), choices among a ``Literal``'s values."""
     sig = _signature(fn)
     if sig is None:
         return
     params = sig.parameters
-    accepts_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    accepts_any = is_hf_config_class(fn) or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     named = [n for n, p in params.items()
              if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
     if not accepts_any:

@@ -25,7 +25,10 @@ from automodel.config.registry import (
     CONSTRUCTOR,
     DENIED,
     DOTTED,
+    HF_CONFIG_MODULE,
+    HF_CONFIG_RULE,
     PREFIX,
+    RULE,
     Grant,
     Registration,
     TargetRegistry,
@@ -196,6 +199,10 @@ class TargetResolver:
         if grant.how == CONSTRUCTOR and not (inspect.ismethod(obj) and isinstance(obj.__self__, type)):
             raise TargetError(f"'{path}' is not a classmethod constructor of the registered class "
                               f"'{grant.registration.name}'")
+        if grant.how == RULE and not is_hf_config_class(obj):
+            raise TargetError(f"'{path}' is not one of transformers' configuration classes (a PretrainedConfig "
+                              "subclass defined in transformers.models.<model>.configuration_<model>), the only "
+                              f"classes the rule '{HF_CONFIG_RULE}' admits")
         self._check_defining_module(obj, path, grant)
         return obj
 
@@ -221,3 +228,13 @@ class TargetResolver:
         if grant.how == PREFIX and not (under(module, registered) or under(location, registered)):
             raise TargetError(f"'{path}' is refused: it is defined in module '{module}', which is not registered "
                               f"(a name under '{grant.registration.name}' re-exported from elsewhere)")
+
+
+def is_hf_config_class(obj: Any) -> bool:
+    """A class defined in a transformers configuration module that derives from transformers' ``PretrainedConfig``
+    (named ``PreTrainedConfig`` in transformers 5): a data class of hyperparameters, whatever name reached it. Its
+    constructor takes any key (stored on the configuration, as from a ``config.json``; transformers converts its
+    legacy names, ``rope_theta`` into ``rope_parameters``), though its signature lists only the declared fields."""
+    return (isinstance(obj, type) and HF_CONFIG_MODULE.fullmatch(obj.__module__) is not None
+            and any(base.__module__ == "transformers.configuration_utils"
+                    and base.__name__ in ("PretrainedConfig", "PreTrainedConfig") for base in obj.__mro__))

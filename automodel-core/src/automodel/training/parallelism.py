@@ -13,6 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from automodel.config.registry import HF_CONFIG_PATH
+from automodel.config.targets import TargetResolver
+from automodel.config.trust import UserTrust
 from automodel.errors import ConfigIssue
 from automodel.model_backend import backend_setting
 from automodel.model_files import HUB_ARGUMENTS
@@ -276,7 +279,8 @@ def _model_expert_issues(hf_config: Any, ep_size: int) -> list[ConfigIssue]:
 
 def model_hf_config(cfg: Config) -> Any:
     """The Hugging Face config of the model section where it can be read without building the model: ``model.
-    config`` (a config.json, a directory or a mapping with ``model_type``; the section's other keys override it),
+    config`` (a config.json, a directory, a mapping with ``model_type`` or a node naming a transformers
+    configuration class; the section's other keys override it),
     else a local ``pretrained_model_name_or_path`` / ``name_or_path`` or one in the Hugging Face cache. None when
     it cannot be read here (the built model is checked instead)."""
     model = cfg.model
@@ -287,9 +291,12 @@ def model_hf_config(cfg: Config) -> Any:
 
         data = model.to_dict()
         source = data.get("config")
+        overrides = {k: v for k, v in data.items() if k not in _NOT_CONFIG_KEYS and not isinstance(v, (dict, list))}
+        if isinstance(source, dict) and HF_CONFIG_PATH.fullmatch(str(source.get("_target_"))):
+            fields = {k: v for k, v in source.items() if k != "_target_"}  # a transformers configuration class
+            return TargetResolver(trust=UserTrust()).resolve(source["_target_"])(**{**fields, **overrides})
         if isinstance(source, dict) and "_target_" in source:  # upstream's AutoConfig.from_pretrained node
             source = source.get("pretrained_model_name_or_path")
-        overrides = {k: v for k, v in data.items() if k not in _NOT_CONFIG_KEYS and not isinstance(v, (dict, list))}
         if source is None:
             name = data.get("pretrained_model_name_or_path") or data.get("name_or_path")
             return AutoConfig.from_pretrained(str(name), local_files_only=True) if name else None

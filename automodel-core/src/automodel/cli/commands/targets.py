@@ -17,7 +17,7 @@ from automodel.plugins.manager import PluginManager, get_plugin_manager
 
 
 def registered(manager: PluginManager) -> list[dict[str, Any]]:
-    """One row per registered name: name, kind (exact / prefix) and the distributions that registered it."""
+    """One row per registered name: name, kind (exact / prefix / rule) and the distributions that registered it."""
     rows: dict[tuple[str, str], dict[str, Any]] = {}
     for reg in manager.targets.entries():
         rows.setdefault((reg.name, reg.kind), {"name": reg.name, "kind": reg.kind, "sources": []})["sources"] \
@@ -39,8 +39,8 @@ def aliases(manager: PluginManager) -> list[dict[str, str]]:
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 @trust_options
 def targets(as_json: bool) -> None:
-    """List what configs may name in `_target_`: exact callables and own packages (prefix), with who registered
-    them, the names you trust, and the aliases."""
+    """List what configs may name in `_target_`: exact callables, own packages (prefix) and transformers'
+    configuration classes (rule), with who registered them, the names you trust, and the aliases."""
     manager = get_plugin_manager()
     rows, mine, table = registered(manager), trusted(), aliases(manager)
     if as_json:
@@ -50,7 +50,10 @@ def targets(as_json: bool) -> None:
     click.echo(f"{'name':<{width}}  kind    registered by")
     for row in rows:
         click.echo(f"{row['name']:<{width}}  {row['kind']:<6}  {', '.join(row['sources'])}")
-    click.echo("exact: that callable (a class also admits its from_* constructors); prefix: everything under it")
+    click.echo("exact: that callable (a class also admits its from_* constructors); prefix: everything under it; "
+               "rule: transformers' own configuration classes (PretrainedConfig subclasses in "
+               "transformers.models.<model>.configuration_<model>, also as transformers.<Name>Config), their "
+               "constructors only")
     if mine:
         click.echo("trusted by you:")
         for reg in mine:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -17,7 +18,7 @@ if TYPE_CHECKING:
 
 def apply_fsdp2(model: nn.Module, dp_mesh: DeviceMesh, precision: Precision | None = None,
                 prefetch: tuple[int, int] | None = None, reshard_after_forward: bool | None = None,
-                ignored: set[nn.Parameter] | None = None, fp32_head: nn.Module | None = None,
+                ignored: set[nn.Parameter] | None = None, own_dtype: Mapping[nn.Module, torch.dtype] | None = None,
                 outer_root: bool = True) -> int:
     """Shard ``model`` in place (on the meta device or materialised) and return how many blocks became units.
 
@@ -31,30 +32,33 @@ def apply_fsdp2(model: nn.Module, dp_mesh: DeviceMesh, precision: Precision | No
     ``prefetch`` (forward depth, backward depth): each block then gathers that many following blocks ahead in
     forward (preceding ones in backward) instead of FSDP2's implicit one-block prefetch (upstream's
     ``enable_fsdp2_prefetch``). ``ignored``: parameters FSDP2 leaves as they are (experts split by expert
-    parallelism, which syncs their gradients itself). ``fp32_head``: the output head, made its own unit that
-    keeps its parameters, gradient reduction and output in float32 whatever ``precision`` says (upstream's
-    ``moe.lm_head_precision: float32``; its input is cast to float32); it must not share its weight with the
-    embeddings (checked by the caller). ``outer_root`` false (upstream's ``moe.wrap_outer_model: false``): the
-    causal LM's inner model (``base_model``) is the root unit and the output head a unit of its own, and the outer
-    wrapper is left unsharded (it holds no parameters of its own; see :func:`inner_root_issue`).
+    parallelism, which syncs their gradients itself). ``own_dtype``: modules each made their own unit (before the
+    blocks that hold them) that keeps its parameters, gradient reduction and output in its dtype whatever
+    ``precision`` says, its input cast to it: the output head in float32 (upstream's ``moe.lm_head_precision:
+    float32``; it must not share its weight with the embeddings, checked by the caller) and the routers of
+    ``model.backend.gate_precision`` (:mod:`automodel.gate_precision`). ``outer_root`` false (upstream's
+    ``moe.wrap_outer_model: false``): the causal LM's inner model (``base_model``) is the root unit and the output
+    head a unit of its own, and the outer wrapper is left unsharded (it holds no parameters of its own; see
+    :func:`inner_root_issue`).
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = precision.fsdp_policy() if precision is not None else MixedPrecisionPolicy()
     blocks = transformer_blocks(model)
-    for index, block in enumerate(blocks):
-        reshard = index < len(blocks) - 1 if reshard_after_forward is None else reshard_after_forward
-        fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard, ignored_params=ignored)
     reshard = True if reshard_after_forward is None else reshard_after_forward
-    if fp32_head is not None:
-        fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
-                                    output_dtype=torch.float32)
-        fully_shard(fp32_head, mesh=dp_mesh, mp_policy=fp32, reshard_after_forward=reshard)
+    own_dtype = own_dtype or {}
+    for module, dtype in own_dtype.items():
+        fully_shard(module, mesh=dp_mesh, mp_policy=MixedPrecisionPolicy(dtype, dtype, dtype),
+                    reshard_after_forward=reshard)
+    for index, block in enumerate(blocks):
+        block_reshard = index < len(blocks) - 1 if reshard_after_forward is None else reshard_after_forward
+        fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=block_reshard,
+                    ignored_params=ignored)
     if outer_root:
         fully_shard(model, mesh=dp_mesh, mp_policy=policy, ignored_params=ignored)
     else:
         head = model.get_output_embeddings()
-        if head is not fp32_head:
+        if head not in own_dtype:
             fully_shard(head, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
         fully_shard(model.base_model, mesh=dp_mesh, mp_policy=policy, ignored_params=ignored)
     if prefetch is not None:

@@ -10,11 +10,13 @@ parallelism (``cp_size > 1``) ``dp_shard`` is joined with ``cp`` (``parallel/con
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Iterable
 
 import torch
 
 from automodel.config import Config
 from automodel.errors import AutomodelError, ConfigIssue
+from automodel.gate_precision import routers_in_precision
 from automodel.training.context import BuildContext
 from automodel.training.dist import expected_world_size
 from automodel.training.distributed_section import moe_head_fp32, moe_inner_root
@@ -74,12 +76,14 @@ def wrap_fsdp2(ctx: BuildContext, model: torch.nn.Module) -> tuple[torch.nn.Modu
                 if settings.enable_fsdp2_prefetch else None)
     experts = expert_parameters(model)
     head = fp32_head(model) if moe_head_fp32(settings) else None
+    routers = routers_in_precision(model)
+    own_dtype = {**routers, **({head: torch.float32} if head is not None else {})}
     outer_root = not moe_inner_root(settings)
     if not outer_root and inner_root_issue(model):
         raise AutomodelError(f"distributed.moe.wrap_outer_model: false: {inner_root_issue(model)}, so the inner "
                              "model cannot be the FSDP2 root alone; set it true")
     blocks = apply_fsdp2(model, fsdp_mesh(ctx.device_mesh, layout), ctx.precision, prefetch,
-                         settings.reshard_after_forward, ignored=experts or None, fp32_head=head,
+                         settings.reshard_after_forward, ignored=experts or None, own_dtype=own_dtype,
                          outer_root=outer_root)
     how = (f"HSDP: {layout.dp_replicate} replicas x FSDP2 over {layout.dp_shard} ranks" if layout.dp_replicate > 1
            else f"FSDP2 over {layout.dp_shard} ranks")
@@ -89,12 +93,17 @@ def wrap_fsdp2(ctx: BuildContext, model: torch.nn.Module) -> tuple[torch.nn.Modu
         how += f" x tensor parallel over {layout.tp}"
     if experts:
         how += f", expert parameters ({len(experts)}) split by expert parallelism instead"
-    details = [f"{blocks} blocks sharded"] + ["the output head in fp32"] * (head is not None) + [
-        "the inner model as root, the outer unsharded"] * (not outer_root)
+    gates = f"{len(routers)} routers in {_dtype_names(routers.values())} (model.backend.gate_precision)"
+    details = [f"{blocks} blocks sharded"] + ["the output head in fp32"] * (head is not None) + [gates] * bool(
+        routers) + ["the inner model as root, the outer unsharded"] * (not outer_root)
     message = f"{how} ({', '.join(details)})"
     if meta:
         message += "; " + materialize_model(ctx, model)
     return model, message
+
+
+def _dtype_names(dtypes: Iterable[torch.dtype]) -> str:
+    return "/".join(sorted({str(d).removeprefix("torch.") for d in dtypes}))
 
 
 def fp32_head(model: torch.nn.Module) -> torch.nn.Module:
