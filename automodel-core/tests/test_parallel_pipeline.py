@@ -83,8 +83,30 @@ def test_stage_layer_split():
         stage_layer_ranges(3, 4)
     with pytest.raises(AutomodelError, match="ties its output head"):
         split_model(meta_model(mp_config(tied=True)), 0, 2)
-    with pytest.raises(AutomodelError, match="pipeline stages of a LoRA .peft. model are not supported"):
+    with pytest.raises(AutomodelError, match="the model factory returned a LoRA .peft. model"):
         split_model(meta_model(mp_config(tied=False), lora=True), 0, 2)
+
+
+def test_lora_on_a_stage_adapts_what_one_process_would_under_its_names():
+    """``all-linear`` resolved on the whole model: the last stage's head gets no adapter, each stage's adapters
+    carry the one model's peft names, and the plain PeftModel passes the stage's positional input through."""
+    import peft
+
+    from automodel.hf import all_linear_targets, apply_lora
+    from automodel.training.parallel.pipeline_stages import is_stage
+
+    whole = meta_model(mp_config(tied=False))
+    one = peft.get_peft_model(meta_model(mp_config(tied=False)), peft.LoraConfig(r=4, target_modules="all-linear",
+                                                                                 task_type="CAUSAL_LM"))
+    names = set()
+    for stage in split_model(whole, 1, 2) + split_model(whole, 0, 2):
+        config = all_linear_targets(peft.LoraConfig(r=4, target_modules="all-linear", task_type="CAUSAL_LM"), whole)
+        assert "lm_head" not in config.target_modules and "model.layers.0.mlp.up_proj" in config.target_modules
+        wrapped, line = apply_lora(stage, config, plain=True)
+        assert type(wrapped) is peft.PeftModel and is_stage(wrapped) and not is_stage(whole)
+        names |= {name for name, _ in wrapped.named_parameters() if "lora_" in name}
+        assert wrapped.index == stage.index and "parameters train" in line
+    assert names == {name for name, _ in one.named_parameters() if "lora_" in name}
 
 
 def test_upstream_settings():
