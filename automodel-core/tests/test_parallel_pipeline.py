@@ -109,6 +109,25 @@ def test_lora_on_a_stage_adapts_what_one_process_would_under_its_names():
     assert names == {name for name, _ in one.named_parameters() if "lora_" in name}
 
 
+def test_the_peft_stage_resolves_a_glob_on_the_whole_model_and_names_a_stage_without_targets():
+    from types import SimpleNamespace
+
+    from automodel.hf import PeftConfig
+    from automodel.training.stages.peft import add_lora
+
+    whole = meta_model(mp_config(tied=False))
+    ctx = SimpleNamespace(instantiate=lambda key: PeftConfig(target_modules=["*.layers.3.*_proj"], dim=4))
+    (last,) = split_model(whole, 1, 2)
+    wrapped, line = add_lora(ctx, last)
+    assert "(pipeline stage 1)" in line
+    adapted = {name.split(".lora_")[0] for name, _ in wrapped.named_parameters() if "lora_A" in name}
+    assert adapted and all(".layers.3." in name for name in adapted)
+    (first,) = split_model(whole, 0, 2)
+    with pytest.raises(AutomodelError, match="pipeline stage 0 holds layers 0-1: under pipeline parallelism every "
+                                             "stage needs a module LoRA adapts"):
+        add_lora(ctx, first)
+
+
 def test_upstream_settings():
     settings = PipelineSettings(pp_schedule="Interleaved_1F1B", layers_per_stage=2)
     assert settings.schedule == "interleaved1f1b" and settings.num_stages(8, 2) == 4

@@ -172,9 +172,9 @@ def rows_per_batch(cfg: Config) -> int:
 
 
 def pipeline_parallel_issues(cfg: Config, implementation: str | None) -> list[ConfigIssue]:
-    """``pp_size > 1``: FSDP2 as the data-parallel strategy, LoRA with one stage per rank only, upstream's other
-    pipeline keys at the values that run here, and a model whose layers and micro-batches the layout fits, one
-    stage per rank or several (interleaved schedules; checked on the model's Hugging Face config)."""
+    """``pp_size > 1``: FSDP2 as the data-parallel strategy, upstream's other pipeline keys at the values that run
+    here, and a model whose layers and micro-batches the layout fits, one stage per rank or several (interleaved
+    schedules; checked on the model's Hugging Face config)."""
     settings = cfg.distributed
     pp = settings.pp_size
     issues = section_issues(settings.pipeline)
@@ -182,11 +182,6 @@ def pipeline_parallel_issues(cfg: Config, implementation: str | None) -> list[Co
         issues.append(ConfigIssue("distributed.strategy", f"{implementation or settings.strategy}: pipeline "
                                   f"parallelism (pp_size {pp}) composes with FSDP2 on the data-parallel dimension "
                                   "only; set distributed.strategy: fsdp2"))
-    pipeline = pipeline_settings(cfg)
-    if cfg.get("peft") is not None and pipeline.interleaved:
-        issues.append(ConfigIssue("distributed.pipeline.pp_schedule", f"{pipeline.pp_schedule} with LoRA (peft): "
-                                  "the adapters of a rank's several stages are not merged into one adapter to save; "
-                                  "use gpipe or 1f1b with LoRA"))
     if cfg.compile is not None and cfg.compile.enabled:
         issues.append(ConfigIssue("compile.enabled", f"true: the pipeline schedule (pp_size {pp}) runs the stage "
                                   "module itself, not a torch.compile wrapper; set it false with pipeline parallelism"))
@@ -199,6 +194,7 @@ def pipeline_parallel_issues(cfg: Config, implementation: str | None) -> list[Co
                                   "and its gradients unsynced until a step's last micro-batch, but torch's pipeline "
                                   f"stage (pp_size {pp}) gathers, syncs and reshards them at the end of every "
                                   "micro-batch; set it false with pipeline parallelism"))
+    pipeline = pipeline_settings(cfg)
     hf_config = model_hf_config(cfg)
     if hf_config is not None:
         issues += pp_issues(hf_config, pp, pipeline, rows_per_batch(cfg))

@@ -155,6 +155,8 @@ class LocalStages(nn.Module):
         super().__init__()
         self.stages = tuple(stages)  # not submodules: state_dict holds the merged tree only
         self.config, self.generation_config = stages[0].config, stages[0].generation_config
+        if hasattr(stages[0], "peft_config"):  # LoRA on each stage: one adapter, under the one model's peft names
+            self.peft_config = stages[0].peft_config
         for name, child in _merged_children(list(stages)).items():
             self.add_module(name, child)
 
@@ -171,9 +173,10 @@ def stages_of(model: nn.Module) -> list[nn.Module]:
 
 
 def is_stage(model: nn.Module) -> bool:
-    """Whether ``model`` is one pipeline stage, or one wrapped by peft (LoRA's ``PeftModel`` around the stage)."""
+    """Whether ``model`` holds pipeline stages only, some layers of the model: one stage, one wrapped by peft (LoRA's
+    ``PeftModel`` around it) or a rank's :class:`LocalStages`."""
     inner = model.get_base_model() if hasattr(model, "peft_config") and hasattr(model, "get_base_model") else model
-    return isinstance(inner, PipelineStageModel)
+    return isinstance(inner, (PipelineStageModel, LocalStages))
 
 
 def _merged_children(modules: list[nn.Module]) -> dict[str, nn.Module | None]:

@@ -14,7 +14,7 @@ import importlib.util
 import torch
 
 from automodel.config import Config
-from automodel.errors import ConfigIssue
+from automodel.errors import AutomodelError, ConfigIssue
 from automodel.hf import all_linear_targets, apply_lora, lora_config, memory_efficient
 from automodel.training.context import BuildContext
 from automodel.training.parallel.pipeline_stages import PipelineStageModel
@@ -39,5 +39,11 @@ def add_lora(ctx: BuildContext, model: torch.nn.Module) -> tuple[torch.nn.Module
         return apply_lora(model, lora_config(built, model), memory_efficient=memory_efficient(built))
     config = all_linear_targets(lora_config(built, whole), whole)
     config.base_model_name_or_path = getattr(whole, "name_or_path", None) or None
-    return apply_lora(model, config, f" (pipeline stage {model.index})", memory_efficient=memory_efficient(built),
-                      plain=True)
+    try:
+        return apply_lora(model, config, f" (pipeline stage {model.index})",
+                          memory_efficient=memory_efficient(built), plain=True)
+    except AutomodelError as err:
+        layers = model.layer_range
+        raise AutomodelError(f"{err} (pipeline stage {model.index} holds layers {layers.start}-{layers.stop - 1}: "
+                             "under pipeline parallelism every stage needs a module LoRA adapts; widen "
+                             "peft.target_modules or set distributed.pp_size: 1)") from None
