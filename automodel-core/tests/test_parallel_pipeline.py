@@ -92,8 +92,49 @@ def test_stage_layer_split():
         stage_layer_ranges(3, 4)
     with pytest.raises(AutomodelError, match="ties its output head"):
         split_model(meta_model(mp_config(tied=True)), 0, 2)
-    with pytest.raises(AutomodelError, match="pipeline stages of a LoRA .peft. model are not supported"):
+    with pytest.raises(AutomodelError, match="the model factory returned a LoRA .peft. model"):
         split_model(meta_model(mp_config(tied=False), lora=True), 0, 2)
+
+
+def test_lora_on_a_stage_adapts_what_one_process_would_under_its_names():
+    """``all-linear`` resolved on the whole model: the last stage's head gets no adapter, each stage's adapters
+    carry the one model's peft names, and the plain PeftModel passes the stage's positional input through."""
+    import peft
+
+    from automodel.hf import all_linear_targets, apply_lora
+    from automodel.training.parallel.pipeline_stages import is_stage
+
+    whole = meta_model(mp_config(tied=False))
+    one = peft.get_peft_model(meta_model(mp_config(tied=False)), peft.LoraConfig(r=4, target_modules="all-linear",
+                                                                                 task_type="CAUSAL_LM"))
+    names = set()
+    for stage in split_model(whole, 1, 2) + split_model(whole, 0, 2):
+        config = all_linear_targets(peft.LoraConfig(r=4, target_modules="all-linear", task_type="CAUSAL_LM"), whole)
+        assert "lm_head" not in config.target_modules and "model.layers.0.mlp.up_proj" in config.target_modules
+        wrapped, line = apply_lora(stage, config, plain=True)
+        assert type(wrapped) is peft.PeftModel and is_stage(wrapped) and not is_stage(whole)
+        names |= {name for name, _ in wrapped.named_parameters() if "lora_" in name}
+        assert wrapped.index == stage.index and "parameters train" in line
+    assert names == {name for name, _ in one.named_parameters() if "lora_" in name}
+
+
+def test_the_peft_stage_resolves_a_glob_on_the_whole_model_and_names_a_stage_without_targets():
+    from types import SimpleNamespace
+
+    from automodel.hf import PeftConfig
+    from automodel.training.stages.peft import add_lora
+
+    whole = meta_model(mp_config(tied=False))
+    ctx = SimpleNamespace(instantiate=lambda key: PeftConfig(target_modules=["*.layers.3.*_proj"], dim=4))
+    (last,) = split_model(whole, 1, 2)
+    wrapped, line = add_lora(ctx, last)
+    assert "(pipeline stage 1)" in line
+    adapted = {name.split(".lora_")[0] for name, _ in wrapped.named_parameters() if "lora_A" in name}
+    assert adapted and all(".layers.3." in name for name in adapted)
+    (first,) = split_model(whole, 0, 2)
+    with pytest.raises(AutomodelError, match="pipeline stage 0 holds layers 0-1: under pipeline parallelism every "
+                                             "stage needs a module LoRA adapts"):
+        add_lora(ctx, first)
 
 
 def test_upstream_settings():

@@ -6,6 +6,7 @@ torch, transformers and peft are imported on first use, so importing this module
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from collections.abc import Mapping
@@ -242,14 +243,16 @@ def lora_config(built: Any, model: torch.nn.Module | None = None) -> Any:
                          "automodel_llm.peft.PeftConfig) or peft.LoraConfig")
 
 
-def apply_lora(model: torch.nn.Module, config: Any, where: str = "", memory_efficient: bool = False
-               ) -> tuple[torch.nn.Module, str]:
+def apply_lora(model: torch.nn.Module, config: Any, where: str = "", memory_efficient: bool = False,
+               plain: bool = False) -> tuple[torch.nn.Module, str]:
     """``model`` wrapped with LoRA adapters (only they train) and a line saying how many parameters train;
-    ``memory_efficient``: each adapter's rank-r activation is recomputed in backward (``lora_memory``)."""
+    ``memory_efficient``: each adapter's rank-r activation is recomputed in backward (``lora_memory``). ``plain``:
+    peft's task-agnostic ``PeftModel``, whose forward passes its arguments through as given (a pipeline stage's
+    ``forward(inputs, ...)``), whatever ``config.task_type`` says; the adapter's names and files are the same."""
     import peft
 
     try:
-        wrapped = peft.get_peft_model(model, config)
+        wrapped = peft.PeftModel(model, config) if plain else peft.get_peft_model(model, config)
     except ValueError as err:
         raise AutomodelError(f"peft.target_modules: {err}") from None
     trainable = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
@@ -260,6 +263,23 @@ def apply_lora(model: torch.nn.Module, config: Any, where: str = "", memory_effi
 
         line += f"; {recompute_lora_branches(wrapped)} adapters recompute their rank-r activation in backward"
     return wrapped, line
+
+
+def all_linear_targets(config: Any, model: torch.nn.Module) -> Any:
+    """``config`` with peft's ``all-linear`` spelt out for ``model``: every linear layer but the output head, by
+    name, as peft resolves it on a causal LM. A part of ``model`` (a pipeline stage) adapted with it gets the
+    adapters one process would, and its ``adapter_config.json`` names every part's."""
+    import torch
+    from transformers.pytorch_utils import Conv1D
+
+    targets = config.target_modules
+    if not (isinstance(targets, str) and targets.lower() == "all-linear"):
+        return config
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    spelt = copy.copy(config)
+    spelt.target_modules = {name for name, module in model.named_modules()
+                            if isinstance(module, (torch.nn.Linear, Conv1D)) and module is not head}
+    return spelt
 
 
 def memory_efficient(built: Any) -> bool:

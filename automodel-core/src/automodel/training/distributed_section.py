@@ -30,8 +30,9 @@ class DistributedConfig:
     cp_size: int = field(default=1, metadata=_help("context-parallel size: each sequence split over this many ranks, "
                                                    "torch's ring attention (CUDA only; fsdp2; LLM recipes; no tp/pp)"))
     pp_size: int = field(default=1, metadata=_help(
-        "pipeline-parallel size: the decoder layers split into pp_size stages, one per rank (strategy fsdp2, "
-        "which shards each stage over dp_size; the LLM recipes; schedules gpipe and 1f1b, see pipeline)"))
+        "pipeline-parallel size: the decoder layers split into stages, one or more per rank (strategy fsdp2, "
+        "which shards each stage over dp_size; the LLM recipes; see pipeline for the schedules; LoRA adapts each "
+        "stage)"))
     ep_size: int | None = field(default=None, metadata=_help(
         "expert-parallel size: each group of ep_size data-parallel ranks splits the experts of every MoE layer of a "
         "Hugging Face MoE model (fused gate_up_proj / down_proj experts); it must divide the data-parallel ranks "

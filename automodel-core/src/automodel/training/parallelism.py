@@ -175,9 +175,9 @@ def rows_per_batch(cfg: Config) -> int:
 
 
 def pipeline_parallel_issues(cfg: Config, implementation: str | None) -> list[ConfigIssue]:
-    """``pp_size > 1``: FSDP2 as the data-parallel strategy, no LoRA, upstream's other pipeline keys at the values
-    that run here, and a model whose layers and micro-batches the layout fits, one stage per rank or several
-    (interleaved schedules; checked on the model's Hugging Face config)."""
+    """``pp_size > 1``: FSDP2 as the data-parallel strategy, upstream's other pipeline keys at the values that run
+    here, and a model whose layers and micro-batches the layout fits, one stage per rank or several (interleaved
+    schedules; checked on the model's Hugging Face config)."""
     settings = cfg.distributed
     pp = settings.pp_size
     issues = section_issues(settings.pipeline)
@@ -185,9 +185,6 @@ def pipeline_parallel_issues(cfg: Config, implementation: str | None) -> list[Co
         issues.append(ConfigIssue("distributed.strategy", f"{implementation or settings.strategy}: pipeline "
                                   f"parallelism (pp_size {pp}) composes with FSDP2 on the data-parallel dimension "
                                   "only; set distributed.strategy: fsdp2"))
-    if cfg.get("peft") is not None:
-        issues.append(ConfigIssue("distributed.pp_size", f"{pp}: pipeline stages of a LoRA (peft) model are not "
-                                  "supported; train LoRA with pp_size: 1 (FSDP2 over dp_size)"))
     if cfg.compile is not None and cfg.compile.enabled:
         issues.append(ConfigIssue("compile.enabled", f"true: the pipeline schedule (pp_size {pp}) runs the stage "
                                   "module itself, not a torch.compile wrapper; set it false with pipeline parallelism"))

@@ -95,6 +95,8 @@ def apply_pipeline(ctx: BuildContext, model: Any, selection: Selection) -> Any:
     parts, message = model_init.pipeline_stages(ctx, model)
     ctx.log(f"pipeline: {message}")
     built = [_apply_slots(ctx, part, selection) for part in parts]
+    for part in parts:
+        part.release_whole_model()
     return built[0] if len(built) == 1 else LocalStages(built)
 
 

@@ -25,7 +25,7 @@ from torch import nn
 from automodel.errors import AutomodelError
 from automodel.training.modules import unwrap
 from automodel.training.parallel.blocks import clean_name, tied_to
-from automodel.training.parallel.pipeline_stages import PipelineStageModel
+from automodel.training.parallel.pipeline_stages import is_stage
 from automodel.training.parallel.shard_files import DTYPES, Slice, mismatch_report, nbytes, read_slices
 from automodel.training.parallel.writer import all_ok, barrier, distributed, group_rank, single_process_is_intended
 
@@ -147,7 +147,7 @@ def load_hf_weights(directory: Path, model: nn.Module) -> None:
     wrong = [f"{name}: checkpoint {saved[name]} vs model {tuple(t.shape)}" for name, t in targets.items()
              if name in saved and saved[name] != tuple(t.shape)]
     only_saved, missing = [n for n in saved if n not in targets], [n for n in targets if n not in saved]
-    if isinstance(unwrap(model), PipelineStageModel):
+    if is_stage(unwrap(model)):
         only_saved = []  # a pipeline stage holds only its own layers of the whole model
     if wrong or only_saved or missing:
         raise AutomodelError(mismatch_report(

@@ -48,8 +48,12 @@ class PipelineStageModel(nn.Module):
     ``forward(inputs, attention_mask=None, position_ids=None)``: token ids on the first stage, the previous stage's
     hidden states on the others; returns the hidden states, or the logits on the last stage."""
 
-    def __init__(self, model: nn.Module, index: int, num_stages: int, layers: range, parts: dict[str, str]):
+    def __init__(self, model: nn.Module, index: int, num_stages: int, layers: range, parts: dict[str, str],
+                 whole: nn.Module | None = None):
         super().__init__()
+        # the model the stage was cut from while the build pipeline runs (not a submodule): LoRA's targets are
+        # resolved against it, so every stage adapts what one process would and adapter_config.json names them all
+        object.__setattr__(self, "whole_model", whole if whole is not None else model)
         self.config = model.config
         self.generation_config = getattr(model, "generation_config", None)
         self.tp_plan = dict(getattr(model, "tp_plan", None) or {})  # transformers' plan, for tensor parallelism
@@ -66,6 +70,11 @@ class PipelineStageModel(nn.Module):
         hidden = base(**given, attention_mask=attention_mask, position_ids=position_ids,
                       use_cache=False).last_hidden_state
         return getattr(self, self._head)(hidden) if self.is_last else hidden
+
+    def release_whole_model(self) -> None:
+        """Drop the reference to the model the stage was cut from (built in full by a factory without meta-device
+        support, it would stay in memory)."""
+        object.__setattr__(self, "whole_model", None)
 
     def _init_weights(self, module: nn.Module) -> None:
         """The model's initialisation, for the head this stage holds outside the base model."""
@@ -104,8 +113,8 @@ def split_model(model: nn.Module, pp_rank: int, pp_size: int, stages_per_rank: i
     """The stages rank ``pp_rank`` of ``pp_size`` runs (``stages_per_rank`` > 1 for interleaved schedules), each a
     pruned copy of ``model`` (on the meta device, before materialisation)."""
     if hasattr(model, "peft_config"):
-        raise AutomodelError("pipeline stages of a LoRA (peft) model are not supported; set distributed.pp_size: 1 "
-                             "or train without peft")
+        raise AutomodelError("the model factory returned a LoRA (peft) model, which pipeline stages cannot cut; "
+                             "give LoRA in the peft: section (each stage gets its adapters) or set pp_size: 1")
     if getattr(model.config.get_text_config(), "tie_word_embeddings", False):
         raise AutomodelError("the model ties its output head to its input embedding, which pipeline stages hold "
                              "apart (first and last stage); set tie_word_embeddings: false or pp_size: 1")
@@ -126,7 +135,7 @@ def split_model(model: nn.Module, pp_rank: int, pp_size: int, stages_per_rank: i
             for name in parts["after"]:
                 _replace(stage, name, LayerPlaceholder())
             _replace(stage, parts["head"], None)
-        stages.append(PipelineStageModel(stage, index, num_stages, ranges[index], parts))
+        stages.append(PipelineStageModel(stage, index, num_stages, ranges[index], parts, whole=model))
     return stages
 
 
@@ -146,6 +155,8 @@ class LocalStages(nn.Module):
         super().__init__()
         self.stages = tuple(stages)  # not submodules: state_dict holds the merged tree only
         self.config, self.generation_config = stages[0].config, stages[0].generation_config
+        if hasattr(stages[0], "peft_config"):  # LoRA on each stage: one adapter, under the one model's peft names
+            self.peft_config = stages[0].peft_config
         for name, child in _merged_children(list(stages)).items():
             self.add_module(name, child)
 
@@ -156,9 +167,16 @@ class LocalStages(nn.Module):
         return super().train(mode)
 
 
-def stages_of(model: nn.Module) -> list[PipelineStageModel]:
-    """The stages ``model`` (a stage, or a rank's :class:`LocalStages`) runs."""
+def stages_of(model: nn.Module) -> list[nn.Module]:
+    """The stages ``model`` (a stage, a LoRA-wrapped stage, or a rank's :class:`LocalStages`) runs."""
     return list(model.stages) if isinstance(model, LocalStages) else [model]
+
+
+def is_stage(model: nn.Module) -> bool:
+    """Whether ``model`` holds pipeline stages only, some layers of the model: one stage, one wrapped by peft (LoRA's
+    ``PeftModel`` around it) or a rank's :class:`LocalStages`."""
+    inner = model.get_base_model() if hasattr(model, "peft_config") and hasattr(model, "get_base_model") else model
+    return isinstance(inner, (PipelineStageModel, LocalStages))
 
 
 def _merged_children(modules: list[nn.Module]) -> dict[str, nn.Module | None]:

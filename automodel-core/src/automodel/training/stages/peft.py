@@ -1,4 +1,11 @@
-"""Slot ``peft``: LoRA adapters through peft when the config has a ``peft:`` section (implementation ``lora``)."""
+"""Slot ``peft``: LoRA adapters through peft when the config has a ``peft:`` section (implementation ``lora``).
+
+Under pipeline parallelism the slot adapts each stage on its own: the targets are resolved against the whole model
+the stage was cut from (so each stage adapts exactly the layers one process would, and every stage's
+``adapter_config.json`` names all of them), and the stage is wrapped in peft's plain ``PeftModel``, whose forward
+passes the pipeline's arguments through. Parameter names are the one model's, so checkpoints and the adapter export
+merge the stages' adapters under the names peft expects.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +14,10 @@ import importlib.util
 import torch
 
 from automodel.config import Config
-from automodel.errors import ConfigIssue
-from automodel.hf import apply_lora, lora_config, memory_efficient
+from automodel.errors import AutomodelError, ConfigIssue
+from automodel.hf import all_linear_targets, apply_lora, lora_config, memory_efficient
 from automodel.training.context import BuildContext
+from automodel.training.parallel.pipeline_stages import PipelineStageModel
 
 
 def select(cfg: Config) -> tuple[str, str] | None:
@@ -23,6 +31,19 @@ def issues(cfg: Config, implementation: str | None) -> list[ConfigIssue]:
 
 
 def add_lora(ctx: BuildContext, model: torch.nn.Module) -> tuple[torch.nn.Module, str]:
-    """Wrap the model with LoRA adapters as ``peft:`` says; only adapter weights train."""
+    """Wrap the model (or one pipeline stage of it) with LoRA adapters as ``peft:`` says; only adapter weights
+    train."""
     built = ctx.instantiate("peft")
-    return apply_lora(model, lora_config(built, model), memory_efficient=memory_efficient(built))
+    whole = model.whole_model if isinstance(model, PipelineStageModel) else None
+    if whole is None:
+        return apply_lora(model, lora_config(built, model), memory_efficient=memory_efficient(built))
+    config = all_linear_targets(lora_config(built, whole), whole)
+    config.base_model_name_or_path = getattr(whole, "name_or_path", None) or None
+    try:
+        return apply_lora(model, config, f" (pipeline stage {model.index})",
+                          memory_efficient=memory_efficient(built), plain=True)
+    except AutomodelError as err:
+        layers = model.layer_range
+        raise AutomodelError(f"{err} (pipeline stage {model.index} holds layers {layers.start}-{layers.stop - 1}: "
+                             "under pipeline parallelism every stage needs a module LoRA adapts; widen "
+                             "peft.target_modules or set distributed.pp_size: 1)") from None
