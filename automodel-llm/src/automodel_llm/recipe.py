@@ -120,17 +120,13 @@ PARALLELIZER = ArgumentsFor(
     help="the arguments of upstream's MoE parallelizer, each standing for the distributed key of the same meaning")
 
 
-def pipeline_issues(cfg: Config, generation: Any, packing: Any) -> list[ConfigIssue]:
+def pipeline_issues(cfg: Config, generation: Any) -> list[ConfigIssue]:
     """What this recipe cannot run with ``distributed.pp_size > 1``."""
     pp = cfg.distributed.pp_size
     issues = []
     if "eval_generation" in cfg and generation is not None and generation.enabled:
         issues.append(ConfigIssue("eval_generation.enabled", f"generation runs the whole model token by token, which "
                                   f"the pipeline stages (pp_size {pp}) hold apart; set eval_generation.enabled: false"))
-    if packing is not None and (packing.enabled or packing.packed_sequence_size > 0):
-        issues.append(ConfigIssue("packed_sequence.packed_sequence_size", f"packed rows keep attention within each "
-                                  f"sample, which the pipeline stages (pp_size {pp}) do not pass on; turn packing "
-                                  "off (packed_sequence.enabled: false, packed_sequence_size: 0)"))
     return issues
 
 
@@ -190,7 +186,7 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
         packing = cfg.get("packed_sequence")
         size = getattr(packing, "packed_sequence_size", 0) or 0
         if settings is not None and settings.pp_size > 1:
-            issues += pipeline_issues(cfg, generation, packing)
+            issues += pipeline_issues(cfg, generation)
         if settings is not None and settings.cp_size > 1:
             issues += context_parallel_issues(cfg, generation, packing)
         if settings is not None and settings.tp_size > 1 and settings.sequence_parallel and size % settings.tp_size:
@@ -280,17 +276,23 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
                          ) -> list[tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]:
         """The step's micro-batches padded to its longest, rounded up to a multiple of ``PIPELINE_LENGTH_MULTIPLE``,
         or to ``length`` if longer (the pipeline runs one shape per step and sets up anew for a new shape; padding
-        carries no label and is masked out of attention, so the loss is unchanged)."""
+        carries no label and is masked out of attention, so the loss is unchanged). Packed rows (position ids that
+        restart at each sample, no attention mask) keep no mask: the model keeps attention within each sample from
+        the position ids, in every stage, as in one process; their padding is a segment of its own."""
         longest = max(batch["input_ids"].shape[1] for batch in batches)
         longest = max(-(-longest // PIPELINE_LENGTH_MULTIPLE) * PIPELINE_LENGTH_MULTIPLE, length or 0)
         pad = self.tokenizer.pad_token_id or 0
         parts = []
         for batch in batches:
             extra = longest - batch["input_ids"].shape[1]
-            mask = batch.get("attention_mask", torch.ones_like(batch["input_ids"]))
-            kwargs = {"attention_mask": torch.nn.functional.pad(mask, (0, extra), value=0)}
-            if "position_ids" in batch:
-                kwargs["position_ids"] = torch.nn.functional.pad(batch["position_ids"], (0, extra), value=0)
+            if "attention_mask" not in batch and "position_ids" in batch:
+                kwargs = {"position_ids": torch.cat([batch["position_ids"], torch.arange(extra).expand(
+                    batch["position_ids"].shape[0], extra).to(batch["position_ids"])], dim=1)}
+            else:
+                mask = batch.get("attention_mask", torch.ones_like(batch["input_ids"]))
+                kwargs = {"attention_mask": torch.nn.functional.pad(mask, (0, extra), value=0)}
+                if "position_ids" in batch:
+                    kwargs["position_ids"] = torch.nn.functional.pad(batch["position_ids"], (0, extra), value=0)
             parts.append((torch.nn.functional.pad(batch["input_ids"], (0, extra), value=pad),
                           torch.nn.functional.pad(batch["labels"], (0, extra), value=IGNORE_INDEX), kwargs))
         return parts
