@@ -39,7 +39,7 @@ def render_section() -> str:
         if kinds["exact"]:
             lines.append("- exact: " + ", ".join(f"`{n}`" for n in kinds["exact"]))
         if kinds["rule"]:
-            lines.append("- by rule (the constructors of transformers' own configuration classes): "
+            lines.append("- by rule (the constructors and from_pretrained of transformers' own configuration classes): "
                          + ", ".join(f"`{n}`" for n in kinds["rule"]))
         lines.append("")
     lines += ["Target aliases (a short or upstream name and the dotted path it stands for):", "",

@@ -208,7 +208,7 @@ def test_alias_registry_records_unsupported_names_and_refuses_a_conflicting_reas
         aliases.unsupported("up.Name", "something else")
 
 
-# ---- the rule: transformers' own configuration classes, their constructors only ------------------------------
+# ---- the rule: transformers' own configuration classes, their constructors and from_pretrained ----------------
 
 QWEN3_MOE_CONFIG = "transformers.models.qwen3_moe.configuration_qwen3_moe.Qwen3MoeConfig"
 
@@ -223,10 +223,21 @@ def test_a_transformers_configuration_class_builds_by_the_rule(name):
     assert config.rope_parameters["rope_theta"] == 1000.0  # a legacy key transformers converts (not in the signature)
 
 
+@pytest.mark.parametrize("name", [f"{QWEN3_MOE_CONFIG}.from_pretrained", "transformers.Qwen3MoeConfig.from_pretrained"])
+def test_a_transformers_configuration_class_reads_a_config_json_by_the_rule(name, tmp_path):
+    """``from_pretrained`` (upstream's ``model.config`` form with a model id): the keys given override the file's."""
+    from transformers import Qwen3MoeConfig
+
+    Qwen3MoeConfig(num_experts=8, hidden_size=64).save_pretrained(tmp_path)
+    node = {"_target_": name, "pretrained_model_name_or_path": str(tmp_path), "num_experts": 4}
+    config = instantiate(node, TargetResolver(), "model.config")
+    assert type(config) is Qwen3MoeConfig and config.num_experts == 4 and config.hidden_size == 64
+
+
 @pytest.mark.parametrize("name, fragment", [
-    (f"{QWEN3_MOE_CONFIG}.from_pretrained", "is not a registered target"),
-    ("transformers.Qwen3MoeConfig.from_pretrained", "is not a registered target"),
     ("transformers.Qwen3MoeConfig.from_dict", "is not a registered target"),
+    ("transformers.Qwen3MoeConfig.from_json_file", "is not a registered target"),
+    ("transformers.AutoConfig.from_pretrained", "is not one of transformers. configuration classes"),
     ("transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeForCausalLM", "is not a registered target"),
     ("transformers.models.auto.configuration_auto.AutoConfig", "is not one of transformers' configuration classes"),
     ("transformers.GenerationConfig", "is not one of transformers' configuration classes"),

@@ -34,3 +34,22 @@ def test_a_model_config_built_from_a_transformers_configuration_class_trains(tmp
     assert "mixed precision (torch.autocast): params bf16" in result.stderr
     rows = read_jsonl(tmp_path / "ckpt" / "training.jsonl")
     assert [row["step"] for row in rows] == [1, 2, 3]
+
+
+def test_upstreams_own_configuration_classes_stand_for_the_transformers_ones(tmp_path):
+    """Upstream's model.config classes of models transformers ships (DeepSeek-V4, DeepSeek-V3.2, MiMo-V2-Flash)
+    resolve to transformers' class of that model type, constructor and from_pretrained."""
+    from transformers import DeepseekV4Config, DeepseekV32Config
+
+    from automodel.config import instantiate
+    from automodel.plugins.manager import get_plugin_manager
+
+    resolver = get_plugin_manager().resolver()
+    DeepseekV4Config(num_hidden_layers=3, num_nextn_predict_layers=1).save_pretrained(tmp_path)
+    node = {"_target_": "nemo_automodel.components.models.deepseek_v4.config.DeepseekV4Config.from_pretrained",
+            "pretrained_model_name_or_path": str(tmp_path), "num_nextn_predict_layers": 0}
+    config = instantiate(node, resolver, "model.config")
+    assert type(config) is DeepseekV4Config and config.num_hidden_layers == 3 and config.num_nextn_predict_layers == 0
+    built = instantiate({"_target_": "nemo_automodel.components.models.deepseek_v32.config.DeepseekV32Config",
+                         "num_hidden_layers": 2}, resolver, "model.config")
+    assert type(built) is DeepseekV32Config and built.num_hidden_layers == 2

@@ -27,6 +27,11 @@ def automodel_register_routes(routes) -> None:
                examples=["llm/tiny_benchmark"])
 
 
+# (transformers' model package, class name) of upstream's model.config classes that transformers has as its own
+_UPSTREAM_CONFIG_CLASSES = (("deepseek_v4", "DeepseekV4Config"), ("deepseek_v32", "DeepseekV32Config"),
+                            ("mimo_v2_flash", "MiMoV2FlashConfig"))
+
+
 @hookimpl
 def automodel_register_aliases(aliases) -> None:
     aliases.domain("text", "llm")
@@ -47,6 +52,11 @@ def automodel_register_aliases(aliases) -> None:
                    "automodel_llm.AutoModelForCausalLM.from_pretrained")
     aliases.target("nemo_automodel.NeMoAutoModelForCausalLM.from_config",
                    "automodel_llm.AutoModelForCausalLM.from_config")
+    # upstream's own configuration classes of models that transformers now ships under the same model type
+    for model, name in _UPSTREAM_CONFIG_CLASSES:
+        for suffix in ("", ".from_pretrained"):
+            aliases.target(f"nemo_automodel.components.models.{model}.config.{name}{suffix}",
+                           f"transformers.models.{model}.configuration_{model}.{name}{suffix}")
     aliases.target("nemo_automodel.components.loss.masked_ce.MaskedCrossEntropy",
                    "automodel.training.loss.MaskedCrossEntropy")
     aliases.target("nemo_automodel.components.datasets.llm.squad.make_squad_dataset",

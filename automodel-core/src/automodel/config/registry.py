@@ -9,9 +9,10 @@ Each installed distribution registers, by dotted string (nothing is imported), t
   that run commands, import files or unpickle.
 * the **rule** :data:`HF_CONFIG_RULE`: the constructor of any of transformers' own configuration classes (a
   ``PretrainedConfig`` subclass defined in ``transformers.models.<model>.configuration_<model>``, by that path or
-  its ``transformers.<Name>Config`` re-export), never its ``from_pretrained`` or anything else: they are data
-  classes of a model's hyperparameters, and upstream's configs build ``model.config`` with them. The resolver
-  checks what the name imports to (:meth:`automodel.config.targets.TargetResolver.resolve`).
+  its ``transformers.<Name>Config`` re-export) and its ``from_pretrained`` (which reads a ``config.json``, and
+  nothing else: a concrete class never loads a model's own code), never anything else: they are data classes of a
+  model's hyperparameters, and upstream's configs build ``model.config`` with them. The resolver checks what the
+  name imports to (:meth:`automodel.config.targets.TargetResolver.resolve`).
 
 What the person running trusts (:mod:`automodel.config.trust`) is added as prefixes.
 """
@@ -27,7 +28,8 @@ from pathlib import PurePosixPath
 EXACT, PREFIX, RULE = "exact", "prefix", "rule"
 HF_CONFIG_RULE = "transformers.models.<model>.configuration_<model>.<Name>Config"
 # what HF_CONFIG_RULE admits by name: the class in its configuration module, or its re-export at the top level
-HF_CONFIG_PATH = re.compile(r"transformers\.(models\.[a-z0-9_]+\.configuration_[a-z0-9_]+\.)?[A-Z][A-Za-z0-9]*Config")
+HF_CONFIG_PATH = re.compile(
+    r"transformers\.(models\.[a-z0-9_]+\.configuration_[a-z0-9_]+\.)?[A-Z][A-Za-z0-9]*Config(\.from_pretrained)?")
 HF_CONFIG_MODULE = re.compile(r"transformers\.models\.[a-z0-9_]+\.configuration_[a-z0-9_]+")
 
 # Never resolvable, whoever registers or trusts them: they execute code, reach the operating system or unpickle.

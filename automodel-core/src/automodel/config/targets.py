@@ -199,7 +199,7 @@ class TargetResolver:
         if grant.how == CONSTRUCTOR and not (inspect.ismethod(obj) and isinstance(obj.__self__, type)):
             raise TargetError(f"'{path}' is not a classmethod constructor of the registered class "
                               f"'{grant.registration.name}'")
-        if grant.how == RULE and not is_hf_config_class(obj):
+        if grant.how == RULE and not (is_hf_config_class(obj) or _hf_config_reader(obj)):
             raise TargetError(f"'{path}' is not one of transformers' configuration classes (a PretrainedConfig "
                               "subclass defined in transformers.models.<model>.configuration_<model>), the only "
                               f"classes the rule '{HF_CONFIG_RULE}' admits")
@@ -238,3 +238,8 @@ def is_hf_config_class(obj: Any) -> bool:
     return (isinstance(obj, type) and HF_CONFIG_MODULE.fullmatch(obj.__module__) is not None
             and any(base.__module__ == "transformers.configuration_utils"
                     and base.__name__ in ("PretrainedConfig", "PreTrainedConfig") for base in obj.__mro__))
+
+
+def _hf_config_reader(obj: Any) -> bool:
+    """``from_pretrained`` of one of transformers' configuration classes (reads a ``config.json``)."""
+    return inspect.ismethod(obj) and obj.__name__ == "from_pretrained" and is_hf_config_class(obj.__self__)

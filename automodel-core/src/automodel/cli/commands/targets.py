@@ -53,7 +53,7 @@ def targets(as_json: bool) -> None:
     click.echo("exact: that callable (a class also admits its from_* constructors); prefix: everything under it; "
                "rule: transformers' own configuration classes (PretrainedConfig subclasses in "
                "transformers.models.<model>.configuration_<model>, also as transformers.<Name>Config), their "
-               "constructors only")
+               "constructors and from_pretrained only")
     if mine:
         click.echo("trusted by you:")
         for reg in mine:
