@@ -53,3 +53,8 @@ def test_upstreams_own_configuration_classes_stand_for_the_transformers_ones(tmp
     built = instantiate({"_target_": "nemo_automodel.components.models.deepseek_v32.config.DeepseekV32Config",
                          "num_hidden_layers": 2}, resolver, "model.config")
     assert type(built) is DeepseekV32Config and built.num_hidden_layers == 2
+    built.save_pretrained(tmp_path / "v32")  # a key the class does not declare is kept, as from a config.json
+    node = {"_target_": "nemo_automodel.components.models.deepseek_v32.config.DeepseekV32Config.from_pretrained",
+            "pretrained_model_name_or_path": str(tmp_path / "v32"), "num_nextn_predict_layers": 0}
+    read = instantiate(node, resolver, "model.config")
+    assert type(read) is DeepseekV32Config and read.num_hidden_layers == 2 and read.num_nextn_predict_layers == 0

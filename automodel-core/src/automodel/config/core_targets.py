@@ -35,5 +35,5 @@ CORE_TARGETS: tuple[str, ...] = (
     "torch.utils.data.DataLoader",  # dataloader (upstream configs name it)
     "torch.utils.data.default_collate",  # dataloader.collate_fn
     "transformers.AutoTokenizer",  # tokenizer (from_pretrained is the default)
-    HF_CONFIG_RULE,  # model.config: transformers' configuration classes, their constructors only (upstream's form)
+    HF_CONFIG_RULE,  # model.config: transformers' configuration classes, constructors and from_pretrained
 )

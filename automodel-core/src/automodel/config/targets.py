@@ -13,6 +13,7 @@ may stand for the registered ``automodel.hf.PeftConfig``). The deny-list
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import types
@@ -138,6 +139,8 @@ class TargetResolver:
         path = self.expand(name)
         grant = self._check_path(path, original=name)
         obj = self._import(path, grant)
+        if _hf_config_reader(obj):
+            obj = functools.partial(read_hf_config, obj.__self__)
         self._cache[name] = obj
         return obj
 
@@ -243,3 +246,13 @@ def is_hf_config_class(obj: Any) -> bool:
 def _hf_config_reader(obj: Any) -> bool:
     """``from_pretrained`` of one of transformers' configuration classes (reads a ``config.json``)."""
     return inspect.ismethod(obj) and obj.__name__ == "from_pretrained" and is_hf_config_class(obj.__self__)
+
+
+def read_hf_config(cls: type, pretrained_model_name_or_path: str, **keys: Any) -> Any:
+    """``cls.from_pretrained`` with the node's keys, each kept: the ones the class does not declare are set on the
+    configuration as a ``config.json``'s are (transformers' ``from_pretrained`` drops them), so no key of the node
+    goes unread."""
+    config, unused = cls.from_pretrained(pretrained_model_name_or_path, return_unused_kwargs=True, **keys)
+    for key, value in unused.items():
+        setattr(config, key, value)
+    return config
