@@ -38,6 +38,15 @@ def test_pp2_losses_and_grad_norms_equal_one_process(runs, schedule, layers):
     assert_like_one_process(ranks, runs["untied"])  # the last stage's loss reaches every rank; norms of both stages
 
 
+def test_static_stage_shapes_skip_the_shape_finding_pass_and_train_like_one_process(runs):
+    """pp=2 GPipe (two batches a step) with the stages given static shapes: torch ran them in its STATIC mode
+    (no forward and backward on the first batch to find the shapes), the run equals one process."""
+    ranks = [rank["pp_static"] for rank in runs["two"]]
+    assert [rank["modes"] for rank in ranks] == [["STATIC"], ["STATIC"]]
+    assert [rank["modes"] for rank in (run["pp_gpipe"] for run in runs["two"])] == [["DYNAMIC"], ["DYNAMIC"]]
+    assert_like_one_process(ranks, runs["untied"])
+
+
 @pytest.mark.parametrize("name", ["pp2_dp2", "pp2_tp2"])
 def test_pp2_x_dp2_and_pp2_x_tp2_equal_one_process(runs, name):
     """dp=2 against one process with doubled accumulation; tp=2 (sequence parallel) inside interleaved stages."""

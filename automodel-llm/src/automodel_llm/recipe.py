@@ -278,11 +278,12 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
 
     def pipeline_batches(self, batches: list[dict[str, torch.Tensor]], length: int | None = None
                          ) -> list[tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]:
-        """The step's micro-batches padded to its longest, rounded up to a multiple of ``PIPELINE_LENGTH_MULTIPLE``,
-        or to ``length`` if longer (the pipeline runs one shape per step and sets up anew for a new shape; padding
-        carries no label and is masked out of attention, so the loss is unchanged)."""
+        """The step's micro-batches padded to ``length`` where they fit in it, else to their longest rounded up to a
+        multiple of ``PIPELINE_LENGTH_MULTIPLE`` (the pipeline runs one shape per step and sets up anew for a new
+        shape; padding carries no label and is masked out of attention, so the loss is unchanged)."""
         longest = max(batch["input_ids"].shape[1] for batch in batches)
-        longest = max(-(-longest // PIPELINE_LENGTH_MULTIPLE) * PIPELINE_LENGTH_MULTIPLE, length or 0)
+        longest = length if length is not None and longest <= length else \
+            -(-longest // PIPELINE_LENGTH_MULTIPLE) * PIPELINE_LENGTH_MULTIPLE
         pad = self.tokenizer.pad_token_id or 0
         parts = []
         for batch in batches:
