@@ -30,14 +30,8 @@ from automodel.training.parallel.pipeline_parallel import (
     section_issues,
     static_issues,
 )
-from automodel.training.parallel.pipeline_static import activations_dtype
-from automodel.training.parallel.precision import (
-    Precision,
-    dtype_name,
-    parse_dtype_name,
-    precision_issues,
-    resolve_precision,
-)
+from automodel.training.parallel.pipeline_static import static_shape_issues
+from automodel.training.parallel.precision import Precision, parse_dtype_name, precision_issues, resolve_precision
 from automodel.training.parallel.tensor_parallel import describe_plan, tp_issues
 from automodel.training.parallel.tp_plans import HEAD_STYLES, config_plan, expand_plan, model_plan
 
@@ -207,7 +201,10 @@ def pipeline_parallel_issues(cfg: Config, implementation: str | None) -> list[Co
                                   f"into the pipeline schedule (pp_size {pp}); use bf16 or fp32"))
     pipeline = pipeline_settings(cfg)
     found = static_issues(pipeline)
-    issues += found or (static_shape_issues(cfg, pipeline, precision) if pipeline.pp_seq_len is not None else [])
+    if not found and pipeline.pp_seq_len is not None:
+        sizes = {name: getattr(settings, name) for name in ("tp_size", "cp_size")}
+        found = static_shape_issues(pipeline, precision, storage_dtype_name(cfg), sizes)
+    issues += found
     hf_config = model_hf_config(cfg)
     if hf_config is not None:
         issues += pp_issues(hf_config, pp, pipeline, rows_per_batch(cfg))
@@ -215,28 +212,6 @@ def pipeline_parallel_issues(cfg: Config, implementation: str | None) -> list[Co
         issues.append(ConfigIssue("distributed.pp_size", f"{pp}: pipeline stages follow the pipeline plan of a "
                                   "Hugging Face model, so it needs a Hugging Face model section (model.config or "
                                   "model.pretrained_model_name_or_path); this model has neither, use pp_size: 1"))
-    return issues
-
-
-def static_shape_issues(cfg: Config, pipeline: PipelineSettings, precision: Precision) -> list[ConfigIssue]:
-    """``distributed.pipeline.pp_seq_len``: plain tensors between the stages (no tensor / context parallelism, whose
-    stages exchange DTensors or sequence shards), and ``dtype`` the dtype the run's precision gives the activations
-    (where the config names it; else the first batch checks it)."""
-    settings, key = cfg.distributed, "distributed.pipeline"
-    issues = []
-    for name in ("tp_size", "cp_size"):
-        if getattr(settings, name) > 1:
-            issues.append(ConfigIssue(f"{key}.pp_seq_len", f"{pipeline.pp_seq_len} with {name} "
-                                      f"{getattr(settings, name)}: static stage shapes are set up here for plain "
-                                      "tensors between the stages, not the sharded DTensors (and their gradients) "
-                                      f"that {name} sends; remove pp_seq_len (the shapes are then found on the first "
-                                      f"batch) or set {name}: 1"))
-    given = parse_dtype_name(pipeline.dtype) if pipeline.dtype is not None else None
-    runs = activations_dtype(precision, storage_dtype_name(cfg))
-    if given is not None and runs is not None and given != runs:
-        issues.append(ConfigIssue(f"{key}.dtype", f"{dtype_name(given)}, but the stages exchange "
-                                  f"{dtype_name(runs)} activations in this run (distributed.mp_policy output_dtype, "
-                                  f"else param_dtype, else model.dtype); set dtype: {dtype_name(runs)} or remove it"))
     return issues
 
 

@@ -16,18 +16,42 @@ head's matmul (the autocast dtype under ``autocast_dtype``, fp32 with ``distribu
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from automodel.errors import AutomodelError
+from automodel.errors import AutomodelError, ConfigIssue
 from automodel.training.parallel.pipeline_grad_sync import AccumulatingStage
-from automodel.training.parallel.precision import Precision, dtype_name
+from automodel.training.parallel.precision import Precision, dtype_name, parse_dtype_name
+
+if TYPE_CHECKING:
+    from automodel.training.parallel.pipeline_parallel import PipelineSettings
 
 
 def activations_dtype(precision: Precision, storage: torch.dtype | None) -> torch.dtype | None:
     """The dtype of the hidden states one stage sends the next (None: the stored dtype, unknown)."""
     return precision.output_dtype or precision.param_dtype or storage
+
+
+def static_shape_issues(pipeline: PipelineSettings, precision: Precision, storage: torch.dtype | None,
+                        sizes: dict[str, int], key: str = "distributed.pipeline") -> list[ConfigIssue]:
+    """``pp_seq_len``: plain tensors between the stages (``sizes``' tp_size and cp_size 1: their stages exchange
+    DTensors or sequence shards), and ``dtype`` the activations' dtype of the run's ``precision`` (where the config
+    names it, ``storage`` the model's dtype or None; else the first micro-batch checks it)."""
+    issues = []
+    for name, size in sizes.items():
+        if size > 1:
+            issues.append(ConfigIssue(f"{key}.pp_seq_len", f"{pipeline.pp_seq_len} with {name} {size}: static stage "
+                                      "shapes are set up here for plain tensors between the stages, not the sharded "
+                                      f"DTensors (and their gradients) that {name} sends; remove pp_seq_len (the "
+                                      f"shapes are then found on the first batch) or set {name}: 1"))
+    given = parse_dtype_name(pipeline.dtype) if pipeline.dtype is not None else None
+    runs = activations_dtype(precision, storage)
+    if given is not None and runs is not None and given != runs:
+        issues.append(ConfigIssue(f"{key}.dtype", f"{dtype_name(given)}, but the stages exchange {dtype_name(runs)} "
+                                  "activations in this run (distributed.mp_policy output_dtype, else param_dtype, "
+                                  f"else model.dtype); set dtype: {dtype_name(runs)} or remove it"))
+    return issues
 
 
 def logits_dtype(precision: Precision, storage: torch.dtype, head_fp32: bool) -> torch.dtype:
