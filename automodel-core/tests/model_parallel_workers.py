@@ -39,6 +39,7 @@ from automodel.training.parallel.hf_export import export_hf
 from automodel.training.parallel.materialize import materialize
 from automodel.training.parallel.mesh import build_device_mesh, data_parallel_mesh, plan_mesh
 from automodel.training.parallel.pipeline_parallel import Pipeline, PipelineSettings, split_for_pipeline
+from automodel.training.parallel.pipeline_static import StaticShapes
 from automodel.training.parallel.sharded_checkpoint import load_sharded_state, save_sharded_state
 from automodel.training.parallel.tensor_parallel import apply_tensor_parallel, local_loss
 
@@ -200,7 +201,8 @@ def resume_fsdp(checkpoint: Path, mesh, layout) -> dict[str, list[float]]:
 
 def scenario_two(args: dict[str, Any], out: Path) -> dict[str, Any]:
     """On 2 ranks: tp=2 (with a checkpoint resumed by dp=2), tp=2 with sequence parallelism, Qwen3 under tp=2,
-    pp=2 with each schedule (with a checkpoint resumed by pp=2), context-parallel sharding."""
+    pp=2 with each schedule (with a checkpoint resumed by pp=2), pp=2 with static stage shapes, context-parallel
+    sharding."""
     layout, mesh = _mesh(tp_size=2)
     result = {"tp": train_tp(mp_config(), mesh, layout, out / "tp_ckpt"),
               "tp_sp": train_tp(mp_config(), mesh, layout, sequence_parallel=True)}
@@ -213,6 +215,7 @@ def scenario_two(args: dict[str, Any], out: Path) -> dict[str, Any]:
     for schedule, micro_batches in (("gpipe", 2), ("1f1b", 1), ("interleaved1f1b", 1), ("loopedbfs", 1)):
         checkpoint = out / "pp_ckpt" if schedule == "1f1b" else None
         result[f"pp_{schedule}"] = train_pp(pp_mesh, pp_layout, schedule, micro_batches, checkpoint)
+    result["pp_static"] = train_pp(pp_mesh, pp_layout, "gpipe", 2, static=True)
     result["cp"] = context_parallel_split(_mesh(cp_size=2)[1])
     return result
 
@@ -248,14 +251,17 @@ def pp_stages(mesh, layout, settings: PipelineSettings, seed: int = 7, fsdp: boo
 
 
 def train_pp(mesh, layout, schedule: str, micro_batches: int, checkpoint: Path | None = None,
-             fsdp: bool = False, tp: bool = False, defer: bool = False) -> dict[str, Any]:
+             fsdp: bool = False, tp: bool = False, defer: bool = False, static: bool = False) -> dict[str, Any]:
     """Six steps through the pipeline; with ``checkpoint``: saved, exported, resumed by fresh stages; ``defer``:
     FSDP2 reduces the gradients after each step's last micro-batch only, the parameters kept gathered until then
-    (what was seen after the other micro-batches in ``result["deferred"]``)."""
+    (what was seen after the other micro-batches in ``result["deferred"]``); ``static``: the stages built with
+    static shapes (``pp_seq_len``), the mode torch's stages ran in in ``result["modes"]``."""
     settings = PipelineSettings(pp_schedule=schedule)
     rows = ROWS // layout.dp // micro_batches
     stages = pp_stages(mesh, layout, settings, fsdp=fsdp, tp=tp)
-    pipe = Pipeline(stages, mesh["pp"], device(), settings, rows, logits_loss_sum)
+    hidden = mp_config().hidden_size
+    shapes = StaticShapes(SEQ, hidden, VOCAB, torch.float32, torch.float32) if static else None
+    pipe = Pipeline(stages, mesh["pp"], device(), settings, rows, logits_loss_sum, shapes)
     optimizers = [torch.optim.AdamW(stage.parameters(), lr=LR) for stage in stages]
     params = [p for stage in stages for p in stage.parameters()]
     place = _place(mesh, layout, pp=True)
@@ -264,6 +270,7 @@ def train_pp(mesh, layout, schedule: str, micro_batches: int, checkpoint: Path |
     result = train(run, params, optimizers, place, STEPS, micro_batches=micro_batches)
     result["deferred"] = seen
     result["layers"] = [list(stage.layer_range) for stage in stages]
+    result["modes"] = [run._inference_mode.name for run in pipe.runs]
     if checkpoint is None:
         return result
     save_sharded_state(checkpoint, stages, optimizers, max_file_bytes=SMALL_FILES)

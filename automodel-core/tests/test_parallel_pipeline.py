@@ -38,6 +38,15 @@ def test_pp2_losses_and_grad_norms_equal_one_process(runs, schedule, layers):
     assert_like_one_process(ranks, runs["untied"])  # the last stage's loss reaches every rank; norms of both stages
 
 
+def test_static_stage_shapes_skip_the_shape_finding_pass_and_train_like_one_process(runs):
+    """pp=2 GPipe (two batches a step) with the stages given static shapes: torch ran them in its STATIC mode
+    (no forward and backward on the first batch to find the shapes), the run equals one process."""
+    ranks = [rank["pp_static"] for rank in runs["two"]]
+    assert [rank["modes"] for rank in ranks] == [["STATIC"], ["STATIC"]]
+    assert [rank["modes"] for rank in (run["pp_gpipe"] for run in runs["two"])] == [["DYNAMIC"], ["DYNAMIC"]]
+    assert_like_one_process(ranks, runs["untied"])
+
+
 @pytest.mark.parametrize("name", ["pp2_dp2", "pp2_tp2"])
 def test_pp2_x_dp2_and_pp2_x_tp2_equal_one_process(runs, name):
     """dp=2 against one process with doubled accumulation; tp=2 (sequence parallel) inside interleaved stages."""
@@ -195,3 +204,29 @@ def test_tied_embeddings_and_models_without_a_pipeline_plan_are_refused():
     (key, message), = _messages(2, 8, GPT2Config(tie_word_embeddings=False))
     assert "has no pipeline plan" in message
     assert _messages(1, 8, mp_config(tied=True)) == []  # pp_size 1: nothing to cut
+
+
+def test_static_shapes_follow_the_runs_precision():
+    """The hidden states in FSDP2's output_dtype, else the compute dtype of the parameters (autocast leaves the
+    residual stream alone); the logits in the head's matmul dtype; meta examples of a micro-batch per stage."""
+    import torch
+
+    from automodel.training.parallel.pipeline_static import StaticShapes, activations_dtype, logits_dtype
+    from automodel.training.parallel.precision import Precision
+
+    bf16, fp32 = torch.bfloat16, torch.float32
+    assert activations_dtype(Precision(), fp32) == fp32 and activations_dtype(Precision(), None) is None
+    assert activations_dtype(Precision(bf16), fp32) == bf16
+    assert activations_dtype(Precision(bf16, fp32, fp32), fp32) == fp32  # output_dtype fp32 casts the outputs
+    assert activations_dtype(Precision(autocast_dtype=bf16), fp32) == fp32
+    assert logits_dtype(Precision(autocast_dtype=bf16), fp32, head_fp32=False) == bf16
+    assert logits_dtype(Precision(bf16), fp32, head_fp32=True) == fp32
+    assert logits_dtype(Precision(bf16), fp32, head_fp32=False) == bf16
+    shapes = StaticShapes(128, 32, 96, bf16, fp32)
+    first, middle, last = (type("Stage", (), {"is_first": i == 0, "is_last": i == 2}) for i in range(3))
+    examples = [shapes.examples(stage, 2) for stage in (first, middle, last)]
+    assert [(tuple(e["input_args"].shape), e["input_args"].dtype) for e in examples] == [
+        ((2, 128), torch.long), ((2, 128, 32), bf16), ((2, 128, 32), bf16)]
+    assert [(tuple(e["output_args"].shape), e["output_args"].dtype) for e in examples] == [
+        ((2, 128, 32), bf16), ((2, 128, 32), bf16), ((2, 128, 96), fp32)]
+    assert all(e["output_args"].device.type == "meta" and e["output_args"].requires_grad for e in examples)

@@ -196,6 +196,46 @@ def test_layouts_the_pipeline_cannot_take_are_refused_byvalidate_cli(pp_llama_co
     assert code == 2 and "pp_microbatch_size: 3 does not divide the 4 rows" in out
 
 
+def test_pp_seq_len_builds_static_stage_shapes_and_trains_like_one_process(one_process, tmp_path):
+    """``distributed.pipeline.pp_seq_len`` (with ``dtype``): every batch padded to 128 tokens, the stages built with
+    static shapes (no shape-finding pass), the losses and gradient norms of one process (three steps); a batch
+    longer than pp_seq_len stops the run with the key and the length."""
+    config, steps = one_process[0], ["--step_scheduler.max_steps", "3", "--step_scheduler.checkpoint_interval", "3"]
+    out = tmp_path / "static"
+    log = _run(config, tmp_path, out, *steps, *PP2, "--distributed.pipeline.pp_seq_len", "128",
+               "--distributed.pipeline.dtype", "fp32")
+    assert "pipeline stage shapes: static (pp_seq_len 128): token ids [1, 128], hidden states [1, 128, 32] fp32" \
+        in log and "no shape-finding pass on the first batch" in log
+    reference = one_process[1]
+    assert losses(out) == pytest.approx(losses(reference)[:3], rel=1e-4)
+    assert grad_norms(out) == pytest.approx(grad_norms(reference)[:3], rel=1e-4)
+    short = run_cli("finetune", "llm", "-c", config, *steps, *PP2, "--distributed.pipeline.pp_seq_len", "8",
+                    "--checkpoint.checkpoint_dir", tmp_path / "short", cwd=tmp_path, OMP_NUM_THREADS="1")
+    assert short.returncode != 0
+    assert "distributed.pipeline.pp_seq_len: 8, but this step's batches are 64 tokens long (padded)" in short.stderr
+
+
+def test_static_shape_settings_are_checked_byvalidate_cli(pp_llama_config, tmp_path):
+    config = write_config(tmp_path / "cfg.yaml", pp_llama_config, tmp_path / "ckpt",
+                          distributed={"strategy": "fsdp2", "pp_size": 2}, dataloader={"batch_size": 4})
+    two, key = ["--nproc-per-node", "2"], "distributed.pipeline"
+    for args, words in [
+        (["--distributed.pipeline.pp_seq_len", "0"], f"{key}.pp_seq_len: must be a positive integer"),
+        (["--distributed.pipeline.pp_seq_len", "64", "--distributed.pipeline.dtype", "int8"],
+         f"{key}.dtype: 'int8' is not a training dtype"),
+        (["--distributed.pipeline.dtype", "bf16"], f"{key}.dtype: 'bf16' without pp_seq_len"),
+        (["--distributed.pipeline.pp_seq_len", "64", "--distributed.pipeline.dtype", "fp32",
+          "--distributed.mp_policy.param_dtype", "bf16"], f"{key}.dtype: fp32, but the stages exchange bf16"),
+        (["--nproc-per-node", "4", "--distributed.tp_size", "2", "--distributed.pipeline.pp_seq_len", "64"],
+         f"{key}.pp_seq_len: 64 with tp_size 2: static stage shapes"),
+    ]:
+        code, out = validate_cli(config, tmp_path, *two, *args)
+        assert code == 2 and words in out, out
+    code, out = validate_cli(config, tmp_path, *two, "--distributed.pipeline.pp_seq_len", "64",
+                             "--distributed.pipeline.dtype", "bf16", "--distributed.mp_policy.param_dtype", "bf16")
+    assert code == 0, out
+
+
 def test_settings_the_pipeline_cannot_take_are_refused_byvalidate_cli(pp_llama_config, tmp_path):
     config = write_config(tmp_path / "cfg.yaml", pp_llama_config, tmp_path / "ckpt",
                           distributed={"strategy": "fsdp2", "pp_size": 2}, dataloader={"batch_size": 4})
@@ -212,6 +252,9 @@ def test_settings_the_pipeline_cannot_take_are_refused_byvalidate_cli(pp_llama_c
     assert "distributed.mp_policy.param_dtype: fp16 needs loss scaling" in out
     assert "eval_generation.enabled: generation runs the whole model token by token" in out
     assert "packed_sequence" not in out  # packed rows run pipelined (test_packed_rows_keep_...)
+    code, out = validate_cli(config, tmp_path, *two, "--packed_sequence.packed_sequence_size", "256",
+                             "--distributed.pipeline.pp_seq_len", "128")
+    assert code == 2 and "distributed.pipeline.pp_seq_len: 128 is shorter than the packed rows" in out
     assert "peft" not in out  # LoRA runs pipelined (test_pipeline_parallel_lora.py)
     code, out = validate_cli(config, tmp_path, *two)
     assert code == 0, out

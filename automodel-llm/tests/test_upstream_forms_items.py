@@ -48,8 +48,11 @@ def test_pipeline_and_moe_keys_are_upstreams_and_sizes_above_one_are_checked(tmp
     found = refusals(config, "--distributed.pp_size", "2")
     assert "2 stages, but the model has 1 layers (num_hidden_layers)" in found["distributed.pp_size"]
     found = refusals(config, "--distributed.pp_size", "2", "--distributed.pipeline.dtype", "bf16",
+                     "--distributed.pipeline.pp_schedule_csv", "s.csv",
                      "--distributed.pipeline.scale_grads_in_schedule", "true")
-    assert "upstream's setting, which this build's pipeline does not implement" in found["distributed.pipeline.dtype"]
+    assert "upstream's setting, which this build's pipeline does not implement" in \
+        found["distributed.pipeline.pp_schedule_csv"]
+    assert "'bf16' without pp_seq_len" in found["distributed.pipeline.dtype"]  # it acts with it
     assert "scales every micro-batch's loss" in found["distributed.pipeline.scale_grads_in_schedule"]
     data = yaml.safe_load(config.read_text())
     data["distributed"]["pipeline"]["pp_shedule"] = "1f1b"

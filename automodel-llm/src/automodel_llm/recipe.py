@@ -28,6 +28,7 @@ from automodel.training.context import BuildContext
 from automodel.training.dist import expected_world_size
 from automodel.training.modules import unwrap
 from automodel.training.next_token import NextTokenLogits
+from automodel.training.parallel.pipeline_parallel import PipelineSettings
 from automodel.training.parallelism import model_hf_config
 from automodel.training.recipe import TrainRecipe
 from automodel_llm.datasets.collate import pad_collate
@@ -120,13 +121,18 @@ PARALLELIZER = ArgumentsFor(
     help="the arguments of upstream's MoE parallelizer, each standing for the distributed key of the same meaning")
 
 
-def pipeline_issues(cfg: Config, generation: Any) -> list[ConfigIssue]:
+def pipeline_issues(cfg: Config, generation: Any, packed_size: int) -> list[ConfigIssue]:
     """What this recipe cannot run with ``distributed.pp_size > 1``."""
     pp = cfg.distributed.pp_size
     issues = []
     if "eval_generation" in cfg and generation is not None and generation.enabled:
         issues.append(ConfigIssue("eval_generation.enabled", f"generation runs the whole model token by token, which "
                                   f"the pipeline stages (pp_size {pp}) hold apart; set eval_generation.enabled: false"))
+    length = PipelineSettings.from_section(cfg.distributed.pipeline).pp_seq_len
+    if isinstance(length, int) and 0 < length < packed_size:
+        issues.append(ConfigIssue("distributed.pipeline.pp_seq_len", f"{length} is shorter than the packed rows "
+                                  f"(packed_sequence.packed_sequence_size {packed_size}), and every training batch "
+                                  f"is padded to pp_seq_len; use a pp_seq_len of at least {packed_size}"))
     return issues
 
 
@@ -186,7 +192,7 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
         packing = cfg.get("packed_sequence")
         size = getattr(packing, "packed_sequence_size", 0) or 0
         if settings is not None and settings.pp_size > 1:
-            issues += pipeline_issues(cfg, generation)
+            issues += pipeline_issues(cfg, generation, size)
         if settings is not None and settings.cp_size > 1:
             issues += context_parallel_issues(cfg, generation, packing)
         if settings is not None and settings.tp_size > 1 and settings.sequence_parallel and size % settings.tp_size:
@@ -274,13 +280,14 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
 
     def pipeline_batches(self, batches: list[dict[str, torch.Tensor]], length: int | None = None
                          ) -> list[tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]:
-        """The step's micro-batches padded to its longest, rounded up to a multiple of ``PIPELINE_LENGTH_MULTIPLE``,
-        or to ``length`` if longer (the pipeline runs one shape per step and sets up anew for a new shape; padding
-        carries no label and is masked out of attention, so the loss is unchanged). Packed rows (position ids that
-        restart at each sample, no attention mask) keep no mask: the model keeps attention within each sample from
-        the position ids, in every stage, as in one process; their padding is a segment of its own."""
+        """The step's micro-batches padded to ``length`` where they fit in it, else to their longest rounded up to a
+        multiple of ``PIPELINE_LENGTH_MULTIPLE`` (the pipeline runs one shape per step and sets up anew for a new
+        shape; padding carries no label and is masked out of attention, so the loss is unchanged). Packed rows
+        (position ids that restart at each sample, no attention mask) keep no mask: the model keeps attention within
+        each sample from the position ids, in every stage, as in one process; their padding is a segment of its own."""
         longest = max(batch["input_ids"].shape[1] for batch in batches)
-        longest = max(-(-longest // PIPELINE_LENGTH_MULTIPLE) * PIPELINE_LENGTH_MULTIPLE, length or 0)
+        longest = length if length is not None and longest <= length else \
+            -(-longest // PIPELINE_LENGTH_MULTIPLE) * PIPELINE_LENGTH_MULTIPLE
         pad = self.tokenizer.pad_token_id or 0
         parts = []
         for batch in batches:

@@ -23,7 +23,14 @@ from automodel.training.dist import expected_world_size, world_size_source
 from automodel.training.distributed_section import moe_head_fp32, moe_inner_root
 from automodel.training.parallel.expert_parallel import config_expert_count, expert_count_issues, experts_issues
 from automodel.training.parallel.mesh import MeshLayout, describe_mesh, mesh_issues, plan_mesh
-from automodel.training.parallel.pipeline_parallel import PipelineSettings, describe_stages, pp_issues, section_issues
+from automodel.training.parallel.pipeline_parallel import (
+    PipelineSettings,
+    describe_stages,
+    pp_issues,
+    section_issues,
+    static_issues,
+)
+from automodel.training.parallel.pipeline_static import static_shape_issues
 from automodel.training.parallel.precision import Precision, parse_dtype_name, precision_issues, resolve_precision
 from automodel.training.parallel.tensor_parallel import describe_plan, tp_issues
 from automodel.training.parallel.tp_plans import HEAD_STYLES, config_plan, expand_plan, model_plan
@@ -193,6 +200,11 @@ def pipeline_parallel_issues(cfg: Config, implementation: str | None) -> list[Co
         issues.append(ConfigIssue("distributed.mp_policy.param_dtype", f"fp16 needs loss scaling, which is not wired "
                                   f"into the pipeline schedule (pp_size {pp}); use bf16 or fp32"))
     pipeline = pipeline_settings(cfg)
+    found = static_issues(pipeline)
+    if not found and pipeline.pp_seq_len is not None:
+        sizes = {name: getattr(settings, name) for name in ("tp_size", "cp_size")}
+        found = static_shape_issues(pipeline, precision, storage_dtype_name(cfg), sizes)
+    issues += found
     hf_config = model_hf_config(cfg)
     if hf_config is not None:
         issues += pp_issues(hf_config, pp, pipeline, rows_per_batch(cfg))

@@ -13,10 +13,13 @@ import torch
 from automodel.errors import AutomodelError
 from automodel.model_backend import backend_setting
 from automodel.training.context import BuildContext
+from automodel.training.distributed_section import moe_head_fp32
 from automodel.training.modules import unwrap
 from automodel.training.parallel.mesh import PP
 from automodel.training.parallel.pipeline_parallel import PipelineSettings, StagePipelines
 from automodel.training.parallel.pipeline_stages import stages_of
+from automodel.training.parallel.pipeline_static import StaticShapes, activations_dtype, logits_dtype
+from automodel.training.parallel.precision import parse_dtype_name
 from automodel.training.parallel.tensor_parallel import local_loss
 
 
@@ -32,7 +35,8 @@ class PipelineSteps:
     def pipeline_batches(self, batches: list[Any], length: int | None = None
                          ) -> list[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]]:
         """Pipeline parallelism: each micro-batch of a step (on the device) as ``(inputs, targets, keyword
-        arguments of every stage)``, all of one shape (see ``StagePipelines``), at least ``length`` long (dim 1)."""
+        arguments of every stage)``, all of one shape (see ``StagePipelines``): ``length`` long (dim 1) where they fit
+        in it, else longer."""
         raise NotImplementedError(f"{type(self).__name__} must implement pipeline_batches to run pipelined")
 
     def pipeline_loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -45,8 +49,12 @@ class PipelineSteps:
         if ctx.mesh.pp == 1:
             return None
         settings = PipelineSettings.from_section(ctx.cfg.distributed.pipeline)
-        return StagePipelines(stages_of(unwrap(self.model)), ctx.device_mesh[PP], ctx.device, settings,
-                              self.pipeline_loss)
+        stages = stages_of(unwrap(self.model))
+        shapes = None
+        if settings.pp_seq_len is not None:
+            shapes = static_shapes(ctx, stages[0], settings)
+            self.log(shapes.describe(settings.pp_microbatch_size))
+        return StagePipelines(stages, ctx.device_mesh[PP], ctx.device, settings, self.pipeline_loss, shapes)
 
     def _pipelined(self, batches: list[Any], scale: float) -> torch.Tensor:
         """Pipeline parallelism: each micro-batch of the step through the schedule, forward and backward together;
@@ -58,7 +66,9 @@ class PipelineSteps:
                                  "(distributed.mp_policy.param_dtype) with distributed.pp_size > 1")
         total = torch.zeros((), device=self.device)
         with self.batch_errors(batches[0], "dataloader"):
-            parts = self._agreed_shape([self.move_to_device(batch) for batch in batches])
+            moved = [self.move_to_device(batch) for batch in batches]
+            shapes = self.pipelines.shapes
+            parts = self._agreed_shape(moved) if shapes is None else self.pipeline_batches(moved, shapes.seq_len)
         defer = self.cfg.distributed.defer_fsdp_grad_sync
         keep = bool(backend_setting(self.cfg.model, "enable_fsdp_optimizations"))
         for index, (inputs, targets, kwargs) in enumerate(parts):
@@ -84,3 +94,15 @@ class PipelineSteps:
         length = torch.tensor(parts[0][0].shape[1], device=self.device)
         torch.distributed.all_reduce(length, op=torch.distributed.ReduceOp.MAX, group=self.data_parallel_group())
         return parts if int(length) == parts[0][0].shape[1] else self.pipeline_batches(batches, int(length))
+
+
+def static_shapes(ctx: BuildContext, stage: torch.nn.Module, settings: PipelineSettings) -> StaticShapes:
+    """The stages' static shapes for ``pp_seq_len``: the model's hidden and vocabulary sizes, the activations in
+    ``distributed.pipeline.dtype`` (checked against the run's precision at validation where the config names the
+    dtypes), else in the dtype the run's precision gives them; the logits in the dtype it gives them."""
+    text = stage.config.get_text_config()
+    storage = next(stage.parameters()).dtype
+    given = parse_dtype_name(settings.dtype) if settings.dtype is not None else None
+    return StaticShapes(settings.pp_seq_len, text.hidden_size, text.vocab_size,
+                        given or activations_dtype(ctx.precision, storage),
+                        logits_dtype(ctx.precision, storage, moe_head_fp32(ctx.cfg.distributed)))

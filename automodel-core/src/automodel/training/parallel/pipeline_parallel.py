@@ -2,7 +2,8 @@
 
 The settings are upstream's ``distributed.pipeline`` keys (:class:`PipelineSettings`): ``pp_schedule`` (``gpipe``,
 ``1f1b``; ``interleaved1f1b`` and ``looped_bfs`` run several stages per rank), ``pp_microbatch_size`` (rows per
-pipeline micro-batch), ``layers_per_stage`` and ``round_virtual_stages_to_pp_multiple``. The model is cut with
+pipeline micro-batch), ``layers_per_stage``, ``round_virtual_stages_to_pp_multiple``, and ``pp_seq_len`` with
+``dtype`` (static stage shapes, :class:`StaticShapes`). The model is cut with
 :func:`pipeline_stages.split_model` (on the meta device), each stage then goes through TP / activation
 checkpointing / FSDP2 / materialisation like a whole model, and :class:`Pipeline` makes the schedule; a rank's
 several stages reach the training loop as one :class:`pipeline_stages.LocalStages`.
@@ -12,6 +13,11 @@ the schedule splits the batch into micro-batches, and its loss function is the e
 the micro-batch's label tokens, multiplied by ``scale`` (data-parallel size / the step's label tokens, counted
 before the schedule runs), so gradients are the unpipelined model's and nothing is averaged per micro-batch
 (``scale_grads=False``). The summed loss comes back on every rank of the pipeline.
+
+Stage shapes: torch's stages learn the shapes they send and receive from the first batch (a real forward and backward
+of it, stage after stage, dropping the gradients), unless every stage is given example tensors. With ``pp_seq_len``
+every training batch is padded to that length and the stages get meta example tensors (:class:`StaticShapes`), so
+that shape-finding pass never runs; evaluation pipelines (forward only, any batch) keep finding their shapes.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from automodel.training.parallel.pipeline_stages import PipelineStageModel
+    from automodel.training.parallel.pipeline_static import StaticShapes
 
 SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved1f1b": "Interleaved1F1B", "loopedbfs": "LoopedBFS"}
 INTERLEAVED = ("interleaved1f1b", "loopedbfs")  # several stages per rank
@@ -47,6 +54,8 @@ class PipelineSettings:
     pp_microbatch_size: int = 1
     layers_per_stage: int | None = None
     round_virtual_stages_to_pp_multiple: str | None = None
+    pp_seq_len: int | None = None  # every training batch padded to it, the stages' shapes static
+    dtype: str | None = None  # the activations' dtype in those static shapes (checked against the run's)
 
     @property
     def schedule(self) -> str:
@@ -162,6 +171,27 @@ def pp_issues(model_config: Any, pp_size: int, settings: PipelineSettings, batch
     return issues
 
 
+def static_issues(settings: PipelineSettings, key: str = "distributed.pipeline") -> list[ConfigIssue]:
+    """``pp_seq_len`` a positive integer; ``dtype`` a training dtype, given with ``pp_seq_len`` (upstream too uses
+    it only for the static shapes of a known sequence length)."""
+    from automodel.training.parallel.precision import parse_dtype_name
+
+    length = settings.pp_seq_len
+    if length is not None and (isinstance(length, bool) or not isinstance(length, int) or length < 1):
+        return [ConfigIssue(f"{key}.pp_seq_len", f"must be a positive integer (the tokens of every training batch), "
+                            f"found {length!r}")]
+    if settings.dtype is None:
+        return []
+    if parse_dtype_name(settings.dtype) is None:
+        return [ConfigIssue(f"{key}.dtype", f"{settings.dtype!r} is not a training dtype; use bf16 (bfloat16), fp16 "
+                            "(float16) or fp32 (float32)")]
+    if settings.pp_seq_len is None:
+        return [ConfigIssue(f"{key}.dtype", f"{settings.dtype!r} without pp_seq_len: it is the dtype of the static "
+                            "stage shapes that pp_seq_len sets, and acts on nothing else; set pp_seq_len or remove "
+                            "dtype")]
+    return []
+
+
 def _stage_issues(settings: PipelineSettings, layers: int, stages: int, pp_size: int, key: str) -> list[ConfigIssue]:
     where = f"{key}.layers_per_stage" if settings.layers_per_stage is not None else f"{key}.pp_schedule"
     if not settings.interleaved and stages != pp_size:
@@ -209,22 +239,28 @@ def split_for_pipeline(model: nn.Module, pp_mesh: DeviceMesh, settings: Pipeline
 
 class Pipeline:
     """The schedule over this rank's stages. ``loss_sum(output, labels)``: the loss summed over the label tokens of
-    one micro-batch (the engine's ``compute_loss`` on the last stage's logits)."""
+    one micro-batch (the engine's ``compute_loss`` on the last stage's logits). With ``shapes`` the stages are built
+    with static shapes (every batch then ``shapes.seq_len`` long), without: torch finds them on the first batch."""
 
     def __init__(self, stages: list[PipelineStageModel], pp_mesh: DeviceMesh, device: torch.device,
                  settings: PipelineSettings, batch: int,
-                 loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+                 loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], shapes: StaticShapes | None = None):
         from torch.distributed.pipelining.schedules import get_schedule_class
 
         from automodel.training.parallel.pipeline_grad_sync import AccumulatingStage
+        from automodel.training.parallel.pipeline_static import StaticStage
 
         self.stages, self.batch, self.loss_sum = stages, batch, loss_sum
         self.group = pp_mesh.get_group()
         self.last_rank = dist.get_global_rank(self.group, pp_mesh.size() - 1)
         self.microbatches = batch // settings.pp_microbatch_size
         self._scale = 1.0
-        self.runs = [AccumulatingStage(stage, stage.index, stage.num_stages, device, group=self.group)
-                     for stage in stages]
+        if shapes is None:
+            self.runs = [AccumulatingStage(stage, stage.index, stage.num_stages, device, group=self.group)
+                         for stage in stages]
+        else:
+            self.runs = [StaticStage(stage, stage.index, stage.num_stages, device, group=self.group,
+                                     **shapes.examples(stage, settings.pp_microbatch_size)) for stage in stages]
         schedule_class = get_schedule_class(SCHEDULES[settings.schedule])
         self.schedule = schedule_class(self.runs if settings.interleaved else self.runs[0], self.microbatches,
                                        loss_fn=self._loss, scale_grads=False)
@@ -274,19 +310,27 @@ class StagePipelines:
     That first run also drops the stages' gradients (torch runs a real forward and backward to learn the shapes),
     so every batch of one optimizer step must have the step's shape (the loop asks the recipe for that). The
     pipelines of the :data:`KEPT_SHAPES` shapes used last are kept (each holds buffers for its micro-batches).
+    With ``shapes`` (``pp_seq_len``) the training pipelines are built with static shapes instead, no such first run.
     Evaluation runs GPipe, or LoopedBFS (its form for several stages per rank), forward only (the schedule changes
     nothing there), with micro-batches that divide the batch, so a shorter last validation batch runs too."""
 
     def __init__(self, stages: list[PipelineStageModel], pp_mesh: DeviceMesh, device: torch.device,
-                 settings: PipelineSettings, loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+                 settings: PipelineSettings, loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 shapes: StaticShapes | None = None):
         self.stages, self.pp_mesh, self.device, self.settings, self.loss_sum = stages, pp_mesh, device, settings, \
             loss_sum
+        self.shapes = shapes
         self.group = pp_mesh.get_group()
         self._pipelines: dict[tuple[bool, tuple[int, ...]], Pipeline] = {}
 
     def step(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float, reduce_grads: bool = True,
              keep_gathered: bool = False, **kwargs: Any) -> torch.Tensor:
-        """:meth:`Pipeline.step` with the pipeline for this batch's shape."""
+        """:meth:`Pipeline.step` with the pipeline for this batch's shape (with static shapes: every batch
+        ``pp_seq_len`` long, else an ``AutomodelError`` naming the key)."""
+        if self.shapes is not None and inputs.shape[1] != self.shapes.seq_len:
+            raise AutomodelError(f"distributed.pipeline.pp_seq_len: {self.shapes.seq_len}, but this step's batches "
+                                 f"are {inputs.shape[1]} tokens long (padded); raise pp_seq_len to at least "
+                                 f"{inputs.shape[1]} or make the samples shorter (the dataset's maximum length)")
         return self._pipeline(True, inputs, self.settings).step(inputs, labels, scale, reduce_grads, keep_gathered,
                                                                 **kwargs)
 
@@ -309,5 +353,6 @@ class StagePipelines:
                                        "distributed.pipeline")
             if found:
                 raise AutomodelError(f"a batch of {rows} rows: {found[0].key}: {found[0].message}")
-            self._pipelines[key] = Pipeline(self.stages, self.pp_mesh, self.device, settings, rows, self.loss_sum)
+            self._pipelines[key] = Pipeline(self.stages, self.pp_mesh, self.device, settings, rows, self.loss_sum,
+                                            self.shapes if train else None)
         return self._pipelines[key]

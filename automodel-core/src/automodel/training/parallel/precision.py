@@ -96,16 +96,17 @@ class Precision:
         if fsdp2 and self.autocast_dtype is not None:
             output = self.output_dtype or self.param_dtype or storage_dtype
         if compute == storage_dtype and reduce == storage_dtype and output == storage_dtype:
-            return f"precision: {_name(storage_dtype)} (no mixed precision), loss fp32"
+            return f"precision: {dtype_name(storage_dtype)} (no mixed precision), loss fp32"
         how = "FSDP2 MixedPrecisionPolicy" if fsdp2 else "torch.autocast"
         if fsdp2 and self.autocast_dtype is not None:
-            how += f" + torch.autocast {_name(self.autocast_dtype)}"
-        return (f"mixed precision ({how}): params {_name(compute)} (stored {_name(storage_dtype)}), reduce "
-                f"{_name(reduce)}, output {_name(output)}, loss fp32"
+            how += f" + torch.autocast {dtype_name(self.autocast_dtype)}"
+        return (f"mixed precision ({how}): params {dtype_name(compute)} (stored {dtype_name(storage_dtype)}), reduce "
+                f"{dtype_name(reduce)}, output {dtype_name(output)}, loss fp32"
                 + (", gradient scaler" if compute == torch.float16 else ""))
 
 
-def _name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
+    """The short name of a training dtype (bf16, fp16, fp32), else torch's."""
     return _SHORT.get(dtype, str(dtype).removeprefix("torch."))
 
 
@@ -154,8 +155,8 @@ def _with_autocast(mp_policy: Mapping[str, Any] | None, device: torch.device, fs
                                   "(float16), or remove the key"))
         return precision, issues
     if not fsdp2 and precision.mixed and precision.param_dtype != dtype:
-        issues.append(ConfigIssue(key, f"{_name(dtype)} disagrees with {section}.param_dtype "
-                                  f"({_name(precision.param_dtype)}); without fsdp2 both name the autocast dtype: "
+        issues.append(ConfigIssue(key, f"{dtype_name(dtype)} disagrees with {section}.param_dtype "
+                                  f"({dtype_name(precision.param_dtype)}); without fsdp2 both name the autocast dtype: "
                                   "give one"))
     return dataclasses.replace(precision, autocast_dtype=dtype), issues
 
@@ -198,9 +199,9 @@ def _autocast_issues(dtypes: dict[str, torch.dtype | None], cast: Any, section: 
     issues = []
     for key, allowed in (("reduce_dtype", (None, torch.float32)), ("output_dtype", (None, torch.float32))):
         if dtypes[key] not in allowed:
-            issues.append(ConfigIssue(f"{section}.{key}", f"{_name(dtypes[key])} needs distributed.strategy: fsdp2 "
-                                      "(without it gradients are reduced in fp32 and outputs are left as autocast "
-                                      "computes them, the loss in fp32); remove the key or use fsdp2"))
+            issues.append(ConfigIssue(f"{section}.{key}", f"{dtype_name(dtypes[key])} needs distributed.strategy: "
+                                      "fsdp2 (without it gradients are reduced in fp32 and outputs are left as "
+                                      "autocast computes them, the loss in fp32); remove the key or use fsdp2"))
     if cast is False:
         issues.append(ConfigIssue(f"{section}.cast_forward_inputs", "false needs distributed.strategy: fsdp2 "
                                   "(autocast casts each operation's inputs); remove the key or use fsdp2"))

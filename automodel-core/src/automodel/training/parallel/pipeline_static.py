@@ -1,0 +1,114 @@
+"""Static pipeline stage shapes (``distributed.pipeline.pp_seq_len``, with ``dtype``).
+
+torch's ``PipelineStage`` learns what it sends and receives from the first batch it runs: a real forward and
+backward of it, stage after stage, its gradients then dropped. Given example tensors of every input and output it
+skips that (its STATIC mode). With ``pp_seq_len`` every training batch is padded to that length, so the shapes are
+known before the first step: :class:`StaticShapes` makes the examples (meta tensors) and :class:`StaticStage`
+checks the first micro-batch's outputs against them, so a wrong dtype stops the run with the numbers instead of
+sending a tensor into a buffer of another dtype.
+
+The dtypes follow what the stages return under FSDP2 (pipeline parallelism runs on it): its ``output_dtype`` casts
+a stage's outputs; without it the hidden states stay in the parameters' compute dtype (``param_dtype``, else the
+stored dtype; ``autocast_dtype`` changes the matmuls, not the residual stream), and the logits come from the output
+head's matmul (the autocast dtype under ``autocast_dtype``, fp32 with ``distributed.moe.lm_head_precision``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from automodel.errors import AutomodelError, ConfigIssue
+from automodel.training.parallel.pipeline_grad_sync import AccumulatingStage
+from automodel.training.parallel.precision import Precision, dtype_name, parse_dtype_name
+
+if TYPE_CHECKING:
+    from automodel.training.parallel.pipeline_parallel import PipelineSettings
+
+
+def activations_dtype(precision: Precision, storage: torch.dtype | None) -> torch.dtype | None:
+    """The dtype of the hidden states one stage sends the next (None: the stored dtype, unknown)."""
+    return precision.output_dtype or precision.param_dtype or storage
+
+
+def static_shape_issues(pipeline: PipelineSettings, precision: Precision, storage: torch.dtype | None,
+                        sizes: dict[str, int], key: str = "distributed.pipeline") -> list[ConfigIssue]:
+    """``pp_seq_len``: plain tensors between the stages (``sizes``' tp_size and cp_size 1: their stages exchange
+    DTensors or sequence shards), and ``dtype`` the activations' dtype of the run's ``precision`` (where the config
+    names it, ``storage`` the model's dtype or None; else the first micro-batch checks it)."""
+    issues = []
+    for name, size in sizes.items():
+        if size > 1:
+            issues.append(ConfigIssue(f"{key}.pp_seq_len", f"{pipeline.pp_seq_len} with {name} {size}: static stage "
+                                      "shapes are set up here for plain tensors between the stages, not the sharded "
+                                      f"DTensors (and their gradients) that {name} sends; remove pp_seq_len (the "
+                                      f"shapes are then found on the first batch) or set {name}: 1"))
+    given = parse_dtype_name(pipeline.dtype) if pipeline.dtype is not None else None
+    runs = activations_dtype(precision, storage)
+    if given is not None and runs is not None and given != runs:
+        issues.append(ConfigIssue(f"{key}.dtype", f"{dtype_name(given)}, but the stages exchange {dtype_name(runs)} "
+                                  "activations in this run (distributed.mp_policy output_dtype, else param_dtype, "
+                                  f"else model.dtype); set dtype: {dtype_name(runs)} or remove it"))
+    return issues
+
+
+def logits_dtype(precision: Precision, storage: torch.dtype, head_fp32: bool) -> torch.dtype:
+    """The dtype of the last stage's logits (``head_fp32``: the output head is its own fp32 FSDP2 unit)."""
+    return (precision.output_dtype or precision.autocast_dtype or (torch.float32 if head_fp32 else None)
+            or precision.param_dtype or storage)
+
+
+@dataclass(frozen=True)
+class StaticShapes:
+    """What every training stage takes and returns with ``pp_seq_len``: token ids ``[rows, seq_len]`` into the
+    first stage, hidden states ``[rows, seq_len, hidden]`` in ``activations`` between stages, logits
+    ``[rows, seq_len, vocab]`` in ``logits`` out of the last (``rows``: a pipeline micro-batch)."""
+
+    seq_len: int
+    hidden: int
+    vocab: int
+    activations: torch.dtype
+    logits: torch.dtype
+
+    def examples(self, stage: Any, rows: int) -> dict[str, torch.Tensor]:
+        """``PipelineStage``'s ``input_args`` and ``output_args`` for ``stage`` (meta tensors)."""
+        if stage.is_first:
+            inputs = torch.empty(rows, self.seq_len, dtype=torch.long, device="meta")
+        else:
+            inputs = torch.empty(rows, self.seq_len, self.hidden, dtype=self.activations, device="meta",
+                                 requires_grad=True)
+        width, dtype = (self.vocab, self.logits) if stage.is_last else (self.hidden, self.activations)
+        outputs = torch.empty(rows, self.seq_len, width, dtype=dtype, device="meta", requires_grad=True)
+        return {"input_args": inputs, "output_args": outputs}
+
+    def describe(self, rows: int) -> str:
+        """The run-start line: the shapes, and that no shape-finding pass runs."""
+        size = f"{rows}, {self.seq_len}"
+        return (f"pipeline stage shapes: static (pp_seq_len {self.seq_len}): token ids [{size}], hidden states "
+                f"[{size}, {self.hidden}] {dtype_name(self.activations)}, logits [{size}, {self.vocab}] "
+                f"{dtype_name(self.logits)}; no shape-finding pass on the first batch")
+
+
+class StaticStage(AccumulatingStage):
+    """An :class:`AccumulatingStage` built with example tensors (torch's STATIC mode); its first micro-batch's
+    output is compared with the example's shape and dtype (an ``AutomodelError`` naming the keys on a mismatch)."""
+
+    def __init__(self, *args: Any, input_args: torch.Tensor, output_args: torch.Tensor, **kwargs: Any):
+        super().__init__(*args, input_args=input_args, output_args=output_args, **kwargs)
+        self.expected: tuple[tuple[int, ...], torch.dtype] | None = (tuple(output_args.shape), output_args.dtype)
+
+    def forward_one_chunk(self, fwd_chunk_id: int, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None,
+                          save_forward_output: bool = True) -> Any:
+        output = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+        if self.expected is not None:
+            shape, dtype = self.expected
+            self.expected = None
+            if tuple(output.shape) != shape or output.dtype != dtype:
+                raise AutomodelError(
+                    f"distributed.pipeline.pp_seq_len: pipeline stage {self.stage_index} returns "
+                    f"{list(output.shape)} {dtype_name(output.dtype)}, but its static shape is {list(shape)} "
+                    f"{dtype_name(dtype)}; set distributed.pipeline.dtype to {dtype_name(output.dtype)} if that is the "
+                    "hidden states' dtype, or remove pp_seq_len (the shapes are then found on the first batch)")
+        return output
