@@ -96,7 +96,8 @@ def test_packed_rows_keep_attention_within_each_sample_through_the_stages(one_pr
                "--step_scheduler.checkpoint_interval", "3"]
     reference, out = tmp_path / "one", tmp_path / "pp"
     _run(config, tmp_path, reference, *packing)
-    _run(config, tmp_path, out, *PP2, *packing)
+    log = _run(config, tmp_path, out, *PP2, *packing)
+    assert "pipeline stage shapes: static (pp_seq_len 96)" in log  # upstream's default: the packed rows' length
     assert losses(out) == pytest.approx(losses(reference), rel=1e-4)
     assert grad_norms(out) == pytest.approx(grad_norms(reference), rel=1e-4)
     assert losses(out) != pytest.approx(losses(one_process[1])[:3], rel=1e-3)  # packing changed the rows

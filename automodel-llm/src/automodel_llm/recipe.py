@@ -128,7 +128,7 @@ def pipeline_issues(cfg: Config, generation: Any, packed_size: int) -> list[Conf
     if "eval_generation" in cfg and generation is not None and generation.enabled:
         issues.append(ConfigIssue("eval_generation.enabled", f"generation runs the whole model token by token, which "
                                   f"the pipeline stages (pp_size {pp}) hold apart; set eval_generation.enabled: false"))
-    length = PipelineSettings.from_section(cfg.distributed.pipeline).pp_seq_len
+    length = PipelineSettings.from_section(cfg.distributed.pipeline).pp_seq_len  # as given (else: the packed size)
     if isinstance(length, int) and 0 < length < packed_size:
         issues.append(ConfigIssue("distributed.pipeline.pp_seq_len", f"{length} is shorter than the packed rows "
                                   f"(packed_sequence.packed_sequence_size {packed_size}), and every training batch "

@@ -7,6 +7,7 @@ else this process's ``WORLD_SIZE`` (1 outside torchrun) — see ``dist.expected_
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -170,8 +171,20 @@ def _lora_tp_issues(cfg: Config) -> list[ConfigIssue]:
 
 
 def pipeline_settings(cfg: Config) -> PipelineSettings:
-    """``distributed.pipeline`` as :class:`PipelineSettings` (upstream's defaults where it is absent)."""
-    return PipelineSettings.from_section(cfg.distributed.pipeline if cfg.distributed is not None else None)
+    """``distributed.pipeline`` as :class:`PipelineSettings` (upstream's defaults where it is absent); without
+    ``pp_seq_len``, upstream's: the packed rows' length (``packed_sequence.packed_sequence_size``), else the data
+    set's ``seq_len``, else none (each step's batches find their shape)."""
+    settings = PipelineSettings.from_section(cfg.distributed.pipeline if cfg.distributed is not None else None)
+    if settings.pp_seq_len is not None:
+        return settings
+    packed = getattr(cfg.get("packed_sequence"), "packed_sequence_size", 0)
+    dataset = cfg.get("dataset")
+    length = packed if _positive(packed) else dataset.get("seq_len") if hasattr(dataset, "get") else None
+    return dataclasses.replace(settings, pp_seq_len=length) if _positive(length) else settings
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def rows_per_batch(cfg: Config) -> int:

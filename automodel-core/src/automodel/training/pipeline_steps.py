@@ -21,6 +21,7 @@ from automodel.training.parallel.pipeline_stages import stages_of
 from automodel.training.parallel.pipeline_static import StaticShapes, activations_dtype, logits_dtype
 from automodel.training.parallel.precision import parse_dtype_name
 from automodel.training.parallel.tensor_parallel import local_loss
+from automodel.training.parallelism import pipeline_settings
 
 
 class PipelineSteps:
@@ -48,7 +49,7 @@ class PipelineSteps:
         """The schedules over this rank's stages (``self.model`` after the build pipeline), when pipelined."""
         if ctx.mesh.pp == 1:
             return None
-        settings = PipelineSettings.from_section(ctx.cfg.distributed.pipeline)
+        settings = pipeline_settings(ctx.cfg)
         stages = stages_of(unwrap(self.model))
         shapes = None
         if settings.pp_seq_len is not None:
