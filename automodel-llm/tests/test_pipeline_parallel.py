@@ -235,6 +235,11 @@ def test_static_shape_settings_are_checked_byvalidate_cli(pp_llama_config, tmp_p
     code, out = validate_cli(config, tmp_path, *two, "--distributed.pipeline.pp_seq_len", "64",
                              "--distributed.pipeline.dtype", "bf16", "--distributed.mp_policy.param_dtype", "bf16")
     assert code == 0, out
+    packed = ["--packed_sequence.packed_sequence_size", "128"]  # upstream's default pp_seq_len, dtype acts with it
+    code, out = validate_cli(config, tmp_path, *two, *packed, "--distributed.pipeline.dtype", "fp32")
+    assert code == 0, out
+    code, out = validate_cli(config, tmp_path, *packed, "--nproc-per-node", "4", "--distributed.tp_size", "2")
+    assert code == 0, out  # not inferred where static shapes are not set up: the stages find their shapes
 
 
 def test_settings_the_pipeline_cannot_take_are_refused_byvalidate_cli(pp_llama_config, tmp_path):

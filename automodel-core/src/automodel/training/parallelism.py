@@ -173,9 +173,11 @@ def _lora_tp_issues(cfg: Config) -> list[ConfigIssue]:
 def pipeline_settings(cfg: Config) -> PipelineSettings:
     """``distributed.pipeline`` as :class:`PipelineSettings` (upstream's defaults where it is absent); without
     ``pp_seq_len``, upstream's: the packed rows' length (``packed_sequence.packed_sequence_size``), else the data
-    set's ``seq_len``, else none (each step's batches find their shape)."""
-    settings = PipelineSettings.from_section(cfg.distributed.pipeline if cfg.distributed is not None else None)
-    if settings.pp_seq_len is not None:
+    set's ``seq_len``, else none (each step's batches find their shape); none either where static shapes are not
+    set up (tensor / context parallel stages exchange sharded tensors)."""
+    distributed = cfg.distributed
+    settings = PipelineSettings.from_section(distributed.pipeline if distributed is not None else None)
+    if settings.pp_seq_len is not None or distributed is None or distributed.tp_size > 1 or distributed.cp_size > 1:
         return settings
     packed = getattr(cfg.get("packed_sequence"), "packed_sequence_size", 0)
     dataset = cfg.get("dataset")
