@@ -93,7 +93,9 @@ def context_parallel_issues(cfg: Config, generation: Any, packing: Any) -> list[
     if packing is not None and (packing.enabled or packing.packed_sequence_size > 0):
         issues.append(ConfigIssue("packed_sequence.packed_sequence_size", f"packed rows keep attention within each "
                                   f"sample, but context parallelism (cp_size {cp}) runs one causal attention over "
-                                  "the whole row; turn packing off (packed_sequence.enabled: false, "
+                                  "the whole row (torch's ring attention; upstream keeps the samples apart across "
+                                  "the ring with Transformer Engine's THD attention on CUDA, which this build does "
+                                  "not include); turn packing off (packed_sequence.enabled: false, "
                                   "packed_sequence_size: 0)"))
     return issues
 
