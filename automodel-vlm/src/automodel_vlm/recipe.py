@@ -32,6 +32,9 @@ class FinetuneRecipeForVLM(NextTokenLogits, TrainRecipe):
     """Fine-tunes an image-text-to-text model (Llava-style and others) on image conversations."""
 
     domain = "vlm"
+    # the language model's projections and head are sharded by its own plan (transformers' tp_plan of the composite
+    # model); the vision tower and projector stay replicated over tp; the loss runs on vocabulary-parallel logits
+    tensor_parallel_unsupported = None
     hf_artifacts = ("processor",)
     stage_implementations = {"peft": "vlm_lora", "freeze": "vlm"}
     sections = {
@@ -60,6 +63,12 @@ class FinetuneRecipeForVLM(NextTokenLogits, TrainRecipe):
                                                          "streams) is not implemented: remove packed_sequence; each "
                                                          "batch is padded to its longest sample (or to "
                                                          "collate_fn.max_length)"))
+        settings = cfg.distributed
+        if settings is not None and settings.tp_size > 1 and settings.sequence_parallel:
+            issues.append(ConfigIssue("distributed.sequence_parallel", f"true with tp_size {settings.tp_size}: "
+                                      "sequence parallelism is not implemented for vision-language models (the image "
+                                      "features are merged into the text sequence before the language model's "
+                                      "layers, and the vision tower's layers would be split too); set it to false"))
         if "freeze" in cfg and "freeze_config" in cfg:
             issues.append(ConfigIssue("freeze_config", "give one of freeze (ours) and freeze_config (upstream's "
                                                        "keys): they set the same thing"))

@@ -338,7 +338,8 @@ def model_hf_config(cfg: Config) -> Any:
 
 def tensor_parallel_lines(cfg: Config) -> list[str]:
     """The ``--dry-run`` lines of the tensor-parallel plan per module, when ``tp_size > 1``: that of the causal LM
-    the model's config describes, built on the meta device (no memory), else the plan its config declares."""
+    (or image-text-to-text model) the model's config describes, built on the meta device (no memory), else the plan
+    its config declares."""
     settings = cfg.distributed
     if settings is None or settings.tp_size == 1:
         return []
@@ -346,14 +347,17 @@ def tensor_parallel_lines(cfg: Config) -> list[str]:
     if hf_config is None:
         return [f"tensor parallel over tp {settings.tp_size}: the plan is the built model's (its config cannot be "
                 "read before the build)"]
-    try:
-        from transformers import AutoModelForCausalLM
+    plan = config_plan(hf_config) or {}  # not a model transformers knows, or no plan: the config's own, as patterns
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(hf_config)
-        plan = expand_plan(model_plan(model), model, require_all=False)
-    except Exception:  # not a causal LM transformers knows, or no plan: the config's own plan, as patterns
-        plan = config_plan(hf_config) or {}
+    for auto in (AutoModelForCausalLM, AutoModelForImageTextToText):
+        try:
+            with torch.device("meta"):
+                model = auto.from_config(hf_config)
+            plan = expand_plan(model_plan(model), model, require_all=False)
+            break
+        except Exception:  # not an architecture of this auto class, or no plan
+            continue
     return describe_plan(plan, settings.tp_size, settings.sequence_parallel,
                          vocab_parallel=any(style in HEAD_STYLES for style in plan.values()))
 

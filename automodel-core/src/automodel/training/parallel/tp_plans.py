@@ -152,8 +152,12 @@ TP_PLANS = TPPlanRegistry()
 
 
 def config_plan(config: Any, registry: TPPlanRegistry = TP_PLANS) -> dict[str, str] | None:
-    """The plan validation can see without a model: the registry's, else the config's ``base_model_tp_plan``."""
-    return registry.get(config.model_type) or (dict(config.base_model_tp_plan or {}) or None)
+    """The plan validation can see without a model: the registry's, else the config's ``base_model_tp_plan`` (a
+    composite config's, such as Llava's, is its text config's: the built model shards its language model by it)."""
+    own = getattr(config, "base_model_tp_plan", None)
+    if not own and hasattr(config, "get_text_config"):
+        own = getattr(config.get_text_config(), "base_model_tp_plan", None)
+    return registry.get(config.model_type) or (dict(own or {}) or None)
 
 
 def model_plan(model: nn.Module, registry: TPPlanRegistry = TP_PLANS) -> dict[str, str]:
