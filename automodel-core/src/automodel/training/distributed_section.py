@@ -26,7 +26,8 @@ class DistributedConfig:
     tp_size: int = field(default=1, metadata=_help(
         "tensor-parallel size: each attention / MLP projection (and the output head) sharded over this many ranks "
         "with DTensor, by the model's tp plan (strategy fsdp2, which shards over dp_size; it must divide the "
-        "model's heads, key/value heads, intermediate and vocabulary sizes; no peft)"))
+        "model's heads, key/value heads, intermediate and vocabulary sizes; LoRA adapters sharded like their "
+        "projections; the LLM and VLM fine-tuning recipes)"))
     cp_size: int = field(default=1, metadata=_help("context-parallel size: each sequence split over this many ranks, "
                                                    "torch's ring attention (CUDA only; fsdp2; LLM recipes; no tp/pp)"))
     pp_size: int = field(default=1, metadata=_help(
