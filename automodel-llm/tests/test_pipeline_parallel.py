@@ -148,6 +148,20 @@ def test_pp2_x_tp2_on_four_ranks_trains_like_one_process(one_process, tmp_path):
     assert_same_weights(out / "epoch_0_step_3" / "model", reference / "epoch_0_step_3" / "model")
 
 
+def test_pp_seq_len_with_tensor_parallel_stages_trains_like_one_process(one_process, tmp_path):
+    """pp=2 x tp=2 with static stage shapes (the stages return plain tensors, whole on each tensor-parallel rank):
+    the losses and gradient norms of one process (three steps: 1e-4 relative)."""
+    config, steps = one_process[0], ["--step_scheduler.max_steps", "3", "--step_scheduler.checkpoint_interval", "3"]
+    out = tmp_path / "pp2_tp2_static"
+    log = _run(config, tmp_path, out, *steps, "--nproc-per-node", "4", "--distributed.strategy", "fsdp2",
+               "--distributed.pp_size", "2", "--distributed.tp_size", "2", "--distributed.pipeline.pp_seq_len", "128",
+               "--distributed.pipeline.dtype", "fp32")
+    assert "pipeline stage shapes: static (pp_seq_len 128)" in log
+    reference = one_process[1]
+    assert losses(out) == pytest.approx(losses(reference)[:3], rel=1e-4)
+    assert grad_norms(out) == pytest.approx(grad_norms(reference)[:3], rel=1e-4)
+
+
 @pytest.fixture(scope="module")
 def four_layers(tmp_path_factory) -> tuple[Path, Path]:
     """(config, checkpoint_dir) of the one-process reference with a 4-layer Llama (two stages on each of two ranks
@@ -227,8 +241,9 @@ def test_static_shape_settings_are_checked_byvalidate_cli(pp_llama_config, tmp_p
         (["--distributed.pipeline.dtype", "bf16"], f"{key}.dtype: 'bf16' without pp_seq_len"),
         (["--distributed.pipeline.pp_seq_len", "64", "--distributed.pipeline.dtype", "fp32",
           "--distributed.mp_policy.param_dtype", "bf16"], f"{key}.dtype: fp32, but the stages exchange bf16"),
-        (["--nproc-per-node", "4", "--distributed.tp_size", "2", "--distributed.pipeline.pp_seq_len", "64"],
-         f"{key}.pp_seq_len: 64 with tp_size 2: static stage shapes"),
+        (["--nproc-per-node", "4", "--distributed.tp_size", "2", "--distributed.sequence_parallel", "true",
+          "--distributed.pipeline.pp_seq_len", "64"],
+         f"{key}.pp_seq_len: 64 with sequence_parallel with tp_size 2: the stages exchange sequence-sharded"),
     ]:
         code, out = validate_cli(config, tmp_path, *two, *args)
         assert code == 2 and words in out, out
@@ -238,8 +253,11 @@ def test_static_shape_settings_are_checked_byvalidate_cli(pp_llama_config, tmp_p
     packed = ["--packed_sequence.packed_sequence_size", "128"]  # upstream's default pp_seq_len, dtype acts with it
     code, out = validate_cli(config, tmp_path, *two, *packed, "--distributed.pipeline.dtype", "fp32")
     assert code == 0, out
-    code, out = validate_cli(config, tmp_path, *packed, "--nproc-per-node", "4", "--distributed.tp_size", "2")
-    assert code == 0, out  # not inferred where static shapes are not set up: the stages find their shapes
+    four_tp = ["--nproc-per-node", "4", "--distributed.tp_size", "2", "--distributed.pipeline.dtype", "fp32"]
+    code, out = validate_cli(config, tmp_path, *packed, *four_tp)
+    assert code == 0, out  # inferred with tensor-parallel stages too
+    code, out = validate_cli(config, tmp_path, *packed, *four_tp, "--distributed.sequence_parallel", "true")
+    assert code == 2 and f"{key}.dtype: 'fp32' without pp_seq_len" in out  # not inferred: sequence shards
 
 
 def test_settings_the_pipeline_cannot_take_are_refused_byvalidate_cli(pp_llama_config, tmp_path):

@@ -31,7 +31,7 @@ from automodel.training.parallel.pipeline_parallel import (
     section_issues,
     static_issues,
 )
-from automodel.training.parallel.pipeline_static import static_shape_issues
+from automodel.training.parallel.pipeline_static import static_shape_issues, static_shapes_unsupported
 from automodel.training.parallel.precision import Precision, parse_dtype_name, precision_issues, resolve_precision
 from automodel.training.parallel.tensor_parallel import describe_plan, tp_issues
 from automodel.training.parallel.tp_plans import HEAD_STYLES, config_plan, expand_plan, model_plan
@@ -173,11 +173,11 @@ def _lora_tp_issues(cfg: Config) -> list[ConfigIssue]:
 def pipeline_settings(cfg: Config) -> PipelineSettings:
     """``distributed.pipeline`` as :class:`PipelineSettings` (upstream's defaults where it is absent); without
     ``pp_seq_len``, upstream's: the packed rows' length (``packed_sequence.packed_sequence_size``), else the data
-    set's ``seq_len``, else none (each step's batches find their shape); none either where static shapes are not
-    set up (tensor / context parallel stages exchange sharded tensors)."""
+    set's ``seq_len``, else none (batches find their shape), also where ``static_shapes_unsupported`` says why."""
     distributed = cfg.distributed
     settings = PipelineSettings.from_section(distributed.pipeline if distributed is not None else None)
-    if settings.pp_seq_len is not None or distributed is None or distributed.tp_size > 1 or distributed.cp_size > 1:
+    if settings.pp_seq_len is not None or distributed is None or static_shapes_unsupported(
+            distributed.tp_size, distributed.cp_size, distributed.sequence_parallel):
         return settings
     packed = getattr(cfg.get("packed_sequence"), "packed_sequence_size", 0)
     dataset = cfg.get("dataset")
@@ -217,8 +217,8 @@ def pipeline_parallel_issues(cfg: Config, implementation: str | None) -> list[Co
     pipeline = pipeline_settings(cfg)
     found = static_issues(pipeline)
     if not found and pipeline.pp_seq_len is not None:
-        sizes = {name: getattr(settings, name) for name in ("tp_size", "cp_size")}
-        found = static_shape_issues(pipeline, precision, storage_dtype_name(cfg), sizes)
+        unsupported = static_shapes_unsupported(settings.tp_size, settings.cp_size, settings.sequence_parallel)
+        found = static_shape_issues(pipeline, precision, storage_dtype_name(cfg), unsupported)
     issues += found
     hf_config = model_hf_config(cfg)
     if hf_config is not None:

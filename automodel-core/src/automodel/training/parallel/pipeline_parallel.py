@@ -187,8 +187,9 @@ def static_issues(settings: PipelineSettings, key: str = "distributed.pipeline")
                             "(float16) or fp32 (float32)")]
     if settings.pp_seq_len is None:
         return [ConfigIssue(f"{key}.dtype", f"{settings.dtype!r} without pp_seq_len: it is the dtype of the static "
-                            "stage shapes that pp_seq_len sets (given, or upstream's default with tp_size and cp_size "
-                            "1: packed_sequence.packed_sequence_size, else dataset.seq_len), and acts on nothing "
+                            "stage shapes that pp_seq_len sets (given, or upstream's default without context or "
+                            "sequence parallelism: packed_sequence.packed_sequence_size, else dataset.seq_len), and "
+                            "acts on nothing "
                             "else; set pp_seq_len or remove dtype")]
     return []
 

@@ -33,18 +33,30 @@ def activations_dtype(precision: Precision, storage: torch.dtype | None) -> torc
     return precision.output_dtype or precision.param_dtype or storage
 
 
+def static_shapes_unsupported(tp_size: int, cp_size: int, sequence_parallel: bool) -> str | None:
+    """Why static stage shapes cannot describe what the stages exchange in this layout (None: they can).
+
+    Tensor parallelism alone keeps what the stages return plain and whole on every tensor-parallel rank (the
+    row-wise projections all-reduce the hidden states; a stage's output head gathers the logits over the
+    vocabulary), which :class:`StaticShapes` describes. Sequence parallelism and context parallelism send sequence
+    shards, which it does not."""
+    if cp_size > 1:
+        return f"cp_size {cp_size}: the stages exchange sequence shards, which static shapes are not set up for"
+    if tp_size > 1 and sequence_parallel:
+        return (f"sequence_parallel with tp_size {tp_size}: the stages exchange sequence-sharded hidden states, which "
+                "static shapes are not set up for")
+    return None
+
+
 def static_shape_issues(pipeline: PipelineSettings, precision: Precision, storage: torch.dtype | None,
-                        sizes: dict[str, int], key: str = "distributed.pipeline") -> list[ConfigIssue]:
-    """``pp_seq_len``: plain tensors between the stages (``sizes``' tp_size and cp_size 1: their stages exchange
-    DTensors or sequence shards), and ``dtype`` the activations' dtype of the run's ``precision`` (where the config
-    names it, ``storage`` the model's dtype or None; else the first micro-batch checks it)."""
+                        unsupported: str | None, key: str = "distributed.pipeline") -> list[ConfigIssue]:
+    """``pp_seq_len``: a layout static shapes describe (``unsupported``: why not, from
+    :func:`static_shapes_unsupported`), and ``dtype`` the activations' dtype of the run's ``precision`` (where the
+    config names it, ``storage`` the model's dtype or None; else the first micro-batch checks it)."""
     issues = []
-    for name, size in sizes.items():
-        if size > 1:
-            issues.append(ConfigIssue(f"{key}.pp_seq_len", f"{pipeline.pp_seq_len} with {name} {size}: static stage "
-                                      "shapes are set up here for plain tensors between the stages, not the sharded "
-                                      f"DTensors (and their gradients) that {name} sends; remove pp_seq_len (the "
-                                      f"shapes are then found on the first batch) or set {name}: 1"))
+    if unsupported is not None:
+        issues.append(ConfigIssue(f"{key}.pp_seq_len", f"{pipeline.pp_seq_len} with {unsupported}; remove pp_seq_len "
+                                  "(the shapes are then found on the first batch) or change that setting"))
     given = parse_dtype_name(pipeline.dtype) if pipeline.dtype is not None else None
     runs = activations_dtype(precision, storage)
     if given is not None and runs is not None and given != runs:
