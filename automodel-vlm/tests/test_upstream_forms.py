@@ -45,6 +45,8 @@ def upstream_data(tmp_path_factory):
         "rdr": _write(root / "rdr.jsonl", [{"image": i, "text": f"a {a} shape"} for i, _, a in rows]),
         "cord": _write(root / "cord.jsonl", [{"image": i, "ground_truth": json.dumps(
             {"gt_parse": {"shape": {"colour": a, "kind": q}}})} for i, q, a in rows]),
+        "shopify": _write(root / "shopify.jsonl", [{"product_image": i, "ground_truth_category": f"Toys > {a} shapes"}
+                                                   for i, _, a in rows]),
     }
 
 
@@ -93,6 +95,28 @@ def test_rdr_and_cord_forms_train_with_the_language_model_frozen_but_not_its_hea
     assert len(validation) == 8
     answer = validation[0]["messages"][1]["content"][0]["text"]
     assert answer.startswith("<s_shape><s_kind>") and answer.endswith("</s_colour></s_shape>")
+
+
+def test_shopify_catalogue_form_validates_on_product_photos_and_their_category(upstream_data, tmp_path):
+    """Upstream's Shopify product-catalogue factory ({product_image, ground_truth_category}): the user shows the
+    photo and asks for its category, the assistant answers with it; limit_dataset_samples caps the rows."""
+    shopify = "nemo_automodel.components.datasets.vlm.datasets.make_shopify_product_catalogue_dataset"
+    testing.train_inprocess(RDR_CORD, "--dataset.path_or_dataset", upstream_data["rdr"],
+                            "--validation_dataset._target_", shopify, "--validation_dataset.path_or_dataset",
+                            upstream_data["shopify"], "--validation_dataset.limit_dataset_samples", "6",
+                            "--checkpoint.checkpoint_dir", tmp_path, route=ROUTE)
+    assert [r["step"] for r in testing.read_jsonl(tmp_path / "validation.jsonl")] == [3]
+    from automodel_vlm.datasets import make_shopify_product_catalogue_dataset
+
+    data = make_shopify_product_catalogue_dataset(str(upstream_data["shopify"]), limit_dataset_samples=6)
+    image, _, answer = next(iter(_shapes_rows(1)))
+    assert len(data) == 6 and data[0]["messages"] == [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Which product category is this "
+                                                                                 "item in?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": f"Toys > {answer} shapes"}]}]
+    assert len(data[0]["images"]) == 1
+    with pytest.raises(AutomodelError, match="has no column product_image, ground_truth_category"):
+        make_shopify_product_catalogue_dataset(str(upstream_data["rdr"]))
 
 
 def test_receipt_tokens_as_upstreams_json_to_token_rule():

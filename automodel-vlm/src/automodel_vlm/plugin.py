@@ -6,15 +6,13 @@ _RECIPE = "automodel_vlm.recipe.FinetuneRecipeForVLM"
 _DATASETS = "nemo_automodel.components.datasets.vlm.datasets"
 _COLLATE = "nemo_automodel.components.datasets.vlm.collate_fns"
 _OURS = ("use ImageTextChatDataset (a JSONL/JSON/parquet file or hub set of {messages, image} rows) or one of "
-         "make_medpix_dataset, make_rdr_dataset, make_cord_v2_dataset")
+         "make_medpix_dataset, make_rdr_dataset, make_cord_v2_dataset, make_shopify_product_catalogue_dataset")
 _GENERIC_COLLATE = ("use default_collate_fn (the processor's chat template renders the conversation; labels on the "
                     "assistant turns), which serves processors that follow transformers' conventions")
 # Upstream names nothing here implements, each with the reason and what to use instead.
 UNSUPPORTED = {
     f"{_DATASETS}.make_tulu3_dataset": "text-only chat data (no images) is not a VLM data set here; " + _OURS,
     f"{_DATASETS}.make_tulu3_magicoder_text_mix_dataset": "text-only chat data is not a VLM data set here; " + _OURS,
-    f"{_DATASETS}.make_shopify_product_catalogue_dataset": "the Shopify catalogue's schema is not implemented; "
-                                                          + _OURS,
     f"{_DATASETS}.make_meta_dataset": "upstream's meta-JSON data mixtures are not implemented; " + _OURS,
     "nemo_automodel.components.datasets.audio.datasets.make_cv17_dataset": "audio data is not supported by the VLM "
                                                                            "recipe (images only)",
@@ -69,7 +67,8 @@ def automodel_register_aliases(aliases) -> None:
                    "automodel_vlm.AutoModelForImageTextToText.from_pretrained")
     aliases.target("nemo_automodel.NeMoAutoModelForImageTextToText.from_config",
                    "automodel_vlm.AutoModelForImageTextToText.from_config")
-    for name in ("make_medpix_dataset", "make_rdr_dataset", "make_cord_v2_dataset"):
+    for name in ("make_medpix_dataset", "make_rdr_dataset", "make_cord_v2_dataset",
+                 "make_shopify_product_catalogue_dataset"):
         aliases.target(f"{_DATASETS}.{name}", f"automodel_vlm.datasets.{name}")
     aliases.target("nemo_automodel.components.datasets.vlm.mock.build_mock_vlm_dataset",
                    "automodel_vlm.datasets.MockVLMDataset")

@@ -19,6 +19,7 @@ from automodel.errors import AutomodelError
 from automodel_vlm.datasets.conversation import ImageTextChatDataset, load_conversation_rows
 
 DESCRIBE = "Describe this image."
+PRODUCT_CATEGORY = "Which product category is this item in?"
 _SLICE = re.compile(r"^(\w+)\[:(\d+)\]$")
 
 
@@ -39,6 +40,11 @@ def _rows(path_or_dataset: str, split: str, key: str, columns: tuple[str, ...]) 
         raise AutomodelError(f"{key}.path_or_dataset: '{path_or_dataset}' has no column {', '.join(missing)} (it "
                              f"has: {', '.join(rows.column_names)}); this factory reads {', '.join(columns)}")
     return rows, folder, limit
+
+
+def _capped(limit: int | None, cap: int | None) -> int | None:
+    """The row limit of a ``split`` slice and ``limit_dataset_samples`` together (None: every row)."""
+    return cap if limit is None else limit if cap is None else min(limit, cap)
 
 
 def _dataset(rows: Any, folder: Any, source: str, key: str, image_column: str, limit: int | None,
@@ -75,10 +81,21 @@ def make_cord_v2_dataset(path_or_dataset: str = "naver-clova-ix/cord-v2", split:
     (``<s_key>value</s_key>``, keys in reverse order, list items joined by ``<sep/>``); where it holds several
     parses (``gt_parses``) one is drawn with Python's RNG (seeded by the run)."""
     rows, folder, limit = _rows(path_or_dataset, split, config_key, ("image", "ground_truth"))
-    if limit_dataset_samples is not None:
-        limit = min(limit, limit_dataset_samples) if limit is not None else limit_dataset_samples
+    limit = _capped(limit, limit_dataset_samples)
     return _dataset(rows, folder, str(path_or_dataset), config_key, "image", limit, on_bad_row,
                     lambda truth: _conversation(DESCRIBE, receipt_tokens(truth, config_key)), ["ground_truth"])
+
+
+def make_shopify_product_catalogue_dataset(path_or_dataset: str = "Shopify/product-catalogue", split: str = "train",
+                                           limit_dataset_samples: int | None = None, prompt: str = PRODUCT_CATEGORY,
+                                           config_key: str = "dataset", on_bad_row: OnBadRow = "error"
+                                           ) -> ImageTextChatDataset:
+    """Shopify product-catalogue rows ``{product_image, ground_truth_category}``: the user shows the product photo
+    and asks ``prompt`` (its category), the assistant answers with the taxonomy category."""
+    rows, folder, limit = _rows(path_or_dataset, split, config_key, ("product_image", "ground_truth_category"))
+    limit = _capped(limit, limit_dataset_samples)
+    return _dataset(rows, folder, str(path_or_dataset), config_key, "product_image", limit, on_bad_row,
+                    lambda category: _conversation(prompt, category), ["ground_truth_category"])
 
 
 def receipt_tokens(ground_truth: str, key: str = "dataset") -> str:
