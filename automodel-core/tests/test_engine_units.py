@@ -38,6 +38,30 @@ def test_masked_ce_matches_torch_on_label_tokens():
         expected_sum.item() / int(kept.sum()), rel=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_chunked_ce_gives_the_masked_losses_and_gradients_a_chunk_at_a_time(dtype, reduction):
+    """ChunkedCrossEntropy (upstream's chunked_ce form): chunks of 5 rows over 26 (the last one shorter), ignored
+    labels, bf16 logits upcast per chunk; the loss and the logits' gradient equal MaskedCrossEntropy's."""
+    from automodel.training.loss import ChunkedCrossEntropy, MaskedCrossEntropy
+
+    torch.manual_seed(0)
+    logits = torch.randn(2, 13, 50, dtype=dtype, requires_grad=True)
+    labels = torch.randint(0, 50, (2, 13))
+    labels[0, :4] = -100
+    results = []
+    for loss_fn in (ChunkedCrossEntropy(chunk_len=5, reduction=reduction), MaskedCrossEntropy(reduction=reduction)):
+        loss = loss_fn(logits, labels)
+        (grad,) = torch.autograd.grad(loss * 3.0, logits)
+        results.append((loss.item(), grad.float()))
+    (chunked, chunked_grad), (masked, masked_grad) = results
+    assert chunked == pytest.approx(masked, rel=1e-6)
+    assert torch.allclose(chunked_grad, masked_grad, atol=1e-6 if dtype == torch.float32 else 1e-2)
+    assert chunked_grad[0, :3].abs().sum() == 0  # positions whose labels are ignored get no gradient
+    with pytest.raises(ValueError, match="chunk_len must be a positive integer"):
+        ChunkedCrossEntropy(chunk_len=0)
+
+
 def test_masked_ce_upcasts_half_precision():
     from automodel.training.loss import MaskedCrossEntropy
 

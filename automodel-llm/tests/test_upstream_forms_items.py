@@ -560,3 +560,24 @@ def test_embedding_row_repair_refuses_tied_or_sharded_embeddings(tmp_path, monke
     found = refusals(form, "--distributed.tp_size", "2", "--distributed.strategy", "fsdp2")
     assert "FSDP2, tensor and pipeline parallelism split over ranks" in found["embedding_row_repair"]
     train_inprocess(form, "--step_scheduler.max_steps", "1")  # healthy rows: trains, the embedding unchanged
+
+
+def test_chunked_cross_entropy_trains_like_the_masked_loss_and_compile_is_named_inert(tmp_path, monkeypatch, capsys):
+    """Upstream's ``loss_fn: {_target_: ...chunked_ce.ChunkedCrossEntropy, chunk_len, compile}``: the losses of the
+    default MaskedCrossEntropy (3 steps); ``compile`` governs nothing (the summed loss is not compiled upstream
+    either) and a note says so; with tensor parallelism (logits sharded over the vocabulary) it is refused."""
+    chunked = {"_target_": "nemo_automodel.components.loss.chunked_ce.ChunkedCrossEntropy", "chunk_len": 7,
+               "compile": True}
+    runs = {}
+    for name, sections in (("masked", {}), ("chunked", {"loss_fn": chunked})):
+        (tmp_path / name).mkdir()
+        monkeypatch.chdir(tmp_path / name)
+        train_inprocess(variant(tmp_path / name, FORMS / "recipe_bare_name.yaml", **sections))
+        logs = tmp_path / name / "checkpoints"
+        runs[name] = [r["loss"] for r in read_jsonl(logs / "training.jsonl")] + \
+            [r["val_loss"] for r in read_jsonl(logs / "validation.jsonl")]
+    assert len(runs["chunked"]) == 2 and runs["chunked"] == pytest.approx(runs["masked"], rel=1e-6)
+    assert "note: loss_fn.compile governs nothing: ChunkedCrossEntropy's summed loss" in capsys.readouterr().err
+    found = refusals(variant(tmp_path, FORMS / "recipe_bare_name.yaml", loss_fn=chunked), "--distributed.tp_size",
+                     "2", "--distributed.strategy", "fsdp2")
+    assert "shards the logits over the vocabulary; use MaskedCrossEntropy" in found["loss_fn._target_"]

@@ -59,6 +59,8 @@ def automodel_register_aliases(aliases) -> None:
                            f"transformers.models.{model}.configuration_{model}.{name}{suffix}")
     aliases.target("nemo_automodel.components.loss.masked_ce.MaskedCrossEntropy",
                    "automodel.training.loss.MaskedCrossEntropy")
+    aliases.target("nemo_automodel.components.loss.chunked_ce.ChunkedCrossEntropy",
+                   "automodel.training.loss.ChunkedCrossEntropy")
     aliases.target("nemo_automodel.components.datasets.llm.squad.make_squad_dataset",
                    "automodel_llm.datasets.make_squad_dataset")
     aliases.target("ColumnMappedTextInstructionDataset",

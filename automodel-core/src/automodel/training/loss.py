@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from automodel.errors import ConfigIssue
+
+if TYPE_CHECKING:
+    from automodel.config import Config
+
 IGNORE_INDEX = -100
+CHUNKED = "automodel.training.loss.ChunkedCrossEntropy"
 
 
 class MaskedCrossEntropy(nn.Module):
@@ -34,6 +40,68 @@ class MaskedCrossEntropy(nn.Module):
             return total
         count = (labels != self.ignore_index).sum()
         return total / count.clamp(min=1)
+
+
+class ChunkedCrossEntropy(MaskedCrossEntropy):
+    """:class:`MaskedCrossEntropy` that upcasts ``chunk_len`` rows of logits to fp32 at a time instead of all of
+    them: the forward keeps only each row's log-normaliser and target logit, the backward recomputes each chunk's
+    softmax, so no fp32 copy of the whole ``[tokens, vocab]`` logits (nor its softmax) is ever held. The same loss
+    and gradients as :class:`MaskedCrossEntropy`; logits sharded over the vocabulary (tensor parallelism's
+    ``DTensor``) are refused, their loss runs vocabulary-parallel in :class:`MaskedCrossEntropy`.
+
+    ``compile`` is upstream's switch for the path that reduces per chunk with ``torch.compile``; the engine sums the
+    loss (``reduction='sum'``), a path upstream does not compile either, so it governs nothing (the run says so:
+    :func:`chunked_loss_notes`)."""
+
+    def __init__(self, chunk_len: int = 32, compile: bool = True, ignore_index: int = IGNORE_INDEX,
+                 reduction: str = "sum"):
+        super().__init__(ignore_index=ignore_index, reduction=reduction)
+        if isinstance(chunk_len, bool) or not isinstance(chunk_len, int) or chunk_len < 1:
+            raise ValueError(f"chunk_len must be a positive integer (rows of logits upcast at a time), found "
+                             f"{chunk_len!r}")
+        self.chunk_len, self.compile = chunk_len, compile
+
+    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(logits, DTensor):
+            raise ValueError("loss_fn: ChunkedCrossEntropy takes whole logits, but tensor parallelism shards them "
+                             "over the vocabulary; use MaskedCrossEntropy (its loss runs vocabulary-parallel)")
+        logits = logits.reshape(-1, logits.shape[-1])
+        labels = labels.reshape(-1).to(logits.device)
+        total = _ChunkedSum.apply(logits, labels, self.ignore_index, self.chunk_len)
+        if self.reduction == "sum":
+            return total
+        return total / (labels != self.ignore_index).sum().clamp(min=1)
+
+
+class _ChunkedSum(torch.autograd.Function):
+    """The summed cross entropy of ``[tokens, vocab]`` logits, ``chunk_len`` fp32 rows at a time."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, chunk_len: int
+                ) -> torch.Tensor:
+        kept = labels != ignore_index
+        targets = labels.masked_fill(~kept, 0)
+        total = torch.zeros((), dtype=torch.float32, device=logits.device)
+        for rows in torch.arange(logits.shape[0], device=logits.device).split(chunk_len):
+            chunk = logits[rows].float()
+            picked = chunk.gather(1, targets[rows].unsqueeze(1)).squeeze(1)
+            total += ((torch.logsumexp(chunk, dim=-1) - picked) * kept[rows]).sum()
+        ctx.save_for_backward(logits, targets, kept)
+        ctx.chunk_len = chunk_len
+        return total
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad_total: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        logits, targets, kept = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        for rows in torch.arange(logits.shape[0], device=logits.device).split(ctx.chunk_len):
+            chunk = torch.softmax(logits[rows].float(), dim=-1)  # d(logsumexp - picked) / d logits
+            chunk[torch.arange(len(rows), device=chunk.device), targets[rows]] -= 1.0
+            grad[rows] = (chunk * (kept[rows].unsqueeze(1) * grad_total)).to(grad.dtype)
+        return grad, None, None, None
 
 
 class Float32Loss(nn.Module):
@@ -69,3 +137,29 @@ def as_sum_loss(loss_fn: nn.Module | None) -> nn.Module:
         loss_fn.ignore_index = IGNORE_INDEX
     return Float32Loss(loss_fn)
 
+
+
+def _chunked_loss(cfg: Config) -> Any:
+    """The ``loss_fn`` section when it names :class:`ChunkedCrossEntropy` (by any alias), else None."""
+    node = cfg.get("loss_fn")
+    target = getattr(node, "target", None)
+    return node if isinstance(target, str) and cfg.resolver.expand(target) == CHUNKED else None
+
+
+def chunked_loss_issues(cfg: Config) -> list[ConfigIssue]:
+    """:class:`ChunkedCrossEntropy` takes whole logits, which tensor parallelism shards over the vocabulary."""
+    tp = cfg.distributed.tp_size if cfg.distributed is not None else 1
+    if tp > 1 and _chunked_loss(cfg) is not None:
+        return [ConfigIssue("loss_fn._target_", f"ChunkedCrossEntropy upcasts chunks of whole logits, but tp_size {tp} "
+                            "shards the logits over the vocabulary; use MaskedCrossEntropy (vocabulary-parallel "
+                            "there, and no rank holds whole logits) or tp_size: 1")]
+    return []
+
+
+def chunked_loss_notes(cfg: Config) -> list[str]:
+    """The run-start note that ``loss_fn.compile`` governs nothing (see :class:`ChunkedCrossEntropy`)."""
+    node = _chunked_loss(cfg)
+    if node is None or not node.to_dict().get("compile", True):
+        return []
+    return ["note: loss_fn.compile governs nothing: ChunkedCrossEntropy's summed loss (what the engine uses) runs "
+            "its chunks eagerly, as upstream's does; only chunk_len acts"]
