@@ -77,7 +77,7 @@ class _Injector:
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
         input_ids = batch["input_ids"]
-        attention = batch.get("attention_mask", torch.ones_like(input_ids))
+        attention = batch.setdefault("attention_mask", torch.ones_like(input_ids))  # padding is added below
         keys = [k for k in TOKEN_AXIS if isinstance(batch.get(k), torch.Tensor) and batch[k].shape == input_ids.shape]
         rows: dict[str, list[list[int]]] = {k: [] for k in keys}
         for row in range(input_ids.shape[0]):
