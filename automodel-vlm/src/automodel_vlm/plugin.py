@@ -16,9 +16,6 @@ UNSUPPORTED = {
     f"{_DATASETS}.make_meta_dataset": "upstream's meta-JSON data mixtures are not implemented; " + _OURS,
     "nemo_automodel.components.datasets.audio.datasets.make_cv17_dataset": "audio data is not supported by the VLM "
                                                                            "recipe (images only)",
-    f"{_COLLATE}.gemma4_prefix_collate_fn": "Gemma 4's thinking-channel prefix injection is not implemented; "
-                                            + _GENERIC_COLLATE,
-    f"{_COLLATE}.gemma4_inject_thinking_prefix": "Gemma 4's thinking-channel prefix injection is not implemented",
     f"{_COLLATE}.nemotron_omni_collate_fn": "Nemotron Omni's audio/video collation is not implemented; "
                                             + _GENERIC_COLLATE,
     f"{_COLLATE}.qwen3_omni_collate_fn": "Qwen3-Omni's audio/video collation is not implemented; " + _GENERIC_COLLATE,
@@ -76,6 +73,10 @@ def automodel_register_aliases(aliases) -> None:
     # builds once with the recipe's processor and the node's keys (max_length, drop_overlong)
     for name in ("default_collate_fn", "qwen2_5_collate_fn", "llava_onevision_collate_fn"):
         aliases.target(f"{_COLLATE}.{name}", "automodel_vlm.datasets.collate.VLMCollator")
+    # Gemma 4's: the same collation with the thinking-channel prefix inserted after each model turn, unlabelled;
+    # upstream's hook (batch, processor) -> batch itself, for its packed_sequence.post_tokenize_hook_fn
+    aliases.target(f"{_COLLATE}.gemma4_prefix_collate_fn", "automodel_vlm.datasets.gemma4.Gemma4PrefixCollator")
+    aliases.target(f"{_COLLATE}.gemma4_inject_thinking_prefix", "automodel_vlm.datasets.gemma4.inject_thinking_prefix")
     for name, reason in UNSUPPORTED.items():
         aliases.unsupported(name, reason)
 

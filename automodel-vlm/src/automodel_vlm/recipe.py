@@ -58,10 +58,14 @@ class FinetuneRecipeForVLM(NextTokenLogits, TrainRecipe):
     @classmethod
     def check_config(cls, cfg: Any) -> list[ConfigIssue]:
         issues = list(super().check_config(cfg))
-        if cfg.resolved.get("packed_sequence"):
+        packing = cfg.resolved.get("packed_sequence")
+        if packing:
+            hook = (" (its post_tokenize_hook_fn too: Gemma 4's thinking prefix is inserted by dataloader.collate_fn: "
+                    "{_target_: nemo_automodel.components.datasets.vlm.collate_fns.gemma4_prefix_collate_fn})"
+                    if isinstance(packing, dict) and packing.get("post_tokenize_hook_fn") else "")
             issues.append(ConfigIssue("packed_sequence", "packing VLM samples (upstream's pretokenization and packed "
-                                                         "streams) is not implemented: remove packed_sequence; each "
-                                                         "batch is padded to its longest sample (or to "
+                                                         f"streams) is not implemented: remove packed_sequence{hook}; "
+                                                         "each batch is padded to its longest sample (or to "
                                                          "collate_fn.max_length)"))
         settings = cfg.distributed
         if settings is not None and settings.tp_size > 1 and settings.sequence_parallel:

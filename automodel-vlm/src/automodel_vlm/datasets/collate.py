@@ -18,6 +18,8 @@ import torch
 from automodel.errors import AutomodelError
 
 IGNORE_INDEX = -100
+# A conversation as assistant_mask returns it: (rendered text, its token ids, which ids are the assistant's).
+Rendered = tuple[str, list[int], list[bool]]
 
 
 def render(processor: Any, messages: list[dict], generation_prompt: bool = False) -> str:
@@ -26,7 +28,7 @@ def render(processor: Any, messages: list[dict], generation_prompt: bool = False
     return processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
 
-def assistant_mask(processor: Any, messages: list[dict]) -> tuple[str, list[int], list[bool]]:
+def assistant_mask(processor: Any, messages: list[dict]) -> Rendered:
     """(rendered text, its token ids before image expansion, which of them belong to assistant turns)."""
     tokenizer = processor.tokenizer
 
@@ -99,7 +101,7 @@ class VLMCollator:
         self.placeholders = placeholder_ids(processor)
         self.max_length, self.drop_overlong = max_length, drop_overlong
 
-    def _process(self, rendered: list[tuple[str, list[int], list[bool]]], images: list[list[Any]],
+    def _process(self, rendered: list[Rendered], images: list[list[Any]],
                  **settings: Any) -> dict[str, Any]:
         kwargs: dict[str, Any] = dict(settings)
         if any(images):
@@ -107,8 +109,18 @@ class VLMCollator:
         return dict(self.processor(text=[text for text, _, _ in rendered], return_tensors="pt",
                                    add_special_tokens=False, **kwargs))
 
-    def _fits(self, rendered: tuple[str, list[int], list[bool]], images: list[Any]) -> bool:
+    def _fits(self, rendered: Rendered, images: list[Any]) -> bool:
         return self._process([rendered], [images], padding=False)["input_ids"].shape[1] <= self.max_length
+
+    def _padding(self) -> dict[str, Any]:
+        if self.max_length is None:
+            return {"padding": True}
+        return {"padding": "max_length", "truncation": not self.drop_overlong, "max_length": self.max_length}
+
+    def _tokenized(self, batch: dict[str, Any], rendered: list[Rendered]) -> tuple[dict[str, Any], list[Rendered]]:
+        """The processor's batch and the rendered conversations before labels are built: a subclass may edit both
+        alike (tokens inserted in a row's ``input_ids`` inserted in its rendered ids too, unmasked, stay unlabelled)."""
+        return batch, rendered
 
     def __call__(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         rendered = [assistant_mask(self.processor, s["messages"]) for s in samples]
@@ -119,10 +131,7 @@ class VLMCollator:
                 raise AutomodelError(f"collate_fn: every sample of this batch is longer than max_length "
                                      f"({self.max_length}) and drop_overlong is true; raise max_length")
             rendered, images = [rendered[i] for i in kept], [images[i] for i in kept]
-        padding: dict[str, Any] = {"padding": True}
-        if self.max_length is not None:
-            padding = {"padding": "max_length", "truncation": not self.drop_overlong, "max_length": self.max_length}
-        batch = self._process(rendered, images, **padding)
+        batch, rendered = self._tokenized(self._process(rendered, images, **self._padding()), rendered)
         input_ids = batch["input_ids"]
         attention = batch.get("attention_mask", torch.ones_like(input_ids))
         labels = torch.full_like(input_ids, IGNORE_INDEX)
