@@ -62,6 +62,47 @@ def test_chunked_ce_gives_the_masked_losses_and_gradients_a_chunk_at_a_time(dtyp
         ChunkedCrossEntropy(chunk_len=0)
 
 
+def test_linear_ce_inside_the_head_refuses_a_model_that_changes_the_head_output_or_an_adapted_head():
+    """The loss computed inside the output head (FusedLinearCrossEntropy) needs the model to return what the head
+    returned, and a plain linear head: a model that scales its logits after the head, or a head LoRA wraps, stops
+    with the reason instead of training on a wrong loss."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from automodel.errors import AutomodelError
+    from automodel.training.linear_ce import LinearCrossEntropy, LinearLossHead
+    from automodel.training.next_token import next_token_logits
+
+    class Scaled(nn.Module):
+        def __init__(self, scale: float):
+            super().__init__()
+            self.embed, self.head, self.scale = nn.Embedding(11, 4), nn.Linear(4, 11, bias=False), scale
+
+        def get_output_embeddings(self) -> nn.Module:
+            return self.head
+
+        def forward(self, input_ids):
+            logits = self.head(self.embed(input_ids))
+            return SimpleNamespace(logits=logits * self.scale if self.scale != 1 else logits)
+
+    labels = torch.randint(0, 11, (2, 6))
+    inputs = {"input_ids": labels}
+    plain = Scaled(1.0)
+    rows, targets = next_token_logits(plain, inputs, labels, None, None, LinearLossHead.attach(plain,
+                                                                                              LinearCrossEntropy()))
+    logits = plain.head(plain.embed(labels))[:, :-1].reshape(-1, 11)
+    assert rows.sum().item() == pytest.approx(F.cross_entropy(logits, targets, reduction="sum").item(), rel=1e-5)
+    scaled = Scaled(2.0)
+    with pytest.raises(AutomodelError, match="changes the head's output afterwards"):
+        next_token_logits(scaled, inputs, labels, None, None, LinearLossHead.attach(scaled, LinearCrossEntropy()))
+    assert scaled.head(torch.zeros(1, 4)).shape == (1, 11), "the head's own forward is back after the block"
+    adapted = Scaled(1.0)
+    adapted.head.base_layer = nn.Linear(4, 11)
+    with pytest.raises(AutomodelError, match="must be a linear layer"):
+        LinearLossHead.attach(adapted, LinearCrossEntropy())
+
+
 def test_masked_ce_upcasts_half_precision():
     from automodel.training.loss import MaskedCrossEntropy
 

@@ -204,7 +204,6 @@ def test_hellaswag_under_upstreams_name_trains(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("section, key, target, words", [
-    ("loss_fn", "_target_", "nemo_automodel.components.loss.linear_ce.FusedLinearCrossEntropy", "CUDA GPU"),
     ("loss_fn", "_target_", "nemo_automodel.components.loss.te_parallel_ce.TEParallelCrossEntropy", "CUDA GPU"),
     ("optimizer", "_target_", "transformer_engine.pytorch.optimizers.FusedAdam", "torch.optim.AdamW"),
     ("optimizer", "_target_", "transformer_engine.pytorch.optimizers.fused_adam.FusedAdam", "torch.optim.AdamW"),
@@ -562,22 +561,68 @@ def test_embedding_row_repair_refuses_tied_or_sharded_embeddings(tmp_path, monke
     train_inprocess(form, "--step_scheduler.max_steps", "1")  # healthy rows: trains, the embedding unchanged
 
 
+def _losses_of(tmp_path: Path, monkeypatch, name: str, *overrides, **sections) -> list[float]:
+    """The training and validation losses of recipe_bare_name.yaml with ``sections`` replaced, run in ``name``."""
+    (tmp_path / name).mkdir()
+    monkeypatch.chdir(tmp_path / name)
+    train_inprocess(variant(tmp_path / name, FORMS / "recipe_bare_name.yaml", **sections), *overrides)
+    logs = tmp_path / name / "checkpoints"
+    return [r["loss"] for r in read_jsonl(logs / "training.jsonl")] + \
+        [r["val_loss"] for r in read_jsonl(logs / "validation.jsonl")]
+
+
 def test_chunked_cross_entropy_trains_like_the_masked_loss_and_compile_is_named_inert(tmp_path, monkeypatch, capsys):
     """Upstream's ``loss_fn: {_target_: ...chunked_ce.ChunkedCrossEntropy, chunk_len, compile}``: the losses of the
     default MaskedCrossEntropy (3 steps); ``compile`` governs nothing (the summed loss is not compiled upstream
     either) and a note says so; with tensor parallelism (logits sharded over the vocabulary) it is refused."""
     chunked = {"_target_": "nemo_automodel.components.loss.chunked_ce.ChunkedCrossEntropy", "chunk_len": 7,
                "compile": True}
-    runs = {}
-    for name, sections in (("masked", {}), ("chunked", {"loss_fn": chunked})):
-        (tmp_path / name).mkdir()
-        monkeypatch.chdir(tmp_path / name)
-        train_inprocess(variant(tmp_path / name, FORMS / "recipe_bare_name.yaml", **sections))
-        logs = tmp_path / name / "checkpoints"
-        runs[name] = [r["loss"] for r in read_jsonl(logs / "training.jsonl")] + \
-            [r["val_loss"] for r in read_jsonl(logs / "validation.jsonl")]
-    assert len(runs["chunked"]) == 2 and runs["chunked"] == pytest.approx(runs["masked"], rel=1e-6)
+    masked = _losses_of(tmp_path, monkeypatch, "masked")
+    assert len(masked) == 2
+    assert _losses_of(tmp_path, monkeypatch, "chunked", loss_fn=chunked) == pytest.approx(masked, rel=1e-6)
     assert "note: loss_fn.compile governs nothing: ChunkedCrossEntropy's summed loss" in capsys.readouterr().err
     found = refusals(variant(tmp_path, FORMS / "recipe_bare_name.yaml", loss_fn=chunked), "--distributed.tp_size",
                      "2", "--distributed.strategy", "fsdp2")
     assert "shards the logits over the vocabulary; use MaskedCrossEntropy" in found["loss_fn._target_"]
+
+
+@pytest.mark.parametrize("positions", ["true", "false"])
+def test_fused_linear_cross_entropy_computes_the_loss_inside_the_head_like_the_masked_loss(tmp_path, monkeypatch,
+                                                                                         positions):
+    """Upstream's ``loss_fn: {_target_: ...linear_ce.FusedLinearCrossEntropy}`` with ``model.output_hidden_states``:
+    the loss inside the output head, chunk by chunk (chunk_len 5: several chunks), gives the losses of
+    MaskedCrossEntropy (3 steps and a validation), with the head projecting the label positions only or all."""
+    fused = {"_target_": "nemo_automodel.components.loss.linear_ce.FusedLinearCrossEntropy", "chunk_len": 5}
+    data = yaml.safe_load((FORMS / "recipe_bare_name.yaml").read_text())
+    model = {**data["model"], "output_hidden_states": True}
+    option = ("--logits.label_positions_only", positions)
+    masked = _losses_of(tmp_path, monkeypatch, "masked", *option)
+    assert _losses_of(tmp_path, monkeypatch, "fused", *option, loss_fn=fused, model=model) == \
+        pytest.approx(masked, rel=1e-5)
+
+
+def test_fused_linear_cross_entropy_is_refused_where_the_head_is_split_or_distilled(tmp_path):
+    fused = {"_target_": "nemo_automodel.components.loss.linear_ce.FusedLinearCrossEntropy"}
+    config = variant(tmp_path, FORMS / "recipe_bare_name.yaml", loss_fn=fused)
+    found = refusals(config, "--distributed.tp_size", "2", "--distributed.strategy", "fsdp2")
+    assert "which tp_size 2 splits (over the vocabulary" in found["loss_fn._target_"]
+    found = refusals(config, "--distributed.pp_size", "2", "--distributed.strategy", "fsdp2")
+    assert "which pp_size 2 splits" in found["loss_fn._target_"]
+    kd = yaml.safe_load((FORMS / "kd_upstream.yaml").read_text())
+    kd["loss_fn"] = fused
+    found = refusals(write_yaml(tmp_path / "kd.yaml", kd), route=("kd", "llm"))
+    assert "no logits are left for the distillation loss" in found["loss_fn._target_"]
+
+
+def test_fused_linear_cross_entropy_under_fsdp2_trains_like_the_masked_loss(tmp_path):
+    """Two FSDP2 ranks: the output head's weight is gathered for the loss inside it and its gradient reduced as for
+    the usual head (the losses of MaskedCrossEntropy on the same two ranks, 3 steps)."""
+    from llm_testing import losses, run_finetune
+
+    fused = {"_target_": "nemo_automodel.components.loss.linear_ce.FusedLinearCrossEntropy", "chunk_len": 16}
+    two = ["--nproc-per-node", "2", "--distributed.strategy", "fsdp2"]
+    masked, linear = tmp_path / "masked", tmp_path / "linear"
+    run_finetune(variant(tmp_path, FORMS / "recipe_bare_name.yaml"), tmp_path, masked, *two)
+    log = run_finetune(variant(tmp_path, FORMS / "recipe_bare_name.yaml", loss_fn=fused), tmp_path, linear, *two)
+    assert "FSDP2 over 2 ranks" in log
+    assert losses(linear) and losses(linear) == pytest.approx(losses(masked), rel=1e-5)

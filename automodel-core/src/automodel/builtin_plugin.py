@@ -43,6 +43,7 @@ def automodel_register_stages(stages) -> None:
 def automodel_register_aliases(aliases) -> None:
     aliases.target("MaskedCrossEntropy", "automodel.training.loss.MaskedCrossEntropy")
     aliases.target("ChunkedCrossEntropy", "automodel.training.loss.ChunkedCrossEntropy")
+    aliases.target("FusedLinearCrossEntropy", "automodel.training.linear_ce.LinearCrossEntropy")
     for path in ("transformer_engine.pytorch.optimizers.FusedAdam",
                  "transformer_engine.pytorch.optimizers.fused_adam.FusedAdam"):
         aliases.unsupported(path, "Transformer Engine's fused Adam needs a CUDA GPU and Transformer Engine; use "

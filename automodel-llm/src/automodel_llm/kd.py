@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from automodel.config import Free, Refused, Target
 from automodel.errors import ConfigIssue
+from automodel.training.loss import LINEAR, loss_fn_named
 from automodel_llm.recipe import FinetuneRecipeForNextTokenPrediction
 
 IGNORE_INDEX = -100
@@ -81,6 +82,10 @@ class KnowledgeDistillationRecipe(FinetuneRecipeForNextTokenPrediction):
                                                          "false and remove teacher_distributed"))
         elif separate not in (False, None):
             issues.append(ConfigIssue("separate_meshes", f"expected true or false, found {separate!r}"))
+        if loss_fn_named(cfg, LINEAR) is not None:
+            issues.append(ConfigIssue("loss_fn._target_", "FusedLinearCrossEntropy computes the loss inside the "
+                                      "student's output head, so no logits are left for the distillation loss; use "
+                                      "MaskedCrossEntropy or ChunkedCrossEntropy"))
         return issues
 
     def setup(self) -> None:

@@ -79,10 +79,8 @@ def automodel_register_aliases(aliases) -> None:
     aliases.target("MockDataset", "automodel_llm.datasets.MockDataset")
     aliases.target("nemo_automodel.components.datasets.llm.hellaswag.HellaSwag", "automodel_llm.datasets.HellaSwag")
     _UPSTREAM_LOSS = "nemo_automodel.components.loss"
-    aliases.unsupported(f"{_UPSTREAM_LOSS}.linear_ce.FusedLinearCrossEntropy",
-                        "the same loss as MaskedCrossEntropy without materialising the logits, through "
-                        "cut-cross-entropy's Triton kernels, which need a CUDA GPU (not on this machine); remove "
-                        "loss_fn (the default, MaskedCrossEntropy) and model.output_hidden_states")
+    aliases.target(f"{_UPSTREAM_LOSS}.linear_ce.FusedLinearCrossEntropy",
+                   "automodel.training.linear_ce.LinearCrossEntropy")
     aliases.unsupported(f"{_UPSTREAM_LOSS}.te_parallel_ce.TEParallelCrossEntropy",
                         "Transformer Engine's fused cross entropy needs a CUDA GPU and Transformer Engine; remove "
                         "loss_fn (the default, MaskedCrossEntropy)")

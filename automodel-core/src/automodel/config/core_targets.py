@@ -24,6 +24,7 @@ _LOSSES = ("BCELoss", "BCEWithLogitsLoss", "CTCLoss", "CosineEmbeddingLoss", "Cr
 CORE_TARGETS: tuple[str, ...] = (
     "automodel.optim",  # lr_scheduler: the warmup schedules and build_scheduler (the default)
     "automodel.training.loss",  # loss_fn: MaskedCrossEntropy (the default)
+    "automodel.training.linear_ce.LinearCrossEntropy",  # loss_fn: the loss inside the output head
     "automodel.training.rng",  # StatefulRNG (upstream configs name it)
     "automodel.hf.PeftConfig",  # peft (the default)
     "automodel.model_backend.BackendConfig",  # model.backend (upstream's kernel selection)

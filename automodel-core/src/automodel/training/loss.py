@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
 IGNORE_INDEX = -100
 CHUNKED = "automodel.training.loss.ChunkedCrossEntropy"
+LINEAR = "automodel.training.linear_ce.LinearCrossEntropy"
 
 
 class MaskedCrossEntropy(nn.Module):
@@ -23,6 +24,8 @@ class MaskedCrossEntropy(nn.Module):
     ``reduction="sum"`` (what the engine uses) gives the step's numerator; ``"mean"`` divides by this call's
     label tokens. All labels ignored gives 0, not NaN.
     """
+
+    sums_in_fp32 = True  # as_sum_loss uses it as it is
 
     def __init__(self, ignore_index: int = IGNORE_INDEX, reduction: str = "sum", fp32_upcast: bool = True):
         super().__init__()
@@ -125,40 +128,50 @@ def _upcast(value: Any) -> Any:
 
 
 def as_sum_loss(loss_fn: nn.Module | None) -> nn.Module:
-    """A loss that returns the sum over label tokens, computed in float32: ours (which upcasts itself, as its
-    ``fp32_upcast`` says), or another switched to ``reduction='sum'`` and wrapped in ``Float32Loss``."""
+    """A loss that returns the sum over label tokens (the engine divides by the step's label tokens: the mean a
+    ``reduction: mean`` asks for, over the whole step), computed in float32: ours (``sums_in_fp32``: they upcast
+    themselves), or another wrapped in ``Float32Loss``; either switched to ``reduction='sum'``."""
     if loss_fn is None:
         return MaskedCrossEntropy()
-    if isinstance(loss_fn, MaskedCrossEntropy):
-        return loss_fn
     if hasattr(loss_fn, "reduction"):
         loss_fn.reduction = "sum"
+    if getattr(loss_fn, "sums_in_fp32", False):
+        return loss_fn
     if isinstance(loss_fn, nn.CrossEntropyLoss):
         loss_fn.ignore_index = IGNORE_INDEX
     return Float32Loss(loss_fn)
 
 
 
-def _chunked_loss(cfg: Config) -> Any:
-    """The ``loss_fn`` section when it names :class:`ChunkedCrossEntropy` (by any alias), else None."""
+def loss_fn_named(cfg: Config, path: str) -> Any:
+    """The ``loss_fn`` section when it names the loss at ``path`` (by any alias), else None."""
     node = cfg.get("loss_fn")
     target = getattr(node, "target", None)
-    return node if isinstance(target, str) and cfg.resolver.expand(target) == CHUNKED else None
+    return node if isinstance(target, str) and cfg.resolver.expand(target) == path else None
 
 
-def chunked_loss_issues(cfg: Config) -> list[ConfigIssue]:
-    """:class:`ChunkedCrossEntropy` takes whole logits, which tensor parallelism shards over the vocabulary."""
-    tp = cfg.distributed.tp_size if cfg.distributed is not None else 1
-    if tp > 1 and _chunked_loss(cfg) is not None:
-        return [ConfigIssue("loss_fn._target_", f"ChunkedCrossEntropy upcasts chunks of whole logits, but tp_size {tp} "
-                            "shards the logits over the vocabulary; use MaskedCrossEntropy (vocabulary-parallel "
-                            "there, and no rank holds whole logits) or tp_size: 1")]
+def loss_fn_issues(cfg: Config) -> list[ConfigIssue]:
+    """Losses that need whole logits on one rank: :class:`ChunkedCrossEntropy` (not tensor parallelism, which
+    shards them over the vocabulary) and ``LinearCrossEntropy`` (the loss inside the output head: not with tensor
+    parallelism, nor with the pipeline's or context parallelism's own loss paths)."""
+    settings = cfg.distributed
+    sizes = {name: getattr(settings, name) if settings is not None else 1 for name in ("tp_size", "pp_size",
+                                                                                       "cp_size")}
+    if loss_fn_named(cfg, CHUNKED) is not None and sizes["tp_size"] > 1:
+        return [ConfigIssue("loss_fn._target_", f"ChunkedCrossEntropy upcasts chunks of whole logits, but tp_size "
+                            f"{sizes['tp_size']} shards the logits over the vocabulary; use MaskedCrossEntropy "
+                            "(vocabulary-parallel there, and no rank holds whole logits) or tp_size: 1")]
+    parallel = ", ".join(f"{name} {size}" for name, size in sizes.items() if size > 1)
+    if loss_fn_named(cfg, LINEAR) is not None and parallel:
+        return [ConfigIssue("loss_fn._target_", f"FusedLinearCrossEntropy computes the loss inside a whole output "
+                            f"head on every position's rank, which {parallel} splits (over the vocabulary, the "
+                            "stages or the sequence); use MaskedCrossEntropy there")]
     return []
 
 
 def chunked_loss_notes(cfg: Config) -> list[str]:
     """The run-start note that ``loss_fn.compile`` governs nothing (see :class:`ChunkedCrossEntropy`)."""
-    node = _chunked_loss(cfg)
+    node = loss_fn_named(cfg, CHUNKED)
     if node is None or not node.to_dict().get("compile", True):
         return []
     return ["note: loss_fn.compile governs nothing: ChunkedCrossEntropy's summed loss (what the engine uses) runs "

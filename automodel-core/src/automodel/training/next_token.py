@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from automodel.errors import AutomodelError
+from automodel.training.linear_ce import LinearCrossEntropy, LinearLossHead
 from automodel.training.loss import IGNORE_INDEX
 from automodel.training.modules import unwrap
 from automodel.training.parallel.context_parallel import ContextParallelBatch
@@ -81,20 +82,31 @@ class LogitsConfig:
 
 
 def next_token_logits(model: nn.Module, inputs: dict[str, Any], labels: torch.Tensor,
-                      index: torch.Tensor | None, head: HeadOnPositions | None) -> tuple[torch.Tensor, torch.Tensor]:
+                      index: torch.Tensor | None, head: HeadOnPositions | None,
+                      loss_head: LinearLossHead | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(logits, targets)``, one row per predicted token: the positions ``index`` (see :func:`label_positions`)
-    when given, else every position but each row's last (whose targets may be ``IGNORE_INDEX``)."""
+    when given, else every position but each row's last (whose targets may be ``IGNORE_INDEX``). With
+    ``loss_head`` the "logits" are each row's loss, computed inside the output head (``[rows, 1]``)."""
     if index is None:
-        logits = model(**inputs).logits
+        # the head sees every position: the last of each row has no next token
+        shifted = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE_INDEX)], dim=1)
+        with loss_head.targets(shifted) if loss_head is not None else contextlib.nullcontext():
+            logits = model(**inputs).logits
+            if loss_head is not None:
+                loss_head.checked(logits)
         return logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1)
-    return logits_at(model, inputs, index, head), labels.reshape(-1)[index + 1]
+    targets = labels.reshape(-1)[index + 1]
+    with loss_head.targets(targets) if loss_head is not None else contextlib.nullcontext():
+        return logits_at(model, inputs, index, head, loss_head), targets
 
 
-def logits_at(model: nn.Module, inputs: dict[str, Any], index: torch.Tensor, head: HeadOnPositions | None
-              ) -> torch.Tensor:
+def logits_at(model: nn.Module, inputs: dict[str, Any], index: torch.Tensor, head: HeadOnPositions | None,
+              loss_head: LinearLossHead | None = None) -> torch.Tensor:
     """The logits of the flat positions ``index`` only (the head projects only them where it can)."""
     with head.only(index) if head is not None else contextlib.nullcontext():
         logits = model(**inputs).logits
+    if loss_head is not None:
+        return loss_head.checked(logits)  # the head got the positions' rows: their losses, in that order
     if logits.dim() == 3:  # the model did not project through its output-embeddings module
         logits = logits.reshape(-1, logits.shape[-1]).index_select(0, index)
     return logits
@@ -129,9 +141,12 @@ class NextTokenLogits:
 
     sections = {"logits": LogitsConfig}
     head_positions: HeadOnPositions | None = None
+    loss_head: LinearLossHead | None = None  # loss_fn computes the loss inside the output head
 
     def setup(self) -> None:
         super().setup()
+        if isinstance(self.loss_fn, LinearCrossEntropy):
+            self.loss_head = LinearLossHead.attach(unwrap(self.model), self.loss_fn)
         if not self.cfg.logits.label_positions_only:
             return
         pp = self.cfg.distributed.pp_size if self.cfg.distributed is not None else 1
@@ -159,7 +174,8 @@ class NextTokenLogits:
         part of a context-parallel batch (:func:`split_next_token_logits`)."""
         if isinstance(batch, ContextParallelBatch):
             return split_next_token_logits(model, batch, head)
-        return next_token_logits(model, self.model_inputs(batch), batch["labels"], batch.get(LABEL_POSITIONS), head)
+        return next_token_logits(model, self.model_inputs(batch), batch["labels"], batch.get(LABEL_POSITIONS), head,
+                                 self.loss_head)
 
     def context_parallel_batch(self, batch: dict[str, Any]) -> ContextParallelBatch:
         """Token ids, positions and next-token targets: what context parallelism splits over its ranks (the

@@ -33,7 +33,7 @@ from automodel.training.host_memory import KEEP_FREED, RETURN_FREED, apply_mallo
 from automodel.training.inert_notes import inert_distributed_notes
 from automodel.training.logging import LoggerContext, MetricLoggers, resolve_backends
 from automodel.training.loop import TrainingLoop
-from automodel.training.loss import chunked_loss_issues, chunked_loss_notes
+from automodel.training.loss import chunked_loss_notes, loss_fn_issues
 from automodel.training.metrics import JsonlWriter, device_peak_flops
 from automodel.training.modules import is_fsdp2, trainable_parameters, unwrap
 from automodel.training.parallel.mesh import LAYOUT_KEYS, build_device_mesh, smallest_world
@@ -85,7 +85,7 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
     @classmethod
     def check_config(cls, cfg: Config) -> list[ConfigIssue]:
         issues = list(super().check_config(cfg)) + plan.engine_issues(cls, cfg, get_plugin_manager())
-        issues += chunked_loss_issues(cfg)
+        issues += loss_fn_issues(cfg)
         for key, why in (("tp_size", cls.tensor_parallel_unsupported), ("pp_size", cls.pipeline_parallel_unsupported),
                          ("cp_size", cls.context_parallel_unsupported)):
             size = getattr(cfg.distributed, key) if cfg.distributed is not None else 1

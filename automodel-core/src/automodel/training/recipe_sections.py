@@ -31,7 +31,10 @@ TRAIN_SECTIONS: dict[str, Any] = {
     "compile": s.CompileConfig,
     "clip_grad_norm": s.ClipGradConfig,
     "distributed": DistributedConfig,
-    "loss_fn": Target("the loss (the engine sums it over label tokens)",
+    "loss_fn": Target("the loss (the engine sums it over label tokens: reduction is set to sum); next-token "
+                      "recipes also take ChunkedCrossEntropy {chunk_len} (fp32 a chunk of logits at a time) and "
+                      "FusedLinearCrossEntropy {chunk_len, logit_softcapping} (the loss inside the output head, no "
+                      "logits materialised)",
                       default={"_target_": "automodel.training.loss.MaskedCrossEntropy"}),
     "dataset": Target("the training data set", required=True),
     "validation_dataset": Target("a validation data set"),

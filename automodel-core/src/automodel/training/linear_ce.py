@@ -1,0 +1,153 @@
+"""The next-token cross entropy computed inside the output head, a chunk of rows at a time, so the ``[tokens, vocab]``
+logits are never materialised (upstream's ``FusedLinearCrossEntropy``, there through cut-cross-entropy's Triton
+kernels on CUDA; here in plain torch on any device).
+
+While the model runs, :class:`LinearLossHead` swaps its output head's forward for one that returns, for each row of
+hidden states, that row's loss against its target (0 where the target is ignored): ``chunk_len`` rows are projected
+onto the vocabulary at a time, soft-capped where asked, reduced to their log-normaliser and target logit, and
+dropped; the backward recomputes each chunk's softmax to form the gradients of the hidden states, the head's weight
+and bias. The model's ``logits`` are then those per-row losses (``[..., 1]``), which :class:`LinearCrossEntropy`
+sums. The head stays the module FSDP2 / DDP wrapped, so its weight is gathered and its gradient reduced as for the
+usual head; the model must return what its head returned (a model that scales or soft-caps its logits after the
+head is refused with the reason when it runs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from automodel.errors import AutomodelError
+from automodel.training.loss import IGNORE_INDEX
+
+
+class LinearCrossEntropy(nn.Module):
+    """The loss of :class:`LinearLossHead`'s per-row losses: their sum (``reduction='sum'``, what the engine uses) or
+    their mean over the label tokens. ``logit_softcapping`` (0: none) caps the logits as ``c * tanh(z / c)`` before
+    the softmax; ``chunk_len``: rows projected onto the vocabulary at a time."""
+
+    sums_in_fp32 = True  # as_sum_loss uses it as it is: the rows are fp32 losses
+
+    def __init__(self, ignore_index: int = IGNORE_INDEX, logit_softcapping: float = 0, reduction: str = "sum",
+                 chunk_len: int = 1024):
+        super().__init__()
+        if reduction not in ("sum", "mean"):
+            raise ValueError(f"reduction must be 'sum' or 'mean', found {reduction!r}")
+        if isinstance(chunk_len, bool) or not isinstance(chunk_len, int) or chunk_len < 1:
+            raise ValueError(f"chunk_len must be a positive integer (rows projected at a time), found {chunk_len!r}")
+        if isinstance(logit_softcapping, bool) or not isinstance(logit_softcapping, (int, float)) or \
+                logit_softcapping < 0:
+            raise ValueError(f"logit_softcapping must be a number >= 0 (0: no capping), found {logit_softcapping!r}")
+        self.ignore_index, self.reduction, self.chunk_len = ignore_index, reduction, chunk_len
+        self.logit_softcapping = float(logit_softcapping)
+
+    def forward(self, row_losses: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        total = row_losses.float().sum()
+        if self.reduction == "sum":
+            return total
+        return total / (targets != self.ignore_index).sum().clamp(min=1)
+
+
+class LinearLossHead:
+    """Makes a causal LM's output head (an ``nn.Linear``) return per-row losses while :meth:`targets` is active."""
+
+    def __init__(self, head: nn.Linear, loss: LinearCrossEntropy):
+        self.head, self.loss = head, loss
+        self.rows: torch.Tensor | None = None
+
+    @classmethod
+    def attach(cls, model: nn.Module, loss: LinearCrossEntropy) -> LinearLossHead:
+        """The loss head of ``model`` (unwrapped); refused unless its output embeddings are a plain linear layer."""
+        get_head = getattr(model, "get_output_embeddings", None)
+        head = get_head() if callable(get_head) else None
+        if not isinstance(head, nn.Linear) or hasattr(head, "base_layer"):
+            raise AutomodelError(f"loss_fn: FusedLinearCrossEntropy computes the loss inside the output head, which "
+                                 f"must be a linear layer; this model's is {type(head).__name__} (a LoRA-adapted or "
+                                 "missing head); use MaskedCrossEntropy or ChunkedCrossEntropy")
+        return cls(head, loss)
+
+    @contextlib.contextmanager
+    def targets(self, targets: torch.Tensor) -> Iterator[None]:
+        """Within the block the head returns, for each row of hidden states it gets, that row's loss against
+        ``targets`` (one per row, in the order the head sees the rows)."""
+        self.head.forward = functools.partial(self._row_losses, targets)
+        try:
+            yield
+        finally:
+            del self.head.forward  # the module's own forward again
+            self.rows = None
+
+    def checked(self, logits: torch.Tensor) -> torch.Tensor:
+        """The model's ``logits``, which must be the per-row losses the head returned (a model that changes its
+        logits after the head cannot be followed)."""
+        if logits is not self.rows:
+            raise AutomodelError("loss_fn: FusedLinearCrossEntropy computes the loss inside the output head, but this "
+                                 "model changes the head's output afterwards (logit scaling or soft-capping); use "
+                                 "MaskedCrossEntropy or ChunkedCrossEntropy")
+        return logits
+
+    def _row_losses(self, targets: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        if flat.shape[0] != targets.numel():
+            raise AutomodelError(f"loss_fn: the output head got {flat.shape[0]} rows of hidden states for "
+                                 f"{targets.numel()} targets")
+        loss = self.loss
+        rows = _RowLosses.apply(flat, self.head.weight, self.head.bias, targets.reshape(-1), loss.ignore_index,
+                                loss.logit_softcapping, loss.chunk_len)
+        self.rows = rows.view(*hidden.shape[:-1], 1)
+        return self.rows
+
+
+def _capped(logits: torch.Tensor, cap: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Soft-capped logits and the derivative of the capping (None: no capping)."""
+    if not cap:
+        return logits, None
+    tanh = torch.tanh(logits / cap)
+    return cap * tanh, 1 - tanh * tanh
+
+
+class _RowLosses(torch.autograd.Function):
+    """Per-row cross entropy of ``hidden @ weight.T + bias`` against ``targets``, ``chunk_len`` rows at a time."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                targets: torch.Tensor, ignore_index: int, cap: float, chunk_len: int) -> torch.Tensor:
+        kept = targets != ignore_index
+        safe = targets.masked_fill(~kept, 0)
+        losses = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        for rows in torch.arange(hidden.shape[0], device=hidden.device).split(chunk_len):
+            logits, _ = _capped(nn.functional.linear(hidden[rows], weight, bias).float(), cap)
+            picked = logits.gather(1, safe[rows].unsqueeze(1)).squeeze(1)
+            losses[rows] = (torch.logsumexp(logits, dim=-1) - picked) * kept[rows]
+        ctx.save_for_backward(hidden, weight, bias, safe, kept)
+        ctx.cap, ctx.chunk_len = cap, chunk_len
+        return losses
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad_rows: torch.Tensor) -> tuple[Any, ...]:
+        hidden, weight, bias, safe, kept = ctx.saved_tensors
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
+            if ctx.needs_input_grad[1] else None
+        grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) \
+            if bias is not None and ctx.needs_input_grad[2] else None
+        for rows in torch.arange(hidden.shape[0], device=hidden.device).split(ctx.chunk_len):
+            logits, slope = _capped(nn.functional.linear(hidden[rows], weight, bias).float(), ctx.cap)
+            grad = torch.softmax(logits, dim=-1)  # d(logsumexp - picked) / d logits
+            grad[torch.arange(len(rows), device=grad.device), safe[rows]] -= 1.0
+            grad *= (grad_rows[rows] * kept[rows]).unsqueeze(1)
+            if slope is not None:
+                grad *= slope
+            grad_hidden[rows] = (grad @ weight.float()).to(hidden.dtype)
+            if ctx.needs_input_grad[1]:
+                grad_weight += grad.T @ hidden[rows].float()
+            if grad_bias is not None:
+                grad_bias += grad.sum(0)
+        return (grad_hidden, grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None,
+                grad_bias.to(bias.dtype) if grad_bias is not None else None, None, None, None, None)
