@@ -10,11 +10,15 @@ The data is unshuffled and the one process accumulates two micro-batches, so eac
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from vlm_testing import train_inprocess, write_config
+from vlm_testing import LLAVA_CONFIG, train_inprocess, write_config
 
 from automodel.testing import free_port, read_jsonl, run_cli
 
@@ -107,3 +111,33 @@ def test_in_one_process_the_settings_govern_nothing_and_say_so(tmp_path, capsys)
     out = capsys.readouterr().err
     assert "note: distributed.multimodal.frozen_sharding: replicate governs nothing this run" in out
     assert "note: distributed.multimodal.vision.frame_sharding governs nothing this run: it is off" in out
+
+
+_SHARDED_NAMES = """
+import json, os, sys
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from transformers import LlavaConfig, LlavaForConditionalGeneration
+from automodel.training.parallel.fsdp import apply_fsdp2
+from automodel.training.parallel.hf_export import export_names
+
+dist.init_process_group("gloo")
+model = LlavaForConditionalGeneration(LlavaConfig(**json.loads(open(sys.argv[1]).read())))
+plain = export_names(model)
+apply_fsdp2(model, init_device_mesh("cpu", (1,)))
+print(json.dumps([plain, export_names(model)]))
+dist.destroy_process_group()
+"""
+
+
+def test_a_sharded_llava_is_saved_under_the_names_transformers_writes(tmp_path):
+    """FSDP2's wrapper classes hid the Llava from transformers' renaming, so a sharded run's model/ held keys like
+    ``model.language_model.model.x`` that no resume could read (the names the one-process save_pretrained writes
+    are ``language_model.model.x``)."""
+    env = {"MASTER_ADDR": "localhost", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1"}
+    result = subprocess.run([sys.executable, "-c", _SHARDED_NAMES, str(LLAVA_CONFIG)], capture_output=True,
+                            text=True, cwd=tmp_path, env={**os.environ, **env, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    plain, sharded = json.loads(result.stdout.strip().splitlines()[-1])
+    assert sharded == plain
+    assert plain[1]["model.language_model.embed_tokens.weight"] == "language_model.model.embed_tokens.weight"
