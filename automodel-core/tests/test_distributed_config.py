@@ -214,3 +214,10 @@ def test_a_refused_distributed_section_does_not_add_batch_arithmetic_errors(make
     assert "global_batch_size" not in out  # dp is unknown while the section is refused: no second, bogus error
     code, out = _cli(capsys, "validate", "-c", config, "--distributed.multimodal", "null")
     assert code == 2 and "step_scheduler.global_batch_size: 1 is not divisible" in out
+
+
+def test_multimodal_is_refused_by_a_recipe_whose_models_have_no_towers(make_toy, capsys, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    config = make_toy(distributed={"strategy": "fsdp2", "multimodal": {"frozen_sharding": "replicate"}})
+    code, out = _cli(capsys, "validate", "-c", config, "--nproc-per-node", "2")
+    assert code == 2 and "distributed.multimodal: this recipe's models have no vision / audio towers" in out

@@ -18,6 +18,11 @@ PART_NAMES = {
     "language_model": ("language_model", "text_model", "llm"),
 }
 
+# Every module FSDP2 treats as multimodal (distributed.multimodal.frozen_sharding): the vision tower and projector
+# names above, audio towers, and the embedders that map a tower's output into the text (Gemma's embed_vision).
+MULTIMODAL_NAMES = (*PART_NAMES["vision_tower"], *PART_NAMES["multi_modal_projector"], "audio_tower",
+                    "audio_encoder", "audio_model", "embed_vision", "embed_audio")
+
 
 def base_model(model: torch.nn.Module) -> torch.nn.Module:
     """The transformers model inside torch.compile / DDP / peft wrappers."""

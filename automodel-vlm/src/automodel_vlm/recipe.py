@@ -17,7 +17,7 @@ from automodel.training.next_token import LABEL_POSITIONS, NextTokenLogits
 from automodel.training.recipe import TrainRecipe
 from automodel_vlm.datasets.collate import IGNORE_INDEX, VLMCollator, render
 from automodel_vlm.freeze import UpstreamFreezeConfig, VLMFreezeConfig
-from automodel_vlm.parts import base_model
+from automodel_vlm.parts import MULTIMODAL_NAMES, base_model
 
 DATASET_ARGS = ("config_key", "processor")
 
@@ -36,6 +36,7 @@ class FinetuneRecipeForVLM(NextTokenLogits, TrainRecipe):
     # model); the vision tower and projector stay replicated over tp; the loss runs on vocabulary-parallel logits
     tensor_parallel_unsupported = None
     hf_artifacts = ("processor",)
+    multimodal_module_names = MULTIMODAL_NAMES  # FSDP2 places them by distributed.multimodal.frozen_sharding
     stage_implementations = {"peft": "vlm_lora", "freeze": "vlm"}
     sections = {
         "processor": Target("the processor (image processor + tokenizer + chat template; default: the model's): "

@@ -61,6 +61,8 @@ class BuildContext:
     meta_build: MetaBuild | None = None  # set when the model factory built on the meta device (automodel.meta_build)
     # what a collator class named by a `collate_fn` node is built with (the recipe's tokenizer or processor)
     collate_args: Mapping[str, Any] = field(default_factory=dict)
+    # the recipe's names of the model's multimodal modules (TrainRecipe.multimodal_module_names), for FSDP2
+    multimodal_names: tuple[str, ...] = ()
 
     @property
     def is_main_process(self) -> bool:

@@ -9,6 +9,7 @@ from typing import Any, ClassVar, Literal
 
 from automodel.config.schema import FieldErrors, require_positive
 from automodel.config.schema import field_help as _help
+from automodel.training.multimodal_section import multimodal_errors
 
 
 @dataclass
@@ -88,8 +89,11 @@ class DistributedConfig:
         "refused when true: upstream's patch removes a CUDA synchronisation per attention layer (for CUDA graphs "
         "and torch.compile on GPUs); it would also mis-read packed sequences"))
     multimodal: dict | None = field(default=None, metadata=_help(
-        "refused: upstream's FSDP2 policies for frozen vision / audio towers (frozen_sharding, vision."
-        "frame_sharding) are not implemented; FSDP2 here shards every transformer block it finds"))
+        "upstream's FSDP2 policy for fully frozen vision / audio towers and projectors (vision-language recipes): "
+        "frozen_sharding root (default: their parameters in the outer unit), per_layer (each of their blocks a "
+        "unit; every rank must run them alike on each micro-batch) or replicate (left out of FSDP2: a full copy "
+        "on every rank); a module with a trainable parameter has its blocks sharded like the language model's "
+        "whatever the setting; vision.frame_sharding only with enabled: false (it needs context parallelism)"))
     # torch DDP's own options (upstream's DDPConfig), passed to DistributedDataParallel (strategy ddp)
     find_unused_parameters: bool = field(default=False, metadata=_help(
         "DDP: look for parameters a forward did not use, so their gradients count as ready (a model with branches "
@@ -132,9 +136,7 @@ class DistributedConfig:
                 "graphs / torch.compile on GPUs), which this build does not do; set it false (training is the "
                 "same without it)")
         if self.multimodal is not None:
-            errors["multimodal"] = ("upstream's FSDP2 policies for frozen vision / audio towers (frozen_sharding, "
-                                    "vision.frame_sharding) are not implemented here; FSDP2 shards every "
-                                    "transformer block it finds: remove the key")
+            errors.update(multimodal_errors(self.multimodal))
         for name in ("pipeline", "moe"):
             value = getattr(self, name)
             unknown = sorted(set(value) - _UPSTREAM_KEYS[name]) if isinstance(value, dict) else []

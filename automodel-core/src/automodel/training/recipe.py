@@ -36,6 +36,7 @@ from automodel.training.loop import TrainingLoop
 from automodel.training.loss import chunked_loss_notes, loss_fn_issues
 from automodel.training.metrics import JsonlWriter, device_peak_flops
 from automodel.training.modules import is_fsdp2, trainable_parameters, unwrap
+from automodel.training.multimodal_section import multimodal_issues
 from automodel.training.parallel.mesh import LAYOUT_KEYS, build_device_mesh, smallest_world
 from automodel.training.parallelism import (
     parallel_layout,
@@ -69,6 +70,9 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
     tensor_parallel_unsupported: ClassVar[str | None] = (
         "this recipe's model and loss are not set up for tensor parallelism (the LLM fine-tuning recipe is); use "
         "tp_size: 1")
+    # names of the model's multimodal modules (vision / audio towers, projectors: the outermost module so named),
+    # which FSDP2 places by distributed.multimodal.frozen_sharding; empty: the models have none (the key is refused)
+    multimodal_module_names: ClassVar[tuple[str, ...]] = ()
     stateful = ("model", "optimizer", "lr_scheduler", "step_scheduler", "dataloader", "rng", "grad_scaler")
 
     sections = dict(TRAIN_SECTIONS)
@@ -91,6 +95,7 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
             size = getattr(cfg.distributed, key) if cfg.distributed is not None else 1
             if size > 1 and why:
                 issues.append(ConfigIssue(f"distributed.{key}", f"{size}: {why}"))
+        issues += multimodal_issues(cfg, cls.multimodal_module_names)
         if cls.save_model is not None and cfg.checkpoint is not None and not cfg.checkpoint.save_consolidated:
             issues.append(ConfigIssue("checkpoint.save_consolidated", f"{cls.__name__} writes model/ in a layout of "
                                       "its own, which has no sharded form; remove the key (or set it to true)"))
@@ -250,7 +255,8 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
                             device=device, rank=rank(), world_size=world, seed=cfg.rng.seed,
                             batch=plan.batch_layout(cfg)[0], log=self.log, load_model_weights=self.load_model_weights,
                             mesh=layout, device_mesh=build_device_mesh(layout, device.type) if world > 1 else None,
-                            precision=run_precision(cfg, device, fsdp2)[0], fsdp2=fsdp2)
+                            precision=run_precision(cfg, device, fsdp2)[0], fsdp2=fsdp2,
+                            multimodal_names=self.multimodal_module_names)
 
     def setup(self) -> None:
         cfg = self.cfg

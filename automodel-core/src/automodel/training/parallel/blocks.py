@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 from torch import nn
@@ -18,13 +19,14 @@ class LayerPlaceholder(nn.Module):
         return hidden_states
 
 
-def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+def transformer_blocks(model: nn.Module, skip: Collection[nn.Module] = ()) -> list[nn.Module]:
     """The longest ``ModuleList`` of modules of one type (a transformer's layers), not counting the placeholders of
-    a pipeline stage: each is one FSDP unit and one activation-checkpointing region. Empty when the model has no
-    such list."""
+    a pipeline stage nor lists inside the ``skip`` modules (a vision-language model's towers): each is one FSDP
+    unit and one activation-checkpointing region. Empty when the model has no such list."""
+    skipped = {id(inner) for outer in skip for inner in outer.modules()}
     best: list[nn.Module] = []
     for module in model.modules():
-        if not isinstance(module, nn.ModuleList):
+        if not isinstance(module, nn.ModuleList) or id(module) in skipped:
             continue
         layers = [m for m in module if not isinstance(m, LayerPlaceholder)]
         if len(layers) > len(best) and len({type(m) for m in layers}) == 1:

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from automodel.training.parallel.blocks import transformer_blocks
+from automodel.training.parallel.multimodal_fsdp import MultimodalPlacement
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
 def apply_fsdp2(model: nn.Module, dp_mesh: DeviceMesh, precision: Precision | None = None,
                 prefetch: tuple[int, int] | None = None, reshard_after_forward: bool | None = None,
                 ignored: set[nn.Parameter] | None = None, own_dtype: Mapping[nn.Module, torch.dtype] | None = None,
-                outer_root: bool = True) -> int:
+                outer_root: bool = True, multimodal: MultimodalPlacement | None = None) -> int:
     """Shard ``model`` in place (on the meta device or materialised) and return how many blocks became units.
 
     ``dp_mesh`` is 1-D (FSDP: ``Shard(0)``) or 2-D ``(dp_replicate, dp_shard)`` (HSDP: ``(Replicate(), Shard(0))``);
@@ -39,28 +40,34 @@ def apply_fsdp2(model: nn.Module, dp_mesh: DeviceMesh, precision: Precision | No
     ``model.backend.gate_precision`` (:mod:`automodel.gate_precision`). ``outer_root`` false (upstream's
     ``moe.wrap_outer_model: false``): the causal LM's inner model (``base_model``) is the root unit and the output
     head a unit of its own, and the outer wrapper is left unsharded (it holds no parameters of its own; see
-    :func:`inner_root_issue`).
+    :func:`inner_root_issue`). ``multimodal``: where the vision / audio towers and projectors go
+    (:mod:`.multimodal_fsdp`): never searched for the blocks, their units made first, their ignored parameters
+    left out of the root.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = precision.fsdp_policy() if precision is not None else MixedPrecisionPolicy()
-    blocks = transformer_blocks(model)
+    multimodal = multimodal or MultimodalPlacement()
+    blocks = transformer_blocks(model, skip=multimodal.modules.values())
     reshard = True if reshard_after_forward is None else reshard_after_forward
     own_dtype = own_dtype or {}
     for module, dtype in own_dtype.items():
         fully_shard(module, mesh=dp_mesh, mp_policy=MixedPrecisionPolicy(dtype, dtype, dtype),
                     reshard_after_forward=reshard)
+    for unit in multimodal.units:
+        fully_shard(unit, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
+    root_ignored = (ignored or set()) | multimodal.ignored or None
     for index, block in enumerate(blocks):
         block_reshard = index < len(blocks) - 1 if reshard_after_forward is None else reshard_after_forward
         fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=block_reshard,
                     ignored_params=ignored)
     if outer_root:
-        fully_shard(model, mesh=dp_mesh, mp_policy=policy, ignored_params=ignored)
+        fully_shard(model, mesh=dp_mesh, mp_policy=policy, ignored_params=root_ignored)
     else:
         head = model.get_output_embeddings()
         if head not in own_dtype:
             fully_shard(head, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
-        fully_shard(model.base_model, mesh=dp_mesh, mp_policy=policy, ignored_params=ignored)
+        fully_shard(model.base_model, mesh=dp_mesh, mp_policy=policy, ignored_params=root_ignored)
     if prefetch is not None:
         set_prefetch(blocks, *prefetch)
     return len(blocks)

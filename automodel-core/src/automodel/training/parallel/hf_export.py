@@ -11,11 +11,13 @@ saved, and rank 0 writes ``model.safetensors.index.json``. One process without a
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
 import shutil
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -73,10 +75,28 @@ def _hub_names(model: nn.Module) -> dict[str, str]:
     probes = {key: torch.empty(0) for key in model.state_dict()}
     key_of = {id(t): key for key, t in probes.items()}
     try:
-        reverted = revert_weight_conversion(model, dict(probes))
+        with _unsharded_classes(model):
+            reverted = revert_weight_conversion(model, dict(probes))
     except Exception:  # noqa: BLE001 - a converting (not renaming) mapping: keys stay as they are
         return {}
     return {key_of[id(t)]: saved for saved, t in reverted.items() if id(t) in key_of and saved != key_of[id(t)]}
+
+
+@contextlib.contextmanager
+def _unsharded_classes(model: nn.Module) -> Iterator[None]:
+    """Within the block ``model``'s FSDP2 units have their own classes back: transformers finds an architecture's
+    renaming by class name, which FSDP2's subclasses (``FSDPLlavaForConditionalGeneration``) hide, and it then
+    renamed a sharded Llava's keys wrongly (``model.language_model.model.x``), which no resume could read."""
+    from torch.distributed.fsdp import FSDPModule
+
+    swapped = [(module, type(module)) for module in model.modules() if isinstance(module, FSDPModule)]
+    for module, cls in swapped:
+        module.__class__ = next(base for base in cls.__bases__ if base is not FSDPModule)
+    try:
+        yield
+    finally:
+        for module, cls in swapped:
+            module.__class__ = cls
 
 
 def write_export_files(model: nn.Module, directory: Path, kind: str, names: dict[str, str]) -> None:

@@ -21,10 +21,12 @@ from automodel.training.context import BuildContext
 from automodel.training.dist import expected_world_size
 from automodel.training.distributed_section import moe_head_fp32, moe_inner_root
 from automodel.training.model_init import materialize_model, on_meta
+from automodel.training.multimodal_section import frozen_sharding
 from automodel.training.parallel.context_parallel import fsdp_mesh
 from automodel.training.parallel.expert_parallel import expert_parameters
 from automodel.training.parallel.fsdp import apply_fsdp2, inner_root_issue
 from automodel.training.parallel.mesh import DP
+from automodel.training.parallel.multimodal_fsdp import place_multimodal
 from automodel.training.parallelism import parallel_issues
 
 
@@ -82,9 +84,10 @@ def wrap_fsdp2(ctx: BuildContext, model: torch.nn.Module) -> tuple[torch.nn.Modu
     if not outer_root and inner_root_issue(model):
         raise AutomodelError(f"distributed.moe.wrap_outer_model: false: {inner_root_issue(model)}, so the inner "
                              "model cannot be the FSDP2 root alone; set it true")
+    multimodal = place_multimodal(model, ctx.multimodal_names, frozen_sharding(ctx.cfg))
     blocks = apply_fsdp2(model, fsdp_mesh(ctx.device_mesh, layout), ctx.precision, prefetch,
                          settings.reshard_after_forward, ignored=experts or None, own_dtype=own_dtype,
-                         outer_root=outer_root)
+                         outer_root=outer_root, multimodal=multimodal)
     how = (f"HSDP: {layout.dp_replicate} replicas x FSDP2 over {layout.dp_shard} ranks" if layout.dp_replicate > 1
            else f"FSDP2 over {layout.dp_shard} ranks")
     if layout.cp > 1:
@@ -95,7 +98,7 @@ def wrap_fsdp2(ctx: BuildContext, model: torch.nn.Module) -> tuple[torch.nn.Modu
         how += f", expert parameters ({len(experts)}) split by expert parallelism instead"
     gates = f"{len(routers)} routers in {_dtype_names(routers.values())} (model.backend.gate_precision)"
     details = [f"{blocks} blocks sharded"] + ["the output head in fp32"] * (head is not None) + [gates] * bool(
-        routers) + ["the inner model as root, the outer unsharded"] * (not outer_root)
+        routers) + ["the inner model as root, the outer unsharded"] * (not outer_root) + multimodal.describe()
     message = f"{how} ({', '.join(details)})"
     if meta:
         message += "; " + materialize_model(ctx, model)
