@@ -15,7 +15,7 @@ import torch
 from automodel.errors import AutomodelError
 from automodel.hf import PeftConfig, apply_lora, lora_config
 from automodel.training.context import BuildContext
-from automodel_vlm.parts import base_model, find_part
+from automodel_vlm.parts import base_model, find_part, whole_model
 
 
 def _linear(module: torch.nn.Module) -> bool:
@@ -50,8 +50,14 @@ def apply_lora_to_language_model(ctx: BuildContext, model: torch.nn.Module) -> t
     built = ctx.instantiate("peft")
     config = lora_config(built)
     if not isinstance(built, PeftConfig):  # a peft.LoraConfig, used as given
-        return apply_lora(model, config, f" on {config.target_modules}")
+        return apply_lora(model, config, f" on {config.target_modules}", plain=whole_model(model) is not None)
     patterns = "all-linear" if built.match_all_linear else built.target_modules  # upstream's names and globs
-    config.target_modules = language_model_targets(model, patterns)
-    return apply_lora(model, config, f" on {len(config.target_modules)} language-model layers",
-                      memory_efficient=built.memory_efficient)
+    whole = whole_model(model)
+    # a pipeline stage: the targets are the whole model's (every stage's adapter_config.json names them all), the
+    # stage adapts those it holds, wrapped in peft's plain PeftModel (its forward passes the stage's arguments on)
+    config.target_modules = language_model_targets(whole if whole is not None else model, patterns)
+    where = f" on {len(config.target_modules)} language-model layers"
+    if whole is not None:
+        config.base_model_name_or_path = getattr(whole, "name_or_path", None) or None
+        where += f" (pipeline stage {base_model(model).index})"
+    return apply_lora(model, config, where, memory_efficient=built.memory_efficient, plain=whole is not None)
