@@ -93,3 +93,12 @@ def test_a_model_without_a_media_layout_is_refused_by_validate(tmp_path):
                     distributed={"strategy": "fsdp2", "pp_size": 2})
     assert "distributed.pp_size" in out and "the model (qwen2_vl) has no media layout here" in out
     assert "(known: llava)" in out
+
+
+def test_dry_run_prints_the_vision_tower_on_the_first_stage(tmp_path):
+    config = write_config(tmp_path / "cfg.yaml", tmp_path / "ckpt", eval_generation=None)
+    result = run_cli_inprocess("finetune", "vlm", "-c", config, *PP2, "--dry-run", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = result.stdout + result.stderr
+    assert "pp rank 0: stage 0 (vision tower + projector + embedding + layers 0-0)" in out
+    assert "pp rank 1: stage 1 (layers 1-1 + norm, head)" in out
