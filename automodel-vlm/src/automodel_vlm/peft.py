@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from automodel.errors import AutomodelError
-from automodel.hf import PeftConfig, apply_lora, lora_config
+from automodel.hf import PeftConfig, all_linear_targets, apply_lora, lora_config
 from automodel.training.context import BuildContext
 from automodel_vlm.parts import base_model, find_part, whole_model
 
@@ -49,10 +49,11 @@ def language_model_targets(model: torch.nn.Module, patterns: Any) -> list[str]:
 def apply_lora_to_language_model(ctx: BuildContext, model: torch.nn.Module) -> tuple[torch.nn.Module, str]:
     built = ctx.instantiate("peft")
     config = lora_config(built)
-    if not isinstance(built, PeftConfig):  # a peft.LoraConfig, used as given
-        return apply_lora(model, config, f" on {config.target_modules}", plain=whole_model(model) is not None)
-    patterns = "all-linear" if built.match_all_linear else built.target_modules  # upstream's names and globs
     whole = whole_model(model)
+    if not isinstance(built, PeftConfig):  # a peft.LoraConfig, used as given (all-linear: the whole model's layers)
+        config = all_linear_targets(config, whole) if whole is not None else config
+        return apply_lora(model, config, f" on {config.target_modules}", plain=whole is not None)
+    patterns = "all-linear" if built.match_all_linear else built.target_modules  # upstream's names and globs
     # a pipeline stage: the targets are the whole model's (every stage's adapter_config.json names them all), the
     # stage adapts those it holds, wrapped in peft's plain PeftModel (its forward passes the stage's arguments on)
     config.target_modules = language_model_targets(whole if whole is not None else model, patterns)
