@@ -5,7 +5,8 @@ or no images (each pipeline micro-batch's first stage gets exactly its rows' ima
 loads with transformers as the one process's weights, and with LoRA the saved adapter is the one process's; what
 the pipeline cannot take is refused by ``automodel validate`` with the numbers.
 
-The two ranks of the pipeline read the same rows, so the one-process reference has the same batch size.
+The two ranks of the pipeline read the same rows, so the one-process reference (run in the test's process) has the
+same batch size.
 """
 
 from __future__ import annotations
@@ -15,13 +16,13 @@ from typing import Any
 
 import pytest
 from test_tensor_parallel import _saved
-from vlm_testing import SHAPES, write_config, write_jsonl
+from vlm_testing import SHAPES, train_inprocess, write_config, write_jsonl
 
 from automodel.testing import free_port, read_jsonl, run_cli, run_cli_inprocess
 
 IMAGES_PER_ROW = [2, 0, 1, 1, 0, 2, 1, 2]  # two batches of four rows an epoch: 4 steps in two epochs
 FOUR_STEPS = {"step_scheduler": {"max_steps": 4, "val_check_interval": 100, "checkpoint_interval": 4},
-              "validation_dataset": None, "eval_generation": None, "dataloader": {"batch_size": 4},
+              "validation_dataset": None, "eval_generation": None, "dataloader": {"batch_size": 4, "shuffle": False},
               "freeze": {"vision_tower": False}}
 PP2 = ["--nproc-per-node", "2", "--distributed.strategy", "fsdp2", "--distributed.pp_size", "2"]
 
@@ -38,15 +39,23 @@ def _mixed_images(directory: Path) -> Path:
     return write_jsonl(directory / "mixed.jsonl", rows)
 
 
-def _train(tmp: Path, name: str, *args: str, **sections: Any) -> tuple[Path, str]:
-    out = tmp / name
+def _config(tmp: Path, name: str, **sections: Any) -> Path:
     dataset = {"path_or_dataset_id": str(_mixed_images(tmp)), "limit_dataset_samples": None}
-    config = write_config(tmp / f"{name}.yaml", out, **{**FOUR_STEPS, **sections}, dataset=dataset)
-    port = ["--master-port", str(free_port())] if "--nproc-per-node" in args else []
-    result = run_cli("finetune", "vlm", "-c", config, "--dataloader.shuffle", "false", *args, *port, cwd=tmp,
+    return write_config(tmp / f"{name}.yaml", tmp / name, **{**FOUR_STEPS, **sections}, dataset=dataset)
+
+
+def _one_process(tmp: Path, **sections: Any) -> Path:
+    """The reference, run in this process (the CLI's path without a new interpreter)."""
+    train_inprocess(_config(tmp, "one", **sections))
+    return tmp / "one"
+
+
+def _pp2(tmp: Path, *args: str, **sections: Any) -> tuple[Path, str]:
+    config = _config(tmp, "pp2", **sections)
+    result = run_cli("finetune", "vlm", "-c", config, *PP2, *args, "--master-port", str(free_port()), cwd=tmp,
                      OMP_NUM_THREADS="1")
     assert result.returncode == 0, result.stderr[-4000:]
-    return out, result.stderr
+    return tmp / "pp2", result.stderr
 
 
 def _column(out: Path, key: str) -> list[float]:
@@ -59,8 +68,8 @@ def test_pp2_trains_like_one_process_on_rows_with_different_image_counts(tmp_pat
     # 1F1B over one-row micro-batches (two images, none, one, one); GPipe over two-row ones (two + none, one + one)
     schedule = ["--distributed.pipeline.pp_schedule", "gpipe", "--distributed.pipeline.pp_microbatch_size", "2"] \
         if lora else ["--distributed.pipeline.pp_schedule", "1f1b"]
-    reference, _ = _train(tmp_path, "one", **sections)
-    out, log = _train(tmp_path, "pp2", *PP2, *schedule, **sections)
+    reference = _one_process(tmp_path, **sections)
+    out, log = _pp2(tmp_path, *schedule, **sections)
     assert "stage 0 of 2 on this rank (vision_tower + multi_modal_projector + embedding + layers 0-0)" in log
     assert len(_column(out, "loss")) == 4
     assert _column(out, "loss") == pytest.approx(_column(reference, "loss"), rel=1e-4)
