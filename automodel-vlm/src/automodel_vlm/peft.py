@@ -51,8 +51,12 @@ def apply_lora_to_language_model(ctx: BuildContext, model: torch.nn.Module) -> t
     config = lora_config(built)
     whole = whole_model(model)
     if not isinstance(built, PeftConfig):  # a peft.LoraConfig, used as given (all-linear: the whole model's layers)
-        config = all_linear_targets(config, whole) if whole is not None else config
-        return apply_lora(model, config, f" on {config.target_modules}", plain=whole is not None)
+        if whole is None:
+            return apply_lora(model, config, f" on {config.target_modules}")
+        config = all_linear_targets(config, whole)
+        targets = config.target_modules
+        named = targets if isinstance(targets, str) else f"{len(targets)} modules of the whole model"
+        return apply_lora(model, config, f" on {named} (pipeline stage {base_model(model).index})", plain=True)
     patterns = "all-linear" if built.match_all_linear else built.target_modules  # upstream's names and globs
     # a pipeline stage: the targets are the whole model's (every stage's adapter_config.json names them all), the
     # stage adapts those it holds, wrapped in peft's plain PeftModel (its forward passes the stage's arguments on)
