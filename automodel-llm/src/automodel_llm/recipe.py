@@ -143,7 +143,7 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
 
     domain = "llm"
     tensor_parallel_unsupported = None  # the loss runs on vocabulary-parallel logits (training/loop.py)
-    pipeline_parallel_unsupported = None  # pipeline_batches / pipeline_loss below
+    pipeline_parallel_unsupported = None  # pipeline_batches below; pipeline_loss is NextTokenLogits'
     context_parallel_unsupported = None  # NextTokenLogits' context_parallel_batch; rows padded to 2 x cp_size
     sections = {
         "tokenizer": Target("tokenizer (default: the model's): {pretrained_model_name_or_path: ...}", plain=True,
@@ -305,10 +305,6 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
             parts.append((torch.nn.functional.pad(batch["input_ids"], (0, extra), value=pad),
                           torch.nn.functional.pad(batch["labels"], (0, extra), value=IGNORE_INDEX), kwargs))
         return parts
-
-    def pipeline_loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The next-token loss on the last stage's logits, summed over the label tokens."""
-        return self.loss_fn(output[:, :-1].reshape(-1, output.shape[-1]), targets[:, 1:].reshape(-1))
 
     def count_label_tokens(self, batch: dict[str, torch.Tensor]) -> int:
         return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())

@@ -15,7 +15,7 @@ from automodel.errors import AutomodelError
 from automodel.training.context import BuildContext
 from automodel.training.sections import FreezeConfig
 from automodel.training.stages.freeze import unfrozen
-from automodel_vlm.parts import PART_NAMES, base_model, part_parameters
+from automodel_vlm.parts import PART_NAMES, base_model, embedding, held_by_another_stage, part_parameters
 
 
 @dataclass
@@ -74,7 +74,8 @@ def upstream_choice(model: torch.nn.Module, settings: UpstreamFreezeConfig) -> d
             if "patch_generator.video_embedder" in name:
                 chosen.setdefault(id(p), "freeze_video_embedder")
     if settings.freeze_embeddings:
-        for p in inner.get_input_embeddings().parameters():
+        embeddings = embedding(model, "get_input_embeddings")  # None: a later pipeline stage
+        for p in embeddings.parameters() if embeddings is not None else []:
             chosen.setdefault(id(p), "freeze_embeddings")
     return chosen
 
@@ -97,6 +98,8 @@ def freeze_vlm(ctx: BuildContext, model: torch.nn.Module) -> tuple[torch.nn.Modu
         if not getattr(cfg, part, False):
             continue
         params = part_parameters(model, part)
+        if params is None and held_by_another_stage(model, part):
+            continue
         if params is None:
             raise AutomodelError(f"freeze.{part}: {type(base_model(model)).__name__} has no module named like "
                                  f"{' / '.join(PART_NAMES[part])}; set freeze.{part}: false and name its parameters "
@@ -105,8 +108,8 @@ def freeze_vlm(ctx: BuildContext, model: torch.nn.Module) -> tuple[torch.nn.Modu
             if not _is_adapter(names.get(id(p), "")):
                 chosen.setdefault(id(p), part)
     if cfg.embeddings:
-        embeddings = base_model(model).get_input_embeddings()
-        for p in embeddings.parameters():
+        embeddings = embedding(model, "get_input_embeddings")  # None: a later pipeline stage
+        for p in embeddings.parameters() if embeddings is not None else []:
             chosen.setdefault(id(p), "embeddings")
     for name, p in model.named_parameters():
         if any(fnmatch.fnmatch(name, pattern) for pattern in cfg.patterns):

@@ -48,10 +48,33 @@ def part_parameters(model: torch.nn.Module, part: str) -> list[torch.nn.Paramete
         return None
     params = list(located[1].parameters())
     if part == "language_model":
-        head = getattr(base_model(model), "get_output_embeddings", lambda: None)()
+        head = embedding(model, "get_output_embeddings")
         if isinstance(head, torch.nn.Module):
             params += [p for p in head.parameters() if all(p is not q for q in params)]
     return params
+
+
+def whole_model(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The model a pipeline stage was cut from, while the build pipeline runs (None: not a stage)."""
+    return getattr(base_model(model), "whole_model", None)
+
+
+def held_by_another_stage(model: torch.nn.Module, part: str) -> bool:
+    """Whether ``model`` is a pipeline stage without ``part``, which the model it was cut from has (another stage
+    holds it: the vision tower and projector are the first stage's)."""
+    whole = whole_model(model)
+    return whole is not None and find_part(model, part) is None and find_part(whole, part) is not None
+
+
+def embedding(model: torch.nn.Module, getter: str) -> torch.nn.Module | None:
+    """The model's input or output embedding (``getter``: ``get_input_embeddings`` / ``get_output_embeddings``); on
+    a pipeline stage the one it holds, found under the whole model's name for it (None: another stage holds it)."""
+    inner, whole = base_model(model), whole_model(model)
+    if whole is None:
+        return getattr(inner, getter, lambda: None)()
+    wanted = getattr(whole, getter)()
+    name = next((name for name, module in whole.named_modules() if module is wanted), None)
+    return dict(inner.named_modules()).get(name) if name is not None else None
 
 
 def describe(model: Any) -> str:

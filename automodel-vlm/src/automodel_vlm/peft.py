@@ -13,9 +13,9 @@ from typing import Any
 import torch
 
 from automodel.errors import AutomodelError
-from automodel.hf import PeftConfig, apply_lora, lora_config
+from automodel.hf import PeftConfig, all_linear_targets, apply_lora, lora_config
 from automodel.training.context import BuildContext
-from automodel_vlm.parts import base_model, find_part
+from automodel_vlm.parts import base_model, find_part, whole_model
 
 
 def _linear(module: torch.nn.Module) -> bool:
@@ -49,9 +49,20 @@ def language_model_targets(model: torch.nn.Module, patterns: Any) -> list[str]:
 def apply_lora_to_language_model(ctx: BuildContext, model: torch.nn.Module) -> tuple[torch.nn.Module, str]:
     built = ctx.instantiate("peft")
     config = lora_config(built)
-    if not isinstance(built, PeftConfig):  # a peft.LoraConfig, used as given
-        return apply_lora(model, config, f" on {config.target_modules}")
+    whole = whole_model(model)
+    if not isinstance(built, PeftConfig):  # a peft.LoraConfig, used as given (all-linear: the whole model's layers)
+        if whole is None:
+            return apply_lora(model, config, f" on {config.target_modules}")
+        config = all_linear_targets(config, whole)
+        targets = config.target_modules
+        named = targets if isinstance(targets, str) else f"{len(targets)} modules of the whole model"
+        return apply_lora(model, config, f" on {named} (pipeline stage {base_model(model).index})", plain=True)
     patterns = "all-linear" if built.match_all_linear else built.target_modules  # upstream's names and globs
-    config.target_modules = language_model_targets(model, patterns)
-    return apply_lora(model, config, f" on {len(config.target_modules)} language-model layers",
-                      memory_efficient=built.memory_efficient)
+    # a pipeline stage: the targets are the whole model's (every stage's adapter_config.json names them all), the
+    # stage adapts those it holds, wrapped in peft's plain PeftModel (its forward passes the stage's arguments on)
+    config.target_modules = language_model_targets(whole if whole is not None else model, patterns)
+    where = f" on {len(config.target_modules)} language-model layers"
+    if whole is not None:
+        config.base_model_name_or_path = getattr(whole, "name_or_path", None) or None
+        where += f" (pipeline stage {base_model(model).index})"
+    return apply_lora(model, config, where, memory_efficient=built.memory_efficient, plain=whole is not None)

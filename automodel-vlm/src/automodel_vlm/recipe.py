@@ -11,15 +11,21 @@ import torch
 from automodel.config import Free, Target
 from automodel.errors import AutomodelError, ConfigIssue
 from automodel.hf import EvalGenerationConfig, check_vocab, model_source
+from automodel.meta_build import MetaBuild
 from automodel.training.checkpoint_write import sharded_only_message
+from automodel.training.context import BuildContext
 from automodel.training.modules import unwrap
 from automodel.training.next_token import LABEL_POSITIONS, NextTokenLogits
+from automodel.training.parallel.pipeline_media import media_kwargs
+from automodel.training.parallelism import model_hf_config
 from automodel.training.recipe import TrainRecipe
 from automodel_vlm.datasets.collate import IGNORE_INDEX, VLMCollator, render
 from automodel_vlm.freeze import UpstreamFreezeConfig, VLMFreezeConfig
 from automodel_vlm.parts import MULTIMODAL_NAMES, base_model
+from automodel_vlm.pipeline import layout_issue, media_per_row, pipeline_issues
 
 DATASET_ARGS = ("config_key", "processor")
+PIPELINE_LENGTH_MULTIPLE = 64  # pipelined batches are padded to a multiple of it: few shapes, few pipeline set-ups
 
 
 def _processor_source(model: Any) -> str | None:
@@ -35,6 +41,9 @@ class FinetuneRecipeForVLM(NextTokenLogits, TrainRecipe):
     # the language model's projections and head are sharded by its own plan (transformers' tp_plan of the composite
     # model); the vision tower and projector stay replicated over tp; the loss runs on vocabulary-parallel logits
     tensor_parallel_unsupported = None
+    # the composite model is cut along its language model; each micro-batch's media reach the first stage with its
+    # rows (automodel_vlm.pipeline: the model's media layout); pipeline_batches below
+    pipeline_parallel_unsupported = None
     hf_artifacts = ("processor",)
     multimodal_module_names = MULTIMODAL_NAMES  # FSDP2 places them by distributed.multimodal.frozen_sharding
     stage_implementations = {"peft": "vlm_lora", "freeze": "vlm"}
@@ -74,6 +83,8 @@ class FinetuneRecipeForVLM(NextTokenLogits, TrainRecipe):
                                       "sequence parallelism is not implemented for vision-language models (the image "
                                       "features are merged into the text sequence before the language model's "
                                       "layers, and the vision tower's layers would be split too); set it to false"))
+        if settings is not None and settings.pp_size > 1:
+            issues += pipeline_issues(cfg, model_hf_config(cfg))
         if "freeze" in cfg and "freeze_config" in cfg:
             issues.append(ConfigIssue("freeze_config", "give one of freeze (ours) and freeze_config (upstream's "
                                                        "keys): they set the same thing"))
@@ -116,6 +127,13 @@ class FinetuneRecipeForVLM(NextTokenLogits, TrainRecipe):
         # upstream calls its VLM collate functions with the processor (here: VLMCollator, see plugin.py)
         return {"processor": self.processor}
 
+    def after_model_built(self, ctx: BuildContext, model: torch.nn.Module, meta: MetaBuild) -> BuildContext:
+        """Under pipeline parallelism, a model whose media layout is not known is refused before it is cut."""
+        why = layout_issue(model.config) if ctx.mesh.pp > 1 else None
+        if why is not None:
+            raise AutomodelError(f"distributed.pp_size: {ctx.mesh.pp}: {why}")
+        return super().after_model_built(ctx, model, meta)
+
     def setup(self) -> None:
         super().setup()
         config = getattr(base_model(self.model), "config", None)
@@ -137,6 +155,27 @@ class FinetuneRecipeForVLM(NextTokenLogits, TrainRecipe):
 
     def compute_loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.loss_fn(*self.next_token_logits(model, batch, self.head_positions))
+
+    def pipeline_batches(self, batches: list[dict[str, torch.Tensor]], length: int | None = None
+                         ) -> list[tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]:
+        """The step's micro-batches padded to ``length`` where they fit in it, else to their longest rounded up to a
+        multiple of ``PIPELINE_LENGTH_MULTIPLE`` (few shapes, few pipeline set-ups; the padding is masked out and
+        carries no label), each with its media regrouped per row (``pipeline_media``) so that every pipeline
+        micro-batch's first stage gets exactly its rows' images."""
+        longest = max(batch["input_ids"].shape[1] for batch in batches)
+        longest = length if length is not None and longest <= length else \
+            -(-longest // PIPELINE_LENGTH_MULTIPLE) * PIPELINE_LENGTH_MULTIPLE
+        pad = self.processor.tokenizer.pad_token_id or 0
+        config = base_model(self.model).config
+        parts = []
+        for batch in batches:
+            extra = longest - batch["input_ids"].shape[1]
+            mask = batch.get("attention_mask", torch.ones_like(batch["input_ids"]))
+            kwargs = {"attention_mask": torch.nn.functional.pad(mask, (0, extra), value=0),
+                      **media_kwargs(media_per_row(batch, config))}
+            parts.append((torch.nn.functional.pad(batch["input_ids"], (0, extra), value=pad),
+                          torch.nn.functional.pad(batch["labels"], (0, extra), value=IGNORE_INDEX), kwargs))
+        return parts
 
     def count_label_tokens(self, batch: dict[str, torch.Tensor]) -> int:
         return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())

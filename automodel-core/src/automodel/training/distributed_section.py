@@ -33,8 +33,8 @@ class DistributedConfig:
                                                    "torch's ring attention (CUDA only; fsdp2; LLM recipes; no tp/pp)"))
     pp_size: int = field(default=1, metadata=_help(
         "pipeline-parallel size: the decoder layers split into stages, one or more per rank (strategy fsdp2, "
-        "which shards each stage over dp_size; the LLM recipes; see pipeline for the schedules; LoRA adapts each "
-        "stage)"))
+        "which shards each stage over dp_size; the LLM recipes and the VLM fine-tuning one, whose first stage holds "
+        "the vision tower; see pipeline for the schedules; LoRA adapts each stage)"))
     ep_size: int | None = field(default=None, metadata=_help(
         "expert-parallel size: each group of ep_size data-parallel ranks splits the experts of every MoE layer of a "
         "Hugging Face MoE model (fused gate_up_proj / down_proj experts); it must divide the data-parallel ranks "

@@ -92,7 +92,8 @@ def pipeline_stages(ctx: BuildContext, model: torch.nn.Module) -> tuple[list[Pip
     described = []
     for stage in stages:
         first, last = stage.layer_range.start, stage.layer_range.stop - 1
-        held = ["embedding"] * stage.is_first + [f"layers {first}-{last}"] + ["norm, head"] * stage.is_last
+        media = [name.rsplit(".", 1)[-1] for name in stage.media_modules]  # a composite model's vision tower, ...
+        held = media + ["embedding"] * stage.is_first + [f"layers {first}-{last}"] + ["norm, head"] * stage.is_last
         described.append((stage.index, " + ".join(held)))
     total = stages[0].num_stages
     if len(stages) == 1:

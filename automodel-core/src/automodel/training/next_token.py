@@ -168,6 +168,10 @@ class NextTokenLogits:
         """The model's keyword arguments, taken from a batch."""
         raise NotImplementedError
 
+    def pipeline_loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Pipeline parallelism: the next-token loss on the last stage's logits, summed over the label tokens."""
+        return self.loss_fn(output[:, :-1].reshape(-1, output.shape[-1]), targets[:, 1:].reshape(-1))
+
     def next_token_logits(self, model: nn.Module, batch: dict[str, Any] | ContextParallelBatch,
                           head: HeadOnPositions | None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(logits, targets)`` of ``batch`` through ``model`` (see :func:`next_token_logits`), or of a rank's

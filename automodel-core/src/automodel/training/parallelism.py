@@ -240,8 +240,7 @@ def pipeline_lines(cfg: Config) -> list[str]:
     if hf_config is None or pp_issues(hf_config, settings.pp_size, pipeline, rows_per_batch(cfg)):
         return [f"pipeline parallel over pp {settings.pp_size}: the stages are the built model's (its config cannot "
                 "be read or does not fit the layout)"]
-    layers = hf_config.get_text_config().num_hidden_layers
-    return describe_stages(layers, settings.pp_size, pipeline, rows_per_batch(cfg))
+    return describe_stages(hf_config, settings.pp_size, pipeline, rows_per_batch(cfg))
 
 
 def expert_parallel_issues(cfg: Config, implementation: str | None, world: int) -> list[ConfigIssue]:

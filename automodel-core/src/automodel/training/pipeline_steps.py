@@ -30,7 +30,7 @@ class PipelineSteps:
     # why distributed.pp_size > 1 is refused (None: the recipe implements pipeline_batches and pipeline_loss)
     pipeline_parallel_unsupported: ClassVar[str | None] = (
         "this recipe's model and loss are not set up for pipeline parallelism (the LLM fine-tuning and pretraining "
-        "recipe is); use pp_size: 1")
+        "recipe and the VLM fine-tuning recipe are); use pp_size: 1")
     pipelines: StagePipelines | None = None
 
     def pipeline_batches(self, batches: list[Any], length: int | None = None

@@ -114,10 +114,13 @@ def section_issues(section: dict[str, Any] | None, key: str = "distributed.pipel
     return issues
 
 
-def describe_stages(num_layers: int, pp_size: int, settings: PipelineSettings, batch: int) -> list[str]:
-    """``--dry-run`` lines: the schedule, its micro-batches and the layers each pipeline rank holds."""
+def describe_stages(model_config: Any, pp_size: int, settings: PipelineSettings, batch: int) -> list[str]:
+    """``--dry-run`` lines: the schedule, its micro-batches and the layers each pipeline rank holds (a
+    vision-language model's first stage also its vision tower and projector)."""
     from automodel.training.parallel.pipeline_stages import stage_indices, stage_layer_ranges
 
+    num_layers = model_config.get_text_config().num_hidden_layers
+    first = ["vision tower + projector"] * (getattr(model_config, "vision_config", None) is not None) + ["embedding"]
     stages = settings.num_stages(num_layers, pp_size)
     ranges = stage_layer_ranges(num_layers, stages)
     size = settings.pp_microbatch_size
@@ -127,7 +130,7 @@ def describe_stages(num_layers: int, pp_size: int, settings: PipelineSettings, b
         held = []
         for index in stage_indices(pp_rank, pp_size, stages // pp_size):
             parts = [f"layers {ranges[index].start}-{ranges[index].stop - 1}"]
-            parts = (["embedding"] if index == 0 else []) + parts + (["norm, head"] if index == stages - 1 else [])
+            parts = (first if index == 0 else []) + parts + (["norm, head"] if index == stages - 1 else [])
             held.append(f"stage {index} ({' + '.join(parts)})")
         lines.append(f"  pp rank {pp_rank}: {'; '.join(held)}")
     return lines
@@ -152,7 +155,7 @@ def pp_issues(model_config: Any, pp_size: int, settings: PipelineSettings, batch
     if issues or pp_size == 1:
         return issues
     text = model_config.get_text_config()
-    if not getattr(model_config, "base_model_pp_plan", None):
+    if not (getattr(model_config, "base_model_pp_plan", None) or getattr(text, "base_model_pp_plan", None)):
         return [ConfigIssue(f"{section}.pp_size", f"{pp_size}: the model ({model_config.model_type}) has no pipeline "
                                                   "plan (base_model_pp_plan); set pp_size: 1")]
     if getattr(text, "tie_word_embeddings", False):

@@ -3,11 +3,13 @@
 The cut follows the model's own pipeline plan (transformers' ``pp_plan``: the input embedding, the decoder layers,
 the final norm, the output head). Stage ``s`` of ``n`` holds a contiguous range of layers; the first also holds
 the embedding, the last the final norm and the head, every stage the rotary embedding (a buffer) and whatever else
-the base model holds. Layers of other stages become :class:`LayerPlaceholder`\\ s and the model's own forward runs
-each stage (``inputs_embeds`` carries the hidden states between stages), so masks, positions and rotary
-embeddings are the model's. A stage's ``state_dict`` names are the whole model's (``model.layers.7.mlp.up_proj
-.weight``), so sharded checkpoints, the HF export and :func:`materialize` (seeded per module name) treat a stage
-like a part of the one model: a stage is initialised, loaded and saved exactly as the same modules of the model.
+the text model holds. A composite model (a VLM: vision tower + projector + language model + head) is cut the same
+way along its language model, whose parts its plan names; the first stage alone holds the media modules. Layers of
+other stages become :class:`LayerPlaceholder`\\ s and the model's own forward runs each stage (``inputs_embeds``
+carries the hidden states between stages), so masks, positions and rotary embeddings are the model's. A stage's
+``state_dict`` names are the whole model's (``model.layers.7.mlp.up_proj.weight``), so sharded checkpoints, the HF
+export and :func:`materialize` (seeded per module name) treat a stage like a part of the one model: a stage is
+initialised, loaded and saved exactly as the same modules of the model.
 
 Cut the model on the meta device (each stage is a copy of it) and materialise the stages afterwards. A rank that
 runs several stages (interleaved schedules) hands the training loop :class:`LocalStages`: its stages' modules
@@ -25,6 +27,7 @@ from torch import nn
 
 from automodel.errors import AutomodelError
 from automodel.training.parallel.blocks import LayerPlaceholder
+from automodel.training.parallel.pipeline_media import model_media
 
 
 def stage_layer_ranges(num_layers: int, num_stages: int) -> list[range]:
@@ -45,8 +48,10 @@ def stage_indices(pp_rank: int, pp_size: int, stages_per_rank: int) -> list[int]
 class PipelineStageModel(nn.Module):
     """One stage: the causal LM's own children (pruned to this stage), under the causal LM's names.
 
-    ``forward(inputs, attention_mask=None, position_ids=None)``: token ids on the first stage, the previous stage's
-    hidden states on the others; returns the hidden states, or the logits on the last stage."""
+    ``forward(inputs, attention_mask=None, position_ids=None, **media)``: token ids on the first stage, the
+    previous stage's hidden states on the others; returns the hidden states, or the logits on the last stage. The
+    first stage runs the base model (a composite model's: media encoders, projector, embedding, its layers, with
+    the micro-batch's media, see ``pipeline_media``), the others the text model that holds the layers."""
 
     def __init__(self, model: nn.Module, index: int, num_stages: int, layers: range, parts: dict[str, str],
                  whole: nn.Module | None = None):
@@ -59,15 +64,20 @@ class PipelineStageModel(nn.Module):
         self.tp_plan = dict(getattr(model, "tp_plan", None) or {})  # transformers' plan, for tensor parallelism
         self.index, self.num_stages, self.layer_range = index, num_stages, layers
         self.is_first, self.is_last = index == 0, index == num_stages - 1
-        self._base, self._head = model.base_model_prefix, parts["head"]
+        self._head = parts["head"]
+        self.base_model_prefix = self._base = model.base_model_prefix  # transformers' (peft's) weight mappings read it
+        self._text = parts["layers"].rpartition(".")[0]  # the text model: what runs the later stages
+        self.media_modules = list(parts["media"]) if index == 0 else []
         for name, child in model.named_children():
             self.add_module(name, child)
 
     def forward(self, inputs: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        base = getattr(self, self._base)
-        given = {"input_ids": inputs} if self.is_first else {"inputs_embeds": inputs}
-        hidden = base(**given, attention_mask=attention_mask, position_ids=position_ids,
+                position_ids: torch.Tensor | None = None, **media: torch.Tensor) -> torch.Tensor:
+        if self.is_first:  # the base model: a composite one encodes the media and merges them into the embeddings
+            body, given = getattr(self, self._base), {"input_ids": inputs, **model_media(media)}
+        else:
+            body, given = self.get_submodule(self._text), {"inputs_embeds": inputs}
+        hidden = body(**given, attention_mask=attention_mask, position_ids=position_ids,
                       use_cache=False).last_hidden_state
         return getattr(self, self._head)(hidden) if self.is_last else hidden
 
@@ -98,6 +108,9 @@ def model_parts(model: nn.Module) -> dict[str, str]:
             parts["layers"] = name
         else:
             parts["after"].append(name)
+    head = model.get_output_embeddings() if "head" not in parts and hasattr(model, "get_output_embeddings") else None
+    if head is not None:  # a composite model's plan (Llava's) names its text model's parts, not the head
+        parts["head"] = next(name for name, module in modules.items() if module is head)
     missing = [part for part in ("embedding", "layers", "head") if part not in parts]
     if missing:
         raise AutomodelError(f"'{type(model).__name__}' has no pipeline plan naming its {', '.join(missing)} "
@@ -105,7 +118,19 @@ def model_parts(model: nn.Module) -> dict[str, str]:
     if "." in parts["head"] or not parts["layers"].startswith(model.base_model_prefix + "."):
         raise AutomodelError(f"'{type(model).__name__}': the pipeline plan's head '{parts['head']}' or layers "
                              f"'{parts['layers']}' are not where a causal LM keeps them; set distributed.pp_size: 1")
+    parts["media"] = media_modules(model, parts["layers"].rpartition(".")[0])
     return parts
+
+
+def media_modules(model: nn.Module, text: str) -> list[str]:
+    """The base model's children outside the text model ``text`` (a composite model's vision tower and projector):
+    the first stage alone runs them (it merges the media into the embeddings); none where the base model is the
+    text model (a causal LM)."""
+    base = model.base_model_prefix
+    if text == base:
+        return []
+    return [f"{base}.{name}" for name, _ in model.get_submodule(base).named_children()
+            if not (text + ".").startswith(f"{base}.{name}.")]
 
 
 def split_model(model: nn.Module, pp_rank: int, pp_size: int, stages_per_rank: int = 1
@@ -130,7 +155,8 @@ def split_model(model: nn.Module, pp_rank: int, pp_size: int, stages_per_rank: i
             if number not in ranges[index]:
                 layers[number] = LayerPlaceholder()
         if index != 0:
-            _replace(stage, parts["embedding"], None)
+            for name in [parts["embedding"], *parts["media"]]:
+                _replace(stage, name, None)
         if index != num_stages - 1:
             for name in parts["after"]:
                 _replace(stage, name, LayerPlaceholder())

@@ -1,0 +1,113 @@
+"""Pipeline parallelism of the VLM recipe through the CLI on CPU ranks (gloo): ``distributed.pp_size: 2`` on two ranks
+cuts the tiny Llava along its 2-layer language model (stage 0: vision tower, projector, embedding, layer 0; stage 1:
+layer 1, norm, head) and trains with the per-step losses and gradient norms of one process on rows holding two, one
+or no images (each pipeline micro-batch's first stage gets exactly its rows' images); the consolidated ``model/``
+loads with transformers as the one process's weights, and with LoRA the saved adapter is the one process's; what
+the pipeline cannot take is refused by ``automodel validate`` with the numbers.
+
+The two ranks of the pipeline read the same rows, so the one-process reference (run in the test's process) has the
+same batch size.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_tensor_parallel import _saved
+from vlm_testing import SHAPES, train_inprocess, write_config, write_jsonl
+
+from automodel.testing import free_port, read_jsonl, run_cli, run_cli_inprocess
+
+IMAGES_PER_ROW = [2, 0, 1, 1, 0, 2, 1, 2]  # two batches of four rows an epoch: 4 steps in two epochs
+FOUR_STEPS = {"step_scheduler": {"max_steps": 4, "val_check_interval": 100, "checkpoint_interval": 4},
+              "validation_dataset": None, "eval_generation": None, "dataloader": {"batch_size": 4, "shuffle": False},
+              "freeze": {"vision_tower": False}}
+PP2 = ["--nproc-per-node", "2", "--distributed.strategy", "fsdp2", "--distributed.pp_size", "2"]
+
+
+def _mixed_images(directory: Path) -> Path:
+    """Rows with two, one or no images (a text-only row has no image part), in the image-list column."""
+    rows = []
+    for index, count in enumerate(IMAGES_PER_ROW):
+        question = {"type": "text", "text": "What colour is the shape?" if count else "Say red."}
+        content = [{"type": "image"}] * count + [question]
+        rows.append({"images": [str(SHAPES / "images" / f"train_{index + k:04d}.png") for k in range(count)],
+                     "messages": [{"role": "user", "content": content},
+                                  {"role": "assistant", "content": [{"type": "text", "text": "red"}]}]})
+    return write_jsonl(directory / "mixed.jsonl", rows)
+
+
+def _config(tmp: Path, name: str, **sections: Any) -> Path:
+    dataset = {"path_or_dataset_id": str(_mixed_images(tmp)), "limit_dataset_samples": None}
+    return write_config(tmp / f"{name}.yaml", tmp / name, **{**FOUR_STEPS, **sections}, dataset=dataset)
+
+
+def _one_process(tmp: Path, **sections: Any) -> Path:
+    """The reference, run in this process (the CLI's path without a new interpreter)."""
+    train_inprocess(_config(tmp, "one", **sections))
+    return tmp / "one"
+
+
+def _pp2(tmp: Path, *args: str, **sections: Any) -> tuple[Path, str]:
+    config = _config(tmp, "pp2", **sections)
+    result = run_cli("finetune", "vlm", "-c", config, *PP2, *args, "--master-port", str(free_port()), cwd=tmp,
+                     OMP_NUM_THREADS="1")
+    assert result.returncode == 0, result.stderr[-4000:]
+    return tmp / "pp2", result.stderr
+
+
+def _column(out: Path, key: str) -> list[float]:
+    return [row[key] for row in read_jsonl(out / "training.jsonl")]
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_pp2_trains_like_one_process_on_rows_with_different_image_counts(tmp_path, lora):
+    sections = {"peft": {"dim": 4, "alpha": 8, "match_all_linear": True, "dropout": 0.0}} if lora else {}
+    # 1F1B over one-row micro-batches (two images, none, one, one); GPipe over two-row ones (two + none, one + one)
+    schedule = ["--distributed.pipeline.pp_schedule", "gpipe", "--distributed.pipeline.pp_microbatch_size", "2"] \
+        if lora else ["--distributed.pipeline.pp_schedule", "1f1b"]
+    reference = _one_process(tmp_path, **sections)
+    out, log = _pp2(tmp_path, *schedule, **sections)
+    assert "stage 0 of 2 on this rank (vision_tower + multi_modal_projector + embedding + layers 0-0)" in log
+    assert len(_column(out, "loss")) == 4
+    assert _column(out, "loss") == pytest.approx(_column(reference, "loss"), rel=1e-4)
+    assert _column(out, "grad_norm") == pytest.approx(_column(reference, "grad_norm"), rel=1e-4)
+    got, expected = (_saved(run / "epoch_1_step_4" / "model", lora) for run in (out, reference))
+    assert got.keys() == expected.keys() and expected
+    for key, value in expected.items():
+        assert (got[key] - value).abs().max().item() < 1e-5, key
+
+
+def _validate(tmp: Path, *args: str, **sections: Any) -> str:
+    config = write_config(tmp / "cfg.yaml", tmp / "ckpt", **sections)
+    result = run_cli_inprocess("validate", "-c", config, "--nproc-per-node", "2", *args, cwd=tmp)
+    out = result.stdout + result.stderr
+    assert result.returncode == 2 and "Traceback" not in out, out
+    return out
+
+
+def test_more_stages_than_text_layers_and_generation_are_refused_by_validate(tmp_path):
+    out = _validate(tmp_path, "--distributed.pipeline.pp_schedule", "interleaved1f1b",
+                    distributed={"strategy": "fsdp2", "pp_size": 2})
+    assert "2 ranks x 2 stages each = 4 stages, but the model has 2 layers (num_hidden_layers)" in out
+    assert "eval_generation.enabled" in out and "the pipeline stages (pp_size 2) hold apart" in out
+
+
+def test_a_model_without_a_media_layout_is_refused_by_validate(tmp_path):
+    qwen = {"model_type": "qwen2_vl", "text_config": {"num_hidden_layers": 2, "tie_word_embeddings": False},
+            "tie_word_embeddings": False}
+    out = _validate(tmp_path, model={"config": qwen}, eval_generation=None,
+                    distributed={"strategy": "fsdp2", "pp_size": 2})
+    assert "distributed.pp_size" in out and "the model (qwen2_vl) has no media layout here" in out
+    assert "(known: llava)" in out
+
+
+def test_dry_run_prints_the_vision_tower_on_the_first_stage(tmp_path):
+    config = write_config(tmp_path / "cfg.yaml", tmp_path / "ckpt", eval_generation=None)
+    result = run_cli_inprocess("finetune", "vlm", "-c", config, *PP2, "--dry-run", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = result.stdout + result.stderr
+    assert "pp rank 0: stage 0 (vision tower + projector + embedding + layers 0-0)" in out
+    assert "pp rank 1: stage 1 (layers 1-1 + norm, head)" in out
