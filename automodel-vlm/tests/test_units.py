@@ -200,3 +200,12 @@ def test_dry_run_plan_and_validation_errors(capsys):
     assert "pipeline peft: vlm_lora" in out + err and "pipeline freeze: vlm" in out + err
     code, out, err = cli("validate", "-c", EXAMPLE, "--freeze.vision_towr", "false", capsys=capsys)
     assert code != 0 and "freeze.vision_towr" in out + err and "vision_tower" in out + err
+
+
+def test_activation_checkpointing_wraps_the_language_model_layers_not_the_vision_towers(make_config):
+    """The tiny Llava's vision tower has as many layers as its language model and comes first: the blocks
+    checkpointed (and compiled one by one) are the language model's, the towers the recipe names are skipped."""
+    config = make_config(distributed={"activation_checkpointing": True})
+    recipe = train_inprocess(config, setup_only=True)
+    wrapped = [n for n, m in recipe.model.named_modules() if type(m).__name__ == "CheckpointWrapper"]
+    assert wrapped and all(".language_model.layers." in n for n in wrapped), wrapped

@@ -34,6 +34,7 @@ from automodel.training.parallel.materialize import (
     hf_checkpoint_key,
     materialize,
 )
+from automodel.training.parallel.multimodal_fsdp import multimodal_modules
 from automodel.training.parallel.pipeline_parallel import PipelineSettings, pp_issues, split_for_pipeline
 from automodel.training.parallel.pipeline_stages import PipelineStageModel
 from automodel.training.parallel.tensor_parallel import apply_tensor_parallel, tp_issues
@@ -54,7 +55,8 @@ def adapter_key(name: str) -> str:
 def checkpoint_activations(ctx: BuildContext, model: torch.nn.Module) -> str:
     """``distributed.activation_checkpointing``: wrap every transformer block; a model without any is an error."""
     saves_routing = moe_saves_routing(ctx.cfg.distributed)
-    count = apply_activation_checkpointing(model, save_routing=saves_routing)
+    count = apply_activation_checkpointing(model, save_routing=saves_routing,
+                                           skip=multimodal_modules(model, ctx.multimodal_names).values())
     if count == 0:
         raise AutomodelError(f"distributed.activation_checkpointing: {type(model).__name__} has no repeated "
                              "transformer blocks (a ModuleList of layers of one type) to checkpoint; set it to "

@@ -10,13 +10,17 @@ keeps ``state_dict()`` names unchanged; :func:`automodel.training.parallel.block
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from torch import nn
 
 from automodel.training.parallel.blocks import transformer_blocks
 
 
-def apply_activation_checkpointing(model: nn.Module, save_routing: bool = False) -> int:
-    """Wrap every transformer block of ``model`` in place; returns how many (0: the model has none).
+def apply_activation_checkpointing(model: nn.Module, save_routing: bool = False, skip: Collection[nn.Module] = ()
+                                   ) -> int:
+    """Wrap every transformer block of ``model`` in place (not searched for in the ``skip`` modules: a
+    vision-language model's towers); returns how many (0: the model has none).
 
     ``save_routing`` (upstream's ``moe.ignore_router_for_ac``): the outputs of every ``topk`` in a block (a MoE
     router's choice of experts) are kept from the forward and reused by the recomputation (torch's selective
@@ -29,7 +33,7 @@ def apply_activation_checkpointing(model: nn.Module, save_routing: bool = False)
         apply_activation_checkpointing as wrap_modules,
     )
 
-    blocks = {id(block) for block in transformer_blocks(model)}
+    blocks = {id(block) for block in transformer_blocks(model, skip)}
     if not blocks:
         return 0
     kwargs = {"context_fn": _save_topk} if save_routing else {}

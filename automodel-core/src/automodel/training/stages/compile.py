@@ -21,6 +21,7 @@ from automodel.errors import AutomodelError, ConfigIssue
 from automodel.model_backend import backend_setting
 from automodel.training.context import BuildContext
 from automodel.training.parallel.blocks import attention_modules, transformer_blocks
+from automodel.training.parallel.multimodal_fsdp import multimodal_modules
 from automodel.training.sections import CompileConfig
 
 
@@ -82,7 +83,7 @@ def compile_model(ctx: BuildContext, model: torch.nn.Module) -> tuple[torch.nn.M
         return model, _compile_attention(model, kwargs["backend"], options.mode)
     if not per_block(ctx.cfg):
         return torch.compile(model, **kwargs), f"torch.compile {how}"
-    blocks = transformer_blocks(model)
+    blocks = transformer_blocks(model, multimodal_modules(model, ctx.multimodal_names).values())  # the LM's
     if not blocks:
         raise AutomodelError(f"distributed.enable_compile: {type(model).__name__} has no repeated transformer blocks "
                              "(a ModuleList of layers of one type) to compile one by one; compile the whole model "
