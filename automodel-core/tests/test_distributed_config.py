@@ -70,10 +70,12 @@ def test_dry_run_prints_the_hsdp_mesh_and_the_precision(make_toy, capsys, monkey
 
 
 @pytest.mark.parametrize(("distributed", "key", "fragment"), [
-    ({"tp_size": 2}, "distributed.strategy", "ddp: tensor parallelism (tp_size 2) composes with FSDP2"),
+    ({"strategy": "ddp", "tp_size": 2}, "distributed.strategy", "ddp: tensor parallelism (tp_size 2) composes with "
+                                                                "FSDP2"),
     ({"strategy": "fsdp2", "tp_size": 2}, "distributed.tp_size", "needs a Hugging Face model"),
     ({"strategy": "fsdp2", "tp_size": 2}, "distributed.tp_size", "not set up for tensor parallelism"),
-    ({"pp_size": 2}, "distributed.strategy", "ddp: pipeline parallelism (pp_size 2) composes with FSDP2"),
+    ({"strategy": "ddp", "pp_size": 2}, "distributed.strategy", "ddp: pipeline parallelism (pp_size 2) composes with "
+                                                                "FSDP2"),
     ({"strategy": "fsdp2", "pp_size": 2}, "distributed.pp_size", "not set up for pipeline parallelism"),
     ({"sequence_parallel": True}, "distributed.sequence_parallel", "needs tensor parallelism"),
     ({"ep_size": 2}, "distributed.ep_size", "expert parallelism"),
@@ -90,6 +92,15 @@ def test_what_cannot_act_is_refused_with_its_reason(make_toy, capsys, monkeypatc
     code, out = _cli(capsys, "validate", "-c", make_toy(distributed=distributed), "--nproc-per-node", "2")
     assert code == 2, out
     assert key in out and fragment in out, out
+
+
+def test_an_unset_strategy_is_ddp_or_fsdp2_where_model_parallelism_needs_it():
+    from automodel.training.distributed_section import DistributedConfig
+
+    assert DistributedConfig().strategy == "ddp" and DistributedConfig(dp_size=4).strategy == "ddp"
+    for size in ("tp_size", "pp_size", "cp_size", "ep_size"):
+        assert DistributedConfig(**{size: 2}).strategy == "fsdp2", size
+    assert DistributedConfig(strategy="ddp", tp_size=2).strategy == "ddp"  # given: kept (and refused at validation)
 
 
 def test_upstream_mixed_precision_policy_target_is_absorbed(make_toy, capsys, monkeypatch):

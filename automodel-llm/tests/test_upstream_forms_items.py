@@ -283,8 +283,16 @@ def test_a_benchmark_section_under_the_fine_tuning_recipe_is_named_in_the_note_a
         cfg.notes[0] and "automodel benchmark llm -c FILE" in cfg.notes[0]
 
 
+def test_autopipeline_section_upstream_no_longer_reads_is_named_in_a_note(tmp_path):
+    data = yaml.safe_load((FORMS / "recipe_bare_name.yaml").read_text())
+    data["autopipeline"] = {"_target_": "nemo_automodel.components.distributed.pipelining.AutoPipeline",
+                            "pp_schedule": "interleaved1f1b", "layers_per_stage": 2}
+    _, cfg = load_config(write_yaml(tmp_path / "c.yaml", data))
+    assert any("'autopipeline'" in note and "distributed.pipeline with distributed.pp_size" in note
+               for note in cfg.notes), cfg.notes
+
+
 @pytest.mark.parametrize("section, node, words", [
-    ("autopipeline", {"pp_schedule": "1f1b"}, "pipeline parallelism here is distributed.pp_size"),
     ("quantization", {"load_in_4bit": True}, "need a CUDA GPU and bitsandbytes"),
 ])
 def test_upstream_sections_without_an_equivalent_are_refused_with_the_reason(tmp_path, section, node, words):

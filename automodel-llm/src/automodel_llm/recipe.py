@@ -157,9 +157,8 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
         "embedding_row_repair": EmbeddingRowRepairConfig,
         "nvtx": Free("upstream's NVTX ranges around every module for NVIDIA Nsight Systems: false (off) only"),
         "parallelizer": PARALLELIZER,
-        "autopipeline": Refused("upstream's pipeline-parallel builder (AutoPipeline); pipeline parallelism here is "
-                                "distributed.pp_size with distributed.pipeline (pp_schedule, pp_microbatch_size): "
-                                "remove the section"),
+        "autopipeline": Metadata("a section nothing in upstream reads any more (its pipeline settings are "
+                                 "distributed.pipeline with distributed.pp_size, as here): it governs nothing"),
         "quantization": Refused("bitsandbytes 4-/8-bit base weights (QLoRA) need a CUDA GPU and bitsandbytes, and this "
                                 "build loads no quantized weights: remove the section (LoRA on bf16 / fp32 weights)"),
         "tool_call_eval": Refused("upstream's tool-call accuracy evaluation (its ToolCallAccuracyEvaluator generates "

@@ -16,8 +16,9 @@ from automodel.training.multimodal_section import multimodal_errors
 class DistributedConfig:
     accepted_targets: ClassVar[dict] = {"FSDP2Manager": {"strategy": "fsdp2"}, "DDPManager": {"strategy": "ddp"},
                                         "MegatronFSDPManager": {"strategy": "megatron_fsdp"}}
-    strategy: Literal["fsdp2", "megatron_fsdp", "ddp"] = field(
-        default="ddp", metadata=_help("how the model is sharded across data-parallel ranks"))
+    strategy: Literal["fsdp2", "megatron_fsdp", "ddp"] | None = field(
+        default=None, metadata=_help("how the model is sharded across data-parallel ranks (unset: ddp; fsdp2, "
+                                     "upstream's default, where tp_size, pp_size, cp_size or ep_size > 1 needs it)"))
     dp_size: int | Literal["auto", "none"] | None = field(
         default="auto", metadata=_help("data-parallel ranks in all ('auto', 'none' or null: world size / (tp_size * "
                                        "cp_size * pp_size))"))
@@ -119,6 +120,9 @@ class DistributedConfig:
     def __post_init__(self) -> None:
         if self.dp_replicate_size in (None, "none"):
             self.dp_replicate_size = 1
+        if self.strategy is None:  # model parallelism composes with FSDP2 only (upstream's default strategy)
+            sizes = (self.tp_size, self.pp_size, self.cp_size, self.ep_size or 1)
+            self.strategy = "fsdp2" if any(isinstance(n, int) and n > 1 for n in sizes) else "ddp"
         require_positive(self, "tp_size", "cp_size", "pp_size", "ep_size", "dp_replicate_size",
                          "fsdp2_forward_prefetch_depth", "fsdp2_backward_prefetch_depth",
                          *(("dp_size",) if isinstance(self.dp_size, int) else ()))
