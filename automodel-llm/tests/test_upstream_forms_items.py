@@ -206,6 +206,7 @@ def test_hellaswag_under_upstreams_name_trains(tmp_path, monkeypatch):
 @pytest.mark.parametrize("section, key, target, words", [
     ("loss_fn", "_target_", "nemo_automodel.components.loss.te_parallel_ce.TEParallelCrossEntropy", "CUDA GPU"),
     ("optimizer", "_target_", "transformer_engine.pytorch.optimizers.FusedAdam", "torch.optim.AdamW"),
+    ("optimizer", "_target_", "flashoptim.FlashAdamW", "fused Triton kernels on CUDA GPUs"),
     ("optimizer", "_target_", "transformer_engine.pytorch.optimizers.fused_adam.FusedAdam", "torch.optim.AdamW"),
     ("dataset", "_target_", "nemo_automodel.components.datasets.llm.megatron_dataset.MegatronPretraining",
      "PretrainingTextDataset"),

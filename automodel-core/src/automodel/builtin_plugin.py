@@ -44,6 +44,10 @@ def automodel_register_aliases(aliases) -> None:
     aliases.target("MaskedCrossEntropy", "automodel.training.loss.MaskedCrossEntropy")
     aliases.target("ChunkedCrossEntropy", "automodel.training.loss.ChunkedCrossEntropy")
     aliases.target("FusedLinearCrossEntropy", "automodel.training.linear_ce.LinearCrossEntropy")
+    for name in ("FlashAdamW", "FlashAdam", "FlashSGD", "FlashSGDW", "FlashLion"):
+        aliases.unsupported(f"flashoptim.{name}", "FlashOptim's optimizers run fused Triton kernels on CUDA GPUs "
+                                                  "(their reduced-precision master weights and states); use the torch "
+                                                  "optimizer of the same update (torch.optim.AdamW for FlashAdamW)")
     for path in ("transformer_engine.pytorch.optimizers.FusedAdam",
                  "transformer_engine.pytorch.optimizers.fused_adam.FusedAdam"):
         aliases.unsupported(path, "Transformer Engine's fused Adam needs a CUDA GPU and Transformer Engine; use "
