@@ -210,7 +210,7 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
         self.tokenizer = build_tokenizer(self.cfg)
 
     def dataset_runtime_args(self, node: Any) -> dict[str, Any]:
-        return {"tokenizer": self.tokenizer}
+        return {"tokenizer": self.tokenizer, "run_seed": self.cfg.rng.seed}  # run_seed: NanogptDataset's file order
 
     def collate_runtime_args(self) -> dict[str, Any]:
         return {"tokenizer": self.tokenizer}
