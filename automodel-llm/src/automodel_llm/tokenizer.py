@@ -126,6 +126,11 @@ def tokenizer_issues(cfg: Config) -> list[ConfigIssue]:
     local tokenizer, a chat data set without a chat template and a vocabulary larger than the model's."""
     sections = dataset_sections(cfg)
     issues = [issue for key, node, fn in sections for issue in argument_issues(node, key, fn)]
+    if tokenizer_section(cfg) is None and tokenizer_source(cfg)[0] is None:
+        issues.append(ConfigIssue("tokenizer", "none found: the model section names no directory to take it from "
+                                  "(a model built from keys, such as build_gpt2_model), and the run pads batches "
+                                  "and saves the tokenizer beside the model, even for pre-tokenized data; add "
+                                  "`tokenizer: {pretrained_model_name_or_path: ...}`"))
     run_tokenizer = tokenizer_section(cfg)
     for key, node, _ in sections:
         given = node.get("tokenizer")
