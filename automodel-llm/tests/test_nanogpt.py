@@ -94,20 +94,8 @@ def test_two_ranks_read_disjoint_windows(tmp_path):
     assert not set(seen[0]) & set(seen[1]) and len(set(seen[0]) | set(seen[1])) == 12
 
 
-def write_tokenizer(directory: Path) -> Path:
-    """A word-level tokenizer of exactly VOCAB tokens (t0 ... t299; t299 is BOS and EOS), so the model's
-    vocabulary holds it."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0", bos_token=f"t{BOS}",
-                            eos_token=f"t{BOS}").save_pretrained(directory)
-    return directory
-
-
 def test_upstream_form_config_trains_a_gpt2_that_transformers_loads(tmp_path):
+    """Upstream's form as is (no tokenizer: the shards hold token ids); model/ is a transformers GPT-2."""
     import torch
     from transformers import GPT2LMHeadModel
 
@@ -123,7 +111,6 @@ def test_upstream_form_config_trains_a_gpt2_that_transformers_loads(tmp_path):
         "model": {"_target_": "nemo_automodel.components.models.gpt2.build_gpt2_model", "vocab_size": VOCAB,
                   "n_positions": 128, "n_embd": 32, "n_layer": 2, "n_head": 2, "bos_token_id": BOS,
                   "eos_token_id": BOS},
-        "tokenizer": {"pretrained_model_name_or_path": str(write_tokenizer(tmp_path / "tokenizer"))},
         "dataset": {"_target_": "nemo_automodel.components.datasets.llm.nanogpt_dataset.NanogptDataset",
                     "file_pattern": str(tmp_path / "train_*.bin"), "seq_len": 16, "shuffle_files": True,
                     "align_to_bos": False, "bos_token": BOS},
@@ -139,6 +126,8 @@ def test_upstream_form_config_trains_a_gpt2_that_transformers_loads(tmp_path):
     model_dir = tmp_path / "ckpt" / "epoch_0_step_3" / "model"
     trained, info = GPT2LMHeadModel.from_pretrained(model_dir, output_loading_info=True)
     assert not any(info.values()), info  # no missing, unexpected or mismatched weight
+    assert trained.config.bos_token_id == trained.config.eos_token_id == BOS
+    assert not (model_dir / "tokenizer.json").exists()
     untrained = build_gpt2_model(vocab_size=VOCAB, n_positions=128, n_embd=32, n_layer=2, n_head=2, seed=5)
     window = torch.as_tensor(NanogptDataset(str(tmp_path / "train_*.bin"), seq_len=16)[0]["input_ids"])[None]
     with torch.no_grad():
@@ -158,7 +147,8 @@ def test_gpt2_keys_that_cannot_act_and_a_missing_tokenizer_are_refused(tmp_path)
     for words in ("model.flash_mode: not a GPT-2 setting", "model.n_head: 4 does not divide n_embd 30",
                   "model.n_ctx: 32 differs from model.n_positions: 64"):
         assert words in output, output
-    # a model built from keys has no directory to take a tokenizer from, and the run needs one
+    # a model built from keys has no directory to take a tokenizer from, and text data need one
+    sections["dataset"] = {"_target_": "PretrainingTextDataset", "path_or_dataset_id": str(tmp_path / "t.jsonl")}
     code, output = validate_cli(write_yaml(tmp_path / "tok.yaml", {"model": {"_target_": "build_gpt2_model"},
                                                                    **sections}), tmp_path)
     assert code == 2 and "tokenizer: none found" in output, output

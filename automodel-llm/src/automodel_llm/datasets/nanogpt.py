@@ -11,7 +11,8 @@ contexts as upstream's shifted pair of ``seq_len`` tokens. Windows do not overla
 
 Unlike upstream's endless stream, the windows are a map-style data set, so the engine's samplers apply: each
 data-parallel rank reads its own windows, an epoch is one pass over them, ``dataloader.shuffle`` shuffles them
-(seeded), and a resumed run continues from the saved loader position.
+(seeded), and a resumed run continues from the saved loader position. The data are token ids, so a run on them
+needs no tokenizer (none is saved with the model then; the model's own special token ids stand).
 """
 
 from __future__ import annotations
@@ -75,6 +76,8 @@ def window_starts(tokens: np.ndarray, length: int, bos_token: int | None) -> np.
 
 class NanogptDataset(Dataset):
     """Windows of ``seq_len + 1`` tokens from modded-nanogpt ``.bin`` shards (see the module's docstring)."""
+
+    pretokenized = True  # token ids already: a run on these data needs no tokenizer
 
     argument_help = {"file_pattern": "a glob of .bin shards, or a list of shard paths",
                      "seq_len": "next-token predictions per sample (a sample holds seq_len + 1 tokens)",
