@@ -152,3 +152,9 @@ def test_gpt2_keys_that_cannot_act_and_a_missing_tokenizer_are_refused(tmp_path)
     code, output = validate_cli(write_yaml(tmp_path / "tok.yaml", {"model": {"_target_": "build_gpt2_model"},
                                                                    **sections}), tmp_path)
     assert code == 2 and "tokenizer: none found" in output, output
+    # upstream's MockIterableDataset is token ids too: no tokenizer needed
+    sections["dataset"] = {"_target_": "nemo_automodel.components.datasets.llm.mock_iterable_dataset."
+                                       "MockIterableDataset", "vocab_size": VOCAB, "seq_len": 8}
+    code, output = validate_cli(write_yaml(tmp_path / "mock.yaml", {"model": {"_target_": "build_gpt2_model"},
+                                                                    **sections}), tmp_path)
+    assert code == 0, output
