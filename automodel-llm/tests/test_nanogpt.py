@@ -6,7 +6,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from llm_testing import run_finetune, validate_cli
+from llm_testing import assert_same_weights, run_finetune, validate_cli
+from llm_testing import losses as train_losses
 
 from automodel.errors import AutomodelError
 from automodel.testing import write_yaml
@@ -106,7 +107,8 @@ def test_upstream_form_config_trains_a_gpt2_that_transformers_loads(tmp_path):
         write_shard(tmp_path / f"train_{shard}.bin", rng.integers(0, VOCAB, 200))
     config = write_yaml(tmp_path / "nanogpt.yaml", {
         "recipe": "TrainFinetuneRecipeForNextTokenPrediction",
-        "step_scheduler": {"global_batch_size": 2, "local_batch_size": 2, "max_steps": 3, "num_epochs": 1},
+        "step_scheduler": {"global_batch_size": 2, "local_batch_size": 2, "max_steps": 3, "num_epochs": 1,
+                           "ckpt_every_steps": 2},
         "rng": {"seed": 5},
         "model": {"_target_": "nemo_automodel.components.models.gpt2.build_gpt2_model", "vocab_size": VOCAB,
                   "n_positions": 128, "n_embd": 32, "n_layer": 2, "n_head": 2, "bos_token_id": BOS,
@@ -134,6 +136,11 @@ def test_upstream_form_config_trains_a_gpt2_that_transformers_loads(tmp_path):
         losses = [m.eval()(window, labels=window).loss.item() for m in (trained, untrained)]
         assert not torch.allclose(trained(window).logits[0, -1], untrained(window).logits[0, -1])
     assert losses[0] < losses[1]  # three steps on these windows lowered their loss
+    # resumed from step 2, step 3 reads the same windows: the same loss and weights as the run without a stop
+    run_finetune(config, tmp_path, tmp_path / "resumed", "--checkpoint.restore_from",
+                 tmp_path / "ckpt" / "epoch_0_step_2")
+    assert train_losses(tmp_path / "resumed")[-1] == pytest.approx(train_losses(tmp_path / "ckpt")[-1], rel=1e-5)
+    assert_same_weights(tmp_path / "resumed" / "epoch_0_step_3" / "model", model_dir)
 
 
 def test_gpt2_keys_that_cannot_act_and_a_missing_tokenizer_are_refused(tmp_path):
