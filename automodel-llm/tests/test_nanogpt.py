@@ -10,7 +10,7 @@ from llm_testing import assert_same_weights, run_finetune, validate_cli
 from llm_testing import losses as train_losses
 
 from automodel.errors import AutomodelError
-from automodel.testing import write_yaml
+from automodel.testing import train_inprocess, write_yaml
 from automodel_llm.datasets.nanogpt import LEGACY_MAGIC, MAGIC, NanogptDataset
 
 VOCAB, BOS = 300, 299
@@ -137,8 +137,8 @@ def test_upstream_form_config_trains_a_gpt2_that_transformers_loads(tmp_path):
         assert not torch.allclose(trained(window).logits[0, -1], untrained(window).logits[0, -1])
     assert losses[0] < losses[1]  # three steps on these windows lowered their loss
     # resumed from step 2, step 3 reads the same windows: the same loss and weights as the run without a stop
-    run_finetune(config, tmp_path, tmp_path / "resumed", "--checkpoint.restore_from",
-                 tmp_path / "ckpt" / "epoch_0_step_2")
+    train_inprocess(config, "--checkpoint.checkpoint_dir", str(tmp_path / "resumed"), "--checkpoint.restore_from",
+                    str(tmp_path / "ckpt" / "epoch_0_step_2"))
     assert train_losses(tmp_path / "resumed")[-1] == pytest.approx(train_losses(tmp_path / "ckpt")[-1], rel=1e-5)
     assert_same_weights(tmp_path / "resumed" / "epoch_0_step_3" / "model", model_dir)
 
