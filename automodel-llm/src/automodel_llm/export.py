@@ -114,4 +114,5 @@ def _merge_adapter(config_file: Path, adapter_dir: Path, out: Path) -> None:
     merged = model.merge_and_unload()
     shutil.rmtree(out, ignore_errors=True)  # a consolidated adapter, read by now
     merged.save_pretrained(str(out))
-    recipe.tokenizer.save_pretrained(str(out))
+    if recipe.tokenizer is not None:  # None: trained on token ids without one
+        recipe.tokenizer.save_pretrained(str(out))

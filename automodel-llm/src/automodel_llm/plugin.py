@@ -94,6 +94,11 @@ def automodel_register_aliases(aliases) -> None:
                         "text files or a hub data set)")
     aliases.target("nemo_automodel.components.datasets.llm.mock_iterable_dataset.MockIterableDataset",
                    "automodel_llm.datasets.mock_iterable_dataset")
+    aliases.target("NanogptDataset", "automodel_llm.datasets.nanogpt.NanogptDataset")
+    aliases.target("nemo_automodel.components.datasets.llm.nanogpt_dataset.NanogptDataset",
+                   "automodel_llm.datasets.nanogpt.NanogptDataset")
+    aliases.target("build_gpt2_model", "automodel_llm.gpt2.build_gpt2_model")
+    aliases.target("nemo_automodel.components.models.gpt2.build_gpt2_model", "automodel_llm.gpt2.build_gpt2_model")
 
 
 @hookimpl

@@ -209,7 +209,7 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
         self.tokenizer = build_tokenizer(self.cfg)
 
     def dataset_runtime_args(self, node: Any) -> dict[str, Any]:
-        return {"tokenizer": self.tokenizer}
+        return {"tokenizer": self.tokenizer, "run_seed": self.cfg.rng.seed}  # run_seed: NanogptDataset's file order
 
     def collate_runtime_args(self) -> dict[str, Any]:
         return {"tokenizer": self.tokenizer}
@@ -234,8 +234,13 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
             self.log(f"packed the training data into {len(dataset)} rows of {self.pack_size} tokens")
         return dataset
 
+    @property
+    def pad_token_id(self) -> int:
+        """The tokenizer's pad id; 0 without a tokenizer (token-id data: padding carries no label)."""
+        return getattr(self.tokenizer, "pad_token_id", None) or 0
+
     def default_collate_fn(self, train: bool = True) -> Any:
-        pad = self.tokenizer.pad_token_id or 0
+        pad = self.pad_token_id
         if train and self.pack_size:
             return functools.partial(packed_collate, pack_size=self.pack_size, pad_token_id=pad)
         return functools.partial(pad_collate, pad_token_id=pad, pad_to_multiple_of=self.length_multiple())
@@ -251,8 +256,11 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
 
     def setup(self) -> None:
         super().setup()
-        check_vocab(self.tokenizer, getattr(unwrap(self.model), "config", None), "tokenizer: " + VOCAB_PROBLEM)
-        changes = align_special_tokens(unwrap(self.model), self.tokenizer)
+        if self.tokenizer is None:
+            self.log("no tokenizer: the data sets hold token ids (the model's own special token ids stand)")
+        else:
+            check_vocab(self.tokenizer, getattr(unwrap(self.model), "config", None), "tokenizer: " + VOCAB_PROBLEM)
+        changes = align_special_tokens(unwrap(self.model), self.tokenizer) if self.tokenizer is not None else []
         if changes:
             self.log(f"special tokens: the model's {', '.join(changes)} (the tokenizer's, which training uses; "
                      "saved in config.json and generation_config.json, so generate() stops at its EOS)")
@@ -289,7 +297,7 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
         longest = max(batch["input_ids"].shape[1] for batch in batches)
         longest = length if length is not None and longest <= length else \
             -(-longest // PIPELINE_LENGTH_MULTIPLE) * PIPELINE_LENGTH_MULTIPLE
-        pad = self.tokenizer.pad_token_id or 0
+        pad = self.pad_token_id
         parts = []
         for batch in batches:
             extra = longest - batch["input_ids"].shape[1]
@@ -323,8 +331,9 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
         if (model_dir / "adapter_config.json").is_file():
             return (f"Trained LoRA adapter in {model_dir}: load it with peft.PeftModel.from_pretrained(base_model, "
                     f"'{model_dir}'), or merge it with `automodel export {model_dir.parent} merged/`")
+        tokenizer = f" and AutoTokenizer.from_pretrained('{model_dir}')" if self.tokenizer is not None else ""
         return (f"Trained model in {model_dir}: load it with transformers.AutoModelForCausalLM.from_pretrained("
-                f"'{model_dir}') and AutoTokenizer.from_pretrained('{model_dir}')")
+                f"'{model_dir}'){tokenizer}")
 
     def _generation_pairs(self) -> list[tuple[str, str]]:
         for loader in self.val_dataloaders.values():

@@ -49,10 +49,22 @@ def tokenizer_source(cfg: Config) -> tuple[str | None, str]:
     return None, "tokenizer"
 
 
+def needs_tokenizer(cfg: Config) -> bool:
+    """False when no tokenizer is named and every data set section reads token ids (its target says
+    ``pretokenized``, as NanogptDataset does): such a run pads nothing and trains without a tokenizer."""
+    if tokenizer_section(cfg) is not None or tokenizer_source(cfg)[0] is not None:
+        return True
+    sections = dataset_sections(cfg)
+    return not sections or not all(getattr(fn, "pretokenized", False) for _, _, fn in sections)
+
+
 def build_tokenizer(cfg: Config) -> Any:
-    """The tokenizer the recipe trains with; the pad token falls back to EOS."""
+    """The tokenizer the recipe trains with (None for token-id data without one: :func:`needs_tokenizer`); the pad
+    token falls back to EOS."""
     node = tokenizer_section(cfg)
     source, key = tokenizer_source(cfg)
+    if not needs_tokenizer(cfg):
+        return None
     if node is not None:
         if node.target is None and missing_local_path(source):
             raise AutomodelError(f"{key}: '{source}' does not exist")
@@ -126,6 +138,10 @@ def tokenizer_issues(cfg: Config) -> list[ConfigIssue]:
     local tokenizer, a chat data set without a chat template and a vocabulary larger than the model's."""
     sections = dataset_sections(cfg)
     issues = [issue for key, node, fn in sections for issue in argument_issues(node, key, fn)]
+    if needs_tokenizer(cfg) and tokenizer_section(cfg) is None and tokenizer_source(cfg)[0] is None:
+        issues.append(ConfigIssue("tokenizer", "none found: the model section names no directory to take it from "
+                                  "(a model built from keys, such as build_gpt2_model), and a data set here "
+                                  "tokenizes text; add `tokenizer: {pretrained_model_name_or_path: ...}`"))
     run_tokenizer = tokenizer_section(cfg)
     for key, node, _ in sections:
         given = node.get("tokenizer")

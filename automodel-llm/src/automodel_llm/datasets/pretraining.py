@@ -104,3 +104,4 @@ def mock_iterable_dataset(vocab_size: int = 1024, seq_len: int = 1024, num_sampl
 mock_iterable_dataset.argument_help = {"vocab_size": "token ids are drawn below it", "seq_len": "tokens per sample",
                                        "num_samples": "how many samples",
                                        "batch_size": "1 or null (the dataloader forms the batches)"}
+mock_iterable_dataset.pretokenized = True  # random token ids below vocab_size: a run on them needs no tokenizer
