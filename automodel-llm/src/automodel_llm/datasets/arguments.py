@@ -130,17 +130,21 @@ class SampleLength:
         if self.padding == "max_length" and self.limit.value is None:
             _raise("dataset.padding", PAD_WITHOUT_LENGTH)
 
-    def fit(self, ids: list[int], labels: list[int], pad_token_id: int | None, where: str) -> dict[str, list[int]]:
+    def fit(self, ids: list[int], labels: list[int], pad_token_id: int | None, where: str,
+            keep_end: bool = False) -> dict[str, list[int]]:
         """The sample, truncated (or refused when longer and truncation is off) and padded as asked.
 
-        A sample padded here carries its ``attention_mask``, so the padding is neither attended to nor learned.
+        Truncation keeps the first ``seq_length`` tokens, or the last with ``keep_end`` (a tokenizer whose
+        ``truncation_side`` is left). A sample padded here carries its ``attention_mask``, so the padding is
+        neither attended to nor learned.
         """
         limit = self.limit.value
         if limit is not None and len(ids) > limit:
             if not _TRUNCATE.get(self.truncation, False):
                 raise AutomodelError(f"{self.limit.key}: {where} has {len(ids)} tokens, more than {limit}; raise "
                                      "it or set dataset.truncation: true")
-            ids, labels = ids[:limit], labels[:limit]
+            kept = slice(len(ids) - limit, None) if keep_end else slice(limit)
+            ids, labels = ids[kept], labels[kept]
         sample = {"input_ids": ids, "labels": labels}
         if _PAD_TO_LENGTH.get(self.padding, False) and len(ids) < limit:
             fill = limit - len(ids)
