@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from typing import Any
 
 from torch.utils.data import Dataset
@@ -205,10 +206,13 @@ def read_split(source: Given, split: str, revision: str | None, limit: int | Non
 
 
 def _source(dataset_name: Any, path: Any) -> Given:
-    if (dataset_name is None) == (path is None):
-        raise AutomodelError("dataset.dataset_name: give exactly one of dataset_name (a hub id, or a local file or "
-                             "directory) and path (a local JSON/JSONL file or a list of them)")
     return Given(dataset_name, "dataset.dataset_name") if path is None else Given(path, "dataset.path")
+
+
+def raise_problems(problems: list[tuple[str, str]]) -> None:
+    """Raise the first of ``argument_problems`` (validation reports them all, with the section's key)."""
+    for name, problem in problems:
+        raise AutomodelError(f"dataset.{name}: {problem}")
 
 
 class AgentChatDataset(Dataset):
@@ -240,6 +244,18 @@ class AgentChatDataset(Dataset):
     }
     requires_chat_template = True  # validation checks a local tokenizer for one unless chat_template is given
 
+    @staticmethod
+    def argument_problems(arguments: Mapping[str, Any]) -> list[tuple[str, str]]:
+        """``(argument, problem)`` of what these arguments cannot do together (validation reports them too)."""
+        problems = []
+        if (arguments.get("dataset_name") is None) == (arguments.get("path") is None):
+            problems.append(("dataset_name", "give exactly one of dataset_name (a hub id, or a local file or "
+                                             "directory) and path (a local JSON/JSONL file or a list of them)"))
+        problems += [(name, "acts on conversations longer than seq_length, which is not set; set seq_length")
+                     for name in ("filter_overlong", "truncate_history")
+                     if arguments.get(name) and arguments.get("seq_length") is None]
+        return problems
+
     def __init__(self, tokenizer: Any = None, dataset_name: str | None = None, path: str | list[str] | None = None,
                  split: str = "train", revision: str | None = None, filter_no_assistant: bool = False,
                  filter_overlong: bool = False, trim_incomplete_last_turn: bool = False,
@@ -248,11 +264,8 @@ class AgentChatDataset(Dataset):
                  mask_reasoning_content: bool = False, train_on_last_turn_only: bool = False,
                  drop_history_reasoning_content: bool = False, truncate_history: bool = False,
                  on_bad_row: OnBadRow = "error"):
+        raise_problems(self.argument_problems(locals()))
         source = _source(dataset_name, path)
-        for key, value in (("filter_overlong", filter_overlong), ("truncate_history", truncate_history)):
-            if value and seq_length is None:
-                raise AutomodelError(f"dataset.{key}: acts on conversations longer than seq_length, which is not "
-                                     "set; set seq_length")
         self.options = {"filter_no_assistant": filter_no_assistant, "filter_overlong": filter_overlong,
                         "trim_incomplete_last_turn": trim_incomplete_last_turn,
                         "truncate_history": truncate_history, "mask_reasoning_content": mask_reasoning_content,

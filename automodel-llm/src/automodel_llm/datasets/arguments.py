@@ -179,7 +179,8 @@ def resolve_chat_template(value: str | None, key: str = "dataset.chat_template")
 
 def argument_issues(node: Mapping[str, Any], key: str, fn: Callable) -> list[ConfigIssue]:
     """What validation refuses in a data set section built by ``fn`` beyond the types of its arguments: both
-    spellings of one argument, padding to a length that is not set, a chat template that is neither."""
+    spellings of one argument, padding to a length that is not set, a chat template that is neither, and what the
+    data set's own ``argument_problems(arguments)`` finds."""
     aliases = getattr(fn, "argument_aliases", {})
     issues = [ConfigIssue(f"{key}.{alias}", both_spellings(name)) for alias, name in aliases.items()
               if node.get(alias) is not None and node.get(name) is not None]
@@ -190,6 +191,9 @@ def argument_issues(node: Mapping[str, Any], key: str, fn: Callable) -> list[Con
     problem = chat_template_problem(node.get("chat_template")) if "chat_template" in accepted else None
     if problem is not None:
         issues.append(ConfigIssue(f"{key}.chat_template", problem))
+    own = getattr(fn, "argument_problems", None)  # what a data set's arguments cannot do together
+    if own is not None:
+        issues += [ConfigIssue(f"{key}.{name}", problem) for name, problem in own(node)]
     return issues
 
 

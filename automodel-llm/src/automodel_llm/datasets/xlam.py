@@ -6,11 +6,18 @@ OpenAI ``tool_calls`` are the answers, with the tools in OpenAI's schema; render
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from automodel.data import OnBadRow
-from automodel.errors import AutomodelError
-from automodel_llm.datasets.agent_chat import AgentChatDataset, RowProblem, parse_json, read_split, tool_call
+from automodel_llm.datasets.agent_chat import (
+    AgentChatDataset,
+    RowProblem,
+    parse_json,
+    raise_problems,
+    read_split,
+    tool_call,
+)
 from automodel_llm.datasets.arguments import Given, Padding, SampleLength, Truncation
 from automodel_llm.datasets.chat import with_chat_template
 
@@ -69,13 +76,19 @@ class XlamDataset(AgentChatDataset):
                                      "JSON/JSONL/CSV/parquet file or directory of xLAM rows",
                      "fp8": "upstream reserves it and does nothing with it: only false (the default) is accepted"}
 
+    @staticmethod
+    def argument_problems(arguments: Mapping[str, Any]) -> list[tuple[str, str]]:
+        """``(argument, problem)`` of arguments that cannot act (validation reports them too)."""
+        if not arguments.get("fp8"):
+            return []
+        return [("fp8", "upstream's make_xlam_dataset accepts it and does nothing with it; remove it (FP8 training "
+                        "is not a property of the data)")]
+
     def __init__(self, tokenizer: Any = None, seq_length: int | None = None, limit_dataset_samples: int | None = None,
                  fp8: bool = False, split: str = "train", dataset_name: str = "Salesforce/xlam-function-calling-60k",
                  padding: Padding = False, truncation: Truncation = False, chat_template: str | None = None,
                  on_bad_row: OnBadRow = "error"):
-        if fp8:
-            raise AutomodelError("dataset.fp8: upstream's make_xlam_dataset accepts it and does nothing with it; "
-                                 "remove it (FP8 training is not a property of the data)")
+        raise_problems(self.argument_problems(locals()))
         self.options = dict.fromkeys(("filter_no_assistant", "filter_overlong", "trim_incomplete_last_turn",
                                       "truncate_history", "mask_reasoning_content", "train_on_last_turn_only",
                                       "drop_history_reasoning_content"), False)
