@@ -120,8 +120,9 @@ def openai_messages(turns: list[dict], call_prefix: str = "call") -> list[dict]:
                 pending[answered] if answered < len(pending) else f"{call_prefix}_result_{len(out)}"
             answered += 1
             content = turn.get("content")
-            message = {"role": "tool", "content": content if isinstance(content, str) else
-                       json.dumps(content, ensure_ascii=False), "tool_call_id": call_id}
+            message = {"role": "tool", "tool_call_id": call_id,
+                       "content": content if isinstance(content, str) else "" if content is None else
+                       json.dumps(content, ensure_ascii=False)}
             if isinstance(turn.get("name"), str) and turn["name"]:
                 message["name"] = turn["name"]
             out.append(message)
