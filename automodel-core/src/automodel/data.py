@@ -21,13 +21,17 @@ _BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parq
 
 
 def load_rows(name_or_path: str, split: str = "train", key: str = "dataset.dataset_name",
-              streaming: bool = False, name: str | None = None) -> Any:
+              streaming: bool = False, name: str | None = None, revision: str | None = None) -> Any:
     """A ``datasets.Dataset`` (or IterableDataset when streaming) for one split; ``name`` picks the subset
-    (configuration) of a hub data set or a data set directory with several."""
+    (configuration) of a hub data set or a data set directory with several, ``revision`` a hub data set's branch,
+    tag or commit (a local file or directory has none)."""
     import datasets
 
     datasets.disable_progress_bars()  # the training progress bar is the one to watch
     path = Path(str(name_or_path))
+    if revision is not None and path.exists():
+        raise AutomodelError(f"{key}: '{name_or_path}' is local, and revision '{revision}' names a version of a hub "
+                             "data set; remove revision")
     try:
         if path.is_file():
             builder = _BUILDERS.get(path.suffix.lower())
@@ -41,7 +45,8 @@ def load_rows(name_or_path: str, split: str = "train", key: str = "dataset.datas
             return datasets.load_dataset(str(path), name, split=split, streaming=streaming)
         if path.is_absolute() or str(name_or_path).startswith(("./", "../")) or path.suffix in _BUILDERS:
             raise AutomodelError(f"{key}: '{name_or_path}' does not exist")
-        return datasets.load_dataset(str(name_or_path), name, split=split, streaming=streaming)
+        hub = {"revision": revision} if revision is not None else {}
+        return datasets.load_dataset(str(name_or_path), name, split=split, streaming=streaming, **hub)
     except AutomodelError:
         raise
     except Exception as err:  # datasets raises many types for a missing/offline hub name or a bad file

@@ -75,6 +75,14 @@ def automodel_register_aliases(aliases) -> None:
     aliases.target("ChatDataset", "automodel_llm.datasets.ChatDataset")
     aliases.target("nemo_automodel.components.datasets.llm.chat_dataset.ChatDataset",
                    "automodel_llm.datasets.ChatDataset")
+    aliases.target("AgentChatDataset", "automodel_llm.datasets.AgentChatDataset")
+    aliases.target("make_agent_chat_dataset", "automodel_llm.datasets.AgentChatDataset")
+    aliases.target("nemo_automodel.components.datasets.llm.agent_chat.make_agent_chat_dataset",
+                   "automodel_llm.datasets.AgentChatDataset")
+    aliases.target("XlamDataset", "automodel_llm.datasets.XlamDataset")
+    aliases.target("make_xlam_dataset", "automodel_llm.datasets.XlamDataset")
+    aliases.target("nemo_automodel.components.datasets.llm.xlam.make_xlam_dataset",
+                   "automodel_llm.datasets.XlamDataset")
     aliases.target("PretrainingTextDataset", "automodel_llm.datasets.PretrainingTextDataset")
     aliases.target("MockDataset", "automodel_llm.datasets.MockDataset")
     aliases.target("nemo_automodel.components.datasets.llm.hellaswag.HellaSwag", "automodel_llm.datasets.HellaSwag")

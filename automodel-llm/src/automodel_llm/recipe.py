@@ -48,7 +48,7 @@ MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
 PIPELINE_LENGTH_MULTIPLE = 64  # pipelined batches are padded to a multiple of it: few shapes, few pipeline set-ups
 DATASETS = tuple(f"automodel_llm.datasets.{name}" for name in (
     "SquadDataset", "make_squad_dataset", "ColumnMappedTextInstructionDataset", "ChatDataset",
-    "PretrainingTextDataset", "MockDataset"))
+    "AgentChatDataset", "XlamDataset", "PretrainingTextDataset", "MockDataset"))
 
 
 def dataset_section(help: str, required: bool = False) -> Target:

@@ -130,17 +130,21 @@ class SampleLength:
         if self.padding == "max_length" and self.limit.value is None:
             _raise("dataset.padding", PAD_WITHOUT_LENGTH)
 
-    def fit(self, ids: list[int], labels: list[int], pad_token_id: int | None, where: str) -> dict[str, list[int]]:
+    def fit(self, ids: list[int], labels: list[int], pad_token_id: int | None, where: str,
+            keep_end: bool = False) -> dict[str, list[int]]:
         """The sample, truncated (or refused when longer and truncation is off) and padded as asked.
 
-        A sample padded here carries its ``attention_mask``, so the padding is neither attended to nor learned.
+        Truncation keeps the first ``seq_length`` tokens, or the last with ``keep_end`` (a tokenizer whose
+        ``truncation_side`` is left). A sample padded here carries its ``attention_mask``, so the padding is
+        neither attended to nor learned.
         """
         limit = self.limit.value
         if limit is not None and len(ids) > limit:
             if not _TRUNCATE.get(self.truncation, False):
                 raise AutomodelError(f"{self.limit.key}: {where} has {len(ids)} tokens, more than {limit}; raise "
                                      "it or set dataset.truncation: true")
-            ids, labels = ids[:limit], labels[:limit]
+            kept = slice(len(ids) - limit, None) if keep_end else slice(limit)
+            ids, labels = ids[kept], labels[kept]
         sample = {"input_ids": ids, "labels": labels}
         if _PAD_TO_LENGTH.get(self.padding, False) and len(ids) < limit:
             fill = limit - len(ids)
@@ -175,7 +179,8 @@ def resolve_chat_template(value: str | None, key: str = "dataset.chat_template")
 
 def argument_issues(node: Mapping[str, Any], key: str, fn: Callable) -> list[ConfigIssue]:
     """What validation refuses in a data set section built by ``fn`` beyond the types of its arguments: both
-    spellings of one argument, padding to a length that is not set, a chat template that is neither."""
+    spellings of one argument, padding to a length that is not set, a chat template that is neither, and what the
+    data set's own ``argument_problems(arguments)`` finds."""
     aliases = getattr(fn, "argument_aliases", {})
     issues = [ConfigIssue(f"{key}.{alias}", both_spellings(name)) for alias, name in aliases.items()
               if node.get(alias) is not None and node.get(name) is not None]
@@ -186,6 +191,9 @@ def argument_issues(node: Mapping[str, Any], key: str, fn: Callable) -> list[Con
     problem = chat_template_problem(node.get("chat_template")) if "chat_template" in accepted else None
     if problem is not None:
         issues.append(ConfigIssue(f"{key}.chat_template", problem))
+    own = getattr(fn, "argument_problems", None)  # what a data set's arguments cannot do together
+    if own is not None:
+        issues += [ConfigIssue(f"{key}.{name}", problem) for name, problem in own(node)]
     return issues
 
 

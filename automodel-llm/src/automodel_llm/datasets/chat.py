@@ -22,16 +22,21 @@ from automodel_llm.datasets.arguments import (
 )
 
 
-def _render(tokenizer: Any, messages: list[dict], generation_prompt: bool) -> list[int]:
+def render(tokenizer: Any, messages: list[dict], generation_prompt: bool = False, tools: list[dict] | None = None
+           ) -> list[int]:
+    """The token ids of ``messages`` (and the ``tools`` the template shows the model) as the chat template renders
+    them."""
     if not messages:
         return []
-    result = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=generation_prompt)
+    extra = {"tools": tools} if tools else {}
+    result = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=generation_prompt, **extra)
     if isinstance(result, dict) or hasattr(result, "keys"):
         result = result["input_ids"]
     return list(result)
 
 
-def tokenize_conversation(tokenizer: Any, messages: list[dict], mask_reasoning: bool = False
+def tokenize_conversation(tokenizer: Any, messages: list[dict], mask_reasoning: bool = False,
+                          tools: list[dict] | None = None, last_turn_only: bool = False
                           ) -> tuple[list[int], list[int]]:
     """Token ids of the whole conversation and labels that keep only the assistant turns.
 
@@ -39,20 +44,20 @@ def tokenize_conversation(tokenizer: Any, messages: list[dict], mask_reasoning: 
     rendered up to it with the generation prompt, so any template whose renders extend each other works.
     ``mask_reasoning`` also leaves out each assistant turn's rendered ``reasoning_content`` (upstream's
     ``mask_reasoning_content``): the tokens that differ from the conversation rendered with that turn's reasoning
-    emptied, as upstream finds them.
+    emptied, as upstream finds them. ``tools`` go to the template with every render; ``last_turn_only`` keeps only
+    the last assistant turn's labels.
     """
-    ids = _render(tokenizer, messages, generation_prompt=False)
+    ids = render(tokenizer, messages, tools=tools)
     labels = [IGNORE_INDEX] * len(ids)
-    for i, message in enumerate(messages):
-        if message.get("role") != "assistant":
-            continue
-        start = len(_render(tokenizer, messages[:i], generation_prompt=True))
-        end = len(_render(tokenizer, messages[: i + 1], generation_prompt=False))
+    turns = [i for i, message in enumerate(messages) if message.get("role") == "assistant"]
+    for i in turns[-1:] if last_turn_only else turns:
+        start = len(render(tokenizer, messages[:i], generation_prompt=True, tools=tools))
+        end = len(render(tokenizer, messages[: i + 1], tools=tools))
         labels[start:end] = ids[start:end]
     for i, message in enumerate(messages):
         if mask_reasoning and message.get("role") == "assistant" and message.get("reasoning_content"):
             emptied = [*messages[:i], {**message, "reasoning_content": ""}, *messages[i + 1:]]
-            start, end = _differing_span(ids, _render(tokenizer, emptied, generation_prompt=False))
+            start, end = _differing_span(ids, render(tokenizer, emptied, tools=tools))
             labels[start:end] = [IGNORE_INDEX] * (end - start)
     return ids, labels
 
@@ -91,13 +96,7 @@ class ChatDataset(Dataset):
                  max_seq_length: int | None = None, mask_reasoning_content: bool = False):
         source = given("path_or_dataset_id", path_or_dataset_id, "dataset_name", dataset_name)
         length = SampleLength(given("seq_length", seq_length, "max_seq_length", max_seq_length), truncation, padding)
-        if tokenizer is None:
-            raise AutomodelError("dataset: ChatDataset needs a tokenizer (tokenizer: section)")
-        template = resolve_chat_template(chat_template)
-        if template is not None:
-            tokenizer.chat_template = template
-        if not getattr(tokenizer, "chat_template", None):
-            raise AutomodelError(f"dataset.chat_template: {missing_template_problem(tokenizer.name_or_path)}")
+        tokenizer = with_chat_template(tokenizer, chat_template)
         rows = read_rows(source, split, name, shuffle_seed, limit_dataset_samples)
         if messages_column not in rows.column_names:
             raise AutomodelError(f"dataset.messages_column: '{source.value}' has no column '{messages_column}' "
@@ -128,6 +127,19 @@ class ChatDataset(Dataset):
 
     def __getitem__(self, index: int) -> dict[str, list[int]]:
         return self.samples[index]
+
+
+def with_chat_template(tokenizer: Any, chat_template: str | None) -> Any:
+    """The tokenizer, with ``chat_template`` (inline or a file) as its template when given; refused when it has
+    none (a chat data set renders with it)."""
+    if tokenizer is None:
+        raise AutomodelError("dataset: a chat data set needs a tokenizer (tokenizer: section)")
+    template = resolve_chat_template(chat_template)
+    if template is not None:
+        tokenizer.chat_template = template
+    if not getattr(tokenizer, "chat_template", None):
+        raise AutomodelError(f"dataset.chat_template: {missing_template_problem(tokenizer.name_or_path)}")
+    return tokenizer
 
 
 def missing_template_problem(tokenizer_source: Any) -> str:
