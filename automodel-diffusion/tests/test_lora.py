@@ -135,9 +135,12 @@ def unet_config(tmp_path: Path, base: Path, **peft) -> Path:
     return path
 
 
-def test_unet_lora_by_module_names_loads_with_diffusers(bases, tmp_path):
+@pytest.mark.parametrize("form", ["ours", "peft"])
+def test_unet_lora_by_module_names_loads_with_diffusers(bases, tmp_path, form):
+    """Plain module names, in our PeftConfig or in a peft.LoraConfig given as is."""
     names = ["to_q", "to_k", "to_v", "to_out.0"]
-    recipe = train_inprocess(unet_config(tmp_path, bases["unet"], dim=2, alpha=8, target_modules=names))
+    peft = {"dim": 2, "alpha": 8} if form == "ours" else {"_target_": "peft.LoraConfig", "r": 2, "lora_alpha": 8}
+    recipe = train_inprocess(unet_config(tmp_path, bases["unet"], target_modules=names, **peft))
     unet = recipe.model.components["unet"]
     base = fresh_pipeline(bases["unet"]).unet
     expected = lora_parameter_count(base, lambda n: any(n == t or n.endswith("." + t) for t in names), rank=2)

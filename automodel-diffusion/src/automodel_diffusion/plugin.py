@@ -47,4 +47,4 @@ def automodel_register_stages(stages) -> None:
 
 @hookimpl
 def automodel_allowed_targets() -> list[str]:
-    return ["automodel_diffusion"]
+    return ["automodel_diffusion", "peft.LoraConfig"]  # peft: used as given
