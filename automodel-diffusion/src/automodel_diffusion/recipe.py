@@ -3,7 +3,8 @@
 What differs from the LLM recipe is only what the engine lets a domain override: the model is an
 ``AutoDiffusionPipeline`` (the trained components of a diffusers pipeline as one module), a micro-batch's loss is
 the objective's per-image loss summed (the loop divides by the images of the step), checkpoints are diffusers
-pipeline directories, and each validation step also writes a PNG grid of samples from fixed prompts and seeds.
+pipeline directories (with ``peft:``, the denoiser's LoRA adapter in diffusers' LoRA format), and each
+validation step also writes a PNG grid of samples from fixed prompts and seeds.
 """
 
 from __future__ import annotations
@@ -306,7 +307,8 @@ class DiffusionRecipe(TrainRecipe):
     # ---- weights: diffusers layout ---------------------------------------------------------------------------
 
     def save_model(self, directory: Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
-        """``model/`` is a whole diffusers pipeline: frozen parts linked from ``pipeline_base``, trained ones fresh."""
+        """``model/`` is a whole diffusers pipeline: frozen parts linked from ``pipeline_base``, trained ones fresh;
+        with LoRA only the denoiser's adapter, in diffusers' LoRA format (``lora.save_lora``)."""
         model = unwrap(self.model)
         directory.mkdir(parents=True, exist_ok=True)
         if has_lora(model):
