@@ -110,10 +110,14 @@ def test_the_trained_component_needs_a_strategy(example, capsys, nothing_is_buil
     assert "no strategy for the trained component 'transformer'" in text
 
 
-def test_peft_is_refused(example, capsys, nothing_is_built):
-    code, text = run(capsys, "finetune", "diffusion", "-c", example(peft={"dim": 4}))
+def test_lora_beyond_the_denoiser_is_refused_before_anything_is_built(example, capsys, nothing_is_built):
+    config = example(peft={"dim": 4}, model={"_target_": "automodel_diffusion.AutoDiffusionPipeline.from_config",
+                                              "config": "${pkg:automodel_diffusion}/examples/assets/tiny_flow",
+                                              "trainable_components": ["transformer", "text_encoder"]})
+    code, text = run(capsys, "finetune", "diffusion", "-c", config)
     assert code == 2, text
-    assert "peft: LoRA is not supported by the diffusion recipe yet" in text
+    assert "model.trainable_components" in text and "LoRA adapts the denoiser ('transformer') only" in text
+    assert "Traceback" not in text
 
 
 def test_the_example_validates_and_dry_runs(example, capsys, nothing_is_built):

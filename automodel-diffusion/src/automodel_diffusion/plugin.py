@@ -42,8 +42,9 @@ def automodel_register_aliases(aliases) -> None:
 @hookimpl
 def automodel_register_stages(stages) -> None:
     stages.add("sharding", "diffusion", "automodel_diffusion.parallel.shard_components")
+    stages.add("peft", "diffusion_lora", "automodel_diffusion.lora.add_denoiser_lora")
 
 
 @hookimpl
 def automodel_allowed_targets() -> list[str]:
-    return ["automodel_diffusion"]
+    return ["automodel_diffusion", "peft.LoraConfig"]  # peft: used as given

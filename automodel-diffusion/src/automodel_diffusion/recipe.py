@@ -3,7 +3,8 @@
 What differs from the LLM recipe is only what the engine lets a domain override: the model is an
 ``AutoDiffusionPipeline`` (the trained components of a diffusers pipeline as one module), a micro-batch's loss is
 the objective's per-image loss summed (the loop divides by the images of the step), checkpoints are diffusers
-pipeline directories, and each validation step also writes a PNG grid of samples from fixed prompts and seeds.
+pipeline directories (with ``peft:``, the denoiser's LoRA adapter in diffusers' LoRA format), and each
+validation step also writes a PNG grid of samples from fixed prompts and seeds.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from automodel.training.parallel.activation_checkpointing import apply_activatio
 from automodel.training.recipe import TrainRecipe
 from automodel_diffusion import upstream
 from automodel_diffusion.datasets import collate_image_captions
+from automodel_diffusion.lora import LORA_WEIGHTS, has_lora, load_lora, peft_issues, save_lora
 from automodel_diffusion.objectives import ObjectiveConfig, build_objective
 from automodel_diffusion.parallel import UNSUPPORTED_MESSAGE, parse_entry, scheme_issues
 from automodel_diffusion.pipeline import (
@@ -123,9 +125,7 @@ class DiffusionRecipe(TrainRecipe):
 
     domain = "diffusion"
     writes_diffusers_pipeline = True
-    stage_implementations = {"sharding": "diffusion"}
-    unsupported_stages = {"peft": "LoRA is not supported by the diffusion recipe yet; train the full denoiser "
-                                  "(model.trainable_components) or freeze parts of it (freeze:)"}
+    stage_implementations = {"sharding": "diffusion", "peft": "diffusion_lora"}
     sections = {
         "model": Target("the diffusers pipeline: {_target_: automodel_diffusion.AutoDiffusionPipeline."
                         "from_pretrained, pretrained_model_name_or_path: ...} (or .from_config, config: <dir>); "
@@ -141,6 +141,10 @@ class DiffusionRecipe(TrainRecipe):
         "flow_matching": upstream.FlowMatchingSection,
         "performance": upstream.PerformanceSection,
         "sample_generation": SampleGenerationConfig,
+        "peft": Target("LoRA adapters on the denoiser: {dim, alpha, dropout, target_modules (names or globs such as "
+                       "'*.to_q') | match_all_linear, exclude_modules} (or _target_: peft.LoraConfig, used as "
+                       "given); checkpoints hold the adapter in diffusers' LoRA format", plain=True,
+                       default_target="automodel.hf.PeftConfig"),
         "dataset": Target("the training images and captions: {_target_: automodel_diffusion.datasets."
                           "ImageCaptionDataset, path: ..., resolution: ...} (or upstream's data.dataloader)"),
         "data": Free("upstream's {dataloader: {_target_: ...build_text_to_image_multiresolution_dataloader, "
@@ -162,6 +166,8 @@ class DiffusionRecipe(TrainRecipe):
             issues.append(ConfigIssue("model", index_issue(index)))
             return issues
         components, trainable, denoiser = pipeline_layout(cfg)
+        issues += peft_issues(cfg, cfg.model.get("trainable_components") if cfg.model is not None else None,
+                              denoiser)
         if not upstream.scheme_unchecked(cfg):
             issues += scheme_issues(upstream.effective_scheme(cfg, trainable, denoiser), components, trainable,
                                     denoiser)
@@ -282,8 +288,8 @@ class DiffusionRecipe(TrainRecipe):
 
         Written aside and swapped in whole: checkpoints hold hard links to the files, never modified in place.
         """
-        if not (self.cfg.checkpoint.enabled and self.is_main_process):
-            return
+        if not (self.cfg.checkpoint.enabled and self.is_main_process) or self.cfg.peft is not None:
+            return  # with LoRA a checkpoint holds the adapter only
         base = self.frozen_base
         staging = base.with_name(f".incomplete-{FROZEN_BASE}-{os.getpid()}")
         shutil.rmtree(staging, ignore_errors=True)
@@ -301,9 +307,13 @@ class DiffusionRecipe(TrainRecipe):
     # ---- weights: diffusers layout ---------------------------------------------------------------------------
 
     def save_model(self, directory: Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
-        """``model/`` is a whole diffusers pipeline: frozen parts linked from ``pipeline_base``, trained ones fresh."""
+        """``model/`` is a whole diffusers pipeline: frozen parts linked from ``pipeline_base``, trained ones fresh;
+        with LoRA only the denoiser's adapter, in diffusers' LoRA format (``lora.save_lora``)."""
         model = unwrap(self.model)
         directory.mkdir(parents=True, exist_ok=True)
+        if has_lora(model):
+            save_lora(model, directory, state_dict)
+            return
         if self.frozen_base.is_dir():
             _link_tree(self.frozen_base, directory)
         else:
@@ -322,11 +332,16 @@ class DiffusionRecipe(TrainRecipe):
         """Every component saved under ``directory`` (trained ones must be there; frozen ones are when the
         checkpoint is a whole pipeline, which makes a resumed run independent of how they were initialised)."""
         model = unwrap(model)
+        if has_lora(model):
+            load_lora(model, directory)
+            return
         for name in model.trainable_components:
             sub = directory / name
             if not sub.is_dir():
+                lora = " (it holds a LoRA adapter: add the peft: section of the run that wrote it)" \
+                    if (directory / LORA_WEIGHTS).is_file() else ""
                 raise CheckpointError(f"restore_from.path: '{directory}' has no '{name}' folder; it is not a "
-                                      "checkpoint of this pipeline")
+                                      f"checkpoint of this pipeline{lora}")
             load_weights_into(unwrap(model.components[name]), load_safetensors_dir(sub), sub)
         self.load_frozen_components(model, directory)
 
@@ -420,6 +435,13 @@ class DiffusionRecipe(TrainRecipe):
             return
         model = unwrap(self.model)
         model_dir = final_checkpoint / "model"
+        if has_lora(model):
+            source = model_source(self.cfg.model)
+            base = f"'{source[0]}'" if source is not None else "<the base pipeline>"
+            self.log(f"Trained LoRA adapter of the {model.denoiser_name} in {model_dir} (diffusers' LoRA format): "
+                     f"diffusers.{type(model.pipeline).__name__}.from_pretrained({base}).load_lora_weights("
+                     f"'{model_dir}')")
+            return
         trained = ", ".join(f"{model_class(unwrap(model.components[n])).__module__.split('.')[0]}."
                             f"{model_class(unwrap(model.components[n])).__name__}.from_pretrained('{model_dir / n}')"
                             for n in model.trainable_components)
