@@ -124,13 +124,76 @@ def test_validate_exits_2_naming_the_key(make_config, tmp_path):
     assert result.returncode == 2 and "packed_sequence.pack_size" in result.stdout + result.stderr
 
 
-def test_models_with_multi_axis_rotary_positions_are_refused():
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+def _tiny_qwen2_vl():
+    """A tiny Qwen2-VL (from a config) and its processor, built offline: the shipped tokenizer with Qwen's vision
+    tokens added, its chat template rendering an image as them, a Pillow Qwen2-VL image processor (32x32 pictures:
+    4 merged patches) and Qwen2VLProcessor without its video processor (torchvision-backed, not installed here)."""
+    from transformers import (
+        AutoTokenizer,
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+        Qwen2VLImageProcessorPil,
+        Qwen2VLProcessor,
+    )
+    from transformers.processing_utils import ProcessorMixin
+    from vlm_testing import TOKENIZER_DIR
 
+    class ImagesOnlyQwen2VLProcessor(Qwen2VLProcessor):
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            self.image_token, self.video_token = "<|image_pad|>", "<|video_pad|>"
+            self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+            self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+            ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+
+    tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|vision_start|>", "<|image_pad|>",
+                                                                "<|vision_end|>", "<|video_pad|>"]})
+    template = tokenizer.chat_template.replace("'<image>'", "'<|vision_start|><|image_pad|><|vision_end|>'")
+    images = Qwen2VLImageProcessorPil(min_pixels=32 * 32, max_pixels=32 * 32, patch_size=8, merge_size=2,
+                                      temporal_patch_size=2)
+    processor = ImagesOnlyQwen2VLProcessor(image_processor=images, tokenizer=tokenizer, chat_template=template)
+    config = Qwen2VLConfig(
+        text_config={"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+                     "intermediate_size": 32, "vocab_size": len(tokenizer), "initializer_range": 0.3,
+                     "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3]}},
+        vision_config={"depth": 1, "embed_dim": 16, "hidden_size": 32, "num_heads": 2, "patch_size": 8,
+                       "spatial_merge_size": 2, "temporal_patch_size": 2},
+        image_token_id=processor.image_token_id, video_token_id=processor.video_token_id,
+        vision_start_token_id=tokenizer.convert_tokens_to_ids("<|vision_start|>"))
+    torch.manual_seed(0)
+    return Qwen2VLForConditionalGeneration(config).eval(), processor
+
+
+def test_a_packed_row_of_a_multi_axis_rope_model_loses_what_its_samples_lose(samples):
+    from automodel_vlm.datasets.packing import packing_unsupported, rope_index
+
+    model, processor = _tiny_qwen2_vl()
+    assert packing_unsupported(model) is None
+    collator = VLMCollator(processor)
+    text_only = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Say red."}]},
+                              {"role": "assistant", "content": [{"type": "text", "text": "red"}]}]}
+    rows = [[samples[0], text_only, samples[1]], [samples[2], samples[3]]]
+    packed = PackedVLMCollator(collator, pack_size=128, rope_index=rope_index(model))(rows)
+    assert packed["position_ids"].shape == (4, 2, 128) and "mm_token_type_ids" in packed
+    with torch.no_grad():
+        alone = sum(_summed_loss(model, collator([s])) for row in rows for s in row)
+        together = _summed_loss(model, packed)
+        text_row = packed["position_ids"][0]
+        crossing = _summed_loss(model, {**packed, "position_ids": torch.cat([
+            torch.arange(128).expand(1, 2, -1), packed["position_ids"][1:]])})
+        # the text positions on every rope axis: the images' 2D placement is lost and the loss differs
+        flat = _summed_loss(model, {**packed, "position_ids": text_row.expand(4, -1, -1)})
+    assert torch.allclose(together, alone, rtol=1e-5), (together, alone)
+    assert not torch.allclose(crossing, alone, rtol=1e-4) and not torch.allclose(flat, alone, rtol=1e-4)
+    first = collator([samples[0]])["input_ids"].shape[1]
+    assert text_row[0, first] == 0 and packed["position_ids"][1:, 0, first].tolist() == [0, 0, 0]
+
+
+def test_a_rope_model_whose_forward_does_not_read_packed_positions_is_refused():
     from automodel_vlm.datasets.packing import packing_unsupported
 
-    config = Qwen2VLConfig(text_config={"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
-                                        "num_key_value_heads": 1, "intermediate_size": 32, "vocab_size": 64,
-                                        "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3]}},
-                           vision_config={"depth": 1, "embed_dim": 16, "hidden_size": 32, "num_heads": 2})
-    assert "mrope" in packing_unsupported(Qwen2VLForConditionalGeneration(config))
+    class OwnRope(torch.nn.Module):
+        def get_rope_index(self, input_ids, **kwargs):
+            return input_ids
+
+    assert "does not read packed positions" in packing_unsupported(torch.nn.Sequential(OwnRope()))

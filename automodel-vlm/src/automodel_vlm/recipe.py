@@ -26,6 +26,7 @@ from automodel_vlm.datasets.packing import (
     VLMPackedSequenceConfig,
     packing_issues,
     packing_unsupported,
+    rope_index,
 )
 from automodel_vlm.freeze import UpstreamFreezeConfig, VLMFreezeConfig
 from automodel_vlm.parts import MULTIMODAL_NAMES, base_model
@@ -134,7 +135,7 @@ class FinetuneRecipeForVLM(NextTokenLogits, TrainRecipe):
 
     def default_collate_fn(self, train: bool = True) -> Any:
         if train and self.packing is not None:
-            return PackedVLMCollator(VLMCollator(self.processor), self.packing.pack_size)
+            return PackedVLMCollator(VLMCollator(self.processor), self.packing.pack_size, rope_index(self.model))
         return VLMCollator(self.processor)
 
     def collate_runtime_args(self) -> dict[str, Any]:

@@ -9,12 +9,18 @@ predict across a sample boundary and the row's loss is the sum of its samples' o
 (``pixel_values`` and what else the processor returns per image) are concatenated in the order of the images in the
 batch, which is the order in which the model scatters their features into the image tokens.
 
-Models that place tokens with multi-axis rotary positions (Qwen2-VL's mrope and its kin: ``get_rope_index``) need
-per-sample 3-axis positions, which these rows do not carry: :func:`packing_unsupported` refuses them.
+Models that place tokens with multi-axis rotary positions (Qwen2-VL's mrope and its kin) get each sample's own
+3-axis positions from the model's ``get_rope_index``, concatenated, under a first row of text positions that
+restart per sample: ``position_ids`` ``[4, batch, length]``, the form these models' forward reads as packed (the
+first row builds the per-sample mask). A model with ``get_rope_index`` whose code does not read that form is
+refused (:func:`packing_unsupported`).
 """
 
 from __future__ import annotations
 
+import inspect
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +33,10 @@ from automodel_vlm.datasets.collate import IGNORE_INDEX, VLMCollator
 
 # The processor's per-token outputs besides these (token_type_ids, say) are concatenated along the sequence.
 SEQUENCE_KEYS = ("input_ids", "attention_mask", "labels")
+# What a sample's get_rope_index call reads from the processor's outputs (besides input_ids and attention_mask).
+ROPE_INPUTS = ("mm_token_type_ids", "image_grid_thw", "video_grid_thw", "second_per_grid_ts")
+# How a model's forward recognises packed multi-axis positions: a text-position row on top of the 3 rope rows.
+PACKED_ROPE_FORM = "position_ids.shape[0] == 4"
 MISSING_PACK_SIZE = "{}: set the tokens per packed row (at least 2), or remove packed_sequence to train unpacked"
 
 
@@ -110,12 +120,23 @@ def packing_issues(cfg: Config) -> list[ConfigIssue]:
     return issues
 
 
+def rope_index(model: torch.nn.Module) -> Callable[..., Any] | None:
+    """The model's ``get_rope_index`` (multi-axis rotary positions), if it has one."""
+    return next((module.get_rope_index for module in model.modules()
+                 if callable(getattr(module, "get_rope_index", None))), None)
+
+
 def packing_unsupported(model: torch.nn.Module) -> str | None:
     """Why ``model`` cannot train on packed rows, if it cannot."""
-    if any(callable(getattr(module, "get_rope_index", None)) for module in model.modules()):
-        return ("this model places its tokens with multi-axis rotary positions (mrope, from get_rope_index), which "
-                "packed rows do not carry per sample yet; remove packed_sequence to train unpacked")
-    return None
+    found = rope_index(model)
+    if found is None:
+        return None
+    owner = type(found.__self__)
+    if PACKED_ROPE_FORM in inspect.getsource(sys.modules[owner.__module__]):
+        return None
+    return (f"{owner.__name__} places its tokens with multi-axis rotary positions (get_rope_index) and its forward "
+            "does not read packed positions (a text-position row on top of them); remove packed_sequence to train "
+            "unpacked")
 
 
 class PackedVLMDataset(Dataset):
@@ -163,15 +184,25 @@ class PackedVLMCollator:
     tokenized alone by ``collator`` and laid end to end, padded to ``pack_size`` (the padding is a label-free
     segment of its own); no ``attention_mask``, so the model keeps attention within each sample."""
 
-    def __init__(self, collator: VLMCollator, pack_size: int):
-        self.collator, self.pack_size = collator, pack_size
+    def __init__(self, collator: VLMCollator, pack_size: int, rope_index: Callable[..., Any] | None = None):
+        self.collator, self.pack_size, self.rope_index = collator, pack_size, rope_index
+
+    def _rope_positions(self, one: dict[str, Any]) -> torch.Tensor:
+        """A sample's ``[3, length]`` multi-axis positions (a sample without media: its text positions)."""
+        length = one["input_ids"].shape[1]
+        if not any(one.get(key) is not None for key in ("image_grid_thw", "video_grid_thw")):
+            return torch.arange(length).expand(3, -1)
+        positions, _ = self.rope_index(one["input_ids"], attention_mask=one["attention_mask"],
+                                       **{key: one[key] for key in ROPE_INPUTS if key in one})
+        return positions[:, 0]
 
     def __call__(self, rows: list[list[Any]]) -> dict[str, torch.Tensor]:
         pad = self.collator.processor.tokenizer.pad_token_id or 0
         size = len(rows)
         batch = {"input_ids": torch.full((size, self.pack_size), pad, dtype=torch.long),
                  "labels": torch.full((size, self.pack_size), IGNORE_INDEX, dtype=torch.long),
-                 "position_ids": torch.zeros((size, self.pack_size), dtype=torch.long),
+                 "position_ids": torch.zeros((size, self.pack_size) if self.rope_index is None else
+                                             (4, size, self.pack_size), dtype=torch.long),
                  "token_count": torch.zeros(size, dtype=torch.long)}
         per_token: dict[str, torch.Tensor] = {}
         media: dict[str, list[torch.Tensor]] = {}
@@ -185,7 +216,12 @@ class PackedVLMCollator:
                 labels[0] = IGNORE_INDEX  # the previous sample's last token does not predict this one's first
                 batch["input_ids"][row, start:end] = one["input_ids"][0]
                 batch["labels"][row, start:end] = labels
-                batch["position_ids"][row, start:end] = torch.arange(length)
+                positions = batch["position_ids"]
+                if self.rope_index is None:
+                    positions[row, start:end] = torch.arange(length)
+                else:  # the text row (the per-sample mask) on top of the sample's rope rows
+                    positions[0, row, start:end] = torch.arange(length)
+                    positions[1:, row, start:end] = self._rope_positions(one)
                 for key, value in one.items():
                     if key in SEQUENCE_KEYS or not isinstance(value, torch.Tensor):
                         continue
@@ -195,6 +231,6 @@ class PackedVLMCollator:
                     else:
                         media.setdefault(key, []).append(value)
                 start = end
-            batch["position_ids"][row, start:] = torch.arange(self.pack_size - start)
+            batch["position_ids"][..., row, start:] = torch.arange(self.pack_size - start)
             batch["token_count"][row] = start
         return {**batch, **per_token, **{key: torch.cat(values) for key, values in media.items()}}
