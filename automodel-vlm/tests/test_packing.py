@@ -89,10 +89,12 @@ def test_upstream_form_trains_three_steps_through_the_cli(make_config, tmp_path)
     assert [s["step"] for s in steps] == [1, 2, 3]
 
 
-def test_drop_long_samples_from_the_config_leaves_samples_longer_than_pack_size_out(make_config, tmp_path):
-    config = make_config(packed_sequence={**UPSTREAM_FORM, "max_length": 64, "pack_size": 30}, **SMALL_RUN)
+def test_drop_long_samples_and_collate_max_length_from_the_config_act(make_config, tmp_path):
+    config = make_config(packed_sequence={**UPSTREAM_FORM, "max_length": 64, "pack_size": 30,
+                                          "collate_max_length": 40}, **SMALL_RUN)
     recipe = testing.train_inprocess(config, route=ROUTE, setup_only=True)
     assert recipe.dataloader.dataset.left_out == {"max_length": 0, "drop_long_samples": 12}
+    assert next(iter(recipe.dataloader))["input_ids"].shape == (2, 40)  # rows padded to collate_max_length
     with pytest.raises(AutomodelError, match="sample 0 has 31 tokens, more than pack_size"):
         testing.train_inprocess(config, "--packed_sequence.drop_long_samples", "false", "--checkpoint.checkpoint_dir",
                                 tmp_path / "other", route=ROUTE, setup_only=True)
@@ -105,7 +107,7 @@ def test_drop_long_samples_from_the_config_leaves_samples_longer_than_pack_size_
     (("--packed_sequence.max_length", "0"), "packed_sequence.max_length", "at least 1"),
     (("--packed_sequence.max_packs", "0"), "packed_sequence.max_packs", "at least 1"),
     (("--packed_sequence.balance_media_tokens", "true"), "packed_sequence.balance_media_tokens", "not implemented"),
-    (("--packed_sequence.collate_max_length", "128"), "packed_sequence.collate_max_length", "padded to pack_size"),
+    (("--packed_sequence.collate_max_length", "60"), "packed_sequence.collate_max_length", "at least pack_size"),
     (("--packed_sequence.packing_format", "thd"), "packed_sequence.packing_format", "not implemented"),
     (("--packed_sequence.attn_implementation", "sdpa"), "packed_sequence.attn_implementation", "own attention"),
     (("--dataloader.collate_fn._target_", "automodel_vlm.datasets.VLMCollator"), "dataloader.collate_fn",

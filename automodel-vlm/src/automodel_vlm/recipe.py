@@ -135,7 +135,7 @@ class FinetuneRecipeForVLM(NextTokenLogits, TrainRecipe):
 
     def default_collate_fn(self, train: bool = True) -> Any:
         if train and self.packing is not None:
-            return PackedVLMCollator(VLMCollator(self.processor), self.packing.pack_size, rope_index(self.model))
+            return PackedVLMCollator(VLMCollator(self.processor), self.packing.padded_length, rope_index(self.model))
         return VLMCollator(self.processor)
 
     def collate_runtime_args(self) -> dict[str, Any]:

@@ -56,7 +56,7 @@ class VLMPackedSequenceConfig:
     balance_media_tokens: bool = field(default=False, metadata={"help": (
         "upstream's media-balanced bin packing: false only (rows are packed in data set order)")})
     collate_max_length: int | None = field(default=None, metadata={"help": (
-        "upstream's padded length of its packed collator: refused (rows are padded to pack_size)")})
+        "the length packed rows are padded to, at least pack_size (default: pack_size)")})
     attn_implementation: str | None = field(default=None, metadata={"help": (
         "upstream's packed-mask backend: refused (the model's own attention keeps each sample apart)")})
     packing_format: str | None = field(default=None, metadata={"help": (
@@ -77,11 +77,13 @@ class VLMPackedSequenceConfig:
             errors["packing_ratio"] = f"{self.packing_ratio}: must be in (0, 1] (the share of pack_size rows fill)"
         if self.max_packs is not None and self.max_packs < 1:
             errors["max_packs"] = f"{self.max_packs}: must be at least 1 (or remove it)"
+        if self.collate_max_length is not None and self.collate_max_length < max(self.pack_size, 1):
+            errors["collate_max_length"] = (f"{self.collate_max_length}: rows of pack_size ({self.pack_size}) tokens "
+                                            "are padded to it, so it must be at least pack_size (or remove it)")
         if self.balance_media_tokens:
             errors["balance_media_tokens"] = ("true: upstream's media-balanced bin packing is not implemented; rows "
                                               "are packed greedily in data set order: set false or remove it")
         refused = {
-            "collate_max_length": "packed rows are padded to pack_size; remove it (or set pack_size)",
             "attn_implementation": "packed rows keep each sample apart through position_ids with the model's own "
                                    "attention; remove it (model.attn_implementation chooses the attention)",
             "packing_format": "upstream's packed collators (neat, thd) are not implemented; rows are packed "
@@ -94,6 +96,11 @@ class VLMPackedSequenceConfig:
                        if getattr(self, key) is not None})
         if errors:
             raise FieldErrors(errors)
+
+    @property
+    def padded_length(self) -> int:
+        """The length every packed row is padded to."""
+        return self.collate_max_length or self.pack_size
 
     @property
     def capacity(self) -> int:
@@ -181,7 +188,8 @@ class PackedVLMDataset(Dataset):
 
 class PackedVLMCollator:
     """``collate(rows) -> {input_ids, labels, position_ids, token_count, pixel_values, ...}``: each row's samples
-    tokenized alone by ``collator`` and laid end to end, padded to ``pack_size`` (the padding is a label-free
+    tokenized alone by ``collator`` and laid end to end, padded to ``pack_size`` tokens (``collate_max_length``
+    where given; the padding is a label-free
     segment of its own); no ``attention_mask``, so the model keeps attention within each sample."""
 
     def __init__(self, collator: VLMCollator, pack_size: int, rope_index: Callable[..., Any] | None = None):
