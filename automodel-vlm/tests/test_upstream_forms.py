@@ -171,10 +171,9 @@ def test_drop_overlong_leaves_long_samples_out(upstream_data):
     (("--processor._target_", "nemo_automodel.components.models.inkling.processing.build_inkling_processor"),
      "processor._target_", "use the model's AutoProcessor"),
     (("--freeze.vision_tower", "true"), "freeze_config", "give one of freeze"),
-    (("--packed_sequence", "{pretokenize: true, pack_size: 4096}"), "packed_sequence", "not implemented"),
     (("--packed_sequence", "{pack_size: 4096, post_tokenize_hook_fn: nemo_automodel.components.datasets.vlm."
-                           "collate_fns.gemma4_inject_thinking_prefix}"), "packed_sequence",
-     "its post_tokenize_hook_fn too: Gemma 4's thinking prefix is inserted by dataloader.collate_fn"),
+                           "collate_fns.gemma4_inject_thinking_prefix}"), "packed_sequence.post_tokenize_hook_fn",
+     "Gemma 4's thinking prefix is inserted by dataloader.collate_fn"),
     (("--model._target_", "nemo_automodel.NeMoAutoModelForMultimodalLM.from_pretrained"), "model._target_",
      "images and text only"),
     (("--freeze_config.freeze_vision_towr", "true"), "freeze_config.freeze_vision_towr", "freeze_vision_tower"),

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from automodel.config import Free, Target
+from automodel.config import Target
 from automodel.errors import AutomodelError, ConfigIssue
 from automodel.hf import EvalGenerationConfig, check_vocab, model_source
 from automodel.meta_build import MetaBuild
@@ -20,6 +20,14 @@ from automodel.training.parallel.pipeline_media import media_kwargs
 from automodel.training.parallelism import model_hf_config
 from automodel.training.recipe import TrainRecipe
 from automodel_vlm.datasets.collate import IGNORE_INDEX, VLMCollator, render
+from automodel_vlm.datasets.packing import (
+    PackedVLMCollator,
+    PackedVLMDataset,
+    VLMPackedSequenceConfig,
+    packing_issues,
+    packing_unsupported,
+    rope_index,
+)
 from automodel_vlm.freeze import UpstreamFreezeConfig, VLMFreezeConfig
 from automodel_vlm.parts import MULTIMODAL_NAMES, base_model
 from automodel_vlm.pipeline import layout_issue, media_per_row, pipeline_issues
@@ -60,24 +68,16 @@ class FinetuneRecipeForVLM(NextTokenLogits, TrainRecipe):
                        default_target="automodel.hf.PeftConfig"),
         "freeze": VLMFreezeConfig,
         "freeze_config": UpstreamFreezeConfig,
-        "packed_sequence": Free("upstream's VLM sequence packing (pretokenize, pack_size, ...): not implemented; "
-                                "refused when given"),
+        "packed_sequence": VLMPackedSequenceConfig,
         "eval_generation": EvalGenerationConfig,
     }
 
     @classmethod
     def check_config(cls, cfg: Any) -> list[ConfigIssue]:
         issues = list(super().check_config(cfg))
-        packing = cfg.resolved.get("packed_sequence")
-        if packing:
-            hook = (" (its post_tokenize_hook_fn too: Gemma 4's thinking prefix is inserted by dataloader.collate_fn: "
-                    "{_target_: nemo_automodel.components.datasets.vlm.collate_fns.gemma4_prefix_collate_fn})"
-                    if isinstance(packing, dict) and packing.get("post_tokenize_hook_fn") else "")
-            issues.append(ConfigIssue("packed_sequence", "packing VLM samples (upstream's pretokenization and packed "
-                                                         f"streams) is not implemented: remove packed_sequence{hook}; "
-                                                         "each batch is padded to its longest sample (or to "
-                                                         "collate_fn.max_length)"))
         settings = cfg.distributed
+        if "packed_sequence" in cfg:
+            issues += packing_issues(cfg)
         if settings is not None and settings.tp_size > 1 and settings.sequence_parallel:
             issues.append(ConfigIssue("distributed.sequence_parallel", f"true with tp_size {settings.tp_size}: "
                                       "sequence parallelism is not implemented for vision-language models (the image "
@@ -120,7 +120,22 @@ class FinetuneRecipeForVLM(NextTokenLogits, TrainRecipe):
         # errors in a row name the section it came from; the processor measures samples (MockVLMDataset.max_length)
         return {"config_key": node.key, "processor": self.processor}
 
+    @property
+    def packing(self) -> VLMPackedSequenceConfig | None:
+        return self.cfg.packed_sequence if "packed_sequence" in self.cfg else None
+
+    def build_dataset(self, ctx: BuildContext, node: Any) -> Any:
+        dataset = super().build_dataset(ctx, node)
+        if node is not None and node.key == "dataset" and self.packing is not None:
+            dataset = PackedVLMDataset(dataset, VLMCollator(self.processor), self.packing)
+            left_out = ", ".join(f"{n} left out by {key}" for key, n in dataset.left_out.items() if n)
+            self.log(f"packed the training data into {len(dataset)} rows of {self.packing.pack_size} tokens"
+                     + (f" ({left_out})" if left_out else ""))
+        return dataset
+
     def default_collate_fn(self, train: bool = True) -> Any:
+        if train and self.packing is not None:
+            return PackedVLMCollator(VLMCollator(self.processor), self.packing.padded_length, rope_index(self.model))
         return VLMCollator(self.processor)
 
     def collate_runtime_args(self) -> dict[str, Any]:
@@ -130,6 +145,8 @@ class FinetuneRecipeForVLM(NextTokenLogits, TrainRecipe):
     def after_model_built(self, ctx: BuildContext, model: torch.nn.Module, meta: MetaBuild) -> BuildContext:
         """Under pipeline parallelism, a model whose media layout is not known is refused before it is cut."""
         why = layout_issue(model.config) if ctx.mesh.pp > 1 else None
+        if self.packing is not None and packing_unsupported(model) is not None:
+            raise AutomodelError(f"packed_sequence: {packing_unsupported(model)}")
         if why is not None:
             raise AutomodelError(f"distributed.pp_size: {ctx.mesh.pp}: {why}")
         return super().after_model_built(ctx, model, meta)
@@ -151,7 +168,8 @@ class FinetuneRecipeForVLM(NextTokenLogits, TrainRecipe):
     # ---- the loss ---------------------------------------------------------------------------------------------
 
     def model_inputs(self, batch: dict[str, Any]) -> dict[str, Any]:
-        return {**{k: v for k, v in batch.items() if k not in ("labels", LABEL_POSITIONS)}, "use_cache": False}
+        return {**{k: v for k, v in batch.items() if k not in ("labels", LABEL_POSITIONS, "token_count")},
+                "use_cache": False}
 
     def compute_loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.loss_fn(*self.next_token_logits(model, batch, self.head_positions))
@@ -181,6 +199,8 @@ class FinetuneRecipeForVLM(NextTokenLogits, TrainRecipe):
         return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
 
     def count_input_tokens(self, batch: dict[str, torch.Tensor]) -> int:
+        if "token_count" in batch:  # packed rows: their padding is no input
+            return int(batch["token_count"].sum())
         mask = batch.get("attention_mask")
         return int(mask.sum()) if mask is not None else batch["input_ids"].numel()
 

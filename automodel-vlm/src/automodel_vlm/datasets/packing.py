@@ -1,0 +1,244 @@
+"""Packed VLM sequences: several image conversations per row, attention kept inside each (``packed_sequence``).
+
+Each sample is tokenized alone by the recipe's collator (rendered, image placeholders expanded, assistant turns
+labelled) and the samples are packed greedily in data set order into rows of at most ``pack_size`` tokens (a new
+row starts when the next sample does not fit; samples are never reordered). A row carries ``position_ids`` that
+restart at 0 with every sample and no ``attention_mask``: transformers then builds a causal mask that is
+block-diagonal per sample from the position restarts. Each sample's first label is masked, so no token learns to
+predict across a sample boundary and the row's loss is the sum of its samples' own losses. The media of a row
+(``pixel_values`` and what else the processor returns per image) are concatenated in the order of the images in the
+batch, which is the order in which the model scatters their features into the image tokens.
+
+Models that place tokens with multi-axis rotary positions (Qwen2-VL's mrope and its kin) get each sample's own
+3-axis positions from the model's ``get_rope_index``, concatenated, under a first row of text positions that
+restart per sample: ``position_ids`` ``[4, batch, length]``, the form these models' forward reads as packed (the
+first row builds the per-sample mask). A model with ``get_rope_index`` whose code does not read that form is
+refused (:func:`packing_unsupported`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+
+from automodel.config import Config, FieldErrors
+from automodel.errors import AutomodelError, ConfigIssue
+from automodel_vlm.datasets.collate import IGNORE_INDEX, VLMCollator
+
+# The processor's per-token outputs besides these (token_type_ids, say) are concatenated along the sequence.
+SEQUENCE_KEYS = ("input_ids", "attention_mask", "labels")
+# What a sample's get_rope_index call reads from the processor's outputs (besides input_ids and attention_mask).
+ROPE_INPUTS = ("mm_token_type_ids", "image_grid_thw", "video_grid_thw", "second_per_grid_ts")
+# How a model's forward recognises packed multi-axis positions: a text-position row on top of the 3 rope rows.
+PACKED_ROPE_FORM = "position_ids.shape[0] == 4"
+MISSING_PACK_SIZE = "{}: set the tokens per packed row (at least 2), or remove packed_sequence to train unpacked"
+
+
+@dataclass
+class VLMPackedSequenceConfig:
+    pretokenize: bool = field(default=True, metadata={"help": (
+        "tokenize each sample with the processor before packing: true only (packing measures every sample)")})
+    pack_size: int = field(default=0, metadata={"help": (
+        "tokens per packed row, at least 2 (required when packed_sequence is given)")})
+    max_length: int | None = field(default=None, metadata={"help": (
+        "samples longer than this many tokens are left out before packing (upstream replaces them)")})
+    packing_ratio: float = field(default=1.0, metadata={"help": (
+        "rows are filled up to pack_size x packing_ratio tokens (a longer sample still gets a row of its own)")})
+    drop_long_samples: bool = field(default=False, metadata={"help": (
+        "leave out the samples longer than pack_size (false: such a sample is an error)")})
+    max_packs: int | None = field(default=None, metadata={"help": "stop after this many packed rows"})
+    balance_media_tokens: bool = field(default=False, metadata={"help": (
+        "upstream's media-balanced bin packing: false only (rows are packed in data set order)")})
+    collate_max_length: int | None = field(default=None, metadata={"help": (
+        "the length packed rows are padded to, at least pack_size (default: pack_size)")})
+    attn_implementation: str | None = field(default=None, metadata={"help": (
+        "upstream's packed-mask backend: refused (the model's own attention keeps each sample apart)")})
+    packing_format: str | None = field(default=None, metadata={"help": (
+        "upstream's packed collator format (neat, thd): refused (rows are packed in data set order)")})
+    post_tokenize_hook_fn: str | None = field(default=None, metadata={"help": (
+        "upstream's per-sample hook after tokenization: refused (no hook runs here)")})
+
+    def __post_init__(self) -> None:
+        errors = {}
+        if not self.pretokenize:
+            errors["pretokenize"] = ("false: packing tokenizes every sample with the processor to measure it; set "
+                                     "true (or remove packed_sequence to train unpacked)")
+        if self.pack_size < 0 or self.pack_size == 1:
+            errors["pack_size"] = MISSING_PACK_SIZE.format(self.pack_size)
+        if self.max_length is not None and self.max_length < 1:
+            errors["max_length"] = f"{self.max_length}: must be at least 1 (or remove it)"
+        if not 0 < self.packing_ratio <= 1:
+            errors["packing_ratio"] = f"{self.packing_ratio}: must be in (0, 1] (the share of pack_size rows fill)"
+        if self.max_packs is not None and self.max_packs < 1:
+            errors["max_packs"] = f"{self.max_packs}: must be at least 1 (or remove it)"
+        if self.collate_max_length is not None and self.collate_max_length < max(self.pack_size, 1):
+            errors["collate_max_length"] = (f"{self.collate_max_length}: rows of pack_size ({self.pack_size}) tokens "
+                                            "are padded to it, so it must be at least pack_size (or remove it)")
+        if self.balance_media_tokens:
+            errors["balance_media_tokens"] = ("true: upstream's media-balanced bin packing is not implemented; rows "
+                                              "are packed greedily in data set order: set false or remove it")
+        refused = {
+            "attn_implementation": "packed rows keep each sample apart through position_ids with the model's own "
+                                   "attention; remove it (model.attn_implementation chooses the attention)",
+            "packing_format": "upstream's packed collators (neat, thd) are not implemented; rows are packed "
+                              "greedily in data set order: remove it",
+            "post_tokenize_hook_fn": "no hook runs on tokenized samples here (Gemma 4's thinking prefix is inserted "
+                                     "by dataloader.collate_fn: {_target_: nemo_automodel.components.datasets.vlm."
+                                     "collate_fns.gemma4_prefix_collate_fn}, which packing does not use); remove it",
+        }
+        errors.update({key: f"{getattr(self, key)}: {why}" for key, why in refused.items()
+                       if getattr(self, key) is not None})
+        if errors:
+            raise FieldErrors(errors)
+
+    @property
+    def padded_length(self) -> int:
+        """The length every packed row is padded to."""
+        return self.collate_max_length or self.pack_size
+
+    @property
+    def capacity(self) -> int:
+        """The tokens a row is filled up to."""
+        return max(int(self.pack_size * self.packing_ratio), 1)
+
+
+def packing_issues(cfg: Config) -> list[ConfigIssue]:
+    """What a given ``packed_sequence`` section cannot go with."""
+    issues = []
+    settings = cfg.get("packed_sequence")
+    if isinstance(settings, VLMPackedSequenceConfig) and settings.pack_size == 0:
+        issues.append(ConfigIssue("packed_sequence.pack_size", MISSING_PACK_SIZE.format("missing or 0")))
+    loader = cfg.resolved.get("dataloader")
+    if isinstance(loader, dict) and loader.get("collate_fn") is not None:
+        issues.append(ConfigIssue("dataloader.collate_fn", "packed_sequence builds the training rows itself (each "
+                                                           "sample tokenized by the recipe's collator); remove "
+                                                           "collate_fn or packed_sequence"))
+    distributed = cfg.distributed
+    if distributed is not None and distributed.pp_size > 1:
+        issues.append(ConfigIssue("packed_sequence", f"not with distributed.pp_size {distributed.pp_size}: "
+                                                     "pipelined batches carry an attention mask, which would let "
+                                                     "the samples of a row see each other; remove one of them"))
+    return issues
+
+
+def rope_index(model: torch.nn.Module) -> Callable[..., Any] | None:
+    """The model's ``get_rope_index`` (multi-axis rotary positions), if it has one."""
+    return next((module.get_rope_index for module in model.modules()
+                 if callable(getattr(module, "get_rope_index", None))), None)
+
+
+def packing_unsupported(model: torch.nn.Module) -> str | None:
+    """Why ``model`` cannot train on packed rows, if it cannot."""
+    found = rope_index(model)
+    if found is None:
+        return None
+    owner = type(found.__self__)
+    if PACKED_ROPE_FORM in inspect.getsource(sys.modules[owner.__module__]):
+        return None
+    return (f"{owner.__name__} places its tokens with multi-axis rotary positions (get_rope_index) and its forward "
+            "does not read packed positions (a text-position row on top of them); remove packed_sequence to train "
+            "unpacked")
+
+
+class PackedVLMDataset(Dataset):
+    """Rows of samples (each row a list of the data set's samples) that fill at most ``settings.capacity`` tokens,
+    measured by tokenizing each sample alone with ``collator``."""
+
+    def __init__(self, dataset: Any, collator: VLMCollator, settings: VLMPackedSequenceConfig):
+        self.dataset = dataset
+        self.rows: list[list[int]] = []
+        self.left_out = {"max_length": 0, "drop_long_samples": 0}
+        used = 0
+        for index in range(len(dataset)):
+            length = collator([dataset[index]])["input_ids"].shape[1]
+            if settings.max_length is not None and length > settings.max_length:
+                self.left_out["max_length"] += 1
+                continue
+            if length > settings.pack_size:
+                if not settings.drop_long_samples:
+                    raise AutomodelError(f"packed_sequence.pack_size: sample {index} has {length} tokens, more than "
+                                         f"pack_size ({settings.pack_size}); raise pack_size, or set "
+                                         "drop_long_samples: true (or max_length) to leave such samples out")
+                self.left_out["drop_long_samples"] += 1
+                continue
+            if not self.rows or used + length > settings.capacity:
+                if settings.max_packs is not None and len(self.rows) == settings.max_packs:
+                    break
+                self.rows.append([])
+                used = 0
+            self.rows[-1].append(index)
+            used += length
+        if not self.rows:
+            raise AutomodelError(f"packed_sequence: no sample is left to pack ({self.left_out['max_length']} longer "
+                                 f"than max_length, {self.left_out['drop_long_samples']} longer than pack_size); "
+                                 "raise max_length or pack_size")
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> list[Any]:
+        return [self.dataset[i] for i in self.rows[index]]
+
+
+class PackedVLMCollator:
+    """``collate(rows) -> {input_ids, labels, position_ids, token_count, pixel_values, ...}``: each row's samples
+    tokenized alone by ``collator`` and laid end to end, padded to ``pack_size`` tokens (``collate_max_length``
+    where given; the padding is a label-free
+    segment of its own); no ``attention_mask``, so the model keeps attention within each sample."""
+
+    def __init__(self, collator: VLMCollator, pack_size: int, rope_index: Callable[..., Any] | None = None):
+        self.collator, self.pack_size, self.rope_index = collator, pack_size, rope_index
+
+    def _rope_positions(self, one: dict[str, Any]) -> torch.Tensor:
+        """A sample's ``[3, length]`` multi-axis positions (a sample without media: its text positions)."""
+        length = one["input_ids"].shape[1]
+        if not any(one.get(key) is not None for key in ("image_grid_thw", "video_grid_thw")):
+            return torch.arange(length).expand(3, -1)
+        positions, _ = self.rope_index(one["input_ids"], attention_mask=one["attention_mask"],
+                                       **{key: one[key] for key in ROPE_INPUTS if key in one})
+        return positions[:, 0]
+
+    def __call__(self, rows: list[list[Any]]) -> dict[str, torch.Tensor]:
+        pad = self.collator.processor.tokenizer.pad_token_id or 0
+        size = len(rows)
+        batch = {"input_ids": torch.full((size, self.pack_size), pad, dtype=torch.long),
+                 "labels": torch.full((size, self.pack_size), IGNORE_INDEX, dtype=torch.long),
+                 "position_ids": torch.zeros((size, self.pack_size) if self.rope_index is None else
+                                             (4, size, self.pack_size), dtype=torch.long),
+                 "token_count": torch.zeros(size, dtype=torch.long)}
+        per_token: dict[str, torch.Tensor] = {}
+        media: dict[str, list[torch.Tensor]] = {}
+        for row, samples in enumerate(rows):
+            start = 0
+            for sample in samples:
+                one = self.collator([sample])
+                length = one["input_ids"].shape[1]
+                end = start + length
+                labels = one["labels"][0].clone()
+                labels[0] = IGNORE_INDEX  # the previous sample's last token does not predict this one's first
+                batch["input_ids"][row, start:end] = one["input_ids"][0]
+                batch["labels"][row, start:end] = labels
+                positions = batch["position_ids"]
+                if self.rope_index is None:
+                    positions[row, start:end] = torch.arange(length)
+                else:  # the text row (the per-sample mask) on top of the sample's rope rows
+                    positions[0, row, start:end] = torch.arange(length)
+                    positions[1:, row, start:end] = self._rope_positions(one)
+                for key, value in one.items():
+                    if key in SEQUENCE_KEYS or not isinstance(value, torch.Tensor):
+                        continue
+                    if value.dim() == 2 and value.shape == one["input_ids"].shape:
+                        target = per_token.setdefault(key, torch.zeros((size, self.pack_size), dtype=value.dtype))
+                        target[row, start:end] = value[0]
+                    else:
+                        media.setdefault(key, []).append(value)
+                start = end
+            batch["position_ids"][..., row, start:] = torch.arange(self.pack_size - start)
+            batch["token_count"][row] = start
+        return {**batch, **per_token, **{key: torch.cat(values) for key, values in media.items()}}
