@@ -613,25 +613,51 @@ def test_fused_linear_cross_entropy_computes_the_loss_inside_the_head_like_the_m
 def test_fused_linear_cross_entropy_is_refused_where_the_head_is_split_or_distilled(tmp_path):
     fused = {"_target_": "nemo_automodel.components.loss.linear_ce.FusedLinearCrossEntropy"}
     config = variant(tmp_path, FORMS / "recipe_bare_name.yaml", loss_fn=fused)
-    found = refusals(config, "--distributed.tp_size", "2", "--distributed.strategy", "fsdp2")
-    assert "which tp_size 2 splits (over the vocabulary" in found["loss_fn._target_"]
     found = refusals(config, "--distributed.pp_size", "2", "--distributed.strategy", "fsdp2")
-    assert "which pp_size 2 splits" in found["loss_fn._target_"]
+    assert "which pp_size 2 takes apart (the pipeline's last stage returns logits" in found["loss_fn._target_"]
+    found = refusals(config, "--distributed.cp_size", "2", "--distributed.strategy", "fsdp2")
+    assert "which cp_size 2 takes apart" in found["loss_fn._target_"]
     kd = yaml.safe_load((FORMS / "kd_upstream.yaml").read_text())
     kd["loss_fn"] = fused
     found = refusals(write_yaml(tmp_path / "kd.yaml", kd), route=("kd", "llm"))
     assert "no logits are left for the distillation loss" in found["loss_fn._target_"]
 
 
-def test_fused_linear_cross_entropy_under_fsdp2_trains_like_the_masked_loss(tmp_path):
+@pytest.mark.parametrize("layout, words", [([], "FSDP2 over 2 ranks"),
+                                           (["--distributed.tp_size", "2"], "vocabulary-parallel loss")])
+def test_fused_linear_cross_entropy_on_two_ranks_trains_like_the_masked_loss(tmp_path, layout, words):
     """Two FSDP2 ranks: the output head's weight is gathered for the loss inside it and its gradient reduced as for
-    the usual head (the losses of MaskedCrossEntropy on the same two ranks, 3 steps)."""
-    from llm_testing import losses, run_finetune
+    the usual head; tensor parallelism (tp 2): each rank projects onto its half of the vocabulary and the rows'
+    log-normalisers and target logits are reduced over the pair. The losses of MaskedCrossEntropy on the same layout
+    (3 steps and a validation)."""
+    from llm_testing import losses, run_finetune, val_losses
 
     fused = {"_target_": "nemo_automodel.components.loss.linear_ce.FusedLinearCrossEntropy", "chunk_len": 16}
-    two = ["--nproc-per-node", "2", "--distributed.strategy", "fsdp2"]
+    two = ["--nproc-per-node", "2", "--distributed.strategy", "fsdp2", *layout]
     masked, linear = tmp_path / "masked", tmp_path / "linear"
     run_finetune(variant(tmp_path, FORMS / "recipe_bare_name.yaml"), tmp_path, masked, *two)
     log = run_finetune(variant(tmp_path, FORMS / "recipe_bare_name.yaml", loss_fn=fused), tmp_path, linear, *two)
-    assert "FSDP2 over 2 ranks" in log
+    assert words in log
     assert losses(linear) and losses(linear) == pytest.approx(losses(masked), rel=1e-5)
+    assert [v for _, v in val_losses(linear)] == pytest.approx([v for _, v in val_losses(masked)], rel=1e-5)
+
+
+def test_upstream_lora_switches_act_or_are_refused_or_named_inert(tmp_path):
+    """Upstream's ``peft`` keys beyond rank / alpha / targets: ``dropout_position: pre`` and ``lora_A_init: uniform``
+    are what peft's layers do (accepted); ``post`` with a dropout and ``xavier`` are refused with the reason;
+    ``use_triton: true`` (upstream's CUDA kernels) is named inert in a run-start note."""
+    from automodel.training.stages import peft as peft_stage
+
+    lora = {"_target_": "nemo_automodel.components._peft.lora.PeftConfig", "dim": 4, "alpha": 8,
+            "target_modules": ["*_proj"]}
+    for accepted in ({"dropout_position": "pre", "dropout": 0.1, "lora_A_init": "uniform", "use_triton": True},
+                     {"dropout_position": "post", "dropout": 0.0}):
+        _, cfg = load_config(variant(tmp_path, FORMS / "recipe_bare_name.yaml", peft={**lora, **accepted}))
+    found = refusals(variant(tmp_path, FORMS / "recipe_bare_name.yaml",
+                             peft={**lora, "dropout_position": "post", "dropout": 0.1, "lora_A_init": "xavier"}))
+    assert "peft's LoRA layers drop the adapter's input (pre)" in found["peft.dropout_position"]
+    assert "peft initialises lora_A kaiming-uniform" in found["peft.lora_A_init"]
+    _, cfg = load_config(variant(tmp_path, FORMS / "recipe_bare_name.yaml", peft={**lora, "use_triton": True}))
+    assert any("peft.use_triton: true governs nothing" in note for note in peft_stage.notes(cfg))
+    _, cfg = load_config(variant(tmp_path, FORMS / "recipe_bare_name.yaml", peft=lora))
+    assert peft_stage.notes(cfg) == []

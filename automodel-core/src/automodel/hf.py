@@ -108,7 +108,9 @@ class PeftConfig:
     """LoRA settings with upstream-compatible names (``dim``/``alpha``/``match_all_linear``) or peft's own.
 
     ``target_modules`` are module-name patterns (``q_proj``, ``*.v_proj``); with none given, or
-    ``match_all_linear: true``, every linear layer except the output head gets an adapter.
+    ``match_all_linear: true``, every linear layer except the output head gets an adapter. Upstream's
+    ``dropout_position`` and ``lora_A_init`` are checked (:meth:`automodel_config_issues`: peft's layers are ``pre`` and
+    ``uniform``); ``use_triton: true`` is named inert in a run-start note (``training/stages/peft.py``).
     """
 
     def __init__(self, target_modules: list[str] | str | None = None, match_all_linear: bool = False,
@@ -134,8 +136,24 @@ class PeftConfig:
 
     @staticmethod
     def automodel_config_issues(kwargs: Mapping[str, Any]) -> dict[str, str]:
-        """Upstream's LoRA switches that act in its own LoRA modules, which this build does not have."""
+        """Upstream's LoRA switches that act in its own LoRA modules, which this build does not have: peft's layers
+        apply the dropout to the adapter's input (upstream's ``dropout_position: pre``) and initialise ``lora_A``
+        kaiming-uniform (upstream's ``lora_A_init`` other than ``xavier``)."""
         issues = {}
+        position = kwargs.get("dropout_position", "pre")
+        dropout = kwargs.get("dropout") or kwargs.get("lora_dropout") or 0.0
+        if position not in ("pre", "post"):
+            issues["dropout_position"] = f"{position!r}: expected pre or post"
+        elif position == "post" and dropout:
+            issues["dropout_position"] = (f"post (dropout on the adapter's output) with dropout {dropout}: peft's LoRA "
+                                          "layers drop the adapter's input (pre); set dropout_position: pre, or "
+                                          "dropout: 0.0")
+        init = kwargs.get("lora_A_init")
+        if init == "xavier":
+            issues["lora_A_init"] = ("xavier: peft initialises lora_A kaiming-uniform (upstream's 'uniform'); set "
+                                     "lora_A_init: uniform or remove it")
+        elif init not in (None, "uniform", "kaiming"):
+            issues["lora_A_init"] = f"{init!r}: expected uniform (kaiming-uniform, peft's initialisation)"
         if kwargs.get("use_memory_efficient_lora") and kwargs.get("use_dora"):
             issues["use_memory_efficient_lora"] = ("true recomputes plain LoRA's rank-r activation; DoRA "
                                                    "(use_dora: true) has no such path: set one of them false")

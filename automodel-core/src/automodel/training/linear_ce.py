@@ -8,8 +8,9 @@ onto the vocabulary at a time, soft-capped where asked, reduced to their log-nor
 dropped; the backward recomputes each chunk's softmax to form the gradients of the hidden states, the head's weight
 and bias. The model's ``logits`` are then those per-row losses (``[..., 1]``), which :class:`LinearCrossEntropy`
 sums. The head stays the module FSDP2 / DDP wrapped, so its weight is gathered and its gradient reduced as for the
-usual head; the model must return what its head returned (a model that scales or soft-caps its logits after the
-head is refused with the reason when it runs).
+usual head; under tensor parallelism each rank projects onto its slice of the vocabulary and the log-normaliser
+and target logit are reduced over the tensor-parallel group. The model must return what its head returned (a model
+that scales or soft-caps its logits after the head is refused with the reason when it runs).
 """
 
 from __future__ import annotations
@@ -56,8 +57,8 @@ class LinearCrossEntropy(nn.Module):
 class LinearLossHead:
     """Makes a causal LM's output head (an ``nn.Linear``) return per-row losses while :meth:`targets` is active."""
 
-    def __init__(self, head: nn.Linear, loss: LinearCrossEntropy):
-        self.head, self.loss = head, loss
+    def __init__(self, head: nn.Linear, loss: LinearCrossEntropy, tensor_parallel: Any = None):
+        self.head, self.loss, self.tensor_parallel = head, loss, tensor_parallel
         self.rows: torch.Tensor | None = None
 
     @classmethod
@@ -69,7 +70,9 @@ class LinearLossHead:
             raise AutomodelError(f"loss_fn: FusedLinearCrossEntropy computes the loss inside the output head, which "
                                  f"must be a linear layer; this model's is {type(head).__name__} (a LoRA-adapted or "
                                  "missing head); use MaskedCrossEntropy or ChunkedCrossEntropy")
-        return cls(head, loss)
+        from automodel.training.parallel.tensor_parallel import tensor_parallel_of
+
+        return cls(head, loss, tensor_parallel_of(model))
 
     @contextlib.contextmanager
     def targets(self, targets: torch.Tensor) -> Iterator[None]:
@@ -83,24 +86,49 @@ class LinearLossHead:
             self.rows = None
 
     def checked(self, logits: torch.Tensor) -> torch.Tensor:
-        """The model's ``logits``, which must be the per-row losses the head returned (a model that changes its
-        logits after the head cannot be followed)."""
-        if logits is not self.rows:
+        """The per-row losses the head returned (this rank's, as a plain tensor), which the model's ``logits`` must
+        be: a model that changes its logits after the head cannot be followed."""
+        from torch.distributed.tensor import DTensor
+
+        local = logits.to_local() if isinstance(logits, DTensor) else logits
+        rows = self.rows
+        if rows is None or local.shape != rows.shape or local.data_ptr() != rows.data_ptr():
             raise AutomodelError("loss_fn: FusedLinearCrossEntropy computes the loss inside the output head, but this "
                                  "model changes the head's output afterwards (logit scaling or soft-capping); use "
                                  "MaskedCrossEntropy or ChunkedCrossEntropy")
-        return logits
+        return local
 
     def _row_losses(self, targets: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        weight, bias, loss = self.head.weight, self.head.bias, self.loss
+        if isinstance(hidden, DTensor):  # tensor parallelism's input hook: replicated over the tp ranks
+            hidden = hidden.to_local()
         flat = hidden.reshape(-1, hidden.shape[-1])
         if flat.shape[0] != targets.numel():
             raise AutomodelError(f"loss_fn: the output head got {flat.shape[0]} rows of hidden states for "
                                  f"{targets.numel()} targets")
-        loss = self.loss
-        rows = _RowLosses.apply(flat, self.head.weight, self.head.bias, targets.reshape(-1), loss.ignore_index,
-                                loss.logit_softcapping, loss.chunk_len)
+        settings = (targets.reshape(-1), loss.ignore_index, loss.logit_softcapping, loss.chunk_len)
+        if not isinstance(weight, DTensor):
+            self.rows = _RowLosses.apply(flat, weight, bias, *settings).view(*hidden.shape[:-1], 1)
+            return self.rows
+        # tensor parallelism: this rank holds a slice of the vocabulary (the head's rows); the per-row log-normaliser
+        # and target logit are reduced over the tp group, and the rows returned as the DTensor the head's
+        # tensor-parallel output hook expects (sharded over the vocabulary, or replicated)
+        mesh = weight.device_mesh
+        first = sum(len(part) for part in torch.arange(weight.shape[0]).chunk(mesh.size())[:mesh.get_local_rank()])
+        rows = _VocabParallelRowLosses.apply(flat, weight.to_local(), bias.to_local() if bias is not None else None,
+                                             *settings, mesh.get_group(), first)
         self.rows = rows.view(*hidden.shape[:-1], 1)
-        return self.rows
+        return DTensor.from_local(self.rows, mesh, [self.output_placement()], run_check=False)
+
+    def output_placement(self) -> Any:
+        """How the head's tensor-parallel output hook wants its output: sharded over the vocabulary (the
+        vocabulary-parallel loss) or replicated (logits gathered)."""
+        from torch.distributed.tensor import Replicate, Shard
+
+        applied = self.tensor_parallel
+        return Shard(-1) if applied is not None and applied.vocab_parallel else Replicate()
 
 
 def _capped(logits: torch.Tensor, cap: float) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -151,3 +179,61 @@ class _RowLosses(torch.autograd.Function):
                 grad_bias += grad.sum(0)
         return (grad_hidden, grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None,
                 grad_bias.to(bias.dtype) if grad_bias is not None else None, None, None, None, None)
+
+
+class _VocabParallelRowLosses(torch.autograd.Function):
+    """:class:`_RowLosses` with the vocabulary split over ``group``: this rank's ``weight`` holds the vocabulary
+    rows ``first ..``; the log-normaliser of each row and its target logit are reduced over the group (a max and two
+    sums per chunk), and the hidden states' gradient is summed over it in backward (they are replicated)."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                targets: torch.Tensor, ignore_index: int, cap: float, chunk_len: int, group: Any, first: int
+                ) -> torch.Tensor:
+        import torch.distributed as dist
+
+        kept = targets != ignore_index
+        local = targets - first
+        mine = kept & (local >= 0) & (local < weight.shape[0])
+        local = local.masked_fill(~mine, 0)
+        lse = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        picked = torch.zeros_like(lse)
+        for rows in torch.arange(hidden.shape[0], device=hidden.device).split(chunk_len):
+            logits, _ = _capped(nn.functional.linear(hidden[rows], weight, bias).float(), cap)
+            top = logits.max(dim=-1).values
+            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+            total = torch.exp(logits - top.unsqueeze(1)).sum(-1)
+            dist.all_reduce(total, group=group)
+            lse[rows] = top + torch.log(total)
+            picked[rows] = logits.gather(1, local[rows].unsqueeze(1)).squeeze(1) * mine[rows]
+        dist.all_reduce(picked, group=group)
+        ctx.save_for_backward(hidden, weight, bias, local, mine, kept, lse)
+        ctx.cap, ctx.chunk_len, ctx.group = cap, chunk_len, group
+        return (lse - picked) * kept
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad_rows: torch.Tensor) -> tuple[Any, ...]:
+        import torch.distributed as dist
+
+        hidden, weight, bias, local, mine, kept, lse = ctx.saved_tensors
+        grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
+            if ctx.needs_input_grad[1] else None
+        grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) \
+            if bias is not None and ctx.needs_input_grad[2] else None
+        for rows in torch.arange(hidden.shape[0], device=hidden.device).split(ctx.chunk_len):
+            logits, slope = _capped(nn.functional.linear(hidden[rows], weight, bias).float(), ctx.cap)
+            grad = torch.exp(logits - lse[rows].unsqueeze(1))  # this rank's part of the softmax
+            grad[torch.arange(len(rows), device=grad.device), local[rows]] -= mine[rows].float()
+            grad *= (grad_rows[rows] * kept[rows]).unsqueeze(1)
+            if slope is not None:
+                grad *= slope
+            grad_hidden[rows] = grad @ weight.float()
+            if grad_weight is not None:
+                grad_weight += grad.T @ hidden[rows].float()
+            if grad_bias is not None:
+                grad_bias += grad.sum(0)
+        dist.all_reduce(grad_hidden, group=ctx.group)
+        return (grad_hidden.to(hidden.dtype), grad_weight.to(weight.dtype) if grad_weight is not None else None,
+                grad_bias.to(bias.dtype) if grad_bias is not None else None, None, None, None, None, None, None)

@@ -151,9 +151,9 @@ def loss_fn_named(cfg: Config, path: str) -> Any:
 
 
 def loss_fn_issues(cfg: Config) -> list[ConfigIssue]:
-    """Losses that need whole logits on one rank: :class:`ChunkedCrossEntropy` (not tensor parallelism, which
-    shards them over the vocabulary) and ``LinearCrossEntropy`` (the loss inside the output head: not with tensor
-    parallelism, nor with the pipeline's or context parallelism's own loss paths)."""
+    """Losses the layout cannot take: :class:`ChunkedCrossEntropy` needs whole logits (not tensor parallelism, which
+    shards them over the vocabulary); ``LinearCrossEntropy`` (the loss inside the output head, vocabulary-parallel
+    under tensor parallelism) not the pipeline's or context parallelism's own loss paths."""
     settings = cfg.distributed
     sizes = {name: getattr(settings, name) if settings is not None else 1 for name in ("tp_size", "pp_size",
                                                                                        "cp_size")}
@@ -161,11 +161,12 @@ def loss_fn_issues(cfg: Config) -> list[ConfigIssue]:
         return [ConfigIssue("loss_fn._target_", f"ChunkedCrossEntropy upcasts chunks of whole logits, but tp_size "
                             f"{sizes['tp_size']} shards the logits over the vocabulary; use MaskedCrossEntropy "
                             "(vocabulary-parallel there, and no rank holds whole logits) or tp_size: 1")]
-    parallel = ", ".join(f"{name} {size}" for name, size in sizes.items() if size > 1)
+    parallel = ", ".join(f"{name} {size}" for name, size in sizes.items() if size > 1 and name != "tp_size")
     if loss_fn_named(cfg, LINEAR) is not None and parallel:
-        return [ConfigIssue("loss_fn._target_", f"FusedLinearCrossEntropy computes the loss inside a whole output "
-                            f"head on every position's rank, which {parallel} splits (over the vocabulary, the "
-                            "stages or the sequence); use MaskedCrossEntropy there")]
+        return [ConfigIssue("loss_fn._target_", f"FusedLinearCrossEntropy computes the loss inside the output head "
+                            f"as the model runs, which {parallel} takes apart (the pipeline's last stage returns "
+                            "logits to the schedule's loss; context parallelism splits the sequence outside the "
+                            "model); use MaskedCrossEntropy there")]
     return []
 
 

@@ -93,7 +93,7 @@ def next_token_logits(model: nn.Module, inputs: dict[str, Any], labels: torch.Te
         with loss_head.targets(shifted) if loss_head is not None else contextlib.nullcontext():
             logits = model(**inputs).logits
             if loss_head is not None:
-                loss_head.checked(logits)
+                logits = loss_head.checked(logits)
         return logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1)
     targets = labels.reshape(-1)[index + 1]
     with loss_head.targets(targets) if loss_head is not None else contextlib.nullcontext():

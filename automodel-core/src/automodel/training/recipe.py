@@ -48,6 +48,7 @@ from automodel.training.quantized_base import base_quantization_note
 from automodel.training.recipe_sections import TRAIN_SECTIONS
 from automodel.training.resume import choose_checkpoint, hold_checkpoint_dir
 from automodel.training.rng import StatefulRNG, use_deterministic_algorithms
+from automodel.training.stages import peft as peft_stage
 from automodel.training.stages.qat import delay_fake_quantization, set_fake_quantization
 from automodel.training.state import restore_states, restore_weights
 from automodel.training.step_scheduler import StepScheduler, steps_per_epoch
@@ -284,7 +285,7 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
         self.ctx = ctx = replace(ctx, restore_path=choose_checkpoint(cfg, self.checkpointer, self.log))
         self.setup_domain()
         self.checkpoint_notes()
-        for note in inert_distributed_notes(cfg, ctx.fsdp2) + chunked_loss_notes(cfg):
+        for note in inert_distributed_notes(cfg, ctx.fsdp2) + chunked_loss_notes(cfg) + peft_stage.notes(cfg):
             self.log(note)
         self.ctx = ctx = replace(ctx, collate_args=self.collate_runtime_args())
         with building_on_meta() as meta:

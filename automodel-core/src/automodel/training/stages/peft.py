@@ -30,6 +30,16 @@ def issues(cfg: Config, implementation: str | None) -> list[ConfigIssue]:
     return []
 
 
+def notes(cfg: Config) -> list[str]:
+    """The run-start note that upstream's ``peft.use_triton: true`` governs nothing here."""
+    node = cfg.peft
+    if node is None or not (node.to_dict() if hasattr(node, "to_dict") else {}).get("use_triton"):
+        return []
+    return ["note: peft.use_triton: true governs nothing: upstream's Triton LoRA kernels (CUDA) are not part of this "
+            "build; peft's LoRA layers compute the same adapters (upstream too sets it aside for DoRA and Transformer "
+            "Engine layers)"]
+
+
 def add_lora(ctx: BuildContext, model: torch.nn.Module) -> tuple[torch.nn.Module, str]:
     """Wrap the model (or one pipeline stage of it) with LoRA adapters as ``peft:`` says; only adapter weights
     train."""
