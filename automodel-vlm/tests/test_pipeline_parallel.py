@@ -15,8 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_tensor_parallel import _saved
-from vlm_testing import SHAPES, train_inprocess, write_config, write_jsonl
+from vlm_testing import SHAPES, saved_model_tensors, train_inprocess, write_config, write_jsonl
 
 from automodel.testing import free_port, read_jsonl, run_cli, run_cli_inprocess
 
@@ -74,7 +73,7 @@ def test_pp2_trains_like_one_process_on_rows_with_different_image_counts(tmp_pat
     assert len(_column(out, "loss")) == 4
     assert _column(out, "loss") == pytest.approx(_column(reference, "loss"), rel=1e-4)
     assert _column(out, "grad_norm") == pytest.approx(_column(reference, "grad_norm"), rel=1e-4)
-    got, expected = (_saved(run / "epoch_1_step_4" / "model", lora) for run in (out, reference))
+    got, expected = (saved_model_tensors(run / "epoch_1_step_4" / "model", lora) for run in (out, reference))
     assert got.keys() == expected.keys() and expected
     for key, value in expected.items():
         assert (got[key] - value).abs().max().item() < 1e-5, key

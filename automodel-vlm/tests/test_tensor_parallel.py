@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vlm_testing import LLAVA_CONFIG, write_config
+from vlm_testing import LLAVA_CONFIG, saved_model_tensors, write_config
 
 from automodel.testing import free_port, read_jsonl, run_cli
 
@@ -61,21 +61,10 @@ def test_tp2_trains_like_one_process(tmp_path, lora):
     assert len(_column(out, "loss")) == 4
     assert _column(out, "loss") == pytest.approx(_column(reference, "loss"), rel=1e-4)
     assert _column(out, "grad_norm") == pytest.approx(_column(reference, "grad_norm"), rel=1e-4)
-    got, expected = (_saved(run / "epoch_0_step_4" / "model", lora) for run in (out, reference))
+    got, expected = (saved_model_tensors(run / "epoch_0_step_4" / "model", lora) for run in (out, reference))
     assert got.keys() == expected.keys() and expected
     for key, value in expected.items():
         assert (got[key] - value).abs().max().item() < 1e-5, key
-
-
-def _saved(model_dir: Path, lora: bool) -> dict:
-    """The tensors of a consolidated model/: the adapter's as saved, or the model's as transformers loads them."""
-    if lora:
-        from safetensors.torch import load_file
-
-        return load_file(model_dir / "adapter_model.safetensors")
-    from transformers import LlavaForConditionalGeneration
-
-    return LlavaForConditionalGeneration.from_pretrained(model_dir).state_dict()
 
 
 def test_a_tp_size_the_text_heads_do_not_divide_is_refused(tmp_path):

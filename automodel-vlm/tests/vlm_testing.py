@@ -79,3 +79,14 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 def clone_state(model) -> dict:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def saved_model_tensors(model_dir: Path, lora: bool) -> dict:
+    """The tensors of a consolidated model/: the adapter's as saved, or the model's as transformers loads them."""
+    if lora:
+        from safetensors.torch import load_file
+
+        return load_file(model_dir / "adapter_model.safetensors")
+    from transformers import LlavaForConditionalGeneration
+
+    return LlavaForConditionalGeneration.from_pretrained(model_dir).state_dict()
