@@ -19,20 +19,27 @@ AUTOMODEL = Path(sys.executable).with_name("automodel")
 def test_fsdp2_on_two_ranks_saves_a_diffusers_pipeline_that_resumes_on_one(tmp_path):
     out = tmp_path / "two"
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
-    result = subprocess.run(
-        [str(AUTOMODEL), "finetune", "diffusion", "-c", "diffusion/tiny_flow", "--nproc-per-node", "2",
-         "--master-port", str(free_port()),
-         "--checkpoint.checkpoint_dir", str(out), "--step_scheduler.max_steps", "4",
-         "--step_scheduler.checkpoint_interval", "2", "--step_scheduler.val_check_interval", "4",
-         "--step_scheduler.log_interval", "1", "--dataloader.batch_size", "8",
-         "--parallel_scheme.vae.strategy", "fsdp2"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    command = [str(AUTOMODEL), "finetune", "diffusion", "-c", "diffusion/tiny_flow", "--nproc-per-node", "2",
+               "--step_scheduler.max_steps", "4", "--step_scheduler.checkpoint_interval", "2",
+               "--step_scheduler.val_check_interval", "4", "--step_scheduler.log_interval", "1",
+               "--dataloader.batch_size", "8", "--parallel_scheme.vae.strategy", "fsdp2"]
+    result = subprocess.run([*command, "--master-port", str(free_port()), "--checkpoint.checkpoint_dir", str(out)],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "sharding [diffusion]: over 2 ranks: vae: fsdp2 (frozen)" in result.stderr
     assert "transformer: fsdp2" in result.stderr
     losses = losses_by_step(out / "training.jsonl")
     assert sorted(losses) == [1, 2, 3, 4] and all(np.isfinite(v) for v in losses.values())
     assert (out / "samples" / "step_4.png").is_file()
+
+    # resumed on two ranks from step 2: the noise and timesteps of steps 3-4 are the uninterrupted run's (the data
+    # loader's iterator used to draw its seed from the restored global RNG, shifting every draw after a resume)
+    again = subprocess.run([*command, "--master-port", str(free_port()), "--checkpoint.checkpoint_dir",
+                            str(tmp_path / "again"), "--restore_from.path", str(out / "epoch_0_step_2")],
+                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    resumed = losses_by_step(tmp_path / "again" / "training.jsonl")
+    assert sorted(resumed) == [3, 4] and all(resumed[s] == losses[s] for s in (3, 4)), (resumed, losses)
 
     from diffusers import DiffusionPipeline
 

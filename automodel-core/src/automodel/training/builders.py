@@ -166,6 +166,10 @@ def build_dataloader(ctx: BuildContext, dataset: Any, node: ConfigNode, train: b
         settings["generator"] = _seeded(ctx.seed)
     if sampler is not None:
         settings["sampler"] = sampler
+        # the loader's own generator: each new iterator draws its workers' base seed from it, or, without one, from
+        # torch's global RNG, which a resumed run restores before that draw (the uninterrupted run drew it at the
+        # epoch's start): the draw shifted every random number after a resume (diffusion's noise and timesteps)
+        settings["generator"] = _seeded(ctx.seed)
     else:
         settings["generator"] = generator
         settings["shuffle"] = shuffle
