@@ -146,13 +146,14 @@ def test_upstream_form_config_trains_a_gpt2_that_transformers_loads(tmp_path):
 def test_gpt2_keys_that_cannot_act_and_a_missing_tokenizer_are_refused(tmp_path):
     model = {"_target_": "build_gpt2_model", "n_embd": 30, "n_head": 4, "n_positions": 64, "n_ctx": 32,
              "flash_mode": True}
-    sections = {"dataset": {"_target_": "NanogptDataset", "seq_len": 4,
+    sections = {"dataset": {"_target_": "NanogptDataset", "seq_len": 4, "run_seed": 7,
                             "file_pattern": str(write_shard(tmp_path / "a.bin", range(9)))},
                 "step_scheduler": {"max_steps": 1}, "recipe": "TrainFinetuneRecipeForNextTokenPrediction"}
     code, output = validate_cli(write_yaml(tmp_path / "keys.yaml", {"model": model, **sections}), tmp_path)
     assert code == 2
     for words in ("model.flash_mode: not a GPT-2 setting", "model.n_head: 4 does not divide n_embd 30",
-                  "model.n_ctx: 32 differs from model.n_positions: 64"):
+                  "model.n_ctx: 32 differs from model.n_positions: 64",
+                  "dataset.run_seed: is given by the recipe (rng.seed"):
         assert words in output, output
     # a model built from keys has no directory to take a tokenizer from, and text data need one
     sections["dataset"] = {"_target_": "PretrainingTextDataset", "path_or_dataset_id": str(tmp_path / "t.jsonl")}

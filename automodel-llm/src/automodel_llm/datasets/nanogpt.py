@@ -18,8 +18,9 @@ needs no tokenizer (none is saved with the model then; the model's own special t
 from __future__ import annotations
 
 import glob
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from torch.utils.data import Dataset
@@ -85,6 +86,14 @@ class NanogptDataset(Dataset):
                      "align_to_bos": "start every sample at a bos_token (tokens before it are skipped)",
                      "bos_token": "the token id that starts a document (needed by align_to_bos)",
                      "run_seed": "given by the recipe: rng.seed"}
+
+    @staticmethod
+    def argument_problems(arguments: Mapping[str, Any]) -> list[tuple[str, str]]:
+        """``run_seed`` is the recipe's (``rng.seed``): a config cannot set it."""
+        if arguments.get("run_seed") is not None:
+            return [("run_seed", "is given by the recipe (rng.seed, which orders the shards with shuffle_files); set "
+                                 "rng.seed instead")]
+        return []
 
     def __init__(self, file_pattern: str | Sequence[str], seq_len: int, *, bos_token: int | None = None,
                  shuffle_files: bool = False, align_to_bos: bool = False, run_seed: int = 0):
