@@ -219,6 +219,14 @@ def test_upstream_names_without_an_equivalent_here_are_refused_with_what_to_use(
     assert "is not supported here" in found[f"{section}._target_"] and words in found[f"{section}._target_"]
 
 
+def test_transformer_engine_fp8_recipe_target_is_refused_as_needing_cuda(tmp_path):
+    data = yaml.safe_load((FORMS / "recipe_bare_name.yaml").read_text())
+    data["model"]["backend"] = {"te_fp8": {"_target_": "nemo_automodel.components.models.common.utils.TEFp8Config",
+                                           "recipe": "block"}}
+    found = refusals(write_yaml(tmp_path / "c.yaml", data))
+    assert "needs a CUDA GPU with compute capability >= 8.9" in found["model.backend.te_fp8._target_"], found
+
+
 def test_thd_collater_is_refused_as_needing_transformer_engine(tmp_path):
     data = yaml.safe_load((FORMS / "recipe_bare_name.yaml").read_text())
     data["dataloader"]["collate_fn"] = "nemo_automodel.components.datasets.utils.packed_sequence_thd_collater"

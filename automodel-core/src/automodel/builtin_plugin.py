@@ -44,6 +44,9 @@ def automodel_register_aliases(aliases) -> None:
     aliases.target("MaskedCrossEntropy", "automodel.training.loss.MaskedCrossEntropy")
     aliases.target("ChunkedCrossEntropy", "automodel.training.loss.ChunkedCrossEntropy")
     aliases.target("FusedLinearCrossEntropy", "automodel.training.linear_ce.LinearCrossEntropy")
+    aliases.unsupported("nemo_automodel.components.models.common.utils.TEFp8Config",
+                        "Transformer Engine's FP8 recipe (model.backend.te_fp8) needs a CUDA GPU with compute "
+                        "capability >= 8.9 and Transformer Engine; automodel's FP8 is the fp8: section (torchao)")
     for name in ("FlashAdamW", "FlashAdam", "FlashSGD", "FlashSGDW", "FlashLion"):
         aliases.unsupported(f"flashoptim.{name}", "FlashOptim's optimizers run fused Triton kernels on CUDA GPUs "
                                                   "(their reduced-precision master weights and states); use the torch "
