@@ -276,7 +276,7 @@ def test_targets_lists_the_registry_without_importing_torch(cli):
     rule = "transformers.models.<model>.configuration_<model>.<Name>Config"  # its configuration classes only
     assert rows[(rule, "rule")] == ["automodel-core"]
     assert rows[("automodel_llm", "prefix")] == ["automodel-llm"]
-    assert sorted(rows[("peft.LoraConfig", "exact")]) == ["automodel-llm", "automodel-vlm"]
+    assert sorted(rows[("peft.LoraConfig", "exact")]) == ["automodel-diffusion", "automodel-llm", "automodel-vlm"]
     assert not any(kind == "prefix" and name.split(".")[0] in ("torch", "transformers", "datasets", "diffusers", "peft")
                    for name, kind in rows)
     assert {"name": "amt_mine", "kind": "prefix", "source": "AUTOMODEL_ALLOW_TARGETS"} in data["trusted"]
