@@ -117,8 +117,8 @@ class LinearLossHead:
         # tensor-parallel output hook expects (sharded over the vocabulary, or replicated)
         mesh = weight.device_mesh
         first = sum(len(part) for part in torch.arange(weight.shape[0]).chunk(mesh.size())[:mesh.get_local_rank()])
-        rows = _VocabParallelRowLosses.apply(flat, weight.to_local(), bias.to_local() if bias is not None else None,
-                                             *settings, mesh.get_group(), first)
+        rows = _RowLosses.apply(flat, weight.to_local(), bias.to_local() if bias is not None else None,
+                                *settings, mesh.get_group(), first)
         self.rows = rows.view(*hidden.shape[:-1], 1)
         return DTensor.from_local(self.rows, mesh, [self.output_placement()], run_check=False)
 
@@ -140,58 +140,17 @@ def _capped(logits: torch.Tensor, cap: float) -> tuple[torch.Tensor, torch.Tenso
 
 
 class _RowLosses(torch.autograd.Function):
-    """Per-row cross entropy of ``hidden @ weight.T + bias`` against ``targets``, ``chunk_len`` rows at a time."""
+    """Per-row cross entropy of ``hidden @ weight.T + bias`` against ``targets``, ``chunk_len`` rows at a time.
+
+    With a process ``group`` (tensor parallelism) ``weight`` holds this rank's rows ``first ..`` of the vocabulary:
+    each row's log-normaliser and target logit are reduced over the group (a max and two sums per chunk), and the
+    hidden states' gradient is summed over it in backward (they are replicated). Without one, ``first`` is 0 and
+    ``weight`` the whole vocabulary."""
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                targets: torch.Tensor, ignore_index: int, cap: float, chunk_len: int) -> torch.Tensor:
-        kept = targets != ignore_index
-        safe = targets.masked_fill(~kept, 0)
-        losses = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-        for rows in torch.arange(hidden.shape[0], device=hidden.device).split(chunk_len):
-            logits, _ = _capped(nn.functional.linear(hidden[rows], weight, bias).float(), cap)
-            picked = logits.gather(1, safe[rows].unsqueeze(1)).squeeze(1)
-            losses[rows] = (torch.logsumexp(logits, dim=-1) - picked) * kept[rows]
-        ctx.save_for_backward(hidden, weight, bias, safe, kept)
-        ctx.cap, ctx.chunk_len = cap, chunk_len
-        return losses
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, grad_rows: torch.Tensor) -> tuple[Any, ...]:
-        hidden, weight, bias, safe, kept = ctx.saved_tensors
-        grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
-            if ctx.needs_input_grad[1] else None
-        grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) \
-            if bias is not None and ctx.needs_input_grad[2] else None
-        for rows in torch.arange(hidden.shape[0], device=hidden.device).split(ctx.chunk_len):
-            logits, slope = _capped(nn.functional.linear(hidden[rows], weight, bias).float(), ctx.cap)
-            grad = torch.softmax(logits, dim=-1)  # d(logsumexp - picked) / d logits
-            grad[torch.arange(len(rows), device=grad.device), safe[rows]] -= 1.0
-            grad *= (grad_rows[rows] * kept[rows]).unsqueeze(1)
-            if slope is not None:
-                grad *= slope
-            grad_hidden[rows] = (grad @ weight.float()).to(hidden.dtype)
-            if ctx.needs_input_grad[1]:
-                grad_weight += grad.T @ hidden[rows].float()
-            if grad_bias is not None:
-                grad_bias += grad.sum(0)
-        return (grad_hidden, grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None,
-                grad_bias.to(bias.dtype) if grad_bias is not None else None, None, None, None, None)
-
-
-class _VocabParallelRowLosses(torch.autograd.Function):
-    """:class:`_RowLosses` with the vocabulary split over ``group``: this rank's ``weight`` holds the vocabulary
-    rows ``first ..``; the log-normaliser of each row and its target logit are reduced over the group (a max and two
-    sums per chunk), and the hidden states' gradient is summed over it in backward (they are replicated)."""
-
-    @staticmethod
-    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                targets: torch.Tensor, ignore_index: int, cap: float, chunk_len: int, group: Any, first: int
-                ) -> torch.Tensor:
-        import torch.distributed as dist
-
+                targets: torch.Tensor, ignore_index: int, cap: float, chunk_len: int, group: Any = None,
+                first: int = 0) -> torch.Tensor:
         kept = targets != ignore_index
         local = targets - first
         mine = kept & (local >= 0) & (local < weight.shape[0])
@@ -200,13 +159,10 @@ class _VocabParallelRowLosses(torch.autograd.Function):
         picked = torch.zeros_like(lse)
         for rows in torch.arange(hidden.shape[0], device=hidden.device).split(chunk_len):
             logits, _ = _capped(nn.functional.linear(hidden[rows], weight, bias).float(), cap)
-            top = logits.max(dim=-1).values
-            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-            total = torch.exp(logits - top.unsqueeze(1)).sum(-1)
-            dist.all_reduce(total, group=group)
-            lse[rows] = top + torch.log(total)
+            top = _reduced(logits.max(dim=-1).values, group, max_=True)
+            lse[rows] = top + torch.log(_reduced(torch.exp(logits - top.unsqueeze(1)).sum(-1), group))
             picked[rows] = logits.gather(1, local[rows].unsqueeze(1)).squeeze(1) * mine[rows]
-        dist.all_reduce(picked, group=group)
+        picked = _reduced(picked, group)
         ctx.save_for_backward(hidden, weight, bias, local, mine, kept, lse)
         ctx.cap, ctx.chunk_len, ctx.group = cap, chunk_len, group
         return (lse - picked) * kept
@@ -214,8 +170,6 @@ class _VocabParallelRowLosses(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad_rows: torch.Tensor) -> tuple[Any, ...]:
-        import torch.distributed as dist
-
         hidden, weight, bias, local, mine, kept, lse = ctx.saved_tensors
         grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
@@ -224,7 +178,7 @@ class _VocabParallelRowLosses(torch.autograd.Function):
             if bias is not None and ctx.needs_input_grad[2] else None
         for rows in torch.arange(hidden.shape[0], device=hidden.device).split(ctx.chunk_len):
             logits, slope = _capped(nn.functional.linear(hidden[rows], weight, bias).float(), ctx.cap)
-            grad = torch.exp(logits - lse[rows].unsqueeze(1))  # this rank's part of the softmax
+            grad = torch.exp(logits - lse[rows].unsqueeze(1))  # the softmax (this rank's part of it)
             grad[torch.arange(len(rows), device=grad.device), local[rows]] -= mine[rows].float()
             grad *= (grad_rows[rows] * kept[rows]).unsqueeze(1)
             if slope is not None:
@@ -234,6 +188,15 @@ class _VocabParallelRowLosses(torch.autograd.Function):
                 grad_weight += grad.T @ hidden[rows].float()
             if grad_bias is not None:
                 grad_bias += grad.sum(0)
-        dist.all_reduce(grad_hidden, group=ctx.group)
+        grad_hidden = _reduced(grad_hidden, ctx.group)
         return (grad_hidden.to(hidden.dtype), grad_weight.to(weight.dtype) if grad_weight is not None else None,
                 grad_bias.to(bias.dtype) if grad_bias is not None else None, None, None, None, None, None, None)
+
+
+def _reduced(tensor: torch.Tensor, group: Any, max_: bool = False) -> torch.Tensor:
+    """``tensor`` summed (or its maximum taken) over ``group`` in place; as it is without a group."""
+    if group is not None:
+        import torch.distributed as dist
+
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX if max_ else dist.ReduceOp.SUM, group=group)
+    return tensor
