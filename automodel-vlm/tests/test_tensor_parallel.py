@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vlm_testing import LLAVA_CONFIG, saved_model_tensors, write_config
+from vlm_testing import LLAVA_CONFIG, assert_trains_like, write_config
 
-from automodel.testing import free_port, read_jsonl, run_cli
+from automodel.testing import free_port, run_cli
 
 FOUR_STEPS = {"step_scheduler": {"max_steps": 4, "val_check_interval": 100, "checkpoint_interval": 4},
               "validation_dataset": None, "eval_generation": None, "dataset": {"limit_dataset_samples": 32}}
@@ -43,10 +43,6 @@ def _train(tmp: Path, name: str, *args: str, **sections: Any) -> tuple[Path, str
     return out, result.stderr
 
 
-def _column(out: Path, key: str) -> list[float]:
-    return [row[key] for row in read_jsonl(out / "training.jsonl")]
-
-
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_tp2_trains_like_one_process(tmp_path, lora):
     sections = {"peft": {"dim": 4, "alpha": 8, "match_all_linear": True, "dropout": 0.0}} if lora else {}
@@ -58,13 +54,7 @@ def test_tp2_trains_like_one_process(tmp_path, lora):
     sharded = "model.language_model.layers.*.self_attn.q_proj" + (".lora_B.default" if lora else "")
     assert f"{sharded}: colwise (column-wise: output features sharded) x 2" in plan
     assert not [line for line in plan if "vision_tower" in line or "projector" in line]  # replicated
-    assert len(_column(out, "loss")) == 4
-    assert _column(out, "loss") == pytest.approx(_column(reference, "loss"), rel=1e-4)
-    assert _column(out, "grad_norm") == pytest.approx(_column(reference, "grad_norm"), rel=1e-4)
-    got, expected = (saved_model_tensors(run / "epoch_0_step_4" / "model", lora) for run in (out, reference))
-    assert got.keys() == expected.keys() and expected
-    for key, value in expected.items():
-        assert (got[key] - value).abs().max().item() < 1e-5, key
+    assert_trains_like(out, reference, "epoch_0_step_4", lora)
 
 
 def test_a_tp_size_the_text_heads_do_not_divide_is_refused(tmp_path):

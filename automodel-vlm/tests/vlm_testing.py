@@ -90,3 +90,22 @@ def saved_model_tensors(model_dir: Path, lora: bool) -> dict:
     from transformers import LlavaForConditionalGeneration
 
     return LlavaForConditionalGeneration.from_pretrained(model_dir).state_dict()
+
+
+def training_column(out: Path, key: str) -> list[float]:
+    """One value of each record a run wrote to training.jsonl."""
+    return [row[key] for row in testing.read_jsonl(out / "training.jsonl")]
+
+
+def assert_trains_like(out: Path, reference: Path, checkpoint: str, lora: bool, steps: int = 4) -> None:
+    """``out`` logged the losses and gradient norms of ``reference`` (1e-4 relative, ``steps`` records) and its
+    ``checkpoint``'s consolidated model/ (or adapter) holds the reference's tensors (1e-5)."""
+    import pytest
+
+    assert len(training_column(out, "loss")) == steps
+    for key in ("loss", "grad_norm"):
+        assert training_column(out, key) == pytest.approx(training_column(reference, key), rel=1e-4), key
+    got, expected = (saved_model_tensors(run / checkpoint / "model", lora) for run in (out, reference))
+    assert got.keys() == expected.keys() and expected
+    for key, value in expected.items():
+        assert (got[key] - value).abs().max().item() < 1e-5, key
