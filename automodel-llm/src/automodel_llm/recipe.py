@@ -30,6 +30,7 @@ from automodel.training.modules import unwrap
 from automodel.training.next_token import NextTokenLogits
 from automodel.training.parallel.pipeline_parallel import PipelineSettings
 from automodel.training.parallelism import model_hf_config
+from automodel.training.pipeline_steps import padded_mask, padded_tokens, pipeline_length
 from automodel.training.recipe import TrainRecipe
 from automodel_llm.datasets.collate import pad_collate
 from automodel_llm.datasets.packing import PackedDataset, packed_collate
@@ -45,7 +46,6 @@ from automodel_llm.tokenizer import VOCAB_PROBLEM, build_tokenizer, tokenizer_is
 
 IGNORE_INDEX = -100
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
-PIPELINE_LENGTH_MULTIPLE = 64  # pipelined batches are padded to a multiple of it: few shapes, few pipeline set-ups
 DATASETS = tuple(f"automodel_llm.datasets.{name}" for name in (
     "SquadDataset", "make_squad_dataset", "ColumnMappedTextInstructionDataset", "ChatDataset",
     "AgentChatDataset", "XlamDataset", "PretrainingTextDataset", "MockDataset"))
@@ -123,19 +123,14 @@ PARALLELIZER = ArgumentsFor(
     help="the arguments of upstream's MoE parallelizer, each standing for the distributed key of the same meaning")
 
 
-def pipeline_issues(cfg: Config, generation: Any, packed_size: int) -> list[ConfigIssue]:
-    """What this recipe cannot run with ``distributed.pp_size > 1``."""
-    pp = cfg.distributed.pp_size
-    issues = []
-    if "eval_generation" in cfg and generation is not None and generation.enabled:
-        issues.append(ConfigIssue("eval_generation.enabled", f"generation runs the whole model token by token, which "
-                                  f"the pipeline stages (pp_size {pp}) hold apart; set eval_generation.enabled: false"))
+def pipeline_issues(cfg: Config, packed_size: int) -> list[ConfigIssue]:
+    """What this recipe cannot run with ``distributed.pp_size > 1`` (beyond the core's checks)."""
     length = PipelineSettings.from_section(cfg.distributed.pipeline).pp_seq_len  # as given (else: the packed size)
     if isinstance(length, int) and 0 < length < packed_size:
-        issues.append(ConfigIssue("distributed.pipeline.pp_seq_len", f"{length} is shorter than the packed rows "
-                                  f"(packed_sequence.packed_sequence_size {packed_size}), and every training batch "
-                                  f"is padded to pp_seq_len; use a pp_seq_len of at least {packed_size}"))
-    return issues
+        return [ConfigIssue("distributed.pipeline.pp_seq_len", f"{length} is shorter than the packed rows "
+                            f"(packed_sequence.packed_sequence_size {packed_size}), and every training batch is "
+                            f"padded to pp_seq_len; use a pp_seq_len of at least {packed_size}")]
+    return []
 
 
 class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
@@ -193,7 +188,7 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
         packing = cfg.get("packed_sequence")
         size = getattr(packing, "packed_sequence_size", 0) or 0
         if settings is not None and settings.pp_size > 1:
-            issues += pipeline_issues(cfg, generation, size)
+            issues += pipeline_issues(cfg, size)
         if settings is not None and settings.cp_size > 1:
             issues += context_parallel_issues(cfg, generation, packing)
         if settings is not None and settings.tp_size > 1 and settings.sequence_parallel and size % settings.tp_size:
@@ -289,15 +284,11 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
 
     def pipeline_batches(self, batches: list[dict[str, torch.Tensor]], length: int | None = None
                          ) -> list[tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]:
-        """The step's micro-batches padded to ``length`` where they fit in it, else to their longest rounded up to a
-        multiple of ``PIPELINE_LENGTH_MULTIPLE`` (the pipeline runs one shape per step and sets up anew for a new
-        shape; padding carries no label and is masked out of attention, so the loss is unchanged). Packed rows
+        """The step's micro-batches padded to :func:`pipeline_length` (padding carries no label and is masked out of
+        attention, so the loss is unchanged). Packed rows
         (position ids that restart at each sample, no attention mask) keep no mask: the model keeps attention within
         each sample from the position ids, in every stage, as in one process; their padding is a segment of its own."""
-        longest = max(batch["input_ids"].shape[1] for batch in batches)
-        longest = length if length is not None and longest <= length else \
-            -(-longest // PIPELINE_LENGTH_MULTIPLE) * PIPELINE_LENGTH_MULTIPLE
-        pad = self.pad_token_id
+        longest = pipeline_length(batches, length)
         parts = []
         for batch in batches:
             extra = longest - batch["input_ids"].shape[1]
@@ -305,12 +296,10 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
                 kwargs = {"position_ids": torch.cat([batch["position_ids"], torch.arange(extra).expand(
                     batch["position_ids"].shape[0], extra).to(batch["position_ids"])], dim=1)}
             else:
-                mask = batch.get("attention_mask", torch.ones_like(batch["input_ids"]))
-                kwargs = {"attention_mask": torch.nn.functional.pad(mask, (0, extra), value=0)}
+                kwargs = {"attention_mask": padded_mask(batch, extra)}
                 if "position_ids" in batch:
                     kwargs["position_ids"] = torch.nn.functional.pad(batch["position_ids"], (0, extra), value=0)
-            parts.append((torch.nn.functional.pad(batch["input_ids"], (0, extra), value=pad),
-                          torch.nn.functional.pad(batch["labels"], (0, extra), value=IGNORE_INDEX), kwargs))
+            parts.append((*padded_tokens(batch, extra, self.pad_token_id), kwargs))
         return parts
 
     def count_label_tokens(self, batch: dict[str, torch.Tensor]) -> int:

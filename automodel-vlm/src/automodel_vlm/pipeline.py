@@ -59,16 +59,8 @@ def layout_issue(config: Any) -> str | None:
 def pipeline_issues(cfg: Any, config: Any) -> list[ConfigIssue]:
     """What the VLM recipe cannot run with ``distributed.pp_size > 1`` (``config``: the model's Hugging Face config
     where validation can read it)."""
-    pp = cfg.distributed.pp_size
-    issues = []
     why = layout_issue(config) if config is not None else None
-    if why is not None:
-        issues.append(ConfigIssue("distributed.pp_size", f"{pp}: {why}"))
-    generation = cfg.get("eval_generation")
-    if "eval_generation" in cfg and generation is not None and generation.enabled:
-        issues.append(ConfigIssue("eval_generation.enabled", f"generation runs the whole model token by token, which "
-                                  f"the pipeline stages (pp_size {pp}) hold apart; set eval_generation.enabled: false"))
-    return issues
+    return [ConfigIssue("distributed.pp_size", f"{cfg.distributed.pp_size}: {why}")] if why is not None else []
 
 
 def media_per_row(batch: dict[str, torch.Tensor], config: Any) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

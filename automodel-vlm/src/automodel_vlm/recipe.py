@@ -18,6 +18,7 @@ from automodel.training.modules import unwrap
 from automodel.training.next_token import LABEL_POSITIONS, NextTokenLogits
 from automodel.training.parallel.pipeline_media import media_kwargs
 from automodel.training.parallelism import model_hf_config
+from automodel.training.pipeline_steps import padded_mask, padded_tokens, pipeline_length
 from automodel.training.recipe import TrainRecipe
 from automodel_vlm.datasets.collate import IGNORE_INDEX, VLMCollator, render
 from automodel_vlm.datasets.packing import (
@@ -33,7 +34,6 @@ from automodel_vlm.parts import MULTIMODAL_NAMES, base_model
 from automodel_vlm.pipeline import layout_issue, media_per_row, pipeline_issues
 
 DATASET_ARGS = ("config_key", "processor")
-PIPELINE_LENGTH_MULTIPLE = 64  # pipelined batches are padded to a multiple of it: few shapes, few pipeline set-ups
 
 
 def _processor_source(model: Any) -> str | None:
@@ -176,23 +176,17 @@ class FinetuneRecipeForVLM(NextTokenLogits, TrainRecipe):
 
     def pipeline_batches(self, batches: list[dict[str, torch.Tensor]], length: int | None = None
                          ) -> list[tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]:
-        """The step's micro-batches padded to ``length`` where they fit in it, else to their longest rounded up to a
-        multiple of ``PIPELINE_LENGTH_MULTIPLE`` (few shapes, few pipeline set-ups; the padding is masked out and
-        carries no label), each with its media regrouped per row (``pipeline_media``) so that every pipeline
+        """The step's micro-batches padded to :func:`pipeline_length` (the padding is masked out and carries no
+        label), each with its media regrouped per row (``pipeline_media``) so that every pipeline
         micro-batch's first stage gets exactly its rows' images."""
-        longest = max(batch["input_ids"].shape[1] for batch in batches)
-        longest = length if length is not None and longest <= length else \
-            -(-longest // PIPELINE_LENGTH_MULTIPLE) * PIPELINE_LENGTH_MULTIPLE
+        longest = pipeline_length(batches, length)
         pad = self.processor.tokenizer.pad_token_id or 0
         config = base_model(self.model).config
         parts = []
         for batch in batches:
             extra = longest - batch["input_ids"].shape[1]
-            mask = batch.get("attention_mask", torch.ones_like(batch["input_ids"]))
-            kwargs = {"attention_mask": torch.nn.functional.pad(mask, (0, extra), value=0),
-                      **media_kwargs(media_per_row(batch, config))}
-            parts.append((torch.nn.functional.pad(batch["input_ids"], (0, extra), value=pad),
-                          torch.nn.functional.pad(batch["labels"], (0, extra), value=IGNORE_INDEX), kwargs))
+            kwargs = {"attention_mask": padded_mask(batch, extra), **media_kwargs(media_per_row(batch, config))}
+            parts.append((*padded_tokens(batch, extra, pad), kwargs))
         return parts
 
     def count_label_tokens(self, batch: dict[str, torch.Tensor]) -> int:

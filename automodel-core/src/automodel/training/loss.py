@@ -49,8 +49,8 @@ class ChunkedCrossEntropy(MaskedCrossEntropy):
     """:class:`MaskedCrossEntropy` that upcasts ``chunk_len`` rows of logits to fp32 at a time instead of all of
     them: the forward keeps only each row's log-normaliser and target logit, the backward recomputes each chunk's
     softmax, so no fp32 copy of the whole ``[tokens, vocab]`` logits (nor its softmax) is ever held. The same loss
-    and gradients as :class:`MaskedCrossEntropy`; logits sharded over the vocabulary (tensor parallelism's
-    ``DTensor``) are refused, their loss runs vocabulary-parallel in :class:`MaskedCrossEntropy`.
+    and gradients as :class:`MaskedCrossEntropy`; with tensor parallelism, whose logits are sharded over the
+    vocabulary, it is refused at validation (:func:`loss_fn_issues`).
 
     ``compile`` is upstream's switch for the path that reduces per chunk with ``torch.compile``; the engine sums the
     loss (``reduction='sum'``), a path upstream does not compile either, so it governs nothing (the run says so:
@@ -65,11 +65,6 @@ class ChunkedCrossEntropy(MaskedCrossEntropy):
         self.chunk_len, self.compile = chunk_len, compile
 
     def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        from torch.distributed.tensor import DTensor
-
-        if isinstance(logits, DTensor):
-            raise ValueError("loss_fn: ChunkedCrossEntropy takes whole logits, but tensor parallelism shards them "
-                             "over the vocabulary; use MaskedCrossEntropy (its loss runs vocabulary-parallel)")
         logits = logits.reshape(-1, logits.shape[-1])
         labels = labels.reshape(-1).to(logits.device)
         total = _ChunkedSum.apply(logits, labels, self.ignore_index, self.chunk_len)
@@ -140,7 +135,6 @@ def as_sum_loss(loss_fn: nn.Module | None) -> nn.Module:
     if isinstance(loss_fn, nn.CrossEntropyLoss):
         loss_fn.ignore_index = IGNORE_INDEX
     return Float32Loss(loss_fn)
-
 
 
 def loss_fn_named(cfg: Config, path: str) -> Any:

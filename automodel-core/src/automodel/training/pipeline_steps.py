@@ -10,10 +10,11 @@ from typing import Any, ClassVar
 
 import torch
 
-from automodel.errors import AutomodelError
+from automodel.errors import AutomodelError, ConfigIssue
 from automodel.model_backend import backend_setting
 from automodel.training.context import BuildContext
 from automodel.training.distributed_section import moe_head_fp32
+from automodel.training.loss import IGNORE_INDEX
 from automodel.training.modules import unwrap
 from automodel.training.parallel.mesh import PP
 from automodel.training.parallel.pipeline_parallel import PipelineSettings, StagePipelines
@@ -22,6 +23,39 @@ from automodel.training.parallel.pipeline_static import StaticShapes, activation
 from automodel.training.parallel.precision import parse_dtype_name
 from automodel.training.parallel.tensor_parallel import local_loss
 from automodel.training.parallelism import pipeline_settings
+
+PIPELINE_LENGTH_MULTIPLE = 64  # pipelined batches are padded to a multiple of it: few shapes, few pipeline set-ups
+
+
+def pipeline_length(batches: list[dict[str, torch.Tensor]], length: int | None = None) -> int:
+    """The length a step's micro-batches are padded to for the pipeline: ``length`` where they fit in it, else their
+    longest rounded up to a multiple of ``PIPELINE_LENGTH_MULTIPLE`` (the pipeline runs one shape per step and sets
+    up anew for a new shape)."""
+    longest = max(batch["input_ids"].shape[1] for batch in batches)
+    return length if length is not None and longest <= length else \
+        -(-longest // PIPELINE_LENGTH_MULTIPLE) * PIPELINE_LENGTH_MULTIPLE
+
+
+def padded_tokens(batch: dict[str, torch.Tensor], extra: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, labels)`` of ``batch`` with ``extra`` padding positions, which carry no label."""
+    return (torch.nn.functional.pad(batch["input_ids"], (0, extra), value=pad),
+            torch.nn.functional.pad(batch["labels"], (0, extra), value=IGNORE_INDEX))
+
+
+def padded_mask(batch: dict[str, torch.Tensor], extra: int) -> torch.Tensor:
+    """``batch``'s attention mask (all ones where it has none) with ``extra`` masked-out padding positions."""
+    mask = batch.get("attention_mask", torch.ones_like(batch["input_ids"]))
+    return torch.nn.functional.pad(mask, (0, extra), value=0)
+
+
+def generation_issues(cfg: Any) -> list[ConfigIssue]:
+    """``eval_generation`` with ``pp_size > 1``: generation runs the whole model token by token."""
+    pp = cfg.distributed.pp_size if cfg.distributed is not None else 1
+    generation = cfg.get("eval_generation") if "eval_generation" in cfg else None
+    if pp > 1 and generation is not None and getattr(generation, "enabled", False):
+        return [ConfigIssue("eval_generation.enabled", f"generation runs the whole model token by token, which the "
+                            f"pipeline stages (pp_size {pp}) hold apart; set eval_generation.enabled: false")]
+    return []
 
 
 class PipelineSteps:

@@ -44,6 +44,7 @@ from automodel.training.parallelism import (
     shards_with_fsdp2,
 )
 from automodel.training.pipeline import PIPELINE_SLOTS, Selection, apply_pipeline, select_stages
+from automodel.training.pipeline_steps import generation_issues
 from automodel.training.quantized_base import base_quantization_note
 from automodel.training.recipe_sections import TRAIN_SECTIONS
 from automodel.training.resume import choose_checkpoint, hold_checkpoint_dir
@@ -96,7 +97,7 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
             size = getattr(cfg.distributed, key) if cfg.distributed is not None else 1
             if size > 1 and why:
                 issues.append(ConfigIssue(f"distributed.{key}", f"{size}: {why}"))
-        issues += multimodal_issues(cfg, cls.multimodal_module_names)
+        issues += multimodal_issues(cfg, cls.multimodal_module_names) + generation_issues(cfg)
         if cls.save_model is not None and cfg.checkpoint is not None and not cfg.checkpoint.save_consolidated:
             issues.append(ConfigIssue("checkpoint.save_consolidated", f"{cls.__name__} writes model/ in a layout of "
                                       "its own, which has no sharded form; remove the key (or set it to true)"))
