@@ -135,6 +135,31 @@ def test_a_run_without_processor_section_needs_a_model_directory(make_config):
         train_inprocess(make_config(processor=None), setup_only=True)
 
 
+def test_a_processor_section_without_target_or_path_reads_the_models_processor(make_config, tmp_path):
+    """Upstream's rule: `processor: {padding_side: left}` is AutoProcessor of the model's path with those keys."""
+    import yaml
+    from vlm_testing import tiny_processor
+
+    from automodel.errors import ConfigError
+
+    model_dir = tmp_path / "model"
+    tiny_model().save_pretrained(model_dir)
+    tiny_processor().save_pretrained(model_dir)
+    path = make_config()
+    data = yaml.safe_load(path.read_text())
+    data["processor"] = {"padding_side": "left"}
+    data["model"] = {"_target_": "automodel_vlm.AutoModelForImageTextToText.from_pretrained",
+                     "pretrained_model_name_or_path": str(model_dir)}
+    path.write_text(yaml.safe_dump(data))
+    recipe = train_inprocess(path, setup_only=True)
+    assert type(recipe.processor).__name__ == "LlavaProcessor"
+    assert recipe.processor.tokenizer.padding_side == "left" != tiny_processor().tokenizer.padding_side
+    data["model"] = {"_target_": "automodel_vlm.AutoModelForImageTextToText.from_config", "config": str(LLAVA_CONFIG)}
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match=r"^invalid configuration: processor: missing: the model is not loaded"):
+        train_inprocess(path, setup_only=True)
+
+
 def test_model_from_config_with_sub_config_overrides(tmp_path):
     model = tiny_model(text_config={"num_hidden_layers": 1}, vision_config={"num_hidden_layers": 1})
     assert model.config.text_config.num_hidden_layers == 1 and model.config.vision_config.num_hidden_layers == 1

@@ -42,6 +42,16 @@ def _processor_source(model: Any) -> str | None:
     return found[0] if found else None
 
 
+def _processor_needs_model_source(cfg: Any) -> bool:
+    """Whether the processor is the model's own: no ``processor:`` section, or one with neither ``_target_`` nor a
+    path (upstream passes such a section's keys, ``padding_side: right`` say, to AutoProcessor of the model's path)."""
+    if "processor" not in cfg:
+        return True
+    section = cfg.resolved["processor"]
+    named = {"_target_", "pretrained_model_name_or_path", "name_or_path"}
+    return isinstance(section, dict) and not named & set(section)
+
+
 class FinetuneRecipeForVLM(NextTokenLogits, TrainRecipe):
     """Fine-tunes an image-text-to-text model (Llava-style and others) on image conversations."""
 
@@ -56,7 +66,8 @@ class FinetuneRecipeForVLM(NextTokenLogits, TrainRecipe):
     multimodal_module_names = MULTIMODAL_NAMES  # FSDP2 places them by distributed.multimodal.frozen_sharding
     stage_implementations = {"peft": "vlm_lora", "freeze": "vlm"}
     sections = {
-        "processor": Target("the processor (image processor + tokenizer + chat template; default: the model's): "
+        "processor": Target("the processor (image processor + tokenizer + chat template; default: the model's, "
+                            "with the section's keys when it names neither _target_ nor a path): "
                             "{pretrained_model_name_or_path: ...} or {_target_: automodel_vlm.processor."
                             "build_processor, image_processor: ..., tokenizer: ..., ...}", plain=True,
                             default_target="automodel_vlm.processor.load_processor"),
@@ -89,7 +100,7 @@ class FinetuneRecipeForVLM(NextTokenLogits, TrainRecipe):
             issues.append(ConfigIssue("freeze_config", "give one of freeze (ours) and freeze_config (upstream's "
                                                        "keys): they set the same thing"))
         model = cfg.model
-        if "processor" not in cfg and model is not None and _processor_source(model) is None:
+        if _processor_needs_model_source(cfg) and model is not None and _processor_source(model) is None:
             issues.append(ConfigIssue("processor", "missing: the model is not loaded from a directory or hub name "
                                                    "whose processor could be used; add `processor: "
                                                    "{pretrained_model_name_or_path: ...}` or build one from its parts "
@@ -105,16 +116,20 @@ class FinetuneRecipeForVLM(NextTokenLogits, TrainRecipe):
         datasets.disable_progress_bars()
         transformers.utils.logging.disable_progress_bar()
         node = self.cfg.processor
-        if node is not None:
+        if not _processor_needs_model_source(self.cfg):
             self.processor = node.instantiate(default_target="automodel_vlm.processor.load_processor")
-        else:
+            return
+        source = _processor_source(self.cfg.model)
+        if source is None:
+            raise AutomodelError("processor: none found; add `processor: {pretrained_model_name_or_path: ...}` "
+                                 "or build one from its parts (automodel_vlm.processor.build_processor)")
+        if node is None:
             from automodel_vlm.processor import load_processor
 
-            source = _processor_source(self.cfg.model)
-            if source is None:
-                raise AutomodelError("processor: none found; add `processor: {pretrained_model_name_or_path: ...}` "
-                                     "or build one from its parts (automodel_vlm.processor.build_processor)")
             self.processor = load_processor(source)
+        else:  # upstream's rule: the section's keys go to AutoProcessor.from_pretrained of the model's source
+            self.processor = node.instantiate(default_target="automodel_vlm.processor.load_processor",
+                                              pretrained_model_name_or_path=source)
 
     def dataset_runtime_args(self, node: Any) -> dict[str, Any]:
         # errors in a row name the section it came from; the processor measures samples (MockVLMDataset.max_length)
