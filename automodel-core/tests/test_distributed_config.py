@@ -138,7 +138,7 @@ def test_two_nodes_of_one_process_each_get_a_real_torchrun_command():
             "--master-addr", "10.1.2.3", "--master-port", "4567", "--optimizer.lr", "1e-3"]
     launch = {"nproc_per_node": 1, "nnodes": 2, "node_rank": 1, "master_addr": "10.1.2.3", "master_port": 4567}
     command = torchrun_command(launch, argv)
-    assert command[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert command[:3] == [sys.executable, "-m", "automodel.cli.torchrun"]  # torch.distributed.run's main
     assert command[3:8] == ["--nproc-per-node=1", "--nnodes=2", "--node-rank=1", "--master-addr=10.1.2.3",
                             "--master-port=4567"]
     assert command[8:] == ["-m", "automodel.cli.main", "finetune", "llm", "-c", "x.yaml", "--optimizer.lr", "1e-3"]

@@ -138,3 +138,16 @@ def test_a_two_rank_lora_checkpoint_loads_in_peft(single_process, tmp_path):
     assert adapters["two"] and any(v.abs().sum() > 0 for k, v in adapters["two"].items() if "lora_B" in k)
     for key, value in adapters["one"].items():
         assert torch.allclose(adapters["two"][key], value, atol=1e-5), key
+
+
+def test_a_rank_that_stops_with_an_error_is_reported_in_one_line_without_the_launchers_traceback(single_process,
+                                                                                                  tmp_path):
+    """torchrun's ChildFailedError traceback says nothing the failing rank did not already print."""
+    config, _ = single_process
+    result = run_cli("finetune", "llm", "-c", config, *COMMON, *TWO, "--master-port", str(free_port()),
+                     "--model.config", tmp_path / "missing.json", "--checkpoint.checkpoint_dir", tmp_path / "ckpt",
+                     cwd=tmp_path)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert f"error: model.config: '{tmp_path / 'missing.json'}' does not exist" in result.stderr
+    assert "error: rank " in result.stderr and "stopped with exit status 1 (its message is above)" in result.stderr
+    assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr, result.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""Re-running the current command under ``torch.distributed.run`` (torchrun).
+"""Re-running the current command under ``torch.distributed.run`` (torchrun; :mod:`automodel.cli.torchrun` runs it).
 
 Every multi-process or multi-node form is a real distributed run: ``--nproc-per-node N`` (N > 1), and any of
 ``--nnodes``, ``--node-rank``, ``--master-addr``, ``--master-port`` and the rendezvous options (also with one
@@ -70,7 +70,7 @@ def torchrun_command(launch: dict[str, Any], argv: list[str], master_addr: str =
     settings = {**launch, "nproc_per_node": launch.get("nproc_per_node") or 1, "nnodes": launch.get("nnodes") or 1,
                 "master_addr": launch.get("master_addr") or master_addr,
                 "master_port": launch.get("master_port") or master_port}
-    cmd = [sys.executable, "-m", "torch.distributed.run"]
+    cmd = [sys.executable, "-m", "automodel.cli.torchrun"]
     cmd += [f"{flag}={settings[name]}" for name, flag in LAUNCH_FLAGS.items() if settings.get(name) is not None]
     return cmd + ["-m", "automodel.cli.main", *strip_launch_options(argv)]
 
