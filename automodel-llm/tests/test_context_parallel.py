@@ -11,7 +11,16 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from llm_testing import VALIDATION, grad_norms, losses, run_finetune, val_losses, write_config, write_tiny_llama_config
+from llm_testing import (
+    VALIDATION,
+    grad_norms,
+    losses,
+    run_finetune,
+    val_losses,
+    write_config,
+    write_tiny_llama_config,
+    write_tiny_moe_config,
+)
 
 from automodel.cli.main import main
 from automodel.testing import run_cli
@@ -74,6 +83,18 @@ def test_a_config_context_parallelism_can_run_passes_validation_where_the_device
         capsys.readouterr().err
 
 
+def test_expert_parallelism_over_the_context_parallel_ranks_passes_validation_where_the_device_is_cuda(
+        monkeypatch, tmp_path, capsys):
+    """ep 2 x cp 2 on two ranks: the ep group is the two context-parallel ranks of the one data-parallel replica."""
+    monkeypatch.setattr("automodel.training.stages.context_parallel.validation_device",
+                        lambda: torch.device("cuda"))
+    config = write_config(tmp_path / "cfg.yaml", write_tiny_moe_config(tmp_path), tmp_path / "ckpt")
+    assert main(["validate", "-c", str(config), *CP2, "--distributed.ep_size", "2"]) == 0, capsys.readouterr().err
+    assert main(["validate", "-c", str(config), *CP2, "--distributed.ep_size", "4"]) == 2
+    assert "distributed.ep_size: 4 does not divide the data-parallel x context-parallel ranks (2" in \
+        capsys.readouterr().err
+
+
 def test_the_default_collate_pads_rows_to_a_multiple_of_twice_cp_size():
     recipe = SimpleNamespace(cfg=SimpleNamespace(distributed=SimpleNamespace(cp_size=3, tp_size=1,
                                                                            sequence_parallel=False)))
@@ -96,3 +117,18 @@ def test_cp2_on_two_gpus_trains_like_one_process(tmp_path):
     assert grad_norms(tmp_path / "cp2") == pytest.approx(grad_norms(tmp_path / "one"), rel=1e-3)
     assert [v for _, v in val_losses(tmp_path / "cp2")] == pytest.approx(
         [v for _, v in val_losses(tmp_path / "one")], rel=1e-3)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="context parallelism runs on two CUDA GPUs")
+def test_ep2_with_cp2_on_two_gpus_trains_like_one_process(tmp_path):
+    """A tiny Qwen3-MoE (4 experts, top-2): each context-parallel rank holds 2 of the 4 experts and half of every
+    row's tokens; the losses and gradient norms are one process's."""
+    config = write_config(tmp_path / "cfg.yaml", write_tiny_moe_config(tmp_path), tmp_path / "one",
+                          step_scheduler={"max_steps": 4},
+                          distributed={"mp_policy": {"param_dtype": "float32"}},
+                          dataloader={"batch_size": 4, "shuffle": False})
+    run_finetune(config, tmp_path, tmp_path / "one")
+    log = run_finetune(config, tmp_path, tmp_path / "ep_cp", *CP2, "--distributed.ep_size", "2")
+    assert "each rank holds 2 of 4 experts" in log
+    assert losses(tmp_path / "ep_cp") == pytest.approx(losses(tmp_path / "one"), rel=1e-3)
+    assert grad_norms(tmp_path / "ep_cp") == pytest.approx(grad_norms(tmp_path / "one"), rel=1e-3)

@@ -145,13 +145,13 @@ def test_layouts_the_model_cannot_take_are_refused_byvalidate_cli(moe_config, tm
     assert ("distributed.ep_size: 3 does not divide the number of experts (4, Qwen3MoeExperts "
             "'model.layers.0.mlp.experts')") in out
     code, out = validate_cli(config, tmp_path, "--nproc-per-node", "2", "--distributed.ep_size", "4")
-    assert code == 2 and "distributed.ep_size: 4 does not divide the data-parallel ranks (dp_size = 2" in out
+    assert code == 2 and "distributed.ep_size: 4 does not divide the data-parallel x context-parallel ranks (2" in out
     code, out = validate_cli(config, tmp_path, "--nproc-per-node", "2", "--distributed.ep_size", "2",
                           "--distributed.strategy", "ddp")
     assert code == 2 and "ddp: expert parallelism (ep_size 2) composes with FSDP2 only" in out
     code, out = validate_cli(config, tmp_path, "--nproc-per-node", "4", "--distributed.ep_size", "2",
                           "--distributed.tp_size", "2")
-    assert code == 2 and "not combined with tensor / context parallelism here (tp_size 2)" in out
+    assert code == 2 and "is not combined with tensor parallelism here (tp_size 2)" in out
     tied = write_config(tmp_path / "tied.yaml", _tied(moe_config, tmp_path), tmp_path / "ckpt")
     code, out = validate_cli(tied, tmp_path, "--nproc-per-node", "2", "--distributed.strategy", "fsdp2",
                           "--distributed.ep_size", "2", "--distributed.moe.lm_head_precision", "float32")

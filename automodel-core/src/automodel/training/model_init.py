@@ -107,9 +107,9 @@ def pipeline_stages(ctx: BuildContext, model: torch.nn.Module) -> tuple[list[Pip
 
 
 def expert_parallelize(ctx: BuildContext, model: torch.nn.Module) -> str:
-    """``distributed.ep_size > 1``: split the experts of every MoE layer over the ep groups of the data-parallel
-    ranks (before activation checkpointing and FSDP2, which then leaves them alone); the model's experts are checked
-    first, as validation does where it could not build the model."""
+    """``distributed.ep_size > 1``: split the experts of every MoE layer over the ep groups of the data- (and
+    context-) parallel ranks (before activation checkpointing and FSDP2, which then leaves them alone); the model's
+    experts are checked first, as validation does where it could not build the model."""
     ep_size = ctx.cfg.distributed.ep_size
     stage_without_experts = ctx.mesh.pp > 1 and not experts_modules(model)  # say, a stage of dense first layers
     found = [] if stage_without_experts else experts_issues(model, ep_size)
@@ -118,9 +118,10 @@ def expert_parallelize(ctx: BuildContext, model: torch.nn.Module) -> str:
     mesh = build_expert_mesh(ctx.world_size, ep_size, ctx.device.type, ctx.mesh.pp)  # collective: every stage
     if stage_without_experts:
         return f"expert parallel over ep {ep_size}: no experts module in this pipeline stage"
-    names = apply_expert_parallel(model, mesh, ctx.mesh.dp)
+    reduced_over = ctx.mesh.dp * ctx.mesh.cp  # the ranks FSDP2 averages the other gradients over
+    names = apply_expert_parallel(model, mesh, reduced_over)
     experts = model.get_submodule(names[0]).gate_up_proj.shape[0]
-    groups = ctx.mesh.dp // ep_size
+    groups = reduced_over // ep_size
     stage = " of this pipeline stage" if ctx.mesh.pp > 1 else ""
     return (f"expert parallel over ep {ep_size} ({groups} group{'s' if groups > 1 else ''} of consecutive ranks"
             f"{stage}): {len(names)} experts modules, each rank holds {experts // ep_size} of {experts} experts")

@@ -244,8 +244,8 @@ def pipeline_lines(cfg: Config) -> list[str]:
 
 
 def expert_parallel_issues(cfg: Config, implementation: str | None, world: int) -> list[ConfigIssue]:
-    """``ep_size > 1``: FSDP2 over the data-parallel ranks only (no tp / cp; with pp over each stage's), ``ep_size``
-    dividing the data-parallel ranks and the model's experts, a MoE model whose experts module is handled here
+    """``ep_size > 1``: FSDP2 over the data- and context-parallel ranks (no tp; with pp over each stage's),
+    ``ep_size`` dividing those ranks and the model's experts, a MoE model whose experts module is handled here
     (checked again on the built model where its config cannot be read here)."""
     settings = cfg.distributed
     ep = settings.ep_size
@@ -255,18 +255,16 @@ def expert_parallel_issues(cfg: Config, implementation: str | None, world: int) 
         issues.append(ConfigIssue("distributed.strategy", f"{implementation or settings.strategy}: expert "
                                   f"parallelism (ep_size {ep}) composes with FSDP2 only; set distributed.strategy: "
                                   "fsdp2"))
-    others = {name: getattr(settings, name) for name in ("tp_size", "cp_size") if getattr(settings, name) > 1}
-    dp = world // settings.pp_size
-    if others:
-        sizes = ", ".join(f"{name} {size}" for name, size in others.items())
-        issues.append(ConfigIssue(key, f"{ep}: expert parallelism runs over the data-parallel ranks and is not "
-                                  f"combined with tensor / context parallelism here ({sizes}); set those to 1 or "
-                                  "ep_size: 1"))
-    elif ep > dp or dp % ep:
+    ranks = world // settings.pp_size  # a stage's data-parallel x context-parallel ranks (tp_size 1)
+    if settings.tp_size > 1:
+        issues.append(ConfigIssue(key, f"{ep}: expert parallelism runs over the data- and context-parallel ranks and "
+                                  f"is not combined with tensor parallelism here (tp_size {settings.tp_size}); set "
+                                  "tp_size: 1 or ep_size: 1"))
+    elif ep > ranks or ranks % ep:
         stages = f" = world size / pp_size {settings.pp_size}" if settings.pp_size > 1 else ""
-        issues.append(ConfigIssue(key, f"{ep} does not divide the data-parallel ranks (dp_size = {dp}{stages}, "
-                                  f"{world_size_source()}): each group of ep_size ranks splits the experts; use an "
-                                  f"ep_size that divides {dp}"))
+        issues.append(ConfigIssue(key, f"{ep} does not divide the data-parallel x context-parallel ranks "
+                                  f"({ranks}{stages}, {world_size_source()}): each group of ep_size ranks splits the "
+                                  f"experts; use an ep_size that divides {ranks}"))
     hf_config = model_hf_config(cfg)
     if hf_config is not None:
         issues += _model_expert_issues(hf_config, ep)

@@ -2,7 +2,8 @@
 ranks, as upstream lays it out: the ``ep_size`` consecutive data-parallel ranks of an *ep group* split the experts of
 every MoE layer (rank ``i`` keeps experts ``i * E / ep ..``), the groups replicate each other, and FSDP2 shards every
 other parameter over the data-parallel ranks as usual. Under pipeline parallelism each stage's data-parallel ranks
-do this for the MoE layers of that stage.
+do this for the MoE layers of that stage; under context parallelism the ep groups are formed over the data- and
+context-parallel ranks together (FSDP2 shards and averages over both; experts take tokens wherever they come from).
 
 Which experts modules: transformers' fused experts (``@use_experts_implementation``: ``gate_up_proj`` ``[E, 2I, H]``,
 ``down_proj`` ``[E, H, I]``, no bias, concatenated gate/up, not transposed), the layout of Qwen3-MoE, Mixtral, OLMoE,
@@ -22,9 +23,9 @@ over the data-parallel ranks like every other adapter; a rank's gradient is nonz
 and FSDP2's sum over the ranks divided by the data-parallel size is one process's gradient, as for the experts.
 
 Gradients: a local expert's gradient arrives summed over the ep group's tokens (the all-gather's backward); it is
-summed over the replicas of the group too and divided by the data-parallel size, which equals FSDP2's average over
-the data-parallel ranks of every other parameter (the loop scales each rank's loss by ``dp / tokens``), so N ranks
-train like one process.
+summed over the replicas of the group too and divided by the ranks FSDP2 averages over (data-parallel x
+context-parallel), which equals FSDP2's average of every other parameter (the loop scales each rank's loss by
+``dp * cp / tokens``), so N ranks train like one process.
 """
 
 from __future__ import annotations
