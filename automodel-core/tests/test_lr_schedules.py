@@ -179,7 +179,7 @@ def test_resume_settings_follow_the_upstream_flags():
     ({"start_wd": 0.2, "end_wd": 0.1, "wd_incr_style": "linear"}, "start_wd", "above end_wd"),
     ({"min_lr": 0.1, "max_lr": 0.01}, "min_lr", "above max_lr"),
     ({"init_lr": 0.1, "max_lr": 0.01}, "init_lr", "above max_lr"),
-    ({"lr_warmup_steps": 10}, "lr_warmup_steps", "must be below lr_decay_steps (10"),
+    ({"lr_warmup_steps": 10, "lr_decay_steps": 9}, "lr_warmup_steps", "10 is above lr_decay_steps (9)"),
     ({"lr_warmup_steps": 0.5}, "lr_warmup_steps", "expected a whole number of steps >= 0, found 0.5"),
     ({"lr_decay_steps": 0}, "lr_decay_steps", "expected a whole number of steps >= 1"),
     ({"min_lr": -1.0}, "min_lr", "expected a number >= 0"),
@@ -200,9 +200,21 @@ def test_validation_passes_a_full_upstream_section_and_leaves_targets_alone():
     assert lr_scheduler_issues({"_target_": "automodel.optim.CosineAnnealingWarmup", "x": 1}, 10) == []
 
 
+def test_a_warmup_as_long_as_the_run_or_longer_makes_every_step_a_warmup_step():
+    """A short test run of a config written for a long one (lr_warmup_steps: 100, max_steps: 3): upstream stops on
+    an assertion; here every step warms up, as the warmup formula gives, with a warning."""
+    assert lr_scheduler_issues({"lr_warmup_steps": 100}, total_steps=3) == []
+    with pytest.warns(UserWarning, match="lr_warmup_steps: 100 is not below the run's 3 steps, so every step warms"):
+        schedule = build_scheduler(make_optimizer(), total_steps=3, lr_warmup_steps=100, init_lr=0.0, max_lr=1.0)
+    assert [schedule.lr_at(n) for n in range(4)] == pytest.approx([0.0, 0.01, 0.02, 0.03])
+    with pytest.warns(UserWarning, match="every step warms up"):
+        schedule = build_scheduler(make_optimizer(), total_steps=5, lr_warmup_steps=5, init_lr=0.0, max_lr=1.0)
+    assert [schedule.lr_at(n) for n in (4, 5, 6)] == pytest.approx([0.8, 1.0, schedule.min_lr])
+
+
 def test_build_time_checks_name_the_key():
-    with pytest.raises(ConfigError, match="lr_scheduler.lr_warmup_steps: 5 must be below lr_decay_steps"):
-        build_scheduler(make_optimizer(), total_steps=5, lr_warmup_steps=5)
+    with pytest.raises(ConfigError, match="lr_scheduler.lr_warmup_steps: 5 is above lr_decay_steps"):
+        build_scheduler(make_optimizer(), total_steps=5, lr_warmup_steps=5, lr_decay_steps=4)
     with pytest.raises(ConfigError, match="lr_scheduler.init_lr: 3.0 .* is above max_lr"):
         build_scheduler(make_optimizer(), total_steps=5, init_lr=3.0)   # max_lr: the optimizer's 2.0
     lbfgs = torch.optim.LBFGS([torch.nn.Parameter(torch.ones(1))], lr=0.1)  # has no weight decay

@@ -82,9 +82,9 @@ def settings_problems(values: Mapping[str, Any]) -> list[tuple[str, str]]:
     if both("init_lr", "max_lr") and get("init_lr") > get("max_lr"):
         problems.append(("init_lr", f"{get('init_lr')} (the rate warmup starts from) is above max_lr "
                                     f"({get('max_lr')})"))
-    if both("lr_warmup_steps", "lr_decay_steps") and get("lr_warmup_steps") >= get("lr_decay_steps"):
-        problems.append(("lr_warmup_steps", f"{get('lr_warmup_steps')} must be below lr_decay_steps "
-                                            f"({get('lr_decay_steps')}, the run's steps unless set)"))
+    if both("lr_warmup_steps", "lr_decay_steps") and get("lr_warmup_steps") > get("lr_decay_steps"):
+        problems.append(("lr_warmup_steps", f"{get('lr_warmup_steps')} is above lr_decay_steps "
+                                            f"({get('lr_decay_steps')}): the decay would end before the warmup"))
     if both("start_wd", "end_wd") and get("start_wd") > get("end_wd"):
         problems.append(("start_wd", f"{get('start_wd')} is above end_wd ({get('end_wd')}): weight decay only "
                                      "increases"))
@@ -109,7 +109,7 @@ def lr_scheduler_issues(node: Mapping[str, Any] | None, total_steps: int | None)
         return []
     values = dict(node)
     if values.get("lr_decay_steps") is None and _is_int(total_steps):
-        values["lr_decay_steps"] = total_steps
+        values["lr_decay_steps"] = decay_steps_of_run(total_steps, values.get("lr_warmup_steps"))
     return [ConfigIssue(f"{SECTION}.{key}", message) for key, message in settings_problems(values)]
 
 
@@ -233,6 +233,12 @@ class OptimizerParamScheduler(LRScheduler):
         self._set_weight_decay()
 
 
+def decay_steps_of_run(total_steps: int, lr_warmup_steps: Any) -> int:
+    """``lr_decay_steps`` when unset: the run's steps, or the warmup's when the run is shorter (a short test run of
+    a config written for a long one: every step is then a warmup step; upstream stops on an assertion)."""
+    return max(total_steps, lr_warmup_steps) if _is_int(lr_warmup_steps) else total_steps
+
+
 def build_scheduler(optimizer: Optimizer, total_steps: int | None = None, lr_decay_style: str = "cosine",
                     lr_warmup_steps: int | None = None, lr_decay_steps: int | None = None,
                     init_lr: float | None = None, max_lr: float | None = None, min_lr: float | None = None,
@@ -243,13 +249,18 @@ def build_scheduler(optimizer: Optimizer, total_steps: int | None = None, lr_dec
     """The schedule a plain ``lr_scheduler:`` section (upstream keys, no ``_target_``) describes.
 
     Unset step counts default as upstream's: ``lr_decay_steps`` and ``wd_incr_steps`` the run's steps,
-    ``lr_warmup_steps`` a tenth of them (at most 1000).
+    ``lr_warmup_steps`` a tenth of them (at most 1000); a warmup as long as the run or longer makes it all warmup
+    (:func:`decay_steps_of_run`).
     """
     if total_steps is None and (lr_decay_steps is None or lr_warmup_steps is None):
         raise ConfigError(ConfigIssue(f"{SECTION}.lr_decay_steps", "the run's length is unknown (a streaming data "
                                                                    "set): set lr_decay_steps and lr_warmup_steps"))
+    if lr_decay_steps is None and lr_warmup_steps is not None and lr_warmup_steps >= total_steps:
+        warnings.warn(f"{SECTION}.lr_warmup_steps: {lr_warmup_steps} is not below the run's {total_steps} steps, so "
+                      "every step warms up (the learning rate stays under max_lr)", stacklevel=2)
     return OptimizerParamScheduler(
-        optimizer, lr_decay_steps=total_steps if lr_decay_steps is None else lr_decay_steps,
+        optimizer, lr_decay_steps=decay_steps_of_run(total_steps, lr_warmup_steps) if lr_decay_steps is None
+        else lr_decay_steps,
         lr_warmup_steps=min(1000, total_steps // 10) if lr_warmup_steps is None else lr_warmup_steps,
         lr_decay_style=lr_decay_style, init_lr=init_lr, max_lr=max_lr, min_lr=min_lr,
         wsd_decay_steps=wsd_decay_steps, lr_wsd_decay_style=lr_wsd_decay_style, start_wd=start_wd, end_wd=end_wd,
