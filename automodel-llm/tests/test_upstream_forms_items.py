@@ -669,3 +669,17 @@ def test_upstream_lora_switches_act_or_are_refused_or_named_inert(tmp_path):
     assert any("peft.use_triton: true governs nothing" in note for note in peft_stage.notes(cfg))
     _, cfg = load_config(variant(tmp_path, FORMS / "recipe_bare_name.yaml", peft=lora))
     assert peft_stage.notes(cfg) == []
+
+
+def test_upstreams_tokenizer_bos_eos_enforcement_is_refused_at_validation_not_at_the_run(tmp_path):
+    """NeMoAutoTokenizer's add_bos_token / add_eos_token: true passed validation and stopped the run after it."""
+    from llm_testing import TOKENIZER_DIR
+
+    data = yaml.safe_load((FORMS / "recipe_bare_name.yaml").read_text())
+    data["tokenizer"] = {"_target_": "nemo_automodel.NeMoAutoTokenizer.from_pretrained",
+                         "pretrained_model_name_or_path": str(TOKENIZER_DIR), "add_eos_token": True}
+    found = refusals(write_yaml(tmp_path / "c.yaml", data))
+    assert list(found) == ["tokenizer.add_eos_token"] and "BOS/EOS enforcement is not implemented" in \
+        found["tokenizer.add_eos_token"]
+    data["tokenizer"]["add_eos_token"] = False
+    load_config(write_yaml(tmp_path / "c.yaml", data), route=("finetune", "llm"))

@@ -119,15 +119,13 @@ class _RetrievalRecipe(TrainRecipe):
     def upstream_issues(cls, cfg: Config) -> list[ConfigIssue]:
         """Upstream keys (through the upstream names' aliases) that cannot act here, each with its reason."""
         issues = []
-        for name in ("model", "tokenizer", "dataset", "validation_dataset"):
+        for name in ("model", "dataset", "validation_dataset"):  # the tokenizer's: its own check
             node = cfg.get(name)
             target = _expanded(cfg, node)
             settings = node.to_dict() if isinstance(node, ConfigNode) else {}
             if target == cls.upstream_model:
                 check = upstream.bi_encoder_issues if cls.model_type == "bi_encoder" else upstream.cross_encoder_issues
                 issues += check(settings, name)
-            elif target == f"{UPSTREAM}.tokenizer_from_pretrained":
-                issues += upstream.tokenizer_issues(settings, name)
             elif target == f"{UPSTREAM}.retrieval_dataset":
                 issues += upstream.dataset_issues(settings, name, cls.model_type)
         loader = cfg.get("dataloader")

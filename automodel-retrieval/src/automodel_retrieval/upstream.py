@@ -163,6 +163,14 @@ def tokenizer_from_pretrained(pretrained_model_name_or_path: str, add_eos_token:
         raise AutomodelError(f"tokenizer: cannot load '{pretrained_model_name_or_path}': {err}") from None
 
 
+def _own_tokenizer_issues(kwargs: dict[str, Any]) -> dict[str, str]:
+    """Validation's check of a ``{_target_: NeMoAutoTokenizer.from_pretrained, ...}`` node (nothing is built)."""
+    return {issue.key.removeprefix("tokenizer."): issue.message for issue in tokenizer_issues(kwargs)}
+
+
+tokenizer_from_pretrained.automodel_config_issues = _own_tokenizer_issues  # type: ignore[attr-defined]
+
+
 def tokenizer_issues(settings: dict[str, Any], key: str = "tokenizer") -> list[ConfigIssue]:
     issues = [ConfigIssue(f"{key}.{name}", "true is not supported: upstream's BOS/EOS enforcement is not "
                                            "implemented (the tokenizer adds the special tokens it adds itself); "

@@ -207,9 +207,11 @@ def check_target_node(node: dict, key: str, resolver: TargetResolver, issues: li
 
 def _own_checks(fn: Any, kwargs: dict, key: str, issues: list[ConfigIssue]) -> None:
     """A target may check its own keyword arguments before anything is built: its class (or the class of a
-    classmethod constructor) defines ``automodel_config_issues(kwargs) -> {argument: message}``."""
+    classmethod constructor), or the function itself, has ``automodel_config_issues(kwargs) -> {argument:
+    message}``."""
     owner = fn.__self__ if inspect.ismethod(fn) else fn
-    check = getattr(owner, "automodel_config_issues", None) if isinstance(owner, type) else None
+    check = getattr(owner, "automodel_config_issues", None) if isinstance(owner, type) or inspect.isfunction(owner) \
+        else None
     if callable(check):
         issues.extend(ConfigIssue(f"{key}.{name}", message) for name, message in check(kwargs).items())
 
