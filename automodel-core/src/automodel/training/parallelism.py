@@ -260,7 +260,7 @@ def expert_parallel_issues(cfg: Config, implementation: str | None, world: int) 
         issues.append(ConfigIssue(key, f"{ep}: expert parallelism runs over the data- and context-parallel ranks and "
                                   f"is not combined with tensor parallelism here (tp_size {settings.tp_size}); set "
                                   "tp_size: 1 or ep_size: 1"))
-    elif ep > ranks or ranks % ep:
+    elif ranks and (ep > ranks or ranks % ep):  # no rank at all: the dp_size check says why
         stages = f" = world size / pp_size {settings.pp_size}" if settings.pp_size > 1 else ""
         issues.append(ConfigIssue(key, f"{ep} does not divide the data-parallel x context-parallel ranks "
                                   f"({ranks}{stages}, {world_size_source()}): each group of ep_size ranks splits the "
