@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from llm_testing import validate_cli
 
 from automodel.errors import AutomodelError, ConfigError
 from automodel.testing import load_config
@@ -96,3 +97,11 @@ def test_sdpa_method_runs_the_forward_under_those_backends(saved_llama):
     patched_logits = model(ids).logits
     torch.testing.assert_close(patched_logits, plain(ids).logits)
     assert seen == [False, True]  # the patched model's attention ran under math only, the plain one as torch chose
+
+
+def test_validate_names_the_key_and_exits_2(make_config, tmp_path):
+    config = make_config(model={"torch_dtype": "bf17", "attn_implementation": "flash_attention_3"})
+    code, output = validate_cli(config, tmp_path, subprocess=True)
+    assert code == 2 and "Traceback" not in output, output
+    assert "model.torch_dtype: 'bf17' is not a floating dtype" in output
+    assert "model.attn_implementation: 'flash_attention_3' needs a CUDA GPU" in output
