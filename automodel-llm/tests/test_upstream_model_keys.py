@@ -105,3 +105,13 @@ def test_validate_names_the_key_and_exits_2(make_config, tmp_path):
     assert code == 2 and "Traceback" not in output, output
     assert "model.torch_dtype: 'bf17' is not a floating dtype" in output
     assert "model.attn_implementation: 'flash_attention_3' needs a CUDA GPU" in output
+
+
+def test_a_key_the_config_lacks_is_refused_for_a_fresh_model_too(tiny_llama_config):
+    with pytest.raises(AutomodelError, match=r"^model\.bogus: neither a from_pretrained argument"):
+        AutoModelForCausalLM.from_pretrained(tiny_llama_config.parent, bogus=1)
+    with pytest.raises(AutomodelError, match=r"^model\.bogus: neither a from_pretrained argument"):
+        AutoModelForCausalLM.from_config(str(tiny_llama_config.parent), bogus=1)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_config.parent, output_hidden_states=True,
+                                                 text_config={"use_cache": False})
+    assert model.config.output_hidden_states is True and model.config.use_cache is False

@@ -4,6 +4,7 @@ transformers Auto class from a checkpoint or a config — on the meta device whe
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -67,7 +68,9 @@ def pretrained_or_fresh(auto_class: Any, path: str | None, dtype: Any, from_conf
         raise AutomodelError("model.pretrained_model_name_or_path: missing (a hub name or a local directory)")
     local = Path(str(path))
     if local.is_dir() and (local / "config.json").is_file() and not has_weights(local):
-        return from_config(str(local), dtype=dtype, **kwargs)
+        own = {k: v for k, v in kwargs.items() if k in inspect.signature(from_config).parameters}  # seed, ...
+        rest = _with_config(str(local), {k: v for k, v in kwargs.items() if k not in own}, errors, what)
+        return from_config(rest.pop("config", str(local)), dtype=dtype, **own, **rest)
     on_meta = _pretrained_on_meta(auto_class, str(path), dtype, kwargs, errors)
     if on_meta is not None:
         return on_meta

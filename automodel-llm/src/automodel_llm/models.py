@@ -19,6 +19,7 @@ def _load_config(config: Any, hub: dict[str, Any], **overrides: Any) -> Any:
     from transformers import AutoConfig, PretrainedConfig
 
     if isinstance(config, PretrainedConfig):
+        apply_config_overrides(config, overrides)
         return config
     if isinstance(config, dict):
         data = dict(config)
@@ -34,7 +35,9 @@ def _load_config(config: Any, hub: dict[str, Any], **overrides: Any) -> Any:
 
     if missing_local_path(str(config)):
         raise AutomodelError(f"model.config: '{config}' does not exist")
-    return AutoConfig.from_pretrained(str(config), **hub, **overrides)
+    loaded = AutoConfig.from_pretrained(str(config), **hub)
+    apply_config_overrides(loaded, overrides)  # a key the config lacks is refused, not dropped
+    return loaded
 
 
 class AutoModelForCausalLM:
