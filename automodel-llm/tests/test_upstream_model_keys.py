@@ -33,6 +33,7 @@ def saved_llama(tmp_path_factory, tiny_llama_config):
     ({"dtype": "int8"}, "model.dtype", "not a floating dtype"),
     ({"use_liger_kernel": True}, "model.use_liger_kernel", "Liger's Triton kernels need a CUDA GPU"),
     ({"force_hf": False}, "model.force_hf", "upstream's own model implementation"),
+    ({"use_liger_kernel": "no"}, "model.use_liger_kernel", "expected true or false, found 'no'"),
     ({"attn_implementation": "flash_attention_2"}, "model.attn_implementation", "the flash-attn package"),
     ({"attn_implementation": "te"}, "model.attn_implementation", "use sdpa or eager"),
     ({"use_sdpa_patching": True, "attn_implementation": "eager"}, "model.use_sdpa_patching", "is 'eager'"),
@@ -51,6 +52,13 @@ def test_sdpa_backends_that_run_only_on_cuda_are_refused(make_config):
     found = refusals(make_config(model={"use_sdpa_patching": True,
                                         "sdpa_method": ["efficient_attention", "cudnn_attention"]}))
     assert "run only on CUDA" in found["model.sdpa_method"]
+
+
+@pytest.mark.parametrize("distributed", [{"pp_size": 2}, {"cp_size": 2}])
+def test_sdpa_method_is_refused_where_the_model_forward_is_not_what_runs(make_config, distributed):
+    found = refusals(make_config(model={"use_sdpa_patching": True, "sdpa_method": ["math"]},
+                                 distributed={"strategy": "fsdp2", **distributed}))
+    assert "a pipeline stage runs its part of the model without that forward" in found["model.sdpa_method"]
 
 
 def test_upstream_model_keys_that_act_validate(make_config):

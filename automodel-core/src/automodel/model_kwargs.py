@@ -21,8 +21,8 @@ ATTENTION = ("sdpa", "eager", "flex_attention")
 SDPA_BACKENDS = {"flash_attention": "FLASH_ATTENTION", "efficient_attention": "EFFICIENT_ATTENTION",
                  "math": "MATH", "cudnn_attention": "CUDNN_ATTENTION"}
 CPU_SDPA_BACKENDS = ("flash_attention", "math")
-UPSTREAM_KEYS = ("use_liger_kernel", "force_hf", "use_sdpa_patching", "sdpa_method", "mtp_loss_scaling_factor",
-                 "mtp_use_repeated_layer")
+SWITCHES = ("use_liger_kernel", "force_hf", "use_sdpa_patching", "mtp_use_repeated_layer")  # true or false
+UPSTREAM_KEYS = (*SWITCHES, "sdpa_method", "mtp_loss_scaling_factor")
 MTP = "upstream's multi-token-prediction heads, which transformers' models here do not have"
 
 
@@ -72,13 +72,14 @@ def _sdpa_method_issue(kwargs: Mapping[str, Any]) -> str | None:
 
 def upstream_model_issues(kwargs: Mapping[str, Any]) -> dict[str, str]:
     """Validation's check of upstream's model keys (see the module docstring), each with why."""
-    issues: dict[str, str] = {}
+    issues = {key: f"expected true or false, found {kwargs[key]!r}" for key in SWITCHES
+              if kwargs.get(key) is not None and not isinstance(kwargs[key], bool)}
     for key in ("dtype", "torch_dtype"):
         if (issue := dtype_issue(kwargs.get(key))) is not None:
             issues[key] = issue
     if (issue := attention_issue(kwargs.get("attn_implementation"))) is not None:
         issues["attn_implementation"] = issue
-    if kwargs.get("use_liger_kernel"):
+    if kwargs.get("use_liger_kernel") is True:
         issues["use_liger_kernel"] = LIGER_KERNEL_REFUSAL
     if kwargs.get("force_hf") is False:
         issues["force_hf"] = ("false asks for upstream's own model implementation, which automodel does not include "
@@ -87,7 +88,7 @@ def upstream_model_issues(kwargs: Mapping[str, Any]) -> dict[str, str]:
         issues["use_sdpa_patching"] = "true runs attention through torch's SDPA, but attn_implementation is 'eager'"
     if (issue := _sdpa_method_issue(kwargs)) is not None:
         issues["sdpa_method"] = issue
-    if kwargs.get("mtp_use_repeated_layer"):
+    if kwargs.get("mtp_use_repeated_layer") is True:
         issues["mtp_use_repeated_layer"] = f"true shares a layer among {MTP}; remove it"
     if kwargs.get("mtp_loss_scaling_factor") is not None and kwargs.get("num_nextn_predict_layers") != 0:
         issues["mtp_loss_scaling_factor"] = (f"scales the loss of {MTP}; remove it (it is accepted only with "

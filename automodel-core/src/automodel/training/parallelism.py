@@ -115,6 +115,11 @@ def parallel_issues(cfg: Config, implementation: str | None) -> list[ConfigIssue
         issues.append(ConfigIssue("distributed.enable_fsdp2_prefetch", "true orders FSDP2's parameter gathers, so "
                                   "it needs distributed.strategy: fsdp2 and more than one process (this run: "
                                   f"{world_size_source()}); set it false"))
+    if cfg.model is not None and cfg.model.get("sdpa_method") and (settings.pp_size > 1 or settings.cp_size > 1):
+        issues.append(ConfigIssue("model.sdpa_method", "runs the model's whole forward under those SDPA backends, "
+                                  "but a pipeline stage runs its part of the model without that forward and context "
+                                  "parallelism chooses its own backends; remove it (use_sdpa_patching: true alone "
+                                  "lets torch choose) or use distributed.pp_size and cp_size 1"))
     strategy = implementation or settings.strategy
     if strategy != "ddp":
         for name, value in settings.ddp_options_given().items():
