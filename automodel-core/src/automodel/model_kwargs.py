@@ -23,6 +23,10 @@ SDPA_BACKENDS = {"flash_attention": "FLASH_ATTENTION", "efficient_attention": "E
 CPU_SDPA_BACKENDS = ("flash_attention", "math")
 SWITCHES = ("use_liger_kernel", "force_hf", "use_sdpa_patching", "mtp_use_repeated_layer")  # true or false
 UPSTREAM_KEYS = (*SWITCHES, "sdpa_method", "mtp_loss_scaling_factor")
+SDPA_METHOD_PARALLEL_REFUSAL = ("runs the model's whole forward under those SDPA backends, but a pipeline stage runs "
+                                "its part of the model without that forward and context parallelism chooses its own "
+                                "backends; remove it (use_sdpa_patching: true alone lets torch choose) or use "
+                                "distributed.pp_size and cp_size 1")
 MTP = "upstream's multi-token-prediction heads, which transformers' models here do not have"
 
 
