@@ -65,3 +65,18 @@ def test_unsupported_upstream_key_is_reported_by_name(local_model, tmp_path):
     result = run_cli("validate", "-c", CONFIGS / "squad_lora.yaml", "--lr_scheduler.lr_decay_style", "polynomial",
                      "--model.pretrained_model_name_or_path", local_model, cwd=tmp_path)
     assert result.returncode == 2 and "lr_scheduler.lr_decay_style: 'polynomial' is not supported" in result.stderr
+
+
+def test_upstream_model_keys_train(local_model, tmp_path):
+    """upstream's most common model keys (torch_dtype: bf16, use_liger_kernel: false, force_hf: true,
+    use_sdpa_patching with sdpa_method) build and train; they crashed in transformers before."""
+    result = run_cli("finetune", "llm", "-c", CONFIGS / "squad_sft.yaml",
+                     "--model.pretrained_model_name_or_path", local_model, "--model.torch_dtype", "bf16",
+                     "--model.use_liger_kernel", "false", "--model.force_hf", "true",
+                     "--model.use_sdpa_patching", "true", "--model.sdpa_method", "[flash_attention, math]",
+                     "--dataset.dataset_name", SQUAD_DIR, "--validation_dataset.dataset_name", SQUAD_DIR,
+                     "--step_scheduler.max_steps", "2", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert checkpoint_dirs(tmp_path / "checkpoints") == ["epoch_0_step_2"]
+    final = json.loads((tmp_path / "checkpoints" / "epoch_0_step_2" / "model" / "config.json").read_text())
+    assert final["dtype"] == "bfloat16" and "use_liger_kernel" not in final and "force_hf" not in final

@@ -122,7 +122,7 @@ def _refusals(config: Path, route, *overrides) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("override,key,needle", [
-    (("--model.use_liger_kernel", "true"), "model.use_liger_kernel", "needs a CUDA GPU"),
+    (("--model.use_liger_kernel", "true"), "model.use_liger_kernel", "Triton kernels need a CUDA GPU"),
     (("--model.attn_implementation", "flash_attention_2"), "model.attn_implementation", "needs a CUDA GPU"),
     (("--model.pooling", "colbert"), "model.pooling", "use avg, cls or last"),
     (("--tokenizer.add_eos_token", "true"), "tokenizer.add_eos_token", "BOS/EOS enforcement"),

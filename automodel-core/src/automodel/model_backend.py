@@ -99,7 +99,7 @@ def backend_issues(settings: Mapping[str, Any]) -> dict[str, str]:
             continue
         elif value is not None and value not in ACTS[name]:
             issues[name] = f"{_written(value)} {REASONS[name]}"
-        elif name == "attn" and value == "flex" and not _has_cuda():
+        elif name == "attn" and value == "flex" and not has_cuda():
             issues[name] = ("'flex' needs CUDA to train: torch's FlexAttention has no backward pass on a CPU (not on "
                             "this machine); use sdpa or eager")
     return issues
@@ -110,7 +110,7 @@ def _gate_dtype_name(value: Any) -> str | None:
     return str(value).strip().lower().removeprefix("torch.") if value is not None else None
 
 
-def _has_cuda() -> bool:
+def has_cuda() -> bool:
     import torch
 
     return torch.cuda.is_available()

@@ -4,11 +4,13 @@ transformers Auto class from a checkpoint or a config — on the meta device whe
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from automodel.errors import AutomodelError
+from automodel.model_kwargs import apply_config_overrides, dtype_issue, dtype_name
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt")
 
@@ -25,15 +27,16 @@ def pop_hub_arguments(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 def parse_dtype(value: Any, key: str = "model.dtype") -> Any:
-    """``"bfloat16"`` / ``"torch.float16"`` -> the torch dtype; None, ``"auto"`` and dtypes pass through."""
+    """``"bfloat16"`` / ``"bf16"`` / ``"torch.float16"`` (upstream's names, any case) -> the torch dtype; None,
+    ``"auto"`` and dtypes pass through."""
+    issue = dtype_issue(value)
+    if issue is not None:
+        raise AutomodelError(f"{key}: {issue}")
     if value is None or value == "auto" or not isinstance(value, str):
         return value
     import torch
 
-    dtype = getattr(torch, value.removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        raise AutomodelError(f"{key}: '{value}' is not a torch dtype (float32, bfloat16, float16)")
-    return dtype
+    return getattr(torch, dtype_name(value))
 
 
 def has_weights(directory: str | Path) -> bool:
@@ -41,6 +44,14 @@ def has_weights(directory: str | Path) -> bool:
     directory = Path(directory)
     return directory.is_dir() and any(any(directory.glob(p)) for p in WEIGHT_PATTERNS)
 
+
+# ``from_pretrained``'s own keyword arguments (transformers 5); every other key of a model section is a config key
+FROM_PRETRAINED_ARGUMENTS = (*HUB_ARGUMENTS, "config", "ignore_mismatched_sizes", "use_safetensors", "weights_only",
+                             "state_dict", "output_loading_info", "dtype", "torch_dtype", "device_map", "max_memory",
+                             "offload_folder", "offload_buffers", "quantization_config", "variant", "adapter_kwargs",
+                             "adapter_name", "generation_config", "gguf_file", "distributed_config", "device_mesh",
+                             "tp_plan", "tp_size", "use_kernels", "kernel_config", "key_mapping", "attn_implementation",
+                             "experts_implementation")
 
 # Keyword arguments of a model's construction, not of its config (``from_config`` passes them to the Auto class).
 MODEL_KWARGS = ("attn_implementation", "trust_remote_code")
@@ -57,14 +68,36 @@ def pretrained_or_fresh(auto_class: Any, path: str | None, dtype: Any, from_conf
         raise AutomodelError("model.pretrained_model_name_or_path: missing (a hub name or a local directory)")
     local = Path(str(path))
     if local.is_dir() and (local / "config.json").is_file() and not has_weights(local):
-        return from_config(str(local), dtype=dtype, **kwargs)
+        own = {k: v for k, v in kwargs.items() if k in inspect.signature(from_config).parameters}  # seed, ...
+        rest = _with_config(str(local), {k: v for k, v in kwargs.items() if k not in own}, errors, what)
+        return from_config(rest.pop("config", str(local)), dtype=dtype, **own, **rest)
     on_meta = _pretrained_on_meta(auto_class, str(path), dtype, kwargs, errors)
     if on_meta is not None:
         return on_meta
+    kwargs = _with_config(str(path), kwargs, errors, what)
     try:
         return auto_class.from_pretrained(str(path), dtype=parse_dtype(dtype), **kwargs)
     except errors as err:
         raise AutomodelError(f"model: cannot load '{path}'{what}: {err}") from None
+
+
+def _with_config(path: str, kwargs: dict[str, Any], errors: tuple[type[Exception], ...],
+                 what: str) -> dict[str, Any]:
+    """``kwargs`` with the config keys among them applied to the checkpoint's config, which is passed instead:
+    transformers would hand a key its config lacks to the model's ``__init__`` (a TypeError), and a
+    ``text_config`` mapping of a plain config too (:func:`automodel.model_kwargs.apply_config_overrides`)."""
+    overrides = {k: v for k, v in kwargs.items() if k not in FROM_PRETRAINED_ARGUMENTS}
+    if not overrides:
+        return kwargs
+    from transformers import AutoConfig
+
+    hub = {k: v for k, v in kwargs.items() if k in HUB_ARGUMENTS}
+    try:
+        config = AutoConfig.from_pretrained(path, **hub)
+    except errors as err:
+        raise AutomodelError(f"model: cannot load '{path}'{what}: {err}") from None
+    apply_config_overrides(config, overrides)
+    return {**{k: v for k, v in kwargs.items() if k not in overrides}, "config": config}
 
 
 def _pretrained_on_meta(auto_class: Any, path: str, dtype: Any, kwargs: dict[str, Any],

@@ -10,14 +10,16 @@ from pathlib import Path
 from typing import Any
 
 from automodel.errors import AutomodelError
-from automodel.model_backend import apply_backend, apply_to_model, model_backend_issues
+from automodel.model_backend import apply_backend, apply_to_model
 from automodel.model_files import MODEL_KWARGS, fresh_model, pop_hub_arguments, pretrained_or_fresh
+from automodel.model_kwargs import apply_config_overrides, model_issues, run_under_sdpa_backends, take_upstream_kwargs
 
 
 def _load_config(config: Any, hub: dict[str, Any], **overrides: Any) -> Any:
     from transformers import AutoConfig, PretrainedConfig
 
     if isinstance(config, PretrainedConfig):
+        apply_config_overrides(config, overrides)
         return config
     if isinstance(config, dict):
         data = dict(config)
@@ -33,35 +35,45 @@ def _load_config(config: Any, hub: dict[str, Any], **overrides: Any) -> Any:
 
     if missing_local_path(str(config)):
         raise AutomodelError(f"model.config: '{config}' does not exist")
-    return AutoConfig.from_pretrained(str(config), **hub, **overrides)
+    loaded = AutoConfig.from_pretrained(str(config), **hub)
+    apply_config_overrides(loaded, overrides)  # a key the config lacks is refused, not dropped
+    return loaded
 
 
 class AutoModelForCausalLM:
     """Builds a ``transformers`` causal LM: from a checkpoint (``from_pretrained``) or a config (``from_config``).
-    ``backend`` (upstream's BackendConfig) selects the attention; see :mod:`automodel.model_backend`."""
+    ``backend`` (upstream's BackendConfig) selects the attention, see :mod:`automodel.model_backend`; upstream's
+    other keys (``use_liger_kernel``, ``force_hf``, ``use_sdpa_patching`` ...): see :mod:`automodel.model_kwargs`."""
 
-    automodel_config_issues = staticmethod(model_backend_issues)
+    automodel_config_issues = staticmethod(model_issues)
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | None = None, *, name_or_path: str | None = None,
                         dtype: Any = None, torch_dtype: Any = None, **kwargs: Any) -> Any:
         import transformers
 
+        sdpa_backends = take_upstream_kwargs(kwargs)
         backend = apply_backend(kwargs)
-        return apply_to_model(pretrained_or_fresh(transformers.AutoModelForCausalLM, pretrained_model_name_or_path or
-                                                  name_or_path, dtype or torch_dtype, cls.from_config, kwargs), backend)
+        model = pretrained_or_fresh(transformers.AutoModelForCausalLM, pretrained_model_name_or_path or name_or_path,
+                                    dtype or torch_dtype, cls.from_config, kwargs)
+        return run_under_sdpa_backends(apply_to_model(model, backend), sdpa_backends)
 
     @classmethod
     def from_config(cls, config: Any, *, dtype: Any = None, torch_dtype: Any = None, seed: int | None = None,
                     **kwargs: Any) -> Any:
         import transformers
 
+        sdpa_backends = take_upstream_kwargs(kwargs)
         backend = apply_backend(kwargs)
         hub = pop_hub_arguments(kwargs)  # to AutoConfig.from_pretrained only: never into the saved config
         model_kwargs = {k: kwargs.pop(k, hub.get(k)) for k in MODEL_KWARGS if k in kwargs or k in hub}
-        return apply_to_model(fresh_model(transformers.AutoModelForCausalLM.from_config, _load_config(config, hub,
-                                                                                                       **kwargs),
-                                          model_kwargs, dtype or torch_dtype, seed), backend)
+        text_config = kwargs.pop("text_config", None)  # a mapping of the text model's keys: set after loading
+        hf_config = _load_config(config, hub, **kwargs)
+        if text_config is not None:
+            apply_config_overrides(hf_config, {"text_config": text_config})
+        model = fresh_model(transformers.AutoModelForCausalLM.from_config, hf_config, model_kwargs,
+                            dtype or torch_dtype, seed)
+        return run_under_sdpa_backends(apply_to_model(model, backend), sdpa_backends)
 
 
 def nemotron_h_for_causal_lm(name_or_path: str | None = None, pretrained_model_name_or_path: str | None = None,

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from automodel.errors import AutomodelError, ConfigIssue
+from automodel.model_kwargs import LIGER_KERNEL_REFUSAL
 from automodel_retrieval.data import BiEncoderCollator, CrossEncoderCollator
 
 GPU_ONLY = "needs a CUDA GPU, which this machine lacks"
@@ -29,8 +30,7 @@ def _model_issues(settings: dict[str, Any], key: str) -> list[ConfigIssue]:
     """What upstream's retrieval model keys ask for that cannot act here."""
     issues = []
     if settings.get("use_liger_kernel"):
-        issues.append(ConfigIssue(f"{key}.use_liger_kernel", f"true is not supported: Liger's Triton kernels "
-                                                             f"{GPU_ONLY}; remove it or set false"))
+        issues.append(ConfigIssue(f"{key}.use_liger_kernel", LIGER_KERNEL_REFUSAL))
     attention = settings.get("attn_implementation")
     if attention is not None and attention not in CPU_ATTENTION:
         issues.append(ConfigIssue(f"{key}.attn_implementation", f"'{attention}' {GPU_ONLY}; use sdpa or eager"))

@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from automodel.errors import AutomodelError
-from automodel.model_backend import apply_backend, apply_to_model, model_backend_issues
+from automodel.model_backend import apply_backend, apply_to_model
 from automodel.model_files import MODEL_KWARGS, fresh_model, pop_hub_arguments, pretrained_or_fresh
+from automodel.model_kwargs import model_issues, run_under_sdpa_backends, take_upstream_kwargs
 
 _SUB_CONFIGS = ("vision_config", "text_config")
 
@@ -87,21 +88,23 @@ def load_config(config: Any, vision_config: Any = None, text_config: Any = None,
 
 class AutoModelForImageTextToText:
     """Builds a ``transformers`` image-text-to-text model from a checkpoint or from a config; ``backend`` (upstream's
-    BackendConfig) selects the attention, see :mod:`automodel.model_backend`."""
+    BackendConfig) selects the attention, see :mod:`automodel.model_backend`; upstream's other keys
+    (``use_liger_kernel``, ``force_hf``, ``use_sdpa_patching`` ...): see :mod:`automodel.model_kwargs`."""
 
-    automodel_config_issues = staticmethod(model_backend_issues)
+    automodel_config_issues = staticmethod(model_issues)
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | None = None, *, name_or_path: str | None = None,
                         dtype: Any = None, torch_dtype: Any = None, **kwargs: Any) -> Any:
         import transformers
 
+        sdpa_backends = take_upstream_kwargs(kwargs)
         backend = apply_backend(kwargs)
         model = pretrained_or_fresh(transformers.AutoModelForImageTextToText,
                                     pretrained_model_name_or_path or name_or_path, dtype or torch_dtype,
                                     cls.from_config, kwargs, (OSError, ValueError),
                                     " as an image-text-to-text model")
-        return apply_to_model(model, backend)
+        return run_under_sdpa_backends(apply_to_model(model, backend), sdpa_backends)
 
     @classmethod
     def from_config(cls, config: Any, *, vision_config: Any = None, text_config: Any = None, dtype: Any = None,
@@ -109,6 +112,7 @@ class AutoModelForImageTextToText:
         """A randomly initialised model (``seed`` makes the initialisation reproducible)."""
         import transformers
 
+        sdpa_backends = take_upstream_kwargs(kwargs)
         backend = apply_backend(kwargs)
         model_kwargs = {k: kwargs.pop(k) for k in MODEL_KWARGS if k in kwargs}
         hf_config = load_config(config, vision_config, text_config, **kwargs)
@@ -117,4 +121,4 @@ class AutoModelForImageTextToText:
                                 dtype or torch_dtype, seed)
         except ValueError as err:
             raise AutomodelError(f"model.config: {err}") from None
-        return apply_to_model(model, backend)
+        return run_under_sdpa_backends(apply_to_model(model, backend), sdpa_backends)

@@ -20,6 +20,7 @@ from automodel.config.trust import UserTrust
 from automodel.errors import ConfigIssue
 from automodel.model_backend import backend_setting
 from automodel.model_files import HUB_ARGUMENTS
+from automodel.model_kwargs import SDPA_METHOD_PARALLEL_REFUSAL
 from automodel.training.dist import expected_world_size, world_size_source
 from automodel.training.distributed_section import moe_head_fp32, moe_inner_root
 from automodel.training.parallel.expert_parallel import config_expert_count, expert_count_issues, experts_issues
@@ -115,6 +116,8 @@ def parallel_issues(cfg: Config, implementation: str | None) -> list[ConfigIssue
         issues.append(ConfigIssue("distributed.enable_fsdp2_prefetch", "true orders FSDP2's parameter gathers, so "
                                   "it needs distributed.strategy: fsdp2 and more than one process (this run: "
                                   f"{world_size_source()}); set it false"))
+    if cfg.model is not None and cfg.model.get("sdpa_method") and (settings.pp_size > 1 or settings.cp_size > 1):
+        issues.append(ConfigIssue("model.sdpa_method", SDPA_METHOD_PARALLEL_REFUSAL))
     strategy = implementation or settings.strategy
     if strategy != "ddp":
         for name, value in settings.ddp_options_given().items():

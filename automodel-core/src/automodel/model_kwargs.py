@@ -1,0 +1,163 @@
+"""Upstream's NeMoAutoModel keyword arguments in a model section: what each does here.
+
+Upstream's model factories take keys that transformers' ``from_pretrained`` does not (it would pass them to the
+model's ``__init__``: a TypeError at run time). Each one here either acts or is refused at validation with the
+reason (:func:`upstream_model_issues`, no torch import); the factories take them out before transformers sees them
+(:func:`take_upstream_kwargs`) and refuse the same values when called directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from automodel.errors import AutomodelError
+from automodel.model_backend import GATE_DTYPES, has_cuda, model_backend_issues
+
+LIGER_KERNEL_REFUSAL = ("true is not supported: Liger's Triton kernels need a CUDA GPU and the liger-kernel package, "
+                        "which this machine lacks; set false")
+ATTENTION = ("sdpa", "eager", "flex_attention")
+# sdpa_method's names -> torch.nn.attention.SDPBackend members; flash_attention and math also run on a CPU
+SDPA_BACKENDS = {"flash_attention": "FLASH_ATTENTION", "efficient_attention": "EFFICIENT_ATTENTION",
+                 "math": "MATH", "cudnn_attention": "CUDNN_ATTENTION"}
+CPU_SDPA_BACKENDS = ("flash_attention", "math")
+SWITCHES = ("use_liger_kernel", "force_hf", "use_sdpa_patching", "mtp_use_repeated_layer")  # true or false
+UPSTREAM_KEYS = (*SWITCHES, "sdpa_method", "mtp_loss_scaling_factor")
+SDPA_METHOD_PARALLEL_REFUSAL = ("runs the model's whole forward under those SDPA backends, but a pipeline stage runs "
+                                "its part of the model without that forward and context parallelism chooses its own "
+                                "backends; remove it (use_sdpa_patching: true alone lets torch choose) or use "
+                                "distributed.pp_size and cp_size 1")
+MTP = "upstream's multi-token-prediction heads, which transformers' models here do not have"
+
+
+def dtype_name(value: Any) -> str | None:
+    """``bf16`` / ``BFloat16`` / ``torch.bfloat16`` -> ``bfloat16`` (upstream's names, any case); None otherwise."""
+    if not isinstance(value, str):
+        return None
+    return GATE_DTYPES.get(value.strip().lower().removeprefix("torch."))
+
+
+def dtype_issue(value: Any) -> str | None:
+    """Why a model dtype name cannot be used (None: it can; a torch dtype object is checked when built)."""
+    if value is None or value == "auto" or not isinstance(value, str) or dtype_name(value) is not None:
+        return None
+    return f"'{value}' is not a floating dtype; use auto or one of {', '.join(GATE_DTYPES)} (torch.bfloat16 too)"
+
+
+def attention_issue(value: Any) -> str | None:
+    """Why an ``attn_implementation`` cannot run here (None: it can)."""
+    if value is None or value in ("sdpa", "eager"):
+        return None
+    if value == "flex_attention":
+        return None if has_cuda() else ("'flex_attention' needs CUDA to train: torch's FlexAttention has no backward "
+                                        "pass on a CPU (not on this machine); use sdpa or eager")
+    if str(value).startswith("flash_attention") or value == "te":
+        return (f"'{value}' needs a CUDA GPU and its kernels (the flash-attn package, or Transformer Engine), which "
+                "this machine lacks; use sdpa or eager")
+    return f"'{value}' is not an attention implementation here; use one of {', '.join(ATTENTION)}"
+
+
+def _sdpa_method_issue(kwargs: Mapping[str, Any]) -> str | None:
+    names = kwargs.get("sdpa_method")
+    if names is None:
+        return None
+    if not kwargs.get("use_sdpa_patching"):
+        return "acts only with use_sdpa_patching: true (upstream ignores it otherwise); remove it or set that"
+    if isinstance(names, str) or not isinstance(names, (list, tuple)) or not names:
+        return f"expected a list of {', '.join(SDPA_BACKENDS)}, found {names!r}"
+    unknown = [n for n in names if n not in SDPA_BACKENDS]
+    if unknown:
+        return f"{unknown[0]!r} is not an SDPA backend; use {', '.join(SDPA_BACKENDS)}"
+    if not has_cuda() and not set(names) & set(CPU_SDPA_BACKENDS):
+        return (f"{', '.join(names)} run only on CUDA (not on this machine): add math or flash_attention, "
+                "which also run on a CPU")
+    return None
+
+
+def upstream_model_issues(kwargs: Mapping[str, Any]) -> dict[str, str]:
+    """Validation's check of upstream's model keys (see the module docstring), each with why."""
+    issues = {key: f"expected true or false, found {kwargs[key]!r}" for key in SWITCHES
+              if kwargs.get(key) is not None and not isinstance(kwargs[key], bool)}
+    for key in ("dtype", "torch_dtype"):
+        if (issue := dtype_issue(kwargs.get(key))) is not None:
+            issues[key] = issue
+    if (issue := attention_issue(kwargs.get("attn_implementation"))) is not None:
+        issues["attn_implementation"] = issue
+    if kwargs.get("use_liger_kernel") is True:
+        issues["use_liger_kernel"] = LIGER_KERNEL_REFUSAL
+    if kwargs.get("force_hf") is False:
+        issues["force_hf"] = ("false asks for upstream's own model implementation, which automodel does not include "
+                              "(it builds transformers' implementation, as force_hf: true does); set true or remove it")
+    if kwargs.get("use_sdpa_patching") and kwargs.get("attn_implementation") == "eager":
+        issues["use_sdpa_patching"] = "true runs attention through torch's SDPA, but attn_implementation is 'eager'"
+    if (issue := _sdpa_method_issue(kwargs)) is not None:
+        issues["sdpa_method"] = issue
+    if kwargs.get("mtp_use_repeated_layer") is True:
+        issues["mtp_use_repeated_layer"] = f"true shares a layer among {MTP}; remove it"
+    if kwargs.get("mtp_loss_scaling_factor") is not None and kwargs.get("num_nextn_predict_layers") != 0:
+        issues["mtp_loss_scaling_factor"] = (f"scales the loss of {MTP}; remove it (it is accepted only with "
+                                             "num_nextn_predict_layers: 0, no heads)")
+    return issues
+
+
+def model_issues(kwargs: Mapping[str, Any]) -> dict[str, str]:
+    """A model factory's validation check: upstream's keys and its ``backend``."""
+    return {**upstream_model_issues(kwargs), **model_backend_issues(kwargs)}
+
+
+def take_upstream_kwargs(kwargs: dict[str, Any]) -> list[str] | None:
+    """Take upstream's keys out of a factory's keyword arguments (refusing what validation refuses); the SDPA
+    backends the model's forward must run under (None: torch's own choice)."""
+    issues = upstream_model_issues(kwargs)
+    if issues:
+        raise AutomodelError("; ".join(f"model.{key}: {message}" for key, message in issues.items()))
+    taken = {key: kwargs.pop(key) for key in UPSTREAM_KEYS if key in kwargs}
+    return list(taken["sdpa_method"]) if taken.get("sdpa_method") else None
+
+
+def run_under_sdpa_backends(model: Any, names: list[str] | None) -> Any:
+    """Upstream's SDPA patching: the model's forward (and so its attention) runs under
+    ``torch.nn.attention.sdpa_kernel`` of those backends, torch choosing among them."""
+    if not names:
+        return model
+    import functools
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backends = [getattr(SDPBackend, SDPA_BACKENDS[name]) for name in names]
+    forward = model.forward
+
+    @functools.wraps(forward)
+    def under_backends(*args: Any, **kwargs: Any) -> Any:
+        with sdpa_kernel(backends):
+            return forward(*args, **kwargs)
+
+    model.forward = under_backends
+    return model
+
+
+def apply_config_overrides(config: Any, overrides: Mapping[str, Any]) -> None:
+    """Set a model section's config keys on a loaded transformers config: a mapping for a sub-config
+    (``text_config: {use_cache: false}``) sets its attributes (``text_config`` on a plain config: the config's own);
+    ``num_nextn_predict_layers: 0`` where the config has no such attribute is no heads, as without it. Any other key
+    the config lacks is refused, naming it."""
+    from transformers import PretrainedConfig
+
+    for name, value in overrides.items():
+        sub = config.get_text_config() if name == "text_config" else getattr(config, name, None)
+        if isinstance(value, Mapping) and isinstance(sub, PretrainedConfig):
+            for key, item in value.items():
+                _set(sub, key, item, f"model.{name}.{key}")
+        elif not (name == "num_nextn_predict_layers" and value == 0 and not hasattr(config, name)):
+            _set(config, name, value, f"model.{name}")
+
+
+def _set(config: Any, name: str, value: Any, key: str) -> None:
+    if not hasattr(config, name):
+        if name == "num_nextn_predict_layers":
+            raise AutomodelError(f"{key}: {value} asks for {MTP} (the {config.model_type} config has no such "
+                                 "attribute); remove it or use 0")
+        what = "not an attribute" if key.count(".") > 1 else "neither a from_pretrained argument nor an attribute"
+        raise AutomodelError(f"{key}: {what} of the {config.model_type} config; remove it (or correct its "
+                             "name)")
+    setattr(config, name, value)

@@ -1,0 +1,125 @@
+"""Upstream's NeMoAutoModel keyword arguments in a model section (automodel.model_kwargs): each acts or is refused
+at validation with the reason; a key that is neither a from_pretrained argument nor a config attribute is refused
+when built, naming it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from llm_testing import validate_cli
+
+from automodel.errors import AutomodelError, ConfigError
+from automodel.testing import load_config
+from automodel_llm import AutoModelForCausalLM
+
+CUDA_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without CUDA")
+
+
+def refusals(config) -> dict[str, str]:
+    with pytest.raises(ConfigError) as info:
+        load_config(config, route=("finetune", "llm"))
+    return {issue.key: issue.message for issue in info.value.issues}
+
+
+@pytest.fixture(scope="module")
+def saved_llama(tmp_path_factory, tiny_llama_config):
+    path = tmp_path_factory.mktemp("saved") / "llama"
+    AutoModelForCausalLM.from_config(str(tiny_llama_config), seed=0).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("keys, key, words", [
+    ({"torch_dtype": "bf17"}, "model.torch_dtype", "'bf17' is not a floating dtype"),
+    ({"dtype": "int8"}, "model.dtype", "not a floating dtype"),
+    ({"use_liger_kernel": True}, "model.use_liger_kernel", "Liger's Triton kernels need a CUDA GPU"),
+    ({"force_hf": False}, "model.force_hf", "upstream's own model implementation"),
+    ({"use_liger_kernel": "no"}, "model.use_liger_kernel", "expected true or false, found 'no'"),
+    ({"attn_implementation": "flash_attention_2"}, "model.attn_implementation", "the flash-attn package"),
+    ({"attn_implementation": "te"}, "model.attn_implementation", "use sdpa or eager"),
+    ({"use_sdpa_patching": True, "attn_implementation": "eager"}, "model.use_sdpa_patching", "is 'eager'"),
+    ({"sdpa_method": ["math"]}, "model.sdpa_method", "acts only with use_sdpa_patching: true"),
+    ({"use_sdpa_patching": True, "sdpa_method": ["fast"]}, "model.sdpa_method", "'fast' is not an SDPA backend"),
+    ({"mtp_loss_scaling_factor": 0.1}, "model.mtp_loss_scaling_factor", "multi-token-prediction heads"),
+    ({"mtp_use_repeated_layer": True}, "model.mtp_use_repeated_layer", "multi-token-prediction heads"),
+])
+def test_upstream_model_keys_that_cannot_act_are_refused_with_the_reason(make_config, keys, key, words):
+    found = refusals(make_config(model=keys))
+    assert words in found[key], found
+
+
+@CUDA_ONLY
+def test_sdpa_backends_that_run_only_on_cuda_are_refused(make_config):
+    found = refusals(make_config(model={"use_sdpa_patching": True,
+                                        "sdpa_method": ["efficient_attention", "cudnn_attention"]}))
+    assert "run only on CUDA" in found["model.sdpa_method"]
+
+
+@pytest.mark.parametrize("distributed", [{"pp_size": 2}, {"cp_size": 2}])
+def test_sdpa_method_is_refused_where_the_model_forward_is_not_what_runs(make_config, distributed):
+    found = refusals(make_config(model={"use_sdpa_patching": True, "sdpa_method": ["math"]},
+                                 distributed={"strategy": "fsdp2", **distributed}))
+    assert "a pipeline stage runs its part of the model without that forward" in found["model.sdpa_method"]
+
+
+def test_upstream_model_keys_that_act_validate(make_config):
+    keys = {"torch_dtype": "torch.BFloat16", "use_liger_kernel": False, "force_hf": True, "use_sdpa_patching": True,
+            "sdpa_method": ["efficient_attention", "math"], "attn_implementation": "sdpa",
+            "num_nextn_predict_layers": 0, "mtp_loss_scaling_factor": 0.1, "mtp_use_repeated_layer": False}
+    _, cfg = load_config(make_config(model=keys), route=("finetune", "llm"))
+    assert cfg.model.torch_dtype == "torch.BFloat16"
+
+
+def test_from_pretrained_with_upstream_keys_builds_what_they_say(saved_llama):
+    model = AutoModelForCausalLM.from_pretrained(saved_llama, torch_dtype="bf16", use_liger_kernel=False,
+                                                 force_hf=True, use_sdpa_patching=False, num_nextn_predict_layers=0,
+                                                 text_config={"use_cache": False}, output_hidden_states=True)
+    assert model.dtype == torch.bfloat16
+    assert model.config.use_cache is False and model.config.output_hidden_states is True
+    assert not hasattr(model.config, "text_config") and not hasattr(model.config, "num_nextn_predict_layers")
+
+
+def test_from_config_text_config_sets_the_text_model_key(tiny_llama_config):
+    model = AutoModelForCausalLM.from_config(str(tiny_llama_config), text_config={"use_cache": False}, dtype="FP16")
+    assert model.config.use_cache is False and model.dtype == torch.float16
+
+
+@pytest.mark.parametrize("keys, words", [
+    ({"bogus": 1}, "model.bogus: neither a from_pretrained argument nor an attribute of the llama config"),
+    ({"text_config": {"nope": 1}}, "model.text_config.nope: not an attribute of the llama config"),
+    ({"num_nextn_predict_layers": 2}, "model.num_nextn_predict_layers: 2 asks for upstream's multi-token-prediction"),
+    ({"use_liger_kernel": True}, "model.use_liger_kernel: true is not supported"),
+])
+def test_a_key_that_cannot_act_is_refused_when_built(saved_llama, keys, words):
+    with pytest.raises(AutomodelError, match="^" + words.replace(".", r"\.")):
+        AutoModelForCausalLM.from_pretrained(saved_llama, **keys)
+
+
+def test_sdpa_method_runs_the_forward_under_those_backends(saved_llama):
+    seen = []
+    plain = AutoModelForCausalLM.from_pretrained(saved_llama)
+    model = AutoModelForCausalLM.from_pretrained(saved_llama, use_sdpa_patching=True, sdpa_method=["math"])
+    for built in (plain, model):
+        built.model.layers[0].self_attn.register_forward_pre_hook(
+            lambda *_: seen.append(torch.backends.cuda.flash_sdp_enabled()))
+    ids = torch.tensor([[1, 2, 3, 4]])
+    patched_logits = model(ids).logits
+    torch.testing.assert_close(patched_logits, plain(ids).logits)
+    assert seen == [False, True]  # the patched model's attention ran under math only, the plain one as torch chose
+
+
+def test_validate_names_the_key_and_exits_2(make_config, tmp_path):
+    config = make_config(model={"torch_dtype": "bf17", "attn_implementation": "flash_attention_3"})
+    code, output = validate_cli(config, tmp_path, subprocess=True)
+    assert code == 2 and "Traceback" not in output, output
+    assert "model.torch_dtype: 'bf17' is not a floating dtype" in output
+    assert "model.attn_implementation: 'flash_attention_3' needs a CUDA GPU" in output
+
+
+def test_a_key_the_config_lacks_is_refused_for_a_fresh_model_too(tiny_llama_config):
+    with pytest.raises(AutomodelError, match=r"^model\.bogus: neither a from_pretrained argument"):
+        AutoModelForCausalLM.from_pretrained(tiny_llama_config.parent, bogus=1)
+    with pytest.raises(AutomodelError, match=r"^model\.bogus: neither a from_pretrained argument"):
+        AutoModelForCausalLM.from_config(str(tiny_llama_config.parent), bogus=1)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_config.parent, output_hidden_states=True,
+                                                 text_config={"use_cache": False})
+    assert model.config.output_hidden_states is True and model.config.use_cache is False
