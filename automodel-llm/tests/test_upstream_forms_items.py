@@ -124,8 +124,10 @@ def test_benchmark_upstream_keys_and_mock_iterable_dataset(tmp_path, monkeypatch
     assert "benchmark.nsys_ranks" in found
     found = refusals(form, "--benchmark.num_nodes", "2", route=route)
     assert "launched on 1 node" in found["benchmark.num_nodes"] and "--nnodes 2" in found["benchmark.num_nodes"]
-    with pytest.raises(AutomodelError, match="dataset.batch_size: 2: here the dataloader forms the batches"):
-        train_inprocess(form, "--dataset.batch_size", "2", route=route, setup_only=True)
+    # upstream's data set yields batches of batch_size rows, which must match local_batch_size (2 here)
+    assert train_inprocess(form, "--dataset.batch_size", "2", route=route, setup_only=True) is not None
+    found = refusals(form, "--dataset.batch_size", "4", route=route)
+    assert "4 differs from the run's rows per micro-batch (2" in found["dataset.batch_size"], found
 
 
 def test_benchmark_num_nodes_is_checked_against_the_planned_launch():

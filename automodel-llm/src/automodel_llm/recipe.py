@@ -29,11 +29,12 @@ from automodel.training.dist import expected_world_size
 from automodel.training.modules import unwrap
 from automodel.training.next_token import NextTokenLogits
 from automodel.training.parallel.pipeline_parallel import PipelineSettings
-from automodel.training.parallelism import model_hf_config
+from automodel.training.parallelism import model_hf_config, rows_per_batch
 from automodel.training.pipeline_steps import padded_mask, padded_tokens, pipeline_length
 from automodel.training.recipe import TrainRecipe
 from automodel_llm.datasets.collate import pad_collate
 from automodel_llm.datasets.packing import PackedDataset, packed_collate
+from automodel_llm.datasets.pretraining import batch_size_issues
 from automodel_llm.embeddings import (
     EmbeddingRowRepairConfig,
     NEFTuneConfig,
@@ -42,7 +43,7 @@ from automodel_llm.embeddings import (
     repair_embedding_rows,
     repair_issues,
 )
-from automodel_llm.tokenizer import VOCAB_PROBLEM, build_tokenizer, tokenizer_issues
+from automodel_llm.tokenizer import VOCAB_PROBLEM, build_tokenizer, dataset_sections, tokenizer_issues
 
 IGNORE_INDEX = -100
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
@@ -171,6 +172,7 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
     @classmethod
     def check_config(cls, cfg: Config) -> list[ConfigIssue]:
         issues = list(super().check_config(cfg)) + tokenizer_issues(cfg)
+        issues += batch_size_issues(dataset_sections(cfg), rows_per_batch(cfg))
         settings, generation = cfg.distributed, cfg.get("eval_generation")
         if settings is not None and settings.tp_size > 1 and settings.sequence_parallel and \
                 "eval_generation" in cfg and generation is not None and generation.enabled:

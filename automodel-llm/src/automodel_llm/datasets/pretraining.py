@@ -8,7 +8,7 @@ import torch
 from torch.utils.data import Dataset
 
 from automodel.data import BadRows, OnBadRow
-from automodel.errors import AutomodelError
+from automodel.errors import AutomodelError, ConfigIssue
 from automodel_llm.datasets.arguments import ALIASES, ARGUMENT_HELP, given, read_rows
 
 
@@ -89,19 +89,29 @@ class MockDataset(Dataset):
 
 
 def mock_iterable_dataset(vocab_size: int = 1024, seq_len: int = 1024, num_samples: int = 1_000_000,
-                          batch_size: int | None = 1) -> MockDataset:
+                          batch_size: int | None = None) -> MockDataset:
     """Upstream's ``MockIterableDataset``: ``num_samples`` random sequences of ``seq_len`` tokens below
     ``vocab_size``, the loss on every token after the first. Upstream's data set yields whole batches of
-    ``batch_size`` (its dataloader's batch_size is null); here the dataloader forms them, of
-    step_scheduler.local_batch_size (or dataloader.batch_size) samples."""
-    if batch_size not in (None, 1):
-        raise AutomodelError(f"dataset.batch_size: {batch_size}: here the dataloader forms the batches; remove it "
-                             f"and set step_scheduler.local_batch_size: {batch_size} (upstream requires the two to "
-                             "match)")
+    ``batch_size`` rows, which must match its step_scheduler.local_batch_size; here the dataloader forms the
+    batches, of the run's rows per micro-batch, so ``batch_size`` is that number (validation checks it:
+    :func:`batch_size_issues`) or null."""
+    if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
+        raise AutomodelError(f"dataset.batch_size: expected a whole number >= 1 or null, found {batch_size!r}")
     return MockDataset(num_samples=num_samples, seq_length=seq_len, vocab_size=vocab_size)
+
+
+def batch_size_issues(sections: list[tuple[str, Any, Any]], rows: int) -> list[ConfigIssue]:
+    """A MockIterableDataset section whose ``batch_size`` is not the run's rows per micro-batch ``rows``
+    (``sections``: ``(key, node, callable)`` of the data set sections)."""
+    return [ConfigIssue(f"{key}.batch_size", f"{node['batch_size']} differs from the run's rows per micro-batch "
+                                             f"({rows}: dataloader.batch_size, else step_scheduler.local_batch_size); "
+                                             "upstream requires the two to match: make them equal or remove it")
+            for key, node, fn in sections
+            if fn is mock_iterable_dataset and node.get("batch_size") not in (None, rows)]
 
 
 mock_iterable_dataset.argument_help = {"vocab_size": "token ids are drawn below it", "seq_len": "tokens per sample",
                                        "num_samples": "how many samples",
-                                       "batch_size": "1 or null (the dataloader forms the batches)"}
+                                       "batch_size": "the run's rows per micro-batch, or null (the dataloader "
+                                                     "forms the batches)"}
 mock_iterable_dataset.pretokenized = True  # random token ids below vocab_size: a run on them needs no tokenizer
