@@ -685,3 +685,24 @@ def test_upstreams_tokenizer_bos_eos_enforcement_is_refused_at_validation_not_at
         found["tokenizer.add_eos_token"]
     data["tokenizer"]["add_eos_token"] = False
     load_config(write_yaml(tmp_path / "c.yaml", data), route=("finetune", "llm"))
+
+
+def test_torch_dataloader_is_built_resumable_so_its_checkpoints_resume_like_the_uninterrupted_run(tmp_path,
+                                                                                                  monkeypatch):
+    """Upstream's benchmark configs name torch.utils.data.DataLoader, which has no state_dict: the checkpoint write
+    stopped on an AttributeError. It is built as torchdata's StatefulDataLoader (its subclass, same arguments)."""
+    data = yaml.safe_load((FORMS / "recipe_bare_name.yaml").read_text())
+    for name in ("dataloader", "validation_dataloader"):
+        data[name]["_target_"] = "torch.utils.data.DataLoader"
+    data["dataloader"]["shuffle"] = True
+    config = write_yaml(tmp_path / "c.yaml", data)
+    monkeypatch.chdir(tmp_path)
+    whole = train_inprocess(config, "--step_scheduler.max_steps", "4", "--checkpoint.checkpoint_dir", "whole")
+    assert type(whole.dataloader).__name__ == "StatefulDataLoader"
+    train_inprocess(config, "--step_scheduler.max_steps", "2", "--step_scheduler.ckpt_every_steps", "2",
+                    "--checkpoint.checkpoint_dir", "split")
+    train_inprocess(config, "--step_scheduler.max_steps", "4", "--step_scheduler.ckpt_every_steps", "2",
+                    "--checkpoint.checkpoint_dir", "split")
+    last = {run: read_jsonl(tmp_path / run / "training.jsonl")[-1] for run in ("whole", "split")}
+    assert last["whole"]["step"] == last["split"]["step"] == 4
+    assert last["split"]["loss"] == pytest.approx(last["whole"]["loss"], rel=1e-6)  # the shuffled order resumed

@@ -144,8 +144,10 @@ LOADER_REFUSED_ARGS = {
 
 def build_dataloader(ctx: BuildContext, dataset: Any, node: ConfigNode, train: bool,
                      default_collate: Callable | None) -> StatefulDataLoader:
-    """A resumable loader over ``dataset`` as ``node`` (a dataloader section) says; shuffled with a seeded generator
-    for training; under torchrun each data-parallel rank reads its own shard. ``default_collate`` is the recipe's."""
+    """A resumable loader over ``dataset`` as ``node`` (a dataloader section) says (``torch.utils.data.DataLoader``
+    is built as torchdata's ``StatefulDataLoader``, its subclass, so checkpoints hold its position); shuffled with a
+    seeded generator for training; under torchrun each data-parallel rank reads its own shard. ``default_collate``
+    is the recipe's."""
     settings = {k: build_value(v, ctx.cfg.resolver, f"{node.key}.{k}") for k, v in node.to_dict().items()
                 if k not in ("_target_", "collate_fn")}
     if settings.get("batch_size") is None:  # null too: upstream's "the data set yields batches" (see plan)
@@ -174,6 +176,12 @@ def build_dataloader(ctx: BuildContext, dataset: Any, node: ConfigNode, train: b
         settings["generator"] = generator
         settings["shuffle"] = shuffle
     loader = ctx.cfg.resolver.resolve(node.target or ctx.default_target(node))
+    if loader is torch.utils.data.DataLoader:  # upstream's configs name it: its subclass records its position
+        loader = StatefulDataLoader
+    elif not (callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))):
+        raise AutomodelError(f"{node.key}._target_: {node.target} has no state_dict / load_state_dict, so a "
+                             "checkpoint could not record where the data stands; use torchdata's StatefulDataLoader "
+                             "(the default)")
     return loader(dataset=dataset, collate_fn=_collate(ctx, node, default_collate), **settings)
 
 
