@@ -164,3 +164,13 @@ def test_extract_submodel_takes_a_part_of_a_larger_model_as_the_encoder(tmp_path
     assert type(model.query_encoder).__name__ == "T5Stack" and model.shared and model.pooling == "mean"
     with pytest.raises(AutomodelError, match="has no part 'nowhere'"):
         bi_encoder_from_pretrained(str(tmp_path / "t5"), extract_submodel="nowhere")
+
+
+def test_upstreams_dtype_names_build_the_encoder_in_that_dtype(upstream_inputs):
+    """`torch_dtype: bf16` (upstream's short name) reached transformers as the string and stopped the build."""
+    from automodel_retrieval.upstream import bi_encoder_from_pretrained, cross_encoder_from_pretrained
+
+    encoder = bi_encoder_from_pretrained(str(upstream_inputs["encoder"]), torch_dtype="bf16")
+    assert encoder.query_encoder.dtype == torch.bfloat16
+    assert cross_encoder_from_pretrained(str(upstream_inputs["encoder"]), torch_dtype="BFloat16").dtype == \
+        torch.bfloat16

@@ -8,11 +8,11 @@ reason (:func:`upstream_model_issues`, no torch import); the factories take them
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from automodel.errors import AutomodelError
-from automodel.model_backend import GATE_DTYPES, has_cuda, model_backend_issues
+from automodel.model_backend import GATE_DTYPES, apply_backend, apply_to_model, has_cuda, model_backend_issues
 
 LIGER_KERNEL_REFUSAL = ("true is not supported: Liger's Triton kernels need a CUDA GPU and the liger-kernel package, "
                         "which this machine lacks; set false")
@@ -113,6 +113,15 @@ def take_upstream_kwargs(kwargs: dict[str, Any]) -> list[str] | None:
         raise AutomodelError("; ".join(f"model.{key}: {message}" for key, message in issues.items()))
     taken = {key: kwargs.pop(key) for key in UPSTREAM_KEYS if key in kwargs}
     return list(taken["sdpa_method"]) if taken.get("sdpa_method") else None
+
+
+def take_model_settings(kwargs: dict[str, Any]) -> Callable[[Any], Any]:
+    """Take upstream's keys and ``backend`` out of a model factory's keyword arguments (what transformers must not
+    see; the attention ``backend`` selects stays in them); returns what finishes the built model: the backend's
+    routing and router precision (:func:`automodel.model_backend.apply_to_model`), then the SDPA backends."""
+    sdpa_backends = take_upstream_kwargs(kwargs)
+    backend = apply_backend(kwargs)
+    return lambda model: run_under_sdpa_backends(apply_to_model(model, backend), sdpa_backends)
 
 
 def run_under_sdpa_backends(model: Any, names: list[str] | None) -> Any:

@@ -10,9 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from automodel.errors import AutomodelError
-from automodel.model_backend import apply_backend, apply_to_model
 from automodel.model_files import MODEL_KWARGS, fresh_model, pop_hub_arguments, pretrained_or_fresh
-from automodel.model_kwargs import apply_config_overrides, model_issues, run_under_sdpa_backends, take_upstream_kwargs
+from automodel.model_kwargs import apply_config_overrides, model_issues, take_model_settings
 
 
 def _load_config(config: Any, hub: dict[str, Any], **overrides: Any) -> Any:
@@ -52,19 +51,17 @@ class AutoModelForCausalLM:
                         dtype: Any = None, torch_dtype: Any = None, **kwargs: Any) -> Any:
         import transformers
 
-        sdpa_backends = take_upstream_kwargs(kwargs)
-        backend = apply_backend(kwargs)
+        finish = take_model_settings(kwargs)
         model = pretrained_or_fresh(transformers.AutoModelForCausalLM, pretrained_model_name_or_path or name_or_path,
                                     dtype or torch_dtype, cls.from_config, kwargs)
-        return run_under_sdpa_backends(apply_to_model(model, backend), sdpa_backends)
+        return finish(model)
 
     @classmethod
     def from_config(cls, config: Any, *, dtype: Any = None, torch_dtype: Any = None, seed: int | None = None,
                     **kwargs: Any) -> Any:
         import transformers
 
-        sdpa_backends = take_upstream_kwargs(kwargs)
-        backend = apply_backend(kwargs)
+        finish = take_model_settings(kwargs)
         hub = pop_hub_arguments(kwargs)  # to AutoConfig.from_pretrained only: never into the saved config
         model_kwargs = {k: kwargs.pop(k, hub.get(k)) for k in MODEL_KWARGS if k in kwargs or k in hub}
         text_config = kwargs.pop("text_config", None)  # a mapping of the text model's keys: set after loading
@@ -73,7 +70,7 @@ class AutoModelForCausalLM:
             apply_config_overrides(hf_config, {"text_config": text_config})
         model = fresh_model(transformers.AutoModelForCausalLM.from_config, hf_config, model_kwargs,
                             dtype or torch_dtype, seed)
-        return run_under_sdpa_backends(apply_to_model(model, backend), sdpa_backends)
+        return finish(model)
 
 
 def nemotron_h_for_causal_lm(name_or_path: str | None = None, pretrained_model_name_or_path: str | None = None,

@@ -15,29 +15,19 @@ from pathlib import Path
 from typing import Any
 
 from automodel.errors import AutomodelError, ConfigIssue
-from automodel.model_kwargs import LIGER_KERNEL_REFUSAL
+from automodel.model_kwargs import upstream_model_issues
 from automodel_retrieval.data import BiEncoderCollator, CrossEncoderCollator
 
-GPU_ONLY = "needs a CUDA GPU, which this machine lacks"
 POOLINGS = {"avg": "mean", "mean": "mean", "cls": "cls", "last": "last"}
-CPU_ATTENTION = ("sdpa", "eager")
 HF_PREFIX = "hf://"
 GATHER, DETACH = "do_distributed_inbatch_negative", "detach_distributed_inbatch_negatives"
 LOCAL, GATHERED, DETACHED = "local", "gathered", "detached"
 
 
 def _model_issues(settings: dict[str, Any], key: str) -> list[ConfigIssue]:
-    """What upstream's retrieval model keys ask for that cannot act here."""
-    issues = []
-    if settings.get("use_liger_kernel"):
-        issues.append(ConfigIssue(f"{key}.use_liger_kernel", LIGER_KERNEL_REFUSAL))
-    attention = settings.get("attn_implementation")
-    if attention is not None and attention not in CPU_ATTENTION:
-        issues.append(ConfigIssue(f"{key}.attn_implementation", f"'{attention}' {GPU_ONLY}; use sdpa or eager"))
-    if settings.get("use_sdpa_patching") and attention == "eager":
-        issues.append(ConfigIssue(f"{key}.use_sdpa_patching", f"true asks for sdpa attention, but "
-                                                              f"attn_implementation is '{attention}'"))
-    return issues
+    """What upstream's model keys (dtype names, Liger, attention, SDPA patching) ask for that cannot act here: the
+    same checks as the LLM and VLM model sections (:func:`automodel.model_kwargs.upstream_model_issues`)."""
+    return [ConfigIssue(f"{key}.{name}", message) for name, message in upstream_model_issues(settings).items()]
 
 
 def bi_encoder_issues(settings: dict[str, Any], key: str = "model") -> list[ConfigIssue]:

@@ -12,9 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from automodel.errors import AutomodelError
-from automodel.model_backend import apply_backend, apply_to_model
 from automodel.model_files import MODEL_KWARGS, fresh_model, pop_hub_arguments, pretrained_or_fresh
-from automodel.model_kwargs import model_issues, run_under_sdpa_backends, take_upstream_kwargs
+from automodel.model_kwargs import model_issues, take_model_settings
 
 _SUB_CONFIGS = ("vision_config", "text_config")
 
@@ -98,13 +97,12 @@ class AutoModelForImageTextToText:
                         dtype: Any = None, torch_dtype: Any = None, **kwargs: Any) -> Any:
         import transformers
 
-        sdpa_backends = take_upstream_kwargs(kwargs)
-        backend = apply_backend(kwargs)
+        finish = take_model_settings(kwargs)
         model = pretrained_or_fresh(transformers.AutoModelForImageTextToText,
                                     pretrained_model_name_or_path or name_or_path, dtype or torch_dtype,
                                     cls.from_config, kwargs, (OSError, ValueError),
                                     " as an image-text-to-text model")
-        return run_under_sdpa_backends(apply_to_model(model, backend), sdpa_backends)
+        return finish(model)
 
     @classmethod
     def from_config(cls, config: Any, *, vision_config: Any = None, text_config: Any = None, dtype: Any = None,
@@ -112,8 +110,7 @@ class AutoModelForImageTextToText:
         """A randomly initialised model (``seed`` makes the initialisation reproducible)."""
         import transformers
 
-        sdpa_backends = take_upstream_kwargs(kwargs)
-        backend = apply_backend(kwargs)
+        finish = take_model_settings(kwargs)
         model_kwargs = {k: kwargs.pop(k) for k in MODEL_KWARGS if k in kwargs}
         hf_config = load_config(config, vision_config, text_config, **kwargs)
         try:
@@ -121,4 +118,4 @@ class AutoModelForImageTextToText:
                                 dtype or torch_dtype, seed)
         except ValueError as err:
             raise AutomodelError(f"model.config: {err}") from None
-        return run_under_sdpa_backends(apply_to_model(model, backend), sdpa_backends)
+        return finish(model)
