@@ -22,15 +22,18 @@ from typing import Any
 
 import torch
 
-from automodel.errors import AutomodelError
+from automodel.errors import AutomodelError, ConfigError, ConfigIssue
 from automodel.model_files import has_weights, parse_dtype
 
 DENOISERS = ("transformer", "unet")
 # The libraries a model_index.json may name for a component. The file is data from the model directory: importing
 # whatever module it names would run a local `<name>.py` (the working directory is on sys.path under torchrun).
 COMPONENT_LIBRARIES = ("diffusers", "transformers")
-_SUPPORTED = "SD3Transformer2DModel (StableDiffusion3Pipeline) and UNet2DConditionModel (StableDiffusionPipeline)"
-DENOISER_CLASSES = ("SD3Transformer2DModel", "UNet2DConditionModel")  # the denoisers a Conditioning exists for
+_SUPPORTED = ("SD3Transformer2DModel (StableDiffusion3Pipeline), FluxTransformer2DModel (FluxPipeline, FLUX.1) and "
+              "UNet2DConditionModel (StableDiffusionPipeline)")
+# the denoisers a Conditioning exists for
+DENOISER_CLASSES = ("SD3Transformer2DModel", "FluxTransformer2DModel", "UNet2DConditionModel")
+DEFAULT_GUIDANCE = 3.5  # FluxPipeline's default guidance_scale: what a guidance-distilled FLUX.1 samples with
 
 
 def index_issue(index: dict[str, Any]) -> str | None:
@@ -136,7 +139,7 @@ class AutoDiffusionPipeline(torch.nn.Module):
     """The trainable part of a diffusers pipeline as one module; the pipeline itself is ``.pipeline``."""
 
     def __init__(self, pipeline: Any, trainable_components: Iterable[str] | None = None,
-                 max_sequence_length: int | None = None):
+                 max_sequence_length: int | None = None, guidance_scale: float | None = None):
         super().__init__()
         self.pipeline = pipeline  # not a Module: a plain attribute, outside parameters() and state_dict()
         self.denoiser_name = _denoiser_name(pipeline)
@@ -156,35 +159,44 @@ class AutoDiffusionPipeline(torch.nn.Module):
         self.autocast_dtype: torch.dtype | None = None  # the trained denoiser computes in this dtype (autocast)
         self.max_sequence_length = max_sequence_length
         self.conditioning = conditioning_for(pipeline, self.denoiser_name, max_sequence_length)
+        if isinstance(self.conditioning, FluxConditioning):
+            self.conditioning.set_guidance(None, guidance_scale, "model.guidance_scale")
+        elif guidance_scale is not None:
+            raise AutomodelError(f"model.guidance_scale: applies to FLUX.1 (FluxPipeline) only; this is a "
+                                 f"{type(pipeline).__name__}: remove it")
 
     # ---- construction (what configs name) -----------------------------------------------------------------
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | None = None, *, name_or_path: str | None = None,
                         trainable_components: list[str] | None = None, dtype: Any = None, torch_dtype: Any = None,
-                        max_sequence_length: int | None = None, **kwargs: Any) -> AutoDiffusionPipeline:
+                        max_sequence_length: int | None = None, guidance_scale: float | None = None,
+                        **kwargs: Any) -> AutoDiffusionPipeline:
         """Load a diffusers pipeline (hub name or directory); only ``trainable_components`` train (the denoiser).
 
-        ``max_sequence_length``: text tokens of the T5 slot of SD3-style pipelines (None: the pipeline's default,
-        256); pass the same value to the pipeline when sampling from the trained checkpoint.
+        ``max_sequence_length``: text tokens of the T5 slot of SD3-style and FLUX.1 pipelines (None: the
+        pipeline's default, 256 / 512); pass the same value to the pipeline when sampling from the trained
+        checkpoint. ``guidance_scale``: the guidance value a guidance-distilled FLUX.1 transformer (its config's
+        ``guidance_embeds``) is fed in training (None: 3.5, FluxPipeline's default); refused for other denoisers.
         """
         path = pretrained_model_name_or_path or name_or_path
         if not path:
             raise AutomodelError("model.pretrained_model_name_or_path: missing (a hub name or a pipeline directory)")
         pipeline = load_pipeline(path, parse_dtype(dtype or torch_dtype), **kwargs)
-        return cls(pipeline, trainable_components, max_sequence_length)
+        return cls(pipeline, trainable_components, max_sequence_length, guidance_scale)
 
     @classmethod
     def from_config(cls, config: str, *, trainable_components: list[str] | None = None, dtype: Any = None,
                     torch_dtype: Any = None, max_sequence_length: int | None = None,
-                    seed: int | None = None) -> AutoDiffusionPipeline:
+                    guidance_scale: float | None = None, seed: int | None = None) -> AutoDiffusionPipeline:
         """A pipeline directory of configs (``model_index.json`` + one folder per component), freshly initialised
         where a component has no weights; tokenizers and the scheduler are read from their folders."""
         if read_model_index(config) is None:
             raise AutomodelError(f"model.config: '{config}' is not a pipeline directory (no model_index.json)")
         if seed is not None:
             torch.manual_seed(seed)
-        return cls(load_pipeline(config, parse_dtype(dtype or torch_dtype)), trainable_components, max_sequence_length)
+        return cls(load_pipeline(config, parse_dtype(dtype or torch_dtype)), trainable_components, max_sequence_length,
+                   guidance_scale)
 
     # ---- the components --------------------------------------------------------------------------------------
 
@@ -226,10 +238,12 @@ class AutoDiffusionPipeline(torch.nn.Module):
         text_trains = any(n.startswith("text_encoder") for n in self.trainable_components)
         with torch.set_grad_enabled(torch.is_grad_enabled() and text_trains):
             cond = self.conditioning.encode(captions, latents.device)
+        latents, positions = self.conditioning.pack(latents)
         noisy, timesteps, target = self.objective.noise(latents, generator)
         denoiser = self.components[self.denoiser_name] if self.denoiser_name in self.components else self.denoiser
         with self.denoiser_precision(latents.device):
-            prediction = self.conditioning.denoise(denoiser, noisy.to(self.denoiser.dtype), timesteps, cond)
+            prediction = self.conditioning.denoise(denoiser, noisy.to(self.denoiser.dtype), timesteps,
+                                                   {**cond, **positions})
         losses = (prediction.float() - target.float()).pow(2).flatten(1).mean(1)
         weights = self.objective.loss_weights(timesteps)
         return losses if weights is None else losses * weights.to(losses.device, losses.dtype)
@@ -247,6 +261,10 @@ class Conditioning:
 
     def encode(self, captions: list[str], device: torch.device) -> dict[str, torch.Tensor]:
         raise NotImplementedError
+
+    def pack(self, latents: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The latents as the denoiser takes them (the objective noises these), and their position inputs."""
+        return latents, {}
 
     def denoise(self, denoiser: torch.nn.Module, sample: torch.Tensor, timesteps: torch.Tensor,
                 cond: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -280,11 +298,65 @@ class SD3Conditioning(Conditioning):
                         pooled_projections=cond["pooled_projections"].to(sample.dtype), return_dict=False)[0]
 
 
+class FluxConditioning(Conditioning):
+    """FluxPipeline (FLUX.1): CLIP's pooled embedding and T5's token embeddings; the latents go in as 2x2 patches
+    (the pipeline's own ``_pack_latents`` / ``_prepare_latent_image_ids``), the timestep as sigma (FluxPipeline's
+    ``timestep / 1000``), and a guidance-distilled transformer gets its guidance value."""
+
+    def __init__(self, pipeline: Any, max_sequence_length: int | None = None):
+        super().__init__(pipeline, max_sequence_length)
+        self.guidance: float | None = None  # fed when the transformer has guidance embeddings (set_guidance)
+
+    def set_guidance(self, use: bool | None, scale: float | None, key: str) -> None:
+        """The guidance the transformer is fed: ``scale`` (None: 3.5) when it has guidance embeddings. ``use``
+        (upstream's use_guidance_embeds; None: what the transformer has) must agree with the transformer, and a
+        ``scale`` other than 1 (no guidance) needs guidance embeddings; ``key`` names the setting in errors."""
+        embeds = bool(self.pipeline.transformer.config.get("guidance_embeds", False))
+        prefix = key.rsplit(".", 1)[0]
+        if use is not None and use != embeds:
+            has = "has" if embeds else "has no"
+            need = "it needs a guidance value in every call: set true" if embeds else "set false"
+            raise ConfigError(ConfigIssue(f"{prefix}.use_guidance_embeds",
+                                          f"{str(use).lower()}, but this FLUX.1 transformer {has} guidance "
+                                          f"embeddings (its config's guidance_embeds): {need}"))
+        if not embeds and scale not in (None, 1, 1.0):
+            raise ConfigError(ConfigIssue(key, f"{scale}: this FLUX.1 transformer has no guidance embeddings (its "
+                                               "config's guidance_embeds is false), so no guidance value is fed; "
+                                               "remove it"))
+        self.guidance = (DEFAULT_GUIDANCE if scale is None else float(scale)) if embeds else None
+
+    def encode(self, captions: list[str], device: torch.device) -> dict[str, torch.Tensor]:
+        embeds, pooled, text_ids = self.pipeline.encode_prompt(prompt=captions, prompt_2=None, device=device,
+                                                               **self.text_kwargs)
+        return {"encoder_hidden_states": embeds, "pooled_projections": pooled, "txt_ids": text_ids}
+
+    def pack(self, latents: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        batch, channels, height, width = latents.shape
+        if height % 2 or width % 2:
+            raise AutomodelError(f"data: FLUX.1 packs its latents into 2x2 patches, but the images encode to "
+                                 f"{height}x{width} latents; use an image size that is a multiple of "
+                                 f"{2 * self.pipeline.vae_scale_factor}")
+        cls = type(self.pipeline)
+        packed = cls._pack_latents(latents, batch, channels, height, width)
+        ids = cls._prepare_latent_image_ids(batch, height // 2, width // 2, latents.device, latents.dtype)
+        return packed, {"img_ids": ids}
+
+    def denoise(self, denoiser, sample, timesteps, cond):
+        guidance = None if self.guidance is None else \
+            torch.full((sample.shape[0],), self.guidance, device=sample.device, dtype=torch.float32)
+        return denoiser(hidden_states=sample, timestep=timesteps.to(sample.dtype) / 1000, guidance=guidance,
+                        pooled_projections=cond["pooled_projections"].to(sample.dtype),
+                        encoder_hidden_states=cond["encoder_hidden_states"].to(sample.dtype),
+                        txt_ids=cond["txt_ids"], img_ids=cond["img_ids"], return_dict=False)[0]
+
+
 def conditioning_for(pipeline: Any, denoiser_name: str, max_sequence_length: int | None = None) -> Conditioning:
     denoiser = getattr(pipeline, denoiser_name)
     kind = type(denoiser).__name__
     if kind == "SD3Transformer2DModel" and hasattr(pipeline, "text_encoder_2"):
         return SD3Conditioning(pipeline, max_sequence_length)
+    if kind == "FluxTransformer2DModel" and hasattr(pipeline, "_pack_latents"):
+        return FluxConditioning(pipeline, max_sequence_length)
     if kind == "UNet2DConditionModel" and getattr(denoiser.config, "addition_embed_type", None) is None \
             and hasattr(pipeline, "encode_prompt") and hasattr(pipeline, "text_encoder"):
         return UNetConditioning(pipeline)

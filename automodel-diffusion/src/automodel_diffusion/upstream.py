@@ -9,7 +9,9 @@ Upstream's diffusion configs carry no ``_target_`` for the model and describe tr
 * ``data.dataloader`` (upstream's text-to-image loader over a cache) -> a folder of images and captions, encoded
   on the fly (:func:`text_to_image_data`); ``performance:`` -> the loss check.
 
-Keys that need what this recipe does not have (other model families, video, Transformer Engine, CUDA kernels)
+``model_type: flux`` / ``flow_matching.adapter_type: flux`` (FLUX.1) say the pipeline is a FluxPipeline, which is
+checked; ``adapter_kwargs`` set the guidance its transformer is fed. Keys that need what this recipe does not have
+(other model families, video, Transformer Engine, CUDA kernels)
 are refused at validation with the reason. Import-light: no torch at import.
 """
 
@@ -21,11 +23,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 from automodel.config import Config, ConfigNode, FieldErrors
-from automodel.errors import AutomodelError, ConfigIssue
+from automodel.errors import AutomodelError, ConfigError, ConfigIssue
 from automodel_diffusion.objectives import ObjectiveConfig
 
-SUPPORTED = "SD3-style (StableDiffusion3Pipeline) and Stable Diffusion UNet (StableDiffusionPipeline) pipelines"
-FAMILIES = {"flux": "FLUX.1", "flux2": "FLUX.2", "wan": "Wan", "hunyuan": "HunyuanVideo", "ltx2": "LTX-2",
+SUPPORTED = ("SD3-style (StableDiffusion3Pipeline), FLUX.1 (FluxPipeline) and Stable Diffusion UNet "
+             "(StableDiffusionPipeline) pipelines")
+FLUX = "flux"  # upstream's model_type / adapter_type of FLUX.1: the pipeline must be a FluxPipeline
+FLUX_PIPELINE = "FluxPipeline"
+FLUX_ADAPTER_KWARGS = ("guidance_scale", "use_guidance_embeds")
+FAMILIES = {"flux2": "FLUX.2", "wan": "Wan", "hunyuan": "HunyuanVideo", "ltx2": "LTX-2",
             "qwen_image": "Qwen-Image", "qwen_image_edit": "Qwen-Image-Edit"}
 CPU_ATTENTION = ("native", "_native_math")  # torch's scaled_dot_product_attention: what runs without CUDA kernels
 GPU_ONLY = "needs a CUDA GPU, which this machine lacks"
@@ -124,9 +130,11 @@ def model_issues(model: Any, key: str = "model") -> list[ConfigIssue]:
         issues.append(ConfigIssue(f"{key}.attention_backend", f"'{backend}' {GPU_ONLY} (and its kernels); use "
                                                               "native (torch's scaled-dot-product attention) or "
                                                               "remove it"))
-    if model.get("model_type") is not None:
+    if model.get("model_type") not in (None, FLUX):
         issues.append(ConfigIssue(f"{key}.model_type", f"'{model['model_type']}': {family_refusal(model['model_type'])}"
                                                        "; remove model_type (the pipeline's own class decides)"))
+    elif model.get("model_type") == FLUX:
+        issues += flux_issues(model.get("pretrained_model_name_or_path"), f"{key}.model_type")
     for name in ("stage", "boundary_ratio"):
         if model.get(name) is not None:
             issues.append(ConfigIssue(f"{key}.{name}", "two-transformer pipelines (Wan 2.2's high/low-noise stages) "
@@ -261,9 +269,12 @@ class FlowMatchingSection:
     """Upstream's ``flow_matching:`` (its defaults) -> the flow-matching ``objective``."""
 
     adapter_type: str | None = field(default=None, metadata=_help(
-        "upstream's model-family adapter; null here: the pipeline's own conditioning (SD3 / SD UNet); every "
-        "upstream value names a family not implemented here"))
-    adapter_kwargs: dict = field(default_factory=dict, metadata=_help("the adapter's settings: only {}"))
+        "upstream's model-family adapter: flux (the pipeline must be a FluxPipeline, FLUX.1); null: the "
+        "pipeline's own conditioning decides; the other upstream values name families not implemented here"))
+    adapter_kwargs: dict = field(default_factory=dict, metadata=_help(
+        "with adapter_type flux: guidance_scale (the guidance value a guidance-distilled FLUX.1 transformer is "
+        "fed; default 3.5) and use_guidance_embeds (must match the transformer's guidance_embeds; default: what "
+        "it has); else only {}"))
     timestep_sampling: Literal["uniform", "logit_normal", "lognorm", "mix", "mode", "beta"] = field(
         default="logit_normal", metadata=_help("how sigmas are drawn (see objective.timestep_sampling)"))
     logit_mean: float = field(default=0.0, metadata=_help("logit_normal: mean"))
@@ -293,7 +304,7 @@ class FlowMatchingSection:
 
     def __post_init__(self) -> None:
         bad = {}
-        if self.adapter_type is not None:
+        if self.adapter_type not in (None, FLUX):
             if self.adapter_type == "simple":
                 bad["adapter_type"] = ("'simple' is upstream's adapter for Wan-style transformers fed precomputed "
                                        "text embeddings; this recipe encodes captions itself and calls the denoiser "
@@ -301,7 +312,9 @@ class FlowMatchingSection:
             else:
                 bad["adapter_type"] = (f"'{self.adapter_type}': {family_refusal(self.adapter_type)}; remove "
                                        "adapter_type and use one of those pipelines")
-        if self.adapter_kwargs:
+        if self.adapter_type == FLUX:
+            bad.update(flux_kwargs_issues(self.adapter_kwargs))
+        elif self.adapter_kwargs:
             bad["adapter_kwargs"] = "upstream's adapter settings do not apply here (no adapter); remove them"
         if self.i2v_prob != 0:
             bad["i2v_prob"] = (f"{self.i2v_prob}: image-to-video conditioning needs video data and a video "
@@ -325,6 +338,55 @@ class FlowMatchingSection:
                                sigma_min=self.sigma_min, sigma_max=self.sigma_max,
                                num_train_timesteps=self.num_train_timesteps, loss_weighting=weighting,
                                caption_dropout=self.cfg_dropout_prob)
+
+
+def flux_kwargs_issues(kwargs: dict) -> dict[str, str]:
+    """Key -> why, for flux adapter_kwargs that cannot act (the transformer's own check comes at build)."""
+    bad = {f"adapter_kwargs.{k}": f"not a setting of the flux adapter here (it takes {', '.join(FLUX_ADAPTER_KWARGS)})"
+           for k in kwargs if k not in FLUX_ADAPTER_KWARGS}
+    scale, use = kwargs.get("guidance_scale"), kwargs.get("use_guidance_embeds")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale <= 0):
+        bad["adapter_kwargs.guidance_scale"] = f"expected a number > 0, found {scale!r}"
+    elif use is False and scale not in (None, 1):
+        bad["adapter_kwargs.guidance_scale"] = (f"{scale} with use_guidance_embeds false: no guidance value is fed "
+                                                "(1, no guidance, is accepted); remove it or set use_guidance_embeds "
+                                                "true")
+    if use is not None and not isinstance(use, bool):
+        bad["adapter_kwargs.use_guidance_embeds"] = f"expected true or false, found {use!r}"
+    return bad
+
+
+def flux_issues(source: Any, key: str) -> list[ConfigIssue]:
+    """A flux family key on a local pipeline whose model_index.json names another pipeline class."""
+    from automodel_diffusion.pipeline import read_model_index
+
+    index = read_model_index(source) if isinstance(source, str) else None
+    if index is None or index.get("_class_name") == FLUX_PIPELINE:
+        return []
+    return [ConfigIssue(key, f"'{FLUX}' (FLUX.1) needs a {FLUX_PIPELINE}, but '{source}' is a "
+                             f"{index.get('_class_name')}; remove it or point the model at a FLUX.1 pipeline")]
+
+
+def apply_flux_adapter(cfg: Config, model: Any) -> None:
+    """At build: the flux family keys need the built pipeline to be FLUX.1; adapter_kwargs set its guidance."""
+    from automodel_diffusion.pipeline import FluxConditioning
+
+    settings = given(cfg, "flow_matching")
+    keys = [k for k, v in (("model.model_type", _model_type(cfg)),
+                           ("flow_matching.adapter_type", settings and settings.adapter_type)) if v == FLUX]
+    flux = isinstance(model.conditioning, FluxConditioning)
+    if keys and not flux:
+        raise ConfigError([ConfigIssue(k, f"'{FLUX}' (FLUX.1), but the pipeline is a {type(model.pipeline).__name__}"
+                                          "; remove it or load a FluxPipeline") for k in keys])
+    if flux and settings is not None and settings.adapter_type == FLUX:
+        kwargs = settings.adapter_kwargs
+        model.conditioning.set_guidance(kwargs.get("use_guidance_embeds"), kwargs.get("guidance_scale"),
+                                        "flow_matching.adapter_kwargs.guidance_scale")
+
+
+def _model_type(cfg: Config) -> Any:
+    model = cfg.model
+    return model.get("model_type") if isinstance(model, ConfigNode) and model.target is None else None
 
 
 _UPSTREAM_NAMES = {"shift": "flow_shift", "caption_dropout": "cfg_dropout_prob", "shift_sigmas": "use_sigma_noise"}
@@ -459,6 +521,10 @@ def upstream_issues(cfg: Config) -> list[ConfigIssue]:
     model = cfg.model
     if isinstance(model, ConfigNode) and model.target is None:
         issues += model_issues(model)
+    settings = cfg.get("flow_matching") if "flow_matching" in cfg else None
+    if settings is not None and settings.adapter_type == FLUX and isinstance(model, ConfigNode):
+        issues += flux_issues(model.get("pretrained_model_name_or_path") or model.get("config"),
+                              "flow_matching.adapter_type")
     data = cfg.get("data")
     if data is not None:
         issues += _data_issues(data, cfg.rng.seed)
