@@ -29,6 +29,18 @@ def train_inprocess(config: Path, *overrides: Any, before_run=None):
     return testing.train_inprocess(config, *overrides, route=("finetune", "diffusion"), before_run=before_run)
 
 
+def assert_denoiser_equal_with_adapter(trained: Any, loaded: Any, base: Any, inputs: dict[str, Any]) -> None:
+    """The adapter ``loaded`` from a checkpoint computes what the ``trained`` denoiser does, unlike the ``base``."""
+    import torch
+
+    with torch.no_grad():
+        ours = trained(**inputs, return_dict=False)[0]
+        theirs = loaded(**inputs, return_dict=False)[0]
+        plain = base(**inputs, return_dict=False)[0]
+    torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=0)
+    assert (plain - ours).abs().max() > 1e-3, "the adapter does not change the denoiser's output"
+
+
 def cli(*args: Any) -> int:
     from automodel.cli.main import main
 

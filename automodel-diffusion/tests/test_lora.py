@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from diffusion_testing import ASSETS, EXAMPLES, cli, load_config, train_inprocess
+from diffusion_testing import ASSETS, EXAMPLES, assert_denoiser_equal_with_adapter, cli, load_config, train_inprocess
 
 from automodel.errors import ConfigError
 from automodel.testing import losses_by_step
@@ -70,15 +70,6 @@ def lora_parameter_count(denoiser: torch.nn.Module, matches, rank: int) -> int:
     """What LoRA of ``rank`` on the linear layers ``matches`` selects should add: rank x (in + out) each."""
     return sum(rank * (m.in_features + m.out_features) for name, m in denoiser.named_modules()
                if isinstance(m, torch.nn.Linear) and matches(name))
-
-
-def assert_denoiser_equal_with_adapter(trained, loaded, base, inputs) -> None:
-    with torch.no_grad():
-        ours = trained(**inputs, return_dict=False)[0]
-        theirs = loaded(**inputs, return_dict=False)[0]
-        plain = base(**inputs, return_dict=False)[0]
-    torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=0)
-    assert (plain - ours).abs().max() > 1e-3, "the adapter does not change the denoiser's output"
 
 
 def test_only_the_adapters_train_and_the_base_weights_stay(flow_lora, bases):

@@ -178,7 +178,7 @@ def test_bsmntw_weights_are_a_bell_with_mean_one():
 
 
 @pytest.mark.parametrize("override,key,needle", [
-    (("--flow_matching.adapter_type", "flux"), "flow_matching.adapter_type", "FLUX.1 model family is not implemented"),
+    (("--flow_matching.adapter_type", "flux2"), "flow_matching.adapter_type", "FLUX.2 model family is not implemented"),
     (("--flow_matching.adapter_type", "simple"), "flow_matching.adapter_type", "Wan-style transformers"),
     (("--flow_matching.adapter_kwargs", "{guidance_scale: 1}"), "flow_matching.adapter_kwargs", "no adapter"),
     (("--flow_matching.i2v_prob", "0.3"), "flow_matching.i2v_prob", "needs video data"),
@@ -239,7 +239,6 @@ def test_an_upstream_latent_cache_is_refused_because_loading_it_unpickles(tmp_pa
 
 @pytest.mark.parametrize("override,key,needle", [
     (("--vae.enable_cpu_offload", "true"), "vae.enable_cpu_offload", "needs a CUDA GPU"),
-    (("--model.lora_weights", "/some/adapter"), "model.lora_weights", "LoRA adapters are not supported"),
     (("--model.lora_scale", "0.5"), "model.lora_scale", "applies to lora_weights only"),
     (("--model.checkpoint_high_noise", "/x"), "model.checkpoint_high_noise", "Wan 2.2"),
     (("--output.fps", "16"), "output.fps", "video pipelines are not supported"),
@@ -302,10 +301,10 @@ def test_a_backend_is_compared_only_with_a_valid_dist_env():
 
 
 def test_a_pipeline_of_another_family_is_refused_at_validation(tmp_path):
-    flux = tmp_path / "flux"
-    flux.mkdir()
-    (flux / "model_index.json").write_text(json.dumps({
-        "_class_name": "FluxPipeline", "transformer": ["diffusers", "FluxTransformer2DModel"],
-        "vae": ["diffusers", "AutoencoderKL"], "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"]}))
-    found = refusals(FINETUNE, "--model.pretrained_model_name_or_path", flux)
-    assert "FluxPipeline with a FluxTransformer2DModel denoiser" in found["model"], found
+    wan = tmp_path / "wan"
+    wan.mkdir()
+    (wan / "model_index.json").write_text(json.dumps({
+        "_class_name": "WanPipeline", "transformer": ["diffusers", "WanTransformer3DModel"],
+        "vae": ["diffusers", "AutoencoderKLWan"], "scheduler": ["diffusers", "UniPCMultistepScheduler"]}))
+    found = refusals(FINETUNE, "--model.pretrained_model_name_or_path", wan)
+    assert "WanPipeline with a WanTransformer3DModel denoiser" in found["model"], found

@@ -32,16 +32,16 @@ class GenerateModelConfig:
     checkpoint: str | None = field(default=None, metadata=_help(
         "a training checkpoint (epoch_<E>_step_<S>, or its model/ folder): its trained components replace the "
         "pipeline's"))
-    lora_weights: str | None = field(default=None, metadata=_help("LoRA adapter weights: not supported (null)"))
-    lora_scale: float = field(default=1.0, metadata=_help("the LoRA adapter's scale: with lora_weights only (1.0)"))
-    lora_adapter_name: str = field(default="default", metadata=_help("with lora_weights only ('default')"))
+    lora_weights: str | None = field(default=None, metadata=_help(
+        "a LoRA adapter in diffusers' format (a LoRA training checkpoint, epoch_<E>_step_<S> or its model/ folder, "
+        "or a pytorch_lora_weights.safetensors): loaded with the pipeline's load_lora_weights"))
+    lora_scale: float = field(default=1.0, metadata=_help("the LoRA adapter's weight (with lora_weights)"))
+    lora_adapter_name: str = field(default="default", metadata=_help("the adapter's name (with lora_weights)"))
     checkpoint_high_noise: str | None = field(default=None, metadata=_help("Wan 2.2 two-stage: not supported"))
     checkpoint_low_noise: str | None = field(default=None, metadata=_help("Wan 2.2 two-stage: not supported"))
 
     def __post_init__(self) -> None:
         bad = {}
-        if self.lora_weights is not None:
-            bad["lora_weights"] = "LoRA adapters are not supported for diffusion here (nor trained); remove it"
         if self.lora_scale != 1.0 and self.lora_weights is None:
             bad["lora_scale"] = "applies to lora_weights only; remove it"
         if self.lora_adapter_name != "default" and self.lora_weights is None:
@@ -157,6 +157,8 @@ class GenerateRecipe(BaseRecipe):
         self.pipeline = load_pipeline(self.cfg.model.pretrained_model_name_or_path, dtype)
         if self.cfg.model.checkpoint:
             self.load_checkpoint(Path(self.cfg.model.checkpoint), dtype)
+        if self.cfg.model.lora_weights:
+            self.load_lora(Path(self.cfg.model.lora_weights))
         vae = self.cfg.vae
         if vae.enable_slicing:
             self.pipeline.vae.enable_slicing()
@@ -184,6 +186,28 @@ class GenerateRecipe(BaseRecipe):
                                      "diffusers model")
             self.pipeline.register_modules(**{name: cls.from_pretrained(str(model_dir / name), torch_dtype=dtype)})
             self.log(f"model.checkpoint: {name} from {model_dir / name}")
+
+    def load_lora(self, path: Path) -> None:
+        """A LoRA adapter (diffusers' format, as diffusion LoRA training writes it) on the pipeline, weighted
+        ``lora_scale``."""
+        from automodel_diffusion.lora import LORA_WEIGHTS
+
+        model = self.cfg.model
+        if path.is_dir() and (path / "model" / LORA_WEIGHTS).is_file():
+            path = path / "model"
+        if not hasattr(self.pipeline, "load_lora_weights"):
+            raise AutomodelError(f"model.lora_weights: {type(self.pipeline).__name__} does not load LoRA adapters")
+        if not (path / LORA_WEIGHTS).is_file() and not path.is_file():
+            raise AutomodelError(f"model.lora_weights: '{path}' holds no {LORA_WEIGHTS}; give a LoRA training "
+                                 "checkpoint (epoch_<E>_step_<S> or its model/) or the adapter file")
+        folder, name = (path.parent, path.name) if path.is_file() else (path, LORA_WEIGHTS)
+        try:
+            self.pipeline.load_lora_weights(str(folder), weight_name=name, adapter_name=model.lora_adapter_name)
+        except (ValueError, KeyError, RuntimeError) as err:
+            raise AutomodelError(f"model.lora_weights: the adapter in '{path}' does not fit this "
+                                 f"{type(self.pipeline).__name__}: {err}") from None
+        self.pipeline.set_adapters([model.lora_adapter_name], [model.lora_scale])
+        self.log(f"model.lora_weights: {model.lora_adapter_name} from {path} (scale {model.lora_scale:g})")
 
     def pipeline_arguments(self) -> dict[str, Any]:
         """The pipeline call's arguments; one its __call__ does not take is an error naming the key."""
