@@ -262,3 +262,15 @@ def test_model_guidance_scale_needs_guidance_embeddings(bases):
     with pytest.raises(AutomodelError, match="model.guidance_scale: applies to FLUX.1"):
         AutoDiffusionPipeline.from_config(str(ASSETS / "tiny_flow"), guidance_scale=2.0)
     assert flux_model(bases["guided"]).conditioning.guidance == 3.5, "FluxPipeline's default guidance"
+
+
+def test_a_transformer_wanting_conditioning_image_channels_is_refused(bases):
+    import diffusers
+
+    from automodel_diffusion import AutoDiffusionPipeline
+
+    pipeline = diffusers.FluxPipeline.from_pretrained(str(bases["plain"]))
+    config = {k: v for k, v in pipeline.transformer.config.items() if not k.startswith("_")}
+    pipeline.transformer = diffusers.FluxTransformer2DModel(**{**config, "in_channels": 32})  # Fill / Control-like
+    with pytest.raises(AutomodelError, match="takes 32 input channels, not the 16 of its packed latents"):
+        AutoDiffusionPipeline(pipeline)

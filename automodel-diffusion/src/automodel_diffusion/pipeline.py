@@ -356,6 +356,12 @@ def conditioning_for(pipeline: Any, denoiser_name: str, max_sequence_length: int
     if kind == "SD3Transformer2DModel" and hasattr(pipeline, "text_encoder_2"):
         return SD3Conditioning(pipeline, max_sequence_length)
     if kind == "FluxTransformer2DModel" and hasattr(pipeline, "_pack_latents"):
+        packed, channels = 4 * pipeline.vae.config.latent_channels, denoiser.config.in_channels
+        if channels != packed:
+            raise AutomodelError(f"model: the {type(pipeline).__name__}'s transformer takes {channels} input "
+                                 f"channels, not the {packed} of its packed latents alone (FLUX.1 Fill / "
+                                 "Control conditioning images), which diffusion training does not support here; "
+                                 "use a text-to-image FluxPipeline")
         return FluxConditioning(pipeline, max_sequence_length)
     if kind == "UNet2DConditionModel" and getattr(denoiser.config, "addition_embed_type", None) is None \
             and hasattr(pipeline, "encode_prompt") and hasattr(pipeline, "text_encoder"):
