@@ -119,6 +119,23 @@ def test_loss_falls_on_a_fixed_batch_and_guidance_acts(bases):
     assert abs(other - last) > 1e-6, "the guidance value does not reach the transformer"
 
 
+def test_our_own_config_form_trains_validates_and_samples_a_flux_pipeline(bases, tmp_path):
+    from diffusion_testing import EXAMPLES
+
+    from automodel.testing import read_jsonl
+
+    ckpt = tmp_path / "ckpt"
+    recipe = train_inprocess(EXAMPLES / "tiny_flow.yaml", "--model.config", bases["guided"], "--model.guidance_scale",
+                             2.0, "--parallel_scheme", "{transformer: fsdp2, vae: ddp, text_encoder: ddp, "
+                             "text_encoder_2: ddp}", "--step_scheduler.max_steps", 2,
+                             "--step_scheduler.val_check_interval", 2, "--step_scheduler.checkpoint_interval", 2,
+                             "--sample_generation.num_inference_steps", 2, "--checkpoint.checkpoint_dir", ckpt)
+    assert recipe.model.conditioning.guidance == 2.0
+    assert [r["step"] for r in read_jsonl(ckpt / "validation.jsonl")] == [2]
+    grid = numpy.asarray(Image.open(ckpt / "samples" / "step_2.png").convert("RGB"))
+    assert grid.shape == (32, 32 * 4, 3) and grid.std() > 0
+
+
 # ---- upstream's FLUX.1 forms through the CLI --------------------------------------------------------------------
 
 
@@ -243,8 +260,17 @@ def test_flux_settings_that_cannot_act_are_refused_at_validation(override, key, 
 
 
 def test_model_type_flux_needs_a_flux_pipeline():
+    from automodel_diffusion import AutoDiffusionPipeline
+    from automodel_diffusion.upstream import apply_flux_adapter
+
     found = refusals(LORA, "--model.pretrained_model_name_or_path", str(ASSETS / "tiny_flow"))
     assert "needs a FluxPipeline, but" in found["model.model_type"], found
+    _, cfg = load_config(LORA)  # a hub name is only known once built
+    with pytest.raises(ConfigError) as info:
+        apply_flux_adapter(cfg, AutoDiffusionPipeline.from_config(str(ASSETS / "tiny_flow")))
+    found = {issue.key: issue.message for issue in info.value.issues}
+    assert set(found) == {"model.model_type", "flow_matching.adapter_type"}
+    assert "the pipeline is a StableDiffusion3Pipeline" in found["model.model_type"], found
 
 
 def test_guidance_settings_must_match_the_transformer(bases, tmp_path):
