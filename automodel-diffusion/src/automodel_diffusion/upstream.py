@@ -76,7 +76,9 @@ def load_upstream_pipeline(pretrained_model_name_or_path: str, mode: Literal["fi
     directory, ``cache_dir`` its download cache) stored in ``torch_dtype``; ``mode: pretrain`` re-initialises the
     trained denoiser from its config (``pipeline_spec`` names its class and folder) and keeps the other
     components' weights; ``compute_dtype`` is the dtype the denoiser computes in (the recipe applies it);
-    ``attention_backend: native`` is torch's scaled-dot-product attention. The other keys are accepted only at the
+    ``attention_backend: native`` is torch's scaled-dot-product attention; ``model_type: flux`` says the pipeline is
+    FLUX.1 (checked against its model_index.json at validation, against the built pipeline by the recipe). The
+    other keys are accepted only at the
     values that need nothing this machine or recipe lacks (validation refuses the rest, see ``model_issues``)."""
     refused = model_issues({k: v for k, v in locals().items() if v not in (None, False)}, "model")
     import torch
