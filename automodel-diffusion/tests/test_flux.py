@@ -246,8 +246,6 @@ def build_refusal(config: Path, base: Path, *overrides) -> dict[str, str]:
 
 @pytest.mark.parametrize("override,key,needle", [
     (("--flow_matching.adapter_kwargs.scale", "2"), "flow_matching.adapter_kwargs.scale", "not a setting of the flux"),
-    (("--flow_matching.adapter_kwargs.guidance_scale", "3.5"), "flow_matching.adapter_kwargs.guidance_scale",
-     "no guidance value is fed"),
     (("--flow_matching.adapter_kwargs.guidance_scale", "-1"), "flow_matching.adapter_kwargs.guidance_scale", "> 0"),
     (("--flow_matching.adapter_kwargs.use_guidance_embeds", "maybe"), "flow_matching.adapter_kwargs.use_guidance_"
      "embeds", "true or false"),
@@ -276,8 +274,23 @@ def test_model_type_flux_needs_a_flux_pipeline():
 def test_guidance_settings_must_match_the_transformer(bases, tmp_path):
     found = build_refusal(LORA, bases["plain"], "--checkpoint.checkpoint_dir", tmp_path)
     assert "has no guidance embeddings" in found["flow_matching.adapter_kwargs.use_guidance_embeds"], found
-    found = build_refusal(FINETUNE, bases["guided"], "--checkpoint.checkpoint_dir", tmp_path)
-    assert "needs a guidance value" in found["flow_matching.adapter_kwargs.use_guidance_embeds"], found
+    found = build_refusal(FINETUNE, bases["plain"], "--checkpoint.checkpoint_dir", tmp_path,
+                          "--flow_matching.adapter_kwargs.guidance_scale", "3.5")
+    assert "no guidance value is fed" in found["flow_matching.adapter_kwargs.guidance_scale"], found
+
+
+def test_use_guidance_embeds_false_on_a_guidance_distilled_transformer_feeds_guidance_scale_as_upstream(bases):
+    """Upstream's own FLUX.1-dev form: use_guidance_embeds false, guidance_scale 1, on a transformer with guidance
+    embeddings. Upstream feeds guidance_scale whatever use_guidance_embeds says (that transformer needs a value in
+    every call); so does this, and says so."""
+    from automodel_diffusion.upstream import apply_flux_adapter
+
+    _, cfg = load_config(FINETUNE)
+    model = flux_model(bases["guided"])
+    note = apply_flux_adapter(cfg, model)
+    assert model.conditioning.guidance == 1.0, "guidance_scale 1 is what the transformer is fed"
+    assert "use_guidance_embeds: false" in note and "it is fed 1" in note, note
+    assert apply_flux_adapter(cfg, flux_model(bases["plain"])) is None
 
 
 def test_model_guidance_scale_needs_guidance_embeddings(bases):

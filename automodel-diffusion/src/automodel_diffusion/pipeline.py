@@ -307,23 +307,28 @@ class FluxConditioning(Conditioning):
         super().__init__(pipeline, max_sequence_length)
         self.guidance: float | None = None  # fed when the transformer has guidance embeddings (set_guidance)
 
-    def set_guidance(self, use: bool | None, scale: float | None, key: str) -> None:
-        """The guidance the transformer is fed: ``scale`` (None: 3.5) when it has guidance embeddings. ``use``
-        (upstream's use_guidance_embeds; None: what the transformer has) must agree with the transformer, and a
-        ``scale`` other than 1 (no guidance) needs guidance embeddings; ``key`` names the setting in errors."""
+    def set_guidance(self, use: bool | None, scale: float | None, key: str) -> str | None:
+        """The guidance the transformer is fed: ``scale`` (None: 3.5) when it has guidance embeddings, none when it
+        has not (a ``scale`` other than 1, no guidance, is refused there). ``use`` is upstream's
+        use_guidance_embeds (None: what the transformer has): true on a transformer without guidance embeddings is
+        refused; false on one with them is upstream's own FLUX.1-dev form, where upstream feeds ``scale`` all the
+        same because that transformer needs a guidance value in every call: so does this, and the returned note says
+        so. ``key`` names the setting in errors."""
         embeds = bool(self.pipeline.transformer.config.get("guidance_embeds", False))
         prefix = key.rsplit(".", 1)[0]
-        if use is not None and use != embeds:
-            has = "has" if embeds else "has no"
-            need = "it needs a guidance value in every call: set true" if embeds else "set false"
+        if use and not embeds:
             raise ConfigError(ConfigIssue(f"{prefix}.use_guidance_embeds",
-                                          f"{str(use).lower()}, but this FLUX.1 transformer {has} guidance "
-                                          f"embeddings (its config's guidance_embeds): {need}"))
+                                          "true, but this FLUX.1 transformer has no guidance embeddings (its "
+                                          "config's guidance_embeds): set false"))
         if not embeds and scale not in (None, 1, 1.0):
             raise ConfigError(ConfigIssue(key, f"{scale}: this FLUX.1 transformer has no guidance embeddings (its "
                                                "config's guidance_embeds is false), so no guidance value is fed; "
                                                "remove it"))
         self.guidance = (DEFAULT_GUIDANCE if scale is None else float(scale)) if embeds else None
+        if use is False and embeds:
+            return (f"{prefix}.use_guidance_embeds: false, but this FLUX.1 transformer has guidance embeddings and "
+                    f"needs a guidance value in every call: it is fed {self.guidance:g} ({key}), as upstream does")
+        return None
 
     def encode(self, captions: list[str], device: torch.device) -> dict[str, torch.Tensor]:
         embeds, pooled, text_ids = self.pipeline.encode_prompt(prompt=captions, prompt_2=None, device=device,

@@ -275,8 +275,8 @@ class FlowMatchingSection:
         "pipeline's own conditioning decides; the other upstream values name families not implemented here"))
     adapter_kwargs: dict = field(default_factory=dict, metadata=_help(
         "with adapter_type flux: guidance_scale (the guidance value a guidance-distilled FLUX.1 transformer is "
-        "fed; default 3.5) and use_guidance_embeds (must match the transformer's guidance_embeds; default: what "
-        "it has); else only {}"))
+        "fed; default 3.5) and use_guidance_embeds (true needs guidance embeddings; false on a transformer with "
+        "them still feeds guidance_scale, as upstream does); else only {}"))
     timestep_sampling: Literal["uniform", "logit_normal", "lognorm", "mix", "mode", "beta"] = field(
         default="logit_normal", metadata=_help("how sigmas are drawn (see objective.timestep_sampling)"))
     logit_mean: float = field(default=0.0, metadata=_help("logit_normal: mean"))
@@ -349,10 +349,6 @@ def flux_kwargs_issues(kwargs: dict) -> dict[str, str]:
     scale, use = kwargs.get("guidance_scale"), kwargs.get("use_guidance_embeds")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale <= 0):
         bad["adapter_kwargs.guidance_scale"] = f"expected a number > 0, found {scale!r}"
-    elif use is False and scale not in (None, 1):
-        bad["adapter_kwargs.guidance_scale"] = (f"{scale} with use_guidance_embeds false: no guidance value is fed "
-                                                "(1, no guidance, is accepted); remove it or set use_guidance_embeds "
-                                                "true")
     if use is not None and not isinstance(use, bool):
         bad["adapter_kwargs.use_guidance_embeds"] = f"expected true or false, found {use!r}"
     return bad
@@ -369,8 +365,9 @@ def flux_issues(source: Any, key: str) -> list[ConfigIssue]:
                              f"{index.get('_class_name')}; remove it or point the model at a FLUX.1 pipeline")]
 
 
-def apply_flux_adapter(cfg: Config, model: Any) -> None:
-    """At build: the flux family keys need the built pipeline to be FLUX.1; adapter_kwargs set its guidance."""
+def apply_flux_adapter(cfg: Config, model: Any) -> str | None:
+    """At build: the flux family keys need the built pipeline to be FLUX.1; adapter_kwargs set its guidance (the
+    returned note, if any, is for the run's log)."""
     from automodel_diffusion.pipeline import FluxConditioning
 
     settings = given(cfg, "flow_matching")
@@ -382,8 +379,9 @@ def apply_flux_adapter(cfg: Config, model: Any) -> None:
                                           "; remove it or load a FluxPipeline") for k in keys])
     if flux and settings is not None and settings.adapter_type == FLUX:
         kwargs = settings.adapter_kwargs
-        model.conditioning.set_guidance(kwargs.get("use_guidance_embeds"), kwargs.get("guidance_scale"),
-                                        "flow_matching.adapter_kwargs.guidance_scale")
+        return model.conditioning.set_guidance(kwargs.get("use_guidance_embeds"), kwargs.get("guidance_scale"),
+                                               "flow_matching.adapter_kwargs.guidance_scale")
+    return None
 
 
 def _model_type(cfg: Config) -> Any:
