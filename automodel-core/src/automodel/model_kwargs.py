@@ -22,12 +22,13 @@ SDPA_BACKENDS = {"flash_attention": "FLASH_ATTENTION", "efficient_attention": "E
                  "math": "MATH", "cudnn_attention": "CUDNN_ATTENTION"}
 CPU_SDPA_BACKENDS = ("flash_attention", "math")
 SWITCHES = ("use_liger_kernel", "force_hf", "use_sdpa_patching", "mtp_use_repeated_layer")  # true or false
-UPSTREAM_KEYS = (*SWITCHES, "sdpa_method", "mtp_loss_scaling_factor")
+UPSTREAM_KEYS = ("use_liger_kernel", "force_hf", "use_sdpa_patching", "sdpa_method")  # the MTP keys: automodel.mtp
 SDPA_METHOD_PARALLEL_REFUSAL = ("runs the model's whole forward under those SDPA backends, but a pipeline stage runs "
                                 "its part of the model without that forward and context parallelism chooses its own "
                                 "backends; remove it (use_sdpa_patching: true alone lets torch choose) or use "
                                 "distributed.pp_size and cp_size 1")
-MTP = "upstream's multi-token-prediction heads, which transformers' models here do not have"
+MTP_FAMILIES = ("nemotron_h",)  # automodel.mtp.attach.FAMILIES, named here without importing torch
+MTP = f"upstream's multi-token-prediction heads (implemented here for {', '.join(MTP_FAMILIES)})"
 
 
 def dtype_name(value: Any) -> str | None:
@@ -92,11 +93,22 @@ def upstream_model_issues(kwargs: Mapping[str, Any]) -> dict[str, str]:
         issues["use_sdpa_patching"] = "true runs attention through torch's SDPA, but attn_implementation is 'eager'"
     if (issue := _sdpa_method_issue(kwargs)) is not None:
         issues["sdpa_method"] = issue
-    if kwargs.get("mtp_use_repeated_layer") is True:
-        issues["mtp_use_repeated_layer"] = f"true shares a layer among {MTP}; remove it"
-    if kwargs.get("mtp_loss_scaling_factor") is not None and kwargs.get("num_nextn_predict_layers") != 0:
-        issues["mtp_loss_scaling_factor"] = (f"scales the loss of {MTP}; remove it (it is accepted only with "
-                                             "num_nextn_predict_layers: 0, no heads)")
+    issues.update(_mtp_issues(kwargs))
+    return issues
+
+
+def _mtp_issues(kwargs: Mapping[str, Any]) -> dict[str, str]:
+    depths, factor = kwargs.get("num_nextn_predict_layers"), kwargs.get("mtp_loss_scaling_factor")
+    if depths is not None and (isinstance(depths, bool) or not isinstance(depths, int) or depths < 0):
+        return {"num_nextn_predict_layers": f"expected the number of {MTP} (an integer >= 0), found {depths!r}"}
+    issues = {}
+    if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor < 0):
+        issues["mtp_loss_scaling_factor"] = f"expected a number >= 0 (the weight of the heads' loss), found {factor!r}"
+    if depths is None:
+        for key in ("mtp_use_repeated_layer", "mtp_loss_scaling_factor"):
+            if kwargs.get(key) not in (None, False):
+                issues[key] = (f"acts only on {MTP}, which num_nextn_predict_layers asks for (the number of tokens "
+                               "ahead); set it or remove this key")
     return issues
 
 
@@ -115,13 +127,25 @@ def take_upstream_kwargs(kwargs: dict[str, Any]) -> list[str] | None:
     return list(taken["sdpa_method"]) if taken.get("sdpa_method") else None
 
 
-def take_model_settings(kwargs: dict[str, Any]) -> Callable[[Any], Any]:
+def take_model_settings(kwargs: dict[str, Any], checkpoint: str | None = None) -> Callable[[Any], Any]:
     """Take upstream's keys and ``backend`` out of a model factory's keyword arguments (what transformers must not
     see; the attention ``backend`` selects stays in them); returns what finishes the built model: the backend's
-    routing and router precision (:func:`automodel.model_backend.apply_to_model`), then the SDPA backends."""
+    routing and router precision (:func:`automodel.model_backend.apply_to_model`), the MTP heads the keys ask for
+    (:mod:`automodel.mtp`, initialised from ``checkpoint``'s ``mtp.*`` tensors where it has them), then the SDPA
+    backends."""
     sdpa_backends = take_upstream_kwargs(kwargs)
+    from automodel.mtp.attach import attach_heads, read_settings
+
+    mtp = read_settings(kwargs)
     backend = apply_backend(kwargs)
-    return lambda model: run_under_sdpa_backends(apply_to_model(model, backend), sdpa_backends)
+
+    def finish(model: Any) -> Any:
+        model = apply_to_model(model, backend)
+        if mtp is not None:
+            attach_heads(model, mtp, checkpoint)
+        return run_under_sdpa_backends(model, sdpa_backends)
+
+    return finish
 
 
 def run_under_sdpa_backends(model: Any, names: list[str] | None) -> Any:
@@ -164,8 +188,8 @@ def apply_config_overrides(config: Any, overrides: Mapping[str, Any]) -> None:
 def _set(config: Any, name: str, value: Any, key: str) -> None:
     if not hasattr(config, name):
         if name == "num_nextn_predict_layers":
-            raise AutomodelError(f"{key}: {value} asks for {MTP} (the {config.model_type} config has no such "
-                                 "attribute); remove it or use 0")
+            raise AutomodelError(f"{key}: {value} asks for {MTP}; this model is {config.model_type}: remove it "
+                                 "or use 0")
         what = "not an attribute" if key.count(".") > 1 else "neither a from_pretrained argument nor an attribute"
         raise AutomodelError(f"{key}: {what} of the {config.model_type} config; remove it (or correct its "
                              "name)")

@@ -51,9 +51,10 @@ class AutoModelForCausalLM:
                         dtype: Any = None, torch_dtype: Any = None, **kwargs: Any) -> Any:
         import transformers
 
-        finish = take_model_settings(kwargs)
-        model = pretrained_or_fresh(transformers.AutoModelForCausalLM, pretrained_model_name_or_path or name_or_path,
-                                    dtype or torch_dtype, cls.from_config, kwargs)
+        path = pretrained_model_name_or_path or name_or_path
+        finish = take_model_settings(kwargs, checkpoint=path)
+        model = pretrained_or_fresh(transformers.AutoModelForCausalLM, path, dtype or torch_dtype, cls.from_config,
+                                    kwargs)
         return finish(model)
 
     @classmethod
