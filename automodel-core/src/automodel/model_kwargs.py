@@ -106,7 +106,7 @@ def _mtp_issues(kwargs: Mapping[str, Any]) -> dict[str, str]:
         issues["mtp_loss_scaling_factor"] = f"expected a number >= 0 (the weight of the heads' loss), found {factor!r}"
     if depths is None:
         for key in ("mtp_use_repeated_layer", "mtp_loss_scaling_factor"):
-            if kwargs.get(key) not in (None, False):
+            if kwargs.get(key) not in (None, False) and key not in issues:
                 issues[key] = (f"acts only on {MTP}, which num_nextn_predict_layers asks for (the number of tokens "
                                "ahead); set it or remove this key")
     return issues
