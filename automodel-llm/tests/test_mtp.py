@@ -169,9 +169,15 @@ def test_what_the_heads_are_not_wired_into_is_refused(tmp_path, nemotron_dir, se
 def test_other_families_and_lone_mtp_keys_are_refused(make_config):
     found = refusals(make_config(model={"num_nextn_predict_layers": 1}))
     assert "implemented here for nemotron_h); this model is llama" in found["model.num_nextn_predict_layers"]
-    found = refusals(make_config(model={"mtp_use_repeated_layer": True, "mtp_loss_scaling_factor": -1}))
-    assert "which num_nextn_predict_layers asks for" in found["model.mtp_use_repeated_layer"]
+    found = refusals(make_config(model={"mtp_use_repeated_layer": True}))
+    assert "this model is llama" in found["model.mtp_use_repeated_layer"]
+    found = refusals(make_config(model={"num_nextn_predict_layers": 0, "mtp_loss_scaling_factor": -1}))
     assert "expected a number >= 0" in found["model.mtp_loss_scaling_factor"]
+
+
+def test_a_scaling_factor_alone_trains_the_checkpoint_configs_heads(nemotron_dir):
+    model = AutoModelForCausalLM.from_pretrained(nemotron_dir, mtp_loss_scaling_factor=0.2)  # upstream's Super V3
+    assert model.mtp.settings.depths == 1 and model.mtp.settings.scaling_factor == 0.2
 
 
 def test_a_copy_without_mtp_tensors_starts_the_heads_fresh(tmp_path, nemotron_dir):

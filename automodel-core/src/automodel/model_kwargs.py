@@ -27,7 +27,8 @@ SDPA_METHOD_PARALLEL_REFUSAL = ("runs the model's whole forward under those SDPA
                                 "its part of the model without that forward and context parallelism chooses its own "
                                 "backends; remove it (use_sdpa_patching: true alone lets torch choose) or use "
                                 "distributed.pp_size and cp_size 1")
-MTP_FAMILIES = ("nemotron_h",)  # automodel.mtp.attach.FAMILIES, named here without importing torch
+# model_type -> (the module of its MTP sublayers, the main model's final norm the heads start from): automodel.mtp
+MTP_FAMILIES = {"nemotron_h": ("automodel.mtp.nemotron_h", "model.norm_f")}
 MTP = f"upstream's multi-token-prediction heads (implemented here for {', '.join(MTP_FAMILIES)})"
 
 
@@ -104,11 +105,6 @@ def _mtp_issues(kwargs: Mapping[str, Any]) -> dict[str, str]:
     issues = {}
     if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor < 0):
         issues["mtp_loss_scaling_factor"] = f"expected a number >= 0 (the weight of the heads' loss), found {factor!r}"
-    if depths is None:
-        for key in ("mtp_use_repeated_layer", "mtp_loss_scaling_factor"):
-            if kwargs.get(key) not in (None, False) and key not in issues:
-                issues[key] = (f"acts only on {MTP}, which num_nextn_predict_layers asks for (the number of tokens "
-                               "ahead); set it or remove this key")
     return issues
 
 

@@ -23,7 +23,7 @@ from automodel.hf import (
     record_adapter_base,
 )
 from automodel.model_backend import backend_setting
-from automodel.mtp.checks import mtp_depths, mtp_issues
+from automodel.mtp.checks import mtp_asked, mtp_issues
 from automodel.mtp.heads import MTPHeads, find_heads
 from automodel.training.checkpoint_write import sharded_only_message
 from automodel.training.context import BuildContext
@@ -186,7 +186,7 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
         issues += nvtx_issues(cfg.resolved.get("nvtx"))
         if backend_setting(cfg.model, "gate_precision") is not None:
             issues += router_issues(model_hf_config(cfg))
-        if mtp_depths(cfg):
+        if mtp_asked(cfg):
             issues += mtp_issues(cfg, model_hf_config(cfg), supported=cls.adds_mtp_loss)
         repair = cfg.get("embedding_row_repair")
         sharded = settings is not None and (settings.tp_size > 1 or settings.pp_size > 1 or (

@@ -5,13 +5,14 @@ forward that, while training, runs the heads on the main model's final hidden st
 
 A family (a transformers ``model_type``) plugs in with a module giving ``build_layers(config, settings)``,
 ``depth_kwargs(config, hidden, attention_mask, position_ids)`` (what a depth's sublayers are called with),
-and ``checkpoint_tensors(tensors)`` (a checkpoint's ``mtp.*`` tensors under the model's names); :data:`FAMILIES`
-names it and the module whose output the heads start from (the main model's final norm).
+and ``checkpoint_tensors(tensors)`` (a checkpoint's ``mtp.*`` tensors under the model's names);
+:data:`automodel.model_kwargs.MTP_FAMILIES` names it and the module whose output the heads start from.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib
 from typing import Any
@@ -20,14 +21,10 @@ import torch
 from torch import nn
 
 from automodel.errors import AutomodelError
+from automodel.model_kwargs import MTP, MTP_FAMILIES
 from automodel.mtp.heads import MTPHeads, MTPSettings
 
-FAMILIES = {"nemotron_h": ("automodel.mtp.nemotron_h", "model.norm_f")}  # model_type -> (module, final norm)
 KEY = "model.num_nextn_predict_layers"
-
-
-def family_names() -> str:
-    return ", ".join(FAMILIES)
 
 
 def attach_heads(model: nn.Module, settings: MTPSettings, checkpoint: str | None) -> MTPHeads:
@@ -35,11 +32,16 @@ def attach_heads(model: nn.Module, settings: MTPSettings, checkpoint: str | None
     ``from_pretrained`` path whose ``mtp.*`` tensors initialise them (None: a fresh model). Its config's
     ``num_nextn_predict_layers`` becomes the depths with their own weights (what the saved model holds)."""
     config = model.config
-    if config.model_type not in FAMILIES:
-        raise AutomodelError(f"{KEY}: {settings.depths} asks for upstream's multi-token-prediction heads, "
-                             f"implemented here for {family_names()} only; this model is {config.model_type}: "
-                             "remove it or use 0")
-    module_name, norm_name = FAMILIES[config.model_type]
+    if config.model_type not in MTP_FAMILIES:
+        asked = f"{KEY}: {settings.depths}" if settings.depths else "model.mtp_loss_scaling_factor"
+        raise AutomodelError(f"{asked} asks for {MTP}; this model is {config.model_type}: remove the MTP keys")
+    if not settings.depths:  # the keys leave the count to the checkpoint's config
+        depths = getattr(config, "num_nextn_predict_layers", 0) or 0
+        if not depths:
+            raise AutomodelError(f"model.mtp_loss_scaling_factor: acts on {MTP}, but the {config.model_type} config "
+                                 "has num_nextn_predict_layers 0 (no heads); set model.num_nextn_predict_layers")
+        settings = dataclasses.replace(settings, depths=int(depths))
+    module_name, norm_name = MTP_FAMILIES[config.model_type]
     family = importlib.import_module(module_name)
     embeddings = model.get_input_embeddings().weight
     from automodel.training.parallel.materialize import parameters_on_meta
@@ -121,13 +123,14 @@ def _run_heads_in_forward(model: nn.Module, heads: MTPHeads, family: Any, norm: 
 
 def read_settings(kwargs: dict[str, Any]) -> MTPSettings | None:
     """Take the MTP keys out of a model factory's keyword arguments: the settings when heads are asked for
-    (``num_nextn_predict_layers`` > 0), else None (``num_nextn_predict_layers: 0`` stays: it is set on a config
-    that has the attribute)."""
+    (``num_nextn_predict_layers`` > 0; or unset with ``mtp_loss_scaling_factor`` / ``mtp_use_repeated_layer``, as
+    upstream's Super-V3 configs do: the checkpoint config's count, ``depths`` 0 here), else None
+    (``num_nextn_predict_layers: 0`` stays: it is set on a config that has the attribute)."""
     depths = kwargs.get("num_nextn_predict_layers")
     factor = kwargs.pop("mtp_loss_scaling_factor", None)
     repeated = kwargs.pop("mtp_use_repeated_layer", None)
-    if not depths:
+    if depths == 0 or (depths is None and factor is None and not repeated):
         return None
-    del kwargs["num_nextn_predict_layers"]
-    return MTPSettings(depths=int(depths), scaling_factor=0.1 if factor is None else float(factor),
+    kwargs.pop("num_nextn_predict_layers", None)
+    return MTPSettings(depths=int(depths or 0), scaling_factor=0.1 if factor is None else float(factor),
                        repeated_layer=bool(repeated))

@@ -15,35 +15,44 @@ _SPLITS = {"pp_size": "pipeline parallelism (the heads would run on the last sta
            "ep_size": "expert parallelism (the heads' experts are not split over the ranks)"}
 
 
-def mtp_depths(cfg: Any) -> int:
-    """The heads the model section asks for (0: none)."""
+def mtp_asked(cfg: Any) -> str | None:
+    """The model key that asks for heads (None: none does): ``num_nextn_predict_layers`` > 0, or, unset, a scaling
+    factor or ``mtp_use_repeated_layer`` (upstream's Super-V3 form: the checkpoint config's count)."""
     model = cfg.model
-    depths = model.get("num_nextn_predict_layers") if model is not None else None
-    return depths if isinstance(depths, int) and not isinstance(depths, bool) else 0
+    if model is None or model.get("num_nextn_predict_layers") == 0:
+        return None
+    for key in ("num_nextn_predict_layers", "mtp_loss_scaling_factor", "mtp_use_repeated_layer"):
+        if model.get(key) not in (None, False):
+            return f"model.{key}"
+    return None
 
 
 def mtp_issues(cfg: Any, hf_config: Any, supported: bool = True) -> list[ConfigIssue]:
     """Why the heads cannot train in this run (empty: they can). ``hf_config``: the model's config where it can be
     read before building (None: the family is checked when the model is built); ``supported``: whether the
     recipe's loss adds the heads'."""
-    depths = mtp_depths(cfg)
-    if depths <= 0:
+    key = mtp_asked(cfg)
+    if key is None:
         return []
-    asks = f"{depths} asks for {MTP}"
+    asks = f"{cfg.model.get(key)} asks for {MTP}" if key == KEY else f"acts on {MTP}"
     if not supported:
-        return [ConfigIssue(KEY, f"{asks}, whose loss this recipe does not add; use the fine-tuning recipe or 0")]
-    issues = []
+        return [ConfigIssue(key, f"{asks}, whose loss this recipe does not add; use the fine-tuning recipe")]
     model_type = getattr(hf_config, "model_type", None)
     if hf_config is not None and model_type not in MTP_FAMILIES:
-        issues.append(ConfigIssue(KEY, f"{asks}; this model is {model_type}: remove it or use 0"))
+        return [ConfigIssue(key, f"{asks}; this model is {model_type}: remove the MTP keys")]
+    if hf_config is not None and key != KEY and not getattr(hf_config, "num_nextn_predict_layers", 0):
+        return [ConfigIssue(key, f"{asks}, but the checkpoint's config has num_nextn_predict_layers 0 (no heads); "
+                            "set model.num_nextn_predict_layers to the number of tokens ahead")]
+    issues = []
     settings = cfg.get("distributed")
     for name, why in _SPLITS.items():
         size = getattr(settings, name, 1) if settings is not None else 1
         if isinstance(size, int) and size > 1:
-            issues.append(ConfigIssue(KEY, f"{asks}, which are not wired into {why}, but distributed.{name} is "
-                                      f"{size}; use {name} 1 or num_nextn_predict_layers 0"))
+            issues.append(ConfigIssue(key, f"{asks}, which are not wired into {why}, but distributed.{name} is "
+                                      f"{size}; use {name} 1 or remove the MTP keys"))
     packing = cfg.get("packed_sequence")
     if (getattr(packing, "packed_sequence_size", 0) or 0) > 0:
-        issues.append(ConfigIssue(KEY, f"{asks}: their tokens ahead would cross from one packed sample into the "
-                                  "next (the heads keep no sample boundaries); remove packed_sequence or use 0"))
+        issues.append(ConfigIssue(key, f"{asks}: their tokens ahead would cross from one packed sample into the "
+                                  "next (the heads keep no sample boundaries); remove packed_sequence or the MTP "
+                                  "keys"))
     return issues
