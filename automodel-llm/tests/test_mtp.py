@@ -86,9 +86,19 @@ def run_config(tmp_path, nemotron_dir, name: str = "cfg.yaml", **sections):
     return write_yaml(tmp_path / name, deep_update(data, sections))
 
 
-def test_the_logged_loss_is_the_next_token_loss_plus_the_scaled_mean_of_the_depths(tmp_path, nemotron_dir):
+def same_sample(position_ids: torch.Tensor | None, shape: torch.Size, ahead: int) -> torch.Tensor:
+    """[rows, length - ahead]: whether the token ``ahead`` places on is in the same packed sample."""
+    if position_ids is None:
+        return torch.ones(shape[0], shape[1] - ahead, dtype=torch.bool)
+    sample = (position_ids == 0).cumsum(dim=1)
+    return sample[:, ahead:] == sample[:, :-ahead]
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_logged_loss_is_the_next_token_loss_plus_the_scaled_mean_of_the_depths(tmp_path, nemotron_dir, packed):
     config = run_config(tmp_path, nemotron_dir,
-                        step_scheduler={"max_steps": 1, "grad_accumulation_steps": 1, "log_interval": 1})
+                        step_scheduler={"max_steps": 1, "grad_accumulation_steps": 1, "log_interval": 1},
+                        packed_sequence={"packed_sequence_size": 128} if packed else {})
     by_hand = []
 
     def record(run):
@@ -99,12 +109,15 @@ def test_the_logged_loss_is_the_next_token_loss_plus_the_scaled_mean_of_the_dept
         def computed(model, batch):
             loss = compute(model, batch)
             with torch.no_grad():
-                ids, labels = batch["input_ids"], batch["labels"]
-                logits = model(input_ids=ids, attention_mask=batch["attention_mask"]).logits
+                ids, labels, positions = batch["input_ids"], batch["labels"], batch.get("position_ids")
+                assert (positions is not None) == packed
+                logits = model(input_ids=ids, attention_mask=batch.get("attention_mask"), position_ids=positions,
+                               use_cache=False).logits
                 ce = torch.nn.functional.cross_entropy
                 main = ce(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), reduction="sum")
-                depths = [ce(model.lm_head(hidden)[:, :-k - 1].flatten(0, 1), labels[:, k + 1:].flatten(),
-                             reduction="sum", ignore_index=IGNORE_INDEX) for k, hidden in enumerate(outputs[-1], 1)]
+                depths = [ce(model.lm_head(hidden)[:, :-k - 1].flatten(0, 1),
+                             labels[:, k + 1:].masked_fill(~same_sample(positions, ids.shape, k + 1), IGNORE_INDEX)
+                             .flatten(), reduction="sum") for k, hidden in enumerate(outputs[-1], 1)]
                 tokens = (labels[:, 1:] != IGNORE_INDEX).sum()
                 by_hand.append(((main / tokens).item(), ((main + 0.3 * sum(depths) / 2) / tokens).item()))
             return loss
@@ -159,7 +172,6 @@ def refusals(config) -> dict[str, str]:
     ({"distributed": {"strategy": "fsdp2", "pp_size": 2}}, "not wired into pipeline parallelism"),
     ({"distributed": {"strategy": "fsdp2", "tp_size": 2}}, "not wired into tensor parallelism"),
     ({"distributed": {"strategy": "fsdp2", "cp_size": 2}}, "not wired into context parallelism"),
-    ({"packed_sequence": {"packed_sequence_size": 64}}, "would cross from one packed sample into the next"),
 ])
 def test_what_the_heads_are_not_wired_into_is_refused(tmp_path, nemotron_dir, sections, words):
     found = refusals(run_config(tmp_path, nemotron_dir, **sections))
@@ -189,3 +201,28 @@ def test_a_copy_without_mtp_tensors_starts_the_heads_fresh(tmp_path, nemotron_di
     model = AutoModelForCausalLM.from_pretrained(plain, num_nextn_predict_layers=1)
     assert model.mtp.origin == "freshly initialised (the checkpoint has no mtp.* tensors)"
     assert torch.isfinite(model.mtp.layers[1].mixer.experts.up_proj).all()
+
+
+class Passthrough(torch.nn.Module):
+    """A depth that adds the embedding of the token ahead to the hidden states."""
+
+    def forward(self, hidden, embedded=None, **kwargs):
+        return hidden + embedded
+
+
+def test_a_target_in_the_next_packed_sample_is_not_a_target():
+    from automodel.mtp.heads import MTPHeads, MTPSettings
+
+    torch.manual_seed(0)
+    heads, embed, head = MTPHeads(MTPSettings(2), [Passthrough(), Passthrough()]), torch.nn.Embedding(9, 4), \
+        torch.nn.Linear(4, 9)
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])
+    positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]])  # two packed samples of 4 tokens, every token a label
+    heads.run(embed(ids), ids, embed, lambda depth: {})
+    outputs = heads._outputs
+    found = heads.loss(ids, head, torch.nn.CrossEntropyLoss(reduction="sum"), position_ids=positions)
+    ce = torch.nn.functional.cross_entropy
+    kept = {1: [0, 1, 4, 5], 2: [0, 4]}  # depth k at t predicts t + k + 1 within the sample
+    expected = sum(ce(head(outputs[k - 1][0, rows]), ids[0, [t + k + 1 for t in rows]], reduction="sum")
+                   for k, rows in kept.items())
+    torch.testing.assert_close(found, expected * 0.1 / 2)

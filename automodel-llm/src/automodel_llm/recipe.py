@@ -301,7 +301,7 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
     def mtp_loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The MTP heads' summed loss of the forward that just ran (:meth:`automodel.mtp.heads.MTPHeads.loss`)."""
         head = unwrap(model).get_output_embeddings()
-        return self.mtp_heads.loss(batch["labels"], head, self.loss_fn, self.loss_head)
+        return self.mtp_heads.loss(batch["labels"], head, self.loss_fn, self.loss_head, batch.get("position_ids"))
 
     def pipeline_batches(self, batches: list[dict[str, torch.Tensor]], length: int | None = None
                          ) -> list[tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]:

@@ -11,8 +11,7 @@ from automodel.model_kwargs import MTP, MTP_FAMILIES
 KEY = "model.num_nextn_predict_layers"
 _SPLITS = {"pp_size": "pipeline parallelism (the heads would run on the last stage, without the token embeddings)",
            "tp_size": "tensor parallelism (the heads' layers have no tensor-parallel plan)",
-           "cp_size": "context parallelism (each rank's part of a row would shift in tokens of another part)",
-           "ep_size": "expert parallelism (the heads' experts are not split over the ranks)"}
+           "cp_size": "context parallelism (each rank's part of a row would shift in tokens of another part)"}
 
 
 def mtp_asked(cfg: Any) -> str | None:
@@ -34,7 +33,7 @@ def mtp_issues(cfg: Any, hf_config: Any, supported: bool = True) -> list[ConfigI
     key = mtp_asked(cfg)
     if key is None:
         return []
-    asks = f"{cfg.model.get(key)} asks for {MTP}" if key == KEY else f"acts on {MTP}"
+    asks = f"{cfg.model.get(key.removeprefix('model.'))} asks for {MTP}" if key == KEY else f"acts on {MTP}"
     if not supported:
         return [ConfigIssue(key, f"{asks}, whose loss this recipe does not add; use the fine-tuning recipe")]
     model_type = getattr(hf_config, "model_type", None)
@@ -50,9 +49,4 @@ def mtp_issues(cfg: Any, hf_config: Any, supported: bool = True) -> list[ConfigI
         if isinstance(size, int) and size > 1:
             issues.append(ConfigIssue(key, f"{asks}, which are not wired into {why}, but distributed.{name} is "
                                       f"{size}; use {name} 1 or remove the MTP keys"))
-    packing = cfg.get("packed_sequence")
-    if (getattr(packing, "packed_sequence_size", 0) or 0) > 0:
-        issues.append(ConfigIssue(key, f"{asks}: their tokens ahead would cross from one packed sample into the "
-                                  "next (the heads keep no sample boundaries); remove packed_sequence or the MTP "
-                                  "keys"))
     return issues
