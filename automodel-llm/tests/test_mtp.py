@@ -162,6 +162,18 @@ def test_upstream_form_trains_resumes_and_saves_the_heads_for_transformers(tmp_p
     torch.testing.assert_close(plain.eval()(ids).logits, ours.eval()(ids).logits)
 
 
+def test_two_fsdp2_ranks_train_the_heads_as_one_process(tmp_path, nemotron_dir):
+    config = run_config(tmp_path, nemotron_dir, step_scheduler={"max_steps": 2, "grad_accumulation_steps": 1,
+                                                                "log_interval": 1},
+                        dataloader={"batch_size": 2, "shuffle": False})
+    run_finetune(config, tmp_path, tmp_path / "one", "--step_scheduler.grad_accumulation_steps", "2")
+    run_finetune(config, tmp_path, tmp_path / "two", "--nproc-per-node", "2", "--distributed.strategy", "fsdp2")
+    assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), rel=1e-5)
+    one, two = (load_file(tmp_path / run / "epoch_0_step_2" / "model" / "model.safetensors") for run in ("one", "two"))
+    for key in (key for key in one if key.startswith("mtp.")):
+        torch.testing.assert_close(two[key], one[key], rtol=1e-4, atol=1e-6)
+
+
 def refusals(config) -> dict[str, str]:
     with pytest.raises(ConfigError) as info:
         load_config(config, route=("finetune", "llm"))
