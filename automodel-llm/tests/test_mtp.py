@@ -174,6 +174,19 @@ def test_two_fsdp2_ranks_train_the_heads_as_one_process(tmp_path, nemotron_dir):
         torch.testing.assert_close(two[key], one[key], rtol=1e-4, atol=1e-6)
 
 
+def test_lora_adapts_the_heads_linear_layers_and_freezes_their_base(tmp_path, nemotron_dir):
+    config = run_config(tmp_path, nemotron_dir, step_scheduler={"max_steps": 2, "log_interval": 1},
+                        peft={"dim": 4, "alpha": 8, "match_all_linear": True, "exclude_modules": ["*.out_proj"]})
+    run = train_inprocess(config)
+    trained = {name for name, p in run.model.named_parameters() if p.requires_grad and ".mtp." in name}
+    assert trained and all(".lora_" in name for name in trained)
+    assert any("mtp.layers.0.eh_proj.lora_B" in name for name in trained)
+    lora_b = run.model.get_submodule("base_model.model.mtp.layers.0.eh_proj").lora_B["default"].weight
+    assert lora_b.abs().sum() > 0  # the heads' loss trained it (LoRA's B starts at zero)
+    with safe_open(str(tmp_path / "ckpt" / "epoch_0_step_2" / "model" / "adapter_model.safetensors"), "pt") as file:
+        assert "base_model.model.mtp.layers.0.eh_proj.lora_B.weight" in set(file.keys())
+
+
 def refusals(config) -> dict[str, str]:
     with pytest.raises(ConfigError) as info:
         load_config(config, route=("finetune", "llm"))
