@@ -48,11 +48,22 @@ def attach_heads(model: nn.Module, settings: MTPSettings, checkpoint: str | None
 
     with parameters_on_meta() if embeddings.is_meta else contextlib.nullcontext():
         heads = MTPHeads(settings, family.build_layers(config, settings)).to(embeddings.dtype)
+    _keep_in_fp32(model, heads)
     model.add_module("mtp", heads)
     config.num_nextn_predict_layers = settings.physical_depths
     heads.origin = _initialise(model, heads, family, checkpoint, on_meta=embeddings.is_meta)
     _run_heads_in_forward(model, heads, family, model.get_submodule(norm_name))
     return heads
+
+
+def _keep_in_fp32(model: nn.Module, heads: MTPHeads) -> None:
+    """The tensors the model keeps in float32 whatever its dtype (transformers' ``_keep_in_fp32_modules_strict``:
+    a MoE router's weight and bias) stay so in the heads too."""
+    keep = getattr(model, "_keep_in_fp32_modules_strict", None) or []
+    for module_name, module in heads.named_modules():
+        for name, tensor in [*module._parameters.items(), *module._buffers.items()]:
+            if tensor is not None and any(part in f"{module_name}.{name}" for part in keep):
+                tensor.data = tensor.data.float()
 
 
 def _initialise(model: nn.Module, heads: MTPHeads, family: Any, checkpoint: str | None, on_meta: bool) -> str:

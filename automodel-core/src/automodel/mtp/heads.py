@@ -53,6 +53,8 @@ class MTPHeads(nn.Module):
     sublayer, else None. While training, the model's forward stores each depth's hidden states here
     (:meth:`run`) and the loss takes them (:meth:`loss`)."""
 
+    origin = ""  # where the weights came from, for the run's log (automodel.mtp.attach)
+
     def __init__(self, settings: MTPSettings, layers: list[nn.Module]):
         super().__init__()
         if settings.depths < 1 or not layers or len(layers) % settings.physical_depths:
