@@ -76,8 +76,9 @@ def _sdpa_method_issue(kwargs: Mapping[str, Any]) -> str | None:
     return None
 
 
-def upstream_model_issues(kwargs: Mapping[str, Any]) -> dict[str, str]:
-    """Validation's check of upstream's model keys (see the module docstring), each with why."""
+def upstream_model_issues(kwargs: Mapping[str, Any], mtp: bool = False) -> dict[str, str]:
+    """Validation's check of upstream's model keys (see the module docstring), each with why; ``mtp``: whether the
+    factory's recipe trains MTP heads (the LLM one), else the keys asking for them are refused."""
     issues = {key: f"expected true or false, found {kwargs[key]!r}" for key in SWITCHES
               if kwargs.get(key) is not None and not isinstance(kwargs[key], bool)}
     for key in ("dtype", "torch_dtype"):
@@ -94,51 +95,63 @@ def upstream_model_issues(kwargs: Mapping[str, Any]) -> dict[str, str]:
         issues["use_sdpa_patching"] = "true runs attention through torch's SDPA, but attn_implementation is 'eager'"
     if (issue := _sdpa_method_issue(kwargs)) is not None:
         issues["sdpa_method"] = issue
-    issues.update(_mtp_issues(kwargs))
+    issues.update(_mtp_issues(kwargs, mtp))
     return issues
 
 
-def _mtp_issues(kwargs: Mapping[str, Any]) -> dict[str, str]:
+def _mtp_issues(kwargs: Mapping[str, Any], trained: bool) -> dict[str, str]:
     depths, factor = kwargs.get("num_nextn_predict_layers"), kwargs.get("mtp_loss_scaling_factor")
     if depths is not None and (isinstance(depths, bool) or not isinstance(depths, int) or depths < 0):
         return {"num_nextn_predict_layers": f"expected the number of {MTP} (an integer >= 0), found {depths!r}"}
     issues = {}
     if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor < 0):
         issues["mtp_loss_scaling_factor"] = f"expected a number >= 0 (the weight of the heads' loss), found {factor!r}"
+    asked = [key for key in ("num_nextn_predict_layers", "mtp_loss_scaling_factor", "mtp_use_repeated_layer")
+             if kwargs.get(key) not in (None, False, 0)]
+    if asked and depths != 0 and not trained and not issues:
+        issues[asked[0]] = (f"asks for {MTP}, which the LLM fine-tuning recipe trains (automodel_llm's "
+                            "AutoModelForCausalLM), not this model section's; remove the MTP keys")
     return issues
 
 
-def model_issues(kwargs: Mapping[str, Any]) -> dict[str, str]:
-    """A model factory's validation check: upstream's keys and its ``backend``."""
-    return {**upstream_model_issues(kwargs), **model_backend_issues(kwargs)}
+def model_issues(kwargs: Mapping[str, Any], mtp: bool = False) -> dict[str, str]:
+    """A model factory's validation check: upstream's keys and its ``backend`` (``mtp``: see
+    :func:`upstream_model_issues`)."""
+    return {**upstream_model_issues(kwargs, mtp), **model_backend_issues(kwargs)}
 
 
-def take_upstream_kwargs(kwargs: dict[str, Any]) -> list[str] | None:
+def causal_lm_model_issues(kwargs: Mapping[str, Any]) -> dict[str, str]:
+    """:func:`model_issues` of the LLM factories, whose recipe trains MTP heads."""
+    return model_issues(kwargs, mtp=True)
+
+
+def take_upstream_kwargs(kwargs: dict[str, Any], mtp: bool = False) -> list[str] | None:
     """Take upstream's keys out of a factory's keyword arguments (refusing what validation refuses); the SDPA
     backends the model's forward must run under (None: torch's own choice)."""
-    issues = upstream_model_issues(kwargs)
+    issues = upstream_model_issues(kwargs, mtp)
     if issues:
         raise AutomodelError("; ".join(f"model.{key}: {message}" for key, message in issues.items()))
     taken = {key: kwargs.pop(key) for key in UPSTREAM_KEYS if key in kwargs}
     return list(taken["sdpa_method"]) if taken.get("sdpa_method") else None
 
 
-def take_model_settings(kwargs: dict[str, Any], checkpoint: str | None = None) -> Callable[[Any], Any]:
+def take_model_settings(kwargs: dict[str, Any], checkpoint: str | None = None, mtp: bool = False
+                        ) -> Callable[[Any], Any]:
     """Take upstream's keys and ``backend`` out of a model factory's keyword arguments (what transformers must not
     see; the attention ``backend`` selects stays in them); returns what finishes the built model: the backend's
     routing and router precision (:func:`automodel.model_backend.apply_to_model`), the MTP heads the keys ask for
-    (:mod:`automodel.mtp`, initialised from ``checkpoint``'s ``mtp.*`` tensors where it has them), then the SDPA
-    backends."""
-    sdpa_backends = take_upstream_kwargs(kwargs)
+    (:mod:`automodel.mtp`, initialised from ``checkpoint``'s ``mtp.*`` tensors where it has them; ``mtp``: the
+    factory's recipe trains them, else they are refused), then the SDPA backends."""
+    sdpa_backends = take_upstream_kwargs(kwargs, mtp)
     from automodel.mtp.attach import attach_heads, read_settings
 
-    mtp = read_settings(kwargs)
+    heads = read_settings(kwargs)
     backend = apply_backend(kwargs)
 
     def finish(model: Any) -> Any:
         model = apply_to_model(model, backend)
-        if mtp is not None:
-            attach_heads(model, mtp, checkpoint)
+        if heads is not None:
+            attach_heads(model, heads, checkpoint)
         return run_under_sdpa_backends(model, sdpa_backends)
 
     return finish
