@@ -22,12 +22,14 @@ SDPA_BACKENDS = {"flash_attention": "FLASH_ATTENTION", "efficient_attention": "E
                  "math": "MATH", "cudnn_attention": "CUDNN_ATTENTION"}
 CPU_SDPA_BACKENDS = ("flash_attention", "math")
 SWITCHES = ("use_liger_kernel", "force_hf", "use_sdpa_patching", "mtp_use_repeated_layer")  # true or false
-UPSTREAM_KEYS = (*SWITCHES, "sdpa_method", "mtp_loss_scaling_factor")
+UPSTREAM_KEYS = ("use_liger_kernel", "force_hf", "use_sdpa_patching", "sdpa_method")  # the MTP keys: automodel.mtp
 SDPA_METHOD_PARALLEL_REFUSAL = ("runs the model's whole forward under those SDPA backends, but a pipeline stage runs "
                                 "its part of the model without that forward and context parallelism chooses its own "
                                 "backends; remove it (use_sdpa_patching: true alone lets torch choose) or use "
                                 "distributed.pp_size and cp_size 1")
-MTP = "upstream's multi-token-prediction heads, which transformers' models here do not have"
+# model_type -> (the module of its MTP sublayers, the main model's final norm the heads start from): automodel.mtp
+MTP_FAMILIES = {"nemotron_h": ("automodel.mtp.nemotron_h", "model.norm_f")}
+MTP = f"upstream's multi-token-prediction heads (implemented here for {', '.join(MTP_FAMILIES)})"
 
 
 def dtype_name(value: Any) -> str | None:
@@ -74,8 +76,9 @@ def _sdpa_method_issue(kwargs: Mapping[str, Any]) -> str | None:
     return None
 
 
-def upstream_model_issues(kwargs: Mapping[str, Any]) -> dict[str, str]:
-    """Validation's check of upstream's model keys (see the module docstring), each with why."""
+def upstream_model_issues(kwargs: Mapping[str, Any], mtp: bool = False) -> dict[str, str]:
+    """Validation's check of upstream's model keys (see the module docstring), each with why; ``mtp``: whether the
+    factory's recipe trains MTP heads (the LLM one), else the keys asking for them are refused."""
     issues = {key: f"expected true or false, found {kwargs[key]!r}" for key in SWITCHES
               if kwargs.get(key) is not None and not isinstance(kwargs[key], bool)}
     for key in ("dtype", "torch_dtype"):
@@ -92,36 +95,66 @@ def upstream_model_issues(kwargs: Mapping[str, Any]) -> dict[str, str]:
         issues["use_sdpa_patching"] = "true runs attention through torch's SDPA, but attn_implementation is 'eager'"
     if (issue := _sdpa_method_issue(kwargs)) is not None:
         issues["sdpa_method"] = issue
-    if kwargs.get("mtp_use_repeated_layer") is True:
-        issues["mtp_use_repeated_layer"] = f"true shares a layer among {MTP}; remove it"
-    if kwargs.get("mtp_loss_scaling_factor") is not None and kwargs.get("num_nextn_predict_layers") != 0:
-        issues["mtp_loss_scaling_factor"] = (f"scales the loss of {MTP}; remove it (it is accepted only with "
-                                             "num_nextn_predict_layers: 0, no heads)")
+    issues.update(_mtp_issues(kwargs, mtp))
     return issues
 
 
-def model_issues(kwargs: Mapping[str, Any]) -> dict[str, str]:
-    """A model factory's validation check: upstream's keys and its ``backend``."""
-    return {**upstream_model_issues(kwargs), **model_backend_issues(kwargs)}
+def _mtp_issues(kwargs: Mapping[str, Any], trained: bool) -> dict[str, str]:
+    depths, factor = kwargs.get("num_nextn_predict_layers"), kwargs.get("mtp_loss_scaling_factor")
+    if depths is not None and (isinstance(depths, bool) or not isinstance(depths, int) or depths < 0):
+        return {"num_nextn_predict_layers": f"expected the number of {MTP} (an integer >= 0), found {depths!r}"}
+    issues = {}
+    if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor < 0):
+        issues["mtp_loss_scaling_factor"] = f"expected a number >= 0 (the weight of the heads' loss), found {factor!r}"
+    asked = [key for key in ("num_nextn_predict_layers", "mtp_loss_scaling_factor", "mtp_use_repeated_layer")
+             if kwargs.get(key) not in (None, False, 0)]
+    if asked and depths != 0 and not trained and not issues:
+        issues[asked[0]] = (f"asks for {MTP}, which the LLM fine-tuning recipe trains (automodel_llm's "
+                            "AutoModelForCausalLM), not this model section's; remove the MTP keys")
+    return issues
 
 
-def take_upstream_kwargs(kwargs: dict[str, Any]) -> list[str] | None:
+def model_issues(kwargs: Mapping[str, Any], mtp: bool = False) -> dict[str, str]:
+    """A model factory's validation check: upstream's keys and its ``backend`` (``mtp``: see
+    :func:`upstream_model_issues`)."""
+    return {**upstream_model_issues(kwargs, mtp), **model_backend_issues(kwargs)}
+
+
+def causal_lm_model_issues(kwargs: Mapping[str, Any]) -> dict[str, str]:
+    """:func:`model_issues` of the LLM factories, whose recipe trains MTP heads."""
+    return model_issues(kwargs, mtp=True)
+
+
+def take_upstream_kwargs(kwargs: dict[str, Any], mtp: bool = False) -> list[str] | None:
     """Take upstream's keys out of a factory's keyword arguments (refusing what validation refuses); the SDPA
     backends the model's forward must run under (None: torch's own choice)."""
-    issues = upstream_model_issues(kwargs)
+    issues = upstream_model_issues(kwargs, mtp)
     if issues:
         raise AutomodelError("; ".join(f"model.{key}: {message}" for key, message in issues.items()))
     taken = {key: kwargs.pop(key) for key in UPSTREAM_KEYS if key in kwargs}
     return list(taken["sdpa_method"]) if taken.get("sdpa_method") else None
 
 
-def take_model_settings(kwargs: dict[str, Any]) -> Callable[[Any], Any]:
+def take_model_settings(kwargs: dict[str, Any], checkpoint: str | None = None, mtp: bool = False
+                        ) -> Callable[[Any], Any]:
     """Take upstream's keys and ``backend`` out of a model factory's keyword arguments (what transformers must not
     see; the attention ``backend`` selects stays in them); returns what finishes the built model: the backend's
-    routing and router precision (:func:`automodel.model_backend.apply_to_model`), then the SDPA backends."""
-    sdpa_backends = take_upstream_kwargs(kwargs)
+    routing and router precision (:func:`automodel.model_backend.apply_to_model`), the MTP heads the keys ask for
+    (:mod:`automodel.mtp`, initialised from ``checkpoint``'s ``mtp.*`` tensors where it has them; ``mtp``: the
+    factory's recipe trains them, else they are refused), then the SDPA backends."""
+    sdpa_backends = take_upstream_kwargs(kwargs, mtp)
+    from automodel.mtp.attach import attach_heads, read_settings
+
+    heads = read_settings(kwargs)
     backend = apply_backend(kwargs)
-    return lambda model: run_under_sdpa_backends(apply_to_model(model, backend), sdpa_backends)
+
+    def finish(model: Any) -> Any:
+        model = apply_to_model(model, backend)
+        if heads is not None:
+            attach_heads(model, heads, checkpoint)
+        return run_under_sdpa_backends(model, sdpa_backends)
+
+    return finish
 
 
 def run_under_sdpa_backends(model: Any, names: list[str] | None) -> Any:
@@ -164,8 +197,8 @@ def apply_config_overrides(config: Any, overrides: Mapping[str, Any]) -> None:
 def _set(config: Any, name: str, value: Any, key: str) -> None:
     if not hasattr(config, name):
         if name == "num_nextn_predict_layers":
-            raise AutomodelError(f"{key}: {value} asks for {MTP} (the {config.model_type} config has no such "
-                                 "attribute); remove it or use 0")
+            raise AutomodelError(f"{key}: {value} asks for {MTP}; this model is {config.model_type}: remove it "
+                                 "or use 0")
         what = "not an attribute" if key.count(".") > 1 else "neither a from_pretrained argument nor an attribute"
         raise AutomodelError(f"{key}: {what} of the {config.model_type} config; remove it (or correct its "
                              "name)")

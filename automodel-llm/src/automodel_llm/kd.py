@@ -48,6 +48,8 @@ _TEACHER_PLACEMENT = ("here the teacher is a whole frozen copy on every rank of 
 class KnowledgeDistillationRecipe(FinetuneRecipeForNextTokenPrediction):
     """Trains the student (``model``) towards a frozen ``teacher_model`` and the labels."""
 
+    adds_mtp_loss = False  # compute_loss below combines the next-token and distillation losses only
+
     tensor_parallel_unsupported = ("the distillation loss compares the student's whole logits with the teacher's, "
                                    "which tensor parallelism keeps sharded over the vocabulary; use tp_size: 1")
     pipeline_parallel_unsupported = ("the teacher runs beside the student on whole batches, which pipeline stages "

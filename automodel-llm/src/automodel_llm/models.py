@@ -11,7 +11,7 @@ from typing import Any
 
 from automodel.errors import AutomodelError
 from automodel.model_files import MODEL_KWARGS, fresh_model, pop_hub_arguments, pretrained_or_fresh
-from automodel.model_kwargs import apply_config_overrides, model_issues, take_model_settings
+from automodel.model_kwargs import apply_config_overrides, causal_lm_model_issues, take_model_settings
 
 
 def _load_config(config: Any, hub: dict[str, Any], **overrides: Any) -> Any:
@@ -44,16 +44,17 @@ class AutoModelForCausalLM:
     ``backend`` (upstream's BackendConfig) selects the attention, see :mod:`automodel.model_backend`; upstream's
     other keys (``use_liger_kernel``, ``force_hf``, ``use_sdpa_patching`` ...): see :mod:`automodel.model_kwargs`."""
 
-    automodel_config_issues = staticmethod(model_issues)
+    automodel_config_issues = staticmethod(causal_lm_model_issues)
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | None = None, *, name_or_path: str | None = None,
                         dtype: Any = None, torch_dtype: Any = None, **kwargs: Any) -> Any:
         import transformers
 
-        finish = take_model_settings(kwargs)
-        model = pretrained_or_fresh(transformers.AutoModelForCausalLM, pretrained_model_name_or_path or name_or_path,
-                                    dtype or torch_dtype, cls.from_config, kwargs)
+        path = pretrained_model_name_or_path or name_or_path
+        finish = take_model_settings(kwargs, checkpoint=path, mtp=True)
+        model = pretrained_or_fresh(transformers.AutoModelForCausalLM, path, dtype or torch_dtype, cls.from_config,
+                                    kwargs)
         return finish(model)
 
     @classmethod
@@ -61,7 +62,7 @@ class AutoModelForCausalLM:
                     **kwargs: Any) -> Any:
         import transformers
 
-        finish = take_model_settings(kwargs)
+        finish = take_model_settings(kwargs, mtp=True)
         hub = pop_hub_arguments(kwargs)  # to AutoConfig.from_pretrained only: never into the saved config
         model_kwargs = {k: kwargs.pop(k, hub.get(k)) for k in MODEL_KWARGS if k in kwargs or k in hub}
         text_config = kwargs.pop("text_config", None)  # a mapping of the text model's keys: set after loading

@@ -1,0 +1,147 @@
+"""Giving a built transformers model its MTP heads (:mod:`automodel.mtp.heads`): the family's sublayers as the
+model's ``mtp`` submodule (so its state dict, checkpoints and HF export hold them under the HF names
+``mtp.layers.{i}...``), their weights from the checkpoint's safetensors ``mtp.*`` tensors when it has them, and a
+forward that, while training, runs the heads on the main model's final hidden states.
+
+A family (a transformers ``model_type``) plugs in with a module giving ``build_layers(config, settings)``,
+``depth_kwargs(config, hidden, attention_mask, position_ids)`` (what a depth's sublayers are called with),
+and ``checkpoint_tensors(tensors)`` (a checkpoint's ``mtp.*`` tensors under the model's names);
+:data:`automodel.model_kwargs.MTP_FAMILIES` names it and the module whose output the heads start from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import importlib
+from typing import Any
+
+import torch
+from torch import nn
+
+from automodel.errors import AutomodelError
+from automodel.model_kwargs import MTP, MTP_FAMILIES
+from automodel.mtp.heads import MTPHeads, MTPSettings
+
+KEY = "model.num_nextn_predict_layers"
+
+
+def attach_heads(model: nn.Module, settings: MTPSettings, checkpoint: str | None) -> MTPHeads:
+    """Add the heads to ``model`` (built by transformers, on the meta device or not); ``checkpoint``: the
+    ``from_pretrained`` path whose ``mtp.*`` tensors initialise them (None: a fresh model). Its config's
+    ``num_nextn_predict_layers`` becomes the depths with their own weights (what the saved model holds)."""
+    config = model.config
+    if config.model_type not in MTP_FAMILIES:
+        asked = f"{KEY}: {settings.depths}" if settings.depths else "model.mtp_loss_scaling_factor"
+        raise AutomodelError(f"{asked} asks for {MTP}; this model is {config.model_type}: remove the MTP keys")
+    if not settings.depths:  # the keys leave the count to the checkpoint's config
+        depths = getattr(config, "num_nextn_predict_layers", 0) or 0
+        if not depths:
+            raise AutomodelError(f"model.mtp_loss_scaling_factor: acts on {MTP}, but the {config.model_type} config "
+                                 "has num_nextn_predict_layers 0 (no heads); set model.num_nextn_predict_layers")
+        settings = dataclasses.replace(settings, depths=int(depths))
+    module_name, norm_name = MTP_FAMILIES[config.model_type]
+    family = importlib.import_module(module_name)
+    embeddings = model.get_input_embeddings().weight
+    from automodel.training.parallel.materialize import parameters_on_meta
+
+    with parameters_on_meta() if embeddings.is_meta else contextlib.nullcontext():
+        heads = MTPHeads(settings, family.build_layers(config, settings)).to(embeddings.dtype)
+    _keep_in_fp32(model, heads)
+    model.add_module("mtp", heads)
+    config.num_nextn_predict_layers = settings.physical_depths
+    heads.origin = _initialise(model, heads, family, checkpoint, on_meta=embeddings.is_meta)
+    _run_heads_in_forward(model, heads, family, model.get_submodule(norm_name))
+    return heads
+
+
+def _keep_in_fp32(model: nn.Module, heads: MTPHeads) -> None:
+    """The tensors the model keeps in float32 whatever its dtype (transformers' ``_keep_in_fp32_modules_strict``:
+    a MoE router's weight and bias) stay so in the heads too."""
+    keep = getattr(model, "_keep_in_fp32_modules_strict", None) or []
+    for module_name, module in heads.named_modules():
+        for name, tensor in [*module._parameters.items(), *module._buffers.items()]:
+            if tensor is not None and any(part in f"{module_name}.{name}" for part in keep):
+                tensor.data = tensor.data.float()
+
+
+def _initialise(model: nn.Module, heads: MTPHeads, family: Any, checkpoint: str | None, on_meta: bool) -> str:
+    """Where the heads' weights come from, said for the run's log; reads them when the model is built."""
+    from automodel.meta_build import local_weights
+    from automodel.training.parallel.materialize import weight_files
+
+    directory = local_weights(checkpoint) if checkpoint else None
+    files = weight_files(directory) if directory is not None else {}
+    names = [name for name in files if name.startswith("mtp.")]
+    if not names:
+        if not on_meta:  # on the meta device the engine initialises them from the seed
+            heads.apply(model._init_weights)
+        return "freshly initialised (the checkpoint has no mtp.* tensors)" if checkpoint else "freshly initialised"
+    if on_meta:  # the engine reads the model's tensors, the heads' among them, by their names
+        _check_fit(heads, {name.removeprefix("mtp."): None for name in names})
+        return f"read with the model from '{directory}'"
+    from safetensors import safe_open
+
+    tensors = {}
+    for name in names:
+        with safe_open(str(files[name]), framework="pt") as handle:
+            tensors[name] = handle.get_tensor(name)
+    state = {name.removeprefix("mtp."): tensor for name, tensor in family.checkpoint_tensors(tensors).items()}
+    _check_fit(heads, state)
+    with torch.no_grad():
+        for name, tensor in heads.state_dict(keep_vars=True).items():
+            tensor.copy_(state[name])
+    return f"read from the checkpoint's {len(names)} mtp.* tensors"
+
+
+def _check_fit(heads: MTPHeads, state: dict[str, Any]) -> None:
+    """Refuse a checkpoint whose ``mtp.*`` tensors (``state``, under the heads' names; None: shape unknown) are not
+    exactly the heads'."""
+    expected = heads.state_dict()
+    missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    wrong = [f"{name}: checkpoint {tuple(state[name].shape)} vs heads {tuple(expected[name].shape)}"
+             for name in expected if state.get(name) is not None and state[name].shape != expected[name].shape]
+    if missing or extra or wrong:
+        raise AutomodelError(f"{KEY}: the checkpoint's mtp.* tensors do not fit {heads.settings.physical_depths} MTP "
+                             f"depths of this model (missing: {', '.join(missing[:4]) or 'none'}; unexpected: "
+                             f"{', '.join(extra[:4]) or 'none'}; shapes: {'; '.join(wrong[:4]) or 'fine'}); use the "
+                             "checkpoint's own num_nextn_predict_layers (mtp_use_repeated_layer: one physical depth)")
+
+
+def _run_heads_in_forward(model: nn.Module, heads: MTPHeads, family: Any, norm: nn.Module) -> None:
+    """The model's forward, while training, also runs the heads on the output of its final norm (kept by a
+    forward hook), inside the model's own call: FSDP2 has its parameters gathered there."""
+    captured: dict[str, torch.Tensor] = {}
+    norm.register_forward_hook(lambda module, args, output: captured.__setitem__("hidden", output))
+    forward = model.forward
+
+    @functools.wraps(forward)
+    def forward_with_heads(*args: Any, **kwargs: Any) -> Any:
+        output = forward(*args, **kwargs)
+        hidden = captured.pop("hidden", None)
+        if model.training and hidden is not None:
+            input_ids = kwargs.get("input_ids", args[0] if args else None)
+            if input_ids is None:
+                raise AutomodelError(f"{KEY}: the MTP heads embed the tokens ahead, but the model got no input_ids")
+            heads.run(hidden, input_ids, model.get_input_embeddings(),
+                      family.depth_kwargs(model.config, hidden, kwargs.get("attention_mask"),
+                                          kwargs.get("position_ids")))
+        return output
+
+    model.forward = forward_with_heads
+
+
+def read_settings(kwargs: dict[str, Any]) -> MTPSettings | None:
+    """Take the MTP keys out of a model factory's keyword arguments: the settings when heads are asked for
+    (``num_nextn_predict_layers`` > 0; or unset with ``mtp_loss_scaling_factor`` / ``mtp_use_repeated_layer``, as
+    upstream's Super-V3 configs do: the checkpoint config's count, ``depths`` 0 here), else None
+    (``num_nextn_predict_layers: 0`` stays: it is set on a config that has the attribute)."""
+    depths = kwargs.get("num_nextn_predict_layers")
+    factor = kwargs.pop("mtp_loss_scaling_factor", None)
+    repeated = kwargs.pop("mtp_use_repeated_layer", None)
+    if depths == 0 or (depths is None and factor is None and not repeated):
+        return None
+    kwargs.pop("num_nextn_predict_layers", None)
+    return MTPSettings(depths=int(depths or 0), scaling_factor=0.1 if factor is None else float(factor),
+                       repeated_layer=bool(repeated))

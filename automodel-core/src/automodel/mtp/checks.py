@@ -1,0 +1,52 @@
+"""Validation of the MTP heads (``model.num_nextn_predict_layers`` > 0) against the rest of a run's config: what
+they are not wired into is refused with the reason (no torch import)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from automodel.errors import ConfigIssue
+from automodel.model_kwargs import MTP, MTP_FAMILIES
+
+KEY = "model.num_nextn_predict_layers"
+_SPLITS = {"pp_size": "pipeline parallelism (the heads would run on the last stage, without the token embeddings)",
+           "tp_size": "tensor parallelism (the heads' layers have no tensor-parallel plan)",
+           "cp_size": "context parallelism (each rank's part of a row would shift in tokens of another part)"}
+
+
+def mtp_asked(cfg: Any) -> str | None:
+    """The model key that asks for heads (None: none does): ``num_nextn_predict_layers`` > 0, or, unset, a scaling
+    factor or ``mtp_use_repeated_layer`` (upstream's Super-V3 form: the checkpoint config's count)."""
+    model = cfg.model
+    if model is None or model.get("num_nextn_predict_layers") == 0:
+        return None
+    for key in ("num_nextn_predict_layers", "mtp_loss_scaling_factor", "mtp_use_repeated_layer"):
+        if model.get(key) not in (None, False):
+            return f"model.{key}"
+    return None
+
+
+def mtp_issues(cfg: Any, hf_config: Any, supported: bool = True) -> list[ConfigIssue]:
+    """Why the heads cannot train in this run (empty: they can). ``hf_config``: the model's config where it can be
+    read before building (None: the family is checked when the model is built); ``supported``: whether the
+    recipe's loss adds the heads'."""
+    key = mtp_asked(cfg)
+    if key is None:
+        return []
+    asks = f"{cfg.model.get(key.removeprefix('model.'))} asks for {MTP}" if key == KEY else f"acts on {MTP}"
+    if not supported:
+        return [ConfigIssue(key, f"{asks}, whose loss this recipe does not add; use the fine-tuning recipe")]
+    model_type = getattr(hf_config, "model_type", None)
+    if hf_config is not None and model_type not in MTP_FAMILIES:
+        return [ConfigIssue(key, f"{asks}; this model is {model_type}: remove the MTP keys")]
+    if hf_config is not None and key != KEY and not getattr(hf_config, "num_nextn_predict_layers", 0):
+        return [ConfigIssue(key, f"{asks}, but the checkpoint's config has num_nextn_predict_layers 0 (no heads); "
+                            "set model.num_nextn_predict_layers to the number of tokens ahead")]
+    issues = []
+    settings = cfg.get("distributed")
+    for name, why in _SPLITS.items():
+        size = getattr(settings, name, 1) if settings is not None else 1
+        if isinstance(size, int) and size > 1:
+            issues.append(ConfigIssue(key, f"{asks}, which are not wired into {why}, but distributed.{name} is "
+                                      f"{size}; use {name} 1 or remove the MTP keys"))
+    return issues

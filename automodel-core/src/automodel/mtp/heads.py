@@ -1,0 +1,114 @@
+"""Multi-token prediction (MTP) heads, family-free: the depth loop and the auxiliary loss (DeepSeek-V3's scheme, as
+upstream's ``num_nextn_predict_layers`` trains it).
+
+Depth ``k`` (1..D) runs on the hidden states of depth ``k - 1`` (depth 0: the main model's output after its final
+norm): its first sublayer fuses them with the embedding of the token ``k`` places ahead
+(``eh_proj(cat(enorm(embed), hnorm(hidden)))``), its sublayers run, its last one ends with ``final_layernorm``, and
+the shared output head turns position ``t`` into a prediction of token ``t + k + 1``. ``repeated_layer`` (upstream's
+``mtp_use_repeated_layer``) runs one physical depth's sublayers for every depth (weight-tied iterations). The loss
+adds ``scaling_factor / D`` times the sum over the depths of each depth's summed cross entropy, divided like the
+main loss by the step's main label tokens (so the logged loss is ``main + scaling_factor * mean over depths``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from automodel.training.loss import IGNORE_INDEX
+
+
+@dataclass(frozen=True)
+class MTPSettings:
+    """The model section's MTP keys: ``num_nextn_predict_layers``, ``mtp_loss_scaling_factor``,
+    ``mtp_use_repeated_layer``."""
+
+    depths: int
+    scaling_factor: float = 0.1
+    repeated_layer: bool = False
+
+    @property
+    def physical_depths(self) -> int:
+        """Depths with their own weights (what the checkpoint holds and its config's ``num_nextn_predict_layers``)."""
+        return 1 if self.repeated_layer else self.depths
+
+
+def shift_left(tensor: torch.Tensor, by: int, fill: int) -> torch.Tensor:
+    """``tensor`` moved ``by`` places left along the sequence (dim 1), the freed places at the end set to ``fill``."""
+    shifted = torch.full_like(tensor, fill)
+    if by < tensor.shape[1]:
+        shifted[:, :tensor.shape[1] - by] = tensor[:, by:]
+    return shifted
+
+
+class MTPHeads(nn.Module):
+    """The heads' sublayers (``layers``: ``physical_depths`` runs of a depth's sublayers, flat, as the HF
+    checkpoints name them ``mtp.layers.{i}``) and the depth loop. Each sublayer is called as
+    ``layer(hidden, embedded=..., **kwargs)``; ``embedded`` is the shifted tokens' embedding for a depth's first
+    sublayer, else None. While training, the model's forward stores each depth's hidden states here
+    (:meth:`run`) and the loss takes them (:meth:`loss`)."""
+
+    origin = ""  # where the weights came from, for the run's log (automodel.mtp.attach)
+
+    def __init__(self, settings: MTPSettings, layers: list[nn.Module]):
+        super().__init__()
+        if settings.depths < 1 or not layers or len(layers) % settings.physical_depths:
+            raise ValueError(f"{len(layers)} sublayers do not make {settings.physical_depths} MTP depths")
+        self.settings = settings
+        self.layers = nn.ModuleList(layers)
+        self.per_depth = len(layers) // settings.physical_depths
+        self._outputs: list[torch.Tensor] | None = None
+
+    def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, embed: Callable[[torch.Tensor], torch.Tensor],
+                kwargs_for: Callable[[int], dict[str, Any]]) -> list[torch.Tensor]:
+        """Each depth's hidden states; ``kwargs_for(depth)`` gives a depth's sublayers their keyword arguments
+        (masks, positions shifted as the tokens are)."""
+        outputs = []
+        for depth in range(1, self.settings.depths + 1):
+            embedded = embed(shift_left(input_ids, depth, 0))
+            start = 0 if self.settings.repeated_layer else (depth - 1) * self.per_depth
+            kwargs = kwargs_for(depth)
+            for index, layer in enumerate(self.layers[start:start + self.per_depth]):
+                hidden = layer(hidden, embedded=embedded if index == 0 else None, **kwargs)
+            outputs.append(hidden)
+        return outputs
+
+    def run(self, *args: Any, **kwargs: Any) -> None:
+        """:meth:`forward` (through ``__call__``, so module hooks fire), its outputs kept for :meth:`loss`."""
+        self._outputs = self(*args, **kwargs)
+
+    def loss(self, labels: torch.Tensor, head: nn.Module, loss_fn: nn.Module, loss_head: Any = None,
+             position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``scaling_factor / D`` x the sum over depths of depth ``k``'s summed loss (``loss_fn``, reduction sum)
+        of position ``t`` against ``labels[t + k + 1]``, from the outputs of the last training forward; only the
+        positions with a label go through the output ``head`` (``loss_head``: the loss computed inside it). Packed
+        rows (``position_ids`` restarting at 0 where a sample starts): a target in the next sample is none."""
+        outputs, self._outputs = self._outputs, None
+        if outputs is None:
+            raise RuntimeError("the MTP heads did not run in this forward (the model was not in training mode)")
+        sample = (position_ids == 0).cumsum(dim=1) if position_ids is not None else None
+        total = outputs[0].new_zeros((), dtype=torch.float32)
+        for depth, hidden in enumerate(outputs, start=1):
+            targets = shift_left(labels, depth + 1, IGNORE_INDEX)
+            if sample is not None:  # the target's sample must be the position's
+                targets = targets.masked_fill(shift_left(sample, depth + 1, -1) != sample, IGNORE_INDEX)
+            targets = targets.reshape(-1)
+            index = (targets != IGNORE_INDEX).nonzero().squeeze(1)
+            rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, index)
+            kept = targets.index_select(0, index)
+            with loss_head.targets(kept) if loss_head is not None else contextlib.nullcontext():
+                logits = head(rows)
+                if loss_head is not None:
+                    logits = loss_head.checked(logits)
+            total = total + loss_fn(logits, kept).float()
+        return total * (self.settings.scaling_factor / len(outputs))
+
+
+def find_heads(model: nn.Module) -> MTPHeads | None:
+    """The model's MTP heads (inside LoRA / DDP / compile wrappers), or None."""
+    return next((module for module in model.modules() if isinstance(module, MTPHeads)), None)
