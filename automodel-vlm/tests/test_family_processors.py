@@ -2,7 +2,8 @@
 processor class of each family, with upstream's fix-ups where transformers' class does not do them itself.
 
 The three families' image processors are torchvision-backed (transformers has no Pillow twin of them): the tests
-that build one need torchvision and are skipped without it; without it the builders' error says so."""
+that build one need torchvision and are skipped without it; without it validation refuses the builders, and a
+builder called all the same says what is missing."""
 
 from __future__ import annotations
 
@@ -47,7 +48,15 @@ def _tokenizer(special: list[str]):
 def test_upstream_processor_builders_validate_and_resolve_to_ours(name):
     from automodel.plugins.manager import get_plugin_manager
 
-    testing.load_config(FORM, "--processor._target_", name, "--model.config", LLAVA_CONFIG, route=ROUTE)
+    args = (FORM, "--processor._target_", name, "--model.config", LLAVA_CONFIG)
+    if HAS_TORCHVISION:
+        testing.load_config(*args, route=ROUTE)
+    else:
+        with pytest.raises(ConfigError) as info:
+            testing.load_config(*args, route=ROUTE)
+        found = {issue.key: issue.message for issue in info.value.issues}
+        assert set(found) == {"processor._target_"} and "torchvision is not installed" in found[
+            "processor._target_"], found
     builder = get_plugin_manager().aliases.targets[name]
     assert builder == f"automodel_vlm.family_processors.{FAMILY_PROCESSORS[name]}"
 
