@@ -168,8 +168,8 @@ def test_drop_overlong_leaves_long_samples_out(upstream_data):
                                           "kimi_vl_collate_fn"), "dataloader.collate_fn._target_",
      "use default_collate_fn"),
     (("--dataloader.collate_fn.max_lenght", "7"), "dataloader.collate_fn.max_lenght", "max_length"),
-    (("--processor._target_", "nemo_automodel.components.models.inkling.processing.build_inkling_processor"),
-     "processor._target_", "use the model's AutoProcessor"),
+    (("--processor._target_", "transformers.models.qwen3_vl.video_processing_qwen3_vl.Qwen3VLVideoProcessor."
+                              "from_pretrained"), "processor._target_", "video inputs are not supported"),
     (("--freeze.vision_tower", "true"), "freeze_config", "give one of freeze"),
     (("--packed_sequence", "{pack_size: 4096, post_tokenize_hook_fn: nemo_automodel.components.datasets.vlm."
                            "collate_fns.gemma4_inject_thinking_prefix}"), "packed_sequence.post_tokenize_hook_fn",

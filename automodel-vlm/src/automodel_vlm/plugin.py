@@ -7,6 +7,13 @@ _DATASETS = "nemo_automodel.components.datasets.vlm.datasets"
 _COLLATE = "nemo_automodel.components.datasets.vlm.collate_fns"
 _OURS = ("use ImageTextChatDataset (a JSONL/JSON/parquet file or hub set of {messages, image} rows) or one of "
          "make_medpix_dataset, make_rdr_dataset, make_cord_v2_dataset, make_shopify_product_catalogue_dataset")
+_MODELS = "nemo_automodel.components.models"
+# upstream's own processor builders of the families transformers now ships: transformers' processor class of each
+FAMILY_PROCESSORS = {
+    f"{_MODELS}.inkling.processing.build_inkling_processor": "inkling_processor",
+    f"{_MODELS}.minimax_m3_vl.processing.build_minimax_m3_vl_processor": "minimax_m3_vl_processor",
+    f"{_MODELS}.step3p7.processing_step3.Step3VLProcessor.from_pretrained": "step3p7_processor",
+}
 _GENERIC_COLLATE = ("use default_collate_fn (the processor's chat template renders the conversation; labels on the "
                     "assistant turns), which serves processors that follow transformers' conventions")
 # Upstream names nothing here implements, each with the reason and what to use instead.
@@ -34,15 +41,6 @@ UNSUPPORTED = {
         "NeMoAutoModelForImageTextToText.from_pretrained for an image-text-to-text model",
     "transformers.models.qwen3_vl.video_processing_qwen3_vl.Qwen3VLVideoProcessor.from_pretrained":
         "video inputs are not supported by the VLM recipe (images only); remove processor.video_processor",
-    "nemo_automodel.components.models.minimax_m3_vl.processing.build_minimax_m3_vl_processor":
-        "upstream's own MiniMax-M3-VL processor builder is not here; use the model's AutoProcessor "
-        "(processor: {pretrained_model_name_or_path: ...})",
-    "nemo_automodel.components.models.inkling.processing.build_inkling_processor":
-        "upstream's own Inkling processor builder is not here; use the model's AutoProcessor "
-        "(processor: {pretrained_model_name_or_path: ...})",
-    "nemo_automodel.components.models.step3p7.processing_step3.Step3VLProcessor.from_pretrained":
-        "upstream's own Step3-VL processor is not here; use the model's AutoProcessor "
-        "(processor: {pretrained_model_name_or_path: ...})",
 }
 
 
@@ -77,6 +75,8 @@ def automodel_register_aliases(aliases) -> None:
     # upstream's hook (batch, processor) -> batch itself, for its packed_sequence.post_tokenize_hook_fn
     aliases.target(f"{_COLLATE}.gemma4_prefix_collate_fn", "automodel_vlm.datasets.gemma4.Gemma4PrefixCollator")
     aliases.target(f"{_COLLATE}.gemma4_inject_thinking_prefix", "automodel_vlm.datasets.gemma4.inject_thinking_prefix")
+    for name, builder in FAMILY_PROCESSORS.items():
+        aliases.target(name, f"automodel_vlm.family_processors.{builder}")
     for name, reason in UNSUPPORTED.items():
         aliases.unsupported(name, reason)
 

@@ -15,7 +15,9 @@ from automodel.errors import AutomodelError
 PROCESSOR_KEY = "processor"
 
 
-def _finish(processor: Any, key: str) -> Any:
+def finish_processor(processor: Any, key: str = PROCESSOR_KEY) -> Any:
+    """The recipe's needs of a loaded processor: a tokenizer, a pad token (the end-of-sequence one when it has
+    none) and a chat template (the tokenizer's when the processor has none)."""
     tokenizer = getattr(processor, "tokenizer", None)
     if tokenizer is None:
         raise AutomodelError(f"{key}: built {type(processor).__name__}, which has no tokenizer; a vision-language "
@@ -31,22 +33,27 @@ def _finish(processor: Any, key: str) -> Any:
     return processor
 
 
-def load_processor(pretrained_model_name_or_path: str | None = None, *, name_or_path: str | None = None,
-                   **kwargs: Any) -> Any:
-    """``transformers.AutoProcessor.from_pretrained`` with errors that name the config key."""
-    from transformers import AutoProcessor
+def open_processor(processor_class: str, path: str | None, kwargs: dict[str, Any]) -> Any:
+    """``transformers.<processor_class>.from_pretrained(path, **kwargs)`` with errors that name the config key;
+    not yet finished (:func:`finish_processor`)."""
+    import transformers
 
-    path = pretrained_model_name_or_path or name_or_path
     key = f"{PROCESSOR_KEY}.pretrained_model_name_or_path"
     if not path:
         raise AutomodelError(f"{key}: missing (a processor directory or hub name)")
     if Path(str(path)).is_absolute() and not Path(str(path)).exists():
         raise AutomodelError(f"{key}: '{path}' does not exist")
     try:
-        processor = AutoProcessor.from_pretrained(str(path), **kwargs)
+        return getattr(transformers, processor_class).from_pretrained(str(path), **kwargs)
     except Exception as err:  # noqa: BLE001 - transformers raises OSError/ValueError/KeyError for a bad directory
-        raise AutomodelError(f"{key}: cannot load a processor from '{path}': {type(err).__name__}: {err}") from None
-    return _finish(processor, PROCESSOR_KEY)
+        raise AutomodelError(f"{key}: cannot load {processor_class} from '{path}': {type(err).__name__}: "
+                             f"{err}") from None
+
+
+def load_processor(pretrained_model_name_or_path: str | None = None, *, name_or_path: str | None = None,
+                   **kwargs: Any) -> Any:
+    """``transformers.AutoProcessor.from_pretrained`` with errors that name the config key."""
+    return finish_processor(open_processor("AutoProcessor", pretrained_model_name_or_path or name_or_path, kwargs))
 
 
 def _image_processor(value: Any) -> Any:
@@ -123,4 +130,4 @@ def build_processor(image_processor: Any, tokenizer: Any, processor_class: str =
                         **kwargs)
     except (TypeError, ValueError, IndexError) as err:
         raise AutomodelError(f"{PROCESSOR_KEY}: cannot build {processor_class}: {err}") from None
-    return _finish(processor, PROCESSOR_KEY)
+    return finish_processor(processor)

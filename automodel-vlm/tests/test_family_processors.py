@@ -1,0 +1,202 @@
+"""Upstream's own processor builders of Inkling, MiniMax-M3-VL and Step3.7 (family_processors.py): transformers'
+processor class of each family, with upstream's fix-ups where transformers' class does not do them itself.
+
+The three families' image processors are torchvision-backed (transformers has no Pillow twin of them): the tests
+that build one need torchvision and are skipped without it; without it validation refuses the builders, and a
+builder called all the same says what is missing."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+from vlm_testing import LLAVA_CONFIG, TOKENIZER_DIR, clone_state
+
+from automodel import testing
+from automodel.errors import AutomodelError, ConfigError
+from automodel_vlm.family_processors import (
+    INKLING_END_OF_SAMPLING,
+    inkling_processor,
+    minimax_m3_vl_processor,
+    step3p7_processor,
+)
+from automodel_vlm.parts import find_part
+from automodel_vlm.plugin import FAMILY_PROCESSORS
+
+FORM = Path(__file__).parent / "upstream_forms" / "family_processor_upstream.yaml"
+ROUTE = ("finetune", "vlm")
+HAS_TORCHVISION = importlib.util.find_spec("torchvision") is not None
+needs_torchvision = pytest.mark.skipif(not HAS_TORCHVISION, reason="the families' image processors need torchvision")
+_MODELS = "nemo_automodel.components.models"
+INKLING_TOKENS = ["<|unused_200054|>", "<|unused_200053|>", "<|content_image|>", "<|content_audio_input|>",
+                  INKLING_END_OF_SAMPLING]
+MINIMAX_TOKENS = ["]<]image[>[", "]<]video[>[", "]<]start of image[>[", "]<]end of image[>["]
+STEP3P7_TOKENS = ["<im_patch>", "<patch_start>", "<patch_end>", "<patch_newline>", "<im_start>", "<im_end>"]
+
+
+def _tokenizer(special: list[str]):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
+    tokenizer.add_special_tokens({"additional_special_tokens": special})
+    return tokenizer
+
+
+@pytest.mark.parametrize("name", sorted(FAMILY_PROCESSORS))
+def test_upstream_processor_builders_validate_and_resolve_to_ours(name):
+    from automodel.plugins.manager import get_plugin_manager
+
+    args = (FORM, "--processor._target_", name, "--model.config", LLAVA_CONFIG)
+    if HAS_TORCHVISION:
+        testing.load_config(*args, route=ROUTE)
+    else:
+        with pytest.raises(ConfigError) as info:
+            testing.load_config(*args, route=ROUTE)
+        found = {issue.key: issue.message for issue in info.value.issues}
+        assert set(found) == {"processor._target_"} and "torchvision is not installed" in found[
+            "processor._target_"], found
+    builder = get_plugin_manager().aliases.targets[name]
+    assert builder == f"automodel_vlm.family_processors.{FAMILY_PROCESSORS[name]}"
+
+
+def test_the_processors_trust_remote_code_stays_the_command_lines_to_give():
+    with pytest.raises(ConfigError) as info:
+        testing.load_config(FORM, "--processor.trust_remote_code", "true", "--model.config", LLAVA_CONFIG,
+                            route=ROUTE)
+    found = {issue.key: issue.message for issue in info.value.issues}
+    assert "--trust-remote-code" in found["processor.trust_remote_code"], found
+
+
+@pytest.mark.skipif(HAS_TORCHVISION, reason="the error is for a machine without torchvision")
+def test_without_torchvision_the_builder_says_what_is_missing(tmp_path):
+    _tokenizer(STEP3P7_TOKENS).save_pretrained(str(tmp_path))
+    (tmp_path / "preprocessor_config.json").write_text('{"image_processor_type": "Step3p7ImageProcessor"}')
+    with pytest.raises(AutomodelError, match=r"processor.pretrained_model_name_or_path: cannot load Step3p7Processor "
+                                             r"from .*torchvision"):
+        step3p7_processor(str(tmp_path))
+
+
+def _family_tokenizer(tokens: list[str], image_text: str) -> tuple[object, str]:
+    """The shipped tokenizer with a family's special tokens, and its template showing an image as ``image_text``."""
+    tokenizer = _tokenizer(tokens)
+    return tokenizer, tokenizer.chat_template.replace("'<image>'", f"'{image_text}'")
+
+
+def _tiny_inkling() -> tuple[object, object]:
+    from transformers import InklingConfig, InklingFeatureExtractor, InklingImageProcessor, InklingProcessor
+
+    tokenizer, template = _family_tokenizer(INKLING_TOKENS, "<|content_image|><|unused_200054|>")
+    processor = InklingProcessor(InklingFeatureExtractor(), InklingImageProcessor(), tokenizer, chat_template=template)
+    config = InklingConfig(
+        text_config={"vocab_size": len(tokenizer), "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+                     "num_key_value_heads": 1, "head_dim": 32, "swa_num_attention_heads": 2,
+                     "swa_num_key_value_heads": 1, "swa_head_dim": 32, "sliding_window_size": 16, "rel_extent": 64,
+                     "intermediate_size": 128, "moe_intermediate_size": 32, "n_routed_experts": 4,
+                     "num_experts_per_tok": 2, "n_shared_experts": 1, "pad_token_id": tokenizer.pad_token_id},
+        vision_config={"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "text_hidden_size": 64},
+        audio_config={"text_hidden_size": 64}, image_token_id=processor.image_token_id,
+        audio_token_id=processor.audio_token_id, image_bos_token_id=processor.image_bos_token_id,
+        audio_bos_token_id=processor.audio_bos_token_id)
+    return processor, config
+
+
+def _tiny_minimax_m3_vl() -> tuple[object, object]:
+    from transformers import (
+        MiniMaxM3VLConfig,
+        MiniMaxM3VLImageProcessor,
+        MiniMaxM3VLProcessor,
+        MiniMaxM3VLVideoProcessor,
+    )
+
+    tokenizer, template = _family_tokenizer(MINIMAX_TOKENS, "]<]image[>[")
+    processor = MiniMaxM3VLProcessor(MiniMaxM3VLImageProcessor(), tokenizer, MiniMaxM3VLVideoProcessor(),
+                                     chat_template=template)
+    config = MiniMaxM3VLConfig(
+        text_config={"vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 32, "num_hidden_layers": 2,
+                     "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "num_local_experts": 4,
+                     "num_experts_per_tok": 2, "dense_intermediate_size": 128, "shared_intermediate_size": 32,
+                     "rotary_dim": 16, "index_head_dim": 16, "index_block_size": 8,
+                     "pad_token_id": tokenizer.pad_token_id, "bos_token_id": None, "eos_token_id": None},
+        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2},
+        projector_hidden_size=64, image_token_index=processor.image_token_id,
+        video_token_index=processor.video_token_id)
+    return processor, config
+
+
+def _tiny_step3p7() -> tuple[object, object]:
+    """4 global and 1 local image token per view (112-pixel views, 56-pixel local crops)."""
+    from transformers import Step3p7Config, Step3p7ImageProcessor, Step3p7Processor
+
+    tokenizer, template = _family_tokenizer(STEP3P7_TOKENS, "<im_patch>")
+    processor = Step3p7Processor(Step3p7ImageProcessor(size={"height": 112, "width": 112}, patch_size=56), tokenizer,
+                                 chat_template=template)
+    config = Step3p7Config(
+        vision_config={"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": 112,
+                       "patch_size": 14, "max_position_embeddings": 64},
+        text_config={"vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                     "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "sliding_window": 16,
+                     "layer_types": ["sliding_attention", "full_attention"], "mlp_layer_types": ["dense", "sparse"],
+                     "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                     "share_expert_dim": 32, "pad_token_id": tokenizer.pad_token_id},
+        image_token_id=processor.image_token_id)
+    return processor, config
+
+
+# family -> (upstream's processor builder, the tiny processor and model config, transformers' model class)
+FAMILIES = {
+    "inkling": (f"{_MODELS}.inkling.processing.build_inkling_processor", _tiny_inkling,
+                "InklingForConditionalGeneration"),
+    "minimax_m3_vl": (f"{_MODELS}.minimax_m3_vl.processing.build_minimax_m3_vl_processor", _tiny_minimax_m3_vl,
+                      "MiniMaxM3SparseForConditionalGeneration"),
+    "step3p7": (f"{_MODELS}.step3p7.processing_step3.Step3VLProcessor.from_pretrained", _tiny_step3p7,
+                "Step3p7ForConditionalGeneration"),
+}
+
+
+@needs_torchvision
+def test_inkling_builder_gives_a_tokenizer_without_one_the_end_of_sampling_token(tmp_path):
+    processor, _ = _tiny_inkling()
+    processor.tokenizer.eos_token = None
+    processor.tokenizer.pad_token = None
+    processor.save_pretrained(str(tmp_path))
+    loaded = inkling_processor(str(tmp_path))
+    assert type(loaded) is type(processor)
+    end = processor.tokenizer.convert_tokens_to_ids(INKLING_END_OF_SAMPLING)
+    assert (loaded.tokenizer.eos_token_id, loaded.tokenizer.pad_token_id) == (end, end)
+
+
+@needs_torchvision
+def test_minimax_builder_keeps_the_checkpoints_chat_template(tmp_path):
+    """Upstream's builder re-attaches chat_template.jinja, which the checkpoint's remote-code class dropped;
+    transformers' class loads it itself (the shipped tokenizer's own template is another)."""
+    processor, _ = _tiny_minimax_m3_vl()
+    processor.save_pretrained(str(tmp_path))
+    assert (tmp_path / "chat_template.jinja").is_file()
+    loaded = minimax_m3_vl_processor(str(tmp_path))
+    assert type(loaded) is type(processor)
+    assert loaded.chat_template == processor.chat_template != _tokenizer([]).chat_template
+
+
+@needs_torchvision
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_each_family_trains_two_steps_with_upstreams_processor_name(family, tmp_path):
+    name, tiny, model_class = FAMILIES[family]
+    processor, config = tiny()
+    processor.save_pretrained(str(tmp_path / "processor"))
+    config.save_pretrained(str(tmp_path / "model"))
+    vision: dict = {}
+
+    def keep_vision_tower(run) -> None:  # the images reach the model: its vision tower learns
+        vision.update(clone_state(find_part(run.model, "vision_tower")[1]))
+
+    recipe = testing.train_inprocess(FORM, "--processor._target_", name, "--processor.pretrained_model_name_or_path",
+                                     tmp_path / "processor", "--model.config", tmp_path / "model" / "config.json",
+                                     "--checkpoint.checkpoint_dir", tmp_path / "ckpt", route=ROUTE,
+                                     before_run=keep_vision_tower)
+    assert type(recipe.processor) is type(processor)
+    assert type(recipe.model).__name__ == model_class
+    trained = find_part(recipe.model, "vision_tower")[1].state_dict()
+    assert vision and any(not torch.equal(trained[k], v) for k, v in vision.items())
+    assert [r["step"] for r in testing.read_jsonl(tmp_path / "ckpt" / "training.jsonl")] == [2]
