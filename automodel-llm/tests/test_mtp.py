@@ -187,9 +187,9 @@ def test_lora_adapts_the_heads_linear_layers_and_freezes_their_base(tmp_path, ne
         assert "base_model.model.mtp.layers.0.eh_proj.lora_B.weight" in set(file.keys())
 
 
-def refusals(config) -> dict[str, str]:
+def refusals(config, route: tuple[str, str] = ("finetune", "llm")) -> dict[str, str]:
     with pytest.raises(ConfigError) as info:
-        load_config(config, route=("finetune", "llm"))
+        load_config(config, route=route)
     return {issue.key: issue.message for issue in info.value.issues}
 
 
@@ -210,6 +210,16 @@ def test_other_families_and_lone_mtp_keys_are_refused(make_config):
     assert "this model is llama" in found["model.mtp_use_repeated_layer"]
     found = refusals(make_config(model={"num_nextn_predict_layers": 0, "mtp_loss_scaling_factor": -1}))
     assert "expected a number >= 0" in found["model.mtp_loss_scaling_factor"]
+
+
+def test_distillation_refuses_mtp_keys_for_the_student_and_the_teacher(tmp_path, nemotron_dir):
+    """The distillation loss adds no MTP loss, and the frozen teacher never runs heads."""
+    teacher = {"_target_": "automodel_llm.AutoModelForCausalLM.from_pretrained",
+               "pretrained_model_name_or_path": str(nemotron_dir), **UPSTREAM_KEYS}
+    found = refusals(run_config(tmp_path, nemotron_dir, teacher_model=teacher), route=("kd", "llm"))
+    assert "whose loss this recipe does not add" in found["model.num_nextn_predict_layers"], found
+    for key in UPSTREAM_KEYS:
+        assert "the frozen teacher only serves its next-token logits" in found[f"teacher_model.{key}"], found
 
 
 def test_a_scaling_factor_alone_trains_the_checkpoint_configs_heads(nemotron_dir):

@@ -29,6 +29,7 @@ SDPA_METHOD_PARALLEL_REFUSAL = ("runs the model's whole forward under those SDPA
                                 "distributed.pp_size and cp_size 1")
 # model_type -> (the module of its MTP sublayers, the main model's final norm the heads start from): automodel.mtp
 MTP_FAMILIES = {"nemotron_h": ("automodel.mtp.nemotron_h", "model.norm_f")}
+MTP_KEYS = ("num_nextn_predict_layers", "mtp_loss_scaling_factor", "mtp_use_repeated_layer")  # what asks for heads
 MTP = f"upstream's multi-token-prediction heads (implemented here for {', '.join(MTP_FAMILIES)})"
 
 
@@ -106,8 +107,7 @@ def _mtp_issues(kwargs: Mapping[str, Any], trained: bool) -> dict[str, str]:
     issues = {}
     if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor < 0):
         issues["mtp_loss_scaling_factor"] = f"expected a number >= 0 (the weight of the heads' loss), found {factor!r}"
-    asked = [key for key in ("num_nextn_predict_layers", "mtp_loss_scaling_factor", "mtp_use_repeated_layer")
-             if kwargs.get(key) not in (None, False, 0)]
+    asked = [key for key in MTP_KEYS if kwargs.get(key) not in (None, False, 0)]
     if asked and depths != 0 and not trained and not issues:
         issues[asked[0]] = (f"asks for {MTP}, which the LLM fine-tuning recipe trains (automodel_llm's "
                             "AutoModelForCausalLM), not this model section's; remove the MTP keys")

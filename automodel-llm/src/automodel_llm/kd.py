@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from automodel.config import Free, Refused, Target
 from automodel.errors import ConfigIssue
+from automodel.model_kwargs import MTP_KEYS
 from automodel.training.loss import LINEAR, loss_fn_named
 from automodel_llm.recipe import FinetuneRecipeForNextTokenPrediction
 
@@ -84,6 +85,12 @@ class KnowledgeDistillationRecipe(FinetuneRecipeForNextTokenPrediction):
                                                          "false and remove teacher_distributed"))
         elif separate not in (False, None):
             issues.append(ConfigIssue("separate_meshes", f"expected true or false, found {separate!r}"))
+        teacher = cfg.teacher_model
+        for key in MTP_KEYS:
+            if teacher is not None and teacher.get(key) not in (None, False, 0):
+                issues.append(ConfigIssue(f"teacher_model.{key}", "MTP heads train with the student; the frozen "
+                                          "teacher only serves its next-token logits, so its heads would never run: "
+                                          "remove it"))
         if loss_fn_named(cfg, LINEAR) is not None:
             issues.append(ConfigIssue("loss_fn._target_", "FusedLinearCrossEntropy computes the loss inside the "
                                       "student's output head, so no logits are left for the distillation loss; use "

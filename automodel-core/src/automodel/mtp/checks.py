@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from automodel.errors import ConfigIssue
-from automodel.model_kwargs import MTP, MTP_FAMILIES
+from automodel.model_kwargs import MTP, MTP_FAMILIES, MTP_KEYS
 
 KEY = "model.num_nextn_predict_layers"
 _SPLITS = {"pp_size": "pipeline parallelism (the heads would run on the last stage, without the token embeddings)",
@@ -20,7 +20,7 @@ def mtp_asked(cfg: Any) -> str | None:
     model = cfg.model
     if model is None or model.get("num_nextn_predict_layers") == 0:
         return None
-    for key in ("num_nextn_predict_layers", "mtp_loss_scaling_factor", "mtp_use_repeated_layer"):
+    for key in MTP_KEYS:
         if model.get(key) not in (None, False):
             return f"model.{key}"
     return None
