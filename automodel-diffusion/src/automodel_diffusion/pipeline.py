@@ -171,8 +171,8 @@ class AutoDiffusionPipeline(torch.nn.Module):
                         **kwargs: Any) -> AutoDiffusionPipeline:
         """Load a diffusers pipeline (hub name or directory); only ``trainable_components`` train (the denoiser).
 
-        ``max_sequence_length``: text tokens of the T5 slot of SD3-style and FLUX.1 pipelines (None: the
-        pipeline's default, 256 / 512); pass the same value to the pipeline when sampling from the trained
+        ``max_sequence_length``: text tokens of the T5 slot of SD3-style and FLUX.1 pipelines, of the prompt
+        embeddings of Qwen-Image (None: the pipeline's default, 256 / 512 / 1024); pass the same value to the pipeline when sampling from the trained
         checkpoint. ``guidance_scale``: the guidance value a guidance-distilled FLUX.1 transformer (its config's
         ``guidance_embeds``) is fed in training (None: 3.5, FluxPipeline's default); refused for other denoisers.
         """
