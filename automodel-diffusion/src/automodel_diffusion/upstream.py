@@ -135,7 +135,7 @@ def model_issues(model: Any, key: str = "model") -> list[ConfigIssue]:
                                                               "native (torch's scaled-dot-product attention) or "
                                                               "remove it"))
     model_type = model.get("model_type")
-    if model_type is not None and model_type not in ADAPTERS:
+    if model_type is not None and str(model_type) not in ADAPTERS:
         issues.append(ConfigIssue(f"{key}.model_type", f"'{model_type}': {family_refusal(model_type)}"
                                                        "; remove model_type (the pipeline's own class decides)"))
     elif model_type is not None:
