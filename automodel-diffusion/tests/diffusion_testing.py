@@ -83,3 +83,68 @@ def tiny_flux(directory: Path, guidance_embeds: bool = False, seed: int = 0) -> 
     AutoDiffusionPipeline.from_config(str(configs), seed=seed).pipeline.save_pretrained(str(directory))
     shutil.rmtree(configs)
     return directory
+
+
+# A tiny Qwen-Image pipeline. The tokenizer is a byte-level BPE in Qwen2's pre-tokenisation, learned from the words of
+# QwenImagePipeline's prompt template (and the shapes captions), so that the template's prefix is 34 tokens as with
+# Qwen's own tokenizer: the pipeline drops exactly those (prompt_template_encode_start_idx).
+QWEN_TEMPLATE_WORDS = ("system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
+                       "spatial relationships of the objects and background:\nuser\nassistant\n")
+QWEN_CAPTION_WORDS = "a an red blue green yellow white black orange purple circle square triangle on background"
+TINY_QWEN_TEXT = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+                  "num_key_value_heads": 1, "max_position_embeddings": 256,
+                  "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}
+TINY_QWEN_VISION = {"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": 32,
+                    "patch_size": 2, "spatial_merge_size": 1, "temporal_patch_size": 1, "window_size": 4,
+                    "fullatt_block_indexes": [0]}
+# 4 latent channels (16 once packed into 2x2 patches), two spatial downsamplings (32x32 images -> 8x8 latents)
+TINY_QWEN_VAE = {"base_dim": 8, "z_dim": 4, "dim_mult": [1, 2, 2], "num_res_blocks": 1,
+                 "temperal_downsample": [False, False], "latents_mean": [0.1, -0.2, 0.3, 0.0],
+                 "latents_std": [1.5, 0.8, 2.0, 1.2]}
+TINY_QWEN_TRANSFORMER = {"patch_size": 2, "in_channels": 16, "out_channels": 4, "num_layers": 1,
+                         "attention_head_dim": 8, "num_attention_heads": 2, "joint_attention_dim": 32,
+                         "axes_dims_rope": [2, 2, 4]}
+# QwenImagePipeline's scheduler settings (resolution-dependent shift, as Qwen-Image ships them)
+TINY_QWEN_SCHEDULER = {"use_dynamic_shifting": True, "base_image_seq_len": 256, "max_image_seq_len": 8192,
+                       "base_shift": 0.5, "max_shift": 0.9, "shift_terminal": 0.02, "time_shift_type": "exponential"}
+
+
+def tiny_qwen_tokenizer() -> Any:
+    """A Qwen2Tokenizer whose merges spell the prompt template's and the captions' words."""
+    import json
+
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
+    from transformers import Qwen2Tokenizer
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    trainer = trainers.BpeTrainer(vocab_size=512, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    bpe.train_from_iterator([QWEN_TEMPLATE_WORDS, QWEN_CAPTION_WORDS], trainer)
+    learned = json.loads(bpe.to_str())["model"]
+    return Qwen2Tokenizer(vocab=learned["vocab"], merges=[tuple(m) for m in learned["merges"]],
+                          extra_special_tokens=["<|im_start|>", "<|im_end|>"])
+
+
+def tiny_qwen_image(directory: Path, seed: int = 0, **transformer: Any) -> Path:
+    """A tiny QwenImagePipeline saved with weights in ``directory``, every component from the dict configs above
+    (``transformer``: overrides of its config), freshly initialised with ``seed``."""
+    import diffusers
+    import torch
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    torch.manual_seed(seed)
+    tokenizer = tiny_qwen_tokenizer()
+    text = {**TINY_QWEN_TEXT, "vocab_size": len(tokenizer), "bos_token_id": None,
+            "eos_token_id": tokenizer.eos_token_id}
+    encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(text_config=text, vision_config=TINY_QWEN_VISION,
+                                                                  bos_token_id=None,
+                                                                  eos_token_id=tokenizer.eos_token_id))
+    pipeline = diffusers.QwenImagePipeline(
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(**TINY_QWEN_SCHEDULER),
+        vae=diffusers.AutoencoderKLQwenImage(**TINY_QWEN_VAE), text_encoder=encoder, tokenizer=tokenizer,
+        transformer=diffusers.QwenImageTransformer2DModel(**{**TINY_QWEN_TRANSFORMER, **transformer}))
+    pipeline.save_pretrained(str(directory))
+    return directory

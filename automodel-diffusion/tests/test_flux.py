@@ -259,13 +259,13 @@ def test_flux_settings_that_cannot_act_are_refused_at_validation(override, key, 
 
 def test_model_type_flux_needs_a_flux_pipeline():
     from automodel_diffusion import AutoDiffusionPipeline
-    from automodel_diffusion.upstream import apply_flux_adapter
+    from automodel_diffusion.upstream import apply_adapter
 
     found = refusals(LORA, "--model.pretrained_model_name_or_path", str(ASSETS / "tiny_flow"))
     assert "needs a FluxPipeline, but" in found["model.model_type"], found
     _, cfg = load_config(LORA)  # a hub name is only known once built
     with pytest.raises(ConfigError) as info:
-        apply_flux_adapter(cfg, AutoDiffusionPipeline.from_config(str(ASSETS / "tiny_flow")))
+        apply_adapter(cfg, AutoDiffusionPipeline.from_config(str(ASSETS / "tiny_flow")))
     found = {issue.key: issue.message for issue in info.value.issues}
     assert set(found) == {"model.model_type", "flow_matching.adapter_type"}
     assert "the pipeline is a StableDiffusion3Pipeline" in found["model.model_type"], found
@@ -283,14 +283,14 @@ def test_use_guidance_embeds_false_on_a_guidance_distilled_transformer_feeds_gui
     """Upstream's own FLUX.1-dev form: use_guidance_embeds false, guidance_scale 1, on a transformer with guidance
     embeddings. Upstream feeds guidance_scale whatever use_guidance_embeds says (that transformer needs a value in
     every call); so does this, and says so."""
-    from automodel_diffusion.upstream import apply_flux_adapter
+    from automodel_diffusion.upstream import apply_adapter
 
     _, cfg = load_config(FINETUNE)
     model = flux_model(bases["guided"])
-    note = apply_flux_adapter(cfg, model)
+    note = apply_adapter(cfg, model)
     assert model.conditioning.guidance == 1.0, "guidance_scale 1 is what the transformer is fed"
     assert "use_guidance_embeds: false" in note and "it is fed 1" in note, note
-    assert apply_flux_adapter(cfg, flux_model(bases["plain"])) is None
+    assert apply_adapter(cfg, flux_model(bases["plain"])) is None
 
 
 def test_model_guidance_scale_needs_guidance_embeddings(bases):

@@ -22,28 +22,25 @@ from typing import Any
 
 import torch
 
-from automodel.errors import AutomodelError, ConfigError, ConfigIssue
+from automodel.errors import AutomodelError
 from automodel.model_files import has_weights, parse_dtype
+from automodel_diffusion.conditioning import DENOISER_CLASSES, SUPPORTED, FluxConditioning, conditioning_for
 
 DENOISERS = ("transformer", "unet")
 # The libraries a model_index.json may name for a component. The file is data from the model directory: importing
 # whatever module it names would run a local `<name>.py` (the working directory is on sys.path under torchrun).
 COMPONENT_LIBRARIES = ("diffusers", "transformers")
-_SUPPORTED = ("SD3Transformer2DModel (StableDiffusion3Pipeline), FluxTransformer2DModel (FluxPipeline, FLUX.1) and "
-              "UNet2DConditionModel (StableDiffusionPipeline)")
-# the denoisers a Conditioning exists for
-DENOISER_CLASSES = ("SD3Transformer2DModel", "FluxTransformer2DModel", "UNet2DConditionModel")
-DEFAULT_GUIDANCE = 3.5  # FluxPipeline's default guidance_scale: what a guidance-distilled FLUX.1 samples with
 
 
 def index_issue(index: dict[str, Any]) -> str | None:
     """Why a pipeline directory's model_index.json names a pipeline this recipe cannot train (None: it can)."""
     components = pipeline_components(index)
     denoiser = next((components[name][1] for name in DENOISERS if name in components), None)
-    if denoiser in DENOISER_CLASSES:
+    qwen_other = denoiser == "QwenImageTransformer2DModel" and index.get("_class_name") != "QwenImagePipeline"
+    if denoiser in DENOISER_CLASSES and not qwen_other:  # Qwen-Image-Edit and ControlNet pipelines share it
         return None
     return (f"the pipeline is a {index.get('_class_name')} with a {denoiser or 'no'} denoiser, which diffusion "
-            f"training does not support here; supported: {_SUPPORTED}")
+            f"training does not support here; supported: {SUPPORTED}")
 
 
 def read_model_index(path: str | Path) -> dict[str, Any] | None:
@@ -132,7 +129,7 @@ def _denoiser_name(pipeline: Any) -> str:
         if isinstance(getattr(pipeline, name, None), torch.nn.Module):
             return name
     raise AutomodelError(f"model: the {type(pipeline).__name__} has no denoiser (a 'transformer' or 'unet' "
-                         f"component); supported: {_SUPPORTED}")
+                         f"component); supported: {SUPPORTED}")
 
 
 class AutoDiffusionPipeline(torch.nn.Module):
@@ -174,10 +171,11 @@ class AutoDiffusionPipeline(torch.nn.Module):
                         **kwargs: Any) -> AutoDiffusionPipeline:
         """Load a diffusers pipeline (hub name or directory); only ``trainable_components`` train (the denoiser).
 
-        ``max_sequence_length``: text tokens of the T5 slot of SD3-style and FLUX.1 pipelines (None: the
-        pipeline's default, 256 / 512); pass the same value to the pipeline when sampling from the trained
-        checkpoint. ``guidance_scale``: the guidance value a guidance-distilled FLUX.1 transformer (its config's
-        ``guidance_embeds``) is fed in training (None: 3.5, FluxPipeline's default); refused for other denoisers.
+        ``max_sequence_length``: text tokens of the T5 slot of SD3-style and FLUX.1 pipelines, of the prompt
+        embeddings of Qwen-Image (None: the pipeline's default, 256 / 512 / 1024); pass the same value to the
+        pipeline when sampling from the trained checkpoint. ``guidance_scale``: the guidance value a
+        guidance-distilled FLUX.1 transformer (its config's ``guidance_embeds``) is fed in training (None: 3.5,
+        FluxPipeline's default); refused for other denoisers.
         """
         path = pretrained_model_name_or_path or name_or_path
         if not path:
@@ -215,12 +213,10 @@ class AutoDiffusionPipeline(torch.nn.Module):
         if vae is None:
             return pixel_values  # a pixel-space pipeline
         with torch.set_grad_enabled(torch.is_grad_enabled() and "vae" in self.trainable_components):
-            encoded = vae.encode(pixel_values.to(vae.dtype))
+            encoded = vae.encode(self.conditioning.vae_input(pixel_values.to(vae.dtype)))
             dist = getattr(encoded, "latent_dist", None)
             latents = dist.sample(generator=generator) if dist is not None else encoded.latents
-        config = vae.config
-        shift = getattr(config, "shift_factor", None) or 0.0
-        return (latents - shift) * getattr(config, "scaling_factor", 1.0)
+        return self.conditioning.normalize(latents)
 
     def denoiser_precision(self, device: torch.device) -> Any:
         """torch.autocast to ``autocast_dtype`` around the denoiser (parameters stay in their stored dtype)."""
@@ -247,129 +243,3 @@ class AutoDiffusionPipeline(torch.nn.Module):
         losses = (prediction.float() - target.float()).pow(2).flatten(1).mean(1)
         weights = self.objective.loss_weights(timesteps)
         return losses if weights is None else losses * weights.to(losses.device, losses.dtype)
-
-
-# ---- text conditioning and the denoiser's call, per pipeline family ---------------------------------------------
-
-
-class Conditioning:
-    """How a pipeline family encodes captions and calls its denoiser."""
-
-    def __init__(self, pipeline: Any, max_sequence_length: int | None = None):
-        self.pipeline = pipeline
-        self.text_kwargs = {} if max_sequence_length is None else {"max_sequence_length": max_sequence_length}
-
-    def encode(self, captions: list[str], device: torch.device) -> dict[str, torch.Tensor]:
-        raise NotImplementedError
-
-    def pack(self, latents: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The latents as the denoiser takes them (the objective noises these), and their position inputs."""
-        return latents, {}
-
-    def denoise(self, denoiser: torch.nn.Module, sample: torch.Tensor, timesteps: torch.Tensor,
-                cond: dict[str, torch.Tensor]) -> torch.Tensor:
-        raise NotImplementedError
-
-
-class UNetConditioning(Conditioning):
-    """StableDiffusionPipeline: one CLIP text encoder; ``unet(sample, t, encoder_hidden_states)``."""
-
-    def encode(self, captions: list[str], device: torch.device) -> dict[str, torch.Tensor]:
-        embeds, _ = self.pipeline.encode_prompt(captions, device, 1, False)
-        return {"encoder_hidden_states": embeds}
-
-    def denoise(self, denoiser, sample, timesteps, cond):
-        return denoiser(sample, timesteps, encoder_hidden_states=cond["encoder_hidden_states"].to(sample.dtype),
-                        return_dict=False)[0]
-
-
-class SD3Conditioning(Conditioning):
-    """StableDiffusion3Pipeline: two CLIP encoders (+ optional T5) give token and pooled embeddings."""
-
-    def encode(self, captions: list[str], device: torch.device) -> dict[str, torch.Tensor]:
-        embeds, _, pooled, _ = self.pipeline.encode_prompt(prompt=captions, prompt_2=None, prompt_3=None,
-                                                           device=device, do_classifier_free_guidance=False,
-                                                           **self.text_kwargs)
-        return {"encoder_hidden_states": embeds, "pooled_projections": pooled}
-
-    def denoise(self, denoiser, sample, timesteps, cond):
-        return denoiser(hidden_states=sample, timestep=timesteps,
-                        encoder_hidden_states=cond["encoder_hidden_states"].to(sample.dtype),
-                        pooled_projections=cond["pooled_projections"].to(sample.dtype), return_dict=False)[0]
-
-
-class FluxConditioning(Conditioning):
-    """FluxPipeline (FLUX.1): CLIP's pooled embedding and T5's token embeddings; the latents go in as 2x2 patches
-    (the pipeline's own ``_pack_latents`` / ``_prepare_latent_image_ids``), the timestep as sigma (FluxPipeline's
-    ``timestep / 1000``), and a guidance-distilled transformer gets its guidance value."""
-
-    def __init__(self, pipeline: Any, max_sequence_length: int | None = None):
-        super().__init__(pipeline, max_sequence_length)
-        self.guidance: float | None = None  # fed when the transformer has guidance embeddings (set_guidance)
-
-    def set_guidance(self, use: bool | None, scale: float | None, key: str) -> str | None:
-        """The guidance the transformer is fed: ``scale`` (None: 3.5) when it has guidance embeddings, none when it
-        has not (a ``scale`` other than 1, no guidance, is refused there). ``use`` is upstream's
-        use_guidance_embeds (None: what the transformer has): true on a transformer without guidance embeddings is
-        refused; false on one with them is upstream's own FLUX.1-dev form, where upstream feeds ``scale`` all the
-        same because that transformer needs a guidance value in every call: so does this, and the returned note says
-        so. ``key`` names the setting in errors."""
-        embeds = bool(self.pipeline.transformer.config.get("guidance_embeds", False))
-        prefix = key.rsplit(".", 1)[0]
-        if use and not embeds:
-            raise ConfigError(ConfigIssue(f"{prefix}.use_guidance_embeds",
-                                          "true, but this FLUX.1 transformer has no guidance embeddings (its "
-                                          "config's guidance_embeds): set false"))
-        if not embeds and scale not in (None, 1, 1.0):
-            raise ConfigError(ConfigIssue(key, f"{scale}: this FLUX.1 transformer has no guidance embeddings (its "
-                                               "config's guidance_embeds is false), so no guidance value is fed; "
-                                               "remove it"))
-        self.guidance = (DEFAULT_GUIDANCE if scale is None else float(scale)) if embeds else None
-        if use is False and embeds:
-            return (f"{prefix}.use_guidance_embeds: false, but this FLUX.1 transformer has guidance embeddings and "
-                    f"needs a guidance value in every call: it is fed {self.guidance:g} ({key}), as upstream does")
-        return None
-
-    def encode(self, captions: list[str], device: torch.device) -> dict[str, torch.Tensor]:
-        embeds, pooled, text_ids = self.pipeline.encode_prompt(prompt=captions, prompt_2=None, device=device,
-                                                               **self.text_kwargs)
-        return {"encoder_hidden_states": embeds, "pooled_projections": pooled, "txt_ids": text_ids}
-
-    def pack(self, latents: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        batch, channels, height, width = latents.shape
-        if height % 2 or width % 2:
-            raise AutomodelError(f"data: FLUX.1 packs its latents into 2x2 patches, but the images encode to "
-                                 f"{height}x{width} latents; use an image size that is a multiple of "
-                                 f"{2 * self.pipeline.vae_scale_factor}")
-        cls = type(self.pipeline)
-        packed = cls._pack_latents(latents, batch, channels, height, width)
-        ids = cls._prepare_latent_image_ids(batch, height // 2, width // 2, latents.device, latents.dtype)
-        return packed, {"img_ids": ids}
-
-    def denoise(self, denoiser, sample, timesteps, cond):
-        guidance = None if self.guidance is None else \
-            torch.full((sample.shape[0],), self.guidance, device=sample.device, dtype=torch.float32)
-        return denoiser(hidden_states=sample, timestep=timesteps.to(sample.dtype) / 1000, guidance=guidance,
-                        pooled_projections=cond["pooled_projections"].to(sample.dtype),
-                        encoder_hidden_states=cond["encoder_hidden_states"].to(sample.dtype),
-                        txt_ids=cond["txt_ids"], img_ids=cond["img_ids"], return_dict=False)[0]
-
-
-def conditioning_for(pipeline: Any, denoiser_name: str, max_sequence_length: int | None = None) -> Conditioning:
-    denoiser = getattr(pipeline, denoiser_name)
-    kind = type(denoiser).__name__
-    if kind == "SD3Transformer2DModel" and hasattr(pipeline, "text_encoder_2"):
-        return SD3Conditioning(pipeline, max_sequence_length)
-    if kind == "FluxTransformer2DModel" and hasattr(pipeline, "_pack_latents"):
-        packed, channels = 4 * pipeline.vae.config.latent_channels, denoiser.config.in_channels
-        if channels != packed:
-            raise AutomodelError(f"model: the {type(pipeline).__name__}'s transformer takes {channels} input "
-                                 f"channels, not the {packed} of its packed latents alone (FLUX.1 Fill / "
-                                 "Control conditioning images), which diffusion training does not support here; "
-                                 "use a text-to-image FluxPipeline")
-        return FluxConditioning(pipeline, max_sequence_length)
-    if kind == "UNet2DConditionModel" and getattr(denoiser.config, "addition_embed_type", None) is None \
-            and hasattr(pipeline, "encode_prompt") and hasattr(pipeline, "text_encoder"):
-        return UNetConditioning(pipeline)
-    raise AutomodelError(f"model: training a {type(pipeline).__name__} with a {kind} denoiser is not supported yet; "
-                         f"supported: {_SUPPORTED}")

@@ -236,7 +236,7 @@ class DiffusionRecipe(TrainRecipe):
         problem = upstream.steps_issue(upstream.given(ctx.cfg, "fsdp"), ctx.world_size)
         if problem:
             raise AutomodelError(problem)
-        note = upstream.apply_flux_adapter(ctx.cfg, model)
+        note = upstream.apply_adapter(ctx.cfg, model)
         if note:
             self.log(note)
         model.objective = build_objective(objective_config(ctx.cfg), model.pipeline.scheduler)

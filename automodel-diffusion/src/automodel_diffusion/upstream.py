@@ -9,8 +9,9 @@ Upstream's diffusion configs carry no ``_target_`` for the model and describe tr
 * ``data.dataloader`` (upstream's text-to-image loader over a cache) -> a folder of images and captions, encoded
   on the fly (:func:`text_to_image_data`); ``performance:`` -> the loss check.
 
-``model_type: flux`` / ``flow_matching.adapter_type: flux`` (FLUX.1) say the pipeline is a FluxPipeline, which is
-checked; ``adapter_kwargs`` set the guidance its transformer is fed. Keys that need what this recipe does not have
+``model_type`` / ``flow_matching.adapter_type`` ``flux`` (FLUX.1) and ``qwen_image`` (Qwen-Image) say the pipeline is
+a FluxPipeline / QwenImagePipeline, which is checked; ``adapter_kwargs`` set the guidance a FLUX.1 transformer is
+fed (a Qwen-Image transformer takes none). Keys that need what this recipe does not have
 (other model families, video, Transformer Engine, CUDA kernels)
 are refused at validation with the reason. Import-light: no torch at import.
 """
@@ -26,13 +27,14 @@ from automodel.config import Config, ConfigNode, FieldErrors
 from automodel.errors import AutomodelError, ConfigError, ConfigIssue
 from automodel_diffusion.objectives import ObjectiveConfig
 
-SUPPORTED = ("SD3-style (StableDiffusion3Pipeline), FLUX.1 (FluxPipeline) and Stable Diffusion UNet "
-             "(StableDiffusionPipeline) pipelines")
-FLUX = "flux"  # upstream's model_type / adapter_type of FLUX.1: the pipeline must be a FluxPipeline
-FLUX_PIPELINE = "FluxPipeline"
-FLUX_ADAPTER_KWARGS = ("guidance_scale", "use_guidance_embeds")
+SUPPORTED = ("SD3-style (StableDiffusion3Pipeline), FLUX.1 (FluxPipeline), Qwen-Image (QwenImagePipeline) and "
+             "Stable Diffusion UNet (StableDiffusionPipeline) pipelines")
+FLUX, QWEN_IMAGE = "flux", "qwen_image"
+# upstream's model_type / adapter_type values that act here -> (the family, the pipeline class it must be)
+ADAPTERS = {FLUX: ("FLUX.1", "FluxPipeline"), QWEN_IMAGE: ("Qwen-Image", "QwenImagePipeline")}
+ADAPTER_KWARGS = ("guidance_scale", "use_guidance_embeds")  # upstream's flux and qwen_image adapter settings
 FAMILIES = {"flux2": "FLUX.2", "wan": "Wan", "hunyuan": "HunyuanVideo", "ltx2": "LTX-2",
-            "qwen_image": "Qwen-Image", "qwen_image_edit": "Qwen-Image-Edit"}
+            "qwen_image_edit": "Qwen-Image-Edit"}
 CPU_ATTENTION = ("native", "_native_math")  # torch's scaled_dot_product_attention: what runs without CUDA kernels
 GPU_ONLY = "needs a CUDA GPU, which this machine lacks"
 
@@ -76,10 +78,10 @@ def load_upstream_pipeline(pretrained_model_name_or_path: str, mode: Literal["fi
     directory, ``cache_dir`` its download cache) stored in ``torch_dtype``; ``mode: pretrain`` re-initialises the
     trained denoiser from its config (``pipeline_spec`` names its class and folder) and keeps the other
     components' weights; ``compute_dtype`` is the dtype the denoiser computes in (the recipe applies it);
-    ``attention_backend: native`` is torch's scaled-dot-product attention; ``model_type: flux`` says the pipeline is
-    FLUX.1 (checked against its model_index.json at validation, against the built pipeline by the recipe). The
-    other keys are accepted only at the
-    values that need nothing this machine or recipe lacks (validation refuses the rest, see ``model_issues``)."""
+    ``attention_backend: native`` is torch's scaled-dot-product attention; ``model_type: flux`` / ``qwen_image``
+    says the pipeline is FLUX.1 / Qwen-Image (checked against its model_index.json at validation, against the built
+    pipeline by the recipe). The other keys are accepted only at the values that need nothing this machine or recipe
+    lacks (validation refuses the rest, see ``model_issues``)."""
     refused = model_issues({k: v for k, v in locals().items() if v not in (None, False)}, "model")
     import torch
 
@@ -132,11 +134,12 @@ def model_issues(model: Any, key: str = "model") -> list[ConfigIssue]:
         issues.append(ConfigIssue(f"{key}.attention_backend", f"'{backend}' {GPU_ONLY} (and its kernels); use "
                                                               "native (torch's scaled-dot-product attention) or "
                                                               "remove it"))
-    if model.get("model_type") not in (None, FLUX):
-        issues.append(ConfigIssue(f"{key}.model_type", f"'{model['model_type']}': {family_refusal(model['model_type'])}"
+    model_type = model.get("model_type")
+    if model_type is not None and str(model_type) not in ADAPTERS:
+        issues.append(ConfigIssue(f"{key}.model_type", f"'{model_type}': {family_refusal(model_type)}"
                                                        "; remove model_type (the pipeline's own class decides)"))
-    elif model.get("model_type") == FLUX:
-        issues += flux_issues(model.get("pretrained_model_name_or_path"), f"{key}.model_type")
+    elif model_type is not None:
+        issues += family_issues(model_type, model.get("pretrained_model_name_or_path"), f"{key}.model_type")
     for name in ("stage", "boundary_ratio"):
         if model.get(name) is not None:
             issues.append(ConfigIssue(f"{key}.{name}", "two-transformer pipelines (Wan 2.2's high/low-noise stages) "
@@ -271,12 +274,14 @@ class FlowMatchingSection:
     """Upstream's ``flow_matching:`` (its defaults) -> the flow-matching ``objective``."""
 
     adapter_type: str | None = field(default=None, metadata=_help(
-        "upstream's model-family adapter: flux (the pipeline must be a FluxPipeline, FLUX.1); null: the "
-        "pipeline's own conditioning decides; the other upstream values name families not implemented here"))
+        "upstream's model-family adapter: flux (the pipeline must be a FluxPipeline, FLUX.1) or qwen_image (a "
+        "QwenImagePipeline, Qwen-Image); null: the pipeline's own conditioning decides; the other upstream values "
+        "name families not implemented here"))
     adapter_kwargs: dict = field(default_factory=dict, metadata=_help(
         "with adapter_type flux: guidance_scale (the guidance value a guidance-distilled FLUX.1 transformer is "
         "fed; default 3.5) and use_guidance_embeds (true needs guidance embeddings; false on a transformer with "
-        "them still feeds guidance_scale, as upstream does); else only {}"))
+        "them still feeds guidance_scale, as upstream does); with qwen_image: use_guidance_embeds false and "
+        "guidance_scale 1 only (its transformer takes no guidance value); else only {}"))
     timestep_sampling: Literal["uniform", "logit_normal", "lognorm", "mix", "mode", "beta"] = field(
         default="logit_normal", metadata=_help("how sigmas are drawn (see objective.timestep_sampling)"))
     logit_mean: float = field(default=0.0, metadata=_help("logit_normal: mean"))
@@ -306,7 +311,7 @@ class FlowMatchingSection:
 
     def __post_init__(self) -> None:
         bad = {}
-        if self.adapter_type not in (None, FLUX):
+        if self.adapter_type is not None and self.adapter_type not in ADAPTERS:
             if self.adapter_type == "simple":
                 bad["adapter_type"] = ("'simple' is upstream's adapter for Wan-style transformers fed precomputed "
                                        "text embeddings; this recipe encodes captions itself and calls the denoiser "
@@ -314,8 +319,8 @@ class FlowMatchingSection:
             else:
                 bad["adapter_type"] = (f"'{self.adapter_type}': {family_refusal(self.adapter_type)}; remove "
                                        "adapter_type and use one of those pipelines")
-        if self.adapter_type == FLUX:
-            bad.update(flux_kwargs_issues(self.adapter_kwargs))
+        if self.adapter_type in ADAPTERS:
+            bad.update(adapter_kwargs_issues(self.adapter_type, self.adapter_kwargs))
         elif self.adapter_kwargs:
             bad["adapter_kwargs"] = "upstream's adapter settings do not apply here (no adapter); remove them"
         if self.i2v_prob != 0:
@@ -342,42 +347,53 @@ class FlowMatchingSection:
                                caption_dropout=self.cfg_dropout_prob)
 
 
-def flux_kwargs_issues(kwargs: dict) -> dict[str, str]:
-    """Key -> why, for flux adapter_kwargs that cannot act (the transformer's own check comes at build)."""
-    bad = {f"adapter_kwargs.{k}": f"not a setting of the flux adapter here (it takes {', '.join(FLUX_ADAPTER_KWARGS)})"
-           for k in kwargs if k not in FLUX_ADAPTER_KWARGS}
+def adapter_kwargs_issues(adapter: str, kwargs: dict) -> dict[str, str]:
+    """Key -> why, for flux / qwen_image adapter_kwargs that cannot act (a FLUX.1 transformer's own check comes at
+    build)."""
+    bad = {f"adapter_kwargs.{k}": f"not a setting of the {adapter} adapter here (it takes {', '.join(ADAPTER_KWARGS)})"
+           for k in kwargs if k not in ADAPTER_KWARGS}
     scale, use = kwargs.get("guidance_scale"), kwargs.get("use_guidance_embeds")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale <= 0):
         bad["adapter_kwargs.guidance_scale"] = f"expected a number > 0, found {scale!r}"
+    elif adapter == QWEN_IMAGE and scale not in (None, 1):
+        bad["adapter_kwargs.guidance_scale"] = (f"{scale}: upstream's qwen_image adapter feeds it only with "
+                                                "use_guidance_embeds true, and diffusers' Qwen-Image transformer takes "
+                                                "no guidance value, so it cannot act; remove it (or set 1)")
     if use is not None and not isinstance(use, bool):
         bad["adapter_kwargs.use_guidance_embeds"] = f"expected true or false, found {use!r}"
+    elif adapter == QWEN_IMAGE and use:
+        bad["adapter_kwargs.use_guidance_embeds"] = ("true, but diffusers' Qwen-Image transformer takes no guidance "
+                                                     "value (QwenImagePipeline feeds none); set false or remove it")
     return bad
 
 
-def flux_issues(source: Any, key: str) -> list[ConfigIssue]:
-    """A flux family key on a local pipeline whose model_index.json names another pipeline class."""
+def family_issues(adapter: str, source: Any, key: str) -> list[ConfigIssue]:
+    """A flux / qwen_image family key on a local pipeline whose model_index.json names another pipeline class."""
     from automodel_diffusion.pipeline import read_model_index
 
+    family, pipeline = ADAPTERS[adapter]
     index = read_model_index(source) if isinstance(source, str) else None
-    if index is None or index.get("_class_name") == FLUX_PIPELINE:
+    if index is None or index.get("_class_name") == pipeline:
         return []
-    return [ConfigIssue(key, f"'{FLUX}' (FLUX.1) needs a {FLUX_PIPELINE}, but '{source}' is a "
-                             f"{index.get('_class_name')}; remove it or point the model at a FLUX.1 pipeline")]
+    return [ConfigIssue(key, f"'{adapter}' ({family}) needs a {pipeline}, but '{source}' is a "
+                             f"{index.get('_class_name')}; remove it or point the model at a {family} pipeline")]
 
 
-def apply_flux_adapter(cfg: Config, model: Any) -> str | None:
-    """At build: the flux family keys need the built pipeline to be FLUX.1; adapter_kwargs set its guidance (the
-    returned note, if any, is for the run's log)."""
-    from automodel_diffusion.pipeline import FluxConditioning
+def apply_adapter(cfg: Config, model: Any) -> str | None:
+    """At build: the flux / qwen_image family keys need the built pipeline to be of that family; flux's
+    adapter_kwargs set its guidance (the returned note, if any, is for the run's log)."""
+    from automodel_diffusion.conditioning import FluxConditioning, QwenImageConditioning
 
     settings = given(cfg, "flow_matching")
-    keys = [k for k, v in (("model.model_type", _model_type(cfg)),
-                           ("flow_matching.adapter_type", settings and settings.adapter_type)) if v == FLUX]
-    flux = isinstance(model.conditioning, FluxConditioning)
-    if keys and not flux:
-        raise ConfigError([ConfigIssue(k, f"'{FLUX}' (FLUX.1), but the pipeline is a {type(model.pipeline).__name__}"
-                                          "; remove it or load a FluxPipeline") for k in keys])
-    if flux and settings is not None and settings.adapter_type == FLUX:
+    built = {FLUX: FluxConditioning, QWEN_IMAGE: QwenImageConditioning}
+    issues = [ConfigIssue(key, f"'{value}' ({ADAPTERS[value][0]}), but the pipeline is a "
+                               f"{type(model.pipeline).__name__}; remove it or load a {ADAPTERS[value][1]}")
+              for key, value in (("model.model_type", _model_type(cfg)),
+                                 ("flow_matching.adapter_type", settings and settings.adapter_type))
+              if value in ADAPTERS and not isinstance(model.conditioning, built[value])]
+    if issues:
+        raise ConfigError(issues)
+    if isinstance(model.conditioning, FluxConditioning) and settings is not None and settings.adapter_type == FLUX:
         kwargs = settings.adapter_kwargs
         return model.conditioning.set_guidance(kwargs.get("use_guidance_embeds"), kwargs.get("guidance_scale"),
                                                "flow_matching.adapter_kwargs.guidance_scale")
@@ -522,9 +538,9 @@ def upstream_issues(cfg: Config) -> list[ConfigIssue]:
     if isinstance(model, ConfigNode) and model.target is None:
         issues += model_issues(model)
     settings = cfg.get("flow_matching") if "flow_matching" in cfg else None
-    if settings is not None and settings.adapter_type == FLUX and isinstance(model, ConfigNode):
-        issues += flux_issues(model.get("pretrained_model_name_or_path") or model.get("config"),
-                              "flow_matching.adapter_type")
+    if settings is not None and settings.adapter_type in ADAPTERS and isinstance(model, ConfigNode):
+        source = model.get("pretrained_model_name_or_path") or model.get("config")
+        issues += family_issues(settings.adapter_type, source, "flow_matching.adapter_type")
     data = cfg.get("data")
     if data is not None:
         issues += _data_issues(data, cfg.rng.seed)

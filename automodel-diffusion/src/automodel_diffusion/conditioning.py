@@ -1,0 +1,201 @@
+"""Per pipeline family: how images become the latents the denoiser learns, how captions are encoded, and how the
+denoiser is called — each as the family's own diffusers pipeline does it when it samples, so a trained denoiser
+samples through that pipeline unchanged.
+
+:func:`conditioning_for` picks the family from the pipeline's denoiser; ``AutoDiffusionPipeline.forward`` is the
+one training step every family shares.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from automodel.errors import AutomodelError, ConfigError, ConfigIssue
+
+SUPPORTED = ("SD3Transformer2DModel (StableDiffusion3Pipeline), FluxTransformer2DModel (FluxPipeline, FLUX.1), "
+             "QwenImageTransformer2DModel (QwenImagePipeline, Qwen-Image) and UNet2DConditionModel "
+             "(StableDiffusionPipeline)")
+# the denoisers a Conditioning exists for
+DENOISER_CLASSES = ("SD3Transformer2DModel", "FluxTransformer2DModel", "QwenImageTransformer2DModel",
+                    "UNet2DConditionModel")
+DEFAULT_GUIDANCE = 3.5  # FluxPipeline's default guidance_scale: what a guidance-distilled FLUX.1 samples with
+
+
+class Conditioning:
+    """How a pipeline family encodes images and captions and calls its denoiser."""
+
+    def __init__(self, pipeline: Any, max_sequence_length: int | None = None):
+        self.pipeline = pipeline
+        self.text_kwargs = {} if max_sequence_length is None else {"max_sequence_length": max_sequence_length}
+
+    def vae_input(self, pixels: torch.Tensor) -> torch.Tensor:
+        """The images as the VAE's encoder takes them."""
+        return pixels
+
+    def normalize(self, latents: torch.Tensor) -> torch.Tensor:
+        """The VAE's latents as the denoiser sees them (the inverse of what the pipeline does before decoding)."""
+        config = self.pipeline.vae.config
+        shift = getattr(config, "shift_factor", None) or 0.0
+        return (latents - shift) * getattr(config, "scaling_factor", 1.0)
+
+    def encode(self, captions: list[str], device: torch.device) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def pack(self, latents: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+        """The latents as the denoiser takes them (the objective noises these), and their position inputs."""
+        return latents, {}
+
+    def denoise(self, denoiser: torch.nn.Module, sample: torch.Tensor, timesteps: torch.Tensor,
+                cond: dict[str, Any]) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class UNetConditioning(Conditioning):
+    """StableDiffusionPipeline: one CLIP text encoder; ``unet(sample, t, encoder_hidden_states)``."""
+
+    def encode(self, captions: list[str], device: torch.device) -> dict[str, Any]:
+        embeds, _ = self.pipeline.encode_prompt(captions, device, 1, False)
+        return {"encoder_hidden_states": embeds}
+
+    def denoise(self, denoiser, sample, timesteps, cond):
+        return denoiser(sample, timesteps, encoder_hidden_states=cond["encoder_hidden_states"].to(sample.dtype),
+                        return_dict=False)[0]
+
+
+class SD3Conditioning(Conditioning):
+    """StableDiffusion3Pipeline: two CLIP encoders (+ optional T5) give token and pooled embeddings."""
+
+    def encode(self, captions: list[str], device: torch.device) -> dict[str, Any]:
+        embeds, _, pooled, _ = self.pipeline.encode_prompt(prompt=captions, prompt_2=None, prompt_3=None,
+                                                           device=device, do_classifier_free_guidance=False,
+                                                           **self.text_kwargs)
+        return {"encoder_hidden_states": embeds, "pooled_projections": pooled}
+
+    def denoise(self, denoiser, sample, timesteps, cond):
+        return denoiser(hidden_states=sample, timestep=timesteps,
+                        encoder_hidden_states=cond["encoder_hidden_states"].to(sample.dtype),
+                        pooled_projections=cond["pooled_projections"].to(sample.dtype), return_dict=False)[0]
+
+
+def patch_grid(latents: torch.Tensor, family: str, pipeline: Any) -> tuple[int, int, int, int]:
+    """(batch, channels, height, width) of latents a pipeline packs into 2x2 patches; odd sizes are refused."""
+    batch, channels, height, width = latents.shape
+    if height % 2 or width % 2:
+        raise AutomodelError(f"data: {family} packs its latents into 2x2 patches, but the images encode to "
+                             f"{height}x{width} latents; use an image size that is a multiple of "
+                             f"{2 * pipeline.vae_scale_factor}")
+    return batch, channels, height, width
+
+
+class FluxConditioning(Conditioning):
+    """FluxPipeline (FLUX.1): CLIP's pooled embedding and T5's token embeddings; the latents go in as 2x2 patches
+    (the pipeline's own ``_pack_latents`` / ``_prepare_latent_image_ids``), the timestep as sigma (FluxPipeline's
+    ``timestep / 1000``), and a guidance-distilled transformer gets its guidance value."""
+
+    def __init__(self, pipeline: Any, max_sequence_length: int | None = None):
+        super().__init__(pipeline, max_sequence_length)
+        self.guidance: float | None = None  # fed when the transformer has guidance embeddings (set_guidance)
+
+    def set_guidance(self, use: bool | None, scale: float | None, key: str) -> str | None:
+        """The guidance the transformer is fed: ``scale`` (None: 3.5) when it has guidance embeddings, none when it
+        has not (a ``scale`` other than 1, no guidance, is refused there). ``use`` is upstream's
+        use_guidance_embeds (None: what the transformer has): true on a transformer without guidance embeddings is
+        refused; false on one with them is upstream's own FLUX.1-dev form, where upstream feeds ``scale`` all the
+        same because that transformer needs a guidance value in every call: so does this, and the returned note says
+        so. ``key`` names the setting in errors."""
+        embeds = bool(self.pipeline.transformer.config.get("guidance_embeds", False))
+        prefix = key.rsplit(".", 1)[0]
+        if use and not embeds:
+            raise ConfigError(ConfigIssue(f"{prefix}.use_guidance_embeds",
+                                          "true, but this FLUX.1 transformer has no guidance embeddings (its "
+                                          "config's guidance_embeds): set false"))
+        if not embeds and scale not in (None, 1, 1.0):
+            raise ConfigError(ConfigIssue(key, f"{scale}: this FLUX.1 transformer has no guidance embeddings (its "
+                                               "config's guidance_embeds is false), so no guidance value is fed; "
+                                               "remove it"))
+        self.guidance = (DEFAULT_GUIDANCE if scale is None else float(scale)) if embeds else None
+        if use is False and embeds:
+            return (f"{prefix}.use_guidance_embeds: false, but this FLUX.1 transformer has guidance embeddings and "
+                    f"needs a guidance value in every call: it is fed {self.guidance:g} ({key}), as upstream does")
+        return None
+
+    def encode(self, captions: list[str], device: torch.device) -> dict[str, Any]:
+        embeds, pooled, text_ids = self.pipeline.encode_prompt(prompt=captions, prompt_2=None, device=device,
+                                                               **self.text_kwargs)
+        return {"encoder_hidden_states": embeds, "pooled_projections": pooled, "txt_ids": text_ids}
+
+    def pack(self, latents: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+        batch, channels, height, width = patch_grid(latents, "FLUX.1", self.pipeline)
+        cls = type(self.pipeline)
+        packed = cls._pack_latents(latents, batch, channels, height, width)
+        ids = cls._prepare_latent_image_ids(batch, height // 2, width // 2, latents.device, latents.dtype)
+        return packed, {"img_ids": ids}
+
+    def denoise(self, denoiser, sample, timesteps, cond):
+        guidance = None if self.guidance is None else \
+            torch.full((sample.shape[0],), self.guidance, device=sample.device, dtype=torch.float32)
+        return denoiser(hidden_states=sample, timestep=timesteps.to(sample.dtype) / 1000, guidance=guidance,
+                        pooled_projections=cond["pooled_projections"].to(sample.dtype),
+                        encoder_hidden_states=cond["encoder_hidden_states"].to(sample.dtype),
+                        txt_ids=cond["txt_ids"], img_ids=cond["img_ids"], return_dict=False)[0]
+
+
+class QwenImageConditioning(Conditioning):
+    """QwenImagePipeline (Qwen-Image): the caption in the pipeline's chat template through its Qwen2.5-VL text
+    encoder (its own ``encode_prompt`` drops the template's tokens and gives the padding mask); the VAE is a video
+    VAE fed one frame, whose latents the pipeline normalises per channel (``latents_mean`` / ``latents_std``); the
+    latents go in as 2x2 patches (its ``_pack_latents``) with ``img_shapes`` (the patch grid the rotary positions
+    follow), the timestep as sigma (``timestep / 1000``). No guidance value: diffusers' Qwen-Image transformer
+    takes none (its pipeline feeds one only to a guidance-distilled transformer, which is refused)."""
+
+    def vae_input(self, pixels: torch.Tensor) -> torch.Tensor:
+        return pixels.unsqueeze(2)  # (batch, channels, 1 frame, height, width)
+
+    def normalize(self, latents: torch.Tensor) -> torch.Tensor:
+        config = self.pipeline.vae.config
+        mean = torch.tensor(config.latents_mean, device=latents.device, dtype=latents.dtype).view(1, -1, 1, 1, 1)
+        std = torch.tensor(config.latents_std, device=latents.device, dtype=latents.dtype).view(1, -1, 1, 1, 1)
+        return ((latents - mean) / std).squeeze(2)
+
+    def encode(self, captions: list[str], device: torch.device) -> dict[str, Any]:
+        embeds, mask = self.pipeline.encode_prompt(captions, device=device, **self.text_kwargs)
+        return {"encoder_hidden_states": embeds, "encoder_hidden_states_mask": mask}
+
+    def pack(self, latents: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+        batch, channels, height, width = patch_grid(latents, "Qwen-Image", self.pipeline)
+        packed = type(self.pipeline)._pack_latents(latents, batch, channels, height, width)
+        return packed, {"img_shapes": [[(1, height // 2, width // 2)]] * batch}
+
+    def denoise(self, denoiser, sample, timesteps, cond):
+        return denoiser(hidden_states=sample, timestep=timesteps.to(sample.dtype) / 1000,
+                        encoder_hidden_states=cond["encoder_hidden_states"].to(sample.dtype),
+                        encoder_hidden_states_mask=cond["encoder_hidden_states_mask"], img_shapes=cond["img_shapes"],
+                        return_dict=False)[0]
+
+
+def conditioning_for(pipeline: Any, denoiser_name: str, max_sequence_length: int | None = None) -> Conditioning:
+    denoiser = getattr(pipeline, denoiser_name)
+    kind = type(denoiser).__name__
+    if kind == "SD3Transformer2DModel" and hasattr(pipeline, "text_encoder_2"):
+        return SD3Conditioning(pipeline, max_sequence_length)
+    if kind == "FluxTransformer2DModel" and hasattr(pipeline, "_pack_latents"):
+        packed, channels = 4 * pipeline.vae.config.latent_channels, denoiser.config.in_channels
+        if channels != packed:
+            raise AutomodelError(f"model: the {type(pipeline).__name__}'s transformer takes {channels} input "
+                                 f"channels, not the {packed} of its packed latents alone (FLUX.1 Fill / "
+                                 "Control conditioning images), which diffusion training does not support here; "
+                                 "use a text-to-image FluxPipeline")
+        return FluxConditioning(pipeline, max_sequence_length)
+    if kind == "QwenImageTransformer2DModel" and type(pipeline).__name__ == "QwenImagePipeline":
+        if denoiser.config.get("guidance_embeds", False):
+            raise AutomodelError("model: this Qwen-Image transformer's config sets guidance_embeds, but diffusers' "
+                                 "QwenImageTransformer2DModel takes no guidance value (QwenImagePipeline would feed "
+                                 "it one and fail); set guidance_embeds false in transformer/config.json")
+        return QwenImageConditioning(pipeline, max_sequence_length)
+    if kind == "UNet2DConditionModel" and getattr(denoiser.config, "addition_embed_type", None) is None \
+            and hasattr(pipeline, "encode_prompt") and hasattr(pipeline, "text_encoder"):
+        return UNetConditioning(pipeline)
+    raise AutomodelError(f"model: training a {type(pipeline).__name__} with a {kind} denoiser is not supported yet; "
+                         f"supported: {SUPPORTED}")
