@@ -205,7 +205,7 @@ def test_what_the_heads_are_not_wired_into_is_refused(tmp_path, nemotron_dir, se
 
 def test_other_families_and_lone_mtp_keys_are_refused(make_config):
     found = refusals(make_config(model={"num_nextn_predict_layers": 1}))
-    assert "implemented here for nemotron_h); this model is llama" in found["model.num_nextn_predict_layers"]
+    assert "qwen3_5_moe); this model is llama" in found["model.num_nextn_predict_layers"]
     found = refusals(make_config(model={"mtp_use_repeated_layer": True}))
     assert "this model is llama" in found["model.mtp_use_repeated_layer"]
     found = refusals(make_config(model={"num_nextn_predict_layers": 0, "mtp_loss_scaling_factor": -1}))

@@ -127,33 +127,12 @@ def test_validate_exits_2_naming_the_key(make_config, tmp_path):
 
 
 def _tiny_qwen2_vl():
-    """A tiny Qwen2-VL (from a config) and its processor, built offline: the shipped tokenizer with Qwen's vision
-    tokens added, its chat template rendering an image as them, a Pillow Qwen2-VL image processor (32x32 pictures:
-    4 merged patches) and Qwen2VLProcessor without its video processor (torchvision-backed, not installed here)."""
-    from transformers import (
-        AutoTokenizer,
-        Qwen2VLConfig,
-        Qwen2VLForConditionalGeneration,
-        Qwen2VLImageProcessorPil,
-        Qwen2VLProcessor,
-    )
-    from transformers.processing_utils import ProcessorMixin
-    from vlm_testing import TOKENIZER_DIR
+    """A tiny Qwen2-VL (from a config) and its processor (:func:`vlm_testing.tiny_qwen_vl_processor`)."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from vlm_testing import tiny_qwen_vl_processor
 
-    class ImagesOnlyQwen2VLProcessor(Qwen2VLProcessor):
-        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-            self.image_token, self.video_token = "<|image_pad|>", "<|video_pad|>"
-            self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
-            self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
-            ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
-
-    tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<|vision_start|>", "<|image_pad|>",
-                                                                "<|vision_end|>", "<|video_pad|>"]})
-    template = tokenizer.chat_template.replace("'<image>'", "'<|vision_start|><|image_pad|><|vision_end|>'")
-    images = Qwen2VLImageProcessorPil(min_pixels=32 * 32, max_pixels=32 * 32, patch_size=8, merge_size=2,
-                                      temporal_patch_size=2)
-    processor = ImagesOnlyQwen2VLProcessor(image_processor=images, tokenizer=tokenizer, chat_template=template)
+    processor = tiny_qwen_vl_processor()
+    tokenizer = processor.tokenizer
     config = Qwen2VLConfig(
         text_config={"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
                      "intermediate_size": 32, "vocab_size": len(tokenizer), "initializer_range": 0.3,

@@ -177,7 +177,7 @@ def test_drop_overlong_leaves_long_samples_out(upstream_data):
     (("--model._target_", "nemo_automodel.NeMoAutoModelForMultimodalLM.from_pretrained"), "model._target_",
      "images and text only"),
     (("--freeze_config.freeze_vision_towr", "true"), "freeze_config.freeze_vision_towr", "freeze_vision_tower"),
-    (("--model.num_nextn_predict_layers", "1"), "model.num_nextn_predict_layers", "which the LLM fine-tuning recipe"),
+    (("--model.num_nextn_predict_layers", "1"), "model.num_nextn_predict_layers", "this model is llava"),
 ])
 def test_upstream_names_and_keys_that_cannot_act_are_refused_with_the_reason(override, key, needle):
     found = _refusals(MEDPIX, "--dataset.path_or_dataset", "x", *override)

@@ -6,6 +6,7 @@ a couple of dozen steps: a few seconds on a CPU.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -75,6 +76,37 @@ def conversation(question: str, answer: str | None = None, image: Any = None) ->
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
     Path(path).write_text("".join(json.dumps(r) + "\n" for r in rows))
     return Path(path)
+
+
+@functools.cache
+def images_only_qwen_vl_processor_class() -> type:
+    """Qwen2VLProcessor without its video processor (torchvision-backed, not installed here); one class per process,
+    so that ``AutoProcessor.register`` can name it for a saved processor."""
+    from transformers import Qwen2VLProcessor
+    from transformers.processing_utils import ProcessorMixin
+
+    class ImagesOnlyQwen2VLProcessor(Qwen2VLProcessor):
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            self.image_token, self.video_token = "<|image_pad|>", "<|video_pad|>"
+            self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+            self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+            ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+
+    return ImagesOnlyQwen2VLProcessor
+
+
+def tiny_qwen_vl_processor():
+    """A Qwen-VL-style processor built offline: the shipped tokenizer with Qwen's vision tokens added, its chat
+    template rendering an image as them, and a Pillow Qwen2-VL image processor (32x32 pictures: 4 merged patches)."""
+    from transformers import AutoTokenizer, Qwen2VLImageProcessorPil
+
+    tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|vision_start|>", "<|image_pad|>",
+                                                                "<|vision_end|>", "<|video_pad|>"]})
+    template = tokenizer.chat_template.replace("'<image>'", "'<|vision_start|><|image_pad|><|vision_end|>'")
+    images = Qwen2VLImageProcessorPil(min_pixels=32 * 32, max_pixels=32 * 32, patch_size=8, merge_size=2,
+                                      temporal_patch_size=2)
+    return images_only_qwen_vl_processor_class()(image_processor=images, tokenizer=tokenizer, chat_template=template)
 
 
 def clone_state(model) -> dict:

@@ -27,10 +27,22 @@ SDPA_METHOD_PARALLEL_REFUSAL = ("runs the model's whole forward under those SDPA
                                 "its part of the model without that forward and context parallelism chooses its own "
                                 "backends; remove it (use_sdpa_patching: true alone lets torch choose) or use "
                                 "distributed.pp_size and cp_size 1")
-# model_type -> (the module of its MTP sublayers, the main model's final norm the heads start from): automodel.mtp
-MTP_FAMILIES = {"nemotron_h": ("automodel.mtp.nemotron_h", "model.norm_f")}
+# model_type -> (the module of its MTP heads, the main model's final norm the heads start from, the text config's key
+# counting the checkpoint's depths): automodel.mtp
+MTP_FAMILIES = {"nemotron_h": ("automodel.mtp.nemotron_h", "model.norm_f", "num_nextn_predict_layers"),
+                "qwen3_5": ("automodel.mtp.qwen3_5", "model.language_model.norm", "mtp_num_hidden_layers"),
+                "qwen3_5_moe": ("automodel.mtp.qwen3_5", "model.language_model.norm", "mtp_num_hidden_layers")}
+MTP_TEXT_FAMILIES = ("qwen3_5_text", "qwen3_5_moe_text")  # the text configs of those whose depths count lives there
+MTP_DEPTH_KEYS = ("num_nextn_predict_layers", "mtp_num_hidden_layers")  # upstream's name first, then Qwen3.5's
 MTP_KEYS = ("num_nextn_predict_layers", "mtp_loss_scaling_factor", "mtp_use_repeated_layer")  # what asks for heads
 MTP = f"upstream's multi-token-prediction heads (implemented here for {', '.join(MTP_FAMILIES)})"
+
+
+def mtp_config_depths(text_config: Any, key: str) -> int:
+    """The MTP depths a model's text config holds: upstream's ``num_nextn_predict_layers`` where set (it wins, as in
+    upstream), else the family's ``key``."""
+    upstream = getattr(text_config, "num_nextn_predict_layers", None)
+    return int(upstream if upstream is not None else getattr(text_config, key, 0) or 0)
 
 
 def dtype_name(value: Any) -> str | None:
@@ -109,8 +121,9 @@ def _mtp_issues(kwargs: Mapping[str, Any], trained: bool) -> dict[str, str]:
         issues["mtp_loss_scaling_factor"] = f"expected a number >= 0 (the weight of the heads' loss), found {factor!r}"
     asked = [key for key in MTP_KEYS if kwargs.get(key) not in (None, False, 0)]
     if asked and depths != 0 and not trained and not issues:
-        issues[asked[0]] = (f"asks for {MTP}, which the LLM fine-tuning recipe trains (automodel_llm's "
-                            "AutoModelForCausalLM), not this model section's; remove the MTP keys")
+        issues[asked[0]] = (f"asks for {MTP}, which the LLM and VLM fine-tuning recipes train (automodel_llm's "
+                            "AutoModelForCausalLM, automodel_vlm's AutoModelForImageTextToText), not this model "
+                            "section's; remove the MTP keys")
     return issues
 
 
@@ -120,8 +133,8 @@ def model_issues(kwargs: Mapping[str, Any], mtp: bool = False) -> dict[str, str]
     return {**upstream_model_issues(kwargs, mtp), **model_backend_issues(kwargs)}
 
 
-def causal_lm_model_issues(kwargs: Mapping[str, Any]) -> dict[str, str]:
-    """:func:`model_issues` of the LLM factories, whose recipe trains MTP heads."""
+def mtp_model_issues(kwargs: Mapping[str, Any]) -> dict[str, str]:
+    """:func:`model_issues` of the LLM and VLM factories, whose recipes train MTP heads."""
     return model_issues(kwargs, mtp=True)
 
 
@@ -195,7 +208,8 @@ def apply_config_overrides(config: Any, overrides: Mapping[str, Any]) -> None:
 
 
 def _set(config: Any, name: str, value: Any, key: str) -> None:
-    if not hasattr(config, name):
+    # a Qwen3.5 text config counts its MTP depths in either name (upstream's form: text_config.num_nextn_predict_layers)
+    if not hasattr(config, name) and not (name in MTP_DEPTH_KEYS and config.model_type in MTP_TEXT_FAMILIES):
         if name == "num_nextn_predict_layers":
             raise AutomodelError(f"{key}: {value} asks for {MTP}; this model is {config.model_type}: remove it "
                                  "or use 0")

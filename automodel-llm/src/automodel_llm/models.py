@@ -11,7 +11,7 @@ from typing import Any
 
 from automodel.errors import AutomodelError
 from automodel.model_files import MODEL_KWARGS, fresh_model, pop_hub_arguments, pretrained_or_fresh
-from automodel.model_kwargs import apply_config_overrides, causal_lm_model_issues, take_model_settings
+from automodel.model_kwargs import apply_config_overrides, mtp_model_issues, take_model_settings
 
 
 def _load_config(config: Any, hub: dict[str, Any], **overrides: Any) -> Any:
@@ -44,7 +44,7 @@ class AutoModelForCausalLM:
     ``backend`` (upstream's BackendConfig) selects the attention, see :mod:`automodel.model_backend`; upstream's
     other keys (``use_liger_kernel``, ``force_hf``, ``use_sdpa_patching`` ...): see :mod:`automodel.model_kwargs`."""
 
-    automodel_config_issues = staticmethod(causal_lm_model_issues)
+    automodel_config_issues = staticmethod(mtp_model_issues)
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | None = None, *, name_or_path: str | None = None,

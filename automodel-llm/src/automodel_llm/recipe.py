@@ -23,12 +23,11 @@ from automodel.hf import (
     record_adapter_base,
 )
 from automodel.model_backend import backend_setting
-from automodel.mtp.checks import mtp_asked, mtp_issues
-from automodel.mtp.heads import MTPHeads, find_heads
 from automodel.training.checkpoint_write import sharded_only_message
 from automodel.training.context import BuildContext
 from automodel.training.dist import expected_world_size
 from automodel.training.modules import unwrap
+from automodel.training.mtp_loss import MTPLoss
 from automodel.training.next_token import NextTokenLogits
 from automodel.training.parallel.pipeline_parallel import PipelineSettings
 from automodel.training.parallelism import model_hf_config, rows_per_batch
@@ -136,15 +135,13 @@ def pipeline_issues(cfg: Config, packed_size: int) -> list[ConfigIssue]:
     return []
 
 
-class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
+class FinetuneRecipeForNextTokenPrediction(MTPLoss, NextTokenLogits, TrainRecipe):
     """Causal LM training: loss on label tokens (answers for SFT, everything for pre-training)."""
 
     domain = "llm"
     tensor_parallel_unsupported = None  # the loss runs on vocabulary-parallel logits (training/loop.py)
     pipeline_parallel_unsupported = None  # pipeline_batches below; pipeline_loss is NextTokenLogits'
     context_parallel_unsupported = None  # NextTokenLogits' context_parallel_batch; rows padded to 2 x cp_size
-    adds_mtp_loss = True  # compute_loss adds the MTP heads' loss (model.num_nextn_predict_layers)
-    mtp_heads: MTPHeads | None = None
     sections = {
         "tokenizer": Target("tokenizer (default: the model's): {pretrained_model_name_or_path: ...}", plain=True,
                             default_target="transformers.AutoTokenizer.from_pretrained"),
@@ -186,8 +183,7 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
         issues += nvtx_issues(cfg.resolved.get("nvtx"))
         if backend_setting(cfg.model, "gate_precision") is not None:
             issues += router_issues(model_hf_config(cfg))
-        if mtp_asked(cfg):
-            issues += mtp_issues(cfg, model_hf_config(cfg), supported=cls.adds_mtp_loss)
+        issues += cls.mtp_config_issues(cfg)
         repair = cfg.get("embedding_row_repair")
         sharded = settings is not None and (settings.tp_size > 1 or settings.pp_size > 1 or (
             settings.strategy == "fsdp2" and expected_world_size() > 1))
@@ -267,13 +263,7 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
         if changes:
             self.log(f"special tokens: the model's {', '.join(changes)} (the tokenizer's, which training uses; "
                      "saved in config.json and generation_config.json, so generate() stops at its EOS)")
-        self.mtp_heads = find_heads(unwrap(self.model))
-        if self.mtp_heads is not None:
-            mtp = self.mtp_heads.settings
-            self.log(f"MTP: {mtp.depths} heads ({mtp.physical_depths} with weights of their own, "
-                     f"{self.mtp_heads.origin}); the training loss is the next-token loss + {mtp.scaling_factor:g} x "
-                     f"the mean over the {mtp.depths} depths of each one's loss, all per label token (upstream's); "
-                     "validation reports the next-token loss only")
+        self.find_mtp_heads()
         repair = self.cfg.get("embedding_row_repair")
         if "embedding_row_repair" in self.cfg and repair.enabled:
             self.log(repair_embedding_rows(unwrap(self.model), repair.min_norm, repair.max_rows))
@@ -296,12 +286,7 @@ class FinetuneRecipeForNextTokenPrediction(NextTokenLogits, TrainRecipe):
 
     def compute_loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         loss = self.loss_fn(*self.next_token_logits(model, batch, self.head_positions))
-        return loss + self.mtp_loss(model, batch) if self.mtp_heads is not None and model.training else loss
-
-    def mtp_loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The MTP heads' summed loss of the forward that just ran (:meth:`automodel.mtp.heads.MTPHeads.loss`)."""
-        head = unwrap(model).get_output_embeddings()
-        return self.mtp_heads.loss(batch["labels"], head, self.loss_fn, self.loss_head, batch.get("position_ids"))
+        return self.with_mtp_loss(model, batch, loss)
 
     def pipeline_batches(self, batches: list[dict[str, torch.Tensor]], length: int | None = None
                          ) -> list[tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]:

@@ -13,7 +13,7 @@ from typing import Any
 
 from automodel.errors import AutomodelError
 from automodel.model_files import MODEL_KWARGS, fresh_model, pop_hub_arguments, pretrained_or_fresh
-from automodel.model_kwargs import model_issues, take_model_settings
+from automodel.model_kwargs import mtp_model_issues, take_model_settings
 
 _SUB_CONFIGS = ("vision_config", "text_config")
 
@@ -90,16 +90,16 @@ class AutoModelForImageTextToText:
     BackendConfig) selects the attention, see :mod:`automodel.model_backend`; upstream's other keys
     (``use_liger_kernel``, ``force_hf``, ``use_sdpa_patching`` ...): see :mod:`automodel.model_kwargs`."""
 
-    automodel_config_issues = staticmethod(model_issues)
+    automodel_config_issues = staticmethod(mtp_model_issues)
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | None = None, *, name_or_path: str | None = None,
                         dtype: Any = None, torch_dtype: Any = None, **kwargs: Any) -> Any:
         import transformers
 
-        finish = take_model_settings(kwargs)
-        model = pretrained_or_fresh(transformers.AutoModelForImageTextToText,
-                                    pretrained_model_name_or_path or name_or_path, dtype or torch_dtype,
+        path = pretrained_model_name_or_path or name_or_path
+        finish = take_model_settings(kwargs, checkpoint=path, mtp=True)
+        model = pretrained_or_fresh(transformers.AutoModelForImageTextToText, path, dtype or torch_dtype,
                                     cls.from_config, kwargs, (OSError, ValueError),
                                     " as an image-text-to-text model")
         return finish(model)
@@ -110,7 +110,7 @@ class AutoModelForImageTextToText:
         """A randomly initialised model (``seed`` makes the initialisation reproducible)."""
         import transformers
 
-        finish = take_model_settings(kwargs)
+        finish = take_model_settings(kwargs, mtp=True)
         model_kwargs = {k: kwargs.pop(k) for k in MODEL_KWARGS if k in kwargs}
         hf_config = load_config(config, vision_config, text_config, **kwargs)
         try:

@@ -15,6 +15,7 @@ from automodel.meta_build import MetaBuild
 from automodel.training.checkpoint_write import sharded_only_message
 from automodel.training.context import BuildContext
 from automodel.training.modules import unwrap
+from automodel.training.mtp_loss import MTPLoss
 from automodel.training.next_token import LABEL_POSITIONS, NextTokenLogits
 from automodel.training.parallel.pipeline_media import media_kwargs
 from automodel.training.parallelism import model_hf_config
@@ -52,7 +53,7 @@ def _processor_needs_model_source(cfg: Any) -> bool:
     return isinstance(section, dict) and not named & set(section)
 
 
-class FinetuneRecipeForVLM(NextTokenLogits, TrainRecipe):
+class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
     """Fine-tunes an image-text-to-text model (Llava-style and others) on image conversations."""
 
     domain = "vlm"
@@ -96,6 +97,7 @@ class FinetuneRecipeForVLM(NextTokenLogits, TrainRecipe):
                                       "layers, and the vision tower's layers would be split too); set it to false"))
         if settings is not None and settings.pp_size > 1:
             issues += pipeline_issues(cfg, model_hf_config(cfg))
+        issues += cls.mtp_config_issues(cfg)
         if "freeze" in cfg and "freeze_config" in cfg:
             issues.append(ConfigIssue("freeze_config", "give one of freeze (ours) and freeze_config (upstream's "
                                                        "keys): they set the same thing"))
@@ -168,6 +170,7 @@ class FinetuneRecipeForVLM(NextTokenLogits, TrainRecipe):
 
     def setup(self) -> None:
         super().setup()
+        self.find_mtp_heads()
         config = getattr(base_model(self.model), "config", None)
         check_vocab(self.processor.tokenizer, getattr(config, "text_config", None) or config,
                     "processor: its tokenizer has {tokens} tokens but the model's vocab_size is {vocab}; use the "
@@ -187,7 +190,8 @@ class FinetuneRecipeForVLM(NextTokenLogits, TrainRecipe):
                 "use_cache": False}
 
     def compute_loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.loss_fn(*self.next_token_logits(model, batch, self.head_positions))
+        loss = self.loss_fn(*self.next_token_logits(model, batch, self.head_positions))
+        return self.with_mtp_loss(model, batch, loss)
 
     def pipeline_batches(self, batches: list[dict[str, torch.Tensor]], length: int | None = None
                          ) -> list[tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]:

@@ -3,10 +3,11 @@ model's ``mtp`` submodule (so its state dict, checkpoints and HF export hold the
 ``mtp.layers.{i}...``), their weights from the checkpoint's safetensors ``mtp.*`` tensors when it has them, and a
 forward that, while training, runs the heads on the main model's final hidden states.
 
-A family (a transformers ``model_type``) plugs in with a module giving ``build_layers(config, settings)``,
-``depth_kwargs(config, hidden, attention_mask, position_ids)`` (what a depth's sublayers are called with),
-and ``checkpoint_tensors(tensors)`` (a checkpoint's ``mtp.*`` tensors under the model's names);
-:data:`automodel.model_kwargs.MTP_FAMILIES` names it and the module whose output the heads start from.
+A family (a transformers ``model_type``) plugs in with a module giving ``build_heads(model, text_model,
+settings)``, ``depth_kwargs(text_model, hidden, attention_mask, position_ids)`` (what a depth's sublayers are called
+with, from the attention mask and positions the text model got) and ``checkpoint_tensors(tensors)`` (a checkpoint's
+``mtp.*`` tensors under the model's names); :data:`automodel.model_kwargs.MTP_FAMILIES` names it, the final norm
+the heads start from (its parent is the text model) and the text config's key counting the depths.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 from torch import nn
 
 from automodel.errors import AutomodelError
-from automodel.model_kwargs import MTP, MTP_FAMILIES
+from automodel.model_kwargs import MTP, MTP_FAMILIES, mtp_config_depths
 from automodel.mtp.heads import MTPHeads, MTPSettings
 
 KEY = "model.num_nextn_predict_layers"
@@ -35,24 +36,28 @@ def attach_heads(model: nn.Module, settings: MTPSettings, checkpoint: str | None
     if config.model_type not in MTP_FAMILIES:
         asked = f"{KEY}: {settings.depths}" if settings.depths else "model.mtp_loss_scaling_factor"
         raise AutomodelError(f"{asked} asks for {MTP}; this model is {config.model_type}: remove the MTP keys")
+    module_name, norm_name, depths_key = MTP_FAMILIES[config.model_type]
+    text_config = config.get_text_config()
     if not settings.depths:  # the keys leave the count to the checkpoint's config
-        depths = getattr(config, "num_nextn_predict_layers", 0) or 0
+        depths = mtp_config_depths(text_config, depths_key)
         if not depths:
             raise AutomodelError(f"model.mtp_loss_scaling_factor: acts on {MTP}, but the {config.model_type} config "
-                                 "has num_nextn_predict_layers 0 (no heads); set model.num_nextn_predict_layers")
-        settings = dataclasses.replace(settings, depths=int(depths))
-    module_name, norm_name = MTP_FAMILIES[config.model_type]
+                                 f"has {depths_key} 0 (no heads); set model.num_nextn_predict_layers")
+        settings = dataclasses.replace(settings, depths=depths)
     family = importlib.import_module(module_name)
     embeddings = model.get_input_embeddings().weight
+    text_model = model.get_submodule(norm_name.rpartition(".")[0])
     from automodel.training.parallel.materialize import parameters_on_meta
 
     with parameters_on_meta() if embeddings.is_meta else contextlib.nullcontext():
-        heads = MTPHeads(settings, family.build_layers(config, settings)).to(embeddings.dtype)
+        heads = family.build_heads(model, text_model, settings).to(embeddings.dtype)
     _keep_in_fp32(model, heads)
     model.add_module("mtp", heads)
-    config.num_nextn_predict_layers = settings.physical_depths
+    setattr(text_config, depths_key, settings.physical_depths)  # what the saved config says: the depths it holds
+    if getattr(text_config, "num_nextn_predict_layers", None) is not None:  # upstream's name, where a config has it
+        text_config.num_nextn_predict_layers = settings.physical_depths
     heads.origin = _initialise(model, heads, family, checkpoint, on_meta=embeddings.is_meta)
-    _run_heads_in_forward(model, heads, family, model.get_submodule(norm_name))
+    _run_heads_in_forward(model, heads, family, text_model, model.get_submodule(norm_name))
     return heads
 
 
@@ -109,11 +114,16 @@ def _check_fit(heads: MTPHeads, state: dict[str, Any]) -> None:
                              "checkpoint's own num_nextn_predict_layers (mtp_use_repeated_layer: one physical depth)")
 
 
-def _run_heads_in_forward(model: nn.Module, heads: MTPHeads, family: Any, norm: nn.Module) -> None:
+def _run_heads_in_forward(model: nn.Module, heads: MTPHeads, family: Any, text_model: nn.Module,
+                          norm: nn.Module) -> None:
     """The model's forward, while training, also runs the heads on the output of its final norm (kept by a
-    forward hook), inside the model's own call: FSDP2 has its parameters gathered there."""
-    captured: dict[str, torch.Tensor] = {}
+    forward hook) with the attention mask and positions the text model got (a vision-language model computes the
+    positions of image rows inside), inside the model's own call: FSDP2 has its parameters gathered there."""
+    captured: dict[str, Any] = {}
     norm.register_forward_hook(lambda module, args, output: captured.__setitem__("hidden", output))
+    text_model.register_forward_pre_hook(
+        lambda module, args, kwargs: captured.update(attention_mask=kwargs.get("attention_mask"),
+                                                     position_ids=kwargs.get("position_ids")), with_kwargs=True)
     forward = model.forward
 
     @functools.wraps(forward)
@@ -125,8 +135,8 @@ def _run_heads_in_forward(model: nn.Module, heads: MTPHeads, family: Any, norm: 
             if input_ids is None:
                 raise AutomodelError(f"{KEY}: the MTP heads embed the tokens ahead, but the model got no input_ids")
             heads.run(hidden, input_ids, model.get_input_embeddings(),
-                      family.depth_kwargs(model.config, hidden, kwargs.get("attention_mask"),
-                                          kwargs.get("position_ids")))
+                      family.depth_kwargs(text_model, hidden, captured.pop("attention_mask", None),
+                                          captured.pop("position_ids", None)))
         return output
 
     model.forward = forward_with_heads

@@ -3,10 +3,11 @@ they are not wired into is refused with the reason (no torch import)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from automodel.errors import ConfigIssue
-from automodel.model_kwargs import MTP, MTP_FAMILIES, MTP_KEYS
+from automodel.model_kwargs import MTP, MTP_DEPTH_KEYS, MTP_FAMILIES, MTP_KEYS, mtp_config_depths
 
 KEY = "model.num_nextn_predict_layers"
 _SPLITS = {"pp_size": "pipeline parallelism (the heads would run on the last stage, without the token embeddings)",
@@ -26,6 +27,16 @@ def mtp_asked(cfg: Any) -> str | None:
     return None
 
 
+def _configured_depths(model: Any, hf_config: Any) -> int:
+    """The depths the checkpoint's config holds, the model section's ``text_config`` keys applied."""
+    text = hf_config.get_text_config()
+    overrides = model.get("text_config") if isinstance(model.get("text_config"), Mapping) else {}
+    keys = [key for key in MTP_DEPTH_KEYS if key in overrides]
+    if keys:
+        return int(overrides[keys[0]] or 0)
+    return mtp_config_depths(text, MTP_FAMILIES[hf_config.model_type][2])
+
+
 def mtp_issues(cfg: Any, hf_config: Any, supported: bool = True) -> list[ConfigIssue]:
     """Why the heads cannot train in this run (empty: they can). ``hf_config``: the model's config where it can be
     read before building (None: the family is checked when the model is built); ``supported``: whether the
@@ -39,9 +50,10 @@ def mtp_issues(cfg: Any, hf_config: Any, supported: bool = True) -> list[ConfigI
     model_type = getattr(hf_config, "model_type", None)
     if hf_config is not None and model_type not in MTP_FAMILIES:
         return [ConfigIssue(key, f"{asks}; this model is {model_type}: remove the MTP keys")]
-    if hf_config is not None and key != KEY and not getattr(hf_config, "num_nextn_predict_layers", 0):
-        return [ConfigIssue(key, f"{asks}, but the checkpoint's config has num_nextn_predict_layers 0 (no heads); "
-                            "set model.num_nextn_predict_layers to the number of tokens ahead")]
+    if hf_config is not None and key != KEY and not _configured_depths(cfg.model, hf_config):
+        depths_key = MTP_FAMILIES[model_type][2]
+        return [ConfigIssue(key, f"{asks}, but the checkpoint's config has {depths_key} 0 (no heads); set "
+                            "model.num_nextn_predict_layers to the number of tokens ahead")]
     issues = []
     settings = cfg.get("distributed")
     for name, why in _SPLITS.items():

@@ -72,11 +72,17 @@ class MTPHeads(nn.Module):
         for depth in range(1, self.settings.depths + 1):
             embedded = embed(shift_left(input_ids, depth, 0))
             start = 0 if self.settings.repeated_layer else (depth - 1) * self.per_depth
-            kwargs = kwargs_for(depth)
-            for index, layer in enumerate(self.layers[start:start + self.per_depth]):
-                hidden = layer(hidden, embedded=embedded if index == 0 else None, **kwargs)
+            hidden = self.run_depth(hidden, embedded, self.layers[start:start + self.per_depth], kwargs_for(depth))
             outputs.append(hidden)
         return outputs
+
+    def run_depth(self, hidden: torch.Tensor, embedded: torch.Tensor, layers: nn.ModuleList,
+                  kwargs: dict[str, Any]) -> torch.Tensor:
+        """One depth: its sublayers in turn, the first given the shifted tokens' embedding (it fuses them). A
+        family whose checkpoints keep the fusion and the final norm outside the sublayers overrides this."""
+        for index, layer in enumerate(layers):
+            hidden = layer(hidden, embedded=embedded if index == 0 else None, **kwargs)
+        return hidden
 
     def run(self, *args: Any, **kwargs: Any) -> None:
         """:meth:`forward` (through ``__call__``, so module hooks fire), its outputs kept for :meth:`loss`."""
@@ -91,6 +97,8 @@ class MTPHeads(nn.Module):
         outputs, self._outputs = self._outputs, None
         if outputs is None:
             raise RuntimeError("the MTP heads did not run in this forward (the model was not in training mode)")
+        if position_ids is not None and position_ids.dim() == 3:  # multi-axis rotary positions: the text axis first
+            position_ids = position_ids[0]
         sample = (position_ids == 0).cumsum(dim=1) if position_ids is not None else None
         total = outputs[0].new_zeros((), dtype=torch.float32)
         for depth, hidden in enumerate(outputs, start=1):

@@ -16,7 +16,7 @@ from torch import nn
 from transformers.masking_utils import create_causal_mask, create_recurrent_attention_mask
 from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHBlock, NemotronHRMSNorm
 
-from automodel.mtp.heads import MTPSettings, shift_left
+from automodel.mtp.heads import MTPHeads, MTPSettings, shift_left
 
 # a checkpoint's experts one tensor each (NVIDIA's files) -> the stacked parameter transformers' model holds
 _EXPERT = re.compile(r"^(mtp\.layers\.\d+\.mixer\.experts)\.(\d+)\.(up_proj|down_proj)\.weight$")
@@ -44,23 +44,26 @@ class NemotronHMTPLayer(NemotronHBlock):
         return self.final_layernorm(hidden_states) if hasattr(self, "final_layernorm") else hidden_states
 
 
-def build_layers(config: Any, settings: MTPSettings) -> list[nn.Module]:
+def build_heads(model: nn.Module, text_model: nn.Module, settings: MTPSettings) -> MTPHeads:
     """The sublayers of ``settings.physical_depths`` depths, each of ``config.mtp_layers_block_type``."""
+    config = text_model.config
     kinds = list(config.mtp_layers_block_type or [])
     if not kinds:
         raise ValueError("the nemotron_h config has no mtp_layers_block_type (the block types of an MTP depth)")
     depth_config = copy.copy(config)  # its blocks are of the MTP types; the model's own config is left alone
     depth_config.layers_block_type = kinds
-    return [NemotronHMTPLayer(depth_config, index, fusion=index == 0, final_norm=index == len(kinds) - 1)
-            for _ in range(settings.physical_depths) for index in range(len(kinds))]
+    return MTPHeads(settings, [NemotronHMTPLayer(depth_config, index, fusion=index == 0,
+                                                 final_norm=index == len(kinds) - 1)
+                               for _ in range(settings.physical_depths) for index in range(len(kinds))])
 
 
-def depth_kwargs(config: Any, hidden: torch.Tensor, attention_mask: torch.Tensor | None,
+def depth_kwargs(text_model: nn.Module, hidden: torch.Tensor, attention_mask: torch.Tensor | None,
                  position_ids: torch.Tensor | None) -> Callable[[int], dict[str, Any]]:
     """What a depth's blocks are called with: the masks of their types (built as the model builds its own) and the
     positions moved left with the tokens (the place ``t`` of depth ``k`` carries the token ``t + k``)."""
     if position_ids is None:
         position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0).expand(hidden.shape[0], -1)
+    config = text_model.config
     masks = {"full_attention": create_causal_mask(config=config, inputs_embeds=hidden, attention_mask=attention_mask,
                                                   cache=None, position_ids=position_ids),
              "linear_attention": create_recurrent_attention_mask(config=config, inputs_embeds=hidden,

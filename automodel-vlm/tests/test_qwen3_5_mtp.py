@@ -1,0 +1,147 @@
+"""Upstream's MTP heads on a tiny Qwen3.5 vision-language model (automodel.mtp.qwen3_5): the heads read a
+checkpoint's ``mtp.*`` tensors under Qwen's names and save them back so, a run in upstream's form logs the
+next-token loss plus the scaled mean of the depths' losses (computed here by hand), transformers loads what it
+saved, and what the heads are not wired into is refused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from vlm_testing import images_only_qwen_vl_processor_class, tiny_qwen_vl_processor
+
+from automodel import testing
+from automodel.errors import ConfigError
+from automodel.training.loss import IGNORE_INDEX
+from automodel_vlm import AutoModelForImageTextToText
+
+FORM = Path(__file__).parent / "upstream_forms" / "qwen3_5_mtp_upstream.yaml"
+ROUTE = ("finetune", "vlm")
+TEXT = {"model_type": "qwen3_5_text", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "linear_num_key_heads": 2,
+        "linear_num_value_heads": 2, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+        "full_attention_interval": 2, "mtp_num_hidden_layers": 1, "bos_token_id": None, "eos_token_id": None,
+        "pad_token_id": 0, "tie_word_embeddings": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                            "mrope_section": [1, 1, 2], "mrope_interleaved": True}}
+VISION = {"model_type": "qwen3_5_vision", "depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2,
+          "out_hidden_size": 32, "patch_size": 8, "temporal_patch_size": 2, "spatial_merge_size": 2}
+
+
+@pytest.fixture(scope="module")
+def qwen_dir(tmp_path_factory):
+    """A tiny Qwen3.5 checkpoint as transformers saves it plus one MTP depth's ``mtp.*`` tensors under Qwen's names
+    (``mtp.fc``, ``mtp.layers.0.self_attn...``, ``mtp.norm``), and its processor, in one directory."""
+    from transformers import AutoProcessor, Qwen3_5Config
+
+    AutoProcessor.register(Qwen3_5Config, images_only_qwen_vl_processor_class(), exist_ok=True)
+    processor = tiny_qwen_vl_processor()
+    tokenizer = processor.tokenizer
+    config = {"model_type": "qwen3_5", "text_config": {**TEXT, "vocab_size": len(tokenizer)},
+              "vision_config": VISION, "image_token_id": processor.image_token_id,
+              "video_token_id": processor.video_token_id,
+              "vision_start_token_id": tokenizer.convert_tokens_to_ids("<|vision_start|>")}
+    path = tmp_path_factory.mktemp("qwen3_5")
+    model = AutoModelForImageTextToText.from_config(config, mtp_loss_scaling_factor=0.1, seed=0)
+    heads = {f"mtp.{key}": value.clone() for key, value in model.mtp.state_dict().items()}
+    heads = {key: torch.randn_like(value) * 0.1 + value for key, value in heads.items()}  # not the fresh init
+    del model.mtp
+    model.save_pretrained(path)
+    save_file({**load_file(path / "model.safetensors"), **heads}, path / "model.safetensors",
+              metadata={"format": "pt"})
+    processor.save_pretrained(path)
+    return path
+
+
+def test_the_heads_read_qwens_names_and_save_them_back_as_they_were(tmp_path, qwen_dir):
+    saved = {key: value for key, value in load_file(qwen_dir / "model.safetensors").items()
+             if key.startswith("mtp.")}
+    assert {"mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight",
+            "mtp.norm.weight", "mtp.layers.0.self_attn.q_proj.weight"} <= set(saved)
+    model = AutoModelForImageTextToText.from_pretrained(qwen_dir, text_config={"mtp_num_hidden_layers": 1},
+                                                        mtp_loss_scaling_factor=0.1)
+    assert model.mtp.origin == f"read from the checkpoint's {len(saved)} mtp.* tensors"
+    assert model.mtp.settings.depths == 1 and model.mtp.settings.scaling_factor == 0.1
+    model.save_pretrained(tmp_path)
+    again = {key: value for key, value in load_file(tmp_path / "model.safetensors").items()
+             if key.startswith("mtp.")}
+    assert again.keys() == saved.keys()
+    for key, value in saved.items():
+        torch.testing.assert_close(again[key], value, rtol=0, atol=0)
+
+
+def test_a_checkpoint_of_other_depths_is_refused_naming_the_tensors(qwen_dir):
+    with pytest.raises(Exception, match=r"do not fit 2 MTP depths .*missing: layers\.1\."):
+        AutoModelForImageTextToText.from_pretrained(qwen_dir, num_nextn_predict_layers=2)
+
+
+def test_the_logged_loss_is_the_next_token_loss_plus_the_scaled_mean_of_the_depths(tmp_path, qwen_dir):
+    by_hand = []
+
+    def record(run):
+        compute, outputs = run.compute_loss, []
+        run.mtp_heads.register_forward_hook(lambda module, args, output: outputs.append(output))
+
+        def computed(model, batch):
+            loss = compute(model, batch)
+            with torch.no_grad():
+                inputs = {k: v for k, v in batch.items() if k not in ("labels", "label_positions", "token_count")}
+                logits = model(**inputs, use_cache=False).logits
+                labels, ce = batch["labels"], torch.nn.functional.cross_entropy
+                main = ce(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), reduction="sum")
+                depths = [ce(model.lm_head(hidden)[:, :-k - 1].flatten(0, 1), labels[:, k + 1:].flatten(),
+                             reduction="sum") for k, hidden in enumerate(outputs[-1], 1)]
+                tokens = (labels[:, 1:] != IGNORE_INDEX).sum()
+                by_hand.append(((main / tokens).item(), ((main + 0.3 * sum(depths) / len(depths)) / tokens).item()))
+                assert (batch["input_ids"] == model.config.image_token_id).any()  # image rows
+            return loss
+
+        run.compute_loss = computed
+
+    testing.train_inprocess(FORM, "--model.pretrained_model_name_or_path", qwen_dir,
+                            "--processor.pretrained_model_name_or_path", qwen_dir, "--checkpoint.checkpoint_dir",
+                            tmp_path / "ckpt", "--step_scheduler.max_steps", "1", route=ROUTE, before_run=record)
+    logged = testing.read_jsonl(tmp_path / "ckpt" / "training.jsonl")[0]["loss"]
+    (main_only, expected), = by_hand
+    assert logged == pytest.approx(expected, rel=1e-5)
+    assert abs(logged - main_only) > 1e-3  # the heads' loss is in what is logged
+
+
+def test_upstream_form_trains_the_heads_and_transformers_loads_the_saved_model(tmp_path, qwen_dir):
+    from transformers import AutoModelForImageTextToText as HFModel
+
+    recipe = testing.train_inprocess(FORM, "--model.pretrained_model_name_or_path", qwen_dir,
+                                     "--processor.pretrained_model_name_or_path", qwen_dir,
+                                     "--checkpoint.checkpoint_dir", tmp_path / "ckpt", route=ROUTE)
+    assert recipe.mtp_heads is not None and testing.read_jsonl(tmp_path / "ckpt" / "training.jsonl")[-1]["step"] == 2
+    out = tmp_path / "ckpt" / "epoch_0_step_2" / "model"
+    saved = load_file(out / "model.safetensors")
+    original = load_file(qwen_dir / "model.safetensors")
+    heads = {key for key in saved if key.startswith("mtp.")}
+    assert heads == {key for key in original if key.startswith("mtp.")}
+    assert not torch.equal(saved["mtp.fc.weight"], original["mtp.fc.weight"])  # trained
+    assert json.loads((out / "config.json").read_text())["text_config"]["mtp_num_hidden_layers"] == 1
+    plain = HFModel.from_pretrained(out).eval()  # ignores mtp.*
+    ours = AutoModelForImageTextToText.from_pretrained(out, mtp_loss_scaling_factor=0.1).eval()
+    ids = torch.tensor([[1, 5, 9, 13, 17, 21, 25, 29]])
+    torch.testing.assert_close(plain(input_ids=ids).logits, ours(input_ids=ids).logits)
+    for key in heads:
+        torch.testing.assert_close(ours.state_dict()[key], saved[key], rtol=0, atol=0)
+
+
+def refusals(*overrides: str) -> dict[str, str]:
+    with pytest.raises(ConfigError) as info:
+        testing.load_config(FORM, "--model.pretrained_model_name_or_path", "x", "--processor."
+                            "pretrained_model_name_or_path", "x", *overrides, route=ROUTE)
+    return {issue.key: issue.message for issue in info.value.issues}
+
+
+@pytest.mark.parametrize("override, words", [
+    (("--distributed", "{strategy: fsdp2, tp_size: 2}"), "not wired into tensor parallelism"),
+    (("--distributed", "{strategy: fsdp2, pp_size: 2}"), "not wired into pipeline parallelism"),
+])
+def test_what_the_heads_are_not_wired_into_is_refused(override, words):
+    assert words in refusals(*override)["model.mtp_loss_scaling_factor"]
