@@ -145,3 +145,28 @@ def refusals(*overrides: str) -> dict[str, str]:
 ])
 def test_what_the_heads_are_not_wired_into_is_refused(override, words):
     assert words in refusals(*override)["model.mtp_loss_scaling_factor"]
+
+
+def test_the_moe_heads_fuse_the_checkpoints_per_expert_tensors():
+    """Qwen3.6-35B-A3B's files hold each expert's projections apart; the heads hold transformers' fused ones."""
+    from automodel.mtp.qwen3_5 import checkpoint_tensors
+
+    text = {**TEXT, "model_type": "qwen3_5_moe_text", "vocab_size": 64, "num_experts": 4, "num_experts_per_tok": 2,
+            "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16}
+    config = {"model_type": "qwen3_5_moe", "text_config": text, "image_token_id": 60, "video_token_id": 61,
+              "vision_config": {**VISION, "model_type": "qwen3_5_moe_vision"}, "vision_start_token_id": 62}
+    model = AutoModelForImageTextToText.from_config(config, mtp_loss_scaling_factor=0.1, seed=0).train()
+    model(input_ids=torch.randint(0, 59, (2, 12)))
+    assert len(model.mtp._outputs) == 1  # the heads ran in the model's forward
+    state = model.mtp.state_dict()
+    files = {f"mtp.{key}": value for key, value in state.items() if ".experts." not in key}
+    half = state["layers.0.mlp.experts.gate_up_proj"].shape[1] // 2
+    for expert in range(4):
+        for name, value in (("gate_proj", state["layers.0.mlp.experts.gate_up_proj"][expert, :half]),
+                            ("up_proj", state["layers.0.mlp.experts.gate_up_proj"][expert, half:]),
+                            ("down_proj", state["layers.0.mlp.experts.down_proj"][expert])):
+            files[f"mtp.layers.0.mlp.experts.{expert}.{name}.weight"] = value
+    fused = {key.removeprefix("mtp."): value for key, value in checkpoint_tensors(files).items()}
+    assert fused.keys() == state.keys()
+    for key, value in state.items():
+        torch.testing.assert_close(fused[key], value, rtol=0, atol=0)

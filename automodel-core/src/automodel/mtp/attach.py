@@ -56,7 +56,7 @@ def attach_heads(model: nn.Module, settings: MTPSettings, checkpoint: str | None
     setattr(text_config, depths_key, settings.physical_depths)  # what the saved config says: the depths it holds
     if getattr(text_config, "num_nextn_predict_layers", None) is not None:  # upstream's name, where a config has it
         text_config.num_nextn_predict_layers = settings.physical_depths
-    heads.origin = _initialise(model, heads, family, checkpoint, on_meta=embeddings.is_meta)
+    heads.origin = _initialise(text_model, heads, family, checkpoint, on_meta=embeddings.is_meta)
     _run_heads_in_forward(model, heads, family, text_model, model.get_submodule(norm_name))
     return heads
 
@@ -71,8 +71,9 @@ def _keep_in_fp32(model: nn.Module, heads: MTPHeads) -> None:
                 tensor.data = tensor.data.float()
 
 
-def _initialise(model: nn.Module, heads: MTPHeads, family: Any, checkpoint: str | None, on_meta: bool) -> str:
-    """Where the heads' weights come from, said for the run's log; reads them when the model is built."""
+def _initialise(text_model: nn.Module, heads: MTPHeads, family: Any, checkpoint: str | None, on_meta: bool) -> str:
+    """Where the heads' weights come from, said for the run's log; reads them when the model is built (fresh ones
+    as the text model initialises its layers: its config has the initializer range a composite one may lack)."""
     from automodel.meta_build import local_weights
     from automodel.training.parallel.materialize import weight_files
 
@@ -81,7 +82,7 @@ def _initialise(model: nn.Module, heads: MTPHeads, family: Any, checkpoint: str 
     names = [name for name in files if name.startswith("mtp.")]
     if not names:
         if not on_meta:  # on the meta device the engine initialises them from the seed
-            heads.apply(model._init_weights)
+            heads.apply(text_model._init_weights)
         return "freshly initialised (the checkpoint has no mtp.* tensors)" if checkpoint else "freshly initialised"
     if on_meta:  # the engine reads the model's tensors, the heads' among them, by their names
         _check_fit(heads, {name.removeprefix("mtp."): None for name in names})
