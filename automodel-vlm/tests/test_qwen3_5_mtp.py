@@ -170,3 +170,44 @@ def test_the_moe_heads_fuse_the_checkpoints_per_expert_tensors():
     assert fused.keys() == state.keys()
     for key, value in state.items():
         torch.testing.assert_close(fused[key], value, rtol=0, atol=0)
+
+
+def test_an_image_rows_heads_take_the_multi_axis_positions_moved_with_the_tokens(qwen_dir):
+    """The depth's layer gets the rotary positions the model computed for the image row (get_rope_index), moved one
+    place left; plain text positions would give other hidden states."""
+    from PIL import Image
+    from transformers import AutoProcessor
+    from transformers.masking_utils import create_causal_mask
+    from vlm_testing import conversation
+
+    from automodel.mtp.heads import shift_left
+
+    processor = AutoProcessor.from_pretrained(qwen_dir)
+    image = Image.new("RGB", (32, 32), "red")
+    text = processor.apply_chat_template(conversation("What colour?", "red", image=image), tokenize=False)
+    inputs = processor(text=[text], images=[image], return_tensors="pt")
+    model = AutoModelForImageTextToText.from_pretrained(qwen_dir, mtp_loss_scaling_factor=0.1).train()
+    hidden = []
+    model.model.language_model.norm.register_forward_hook(lambda module, args, output: hidden.append(output))
+    with torch.no_grad():
+        model(**inputs)
+        (got,) = model.mtp._outputs
+        positions, _ = model.model.get_rope_index(inputs["input_ids"], image_grid_thw=inputs["image_grid_thw"],
+                                                  attention_mask=inputs["attention_mask"],
+                                                  mm_token_type_ids=inputs["mm_token_type_ids"])
+        assert not torch.equal(positions[0], positions[1])  # the image's 2D placement
+        heads, language = model.mtp, model.model.language_model
+        embedded = language.embed_tokens(shift_left(inputs["input_ids"], 1, 0))
+
+        def depth(rotary):
+            fused = heads.fc(torch.cat([heads.pre_fc_norm_embedding(embedded), heads.pre_fc_norm_hidden(hidden[0])],
+                                       dim=-1))
+            mask = create_causal_mask(config=language.config, inputs_embeds=fused,
+                                      attention_mask=inputs["attention_mask"], cache=None, position_ids=None)
+            return heads.norm(heads.layers[0](fused, position_embeddings=language.rotary_emb(fused, rotary),
+                                              attention_mask=mask))
+
+        moved = torch.stack([shift_left(axis, 1, 0) for axis in positions])
+        torch.testing.assert_close(got, depth(moved))
+        plain = shift_left(torch.arange(positions.shape[-1]).expand(1, -1), 1, 0).expand(3, -1, -1)
+        assert not torch.allclose(got, depth(plain))
