@@ -78,7 +78,10 @@ def test_a_checkpoint_of_other_depths_is_refused_naming_the_tensors(qwen_dir):
         AutoModelForImageTextToText.from_pretrained(qwen_dir, num_nextn_predict_layers=2)
 
 
-def test_the_logged_loss_is_the_next_token_loss_plus_the_scaled_mean_of_the_depths(tmp_path, qwen_dir):
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_logged_loss_is_the_next_token_loss_plus_the_scaled_mean_of_the_depths(tmp_path, qwen_dir, packed):
+    """Packed rows (text positions restarting per sample on the first of four rotary axes): a depth's target in the
+    next sample is none."""
     by_hand = []
 
     def record(run):
@@ -92,8 +95,11 @@ def test_the_logged_loss_is_the_next_token_loss_plus_the_scaled_mean_of_the_dept
                 logits = model(**inputs, use_cache=False).logits
                 labels, ce = batch["labels"], torch.nn.functional.cross_entropy
                 main = ce(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), reduction="sum")
-                depths = [ce(model.lm_head(hidden)[:, :-k - 1].flatten(0, 1), labels[:, k + 1:].flatten(),
-                             reduction="sum") for k, hidden in enumerate(outputs[-1], 1)]
+                sample = (batch["position_ids"][0] == 0).cumsum(dim=1) if packed else torch.zeros_like(labels)
+                assert ("position_ids" in batch) == packed
+                depths = [ce(model.lm_head(hidden)[:, :-k - 1].flatten(0, 1), labels[:, k + 1:].masked_fill(
+                    sample[:, k + 1:] != sample[:, :-k - 1], IGNORE_INDEX).flatten(), reduction="sum")
+                          for k, hidden in enumerate(outputs[-1], 1)]
                 tokens = (labels[:, 1:] != IGNORE_INDEX).sum()
                 by_hand.append(((main / tokens).item(), ((main + 0.3 * sum(depths) / len(depths)) / tokens).item()))
                 assert (batch["input_ids"] == model.config.image_token_id).any()  # image rows
@@ -103,7 +109,9 @@ def test_the_logged_loss_is_the_next_token_loss_plus_the_scaled_mean_of_the_dept
 
     testing.train_inprocess(FORM, "--model.pretrained_model_name_or_path", qwen_dir,
                             "--processor.pretrained_model_name_or_path", qwen_dir, "--checkpoint.checkpoint_dir",
-                            tmp_path / "ckpt", "--step_scheduler.max_steps", "1", route=ROUTE, before_run=record)
+                            tmp_path / "ckpt", "--step_scheduler.max_steps", "1",
+                            *(("--packed_sequence", "{pack_size: 256, pretokenize: true}") if packed else ()),
+                            route=ROUTE, before_run=record)
     logged = testing.read_jsonl(tmp_path / "ckpt" / "training.jsonl")[0]["loss"]
     (main_only, expected), = by_hand
     assert logged == pytest.approx(expected, rel=1e-5)
