@@ -143,7 +143,7 @@ def test_upstream_form_trains_the_heads_and_transformers_loads_the_saved_model(t
 def refusals(*overrides: str) -> dict[str, str]:
     with pytest.raises(ConfigError) as info:
         testing.load_config(FORM, "--model.pretrained_model_name_or_path", "x", "--processor."
-                            "pretrained_model_name_or_path", "x", *overrides, route=ROUTE)
+                            "pretrained_model_name_or_path", "x", *overrides, route=ROUTE)  # later ones win
     return {issue.key: issue.message for issue in info.value.issues}
 
 
@@ -219,3 +219,12 @@ def test_an_image_rows_heads_take_the_multi_axis_positions_moved_with_the_tokens
         torch.testing.assert_close(got, depth(moved))
         plain = shift_left(torch.arange(positions.shape[-1]).expand(1, -1), 1, 0).expand(3, -1, -1)
         assert not torch.allclose(got, depth(plain))
+
+
+def test_upstreams_text_config_count_sets_the_depths_and_a_count_of_0_is_refused(qwen_dir):
+    model = AutoModelForImageTextToText.from_pretrained(qwen_dir, text_config={"num_nextn_predict_layers": 1},
+                                                        mtp_loss_scaling_factor=0.1)  # qwen3_6_35b.yaml's form
+    assert model.mtp.settings.depths == 1 and model.config.text_config.mtp_num_hidden_layers == 1
+    found = refusals("--model.pretrained_model_name_or_path", str(qwen_dir), "--model.text_config",
+                     "{mtp_num_hidden_layers: 0}")
+    assert "the checkpoint's config has mtp_num_hidden_layers 0 (no heads)" in found["model.mtp_loss_scaling_factor"]
