@@ -358,10 +358,11 @@ def test_validation_refuses_arguments_that_cannot_act(tmp_path):
 
     rows = _write(tmp_path / "rows.jsonl", [CHATML])
     config = _upstream_config(tmp_path, {"_target_": "make_agent_chat_dataset", "path": rows, "dataset_name": rows,
-                                         "chat_template": TEMPLATE, "truncate_history": True})
+                                         "chat_template": TEMPLATE, "truncate_history": True,
+                                         "revision": "refs/convert/parquet"})
     validation = {"_target_": "make_xlam_dataset", "dataset_name": rows, "fp8": True}
     write_yaml(config, {**yaml.safe_load(config.read_text()), "validation_dataset": validation})
     with pytest.raises(ConfigError) as refused:
         load_config(config)
     assert sorted(issue.key for issue in refused.value.issues) == [
-        "dataset.dataset_name", "dataset.truncate_history", "validation_dataset.fp8"]
+        "dataset.dataset_name", "dataset.revision", "dataset.truncate_history", "validation_dataset.fp8"]

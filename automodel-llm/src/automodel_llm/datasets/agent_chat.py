@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from torch.utils.data import Dataset
@@ -252,6 +253,11 @@ class AgentChatDataset(Dataset):
         if (arguments.get("dataset_name") is None) == (arguments.get("path") is None):
             problems.append(("dataset_name", "give exactly one of dataset_name (a hub id, or a local file or "
                                              "directory) and path (a local JSON/JSONL file or a list of them)"))
+        local = arguments.get("path") or arguments.get("dataset_name")
+        if arguments.get("revision") is not None and local is not None and (
+                arguments.get("path") is not None or Path(str(local)).exists()):
+            problems.append(("revision", f"'{arguments['revision']}' names a version of a hub data set, but the data "
+                                         f"are local ('{local}'); remove revision"))
         problems += [(name, "acts on conversations longer than seq_length, which is not set; set seq_length")
                      for name in ("filter_overlong", "truncate_history")
                      if arguments.get(name) and arguments.get("seq_length") is None]
