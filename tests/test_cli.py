@@ -363,4 +363,3 @@ def test_bad_yaml_via_cli(cli, dists, write, text, needle):
     assert needle in result.stderr and "x.yaml" in result.stderr
     assert "Traceback" not in result.stderr
     assert not (cli.cwd / "sentinel").exists()
-

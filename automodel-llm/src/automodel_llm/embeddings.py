@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from automodel.config import Config, FieldErrors
 from automodel.errors import AutomodelError, ConfigIssue
@@ -99,8 +100,6 @@ def repair_embedding_rows(model: torch.nn.Module, min_norm: float, max_rows: int
         raise AutomodelError(f"{key}: the model has no separate output embedding (its input and output embeddings "
                              "are one tied matrix), so there is nothing to rebuild the damaged rows from; remove the "
                              "section")
-    from torch.distributed.tensor import DTensor  # here, not at import: validation never needs it
-
     weight, source = inputs.weight, outputs.weight
     if isinstance(weight, DTensor) or isinstance(source, DTensor) or weight.shape != source.shape:
         raise AutomodelError(f"{key}: the input embedding {tuple(weight.shape)} and output embedding "

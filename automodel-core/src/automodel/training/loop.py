@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from automodel.errors import AutomodelError
 from automodel.model_backend import backend_setting
@@ -133,11 +134,9 @@ class TrainingLoop(PipelineSteps, ContextParallelSteps):
         ``model.backend.enable_fsdp_optimizations: true`` (upstream's): the gathered parameters also stay gathered
         from one micro-batch's backward to the next's forward (no re-gather), resharded after the last."""
         settings = self.cfg.distributed
+        units = [module for module in self.model.modules() if isinstance(module, FSDPModule)]
         if settings is None:
             return
-        from torch.distributed.fsdp import FSDPModule  # here, not at import: validation never needs it
-
-        units = [module for module in self.model.modules() if isinstance(module, FSDPModule)]
         for unit in units:  # every unit: the whole model need not be one (distributed.moe.wrap_outer_model: false)
             unit.set_requires_gradient_sync(last or not settings.defer_fsdp_grad_sync, recurse=False)
             if backend_setting(self.cfg.model, "enable_fsdp_optimizations"):

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from automodel.errors import ConfigIssue
+from automodel.errors import AutomodelError, ConfigIssue
+from automodel.training.parallel.pipeline_grad_sync import AccumulatingStage
 from automodel.training.parallel.precision import Precision, dtype_name, parse_dtype_name
 
 if TYPE_CHECKING:
@@ -100,3 +101,26 @@ class StaticShapes:
         return (f"pipeline stage shapes: static (pp_seq_len {self.seq_len}): token ids [{size}], hidden states "
                 f"[{size}, {self.hidden}] {dtype_name(self.activations)}, logits [{size}, {self.vocab}] "
                 f"{dtype_name(self.logits)}; no shape-finding pass on the first batch")
+
+
+class StaticStage(AccumulatingStage):
+    """An :class:`AccumulatingStage` built with example tensors (torch's STATIC mode); its first micro-batch's
+    output is compared with the example's shape and dtype (an ``AutomodelError`` naming the keys on a mismatch)."""
+
+    def __init__(self, *args: Any, input_args: torch.Tensor, output_args: torch.Tensor, **kwargs: Any):
+        super().__init__(*args, input_args=input_args, output_args=output_args, **kwargs)
+        self.expected: tuple[tuple[int, ...], torch.dtype] | None = (tuple(output_args.shape), output_args.dtype)
+
+    def forward_one_chunk(self, fwd_chunk_id: int, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None,
+                          save_forward_output: bool = True) -> Any:
+        output = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+        if self.expected is not None:
+            shape, dtype = self.expected
+            self.expected = None
+            if tuple(output.shape) != shape or output.dtype != dtype:
+                raise AutomodelError(
+                    f"distributed.pipeline.pp_seq_len: pipeline stage {self.stage_index} returns "
+                    f"{list(output.shape)} {dtype_name(output.dtype)}, but its static shape is {list(shape)} "
+                    f"{dtype_name(dtype)}; set distributed.pipeline.dtype to {dtype_name(output.dtype)} if that is the "
+                    "hidden states' dtype, or remove pp_seq_len (the shapes are then found on the first batch)")
+        return output

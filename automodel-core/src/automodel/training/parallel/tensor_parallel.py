@@ -35,6 +35,8 @@ from automodel.training.parallel.tp_plans import (
     config_plan,
     expand_plan,
     model_plan,
+    sequence_parallel_entries,
+    torch_styles,
 )
 
 if TYPE_CHECKING:
@@ -89,8 +91,6 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
     gathered on every rank). A pipeline stage (its missing layers are placeholders) lacks modules the plan names;
     only those it holds are sharded."""
     from torch.distributed.tensor.parallel import parallelize_module
-
-    from automodel.training.parallel.tp_styles import sequence_parallel_entries, torch_styles
 
     wrapper = model
     if hasattr(model, "peft_config"):
@@ -243,6 +243,6 @@ def describe_plan(plan: dict[str, str], tp_size: int, sequence_parallel: bool, v
         (", vocabulary-parallel loss" if vocab_parallel else "")
     lines = [head]
     for (pattern, style), count in folded.items():
-        lines.append(f"  {pattern}: {style} ({STYLES[style]})" + (f" x {count}" if count > 1 else ""))
+        lines.append(f"  {pattern}: {style} ({STYLES[style][0]})" + (f" x {count}" if count > 1 else ""))
     return lines
 

@@ -3,12 +3,9 @@
 A plan maps module-name patterns (``fnmatch``, relative to the causal LM: ``model.layers.*.self_attn.q_proj``) to
 style names. The names are transformers' own, so a model's ``tp_plan`` (its config's ``base_model_tp_plan`` plus
 the head's ``_tp_plan``, which transformers 5.x merges and extends with a vocabulary-parallel ``embed_tokens``) is
-used as it is; :data:`STYLES` says what each name means (5.x names and the 4.x ones), and
-:mod:`automodel.training.parallel.tp_styles` builds the torch style of each.
+used as it is; :data:`STYLES` says what each name means in torch's terms (5.x names and the 4.x ones).
 :class:`TPPlanRegistry` holds plans per ``model_type`` for architectures whose config has none, or to replace it; a
 plugin adds its own through the registry (``register(model_type, plan)``).
-
-This module is what validation reads (no ``torch.distributed`` import); the styles themselves are in tp_styles.
 
 Every style returns local tensors between modules, so the model's own code computes on this rank's part: an
 attention's ``q_proj`` output holds this rank's heads and transformers' attention, which reshapes with ``-1``
@@ -22,32 +19,108 @@ embeddings, rotary positions, masks and the head see the whole sequence.
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from automodel.errors import AutomodelError
 
-if TYPE_CHECKING:
-    from torch import nn
+_SEQUENCE = Shard(1)
 
-# Style name -> what it does (4.x names beside 5.x ones of the same meaning); the torch ParallelStyle each stands for:
-# automodel.training.parallel.tp_styles.STYLE_FACTORIES.
-STYLES: dict[str, str] = {
-    "colwise": "column-wise: output features sharded",
-    "local_colwise": "column-wise: output features sharded",
-    "rowwise": "row-wise: input features sharded, output all-reduced",
-    "local_rowwise": "row-wise: input features sharded, output all-reduced",
-    "colwise_rep": "column-wise head: vocabulary-parallel logits",
-    "colwise_gather_output": "column-wise head: vocabulary-parallel logits",
-    "rowwise_rep": "row-wise on a replicated input",
-    "rowwise_split_input": "row-wise on a replicated input",
-    "embedding_rowwise": "vocabulary-parallel embedding",
-    "embedding_colwise": "embedding with the hidden size sharded",
-    "gather": "output all-reduced",
-    "all_reduce": "output all-reduced",
-    "replicated_with_grad_allreduce": "replicated, gradients summed over the ranks",
-    "sequence_parallel": "sequence-parallel (norm, dropout)",
-    "replicate": "replicated",
+
+class ReplicateWithGradSum(ParallelStyle):
+    """A replicated module that runs on this rank's part of its input (a per-head norm on the local heads): its
+    parameters become replicated ``DTensor``\\ s and its input is declared split across the ranks, so DTensor sums
+    the parameters' gradients over the ranks. The module must act on each position on its own (a norm over the last
+    dimension); which dimension the input is declared split on then changes nothing but the gradient's reduction."""
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        def replicate(name: str, part: nn.Module, mesh: Any) -> None:
+            for key, param in list(part.named_parameters(recurse=False)):
+                part.register_parameter(key, nn.Parameter(distribute_tensor(param, mesh, [Replicate()],
+                                                                            src_data_rank=None),
+                                                          requires_grad=param.requires_grad))
+
+        return distribute_module(module, device_mesh, replicate,
+                                 input_fn=lambda mod, inputs, mesh: _as_dtensor(inputs, mesh, Shard(0)),
+                                 output_fn=lambda mod, output, mesh: output.to_local())
+
+
+class SequenceLayout(ParallelStyle):
+    """Converts a module's ``hidden_states`` (first positional argument or keyword) between the whole sequence and
+    this rank's part: ``gather`` (into an attention / MLP under sequence parallelism) or ``split`` (into a stage's
+    first decoder layer). The module sees a local tensor."""
+
+    def __init__(self, direction: str):
+        self.source, self.target = (_SEQUENCE, Replicate()) if direction == "gather" else (Replicate(), _SEQUENCE)
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        def pre_hook(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            if args:
+                return (_convert(args[0], device_mesh, self.source, self.target), *args[1:]), kwargs
+            hidden = _convert(kwargs["hidden_states"], device_mesh, self.source, self.target)
+            return args, {**kwargs, "hidden_states": hidden}
+
+        module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+        return module
+
+
+def _convert(value: Any, mesh: Any, source: Any, target: Any) -> Any:
+    """``value`` (local, laid out as ``source``, or a DTensor) redistributed to ``target``, as a local tensor."""
+    if not isinstance(value, DTensor):
+        value = DTensor.from_local(value, mesh, [source], run_check=False)
+    if target == _SEQUENCE and value.shape[1] % mesh.size():
+        raise AutomodelError(f"sequence parallelism splits the sequence over tp_size {mesh.size()} ranks, but this "
+                             f"batch's sequences have {value.shape[1]} positions; pad them to a multiple of "
+                             f"{mesh.size()}")
+    return value.redistribute(placements=[target]).to_local()
+
+
+def _as_dtensor(inputs: tuple, mesh: Any, placement: Any) -> tuple:
+    first, *rest = inputs
+    if not isinstance(first, DTensor):
+        first = DTensor.from_local(first, mesh, [placement], run_check=False)
+    return (first, *rest)
+
+
+def _vocab_head(vocab_parallel: bool) -> ParallelStyle:
+    """The output head: logits sharded over the vocabulary (for ``loss_parallel``) or gathered on every rank."""
+    if vocab_parallel:
+        return ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+    return ColwiseParallel(output_layouts=Replicate())
+
+
+# Style name -> (what it does, a factory taking ``vocab_parallel``). 4.x names beside 5.x ones of the same meaning.
+STYLES: dict[str, tuple[str, Callable[[bool], ParallelStyle | None]]] = {
+    "colwise": ("column-wise: output features sharded", lambda vp: ColwiseParallel()),
+    "local_colwise": ("column-wise: output features sharded", lambda vp: ColwiseParallel()),
+    "rowwise": ("row-wise: input features sharded, output all-reduced", lambda vp: RowwiseParallel()),
+    "local_rowwise": ("row-wise: input features sharded, output all-reduced", lambda vp: RowwiseParallel()),
+    "colwise_rep": ("column-wise head: vocabulary-parallel logits", _vocab_head),
+    "colwise_gather_output": ("column-wise head: vocabulary-parallel logits", _vocab_head),
+    "rowwise_rep": ("row-wise on a replicated input", lambda vp: RowwiseParallel(input_layouts=Replicate())),
+    "rowwise_split_input": ("row-wise on a replicated input", lambda vp: RowwiseParallel(input_layouts=Replicate())),
+    "embedding_rowwise": ("vocabulary-parallel embedding",
+                          lambda vp: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())),
+    "embedding_colwise": ("embedding with the hidden size sharded",
+                          lambda vp: ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())),
+    "gather": ("output all-reduced", lambda vp: PrepareModuleOutput(output_layouts=Partial(),
+                                                                    desired_output_layouts=Replicate())),
+    "all_reduce": ("output all-reduced", lambda vp: PrepareModuleOutput(output_layouts=Partial(),
+                                                                        desired_output_layouts=Replicate())),
+    "replicated_with_grad_allreduce": ("replicated, gradients summed over the ranks",
+                                       lambda vp: ReplicateWithGradSum()),
+    "sequence_parallel": ("sequence-parallel (norm, dropout)", lambda vp: SequenceParallel(use_local_output=True)),
+    "replicate": ("replicated", lambda vp: None),
 }
 HEAD_STYLES = ("colwise_rep", "colwise_gather_output")
 ROWWISE_STYLES = ("rowwise", "local_rowwise")
@@ -114,3 +187,58 @@ def expand_plan(plan: Mapping[str, str], model: nn.Module, require_all: bool = T
         for name in matched:
             concrete.setdefault(name, style_name)
     return concrete
+
+
+def torch_styles(concrete: Mapping[str, str], vocab_parallel: bool) -> dict[str, ParallelStyle]:
+    """An expanded plan as ``parallelize_module`` takes it (replicated modules left out)."""
+    styles = {name: STYLES[style_name][1](vocab_parallel) for name, style_name in concrete.items()}
+    return {name: style for name, style in styles.items() if style is not None}
+
+
+def sequence_parallel_entries(concrete: Mapping[str, str], layers: Iterable[tuple[str, nn.Module]]
+                              ) -> dict[str, ParallelStyle]:
+    """The styles that shard the residual stream over the sequence inside ``layers`` (name, decoder layer), to
+    add to (and replace entries of) :func:`torch_styles`. The layers are those of one pipeline stage, in order."""
+    layers = list(layers)
+    entries: dict[str, ParallelStyle] = {}
+    for index, (name, layer) in enumerate(layers):
+        for child_name, child in layer.named_children():
+            full = f"{name}.{child_name}"
+            if _is_norm_or_dropout(child):
+                entries[full] = SequenceParallel(use_local_output=True)
+                continue
+            inside = {sub: concrete[sub] for sub, _ in child.named_modules(prefix=full)
+                      if concrete.get(sub, "replicate") != "replicate"}
+            if not inside and any(True for _ in child.parameters()):
+                raise AutomodelError(f"sequence parallelism: '{full}' ({type(child).__name__}) holds parameters but "
+                                     "no tensor-parallel projection, so it cannot run on a part of the sequence; "
+                                     "set distributed.sequence_parallel: false")
+            if inside:
+                entries[full] = SequenceLayout("gather")
+                entries.update({sub: RowwiseParallel(output_layouts=_SEQUENCE) for sub, style in inside.items()
+                                if style in ROWWISE_STYLES})
+        entries[name] = LayerSequenceBoundary(split_input=index == 0, gather_output=index == len(layers) - 1)
+    return entries
+
+
+class LayerSequenceBoundary(ParallelStyle):
+    """A decoder layer at the edge of the sequence-parallel region: the stage's first splits its input over the
+    sequence, its last gathers its output (a layer in between passes its sequence part on unchanged)."""
+
+    def __init__(self, split_input: bool, gather_output: bool):
+        self.split_input, self.gather_output = split_input, gather_output
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        if self.split_input:
+            SequenceLayout("split")._apply(module, device_mesh)
+        if self.gather_output:
+            # A copy, not DTensor's view of the gathered tensor: the layer may be an FSDP unit, whose output must
+            # not be a view (an in-place op on it would skip FSDP's pre-backward hook).
+            module.register_forward_hook(
+                lambda mod, args, output: _convert(output, device_mesh, _SEQUENCE, Replicate()).clone())
+        return module
+
+
+def _is_norm_or_dropout(module: nn.Module) -> bool:
+    kind = type(module).__name__
+    return isinstance(module, (nn.Dropout, nn.LayerNorm)) or "Norm" in kind or "Dropout" in kind
