@@ -263,7 +263,6 @@ class FinetuneRecipeForNextTokenPrediction(MTPLoss, NextTokenLogits, TrainRecipe
         if changes:
             self.log(f"special tokens: the model's {', '.join(changes)} (the tokenizer's, which training uses; "
                      "saved in config.json and generation_config.json, so generate() stops at its EOS)")
-        self.find_mtp_heads()
         repair = self.cfg.get("embedding_row_repair")
         if "embedding_row_repair" in self.cfg and repair.enabled:
             self.log(repair_embedding_rows(unwrap(self.model), repair.min_norm, repair.max_rows))
@@ -283,10 +282,6 @@ class FinetuneRecipeForNextTokenPrediction(MTPLoss, NextTokenLogits, TrainRecipe
 
     def model_inputs(self, batch: dict[str, Any]) -> dict[str, Any]:
         return {**{k: v for k, v in batch.items() if k in MODEL_INPUTS}, "use_cache": False}
-
-    def compute_loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        loss = self.loss_fn(*self.next_token_logits(model, batch, self.head_positions))
-        return self.with_mtp_loss(model, batch, loss)
 
     def pipeline_batches(self, batches: list[dict[str, torch.Tensor]], length: int | None = None
                          ) -> list[tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]:

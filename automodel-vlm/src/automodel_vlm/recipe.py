@@ -170,7 +170,6 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
 
     def setup(self) -> None:
         super().setup()
-        self.find_mtp_heads()
         config = getattr(base_model(self.model), "config", None)
         check_vocab(self.processor.tokenizer, getattr(config, "text_config", None) or config,
                     "processor: its tokenizer has {tokens} tokens but the model's vocab_size is {vocab}; use the "
@@ -188,10 +187,6 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
     def model_inputs(self, batch: dict[str, Any]) -> dict[str, Any]:
         return {**{k: v for k, v in batch.items() if k not in ("labels", LABEL_POSITIONS, "token_count")},
                 "use_cache": False}
-
-    def compute_loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        loss = self.loss_fn(*self.next_token_logits(model, batch, self.head_positions))
-        return self.with_mtp_loss(model, batch, loss)
 
     def pipeline_batches(self, batches: list[dict[str, torch.Tensor]], length: int | None = None
                          ) -> list[tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]:

@@ -13,6 +13,7 @@ main loss by the step's main label tokens (so the logged loss is ``main + scalin
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -115,6 +116,28 @@ class MTPHeads(nn.Module):
                     logits = loss_head.checked(logits)
             total = total + loss_fn(logits, kept).float()
         return total * (self.settings.scaling_factor / len(outputs))
+
+
+def stack_expert_tensors(tensors: dict[str, torch.Tensor], pattern: re.Pattern[str]
+                         ) -> tuple[dict[str, torch.Tensor], dict[tuple[str, str], torch.Tensor]]:
+    """A checkpoint's ``mtp.*`` tensors with one tensor per expert (the families' files) gathered as transformers
+    holds a MoE layer's: the tensors ``pattern`` does not match, and per (experts module, projection), the
+    pattern's groups 1 and 3 (group 2 is the expert's index), the experts' tensors stacked in index order."""
+    others: dict[str, torch.Tensor] = {}
+    found: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    for name, tensor in tensors.items():
+        match = pattern.match(name)
+        if match is None:
+            others[name] = tensor
+        else:
+            found.setdefault((match[1], match[3]), {})[int(match[2])] = tensor
+    stacked = {}
+    for (owner, projection), experts in found.items():
+        if sorted(experts) != list(range(len(experts))):
+            raise ValueError(f"{owner}: the checkpoint holds {projection} of experts {sorted(experts)}, not "
+                             f"0..{len(experts) - 1}")
+        stacked[(owner, projection)] = torch.stack([experts[index] for index in range(len(experts))])
+    return others, stacked
 
 
 def find_heads(model: nn.Module) -> MTPHeads | None:

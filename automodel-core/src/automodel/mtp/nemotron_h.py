@@ -16,7 +16,7 @@ from torch import nn
 from transformers.masking_utils import create_causal_mask, create_recurrent_attention_mask
 from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHBlock, NemotronHRMSNorm
 
-from automodel.mtp.heads import MTPHeads, MTPSettings, shift_left
+from automodel.mtp.heads import MTPHeads, MTPSettings, shift_left, stack_expert_tensors
 
 # a checkpoint's experts one tensor each (NVIDIA's files) -> the stacked parameter transformers' model holds
 _EXPERT = re.compile(r"^(mtp\.layers\.\d+\.mixer\.experts)\.(\d+)\.(up_proj|down_proj)\.weight$")
@@ -74,16 +74,5 @@ def depth_kwargs(text_model: nn.Module, hidden: torch.Tensor, attention_mask: to
 def checkpoint_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A checkpoint's ``mtp.*`` tensors under the model's names: one tensor per expert (NVIDIA's files) stacked
     into the experts' parameter, as transformers loads the main model's; stacked ones as they are."""
-    found: dict[str, dict[int, torch.Tensor]] = {}
-    out = {}
-    for name, tensor in tensors.items():
-        match = _EXPERT.match(name)
-        if match is None:
-            out[name] = tensor
-        else:
-            found.setdefault(f"{match[1]}.{match[3]}", {})[int(match[2])] = tensor
-    for name, experts in found.items():
-        if sorted(experts) != list(range(len(experts))):
-            raise ValueError(f"{name}: the checkpoint holds experts {sorted(experts)}, not 0..{len(experts) - 1}")
-        out[name] = torch.stack([experts[index] for index in range(len(experts))])
-    return out
+    others, stacked = stack_expert_tensors(tensors, _EXPERT)
+    return {**others, **{f"{owner}.{projection}": tensor for (owner, projection), tensor in stacked.items()}}

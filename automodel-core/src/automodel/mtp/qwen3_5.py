@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from transformers.masking_utils import create_causal_mask
 
-from automodel.mtp.heads import MTPHeads, MTPSettings, shift_left
+from automodel.mtp.heads import MTPHeads, MTPSettings, shift_left, stack_expert_tensors
 
 # a checkpoint's experts one tensor each (Qwen's files) -> the fused parameters transformers' MoE layer holds
 _EXPERT = re.compile(r"^(mtp\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -81,21 +81,13 @@ def depth_kwargs(text_model: nn.Module, hidden: torch.Tensor, attention_mask: to
 def checkpoint_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A checkpoint's ``mtp.*`` tensors under the model's names: one tensor per expert projection (Qwen's MoE files)
     fused into the experts' ``gate_up_proj`` and ``down_proj``, as transformers loads the main model's."""
-    found: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
-    out = {}
-    for name, tensor in tensors.items():
-        match = _EXPERT.match(name)
-        if match is None:
-            out[name] = tensor
-        else:
-            found.setdefault(match[1], {}).setdefault(match[3], {})[int(match[2])] = tensor
-    for owner, projections in found.items():
-        count = len(projections.get("down_proj", {}))
-        for kind, experts in projections.items():
-            if sorted(experts) != list(range(count)):
-                raise ValueError(f"{owner}: the checkpoint holds {kind} of experts {sorted(experts)}, "
-                                 f"not 0..{count - 1}")
-        stack = {kind: torch.stack([experts[index] for index in range(count)]) for kind, experts in projections.items()}
-        out[f"{owner}.gate_up_proj"] = torch.cat([stack["gate_proj"], stack["up_proj"]], dim=1)
-        out[f"{owner}.down_proj"] = stack["down_proj"]
+    out, stacked = stack_expert_tensors(tensors, _EXPERT)
+    for owner in sorted({owner for owner, _ in stacked}):
+        gate, up, down = (stacked.get((owner, kind)) for kind in ("gate_proj", "up_proj", "down_proj"))
+        counts = [None if tensor is None else tensor.shape[0] for tensor in (gate, up, down)]
+        if None in counts or len(set(counts)) > 1:
+            raise ValueError(f"{owner}: the checkpoint holds gate_proj, up_proj and down_proj of {counts} experts; "
+                             "each expert needs all three")
+        out[f"{owner}.gate_up_proj"] = torch.cat([gate, up], dim=1)
+        out[f"{owner}.down_proj"] = down
     return out

@@ -1,5 +1,6 @@
-"""The MTP heads' part of a recipe (:mod:`automodel.mtp`): validation of the keys asking for them, the run's note
-of what they are, and their loss added to the next-token loss. The LLM and VLM fine-tuning recipes mix it in."""
+"""The MTP heads' part of a next-token recipe (:mod:`automodel.mtp`): validation of the keys asking for them, the
+run's note of what they are, and the recipe's loss: the next-token loss plus, while training, the heads'. The LLM
+and VLM fine-tuning recipes mix it in before ``NextTokenLogits``."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ from automodel.training.parallelism import model_hf_config
 
 
 class MTPLoss:
-    """Adds the heads' loss to a next-token recipe's (``loss_fn``, ``loss_head``, ``model`` and ``log`` are the
-    recipe's); ``adds_mtp_loss`` False: a subclass whose loss does not, so the keys are refused."""
+    """A next-token recipe's loss with the heads' added (``loss_fn``, ``loss_head``, ``head_positions``,
+    ``next_token_logits``, ``model`` and ``log`` are the recipe's); ``adds_mtp_loss`` False: a subclass whose own
+    ``compute_loss`` does not add it, so the keys are refused."""
 
     adds_mtp_loss = True
     mtp_heads: MTPHeads | None = None
@@ -26,8 +28,9 @@ class MTPLoss:
         """Why the heads the model section asks for cannot train in this run (empty: they can, or none is asked)."""
         return mtp_issues(cfg, model_hf_config(cfg), supported=cls.adds_mtp_loss) if mtp_asked(cfg) else []
 
-    def find_mtp_heads(self) -> None:
-        """Keep the built model's heads (if any) and say in the run's log what they train."""
+    def setup(self) -> None:
+        """The recipe's setup, then the built model's heads (if any) kept and said in the run's log."""
+        super().setup()
         self.mtp_heads = find_heads(unwrap(self.model))
         if self.mtp_heads is not None:
             mtp = self.mtp_heads.settings
@@ -36,10 +39,10 @@ class MTPLoss:
                      f"the mean over the {mtp.depths} depths of each one's loss, all per label token (upstream's); "
                      "validation reports the next-token loss only")
 
-    def with_mtp_loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor], loss: torch.Tensor
-                      ) -> torch.Tensor:
-        """``loss`` plus, while training, the heads' summed loss of the forward that just ran
+    def compute_loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The next-token loss plus, while training, the heads' summed loss of the forward that just ran
         (:meth:`automodel.mtp.heads.MTPHeads.loss`)."""
+        loss = self.loss_fn(*self.next_token_logits(model, batch, self.head_positions))
         if self.mtp_heads is None or not model.training:
             return loss
         head = unwrap(model).get_output_embeddings()
