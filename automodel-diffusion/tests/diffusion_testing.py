@@ -148,3 +148,94 @@ def tiny_qwen_image(directory: Path, seed: int = 0, **transformer: Any) -> Path:
         transformer=diffusers.QwenImageTransformer2DModel(**{**TINY_QWEN_TRANSFORMER, **transformer}))
     pipeline.save_pretrained(str(directory))
     return directory
+
+
+# ---- shared by the model-family tests (test_flux.py, test_qwen_image.py) ------------------------------------------
+
+
+def family_model(base: Path, **kwargs: Any) -> Any:
+    """The pipeline in ``base`` as the recipe trains it, with a logit-normal flow-matching objective."""
+    from automodel_diffusion import AutoDiffusionPipeline
+    from automodel_diffusion.objectives import ObjectiveConfig, build_objective
+
+    model = AutoDiffusionPipeline.from_pretrained(str(base), **kwargs)
+    model.objective = build_objective(ObjectiveConfig(timestep_sampling="logit_normal"), model.pipeline.scheduler)
+    return model
+
+
+def pixels(n: int = 2) -> Any:
+    """``n`` fixed 32x32 RGB images in [-1, 1]."""
+    import torch
+
+    return torch.rand(n, 3, 32, 32, generator=torch.Generator().manual_seed(1)) * 2 - 1
+
+
+def refusals(config: Path, *overrides: Any) -> dict[str, str]:
+    """Key -> message of what validation refuses in ``config`` with ``overrides``."""
+    import pytest
+
+    from automodel.errors import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        load_config(config, *overrides)
+    return {issue.key: issue.message for issue in info.value.issues}
+
+
+def fixed_batch_loss(model: Any, images: Any, captions: list[str]) -> Any:
+    """The mean loss of one batch with the same noise and timesteps every call."""
+    import torch
+
+    return model(images, captions, generator=torch.Generator().manual_seed(0)).mean()
+
+
+def train_on_fixed_batch(model: Any, images: Any, captions: list[str], steps: int = 15) -> tuple[float, float]:
+    """(loss before, loss after) ``steps`` AdamW steps on one batch."""
+    import torch
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    with torch.no_grad():
+        first = float(fixed_batch_loss(model, images, captions))
+    for _ in range(steps):
+        optimizer.zero_grad()
+        fixed_batch_loss(model, images, captions).backward()
+        optimizer.step()
+    with torch.no_grad():
+        return first, float(fixed_batch_loss(model, images, captions))
+
+
+def assert_cli_run_saved_the_trained_pipeline(ckpt: Path, base: Path, pipeline_class: str) -> None:
+    """A 3-step run with a checkpoint each step: finite losses; a ``pipeline_class`` that diffusers loads, whose
+    transformer is trained (changed from ``base`` and after step 1) and whose VAE is ``base``'s."""
+    import numpy
+    import torch
+    from diffusers import DiffusionPipeline
+
+    losses = testing.losses_by_step(ckpt / "training.jsonl")
+    assert sorted(losses) == [1, 2, 3] and all(numpy.isfinite(v) for v in losses.values())
+    pipeline = DiffusionPipeline.from_pretrained(str(ckpt / "epoch_0_step_3" / "model"))
+    assert type(pipeline).__name__ == pipeline_class
+    before = DiffusionPipeline.from_pretrained(str(base)).transformer.state_dict()
+    trained = pipeline.transformer.state_dict()
+    assert trained.keys() == before.keys()
+    changed = [k for k in before if not torch.equal(before[k], trained[k])]
+    assert len(changed) > len(before) // 2, f"training changed only {changed} of the transformer"
+    first = testing.load_safetensors_state(ckpt / "epoch_0_step_1" / "model" / "transformer")
+    assert any(not torch.equal(first[k], trained[k]) for k in first), "steps 2-3 changed nothing"
+    testing.assert_states_equal(testing.load_safetensors_state(ckpt / "epoch_0_step_3" / "model" / "vae"),
+                                testing.load_safetensors_state(base / "vae"))
+
+
+def assert_generate_samples(config: Path, model_dir: Path, out: Path, pipeline_class: str, *overrides: Any) -> None:
+    """``generate diffusion`` (``config``, run in ``out``, the working directory) on the pipeline in ``model_dir``
+    loads a ``pipeline_class`` and writes two 32x32 images."""
+    import numpy
+    from PIL import Image
+
+    recipe_cls, cfg = load_config(config, "--model.pretrained_model_name_or_path", model_dir,
+                                  "--inference.guidance_scale", "null", *overrides, route=("generate", "diffusion"))
+    generate = recipe_cls(cfg)
+    generate.setup()
+    assert type(generate.pipeline).__name__ == pipeline_class
+    generate.run_train_validation_loop()
+    written = sorted((out / "inference_outputs").iterdir())
+    assert len(written) == 2 and numpy.asarray(Image.open(written[0])).shape == (32, 32, 3)

@@ -10,11 +10,24 @@ from pathlib import Path
 import numpy
 import pytest
 import torch
-from diffusion_testing import ASSETS, assert_denoiser_equal_with_adapter, load_config, tiny_flux, train_inprocess
+from diffusion_testing import (
+    ASSETS,
+    assert_cli_run_saved_the_trained_pipeline,
+    assert_denoiser_equal_with_adapter,
+    assert_generate_samples,
+    family_model,
+    fixed_batch_loss,
+    load_config,
+    pixels,
+    refusals,
+    tiny_flux,
+    train_inprocess,
+    train_on_fixed_batch,
+)
 from PIL import Image
 
 from automodel.errors import AutomodelError, ConfigError
-from automodel.testing import assert_states_equal, load_safetensors_state, losses_by_step, run_cli
+from automodel.testing import assert_states_equal, run_cli
 
 FORMS = Path(__file__).parent / "upstream_forms"
 FINETUNE = FORMS / "flux_finetune_upstream.yaml"
@@ -30,16 +43,7 @@ def bases(tmp_path_factory):
 
 
 def flux_model(base: Path, **kwargs):
-    from automodel_diffusion import AutoDiffusionPipeline
-    from automodel_diffusion.objectives import ObjectiveConfig, build_objective
-
-    model = AutoDiffusionPipeline.from_pretrained(str(base), max_sequence_length=16, **kwargs)
-    model.objective = build_objective(ObjectiveConfig(timestep_sampling="logit_normal"), model.pipeline.scheduler)
-    return model
-
-
-def pixels(n: int = 2) -> torch.Tensor:
-    return torch.rand(n, 3, 32, 32, generator=torch.Generator().manual_seed(1)) * 2 - 1
+    return family_model(base, max_sequence_length=16, **kwargs)
 
 
 # ---- the training step, against diffusers' own helpers ---------------------------------------------------------
@@ -99,22 +103,11 @@ def test_the_transformer_is_fed_the_noised_packed_latents_sigma_and_guidance_and
 
 def test_loss_falls_on_a_fixed_batch_and_guidance_acts(bases):
     model = flux_model(bases["guided"], guidance_scale=3.5)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     x, captions = pixels(4), ["a red circle", "a blue square", "a green triangle", "a white circle"]
-
-    def loss() -> torch.Tensor:
-        return model(x, captions, generator=torch.Generator().manual_seed(0)).mean()
-
+    first, last = train_on_fixed_batch(model, x, captions)
     with torch.no_grad():
-        first = float(loss())
-    for _ in range(15):
-        optimizer.zero_grad()
-        loss().backward()
-        optimizer.step()
-    with torch.no_grad():
-        last = float(loss())
         model.conditioning.guidance = 1.0
-        other = float(loss())
+        other = float(fixed_batch_loss(model, x, captions))
     assert numpy.isfinite(first) and last < first * 0.8, (first, last)
     assert abs(other - last) > 1e-6, "the guidance value does not reach the transformer"
 
@@ -140,33 +133,17 @@ def test_our_own_config_form_trains_validates_and_samples_a_flux_pipeline(bases,
 
 
 def test_finetune_form_trains_through_the_cli_and_saves_a_flux_pipeline(bases, tmp_path):
-    from diffusers import DiffusionPipeline
-
     ckpt = tmp_path / "ckpt"
     result = run_cli("finetune", "diffusion", "-c", FINETUNE, "--model.pretrained_model_name_or_path",
                      bases["plain"], "--checkpoint.checkpoint_dir", ckpt, "--step_scheduler.ckpt_every_steps", 1,
                      cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "flow matching step 3: logit_normal sampling, shift 1," in result.stderr
-    losses = losses_by_step(ckpt / "training.jsonl")
-    assert sorted(losses) == [1, 2, 3] and all(numpy.isfinite(v) for v in losses.values())
-    pipeline = DiffusionPipeline.from_pretrained(str(ckpt / "epoch_0_step_3" / "model"))
-    assert type(pipeline).__name__ == "FluxPipeline"
-    base = DiffusionPipeline.from_pretrained(str(bases["plain"])).transformer.state_dict()
-    trained = pipeline.transformer.state_dict()
-    assert trained.keys() == base.keys()
-    changed = [k for k in base if not torch.equal(base[k], trained[k])]
-    assert len(changed) > len(base) // 2, f"training changed only {changed} of the transformer"
-    first = load_safetensors_state(ckpt / "epoch_0_step_1" / "model" / "transformer")
-    assert any(not torch.equal(first[k], trained[k]) for k in first), "steps 2-3 changed nothing"
-    assert_states_equal(load_safetensors_state(ckpt / "epoch_0_step_3" / "model" / "vae"),
-                        load_safetensors_state(bases["plain"] / "vae"))
+    assert_cli_run_saved_the_trained_pipeline(ckpt, bases["plain"], "FluxPipeline")
 
 
 def test_saved_transformer_is_the_trained_one_and_generate_samples_from_it(bases, tmp_path, monkeypatch):
     from diffusers import DiffusionPipeline
-
-    from automodel.testing import load_config as load
 
     ckpt = tmp_path / "ckpt"
     recipe = train_inprocess(FINETUNE, "--model.pretrained_model_name_or_path", bases["plain"],
@@ -177,15 +154,8 @@ def test_saved_transformer_is_the_trained_one_and_generate_samples_from_it(bases
     assert_states_equal(loaded.transformer.state_dict(), trained)
 
     monkeypatch.chdir(tmp_path)
-    recipe_cls, cfg = load(GENERATE, "--model.pretrained_model_name_or_path", model_dir, "--inference.guidance_scale",
-                           "null", "--inference.pipeline_kwargs", "{max_sequence_length: 16}",
-                           route=("generate", "diffusion"))
-    generate = recipe_cls(cfg)
-    generate.setup()
-    assert type(generate.pipeline).__name__ == "FluxPipeline"
-    generate.run_train_validation_loop()
-    written = sorted((tmp_path / "inference_outputs").iterdir())
-    assert len(written) == 2 and numpy.asarray(Image.open(written[0])).shape == (32, 32, 3)
+    assert_generate_samples(GENERATE, model_dir, tmp_path, "FluxPipeline", "--inference.pipeline_kwargs",
+                            "{max_sequence_length: 16}")
 
 
 def test_lora_form_trains_an_adapter_that_fluxpipeline_loads_and_generate_applies(bases, tmp_path, monkeypatch):
@@ -230,12 +200,6 @@ def test_lora_form_trains_an_adapter_that_fluxpipeline_loads_and_generate_applie
 
 
 # ---- what cannot act is refused, naming the key ---------------------------------------------------------------
-
-
-def refusals(config: Path, *overrides) -> dict[str, str]:
-    with pytest.raises(ConfigError) as info:
-        load_config(config, *overrides)
-    return {issue.key: issue.message for issue in info.value.issues}
 
 
 def build_refusal(config: Path, base: Path, *overrides) -> dict[str, str]:

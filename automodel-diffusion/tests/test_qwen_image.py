@@ -13,15 +13,21 @@ import pytest
 import torch
 from diffusion_testing import (
     ASSETS,
+    assert_cli_run_saved_the_trained_pipeline,
     assert_denoiser_equal_with_adapter,
+    assert_generate_samples,
+    family_model,
     load_config,
+    pixels,
+    refusals,
     tiny_qwen_image,
     train_inprocess,
+    train_on_fixed_batch,
 )
 from PIL import Image
 
 from automodel.errors import AutomodelError, ConfigError
-from automodel.testing import assert_states_equal, load_safetensors_state, losses_by_step, run_cli
+from automodel.testing import assert_states_equal, losses_by_step, run_cli
 
 FORMS = Path(__file__).parent / "upstream_forms"
 FINETUNE = FORMS / "qwen_image_finetune_upstream.yaml"
@@ -34,19 +40,6 @@ CAPTIONS = ["a red circle", "a blue square on a green background"]
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> Path:
     return tiny_qwen_image(tmp_path_factory.mktemp("qwen_image") / "base")
-
-
-def qwen_model(base: Path, **kwargs):
-    from automodel_diffusion import AutoDiffusionPipeline
-    from automodel_diffusion.objectives import ObjectiveConfig, build_objective
-
-    model = AutoDiffusionPipeline.from_pretrained(str(base), **kwargs)
-    model.objective = build_objective(ObjectiveConfig(timestep_sampling="logit_normal"), model.pipeline.scheduler)
-    return model
-
-
-def pixels(n: int = 2) -> torch.Tensor:
-    return torch.rand(n, 3, 32, 32, generator=torch.Generator().manual_seed(1)) * 2 - 1
 
 
 # ---- the training step, against diffusers' own helpers ---------------------------------------------------------
@@ -68,7 +61,7 @@ def test_the_tiny_tokenizer_makes_the_pipeline_drop_exactly_the_prompt_templates
 def test_latents_are_the_pipelines_normalised_vae_latents_and_its_packing_inverts(base):
     from diffusers import QwenImagePipeline
 
-    model = qwen_model(base)
+    model = family_model(base)
     vae = model.pipeline.vae
     x = pixels()
     latents = model.encode_images(x, torch.Generator().manual_seed(5))
@@ -92,7 +85,7 @@ def test_the_transformer_is_fed_the_noised_packed_latents_sigma_and_the_pipeline
 
     from automodel_diffusion.objectives import randn_like
 
-    model = qwen_model(base)
+    model = family_model(base)
     seen = {}
     model.denoiser.register_forward_hook(lambda m, args, kwargs, out: seen.update(kwargs, out=out[0]),
                                          with_kwargs=True)
@@ -117,21 +110,7 @@ def test_the_transformer_is_fed_the_noised_packed_latents_sigma_and_the_pipeline
 
 
 def test_loss_falls_on_a_fixed_batch(base):
-    model = qwen_model(base)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    x, captions = pixels(4), [*CAPTIONS, "a green triangle", "a white circle"]
-
-    def loss() -> torch.Tensor:
-        return model(x, captions, generator=torch.Generator().manual_seed(0)).mean()
-
-    with torch.no_grad():
-        first = float(loss())
-    for _ in range(15):
-        optimizer.zero_grad()
-        loss().backward()
-        optimizer.step()
-    with torch.no_grad():
-        last = float(loss())
+    first, last = train_on_fixed_batch(family_model(base), pixels(4), [*CAPTIONS, "a green triangle", "a white circle"])
     assert numpy.isfinite(first) and last < first * 0.8, (first, last)
 
 
@@ -154,32 +133,16 @@ def test_our_own_config_form_trains_validates_and_samples_a_qwen_image_pipeline(
 
 
 def test_finetune_form_trains_through_the_cli_and_saves_a_qwen_image_pipeline(base, tmp_path):
-    from diffusers import DiffusionPipeline
-
     ckpt = tmp_path / "ckpt"
     result = run_cli("finetune", "diffusion", "-c", FINETUNE, "--model.pretrained_model_name_or_path", base,
                      "--checkpoint.checkpoint_dir", ckpt, "--step_scheduler.ckpt_every_steps", 1, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "flow matching step 3: logit_normal sampling, shift 2.23," in result.stderr
-    losses = losses_by_step(ckpt / "training.jsonl")
-    assert sorted(losses) == [1, 2, 3] and all(numpy.isfinite(v) for v in losses.values())
-    pipeline = DiffusionPipeline.from_pretrained(str(ckpt / "epoch_0_step_3" / "model"))
-    assert type(pipeline).__name__ == "QwenImagePipeline"
-    before = DiffusionPipeline.from_pretrained(str(base)).transformer.state_dict()
-    trained = pipeline.transformer.state_dict()
-    assert trained.keys() == before.keys()
-    changed = [k for k in before if not torch.equal(before[k], trained[k])]
-    assert len(changed) > len(before) // 2, f"training changed only {changed} of the transformer"
-    first = load_safetensors_state(ckpt / "epoch_0_step_1" / "model" / "transformer")
-    assert any(not torch.equal(first[k], trained[k]) for k in first), "steps 2-3 changed nothing"
-    assert_states_equal(load_safetensors_state(ckpt / "epoch_0_step_3" / "model" / "vae"),
-                        load_safetensors_state(base / "vae"))
+    assert_cli_run_saved_the_trained_pipeline(ckpt, base, "QwenImagePipeline")
 
 
 def test_saved_transformer_is_the_trained_one_and_generate_samples_from_it(base, tmp_path, monkeypatch):
     from diffusers import DiffusionPipeline
-
-    from automodel.testing import load_config as load
 
     ckpt = tmp_path / "ckpt"
     recipe = train_inprocess(FINETUNE, "--model.pretrained_model_name_or_path", base, "--checkpoint.checkpoint_dir",
@@ -190,14 +153,7 @@ def test_saved_transformer_is_the_trained_one_and_generate_samples_from_it(base,
     assert_states_equal(loaded.transformer.state_dict(), trained)
 
     monkeypatch.chdir(tmp_path)
-    recipe_cls, cfg = load(GENERATE, "--model.pretrained_model_name_or_path", model_dir, "--inference.guidance_scale",
-                           "null", route=("generate", "diffusion"))
-    generate = recipe_cls(cfg)
-    generate.setup()
-    assert type(generate.pipeline).__name__ == "QwenImagePipeline"
-    generate.run_train_validation_loop()
-    written = sorted((tmp_path / "inference_outputs").iterdir())
-    assert len(written) == 2 and numpy.asarray(Image.open(written[0])).shape == (32, 32, 3)
+    assert_generate_samples(GENERATE, model_dir, tmp_path, "QwenImagePipeline")
 
 
 def test_lora_form_trains_an_adapter_that_qwenimagepipeline_loads(base, tmp_path):
@@ -239,12 +195,6 @@ def test_pretrain_form_reinitialises_the_transformer_and_trains_it(base, tmp_pat
 # ---- what cannot act is refused, naming the key ---------------------------------------------------------------
 
 
-def refusals(config: Path, *overrides) -> dict[str, str]:
-    with pytest.raises(ConfigError) as info:
-        load_config(config, *overrides)
-    return {issue.key: issue.message for issue in info.value.issues}
-
-
 @pytest.mark.parametrize("override,key,needle", [
     (("--flow_matching.adapter_kwargs.guidance_scale", "3.5"), "flow_matching.adapter_kwargs.guidance_scale",
      "takes no guidance value, so it cannot act"),
@@ -275,7 +225,7 @@ def test_model_type_qwen_image_needs_a_qwen_image_pipeline(base):
     assert set(found) == {"model.model_type", "flow_matching.adapter_type"}
     assert "'qwen_image' (Qwen-Image), but the pipeline is a StableDiffusion3Pipeline" in found["model.model_type"]
     _, cfg = load_config(LORA, "--model.pretrained_model_name_or_path", base)
-    assert apply_adapter(cfg, qwen_model(base)) is None
+    assert apply_adapter(cfg, family_model(base)) is None
 
 
 def test_a_guidance_distilled_or_editing_qwen_image_pipeline_is_refused(base, tmp_path):
