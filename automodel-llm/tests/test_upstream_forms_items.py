@@ -673,18 +673,38 @@ def test_upstream_lora_switches_act_or_are_refused_or_named_inert(tmp_path):
     assert peft_stage.notes(cfg) == []
 
 
-def test_upstreams_tokenizer_bos_eos_enforcement_is_refused_at_validation_not_at_the_run(tmp_path):
-    """NeMoAutoTokenizer's add_bos_token / add_eos_token: true passed validation and stopped the run after it."""
+def test_upstreams_tokenizer_bos_eos_enforcement_adds_the_tokens_and_a_squad_sample_keeps_one_eos(tmp_path):
+    """NeMoAutoTokenizer's add_bos_token / add_eos_token: true were refused; the tokenizer now adds BOS and EOS
+    around every text it tokenizes with special tokens (upstream's enforcement), and a SQuAD sample is still
+    BOS, prompt, answer, one EOS (the prompt's own EOS dropped); a run trains with it."""
     from llm_testing import TOKENIZER_DIR
+
+    from automodel_llm.datasets.squad import tokenize_prompt_answer
+    from automodel_llm.tokenizer import build_tokenizer
 
     data = yaml.safe_load((FORMS / "recipe_bare_name.yaml").read_text())
     data["tokenizer"] = {"_target_": "nemo_automodel.NeMoAutoTokenizer.from_pretrained",
-                         "pretrained_model_name_or_path": str(TOKENIZER_DIR), "add_eos_token": True}
-    found = refusals(write_yaml(tmp_path / "c.yaml", data))
-    assert list(found) == ["tokenizer.add_eos_token"] and "BOS/EOS enforcement is not implemented" in \
-        found["tokenizer.add_eos_token"]
-    data["tokenizer"]["add_eos_token"] = False
-    load_config(write_yaml(tmp_path / "c.yaml", data), route=("finetune", "llm"))
+                         "pretrained_model_name_or_path": str(TOKENIZER_DIR)}
+    _, plain_cfg = load_config(write_yaml(tmp_path / "plain.yaml", data), route=("finetune", "llm"))
+    plain = build_tokenizer(plain_cfg)
+    data["tokenizer"].update(add_bos_token=True, add_eos_token=True)
+    config = write_yaml(tmp_path / "c.yaml", data)
+    _, cfg = load_config(config, route=("finetune", "llm"))
+    tokenizer = build_tokenizer(cfg)
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    body = plain("the sky is blue", add_special_tokens=False)["input_ids"]
+    assert plain("the sky is blue")["input_ids"] == [bos, *body]  # the tiny tokenizer adds BOS only
+    assert tokenizer("the sky is blue")["input_ids"] == [bos, *body, eos]
+    assert tokenizer.encode("the sky is blue") == [bos, *body, eos]
+    ids, labels = tokenize_prompt_answer(tokenizer, "Question: colour? Answer:", "blue")
+    assert ids == tokenize_prompt_answer(plain, "Question: colour? Answer:", "blue")[0]
+    assert ids[0] == bos and ids[-1] == eos and ids.count(eos) == 1 and labels[-1] == eos
+
+    found = refusals(write_yaml(tmp_path / "bad.yaml", {**data, "tokenizer": {**data["tokenizer"],
+                                                                              "add_eos_token": "yes"}}))
+    assert found == {"tokenizer.add_eos_token": "expected true or false, found 'yes'"}
+    train_inprocess(config, "--step_scheduler.max_steps", "2", "--checkpoint.checkpoint_dir", str(tmp_path / "ckpt"))
+    assert read_jsonl(tmp_path / "ckpt" / "training.jsonl")[-1]["step"] == 2
 
 
 def test_torch_dataloader_is_built_resumable_so_its_checkpoints_resume_like_the_uninterrupted_run(tmp_path,

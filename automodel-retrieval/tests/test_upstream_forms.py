@@ -125,7 +125,7 @@ def _refusals(config: Path, route, *overrides) -> dict[str, str]:
     (("--model.use_liger_kernel", "true"), "model.use_liger_kernel", "Triton kernels need a CUDA GPU"),
     (("--model.attn_implementation", "flash_attention_2"), "model.attn_implementation", "needs a CUDA GPU"),
     (("--model.pooling", "colbert"), "model.pooling", "use avg, cls or last"),
-    (("--tokenizer.add_eos_token", "true"), "tokenizer.add_eos_token", "BOS/EOS enforcement"),
+    (("--tokenizer.add_eos_token", "3"), "tokenizer.add_eos_token", "expected true or false"),
     (("--dataset.model_type", "cross_encoder"), "dataset.model_type", "trains a bi_encoder"),
     (("--dataset.use_dataset_instruction", "true"), "dataset.use_dataset_instruction", "corpus metadata"),
     (("--dataset.cycle_positive_docs", "true"), "dataset.cycle_positive_docs", "first positive"),

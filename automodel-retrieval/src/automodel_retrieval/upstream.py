@@ -142,15 +142,38 @@ def cross_encoder_from_pretrained(pretrained_model_name_or_path: str, num_labels
 def tokenizer_from_pretrained(pretrained_model_name_or_path: str, add_eos_token: bool = False,
                               add_bos_token: bool = False, force_hf: bool = True, **kwargs: Any) -> Any:
     """Upstream's NeMoAutoTokenizer: transformers' AutoTokenizer (``kwargs`` such as ``padding_side`` are its
-    own), adding only the special tokens the tokenizer itself adds."""
+    own). ``add_bos_token`` / ``add_eos_token: true`` make it add BOS / EOS around every text it tokenizes with
+    special tokens, as upstream's enforcement does (transformers' own settings of the same names; chat templates,
+    tokenized without special tokens, are unchanged); a tokenizer that cannot is refused."""
     from transformers import AutoTokenizer
 
     _refuse(tokenizer_issues({"add_eos_token": add_eos_token, "add_bos_token": add_bos_token,
                               "force_hf": force_hf}))
+    enforced = {name: True for name, on in (("add_bos_token", add_bos_token), ("add_eos_token", add_eos_token)) if on}
     try:
-        return AutoTokenizer.from_pretrained(pretrained_model_name_or_path, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(pretrained_model_name_or_path, **enforced, **kwargs)
     except (OSError, ValueError) as err:
         raise AutomodelError(f"tokenizer: cannot load '{pretrained_model_name_or_path}': {err}") from None
+    _refuse(enforcement_issues(tokenizer, enforced))
+    return tokenizer
+
+
+def enforcement_issues(tokenizer: Any, enforced: dict[str, bool]) -> list[ConfigIssue]:
+    """Whether the built tokenizer adds what ``add_bos_token`` / ``add_eos_token`` ask (a probe text tokenized
+    with special tokens starts with BOS / ends with EOS)."""
+    probe = tokenizer("a")["input_ids"]
+    issues = []
+    for name, token, index in (("add_bos_token", "bos", 0), ("add_eos_token", "eos", -1)):
+        if name not in enforced:
+            continue
+        token_id = getattr(tokenizer, f"{token}_token_id", None)
+        if token_id is None:
+            issues.append(ConfigIssue(f"tokenizer.{name}", f"true, but the tokenizer has no {token.upper()} token "
+                                      "to add; remove the key"))
+        elif not probe or probe[index] != token_id:
+            issues.append(ConfigIssue(f"tokenizer.{name}", f"true, but this tokenizer ({type(tokenizer).__name__}) "
+                                      f"has no setting that makes it add its {token.upper()} token; remove the key"))
+    return issues
 
 
 def _own_tokenizer_issues(kwargs: dict[str, Any]) -> dict[str, str]:
@@ -162,10 +185,8 @@ tokenizer_from_pretrained.automodel_config_issues = _own_tokenizer_issues  # typ
 
 
 def tokenizer_issues(settings: dict[str, Any], key: str = "tokenizer") -> list[ConfigIssue]:
-    issues = [ConfigIssue(f"{key}.{name}", "true is not supported: upstream's BOS/EOS enforcement is not "
-                                           "implemented (the tokenizer adds the special tokens it adds itself); "
-                                           "remove it or set false")
-              for name in ("add_eos_token", "add_bos_token") if settings.get(name)]
+    issues = [ConfigIssue(f"{key}.{name}", f"expected true or false, found {settings[name]!r}")
+              for name in ("add_eos_token", "add_bos_token") if not isinstance(settings.get(name, False), bool)]
     if settings.get("force_hf") is False:
         issues.append(ConfigIssue(f"{key}.force_hf", "false is not supported: upstream's own tokenizer classes are "
                                                      "not here; the tokenizer is always transformers' AutoTokenizer"))

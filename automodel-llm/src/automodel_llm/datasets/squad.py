@@ -38,8 +38,11 @@ def _answer_text(answers: Any) -> str | None:
 
 
 def tokenize_prompt_answer(tokenizer: Any, prompt: str, answer: str) -> tuple[list[int], list[int]]:
-    """``<bos> prompt`` then `` answer <eos>``; labels mask the prompt."""
+    """``<bos> prompt`` then `` answer <eos>``; labels mask the prompt. An EOS the tokenizer puts after every text
+    (upstream's ``add_eos_token: true``) ends the sample, not the prompt."""
     prompt_ids = tokenizer(prompt)["input_ids"]
+    if prompt_ids and tokenizer.eos_token_id is not None and prompt_ids[-1] == tokenizer.eos_token_id:
+        prompt_ids = prompt_ids[:-1]
     answer_ids = tokenizer(" " + answer, add_special_tokens=False)["input_ids"]
     if tokenizer.eos_token_id is not None:
         answer_ids = answer_ids + [tokenizer.eos_token_id]
