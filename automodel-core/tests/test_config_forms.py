@@ -385,6 +385,10 @@ def test_backend_checks_of_the_model_node():
                                    "attn_implementation": "eager", "torch_dtype": "bfloat16"})
     assert set(issues) == {"backend.attn", "backend.colour"}  # rms_norm torch acts in bf16 too
     assert "give one of them" in issues["backend.attn"]
+    # upstream's Qwen3.5 form: backend attn sdpa (its own language model) and a CUDA-only attn_implementation; the
+    # model's own check refuses that one for the hardware, and the two agree once it is replaced
+    assert model_backend_issues({"backend": {"attn": "sdpa"}, "attn_implementation": "flash_attention_2"}) == {}
+    assert model_backend_issues({"backend": {"attn": "sdpa"}, "attn_implementation": "sdpa"}) == {}
     # a _target_ node's settings are its own check's (see the next test); the model checks what spans both
     assert model_backend_issues({"backend": {"_target_": "BackendConfig", "attn": "te"}}) == {}
 

@@ -179,10 +179,24 @@ def _settings(backend: Any) -> Mapping[str, Any]:
     return {}
 
 
+def attention_issue(value: Any) -> str | None:
+    """Why an ``attn_implementation`` cannot run here (None: it can)."""
+    if value is None or value in ("sdpa", "eager"):
+        return None
+    if value == "flex_attention":
+        return None if has_cuda() else ("'flex_attention' needs CUDA to train: torch's FlexAttention has no backward "
+                                        "pass on a CPU (not on this machine); use sdpa or eager")
+    if str(value).startswith("flash_attention") or value in ("te", "ffpa", "magi"):
+        return (f"'{value}' needs a CUDA GPU and its kernels (the flash-attn package, Transformer Engine, FFPA's CuTe "
+                "kernels or MagiAttention), which this machine lacks; use sdpa or eager")
+    return f"'{value}' is not an attention implementation here; use one of {', '.join(ATTENTION.values())}"
+
+
 def model_backend_issues(kwargs: Mapping[str, Any]) -> dict[str, str]:
     """Validation's check of a model node's ``backend`` (a plain mapping is checked here; a ``_target_`` node by
     BackendConfig's own check) against the node's other keys: the attention it selects must agree with an explicit
-    ``attn_implementation``."""
+    ``attn_implementation`` (one that cannot run here is refused for that by the model's own check, which says
+    what to use instead)."""
     backend = kwargs.get("backend")
     if backend is None:
         return {}
@@ -190,7 +204,7 @@ def model_backend_issues(kwargs: Mapping[str, Any]) -> dict[str, str]:
     issues = {} if isinstance(backend, Mapping) and "_target_" in backend else \
         {f"backend.{k}": m for k, m in backend_issues(settings).items()}
     attn, explicit = ATTENTION.get(settings.get("attn")), kwargs.get("attn_implementation")
-    if attn is not None and explicit is not None and explicit != attn:
+    if attn is not None and explicit is not None and explicit != attn and attention_issue(explicit) is None:
         issues["backend.attn"] = (f"{settings['attn']!r} selects attn_implementation {attn!r}, but the model also "
                                   f"says attn_implementation: {explicit!r}: give one of them")
     return issues

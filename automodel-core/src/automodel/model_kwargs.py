@@ -12,11 +12,17 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from automodel.errors import AutomodelError
-from automodel.model_backend import GATE_DTYPES, apply_backend, apply_to_model, has_cuda, model_backend_issues
+from automodel.model_backend import (
+    GATE_DTYPES,
+    apply_backend,
+    apply_to_model,
+    attention_issue,
+    has_cuda,
+    model_backend_issues,
+)
 
 LIGER_KERNEL_REFUSAL = ("true is not supported: Liger's Triton kernels need a CUDA GPU and the liger-kernel package, "
                         "which this machine lacks; set false")
-ATTENTION = ("sdpa", "eager", "flex_attention")
 # sdpa_method's names -> torch.nn.attention.SDPBackend members; flash_attention and math also run on a CPU
 SDPA_BACKENDS = {"flash_attention": "FLASH_ATTENTION", "efficient_attention": "EFFICIENT_ATTENTION",
                  "math": "MATH", "cudnn_attention": "CUDNN_ATTENTION"}
@@ -57,19 +63,6 @@ def dtype_issue(value: Any) -> str | None:
     if value is None or value == "auto" or not isinstance(value, str) or dtype_name(value) is not None:
         return None
     return f"'{value}' is not a floating dtype; use auto or one of {', '.join(GATE_DTYPES)} (torch.bfloat16 too)"
-
-
-def attention_issue(value: Any) -> str | None:
-    """Why an ``attn_implementation`` cannot run here (None: it can)."""
-    if value is None or value in ("sdpa", "eager"):
-        return None
-    if value == "flex_attention":
-        return None if has_cuda() else ("'flex_attention' needs CUDA to train: torch's FlexAttention has no backward "
-                                        "pass on a CPU (not on this machine); use sdpa or eager")
-    if str(value).startswith("flash_attention") or value == "te":
-        return (f"'{value}' needs a CUDA GPU and its kernels (the flash-attn package, or Transformer Engine), which "
-                "this machine lacks; use sdpa or eager")
-    return f"'{value}' is not an attention implementation here; use one of {', '.join(ATTENTION)}"
 
 
 def _sdpa_method_issue(kwargs: Mapping[str, Any]) -> str | None:
