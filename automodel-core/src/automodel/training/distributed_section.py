@@ -44,9 +44,11 @@ class DistributedConfig:
     sequence_parallel: bool = field(default=False, metadata=_help(
         "with tp_size > 1: norms and dropout inside the decoder layers run on each rank's part of the sequence "
         "(the sequence length must divide by tp_size)"))
-    activation_checkpointing: bool = field(
+    activation_checkpointing: bool | Literal["full", "selective"] = field(
         default=False, metadata=_help("recompute each transformer block's activations in backward instead of "
-                                      "keeping them (less memory, about a third more compute)"))
+                                      "keeping them (less memory, about a third more compute); true or full: all "
+                                      "of them; selective (upstream's, TorchTitan's): keep the outputs of attention "
+                                      "and of every other matmul, recompute the rest"))
     mp_policy: dict | None = field(
         default=None, metadata=_help("mixed precision {param_dtype, reduce_dtype, output_dtype, cast_forward_inputs} "
                                      "(dtypes bf16 | fp16 | fp32; also `_target_: torch.distributed.fsdp."

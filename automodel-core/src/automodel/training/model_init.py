@@ -55,12 +55,16 @@ def adapter_key(name: str) -> str:
 def checkpoint_activations(ctx: BuildContext, model: torch.nn.Module) -> str:
     """``distributed.activation_checkpointing``: wrap every transformer block; a model without any is an error."""
     saves_routing = moe_saves_routing(ctx.cfg.distributed)
-    count = apply_activation_checkpointing(model, save_routing=saves_routing,
+    selective = ctx.cfg.distributed.activation_checkpointing == "selective"
+    count = apply_activation_checkpointing(model, save_routing=saves_routing, selective=selective,
                                            skip=multimodal_modules(model, ctx.multimodal_names).values())
     if count == 0:
         raise AutomodelError(f"distributed.activation_checkpointing: {type(model).__name__} has no repeated "
                              "transformer blocks (a ModuleList of layers of one type) to checkpoint; set it to "
                              "false for this model")
+    if selective:
+        return (f"selective activation checkpointing on {count} transformer blocks (attention and every other "
+                "matmul kept, the rest recomputed)")
     routing = " (the routing top-k saved, not recomputed)" if saves_routing else ""
     return f"activation checkpointing on {count} transformer blocks{routing}"
 
