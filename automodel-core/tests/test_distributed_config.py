@@ -85,7 +85,8 @@ def test_dry_run_prints_the_hsdp_mesh_and_the_precision(make_toy, capsys, monkey
      "needs distributed.strategy: fsdp2"),
     ({"autocast_dtype": "fp32"}, "distributed.autocast_dtype", "not an autocast dtype"),
     ({"mp_policy": {"param_dtype": "bf16"}, "autocast_dtype": "fp16"}, "distributed.autocast_dtype", "disagrees"),
-    ({"activation_checkpointing": "partial"}, "distributed.activation_checkpointing", "expected bool | 'full' | 'selective'"),
+    ({"activation_checkpointing": "partial"}, "distributed.activation_checkpointing",
+     "expected bool | 'full' | 'selective'"),
 ])
 def test_what_cannot_act_is_refused_with_its_reason(make_toy, capsys, monkeypatch, distributed, key, fragment):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
