@@ -9,8 +9,6 @@ rendezvous address.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from typing import Any
 
@@ -76,8 +74,12 @@ def torchrun_command(launch: dict[str, Any], argv: list[str], master_addr: str =
 
 
 def relaunch_under_torchrun(launch: dict[str, Any], master_addr: str, master_port: int) -> int:
+    """Run torchrun's launcher in this process (it starts the ranks as new processes): the command is the one
+    :func:`torchrun_command` writes, without a second interpreter importing torch again only to launch them."""
+    from automodel.cli import torchrun
+
     cmd = torchrun_command(launch, sys.argv[1:], master_addr, master_port)
     world, how = planned_world(launch)
     flags = " ".join(arg for arg in cmd[3:] if arg.startswith("--") and arg.split("=")[0] in LAUNCH_OPTIONS)
     print(f"launching {world} processes in all ({how}) under torch.distributed.run {flags}", file=sys.stderr)
-    return subprocess.call(cmd, env=os.environ.copy())
+    return torchrun.main(cmd[3:])
