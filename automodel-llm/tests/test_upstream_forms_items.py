@@ -209,6 +209,8 @@ def test_hellaswag_under_upstreams_name_trains(tmp_path, monkeypatch):
     ("loss_fn", "_target_", "nemo_automodel.components.loss.te_parallel_ce.TEParallelCrossEntropy", "CUDA GPU"),
     ("optimizer", "_target_", "transformer_engine.pytorch.optimizers.FusedAdam", "torch.optim.AdamW"),
     ("optimizer", "_target_", "flashoptim.FlashAdamW", "fused Triton kernels on CUDA GPUs"),
+    ("dataset", "_target_", "nemo_automodel.components.datasets.llm.mock_prefix_tree.build_mock_rollout_dataset",
+     "MagiAttention's prefix-tree masks"),
     ("optimizer", "_target_", "transformer_engine.pytorch.optimizers.fused_adam.FusedAdam", "torch.optim.AdamW"),
     ("dataset", "_target_", "nemo_automodel.components.datasets.llm.megatron_dataset.MegatronPretraining",
      "PretrainingTextDataset"),

@@ -96,6 +96,12 @@ def automodel_register_aliases(aliases) -> None:
                         "THD batches (sequences concatenated, qkv_format thd) feed Transformer Engine's attention "
                         "kernels, which need a CUDA GPU and Transformer Engine; remove collate_fn (the default "
                         "pads each batch; packed_sequence: packs samples for Hugging Face attention)")
+    _PREFIX_TREE = ("shared-prefix rollouts (one prompt, several completions, the prompt stored once) feed "
+                    "MagiAttention's prefix-tree masks (model.backend.attn: magi), which need a CUDA GPU and "
+                    "MagiAttention; train on the rollouts as separate samples (one prompt + completion each)")
+    aliases.unsupported("nemo_automodel.components.datasets.llm.prefix_tree.prefix_tree_collate_fn", _PREFIX_TREE)
+    aliases.unsupported("nemo_automodel.components.datasets.llm.mock_prefix_tree.build_mock_rollout_dataset",
+                        _PREFIX_TREE)
     aliases.unsupported("nemo_automodel.components.datasets.llm.megatron_dataset.MegatronPretraining",
                         "Megatron's indexed binary data (.bin / .idx, with megatron-core's compiled index "
                         "helpers) is not read here; use PretrainingTextDataset on the text (JSONL / parquet / "
