@@ -58,3 +58,41 @@ def test_upstreams_own_configuration_classes_stand_for_the_transformers_ones(tmp
             "pretrained_model_name_or_path": str(tmp_path / "v32"), "num_nextn_predict_layers": 0}
     read = instantiate(node, resolver, "model.config")
     assert type(read) is DeepseekV32Config and read.num_hidden_layers == 2 and read.num_nextn_predict_layers == 0
+
+
+def test_upstreams_kimi_linear_config_class_reads_the_checkpoint_config_and_its_kda_keys_act_or_are_refused(tmp_path):
+    """Upstream's KimiLinear48BConfig.from_pretrained (model.config of its Kimi-Linear-48B-A3B configs) reads the
+    checkpoint's config.json (its linear_attn_config block included) as transformers' KimiLinearConfig, and a tiny
+    Kimi Linear trains through the CLI; the kda_* keys that describe transformers' torch attention act, the CUDA
+    kernels are refused at validation."""
+    vocab = json.loads(LLAMA_CONFIG.read_text())["vocab_size"]
+    checkpoint = tmp_path / "kimi"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text(json.dumps({
+        "model_type": "kimi_linear", "architectures": ["KimiLinearForCausalLM"], "vocab_size": vocab,
+        "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 16, "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 8, "v_head_dim": 8, "num_experts": 4, "num_experts_per_token": 2,
+        "num_shared_experts": 1, "first_k_dense_replace": 1, "pad_token_id": 0, "bos_token_id": 1,
+        "eos_token_id": 2,
+        "linear_attn_config": {"head_dim": 8, "num_heads": 4, "short_conv_kernel_size": 4, "kda_layers": [1],
+                               "full_attn_layers": [2]}}))
+    upstream = {"_target_": "nemo_automodel.components.models.kimi_linear.config.KimiLinear48BConfig.from_pretrained",
+                "pretrained_model_name_or_path": str(checkpoint), "name_or_path": "moonshotai/Kimi-Linear-48B-A3B",
+                "kda_mode": "chunk", "kda_unpad_inputs": True, "kda_use_fused_gate": True,
+                "kda_use_qk_l2norm_in_kernel": True}
+    path = write_config(tmp_path / "cfg.yaml", LLAMA_CONFIG, tmp_path / "ckpt",
+                        model={"_target_": "nemo_automodel.NeMoAutoModelForCausalLM.from_config", "config": upstream},
+                        checkpoint={"enabled": False})
+    code, out = validate_cli(path, tmp_path)
+    assert code == 2, out
+    for key in ("kda_unpad_inputs", "kda_use_fused_gate"):
+        assert f"model.config.{key}: True: true" in out and "need a CUDA GPU" in out
+    assert "kda_mode" not in out and "kda_use_qk_l2norm_in_kernel" not in out
+    code, out = validate_cli(path, tmp_path, "--model.config.kda_mode", "fused_recurrent")
+    assert "model.config.kda_mode: 'fused_recurrent'" in out
+    result = run_cli("finetune", "llm", "-c", path, "--model.config.kda_unpad_inputs", "false",
+                     "--model.config.kda_use_fused_gate", "false", "--step_scheduler.max_steps", "2", cwd=tmp_path,
+                     OMP_NUM_THREADS="1")
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert [row["step"] for row in read_jsonl(tmp_path / "ckpt" / "training.jsonl")] == [1, 2]

@@ -57,6 +57,9 @@ def automodel_register_aliases(aliases) -> None:
         for suffix in ("", ".from_pretrained"):
             aliases.target(f"nemo_automodel.components.models.{model}.config.{name}{suffix}",
                            f"transformers.models.{model}.configuration_{model}.{name}{suffix}")
+    _KIMI = "nemo_automodel.components.models.kimi_linear.config.KimiLinear48BConfig"
+    aliases.target(_KIMI, "automodel_llm.kimi_linear.kimi_linear_config")
+    aliases.target(f"{_KIMI}.from_pretrained", "automodel_llm.kimi_linear.kimi_linear_config_from_pretrained")
     aliases.target("nemo_automodel.components.loss.masked_ce.MaskedCrossEntropy",
                    "automodel.training.loss.MaskedCrossEntropy")
     aliases.target("nemo_automodel.components.loss.chunked_ce.ChunkedCrossEntropy",
