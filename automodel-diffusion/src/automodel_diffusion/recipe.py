@@ -1,4 +1,5 @@
-"""Text-to-image diffusion training (``finetune diffusion`` / ``pretrain diffusion``) on the core's shared loop.
+"""Text-to-image and text-to-video diffusion training (``finetune diffusion`` / ``pretrain diffusion``) on the core's
+shared loop.
 
 What differs from the LLM recipe is only what the engine lets a domain override: the model is an
 ``AutoDiffusionPipeline`` (the trained components of a diffusers pipeline as one module), a micro-batch's loss is
@@ -147,10 +148,12 @@ class DiffusionRecipe(TrainRecipe):
                        "given); checkpoints hold the adapter in diffusers' LoRA format", plain=True,
                        default_target="automodel.hf.PeftConfig"),
         "dataset": Target("the training images and captions: {_target_: automodel_diffusion.datasets."
-                          "ImageCaptionDataset, path: ..., resolution: ...} (or upstream's data.dataloader)"),
+                          "ImageCaptionDataset, path: ..., resolution: ...} (clips: VideoCaptionDataset, num_frames; "
+                          "or upstream's data.dataloader)"),
         "data": Free("upstream's {dataloader: {_target_: ...build_text_to_image_multiresolution_dataloader, "
                      "cache_dir, base_resolution, ...}}: cache_dir is a folder of images and captions here "
-                     "(automodel_diffusion.upstream.text_to_image_data)"),
+                     "(automodel_diffusion.upstream.text_to_image_data); ...build_video_multiresolution_dataloader: "
+                     "a folder of clips and captions (automodel_diffusion.upstream.text_to_video_data)"),
     }
 
     # ---- validation --------------------------------------------------------------------------------------------
