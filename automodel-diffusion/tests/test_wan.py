@@ -32,9 +32,7 @@ from automodel.errors import AutomodelError, ConfigError
 from automodel.testing import assert_states_equal, run_cli
 
 FORMS = Path(__file__).parent / "upstream_forms"
-FINETUNE = FORMS / "wan_finetune_upstream.yaml"
-LORA = FORMS / "wan_lora_upstream.yaml"
-GENERATE = FORMS / "generate_wan_upstream.yaml"
+FINETUNE, LORA, GENERATE = (FORMS / f"{name}_upstream.yaml" for name in ("wan_finetune", "wan_lora", "generate_wan"))
 
 
 @pytest.fixture(scope="module")
