@@ -117,8 +117,7 @@ def test_latents_are_the_pipelines_normalised_vae_latents(base, clips):
     std = 1.0 / torch.tensor(vae.config.latents_std).view(1, vae.config.z_dim, 1, 1, 1)
     torch.testing.assert_close(latents / std + mean, raw)
     assert latents.shape == (2, 4, 2, 4, 4)
-    with pytest.raises(AutomodelError, match="clips of 1 \\+ 4k frames.*have 6: set data.dataloader.num_frames to "
-                                             "e.g. 5"):
+    with pytest.raises(AutomodelError, match="clips of 1 \\+ 4k frames.*have 6: set num_frames .* to e.g. 5"):
         model.encode_images(torch.zeros(1, 3, 6, 32, 32), None)
     with pytest.raises(AutomodelError, match="multiple of 16"):
         model.conditioning.pack(torch.zeros(1, 4, 2, 3, 4))
@@ -159,6 +158,24 @@ def test_wans_unipc_scheduler_trains_with_flow_matching_at_its_flow_shift(base):
 def test_loss_falls_on_a_fixed_batch(base, clips):
     first, last = train_on_fixed_batch(family_model(base), videos(clips, 4), list(CLIP_CAPTIONS))
     assert numpy.isfinite(first) and last < first * 0.8, (first, last)
+
+
+def test_our_own_config_form_trains_validates_and_samples_a_wan_pipeline(base, clips, tmp_path):
+    from diffusion_testing import EXAMPLES
+
+    from automodel.testing import read_jsonl
+
+    ckpt = tmp_path / "ckpt"
+    data = f"{{_target_: VideoCaptionDataset, path: {clips}, resolution: 32, num_frames: 5}}"
+    train_inprocess(EXAMPLES / "tiny_flow.yaml", "--model.config", base, "--model.max_sequence_length", 16,
+                    "--parallel_scheme", "{transformer: fsdp2, vae: ddp, text_encoder: ddp}", "--dataset", data,
+                    "--validation_dataset", data, "--dataloader.batch_size", 2, "--step_scheduler.max_steps", 2,
+                    "--step_scheduler.val_check_interval", 2, "--step_scheduler.checkpoint_interval", 2,
+                    "--sample_generation.num_inference_steps", 2, "--checkpoint.checkpoint_dir", ckpt)
+    assert [r["step"] for r in read_jsonl(ckpt / "validation.jsonl")] == [2]
+    with Image.open(ckpt / "samples" / "step_2.webp") as grid:  # the example's 4 prompts, one row, 5 frames
+        grid.load()
+        assert grid.n_frames == 5 and grid.size == (4 * 32, 32) and grid.info["duration"] == 62  # 16 fps
 
 
 # ---- upstream's Wan 2.1 forms -----------------------------------------------------------------------------------

@@ -202,8 +202,8 @@ class WanConditioning(Conditioning):
         frames, step = pixels.shape[2], self.pipeline.vae_scale_factor_temporal
         if frames % step != 1:
             raise AutomodelError(f"data: Wan's VAE encodes clips of 1 + {step}k frames (its temporal compression is "
-                                 f"{step}); these clips have {frames}: set data.dataloader.num_frames to e.g. "
-                                 f"{max(1, frames - (frames - 1) % step)}")
+                                 f"{step}); these clips have {frames}: set num_frames (data.dataloader or dataset) "
+                                 f"to e.g. {max(1, frames - (frames - 1) % step)}")
         return pixels
 
     def normalize(self, latents: torch.Tensor) -> torch.Tensor:
