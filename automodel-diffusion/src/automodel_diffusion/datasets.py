@@ -189,6 +189,7 @@ def read_frames(path: str) -> list[Any]:
 
 
 def frame_count(path: str) -> int:
+    """A clip's frame count without decoding its frames."""
     from PIL import Image
 
     source = Path(path)

@@ -176,8 +176,8 @@ class GenerateRecipe(BaseRecipe):
             self.pipeline.vae.enable_tiling()
         self.pipeline.set_progress_bar_config(disable=True)
         self.call_settings = self.pipeline_arguments()
-        self.video = "num_frames" in inspect.signature(type(self.pipeline).__call__).parameters
-        if self.cfg.output.fps is not None and not self.video:
+        video = "num_frames" in inspect.signature(type(self.pipeline).__call__).parameters
+        if self.cfg.output.fps is not None and not video:
             raise AutomodelError(f"output.fps: {VIDEO_ONLY}; this {type(self.pipeline).__name__} makes images: "
                                  "remove it")
 
