@@ -150,6 +150,72 @@ def tiny_qwen_image(directory: Path, seed: int = 0, **transformer: Any) -> Path:
     return directory
 
 
+# A tiny Wan 2.1 text-to-video pipeline: AutoencoderKLWan with Wan's 8x spatial and 4x temporal compression (32x32
+# clips of 5 frames -> 2 latent frames of 4x4, 4 channels), a one-block WanTransformer3DModel over 2x2 patches, a
+# one-layer UMT5 encoder with the shipped tiny T5 tokenizer (tiny_flow/tokenizer_3), Wan's UniPC flow scheduler.
+TINY_WAN_VAE = {"base_dim": 8, "z_dim": 4, "dim_mult": [1, 1, 1, 1], "num_res_blocks": 1,
+                "temperal_downsample": [False, True, True], "latents_mean": [0.1, -0.2, 0.3, 0.0],
+                "latents_std": [1.5, 0.8, 2.0, 1.2]}
+TINY_WAN_TRANSFORMER = {"patch_size": [1, 2, 2], "num_attention_heads": 2, "attention_head_dim": 8, "in_channels": 4,
+                        "out_channels": 4, "text_dim": 32, "freq_dim": 16, "ffn_dim": 32, "num_layers": 1,
+                        "rope_max_seq_len": 32}
+TINY_UMT5 = {"d_model": 32, "d_ff": 32, "d_kv": 8, "num_layers": 1, "num_heads": 4, "relative_attention_num_buckets": 8,
+             "relative_attention_max_distance": 16, "feed_forward_proj": "gelu", "pad_token_id": 0, "eos_token_id": 1,
+             "decoder_start_token_id": 0}
+# WanPipeline's scheduler as Wan 2.1 ships it (UniPC over flow sigmas, shift 3)
+TINY_WAN_SCHEDULER = {"prediction_type": "flow_prediction", "use_flow_sigmas": True, "flow_shift": 3.0,
+                      "num_train_timesteps": 1000}
+
+
+def tiny_wan(directory: Path, seed: int = 0) -> Path:
+    """A tiny WanPipeline saved with weights in ``directory`` (the configs above), freshly initialised with ``seed``."""
+    import diffusers
+    import torch
+    from transformers import T5TokenizerFast, UMT5Config, UMT5EncoderModel
+
+    torch.manual_seed(seed)
+    tokenizer = T5TokenizerFast.from_pretrained(str(ASSETS / "tiny_flow" / "tokenizer_3"))
+    pipeline = diffusers.WanPipeline(
+        tokenizer=tokenizer, text_encoder=UMT5EncoderModel(UMT5Config(vocab_size=len(tokenizer), **TINY_UMT5)),
+        vae=diffusers.AutoencoderKLWan(**TINY_WAN_VAE),
+        transformer=diffusers.WanTransformer3DModel(**TINY_WAN_TRANSFORMER),
+        scheduler=diffusers.UniPCMultistepScheduler(**TINY_WAN_SCHEDULER))
+    pipeline.save_pretrained(str(directory))
+    return directory
+
+
+CLIP_CAPTIONS = ("a red square moving right", "a blue square moving down", "a green square moving left",
+                 "a white square moving up")
+
+
+def tiny_clips(directory: Path, frames: int = 5, size: int = 32) -> Path:
+    """Four clips of a square crossing a dark background, with ``.txt`` captions beside them: two animated GIFs,
+    an animated WebP and a folder of PNG frames."""
+    from PIL import Image, ImageDraw
+
+    directory.mkdir(parents=True, exist_ok=True)
+    colours = ("red", "blue", "green", "white")
+    steps = ((1, 0), (0, 1), (-1, 0), (0, -1))
+    for number, (caption, colour, (dx, dy)) in enumerate(zip(CLIP_CAPTIONS, colours, steps, strict=True)):
+        images = []
+        for f in range(frames):
+            image = Image.new("RGB", (size, size), (20, 20, 30))
+            x, y = size // 2 + dx * (f * 3 - 6), size // 2 + dy * (f * 3 - 6)
+            ImageDraw.Draw(image).rectangle((x - 5, y - 5, x + 5, y + 5), fill=colour)
+            images.append(image)
+        name = f"clip_{number}"
+        if number == 3:
+            (directory / name).mkdir()
+            for f, image in enumerate(images):
+                image.save(directory / name / f"{f:03d}.png")
+        else:
+            suffix = "webp" if number == 2 else "gif"
+            images[0].save(directory / f"{name}.{suffix}", save_all=True, append_images=images[1:], duration=100,
+                           loop=0, **({"lossless": True} if suffix == "webp" else {}))
+        (directory / f"{name}.txt").write_text(caption, encoding="utf-8")
+    return directory
+
+
 # ---- shared by the model-family tests (test_flux.py, test_qwen_image.py) ------------------------------------------
 
 

@@ -179,13 +179,15 @@ def test_bsmntw_weights_are_a_bell_with_mean_one():
 
 @pytest.mark.parametrize("override,key,needle", [
     (("--flow_matching.adapter_type", "flux2"), "flow_matching.adapter_type", "FLUX.2 model family is not implemented"),
-    (("--flow_matching.adapter_type", "simple"), "flow_matching.adapter_type", "Wan-style transformers"),
+    (("--flow_matching.adapter_type", "simple"), "flow_matching.adapter_type", "'simple' (Wan 2.1) needs a "
+                                                                              "WanPipeline"),
     (("--flow_matching.adapter_kwargs", "{guidance_scale: 1}"), "flow_matching.adapter_kwargs", "no adapter"),
-    (("--flow_matching.i2v_prob", "0.3"), "flow_matching.i2v_prob", "needs video data"),
+    (("--flow_matching.i2v_prob", "0.3"), "flow_matching.i2v_prob", "no image-conditioning input"),
     (("--model.transformer_engine_fp8", "true"), "model.transformer_engine_fp8", "needs a CUDA GPU"),
     (("--model.transformer_engine_fp8_recipe", "delayed"), "model.transformer_engine_fp8_recipe", "CUDA GPU"),
     (("--model.attention_backend", "flash"), "model.attention_backend", "needs a CUDA GPU"),
-    (("--model.model_type", "wan"), "model.model_type", "Wan model family is not implemented"),
+    (("--model.model_type", "wan"), "model.model_type", "'wan' (Wan 2.1) needs a WanPipeline"),
+    (("--model.model_type", "hunyuan"), "model.model_type", "HunyuanVideo model family is not implemented"),
     (("--model.stage", "high_noise"), "model.stage", "two-transformer pipelines"),
     (("--model.compute_dtype", "float8"), "model.compute_dtype", "not a dtype we train in"),
     (("--model.fuse_qkv_projections", "true"), "model.fuse_qkv_projections", "not implemented for training"),
@@ -199,7 +201,7 @@ def test_bsmntw_weights_are_a_bell_with_mean_one():
     (("--data.dataloader.train_text_encoder", "true"), "data.dataloader.train_text_encoder", "trainable_components"),
     (("--data.dataloader.seed", "7"), "data.dataloader.seed", "shuffles with the run's seed"),
     (("--data.dataloader._target_", "nemo_automodel.components.datasets.diffusion.build_video_multiresolution_"
-      "dataloader"), "data.dataloader._target_", "video pipelines (Wan, HunyuanVideo, LTX-2) are not implemented"),
+      "dataloader"), "data.dataloader.train_text_encoder", "build_video_multiresolution_dataloader"),
     (("--checkpoint.diffusers_compatible", "false"), "checkpoint.diffusers_compatible", "as a diffusers pipeline"),
     (("--performance.grad_clip_foreach", "false"), "performance.grad_clip_foreach", "foreach"),
 ])
@@ -241,7 +243,7 @@ def test_an_upstream_latent_cache_is_refused_because_loading_it_unpickles(tmp_pa
     (("--vae.enable_cpu_offload", "true"), "vae.enable_cpu_offload", "needs a CUDA GPU"),
     (("--model.lora_scale", "0.5"), "model.lora_scale", "applies to lora_weights only"),
     (("--model.checkpoint_high_noise", "/x"), "model.checkpoint_high_noise", "Wan 2.2"),
-    (("--output.fps", "16"), "output.fps", "video pipelines are not supported"),
+    (("--output.audio_sample_rate", "16000"), "output.audio_sample_rate", "audio-video pipelines (LTX-2)"),
     (("--inference.input_images", "[a.png]"), "inference.input_images", "image-editing"),
     (("--distributed", "{parallel_scheme: {}}"), "distributed", "one process"),
     (("--seed", "x"), "seed", "expected an integer"),
@@ -301,10 +303,11 @@ def test_a_backend_is_compared_only_with_a_valid_dist_env():
 
 
 def test_a_pipeline_of_another_family_is_refused_at_validation(tmp_path):
-    wan = tmp_path / "wan"
-    wan.mkdir()
-    (wan / "model_index.json").write_text(json.dumps({
-        "_class_name": "WanPipeline", "transformer": ["diffusers", "WanTransformer3DModel"],
-        "vae": ["diffusers", "AutoencoderKLWan"], "scheduler": ["diffusers", "UniPCMultistepScheduler"]}))
-    found = refusals(FINETUNE, "--model.pretrained_model_name_or_path", wan)
-    assert "WanPipeline with a WanTransformer3DModel denoiser" in found["model"], found
+    hunyuan = tmp_path / "hunyuan"
+    hunyuan.mkdir()
+    (hunyuan / "model_index.json").write_text(json.dumps({
+        "_class_name": "HunyuanVideoPipeline", "transformer": ["diffusers", "HunyuanVideoTransformer3DModel"],
+        "vae": ["diffusers", "AutoencoderKLHunyuanVideo"],
+        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"]}))
+    found = refusals(FINETUNE, "--model.pretrained_model_name_or_path", hunyuan)
+    assert "HunyuanVideoPipeline with a HunyuanVideoTransformer3DModel denoiser" in found["model"], found

@@ -8,6 +8,7 @@ one training step every family shares.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -15,11 +16,13 @@ import torch
 from automodel.errors import AutomodelError, ConfigError, ConfigIssue
 
 SUPPORTED = ("SD3Transformer2DModel (StableDiffusion3Pipeline), FluxTransformer2DModel (FluxPipeline, FLUX.1), "
-             "QwenImageTransformer2DModel (QwenImagePipeline, Qwen-Image) and UNet2DConditionModel "
-             "(StableDiffusionPipeline)")
+             "QwenImageTransformer2DModel (QwenImagePipeline, Qwen-Image), WanTransformer3DModel (WanPipeline, "
+             "Wan 2.1 text-to-video) and UNet2DConditionModel (StableDiffusionPipeline)")
 # the denoisers a Conditioning exists for
 DENOISER_CLASSES = ("SD3Transformer2DModel", "FluxTransformer2DModel", "QwenImageTransformer2DModel",
-                    "UNet2DConditionModel")
+                    "WanTransformer3DModel", "UNet2DConditionModel")
+# the pipeline class each of these denoisers must come in (others share them: Qwen-Image-Edit, Wan image-to-video...)
+DENOISER_PIPELINES = {"QwenImageTransformer2DModel": "QwenImagePipeline", "WanTransformer3DModel": "WanPipeline"}
 DEFAULT_GUIDANCE = 3.5  # FluxPipeline's default guidance_scale: what a guidance-distilled FLUX.1 samples with
 
 
@@ -77,6 +80,14 @@ class SD3Conditioning(Conditioning):
         return denoiser(hidden_states=sample, timestep=timesteps,
                         encoder_hidden_states=cond["encoder_hidden_states"].to(sample.dtype),
                         pooled_projections=cond["pooled_projections"].to(sample.dtype), return_dict=False)[0]
+
+
+def per_channel_normalize(latents: torch.Tensor, config: Any) -> torch.Tensor:
+    """(batch, channels, frames, height, width) video-VAE latents normalised per channel with the VAE config's
+    ``latents_mean`` / ``latents_std`` (the pipelines undo it before decoding: ``latents * std + mean``)."""
+    mean = torch.tensor(config.latents_mean, device=latents.device, dtype=latents.dtype).view(1, -1, 1, 1, 1)
+    std = torch.tensor(config.latents_std, device=latents.device, dtype=latents.dtype).view(1, -1, 1, 1, 1)
+    return (latents - mean) / std
 
 
 def patch_grid(latents: torch.Tensor, family: str, pipeline: Any) -> tuple[int, int, int, int]:
@@ -154,10 +165,7 @@ class QwenImageConditioning(Conditioning):
         return pixels.unsqueeze(2)  # (batch, channels, 1 frame, height, width)
 
     def normalize(self, latents: torch.Tensor) -> torch.Tensor:
-        config = self.pipeline.vae.config
-        mean = torch.tensor(config.latents_mean, device=latents.device, dtype=latents.dtype).view(1, -1, 1, 1, 1)
-        std = torch.tensor(config.latents_std, device=latents.device, dtype=latents.dtype).view(1, -1, 1, 1, 1)
-        return ((latents - mean) / std).squeeze(2)
+        return per_channel_normalize(latents, self.pipeline.vae.config).squeeze(2)
 
     def encode(self, captions: list[str], device: torch.device) -> dict[str, Any]:
         embeds, mask = self.pipeline.encode_prompt(captions, device=device, **self.text_kwargs)
@@ -173,6 +181,51 @@ class QwenImageConditioning(Conditioning):
                         encoder_hidden_states=cond["encoder_hidden_states"].to(sample.dtype),
                         encoder_hidden_states_mask=cond["encoder_hidden_states_mask"], img_shapes=cond["img_shapes"],
                         return_dict=False)[0]
+
+
+class WanConditioning(Conditioning):
+    """WanPipeline (Wan 2.1 text-to-video): the caption through the pipeline's own ``encode_prompt`` (UMT5, padded
+    with zeros to ``max_sequence_length``, by default what ``WanPipeline.__call__`` samples with); videos
+    (batch, channels, frames, height, width) through AutoencoderKLWan, normalised per channel as WanPipeline undoes
+    before decoding; the latents go in unpacked (the transformer patchifies them itself), the timestep as the
+    scheduler's (sigma * 1000), as upstream's ``simple`` adapter feeds it."""
+
+    def __init__(self, pipeline: Any, max_sequence_length: int | None = None):
+        if max_sequence_length is None:
+            max_sequence_length = inspect.signature(type(pipeline).__call__).parameters["max_sequence_length"].default
+        super().__init__(pipeline, max_sequence_length)
+
+    def vae_input(self, pixels: torch.Tensor) -> torch.Tensor:
+        if pixels.dim() != 5:
+            raise AutomodelError("data: a WanPipeline trains on videos (channels, frames, height, width); give "
+                                 "clips with data.dataloader: build_video_multiresolution_dataloader")
+        frames, step = pixels.shape[2], self.pipeline.vae_scale_factor_temporal
+        if frames % step != 1:
+            raise AutomodelError(f"data: Wan's VAE encodes clips of 1 + {step}k frames (its temporal compression is "
+                                 f"{step}); these clips have {frames}: set num_frames (data.dataloader or dataset) "
+                                 f"to e.g. {max(1, frames - (frames - 1) % step)}")
+        return pixels
+
+    def normalize(self, latents: torch.Tensor) -> torch.Tensor:
+        return per_channel_normalize(latents, self.pipeline.vae.config)
+
+    def encode(self, captions: list[str], device: torch.device) -> dict[str, Any]:
+        embeds, _ = self.pipeline.encode_prompt(captions, do_classifier_free_guidance=False, device=device,
+                                                **self.text_kwargs)
+        return {"encoder_hidden_states": embeds}
+
+    def pack(self, latents: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+        _, patch_h, patch_w = self.pipeline.transformer.config.patch_size
+        height, width = latents.shape[-2:]
+        if height % patch_h or width % patch_w:
+            raise AutomodelError(f"data: the Wan transformer patchifies latents in {patch_h}x{patch_w} patches, but "
+                                 f"the clips encode to {height}x{width} latents; use a resolution that is a multiple "
+                                 f"of {patch_h * self.pipeline.vae_scale_factor_spatial}")
+        return latents, {}
+
+    def denoise(self, denoiser, sample, timesteps, cond):
+        return denoiser(hidden_states=sample, timestep=timesteps.to(sample.dtype),
+                        encoder_hidden_states=cond["encoder_hidden_states"].to(sample.dtype), return_dict=False)[0]
 
 
 def conditioning_for(pipeline: Any, denoiser_name: str, max_sequence_length: int | None = None) -> Conditioning:
@@ -194,6 +247,12 @@ def conditioning_for(pipeline: Any, denoiser_name: str, max_sequence_length: int
                                  "QwenImageTransformer2DModel takes no guidance value (QwenImagePipeline would feed "
                                  "it one and fail); set guidance_embeds false in transformer/config.json")
         return QwenImageConditioning(pipeline, max_sequence_length)
+    if kind == "WanTransformer3DModel" and type(pipeline).__name__ == "WanPipeline":
+        if getattr(pipeline, "transformer_2", None) is not None or pipeline.config.get("expand_timesteps"):
+            raise AutomodelError("model: this WanPipeline is a Wan 2.2 one (a second, low-noise transformer_2, or "
+                                 "per-token timesteps: expand_timesteps), which diffusion training does not support "
+                                 "here; use a Wan 2.1 text-to-video pipeline")
+        return WanConditioning(pipeline, max_sequence_length)
     if kind == "UNet2DConditionModel" and getattr(denoiser.config, "addition_embed_type", None) is None \
             and hasattr(pipeline, "encode_prompt") and hasattr(pipeline, "text_encoder"):
         return UNetConditioning(pipeline)

@@ -1,13 +1,16 @@
-"""``automodel generate diffusion``: images from a diffusers pipeline (or a trained checkpoint), upstream's schema.
+"""``automodel generate diffusion``: images or videos from a diffusers pipeline (or a trained checkpoint), upstream's
+schema.
 
 The config is upstream's generation config (its ``examples/diffusion/generate/configs``): ``model``
 (the pipeline and an optional training ``checkpoint``), ``inference`` (prompts and the pipeline call's
-settings), ``output`` (where the PNGs go), ``vae`` (slicing, tiling), ``seed``. Prompt ``i`` is drawn with a CPU
-generator seeded ``seed + i`` and written as ``<output_dir>/sample_<iii>_<prompt>.png``.
+settings), ``output`` (where the files go, a video's ``fps``), ``vae`` (slicing, tiling), ``seed``. Prompt ``i`` is
+drawn with a CPU generator seeded ``seed + i`` and written as ``<output_dir>/sample_<iii>_<prompt>.png``; a video
+pipeline's (WanPipeline) as ``.webp``, an animated WebP at ``output.fps`` (Pillow writes it; no mp4 encoder is used).
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 from dataclasses import dataclass, field
@@ -19,7 +22,7 @@ from automodel.errors import AutomodelError, ConfigIssue
 from automodel.recipe import BaseRecipe
 from automodel_diffusion.upstream import GPU_ONLY
 
-VIDEO_ONLY = "applies to video output; video pipelines are not supported by generate diffusion (images only)"
+VIDEO_ONLY = "applies to video pipelines (those whose __call__ takes num_frames, e.g. WanPipeline)"
 
 
 def _help(text: str) -> dict:
@@ -86,13 +89,19 @@ class InferenceConfig:
 
 @dataclass
 class OutputConfig:
-    output_dir: str = field(default="./inference_outputs", metadata=_help("where the PNG images are written"))
-    fps: int | None = field(default=None, metadata=_help("video frame rate: " + VIDEO_ONLY))
-    audio_sample_rate: int | None = field(default=None, metadata=_help("video audio: " + VIDEO_ONLY))
+    output_dir: str = field(default="./inference_outputs", metadata=_help(
+        "where the PNG images (a video pipeline: animated WebP videos) are written"))
+    fps: float | None = field(default=None, metadata=_help(
+        "video frame rate (null: 16); each frame is shown round(1000 / fps) ms: " + VIDEO_ONLY))
+    audio_sample_rate: int | None = field(default=None, metadata=_help(
+        "video audio (LTX-2): not supported, no audio pipeline is run here"))
 
     def __post_init__(self) -> None:
-        bad = {name: VIDEO_ONLY + "; remove it" for name in ("fps", "audio_sample_rate")
-               if getattr(self, name) is not None}
+        bad = {}
+        if self.fps is not None and self.fps <= 0:
+            bad["fps"] = f"must be > 0, found {self.fps}"
+        if self.audio_sample_rate is not None:
+            bad["audio_sample_rate"] = "audio-video pipelines (LTX-2) are not supported here; remove it"
         if bad:
             raise FieldErrors(bad)
 
@@ -109,14 +118,15 @@ class VaeConfig:
                                                      f"between its stages {GPU_ONLY}; remove it"})
 
 
-def sample_name(index: int, prompt: str) -> str:
-    """``sample_<iii>_<the prompt's first 50 letters, digits, spaces, _ and ->.png`` (spaces as _)."""
+def sample_name(index: int, prompt: str, suffix: str = "png") -> str:
+    """``sample_<iii>_<the prompt's first 50 letters, digits, spaces, _ and ->.<suffix>`` (spaces as _)."""
     safe = re.sub(r"[^A-Za-z0-9 _-]", "", prompt)[:50].strip().replace(" ", "_")
-    return f"sample_{index:03d}_{safe}.png"
+    return f"sample_{index:03d}_{safe}.{suffix}"
 
 
 class GenerateRecipe(BaseRecipe):
-    """Generate one image per prompt with a diffusers pipeline, optionally with a trained checkpoint's weights."""
+    """Generate one image (or video) per prompt with a diffusers pipeline, optionally with a trained checkpoint's
+    weights."""
 
     sections = {
         "model": GenerateModelConfig,
@@ -166,6 +176,10 @@ class GenerateRecipe(BaseRecipe):
             self.pipeline.vae.enable_tiling()
         self.pipeline.set_progress_bar_config(disable=True)
         self.call_settings = self.pipeline_arguments()
+        video = "num_frames" in inspect.signature(type(self.pipeline).__call__).parameters
+        if self.cfg.output.fps is not None and not video:
+            raise AutomodelError(f"output.fps: {VIDEO_ONLY}; this {type(self.pipeline).__name__} makes images: "
+                                 "remove it")
 
     def load_checkpoint(self, path: Path, dtype: Any) -> None:
         """Each trained component of a training checkpoint (``model/<component>``) replaces the pipeline's."""
@@ -211,8 +225,6 @@ class GenerateRecipe(BaseRecipe):
 
     def pipeline_arguments(self) -> dict[str, Any]:
         """The pipeline call's arguments; one its __call__ does not take is an error naming the key."""
-        import inspect
-
         inference = self.cfg.inference
         settings = {k: getattr(inference, k) for k in ("num_inference_steps", "guidance_scale", "height", "width")
                     if getattr(inference, k) is not None}
@@ -225,8 +237,10 @@ class GenerateRecipe(BaseRecipe):
         return settings
 
     def run_train_validation_loop(self) -> None:
-        """One image per prompt, each written aside and renamed into place."""
+        """One image (or video) per prompt, each written aside and renamed into place."""
         import torch
+
+        from automodel_diffusion.sampling import DEFAULT_FPS, save_video
 
         inference = self.cfg.inference
         seed = self.cfg.resolved.get("seed", 42)
@@ -237,11 +251,14 @@ class GenerateRecipe(BaseRecipe):
             generator = torch.Generator().manual_seed(seed + index)
             with torch.no_grad():
                 result = self.pipeline(prompt=prompt, generator=generator, output_type="pil", **self.call_settings)
-            if not hasattr(result, "images"):
-                raise AutomodelError(f"model: {type(self.pipeline).__name__} does not return images; "
-                                     "generate diffusion writes images only")
-            path = out / sample_name(index, prompt)
+            if not hasattr(result, "images") and not hasattr(result, "frames"):
+                raise AutomodelError(f"model: {type(self.pipeline).__name__} returns neither images nor video "
+                                     "frames; generate diffusion writes those only")
+            path = out / sample_name(index, prompt, "png" if hasattr(result, "images") else "webp")
             staging = path.with_name(f".incomplete-{os.getpid()}-{path.name}")
-            result.images[0].save(staging, format="PNG")
+            if hasattr(result, "images"):
+                result.images[0].save(staging, format="PNG")
+            else:
+                save_video(list(result.frames[0]), staging, self.cfg.output.fps or DEFAULT_FPS)
             os.replace(staging, path)
             self.log(f"[{index + 1}/{len(prompts)}] {path}")

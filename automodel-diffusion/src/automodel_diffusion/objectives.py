@@ -82,7 +82,16 @@ class ObjectiveConfig:
 
 
 def is_flow_scheduler(scheduler: Any) -> bool:
-    return "FlowMatch" in type(scheduler).__name__ or not hasattr(scheduler, "alphas_cumprod")
+    """Flow-match schedulers, and multistep solvers set to flow sigmas (WanPipeline's UniPC: flow_prediction)."""
+    config = scheduler.config
+    return "FlowMatch" in type(scheduler).__name__ or not hasattr(scheduler, "alphas_cumprod") \
+        or bool(config.get("use_flow_sigmas")) or config.get("prediction_type") == "flow_prediction"
+
+
+def scheduler_shift(scheduler: Any) -> float:
+    """The scheduler's sigma shift (flow-match schedulers: ``shift``; UniPC / DPM solvers: ``flow_shift``)."""
+    config = scheduler.config
+    return float(config.get("shift") or config.get("flow_shift") or 1.0)
 
 
 def sample_unit(n: int, config: ObjectiveConfig, generator: torch.Generator | None) -> torch.Tensor:
@@ -162,7 +171,7 @@ class FlowMatching(Objective):
         super().__init__(config, scheduler)
         if config.num_train_timesteps is not None:
             self.num_train_timesteps = config.num_train_timesteps
-        self.shift = float(config.shift if config.shift is not None else scheduler.config.get("shift", 1.0) or 1.0)
+        self.shift = float(config.shift) if config.shift is not None else scheduler_shift(scheduler)
         self.bsmntw = bsmntw_weights(self.num_train_timesteps) if config.loss_weighting == "bsmntw" else None
         self.last_sigmas: torch.Tensor | None = None  # the latest draw, for the flow_matching log lines
         self.last_method = ""

@@ -24,7 +24,13 @@ import torch
 
 from automodel.errors import AutomodelError
 from automodel.model_files import has_weights, parse_dtype
-from automodel_diffusion.conditioning import DENOISER_CLASSES, SUPPORTED, FluxConditioning, conditioning_for
+from automodel_diffusion.conditioning import (
+    DENOISER_CLASSES,
+    DENOISER_PIPELINES,
+    SUPPORTED,
+    FluxConditioning,
+    conditioning_for,
+)
 
 DENOISERS = ("transformer", "unet")
 # The libraries a model_index.json may name for a component. The file is data from the model directory: importing
@@ -36,8 +42,9 @@ def index_issue(index: dict[str, Any]) -> str | None:
     """Why a pipeline directory's model_index.json names a pipeline this recipe cannot train (None: it can)."""
     components = pipeline_components(index)
     denoiser = next((components[name][1] for name in DENOISERS if name in components), None)
-    qwen_other = denoiser == "QwenImageTransformer2DModel" and index.get("_class_name") != "QwenImagePipeline"
-    if denoiser in DENOISER_CLASSES and not qwen_other:  # Qwen-Image-Edit and ControlNet pipelines share it
+    other = denoiser in DENOISER_PIPELINES and index.get("_class_name") != DENOISER_PIPELINES[denoiser]
+    two_stage = bool(index.get("transformer_2") and index["transformer_2"][0])  # Wan 2.2's low-noise transformer
+    if denoiser in DENOISER_CLASSES and not other and not two_stage:
         return None
     return (f"the pipeline is a {index.get('_class_name')} with a {denoiser or 'no'} denoiser, which diffusion "
             f"training does not support here; supported: {SUPPORTED}")

@@ -9,7 +9,8 @@ _UPSTREAM_DATA = "nemo_automodel.components.datasets.diffusion"
 @hookimpl
 def automodel_register_routes(routes) -> None:
     routes.add("finetune", "diffusion", recipe=_RECIPE,
-               help="Fine-tune a diffusers text-to-image pipeline's denoiser (flow matching, epsilon, v-prediction)",
+               help="Fine-tune a diffusers text-to-image / text-to-video pipeline's denoiser (flow matching, epsilon, "
+                    "v-prediction)",
                examples=["diffusion/tiny_flow", "diffusion/tiny_unet"])
     routes.add("pretrain", "diffusion", recipe=_RECIPE,
                help="Pre-train a text-to-image denoiser from a pipeline config (same recipe, config differs)",
@@ -27,13 +28,12 @@ def automodel_register_aliases(aliases) -> None:
     aliases.recipe("nemo_automodel.recipes.diffusion.train.TrainDiffusionRecipe", "finetune", "diffusion")
     aliases.target("AutoDiffusionPipeline", "automodel_diffusion.AutoDiffusionPipeline.from_pretrained")
     aliases.target("ImageCaptionDataset", "automodel_diffusion.datasets.ImageCaptionDataset")
+    aliases.target("VideoCaptionDataset", "automodel_diffusion.datasets.VideoCaptionDataset")
     # Upstream (NeMo AutoModel) names: its data loader builders.
     aliases.target(f"{_UPSTREAM_DATA}.build_text_to_image_multiresolution_dataloader",
                    "automodel_diffusion.upstream.text_to_image_data")
-    aliases.unsupported(f"{_UPSTREAM_DATA}.build_video_multiresolution_dataloader",
-                        "text-to-video data: video pipelines (Wan, HunyuanVideo, LTX-2) are not implemented here; "
-                        "diffusion trains text-to-image pipelines on images (build_text_to_image_multiresolution_"
-                        "dataloader with a folder of images and captions, or dataset: ImageCaptionDataset)")
+    aliases.target(f"{_UPSTREAM_DATA}.build_video_multiresolution_dataloader",
+                   "automodel_diffusion.upstream.text_to_video_data")
     aliases.unsupported(f"{_UPSTREAM_DATA}.image_edit_dataset.ImageEditDataloaderConfig",
                         "image-editing data (Qwen-Image-Edit) is not implemented here; diffusion trains "
                         "text-to-image pipelines (dataset: ImageCaptionDataset)")

@@ -1,4 +1,5 @@
-"""Text-to-image diffusion training (``finetune diffusion`` / ``pretrain diffusion``) on the core's shared loop.
+"""Text-to-image and text-to-video diffusion training (``finetune diffusion`` / ``pretrain diffusion``) on the core's
+shared loop.
 
 What differs from the LLM recipe is only what the engine lets a domain override: the model is an
 ``AutoDiffusionPipeline`` (the trained components of a diffusers pipeline as one module), a micro-batch's loss is
@@ -39,7 +40,7 @@ from automodel_diffusion.pipeline import (
     pipeline_components,
     read_model_index,
 )
-from automodel_diffusion.sampling import call_kwargs, image_grid, sample_images
+from automodel_diffusion.sampling import DEFAULT_FPS, call_kwargs, image_grid, sample_images, save_video
 
 FROZEN_BASE = "pipeline_base"  # under checkpoint_dir: the frozen components, written once, hard-linked into each
 _NOT_MODULES = ("Tokenizer", "Scheduler", "Processor", "FeatureExtractor")
@@ -47,7 +48,8 @@ _NOT_MODULES = ("Tokenizer", "Scheduler", "Processor", "FeatureExtractor")
 
 @dataclass
 class SampleGenerationConfig:
-    enabled: bool = field(default=True, metadata={"help": "write a PNG grid of samples at each validation step"})
+    enabled: bool = field(default=True, metadata={
+        "help": "write a PNG grid of samples at each validation step (a video pipeline: an animated WebP grid)"})
     prompts: list[str] = field(default_factory=list, metadata={
         "help": "fixed prompts, one grid column each (empty: the first 4 distinct validation/training captions)"})
     num_images_per_prompt: int = field(default=1, metadata={"help": "grid rows: images per prompt"})
@@ -146,10 +148,12 @@ class DiffusionRecipe(TrainRecipe):
                        "given); checkpoints hold the adapter in diffusers' LoRA format", plain=True,
                        default_target="automodel.hf.PeftConfig"),
         "dataset": Target("the training images and captions: {_target_: automodel_diffusion.datasets."
-                          "ImageCaptionDataset, path: ..., resolution: ...} (or upstream's data.dataloader)"),
+                          "ImageCaptionDataset, path: ..., resolution: ...} (clips: VideoCaptionDataset, num_frames; "
+                          "or upstream's data.dataloader)"),
         "data": Free("upstream's {dataloader: {_target_: ...build_text_to_image_multiresolution_dataloader, "
                      "cache_dir, base_resolution, ...}}: cache_dir is a folder of images and captions here "
-                     "(automodel_diffusion.upstream.text_to_image_data)"),
+                     "(automodel_diffusion.upstream.text_to_image_data); ...build_video_multiresolution_dataloader: "
+                     "a folder of clips and captions (automodel_diffusion.upstream.text_to_video_data)"),
     }
 
     # ---- validation --------------------------------------------------------------------------------------------
@@ -408,14 +412,16 @@ class DiffusionRecipe(TrainRecipe):
 
     @torch.no_grad()
     def write_samples(self) -> Path | None:
-        """A PNG grid (columns: prompts, rows: seeds) in ``<checkpoint_dir>/samples/step_<S>.png``."""
+        """A PNG grid (columns: prompts, rows: seeds) in ``<checkpoint_dir>/samples/step_<S>.png``; for a video
+        pipeline an animated WebP of such grids, ``step_<S>.webp``, of the training clips' frame count."""
         settings = self.cfg.sample_generation
         if settings is None or not settings.enabled:
             return None
         model = unwrap(self.model)
         prompts = self.sample_prompts()
         height, width = self.sample_size()
-        extra = call_kwargs(model.pipeline, max_sequence_length=model.max_sequence_length)
+        extra = call_kwargs(model.pipeline, max_sequence_length=model.max_sequence_length,
+                            num_frames=getattr(self.train_dataset, "num_frames", None))
         self.model.eval()
         try:
             images = sample_images(model.pipeline, prompts, settings.num_images_per_prompt, settings.seed,
@@ -424,9 +430,16 @@ class DiffusionRecipe(TrainRecipe):
             self.model.train()
         if not self.is_main_process:
             return None
-        path = Path(self.cfg.checkpoint.checkpoint_dir) / "samples" / f"step_{self.step_scheduler.step}.png"
+        video = isinstance(images[0], list)
+        name = f"step_{self.step_scheduler.step}.{'webp' if video else 'png'}"
+        path = Path(self.cfg.checkpoint.checkpoint_dir) / "samples" / name
         path.parent.mkdir(parents=True, exist_ok=True)
-        image_grid(images, rows=settings.num_images_per_prompt, columns=len(prompts)).save(path)
+        grid = {"rows": settings.num_images_per_prompt, "columns": len(prompts)}
+        if video:
+            save_video([image_grid([clip[f] for clip in images], **grid) for f in range(len(images[0]))], path,
+                       DEFAULT_FPS)
+        else:
+            image_grid(images, **grid).save(path)
         self.log(f"samples [{len(prompts)} prompts x {settings.num_images_per_prompt}] step "
                  f"{self.step_scheduler.step}: {path}")
         return path

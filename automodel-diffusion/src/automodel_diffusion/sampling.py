@@ -1,11 +1,15 @@
-"""Sample images from a diffusers pipeline with fixed prompts and seeds, and tile them into one PNG grid."""
+"""Sample images (or videos) from a diffusers pipeline with fixed prompts and seeds, tile them into one grid, and
+write videos as animated WebP (Pillow; no video encoder needed)."""
 
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
 from typing import Any
 
 import torch
+
+DEFAULT_FPS = 16  # what upstream's generation writes videos at unless output.fps says otherwise
 
 
 def call_kwargs(pipeline: Any, **candidates: Any) -> dict[str, Any]:
@@ -16,7 +20,8 @@ def call_kwargs(pipeline: Any, **candidates: Any) -> dict[str, Any]:
 
 def sample_images(pipeline: Any, prompts: list[str], images_per_prompt: int, seed: int, steps: int,
                   guidance_scale: float, height: int | None, width: int | None, **kwargs: Any) -> list[Any]:
-    """Row-major images: row r, column c is prompt c with seed ``seed + r * len(prompts) + c``.
+    """Row-major images (a video pipeline: videos, each a list of frames): row r, column c is prompt c with seed
+    ``seed + r * len(prompts) + c``.
 
     Every draw comes from per-image CPU generators, so sampling never moves the training RNG.
     """
@@ -25,7 +30,7 @@ def sample_images(pipeline: Any, prompts: list[str], images_per_prompt: int, see
     size = {k: v for k, v in (("height", height), ("width", width)) if v is not None}
     output = pipeline(prompt=batch, num_inference_steps=steps, guidance_scale=guidance_scale, generator=generators,
                       output_type="pil", **size, **kwargs)
-    return list(output.images)
+    return list(output.images) if hasattr(output, "images") else [list(video) for video in output.frames]
 
 
 def image_grid(images: list[Any], rows: int, columns: int) -> Any:
@@ -36,3 +41,10 @@ def image_grid(images: list[Any], rows: int, columns: int) -> Any:
     for i, image in enumerate(images):
         grid.paste(image.convert("RGB"), ((i % columns) * width, (i // columns) * height))
     return grid
+
+
+def save_video(frames: list[Any], path: Path, fps: float) -> None:
+    """Frames (Pillow images) as a looping animated WebP at ``fps`` (each frame shown round(1000 / fps) ms)."""
+    first, *rest = [frame.convert("RGB") for frame in frames]
+    first.save(path, format="WEBP", save_all=True, append_images=rest, duration=round(1000 / fps), loop=0,
+               lossless=True)

@@ -6,14 +6,15 @@ Upstream's diffusion configs carry no ``_target_`` for the model and describe tr
   :func:`load_upstream_pipeline` (the section's default target);
 * ``fsdp:`` / ``ddp:`` (one of them): how the trained denoiser is distributed -> a ``parallel_scheme``;
 * ``flow_matching:`` -> the ``objective`` (flow matching with upstream's sampling, shift, clamping and weighting);
-* ``data.dataloader`` (upstream's text-to-image loader over a cache) -> a folder of images and captions, encoded
-  on the fly (:func:`text_to_image_data`); ``performance:`` -> the loss check.
+* ``data.dataloader`` (upstream's text-to-image / text-to-video loaders over a cache) -> a folder of images / clips
+  and captions, encoded on the fly (:func:`text_to_image_data`, :func:`text_to_video_data`); ``performance:`` -> the
+  loss check.
 
-``model_type`` / ``flow_matching.adapter_type`` ``flux`` (FLUX.1) and ``qwen_image`` (Qwen-Image) say the pipeline is
-a FluxPipeline / QwenImagePipeline, which is checked; ``adapter_kwargs`` set the guidance a FLUX.1 transformer is
-fed (a Qwen-Image transformer takes none). Keys that need what this recipe does not have
-(other model families, video, Transformer Engine, CUDA kernels)
-are refused at validation with the reason. Import-light: no torch at import.
+``model_type`` / ``flow_matching.adapter_type`` ``flux`` (FLUX.1), ``qwen_image`` (Qwen-Image) and ``wan`` /
+``simple`` (Wan 2.1) say the pipeline is a FluxPipeline / QwenImagePipeline / WanPipeline, which is checked;
+``adapter_kwargs`` set the guidance a FLUX.1 transformer is fed (Qwen-Image and Wan transformers take none). Keys that
+need what this recipe does not have (other model families, image-to-video, Transformer Engine, CUDA kernels) are
+refused at validation with the reason. Import-light: no torch at import.
 """
 
 from __future__ import annotations
@@ -27,13 +28,15 @@ from automodel.config import Config, ConfigNode, FieldErrors
 from automodel.errors import AutomodelError, ConfigError, ConfigIssue
 from automodel_diffusion.objectives import ObjectiveConfig
 
-SUPPORTED = ("SD3-style (StableDiffusion3Pipeline), FLUX.1 (FluxPipeline), Qwen-Image (QwenImagePipeline) and "
-             "Stable Diffusion UNet (StableDiffusionPipeline) pipelines")
-FLUX, QWEN_IMAGE = "flux", "qwen_image"
-# upstream's model_type / adapter_type values that act here -> (the family, the pipeline class it must be)
-ADAPTERS = {FLUX: ("FLUX.1", "FluxPipeline"), QWEN_IMAGE: ("Qwen-Image", "QwenImagePipeline")}
+SUPPORTED = ("SD3-style (StableDiffusion3Pipeline), FLUX.1 (FluxPipeline), Qwen-Image (QwenImagePipeline), Wan 2.1 "
+             "text-to-video (WanPipeline) and Stable Diffusion UNet (StableDiffusionPipeline) pipelines")
+FLUX, QWEN_IMAGE, WAN, SIMPLE = "flux", "qwen_image", "wan", "simple"
+# upstream's model_type / adapter_type values that act here -> (the family, the pipeline class it must be); upstream's
+# "simple" adapter is the one its Wan 2.1 configs name (a transformer fed the noisy latents, timestep and text)
+ADAPTERS = {FLUX: ("FLUX.1", "FluxPipeline"), QWEN_IMAGE: ("Qwen-Image", "QwenImagePipeline"),
+            WAN: ("Wan 2.1", "WanPipeline"), SIMPLE: ("Wan 2.1", "WanPipeline")}
 ADAPTER_KWARGS = ("guidance_scale", "use_guidance_embeds")  # upstream's flux and qwen_image adapter settings
-FAMILIES = {"flux2": "FLUX.2", "wan": "Wan", "hunyuan": "HunyuanVideo", "ltx2": "LTX-2",
+FAMILIES = {"flux2": "FLUX.2", "hunyuan": "HunyuanVideo", "ltx2": "LTX-2",
             "qwen_image_edit": "Qwen-Image-Edit"}
 CPU_ATTENTION = ("native", "_native_math")  # torch's scaled_dot_product_attention: what runs without CUDA kernels
 GPU_ONLY = "needs a CUDA GPU, which this machine lacks"
@@ -78,10 +81,10 @@ def load_upstream_pipeline(pretrained_model_name_or_path: str, mode: Literal["fi
     directory, ``cache_dir`` its download cache) stored in ``torch_dtype``; ``mode: pretrain`` re-initialises the
     trained denoiser from its config (``pipeline_spec`` names its class and folder) and keeps the other
     components' weights; ``compute_dtype`` is the dtype the denoiser computes in (the recipe applies it);
-    ``attention_backend: native`` is torch's scaled-dot-product attention; ``model_type: flux`` / ``qwen_image``
-    says the pipeline is FLUX.1 / Qwen-Image (checked against its model_index.json at validation, against the built
-    pipeline by the recipe). The other keys are accepted only at the values that need nothing this machine or recipe
-    lacks (validation refuses the rest, see ``model_issues``)."""
+    ``attention_backend: native`` is torch's scaled-dot-product attention; ``model_type: flux`` / ``qwen_image`` /
+    ``wan`` says the pipeline is FLUX.1 / Qwen-Image / Wan 2.1 (checked against its model_index.json at validation,
+    against the built pipeline by the recipe). The other keys are accepted only at the values that need nothing this
+    machine or recipe lacks (validation refuses the rest, see ``model_issues``)."""
     refused = model_issues({k: v for k, v in locals().items() if v not in (None, False)}, "model")
     import torch
 
@@ -274,14 +277,14 @@ class FlowMatchingSection:
     """Upstream's ``flow_matching:`` (its defaults) -> the flow-matching ``objective``."""
 
     adapter_type: str | None = field(default=None, metadata=_help(
-        "upstream's model-family adapter: flux (the pipeline must be a FluxPipeline, FLUX.1) or qwen_image (a "
-        "QwenImagePipeline, Qwen-Image); null: the pipeline's own conditioning decides; the other upstream values "
-        "name families not implemented here"))
+        "upstream's model-family adapter: flux (the pipeline must be a FluxPipeline, FLUX.1), qwen_image (a "
+        "QwenImagePipeline, Qwen-Image) or simple (a WanPipeline, Wan 2.1 text-to-video); null: the pipeline's "
+        "own conditioning decides; the other upstream values name families not implemented here"))
     adapter_kwargs: dict = field(default_factory=dict, metadata=_help(
         "with adapter_type flux: guidance_scale (the guidance value a guidance-distilled FLUX.1 transformer is "
         "fed; default 3.5) and use_guidance_embeds (true needs guidance embeddings; false on a transformer with "
         "them still feeds guidance_scale, as upstream does); with qwen_image: use_guidance_embeds false and "
-        "guidance_scale 1 only (its transformer takes no guidance value); else only {}"))
+        "guidance_scale 1 only (its transformer takes no guidance value); else (simple included) only {}"))
     timestep_sampling: Literal["uniform", "logit_normal", "lognorm", "mix", "mode", "beta"] = field(
         default="logit_normal", metadata=_help("how sigmas are drawn (see objective.timestep_sampling)"))
     logit_mean: float = field(default=0.0, metadata=_help("logit_normal: mean"))
@@ -298,7 +301,8 @@ class FlowMatchingSection:
     sigma_max: float = field(default=1.0, metadata=_help("sigmas clamped to at most this"))
     num_train_timesteps: int = field(default=1000, metadata=_help("the denoiser's timestep is sigma * this"))
     i2v_prob: float = field(default=0.0, metadata=_help(
-        "image-to-video conditioning (video data only): only 0 (images are always text-to-image)"))
+        "upstream's image-to-video draw: only 0 (its simple / Wan adapter never reads the draw, and a Wan 2.1 "
+        "text-to-video transformer has no image input)"))
     cfg_dropout_prob: float = field(default=0.1, metadata=_help(
         "probability of training a sample without its caption (here: on the empty caption, the unconditional "
         "input the pipeline's classifier-free guidance uses)"))
@@ -312,20 +316,18 @@ class FlowMatchingSection:
     def __post_init__(self) -> None:
         bad = {}
         if self.adapter_type is not None and self.adapter_type not in ADAPTERS:
-            if self.adapter_type == "simple":
-                bad["adapter_type"] = ("'simple' is upstream's adapter for Wan-style transformers fed precomputed "
-                                       "text embeddings; this recipe encodes captions itself and calls the denoiser "
-                                       f"as its pipeline needs ({SUPPORTED}): remove adapter_type")
-            else:
-                bad["adapter_type"] = (f"'{self.adapter_type}': {family_refusal(self.adapter_type)}; remove "
-                                       "adapter_type and use one of those pipelines")
-        if self.adapter_type in ADAPTERS:
+            bad["adapter_type"] = (f"'{self.adapter_type}': {family_refusal(self.adapter_type)}; remove "
+                                   "adapter_type and use one of those pipelines")
+        if self.adapter_type in (FLUX, QWEN_IMAGE):
             bad.update(adapter_kwargs_issues(self.adapter_type, self.adapter_kwargs))
         elif self.adapter_kwargs:
-            bad["adapter_kwargs"] = "upstream's adapter settings do not apply here (no adapter); remove them"
+            bad["adapter_kwargs"] = ("upstream's adapter settings do not apply here (no adapter, or the simple "
+                                     "adapter, which takes none); remove them")
         if self.i2v_prob != 0:
-            bad["i2v_prob"] = (f"{self.i2v_prob}: image-to-video conditioning needs video data and a video "
-                               "pipeline, which are not implemented here; set 0 or remove it")
+            bad["i2v_prob"] = (f"{self.i2v_prob}: upstream draws 'i2v' for this share of video batches, but only its "
+                               "HunyuanVideo adapter reads the draw (its simple / Wan adapter trains every batch as "
+                               "text-to-video), and a Wan 2.1 text-to-video transformer has no image-conditioning "
+                               "input, so it cannot act here; set 0 or remove it")
         for name in ("log_interval", "summary_log_interval"):
             if getattr(self, name) < 1:
                 bad[name] = f"must be >= 1, found {getattr(self, name)}"
@@ -368,7 +370,8 @@ def adapter_kwargs_issues(adapter: str, kwargs: dict) -> dict[str, str]:
 
 
 def family_issues(adapter: str, source: Any, key: str) -> list[ConfigIssue]:
-    """A flux / qwen_image family key on a local pipeline whose model_index.json names another pipeline class."""
+    """A family key (flux, qwen_image, wan, simple) on a local pipeline whose model_index.json names another
+    pipeline class."""
     from automodel_diffusion.pipeline import read_model_index
 
     family, pipeline = ADAPTERS[adapter]
@@ -380,12 +383,13 @@ def family_issues(adapter: str, source: Any, key: str) -> list[ConfigIssue]:
 
 
 def apply_adapter(cfg: Config, model: Any) -> str | None:
-    """At build: the flux / qwen_image family keys need the built pipeline to be of that family; flux's
+    """At build: the flux / qwen_image / wan / simple family keys need the built pipeline to be of that family; flux's
     adapter_kwargs set its guidance (the returned note, if any, is for the run's log)."""
-    from automodel_diffusion.conditioning import FluxConditioning, QwenImageConditioning
+    from automodel_diffusion.conditioning import FluxConditioning, QwenImageConditioning, WanConditioning
 
     settings = given(cfg, "flow_matching")
-    built = {FLUX: FluxConditioning, QWEN_IMAGE: QwenImageConditioning}
+    built = {FLUX: FluxConditioning, QWEN_IMAGE: QwenImageConditioning, WAN: WanConditioning,
+             SIMPLE: WanConditioning}
     issues = [ConfigIssue(key, f"'{value}' ({ADAPTERS[value][0]}), but the pipeline is a "
                                f"{type(model.pipeline).__name__}; remove it or load a {ADAPTERS[value][1]}")
               for key, value in (("model.model_type", _model_type(cfg)),
@@ -427,6 +431,7 @@ class PerformanceSection:
 # ---- data.dataloader: upstream's text-to-image loader over a folder of images -----------------------------------
 
 LOADER_KEYS = ("num_workers", "shuffle", "drop_last", "pin_memory", "prefetch_factor")
+VIDEO_LOADERS = ("build_video_multiresolution_dataloader", "text_to_video_data")  # upstream's name, ours
 CACHE_FILES = ("*.pt", "*.pth", "**/*.pt", "**/*.pth")
 
 
@@ -454,10 +459,56 @@ def text_to_image_data(cache_dir: str, base_resolution: list[int] | None = None,
     if problems:
         raise AutomodelError("; ".join(f"data.dataloader.{k}: {v}" for k, v in problems.items()))
     resolution = (base_resolution or [512, 512])[0]
+    return ImageData(ImageCaptionDataset(cache_dir, resolution=resolution),
+                     loader_settings(num_workers, shuffle, drop_last, pin_memory, prefetch_factor))
+
+
+def loader_settings(num_workers: int, shuffle: bool, drop_last: bool, pin_memory: bool,
+                    prefetch_factor: int | None) -> dict[str, Any]:
+    """Upstream's loader keys as the data loader's settings."""
     loader = {"num_workers": num_workers, "shuffle": shuffle, "drop_last": drop_last, "pin_memory": pin_memory}
     if prefetch_factor is not None:
         loader["prefetch_factor"] = prefetch_factor
-    return ImageData(ImageCaptionDataset(cache_dir, resolution=resolution), loader)
+    return loader
+
+
+def text_to_video_data(cache_dir: str, model_type: str = WAN, base_resolution: list[int] | None = None,
+                       num_frames: int | None = None, dynamic_batch_size: bool = False, num_workers: int = 2,
+                       shuffle: bool = True, drop_last: bool = True, pin_memory: bool = False,
+                       prefetch_factor: int | None = None) -> ImageData:
+    """Upstream's ``build_video_multiresolution_dataloader`` over ``cache_dir``, which here is a folder of clips and
+    captions (the ``VideoCaptionDataset`` formats: animated GIF / WebP files or folders of frame images, with
+    ``.txt`` captions or a ``metadata.jsonl``) encoded through the pipeline's VAE and text encoder on the fly;
+    upstream's cache of precomputed latents (pickles) is never loaded. Every frame is resized and centre-cropped to
+    the square ``base_resolution``; ``num_frames`` (ours: upstream's cache fixes the frames when it is made) takes
+    the first frames of each clip (null: every frame; the clips must then be equally long). ``model_type`` is
+    ``wan`` only (HunyuanVideo and LTX-2 are not implemented)."""
+    from automodel_diffusion.datasets import VideoCaptionDataset
+
+    problems = text_to_video_issues(locals())
+    if problems:
+        raise AutomodelError("; ".join(f"data.dataloader.{k}: {v}" for k, v in problems.items()))
+    resolution = (base_resolution or [512, 512])[0]
+    return ImageData(VideoCaptionDataset(cache_dir, resolution=resolution, num_frames=num_frames),
+                     loader_settings(num_workers, shuffle, drop_last, pin_memory, prefetch_factor))
+
+
+def text_to_video_issues(settings: dict[str, Any]) -> dict[str, str]:
+    """Key -> why, for upstream text-to-video loader settings that cannot act here."""
+    bad = {k: v for k, v in text_to_image_issues(settings).items() if k != "cache_dir"}
+    model_type = settings.get("model_type", WAN)
+    if model_type != WAN:
+        bad["model_type"] = (f"'{model_type}': {family_refusal(model_type)}; only wan clips are read here")
+    frames = settings.get("num_frames")
+    if frames is not None and (isinstance(frames, bool) or not isinstance(frames, int) or frames < 1):
+        bad["num_frames"] = f"expected a number of frames >= 1, found {frames!r}"
+    cache = settings.get("cache_dir")
+    if isinstance(cache, str) and Path(cache).is_dir() and _is_latent_cache(Path(cache)):
+        bad["cache_dir"] = (f"'{cache}' is upstream's cache of precomputed latents (torch.save files): it is never "
+                            "loaded here, because loading it unpickles; point cache_dir at the clips and captions "
+                            "(animated .gif / .webp files or folders of frames, with .txt captions or a "
+                            "metadata.jsonl) instead")
+    return bad
 
 
 def text_to_image_issues(settings: dict[str, Any]) -> dict[str, str]:
@@ -564,8 +615,11 @@ def _data_issues(data: Any, seed: int) -> list[ConfigIssue]:
     if not isinstance(data, ConfigNode) or set(data) != {"dataloader"} or not isinstance(data["dataloader"],
                                                                                           ConfigNode):
         return [ConfigIssue("data", "expected {dataloader: {_target_: <upstream data loader builder>, ...}}")]
-    settings = {k: v for k, v in data["dataloader"].to_dict().items() if k != "_target_"}
-    issues = [ConfigIssue(f"data.dataloader.{k}", v) for k, v in text_to_image_issues(settings).items()]
+    loader = data["dataloader"]
+    settings = {k: v for k, v in loader.to_dict().items() if k != "_target_"}
+    video = str(loader.target).rsplit(".", 1)[-1] in VIDEO_LOADERS
+    check = text_to_video_issues if video else text_to_image_issues
+    issues = [ConfigIssue(f"data.dataloader.{k}", v) for k, v in check(settings).items()]
     if settings.get("seed") is not None and settings["seed"] != seed:
         issues.append(ConfigIssue("data.dataloader.seed", f"{settings['seed']}: the loader shuffles with the run's "
                                                           f"seed ({seed}) here; remove it or make them agree"))
