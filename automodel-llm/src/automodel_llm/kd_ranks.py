@@ -136,9 +136,9 @@ def split_issues(data: dict) -> list[ConfigIssue]:
     needed = separate_world(data)
     launch = f"launch with --nproc-per-node {needed}" if needed > 1 else "set distributed.dp_size"
     if students < 1 or students + teachers != world:
-        return [ConfigIssue("teacher_distributed.dp_size", f"the student's {max(students, 0)} rank(s) (distributed.*) "
-                            f"and the teacher's {teachers} (teacher_distributed.dp_size) must add up to this run's "
-                            f"{world} ({world_size_source()}); {launch}, or change the sizes")]
+        return [ConfigIssue("teacher_distributed.dp_size", f"the student's {max(students, 0)} rank(s) "
+                            f"(distributed.*) and the teacher's {teachers} rank(s) (teacher_distributed.dp_size) must "
+                            f"add up to this run's {world} ({world_size_source()}); {launch}, or change the sizes")]
     if teachers > students:
         return [ConfigIssue("teacher_distributed.dp_size", f"{teachers} teacher ranks for {students} student "
                             f"rank(s): each teacher rank serves whole student ranks, so {teachers - students} would "
