@@ -101,8 +101,8 @@ def layout(request, kd_config, tmp_path_factory):
 
 
 def test_the_teacher_on_its_own_rank_gives_the_colocated_runs_losses_and_weights(layout):
-    colocated, separate, log, _ = layout
-    assert "the teacher runs on ranks" in log
+    colocated, separate, log, ranks = layout
+    assert f"the teacher runs on rank {ranks - 1} (a whole copy on each)" in log
     assert losses(separate) == pytest.approx(losses(colocated), rel=1e-5)
     assert [v for _, v in val_losses(separate)] == pytest.approx([v for _, v in val_losses(colocated)], rel=1e-5)
     assert_same_weights(separate / "epoch_0_step_4" / "model", colocated / "epoch_0_step_4" / "model")

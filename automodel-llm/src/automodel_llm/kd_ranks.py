@@ -45,9 +45,13 @@ class RankSplit:
         return [s for s in range(self.students) if self.teacher_of(s) == teacher]
 
     def describe(self) -> str:
-        return (f"separate_meshes: the student trains on ranks 0..{self.students - 1}, the teacher runs on ranks "
-                f"{self.students}..{self.world - 1} (a whole copy on each); student rank s gets its teacher logits "
+        return (f"separate_meshes: the student trains on {_ranks(0, self.students)}, the teacher runs on "
+                f"{_ranks(self.students, self.world)} (a whole copy on each); student rank s gets its teacher logits "
                 f"from rank {self.students} + s % {self.teachers}")
+
+
+def _ranks(first: int, end: int) -> str:
+    return f"rank {first}" if end - first == 1 else f"ranks {first}..{end - 1}"
 
 
 def teacher_ranks(data: dict) -> int:
