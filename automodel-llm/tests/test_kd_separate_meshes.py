@@ -152,3 +152,42 @@ def test_the_student_layout_is_validated_on_the_students_ranks(kd_config):
         _, cfg = load_config(kd_config, "--separate_meshes", "true", "--distributed.dp_size", "2",
                              "--teacher_distributed.strategy", "ddp", route=("kd", "llm"))
     assert cfg.resolved["separate_meshes"] is True
+
+
+def _link_rank(rank: int, rendezvous: str, results) -> None:
+    """One rank of a 1 student + 1 teacher link: the student asks for a batch of every kind of tensor a run sends,
+    the teacher answers with a bf16 function of it."""
+    import torch
+
+    from automodel_llm.kd_link import TeacherLink
+    from automodel_llm.kd_ranks import RankSplit
+
+    link = TeacherLink(RankSplit(students=1, teachers=1), rank, 1.0, rendezvous)
+    try:
+        if rank == 1:
+            results.put(("served", link.serve(lambda b: (b["x"] * b["mask"]).to(torch.bfloat16) + b["n"],
+                                              torch.device("cpu"))))
+            return
+        batch = {"x": torch.randn(2, 3), "mask": torch.tensor([[True, False, True]] * 2), "n": torch.tensor(3),
+                 "empty": torch.zeros(0, 4, dtype=torch.int64)}
+        answers = [link.teacher_logits(batch) for _ in range(2)]
+        link.stop()
+        expected = (batch["x"] * batch["mask"]).to(torch.bfloat16) + 3
+        results.put(("equal", all(a.dtype == torch.bfloat16 and torch.equal(a, expected) for a in answers)))
+    finally:
+        link.close()
+
+
+def test_the_link_carries_any_dtype_and_shape_both_ways(tmp_path):
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    rendezvous = f"file://{tmp_path / 'rendezvous'}"
+    ranks = [context.Process(target=_link_rank, args=(rank, rendezvous, results)) for rank in (0, 1)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(timeout=120)
+    assert [process.exitcode for process in ranks] == [0, 0]
+    assert dict(results.get(timeout=1) for _ in ranks) == {"served": 2, "equal": True}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -157,11 +158,14 @@ class KnowledgeDistillationRecipe(FinetuneRecipeForNextTokenPrediction):
         try:
             if self.link.split.is_teacher(rank()):
                 self.serve_teacher_logits()
-            else:
-                try:
-                    super().run_train_validation_loop()
-                finally:
+                return
+            try:
+                super().run_train_validation_loop()
+            except BaseException:
+                with contextlib.suppress(RuntimeError):  # the teacher rank may be what failed: keep the first error
                     self.link.stop()
+                raise
+            self.link.stop()
         finally:
             self.link.close()
 
