@@ -181,7 +181,8 @@ def describe_callable(dotted: str, runtime_args: tuple[str, ...]) -> list[str]:
 
 def describe_free(name: str, spec: Any) -> list[str]:
     text = (spec.help or "passed through unchecked").rstrip(".")
-    return [f"### `{name}`", "", f"Free section: {text}. Its keys are not checked by validation.", ""]
+    checked = "No schema checks its keys; the recipe or builder that reads it does."
+    return [f"### `{name}`", "", f"Free section: {text}. {checked}", ""]
 
 
 def describe_alias(name: str, spec: Any) -> list[str]:

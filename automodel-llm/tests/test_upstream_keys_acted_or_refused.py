@@ -50,15 +50,6 @@ def test_prewarm_off_distributed_config_and_longalign_validate_and_the_metadata_
     assert "'longalign' (a key of upstream's GLM-5.2 LoRA example that nothing in upstream reads)" in cfg.notes[0]
 
 
-def test_a_separate_teacher_mesh_is_refused_and_false_is_accepted(tmp_path):
-    found = refusals(with_sections(tmp_path, "kd_upstream.yaml", separate_meshes=True,
-                                   teacher_distributed={"dp_size": 1, "cp_size": 2}), route=("kd", "llm"))
-    assert "teacher is a whole frozen copy on every rank of the student" in found["separate_meshes"]
-    assert "the teacher's own layout" in found["teacher_distributed"]
-    _, cfg = load_config(with_sections(tmp_path, "kd_upstream.yaml", separate_meshes=False), route=("kd", "llm"))
-    assert cfg.resolved["separate_meshes"] is False
-
-
 def test_qat_config_sets_the_quantizer_and_group_size_as_upstreams_does():
     form = FORMS / "qat_upstream_keys.yaml"
     _, cfg = load_config(form)

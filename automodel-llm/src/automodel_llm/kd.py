@@ -2,15 +2,28 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from automodel.config import Free, Refused, Target
+from automodel.config import Free, Target
 from automodel.errors import ConfigIssue
 from automodel.model_kwargs import MTP_KEYS
+from automodel.training.dist import rank, world_size
 from automodel.training.loss import LINEAR, loss_fn_named
+from automodel.training.parallelism import run_precision, shards_with_fsdp2
+from automodel_llm.kd_link import TeacherLink
+from automodel_llm.kd_ranks import (
+    TEACHER_KEYS,
+    rank_split,
+    separate_world,
+    split_issues,
+    student_world,
+    teacher_section_issues,
+)
 from automodel_llm.recipe import FinetuneRecipeForNextTokenPrediction
 
 IGNORE_INDEX = -100
@@ -41,11 +54,6 @@ class KDLoss(torch.nn.Module):
         return (kept.float() if self.fp32_upcast else kept) / self.temperature
 
 
-# Why upstream's separate teacher mesh (separate_meshes / teacher_distributed) is refused
-_TEACHER_PLACEMENT = ("here the teacher is a whole frozen copy on every rank of the student, fed the student's own "
-                      "batches; putting it on ranks of its own and sending its logits across is not implemented")
-
-
 class KnowledgeDistillationRecipe(FinetuneRecipeForNextTokenPrediction):
     """Trains the student (``model``) towards a frozen ``teacher_model`` and the labels."""
 
@@ -63,15 +71,31 @@ class KnowledgeDistillationRecipe(FinetuneRecipeForNextTokenPrediction):
         "kd_ratio": Free("weight of the KD term in [0, 1] (0: plain fine-tuning)"),
         "temperature": Free("softmax temperature of the KD term (default 1.0)"),
         "kd_loss_fn": Target("the distillation loss (default automodel_llm.kd.KDLoss)"),
-        "separate_meshes": Free("upstream's choice of ranks of its own for the teacher: false only (the default, "
-                                "upstream's too: the teacher runs on the student's ranks)"),
-        "teacher_distributed": Refused(f"the teacher's own layout (upstream's, with separate_meshes: true); "
-                                       f"{_TEACHER_PLACEMENT}: remove the section"),
+        "separate_meshes": Free("false (the default): a frozen teacher on every student rank; true: the teacher on "
+                                "ranks of its own (the last teacher_distributed.dp_size ranks), which send their "
+                                "logits to the student's ranks"),
+        "teacher_distributed": Free(f"the teacher's ranks with separate_meshes: true; keys {', '.join(TEACHER_KEYS)}:"
+                                    " dp_size teacher ranks, each a whole copy (the other sizes 1)"),
     }
+
+    link: TeacherLink | None = None  # separate_meshes: true: this rank's end of the student-teacher link
+
+    @classmethod
+    def own_world(cls, data: dict, nodes: int = 1) -> tuple[int, int]:
+        """With separate_meshes: true the student's layout plus the teacher's ranks."""
+        if data.get("separate_meshes") is True:
+            return separate_world(data), nodes
+        return super().own_world(data, nodes)
+
+    @classmethod
+    def describe_plan(cls, cfg: Any) -> list[str]:
+        with student_world(cfg.resolved):
+            return super().describe_plan(cfg)
 
     @classmethod
     def check_config(cls, cfg: Any) -> list[ConfigIssue]:
-        issues = super().check_config(cfg)
+        with student_world(cfg.resolved):
+            issues = super().check_config(cfg)
         ratio = cfg.resolved.get("kd_ratio", 0.5)
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1:
             issues.append(ConfigIssue("kd_ratio", f"expected a number in [0, 1], found {ratio!r}"))
@@ -79,12 +103,9 @@ class KnowledgeDistillationRecipe(FinetuneRecipeForNextTokenPrediction):
         if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature <= 0:
             issues.append(ConfigIssue("temperature", f"expected a number > 0, found {temperature!r}"))
         separate = cfg.resolved.get("separate_meshes", False)
-        if separate is True:
-            issues.append(ConfigIssue("separate_meshes", f"true puts the teacher on ranks of its own (upstream's "
-                                                         f"teacher_distributed: layout); {_TEACHER_PLACEMENT}: set "
-                                                         "false and remove teacher_distributed"))
-        elif separate not in (False, None):
+        if separate not in (True, False, None):
             issues.append(ConfigIssue("separate_meshes", f"expected true or false, found {separate!r}"))
+        issues += teacher_section_issues(cfg.resolved) + split_issues(cfg.resolved)
         teacher = cfg.teacher_model
         for key in MTP_KEYS:
             if teacher is not None and teacher.get(key) not in (None, False, 0):
@@ -99,25 +120,79 @@ class KnowledgeDistillationRecipe(FinetuneRecipeForNextTokenPrediction):
 
     def setup(self) -> None:
         self.kd_ratio = float(self.cfg.resolved.get("kd_ratio", 0.5))
+        split = rank_split(self.cfg.resolved, world_size())
+        if split is not None:
+            env = self.cfg.dist_env
+            self.link = TeacherLink(split, rank(), env.timeout_minutes, env.init_method)
+            if split.is_teacher(rank()):
+                self.teacher = self.build_teacher(self.select_device())
+                return
+            os.environ["WORLD_SIZE"] = str(split.students)  # the student's run is a run on its ranks only
         super().setup()
-        teacher = self.cfg.teacher_model.instantiate()
-        teacher.to(self.device).eval()
-        teacher.requires_grad_(False)
-        self.teacher = teacher
-        self.teacher_head = self.attach_head(teacher) if self.cfg.logits.label_positions_only else None
+        if split is None:
+            self.teacher = self.build_teacher(self.device)
         node = self.cfg.kd_loss_fn
         temperature = float(self.cfg.resolved.get("temperature", 1.0))
         self.kd_loss_fn = node.instantiate() if node is not None else KDLoss(temperature)
         self.log(f"distilling from {self.cfg.teacher_model.target} (frozen) with kd_ratio={self.kd_ratio}")
-        if self.cfg.resolved.get("separate_meshes") is False:
-            self.log("note: separate_meshes: false is what runs: the teacher is on every rank of the student")
+        self.log(split.describe() if split is not None else "the teacher is a frozen copy on every rank of the "
+                 "student (separate_meshes: false)")
+
+    def process_group_store(self) -> Any:
+        return self.link.student_store() if self.link is not None else None
+
+    def build_teacher(self, device: torch.device) -> torch.nn.Module:
+        """The frozen teacher on ``device``, with its output head on the label positions where the student's is."""
+        teacher = self.cfg.teacher_model.instantiate()
+        teacher.to(device).eval()
+        teacher.requires_grad_(False)
+        self.teacher_head = self.attach_head(teacher) if self.cfg.logits.label_positions_only else None
+        return teacher
+
+    def run_train_validation_loop(self) -> None:
+        """A teacher rank serves its students until each has stopped; a student rank trains, then stops its teacher
+        rank (also when its training failed, so that the teacher rank does not wait out the timeout)."""
+        if self.link is None:
+            super().run_train_validation_loop()
+            return
+        try:
+            if self.link.split.is_teacher(rank()):
+                self.serve_teacher_logits()
+                return
+            try:
+                super().run_train_validation_loop()
+            except BaseException:
+                with contextlib.suppress(RuntimeError):  # the teacher rank may be what failed: keep the first error
+                    self.link.stop()
+                raise
+            self.link.stop()
+        finally:
+            self.link.close()
+
+    def serve_teacher_logits(self) -> None:
+        """(teacher rank) The teacher's logits of each micro-batch its students send, computed as a student rank
+        computes them with the teacher beside it: the same forward, precision and output head."""
+        cfg, device = self.cfg, self.select_device()
+        students = self.link.split.students
+        fsdp2 = shards_with_fsdp2(cfg, self.pipeline_selection(cfg).get("sharding", (None, ""))[0], students)
+        precision = run_precision(cfg, device, fsdp2)[0]
+
+        @torch.no_grad()
+        def forward(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+            with precision.forward_context(device.type, fsdp2):
+                return self.next_token_logits(self.teacher, batch, self.teacher_head)[0]
+
+        self.link.serve(forward, device)
 
     def compute_loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         logits, targets = self.next_token_logits(model, batch, self.head_positions)
         ce = self.loss_fn(logits, targets)
         if self.kd_ratio == 0:
             return ce
-        with torch.no_grad():
-            teacher_logits, _ = self.next_token_logits(self.teacher, batch, self.teacher_head)
+        if self.link is not None:
+            teacher_logits = self.link.teacher_logits(batch)
+        else:
+            with torch.no_grad():
+                teacher_logits, _ = self.next_token_logits(self.teacher, batch, self.teacher_head)
         kd = self.kd_loss_fn(logits, teacher_logits, targets)
         return (1 - self.kd_ratio) * ce + self.kd_ratio * kd

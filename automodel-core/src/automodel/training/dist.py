@@ -77,9 +77,10 @@ def is_distributed() -> bool:
 
 
 def init_process_group(backend: str | None, timeout_minutes: float, log: Callable[[str], None],
-                       init_method: str | None = None) -> None:
+                       init_method: str | None = None, store: Any = None) -> None:
     """Join the torchrun job (nccl on CUDA, gloo on CPU; a configured nccl without CUDA falls back to gloo) through
-    ``init_method`` (torch's default: env://, the MASTER_ADDR / MASTER_PORT torchrun sets)."""
+    ``init_method`` (torch's default: env://, the MASTER_ADDR / MASTER_PORT torchrun sets), or through ``store``, a
+    rendezvous store the recipe already holds (then ``init_method`` is how that store was reached)."""
     if world_size() <= 1 or dist.is_initialized():
         return
     chosen = backend or ("nccl" if torch.cuda.is_available() else "gloo")
@@ -88,8 +89,8 @@ def init_process_group(backend: str | None, timeout_minutes: float, log: Callabl
         chosen = "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank())
-    dist.init_process_group(chosen, init_method=init_method, rank=rank(), world_size=world_size(),
-                            timeout=datetime.timedelta(minutes=timeout_minutes))
+    dist.init_process_group(chosen, init_method=None if store is not None else init_method, store=store, rank=rank(),
+                            world_size=world_size(), timeout=datetime.timedelta(minutes=timeout_minutes))
     log(f"process group: {chosen}, {world_size()} processes, rendezvous {init_method or 'env://'}")
 
 

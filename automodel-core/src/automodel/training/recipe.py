@@ -238,12 +238,17 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
         if debug_enabled():
             self.log(message)
 
+    def process_group_store(self) -> Any:
+        """The store the ranks of this run form torch's default group through: None, the rendezvous of
+        ``dist_env.init_method`` (a recipe whose run holds ranks of another kind keeps its own group apart)."""
+        return None
+
     def build_context(self) -> BuildContext:
         """What builders and stages see; the process group is joined first (the device depends on it), then the
         device mesh is built and the precision resolved (both validated with the config)."""
         cfg = self.cfg
         env = cfg.dist_env
-        init_process_group(env.backend, env.timeout_minutes, self.log, env.init_method)
+        init_process_group(env.backend, env.timeout_minutes, self.log, env.init_method, self.process_group_store())
         rendezvous = [f"{k}={getattr(env, k)}" for k in ("master_addr", "master_port", "init_method")
                       if getattr(env, k) is not None]
         if rendezvous and world_size() == 1:

@@ -1,0 +1,193 @@
+"""Knowledge distillation with the teacher on ranks of its own (``separate_meshes: true``), on CPU ranks (gloo).
+
+The student ranks send each micro-batch to their teacher rank and get its logits back, so a run's losses and
+weights equal those of the run with the teacher beside the student on the same student ranks: 1 student + 1
+teacher rank against one process, 2 students + 1 teacher rank against two ranks. One run of each layout serves
+every test of it (multi-rank runs are the slow part of the suite). The separate-mesh runs go through a KD recipe of
+this test's own (a plugin distribution) that lists each rank's native threads at exit: the link's gloo threads must
+be gone before interpreter shutdown, on the teacher rank too (see automodel-core's test_clean_exit.py).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import yaml
+from llm_testing import VALIDATION, assert_same_weights, losses, val_losses, write_config
+
+from automodel.errors import ConfigError
+from automodel.testing import load_config, run_cli, write_dist, write_yaml
+from automodel.training.dist import planned_world_size
+
+ORDERED = ["--step_scheduler.max_steps", "4", "--dataloader.batch_size", "2", "--dataloader.shuffle", "false",
+           "--step_scheduler.val_check_interval", "2"]
+
+
+THREAD_REPORTING_KD = '''
+import atexit
+import os
+from pathlib import Path
+
+from automodel_llm.kd import KnowledgeDistillationRecipe
+
+
+def record_threads(path):
+    path.write_text("\\n".join((task / "comm").read_text().strip() for task in Path("/proc/self/task").iterdir()))
+
+
+class ThreadReportingKD(KnowledgeDistillationRecipe):
+    """The KD run; at exit, the names of this rank's native threads go to threads-<rank>.txt."""
+
+    def setup(self):
+        atexit.register(record_threads, Path(f"threads-{os.environ['RANK']}.txt").resolve())
+        super().setup()
+'''
+
+PLUGIN = '''
+from automodel import hookimpl
+
+
+@hookimpl
+def automodel_allowed_targets():
+    return ["kd_exit_probe"]
+'''
+
+
+@pytest.fixture(scope="module")
+def kd_config(tmp_path_factory, tiny_llama_config):
+    tmp = tmp_path_factory.mktemp("kd")
+    teacher = {"_target_": "automodel_llm.AutoModelForCausalLM.from_config", "config": str(tiny_llama_config),
+               "seed": 7}
+    return write_config(tmp / "kd.yaml", tiny_llama_config, tmp / "ckpt", teacher_model=teacher, kd_ratio=0.5,
+                        temperature=2.0, validation_dataset=VALIDATION)
+
+
+def _kd_run(command, config, directory, *args, **env) -> str:
+    """``automodel <command> -c config`` into ``directory`` (several processes: a free rendezvous port); its log."""
+    from automodel.testing import free_port
+
+    port = ["--master-port", str(free_port())] if "--nproc-per-node" in args else []
+    result = run_cli(*command, "-c", config, *ORDERED, *args, *port, "--checkpoint.checkpoint_dir", directory,
+                     cwd=directory.parent, OMP_NUM_THREADS="1", **env)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result.stderr
+
+
+def _thread_reporting(config, tmp):
+    """``config`` run by the thread-reporting KD recipe, and the PYTHONPATH that finds its distribution."""
+    dist = write_dist(tmp / "dist", "kd-exit-probe", "0.1", {"kd_exit_probe": "kd_exit_probe.plugin"},
+                      {"kd_exit_probe/__init__.py": "", "kd_exit_probe/recipe.py": THREAD_REPORTING_KD,
+                       "kd_exit_probe/plugin.py": PLUGIN})
+    data = yaml.safe_load(config.read_text())
+    data["recipe"] = {"_target_": "kd_exit_probe.recipe.ThreadReportingKD"}
+    pythonpath = os.pathsep.join(filter(None, [str(dist), os.environ.get("PYTHONPATH")]))
+    return write_yaml(tmp / "probe.yaml", data), pythonpath
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["1_student", "2_students"])
+def layout(request, kd_config, tmp_path_factory):
+    """(colocated run, separate-mesh run, its log, its ranks) for ``request.param`` student ranks and one teacher
+    rank."""
+    students = request.param
+    tmp = tmp_path_factory.mktemp(f"students{students}")
+    ranks = ["--nproc-per-node", str(students)] if students > 1 else []
+    _kd_run(("kd", "llm"), kd_config, tmp / "colocated", *ranks)
+    probe, pythonpath = _thread_reporting(kd_config, tmp)
+    log = _kd_run(("run",), probe, tmp / "separate", "--nproc-per-node", str(students + 1), "--separate_meshes",
+                  "true", "--distributed.dp_size", str(students), "--teacher_distributed.dp_size", "1",
+                  PYTHONPATH=pythonpath)
+    return tmp / "colocated", tmp / "separate", log, students + 1
+
+
+def test_the_teacher_on_its_own_rank_gives_the_colocated_runs_losses_and_weights(layout):
+    colocated, separate, log, ranks = layout
+    assert f"the teacher runs on rank {ranks - 1} (a whole copy on each)" in log
+    assert losses(separate) == pytest.approx(losses(colocated), rel=1e-5)
+    assert [v for _, v in val_losses(separate)] == pytest.approx([v for _, v in val_losses(colocated)], rel=1e-5)
+    assert_same_weights(separate / "epoch_0_step_4" / "model", colocated / "epoch_0_step_4" / "model")
+    # the teacher rank writes nothing: the checkpoints hold the same files as the colocated run's
+    files = sorted(p.relative_to(separate).as_posix() for p in separate.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(colocated).as_posix() for p in colocated.rglob("*") if p.is_file())
+
+
+def test_no_rank_leaves_a_gloo_thread_to_interpreter_shutdown(layout):
+    _, separate, _, ranks = layout
+    reports = sorted(separate.parent.glob("threads-*.txt"))
+    assert [report.name for report in reports] == [f"threads-{rank}.txt" for rank in range(ranks)]  # the teacher's too
+    for report in reports:
+        threads = report.read_text().split()
+        assert threads and not [name for name in threads if "gloo" in name], (report.name, threads)
+
+
+def _issues(config, world, *overrides) -> dict[str, str]:
+    with planned_world_size(world, f"--nproc-per-node {world}"), pytest.raises(ConfigError) as info:
+        load_config(config, *overrides, route=("kd", "llm"))
+    return {issue.key: issue.message for issue in info.value.issues}
+
+
+def test_sizes_that_do_not_fill_the_world_name_the_keys_and_the_launch(kd_config):
+    found = _issues(kd_config, 4, "--separate_meshes", "true", "--distributed.dp_size", "1")
+    message = found["teacher_distributed.dp_size"]
+    assert "the student's 1 rank(s) (distributed.*) and the teacher's 1 rank(s)" in message
+    assert "this run's 4" in message and "launch with --nproc-per-node 2" in message
+    found = _issues(kd_config, 3, "--separate_meshes", "true", "--teacher_distributed.dp_size", "2")
+    assert "1 would serve none" in found["teacher_distributed.dp_size"]
+
+
+def test_teacher_layout_keys_that_cannot_act_are_refused_with_the_reason(kd_config):
+    found = _issues(kd_config, 4, "--separate_meshes", "true", "--distributed.dp_size", "2",
+                    "--teacher_distributed.dp_size", "2", "--teacher_distributed.tp_size", "2",
+                    "--teacher_distributed.strategy", "fsdp2", "--teacher_distributed.pipeline.pp_schedule", "1f1b")
+    assert "teacher's own tensor, context, pipeline or expert parallelism is not implemented" in \
+        found["teacher_distributed.tp_size"]
+    assert "fsdp2 would shard the teacher over its 2 ranks" in found["teacher_distributed.strategy"]
+    assert "not acted on" in found["teacher_distributed.pipeline"]
+    found = _issues(kd_config, 1, "--teacher_distributed.dp_size", "1")
+    assert "only with separate_meshes: true" in found["teacher_distributed"]
+
+
+def test_the_student_layout_is_validated_on_the_students_ranks(kd_config):
+    with planned_world_size(3, "--nproc-per-node 3"):
+        _, cfg = load_config(kd_config, "--separate_meshes", "true", "--distributed.dp_size", "2",
+                             "--teacher_distributed.strategy", "ddp", route=("kd", "llm"))
+    assert cfg.resolved["separate_meshes"] is True
+
+
+def _link_rank(rank: int, rendezvous: str, results) -> None:
+    """One rank of a 1 student + 1 teacher link: the student asks for a batch of every kind of tensor a run sends,
+    the teacher answers with a bf16 function of it."""
+    import torch
+
+    from automodel_llm.kd_link import TeacherLink
+    from automodel_llm.kd_ranks import RankSplit
+
+    link = TeacherLink(RankSplit(students=1, teachers=1), rank, 1.0, rendezvous)
+    try:
+        if rank == 1:
+            results.put(("served", link.serve(lambda b: (b["x"] * b["mask"]).to(torch.bfloat16) + b["n"],
+                                              torch.device("cpu"))))
+            return
+        batch = {"x": torch.randn(2, 3), "mask": torch.tensor([[True, False, True]] * 2), "n": torch.tensor(3),
+                 "empty": torch.zeros(0, 4, dtype=torch.int64)}
+        answers = [link.teacher_logits(batch) for _ in range(2)]
+        link.stop()
+        expected = (batch["x"] * batch["mask"]).to(torch.bfloat16) + 3
+        results.put(("equal", all(a.dtype == torch.bfloat16 and torch.equal(a, expected) for a in answers)))
+    finally:
+        link.close()
+
+
+def test_the_link_carries_any_dtype_and_shape_both_ways(tmp_path):
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    rendezvous = f"file://{tmp_path / 'rendezvous'}"
+    ranks = [context.Process(target=_link_rank, args=(rank, rendezvous, results)) for rank in (0, 1)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(timeout=120)
+    assert [process.exitcode for process in ranks] == [0, 0]
+    assert dict(results.get(timeout=1) for _ in ranks) == {"served": 2, "equal": True}
