@@ -96,10 +96,9 @@ def automodel_register_aliases(aliases) -> None:
                         "THD batches (sequences concatenated, qkv_format thd) feed Transformer Engine's attention "
                         "kernels, which need a CUDA GPU and Transformer Engine; remove collate_fn (the default "
                         "pads each batch; packed_sequence: packs samples for Hugging Face attention)")
-    aliases.unsupported("nemo_automodel.components.datasets.llm.megatron_dataset.MegatronPretraining",
-                        "Megatron's indexed binary data (.bin / .idx, with megatron-core's compiled index "
-                        "helpers) is not read here; use PretrainingTextDataset on the text (JSONL / parquet / "
-                        "text files or a hub data set)")
+    aliases.target("MegatronPretraining", "automodel_llm.datasets.megatron.MegatronPretraining")
+    aliases.target("nemo_automodel.components.datasets.llm.megatron_dataset.MegatronPretraining",
+                   "automodel_llm.datasets.megatron.MegatronPretraining")
     aliases.target("nemo_automodel.components.datasets.llm.mock_iterable_dataset.MockIterableDataset",
                    "automodel_llm.datasets.mock_iterable_dataset")
     aliases.target("NanogptDataset", "automodel_llm.datasets.nanogpt.NanogptDataset")
