@@ -13,8 +13,9 @@ from llm_testing import losses as train_losses
 
 from automodel.errors import AutomodelError
 from automodel.testing import run_cli, train_inprocess, write_yaml
-from automodel_llm.datasets.indexed import IndexedTokens, jsonl_to_indexed, write_indexed
+from automodel_llm.datasets.indexed import IndexedTokens, write_indexed
 from automodel_llm.datasets.megatron import MegatronPretraining, parse_split, split_ranges
+from automodel_llm.datasets.write_megatron import jsonl_to_indexed
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven small birds sing in the old green tree".split()
 
@@ -162,6 +163,14 @@ def test_a_blend_follows_its_weights_and_the_index_cache_is_reused(tmp_path):
     per_split = MegatronPretraining({"train": [str(tmp_path / "a")], "valid": [str(tmp_path / "b")]}, seq_length=4,
                                     splits_to_build="validation")
     assert len(per_split) == (300 - 1) // 4 and per_split[0]["input_ids"][0].item() == 2
+    # a JSON file holds either form: upstream's mapping of splits, or Megatron's flat weighted list with split
+    (tmp_path / "blend.json").write_text(json.dumps({"train": ["1", str(tmp_path / "a"), "1", str(tmp_path / "c")],
+                                                     "dev": [str(tmp_path / "b")]}))
+    (tmp_path / "flat.json").write_text(json.dumps(["1", str(tmp_path / "a"), "1", str(tmp_path / "c")]))
+    for name in ("blend.json", "flat.json"):
+        half = MegatronPretraining(str(tmp_path / name), seq_length=4, split="1,0,0", splits_to_build="train",
+                                   run_samples=20)
+        assert [half[i]["input_ids"][0].item() for i in range(20)].count(3) == 10
 
 
 def upstream_form(tmp_path: Path, model_config: Path) -> Path:

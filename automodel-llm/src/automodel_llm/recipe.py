@@ -50,7 +50,7 @@ IGNORE_INDEX = -100
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
 DATASETS = tuple(f"automodel_llm.datasets.{name}" for name in (
     "SquadDataset", "make_squad_dataset", "ColumnMappedTextInstructionDataset", "ChatDataset",
-    "AgentChatDataset", "XlamDataset", "PretrainingTextDataset", "MockDataset"))
+    "AgentChatDataset", "XlamDataset", "PretrainingTextDataset", "MegatronPretraining", "MockDataset"))
 
 
 def dataset_section(help: str, required: bool = False) -> Target:

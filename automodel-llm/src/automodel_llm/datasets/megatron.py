@@ -75,12 +75,10 @@ def _is_number(value: Any) -> bool:
 
 
 def parse_blend(paths: Any, key: str = "dataset.paths") -> tuple[list[str], list[float] | None]:
-    """Prefixes and weights (None: unweighted) of a path, a glob of .bin / .idx files, a JSON file of a list, or a
-    list of prefixes or of weight, prefix pairs."""
+    """Prefixes and weights (None: unweighted) of a path, a glob of .bin / .idx files, or a list of prefixes or of
+    weight, prefix pairs."""
     if isinstance(paths, (str, Path)):
         paths = str(paths)
-        if paths.endswith(".json"):
-            return parse_blend(_read_json(paths, key), key)
         if not glob.has_magic(paths):
             return [paths], None
         found = sorted(glob.glob(paths))
@@ -121,31 +119,31 @@ def per_split_paths(paths: Mapping[str, Any], key: str) -> dict[str, Any]:
     return {_SPLIT_NAMES[name]: value for name, value in paths.items()}
 
 
-def sample_starts(lengths: np.ndarray, documents: np.ndarray, num_samples: int | None, seq_length: int,
-                  rng: np.random.RandomState) -> tuple[np.ndarray, np.ndarray, int]:
-    """The document order (epochs of ``documents`` each shuffled), each sample's start in that order's token stream
-    and the sample count: ``num_samples``, or one epoch's worth when None."""
+def document_order(lengths: np.ndarray, documents: np.ndarray, num_samples: int | None, seq_length: int,
+                   rng: np.random.RandomState) -> tuple[np.ndarray, int]:
+    """The documents laid end to end (as many epochs of ``documents`` as the samples need, each shuffled) and the
+    sample count: ``num_samples``, or one epoch's worth when None. Sample ``k`` is the ``seq_length + 1`` tokens
+    from ``k x seq_length`` of that stream."""
     tokens = int(lengths[documents].sum())
     per_epoch = (tokens - 1) // seq_length
     if per_epoch < 1:
-        raise AutomodelError(f"the split's {len(documents)} documents hold {tokens} tokens, fewer than one "
-                             f"sample of seq_length + 1 = {seq_length + 1}")
+        raise AutomodelError(f"{len(documents)} documents of {tokens} tokens, fewer than one sample of "
+                             f"seq_length + 1 = {seq_length + 1}")
     count = per_epoch if num_samples is None else num_samples
     epochs = 1
     while (epochs * tokens - 1) // seq_length < count:
         epochs += 1
-    order = np.concatenate([rng.permutation(documents) for _ in range(epochs)]).astype(np.int64)
-    starts = np.arange(count, dtype=np.int64) * seq_length
-    return order, starts, count
+    return np.concatenate([rng.permutation(documents) for _ in range(epochs)]).astype(np.int64), count
 
 
 class _GPTSamples:
     """The samples of one file's split: ``seq_length + 1`` tokens from ``start`` in the shuffled stream."""
 
-    def __init__(self, source: IndexedTokens, documents: np.ndarray, num_samples: int | None, seq_length: int,
-                 seed: int, cache: Path | None):
-        self.source, self.seq_length = source, seq_length
-        arrays = _cached(cache, [source.prefix, len(source), int(documents[0]) if len(documents) else 0,
+    def __init__(self, source: IndexedTokens, split: str, documents: np.ndarray, num_samples: int | None,
+                 seq_length: int, seed: int, cache: Path | None):
+        self.source, self.split, self.seq_length = source, split, seq_length
+        arrays = _cached(cache, [source.prefix, len(source), int(source.lengths.sum()),
+                                 int(documents[0]) if len(documents) else 0,
                                  len(documents), num_samples, seq_length, seed],
                          lambda: self._build(documents, num_samples, seed))
         self.order, self.shuffle = arrays["order"], arrays["shuffle"]
@@ -153,7 +151,11 @@ class _GPTSamples:
 
     def _build(self, documents: np.ndarray, num_samples: int | None, seed: int) -> dict[str, np.ndarray]:
         rng = np.random.RandomState(seed)
-        order, _, count = sample_starts(self.source.lengths, documents, num_samples, self.seq_length, rng)
+        try:
+            order, count = document_order(self.source.lengths, documents, num_samples, self.seq_length, rng)
+        except AutomodelError as err:
+            raise AutomodelError(f"dataset.split: the {self.split} split of '{self.source.prefix}' holds {err}: "
+                                 "give it more of the documents (split) or lower seq_length") from None
         return {"order": order, "shuffle": rng.permutation(count).astype(np.int64)}
 
     def __len__(self) -> int:
@@ -274,6 +276,8 @@ class MegatronPretraining(Dataset):
         which = SPLITS.index(splits_to_build)
         asked = (num_train_samples if num_train_samples is not None else run_samples, num_val_samples,
                  num_test_samples)[which]
+        if isinstance(paths, (str, Path)) and str(paths).endswith(".json"):  # a list, or a mapping of splits
+            paths = _read_json(str(paths), "dataset.paths")
         if isinstance(paths, Mapping):
             split_paths = per_split_paths(paths, "dataset.paths")
             if splits_to_build not in split_paths:
@@ -301,8 +305,9 @@ class MegatronPretraining(Dataset):
             shares = [None] * len(sources)  # one pass over every file, blended by the weights
         else:
             shares = [math.ceil(asked * w * (1 + BLEND_SURPLUS)) for w in weights]
-        self.parts = [_GPTSamples(s, np.arange(start, end, dtype=np.int64), share, seq_length, seed + i, cache)
-                      for i, (s, (start, end), share) in enumerate(zip(sources, ranges, shares, strict=True))]
+        self.parts = [_GPTSamples(source, splits_to_build, np.arange(start, end, dtype=np.int64), share,
+                                  seq_length, seed + i, cache)
+                      for i, (source, (start, end), share) in enumerate(zip(sources, ranges, shares, strict=True))]
         if weights is None:
             self.files = np.zeros(len(self.parts[0]), dtype=np.int64)
             self.within = np.arange(len(self.parts[0]), dtype=np.int64)
