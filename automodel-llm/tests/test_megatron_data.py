@@ -41,6 +41,12 @@ def test_jsonl_written_and_read_back_are_the_tokenizers_ids(tmp_path):
         assert data.get(i).tolist() == tokenizer(text, add_special_tokens=False)["input_ids"] + [
             tokenizer.eos_token_id]
     assert IndexedTokens(tmp_path / "data" / "t", mmap=False).get(3, 2, 4).tolist() == data.get(3)[2:6].tolist()
+    # a line without text is named, and no data file is left without its index
+    with open(jsonl, "a", encoding="utf-8") as out:
+        out.write(json.dumps({"body": "no text key"}) + "\n")
+    with pytest.raises(AutomodelError, match=f"{jsonl}:13: the field 'text' is missing or not text"):
+        jsonl_to_indexed(jsonl, tmp_path / "bad", tokenizer)
+    assert not list(tmp_path.glob("bad.*"))
 
 
 def hand_written(prefix: Path, sequences: list[list[int]], ends: list[int], code: int = 4) -> Path:

@@ -108,11 +108,15 @@ def write_indexed(prefix: str | Path, documents: Iterable[Sequence[int]], dtype:
     prefix = str(prefix)
     Path(prefix).parent.mkdir(parents=True, exist_ok=True)
     lengths: list[int] = []
-    with open(prefix + ".bin", "wb") as out:
-        for tokens in documents:
-            array = np.asarray(tokens, dtype=dtype)
-            out.write(array.tobytes(order="C"))
-            lengths.append(len(array))
+    try:
+        with open(prefix + ".bin", "wb") as out:
+            for tokens in documents:
+                array = np.asarray(tokens, dtype=dtype)
+                out.write(array.tobytes(order="C"))
+                lengths.append(len(array))
+    except BaseException:
+        Path(prefix + ".bin").unlink(missing_ok=True)  # no data file without its index
+        raise
     pointers = np.concatenate([[0], np.cumsum(np.asarray(lengths, np.int64) * np.dtype(dtype).itemsize)])[:-1]
     with open(prefix + ".idx", "wb") as out:
         out.write(HEADER + struct.pack("<QBQQ", VERSION, code, len(lengths), len(lengths) + 1))

@@ -24,6 +24,7 @@ import glob
 import hashlib
 import json
 import math
+import os
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -186,8 +187,10 @@ def _cached(directory: Path | None, identity: list[Any], build) -> dict[str, np.
         return {part: np.load(path, allow_pickle=False) for part, path in paths.items()}
     arrays = build()
     directory.mkdir(parents=True, exist_ok=True)
-    for part, path in paths.items():
-        np.save(path, arrays[part], allow_pickle=False)
+    for part, path in paths.items():  # written aside, then renamed: a rank reading it meanwhile never sees half
+        partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.npy")
+        np.save(partial, arrays[part], allow_pickle=False)
+        os.replace(partial, path)
     return arrays
 
 
