@@ -109,6 +109,8 @@ def test_a_missing_file_is_named(tmp_path):
     (tmp_path / "m.bin").unlink()
     with pytest.raises(AutomodelError, match=f"dataset.paths: '{tmp_path / 'm.bin'}' does not exist"):
         MegatronPretraining(str(tmp_path / "m"), seq_length=2, splits_to_build="train")
+    with pytest.raises(AutomodelError, match="dataset.splits_to_build: missing; say which split"):
+        MegatronPretraining(str(tmp_path / "m"), seq_length=2)
 
 
 def test_split_strings_and_ranges():
@@ -252,6 +254,6 @@ def test_dataloader_type_acts_and_what_cannot_act_is_refused(tmp_path, tiny_llam
                   "validation_dataloader.dataloader_type: single contradicts validation_dataloader.shuffle: True",
                   "dataset.create_attention_mask: the models here build their causal attention mask",
                   "dataset.trainer_max_steps: upstream's constructor takes it from its recipe's schedule",
-                  "dataset.splits_to_build: 'training'; one of train, validation, test",
+                  "dataset.splits_to_build: 'training'; say which split this section reads: train, validation",
                   "validation_dataset.object_storage_config: reading .bin / .idx from S3"):
         assert words in output, output

@@ -253,9 +253,9 @@ class MegatronPretraining(Dataset):
             if arguments.get(name) is not None:
                 problems.append((name, why))
         split = arguments.get("splits_to_build")
-        if split is not None and split not in SPLITS:
-            problems.append(("splits_to_build", f"{split!r}; one of train, validation, test (one section reads one "
-                                                "split)"))
+        if split not in SPLITS:
+            problems.append(("splits_to_build", ("missing" if split is None else repr(split)) + "; say which split "
+                                                "this section reads: train, validation or test"))
         return problems
 
     def __init__(self, paths: Any, seq_length: int = 2048, seed: int = 1234, split: str = "900,50,50",
@@ -271,9 +271,6 @@ class MegatronPretraining(Dataset):
         problems = self.argument_problems(given)
         if problems:
             raise AutomodelError(f"dataset.{problems[0][0]}: {problems[0][1]}")
-        if splits_to_build is None:
-            raise AutomodelError("dataset.splits_to_build: missing; say which split this section reads: train, "
-                                 "validation or test")
         if not isinstance(seq_length, int) or seq_length < 1:
             raise AutomodelError(f"dataset.seq_length: {seq_length!r}; a positive number of tokens")
         which = SPLITS.index(splits_to_build)
