@@ -107,6 +107,8 @@ def describe_target(name: str, spec: Any) -> list[str]:
     if spec.runtime_args:
         supplied = ", ".join(f"`{a}`" for a in spec.runtime_args)
         text += f" Supplied by the recipe at build time, not the YAML: {supplied}."
+    for arg, what in spec.builder_args.items():
+        text += f" `{arg}` is read by the section's builder, not the callable: {what.rstrip('.')}."
     if spec.documented_targets:
         text += " Usually built from one of: " + ", ".join(
             f"[`{t.rsplit('.', 1)[-1]}`](#{anchor(t)})" for t in spec.documented_targets) + "."

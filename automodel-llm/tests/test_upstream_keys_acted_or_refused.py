@@ -31,8 +31,8 @@ def with_sections(tmp_path: Path, form: str, **sections) -> Path:
     ("prewarm", {"mamba_ssd_autotune": True}, "Triton autotuning of Mamba's SSD kernels"),
     ("tool_call_eval", {"_target_": "nemo_automodel.components.eval.tool_call_evaluator.ToolCallAccuracyEvaluator"},
      "tool-call accuracy evaluation"),
-    ("dataloader", {"batch_size": 4, "dataloader_type": "single"}, "Megatron's batch sampler"),
-    ("validation_dataloader", {"dataloader_type": "cyclic"}, "Megatron's indexed pretraining data only"),
+    ("dataloader", {"batch_size": 4, "dataloader_type": "single"}, "Megatron's sampler for Megatron's indexed"),
+    ("validation_dataloader", {"dataloader_type": "cyclic"}, "which validation_dataset is not"),
 ])
 def test_upstream_keys_that_cannot_act_are_refused_with_the_reason(tmp_path, section, node, words):
     found = refusals(with_sections(tmp_path, "recipe_bare_name.yaml", **{section: node}))

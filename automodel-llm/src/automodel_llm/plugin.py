@@ -105,10 +105,9 @@ def automodel_register_aliases(aliases) -> None:
     aliases.unsupported("nemo_automodel.components.datasets.llm.prefix_tree.prefix_tree_collate_fn", _PREFIX_TREE)
     aliases.unsupported("nemo_automodel.components.datasets.llm.mock_prefix_tree.build_mock_rollout_dataset",
                         _PREFIX_TREE)
-    aliases.unsupported("nemo_automodel.components.datasets.llm.megatron_dataset.MegatronPretraining",
-                        "Megatron's indexed binary data (.bin / .idx, with megatron-core's compiled index "
-                        "helpers) is not read here; use PretrainingTextDataset on the text (JSONL / parquet / "
-                        "text files or a hub data set)")
+    aliases.target("MegatronPretraining", "automodel_llm.datasets.megatron.MegatronPretraining")
+    aliases.target("nemo_automodel.components.datasets.llm.megatron_dataset.MegatronPretraining",
+                   "automodel_llm.datasets.megatron.MegatronPretraining")
     aliases.target("nemo_automodel.components.datasets.llm.mock_iterable_dataset.MockIterableDataset",
                    "automodel_llm.datasets.mock_iterable_dataset")
     aliases.target("NanogptDataset", "automodel_llm.datasets.nanogpt.NanogptDataset")

@@ -50,7 +50,7 @@ IGNORE_INDEX = -100
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
 DATASETS = tuple(f"automodel_llm.datasets.{name}" for name in (
     "SquadDataset", "make_squad_dataset", "ColumnMappedTextInstructionDataset", "ChatDataset",
-    "AgentChatDataset", "XlamDataset", "PretrainingTextDataset", "MockDataset"))
+    "AgentChatDataset", "XlamDataset", "PretrainingTextDataset", "MegatronPretraining", "MockDataset"))
 
 
 def dataset_section(help: str, required: bool = False) -> Target:
@@ -208,7 +208,16 @@ class FinetuneRecipeForNextTokenPrediction(MTPLoss, NextTokenLogits, TrainRecipe
         self.tokenizer = build_tokenizer(self.cfg)
 
     def dataset_runtime_args(self, node: Any) -> dict[str, Any]:
-        return {"tokenizer": self.tokenizer, "run_seed": self.cfg.rng.seed}  # run_seed: NanogptDataset's file order
+        # run_seed: NanogptDataset's file order; run_samples: the training samples MegatronPretraining builds
+        return {"tokenizer": self.tokenizer, "run_seed": self.cfg.rng.seed, "run_samples": self.run_samples()}
+
+    def run_samples(self) -> int | None:
+        """The samples the run's steps read: max_steps x global batch size (else the rows per micro-batch);
+        None without max_steps (the data set's own epoch)."""
+        steps = self.cfg.step_scheduler
+        if steps is None or steps.max_steps is None:
+            return None
+        return steps.max_steps * (steps.global_batch_size or rows_per_batch(self.cfg))
 
     def collate_runtime_args(self) -> dict[str, Any]:
         return {"tokenizer": self.tokenizer}

@@ -357,21 +357,20 @@ def validate_sections(data: dict, sections: dict[str, SectionSpec], resolver: Ta
         elif isinstance(spec, Target):
             if node is None or node in _NONE_WORDS:  # upstream's loader reads `section: none` as null
                 continue
-            if isinstance(node, dict) and spec.refused_args:
-                issues.extend(ConfigIssue(f"{name}.{arg}", spec.refused_args[arg])
-                              for arg in node if arg in spec.refused_args)
-                node = {k: v for k, v in node.items() if k not in spec.refused_args}
             if not isinstance(node, dict):
                 issues.append(ConfigIssue(str(name), f"expected a section with _target_, found {node!r}"))
-            elif "_target_" in node:
-                check_target_node(node, str(name), resolver, issues, spec.runtime_args)
+                values[name] = node
+                continue
+            checked = {k: v for k, v in node.items() if k not in spec.builder_args}  # the recipe checks those
+            if "_target_" in node:
+                check_target_node(checked, str(name), resolver, issues, spec.runtime_args)
             elif spec.plain and spec.default_target:
-                check_target_node(node, str(name), resolver, issues, spec.runtime_args, spec.default_target)
+                check_target_node(checked, str(name), resolver, issues, spec.runtime_args, spec.default_target)
             elif not spec.plain:
                 issues.append(ConfigIssue(f"{name}._target_", "missing: this section is built from a _target_ "
                                                               "(a dotted path such as pkg.module.Class)"))
             else:
-                check_nested(node, str(name), resolver, issues)
+                check_nested(checked, str(name), resolver, issues)
             values[name] = node
         else:
             check_nested(node, str(name), resolver, issues)

@@ -33,8 +33,9 @@ class Target:
     ``default`` is the one place a section's default lives: the mapping an absent section stands for (built
     like a written one: its ``_target_``, else ``default_target``); None when an absent section builds nothing.
     ``documented_targets`` are the callables the section is usually built from (dotted paths): the generated
-    config reference lists their arguments. ``refused_args`` are arguments upstream's form of the section takes
-    that nothing here acts on: each is refused with its reason instead of as an argument the callable lacks.
+    config reference lists their arguments. ``builder_args`` are arguments upstream's form of the section takes that
+    the section's builder reads itself, not the callable (name -> what it does): they are kept in the section but
+    not checked against the callable's parameters; the recipe validates them.
     """
 
     help: str = ""
@@ -44,7 +45,7 @@ class Target:
     default_target: str | None = None
     default: Mapping[str, Any] | None = field(default=None, hash=False)
     documented_targets: tuple[str, ...] = ()
-    refused_args: Mapping[str, str] = field(default_factory=dict, hash=False)
+    builder_args: Mapping[str, str] = field(default_factory=dict, hash=False)
 
 
 @dataclass(frozen=True)

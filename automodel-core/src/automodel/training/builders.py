@@ -18,6 +18,7 @@ from torchdata.stateful_dataloader.sampler import RandomSampler
 
 from automodel.config import BuildError, ConfigNode, TargetResolver
 from automodel.config.instantiate import build_value, callable_value
+from automodel.config.targets import TargetError
 from automodel.errors import AutomodelError, ConfigError, ConfigIssue
 from automodel.training.checkpoint import Checkpointer
 from automodel.training.context import BuildContext, accepted
@@ -133,13 +134,46 @@ def _seeded(seed: int) -> torch.Generator:
     return generator
 
 
-# upstream's dataloader arguments that pick a sampler for data sets automodel does not read
-LOADER_REFUSED_ARGS = {
-    "dataloader_type": "upstream's choice of Megatron's batch sampler (single: in order; cyclic: reshuffled every "
-                       "epoch), for Megatron's indexed pretraining data only (upstream refuses it with any other "
-                       "data set), and that data is not read here: remove the key (shuffle: true / false chooses "
-                       "the order here)",
+# upstream's dataloader arguments that build_dataloader reads itself (validated by loader_type_issues)
+LOADER_BUILDER_ARGS = {
+    "dataloader_type": "upstream's choice of Megatron's sampler, for a data set that declares it takes one "
+                       "(MegatronPretraining): single reads the samples in order, cyclic reshuffles them every "
+                       "epoch (the same as shuffle: false / true); resumable either way",
 }
+_LOADER_DATA = {"dataloader": "dataset", "validation_dataloader": "validation_dataset"}
+
+
+def loader_type_issues(cfg: Any) -> list[ConfigIssue]:
+    """A ``dataloader_type`` that is neither single nor cyclic, contradicts ``shuffle``, or feeds a data set
+    section (``validation_dataloader``: every ``validation_dataset*``) whose callable has no ``dataloader_types``
+    (upstream refuses it with any data set but Megatron's)."""
+    issues = []
+    for loader_key, data_key in _LOADER_DATA.items():
+        loader = cfg.resolved.get(loader_key)
+        kind = loader.get("dataloader_type") if isinstance(loader, Mapping) else None
+        if kind is None:
+            continue
+        key = f"{loader_key}.dataloader_type"
+        if kind not in ("single", "cyclic"):
+            issues.append(ConfigIssue(key, f"{kind!r}; single (in order) or cyclic (reshuffled every epoch)"))
+            continue
+        if "shuffle" in loader and bool(loader["shuffle"]) != (kind == "cyclic"):
+            issues.append(ConfigIssue(key, f"{kind} contradicts {loader_key}.shuffle: {loader['shuffle']}; "
+                                           "remove one of the two"))
+        for name in cfg.section_names():
+            node = cfg.resolved.get(name)
+            if not (name == data_key or name.startswith(f"{data_key}_")) or not isinstance(node, Mapping) \
+                    or "_target_" not in node:
+                continue
+            try:
+                takes = getattr(cfg.resolver.resolve(node["_target_"]), "dataloader_types", ())
+            except TargetError:
+                continue  # section validation reported the target
+            if kind not in takes:
+                issues.append(ConfigIssue(key, f"upstream's choice of Megatron's sampler for Megatron's indexed "
+                                               f"pretraining data (MegatronPretraining), which {name} is not: remove "
+                                               "the key (shuffle: true / false chooses the order here)"))
+    return issues
 
 
 def build_dataloader(ctx: BuildContext, dataset: Any, node: ConfigNode, train: bool,
@@ -152,7 +186,8 @@ def build_dataloader(ctx: BuildContext, dataset: Any, node: ConfigNode, train: b
                 if k not in ("_target_", "collate_fn")}
     if settings.get("batch_size") is None:  # null too: upstream's "the data set yields batches" (see plan)
         settings["batch_size"] = ctx.batch.micro_batch_size
-    shuffle = settings.pop("shuffle", train)
+    kind = settings.pop("dataloader_type", None)  # validated: single or cyclic, agreeing with shuffle
+    shuffle = settings.pop("shuffle", train if kind is None else kind == "cyclic")
     if not torch.cuda.is_available():
         if settings.get("pin_memory"):  # upstream's configs set it; it speeds host-to-GPU copies only
             ctx.log(f"note: {node.key}.pin_memory: true governs nothing this run: pinned host memory speeds copies "

@@ -91,7 +91,7 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
     @classmethod
     def check_config(cls, cfg: Config) -> list[ConfigIssue]:
         issues = list(super().check_config(cfg)) + plan.engine_issues(cls, cfg, get_plugin_manager())
-        issues += loss_fn_issues(cfg)
+        issues += loss_fn_issues(cfg) + builders.loader_type_issues(cfg)
         for key, why in (("tp_size", cls.tensor_parallel_unsupported), ("pp_size", cls.pipeline_parallel_unsupported),
                          ("cp_size", cls.context_parallel_unsupported)):
             size = getattr(cfg.distributed, key) if cfg.distributed is not None else 1

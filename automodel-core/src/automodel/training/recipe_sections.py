@@ -15,7 +15,7 @@ from automodel.training.qat_section import QATConfig
 
 _DATALOADER = Target("data loading (a StatefulDataLoader's keyword arguments)", runtime_args=("dataset",),
                      plain=True, default_target="torchdata.stateful_dataloader.StatefulDataLoader", default={},
-                     refused_args=builders.LOADER_REFUSED_ARGS)
+                     builder_args=builders.LOADER_BUILDER_ARGS)
 
 TRAIN_SECTIONS: dict[str, Any] = {
     "step_scheduler": s.StepSchedulerConfig,

@@ -4,11 +4,12 @@ from automodel_llm.datasets.agent_chat import AgentChatDataset
 from automodel_llm.datasets.chat import ChatDataset
 from automodel_llm.datasets.column_mapped import ColumnMappedTextInstructionDataset
 from automodel_llm.datasets.hellaswag import HellaSwag
+from automodel_llm.datasets.megatron import MegatronPretraining
 from automodel_llm.datasets.packing import PackedDataset
 from automodel_llm.datasets.pretraining import MockDataset, PretrainingTextDataset, mock_iterable_dataset
 from automodel_llm.datasets.squad import SquadDataset, make_squad_dataset
 from automodel_llm.datasets.xlam import XlamDataset
 
-__all__ = ["AgentChatDataset", "ChatDataset", "ColumnMappedTextInstructionDataset", "HellaSwag", "MockDataset",
-           "PackedDataset", "PretrainingTextDataset", "SquadDataset", "XlamDataset", "make_squad_dataset",
-           "mock_iterable_dataset"]
+__all__ = ["AgentChatDataset", "ChatDataset", "ColumnMappedTextInstructionDataset", "HellaSwag", "MegatronPretraining",
+           "MockDataset", "PackedDataset", "PretrainingTextDataset", "SquadDataset", "XlamDataset",
+           "make_squad_dataset", "mock_iterable_dataset"]
