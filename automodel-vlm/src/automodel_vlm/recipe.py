@@ -238,7 +238,7 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
 
     def next_token_logits(self, model: torch.nn.Module, batch: dict[str, Any] | ContextParallelBatch,
                           head: HeadOnPositions | None) -> tuple[torch.Tensor, torch.Tensor]:
-        if isinstance(batch, MultimodalContextParallelBatch) and self.sequence_split is not None:
+        if isinstance(batch, MultimodalContextParallelBatch):  # setup attached sequence_split (cp > 1)
             with self.sequence_split.active():
                 return split_next_token_logits(model, batch, head)
         return super().next_token_logits(model, batch, head)
