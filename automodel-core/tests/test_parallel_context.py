@@ -114,7 +114,8 @@ def test_inside_the_region_only_causal_attention_runs_as_ring_attention(monkeypa
         torch.nn.functional.scaled_dot_product_attention(1, 2, 3, is_causal=True)
         torch.nn.functional.scaled_dot_product_attention(1, 2, 3, is_causal=False)
         torch.nn.functional.scaled_dot_product_attention(1, 2, 3)
-    assert calls == [("ring", True), ("plain", False), ("plain", None)]
+        torch.nn.functional.scaled_dot_product_attention(1, 2, 3, None, 0.0, True)
+    assert calls == [("ring", True), ("plain", False), ("plain", None), ("ring", None)]
     assert torch.nn.functional.scaled_dot_product_attention is ring
 
 

@@ -122,7 +122,8 @@ def _ring_for_causal_only(plain: Any) -> Iterator[None]:
     ring = F.scaled_dot_product_attention
 
     def route(*args: Any, **kwargs: Any) -> torch.Tensor:
-        return (ring if kwargs.get("is_causal") else plain)(*args, **kwargs)
+        causal = kwargs.get("is_causal", len(args) > 5 and args[5])  # (query, key, value, mask, dropout, is_causal)
+        return (ring if causal else plain)(*args, **kwargs)
 
     F.scaled_dot_product_attention = route
     try:
