@@ -6,6 +6,7 @@ ranks against one process (context_parallel_workers.py: a model without attentio
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,9 +19,11 @@ from automodel.training.next_token import NextTokenLogits
 from automodel.training.parallel.activation_checkpointing import apply_activation_checkpointing
 from automodel.training.parallel.context_parallel import (
     ContextParallelBatch,
+    _ring_for_causal_only,
     causal_attention_without_mask,
     cp_issues,
     next_token_targets,
+    split_sequence,
 )
 
 
@@ -84,6 +87,36 @@ def test_each_cp_rank_holds_tokens_positions_and_their_targets_together(ranks):
     assert ranks[0]["positions"][0] == [0, 1, 2, 3, 12, 13, 14, 15]  # load-balanced: chunks 0 and 3 of 4
     assert ranks[0]["tokens"] + ranks[1]["tokens"] == ranks[0]["global_tokens"]
     assert ranks[0]["fsdp_mesh"] == ["dp_shard_cp"]
+
+
+def test_split_sequence_gives_each_rank_what_torchs_region_gave_it(ranks):
+    """The out-of-place split (a vision-language model's merged embeddings and positions) lays a sequence out as
+    torch's context_parallel split the buffers in place on the two gloo ranks; it is differentiable and splits any
+    axis (Qwen-VL's ``[3, batch, sequence]`` positions along the last)."""
+    ids, _ = lm_batch(0)
+    for rank, ran in enumerate(ranks):
+        mesh = SimpleNamespace(size=lambda: 2, get_local_rank=lambda rank=rank: rank)
+        assert split_sequence(ids, mesh).tolist() == ran["ids"]
+        rope = torch.arange(ids.shape[1]).expand(3, *ids.shape)
+        assert split_sequence(rope, mesh, dim=2)[0].tolist() == ran["positions"]
+    embeds = torch.ones(1, 16, 2, requires_grad=True)
+    split_sequence(embeds, SimpleNamespace(size=lambda: 2, get_local_rank=lambda: 1)).sum().backward()
+    assert embeds.grad[0, :, 0].tolist() == [0.0] * 4 + [1.0] * 8 + [0.0] * 4  # chunks 1 and 2 of 4
+
+
+def test_inside_the_region_only_causal_attention_runs_as_ring_attention(monkeypatch):
+    """A vision encoder's bidirectional attention keeps SDPA's own kernel; torch's replacement is back after."""
+    calls = []
+    plain = lambda *args, **kwargs: calls.append(("plain", kwargs.get("is_causal")))  # noqa: E731
+    ring = lambda *args, **kwargs: calls.append(("ring", kwargs.get("is_causal")))  # noqa: E731
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", ring)
+    with _ring_for_causal_only(plain):
+        torch.nn.functional.scaled_dot_product_attention(1, 2, 3, is_causal=True)
+        torch.nn.functional.scaled_dot_product_attention(1, 2, 3, is_causal=False)
+        torch.nn.functional.scaled_dot_product_attention(1, 2, 3)
+        torch.nn.functional.scaled_dot_product_attention(1, 2, 3, None, 0.0, True)
+    assert calls == [("ring", True), ("plain", False), ("plain", None), ("ring", None)]
+    assert torch.nn.functional.scaled_dot_product_attention is ring
 
 
 def test_targets_are_the_next_tokens_labels():

@@ -16,11 +16,19 @@ from automodel.training.checkpoint_write import sharded_only_message
 from automodel.training.context import BuildContext
 from automodel.training.modules import unwrap
 from automodel.training.mtp_loss import MTPLoss
-from automodel.training.next_token import LABEL_POSITIONS, NextTokenLogits
+from automodel.training.next_token import (
+    LABEL_POSITIONS,
+    HeadOnPositions,
+    NextTokenLogits,
+    split_next_token_logits,
+)
+from automodel.training.parallel.context_parallel import ContextParallelBatch
+from automodel.training.parallel.mesh import CP
 from automodel.training.parallel.pipeline_media import media_kwargs
 from automodel.training.parallelism import model_hf_config
 from automodel.training.pipeline_steps import padded_mask, padded_tokens, pipeline_length
 from automodel.training.recipe import TrainRecipe
+from automodel_vlm.context_parallel import MultimodalContextParallelBatch, SequenceSplit
 from automodel_vlm.datasets.collate import IGNORE_INDEX, VLMCollator, render
 from automodel_vlm.datasets.packing import (
     PackedVLMCollator,
@@ -31,7 +39,7 @@ from automodel_vlm.datasets.packing import (
     rope_index,
 )
 from automodel_vlm.freeze import UpstreamFreezeConfig, VLMFreezeConfig
-from automodel_vlm.parts import MULTIMODAL_NAMES, base_model
+from automodel_vlm.parts import MULTIMODAL_NAMES, base_model, find_part
 from automodel_vlm.pipeline import layout_issue, media_per_row, pipeline_issues
 
 DATASET_ARGS = ("config_key", "processor")
@@ -53,6 +61,23 @@ def _processor_needs_model_source(cfg: Any) -> bool:
     return isinstance(section, dict) and not named & set(section)
 
 
+def context_parallel_issues(cfg: Any) -> list[ConfigIssue]:
+    """What the VLM recipe cannot run with ``distributed.cp_size > 1`` (the language model's attention runs causal
+    over the split sequence, without a mask)."""
+    cp = cfg.distributed.cp_size
+    issues = []
+    generation = cfg.eval_generation if "eval_generation" in cfg else None
+    if generation is not None and generation.enabled:
+        issues.append(ConfigIssue("eval_generation.enabled", f"generation pads its prompts and needs their attention "
+                                  f"mask, which context parallelism (cp_size {cp}) drops from every attention "
+                                  "module of the language model; set eval_generation.enabled: false"))
+    if "packed_sequence" in cfg:
+        issues.append(ConfigIssue("packed_sequence", f"packed rows keep attention within each sample, but context "
+                                  f"parallelism (cp_size {cp}) runs one causal attention over the whole row (torch's "
+                                  "ring attention); remove the section (or set cp_size: 1)"))
+    return issues
+
+
 class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
     """Fine-tunes an image-text-to-text model (Llava-style and others) on image conversations."""
 
@@ -63,6 +88,10 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
     # the composite model is cut along its language model; each micro-batch's media reach the first stage with its
     # rows (automodel_vlm.pipeline: the model's media layout); pipeline_batches below
     pipeline_parallel_unsupported = None
+    # every cp rank runs the vision tower and the merge on the whole batch; the language model gets the rank's part
+    # of the merged sequence (automodel_vlm.context_parallel)
+    context_parallel_unsupported = None
+    sequence_split: SequenceSplit | None = None
     hf_artifacts = ("processor",)
     multimodal_module_names = MULTIMODAL_NAMES  # FSDP2 places them by distributed.multimodal.frozen_sharding
     stage_implementations = {"peft": "vlm_lora", "freeze": "vlm"}
@@ -97,6 +126,8 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
                                       "layers, and the vision tower's layers would be split too); set it to false"))
         if settings is not None and settings.pp_size > 1:
             issues += pipeline_issues(cfg, model_hf_config(cfg))
+        if settings is not None and settings.cp_size > 1:
+            issues += context_parallel_issues(cfg)
         issues += cls.mtp_config_issues(cfg)
         if "freeze" in cfg and "freeze_config" in cfg:
             issues.append(ConfigIssue("freeze_config", "give one of freeze (ours) and freeze_config (upstream's "
@@ -153,7 +184,10 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
     def default_collate_fn(self, train: bool = True) -> Any:
         if train and self.packing is not None:
             return PackedVLMCollator(VLMCollator(self.processor), self.packing.padded_length, rope_index(self.model))
-        return VLMCollator(self.processor)
+        settings = self.cfg.distributed
+        # context parallelism splits each row into 2 x cp_size chunks
+        multiple = 2 * settings.cp_size if settings is not None and settings.cp_size > 1 else None
+        return VLMCollator(self.processor, pad_to_multiple_of=multiple)
 
     def collate_runtime_args(self) -> dict[str, Any]:
         # upstream calls its VLM collate functions with the processor (here: VLMCollator, see plugin.py)
@@ -170,6 +204,13 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
 
     def setup(self) -> None:
         super().setup()
+        if self.ctx.mesh.cp > 1:
+            language_model = find_part(self.model, "language_model")
+            if language_model is None:
+                raise AutomodelError(f"distributed.cp_size: {self.ctx.mesh.cp}: context parallelism splits the "
+                                     "sequence the language model runs on, but this model has no module named "
+                                     "language_model, text_model or llm; set cp_size: 1")
+            self.sequence_split = SequenceSplit(language_model[1], self.ctx.device_mesh[CP])
         config = getattr(base_model(self.model), "config", None)
         check_vocab(self.processor.tokenizer, getattr(config, "text_config", None) or config,
                     "processor: its tokenizer has {tokens} tokens but the model's vocab_size is {vocab}; use the "
@@ -187,6 +228,20 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
     def model_inputs(self, batch: dict[str, Any]) -> dict[str, Any]:
         return {**{k: v for k, v in batch.items() if k not in ("labels", LABEL_POSITIONS, "token_count")},
                 "use_cache": False}
+
+    def context_parallel_batch(self, batch: dict[str, Any]) -> MultimodalContextParallelBatch:
+        """The whole micro-batch for the model's forward (every rank merges all of its images) and the next-token
+        targets, which the region splits (right padding checked as for text)."""
+        split = super().context_parallel_batch(batch)
+        return MultimodalContextParallelBatch(split.input_ids, split.position_ids, split.targets,
+                                              inputs=self.model_inputs(batch))
+
+    def next_token_logits(self, model: torch.nn.Module, batch: dict[str, Any] | ContextParallelBatch,
+                          head: HeadOnPositions | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(batch, MultimodalContextParallelBatch):  # setup attached sequence_split (cp > 1)
+            with self.sequence_split.active():
+                return split_next_token_logits(model, batch, head)
+        return super().next_token_logits(model, batch, head)
 
     def pipeline_batches(self, batches: list[dict[str, torch.Tensor]], length: int | None = None
                          ) -> list[tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]:

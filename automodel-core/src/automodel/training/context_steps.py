@@ -20,7 +20,7 @@ class ContextParallelSteps:
     # why distributed.cp_size > 1 is refused (None: the recipe defines context_parallel_batch and its loss takes it)
     context_parallel_unsupported: ClassVar[str | None] = (
         "this recipe does not split its sequences over context-parallel ranks (the LLM fine-tuning and pre-training "
-        "recipe does); use cp_size: 1")
+        "recipes and the VLM fine-tuning recipe do); use cp_size: 1")
 
     def context_parallel_batch(self, batch: Any) -> ContextParallelBatch:
         """A micro-batch (on the device) as context parallelism splits it; ``compute_loss`` then gets this rank's

@@ -30,8 +30,9 @@ class DistributedConfig:
         "with DTensor, by the model's tp plan (strategy fsdp2, which shards over dp_size; it must divide the "
         "model's heads, key/value heads, intermediate and vocabulary sizes; LoRA adapters sharded like their "
         "projections; the LLM and VLM fine-tuning recipes)"))
-    cp_size: int = field(default=1, metadata=_help("context-parallel size: each sequence split over this many ranks, "
-                                                   "torch's ring attention (CUDA only; fsdp2; LLM recipes; no tp/pp)"))
+    cp_size: int = field(default=1, metadata=_help(
+        "context-parallel size: each sequence split over this many ranks, torch's ring attention (CUDA only; fsdp2; "
+        "LLM and VLM recipes; no tp/pp)"))
     pp_size: int = field(default=1, metadata=_help(
         "pipeline-parallel size: the decoder layers split into stages, one or more per rank (strategy fsdp2, "
         "which shards each stage over dp_size; the LLM recipes and the VLM fine-tuning one, whose first stage holds "

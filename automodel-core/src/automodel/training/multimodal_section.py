@@ -4,8 +4,9 @@ towers, projectors), checked here and applied by :mod:`automodel.training.parall
 ``frozen_sharding`` chooses where FSDP2 puts a fully frozen module's parameters: ``root`` (the default) in the outer
 unit, which every rank runs whatever its batch holds; ``per_layer`` one unit per block of the module, which needs
 every rank to run (or skip) the module alike on each micro-batch; ``replicate`` outside FSDP2, a full copy on every
-rank. ``vision.frame_sharding`` splits the vision encoder's frames over the context-parallel ranks, which needs
-context parallelism for vision-language models: only ``enabled: false`` is taken (it governs nothing).
+rank. ``vision.frame_sharding`` splits the vision encoder's frames over the context-parallel ranks; here every
+context-parallel rank runs the whole vision encoder on the batch's images (the sequence is split after the merge):
+only ``enabled: false`` is taken (it governs nothing).
 """
 
 from __future__ import annotations
@@ -47,8 +48,9 @@ def multimodal_errors(value: Any) -> dict[str, str]:
     if frames.get("enabled", False) is not False:
         errors[f"{_FRAME}.enabled"] = (
             f"{frames['enabled']!r}: frame sharding splits the vision encoder's frames over the context-parallel "
-            "ranks, and context parallelism is not implemented for vision-language models here (every rank runs "
-            "the whole vision encoder on its own batch); set enabled: false or remove the key")
+            "ranks, which is not implemented here: every rank runs the whole vision encoder on its batch's images "
+            "(context parallelism splits the sequence after the images are merged into it); set enabled: false "
+            "or remove the key")
     return errors
 
 

@@ -117,7 +117,7 @@ def split_next_token_logits(model: nn.Module, batch: ContextParallelBatch, head:
     """``(logits, targets)`` of a rank's part of a context-parallel batch: its targets are already the next
     tokens' labels (shifted before the split), so they pair with the logits of the same positions, unshifted; with
     ``head`` only the positions whose target is a label are projected."""
-    inputs = {"input_ids": batch.input_ids, "position_ids": batch.position_ids, "use_cache": False}
+    inputs = batch.model_inputs()
     targets = batch.targets.reshape(-1)
     if head is None:
         logits = model(**inputs).logits

@@ -91,15 +91,18 @@ class VLMCollator:
     samples; what else the processor returns (``image_sizes``, ``image_grid_thw``) passes through to the model.
 
     ``max_length``: every row is padded to it and longer ones are truncated (upstream's collate); with
-    ``drop_overlong`` the samples longer than it are left out of the batch instead.
+    ``drop_overlong`` the samples longer than it are left out of the batch instead. ``pad_to_multiple_of``: the
+    longest row's length is rounded up to a multiple of it (context parallelism's 2 x cp_size chunks).
     """
 
-    def __init__(self, processor: Any, max_length: int | None = None, drop_overlong: bool = False):
+    def __init__(self, processor: Any, max_length: int | None = None, drop_overlong: bool = False,
+                 pad_to_multiple_of: int | None = None):
         if drop_overlong and max_length is None:
             raise AutomodelError("collate_fn.drop_overlong: needs max_length (the length samples are measured by)")
         self.processor = processor
         self.placeholders = placeholder_ids(processor)
         self.max_length, self.drop_overlong = max_length, drop_overlong
+        self.pad_to_multiple_of = pad_to_multiple_of
 
     def _process(self, rendered: list[Rendered], images: list[list[Any]],
                  **settings: Any) -> dict[str, Any]:
@@ -114,7 +117,8 @@ class VLMCollator:
 
     def _padding(self) -> dict[str, Any]:
         if self.max_length is None:
-            return {"padding": True}
+            multiple = {"pad_to_multiple_of": self.pad_to_multiple_of} if self.pad_to_multiple_of else {}
+            return {"padding": True, **multiple}
         return {"padding": "max_length", "truncation": not self.drop_overlong, "max_length": self.max_length}
 
     def _tokenized(self, batch: dict[str, Any], rendered: list[Rendered]) -> tuple[dict[str, Any], list[Rendered]]:

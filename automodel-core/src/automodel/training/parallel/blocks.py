@@ -34,12 +34,12 @@ def transformer_blocks(model: nn.Module, skip: Collection[nn.Module] = ()) -> li
     return best
 
 
-def attention_modules(model: nn.Module) -> list[nn.Module]:
-    """The attention module of each of ``model``'s transformer blocks, found below wrappers (activation
-    checkpointing) too: a child named ``*attn*`` or of a class named ``*Attention``, the outermost of a branch only
-    (not its own ``c_attn`` projection)."""
+def attention_modules(model: nn.Module, skip: Collection[nn.Module] = ()) -> list[nn.Module]:
+    """The attention module of each of ``model``'s transformer blocks (not those inside ``skip``), found below
+    wrappers (activation checkpointing) too: a child named ``*attn*`` or of a class named ``*Attention``, the
+    outermost of a branch only (not its own ``c_attn`` projection)."""
     found = []
-    for block in transformer_blocks(model):
+    for block in transformer_blocks(model, skip):
         taken: list[str] = []
         for name, child in block.named_modules():
             if not name or any(name.startswith(f"{outer}.") for outer in taken):

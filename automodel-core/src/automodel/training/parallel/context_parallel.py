@@ -8,7 +8,8 @@ GPUs only: :func:`cp_issues` refuses anything else at validation.
 Next-token labels are shifted before the split (:func:`next_token_targets`): position ``i`` carries the target
 ``labels[i + 1]``, so a rank's positions keep their targets, wherever the next token went. The position ids go
 with the tokens (rotary embeddings need the true positions), and the attention runs causal without a mask
-(:func:`causal_attention_without_mask`: a mask built from the split positions would be wrong). The loss is the
+(:func:`causal_attention_without_mask`: a mask built from the split positions would be wrong); attention that is not
+causal (a vision encoder's, over whole images that every rank holds) keeps SDPA's own kernel. The loss is the
 engine's: summed over the rank's targets, divided by the step's label tokens (counted before the split, over the
 data-parallel ranks only: the ``cp`` ranks of a batch share it); FSDP2 shards over ``dp_shard x cp``
 (:func:`fsdp_mesh`), so its gradient average runs over ``dp x cp`` ranks, and the scale is ``dp * cp / tokens``.
@@ -17,11 +18,12 @@ data-parallel ranks only: the ``cp`` ranks of a batch share it); FSDP2 shards ov
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from automodel.errors import AutomodelError, ConfigIssue
@@ -95,35 +97,71 @@ class ContextParallelBatch:
     def label_tokens(self) -> int:
         return int((self.targets != IGNORE_INDEX).sum())
 
+    def split_in_place(self) -> list[torch.Tensor]:
+        """The tensors the region splits along the sequence, in place (each ``[batch, sequence]``)."""
+        return [self.input_ids, self.position_ids, self.targets]
+
+    def model_inputs(self) -> dict[str, Any]:
+        """The model's keyword arguments for this rank's part."""
+        return {"input_ids": self.input_ids, "position_ids": self.position_ids, "use_cache": False}
+
+
+def split_sequence(tensor: torch.Tensor, cp_mesh: DeviceMesh, dim: int = SEQUENCE_DIM) -> torch.Tensor:
+    """This rank's part of ``tensor`` along ``dim``, laid out as the region splits its tensors (chunks ``r`` and
+    ``2n - 1 - r`` of ``2n``), out of place and differentiable: for tensors computed inside the forward (a
+    vision-language model's merged embeddings, its multi-axis rope positions)."""
+    chunks = tensor.chunk(2 * cp_mesh.size(), dim=dim)
+    rank = cp_mesh.get_local_rank()
+    return torch.cat([chunks[rank], chunks[len(chunks) - 1 - rank]], dim=dim)
+
+
+@contextlib.contextmanager
+def _ring_for_causal_only(plain: Any) -> Iterator[None]:
+    """Within the block only causal SDPA calls run as ring attention; the others (a vision encoder's bidirectional
+    attention over whole images, which every rank holds) keep ``plain``, SDPA as it was before the region."""
+    ring = F.scaled_dot_product_attention
+
+    def route(*args: Any, **kwargs: Any) -> torch.Tensor:
+        causal = kwargs.get("is_causal", len(args) > 5 and args[5])  # (query, key, value, mask, dropout, is_causal)
+        return (ring if causal else plain)(*args, **kwargs)
+
+    F.scaled_dot_product_attention = route
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = ring  # torch's context_parallel restores its own replacement
+
 
 @contextlib.contextmanager
 def context_parallel_region(cp_mesh: DeviceMesh, batch: ContextParallelBatch) -> Iterator[None]:
     """Run the micro-batch's forward *and* backward inside: the batch's tensors hold this rank's part of the
-    sequence (in place; not restored) and SDPA runs as ring attention over ``cp_mesh``."""
+    sequence (in place; not restored) and causal SDPA runs as ring attention over ``cp_mesh``."""
     from torch.distributed.tensor.experimental import context_parallel
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     chunks = 2 * cp_mesh.size()
-    length = batch.input_ids.shape[SEQUENCE_DIM]
+    buffers = batch.split_in_place()
+    length = buffers[0].shape[SEQUENCE_DIM]
     if length % chunks:
         raise AutomodelError(f"context parallelism over {cp_mesh.size()} ranks splits each sequence into {chunks} "
                              f"chunks, but this batch's sequences have {length} positions; pad them to a multiple "
                              f"of {chunks}")
-    buffers = [batch.input_ids, batch.position_ids, batch.targets]
+    plain = F.scaled_dot_product_attention
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]), \
             context_parallel(cp_mesh, buffers=buffers, buffer_seq_dims=[SEQUENCE_DIM] * len(buffers),
-                             no_restore_buffers=set(buffers)):
+                             no_restore_buffers=set(buffers)), _ring_for_causal_only(plain):
         yield
 
 
-def causal_attention_without_mask(model: nn.Module) -> int:
+def causal_attention_without_mask(model: nn.Module, skip: Collection[nn.Module] = ()) -> int:
     """Make every attention module of ``model``'s transformer blocks run causal without a mask (the model's mask,
     built from the split position ids, would not match ring attention); returns how many were hooked. The modules
-    are found below wrappers (activation checkpointing) too."""
+    are found below wrappers (activation checkpointing) too; those inside ``skip`` (a vision-language model's
+    towers, which see whole images) are left as they are."""
     def drop_mask(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
         return args, {**kwargs, "attention_mask": None}
 
-    modules = attention_modules(model)
+    modules = attention_modules(model, skip)
     for module in modules:
         module.register_forward_pre_hook(drop_mask, with_kwargs=True)
     hooked = len(modules)

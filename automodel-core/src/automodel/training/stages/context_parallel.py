@@ -16,6 +16,7 @@ from automodel.errors import ConfigIssue
 from automodel.training.context import BuildContext
 from automodel.training.modules import unwrap
 from automodel.training.parallel.context_parallel import causal_attention_without_mask, cp_issues
+from automodel.training.parallel.multimodal_fsdp import multimodal_modules
 from automodel.training.parallelism import validation_device
 
 
@@ -53,8 +54,10 @@ def issues(cfg: Config, implementation: str | None) -> list[ConfigIssue]:
 
 def ring_attention(ctx: BuildContext, model: torch.nn.Module) -> tuple[torch.nn.Module, str]:
     """The attention modules run causal without the model's mask (ring attention needs ``is_causal``; a mask
-    built from a rank's split positions would be wrong); the loop does the rest per micro-batch."""
-    hooked = causal_attention_without_mask(unwrap(model))
+    built from a rank's split positions would be wrong); the loop does the rest per micro-batch. A vision-language
+    model's towers keep their attention: they see whole images on every rank."""
+    inner = unwrap(model)
+    hooked = causal_attention_without_mask(inner, multimodal_modules(inner, ctx.multimodal_names).values())
     cp = ctx.mesh.cp
     return model, (f"{hooked} attention modules run as ring attention over cp {cp} (each sequence split into "
                    f"{2 * cp} chunks, rank r holding chunks r and {2 * cp - 1} - r)")

@@ -1,0 +1,215 @@
+"""The VLM recipe's context-parallel step (``TrainingLoop._train_step`` with ``sequence_parts``) on CPU gloo ranks,
+against one process, for a tiny Llava (CLIP + Llama) and a tiny Qwen2-VL (multi-axis rope positions).
+
+Torch's ring attention has no CPU kernel (``automodel-core/tests/test_parallel_context.py`` shows it), so here the
+causal SDPA calls inside the region run an exact stand-in: each rank's queries against the keys and values of all
+``cp`` ranks (gathered with autograd), masked by the true positions of the split layout. Everything else is the
+recipe's and the core's: the micro-batch collated by ``VLMCollator`` padded to a multiple of 2 x cp, the vision
+tower and the merge on the whole batch on every rank, the language model's pre-hook splitting the merged embeddings
+and positions, the region splitting the targets, the routing of the vision tower's attention (not causal) to SDPA's
+own kernel, the loss, its scale and FSDP2 over ``cp``.
+
+Run as ``python vlm_context_parallel_workers.py <scenario> <json args> <result file>`` (``parallel_testing``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "automodel-core" / "tests"))  # the core's workers
+from parallel_workers import full_state, main  # noqa: E402
+
+from automodel.training.loss import MaskedCrossEntropy
+from automodel.training.next_token import HeadOnPositions
+from automodel.training.parallel.context_parallel import causal_attention_without_mask, fsdp_mesh, split_sequence
+from automodel.training.parallel.fsdp import apply_fsdp2
+from automodel.training.parallel.mesh import CP, MeshLayout, build_device_mesh, plan_mesh
+from automodel.training.parallel.multimodal_fsdp import place_multimodal
+from automodel.training.parallel.precision import Precision
+from automodel_vlm.context_parallel import SequenceSplit
+from automodel_vlm.datasets.collate import VLMCollator
+from automodel_vlm.parts import MULTIMODAL_NAMES, find_part
+from automodel_vlm.recipe import FinetuneRecipeForVLM
+
+STEPS, MICRO_BATCHES, ROWS = 2, 2, 2
+COLORS = ["red", "green", "blue", "yellow"]
+
+
+class _Gathered(torch.autograd.Function):
+    """Every ``cp`` rank's part of a ``[batch, heads, sequence, dim]`` tensor, in rank order along the sequence;
+    backward sums the gradients of all ranks and gives each its own part."""
+
+    @staticmethod
+    def forward(ctx: Any, part: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group, ctx.rank = group, dist.get_rank(group)
+        parts = [torch.empty_like(part.contiguous()) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, part.contiguous(), group=group)
+        return torch.cat(parts, dim=2)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad.chunk(dist.get_world_size(ctx.group), dim=2)[ctx.rank], None
+
+
+def _gathered_causal_attention(cp_mesh: Any) -> Any:
+    """Exact causal attention of this rank's queries over every rank's keys and values (the split layout's true
+    positions decide what each query sees): what ring attention computes, without its CUDA kernels."""
+    group = cp_mesh.get_group()
+
+    def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
+                  dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                  enable_gqa: bool = False) -> torch.Tensor:
+        keys, values = _Gathered.apply(key, group), _Gathered.apply(value, group)
+        mine = split_sequence(torch.arange(keys.shape[2]).view(1, -1), cp_mesh)[0]
+        every = [torch.empty_like(mine) for _ in range(cp_mesh.size())]
+        dist.all_gather(every, mine, group=group)
+        mask = torch.cat(every)[None, :] <= mine[:, None]  # a query sees the keys at or before its position
+        if keys.shape[1] != query.shape[1]:
+            keys = keys.repeat_interleave(query.shape[1] // keys.shape[1], dim=1)
+            values = values.repeat_interleave(query.shape[1] // values.shape[1], dim=1)
+        scores = query @ keys.transpose(-1, -2) * (scale if scale is not None else query.shape[-1] ** -0.5)
+        return scores.masked_fill(~mask, float("-inf")).softmax(-1) @ values
+
+    return attention
+
+
+@contextlib.contextmanager
+def cpu_context_parallel(mesh: Any, buffers: list[torch.Tensor], buffer_seq_dims: list[int],
+                         no_restore_buffers: set) -> Iterator[None]:
+    """Torch's ``context_parallel`` as the region calls it: the buffers split in place (the same layout), SDPA
+    replaced by the stand-in while the block runs."""
+    for buffer, dim in zip(buffers, buffer_seq_dims, strict=True):
+        shard = split_sequence(buffer, mesh, dim).clone()
+        buffer.resize_(shard.shape)
+        buffer.copy_(shard)
+    plain = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = _gathered_causal_attention(mesh)
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = plain
+
+
+class Step(FinetuneRecipeForVLM):
+    """The VLM recipe's loss, its context-parallel batch and the loop's step; the rest set up by hand."""
+
+    def __init__(self, model: torch.nn.Module, processor: Any, layout: MeshLayout, device_mesh: Any):
+        self.model, self.processor = model, processor
+        self.ctx = SimpleNamespace(mesh=layout, device_mesh=device_mesh, precision=Precision(),
+                                   fsdp2=device_mesh is not None, device=torch.device("cpu"),
+                                   world_size=layout.world_size)
+        self.cfg = SimpleNamespace(distributed=None, clip_grad_norm=SimpleNamespace(max_norm=None, norm_type=2.0),
+                                   logits=SimpleNamespace(label_positions_only=True))
+        self.head_positions = HeadOnPositions.attach(model)
+        self.grad_scaler = self.pipelines = self.lr_scheduler = self.mtp_heads = self.loss_head = None
+        self.trainable_params = list(model.parameters())
+        self.optimizer = torch.optim.AdamW(self.trainable_params, lr=1e-3)
+        self.loss_fn = MaskedCrossEntropy()
+        if layout.cp > 1:
+            self.sequence_split = SequenceSplit(find_part(model, "language_model")[1], device_mesh[CP])
+
+
+def tiny_model(family: str) -> tuple[torch.nn.Module, Any]:
+    """The family's tiny model (fp32, SDPA) and processor, the same weights on every rank."""
+    import json
+
+    from transformers import AutoConfig, AutoModelForImageTextToText
+    from vlm_testing import LLAVA_CONFIG, tiny_processor, tiny_qwen_vl_processor
+
+    if family == "llava":
+        processor = tiny_processor()
+        config = AutoConfig.for_model(**json.loads(LLAVA_CONFIG.read_text()))
+    else:
+        from transformers import Qwen2VLConfig
+
+        processor = tiny_qwen_vl_processor()
+        tokenizer = processor.tokenizer
+        config = Qwen2VLConfig(
+            text_config={"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+                         "num_key_value_heads": 1, "intermediate_size": 32, "vocab_size": len(tokenizer),
+                         "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3]}},
+            vision_config={"depth": 2, "embed_dim": 16, "hidden_size": 32, "num_heads": 2, "patch_size": 8,
+                           "spatial_merge_size": 2, "temporal_patch_size": 2},
+            image_token_id=processor.image_token_id, video_token_id=processor.video_token_id,
+            vision_start_token_id=tokenizer.convert_tokens_to_ids("<|vision_start|>"))
+    torch.manual_seed(0)
+    config._attn_implementation = "sdpa"
+    return AutoModelForImageTextToText.from_config(config, attn_implementation="sdpa"), processor
+
+
+def micro_batches(processor: Any, step: int, pad_to: int) -> list[dict[str, torch.Tensor]]:
+    """A step's micro-batches: picture conversations of different lengths (right-padded rows), images of random
+    pixels, collated as the recipe collates them."""
+    from vlm_testing import conversation
+
+    generator = torch.Generator().manual_seed(100 + step)
+    collator = VLMCollator(processor, pad_to_multiple_of=pad_to)
+    batches = []
+    for _ in range(MICRO_BATCHES):
+        samples = []
+        for _ in range(ROWS):
+            pixels = torch.randint(0, 256, (32, 32, 3), generator=generator, dtype=torch.uint8).numpy()
+            words = int(torch.randint(1, 4, (1,), generator=generator))
+            answer = " ".join(COLORS[int(torch.randint(0, 4, (1,), generator=generator))] for _ in range(words))
+            samples.append({"messages": conversation("What colors?", answer), "images": [Image.fromarray(pixels)]})
+        batches.append(collator(samples))
+    return batches
+
+
+def vision_tower(model: torch.nn.Module) -> torch.nn.Module:
+    return find_part(model, "vision_tower")[1]
+
+
+def run(family: str, layout: MeshLayout) -> dict[str, Any]:
+    """``STEPS`` steps: losses, gradient norms, the vision tower's gradients of the first step and the weights."""
+    model, processor = tiny_model(family)
+    device_mesh, hooked = None, 0
+    if layout.world_size > 1:
+        device_mesh = build_device_mesh(layout, "cpu")
+        hooked = causal_attention_without_mask(model, [vision_tower(model)])
+        apply_fsdp2(model, fsdp_mesh(device_mesh, layout),
+                    multimodal=place_multimodal(model, MULTIMODAL_NAMES, "root"))  # as the sharding stage does
+    step = Step(model, processor, layout, device_mesh)
+    grads: dict[str, list] = {}
+    update = step.optimizer.step
+
+    def record_then_update() -> None:
+        if not grads:
+            for name, param in vision_tower(model).named_parameters():
+                if param.grad is not None:  # the layers after the one whose features are taken have none
+                    grad = param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
+                    grads[name] = grad.tolist()
+        update()
+
+    step.optimizer.step = record_then_update
+    batches = [micro_batches(processor, s, 2 * layout.cp) for s in range(STEPS)]
+    results = [step._train_step(b) for b in batches]
+    return {"losses": [loss.item() for loss, _, _ in results], "norms": [norm.item() for _, norm, _ in results],
+            "vision_grads": grads, "state": {k: v.tolist() for k, v in full_state(model).items()},
+            "length": batches[0][0]["input_ids"].shape[1], "hooked": hooked}
+
+
+def scenario_vlm_cp(args: dict[str, Any], out: Any) -> dict[str, Any]:
+    """cp = world size (2), or the one-process reference without a process group; both families."""
+    import torch.distributed.tensor.experimental as experimental
+
+    experimental.context_parallel = cpu_context_parallel
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    layout = plan_mesh(world, cp_size=world) if world > 1 else MeshLayout(1)
+    return {family: run(family, layout) for family in ("llava", "qwen2_vl")}
+
+
+if __name__ == "__main__":
+    main(globals())
