@@ -113,3 +113,28 @@ def test_cp2_on_two_gpus_trains_like_one_process_and_saves_a_model_transformers_
     reference = AutoModelForImageTextToText.from_pretrained(runs["one"] / "epoch_0_step_4" / "model")
     for key, value in reference.state_dict().items():
         assert torch.allclose(loaded.state_dict()[key], value, atol=1e-3), key
+
+
+def test_models_whose_attention_is_not_one_causal_attention_are_refused_with_cp():
+    """Ring attention is causal over the whole split sequence: a Gemma 3 (its image tokens attend to each other
+    both ways) or a model with sliding-window layers would silently train another attention under it."""
+    from transformers import Gemma3Config, LlavaConfig, MistralConfig, Qwen2VLConfig
+
+    from automodel_vlm.context_parallel import attention_issue
+
+    assert "attend to each other both ways" in attention_issue(Gemma3Config())
+    sliding = LlavaConfig(text_config=MistralConfig(sliding_window=64, layer_types=["sliding_attention"] * 2,
+                                                    num_hidden_layers=2))
+    assert "sliding-window layers see only the last 64 tokens" in attention_issue(sliding)
+    assert attention_issue(Qwen2VLConfig()) is None and attention_issue(LlavaConfig()) is None
+
+
+def test_a_gemma3_model_config_is_refused_with_cp_at_validation(tmp_path, on_cuda, capsys):
+    from transformers import Gemma3Config
+
+    model_dir = tmp_path / "gemma3"
+    Gemma3Config().save_pretrained(model_dir)
+    config = write_config(tmp_path / "cfg.yaml", tmp_path / "ckpt", eval_generation={"enabled": False},
+                          model={"config": str(model_dir)})
+    assert main(["validate", "-c", str(config), *CP2]) == 2
+    assert "distributed.cp_size: 2: a gemma3 model lets each image's tokens attend" in capsys.readouterr().err

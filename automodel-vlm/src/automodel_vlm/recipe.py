@@ -28,7 +28,7 @@ from automodel.training.parallel.pipeline_media import media_kwargs
 from automodel.training.parallelism import model_hf_config
 from automodel.training.pipeline_steps import padded_mask, padded_tokens, pipeline_length
 from automodel.training.recipe import TrainRecipe
-from automodel_vlm.context_parallel import MultimodalContextParallelBatch, SequenceSplit
+from automodel_vlm.context_parallel import MultimodalContextParallelBatch, SequenceSplit, attention_issue
 from automodel_vlm.datasets.collate import IGNORE_INDEX, VLMCollator, render
 from automodel_vlm.datasets.packing import (
     PackedVLMCollator,
@@ -71,6 +71,9 @@ def context_parallel_issues(cfg: Any) -> list[ConfigIssue]:
         issues.append(ConfigIssue("eval_generation.enabled", f"generation pads its prompts and needs their attention "
                                   f"mask, which context parallelism (cp_size {cp}) drops from every attention "
                                   "module of the language model; set eval_generation.enabled: false"))
+    config = model_hf_config(cfg)
+    if config is not None and (issue := attention_issue(config)) is not None:
+        issues.append(ConfigIssue("distributed.cp_size", f"{cp}: {issue}"))
     if "packed_sequence" in cfg:
         issues.append(ConfigIssue("packed_sequence", f"packed rows keep attention within each sample, but context "
                                   f"parallelism (cp_size {cp}) runs one causal attention over the whole row (torch's "
@@ -200,6 +203,9 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
             raise AutomodelError(f"packed_sequence: {packing_unsupported(model)}")
         if why is not None:
             raise AutomodelError(f"distributed.pp_size: {ctx.mesh.pp}: {why}")
+        config = getattr(model, "config", None)
+        if ctx.mesh.cp > 1 and config is not None and (issue := attention_issue(config)) is not None:
+            raise AutomodelError(f"distributed.cp_size: {ctx.mesh.cp}: {issue}")  # a config validation could not read
         return super().after_model_built(ctx, model, meta)
 
     def setup(self) -> None:
