@@ -83,16 +83,11 @@ BIDIRECTIONAL_IMAGE_MODELS = ("gemma3", "gemma3n", "gemma4", "paligemma")
 
 
 def attention_issue(config: Any) -> str | None:
-    """Why the model's attention is not one causal attention over the whole sequence, which is all torch's ring
-    attention computes (None: it is): image blocks attending both ways, or sliding-window layers."""
+    """Why the model's image tokens do not attend causally, which is all torch's ring attention computes (None:
+    they do); sliding-window layers are the core's check (``sliding_window_issue``)."""
     model_type = getattr(config, "model_type", None)
-    if model_type in BIDIRECTIONAL_IMAGE_MODELS:
-        return (f"a {model_type} model lets each image's tokens attend to each other both ways, but context "
-                "parallelism runs one causal attention over the split sequence (torch's ring attention), which "
-                "would train another attention; set cp_size: 1")
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if "sliding_attention" in (getattr(text, "layer_types", None) or ()):
-        return (f"the model's sliding-window layers see only the last {getattr(text, 'sliding_window', '?')} tokens, "
-                "but context parallelism runs one causal attention over the whole split sequence (torch's ring "
-                "attention), which would train another attention; set cp_size: 1")
-    return None
+    if model_type not in BIDIRECTIONAL_IMAGE_MODELS:
+        return None
+    return (f"a {model_type} model lets each image's tokens attend to each other both ways, but context "
+            "parallelism runs one causal attention over the split sequence (torch's ring attention), which would "
+            "train another attention; set cp_size: 1")

@@ -60,6 +60,17 @@ def cp_issues(device: torch.device | str, cp_size: int, attn_implementation: str
     return issues
 
 
+def sliding_window_issue(config: Any) -> str | None:
+    """Why ring attention (one causal attention over the whole split sequence) is not the model's attention, for a
+    model with sliding-window layers (None: it has none)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if "sliding_attention" not in (getattr(text, "layer_types", None) or ()):
+        return None
+    return (f"the model's sliding-window layers see only the last {getattr(text, 'sliding_window', '?')} tokens, but "
+            "context parallelism runs one causal attention over the whole split sequence (torch's ring attention), "
+            "which would train another attention; set cp_size: 1")
+
+
 def fsdp_mesh(mesh: DeviceMesh, layout: MeshLayout) -> DeviceMesh:
     """The mesh FSDP2 shards over: :func:`data_parallel_mesh`, its ``dp_shard`` joined with ``cp`` when cp > 1
     (the ``cp`` ranks of a batch hold partial gradients, which FSDP's reduction must include)."""

@@ -12,12 +12,12 @@ from __future__ import annotations
 import torch
 
 from automodel.config import Config
-from automodel.errors import ConfigIssue
+from automodel.errors import AutomodelError, ConfigIssue
 from automodel.training.context import BuildContext
 from automodel.training.modules import unwrap
-from automodel.training.parallel.context_parallel import causal_attention_without_mask, cp_issues
+from automodel.training.parallel.context_parallel import causal_attention_without_mask, cp_issues, sliding_window_issue
 from automodel.training.parallel.multimodal_fsdp import multimodal_modules
-from automodel.training.parallelism import validation_device
+from automodel.training.parallelism import model_hf_config, validation_device
 
 
 def select(cfg: Config) -> tuple[str, str] | None:
@@ -45,6 +45,9 @@ def issues(cfg: Config, implementation: str | None) -> list[ConfigIssue]:
         if size > 1:
             found.append(ConfigIssue(f"distributed.{key}", f"{size} with cp_size {cp}: {why}; use {key}: 1 with "
                                      "context parallelism"))
+    config = model_hf_config(cfg)
+    if config is not None and (why := sliding_window_issue(config)) is not None:
+        found.append(ConfigIssue("distributed.cp_size", f"{cp}: {why}"))
     if cfg.compile is not None and cfg.compile.enabled:
         found.append(ConfigIssue("compile.enabled", f"true with cp_size {cp}: torch's context-parallel region swaps "
                                  "torch.nn.functional.scaled_dot_product_attention for its ring attention while it "
@@ -57,6 +60,9 @@ def ring_attention(ctx: BuildContext, model: torch.nn.Module) -> tuple[torch.nn.
     built from a rank's split positions would be wrong); the loop does the rest per micro-batch. A vision-language
     model's towers keep their attention: they see whole images on every rank."""
     inner = unwrap(model)
+    config = getattr(inner, "config", None)
+    if config is not None and (why := sliding_window_issue(config)) is not None:
+        raise AutomodelError(f"distributed.cp_size: {ctx.mesh.cp}: {why}")  # a config validation could not read
     hooked = causal_attention_without_mask(inner, multimodal_modules(inner, ctx.multimodal_names).values())
     cp = ctx.mesh.cp
     return model, (f"{hooked} attention modules run as ring attention over cp {cp} (each sequence split into "
