@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from automodel_vlm.datasets.packing import (
     packing_unsupported,
     rope_index,
 )
+from automodel_vlm.datasets.text_chat import text_chat_issues
 from automodel_vlm.freeze import UpstreamFreezeConfig, VLMFreezeConfig
 from automodel_vlm.parts import MULTIMODAL_NAMES, base_model
 from automodel_vlm.pipeline import layout_issue, media_per_row, pipeline_issues
@@ -90,6 +92,7 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
         settings = cfg.distributed
         if "packed_sequence" in cfg:
             issues += packing_issues(cfg)
+        issues += text_chat_issues(cfg)
         if settings is not None and settings.tp_size > 1 and settings.sequence_parallel:
             issues.append(ConfigIssue("distributed.sequence_parallel", f"true with tp_size {settings.tp_size}: "
                                       "sequence parallelism is not implemented for vision-language models (the image "
@@ -141,10 +144,15 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
     def packing(self) -> VLMPackedSequenceConfig | None:
         return self.cfg.packed_sequence if "packed_sequence" in self.cfg else None
 
+    @cached_property
+    def packed_sample_collator(self) -> VLMCollator:
+        """What tokenizes each sample of a packed row (built once: the processor is the recipe's)."""
+        return self.packing.sample_collator(self.processor)
+
     def build_dataset(self, ctx: BuildContext, node: Any) -> Any:
         dataset = super().build_dataset(ctx, node)
         if node is not None and node.key == "dataset" and self.packing is not None:
-            dataset = PackedVLMDataset(dataset, VLMCollator(self.processor), self.packing)
+            dataset = PackedVLMDataset(dataset, self.packed_sample_collator, self.packing)
             left_out = ", ".join(f"{n} left out by {key}" for key, n in dataset.left_out.items() if n)
             self.log(f"packed the training data into {len(dataset)} rows of {self.packing.pack_size} tokens"
                      + (f" ({left_out})" if left_out else ""))
@@ -152,7 +160,7 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
 
     def default_collate_fn(self, train: bool = True) -> Any:
         if train and self.packing is not None:
-            return PackedVLMCollator(VLMCollator(self.processor), self.packing.padded_length, rope_index(self.model))
+            return PackedVLMCollator(self.packed_sample_collator, self.packing.padded_length, rope_index(self.model))
         return VLMCollator(self.processor)
 
     def collate_runtime_args(self) -> dict[str, Any]:

@@ -1,13 +1,14 @@
 """Packed VLM sequences: several image conversations per row, attention kept inside each (``packed_sequence``).
 
 Each sample is tokenized alone by the recipe's collator (rendered, image placeholders expanded, assistant turns
-labelled) and the samples are packed greedily in data set order into rows of at most ``pack_size`` tokens (a new
-row starts when the next sample does not fit; samples are never reordered). A row carries ``position_ids`` that
-restart at 0 with every sample and no ``attention_mask``: transformers then builds a causal mask that is
-block-diagonal per sample from the position restarts. Each sample's first label is masked, so no token learns to
-predict across a sample boundary and the row's loss is the sum of its samples' own losses. The media of a row
-(``pixel_values`` and what else the processor returns per image) are concatenated in the order of the images in the
-batch, which is the order in which the model scatters their features into the image tokens.
+labelled; with ``post_tokenize_hook_fn``, Gemma 4's thinking prefix inserted after each model turn, unlabelled, as
+upstream's hook does) and the samples are packed greedily in data set order into rows of at most ``pack_size``
+tokens (a new row starts when the next sample does not fit; samples are never reordered). A row carries
+``position_ids`` that restart at 0 with every sample and no ``attention_mask``: transformers then builds a causal
+mask that is block-diagonal per sample from the position restarts. Each sample's first label is masked, so no token
+learns to predict across a sample boundary and the row's loss is the sum of its samples' own losses. The media of a
+row (``pixel_values`` and what else the processor returns per image) are concatenated in the order of the images in
+the batch, which is the order in which the model scatters their features into the image tokens.
 
 Models that place tokens with multi-axis rotary positions (Qwen2-VL's mrope and its kin) get each sample's own
 3-axis positions from the model's ``get_rope_index``, concatenated, under a first row of text positions that
@@ -37,6 +38,9 @@ SEQUENCE_KEYS = ("input_ids", "attention_mask", "labels")
 ROPE_INPUTS = ("mm_token_type_ids", "image_grid_thw", "video_grid_thw", "second_per_grid_ts")
 # How a model's forward recognises packed multi-axis positions: a text-position row on top of the 3 rope rows.
 PACKED_ROPE_FORM = "position_ids.shape[0] == 4"
+# upstream's Gemma 4 hook, by its upstream name and ours: each sample gets the thinking prefix (datasets.gemma4)
+THINKING_PREFIX_HOOKS = ("nemo_automodel.components.datasets.vlm.collate_fns.gemma4_inject_thinking_prefix",
+                         "automodel_vlm.datasets.gemma4.inject_thinking_prefix")
 MISSING_PACK_SIZE = "{}: set the tokens per packed row (at least 2), or remove packed_sequence to train unpacked"
 
 
@@ -62,7 +66,8 @@ class VLMPackedSequenceConfig:
     packing_format: str | None = field(default=None, metadata={"help": (
         "upstream's packed collator format (neat, thd): refused (rows are packed in data set order)")})
     post_tokenize_hook_fn: str | None = field(default=None, metadata={"help": (
-        "upstream's per-sample hook after tokenization: refused (no hook runs here)")})
+        "upstream's hook on each tokenized sample: Gemma 4's thinking prefix (...collate_fns."
+        "gemma4_inject_thinking_prefix) only, inserted after every model turn, unlabelled")})
 
     def __post_init__(self) -> None:
         errors = {}
@@ -88,14 +93,23 @@ class VLMPackedSequenceConfig:
                                    "attention; remove it (model.attn_implementation chooses the attention)",
             "packing_format": "upstream's packed collators (neat, thd) are not implemented; rows are packed "
                               "greedily in data set order: remove it",
-            "post_tokenize_hook_fn": "no hook runs on tokenized samples here (Gemma 4's thinking prefix is inserted "
-                                     "by dataloader.collate_fn: {_target_: nemo_automodel.components.datasets.vlm."
-                                     "collate_fns.gemma4_prefix_collate_fn}, which packing does not use); remove it",
         }
         errors.update({key: f"{getattr(self, key)}: {why}" for key, why in refused.items()
                        if getattr(self, key) is not None})
+        if self.post_tokenize_hook_fn is not None and self.post_tokenize_hook_fn not in THINKING_PREFIX_HOOKS:
+            errors["post_tokenize_hook_fn"] = (f"{self.post_tokenize_hook_fn}: the only hook on tokenized samples "
+                                               f"here is Gemma 4's thinking prefix ({THINKING_PREFIX_HOOKS[0]}); "
+                                               "use it or remove the key")
         if errors:
             raise FieldErrors(errors)
+
+    def sample_collator(self, processor: Any) -> VLMCollator:
+        """The collation each sample is tokenized with alone: Gemma 4's with the hook, else the default one."""
+        if self.post_tokenize_hook_fn is None:
+            return VLMCollator(processor)
+        from automodel_vlm.datasets.gemma4 import Gemma4PrefixCollator
+
+        return Gemma4PrefixCollator(processor)
 
     @property
     def padded_length(self) -> int:
