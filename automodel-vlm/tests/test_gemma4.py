@@ -224,7 +224,8 @@ def test_upstream_text_only_form_packs_with_the_hook_and_trains_three_steps_thro
     recipe = testing.train_inprocess(form, *overrides, "--checkpoint.checkpoint_dir", tmp_path / "setup",
                                      route=("finetune", "vlm"), setup_only=True)
     packed = recipe.train_dataset
-    assert isinstance(packed, PackedVLMDataset) and isinstance(recipe.packed_sample_collator, Gemma4PrefixCollator)
+    assert isinstance(packed, PackedVLMDataset) and isinstance(packed.collator, Gemma4PrefixCollator)
+    assert isinstance(recipe.dataloader.collate_fn.fn.collator, Gemma4PrefixCollator)
     assert sum(len(r) for r in packed.rows) == len(tulu_rows()), "none longer than max_length"
     assert len(packed) >= 6 and max(len(r) for r in packed.rows) > 1, "rows of several samples"
     assert len(recipe.val_dataloaders["validation"].dataset) == 8, "limit_total"

@@ -124,12 +124,14 @@ def test_a_file_without_the_columns_is_named(text_data):
     with pytest.raises(AutomodelError, match=r"dataset.magicoder_path_or_dataset: .* has no column problem"):
         make_tulu3_magicoder_text_mix_dataset(tulu_path_or_dataset=str(text_data["tulu"]),
                                               magicoder_path_or_dataset=str(text_data["tulu"]))
-    with pytest.raises(AutomodelError, match="dataset.truncate: true: samples longer than"):
-        make_tulu3_dataset(str(text_data["tulu"]), truncate=True)
+    with pytest.raises(AutomodelError, match="dataset.inject_fake_images: true: no fake image"):
+        make_tulu3_dataset(str(text_data["tulu"]), inject_fake_images=True)
 
 
 @pytest.mark.parametrize("override,key,needle", [
-    (("--dataset.truncate", "true"), "dataset.truncate", "left out here, never cut"),
+    (("--packed_sequence.max_length", "null", "--dataset.truncate", "true"), "dataset.truncate",
+     "packed_sequence.max_length is not set"),
+    (("--packed_sequence", "null", "--dataset.truncate", "true"), "dataset.truncate", "packed_sequence is not given"),
     (("--dataset.inject_fake_images", "true"), "dataset.inject_fake_images", "no fake image"),
     (("--packed_sequence.post_tokenize_hook_fn", "automodel_vlm.datasets.gemma4.marker_ends"),
      "packed_sequence.post_tokenize_hook_fn", "the only hook on tokenized samples here is Gemma 4's"),
@@ -140,3 +142,33 @@ def test_what_cannot_act_is_refused_at_validation(override, key, needle):
         testing.load_config(FORM, "--dataset.path_or_dataset", "x", *override, route=("finetune", "vlm"))
     found = {issue.key: issue.message for issue in info.value.issues}
     assert key in found and needle in found[key], found
+
+
+def test_truncate_cuts_packed_samples_to_max_length_instead_of_leaving_them_out(text_data, processor):
+    from automodel_vlm.datasets.packing import PackedVLMCollator, PackedVLMDataset, VLMPackedSequenceConfig
+
+    chats = [make_tulu3_dataset(str(text_data["tulu"]), split="train[:4]", truncate=truncate) for truncate in
+             (False, True)]
+    collate = VLMCollator(processor)
+    lengths = [collate([chats[0][i]])["input_ids"].shape[1] for i in range(4)]
+    limit = min(lengths) + 1
+    longer = sum(length > limit for length in lengths)
+    assert longer >= 2
+    settings = VLMPackedSequenceConfig(pack_size=256, max_length=limit)
+    kept, cut = (PackedVLMDataset(data, collate, settings) for data in chats)
+    assert (kept.left_out["max_length"], kept.cut, kept.cut_to) == (longer, 0, None)
+    assert (cut.left_out["max_length"], cut.cut, cut.cut_to) == (0, longer, limit)
+    row = PackedVLMCollator(cut.collator, 256, cut_to=cut.cut_to)([cut[0]])
+    start = 0
+    for index, length in enumerate(lengths):
+        whole = collate([chats[0][index]])
+        size = min(length, limit)
+        assert row["input_ids"][0, start:start + size].tolist() == whole["input_ids"][0, :size].tolist()
+        assert row["labels"][0, start + 1:start + size].tolist() == whole["labels"][0, 1:size].tolist(), \
+            "labels built on the whole sample, then cut"
+        start += size
+    assert int(row["token_count"][0]) == start
+    picture = ImageTextChatDataset(str(SHAPES / "train.jsonl"), limit_dataset_samples=1)
+    picture.truncate = True
+    with pytest.raises(AutomodelError, match="dataset.truncate: a sample of .* cut through its image tokens"):
+        PackedVLMDataset(picture, collate, VLMPackedSequenceConfig(pack_size=256, max_length=4))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -144,23 +143,24 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
     def packing(self) -> VLMPackedSequenceConfig | None:
         return self.cfg.packed_sequence if "packed_sequence" in self.cfg else None
 
-    @cached_property
-    def packed_sample_collator(self) -> VLMCollator:
-        """What tokenizes each sample of a packed row (built once: the processor is the recipe's)."""
-        return self.packing.sample_collator(self.processor)
-
     def build_dataset(self, ctx: BuildContext, node: Any) -> Any:
         dataset = super().build_dataset(ctx, node)
         if node is not None and node.key == "dataset" and self.packing is not None:
-            dataset = PackedVLMDataset(dataset, self.packed_sample_collator, self.packing)
-            left_out = ", ".join(f"{n} left out by {key}" for key, n in dataset.left_out.items() if n)
+            dataset = PackedVLMDataset(dataset, self.packing.sample_collator(self.processor), self.packing)
+            left_out = ", ".join([f"{n} left out by {key}" for key, n in dataset.left_out.items() if n]
+                                 + ([f"{dataset.cut} cut to max_length"] if dataset.cut else []))
             self.log(f"packed the training data into {len(dataset)} rows of {self.packing.pack_size} tokens"
                      + (f" ({left_out})" if left_out else ""))
         return dataset
 
+    def build_dataloader(self, ctx: BuildContext, dataset: Any, node: Any, train: bool) -> Any:
+        if isinstance(dataset, PackedVLMDataset):  # each sample tokenized (and cut) as when it was measured
+            collate = PackedVLMCollator(dataset.collator, self.packing.padded_length, rope_index(self.model),
+                                        dataset.cut_to)
+            return ctx.build("dataloader", dataset, node, train, collate)
+        return super().build_dataloader(ctx, dataset, node, train)
+
     def default_collate_fn(self, train: bool = True) -> Any:
-        if train and self.packing is not None:
-            return PackedVLMCollator(self.packed_sample_collator, self.packing.padded_length, rope_index(self.model))
         return VLMCollator(self.processor)
 
     def collate_runtime_args(self) -> dict[str, Any]:

@@ -160,20 +160,45 @@ def packing_unsupported(model: torch.nn.Module) -> str | None:
             "unpacked")
 
 
+def cut_sample(one: dict[str, Any], length: int, placeholders: set[int]) -> dict[str, Any]:
+    """A one-sample batch cut to its first ``length`` tokens (every entry indexed by token; labels were built on the
+    whole sample), refused where the cut would go through image tokens: their features would have no place."""
+    ids = one["input_ids"]
+    media = one.get("mm_token_type_ids")
+    through_media = media is not None and bool(media[0, length:].any())
+    if through_media or any(t in placeholders for t in ids[0, length:].tolist()):
+        raise AutomodelError(f"dataset.truncate: a sample of {ids.shape[1]} tokens would be cut through its image "
+                             f"tokens at packed_sequence.max_length ({length}); raise max_length, or set truncate: "
+                             "false to leave the samples longer than it out")
+    return {key: value[:, :length] if isinstance(value, torch.Tensor) and value.shape == ids.shape else value
+            for key, value in one.items()}
+
+
 class PackedVLMDataset(Dataset):
     """Rows of samples (each row a list of the data set's samples) that fill at most ``settings.capacity`` tokens,
-    measured by tokenizing each sample alone with ``collator``."""
+    measured by tokenizing each sample alone with ``collator``.
+
+    Samples longer than ``settings.max_length`` are left out, or, where the data set says ``truncate`` (upstream's
+    recipe-level key of the text-only chat data sets), cut to it (``cut_to``; :class:`PackedVLMCollator` cuts them
+    alike)."""
 
     def __init__(self, dataset: Any, collator: VLMCollator, settings: VLMPackedSequenceConfig):
-        self.dataset = dataset
+        self.dataset, self.collator = dataset, collator
+        self.cut_to = settings.max_length if getattr(dataset, "truncate", False) else None
         self.rows: list[list[int]] = []
         self.left_out = {"max_length": 0, "drop_long_samples": 0}
+        self.cut = 0
         used = 0
         for index in range(len(dataset)):
-            length = collator([dataset[index]])["input_ids"].shape[1]
+            one = collator([dataset[index]])
+            length = one["input_ids"].shape[1]
             if settings.max_length is not None and length > settings.max_length:
-                self.left_out["max_length"] += 1
-                continue
+                if self.cut_to is None:
+                    self.left_out["max_length"] += 1
+                    continue
+                cut_sample(one, self.cut_to, collator.placeholders)  # refuses a cut through image tokens now
+                length = self.cut_to
+                self.cut += 1
             if length > settings.pack_size:
                 if not settings.drop_long_samples:
                     raise AutomodelError(f"packed_sequence.pack_size: sample {index} has {length} tokens, more than "
@@ -202,12 +227,13 @@ class PackedVLMDataset(Dataset):
 
 class PackedVLMCollator:
     """``collate(rows) -> {input_ids, labels, position_ids, token_count, pixel_values, ...}``: each row's samples
-    tokenized alone by ``collator`` and laid end to end, padded to ``pack_size`` tokens (``collate_max_length``
-    where given; the padding is a label-free
-    segment of its own); no ``attention_mask``, so the model keeps attention within each sample."""
+    tokenized alone by ``collator`` (cut to ``cut_to`` tokens where longer) and laid end to end, padded to
+    ``pack_size`` tokens (``collate_max_length`` where given; the padding is a label-free segment of its own); no
+    ``attention_mask``, so the model keeps attention within each sample."""
 
-    def __init__(self, collator: VLMCollator, pack_size: int, rope_index: Callable[..., Any] | None = None):
-        self.collator, self.pack_size, self.rope_index = collator, pack_size, rope_index
+    def __init__(self, collator: VLMCollator, pack_size: int, rope_index: Callable[..., Any] | None = None,
+                 cut_to: int | None = None):
+        self.collator, self.pack_size, self.rope_index, self.cut_to = collator, pack_size, rope_index, cut_to
 
     def _rope_positions(self, one: dict[str, Any]) -> torch.Tensor:
         """A sample's ``[3, length]`` multi-axis positions (a sample without media: its text positions)."""
@@ -232,6 +258,8 @@ class PackedVLMCollator:
             start = 0
             for sample in samples:
                 one = self.collator([sample])
+                if self.cut_to is not None and one["input_ids"].shape[1] > self.cut_to:
+                    one = cut_sample(one, self.cut_to, self.collator.placeholders)
                 length = one["input_ids"].shape[1]
                 end = start + length
                 labels = one["labels"][0].clone()

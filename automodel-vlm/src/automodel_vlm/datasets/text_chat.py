@@ -28,13 +28,11 @@ ROLES = ("system", "user", "assistant")
 MIX = (0.8, 0.2)
 # upstream drops media placeholders it has no media for; text-only rows have none
 _MEDIA = re.compile(r"<image>|<video>", re.IGNORECASE)
-# Upstream's recipe-level keys of a dataset section (its pretokenizing wrapper reads them), with why only false acts.
-REFUSED_TRUE = {
-    "truncate": "samples longer than packed_sequence.max_length are left out here, never cut (upstream truncates "
-                "them with true); set false or remove it",
-    "inject_fake_images": "no fake image is added to text-only samples here (they train with no image); set false "
-                          "or remove it",
-}
+# Upstream's recipe-level keys of a dataset section (its pretokenizing wrapper reads them).
+NO_FAKE_IMAGES = ("true: no fake image is added to text-only samples here (they train with no image); set false or "
+                  "remove it")
+TRUNCATE_NEEDS_PACKING = ("true: cuts the samples longer than packed_sequence.max_length when the training data is "
+                          "packed, and {}; set false or remove it")
 
 
 def _text(text: str) -> list[dict[str, str]]:
@@ -61,11 +59,15 @@ def make_tulu3_dataset(path_or_dataset: str = TULU, split: str = "train", trunca
                        inject_fake_images: bool = False, config_key: str = "dataset",
                        on_bad_row: OnBadRow = "error") -> ImageTextChatDataset:
     """Tulu-3 SFT rows ``{messages}`` as text-only conversations, every row in split order (``split: train[:N]``
-    takes the first N). ``truncate`` and ``inject_fake_images`` are upstream's recipe-level keys: false only."""
-    _refuse_true(config_key, truncate=truncate, inject_fake_images=inject_fake_images)
+    takes the first N). Upstream's recipe-level keys: ``truncate`` (packing cuts the samples longer than
+    ``packed_sequence.max_length`` to it instead of leaving them out), ``inject_fake_images`` (false only)."""
+    if inject_fake_images:
+        raise AutomodelError(f"{config_key}.inject_fake_images: {NO_FAKE_IMAGES}")
     rows, folder, limit = _rows(path_or_dataset, split, config_key, ("messages",))
-    return _dataset(rows, folder, str(path_or_dataset), config_key, None, limit, on_bad_row, tulu_messages,
-                    ["messages"])
+    dataset = _dataset(rows, folder, str(path_or_dataset), config_key, None, limit, on_bad_row, tulu_messages,
+                       ["messages"])
+    dataset.truncate = truncate
+    return dataset
 
 
 def _mix_tulu(messages: list[dict[str, Any]], max_turns: int) -> str:
@@ -126,17 +128,23 @@ def make_tulu3_magicoder_text_mix_dataset(tulu_split: str = "train", magicoder_s
                                           config_key=config_key, image_column=None, on_bad_row=on_bad_row)
 
 
-def _refuse_true(key: str, **values: bool) -> None:
-    for name, value in values.items():
-        if value:
-            raise AutomodelError(f"{key}.{name}: true: {REFUSED_TRUE[name]}")
-
-
 def text_chat_issues(cfg: Config) -> list[ConfigIssue]:
-    """Upstream's recipe-level ``truncate`` / ``inject_fake_images`` set true in a data set section, refused."""
+    """Upstream's recipe-level ``inject_fake_images: true`` in a data set section, and ``truncate: true`` where
+    nothing is cut (a validation set, training data not packed or without ``packed_sequence.max_length``)."""
+    packing = cfg.resolved.get("packed_sequence")
+    max_length = packing.get("max_length") if isinstance(packing, dict) else None
     issues = []
     for key, section in cfg.resolved.items():
-        if key == "dataset" or key.startswith("validation_dataset"):
-            issues += [ConfigIssue(f"{key}.{name}", f"true: {why}") for name, why in REFUSED_TRUE.items()
-                       if isinstance(section, dict) and section.get(name) is True]
+        if not isinstance(section, dict) or not (key == "dataset" or key.startswith("validation_dataset")):
+            continue
+        if section.get("inject_fake_images") is True:
+            issues.append(ConfigIssue(f"{key}.inject_fake_images", NO_FAKE_IMAGES))
+        if section.get("truncate") is not True:
+            continue
+        if key != "dataset":
+            issues.append(ConfigIssue(f"{key}.truncate", TRUNCATE_NEEDS_PACKING.format("validation data is never "
+                                                                                        "packed")))
+        elif max_length is None:
+            missing = "packed_sequence is not given" if packing is None else "packed_sequence.max_length is not set"
+            issues.append(ConfigIssue(f"{key}.truncate", TRUNCATE_NEEDS_PACKING.format(missing)))
     return issues
