@@ -162,3 +162,75 @@ def test_upstream_collate_form_validates_and_trains_three_steps_through_the_cli(
     assert result.returncode == 0, result.stderr[-3000:]
     assert list(testing.losses_by_step(tmp_path / "ckpt" / "training.jsonl")) == [3]
     assert [r["step"] for r in testing.read_jsonl(tmp_path / "ckpt" / "validation.jsonl")] == [3]
+
+
+HOOK = "nemo_automodel.components.datasets.vlm.collate_fns.gemma4_inject_thinking_prefix"
+
+
+def test_the_packing_hook_inserts_the_prefix_in_each_packed_sample_token_by_token(assets, tmp_path):
+    """packed_sequence.post_tokenize_hook_fn: each sample of a packed row is the processor's tokens with the prefix
+    after every model turn marker (what upstream's hook makes of them), the prefix unlabelled, the rest labelled as
+    without the hook; text-only and image samples alike."""
+    from vlm_testing import tulu_rows, write_jsonl
+
+    from automodel_vlm.datasets import make_tulu3_dataset
+    from automodel_vlm.datasets.packing import PackedVLMCollator, VLMPackedSequenceConfig
+
+    processor = gemma4_processor(assets)
+    marker, prefix = thinking_prefix_ids(processor.tokenizer)
+    chats = make_tulu3_dataset(str(write_jsonl(tmp_path / "tulu.jsonl", tulu_rows())), split="train[:2]")
+    samples = [chats[0], sample("Colour?", "red"), chats[1]]
+    settings = VLMPackedSequenceConfig(pack_size=256, post_tokenize_hook_fn=HOOK)
+    assert isinstance(settings.sample_collator(processor), Gemma4PrefixCollator)
+    row = PackedVLMCollator(settings.sample_collator(processor), settings.pack_size)([samples])
+    plain = VLMPackedSequenceConfig(pack_size=256).sample_collator(processor)
+    start = 0
+    for one in samples:
+        alone = plain([one])
+        ids, labels = alone["input_ids"][0].tolist(), alone["labels"][0].tolist()
+        labels[0] = IGNORE_INDEX  # a packed sample's first token predicts nothing
+        expected_ids, expected_labels = [], []
+        for position, (token, label) in enumerate(zip(ids, labels, strict=True)):
+            expected_ids.append(token)
+            expected_labels.append(label)
+            if ids[max(position + 1 - len(marker), 0):position + 1] == marker:
+                expected_ids += prefix
+                expected_labels += [IGNORE_INDEX] * len(prefix)
+        end = start + len(expected_ids)
+        assert row["input_ids"][0, start:end].tolist() == expected_ids
+        assert row["labels"][0, start:end].tolist() == expected_labels
+        hooked = inject_thinking_prefix(dict(processor(text=[processor.apply_chat_template(
+            one["messages"], tokenize=False)], images=one["images"] or None, return_tensors="pt",
+            add_special_tokens=False)), processor)
+        assert hooked["input_ids"][0].tolist() == expected_ids, "upstream's hook on the sample's tokens"
+        assert expected_ids.count(prefix[0]) == len(marker_ends(ids, marker)) >= 1
+        start = end
+    assert int(row["token_count"][0]) == start
+
+
+def test_upstream_text_only_form_packs_with_the_hook_and_trains_three_steps_through_the_cli(assets, tmp_path):
+    from vlm_testing import magicoder_rows, tulu_rows, write_jsonl
+
+    from automodel_vlm.datasets.packing import PackedVLMDataset
+
+    form = FORM.parent / "gemma4_tulu3_text_upstream.yaml"
+    tulu = write_jsonl(tmp_path / "tulu.jsonl", tulu_rows())
+    overrides = ["--processor.tokenizer", assets["tokenizer"], "--model.config", assets["config"],
+                 "--dataset.path_or_dataset", tulu, "--validation_dataset.tulu_path_or_dataset", tulu,
+                 "--validation_dataset.magicoder_path_or_dataset",
+                 write_jsonl(tmp_path / "magicoder.jsonl", magicoder_rows())]
+    checked = testing.run_cli("validate", "-c", form, *overrides, cwd=tmp_path)
+    assert checked.returncode == 0, checked.stdout[-2000:] + checked.stderr[-2000:]
+    recipe = testing.train_inprocess(form, *overrides, "--checkpoint.checkpoint_dir", tmp_path / "setup",
+                                     route=("finetune", "vlm"), setup_only=True)
+    packed = recipe.train_dataset
+    assert isinstance(packed, PackedVLMDataset) and isinstance(packed.collator, Gemma4PrefixCollator)
+    assert isinstance(recipe.dataloader.collate_fn.fn.collator, Gemma4PrefixCollator)
+    assert sum(len(r) for r in packed.rows) == len(tulu_rows()), "none longer than max_length"
+    assert len(packed) >= 6 and max(len(r) for r in packed.rows) > 1, "rows of several samples"
+    assert len(recipe.val_dataloaders["validation"].dataset) == 8, "limit_total"
+    result = testing.run_cli("finetune", "vlm", "-c", form, *overrides, "--checkpoint.checkpoint_dir",
+                             tmp_path / "ckpt", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert list(testing.losses_by_step(tmp_path / "ckpt" / "training.jsonl")) == [3]
+    assert [r["step"] for r in testing.read_jsonl(tmp_path / "ckpt" / "validation.jsonl")] == [3]

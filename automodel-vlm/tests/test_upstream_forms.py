@@ -160,8 +160,6 @@ def test_drop_overlong_leaves_long_samples_out(upstream_data):
 
 
 @pytest.mark.parametrize("override,key,needle", [
-    (("--dataset._target_", "nemo_automodel.components.datasets.vlm.datasets.make_tulu3_dataset"),
-     "dataset._target_", "text-only chat data"),
     (("--dataset._target_", "nemo_automodel.components.datasets.vlm.datasets.make_meta_dataset"),
      "dataset._target_", "use ImageTextChatDataset"),
     (("--dataloader.collate_fn._target_", "nemo_automodel.components.datasets.vlm.collate_fns."
@@ -171,9 +169,8 @@ def test_drop_overlong_leaves_long_samples_out(upstream_data):
     (("--processor._target_", "transformers.models.qwen3_vl.video_processing_qwen3_vl.Qwen3VLVideoProcessor."
                               "from_pretrained"), "processor._target_", "video inputs are not supported"),
     (("--freeze.vision_tower", "true"), "freeze_config", "give one of freeze"),
-    (("--packed_sequence", "{pack_size: 4096, post_tokenize_hook_fn: nemo_automodel.components.datasets.vlm."
-                           "collate_fns.gemma4_inject_thinking_prefix}"), "packed_sequence.post_tokenize_hook_fn",
-     "Gemma 4's thinking prefix is inserted by dataloader.collate_fn"),
+    (("--packed_sequence", "{pack_size: 4096, post_tokenize_hook_fn: automodel_vlm.datasets.gemma4.marker_ends}"),
+     "packed_sequence.post_tokenize_hook_fn", "the only hook on tokenized samples here is Gemma 4's"),
     (("--model._target_", "nemo_automodel.NeMoAutoModelForMultimodalLM.from_pretrained"), "model._target_",
      "images and text only"),
     (("--freeze_config.freeze_vision_towr", "true"), "freeze_config.freeze_vision_towr", "freeze_vision_tower"),

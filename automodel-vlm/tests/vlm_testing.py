@@ -78,6 +78,36 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
     return Path(path)
 
 
+# Text-only chat rows in the columns of upstream's Tulu-3 SFT mixture (messages) and Magicoder (problem, solution).
+COLOURS = ("red", "green", "blue", "yellow", "purple", "orange", "black", "white")
+
+
+def tulu_rows(count: int = 24) -> list[dict]:
+    """Tulu-3-form rows: a system turn in every third, two user/assistant rounds in every other; the last one has a
+    role upstream leaves out (tool) and a media placeholder in the user text (left out too)."""
+    rows = []
+    for i in range(count):
+        colour = COLOURS[i % len(COLOURS)]
+        messages = [{"role": "system", "content": "Answer in one word."}] if i % 3 == 0 else []
+        messages += [{"role": "user", "content": f"Which colour is number {i}?"},
+                     {"role": "assistant", "content": colour.capitalize() + "."}]
+        if i % 2:
+            messages += [{"role": "user", "content": "And the next?"},
+                         {"role": "assistant", "content": COLOURS[(i + 1) % len(COLOURS)] + "."}]
+        rows.append({"id": f"row_{i}", "source": "colours", "messages": messages})
+    rows[-1]["messages"] = [{"role": "user", "content": "<image> Name a shape."},
+                            {"role": "tool", "content": "unused"},
+                            {"role": "assistant", "content": "A circle."}]
+    return rows
+
+
+def magicoder_rows(count: int = 6) -> list[dict]:
+    """Magicoder-form rows; the last has no solution (the mix leaves it out)."""
+    rows = [{"problem": f"Write f returning {i}.", "solution": f"def f():\n    return {i}"} for i in range(count)]
+    rows[-1]["solution"] = " "
+    return rows
+
+
 @functools.cache
 def images_only_qwen_vl_processor_class() -> type:
     """Qwen2VLProcessor without its video processor (torchvision-backed, not installed here); one class per process,

@@ -6,7 +6,8 @@ _RECIPE = "automodel_vlm.recipe.FinetuneRecipeForVLM"
 _DATASETS = "nemo_automodel.components.datasets.vlm.datasets"
 _COLLATE = "nemo_automodel.components.datasets.vlm.collate_fns"
 _OURS = ("use ImageTextChatDataset (a JSONL/JSON/parquet file or hub set of {messages, image} rows) or one of "
-         "make_medpix_dataset, make_rdr_dataset, make_cord_v2_dataset, make_shopify_product_catalogue_dataset")
+         "make_medpix_dataset, make_rdr_dataset, make_cord_v2_dataset, make_shopify_product_catalogue_dataset, "
+         "make_tulu3_dataset (text-only chat)")
 _MODELS = "nemo_automodel.components.models"
 # upstream's own processor builders of the families transformers now ships: transformers' processor class of each
 FAMILY_PROCESSORS = {
@@ -18,8 +19,6 @@ _GENERIC_COLLATE = ("use default_collate_fn (the processor's chat template rende
                     "assistant turns), which serves processors that follow transformers' conventions")
 # Upstream names nothing here implements, each with the reason and what to use instead.
 UNSUPPORTED = {
-    f"{_DATASETS}.make_tulu3_dataset": "text-only chat data (no images) is not a VLM data set here; " + _OURS,
-    f"{_DATASETS}.make_tulu3_magicoder_text_mix_dataset": "text-only chat data is not a VLM data set here; " + _OURS,
     f"{_DATASETS}.make_meta_dataset": "upstream's meta-JSON data mixtures are not implemented; " + _OURS,
     "nemo_automodel.components.datasets.audio.datasets.make_cv17_dataset": "audio data is not supported by the VLM "
                                                                            "recipe (images only)",
@@ -63,7 +62,8 @@ def automodel_register_aliases(aliases) -> None:
     aliases.target("nemo_automodel.NeMoAutoModelForImageTextToText.from_config",
                    "automodel_vlm.AutoModelForImageTextToText.from_config")
     for name in ("make_medpix_dataset", "make_rdr_dataset", "make_cord_v2_dataset",
-                 "make_shopify_product_catalogue_dataset"):
+                 "make_shopify_product_catalogue_dataset", "make_tulu3_dataset",
+                 "make_tulu3_magicoder_text_mix_dataset"):
         aliases.target(f"{_DATASETS}.{name}", f"automodel_vlm.datasets.{name}")
     aliases.target("nemo_automodel.components.datasets.vlm.mock.build_mock_vlm_dataset",
                    "automodel_vlm.datasets.MockVLMDataset")
@@ -72,7 +72,8 @@ def automodel_register_aliases(aliases) -> None:
     for name in ("default_collate_fn", "qwen2_5_collate_fn", "llava_onevision_collate_fn"):
         aliases.target(f"{_COLLATE}.{name}", "automodel_vlm.datasets.collate.VLMCollator")
     # Gemma 4's: the same collation with the thinking-channel prefix inserted after each model turn, unlabelled;
-    # upstream's hook (batch, processor) -> batch itself, for its packed_sequence.post_tokenize_hook_fn
+    # upstream's hook (batch, processor) -> batch itself; as packed_sequence.post_tokenize_hook_fn, packing tokenizes
+    # each sample with Gemma4PrefixCollator (VLMPackedSequenceConfig.sample_collator)
     aliases.target(f"{_COLLATE}.gemma4_prefix_collate_fn", "automodel_vlm.datasets.gemma4.Gemma4PrefixCollator")
     aliases.target(f"{_COLLATE}.gemma4_inject_thinking_prefix", "automodel_vlm.datasets.gemma4.inject_thinking_prefix")
     for name, builder in FAMILY_PROCESSORS.items():

@@ -38,6 +38,7 @@ from automodel_vlm.datasets.packing import (
     packing_unsupported,
     rope_index,
 )
+from automodel_vlm.datasets.text_chat import text_chat_issues
 from automodel_vlm.freeze import UpstreamFreezeConfig, VLMFreezeConfig
 from automodel_vlm.parts import MULTIMODAL_NAMES, base_model, find_part
 from automodel_vlm.pipeline import layout_issue, media_per_row, pipeline_issues
@@ -122,6 +123,7 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
         settings = cfg.distributed
         if "packed_sequence" in cfg:
             issues += packing_issues(cfg)
+        issues += text_chat_issues(cfg)
         if settings is not None and settings.tp_size > 1 and settings.sequence_parallel:
             issues.append(ConfigIssue("distributed.sequence_parallel", f"true with tp_size {settings.tp_size}: "
                                       "sequence parallelism is not implemented for vision-language models (the image "
@@ -178,15 +180,21 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
     def build_dataset(self, ctx: BuildContext, node: Any) -> Any:
         dataset = super().build_dataset(ctx, node)
         if node is not None and node.key == "dataset" and self.packing is not None:
-            dataset = PackedVLMDataset(dataset, VLMCollator(self.processor), self.packing)
-            left_out = ", ".join(f"{n} left out by {key}" for key, n in dataset.left_out.items() if n)
+            dataset = PackedVLMDataset(dataset, self.packing.sample_collator(self.processor), self.packing)
+            left_out = ", ".join([f"{n} left out by {key}" for key, n in dataset.left_out.items() if n]
+                                 + ([f"{dataset.cut} cut to max_length"] if dataset.cut else []))
             self.log(f"packed the training data into {len(dataset)} rows of {self.packing.pack_size} tokens"
                      + (f" ({left_out})" if left_out else ""))
         return dataset
 
+    def build_dataloader(self, ctx: BuildContext, dataset: Any, node: Any, train: bool) -> Any:
+        if isinstance(dataset, PackedVLMDataset):  # each sample tokenized (and cut) as when it was measured
+            collate = PackedVLMCollator(dataset.collator, self.packing.padded_length, rope_index(self.model),
+                                        dataset.cut_to)
+            return ctx.build("dataloader", dataset, node, train, collate)
+        return super().build_dataloader(ctx, dataset, node, train)
+
     def default_collate_fn(self, train: bool = True) -> Any:
-        if train and self.packing is not None:
-            return PackedVLMCollator(VLMCollator(self.processor), self.packing.padded_length, rope_index(self.model))
         settings = self.cfg.distributed
         # context parallelism splits each row into 2 x cp_size chunks
         multiple = 2 * settings.cp_size if settings is not None and settings.cp_size > 1 else None

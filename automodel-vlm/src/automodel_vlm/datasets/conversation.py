@@ -83,6 +83,10 @@ def _parts(content: Any) -> list[dict]:
 class ImageTextChatDataset(Dataset):
     """Rows of one conversation each with its images; samples are ``{"messages", "images"}`` (PIL, RGB)."""
 
+    # packing cuts the samples longer than packed_sequence.max_length to it instead of leaving them out (upstream's
+    # recipe-level ``truncate`` key, which the text-only chat factories take)
+    truncate = False
+
     def __init__(self, path_or_dataset_id: str, split: str = "train", messages_column: str = "messages",
                  image_column: str | None = "image", image_root: str | None = None,
                  limit_dataset_samples: int | None = None, config_key: str = "dataset",

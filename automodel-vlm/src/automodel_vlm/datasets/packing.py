@@ -1,13 +1,14 @@
 """Packed VLM sequences: several image conversations per row, attention kept inside each (``packed_sequence``).
 
 Each sample is tokenized alone by the recipe's collator (rendered, image placeholders expanded, assistant turns
-labelled) and the samples are packed greedily in data set order into rows of at most ``pack_size`` tokens (a new
-row starts when the next sample does not fit; samples are never reordered). A row carries ``position_ids`` that
-restart at 0 with every sample and no ``attention_mask``: transformers then builds a causal mask that is
-block-diagonal per sample from the position restarts. Each sample's first label is masked, so no token learns to
-predict across a sample boundary and the row's loss is the sum of its samples' own losses. The media of a row
-(``pixel_values`` and what else the processor returns per image) are concatenated in the order of the images in the
-batch, which is the order in which the model scatters their features into the image tokens.
+labelled; with ``post_tokenize_hook_fn``, Gemma 4's thinking prefix inserted after each model turn, unlabelled, as
+upstream's hook does) and the samples are packed greedily in data set order into rows of at most ``pack_size``
+tokens (a new row starts when the next sample does not fit; samples are never reordered). A row carries
+``position_ids`` that restart at 0 with every sample and no ``attention_mask``: transformers then builds a causal
+mask that is block-diagonal per sample from the position restarts. Each sample's first label is masked, so no token
+learns to predict across a sample boundary and the row's loss is the sum of its samples' own losses. The media of a
+row (``pixel_values`` and what else the processor returns per image) are concatenated in the order of the images in
+the batch, which is the order in which the model scatters their features into the image tokens.
 
 Models that place tokens with multi-axis rotary positions (Qwen2-VL's mrope and its kin) get each sample's own
 3-axis positions from the model's ``get_rope_index``, concatenated, under a first row of text positions that
@@ -37,6 +38,9 @@ SEQUENCE_KEYS = ("input_ids", "attention_mask", "labels")
 ROPE_INPUTS = ("mm_token_type_ids", "image_grid_thw", "video_grid_thw", "second_per_grid_ts")
 # How a model's forward recognises packed multi-axis positions: a text-position row on top of the 3 rope rows.
 PACKED_ROPE_FORM = "position_ids.shape[0] == 4"
+# upstream's Gemma 4 hook, by its upstream name and ours: each sample gets the thinking prefix (datasets.gemma4)
+THINKING_PREFIX_HOOKS = ("nemo_automodel.components.datasets.vlm.collate_fns.gemma4_inject_thinking_prefix",
+                         "automodel_vlm.datasets.gemma4.inject_thinking_prefix")
 MISSING_PACK_SIZE = "{}: set the tokens per packed row (at least 2), or remove packed_sequence to train unpacked"
 
 
@@ -62,7 +66,8 @@ class VLMPackedSequenceConfig:
     packing_format: str | None = field(default=None, metadata={"help": (
         "upstream's packed collator format (neat, thd): refused (rows are packed in data set order)")})
     post_tokenize_hook_fn: str | None = field(default=None, metadata={"help": (
-        "upstream's per-sample hook after tokenization: refused (no hook runs here)")})
+        "upstream's hook on each tokenized sample: Gemma 4's thinking prefix (...collate_fns."
+        "gemma4_inject_thinking_prefix) only, inserted after every model turn, unlabelled")})
 
     def __post_init__(self) -> None:
         errors = {}
@@ -88,14 +93,23 @@ class VLMPackedSequenceConfig:
                                    "attention; remove it (model.attn_implementation chooses the attention)",
             "packing_format": "upstream's packed collators (neat, thd) are not implemented; rows are packed "
                               "greedily in data set order: remove it",
-            "post_tokenize_hook_fn": "no hook runs on tokenized samples here (Gemma 4's thinking prefix is inserted "
-                                     "by dataloader.collate_fn: {_target_: nemo_automodel.components.datasets.vlm."
-                                     "collate_fns.gemma4_prefix_collate_fn}, which packing does not use); remove it",
         }
         errors.update({key: f"{getattr(self, key)}: {why}" for key, why in refused.items()
                        if getattr(self, key) is not None})
+        if self.post_tokenize_hook_fn is not None and self.post_tokenize_hook_fn not in THINKING_PREFIX_HOOKS:
+            errors["post_tokenize_hook_fn"] = (f"{self.post_tokenize_hook_fn}: the only hook on tokenized samples "
+                                               f"here is Gemma 4's thinking prefix ({THINKING_PREFIX_HOOKS[0]}); "
+                                               "use it or remove the key")
         if errors:
             raise FieldErrors(errors)
+
+    def sample_collator(self, processor: Any) -> VLMCollator:
+        """The collation each sample is tokenized with alone: Gemma 4's with the hook, else the default one."""
+        if self.post_tokenize_hook_fn is None:
+            return VLMCollator(processor)
+        from automodel_vlm.datasets.gemma4 import Gemma4PrefixCollator
+
+        return Gemma4PrefixCollator(processor)
 
     @property
     def padded_length(self) -> int:
@@ -146,20 +160,45 @@ def packing_unsupported(model: torch.nn.Module) -> str | None:
             "unpacked")
 
 
+def cut_sample(one: dict[str, Any], length: int, placeholders: set[int]) -> dict[str, Any]:
+    """A one-sample batch cut to its first ``length`` tokens (every entry indexed by token; labels were built on the
+    whole sample), refused where the cut would go through image tokens: their features would have no place."""
+    ids = one["input_ids"]
+    media = one.get("mm_token_type_ids")
+    through_media = media is not None and bool(media[0, length:].any())
+    if through_media or any(t in placeholders for t in ids[0, length:].tolist()):
+        raise AutomodelError(f"dataset.truncate: a sample of {ids.shape[1]} tokens would be cut through its image "
+                             f"tokens at packed_sequence.max_length ({length}); raise max_length, or set truncate: "
+                             "false to leave the samples longer than it out")
+    return {key: value[:, :length] if isinstance(value, torch.Tensor) and value.shape == ids.shape else value
+            for key, value in one.items()}
+
+
 class PackedVLMDataset(Dataset):
     """Rows of samples (each row a list of the data set's samples) that fill at most ``settings.capacity`` tokens,
-    measured by tokenizing each sample alone with ``collator``."""
+    measured by tokenizing each sample alone with ``collator``.
+
+    Samples longer than ``settings.max_length`` are left out, or, where the data set says ``truncate`` (upstream's
+    recipe-level key of the text-only chat data sets), cut to it (``cut_to``; :class:`PackedVLMCollator` cuts them
+    alike)."""
 
     def __init__(self, dataset: Any, collator: VLMCollator, settings: VLMPackedSequenceConfig):
-        self.dataset = dataset
+        self.dataset, self.collator = dataset, collator
+        self.cut_to = settings.max_length if getattr(dataset, "truncate", False) else None
         self.rows: list[list[int]] = []
         self.left_out = {"max_length": 0, "drop_long_samples": 0}
+        self.cut = 0
         used = 0
         for index in range(len(dataset)):
-            length = collator([dataset[index]])["input_ids"].shape[1]
+            one = collator([dataset[index]])
+            length = one["input_ids"].shape[1]
             if settings.max_length is not None and length > settings.max_length:
-                self.left_out["max_length"] += 1
-                continue
+                if self.cut_to is None:
+                    self.left_out["max_length"] += 1
+                    continue
+                cut_sample(one, self.cut_to, collator.placeholders)  # refuses a cut through image tokens now
+                length = self.cut_to
+                self.cut += 1
             if length > settings.pack_size:
                 if not settings.drop_long_samples:
                     raise AutomodelError(f"packed_sequence.pack_size: sample {index} has {length} tokens, more than "
@@ -188,12 +227,13 @@ class PackedVLMDataset(Dataset):
 
 class PackedVLMCollator:
     """``collate(rows) -> {input_ids, labels, position_ids, token_count, pixel_values, ...}``: each row's samples
-    tokenized alone by ``collator`` and laid end to end, padded to ``pack_size`` tokens (``collate_max_length``
-    where given; the padding is a label-free
-    segment of its own); no ``attention_mask``, so the model keeps attention within each sample."""
+    tokenized alone by ``collator`` (cut to ``cut_to`` tokens where longer) and laid end to end, padded to
+    ``pack_size`` tokens (``collate_max_length`` where given; the padding is a label-free segment of its own); no
+    ``attention_mask``, so the model keeps attention within each sample."""
 
-    def __init__(self, collator: VLMCollator, pack_size: int, rope_index: Callable[..., Any] | None = None):
-        self.collator, self.pack_size, self.rope_index = collator, pack_size, rope_index
+    def __init__(self, collator: VLMCollator, pack_size: int, rope_index: Callable[..., Any] | None = None,
+                 cut_to: int | None = None):
+        self.collator, self.pack_size, self.rope_index, self.cut_to = collator, pack_size, rope_index, cut_to
 
     def _rope_positions(self, one: dict[str, Any]) -> torch.Tensor:
         """A sample's ``[3, length]`` multi-axis positions (a sample without media: its text positions)."""
@@ -218,6 +258,8 @@ class PackedVLMCollator:
             start = 0
             for sample in samples:
                 one = self.collator([sample])
+                if self.cut_to is not None and one["input_ids"].shape[1] > self.cut_to:
+                    one = cut_sample(one, self.cut_to, self.collator.placeholders)
                 length = one["input_ids"].shape[1]
                 end = start + length
                 labels = one["labels"][0].clone()

@@ -28,16 +28,18 @@ def _conversation(question: str, answer: str) -> list[dict[str, Any]]:
             {"role": "assistant", "content": [{"type": "text", "text": answer}]}]
 
 
-def _rows(path_or_dataset: str, split: str, key: str, columns: tuple[str, ...]) -> tuple[Any, Any, int | None]:
-    """(rows, their folder, a row limit): ``split`` may be ``name[:N]`` (the first N rows), as upstream allows."""
+def _rows(path_or_dataset: str, split: str, key: str, columns: tuple[str, ...], field: str = "path_or_dataset"
+          ) -> tuple[Any, Any, int | None]:
+    """(rows, their folder, a row limit): ``split`` may be ``name[:N]`` (the first N rows), as upstream allows;
+    errors name ``key.field``."""
     limit = None
     match = _SLICE.match(split)
     if match:
         split, limit = match.group(1), int(match.group(2))
-    rows, folder = load_conversation_rows(path_or_dataset, split, f"{key}.path_or_dataset")
+    rows, folder = load_conversation_rows(path_or_dataset, split, f"{key}.{field}")
     missing = [c for c in columns if c not in rows.column_names]
     if missing:
-        raise AutomodelError(f"{key}.path_or_dataset: '{path_or_dataset}' has no column {', '.join(missing)} (it "
+        raise AutomodelError(f"{key}.{field}: '{path_or_dataset}' has no column {', '.join(missing)} (it "
                              f"has: {', '.join(rows.column_names)}); this factory reads {', '.join(columns)}")
     return rows, folder, limit
 
