@@ -166,6 +166,27 @@ def test_checkpoint_holds_the_trained_weights(tmp_path, monkeypatch):
         assert not torch.allclose(fresh(**inputs).logits, saved(**inputs).logits)
 
 
+def test_fsdp2_over_two_ranks_trains_as_one_process(tmp_path):
+    """Global batch 8: two ranks of 4 against one process accumulating two micro-batches of 4 (no dropout in the
+    tiny T5, so both runs compute the same steps)."""
+    from automodel.testing import free_port
+    from safetensors.torch import load_file
+
+    config = write_yaml(tmp_path / "t5.yaml", upstream_t5_config(tmp_path / "ckpt", step_scheduler={
+        "global_batch_size": 8}))
+    runs = {"one": [], "two": ["--nproc-per-node", "2", "--master-port", str(free_port())]}
+    for name, args in runs.items():
+        result = run_cli("run", "-c", config, *args, "--checkpoint.checkpoint_dir", tmp_path / name, cwd=tmp_path,
+                         OMP_NUM_THREADS="1")
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert "FSDP2 over 2 ranks" in result.stderr
+    assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), rel=1e-5)
+    one, two = (load_file(tmp_path / name / "epoch_0_step_3" / "model" / "model.safetensors") for name in runs)
+    assert one.keys() == two.keys()
+    for key, value in one.items():
+        torch.testing.assert_close(two[key], value, atol=1e-4, rtol=0)  # Adam steps of lr 1e-3
+
+
 # ---- refusals --------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("sections", "key", "reason"), [
