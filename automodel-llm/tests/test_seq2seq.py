@@ -169,8 +169,9 @@ def test_checkpoint_holds_the_trained_weights(tmp_path, monkeypatch):
 def test_fsdp2_over_two_ranks_trains_as_one_process(tmp_path):
     """Global batch 8: two ranks of 4 against one process accumulating two micro-batches of 4 (no dropout in the
     tiny T5, so both runs compute the same steps)."""
-    from automodel.testing import free_port
     from safetensors.torch import load_file
+
+    from automodel.testing import free_port
 
     config = write_yaml(tmp_path / "t5.yaml", upstream_t5_config(tmp_path / "ckpt", step_scheduler={
         "global_batch_size": 8}))

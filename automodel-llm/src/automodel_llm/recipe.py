@@ -137,8 +137,9 @@ def pipeline_issues(cfg: Config, packed_size: int) -> list[ConfigIssue]:
 
 
 class FinetuneRecipeForNextTokenPrediction(MTPLoss, NextTokenLogits, TrainRecipe):
-    """Causal LM training: loss on label tokens (answers for SFT, everything for pre-training); an encoder-decoder
-    (T5, BART) trains on a source -> target data set, see :mod:`automodel_llm.seq2seq`."""
+    """Causal LM training: loss on label tokens (answers for SFT, everything for pre-training).
+
+    An encoder-decoder (T5, BART) trains on a source -> target data set: see :mod:`automodel_llm.seq2seq`."""
 
     domain = "llm"
     encoder_decoder_unsupported: str | None = None  # why a subclass trains no encoder-decoder model

@@ -46,8 +46,8 @@ class Seq2SeqDataset(Dataset):
         "path_or_dataset_id": ARGUMENT_HELP["path_or_dataset_id"] + " (default: rajpurkar/squad)",
         "seq_length": "token limit of the source and of the target: a longer one is refused, or cut when "
                       "truncation is on (the default)",
-        "source_template": "the source text: a Python format string filled from the row's columns (default: "
-                           f"'{SQUAD_SOURCE}'); null: the column source_key as it is",
+        "source_template": "the source text: a Python format string filled from the row's columns; null: the "
+                           "column source_key as it is",
         "source_key": "the column that is the source when source_template is null",
         "target_key": "the column that is the target: text, or SQuAD's answers (the first answer)",
         "decoder_start_token_id": "the token the decoder starts from (default: the tokenizer's pad id, T5's); "
