@@ -118,11 +118,16 @@ def test_arguments_act():
 
 # ---- the loss --------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("label_positions_only", [True, False])
-def test_loss_per_label_token_equals_the_models_own(label_positions_only, tmp_path, monkeypatch):
+_LOSS = "nemo_automodel.components.loss."
+
+
+@pytest.mark.parametrize(("label_positions_only", "loss_fn"), [
+    (True, "masked_ce.MaskedCrossEntropy"), (False, "masked_ce.MaskedCrossEntropy"),
+    (True, "linear_ce.FusedLinearCrossEntropy"), (False, "chunked_ce.ChunkedCrossEntropy")])
+def test_loss_per_label_token_equals_the_models_own(label_positions_only, loss_fn, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     config = write_yaml(tmp_path / "t5.yaml", upstream_t5_config(tmp_path / "ckpt", logits={
-        "label_positions_only": label_positions_only}))
+        "label_positions_only": label_positions_only}, loss_fn={"_target_": _LOSS + loss_fn}))
     recipe = train_inprocess(config, setup_only=True)
     assert recipe.label_offset == 0
     batch = recipe.move_to_device(next(iter(recipe.dataloader)))
