@@ -193,6 +193,20 @@ def test_fsdp2_over_two_ranks_trains_as_one_process(tmp_path):
         torch.testing.assert_close(two[key], value, atol=1e-4, rtol=0)  # Adam steps of lr 1e-3
 
 
+def test_from_pretrained_reads_every_weight_of_a_saved_t5(tmp_path, monkeypatch):
+    from transformers import AutoConfig, AutoModelForSeq2SeqLM
+
+    monkeypatch.chdir(tmp_path)
+    torch.manual_seed(3)
+    saved = AutoModelForSeq2SeqLM.from_config(AutoConfig.from_pretrained(T5_DIR))
+    saved.save_pretrained(tmp_path / "t5")
+    config = upstream_t5_config(tmp_path / "ckpt", model={"pretrained_model_name_or_path": str(tmp_path / "t5")})
+    built = train_inprocess(write_yaml(tmp_path / "t5.yaml", config), setup_only=True).model.state_dict()
+    assert built.keys() == saved.state_dict().keys()
+    for key, value in saved.state_dict().items():
+        torch.testing.assert_close(built[key], value)
+
+
 # ---- refusals --------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("sections", "key", "reason"), [
