@@ -54,6 +54,9 @@ class BenchmarkConfig:
 class BenchmarkRecipe(FinetuneRecipeForNextTokenPrediction):
     """The fine-tuning recipe on random tokens (unless a dataset is given), timing every step."""
 
+    encoder_decoder_unsupported = ("the benchmark times causal LM steps on random token rows; an encoder-decoder "
+                                   "model reads a source and a target: time its fine-tuning run instead")
+
     sections = {
         "benchmark": BenchmarkConfig,
         "dataset": dataset_section("training data (default: random tokens of benchmark.seq_length)"),

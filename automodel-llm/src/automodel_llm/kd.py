@@ -58,6 +58,8 @@ class KnowledgeDistillationRecipe(FinetuneRecipeForNextTokenPrediction):
     """Trains the student (``model``) towards a frozen ``teacher_model`` and the labels."""
 
     adds_mtp_loss = False  # compute_loss below combines the next-token and distillation losses only
+    encoder_decoder_unsupported = ("knowledge distillation here compares a causal student's next-token logits with "
+                                   "a causal teacher's; use the fine-tuning recipe for an encoder-decoder model")
 
     tensor_parallel_unsupported = ("the distillation loss compares the student's whole logits with the teacher's, "
                                    "which tensor parallelism keeps sharded over the vocabulary; use tp_size: 1")

@@ -1,4 +1,5 @@
-"""Model entry points for configs: ``AutoModelForCausalLM.from_pretrained`` / ``.from_config``.
+"""Model entry points for configs: ``AutoModelForCausalLM`` / ``AutoModelForSeq2SeqLM`` ``.from_pretrained`` /
+``.from_config``.
 
 transformers is imported inside the methods, so that listing routes and validating configs stays light.
 """
@@ -11,7 +12,7 @@ from typing import Any
 
 from automodel.errors import AutomodelError
 from automodel.model_files import MODEL_KWARGS, fresh_model, pop_hub_arguments, pretrained_or_fresh
-from automodel.model_kwargs import apply_config_overrides, mtp_model_issues, take_model_settings
+from automodel.model_kwargs import apply_config_overrides, model_issues, mtp_model_issues, take_model_settings
 
 
 def _load_config(config: Any, hub: dict[str, Any], **overrides: Any) -> Any:
@@ -39,12 +40,14 @@ def _load_config(config: Any, hub: dict[str, Any], **overrides: Any) -> Any:
     return loaded
 
 
-class AutoModelForCausalLM:
-    """Builds a ``transformers`` causal LM: from a checkpoint (``from_pretrained``) or a config (``from_config``).
-    ``backend`` (upstream's BackendConfig) selects the attention, see :mod:`automodel.model_backend`; upstream's
-    other keys (``use_liger_kernel``, ``force_hf``, ``use_sdpa_patching`` ...): see :mod:`automodel.model_kwargs`."""
+class _AutoModelFactory:
+    """Builds a ``transformers`` model of the Auto class ``auto_class``: from a checkpoint (``from_pretrained``) or a
+    config (``from_config``). ``backend`` (upstream's BackendConfig) selects the attention, see
+    :mod:`automodel.model_backend`; upstream's other keys (``use_liger_kernel``, ``force_hf``, ``use_sdpa_patching``
+    ...): see :mod:`automodel.model_kwargs`. ``mtp``: the recipe trains MTP heads the keys ask for (else refused)."""
 
-    automodel_config_issues = staticmethod(mtp_model_issues)
+    auto_class = "AutoModelForCausalLM"
+    mtp = True
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | None = None, *, name_or_path: str | None = None,
@@ -52,9 +55,9 @@ class AutoModelForCausalLM:
         import transformers
 
         path = pretrained_model_name_or_path or name_or_path
-        finish = take_model_settings(kwargs, checkpoint=path, mtp=True)
-        model = pretrained_or_fresh(transformers.AutoModelForCausalLM, path, dtype or torch_dtype, cls.from_config,
-                                    kwargs)
+        finish = take_model_settings(kwargs, checkpoint=path, mtp=cls.mtp)
+        model = pretrained_or_fresh(getattr(transformers, cls.auto_class), path, dtype or torch_dtype,
+                                    cls.from_config, kwargs)
         return finish(model)
 
     @classmethod
@@ -62,16 +65,33 @@ class AutoModelForCausalLM:
                     **kwargs: Any) -> Any:
         import transformers
 
-        finish = take_model_settings(kwargs, mtp=True)
+        finish = take_model_settings(kwargs, mtp=cls.mtp)
         hub = pop_hub_arguments(kwargs)  # to AutoConfig.from_pretrained only: never into the saved config
         model_kwargs = {k: kwargs.pop(k, hub.get(k)) for k in MODEL_KWARGS if k in kwargs or k in hub}
         text_config = kwargs.pop("text_config", None)  # a mapping of the text model's keys: set after loading
         hf_config = _load_config(config, hub, **kwargs)
         if text_config is not None:
             apply_config_overrides(hf_config, {"text_config": text_config})
-        model = fresh_model(transformers.AutoModelForCausalLM.from_config, hf_config, model_kwargs,
+        model = fresh_model(getattr(transformers, cls.auto_class).from_config, hf_config, model_kwargs,
                             dtype or torch_dtype, seed)
         return finish(model)
+
+
+class AutoModelForCausalLM(_AutoModelFactory):
+    """A ``transformers`` causal LM (``AutoModelForCausalLM``), from a checkpoint or a config."""
+
+    automodel_config_issues = staticmethod(mtp_model_issues)
+
+
+class AutoModelForSeq2SeqLM(_AutoModelFactory):
+    """A ``transformers`` encoder-decoder LM (``AutoModelForSeq2SeqLM``: T5, BART, ...), from a checkpoint or a
+    config (upstream's ``NeMoAutoModelForSeq2SeqLM``). The same model keys act as for a causal LM, but MTP heads
+    (next-next-token heads of a decoder-only model) are refused. The recipe feeds it ``decoder_input_ids`` and pairs
+    ``logits[i]`` with ``labels[i]`` (see :func:`automodel_llm.datasets.make_seq2seq_dataset`)."""
+
+    auto_class = "AutoModelForSeq2SeqLM"
+    mtp = False
+    automodel_config_issues = staticmethod(model_issues)
 
 
 def nemotron_h_for_causal_lm(name_or_path: str | None = None, pretrained_model_name_or_path: str | None = None,

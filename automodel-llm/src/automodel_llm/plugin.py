@@ -48,10 +48,15 @@ def automodel_register_aliases(aliases) -> None:
     aliases.target("nemo_automodel.models.llm.NemotronHForCausalLM", "automodel_llm.models.nemotron_h_for_causal_lm")
     aliases.target("nemo_automodel.datasets.squad.SquadDataset", "automodel_llm.datasets.SquadDataset")
     aliases.target("nemo_automodel.schedulers.CosineAnnealingWarmup", "automodel.optim.CosineAnnealingWarmup")
-    aliases.target("nemo_automodel.NeMoAutoModelForCausalLM.from_pretrained",
-                   "automodel_llm.AutoModelForCausalLM.from_pretrained")
-    aliases.target("nemo_automodel.NeMoAutoModelForCausalLM.from_config",
-                   "automodel_llm.AutoModelForCausalLM.from_config")
+    for kind in ("CausalLM", "Seq2SeqLM"):
+        for method in ("from_pretrained", "from_config"):
+            aliases.target(f"nemo_automodel.NeMoAutoModelFor{kind}.{method}",
+                           f"automodel_llm.AutoModelFor{kind}.{method}")
+    aliases.target("AutoModelForSeq2SeqLM", "automodel_llm.AutoModelForSeq2SeqLM.from_pretrained")
+    aliases.target("Seq2SeqDataset", "automodel_llm.datasets.Seq2SeqDataset")
+    aliases.target("make_seq2seq_dataset", "automodel_llm.datasets.Seq2SeqDataset")
+    aliases.target("nemo_automodel.components.datasets.llm.seq2seq.make_seq2seq_dataset",
+                   "automodel_llm.datasets.Seq2SeqDataset")
     # upstream's own configuration classes of models that transformers now ships under the same model type
     for model, name in _UPSTREAM_CONFIG_CLASSES:
         for suffix in ("", ".from_pretrained"):

@@ -44,13 +44,15 @@ from automodel_llm.embeddings import (
     repair_embedding_rows,
     repair_issues,
 )
+from automodel_llm.seq2seq import check_decoder_start, seq2seq_issues
 from automodel_llm.tokenizer import VOCAB_PROBLEM, build_tokenizer, dataset_sections, tokenizer_issues
 
 IGNORE_INDEX = -100
-MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
+MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "decoder_input_ids")  # the last: an encoder-decoder's
 DATASETS = tuple(f"automodel_llm.datasets.{name}" for name in (
     "SquadDataset", "make_squad_dataset", "ColumnMappedTextInstructionDataset", "ChatDataset",
-    "AgentChatDataset", "XlamDataset", "PretrainingTextDataset", "MegatronPretraining", "MockDataset"))
+    "AgentChatDataset", "XlamDataset", "PretrainingTextDataset", "MegatronPretraining", "MockDataset",
+    "Seq2SeqDataset"))
 
 
 def dataset_section(help: str, required: bool = False) -> Target:
@@ -136,9 +138,12 @@ def pipeline_issues(cfg: Config, packed_size: int) -> list[ConfigIssue]:
 
 
 class FinetuneRecipeForNextTokenPrediction(MTPLoss, NextTokenLogits, TrainRecipe):
-    """Causal LM training: loss on label tokens (answers for SFT, everything for pre-training)."""
+    """Causal LM training: loss on label tokens (answers for SFT, everything for pre-training).
+
+    An encoder-decoder (T5, BART) trains on a source -> target data set: see :mod:`automodel_llm.seq2seq`."""
 
     domain = "llm"
+    encoder_decoder_unsupported: str | None = None  # why a subclass trains no encoder-decoder model
     tensor_parallel_unsupported = None  # the loss runs on vocabulary-parallel logits (training/loop.py)
     pipeline_parallel_unsupported = None  # pipeline_batches below; pipeline_loss is NextTokenLogits'
     context_parallel_unsupported = None  # NextTokenLogits' context_parallel_batch; rows padded to 2 x cp_size
@@ -173,7 +178,9 @@ class FinetuneRecipeForNextTokenPrediction(MTPLoss, NextTokenLogits, TrainRecipe
     @classmethod
     def check_config(cls, cfg: Config) -> list[ConfigIssue]:
         issues = list(super().check_config(cfg)) + tokenizer_issues(cfg)
-        issues += batch_size_issues(dataset_sections(cfg), rows_per_batch(cfg))
+        datasets = dataset_sections(cfg)
+        issues += batch_size_issues(datasets, rows_per_batch(cfg))
+        issues += seq2seq_issues(cfg, datasets, cls.encoder_decoder_unsupported)
         settings, generation = cfg.distributed, cfg.get("eval_generation")
         if settings is not None and settings.tp_size > 1 and settings.sequence_parallel and \
                 "eval_generation" in cfg and generation is not None and generation.enabled:
@@ -268,6 +275,9 @@ class FinetuneRecipeForNextTokenPrediction(MTPLoss, NextTokenLogits, TrainRecipe
             self.log("no tokenizer: the data sets hold token ids (the model's own special token ids stand)")
         else:
             check_vocab(self.tokenizer, getattr(unwrap(self.model), "config", None), "tokenizer: " + VOCAB_PROBLEM)
+        if self.label_offset == 0:  # an encoder-decoder
+            check_decoder_start(unwrap(self.model), [self.train_dataset, *(
+                loader.dataset for loader in self.val_dataloaders.values())])
         changes = align_special_tokens(unwrap(self.model), self.tokenizer) if self.tokenizer is not None else []
         if changes:
             self.log(f"special tokens: the model's {', '.join(changes)} (the tokenizer's, which training uses; "
@@ -313,7 +323,7 @@ class FinetuneRecipeForNextTokenPrediction(MTPLoss, NextTokenLogits, TrainRecipe
         return parts
 
     def count_label_tokens(self, batch: dict[str, torch.Tensor]) -> int:
-        return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+        return int((batch["labels"][:, self.label_offset:] != IGNORE_INDEX).sum())
 
     def count_input_tokens(self, batch: dict[str, torch.Tensor]) -> int:
         """Non-padding tokens (what tokens/s counts)."""
@@ -331,8 +341,9 @@ class FinetuneRecipeForNextTokenPrediction(MTPLoss, NextTokenLogits, TrainRecipe
             return (f"Trained LoRA adapter in {model_dir}: load it with peft.PeftModel.from_pretrained(base_model, "
                     f"'{model_dir}'), or merge it with `automodel export {model_dir.parent} merged/`")
         tokenizer = f" and AutoTokenizer.from_pretrained('{model_dir}')" if self.tokenizer is not None else ""
-        return (f"Trained model in {model_dir}: load it with transformers.AutoModelForCausalLM.from_pretrained("
-                f"'{model_dir}'){tokenizer}")
+        auto = "AutoModelForSeq2SeqLM" if self.label_offset == 0 else "AutoModelForCausalLM"
+        return f"Trained model in {model_dir}: load it with transformers.{auto}.from_pretrained('{model_dir}')" \
+            + tokenizer
 
     def _generation_pairs(self) -> list[tuple[str, str]]:
         for loader in self.val_dataloaders.values():

@@ -26,14 +26,15 @@ from automodel.training.parallel.context_parallel import ContextParallelBatch
 LABEL_POSITIONS = "label_positions"  # batch key: flat indices of the positions whose next token has a label
 
 
-def label_positions(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
-    """Flat indices into ``batch x sequence`` of the positions whose next token carries a label.
+def label_positions(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX, offset: int = 1) -> torch.Tensor:
+    """Flat indices into ``batch x sequence`` of the positions whose target carries a label.
 
-    Position ``i`` of a row predicts token ``i + 1``, so the logits a next-token loss needs are those at the flat
-    indices returned here, and their targets are ``labels.view(-1)[index + 1]``.
+    Position ``i`` of a row predicts label ``i + offset``: 1 in a causal LM (the next token), 0 in an
+    encoder-decoder, whose decoder inputs are the labels shifted right in the batch. The logits a loss needs are
+    those at the flat indices returned here, and their targets are ``labels.view(-1)[index + offset]``.
     """
     keep = torch.zeros(labels.shape, dtype=torch.bool, device=labels.device)
-    keep[:, :-1] = labels[:, 1:] != ignore_index
+    keep[:, :labels.shape[1] - offset] = labels[:, offset:] != ignore_index
     return keep.view(-1).nonzero().squeeze(1)
 
 
@@ -83,19 +84,21 @@ class LogitsConfig:
 
 def next_token_logits(model: nn.Module, inputs: dict[str, Any], labels: torch.Tensor,
                       index: torch.Tensor | None, head: HeadOnPositions | None,
-                      loss_head: LinearLossHead | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(logits, targets)``, one row per predicted token: the positions ``index`` (see :func:`label_positions`)
-    when given, else every position but each row's last (whose targets may be ``IGNORE_INDEX``). With
-    ``loss_head`` the "logits" are each row's loss, computed inside the output head (``[rows, 1]``)."""
+                      loss_head: LinearLossHead | None = None, offset: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logits, targets)``, one row per predicted token: the positions ``index`` (see :func:`label_positions`,
+    ``offset`` as there) when given, else every position but each row's last ``offset`` (whose targets may be
+    ``IGNORE_INDEX``). With ``loss_head`` the "logits" are each row's loss, computed inside the output head
+    (``[rows, 1]``)."""
     if index is None:
-        # the head sees every position: the last of each row has no next token
-        shifted = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE_INDEX)], dim=1)
+        # the head sees every position: a causal row's last has no next token
+        length = labels.shape[1] - offset
+        shifted = torch.cat([labels[:, offset:], torch.full_like(labels[:, :offset], IGNORE_INDEX)], dim=1)
         with loss_head.targets(shifted) if loss_head is not None else contextlib.nullcontext():
             logits = model(**inputs).logits
             if loss_head is not None:
                 logits = loss_head.checked(logits)
-        return logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1)
-    targets = labels.reshape(-1)[index + 1]
+        return logits[:, :length].reshape(-1, logits.shape[-1]), labels[:, offset:].reshape(-1)
+    targets = labels.reshape(-1)[index + offset]
     with loss_head.targets(targets) if loss_head is not None else contextlib.nullcontext():
         return logits_at(model, inputs, index, head, loss_head), targets
 
@@ -142,9 +145,12 @@ class NextTokenLogits:
     sections = {"logits": LogitsConfig}
     head_positions: HeadOnPositions | None = None
     loss_head: LinearLossHead | None = None  # loss_fn computes the loss inside the output head
+    label_offset = 1  # position i predicts label i + 1; 0 for an encoder-decoder (logits[i] pairs with labels[i])
 
     def setup(self) -> None:
         super().setup()
+        if getattr(getattr(unwrap(self.model), "config", None), "is_encoder_decoder", False):
+            self.label_offset = 0  # its decoder reads the labels shifted right (the batch's decoder_input_ids)
         if isinstance(self.loss_fn, LinearCrossEntropy):
             self.loss_head = LinearLossHead.attach(unwrap(self.model), self.loss_fn)
         if not self.cfg.logits.label_positions_only:
@@ -161,7 +167,7 @@ class NextTokenLogits:
 
     def move_to_device(self, batch: Any) -> Any:
         if self.cfg.logits.label_positions_only and isinstance(batch, dict) and "labels" in batch:
-            batch = {**batch, LABEL_POSITIONS: label_positions(batch["labels"])}
+            batch = {**batch, LABEL_POSITIONS: label_positions(batch["labels"], offset=self.label_offset)}
         return super().move_to_device(batch)
 
     def model_inputs(self, batch: dict[str, Any]) -> dict[str, Any]:
@@ -179,7 +185,7 @@ class NextTokenLogits:
         if isinstance(batch, ContextParallelBatch):
             return split_next_token_logits(model, batch, head)
         return next_token_logits(model, self.model_inputs(batch), batch["labels"], batch.get(LABEL_POSITIONS), head,
-                                 self.loss_head)
+                                 self.loss_head, self.label_offset)
 
     def context_parallel_batch(self, batch: dict[str, Any]) -> ContextParallelBatch:
         """Token ids, positions and next-token targets: what context parallelism splits over its ranks (the

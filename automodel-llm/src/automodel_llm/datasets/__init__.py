@@ -1,4 +1,4 @@
-"""Data sets for causal LM training."""
+"""Data sets for causal LM training, and source -> target pairs for encoder-decoder models."""
 
 from automodel_llm.datasets.agent_chat import AgentChatDataset
 from automodel_llm.datasets.chat import ChatDataset
@@ -7,9 +7,10 @@ from automodel_llm.datasets.hellaswag import HellaSwag
 from automodel_llm.datasets.megatron import MegatronPretraining
 from automodel_llm.datasets.packing import PackedDataset
 from automodel_llm.datasets.pretraining import MockDataset, PretrainingTextDataset, mock_iterable_dataset
+from automodel_llm.datasets.seq2seq import Seq2SeqDataset
 from automodel_llm.datasets.squad import SquadDataset, make_squad_dataset
 from automodel_llm.datasets.xlam import XlamDataset
 
 __all__ = ["AgentChatDataset", "ChatDataset", "ColumnMappedTextInstructionDataset", "HellaSwag", "MegatronPretraining",
-           "MockDataset", "PackedDataset", "PretrainingTextDataset", "SquadDataset", "XlamDataset",
+           "MockDataset", "PackedDataset", "PretrainingTextDataset", "Seq2SeqDataset", "SquadDataset", "XlamDataset",
            "make_squad_dataset", "mock_iterable_dataset"]

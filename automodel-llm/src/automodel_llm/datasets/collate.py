@@ -11,19 +11,22 @@ IGNORE_INDEX = -100
 
 def pad_collate(batch: list[dict[str, Any]], pad_token_id: int = 0, pad_to_multiple_of: int | None = None
                 ) -> dict[str, torch.Tensor]:
-    """Stack samples of ``input_ids``/``labels`` (and optional ``position_ids``) padded to the longest."""
-    longest = max(len(sample["input_ids"]) for sample in batch)
-    if pad_to_multiple_of:
-        longest = -(-longest // pad_to_multiple_of) * pad_to_multiple_of
+    """Stack samples of ``input_ids``/``labels`` (and optional ``attention_mask``, ``position_ids`` and an
+    encoder-decoder's ``decoder_input_ids``), each key padded to its longest in the batch: a causal sample's keys
+    are one length, an encoder-decoder's target (``labels``, ``decoder_input_ids``) is its own."""
     out: dict[str, torch.Tensor] = {}
-    fills = {"input_ids": pad_token_id, "labels": IGNORE_INDEX, "attention_mask": 0, "position_ids": 0}
+    fills = {"input_ids": pad_token_id, "labels": IGNORE_INDEX, "attention_mask": 0, "position_ids": 0,
+             "decoder_input_ids": pad_token_id}
     for key, fill in fills.items():
         if key not in batch[0] and key != "attention_mask":
             continue
+        values = [sample[key] if key in sample else [1] * len(sample["input_ids"]) for sample in batch]
+        longest = max(len(row) for row in values)
+        if pad_to_multiple_of:
+            longest = -(-longest // pad_to_multiple_of) * pad_to_multiple_of
         rows = torch.full((len(batch), longest), fill, dtype=torch.long)
-        for i, sample in enumerate(batch):
-            values = sample.get(key) if key != "attention_mask" or key in sample else [1] * len(sample["input_ids"])
-            rows[i, : len(values)] = torch.as_tensor(values, dtype=torch.long)
+        for i, row in enumerate(values):
+            rows[i, : len(row)] = torch.as_tensor(row, dtype=torch.long)
         out[key] = rows
     return out
 

@@ -28,7 +28,8 @@ def squad_prompt(context: str, question: str) -> str:
     return f"Context: {context} Question: {question} Answer:"
 
 
-def _answer_text(answers: Any) -> str | None:
+def answer_text(answers: Any) -> str | None:
+    """The first answer of a SQuAD `answers` field ({text: [...]}, a list, or a string); None when it has none."""
     if isinstance(answers, dict):
         texts = answers.get("text") or []
         return texts[0] if texts else None
@@ -114,7 +115,7 @@ class SquadDataset(Dataset):
             if not isinstance(row["context"], str) or not isinstance(row["question"], str):
                 bad_rows.bad(index, "'context' and 'question' must be text")
                 continue
-            answer = _answer_text(row["answers"])
+            answer = answer_text(row["answers"])
             if not answer:
                 dropped += 1
                 continue
