@@ -138,6 +138,8 @@ def test_finetune_form_trains_through_the_cli_and_saves_a_qwen_image_pipeline(ba
                      "--checkpoint.checkpoint_dir", ckpt, "--step_scheduler.ckpt_every_steps", 1, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "flow matching step 3: logit_normal sampling, shift 2.23," in result.stderr
+    # upstream's example carries guidance_scale 3.5 with use_guidance_embeds false, which it never feeds
+    assert "note: flow_matching.adapter_kwargs.guidance_scale: 3.5 governs nothing in this run" in result.stderr
     assert_cli_run_saved_the_trained_pipeline(ckpt, base, "QwenImagePipeline")
 
 
@@ -196,8 +198,8 @@ def test_pretrain_form_reinitialises_the_transformer_and_trains_it(base, tmp_pat
 
 
 @pytest.mark.parametrize("override,key,needle", [
-    (("--flow_matching.adapter_kwargs.guidance_scale", "3.5"), "flow_matching.adapter_kwargs.guidance_scale",
-     "takes no guidance value, so it cannot act"),
+    (("--flow_matching.adapter_kwargs.guidance_scale", "0"), "flow_matching.adapter_kwargs.guidance_scale",
+     "expected a number > 0, found 0"),
     (("--flow_matching.adapter_kwargs.use_guidance_embeds", "true"), "flow_matching.adapter_kwargs.use_guidance_"
      "embeds", "takes no guidance value"),
     (("--flow_matching.adapter_kwargs.scale", "2"), "flow_matching.adapter_kwargs.scale",

@@ -182,7 +182,7 @@ def test_bsmntw_weights_are_a_bell_with_mean_one():
     (("--flow_matching.adapter_type", "simple"), "flow_matching.adapter_type", "'simple' (Wan 2.1) needs a "
                                                                               "WanPipeline"),
     (("--flow_matching.adapter_kwargs", "{guidance_scale: 1}"), "flow_matching.adapter_kwargs", "no adapter"),
-    (("--flow_matching.i2v_prob", "0.3"), "flow_matching.i2v_prob", "no image-conditioning input"),
+    (("--flow_matching.i2v_prob", "-0.1"), "flow_matching.i2v_prob", "must be a probability"),
     (("--model.transformer_engine_fp8", "true"), "model.transformer_engine_fp8", "needs a CUDA GPU"),
     (("--model.transformer_engine_fp8_recipe", "delayed"), "model.transformer_engine_fp8_recipe", "CUDA GPU"),
     (("--model.attention_backend", "flash"), "model.attention_backend", "needs a CUDA GPU"),

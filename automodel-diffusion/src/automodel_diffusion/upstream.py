@@ -283,8 +283,9 @@ class FlowMatchingSection:
     adapter_kwargs: dict = field(default_factory=dict, metadata=_help(
         "with adapter_type flux: guidance_scale (the guidance value a guidance-distilled FLUX.1 transformer is "
         "fed; default 3.5) and use_guidance_embeds (true needs guidance embeddings; false on a transformer with "
-        "them still feeds guidance_scale, as upstream does); with qwen_image: use_guidance_embeds false and "
-        "guidance_scale 1 only (its transformer takes no guidance value); else (simple included) only {}"))
+        "them still feeds guidance_scale, as upstream does); with qwen_image: use_guidance_embeds false, and a "
+        "guidance_scale other than 1 governs nothing, as upstream (named in a note line: its transformer takes no "
+        "guidance value); else (simple included) only {}"))
     timestep_sampling: Literal["uniform", "logit_normal", "lognorm", "mix", "mode", "beta"] = field(
         default="logit_normal", metadata=_help("how sigmas are drawn (see objective.timestep_sampling)"))
     logit_mean: float = field(default=0.0, metadata=_help("logit_normal: mean"))
@@ -301,8 +302,9 @@ class FlowMatchingSection:
     sigma_max: float = field(default=1.0, metadata=_help("sigmas clamped to at most this"))
     num_train_timesteps: int = field(default=1000, metadata=_help("the denoiser's timestep is sigma * this"))
     i2v_prob: float = field(default=0.0, metadata=_help(
-        "upstream's image-to-video draw: only 0 (its simple / Wan adapter never reads the draw, and a Wan 2.1 "
-        "text-to-video transformer has no image input)"))
+        "upstream's image-to-video draw (a probability): only its HunyuanVideo adapter reads it, so here, as with "
+        "upstream's simple / Wan adapter and on images, every batch trains text-to-image / -video; a value above 0 "
+        "is named in a note line"))
     cfg_dropout_prob: float = field(default=0.1, metadata=_help(
         "probability of training a sample without its caption (here: on the empty caption, the unconditional "
         "input the pipeline's classifier-free guidance uses)"))
@@ -323,11 +325,8 @@ class FlowMatchingSection:
         elif self.adapter_kwargs:
             bad["adapter_kwargs"] = ("upstream's adapter settings do not apply here (no adapter, or the simple "
                                      "adapter, which takes none); remove them")
-        if self.i2v_prob != 0:
-            bad["i2v_prob"] = (f"{self.i2v_prob}: upstream draws 'i2v' for this share of video batches, but only its "
-                               "HunyuanVideo adapter reads the draw (its simple / Wan adapter trains every batch as "
-                               "text-to-video), and a Wan 2.1 text-to-video transformer has no image-conditioning "
-                               "input, so it cannot act here; set 0 or remove it")
+        if not 0 <= self.i2v_prob <= 1:
+            bad["i2v_prob"] = f"must be a probability (0 to 1), found {self.i2v_prob}"
         for name in ("log_interval", "summary_log_interval"):
             if getattr(self, name) < 1:
                 bad[name] = f"must be >= 1, found {getattr(self, name)}"
@@ -357,10 +356,6 @@ def adapter_kwargs_issues(adapter: str, kwargs: dict) -> dict[str, str]:
     scale, use = kwargs.get("guidance_scale"), kwargs.get("use_guidance_embeds")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale <= 0):
         bad["adapter_kwargs.guidance_scale"] = f"expected a number > 0, found {scale!r}"
-    elif adapter == QWEN_IMAGE and scale not in (None, 1):
-        bad["adapter_kwargs.guidance_scale"] = (f"{scale}: upstream's qwen_image adapter feeds it only with "
-                                                "use_guidance_embeds true, and diffusers' Qwen-Image transformer takes "
-                                                "no guidance value, so it cannot act; remove it (or set 1)")
     if use is not None and not isinstance(use, bool):
         bad["adapter_kwargs.use_guidance_embeds"] = f"expected true or false, found {use!r}"
     elif adapter == QWEN_IMAGE and use:
@@ -401,6 +396,15 @@ def apply_adapter(cfg: Config, model: Any) -> str | None:
         kwargs = settings.adapter_kwargs
         return model.conditioning.set_guidance(kwargs.get("use_guidance_embeds"), kwargs.get("guidance_scale"),
                                                "flow_matching.adapter_kwargs.guidance_scale")
+    scale = settings.adapter_kwargs.get("guidance_scale") if settings is not None else None
+    if isinstance(model.conditioning, QwenImageConditioning) and scale not in (None, 1):
+        return (f"note: flow_matching.adapter_kwargs.guidance_scale: {scale} governs nothing in this run: upstream's "
+                "qwen_image adapter feeds it only with use_guidance_embeds true, and diffusers' Qwen-Image "
+                "transformer takes no guidance value")
+    if settings is not None and settings.i2v_prob > 0:
+        return (f"note: flow_matching.i2v_prob: {settings.i2v_prob} governs nothing in this run: upstream's draw of "
+                "image-to-video batches is read only by its HunyuanVideo adapter (its simple / Wan adapter, and every "
+                f"image batch, train text-conditioned as this {type(model.pipeline).__name__} does)")
     return None
 
 
