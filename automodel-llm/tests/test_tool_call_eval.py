@@ -44,7 +44,8 @@ ADD_2 = {"name": "add", "arguments": {"a": 2}}
      [ToolCall("f", {"k": [1, 2]}, True), ToolCall("g", {}, False)]),
     ('<|channel|>commentary to=functions.get_weather json<|message|>{"city": "Oslo"}<|call|>',
      [ToolCall("get_weather", {"city": "Oslo"}, True)]),
-    ('I will call {"name": "f", "arguments": {"a": {"b": 1}}} and {"other": 1}', [ToolCall("f", {"a": {"b": 1}}, True)]),
+    ('I will call {"name": "f", "arguments": {"a": {"b": 1}}} and {"other": 1}',
+     [ToolCall("f", {"a": {"b": 1}}, True)]),
     ("The answer is 3.", []),
     ("", []),
 ], ids=["qwen", "qwen-two-calls", "qwen-list", "malformed-json", "arguments-not-json", "llama", "mistral", "harmony",
@@ -232,6 +233,8 @@ def test_what_cannot_act_is_refused_with_the_reason(tmp_path):
     assert "exactly one of dataset_name" in found["tool_call_eval.dataset_name"]
     assert "split over the data-parallel ranks by the recipe" in found["tool_call_eval.sample_shard"]
     assert "must be >= 1" in _refusals(config, "--tool_call_eval.max_new_tokens", "0")["tool_call_eval.max_new_tokens"]
+    no_data = write_yaml(tmp_path / "no_data.yaml", {**data, "tool_call_eval": {"_target_": TARGET}})
+    assert "exactly one of dataset_name" in _refusals(no_data)["tool_call_eval.dataset_name"]
     no_validation = write_yaml(tmp_path / "no_val.yaml", {k: v for k, v in data.items() if k != "validation_dataset"})
     assert "has no validation_dataset" in _refusals(no_validation)["tool_call_eval"]
     never = write_yaml(tmp_path / "never.yaml", {**data, "step_scheduler": {

@@ -45,7 +45,7 @@ from automodel_llm.embeddings import (
     repair_issues,
 )
 from automodel_llm.tokenizer import VOCAB_PROBLEM, build_tokenizer, dataset_sections, tokenizer_issues
-from automodel_llm.tool_call_eval import ToolCallEvalConfig, ToolCallEvaluator
+from automodel_llm.tool_call_eval import ONE_SOURCE, ToolCallEvalConfig, ToolCallEvaluator, given_settings
 from automodel_llm.tool_call_eval import metrics as tool_call_metrics
 
 IGNORE_INDEX = -100
@@ -91,13 +91,16 @@ def generation_keys(cfg: Config) -> list[str]:
     generation, keys = cfg.get("eval_generation"), []
     if "eval_generation" in cfg and generation is not None and generation.enabled:
         keys.append("eval_generation.enabled")
-    if cfg.get("tool_call_eval") is not None:
+    if given_settings(cfg) is not None:
         keys.append("tool_call_eval")
     return keys
 
 
 def tool_call_eval_issues(cfg: Config) -> list[ConfigIssue]:
-    """``tool_call_eval`` acts at each validation: refused in a run that never validates."""
+    """``tool_call_eval`` acts at each validation: refused without its data or in a run that never validates."""
+    settings = cfg.tool_call_eval
+    if settings.dataset_name is None and settings.path is None:
+        return [ConfigIssue("tool_call_eval.dataset_name", ONE_SOURCE)]
     if not any(name == "validation_dataset" or name.startswith("validation_dataset_")
                for name in cfg.section_names() if name in cfg):
         return [ConfigIssue("tool_call_eval", "the tool-call metrics are computed at each validation, and the "
@@ -158,7 +161,7 @@ def pipeline_issues(cfg: Config, packed_size: int) -> list[ConfigIssue]:
     """What this recipe cannot run with ``distributed.pp_size > 1`` (beyond the core's checks, eval_generation's
     among them)."""
     issues = []
-    if cfg.get("tool_call_eval") is not None:
+    if given_settings(cfg) is not None:
         issues.append(ConfigIssue("tool_call_eval", f"generation runs the whole model token by token, which the "
                                   f"pipeline stages (pp_size {cfg.distributed.pp_size}) hold apart; remove the "
                                   "tool_call_eval section"))
@@ -213,7 +216,7 @@ class FinetuneRecipeForNextTokenPrediction(MTPLoss, NextTokenLogits, TrainRecipe
             issues += [ConfigIssue(key, f"generation feeds one token at a time, which sequence parallelism cannot "
                                         f"split over the tensor-parallel ranks; {turn_off(key)} or set "
                                         "distributed.sequence_parallel: false") for key in generation_keys(cfg)]
-        if cfg.get("tool_call_eval") is not None:
+        if given_settings(cfg) is not None:
             issues += tool_call_eval_issues(cfg)
         issues += nvtx_issues(cfg.resolved.get("nvtx"))
         if backend_setting(cfg.model, "gate_precision") is not None:
@@ -308,7 +311,7 @@ class FinetuneRecipeForNextTokenPrediction(MTPLoss, NextTokenLogits, TrainRecipe
         self.setup_tool_call_eval()
 
     def setup_tool_call_eval(self) -> None:
-        settings = self.cfg.get("tool_call_eval")
+        settings = given_settings(self.cfg)
         if settings is None:
             return
         if self.cfg.distributed.strategy == "fsdp2" and not settings.run_on_fsdp2:
@@ -328,7 +331,7 @@ class FinetuneRecipeForNextTokenPrediction(MTPLoss, NextTokenLogits, TrainRecipe
 
     def extra_validation_metrics(self, name: str, dataloader: Any) -> dict[str, float]:
         """The tool-call metrics (``tool_call_eval``), computed once per validation and recorded with each set."""
-        settings, step = self.cfg.get("tool_call_eval"), self.step_scheduler.step
+        settings, step = given_settings(self.cfg), self.step_scheduler.step
         if settings is None:
             return {}
         if self.tool_call_evaluator is None:

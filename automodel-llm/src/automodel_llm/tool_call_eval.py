@@ -25,6 +25,8 @@ from automodel_llm.datasets.arguments import Given
 from automodel_llm.tool_calls import METRIC_KEYS, parse_tool_calls, sample_scores
 
 TARGET = "nemo_automodel.components.eval.tool_call_evaluator.ToolCallAccuracyEvaluator"
+ONE_SOURCE = ("give exactly one of dataset_name (a hub id, or a local file or directory) and path (a local "
+              "JSON/JSONL file or a list of them)")
 
 
 def _help(text: str) -> dict:
@@ -67,9 +69,8 @@ class ToolCallEvalConfig:
     def __post_init__(self) -> None:
         require_positive(self, "limit_dataset_samples", "max_eval_samples", "max_new_tokens", "max_prompt_tokens")
         errors = {}
-        if (self.dataset_name is None) == (self.path is None):
-            errors["dataset_name"] = ("give exactly one of dataset_name (a hub id, or a local file or directory) "
-                                      "and path (a local JSON/JSONL file or a list of them)")
+        if self.dataset_name is not None and self.path is not None:
+            errors["dataset_name"] = ONE_SOURCE
         if self.sample_shard is not None:
             errors["sample_shard"] = ("the samples are split over the data-parallel ranks by the recipe (when the "
                                       "model is replicated on each); a split given here is not taken: remove it")
@@ -78,6 +79,11 @@ class ToolCallEvalConfig:
             errors["metric_prefix"] = "must name something (the metrics are PREFIX/name_correct, ...)"
         if errors:
             raise FieldErrors(errors)
+
+
+def given_settings(cfg: Any) -> ToolCallEvalConfig | None:
+    """The section when the config gives it (an absent section reads as its defaults, and does nothing)."""
+    return cfg.tool_call_eval if "tool_call_eval" in cfg else None
 
 
 def conversation_samples(messages: list[dict], tools: list[dict] | None) -> list[dict[str, Any]]:
