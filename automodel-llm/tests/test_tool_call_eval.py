@@ -13,7 +13,7 @@ from llm_testing import TOKENIZER_DIR, write_tiny_llama_config
 from test_agent_chat import CHATML, OPENAI, SHAREGPT, TEMPLATE, TOOLS
 
 from automodel.errors import ConfigError
-from automodel.testing import load_config, read_jsonl, run_cli, write_yaml
+from automodel.testing import free_port, load_config, read_jsonl, run_cli, write_yaml
 from automodel_llm.tool_call_eval import (
     TARGET,
     Tally,
@@ -244,3 +244,19 @@ def test_what_cannot_act_is_refused_with_the_reason(tmp_path):
         config, "--distributed.tp_size", "2", "--distributed.sequence_parallel", "true")["tool_call_eval"]
     found = _refusals(config, "--tool_call_eval._target_", "my.Evaluator")
     assert "a _target_ may only name: ToolCallAccuracyEvaluator" in found["tool_call_eval._target_"]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_two_ranks_split_the_samples_under_ddp_and_generate_together_under_fsdp2(tmp_path, strategy):
+    """DDP: each rank scores one of the two samples and the sums are all-reduced (count 2 on rank 0's record);
+    FSDP2 with run_on_fsdp2: both ranks generate both samples together (each forward gathers the weights)."""
+    result = run_cli("finetune", "llm", "-c", _config(tmp_path), "--nproc-per-node", "2", "--distributed.strategy",
+                     strategy, "--tool_call_eval.run_on_fsdp2", "true", "--step_scheduler.max_steps", "1",
+                     "--step_scheduler.local_batch_size", "1", "--dataloader.batch_size", "1",
+                     "--master-port", str(free_port()), cwd=tmp_path,
+                     OMP_NUM_THREADS="1", timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    how = "split over the 2 ranks" if strategy == "ddp" else "every rank generating each together"
+    assert f"tool_call_eval: 2 tool-call turns scored at each validation, {how}" in result.stderr
+    row = read_jsonl(tmp_path / "ckpt" / "validation.jsonl")[0]
+    assert row["tool_call/_count"] == 2.0 and "tool_call/_disabled_fsdp2" not in row

@@ -320,7 +320,18 @@ class FinetuneRecipeForNextTokenPrediction(MTPLoss, NextTokenLogits, TrainRecipe
                      "recorded instead. Set tool_call_eval.run_on_fsdp2: true to evaluate anyway")
             return
         self.tool_call_evaluator = ToolCallEvaluator(settings, self.tokenizer)
-        self.log(f"tool_call_eval: {len(self.tool_call_evaluator.samples)} tool-call turns scored at each validation")
+        how = ""
+        if self.world_size > 1:
+            how = (", every rank generating each together (the weights are sharded)" if self.forwards_are_collective
+                   else f", split over the {self.world_size} ranks (the model is replicated on each)")
+        self.log(f"tool_call_eval: {len(self.tool_call_evaluator.samples)} tool-call turns scored at each "
+                 f"validation{how}")
+
+    @property
+    def tool_call_shard(self) -> tuple[int, int] | None:
+        """This rank's share of the tool-call samples: every world_size-th from its rank where the model is
+        replicated on each rank; None (all of them) in one process or with sharded weights."""
+        return (rank(), self.world_size) if self.world_size > 1 and not self.forwards_are_collective else None
 
     def save_artifacts(self, directory: Path) -> None:
         """Also records, in a LoRA checkpoint's ``adapter_config.json``, the base as this run resolved it."""
@@ -337,12 +348,13 @@ class FinetuneRecipeForNextTokenPrediction(MTPLoss, NextTokenLogits, TrainRecipe
         if self.tool_call_evaluator is None:
             return {f"{settings.metric_prefix}/_disabled_fsdp2": 1.0}
         if self.tool_call_results is None or self.tool_call_results[0] != step:
-            collective = self.forwards_are_collective  # sharded weights: every rank generates the same samples
-            shard = (rank(), self.world_size) if self.world_size > 1 and not collective else None
+            shard = self.tool_call_shard
             with self.forward_context():
-                tally = self.tool_call_evaluator.score(unwrap(self.model), self.device, shard, collective)
+                tally = self.tool_call_evaluator.score(unwrap(self.model), self.device, shard,
+                                                       synced=self.forwards_are_collective)
             if tally.skipped:
-                self.log(f"tool_call_eval: skipped {tally.skipped} (reason: samples) on rank 0")
+                self.log("tool_call_eval: samples skipped on rank 0: " +
+                         ", ".join(f"{count} ({reason})" for reason, count in tally.skipped.items()))
             self.tool_call_results = step, tool_call_metrics(tally, settings.metric_prefix, shard is not None,
                                                              self.device)
         return dict(self.tool_call_results[1])
