@@ -45,7 +45,7 @@ from automodel_llm.embeddings import (
     repair_issues,
 )
 from automodel_llm.tokenizer import VOCAB_PROBLEM, build_tokenizer, dataset_sections, tokenizer_issues
-from automodel_llm.tool_call_eval import ONE_SOURCE, ToolCallEvalConfig, ToolCallEvaluator, given_settings
+from automodel_llm.tool_call_eval import ToolCallEvalConfig, ToolCallEvaluator, given_settings, tool_call_eval_issues
 from automodel_llm.tool_call_eval import metrics as tool_call_metrics
 
 IGNORE_INDEX = -100
@@ -94,23 +94,6 @@ def generation_keys(cfg: Config) -> list[str]:
     if given_settings(cfg) is not None:
         keys.append("tool_call_eval")
     return keys
-
-
-def tool_call_eval_issues(cfg: Config) -> list[ConfigIssue]:
-    """``tool_call_eval`` acts at each validation: refused without its data or in a run that never validates."""
-    settings = cfg.tool_call_eval
-    if settings.dataset_name is None and settings.path is None:
-        return [ConfigIssue("tool_call_eval.dataset_name", ONE_SOURCE)]
-    if not any(name == "validation_dataset" or name.startswith("validation_dataset_")
-               for name in cfg.section_names() if name in cfg):
-        return [ConfigIssue("tool_call_eval", "the tool-call metrics are computed at each validation, and the "
-                            "config has no validation_dataset; add one (validation then reports its loss and these "
-                            "metrics) or remove the section")]
-    if cfg.step_scheduler is not None and cfg.step_scheduler.val_check_interval is None:
-        return [ConfigIssue("tool_call_eval", "the tool-call metrics are computed at each validation, and "
-                            "step_scheduler.val_every_steps is not set, so validation never runs; set it or remove "
-                            "the section")]
-    return []
 
 
 def turn_off(key: str) -> str:
@@ -167,9 +150,9 @@ def pipeline_issues(cfg: Config, packed_size: int) -> list[ConfigIssue]:
                                   "tool_call_eval section"))
     length = PipelineSettings.from_section(cfg.distributed.pipeline).pp_seq_len  # as given (else: the packed size)
     if isinstance(length, int) and 0 < length < packed_size:
-        return issues + [ConfigIssue("distributed.pipeline.pp_seq_len", f"{length} is shorter than the packed rows "
-                            f"(packed_sequence.packed_sequence_size {packed_size}), and every training batch is "
-                            f"padded to pp_seq_len; use a pp_seq_len of at least {packed_size}")]
+        issues.append(ConfigIssue("distributed.pipeline.pp_seq_len", f"{length} is shorter than the packed rows "
+                                  f"(packed_sequence.packed_sequence_size {packed_size}), and every training batch "
+                                  f"is padded to pp_seq_len; use a pp_seq_len of at least {packed_size}"))
     return issues
 
 

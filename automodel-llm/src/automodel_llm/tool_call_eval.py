@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 import torch
 
 from automodel.config import FieldErrors, require_positive
-from automodel.errors import AutomodelError
+from automodel.errors import AutomodelError, ConfigIssue
 from automodel.hf import greedy_answer
 from automodel.training.dist import all_reduce_sum
 from automodel_llm.datasets.agent_chat import RowProblem, openai_messages, parse_tools, read_split, row_turns
@@ -84,6 +84,23 @@ class ToolCallEvalConfig:
 def given_settings(cfg: Any) -> ToolCallEvalConfig | None:
     """The section when the config gives it (an absent section reads as its defaults, and does nothing)."""
     return cfg.tool_call_eval if "tool_call_eval" in cfg else None
+
+
+def tool_call_eval_issues(cfg: Any) -> list[ConfigIssue]:
+    """``tool_call_eval`` acts at each validation: refused without its data or in a run that never validates."""
+    settings = cfg.tool_call_eval
+    if settings.dataset_name is None and settings.path is None:
+        return [ConfigIssue("tool_call_eval.dataset_name", ONE_SOURCE)]
+    if not any(name == "validation_dataset" or name.startswith("validation_dataset_")
+               for name in cfg.section_names() if name in cfg):
+        return [ConfigIssue("tool_call_eval", "the tool-call metrics are computed at each validation, and the "
+                            "config has no validation_dataset; add one (validation then reports its loss and these "
+                            "metrics) or remove the section")]
+    if cfg.step_scheduler is not None and cfg.step_scheduler.val_check_interval is None:
+        return [ConfigIssue("tool_call_eval", "the tool-call metrics are computed at each validation, and "
+                            "step_scheduler.val_every_steps is not set, so validation never runs; set it or remove "
+                            "the section")]
+    return []
 
 
 def conversation_samples(messages: list[dict], tools: list[dict] | None) -> list[dict[str, Any]]:
