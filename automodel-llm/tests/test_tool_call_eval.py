@@ -168,6 +168,11 @@ def test_the_evaluator_renders_with_tools_generates_and_skips_long_prompts(tmp_p
     assert evaluator.score(model, torch.device("cpu"), (1, 2), synced=False).count == 1  # this rank's half
     short = ToolCallEvaluator(ToolCallEvalConfig(path=rows, max_prompt_tokens=len(model.calls[1][0][0])), tokenizer)
     assert short.score(model, torch.device("cpu"), None, synced=False).skipped == {"prompt_too_long": 1}
+    tokenizer.chat_template = "{{ raise_exception('tools are not rendered') }}"
+    assert evaluator.score(model, torch.device("cpu"), None, synced=False).skipped == {"chat_template_raised": 2}
+    tokenizer.chat_template = None
+    with pytest.raises(Exception, match="tool_call_eval: the prompts are rendered with the tokenizer's chat template"):
+        ToolCallEvaluator(ToolCallEvalConfig(path=rows), tokenizer)
 
 
 # ---- in a run ----------------------------------------------------------------------------------------------------

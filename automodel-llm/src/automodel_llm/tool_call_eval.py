@@ -22,6 +22,7 @@ from automodel.hf import greedy_answer
 from automodel.training.dist import all_reduce_sum
 from automodel_llm.datasets.agent_chat import RowProblem, openai_messages, parse_tools, read_split, row_turns
 from automodel_llm.datasets.arguments import Given
+from automodel_llm.datasets.chat import render
 from automodel_llm.tool_calls import METRIC_KEYS, parse_tool_calls, sample_scores
 
 TARGET = "nemo_automodel.components.eval.tool_call_evaluator.ToolCallAccuracyEvaluator"
@@ -157,19 +158,16 @@ class ToolCallEvaluator:
 
     def prompt_ids(self, sample: dict[str, Any], tally: Tally) -> list[int] | None:
         """The rendered prompt's token ids; None (and the reason counted) when it cannot be scored."""
-        extra = {"tools": sample["tools"]} if sample["tools"] else {}
-        try:
-            text = self.tokenizer.apply_chat_template(sample["prompt"], tokenize=False, add_generation_prompt=True,
-                                                      **extra)
+        try:  # rendered as the training conversations are, the template writing the special tokens
+            ids = render(self.tokenizer, sample["prompt"], generation_prompt=True, tools=sample["tools"])
         except Exception:  # noqa: BLE001 - a template that cannot render this conversation: counted, as upstream
             tally.skip("chat_template_raised")
             return None
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]  # the template writes the special tokens
         limit = self.settings.max_prompt_tokens
         if limit is not None and len(ids) > limit:
             tally.skip("prompt_too_long")
             return None
-        return list(ids)
+        return ids
 
     def score(self, model: Any, device: torch.device, shard: tuple[int, int] | None, synced: bool) -> Tally:
         """Generate and score this rank's samples (every ``shard[1]``-th from ``shard[0]``; all when None).
