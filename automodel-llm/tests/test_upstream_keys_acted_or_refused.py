@@ -29,8 +29,8 @@ def with_sections(tmp_path: Path, form: str, **sections) -> Path:
 @pytest.mark.parametrize("section, node, words", [
     ("prewarm", {"cublas_backward": True, "comm_groups": False}, "cuBLAS's backward-pass workspaces"),
     ("prewarm", {"mamba_ssd_autotune": True}, "Triton autotuning of Mamba's SSD kernels"),
-    ("tool_call_eval", {"_target_": "nemo_automodel.components.eval.tool_call_evaluator.ToolCallAccuracyEvaluator"},
-     "tool-call accuracy evaluation"),
+    ("tool_call_eval", {"_target_": "nemo_automodel.components.eval.tool_call_evaluator.ToolCallAccuracyEvaluator",
+                        "path": "rows.jsonl", "sample_shard": [0, 2]}, "split over the data-parallel ranks"),
     ("dataloader", {"batch_size": 4, "dataloader_type": "single"}, "Megatron's sampler for Megatron's indexed"),
     ("validation_dataloader", {"dataloader_type": "cyclic"}, "which validation_dataset is not"),
 ])

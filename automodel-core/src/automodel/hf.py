@@ -352,20 +352,24 @@ class EvalGenerationConfig:
     max_new_tokens: int = field(default=8, metadata={"help": "generation length limit"})
 
 
-def greedy_answer(model: Any, tokenizer: Any, prompt: str, max_new_tokens: int, device: torch.device,
-                  synced: bool = False) -> str:
-    """The model's greedy continuation of ``prompt``. ``synced``: every rank generates together (the weights are
-    sharded, so each forward is a collective): ranks that finish early keep joining the others' forwards."""
+def greedy_answer(model: Any, tokenizer: Any, prompt: str | list[int], max_new_tokens: int, device: torch.device,
+                  synced: bool = False, do_sample: bool = False, skip_special_tokens: bool = True) -> str:
+    """The model's greedy continuation of ``prompt`` (text, or its token ids). ``synced``: every rank generates
+    together (the weights are sharded, so each forward is a collective): ranks that finish early keep joining the
+    others' forwards. ``do_sample``: sample with the model's generation config instead. ``skip_special_tokens``
+    false keeps tokens such as Llama's ``<|python_tag|>`` in the text (tool calls are read from them)."""
     import torch
 
-    bos = getattr(tokenizer, "bos_token", None)
-    rendered = bool(bos) and prompt.startswith(bos)  # a chat template's render already holds the BOS token
-    ids = torch.tensor([tokenizer(prompt, add_special_tokens=not rendered)["input_ids"]], device=device)
+    if isinstance(prompt, str):
+        bos = getattr(tokenizer, "bos_token", None)
+        rendered = bool(bos) and prompt.startswith(bos)  # a chat template's render already holds the BOS token
+        prompt = tokenizer(prompt, add_special_tokens=not rendered)["input_ids"]
+    ids = torch.tensor([prompt], device=device)
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                             synced_gpus=synced)
-    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+                             do_sample=do_sample, pad_token_id=tokenizer.pad_token_id,
+                             eos_token_id=tokenizer.eos_token_id, synced_gpus=synced)
+    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=skip_special_tokens).strip()
 
 
 def exact_match(model: Any, tokenizer: Any, pairs: list[tuple[str, str]], max_new_tokens: int,

@@ -25,7 +25,7 @@ from automodel.hf import (
 from automodel.model_backend import backend_setting
 from automodel.training.checkpoint_write import sharded_only_message
 from automodel.training.context import BuildContext
-from automodel.training.dist import expected_world_size
+from automodel.training.dist import expected_world_size, rank
 from automodel.training.modules import unwrap
 from automodel.training.mtp_loss import MTPLoss
 from automodel.training.next_token import NextTokenLogits
@@ -46,6 +46,8 @@ from automodel_llm.embeddings import (
 )
 from automodel_llm.seq2seq import check_decoder_start, seq2seq_issues
 from automodel_llm.tokenizer import VOCAB_PROBLEM, build_tokenizer, dataset_sections, tokenizer_issues
+from automodel_llm.tool_call_eval import ToolCallEvalConfig, ToolCallEvaluator, given_settings, tool_call_eval_issues
+from automodel_llm.tool_call_eval import metrics as tool_call_metrics
 
 IGNORE_INDEX = -100
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "decoder_input_ids")  # the last: an encoder-decoder's
@@ -86,14 +88,27 @@ class PackedSequenceConfig:
             raise FieldErrors(errors)
 
 
-def context_parallel_issues(cfg: Config, generation: Any, packing: Any) -> list[ConfigIssue]:
+def generation_keys(cfg: Config) -> list[str]:
+    """The keys that make this run generate: each is refused where generation cannot run."""
+    generation, keys = cfg.get("eval_generation"), []
+    if "eval_generation" in cfg and generation is not None and generation.enabled:
+        keys.append("eval_generation.enabled")
+    if given_settings(cfg) is not None:
+        keys.append("tool_call_eval")
+    return keys
+
+
+def turn_off(key: str) -> str:
+    """How to stop the generation ``key`` asks for."""
+    return "remove the tool_call_eval section" if key == "tool_call_eval" else f"set {key}: false"
+
+
+def context_parallel_issues(cfg: Config, packing: Any) -> list[ConfigIssue]:
     """What this recipe cannot run with ``distributed.cp_size > 1`` (attention runs causal without a mask)."""
     cp = cfg.distributed.cp_size
-    issues = []
-    if "eval_generation" in cfg and generation is not None and generation.enabled:
-        issues.append(ConfigIssue("eval_generation.enabled", f"generation pads its prompts and needs their attention "
-                                  f"mask, which context parallelism (cp_size {cp}) drops from every attention "
-                                  "module; set eval_generation.enabled: false"))
+    issues = [ConfigIssue(key, f"generation pads its prompts and needs their attention mask, which context "
+                               f"parallelism (cp_size {cp}) drops from every attention module; {turn_off(key)}")
+              for key in generation_keys(cfg)]
     if packing is not None and (packing.enabled or packing.packed_sequence_size > 0):
         issues.append(ConfigIssue("packed_sequence.packed_sequence_size", f"packed rows keep attention within each "
                                   f"sample, but context parallelism (cp_size {cp}) runs one causal attention over "
@@ -128,13 +143,19 @@ PARALLELIZER = ArgumentsFor(
 
 
 def pipeline_issues(cfg: Config, packed_size: int) -> list[ConfigIssue]:
-    """What this recipe cannot run with ``distributed.pp_size > 1`` (beyond the core's checks)."""
+    """What this recipe cannot run with ``distributed.pp_size > 1`` (beyond the core's checks, eval_generation's
+    among them)."""
+    issues = []
+    if given_settings(cfg) is not None:
+        issues.append(ConfigIssue("tool_call_eval", f"generation runs the whole model token by token, which the "
+                                  f"pipeline stages (pp_size {cfg.distributed.pp_size}) hold apart; remove the "
+                                  "tool_call_eval section"))
     length = PipelineSettings.from_section(cfg.distributed.pipeline).pp_seq_len  # as given (else: the packed size)
     if isinstance(length, int) and 0 < length < packed_size:
-        return [ConfigIssue("distributed.pipeline.pp_seq_len", f"{length} is shorter than the packed rows "
-                            f"(packed_sequence.packed_sequence_size {packed_size}), and every training batch is "
-                            f"padded to pp_seq_len; use a pp_seq_len of at least {packed_size}")]
-    return []
+        issues.append(ConfigIssue("distributed.pipeline.pp_seq_len", f"{length} is shorter than the packed rows "
+                                  f"(packed_sequence.packed_sequence_size {packed_size}), and every training batch "
+                                  f"is padded to pp_seq_len; use a pp_seq_len of at least {packed_size}"))
+    return issues
 
 
 class FinetuneRecipeForNextTokenPrediction(MTPLoss, NextTokenLogits, TrainRecipe):
@@ -147,6 +168,8 @@ class FinetuneRecipeForNextTokenPrediction(MTPLoss, NextTokenLogits, TrainRecipe
     tensor_parallel_unsupported = None  # the loss runs on vocabulary-parallel logits (training/loop.py)
     pipeline_parallel_unsupported = None  # pipeline_batches below; pipeline_loss is NextTokenLogits'
     context_parallel_unsupported = None  # NextTokenLogits' context_parallel_batch; rows padded to 2 x cp_size
+    tool_call_evaluator: ToolCallEvaluator | None = None  # tool_call_eval, unless skipped under FSDP2
+    tool_call_results: tuple[int, dict[str, float]] | None = None  # (step, metrics): once per validation
     sections = {
         "tokenizer": Target("tokenizer (default: the model's): {pretrained_model_name_or_path: ...}", plain=True,
                             default_target="transformers.AutoTokenizer.from_pretrained"),
@@ -163,10 +186,7 @@ class FinetuneRecipeForNextTokenPrediction(MTPLoss, NextTokenLogits, TrainRecipe
                                  "distributed.pipeline with distributed.pp_size, as here): it governs nothing"),
         "quantization": Refused("bitsandbytes 4-/8-bit base weights (QLoRA) need a CUDA GPU and bitsandbytes, and this "
                                 "build loads no quantized weights: remove the section (LoRA on bf16 / fp32 weights)"),
-        "tool_call_eval": Refused("upstream's tool-call accuracy evaluation (its ToolCallAccuracyEvaluator generates "
-                                  "on function-calling samples and scores the tool calls) is not implemented; "
-                                  "validation here reports the loss, and eval_generation the exact-match of generated "
-                                  "answers: remove the section"),
+        "tool_call_eval": ToolCallEvalConfig,
         "longalign": Metadata("a key of upstream's GLM-5.2 LoRA example that nothing in upstream reads"),
         "benchmark": Metadata("the benchmark recipe's settings; fine-tuning ignores them, as upstream's does: "
                               "automodel benchmark llm -c FILE, or recipe: BenchmarkingRecipeForNextTokenPrediction, "
@@ -181,12 +201,13 @@ class FinetuneRecipeForNextTokenPrediction(MTPLoss, NextTokenLogits, TrainRecipe
         datasets = dataset_sections(cfg)
         issues += batch_size_issues(datasets, rows_per_batch(cfg))
         issues += seq2seq_issues(cfg, datasets, cls.encoder_decoder_unsupported)
-        settings, generation = cfg.distributed, cfg.get("eval_generation")
-        if settings is not None and settings.tp_size > 1 and settings.sequence_parallel and \
-                "eval_generation" in cfg and generation is not None and generation.enabled:
-            issues.append(ConfigIssue("eval_generation.enabled", "generation feeds one token at a time, which "
-                                      "sequence parallelism cannot split over the tensor-parallel ranks; set "
-                                      "eval_generation.enabled: false or distributed.sequence_parallel: false"))
+        settings = cfg.distributed
+        if settings is not None and settings.tp_size > 1 and settings.sequence_parallel:
+            issues += [ConfigIssue(key, f"generation feeds one token at a time, which sequence parallelism cannot "
+                                        f"split over the tensor-parallel ranks; {turn_off(key)} or set "
+                                        "distributed.sequence_parallel: false") for key in generation_keys(cfg)]
+        if given_settings(cfg) is not None:
+            issues += tool_call_eval_issues(cfg)
         issues += nvtx_issues(cfg.resolved.get("nvtx"))
         if backend_setting(cfg.model, "gate_precision") is not None:
             issues += router_issues(model_hf_config(cfg))
@@ -201,7 +222,7 @@ class FinetuneRecipeForNextTokenPrediction(MTPLoss, NextTokenLogits, TrainRecipe
         if settings is not None and settings.pp_size > 1:
             issues += pipeline_issues(cfg, size)
         if settings is not None and settings.cp_size > 1:
-            issues += context_parallel_issues(cfg, generation, packing)
+            issues += context_parallel_issues(cfg, packing)
         if settings is not None and settings.tp_size > 1 and settings.sequence_parallel and size % settings.tp_size:
             issues.append(ConfigIssue("packed_sequence.packed_sequence_size", f"{size} does not divide by tp_size "
                                       f"{settings.tp_size}: sequence parallelism splits every row over the "
@@ -289,6 +310,30 @@ class FinetuneRecipeForNextTokenPrediction(MTPLoss, NextTokenLogits, TrainRecipe
         if neftune is not None and neftune.noise_alpha is not None:
             add_neftune_noise(unwrap(self.model), neftune.noise_alpha)
             self.log(f"NEFTune: noise alpha {neftune.noise_alpha} on the input embeddings while training")
+        self.setup_tool_call_eval()
+
+    def setup_tool_call_eval(self) -> None:
+        settings = given_settings(self.cfg)
+        if settings is None:
+            return
+        if self.cfg.distributed.strategy == "fsdp2" and not settings.run_on_fsdp2:
+            self.log("tool_call_eval: skipped with distributed.strategy fsdp2, as upstream (generating on the sharded "
+                     f"model gathers its weights at every token); {settings.metric_prefix}/_disabled_fsdp2 is "
+                     "recorded instead. Set tool_call_eval.run_on_fsdp2: true to evaluate anyway")
+            return
+        self.tool_call_evaluator = ToolCallEvaluator(settings, self.tokenizer)
+        how = ""
+        if self.world_size > 1:
+            how = (", every rank generating each together (the weights are sharded)" if self.forwards_are_collective
+                   else f", split over the {self.world_size} ranks (the model is replicated on each)")
+        self.log(f"tool_call_eval: {len(self.tool_call_evaluator.samples)} tool-call turns scored at each "
+                 f"validation{how}")
+
+    @property
+    def tool_call_shard(self) -> tuple[int, int] | None:
+        """This rank's share of the tool-call samples: every world_size-th from its rank where the model is
+        replicated on each rank; None (all of them) in one process or with sharded weights."""
+        return (rank(), self.world_size) if self.world_size > 1 and not self.forwards_are_collective else None
 
     def save_artifacts(self, directory: Path) -> None:
         """Also records, in a LoRA checkpoint's ``adapter_config.json``, the base as this run resolved it."""
@@ -296,6 +341,25 @@ class FinetuneRecipeForNextTokenPrediction(MTPLoss, NextTokenLogits, TrainRecipe
         found = model_source(self.cfg.model)
         if (directory / ADAPTER_CONFIG).is_file() and found is not None:
             record_adapter_base(directory, found[0])  # the resolved base, for `automodel export` and peft
+
+    def extra_validation_metrics(self, name: str, dataloader: Any) -> dict[str, float]:
+        """The tool-call metrics (``tool_call_eval``), computed once per validation and recorded with each set."""
+        settings, step = given_settings(self.cfg), self.step_scheduler.step
+        if settings is None:
+            return {}
+        if self.tool_call_evaluator is None:
+            return {f"{settings.metric_prefix}/_disabled_fsdp2": 1.0}
+        if self.tool_call_results is None or self.tool_call_results[0] != step:
+            shard = self.tool_call_shard
+            with self.forward_context():
+                tally = self.tool_call_evaluator.score(unwrap(self.model), self.device, shard,
+                                                       synced=self.forwards_are_collective)
+            if tally.skipped:
+                self.log("tool_call_eval: samples skipped on rank 0: " +
+                         ", ".join(f"{count} ({reason})" for reason, count in tally.skipped.items()))
+            self.tool_call_results = step, tool_call_metrics(tally, settings.metric_prefix, shard is not None,
+                                                             self.device)
+        return dict(self.tool_call_results[1])
 
     # ---- the loss ---------------------------------------------------------------------------------------------
 

@@ -191,7 +191,8 @@ def read_split(source: Given, split: str, revision: str | None, limit: int | Non
     then the first ``limit`` of them. ``source`` is a hub id, a local file or directory, or a list of files."""
     match = _SPLIT.match(split)
     if match is None:
-        raise AutomodelError(f"dataset.split: '{split}' is not a split name with an optional slice of row numbers "
+        section = source.key.rsplit(".", 1)[0]  # dataset, or tool_call_eval
+        raise AutomodelError(f"{section}.split: '{split}' is not a split name with an optional slice of row numbers "
                              "(train, train[64:], train[:256]); percentages are not read")
     base, start, stop = match.groups()
     sources = source.value if isinstance(source.value, list) else [source.value]
