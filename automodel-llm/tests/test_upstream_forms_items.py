@@ -212,8 +212,6 @@ def test_hellaswag_under_upstreams_name_trains(tmp_path, monkeypatch):
     ("dataset", "_target_", "nemo_automodel.components.datasets.llm.mock_prefix_tree.build_mock_rollout_dataset",
      "MagiAttention's prefix-tree masks"),
     ("optimizer", "_target_", "transformer_engine.pytorch.optimizers.fused_adam.FusedAdam", "torch.optim.AdamW"),
-    ("dataset", "_target_", "nemo_automodel.components.datasets.llm.megatron_dataset.MegatronPretraining",
-     "PretrainingTextDataset"),
 ])
 def test_upstream_names_without_an_equivalent_here_are_refused_with_what_to_use(tmp_path, section, key, target,
                                                                                  words):
