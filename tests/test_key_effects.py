@@ -33,6 +33,8 @@ CONTEXTS = {
     "eval_generation": {"enabled": True, "num_examples": 2},
     "sample_generation": {"enabled": True, "num_inference_steps": 1},
     "objective": {"timestep_sampling": "beta"},  # beta_alpha / beta_beta act with beta sampling only
+    "tool_call_eval": {"path": "${pkg:automodel_llm}/examples/assets/tiny_tool_calls/train.jsonl",
+                       "max_eval_samples": 1, "max_new_tokens": 2},
 }
 # Non-default values to validate a key with where its type gives none (a mapping)
 PROBES = {"flow_matching": {"adapter_kwargs": [{"setting": 1}]},

@@ -316,7 +316,7 @@ class FinetuneRecipeForNextTokenPrediction(MTPLoss, NextTokenLogits, TrainRecipe
         settings = given_settings(self.cfg)
         if settings is None:
             return
-        if self.cfg.distributed.strategy == "fsdp2" and not settings.run_on_fsdp2:
+        if not settings.run_on_fsdp2 and self.cfg.distributed.strategy == "fsdp2":
             self.log("tool_call_eval: skipped with distributed.strategy fsdp2, as upstream (generating on the sharded "
                      f"model gathers its weights at every token); {settings.metric_prefix}/_disabled_fsdp2 is "
                      "recorded instead. Set tool_call_eval.run_on_fsdp2: true to evaluate anyway")

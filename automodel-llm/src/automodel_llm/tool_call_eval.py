@@ -114,8 +114,8 @@ def conversation_samples(messages: list[dict], tools: list[dict] | None) -> list
 
 def load_samples(settings: ToolCallEvalConfig) -> list[dict[str, Any]]:
     """The evaluation samples of the section's data (the first ``max_eval_samples``)."""
-    source = Given(settings.path, "tool_call_eval.path") if settings.path is not None else \
-        Given(settings.dataset_name, "tool_call_eval.dataset_name")
+    path, name = settings.path, settings.dataset_name  # one of them is given (validation checks)
+    source = Given(path, "tool_call_eval.path") if path is not None else Given(name, "tool_call_eval.dataset_name")
     samples: list[dict[str, Any]] = []
     for index, row in enumerate(read_split(source, settings.split, None, settings.limit_dataset_samples)):
         try:
@@ -154,6 +154,7 @@ class ToolCallEvaluator:
             raise AutomodelError("tool_call_eval: the prompts are rendered with the tokenizer's chat template, and "
                                  "the tokenizer has none; give the data set's chat_template or a tokenizer with one")
         self.settings, self.tokenizer = settings, tokenizer
+        self.skip_out_of_memory = not settings.raise_on_cuda_oom
         self.samples = load_samples(settings)
 
     def prompt_ids(self, sample: dict[str, Any], tally: Tally) -> list[int] | None:
@@ -182,7 +183,7 @@ class ToolCallEvaluator:
                 text = greedy_answer(model, self.tokenizer, ids, self.settings.max_new_tokens, device, synced,
                                      do_sample=self.settings.do_sample, skip_special_tokens=False)
             except RuntimeError as err:
-                if self.settings.raise_on_cuda_oom or not _out_of_memory(err):
+                if not (self.skip_out_of_memory and _out_of_memory(err)):
                     raise
                 tally.skip("generate_cuda_oom")
                 release_memory()
