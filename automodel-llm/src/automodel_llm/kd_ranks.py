@@ -65,9 +65,10 @@ class RankSplit:
         copies = ("a whole copy on each" if self.tp == 1 else
                   f"{self.teachers} cop{'y' if self.teachers == 1 else 'ies'}, each tensor-parallel over {self.tp} "
                   "consecutive ranks")
+        leader = f"s % {self.teachers}" if self.tp == 1 else f"(s % {self.teachers}) * {self.tp}"
         return (f"separate_meshes: the student trains on {_ranks(0, self.students)}, the teacher runs on "
                 f"{_ranks(self.students, self.world)} ({copies}); student rank s gets its teacher logits "
-                f"from rank {self.students} + (s % {self.teachers}) * {self.tp}")
+                f"from rank {self.students} + {leader}")
 
 
 def _ranks(first: int, end: int) -> str:
