@@ -161,7 +161,7 @@ class KnowledgeDistillationRecipe(FinetuneRecipeForNextTokenPrediction):
         from torch.distributed.device_mesh import init_device_mesh
 
         device, env = self.select_device(), self.cfg.dist_env
-        self.link.join_teachers(chosen_backend(env.backend, self.log), env.timeout_minutes)
+        self.link.join_teachers(chosen_backend(env.backend, self.log), env.timeout_minutes, device)
         found = tp_issues(self.teacher.config, split.tp, section="teacher_distributed") \
             if hasattr(self.teacher, "config") else []
         if found:

@@ -38,9 +38,12 @@ class TeacherLink:
         """Where the student ranks form torch's default group (a namespace of the shared rendezvous store)."""
         return dist.PrefixStore("automodel_kd_students/", self.store)
 
-    def join_teachers(self, backend: str, timeout_minutes: float) -> None:
+    def join_teachers(self, backend: str, timeout_minutes: float, device: torch.device) -> None:
         """(teacher rank) Form torch's default group with the other teacher ranks only (teacher rank ``i`` is
-        global rank ``students + i``): the teacher's device mesh, and its tensor parallelism, live on it."""
+        global rank ``students + i``): the teacher's device mesh, and its tensor parallelism, live on it. ``device``
+        becomes the current CUDA device first, where nccl's collectives run."""
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
         students = self.split.students
         dist.init_process_group(backend, store=dist.PrefixStore("automodel_kd_teachers/", self.store),
                                 rank=self.rank - students, world_size=self.split.world - students,
