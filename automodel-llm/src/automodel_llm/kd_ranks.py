@@ -22,10 +22,13 @@ from automodel.training.parallelism import model_hf_config
 
 # teacher_distributed keys that can only be 1 here, and why
 _NOT_IMPLEMENTED = {
-    "cp_size": "the teacher's context parallelism is not implemented: each teacher copy runs whole sequences (give "
-               "it more ranks with teacher_distributed.tp_size or dp_size)",
-    "pp_size": "the teacher's pipeline parallelism is not implemented: each teacher copy holds every layer (split "
-               "its layers over ranks with teacher_distributed.tp_size instead)",
+    "cp_size": "the teacher's context parallelism is not implemented: each teacher copy runs whole sequences (the "
+               "core's context parallelism splits a training step's sequences, on CUDA ring attention, and nothing "
+               "gathers a teacher's sequence parts back into whole logits); give it more ranks with "
+               "teacher_distributed.tp_size or dp_size",
+    "pp_size": "the teacher's pipeline parallelism is not implemented: each teacher copy holds every layer (the "
+               "core's pipeline schedules run training steps, and no forward-only schedule sends the last stage's "
+               "logits to the students); split its layers over ranks with teacher_distributed.tp_size instead",
     "ep_size": "the teacher's expert parallelism is not implemented: each teacher copy holds every expert (split "
                "them over ranks with teacher_distributed.tp_size instead)",
     "dp_replicate_size": "the teacher's copies are teacher_distributed.dp_size; it has no replicate dimension",
