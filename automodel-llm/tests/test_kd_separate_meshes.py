@@ -137,9 +137,9 @@ def test_the_teacher_on_its_own_ranks_gives_the_colocated_runs_losses_and_weight
 def test_no_rank_leaves_a_gloo_thread_to_interpreter_shutdown(layout):
     _, separate, _, teachers = layout
     if len(teachers) > 1:
-        pytest.skip("known gap: after a tensor-parallel teacher built DTensors, torch (2.13) keeps one gloo group of "
-                    "the teacher's mesh alive past destroy_process_group (held on its C++ side, not by a Python "
-                    "object or a DeviceMesh), so its threads end at interpreter shutdown")
+        pytest.skip("known gap: once a DTensor is built, torch (2.13) holds the teacher ranks' default gloo group on "
+                    "its C++ side past destroy_process_group (no Python object refers to it), so that group's "
+                    "threads end at interpreter shutdown")
     reports = sorted(separate.parent.glob("threads-*.txt"))
     assert [report.name for report in reports] == [f"threads-{rank}.txt" for rank in range(teachers[-1] + 1)]
     for report in reports:
