@@ -7,17 +7,20 @@ import os
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from automodel.config import Free, Target
-from automodel.errors import ConfigIssue
+from automodel.errors import ConfigError, ConfigIssue
 from automodel.model_kwargs import MTP_KEYS
-from automodel.training.dist import rank, world_size
+from automodel.training.dist import chosen_backend, rank, world_size
 from automodel.training.loss import LINEAR, loss_fn_named
+from automodel.training.parallel.tensor_parallel import apply_tensor_parallel, tp_issues
 from automodel.training.parallelism import run_precision, shards_with_fsdp2
 from automodel_llm.kd_link import TeacherLink
 from automodel_llm.kd_ranks import (
     TEACHER_KEYS,
+    RankSplit,
     rank_split,
     separate_world,
     split_issues,
@@ -74,13 +77,15 @@ class KnowledgeDistillationRecipe(FinetuneRecipeForNextTokenPrediction):
         "temperature": Free("softmax temperature of the KD term (default 1.0)"),
         "kd_loss_fn": Target("the distillation loss (default automodel_llm.kd.KDLoss)"),
         "separate_meshes": Free("false (the default): a frozen teacher on every student rank; true: the teacher on "
-                                "ranks of its own (the last teacher_distributed.dp_size ranks), which send their "
-                                "logits to the student's ranks"),
+                                "ranks of its own (the last teacher_distributed.dp_size x tp_size ranks), which "
+                                "send their logits to the student's ranks"),
         "teacher_distributed": Free(f"the teacher's ranks with separate_meshes: true; keys {', '.join(TEACHER_KEYS)}:"
-                                    " dp_size teacher ranks, each a whole copy (the other sizes 1)"),
+                                    " dp_size copies of the teacher, each tensor-parallel over tp_size ranks (the "
+                                    "other sizes 1)"),
     }
 
     link: TeacherLink | None = None  # separate_meshes: true: this rank's end of the student-teacher link
+    copy_group: dist.ProcessGroup | None = None  # a teacher rank of a tensor-parallel copy: the copy's ranks
 
     @classmethod
     def own_world(cls, data: dict, nodes: int = 1) -> tuple[int, int]:
@@ -107,7 +112,7 @@ class KnowledgeDistillationRecipe(FinetuneRecipeForNextTokenPrediction):
         separate = cfg.resolved.get("separate_meshes", False)
         if separate not in (True, False, None):
             issues.append(ConfigIssue("separate_meshes", f"expected true or false, found {separate!r}"))
-        issues += teacher_section_issues(cfg.resolved) + split_issues(cfg.resolved)
+        issues += teacher_section_issues(cfg.resolved, cfg) + split_issues(cfg.resolved)
         teacher = cfg.teacher_model
         for key in MTP_KEYS:
             if teacher is not None and teacher.get(key) not in (None, False, 0):
@@ -128,6 +133,7 @@ class KnowledgeDistillationRecipe(FinetuneRecipeForNextTokenPrediction):
             self.link = TeacherLink(split, rank(), env.timeout_minutes, env.init_method)
             if split.is_teacher(rank()):
                 self.teacher = self.build_teacher(self.select_device())
+                self.copy_group = self.shard_teacher(split) if split.tp > 1 else None
                 return
             os.environ["WORLD_SIZE"] = str(split.students)  # the student's run is a run on its ranks only
         super().setup()
@@ -150,6 +156,21 @@ class KnowledgeDistillationRecipe(FinetuneRecipeForNextTokenPrediction):
         teacher.requires_grad_(False)
         self.teacher_head = self.attach_head(teacher) if self.cfg.logits.label_positions_only else None
         return teacher
+
+    def shard_teacher(self, split: RankSplit) -> dist.ProcessGroup:
+        """(teacher rank) Tensor-parallelise the teacher over its copy's ranks (the core's plan, on a ``dp x tp``
+        mesh of the teacher ranks); the copy's group, whose ranks run each forward together."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        device, env = self.select_device(), self.cfg.dist_env
+        self.link.join_teachers(chosen_backend(env.backend, self.log), env.timeout_minutes, device)
+        found = tp_issues(self.teacher.config, split.tp, section="teacher_distributed") \
+            if hasattr(self.teacher, "config") else []
+        if found:
+            raise ConfigError(found)
+        mesh = init_device_mesh(device.type, (split.teachers, split.tp), mesh_dim_names=("dp", "tp"))
+        apply_tensor_parallel(self.teacher, mesh["tp"], vocab_parallel=False)  # the head returns whole logits
+        return mesh["tp"].get_group()
 
     def run_train_validation_loop(self) -> None:
         """A teacher rank serves its students until each has stopped; a student rank trains, then stops its teacher
@@ -184,7 +205,7 @@ class KnowledgeDistillationRecipe(FinetuneRecipeForNextTokenPrediction):
             with precision.forward_context(device.type, fsdp2):
                 return self.next_token_logits(self.teacher, batch, self.teacher_head)[0]
 
-        self.link.serve(forward, device)
+        self.link.serve(forward, device, self.copy_group)
 
     def compute_loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         logits, targets = self.next_token_logits(model, batch, self.head_positions)

@@ -38,6 +38,17 @@ class TeacherLink:
         """Where the student ranks form torch's default group (a namespace of the shared rendezvous store)."""
         return dist.PrefixStore("automodel_kd_students/", self.store)
 
+    def join_teachers(self, backend: str, timeout_minutes: float, device: torch.device) -> None:
+        """(teacher rank) Form torch's default group with the other teacher ranks only (teacher rank ``i`` is
+        global rank ``students + i``): the teacher's device mesh, and its tensor parallelism, live on it. ``device``
+        becomes the current CUDA device first, where nccl's collectives run."""
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        students = self.split.students
+        dist.init_process_group(backend, store=dist.PrefixStore("automodel_kd_teachers/", self.store),
+                                rank=self.rank - students, world_size=self.split.world - students,
+                                timeout=datetime.timedelta(minutes=timeout_minutes))
+
     def teacher_logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """(student rank) The teacher's logits of ``batch``, computed on this rank's teacher rank."""
         teacher = self.split.teacher_of(self.rank)
@@ -54,9 +65,15 @@ class TeacherLink:
         """(student rank) Tell this rank's teacher rank that no more micro-batches come from it."""
         self._send(torch.tensor([_STOP], dtype=torch.int64), self.split.teacher_of(self.rank), _REQUEST)
 
-    def serve(self, forward: Callable[[dict[str, torch.Tensor]], torch.Tensor], device: torch.device) -> int:
-        """(teacher rank) Answer each request of the students this rank serves with ``forward`` of its batch
-        (moved to ``device``), until every one of them has stopped; the number of batches served."""
+    def serve(self, forward: Callable[[dict[str, torch.Tensor]], torch.Tensor], device: torch.device,
+              copy_group: dist.ProcessGroup | None = None) -> int:
+        """(teacher rank) Answer each request of the students this rank's copy serves with ``forward`` of its batch
+        (moved to ``device``), until every one of them has stopped; the number of batches served.
+
+        A copy of several ranks (``copy_group``, its leader first) runs each forward on all of them: the leader
+        receives the batch, hands it to the others, and sends the logits back (all of its ranks hold them whole)."""
+        if self.rank != self.split.leader_of(self.rank):
+            return self._follow(forward, device, copy_group)
         waiting, served = len(self.split.served_by(self.rank)), 0
         while waiting:
             header = torch.zeros(1, dtype=torch.int64)
@@ -66,8 +83,20 @@ class TeacherLink:
             if header.item() == _STOP:
                 waiting -= 1
                 continue
-            batch = {key: value.to(device) for key, value in self._recv_tensors(student).items()}
-            self._send_tensors({"logits": forward(batch)}, student)
+            batch = self._recv_tensors(student)
+            _share(batch, copy_group)
+            self._send_tensors({"logits": forward(_to(batch, device))}, student)
+            served += 1
+        _share(None, copy_group)
+        return served
+
+    @staticmethod
+    def _follow(forward: Callable[[dict[str, torch.Tensor]], torch.Tensor], device: torch.device,
+                copy_group: dist.ProcessGroup | None) -> int:
+        """(a teacher copy's other ranks) Run ``forward`` on each batch the leader hands over, until it says stop."""
+        served = 0
+        while (batch := _share(None, copy_group)) is not None:
+            forward(_to(batch, device))
             served += 1
         return served
 
@@ -106,3 +135,17 @@ class TeacherLink:
                 self._recv(data, peer)
             tensors[key] = value
         return tensors
+
+
+def _to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {key: value.to(device) for key, value in batch.items()}
+
+
+def _share(batch: dict[str, torch.Tensor] | None, copy_group: dist.ProcessGroup | None
+           ) -> dict[str, torch.Tensor] | None:
+    """The leader's ``batch`` (None: stop) on every rank of its copy; as is without a group of several ranks."""
+    if copy_group is None or dist.get_world_size(copy_group) == 1:
+        return batch
+    message = [batch]
+    dist.broadcast_object_list(message, group=copy_group, group_src=0)
+    return message[0]

@@ -1,9 +1,10 @@
 """Which ranks train the student and which serve the teacher (upstream's ``separate_meshes: true``).
 
 The world splits in two: the first ranks are the student's (``distributed.*`` lays them out, as in a run of their
-own), the last ``teacher_distributed.dp_size`` ranks each hold a whole frozen copy of the teacher. Student rank ``s``
-is served by teacher rank ``students + s % teachers``, so every teacher rank serves the same number of students, give
-or take one.
+own), the last ``teacher_distributed.dp_size x tp_size`` ranks serve the teacher: ``dp_size`` copies of it, each
+tensor-parallel over a group of ``tp_size`` consecutive ranks. Student rank ``s`` is served by copy ``s % dp_size``,
+whose first rank (the group's leader) receives the student's micro-batches; so every copy serves the same number of
+students, give or take one.
 """
 
 from __future__ import annotations
@@ -11,54 +12,82 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from automodel.errors import ConfigIssue
 from automodel.training.dist import expected_world_size, planned_world_size, world_size_source
 from automodel.training.parallel.mesh import LAYOUT_KEYS, smallest_world
+from automodel.training.parallel.tensor_parallel import tp_issues
+from automodel.training.parallelism import model_hf_config
 
 # teacher_distributed keys that can only be 1 here, and why
-_WHOLE_TEACHER = ("each teacher rank holds a whole copy of the teacher and runs its forward alone (the teacher's own "
-                  "tensor, context, pipeline or expert parallelism is not implemented)")
-_SINGLE_SIZES = ("tp_size", "cp_size", "pp_size", "ep_size", "dp_replicate_size")
-TEACHER_KEYS = ("dp_size", "strategy", "sequence_parallel", *_SINGLE_SIZES)
+_NOT_IMPLEMENTED = {
+    "cp_size": "the teacher's context parallelism is not implemented: each teacher copy runs whole sequences (the "
+               "core's context parallelism splits a training step's sequences, on CUDA ring attention, and nothing "
+               "gathers a teacher's sequence parts back into whole logits); give it more ranks with "
+               "teacher_distributed.tp_size or dp_size",
+    "pp_size": "the teacher's pipeline parallelism is not implemented: each teacher copy holds every layer (the "
+               "core's pipeline schedules run training steps, and no forward-only schedule sends the last stage's "
+               "logits to the students); split its layers over ranks with teacher_distributed.tp_size instead",
+    "ep_size": "the teacher's expert parallelism is not implemented: each teacher copy holds every expert (split "
+               "them over ranks with teacher_distributed.tp_size instead)",
+    "dp_replicate_size": "the teacher's copies are teacher_distributed.dp_size; it has no replicate dimension",
+}
+TEACHER_KEYS = ("dp_size", "tp_size", "strategy", "sequence_parallel", *_NOT_IMPLEMENTED)
 
 
 @dataclass(frozen=True)
 class RankSplit:
-    """``students`` ranks first (0 .. students-1), then ``teachers`` ranks."""
+    """``students`` ranks first (0 .. students-1), then ``teachers`` copies of the teacher of ``tp`` ranks each."""
 
     students: int
     teachers: int
+    tp: int = 1
 
     @property
     def world(self) -> int:
-        return self.students + self.teachers
+        return self.students + self.teachers * self.tp
 
     def is_teacher(self, rank: int) -> bool:
         return rank >= self.students
 
     def teacher_of(self, student: int) -> int:
-        return self.students + student % self.teachers
+        """The leader (first rank) of the teacher copy that serves student rank ``student``."""
+        return self.students + (student % self.teachers) * self.tp
+
+    def leader_of(self, teacher: int) -> int:
+        """The first rank of teacher rank ``teacher``'s copy: the one its students talk to."""
+        return teacher - (teacher - self.students) % self.tp
 
     def served_by(self, teacher: int) -> list[int]:
-        """The student ranks teacher rank ``teacher`` serves."""
-        return [s for s in range(self.students) if self.teacher_of(s) == teacher]
+        """The student ranks teacher rank ``teacher``'s copy serves."""
+        leader = self.leader_of(teacher)
+        return [s for s in range(self.students) if self.teacher_of(s) == leader]
 
     def describe(self) -> str:
+        copies = ("a whole copy on each" if self.tp == 1 else
+                  f"{self.teachers} cop{'y' if self.teachers == 1 else 'ies'}, each tensor-parallel over {self.tp} "
+                  "consecutive ranks")
+        leader = f"s % {self.teachers}" if self.tp == 1 else f"(s % {self.teachers}) * {self.tp}"
         return (f"separate_meshes: the student trains on {_ranks(0, self.students)}, the teacher runs on "
-                f"{_ranks(self.students, self.world)} (a whole copy on each); student rank s gets its teacher logits "
-                f"from rank {self.students} + s % {self.teachers}")
+                f"{_ranks(self.students, self.world)} ({copies}); student rank s gets its teacher logits "
+                f"from rank {self.students} + {leader}")
 
 
 def _ranks(first: int, end: int) -> str:
     return f"rank {first}" if end - first == 1 else f"ranks {first}..{end - 1}"
 
 
-def teacher_ranks(data: dict) -> int:
-    """How many ranks the teacher gets: ``teacher_distributed.dp_size`` (1 without the section)."""
+def _size(data: dict, key: str) -> int:
+    """``teacher_distributed.<key>`` (1 without the section, or when it is not a size: validation says so)."""
     section = data.get("teacher_distributed")
-    size = section.get("dp_size", 1) if isinstance(section, dict) else 1
+    size = section.get(key, 1) if isinstance(section, dict) else 1
     return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else 1
+
+
+def teacher_ranks(data: dict) -> int:
+    """How many ranks the teacher gets: ``teacher_distributed.dp_size x tp_size`` (1 without the section)."""
+    return _size(data, "dp_size") * _size(data, "tp_size")
 
 
 def student_ranks(data: dict, world: int) -> int:
@@ -86,7 +115,7 @@ def rank_split(data: dict, world: int) -> RankSplit | None:
     """The split of ``world`` ranks (a resolved config ``data``), or None when the teacher shares the student's."""
     if data.get("separate_meshes") is not True:
         return None
-    return RankSplit(student_ranks(data, world), teacher_ranks(data))
+    return RankSplit(student_ranks(data, world), _size(data, "dp_size"), _size(data, "tp_size"))
 
 
 def separate_world(data: dict) -> int:
@@ -96,8 +125,9 @@ def separate_world(data: dict) -> int:
     return smallest_world(**sizes) + teacher_ranks(data)
 
 
-def teacher_section_issues(data: dict) -> list[ConfigIssue]:
-    """What ``teacher_distributed`` asks that cannot act, each under its key."""
+def teacher_section_issues(data: dict, cfg: Any) -> list[ConfigIssue]:
+    """What ``teacher_distributed`` asks that cannot act, each under its key (``cfg``: the config, whose
+    ``teacher_model`` tensor parallelism must be able to split)."""
     section = data.get("teacher_distributed")
     if section is None:
         return []
@@ -107,45 +137,52 @@ def teacher_section_issues(data: dict) -> list[ConfigIssue]:
     if not isinstance(section, dict):
         return [ConfigIssue("teacher_distributed", f"expected a mapping of the teacher's layout, found {section!r}")]
     issues = []
-    size = section.get("dp_size", 1)
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        issues.append(ConfigIssue("teacher_distributed.dp_size", f"the number of teacher ranks: expected an integer "
-                                                                 f">= 1, found {size!r}"))
-    for key in _SINGLE_SIZES:
+    for key, what in (("dp_size", "the number of teacher copies"), ("tp_size", "the ranks of each teacher copy")):
+        size = section.get(key, 1)
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            issues.append(ConfigIssue(f"teacher_distributed.{key}", f"{what}: expected an integer >= 1, found "
+                                                                    f"{size!r}"))
+    for key, reason in _NOT_IMPLEMENTED.items():
         if section.get(key, 1) not in (1, None):
-            issues.append(ConfigIssue(f"teacher_distributed.{key}", f"{section[key]!r}: {_WHOLE_TEACHER}; use 1 and "
-                                      "give the teacher's ranks with teacher_distributed.dp_size"))
+            issues.append(ConfigIssue(f"teacher_distributed.{key}", f"{section[key]!r}: {reason}; use 1"))
     if section.get("sequence_parallel") not in (False, None):
-        issues.append(ConfigIssue("teacher_distributed.sequence_parallel", f"{_WHOLE_TEACHER}; set it to false"))
-    strategy = section.get("strategy")
+        issues.append(ConfigIssue("teacher_distributed.sequence_parallel", "the teacher's sequence parallelism is "
+                                  "not implemented (its tensor parallelism gives each rank whole sequences); set it "
+                                  "to false"))
+    size, strategy = section.get("dp_size", 1), section.get("strategy")
     if strategy not in (None, "ddp", "fsdp2"):
         issues.append(ConfigIssue("teacher_distributed.strategy", f"expected ddp or fsdp2, found {strategy!r}"))
     elif strategy == "fsdp2" and size != 1:
         issues.append(ConfigIssue("teacher_distributed.strategy", f"fsdp2 would shard the teacher over its {size} "
-                                  "ranks, but each teacher rank holds a whole copy (serving its own students); use "
-                                  "ddp, or dp_size: 1"))
+                                  "copies, but each copy serves its own students; use ddp, or dp_size: 1"))
     for key in section:
-        if key not in TEACHER_KEYS:
-            issues.append(ConfigIssue(f"teacher_distributed.{key}", f"not acted on: {_WHOLE_TEACHER}, so only "
-                                      f"{', '.join(TEACHER_KEYS)} are read; remove it"))
+        if key == "pipeline":
+            issues.append(ConfigIssue("teacher_distributed.pipeline", f"{_NOT_IMPLEMENTED['pp_size']}; remove it"))
+        elif key not in TEACHER_KEYS:
+            issues.append(ConfigIssue(f"teacher_distributed.{key}", f"not acted on: only {', '.join(TEACHER_KEYS)} "
+                                      "lay out the teacher's ranks; remove it"))
+    tp = _size(data, "tp_size")
+    hf_config = model_hf_config(cfg, "teacher_model") if tp > 1 else None
+    if hf_config is not None:
+        issues += tp_issues(hf_config, tp, section="teacher_distributed")
     return issues
 
 
 def split_issues(data: dict) -> list[ConfigIssue]:
-    """A ``separate_meshes: true`` split that does not fill this run's world (or leaves a teacher rank idle)."""
+    """A ``separate_meshes: true`` split that does not fill this run's world (or leaves a teacher copy idle)."""
     if data.get("separate_meshes") is not True:
         return []
-    world, teachers = expected_world_size(), teacher_ranks(data)
+    world, ranks, copies = expected_world_size(), teacher_ranks(data), _size(data, "dp_size")
     students = student_ranks(data, world)
     needed = separate_world(data)
     launch = f"launch with --nproc-per-node {needed}" if needed > 1 else "set distributed.dp_size"
-    if students < 1 or students + teachers != world:
+    if students < 1 or students + ranks != world:
         return [ConfigIssue("teacher_distributed.dp_size", f"the student's {max(students, 0)} rank(s) "
-                            f"(distributed.*) and the teacher's {teachers} rank(s) (teacher_distributed.dp_size) must "
-                            f"add up to this run's {world} ({world_size_source()}); {launch}, or change the sizes")]
-    if teachers > students:
-        return [ConfigIssue("teacher_distributed.dp_size", f"{teachers} teacher ranks for {students} student "
-                            f"rank(s): each teacher rank serves whole student ranks, so {teachers - students} would "
-                            "serve none; use at most as many teacher ranks as student ranks")]
+                            f"(distributed.*) and the teacher's {ranks} rank(s) (teacher_distributed.dp_size x "
+                            f"tp_size) must add up to this run's {world} ({world_size_source()}); {launch}, or change "
+                            "the sizes")]
+    if copies > students:
+        return [ConfigIssue("teacher_distributed.dp_size", f"{copies} teacher copies for {students} student "
+                            f"rank(s): each copy serves whole student ranks, so {copies - students} would serve none; "
+                            "use at most as many teacher copies as student ranks")]
     return []
-

@@ -83,15 +83,21 @@ def init_process_group(backend: str | None, timeout_minutes: float, log: Callabl
     rendezvous store the recipe already holds (then ``init_method`` is how that store was reached)."""
     if world_size() <= 1 or dist.is_initialized():
         return
-    chosen = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    if chosen == "nccl" and not torch.cuda.is_available():
-        log("dist_env.backend: nccl needs CUDA; using gloo on this CPU machine")
-        chosen = "gloo"
+    chosen = chosen_backend(backend, log)
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank())
     dist.init_process_group(chosen, init_method=None if store is not None else init_method, store=store, rank=rank(),
                             world_size=world_size(), timeout=datetime.timedelta(minutes=timeout_minutes))
     log(f"process group: {chosen}, {world_size()} processes, rendezvous {init_method or 'env://'}")
+
+
+def chosen_backend(backend: str | None, log: Callable[[str], None]) -> str:
+    """``dist_env.backend``, or nccl on CUDA and gloo on CPU when unset (a configured nccl without CUDA: gloo)."""
+    chosen = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if chosen == "nccl" and not torch.cuda.is_available():
+        log("dist_env.backend: nccl needs CUDA; using gloo on this CPU machine")
+        chosen = "gloo"
+    return chosen
 
 
 def barrier() -> None:

@@ -301,13 +301,13 @@ def _model_expert_issues(hf_config: Any, ep_size: int) -> list[ConfigIssue]:
     return experts_issues(model, ep_size)
 
 
-def model_hf_config(cfg: Config) -> Any:
-    """The Hugging Face config of the model section where it can be read without building the model: ``model.
-    config`` (a config.json, a directory, a mapping with ``model_type`` or a node naming a transformers
-    configuration class; the section's other keys override it),
-    else a local ``pretrained_model_name_or_path`` / ``name_or_path`` or one in the Hugging Face cache. None when
-    it cannot be read here (the built model is checked instead)."""
-    model = cfg.model
+def model_hf_config(cfg: Config, section: str = "model") -> Any:
+    """The Hugging Face config of the model section (``section``: another, a teacher's say) where it can be read
+    without building the model: ``model.config`` (a config.json, a directory, a mapping with ``model_type`` or a node
+    naming a transformers configuration class; the section's other keys override it), else a local
+    ``pretrained_model_name_or_path`` / ``name_or_path`` or one in the Hugging Face cache. None when it cannot be
+    read here (the built model is checked instead)."""
+    model = cfg.get(section)
     if model is None:
         return None
     try:
