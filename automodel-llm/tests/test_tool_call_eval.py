@@ -204,7 +204,10 @@ def _config(tmp_path, **sections):
 
 
 def test_validation_records_the_tool_call_metrics(tmp_path):
-    result = run_cli("finetune", "llm", "-c", _config(tmp_path), cwd=tmp_path, OMP_NUM_THREADS="1")
+    """In one process strategy fsdp2 shards nothing (upstream's FSDP2 wraps the model even then, and skips): the
+    evaluation runs."""
+    result = run_cli("finetune", "llm", "-c", _config(tmp_path, distributed={"strategy": "fsdp2"}), cwd=tmp_path,
+                     OMP_NUM_THREADS="1")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "tool_call_eval: 2 tool-call turns scored at each validation" in result.stderr
     rows = read_jsonl(tmp_path / "ckpt" / "validation.jsonl")
@@ -215,16 +218,6 @@ def test_validation_records_the_tool_call_metrics(tmp_path):
                     "args_exact_match"):
             assert 0.0 <= row[f"tool_call/{key}"] <= 1.0
     assert "tool_call/name_correct=" in result.stderr  # the console's validation line
-
-
-def test_fsdp2_skips_it_as_upstream_unless_run_on_fsdp2(tmp_path):
-    config = _config(tmp_path, distributed={"strategy": "fsdp2"})
-    result = run_cli("finetune", "llm", "-c", config, "--step_scheduler.max_steps", "1", cwd=tmp_path,
-                     OMP_NUM_THREADS="1")
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "Set tool_call_eval.run_on_fsdp2: true to evaluate anyway" in result.stderr
-    row = read_jsonl(tmp_path / "ckpt" / "validation.jsonl")[0]
-    assert row["tool_call/_disabled_fsdp2"] == 1.0 and "tool_call/name_correct" not in row
 
 
 def _refusals(config, *overrides) -> dict[str, str]:
@@ -255,17 +248,22 @@ def test_what_cannot_act_is_refused_with_the_reason(tmp_path):
     assert "a _target_ may only name: ToolCallAccuracyEvaluator" in found["tool_call_eval._target_"]
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-def test_two_ranks_split_the_samples_under_ddp_and_generate_together_under_fsdp2(tmp_path, strategy):
+@pytest.mark.parametrize("strategy, run_on_fsdp2", [("ddp", "false"), ("fsdp2", "true"), ("fsdp2", "false")])
+def test_two_ranks_split_the_samples_under_ddp_and_generate_together_under_fsdp2(tmp_path, strategy, run_on_fsdp2):
     """DDP: each rank scores one of the two samples and the sums are all-reduced (count 2 on rank 0's record);
-    FSDP2 with run_on_fsdp2: both ranks generate both samples together (each forward gathers the weights)."""
+    FSDP2 with run_on_fsdp2: both ranks generate both samples together (each forward gathers the weights); without
+    it the sharded model is not evaluated, as upstream, and the record says so."""
     result = run_cli("finetune", "llm", "-c", _config(tmp_path), "--nproc-per-node", "2", "--distributed.strategy",
-                     strategy, "--tool_call_eval.run_on_fsdp2", "true", "--step_scheduler.max_steps", "1",
+                     strategy, "--tool_call_eval.run_on_fsdp2", run_on_fsdp2, "--step_scheduler.max_steps", "1",
                      "--step_scheduler.local_batch_size", "1", "--dataloader.batch_size", "1",
                      "--master-port", str(free_port()), cwd=tmp_path,
                      OMP_NUM_THREADS="1", timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
+    row = read_jsonl(tmp_path / "ckpt" / "validation.jsonl")[0]
+    if strategy == "fsdp2" and run_on_fsdp2 == "false":
+        assert "Set tool_call_eval.run_on_fsdp2: true to evaluate anyway" in result.stderr
+        assert row["tool_call/_disabled_fsdp2"] == 1.0 and "tool_call/name_correct" not in row
+        return
     how = "split over the 2 ranks" if strategy == "ddp" else "every rank generating each together"
     assert f"tool_call_eval: 2 tool-call turns scored at each validation, {how}" in result.stderr
-    row = read_jsonl(tmp_path / "ckpt" / "validation.jsonl")[0]
     assert row["tool_call/_count"] == 2.0 and "tool_call/_disabled_fsdp2" not in row

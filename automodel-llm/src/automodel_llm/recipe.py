@@ -26,7 +26,7 @@ from automodel.model_backend import backend_setting
 from automodel.training.checkpoint_write import sharded_only_message
 from automodel.training.context import BuildContext
 from automodel.training.dist import expected_world_size, rank
-from automodel.training.modules import unwrap
+from automodel.training.modules import is_fsdp2, unwrap
 from automodel.training.mtp_loss import MTPLoss
 from automodel.training.next_token import NextTokenLogits
 from automodel.training.parallel.pipeline_parallel import PipelineSettings
@@ -316,8 +316,8 @@ class FinetuneRecipeForNextTokenPrediction(MTPLoss, NextTokenLogits, TrainRecipe
         settings = given_settings(self.cfg)
         if settings is None:
             return
-        if not settings.run_on_fsdp2 and self.cfg.distributed.strategy == "fsdp2":
-            self.log("tool_call_eval: skipped with distributed.strategy fsdp2, as upstream (generating on the sharded "
+        if not settings.run_on_fsdp2 and self.world_size > 1 and is_fsdp2(self.model):
+            self.log("tool_call_eval: skipped with the model sharded by FSDP2, as upstream (generating on the sharded "
                      f"model gathers its weights at every token); {settings.metric_prefix}/_disabled_fsdp2 is "
                      "recorded instead. Set tool_call_eval.run_on_fsdp2: true to evaluate anyway")
             return

@@ -63,9 +63,9 @@ class ToolCallEvalConfig:
     raise_on_cuda_oom: bool = field(default=True, metadata=_help(
         "stop the run when generation runs out of memory; false: skip that sample (tool_call/_skipped)"))
     run_on_fsdp2: bool = field(default=False, metadata=_help(
-        "generate with distributed.strategy fsdp2 too (every rank on the same samples, gathering the sharded "
-        "weights at each token); false, as upstream, skips the evaluation there and records "
-        "PREFIX/_disabled_fsdp2: 1.0"))
+        "generate with the model sharded by FSDP2 too (more than one process: every rank on the same samples, "
+        "gathering the sharded weights at each token); false, as upstream, skips the evaluation there and records "
+        "PREFIX/_disabled_fsdp2: 1.0 (one process shards nothing: the evaluation runs)"))
 
     def __post_init__(self) -> None:
         require_positive(self, "limit_dataset_samples", "max_eval_samples", "max_new_tokens", "max_prompt_tokens")
