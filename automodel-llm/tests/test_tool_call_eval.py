@@ -191,7 +191,9 @@ def _config(tmp_path, **sections):
     return write_yaml(tmp_path / "agent.yaml", {
         "recipe": "TrainFinetuneRecipeForNextTokenPrediction",
         "step_scheduler": {"max_steps": 2, "global_batch_size": 2, "local_batch_size": 2, "val_every_steps": 1},
-        "model": {"_target_": "nemo_automodel.NeMoAutoModelForCausalLM.from_config", "config": str(model)},
+        # output_hidden_states as upstream's function-calling config: generate then returns a GenerateOutput
+        "model": {"_target_": "nemo_automodel.NeMoAutoModelForCausalLM.from_config", "config": str(model),
+                  "output_hidden_states": True},
         "tokenizer": {"pretrained_model_name_or_path": str(TOKENIZER_DIR)},
         "dataset": data, "validation_dataset": {**data, "split": "train[:2]"},
         "dataloader": {"_target_": "torchdata.stateful_dataloader.StatefulDataLoader", "batch_size": 2},

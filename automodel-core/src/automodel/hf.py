@@ -369,7 +369,9 @@ def greedy_answer(model: Any, tokenizer: Any, prompt: str | list[int], max_new_t
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                              do_sample=do_sample, pad_token_id=tokenizer.pad_token_id,
                              eos_token_id=tokenizer.eos_token_id, synced_gpus=synced)
-    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=skip_special_tokens).strip()
+    # a model configured to return more (upstream's output_hidden_states: true) gets a GenerateOutput back
+    sequences = getattr(out, "sequences", out)
+    return tokenizer.decode(sequences[0, ids.shape[1]:], skip_special_tokens=skip_special_tokens).strip()
 
 
 def exact_match(model: Any, tokenizer: Any, pairs: list[tuple[str, str]], max_new_tokens: int,
