@@ -247,6 +247,21 @@ def refusals(config: Path, *overrides: Any) -> dict[str, str]:
     return {issue.key: issue.message for issue in info.value.issues}
 
 
+def build_refusals_on_the_sd3_pipeline(config: Path) -> dict[str, str]:
+    """Key -> message of what the build refuses when ``config`` (a family form naming a hub pipeline, which
+    validation cannot read) is built on the tiny SD3 pipeline."""
+    import pytest
+
+    from automodel.errors import ConfigError
+    from automodel_diffusion import AutoDiffusionPipeline
+    from automodel_diffusion.upstream import apply_adapter
+
+    _, cfg = load_config(config)
+    with pytest.raises(ConfigError) as info:
+        apply_adapter(cfg, AutoDiffusionPipeline.from_config(str(ASSETS / "tiny_flow")))
+    return {issue.key: issue.message for issue in info.value.issues}
+
+
 def fixed_batch_loss(model: Any, images: Any, captions: list[str]) -> Any:
     """The mean loss of one batch with the same noise and timesteps every call."""
     import torch
