@@ -261,3 +261,25 @@ def test_a_target_in_the_next_packed_sample_is_not_a_target():
     expected = sum(ce(head(outputs[k - 1][0, rows]), ids[0, [t + k + 1 for t in rows]], reduction="sum")
                    for k, rows in kept.items())
     torch.testing.assert_close(found, expected * 0.1 / 2)
+
+
+@pytest.mark.parametrize("nested", ["config", "text_config"])
+def test_depths_zero_in_the_config_built_from_leaves_the_factor_a_note(tmp_path, nemotron_dir, capsys, nested):
+    """Upstream's DeepSeek-V4 / Step 3 form: the model's config sets ``num_nextn_predict_layers: 0`` and the
+    section keeps ``mtp_loss_scaling_factor`` for when it is raised; no heads are asked for, so nothing the heads
+    are not wired into is refused, and the run says the factor weighs nothing."""
+    if nested == "config":
+        model = {"_target_": "nemo_automodel.NeMoAutoModelForCausalLM.from_config",
+                 "config": {"_target_": "transformers.AutoConfig.from_pretrained",
+                            "pretrained_model_name_or_path": str(nemotron_dir), "num_nextn_predict_layers": 0}}
+    else:
+        model = {"_target_": "nemo_automodel.NeMoAutoModelForCausalLM.from_pretrained",
+                 "pretrained_model_name_or_path": str(nemotron_dir), "text_config": {"num_nextn_predict_layers": 0}}
+    data = deep_update(base_config(nemotron_dir / "config.json", tmp_path / "ckpt"),
+                       {"model": {**model, "mtp_loss_scaling_factor": 0.1}, "step_scheduler": {"max_steps": 2}})
+    config = write_yaml(tmp_path / "cfg.yaml", {**data, "model": {**model, "mtp_loss_scaling_factor": 0.1}})
+    assert "distributed.pp_size" not in str(load_config(config, "--distributed.strategy", "fsdp2")[1])
+    run = train_inprocess(config)
+    assert getattr(run.model, "mtp", None) is None
+    assert "note: model.mtp_loss_scaling_factor: 0.1 governs nothing this run" in capsys.readouterr().err
+    assert len(read_jsonl(tmp_path / "ckpt" / "training.jsonl")) == 2

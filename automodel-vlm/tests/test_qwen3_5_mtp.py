@@ -231,10 +231,13 @@ def test_an_image_rows_heads_take_the_multi_axis_positions_moved_with_the_tokens
         assert not torch.allclose(got, depth(plain))
 
 
-def test_upstreams_text_config_count_sets_the_depths_and_a_count_of_0_is_refused(qwen_dir):
+def test_upstreams_text_config_count_sets_the_depths_and_a_count_of_0_turns_them_off(qwen_dir):
     model = AutoModelForImageTextToText.from_pretrained(qwen_dir, text_config={"num_nextn_predict_layers": 1},
                                                         mtp_loss_scaling_factor=0.1)  # qwen3_6_35b.yaml's form
     assert model.mtp.settings.depths == 1 and model.config.text_config.mtp_num_hidden_layers == 1
+    off = AutoModelForImageTextToText.from_pretrained(qwen_dir, text_config={"mtp_num_hidden_layers": 0},
+                                                      mtp_loss_scaling_factor=0.1)  # step3p7's form
+    assert getattr(off, "mtp", None) is None
     found = refusals("--model.pretrained_model_name_or_path", str(qwen_dir), "--model.text_config",
-                     "{mtp_num_hidden_layers: 0}")
-    assert "the checkpoint's config has mtp_num_hidden_layers 0 (no heads)" in found["model.mtp_loss_scaling_factor"]
+                     "{mtp_num_hidden_layers: 0}", "--distributed", "{strategy: fsdp2, tp_size: 2}")
+    assert not [key for key in found if key.startswith("model.")], found  # no heads: tp is not refused for them

@@ -51,6 +51,21 @@ def mtp_config_depths(text_config: Any, key: str) -> int:
     return int(upstream if upstream is not None else getattr(text_config, key, 0) or 0)
 
 
+def mtp_depths_zero(model: Mapping[str, Any]) -> bool:
+    """Whether a model section (or a factory's keyword arguments) turns the heads off: ``num_nextn_predict_layers: 0``
+    at its top, or a depths key 0 in the config it builds from (``config`` or ``text_config``, a mapping or a built
+    config: upstream's DeepSeek-V4 and Step 3 forms); a scaling factor then weighs no heads."""
+    if model.get("num_nextn_predict_layers") == 0:
+        return True
+    for name in ("config", "text_config"):
+        nested = model.get(name)
+        values = [nested.get(key) if isinstance(nested, Mapping) else getattr(nested, key, None)
+                  for key in MTP_DEPTH_KEYS] if nested is not None else []
+        if 0 in values and not any(values):
+            return True
+    return False
+
+
 def dtype_name(value: Any) -> str | None:
     """``bf16`` / ``BFloat16`` / ``torch.bfloat16`` -> ``bfloat16`` (upstream's names, any case); None otherwise."""
     if not isinstance(value, str):
@@ -113,7 +128,7 @@ def _mtp_issues(kwargs: Mapping[str, Any], trained: bool) -> dict[str, str]:
     if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor < 0):
         issues["mtp_loss_scaling_factor"] = f"expected a number >= 0 (the weight of the heads' loss), found {factor!r}"
     asked = [key for key in MTP_KEYS if kwargs.get(key) not in (None, False, 0)]
-    if asked and depths != 0 and not trained and not issues:
+    if asked and not mtp_depths_zero(kwargs) and not trained and not issues:
         issues[asked[0]] = (f"asks for {MTP}, which the LLM and VLM fine-tuning recipes train (automodel_llm's "
                             "AutoModelForCausalLM, automodel_vlm's AutoModelForImageTextToText), not this model "
                             "section's; remove the MTP keys")
@@ -141,17 +156,18 @@ def take_upstream_kwargs(kwargs: dict[str, Any], mtp: bool = False) -> list[str]
     return list(taken["sdpa_method"]) if taken.get("sdpa_method") else None
 
 
-def take_model_settings(kwargs: dict[str, Any], checkpoint: str | None = None, mtp: bool = False
-                        ) -> Callable[[Any], Any]:
+def take_model_settings(kwargs: dict[str, Any], checkpoint: str | None = None, mtp: bool = False,
+                        built_from: Mapping[str, Any] | None = None) -> Callable[[Any], Any]:
     """Take upstream's keys and ``backend`` out of a model factory's keyword arguments (what transformers must not
     see; the attention ``backend`` selects stays in them); returns what finishes the built model: the backend's
     routing and router precision (:func:`automodel.model_backend.apply_to_model`), the MTP heads the keys ask for
     (:mod:`automodel.mtp`, initialised from ``checkpoint``'s ``mtp.*`` tensors where it has them; ``mtp``: the
-    factory's recipe trains them, else they are refused), then the SDPA backends."""
+    factory's recipe trains them, else they are refused; ``built_from``: the ``config`` / ``text_config`` a factory
+    takes as parameters, whose MTP depths may turn the heads off), then the SDPA backends."""
     sdpa_backends = take_upstream_kwargs(kwargs, mtp)
     from automodel.mtp.attach import attach_heads, read_settings
 
-    heads = read_settings(kwargs)
+    heads = read_settings({**kwargs, **(built_from or {})}, kwargs)
     backend = apply_backend(kwargs)
 
     def finish(model: Any) -> Any:

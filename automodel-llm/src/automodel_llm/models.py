@@ -65,7 +65,7 @@ class _AutoModelFactory:
                     **kwargs: Any) -> Any:
         import transformers
 
-        finish = take_model_settings(kwargs, mtp=cls.mtp)
+        finish = take_model_settings(kwargs, mtp=cls.mtp, built_from={"config": config})
         hub = pop_hub_arguments(kwargs)  # to AutoConfig.from_pretrained only: never into the saved config
         model_kwargs = {k: kwargs.pop(k, hub.get(k)) for k in MODEL_KWARGS if k in kwargs or k in hub}
         text_config = kwargs.pop("text_config", None)  # a mapping of the text model's keys: set after loading

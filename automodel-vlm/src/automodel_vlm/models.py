@@ -110,7 +110,7 @@ class AutoModelForImageTextToText:
         """A randomly initialised model (``seed`` makes the initialisation reproducible)."""
         import transformers
 
-        finish = take_model_settings(kwargs, mtp=True)
+        finish = take_model_settings(kwargs, mtp=True, built_from={"config": config, "text_config": text_config})
         model_kwargs = {k: kwargs.pop(k) for k in MODEL_KWARGS if k in kwargs}
         hf_config = load_config(config, vision_config, text_config, **kwargs)
         try:

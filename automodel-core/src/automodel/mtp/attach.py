@@ -16,13 +16,14 @@ import contextlib
 import dataclasses
 import functools
 import importlib
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
 from automodel.errors import AutomodelError
-from automodel.model_kwargs import MTP, MTP_FAMILIES, mtp_config_depths
+from automodel.model_kwargs import MTP, MTP_FAMILIES, mtp_config_depths, mtp_depths_zero
 from automodel.mtp.heads import MTPHeads, MTPSettings
 
 KEY = "model.num_nextn_predict_layers"
@@ -143,15 +144,18 @@ def _run_heads_in_forward(model: nn.Module, heads: MTPHeads, family: Any, text_m
     model.forward = forward_with_heads
 
 
-def read_settings(kwargs: dict[str, Any]) -> MTPSettings | None:
-    """Take the MTP keys out of a model factory's keyword arguments: the settings when heads are asked for
+def read_settings(section: Mapping[str, Any], kwargs: dict[str, Any]) -> MTPSettings | None:
+    """Take the MTP keys out of a model factory's keyword arguments (``section``: them with the factory's
+    ``config`` / ``text_config`` parameters): the settings when heads are asked for
     (``num_nextn_predict_layers`` > 0; or unset with ``mtp_loss_scaling_factor`` / ``mtp_use_repeated_layer``, as
     upstream's Super-V3 configs do: the checkpoint config's count, ``depths`` 0 here), else None
-    (``num_nextn_predict_layers: 0`` stays: it is set on a config that has the attribute)."""
+    (``num_nextn_predict_layers: 0`` stays: it is set on a config that has the attribute; a depths count 0 in
+    ``section``'s ``text_config`` or ``config`` turns them off: :func:`mtp_depths_zero`)."""
     depths = kwargs.get("num_nextn_predict_layers")
+    off = mtp_depths_zero(section)
     factor = kwargs.pop("mtp_loss_scaling_factor", None)
     repeated = kwargs.pop("mtp_use_repeated_layer", None)
-    if depths == 0 or (depths is None and factor is None and not repeated):
+    if off or (depths is None and factor is None and not repeated):
         return None
     kwargs.pop("num_nextn_predict_layers", None)
     return MTPSettings(depths=int(depths or 0), scaling_factor=0.1 if factor is None else float(factor),

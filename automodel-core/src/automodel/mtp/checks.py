@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from automodel.errors import ConfigIssue
-from automodel.model_kwargs import MTP, MTP_DEPTH_KEYS, MTP_FAMILIES, MTP_KEYS, mtp_config_depths
+from automodel.model_kwargs import MTP, MTP_DEPTH_KEYS, MTP_FAMILIES, MTP_KEYS, mtp_config_depths, mtp_depths_zero
 
 KEY = "model.num_nextn_predict_layers"
 _SPLITS = {"pp_size": "pipeline parallelism (the heads would run on the last stage, without the token embeddings)",
@@ -17,9 +17,10 @@ _SPLITS = {"pp_size": "pipeline parallelism (the heads would run on the last sta
 
 def mtp_asked(cfg: Any) -> str | None:
     """The model key that asks for heads (None: none does): ``num_nextn_predict_layers`` > 0, or, unset, a scaling
-    factor or ``mtp_use_repeated_layer`` (upstream's Super-V3 form: the checkpoint config's count)."""
+    factor or ``mtp_use_repeated_layer`` (upstream's Super-V3 form: the checkpoint config's count); none where the
+    section sets a depths count 0 (:func:`mtp_depths_zero`, see :func:`mtp_off_notes`)."""
     model = cfg.model
-    if model is None or model.get("num_nextn_predict_layers") == 0:
+    if model is None or mtp_depths_zero(model):
         return None
     for key in MTP_KEYS:
         if model.get(key) not in (None, False):
@@ -62,3 +63,13 @@ def mtp_issues(cfg: Any, hf_config: Any, supported: bool = True) -> list[ConfigI
             issues.append(ConfigIssue(key, f"{asks}, which are not wired into {why}, but distributed.{name} is "
                                       f"{size}; use {name} 1 or remove the MTP keys"))
     return issues
+
+
+def mtp_off_notes(cfg: Any) -> list[str]:
+    """The run-start note that the scaling factor / repeated-layer key weighs no heads: the model section sets a
+    depths count 0 (upstream's DeepSeek-V4 and Step 3 examples keep the factor for when the count is raised)."""
+    model = cfg.model
+    if model is None or not mtp_depths_zero(model):
+        return []
+    return [f"note: model.{key}: {model.get(key)} governs nothing this run: the model section sets the MTP depths to 0 "
+            "(no heads)" for key in MTP_KEYS[1:] if model.get(key) not in (None, False)]

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from automodel.errors import ConfigIssue
-from automodel.mtp.checks import mtp_asked, mtp_issues
+from automodel.mtp.checks import mtp_asked, mtp_issues, mtp_off_notes
 from automodel.mtp.heads import MTPHeads, find_heads
 from automodel.training.modules import unwrap
 from automodel.training.parallelism import model_hf_config
@@ -30,6 +30,8 @@ class MTPLoss:
 
     def setup(self) -> None:
         """The recipe's setup, then the built model's heads (if any) kept and said in the run's log."""
+        for note in mtp_off_notes(self.cfg):
+            self.log(note)
         super().setup()
         self.mtp_heads = find_heads(unwrap(self.model))
         if self.mtp_heads is not None:
