@@ -55,20 +55,33 @@ def test_defer_fsdp_grad_sync_reduces_after_the_last_micro_batch_only(sharded_bl
 @pytest.mark.parametrize("backend, expected", [({"enable_fsdp_optimizations": True}, [False, True]),
                                                ({"enable_fsdp_optimizations": False}, [True, True]),
                                                (None, [True, True])])
+@pytest.mark.parametrize("defer", [True, False])
 def test_enable_fsdp_optimizations_keeps_parameters_gathered_until_the_last_micro_batch(sharded_blocks, backend,
-                                                                                       expected):
+                                                                                       expected, defer):
     """upstream's model.backend.enable_fsdp_optimizations: no resharding after a micro-batch's backward (and no
-    gradient sync) but the step's last one."""
+    gradient sync, whatever defer_fsdp_grad_sync says, as upstream's models with it) but the step's last one."""
     model_section = {"_target_": "automodel_llm.AutoModelForCausalLM.from_config", "backend": backend}
-    loop = SimpleNamespace(cfg=SimpleNamespace(distributed=DistributedConfig(), model=model_section),
-                           model=sharded_blocks)
+    loop = SimpleNamespace(cfg=SimpleNamespace(distributed=DistributedConfig(defer_fsdp_grad_sync=defer),
+                                               model=model_section), model=sharded_blocks)
     seen = []
     for last in (False, True):
         TrainingLoop.prepare_micro_batch(loop, last=last)
         reshards = [m._get_fsdp_state()._fsdp_param_group.reshard_after_backward for m in sharded_blocks]
-        assert len(set(reshards)) == 1 and all(_reduces(sharded_blocks)) == last
+        optimized = bool(backend and backend["enable_fsdp_optimizations"])
+        assert len(set(reshards)) == 1 and all(_reduces(sharded_blocks)) == (last or not (defer or optimized))
         seen.append(reshards[0])
     assert seen == expected
+
+
+@pytest.mark.parametrize("defer, fsdp2, noted", [(False, True, True), (True, True, False), (False, False, False)])
+def test_defer_false_beside_enable_fsdp_optimizations_is_named_in_a_note(defer, fsdp2, noted):
+    from automodel.training.inert_notes import inert_distributed_notes
+
+    cfg = SimpleNamespace(model={"backend": {"enable_fsdp_optimizations": True}},
+                          distributed=DistributedConfig(defer_fsdp_grad_sync=defer))
+    notes = inert_distributed_notes(cfg, fsdp2=fsdp2)
+    assert any("false governs nothing this run: model.backend.enable_fsdp_optimizations" in note
+               for note in notes) is noted
 
 
 def test_explicit_prefetch_orders_the_gathers_by_depth(sharded_blocks):

@@ -22,10 +22,15 @@ def inert_distributed_notes(cfg: Config, fsdp2: bool) -> list[str]:
         notes.append("note: model.backend.enable_hf_state_dict_adapter: false keeps a model's own weight layout in "
                      "its checkpoints; the Hugging Face models trained here have no state-dict adapter, and their own "
                      "layout is the Hugging Face layout, which the checkpoints hold as with true")
-    if backend_setting(cfg.model, "enable_fsdp_optimizations") and not fsdp2:
+    optimized = backend_setting(cfg.model, "enable_fsdp_optimizations")
+    if optimized and not fsdp2:
         notes.append("note: model.backend.enable_fsdp_optimizations: true governs nothing this run: it acts on FSDP2 "
                      "models (distributed.strategy: fsdp2, more than one process) with gradient accumulation")
     settings = cfg.distributed
+    if optimized and fsdp2 and settings is not None and not settings.defer_fsdp_grad_sync:
+        notes.append("note: distributed.defer_fsdp_grad_sync: false governs nothing this run: model.backend."
+                     "enable_fsdp_optimizations: true defers the gradient sync to the step's last micro-batch (as "
+                     "upstream's models with these optimizations do)")
     if settings is None:
         return notes
     notes += multimodal_notes(cfg, fsdp2)

@@ -131,15 +131,17 @@ class TrainingLoop(PipelineSteps, ContextParallelSteps):
         """Called before each micro-batch of a step (``last``: the step's final one). ``distributed.
         defer_fsdp_grad_sync`` (upstream's default, true): an FSDP2 model reduce-scatters its gradients after the
         step's last micro-batch only, keeping the unsharded gradients until then; false: after every micro-batch.
-        ``model.backend.enable_fsdp_optimizations: true`` (upstream's): the gathered parameters also stay gathered
-        from one micro-batch's backward to the next's forward (no re-gather), resharded after the last."""
+        ``model.backend.enable_fsdp_optimizations: true`` (upstream's): the sync waits for the last micro-batch
+        whatever ``defer_fsdp_grad_sync`` says (as upstream's models with these optimizations do), and the gathered
+        parameters also stay gathered from one micro-batch's backward to the next's forward (no re-gather)."""
         settings = self.cfg.distributed
         units = [module for module in self.model.modules() if isinstance(module, FSDPModule)]
         if settings is None:
             return
+        optimized = bool(backend_setting(self.cfg.model, "enable_fsdp_optimizations"))
         for unit in units:  # every unit: the whole model need not be one (distributed.moe.wrap_outer_model: false)
-            unit.set_requires_gradient_sync(last or not settings.defer_fsdp_grad_sync, recurse=False)
-            if backend_setting(self.cfg.model, "enable_fsdp_optimizations"):
+            unit.set_requires_gradient_sync(last or not (settings.defer_fsdp_grad_sync or optimized), recurse=False)
+            if optimized:
                 unit.set_reshard_after_backward(last, recurse=False)
 
     def _scaled_update(self, scaler: Any, grad_norm: torch.Tensor) -> None:

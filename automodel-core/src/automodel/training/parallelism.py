@@ -18,7 +18,6 @@ from automodel.config.registry import HF_CONFIG_PATH
 from automodel.config.targets import TargetResolver
 from automodel.config.trust import UserTrust
 from automodel.errors import ConfigIssue
-from automodel.model_backend import backend_setting
 from automodel.model_files import HUB_ARGUMENTS
 from automodel.model_kwargs import SDPA_METHOD_PARALLEL_REFUSAL
 from automodel.training.dist import expected_world_size, world_size_source
@@ -108,10 +107,6 @@ def parallel_issues(cfg: Config, implementation: str | None) -> list[ConfigIssue
         issues.append(ConfigIssue("distributed.dp_replicate_size", f"{settings.dp_replicate_size}: HSDP replicates "
                                   "FSDP2's shards, so it needs distributed.strategy: fsdp2 and more than one "
                                   f"process (this run: {world_size_source()}); use 1"))
-    if backend_setting(cfg.model, "enable_fsdp_optimizations") and not settings.defer_fsdp_grad_sync:
-        issues.append(ConfigIssue("distributed.defer_fsdp_grad_sync", "false syncs the gradients after every "
-                                  "micro-batch, but model.backend.enable_fsdp_optimizations: true skips that sync "
-                                  "(and the resharding) until the step's last one; set one of them the other way"))
     if settings.enable_fsdp2_prefetch and not fsdp2:
         issues.append(ConfigIssue("distributed.enable_fsdp2_prefetch", "true orders FSDP2's parameter gathers, so "
                                   "it needs distributed.strategy: fsdp2 and more than one process (this run: "

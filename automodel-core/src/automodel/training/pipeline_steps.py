@@ -104,8 +104,8 @@ class PipelineSteps:
             moved = [self.move_to_device(batch) for batch in batches]
             shapes = self.pipelines.shapes
             parts = self._agreed_shape(moved) if shapes is None else self.pipeline_batches(moved, shapes.seq_len)
-        defer = self.cfg.distributed.defer_fsdp_grad_sync
         keep = bool(backend_setting(self.cfg.model, "enable_fsdp_optimizations"))
+        defer = self.cfg.distributed.defer_fsdp_grad_sync or keep  # as without pipeline (prepare_micro_batch)
         for index, (inputs, targets, kwargs) in enumerate(parts):
             last = index == len(parts) - 1
             with self.forward_context():
