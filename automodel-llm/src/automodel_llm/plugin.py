@@ -115,6 +115,8 @@ def automodel_register_aliases(aliases) -> None:
                    "automodel_llm.datasets.megatron.MegatronPretraining")
     aliases.target("nemo_automodel.components.datasets.llm.mock_iterable_dataset.MockIterableDataset",
                    "automodel_llm.datasets.mock_iterable_dataset")
+    aliases.target("nemo_automodel.components.datasets.llm.mock.build_unpacked_dataset",
+                   "automodel_llm.datasets.MockSentencesDataset")
     aliases.target("NanogptDataset", "automodel_llm.datasets.nanogpt.NanogptDataset")
     aliases.target("nemo_automodel.components.datasets.llm.nanogpt_dataset.NanogptDataset",
                    "automodel_llm.datasets.nanogpt.NanogptDataset")

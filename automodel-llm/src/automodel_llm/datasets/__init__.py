@@ -6,11 +6,16 @@ from automodel_llm.datasets.column_mapped import ColumnMappedTextInstructionData
 from automodel_llm.datasets.hellaswag import HellaSwag
 from automodel_llm.datasets.megatron import MegatronPretraining
 from automodel_llm.datasets.packing import PackedDataset
-from automodel_llm.datasets.pretraining import MockDataset, PretrainingTextDataset, mock_iterable_dataset
+from automodel_llm.datasets.pretraining import (
+                                               MockDataset,
+                                               MockSentencesDataset,
+                                               PretrainingTextDataset,
+                                               mock_iterable_dataset,
+)
 from automodel_llm.datasets.seq2seq import Seq2SeqDataset
 from automodel_llm.datasets.squad import SquadDataset, make_squad_dataset
 from automodel_llm.datasets.xlam import XlamDataset
 
 __all__ = ["AgentChatDataset", "ChatDataset", "ColumnMappedTextInstructionDataset", "HellaSwag", "MegatronPretraining",
            "MockDataset", "PackedDataset", "PretrainingTextDataset", "Seq2SeqDataset", "SquadDataset", "XlamDataset",
-           "make_squad_dataset", "mock_iterable_dataset"]
+           "make_squad_dataset", "mock_iterable_dataset", "MockSentencesDataset"]

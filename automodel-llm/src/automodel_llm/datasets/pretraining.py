@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import torch
@@ -10,6 +11,8 @@ from torch.utils.data import Dataset
 from automodel.data import BadRows, OnBadRow
 from automodel.errors import AutomodelError, ConfigIssue
 from automodel_llm.datasets.arguments import ALIASES, ARGUMENT_HELP, given, read_rows
+
+MOCK_END_ID = 1  # upstream's mock vocabulary: 0 padding, 1 end of sentence, the rest words
 
 
 class PretrainingTextDataset(Dataset):
@@ -86,6 +89,42 @@ class MockDataset(Dataset):
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
         row = torch.randint(0, self.vocab_size, (self.seq_length,), generator=generator).tolist()
         return {"input_ids": row, "labels": row}
+
+
+class MockSentencesDataset(Dataset):
+    """Upstream's ``build_unpacked_dataset`` (its ``llm.mock``): ``num_sentences`` random sentences of varying length,
+    each ``round(gauss(mean_len, std_len))`` tokens (kept within 1 .. ``max_sentence_len``) drawn from ids 2 ..
+    ``vocab_size - 1``, then the end-of-sentence id 1 (id 0 is padding), seeded; every token is a label. Upstream
+    passes it a tokenizer and ignores it, as this does: the sentences are token ids already."""
+
+    argument_help = {"num_sentences": "how many sentences (default 10)",
+                     "mean_len": "the sentences' mean length in tokens, before the end token (default 20)",
+                     "std_len": "the standard deviation of their lengths (default 6; 0: all mean_len)",
+                     "vocab_size": "token ids are drawn below it (ids 0 and 1 are padding and the end token)",
+                     "max_sentence_len": "the longest sentence, before the end token (default 64)",
+                     "seed": "the random generator's seed"}
+    pretokenized = True
+
+    def __init__(self, num_sentences: int = 10, mean_len: float = 20.0, std_len: float = 6.0, vocab_size: int = 100,
+                 max_sentence_len: int = 64, seed: int = 0, tokenizer: Any = None):
+        for key, value, least in (("num_sentences", num_sentences, 1), ("vocab_size", vocab_size, 3),
+                                  ("max_sentence_len", max_sentence_len, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise AutomodelError(f"dataset.{key}: expected a whole number >= {least}, found {value!r}")
+        if std_len < 0:
+            raise AutomodelError(f"dataset.std_len: expected a number >= 0, found {std_len!r}")
+        draw = random.Random(seed)
+        self.sentences = []
+        for _ in range(num_sentences):
+            length = max(1, min(max_sentence_len, int(draw.gauss(mean_len, std_len))))
+            self.sentences.append([draw.randrange(2, vocab_size) for _ in range(length)] + [MOCK_END_ID])
+
+    def __len__(self) -> int:
+        return len(self.sentences)
+
+    def __getitem__(self, index: int) -> dict[str, list[int]]:
+        sentence = self.sentences[index]
+        return {"input_ids": sentence, "labels": sentence}
 
 
 def mock_iterable_dataset(vocab_size: int = 1024, seq_len: int = 1024, num_samples: int = 1_000_000,
