@@ -1,5 +1,6 @@
 """Two CPU ranks (gloo) through the CLI with the parallel_scheme applied: the trained transformer and the frozen
-VAE sharded with FSDP2 (the VAE is called through encode/decode, not forward), the text encoders replicated."""
+VAE sharded with FSDP2 (the VAE is called through encode/decode, not forward), the text encoders replicated; the
+run resumed with the transformer under HSDP (``dp_replicate_size``)."""
 
 from __future__ import annotations
 
@@ -33,11 +34,14 @@ def test_fsdp2_on_two_ranks_saves_a_diffusers_pipeline_that_resumes_on_one(tmp_p
     assert (out / "samples" / "step_4.png").is_file()
 
     # resumed on two ranks from step 2: the noise and timesteps of steps 3-4 are the uninterrupted run's (the data
-    # loader's iterator used to draw its seed from the restored global RNG, shifting every draw after a resume)
+    # loader's iterator used to draw its seed from the restored global RNG, shifting every draw after a resume),
+    # here with the transformer under HSDP (2 replica groups of 1 rank: the same gradients, all-reduced)
     again = subprocess.run([*command, "--master-port", str(free_port()), "--checkpoint.checkpoint_dir",
-                            str(tmp_path / "again"), "--restore_from.path", str(out / "epoch_0_step_2")],
+                            str(tmp_path / "again"), "--restore_from.path", str(out / "epoch_0_step_2"),
+                            "--parallel_scheme.transformer.dp_replicate_size", "2"],
                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
+    assert "transformer: fsdp2 (HSDP: 2 replica groups)" in again.stderr
     resumed = losses_by_step(tmp_path / "again" / "training.jsonl")
     assert sorted(resumed) == [3, 4] and all(resumed[s] == losses[s] for s in (3, 4)), (resumed, losses)
 

@@ -192,7 +192,7 @@ def test_bsmntw_weights_are_a_bell_with_mean_one():
     (("--model.compute_dtype", "float8"), "model.compute_dtype", "not a dtype we train in"),
     (("--model.fuse_qkv_projections", "true"), "model.fuse_qkv_projections", "not implemented for training"),
     (("--fsdp.tp_size", "2"), "fsdp.tp_size", "only 1 is supported"),
-    (("--fsdp.dp_replicate_size", "2"), "fsdp.dp_replicate_size", "only 1"),
+    (("--fsdp.dp_replicate_size", "0"), "fsdp.dp_replicate_size", "must be >= 1"),
     (("--fsdp.cpu_offload", "true"), "fsdp.cpu_offload", "needs a CUDA GPU"),
     (("--fsdp.backend", "nccl"), "fsdp.backend", "dist_env.backend sets it"),
     (("--data.dataloader.dynamic_batch_size", "true"), "data.dataloader.dynamic_batch_size", "not implemented"),

@@ -6,6 +6,8 @@ parallel_scheme:
   vae: {strategy: ddp}                                           # frozen: replicated on every rank
   text_encoder: fsdp2                                            # frozen, sharded (a large T5, say)
 ```
+FSDP2's ``dp_replicate_size: R`` (> 1) is HSDP: the ranks form ``R`` groups that each hold whole shards, each
+parameter sharded over ``world / R`` ranks within a group and replicated across the groups.
 Validation (``scheme_issues``) runs before anything is built; the sharding stage (``shard_components``) applies
 the scheme under torchrun. Import-light: torch is imported inside the stage only.
 """
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from automodel.errors import ConfigIssue
+from automodel.errors import AutomodelError, ConfigIssue
 from automodel.suggest import did_you_mean
 
 if TYPE_CHECKING:
@@ -27,7 +29,7 @@ OPTIONS = {
     "ddp": ("find_unused_parameters", "broadcast_buffers", "gradient_as_bucket_view", "bucket_cap_mb",
             "static_graph"),
     "fsdp2": ("reshard_after_forward", "shard_blocks", "param_dtype", "reduce_dtype", "forward_prefetch_depth",
-              "backward_prefetch_depth"),
+              "backward_prefetch_depth", "dp_replicate_size"),
 }
 UNSUPPORTED = "megatron_fsdp"
 UNSUPPORTED_MESSAGE = "megatron_fsdp is not supported: diffusion supports DDP and FSDP2 only (strategy: ddp or fsdp2)"
@@ -114,6 +116,10 @@ def scheme_issues(scheme: Any, components: list[str] | None, trainable: list[str
             elif option in ("param_dtype", "reduce_dtype") and setting not in ("float32", "bfloat16", "float16"):
                 issues.append(ConfigIssue(f"{key}.{option}", f"expected float32, bfloat16 or float16, found "
                                                              f"{setting!r}"))
+            elif option == "dp_replicate_size" and (isinstance(setting, bool) or not isinstance(setting, int)
+                                                    or setting < 1):
+                issues.append(ConfigIssue(f"{key}.{option}", f"expected a whole number >= 1 (HSDP's replica "
+                                                             f"groups), found {setting!r}"))
     if trainable is not None:
         for name in trainable:
             if name not in scheme and (components is None or name in components):
@@ -134,7 +140,7 @@ def _fully_shard(module: torch.nn.Module, entry: dict[str, Any], mesh: Any) -> N
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
-    kwargs: dict[str, Any] = {"mesh": mesh}
+    kwargs: dict[str, Any] = {"mesh": mesh}  # 2-D (dp_replicate, dp_shard): HSDP
     if "reshard_after_forward" in entry:
         kwargs["reshard_after_forward"] = bool(entry["reshard_after_forward"])
     if "param_dtype" in entry or "reduce_dtype" in entry:
@@ -175,7 +181,20 @@ def shard_components(ctx: BuildContext, model: Any) -> tuple[Any, str]:
 
     written = effective_scheme(ctx.cfg, model.trainable_components, model.denoiser_name) or {}
     scheme = {name: parse_entry(value) for name, value in written.items()}
-    mesh = init_device_mesh(ctx.device.type, (dist.get_world_size(),))
+    world = dist.get_world_size()
+    meshes: dict[int, Any] = {}
+
+    def mesh(entry: dict[str, Any]) -> Any:
+        """The entry's mesh: all ranks, or HSDP's (replica groups x shards) for dp_replicate_size > 1."""
+        replicas = entry.get("dp_replicate_size", 1)
+        if world % replicas:
+            raise AutomodelError(f"parallel_scheme: dp_replicate_size {replicas} does not divide the {world} "
+                                 "processes; launch a multiple of it or change it")
+        if replicas not in meshes:
+            meshes[replicas] = init_device_mesh(ctx.device.type, (world,)) if replicas == 1 else init_device_mesh(
+                ctx.device.type, (replicas, world // replicas), mesh_dim_names=("dp_replicate", "dp_shard"))
+        return meshes[replicas]
+
     model.to(ctx.device)
     for component in model.frozen_components().values():
         component.to(ctx.device)
@@ -183,16 +202,21 @@ def shard_components(ctx: BuildContext, model: Any) -> tuple[Any, str]:
     for name, component in model.frozen_components().items():
         entry = scheme.get(name, {"strategy": "ddp"})
         if entry["strategy"] == "fsdp2":
-            _fully_shard(component, entry, mesh)
-        done.append(f"{name}: {entry['strategy']} (frozen)")
+            _fully_shard(component, entry, mesh(entry))
+        done.append(f"{name}: {_described(entry)} (frozen)")
     trained = {name: scheme.get(name, {"strategy": "ddp"}) for name in model.trainable_components}
     strategy = next(iter(trained.values()))["strategy"]
     if strategy == "fsdp2":
         for name in model.trainable_components:
-            _fully_shard(model.components[name], trained[name], mesh)
+            _fully_shard(model.components[name], trained[name], mesh(trained[name]))
     else:
         options = {k: v for entry in trained.values() for k, v in entry.items() if k != "strategy"}
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         model = DistributedDataParallel(model, device_ids=device_ids, **options)
-    done += [f"{name}: {strategy}" for name in trained]
-    return model, f"over {dist.get_world_size()} ranks: " + ", ".join(done)
+    done += [f"{name}: {_described(entry)}" for name, entry in trained.items()]
+    return model, f"over {world} ranks: " + ", ".join(done)
+
+
+def _described(entry: dict[str, Any]) -> str:
+    replicas = entry.get("dp_replicate_size", 1)
+    return entry["strategy"] + (f" (HSDP: {replicas} replica groups)" if replicas > 1 else "")

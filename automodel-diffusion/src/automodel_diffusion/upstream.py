@@ -193,7 +193,8 @@ class FsdpSection:
 
     dp_size: int | Literal["none"] | None = field(default=None, metadata=_help(
         "data-parallel ranks: the number of processes (none/null: all of them); checked when the run starts"))
-    dp_replicate_size: int | None = field(default=None, metadata=_help("HSDP replicas: only 1 (or null)"))
+    dp_replicate_size: int | None = field(default=None, metadata=_help(
+        "HSDP: the processes form this many replica groups, each sharding the denoiser over its ranks (null: 1)"))
     tp_size: int = field(default=1, metadata=_help("tensor parallelism: only 1"))
     cp_size: int = field(default=1, metadata=_help("context parallelism: only 1"))
     pp_size: int = field(default=1, metadata=_help("pipeline parallelism: only 1"))
@@ -219,9 +220,10 @@ class FsdpSection:
         for name in ("tp_size", "cp_size", "pp_size"):
             if getattr(self, name) != 1:
                 bad[name] = f"{getattr(self, name)}: only 1 is supported (diffusion here is data-parallel only)"
-        for name in ("dp_replicate_size", "ep_size"):
-            if getattr(self, name) not in (None, 1):
-                bad[name] = f"{getattr(self, name)}: only 1 (or null) is supported"
+        if self.ep_size not in (None, 1):
+            bad["ep_size"] = f"{self.ep_size}: only 1 (or null) is supported"
+        if self.dp_replicate_size is not None and self.dp_replicate_size < 1:
+            bad["dp_replicate_size"] = f"must be >= 1, found {self.dp_replicate_size}"
         if self.cpu_offload:
             bad["cpu_offload"] = f"true is not supported: offloading shards to the CPU {GPU_ONLY}"
         if self.use_hf_tp_plan:
@@ -238,6 +240,8 @@ class FsdpSection:
 
     def scheme_entry(self, compute_dtype: str | None) -> dict[str, Any]:
         entry: dict[str, Any] = {"strategy": "fsdp2"}
+        if (self.dp_replicate_size or 1) > 1:
+            entry["dp_replicate_size"] = self.dp_replicate_size
         if compute_dtype is not None:
             entry["param_dtype"] = str(compute_dtype).removeprefix("torch.")
         if self.reduce_dtype is not None:
@@ -631,7 +635,11 @@ def _data_issues(data: Any, seed: int) -> list[ConfigIssue]:
 
 
 def steps_issue(fsdp: FsdpSection | None, world: int) -> str | None:
-    """At start-up: ``fsdp.dp_size`` must be the number of processes, as upstream's device mesh requires."""
+    """At start-up: ``fsdp.dp_size`` must be the number of processes, as upstream's device mesh requires, and
+    ``dp_replicate_size`` divide it."""
+    if fsdp is not None and (fsdp.dp_replicate_size or 1) > 1 and world % fsdp.dp_replicate_size:
+        return (f"fsdp.dp_replicate_size: {fsdp.dp_replicate_size} does not divide this run's {world} process(es) "
+                "(HSDP's replica groups each hold whole shards); launch a multiple of it or change it")
     if fsdp is None or not isinstance(fsdp.dp_size, int) or fsdp.dp_size == world:
         return None
     return (f"fsdp.dp_size: {fsdp.dp_size}, but this run has {world} process(es); set it to {world} (or none), or "
