@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from automodel.optim import Muon
 from automodel.training.parallel.activation_checkpointing import apply_activation_checkpointing
 from automodel.training.parallel.fsdp import apply_fsdp2
 from automodel.training.parallel.hf_export import export_hf
@@ -281,13 +282,39 @@ def scenario_memory(args: dict[str, Any], out: Path) -> dict[str, Any]:
     return growth
 
 
+def muon(model: torch.nn.Module) -> Muon:
+    """Upstream's dion.Muon: Muon on the matrices (nesterov, weight decay), AdamW on the rest."""
+    return Muon(model.parameters(), model=model, lr=1e-2, weight_decay=0.1, nesterov=True, scalar_lr=5e-3)
+
+
+def scenario_muon(args: dict[str, Any], out: Path) -> dict[str, Any]:
+    """Muon under FSDP2 (untied: the output head in its own group): three steps, and step 3 again from the sharded
+    checkpoint of step 2 into a model initialised otherwise; rank 0 writes both gathered results."""
+    config = tiny_config(tied=False)
+    model = sharded_model(config)
+    optimizer = muon(model)
+    result = {"steps_1_2": train(model, 2, fsdp2=True, optimizer=optimizer)}
+    save_sharded_state(out / "step2", model, optimizer)
+    result["step_3"] = train(model, 1, fsdp2=True, first_step=2, optimizer=optimizer)
+    resumed = sharded_model(config, seed=99)
+    resumed_optimizer = muon(resumed)
+    load_sharded_state(out / "step2", resumed, resumed_optimizer)
+    result["resumed_3"] = train(resumed, 1, fsdp2=True, first_step=2, optimizer=resumed_optimizer)
+    states = {"step3": full_state(model), "resumed3": full_state(resumed)}
+    if dist.get_rank() == 0:
+        for name, state in states.items():
+            save_tensors(state, out / f"{name}.safetensors")
+    return result
+
+
 def scenario_all(args: dict[str, Any], out: Path) -> dict[str, Any]:
     """Every two-rank check in one launch (starting processes costs more than most checks): memory first, while
-    the heap holds nothing else, then FSDP2 and checkpoints. Each part writes under its own directory."""
+    the heap holds nothing else, then FSDP2, checkpoints and Muon. Each part writes under its own directory."""
     result = {}
-    for name, scenario in (("memory", scenario_memory), ("fsdp", scenario_fsdp), ("checkpoint", scenario_checkpoint)):
+    for name, scenario in (("memory", scenario_memory), ("fsdp", scenario_fsdp), ("checkpoint", scenario_checkpoint),
+                           ("muon", scenario_muon)):
         (out / name).mkdir(exist_ok=True)
-        result[name] = scenario(args[name], out / name)
+        result[name] = scenario(args.get(name, {}), out / name)
     return result
 
 

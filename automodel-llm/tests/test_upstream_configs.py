@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 from llm_testing import SQUAD_DIR, TOKENIZER_DIR
 
-from automodel.testing import checkpoint_dirs, run_cli
+from automodel.testing import checkpoint_dirs, read_jsonl, run_cli
 
 CONFIGS = Path(__file__).parent / "upstream_configs"
 
@@ -80,3 +81,34 @@ def test_upstream_model_keys_train(local_model, tmp_path):
     assert checkpoint_dirs(tmp_path / "checkpoints") == ["epoch_0_step_2"]
     final = json.loads((tmp_path / "checkpoints" / "epoch_0_step_2" / "model" / "config.json").read_text())
     assert final["dtype"] == "bfloat16" and "use_liger_kernel" not in final and "force_hf" not in final
+
+
+def test_upstream_muon_config_trains_with_muon_and_scheduled_groups(local_model, tmp_path):
+    """upstream's dion.Muon with all its keys: matrices step with Muon (their momentum is in the checkpoint), the
+    other groups with AdamW, and the schedule keeps each group's rate in proportion to lr."""
+    result = run_cli("finetune", "llm", "-c", CONFIGS / "squad_muon.yaml",
+                     "--model.pretrained_model_name_or_path", local_model,
+                     "--dataset.dataset_name", SQUAD_DIR, "--validation_dataset.dataset_name", SQUAD_DIR,
+                     "--step_scheduler.log_interval", "1", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "note: optimizer.betas: [0.9, 0.95] governs nothing" in result.stderr
+    records = read_jsonl(tmp_path / "checkpoints" / "training.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3] and all(math.isfinite(r["loss"]) for r in records)
+    manifest = json.loads((tmp_path / "checkpoints" / "epoch_0_step_3" / "optim" / "optimizer.json").read_text())
+    groups = manifest["param_groups"]
+    assert [g["algorithm"] for g in groups] == ["muon", "adamw", "adamw", "adamw"]
+    assert [g["lr"] / groups[0]["lr"] for g in groups] == pytest.approx([1.0, 0.5, 0.25, 0.5])
+    assert groups[0]["lr"] < 2.0e-3  # decayed by the cosine schedule
+    assert [g["weight_decay"] for g in groups] == [0.01, 0.01, 0.0, 0.0]
+    saved = {name for _, name in manifest["tensors"].values()}
+    assert saved == {"momentum_buffer", "exp_avg", "exp_avg_sq"}
+
+
+def test_upstream_muon_settings_that_cannot_act_are_refused(local_model, tmp_path):
+    result = run_cli("validate", "-c", CONFIGS / "squad_muon.yaml", "--model.pretrained_model_name_or_path",
+                     local_model, "--optimizer.use_triton", "true", "--optimizer.scalar_opt", "lion",
+                     "--optimizer.adjust_lr", "frobenius", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "optimizer.use_triton: true selects dion's Triton Newton-Schulz kernels (CUDA)" in result.stderr
+    assert "optimizer.scalar_opt: lion" in result.stderr and "optimizer.adjust_lr" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -55,6 +55,7 @@ def automodel_register_aliases(aliases) -> None:
                  "transformer_engine.pytorch.optimizers.fused_adam.FusedAdam"):
         aliases.unsupported(path, "Transformer Engine's fused Adam needs a CUDA GPU and Transformer Engine; use "
                                   "torch.optim.AdamW (the same update; fused: true on a GPU)")
+    aliases.target("dion.Muon", "automodel.optim.Muon")  # upstream's Muon (Microsoft's dion package)
     aliases.target("CosineAnnealingWarmup", "automodel.optim.CosineAnnealingWarmup")
     aliases.target("LinearWarmup", "automodel.optim.LinearWarmup")
     aliases.target("ConstantWarmup", "automodel.optim.ConstantWarmup")

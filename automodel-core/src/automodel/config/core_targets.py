@@ -22,7 +22,7 @@ _LOSSES = ("BCELoss", "BCEWithLogitsLoss", "CTCLoss", "CosineEmbeddingLoss", "Cr
            "SmoothL1Loss", "SoftMarginLoss", "TripletMarginLoss", "TripletMarginWithDistanceLoss")
 
 CORE_TARGETS: tuple[str, ...] = (
-    "automodel.optim",  # lr_scheduler: the warmup schedules and build_scheduler (the default)
+    "automodel.optim",  # lr_scheduler: the warmup schedules and build_scheduler (the default); optimizer: Muon
     "automodel.training.loss",  # loss_fn: MaskedCrossEntropy (the default)
     "automodel.training.linear_ce.LinearCrossEntropy",  # loss_fn: the loss inside the output head
     "automodel.training.rng",  # StatefulRNG (upstream configs name it)

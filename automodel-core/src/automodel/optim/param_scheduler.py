@@ -14,7 +14,8 @@ warmup steps, ``D`` the decay steps:
 
 Weight decay goes from ``start_wd`` to ``end_wd`` over ``wd_incr_steps`` (``r = n / wd_incr_steps``): ``constant``
 (then ``start_wd == end_wd``), ``linear`` ``r``, ``cosine`` ``(1 - cos(pi * r)) / 2``; ``end_wd`` after. It is
-written into every parameter group that has a ``weight_decay`` each step.
+written into every parameter group that has a ``weight_decay`` each step. A group with ``lr_mult`` / ``wd_mult``
+(upstream's keys: Muon's groups) gets the rate / weight decay times them.
 """
 
 from __future__ import annotations
@@ -118,7 +119,9 @@ class OptimizerParamScheduler(LRScheduler):
 
     Unset rates default from the optimizer's first parameter group as upstream does: ``max_lr`` its lr,
     ``init_lr`` a tenth of it, ``min_lr`` a hundredth; ``start_wd`` / ``end_wd`` its weight decay;
-    ``wd_incr_steps`` is ``lr_decay_steps``. Every group gets the same schedule. The state is plain numbers.
+    ``wd_incr_steps`` is ``lr_decay_steps``. Every group gets the same schedule, times the group's ``lr_mult`` /
+    ``wd_mult`` where it has them (upstream's keys; Muon's groups carry their rates' ratios). The state is plain
+    numbers.
     """
 
     def __init__(self, optimizer: Optimizer, lr_decay_steps: int, lr_warmup_steps: int = 0,
@@ -196,7 +199,8 @@ class OptimizerParamScheduler(LRScheduler):
         return self.start_wd + coeff * (self.end_wd - self.start_wd)
 
     def get_lr(self) -> list[float]:
-        return [self.lr_at(self.last_epoch)] * len(self.optimizer.param_groups)
+        lr = self.lr_at(self.last_epoch)
+        return [lr * group.get("lr_mult", 1.0) for group in self.optimizer.param_groups]
 
     def step(self, epoch: int | None = None) -> None:
         super().step(epoch)
@@ -206,7 +210,7 @@ class OptimizerParamScheduler(LRScheduler):
         wd = self.wd_at(self.last_epoch)
         for group in self.optimizer.param_groups:
             if "weight_decay" in group:
-                group["weight_decay"] = wd
+                group["weight_decay"] = wd * group.get("wd_mult", 1.0)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume: the step count from the checkpoint; the settings as the two upstream flags say."""
@@ -226,10 +230,9 @@ class OptimizerParamScheduler(LRScheduler):
                           "override_opt_param_scheduler: true uses the config's)", stacklevel=2)
         state.update({key: configured[key] for key in _FLAGS})
         super().load_state_dict(state)
-        lr = self.lr_at(self.last_epoch)
-        for group in self.optimizer.param_groups:
+        self._last_lr = self.get_lr()
+        for group, lr in zip(self.optimizer.param_groups, self._last_lr, strict=True):
             group["lr"] = lr
-        self._last_lr = [lr] * len(self.optimizer.param_groups)
         self._set_weight_decay()
 
 

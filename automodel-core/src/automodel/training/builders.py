@@ -9,6 +9,7 @@ spec's, read through ``ctx.section``.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -46,10 +47,22 @@ def build_dataset(ctx: BuildContext, node: ConfigNode, runtime_args: dict[str, A
 
 
 def build_optimizer(ctx: BuildContext, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """The optimizer over the trainable parameters; one that names a ``model`` parameter (Muon, which groups the
+    parameters by the modules holding them) also gets the model. Only by that name: an optimizer taking
+    ``**kwargs`` passes them on, and must not get a ``model`` it never asked for."""
     params = trainable_parameters(model)
     if not params:
         raise ConfigError(ConfigIssue("freeze", "every parameter is frozen: nothing would train"))
-    return ctx.instantiate("optimizer", params=params)
+    node = ctx.section("optimizer")
+    target = node.resolver.resolve(node.target or ctx.default_target(node))
+    return ctx.instantiate(node, params=params, **({"model": model} if _names_model(target) else {}))
+
+
+def _names_model(fn: Callable) -> bool:
+    try:
+        return "model" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def build_loss_fn(ctx: BuildContext) -> torch.nn.Module:

@@ -23,6 +23,7 @@ from automodel.config import Config, ConfigNode
 from automodel.errors import ConfigIssue
 from automodel.meta_build import MetaBuild, building_on_meta
 from automodel.noise import debug_enabled, filter_third_party_noise
+from automodel.optim.muon import muon_notes
 from automodel.plugins.manager import get_plugin_manager
 from automodel.recipe import BaseRecipe
 from automodel.training import builders, plan
@@ -291,7 +292,8 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
         self.ctx = ctx = replace(ctx, restore_path=choose_checkpoint(cfg, self.checkpointer, self.log))
         self.setup_domain()
         self.checkpoint_notes()
-        for note in inert_distributed_notes(cfg, ctx.fsdp2) + chunked_loss_notes(cfg) + peft_stage.notes(cfg):
+        for note in (inert_distributed_notes(cfg, ctx.fsdp2) + chunked_loss_notes(cfg) + peft_stage.notes(cfg)
+                     + muon_notes(cfg.get("optimizer"))):
             self.log(note)
         self.ctx = ctx = replace(ctx, collate_args=self.collate_runtime_args())
         with building_on_meta() as meta:

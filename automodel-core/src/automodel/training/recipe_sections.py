@@ -41,7 +41,8 @@ TRAIN_SECTIONS: dict[str, Any] = {
     "validation_dataset_*": Target("more validation data sets, reported by name"),
     "dataloader": _DATALOADER,
     "validation_dataloader": _DATALOADER,
-    "optimizer": Target("the optimizer", runtime_args=("params",),
+    "optimizer": Target("the optimizer (the recipe gives `model` only to one whose signature names it: Muon)",
+                        runtime_args=("params", "model"),
                         default={"_target_": "torch.optim.AdamW", "lr": 1e-5}),
     "lr_scheduler": Target("learning-rate schedule: {_target_: ...} or upstream keys (lr_decay_style, ...; "
                            "null ones default as upstream's, see docs/targets.md#learning-rate-schedules)",
