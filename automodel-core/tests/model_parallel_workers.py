@@ -40,7 +40,6 @@ from automodel.training.parallel.hf_export import export_hf
 from automodel.training.parallel.materialize import materialize
 from automodel.training.parallel.mesh import build_device_mesh, data_parallel_mesh, plan_mesh
 from automodel.training.parallel.pipeline_parallel import Pipeline, PipelineSettings, split_for_pipeline
-from automodel.training.parallel.pipeline_stages import last_stage
 from automodel.training.parallel.pipeline_static import StaticShapes
 from automodel.training.parallel.sharded_checkpoint import load_sharded_state, save_sharded_state
 from automodel.training.parallel.tensor_parallel import apply_tensor_parallel, local_loss
@@ -226,7 +225,7 @@ def scenario_two(args: dict[str, Any], out: Path) -> dict[str, Any]:
 def scenario_four(args: dict[str, Any], out: Path) -> dict[str, Any]:
     """On 4 ranks: dp=2 x tp=2 (with and without sequence parallelism, the latter with activation checkpointing; a
     checkpoint resumed by dp=4), pp=2 x dp=2 (with activation checkpointing), pp=2 x tp=2 (interleaved, sequence
-    parallel)."""
+    parallel; with MaskedCrossEntropy and with FusedLinearCrossEntropy)."""
     layout, mesh = _mesh(tp_size=2)
     result = {"dp2_tp2": train_tp(mp_config(), mesh, layout, out / "dp2_tp2_ckpt", fsdp=True),
               "dp2_tp2_sp": train_tp(mp_config(), mesh, layout, sequence_parallel=True, fsdp=True, checkpointing=True)}
@@ -237,6 +236,7 @@ def scenario_four(args: dict[str, Any], out: Path) -> dict[str, Any]:
     result["pp2_dp2_deferred"] = train_pp(pp_mesh, pp_layout, "gpipe", 2, fsdp=True, defer=True)
     pp_tp_layout, pp_tp_mesh = _mesh(pp_size=2, tp_size=2)
     result["pp2_tp2"] = train_pp(pp_tp_mesh, pp_tp_layout, "interleaved1f1b", 1, tp=True)
+    result["pp2_tp2_fused"] = train_pp(pp_tp_mesh, pp_tp_layout, "interleaved1f1b", 1, tp=True, fused=True)
     return result
 
 
@@ -298,7 +298,7 @@ def fused_loss_sum(stages: list):
     """The LLM recipe's pipelined FusedLinearCrossEntropy (``NextTokenLogits.attach_loss_head`` and
     ``pipeline_loss``): the last stage returns its final hidden states and the loss projects them through its head,
     5 rows at a time."""
-    last = last_stage(stages[0])
+    last = next((stage for stage in stages if stage.is_last), None)
     head = None
     if last is not None:
         last.head_in_loss = True

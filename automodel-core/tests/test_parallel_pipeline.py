@@ -91,9 +91,10 @@ def test_the_last_stage_gives_the_fused_loss_hidden_states_it_caps_and_chunks_li
     torch.testing.assert_close(first.model.embed_tokens.weight.grad, model.model.embed_tokens.weight.grad)
 
 
-@pytest.mark.parametrize("name", ["pp2_dp2", "pp2_tp2"])
+@pytest.mark.parametrize("name", ["pp2_dp2", "pp2_tp2", "pp2_tp2_fused"])
 def test_pp2_x_dp2_and_pp2_x_tp2_equal_one_process(runs, name):
-    """dp=2 against one process with doubled accumulation; tp=2 (sequence parallel) inside interleaved stages."""
+    """dp=2 against one process with doubled accumulation; tp=2 (sequence parallel) inside interleaved stages, also
+    with FusedLinearCrossEntropy (the last stage's head, vocabulary-sharded, applied by the schedule's loss)."""
     assert_like_one_process([rank[name] for rank in runs["four"]], runs["untied"])
 
 
@@ -274,3 +275,18 @@ def test_static_shapes_follow_the_runs_precision():
     assert [(tuple(e["output_args"].shape), e["output_args"].dtype) for e in examples] == [
         ((2, 128, 32), bf16), ((2, 128, 32), bf16), ((2, 128, 96), fp32)]
     assert all(e["output_args"].device.type == "meta" and e["output_args"].requires_grad for e in examples)
+
+
+def test_every_stage_gets_packed_rows_position_ids_and_other_rows_their_padded_mask():
+    """Packed rows (position ids, no mask) keep their position ids, the padding a segment of its own; other rows get
+    their mask with the padding masked out; multi-axis positions (split along the wrong dimension) are refused."""
+    from automodel.training.pipeline_steps import stage_kwargs
+
+    ids = torch.zeros(2, 4, dtype=torch.long)
+    packed = stage_kwargs({"input_ids": ids, "position_ids": torch.tensor([[0, 1, 0, 1], [0, 1, 2, 0]])}, 2)
+    assert set(packed) == {"position_ids"}
+    assert packed["position_ids"].tolist() == [[0, 1, 0, 1, 0, 1], [0, 1, 2, 0, 0, 1]]
+    masked = stage_kwargs({"input_ids": ids, "attention_mask": torch.ones(2, 4, dtype=torch.long)}, 1)
+    assert set(masked) == {"attention_mask"} and masked["attention_mask"].tolist() == [[1, 1, 1, 1, 0]] * 2
+    with pytest.raises(AutomodelError, match="3-axis position ids .* remove packed_sequence or set pp_size: 1"):
+        stage_kwargs({"input_ids": ids, "position_ids": torch.zeros(4, 2, 4, dtype=torch.long)}, 0)
