@@ -24,8 +24,9 @@ import torch
 import torch.distributed as dist
 from parallel_workers import device, full_state, main, meta_model, sharded_model, tiny_config
 
+from automodel.training.linear_ce import LinearCrossEntropy, LinearLossHead
 from automodel.training.loss import IGNORE_INDEX, MaskedCrossEntropy
-from automodel.training.next_token import next_token_logits
+from automodel.training.next_token import next_targets, next_token_logits
 from automodel.training.parallel.activation_checkpointing import apply_activation_checkpointing
 from automodel.training.parallel.context_parallel import (
     ContextParallelBatch,
@@ -201,8 +202,8 @@ def resume_fsdp(checkpoint: Path, mesh, layout) -> dict[str, list[float]]:
 
 def scenario_two(args: dict[str, Any], out: Path) -> dict[str, Any]:
     """On 2 ranks: tp=2 (with a checkpoint resumed by dp=2), tp=2 with sequence parallelism, Qwen3 under tp=2,
-    pp=2 with each schedule (with a checkpoint resumed by pp=2), pp=2 with static stage shapes, context-parallel
-    sharding."""
+    pp=2 with each schedule (with a checkpoint resumed by pp=2), pp=2 with static stage shapes (with
+    MaskedCrossEntropy and with FusedLinearCrossEntropy), context-parallel sharding."""
     layout, mesh = _mesh(tp_size=2)
     result = {"tp": train_tp(mp_config(), mesh, layout, out / "tp_ckpt"),
               "tp_sp": train_tp(mp_config(), mesh, layout, sequence_parallel=True)}
@@ -216,6 +217,7 @@ def scenario_two(args: dict[str, Any], out: Path) -> dict[str, Any]:
         checkpoint = out / "pp_ckpt" if schedule == "1f1b" else None
         result[f"pp_{schedule}"] = train_pp(pp_mesh, pp_layout, schedule, micro_batches, checkpoint)
     result["pp_static"] = train_pp(pp_mesh, pp_layout, "gpipe", 2, static=True)
+    result["pp_fused"] = train_pp(pp_mesh, pp_layout, "gpipe", 2, static=True, fused=True)
     result["cp"] = context_parallel_split(_mesh(cp_size=2)[1])
     return result
 
@@ -223,7 +225,7 @@ def scenario_two(args: dict[str, Any], out: Path) -> dict[str, Any]:
 def scenario_four(args: dict[str, Any], out: Path) -> dict[str, Any]:
     """On 4 ranks: dp=2 x tp=2 (with and without sequence parallelism, the latter with activation checkpointing; a
     checkpoint resumed by dp=4), pp=2 x dp=2 (with activation checkpointing), pp=2 x tp=2 (interleaved, sequence
-    parallel)."""
+    parallel; with MaskedCrossEntropy and with FusedLinearCrossEntropy)."""
     layout, mesh = _mesh(tp_size=2)
     result = {"dp2_tp2": train_tp(mp_config(), mesh, layout, out / "dp2_tp2_ckpt", fsdp=True),
               "dp2_tp2_sp": train_tp(mp_config(), mesh, layout, sequence_parallel=True, fsdp=True, checkpointing=True)}
@@ -234,6 +236,7 @@ def scenario_four(args: dict[str, Any], out: Path) -> dict[str, Any]:
     result["pp2_dp2_deferred"] = train_pp(pp_mesh, pp_layout, "gpipe", 2, fsdp=True, defer=True)
     pp_tp_layout, pp_tp_mesh = _mesh(pp_size=2, tp_size=2)
     result["pp2_tp2"] = train_pp(pp_tp_mesh, pp_tp_layout, "interleaved1f1b", 1, tp=True)
+    result["pp2_tp2_fused"] = train_pp(pp_tp_mesh, pp_tp_layout, "interleaved1f1b", 1, tp=True, fused=True)
     return result
 
 
@@ -251,17 +254,20 @@ def pp_stages(mesh, layout, settings: PipelineSettings, seed: int = 7, fsdp: boo
 
 
 def train_pp(mesh, layout, schedule: str, micro_batches: int, checkpoint: Path | None = None,
-             fsdp: bool = False, tp: bool = False, defer: bool = False, static: bool = False) -> dict[str, Any]:
+             fsdp: bool = False, tp: bool = False, defer: bool = False, static: bool = False,
+             fused: bool = False) -> dict[str, Any]:
     """Six steps through the pipeline; with ``checkpoint``: saved, exported, resumed by fresh stages; ``defer``:
     FSDP2 reduces the gradients after each step's last micro-batch only, the parameters kept gathered until then
     (what was seen after the other micro-batches in ``result["deferred"]``); ``static``: the stages built with
-    static shapes (``pp_seq_len``), the mode torch's stages ran in in ``result["modes"]``."""
+    static shapes (``pp_seq_len``), the mode torch's stages ran in in ``result["modes"]``, and the stages' final
+    weights in ``result["weights"]``; ``fused``: FusedLinearCrossEntropy as the LLM recipe runs it pipelined."""
     settings = PipelineSettings(pp_schedule=schedule)
     rows = ROWS // layout.dp // micro_batches
     stages = pp_stages(mesh, layout, settings, fsdp=fsdp, tp=tp)
     hidden = mp_config().hidden_size
-    shapes = StaticShapes(SEQ, hidden, VOCAB, torch.float32, torch.float32) if static else None
-    pipe = Pipeline(stages, mesh["pp"], device(), settings, rows, logits_loss_sum, shapes)
+    shapes = StaticShapes(SEQ, hidden, VOCAB, torch.float32, torch.float32, head_in_loss=fused) if static else None
+    pipe = Pipeline(stages, mesh["pp"], device(), settings, rows, fused_loss_sum(stages) if fused else logits_loss_sum,
+                    shapes)
     optimizers = [torch.optim.AdamW(stage.parameters(), lr=LR) for stage in stages]
     params = [p for stage in stages for p in stage.parameters()]
     place = _place(mesh, layout, pp=True)
@@ -271,6 +277,8 @@ def train_pp(mesh, layout, schedule: str, micro_batches: int, checkpoint: Path |
     result["deferred"] = seen
     result["layers"] = [list(stage.layer_range) for stage in stages]
     result["modes"] = [run._inference_mode.name for run in pipe.runs]
+    if static:
+        result["weights"] = {name: value.tolist() for stage in stages for name, value in full_state(stage).items()}
     if checkpoint is None:
         return result
     save_sharded_state(checkpoint, stages, optimizers, max_file_bytes=SMALL_FILES)
@@ -284,6 +292,22 @@ def train_pp(mesh, layout, schedule: str, micro_batches: int, checkpoint: Path |
                     STEPS, micro_batches)
     result["resumed"] = resumed["losses"]
     return result
+
+
+def fused_loss_sum(stages: list):
+    """The LLM recipe's pipelined FusedLinearCrossEntropy (``NextTokenLogits.attach_loss_head`` and
+    ``pipeline_loss``): the last stage returns its final hidden states and the loss projects them through its head,
+    5 rows at a time."""
+    last = next((stage for stage in stages if stage.is_last), None)
+    head = None
+    if last is not None:
+        last.head_in_loss = True
+        head = LinearLossHead.attach(last, LinearCrossEntropy(chunk_len=5), last.output_head)
+
+    def loss(hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return head.summed(hidden, next_targets(labels))
+
+    return loss
 
 
 def _deferring(pipe: Pipeline, params: list, micro_batches: int, seen: list[dict[str, bool]]):

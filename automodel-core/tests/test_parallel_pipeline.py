@@ -6,10 +6,14 @@ AdamW steps of the engine's token-weighted loss); how the model is cut; a rank's
 from __future__ import annotations
 
 import pytest
+import torch
 from model_parallel_workers import assert_like_one_process, mp_config
-from parallel_workers import meta_model
+from parallel_workers import local_model, meta_model
 
 from automodel.errors import AutomodelError
+from automodel.training.linear_ce import LinearCrossEntropy, LinearLossHead
+from automodel.training.loss import MaskedCrossEntropy
+from automodel.training.next_token import next_targets
 from automodel.training.parallel.blocks import LayerPlaceholder, transformer_blocks
 from automodel.training.parallel.pipeline_parallel import PipelineSettings, pp_issues
 from automodel.training.parallel.pipeline_stages import (
@@ -47,9 +51,50 @@ def test_static_stage_shapes_skip_the_shape_finding_pass_and_train_like_one_proc
     assert_like_one_process(ranks, runs["untied"])
 
 
-@pytest.mark.parametrize("name", ["pp2_dp2", "pp2_tp2"])
+def test_fused_linear_cross_entropy_through_the_pipeline_trains_like_the_masked_loss(runs):
+    """pp=2 GPipe with static shapes and FusedLinearCrossEntropy (chunk_len 5): the last stage returns its final
+    hidden states (its static output shape) and the schedule's loss projects them through the output head chunk by
+    chunk; losses, gradient norms and final weights (the head's among them) are those of MaskedCrossEntropy through
+    the pipeline and of one process."""
+    fused, masked = ([rank[name] for rank in runs["two"]] for name in ("pp_fused", "pp_static"))
+    assert [rank["modes"] for rank in fused] == [["STATIC"], ["STATIC"]]
+    assert_like_one_process(fused, runs["untied"])
+    assert fused[0]["losses"] == pytest.approx(masked[0]["losses"], rel=1e-5)
+    weights = {name: value for rank in fused for name, value in rank["weights"].items()}
+    assert "lm_head.weight" in weights and set(weights) == set(runs["untied_state"])
+    for name, value in weights.items():
+        torch.testing.assert_close(torch.tensor(value), runs["untied_state"][name], rtol=0, atol=1e-5)
+        other = next(rank["weights"][name] for rank in masked if name in rank["weights"])
+        torch.testing.assert_close(torch.tensor(value), torch.tensor(other), rtol=0, atol=1e-5)
+
+
+def test_the_last_stage_gives_the_fused_loss_hidden_states_it_caps_and_chunks_like_one_process():
+    """With ``head_in_loss`` the last stage returns its final hidden states; the loss projects them through its head
+    (logit_softcapping 3, chunk_len 5 of 64 rows) with the loss and the gradients (the head's, the first stage's
+    embedding's) of the whole model's soft-capped logits under MaskedCrossEntropy."""
+    from model_parallel_workers import lm_batch
+
+    model = local_model(mp_config(tied=False))
+    (first,), (last,) = split_model(model, 0, 2), split_model(model, 1, 2)
+    last.head_in_loss = True
+    head = LinearLossHead.attach(last, LinearCrossEntropy(logit_softcapping=3.0, chunk_len=5), last.output_head)
+    ids, labels = lm_batch(0)
+    hidden = last(first(ids))
+    assert hidden.shape == (*ids.shape, mp_config().hidden_size)
+    head.summed(hidden, next_targets(labels)).backward()
+    logits = 3.0 * torch.tanh(model(input_ids=ids).logits / 3.0)
+    expected = MaskedCrossEntropy()(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+    expected.backward()
+    found = head.summed(hidden.detach(), next_targets(labels))
+    torch.testing.assert_close(found, expected.detach())
+    torch.testing.assert_close(last.lm_head.weight.grad, model.lm_head.weight.grad)
+    torch.testing.assert_close(first.model.embed_tokens.weight.grad, model.model.embed_tokens.weight.grad)
+
+
+@pytest.mark.parametrize("name", ["pp2_dp2", "pp2_tp2", "pp2_tp2_fused"])
 def test_pp2_x_dp2_and_pp2_x_tp2_equal_one_process(runs, name):
-    """dp=2 against one process with doubled accumulation; tp=2 (sequence parallel) inside interleaved stages."""
+    """dp=2 against one process with doubled accumulation; tp=2 (sequence parallel) inside interleaved stages, also
+    with FusedLinearCrossEntropy (the last stage's head, vocabulary-sharded, applied by the schedule's loss)."""
     assert_like_one_process([rank[name] for rank in runs["four"]], runs["untied"])
 
 
@@ -230,3 +275,18 @@ def test_static_shapes_follow_the_runs_precision():
     assert [(tuple(e["output_args"].shape), e["output_args"].dtype) for e in examples] == [
         ((2, 128, 32), bf16), ((2, 128, 32), bf16), ((2, 128, 96), fp32)]
     assert all(e["output_args"].device.type == "meta" and e["output_args"].requires_grad for e in examples)
+
+
+def test_every_stage_gets_packed_rows_position_ids_and_other_rows_their_padded_mask():
+    """Packed rows (position ids, no mask) keep their position ids, the padding a segment of its own; other rows get
+    their mask with the padding masked out; multi-axis positions (split along the wrong dimension) are refused."""
+    from automodel.training.pipeline_steps import stage_kwargs
+
+    ids = torch.zeros(2, 4, dtype=torch.long)
+    packed = stage_kwargs({"input_ids": ids, "position_ids": torch.tensor([[0, 1, 0, 1], [0, 1, 2, 0]])}, 2)
+    assert set(packed) == {"position_ids"}
+    assert packed["position_ids"].tolist() == [[0, 1, 0, 1, 0, 1], [0, 1, 2, 0, 0, 1]]
+    masked = stage_kwargs({"input_ids": ids, "attention_mask": torch.ones(2, 4, dtype=torch.long)}, 1)
+    assert set(masked) == {"attention_mask"} and masked["attention_mask"].tolist() == [[1, 1, 1, 1, 0]] * 2
+    with pytest.raises(AutomodelError, match="3-axis position ids .* remove packed_sequence or set pp_size: 1"):
+        stage_kwargs({"input_ids": ids, "position_ids": torch.zeros(4, 2, 4, dtype=torch.long)}, 0)

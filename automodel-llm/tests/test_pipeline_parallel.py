@@ -90,16 +90,22 @@ def test_pp2_trains_like_one_process(request, one_process, schedule):
 
 def test_packed_rows_keep_attention_within_each_sample_through_the_stages(one_process, tmp_path):
     """Packed rows (several samples a row, position ids restarting at each) through two stages: each stage's
-    attention stays within the samples as in one process (attention across them would change every loss)."""
+    attention stays within the samples as in one process (attention across them would change every loss). The
+    pipelined run uses FusedLinearCrossEntropy (chunk_len 7): its last stage returns the final hidden states, the
+    schedule's loss projects them through the head, and losses, gradient norms and the validation loss are those of
+    MaskedCrossEntropy in one process."""
     config = one_process[0]
     packing = ["--packed_sequence.packed_sequence_size", "96", "--step_scheduler.max_steps", "3",
                "--step_scheduler.checkpoint_interval", "3"]
     reference, out = tmp_path / "one", tmp_path / "pp"
     _run(config, tmp_path, reference, *packing)
-    log = _run(config, tmp_path, out, *PP2, *packing)
-    assert "pipeline stage shapes: static (pp_seq_len 96)" in log  # upstream's default: the packed rows' length
+    log = _run(config, tmp_path, out, *PP2, *packing, "--loss_fn._target_", "FusedLinearCrossEntropy",
+               "--loss_fn.chunk_len", "7")
+    # upstream's default pp_seq_len: the packed rows' length; the last stage sends no logits
+    assert "pipeline stage shapes: static (pp_seq_len 96)" in log and "the loss applies the output head" in log
     assert losses(out) == pytest.approx(losses(reference), rel=1e-4)
     assert grad_norms(out) == pytest.approx(grad_norms(reference), rel=1e-4)
+    assert [v for _, v in val_losses(out)] == pytest.approx([v for _, v in val_losses(reference)], rel=1e-5)
     assert losses(out) != pytest.approx(losses(one_process[1])[:3], rel=1e-3)  # packing changed the rows
 
 

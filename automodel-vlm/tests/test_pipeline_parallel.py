@@ -69,6 +69,18 @@ def test_pp2_trains_like_one_process_on_rows_with_different_image_counts(tmp_pat
     assert_trains_like(out, reference, "epoch_1_step_4", lora)
 
 
+def test_packed_rows_keep_attention_within_each_sample_through_the_stages(tmp_path):
+    """Packed rows (four conversations with two, none or one images a row, position ids restarting at each, no
+    attention mask) through two stages: every stage gets the rows' position ids, so its attention stays within
+    the samples, and the run has the losses, gradient norms and final weights of one process on the same packed
+    rows (attention across the samples in any stage would change them)."""
+    packed = {"packed_sequence": {"pack_size": 200}, "dataloader": {"batch_size": 2, "shuffle": False}}
+    reference = _one_process(tmp_path, **packed)
+    out, log = _pp2(tmp_path, "--distributed.pipeline.pp_schedule", "1f1b", **packed)
+    assert "packed the training data into 2 rows of 200 tokens" in log
+    assert_trains_like(out, reference, "epoch_3_step_4", lora=False)
+
+
 def _validate(tmp: Path, *args: str, **sections: Any) -> str:
     config = write_config(tmp / "cfg.yaml", tmp / "ckpt", **sections)
     result = run_cli_inprocess("validate", "-c", config, "--nproc-per-node", "2", *args, cwd=tmp)

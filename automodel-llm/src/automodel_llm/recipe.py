@@ -31,7 +31,7 @@ from automodel.training.mtp_loss import MTPLoss
 from automodel.training.next_token import NextTokenLogits
 from automodel.training.parallel.pipeline_parallel import PipelineSettings
 from automodel.training.parallelism import model_hf_config, rows_per_batch
-from automodel.training.pipeline_steps import padded_mask, padded_tokens, pipeline_length
+from automodel.training.pipeline_steps import padded_tokens, pipeline_length, stage_kwargs
 from automodel.training.recipe import TrainRecipe
 from automodel_llm.datasets.collate import pad_collate
 from automodel_llm.datasets.packing import PackedDataset, packed_collate
@@ -369,21 +369,12 @@ class FinetuneRecipeForNextTokenPrediction(MTPLoss, NextTokenLogits, TrainRecipe
     def pipeline_batches(self, batches: list[dict[str, torch.Tensor]], length: int | None = None
                          ) -> list[tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]:
         """The step's micro-batches padded to :func:`pipeline_length` (padding carries no label and is masked out of
-        attention, so the loss is unchanged). Packed rows
-        (position ids that restart at each sample, no attention mask) keep no mask: the model keeps attention within
-        each sample from the position ids, in every stage, as in one process; their padding is a segment of its own."""
+        attention, so the loss is unchanged; packed rows keep no mask, see :func:`stage_kwargs`)."""
         longest = pipeline_length(batches, length)
         parts = []
         for batch in batches:
             extra = longest - batch["input_ids"].shape[1]
-            if "attention_mask" not in batch and "position_ids" in batch:
-                kwargs = {"position_ids": torch.cat([batch["position_ids"], torch.arange(extra).expand(
-                    batch["position_ids"].shape[0], extra).to(batch["position_ids"])], dim=1)}
-            else:
-                kwargs = {"attention_mask": padded_mask(batch, extra)}
-                if "position_ids" in batch:
-                    kwargs["position_ids"] = torch.nn.functional.pad(batch["position_ids"], (0, extra), value=0)
-            parts.append((*padded_tokens(batch, extra, self.pad_token_id), kwargs))
+            parts.append((*padded_tokens(batch, extra, self.pad_token_id), stage_kwargs(batch, extra)))
         return parts
 
     def count_label_tokens(self, batch: dict[str, torch.Tensor]) -> int:

@@ -19,7 +19,8 @@ import torch
 from automodel.errors import AutomodelError, ConfigIssue
 from automodel.training.next_token import LABEL_POSITIONS
 
-PER_ROW_KEYS = ("input_ids", "attention_mask", "labels", LABEL_POSITIONS)  # split along the rows as they are
+# split along the rows as they are (packed rows: position ids and each row's token count)
+PER_ROW_KEYS = ("input_ids", "attention_mask", "labels", LABEL_POSITIONS, "position_ids", "token_count")
 
 
 @dataclass(frozen=True)

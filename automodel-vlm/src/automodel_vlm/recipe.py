@@ -26,7 +26,7 @@ from automodel.training.parallel.context_parallel import ContextParallelBatch
 from automodel.training.parallel.mesh import CP
 from automodel.training.parallel.pipeline_media import media_kwargs
 from automodel.training.parallelism import model_hf_config
-from automodel.training.pipeline_steps import padded_mask, padded_tokens, pipeline_length
+from automodel.training.pipeline_steps import padded_tokens, pipeline_length, stage_kwargs
 from automodel.training.recipe import TrainRecipe
 from automodel_vlm.context_parallel import MultimodalContextParallelBatch, SequenceSplit, attention_issue
 from automodel_vlm.datasets.collate import IGNORE_INDEX, VLMCollator, render
@@ -260,15 +260,16 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
     def pipeline_batches(self, batches: list[dict[str, torch.Tensor]], length: int | None = None
                          ) -> list[tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]:
         """The step's micro-batches padded to :func:`pipeline_length` (the padding is masked out and carries no
-        label), each with its media regrouped per row (``pipeline_media``) so that every pipeline
-        micro-batch's first stage gets exactly its rows' images."""
+        label; packed rows keep no mask and every stage gets their position ids, see :func:`stage_kwargs`), each
+        with its media regrouped per row (``pipeline_media``) so that every pipeline micro-batch's first stage gets
+        exactly its rows' images."""
         longest = pipeline_length(batches, length)
         pad = self.processor.tokenizer.pad_token_id or 0
         config = base_model(self.model).config
         parts = []
         for batch in batches:
             extra = longest - batch["input_ids"].shape[1]
-            kwargs = {"attention_mask": padded_mask(batch, extra), **media_kwargs(media_per_row(batch, config))}
+            kwargs = {**stage_kwargs(batch, extra), **media_kwargs(media_per_row(batch, config))}
             parts.append((*padded_tokens(batch, extra, pad), kwargs))
         return parts
 

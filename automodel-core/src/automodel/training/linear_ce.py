@@ -10,7 +10,9 @@ and bias. The model's ``logits`` are then those per-row losses (``[..., 1]``), w
 sums. The head stays the module FSDP2 / DDP wrapped, so its weight is gathered and its gradient reduced as for the
 usual head; under tensor parallelism each rank projects onto its slice of the vocabulary and the log-normaliser
 and target logit are reduced over the tensor-parallel group. The model must return what its head returned (a model
-that scales or soft-caps its logits after the head is refused with the reason when it runs).
+that scales or soft-caps its logits after the head is refused with the reason when it runs). Under pipeline
+parallelism the last stage returns its final hidden states instead of logits and the schedule's loss calls the head
+(:meth:`LinearLossHead.summed`): the same per-row losses, no logits between the stage and the loss.
 """
 
 from __future__ import annotations
@@ -62,10 +64,12 @@ class LinearLossHead:
         self.rows: torch.Tensor | None = None
 
     @classmethod
-    def attach(cls, model: nn.Module, loss: LinearCrossEntropy) -> LinearLossHead:
-        """The loss head of ``model`` (unwrapped); refused unless its output embeddings are a plain linear layer."""
-        get_head = getattr(model, "get_output_embeddings", None)
-        head = get_head() if callable(get_head) else None
+    def attach(cls, model: nn.Module, loss: LinearCrossEntropy, head: nn.Module | None = None) -> LinearLossHead:
+        """The loss head of ``model`` (unwrapped): its output embeddings, or ``head`` (a pipeline's last stage names
+        its own, ``PipelineStageModel.output_head``); refused unless that is a plain linear layer."""
+        if head is None:
+            get_head = getattr(model, "get_output_embeddings", None)
+            head = get_head() if callable(get_head) else None
         if not isinstance(head, nn.Linear) or hasattr(head, "base_layer"):
             raise AutomodelError(f"loss_fn: FusedLinearCrossEntropy computes the loss inside the output head, which "
                                  f"must be a linear layer; this model's is {type(head).__name__} (a LoRA-adapted or "
@@ -97,6 +101,14 @@ class LinearLossHead:
                                  "model changes the head's output afterwards (logit scaling or soft-capping); use "
                                  "MaskedCrossEntropy or ChunkedCrossEntropy")
         return local
+
+    def summed(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The loss of the head applied to ``hidden`` (final hidden states, one row per target), summed as
+        :class:`LinearCrossEntropy` sums: the pipeline's form, whose last stage returns those hidden states and whose
+        schedule's loss calls the head here (no ``[tokens, vocab]`` logits leave the stage)."""
+        with self.targets(targets):
+            rows = self.checked(self.head(hidden))
+        return self.loss(rows, targets)
 
     def _row_losses(self, targets: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         from torch.distributed.tensor import DTensor

@@ -147,20 +147,18 @@ def loss_fn_named(cfg: Config, path: str) -> Any:
 def loss_fn_issues(cfg: Config) -> list[ConfigIssue]:
     """Losses the layout cannot take: :class:`ChunkedCrossEntropy` needs whole logits (not tensor parallelism, which
     shards them over the vocabulary); ``LinearCrossEntropy`` (the loss inside the output head, vocabulary-parallel
-    under tensor parallelism) not the pipeline's or context parallelism's own loss paths."""
+    under tensor parallelism; under pipeline parallelism the schedule's loss applies the last stage's head) not
+    context parallelism's own loss path."""
     settings = cfg.distributed
-    sizes = {name: getattr(settings, name) if settings is not None else 1 for name in ("tp_size", "pp_size",
-                                                                                       "cp_size")}
+    sizes = {name: getattr(settings, name) if settings is not None else 1 for name in ("tp_size", "cp_size")}
     if loss_fn_named(cfg, CHUNKED) is not None and sizes["tp_size"] > 1:
         return [ConfigIssue("loss_fn._target_", f"ChunkedCrossEntropy upcasts chunks of whole logits, but tp_size "
                             f"{sizes['tp_size']} shards the logits over the vocabulary; use MaskedCrossEntropy "
                             "(vocabulary-parallel there, and no rank holds whole logits) or tp_size: 1")]
-    parallel = ", ".join(f"{name} {size}" for name, size in sizes.items() if size > 1 and name != "tp_size")
-    if loss_fn_named(cfg, LINEAR) is not None and parallel:
+    if loss_fn_named(cfg, LINEAR) is not None and sizes["cp_size"] > 1:
         return [ConfigIssue("loss_fn._target_", f"FusedLinearCrossEntropy computes the loss inside the output head "
-                            f"as the model runs, which {parallel} takes apart (the pipeline's last stage returns "
-                            "logits to the schedule's loss; context parallelism splits the sequence outside the "
-                            "model); use MaskedCrossEntropy there")]
+                            f"as the model runs, which cp_size {sizes['cp_size']} takes apart (context parallelism "
+                            "splits the sequence outside the model); use MaskedCrossEntropy there")]
     return []
 
 

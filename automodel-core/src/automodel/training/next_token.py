@@ -22,6 +22,7 @@ from automodel.training.linear_ce import LinearCrossEntropy, LinearLossHead
 from automodel.training.loss import IGNORE_INDEX
 from automodel.training.modules import unwrap
 from automodel.training.parallel.context_parallel import ContextParallelBatch
+from automodel.training.parallel.pipeline_stages import last_stage
 
 LABEL_POSITIONS = "label_positions"  # batch key: flat indices of the positions whose next token has a label
 
@@ -92,8 +93,7 @@ def next_token_logits(model: nn.Module, inputs: dict[str, Any], labels: torch.Te
     if index is None:
         # the head sees every position: a causal row's last has no next token
         length = labels.shape[1] - offset
-        shifted = torch.cat([labels[:, offset:], torch.full_like(labels[:, :offset], IGNORE_INDEX)], dim=1)
-        with loss_head.targets(shifted) if loss_head is not None else contextlib.nullcontext():
+        with loss_head.targets(next_targets(labels, offset)) if loss_head is not None else contextlib.nullcontext():
             logits = model(**inputs).logits
             if loss_head is not None:
                 logits = loss_head.checked(logits)
@@ -101,6 +101,11 @@ def next_token_logits(model: nn.Module, inputs: dict[str, Any], labels: torch.Te
     targets = labels.reshape(-1)[index + offset]
     with loss_head.targets(targets) if loss_head is not None else contextlib.nullcontext():
         return logits_at(model, inputs, index, head, loss_head), targets
+
+
+def next_targets(labels: torch.Tensor, offset: int = 1) -> torch.Tensor:
+    """The target of every position: the label ``offset`` positions on, ``IGNORE_INDEX`` where a row has none."""
+    return torch.cat([labels[:, offset:], torch.full_like(labels[:, :offset], IGNORE_INDEX)], dim=1)
 
 
 def logits_at(model: nn.Module, inputs: dict[str, Any], index: torch.Tensor, head: HeadOnPositions | None,
@@ -152,7 +157,7 @@ class NextTokenLogits:
         if getattr(getattr(unwrap(self.model), "config", None), "is_encoder_decoder", False):
             self.label_offset = 0  # its decoder reads the labels shifted right (the batch's decoder_input_ids)
         if isinstance(self.loss_fn, LinearCrossEntropy):
-            self.loss_head = LinearLossHead.attach(unwrap(self.model), self.loss_fn)
+            self.loss_head = self.attach_loss_head()
         if not self.cfg.logits.label_positions_only:
             return
         pp = self.cfg.distributed.pp_size if self.cfg.distributed is not None else 1
@@ -160,6 +165,18 @@ class NextTokenLogits:
             self.log(pipeline_logits_note(pp))
         else:
             self.head_positions = self.attach_head(self.model)
+
+    def attach_loss_head(self) -> LinearLossHead | None:
+        """The output head that computes the loss (FusedLinearCrossEntropy): the model's, or under pipeline
+        parallelism the last stage's where this rank runs it (that stage then returns its final hidden states, and
+        :meth:`pipeline_loss` applies the head); None on the other pipeline ranks."""
+        if getattr(self, "pipelines", None) is None:
+            return LinearLossHead.attach(unwrap(self.model), self.loss_fn)
+        stage = last_stage(unwrap(self.model))
+        if stage is None:
+            return None
+        stage.head_in_loss = True
+        return LinearLossHead.attach(stage, self.loss_fn, stage.output_head)
 
     def attach_head(self, model: nn.Module) -> HeadOnPositions | None:
         """The hook on ``model``'s output head (inside DDP / compile wrappers), or None where it has none."""
@@ -175,7 +192,11 @@ class NextTokenLogits:
         raise NotImplementedError
 
     def pipeline_loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Pipeline parallelism: the next-token loss on the last stage's logits, summed over the label tokens."""
+        """Pipeline parallelism: the next-token loss on the last stage's logits, summed over the label tokens; with
+        FusedLinearCrossEntropy the last stage returned its final hidden states, which the head projects here, a
+        chunk of rows at a time (:meth:`LinearLossHead.summed`)."""
+        if self.loss_head is not None:
+            return self.loss_head.summed(output, next_targets(targets, self.label_offset))
         return self.loss_fn(output[:, :-1].reshape(-1, output.shape[-1]), targets[:, 1:].reshape(-1))
 
     def next_token_logits(self, model: nn.Module, batch: dict[str, Any] | ContextParallelBatch,

@@ -14,7 +14,7 @@ from automodel.errors import AutomodelError, ConfigIssue
 from automodel.model_backend import backend_setting
 from automodel.training.context import BuildContext
 from automodel.training.distributed_section import moe_head_fp32
-from automodel.training.loss import IGNORE_INDEX
+from automodel.training.loss import IGNORE_INDEX, LINEAR, loss_fn_named
 from automodel.training.modules import unwrap
 from automodel.training.parallel.mesh import PP
 from automodel.training.parallel.pipeline_parallel import PipelineSettings, StagePipelines
@@ -46,6 +46,26 @@ def padded_mask(batch: dict[str, torch.Tensor], extra: int) -> torch.Tensor:
     """``batch``'s attention mask (all ones where it has none) with ``extra`` masked-out padding positions."""
     mask = batch.get("attention_mask", torch.ones_like(batch["input_ids"]))
     return torch.nn.functional.pad(mask, (0, extra), value=0)
+
+
+def stage_kwargs(batch: dict[str, torch.Tensor], extra: int) -> dict[str, torch.Tensor]:
+    """The keyword arguments every stage gets for ``batch`` with ``extra`` padding positions (torch's schedule hands
+    each stage the micro-batch's). Packed rows (position ids that restart at each sample, no attention mask): their
+    position ids, the padding a segment of its own, so the model keeps every stage's attention within each sample
+    from the restarts, as in one process. Other rows: their attention mask with the padding masked out, and their
+    position ids where they carry them."""
+    positions = batch.get("position_ids")
+    if "attention_mask" in batch or positions is None:
+        kwargs = {"attention_mask": padded_mask(batch, extra)}
+        if positions is not None:
+            kwargs["position_ids"] = torch.nn.functional.pad(positions, (0, extra), value=0)
+        return kwargs
+    if positions.dim() != 2:
+        raise AutomodelError(f"distributed.pp_size: packed rows with {positions.dim()}-axis position ids (multi-axis "
+                             "rotary positions): the pipeline schedule splits every keyword argument along its first "
+                             "dimension, which is not the rows' there; remove packed_sequence or set pp_size: 1")
+    restart = torch.arange(extra, device=positions.device, dtype=positions.dtype).expand(positions.shape[0], extra)
+    return {"position_ids": torch.cat([positions, restart], dim=1)}
 
 
 def generation_issues(cfg: Any) -> list[ConfigIssue]:
@@ -134,10 +154,12 @@ class PipelineSteps:
 def static_shapes(ctx: BuildContext, stage: torch.nn.Module, settings: PipelineSettings) -> StaticShapes:
     """The stages' static shapes for ``pp_seq_len``: the model's hidden and vocabulary sizes, the activations in
     ``distributed.pipeline.dtype`` (checked against the run's precision at validation where the config names the
-    dtypes), else in the dtype the run's precision gives them; the logits in the dtype it gives them."""
+    dtypes), else in the dtype the run's precision gives them; the logits in the dtype it gives them (none with
+    FusedLinearCrossEntropy: the last stage returns hidden states, the loss applies the head)."""
     text = stage.config.get_text_config()
     storage = next(stage.parameters()).dtype
     given = parse_dtype_name(settings.dtype) if settings.dtype is not None else None
     return StaticShapes(settings.pp_seq_len, text.hidden_size, text.vocab_size,
                         given or activations_dtype(ctx.precision, storage),
-                        logits_dtype(ctx.precision, storage, moe_head_fp32(ctx.cfg.distributed)))
+                        logits_dtype(ctx.precision, storage, moe_head_fp32(ctx.cfg.distributed)),
+                        head_in_loss=loss_fn_named(ctx.cfg, LINEAR) is not None)

@@ -133,11 +133,6 @@ def packing_issues(cfg: Config) -> list[ConfigIssue]:
         issues.append(ConfigIssue("dataloader.collate_fn", "packed_sequence builds the training rows itself (each "
                                                            "sample tokenized by the recipe's collator); remove "
                                                            "collate_fn or packed_sequence"))
-    distributed = cfg.distributed
-    if distributed is not None and distributed.pp_size > 1:
-        issues.append(ConfigIssue("packed_sequence", f"not with distributed.pp_size {distributed.pp_size}: "
-                                                     "pipelined batches carry an attention mask, which would let "
-                                                     "the samples of a row see each other; remove one of them"))
     return issues
 
 

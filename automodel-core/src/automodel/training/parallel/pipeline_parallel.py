@@ -244,7 +244,8 @@ def split_for_pipeline(model: nn.Module, pp_mesh: DeviceMesh, settings: Pipeline
 
 class Pipeline:
     """The schedule over this rank's stages. ``loss_sum(output, labels)``: the loss summed over the label tokens of
-    one micro-batch (the engine's ``compute_loss`` on the last stage's logits). With ``shapes`` the stages are built
+    one micro-batch (the engine's ``compute_loss`` on the last stage's logits, or on its final hidden states where
+    the loss applies the output head, FusedLinearCrossEntropy). With ``shapes`` the stages are built
     with static shapes (every batch then ``shapes.seq_len`` long), without: torch finds them on the first batch."""
 
     def __init__(self, stages: list[PipelineStageModel], pp_mesh: DeviceMesh, device: torch.device,

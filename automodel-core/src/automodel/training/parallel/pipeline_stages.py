@@ -49,9 +49,15 @@ class PipelineStageModel(nn.Module):
     """One stage: the causal LM's own children (pruned to this stage), under the causal LM's names.
 
     ``forward(inputs, attention_mask=None, position_ids=None, **media)``: token ids on the first stage, the
-    previous stage's hidden states on the others; returns the hidden states, or the logits on the last stage. The
-    first stage runs the base model (a composite model's: media encoders, projector, embedding, its layers, with
-    the micro-batch's media, see ``pipeline_media``), the others the text model that holds the layers."""
+    previous stage's hidden states on the others; returns the hidden states, or the logits on the last stage (with
+    :attr:`head_in_loss`: its final hidden states, which the schedule's loss projects through :attr:`output_head`
+    itself). The first stage runs the base model (a composite model's: media encoders, projector, embedding, its
+    layers, with the micro-batch's media, see ``pipeline_media``), the others the text model that holds the
+    layers. Every stage gets the micro-batch's keyword arguments (torch's schedule hands them to each), so position
+    ids that restart at each sample of a packed row keep every stage's attention within the samples."""
+
+    # the loss applies the output head itself (FusedLinearCrossEntropy): no [tokens, vocab] logits leave the stage
+    head_in_loss = False
 
     def __init__(self, model: nn.Module, index: int, num_stages: int, layers: range, parts: dict[str, str],
                  whole: nn.Module | None = None):
@@ -79,7 +85,12 @@ class PipelineStageModel(nn.Module):
             body, given = self.get_submodule(self._text), {"inputs_embeds": inputs}
         hidden = body(**given, attention_mask=attention_mask, position_ids=position_ids,
                       use_cache=False).last_hidden_state
-        return getattr(self, self._head)(hidden) if self.is_last else hidden
+        return self.output_head(hidden) if self.is_last and not self.head_in_loss else hidden
+
+    @property
+    def output_head(self) -> nn.Module | None:
+        """The output head (the last stage's), None on the other stages."""
+        return getattr(self, self._head) if self.is_last else None
 
     def release_whole_model(self) -> None:
         """Drop the reference to the model the stage was cut from (built in full by a factory without meta-device
@@ -201,8 +212,18 @@ def stages_of(model: nn.Module) -> list[nn.Module]:
 def is_stage(model: nn.Module) -> bool:
     """Whether ``model`` holds pipeline stages only, some layers of the model: one stage, one wrapped by peft (LoRA's
     ``PeftModel`` around it) or a rank's :class:`LocalStages`."""
-    inner = model.get_base_model() if hasattr(model, "peft_config") and hasattr(model, "get_base_model") else model
-    return isinstance(inner, (PipelineStageModel, LocalStages))
+    return isinstance(_inside_peft(model), (PipelineStageModel, LocalStages))
+
+
+def last_stage(model: nn.Module) -> PipelineStageModel | None:
+    """The pipeline's last stage where this rank runs it (``model``: what :func:`stages_of` takes), else None."""
+    inner = [_inside_peft(stage) for stage in stages_of(model)]
+    return next((stage for stage in inner if isinstance(stage, PipelineStageModel) and stage.is_last), None)
+
+
+def _inside_peft(model: nn.Module) -> nn.Module:
+    """The model a peft ``PeftModel`` wraps (``model`` itself where it is none)."""
+    return model.get_base_model() if hasattr(model, "peft_config") and hasattr(model, "get_base_model") else model
 
 
 def _merged_children(modules: list[nn.Module]) -> dict[str, nn.Module | None]:

@@ -76,13 +76,15 @@ def logits_dtype(precision: Precision, storage: torch.dtype, head_fp32: bool) ->
 class StaticShapes:
     """What every training stage takes and returns with ``pp_seq_len``: token ids ``[rows, seq_len]`` into the
     first stage, hidden states ``[rows, seq_len, hidden]`` in ``activations`` between stages, logits
-    ``[rows, seq_len, vocab]`` in ``logits`` out of the last (``rows``: a pipeline micro-batch)."""
+    ``[rows, seq_len, vocab]`` in ``logits`` out of the last (``rows``: a pipeline micro-batch); with
+    ``head_in_loss`` (the loss applies the output head) the last stage's final hidden states instead."""
 
     seq_len: int
     hidden: int
     vocab: int
     activations: torch.dtype
     logits: torch.dtype
+    head_in_loss: bool = False
 
     def examples(self, stage: Any, rows: int) -> dict[str, torch.Tensor]:
         """``PipelineStage``'s ``input_args`` and ``output_args`` for ``stage`` (meta tensors)."""
@@ -91,16 +93,19 @@ class StaticShapes:
         else:
             inputs = torch.empty(rows, self.seq_len, self.hidden, dtype=self.activations, device="meta",
                                  requires_grad=True)
-        width, dtype = (self.vocab, self.logits) if stage.is_last else (self.hidden, self.activations)
+        logits = stage.is_last and not self.head_in_loss
+        width, dtype = (self.vocab, self.logits) if logits else (self.hidden, self.activations)
         outputs = torch.empty(rows, self.seq_len, width, dtype=dtype, device="meta", requires_grad=True)
         return {"input_args": inputs, "output_args": outputs}
 
     def describe(self, rows: int) -> str:
         """The run-start line: the shapes, and that no shape-finding pass runs."""
         size = f"{rows}, {self.seq_len}"
+        last = "the last stage's too (the loss applies the output head)" if self.head_in_loss else \
+            f"logits [{size}, {self.vocab}] {dtype_name(self.logits)}"
         return (f"pipeline stage shapes: static (pp_seq_len {self.seq_len}): token ids [{size}], hidden states "
-                f"[{size}, {self.hidden}] {dtype_name(self.activations)}, logits [{size}, {self.vocab}] "
-                f"{dtype_name(self.logits)}; no shape-finding pass on the first batch")
+                f"[{size}, {self.hidden}] {dtype_name(self.activations)}, {last}; no shape-finding pass on the first "
+                "batch")
 
 
 class StaticStage(AccumulatingStage):
