@@ -39,7 +39,7 @@ from automodel.training.parallel.grad_norm import clip_grad_norm_
 from automodel.training.parallel.hf_export import export_hf
 from automodel.training.parallel.materialize import materialize
 from automodel.training.parallel.mesh import build_device_mesh, data_parallel_mesh, plan_mesh
-from automodel.training.parallel.pipeline_parallel import Pipeline, PipelineSettings, split_for_pipeline
+from automodel.training.parallel.pipeline_parallel import Pipeline, PipelineSettings, StagePipelines, split_for_pipeline
 from automodel.training.parallel.pipeline_static import StaticShapes
 from automodel.training.parallel.sharded_checkpoint import load_sharded_state, save_sharded_state
 from automodel.training.parallel.tensor_parallel import apply_tensor_parallel, local_loss
@@ -216,7 +216,7 @@ def scenario_two(args: dict[str, Any], out: Path) -> dict[str, Any]:
     for schedule, micro_batches in (("gpipe", 2), ("1f1b", 1), ("interleaved1f1b", 1), ("loopedbfs", 1)):
         checkpoint = out / "pp_ckpt" if schedule == "1f1b" else None
         result[f"pp_{schedule}"] = train_pp(pp_mesh, pp_layout, schedule, micro_batches, checkpoint)
-    result["pp_static"] = train_pp(pp_mesh, pp_layout, "gpipe", 2, static=True)
+    result["pp_static"] = train_pp(pp_mesh, pp_layout, "gpipe", 2, static=True, each_length=True)
     result["pp_fused"] = train_pp(pp_mesh, pp_layout, "gpipe", 2, static=True, fused=True)
     result["cp"] = context_parallel_split(_mesh(cp_size=2)[1])
     return result
@@ -255,28 +255,33 @@ def pp_stages(mesh, layout, settings: PipelineSettings, seed: int = 7, fsdp: boo
 
 def train_pp(mesh, layout, schedule: str, micro_batches: int, checkpoint: Path | None = None,
              fsdp: bool = False, tp: bool = False, defer: bool = False, static: bool = False,
-             fused: bool = False) -> dict[str, Any]:
+             fused: bool = False, each_length: bool = False) -> dict[str, Any]:
     """Six steps through the pipeline; with ``checkpoint``: saved, exported, resumed by fresh stages; ``defer``:
     FSDP2 reduces the gradients after each step's last micro-batch only, the parameters kept gathered until then
     (what was seen after the other micro-batches in ``result["deferred"]``); ``static``: the stages built with
     static shapes (``pp_seq_len``), the mode torch's stages ran in in ``result["modes"]``, and the stages' final
-    weights in ``result["weights"]``; ``fused``: FusedLinearCrossEntropy as the LLM recipe runs it pipelined."""
+    weights in ``result["weights"]``; ``each_length``: the shapes of each batch's own length (``dtype`` without
+    ``pp_seq_len``), through the recipe's ``StagePipelines``; ``fused``: FusedLinearCrossEntropy as the LLM recipe
+    runs it pipelined."""
     settings = PipelineSettings(pp_schedule=schedule)
     rows = ROWS // layout.dp // micro_batches
     stages = pp_stages(mesh, layout, settings, fsdp=fsdp, tp=tp)
     hidden = mp_config().hidden_size
-    shapes = StaticShapes(SEQ, hidden, VOCAB, torch.float32, torch.float32, head_in_loss=fused) if static else None
-    pipe = Pipeline(stages, mesh["pp"], device(), settings, rows, fused_loss_sum(stages) if fused else logits_loss_sum,
-                    shapes)
+    length = None if each_length else SEQ
+    shapes = StaticShapes(length, hidden, VOCAB, torch.float32, torch.float32, head_in_loss=fused) if static else None
+    loss_sum = fused_loss_sum(stages) if fused else logits_loss_sum
+    pipes = StagePipelines(stages, mesh["pp"], device(), settings, loss_sum, shapes) if each_length else None
+    pipe = None if each_length else Pipeline(stages, mesh["pp"], device(), settings, rows, loss_sum, shapes)
     optimizers = [torch.optim.AdamW(stage.parameters(), lr=LR) for stage in stages]
     params = [p for stage in stages for p in stage.parameters()]
     place = _place(mesh, layout, pp=True)
     seen: list[dict[str, bool]] = []
-    run = _deferring(pipe, params, micro_batches, seen) if defer else pipe.step
+    run = _deferring(pipe, params, micro_batches, seen) if defer else (pipes or pipe).step
     result = train(run, params, optimizers, place, STEPS, micro_batches=micro_batches)
     result["deferred"] = seen
     result["layers"] = [list(stage.layer_range) for stage in stages]
-    result["modes"] = [run._inference_mode.name for run in pipe.runs]
+    built = list(pipes._pipelines.values()) if each_length else [pipe]
+    result["modes"] = [each._inference_mode.name for one in built for each in one.runs]
     if static:
         result["weights"] = {name: value.tolist() for stage in stages for name, value in full_state(stage).items()}
     if checkpoint is None:

@@ -43,8 +43,9 @@ def test_pp2_losses_and_grad_norms_equal_one_process(runs, schedule, layers):
 
 
 def test_static_stage_shapes_skip_the_shape_finding_pass_and_train_like_one_process(runs):
-    """pp=2 GPipe (two batches a step) with the stages given static shapes: torch ran them in its STATIC mode
-    (no forward and backward on the first batch to find the shapes), the run equals one process."""
+    """pp=2 GPipe (two batches a step) with the stages given static shapes of each batch's own length (upstream's
+    ``distributed.pipeline.dtype`` without ``pp_seq_len``): torch ran them in its STATIC mode (no forward and
+    backward on the first batch to find the shapes), the run equals one process."""
     ranks = [rank["pp_static"] for rank in runs["two"]]
     assert [rank["modes"] for rank in ranks] == [["STATIC"], ["STATIC"]]
     assert [rank["modes"] for rank in (run["pp_gpipe"] for run in runs["two"])] == [["DYNAMIC"], ["DYNAMIC"]]

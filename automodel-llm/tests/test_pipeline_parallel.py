@@ -244,7 +244,8 @@ def test_static_shape_settings_are_checked_byvalidate_cli(pp_llama_config, tmp_p
         (["--distributed.pipeline.pp_seq_len", "0"], f"{key}.pp_seq_len: must be a positive integer"),
         (["--distributed.pipeline.pp_seq_len", "64", "--distributed.pipeline.dtype", "int8"],
          f"{key}.dtype: 'int8' is not a training dtype"),
-        (["--distributed.pipeline.dtype", "bf16"], f"{key}.dtype: 'bf16' without pp_seq_len"),
+        (["--distributed.pipeline.dtype", "bf16", "--distributed.mp_policy.param_dtype", "fp32"],
+         f"{key}.dtype: bf16, but the stages exchange fp32"),  # without pp_seq_len too: each batch's length
         (["--distributed.pipeline.pp_seq_len", "64", "--distributed.pipeline.dtype", "fp32",
           "--distributed.mp_policy.param_dtype", "bf16"], f"{key}.dtype: fp32, but the stages exchange bf16"),
         (["--nproc-per-node", "4", "--distributed.tp_size", "2", "--distributed.sequence_parallel", "true",
@@ -263,7 +264,7 @@ def test_static_shape_settings_are_checked_byvalidate_cli(pp_llama_config, tmp_p
     code, out = validate_cli(config, tmp_path, *packed, *four_tp)
     assert code == 0, out  # inferred with tensor-parallel stages too
     code, out = validate_cli(config, tmp_path, *packed, *four_tp, "--distributed.sequence_parallel", "true")
-    assert code == 2 and f"{key}.dtype: 'fp32' without pp_seq_len" in out  # not inferred: sequence shards
+    assert code == 2 and f"{key}.dtype: 'fp32' with sequence_parallel with tp_size 2" in out  # sequence shards
 
 
 def test_settings_the_pipeline_cannot_take_are_refused_byvalidate_cli(pp_llama_config, tmp_path):

@@ -61,7 +61,8 @@ class DistributedConfig:
         "upstream's pipeline-parallel settings: pp_schedule (gpipe, 1f1b; interleaved1f1b, looped_bfs: several "
         "stages per rank), pp_microbatch_size, layers_per_stage, round_virtual_stages_to_pp_multiple (up, down), "
         "pp_seq_len (every training batch padded to it, the stages built with static shapes: no shape-finding pass) "
-        "with dtype (the activations' dtype there; default: the run's); "
+        "with dtype (the activations' dtype there; default: the run's; dtype without pp_seq_len: static shapes of "
+        "each training batch's own length, upstream's update_seq_len); "
         "with pp_size 1 they govern nothing, upstream's rule too, and the run says so"))
     moe: dict | None = field(default=None, metadata=_help(
         "upstream's expert-parallel settings; with ep_size > 1: reshard_after_forward and mp_policy act as "

@@ -214,7 +214,7 @@ def pipeline_parallel_issues(cfg: Config, implementation: str | None) -> list[Co
                                   f"into the pipeline schedule (pp_size {pp}); use bf16 or fp32"))
     pipeline = pipeline_settings(cfg)
     found = static_issues(pipeline)
-    if not found and pipeline.pp_seq_len is not None:
+    if not found and (pipeline.pp_seq_len is not None or pipeline.dtype is not None):
         unsupported = static_shapes_unsupported(settings.tp_size, settings.cp_size, settings.sequence_parallel)
         found = static_shape_issues(pipeline, precision, storage_dtype_name(cfg), unsupported)
     issues += found

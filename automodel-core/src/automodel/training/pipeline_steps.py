@@ -106,7 +106,7 @@ class PipelineSteps:
         settings = pipeline_settings(ctx.cfg)
         stages = stages_of(unwrap(self.model))
         shapes = None
-        if settings.pp_seq_len is not None:
+        if settings.pp_seq_len is not None or settings.dtype is not None:
             shapes = static_shapes(ctx, stages[0], settings)
             self.log(shapes.describe(settings.pp_microbatch_size))
         return StagePipelines(stages, ctx.device_mesh[PP], ctx.device, settings, self.pipeline_loss, shapes)
@@ -123,7 +123,8 @@ class PipelineSteps:
         with self.batch_errors(batches[0], "dataloader"):
             moved = [self.move_to_device(batch) for batch in batches]
             shapes = self.pipelines.shapes
-            parts = self._agreed_shape(moved) if shapes is None else self.pipeline_batches(moved, shapes.seq_len)
+            fixed = shapes.seq_len if shapes is not None else None
+            parts = self._agreed_shape(moved) if fixed is None else self.pipeline_batches(moved, fixed)
         keep = bool(backend_setting(self.cfg.model, "enable_fsdp_optimizations"))
         defer = self.cfg.distributed.defer_fsdp_grad_sync or keep  # as without pipeline (prepare_micro_batch)
         for index, (inputs, targets, kwargs) in enumerate(parts):
@@ -152,10 +153,11 @@ class PipelineSteps:
 
 
 def static_shapes(ctx: BuildContext, stage: torch.nn.Module, settings: PipelineSettings) -> StaticShapes:
-    """The stages' static shapes for ``pp_seq_len``: the model's hidden and vocabulary sizes, the activations in
-    ``distributed.pipeline.dtype`` (checked against the run's precision at validation where the config names the
-    dtypes), else in the dtype the run's precision gives them; the logits in the dtype it gives them (none with
-    FusedLinearCrossEntropy: the last stage returns hidden states, the loss applies the head)."""
+    """The stages' static shapes for ``pp_seq_len`` (None: each batch's length): the model's hidden and vocabulary
+    sizes, the activations in ``distributed.pipeline.dtype`` (checked against the run's precision at validation
+    where the config names the dtypes), else in the dtype the run's precision gives them; the logits in the dtype
+    it gives them (none with FusedLinearCrossEntropy: the last stage returns hidden states, the loss applies the
+    head)."""
     text = stage.config.get_text_config()
     storage = next(stage.parameters()).dtype
     given = parse_dtype_name(settings.dtype) if settings.dtype is not None else None

@@ -55,7 +55,7 @@ class PipelineSettings:
     layers_per_stage: int | None = None
     round_virtual_stages_to_pp_multiple: str | None = None
     pp_seq_len: int | None = None  # every training batch padded to it, the stages' shapes static
-    dtype: str | None = None  # the activations' dtype in those static shapes (checked against the run's)
+    dtype: str | None = None  # the activations' dtype in static shapes (without pp_seq_len: each batch's length)
 
     @property
     def schedule(self) -> str:
@@ -175,8 +175,8 @@ def pp_issues(model_config: Any, pp_size: int, settings: PipelineSettings, batch
 
 
 def static_issues(settings: PipelineSettings, key: str = "distributed.pipeline") -> list[ConfigIssue]:
-    """``pp_seq_len`` a positive integer; ``dtype`` a training dtype, given with ``pp_seq_len`` (upstream too uses
-    it only for the static shapes of a known sequence length)."""
+    """``pp_seq_len`` a positive integer; ``dtype`` a training dtype (with ``pp_seq_len`` the static shapes of
+    that length; without, of each training batch's own length, as upstream's ``update_seq_len``)."""
     from automodel.training.parallel.precision import parse_dtype_name
 
     length = settings.pp_seq_len
@@ -188,12 +188,6 @@ def static_issues(settings: PipelineSettings, key: str = "distributed.pipeline")
     if parse_dtype_name(settings.dtype) is None:
         return [ConfigIssue(f"{key}.dtype", f"{settings.dtype!r} is not a training dtype; use bf16 (bfloat16), fp16 "
                             "(float16) or fp32 (float32)")]
-    if settings.pp_seq_len is None:
-        return [ConfigIssue(f"{key}.dtype", f"{settings.dtype!r} without pp_seq_len: it is the dtype of the static "
-                            "stage shapes that pp_seq_len sets (given, or upstream's default without context or "
-                            "sequence parallelism: packed_sequence.packed_sequence_size, else dataset.seq_len), and "
-                            "acts on nothing "
-                            "else; set pp_seq_len or remove dtype")]
     return []
 
 
@@ -316,7 +310,8 @@ class StagePipelines:
     That first run also drops the stages' gradients (torch runs a real forward and backward to learn the shapes),
     so every batch of one optimizer step must have the step's shape (the loop asks the recipe for that). The
     pipelines of the :data:`KEPT_SHAPES` shapes used last are kept (each holds buffers for its micro-batches).
-    With ``shapes`` (``pp_seq_len``) the training pipelines are built with static shapes instead, no such first run.
+    With ``shapes`` (``pp_seq_len``, or ``dtype`` alone: each batch's own length) the training pipelines are built
+    with static shapes instead, no such first run.
     Evaluation runs GPipe, or LoopedBFS (its form for several stages per rank), forward only (the schedule changes
     nothing there), with micro-batches that divide the batch, so a shorter last validation batch runs too."""
 
@@ -333,7 +328,7 @@ class StagePipelines:
              keep_gathered: bool = False, **kwargs: Any) -> torch.Tensor:
         """:meth:`Pipeline.step` with the pipeline for this batch's shape (with static shapes: every batch
         ``pp_seq_len`` long, else an ``AutomodelError`` naming the key)."""
-        if self.shapes is not None and inputs.shape[1] != self.shapes.seq_len:
+        if self.shapes is not None and self.shapes.seq_len is not None and inputs.shape[1] != self.shapes.seq_len:
             raise AutomodelError(f"distributed.pipeline.pp_seq_len: {self.shapes.seq_len}, but this step's batches "
                                  f"are {inputs.shape[1]} tokens long (padded); raise pp_seq_len to at least "
                                  f"{inputs.shape[1]} or make the samples shorter (the dataset's maximum length)")
@@ -359,6 +354,7 @@ class StagePipelines:
                                        "distributed.pipeline")
             if found:
                 raise AutomodelError(f"a batch of {rows} rows: {found[0].key}: {found[0].message}")
+            shapes = self.shapes.of_length(inputs.shape[1]) if train and self.shapes is not None else None
             self._pipelines[key] = Pipeline(self.stages, self.pp_mesh, self.device, settings, rows, self.loss_sum,
-                                            self.shapes if train else None)
+                                            shapes)
         return self._pipelines[key]

@@ -1,9 +1,10 @@
-"""Static pipeline stage shapes (``distributed.pipeline.pp_seq_len``, with ``dtype``).
+"""Static pipeline stage shapes (``distributed.pipeline.pp_seq_len`` and / or ``dtype``).
 
 torch's ``PipelineStage`` learns what it sends and receives from the first batch it runs: a real forward and
 backward of it, stage after stage, its gradients then dropped. Given example tensors of every input and output it
 skips that (its STATIC mode). With ``pp_seq_len`` every training batch is padded to that length, so the shapes are
-known before the first step: :class:`StaticShapes` makes the examples (meta tensors) and :class:`StaticStage`
+known before the first step; with ``dtype`` alone they are set from each training batch's own length (upstream's
+``update_seq_len``): :class:`StaticShapes` makes the examples (meta tensors) and :class:`StaticStage`
 checks the first micro-batch's outputs against them, so a wrong dtype stops the run with the numbers instead of
 sending a tensor into a buffer of another dtype.
 
@@ -15,6 +16,7 @@ head's matmul (the autocast dtype under ``autocast_dtype``, fp32 with ``distribu
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -54,8 +56,9 @@ def static_shape_issues(pipeline: PipelineSettings, precision: Precision, storag
     :func:`static_shapes_unsupported`), and ``dtype`` the activations' dtype of the run's ``precision`` (where the
     config names it, ``storage`` the model's dtype or None; else the first micro-batch checks it)."""
     issues = []
+    name = "pp_seq_len" if pipeline.pp_seq_len is not None else "dtype"
     if unsupported is not None:
-        issues.append(ConfigIssue(f"{key}.pp_seq_len", f"{pipeline.pp_seq_len} with {unsupported}; remove pp_seq_len "
+        issues.append(ConfigIssue(f"{key}.{name}", f"{getattr(pipeline, name)!r} with {unsupported}; remove {name} "
                                   "(the shapes are then found on the first batch) or change that setting"))
     given = parse_dtype_name(pipeline.dtype) if pipeline.dtype is not None else None
     runs = activations_dtype(precision, storage)
@@ -79,12 +82,16 @@ class StaticShapes:
     ``[rows, seq_len, vocab]`` in ``logits`` out of the last (``rows``: a pipeline micro-batch); with
     ``head_in_loss`` (the loss applies the output head) the last stage's final hidden states instead."""
 
-    seq_len: int
+    seq_len: int | None  # None: each training batch's own length (of_length)
     hidden: int
     vocab: int
     activations: torch.dtype
     logits: torch.dtype
     head_in_loss: bool = False
+
+    def of_length(self, seq_len: int) -> StaticShapes:
+        """These shapes for a batch of ``seq_len`` tokens (itself when the length is fixed)."""
+        return self if self.seq_len is not None else dataclasses.replace(self, seq_len=seq_len)
 
     def examples(self, stage: Any, rows: int) -> dict[str, torch.Tensor]:
         """``PipelineStage``'s ``input_args`` and ``output_args`` for ``stage`` (meta tensors)."""
@@ -100,10 +107,11 @@ class StaticShapes:
 
     def describe(self, rows: int) -> str:
         """The run-start line: the shapes, and that no shape-finding pass runs."""
-        size = f"{rows}, {self.seq_len}"
+        size = f"{rows}, {self.seq_len or 'length'}"
         last = "the last stage's too (the loss applies the output head)" if self.head_in_loss else \
             f"logits [{size}, {self.vocab}] {dtype_name(self.logits)}"
-        return (f"pipeline stage shapes: static (pp_seq_len {self.seq_len}): token ids [{size}], hidden states "
+        origin = f"pp_seq_len {self.seq_len}" if self.seq_len else "distributed.pipeline.dtype, each batch's length"
+        return (f"pipeline stage shapes: static ({origin}): token ids [{size}], hidden states "
                 f"[{size}, {self.hidden}] {dtype_name(self.activations)}, {last}; no shape-finding pass on the first "
                 "batch")
 
@@ -124,8 +132,9 @@ class StaticStage(AccumulatingStage):
             self.expected = None
             if tuple(output.shape) != shape or output.dtype != dtype:
                 raise AutomodelError(
-                    f"distributed.pipeline.pp_seq_len: pipeline stage {self.stage_index} returns "
+                    f"distributed.pipeline: pipeline stage {self.stage_index} returns "
                     f"{list(output.shape)} {dtype_name(output.dtype)}, but its static shape is {list(shape)} "
                     f"{dtype_name(dtype)}; set distributed.pipeline.dtype to {dtype_name(output.dtype)} if that is the "
-                    "hidden states' dtype, or remove pp_seq_len (the shapes are then found on the first batch)")
+                    "hidden states' dtype, or remove pp_seq_len and dtype (the shapes are then found on the first "
+                    "batch)")
         return output
