@@ -168,16 +168,12 @@ class LatentCacheDataset:
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         shard, position = self.locations[int(index)]
-        handle, prefix = self.shards[shard], f"{position}."
         try:
-            tensors = {k.removeprefix(prefix): handle.get_tensor(k) for k in handle.keys() if k.startswith(prefix)}
-        except Exception as err:  # noqa: BLE001 - a truncated file fails only when its tensor is read
+            tensors = {name: self.shards[shard].get_tensor(f"{position}.{name}") for name in self.manifest["tensors"]}
+        except Exception as err:  # noqa: BLE001 - a damaged file fails only when its tensor is read
             raise AutomodelError(f"data.dataloader.cache_dir: the cache file "
-                                 f"'{self.folder / self.manifest['shards'][shard]['file']}' is corrupted ({err}); "
-                                 f"{HOW_TO_MAKE}") from None
-        if "latent_parameters" not in tensors:
-            raise AutomodelError(f"data.dataloader.cache_dir: sample {position} is missing from the cache file "
-                                 f"'{self.folder / self.manifest['shards'][shard]['file']}'; {HOW_TO_MAKE}")
+                                 f"'{self.folder / self.manifest['shards'][shard]['file']}' is corrupted or lacks "
+                                 f"sample {position} ({err}); {HOW_TO_MAKE}") from None
         return {"latent_parameters": tensors.pop("latent_parameters"), "caption": self.captions[int(index)],
                 "conditions": {k.removeprefix("cond."): v for k, v in tensors.items()},
                 "empty_conditions": self.empty_conditions}
