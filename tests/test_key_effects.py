@@ -55,6 +55,7 @@ SMALL = {
     ("finetune", "cross-encoder"): _FEW,
     ("mine", "retrieval"): {"mining": {"limit": 8}},
     ("generate", "diffusion"): {"inference": {"num_inference_steps": 1}},
+    ("precompute", "diffusion"): {"dataset": {"limit_samples": 4}, "output": {"shard_size": 2}},
 }
 # Sections that stand in place of others the route's example writes (upstream's fsdp: / ddp: for parallel_scheme,
 # flow_matching: for objective, freeze_config: for freeze; validation refuses both at once): each is checked on the

@@ -229,6 +229,36 @@ def family_model(base: Path, **kwargs: Any) -> Any:
     return model
 
 
+def assert_a_cache_gives_the_full_pipelines_loss(base: Path, transformer_cls: str, captions: list[str],
+                                                  images: Any = None, **kwargs: Any) -> None:
+    """One batch's losses on the transformer loaded alone, from latent-cache entries made as ``precompute diffusion``
+    makes them (one image, one caption at a time), equal the full pipeline's on the same images, noise and caption
+    dropout (up to float rounding). ``images``: one per caption (None: ``pixels``)."""
+    import torch
+
+    from automodel_diffusion import AutoDiffusionPipeline
+    from automodel_diffusion.objectives import ObjectiveConfig, build_objective
+
+    images = pixels(len(captions)) if images is None else images
+    cpu, settings = torch.device("cpu"), ObjectiveConfig(caption_dropout=0.5)
+    full = AutoDiffusionPipeline.from_pretrained(str(base), **kwargs)
+    alone = AutoDiffusionPipeline.load_transformer_only(str(base), transformer_cls, **kwargs)
+    assert alone.transformer_only and alone.pipeline.vae is None and alone.pipeline.text_encoder is None
+    full.objective = build_objective(settings, full.pipeline.scheduler)
+    alone.objective = build_objective(settings, alone.pipeline.scheduler)
+    conditioning = full.conditioning
+    dropped = (torch.rand(len(captions), generator=torch.Generator().manual_seed(4)) < 0.5).tolist()
+    assert dropped[:3] == [False, False, True], "seed 4 keeps two captions and drops the third"
+    with torch.no_grad():
+        cached = {"latent_parameters": torch.cat([full.encode_pixels(images[i:i + 1]).latent_dist.parameters
+                                                  for i in range(len(captions))]),
+                  "conditions": [conditioning.split(conditioning.encode([c], cpu))[0] for c in captions],
+                  "empty_conditions": conditioning.split(conditioning.encode([""], cpu))[0]}
+        expected = full(images, captions, generator=torch.Generator().manual_seed(4))
+        got = alone(None, captions, generator=torch.Generator().manual_seed(4), cached=cached)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6)
+
+
 def pixels(n: int = 2) -> Any:
     """``n`` fixed 32x32 RGB images in [-1, 1]."""
     import torch

@@ -12,6 +12,7 @@ import pytest
 import torch
 from diffusion_testing import (
     ASSETS,
+    assert_a_cache_gives_the_full_pipelines_loss,
     assert_cli_run_saved_the_trained_pipeline,
     assert_denoiser_equal_with_adapter,
     assert_generate_samples,
@@ -65,6 +66,12 @@ def test_packing_and_positions_are_fluxpipelines(bases):
         assert torch.equal(packed[:, token], patch), f"token {token} is not the patch at ({row}, {column})"
     with pytest.raises(Exception, match="2x2 patches"):
         model.conditioning.pack(torch.zeros(1, 4, 5, 8))
+
+
+def test_a_latent_cache_gives_the_transformer_alone_the_full_pipelines_loss(bases):
+    assert_a_cache_gives_the_full_pipelines_loss(bases["guided"], "FluxTransformer2DModel",
+                                                 ["a red circle", "a blue square on a green background", "a dot"],
+                                                 max_sequence_length=16)
 
 
 @pytest.mark.parametrize("kind", ["plain", "guided"])

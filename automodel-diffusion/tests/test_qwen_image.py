@@ -13,6 +13,7 @@ import pytest
 import torch
 from diffusion_testing import (
     ASSETS,
+    assert_a_cache_gives_the_full_pipelines_loss,
     assert_cli_run_saved_the_trained_pipeline,
     assert_denoiser_equal_with_adapter,
     assert_generate_samples,
@@ -44,6 +45,11 @@ def base(tmp_path_factory) -> Path:
 
 
 # ---- the training step, against diffusers' own helpers ---------------------------------------------------------
+
+
+def test_a_latent_cache_gives_the_transformer_alone_the_full_pipelines_loss(base):
+    """Captions of different lengths: each cached at its own length, padded into the batch as the pipeline pads."""
+    assert_a_cache_gives_the_full_pipelines_loss(base, "QwenImageTransformer2DModel", [*CAPTIONS, "a red square"])
 
 
 def test_the_tiny_tokenizer_makes_the_pipeline_drop_exactly_the_prompt_templates_prefix(base):

@@ -210,11 +210,6 @@ def test_upstream_values_that_cannot_act_are_refused_with_the_reason(override, k
     assert key in found and needle in found[key], found
 
 
-def test_pretrain_spec_that_skips_the_encoders_is_refused():
-    found = refusals(PRETRAIN, "--model.pipeline_spec.load_full_pipeline", "false")
-    assert "encodes images and captions on the fly" in found["model.pipeline_spec.load_full_pipeline"]
-
-
 def test_one_place_per_setting(tmp_path):
     both = variant(tmp_path, FINETUNE, ddp={"find_unused_parameters": True},
                    objective={"type": "flow_matching"}, dataset={

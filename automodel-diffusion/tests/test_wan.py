@@ -16,6 +16,7 @@ import torch
 from diffusion_testing import (
     ASSETS,
     CLIP_CAPTIONS,
+    assert_a_cache_gives_the_full_pipelines_loss,
     assert_cli_run_saved_the_trained_pipeline,
     assert_denoiser_equal_with_adapter,
     build_refusals_on_the_sd3_pipeline,
@@ -105,6 +106,11 @@ def test_clip_folders_that_cannot_train_are_refused(clips, tmp_path):
 
 
 # ---- the training step, against diffusers' own code ------------------------------------------------------------
+
+
+def test_a_latent_cache_gives_the_transformer_alone_the_full_pipelines_loss(base, clips):
+    assert_a_cache_gives_the_full_pipelines_loss(base, "WanTransformer3DModel", list(CLIP_CAPTIONS[:3]),
+                                                 videos(clips, 3))
 
 
 def test_latents_are_the_pipelines_normalised_vae_latents(base, clips):

@@ -29,9 +29,13 @@ DEFAULT_GUIDANCE = 3.5  # FluxPipeline's default guidance_scale: what a guidance
 class Conditioning:
     """How a pipeline family encodes images and captions and calls its denoiser."""
 
-    def __init__(self, pipeline: Any, max_sequence_length: int | None = None):
+    shared: tuple[str, ...] = ()  # encode()'s outputs that are the same for every caption (no batch dimension)
+
+    def __init__(self, pipeline: Any, max_sequence_length: int | None = None, vae_config: Any = None):
         self.pipeline = pipeline
         self.text_kwargs = {} if max_sequence_length is None else {"max_sequence_length": max_sequence_length}
+        # the VAE's config (normalisation): the pipeline's VAE's, or given when only the transformer is loaded
+        self.vae_config = vae_config if vae_config is not None else pipeline.vae.config
 
     def vae_input(self, pixels: torch.Tensor) -> torch.Tensor:
         """The images as the VAE's encoder takes them."""
@@ -39,12 +43,31 @@ class Conditioning:
 
     def normalize(self, latents: torch.Tensor) -> torch.Tensor:
         """The VAE's latents as the denoiser sees them (the inverse of what the pipeline does before decoding)."""
-        config = self.pipeline.vae.config
+        config = self.vae_config
         shift = getattr(config, "shift_factor", None) or 0.0
         return (latents - shift) * getattr(config, "scaling_factor", 1.0)
 
     def encode(self, captions: list[str], device: torch.device) -> dict[str, Any]:
         raise NotImplementedError
+
+    def split(self, cond: dict[str, Any]) -> list[dict[str, torch.Tensor]]:
+        """``encode``'s outputs for a batch as one dict per caption (what a latent cache stores)."""
+        count = next(v.shape[0] for k, v in cond.items() if k not in self.shared)
+        return [{k: v if k in self.shared else v[i] for k, v in cond.items()} for i in range(count)]
+
+    def join(self, rows: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
+        """The inverse of ``split``: one caption's outputs per row -> a batch's, each padded with zeros to the
+        longest row (what the pipelines' ``encode_prompt`` does to a batch of captions of different lengths)."""
+        joined = {}
+        for key in rows[0]:
+            if key in self.shared:
+                joined[key] = rows[0][key]
+                continue
+            values = [row[key] for row in rows]
+            longest = max(v.shape[0] for v in values) if values[0].dim() else 0
+            joined[key] = torch.stack([torch.nn.functional.pad(v, (0, 0) * (v.dim() - 1) + (0, longest - v.shape[0]))
+                                       if v.dim() else v for v in values])
+        return joined
 
     def pack(self, latents: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
         """The latents as the denoiser takes them (the objective noises these), and their position inputs."""
@@ -105,8 +128,10 @@ class FluxConditioning(Conditioning):
     (the pipeline's own ``_pack_latents`` / ``_prepare_latent_image_ids``), the timestep as sigma (FluxPipeline's
     ``timestep / 1000``), and a guidance-distilled transformer gets its guidance value."""
 
-    def __init__(self, pipeline: Any, max_sequence_length: int | None = None):
-        super().__init__(pipeline, max_sequence_length)
+    shared = ("txt_ids",)  # FluxPipeline's text position ids: (tokens, 3), the same for every caption
+
+    def __init__(self, pipeline: Any, max_sequence_length: int | None = None, vae_config: Any = None):
+        super().__init__(pipeline, max_sequence_length, vae_config)
         self.guidance: float | None = None  # fed when the transformer has guidance embeddings (set_guidance)
 
     def set_guidance(self, use: bool | None, scale: float | None, key: str) -> str | None:
@@ -165,11 +190,26 @@ class QwenImageConditioning(Conditioning):
         return pixels.unsqueeze(2)  # (batch, channels, 1 frame, height, width)
 
     def normalize(self, latents: torch.Tensor) -> torch.Tensor:
-        return per_channel_normalize(latents, self.pipeline.vae.config).squeeze(2)
+        return per_channel_normalize(latents, self.vae_config).squeeze(2)
 
     def encode(self, captions: list[str], device: torch.device) -> dict[str, Any]:
         embeds, mask = self.pipeline.encode_prompt(captions, device=device, **self.text_kwargs)
         return {"encoder_hidden_states": embeds, "encoder_hidden_states_mask": mask}
+
+    def split(self, cond: dict[str, Any]) -> list[dict[str, torch.Tensor]]:
+        """Each caption's embeddings cut to its own tokens (the pipeline gives no mask when none is padded)."""
+        embeds, mask = cond["encoder_hidden_states"], cond["encoder_hidden_states_mask"]
+        if mask is None:
+            mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
+        lengths = mask.sum(1).tolist()
+        return [{"encoder_hidden_states": e[:n], "encoder_hidden_states_mask": m[:n]}
+                for e, m, n in zip(embeds, mask, lengths, strict=True)]
+
+    def join(self, rows: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
+        joined = super().join(rows)
+        if joined["encoder_hidden_states_mask"].all():  # as encode_prompt: no mask when nothing is padded
+            joined["encoder_hidden_states_mask"] = None
+        return joined
 
     def pack(self, latents: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
         batch, channels, height, width = patch_grid(latents, "Qwen-Image", self.pipeline)
@@ -190,10 +230,10 @@ class WanConditioning(Conditioning):
     before decoding; the latents go in unpacked (the transformer patchifies them itself), the timestep as the
     scheduler's (sigma * 1000), as upstream's ``simple`` adapter feeds it."""
 
-    def __init__(self, pipeline: Any, max_sequence_length: int | None = None):
+    def __init__(self, pipeline: Any, max_sequence_length: int | None = None, vae_config: Any = None):
         if max_sequence_length is None:
             max_sequence_length = inspect.signature(type(pipeline).__call__).parameters["max_sequence_length"].default
-        super().__init__(pipeline, max_sequence_length)
+        super().__init__(pipeline, max_sequence_length, vae_config)
 
     def vae_input(self, pixels: torch.Tensor) -> torch.Tensor:
         if pixels.dim() != 5:
@@ -207,7 +247,7 @@ class WanConditioning(Conditioning):
         return pixels
 
     def normalize(self, latents: torch.Tensor) -> torch.Tensor:
-        return per_channel_normalize(latents, self.pipeline.vae.config)
+        return per_channel_normalize(latents, self.vae_config)
 
     def encode(self, captions: list[str], device: torch.device) -> dict[str, Any]:
         embeds, _ = self.pipeline.encode_prompt(captions, do_classifier_free_guidance=False, device=device,
@@ -228,33 +268,36 @@ class WanConditioning(Conditioning):
                         encoder_hidden_states=cond["encoder_hidden_states"].to(sample.dtype), return_dict=False)[0]
 
 
-def conditioning_for(pipeline: Any, denoiser_name: str, max_sequence_length: int | None = None) -> Conditioning:
+def conditioning_for(pipeline: Any, denoiser_name: str, max_sequence_length: int | None = None,
+                     vae_config: Any = None) -> Conditioning:
+    """The family's conditioning; ``vae_config``: the VAE's config when the pipeline was loaded without its VAE."""
     denoiser = getattr(pipeline, denoiser_name)
     kind = type(denoiser).__name__
     if kind == "SD3Transformer2DModel" and hasattr(pipeline, "text_encoder_2"):
-        return SD3Conditioning(pipeline, max_sequence_length)
+        return SD3Conditioning(pipeline, max_sequence_length, vae_config)
     if kind == "FluxTransformer2DModel" and hasattr(pipeline, "_pack_latents"):
-        packed, channels = 4 * pipeline.vae.config.latent_channels, denoiser.config.in_channels
+        latent_channels = (vae_config if vae_config is not None else pipeline.vae.config)["latent_channels"]
+        packed, channels = 4 * latent_channels, denoiser.config.in_channels
         if channels != packed:
             raise AutomodelError(f"model: the {type(pipeline).__name__}'s transformer takes {channels} input "
                                  f"channels, not the {packed} of its packed latents alone (FLUX.1 Fill / "
                                  "Control conditioning images), which diffusion training does not support here; "
                                  "use a text-to-image FluxPipeline")
-        return FluxConditioning(pipeline, max_sequence_length)
+        return FluxConditioning(pipeline, max_sequence_length, vae_config)
     if kind == "QwenImageTransformer2DModel" and type(pipeline).__name__ == "QwenImagePipeline":
         if denoiser.config.get("guidance_embeds", False):
             raise AutomodelError("model: this Qwen-Image transformer's config sets guidance_embeds, but diffusers' "
                                  "QwenImageTransformer2DModel takes no guidance value (QwenImagePipeline would feed "
                                  "it one and fail); set guidance_embeds false in transformer/config.json")
-        return QwenImageConditioning(pipeline, max_sequence_length)
+        return QwenImageConditioning(pipeline, max_sequence_length, vae_config)
     if kind == "WanTransformer3DModel" and type(pipeline).__name__ == "WanPipeline":
         if getattr(pipeline, "transformer_2", None) is not None or pipeline.config.get("expand_timesteps"):
             raise AutomodelError("model: this WanPipeline is a Wan 2.2 one (a second, low-noise transformer_2, or "
                                  "per-token timesteps: expand_timesteps), which diffusion training does not support "
                                  "here; use a Wan 2.1 text-to-video pipeline")
-        return WanConditioning(pipeline, max_sequence_length)
+        return WanConditioning(pipeline, max_sequence_length, vae_config)
     if kind == "UNet2DConditionModel" and getattr(denoiser.config, "addition_embed_type", None) is None \
             and hasattr(pipeline, "encode_prompt") and hasattr(pipeline, "text_encoder"):
-        return UNetConditioning(pipeline)
+        return UNetConditioning(pipeline, vae_config=vae_config)
     raise AutomodelError(f"model: training a {type(pipeline).__name__} with a {kind} denoiser is not supported yet; "
                          f"supported: {SUPPORTED}")

@@ -9,6 +9,8 @@ diffusers pipeline stays reachable as ``.pipeline`` (frozen components live ther
 Its ``forward(pixel_values, captions, generator=None)`` is one diffusion training step's loss: images through
 the frozen VAE to latents, captions through the frozen text encoder(s), noise and timesteps drawn by the
 objective, the denoiser's prediction compared with the objective's target. It returns the loss of each sample.
+With ``cached`` (a batch of a latent cache, ``automodel_diffusion.latents``) the VAE's latent distributions and
+the text encoders' outputs come from the cache instead, so ``load_transformer_only`` needs no VAE or text encoder.
 """
 
 from __future__ import annotations
@@ -143,7 +145,8 @@ class AutoDiffusionPipeline(torch.nn.Module):
     """The trainable part of a diffusers pipeline as one module; the pipeline itself is ``.pipeline``."""
 
     def __init__(self, pipeline: Any, trainable_components: Iterable[str] | None = None,
-                 max_sequence_length: int | None = None, guidance_scale: float | None = None):
+                 max_sequence_length: int | None = None, guidance_scale: float | None = None,
+                 vae_config: Any = None):
         super().__init__()
         self.pipeline = pipeline  # not a Module: a plain attribute, outside parameters() and state_dict()
         self.denoiser_name = _denoiser_name(pipeline)
@@ -162,7 +165,8 @@ class AutoDiffusionPipeline(torch.nn.Module):
         self.objective: Any = None  # set by the recipe (automodel_diffusion.objectives)
         self.autocast_dtype: torch.dtype | None = None  # the trained denoiser computes in this dtype (autocast)
         self.max_sequence_length = max_sequence_length
-        self.conditioning = conditioning_for(pipeline, self.denoiser_name, max_sequence_length)
+        self.transformer_only = vae_config is not None  # loaded without VAE and text encoders (a latent cache)
+        self.conditioning = conditioning_for(pipeline, self.denoiser_name, max_sequence_length, vae_config)
         if isinstance(self.conditioning, FluxConditioning):
             self.conditioning.set_guidance(None, guidance_scale, "model.guidance_scale")
         elif guidance_scale is not None:
@@ -203,6 +207,50 @@ class AutoDiffusionPipeline(torch.nn.Module):
         return cls(load_pipeline(config, parse_dtype(dtype or torch_dtype)), trainable_components, max_sequence_length,
                    guidance_scale)
 
+    @classmethod
+    def load_transformer_only(cls, path: str, transformer_cls: str, subfolder: str = "transformer",
+                              pretrained: bool = True, dtype: Any = None, max_sequence_length: int | None = None,
+                              guidance_scale: float | None = None, **kwargs: Any) -> AutoDiffusionPipeline:
+        """The pipeline ``path`` with only its transformer (``subfolder``, a diffusers ``transformer_cls``: its
+        weights, or with ``pretrained`` false fresh ones from its config) and its scheduler; the VAE is its config
+        alone and there are no text encoders: it trains on a latent cache. ``kwargs``: download options
+        (``cache_dir``)."""
+        import diffusers
+        from diffusers.configuration_utils import FrozenDict
+
+        try:
+            index = dict(diffusers.DiffusionPipeline.load_config(path, **kwargs))
+        except (OSError, ValueError) as err:
+            raise AutomodelError(f"model: cannot read the model_index.json of '{path}': {err}") from None
+        parts = pipeline_components(index)
+        for name in (subfolder, "scheduler", "vae"):
+            if name not in parts or parts[name][0] != "diffusers":
+                raise AutomodelError(f"model: '{path}' has no diffusers '{name}' component; training on a latent "
+                                     "cache loads the transformer, the scheduler and the VAE's config from it")
+        if parts[subfolder][1] != transformer_cls:
+            raise AutomodelError(f"model.pipeline_spec.transformer_cls: '{transformer_cls}', but the pipeline's "
+                                 f"'{subfolder}' is a {parts[subfolder][1]}")
+        pipeline_cls, transformer_type = (getattr(diffusers, n, None) for n in (index.get("_class_name"),
+                                                                                transformer_cls))
+        if pipeline_cls is None or transformer_type is None:
+            raise AutomodelError(f"model: '{path}' names {index.get('_class_name')} / {transformer_cls}, which "
+                                 "diffusers does not have")
+        torch_dtype = parse_dtype(dtype)
+        if pretrained:
+            transformer = transformer_type.from_pretrained(path, subfolder=subfolder, torch_dtype=torch_dtype,
+                                                           **kwargs)
+        else:
+            transformer = transformer_type.from_config(transformer_type.load_config(path, subfolder=subfolder,
+                                                                                    **kwargs))
+            transformer = transformer.to(torch_dtype) if torch_dtype is not None else transformer
+        scheduler = getattr(diffusers, parts["scheduler"][1]).from_pretrained(path, subfolder="scheduler", **kwargs)
+        vae_config = FrozenDict(getattr(diffusers, parts["vae"][1]).load_config(path, subfolder="vae", **kwargs))
+        components = {name: None for name, value in index.items() if not name.startswith("_")
+                      and isinstance(value, list)}
+        extra = {k: v for k, v in index.items() if not k.startswith("_") and not isinstance(v, list)}
+        pipeline = pipeline_cls(**{**components, subfolder: transformer, "scheduler": scheduler}, **extra)
+        return cls(pipeline, [subfolder], max_sequence_length, guidance_scale, vae_config)
+
     # ---- the components --------------------------------------------------------------------------------------
 
     @property
@@ -215,15 +263,32 @@ class AutoDiffusionPipeline(torch.nn.Module):
 
     # ---- the training loss -----------------------------------------------------------------------------------
 
-    def encode_images(self, pixel_values: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-        vae = getattr(self.pipeline, "vae", None)
-        if vae is None:
-            return pixel_values  # a pixel-space pipeline
+    def encode_pixels(self, pixel_values: torch.Tensor) -> Any:
+        """The VAE's encoding of the images: its ``latent_dist`` (or ``latents``, for a deterministic VAE)."""
+        vae = self.pipeline.vae
         with torch.set_grad_enabled(torch.is_grad_enabled() and "vae" in self.trainable_components):
-            encoded = vae.encode(self.conditioning.vae_input(pixel_values.to(vae.dtype)))
+            return vae.encode(self.conditioning.vae_input(pixel_values.to(vae.dtype)))
+
+    def encode_images(self, pixel_values: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+        if getattr(self.pipeline, "vae", None) is None:
+            return pixel_values  # a pixel-space pipeline
+        encoded = self.encode_pixels(pixel_values)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and "vae" in self.trainable_components):
             dist = getattr(encoded, "latent_dist", None)
             latents = dist.sample(generator=generator) if dist is not None else encoded.latents
         return self.conditioning.normalize(latents)
+
+    def cached_inputs(self, cached: dict[str, Any], captions: list[str], generator: torch.Generator | None
+                      ) -> tuple[torch.Tensor, dict[str, Any]]:
+        """(latents, text conditioning) of a latent cache's batch: a latent drawn from each cached distribution as
+        ``encode_images`` draws it, and each caption's cached encoding (a dropped caption's: the empty one's)."""
+        from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+
+        dist = DiagonalGaussianDistribution(cached["latent_parameters"])
+        latents = self.conditioning.normalize(dist.sample(generator=generator))
+        rows = [cached["empty_conditions"] if caption == "" else row
+                for caption, row in zip(captions, cached["conditions"], strict=True)]
+        return latents, self.conditioning.join(rows)
 
     def denoiser_precision(self, device: torch.device) -> Any:
         """torch.autocast to ``autocast_dtype`` around the denoiser (parameters stay in their stored dtype)."""
@@ -231,16 +296,24 @@ class AutoDiffusionPipeline(torch.nn.Module):
             return contextlib.nullcontext()
         return torch.autocast(device.type, dtype=self.autocast_dtype)
 
-    def forward(self, pixel_values: torch.Tensor, captions: list[str],
-                generator: torch.Generator | None = None) -> torch.Tensor:
-        """Per-sample losses of one micro-batch (noise and timesteps from ``generator``, else torch's global RNG)."""
+    def forward(self, pixel_values: torch.Tensor | None, captions: list[str],
+                generator: torch.Generator | None = None, cached: dict[str, Any] | None = None) -> torch.Tensor:
+        """Per-sample losses of one micro-batch (noise and timesteps from ``generator``, else torch's global RNG);
+        ``cached``: the batch of a latent cache, in place of ``pixel_values`` and the captions' encoding."""
         if self.objective is None:
             raise AutomodelError("AutoDiffusionPipeline: no objective set (the diffusion recipe sets one)")
         captions = self.objective.drop_captions(captions, generator)
-        latents = self.encode_images(pixel_values, generator).float()
-        text_trains = any(n.startswith("text_encoder") for n in self.trainable_components)
-        with torch.set_grad_enabled(torch.is_grad_enabled() and text_trains):
-            cond = self.conditioning.encode(captions, latents.device)
+        if cached is not None:
+            latents, cond = self.cached_inputs(cached, captions, generator)
+            latents = latents.float()
+        elif self.transformer_only:
+            raise AutomodelError("data: this transformer was loaded without its VAE and text encoders "
+                                 "(model.pipeline_spec.load_full_pipeline: false); it trains on a latent cache only")
+        else:
+            latents = self.encode_images(pixel_values, generator).float()
+            text_trains = any(n.startswith("text_encoder") for n in self.trainable_components)
+            with torch.set_grad_enabled(torch.is_grad_enabled() and text_trains):
+                cond = self.conditioning.encode(captions, latents.device)
         latents, positions = self.conditioning.pack(latents)
         noisy, timesteps, target = self.objective.noise(latents, generator)
         denoiser = self.components[self.denoiser_name] if self.denoiser_name in self.components else self.denoiser

@@ -15,6 +15,10 @@ def automodel_register_routes(routes) -> None:
     routes.add("pretrain", "diffusion", recipe=_RECIPE,
                help="Pre-train a text-to-image denoiser from a pipeline config (same recipe, config differs)",
                examples=["diffusion/tiny_flow"])
+    routes.add("precompute", "diffusion", recipe="automodel_diffusion.precompute.PrecomputeRecipe",
+               help="Encode images and captions once with a pipeline's VAE and text encoders into a latent cache "
+                    "(safetensors), on which the transformer trains alone (model.pipeline_spec.load_full_pipeline: "
+                    "false)", examples=["diffusion/tiny_precompute"])
     routes.add("generate", "diffusion", recipe="automodel_diffusion.generate.GenerateRecipe",
                help="Generate images from prompts with a diffusers pipeline or a trained checkpoint (upstream's "
                     "generation config: model, inference, output, vae)", examples=["diffusion/tiny_generate"])
@@ -29,6 +33,7 @@ def automodel_register_aliases(aliases) -> None:
     aliases.target("AutoDiffusionPipeline", "automodel_diffusion.AutoDiffusionPipeline.from_pretrained")
     aliases.target("ImageCaptionDataset", "automodel_diffusion.datasets.ImageCaptionDataset")
     aliases.target("VideoCaptionDataset", "automodel_diffusion.datasets.VideoCaptionDataset")
+    aliases.target("LatentCacheDataset", "automodel_diffusion.latents.LatentCacheDataset")
     # Upstream (NeMo AutoModel) names: its data loader builders.
     aliases.target(f"{_UPSTREAM_DATA}.build_text_to_image_multiresolution_dataloader",
                    "automodel_diffusion.upstream.text_to_image_data")

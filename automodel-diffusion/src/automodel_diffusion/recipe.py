@@ -5,7 +5,9 @@ What differs from the LLM recipe is only what the engine lets a domain override:
 ``AutoDiffusionPipeline`` (the trained components of a diffusers pipeline as one module), a micro-batch's loss is
 the objective's per-image loss summed (the loop divides by the images of the step), checkpoints are diffusers
 pipeline directories (with ``peft:``, the denoiser's LoRA adapter in diffusers' LoRA format), and each
-validation step also writes a PNG grid of samples from fixed prompts and seeds.
+validation step also writes a PNG grid of samples from fixed prompts and seeds. With upstream's
+``model.pipeline_spec.load_full_pipeline: false`` only the transformer is loaded; it trains on a latent cache
+(``automodel_diffusion.latents``) and checkpoints hold it alone, in diffusers' layout.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from automodel.training.context import BuildContext
 from automodel.training.modules import unwrap
 from automodel.training.parallel.activation_checkpointing import apply_activation_checkpointing
 from automodel.training.recipe import TrainRecipe
-from automodel_diffusion import upstream
+from automodel_diffusion import latents, upstream
 from automodel_diffusion.datasets import collate_image_captions
 from automodel_diffusion.lora import LORA_WEIGHTS, has_lora, load_lora, peft_issues, save_lora
 from automodel_diffusion.objectives import ObjectiveConfig, build_objective
@@ -164,6 +166,7 @@ class DiffusionRecipe(TrainRecipe):
         if cfg.distributed is not None and cfg.distributed.strategy == "megatron_fsdp":
             issues.append(ConfigIssue("distributed.strategy", UNSUPPORTED_MESSAGE))
         issues += upstream.upstream_issues(cfg)
+        issues += latents.transformer_alone_issues(cfg)
         source = model_source(cfg.model) if cfg.model is not None else None
         index = read_model_index(source[0]) if source is not None else None
         if index is not None and index_issue(index):
@@ -208,10 +211,16 @@ class DiffusionRecipe(TrainRecipe):
     def build_dataset(self, ctx: BuildContext, node: ConfigNode | None) -> Any:
         """``dataset:``, or upstream's ``data.dataloader`` (its data set; its loader settings kept for the loader)."""
         if node is not None or "data" not in ctx.cfg:
-            return super().build_dataset(ctx, node)
-        data = ctx.cfg.data["dataloader"].instantiate()
-        self.upstream_loader = data.loader
-        return data.dataset
+            dataset = super().build_dataset(ctx, node)
+        else:
+            data = ctx.cfg.data["dataloader"].instantiate()
+            self.upstream_loader = data.loader
+            dataset = data.dataset
+        if isinstance(dataset, latents.LatentCacheDataset):
+            problem = latents.fit_issue(dataset.manifest, unwrap(self.model))
+            if problem:
+                raise AutomodelError(f"data: the latent cache '{dataset.folder}' does not fit the model: {problem}")
+        return dataset
 
     def build_dataloader(self, ctx: BuildContext, dataset: Any, node: ConfigNode | None, train: bool) -> Any:
         if train and self.upstream_loader is not None:
@@ -219,7 +228,9 @@ class DiffusionRecipe(TrainRecipe):
                 raise ConfigError(ConfigIssue("dataloader", "give the loader settings in data.dataloader (upstream's "
                                                             "section) or here, not both"))
             node = ConfigNode(dict(self.upstream_loader), "dataloader", ctx.cfg.resolver)
-        return super().build_dataloader(ctx, dataset, node, train)
+        cached = isinstance(dataset, latents.LatentCacheDataset)
+        return ctx.build("dataloader", dataset, node, train,
+                         latents.collate_latents if cached else self.default_collate_fn(train))
 
     def build_model(self, ctx: BuildContext) -> AutoDiffusionPipeline:
         """The pipeline as one module, with its objective; its frozen parts on the device, as the checkpoint being
@@ -295,8 +306,9 @@ class DiffusionRecipe(TrainRecipe):
 
         Written aside and swapped in whole: checkpoints hold hard links to the files, never modified in place.
         """
-        if not (self.cfg.checkpoint.enabled and self.is_main_process) or self.cfg.peft is not None:
-            return  # with LoRA a checkpoint holds the adapter only
+        if not (self.cfg.checkpoint.enabled and self.is_main_process) or self.cfg.peft is not None \
+                or model.transformer_only:
+            return  # with LoRA a checkpoint holds the adapter only; a transformer loaded alone, itself only
         base = self.frozen_base
         staging = base.with_name(f".incomplete-{FROZEN_BASE}-{os.getpid()}")
         shutil.rmtree(staging, ignore_errors=True)
@@ -321,7 +333,9 @@ class DiffusionRecipe(TrainRecipe):
         if has_lora(model):
             save_lora(model, directory, state_dict)
             return
-        if self.frozen_base.is_dir():
+        if model.transformer_only:
+            save_component(model.pipeline.scheduler, directory / "scheduler")
+        elif self.frozen_base.is_dir():
             _link_tree(self.frozen_base, directory)
         else:
             for name, component in model.pipeline.components.items():
@@ -362,7 +376,8 @@ class DiffusionRecipe(TrainRecipe):
 
     def compute_loss(self, model: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor:
         """The micro-batch's per-image losses, summed (the engine divides by the images of the whole step)."""
-        losses = model(batch["pixel_values"], batch["captions"], generator=self.loss_generator)
+        losses = model(batch.get("pixel_values"), batch["captions"], generator=self.loss_generator,
+                       cached=batch.get("cached"))
         if self.cfg.performance.check_loss:
             mean = float(losses.detach().mean())
             if upstream.exploded(mean):
@@ -415,9 +430,9 @@ class DiffusionRecipe(TrainRecipe):
         """A PNG grid (columns: prompts, rows: seeds) in ``<checkpoint_dir>/samples/step_<S>.png``; for a video
         pipeline an animated WebP of such grids, ``step_<S>.webp``, of the training clips' frame count."""
         settings = self.cfg.sample_generation
-        if settings is None or not settings.enabled:
-            return None
         model = unwrap(self.model)
+        if settings is None or not settings.enabled or model.transformer_only:
+            return None  # a transformer loaded alone cannot sample (validation refuses enabling it)
         prompts = self.sample_prompts()
         height, width = self.sample_size()
         extra = call_kwargs(model.pipeline, max_sequence_length=model.max_sequence_length,
@@ -457,6 +472,14 @@ class DiffusionRecipe(TrainRecipe):
             self.log(f"Trained LoRA adapter of the {model.denoiser_name} in {model_dir} (diffusers' LoRA format): "
                      f"diffusers.{type(model.pipeline).__name__}.from_pretrained({base}).load_lora_weights("
                      f"'{model_dir}')")
+            return
+        if model.transformer_only:
+            cls = model_class(unwrap(model.denoiser))
+            self.log(f"Trained transformer in {model_dir / model.denoiser_name} (diffusers layout): "
+                     f"diffusers.{cls.__name__}.from_pretrained('{model_dir / model.denoiser_name}'). It was trained "
+                     "without the VAE and text encoders; generate diffusion needs the full pipeline: give it the "
+                     f"pipeline and this checkpoint (model.pretrained_model_name_or_path: <the pipeline>, "
+                     f"model.checkpoint: '{final_checkpoint}')")
             return
         trained = ", ".join(f"{model_class(unwrap(model.components[n])).__module__.split('.')[0]}."
                             f"{model_class(unwrap(model.components[n])).__name__}.from_pretrained('{model_dir / n}')"

@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 from automodel.config import Config, ConfigNode, FieldErrors
 from automodel.errors import AutomodelError, ConfigError, ConfigIssue
+from automodel_diffusion import latents
 from automodel_diffusion.objectives import ObjectiveConfig
 
 SUPPORTED = ("SD3-style (StableDiffusion3Pipeline), FLUX.1 (FluxPipeline), Qwen-Image (QwenImagePipeline), Wan 2.1 "
@@ -83,8 +84,10 @@ def load_upstream_pipeline(pretrained_model_name_or_path: str, mode: Literal["fi
     components' weights; ``compute_dtype`` is the dtype the denoiser computes in (the recipe applies it);
     ``attention_backend: native`` is torch's scaled-dot-product attention; ``model_type: flux`` / ``qwen_image`` /
     ``wan`` says the pipeline is FLUX.1 / Qwen-Image / Wan 2.1 (checked against its model_index.json at validation,
-    against the built pipeline by the recipe). The other keys are accepted only at the values that need nothing this
-    machine or recipe lacks (validation refuses the rest, see ``model_issues``)."""
+    against the built pipeline by the recipe). ``pipeline_spec.load_full_pipeline: false`` loads the transformer
+    alone (fresh from its config with ``mode: pretrain``, its weights with ``finetune``) with the scheduler, to
+    train on a latent cache (``automodel_diffusion.latents``). The other keys are accepted only at the values that
+    need nothing this machine or recipe lacks (validation refuses the rest, see ``model_issues``)."""
     refused = model_issues({k: v for k, v in locals().items() if v not in (None, False)}, "model")
     import torch
 
@@ -93,6 +96,14 @@ def load_upstream_pipeline(pretrained_model_name_or_path: str, mode: Literal["fi
     if refused:
         raise AutomodelError("; ".join(str(issue) for issue in refused))
     kwargs = {"cache_dir": cache_dir} if cache_dir else {}
+    if pipeline_spec and pipeline_spec.get("load_full_pipeline") is False:
+        if seed is not None and mode == "pretrain":
+            torch.manual_seed(seed)
+        model = AutoDiffusionPipeline.load_transformer_only(
+            pretrained_model_name_or_path, pipeline_spec["transformer_cls"], pipeline_spec.get("subfolder",
+                                                                                               "transformer"),
+            pretrained=mode == "finetune", dtype=torch_dtype, max_sequence_length=max_sequence_length, **kwargs)
+        return _finish(model, attention_backend, compute_dtype)
     trained = trainable_components or ([pipeline_spec["subfolder"]] if pipeline_spec else None)
     model = AutoDiffusionPipeline.from_pretrained(pretrained_model_name_or_path, torch_dtype=torch_dtype,
                                                   trainable_components=trained,
@@ -102,6 +113,10 @@ def load_upstream_pipeline(pretrained_model_name_or_path: str, mode: Literal["fi
             torch.manual_seed(seed)
         for name in model.trainable_components:
             fresh_component(model, name, (pipeline_spec or {}).get("transformer_cls"))
+    return _finish(model, attention_backend, compute_dtype)
+
+
+def _finish(model: Any, attention_backend: str | None, compute_dtype: str | None) -> Any:
     if attention_backend is not None and hasattr(model.denoiser, "set_attention_backend"):
         model.denoiser.set_attention_backend(attention_backend)
     model.compute_dtype = compute_dtype
@@ -171,13 +186,13 @@ def _pipeline_spec_issues(spec: Any, mode: str, key: str) -> list[ConfigIssue]:
     issues = [ConfigIssue(f"{key}.{name}", "unknown key; pipeline_spec accepts: transformer_cls, subfolder, "
                                            "load_full_pipeline, pipeline_cls")
               for name in spec if name not in ("transformer_cls", "subfolder", "load_full_pipeline", "pipeline_cls")]
-    if mode != "pretrain":
-        issues.append(ConfigIssue(key, "applies to mode: pretrain only (finetune loads every weight); remove it"))
-    if spec.get("load_full_pipeline") is False:
-        issues.append(ConfigIssue(f"{key}.load_full_pipeline",
-                                  "false is not supported: upstream loads only the transformer because its data are "
-                                  "precomputed latents; this recipe encodes images and captions on the fly with the "
-                                  "pipeline's VAE and text encoders: set true or remove it"))
+    alone = spec.get("load_full_pipeline") is False
+    if mode != "pretrain" and not alone:
+        issues.append(ConfigIssue(key, "applies to mode: pretrain, or with load_full_pipeline: false (finetune "
+                                       "loads every weight of the full pipeline); remove it"))
+    if alone and not spec.get("transformer_cls"):
+        issues.append(ConfigIssue(f"{key}.transformer_cls", "required with load_full_pipeline: false: the diffusers "
+                                                             "class of the transformer loaded alone"))
     if spec.get("pipeline_cls") is not None:
         issues.append(ConfigIssue(f"{key}.pipeline_cls", "the pipeline class comes from the model's "
                                                          "model_index.json here; remove it"))
@@ -440,7 +455,6 @@ class PerformanceSection:
 
 LOADER_KEYS = ("num_workers", "shuffle", "drop_last", "pin_memory", "prefetch_factor")
 VIDEO_LOADERS = ("build_video_multiresolution_dataloader", "text_to_video_data")  # upstream's name, ours
-CACHE_FILES = ("*.pt", "*.pth", "**/*.pt", "**/*.pth")
 
 
 @dataclass
@@ -466,9 +480,10 @@ def text_to_image_data(cache_dir: str, base_resolution: list[int] | None = None,
     problems = text_to_image_issues(locals())
     if problems:
         raise AutomodelError("; ".join(f"data.dataloader.{k}: {v}" for k, v in problems.items()))
-    resolution = (base_resolution or [512, 512])[0]
-    return ImageData(ImageCaptionDataset(cache_dir, resolution=resolution),
-                     loader_settings(num_workers, shuffle, drop_last, pin_memory, prefetch_factor))
+    loader = loader_settings(num_workers, shuffle, drop_last, pin_memory, prefetch_factor)
+    if latents.is_latent_cache(cache_dir):
+        return ImageData(latents.LatentCacheDataset(cache_dir), loader)
+    return ImageData(ImageCaptionDataset(cache_dir, resolution=(base_resolution or [512, 512])[0]), loader)
 
 
 def loader_settings(num_workers: int, shuffle: bool, drop_last: bool, pin_memory: bool,
@@ -496,9 +511,11 @@ def text_to_video_data(cache_dir: str, model_type: str = WAN, base_resolution: l
     problems = text_to_video_issues(locals())
     if problems:
         raise AutomodelError("; ".join(f"data.dataloader.{k}: {v}" for k, v in problems.items()))
+    loader = loader_settings(num_workers, shuffle, drop_last, pin_memory, prefetch_factor)
+    if latents.is_latent_cache(cache_dir):
+        return ImageData(latents.LatentCacheDataset(cache_dir), loader)
     resolution = (base_resolution or [512, 512])[0]
-    return ImageData(VideoCaptionDataset(cache_dir, resolution=resolution, num_frames=num_frames),
-                     loader_settings(num_workers, shuffle, drop_last, pin_memory, prefetch_factor))
+    return ImageData(VideoCaptionDataset(cache_dir, resolution=resolution, num_frames=num_frames), loader)
 
 
 def text_to_video_issues(settings: dict[str, Any]) -> dict[str, str]:
@@ -510,12 +527,8 @@ def text_to_video_issues(settings: dict[str, Any]) -> dict[str, str]:
     frames = settings.get("num_frames")
     if frames is not None and (isinstance(frames, bool) or not isinstance(frames, int) or frames < 1):
         bad["num_frames"] = f"expected a number of frames >= 1, found {frames!r}"
-    cache = settings.get("cache_dir")
-    if isinstance(cache, str) and Path(cache).is_dir() and _is_latent_cache(Path(cache)):
-        bad["cache_dir"] = (f"'{cache}' is upstream's cache of precomputed latents (torch.save files): it is never "
-                            "loaded here, because loading it unpickles; point cache_dir at the clips and captions "
-                            "(animated .gif / .webp files or folders of frames, with .txt captions or a "
-                            "metadata.jsonl) instead")
+    bad.update(cache_issues(settings, "the clips and captions (animated .gif / .webp files or folders of frames, "
+                                      "with .txt captions or a metadata.jsonl)"))
     return bad
 
 
@@ -536,16 +549,39 @@ def text_to_image_issues(settings: dict[str, Any]) -> dict[str, str]:
     if settings.get("train_text_encoder"):
         bad["train_text_encoder"] = ("true is not supported with upstream's loader here; to train a text encoder "
                                      "name it in model.trainable_components")
-    cache = settings.get("cache_dir")
-    if isinstance(cache, str) and Path(cache).is_dir() and _is_latent_cache(Path(cache)):
-        bad["cache_dir"] = (f"'{cache}' is upstream's cache of precomputed latents (torch.save files): it is never "
-                            "loaded here, because loading it unpickles; point cache_dir at the images and captions "
-                            "(train.jsonl, metadata.jsonl or images with .txt captions) instead")
+    bad.update(cache_issues(settings, "the images and captions (train.jsonl, metadata.jsonl or images with .txt "
+                                      "captions)"))
     return bad
 
 
-def _is_latent_cache(folder: Path) -> bool:
-    return any(next(folder.glob(pattern), None) is not None for pattern in CACHE_FILES)
+def cache_issues(settings: dict[str, Any], sources: str) -> dict[str, str]:
+    """What a ``cache_dir`` holding latents asks that cannot act: upstream's pickles; with our latent cache, a
+    ``base_resolution`` / ``num_frames`` other than the cache's (its images were encoded at those)."""
+    cache = settings.get("cache_dir")
+    if not isinstance(cache, str) or not Path(cache).is_dir():
+        return {}
+    if latents.is_latent_cache(cache):
+        try:
+            manifest = latents.read_manifest(cache)
+        except AutomodelError as err:
+            return {"cache_dir": str(err).removeprefix("data.dataloader.cache_dir: ")}
+        bad = {}
+        size = settings.get("base_resolution")
+        if size is not None and list(size) != [manifest.get("resolution")] * 2:
+            bad["base_resolution"] = (f"{list(size)}, but the latent cache '{cache}' holds images encoded at "
+                                      f"{manifest.get('resolution')}x{manifest.get('resolution')}: set "
+                                      f"[{manifest.get('resolution')}, {manifest.get('resolution')}], remove it, or "
+                                      "remake the cache")
+        frames = settings.get("num_frames")
+        if frames is not None and frames != manifest.get("num_frames"):
+            bad["num_frames"] = (f"{frames}, but the latent cache '{cache}' holds clips of "
+                                 f"{manifest.get('num_frames')} frames: remove it or remake the cache")
+        return bad
+    if latents.is_pickle_cache(cache):
+        return {"cache_dir": f"'{cache}' is upstream's cache of precomputed latents (torch.save files): it is never "
+                             f"loaded here, because loading it unpickles; point cache_dir at {sources}, or at a "
+                             f"latent cache of safetensors: {latents.HOW_TO_MAKE}"}
+    return {}
 
 
 # ---- the recipe's view: which sections say what -------------------------------------------------------------
