@@ -133,7 +133,7 @@ class Gemma4WithDrafter(nn.Module):
         """The base from ``pretrained_model_name_or_path`` (``kwargs``: as for
         ``AutoModelForImageTextToText.from_pretrained``), the drafter from ``drafter_path`` (a released
         ``*-assistant`` checkpoint) in the same dtype; ``base_activation_checkpointing``: the base recomputes its
-        layers' activations in the backward (transformers' gradient checkpointing)."""
+        layers' activations in the backward (transformers' activation checkpointing)."""
         from transformers import Gemma4AssistantForCausalLM
 
         from automodel_vlm.models import AutoModelForImageTextToText
@@ -148,7 +148,7 @@ class Gemma4WithDrafter(nn.Module):
             raise AutomodelError(f"model.drafter_path: cannot load '{drafter_path}' as a Gemma 4 assistant "
                                  f"(drafter): {err}") from None
         if base_activation_checkpointing:
-            base.gradient_checkpointing_enable()
+            base.activation_checkpointing_enable()
         return cls(base, drafter, drafter_loss_weight, drafter_num_steps)
 
     @property
