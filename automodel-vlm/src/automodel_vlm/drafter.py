@@ -11,11 +11,11 @@ drafter's own projected state of round ``k - 1`` at the same position and drafts
 attention: ``0..t``; sliding layers: ``t - sliding_window .. t``, the keys transformers' assistant sees at generation),
 so no query sees the tokens it drafts.
 
-The loss (:meth:`Gemma4WithDrafter.drafter_loss`) is ``drafter_loss_weight`` x the sum over the rounds of each
-round's summed cross entropy, added to the base's next-token loss and divided like it by the step's label tokens:
-upstream's ``L_base + lambda * sum_k L_k``. The drafter's logits are its dense output head over the whole vocabulary
-(a released drafter's ``use_ordered_embeddings`` scores only the top clusters' tokens at generation time; its
-centroids get no gradient and are frozen, as upstream freezes them).
+The loss is the base's next-token loss + ``drafter_loss_weight`` x the sum over the rounds of each round's summed
+cross entropy (:meth:`Gemma4WithDrafter.drafter_loss`), divided by the step's label tokens: upstream's
+``L_base + lambda * sum_k L_k``; the run logs both parts (``loss_base``, ``loss_drafter``). The drafter's logits are
+its dense output head over the whole vocabulary (a released drafter's ``use_ordered_embeddings`` scores only the top
+clusters' tokens at generation time; its centroids get no gradient and are frozen, as upstream freezes them).
 
 Upstream's masks differ: it passes the drafter the row's attention mask, which transformers' assistant turns into
 bidirectional attention over every key of the row (each position sees the keys of the tokens it is asked to draft).
@@ -201,9 +201,9 @@ class Gemma4WithDrafter(nn.Module):
         return rounds
 
     def drafter_loss(self, labels: torch.Tensor, loss_fn: nn.Module) -> torch.Tensor:
-        """``drafter_loss_weight`` x the sum over the rounds of round ``k``'s summed ``loss_fn`` (reduction sum) of
-        position ``t`` against ``labels[t + k + 2]``, from the last training forward; only the positions with a
-        label go through the drafter's output head."""
+        """The sum over the rounds of round ``k``'s summed ``loss_fn`` (reduction sum) of position ``t`` against
+        ``labels[t + k + 2]``, from the last training forward (unweighted: the recipe applies
+        ``drafter_loss_weight``); only the positions with a label go through the drafter's output head."""
         rounds, self._rounds = self._rounds, None
         if rounds is None:
             raise RuntimeError("the drafter did not run in this forward (the model was not in training mode)")
@@ -213,7 +213,7 @@ class Gemma4WithDrafter(nn.Module):
             index = (targets != IGNORE_INDEX).nonzero().squeeze(1)
             rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, index)
             total = total + loss_fn(self.drafter.lm_head(rows), targets.index_select(0, index)).float()
-        return total * self.drafter_loss_weight
+        return total
 
     def save_pretrained(self, directory: Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
         """The base as a Hugging Face directory in ``directory``, the drafter in ``directory/drafter``

@@ -233,8 +233,8 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
             self.save_model = self.save_joint_model
             self.log(f"Gemma4WithDrafter: the training loss is the base's next-token loss + "
                      f"{composite.drafter_loss_weight:g} x the sum over {composite.drafter_num_steps} drafting "
-                     "round(s) of each one's loss, all per label token (upstream's); validation reports the base's "
-                     "loss only")
+                     "round(s) of each one's loss, all per label token (upstream's), logged as loss_base and "
+                     "loss_drafter; validation reports the base's loss only")
         config = getattr(base_model(self.model), "config", None)
         check_vocab(self.processor.tokenizer, getattr(config, "text_config", None) or config,
                     "processor: its tokenizer has {tokens} tokens but the model's vocab_size is {vocab}; use the "
@@ -251,12 +251,16 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
 
     def compute_loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The next-token loss (with MTP heads': :class:`MTPLoss`) plus, while training a Gemma 4 model jointly
-        with its drafter, the drafter's (:meth:`automodel_vlm.drafter.Gemma4WithDrafter.drafter_loss`)."""
+        with its drafter, ``drafter_loss_weight`` x the drafter's (:meth:`automodel_vlm.drafter.Gemma4WithDrafter.
+        drafter_loss`); each part is logged (``loss_base``, ``loss_drafter``)."""
         loss = super().compute_loss(model, batch)
         composite = find_composite(model)
         if composite is None or not model.training:
             return loss
-        return loss + composite.drafter_loss(batch["labels"], self.loss_fn)
+        drafter = composite.drafter_loss(batch["labels"], self.loss_fn)
+        self.add_loss_part("base", loss)
+        self.add_loss_part("drafter", drafter)
+        return loss + composite.drafter_loss_weight * drafter
 
     def save_joint_model(self, directory: Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
         """model/: the base, with the processor's files; model/drafter/: the drafter (rank 0)."""
