@@ -26,6 +26,7 @@ from automodel.training.context_steps import ContextParallelSteps
 from automodel.training.dist import all_reduce_sum, any_rank, naming_stalls
 from automodel.training.garbage import PeriodicGarbageCollection
 from automodel.training.logging import FAILED, STOPPED, SUCCESS
+from automodel.training.loss_parts import LossParts
 from automodel.training.metrics import MetricsSample, peak_memory_gib
 from automodel.training.modules import unwrap
 from automodel.training.parallel.grad_norm import clip_grad_norm_
@@ -39,31 +40,8 @@ from automodel.training.trainer_state import FORMAT as TRAINER_STATE_FORMAT
 from automodel.training.trainer_state import encode_losses
 
 
-class TrainingLoop(PipelineSteps, ContextParallelSteps):
+class TrainingLoop(PipelineSteps, ContextParallelSteps, LossParts):
     """The loop and its events; the attributes it reads are built by ``TrainRecipe.setup``."""
-
-    step_loss_parts: dict[str, float | None] = {}  # the last step's loss_<name> values (add_loss_part)
-    _loss_parts: dict[str, torch.Tensor]  # this step's, emptied as it starts
-
-    def add_loss_part(self, name: str, loss_sum: torch.Tensor) -> None:
-        """A named part of a training micro-batch's summed loss (a drafter's, say), which a recipe's
-        ``compute_loss`` adds into what it returns: the step's MetricsSample carries ``loss_<name>``, that part's
-        sum over the step divided by the step's label tokens, as ``loss`` is."""
-        parts = self.__dict__.setdefault("_loss_parts", {})  # a compute_loss outside a step (a test) too
-        parts[name] = parts.get(name, 0.0) + loss_sum.detach().float()
-
-    def _step_parts(self, denominator: int) -> dict[str, float | None]:
-        """The step's :meth:`add_loss_part` sums, summed over the ranks as the loss is, per label token."""
-        parts, self._loss_parts = self._loss_parts, {}
-        if not parts:
-            return {}
-        values = list(parts.values())
-        for size, group in ((self.ctx.mesh.dp, self.data_parallel_group),
-                            (self.ctx.mesh.cp, lambda: self.ctx.device_mesh[CP].get_group())):
-            if size > 1:
-                values = all_reduce_sum(*values, device=self.device, group=group())
-        means = {f"loss_{name}": float(value) / denominator for name, value in zip(parts, values, strict=True)}
-        return {name: mean if math.isfinite(mean) else None for name, mean in means.items()}
 
     def move_to_device(self, batch: Any) -> Any:
         if isinstance(batch, torch.Tensor):
@@ -98,7 +76,6 @@ class TrainingLoop(PipelineSteps, ContextParallelSteps):
             return self._train_step(batches)
 
     def _train_step(self, batches: list[Any]) -> tuple[torch.Tensor, torch.Tensor, int]:
-        self._loss_parts = {}
         with self.batch_errors(batches[0], "dataloader"):
             label_tokens = sum(self.count_label_tokens(b) for b in batches)
             input_tokens = sum(self.count_input_tokens(b) for b in batches)
@@ -126,7 +103,7 @@ class TrainingLoop(PipelineSteps, ContextParallelSteps):
                     scaled = loss_sum.float() * scale
                     (scaler.scale(scaled) if scaler is not None else scaled).backward()
                 total += loss_sum.detach().float()
-        self.step_loss_parts = self._step_parts(denominator)
+        self.step_loss_parts = self.loss_parts_of_step(denominator)
         if dp > 1:
             (total,) = all_reduce_sum(total, device=self.device, group=self.data_parallel_group())
             total = total.float()
