@@ -17,6 +17,7 @@ from vlm_testing import tulu_rows, write_jsonl
 
 from automodel import testing
 from automodel.errors import AutomodelError, ConfigError
+from automodel.meta_build import building_on_meta
 from automodel.testing import write_yaml
 from automodel.training.loss import MaskedCrossEntropy
 from automodel_vlm.drafter import OWN_KEYS, Gemma4WithDrafter
@@ -141,6 +142,15 @@ def test_upstream_form_trains_through_the_cli_and_saves_what_transformers_loads(
     assert (model_dir / "tokenizer_config.json").is_file()
     assert "Gemma4AssistantForCausalLM.from_pretrained" in result.stderr
 
+    def restored(recipe) -> None:  # a resume reads model/ and model/drafter/ back
+        torch.testing.assert_close(recipe.model.drafter.pre_projection.weight, drafter.pre_projection.weight)
+        torch.testing.assert_close(recipe.model.base.lm_head.weight, base.lm_head.weight)
+
+    resumed = testing.train_inprocess(FORM, *overrides(saved), "--checkpoint.checkpoint_dir", tmp_path / "ckpt",
+                                      "--restore_from.path", "latest", "--step_scheduler.max_steps", "4",
+                                      route=("finetune", "vlm"), before_run=restored)
+    assert resumed.step_scheduler.step == 4
+
 
 def test_weight_zero_trains_the_base_as_plain_fine_tuning_does(saved, tmp_path):
     """drafter_loss_weight 0: the same losses step by step as fine-tuning the base alone."""
@@ -175,6 +185,14 @@ def test_what_cannot_compose_is_refused_at_validation(saved, override, key, need
         testing.load_config(FORM, *overrides(saved), *override, route=("finetune", "vlm"))
     found = {issue.key: issue.message for issue in info.value.issues}
     assert key in found and needle in found[key], found
+
+
+def test_the_pair_is_built_whole_when_the_engine_asks_for_a_meta_build(saved):
+    """The engine's meta-device build reads one directory into one model; the pair comes from two."""
+    with building_on_meta() as meta:
+        model = joint(saved)
+    assert not meta.built
+    assert not any(p.is_meta for p in model.parameters())
 
 
 def test_a_drafter_of_another_base_size_is_refused(saved):

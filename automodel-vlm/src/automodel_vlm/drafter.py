@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from automodel.errors import AutomodelError, ConfigIssue
+from automodel.meta_build import building_whole
 from automodel.model_kwargs import mtp_model_issues
 from automodel.mtp.heads import shift_left
 from automodel.training.checkpoint import load_safetensors_dir, load_weights_into
@@ -138,7 +139,8 @@ class Gemma4WithDrafter(nn.Module):
 
         from automodel_vlm.models import AutoModelForImageTextToText
 
-        base = AutoModelForImageTextToText.from_pretrained(pretrained_model_name_or_path, **kwargs)
+        with building_whole():  # both models whole on every rank (FSDP2 shards the pair after)
+            base = AutoModelForImageTextToText.from_pretrained(pretrained_model_name_or_path, **kwargs)
         if getattr(base.config, "model_type", None) != "gemma4":
             raise AutomodelError(f"model.pretrained_model_name_or_path: '{pretrained_model_name_or_path}' is a "
                                  f"{base.config.model_type} model; Gemma4WithDrafter trains a Gemma 4 model")
