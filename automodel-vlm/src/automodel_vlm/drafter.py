@@ -172,6 +172,7 @@ class Gemma4WithDrafter(nn.Module):
                            output_hidden_states=True, return_shared_kv_states=True, **kwargs)
         self._rounds = self.draft(input_ids, attention_mask, position_ids, output.hidden_states[-1],
                                   dict(output.shared_kv_states))
+        output.hidden_states = output.shared_kv_states = None  # the drafter's: not the caller's to keep
         return output
 
     def draft(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
