@@ -55,9 +55,9 @@ def saved(tmp_path_factory) -> dict[str, Path]:
     return {"base": root / "base", "drafter": root / "drafter", "rows": write_jsonl(root / "tulu.jsonl", tulu_rows())}
 
 
-def joint(saved: dict[str, Path], weight: float = 0.5, steps: int = 2) -> Gemma4WithDrafter:
+def joint(saved: dict[str, Path], weight: float = 0.5, steps: int = 2, **switches: bool) -> Gemma4WithDrafter:
     return Gemma4WithDrafter.from_pretrained(str(saved["base"]), drafter_path=str(saved["drafter"]),
-                                             drafter_loss_weight=weight, drafter_num_steps=steps).train()
+                                             drafter_loss_weight=weight, drafter_num_steps=steps, **switches).train()
 
 
 def batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -179,6 +179,7 @@ def test_weight_zero_trains_the_base_as_plain_fine_tuning_does(saved, tmp_path):
     (("--checkpoint.save_consolidated", "false"), "checkpoint.save_consolidated", "model/drafter/"),
     (("--model.drafter_num_steps", "0"), "model.drafter_num_steps", "1 or more"),
     (("--model.drafter_loss_weight", "-1"), "model.drafter_loss_weight", ">= 0"),
+    (("--model.freeze_base_for_drafter", "1"), "model.freeze_base_for_drafter", "true or false"),
 ])
 def test_what_cannot_compose_is_refused_at_validation(saved, override, key, needle):
     with pytest.raises(ConfigError) as info:
@@ -193,6 +194,23 @@ def test_the_pair_is_built_whole_when_the_engine_asks_for_a_meta_build(saved):
         model = joint(saved)
     assert not meta.built
     assert not any(p.is_meta for p in model.parameters())
+
+
+def test_upstreams_switches_freeze_the_base_and_copy_its_embedding(saved, tmp_path):
+    from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM
+
+    frozen = joint(saved, freeze_base_for_drafter=True)
+    assert not any(p.requires_grad for p in frozen.base.parameters())
+    assert all(p.requires_grad for p in frozen.drafter.parameters())
+    with pytest.raises(AutomodelError, match="share_embedding_with_base: the base's token embedding is"):
+        joint(saved, share_embedding_with_base=True)
+    text = dict(TEXT, num_kv_shared_layers=2, vocab_size_per_layer_input=0)  # the base's hidden size
+    Gemma4AssistantForCausalLM(Gemma4AssistantConfig(text_config=text, backbone_hidden_size=32)).save_pretrained(
+        str(tmp_path / "wide"))
+    shared = Gemma4WithDrafter.from_pretrained(str(saved["base"]), drafter_path=str(tmp_path / "wide"),
+                                               share_embedding_with_base=True)
+    torch.testing.assert_close(shared.drafter.lm_head.weight, shared.base.get_input_embeddings().weight)
+    assert shared.drafter.lm_head.weight is not shared.base.get_input_embeddings().weight, "they train apart"
 
 
 def test_a_drafter_of_another_base_size_is_refused(saved):

@@ -42,7 +42,10 @@ TARGET = "automodel_vlm.drafter.Gemma4WithDrafter.from_pretrained"
 UPSTREAM_TARGET = "nemo_automodel.components.models.gemma4_drafter.composite.Gemma4WithDrafter.from_pretrained"
 DRAFTER_DIR = "drafter"  # model/<this>: the drafter's own Hugging Face directory
 # the keys this model takes itself; the others go to the base's AutoModelForImageTextToText.from_pretrained
-OWN_KEYS = ("drafter_path", "drafter_loss_weight", "drafter_num_steps", "base_activation_checkpointing")
+SWITCHES = ("base_activation_checkpointing", "freeze_base_for_drafter", "share_embedding_with_base")
+OWN_KEYS = ("drafter_path", "drafter_loss_weight", "drafter_num_steps", *SWITCHES)
+# what the drafter's from_pretrained takes of the section's keys (the hub's; the rest are the base's)
+DRAFTER_HUB_KEYS = ("token", "use_auth_token", "cache_dir", "local_files_only", "force_download", "proxies")
 LINEAR_CE = "automodel.training.linear_ce.LinearCrossEntropy"
 
 
@@ -54,8 +57,9 @@ def _own_issues(kwargs: Mapping[str, Any]) -> dict[str, str]:
     weight = kwargs.get("drafter_loss_weight", 1.0)
     if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight < 0:
         issues["drafter_loss_weight"] = f"expected a number >= 0 (the drafter loss's weight), found {weight!r}"
-    if not isinstance(kwargs.get("base_activation_checkpointing", False), bool):
-        issues["base_activation_checkpointing"] = "expected true or false"
+    for key in SWITCHES:
+        if not isinstance(kwargs.get(key, False), bool):
+            issues[key] = f"expected true or false, found {kwargs[key]!r}"
     return issues
 
 
@@ -100,6 +104,16 @@ def drafter_issues(cfg: Any) -> list[ConfigIssue]:
     return issues
 
 
+def _copy_embedding(base: nn.Module, drafter: nn.Module) -> None:
+    """The base's token embedding copied into the drafter's (upstream's one-time alignment; they train apart)."""
+    if base.weight.shape != drafter.weight.shape:
+        raise AutomodelError(f"model.share_embedding_with_base: the base's token embedding is "
+                             f"{tuple(base.weight.shape)} but the drafter's is {tuple(drafter.weight.shape)} (its "
+                             "hidden size is its own); set it to false")
+    with torch.no_grad():
+        drafter.weight.copy_(base.weight)
+
+
 class Gemma4WithDrafter(nn.Module):
     """The base (``base``: a transformers Gemma 4 image-text-to-text model) and its drafter (``drafter``:
     ``Gemma4AssistantForCausalLM``), trained together: the forward returns the base's output and, in training,
@@ -130,11 +144,14 @@ class Gemma4WithDrafter(nn.Module):
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str, *, drafter_path: str,
                         drafter_loss_weight: float = 1.0, drafter_num_steps: int = 1,
-                        base_activation_checkpointing: bool = False, **kwargs: Any) -> Gemma4WithDrafter:
+                        base_activation_checkpointing: bool = False, freeze_base_for_drafter: bool = False,
+                        share_embedding_with_base: bool = False, **kwargs: Any) -> Gemma4WithDrafter:
         """The base from ``pretrained_model_name_or_path`` (``kwargs``: as for
         ``AutoModelForImageTextToText.from_pretrained``), the drafter from ``drafter_path`` (a released
-        ``*-assistant`` checkpoint) in the same dtype; ``base_activation_checkpointing``: the base recomputes its
-        layers' activations in the backward (transformers' activation checkpointing)."""
+        ``*-assistant`` checkpoint) in the same dtype. Upstream's switches: ``base_activation_checkpointing``, the
+        base recomputes its layers' activations in the backward (transformers' activation checkpointing);
+        ``freeze_base_for_drafter``, only the drafter trains; ``share_embedding_with_base``, the drafter's token
+        embedding (its output head's weight too, tied to it) starts as a copy of the base's."""
         from transformers import Gemma4AssistantForCausalLM
 
         from automodel_vlm.models import AutoModelForImageTextToText
@@ -144,13 +161,18 @@ class Gemma4WithDrafter(nn.Module):
         if getattr(base.config, "model_type", None) != "gemma4":
             raise AutomodelError(f"model.pretrained_model_name_or_path: '{pretrained_model_name_or_path}' is a "
                                  f"{base.config.model_type} model; Gemma4WithDrafter trains a Gemma 4 model")
+        hub = {key: kwargs[key] for key in DRAFTER_HUB_KEYS if key in kwargs}
         try:
-            drafter = Gemma4AssistantForCausalLM.from_pretrained(drafter_path, dtype=base.dtype)
+            drafter = Gemma4AssistantForCausalLM.from_pretrained(drafter_path, dtype=base.dtype, **hub)
         except (OSError, ValueError) as err:
             raise AutomodelError(f"model.drafter_path: cannot load '{drafter_path}' as a Gemma 4 assistant "
                                  f"(drafter): {err}") from None
         if base_activation_checkpointing:
             base.activation_checkpointing_enable()
+        if share_embedding_with_base:
+            _copy_embedding(base.get_input_embeddings(), drafter.get_input_embeddings())
+        if freeze_base_for_drafter:
+            base.requires_grad_(False)
         return cls(base, drafter, drafter_loss_weight, drafter_num_steps)
 
     @property
