@@ -138,8 +138,11 @@ class Gemma4WithDrafter(nn.Module):
             drafter.post_projection.requires_grad_(False)
         self._rounds: list[torch.Tensor] | None = None
 
-    automodel_config_issues = staticmethod(lambda kwargs: {
-        **mtp_model_issues({k: v for k, v in kwargs.items() if k not in OWN_KEYS}), **_own_issues(kwargs)})
+    @staticmethod
+    def automodel_config_issues(kwargs: Mapping[str, Any]) -> dict[str, str]:
+        """Validation's check of the section: the base's keys as ``AutoModelForImageTextToText`` checks them, and
+        this model's own."""
+        return {**mtp_model_issues({k: v for k, v in kwargs.items() if k not in OWN_KEYS}), **_own_issues(kwargs)}
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str, *, drafter_path: str,
