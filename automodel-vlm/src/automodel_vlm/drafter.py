@@ -39,7 +39,6 @@ from automodel.training.loss import IGNORE_INDEX
 from automodel.training.modules import unwrap
 
 TARGET = "automodel_vlm.drafter.Gemma4WithDrafter.from_pretrained"
-UPSTREAM_TARGET = "nemo_automodel.components.models.gemma4_drafter.composite.Gemma4WithDrafter.from_pretrained"
 DRAFTER_DIR = "drafter"  # model/<this>: the drafter's own Hugging Face directory
 # the keys this model takes itself; the others go to the base's AutoModelForImageTextToText.from_pretrained
 SWITCHES = ("base_activation_checkpointing", "freeze_base_for_drafter", "share_embedding_with_base")
