@@ -63,3 +63,28 @@ def test_step_loss_is_token_weighted_not_mean_of_means(tmp_path, make_toy):
     mean_of_means = sum(s / c for s, c in zip(sums, counts, strict=True)) / len(sums)
     assert logged == pytest.approx(token_weighted, abs=1e-5)
     assert abs(token_weighted - mean_of_means) > 1e-4, "data not ragged enough to tell the two apart"
+
+
+class PartsRecipe(ToyRecipe):
+    """The toy loss split in two named parts: the squared error of the first half of the targets and the rest."""
+
+    def compute_loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        error = (model(batch["x"]) - batch["y"]) ** 2 * batch["mask"]
+        half = error.shape[0] // 2
+        first, rest = error[:half].sum(), error[half:].sum()
+        self.add_loss_part("first", first)
+        self.add_loss_part("rest", rest)
+        return first + rest
+
+
+def test_named_loss_parts_are_logged_per_label_token_of_the_step(tmp_path, make_toy):
+    """add_loss_part: each MetricsSample carries loss_<name>, summed over the step's micro-batches and divided by
+    its label tokens as loss is, so the parts add up to loss."""
+    config = make_toy(step_scheduler={"max_steps": 2, "grad_accumulation_steps": 2},
+                      dataloader={"batch_size": 4, "shuffle": False}, checkpoint={"enabled": False})
+    train_inprocess(config, recipe=PartsRecipe)
+    rows = read_jsonl(tmp_path / "ckpt" / "training.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        assert row["loss_first"] > 0 and row["loss_rest"] > 0
+        assert row["loss_first"] + row["loss_rest"] == pytest.approx(row["loss"], rel=1e-5)

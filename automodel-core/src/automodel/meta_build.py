@@ -46,6 +46,18 @@ def building_on_meta() -> Iterator[MetaBuild]:
         _REQUEST.reset(token)
 
 
+@contextlib.contextmanager
+def building_whole() -> Iterator[None]:
+    """Within the block factories build as usual, whatever the engine asked: for a model that assembles others
+    (a base model and its drafter, loaded from two directories), which the engine's meta-device materialisation,
+    reading one directory into one model, cannot fill."""
+    token = _REQUEST.set(None)
+    try:
+        yield
+    finally:
+        _REQUEST.reset(token)
+
+
 def meta_request() -> MetaBuild | None:
     """The engine's pending request, for a factory to fill; None when the model is built normally. Consumed:
     a factory that builds another model inside (a wrapper around ours, say) does not see it twice."""

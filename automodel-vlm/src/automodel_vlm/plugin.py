@@ -32,9 +32,6 @@ UNSUPPORTED = {
     f"{_COLLATE}.kimi_k25_vl_collate_fn": "Kimi-K2.5-VL's remote-code processor collation is not implemented; "
                                           + _GENERIC_COLLATE,
     f"{_COLLATE}.nemotron_parse_collate_fn": "Nemotron-Parse's collation is not implemented; " + _GENERIC_COLLATE,
-    "nemo_automodel.components.models.gemma4_drafter.composite.Gemma4WithDrafter.from_pretrained":
-        "Gemma 4 trained jointly with a drafter (upstream's own composite model) is not implemented; fine-tune the "
-        "Gemma 4 model itself with NeMoAutoModelForImageTextToText.from_pretrained",
     "nemo_automodel.NeMoAutoModelForMultimodalLM.from_pretrained":
         "audio-and-video (omni) models are not supported by the VLM recipe (images and text only); use "
         "NeMoAutoModelForImageTextToText.from_pretrained for an image-text-to-text model",
@@ -61,6 +58,9 @@ def automodel_register_aliases(aliases) -> None:
                    "automodel_vlm.AutoModelForImageTextToText.from_pretrained")
     aliases.target("nemo_automodel.NeMoAutoModelForImageTextToText.from_config",
                    "automodel_vlm.AutoModelForImageTextToText.from_config")
+    # Gemma 4 trained jointly with its drafter (transformers' Gemma4AssistantForCausalLM): automodel_vlm.drafter
+    aliases.target(f"{_MODELS}.gemma4_drafter.composite.Gemma4WithDrafter.from_pretrained",
+                   "automodel_vlm.drafter.Gemma4WithDrafter.from_pretrained")
     for name in ("make_medpix_dataset", "make_rdr_dataset", "make_cord_v2_dataset",
                  "make_shopify_product_catalogue_dataset", "make_tulu3_dataset",
                  "make_tulu3_magicoder_text_mix_dataset"):

@@ -39,6 +39,7 @@ from automodel_vlm.datasets.packing import (
     rope_index,
 )
 from automodel_vlm.datasets.text_chat import text_chat_issues
+from automodel_vlm.drafter import DRAFTER_DIR, drafter_issues, find_composite, uses_drafter
 from automodel_vlm.freeze import UpstreamFreezeConfig, VLMFreezeConfig
 from automodel_vlm.parts import MULTIMODAL_NAMES, base_model, find_part
 from automodel_vlm.pipeline import layout_issue, media_per_row, pipeline_issues
@@ -134,6 +135,8 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
         if settings is not None and settings.cp_size > 1:
             issues += context_parallel_issues(cfg)
         issues += cls.mtp_config_issues(cfg)
+        if uses_drafter(cfg):
+            issues += drafter_issues(cfg)
         if "freeze" in cfg and "freeze_config" in cfg:
             issues.append(ConfigIssue("freeze_config", "give one of freeze (ours) and freeze_config (upstream's "
                                                        "keys): they set the same thing"))
@@ -225,6 +228,13 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
                                      "sequence the language model runs on, but this model has no module named "
                                      "language_model, text_model or llm; set cp_size: 1")
             self.sequence_split = SequenceSplit(language_model[1], self.ctx.device_mesh[CP])
+        composite = find_composite(self.model)
+        if composite is not None:  # model/ is the base, model/drafter/ the drafter: two Hugging Face directories
+            self.save_model = self.save_joint_model
+            self.log(f"Gemma4WithDrafter: the training loss is the base's next-token loss + "
+                     f"{composite.drafter_loss_weight:g} x the sum over {composite.drafter_num_steps} drafting "
+                     "round(s) of each one's loss, all per label token (upstream's), logged as loss_base and "
+                     "loss_drafter; validation reports the base's loss only")
         config = getattr(base_model(self.model), "config", None)
         check_vocab(self.processor.tokenizer, getattr(config, "text_config", None) or config,
                     "processor: its tokenizer has {tokens} tokens but the model's vocab_size is {vocab}; use the "
@@ -238,6 +248,31 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
                                  f"is {image_id}; the processor and model do not belong together")
 
     # ---- the loss ---------------------------------------------------------------------------------------------
+
+    def compute_loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The next-token loss (with MTP heads': :class:`MTPLoss`) plus, while training a Gemma 4 model jointly
+        with its drafter, ``drafter_loss_weight`` x the drafter's (:meth:`automodel_vlm.drafter.Gemma4WithDrafter.
+        drafter_loss`); each part is logged (``loss_base``, ``loss_drafter``)."""
+        loss = super().compute_loss(model, batch)
+        composite = find_composite(model)
+        if composite is None or not model.training:
+            return loss
+        drafter = composite.drafter_loss(batch["labels"], self.loss_fn)
+        self.add_loss_part("base", loss)
+        self.add_loss_part("drafter", drafter)
+        return loss + composite.drafter_loss_weight * drafter
+
+    def save_joint_model(self, directory: Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        """model/: the base, with the processor's files; model/drafter/: the drafter (rank 0)."""
+        find_composite(self.model).save_pretrained(directory, state_dict)
+        self.save_artifacts(directory)
+
+    def load_model_weights(self, model: torch.nn.Module, directory: Path) -> None:
+        composite = find_composite(model)
+        if composite is None:
+            super().load_model_weights(model, directory)
+        else:
+            composite.load_weights(directory)
 
     def model_inputs(self, batch: dict[str, Any]) -> dict[str, Any]:
         return {**{k: v for k, v in batch.items() if k not in ("labels", LABEL_POSITIONS, "token_count")},
@@ -345,3 +380,6 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
             else:
                 self.log(f"Trained model in {model_dir}: load it with transformers.AutoModelForImageTextToText."
                          f"from_pretrained('{model_dir}') and AutoProcessor.from_pretrained('{model_dir}')")
+            if (model_dir / DRAFTER_DIR).is_dir():
+                self.log(f"Trained drafter in {model_dir / DRAFTER_DIR}: load it with transformers."
+                         f"Gemma4AssistantForCausalLM.from_pretrained('{model_dir / DRAFTER_DIR}')")

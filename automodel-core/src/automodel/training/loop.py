@@ -26,6 +26,7 @@ from automodel.training.context_steps import ContextParallelSteps
 from automodel.training.dist import all_reduce_sum, any_rank, naming_stalls
 from automodel.training.garbage import PeriodicGarbageCollection
 from automodel.training.logging import FAILED, STOPPED, SUCCESS
+from automodel.training.loss_parts import LossParts
 from automodel.training.metrics import MetricsSample, peak_memory_gib
 from automodel.training.modules import unwrap
 from automodel.training.parallel.grad_norm import clip_grad_norm_
@@ -39,7 +40,7 @@ from automodel.training.trainer_state import FORMAT as TRAINER_STATE_FORMAT
 from automodel.training.trainer_state import encode_losses
 
 
-class TrainingLoop(PipelineSteps, ContextParallelSteps):
+class TrainingLoop(PipelineSteps, ContextParallelSteps, LossParts):
     """The loop and its events; the attributes it reads are built by ``TrainRecipe.setup``."""
 
     def move_to_device(self, batch: Any) -> Any:
@@ -102,6 +103,7 @@ class TrainingLoop(PipelineSteps, ContextParallelSteps):
                     scaled = loss_sum.float() * scale
                     (scaler.scale(scaled) if scaler is not None else scaled).backward()
                 total += loss_sum.detach().float()
+        self.step_loss_parts = self.loss_parts_of_step(denominator)
         if dp > 1:
             (total,) = all_reduce_sum(total, device=self.device, group=self.data_parallel_group())
             total = total.float()
@@ -384,7 +386,7 @@ class TrainingLoop(PipelineSteps, ContextParallelSteps):
         steps = self.step_scheduler
         to_file, to_backends = steps.is_log_step(), steps.is_remote_log_step()
         sample = self._sample(loss, grad_norm, tokens, elapsed)
-        record = sample.to_dict()
+        record = {**sample.to_dict(), **self.step_loss_parts}
         if self.cfg.fault_tolerance.nonfinite == "skip" or self.grad_scaler is not None:
             record["skipped_steps"] = self.skipped_steps
         if recent_losses is not None:
