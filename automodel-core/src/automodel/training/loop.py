@@ -130,18 +130,15 @@ class TrainingLoop(PipelineSteps, ContextParallelSteps, LossParts):
         return loss, grad_norm, input_tokens
 
     def prepare_micro_batch(self, last: bool) -> None:
-        """Called before each micro-batch of a step (``last``: the step's final one). ``distributed.
-        defer_fsdp_grad_sync`` (upstream's default, true): an FSDP2 model reduce-scatters its gradients after the
-        step's last micro-batch only, keeping the unsharded gradients until then; false: after every micro-batch.
-        ``model.backend.enable_fsdp_optimizations: true`` (upstream's): the sync waits for the last micro-batch
-        whatever ``defer_fsdp_grad_sync`` says (as upstream's models with these optimizations do), and the gathered
-        parameters also stay gathered from one micro-batch's backward to the next's forward (no re-gather)."""
+        """Called before each micro-batch of a step (``last``: the step's final one). FSDP2 reduce-scatters the
+        gradients after the step's last micro-batch only with ``distributed.defer_fsdp_grad_sync`` (upstream's default,
+        true) or ``model.backend.enable_fsdp_optimizations: true`` (upstream's models with it defer whatever the former
+        says; it also keeps the parameters gathered in between, no re-gather), else after every micro-batch."""
         settings = self.cfg.distributed
-        units = [module for module in self.model.modules() if isinstance(module, FSDPModule)]
         if settings is None:
             return
         optimized = bool(backend_setting(self.cfg.model, "enable_fsdp_optimizations"))
-        for unit in units:  # every unit: the whole model need not be one (distributed.moe.wrap_outer_model: false)
+        for unit in [module for module in self.model.modules() if isinstance(module, FSDPModule)]:  # every unit
             unit.set_requires_gradient_sync(last or not (settings.defer_fsdp_grad_sync or optimized), recurse=False)
             if optimized:
                 unit.set_reshard_after_backward(last, recurse=False)
