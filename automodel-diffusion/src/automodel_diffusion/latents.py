@@ -252,13 +252,6 @@ def transformer_alone_issues(cfg: Any) -> list[Any]:
         issues.append(ConfigIssue("sample_generation.enabled", f"samples need the full pipeline, but {why}; set "
                                                                "false (generate diffusion samples from the full "
                                                                "pipeline with the trained transformer)"))
-    datasets = {name: cfg.get(name) for name in cfg.section_names() if name in ("dataset", "validation_dataset")
-                or name.startswith("validation_dataset_")}
-    for name, node in datasets.items():
-        if node is not None and str(node.target).rsplit(".", 1)[-1] != "LatentCacheDataset":
-            issues.append(ConfigIssue(name, f"{why}: it trains and validates on latent caches "
-                                            f"(automodel_diffusion.latents.LatentCacheDataset, or "
-                                            f"data.dataloader.cache_dir); {HOW_TO_MAKE}"))
     data = cfg.get("data") if "data" in cfg else None
     loader = data.get("dataloader") if hasattr(data, "get") else None
     cache = loader.get("cache_dir") if hasattr(loader, "get") else None
