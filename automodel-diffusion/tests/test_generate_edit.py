@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy
 import pytest
-from diffusion_testing import ASSETS, cli, load_config
+from diffusion_testing import ASSETS, cli, load_config, tiny_flux
 
 from automodel.errors import AutomodelError, ConfigError
 
@@ -63,6 +63,23 @@ def test_each_prompts_source_image_reaches_the_pipeline(img2img, tmp_path, monke
     assert len(first) == 2 and first[0].shape == (32, 32, 3)
     assert numpy.abs(first[0] - second[0]).max() <= 1, "the same image and seed: the same output"
     assert numpy.abs(first[1] - second[1]).max() > 10, "the same seed, another source image: another output"
+
+
+def test_a_flux_img2img_pipeline_gets_the_image_and_upstreams_true_cfg_scale(tmp_path, monkeypatch):
+    """FluxImg2ImgPipeline (the tiny FLUX.1 components): pipeline_kwargs' true_cfg_scale with a negative prompt
+    reaches the call, as in upstream's Qwen-Image-Edit config."""
+    model = tiny_flux(tmp_path / "flux")
+    index = json.loads((model / "model_index.json").read_text())
+    (model / "model_index.json").write_text(json.dumps({**index, "_class_name": "FluxImg2ImgPipeline"}))
+    monkeypatch.chdir(tmp_path)
+    write_image(tmp_path / "red.png", 255)
+    settings = ("--model.pretrained_model_name_or_path", model, "--inference.max_samples", "1",
+                "--inference.guidance_scale", "null")
+    kwargs = "{{max_sequence_length: 16, negative_prompt: blurry, true_cfg_scale: {}}}"
+    plain = generate("plain", "[red.png, red.png]", *settings, "--inference.pipeline_kwargs", kwargs.format(1.0))
+    guided = generate("guided", "[red.png, red.png]", *settings, "--inference.pipeline_kwargs", kwargs.format(4.0))
+    assert len(plain) == 1 and plain[0].shape == (32, 32, 3)
+    assert numpy.abs(plain[0] - guided[0]).max() > 10, "true_cfg_scale 4 with a negative prompt: another image"
 
 
 def test_refused_at_validation_naming_the_image_or_the_pipeline(tmp_path, monkeypatch):
