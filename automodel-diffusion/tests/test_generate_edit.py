@@ -116,6 +116,8 @@ def test_refused_at_build_where_the_loaded_pipeline_takes_no_image_or_setting(im
     with pytest.raises(AutomodelError, match="StableDiffusion3Img2ImgPipeline does not take true_cfg_scale"):
         recipe_cls(cfg).setup()
     recipe_cls, cfg = load_config(GENERATE, *edit, route=ROUTE)
+    assert recipe_cls.describe_plan(cfg)[-1].endswith("2 into runs/tiny_generate, each edited from its "
+                                                      "inference.input_images entry")
     index = json.loads((img2img / "model_index.json").read_text())
     (model / "model_index.json").unlink()  # the pipeline changed between validation and build
     (model / "model_index.json").write_text(json.dumps({**index, "_class_name": "StableDiffusion3Pipeline"}))

@@ -17,12 +17,15 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from automodel.config import Config, FieldErrors, Free
 from automodel.errors import AutomodelError, ConfigIssue
 from automodel.recipe import BaseRecipe
 from automodel_diffusion.upstream import GPU_ONLY
+
+if TYPE_CHECKING:
+    from PIL.Image import Image
 
 VIDEO_ONLY = "applies to video pipelines (those whose __call__ takes num_frames, e.g. WanPipeline)"
 IMAGE_INPUT = ("applies to image-editing / image-to-image pipelines only (those whose __call__ takes image, e.g. "
@@ -125,7 +128,7 @@ class VaeConfig:
                                                      f"between its stages {GPU_ONLY}; remove it"})
 
 
-def load_image(path: str) -> Any:
+def load_image(path: str) -> Image:
     """The source image at ``path`` (relative to the working directory) in RGB; unreadable: an error naming it."""
     from PIL import Image, UnidentifiedImageError
 
@@ -150,8 +153,6 @@ def takes_image(pipeline_cls: type) -> bool:
 def image_issues(cfg: Config) -> list[ConfigIssue]:
     """``inference.input_images``: each file readable, and a local pipeline directory's class (its
     model_index.json) one that takes an image; a hub pipeline is checked once loaded."""
-    import diffusers
-
     from automodel_diffusion.pipeline import read_model_index
 
     issues = []
@@ -162,7 +163,11 @@ def image_issues(cfg: Config) -> list[ConfigIssue]:
             issues.append(ConfigIssue("inference.input_images", str(err).removeprefix("inference.input_images: ")))
     source = cfg.model.pretrained_model_name_or_path if cfg.model is not None else None
     index = read_model_index(source) if source else None
-    pipeline_cls = getattr(diffusers, str(index.get("_class_name")), None) if index else None
+    if index is None:
+        return issues
+    import diffusers
+
+    pipeline_cls = getattr(diffusers, str(index.get("_class_name")), None)
     if isinstance(pipeline_cls, type) and not takes_image(pipeline_cls):
         issues.append(ConfigIssue("inference.input_images", f"{IMAGE_INPUT}; '{source}' is a "
                                                              f"{pipeline_cls.__name__}: remove it"))
@@ -204,8 +209,9 @@ class GenerateRecipe(BaseRecipe):
     def describe_plan(cls, cfg: Config) -> list[str]:
         inference = cfg.inference
         prompts = inference.prompts[: inference.max_samples or None]
+        edits = "" if inference.input_images is None else ", each edited from its inference.input_images entry"
         return [*super().describe_plan(cfg), f"pipeline: {cfg.model.pretrained_model_name_or_path}",
-                f"images: {len(prompts)} into {cfg.output.output_dir}"]
+                f"images: {len(prompts)} into {cfg.output.output_dir}{edits}"]
 
     def log(self, message: str) -> None:
         import sys
