@@ -239,7 +239,6 @@ def test_an_upstream_latent_cache_is_refused_because_loading_it_unpickles(tmp_pa
     (("--model.lora_scale", "0.5"), "model.lora_scale", "applies to lora_weights only"),
     (("--model.checkpoint_high_noise", "/x"), "model.checkpoint_high_noise", "Wan 2.2"),
     (("--output.audio_sample_rate", "16000"), "output.audio_sample_rate", "audio-video pipelines (LTX-2)"),
-    (("--inference.input_images", "[a.png]"), "inference.input_images", "image-editing"),
     (("--distributed", "{parallel_scheme: {}}"), "distributed", "one process"),
     (("--seed", "x"), "seed", "expected an integer"),
 ])

@@ -6,6 +6,8 @@ The config is upstream's generation config (its ``examples/diffusion/generate/co
 settings), ``output`` (where the files go, a video's ``fps``), ``vae`` (slicing, tiling), ``seed``. Prompt ``i`` is
 drawn with a CPU generator seeded ``seed + i`` and written as ``<output_dir>/sample_<iii>_<prompt>.png``; a video
 pipeline's (WanPipeline) as ``.webp``, an animated WebP at ``output.fps`` (Pillow writes it; no mp4 encoder is used).
+An image-editing or image-to-image pipeline (QwenImageEditPipeline, StableDiffusion3Img2ImgPipeline, ...) gets
+prompt ``i``'s source image, ``inference.input_images[i]``, as its ``image`` argument, as upstream pairs them.
 """
 
 from __future__ import annotations
@@ -15,14 +17,19 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from automodel.config import Config, FieldErrors, Free
 from automodel.errors import AutomodelError, ConfigIssue
 from automodel.recipe import BaseRecipe
 from automodel_diffusion.upstream import GPU_ONLY
 
+if TYPE_CHECKING:
+    from PIL.Image import Image
+
 VIDEO_ONLY = "applies to video pipelines (those whose __call__ takes num_frames, e.g. WanPipeline)"
+IMAGE_INPUT = ("applies to image-editing / image-to-image pipelines only (those whose __call__ takes image, e.g. "
+               "QwenImageEditPipeline, StableDiffusion3Img2ImgPipeline)")
 
 
 def _help(text: str) -> dict:
@@ -70,7 +77,8 @@ class InferenceConfig:
     pipeline_kwargs: dict = field(default_factory=dict, metadata=_help(
         "more arguments of the pipeline's __call__ (negative_prompt, max_sequence_length, ...)"))
     input_images: list[str] | None = field(default=None, metadata=_help(
-        "source images for image-editing pipelines: not supported (null)"))
+        "source images of an image-editing / image-to-image pipeline, one per prompt (paths relative to the working "
+        "directory): each is read as RGB and passed as the pipeline's image"))
 
     def __post_init__(self) -> None:
         bad = {}
@@ -79,10 +87,12 @@ class InferenceConfig:
         for name in ("num_inference_steps", "height", "width", "max_samples"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 bad[name] = f"must be >= 1, found {getattr(self, name)}"
-        if self.input_images is not None:
-            bad["input_images"] = "image-editing pipelines are not supported by generate diffusion; remove it"
+        if self.input_images is not None and len(self.input_images) != len(self.prompts):
+            bad["input_images"] = (f"one image per prompt: found {len(self.input_images)} for {len(self.prompts)} "
+                                   "prompts; give as many images as prompts")
         if "image" in self.pipeline_kwargs or "generator" in self.pipeline_kwargs:
-            bad["pipeline_kwargs"] = "'image' and 'generator' are not pipeline_kwargs here (seeded per prompt)"
+            bad["pipeline_kwargs"] = ("'image' and 'generator' are not pipeline_kwargs here: the image comes from "
+                                      "inference.input_images, the generator is seeded per prompt")
         if bad:
             raise FieldErrors(bad)
 
@@ -118,6 +128,52 @@ class VaeConfig:
                                                      f"between its stages {GPU_ONLY}; remove it"})
 
 
+def load_image(path: str) -> Image:
+    """The source image at ``path`` (relative to the working directory) in RGB; unreadable: an error naming it."""
+    from PIL import Image, UnidentifiedImageError
+
+    if "://" in path:
+        raise AutomodelError(f"inference.input_images: '{path}' is a URL, which is not fetched here; download it "
+                             "and give the file's path")
+    try:
+        with Image.open(path) as image:
+            return image.convert("RGB")
+    except FileNotFoundError:
+        raise AutomodelError(f"inference.input_images: '{path}' does not exist (relative paths are read from the "
+                             f"working directory, {Path.cwd()})") from None
+    except (OSError, UnidentifiedImageError) as err:
+        raise AutomodelError(f"inference.input_images: '{path}' is not a readable image: {err}") from None
+
+
+def takes_image(pipeline_cls: type) -> bool:
+    """Whether a diffusers pipeline's ``__call__`` takes a source ``image`` (image editing, image-to-image)."""
+    return "image" in inspect.signature(pipeline_cls.__call__).parameters
+
+
+def image_issues(cfg: Config) -> list[ConfigIssue]:
+    """``inference.input_images``: each file readable, and a local pipeline directory's class (its
+    model_index.json) one that takes an image; a hub pipeline is checked once loaded."""
+    from automodel_diffusion.pipeline import read_model_index
+
+    issues = []
+    for path in cfg.inference.input_images:
+        try:
+            load_image(path)
+        except AutomodelError as err:
+            issues.append(ConfigIssue("inference.input_images", str(err).removeprefix("inference.input_images: ")))
+    source = cfg.model.pretrained_model_name_or_path if cfg.model is not None else None
+    index = read_model_index(source) if source else None
+    if index is None:
+        return issues
+    import diffusers
+
+    pipeline_cls = getattr(diffusers, str(index.get("_class_name")), None)
+    if isinstance(pipeline_cls, type) and not takes_image(pipeline_cls):
+        issues.append(ConfigIssue("inference.input_images", f"{IMAGE_INPUT}; '{source}' is a "
+                                                             f"{pipeline_cls.__name__}: remove it"))
+    return issues
+
+
 def sample_name(index: int, prompt: str, suffix: str = "png") -> str:
     """``sample_<iii>_<the prompt's first 50 letters, digits, spaces, _ and ->.<suffix>`` (spaces as _)."""
     safe = re.sub(r"[^A-Za-z0-9 _-]", "", prompt)[:50].strip().replace(" ", "_")
@@ -145,14 +201,17 @@ class GenerateRecipe(BaseRecipe):
         seed = cfg.resolved.get("seed", 42)
         if not isinstance(seed, int) or isinstance(seed, bool):
             issues.append(ConfigIssue("seed", f"expected an integer, found {seed!r}"))
+        if cfg.inference is not None and cfg.inference.input_images is not None:
+            issues += image_issues(cfg)
         return issues
 
     @classmethod
     def describe_plan(cls, cfg: Config) -> list[str]:
         inference = cfg.inference
         prompts = inference.prompts[: inference.max_samples or None]
+        edits = "" if inference.input_images is None else ", each edited from its inference.input_images entry"
         return [*super().describe_plan(cfg), f"pipeline: {cfg.model.pretrained_model_name_or_path}",
-                f"images: {len(prompts)} into {cfg.output.output_dir}"]
+                f"images: {len(prompts)} into {cfg.output.output_dir}{edits}"]
 
     def log(self, message: str) -> None:
         import sys
@@ -179,6 +238,9 @@ class GenerateRecipe(BaseRecipe):
         video = "num_frames" in inspect.signature(type(self.pipeline).__call__).parameters
         if self.cfg.output.fps is not None and not video:
             raise AutomodelError(f"output.fps: {VIDEO_ONLY}; this {type(self.pipeline).__name__} makes images: "
+                                 "remove it")
+        if self.cfg.inference.input_images is not None and not takes_image(type(self.pipeline)):
+            raise AutomodelError(f"inference.input_images: {IMAGE_INPUT}; this is a {type(self.pipeline).__name__}: "
                                  "remove it")
 
     def load_checkpoint(self, path: Path, dtype: Any) -> None:
@@ -249,8 +311,10 @@ class GenerateRecipe(BaseRecipe):
         prompts = inference.prompts[: inference.max_samples or None]
         for index, prompt in enumerate(prompts):
             generator = torch.Generator().manual_seed(seed + index)
+            source = {} if inference.input_images is None else {"image": load_image(inference.input_images[index])}
             with torch.no_grad():
-                result = self.pipeline(prompt=prompt, generator=generator, output_type="pil", **self.call_settings)
+                result = self.pipeline(prompt=prompt, generator=generator, output_type="pil", **source,
+                                       **self.call_settings)
             if not hasattr(result, "images") and not hasattr(result, "frames"):
                 raise AutomodelError(f"model: {type(self.pipeline).__name__} returns neither images nor video "
                                      "frames; generate diffusion writes those only")
@@ -261,4 +325,5 @@ class GenerateRecipe(BaseRecipe):
             else:
                 save_video(list(result.frames[0]), staging, self.cfg.output.fps or DEFAULT_FPS)
             os.replace(staging, path)
-            self.log(f"[{index + 1}/{len(prompts)}] {path}")
+            edited = "" if inference.input_images is None else f" (from {inference.input_images[index]})"
+            self.log(f"[{index + 1}/{len(prompts)}] {path}{edited}")
