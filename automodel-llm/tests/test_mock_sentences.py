@@ -1,12 +1,12 @@
 """Upstream's ``build_unpacked_dataset`` (``nemo_automodel.components.datasets.llm.mock``): random sentences of
-varying length, token ids already (a tokenizer the run has is not used on them), run through the CLI."""
+varying length, token ids already (a tokenizer the run has is not used on them), trained as the CLI does."""
 
 from __future__ import annotations
 
 import pytest
 
 from automodel.errors import AutomodelError
-from automodel.testing import read_jsonl, run_cli
+from automodel.testing import read_jsonl, train_inprocess
 from automodel_llm.datasets import MockSentencesDataset
 
 UPSTREAM = "nemo_automodel.components.datasets.llm.mock.build_unpacked_dataset"
@@ -36,15 +36,14 @@ def test_bad_arguments_name_the_key(arguments, key):
         MockSentencesDataset(**arguments)
 
 
-def test_upstreams_form_trains_through_the_cli(tmp_path, make_config):
+def test_upstreams_form_trains(tmp_path, make_config):
     config = make_config(recipe="TrainFinetuneRecipeForNextTokenPrediction",
                          dataset={"_target_": UPSTREAM, "mean_len": 12, "std_len": 0, "vocab_size": 100,
                                   "max_sentence_len": 12, "seed": 0, "num_sentences": 16,
                                   "dataset_name": None, "split": None, "max_seq_length": None,
                                   "limit_dataset_samples": None},
                          step_scheduler={"max_steps": 3})
-    result = run_cli("finetune", "llm", "-c", config, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
+    train_inprocess(config)
     records = read_jsonl(tmp_path / "ckpt" / "training.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(0 < r["loss"] < 10 for r in records), records
