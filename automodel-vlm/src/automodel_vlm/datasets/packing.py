@@ -57,7 +57,8 @@ class VLMPackedSequenceConfig:
         "rows are filled up to pack_size x packing_ratio tokens (a longer sample still gets a row of its own)")})
     drop_long_samples: bool = field(default=False, metadata={"help": (
         "leave out the samples longer than pack_size (false: such a sample is an error)")})
-    max_packs: int | None = field(default=None, metadata={"help": "stop after this many packed rows"})
+    max_packs: int | None = field(default=None, metadata={"help": (
+        "at most this many packed rows: the first ones (in image-token order with balance_media_tokens)")})
     balance_media_tokens: bool = field(default=False, metadata={"help": (
         "upstream's media-balanced packing: the longest samples first, each into the least-filled row it fits, rows "
         "ordered by their image tokens (false: rows filled in data set order)")})
