@@ -3,12 +3,14 @@
 Each sample is tokenized alone by the recipe's collator (rendered, image placeholders expanded, assistant turns
 labelled; with ``post_tokenize_hook_fn``, Gemma 4's thinking prefix inserted after each model turn, unlabelled, as
 upstream's hook does) and the samples are packed greedily in data set order into rows of at most ``pack_size``
-tokens (a new row starts when the next sample does not fit; samples are never reordered). A row carries
-``position_ids`` that restart at 0 with every sample and no ``attention_mask``: transformers then builds a causal
-mask that is block-diagonal per sample from the position restarts. Each sample's first label is masked, so no token
-learns to predict across a sample boundary and the row's loss is the sum of its samples' own losses. The media of a
-row (``pixel_values`` and what else the processor returns per image) are concatenated in the order of the images in
-the batch, which is the order in which the model scatters their features into the image tokens.
+tokens (a new row starts when the next sample does not fit; samples are never reordered), or with
+``balance_media_tokens`` as upstream balances them by image tokens (:func:`media_balanced_rows`). This is upstream's
+``packing_format: neat``. A row carries ``position_ids`` that restart at 0 with every sample and no
+``attention_mask``: transformers then builds a causal mask that is block-diagonal per sample from the position
+restarts. Each sample's first label is masked, so no token learns to predict across a sample boundary and the row's
+loss is the sum of its samples' own losses. The media of a row (``pixel_values`` and what else the processor returns
+per image) are concatenated in the order of the images in the batch, which is the order in which the model scatters
+their features into the image tokens.
 
 Models that place tokens with multi-axis rotary positions (Qwen2-VL's mrope and its kin) get each sample's own
 3-axis positions from the model's ``get_rope_index``, concatenated, under a first row of text positions that
