@@ -36,6 +36,10 @@ CONTEXTS = {
     "tool_call_eval": {"path": "${pkg:automodel_llm}/examples/assets/tiny_tool_calls/train.jsonl",
                        "max_eval_samples": 1, "max_new_tokens": 2},
 }
+# A route's own form of a section named in CONTEXTS (the VLM recipe packs with pack_size, without `enabled`; its
+# example's samples have 30 or 31 tokens, so drop_long_samples leaves the 31s out)
+ROUTE_CONTEXTS = {("finetune", "vlm"): {"packed_sequence": {"pack_size": 30, "drop_long_samples": True,
+                                                            "balance_media_tokens": True}}}
 # Non-default values to validate a key with where its type gives none (a mapping)
 PROBES = {"flow_matching": {"adapter_kwargs": [{"setting": 1}]},
           "distributed": {"multimodal": [{"frozen_sharding": "per_layer"}]}}
@@ -150,10 +154,11 @@ def test_domain_sections_keys_act_or_are_refused(route, domain_cwd, monkeypatch)
     variants = [(overrides, [n for n in names if n in sections]) for overrides, names in IN_PLACE_OF.get(route, [])]
     moved = {name for _, names in variants for name in names}
     phases = [run_phase(recipe), launch_phase, slurm_phase]
-    effects = key_effects(recipe, base, [n for n in sections if n not in moved], _validator(recipe), phases, CONTEXTS,
+    contexts = {**CONTEXTS, **ROUTE_CONTEXTS.get(route, {})}
+    effects = key_effects(recipe, base, [n for n in sections if n not in moved], _validator(recipe), phases, contexts,
                           PROBES)
     for overrides, names in variants:
-        effects += key_effects(recipe, deep_update(base, overrides), names, _validator(recipe), phases, CONTEXTS,
+        effects += key_effects(recipe, deep_update(base, overrides), names, _validator(recipe), phases, contexts,
                                PROBES)
     assert effects, f"{' '.join(route)} has no section of its own to check"
     assert _failures(effects) == {}

@@ -10,7 +10,13 @@ from vlm_testing import LLAVA_CONFIG, SHAPES
 from automodel import testing
 from automodel.errors import AutomodelError, ConfigError
 from automodel_vlm.datasets import ImageTextChatDataset, VLMCollator
-from automodel_vlm.datasets.packing import PackedVLMCollator, PackedVLMDataset, VLMPackedSequenceConfig
+from automodel_vlm.datasets.packing import (
+    PackedVLMCollator,
+    PackedVLMDataset,
+    VLMPackedSequenceConfig,
+    greedy_rows,
+    media_balanced_rows,
+)
 
 ROUTE = ("finetune", "vlm")
 # The shapes samples have 30 or 31 tokens: max_length 30 leaves the 31s out, and at packing_ratio 0.9 a row of 61
@@ -100,15 +106,52 @@ def test_drop_long_samples_and_collate_max_length_from_the_config_act(make_confi
                                 tmp_path / "other", route=ROUTE, setup_only=True)
 
 
+def _pair_gap(media: list[int]) -> int:
+    """The largest image-token gap between the rows two data-parallel ranks take in one step (rows 2k and 2k+1)."""
+    return max(abs(a - b) for a, b in zip(media[::2], media[1::2], strict=False))
+
+
+def test_media_balanced_rows_place_every_sample_once_within_the_size_ordered_by_image_tokens():
+    # (index, tokens, image tokens): images come two by two in data set order, as text-only samples do
+    measured = [(i, 10 + i % 3, 16 * (i % 4 < 2)) for i in range(24)]
+    balanced = media_balanced_rows(measured, 36, None)
+    tokens = {i: n for i, n, _ in measured}
+    media = [sum(16 * (i % 4 < 2) for i in row) for row in balanced]
+    assert sorted(i for row in balanced for i in row) == list(range(24))
+    assert all(sum(tokens[i] for i in row) <= 36 for row in balanced)
+    assert media == sorted(media) and len(balanced) <= len(greedy_rows(measured, 36, None))
+    assert balanced == media_balanced_rows(list(measured), 36, None)  # deterministic
+    assert media_balanced_rows(measured, 36, 2) == balanced[:2]  # max_packs keeps the first rows of the order
+    assert media_balanced_rows([(0, 50, 0), (1, 5, 0)], 36, None) == [[0], [1]]  # longer than a row: its own
+
+
+def test_balance_media_tokens_evens_the_image_tokens_of_the_rows_a_step_takes(processor, samples):
+    text = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Say red."}]},
+                         {"role": "assistant", "content": [{"type": "text", "text": " ".join(["red"] * 8)}]}]}
+    data = [samples[0], samples[0], text, text] * 2  # greedy pairs image samples with image samples
+    collator = VLMCollator(processor)
+    image, words = (collator([s])["input_ids"].shape[1] for s in (samples[0], text))
+    assert image // 2 < words <= image  # the crafted sizes: two samples a row, whichever they are
+
+    def media(rows):
+        return [sum(bool(data[i]["messages"][0]["content"][0]["type"] == "image") for i in row) for row in rows]
+
+    greedy = _pack(data, processor, pack_size=2 * image).rows
+    balanced = _pack(data, processor, pack_size=2 * image, balance_media_tokens=True).rows
+    assert _pair_gap(media(greedy)) == 2 and _pair_gap(media(balanced)) == 0
+    assert sorted(i for row in balanced for i in row) == list(range(8)) and media(balanced) == [0, 0, 2, 2]
+
+
 @pytest.mark.parametrize("override,key,needle", [
     (("--packed_sequence.packing_ratio", "1.5"), "packed_sequence.packing_ratio", "must be in (0, 1]"),
     (("--packed_sequence.pack_size", "1"), "packed_sequence.pack_size", "at least 2"),
     (("--packed_sequence.pretokenize", "false"), "packed_sequence.pretokenize", "set true"),
     (("--packed_sequence.max_length", "0"), "packed_sequence.max_length", "at least 1"),
     (("--packed_sequence.max_packs", "0"), "packed_sequence.max_packs", "at least 1"),
-    (("--packed_sequence.balance_media_tokens", "true"), "packed_sequence.balance_media_tokens", "not implemented"),
     (("--packed_sequence.collate_max_length", "60"), "packed_sequence.collate_max_length", "at least pack_size"),
-    (("--packed_sequence.packing_format", "thd"), "packed_sequence.packing_format", "not implemented"),
+    (("--packed_sequence.packing_format", "thd"), "packed_sequence.packing_format",
+     "need a CUDA GPU and Transformer Engine"),
+    (("--packed_sequence.packing_format", "flat"), "packed_sequence.packing_format", "use neat"),
     (("--packed_sequence.attn_implementation", "sdpa"), "packed_sequence.attn_implementation", "own attention"),
     (("--dataloader.collate_fn._target_", "automodel_vlm.datasets.VLMCollator"), "dataloader.collate_fn",
      "builds the training rows itself"),
@@ -118,6 +161,20 @@ def test_bad_packing_values_are_refused_with_the_key(make_config, override, key,
         testing.load_config(make_config(packed_sequence=UPSTREAM_FORM), *override, route=ROUTE)
     found = {issue.key: issue.message for issue in info.value.issues}
     assert key in found and needle in found[key], found
+
+
+def test_balanced_packing_trains_from_the_config(make_config, tmp_path):
+    config = make_config(packed_sequence={**UPSTREAM_FORM, "pack_size": 100, "packing_ratio": 1.0,
+                                          "max_length": 31, "balance_media_tokens": True, "packing_format": "neat"},
+                         **SMALL_RUN, step_scheduler={"max_steps": 2, "val_check_interval": 100,
+                                                      "checkpoint_interval": 100})
+    recipe = testing.train_inprocess(config, route=ROUTE)
+    rows = recipe.dataloader.dataset.rows
+    assert sorted(i for row in rows for i in row) == list(range(24)) and [len(row) for row in rows] == [3] * 8
+    lengths = [recipe.dataloader.dataset.collator([recipe.dataloader.dataset.dataset[i]])["input_ids"].shape[1]
+               for i in rows[0]]
+    assert lengths == [31, 31, 31]  # the longest samples first, not data set order
+    assert [s["step"] for s in testing.read_jsonl(tmp_path / "ckpt" / "training.jsonl")] == [1, 2]
 
 
 def test_validate_exits_2_naming_the_key(make_config, tmp_path):

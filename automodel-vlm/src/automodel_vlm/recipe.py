@@ -186,7 +186,8 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
             dataset = PackedVLMDataset(dataset, self.packing.sample_collator(self.processor), self.packing)
             left_out = ", ".join([f"{n} left out by {key}" for key, n in dataset.left_out.items() if n]
                                  + ([f"{dataset.cut} cut to max_length"] if dataset.cut else []))
-            self.log(f"packed the training data into {len(dataset)} rows of {self.packing.pack_size} tokens"
+            order = ", balanced by image tokens" if self.packing.balance_media_tokens else ""
+            self.log(f"packed the training data into {len(dataset)} rows of {self.packing.pack_size} tokens{order}"
                      + (f" ({left_out})" if left_out else ""))
         return dataset
 

@@ -3,12 +3,14 @@
 Each sample is tokenized alone by the recipe's collator (rendered, image placeholders expanded, assistant turns
 labelled; with ``post_tokenize_hook_fn``, Gemma 4's thinking prefix inserted after each model turn, unlabelled, as
 upstream's hook does) and the samples are packed greedily in data set order into rows of at most ``pack_size``
-tokens (a new row starts when the next sample does not fit; samples are never reordered). A row carries
-``position_ids`` that restart at 0 with every sample and no ``attention_mask``: transformers then builds a causal
-mask that is block-diagonal per sample from the position restarts. Each sample's first label is masked, so no token
-learns to predict across a sample boundary and the row's loss is the sum of its samples' own losses. The media of a
-row (``pixel_values`` and what else the processor returns per image) are concatenated in the order of the images in
-the batch, which is the order in which the model scatters their features into the image tokens.
+tokens (a new row starts when the next sample does not fit; samples are never reordered), or with
+``balance_media_tokens`` as upstream balances them by image tokens (:func:`media_balanced_rows`). This is upstream's
+``packing_format: neat``. A row carries ``position_ids`` that restart at 0 with every sample and no
+``attention_mask``: transformers then builds a causal mask that is block-diagonal per sample from the position
+restarts. Each sample's first label is masked, so no token learns to predict across a sample boundary and the row's
+loss is the sum of its samples' own losses. The media of a row (``pixel_values`` and what else the processor returns
+per image) are concatenated in the order of the images in the batch, which is the order in which the model scatters
+their features into the image tokens.
 
 Models that place tokens with multi-axis rotary positions (Qwen2-VL's mrope and its kin) get each sample's own
 3-axis positions from the model's ``get_rope_index``, concatenated, under a first row of text positions that
@@ -19,9 +21,10 @@ refused (:func:`packing_unsupported`).
 
 from __future__ import annotations
 
+import heapq
 import inspect
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,15 +59,18 @@ class VLMPackedSequenceConfig:
         "rows are filled up to pack_size x packing_ratio tokens (a longer sample still gets a row of its own)")})
     drop_long_samples: bool = field(default=False, metadata={"help": (
         "leave out the samples longer than pack_size (false: such a sample is an error)")})
-    max_packs: int | None = field(default=None, metadata={"help": "stop after this many packed rows"})
+    max_packs: int | None = field(default=None, metadata={"help": (
+        "at most this many packed rows: the first ones (in image-token order with balance_media_tokens)")})
     balance_media_tokens: bool = field(default=False, metadata={"help": (
-        "upstream's media-balanced bin packing: false only (rows are packed in data set order)")})
+        "upstream's media-balanced packing: the longest samples first, each into the least-filled row it fits, rows "
+        "ordered by their image tokens (false: rows filled in data set order)")})
     collate_max_length: int | None = field(default=None, metadata={"help": (
         "the length packed rows are padded to, at least pack_size (default: pack_size)")})
     attn_implementation: str | None = field(default=None, metadata={"help": (
         "upstream's packed-mask backend: refused (the model's own attention keeps each sample apart)")})
-    packing_format: str | None = field(default=None, metadata={"help": (
-        "upstream's packed collator format (neat, thd): refused (rows are packed in data set order)")})
+    packing_format: str = field(default="neat", metadata={"help": (
+        "upstream's packed batch format: neat only (positions restarting per sample, attention and loss within each "
+        "sample); thd (cu_seqlens for Transformer Engine on CUDA) is refused")})
     post_tokenize_hook_fn: str | None = field(default=None, metadata={"help": (
         "upstream's hook on each tokenized sample: Gemma 4's thinking prefix (...collate_fns."
         "gemma4_inject_thinking_prefix) only, inserted after every model turn, unlabelled")})
@@ -85,17 +91,18 @@ class VLMPackedSequenceConfig:
         if self.collate_max_length is not None and self.collate_max_length < max(self.pack_size, 1):
             errors["collate_max_length"] = (f"{self.collate_max_length}: rows of pack_size ({self.pack_size}) tokens "
                                             "are padded to it, so it must be at least pack_size (or remove it)")
-        if self.balance_media_tokens:
-            errors["balance_media_tokens"] = ("true: upstream's media-balanced bin packing is not implemented; rows "
-                                              "are packed greedily in data set order: set false or remove it")
-        refused = {
-            "attn_implementation": "packed rows keep each sample apart through position_ids with the model's own "
-                                   "attention; remove it (model.attn_implementation chooses the attention)",
-            "packing_format": "upstream's packed collators (neat, thd) are not implemented; rows are packed "
-                              "greedily in data set order: remove it",
-        }
-        errors.update({key: f"{getattr(self, key)}: {why}" for key, why in refused.items()
-                       if getattr(self, key) is not None})
+        if self.attn_implementation is not None:
+            errors["attn_implementation"] = (
+                f"{self.attn_implementation}: upstream's packed-mask backend under context parallelism; packed rows "
+                "here keep each sample apart through position_ids with the model's own attention (and do not go "
+                "with context parallelism): remove it (model.attn_implementation chooses the attention)")
+        if self.packing_format == "thd":
+            errors["packing_format"] = ("thd: THD batches (samples concatenated with cu_seqlens, qkv_format thd) "
+                                        "feed Transformer Engine's attention kernels, which need a CUDA GPU and "
+                                        "Transformer Engine; use neat (rows for Hugging Face attention) or remove it")
+        elif self.packing_format != "neat":
+            errors["packing_format"] = (f"{self.packing_format}: upstream's packed formats are neat (what packing "
+                                        "builds here) and thd (refused); use neat or remove it")
         if self.post_tokenize_hook_fn is not None and self.post_tokenize_hook_fn not in THINKING_PREFIX_HOOKS:
             errors["post_tokenize_hook_fn"] = (f"{self.post_tokenize_hook_fn}: the only hook on tokenized samples "
                                                f"here is Gemma 4's thinking prefix ({THINKING_PREFIX_HOOKS[0]}); "
@@ -169,9 +176,53 @@ def cut_sample(one: dict[str, Any], length: int, placeholders: set[int]) -> dict
             for key, value in one.items()}
 
 
+def greedy_rows(measured: Iterable[tuple[int, int, int]], capacity: int, max_packs: int | None) -> list[list[int]]:
+    """Rows of sample indices filled in data set order up to ``capacity`` tokens, a new row where the next sample
+    does not fit, at most ``max_packs`` rows (``measured``: (index, tokens, image tokens) per sample, read only as
+    far as the rows need)."""
+    rows: list[list[int]] = []
+    used = 0
+    for index, length, _ in measured:
+        if not rows or used + length > capacity:
+            if max_packs is not None and len(rows) == max_packs:
+                break
+            rows.append([])
+            used = 0
+        rows[-1].append(index)
+        used += length
+    return rows
+
+
+def media_balanced_rows(measured: Iterable[tuple[int, int, int]], capacity: int,
+                        max_packs: int | None) -> list[list[int]]:
+    """upstream's media-balanced packing (``balance_media_tokens``): the samples longest first (ties in data set
+    order), each into the least-filled row it fits in up to ``capacity`` tokens (else a row of its own); the rows
+    then ordered by their image tokens, fewest first, and the first ``max_packs`` kept.
+
+    The order is the balance: data-parallel ranks take neighbouring rows in one step (with ``shuffle: false``), so
+    their vision encoders get similar work and no rank waits on one with many more images. Deterministic: the
+    same samples give the same rows."""
+    rows: list[list[int]] = []
+    media: list[int] = []
+    fills: list[tuple[int, int]] = []  # a heap of (tokens, row): the least-filled row first
+    for index, length, image_tokens in sorted(measured, key=lambda sample: -sample[1]):
+        if fills and fills[0][0] + length <= capacity:
+            used, row = heapq.heappop(fills)
+        else:
+            used, row = 0, len(rows)
+            rows.append([])
+            media.append(0)
+        rows[row].append(index)
+        media[row] += image_tokens
+        heapq.heappush(fills, (used + length, row))
+    order = sorted(range(len(rows)), key=lambda row: media[row])
+    return [rows[row] for row in order][:max_packs]
+
+
 class PackedVLMDataset(Dataset):
     """Rows of samples (each row a list of the data set's samples) that fill at most ``settings.capacity`` tokens,
-    measured by tokenizing each sample alone with ``collator``.
+    measured by tokenizing each sample alone with ``collator``: in data set order (:func:`greedy_rows`), or with
+    ``balance_media_tokens`` balanced by image tokens (:func:`media_balanced_rows`).
 
     Samples longer than ``settings.max_length`` are left out, or, where the data set says ``truncate`` (upstream's
     recipe-level key of the text-only chat data sets), cut to it (``cut_to``; :class:`PackedVLMCollator` cuts them
@@ -180,18 +231,26 @@ class PackedVLMDataset(Dataset):
     def __init__(self, dataset: Any, collator: VLMCollator, settings: VLMPackedSequenceConfig):
         self.dataset, self.collator = dataset, collator
         self.cut_to = settings.max_length if getattr(dataset, "truncate", False) else None
-        self.rows: list[list[int]] = []
         self.left_out = {"max_length": 0, "drop_long_samples": 0}
         self.cut = 0
-        used = 0
-        for index in range(len(dataset)):
-            one = collator([dataset[index]])
+        pack = media_balanced_rows if settings.balance_media_tokens else greedy_rows
+        self.rows = pack(self._measured(settings), settings.capacity, settings.max_packs)
+        if not self.rows:
+            raise AutomodelError(f"packed_sequence: no sample is left to pack ({self.left_out['max_length']} longer "
+                                 f"than max_length, {self.left_out['drop_long_samples']} longer than pack_size); "
+                                 "raise max_length or pack_size")
+
+    def _measured(self, settings: VLMPackedSequenceConfig) -> Iterator[tuple[int, int, int]]:
+        """(index, tokens, image tokens) of each sample that is packed, in data set order; counts those left out."""
+        placeholders = torch.tensor(sorted(self.collator.placeholders), dtype=torch.long)
+        for index in range(len(self.dataset)):
+            one = self.collator([self.dataset[index]])
             length = one["input_ids"].shape[1]
             if settings.max_length is not None and length > settings.max_length:
                 if self.cut_to is None:
                     self.left_out["max_length"] += 1
                     continue
-                cut_sample(one, self.cut_to, collator.placeholders)  # refuses a cut through image tokens now
+                cut_sample(one, self.cut_to, self.collator.placeholders)  # refuses a cut through image tokens now
                 length = self.cut_to
                 self.cut += 1
             if length > settings.pack_size:
@@ -201,17 +260,7 @@ class PackedVLMDataset(Dataset):
                                          "drop_long_samples: true (or max_length) to leave such samples out")
                 self.left_out["drop_long_samples"] += 1
                 continue
-            if not self.rows or used + length > settings.capacity:
-                if settings.max_packs is not None and len(self.rows) == settings.max_packs:
-                    break
-                self.rows.append([])
-                used = 0
-            self.rows[-1].append(index)
-            used += length
-        if not self.rows:
-            raise AutomodelError(f"packed_sequence: no sample is left to pack ({self.left_out['max_length']} longer "
-                                 f"than max_length, {self.left_out['drop_long_samples']} longer than pack_size); "
-                                 "raise max_length or pack_size")
+            yield index, length, int(torch.isin(one["input_ids"], placeholders).sum())
 
     def __len__(self) -> int:
         return len(self.rows)
