@@ -4,8 +4,9 @@ merge (``automodel_vlm.context_parallel``).
 On CPU gloo ranks (``vlm_context_parallel_workers.py``, with the all-gather attention: torch's ring attention has
 no CPU kernel) the recipe's context-parallel step over 2 ranks gives one process's losses, gradient norms,
 vision-tower gradients and weights for a tiny Llava (CLIP + Llama) and a tiny Qwen2-VL (multi-axis rope
-positions). ``automodel validate`` accepts cp_size 2 where the device is CUDA and refuses, with the reason, what
-the path cannot run; on two GPUs the CLI trains like one process and its model/ loads with transformers.
+positions), on right-padded and on packed rows. ``automodel validate`` accepts cp_size 2 where the device is CUDA
+and refuses, with the reason, what the path cannot run; on two GPUs the CLI trains like one process and its model/
+loads with transformers.
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ def cp_steps(tmp_path_factory):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_context_parallel_step_equals_one_process(cp_steps, family):
-    """Two steps of two micro-batches: losses, gradient norms, the vision tower's gradients of the first step (its
-    images run on both ranks, each rank's loss only on its part of the sequence) and the weights after."""
+    """Two steps of two micro-batches (right-padded rows, then packed rows): losses, gradient norms, the vision
+    tower's gradients of the first step (its images run on both ranks, each rank's loss only on its part of the
+    sequence) and the weights after."""
     one = cp_steps["one"][family]
     for rank in cp_steps["cp2"]:
         ran = rank[family]

@@ -1,12 +1,13 @@
 """The VLM recipe's context-parallel step (``TrainingLoop._train_step`` with ``sequence_parts``) on CPU gloo ranks,
 against one process, for a tiny Llava (CLIP + Llama) and a tiny Qwen2-VL (multi-axis rope positions), with the
-all-gather attention (``distributed.cp_attention: all_gather``; torch's ring attention has no CPU kernel).
+all-gather attention (``distributed.cp_attention: all_gather``; torch's ring attention has no CPU kernel), on
+right-padded rows and on packed rows (two conversations a row, told apart by their text positions).
 
-Everything is the recipe's and the core's: the micro-batch collated by ``VLMCollator`` padded to a multiple of
-2 x cp, the vision tower and the merge on the whole batch on every rank, the language model's pre-hook splitting
-the merged embeddings and positions, the region splitting the targets, the routing of the vision tower's attention
-(not causal) to SDPA's own kernel, the gathered keys and values with their mask, the loss, its scale and FSDP2 over
-``cp``.
+Everything is the recipe's and the core's: the micro-batch collated by ``VLMCollator`` (or ``PackedVLMCollator``)
+padded to a multiple of 2 x cp, the vision tower and the merge on the whole batch on every rank, the language
+model's pre-hook splitting the merged embeddings and positions, the region splitting the targets, the routing of the
+vision tower's attention (not causal) to SDPA's own kernel, the gathered keys and values with their mask, the loss,
+its scale and FSDP2 over ``cp``.
 
 Run as ``python vlm_context_parallel_workers.py <scenario> <json args> <result file>`` (``parallel_testing``).
 """
@@ -34,10 +35,11 @@ from automodel.training.parallel.multimodal_fsdp import place_multimodal
 from automodel.training.parallel.precision import Precision
 from automodel_vlm.context_parallel import SequenceSplit
 from automodel_vlm.datasets.collate import VLMCollator
+from automodel_vlm.datasets.packing import PackedVLMCollator, rope_index
 from automodel_vlm.parts import MULTIMODAL_NAMES, find_part
 from automodel_vlm.recipe import FinetuneRecipeForVLM
 
-STEPS, MICRO_BATCHES, ROWS = 2, 2, 2
+MICRO_BATCHES, ROWS = 2, 2
 COLORS = ["red", "green", "blue", "yellow"]
 
 
@@ -90,9 +92,10 @@ def tiny_model(family: str) -> tuple[torch.nn.Module, Any]:
     return AutoModelForImageTextToText.from_config(config, attn_implementation="sdpa"), processor
 
 
-def micro_batches(processor: Any, step: int, pad_to: int) -> list[dict[str, torch.Tensor]]:
-    """A step's micro-batches: picture conversations of different lengths (right-padded rows), images of random
-    pixels, collated as the recipe collates them."""
+def micro_batches(processor: Any, step: int, pad_to: int, rope: Any = False) -> list[dict[str, torch.Tensor]]:
+    """A step's micro-batches: picture conversations of different lengths, images of random pixels, collated as the
+    recipe collates them: right-padded rows, or (``rope`` given: the model's ``rope_index``, None for a model
+    without one) packed rows of two conversations each, padded to a multiple of ``pad_to``."""
     from vlm_testing import conversation
 
     generator = torch.Generator().manual_seed(100 + step)
@@ -100,12 +103,17 @@ def micro_batches(processor: Any, step: int, pad_to: int) -> list[dict[str, torc
     batches = []
     for _ in range(MICRO_BATCHES):
         samples = []
-        for _ in range(ROWS):
+        for _ in range(ROWS * (1 if rope is False else 2)):
             pixels = torch.randint(0, 256, (32, 32, 3), generator=generator, dtype=torch.uint8).numpy()
             words = int(torch.randint(1, 4, (1,), generator=generator))
             answer = " ".join(COLORS[int(torch.randint(0, 4, (1,), generator=generator))] for _ in range(words))
             samples.append({"messages": conversation("What colors?", answer), "images": [Image.fromarray(pixels)]})
-        batches.append(collator(samples))
+        if rope is False:
+            batches.append(collator(samples))
+            continue
+        rows = [samples[i:i + 2] for i in range(0, len(samples), 2)]
+        longest = max(sum(VLMCollator(processor)([one])["input_ids"].shape[1] for one in row) for row in rows)
+        batches.append(PackedVLMCollator(collator, -(-longest // pad_to) * pad_to, rope)(rows))
     return batches
 
 
@@ -114,7 +122,7 @@ def vision_tower(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def run(family: str, layout: MeshLayout) -> dict[str, Any]:
-    """``STEPS`` steps: losses, gradient norms, the vision tower's gradients of the first step and the weights."""
+    """Two steps: losses, gradient norms, the vision tower's gradients of the first step and the weights."""
     model, processor = tiny_model(family)
     device_mesh, hooked = None, 0
     if layout.world_size > 1:
@@ -135,7 +143,9 @@ def run(family: str, layout: MeshLayout) -> dict[str, Any]:
         update()
 
     step.optimizer.step = record_then_update
-    batches = [micro_batches(processor, s, 2 * layout.cp) for s in range(STEPS)]
+    # the first step on right-padded rows, the second on packed rows (samples kept apart within a row)
+    batches = [micro_batches(processor, 0, 2 * layout.cp), micro_batches(processor, 1, 2 * layout.cp,
+                                                                         rope_index(model))]
     results = [step._train_step(b) for b in batches]
     return {"losses": [loss.item() for loss, _, _ in results], "norms": [norm.item() for _, norm, _ in results],
             "vision_grads": grads, "state": {k: v.tolist() for k, v in full_state(model).items()},
