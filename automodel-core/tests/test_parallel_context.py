@@ -18,7 +18,12 @@ from automodel.errors import AutomodelError
 from automodel.training.loss import IGNORE_INDEX
 from automodel.training.next_token import NextTokenLogits
 from automodel.training.parallel.activation_checkpointing import apply_activation_checkpointing
-from automodel.training.parallel.all_gather_attention import GatheredVisibility, causal_calls_to, documents
+from automodel.training.parallel.all_gather_attention import (
+    GatheredVisibility,
+    SplitRegion,
+    causal_calls_to,
+    documents,
+)
 from automodel.training.parallel.context_parallel import (
     ContextParallelBatch,
     causal_attention_without_mask,
@@ -196,7 +201,9 @@ def test_left_padding_is_refused_with_what_to_do():
     assert NextTokenLogits.context_parallel_batch(None, right).targets.tolist() == [[5, 6, 7, IGNORE_INDEX]]
 
 
-def test_attention_is_found_below_activation_checkpointing_and_runs_without_the_mask():
+def test_attention_is_found_below_activation_checkpointing_and_runs_without_the_mask_inside_the_region():
+    """Inside the region the attention modules get no mask (the region's attention has its own) and note their
+    sliding window; outside (validation, generation on whole sequences) they keep the model's own mask."""
     config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=2)
     model = LlamaForCausalLM(config)
@@ -205,5 +212,11 @@ def test_attention_is_found_below_activation_checkpointing_and_runs_without_the_
     seen = []
     model.model.layers[0].self_attn.register_forward_pre_hook(
         lambda module, args, kwargs: seen.append(kwargs.get("attention_mask", "absent")), with_kwargs=True)
-    model(input_ids=torch.tensor([[1, 2, 3, 4]]), attention_mask=torch.tensor([[1, 1, 1, 0]]))
-    assert seen == [None]
+    model.model.layers[1].self_attn.sliding_window = 3
+    inputs = {"input_ids": torch.tensor([[1, 2, 3, 4]]), "attention_mask": torch.tensor([[1, 1, 1, 0]])}
+    model(**inputs)
+    assert seen[0] is not None and SplitRegion.window is None
+    with SplitRegion.entered():
+        model(**inputs)
+        assert SplitRegion.window == 3  # the last layer's
+    assert seen[1] is None and not SplitRegion.active

@@ -56,11 +56,10 @@ def test_ring_attention_is_refused_on_this_machine_saying_why_and_what_would_run
 
 def test_what_the_context_parallel_path_cannot_do_is_refused_with_the_reason(config, tmp_path):
     code, out = _validate(config, tmp_path, *CP2, *RING, "--distributed.strategy", "ddp", "--compile.enabled", "true",
-                          "--eval_generation.enabled", "true", "--packed_sequence.packed_sequence_size", "64")
+                          "--packed_sequence.packed_sequence_size", "64")
     assert code == 2 and "Traceback" not in out
     assert "distributed.strategy: ddp: the 2 context-parallel ranks of a batch hold partial gradients" in out
     assert "compile.enabled: true with cp_size 2: the context-parallel region swaps" in out
-    assert "eval_generation.enabled: generation pads its prompts and needs their attention mask" in out
     assert "packed_sequence.packed_sequence_size: packed rows keep attention within each sample, but torch's ring " \
            "attention (distributed.cp_attention: ring, cp_size 2) runs one causal attention over the whole row" in out
     code, out = _validate(config, tmp_path, *CP2, "--packed_sequence.packed_sequence_size", "66")
@@ -112,21 +111,25 @@ def test_the_default_collate_pads_rows_to_a_multiple_of_twice_cp_size():
     assert FinetuneRecipeForNextTokenPrediction.length_multiple(recipe) == 6
 
 
-def test_cp2_with_the_all_gather_attention_trains_packed_rows_like_one_process(tmp_path):
+def test_cp2_with_the_all_gather_attention_trains_packed_rows_and_generates_like_one_process(tmp_path):
     """On this machine's CPU: packed rows (several samples per row, attention kept within each) split over two
-    ranks; the losses, gradient norms and validation losses are one process's (fp32)."""
+    ranks; the losses, gradient norms, validation losses and the generated answers after training are one
+    process's (fp32)."""
     config = write_config(tmp_path / "cfg.yaml", write_tiny_llama_config(tmp_path), tmp_path / "one",
                           validation_dataset=VALIDATION, packed_sequence={"packed_sequence_size": 128},
+                          eval_generation={"enabled": True, "num_examples": 2},
                           step_scheduler={"max_steps": 3, "val_check_interval": 3},
                           distributed={"mp_policy": {"param_dtype": "float32"}},
                           dataloader={"batch_size": 2, "shuffle": False})
-    run_finetune(config, tmp_path, tmp_path / "one")
+    one = run_finetune(config, tmp_path, tmp_path / "one")
     log = run_finetune(config, tmp_path, tmp_path / "cp2", *CP2, "--distributed.cp_attention", "all_gather")
     assert "context_parallel [cp_attention]: 1 attention modules run as all-gather attention" in log
     assert losses(tmp_path / "cp2") == pytest.approx(losses(tmp_path / "one"), rel=1e-5)
     assert grad_norms(tmp_path / "cp2") == pytest.approx(grad_norms(tmp_path / "one"), rel=1e-4)
     assert [v for _, v in val_losses(tmp_path / "cp2")] == pytest.approx(
         [v for _, v in val_losses(tmp_path / "one")], rel=1e-5)
+    answers = [[line for line in text.splitlines() if "expected:" in line] for text in (one, log)]
+    assert answers[1] == answers[0] and len(answers[0]) == 2  # generation on whole sequences, as one process
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="ring attention runs on two CUDA GPUs")

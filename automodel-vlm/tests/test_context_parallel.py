@@ -82,8 +82,6 @@ def test_ring_attention_is_refused_on_this_machine_saying_what_would_run_it(conf
 
 
 @pytest.mark.parametrize(("args", "refusal"), [
-    (["--eval_generation.enabled", "true"],
-     "eval_generation.enabled: generation pads its prompts and needs their attention mask"),
     (["--packed_sequence.pack_size", "64", "--distributed.cp_attention", "ring"],
      "packed_sequence: packed rows keep attention within each sample, but torch's ring attention"),
     (["--packed_sequence.pack_size", "66"],
@@ -93,7 +91,7 @@ def test_ring_attention_is_refused_on_this_machine_saying_what_would_run_it(conf
     (["--nproc-per-node", "4", "--distributed.tp_size", "2"],
      "distributed.tp_size: 2 with cp_size 2: tensor parallelism's vocabulary-parallel loss"),
     (["--distributed.multimodal.vision.frame_sharding.enabled", "true"], "multimodal.vision.frame_sharding"),
-], ids=["eval_generation", "packing_with_ring", "packing_length", "pp", "tp", "frame_sharding"])
+], ids=["packing_with_ring", "packing_length", "pp", "tp", "frame_sharding"])
 def test_what_the_path_cannot_run_is_refused_with_the_reason(config, on_cuda, capsys, args, refusal):
     assert main(["validate", "-c", str(config), *CP2, *args]) == 2
     err = capsys.readouterr().err

@@ -64,15 +64,11 @@ def _processor_needs_model_source(cfg: Any) -> bool:
 
 
 def context_parallel_issues(cfg: Any) -> list[ConfigIssue]:
-    """What the VLM recipe cannot run with ``distributed.cp_size > 1`` (the language model's attention modules run
-    without the model's mask, over the split sequence)."""
+    """What the VLM recipe cannot run with ``distributed.cp_size > 1``: a model whose image tokens attend both ways,
+    packed rows with ring attention or of a length the split does not divide. (Generation runs outside the
+    context-parallel region, on whole sequences with the model's own mask, as in one process.)"""
     cp = cfg.distributed.cp_size
     issues = []
-    generation = cfg.eval_generation if "eval_generation" in cfg else None
-    if generation is not None and generation.enabled:
-        issues.append(ConfigIssue("eval_generation.enabled", f"generation pads its prompts and needs their attention "
-                                  f"mask, which context parallelism (cp_size {cp}) drops from every attention "
-                                  "module of the language model; set eval_generation.enabled: false"))
     config = model_hf_config(cfg)
     if config is not None and (issue := attention_issue(config)) is not None:
         issues.append(ConfigIssue("distributed.cp_size", f"{cp}: {issue}"))

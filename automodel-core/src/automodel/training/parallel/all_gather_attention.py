@@ -27,11 +27,24 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 
-class LayerWindow:
-    """The sliding window of the attention layer that runs now (None: full causal attention), set by a forward
-    pre-hook on each attention module (the SDPA call itself does not say which layer it belongs to)."""
+class SplitRegion:
+    """Whether a context-parallel region is entered, and the sliding window of the attention layer that runs now
+    (None: full causal attention). Inside, the attention modules run without the model's mask (built from a rank's
+    split positions it would be wrong; the region's attention has its own) and note their window for the mask (the
+    SDPA call itself does not say which layer it belongs to); outside (validation, generation: whole sequences on
+    every rank) they keep the model's own mask."""
 
+    active: bool = False
     window: int | None = None
+
+    @classmethod
+    @contextlib.contextmanager
+    def entered(cls) -> Iterator[None]:
+        cls.active, cls.window = True, None
+        try:
+            yield
+        finally:
+            cls.active = False
 
     @classmethod
     def note(cls, module: nn.Module) -> None:
@@ -51,7 +64,7 @@ class _GatheredKeysValues(torch.autograd.Function):
         ctx.group, ctx.rank, ctx.size = group, dist.get_rank(group), dist.get_world_size(group)
         part = part.contiguous()
         parts = [torch.empty_like(part) for _ in range(ctx.size)]
-        dist.all_gather(parts, part, group=group)  # a list: gloo has no all_gather_into_tensor
+        dist.all_gather(parts, part, group=group)  # into a list: every backend has it, gloo included
         return torch.cat(parts, dim=3)
 
     @staticmethod
@@ -85,12 +98,11 @@ class GatheredVisibility:
     causal on the global index, within the query's document, not padding; each query sees itself, so a padding
     row's softmax has a key (its output reaches no real token: no real token sees a padding key)."""
 
-    def __init__(self, length: int, cp_mesh: DeviceMesh, position_ids: torch.Tensor | None,
+    def __init__(self, length: int, cp_mesh: DeviceMesh, position_ids: torch.Tensor,
                  attention_mask: torch.Tensor | None):
         size, rank = cp_mesh.size(), cp_mesh.get_local_rank()
-        device = position_ids.device if position_ids is not None else None
-        self.queries = part_indices(length, size, rank).to(device)
-        self.keys = torch.cat([part_indices(length, size, r) for r in range(size)]).to(device)
+        self.queries = part_indices(length, size, rank).to(position_ids.device)
+        self.keys = torch.cat([part_indices(length, size, r) for r in range(size)]).to(position_ids.device)
         docs = documents(position_ids, attention_mask)
         mask = (self.keys[None, :] <= self.queries[:, None])[None]  # [1 or batch, queries, keys]
         if docs is not None:
@@ -115,14 +127,14 @@ class GatheredVisibility:
 def gathered_attention(cp_mesh: DeviceMesh, visibility: GatheredVisibility, plain: Callable[..., torch.Tensor]
                        ) -> Callable[..., torch.Tensor]:
     """A causal SDPA call's replacement: this rank's queries over every rank's keys and values, ``plain`` SDPA
-    with :class:`GatheredVisibility`'s mask for the layer that runs (:class:`LayerWindow`)."""
+    with :class:`GatheredVisibility`'s mask for the layer that runs (:class:`SplitRegion`)."""
     group = cp_mesh.get_group()
 
     def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
                   dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
                   enable_gqa: bool = False) -> torch.Tensor:
         keys, values = _GatheredKeysValues.apply(torch.stack([key, value]), group).unbind(0)
-        return plain(query, keys, values, attn_mask=visibility.mask_for(LayerWindow.window).to(query.device),
+        return plain(query, keys, values, attn_mask=visibility.mask_for(SplitRegion.window).to(query.device),
                      dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa or key.shape[1] != query.shape[1])
 
     return attention
@@ -146,7 +158,7 @@ def causal_calls_to(replacement: Callable[..., torch.Tensor], plain: Callable[..
 
 
 @contextlib.contextmanager
-def all_gather_region(cp_mesh: DeviceMesh, length: int, position_ids: torch.Tensor | None,
+def all_gather_region(cp_mesh: DeviceMesh, length: int, position_ids: torch.Tensor,
                       attention_mask: torch.Tensor | None, buffers: list[torch.Tensor]) -> Iterator[None]:
     """Split ``buffers`` along the sequence in place (this rank's chunks) and, within the block, run causal SDPA
     calls as :func:`gathered_attention` (the mask from the whole rows' ``position_ids`` and ``attention_mask``)."""
@@ -157,6 +169,5 @@ def all_gather_region(cp_mesh: DeviceMesh, length: int, position_ids: torch.Tens
         buffer.resize_(shard.shape)
         buffer.copy_(shard)
     plain = F.scaled_dot_product_attention
-    LayerWindow.window = None
-    with causal_calls_to(gathered_attention(cp_mesh, visibility, plain), plain):
+    with SplitRegion.entered(), causal_calls_to(gathered_attention(cp_mesh, visibility, plain), plain):
         yield

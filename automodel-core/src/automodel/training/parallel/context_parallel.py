@@ -31,7 +31,7 @@ from torch import nn
 
 from automodel.errors import AutomodelError, ConfigIssue
 from automodel.training.loss import IGNORE_INDEX
-from automodel.training.parallel.all_gather_attention import LayerWindow, all_gather_region, causal_calls_to
+from automodel.training.parallel.all_gather_attention import SplitRegion, all_gather_region, causal_calls_to
 from automodel.training.parallel.blocks import attention_modules
 from automodel.training.parallel.mesh import data_parallel_mesh
 
@@ -194,18 +194,20 @@ def context_parallel_region(cp_mesh: DeviceMesh, batch: ContextParallelBatch, at
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]), \
             context_parallel(cp_mesh, buffers=buffers, buffer_seq_dims=[SEQUENCE_DIM] * len(buffers),
                              no_restore_buffers=set(buffers)):
-        with causal_calls_to(F.scaled_dot_product_attention, plain):  # torch's ring attention for causal calls
+        with SplitRegion.entered(), causal_calls_to(F.scaled_dot_product_attention, plain):  # ring: causal calls
             yield
 
 
 def causal_attention_without_mask(model: nn.Module, skip: Collection[nn.Module] = ()) -> int:
-    """Make every attention module of ``model``'s transformer blocks run causal without a mask (the model's mask,
-    built from the split position ids, would not match the region's attention; each module's sliding window is
-    noted for the all-gather attention's mask); returns how many were hooked. The modules
+    """Make every attention module of ``model``'s transformer blocks run without a mask inside the context-parallel
+    region (the model's mask, built from the split position ids, would not match the region's attention; each
+    module's sliding window is noted for the all-gather attention's mask); returns how many were hooked. The modules
     are found below wrappers (activation checkpointing) too; those inside ``skip`` (a vision-language model's
     towers, which see whole images) are left as they are."""
-    def drop_mask(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
-        LayerWindow.note(module)  # the all-gather attention's mask for this layer
+    def drop_mask(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
+        if not SplitRegion.active:  # whole sequences (validation, generation): the model's own mask
+            return None
+        SplitRegion.note(module)  # the all-gather attention's mask for this layer
         return args, {**kwargs, "attention_mask": None}
 
     modules = attention_modules(model, skip)
