@@ -134,8 +134,11 @@ def gathered_attention(cp_mesh: DeviceMesh, visibility: GatheredVisibility, plai
                   dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
                   enable_gqa: bool = False) -> torch.Tensor:
         keys, values = _GatheredKeysValues.apply(torch.stack([key, value]), group).unbind(0)
+        groups = query.shape[1] // keys.shape[1]
+        if groups > 1:  # grouped heads with a mask: CUDA's SDPA would fall back to its math kernel, so repeat them
+            keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
         return plain(query, keys, values, attn_mask=visibility.mask_for(SplitRegion.window).to(query.device),
-                     dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa or key.shape[1] != query.shape[1])
+                     dropout_p=dropout_p, scale=scale)
 
     return attention
 
