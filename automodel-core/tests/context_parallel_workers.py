@@ -1,10 +1,12 @@
-"""The loop's context-parallel step (``TrainingLoop._train_step`` with ``sequence_parts``) on CPU gloo ranks, where
-torch's ring attention cannot run (no CP strategy for the CPU SDPA kernel): the model here has no attention, each
-position's logits depend on its token and its position only, so splitting the sequences over ranks is exact and
-everything else the engine does for context parallelism — the split inside torch's context-parallel region, the
-positions that travel with the tokens, the targets shifted before the split, the loss without a second shift, the
-label tokens counted before the split, the scale ``dp * cp / tokens``, the loss summed over the ``cp`` group,
-FSDP2 over ``dp_shard x cp`` — can be compared, number for number, with one process.
+"""The loop's context-parallel step (``TrainingLoop._train_step`` with ``sequence_parts``) on CPU gloo ranks with
+the all-gather attention (``distributed.cp_attention: all_gather``), against one process: a tiny Qwen2 (Llama's
+layers with a sliding-window first layer and grouped key/value heads) built from its config, on right-padded rows
+(the attention mask's zeros at the end) and on packed rows (positions restarting at each document, no mask). Every
+part the engine runs for context parallelism — the split inside the region, the positions that travel with the
+tokens, the targets shifted before the split, the gathered keys and values with their mask (causal, padding,
+documents, the layer's window), the loss without a second shift, the label tokens counted before the split, the
+scale ``dp * cp / tokens``, the loss summed over the ``cp`` group, FSDP2 over ``dp_shard x cp`` — is compared,
+number for number, with one process running transformers' own masks.
 
 Run as ``python context_parallel_workers.py <scenario> <json args> <result file>`` (``parallel_testing.launch``).
 """
@@ -22,43 +24,24 @@ from torch import nn
 from automodel.training.loop import TrainingLoop
 from automodel.training.loss import IGNORE_INDEX, MaskedCrossEntropy
 from automodel.training.next_token import HeadOnPositions, NextTokenLogits
-from automodel.training.parallel.context_parallel import fsdp_mesh
+from automodel.training.parallel.context_parallel import causal_attention_without_mask, fsdp_mesh
 from automodel.training.parallel.fsdp import apply_fsdp2
 from automodel.training.parallel.mesh import MeshLayout, build_device_mesh, plan_mesh
 from automodel.training.parallel.precision import Precision
 
-VOCAB, WIDTH, SEQ, ROWS, STEPS, MICRO_BATCHES = 32, 16, 16, 4, 3, 2
+VOCAB, SEQ, ROWS, STEPS, MICRO_BATCHES, WINDOW = 32, 16, 4, 3, 2, 5
 
 
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.norm, self.mlp = nn.LayerNorm(WIDTH), nn.Linear(WIDTH, WIDTH)
+def tiny_model() -> nn.Module:
+    """Two layers: the first sees only the last ``WINDOW`` tokens (shorter than a rank's part), the second all."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden + torch.tanh(self.mlp(self.norm(hidden)))
-
-
-class PositionwiseLM(nn.Module):
-    """A causal LM's interface without attention: a wrong position or a target shifted twice changes the loss."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.embed, self.positions = nn.Embedding(VOCAB, WIDTH), nn.Embedding(SEQ, WIDTH)
-        self.layers = nn.ModuleList([Block(), Block()])
-        self.lm_head = nn.Linear(WIDTH, VOCAB)
-
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, **_: Any) -> Any:
-        if position_ids is None:
-            position_ids = torch.arange(input_ids.shape[1]).expand_as(input_ids)
-        hidden = self.embed(input_ids) + self.positions(position_ids)
-        for layer in self.layers:
-            hidden = layer(hidden)
-        return SimpleNamespace(logits=self.lm_head(hidden))
-
-    def get_output_embeddings(self) -> nn.Module:
-        return self.lm_head
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True,
+                         sliding_window=WINDOW, max_window_layers=2,
+                         layer_types=["sliding_attention", "full_attention"])
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM._from_config(config, attn_implementation="sdpa")
 
 
 class Step(NextTokenLogits, TrainingLoop):
@@ -68,7 +51,9 @@ class Step(NextTokenLogits, TrainingLoop):
         self.model, self.device, self.world_size = model, torch.device("cpu"), layout.world_size
         self.ctx = SimpleNamespace(mesh=layout, device_mesh=device_mesh, precision=Precision(),
                                    fsdp2=device_mesh is not None)
-        self.cfg = SimpleNamespace(distributed=None, clip_grad_norm=SimpleNamespace(max_norm=None, norm_type=2.0),
+        self.cfg = SimpleNamespace(distributed=SimpleNamespace(cp_size=layout.cp, cp_attention="all_gather",
+                                                               defer_fsdp_grad_sync=True), model=None,
+                                   clip_grad_norm=SimpleNamespace(max_norm=None, norm_type=2.0),
                                    logits=SimpleNamespace(label_positions_only=label_positions_only))
         self.head_positions = HeadOnPositions.attach(model) if label_positions_only else None
         self.grad_scaler = self.pipelines = self.lr_scheduler = None
@@ -77,7 +62,8 @@ class Step(NextTokenLogits, TrainingLoop):
         self.loss_fn = MaskedCrossEntropy()
 
     def model_inputs(self, batch: dict[str, Any]) -> dict[str, Any]:
-        return {"input_ids": batch["input_ids"], "use_cache": False}
+        return {**{k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch},
+                "use_cache": False}
 
     def compute_loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
         return self.loss_fn(*self.next_token_logits(model, batch, self.head_positions))
@@ -89,25 +75,34 @@ class Step(NextTokenLogits, TrainingLoop):
 
 
 def micro_batches(step: int, dp_rank: int, dp: int) -> list[dict[str, torch.Tensor]]:
-    """A step's micro-batches, this data-parallel rank's rows: right-padded rows (the attention mask's zeros at the
-    end), about a third of the labels ignored, so the ranks and micro-batches carry different token counts."""
+    """A step's micro-batches, this data-parallel rank's rows, about a third of the labels ignored (so the ranks and
+    micro-batches carry different token counts): right-padded rows first, then packed rows (documents of 1 to 8
+    tokens, positions restarting at each, its first label ignored as packing does)."""
     generator = torch.Generator().manual_seed(3000 + step)
     ids = torch.randint(0, VOCAB, (MICRO_BATCHES, ROWS, SEQ), generator=generator)
     labels = ids.masked_fill(torch.rand(ids.shape, generator=generator) < 0.35, IGNORE_INDEX)
-    lengths = torch.randint(SEQ // 2, SEQ + 1, (MICRO_BATCHES, ROWS, 1), generator=generator)
+    lengths = torch.randint(SEQ // 2, SEQ + 1, (ROWS, 1), generator=generator)
     mask = (torch.arange(SEQ) < lengths).long()
-    labels = labels.masked_fill(mask == 0, IGNORE_INDEX)
+    starts = torch.rand(ROWS, SEQ, generator=generator) < 0.2
+    starts[:, 0] = True
+    documents = starts.cumsum(-1)
+    first = torch.stack([(documents[r, :, None] == documents[r]).float().argmax(-1) for r in range(ROWS)])
+    positions = torch.arange(SEQ) - first
     rows = slice(dp_rank * ROWS // dp, (dp_rank + 1) * ROWS // dp)
-    return [{"input_ids": ids[m, rows], "labels": labels[m, rows], "attention_mask": mask[m, rows]}
-            for m in range(MICRO_BATCHES)]
+    padded = {"input_ids": ids[0, rows], "labels": labels[0].masked_fill(mask == 0, IGNORE_INDEX)[rows],
+              "attention_mask": mask[rows]}
+    packed = {"input_ids": ids[1, rows], "labels": labels[1].masked_fill(starts, IGNORE_INDEX)[rows],
+              "position_ids": positions[rows]}
+    return [padded, packed]
 
 
 def run(layout: MeshLayout, label_positions_only: bool) -> dict[str, Any]:
     """``STEPS`` engine steps: the loss and gradient norm of each (the norm shows the gradients' scale, which
     AdamW's update hides) and the weights after them."""
-    model, device_mesh = PositionwiseLM(), None
+    model, device_mesh = tiny_model(), None
     if layout.world_size > 1:
         device_mesh = build_device_mesh(layout, "cpu")
+        causal_attention_without_mask(model)  # as the context_parallel stage does
         apply_fsdp2(model, fsdp_mesh(device_mesh, layout))
     step = Step(model, layout, device_mesh, label_positions_only)
     rank = dist.get_rank() if dist.is_initialized() else 0

@@ -1,9 +1,10 @@
-"""Context parallelism (``distributed.cp_size > 1``) in the LLM recipe: ``automodel validate`` refuses it on this
-CPU machine saying why and what would run it (torch's ring attention needs CUDA's flash / memory-efficient SDPA),
-and refuses what the path cannot do with the reason; a config it can run passes where the device is CUDA; the
-default collate pads rows to a multiple of 2 x cp_size. On a machine with two GPUs, cp_size 2 trains with the losses,
-gradient norms and validation losses of one process (the loop's step itself is compared with one process on CPU
-gloo ranks in automodel-core/tests/test_parallel_context.py)."""
+"""Context parallelism (``distributed.cp_size > 1``) in the LLM recipe: on this CPU machine cp_size 2 trains with the
+all-gather attention (``distributed.cp_attention: auto``) like one process, on packed rows; ``automodel validate``
+refuses ring attention here saying why and what would run it (torch's ring attention needs CUDA's flash /
+memory-efficient SDPA), and refuses what the path cannot do with the reason; a config ring attention can run passes
+where the device is CUDA; the default collate pads rows to a multiple of 2 x cp_size. On a machine with two GPUs,
+cp_size 2 with ring attention trains with the losses, gradient norms and validation losses of one process (the
+loop's step itself is compared with one process on CPU gloo ranks in automodel-core/tests/test_parallel_context.py)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from automodel.testing import run_cli
 from automodel_llm.recipe import FinetuneRecipeForNextTokenPrediction
 
 CP2 = ["--nproc-per-node", "2", "--distributed.strategy", "fsdp2", "--distributed.cp_size", "2"]
+RING = ["--distributed.cp_attention", "ring"]
 
 
 @pytest.fixture
@@ -40,24 +42,29 @@ def _validate(config, cwd, *args) -> tuple[int, str]:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
-def test_cp_is_refused_on_this_machine_saying_why_and_what_would_run_it(config, tmp_path):
-    code, out = _validate(config, tmp_path, *CP2)
+def test_ring_attention_is_refused_on_this_machine_saying_why_and_what_would_run_it(config, tmp_path):
+    code, out = _validate(config, tmp_path, *CP2, *RING)
     assert code == 2 and "Traceback" not in out
     assert "distributed.cp_size: 2: context parallelism runs torch's ring attention" in out
     assert "flash or memory-efficient attention kernels on CUDA GPUs; this run is on cpu" in out
-    assert "Run it on NVIDIA GPUs (one process per GPU, nccl) or set cp_size: 1" in out
+    assert "Run it on NVIDIA GPUs (one process per GPU, nccl), set distributed.cp_attention: all_gather" in out
     assert out.startswith("error: invalid configuration: distributed.cp_size")  # the one problem of this config
+    assert _validate(config, tmp_path, *CP2)[0] == 0  # auto: the all-gather attention runs here
+    code, out = _validate(config, tmp_path, *RING)
+    assert code == 2 and "distributed.cp_attention: ring with cp_size 1: no sequence is split" in out
 
 
 def test_what_the_context_parallel_path_cannot_do_is_refused_with_the_reason(config, tmp_path):
-    code, out = _validate(config, tmp_path, *CP2, "--distributed.strategy", "ddp", "--compile.enabled", "true",
-                          "--eval_generation.enabled", "true", "--packed_sequence.packed_sequence_size", "64")
+    code, out = _validate(config, tmp_path, *CP2, *RING, "--distributed.strategy", "ddp", "--compile.enabled", "true",
+                          "--packed_sequence.packed_sequence_size", "64")
     assert code == 2 and "Traceback" not in out
     assert "distributed.strategy: ddp: the 2 context-parallel ranks of a batch hold partial gradients" in out
-    assert "compile.enabled: true with cp_size 2: torch's context-parallel region swaps" in out
-    assert "eval_generation.enabled: generation pads its prompts and needs their attention mask" in out
-    assert "packed_sequence.packed_sequence_size: packed rows keep attention within each sample, but context " \
-           "parallelism (cp_size 2) runs one causal attention over the whole row" in out
+    assert "compile.enabled: true with cp_size 2: the context-parallel region swaps" in out
+    assert "packed_sequence.packed_sequence_size: packed rows keep attention within each sample, but torch's ring " \
+           "attention (distributed.cp_attention: ring, cp_size 2) runs one causal attention over the whole row" in out
+    code, out = _validate(config, tmp_path, *CP2, "--packed_sequence.packed_sequence_size", "66")
+    assert code == 2 and "packed_sequence.packed_sequence_size: 66: context parallelism (cp_size 2) splits each " \
+        "packed row into 4 chunks; use a multiple of 4" in out
     code, out = _validate(config, tmp_path, "--nproc-per-node", "4", "--distributed.strategy", "fsdp2",
                           "--distributed.cp_size", "2", "--distributed.pp_size", "2")
     assert code == 2 and "distributed.pp_size: 2 with cp_size 2: the pipeline schedule runs the micro-batches" in out
@@ -71,16 +78,19 @@ def test_what_the_context_parallel_path_cannot_do_is_refused_with_the_reason(con
         in kd.stderr
 
 
-def test_a_config_context_parallelism_can_run_passes_validation_where_the_device_is_cuda(config, monkeypatch,
-                                                                                       capsys):
+def test_a_config_ring_attention_can_run_passes_validation_where_the_device_is_cuda(config, monkeypatch,
+                                                                                    capsys):
     """Only the device is CUDA's here (the same checks a GPU machine runs); the sdpa attention is accepted, eager
-    refused."""
+    refused (by either attention: both replace the model's SDPA calls)."""
     monkeypatch.setattr("automodel.training.stages.context_parallel.validation_device",
                         lambda: torch.device("cuda"))
-    assert main(["validate", "-c", str(config), *CP2]) == 0, capsys.readouterr().err
-    assert main(["validate", "-c", str(config), *CP2, "--model.attn_implementation", "eager"]) == 2
+    assert main(["validate", "-c", str(config), *CP2, *RING]) == 0, capsys.readouterr().err
+    assert main(["validate", "-c", str(config), *CP2, *RING, "--model.attn_implementation", "eager"]) == 2
     assert "model.attn_implementation: 'eager': context parallelism replaces SDPA's attention" in \
         capsys.readouterr().err
+    assert main(["validate", "-c", str(config), *CP2, "--model.attn_implementation", "eager"]) == 2
+    assert "model.attn_implementation: 'eager': context parallelism's all-gather attention replaces the model's " \
+        "SDPA calls" in capsys.readouterr().err
 
 
 def test_expert_parallelism_over_the_context_parallel_ranks_passes_validation_where_the_device_is_cuda(
@@ -101,7 +111,28 @@ def test_the_default_collate_pads_rows_to_a_multiple_of_twice_cp_size():
     assert FinetuneRecipeForNextTokenPrediction.length_multiple(recipe) == 6
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="context parallelism runs on two CUDA GPUs")
+def test_cp2_with_the_all_gather_attention_trains_packed_rows_and_generates_like_one_process(tmp_path):
+    """On this machine's CPU: packed rows (several samples per row, attention kept within each) split over two
+    ranks; the losses, gradient norms, validation losses and the generated answers after training are one
+    process's (fp32)."""
+    config = write_config(tmp_path / "cfg.yaml", write_tiny_llama_config(tmp_path), tmp_path / "one",
+                          validation_dataset=VALIDATION, packed_sequence={"packed_sequence_size": 128},
+                          eval_generation={"enabled": True, "num_examples": 2},
+                          step_scheduler={"max_steps": 3, "val_check_interval": 3},
+                          distributed={"mp_policy": {"param_dtype": "float32"}},
+                          dataloader={"batch_size": 2, "shuffle": False})
+    one = run_finetune(config, tmp_path, tmp_path / "one")
+    log = run_finetune(config, tmp_path, tmp_path / "cp2", *CP2, "--distributed.cp_attention", "all_gather")
+    assert "context_parallel [cp_attention]: 1 attention modules run as all-gather attention" in log
+    assert losses(tmp_path / "cp2") == pytest.approx(losses(tmp_path / "one"), rel=1e-5)
+    assert grad_norms(tmp_path / "cp2") == pytest.approx(grad_norms(tmp_path / "one"), rel=1e-4)
+    assert [v for _, v in val_losses(tmp_path / "cp2")] == pytest.approx(
+        [v for _, v in val_losses(tmp_path / "one")], rel=1e-5)
+    answers = [[line for line in text.splitlines() if "expected:" in line] for text in (one, log)]
+    assert answers[1] == answers[0] and len(answers[0]) == 2  # generation on whole sequences, as one process
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="ring attention runs on two CUDA GPUs")
 def test_cp2_on_two_gpus_trains_like_one_process(tmp_path):
     """fp32, so the ring attention's merge order is the only difference (the one process runs SDPA with the
     padding mask; rows are right-padded, which causal attention keeps out of every real token's view)."""
@@ -112,7 +143,7 @@ def test_cp2_on_two_gpus_trains_like_one_process(tmp_path):
                           dataloader={"batch_size": 4, "shuffle": False})
     run_finetune(config, tmp_path, tmp_path / "one")
     log = run_finetune(config, tmp_path, tmp_path / "cp2", *CP2)
-    assert "context_parallel [ring_attention]: 1 attention modules run as ring attention over cp 2" in log
+    assert "context_parallel [cp_attention]: 1 attention modules run as torch's ring attention over cp 2" in log
     assert losses(tmp_path / "cp2") == pytest.approx(losses(tmp_path / "one"), rel=1e-3)
     assert grad_norms(tmp_path / "cp2") == pytest.approx(grad_norms(tmp_path / "one"), rel=1e-3)
     assert [v for _, v in val_losses(tmp_path / "cp2")] == pytest.approx(

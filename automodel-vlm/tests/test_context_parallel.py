@@ -1,11 +1,12 @@
 """Context parallelism (``distributed.cp_size > 1``) in the VLM recipe: the sequence is split after the multimodal
 merge (``automodel_vlm.context_parallel``).
 
-On CPU gloo ranks (``vlm_context_parallel_workers.py``: torch's ring attention has no CPU kernel, an exact
-gathered attention stands in for it) the recipe's context-parallel step over 2 ranks gives one process's losses,
-gradient norms, vision-tower gradients and weights for a tiny Llava (CLIP + Llama) and a tiny Qwen2-VL (multi-axis
-rope positions). ``automodel validate`` accepts cp_size 2 where the device is CUDA and refuses, with the reason,
-what the path cannot run; on two GPUs the CLI trains like one process and its model/ loads with transformers.
+On CPU gloo ranks (``vlm_context_parallel_workers.py``, with the all-gather attention: torch's ring attention has
+no CPU kernel) the recipe's context-parallel step over 2 ranks gives one process's losses, gradient norms,
+vision-tower gradients and weights for a tiny Llava (CLIP + Llama) and a tiny Qwen2-VL (multi-axis rope
+positions), on right-padded and on packed rows. ``automodel validate`` accepts cp_size 2 where the device is CUDA
+and refuses, with the reason, what the path cannot run; on two GPUs the CLI trains like one process and its model/
+loads with transformers.
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ def cp_steps(tmp_path_factory):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_context_parallel_step_equals_one_process(cp_steps, family):
-    """Two steps of two micro-batches: losses, gradient norms, the vision tower's gradients of the first step (its
-    images run on both ranks, each rank's loss only on its part of the sequence) and the weights after."""
+    """Two steps of two micro-batches (right-padded rows, then packed rows): losses, gradient norms, the vision
+    tower's gradients of the first step (its images run on both ranks, each rank's loss only on its part of the
+    sequence) and the weights after."""
     one = cp_steps["one"][family]
     for rank in cp_steps["cp2"]:
         ran = rank[family]
@@ -50,6 +52,8 @@ def test_the_context_parallel_step_equals_one_process(cp_steps, family):
             assert torch.allclose(torch.tensor(ran["vision_grads"][key]), torch.tensor(value), rtol=1e-4,
                                   atol=1e-6), key
         for key, value in one["state"].items():
+            if key.endswith("k_proj.bias"):  # shifts all of a query's scores alike, which softmax cancels: its
+                continue  # gradient is rounding noise, which AdamW's normalisation turns into steps of up to lr
             assert torch.allclose(torch.tensor(ran["state"][key]), torch.tensor(value), atol=1e-5), key
 
 
@@ -70,24 +74,24 @@ def test_cp2_passes_validation_where_the_device_is_cuda(config, on_cuda, capsys)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
-def test_cp2_is_refused_on_this_machine_saying_what_would_run_it(config, tmp_path):
-    result = run_cli("validate", "-c", config, *CP2, cwd=tmp_path)
+def test_ring_attention_is_refused_on_this_machine_saying_what_would_run_it(config, tmp_path):
+    result = run_cli("validate", "-c", config, *CP2, "--distributed.cp_attention", "ring", cwd=tmp_path)
     out = result.stdout + result.stderr
     assert result.returncode == 2 and "Traceback" not in out
     assert "distributed.cp_size: 2: context parallelism runs torch's ring attention" in out
 
 
 @pytest.mark.parametrize(("args", "refusal"), [
-    (["--eval_generation.enabled", "true"],
-     "eval_generation.enabled: generation pads its prompts and needs their attention mask"),
-    (["--packed_sequence.pack_size", "64"],
-     "packed_sequence: packed rows keep attention within each sample, but context parallelism (cp_size 2)"),
+    (["--packed_sequence.pack_size", "64", "--distributed.cp_attention", "ring"],
+     "packed_sequence: packed rows keep attention within each sample, but torch's ring attention"),
+    (["--packed_sequence.pack_size", "66"],
+     "packed_sequence.pack_size: packed rows of 66 tokens: context parallelism (cp_size 2) splits each row into 4"),
     (["--nproc-per-node", "4", "--distributed.pp_size", "2"],
      "distributed.pp_size: 2 with cp_size 2: the pipeline schedule runs the micro-batches"),
     (["--nproc-per-node", "4", "--distributed.tp_size", "2"],
      "distributed.tp_size: 2 with cp_size 2: tensor parallelism's vocabulary-parallel loss"),
     (["--distributed.multimodal.vision.frame_sharding.enabled", "true"], "multimodal.vision.frame_sharding"),
-], ids=["eval_generation", "packing", "pp", "tp", "frame_sharding"])
+], ids=["packing_with_ring", "packing_length", "pp", "tp", "frame_sharding"])
 def test_what_the_path_cannot_run_is_refused_with_the_reason(config, on_cuda, capsys, args, refusal):
     assert main(["validate", "-c", str(config), *CP2, *args]) == 2
     err = capsys.readouterr().err

@@ -1,29 +1,26 @@
 """The VLM recipe's context-parallel step (``TrainingLoop._train_step`` with ``sequence_parts``) on CPU gloo ranks,
-against one process, for a tiny Llava (CLIP + Llama) and a tiny Qwen2-VL (multi-axis rope positions).
+against one process, for a tiny Llava (CLIP + Llama) and a tiny Qwen2-VL (multi-axis rope positions), with the
+all-gather attention (``distributed.cp_attention: all_gather``; torch's ring attention has no CPU kernel), on
+right-padded rows and on packed rows (two conversations a row, told apart by their text positions).
 
-Torch's ring attention has no CPU kernel (``automodel-core/tests/test_parallel_context.py`` shows it), so here the
-causal SDPA calls inside the region run an exact stand-in: each rank's queries against the keys and values of all
-``cp`` ranks (gathered with autograd), masked by the true positions of the split layout. Everything else is the
-recipe's and the core's: the micro-batch collated by ``VLMCollator`` padded to a multiple of 2 x cp, the vision
-tower and the merge on the whole batch on every rank, the language model's pre-hook splitting the merged embeddings
-and positions, the region splitting the targets, the routing of the vision tower's attention (not causal) to SDPA's
-own kernel, the loss, its scale and FSDP2 over ``cp``.
+Everything is the recipe's and the core's: the micro-batch collated by ``VLMCollator`` (or ``PackedVLMCollator``)
+padded to a multiple of 2 x cp, the vision tower and the merge on the whole batch on every rank, the language
+model's pre-hook splitting the merged embeddings and positions, the region splitting the targets, the routing of the
+vision tower's attention (not causal) to SDPA's own kernel, the gathered keys and values with their mask, the loss,
+its scale and FSDP2 over ``cp``.
 
 Run as ``python vlm_context_parallel_workers.py <scenario> <json args> <result file>`` (``parallel_testing``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "automodel-core" / "tests"))  # the core's workers
@@ -31,75 +28,19 @@ from parallel_workers import full_state, main  # noqa: E402
 
 from automodel.training.loss import MaskedCrossEntropy
 from automodel.training.next_token import HeadOnPositions
-from automodel.training.parallel.context_parallel import causal_attention_without_mask, fsdp_mesh, split_sequence
+from automodel.training.parallel.context_parallel import causal_attention_without_mask, fsdp_mesh
 from automodel.training.parallel.fsdp import apply_fsdp2
 from automodel.training.parallel.mesh import CP, MeshLayout, build_device_mesh, plan_mesh
 from automodel.training.parallel.multimodal_fsdp import place_multimodal
 from automodel.training.parallel.precision import Precision
 from automodel_vlm.context_parallel import SequenceSplit
 from automodel_vlm.datasets.collate import VLMCollator
+from automodel_vlm.datasets.packing import PackedVLMCollator, rope_index
 from automodel_vlm.parts import MULTIMODAL_NAMES, find_part
 from automodel_vlm.recipe import FinetuneRecipeForVLM
 
-STEPS, MICRO_BATCHES, ROWS = 2, 2, 2
+MICRO_BATCHES, ROWS = 2, 2
 COLORS = ["red", "green", "blue", "yellow"]
-
-
-class _Gathered(torch.autograd.Function):
-    """Every ``cp`` rank's part of a ``[batch, heads, sequence, dim]`` tensor, in rank order along the sequence;
-    backward sums the gradients of all ranks and gives each its own part."""
-
-    @staticmethod
-    def forward(ctx: Any, part: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group, ctx.rank = group, dist.get_rank(group)
-        parts = [torch.empty_like(part.contiguous()) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, part.contiguous(), group=group)
-        return torch.cat(parts, dim=2)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad.chunk(dist.get_world_size(ctx.group), dim=2)[ctx.rank], None
-
-
-def _gathered_causal_attention(cp_mesh: Any) -> Any:
-    """Exact causal attention of this rank's queries over every rank's keys and values (the split layout's true
-    positions decide what each query sees): what ring attention computes, without its CUDA kernels."""
-    group = cp_mesh.get_group()
-
-    def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
-                  dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
-                  enable_gqa: bool = False) -> torch.Tensor:
-        keys, values = _Gathered.apply(key, group), _Gathered.apply(value, group)
-        mine = split_sequence(torch.arange(keys.shape[2]).view(1, -1), cp_mesh)[0]
-        every = [torch.empty_like(mine) for _ in range(cp_mesh.size())]
-        dist.all_gather(every, mine, group=group)
-        mask = torch.cat(every)[None, :] <= mine[:, None]  # a query sees the keys at or before its position
-        if keys.shape[1] != query.shape[1]:
-            keys = keys.repeat_interleave(query.shape[1] // keys.shape[1], dim=1)
-            values = values.repeat_interleave(query.shape[1] // values.shape[1], dim=1)
-        scores = query @ keys.transpose(-1, -2) * (scale if scale is not None else query.shape[-1] ** -0.5)
-        return scores.masked_fill(~mask, float("-inf")).softmax(-1) @ values
-
-    return attention
-
-
-@contextlib.contextmanager
-def cpu_context_parallel(mesh: Any, buffers: list[torch.Tensor], buffer_seq_dims: list[int],
-                         no_restore_buffers: set) -> Iterator[None]:
-    """Torch's ``context_parallel`` as the region calls it: the buffers split in place (the same layout), SDPA
-    replaced by the stand-in while the block runs."""
-    for buffer, dim in zip(buffers, buffer_seq_dims, strict=True):
-        shard = split_sequence(buffer, mesh, dim).clone()
-        buffer.resize_(shard.shape)
-        buffer.copy_(shard)
-    plain = F.scaled_dot_product_attention
-    F.scaled_dot_product_attention = _gathered_causal_attention(mesh)
-    try:
-        yield
-    finally:
-        F.scaled_dot_product_attention = plain
 
 
 class Step(FinetuneRecipeForVLM):
@@ -110,7 +51,9 @@ class Step(FinetuneRecipeForVLM):
         self.ctx = SimpleNamespace(mesh=layout, device_mesh=device_mesh, precision=Precision(),
                                    fsdp2=device_mesh is not None, device=torch.device("cpu"),
                                    world_size=layout.world_size)
-        self.cfg = SimpleNamespace(distributed=None, clip_grad_norm=SimpleNamespace(max_norm=None, norm_type=2.0),
+        self.cfg = SimpleNamespace(distributed=SimpleNamespace(cp_size=layout.cp, cp_attention="all_gather",
+                                                               defer_fsdp_grad_sync=True), model=None,
+                                   clip_grad_norm=SimpleNamespace(max_norm=None, norm_type=2.0),
                                    logits=SimpleNamespace(label_positions_only=True))
         self.head_positions = HeadOnPositions.attach(model)
         self.grad_scaler = self.pipelines = self.lr_scheduler = self.mtp_heads = self.loss_head = None
@@ -149,9 +92,10 @@ def tiny_model(family: str) -> tuple[torch.nn.Module, Any]:
     return AutoModelForImageTextToText.from_config(config, attn_implementation="sdpa"), processor
 
 
-def micro_batches(processor: Any, step: int, pad_to: int) -> list[dict[str, torch.Tensor]]:
-    """A step's micro-batches: picture conversations of different lengths (right-padded rows), images of random
-    pixels, collated as the recipe collates them."""
+def micro_batches(processor: Any, step: int, pad_to: int, rope: Any = False) -> list[dict[str, torch.Tensor]]:
+    """A step's micro-batches: picture conversations of different lengths, images of random pixels, collated as the
+    recipe collates them: right-padded rows, or (``rope`` given: the model's ``rope_index``, None for a model
+    without one) packed rows of two conversations each, padded to a multiple of ``pad_to``."""
     from vlm_testing import conversation
 
     generator = torch.Generator().manual_seed(100 + step)
@@ -159,12 +103,17 @@ def micro_batches(processor: Any, step: int, pad_to: int) -> list[dict[str, torc
     batches = []
     for _ in range(MICRO_BATCHES):
         samples = []
-        for _ in range(ROWS):
+        for _ in range(ROWS * (1 if rope is False else 2)):
             pixels = torch.randint(0, 256, (32, 32, 3), generator=generator, dtype=torch.uint8).numpy()
             words = int(torch.randint(1, 4, (1,), generator=generator))
             answer = " ".join(COLORS[int(torch.randint(0, 4, (1,), generator=generator))] for _ in range(words))
             samples.append({"messages": conversation("What colors?", answer), "images": [Image.fromarray(pixels)]})
-        batches.append(collator(samples))
+        if rope is False:
+            batches.append(collator(samples))
+            continue
+        rows = [samples[i:i + 2] for i in range(0, len(samples), 2)]
+        longest = max(sum(VLMCollator(processor)([one])["input_ids"].shape[1] for one in row) for row in rows)
+        batches.append(PackedVLMCollator(collator, -(-longest // pad_to) * pad_to, rope)(rows))
     return batches
 
 
@@ -173,7 +122,7 @@ def vision_tower(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def run(family: str, layout: MeshLayout) -> dict[str, Any]:
-    """``STEPS`` steps: losses, gradient norms, the vision tower's gradients of the first step and the weights."""
+    """Two steps: losses, gradient norms, the vision tower's gradients of the first step and the weights."""
     model, processor = tiny_model(family)
     device_mesh, hooked = None, 0
     if layout.world_size > 1:
@@ -194,7 +143,9 @@ def run(family: str, layout: MeshLayout) -> dict[str, Any]:
         update()
 
     step.optimizer.step = record_then_update
-    batches = [micro_batches(processor, s, 2 * layout.cp) for s in range(STEPS)]
+    # the first step on right-padded rows, the second on packed rows (samples kept apart within a row)
+    batches = [micro_batches(processor, 0, 2 * layout.cp), micro_batches(processor, 1, 2 * layout.cp,
+                                                                         rope_index(model))]
     results = [step._train_step(b) for b in batches]
     return {"losses": [loss.item() for loss, _, _ in results], "norms": [norm.item() for _, norm, _ in results],
             "vision_grads": grads, "state": {k: v.tolist() for k, v in full_state(model).items()},
@@ -203,9 +154,6 @@ def run(family: str, layout: MeshLayout) -> dict[str, Any]:
 
 def scenario_vlm_cp(args: dict[str, Any], out: Any) -> dict[str, Any]:
     """cp = world size (2), or the one-process reference without a process group; both families."""
-    import torch.distributed.tensor.experimental as experimental
-
-    experimental.context_parallel = cpu_context_parallel
     world = dist.get_world_size() if dist.is_initialized() else 1
     layout = plan_mesh(world, cp_size=world) if world > 1 else MeshLayout(1)
     return {family: run(family, layout) for family in ("llava", "qwen2_vl")}

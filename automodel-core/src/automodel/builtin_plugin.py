@@ -36,7 +36,7 @@ def automodel_register_stages(stages) -> None:
     stages.add("sharding", "ddp", f"{_STAGES}.sharding.wrap_ddp")
     stages.add("sharding", "fsdp2", f"{_STAGES}.sharding.wrap_fsdp2")
     stages.add("sharding", "megatron_fsdp", f"{_STAGES}.sharding.wrap_megatron_fsdp")
-    stages.add("context_parallel", "ring_attention", f"{_STAGES}.context_parallel.ring_attention")
+    stages.add("context_parallel", "cp_attention", f"{_STAGES}.context_parallel.attention")
 
 
 @hookimpl

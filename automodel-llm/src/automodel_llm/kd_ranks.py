@@ -23,7 +23,7 @@ from automodel.training.parallelism import model_hf_config
 # teacher_distributed keys that can only be 1 here, and why
 _NOT_IMPLEMENTED = {
     "cp_size": "the teacher's context parallelism is not implemented: each teacher copy runs whole sequences (the "
-               "core's context parallelism splits a training step's sequences, on CUDA ring attention, and nothing "
+               "core's context parallelism splits a training step's sequences, and nothing "
                "gathers a teacher's sequence parts back into whole logits); give it more ranks with "
                "teacher_distributed.tp_size or dp_size",
     "pp_size": "the teacher's pipeline parallelism is not implemented: each teacher copy holds every layer (the "

@@ -29,8 +29,9 @@ from automodel.training.dist import expected_world_size, rank
 from automodel.training.modules import is_fsdp2, unwrap
 from automodel.training.mtp_loss import MTPLoss
 from automodel.training.next_token import NextTokenLogits
+from automodel.training.parallel.context_parallel import cp_attention
 from automodel.training.parallel.pipeline_parallel import PipelineSettings
-from automodel.training.parallelism import model_hf_config, rows_per_batch
+from automodel.training.parallelism import model_hf_config, rows_per_batch, validation_device
 from automodel.training.pipeline_steps import padded_tokens, pipeline_length, stage_kwargs
 from automodel.training.recipe import TrainRecipe
 from automodel_llm.datasets.collate import pad_collate
@@ -104,18 +105,23 @@ def turn_off(key: str) -> str:
 
 
 def context_parallel_issues(cfg: Config, packing: Any) -> list[ConfigIssue]:
-    """What this recipe cannot run with ``distributed.cp_size > 1`` (attention runs causal without a mask)."""
+    """What this recipe cannot run with ``distributed.cp_size > 1``: packed rows with ring attention, or rows whose
+    length the split does not divide. (Generation runs outside the context-parallel region, on whole sequences
+    with the model's own mask, as in one process.)"""
     cp = cfg.distributed.cp_size
-    issues = [ConfigIssue(key, f"generation pads its prompts and needs their attention mask, which context "
-                               f"parallelism (cp_size {cp}) drops from every attention module; {turn_off(key)}")
-              for key in generation_keys(cfg)]
-    if packing is not None and (packing.enabled or packing.packed_sequence_size > 0):
+    issues: list[ConfigIssue] = []
+    if packing is None or not (packing.enabled or packing.packed_sequence_size > 0):
+        return issues
+    if cp_attention(cfg, validation_device(), model_hf_config(cfg)) == "ring":
         issues.append(ConfigIssue("packed_sequence.packed_sequence_size", f"packed rows keep attention within each "
-                                  f"sample, but context parallelism (cp_size {cp}) runs one causal attention over "
-                                  "the whole row (torch's ring attention; upstream keeps the samples apart across "
-                                  "the ring with Transformer Engine's THD attention on CUDA, which this build does "
-                                  "not include); turn packing off (packed_sequence.enabled: false, "
-                                  "packed_sequence_size: 0)"))
+                                  f"sample, but torch's ring attention (distributed.cp_attention: ring, cp_size {cp}) "
+                                  "runs one causal attention over the whole row; set distributed.cp_attention: "
+                                  "all_gather (or auto), which keeps the samples apart, or turn packing off "
+                                  "(packed_sequence.enabled: false, packed_sequence_size: 0)"))
+    elif packing.packed_sequence_size % (2 * cp):
+        issues.append(ConfigIssue("packed_sequence.packed_sequence_size", f"{packing.packed_sequence_size}: context "
+                                  f"parallelism (cp_size {cp}) splits each packed row into {2 * cp} chunks; use a "
+                                  f"multiple of {2 * cp}"))
     return issues
 
 

@@ -6,10 +6,10 @@ vision encoder on all of the batch's images (its attention is not causal, so it 
 region), the image features scattered into the token embeddings, the model's positions (Qwen-VL's multi-axis rope
 index among them) computed over the whole rows. A forward pre-hook on the language model then keeps this rank's
 part of the merged embeddings and of the positions, in the layout the core's region splits the next-token targets
-in (``automodel.training.parallel.context_parallel.split_sequence``), and the language model runs on that part as
-ring attention. The split is differentiable: the vision tower's gradient on a rank is that of the rank's part of
-the loss, and FSDP2's average over ``dp x cp`` ranks, with the engine's ``dp * cp / tokens`` scale, makes it the
-single-process gradient.
+in (``automodel.training.parallel.context_parallel.split_sequence``), and the language model runs on that part with
+the region's attention (ring or all-gather, ``distributed.cp_attention``). The split is differentiable: the vision
+tower's gradient on a rank is that of the rank's part of the loss, and FSDP2's average over ``dp x cp`` ranks, with
+the engine's ``dp * cp / tokens`` scale, makes it the single-process gradient.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class MultimodalContextParallelBatch(ContextParallelBatch):
 class SequenceSplit:
     """A forward pre-hook on the language model that, while :meth:`active`, hands it this rank's part of the
     merged embeddings and of the positions (each row's ``0 .. length - 1`` where the model passes none), without
-    an attention mask (the attention runs causal; right padding stays out of every real token's view)."""
+    an attention mask (the region's attention builds its own from the whole rows)."""
 
     def __init__(self, language_model: torch.nn.Module, cp_mesh: DeviceMesh):
         self.cp_mesh = cp_mesh
@@ -83,11 +83,11 @@ BIDIRECTIONAL_IMAGE_MODELS = ("gemma3", "gemma3n", "gemma4", "paligemma")
 
 
 def attention_issue(config: Any) -> str | None:
-    """Why the model's image tokens do not attend causally, which is all torch's ring attention computes (None:
-    they do); sliding-window layers are the core's check (``sliding_window_issue``)."""
+    """Why the model's image tokens do not attend causally, which is all context parallelism's attentions compute
+    (ring and all-gather; None: they do); sliding-window layers are the core's check."""
     model_type = getattr(config, "model_type", None)
     if model_type not in BIDIRECTIONAL_IMAGE_MODELS:
         return None
     return (f"a {model_type} model lets each image's tokens attend to each other both ways, but context "
-            "parallelism runs one causal attention over the split sequence (torch's ring attention), which would "
-            "train another attention; set cp_size: 1")
+            "parallelism's attention (ring or all-gather) is causal over the split sequence, which would train "
+            "another attention; set cp_size: 1")

@@ -22,10 +22,10 @@ from automodel.training.next_token import (
     NextTokenLogits,
     split_next_token_logits,
 )
-from automodel.training.parallel.context_parallel import ContextParallelBatch
+from automodel.training.parallel.context_parallel import ContextParallelBatch, cp_attention
 from automodel.training.parallel.mesh import CP
 from automodel.training.parallel.pipeline_media import media_kwargs
-from automodel.training.parallelism import model_hf_config
+from automodel.training.parallelism import model_hf_config, validation_device
 from automodel.training.pipeline_steps import padded_tokens, pipeline_length, stage_kwargs
 from automodel.training.recipe import TrainRecipe
 from automodel_vlm.context_parallel import MultimodalContextParallelBatch, SequenceSplit, attention_issue
@@ -64,22 +64,27 @@ def _processor_needs_model_source(cfg: Any) -> bool:
 
 
 def context_parallel_issues(cfg: Any) -> list[ConfigIssue]:
-    """What the VLM recipe cannot run with ``distributed.cp_size > 1`` (the language model's attention runs causal
-    over the split sequence, without a mask)."""
+    """What the VLM recipe cannot run with ``distributed.cp_size > 1``: a model whose image tokens attend both ways,
+    packed rows with ring attention or of a length the split does not divide. (Generation runs outside the
+    context-parallel region, on whole sequences with the model's own mask, as in one process.)"""
     cp = cfg.distributed.cp_size
     issues = []
-    generation = cfg.eval_generation if "eval_generation" in cfg else None
-    if generation is not None and generation.enabled:
-        issues.append(ConfigIssue("eval_generation.enabled", f"generation pads its prompts and needs their attention "
-                                  f"mask, which context parallelism (cp_size {cp}) drops from every attention "
-                                  "module of the language model; set eval_generation.enabled: false"))
     config = model_hf_config(cfg)
     if config is not None and (issue := attention_issue(config)) is not None:
         issues.append(ConfigIssue("distributed.cp_size", f"{cp}: {issue}"))
-    if "packed_sequence" in cfg:
-        issues.append(ConfigIssue("packed_sequence", f"packed rows keep attention within each sample, but context "
-                                  f"parallelism (cp_size {cp}) runs one causal attention over the whole row (torch's "
-                                  "ring attention); remove the section (or set cp_size: 1)"))
+    packing = cfg.packed_sequence if "packed_sequence" in cfg else None
+    if packing is None:  # none, or one its own schema refused
+        return issues
+    length = packing.padded_length
+    if cp_attention(cfg, validation_device(), config) == "ring":
+        issues.append(ConfigIssue("packed_sequence", f"packed rows keep attention within each sample, but torch's "
+                                  f"ring attention (distributed.cp_attention: ring, cp_size {cp}) runs one causal "
+                                  "attention over the whole row; set distributed.cp_attention: all_gather (or auto), "
+                                  "which keeps the samples apart, or remove the section"))
+    elif length % (2 * cp):
+        issues.append(ConfigIssue("packed_sequence.pack_size", f"packed rows of {length} tokens: context parallelism "
+                                  f"(cp_size {cp}) splits each row into {2 * cp} chunks; use a multiple of {2 * cp} "
+                                  "(pack_size, or collate_max_length where set)"))
     return issues
 
 
@@ -284,7 +289,7 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
         targets, which the region splits (right padding checked as for text)."""
         split = super().context_parallel_batch(batch)
         return MultimodalContextParallelBatch(split.input_ids, split.position_ids, split.targets,
-                                              inputs=self.model_inputs(batch))
+                                              split.attention_mask, inputs=self.model_inputs(batch))
 
     def next_token_logits(self, model: torch.nn.Module, batch: dict[str, Any] | ContextParallelBatch,
                           head: HeadOnPositions | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -31,8 +31,13 @@ class DistributedConfig:
         "model's heads, key/value heads, intermediate and vocabulary sizes; LoRA adapters sharded like their "
         "projections; the LLM and VLM fine-tuning recipes)"))
     cp_size: int = field(default=1, metadata=_help(
-        "context-parallel size: each sequence split over this many ranks, torch's ring attention (CUDA only; fsdp2; "
+        "context-parallel size: each sequence split over this many ranks, attention as cp_attention says (fsdp2; "
         "LLM and VLM recipes; no tp/pp)"))
+    cp_attention: Literal["auto", "ring", "all_gather"] = field(default="auto", metadata=_help(
+        "with cp_size > 1, the attention over the split sequence: ring (torch's ring attention: CUDA only, one "
+        "causal attention over the whole row), all_gather (every rank's keys and values gathered, SDPA with an exact "
+        "mask: any device; padding, packed rows and sliding windows kept), auto: ring where it runs the model's "
+        "attention (CUDA, sdpa, no packing, no sliding windows), else all_gather"))
     pp_size: int = field(default=1, metadata=_help(
         "pipeline-parallel size: the decoder layers split into stages, one or more per rank (strategy fsdp2, "
         "which shards each stage over dp_size; the LLM recipes and the VLM fine-tuning one, whose first stage holds "
@@ -131,6 +136,9 @@ class DistributedConfig:
                          "fsdp2_forward_prefetch_depth", "fsdp2_backward_prefetch_depth",
                          *(("dp_size",) if isinstance(self.dp_size, int) else ()))
         errors = {}
+        if self.cp_attention != "auto" and self.cp_size == 1:
+            errors["cp_attention"] = (f"{self.cp_attention} with cp_size 1: no sequence is split, so no context-"
+                                      "parallel attention runs; set cp_size > 1 or remove the key")
         if self.bucket_cap_mb is not None and self.bucket_cap_mb <= 0:
             errors["bucket_cap_mb"] = f"must be > 0 (MiB), found {self.bucket_cap_mb}"
         if self.enable_async_tensor_parallel:

@@ -209,12 +209,12 @@ class NextTokenLogits:
                                  self.loss_head, self.label_offset)
 
     def context_parallel_batch(self, batch: dict[str, Any]) -> ContextParallelBatch:
-        """Token ids, positions and next-token targets: what context parallelism splits over its ranks (the
-        other keys, the attention mask among them, stay behind: the attention runs causal without a mask)."""
+        """Token ids, positions and next-token targets: what context parallelism splits over its ranks, and the
+        whole rows' attention mask (the all-gather attention's mask reads it; the model gets none)."""
         mask = batch.get("attention_mask")
         if mask is not None and bool((mask[:, 1:] > mask[:, :-1]).any()):
             raise AutomodelError("context parallelism (distributed.cp_size) runs causal attention without a mask, "
                                  "which keeps padding at the end of a row out of every real token's attention, but "
                                  "this batch has padding before real tokens (left padding); pad on the right "
                                  "(the recipe's default collate_fn does)")
-        return ContextParallelBatch.from_labels(batch["input_ids"], batch["labels"], batch.get("position_ids"))
+        return ContextParallelBatch.from_labels(batch["input_ids"], batch["labels"], batch.get("position_ids"), mask)

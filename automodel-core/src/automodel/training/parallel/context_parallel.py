@@ -1,18 +1,21 @@
 """Context parallelism over the mesh's ``cp`` dimension: each rank of a ``cp`` group holds a part of every sequence.
 
-torch's ``context_parallel`` (``torch.distributed.tensor.experimental``) shards the batch's tensors along the
-sequence in place (load-balanced for causal attention: rank ``r`` of ``n`` holds chunks ``r`` and ``2n - 1 - r`` of
-``2n``) and replaces SDPA by ring attention built on SDPA's flash / memory-efficient kernels, which run on CUDA
-GPUs only: :func:`cp_issues` refuses anything else at validation.
+The sequences are split load-balanced for causal attention (rank ``r`` of ``n`` holds chunks ``r`` and
+``2n - 1 - r`` of ``2n``), and causal SDPA calls run as one of two attentions (``distributed.cp_attention``,
+:func:`cp_attention`): torch's ring attention (``torch.distributed.tensor.experimental.context_parallel``, built on
+SDPA's flash / memory-efficient kernels, CUDA GPUs only, one causal attention over the whole split sequence), or
+the all-gather attention (``all_gather_attention.py``: every rank's keys and values gathered, SDPA with an exact
+mask, any device; padding, packed documents and sliding windows included).
 
 Next-token labels are shifted before the split (:func:`next_token_targets`): position ``i`` carries the target
 ``labels[i + 1]``, so a rank's positions keep their targets, wherever the next token went. The position ids go
-with the tokens (rotary embeddings need the true positions), and the attention runs causal without a mask
-(:func:`causal_attention_without_mask`: a mask built from the split positions would be wrong); attention that is not
-causal (a vision encoder's, over whole images that every rank holds) keeps SDPA's own kernel. The loss is the
-engine's: summed over the rank's targets, divided by the step's label tokens (counted before the split, over the
-data-parallel ranks only: the ``cp`` ranks of a batch share it); FSDP2 shards over ``dp_shard x cp``
-(:func:`fsdp_mesh`), so its gradient average runs over ``dp x cp`` ranks, and the scale is ``dp * cp / tokens``.
+with the tokens (rotary embeddings need the true positions), and the attention modules run without the model's
+mask (:func:`causal_attention_without_mask`: a mask built from the split positions would be wrong; the region's
+attention builds its own); attention that is not causal (a vision encoder's, over whole images that every rank
+holds) keeps SDPA's own kernel. The loss is the engine's: summed over the rank's targets, divided by the step's
+label tokens (counted before the split, over the data-parallel ranks only: the ``cp`` ranks of a batch share it);
+FSDP2 shards over ``dp_shard x cp`` (:func:`fsdp_mesh`), so its gradient average runs over ``dp x cp`` ranks, and
+the scale is ``dp * cp / tokens``.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from torch import nn
 
 from automodel.errors import AutomodelError, ConfigIssue
 from automodel.training.loss import IGNORE_INDEX
+from automodel.training.parallel.all_gather_attention import SplitRegion, all_gather_region, causal_calls_to
 from automodel.training.parallel.blocks import attention_modules
 from automodel.training.parallel.mesh import data_parallel_mesh
 
@@ -39,36 +43,74 @@ if TYPE_CHECKING:
 SEQUENCE_DIM = 1
 
 
+CP_ATTENTIONS = ("auto", "ring", "all_gather")
+
+
 def cp_issues(device: torch.device | str, cp_size: int, attn_implementation: str | None = None,
-              section: str = "distributed") -> list[ConfigIssue]:
-    """Whether ``cp_size`` can run on ``device``; each problem says what would run it."""
+              section: str = "distributed", attention: str = "ring") -> list[ConfigIssue]:
+    """Whether ``cp_size`` can run on ``device`` with ``attention`` (ring or all_gather); each problem says what
+    would run it."""
     if cp_size == 1:
         return []
+    if attention == "all_gather":
+        if attn_implementation in (None, "sdpa"):
+            return []
+        return [ConfigIssue("model.attn_implementation", f"'{attn_implementation}': context parallelism's "
+                            "all-gather attention replaces the model's SDPA calls; use sdpa (or set "
+                            "distributed.cp_size: 1)")]
     device = torch.device(device)
     if device.type != "cuda":
         return [ConfigIssue(f"{section}.cp_size", f"{cp_size}: context parallelism runs torch's ring attention "
-                            "(torch.distributed.tensor.experimental.context_parallel), which needs SDPA's flash or "
-                            f"memory-efficient attention kernels on CUDA GPUs; this run is on {device.type}. Run it "
-                            "on NVIDIA GPUs (one process per GPU, nccl) or set cp_size: 1")]
+                            f"({section}.cp_attention: ring; torch.distributed.tensor.experimental.context_parallel), "
+                            "which needs SDPA's flash or memory-efficient attention kernels on CUDA GPUs; this run is "
+                            f"on {device.type}. Run it on NVIDIA GPUs (one process per GPU, nccl), set "
+                            f"{section}.cp_attention: all_gather (any device) or set cp_size: 1")]
     issues = []
     if not (torch.backends.cuda.flash_sdp_enabled() or torch.backends.cuda.mem_efficient_sdp_enabled()):
         issues.append(ConfigIssue(f"{section}.cp_size", f"{cp_size}: SDPA's flash and memory-efficient kernels are "
-                                  "both disabled (torch.backends.cuda); context parallelism needs one of them"))
+                                  "both disabled (torch.backends.cuda); ring attention needs one of them"))
     if attn_implementation not in (None, "sdpa"):
         issues.append(ConfigIssue("model.attn_implementation", f"'{attn_implementation}': context parallelism "
                                   "replaces SDPA's attention; use sdpa (or set distributed.cp_size: 1)"))
     return issues
 
 
+def packing_on(cfg: Any) -> bool:
+    """Whether the run packs several samples per row (a ``packed_sequence`` section that is switched on)."""
+    section = cfg.get("packed_sequence") if hasattr(cfg, "get") else None
+    if section is None:
+        return False
+    return bool(getattr(section, "enabled", False) or (getattr(section, "packed_sequence_size", 0) or 0) > 0
+                or (getattr(section, "pack_size", 0) or 0) > 0)
+
+
+def cp_attention(cfg: Any, device: torch.device | str, model_config: Any) -> str:
+    """The attention context parallelism runs: ``distributed.cp_attention`` unless ``auto``; ``auto`` is ring where
+    torch's ring attention runs and computes the model's attention (CUDA with its kernels, sdpa, no packed rows,
+    no sliding-window layers), else all_gather."""
+    settings = cfg.distributed
+    setting = getattr(settings, "cp_attention", "auto")
+    if setting != "auto":
+        return setting
+    model = cfg.get("model") if hasattr(cfg, "get") else None
+    implementation = model.get("attn_implementation") if model is not None else None
+    ring = (not cp_issues(device, settings.cp_size, implementation) and not packing_on(cfg)
+            and (model_config is None or sliding_window_issue(model_config) is None))
+    return "ring" if ring else "all_gather"
+
+
 def sliding_window_issue(config: Any) -> str | None:
     """Why ring attention (one causal attention over the whole split sequence) is not the model's attention, for a
-    model with sliding-window layers (None: it has none)."""
+    model with sliding-window layers (None: it has none): ``sliding_attention`` among its ``layer_types``, or, with
+    no ``layer_types``, a ``sliding_window`` every layer uses (Mistral, Mixtral, Phi-3)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if "sliding_attention" not in (getattr(text, "layer_types", None) or ()):
+    layer_types = getattr(text, "layer_types", None)
+    window = getattr(text, "sliding_window", None)
+    if ("sliding_attention" not in layer_types) if layer_types else window is None:
         return None
-    return (f"the model's sliding-window layers see only the last {getattr(text, 'sliding_window', '?')} tokens, but "
-            "context parallelism runs one causal attention over the whole split sequence (torch's ring attention), "
-            "which would train another attention; set cp_size: 1")
+    return (f"the model's sliding-window layers see only the last {window if window is not None else '?'} tokens, "
+            "but torch's ring attention runs one causal attention over the whole split sequence, which would train "
+            "another attention; set distributed.cp_attention: all_gather (or auto), or cp_size: 1")
 
 
 def fsdp_mesh(mesh: DeviceMesh, layout: MeshLayout) -> DeviceMesh:
@@ -95,15 +137,17 @@ class ContextParallelBatch:
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     targets: torch.Tensor
+    # the whole rows' padding mask (None: no padding, or packed rows): the all-gather attention's mask reads it
+    attention_mask: torch.Tensor | None = None
 
     @classmethod
-    def from_labels(cls, input_ids: torch.Tensor, labels: torch.Tensor,
-                    position_ids: torch.Tensor | None = None) -> ContextParallelBatch:
+    def from_labels(cls, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None,
+                    attention_mask: torch.Tensor | None = None) -> ContextParallelBatch:
         """The batch's own ``position_ids`` where it has them, else each row's ``0 .. length - 1``; the tensors
         are new ones (the region splits them in place, the collated batch stays whole)."""
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[SEQUENCE_DIM], device=input_ids.device).expand_as(input_ids)
-        return cls(input_ids.clone(), position_ids.clone().contiguous(), next_token_targets(labels))
+        return cls(input_ids.clone(), position_ids.clone().contiguous(), next_token_targets(labels), attention_mask)
 
     def label_tokens(self) -> int:
         return int((self.targets != IGNORE_INDEX).sum())
@@ -127,49 +171,43 @@ def split_sequence(tensor: torch.Tensor, cp_mesh: DeviceMesh, dim: int = SEQUENC
 
 
 @contextlib.contextmanager
-def _ring_for_causal_only(plain: Any) -> Iterator[None]:
-    """Within the block only causal SDPA calls run as ring attention; the others (a vision encoder's bidirectional
-    attention over whole images, which every rank holds) keep ``plain``, SDPA as it was before the region."""
-    ring = F.scaled_dot_product_attention
-
-    def route(*args: Any, **kwargs: Any) -> torch.Tensor:
-        causal = kwargs.get("is_causal", len(args) > 5 and args[5])  # (query, key, value, mask, dropout, is_causal)
-        return (ring if causal else plain)(*args, **kwargs)
-
-    F.scaled_dot_product_attention = route
-    try:
-        yield
-    finally:
-        F.scaled_dot_product_attention = ring  # torch's context_parallel restores its own replacement
-
-
-@contextlib.contextmanager
-def context_parallel_region(cp_mesh: DeviceMesh, batch: ContextParallelBatch) -> Iterator[None]:
+def context_parallel_region(cp_mesh: DeviceMesh, batch: ContextParallelBatch, attention: str = "ring"
+                            ) -> Iterator[None]:
     """Run the micro-batch's forward *and* backward inside: the batch's tensors hold this rank's part of the
-    sequence (in place; not restored) and causal SDPA runs as ring attention over ``cp_mesh``."""
-    from torch.distributed.tensor.experimental import context_parallel
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
+    sequence (in place; not restored) and causal SDPA runs as ``attention`` over ``cp_mesh``: torch's ring
+    attention, or the all-gather attention (its mask from the whole rows' positions and padding)."""
     chunks = 2 * cp_mesh.size()
     buffers = batch.split_in_place()
-    length = buffers[0].shape[SEQUENCE_DIM]
+    length = batch.targets.shape[SEQUENCE_DIM]
     if length % chunks:
         raise AutomodelError(f"context parallelism over {cp_mesh.size()} ranks splits each sequence into {chunks} "
                              f"chunks, but this batch's sequences have {length} positions; pad them to a multiple "
                              f"of {chunks}")
+    if attention == "all_gather":
+        with all_gather_region(cp_mesh, length, batch.position_ids, batch.attention_mask, buffers):
+            yield
+        return
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     plain = F.scaled_dot_product_attention
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]), \
             context_parallel(cp_mesh, buffers=buffers, buffer_seq_dims=[SEQUENCE_DIM] * len(buffers),
-                             no_restore_buffers=set(buffers)), _ring_for_causal_only(plain):
-        yield
+                             no_restore_buffers=set(buffers)):
+        with SplitRegion.entered(), causal_calls_to(F.scaled_dot_product_attention, plain):  # ring: causal calls
+            yield
 
 
 def causal_attention_without_mask(model: nn.Module, skip: Collection[nn.Module] = ()) -> int:
-    """Make every attention module of ``model``'s transformer blocks run causal without a mask (the model's mask,
-    built from the split position ids, would not match ring attention); returns how many were hooked. The modules
+    """Make every attention module of ``model``'s transformer blocks run without a mask inside the context-parallel
+    region (the model's mask, built from the split position ids, would not match the region's attention; each
+    module's sliding window is noted for the all-gather attention's mask); returns how many were hooked. The modules
     are found below wrappers (activation checkpointing) too; those inside ``skip`` (a vision-language model's
     towers, which see whole images) are left as they are."""
-    def drop_mask(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    def drop_mask(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
+        if not SplitRegion.active:  # whole sequences (validation, generation): the model's own mask
+            return None
+        SplitRegion.note(module)  # the all-gather attention's mask for this layer
         return args, {**kwargs, "attention_mask": None}
 
     modules = attention_modules(model, skip)

@@ -1,10 +1,12 @@
 """Slot ``context_parallel`` (``distributed.cp_size > 1``): each rank of a ``cp`` group holds a part of every
-sequence and attention runs as torch's ring attention (``training/parallel/context_parallel.py``).
+sequence and causal attention runs as torch's ring attention or the all-gather attention
+(``distributed.cp_attention``; ``training/parallel/context_parallel.py``).
 
-The stage makes the attention modules run causal without the model's mask; the loop
-(``ContextParallelSteps.sequence_parts``) splits each micro-batch and runs its forward and backward inside torch's
-context-parallel region; FSDP2 shards over ``dp_shard x cp`` (the sharding slot). Validation refuses where torch
-cannot run it (not CUDA) and the combinations this path does not handle, each with the reason.
+The stage makes the attention modules run without the model's mask and says which attention runs; the loop
+(``ContextParallelSteps.sequence_parts``) splits each micro-batch and runs its forward and backward inside the
+context-parallel region; FSDP2 shards over ``dp_shard x cp`` (the sharding slot). Validation refuses what the
+chosen attention cannot run (ring: not CUDA, sliding windows) and the combinations this path does not handle, each
+with the reason.
 """
 
 from __future__ import annotations
@@ -15,24 +17,32 @@ from automodel.config import Config
 from automodel.errors import AutomodelError, ConfigIssue
 from automodel.training.context import BuildContext
 from automodel.training.modules import unwrap
-from automodel.training.parallel.context_parallel import causal_attention_without_mask, cp_issues, sliding_window_issue
+from automodel.training.parallel.context_parallel import (
+    causal_attention_without_mask,
+    cp_attention,
+    cp_issues,
+    sliding_window_issue,
+)
 from automodel.training.parallel.multimodal_fsdp import multimodal_modules
 from automodel.training.parallelism import model_hf_config, validation_device
 
 
 def select(cfg: Config) -> tuple[str, str] | None:
     dist = cfg.distributed
-    return ("ring_attention", "distributed.cp_size") if dist is not None and dist.cp_size > 1 else None
+    return ("cp_attention", "distributed.cp_size") if dist is not None and dist.cp_size > 1 else None
 
 
 def issues(cfg: Config, implementation: str | None) -> list[ConfigIssue]:
-    """This machine's device (CUDA), the model's attention (SDPA), and what the path does not compose with."""
+    """What the chosen attention needs (ring: CUDA; both: the model's SDPA), and what the path does not compose
+    with."""
     dist = cfg.distributed
     if dist is None or dist.cp_size == 1:
         return []
     cp = dist.cp_size
     attention = cfg.model.get("attn_implementation") if cfg.model is not None else None
-    found = cp_issues(validation_device(), cp, attention)
+    config = model_hf_config(cfg)
+    chosen = cp_attention(cfg, validation_device(), config)
+    found = cp_issues(validation_device(), cp, attention, attention=chosen)
     if dist.strategy != "fsdp2":
         found.append(ConfigIssue("distributed.strategy", f"{dist.strategy}: the {cp} context-parallel ranks of a "
                                  "batch hold partial gradients, which FSDP2 sums over dp x cp ranks; set "
@@ -45,25 +55,33 @@ def issues(cfg: Config, implementation: str | None) -> list[ConfigIssue]:
         if size > 1:
             found.append(ConfigIssue(f"distributed.{key}", f"{size} with cp_size {cp}: {why}; use {key}: 1 with "
                                      "context parallelism"))
-    config = model_hf_config(cfg)
-    if config is not None and (why := sliding_window_issue(config)) is not None:
-        found.append(ConfigIssue("distributed.cp_size", f"{cp}: {why}"))
+    if chosen == "ring" and config is not None and (why := sliding_window_issue(config)) is not None:
+        found.append(ConfigIssue("distributed.cp_attention", f"ring: {why}"))
     if cfg.compile is not None and cfg.compile.enabled:
-        found.append(ConfigIssue("compile.enabled", f"true with cp_size {cp}: torch's context-parallel region swaps "
-                                 "torch.nn.functional.scaled_dot_product_attention for its ring attention while it "
+        found.append(ConfigIssue("compile.enabled", f"true with cp_size {cp}: the context-parallel region swaps "
+                                 "torch.nn.functional.scaled_dot_product_attention for its own attention while it "
                                  "is entered, which a graph traced once does not follow; set it false"))
     return found
 
 
-def ring_attention(ctx: BuildContext, model: torch.nn.Module) -> tuple[torch.nn.Module, str]:
-    """The attention modules run causal without the model's mask (ring attention needs ``is_causal``; a mask
-    built from a rank's split positions would be wrong); the loop does the rest per micro-batch. A vision-language
-    model's towers keep their attention: they see whole images on every rank."""
+def attention(ctx: BuildContext, model: torch.nn.Module) -> tuple[torch.nn.Module, str]:
+    """The attention modules run without the model's mask (ring attention needs ``is_causal``; the all-gather
+    attention builds its mask from the whole rows; a mask built from a rank's split positions would be wrong); the
+    loop does the rest per micro-batch. A vision-language model's towers keep their attention: they see whole
+    images on every rank."""
     inner = unwrap(model)
     config = getattr(inner, "config", None)
-    if config is not None and (why := sliding_window_issue(config)) is not None:
-        raise AutomodelError(f"distributed.cp_size: {ctx.mesh.cp}: {why}")  # a config validation could not read
-    hooked = causal_attention_without_mask(inner, multimodal_modules(inner, ctx.multimodal_names).values())
+    chosen = cp_attention(ctx.cfg, ctx.device, config)
     cp = ctx.mesh.cp
-    return model, (f"{hooked} attention modules run as ring attention over cp {cp} (each sequence split into "
-                   f"{2 * cp} chunks, rank r holding chunks r and {2 * cp - 1} - r)")
+    # what validation could not read without the built model
+    if chosen == "ring" and config is not None and (why := sliding_window_issue(config)) is not None:
+        raise AutomodelError(f"distributed.cp_attention: ring: {why}")
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if (implementation := getattr(text, "_attn_implementation", None)) not in (None, "sdpa"):
+        raise AutomodelError(f"model.attn_implementation: '{implementation}': context parallelism replaces the "
+                             "language model's SDPA calls; use sdpa (or set distributed.cp_size: 1)")
+    hooked = causal_attention_without_mask(inner, multimodal_modules(inner, ctx.multimodal_names).values())
+    how = ("torch's ring attention" if chosen == "ring" else
+           "all-gather attention (every rank's keys and values gathered, SDPA with an exact mask)")
+    return model, (f"{hooked} attention modules run as {how} over cp {cp} (each sequence split into {2 * cp} "
+                   f"chunks, rank r holding chunks r and {2 * cp - 1} - r)")

@@ -1,0 +1,176 @@
+"""All-gather context parallelism (Llama 3's): each ``cp`` rank keeps the queries of its part of the sequence,
+gathers every rank's keys and values, and runs SDPA over them with an exact mask built from global token indices.
+
+Unlike torch's ring attention it needs no CUDA kernel (SDPA runs on any device) and it can mask: the mask is causal
+on the global token index, hides padding (``attention_mask`` zeros), keeps packed documents apart (rows without an
+attention mask whose ``position_ids`` do not step by one start a new document, transformers' own rule,
+``find_packed_sequence_indices``) and applies each layer's sliding window (the attention module's
+``sliding_window``, else its config's). Keys keep the order of the gather (rank 0's part, rank 1's, ...): softmax
+does not depend on the order, and the mask uses each key's global index.
+
+The gather is differentiable (:class:`_GatheredKeysValues`): backward sums the gradient over the ``cp`` group and
+keeps this rank's part, which is the gradient of every rank's loss with respect to this rank's keys and values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+
+class SplitRegion:
+    """Whether a context-parallel region is entered, and the sliding window of the attention layer that runs now
+    (None: full causal attention). Inside, the attention modules run without the model's mask (built from a rank's
+    split positions it would be wrong; the region's attention has its own) and note their window for the mask (the
+    SDPA call itself does not say which layer it belongs to); outside (validation, generation: whole sequences on
+    every rank) they keep the model's own mask."""
+
+    active: bool = False
+    window: int | None = None
+
+    @classmethod
+    @contextlib.contextmanager
+    def entered(cls) -> Iterator[None]:
+        cls.active, cls.window = True, None
+        try:
+            yield
+        finally:
+            cls.active = False
+
+    @classmethod
+    def note(cls, module: nn.Module) -> None:
+        """Record ``module``'s window: its own ``sliding_window`` (Gemma 3, Qwen2: per layer), else its config's
+        (Mistral, Mixtral, Phi-3: every layer)."""
+        if hasattr(module, "sliding_window"):
+            cls.window = module.sliding_window
+        else:
+            cls.window = getattr(getattr(module, "config", None), "sliding_window", None)
+
+
+class _GatheredKeysValues(torch.autograd.Function):
+    """Every ``cp`` rank's ``[2, batch, heads, part, dim]`` keys and values, in rank order along the sequence."""
+
+    @staticmethod
+    def forward(ctx: Any, part: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group, ctx.rank, ctx.size = group, dist.get_rank(group), dist.get_world_size(group)
+        part = part.contiguous()
+        parts = [torch.empty_like(part) for _ in range(ctx.size)]
+        dist.all_gather(parts, part, group=group)  # into a list: every backend has it, gloo included
+        return torch.cat(parts, dim=3)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)  # every rank's queries saw this rank's keys
+        return grad.chunk(ctx.size, dim=3)[ctx.rank].contiguous(), None
+
+
+def part_indices(length: int, size: int, rank: int) -> torch.Tensor:
+    """The global token indices rank ``rank`` of ``size`` holds: chunks ``rank`` and ``2 size - 1 - rank`` of
+    ``2 size`` (the layout ``split_sequence`` and torch's context_parallel give)."""
+    chunks = torch.arange(length).chunk(2 * size)
+    return torch.cat([chunks[rank], chunks[2 * size - 1 - rank]])
+
+
+def documents(position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """``[batch, sequence]`` document numbers of packed rows (None: each row is one sequence): transformers'
+    rule, only for rows without an attention mask, where a position not one above the previous starts a document
+    (of ``[4, batch, sequence]`` multi-axis positions, the text row first, the text row's)."""
+    if position_ids is not None and position_ids.dim() == 3 and position_ids.shape[0] == 4:
+        position_ids = position_ids[0]
+    if attention_mask is not None or position_ids is None or position_ids.dim() != 2:
+        return None
+    steps = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1)
+    return (steps != 1).cumsum(-1)
+
+
+class GatheredVisibility:
+    """Which gathered key each of this rank's queries sees, for a micro-batch (global tensors, before the split):
+    causal on the global index, within the query's document, not padding; each query sees itself, so a padding
+    row's softmax has a key (its output reaches no real token: no real token sees a padding key)."""
+
+    def __init__(self, length: int, cp_mesh: DeviceMesh, position_ids: torch.Tensor,
+                 attention_mask: torch.Tensor | None):
+        size, rank = cp_mesh.size(), cp_mesh.get_local_rank()
+        self.queries = part_indices(length, size, rank).to(position_ids.device)
+        self.keys = torch.cat([part_indices(length, size, r) for r in range(size)]).to(position_ids.device)
+        docs = documents(position_ids, attention_mask)
+        mask = (self.keys[None, :] <= self.queries[:, None])[None]  # [1 or batch, queries, keys]
+        if docs is not None:
+            mask = mask & (docs[:, self.keys][:, None, :] == docs[:, self.queries][:, :, None])
+        if attention_mask is not None:
+            mask = mask & attention_mask.bool()[:, self.keys][:, None, :]
+        self.mask = mask
+        self.itself = self.keys[None, :] == self.queries[:, None]
+        self._by_window: dict[int | None, torch.Tensor] = {}
+
+    def mask_for(self, window: int | None) -> torch.Tensor:
+        """The ``[batch, 1, queries, keys]`` boolean mask of a layer with ``window`` (transformers' sliding window:
+        a key less than ``window`` tokens before the query)."""
+        if window not in self._by_window:
+            mask = self.mask
+            if window is not None:
+                mask = mask & (self.queries[:, None] - self.keys[None, :] < window)
+            self._by_window[window] = (mask | self.itself)[:, None]
+        return self._by_window[window]
+
+
+def gathered_attention(cp_mesh: DeviceMesh, visibility: GatheredVisibility, plain: Callable[..., torch.Tensor]
+                       ) -> Callable[..., torch.Tensor]:
+    """A causal SDPA call's replacement: this rank's queries over every rank's keys and values, ``plain`` SDPA
+    with :class:`GatheredVisibility`'s mask for the layer that runs (:class:`SplitRegion`)."""
+    group = cp_mesh.get_group()
+
+    def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
+                  dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                  enable_gqa: bool = False) -> torch.Tensor:
+        keys, values = _GatheredKeysValues.apply(torch.stack([key, value]), group).unbind(0)
+        groups = query.shape[1] // keys.shape[1]
+        if groups > 1:  # grouped heads with a mask: CUDA's SDPA would fall back to its math kernel, so repeat them
+            keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
+        return plain(query, keys, values, attn_mask=visibility.mask_for(SplitRegion.window).to(query.device),
+                     dropout_p=dropout_p, scale=scale)
+
+    return attention
+
+
+@contextlib.contextmanager
+def causal_calls_to(replacement: Callable[..., torch.Tensor], plain: Callable[..., torch.Tensor]) -> Iterator[None]:
+    """Within the block only causal SDPA calls run ``replacement``; the others (a vision encoder's bidirectional
+    attention over whole images, which every rank holds) keep ``plain``. SDPA is what it was before, after."""
+    before = F.scaled_dot_product_attention
+
+    def route(*args: Any, **kwargs: Any) -> torch.Tensor:
+        causal = kwargs.get("is_causal", len(args) > 5 and args[5])  # (query, key, value, mask, dropout, is_causal)
+        return (replacement if causal else plain)(*args, **kwargs)
+
+    F.scaled_dot_product_attention = route
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = before
+
+
+@contextlib.contextmanager
+def all_gather_region(cp_mesh: DeviceMesh, length: int, position_ids: torch.Tensor,
+                      attention_mask: torch.Tensor | None, buffers: list[torch.Tensor]) -> Iterator[None]:
+    """Split ``buffers`` along the sequence in place (this rank's chunks) and, within the block, run causal SDPA
+    calls as :func:`gathered_attention` (the mask from the whole rows' ``position_ids`` and ``attention_mask``)."""
+    visibility = GatheredVisibility(length, cp_mesh, position_ids, attention_mask)
+    mine = visibility.queries
+    for buffer in buffers:
+        shard = buffer.index_select(1, mine.to(buffer.device))
+        buffer.resize_(shard.shape)
+        buffer.copy_(shard)
+    plain = F.scaled_dot_product_attention
+    with SplitRegion.entered(), causal_calls_to(gathered_attention(cp_mesh, visibility, plain), plain):
+        yield
