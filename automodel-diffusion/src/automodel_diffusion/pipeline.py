@@ -30,7 +30,7 @@ from automodel_diffusion.conditioning import (
     DENOISER_CLASSES,
     DENOISER_PIPELINES,
     SUPPORTED,
-    FluxConditioning,
+    GuidedConditioning,
     conditioning_for,
 )
 
@@ -167,10 +167,11 @@ class AutoDiffusionPipeline(torch.nn.Module):
         self.max_sequence_length = max_sequence_length
         self.transformer_only = vae_config is not None  # loaded without VAE and text encoders (a latent cache)
         self.conditioning = conditioning_for(pipeline, self.denoiser_name, max_sequence_length, vae_config)
-        if isinstance(self.conditioning, FluxConditioning):
+        if isinstance(self.conditioning, GuidedConditioning):
             self.conditioning.set_guidance(None, guidance_scale, "model.guidance_scale")
         elif guidance_scale is not None:
-            raise AutomodelError(f"model.guidance_scale: applies to FLUX.1 (FluxPipeline) only; this is a "
+            raise AutomodelError(f"model.guidance_scale: applies to FLUX.1 (FluxPipeline) and FLUX.2 (Flux2Pipeline) "
+                                 f"only; this is a "
                                  f"{type(pipeline).__name__}: remove it")
 
     # ---- construction (what configs name) -----------------------------------------------------------------
