@@ -184,10 +184,10 @@ class AutoDiffusionPipeline(torch.nn.Module):
         """Load a diffusers pipeline (hub name or directory); only ``trainable_components`` train (the denoiser).
 
         ``max_sequence_length``: text tokens of the T5 slot of SD3-style and FLUX.1 pipelines, of the prompt
-        embeddings of Qwen-Image (None: the pipeline's default, 256 / 512 / 1024); pass the same value to the
-        pipeline when sampling from the trained checkpoint. ``guidance_scale``: the guidance value a
-        guidance-distilled FLUX.1 transformer (its config's ``guidance_embeds``) is fed in training (None: 3.5,
-        FluxPipeline's default); refused for other denoisers.
+        embeddings of Qwen-Image and FLUX.2 (None: the pipeline's default, 256 / 512 / 1024 / 512); pass the same
+        value to the pipeline when sampling from the trained checkpoint. ``guidance_scale``: the guidance value a
+        guidance-distilled FLUX.1 / FLUX.2 transformer (its config's ``guidance_embeds``) is fed in training (None:
+        the pipeline's default, 3.5 for FluxPipeline, 4 for Flux2Pipeline); refused for other denoisers.
         """
         path = pretrained_model_name_or_path or name_or_path
         if not path:
