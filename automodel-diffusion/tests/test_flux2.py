@@ -118,3 +118,24 @@ def test_what_flux2_cannot_train_is_refused_with_the_reason(base):
     assert "needs a Flux2Pipeline, but" in found["flow_matching.adapter_type"], found
     with pytest.raises(AutomodelError, match="batch-norm running statistics, which are weights"):
         AutoDiffusionPipeline.load_transformer_only(str(base), "Flux2Transformer2DModel")
+
+
+def test_guidance_settings_must_match_the_flux2_transformer_and_klein_is_refused(base):
+    import diffusers
+
+    from automodel.errors import ConfigError
+    from automodel_diffusion import AutoDiffusionPipeline
+
+    pipeline = diffusers.Flux2Pipeline.from_pretrained(str(base))
+    config = {k: v for k, v in pipeline.transformer.config.items() if not k.startswith("_")}
+    pipeline.transformer = diffusers.Flux2Transformer2DModel(**{**config, "guidance_embeds": False})
+    with pytest.raises(ConfigError, match="model.guidance_scale: 2.0: this FLUX.2 transformer has no guidance"):
+        AutoDiffusionPipeline(pipeline, guidance_scale=2.0)
+    model = AutoDiffusionPipeline(pipeline)
+    assert model.conditioning.guidance is None, "a transformer without guidance embeddings is fed none"
+    with pytest.raises(ConfigError, match="true, but this FLUX.2 transformer has no guidance embeddings"):
+        model.conditioning.set_guidance(True, 3.5, "flow_matching.adapter_kwargs.guidance_scale")
+
+    klein = diffusers.Flux2KleinPipeline(**pipeline.components)
+    with pytest.raises(AutomodelError, match="a Flux2KleinPipeline .* is not implemented for diffusion training"):
+        AutoDiffusionPipeline(klein)

@@ -352,8 +352,8 @@ def conditioning_for(pipeline: Any, denoiser_name: str, max_sequence_length: int
     if kind == "Flux2Transformer2DModel":
         if getattr(pipeline, "vae", None) is None:
             raise AutomodelError("model: FLUX.2 normalises its latents with the VAE's batch-norm running statistics, "
-                                 "which are weights, not config; load the full pipeline (a latent cache made with "
-                                 "it trains with it too), not the transformer alone")
+                                 "which are weights, not config; load the full pipeline, not the transformer alone "
+                                 "(remove model.pipeline_spec.load_full_pipeline: false)")
         return Flux2Conditioning(pipeline, max_sequence_length, vae_config)
     if kind == "QwenImageTransformer2DModel" and type(pipeline).__name__ == "QwenImagePipeline":
         if denoiser.config.get("guidance_embeds", False):
