@@ -85,6 +85,51 @@ def tiny_flux(directory: Path, guidance_embeds: bool = False, seed: int = 0) -> 
     return directory
 
 
+# A tiny Flux2Pipeline. Its text encoder is a Mistral 3 of 30 layers (Flux2Pipeline stacks the hidden states of
+# layers 10, 20 and 30: 3 x 16 = 48 features per token, the transformer's joint_attention_dim); its tokenizer is the
+# shipped tiny T5 tokenizer with a text-only chat template (Flux2Pipeline only calls apply_chat_template, so no
+# Pixtral image processor is needed). The VAE's 3 blocks downsample 32x32 images to 8x8 latents of 4 channels, 4x4
+# patches of 16 channels once patchified, which its batch-norm statistics (set to non-trivial values) normalise.
+TINY_FLUX2_CHAT_TEMPLATE = ("{% for message in messages %}[{{ message['role'] }}]{% for part in message['content'] %}"
+                            "{{ part['text'] }}{% endfor %}{% endfor %}")
+TINY_MISTRAL3 = {"text_config": {"model_type": "mistral", "hidden_size": 16, "intermediate_size": 32,
+                                 "num_hidden_layers": 30, "num_attention_heads": 2, "num_key_value_heads": 1,
+                                 "head_dim": 8, "max_position_embeddings": 128},
+                 "vision_config": {"model_type": "pixtral", "hidden_size": 16, "intermediate_size": 32,
+                                   "num_hidden_layers": 1, "num_attention_heads": 2, "head_dim": 8, "image_size": 32,
+                                   "patch_size": 8},
+                 "image_token_index": 3, "spatial_merge_size": 1}
+TINY_FLUX2_VAE = {"block_out_channels": [8, 8, 16], "down_block_types": ["DownEncoderBlock2D"] * 3,
+                  "up_block_types": ["UpDecoderBlock2D"] * 3, "layers_per_block": 1, "latent_channels": 4,
+                  "norm_num_groups": 4, "sample_size": 32}
+TINY_FLUX2_TRANSFORMER = {"in_channels": 16, "num_layers": 1, "num_single_layers": 1, "attention_head_dim": 8,
+                          "num_attention_heads": 2, "joint_attention_dim": 48, "timestep_guidance_channels": 16,
+                          "axes_dims_rope": [2, 2, 2, 2]}
+
+
+def tiny_flux2(directory: Path, guidance_embeds: bool = True, seed: int = 0) -> Path:
+    """A tiny Flux2Pipeline saved with weights in ``directory`` (the configs above), freshly initialised with
+    ``seed``; ``guidance_embeds``: whether the transformer is guidance-distilled (FLUX.2 [dev] is)."""
+    import diffusers
+    import torch
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration, T5TokenizerFast
+
+    torch.manual_seed(seed)
+    tokenizer = T5TokenizerFast.from_pretrained(str(ASSETS / "tiny_flow" / "tokenizer_3"))
+    tokenizer.chat_template = TINY_FLUX2_CHAT_TEMPLATE
+    config = Mistral3Config(**{**TINY_MISTRAL3, "text_config": {**TINY_MISTRAL3["text_config"],
+                                                                "vocab_size": len(tokenizer)}})
+    vae = diffusers.AutoencoderKLFlux2(**TINY_FLUX2_VAE)
+    vae.bn.running_mean.uniform_(-0.5, 0.5)
+    vae.bn.running_var.uniform_(0.5, 2.0)
+    pipeline = diffusers.Flux2Pipeline(
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True), vae=vae,
+        text_encoder=Mistral3ForConditionalGeneration(config), tokenizer=tokenizer,
+        transformer=diffusers.Flux2Transformer2DModel(**TINY_FLUX2_TRANSFORMER, guidance_embeds=guidance_embeds))
+    pipeline.save_pretrained(str(directory))
+    return directory
+
+
 # A tiny Qwen-Image pipeline. The tokenizer is a byte-level BPE in Qwen2's pre-tokenisation, learned from the words of
 # QwenImagePipeline's prompt template (and the shapes captions), so that the template's prefix is 34 tokens as with
 # Qwen's own tokenizer: the pipeline drops exactly those (prompt_template_encode_start_idx).

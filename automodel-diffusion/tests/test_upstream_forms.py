@@ -178,7 +178,9 @@ def test_bsmntw_weights_are_a_bell_with_mean_one():
 
 
 @pytest.mark.parametrize("override,key,needle", [
-    (("--flow_matching.adapter_type", "flux2"), "flow_matching.adapter_type", "FLUX.2 model family is not implemented"),
+    (("--flow_matching.adapter_type", "ltx2"), "flow_matching.adapter_type", "LTX-2 model family is not implemented"),
+    (("--flow_matching.adapter_type", "flux2"), "flow_matching.adapter_type", "'flux2' (FLUX.2) needs a "
+                                                                             "Flux2Pipeline"),
     (("--flow_matching.adapter_type", "simple"), "flow_matching.adapter_type", "'simple' (Wan 2.1) needs a "
                                                                               "WanPipeline"),
     (("--flow_matching.adapter_kwargs", "{guidance_scale: 1}"), "flow_matching.adapter_kwargs", "no adapter"),

@@ -16,13 +16,15 @@ import torch
 from automodel.errors import AutomodelError, ConfigError, ConfigIssue
 
 SUPPORTED = ("SD3Transformer2DModel (StableDiffusion3Pipeline), FluxTransformer2DModel (FluxPipeline, FLUX.1), "
-             "QwenImageTransformer2DModel (QwenImagePipeline, Qwen-Image), WanTransformer3DModel (WanPipeline, "
-             "Wan 2.1 text-to-video) and UNet2DConditionModel (StableDiffusionPipeline)")
+             "Flux2Transformer2DModel (Flux2Pipeline, FLUX.2), QwenImageTransformer2DModel (QwenImagePipeline, "
+             "Qwen-Image), WanTransformer3DModel (WanPipeline, Wan 2.1 text-to-video) and UNet2DConditionModel "
+             "(StableDiffusionPipeline)")
 # the denoisers a Conditioning exists for
-DENOISER_CLASSES = ("SD3Transformer2DModel", "FluxTransformer2DModel", "QwenImageTransformer2DModel",
-                    "WanTransformer3DModel", "UNet2DConditionModel")
+DENOISER_CLASSES = ("SD3Transformer2DModel", "FluxTransformer2DModel", "Flux2Transformer2DModel",
+                    "QwenImageTransformer2DModel", "WanTransformer3DModel", "UNet2DConditionModel")
 # the pipeline class each of these denoisers must come in (others share them: Qwen-Image-Edit, Wan image-to-video...)
-DENOISER_PIPELINES = {"QwenImageTransformer2DModel": "QwenImagePipeline", "WanTransformer3DModel": "WanPipeline"}
+DENOISER_PIPELINES = {"QwenImageTransformer2DModel": "QwenImagePipeline", "WanTransformer3DModel": "WanPipeline",
+                      "Flux2Transformer2DModel": "Flux2Pipeline"}
 DEFAULT_GUIDANCE = 3.5  # FluxPipeline's default guidance_scale: what a guidance-distilled FLUX.1 samples with
 
 
@@ -123,39 +125,57 @@ def patch_grid(latents: torch.Tensor, family: str, pipeline: Any) -> tuple[int, 
     return batch, channels, height, width
 
 
-class FluxConditioning(Conditioning):
-    """FluxPipeline (FLUX.1): CLIP's pooled embedding and T5's token embeddings; the latents go in as 2x2 patches
-    (the pipeline's own ``_pack_latents`` / ``_prepare_latent_image_ids``), the timestep as sigma (FluxPipeline's
-    ``timestep / 1000``), and a guidance-distilled transformer gets its guidance value."""
+class GuidedConditioning(Conditioning):
+    """A family whose transformer may be guidance-distilled (its config's ``guidance_embeds``): such a transformer is
+    fed a guidance value in every call, as its pipeline does when it samples."""
 
-    shared = ("txt_ids",)  # FluxPipeline's text position ids: (tokens, 3), the same for every caption
+    family = ""  # the family's name in messages
+    default_guidance = DEFAULT_GUIDANCE  # what the pipeline samples with by default
 
     def __init__(self, pipeline: Any, max_sequence_length: int | None = None, vae_config: Any = None):
         super().__init__(pipeline, max_sequence_length, vae_config)
         self.guidance: float | None = None  # fed when the transformer has guidance embeddings (set_guidance)
 
-    def set_guidance(self, use: bool | None, scale: float | None, key: str) -> str | None:
-        """The guidance the transformer is fed: ``scale`` (None: 3.5) when it has guidance embeddings, none when it
-        has not (a ``scale`` other than 1, no guidance, is refused there). ``use`` is upstream's
-        use_guidance_embeds (None: what the transformer has): true on a transformer without guidance embeddings is
-        refused; false on one with them is upstream's own FLUX.1-dev form, where upstream feeds ``scale`` all the
-        same because that transformer needs a guidance value in every call: so does this, and the returned note says
-        so. ``key`` names the setting in errors."""
+    def set_guidance(self, use: bool | None, scale: float | None, key: str, default: float | None = None) -> str | None:
+        """The guidance the transformer is fed: ``scale`` (None: ``default``, else the pipeline's own default) when
+        it has guidance embeddings, none when it has not (a ``scale`` other than 1, no guidance, is refused there).
+        ``use`` is upstream's use_guidance_embeds (None: what the transformer has): true on a transformer without
+        guidance embeddings is refused; false on one with them is upstream's own FLUX.1-dev form, where upstream
+        feeds ``scale`` all the same because that transformer needs a guidance value in every call: so does this,
+        and the returned note says so. ``key`` names the setting in errors."""
         embeds = bool(self.pipeline.transformer.config.get("guidance_embeds", False))
         prefix = key.rsplit(".", 1)[0]
         if use and not embeds:
             raise ConfigError(ConfigIssue(f"{prefix}.use_guidance_embeds",
-                                          "true, but this FLUX.1 transformer has no guidance embeddings (its "
+                                          f"true, but this {self.family} transformer has no guidance embeddings (its "
                                           "config's guidance_embeds): set false"))
         if not embeds and scale not in (None, 1, 1.0):
-            raise ConfigError(ConfigIssue(key, f"{scale}: this FLUX.1 transformer has no guidance embeddings (its "
-                                               "config's guidance_embeds is false), so no guidance value is fed; "
-                                               "remove it"))
-        self.guidance = (DEFAULT_GUIDANCE if scale is None else float(scale)) if embeds else None
+            raise ConfigError(ConfigIssue(key, f"{scale}: this {self.family} transformer has no guidance embeddings "
+                                               "(its config's guidance_embeds is false), so no guidance value is "
+                                               "fed; remove it"))
+        if scale is None:
+            scale = self.default_guidance if default is None else default
+        self.guidance = float(scale) if embeds else None
         if use is False and embeds:
-            return (f"{prefix}.use_guidance_embeds: false, but this FLUX.1 transformer has guidance embeddings and "
-                    f"needs a guidance value in every call: it is fed {self.guidance:g} ({key}), as upstream does")
+            return (f"{prefix}.use_guidance_embeds: false, but this {self.family} transformer has guidance "
+                    f"embeddings and needs a guidance value in every call: it is fed {self.guidance:g} ({key}), as "
+                    "upstream does")
         return None
+
+    def guidance_input(self, sample: torch.Tensor) -> torch.Tensor | None:
+        """The guidance value for each sample of the batch (None: the transformer takes none)."""
+        if self.guidance is None:
+            return None
+        return torch.full((sample.shape[0],), self.guidance, device=sample.device, dtype=torch.float32)
+
+
+class FluxConditioning(GuidedConditioning):
+    """FluxPipeline (FLUX.1): CLIP's pooled embedding and T5's token embeddings; the latents go in as 2x2 patches
+    (the pipeline's own ``_pack_latents`` / ``_prepare_latent_image_ids``), the timestep as sigma (FluxPipeline's
+    ``timestep / 1000``), and a guidance-distilled transformer gets its guidance value."""
+
+    family = "FLUX.1"
+    shared = ("txt_ids",)  # FluxPipeline's text position ids: (tokens, 3), the same for every caption
 
     def encode(self, captions: list[str], device: torch.device) -> dict[str, Any]:
         embeds, pooled, text_ids = self.pipeline.encode_prompt(prompt=captions, prompt_2=None, device=device,
@@ -170,10 +190,51 @@ class FluxConditioning(Conditioning):
         return packed, {"img_ids": ids}
 
     def denoise(self, denoiser, sample, timesteps, cond):
-        guidance = None if self.guidance is None else \
-            torch.full((sample.shape[0],), self.guidance, device=sample.device, dtype=torch.float32)
-        return denoiser(hidden_states=sample, timestep=timesteps.to(sample.dtype) / 1000, guidance=guidance,
+        return denoiser(hidden_states=sample, timestep=timesteps.to(sample.dtype) / 1000,
+                        guidance=self.guidance_input(sample),
                         pooled_projections=cond["pooled_projections"].to(sample.dtype),
+                        encoder_hidden_states=cond["encoder_hidden_states"].to(sample.dtype),
+                        txt_ids=cond["txt_ids"], img_ids=cond["img_ids"], return_dict=False)[0]
+
+
+class Flux2Conditioning(GuidedConditioning):
+    """Flux2Pipeline (FLUX.2): the caption through the pipeline's own ``encode_prompt`` (its chat template through
+    the Mistral 3 text encoder, the hidden states of ``text_encoder_out_layers`` stacked per token, padded to
+    ``max_sequence_length``: by default what ``Flux2Pipeline.__call__`` samples with); the VAE's latents in 2x2
+    patches (``_patchify_latents``), normalised with the VAE's batch-norm running statistics — what the pipeline
+    undoes before decoding — and flattened to tokens (``_pack_latents``) with the pipeline's 4-D position ids; the
+    timestep as sigma (``timestep / 1000``) and, for a guidance-distilled transformer, its guidance value, as
+    upstream's flux2 adapter feeds them."""
+
+    family = "FLUX.2"
+
+    def __init__(self, pipeline: Any, max_sequence_length: int | None = None, vae_config: Any = None):
+        call = inspect.signature(type(pipeline).__call__).parameters
+        if max_sequence_length is None:
+            max_sequence_length = call["max_sequence_length"].default
+        super().__init__(pipeline, max_sequence_length, vae_config)
+        self.default_guidance = call["guidance_scale"].default
+
+    def normalize(self, latents: torch.Tensor) -> torch.Tensor:
+        patch_grid(latents, "FLUX.2", self.pipeline)
+        patches = type(self.pipeline)._patchify_latents(latents)
+        vae = self.pipeline.vae
+        mean = vae.bn.running_mean.view(1, -1, 1, 1).to(patches.device, patches.dtype)
+        std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(patches.device,
+                                                                                              patches.dtype)
+        return (patches - mean) / std
+
+    def encode(self, captions: list[str], device: torch.device) -> dict[str, Any]:
+        embeds, text_ids = self.pipeline.encode_prompt(captions, device=device, **self.text_kwargs)
+        return {"encoder_hidden_states": embeds, "txt_ids": text_ids}
+
+    def pack(self, latents: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+        cls = type(self.pipeline)
+        return cls._pack_latents(latents), {"img_ids": cls._prepare_latent_ids(latents).to(latents.device)}
+
+    def denoise(self, denoiser, sample, timesteps, cond):
+        return denoiser(hidden_states=sample, timestep=timesteps.to(sample.dtype) / 1000,
+                        guidance=self.guidance_input(sample),
                         encoder_hidden_states=cond["encoder_hidden_states"].to(sample.dtype),
                         txt_ids=cond["txt_ids"], img_ids=cond["img_ids"], return_dict=False)[0]
 
@@ -284,6 +345,16 @@ def conditioning_for(pipeline: Any, denoiser_name: str, max_sequence_length: int
                                  "Control conditioning images), which diffusion training does not support here; "
                                  "use a text-to-image FluxPipeline")
         return FluxConditioning(pipeline, max_sequence_length, vae_config)
+    if kind == "Flux2Transformer2DModel" and type(pipeline).__name__ != "Flux2Pipeline":
+        raise AutomodelError(f"model: a {type(pipeline).__name__} (FLUX.2 [klein] or image-conditioned FLUX.2) is "
+                             "not implemented for diffusion training here: only Flux2Pipeline's text-to-image "
+                             "prompt encoding (Mistral 3) and guidance are; use a Flux2Pipeline (FLUX.2 [dev])")
+    if kind == "Flux2Transformer2DModel":
+        if getattr(pipeline, "vae", None) is None:
+            raise AutomodelError("model: FLUX.2 normalises its latents with the VAE's batch-norm running statistics, "
+                                 "which are weights, not config; load the full pipeline, not the transformer alone "
+                                 "(remove model.pipeline_spec.load_full_pipeline: false)")
+        return Flux2Conditioning(pipeline, max_sequence_length, vae_config)
     if kind == "QwenImageTransformer2DModel" and type(pipeline).__name__ == "QwenImagePipeline":
         if denoiser.config.get("guidance_embeds", False):
             raise AutomodelError("model: this Qwen-Image transformer's config sets guidance_embeds, but diffusers' "

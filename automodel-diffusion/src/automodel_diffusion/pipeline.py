@@ -30,7 +30,7 @@ from automodel_diffusion.conditioning import (
     DENOISER_CLASSES,
     DENOISER_PIPELINES,
     SUPPORTED,
-    FluxConditioning,
+    GuidedConditioning,
     conditioning_for,
 )
 
@@ -167,10 +167,11 @@ class AutoDiffusionPipeline(torch.nn.Module):
         self.max_sequence_length = max_sequence_length
         self.transformer_only = vae_config is not None  # loaded without VAE and text encoders (a latent cache)
         self.conditioning = conditioning_for(pipeline, self.denoiser_name, max_sequence_length, vae_config)
-        if isinstance(self.conditioning, FluxConditioning):
+        if isinstance(self.conditioning, GuidedConditioning):
             self.conditioning.set_guidance(None, guidance_scale, "model.guidance_scale")
         elif guidance_scale is not None:
-            raise AutomodelError(f"model.guidance_scale: applies to FLUX.1 (FluxPipeline) only; this is a "
+            raise AutomodelError(f"model.guidance_scale: applies to FLUX.1 (FluxPipeline) and FLUX.2 (Flux2Pipeline) "
+                                 f"only; this is a "
                                  f"{type(pipeline).__name__}: remove it")
 
     # ---- construction (what configs name) -----------------------------------------------------------------
@@ -183,10 +184,10 @@ class AutoDiffusionPipeline(torch.nn.Module):
         """Load a diffusers pipeline (hub name or directory); only ``trainable_components`` train (the denoiser).
 
         ``max_sequence_length``: text tokens of the T5 slot of SD3-style and FLUX.1 pipelines, of the prompt
-        embeddings of Qwen-Image (None: the pipeline's default, 256 / 512 / 1024); pass the same value to the
-        pipeline when sampling from the trained checkpoint. ``guidance_scale``: the guidance value a
-        guidance-distilled FLUX.1 transformer (its config's ``guidance_embeds``) is fed in training (None: 3.5,
-        FluxPipeline's default); refused for other denoisers.
+        embeddings of Qwen-Image and FLUX.2 (None: the pipeline's default, 256 / 512 / 1024 / 512); pass the same
+        value to the pipeline when sampling from the trained checkpoint. ``guidance_scale``: the guidance value a
+        guidance-distilled FLUX.1 / FLUX.2 transformer (its config's ``guidance_embeds``) is fed in training (None:
+        the pipeline's default, 3.5 for FluxPipeline, 4 for Flux2Pipeline); refused for other denoisers.
         """
         path = pretrained_model_name_or_path or name_or_path
         if not path:

@@ -10,9 +10,10 @@ Upstream's diffusion configs carry no ``_target_`` for the model and describe tr
   and captions, encoded on the fly (:func:`text_to_image_data`, :func:`text_to_video_data`); ``performance:`` -> the
   loss check.
 
-``model_type`` / ``flow_matching.adapter_type`` ``flux`` (FLUX.1), ``qwen_image`` (Qwen-Image) and ``wan`` /
-``simple`` (Wan 2.1) say the pipeline is a FluxPipeline / QwenImagePipeline / WanPipeline, which is checked;
-``adapter_kwargs`` set the guidance a FLUX.1 transformer is fed (Qwen-Image and Wan transformers take none). Keys that
+``model_type`` / ``flow_matching.adapter_type`` ``flux`` (FLUX.1), ``flux2`` (FLUX.2), ``qwen_image`` (Qwen-Image)
+and ``wan`` / ``simple`` (Wan 2.1) say the pipeline is a FluxPipeline / Flux2Pipeline / QwenImagePipeline /
+WanPipeline, which is checked; ``adapter_kwargs`` set the guidance a FLUX.1 / FLUX.2 transformer is fed (Qwen-Image
+and Wan transformers take none). Keys that
 need what this recipe does not have (other model families, image-to-video, Transformer Engine, CUDA kernels) are
 refused at validation with the reason. Import-light: no torch at import.
 """
@@ -29,16 +30,18 @@ from automodel.errors import AutomodelError, ConfigError, ConfigIssue
 from automodel_diffusion import latents
 from automodel_diffusion.objectives import ObjectiveConfig
 
-SUPPORTED = ("SD3-style (StableDiffusion3Pipeline), FLUX.1 (FluxPipeline), Qwen-Image (QwenImagePipeline), Wan 2.1 "
-             "text-to-video (WanPipeline) and Stable Diffusion UNet (StableDiffusionPipeline) pipelines")
-FLUX, QWEN_IMAGE, WAN, SIMPLE = "flux", "qwen_image", "wan", "simple"
+SUPPORTED = ("SD3-style (StableDiffusion3Pipeline), FLUX.1 (FluxPipeline), FLUX.2 (Flux2Pipeline), Qwen-Image "
+             "(QwenImagePipeline), Wan 2.1 text-to-video (WanPipeline) and Stable Diffusion UNet "
+             "(StableDiffusionPipeline) pipelines")
+FLUX, FLUX2, QWEN_IMAGE, WAN, SIMPLE = "flux", "flux2", "qwen_image", "wan", "simple"
 # upstream's model_type / adapter_type values that act here -> (the family, the pipeline class it must be); upstream's
 # "simple" adapter is the one its Wan 2.1 configs name (a transformer fed the noisy latents, timestep and text)
-ADAPTERS = {FLUX: ("FLUX.1", "FluxPipeline"), QWEN_IMAGE: ("Qwen-Image", "QwenImagePipeline"),
-            WAN: ("Wan 2.1", "WanPipeline"), SIMPLE: ("Wan 2.1", "WanPipeline")}
-ADAPTER_KWARGS = ("guidance_scale", "use_guidance_embeds")  # upstream's flux and qwen_image adapter settings
-FAMILIES = {"flux2": "FLUX.2", "hunyuan": "HunyuanVideo", "ltx2": "LTX-2",
-            "qwen_image_edit": "Qwen-Image-Edit"}
+ADAPTERS = {FLUX: ("FLUX.1", "FluxPipeline"), FLUX2: ("FLUX.2", "Flux2Pipeline"),
+            QWEN_IMAGE: ("Qwen-Image", "QwenImagePipeline"), WAN: ("Wan 2.1", "WanPipeline"),
+            SIMPLE: ("Wan 2.1", "WanPipeline")}
+ADAPTER_KWARGS = ("guidance_scale", "use_guidance_embeds")  # upstream's flux, flux2 and qwen_image adapter settings
+UPSTREAM_FLUX2_GUIDANCE = 3.5  # upstream's flux2 adapter's default guidance_scale (Flux2Pipeline samples with 4)
+FAMILIES = {"hunyuan": "HunyuanVideo", "ltx2": "LTX-2", "qwen_image_edit": "Qwen-Image-Edit"}
 CPU_ATTENTION = ("native", "_native_math")  # torch's scaled_dot_product_attention: what runs without CUDA kernels
 GPU_ONLY = "needs a CUDA GPU, which this machine lacks"
 
@@ -82,12 +85,13 @@ def load_upstream_pipeline(pretrained_model_name_or_path: str, mode: Literal["fi
     directory, ``cache_dir`` its download cache) stored in ``torch_dtype``; ``mode: pretrain`` re-initialises the
     trained denoiser from its config (``pipeline_spec`` names its class and folder) and keeps the other
     components' weights; ``compute_dtype`` is the dtype the denoiser computes in (the recipe applies it);
-    ``attention_backend: native`` is torch's scaled-dot-product attention; ``model_type: flux`` / ``qwen_image`` /
-    ``wan`` says the pipeline is FLUX.1 / Qwen-Image / Wan 2.1 (checked against its model_index.json at validation,
-    against the built pipeline by the recipe). ``pipeline_spec.load_full_pipeline: false`` loads the transformer
-    alone (fresh from its config with ``mode: pretrain``, its weights with ``finetune``) with the scheduler, to
-    train on a latent cache (``automodel_diffusion.latents``). The other keys are accepted only at the values that
-    need nothing this machine or recipe lacks (validation refuses the rest, see ``model_issues``)."""
+    ``attention_backend: native`` is torch's scaled-dot-product attention; ``model_type: flux`` / ``flux2`` /
+    ``qwen_image`` / ``wan`` says the pipeline is FLUX.1 / FLUX.2 / Qwen-Image / Wan 2.1 (checked against its
+    model_index.json at validation, against the built pipeline by the recipe). ``pipeline_spec.load_full_pipeline:
+    false`` loads the transformer alone (fresh from its config with ``mode: pretrain``, its weights with
+    ``finetune``) with the scheduler, to train on a latent cache (``automodel_diffusion.latents``). The other keys
+    are accepted only at the values that need nothing this machine or recipe lacks (validation refuses the rest,
+    see ``model_issues``)."""
     refused = model_issues({k: v for k, v in locals().items() if v not in (None, False)}, "model")
     import torch
 
@@ -296,13 +300,15 @@ class FlowMatchingSection:
     """Upstream's ``flow_matching:`` (its defaults) -> the flow-matching ``objective``."""
 
     adapter_type: str | None = field(default=None, metadata=_help(
-        "upstream's model-family adapter: flux (the pipeline must be a FluxPipeline, FLUX.1), qwen_image (a "
-        "QwenImagePipeline, Qwen-Image) or simple (a WanPipeline, Wan 2.1 text-to-video); null: the pipeline's "
-        "own conditioning decides; the other upstream values name families not implemented here"))
+        "upstream's model-family adapter: flux (the pipeline must be a FluxPipeline, FLUX.1), flux2 (a "
+        "Flux2Pipeline, FLUX.2), qwen_image (a QwenImagePipeline, Qwen-Image) or simple (a WanPipeline, Wan 2.1 "
+        "text-to-video); null: the pipeline's own conditioning decides; the other upstream values name families not "
+        "implemented here"))
     adapter_kwargs: dict = field(default_factory=dict, metadata=_help(
-        "with adapter_type flux: guidance_scale (the guidance value a guidance-distilled FLUX.1 transformer is "
-        "fed; default 3.5) and use_guidance_embeds (true needs guidance embeddings; false on a transformer with "
-        "them still feeds guidance_scale, as upstream does); with qwen_image: use_guidance_embeds false, and a "
+        "with adapter_type flux / flux2: guidance_scale (the guidance value a guidance-distilled FLUX.1 / FLUX.2 "
+        "transformer is fed; default 3.5, as upstream) and use_guidance_embeds (true needs guidance embeddings; "
+        "false on a transformer with them still feeds guidance_scale, as upstream does); with qwen_image: "
+        "use_guidance_embeds false, and a "
         "guidance_scale other than 1 governs nothing, as upstream (named in a note line: its transformer takes no "
         "guidance value); else (simple included) only {}"))
     timestep_sampling: Literal["uniform", "logit_normal", "lognorm", "mix", "mode", "beta"] = field(
@@ -339,7 +345,7 @@ class FlowMatchingSection:
         if self.adapter_type is not None and self.adapter_type not in ADAPTERS:
             bad["adapter_type"] = (f"'{self.adapter_type}': {family_refusal(self.adapter_type)}; remove "
                                    "adapter_type and use one of those pipelines")
-        if self.adapter_type in (FLUX, QWEN_IMAGE):
+        if self.adapter_type in (FLUX, FLUX2, QWEN_IMAGE):
             bad.update(adapter_kwargs_issues(self.adapter_type, self.adapter_kwargs))
         elif self.adapter_kwargs:
             bad["adapter_kwargs"] = ("upstream's adapter settings do not apply here (no adapter, or the simple "
@@ -368,8 +374,8 @@ class FlowMatchingSection:
 
 
 def adapter_kwargs_issues(adapter: str, kwargs: dict) -> dict[str, str]:
-    """Key -> why, for flux / qwen_image adapter_kwargs that cannot act (a FLUX.1 transformer's own check comes at
-    build)."""
+    """Key -> why, for flux / flux2 / qwen_image adapter_kwargs that cannot act (a FLUX.1 / FLUX.2 transformer's own
+    check comes at build)."""
     bad = {f"adapter_kwargs.{k}": f"not a setting of the {adapter} adapter here (it takes {', '.join(ADAPTER_KWARGS)})"
            for k in kwargs if k not in ADAPTER_KWARGS}
     scale, use = kwargs.get("guidance_scale"), kwargs.get("use_guidance_embeds")
@@ -384,7 +390,7 @@ def adapter_kwargs_issues(adapter: str, kwargs: dict) -> dict[str, str]:
 
 
 def family_issues(adapter: str, source: Any, key: str) -> list[ConfigIssue]:
-    """A family key (flux, qwen_image, wan, simple) on a local pipeline whose model_index.json names another
+    """A family key (flux, flux2, qwen_image, wan, simple) on a local pipeline whose model_index.json names another
     pipeline class."""
     from automodel_diffusion.pipeline import read_model_index
 
@@ -397,12 +403,17 @@ def family_issues(adapter: str, source: Any, key: str) -> list[ConfigIssue]:
 
 
 def apply_adapter(cfg: Config, model: Any) -> str | None:
-    """At build: the flux / qwen_image / wan / simple family keys need the built pipeline to be of that family; flux's
-    adapter_kwargs set its guidance (the returned note, if any, is for the run's log)."""
-    from automodel_diffusion.conditioning import FluxConditioning, QwenImageConditioning, WanConditioning
+    """At build: the flux / flux2 / qwen_image / wan / simple family keys need the built pipeline to be of that
+    family; flux's and flux2's adapter_kwargs set its guidance (the returned note, if any, is for the run's log)."""
+    from automodel_diffusion.conditioning import (
+        Flux2Conditioning,
+        FluxConditioning,
+        QwenImageConditioning,
+        WanConditioning,
+    )
 
     settings = given(cfg, "flow_matching")
-    built = {FLUX: FluxConditioning, QWEN_IMAGE: QwenImageConditioning, WAN: WanConditioning,
+    built = {FLUX: FluxConditioning, FLUX2: Flux2Conditioning, QWEN_IMAGE: QwenImageConditioning, WAN: WanConditioning,
              SIMPLE: WanConditioning}
     issues = [ConfigIssue(key, f"'{value}' ({ADAPTERS[value][0]}), but the pipeline is a "
                                f"{type(model.pipeline).__name__}; remove it or load a {ADAPTERS[value][1]}")
@@ -411,10 +422,11 @@ def apply_adapter(cfg: Config, model: Any) -> str | None:
               if value in ADAPTERS and not isinstance(model.conditioning, built[value])]
     if issues:
         raise ConfigError(issues)
-    if isinstance(model.conditioning, FluxConditioning) and settings is not None and settings.adapter_type == FLUX:
+    if settings is not None and settings.adapter_type in (FLUX, FLUX2):
         kwargs = settings.adapter_kwargs
+        default = UPSTREAM_FLUX2_GUIDANCE if settings.adapter_type == FLUX2 else None
         return model.conditioning.set_guidance(kwargs.get("use_guidance_embeds"), kwargs.get("guidance_scale"),
-                                               "flow_matching.adapter_kwargs.guidance_scale")
+                                               "flow_matching.adapter_kwargs.guidance_scale", default)
     scale = settings.adapter_kwargs.get("guidance_scale") if settings is not None else None
     if isinstance(model.conditioning, QwenImageConditioning) and scale not in (None, 1):
         return (f"note: flow_matching.adapter_kwargs.guidance_scale: {scale} governs nothing in this run: upstream's "
