@@ -291,10 +291,10 @@ def conditioning_for(pipeline: Any, denoiser_name: str, max_sequence_length: int
                                  "it one and fail); set guidance_embeds false in transformer/config.json")
         return QwenImageConditioning(pipeline, max_sequence_length, vae_config)
     if kind == "WanTransformer3DModel" and type(pipeline).__name__ == "WanPipeline":
-        if getattr(pipeline, "transformer_2", None) is not None or pipeline.config.get("expand_timesteps"):
-            raise AutomodelError("model: this WanPipeline is a Wan 2.2 one (a second, low-noise transformer_2, or "
-                                 "per-token timesteps: expand_timesteps), which diffusion training does not support "
-                                 "here; use a Wan 2.1 text-to-video pipeline")
+        if pipeline.config.get("expand_timesteps"):
+            raise AutomodelError("model: this WanPipeline takes per-token timesteps (expand_timesteps: Wan 2.2 "
+                                 "TI2V), which diffusion training does not support here; use a text-to-video "
+                                 "pipeline (Wan 2.1, or Wan 2.2 A14B's two experts with model.stage)")
         return WanConditioning(pipeline, max_sequence_length, vae_config)
     if kind == "UNet2DConditionModel" and getattr(denoiser.config, "addition_embed_type", None) is None \
             and hasattr(pipeline, "encode_prompt") and hasattr(pipeline, "text_encoder"):

@@ -28,6 +28,7 @@ from automodel.config import Config, ConfigNode, FieldErrors
 from automodel.errors import AutomodelError, ConfigError, ConfigIssue
 from automodel_diffusion import latents
 from automodel_diffusion.objectives import ObjectiveConfig
+from automodel_diffusion.stages import stage_issues
 
 SUPPORTED = ("SD3-style (StableDiffusion3Pipeline), FLUX.1 (FluxPipeline), Qwen-Image (QwenImagePipeline), Wan 2.1 "
              "text-to-video (WanPipeline) and Stable Diffusion UNet (StableDiffusionPipeline) pipelines")
@@ -107,7 +108,8 @@ def load_upstream_pipeline(pretrained_model_name_or_path: str, mode: Literal["fi
     trained = trainable_components or ([pipeline_spec["subfolder"]] if pipeline_spec else None)
     model = AutoDiffusionPipeline.from_pretrained(pretrained_model_name_or_path, torch_dtype=torch_dtype,
                                                   trainable_components=trained,
-                                                  max_sequence_length=max_sequence_length, **kwargs)
+                                                  max_sequence_length=max_sequence_length, stage=stage,
+                                                  boundary_ratio=boundary_ratio, **kwargs)
     if mode == "pretrain":
         if seed is not None:
             torch.manual_seed(seed)
@@ -158,10 +160,8 @@ def model_issues(model: Any, key: str = "model") -> list[ConfigIssue]:
                                                        "; remove model_type (the pipeline's own class decides)"))
     elif model_type is not None:
         issues += family_issues(model_type, model.get("pretrained_model_name_or_path"), f"{key}.model_type")
-    for name in ("stage", "boundary_ratio"):
-        if model.get(name) is not None:
-            issues.append(ConfigIssue(f"{key}.{name}", "two-transformer pipelines (Wan 2.2's high/low-noise stages) "
-                                                       "are not implemented here"))
+    issues += stage_issues(model.get("stage"), model.get("boundary_ratio"),
+                           local_index(model.get("pretrained_model_name_or_path")), model, key)
     issues += _dtype_issues(model, key)
     spec = model.get("pipeline_spec")
     if spec is not None:
@@ -383,13 +383,18 @@ def adapter_kwargs_issues(adapter: str, kwargs: dict) -> dict[str, str]:
     return bad
 
 
+def local_index(source: Any) -> dict[str, Any] | None:
+    """The model_index.json of ``source`` when it is a local pipeline directory (None: a hub name, or no index)."""
+    from automodel_diffusion.pipeline import read_model_index
+
+    return read_model_index(source) if isinstance(source, str) else None
+
+
 def family_issues(adapter: str, source: Any, key: str) -> list[ConfigIssue]:
     """A family key (flux, qwen_image, wan, simple) on a local pipeline whose model_index.json names another
     pipeline class."""
-    from automodel_diffusion.pipeline import read_model_index
-
     family, pipeline = ADAPTERS[adapter]
-    index = read_model_index(source) if isinstance(source, str) else None
+    index = local_index(source)
     if index is None or index.get("_class_name") == pipeline:
         return []
     return [ConfigIssue(key, f"'{adapter}' ({family}) needs a {pipeline}, but '{source}' is a "
