@@ -17,7 +17,8 @@ from automodel.errors import AutomodelError, ConfigError, ConfigIssue
 
 SUPPORTED = ("SD3Transformer2DModel (StableDiffusion3Pipeline), FluxTransformer2DModel (FluxPipeline, FLUX.1), "
              "QwenImageTransformer2DModel (QwenImagePipeline, Qwen-Image), WanTransformer3DModel (WanPipeline, "
-             "Wan 2.1 text-to-video) and UNet2DConditionModel (StableDiffusionPipeline)")
+             "Wan 2.1 text-to-video; Wan 2.2 A14B one expert per run) and UNet2DConditionModel "
+             "(StableDiffusionPipeline)")
 # the denoisers a Conditioning exists for
 DENOISER_CLASSES = ("SD3Transformer2DModel", "FluxTransformer2DModel", "QwenImageTransformer2DModel",
                     "WanTransformer3DModel", "UNet2DConditionModel")

@@ -30,8 +30,8 @@ from automodel_diffusion import latents
 from automodel_diffusion.objectives import ObjectiveConfig
 from automodel_diffusion.stages import stage_issues
 
-SUPPORTED = ("SD3-style (StableDiffusion3Pipeline), FLUX.1 (FluxPipeline), Qwen-Image (QwenImagePipeline), Wan 2.1 "
-             "text-to-video (WanPipeline) and Stable Diffusion UNet (StableDiffusionPipeline) pipelines")
+SUPPORTED = ("SD3-style (StableDiffusion3Pipeline), FLUX.1 (FluxPipeline), Qwen-Image (QwenImagePipeline), Wan 2.1 and "
+             "2.2 A14B text-to-video (WanPipeline) and Stable Diffusion UNet (StableDiffusionPipeline) pipelines")
 FLUX, QWEN_IMAGE, WAN, SIMPLE = "flux", "qwen_image", "wan", "simple"
 # upstream's model_type / adapter_type values that act here -> (the family, the pipeline class it must be); upstream's
 # "simple" adapter is the one its Wan 2.1 configs name (a transformer fed the noisy latents, timestep and text)
