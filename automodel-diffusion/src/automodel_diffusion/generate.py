@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from automodel.config import Config, FieldErrors, Free
 from automodel.errors import AutomodelError, ConfigIssue
 from automodel.recipe import BaseRecipe
-from automodel_diffusion.stages import EXPERTS
+from automodel_diffusion.stages import EXPERTS, TWO_EXPERTS, has_two_experts
 from automodel_diffusion.upstream import GPU_ONLY
 
 if TYPE_CHECKING:
@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 VIDEO_ONLY = "applies to video pipelines (those whose __call__ takes num_frames, e.g. WanPipeline)"
 # the stage checkpoint keys -> the expert of a two-transformer WanPipeline each replaces
 STAGE_CHECKPOINTS = {f"checkpoint_{stage}": expert for stage, expert in EXPERTS.items()}
+ONE_EXPERT = f"applies to {TWO_EXPERTS}"
 IMAGE_INPUT = ("applies to image-editing / image-to-image pipelines only (those whose __call__ takes image, e.g. "
                "QwenImageEditPipeline, StableDiffusion3Img2ImgPipeline)")
 
@@ -185,6 +186,19 @@ def image_issues(cfg: Config) -> list[ConfigIssue]:
     return issues
 
 
+def stage_checkpoint_issues(model: GenerateModelConfig) -> list[ConfigIssue]:
+    """A stage checkpoint on a local pipeline directory with one denoiser (a hub pipeline is checked once loaded)."""
+    from automodel_diffusion.pipeline import read_model_index
+
+    keys = [key for key in STAGE_CHECKPOINTS if getattr(model, key) is not None]
+    index = read_model_index(model.pretrained_model_name_or_path) if keys else None
+    if index is None or has_two_experts(index):
+        return []
+    return [ConfigIssue(f"model.{key}", f"{ONE_EXPERT}; '{model.pretrained_model_name_or_path}' is a "
+                                        f"{index.get('_class_name')} with one denoiser: use model.checkpoint")
+            for key in keys]
+
+
 def sample_name(index: int, prompt: str, suffix: str = "png") -> str:
     """``sample_<iii>_<the prompt's first 50 letters, digits, spaces, _ and ->.<suffix>`` (spaces as _)."""
     safe = re.sub(r"[^A-Za-z0-9 _-]", "", prompt)[:50].strip().replace(" ", "_")
@@ -214,6 +228,8 @@ class GenerateRecipe(BaseRecipe):
             issues.append(ConfigIssue("seed", f"expected an integer, found {seed!r}"))
         if cfg.inference is not None and cfg.inference.input_images is not None:
             issues += image_issues(cfg)
+        if cfg.model is not None:
+            issues += stage_checkpoint_issues(cfg.model)
         return issues
 
     @classmethod
@@ -274,9 +290,8 @@ class GenerateRecipe(BaseRecipe):
     def load_expert(self, key: str, name: str, path: Path, dtype: Any) -> None:
         """A stage checkpoint's expert (``model/<name>``) replaces the two-transformer pipeline's ``name``."""
         if getattr(self.pipeline, "transformer_2", None) is None:
-            raise AutomodelError(f"model.{key}: applies to a two-transformer WanPipeline (Wan 2.2 A14B: transformer "
-                                 f"and transformer_2); this {type(self.pipeline).__name__} has one denoiser: use "
-                                 "model.checkpoint")
+            raise AutomodelError(f"model.{key}: {ONE_EXPERT}; this {type(self.pipeline).__name__} has one denoiser: "
+                                 "use model.checkpoint")
         model_dir = path / "model" if (path / "model").is_dir() else path
         if not (model_dir / name / "config.json").is_file():
             raise AutomodelError(f"model.{key}: '{path}' holds no {name} folder; give a checkpoint "
