@@ -10,27 +10,22 @@ from pathlib import Path
 
 import pytest
 import torch
-from diffusion_testing import CLIP_CAPTIONS, load_config, refusals, tiny_clips, tiny_wan, train_inprocess
+from diffusion_testing import (
+    CLIP_CAPTIONS,
+    WAN22_BOUNDARY,
+    load_config,
+    refusals,
+    tiny_clips,
+    tiny_wan,
+    tiny_wan22,
+    train_inprocess,
+)
 
 from automodel.errors import AutomodelError, ConfigError
 from automodel.testing import assert_states_equal, load_safetensors_state, run_cli
 
 FORMS = Path(__file__).parent / "upstream_forms"
 FINETUNE, GENERATE = FORMS / "wan22_finetune_upstream.yaml", FORMS / "generate_wan22_upstream.yaml"
-BOUNDARY = 0.875  # what the tiny pipeline's config carries (Wan 2.2 A14B's)
-
-
-def tiny_wan22(directory: Path) -> Path:
-    """A tiny two-transformer WanPipeline (the tiny Wan 2.1 one plus a differently initialised transformer_2)."""
-    import diffusers
-
-    one = diffusers.WanPipeline.from_pretrained(str(tiny_wan(directory.with_name(directory.name + "-one"))))
-    torch.manual_seed(1)
-    second = type(one.transformer).from_config(one.transformer.config)
-    two = diffusers.WanPipeline(one.tokenizer, one.text_encoder, one.vae, one.scheduler, one.transformer,
-                                transformer_2=second, boundary_ratio=BOUNDARY)
-    two.save_pretrained(str(directory))
-    return directory
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +44,7 @@ def high_run(base, clips, tmp_path_factory) -> Path:
     ckpt = tmp_path_factory.mktemp("high") / "ckpt"
     result = run_cli("finetune", "diffusion", "-c", FINETUNE, *overrides(base, clips, ckpt), cwd=ckpt.parent)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert f"model.stage: high_noise trains transformer on sigmas [{BOUNDARY:g}, 1]" in result.stderr
+    assert f"model.stage: high_noise trains transformer on sigmas [{WAN22_BOUNDARY:g}, 1]" in result.stderr
     return ckpt
 
 
@@ -61,8 +56,9 @@ def overrides(base: Path, clips: Path, ckpt: Path) -> tuple:
 # ---- the stage's sigmas -----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("stage,boundary,low,high", [("high_noise", None, BOUNDARY, 1.0),
-                                                     ("low_noise", None, 0.0, BOUNDARY), ("low_noise", 0.5, 0.0, 0.5)])
+@pytest.mark.parametrize("stage,boundary,low,high", [("high_noise", None, WAN22_BOUNDARY, 1.0),
+                                                     ("low_noise", None, 0.0, WAN22_BOUNDARY),
+                                                     ("low_noise", 0.5, 0.0, 0.5)])
 def test_a_stage_draws_its_sigmas_only_from_its_side_of_the_boundary(base, stage, boundary, low, high):
     from automodel_diffusion import AutoDiffusionPipeline
     from automodel_diffusion.objectives import ObjectiveConfig, build_objective
@@ -94,7 +90,7 @@ def test_the_high_noise_stage_trains_transformer_only_and_saves_a_pipeline_diffu
 
     model_dir = high_run / "epoch_0_step_3" / "model"
     loaded = DiffusionPipeline.from_pretrained(str(model_dir))
-    assert type(loaded).__name__ == "WanPipeline" and loaded.config.boundary_ratio == BOUNDARY
+    assert type(loaded).__name__ == "WanPipeline" and loaded.config.boundary_ratio == WAN22_BOUNDARY
     before = DiffusionPipeline.from_pretrained(str(base))
     assert_states_equal(loaded.transformer_2.state_dict(), before.transformer_2.state_dict())
     changed = [k for k, v in before.transformer.state_dict().items()
@@ -148,6 +144,8 @@ def test_generate_swaps_in_the_stage_checkpoints_expert_and_samples_with_both(ba
     (("--flow_matching.sigma_max", "0.5"), "flow_matching.sigma_max", "model.stage sets the sigma range"),
     (("--model.stage", "low_noise", "--peft", "{dim: 4, alpha: 4, target_modules: ['*.to_q']}"), "peft",
      "LoRA on the low-noise expert (transformer_2) is not implemented"),
+    (("--fsdp", "null", "--parallel_scheme", "{transformer: fsdp2, transformer_2: fsdp2}"),
+     "parallel_scheme.transformer_2", "keeps transformer_2, the idle expert, frozen on the CPU"),
 ])
 def test_stage_settings_that_cannot_act_are_refused(base, override, key, needle):
     found = refusals(FINETUNE, "--model.pretrained_model_name_or_path", base, *override)

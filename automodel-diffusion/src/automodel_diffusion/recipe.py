@@ -83,7 +83,8 @@ def stage_objective(config: ObjectiveConfig | None, sigma_range: tuple[float, fl
 
 
 def stage_issues(cfg: Config) -> list[ConfigIssue]:
-    """Beside ``model.stage``: a sigma range written (the stage sets it), LoRA on the low-noise expert."""
+    """Beside ``model.stage``: a sigma range written (the stage sets it), LoRA on the low-noise expert, a
+    ``parallel_scheme`` entry for the idle expert."""
     stage = cfg.model.get("stage") if cfg.model is not None else None
     if stage is None:
         return []
@@ -92,6 +93,11 @@ def stage_issues(cfg: Config) -> list[ConfigIssue]:
         issues.append(ConfigIssue("peft", "LoRA on the low-noise expert (transformer_2) is not implemented: "
                                           "diffusers' Wan LoRA files name the transformer's layers; train the "
                                           "low_noise stage whole (remove peft:) or LoRA the high_noise stage"))
+    idle = [name for name in stages.EXPERTS.values() if name != stages.EXPERTS.get(stage)]
+    scheme = cfg.resolved.get("parallel_scheme")
+    issues += [ConfigIssue(f"parallel_scheme.{name}", f"model.stage {stage} keeps {name}, the idle expert, frozen "
+                                                      "on the CPU (it never runs in training): remove its entry")
+               for name in idle if isinstance(scheme, dict) and name in scheme and stage in stages.EXPERTS]
     objective = objective_config(cfg)
     if objective is None:
         return issues
