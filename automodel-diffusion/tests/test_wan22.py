@@ -162,6 +162,9 @@ def test_a_stage_on_a_one_transformer_pipeline_or_none_on_two_is_refused(base, t
     assert "applies to a two-transformer WanPipeline" in found["model.stage"], found
     with pytest.raises(AutomodelError, match="model.stage: applies to a two-transformer.*has one denoiser"):
         AutoDiffusionPipeline.from_pretrained(str(one), stage="high_noise")
+    found = refusals(FINETUNE, "--model.pretrained_model_name_or_path", base, "--model.stage", "null",
+                     "--model.boundary_ratio", "null")
+    assert "required for a two-transformer WanPipeline" in found["model.stage"], found
     pipeline = diffusers.WanPipeline.from_pretrained(str(base))
     with pytest.raises(AutomodelError, match="set model.stage: high_noise .* or low_noise"):
         AutoDiffusionPipeline(pipeline)

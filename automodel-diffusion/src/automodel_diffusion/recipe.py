@@ -76,13 +76,13 @@ def objective_config(cfg: Config) -> ObjectiveConfig | None:
 def stage_objective(config: ObjectiveConfig | None, sigma_range: tuple[float, float] | None
                     ) -> ObjectiveConfig | None:
     """A two-expert stage's objective: its sigmas clamped into the stage's range (validation refuses another range
-    given alongside, see ``stage_issues``)."""
+    given alongside, see ``stage_setting_issues``)."""
     if sigma_range is None:
         return config
     return dataclasses.replace(config or ObjectiveConfig(), sigma_min=sigma_range[0], sigma_max=sigma_range[1])
 
 
-def stage_issues(cfg: Config) -> list[ConfigIssue]:
+def stage_setting_issues(cfg: Config) -> list[ConfigIssue]:
     """Beside ``model.stage``: a sigma range written (the stage sets it), LoRA on the low-noise expert, a
     ``parallel_scheme`` entry for the idle expert."""
     stage = cfg.model.get("stage") if cfg.model is not None else None
@@ -205,12 +205,14 @@ class DiffusionRecipe(TrainRecipe):
             issues.append(ConfigIssue("distributed.strategy", UNSUPPORTED_MESSAGE))
         issues += upstream.upstream_issues(cfg)
         issues += latents.transformer_alone_issues(cfg)
-        issues += stage_issues(cfg)
+        issues += stage_setting_issues(cfg)
         source = model_source(cfg.model) if cfg.model is not None else None
         index = read_model_index(source[0]) if source is not None else None
         if index is not None and index_issue(index):
             issues.append(ConfigIssue("model", index_issue(index)))
             return issues
+        if cfg.model is not None:
+            issues += stages.stage_issues(cfg.model.get("stage"), cfg.model.get("boundary_ratio"), index, cfg.model)
         components, trainable, denoiser = pipeline_layout(cfg)
         issues += peft_issues(cfg, cfg.model.get("trainable_components") if cfg.model is not None else None,
                               denoiser)

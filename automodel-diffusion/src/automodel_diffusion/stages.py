@@ -29,7 +29,9 @@ def stage_issues(stage: Any, boundary_ratio: Any, index: dict[str, Any] | None, 
     """What ``model.stage`` / ``model.boundary_ratio`` ask that cannot act; ``index``: the pipeline's
     model_index.json when it is a local directory (else the pipeline is checked once built)."""
     if stage is None and boundary_ratio is None:
-        return []
+        return [] if index is None or not has_two_experts(index) else [
+            ConfigIssue(f"{key}.stage", f"required for {TWO_EXPERTS}: high_noise (trains transformer) or low_noise "
+                                        "(trains transformer_2); one expert trains per run")]
     if stage is None:
         return [ConfigIssue(f"{key}.boundary_ratio", "applies with model.stage (high_noise or low_noise), which "
                                                      "picks the trained expert; set it or remove boundary_ratio")]

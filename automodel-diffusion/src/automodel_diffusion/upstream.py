@@ -28,7 +28,6 @@ from automodel.config import Config, ConfigNode, FieldErrors
 from automodel.errors import AutomodelError, ConfigError, ConfigIssue
 from automodel_diffusion import latents
 from automodel_diffusion.objectives import ObjectiveConfig
-from automodel_diffusion.stages import stage_issues
 
 SUPPORTED = ("SD3-style (StableDiffusion3Pipeline), FLUX.1 (FluxPipeline), Qwen-Image (QwenImagePipeline), Wan 2.1 and "
              "2.2 A14B text-to-video (WanPipeline) and Stable Diffusion UNet (StableDiffusionPipeline) pipelines")
@@ -87,7 +86,9 @@ def load_upstream_pipeline(pretrained_model_name_or_path: str, mode: Literal["fi
     ``wan`` says the pipeline is FLUX.1 / Qwen-Image / Wan 2.1 (checked against its model_index.json at validation,
     against the built pipeline by the recipe). ``pipeline_spec.load_full_pipeline: false`` loads the transformer
     alone (fresh from its config with ``mode: pretrain``, its weights with ``finetune``) with the scheduler, to
-    train on a latent cache (``automodel_diffusion.latents``). The other keys are accepted only at the values that
+    train on a latent cache (``automodel_diffusion.latents``). ``stage`` (``high_noise`` / ``low_noise``) and
+    ``boundary_ratio`` train one expert of a two-transformer Wan 2.2 pipeline (``automodel_diffusion.stages``). The
+    other keys are accepted only at the values that
     need nothing this machine or recipe lacks (validation refuses the rest, see ``model_issues``)."""
     refused = model_issues({k: v for k, v in locals().items() if v not in (None, False)}, "model")
     import torch
@@ -160,8 +161,6 @@ def model_issues(model: Any, key: str = "model") -> list[ConfigIssue]:
                                                        "; remove model_type (the pipeline's own class decides)"))
     elif model_type is not None:
         issues += family_issues(model_type, model.get("pretrained_model_name_or_path"), f"{key}.model_type")
-    issues += stage_issues(model.get("stage"), model.get("boundary_ratio"),
-                           local_index(model.get("pretrained_model_name_or_path")), model, key)
     issues += _dtype_issues(model, key)
     spec = model.get("pipeline_spec")
     if spec is not None:
@@ -383,18 +382,13 @@ def adapter_kwargs_issues(adapter: str, kwargs: dict) -> dict[str, str]:
     return bad
 
 
-def local_index(source: Any) -> dict[str, Any] | None:
-    """The model_index.json of ``source`` when it is a local pipeline directory (None: a hub name, or no index)."""
-    from automodel_diffusion.pipeline import read_model_index
-
-    return read_model_index(source) if isinstance(source, str) else None
-
-
 def family_issues(adapter: str, source: Any, key: str) -> list[ConfigIssue]:
     """A family key (flux, qwen_image, wan, simple) on a local pipeline whose model_index.json names another
     pipeline class."""
+    from automodel_diffusion.pipeline import read_model_index
+
     family, pipeline = ADAPTERS[adapter]
-    index = local_index(source)
+    index = read_model_index(source) if isinstance(source, str) else None
     if index is None or index.get("_class_name") == pipeline:
         return []
     return [ConfigIssue(key, f"'{adapter}' ({family}) needs a {pipeline}, but '{source}' is a "
