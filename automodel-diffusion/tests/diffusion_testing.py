@@ -229,6 +229,24 @@ def tiny_wan(directory: Path, seed: int = 0) -> Path:
     return directory
 
 
+WAN22_BOUNDARY = 0.875  # what the tiny two-expert pipeline's config carries (Wan 2.2 A14B's)
+
+
+def tiny_wan22(directory: Path) -> Path:
+    """A tiny two-transformer WanPipeline (Wan 2.2 A14B's layout): the tiny Wan 2.1 one plus a differently
+    initialised transformer_2, with boundary_ratio in its config."""
+    import diffusers
+    import torch
+
+    one = diffusers.WanPipeline.from_pretrained(str(tiny_wan(directory.with_name(directory.name + "-one"))))
+    torch.manual_seed(1)
+    second = type(one.transformer).from_config(one.transformer.config)
+    two = diffusers.WanPipeline(one.tokenizer, one.text_encoder, one.vae, one.scheduler, one.transformer,
+                                transformer_2=second, boundary_ratio=WAN22_BOUNDARY)
+    two.save_pretrained(str(directory))
+    return directory
+
+
 CLIP_CAPTIONS = ("a red square moving right", "a blue square moving down", "a green square moving left",
                  "a white square moving up")
 

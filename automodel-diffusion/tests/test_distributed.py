@@ -1,6 +1,7 @@
 """Two CPU ranks (gloo) through the CLI with the parallel_scheme applied: the trained transformer and the frozen
 VAE sharded with FSDP2 (the VAE is called through encode/decode, not forward), the text encoders replicated; the
-run resumed with the transformer under HSDP (``dp_replicate_size``)."""
+run resumed with the transformer under HSDP (``dp_replicate_size``); a Wan 2.2 stage's expert sharded while the idle
+one stays on the CPU."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from diffusion_testing import train_inprocess
+from diffusion_testing import tiny_clips, tiny_wan22, train_inprocess
 
 from automodel.testing import assert_states_equal, free_port, load_safetensors_state, losses_by_step
 
@@ -62,3 +63,24 @@ def test_fsdp2_on_two_ranks_saves_a_diffusers_pipeline_that_resumes_on_one(tmp_p
     assert restored.keys() == {k.removeprefix("components.transformer.") for k in single.model.state_dict()}
     assert_states_equal(load_safetensors_state(out / "epoch_0_step_2" / "model" / "vae"),
                         load_safetensors_state(tmp_path / "one" / "epoch_0_step_4" / "model" / "vae"))
+
+
+def test_a_wan22_stage_on_two_ranks_shards_its_expert_and_leaves_the_idle_one_on_the_cpu(tmp_path):
+    from diffusers import DiffusionPipeline
+
+    base, out = tiny_wan22(tmp_path / "base"), tmp_path / "ckpt"
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    command = [str(AUTOMODEL), "finetune", "diffusion", "-c",
+               str(Path(__file__).parent / "upstream_forms" / "wan22_finetune_upstream.yaml"), "--nproc-per-node", "2",
+               "--master-port", str(free_port()), "--model.pretrained_model_name_or_path", str(base),
+               "--data.dataloader.cache_dir", str(tiny_clips(tmp_path / "clips")), "--checkpoint.checkpoint_dir",
+               str(out), "--fsdp.dp_size", "2", "--step_scheduler.global_batch_size", "2", "--model.stage",
+               "low_noise", "--sample_generation.enabled", "true", "--sample_generation.num_inference_steps", "2",
+               "--step_scheduler.val_every_steps", "3"]
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "over 2 ranks: transformer: idle expert (frozen, on the CPU)" in result.stderr
+    assert "transformer_2: fsdp2" in result.stderr
+    assert (out / "samples" / "step_3.webp").is_file()  # sampling ran both experts, the idle one brought over
+    saved = DiffusionPipeline.from_pretrained(str(out / "epoch_1_step_3" / "model"))
+    assert_states_equal(saved.transformer.state_dict(), load_safetensors_state(base / "transformer"))

@@ -190,7 +190,7 @@ def test_bsmntw_weights_are_a_bell_with_mean_one():
     (("--model.attention_backend", "flash"), "model.attention_backend", "needs a CUDA GPU"),
     (("--model.model_type", "wan"), "model.model_type", "'wan' (Wan 2.1) needs a WanPipeline"),
     (("--model.model_type", "hunyuan"), "model.model_type", "HunyuanVideo model family is not implemented"),
-    (("--model.stage", "high_noise"), "model.stage", "two-transformer pipelines"),
+    (("--model.stage", "high_noise"), "model.stage", "applies to a two-transformer WanPipeline"),
     (("--model.compute_dtype", "float8"), "model.compute_dtype", "not a dtype we train in"),
     (("--model.fuse_qkv_projections", "true"), "model.fuse_qkv_projections", "not implemented for training"),
     (("--fsdp.tp_size", "2"), "fsdp.tp_size", "only 1 is supported"),
@@ -239,7 +239,8 @@ def test_an_upstream_latent_cache_is_refused_because_loading_it_unpickles(tmp_pa
 @pytest.mark.parametrize("override,key,needle", [
     (("--vae.enable_cpu_offload", "true"), "vae.enable_cpu_offload", "needs a CUDA GPU"),
     (("--model.lora_scale", "0.5"), "model.lora_scale", "applies to lora_weights only"),
-    (("--model.checkpoint_high_noise", "/x"), "model.checkpoint_high_noise", "Wan 2.2"),
+    (("--model.checkpoint_high_noise", "/x"), "model.checkpoint_high_noise", "applies to a two-transformer "
+                                                                              "WanPipeline"),
     (("--output.audio_sample_rate", "16000"), "output.audio_sample_rate", "audio-video pipelines (LTX-2)"),
     (("--distributed", "{parallel_scheme: {}}"), "distributed", "one process"),
     (("--seed", "x"), "seed", "expected an integer"),

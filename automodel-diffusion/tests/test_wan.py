@@ -259,7 +259,6 @@ def test_lora_form_trains_an_adapter_that_wanpipeline_loads(base, clips, tmp_pat
     (("--data.dataloader.dynamic_batch_size", "true"), "data.dataloader.dynamic_batch_size", "not implemented"),
     (("--model.pretrained_model_name_or_path", str(ASSETS / "tiny_flow")), "flow_matching.adapter_type",
      "'simple' (Wan 2.1) needs a WanPipeline, but"),
-    (("--model.stage", "high_noise"), "model.stage", "Wan 2.2's high/low-noise stages"),
 ])
 def test_wan_settings_that_cannot_act_are_refused_at_validation(override, key, needle):
     found = refusals(FINETUNE, *override)
@@ -285,7 +284,7 @@ def test_model_type_wan_needs_a_wan_pipeline(base):
     assert apply_adapter(cfg, family_model(base)) is None
 
 
-def test_wan_2_2_and_image_to_video_pipelines_are_refused(base):
+def test_wan_2_2_ti2v_and_image_to_video_pipelines_are_refused(base):
     import diffusers
 
     from automodel_diffusion import AutoDiffusionPipeline
@@ -295,12 +294,10 @@ def test_wan_2_2_and_image_to_video_pipelines_are_refused(base):
     assert index_issue(index) is None
     assert "WanImageToVideoPipeline with a WanTransformer3DModel denoiser, which diffusion training does not " \
            "support" in index_issue({**index, "_class_name": "WanImageToVideoPipeline"})
-    assert "not support" in index_issue({**index, "transformer_2": ["diffusers", "WanTransformer3DModel"]})
     pipeline = diffusers.WanPipeline.from_pretrained(str(base))
-    two_stage = diffusers.WanPipeline(pipeline.tokenizer, pipeline.text_encoder, pipeline.vae, pipeline.scheduler,
-                                      pipeline.transformer, transformer_2=pipeline.transformer, boundary_ratio=0.9)
-    with pytest.raises(AutomodelError, match="Wan 2.2 one .* use a Wan 2.1 text-to-video pipeline"):
-        AutoDiffusionPipeline(two_stage)
+    pipeline.register_to_config(expand_timesteps=True)  # Wan 2.2 TI2V's per-token timesteps
+    with pytest.raises(AutomodelError, match="per-token timesteps .* use a text-to-video pipeline"):
+        AutoDiffusionPipeline(pipeline)
 
 
 def test_output_fps_on_an_image_pipeline_is_refused(tmp_path):

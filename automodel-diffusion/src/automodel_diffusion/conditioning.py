@@ -17,7 +17,8 @@ from automodel.errors import AutomodelError, ConfigError, ConfigIssue
 
 SUPPORTED = ("SD3Transformer2DModel (StableDiffusion3Pipeline), FluxTransformer2DModel (FluxPipeline, FLUX.1), "
              "Flux2Transformer2DModel (Flux2Pipeline, FLUX.2), QwenImageTransformer2DModel (QwenImagePipeline, "
-             "Qwen-Image), WanTransformer3DModel (WanPipeline, Wan 2.1 text-to-video) and UNet2DConditionModel "
+             "Qwen-Image), WanTransformer3DModel (WanPipeline, Wan 2.1 text-to-video; Wan 2.2 A14B one expert per "
+             "run) and UNet2DConditionModel "
              "(StableDiffusionPipeline)")
 # the denoisers a Conditioning exists for
 DENOISER_CLASSES = ("SD3Transformer2DModel", "FluxTransformer2DModel", "Flux2Transformer2DModel",
@@ -362,10 +363,10 @@ def conditioning_for(pipeline: Any, denoiser_name: str, max_sequence_length: int
                                  "it one and fail); set guidance_embeds false in transformer/config.json")
         return QwenImageConditioning(pipeline, max_sequence_length, vae_config)
     if kind == "WanTransformer3DModel" and type(pipeline).__name__ == "WanPipeline":
-        if getattr(pipeline, "transformer_2", None) is not None or pipeline.config.get("expand_timesteps"):
-            raise AutomodelError("model: this WanPipeline is a Wan 2.2 one (a second, low-noise transformer_2, or "
-                                 "per-token timesteps: expand_timesteps), which diffusion training does not support "
-                                 "here; use a Wan 2.1 text-to-video pipeline")
+        if pipeline.config.get("expand_timesteps"):
+            raise AutomodelError("model: this WanPipeline takes per-token timesteps (expand_timesteps: Wan 2.2 "
+                                 "TI2V), which diffusion training does not support here; use a text-to-video "
+                                 "pipeline (Wan 2.1, or Wan 2.2 A14B's two experts with model.stage)")
         return WanConditioning(pipeline, max_sequence_length, vae_config)
     if kind == "UNet2DConditionModel" and getattr(denoiser.config, "addition_embed_type", None) is None \
             and hasattr(pipeline, "encode_prompt") and hasattr(pipeline, "text_encoder"):

@@ -7,7 +7,10 @@ settings), ``output`` (where the files go, a video's ``fps``), ``vae`` (slicing,
 drawn with a CPU generator seeded ``seed + i`` and written as ``<output_dir>/sample_<iii>_<prompt>.png``; a video
 pipeline's (WanPipeline) as ``.webp``, an animated WebP at ``output.fps`` (Pillow writes it; no mp4 encoder is used).
 An image-editing or image-to-image pipeline (QwenImageEditPipeline, StableDiffusion3Img2ImgPipeline, ...) gets
-prompt ``i``'s source image, ``inference.input_images[i]``, as its ``image`` argument, as upstream pairs them.
+prompt ``i``'s source image, ``inference.input_images[i]``, as its ``image`` argument, as upstream pairs them. A
+two-transformer WanPipeline (Wan 2.2 A14B) takes ``model.checkpoint_high_noise`` / ``checkpoint_low_noise``, each the
+checkpoint of one stage's training run, whose expert replaces the pipeline's; the pipeline's own sampling switches
+between the experts at its ``boundary_ratio``.
 """
 
 from __future__ import annotations
@@ -22,12 +25,16 @@ from typing import TYPE_CHECKING, Any, Literal
 from automodel.config import Config, FieldErrors, Free
 from automodel.errors import AutomodelError, ConfigIssue
 from automodel.recipe import BaseRecipe
+from automodel_diffusion.stages import EXPERTS, TWO_EXPERTS, has_two_experts
 from automodel_diffusion.upstream import GPU_ONLY
 
 if TYPE_CHECKING:
     from PIL.Image import Image
 
 VIDEO_ONLY = "applies to video pipelines (those whose __call__ takes num_frames, e.g. WanPipeline)"
+# the stage checkpoint keys -> the expert of a two-transformer WanPipeline each replaces
+STAGE_CHECKPOINTS = {f"checkpoint_{stage}": expert for stage, expert in EXPERTS.items()}
+ONE_EXPERT = f"applies to {TWO_EXPERTS}"
 IMAGE_INPUT = ("applies to image-editing / image-to-image pipelines only (those whose __call__ takes image, e.g. "
                "QwenImageEditPipeline, StableDiffusion3Img2ImgPipeline)")
 
@@ -47,8 +54,12 @@ class GenerateModelConfig:
         "or a pytorch_lora_weights.safetensors): loaded with the pipeline's load_lora_weights"))
     lora_scale: float = field(default=1.0, metadata=_help("the LoRA adapter's weight (with lora_weights)"))
     lora_adapter_name: str = field(default="default", metadata=_help("the adapter's name (with lora_weights)"))
-    checkpoint_high_noise: str | None = field(default=None, metadata=_help("Wan 2.2 two-stage: not supported"))
-    checkpoint_low_noise: str | None = field(default=None, metadata=_help("Wan 2.2 two-stage: not supported"))
+    checkpoint_high_noise: str | None = field(default=None, metadata=_help(
+        "a two-transformer WanPipeline (Wan 2.2 A14B): a training checkpoint of its high_noise stage, whose "
+        "transformer replaces the pipeline's (the high-noise expert)"))
+    checkpoint_low_noise: str | None = field(default=None, metadata=_help(
+        "a two-transformer WanPipeline (Wan 2.2 A14B): a training checkpoint of its low_noise stage, whose "
+        "transformer_2 replaces the pipeline's (the low-noise expert)"))
 
     def __post_init__(self) -> None:
         bad = {}
@@ -57,8 +68,9 @@ class GenerateModelConfig:
         if self.lora_adapter_name != "default" and self.lora_weights is None:
             bad["lora_adapter_name"] = "applies to lora_weights only; remove it"
         for name in ("checkpoint_high_noise", "checkpoint_low_noise"):
-            if getattr(self, name) is not None:
-                bad[name] = "two-transformer pipelines (Wan 2.2) are not supported; use checkpoint"
+            if getattr(self, name) is not None and self.checkpoint is not None:
+                bad[name] = ("give either checkpoint (every trained component of one run) or the stage checkpoints "
+                             "(checkpoint_high_noise / checkpoint_low_noise), not both")
         if bad:
             raise FieldErrors(bad)
 
@@ -174,6 +186,19 @@ def image_issues(cfg: Config) -> list[ConfigIssue]:
     return issues
 
 
+def stage_checkpoint_issues(model: GenerateModelConfig) -> list[ConfigIssue]:
+    """A stage checkpoint on a local pipeline directory with one denoiser (a hub pipeline is checked once loaded)."""
+    from automodel_diffusion.pipeline import read_model_index
+
+    keys = [key for key in STAGE_CHECKPOINTS if getattr(model, key) is not None]
+    index = read_model_index(model.pretrained_model_name_or_path) if keys else None
+    if index is None or has_two_experts(index):
+        return []
+    return [ConfigIssue(f"model.{key}", f"{ONE_EXPERT}; '{model.pretrained_model_name_or_path}' is a "
+                                        f"{index.get('_class_name')} with one denoiser: use model.checkpoint")
+            for key in keys]
+
+
 def sample_name(index: int, prompt: str, suffix: str = "png") -> str:
     """``sample_<iii>_<the prompt's first 50 letters, digits, spaces, _ and ->.<suffix>`` (spaces as _)."""
     safe = re.sub(r"[^A-Za-z0-9 _-]", "", prompt)[:50].strip().replace(" ", "_")
@@ -203,6 +228,8 @@ class GenerateRecipe(BaseRecipe):
             issues.append(ConfigIssue("seed", f"expected an integer, found {seed!r}"))
         if cfg.inference is not None and cfg.inference.input_images is not None:
             issues += image_issues(cfg)
+        if cfg.model is not None:
+            issues += stage_checkpoint_issues(cfg.model)
         return issues
 
     @classmethod
@@ -226,6 +253,9 @@ class GenerateRecipe(BaseRecipe):
         self.pipeline = load_pipeline(self.cfg.model.pretrained_model_name_or_path, dtype)
         if self.cfg.model.checkpoint:
             self.load_checkpoint(Path(self.cfg.model.checkpoint), dtype)
+        for key, name in STAGE_CHECKPOINTS.items():
+            if getattr(self.cfg.model, key):
+                self.load_expert(key, name, Path(getattr(self.cfg.model, key)), dtype)
         if self.cfg.model.lora_weights:
             self.load_lora(Path(self.cfg.model.lora_weights))
         vae = self.cfg.vae
@@ -244,24 +274,40 @@ class GenerateRecipe(BaseRecipe):
                                  "remove it")
 
     def load_checkpoint(self, path: Path, dtype: Any) -> None:
-        """Each trained component of a training checkpoint (``model/<component>``) replaces the pipeline's."""
-        import diffusers
-
+        """Each denoiser of a training checkpoint (``model/<component>``; a two-transformer pipeline's: both
+        experts, one trained, the other as the run kept it) replaces the pipeline's."""
         from automodel_diffusion.pipeline import DENOISERS
 
         model_dir = path / "model" if (path / "model").is_dir() else path
-        found = [name for name in DENOISERS if (model_dir / name / "config.json").is_file()
+        found = [name for name in (*DENOISERS, "transformer_2") if (model_dir / name / "config.json").is_file()
                  and getattr(self.pipeline, name, None) is not None]
         if not found:
             raise AutomodelError(f"model.checkpoint: '{path}' holds no {' or '.join(DENOISERS)} folder of this "
                                  "pipeline; give a checkpoint of this pipeline (epoch_<E>_step_<S> or its model/)")
         for name in found:
-            cls = type(getattr(self.pipeline, name))
-            if not issubclass(cls, diffusers.ModelMixin):
-                raise AutomodelError(f"model.checkpoint: the pipeline's '{name}' is a {cls.__name__}, not a "
-                                     "diffusers model")
-            self.pipeline.register_modules(**{name: cls.from_pretrained(str(model_dir / name), torch_dtype=dtype)})
-            self.log(f"model.checkpoint: {name} from {model_dir / name}")
+            self.replace_component("model.checkpoint", name, model_dir / name, dtype)
+
+    def load_expert(self, key: str, name: str, path: Path, dtype: Any) -> None:
+        """A stage checkpoint's expert (``model/<name>``) replaces the two-transformer pipeline's ``name``."""
+        if getattr(self.pipeline, "transformer_2", None) is None:
+            raise AutomodelError(f"model.{key}: {ONE_EXPERT}; this {type(self.pipeline).__name__} has one denoiser: "
+                                 "use model.checkpoint")
+        model_dir = path / "model" if (path / "model").is_dir() else path
+        if not (model_dir / name / "config.json").is_file():
+            raise AutomodelError(f"model.{key}: '{path}' holds no {name} folder; give a checkpoint "
+                                 "(epoch_<E>_step_<S> or its model/) of a run with model.stage "
+                                 f"{key.removeprefix('checkpoint_')}")
+        self.replace_component(f"model.{key}", name, model_dir / name, dtype)
+
+    def replace_component(self, key: str, name: str, directory: Path, dtype: Any) -> None:
+        """The pipeline's diffusers model ``name`` replaced by the one saved in ``directory``."""
+        import diffusers
+
+        cls = type(getattr(self.pipeline, name))
+        if not issubclass(cls, diffusers.ModelMixin):
+            raise AutomodelError(f"{key}: the pipeline's '{name}' is a {cls.__name__}, not a diffusers model")
+        self.pipeline.register_modules(**{name: cls.from_pretrained(str(directory), torch_dtype=dtype)})
+        self.log(f"{key}: {name} from {directory}")
 
     def load_lora(self, path: Path) -> None:
         """A LoRA adapter (diffusers' format, as diffusion LoRA training writes it) on the pipeline, weighted

@@ -196,10 +196,12 @@ def shard_components(ctx: BuildContext, model: Any) -> tuple[Any, str]:
         return meshes[replicas]
 
     model.to(ctx.device)
-    for component in model.frozen_components().values():
+    idle = model.idle_experts()  # a two-expert stage's other transformer: kept on the CPU, never sharded
+    frozen = {name: component for name, component in model.frozen_components().items() if name not in idle}
+    for component in frozen.values():
         component.to(ctx.device)
-    done = []
-    for name, component in model.frozen_components().items():
+    done = [f"{name}: idle expert (frozen, on the CPU)" for name in idle]
+    for name, component in frozen.items():
         entry = scheme.get(name, {"strategy": "ddp"})
         if entry["strategy"] == "fsdp2":
             _fully_shard(component, entry, mesh(entry))

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ import torch
 
 from automodel.errors import AutomodelError
 from automodel.model_files import has_weights, parse_dtype
+from automodel_diffusion import stages
 from automodel_diffusion.conditioning import (
     DENOISER_CLASSES,
     DENOISER_PIPELINES,
@@ -45,8 +46,7 @@ def index_issue(index: dict[str, Any]) -> str | None:
     components = pipeline_components(index)
     denoiser = next((components[name][1] for name in DENOISERS if name in components), None)
     other = denoiser in DENOISER_PIPELINES and index.get("_class_name") != DENOISER_PIPELINES[denoiser]
-    two_stage = bool(index.get("transformer_2") and index["transformer_2"][0])  # Wan 2.2's low-noise transformer
-    if denoiser in DENOISER_CLASSES and not other and not two_stage:
+    if denoiser in DENOISER_CLASSES and not other:
         return None
     return (f"the pipeline is a {index.get('_class_name')} with a {denoiser or 'no'} denoiser, which diffusion "
             f"training does not support here; supported: {SUPPORTED}")
@@ -146,10 +146,16 @@ class AutoDiffusionPipeline(torch.nn.Module):
 
     def __init__(self, pipeline: Any, trainable_components: Iterable[str] | None = None,
                  max_sequence_length: int | None = None, guidance_scale: float | None = None,
-                 vae_config: Any = None):
+                 vae_config: Any = None, stage: str | None = None, boundary_ratio: float | None = None):
         super().__init__()
         self.pipeline = pipeline  # not a Module: a plain attribute, outside parameters() and state_dict()
-        self.denoiser_name = _denoiser_name(pipeline)
+        boundary = stages.check_pipeline(pipeline, stage, boundary_ratio)
+        # a two-expert stage: the flow-matching sigmas its expert trains on (None: the objective's own range)
+        self.sigma_range = None if boundary is None else stages.sigma_range(stage, boundary)
+        self.denoiser_name = stages.EXPERTS[stage] if stage else _denoiser_name(pipeline)
+        if stage and trainable_components and list(trainable_components) != [self.denoiser_name]:
+            raise AutomodelError(f"model.trainable_components: model.stage {stage} trains {self.denoiser_name}; "
+                                 "remove trainable_components")
         modules = {n: c for n, c in pipeline.components.items() if isinstance(c, torch.nn.Module)}
         names = list(trainable_components or [self.denoiser_name])
         for name in names:
@@ -180,6 +186,7 @@ class AutoDiffusionPipeline(torch.nn.Module):
     def from_pretrained(cls, pretrained_model_name_or_path: str | None = None, *, name_or_path: str | None = None,
                         trainable_components: list[str] | None = None, dtype: Any = None, torch_dtype: Any = None,
                         max_sequence_length: int | None = None, guidance_scale: float | None = None,
+                        stage: str | None = None, boundary_ratio: float | None = None,
                         **kwargs: Any) -> AutoDiffusionPipeline:
         """Load a diffusers pipeline (hub name or directory); only ``trainable_components`` train (the denoiser).
 
@@ -187,26 +194,31 @@ class AutoDiffusionPipeline(torch.nn.Module):
         embeddings of Qwen-Image and FLUX.2 (None: the pipeline's default, 256 / 512 / 1024 / 512); pass the same
         value to the pipeline when sampling from the trained checkpoint. ``guidance_scale``: the guidance value a
         guidance-distilled FLUX.1 / FLUX.2 transformer (its config's ``guidance_embeds``) is fed in training (None:
-        the pipeline's default, 3.5 for FluxPipeline, 4 for Flux2Pipeline); refused for other denoisers.
+        the pipeline's default, 3.5 for FluxPipeline, 4 for Flux2Pipeline); refused for other denoisers. ``stage``
+        (``high_noise`` / ``low_noise``) and ``boundary_ratio`` (None: the pipeline config's): which expert of a
+        two-transformer Wan 2.2 pipeline trains, on which sigmas (``automodel_diffusion.stages``).
         """
         path = pretrained_model_name_or_path or name_or_path
         if not path:
             raise AutomodelError("model.pretrained_model_name_or_path: missing (a hub name or a pipeline directory)")
         pipeline = load_pipeline(path, parse_dtype(dtype or torch_dtype), **kwargs)
-        return cls(pipeline, trainable_components, max_sequence_length, guidance_scale)
+        return cls(pipeline, trainable_components, max_sequence_length, guidance_scale, stage=stage,
+                   boundary_ratio=boundary_ratio)
 
     @classmethod
     def from_config(cls, config: str, *, trainable_components: list[str] | None = None, dtype: Any = None,
                     torch_dtype: Any = None, max_sequence_length: int | None = None,
-                    guidance_scale: float | None = None, seed: int | None = None) -> AutoDiffusionPipeline:
+                    guidance_scale: float | None = None, seed: int | None = None, stage: str | None = None,
+                    boundary_ratio: float | None = None) -> AutoDiffusionPipeline:
         """A pipeline directory of configs (``model_index.json`` + one folder per component), freshly initialised
-        where a component has no weights; tokenizers and the scheduler are read from their folders."""
+        where a component has no weights; tokenizers and the scheduler are read from their folders (``stage``,
+        ``boundary_ratio``: as in ``from_pretrained``)."""
         if read_model_index(config) is None:
             raise AutomodelError(f"model.config: '{config}' is not a pipeline directory (no model_index.json)")
         if seed is not None:
             torch.manual_seed(seed)
         return cls(load_pipeline(config, parse_dtype(dtype or torch_dtype)), trainable_components, max_sequence_length,
-                   guidance_scale)
+                   guidance_scale, stage=stage, boundary_ratio=boundary_ratio)
 
     @classmethod
     def load_transformer_only(cls, path: str, transformer_cls: str, subfolder: str = "transformer",
@@ -261,6 +273,26 @@ class AutoDiffusionPipeline(torch.nn.Module):
     def frozen_components(self) -> dict[str, torch.nn.Module]:
         return {n: c for n, c in self.pipeline.components.items()
                 if isinstance(c, torch.nn.Module) and n not in self.trainable_components}
+
+    def idle_experts(self) -> dict[str, torch.nn.Module]:
+        """A two-expert stage's other transformer: frozen and never run in training, so it stays off the training
+        device (as upstream drops it) and joins it only while samples are drawn (``experts_on``)."""
+        if self.sigma_range is None:
+            return {}
+        return {n: c for n, c in self.frozen_components().items() if n in stages.EXPERTS.values()}
+
+    @contextlib.contextmanager
+    def experts_on(self, device: torch.device) -> Iterator[None]:
+        """The idle expert on ``device`` for the duration (the pipeline's sampling runs both experts)."""
+        idle = self.idle_experts()
+        homes = {name: next(module.parameters()).device for name, module in idle.items()}
+        for module in idle.values():
+            module.to(device)
+        try:
+            yield
+        finally:
+            for name, module in idle.items():
+                module.to(homes[name])
 
     # ---- the training loss -----------------------------------------------------------------------------------
 

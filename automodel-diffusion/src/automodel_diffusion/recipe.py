@@ -12,6 +12,7 @@ validation step also writes a PNG grid of samples from fixed prompts and seeds. 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -30,7 +31,7 @@ from automodel.training.context import BuildContext
 from automodel.training.modules import unwrap
 from automodel.training.parallel.activation_checkpointing import apply_activation_checkpointing
 from automodel.training.recipe import TrainRecipe
-from automodel_diffusion import latents, upstream
+from automodel_diffusion import latents, stages, upstream
 from automodel_diffusion.datasets import collate_image_captions
 from automodel_diffusion.lora import LORA_WEIGHTS, has_lora, load_lora, peft_issues, save_lora
 from automodel_diffusion.objectives import ObjectiveConfig, build_objective
@@ -72,17 +73,54 @@ def objective_config(cfg: Config) -> ObjectiveConfig | None:
     return cfg.objective
 
 
+def stage_objective(config: ObjectiveConfig | None, sigma_range: tuple[float, float] | None
+                    ) -> ObjectiveConfig | None:
+    """A two-expert stage's objective: its sigmas clamped into the stage's range (validation refuses another range
+    given alongside, see ``stage_setting_issues``)."""
+    if sigma_range is None:
+        return config
+    return dataclasses.replace(config or ObjectiveConfig(), sigma_min=sigma_range[0], sigma_max=sigma_range[1])
+
+
+def stage_setting_issues(cfg: Config) -> list[ConfigIssue]:
+    """Beside ``model.stage``: a sigma range written (the stage sets it), LoRA on the low-noise expert, a
+    ``parallel_scheme`` entry for the idle expert."""
+    stage = cfg.model.get("stage") if cfg.model is not None else None
+    if stage is None:
+        return []
+    issues = []
+    if stage == "low_noise" and "peft" in cfg:
+        issues.append(ConfigIssue("peft", "LoRA on the low-noise expert (transformer_2) is not implemented: "
+                                          "diffusers' Wan LoRA files name the transformer's layers; train the "
+                                          "low_noise stage whole (remove peft:) or LoRA the high_noise stage"))
+    idle = [name for name in stages.EXPERTS.values() if name != stages.EXPERTS.get(stage)]
+    scheme = cfg.resolved.get("parallel_scheme")
+    issues += [ConfigIssue(f"parallel_scheme.{name}", f"model.stage {stage} keeps {name}, the idle expert, frozen "
+                                                      "on the CPU (it never runs in training): remove its entry")
+               for name in idle if isinstance(scheme, dict) and name in scheme and stage in stages.EXPERTS]
+    objective = objective_config(cfg)
+    if objective is None:
+        return issues
+    section = "flow_matching" if "flow_matching" in cfg else "objective"
+    defaults = ObjectiveConfig.__dataclass_fields__
+    return issues + [ConfigIssue(f"{section}.{name}", f"{getattr(objective, name)}: model.stage sets the sigma "
+                                                      "range (its expert's side of boundary_ratio); remove it")
+                     for name in ("sigma_min", "sigma_max") if getattr(objective, name) != defaults[name].default]
+
+
 def pipeline_layout(cfg: Config) -> tuple[list[str] | None, list[str] | None, str]:
     """(model components, trained components, denoiser name) as far as the config shows them unbuilt."""
     model = cfg.model
     trainable = list(model.get("trainable_components") or []) if model is not None else []
+    expert = stages.EXPERTS.get(model.get("stage")) if model is not None else None
+    trainable = [expert] if expert and not trainable else trainable
     source = model_source(model)
     index = read_model_index(source[0]) if source is not None else None
     if index is None:
         return None, trainable or None, trainable[0] if trainable else "transformer"
     components = [name for name, (_, cls) in pipeline_components(index).items()
                   if not any(word in cls for word in _NOT_MODULES)]
-    denoiser = next((n for n in ("transformer", "unet") if n in components), "transformer")
+    denoiser = expert or next((n for n in ("transformer", "unet") if n in components), "transformer")
     return components, trainable or [denoiser], denoiser
 
 
@@ -167,11 +205,14 @@ class DiffusionRecipe(TrainRecipe):
             issues.append(ConfigIssue("distributed.strategy", UNSUPPORTED_MESSAGE))
         issues += upstream.upstream_issues(cfg)
         issues += latents.transformer_alone_issues(cfg)
+        issues += stage_setting_issues(cfg)
         source = model_source(cfg.model) if cfg.model is not None else None
         index = read_model_index(source[0]) if source is not None else None
         if index is not None and index_issue(index):
             issues.append(ConfigIssue("model", index_issue(index)))
             return issues
+        if cfg.model is not None:
+            issues += stages.stage_issues(cfg.model.get("stage"), cfg.model.get("boundary_ratio"), index, cfg.model)
         components, trainable, denoiser = pipeline_layout(cfg)
         issues += peft_issues(cfg, cfg.model.get("trainable_components") if cfg.model is not None else None,
                               denoiser)
@@ -254,11 +295,17 @@ class DiffusionRecipe(TrainRecipe):
         note = upstream.apply_adapter(ctx.cfg, model)
         if note:
             self.log(note)
-        model.objective = build_objective(objective_config(ctx.cfg), model.pipeline.scheduler)
+        model.objective = build_objective(stage_objective(objective_config(ctx.cfg), model.sigma_range),
+                                          model.pipeline.scheduler)
+        if model.sigma_range is not None:
+            self.log(f"model.stage: {ctx.cfg.model.get('stage')} trains {model.denoiser_name} on sigmas "
+                     f"[{model.sigma_range[0]:g}, {model.sigma_range[1]:g}]; "
+                     f"{', '.join(model.idle_experts())} stays frozen on the CPU")
         self.apply_upstream_settings(ctx, model, scheme)
         model.pipeline.set_progress_bar_config(disable=True)
-        for component in model.frozen_components().values():
-            component.to(ctx.device)
+        for name, component in model.frozen_components().items():
+            if name not in model.idle_experts():
+                component.to(ctx.device)
         if ctx.restore_path is not None:
             self.load_frozen_components(model, ctx.restore_path / "model")
         self.write_frozen_base(model)
@@ -439,8 +486,10 @@ class DiffusionRecipe(TrainRecipe):
                             num_frames=getattr(self.train_dataset, "num_frames", None))
         self.model.eval()
         try:
-            images = sample_images(model.pipeline, prompts, settings.num_images_per_prompt, settings.seed,
-                                   settings.num_inference_steps, settings.guidance_scale, height, width, **extra)
+            with model.experts_on(next(model.denoiser.parameters()).device):
+                images = sample_images(model.pipeline, prompts, settings.num_images_per_prompt, settings.seed,
+                                       settings.num_inference_steps, settings.guidance_scale, height, width,
+                                       **extra)
         finally:
             self.model.train()
         if not self.is_main_process:

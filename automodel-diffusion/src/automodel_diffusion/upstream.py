@@ -31,7 +31,7 @@ from automodel_diffusion import latents
 from automodel_diffusion.objectives import ObjectiveConfig
 
 SUPPORTED = ("SD3-style (StableDiffusion3Pipeline), FLUX.1 (FluxPipeline), FLUX.2 (Flux2Pipeline), Qwen-Image "
-             "(QwenImagePipeline), Wan 2.1 text-to-video (WanPipeline) and Stable Diffusion UNet "
+             "(QwenImagePipeline), Wan 2.1 and 2.2 A14B text-to-video (WanPipeline) and Stable Diffusion UNet "
              "(StableDiffusionPipeline) pipelines")
 FLUX, FLUX2, QWEN_IMAGE, WAN, SIMPLE = "flux", "flux2", "qwen_image", "wan", "simple"
 # upstream's model_type / adapter_type values that act here -> (the family, the pipeline class it must be); upstream's
@@ -89,9 +89,10 @@ def load_upstream_pipeline(pretrained_model_name_or_path: str, mode: Literal["fi
     ``qwen_image`` / ``wan`` says the pipeline is FLUX.1 / FLUX.2 / Qwen-Image / Wan 2.1 (checked against its
     model_index.json at validation, against the built pipeline by the recipe). ``pipeline_spec.load_full_pipeline:
     false`` loads the transformer alone (fresh from its config with ``mode: pretrain``, its weights with
-    ``finetune``) with the scheduler, to train on a latent cache (``automodel_diffusion.latents``). The other keys
-    are accepted only at the values that need nothing this machine or recipe lacks (validation refuses the rest,
-    see ``model_issues``)."""
+    ``finetune``) with the scheduler, to train on a latent cache (``automodel_diffusion.latents``). ``stage``
+    (``high_noise`` / ``low_noise``) and ``boundary_ratio`` train one expert of a two-transformer Wan 2.2 pipeline
+    (``automodel_diffusion.stages``). The other keys are accepted only at the values that need nothing this machine
+    or recipe lacks (validation refuses the rest, see ``model_issues``)."""
     refused = model_issues({k: v for k, v in locals().items() if v not in (None, False)}, "model")
     import torch
 
@@ -111,7 +112,8 @@ def load_upstream_pipeline(pretrained_model_name_or_path: str, mode: Literal["fi
     trained = trainable_components or ([pipeline_spec["subfolder"]] if pipeline_spec else None)
     model = AutoDiffusionPipeline.from_pretrained(pretrained_model_name_or_path, torch_dtype=torch_dtype,
                                                   trainable_components=trained,
-                                                  max_sequence_length=max_sequence_length, **kwargs)
+                                                  max_sequence_length=max_sequence_length, stage=stage,
+                                                  boundary_ratio=boundary_ratio, **kwargs)
     if mode == "pretrain":
         if seed is not None:
             torch.manual_seed(seed)
@@ -162,10 +164,6 @@ def model_issues(model: Any, key: str = "model") -> list[ConfigIssue]:
                                                        "; remove model_type (the pipeline's own class decides)"))
     elif model_type is not None:
         issues += family_issues(model_type, model.get("pretrained_model_name_or_path"), f"{key}.model_type")
-    for name in ("stage", "boundary_ratio"):
-        if model.get(name) is not None:
-            issues.append(ConfigIssue(f"{key}.{name}", "two-transformer pipelines (Wan 2.2's high/low-noise stages) "
-                                                       "are not implemented here"))
     issues += _dtype_issues(model, key)
     spec = model.get("pipeline_spec")
     if spec is not None:
