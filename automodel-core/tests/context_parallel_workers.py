@@ -6,7 +6,9 @@ part the engine runs for context parallelism — the split inside the region, th
 tokens, the targets shifted before the split, the gathered keys and values with their mask (causal, padding,
 documents, the layer's window), the loss without a second shift, the label tokens counted before the split, the
 scale ``dp * cp / tokens``, the loss summed over the ``cp`` group, FSDP2 over ``dp_shard x cp`` — is compared,
-number for number, with one process running transformers' own masks.
+number for number, with one process running transformers' own masks; with the loss inside the output head
+(FusedLinearCrossEntropy) too, and on cp 2 x tp 2 (the attention on each rank's tensor-parallel heads, the loss
+vocabulary-parallel; with sequence parallelism for two of the losses).
 
 Run as ``python context_parallel_workers.py <scenario> <json args> <result file>`` (``parallel_testing.launch``).
 """

@@ -2,7 +2,9 @@
 attention indeed does not run here), how cp_attention: auto chooses, how a batch is split over two cp ranks (tokens,
 positions and next-token targets stay together, the label tokens add up), FSDP's mesh over dp x cp, the all-gather
 attention's mask, and the loop's context-parallel step with the all-gather attention on 2 and 4 gloo ranks against
-one process (context_parallel_workers.py: a tiny Qwen2 with a sliding-window layer, on padded and packed rows)."""
+one process (context_parallel_workers.py: a tiny Qwen2 with a sliding-window layer, on padded and packed rows; with
+MaskedCrossEntropy and FusedLinearCrossEntropy; dp 2 x cp 2 and cp 2 x tp 2, with and without sequence
+parallelism, on four)."""
 
 from __future__ import annotations
 
