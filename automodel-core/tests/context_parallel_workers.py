@@ -6,7 +6,9 @@ part the engine runs for context parallelism — the split inside the region, th
 tokens, the targets shifted before the split, the gathered keys and values with their mask (causal, padding,
 documents, the layer's window), the loss without a second shift, the label tokens counted before the split, the
 scale ``dp * cp / tokens``, the loss summed over the ``cp`` group, FSDP2 over ``dp_shard x cp`` — is compared,
-number for number, with one process running transformers' own masks.
+number for number, with one process running transformers' own masks; with the loss inside the output head
+(FusedLinearCrossEntropy) too, and on cp 2 x tp 2 (the attention on each rank's tensor-parallel heads, the loss
+vocabulary-parallel; with sequence parallelism for two of the losses).
 
 Run as ``python context_parallel_workers.py <scenario> <json args> <result file>`` (``parallel_testing.launch``).
 """
@@ -21,6 +23,7 @@ import torch.distributed as dist
 from parallel_workers import full_state, main
 from torch import nn
 
+from automodel.training.linear_ce import LinearCrossEntropy, LinearLossHead
 from automodel.training.loop import TrainingLoop
 from automodel.training.loss import IGNORE_INDEX, MaskedCrossEntropy
 from automodel.training.next_token import HeadOnPositions, NextTokenLogits
@@ -28,6 +31,7 @@ from automodel.training.parallel.context_parallel import causal_attention_withou
 from automodel.training.parallel.fsdp import apply_fsdp2
 from automodel.training.parallel.mesh import MeshLayout, build_device_mesh, plan_mesh
 from automodel.training.parallel.precision import Precision
+from automodel.training.parallel.tensor_parallel import apply_tensor_parallel
 
 VOCAB, SEQ, ROWS, STEPS, MICRO_BATCHES, WINDOW = 32, 16, 4, 3, 2, 5
 
@@ -47,7 +51,8 @@ def tiny_model() -> nn.Module:
 class Step(NextTokenLogits, TrainingLoop):
     """The engine's step as the LLM recipe runs it (its compute_loss and label count), the rest the core's."""
 
-    def __init__(self, model: nn.Module, layout: MeshLayout, device_mesh: Any, label_positions_only: bool):
+    def __init__(self, model: nn.Module, layout: MeshLayout, device_mesh: Any, label_positions_only: bool,
+                 fused: bool):
         self.model, self.device, self.world_size = model, torch.device("cpu"), layout.world_size
         self.ctx = SimpleNamespace(mesh=layout, device_mesh=device_mesh, precision=Precision(),
                                    fsdp2=device_mesh is not None)
@@ -59,7 +64,8 @@ class Step(NextTokenLogits, TrainingLoop):
         self.grad_scaler = self.pipelines = self.lr_scheduler = None
         self.trainable_params = list(model.parameters())
         self.optimizer = torch.optim.AdamW(self.trainable_params, lr=1e-2)
-        self.loss_fn = MaskedCrossEntropy()
+        self.loss_fn = LinearCrossEntropy(chunk_len=5) if fused else MaskedCrossEntropy()
+        self.loss_head = LinearLossHead.attach(model, self.loss_fn) if fused else None
 
     def model_inputs(self, batch: dict[str, Any]) -> dict[str, Any]:
         return {**{k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch},
@@ -96,27 +102,49 @@ def micro_batches(step: int, dp_rank: int, dp: int) -> list[dict[str, torch.Tens
     return [padded, packed]
 
 
-def run(layout: MeshLayout, label_positions_only: bool) -> dict[str, Any]:
+# how the loss runs: (the head projects only the labelled positions, FusedLinearCrossEntropy)
+LOSSES = {"head": (True, False), "all_positions": (False, False), "fused_head": (True, True),
+          "fused_all_positions": (False, True)}
+
+
+def run(layout: MeshLayout, label_positions_only: bool, fused: bool, sequence_parallel: bool = False
+        ) -> dict[str, Any]:
     """``STEPS`` engine steps: the loss and gradient norm of each (the norm shows the gradients' scale, which
-    AdamW's update hides) and the weights after them."""
+    AdamW's update hides) and the weights after them. Where the layout has ``tp`` the model is sharded over it
+    first, as the sharding stage does (TP, then FSDP2); what a rank's attention projects (its heads' features) and
+    how many positions a layer's norm gets show the sharding."""
     model, device_mesh = tiny_model(), None
     if layout.world_size > 1:
         device_mesh = build_device_mesh(layout, "cpu")
+        if layout.tp > 1:
+            apply_tensor_parallel(model, device_mesh["tp"], sequence_parallel=sequence_parallel)
         causal_attention_without_mask(model)  # as the context_parallel stage does
         apply_fsdp2(model, fsdp_mesh(device_mesh, layout))
-    step = Step(model, layout, device_mesh, label_positions_only)
+    seen: dict[str, int] = {}
+    layer = model.model.layers[1]
+    layer.self_attn.q_proj.register_forward_hook(lambda m, args, out: seen.update(q_features=out.shape[-1]))
+    layer.input_layernorm.register_forward_pre_hook(  # before sequence parallelism's hook: the local tensor
+        lambda m, args: seen.update(norm_positions=args[0].shape[1]), prepend=True)
+    step = Step(model, layout, device_mesh, label_positions_only, fused)
     rank = dist.get_rank() if dist.is_initialized() else 0
     results = [step._train_step(micro_batches(s, layout.dp_rank(rank), layout.dp)) for s in range(STEPS)]
     return {"losses": [loss.item() for loss, _, _ in results], "norms": [norm.item() for _, norm, _ in results],
-            "state": {k: v.tolist() for k, v in full_state(model).items()}}
+            "state": {k: v.tolist() for k, v in full_state(model).items()}, **seen}
 
 
 def scenario_cp(args: dict[str, Any], out: Any) -> dict[str, Any]:
-    """Context parallelism over every rank (cp = world size), or dp 2 x cp 2 on four; the one-process reference
-    without a process group."""
+    """Context parallelism over every rank (cp = world size), or dp 2 x cp 2 on four and then cp 2 x tp 2 on the
+    same four (``tp``; with sequence parallelism for two of the losses); the one-process reference without a process
+    group."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     layout = plan_mesh(world, dp_size=args["dp"], cp_size=world // args["dp"]) if world > 1 else MeshLayout(1)
-    return {"head": run(layout, True), "all_positions": run(layout, False)}
+    result = {name: run(layout, *how) for name, how in LOSSES.items()}
+    if args.get("tp"):
+        tp_layout = plan_mesh(world, dp_size=1, cp_size=2, tp_size=2)
+        result["tp2"] = {name: run(tp_layout, *how) for name, how in LOSSES.items()}
+        result["tp2_sp"] = {name: run(tp_layout, *LOSSES[name], sequence_parallel=True)
+                            for name in ("head", "fused_all_positions")}
+    return result
 
 
 if __name__ == "__main__":

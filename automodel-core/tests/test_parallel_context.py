@@ -2,7 +2,9 @@
 attention indeed does not run here), how cp_attention: auto chooses, how a batch is split over two cp ranks (tokens,
 positions and next-token targets stay together, the label tokens add up), FSDP's mesh over dp x cp, the all-gather
 attention's mask, and the loop's context-parallel step with the all-gather attention on 2 and 4 gloo ranks against
-one process (context_parallel_workers.py: a tiny Qwen2 with a sliding-window layer, on padded and packed rows)."""
+one process (context_parallel_workers.py: a tiny Qwen2 with a sliding-window layer, on padded and packed rows; with
+MaskedCrossEntropy and FusedLinearCrossEntropy; dp 2 x cp 2 and cp 2 x tp 2, with and without sequence
+parallelism, on four)."""
 
 from __future__ import annotations
 
@@ -41,25 +43,35 @@ def ranks(model_parallel_ranks):
 
 @pytest.fixture(scope="module")
 def cp_steps(tmp_path_factory):
-    """The loop's step: one process, cp 2 on two ranks, dp 2 x cp 2 on four."""
+    """The loop's step: one process, cp 2 on two ranks, dp 2 x cp 2 and then cp 2 x tp 2 on four."""
     from parallel_testing import launch_together
 
     tmp = tmp_path_factory.mktemp("cp_steps")
-    one, cp2, dp2_cp2 = launch_together(
-        [("cp", 0, tmp / "one", {"dp": 1}), ("cp", 2, tmp / "cp2", {"dp": 1}), ("cp", 4, tmp / "dp2_cp2", {"dp": 2})],
+    one, cp2, four = launch_together(
+        [("cp", 0, tmp / "one", {"dp": 1}), ("cp", 2, tmp / "cp2", {"dp": 1}),
+         ("cp", 4, tmp / "four", {"dp": 2, "tp": True})],
         workers=Path(__file__).with_name("context_parallel_workers.py"), timeout=600)
-    return {"one": one[0], "cp2": cp2, "dp2_cp2": dp2_cp2}
+    return {"one": one[0], "cp2": cp2, "dp2_cp2": four, "cp2_tp2": [rank["tp2"] for rank in four],
+            "cp2_tp2_sp": [rank["tp2_sp"] for rank in four]}
 
 
-@pytest.mark.parametrize("layout", ["cp2", "dp2_cp2"])
-@pytest.mark.parametrize("logits", ["head", "all_positions"])
+@pytest.mark.parametrize("layout, logits", [
+    *((layout, logits) for layout in ("cp2", "dp2_cp2", "cp2_tp2")
+      for logits in ("head", "all_positions", "fused_head", "fused_all_positions")),
+    ("cp2_tp2_sp", "head"), ("cp2_tp2_sp", "fused_all_positions")])
 def test_the_loops_context_parallel_step_equals_one_process(cp_steps, layout, logits):
     """Losses, gradient norms (the gradients' scale: dp * cp / tokens) and weights after three steps of two
     micro-batches (padded rows, packed rows); with the output head projecting only each rank's labelled positions,
-    and every position."""
+    and every position; with MaskedCrossEntropy and with FusedLinearCrossEntropy (the loss inside the output head,
+    on each rank's part of the sequences against its targets); cp 2 x tp 2 with the attention's heads sharded over
+    tp (half of the query features on each rank) and the loss vocabulary-parallel, and with sequence parallelism
+    (each tp rank's norm gets half of its cp part's 8 positions)."""
     one = cp_steps["one"][logits]
+    shards = {"cp2_tp2": (8, 8), "cp2_tp2_sp": (8, 4)}.get(layout, (16, 8))
     for rank in cp_steps[layout]:
         ran = rank[logits]
+        assert (ran["q_features"], ran["norm_positions"]) == shards
+        assert (one["q_features"], one["norm_positions"]) == (16, 16)
         assert ran["losses"] == pytest.approx(one["losses"], abs=1e-5)
         assert ran["norms"] == pytest.approx(one["norms"], rel=1e-5)
         assert sorted(ran["state"]) == sorted(one["state"])

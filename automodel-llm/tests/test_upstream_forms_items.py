@@ -620,15 +620,16 @@ def test_fused_linear_cross_entropy_computes_the_loss_inside_the_head_like_the_m
         pytest.approx(masked, rel=1e-5)
 
 
-def test_fused_linear_cross_entropy_is_refused_where_the_sequence_is_split_or_distilled(tmp_path):
-    """Context parallelism and distillation refuse it; pipeline parallelism takes it (the schedule's loss applies
-    the last stage's head, see test_parallel_pipeline.py)."""
+def test_fused_linear_cross_entropy_is_refused_where_distilled_only(tmp_path):
+    """Distillation refuses it; pipeline parallelism takes it (the schedule's loss applies the last stage's head,
+    see test_parallel_pipeline.py), and context parallelism (each rank's part of the sequences against its targets,
+    see test_parallel_context.py)."""
     fused = {"_target_": "nemo_automodel.components.loss.linear_ce.FusedLinearCrossEntropy"}
     config = variant(tmp_path, FORMS / "recipe_bare_name.yaml", loss_fn=fused)
     found = refusals(config, "--distributed.pp_size", "2", "--distributed.strategy", "fsdp2")
     assert "loss_fn._target_" not in found
     found = refusals(config, "--distributed.cp_size", "2", "--distributed.strategy", "fsdp2")
-    assert "which cp_size 2 takes apart" in found["loss_fn._target_"]
+    assert "loss_fn._target_" not in found
     kd = yaml.safe_load((FORMS / "kd_upstream.yaml").read_text())
     kd["loss_fn"] = fused
     found = refusals(write_yaml(tmp_path / "kd.yaml", kd), route=("kd", "llm"))

@@ -88,10 +88,8 @@ def test_ring_attention_is_refused_on_this_machine_saying_what_would_run_it(conf
      "packed_sequence.pack_size: packed rows of 66 tokens: context parallelism (cp_size 2) splits each row into 4"),
     (["--nproc-per-node", "4", "--distributed.pp_size", "2"],
      "distributed.pp_size: 2 with cp_size 2: the pipeline schedule runs the micro-batches"),
-    (["--nproc-per-node", "4", "--distributed.tp_size", "2"],
-     "distributed.tp_size: 2 with cp_size 2: tensor parallelism's vocabulary-parallel loss"),
     (["--distributed.multimodal.vision.frame_sharding.enabled", "true"], "multimodal.vision.frame_sharding"),
-], ids=["packing_with_ring", "packing_length", "pp", "tp", "frame_sharding"])
+], ids=["packing_with_ring", "packing_length", "pp", "frame_sharding"])
 def test_what_the_path_cannot_run_is_refused_with_the_reason(config, on_cuda, capsys, args, refusal):
     assert main(["validate", "-c", str(config), *CP2, *args]) == 2
     err = capsys.readouterr().err

@@ -295,7 +295,7 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
                           head: HeadOnPositions | None) -> tuple[torch.Tensor, torch.Tensor]:
         if isinstance(batch, MultimodalContextParallelBatch):  # setup attached sequence_split (cp > 1)
             with self.sequence_split.active():
-                return split_next_token_logits(model, batch, head)
+                return split_next_token_logits(model, batch, head, self.loss_head)
         return super().next_token_logits(model, batch, head)
 
     def pipeline_batches(self, batches: list[dict[str, torch.Tensor]], length: int | None = None

@@ -32,7 +32,7 @@ class DistributedConfig:
         "projections; the LLM and VLM fine-tuning recipes)"))
     cp_size: int = field(default=1, metadata=_help(
         "context-parallel size: each sequence split over this many ranks, attention as cp_attention says (fsdp2; "
-        "LLM and VLM recipes; no tp/pp)"))
+        "LLM and VLM recipes; with tp_size and sequence_parallel, not with pp)"))
     cp_attention: Literal["auto", "ring", "all_gather"] = field(default="auto", metadata=_help(
         "with cp_size > 1, the attention over the split sequence: ring (torch's ring attention: CUDA only, one "
         "causal attention over the whole row), all_gather (every rank's keys and values gathered, SDPA with an exact "

@@ -146,19 +146,15 @@ def loss_fn_named(cfg: Config, path: str) -> Any:
 
 def loss_fn_issues(cfg: Config) -> list[ConfigIssue]:
     """Losses the layout cannot take: :class:`ChunkedCrossEntropy` needs whole logits (not tensor parallelism, which
-    shards them over the vocabulary); ``LinearCrossEntropy`` (the loss inside the output head, vocabulary-parallel
-    under tensor parallelism; under pipeline parallelism the schedule's loss applies the last stage's head) not
-    context parallelism's own loss path."""
+    shards them over the vocabulary). ``LinearCrossEntropy`` (the loss inside the output head) takes every layout:
+    vocabulary-parallel under tensor parallelism, the last stage's head in the schedule's loss under pipeline
+    parallelism, each rank's part of the sequences and their targets under context parallelism."""
     settings = cfg.distributed
-    sizes = {name: getattr(settings, name) if settings is not None else 1 for name in ("tp_size", "cp_size")}
-    if loss_fn_named(cfg, CHUNKED) is not None and sizes["tp_size"] > 1:
+    tp_size = settings.tp_size if settings is not None else 1
+    if loss_fn_named(cfg, CHUNKED) is not None and tp_size > 1:
         return [ConfigIssue("loss_fn._target_", f"ChunkedCrossEntropy upcasts chunks of whole logits, but tp_size "
-                            f"{sizes['tp_size']} shards the logits over the vocabulary; use MaskedCrossEntropy "
+                            f"{tp_size} shards the logits over the vocabulary; use MaskedCrossEntropy "
                             "(vocabulary-parallel there, and no rank holds whole logits) or tp_size: 1")]
-    if loss_fn_named(cfg, LINEAR) is not None and sizes["cp_size"] > 1:
-        return [ConfigIssue("loss_fn._target_", f"FusedLinearCrossEntropy computes the loss inside the output head "
-                            f"as the model runs, which cp_size {sizes['cp_size']} takes apart (context parallelism "
-                            "splits the sequence outside the model); use MaskedCrossEntropy there")]
     return []
 
 

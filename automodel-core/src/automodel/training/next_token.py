@@ -120,18 +120,24 @@ def logits_at(model: nn.Module, inputs: dict[str, Any], index: torch.Tensor, hea
     return logits
 
 
-def split_next_token_logits(model: nn.Module, batch: ContextParallelBatch, head: HeadOnPositions | None
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
+def split_next_token_logits(model: nn.Module, batch: ContextParallelBatch, head: HeadOnPositions | None,
+                            loss_head: LinearLossHead | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(logits, targets)`` of a rank's part of a context-parallel batch: its targets are already the next
     tokens' labels (shifted before the split), so they pair with the logits of the same positions, unshifted; with
-    ``head`` only the positions whose target is a label are projected."""
+    ``head`` only the positions whose target is a label are projected; with ``loss_head`` the "logits" are the
+    rows' losses against those targets, computed inside the output head (``[rows, 1]``)."""
     inputs = batch.model_inputs()
     targets = batch.targets.reshape(-1)
     if head is None:
-        logits = model(**inputs).logits
+        with loss_head.targets(targets) if loss_head is not None else contextlib.nullcontext():
+            logits = model(**inputs).logits
+            if loss_head is not None:
+                logits = loss_head.checked(logits)
         return logits.reshape(-1, logits.shape[-1]), targets
     index = (targets != IGNORE_INDEX).nonzero().squeeze(1)
-    return logits_at(model, inputs, index, head), targets.index_select(0, index)
+    kept = targets.index_select(0, index)
+    with loss_head.targets(kept) if loss_head is not None else contextlib.nullcontext():
+        return logits_at(model, inputs, index, head, loss_head), kept
 
 
 def pipeline_logits_note(pp_size: int) -> str:
@@ -204,7 +210,7 @@ class NextTokenLogits:
         """``(logits, targets)`` of ``batch`` through ``model`` (see :func:`next_token_logits`), or of a rank's
         part of a context-parallel batch (:func:`split_next_token_logits`)."""
         if isinstance(batch, ContextParallelBatch):
-            return split_next_token_logits(model, batch, head)
+            return split_next_token_logits(model, batch, head, self.loss_head)
         return next_token_logits(model, self.model_inputs(batch), batch["labels"], batch.get(LABEL_POSITIONS), head,
                                  self.loss_head, self.label_offset)
 
