@@ -4,9 +4,10 @@ merge (``automodel_vlm.context_parallel``).
 On CPU gloo ranks (``vlm_context_parallel_workers.py``, with the all-gather attention: torch's ring attention has
 no CPU kernel) the recipe's context-parallel step over 2 ranks gives one process's losses, gradient norms,
 vision-tower gradients and weights for a tiny Llava (CLIP + Llama) and a tiny Qwen2-VL (multi-axis rope
-positions), on right-padded and on packed rows. ``automodel validate`` accepts cp_size 2 where the device is CUDA
-and refuses, with the reason, what the path cannot run; on two GPUs the CLI trains like one process and its model/
-loads with transformers.
+positions, pictures of three sizes), on right-padded and on packed rows; so does the Qwen2-VL with its vision
+tower's frames split over the ranks (``distributed.multimodal.vision.frame_sharding``). ``automodel validate``
+accepts cp_size 2 where the device is CUDA and refuses, with the reason, what the path cannot run; on two GPUs the
+CLI trains like one process and its model/ loads with transformers.
 """
 
 from __future__ import annotations
@@ -57,6 +58,41 @@ def test_the_context_parallel_step_equals_one_process(cp_steps, family):
             assert torch.allclose(torch.tensor(ran["state"][key]), torch.tensor(value), atol=1e-5), key
 
 
+def test_frame_sharding_splits_the_vision_tower_and_equals_the_unsharded_run(cp_steps):
+    """The Qwen2-VL's vision tower on each rank's share of the images (different sizes, padded with zero frames
+    below 40 patch rows), its features gathered: the unsharded cp run's and one process's losses, gradient norms,
+    vision-tower gradients (summed over the ranks by FSDP2, each rank's through its own images) and weights."""
+    one = cp_steps["one"]["qwen2_vl"]
+    ranks = [rank["qwen2_vl_frames"] for rank in cp_steps["cp2"]]
+    for ran, unsharded in zip(ranks, cp_steps["cp2"], strict=True):
+        assert ran["losses"] == pytest.approx(unsharded["qwen2_vl"]["losses"], rel=1e-5)
+        assert ran["losses"] == pytest.approx(one["losses"], rel=1e-5)
+        assert ran["norms"] == pytest.approx(one["norms"], rel=1e-5)
+        for key, value in one["vision_grads"].items():
+            assert torch.allclose(torch.tensor(ran["vision_grads"][key]), torch.tensor(value), rtol=1e-4,
+                                  atol=1e-6), key
+        for key, value in one["state"].items():
+            if not key.endswith("k_proj.bias"):  # as above: rounding noise turned into steps by AdamW
+                assert torch.allclose(torch.tensor(ran["state"][key]), torch.tensor(value), atol=1e-5), key
+    # each call of the tower: every rank ran it, none on all of the batch's images (one process's grids); the
+    # second micro-batch's two pictures, one a rank, the smaller padded by two zero frames like it to 48 patch rows
+    assert all(len(rank["grids"]) == len(one["grids"]) for rank in ranks)
+    for call, whole in enumerate(one["grids"]):
+        assert all(rank["grids"][call] != whole for rank in ranks)
+    assert one["grids"][1] == [[1, 4, 4], [1, 4, 6]]
+    assert [rank["grids"][1] for rank in ranks] == [[[1, 4, 4], [2, 4, 4]], [[1, 4, 6], [1, 4, 6]]]
+    assert max(len(whole) for whole in one["grids"]) >= 3 and len({tuple(r) for g in one["grids"] for r in g}) >= 3
+
+
+def test_frame_sharding_balances_contiguous_runs_of_frames():
+    from automodel_vlm.frame_sharding import balanced_cuts
+
+    assert balanced_cuts([1, 1, 1, 1], 2) == [0, 2, 4]
+    assert balanced_cuts([1, 1, 10], 2) == [0, 2, 3]
+    assert balanced_cuts([10, 1, 1, 1, 1], 3) == [0, 1, 2, 5]  # one item at least for every rank
+    assert balanced_cuts([3, 3], 4) == [0, 1, 2, 2, 2]  # fewer items than ranks: the last ones get none
+
+
 @pytest.fixture
 def config(tmp_path):
     return write_config(tmp_path / "cfg.yaml", tmp_path / "ckpt", eval_generation={"enabled": False})
@@ -90,8 +126,13 @@ def test_ring_attention_is_refused_on_this_machine_saying_what_would_run_it(conf
      "distributed.pp_size: 2 with cp_size 2: the pipeline schedule runs the micro-batches"),
     (["--nproc-per-node", "4", "--distributed.tp_size", "2"],
      "distributed.tp_size: 2 with cp_size 2: tensor parallelism's vocabulary-parallel loss"),
-    (["--distributed.multimodal.vision.frame_sharding.enabled", "true"], "multimodal.vision.frame_sharding"),
-], ids=["packing_with_ring", "packing_length", "pp", "tp", "frame_sharding"])
+    (["--distributed.multimodal.vision.frame_sharding.enabled", "true"],
+     "distributed.multimodal.vision.frame_sharding.enabled: true: a llava model: frame sharding splits the frames "
+     "of a Qwen-VL vision tower"),
+    (["--distributed.multimodal.vision.frame_sharding", "{enabled: true, mesh_dims: [cp, tp], min_frames: -1}"],
+     "distributed.multimodal.vision.frame_sharding.mesh_dims: ['cp', 'tp']: frames are split over the "
+     "context-parallel ranks only"),
+], ids=["packing_with_ring", "packing_length", "pp", "tp", "frame_sharding_llava", "frame_sharding_keys"])
 def test_what_the_path_cannot_run_is_refused_with_the_reason(config, on_cuda, capsys, args, refusal):
     assert main(["validate", "-c", str(config), *CP2, *args]) == 2
     err = capsys.readouterr().err
