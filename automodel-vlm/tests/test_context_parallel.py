@@ -167,6 +167,7 @@ def test_models_whose_attention_is_not_one_causal_attention_are_refused_with_cp(
 
     from automodel.training.parallel.context_parallel import sliding_window_issue
     from automodel_vlm.context_parallel import attention_issue
+    from automodel_vlm.frame_sharding import frame_sharding_issue
 
     assert "attend to each other both ways" in attention_issue(Gemma3Config())
     sliding = LlavaConfig(text_config=MistralConfig(sliding_window=64, layer_types=["sliding_attention"] * 2,
@@ -174,6 +175,7 @@ def test_models_whose_attention_is_not_one_causal_attention_are_refused_with_cp(
     assert "sliding-window layers see only the last 64 tokens" in sliding_window_issue(sliding)
     for plain in (Qwen2VLConfig(), LlavaConfig()):
         assert attention_issue(plain) is None and sliding_window_issue(plain) is None
+    assert frame_sharding_issue(Qwen2VLConfig()) is None and "a llava model" in frame_sharding_issue(LlavaConfig())
 
 
 def test_a_gemma3_model_config_is_refused_with_cp_at_validation(tmp_path, on_cuda, capsys):
