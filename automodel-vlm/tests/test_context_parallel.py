@@ -5,7 +5,8 @@ On CPU gloo ranks (``vlm_context_parallel_workers.py``, with the all-gather atte
 no CPU kernel) the recipe's context-parallel step over 2 ranks gives one process's losses, gradient norms,
 vision-tower gradients and weights for a tiny Llava (CLIP + Llama) and a tiny Qwen2-VL (multi-axis rope
 positions, pictures of three sizes), on right-padded and on packed rows; so does the Qwen2-VL with its vision
-tower's frames split over the ranks (``distributed.multimodal.vision.frame_sharding``). ``automodel validate``
+tower's frames split over the ranks (``distributed.multimodal.vision.frame_sharding``; and a Qwen3-VL tower's, a
+video's frames cut between them). ``automodel validate``
 accepts cp_size 2 where the device is CUDA and refuses, with the reason, what the path cannot run; on two GPUs the
 CLI trains like one process and its model/ loads with transformers.
 """
@@ -82,6 +83,16 @@ def test_frame_sharding_splits_the_vision_tower_and_equals_the_unsharded_run(cp_
     assert one["grids"][1] == [[1, 4, 4], [1, 4, 6]]
     assert [rank["grids"][1] for rank in ranks] == [[[1, 4, 4], [2, 4, 4]], [[1, 4, 6], [1, 4, 6]]]
     assert max(len(whole) for whole in one["grids"]) >= 3 and len({tuple(r) for g in one["grids"] for r in g}) >= 3
+
+
+def test_frame_sharding_cuts_a_video_and_gathers_qwen3_vl_deepstack_features(cp_steps):
+    """A Qwen3-VL tower on a three-frame video (3 x 48 patch rows) and two images (16, 24): the ranks split the
+    video's frames (balanced by cost; the second rank padded by a zero frame to 96 patch rows), and the gathered
+    features (merged and deepstack) and summed gradients are the whole tower's."""
+    ranks = [rank["qwen3_vl_tower"] for rank in cp_steps["cp2"]]
+    for ran in ranks:
+        assert ran["features"] < 1e-5 and ran["grads"] < 1e-5
+    assert [ran["grids"] for ran in ranks] == [[[[2, 6, 8]]], [[[1, 6, 8], [1, 4, 4], [1, 4, 6], [1, 4, 6]]]]
 
 
 def test_frame_sharding_balances_contiguous_runs_of_frames():

@@ -2,7 +2,8 @@
 against one process, for a tiny Llava (CLIP + Llama) and a tiny Qwen2-VL (multi-axis rope positions; pictures of
 three sizes), with the all-gather attention (``distributed.cp_attention: all_gather``; torch's ring attention has no
 CPU kernel), on right-padded rows and on packed rows (two conversations a row, told apart by their text positions);
-on cp ranks the Qwen2-VL once more with its vision tower's frames split over them (``frame_sharding``).
+on cp ranks the Qwen2-VL once more with its vision tower's frames split over them (``frame_sharding``), and a tiny
+Qwen3-VL vision tower split by frames (a video's among them) against whole.
 
 Everything is the recipe's and the core's: the micro-batch collated by ``VLMCollator`` (or ``PackedVLMCollator``)
 padded to a multiple of 2 x cp, the vision tower (or its frame sharding) and the merge on every rank, the language
@@ -164,6 +165,47 @@ def run(family: str, layout: MeshLayout, frames: dict[str, Any] | None = None) -
             "length": batches[0][0]["input_ids"].shape[1], "hooked": hooked, "grids": grids}
 
 
+def qwen3_vl_tower_split(cp_mesh: Any) -> dict[str, Any]:
+    """A tiny Qwen3-VL vision tower (deepstack features) on a three-frame video and two images, frame-sharded
+    against whole on this rank: the largest differences of the features and, each rank taking half of a loss on
+    them, of the parameter gradients summed over the ranks; and the grid rows this rank ran."""
+    from transformers import Qwen3VLConfig
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+
+    torch.manual_seed(0)
+    config = Qwen3VLConfig(vision_config={
+        "depth": 3, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "patch_size": 8, "out_hidden_size": 24,
+        "spatial_merge_size": 2, "temporal_patch_size": 2, "deepstack_visual_indexes": [0, 1],
+        "num_position_embeddings": 64}).vision_config
+    config._attn_implementation = "sdpa"
+    tower = Qwen3VLVisionModel._from_config(config)
+    grid = torch.tensor([[3, 6, 8], [1, 4, 4], [1, 4, 6]])
+    pixels = torch.randn(int(grid.prod(-1).sum()), 3 * 2 * 8 * 8, generator=torch.Generator().manual_seed(1))
+
+    def loss(out: Any) -> torch.Tensor:
+        return out.pooler_output.sin().sum() + sum(part.cos().sum() for part in out.deepstack_features)
+
+    whole = tower(pixels, grid_thw=grid, return_dict=True)
+    loss(whole).backward()
+    reference = {name: param.grad.clone() for name, param in tower.named_parameters()}
+    tower.zero_grad()
+    sharding = FrameSharding(tower, cp_mesh, {"min_tokens": 0})
+    grids: list[list] = []
+    tower.register_forward_pre_hook(lambda _, args, kwargs: grids.append(kwargs["grid_thw"].tolist()),
+                                    with_kwargs=True)
+    with sharding.active():
+        split = tower(pixels, grid_thw=grid, return_dict=True)
+    (loss(split) / 2).backward()
+    features = max((a - b).abs().max().item() for a, b in zip([split.pooler_output, *split.deepstack_features],
+                                                              [whole.pooler_output, *whole.deepstack_features],
+                                                              strict=True))
+    grads = 0.0
+    for name, param in tower.named_parameters():
+        dist.all_reduce(param.grad, group=cp_mesh.get_group())
+        grads = max(grads, (param.grad - reference[name]).abs().max().item())
+    return {"features": features, "grads": grads, "grids": grids}
+
+
 def scenario_vlm_cp(args: dict[str, Any], out: Any) -> dict[str, Any]:
     """cp = world size (2), or the one-process reference without a process group; both families, and on cp ranks
     the Qwen2-VL with frame sharding (every batch split; a rank under 40 patch rows padded with zero frames)."""
@@ -172,6 +214,7 @@ def scenario_vlm_cp(args: dict[str, Any], out: Any) -> dict[str, Any]:
     runs = {family: run(family, layout) for family in ("llava", "qwen2_vl")}
     if world > 1:
         runs["qwen2_vl_frames"] = run("qwen2_vl", layout, {"min_tokens": 0, "min_local_patch_rows": 40})
+        runs["qwen3_vl_tower"] = qwen3_vl_tower_split(build_device_mesh(layout, "cpu")[CP])
     return runs
 
 

@@ -133,7 +133,8 @@ class FrameSharding:
                                  "a split by frames cannot follow; set enabled: false")
         frames = [(entry, h, w) for entry, (t, h, w) in enumerate(grid.tolist()) for _ in range(t)]
         tokens = [h * w // self.merge ** 2 for _, h, w in frames]
-        if sum(tokens) < self.settings["min_tokens"] and len(frames) < self.settings["min_frames"]:
+        small = sum(tokens) < self.settings["min_tokens"] and len(frames) < self.settings["min_frames"]
+        if small or not frames:
             return None  # the whole batch on every rank
         cuts = balanced_cuts([h * w * (h * w + self.alpha) for _, h, w in frames], self.size)
         mine = frames[cuts[self.rank]:cuts[self.rank + 1]]
