@@ -4,9 +4,11 @@ merge (``automodel_vlm.context_parallel``).
 On CPU gloo ranks (``vlm_context_parallel_workers.py``, with the all-gather attention: torch's ring attention has
 no CPU kernel) the recipe's context-parallel step over 2 ranks gives one process's losses, gradient norms,
 vision-tower gradients and weights for a tiny Llava (CLIP + Llama) and a tiny Qwen2-VL (multi-axis rope
-positions), on right-padded and on packed rows. ``automodel validate`` accepts cp_size 2 where the device is CUDA
-and refuses, with the reason, what the path cannot run; on two GPUs the CLI trains like one process and its model/
-loads with transformers.
+positions, pictures of three sizes), on right-padded and on packed rows; so does the Qwen2-VL with its vision
+tower's frames split over the ranks (``distributed.multimodal.vision.frame_sharding``; and a Qwen3-VL tower's, a
+video's frames cut between them). ``automodel validate``
+accepts cp_size 2 where the device is CUDA and refuses, with the reason, what the path cannot run; on two GPUs the
+CLI trains like one process and its model/ loads with transformers.
 """
 
 from __future__ import annotations
@@ -57,6 +59,51 @@ def test_the_context_parallel_step_equals_one_process(cp_steps, family):
             assert torch.allclose(torch.tensor(ran["state"][key]), torch.tensor(value), atol=1e-5), key
 
 
+def test_frame_sharding_splits_the_vision_tower_and_equals_the_unsharded_run(cp_steps):
+    """The Qwen2-VL's vision tower on each rank's share of the images (different sizes, padded with zero frames
+    below 40 patch rows), its features gathered: the unsharded cp run's and one process's losses, gradient norms,
+    vision-tower gradients (summed over the ranks by FSDP2, each rank's through its own images) and weights."""
+    one = cp_steps["one"]["qwen2_vl"]
+    ranks = [rank["qwen2_vl_frames"] for rank in cp_steps["cp2"]]
+    for ran, unsharded in zip(ranks, cp_steps["cp2"], strict=True):
+        assert ran["losses"] == pytest.approx(unsharded["qwen2_vl"]["losses"], rel=1e-5)
+        assert ran["losses"] == pytest.approx(one["losses"], rel=1e-5)
+        assert ran["norms"] == pytest.approx(one["norms"], rel=1e-5)
+        for key, value in one["vision_grads"].items():
+            assert torch.allclose(torch.tensor(ran["vision_grads"][key]), torch.tensor(value), rtol=1e-4,
+                                  atol=1e-6), key
+        for key, value in one["state"].items():
+            if not key.endswith("k_proj.bias"):  # as above: rounding noise turned into steps by AdamW
+                assert torch.allclose(torch.tensor(ran["state"][key]), torch.tensor(value), atol=1e-5), key
+    # each call of the tower: every rank ran it, none on all of the batch's images (one process's grids); the
+    # second micro-batch's two pictures, one a rank, the smaller padded by two zero frames like it to 48 patch rows
+    assert all(len(rank["grids"]) == len(one["grids"]) for rank in ranks)
+    for call, whole in enumerate(one["grids"]):
+        assert all(rank["grids"][call] != whole for rank in ranks)
+    assert one["grids"][1] == [[1, 4, 4], [1, 4, 6]]
+    assert [rank["grids"][1] for rank in ranks] == [[[1, 4, 4], [2, 4, 4]], [[1, 4, 6], [1, 4, 6]]]
+    assert max(len(whole) for whole in one["grids"]) >= 3 and len({tuple(r) for g in one["grids"] for r in g}) >= 3
+
+
+def test_frame_sharding_cuts_a_video_and_gathers_qwen3_vl_deepstack_features(cp_steps):
+    """A Qwen3-VL tower on a three-frame video (3 x 48 patch rows) and two images (16, 24): the ranks split the
+    video's frames (balanced by cost; the second rank padded by a zero frame to 96 patch rows), and the gathered
+    features (merged and deepstack) and summed gradients are the whole tower's."""
+    ranks = [rank["qwen3_vl_tower"] for rank in cp_steps["cp2"]]
+    for ran in ranks:
+        assert ran["features"] < 1e-5 and ran["grads"] < 1e-5
+    assert [ran["grids"] for ran in ranks] == [[[[2, 6, 8]]], [[[1, 6, 8], [1, 4, 4], [1, 4, 6], [1, 4, 6]]]]
+
+
+def test_frame_sharding_balances_contiguous_runs_of_frames():
+    from automodel_vlm.frame_sharding import balanced_cuts
+
+    assert balanced_cuts([1, 1, 1, 1], 2) == [0, 2, 4]
+    assert balanced_cuts([1, 1, 10], 2) == [0, 2, 3]
+    assert balanced_cuts([10, 1, 1, 1, 1], 3) == [0, 1, 2, 5]  # one item at least for every rank
+    assert balanced_cuts([3, 3], 4) == [0, 1, 2, 2, 2]  # fewer items than ranks: the last ones get none
+
+
 @pytest.fixture
 def config(tmp_path):
     return write_config(tmp_path / "cfg.yaml", tmp_path / "ckpt", eval_generation={"enabled": False})
@@ -88,8 +135,13 @@ def test_ring_attention_is_refused_on_this_machine_saying_what_would_run_it(conf
      "packed_sequence.pack_size: packed rows of 66 tokens: context parallelism (cp_size 2) splits each row into 4"),
     (["--nproc-per-node", "4", "--distributed.pp_size", "2"],
      "distributed.pp_size: 2 with cp_size 2: the pipeline schedule runs the micro-batches"),
-    (["--distributed.multimodal.vision.frame_sharding.enabled", "true"], "multimodal.vision.frame_sharding"),
-], ids=["packing_with_ring", "packing_length", "pp", "frame_sharding"])
+    (["--distributed.multimodal.vision.frame_sharding.enabled", "true"],
+     "distributed.multimodal.vision.frame_sharding.enabled: true: a llava model: frame sharding splits the frames "
+     "of a Qwen-VL vision tower"),
+    (["--distributed.multimodal.vision.frame_sharding", "{enabled: true, mesh_dims: [cp, tp], min_frames: -1}"],
+     "distributed.multimodal.vision.frame_sharding.mesh_dims: ['cp', 'tp']: frames are split over the "
+     "context-parallel ranks only"),
+], ids=["packing_with_ring", "packing_length", "pp", "frame_sharding_llava", "frame_sharding_keys"])
 def test_what_the_path_cannot_run_is_refused_with_the_reason(config, on_cuda, capsys, args, refusal):
     assert main(["validate", "-c", str(config), *CP2, *args]) == 2
     err = capsys.readouterr().err
@@ -124,6 +176,7 @@ def test_models_whose_attention_is_not_one_causal_attention_are_refused_with_cp(
 
     from automodel.training.parallel.context_parallel import sliding_window_issue
     from automodel_vlm.context_parallel import attention_issue
+    from automodel_vlm.frame_sharding import frame_sharding_issue
 
     assert "attend to each other both ways" in attention_issue(Gemma3Config())
     sliding = LlavaConfig(text_config=MistralConfig(sliding_window=64, layer_types=["sliding_attention"] * 2,
@@ -131,6 +184,7 @@ def test_models_whose_attention_is_not_one_causal_attention_are_refused_with_cp(
     assert "sliding-window layers see only the last 64 tokens" in sliding_window_issue(sliding)
     for plain in (Qwen2VLConfig(), LlavaConfig()):
         assert attention_issue(plain) is None and sliding_window_issue(plain) is None
+    assert frame_sharding_issue(Qwen2VLConfig()) is None and "a llava model" in frame_sharding_issue(LlavaConfig())
 
 
 def test_a_gemma3_model_config_is_refused_with_cp_at_validation(tmp_path, on_cuda, capsys):

@@ -89,14 +89,15 @@ def _validate(capsys, config: Path, *args: str) -> tuple[int, str]:
 
 
 def test_bad_values_are_refused_with_the_allowed_ones(tmp_path, capsys):
-    frames = {"enabled": True, "mesh_dims": ["cp"], "min_tokenz": 0}
+    frames = {"enabled": "yes", "mesh_dims": ["cp"], "min_tokenz": 0, "min_frames": -1, "cost_alpha": "big"}
     config = write_config(tmp_path / "cfg.yaml", tmp_path / "ckpt", distributed={
         "strategy": "fsdp2", "multimodal": {"frozen_sharding": "sharded", "vision": {"frame_sharding": frames}}})
     code, out = _validate(capsys, config, "--nproc-per-node", "2")
     assert code == 2 and "Traceback" not in out
     assert "distributed.multimodal.frozen_sharding: 'sharded': must be one of root, per_layer, replicate" in out
-    assert "distributed.multimodal.vision.frame_sharding.enabled: True: frame sharding splits the vision " \
-           "encoder's frames over the context-parallel ranks" in out
+    assert "distributed.multimodal.vision.frame_sharding.enabled: 'yes': must be true or false" in out
+    assert "distributed.multimodal.vision.frame_sharding.min_frames: -1: must be a whole number >= 0" in out
+    assert "distributed.multimodal.vision.frame_sharding.cost_alpha: 'big': must be auto" in out
     assert "distributed.multimodal.vision.frame_sharding: min_tokenz: not a key of upstream's" in out
     code, out = _validate(capsys, config, "--nproc-per-node", "2", "--distributed.strategy", "megatron_fsdp",
                           "--distributed.multimodal", "{frozen_sharding: Per-Layer}")
@@ -111,6 +112,12 @@ def test_in_one_process_the_settings_govern_nothing_and_say_so(tmp_path, capsys)
     out = capsys.readouterr().err
     assert "note: distributed.multimodal.frozen_sharding: replicate governs nothing this run" in out
     assert "note: distributed.multimodal.vision.frame_sharding governs nothing this run: it is off" in out
+    frames["enabled"] = True
+    config = write_config(tmp_path / "on.yaml", tmp_path / "on", **THREE_STEPS, distributed={
+        "multimodal": {"vision": {"frame_sharding": frames}}})
+    train_inprocess(config, setup_only=True)
+    assert "frame_sharding governs nothing this run: it splits the vision encoder's frames over the " \
+           "context-parallel ranks (cp_size > 1); with cp_size 1" in capsys.readouterr().err
 
 
 _SHARDED_NAMES = """

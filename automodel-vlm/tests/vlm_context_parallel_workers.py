@@ -1,10 +1,12 @@
 """The VLM recipe's context-parallel step (``TrainingLoop._train_step`` with ``sequence_parts``) on CPU gloo ranks,
-against one process, for a tiny Llava (CLIP + Llama) and a tiny Qwen2-VL (multi-axis rope positions), with the
-all-gather attention (``distributed.cp_attention: all_gather``; torch's ring attention has no CPU kernel), on
-right-padded rows and on packed rows (two conversations a row, told apart by their text positions).
+against one process, for a tiny Llava (CLIP + Llama) and a tiny Qwen2-VL (multi-axis rope positions; pictures of
+three sizes), with the all-gather attention (``distributed.cp_attention: all_gather``; torch's ring attention has no
+CPU kernel), on right-padded rows and on packed rows (two conversations a row, told apart by their text positions);
+on cp ranks the Qwen2-VL once more with its vision tower's frames split over them (``frame_sharding``), and a tiny
+Qwen3-VL vision tower split by frames (a video's among them) against whole.
 
 Everything is the recipe's and the core's: the micro-batch collated by ``VLMCollator`` (or ``PackedVLMCollator``)
-padded to a multiple of 2 x cp, the vision tower and the merge on the whole batch on every rank, the language
+padded to a multiple of 2 x cp, the vision tower (or its frame sharding) and the merge on every rank, the language
 model's pre-hook splitting the merged embeddings and positions, the region splitting the targets, the routing of the
 vision tower's attention (not causal) to SDPA's own kernel, the gathered keys and values with their mask, the loss,
 its scale and FSDP2 over ``cp``.
@@ -36,17 +38,20 @@ from automodel.training.parallel.precision import Precision
 from automodel_vlm.context_parallel import SequenceSplit
 from automodel_vlm.datasets.collate import VLMCollator
 from automodel_vlm.datasets.packing import PackedVLMCollator, rope_index
+from automodel_vlm.frame_sharding import FrameSharding
 from automodel_vlm.parts import MULTIMODAL_NAMES, find_part
 from automodel_vlm.recipe import FinetuneRecipeForVLM
 
 MICRO_BATCHES, ROWS = 2, 2
 COLORS = ["red", "green", "blue", "yellow"]
+SIZES = [(32, 32), (32, 48), (48, 64)]  # Qwen2-VL: 16, 24 and 48 patch rows, 4, 6 and 12 merged tokens
 
 
 class Step(FinetuneRecipeForVLM):
     """The VLM recipe's loss, its context-parallel batch and the loop's step; the rest set up by hand."""
 
-    def __init__(self, model: torch.nn.Module, processor: Any, layout: MeshLayout, device_mesh: Any):
+    def __init__(self, model: torch.nn.Module, processor: Any, layout: MeshLayout, device_mesh: Any,
+                 frames: dict[str, Any] | None = None):
         self.model, self.processor = model, processor
         self.ctx = SimpleNamespace(mesh=layout, device_mesh=device_mesh, precision=Precision(),
                                    fsdp2=device_mesh is not None, device=torch.device("cpu"),
@@ -62,6 +67,8 @@ class Step(FinetuneRecipeForVLM):
         self.loss_fn = MaskedCrossEntropy()
         if layout.cp > 1:
             self.sequence_split = SequenceSplit(find_part(model, "language_model")[1], device_mesh[CP])
+        if frames is not None:
+            self.frame_sharding = FrameSharding(vision_tower(model), device_mesh[CP], frames)
 
 
 def tiny_model(family: str) -> tuple[torch.nn.Module, Any]:
@@ -77,7 +84,7 @@ def tiny_model(family: str) -> tuple[torch.nn.Module, Any]:
     else:
         from transformers import Qwen2VLConfig
 
-        processor = tiny_qwen_vl_processor()
+        processor = tiny_qwen_vl_processor(max_pixels=64 * 64)
         tokenizer = processor.tokenizer
         config = Qwen2VLConfig(
             text_config={"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
@@ -104,7 +111,8 @@ def micro_batches(processor: Any, step: int, pad_to: int, rope: Any = False) -> 
     for _ in range(MICRO_BATCHES):
         samples = []
         for _ in range(ROWS * (1 if rope is False else 2)):
-            pixels = torch.randint(0, 256, (32, 32, 3), generator=generator, dtype=torch.uint8).numpy()
+            size = SIZES[int(torch.randint(0, len(SIZES), (1,), generator=generator))]
+            pixels = torch.randint(0, 256, (*size, 3), generator=generator, dtype=torch.uint8).numpy()
             words = int(torch.randint(1, 4, (1,), generator=generator))
             answer = " ".join(COLORS[int(torch.randint(0, 4, (1,), generator=generator))] for _ in range(words))
             samples.append({"messages": conversation("What colors?", answer), "images": [Image.fromarray(pixels)]})
@@ -112,7 +120,7 @@ def micro_batches(processor: Any, step: int, pad_to: int, rope: Any = False) -> 
             batches.append(collator(samples))
             continue
         rows = [samples[i:i + 2] for i in range(0, len(samples), 2)]
-        longest = max(sum(VLMCollator(processor)([one])["input_ids"].shape[1] for one in row) for row in rows)
+        longest = max(sum(collator([one])["input_ids"].shape[1] for one in row) for row in rows)
         batches.append(PackedVLMCollator(collator, -(-longest // pad_to) * pad_to, rope)(rows))
     return batches
 
@@ -121,8 +129,9 @@ def vision_tower(model: torch.nn.Module) -> torch.nn.Module:
     return find_part(model, "vision_tower")[1]
 
 
-def run(family: str, layout: MeshLayout) -> dict[str, Any]:
-    """Two steps: losses, gradient norms, the vision tower's gradients of the first step and the weights."""
+def run(family: str, layout: MeshLayout, frames: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Two steps: losses, gradient norms, the vision tower's gradients of the first step, the weights and the
+    grids the vision tower ran on (``frames``: frame sharding's settings)."""
     model, processor = tiny_model(family)
     device_mesh, hooked = None, 0
     if layout.world_size > 1:
@@ -130,7 +139,11 @@ def run(family: str, layout: MeshLayout) -> dict[str, Any]:
         hooked = causal_attention_without_mask(model, [vision_tower(model)])
         apply_fsdp2(model, fsdp_mesh(device_mesh, layout),
                     multimodal=place_multimodal(model, MULTIMODAL_NAMES, "root"))  # as the sharding stage does
-    step = Step(model, processor, layout, device_mesh)
+    step = Step(model, processor, layout, device_mesh, frames)
+    grids: list[list] = []  # after frame sharding's hook: the frames this rank ran
+    vision_tower(model).register_forward_pre_hook(
+        lambda _, args, kwargs: grids.append(kwargs["grid_thw"].tolist()) if "grid_thw" in kwargs else None,
+        with_kwargs=True)
     grads: dict[str, list] = {}
     update = step.optimizer.step
 
@@ -149,14 +162,60 @@ def run(family: str, layout: MeshLayout) -> dict[str, Any]:
     results = [step._train_step(b) for b in batches]
     return {"losses": [loss.item() for loss, _, _ in results], "norms": [norm.item() for _, norm, _ in results],
             "vision_grads": grads, "state": {k: v.tolist() for k, v in full_state(model).items()},
-            "length": batches[0][0]["input_ids"].shape[1], "hooked": hooked}
+            "length": batches[0][0]["input_ids"].shape[1], "hooked": hooked, "grids": grids}
+
+
+def qwen3_vl_tower_split(cp_mesh: Any) -> dict[str, Any]:
+    """A tiny Qwen3-VL vision tower (deepstack features) on a three-frame video and two images, frame-sharded
+    against whole on this rank: the largest differences of the features and, each rank taking half of a loss on
+    them, of the parameter gradients summed over the ranks; and the grid rows this rank ran."""
+    from transformers import Qwen3VLConfig
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+
+    torch.manual_seed(0)
+    config = Qwen3VLConfig(vision_config={
+        "depth": 3, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "patch_size": 8, "out_hidden_size": 24,
+        "spatial_merge_size": 2, "temporal_patch_size": 2, "deepstack_visual_indexes": [0, 1],
+        "num_position_embeddings": 64}).vision_config
+    config._attn_implementation = "sdpa"
+    tower = Qwen3VLVisionModel._from_config(config)
+    grid = torch.tensor([[3, 6, 8], [1, 4, 4], [1, 4, 6]])
+    pixels = torch.randn(int(grid.prod(-1).sum()), 3 * 2 * 8 * 8, generator=torch.Generator().manual_seed(1))
+
+    def loss(out: Any) -> torch.Tensor:
+        return out.pooler_output.sin().sum() + sum(part.cos().sum() for part in out.deepstack_features)
+
+    whole = tower(pixels, grid_thw=grid, return_dict=True)
+    loss(whole).backward()
+    reference = {name: param.grad.clone() for name, param in tower.named_parameters()}
+    tower.zero_grad()
+    sharding = FrameSharding(tower, cp_mesh, {"min_tokens": 0})
+    grids: list[list] = []
+    tower.register_forward_pre_hook(lambda _, args, kwargs: grids.append(kwargs["grid_thw"].tolist()),
+                                    with_kwargs=True)
+    with sharding.active():
+        split = tower(pixels, grid_thw=grid, return_dict=True)
+    (loss(split) / 2).backward()
+    features = max((a - b).abs().max().item() for a, b in zip([split.pooler_output, *split.deepstack_features],
+                                                              [whole.pooler_output, *whole.deepstack_features],
+                                                              strict=True))
+    grads = 0.0
+    for name, param in tower.named_parameters():
+        dist.all_reduce(param.grad, group=cp_mesh.get_group())
+        grads = max(grads, (param.grad - reference[name]).abs().max().item())
+    return {"features": features, "grads": grads, "grids": grids}
 
 
 def scenario_vlm_cp(args: dict[str, Any], out: Any) -> dict[str, Any]:
-    """cp = world size (2), or the one-process reference without a process group; both families."""
+    """cp = world size (2), or the one-process reference without a process group; both families, and on cp ranks
+    the Qwen2-VL with frame sharding (every batch split; a rank under 40 patch rows padded with zero frames)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     layout = plan_mesh(world, cp_size=world) if world > 1 else MeshLayout(1)
-    return {family: run(family, layout) for family in ("llava", "qwen2_vl")}
+    runs = {family: run(family, layout) for family in ("llava", "qwen2_vl")}
+    if world > 1:
+        runs["qwen2_vl_frames"] = run("qwen2_vl", layout, {"min_tokens": 0, "min_local_patch_rows": 40})
+        runs["qwen3_vl_tower"] = qwen3_vl_tower_split(build_device_mesh(layout, "cpu")[CP])
+    return runs
 
 
 if __name__ == "__main__":

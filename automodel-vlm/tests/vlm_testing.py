@@ -125,16 +125,17 @@ def images_only_qwen_vl_processor_class() -> type:
     return ImagesOnlyQwen2VLProcessor
 
 
-def tiny_qwen_vl_processor():
+def tiny_qwen_vl_processor(max_pixels: int = 32 * 32):
     """A Qwen-VL-style processor built offline: the shipped tokenizer with Qwen's vision tokens added, its chat
-    template rendering an image as them, and a Pillow Qwen2-VL image processor (32x32 pictures: 4 merged patches)."""
+    template rendering an image as them, and a Pillow Qwen2-VL image processor (32x32 pictures: 4 merged patches;
+    larger ones kept up to ``max_pixels``, in 16-pixel steps)."""
     from transformers import AutoTokenizer, Qwen2VLImageProcessorPil
 
     tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|vision_start|>", "<|image_pad|>",
                                                                 "<|vision_end|>", "<|video_pad|>"]})
     template = tokenizer.chat_template.replace("'<image>'", "'<|vision_start|><|image_pad|><|vision_end|>'")
-    images = Qwen2VLImageProcessorPil(min_pixels=32 * 32, max_pixels=32 * 32, patch_size=8, merge_size=2,
+    images = Qwen2VLImageProcessorPil(min_pixels=32 * 32, max_pixels=max_pixels, patch_size=8, merge_size=2,
                                       temporal_patch_size=2)
     return images_only_qwen_vl_processor_class()(image_processor=images, tokenizer=tokenizer, chat_template=template)
 

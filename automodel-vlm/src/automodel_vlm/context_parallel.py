@@ -2,12 +2,13 @@
 multimodal merge.
 
 Every rank of a ``cp`` group runs the model's own forward on the whole micro-batch up to its language model: the
-vision encoder on all of the batch's images (its attention is not causal, so it keeps SDPA's kernel inside the
-region), the image features scattered into the token embeddings, the model's positions (Qwen-VL's multi-axis rope
-index among them) computed over the whole rows. A forward pre-hook on the language model then keeps this rank's
-part of the merged embeddings and of the positions, in the layout the core's region splits the next-token targets
-in (``automodel.training.parallel.context_parallel.split_sequence``), and the language model runs on that part with
-the region's attention (ring or all-gather, ``distributed.cp_attention``). The split is differentiable: the vision
+vision encoder on all of the batch's images (or on its share of them, their features gathered:
+:mod:`automodel_vlm.frame_sharding`; its attention is not causal, so it keeps SDPA's kernel inside the region), the
+image features scattered into the token embeddings, the model's positions (Qwen-VL's multi-axis rope index among
+them) computed over the whole rows. A forward pre-hook on the language model then keeps this rank's part of the
+merged embeddings and of the positions, in the layout the core's region splits the next-token targets in
+(``automodel.training.parallel.context_parallel.split_sequence``), and the language model runs on that part with the
+region's attention (ring or all-gather, ``distributed.cp_attention``). The split is differentiable: the vision
 tower's gradient on a rank is that of the rank's part of the loss, and FSDP2's average over ``dp x cp`` ranks, with
 the engine's ``dp * cp / tokens`` scale, makes it the single-process gradient.
 """

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,7 @@ from automodel_vlm.datasets.packing import (
 )
 from automodel_vlm.datasets.text_chat import text_chat_issues
 from automodel_vlm.drafter import DRAFTER_DIR, drafter_issues, find_composite, uses_drafter
+from automodel_vlm.frame_sharding import FrameSharding, attach_frame_sharding, frame_sharding_issues
 from automodel_vlm.freeze import UpstreamFreezeConfig, VLMFreezeConfig
 from automodel_vlm.parts import MULTIMODAL_NAMES, base_model, find_part
 from automodel_vlm.pipeline import layout_issue, media_per_row, pipeline_issues
@@ -72,6 +74,7 @@ def context_parallel_issues(cfg: Any) -> list[ConfigIssue]:
     config = model_hf_config(cfg)
     if config is not None and (issue := attention_issue(config)) is not None:
         issues.append(ConfigIssue("distributed.cp_size", f"{cp}: {issue}"))
+    issues += frame_sharding_issues(cfg, config)
     packing = cfg.packed_sequence if "packed_sequence" in cfg else None
     if packing is None:  # none, or one its own schema refused
         return issues
@@ -98,10 +101,11 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
     # the composite model is cut along its language model; each micro-batch's media reach the first stage with its
     # rows (automodel_vlm.pipeline: the model's media layout); pipeline_batches below
     pipeline_parallel_unsupported = None
-    # every cp rank runs the vision tower and the merge on the whole batch; the language model gets the rank's part
-    # of the merged sequence (automodel_vlm.context_parallel)
+    # every cp rank runs the vision tower (or its share of the frames: automodel_vlm.frame_sharding) and the merge on
+    # the whole batch; the language model gets the rank's part of the merged sequence (automodel_vlm.context_parallel)
     context_parallel_unsupported = None
     sequence_split: SequenceSplit | None = None
+    frame_sharding: FrameSharding | None = None  # distributed.multimodal.vision.frame_sharding (cp > 1)
     hf_artifacts = ("processor",)
     multimodal_module_names = MULTIMODAL_NAMES  # FSDP2 places them by distributed.multimodal.frozen_sharding
     stage_implementations = {"peft": "vlm_lora", "freeze": "vlm"}
@@ -234,6 +238,7 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
                                      "sequence the language model runs on, but this model has no module named "
                                      "language_model, text_model or llm; set cp_size: 1")
             self.sequence_split = SequenceSplit(language_model[1], self.ctx.device_mesh[CP])
+            self.frame_sharding = attach_frame_sharding(self.model, self.cfg, self.ctx.device_mesh[CP])
         composite = find_composite(self.model)
         if composite is not None:  # model/ is the base, model/drafter/ the drafter: two Hugging Face directories
             self.save_model = self.save_joint_model
@@ -294,7 +299,8 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
     def next_token_logits(self, model: torch.nn.Module, batch: dict[str, Any] | ContextParallelBatch,
                           head: HeadOnPositions | None) -> tuple[torch.Tensor, torch.Tensor]:
         if isinstance(batch, MultimodalContextParallelBatch):  # setup attached sequence_split (cp > 1)
-            with self.sequence_split.active():
+            frames = self.frame_sharding.active() if self.frame_sharding is not None else contextlib.nullcontext()
+            with self.sequence_split.active(), frames:
                 return split_next_token_logits(model, batch, head, self.loss_head)
         return super().next_token_logits(model, batch, head)
 

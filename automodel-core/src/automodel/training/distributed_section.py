@@ -103,7 +103,9 @@ class DistributedConfig:
         "frozen_sharding root (default: their parameters in the outer unit), per_layer (each of their blocks a "
         "unit; every rank must run them alike on each micro-batch) or replicate (left out of FSDP2: a full copy "
         "on every rank); a module with a trainable parameter has its blocks sharded like the language model's "
-        "whatever the setting; vision.frame_sharding only with enabled: false (it needs context parallelism)"))
+        "whatever the setting; vision.frame_sharding {enabled, min_tokens, min_frames, min_local_patch_rows, "
+        "cost_alpha, mesh_dims: [cp]}: with cp_size > 1, each cp rank runs the vision encoder on its share of the "
+        "images / frames (Qwen-VL towers), the features gathered"))
     # torch DDP's own options (upstream's DDPConfig), passed to DistributedDataParallel (strategy ddp)
     find_unused_parameters: bool = field(default=False, metadata=_help(
         "DDP: look for parameters a forward did not use, so their gradients count as ready (a model with branches "
