@@ -1,7 +1,9 @@
 """The VLM recipe's context-parallel step (``TrainingLoop._train_step`` with ``sequence_parts``) on CPU gloo ranks,
 against one process, for a tiny Llava (CLIP + Llama) and a tiny Qwen2-VL (multi-axis rope positions), with the
 all-gather attention (``distributed.cp_attention: all_gather``; torch's ring attention has no CPU kernel), on
-right-padded rows and on packed rows (two conversations a row, told apart by their text positions).
+right-padded rows and on packed rows (two conversations a row, told apart by their text positions); and for a tiny
+Gemma 3 (each image's tokens attend to each other both ways, a sliding-window layer) on right-padded, then
+left-padded rows, once more on the cp ranks without the image spans in the mask (which must not match).
 
 Everything is the recipe's and the core's: the micro-batch collated by ``VLMCollator`` (or ``PackedVLMCollator``)
 padded to a multiple of 2 x cp, the vision tower and the merge on the whole batch on every rank, the language
@@ -26,7 +28,7 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "automodel-core" / "tests"))  # the core's workers
 from parallel_workers import full_state, main  # noqa: E402
 
-from automodel.training.loss import MaskedCrossEntropy
+from automodel.training.loss import IGNORE_INDEX, MaskedCrossEntropy
 from automodel.training.next_token import HeadOnPositions
 from automodel.training.parallel.context_parallel import causal_attention_without_mask, fsdp_mesh
 from automodel.training.parallel.fsdp import apply_fsdp2
@@ -40,6 +42,7 @@ from automodel_vlm.parts import MULTIMODAL_NAMES, find_part
 from automodel_vlm.recipe import FinetuneRecipeForVLM
 
 MICRO_BATCHES, ROWS = 2, 2
+GEMMA_VOCAB, GEMMA_IMAGE, GEMMA_IMAGE_TOKENS = 64, 60, 4
 COLORS = ["red", "green", "blue", "yellow"]
 
 
@@ -65,13 +68,24 @@ class Step(FinetuneRecipeForVLM):
 
 
 def tiny_model(family: str) -> tuple[torch.nn.Module, Any]:
-    """The family's tiny model (fp32, SDPA) and processor, the same weights on every rank."""
+    """The family's tiny model (fp32, SDPA) and processor (None for Gemma 3, whose batches are built by hand), the
+    same weights on every rank."""
     import json
 
-    from transformers import AutoConfig, AutoModelForImageTextToText
+    from transformers import AutoConfig, AutoModelForImageTextToText, Gemma3Config
     from vlm_testing import LLAVA_CONFIG, tiny_processor, tiny_qwen_vl_processor
 
-    if family == "llava":
+    if family == "gemma3":
+        processor = None
+        config = Gemma3Config(
+            text_config={"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+                         "num_key_value_heads": 1, "head_dim": 16, "intermediate_size": 32, "vocab_size": GEMMA_VOCAB,
+                         "sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"]},
+            vision_config={"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+                           "num_attention_heads": 2, "image_size": 16, "patch_size": 4},
+            mm_tokens_per_image=GEMMA_IMAGE_TOKENS, image_token_index=GEMMA_IMAGE, boi_token_index=GEMMA_IMAGE + 1,
+            eoi_token_index=GEMMA_IMAGE + 2)
+    elif family == "llava":
         processor = tiny_processor()
         config = AutoConfig.for_model(**json.loads(LLAVA_CONFIG.read_text()))
     else:
@@ -117,6 +131,38 @@ def micro_batches(processor: Any, step: int, pad_to: int, rope: Any = False) -> 
     return batches
 
 
+def gemma3_micro_batches(step: int, pad_to: int, left: bool) -> list[dict[str, torch.Tensor]]:
+    """A step's Gemma 3 micro-batches as its processor makes them: per row a few text tokens, the image (begin, four
+    image tokens marked by ``token_type_ids``, end), a question and an answer (the labels), padded to a multiple of
+    ``pad_to`` on the right, or on the ``left``."""
+    generator = torch.Generator().manual_seed(200 + step)
+
+    def text(count: int) -> list[int]:
+        return torch.randint(2, GEMMA_IMAGE, (count,), generator=generator).tolist()
+
+    batches = []
+    for _ in range(MICRO_BATCHES):
+        rows, answers = [], []
+        for _ in range(ROWS):
+            lengths = torch.randint(1, 5, (3,), generator=generator).tolist()
+            image = [GEMMA_IMAGE + 1] + [GEMMA_IMAGE] * GEMMA_IMAGE_TOKENS + [GEMMA_IMAGE + 2]
+            rows.append([1, *text(lengths[0]), *image, *text(lengths[1])])
+            answers.append(text(lengths[2] + 1))
+        width = -(-max(len(r) + len(a) for r, a in zip(rows, answers, strict=True)) // pad_to) * pad_to
+        ids, labels, mask = (torch.zeros(ROWS, width, dtype=torch.long) for _ in range(3))
+        labels.fill_(IGNORE_INDEX)
+        for row, (prompt, answer) in enumerate(zip(rows, answers, strict=True)):
+            length = len(prompt) + len(answer)
+            place = slice(width - length, width) if left else slice(0, length)
+            ids[row, place] = torch.tensor(prompt + answer)
+            labels[row, place] = torch.tensor([IGNORE_INDEX] * len(prompt) + answer)
+            mask[row, place] = 1
+        batches.append({"input_ids": ids, "attention_mask": mask, "labels": labels,
+                        "token_type_ids": (ids == GEMMA_IMAGE).long(),
+                        "pixel_values": torch.randn(ROWS, 3, 16, 16, generator=generator)})
+    return batches
+
+
 def vision_tower(model: torch.nn.Module) -> torch.nn.Module:
     return find_part(model, "vision_tower")[1]
 
@@ -143,9 +189,11 @@ def run(family: str, layout: MeshLayout) -> dict[str, Any]:
         update()
 
     step.optimizer.step = record_then_update
-    # the first step on right-padded rows, the second on packed rows (samples kept apart within a row)
-    batches = [micro_batches(processor, 0, 2 * layout.cp), micro_batches(processor, 1, 2 * layout.cp,
-                                                                         rope_index(model))]
+    if family == "gemma3":  # right-padded rows, then left-padded ones
+        batches = [gemma3_micro_batches(0, 2 * layout.cp, False), gemma3_micro_batches(1, 2 * layout.cp, True)]
+    else:  # right-padded rows, then packed rows (samples kept apart within a row)
+        batches = [micro_batches(processor, 0, 2 * layout.cp), micro_batches(processor, 1, 2 * layout.cp,
+                                                                             rope_index(model))]
     results = [step._train_step(b) for b in batches]
     return {"losses": [loss.item() for loss, _, _ in results], "norms": [norm.item() for _, norm, _ in results],
             "vision_grads": grads, "state": {k: v.tolist() for k, v in full_state(model).items()},
@@ -153,10 +201,17 @@ def run(family: str, layout: MeshLayout) -> dict[str, Any]:
 
 
 def scenario_vlm_cp(args: dict[str, Any], out: Any) -> dict[str, Any]:
-    """cp = world size (2), or the one-process reference without a process group; both families."""
+    """cp = world size (2), or the one-process reference without a process group; every family, and on the cp
+    ranks Gemma 3 once more with its image spans left out of the mask (causal attention only)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     layout = plan_mesh(world, cp_size=world) if world > 1 else MeshLayout(1)
-    return {family: run(family, layout) for family in ("llava", "qwen2_vl")}
+    results = {family: run(family, layout) for family in ("llava", "qwen2_vl", "gemma3")}
+    if world > 1:
+        import automodel_vlm.recipe
+
+        automodel_vlm.recipe.two_way_spans = lambda config, inputs: None
+        results["gemma3_causal"] = run("gemma3", layout)
+    return results
 
 
 if __name__ == "__main__":
