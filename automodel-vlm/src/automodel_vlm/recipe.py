@@ -28,12 +28,7 @@ from automodel.training.parallel.pipeline_media import media_kwargs
 from automodel.training.parallelism import model_hf_config, validation_device
 from automodel.training.pipeline_steps import padded_tokens, pipeline_length, stage_kwargs
 from automodel.training.recipe import TrainRecipe
-from automodel_vlm.context_parallel import (
-    MultimodalContextParallelBatch,
-    SequenceSplit,
-    attention_issue,
-    two_way_spans,
-)
+from automodel_vlm.context_parallel import MultimodalContextParallelBatch, SequenceSplit, attention_issue, two_way_spans
 from automodel_vlm.datasets.collate import IGNORE_INDEX, VLMCollator, render
 from automodel_vlm.datasets.packing import (
     PackedVLMCollator,
