@@ -1,13 +1,13 @@
 """Context parallelism (``distributed.cp_size > 1``) in the VLM recipe: the sequence is split after the multimodal
 merge (``automodel_vlm.context_parallel``).
 
-On CPU gloo ranks (``vlm_context_parallel_workers.py``, with the all-gather attention: torch's ring attention has
-no CPU kernel) the recipe's context-parallel step over 2 ranks gives one process's losses, gradient norms,
-vision-tower gradients and weights for a tiny Llava (CLIP + Llama) and a tiny Qwen2-VL (multi-axis rope
-positions), on right-padded and on packed rows, and for a tiny Gemma 3 (each image's tokens attend to each other
-both ways; a sliding-window layer) on right- and left-padded rows. ``automodel validate`` accepts cp_size 2 where
-the device is CUDA and refuses, with the reason, what the path cannot run; on two GPUs the CLI trains like one
-process and its model/ loads with transformers.
+On CPU gloo ranks (``vlm_context_parallel_workers.py``, with the all-gather attention: torch's ring attention has no
+CPU kernel) the recipe's context-parallel step over 2 ranks gives one process's losses, gradient norms, vision-tower
+gradients and weights for a tiny Llava (CLIP + Llama) and a tiny Qwen2-VL (multi-axis rope positions), on right-
+padded and on packed rows, and for a tiny Gemma 3 (each image's tokens attend to each other both ways; a sliding-
+window layer) and a tiny Gemma 4 (the same on its sliding-window layers only) on right- and left-padded rows.
+``automodel validate`` accepts cp_size 2 where the device is CUDA and refuses, with the reason, what the path cannot
+run; on two GPUs the CLI trains like one process and its model/ loads with transformers.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from automodel.cli.main import main
 from automodel.testing import free_port, run_cli
 
 CP2 = ["--nproc-per-node", "2", "--distributed.strategy", "fsdp2", "--distributed.cp_size", "2"]
-FAMILIES = ["llava", "qwen2_vl", "gemma3"]
+FAMILIES = ["llava", "qwen2_vl", "gemma3", "gemma4"]
 
 
 @pytest.fixture(scope="module")
@@ -38,14 +38,14 @@ def cp_steps(tmp_path_factory):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_context_parallel_step_equals_one_process(cp_steps, family):
-    """Two steps of two micro-batches (right-padded rows, then packed rows; Gemma 3: then left-padded rows):
-    losses, gradient norms, the vision
-    tower's gradients of the first step (its images run on both ranks, each rank's loss only on its part of the
-    sequence) and the weights after."""
+    """Two steps of two micro-batches (right-padded rows, then packed rows; Gemma 3 and 4: then left-padded
+    rows): losses, gradient norms, the vision tower's gradients of the first step (its images run on both ranks,
+    each rank's loss only on its part of the sequence) and the weights after."""
     one = cp_steps["one"][family]
     for rank in cp_steps["cp2"]:
         ran = rank[family]
-        assert ran["hooked"] == 2  # the language model's two layers; the vision tower keeps its attention
+        # the language model's layers (Gemma 4's: four); the vision tower keeps its attention
+        assert ran["hooked"] == (4 if family == "gemma4" else 2)
         assert ran["length"] % 4 == 0  # the collate padded the rows to a multiple of 2 x cp_size
         assert ran["losses"] == pytest.approx(one["losses"], rel=1e-5)
         assert ran["norms"] == pytest.approx(one["norms"], rel=1e-5)
@@ -59,12 +59,13 @@ def test_the_context_parallel_step_equals_one_process(cp_steps, family):
             assert torch.allclose(torch.tensor(ran["state"][key]), torch.tensor(value), atol=1e-5), key
 
 
-def test_gemma3s_image_spans_in_the_mask_are_what_makes_it_equal_one_process(cp_steps):
+@pytest.mark.parametrize("family", ["gemma3", "gemma4"])
+def test_gemmas_image_spans_in_the_mask_are_what_makes_it_equal_one_process(cp_steps, family):
     """Without the image tokens' two-way spans the cp ranks run causal attention only, which is another model: its
-    gradient norms are percents off one process's (the equality above holds them to 1e-5), its second loss too."""
-    one = cp_steps["one"]["gemma3"]
+    gradient norms are off one process's (the equality above holds them to 1e-5), its second loss too."""
+    one = cp_steps["one"][family]
     for rank in cp_steps["cp2"]:
-        causal = rank["gemma3_causal"]
+        causal = rank[f"{family}_causal"]
         assert causal["norms"][0] != pytest.approx(one["norms"][0], rel=1e-3)
         assert causal["losses"][1] != pytest.approx(one["losses"][1], rel=1e-5)
 

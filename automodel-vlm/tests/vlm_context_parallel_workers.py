@@ -2,8 +2,9 @@
 against one process, for a tiny Llava (CLIP + Llama) and a tiny Qwen2-VL (multi-axis rope positions), with the
 all-gather attention (``distributed.cp_attention: all_gather``; torch's ring attention has no CPU kernel), on
 right-padded rows and on packed rows (two conversations a row, told apart by their text positions); and for a tiny
-Gemma 3 (each image's tokens attend to each other both ways, a sliding-window layer) on right-padded, then
-left-padded rows, once more on the cp ranks without the image spans in the mask (which must not match).
+Gemma 3 (each image's tokens attend to each other both ways, a sliding-window layer) and a tiny Gemma 4 (the same on
+its sliding-window layers only; per-layer inputs; layers sharing keys and values) on right-padded, then left-padded
+rows, once more on the cp ranks without the image spans in the mask (which must not match).
 
 Everything is the recipe's and the core's: the micro-batch collated by ``VLMCollator`` (or ``PackedVLMCollator``)
 padded to a multiple of 2 x cp, the vision tower and the merge on the whole batch on every rank, the language
@@ -72,7 +73,7 @@ def tiny_model(family: str) -> tuple[torch.nn.Module, Any]:
     same weights on every rank."""
     import json
 
-    from transformers import AutoConfig, AutoModelForImageTextToText, Gemma3Config
+    from transformers import AutoConfig, AutoModelForImageTextToText, Gemma3Config, Gemma4Config
     from vlm_testing import LLAVA_CONFIG, tiny_processor, tiny_qwen_vl_processor
 
     if family == "gemma3":
@@ -85,6 +86,21 @@ def tiny_model(family: str) -> tuple[torch.nn.Module, Any]:
                            "num_attention_heads": 2, "image_size": 16, "patch_size": 4},
             mm_tokens_per_image=GEMMA_IMAGE_TOKENS, image_token_index=GEMMA_IMAGE, boi_token_index=GEMMA_IMAGE + 1,
             eoi_token_index=GEMMA_IMAGE + 2)
+    elif family == "gemma4":  # images two-way on the sliding layers, per-layer inputs, the last two layers' keys
+        processor = None  # and values those of the first two
+        config = Gemma4Config(
+            text_config={"hidden_size": 32, "num_hidden_layers": 4, "num_attention_heads": 2,
+                         "num_key_value_heads": 1, "head_dim": 16, "global_head_dim": 16, "intermediate_size": 32,
+                         "vocab_size": GEMMA_VOCAB, "vocab_size_per_layer_input": GEMMA_VOCAB,
+                         "hidden_size_per_layer_input": 8, "sliding_window": 6, "num_kv_shared_layers": 2,
+                         "layer_types": ["sliding_attention", "full_attention"] * 2,
+                         "use_bidirectional_attention": "vision"},
+            vision_config={"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+                           "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 8, "patch_size": 4,
+                           "pooling_kernel_size": 2, "position_embedding_size": 64},
+            audio_config=None, image_token_id=GEMMA_IMAGE, boi_token_id=GEMMA_IMAGE + 1,
+            eoi_token_id=GEMMA_IMAGE + 2, video_token_id=GEMMA_IMAGE + 3, audio_token_id=GEMMA_IMAGE - 1,
+            boa_token_id=GEMMA_IMAGE - 2, eoa_token_index=GEMMA_IMAGE - 3)
     elif family == "llava":
         processor = tiny_processor()
         config = AutoConfig.for_model(**json.loads(LLAVA_CONFIG.read_text()))
@@ -131,10 +147,11 @@ def micro_batches(processor: Any, step: int, pad_to: int, rope: Any = False) -> 
     return batches
 
 
-def gemma3_micro_batches(step: int, pad_to: int, left: bool) -> list[dict[str, torch.Tensor]]:
-    """A step's Gemma 3 micro-batches as its processor makes them: per row a few text tokens, the image (begin, four
-    image tokens marked by ``token_type_ids``, end), a question and an answer (the labels), padded to a multiple of
-    ``pad_to`` on the right, or on the ``left``."""
+def gemma_micro_batches(family: str, step: int, pad_to: int, left: bool) -> list[dict[str, torch.Tensor]]:
+    """A step's Gemma 3 / 4 micro-batches as their processors make them: per row a few text tokens, the image
+    (begin, four image tokens marked by ``token_type_ids`` / ``mm_token_type_ids``, end), a question and an answer
+    (the labels), padded to a multiple of ``pad_to`` on the right, or on the ``left``; Gemma 4's images as 4 x 4
+    patches with their grid positions."""
     generator = torch.Generator().manual_seed(200 + step)
 
     def text(count: int) -> list[int]:
@@ -157,9 +174,15 @@ def gemma3_micro_batches(step: int, pad_to: int, left: bool) -> list[dict[str, t
             ids[row, place] = torch.tensor(prompt + answer)
             labels[row, place] = torch.tensor([IGNORE_INDEX] * len(prompt) + answer)
             mask[row, place] = 1
-        batches.append({"input_ids": ids, "attention_mask": mask, "labels": labels,
-                        "token_type_ids": (ids == GEMMA_IMAGE).long(),
-                        "pixel_values": torch.randn(ROWS, 3, 16, 16, generator=generator)})
+        batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+        if family == "gemma3":
+            batch |= {"token_type_ids": (ids == GEMMA_IMAGE).long(),
+                      "pixel_values": torch.randn(ROWS, 3, 16, 16, generator=generator)}
+        else:
+            grid = torch.stack(torch.meshgrid(torch.arange(4), torch.arange(4), indexing="xy"), -1).reshape(16, 2)
+            batch |= {"mm_token_type_ids": (ids == GEMMA_IMAGE).long(), "image_position_ids": grid.expand(ROWS, 16, 2),
+                      "pixel_values": torch.rand(ROWS, 16, 3 * 16, generator=generator)}
+        batches.append(batch)
     return batches
 
 
@@ -189,8 +212,8 @@ def run(family: str, layout: MeshLayout) -> dict[str, Any]:
         update()
 
     step.optimizer.step = record_then_update
-    if family == "gemma3":  # right-padded rows, then left-padded ones
-        batches = [gemma3_micro_batches(0, 2 * layout.cp, False), gemma3_micro_batches(1, 2 * layout.cp, True)]
+    if family.startswith("gemma"):  # right-padded rows, then left-padded ones
+        batches = [gemma_micro_batches(family, s, 2 * layout.cp, s == 1) for s in range(2)]
     else:  # right-padded rows, then packed rows (samples kept apart within a row)
         batches = [micro_batches(processor, 0, 2 * layout.cp), micro_batches(processor, 1, 2 * layout.cp,
                                                                              rope_index(model))]
@@ -202,15 +225,15 @@ def run(family: str, layout: MeshLayout) -> dict[str, Any]:
 
 def scenario_vlm_cp(args: dict[str, Any], out: Any) -> dict[str, Any]:
     """cp = world size (2), or the one-process reference without a process group; every family, and on the cp
-    ranks Gemma 3 once more with its image spans left out of the mask (causal attention only)."""
+    ranks Gemma 3 and 4 once more with their image spans left out of the mask (causal attention only)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     layout = plan_mesh(world, cp_size=world) if world > 1 else MeshLayout(1)
-    results = {family: run(family, layout) for family in ("llava", "qwen2_vl", "gemma3")}
+    results = {family: run(family, layout) for family in ("llava", "qwen2_vl", "gemma3", "gemma4")}
     if world > 1:
         import automodel_vlm.recipe
 
         automodel_vlm.recipe.two_way_spans = lambda config, inputs: None
-        results["gemma3_causal"] = run("gemma3", layout)
+        results |= {f"{family}_causal": run(family, layout) for family in ("gemma3", "gemma4")}
     return results
 
 
