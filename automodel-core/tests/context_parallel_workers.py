@@ -1,12 +1,12 @@
-"""The loop's context-parallel step (``TrainingLoop._train_step`` with ``sequence_parts``) on CPU gloo ranks with
-the all-gather attention (``distributed.cp_attention: all_gather``), against one process: a tiny Qwen2 (Llama's
-layers with a sliding-window first layer and grouped key/value heads) built from its config, on right-padded rows
-(the attention mask's zeros at the end) and on packed rows (positions restarting at each document, no mask). Every
-part the engine runs for context parallelism — the split inside the region, the positions that travel with the
-tokens, the targets shifted before the split, the gathered keys and values with their mask (causal, padding,
-documents, the layer's window), the loss without a second shift, the label tokens counted before the split, the
-scale ``dp * cp / tokens``, the loss summed over the ``cp`` group, FSDP2 over ``dp_shard x cp`` — is compared,
-number for number, with one process running transformers' own masks; with the loss inside the output head
+"""The loop's context-parallel step (``TrainingLoop._train_step`` with ``sequence_parts``) on CPU gloo ranks with the
+all-gather attention (``distributed.cp_attention: all_gather``), against one process: a tiny Qwen2 (Llama's layers
+with a sliding-window first layer and grouped key/value heads) built from its config, on padded rows (the attention
+mask's zeros at the end of some rows, at the start of the others) and on packed rows (positions restarting at each
+document, no mask). Every part the engine runs for context parallelism — the split inside the region, the positions
+that travel with the tokens, the targets shifted before the split, the gathered keys and values with their mask
+(causal, padding, documents, the layer's window), the loss without a second shift, the label tokens counted before
+the split, the scale ``dp * cp / tokens``, the loss summed over the ``cp`` group, FSDP2 over ``dp_shard x cp`` — is
+compared, number for number, with one process running transformers' own masks; with the loss inside the output head
 (FusedLinearCrossEntropy) too, and on cp 2 x tp 2 (the attention on each rank's tensor-parallel heads, the loss
 vocabulary-parallel; with sequence parallelism for two of the losses).
 
@@ -82,20 +82,24 @@ class Step(NextTokenLogits, TrainingLoop):
 
 def micro_batches(step: int, dp_rank: int, dp: int) -> list[dict[str, torch.Tensor]]:
     """A step's micro-batches, this data-parallel rank's rows, about a third of the labels ignored (so the ranks and
-    micro-batches carry different token counts): right-padded rows first, then packed rows (documents of 1 to 8
-    tokens, positions restarting at each, its first label ignored as packing does)."""
+    micro-batches carry different token counts): padded rows first (every other one on the left), then packed rows
+    (documents of 1 to 8 tokens, positions restarting at each, its first label ignored as packing does)."""
     generator = torch.Generator().manual_seed(3000 + step)
     ids = torch.randint(0, VOCAB, (MICRO_BATCHES, ROWS, SEQ), generator=generator)
     labels = ids.masked_fill(torch.rand(ids.shape, generator=generator) < 0.35, IGNORE_INDEX)
     lengths = torch.randint(SEQ // 2, SEQ + 1, (ROWS, 1), generator=generator)
     mask = (torch.arange(SEQ) < lengths).long()
+    mask[1::2] = mask[1::2].flip(-1)  # left padding
+    # a row's first real token has no label (a collator's rows start with a prompt): one process would predict it
+    # from the padding before it, whose query sees no key there (a query sees itself here)
+    opening = torch.nn.functional.pad(mask, (1, 0))[:, :-1] < mask
     starts = torch.rand(ROWS, SEQ, generator=generator) < 0.2
     starts[:, 0] = True
     documents = starts.cumsum(-1)
     first = torch.stack([(documents[r, :, None] == documents[r]).float().argmax(-1) for r in range(ROWS)])
     positions = torch.arange(SEQ) - first
     rows = slice(dp_rank * ROWS // dp, (dp_rank + 1) * ROWS // dp)
-    padded = {"input_ids": ids[0, rows], "labels": labels[0].masked_fill(mask == 0, IGNORE_INDEX)[rows],
+    padded = {"input_ids": ids[0, rows], "labels": labels[0].masked_fill((mask == 0) | opening, IGNORE_INDEX)[rows],
               "attention_mask": mask[rows]}
     packed = {"input_ids": ids[1, rows], "labels": labels[1].masked_fill(starts, IGNORE_INDEX)[rows],
               "position_ids": positions[rows]}

@@ -23,6 +23,7 @@ from automodel.training.parallel.activation_checkpointing import apply_activatio
 from automodel.training.parallel.all_gather_attention import (
     GatheredVisibility,
     SplitRegion,
+    TwoWaySpans,
     causal_calls_to,
     documents,
 )
@@ -133,6 +134,23 @@ def test_the_all_gather_mask_is_causal_on_global_indices_within_documents_and_wi
     seen = padded.mask_for(None)[0, 0]
     assert seen[1].tolist() == [True, True, False, False, True, True, False, False]  # token 3: 0 .. 3
     assert seen[3].tolist() == [True, True, False, False, True, True, False, True]  # padding 5: the real, itself
+    left = GatheredVisibility(8, mesh, torch.arange(8)[None], torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1]]))
+    assert left.mask_for(None)[0, 0, 2].tolist() == [False] * 5 + [True, True, False]  # token 4: 3, 4, no padding
+
+
+def test_two_way_spans_see_each_other_on_the_layers_the_model_says_then_the_window_and_padding_apply():
+    """Transformers' order: (causal or same span), then the window and the padding. Rank 1 of 2 holds 2, 3, 4, 5;
+    the span is tokens 3 .. 6 (across both ranks' parts); Gemma 4's spans act on sliding layers only."""
+    mesh = SimpleNamespace(size=lambda: 2, get_local_rank=lambda: 1)
+    ids = torch.tensor([[-1, -1, -1, 0, 0, 0, 0, -1]])
+    spans = GatheredVisibility(8, mesh, torch.arange(8)[None], torch.tensor([[1] * 6 + [0, 1]]), TwoWaySpans(ids))
+    # keys 0, 1, 6, 7, 2, 3, 4, 5: token 3 sees 0 .. 3 and its span's 4, 5 (6 is padding here)
+    assert spans.mask_for(None)[0, 0, 1].tolist() == [True, True, False, False, True, True, True, True]
+    assert spans.mask_for(2)[0, 0, 1].tolist() == [False] * 4 + [True] * 4  # 2, 3 and the span's later 4, 5
+    assert spans.mask_for(None)[0, 0, 0].tolist() == [True, True, False, False, True, False, False, False]  # text
+    sliding_only = GatheredVisibility(8, mesh, torch.arange(8)[None], None, TwoWaySpans(ids, full_layers=False))
+    assert sliding_only.mask_for(None)[0, 0, 1].tolist() == [True, True, False, False, True, True, False, False]
+    assert sliding_only.mask_for(4)[0, 0, 1].tolist() == [True, True, True, False, True, True, True, True]
 
 
 def test_torch_ring_attention_does_not_run_on_cpu(ranks):
@@ -204,13 +222,22 @@ def test_the_batch_keeps_its_own_positions_and_new_tensors():
     assert batch.input_ids is not ids and batch.position_ids is not positions  # the region splits them in place
 
 
-def test_left_padding_is_refused_with_what_to_do():
+def test_left_padding_is_refused_for_ring_attention_with_what_to_do():
+    """Ring attention has no mask; the all-gather attention's mask hides padding anywhere, so it takes left
+    padding."""
     batch = {"input_ids": torch.tensor([[0, 5, 6, 7]]), "labels": torch.tensor([[IGNORE_INDEX, 5, 6, 7]]),
              "attention_mask": torch.tensor([[0, 1, 1, 1]])}
-    with pytest.raises(AutomodelError, match="left padding.*pad on the right"):
-        NextTokenLogits.context_parallel_batch(None, batch)
+
+    def recipe(attention):
+        return SimpleNamespace(cfg=SimpleNamespace(distributed=SimpleNamespace(cp_size=2, cp_attention=attention)),
+                               device=torch.device("cpu"), model=None)
+
+    with pytest.raises(AutomodelError, match="left padding.*pad on the right.*cp_attention: all_gather"):
+        NextTokenLogits.context_parallel_batch(recipe("ring"), batch)
+    left = NextTokenLogits.context_parallel_batch(recipe("all_gather"), batch)
+    assert left.attention_mask.tolist() == [[0, 1, 1, 1]] and left.targets.tolist() == [[5, 6, 7, IGNORE_INDEX]]
     right = {**batch, "attention_mask": torch.tensor([[1, 1, 1, 0]])}
-    assert NextTokenLogits.context_parallel_batch(None, right).targets.tolist() == [[5, 6, 7, IGNORE_INDEX]]
+    assert NextTokenLogits.context_parallel_batch(recipe("ring"), right).targets.tolist() == [[5, 6, 7, IGNORE_INDEX]]
 
 
 def test_attention_is_found_below_activation_checkpointing_and_runs_without_the_mask_inside_the_region():

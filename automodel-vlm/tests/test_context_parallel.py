@@ -1,14 +1,15 @@
 """Context parallelism (``distributed.cp_size > 1``) in the VLM recipe: the sequence is split after the multimodal
 merge (``automodel_vlm.context_parallel``).
 
-On CPU gloo ranks (``vlm_context_parallel_workers.py``, with the all-gather attention: torch's ring attention has
-no CPU kernel) the recipe's context-parallel step over 2 ranks gives one process's losses, gradient norms,
-vision-tower gradients and weights for a tiny Llava (CLIP + Llama) and a tiny Qwen2-VL (multi-axis rope
-positions, pictures of three sizes), on right-padded and on packed rows; so does the Qwen2-VL with its vision
-tower's frames split over the ranks (``distributed.multimodal.vision.frame_sharding``; and a Qwen3-VL tower's, a
-video's frames cut between them). ``automodel validate``
-accepts cp_size 2 where the device is CUDA and refuses, with the reason, what the path cannot run; on two GPUs the
-CLI trains like one process and its model/ loads with transformers.
+On CPU gloo ranks (``vlm_context_parallel_workers.py``, with the all-gather attention: torch's ring attention has no
+CPU kernel) the recipe's context-parallel step over 2 ranks gives one process's losses, gradient norms, vision-tower
+gradients and weights for a tiny Llava (CLIP + Llama) and a tiny Qwen2-VL (multi-axis rope positions, pictures of
+three sizes), on right-padded and on packed rows; so does the Qwen2-VL with its vision tower's frames split over the
+ranks (``distributed.multimodal.vision.frame_sharding``; and a Qwen3-VL tower's, a video's frames cut between them);
+and a tiny Gemma 3 (each image's tokens attend to each other both ways; a sliding-window layer) and a tiny Gemma 4
+(the same on its sliding-window layers only) on right- and left-padded rows. ``automodel validate`` accepts cp_size 2
+where the device is CUDA and refuses, with the reason, what the path cannot run; on two GPUs the CLI trains like one
+process and its model/ loads with transformers.
 """
 
 from __future__ import annotations
@@ -23,12 +24,12 @@ from automodel.cli.main import main
 from automodel.testing import free_port, run_cli
 
 CP2 = ["--nproc-per-node", "2", "--distributed.strategy", "fsdp2", "--distributed.cp_size", "2"]
-FAMILIES = ["llava", "qwen2_vl"]
+FAMILIES = ["llava", "qwen2_vl", "gemma3", "gemma4"]
 
 
 @pytest.fixture(scope="module")
 def cp_steps(tmp_path_factory):
-    """One process and cp 2 on two gloo ranks, launched together (both families in each)."""
+    """One process and cp 2 on two gloo ranks, launched together (every family in each)."""
     from parallel_testing import launch_together
 
     tmp = tmp_path_factory.mktemp("vlm_cp")
@@ -39,13 +40,14 @@ def cp_steps(tmp_path_factory):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_context_parallel_step_equals_one_process(cp_steps, family):
-    """Two steps of two micro-batches (right-padded rows, then packed rows): losses, gradient norms, the vision
-    tower's gradients of the first step (its images run on both ranks, each rank's loss only on its part of the
-    sequence) and the weights after."""
+    """Two steps of two micro-batches (right-padded rows, then packed rows; Gemma 3 and 4: then left-padded
+    rows): losses, gradient norms, the vision tower's gradients of the first step (its images run on both ranks,
+    each rank's loss only on its part of the sequence) and the weights after."""
     one = cp_steps["one"][family]
     for rank in cp_steps["cp2"]:
         ran = rank[family]
-        assert ran["hooked"] == 2  # the language model's two layers; the vision tower keeps its attention
+        # the language model's layers (Gemma 4's: four); the vision tower keeps its attention
+        assert ran["hooked"] == (4 if family == "gemma4" else 2)
         assert ran["length"] % 4 == 0  # the collate padded the rows to a multiple of 2 x cp_size
         assert ran["losses"] == pytest.approx(one["losses"], rel=1e-5)
         assert ran["norms"] == pytest.approx(one["norms"], rel=1e-5)
@@ -102,6 +104,17 @@ def test_frame_sharding_balances_contiguous_runs_of_frames():
     assert balanced_cuts([1, 1, 10], 2) == [0, 2, 3]
     assert balanced_cuts([10, 1, 1, 1, 1], 3) == [0, 1, 2, 5]  # one item at least for every rank
     assert balanced_cuts([3, 3], 4) == [0, 1, 2, 2, 2]  # fewer items than ranks: the last ones get none
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gemma4"])
+def test_gemmas_image_spans_in_the_mask_are_what_makes_it_equal_one_process(cp_steps, family):
+    """Without the image tokens' two-way spans the cp ranks run causal attention only, which is another model: its
+    gradient norms are off one process's (the equality above holds them to 1e-5), its second loss too."""
+    one = cp_steps["one"][family]
+    for rank in cp_steps["cp2"]:
+        causal = rank[f"{family}_causal"]
+        assert causal["norms"][0] != pytest.approx(one["norms"][0], rel=1e-3)
+        assert causal["losses"][1] != pytest.approx(one["losses"][1], rel=1e-5)
 
 
 @pytest.fixture
@@ -169,30 +182,58 @@ def test_cp2_on_two_gpus_trains_like_one_process_and_saves_a_model_transformers_
         assert torch.allclose(loaded.state_dict()[key], value, atol=1e-3), key
 
 
-def test_models_whose_attention_is_not_one_causal_attention_are_refused_with_cp():
+def test_models_whose_attention_is_not_one_causal_attention_are_refused_with_ring_attention():
     """Ring attention is causal over the whole split sequence: a Gemma 3 (its image tokens attend to each other
-    both ways) or a model with sliding-window layers would silently train another attention under it."""
-    from transformers import Gemma3Config, LlavaConfig, MistralConfig, Qwen2VLConfig
+    both ways) or a model with sliding-window layers would silently train another attention under it; the
+    all-gather attention's mask takes the spans. A language model that attends both ways everywhere, and the
+    unchecked Gemma 3n, are refused with either."""
+    from transformers import Gemma3Config, Gemma3nConfig, LlavaConfig, MistralConfig, Qwen2VLConfig
 
     from automodel.training.parallel.context_parallel import sliding_window_issue
     from automodel_vlm.context_parallel import attention_issue
     from automodel_vlm.frame_sharding import frame_sharding_issue
 
-    assert "attend to each other both ways" in attention_issue(Gemma3Config())
+    assert "attend to each other both ways" in attention_issue(Gemma3Config(), "ring")
+    assert "set distributed.cp_attention: all_gather" in attention_issue(Gemma3Config(), "ring")
+    assert attention_issue(Gemma3Config(), "all_gather") is None
+    embedding = Gemma3Config(text_config={"use_bidirectional_attention": True})
+    assert "attends both ways over the whole sequence" in attention_issue(embedding, "all_gather")
+    assert "gemma3n model" in attention_issue(Gemma3nConfig(), "all_gather")
     sliding = LlavaConfig(text_config=MistralConfig(sliding_window=64, layer_types=["sliding_attention"] * 2,
                                                     num_hidden_layers=2))
     assert "sliding-window layers see only the last 64 tokens" in sliding_window_issue(sliding)
     for plain in (Qwen2VLConfig(), LlavaConfig()):
-        assert attention_issue(plain) is None and sliding_window_issue(plain) is None
+        assert attention_issue(plain, "ring") is None and sliding_window_issue(plain) is None
     assert frame_sharding_issue(Qwen2VLConfig()) is None and "a llava model" in frame_sharding_issue(LlavaConfig())
 
 
-def test_a_gemma3_model_config_is_refused_with_cp_at_validation(tmp_path, on_cuda, capsys):
+def test_two_way_spans_follow_each_familys_rule():
+    """Gemma 3: each image's run of token type 1, every layer; Gemma 4 (``use_bidirectional_attention: vision``):
+    images and videos (types 1, 2), sliding layers only; PaliGemma: the prefix (type 0); the others: none."""
+    from transformers import Gemma3Config, Gemma4Config, LlavaConfig, PaliGemmaConfig
+
+    from automodel_vlm.context_parallel import two_way_spans
+
+    types = torch.tensor([[0, 1, 1, 0, 1, 0, 2, 2]])
+    gemma3 = two_way_spans(Gemma3Config(), {"token_type_ids": types.clamp(max=1)})
+    assert gemma3.ids.tolist() == [[-1, 0, 0, -1, 1, -1, 2, 2]] and gemma3.full_layers
+    vision = Gemma4Config(text_config={"use_bidirectional_attention": "vision"})
+    gemma4 = two_way_spans(vision, {"mm_token_type_ids": types})
+    assert gemma4.ids.tolist() == [[-1, 0, 0, -1, 1, -1, 2, 2]] and not gemma4.full_layers
+    assert two_way_spans(Gemma4Config(), {"mm_token_type_ids": types}) is None  # causal Gemma 4 models
+    assert two_way_spans(PaliGemmaConfig(), {"token_type_ids": types.clamp(max=1)}).ids.tolist() == [
+        [0, -1, -1, 0, -1, 0, -1, -1]]
+    assert two_way_spans(LlavaConfig(), {"token_type_ids": types}) is None
+
+
+def test_a_gemma3_model_config_is_refused_with_ring_attention_at_validation(tmp_path, on_cuda, capsys):
     from transformers import Gemma3Config
 
     model_dir = tmp_path / "gemma3"
     Gemma3Config().save_pretrained(model_dir)
     config = write_config(tmp_path / "cfg.yaml", tmp_path / "ckpt", eval_generation={"enabled": False},
                           model={"config": str(model_dir)})
-    assert main(["validate", "-c", str(config), *CP2]) == 2
-    assert "distributed.cp_size: 2: a gemma3 model lets each image's tokens attend" in capsys.readouterr().err
+    assert main(["validate", "-c", str(config), *CP2, "--distributed.cp_attention", "ring"]) == 2
+    err = capsys.readouterr().err
+    assert "distributed.cp_size: 2: a gemma3 model lets spans of its tokens (its images) attend" in err
+    assert main(["validate", "-c", str(config), *CP2]) == 0, capsys.readouterr().err  # auto: all_gather

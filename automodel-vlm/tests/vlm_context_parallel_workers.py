@@ -3,7 +3,10 @@ against one process, for a tiny Llava (CLIP + Llama) and a tiny Qwen2-VL (multi-
 three sizes), with the all-gather attention (``distributed.cp_attention: all_gather``; torch's ring attention has no
 CPU kernel), on right-padded rows and on packed rows (two conversations a row, told apart by their text positions);
 on cp ranks the Qwen2-VL once more with its vision tower's frames split over them (``frame_sharding``), and a tiny
-Qwen3-VL vision tower split by frames (a video's among them) against whole.
+Qwen3-VL vision tower split by frames (a video's among them) against whole; and for a tiny Gemma 3 (each image's
+tokens attend to each other both ways, a sliding-window layer) and a tiny Gemma 4 (the same on its sliding-window
+layers only; per-layer inputs; layers sharing keys and values) on right-padded, then left-padded rows, once more on
+the cp ranks without the image spans in the mask (which must not match).
 
 Everything is the recipe's and the core's: the micro-batch collated by ``VLMCollator`` (or ``PackedVLMCollator``)
 padded to a multiple of 2 x cp, the vision tower (or its frame sharding) and the merge on every rank, the language
@@ -28,7 +31,7 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "automodel-core" / "tests"))  # the core's workers
 from parallel_workers import full_state, main  # noqa: E402
 
-from automodel.training.loss import MaskedCrossEntropy
+from automodel.training.loss import IGNORE_INDEX, MaskedCrossEntropy
 from automodel.training.next_token import HeadOnPositions
 from automodel.training.parallel.context_parallel import causal_attention_without_mask, fsdp_mesh
 from automodel.training.parallel.fsdp import apply_fsdp2
@@ -43,6 +46,7 @@ from automodel_vlm.parts import MULTIMODAL_NAMES, find_part
 from automodel_vlm.recipe import FinetuneRecipeForVLM
 
 MICRO_BATCHES, ROWS = 2, 2
+GEMMA_VOCAB, GEMMA_IMAGE, GEMMA_IMAGE_TOKENS = 64, 60, 4
 COLORS = ["red", "green", "blue", "yellow"]
 SIZES = [(32, 32), (32, 48), (48, 64)]  # Qwen2-VL: 16, 24 and 48 patch rows, 4, 6 and 12 merged tokens
 
@@ -72,13 +76,39 @@ class Step(FinetuneRecipeForVLM):
 
 
 def tiny_model(family: str) -> tuple[torch.nn.Module, Any]:
-    """The family's tiny model (fp32, SDPA) and processor, the same weights on every rank."""
+    """The family's tiny model (fp32, SDPA) and processor (None for Gemma 3, whose batches are built by hand), the
+    same weights on every rank."""
     import json
 
-    from transformers import AutoConfig, AutoModelForImageTextToText
+    from transformers import AutoConfig, AutoModelForImageTextToText, Gemma3Config, Gemma4Config
     from vlm_testing import LLAVA_CONFIG, tiny_processor, tiny_qwen_vl_processor
 
-    if family == "llava":
+    if family == "gemma3":
+        processor = None
+        config = Gemma3Config(
+            text_config={"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+                         "num_key_value_heads": 1, "head_dim": 16, "intermediate_size": 32, "vocab_size": GEMMA_VOCAB,
+                         "sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"]},
+            vision_config={"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+                           "num_attention_heads": 2, "image_size": 16, "patch_size": 4},
+            mm_tokens_per_image=GEMMA_IMAGE_TOKENS, image_token_index=GEMMA_IMAGE, boi_token_index=GEMMA_IMAGE + 1,
+            eoi_token_index=GEMMA_IMAGE + 2)
+    elif family == "gemma4":  # images two-way on the sliding layers, per-layer inputs, the last two layers' keys
+        processor = None  # and values those of the first two
+        config = Gemma4Config(
+            text_config={"hidden_size": 32, "num_hidden_layers": 4, "num_attention_heads": 2,
+                         "num_key_value_heads": 1, "head_dim": 16, "global_head_dim": 16, "intermediate_size": 32,
+                         "vocab_size": GEMMA_VOCAB, "vocab_size_per_layer_input": GEMMA_VOCAB,
+                         "hidden_size_per_layer_input": 8, "sliding_window": 6, "num_kv_shared_layers": 2,
+                         "layer_types": ["sliding_attention", "full_attention"] * 2,
+                         "use_bidirectional_attention": "vision"},
+            vision_config={"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+                           "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 8, "patch_size": 4,
+                           "pooling_kernel_size": 2, "position_embedding_size": 64},
+            audio_config=None, image_token_id=GEMMA_IMAGE, boi_token_id=GEMMA_IMAGE + 1,
+            eoi_token_id=GEMMA_IMAGE + 2, video_token_id=GEMMA_IMAGE + 3, audio_token_id=GEMMA_IMAGE - 1,
+            boa_token_id=GEMMA_IMAGE - 2, eoa_token_index=GEMMA_IMAGE - 3)
+    elif family == "llava":
         processor = tiny_processor()
         config = AutoConfig.for_model(**json.loads(LLAVA_CONFIG.read_text()))
     else:
@@ -125,6 +155,45 @@ def micro_batches(processor: Any, step: int, pad_to: int, rope: Any = False) -> 
     return batches
 
 
+def gemma_micro_batches(family: str, step: int, pad_to: int, left: bool) -> list[dict[str, torch.Tensor]]:
+    """A step's Gemma 3 / 4 micro-batches as their processors make them: per row a few text tokens, the image
+    (begin, four image tokens marked by ``token_type_ids`` / ``mm_token_type_ids``, end), a question and an answer
+    (the labels), padded to a multiple of ``pad_to`` on the right, or on the ``left``; Gemma 4's images as 4 x 4
+    patches with their grid positions."""
+    generator = torch.Generator().manual_seed(200 + step)
+
+    def text(count: int) -> list[int]:
+        return torch.randint(2, GEMMA_IMAGE, (count,), generator=generator).tolist()
+
+    batches = []
+    for _ in range(MICRO_BATCHES):
+        rows, answers = [], []
+        for _ in range(ROWS):
+            lengths = torch.randint(1, 5, (3,), generator=generator).tolist()
+            image = [GEMMA_IMAGE + 1] + [GEMMA_IMAGE] * GEMMA_IMAGE_TOKENS + [GEMMA_IMAGE + 2]
+            rows.append([1, *text(lengths[0]), *image, *text(lengths[1])])
+            answers.append(text(lengths[2] + 1))
+        width = -(-max(len(r) + len(a) for r, a in zip(rows, answers, strict=True)) // pad_to) * pad_to
+        ids, labels, mask = (torch.zeros(ROWS, width, dtype=torch.long) for _ in range(3))
+        labels.fill_(IGNORE_INDEX)
+        for row, (prompt, answer) in enumerate(zip(rows, answers, strict=True)):
+            length = len(prompt) + len(answer)
+            place = slice(width - length, width) if left else slice(0, length)
+            ids[row, place] = torch.tensor(prompt + answer)
+            labels[row, place] = torch.tensor([IGNORE_INDEX] * len(prompt) + answer)
+            mask[row, place] = 1
+        batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+        if family == "gemma3":
+            batch |= {"token_type_ids": (ids == GEMMA_IMAGE).long(),
+                      "pixel_values": torch.randn(ROWS, 3, 16, 16, generator=generator)}
+        else:
+            grid = torch.stack(torch.meshgrid(torch.arange(4), torch.arange(4), indexing="xy"), -1).reshape(16, 2)
+            batch |= {"mm_token_type_ids": (ids == GEMMA_IMAGE).long(), "image_position_ids": grid.expand(ROWS, 16, 2),
+                      "pixel_values": torch.rand(ROWS, 16, 3 * 16, generator=generator)}
+        batches.append(batch)
+    return batches
+
+
 def vision_tower(model: torch.nn.Module) -> torch.nn.Module:
     return find_part(model, "vision_tower")[1]
 
@@ -156,9 +225,11 @@ def run(family: str, layout: MeshLayout, frames: dict[str, Any] | None = None) -
         update()
 
     step.optimizer.step = record_then_update
-    # the first step on right-padded rows, the second on packed rows (samples kept apart within a row)
-    batches = [micro_batches(processor, 0, 2 * layout.cp), micro_batches(processor, 1, 2 * layout.cp,
-                                                                         rope_index(model))]
+    if family.startswith("gemma"):  # right-padded rows, then left-padded ones
+        batches = [gemma_micro_batches(family, s, 2 * layout.cp, s == 1) for s in range(2)]
+    else:  # right-padded rows, then packed rows (samples kept apart within a row)
+        batches = [micro_batches(processor, 0, 2 * layout.cp), micro_batches(processor, 1, 2 * layout.cp,
+                                                                             rope_index(model))]
     results = [step._train_step(b) for b in batches]
     return {"losses": [loss.item() for loss, _, _ in results], "norms": [norm.item() for _, norm, _ in results],
             "vision_grads": grads, "state": {k: v.tolist() for k, v in full_state(model).items()},
@@ -207,15 +278,21 @@ def qwen3_vl_tower_split(cp_mesh: Any) -> dict[str, Any]:
 
 
 def scenario_vlm_cp(args: dict[str, Any], out: Any) -> dict[str, Any]:
-    """cp = world size (2), or the one-process reference without a process group; both families, and on cp ranks
-    the Qwen2-VL with frame sharding (every batch split; a rank under 40 patch rows padded with zero frames)."""
+    """cp = world size (2), or the one-process reference without a process group; every family, and on the cp
+    ranks the Qwen2-VL with frame sharding (every batch split; a rank under 40 patch rows padded with zero frames), a
+    Qwen3-VL tower split by frames, and Gemma 3 and 4 once more with their image spans left out of the mask (causal
+    attention only)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     layout = plan_mesh(world, cp_size=world) if world > 1 else MeshLayout(1)
-    runs = {family: run(family, layout) for family in ("llava", "qwen2_vl")}
+    results = {family: run(family, layout) for family in ("llava", "qwen2_vl", "gemma3", "gemma4")}
     if world > 1:
-        runs["qwen2_vl_frames"] = run("qwen2_vl", layout, {"min_tokens": 0, "min_local_patch_rows": 40})
-        runs["qwen3_vl_tower"] = qwen3_vl_tower_split(build_device_mesh(layout, "cpu")[CP])
-    return runs
+        results["qwen2_vl_frames"] = run("qwen2_vl", layout, {"min_tokens": 0, "min_local_patch_rows": 40})
+        results["qwen3_vl_tower"] = qwen3_vl_tower_split(build_device_mesh(layout, "cpu")[CP])
+        import automodel_vlm.recipe
+
+        automodel_vlm.recipe.two_way_spans = lambda config, inputs: None
+        results |= {f"{family}_causal": run(family, layout) for family in ("gemma3", "gemma4")}
+    return results
 
 
 if __name__ == "__main__":

@@ -8,9 +8,11 @@ image features scattered into the token embeddings, the model's positions (Qwen-
 them) computed over the whole rows. A forward pre-hook on the language model then keeps this rank's part of the
 merged embeddings and of the positions, in the layout the core's region splits the next-token targets in
 (``automodel.training.parallel.context_parallel.split_sequence``), and the language model runs on that part with the
-region's attention (ring or all-gather, ``distributed.cp_attention``). The split is differentiable: the vision
-tower's gradient on a rank is that of the rank's part of the loss, and FSDP2's average over ``dp x cp`` ranks, with
-the engine's ``dp * cp / tokens`` scale, makes it the single-process gradient.
+region's attention (ring or all-gather, ``distributed.cp_attention``). Where the model lets spans of tokens attend
+to each other both ways (Gemma 3's images, :func:`two_way_spans`), the all-gather attention's mask takes them from
+the whole rows' token types; ring attention is refused for such models (:func:`attention_issue`). The split is
+differentiable: the vision tower's gradient on a rank is that of the rank's part of the loss, and FSDP2's average
+over ``dp x cp`` ranks, with the engine's ``dp * cp / tokens`` scale, makes it the single-process gradient.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from automodel.errors import AutomodelError
+from automodel.training.parallel.all_gather_attention import TwoWaySpans
 from automodel.training.parallel.context_parallel import ContextParallelBatch, split_sequence
 
 if TYPE_CHECKING:
@@ -45,8 +48,9 @@ class MultimodalContextParallelBatch(ContextParallelBatch):
 
 class SequenceSplit:
     """A forward pre-hook on the language model that, while :meth:`active`, hands it this rank's part of the
-    merged embeddings and of the positions (each row's ``0 .. length - 1`` where the model passes none), without
-    an attention mask (the region's attention builds its own from the whole rows)."""
+    merged embeddings, of the positions (each row's ``0 .. length - 1`` where the model passes none) and of
+    Gemma 4's per-layer inputs, without an attention mask (the region's attention builds its own from the whole
+    rows)."""
 
     def __init__(self, language_model: torch.nn.Module, cp_mesh: DeviceMesh):
         self.cp_mesh = cp_mesh
@@ -65,9 +69,12 @@ class SequenceSplit:
         positions = kwargs.get("position_ids")
         if positions is None:
             positions = torch.arange(embeds.shape[1], device=embeds.device).expand(embeds.shape[:2])
-        return args, {**kwargs, "inputs_embeds": split_sequence(embeds, self.cp_mesh),
-                      "position_ids": split_sequence(positions, self.cp_mesh, dim=positions.dim() - 1),
-                      "attention_mask": None}
+        split = {"inputs_embeds": split_sequence(embeds, self.cp_mesh),
+                 "position_ids": split_sequence(positions, self.cp_mesh, dim=positions.dim() - 1),
+                 "attention_mask": None}
+        if kwargs.get("per_layer_inputs") is not None:  # Gemma 4's: [batch, sequence, layers, size]
+            split["per_layer_inputs"] = split_sequence(kwargs["per_layer_inputs"], self.cp_mesh)
+        return args, {**kwargs, **split}
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
@@ -79,16 +86,48 @@ class SequenceSplit:
             self._on = False
 
 
-# model types whose processors mark image tokens (token_type_ids) that the model lets attend to each other both ways
-BIDIRECTIONAL_IMAGE_MODELS = ("gemma3", "gemma3n", "gemma4", "paligemma")
-
-
-def attention_issue(config: Any) -> str | None:
-    """Why the model's image tokens do not attend causally, which is all context parallelism's attentions compute
-    (ring and all-gather; None: they do); sliding-window layers are the core's check."""
+def two_way_spans(config: Any, inputs: dict[str, Any]) -> TwoWaySpans | None:
+    """The spans of a micro-batch's tokens that the model lets attend to each other both ways, by the model's own
+    rule (transformers' ``block_sequence_ids``, from the processor's token types): Gemma 3's images on every layer,
+    Gemma 4's images and videos on its sliding-window layers (``use_bidirectional_attention: vision``), PaliGemma's
+    prefix (image and prompt, ``token_type_ids`` 0) on every layer; None for the others (causal)."""
     model_type = getattr(config, "model_type", None)
-    if model_type not in BIDIRECTIONAL_IMAGE_MODELS:
-        return None
-    return (f"a {model_type} model lets each image's tokens attend to each other both ways, but context "
-            "parallelism's attention (ring or all-gather) is causal over the split sequence, which would train "
-            "another attention; set cp_size: 1")
+    if model_type == "gemma3" and inputs.get("token_type_ids") is not None:
+        from transformers.models.gemma3.modeling_gemma3 import get_block_sequence_ids_for_mask
+
+        return TwoWaySpans(get_block_sequence_ids_for_mask(inputs["token_type_ids"]))
+    if model_type == "paligemma" and inputs.get("token_type_ids") is not None:
+        return TwoWaySpans(torch.where(inputs["token_type_ids"] == 0, 0, -1))
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if (model_type == "gemma4" and getattr(text, "use_bidirectional_attention", None) == "vision"
+            and inputs.get("mm_token_type_ids") is not None):
+        from transformers.models.gemma4.modeling_gemma4 import get_block_sequence_ids_for_mask
+
+        ids = inputs["mm_token_type_ids"]
+        return TwoWaySpans(get_block_sequence_ids_for_mask(ids, ids.device), full_layers=False)
+    return None
+
+
+# model types whose language model lets spans of tokens (images, a prompt prefix) attend to each other both ways
+TWO_WAY_MODELS = ("gemma3", "gemma4", "paligemma")
+
+
+def attention_issue(config: Any, attention: str) -> str | None:
+    """Why context parallelism's ``attention`` (ring or all_gather) does not compute the model's attention (None:
+    it does); sliding-window layers are the core's check. The all-gather attention's mask takes the spans that
+    attend both ways (:func:`two_way_spans`); torch's ring attention is causal only."""
+    model_type = getattr(config, "model_type", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(text, "use_bidirectional_attention", None) in (True, "all"):
+        return (f"a {model_type} model whose language model attends both ways over the whole sequence "
+                "(use_bidirectional_attention), which context parallelism's causal attention does not compute; set "
+                "cp_size: 1")
+    if model_type == "gemma3n":
+        return ("a gemma3n model (per-layer inputs, audio and key/value sharing across layers) has not been checked "
+                "against one process under context parallelism; set cp_size: 1")
+    if model_type in TWO_WAY_MODELS and attention == "ring":
+        return (f"a {model_type} model lets spans of its tokens (its images) attend to each other both ways, but "
+                "torch's ring attention (distributed.cp_attention: ring) is causal over the split sequence, which "
+                "would train another attention; set distributed.cp_attention: all_gather (or auto), whose mask "
+                "takes those spans")
+    return None

@@ -29,7 +29,7 @@ from automodel.training.parallel.pipeline_media import media_kwargs
 from automodel.training.parallelism import model_hf_config, validation_device
 from automodel.training.pipeline_steps import padded_tokens, pipeline_length, stage_kwargs
 from automodel.training.recipe import TrainRecipe
-from automodel_vlm.context_parallel import MultimodalContextParallelBatch, SequenceSplit, attention_issue
+from automodel_vlm.context_parallel import MultimodalContextParallelBatch, SequenceSplit, attention_issue, two_way_spans
 from automodel_vlm.datasets.collate import IGNORE_INDEX, VLMCollator, render
 from automodel_vlm.datasets.packing import (
     PackedVLMCollator,
@@ -66,20 +66,22 @@ def _processor_needs_model_source(cfg: Any) -> bool:
 
 
 def context_parallel_issues(cfg: Any) -> list[ConfigIssue]:
-    """What the VLM recipe cannot run with ``distributed.cp_size > 1``: a model whose image tokens attend both ways,
-    packed rows with ring attention or of a length the split does not divide. (Generation runs outside the
+    """What the VLM recipe cannot run with ``distributed.cp_size > 1``: a model whose attention the chosen one does
+    not compute (ring attention and image tokens that attend both ways), packed rows with ring attention or of a
+    length the split does not divide. (Generation runs outside the
     context-parallel region, on whole sequences with the model's own mask, as in one process.)"""
     cp = cfg.distributed.cp_size
     issues = []
     config = model_hf_config(cfg)
-    if config is not None and (issue := attention_issue(config)) is not None:
+    chosen = cp_attention(cfg, validation_device(), config)
+    if config is not None and (issue := attention_issue(config, chosen)) is not None:
         issues.append(ConfigIssue("distributed.cp_size", f"{cp}: {issue}"))
     issues += frame_sharding_issues(cfg, config)
     packing = cfg.packed_sequence if "packed_sequence" in cfg else None
     if packing is None:  # none, or one its own schema refused
         return issues
     length = packing.padded_length
-    if cp_attention(cfg, validation_device(), config) == "ring":
+    if chosen == "ring":
         issues.append(ConfigIssue("packed_sequence", f"packed rows keep attention within each sample, but torch's "
                                   f"ring attention (distributed.cp_attention: ring, cp_size {cp}) runs one causal "
                                   "attention over the whole row; set distributed.cp_attention: all_gather (or auto), "
@@ -225,7 +227,8 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
         if why is not None:
             raise AutomodelError(f"distributed.pp_size: {ctx.mesh.pp}: {why}")
         config = getattr(model, "config", None)
-        if ctx.mesh.cp > 1 and config is not None and (issue := attention_issue(config)) is not None:
+        if ctx.mesh.cp > 1 and config is not None and (
+                issue := attention_issue(config, cp_attention(ctx.cfg, ctx.device, config))) is not None:
             raise AutomodelError(f"distributed.cp_size: {ctx.mesh.cp}: {issue}")  # a config validation could not read
         return super().after_model_built(ctx, model, meta)
 
@@ -290,11 +293,14 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
                 "use_cache": False}
 
     def context_parallel_batch(self, batch: dict[str, Any]) -> MultimodalContextParallelBatch:
-        """The whole micro-batch for the model's forward (every rank merges all of its images) and the next-token
-        targets, which the region splits (right padding checked as for text)."""
+        """The whole micro-batch for the model's forward (every rank merges all of its images), the next-token
+        targets, which the region splits (padding checked as for text), and the spans the model lets attend both
+        ways (its images, from the whole rows' token types; None where it attends causally)."""
         split = super().context_parallel_batch(batch)
+        inputs = self.model_inputs(batch)
+        spans = two_way_spans(getattr(base_model(self.model), "config", None), inputs)
         return MultimodalContextParallelBatch(split.input_ids, split.position_ids, split.targets,
-                                              split.attention_mask, inputs=self.model_inputs(batch))
+                                              split.attention_mask, spans, inputs=inputs)
 
     def next_token_logits(self, model: torch.nn.Module, batch: dict[str, Any] | ContextParallelBatch,
                           head: HeadOnPositions | None) -> tuple[torch.Tensor, torch.Tensor]:

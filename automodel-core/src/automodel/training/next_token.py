@@ -21,7 +21,7 @@ from automodel.errors import AutomodelError
 from automodel.training.linear_ce import LinearCrossEntropy, LinearLossHead
 from automodel.training.loss import IGNORE_INDEX
 from automodel.training.modules import unwrap
-from automodel.training.parallel.context_parallel import ContextParallelBatch
+from automodel.training.parallel.context_parallel import ContextParallelBatch, cp_attention
 from automodel.training.parallel.pipeline_stages import last_stage
 
 LABEL_POSITIONS = "label_positions"  # batch key: flat indices of the positions whose next token has a label
@@ -216,11 +216,14 @@ class NextTokenLogits:
 
     def context_parallel_batch(self, batch: dict[str, Any]) -> ContextParallelBatch:
         """Token ids, positions and next-token targets: what context parallelism splits over its ranks, and the
-        whole rows' attention mask (the all-gather attention's mask reads it; the model gets none)."""
+        whole rows' attention mask (the all-gather attention's mask reads it, padding wherever it is; the model gets
+        none). Ring attention runs without a mask, which hides only padding after a row's last real token."""
         mask = batch.get("attention_mask")
-        if mask is not None and bool((mask[:, 1:] > mask[:, :-1]).any()):
-            raise AutomodelError("context parallelism (distributed.cp_size) runs causal attention without a mask, "
-                                 "which keeps padding at the end of a row out of every real token's attention, but "
-                                 "this batch has padding before real tokens (left padding); pad on the right "
-                                 "(the recipe's default collate_fn does)")
+        if (mask is not None and bool((mask[:, 1:] > mask[:, :-1]).any())
+                and cp_attention(self.cfg, self.device, getattr(unwrap(self.model), "config", None)) == "ring"):
+            raise AutomodelError("context parallelism's ring attention (distributed.cp_attention: ring) runs causal "
+                                 "attention without a mask, which keeps padding at the end of a row out of every real "
+                                 "token's attention, but this batch has padding before real tokens (left padding); "
+                                 "pad on the right (the recipe's default collate_fn does) or set "
+                                 "distributed.cp_attention: all_gather, whose mask hides padding anywhere")
         return ContextParallelBatch.from_labels(batch["input_ids"], batch["labels"], batch.get("position_ids"), mask)

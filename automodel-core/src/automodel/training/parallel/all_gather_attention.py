@@ -5,7 +5,9 @@ Unlike torch's ring attention it needs no CUDA kernel (SDPA runs on any device) 
 on the global token index, hides padding (``attention_mask`` zeros), keeps packed documents apart (rows without an
 attention mask whose ``position_ids`` do not step by one start a new document, transformers' own rule,
 ``find_packed_sequence_indices``) and applies each layer's sliding window (the attention module's
-``sliding_window``, else its config's). Keys keep the order of the gather (rank 0's part, rank 1's, ...): softmax
+``sliding_window``, else its config's) and, where the model asks for it (:class:`TwoWaySpans`: Gemma 3's and
+PaliGemma's image tokens, Gemma 4's on its sliding layers), lets the tokens of one span see each other both ways,
+as transformers' ``blockwise_overlay`` does. Keys keep the order of the gather (rank 0's part, rank 1's, ...): softmax
 does not depend on the order, and the mask uses each key's global index.
 
 The gather is differentiable (:class:`_GatheredKeysValues`): backward sums the gradient over the ``cp`` group and
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -74,6 +77,16 @@ class _GatheredKeysValues(torch.autograd.Function):
         return grad.chunk(ctx.size, dim=3)[ctx.rank].contiguous(), None
 
 
+@dataclass(frozen=True)
+class TwoWaySpans:
+    """Spans of tokens that attend to each other both ways (the rest causal), as transformers' ``block_sequence_ids``:
+    ``ids`` ``[batch, sequence]``, one number a span, -1 outside any. ``full_layers``: whether the full-attention
+    layers apply them too (Gemma 3, PaliGemma) or only the sliding-window ones (Gemma 4)."""
+
+    ids: torch.Tensor
+    full_layers: bool = True
+
+
 def part_indices(length: int, size: int, rank: int) -> torch.Tensor:
     """The global token indices rank ``rank`` of ``size`` holds: chunks ``rank`` and ``2 size - 1 - rank`` of
     ``2 size`` (the layout ``split_sequence`` and torch's context_parallel give)."""
@@ -95,29 +108,39 @@ def documents(position_ids: torch.Tensor | None, attention_mask: torch.Tensor | 
 
 class GatheredVisibility:
     """Which gathered key each of this rank's queries sees, for a micro-batch (global tensors, before the split):
-    causal on the global index, within the query's document, not padding; each query sees itself, so a padding
-    row's softmax has a key (its output reaches no real token: no real token sees a padding key)."""
+    causal on the global index (or within a :class:`TwoWaySpans` span), within the query's document, not padding
+    (wherever it is in the row); each query sees itself, so a padding row's softmax has a key (its output reaches no
+    real token: no real token sees a padding key)."""
 
     def __init__(self, length: int, cp_mesh: DeviceMesh, position_ids: torch.Tensor,
-                 attention_mask: torch.Tensor | None):
+                 attention_mask: torch.Tensor | None, spans: TwoWaySpans | None = None):
         size, rank = cp_mesh.size(), cp_mesh.get_local_rank()
         self.queries = part_indices(length, size, rank).to(position_ids.device)
         self.keys = torch.cat([part_indices(length, size, r) for r in range(size)]).to(position_ids.device)
         docs = documents(position_ids, attention_mask)
-        mask = (self.keys[None, :] <= self.queries[:, None])[None]  # [1 or batch, queries, keys]
+        self.causal = (self.keys[None, :] <= self.queries[:, None])[None]  # [1, queries, keys]
+        keep = torch.ones_like(self.causal)  # [1 or batch, queries, keys]: within the document, not padding
         if docs is not None:
-            mask = mask & (docs[:, self.keys][:, None, :] == docs[:, self.queries][:, :, None])
+            keep = keep & (docs[:, self.keys][:, None, :] == docs[:, self.queries][:, :, None])
         if attention_mask is not None:
-            mask = mask & attention_mask.bool()[:, self.keys][:, None, :]
-        self.mask = mask
+            keep = keep & attention_mask.bool()[:, self.keys][:, None, :]
+        self.keep = keep
+        self.spans = spans
+        if spans is not None:
+            ids = spans.ids.to(position_ids.device)
+            queries = ids[:, self.queries][:, :, None]
+            self.same_span = (queries == ids[:, self.keys][:, None, :]) & (queries >= 0)
         self.itself = self.keys[None, :] == self.queries[:, None]
         self._by_window: dict[int | None, torch.Tensor] = {}
 
     def mask_for(self, window: int | None) -> torch.Tensor:
         """The ``[batch, 1, queries, keys]`` boolean mask of a layer with ``window`` (transformers' sliding window:
-        a key less than ``window`` tokens before the query)."""
+        a key less than ``window`` tokens before the query, applied after the spans, as transformers does)."""
         if window not in self._by_window:
-            mask = self.mask
+            mask = self.causal
+            if self.spans is not None and (window is not None or self.spans.full_layers):
+                mask = mask | self.same_span
+            mask = mask & self.keep
             if window is not None:
                 mask = mask & (self.queries[:, None] - self.keys[None, :] < window)
             self._by_window[window] = (mask | self.itself)[:, None]
@@ -162,10 +185,12 @@ def causal_calls_to(replacement: Callable[..., torch.Tensor], plain: Callable[..
 
 @contextlib.contextmanager
 def all_gather_region(cp_mesh: DeviceMesh, length: int, position_ids: torch.Tensor,
-                      attention_mask: torch.Tensor | None, buffers: list[torch.Tensor]) -> Iterator[None]:
+                      attention_mask: torch.Tensor | None, buffers: list[torch.Tensor],
+                      spans: TwoWaySpans | None = None) -> Iterator[None]:
     """Split ``buffers`` along the sequence in place (this rank's chunks) and, within the block, run causal SDPA
-    calls as :func:`gathered_attention` (the mask from the whole rows' ``position_ids`` and ``attention_mask``)."""
-    visibility = GatheredVisibility(length, cp_mesh, position_ids, attention_mask)
+    calls as :func:`gathered_attention` (the mask from the whole rows' ``position_ids``, ``attention_mask`` and
+    two-way ``spans``)."""
+    visibility = GatheredVisibility(length, cp_mesh, position_ids, attention_mask, spans)
     mine = visibility.queries
     for buffer in buffers:
         shard = buffer.index_select(1, mine.to(buffer.device))

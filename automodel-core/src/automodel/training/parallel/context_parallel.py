@@ -5,7 +5,8 @@ The sequences are split load-balanced for causal attention (rank ``r`` of ``n`` 
 :func:`cp_attention`): torch's ring attention (``torch.distributed.tensor.experimental.context_parallel``, built on
 SDPA's flash / memory-efficient kernels, CUDA GPUs only, one causal attention over the whole split sequence), or
 the all-gather attention (``all_gather_attention.py``: every rank's keys and values gathered, SDPA with an exact
-mask, any device; padding, packed documents and sliding windows included).
+mask, any device; padding anywhere in a row, packed documents, sliding windows and spans of tokens that attend
+both ways included).
 
 Next-token labels are shifted before the split (:func:`next_token_targets`): position ``i`` carries the target
 ``labels[i + 1]``, so a rank's positions keep their targets, wherever the next token went. The position ids go
@@ -31,7 +32,12 @@ from torch import nn
 
 from automodel.errors import AutomodelError, ConfigIssue
 from automodel.training.loss import IGNORE_INDEX
-from automodel.training.parallel.all_gather_attention import SplitRegion, all_gather_region, causal_calls_to
+from automodel.training.parallel.all_gather_attention import (
+    SplitRegion,
+    TwoWaySpans,
+    all_gather_region,
+    causal_calls_to,
+)
 from automodel.training.parallel.blocks import attention_modules
 from automodel.training.parallel.mesh import data_parallel_mesh
 
@@ -139,6 +145,8 @@ class ContextParallelBatch:
     targets: torch.Tensor
     # the whole rows' padding mask (None: no padding, or packed rows): the all-gather attention's mask reads it
     attention_mask: torch.Tensor | None = None
+    # the whole rows' spans that attend both ways (a Gemma 3's images; None: causal): the all-gather attention's mask
+    spans: TwoWaySpans | None = None
 
     @classmethod
     def from_labels(cls, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None,
@@ -184,9 +192,13 @@ def context_parallel_region(cp_mesh: DeviceMesh, batch: ContextParallelBatch, at
                              f"chunks, but this batch's sequences have {length} positions; pad them to a multiple "
                              f"of {chunks}")
     if attention == "all_gather":
-        with all_gather_region(cp_mesh, length, batch.position_ids, batch.attention_mask, buffers):
+        with all_gather_region(cp_mesh, length, batch.position_ids, batch.attention_mask, buffers, batch.spans):
             yield
         return
+    if batch.spans is not None:  # validation refuses it where it can read the model
+        raise AutomodelError("distributed.cp_attention: ring: this model lets spans of tokens (its images) attend to "
+                             "each other both ways, which torch's ring attention (causal) does not compute; set "
+                             "distributed.cp_attention: all_gather")
     from torch.distributed.tensor.experimental import context_parallel
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
