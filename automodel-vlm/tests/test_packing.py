@@ -152,7 +152,8 @@ def test_balance_media_tokens_evens_the_image_tokens_of_the_rows_a_step_takes(pr
     (("--packed_sequence.packing_format", "thd"), "packed_sequence.packing_format",
      "need a CUDA GPU and Transformer Engine"),
     (("--packed_sequence.packing_format", "flat"), "packed_sequence.packing_format", "use neat"),
-    (("--packed_sequence.attn_implementation", "sdpa"), "packed_sequence.attn_implementation", "own attention"),
+    (("--packed_sequence.attn_implementation", "flash_attention_2", "--distributed",
+      "{strategy: fsdp2, cp_size: 2}"), "packed_sequence.attn_implementation", "use sdpa"),
     (("--dataloader.collate_fn._target_", "automodel_vlm.datasets.VLMCollator"), "dataloader.collate_fn",
      "builds the training rows itself"),
 ])
@@ -163,12 +164,14 @@ def test_bad_packing_values_are_refused_with_the_key(make_config, override, key,
     assert key in found and needle in found[key], found
 
 
-def test_balanced_packing_trains_from_the_config(make_config, tmp_path):
+def test_balanced_packing_trains_from_the_config(make_config, tmp_path, capsys):
     config = make_config(packed_sequence={**UPSTREAM_FORM, "pack_size": 100, "packing_ratio": 1.0,
-                                          "max_length": 31, "balance_media_tokens": True, "packing_format": "neat"},
+                                          "max_length": 31, "balance_media_tokens": True, "packing_format": "neat",
+                                          "attn_implementation": "sdpa"},
                          **SMALL_RUN, step_scheduler={"max_steps": 2, "val_check_interval": 100,
                                                       "checkpoint_interval": 100})
     recipe = testing.train_inprocess(config, route=ROUTE)
+    assert "note: packed_sequence.attn_implementation: sdpa governs nothing this run" in capsys.readouterr().err
     rows = recipe.dataloader.dataset.rows
     assert sorted(i for row in rows for i in row) == list(range(24)) and [len(row) for row in rows] == [3] * 8
     lengths = [recipe.dataloader.dataset.collator([recipe.dataloader.dataset.dataset[i]])["input_ids"].shape[1]

@@ -35,6 +35,7 @@ from automodel_vlm.datasets.packing import (
     PackedVLMCollator,
     PackedVLMDataset,
     VLMPackedSequenceConfig,
+    packed_attention_note,
     packing_issues,
     packing_unsupported,
     rope_index,
@@ -200,6 +201,8 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
             order = ", balanced by image tokens" if self.packing.balance_media_tokens else ""
             self.log(f"packed the training data into {len(dataset)} rows of {self.packing.pack_size} tokens{order}"
                      + (f" ({left_out})" if left_out else ""))
+            if note := packed_attention_note(self.packing, ctx.mesh.cp):
+                self.log(note)
         return dataset
 
     def build_dataloader(self, ctx: BuildContext, dataset: Any, node: Any, train: bool) -> Any:

@@ -67,7 +67,9 @@ class VLMPackedSequenceConfig:
     collate_max_length: int | None = field(default=None, metadata={"help": (
         "the length packed rows are padded to, at least pack_size (default: pack_size)")})
     attn_implementation: str | None = field(default=None, metadata={"help": (
-        "upstream's packed-mask backend: refused (the model's own attention keeps each sample apart)")})
+        "upstream's packed-mask backend under context parallelism: sdpa (what the context-parallel attention runs, "
+        "with each row's exact mask); another value is refused with cp_size > 1; with cp_size 1 it governs nothing "
+        "(upstream ignores it then too; a note says so)")})
     packing_format: str = field(default="neat", metadata={"help": (
         "upstream's packed batch format: neat only (positions restarting per sample, attention and loss within each "
         "sample); thd (cu_seqlens for Transformer Engine on CUDA) is refused")})
@@ -91,11 +93,6 @@ class VLMPackedSequenceConfig:
         if self.collate_max_length is not None and self.collate_max_length < max(self.pack_size, 1):
             errors["collate_max_length"] = (f"{self.collate_max_length}: rows of pack_size ({self.pack_size}) tokens "
                                             "are padded to it, so it must be at least pack_size (or remove it)")
-        if self.attn_implementation is not None:
-            errors["attn_implementation"] = (
-                f"{self.attn_implementation}: upstream's packed-mask backend under context parallelism; packed rows "
-                "here keep each sample apart through position_ids with the model's own attention (and do not go "
-                "with context parallelism): remove it (model.attn_implementation chooses the attention)")
         if self.packing_format == "thd":
             errors["packing_format"] = ("thd: THD batches (samples concatenated with cu_seqlens, qkv_format thd) "
                                         "feed Transformer Engine's attention kernels, which need a CUDA GPU and "
@@ -135,12 +132,27 @@ def packing_issues(cfg: Config) -> list[ConfigIssue]:
     settings = cfg.get("packed_sequence")
     if isinstance(settings, VLMPackedSequenceConfig) and settings.pack_size == 0:
         issues.append(ConfigIssue("packed_sequence.pack_size", MISSING_PACK_SIZE.format("missing or 0")))
+    cp_size = cfg.distributed.cp_size if cfg.distributed is not None else 1
+    backend = getattr(settings, "attn_implementation", None)
+    if cp_size > 1 and backend not in (None, "sdpa"):
+        issues.append(ConfigIssue("packed_sequence.attn_implementation", f"{backend}: with cp_size {cp_size} the "
+                                  "packed rows' attention is the context-parallel attention's SDPA, with each row's "
+                                  "exact mask; use sdpa or remove it"))
     loader = cfg.resolved.get("dataloader")
     if isinstance(loader, dict) and loader.get("collate_fn") is not None:
         issues.append(ConfigIssue("dataloader.collate_fn", "packed_sequence builds the training rows itself (each "
                                                            "sample tokenized by the recipe's collator); remove "
                                                            "collate_fn or packed_sequence"))
     return issues
+
+
+def packed_attention_note(settings: VLMPackedSequenceConfig, cp_size: int) -> str | None:
+    """The note that ``attn_implementation`` governs nothing without context parallelism (upstream's rule)."""
+    if settings.attn_implementation is None or cp_size > 1:
+        return None
+    return (f"note: packed_sequence.attn_implementation: {settings.attn_implementation} governs nothing this run: it "
+            "chooses upstream's packed-mask backend under context parallelism (cp_size 1 here; upstream ignores it "
+            "then too); the model's attention keeps each sample apart")
 
 
 def rope_index(model: torch.nn.Module) -> Callable[..., Any] | None:
