@@ -194,3 +194,17 @@ def test_processor_form_autoprocessor_with_kwargs_trains(tmp_path):
                                      "--dataset.limit_dataset_samples", 16, route=ROUTE)
     assert recipe.processor.tokenizer.padding_side == "right"
     assert [r["step"] for r in testing.read_jsonl(tmp_path / "ckpt" / "training.jsonl")] == [3]
+
+
+def test_upstreams_gemma4_tensor_parallel_fused_loss_is_the_linear_cross_entropy(upstream_data):
+    """Upstream's Gemma 4 TP fused loss (a FusedLinearCrossEntropy gathering a tied, vocabulary-sharded head) is the
+    core's LinearCrossEntropy, vocabulary-parallel under tensor parallelism, with its keys acting."""
+    from automodel.training.linear_ce import LinearCrossEntropy
+
+    medpix = upstream_data["medpix"]
+    _, cfg = testing.load_config(MEDPIX, "--dataset.path_or_dataset", medpix, "--validation_dataset.path_or_dataset",
+                                 medpix, "--loss_fn", "{_target_: nemo_automodel.components.models.gemma4_moe."
+                                 "loss.Gemma4TensorParallelFusedLinearCrossEntropy, logit_softcapping: 30.0, "
+                                 "reduction: sum}", route=ROUTE)
+    loss = cfg.loss_fn.instantiate()
+    assert isinstance(loss, LinearCrossEntropy) and loss.logit_softcapping == 30.0

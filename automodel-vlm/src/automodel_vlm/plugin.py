@@ -61,6 +61,10 @@ def automodel_register_aliases(aliases) -> None:
     # Gemma 4 trained jointly with its drafter (transformers' Gemma4AssistantForCausalLM): automodel_vlm.drafter
     aliases.target(f"{_MODELS}.gemma4_drafter.composite.Gemma4WithDrafter.from_pretrained",
                    "automodel_vlm.drafter.Gemma4WithDrafter.from_pretrained")
+    # upstream's fused loss for Gemma 4's tied, vocabulary-sharded head under tensor parallelism: the core's
+    # LinearCrossEntropy, which is vocabulary-parallel there (same keys: logit_softcapping, reduction, chunk_len)
+    aliases.target(f"{_MODELS}.gemma4_moe.loss.Gemma4TensorParallelFusedLinearCrossEntropy",
+                   "automodel.training.linear_ce.LinearCrossEntropy")
     for name in ("make_medpix_dataset", "make_rdr_dataset", "make_cord_v2_dataset",
                  "make_shopify_product_catalogue_dataset", "make_tulu3_dataset",
                  "make_tulu3_magicoder_text_mix_dataset"):
