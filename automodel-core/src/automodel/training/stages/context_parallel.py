@@ -4,7 +4,9 @@ sequence and causal attention runs as torch's ring attention or the all-gather a
 
 The stage makes the attention modules run without the model's mask and says which attention runs; the loop
 (``ContextParallelSteps.sequence_parts``) splits each micro-batch and runs its forward and backward inside the
-context-parallel region; FSDP2 shards over ``dp_shard x cp`` (the sharding slot). Validation refuses what the
+context-parallel region, or, pipelined, splits each batch before the schedule and each stage runs its layers in the
+all-gather attention's region (``PipelineStageModel.forward``); FSDP2 shards over ``dp_shard x cp`` (the sharding
+slot). Validation refuses what the
 chosen attention cannot run (ring: not CUDA, sliding windows) and the combinations this path does not handle, each
 with the reason.
 """
@@ -47,14 +49,15 @@ def issues(cfg: Config, implementation: str | None) -> list[ConfigIssue]:
         found.append(ConfigIssue("distributed.strategy", f"{dist.strategy}: the {cp} context-parallel ranks of a "
                                  "batch hold partial gradients, which FSDP2 sums over dp x cp ranks; set "
                                  "distributed.strategy: fsdp2"))
-    for key, size, why in (
-            ("pp_size", dist.pp_size, "the pipeline schedule runs the micro-batches itself, outside the "
-                                      "context-parallel region that must hold each forward and backward"),
-            ("tp_size", dist.tp_size, "tensor parallelism's vocabulary-parallel loss and sequence sharding are not "
-                                      "wired to the split sequences")):
-        if size > 1:
-            found.append(ConfigIssue(f"distributed.{key}", f"{size} with cp_size {cp}: {why}; use {key}: 1 with "
-                                     "context parallelism"))
+    if dist.pp_size > 1 and chosen == "ring":
+        found.append(ConfigIssue("distributed.cp_attention", f"ring with pp_size {dist.pp_size}: the pipeline "
+                                 "schedule runs each micro-batch's backward outside the stage's forward, where torch's "
+                                 "ring attention must hold both; set distributed.cp_attention: all_gather (any "
+                                 "device; auto chooses it on CPU) or pp_size: 1"))
+    if dist.tp_size > 1:
+        found.append(ConfigIssue("distributed.tp_size", f"{dist.tp_size} with cp_size {cp}: tensor parallelism's "
+                                 "vocabulary-parallel loss and sequence sharding are not wired to the split "
+                                 "sequences; use tp_size: 1 with context parallelism"))
     if chosen == "ring" and config is not None and (why := sliding_window_issue(config)) is not None:
         found.append(ConfigIssue("distributed.cp_attention", f"ring: {why}"))
     if cfg.compile is not None and cfg.compile.enabled:
