@@ -332,7 +332,8 @@ def train_pp_cp(mesh, layout, schedule: str, static: bool = False) -> dict[str, 
     params = [p for stage in stages for p in stage.parameters()]
     result = train(run, params, optimizers, _place(mesh, layout, pp=True), STEPS)
     result["evaluated"] = evaluated.item()
-    result["modes"] = [each._inference_mode.name for one in pipes._pipelines.values() for each in one.runs]
+    result["modes"] = [each._inference_mode.name for (training, _), one in pipes._pipelines.items() if training
+                       for each in one.runs]
     result["weights"] = {name: value.tolist() for stage in stages for name, value in full_state(stage).items()}
     return result
 

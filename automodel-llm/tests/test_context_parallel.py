@@ -65,15 +65,10 @@ def test_what_the_context_parallel_path_cannot_do_is_refused_with_the_reason(con
     code, out = _validate(config, tmp_path, *CP2, "--packed_sequence.packed_sequence_size", "66")
     assert code == 2 and "packed_sequence.packed_sequence_size: 66: context parallelism (cp_size 2) splits each " \
         "packed row into 4 chunks; use a multiple of 4" in out
-    pp_cp = ("--nproc-per-node", "4", "--distributed.strategy", "fsdp2", "--distributed.cp_size", "2",
-             "--distributed.pp_size", "2")
-    assert _validate(config, tmp_path, *pp_cp)[0] == 0  # the all-gather attention runs in each pipeline stage
-    code, out = _validate(config, tmp_path, *pp_cp, *RING)
+    code, out = _validate(config, tmp_path, "--nproc-per-node", "4", "--distributed.strategy", "fsdp2",
+                          "--distributed.cp_size", "2", "--distributed.pp_size", "2", *RING)
     assert code == 2 and "distributed.cp_attention: ring with pp_size 2: the pipeline schedule runs each " \
-        "micro-batch's backward outside the stage's forward" in out
-    code, out = _validate(config, tmp_path, *pp_cp, "--distributed.pipeline.pp_seq_len", "66")
-    assert code == 2 and "distributed.pipeline.pp_seq_len: 66 with cp_size 2: context parallelism splits each " \
-        "sequence into 4 chunks, which 66 tokens do not divide into; use a multiple of 4" in out
+        "micro-batch's backward outside the stage's forward" in out  # all_gather runs pipelined (test_pipeline_...)
     code, out = _validate(config, tmp_path, "--nproc-per-node", "4", "--distributed.strategy", "fsdp2",
                           "--distributed.cp_size", "2", "--distributed.tp_size", "2")
     assert code == 2 and "distributed.tp_size: 2 with cp_size 2: tensor parallelism's vocabulary-parallel loss" in out
