@@ -225,7 +225,8 @@ def scenario_two(args: dict[str, Any], out: Path) -> dict[str, Any]:
 def scenario_four(args: dict[str, Any], out: Path) -> dict[str, Any]:
     """On 4 ranks: dp=2 x tp=2 (with and without sequence parallelism, the latter with activation checkpointing; a
     checkpoint resumed by dp=4), pp=2 x dp=2 (with activation checkpointing), pp=2 x tp=2 (interleaved, sequence
-    parallel; with MaskedCrossEntropy and with FusedLinearCrossEntropy)."""
+    parallel; with MaskedCrossEntropy and with FusedLinearCrossEntropy), pp=2 x cp=2 (1F1B; interleaved with static
+    shapes)."""
     layout, mesh = _mesh(tp_size=2)
     result = {"dp2_tp2": train_tp(mp_config(), mesh, layout, out / "dp2_tp2_ckpt", fsdp=True),
               "dp2_tp2_sp": train_tp(mp_config(), mesh, layout, sequence_parallel=True, fsdp=True, checkpointing=True)}
@@ -237,19 +238,27 @@ def scenario_four(args: dict[str, Any], out: Path) -> dict[str, Any]:
     pp_tp_layout, pp_tp_mesh = _mesh(pp_size=2, tp_size=2)
     result["pp2_tp2"] = train_pp(pp_tp_mesh, pp_tp_layout, "interleaved1f1b", 1, tp=True)
     result["pp2_tp2_fused"] = train_pp(pp_tp_mesh, pp_tp_layout, "interleaved1f1b", 1, tp=True, fused=True)
+    pp_cp_layout, pp_cp_mesh = _mesh(pp_size=2, cp_size=2)
+    result["pp2_cp2"] = train_pp_cp(pp_cp_mesh, pp_cp_layout, "1f1b")
+    result["pp2_cp2_static"] = train_pp_cp(pp_cp_mesh, pp_cp_layout, "interleaved1f1b", static=True)
     return result
 
 
 def pp_stages(mesh, layout, settings: PipelineSettings, seed: int = 7, fsdp: bool = False, tp: bool = False
               ) -> list:
+    """The stages as the build pipeline makes them; with ``fsdp`` checkpointed and sharded over ``dp_shard`` (x
+    ``cp``, whose recomputation re-enters the context-parallel region of the forward), their attention then run
+    without the model's mask in that region."""
     stages = split_for_pipeline(meta_model(mp_config(tied=False)), mesh["pp"], settings)
     for stage in stages:
         if tp:
             apply_tensor_parallel(stage, mesh["tp"], sequence_parallel=True)
         if fsdp:
-            apply_activation_checkpointing(stage)
-            apply_fsdp2(stage, data_parallel_mesh(mesh, layout))
+            apply_activation_checkpointing(stage, split_region=layout.cp > 1)
+            apply_fsdp2(stage, fsdp_mesh(mesh, layout))
         materialize(stage, device(), seed)
+        if layout.cp > 1:
+            causal_attention_without_mask(stage)
     return stages
 
 
@@ -297,6 +306,41 @@ def train_pp(mesh, layout, schedule: str, micro_batches: int, checkpoint: Path |
                     STEPS, micro_batches)
     result["resumed"] = resumed["losses"]
     return result
+
+
+def train_pp_cp(mesh, layout, schedule: str, static: bool = False) -> dict[str, Any]:
+    """Six steps of pp=2 x cp=2 as the engine runs them: each batch split over the cp ranks before the schedule
+    (``StagePipelines`` with the cp mesh), each stage's attention gathered over its cp group, FSDP2 over ``dp_shard
+    x cp``; the loss of the rank's part of the next-token targets (no shift) scaled by ``cp / tokens`` (FSDP2
+    averages over the cp ranks) and summed over the cp ranks. ``static``: the stages' static shapes of each
+    batch's own length, the rank's part of it. The stages' final weights in ``result["weights"]``; the
+    validation loss of the first step's batch (whole sequences) before training in ``result["evaluated"]``."""
+    settings = PipelineSettings(pp_schedule=schedule)
+    stages = pp_stages(mesh, layout, settings, fsdp=True)
+    cp = mesh["cp"]
+    shapes = StaticShapes(None, mp_config().hidden_size, VOCAB, torch.float32, torch.float32, cp=2) if static else None
+    pipes = StagePipelines(stages, mesh["pp"], device(), settings, split_loss_sum, shapes, cp)
+
+    def run(ids: torch.Tensor, labels: torch.Tensor, scale: float) -> torch.Tensor:
+        loss = pipes.step(ids, labels, scale * cp.size())
+        dist.all_reduce(loss, group=cp.get_group())
+        return loss
+
+    ids, labels = lm_batch(0)  # validation before training: whole sequences, the first step's loss
+    evaluated = pipes.evaluate(ids.to(device()), labels.to(device())) / (labels[:, 1:] != IGNORE_INDEX).sum()
+    optimizers = [torch.optim.AdamW(stage.parameters(), lr=LR) for stage in stages]
+    params = [p for stage in stages for p in stage.parameters()]
+    result = train(run, params, optimizers, _place(mesh, layout, pp=True), STEPS)
+    result["evaluated"] = evaluated.item()
+    result["modes"] = [each._inference_mode.name for (training, _), one in pipes._pipelines.items() if training
+                       for each in one.runs]
+    result["weights"] = {name: value.tolist() for stage in stages for name, value in full_state(stage).items()}
+    return result
+
+
+def split_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The pipelined loss of a rank's part of the sequences: its targets are the next tokens' already."""
+    return MaskedCrossEntropy()(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def fused_loss_sum(stages: list):

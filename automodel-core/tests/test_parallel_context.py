@@ -98,12 +98,14 @@ def test_auto_runs_ring_attention_only_where_it_computes_the_models_attention(mo
 
     monkeypatch.setattr(torch.backends.cuda, "flash_sdp_enabled", lambda: True)
 
-    def cfg(attention="auto", **sections):
-        return SimpleNamespace(distributed=SimpleNamespace(cp_size=2, cp_attention=attention), get=sections.get)
+    def cfg(attention="auto", pp_size=1, **sections):
+        return SimpleNamespace(distributed=SimpleNamespace(cp_size=2, cp_attention=attention, pp_size=pp_size),
+                               get=sections.get)
 
     llama = LlamaConfig()
     assert cp_attention(cfg(), "cuda", llama) == "ring"
     assert cp_attention(cfg(), "cpu", llama) == "all_gather"
+    assert cp_attention(cfg(pp_size=2), "cuda", llama) == "all_gather"  # the schedule runs backward on its own
     assert cp_attention(cfg(model={"attn_implementation": "eager"}), "cuda", llama) == "all_gather"
     assert cp_attention(cfg(packed_sequence=SimpleNamespace(enabled=True)), "cuda", llama) == "all_gather"
     assert cp_attention(cfg(packed_sequence=SimpleNamespace(enabled=False, packed_sequence_size=0)), "cuda",
@@ -255,7 +257,8 @@ def test_attention_is_found_below_activation_checkpointing_and_runs_without_the_
     inputs = {"input_ids": torch.tensor([[1, 2, 3, 4]]), "attention_mask": torch.tensor([[1, 1, 1, 0]])}
     model(**inputs)
     assert seen[0] is not None and SplitRegion.window is None
-    with SplitRegion.entered():
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    with SplitRegion.entered(sdpa, sdpa):
         model(**inputs)
         assert SplitRegion.window == 3  # the last layer's
     assert seen[1] is None and not SplitRegion.active

@@ -1,6 +1,6 @@
 """Pipeline parallelism: pp=2 on two gloo ranks with GPipe (two batches accumulated per step), 1F1B, interleaved
-1F1B and looped BFS (two stages per rank), pp=2 x dp=2 (FSDP2) and pp=2 x tp=2 on four, against one process (six
-AdamW steps of the engine's token-weighted loss); how the model is cut; a rank's stages as one module;
+1F1B and looped BFS (two stages per rank), pp=2 x dp=2 (FSDP2), pp=2 x tp=2 and pp=2 x cp=2 on four, against one
+process (six AdamW steps of the engine's token-weighted loss); how the model is cut; a rank's stages as one module;
 ``pp_issues`` with the numbers."""
 
 from __future__ import annotations
@@ -97,6 +97,22 @@ def test_pp2_x_dp2_and_pp2_x_tp2_equal_one_process(runs, name):
     """dp=2 against one process with doubled accumulation; tp=2 (sequence parallel) inside interleaved stages, also
     with FusedLinearCrossEntropy (the last stage's head, vocabulary-sharded, applied by the schedule's loss)."""
     assert_like_one_process([rank[name] for rank in runs["four"]], runs["untied"])
+
+
+@pytest.mark.parametrize(("name", "modes"), [("pp2_cp2", ["DYNAMIC"]), ("pp2_cp2_static", ["STATIC", "STATIC"])])
+def test_pp2_x_cp2_trains_like_one_process(runs, name, modes):
+    """Each batch split over the cp ranks before the schedule, each stage's attention gathered over its cp group
+    (the checkpointed blocks' recomputation in backward back in its micro-batch's region), FSDP2 over the cp ranks;
+    1F1B finding its shapes, interleaved with static shapes of each rank's part: the losses, gradient norms and
+    final weights of one process; validation through the pipeline (whole sequences) the first step's loss."""
+    ranks = [rank[name] for rank in runs["four"]]
+    assert [rank["modes"] for rank in ranks] == [modes] * 4
+    assert_like_one_process(ranks, runs["untied"])
+    assert [rank["evaluated"] for rank in ranks] == pytest.approx([runs["untied"]["losses"][0]] * 4, rel=1e-5)
+    weights = {key: value for rank in ranks for key, value in rank["weights"].items()}
+    assert set(weights) == set(runs["untied_state"])
+    for key, value in weights.items():
+        torch.testing.assert_close(torch.tensor(value), runs["untied_state"][key], rtol=0, atol=1e-5)
 
 
 def test_the_gradients_of_a_steps_micro_batches_are_reduced_once_with_the_parameters_kept_gathered(runs):
@@ -276,6 +292,10 @@ def test_static_shapes_follow_the_runs_precision():
     assert [(tuple(e["output_args"].shape), e["output_args"].dtype) for e in examples] == [
         ((2, 128, 32), bf16), ((2, 128, 32), bf16), ((2, 128, 96), fp32)]
     assert all(e["output_args"].device.type == "meta" and e["output_args"].requires_grad for e in examples)
+    split = StaticShapes(128, 32, 96, bf16, fp32, cp=2)  # context parallelism: each rank's part of the sequences
+    assert [tuple(split.examples(stage, 2)["output_args"].shape) for stage in (first, last)] == [(2, 64, 32),
+                                                                                                (2, 64, 96)]
+    assert "token ids [2, 64]" in split.describe(2) and "cp 2" in split.describe(2)
 
 
 def test_every_stage_gets_packed_rows_position_ids_and_other_rows_their_padded_mask():

@@ -66,8 +66,9 @@ def test_what_the_context_parallel_path_cannot_do_is_refused_with_the_reason(con
     assert code == 2 and "packed_sequence.packed_sequence_size: 66: context parallelism (cp_size 2) splits each " \
         "packed row into 4 chunks; use a multiple of 4" in out
     code, out = _validate(config, tmp_path, "--nproc-per-node", "4", "--distributed.strategy", "fsdp2",
-                          "--distributed.cp_size", "2", "--distributed.pp_size", "2")
-    assert code == 2 and "distributed.pp_size: 2 with cp_size 2: the pipeline schedule runs the micro-batches" in out
+                          "--distributed.cp_size", "2", "--distributed.pp_size", "2", *RING)
+    assert code == 2 and "distributed.cp_attention: ring with pp_size 2: the pipeline schedule runs each " \
+        "micro-batch's backward outside the stage's forward" in out  # all_gather runs pipelined (test_pipeline_...)
     code, out = _validate(config, tmp_path, "--nproc-per-node", "4", "--distributed.strategy", "fsdp2",
                           "--distributed.cp_size", "2", "--distributed.tp_size", "2",
                           "--distributed.sequence_parallel", "true", "--loss_fn._target_", "FusedLinearCrossEntropy")

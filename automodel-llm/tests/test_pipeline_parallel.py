@@ -265,6 +265,13 @@ def test_static_shape_settings_are_checked_byvalidate_cli(pp_llama_config, tmp_p
     assert code == 0, out  # inferred with tensor-parallel stages too
     code, out = validate_cli(config, tmp_path, *packed, *four_tp, "--distributed.sequence_parallel", "true")
     assert code == 2 and f"{key}.dtype: 'fp32' with sequence_parallel with tp_size 2" in out  # sequence shards
+    four_cp = ["--nproc-per-node", "4", "--distributed.cp_size", "2"]  # each rank's part: 64 of 128 positions
+    code, out = validate_cli(config, tmp_path, *four_cp, "--distributed.pipeline.pp_seq_len", "128",
+                             "--distributed.pipeline.dtype", "fp32")
+    assert code == 0, out
+    code, out = validate_cli(config, tmp_path, *four_cp, "--distributed.pipeline.pp_seq_len", "66")
+    assert code == 2 and f"{key}.pp_seq_len: 66 with cp_size 2: context parallelism splits each sequence into 4 " \
+        "chunks, which 66 tokens do not divide into; use a multiple of 4" in out
 
 
 def test_settings_the_pipeline_cannot_take_are_refused_byvalidate_cli(pp_llama_config, tmp_path):

@@ -147,7 +147,7 @@ def test_ring_attention_is_refused_on_this_machine_saying_what_would_run_it(conf
     (["--packed_sequence.pack_size", "66"],
      "packed_sequence.pack_size: packed rows of 66 tokens: context parallelism (cp_size 2) splits each row into 4"),
     (["--nproc-per-node", "4", "--distributed.pp_size", "2"],
-     "distributed.pp_size: 2 with cp_size 2: the pipeline schedule runs the micro-batches"),
+     "distributed.pp_size: 2 with cp_size 2: a vision-language model merges its media into the whole sequence"),
     (["--distributed.multimodal.vision.frame_sharding.enabled", "true"],
      "distributed.multimodal.vision.frame_sharding.enabled: true: a llava model: frame sharding splits the frames "
      "of a Qwen-VL vision tower"),

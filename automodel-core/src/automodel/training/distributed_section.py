@@ -32,12 +32,12 @@ class DistributedConfig:
         "projections; the LLM and VLM fine-tuning recipes)"))
     cp_size: int = field(default=1, metadata=_help(
         "context-parallel size: each sequence split over this many ranks, attention as cp_attention says (fsdp2; "
-        "LLM and VLM recipes; with tp_size and sequence_parallel, not with pp)"))
+        "LLM and VLM recipes; with tp_size and sequence_parallel; with pp the LLM recipes only, all_gather attention)"))
     cp_attention: Literal["auto", "ring", "all_gather"] = field(default="auto", metadata=_help(
         "with cp_size > 1, the attention over the split sequence: ring (torch's ring attention: CUDA only, one "
         "causal attention over the whole row), all_gather (every rank's keys and values gathered, SDPA with an exact "
         "mask: any device; padding, packed rows and sliding windows kept), auto: ring where it runs the model's "
-        "attention (CUDA, sdpa, no packing, no sliding windows), else all_gather"))
+        "attention (CUDA, sdpa, no packing, no sliding windows, no pp), else all_gather"))
     pp_size: int = field(default=1, metadata=_help(
         "pipeline-parallel size: the decoder layers split into stages, one or more per rank (strategy fsdp2, "
         "which shards each stage over dp_size; the LLM recipes and the VLM fine-tuning one, whose first stage holds "

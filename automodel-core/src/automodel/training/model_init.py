@@ -57,7 +57,8 @@ def checkpoint_activations(ctx: BuildContext, model: torch.nn.Module) -> str:
     saves_routing = moe_saves_routing(ctx.cfg.distributed)
     selective = ctx.cfg.distributed.activation_checkpointing == "selective"
     count = apply_activation_checkpointing(model, save_routing=saves_routing, selective=selective,
-                                           skip=multimodal_modules(model, ctx.multimodal_names).values())
+                                           skip=multimodal_modules(model, ctx.multimodal_names).values(),
+                                           split_region=ctx.mesh.pp > 1 and ctx.mesh.cp > 1)
     if count == 0:
         raise AutomodelError(f"distributed.activation_checkpointing: {type(model).__name__} has no repeated "
                              "transformer blocks (a ModuleList of layers of one type) to checkpoint; set it to "

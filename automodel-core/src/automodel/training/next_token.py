@@ -200,10 +200,13 @@ class NextTokenLogits:
     def pipeline_loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Pipeline parallelism: the next-token loss on the last stage's logits, summed over the label tokens; with
         FusedLinearCrossEntropy the last stage returned its final hidden states, which the head projects here, a
-        chunk of rows at a time (:meth:`LinearLossHead.summed`)."""
+        chunk of rows at a time (:meth:`LinearLossHead.summed`). With context parallelism the targets of this
+        rank's part are the next tokens' already: no shift."""
+        offset = 0 if self.ctx.mesh.cp > 1 else self.label_offset
         if self.loss_head is not None:
-            return self.loss_head.summed(output, next_targets(targets, self.label_offset))
-        return self.loss_fn(output[:, :-1].reshape(-1, output.shape[-1]), targets[:, 1:].reshape(-1))
+            return self.loss_head.summed(output, next_targets(targets, offset))
+        kept = output.shape[1] - offset
+        return self.loss_fn(output[:, :kept].reshape(-1, output.shape[-1]), targets[:, offset:].reshape(-1))
 
     def next_token_logits(self, model: nn.Module, batch: dict[str, Any] | ContextParallelBatch,
                           head: HeadOnPositions | None) -> tuple[torch.Tensor, torch.Tensor]:

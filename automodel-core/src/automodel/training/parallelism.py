@@ -174,13 +174,15 @@ def pipeline_settings(cfg: Config) -> PipelineSettings:
     set's ``seq_len``, else none (batches find their shape), also where ``static_shapes_unsupported`` says why."""
     distributed = cfg.distributed
     settings = PipelineSettings.from_section(distributed.pipeline if distributed is not None else None)
-    if settings.pp_seq_len is not None or distributed is None or static_shapes_unsupported(
-            distributed.tp_size, distributed.cp_size, distributed.sequence_parallel):
+    if settings.pp_seq_len is not None or distributed is None:
         return settings
     packed = getattr(cfg.get("packed_sequence"), "packed_sequence_size", 0)
     dataset = cfg.get("dataset")
     length = packed if _positive(packed) else dataset.get("seq_len") if hasattr(dataset, "get") else None
-    return dataclasses.replace(settings, pp_seq_len=length) if _positive(length) else settings
+    if not _positive(length) or static_shapes_unsupported(distributed.tp_size, distributed.cp_size,
+                                                          distributed.sequence_parallel, length):
+        return settings
+    return dataclasses.replace(settings, pp_seq_len=length)
 
 
 def _positive(value: Any) -> bool:
@@ -215,7 +217,8 @@ def pipeline_parallel_issues(cfg: Config, implementation: str | None) -> list[Co
     pipeline = pipeline_settings(cfg)
     found = static_issues(pipeline)
     if not found and (pipeline.pp_seq_len is not None or pipeline.dtype is not None):
-        unsupported = static_shapes_unsupported(settings.tp_size, settings.cp_size, settings.sequence_parallel)
+        unsupported = static_shapes_unsupported(settings.tp_size, settings.cp_size, settings.sequence_parallel,
+                                                pipeline.pp_seq_len)
         found = static_shape_issues(pipeline, precision, storage_dtype_name(cfg), unsupported)
     issues += found
     hf_config = model_hf_config(cfg)

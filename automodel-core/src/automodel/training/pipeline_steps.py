@@ -16,7 +16,7 @@ from automodel.training.context import BuildContext
 from automodel.training.distributed_section import moe_head_fp32
 from automodel.training.loss import IGNORE_INDEX, LINEAR, loss_fn_named
 from automodel.training.modules import unwrap
-from automodel.training.parallel.mesh import PP
+from automodel.training.parallel.mesh import CP, PP
 from automodel.training.parallel.pipeline_parallel import PipelineSettings, StagePipelines
 from automodel.training.parallel.pipeline_stages import stages_of
 from automodel.training.parallel.pipeline_static import StaticShapes, activations_dtype, logits_dtype
@@ -96,7 +96,9 @@ class PipelineSteps:
 
     def pipeline_loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Pipeline parallelism: the loss *summed* over the label tokens of the last stage's ``output`` for one
-        pipeline micro-batch (``compute_loss`` on logits)."""
+        pipeline micro-batch (``compute_loss`` on logits); with context parallelism (``ctx.mesh.cp > 1``) on this
+        rank's part of the sequences, ``targets`` then already the next tokens' labels (shifted before the split,
+        as in ``ContextParallelBatch``)."""
         raise NotImplementedError(f"{type(self).__name__} must implement pipeline_loss to run pipelined")
 
     def build_pipelines(self, ctx: BuildContext) -> StagePipelines | None:
@@ -109,7 +111,8 @@ class PipelineSteps:
         if settings.pp_seq_len is not None or settings.dtype is not None:
             shapes = static_shapes(ctx, stages[0], settings)
             self.log(shapes.describe(settings.pp_microbatch_size))
-        return StagePipelines(stages, ctx.device_mesh[PP], ctx.device, settings, self.pipeline_loss, shapes)
+        cp_mesh = ctx.device_mesh[CP] if ctx.mesh.cp > 1 else None  # each batch split over it before the schedule
+        return StagePipelines(stages, ctx.device_mesh[PP], ctx.device, settings, self.pipeline_loss, shapes, cp_mesh)
 
     def _pipelined(self, batches: list[Any], scale: float) -> torch.Tensor:
         """Pipeline parallelism: each micro-batch of the step through the schedule, forward and backward together;
@@ -164,4 +167,4 @@ def static_shapes(ctx: BuildContext, stage: torch.nn.Module, settings: PipelineS
     return StaticShapes(settings.pp_seq_len, text.hidden_size, text.vocab_size,
                         given or activations_dtype(ctx.precision, storage),
                         logits_dtype(ctx.precision, storage, moe_head_fp32(ctx.cfg.distributed)),
-                        head_in_loss=loss_fn_named(ctx.cfg, LINEAR) is not None)
+                        head_in_loss=loss_fn_named(ctx.cfg, LINEAR) is not None, cp=ctx.mesh.cp)

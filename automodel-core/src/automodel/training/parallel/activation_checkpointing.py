@@ -10,7 +10,8 @@ keeps ``state_dict()`` names unchanged; :func:`automodel.training.parallel.block
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import contextlib
+from collections.abc import Callable, Collection, Iterator
 
 from torch import nn
 
@@ -18,7 +19,7 @@ from automodel.training.parallel.blocks import transformer_blocks
 
 
 def apply_activation_checkpointing(model: nn.Module, save_routing: bool = False, skip: Collection[nn.Module] = (),
-                                   selective: bool = False) -> int:
+                                   selective: bool = False, split_region: bool = False) -> int:
     """Wrap every transformer block of ``model`` in place (not searched for in the ``skip`` modules: a
     vision-language model's towers); returns how many (0: the model has none).
 
@@ -29,7 +30,11 @@ def apply_activation_checkpointing(model: nn.Module, save_routing: bool = False,
     ``selective`` (upstream's ``activation_checkpointing: selective``, TorchTitan's op-level policy): the outputs
     of the costly ops (attention, every other plain matmul, the batched matmuls, ``topk``) are kept and only the
     cheap ones (norms, activations, element-wise ops) recomputed: less memory saved than full checkpointing, and
-    less compute spent."""
+    less compute spent.
+
+    ``split_region`` (pipeline with context parallelism): a block's recomputation in backward enters again the
+    context-parallel region its forward ran in (``SplitRegion.recomputation``), with the micro-batch's attention;
+    the schedule runs the backward after the stage's forward left it."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         CheckpointImpl,
         checkpoint_wrapper,
@@ -42,10 +47,30 @@ def apply_activation_checkpointing(model: nn.Module, save_routing: bool = False,
     if not blocks:
         return 0
     context = _selective if selective else _save_topk if save_routing else None
+    if split_region:
+        context = _in_split_region(context)
     kwargs = {"context_fn": context} if context is not None else {}
     wrap_modules(model, checkpoint_wrapper_fn=lambda m: checkpoint_wrapper(m, CheckpointImpl.NO_REENTRANT, **kwargs),
                  check_fn=lambda m: id(m) in blocks)
     return len(blocks)
+
+
+def _in_split_region(policy: Callable[[], tuple] | None) -> Callable[[], tuple]:
+    """``policy``'s forward and recomputation contexts (none: plain checkpointing), the recomputation also in the
+    context-parallel region of the forward."""
+    from automodel.training.parallel.all_gather_attention import SplitRegion
+
+    def contexts() -> tuple:
+        forward, recompute = policy() if policy is not None else (contextlib.nullcontext(), contextlib.nullcontext())
+        return forward, _within(recompute, SplitRegion.recomputation())
+
+    return contexts
+
+
+@contextlib.contextmanager
+def _within(outer: contextlib.AbstractContextManager, inner: contextlib.AbstractContextManager) -> Iterator[None]:
+    with outer, inner:
+        yield
 
 
 def _save_topk() -> tuple:

@@ -31,23 +31,46 @@ if TYPE_CHECKING:
 
 
 class SplitRegion:
-    """Whether a context-parallel region is entered, and the sliding window of the attention layer that runs now
-    (None: full causal attention). Inside, the attention modules run without the model's mask (built from a rank's
-    split positions it would be wrong; the region's attention has its own) and note their window for the mask (the
-    SDPA call itself does not say which layer it belongs to); outside (validation, generation: whole sequences on
-    every rank) they keep the model's own mask."""
+    """Whether a context-parallel region is entered, its attention, and the sliding window of the attention layer
+    that runs now (None: full causal attention). Inside, causal SDPA calls run the region's attention, and the
+    attention modules run without the model's mask (built from a rank's split positions it would be wrong; the
+    region's attention has its own) and note their window for the mask (the SDPA call itself does not say which
+    layer it belongs to); outside (validation, generation: whole sequences on every rank) they keep the model's own
+    mask and SDPA."""
 
     active: bool = False
     window: int | None = None
+    attention: tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]] | None = None  # (causal, plain)
 
     @classmethod
     @contextlib.contextmanager
-    def entered(cls) -> Iterator[None]:
-        cls.active, cls.window = True, None
+    def entered(cls, causal: Callable[..., torch.Tensor], plain: Callable[..., torch.Tensor]) -> Iterator[None]:
+        """Within the block causal SDPA calls run ``causal``, the others ``plain`` (:func:`causal_calls_to`)."""
+        before = cls.active, cls.attention
+        cls.active, cls.window, cls.attention = True, None, (causal, plain)
         try:
-            yield
+            with causal_calls_to(causal, plain):
+                yield
         finally:
-            cls.active = False
+            cls.active, cls.attention = before
+
+    @classmethod
+    def recomputation(cls) -> contextlib.AbstractContextManager:
+        """Taken in a checkpointed block's forward (activation checkpointing's recomputation context): the region
+        the forward runs in, entered again for the block's recomputation in backward where none is entered then.
+        A pipeline schedule runs a micro-batch's backward after its stage's forward left the region; without a
+        pipeline the region holds the backward too, and this does nothing."""
+        attention = cls.attention if cls.active else None
+
+        @contextlib.contextmanager
+        def again() -> Iterator[None]:
+            if attention is None or cls.active:
+                yield
+                return
+            with cls.entered(*attention):
+                yield
+
+        return again()
 
     @classmethod
     def note(cls, module: nn.Module) -> None:
@@ -197,5 +220,5 @@ def all_gather_region(cp_mesh: DeviceMesh, length: int, position_ids: torch.Tens
         buffer.resize_(shard.shape)
         buffer.copy_(shard)
     plain = F.scaled_dot_product_attention
-    with SplitRegion.entered(), causal_calls_to(gathered_attention(cp_mesh, visibility, plain), plain):
+    with SplitRegion.entered(gathered_attention(cp_mesh, visibility, plain), plain):
         yield

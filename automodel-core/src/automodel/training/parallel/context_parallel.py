@@ -36,7 +36,6 @@ from automodel.training.parallel.all_gather_attention import (
     SplitRegion,
     TwoWaySpans,
     all_gather_region,
-    causal_calls_to,
 )
 from automodel.training.parallel.blocks import attention_modules
 from automodel.training.parallel.mesh import data_parallel_mesh
@@ -93,14 +92,15 @@ def packing_on(cfg: Any) -> bool:
 def cp_attention(cfg: Any, device: torch.device | str, model_config: Any) -> str:
     """The attention context parallelism runs: ``distributed.cp_attention`` unless ``auto``; ``auto`` is ring where
     torch's ring attention runs and computes the model's attention (CUDA with its kernels, sdpa, no packed rows,
-    no sliding-window layers), else all_gather."""
+    no sliding-window layers, no pipeline: its schedule runs the backward outside the stage's forward), else
+    all_gather."""
     settings = cfg.distributed
     setting = getattr(settings, "cp_attention", "auto")
     if setting != "auto":
         return setting
     model = cfg.get("model") if hasattr(cfg, "get") else None
     implementation = model.get("attn_implementation") if model is not None else None
-    ring = (not cp_issues(device, settings.cp_size, implementation) and not packing_on(cfg)
+    ring = (settings.pp_size == 1 and not cp_issues(device, settings.cp_size, implementation) and not packing_on(cfg)
             and (model_config is None or sliding_window_issue(model_config) is None))
     return "ring" if ring else "all_gather"
 
@@ -178,19 +178,38 @@ def split_sequence(tensor: torch.Tensor, cp_mesh: DeviceMesh, dim: int = SEQUENC
     return torch.cat([chunks[rank], chunks[len(chunks) - 1 - rank]], dim=dim)
 
 
+def _check_length(length: int, cp_mesh: DeviceMesh) -> None:
+    chunks = 2 * cp_mesh.size()
+    if length % chunks:
+        raise AutomodelError(f"context parallelism over {cp_mesh.size()} ranks splits each sequence into {chunks} "
+                             f"chunks, but this batch's sequences have {length} positions; pad them to a multiple "
+                             f"of {chunks}")
+
+
+def pipeline_parts(cp_mesh: DeviceMesh, inputs: torch.Tensor, labels: torch.Tensor, kwargs: dict[str, Any]
+                   ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+    """A pipeline batch (token ids, labels, the stages' keyword arguments) as its stages run it with context
+    parallelism: this rank's part of the token ids and of the next-token targets (shifted before the split, as
+    :class:`ContextParallelBatch`), the keyword arguments of the whole rows (each row's ``0 .. length - 1`` as its
+    positions where it has none) with ``cp_mesh``, from which each stage runs its layers in the all-gather
+    attention's region (``PipelineStageModel.forward``)."""
+    _check_length(labels.shape[SEQUENCE_DIM], cp_mesh)
+    if "position_ids" not in kwargs:
+        kwargs = {**kwargs, "position_ids": torch.arange(inputs.shape[SEQUENCE_DIM], device=inputs.device)
+                  .expand(inputs.shape[0], -1)}
+    return (split_sequence(inputs, cp_mesh), split_sequence(next_token_targets(labels), cp_mesh),
+            {**kwargs, "cp_mesh": cp_mesh})
+
+
 @contextlib.contextmanager
 def context_parallel_region(cp_mesh: DeviceMesh, batch: ContextParallelBatch, attention: str = "ring"
                             ) -> Iterator[None]:
     """Run the micro-batch's forward *and* backward inside: the batch's tensors hold this rank's part of the
     sequence (in place; not restored) and causal SDPA runs as ``attention`` over ``cp_mesh``: torch's ring
     attention, or the all-gather attention (its mask from the whole rows' positions and padding)."""
-    chunks = 2 * cp_mesh.size()
     buffers = batch.split_in_place()
     length = batch.targets.shape[SEQUENCE_DIM]
-    if length % chunks:
-        raise AutomodelError(f"context parallelism over {cp_mesh.size()} ranks splits each sequence into {chunks} "
-                             f"chunks, but this batch's sequences have {length} positions; pad them to a multiple "
-                             f"of {chunks}")
+    _check_length(length, cp_mesh)
     if attention == "all_gather":
         with all_gather_region(cp_mesh, length, batch.position_ids, batch.attention_mask, buffers, batch.spans):
             yield
@@ -206,7 +225,7 @@ def context_parallel_region(cp_mesh: DeviceMesh, batch: ContextParallelBatch, at
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]), \
             context_parallel(cp_mesh, buffers=buffers, buffer_seq_dims=[SEQUENCE_DIM] * len(buffers),
                              no_restore_buffers=set(buffers)):
-        with SplitRegion.entered(), causal_calls_to(F.scaled_dot_product_attention, plain):  # ring: causal calls
+        with SplitRegion.entered(F.scaled_dot_product_attention, plain):  # ring attention: the causal calls
             yield
 
 

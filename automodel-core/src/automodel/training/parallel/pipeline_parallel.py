@@ -311,38 +311,52 @@ class StagePipelines:
     so every batch of one optimizer step must have the step's shape (the loop asks the recipe for that). The
     pipelines of the :data:`KEPT_SHAPES` shapes used last are kept (each holds buffers for its micro-batches).
     With ``shapes`` (``pp_seq_len``, or ``dtype`` alone: each batch's own length) the training pipelines are built
-    with static shapes instead, no such first run.
+    with static shapes instead, no such first run. With ``cp_mesh`` (context parallelism) each training batch is
+    split over its ranks first (``context_parallel.pipeline_parts``); evaluation runs whole sequences, its targets
+    shifted as well.
     Evaluation runs GPipe, or LoopedBFS (its form for several stages per rank), forward only (the schedule changes
     nothing there), with micro-batches that divide the batch, so a shorter last validation batch runs too."""
 
     def __init__(self, stages: list[PipelineStageModel], pp_mesh: DeviceMesh, device: torch.device,
                  settings: PipelineSettings, loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                 shapes: StaticShapes | None = None):
+                 shapes: StaticShapes | None = None, cp_mesh: DeviceMesh | None = None):
         self.stages, self.pp_mesh, self.device, self.settings, self.loss_sum = stages, pp_mesh, device, settings, \
             loss_sum
-        self.shapes = shapes
+        self.shapes, self.cp_mesh = shapes, cp_mesh
         self.group = pp_mesh.get_group()
         self._pipelines: dict[tuple[bool, tuple[int, ...]], Pipeline] = {}
 
     def step(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float, reduce_grads: bool = True,
              keep_gathered: bool = False, **kwargs: Any) -> torch.Tensor:
         """:meth:`Pipeline.step` with the pipeline for this batch's shape (with static shapes: every batch
-        ``pp_seq_len`` long, else an ``AutomodelError`` naming the key)."""
-        if self.shapes is not None and self.shapes.seq_len is not None and inputs.shape[1] != self.shapes.seq_len:
+        ``pp_seq_len`` long, else an ``AutomodelError`` naming the key); with context parallelism on this rank's
+        part of the batch, ``labels`` then its next-token targets (what ``loss_sum`` gets)."""
+        length = inputs.shape[1]
+        if self.shapes is not None and self.shapes.seq_len is not None and length != self.shapes.seq_len:
             raise AutomodelError(f"distributed.pipeline.pp_seq_len: {self.shapes.seq_len}, but this step's batches "
-                                 f"are {inputs.shape[1]} tokens long (padded); raise pp_seq_len to at least "
-                                 f"{inputs.shape[1]} or make the samples shorter (the dataset's maximum length)")
-        return self._pipeline(True, inputs, self.settings).step(inputs, labels, scale, reduce_grads, keep_gathered,
-                                                                **kwargs)
+                                 f"are {length} tokens long (padded); raise pp_seq_len to at least {length} or make "
+                                 "the samples shorter (the dataset's maximum length)")
+        if self.cp_mesh is not None:
+            from automodel.training.parallel.context_parallel import pipeline_parts
+
+            inputs, labels, kwargs = pipeline_parts(self.cp_mesh, inputs, labels, kwargs)
+        return self._pipeline(True, inputs, self.settings, length).step(inputs, labels, scale, reduce_grads,
+                                                                        keep_gathered, **kwargs)
 
     def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        """:meth:`Pipeline.evaluate` with the (GPipe / LoopedBFS) pipeline for this batch's shape."""
+        """:meth:`Pipeline.evaluate` with the (GPipe / LoopedBFS) pipeline for this batch's shape (whole sequences;
+        with context parallelism ``loss_sum`` takes next-token targets, as in training)."""
+        if self.cp_mesh is not None:
+            from automodel.training.parallel.context_parallel import next_token_targets
+
+            labels = next_token_targets(labels)
         rows, size = inputs.shape[0], self.settings.pp_microbatch_size
         schedule = "gpipe" if len(self.stages) == 1 else "loopedbfs"
         settings = PipelineSettings(pp_schedule=schedule, pp_microbatch_size=size if rows % size == 0 else 1)
-        return self._pipeline(False, inputs, settings).evaluate(inputs, labels, **kwargs)
+        return self._pipeline(False, inputs, settings, inputs.shape[1]).evaluate(inputs, labels, **kwargs)
 
-    def _pipeline(self, train: bool, inputs: torch.Tensor, settings: PipelineSettings) -> Pipeline:
+    def _pipeline(self, train: bool, inputs: torch.Tensor, settings: PipelineSettings, length: int) -> Pipeline:
+        """The pipeline for ``inputs`` (this rank's part of batches ``length`` tokens long)."""
         key = (train, tuple(inputs.shape))
         if key in self._pipelines:
             self._pipelines[key] = self._pipelines.pop(key)  # the most recently used last
@@ -354,7 +368,7 @@ class StagePipelines:
                                        "distributed.pipeline")
             if found:
                 raise AutomodelError(f"a batch of {rows} rows: {found[0].key}: {found[0].message}")
-            shapes = self.shapes.of_length(inputs.shape[1]) if train and self.shapes is not None else None
+            shapes = self.shapes.of_length(length) if train and self.shapes is not None else None
             self._pipelines[key] = Pipeline(self.stages, self.pp_mesh, self.device, settings, rows, self.loss_sum,
                                             shapes)
         return self._pipelines[key]

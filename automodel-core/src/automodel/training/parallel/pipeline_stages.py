@@ -20,14 +20,18 @@ checkpoints see one model, as with one stage per rank.
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from automodel.errors import AutomodelError
+from automodel.training.parallel.all_gather_attention import all_gather_region
 from automodel.training.parallel.blocks import LayerPlaceholder
 from automodel.training.parallel.pipeline_media import model_media
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 def stage_layer_ranges(num_layers: int, num_stages: int) -> list[range]:
@@ -54,7 +58,10 @@ class PipelineStageModel(nn.Module):
     itself). The first stage runs the base model (a composite model's: media encoders, projector, embedding, its
     layers, with the micro-batch's media, see ``pipeline_media``), the others the text model that holds the
     layers. Every stage gets the micro-batch's keyword arguments (torch's schedule hands them to each), so position
-    ids that restart at each sample of a packed row keep every stage's attention within the samples."""
+    ids that restart at each sample of a packed row keep every stage's attention within the samples. With
+    ``cp_mesh`` (context parallelism, ``context_parallel.pipeline_parts``) ``inputs`` hold this rank's part of the
+    sequences and the mask and positions the whole rows': the layers run in the all-gather attention's region over
+    ``cp_mesh``, on the rank's positions, its mask built from the whole rows'."""
 
     # the loss applies the output head itself (FusedLinearCrossEntropy): no [tokens, vocab] logits leave the stage
     head_in_loss = False
@@ -78,13 +85,19 @@ class PipelineStageModel(nn.Module):
             self.add_module(name, child)
 
     def forward(self, inputs: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, **media: torch.Tensor) -> torch.Tensor:
+                position_ids: torch.Tensor | None = None, cp_mesh: DeviceMesh | None = None,
+                **media: torch.Tensor) -> torch.Tensor:
         if self.is_first:  # the base model: a composite one encodes the media and merges them into the embeddings
             body, given = getattr(self, self._base), {"input_ids": inputs, **model_media(media)}
         else:
             body, given = self.get_submodule(self._text), {"inputs_embeds": inputs}
-        hidden = body(**given, attention_mask=attention_mask, position_ids=position_ids,
-                      use_cache=False).last_hidden_state
+        if cp_mesh is None:
+            hidden = body(**given, attention_mask=attention_mask, position_ids=position_ids,
+                          use_cache=False).last_hidden_state
+        else:  # this rank's part of the rows' sequences; their positions and padding are the whole rows'
+            positions = position_ids.clone()  # split in place by the region: the rank's positions
+            with all_gather_region(cp_mesh, position_ids.shape[-1], position_ids, attention_mask, [positions]):
+                hidden = body(**given, position_ids=positions, use_cache=False).last_hidden_state
         return self.output_head(hidden) if self.is_last and not self.head_in_loss else hidden
 
     @property

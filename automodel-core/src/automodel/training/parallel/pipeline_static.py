@@ -35,15 +35,18 @@ def activations_dtype(precision: Precision, storage: torch.dtype | None) -> torc
     return precision.output_dtype or precision.param_dtype or storage
 
 
-def static_shapes_unsupported(tp_size: int, cp_size: int, sequence_parallel: bool) -> str | None:
+def static_shapes_unsupported(tp_size: int, cp_size: int, sequence_parallel: bool,
+                              pp_seq_len: int | None = None) -> str | None:
     """Why static stage shapes cannot describe what the stages exchange in this layout (None: they can).
 
     Tensor parallelism alone keeps what the stages return plain and whole on every tensor-parallel rank (the
     row-wise projections all-reduce the hidden states; a stage's output head gathers the logits over the
-    vocabulary), which :class:`StaticShapes` describes. Sequence parallelism and context parallelism send sequence
-    shards, which it does not."""
-    if cp_size > 1:
-        return f"cp_size {cp_size}: the stages exchange sequence shards, which static shapes are not set up for"
+    vocabulary), which :class:`StaticShapes` describes; context parallelism sends each rank's part of the
+    sequences, ``pp_seq_len / cp_size`` positions (``pp_seq_len`` then a multiple of the ``2 cp_size`` chunks of
+    its split). Sequence parallelism sends sequence-sharded DTensors, which it does not describe."""
+    if cp_size > 1 and pp_seq_len is not None and pp_seq_len % (2 * cp_size):
+        return (f"cp_size {cp_size}: context parallelism splits each sequence into {2 * cp_size} chunks, which "
+                f"{pp_seq_len} tokens do not divide into; use a multiple of {2 * cp_size}")
     if tp_size > 1 and sequence_parallel:
         return (f"sequence_parallel with tp_size {tp_size}: the stages exchange sequence-sharded hidden states, which "
                 "static shapes are not set up for")
@@ -80,7 +83,8 @@ class StaticShapes:
     """What every training stage takes and returns with ``pp_seq_len``: token ids ``[rows, seq_len]`` into the
     first stage, hidden states ``[rows, seq_len, hidden]`` in ``activations`` between stages, logits
     ``[rows, seq_len, vocab]`` in ``logits`` out of the last (``rows``: a pipeline micro-batch); with
-    ``head_in_loss`` (the loss applies the output head) the last stage's final hidden states instead."""
+    ``head_in_loss`` (the loss applies the output head) the last stage's final hidden states instead. With
+    context parallelism over ``cp`` ranks each rank's stages exchange its part: ``seq_len / cp`` positions."""
 
     seq_len: int | None  # None: each training batch's own length (of_length)
     hidden: int
@@ -88,6 +92,12 @@ class StaticShapes:
     activations: torch.dtype
     logits: torch.dtype
     head_in_loss: bool = False
+    cp: int = 1
+
+    @property
+    def part(self) -> int:
+        """The positions of a sequence one rank's stages exchange."""
+        return self.seq_len // self.cp
 
     def of_length(self, seq_len: int) -> StaticShapes:
         """These shapes for a batch of ``seq_len`` tokens (itself when the length is fixed)."""
@@ -96,21 +106,24 @@ class StaticShapes:
     def examples(self, stage: Any, rows: int) -> dict[str, torch.Tensor]:
         """``PipelineStage``'s ``input_args`` and ``output_args`` for ``stage`` (meta tensors)."""
         if stage.is_first:
-            inputs = torch.empty(rows, self.seq_len, dtype=torch.long, device="meta")
+            inputs = torch.empty(rows, self.part, dtype=torch.long, device="meta")
         else:
-            inputs = torch.empty(rows, self.seq_len, self.hidden, dtype=self.activations, device="meta",
+            inputs = torch.empty(rows, self.part, self.hidden, dtype=self.activations, device="meta",
                                  requires_grad=True)
         logits = stage.is_last and not self.head_in_loss
         width, dtype = (self.vocab, self.logits) if logits else (self.hidden, self.activations)
-        outputs = torch.empty(rows, self.seq_len, width, dtype=dtype, device="meta", requires_grad=True)
+        outputs = torch.empty(rows, self.part, width, dtype=dtype, device="meta", requires_grad=True)
         return {"input_args": inputs, "output_args": outputs}
 
     def describe(self, rows: int) -> str:
         """The run-start line: the shapes, and that no shape-finding pass runs."""
-        size = f"{rows}, {self.seq_len or 'length'}"
+        length = (f"{self.part}" if self.seq_len else f"length / {self.cp}") if self.cp > 1 else \
+            f"{self.seq_len or 'length'}"
+        size = f"{rows}, {length}"
         last = "the last stage's too (the loss applies the output head)" if self.head_in_loss else \
             f"logits [{size}, {self.vocab}] {dtype_name(self.logits)}"
         origin = f"pp_seq_len {self.seq_len}" if self.seq_len else "distributed.pipeline.dtype, each batch's length"
+        origin += f"; this rank's part of the sequences, cp {self.cp}" if self.cp > 1 else ""
         return (f"pipeline stage shapes: static ({origin}): token ids [{size}], hidden states "
                 f"[{size}, {self.hidden}] {dtype_name(self.activations)}, {last}; no shape-finding pass on the first "
                 "batch")

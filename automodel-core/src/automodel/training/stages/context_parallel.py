@@ -4,11 +4,13 @@ sequence and causal attention runs as torch's ring attention or the all-gather a
 
 The stage makes the attention modules run without the model's mask and says which attention runs; the loop
 (``ContextParallelSteps.sequence_parts``) splits each micro-batch and runs its forward and backward inside the
-context-parallel region; FSDP2 shards over ``dp_shard x cp`` (the sharding slot). Tensor parallelism composes over
-the mesh's ``tp`` dimension: each rank's attention runs on its tensor-parallel heads (the keys and values gathered
-over its ``cp`` group only), the loss is vocabulary-parallel on the split sequences, and sequence parallelism shards
-a rank's part further over ``tp``. Validation refuses what the chosen attention cannot run (ring: not CUDA, sliding
-windows) and the combinations this path does not handle, each with the reason.
+context-parallel region, or, pipelined, splits each batch before the schedule and each stage runs its layers in the
+all-gather attention's region (``PipelineStageModel.forward``); FSDP2 shards over ``dp_shard x cp`` (the sharding
+slot). Tensor parallelism composes over the mesh's ``tp`` dimension: each rank's attention runs on its
+tensor-parallel heads (the keys and values gathered over its ``cp`` group only), the loss is vocabulary-parallel on
+the split sequences, and sequence parallelism shards a rank's part further over ``tp``. Validation refuses what the
+chosen attention cannot run (ring: not CUDA, sliding windows) and the combinations this path does not handle, each
+with the reason.
 """
 
 from __future__ import annotations
@@ -49,10 +51,11 @@ def issues(cfg: Config, implementation: str | None) -> list[ConfigIssue]:
         found.append(ConfigIssue("distributed.strategy", f"{dist.strategy}: the {cp} context-parallel ranks of a "
                                  "batch hold partial gradients, which FSDP2 sums over dp x cp ranks; set "
                                  "distributed.strategy: fsdp2"))
-    if dist.pp_size > 1:
-        found.append(ConfigIssue("distributed.pp_size", f"{dist.pp_size} with cp_size {cp}: the pipeline schedule "
-                                 "runs the micro-batches itself, outside the context-parallel region that must hold "
-                                 "each forward and backward; use pp_size: 1 with context parallelism"))
+    if dist.pp_size > 1 and chosen == "ring":
+        found.append(ConfigIssue("distributed.cp_attention", f"ring with pp_size {dist.pp_size}: the pipeline "
+                                 "schedule runs each micro-batch's backward outside the stage's forward, where torch's "
+                                 "ring attention must hold both; set distributed.cp_attention: all_gather (any "
+                                 "device; auto chooses it on CPU) or pp_size: 1"))
     if chosen == "ring" and config is not None and (why := sliding_window_issue(config)) is not None:
         found.append(ConfigIssue("distributed.cp_attention", f"ring: {why}"))
     if cfg.compile is not None and cfg.compile.enabled:
