@@ -9,6 +9,7 @@ from typing import Any, ClassVar, Literal
 
 from automodel.config.schema import FieldErrors, require_positive
 from automodel.config.schema import field_help as _help
+from automodel.model_backend import backend_setting
 from automodel.training.multimodal_section import multimodal_errors
 
 
@@ -231,3 +232,10 @@ _UPSTREAM_KEYS = {
                  "scale_grads_in_schedule", "loss_fn", "pp_seq_len"},
     "moe": {"ignore_router_for_ac", "reshard_after_forward", "lm_head_precision", "wrap_outer_model", "mp_policy"},
 }
+
+
+def grad_sync_deferred(settings: DistributedConfig, model_section: Any) -> bool:
+    """Whether FSDP2 reduces a step's gradients after its last micro-batch only: ``defer_fsdp_grad_sync`` (default
+    true), or ``model.backend.enable_fsdp_optimizations: true``, which defers whatever the former says (as upstream's
+    models with it do)."""
+    return settings.defer_fsdp_grad_sync or bool(backend_setting(model_section, "enable_fsdp_optimizations"))

@@ -24,6 +24,7 @@ from automodel.training.checkpoint import read_latest
 from automodel.training.checkpoint_write import CheckpointParts, CheckpointWrite
 from automodel.training.context_steps import ContextParallelSteps
 from automodel.training.dist import all_reduce_sum, any_rank, naming_stalls
+from automodel.training.distributed_section import grad_sync_deferred
 from automodel.training.garbage import PeriodicGarbageCollection
 from automodel.training.logging import FAILED, STOPPED, SUCCESS
 from automodel.training.loss_parts import LossParts
@@ -139,7 +140,7 @@ class TrainingLoop(PipelineSteps, ContextParallelSteps, LossParts):
             return
         optimized = bool(backend_setting(self.cfg.model, "enable_fsdp_optimizations"))
         for unit in [module for module in self.model.modules() if isinstance(module, FSDPModule)]:  # every unit
-            unit.set_requires_gradient_sync(last or not (settings.defer_fsdp_grad_sync or optimized), recurse=False)
+            unit.set_requires_gradient_sync(last or not grad_sync_deferred(settings, self.cfg.model), recurse=False)
             if optimized:
                 unit.set_reshard_after_backward(last, recurse=False)
 

@@ -13,7 +13,7 @@ import torch
 from automodel.errors import AutomodelError, ConfigIssue
 from automodel.model_backend import backend_setting
 from automodel.training.context import BuildContext
-from automodel.training.distributed_section import moe_head_fp32
+from automodel.training.distributed_section import grad_sync_deferred, moe_head_fp32
 from automodel.training.loss import IGNORE_INDEX, LINEAR, loss_fn_named
 from automodel.training.modules import unwrap
 from automodel.training.parallel.mesh import CP, PP
@@ -129,7 +129,7 @@ class PipelineSteps:
             fixed = shapes.seq_len if shapes is not None else None
             parts = self._agreed_shape(moved) if fixed is None else self.pipeline_batches(moved, fixed)
         keep = bool(backend_setting(self.cfg.model, "enable_fsdp_optimizations"))
-        defer = self.cfg.distributed.defer_fsdp_grad_sync or keep  # as without pipeline (prepare_micro_batch)
+        defer = grad_sync_deferred(self.cfg.distributed, self.cfg.model)
         for index, (inputs, targets, kwargs) in enumerate(parts):
             last = index == len(parts) - 1
             with self.forward_context():
