@@ -32,6 +32,7 @@ from automodel.training.parallel.context_parallel import (
     causal_attention_without_mask,
     cp_attention,
     cp_issues,
+    eager_issue,
     next_token_targets,
     split_sequence,
 )
@@ -87,8 +88,9 @@ def test_ring_attention_is_refused_on_cpu_saying_what_would_run_it():
     assert "set distributed.cp_attention: all_gather (any device) or set cp_size: 1" in issue.message
     assert cp_issues("cpu", 1) == []
     assert cp_issues("cpu", 2, attention="all_gather") == []
-    (eager,) = cp_issues("cpu", 2, "eager", attention="all_gather")
-    assert eager.key == "model.attn_implementation" and "use sdpa" in eager.message
+    assert cp_issues("cpu", 2, "eager", attention="all_gather") == []  # eager runs as SDPA in the region
+    (flash,) = cp_issues("cpu", 2, "flash_attention_2", attention="all_gather")
+    assert flash.key == "model.attn_implementation" and "use sdpa or eager" in flash.message
 
 
 def test_auto_runs_ring_attention_only_where_it_computes_the_models_attention(monkeypatch):
@@ -262,3 +264,38 @@ def test_attention_is_found_below_activation_checkpointing_and_runs_without_the_
         model(**inputs)
         assert SplitRegion.window == 3  # the last layer's
     assert seen[1] is None and not SplitRegion.active
+
+
+def test_eager_attention_runs_as_sdpa_inside_the_region_and_stays_eager_outside():
+    """An eager model's attention inside the region goes through SDPA (whose causal calls the region's attention
+    replaces; eager's own matrix products would run without any mask there) and equals the eager model on the
+    whole sequence; outside, and after an error inside, the model is eager again."""
+    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, attn_implementation="eager")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    whole = model(input_ids=ids).logits
+    assert causal_attention_without_mask(model) == 2
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    causal_calls = []
+
+    def causal(*args, **kwargs):
+        causal_calls.append(model.config._attn_implementation)
+        return sdpa(*args, **kwargs)
+
+    with SplitRegion.entered(causal, sdpa):
+        inside = model(input_ids=ids).logits
+    assert causal_calls == ["sdpa", "sdpa"]  # one per layer, each switched for its own call
+    assert torch.allclose(inside, whole, atol=1e-5)
+    assert model.config._attn_implementation == "eager"
+    with pytest.raises(RuntimeError), SplitRegion.entered(causal, sdpa):
+        model(input_ids=ids, position_ids=torch.zeros(1, 3, dtype=torch.long))  # a wrong shape fails inside
+    assert model.config._attn_implementation == "eager"
+
+
+def test_eager_attention_with_logit_soft_capping_is_refused_with_context_parallelism():
+    from transformers import Gemma2Config, Gemma3TextConfig
+
+    assert "SDPA does not soft-cap the attention logits" in eager_issue(Gemma2Config())
+    assert eager_issue(Gemma3TextConfig()) is None and eager_issue(LlamaConfig()) is None

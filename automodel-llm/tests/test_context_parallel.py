@@ -82,17 +82,19 @@ def test_what_the_context_parallel_path_cannot_do_is_refused_with_the_reason(con
 
 def test_a_config_ring_attention_can_run_passes_validation_where_the_device_is_cuda(config, monkeypatch,
                                                                                     capsys):
-    """Only the device is CUDA's here (the same checks a GPU machine runs); the sdpa attention is accepted, eager
-    refused (by either attention: both replace the model's SDPA calls)."""
+    """Only the device is CUDA's here (the same checks a GPU machine runs); the sdpa attention is accepted; eager
+    refused by ring attention and run as SDPA by the all-gather attention; flash attention refused by both."""
     monkeypatch.setattr("automodel.training.stages.context_parallel.validation_device",
                         lambda: torch.device("cuda"))
     assert main(["validate", "-c", str(config), *CP2, *RING]) == 0, capsys.readouterr().err
     assert main(["validate", "-c", str(config), *CP2, *RING, "--model.attn_implementation", "eager"]) == 2
     assert "model.attn_implementation: 'eager': context parallelism replaces SDPA's attention" in \
         capsys.readouterr().err
-    assert main(["validate", "-c", str(config), *CP2, "--model.attn_implementation", "eager"]) == 2
-    assert "model.attn_implementation: 'eager': context parallelism's all-gather attention replaces the model's " \
-        "SDPA calls" in capsys.readouterr().err
+    assert main(["validate", "-c", str(config), *CP2, "--model.attn_implementation", "eager"]) == 0  # runs as SDPA
+    capsys.readouterr()
+    assert main(["validate", "-c", str(config), *CP2, "--model.attn_implementation", "flash_attention_2"]) == 2
+    assert "model.attn_implementation: 'flash_attention_2': context parallelism's all-gather attention replaces " \
+        "the model's SDPA calls (eager attention runs as SDPA inside it); use sdpa or eager" in capsys.readouterr().err
 
 
 def test_expert_parallelism_over_the_context_parallel_ranks_passes_validation_where_the_device_is_cuda(

@@ -36,6 +36,7 @@ from automodel.training.parallel.all_gather_attention import (
     SplitRegion,
     TwoWaySpans,
     all_gather_region,
+    part_indices,
 )
 from automodel.training.parallel.blocks import attention_modules
 from automodel.training.parallel.mesh import data_parallel_mesh
@@ -58,11 +59,11 @@ def cp_issues(device: torch.device | str, cp_size: int, attn_implementation: str
     if cp_size == 1:
         return []
     if attention == "all_gather":
-        if attn_implementation in (None, "sdpa"):
+        if attn_implementation in (None, "sdpa", "eager"):  # eager runs as SDPA in the region
             return []
         return [ConfigIssue("model.attn_implementation", f"'{attn_implementation}': context parallelism's "
-                            "all-gather attention replaces the model's SDPA calls; use sdpa (or set "
-                            "distributed.cp_size: 1)")]
+                            "all-gather attention replaces the model's SDPA calls (eager attention runs as SDPA "
+                            "inside it); use sdpa or eager (or set distributed.cp_size: 1)")]
     device = torch.device(device)
     if device.type != "cuda":
         return [ConfigIssue(f"{section}.cp_size", f"{cp_size}: context parallelism runs torch's ring attention "
@@ -173,9 +174,8 @@ def split_sequence(tensor: torch.Tensor, cp_mesh: DeviceMesh, dim: int = SEQUENC
     """This rank's part of ``tensor`` along ``dim``, laid out as the region splits its tensors (chunks ``r`` and
     ``2n - 1 - r`` of ``2n``), out of place and differentiable: for tensors computed inside the forward (a
     vision-language model's merged embeddings, its multi-axis rope positions)."""
-    chunks = tensor.chunk(2 * cp_mesh.size(), dim=dim)
-    rank = cp_mesh.get_local_rank()
-    return torch.cat([chunks[rank], chunks[len(chunks) - 1 - rank]], dim=dim)
+    mine = part_indices(tensor.shape[dim], cp_mesh.size(), cp_mesh.get_local_rank())
+    return tensor.index_select(dim, mine.to(tensor.device))
 
 
 def _check_length(length: int, cp_mesh: DeviceMesh) -> None:
@@ -234,18 +234,45 @@ def causal_attention_without_mask(model: nn.Module, skip: Collection[nn.Module] 
     region (the model's mask, built from the split position ids, would not match the region's attention; each
     module's sliding window is noted for the all-gather attention's mask); returns how many were hooked. The modules
     are found below wrappers (activation checkpointing) too; those inside ``skip`` (a vision-language model's
-    towers, which see whole images) are left as they are."""
+    towers, which see whole images) are left as they are.
+
+    A module whose model asked for ``eager`` attention runs transformers' SDPA attention inside the region (the
+    region's attention replaces SDPA calls, which eager's matrix products never make): the same softmax(QK^T / s)V,
+    its scale, dropout and the region's exact mask; outside, it stays eager. Eager's logit soft-capping (Gemma 2),
+    which SDPA lacks, is refused before (:func:`eager_issue`)."""
+    switched: set[nn.Module] = set()
+
     def drop_mask(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
         if not SplitRegion.active:  # whole sequences (validation, generation): the model's own mask
             return None
         SplitRegion.note(module)  # the all-gather attention's mask for this layer
+        config = getattr(module, "config", None)
+        if getattr(config, "_attn_implementation", None) == "eager":
+            config._attn_implementation = "sdpa"  # for this module's call; restore_eager sets it back
+            switched.add(module)
         return args, {**kwargs, "attention_mask": None}
+
+    def restore_eager(module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
+        if module in switched:
+            switched.discard(module)
+            module.config._attn_implementation = "eager"
 
     modules = attention_modules(model, skip)
     for module in modules:
         module.register_forward_pre_hook(drop_mask, with_kwargs=True)
+        module.register_forward_hook(restore_eager, with_kwargs=True, always_call=True)
     hooked = len(modules)
     if not hooked:
         raise AutomodelError(f"context parallelism found no attention module in the layers of "
                              f"'{type(model).__name__}'")
     return hooked
+
+
+def eager_issue(config: Any) -> str | None:
+    """Why a model's ``eager`` attention cannot run as the context-parallel region's SDPA attention (None: it can):
+    logit soft-capping inside the attention (Gemma 2's ``attn_logit_softcapping``), which SDPA does not compute."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if (cap := getattr(text, "attn_logit_softcapping", None)) is not None:
+        return (f"'eager' with attn_logit_softcapping {cap}: context parallelism runs the attention as SDPA with an "
+                "exact mask, and SDPA does not soft-cap the attention logits; set distributed.cp_size: 1")
+    return None

@@ -25,6 +25,7 @@ from automodel.training.parallel.context_parallel import (
     causal_attention_without_mask,
     cp_attention,
     cp_issues,
+    eager_issue,
     sliding_window_issue,
 )
 from automodel.training.parallel.multimodal_fsdp import multimodal_modules
@@ -58,6 +59,8 @@ def issues(cfg: Config, implementation: str | None) -> list[ConfigIssue]:
                                  "device; auto chooses it on CPU) or pp_size: 1"))
     if chosen == "ring" and config is not None and (why := sliding_window_issue(config)) is not None:
         found.append(ConfigIssue("distributed.cp_attention", f"ring: {why}"))
+    if attention == "eager" and config is not None and (why := eager_issue(config)) is not None:
+        found.append(ConfigIssue("model.attn_implementation", why))
     if cfg.compile is not None and cfg.compile.enabled:
         found.append(ConfigIssue("compile.enabled", f"true with cp_size {cp}: the context-parallel region swaps "
                                  "torch.nn.functional.scaled_dot_product_attention for its own attention while it "
@@ -78,11 +81,18 @@ def attention(ctx: BuildContext, model: torch.nn.Module) -> tuple[torch.nn.Modul
     if chosen == "ring" and config is not None and (why := sliding_window_issue(config)) is not None:
         raise AutomodelError(f"distributed.cp_attention: ring: {why}")
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if (implementation := getattr(text, "_attn_implementation", None)) not in (None, "sdpa"):
+    implementation = getattr(text, "_attn_implementation", None)
+    runs = (None, "sdpa", "eager") if chosen == "all_gather" else (None, "sdpa")
+    if implementation not in runs:
         raise AutomodelError(f"model.attn_implementation: '{implementation}': context parallelism replaces the "
-                             "language model's SDPA calls; use sdpa (or set distributed.cp_size: 1)")
+                             f"language model's SDPA calls; use {' or '.join(runs[1:])} (or set "
+                             "distributed.cp_size: 1)")
+    if implementation == "eager" and (why := eager_issue(config)) is not None:
+        raise AutomodelError(f"model.attn_implementation: {why}")
     hooked = causal_attention_without_mask(inner, multimodal_modules(inner, ctx.multimodal_names).values())
     how = ("torch's ring attention" if chosen == "ring" else
            "all-gather attention (every rank's keys and values gathered, SDPA with an exact mask)")
+    eager = ("; the model's eager attention runs as transformers' SDPA attention there (the same math), eager "
+             "outside (validation, generation)" if implementation == "eager" else "")
     return model, (f"{hooked} attention modules run as {how} over cp {cp} (each sequence split into {2 * cp} "
-                   f"chunks, rank r holding chunks r and {2 * cp - 1} - r)")
+                   f"chunks, rank r holding chunks r and {2 * cp - 1} - r){eager}")
