@@ -344,15 +344,18 @@ class AutoDiffusionPipeline(torch.nn.Module):
                                  "(model.pipeline_spec.load_full_pipeline: false); it trains on a latent cache only")
         else:
             latents = self.encode_images(pixel_values, generator).float()
-            text_trains = any(n.startswith("text_encoder") for n in self.trainable_components)
+            text_trains = any(n.startswith("text_encoder") or n == "connectors" for n in self.trainable_components)
             with torch.set_grad_enabled(torch.is_grad_enabled() and text_trains):
                 cond = self.conditioning.encode(captions, latents.device)
         latents, positions = self.conditioning.pack(latents)
         noisy, timesteps, target = self.objective.noise(latents, generator)
+        cond = {**cond, **positions}
+        cond.update(self.conditioning.noise_streams(cond, timesteps / self.objective.num_train_timesteps, generator))
         denoiser = self.components[self.denoiser_name] if self.denoiser_name in self.components else self.denoiser
         with self.denoiser_precision(latents.device):
-            prediction = self.conditioning.denoise(denoiser, noisy.to(self.denoiser.dtype), timesteps,
-                                                   {**cond, **positions})
+            prediction, streams = self.conditioning.denoise_streams(denoiser, noisy.to(self.denoiser.dtype),
+                                                                    timesteps, cond)
         losses = (prediction.float() - target.float()).pow(2).flatten(1).mean(1)
         weights = self.objective.loss_weights(timesteps)
-        return losses if weights is None else losses * weights.to(losses.device, losses.dtype)
+        losses = losses if weights is None else losses * weights.to(losses.device, losses.dtype)
+        return losses if streams is None else losses + streams.to(losses.dtype)
