@@ -128,6 +128,25 @@ def test_silent_audio_is_the_audio_vaes_normalised_encoding_of_silences_log_mel(
     assert abs(tokens.shape[1] - round(121 / 24 * 16000 / 160 / 4)) <= 1
 
 
+def test_a_latent_cache_read_by_the_full_pipeline_gives_its_on_the_fly_loss(base, clips):
+    """precompute diffusion's entries (one clip, one caption at a time) give the same losses: LTX-2 trains on a cache
+    with its full pipeline loaded (the VAEs' statistics are weights), never the transformer alone."""
+    from automodel_diffusion.objectives import ObjectiveConfig, build_objective
+
+    model = family_model(base, max_sequence_length=16)
+    model.objective = build_objective(ObjectiveConfig(caption_dropout=0.5), model.pipeline.scheduler)
+    conditioning, cpu = model.conditioning, torch.device("cpu")
+    x, captions = videos(clips, 3), list(CLIP_CAPTIONS[:3])
+    with torch.no_grad():
+        cached = {"latent_parameters": torch.cat([model.encode_pixels(x[i:i + 1]).latent_dist.parameters
+                                                  for i in range(3)]),
+                  "conditions": [conditioning.split(conditioning.encode([c], cpu))[0] for c in captions],
+                  "empty_conditions": conditioning.split(conditioning.encode([""], cpu))[0]}
+        expected = model(x, captions, generator=torch.Generator().manual_seed(4))
+        got = model(None, captions, generator=torch.Generator().manual_seed(4), cached=cached)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6)
+
+
 def test_clips_that_the_video_vae_cannot_encode_and_a_transformer_alone_are_refused(base):
     from automodel_diffusion import AutoDiffusionPipeline
 

@@ -253,7 +253,8 @@ def test_lora_form_trains_an_adapter_that_wanpipeline_loads(base, clips, tmp_pat
                                                                                        "takes none"),
     (("--flow_matching.adapter_type", "hunyuan"), "flow_matching.adapter_type", "HunyuanVideo model family is not "
                                                                                 "implemented"),
-    (("--data.dataloader.model_type", "ltx2"), "data.dataloader.model_type", "LTX-2 model family is not implemented"),
+    (("--data.dataloader.model_type", "hunyuan"), "data.dataloader.model_type", "HunyuanVideo model family is not "
+                                                                                 "implemented"),
     (("--data.dataloader.base_resolution", "[32, 64]"), "data.dataloader.base_resolution", "only square"),
     (("--data.dataloader.num_frames", "0"), "data.dataloader.num_frames", "expected a number of frames >= 1"),
     (("--data.dataloader.dynamic_batch_size", "true"), "data.dataloader.dynamic_batch_size", "not implemented"),

@@ -127,4 +127,5 @@ def check_pipeline(pipeline: Any) -> None:
     if getattr(pipeline, "vae", None) is None or getattr(pipeline, "audio_vae", None) is None:
         raise AutomodelError("model: LTX-2 normalises its video and audio latents with the VAEs' latents_mean / "
                              "latents_std, which are weights, not config; load the full pipeline, not the "
-                             "transformer alone (remove model.pipeline_spec.load_full_pipeline: false)")
+                             "transformer alone (remove model.pipeline_spec.load_full_pipeline: false); the full "
+                             "pipeline trains on a latent cache too")
