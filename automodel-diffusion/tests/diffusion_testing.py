@@ -350,6 +350,22 @@ def tiny_clips(directory: Path, frames: int = 5, size: int = 32) -> Path:
     return directory
 
 
+def clip_batch(clips: Path, n: int = 2) -> Any:
+    """The first ``n`` clips of a ``tiny_clips`` folder at 32x32, as one batch (batch, channels, frames, h, w)."""
+    import torch
+
+    from automodel_diffusion.datasets import VideoCaptionDataset
+
+    data = VideoCaptionDataset(str(clips), resolution=32)
+    return torch.stack([data[i]["pixel_values"] for i in range(n)])
+
+
+def form_overrides(base: Path, clips: Path, ckpt: Path) -> tuple:
+    """A video upstream form's overrides: the tiny pipeline, the clip folder and the checkpoint folder."""
+    return ("--model.pretrained_model_name_or_path", base, "--data.dataloader.cache_dir", clips,
+            "--checkpoint.checkpoint_dir", ckpt)
+
+
 # ---- shared by the model-family tests (test_flux.py, test_qwen_image.py) ------------------------------------------
 
 

@@ -18,7 +18,9 @@ from diffusion_testing import (
     CLIP_CAPTIONS,
     assert_denoiser_equal_with_adapter,
     build_refusals_on_the_sd3_pipeline,
+    clip_batch,
     family_model,
+    form_overrides,
     load_config,
     refusals,
     tiny_clips,
@@ -43,18 +45,6 @@ def base(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def clips(tmp_path_factory) -> Path:
     return tiny_clips(tmp_path_factory.mktemp("clips") / "clips")
-
-
-def videos(clips: Path, n: int = 2) -> torch.Tensor:
-    from automodel_diffusion.datasets import VideoCaptionDataset
-
-    data = VideoCaptionDataset(str(clips), resolution=32)
-    return torch.stack([data[i]["pixel_values"] for i in range(n)])
-
-
-def overrides(base: Path, clips: Path, ckpt: Path) -> tuple:
-    return ("--model.pretrained_model_name_or_path", base, "--data.dataloader.cache_dir", clips,
-            "--checkpoint.checkpoint_dir", ckpt)
 
 
 # ---- the training step, against diffusers' own code ------------------------------------------------------------
@@ -86,7 +76,7 @@ def test_the_transformer_gets_both_noisy_streams_and_the_loss_adds_the_weighted_
     model.conditioning.set_streams(fps=12.0, audio_loss_weight=0.5)
     seen = {}
     model.denoiser.register_forward_hook(lambda m, args, kwargs, out: seen.update(kwargs, out=out), with_kwargs=True)
-    x, captions = videos(clips), list(CLIP_CAPTIONS[:2])
+    x, captions = clip_batch(clips), list(CLIP_CAPTIONS[:2])
     losses = model(x, captions, generator=torch.Generator().manual_seed(3))
 
     replay = torch.Generator().manual_seed(3)  # the same draws, in the same order
@@ -136,7 +126,7 @@ def test_a_latent_cache_read_by_the_full_pipeline_gives_its_on_the_fly_loss(base
     model = family_model(base, max_sequence_length=16)
     model.objective = build_objective(ObjectiveConfig(caption_dropout=0.5), model.pipeline.scheduler)
     conditioning, cpu = model.conditioning, torch.device("cpu")
-    x, captions = videos(clips, 3), list(CLIP_CAPTIONS[:3])
+    x, captions = clip_batch(clips, 3), list(CLIP_CAPTIONS[:3])
     with torch.no_grad():
         cached = {"latent_parameters": torch.cat([model.encode_pixels(x[i:i + 1]).latent_dist.parameters
                                                   for i in range(3)]),
@@ -165,7 +155,7 @@ def test_finetune_form_trains_saves_an_ltx2pipeline_and_generate_writes_video_an
     from diffusers import LTX2Pipeline
 
     ckpt = tmp_path / "ckpt"
-    recipe = train_inprocess(FINETUNE, *overrides(base, clips, ckpt))
+    recipe = train_inprocess(FINETUNE, *form_overrides(base, clips, ckpt))
     conditioning = recipe.model.conditioning
     assert (conditioning.fps, conditioning.audio_loss_weight) == (12.0, 0.5)  # the form's adapter_kwargs
     model_dir = ckpt / "epoch_1_step_3" / "model"  # two steps an epoch: four clips, two a batch
@@ -195,7 +185,7 @@ def test_lora_form_trains_an_adapter_that_ltx2pipeline_loads(base, clips, tmp_pa
     import diffusers
 
     ckpt = tmp_path / "ckpt"
-    recipe = train_inprocess(LORA, *overrides(base, clips, ckpt))
+    recipe = train_inprocess(LORA, *form_overrides(base, clips, ckpt))
     model_dir = ckpt / "epoch_0_step_3" / "model"
     assert sorted(p.name for p in model_dir.iterdir()) == ["pytorch_lora_weights.safetensors"]
     pipeline = diffusers.LTX2Pipeline.from_pretrained(str(base))

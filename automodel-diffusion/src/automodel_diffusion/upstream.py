@@ -32,8 +32,8 @@ from automodel_diffusion import latents
 from automodel_diffusion.objectives import ObjectiveConfig
 
 SUPPORTED = ("SD3-style (StableDiffusion3Pipeline), FLUX.1 (FluxPipeline), FLUX.2 (Flux2Pipeline), Qwen-Image "
-             "(QwenImagePipeline), Wan 2.1 and 2.2 A14B text-to-video (WanPipeline), LTX-2 text-to-video with its audio "
-             "stream (LTX2Pipeline) and Stable Diffusion UNet (StableDiffusionPipeline) pipelines")
+             "(QwenImagePipeline), Wan 2.1 and 2.2 A14B text-to-video (WanPipeline), LTX-2 text-to-video with its "
+             "audio stream (LTX2Pipeline) and Stable Diffusion UNet (StableDiffusionPipeline) pipelines")
 FLUX, FLUX2, QWEN_IMAGE, WAN, SIMPLE, LTX2 = "flux", "flux2", "qwen_image", "wan", "simple", "ltx2"
 # upstream's model_type / adapter_type values that act here -> (the family, the pipeline class it must be); upstream's
 # "simple" adapter is the one its Wan 2.1 configs name (a transformer fed the noisy latents, timestep and text)
@@ -303,8 +303,8 @@ class FlowMatchingSection:
     adapter_type: str | None = field(default=None, metadata=_help(
         "upstream's model-family adapter: flux (the pipeline must be a FluxPipeline, FLUX.1), flux2 (a "
         "Flux2Pipeline, FLUX.2), qwen_image (a QwenImagePipeline, Qwen-Image), simple (a WanPipeline, Wan 2.1 "
-        "text-to-video) or ltx2 (an LTX2Pipeline, LTX-2: video and audio streams); null: the pipeline's own conditioning decides; the other upstream values name families not "
-        "implemented here"))
+        "text-to-video) or ltx2 (an LTX2Pipeline, LTX-2: video and audio streams); null: the pipeline's own "
+        "conditioning decides; the other upstream values name families not implemented here"))
     adapter_kwargs: dict = field(default_factory=dict, metadata=_help(
         "with adapter_type flux / flux2: guidance_scale (the guidance value a guidance-distilled FLUX.1 / FLUX.2 "
         "transformer is fed; default 3.5, as upstream) and use_guidance_embeds (true needs guidance embeddings; "
