@@ -154,10 +154,18 @@ def test_finetune_form_trains_saves_an_ltx2pipeline_and_generate_writes_video_an
                                                                                           monkeypatch):
     from diffusers import LTX2Pipeline
 
-    ckpt = tmp_path / "ckpt"
-    recipe = train_inprocess(FINETUNE, *form_overrides(base, clips, ckpt))
+    ckpt, rates = tmp_path / "ckpt", []
+
+    def watch(recipe):  # the frame rate of every transformer call, the samples' last
+        recipe.model.pipeline.transformer.register_forward_hook(
+            lambda m, args, kwargs, out: rates.append(kwargs["fps"]), with_kwargs=True)
+
+    recipe = train_inprocess(FINETUNE, *form_overrides(base, clips, ckpt), "--sample_generation.enabled", "true",
+                             "--sample_generation.num_inference_steps", 1, "--step_scheduler.val_every_steps", 3,
+                             before_run=watch)
     conditioning = recipe.model.conditioning
     assert (conditioning.fps, conditioning.audio_loss_weight) == (12.0, 0.5)  # the form's adapter_kwargs
+    assert set(rates) == {12.0} and (ckpt / "samples" / "step_3.webp").is_file()  # samples at the trained rate
     model_dir = ckpt / "epoch_1_step_3" / "model"  # two steps an epoch: four clips, two a batch
     loaded = LTX2Pipeline.from_pretrained(str(model_dir))
     trained = {k.removeprefix("components.transformer."): v for k, v in recipe.model.state_dict().items()}
