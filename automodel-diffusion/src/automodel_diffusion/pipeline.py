@@ -191,7 +191,8 @@ class AutoDiffusionPipeline(torch.nn.Module):
         """Load a diffusers pipeline (hub name or directory); only ``trainable_components`` train (the denoiser).
 
         ``max_sequence_length``: text tokens of the T5 slot of SD3-style and FLUX.1 pipelines, of the prompt
-        embeddings of Qwen-Image and FLUX.2 (None: the pipeline's default, 256 / 512 / 1024 / 512); pass the same
+        embeddings of Qwen-Image, FLUX.2, Wan and LTX-2 (None: the pipeline's default, 256 / 512 / 1024 / 512 / 512 /
+        1024); pass the same
         value to the pipeline when sampling from the trained checkpoint. ``guidance_scale``: the guidance value a
         guidance-distilled FLUX.1 / FLUX.2 transformer (its config's ``guidance_embeds``) is fed in training (None:
         the pipeline's default, 3.5 for FluxPipeline, 4 for Flux2Pipeline); refused for other denoisers. ``stage``
