@@ -137,6 +137,22 @@ def test_a_latent_cache_read_by_the_full_pipeline_gives_its_on_the_fly_loss(base
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6)
 
 
+def test_precompute_makes_a_cache_the_full_pipeline_trains_on(base, clips, tmp_path, capsys):
+    import yaml
+    from diffusion_testing import cli
+
+    config = tmp_path / "precompute.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": {"pretrained_model_name_or_path": str(base), "max_sequence_length": 16},
+        "dataset": {"_target_": "automodel_diffusion.datasets.VideoCaptionDataset", "path": str(clips),
+                    "resolution": 32, "num_frames": 5},
+        "output": {"cache_dir": str(tmp_path / "cache")}}))
+    assert cli("precompute", "diffusion", "-c", config) == 0
+    assert "train on it with the full pipeline (its latents are normalised with VAE weights)" in capsys.readouterr().err
+    recipe = train_inprocess(FINETUNE, *form_overrides(base, tmp_path / "cache", tmp_path / "ckpt"))
+    assert type(recipe.train_dataset).__name__ == "LatentCacheDataset" and recipe.step_scheduler.step == 3
+
+
 def test_clips_that_the_video_vae_cannot_encode_and_a_transformer_alone_are_refused(base):
     from automodel_diffusion import AutoDiffusionPipeline
 

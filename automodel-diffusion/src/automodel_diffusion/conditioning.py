@@ -34,6 +34,7 @@ class Conditioning:
     """How a pipeline family encodes images and captions and calls its denoiser."""
 
     shared: tuple[str, ...] = ()  # encode()'s outputs that are the same for every caption (no batch dimension)
+    needs_vae_weights = False  # normalising latents reads VAE weights: never trained with the transformer alone
 
     def __init__(self, pipeline: Any, max_sequence_length: int | None = None, vae_config: Any = None):
         self.pipeline = pipeline
@@ -233,6 +234,7 @@ class Flux2Conditioning(GuidedConditioning):
     upstream's flux2 adapter feeds them."""
 
     family = "FLUX.2"
+    needs_vae_weights = True  # the batch-norm running statistics
 
     def __init__(self, pipeline: Any, max_sequence_length: int | None = None, vae_config: Any = None):
         call = inspect.signature(type(pipeline).__call__).parameters
