@@ -247,6 +247,77 @@ def tiny_wan22(directory: Path) -> Path:
     return directory
 
 
+# A tiny LTX2Pipeline in LTX-2.3's layout (per-modality text projections in the connectors, gated attention and
+# cross-attention modulation in both streams, no caption projection in the transformer): a two-layer Gemma 3 text
+# encoder with the shipped tiny T5 tokenizer (tiny_flow/tokenizer_3; the pipeline left-pads whatever tokenizer it
+# has), a video VAE with 2x spatial and 2x temporal compression (32x32 clips of 5 frames -> 3 latent frames of 16x16,
+# 4 channels), an audio VAE that compresses 4x in time and mel bins (8 bins -> 2, 2 channels: 4 per audio token), a
+# one-block transformer, LTX-2's flow-match scheduler and a small vocoder.
+TINY_GEMMA3_TEXT = {"hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+                    "head_dim": 8, "intermediate_size": 32, "sliding_window": 8,
+                    "layer_types": ["sliding_attention", "full_attention"]}
+TINY_GEMMA3_VISION = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                      "image_size": 16, "patch_size": 4}
+TINY_LTX2_CONNECTORS = {"caption_channels": 16, "text_proj_in_factor": 3, "video_connector_num_attention_heads": 2,
+                        "video_connector_attention_head_dim": 8, "video_connector_num_layers": 1,
+                        "video_connector_num_learnable_registers": None, "audio_connector_num_attention_heads": 2,
+                        "audio_connector_attention_head_dim": 8, "audio_connector_num_layers": 1,
+                        "audio_connector_num_learnable_registers": None, "connector_rope_base_seq_len": 32,
+                        "rope_double_precision": False, "rope_type": "split", "per_modality_projections": True,
+                        "video_hidden_dim": 16, "audio_hidden_dim": 16}
+TINY_LTX2_TRANSFORMER = {"in_channels": 4, "out_channels": 4, "num_attention_heads": 2, "attention_head_dim": 8,
+                         "cross_attention_dim": 16, "audio_in_channels": 4, "audio_out_channels": 4,
+                         "audio_num_attention_heads": 2, "audio_attention_head_dim": 8,
+                         "audio_cross_attention_dim": 16, "num_layers": 1, "caption_channels": 16,
+                         "rope_double_precision": False, "rope_type": "split", "gated_attn": True,
+                         "cross_attn_mod": True, "audio_gated_attn": True, "audio_cross_attn_mod": True,
+                         "use_prompt_embeddings": False}
+TINY_LTX2_VAE = {"in_channels": 3, "out_channels": 3, "latent_channels": 4, "block_out_channels": (8,),
+                 "decoder_block_out_channels": (8,), "layers_per_block": (1,), "decoder_layers_per_block": (1, 1),
+                 "spatio_temporal_scaling": (True,), "decoder_spatio_temporal_scaling": (True,),
+                 "decoder_inject_noise": (False, False), "downsample_type": ("spatiotemporal",),
+                 "upsample_residual": (False,), "upsample_factor": (1,), "timestep_conditioning": False,
+                 "patch_size": 1, "patch_size_t": 1, "encoder_causal": True, "decoder_causal": False}
+TINY_LTX2_AUDIO_VAE = {"base_channels": 4, "output_channels": 2, "ch_mult": (1, 1, 1), "num_res_blocks": 1,
+                       "attn_resolutions": None, "in_channels": 2, "resolution": 32, "latent_channels": 2,
+                       "norm_type": "pixel", "causality_axis": "height", "dropout": 0.0,
+                       "mid_block_add_attention": False, "sample_rate": 16000, "mel_hop_length": 160,
+                       "is_causal": True, "mel_bins": 8}
+TINY_LTX2_VOCODER = {"in_channels": 16, "hidden_channels": 32, "out_channels": 2, "upsample_kernel_sizes": [4, 4],
+                     "upsample_factors": [2, 2], "resnet_kernel_sizes": [3], "resnet_dilations": [[1, 3, 5]],
+                     "leaky_relu_negative_slope": 0.1, "output_sampling_rate": 16000}
+
+
+def tiny_ltx2(directory: Path, seed: int = 0) -> Path:
+    """A tiny LTX2Pipeline saved with weights in ``directory`` (the configs above), freshly initialised with
+    ``seed``; the VAEs' normalising statistics are set away from 0 / 1 so that a test sees them act."""
+    import diffusers
+    import torch
+    from diffusers.pipelines.ltx2 import LTX2TextConnectors
+    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, T5TokenizerFast
+
+    torch.manual_seed(seed)
+    tokenizer = T5TokenizerFast.from_pretrained(str(ASSETS / "tiny_flow" / "tokenizer_3"))
+    encoder = Gemma3ForConditionalGeneration(Gemma3Config(
+        text_config={**TINY_GEMMA3_TEXT, "vocab_size": len(tokenizer)}, vision_config=TINY_GEMMA3_VISION,
+        mm_tokens_per_image=4))
+    vae = diffusers.AutoencoderKLLTX2Video(**TINY_LTX2_VAE)
+    audio_vae = diffusers.AutoencoderKLLTX2Audio(**TINY_LTX2_AUDIO_VAE)
+    with torch.no_grad():
+        vae.latents_mean.copy_(torch.tensor([0.1, -0.2, 0.3, 0.0]))
+        vae.latents_std.copy_(torch.tensor([1.5, 0.8, 2.0, 1.2]))
+        audio_vae.latents_mean.copy_(torch.tensor([0.2, 0.0, -0.1, 0.3]))
+        audio_vae.latents_std.copy_(torch.tensor([0.5, 1.5, 1.0, 2.0]))
+    pipeline = diffusers.LTX2Pipeline(
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(), vae=vae, audio_vae=audio_vae, text_encoder=encoder,
+        tokenizer=tokenizer, connectors=LTX2TextConnectors(**TINY_LTX2_CONNECTORS),
+        transformer=diffusers.LTX2VideoTransformer3DModel(**TINY_LTX2_TRANSFORMER),
+        vocoder=LTX2Vocoder(**TINY_LTX2_VOCODER))
+    pipeline.save_pretrained(str(directory))
+    return directory
+
+
 CLIP_CAPTIONS = ("a red square moving right", "a blue square moving down", "a green square moving left",
                  "a white square moving up")
 
@@ -277,6 +348,22 @@ def tiny_clips(directory: Path, frames: int = 5, size: int = 32) -> Path:
                            loop=0, **({"lossless": True} if suffix == "webp" else {}))
         (directory / f"{name}.txt").write_text(caption, encoding="utf-8")
     return directory
+
+
+def clip_batch(clips: Path, n: int = 2) -> Any:
+    """The first ``n`` clips of a ``tiny_clips`` folder at 32x32, as one batch (batch, channels, frames, h, w)."""
+    import torch
+
+    from automodel_diffusion.datasets import VideoCaptionDataset
+
+    data = VideoCaptionDataset(str(clips), resolution=32)
+    return torch.stack([data[i]["pixel_values"] for i in range(n)])
+
+
+def form_overrides(base: Path, clips: Path, ckpt: Path) -> tuple:
+    """A video upstream form's overrides: the tiny pipeline, the clip folder and the checkpoint folder."""
+    return ("--model.pretrained_model_name_or_path", base, "--data.dataloader.cache_dir", clips,
+            "--checkpoint.checkpoint_dir", ckpt)
 
 
 # ---- shared by the model-family tests (test_flux.py, test_qwen_image.py) ------------------------------------------

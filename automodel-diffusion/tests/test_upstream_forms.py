@@ -178,7 +178,8 @@ def test_bsmntw_weights_are_a_bell_with_mean_one():
 
 
 @pytest.mark.parametrize("override,key,needle", [
-    (("--flow_matching.adapter_type", "ltx2"), "flow_matching.adapter_type", "LTX-2 model family is not implemented"),
+    (("--flow_matching.adapter_type", "hunyuan"), "flow_matching.adapter_type", "HunyuanVideo model family is not "
+                                                                                "implemented"),
     (("--flow_matching.adapter_type", "flux2"), "flow_matching.adapter_type", "'flux2' (FLUX.2) needs a "
                                                                              "Flux2Pipeline"),
     (("--flow_matching.adapter_type", "simple"), "flow_matching.adapter_type", "'simple' (Wan 2.1) needs a "
@@ -241,7 +242,7 @@ def test_an_upstream_latent_cache_is_refused_because_loading_it_unpickles(tmp_pa
     (("--model.lora_scale", "0.5"), "model.lora_scale", "applies to lora_weights only"),
     (("--model.checkpoint_high_noise", "/x"), "model.checkpoint_high_noise", "applies to a two-transformer "
                                                                               "WanPipeline"),
-    (("--output.audio_sample_rate", "16000"), "output.audio_sample_rate", "audio-video pipelines (LTX-2)"),
+    (("--output.audio_sample_rate", "0"), "output.audio_sample_rate", "must be >= 1 (Hz)"),
     (("--distributed", "{parallel_scheme: {}}"), "distributed", "one process"),
     (("--seed", "x"), "seed", "expected an integer"),
 ])

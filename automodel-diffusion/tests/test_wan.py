@@ -20,7 +20,9 @@ from diffusion_testing import (
     assert_cli_run_saved_the_trained_pipeline,
     assert_denoiser_equal_with_adapter,
     build_refusals_on_the_sd3_pipeline,
+    clip_batch,
     family_model,
+    form_overrides,
     load_config,
     refusals,
     tiny_clips,
@@ -45,18 +47,6 @@ def base(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def clips(tmp_path_factory) -> Path:
     return tiny_clips(tmp_path_factory.mktemp("clips") / "clips")
-
-
-def videos(clips: Path, n: int = 2) -> torch.Tensor:
-    from automodel_diffusion.datasets import VideoCaptionDataset
-
-    data = VideoCaptionDataset(str(clips), resolution=32)
-    return torch.stack([data[i]["pixel_values"] for i in range(n)])
-
-
-def overrides(base: Path, clips: Path, ckpt: Path) -> tuple:
-    return ("--model.pretrained_model_name_or_path", base, "--data.dataloader.cache_dir", clips,
-            "--checkpoint.checkpoint_dir", ckpt)
 
 
 # ---- the clips -------------------------------------------------------------------------------------------------
@@ -110,13 +100,13 @@ def test_clip_folders_that_cannot_train_are_refused(clips, tmp_path):
 
 def test_a_latent_cache_gives_the_transformer_alone_the_full_pipelines_loss(base, clips):
     assert_a_cache_gives_the_full_pipelines_loss(base, "WanTransformer3DModel", list(CLIP_CAPTIONS[:3]),
-                                                 videos(clips, 3))
+                                                 clip_batch(clips, 3))
 
 
 def test_latents_are_the_pipelines_normalised_vae_latents(base, clips):
     model = family_model(base)
     vae = model.pipeline.vae
-    x = videos(clips)
+    x = clip_batch(clips)
     latents = model.encode_images(x, torch.Generator().manual_seed(5))
     raw = vae.encode(x).latent_dist.sample(generator=torch.Generator().manual_seed(5))
     # what WanPipeline does before decoding: latents / (1 / std) + mean
@@ -137,7 +127,7 @@ def test_the_transformer_is_fed_the_noisy_latents_the_timestep_and_the_pipelines
     seen = {}
     model.denoiser.register_forward_hook(lambda m, args, kwargs, out: seen.update(kwargs, out=out[0]),
                                          with_kwargs=True)
-    x = videos(clips)
+    x = clip_batch(clips)
     captions = list(CLIP_CAPTIONS[:2])
     losses = model(x, captions, generator=torch.Generator().manual_seed(3))
 
@@ -163,7 +153,7 @@ def test_wans_unipc_scheduler_trains_with_flow_matching_at_its_flow_shift(base):
 
 
 def test_loss_falls_on_a_fixed_batch(base, clips):
-    first, last = train_on_fixed_batch(family_model(base), videos(clips, 4), list(CLIP_CAPTIONS))
+    first, last = train_on_fixed_batch(family_model(base), clip_batch(clips, 4), list(CLIP_CAPTIONS))
     assert numpy.isfinite(first) and last < first * 0.8, (first, last)
 
 
@@ -190,7 +180,7 @@ def test_our_own_config_form_trains_validates_and_samples_a_wan_pipeline(base, c
 
 def test_finetune_form_trains_through_the_cli_and_saves_a_wan_pipeline(base, clips, tmp_path):
     ckpt = tmp_path / "ckpt"
-    result = run_cli("finetune", "diffusion", "-c", FINETUNE, *overrides(base, clips, ckpt),
+    result = run_cli("finetune", "diffusion", "-c", FINETUNE, *form_overrides(base, clips, ckpt),
                      "--step_scheduler.ckpt_every_steps", 1, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "flow matching step 3: uniform sampling, shift 3," in result.stderr
@@ -204,7 +194,7 @@ def test_saved_transformer_is_the_trained_one_and_generate_writes_videos_at_the_
     from diffusers import DiffusionPipeline
 
     ckpt = tmp_path / "ckpt"
-    recipe = train_inprocess(FINETUNE, *overrides(base, clips, ckpt), "--sample_generation.enabled", "true",
+    recipe = train_inprocess(FINETUNE, *form_overrides(base, clips, ckpt), "--sample_generation.enabled", "true",
                              "--sample_generation.num_inference_steps", 2, "--step_scheduler.val_every_steps", 3)
     trained = {k.removeprefix("components.transformer."): v for k, v in recipe.model.state_dict().items()}
     model_dir = ckpt / "epoch_0_step_3" / "model"
@@ -232,7 +222,7 @@ def test_lora_form_trains_an_adapter_that_wanpipeline_loads(base, clips, tmp_pat
     import diffusers
 
     ckpt = tmp_path / "ckpt"
-    recipe = train_inprocess(LORA, *overrides(base, clips, ckpt))
+    recipe = train_inprocess(LORA, *form_overrides(base, clips, ckpt))
     model_dir = ckpt / "epoch_0_step_3" / "model"
     assert sorted(p.name for p in model_dir.iterdir()) == ["pytorch_lora_weights.safetensors"]
     pipeline = diffusers.WanPipeline.from_pretrained(str(base))
@@ -253,7 +243,8 @@ def test_lora_form_trains_an_adapter_that_wanpipeline_loads(base, clips, tmp_pat
                                                                                        "takes none"),
     (("--flow_matching.adapter_type", "hunyuan"), "flow_matching.adapter_type", "HunyuanVideo model family is not "
                                                                                 "implemented"),
-    (("--data.dataloader.model_type", "ltx2"), "data.dataloader.model_type", "LTX-2 model family is not implemented"),
+    (("--data.dataloader.model_type", "hunyuan"), "data.dataloader.model_type", "HunyuanVideo model family is not "
+                                                                                 "implemented"),
     (("--data.dataloader.base_resolution", "[32, 64]"), "data.dataloader.base_resolution", "only square"),
     (("--data.dataloader.num_frames", "0"), "data.dataloader.num_frames", "expected a number of frames >= 1"),
     (("--data.dataloader.dynamic_batch_size", "true"), "data.dataloader.dynamic_batch_size", "not implemented"),
@@ -278,7 +269,7 @@ def test_model_type_wan_needs_a_wan_pipeline(base):
     found = refusals(LORA, "--model.pretrained_model_name_or_path", str(ASSETS / "tiny_flow"))
     assert "'wan' (Wan 2.1) needs a WanPipeline, but" in found["model.model_type"], found
     found = build_refusals_on_the_sd3_pipeline(LORA)  # a hub name is only known once built
-    assert set(found) == {"model.model_type", "flow_matching.adapter_type"}
+    assert set(found) == {"model.model_type", "flow_matching.adapter_type", "data.dataloader.model_type"}
     assert "'simple' (Wan 2.1), but the pipeline is a StableDiffusion3Pipeline" in found["flow_matching.adapter_type"]
     _, cfg = load_config(LORA, "--model.pretrained_model_name_or_path", base)
     assert apply_adapter(cfg, family_model(base)) is None

@@ -18,14 +18,15 @@ from automodel.errors import AutomodelError, ConfigError, ConfigIssue
 SUPPORTED = ("SD3Transformer2DModel (StableDiffusion3Pipeline), FluxTransformer2DModel (FluxPipeline, FLUX.1), "
              "Flux2Transformer2DModel (Flux2Pipeline, FLUX.2), QwenImageTransformer2DModel (QwenImagePipeline, "
              "Qwen-Image), WanTransformer3DModel (WanPipeline, Wan 2.1 text-to-video; Wan 2.2 A14B one expert per "
-             "run) and UNet2DConditionModel "
-             "(StableDiffusionPipeline)")
+             "run), LTX2VideoTransformer3DModel (LTX2Pipeline, LTX-2 / LTX-2.3 text-to-video with its audio stream) "
+             "and UNet2DConditionModel (StableDiffusionPipeline)")
 # the denoisers a Conditioning exists for
 DENOISER_CLASSES = ("SD3Transformer2DModel", "FluxTransformer2DModel", "Flux2Transformer2DModel",
-                    "QwenImageTransformer2DModel", "WanTransformer3DModel", "UNet2DConditionModel")
+                    "QwenImageTransformer2DModel", "WanTransformer3DModel", "LTX2VideoTransformer3DModel",
+                    "UNet2DConditionModel")
 # the pipeline class each of these denoisers must come in (others share them: Qwen-Image-Edit, Wan image-to-video...)
 DENOISER_PIPELINES = {"QwenImageTransformer2DModel": "QwenImagePipeline", "WanTransformer3DModel": "WanPipeline",
-                      "Flux2Transformer2DModel": "Flux2Pipeline"}
+                      "Flux2Transformer2DModel": "Flux2Pipeline", "LTX2VideoTransformer3DModel": "LTX2Pipeline"}
 DEFAULT_GUIDANCE = 3.5  # FluxPipeline's default guidance_scale: what a guidance-distilled FLUX.1 samples with
 
 
@@ -33,6 +34,7 @@ class Conditioning:
     """How a pipeline family encodes images and captions and calls its denoiser."""
 
     shared: tuple[str, ...] = ()  # encode()'s outputs that are the same for every caption (no batch dimension)
+    needs_vae_weights = False  # normalising latents reads VAE weights: never trained with the transformer alone
 
     def __init__(self, pipeline: Any, max_sequence_length: int | None = None, vae_config: Any = None):
         self.pipeline = pipeline
@@ -80,6 +82,16 @@ class Conditioning:
                 cond: dict[str, Any]) -> torch.Tensor:
         raise NotImplementedError
 
+    def noise_streams(self, cond: dict[str, Any], sigmas: torch.Tensor, generator: torch.Generator | None
+                      ) -> dict[str, Any]:
+        """Inputs of a denoiser's other streams, noised with each sample's flow-matching sigma (LTX-2's audio)."""
+        return {}
+
+    def denoise_streams(self, denoiser: torch.nn.Module, sample: torch.Tensor, timesteps: torch.Tensor,
+                        cond: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the prediction for ``sample``, the per-sample losses of the denoiser's other streams, None if none)."""
+        return self.denoise(denoiser, sample, timesteps, cond), None
+
 
 class UNetConditioning(Conditioning):
     """StableDiffusionPipeline: one CLIP text encoder; ``unet(sample, t, encoder_hidden_states)``."""
@@ -114,6 +126,20 @@ def per_channel_normalize(latents: torch.Tensor, config: Any) -> torch.Tensor:
     mean = torch.tensor(config.latents_mean, device=latents.device, dtype=latents.dtype).view(1, -1, 1, 1, 1)
     std = torch.tensor(config.latents_std, device=latents.device, dtype=latents.dtype).view(1, -1, 1, 1, 1)
     return (latents - mean) / std
+
+
+def check_clip(pixels: torch.Tensor, pipeline: str, family: str, step: int) -> torch.Tensor:
+    """Clips (batch, channels, frames, height, width) of 1 + ``step`` k frames, as a video VAE of temporal
+    compression ``step`` encodes them."""
+    if pixels.dim() != 5:
+        raise AutomodelError(f"data: {pipeline} trains on videos (channels, frames, height, width); give clips with "
+                             "data.dataloader: build_video_multiresolution_dataloader")
+    frames = pixels.shape[2]
+    if frames % step != 1 % step:
+        raise AutomodelError(f"data: {family}'s VAE encodes clips of 1 + {step}k frames (its temporal compression is "
+                             f"{step}); these clips have {frames}: set num_frames (data.dataloader or dataset) to "
+                             f"e.g. {max(1, frames - (frames - 1) % step)}")
+    return pixels
 
 
 def patch_grid(latents: torch.Tensor, family: str, pipeline: Any) -> tuple[int, int, int, int]:
@@ -208,6 +234,7 @@ class Flux2Conditioning(GuidedConditioning):
     upstream's flux2 adapter feeds them."""
 
     family = "FLUX.2"
+    needs_vae_weights = True  # the batch-norm running statistics
 
     def __init__(self, pipeline: Any, max_sequence_length: int | None = None, vae_config: Any = None):
         call = inspect.signature(type(pipeline).__call__).parameters
@@ -298,15 +325,7 @@ class WanConditioning(Conditioning):
         super().__init__(pipeline, max_sequence_length, vae_config)
 
     def vae_input(self, pixels: torch.Tensor) -> torch.Tensor:
-        if pixels.dim() != 5:
-            raise AutomodelError("data: a WanPipeline trains on videos (channels, frames, height, width); give "
-                                 "clips with data.dataloader: build_video_multiresolution_dataloader")
-        frames, step = pixels.shape[2], self.pipeline.vae_scale_factor_temporal
-        if frames % step != 1:
-            raise AutomodelError(f"data: Wan's VAE encodes clips of 1 + {step}k frames (its temporal compression is "
-                                 f"{step}); these clips have {frames}: set num_frames (data.dataloader or dataset) "
-                                 f"to e.g. {max(1, frames - (frames - 1) % step)}")
-        return pixels
+        return check_clip(pixels, "a WanPipeline", "Wan", self.pipeline.vae_scale_factor_temporal)
 
     def normalize(self, latents: torch.Tensor) -> torch.Tensor:
         return per_channel_normalize(latents, self.vae_config)
@@ -368,6 +387,11 @@ def conditioning_for(pipeline: Any, denoiser_name: str, max_sequence_length: int
                                  "TI2V), which diffusion training does not support here; use a text-to-video "
                                  "pipeline (Wan 2.1, or Wan 2.2 A14B's two experts with model.stage)")
         return WanConditioning(pipeline, max_sequence_length, vae_config)
+    if kind == "LTX2VideoTransformer3DModel" and type(pipeline).__name__ == "LTX2Pipeline":
+        from automodel_diffusion import ltx2
+
+        ltx2.check_pipeline(pipeline)
+        return ltx2.LTX2Conditioning(pipeline, max_sequence_length, vae_config)
     if kind == "UNet2DConditionModel" and getattr(denoiser.config, "addition_embed_type", None) is None \
             and hasattr(pipeline, "encode_prompt") and hasattr(pipeline, "text_encoder"):
         return UNetConditioning(pipeline, vae_config=vae_config)

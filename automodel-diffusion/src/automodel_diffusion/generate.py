@@ -5,7 +5,9 @@ The config is upstream's generation config (its ``examples/diffusion/generate/co
 (the pipeline and an optional training ``checkpoint``), ``inference`` (prompts and the pipeline call's
 settings), ``output`` (where the files go, a video's ``fps``), ``vae`` (slicing, tiling), ``seed``. Prompt ``i`` is
 drawn with a CPU generator seeded ``seed + i`` and written as ``<output_dir>/sample_<iii>_<prompt>.png``; a video
-pipeline's (WanPipeline) as ``.webp``, an animated WebP at ``output.fps`` (Pillow writes it; no mp4 encoder is used).
+pipeline's (WanPipeline) as ``.webp``, an animated WebP at ``output.fps`` (Pillow writes it; no mp4 encoder is used);
+an audio-video pipeline's (LTX2Pipeline) audio track beside it as ``.wav`` (16-bit PCM at ``output.audio_sample_rate``,
+by default the vocoder's rate; no muxer is used).
 An image-editing or image-to-image pipeline (QwenImageEditPipeline, StableDiffusion3Img2ImgPipeline, ...) gets
 prompt ``i``'s source image, ``inference.input_images[i]``, as its ``image`` argument, as upstream pairs them. A
 two-transformer WanPipeline (Wan 2.2 A14B) takes ``model.checkpoint_high_noise`` / ``checkpoint_low_noise``, each the
@@ -116,14 +118,15 @@ class OutputConfig:
     fps: float | None = field(default=None, metadata=_help(
         "video frame rate (null: 16); each frame is shown round(1000 / fps) ms: " + VIDEO_ONLY))
     audio_sample_rate: int | None = field(default=None, metadata=_help(
-        "video audio (LTX-2): not supported, no audio pipeline is run here"))
+        "an audio-video pipeline's (LTX2Pipeline) audio track, written as a 16-bit WAV beside each video, at this "
+        "sample rate (null: the vocoder's output_sampling_rate); refused for a pipeline without audio"))
 
     def __post_init__(self) -> None:
         bad = {}
         if self.fps is not None and self.fps <= 0:
             bad["fps"] = f"must be > 0, found {self.fps}"
-        if self.audio_sample_rate is not None:
-            bad["audio_sample_rate"] = "audio-video pipelines (LTX-2) are not supported here; remove it"
+        if self.audio_sample_rate is not None and self.audio_sample_rate < 1:
+            bad["audio_sample_rate"] = f"must be >= 1 (Hz), found {self.audio_sample_rate}"
         if bad:
             raise FieldErrors(bad)
 
@@ -269,6 +272,9 @@ class GenerateRecipe(BaseRecipe):
         if self.cfg.output.fps is not None and not video:
             raise AutomodelError(f"output.fps: {VIDEO_ONLY}; this {type(self.pipeline).__name__} makes images: "
                                  "remove it")
+        if self.cfg.output.audio_sample_rate is not None and self.audio_rate() is None:
+            raise AutomodelError(f"output.audio_sample_rate: applies to audio-video pipelines (those with a vocoder, "
+                                 f"e.g. LTX2Pipeline); this {type(self.pipeline).__name__} makes no audio: remove it")
         if self.cfg.inference.input_images is not None and not takes_image(type(self.pipeline)):
             raise AutomodelError(f"inference.input_images: {IMAGE_INPUT}; this is a {type(self.pipeline).__name__}: "
                                  "remove it")
@@ -331,6 +337,13 @@ class GenerateRecipe(BaseRecipe):
         self.pipeline.set_adapters([model.lora_adapter_name], [model.lora_scale])
         self.log(f"model.lora_weights: {model.lora_adapter_name} from {path} (scale {model.lora_scale:g})")
 
+    def audio_rate(self) -> int | None:
+        """The sample rate audio is written at (None: the pipeline makes no audio)."""
+        vocoder = getattr(self.pipeline, "vocoder", None)
+        if vocoder is None:
+            return None
+        return self.cfg.output.audio_sample_rate or int(vocoder.config.output_sampling_rate)
+
     def pipeline_arguments(self) -> dict[str, Any]:
         """The pipeline call's arguments; one its __call__ does not take is an error naming the key."""
         inference = self.cfg.inference
@@ -348,7 +361,7 @@ class GenerateRecipe(BaseRecipe):
         """One image (or video) per prompt, each written aside and renamed into place."""
         import torch
 
-        from automodel_diffusion.sampling import DEFAULT_FPS, save_video
+        from automodel_diffusion.sampling import DEFAULT_FPS, save_audio, save_video
 
         inference = self.cfg.inference
         seed = self.cfg.resolved.get("seed", 42)
@@ -371,5 +384,11 @@ class GenerateRecipe(BaseRecipe):
             else:
                 save_video(list(result.frames[0]), staging, self.cfg.output.fps or DEFAULT_FPS)
             os.replace(staging, path)
+            if getattr(result, "audio", None) is not None:
+                sound = path.with_suffix(".wav")
+                staging = sound.with_name(f".incomplete-{os.getpid()}-{sound.name}")
+                save_audio(result.audio[0], staging, self.audio_rate())
+                os.replace(staging, sound)
+                self.log(f"[{index + 1}/{len(prompts)}] {sound} (its audio)")
             edited = "" if inference.input_images is None else f" (from {inference.input_images[index]})"
             self.log(f"[{index + 1}/{len(prompts)}] {path}{edited}")

@@ -191,7 +191,8 @@ class AutoDiffusionPipeline(torch.nn.Module):
         """Load a diffusers pipeline (hub name or directory); only ``trainable_components`` train (the denoiser).
 
         ``max_sequence_length``: text tokens of the T5 slot of SD3-style and FLUX.1 pipelines, of the prompt
-        embeddings of Qwen-Image and FLUX.2 (None: the pipeline's default, 256 / 512 / 1024 / 512); pass the same
+        embeddings of Qwen-Image, FLUX.2, Wan and LTX-2 (None: the pipeline's default, 256 / 512 / 1024 / 512 / 512 /
+        1024); pass the same
         value to the pipeline when sampling from the trained checkpoint. ``guidance_scale``: the guidance value a
         guidance-distilled FLUX.1 / FLUX.2 transformer (its config's ``guidance_embeds``) is fed in training (None:
         the pipeline's default, 3.5 for FluxPipeline, 4 for Flux2Pipeline); refused for other denoisers. ``stage``
@@ -344,15 +345,18 @@ class AutoDiffusionPipeline(torch.nn.Module):
                                  "(model.pipeline_spec.load_full_pipeline: false); it trains on a latent cache only")
         else:
             latents = self.encode_images(pixel_values, generator).float()
-            text_trains = any(n.startswith("text_encoder") for n in self.trainable_components)
+            text_trains = any(n.startswith("text_encoder") or n == "connectors" for n in self.trainable_components)
             with torch.set_grad_enabled(torch.is_grad_enabled() and text_trains):
                 cond = self.conditioning.encode(captions, latents.device)
         latents, positions = self.conditioning.pack(latents)
         noisy, timesteps, target = self.objective.noise(latents, generator)
+        cond = {**cond, **positions}
+        cond.update(self.conditioning.noise_streams(cond, timesteps / self.objective.num_train_timesteps, generator))
         denoiser = self.components[self.denoiser_name] if self.denoiser_name in self.components else self.denoiser
         with self.denoiser_precision(latents.device):
-            prediction = self.conditioning.denoise(denoiser, noisy.to(self.denoiser.dtype), timesteps,
-                                                   {**cond, **positions})
+            prediction, streams = self.conditioning.denoise_streams(denoiser, noisy.to(self.denoiser.dtype),
+                                                                    timesteps, cond)
         losses = (prediction.float() - target.float()).pow(2).flatten(1).mean(1)
         weights = self.objective.loss_weights(timesteps)
-        return losses if weights is None else losses * weights.to(losses.device, losses.dtype)
+        losses = losses if weights is None else losses * weights.to(losses.device, losses.dtype)
+        return losses if streams is None else losses + streams.to(losses.dtype)

@@ -111,6 +111,8 @@ class PrecomputeRecipe(BaseRecipe):
             "num_frames": getattr(self.dataset, "num_frames", None),
             "vae_config": json.loads(json.dumps(dict(conditioning.vae_config))),
         })
+        how = ("with the full pipeline (its latents are normalised with VAE weights)" if conditioning.needs_vae_weights
+               else "with the transformer alone (and model.pipeline_spec.load_full_pipeline: false)")
         self.log(f"Latent cache of {manifest['count']} samples ({manifest['pipeline_class']}) in "
-                 f"{self.cfg.output.cache_dir}: train the transformer alone on it with data.dataloader.cache_dir: "
-                 f"{self.cfg.output.cache_dir} and model.pipeline_spec.load_full_pipeline: false")
+                 f"{self.cfg.output.cache_dir}: train on it {how}, data.dataloader.cache_dir: "
+                 f"{self.cfg.output.cache_dir}")

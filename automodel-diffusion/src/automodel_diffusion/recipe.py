@@ -483,7 +483,8 @@ class DiffusionRecipe(TrainRecipe):
         prompts = self.sample_prompts()
         height, width = self.sample_size()
         extra = call_kwargs(model.pipeline, max_sequence_length=model.max_sequence_length,
-                            num_frames=getattr(self.train_dataset, "num_frames", None))
+                            num_frames=getattr(self.train_dataset, "num_frames", None),
+                            frame_rate=getattr(model.conditioning, "fps", None))  # LTX-2: the trained frame rate
         self.model.eval()
         try:
             with model.experts_on(next(model.denoiser.parameters()).device):

@@ -1,5 +1,5 @@
 """Sample images (or videos) from a diffusers pipeline with fixed prompts and seeds, tile them into one grid, and
-write videos as animated WebP (Pillow; no video encoder needed)."""
+write videos as animated WebP (Pillow; no video encoder needed) and audio as WAV (Python's wave module)."""
 
 from __future__ import annotations
 
@@ -48,3 +48,15 @@ def save_video(frames: list[Any], path: Path, fps: float) -> None:
     first, *rest = [frame.convert("RGB") for frame in frames]
     first.save(path, format="WEBP", save_all=True, append_images=rest, duration=round(1000 / fps), loop=0,
                lossless=True)
+
+
+def save_audio(waveform: torch.Tensor, path: Path, sample_rate: int) -> None:
+    """A (channels, samples) waveform in [-1, 1] as a 16-bit PCM WAV file (Python's wave module writes it)."""
+    import wave
+
+    pcm = (waveform.detach().float().cpu().clamp(-1, 1) * 32767).round().to(torch.int16)
+    with wave.open(str(path), "wb") as out:
+        out.setnchannels(pcm.shape[0])
+        out.setsampwidth(2)
+        out.setframerate(sample_rate)
+        out.writeframes(pcm.t().contiguous().numpy().tobytes())

@@ -10,10 +10,11 @@ Upstream's diffusion configs carry no ``_target_`` for the model and describe tr
   and captions, encoded on the fly (:func:`text_to_image_data`, :func:`text_to_video_data`); ``performance:`` -> the
   loss check.
 
-``model_type`` / ``flow_matching.adapter_type`` ``flux`` (FLUX.1), ``flux2`` (FLUX.2), ``qwen_image`` (Qwen-Image)
-and ``wan`` / ``simple`` (Wan 2.1) say the pipeline is a FluxPipeline / Flux2Pipeline / QwenImagePipeline /
-WanPipeline, which is checked; ``adapter_kwargs`` set the guidance a FLUX.1 / FLUX.2 transformer is fed (Qwen-Image
-and Wan transformers take none). Keys that
+``model_type`` / ``flow_matching.adapter_type`` ``flux`` (FLUX.1), ``flux2`` (FLUX.2), ``qwen_image`` (Qwen-Image),
+``wan`` / ``simple`` (Wan 2.1) and ``ltx2`` (LTX-2) say the pipeline is a FluxPipeline / Flux2Pipeline /
+QwenImagePipeline / WanPipeline / LTX2Pipeline, which is checked; ``adapter_kwargs`` set the guidance a FLUX.1 /
+FLUX.2 transformer is fed (Qwen-Image and Wan transformers take none) and LTX-2's frame rate and audio loss weight.
+Keys that
 need what this recipe does not have (other model families, image-to-video, Transformer Engine, CUDA kernels) are
 refused at validation with the reason. Import-light: no torch at import.
 """
@@ -31,17 +32,19 @@ from automodel_diffusion import latents
 from automodel_diffusion.objectives import ObjectiveConfig
 
 SUPPORTED = ("SD3-style (StableDiffusion3Pipeline), FLUX.1 (FluxPipeline), FLUX.2 (Flux2Pipeline), Qwen-Image "
-             "(QwenImagePipeline), Wan 2.1 and 2.2 A14B text-to-video (WanPipeline) and Stable Diffusion UNet "
-             "(StableDiffusionPipeline) pipelines")
-FLUX, FLUX2, QWEN_IMAGE, WAN, SIMPLE = "flux", "flux2", "qwen_image", "wan", "simple"
+             "(QwenImagePipeline), Wan 2.1 and 2.2 A14B text-to-video (WanPipeline), LTX-2 text-to-video with its "
+             "audio stream (LTX2Pipeline) and Stable Diffusion UNet (StableDiffusionPipeline) pipelines")
+FLUX, FLUX2, QWEN_IMAGE, WAN, SIMPLE, LTX2 = "flux", "flux2", "qwen_image", "wan", "simple", "ltx2"
 # upstream's model_type / adapter_type values that act here -> (the family, the pipeline class it must be); upstream's
 # "simple" adapter is the one its Wan 2.1 configs name (a transformer fed the noisy latents, timestep and text)
 ADAPTERS = {FLUX: ("FLUX.1", "FluxPipeline"), FLUX2: ("FLUX.2", "Flux2Pipeline"),
             QWEN_IMAGE: ("Qwen-Image", "QwenImagePipeline"), WAN: ("Wan 2.1", "WanPipeline"),
-            SIMPLE: ("Wan 2.1", "WanPipeline")}
+            SIMPLE: ("Wan 2.1", "WanPipeline"), LTX2: ("LTX-2", "LTX2Pipeline")}
 ADAPTER_KWARGS = ("guidance_scale", "use_guidance_embeds")  # upstream's flux, flux2 and qwen_image adapter settings
+LTX2_KWARGS = ("audio_loss_weight", "fps")  # upstream's ltx2 adapter settings
+VIDEO_FAMILIES = (WAN, LTX2)  # upstream's video loader's model_type values that act here
 UPSTREAM_FLUX2_GUIDANCE = 3.5  # upstream's flux2 adapter's default guidance_scale (Flux2Pipeline samples with 4)
-FAMILIES = {"hunyuan": "HunyuanVideo", "ltx2": "LTX-2", "qwen_image_edit": "Qwen-Image-Edit"}
+FAMILIES = {"hunyuan": "HunyuanVideo", "qwen_image_edit": "Qwen-Image-Edit"}
 CPU_ATTENTION = ("native", "_native_math")  # torch's scaled_dot_product_attention: what runs without CUDA kernels
 GPU_ONLY = "needs a CUDA GPU, which this machine lacks"
 
@@ -299,16 +302,18 @@ class FlowMatchingSection:
 
     adapter_type: str | None = field(default=None, metadata=_help(
         "upstream's model-family adapter: flux (the pipeline must be a FluxPipeline, FLUX.1), flux2 (a "
-        "Flux2Pipeline, FLUX.2), qwen_image (a QwenImagePipeline, Qwen-Image) or simple (a WanPipeline, Wan 2.1 "
-        "text-to-video); null: the pipeline's own conditioning decides; the other upstream values name families not "
-        "implemented here"))
+        "Flux2Pipeline, FLUX.2), qwen_image (a QwenImagePipeline, Qwen-Image), simple (a WanPipeline, Wan 2.1 "
+        "text-to-video) or ltx2 (an LTX2Pipeline, LTX-2: video and audio streams); null: the pipeline's own "
+        "conditioning decides; the other upstream values name families not implemented here"))
     adapter_kwargs: dict = field(default_factory=dict, metadata=_help(
         "with adapter_type flux / flux2: guidance_scale (the guidance value a guidance-distilled FLUX.1 / FLUX.2 "
         "transformer is fed; default 3.5, as upstream) and use_guidance_embeds (true needs guidance embeddings; "
         "false on a transformer with them still feeds guidance_scale, as upstream does); with qwen_image: "
         "use_guidance_embeds false, and a "
         "guidance_scale other than 1 governs nothing, as upstream (named in a note line: its transformer takes no "
-        "guidance value); else (simple included) only {}"))
+        "guidance value); with ltx2: audio_loss_weight (the audio stream's loss is added with this weight; default "
+        "1) and fps (the clips' frame rate: the video positions and the silent audio's duration; default 24); else "
+        "(simple included) only {}"))
     timestep_sampling: Literal["uniform", "logit_normal", "lognorm", "mix", "mode", "beta"] = field(
         default="logit_normal", metadata=_help("how sigmas are drawn (see objective.timestep_sampling)"))
     logit_mean: float = field(default=0.0, metadata=_help("logit_normal: mean"))
@@ -345,6 +350,8 @@ class FlowMatchingSection:
                                    "adapter_type and use one of those pipelines")
         if self.adapter_type in (FLUX, FLUX2, QWEN_IMAGE):
             bad.update(adapter_kwargs_issues(self.adapter_type, self.adapter_kwargs))
+        elif self.adapter_type == LTX2:
+            bad.update(ltx2_kwargs_issues(self.adapter_kwargs))
         elif self.adapter_kwargs:
             bad["adapter_kwargs"] = ("upstream's adapter settings do not apply here (no adapter, or the simple "
                                      "adapter, which takes none); remove them")
@@ -387,6 +394,18 @@ def adapter_kwargs_issues(adapter: str, kwargs: dict) -> dict[str, str]:
     return bad
 
 
+def ltx2_kwargs_issues(kwargs: dict) -> dict[str, str]:
+    """Key -> why, for ltx2 adapter_kwargs that cannot act."""
+    bad = {f"adapter_kwargs.{k}": f"not a setting of the ltx2 adapter here (it takes {', '.join(LTX2_KWARGS)})"
+           for k in kwargs if k not in LTX2_KWARGS}
+    weight, fps = kwargs.get("audio_loss_weight"), kwargs.get("fps")
+    if weight is not None and (isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight < 0):
+        bad["adapter_kwargs.audio_loss_weight"] = f"expected a number >= 0, found {weight!r}"
+    if fps is not None and (isinstance(fps, bool) or not isinstance(fps, (int, float)) or fps <= 0):
+        bad["adapter_kwargs.fps"] = f"expected a frame rate > 0, found {fps!r}"
+    return bad
+
+
 def family_issues(adapter: str, source: Any, key: str) -> list[ConfigIssue]:
     """A family key (flux, flux2, qwen_image, wan, simple) on a local pipeline whose model_index.json names another
     pipeline class."""
@@ -401,25 +420,30 @@ def family_issues(adapter: str, source: Any, key: str) -> list[ConfigIssue]:
 
 
 def apply_adapter(cfg: Config, model: Any) -> str | None:
-    """At build: the flux / flux2 / qwen_image / wan / simple family keys need the built pipeline to be of that
-    family; flux's and flux2's adapter_kwargs set its guidance (the returned note, if any, is for the run's log)."""
+    """At build: the flux / flux2 / qwen_image / wan / simple / ltx2 family keys (and the video loader's
+    model_type) need the built pipeline to be of that family; flux's and flux2's adapter_kwargs set its guidance,
+    ltx2's its frame rate and audio loss weight (the returned note, if any, is for the run's log)."""
     from automodel_diffusion.conditioning import (
         Flux2Conditioning,
         FluxConditioning,
         QwenImageConditioning,
         WanConditioning,
     )
+    from automodel_diffusion.ltx2 import LTX2Conditioning
 
     settings = given(cfg, "flow_matching")
     built = {FLUX: FluxConditioning, FLUX2: Flux2Conditioning, QWEN_IMAGE: QwenImageConditioning, WAN: WanConditioning,
-             SIMPLE: WanConditioning}
+             SIMPLE: WanConditioning, LTX2: LTX2Conditioning}
     issues = [ConfigIssue(key, f"'{value}' ({ADAPTERS[value][0]}), but the pipeline is a "
                                f"{type(model.pipeline).__name__}; remove it or load a {ADAPTERS[value][1]}")
               for key, value in (("model.model_type", _model_type(cfg)),
-                                 ("flow_matching.adapter_type", settings and settings.adapter_type))
+                                 ("flow_matching.adapter_type", settings and settings.adapter_type),
+                                 ("data.dataloader.model_type", _loader_model_type(cfg)))
               if value in ADAPTERS and not isinstance(model.conditioning, built[value])]
     if issues:
         raise ConfigError(issues)
+    if settings is not None and settings.adapter_type == LTX2:
+        model.conditioning.set_streams(**settings.adapter_kwargs)
     if settings is not None and settings.adapter_type in (FLUX, FLUX2):
         kwargs = settings.adapter_kwargs
         default = UPSTREAM_FLUX2_GUIDANCE if settings.adapter_type == FLUX2 else None
@@ -435,6 +459,12 @@ def apply_adapter(cfg: Config, model: Any) -> str | None:
                 "image-to-video batches is read only by its HunyuanVideo adapter (its simple / Wan adapter, and every "
                 f"image batch, train text-conditioned as this {type(model.pipeline).__name__} does)")
     return None
+
+
+def _loader_model_type(cfg: Config) -> Any:
+    data = cfg.get("data") if "data" in cfg else None
+    loader = data.get("dataloader") if isinstance(data, ConfigNode) else None
+    return loader.get("model_type") if isinstance(loader, ConfigNode) else None
 
 
 def _model_type(cfg: Config) -> Any:
@@ -514,8 +544,8 @@ def text_to_video_data(cache_dir: str, model_type: str = WAN, base_resolution: l
     ``.txt`` captions or a ``metadata.jsonl``) encoded through the pipeline's VAE and text encoder on the fly;
     upstream's cache of precomputed latents (pickles) is never loaded. Every frame is resized and centre-cropped to
     the square ``base_resolution``; ``num_frames`` (ours: upstream's cache fixes the frames when it is made) takes
-    the first frames of each clip (null: every frame; the clips must then be equally long). ``model_type`` is
-    ``wan`` only (HunyuanVideo and LTX-2 are not implemented)."""
+    the first frames of each clip (null: every frame; the clips must then be equally long). ``model_type``,
+    ``wan`` or ``ltx2`` (HunyuanVideo is not implemented), is the family the pipeline must be (checked at build)."""
     from automodel_diffusion.datasets import VideoCaptionDataset
 
     problems = text_to_video_issues(locals())
@@ -532,8 +562,8 @@ def text_to_video_issues(settings: dict[str, Any]) -> dict[str, str]:
     """Key -> why, for upstream text-to-video loader settings that cannot act here."""
     bad = {k: v for k, v in text_to_image_issues(settings).items() if k != "cache_dir"}
     model_type = settings.get("model_type", WAN)
-    if model_type != WAN:
-        bad["model_type"] = (f"'{model_type}': {family_refusal(model_type)}; only wan clips are read here")
+    if model_type not in VIDEO_FAMILIES:
+        bad["model_type"] = (f"'{model_type}': {family_refusal(model_type)}; only wan and ltx2 clips are read here")
     frames = settings.get("num_frames")
     if frames is not None and (isinstance(frames, bool) or not isinstance(frames, int) or frames < 1):
         bad["num_frames"] = f"expected a number of frames >= 1, found {frames!r}"
