@@ -205,11 +205,14 @@ def test_finetune_form_trains_saves_an_ltx2pipeline_and_generate_writes_video_an
         assert sound.getnframes() > 0
 
 
-def test_lora_form_trains_an_adapter_that_ltx2pipeline_loads(base, clips, tmp_path):
+def test_lora_form_trains_an_adapter_that_ltx2pipeline_loads(base, clips, tmp_path, capsys):
+    """Upstream's save_consolidated: false beside it governs nothing (model/ is the adapter alone): a note says so."""
     import diffusers
 
     ckpt = tmp_path / "ckpt"
     recipe = train_inprocess(LORA, *form_overrides(base, clips, ckpt))
+    assert "note: checkpoint.save_consolidated: false governs nothing in this LoRA run" in \
+        "".join(capsys.readouterr())
     model_dir = ckpt / "epoch_0_step_3" / "model"
     assert sorted(p.name for p in model_dir.iterdir()) == ["pytorch_lora_weights.safetensors"]
     pipeline = diffusers.LTX2Pipeline.from_pretrained(str(base))

@@ -167,6 +167,7 @@ class DiffusionRecipe(TrainRecipe):
 
     domain = "diffusion"
     writes_diffusers_pipeline = True
+    lora_model_is_adapter = True  # with peft:, model/ is the denoiser's adapter (save_model)
     stage_implementations = {"sharding": "diffusion", "peft": "diffusion_lora"}
     sections = {
         "model": Target("the diffusers pipeline: {_target_: automodel_diffusion.AutoDiffusionPipeline."
