@@ -146,7 +146,8 @@ def tokenize(tokenizer: Any, texts: list[str], max_length: int, pairs: list[str]
 
 class BiEncoderCollator:
     """Tokenizes a batch's queries and documents: every positive first (query i's is document i), then every
-    hard negative. ``document_keys`` [D] and ``positive_keys`` [B, P] identify the documents by their text (see
+    hard negative; ``document_owners`` [D] is the example each document came with. ``document_keys`` [D] and
+    ``positive_keys`` [B, P] identify the documents by their text (see
     negatives.py), so that no copy of a query's positive counts as its negative."""
 
     def __init__(self, tokenizer: Any, query_max_length: int = 64, document_max_length: int = 128,
@@ -172,6 +173,8 @@ class BiEncoderCollator:
         return {"query": self.encode_queries([item["query"] for item in items]),
                 "document": self.encode_documents(documents),
                 "labels": torch.arange(len(items)),
+                "document_owners": torch.tensor(list(range(len(items))) + [i for i, item in enumerate(items)
+                                                                           for _ in item["negatives"]]),
                 "document_keys": torch.tensor([text_key(d) for d in documents], dtype=torch.long),
                 "positive_keys": torch.tensor(positive_keys, dtype=torch.long)}
 

@@ -18,7 +18,7 @@ from automodel.hf import check_vocab, model_source
 from automodel.training.context import BuildContext
 from automodel.training.modules import unwrap
 from automodel.training.recipe import TrainRecipe
-from automodel_retrieval import upstream
+from automodel_retrieval import upstream, upstream_distill
 from automodel_retrieval.data import BiEncoderCollator, CrossEncoderCollator
 from automodel_retrieval.metrics import group_metrics, ranking_metrics
 from automodel_retrieval.models import DEFAULT_INPUTS, POOLINGS, BiEncoder, encoder_dir
@@ -28,7 +28,8 @@ DATASET = "automodel_retrieval.data.RetrievalDataset"
 
 
 UPSTREAM = "automodel_retrieval.upstream"
-UPSTREAM_COLLATORS = (f"{UPSTREAM}.UpstreamBiEncoderCollator", f"{UPSTREAM}.UpstreamCrossEncoderCollator")
+UPSTREAM_COLLATORS = (f"{UPSTREAM}.UpstreamBiEncoderCollator", f"{UPSTREAM}.UpstreamCrossEncoderCollator",
+                      "automodel_retrieval.upstream_distill.UpstreamBiEncoderDistillCollator")
 NEGATIVES = {  # what each in-batch negatives mode (BiEncoderRecipe.inbatch_negatives) does on several ranks
     upstream.GATHERED: "every rank's documents, gathered with their gradients (N ranks train as one process with "
                        "N times the batch)",
@@ -123,7 +124,7 @@ class _RetrievalRecipe(TrainRecipe):
             node = cfg.get(name)
             target = _expanded(cfg, node)
             settings = node.to_dict() if isinstance(node, ConfigNode) else {}
-            if target == cls.upstream_model:
+            if target in cls.upstream_models():
                 check = upstream.bi_encoder_issues if cls.model_type == "bi_encoder" else upstream.cross_encoder_issues
                 issues += check(settings, name)
             elif target == f"{UPSTREAM}.retrieval_dataset":
@@ -131,11 +132,16 @@ class _RetrievalRecipe(TrainRecipe):
         loader = cfg.get("dataloader")
         collate = loader.get("collate_fn") if isinstance(loader, ConfigNode) else None
         if _expanded(cfg, collate) in UPSTREAM_COLLATORS:
-            issues += upstream.collator_issues(collate.to_dict())
+            issues += upstream.collator_issues(collate.to_dict()) + upstream_distill.collator_issues(collate.to_dict())
             if "retrieval" in cfg:
                 issues.append(ConfigIssue("retrieval", "give the lengths and prefixes in dataloader.collate_fn "
                                                        "(upstream's collator) or here, not both"))
         return issues
+
+    @classmethod
+    def upstream_models(cls) -> tuple[str, ...]:
+        """The upstream model factories (alias targets) this recipe's model may name, checked as upstream's."""
+        return (cls.upstream_model,)
 
     def collate_runtime_args(self) -> dict[str, Any]:
         return {"tokenizer": self.tokenizer}  # upstream builds its collator classes with the tokenizer
@@ -222,7 +228,7 @@ class BiEncoderRecipe(_RetrievalRecipe):
     def check_config(cls, cfg: Config) -> list[ConfigIssue]:
         issues = super().check_config(cfg)
         model = cfg.model
-        if isinstance(model, ConfigNode) and _expanded(cfg, model) != cls.upstream_model and \
+        if isinstance(model, ConfigNode) and _expanded(cfg, model) not in cls.upstream_models() and \
                 model.get("pooling") is not None and model["pooling"] not in POOLINGS:
             issues.append(ConfigIssue("model.pooling", f"'{model['pooling']}' is not one of {', '.join(POOLINGS)}"))
         temperature = cfg.resolved.get("temperature")
