@@ -143,14 +143,9 @@ def test_bi_encoder_values_that_cannot_act_are_refused(override, key, needle):
     assert key in found and needle in found[key], found
 
 
-def test_cross_encoder_pooling_and_the_distillation_recipe_are_refused():
+def test_cross_encoder_pooling_is_refused():
     found = _refusals(CROSS, CROSS_ROUTE, "--model.pooling", "avg")
     assert "bidirectional retrieval backbones" in found["model.pooling"]
-    from automodel.cli.execute import recipe_from_config
-    from automodel.plugins.manager import get_plugin_manager
-
-    with pytest.raises(ConfigError, match="embedding distillation .* has no recipe here"):
-        recipe_from_config({"recipe": {"_target_": "EmbeddingDistillRecipe"}}, get_plugin_manager())
 
 
 def test_extract_submodel_takes_a_part_of_a_larger_model_as_the_encoder(tmp_path):

@@ -9,12 +9,26 @@ the student's own ranking of candidate documents to the teacher's (softmax over 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 DIRECTIONS = ("q2d", "d2q", "symmetric")
 DIVERGENCES = ("kl", "ce", "mse")
+
+
+def _choice_issues(kwargs: Mapping[str, Any], choices: dict[str, tuple[str, ...]]) -> dict[str, str]:
+    """Validation's check of a loss section's keys (nothing is built): each named key's value among its choices,
+    ``temperature`` > 0."""
+    issues = {name: f"'{kwargs[name]}' is not one of {', '.join(allowed)}" for name, allowed in choices.items()
+              if name in kwargs and kwargs[name] not in allowed}
+    temperature = kwargs.get("temperature", 1)
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature <= 0:
+        issues["temperature"] = f"expected a number > 0, found {temperature!r}"
+    return issues
 
 
 def _check(name: str, value: str, allowed: tuple[str, ...]) -> str:
@@ -30,6 +44,10 @@ class EmbeddingDistillLoss(nn.Module):
     def __init__(self, reduction: str = "mean"):
         super().__init__()
         self.reduction = _check("reduction", reduction, ("mean", "sum"))
+
+    @staticmethod
+    def automodel_config_issues(kwargs: Mapping[str, Any]) -> dict[str, str]:
+        return _choice_issues(kwargs, {"reduction": ("mean", "sum")})
 
     def forward(self, student_query: torch.Tensor, teacher_query: torch.Tensor, student_document: torch.Tensor,
                 teacher_document: torch.Tensor) -> torch.Tensor:
@@ -47,6 +65,10 @@ class EmbeddingMSELoss(nn.Module):
         super().__init__()
         self.normalize = normalize
         self.reduction = _check("reduction", reduction, ("mean", "sum", "batchmean"))
+
+    @staticmethod
+    def automodel_config_issues(kwargs: Mapping[str, Any]) -> dict[str, str]:
+        return _choice_issues(kwargs, {"reduction": ("mean", "sum", "batchmean")})
 
     def _side(self, student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
         student, teacher = student.float(), teacher.float()
@@ -84,6 +106,10 @@ class InfoNCEDistillLoss(nn.Module):
         self.divergence = _check("divergence", divergence, DIVERGENCES)
         self.use_in_batch_negatives, self.normalize = use_in_batch_negatives, normalize
         self.cross_device_negatives = cross_device_negatives
+
+    @staticmethod
+    def automodel_config_issues(kwargs: Mapping[str, Any]) -> dict[str, str]:
+        return _choice_issues(kwargs, {"direction": DIRECTIONS, "divergence": DIVERGENCES})
 
     def _scores(self, rows: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
         rows, columns = rows.float(), columns.float()
