@@ -19,7 +19,7 @@ from automodel.training.context import BuildContext
 from automodel.training.modules import unwrap
 from automodel.training.recipe import TrainRecipe
 from automodel_retrieval import upstream, upstream_distill
-from automodel_retrieval.data import BiEncoderCollator, CrossEncoderCollator
+from automodel_retrieval.data import BiEncoderCollator, CrossEncoderCollator, instructed
 from automodel_retrieval.metrics import group_metrics, ranking_metrics
 from automodel_retrieval.models import DEFAULT_INPUTS, POOLINGS, BiEncoder, encoder_dir
 from automodel_retrieval.negatives import exclusions, gather_documents
@@ -332,8 +332,12 @@ class BiEncoderRecipe(_RetrievalRecipe):
             return {}
         model = unwrap(self.model)
         collator = self.default_collate_fn(False)
-        queries = self._embed(model, "query", dataset.queries, collator)
-        corpus = self._embed(model, "document", dataset.corpus, collator)
+        queries, corpus = dataset.queries, dataset.corpus
+        if collator.use_instructions:  # each text after its source's instruction, as in training
+            queries = instructed(queries, getattr(dataset, "query_instructions", [""] * len(queries)))
+            corpus = instructed(corpus, [getattr(dataset, "document_instructions", {}).get(d, "") for d in corpus])
+        queries = self._embed(model, "query", queries, collator)
+        corpus = self._embed(model, "document", corpus, collator)
         metrics = ranking_metrics(queries @ corpus.T, dataset.positive_ids, self.settings.recall_at)
         metrics["corpus_size"] = len(dataset.corpus)
         return metrics
