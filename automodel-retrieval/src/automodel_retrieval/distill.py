@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from automodel.config import Config, ConfigNode, Free, Refused, Target
+from automodel.config import Config, Free, Refused, Target
 from automodel.errors import AutomodelError, ConfigIssue
 from automodel.training.context import BuildContext
 from automodel.training.modules import unwrap
