@@ -116,6 +116,10 @@ class EmbeddingDistillRecipe(BiEncoderRecipe):
                 issues += upstream_distill.distill_issues(settings, key)
                 if key == "teacher_model":
                     issues += upstream.bi_encoder_issues(settings, key)
+                issues += [ConfigIssue(f"{key}.{name}", "sets the contrastive bi-encoder's in-batch negatives; the "
+                                       "listwise distillation loss takes every rank's documents as "
+                                       "infonce_distill_loss.cross_device_negatives says: remove it")
+                           for name in (upstream.GATHER, upstream.DETACH) if name in settings]
         return issues
 
     @classmethod
@@ -130,8 +134,9 @@ class EmbeddingDistillRecipe(BiEncoderRecipe):
 
     @classmethod
     def describe_plan(cls, cfg: Config) -> list[str]:
+        """The bi-encoder recipe's plan less its contrastive in-batch negatives (not this recipe's loss)."""
         mix = " + ".join(f"{w} * {name}" for name, w in cls.weights(cfg).items())
-        return super().describe_plan(cfg) + [f"distillation loss: {mix}"]
+        return super(BiEncoderRecipe, cls).describe_plan(cfg) + [f"distillation loss: {mix}"]
 
     # ---- building ---------------------------------------------------------------------------------------
 
@@ -165,6 +170,13 @@ class EmbeddingDistillRecipe(BiEncoderRecipe):
     def build_loss_fn(self, ctx: BuildContext) -> torch.nn.Module:
         weights = self.weights(self.cfg)
         return DistillLoss({name: ctx.instantiate(name) for name in weights}, weights)
+
+    def setup_negatives(self) -> None:
+        nce = self.loss_fn.losses["infonce_distill_loss"]
+        if self.world_size > 1 and self.loss_fn.weights["infonce_distill_loss"] and nce.use_in_batch_negatives:
+            where = "every rank's" if nce.cross_device_negatives else "each rank's own"
+            self.log(f"listwise distillation candidates: {where} documents "
+                     "(infonce_distill_loss.cross_device_negatives)")
 
     def setup(self) -> None:
         super().setup()

@@ -297,6 +297,10 @@ class BiEncoderRecipe(_RetrievalRecipe):
         self.log(f"bi-encoder: pooling {model.pooling}, normalize {str(model.normalize).lower()}, max length "
                  f"{s['query_max_length']} (queries) / {s['document_max_length']} (documents)")
         self._check_vocab([model.encoder("query"), model.encoder("document")])
+        self.setup_negatives()
+
+    def setup_negatives(self) -> None:
+        """Where the contrastive loss takes its in-batch negatives from on several ranks (logged)."""
         self.negatives_mode = self.inbatch_negatives(self.cfg) if self.world_size > 1 else upstream.LOCAL
         if _expanded(self.cfg, self.cfg.model) == self.upstream_model:
             for note in upstream.inbatch_negatives_notes(self.cfg.model.to_dict(), self.world_size):
