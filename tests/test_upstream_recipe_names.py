@@ -26,13 +26,14 @@ SELECTS = {
     "TrainCrossEncoderRecipe": "finetune cross-encoder",
     f"{UP}.retrieval.train_cross_encoder.TrainCrossEncoderRecipe": "finetune cross-encoder",
     "MineHardNegativesRecipe": "mine retrieval",
+    "EmbeddingDistillRecipe": "kd retrieval",
+    f"{UP}.retrieval.distill_bi_encoder.EmbeddingDistillRecipe": "kd retrieval",
     "TrainDiffusionRecipe": "finetune diffusion",
     f"{UP}.diffusion.train.TrainDiffusionRecipe": "finetune diffusion",
 }
-# Upstream recipes with no counterpart here (embedding distillation, VLM distillation, diffusion LMs, speculative
-# decoding drafters, multimodal, sequence classification).
-NOT_HERE = ["EmbeddingDistillRecipe", f"{UP}.retrieval.distill_bi_encoder.EmbeddingDistillRecipe",
-            "KnowledgeDistillationRecipeForVLM", "DiffusionLMSFTRecipe", "TrainEagle3Recipe",
+# Upstream recipes with no counterpart here (VLM distillation, diffusion LMs, speculative decoding drafters,
+# multimodal, sequence classification).
+NOT_HERE = ["KnowledgeDistillationRecipeForVLM", "DiffusionLMSFTRecipe", "TrainEagle3Recipe",
             "FinetuneRecipeForMultimodal", "PretrainRecipeForMultimodal",
             "TrainFinetuneRecipeForSequenceClassification"]
 

@@ -43,20 +43,46 @@ def _reference() -> dict[str, list[torch.Tensor]]:
             "own": own}
 
 
-def test_the_gather_sends_each_rank_the_gradient_its_mode_promises(tmp_path):
-    """With gradients: each rank's documents get the gradient of the sum of both ranks' losses. Detached: only
-    that of their own rank's loss. The losses and the queries' gradients are the same either way."""
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """What each of two gloo ranks computed (inbatch_workers.gather_worker)."""
     import torch.multiprocessing as mp
 
-    mp.spawn(gather_worker, args=(f"file://{tmp_path}/rendezvous", str(tmp_path)), nprocs=2)
-    ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
+    root = tmp_path_factory.mktemp("gather")
+    mp.spawn(gather_worker, args=(f"file://{root}/rendezvous", str(root)), nprocs=2)
+    return [torch.load(root / f"rank{rank}.pt") for rank in range(2)]
+
+
+def test_the_gather_sends_each_rank_the_gradient_its_mode_promises(ranks):
+    """With gradients: each rank's documents get the gradient of the sum of both ranks' losses. Detached: only
+    that of their own rank's loss. The losses and the queries' gradients are the same either way."""
     reference = _reference()
     assert not torch.allclose(reference["own"][0], reference["all"][0]), "the two modes must differ here"
     for rank, found in enumerate(ranks):
-        for detach, mode in found.items():
+        for detach, mode in ((False, found[False]), (True, found[True])):
             torch.testing.assert_close(mode["loss"], reference["losses"][rank])
             torch.testing.assert_close(mode["query"], reference["query"][rank])
             torch.testing.assert_close(mode["documents"], reference["own" if detach else "all"][rank])
+
+
+def test_the_distillation_listwise_loss_ranks_every_ranks_documents(ranks):
+    """The distillation recipe's cross_device_negatives: each rank's queries ranked against both ranks' documents
+    (rank 1 has fewer: its padding is no candidate), as one process ranking them against all documents."""
+    from inbatch_workers import teacher
+
+    from automodel_retrieval.distill_losses import InfoNCEDistillLoss
+
+    queries, documents = toy()
+    teacher_queries, teacher_documents = teacher()
+    everything, teacher_everything = torch.cat(documents), torch.cat(teacher_documents)
+    for rank, found in enumerate(ranks):
+        expected = InfoNCEDistillLoss(TEMPERATURE)(queries[rank], everything, teacher_queries[rank],
+                                                   teacher_everything,
+                                                   torch.arange(len(queries[rank])) + sum(DOCUMENTS[:rank]))
+        torch.testing.assert_close(found["distill"]["loss"], expected.detach())
+        torch.testing.assert_close(found["distill"]["query"], torch.autograd.grad(expected, queries[rank])[0])
+    alone = InfoNCEDistillLoss(TEMPERATURE)(queries[0], documents[0], teacher_queries[0], teacher_documents[0])
+    assert float(alone) != pytest.approx(float(ranks[0]["distill"]["loss"])), "the other rank's documents count"
 
 
 # ---- validation, notes and the plan ---------------------------------------------------------------------------

@@ -85,13 +85,15 @@ def test_routes_aliases_and_examples(capsys):
               "automodel-retrieval"}
     assert routes == {("finetune", "retrieval"): "automodel_retrieval.recipe.BiEncoderRecipe",
                       ("finetune", "cross-encoder"): "automodel_retrieval.recipe.CrossEncoderRecipe",
-                      ("mine", "retrieval"): "automodel_retrieval.mining.MineHardNegativesRecipe"}
+                      ("mine", "retrieval"): "automodel_retrieval.mining.MineHardNegativesRecipe",
+                      ("kd", "retrieval"): "automodel_retrieval.distill.EmbeddingDistillRecipe"}
     assert manager.aliases.domains["bi-encoder"] == "retrieval"
     examples = list_examples(manager)
-    assert {"retrieval/tiny_bi_encoder", "retrieval/tiny_cross_encoder", "retrieval/tiny_mine"} <= examples.keys()
+    assert {"retrieval/tiny_bi_encoder", "retrieval/tiny_cross_encoder", "retrieval/tiny_mine",
+            "retrieval/tiny_distill"} <= examples.keys()
     for command, example in (("finetune bi-encoder", "tiny_bi_encoder"), ("finetune cross-encoder",
                                                                           "tiny_cross_encoder"),
-                             ("mine retrieval", "tiny_mine")):
+                             ("mine retrieval", "tiny_mine"), ("kd retrieval", "tiny_distill")):
         assert main([*command.split(), "-c", f"retrieval/{example}", "--dry-run"]) == 0, command
     assert "dry run: nothing was built" in capsys.readouterr().out
 

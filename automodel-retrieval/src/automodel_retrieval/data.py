@@ -17,6 +17,8 @@ from automodel.data import BadRows, OnBadRow, load_rows
 from automodel.errors import AutomodelError
 from automodel_retrieval.negatives import text_key
 
+INSTRUCTIONS = ("query_instruction", "passage_instruction")
+
 
 def doc_text(value: Any, key: str = "document") -> str:
     """A document's text: the string itself, or ``title`` + ``text`` of a mapping."""
@@ -101,6 +103,9 @@ class RetrievalDataset(torch.utils.data.Dataset):
         self.queries: list[str] = []
         self.positive_ids: list[set[int]] = []
         self.examples: list[dict[str, Any]] = []
+        # rows may carry their source's instructions (upstream's corpus metadata: upstream.retrieval_dataset)
+        self.query_instructions: list[str] = []
+        self.document_instructions: dict[str, str] = {}
         bad_rows = BadRows(on_bad_row, source)
         for index, row in enumerate(rows):
             if bad_rows.missing(index, row, (query_field,)):
@@ -116,13 +121,16 @@ class RetrievalDataset(torch.utils.data.Dataset):
             negatives = [n for n in row_negatives(row, f"dataset row {index}") if n not in positives]
             if num_negatives is not None:
                 negatives = negatives[:num_negatives]
+            instructions = {k: row.get(k) or "" for k in INSTRUCTIONS}
             for text in positives + negatives:
                 documents.setdefault(text, len(documents))
+                self.document_instructions.setdefault(text, instructions["passage_instruction"])
             self.queries.append(query)
+            self.query_instructions.append(instructions["query_instruction"])
             self.positive_ids.append({documents[p] for p in positives})
             for positive in positives if expand_positives else positives[:1]:
                 self.examples.append({"query": query, "positive": positive, "positives": positives,
-                                      "negatives": negatives})
+                                      "negatives": negatives, **instructions})
         bad_rows.report()
         if not self.examples:
             raise AutomodelError(f"dataset.path: '{source}' has no usable rows")
@@ -133,6 +141,11 @@ class RetrievalDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         return self.examples[index]
+
+
+def instructed(texts: list[str], instructions: list[str]) -> list[str]:
+    """Each text after its instruction and a space (upstream's join), or alone where the instruction is empty."""
+    return [f"{i} {t}" if i else t for t, i in zip(texts, instructions, strict=True)]
 
 
 # ---- collation ----------------------------------------------------------------------------------------------
@@ -146,15 +159,20 @@ def tokenize(tokenizer: Any, texts: list[str], max_length: int, pairs: list[str]
 
 class BiEncoderCollator:
     """Tokenizes a batch's queries and documents: every positive first (query i's is document i), then every
-    hard negative. ``document_keys`` [D] and ``positive_keys`` [B, P] identify the documents by their text (see
-    negatives.py), so that no copy of a query's positive counts as its negative."""
+    hard negative; ``document_owners`` [D] is the example each document came with. ``document_keys`` [D] and
+    ``positive_keys`` [B, P] identify the documents by their text (see negatives.py), so that no copy of a query's
+    positive counts as its negative. With ``use_instructions`` each
+    query is put after its example's ``query_instruction`` and each document after its ``passage_instruction``
+    (upstream's use_dataset_instruction)."""
 
     def __init__(self, tokenizer: Any, query_max_length: int = 64, document_max_length: int = 128,
-                 query_prefix: str = "", document_prefix: str = "", pad_to_multiple_of: int | None = None):
+                 query_prefix: str = "", document_prefix: str = "", pad_to_multiple_of: int | None = None,
+                 use_instructions: bool = False):
         self.tokenizer = tokenizer
         self.query_max_length, self.document_max_length = query_max_length, document_max_length
         self.query_prefix, self.document_prefix = query_prefix, document_prefix
         self.pad_to_multiple_of = pad_to_multiple_of
+        self.use_instructions = use_instructions
 
     def encode_queries(self, queries: list[str]) -> dict:
         return tokenize(self.tokenizer, [self.query_prefix + q for q in queries], self.query_max_length,
@@ -166,12 +184,19 @@ class BiEncoderCollator:
 
     def __call__(self, items: list[dict[str, Any]]) -> dict[str, Any]:
         documents = [item["positive"] for item in items] + [n for item in items for n in item["negatives"]]
+        queries = [item["query"] for item in items]
+        owners = list(range(len(items))) + [i for i, item in enumerate(items) for _ in item["negatives"]]
+        if self.use_instructions:
+            queries = instructed(queries, [item.get("query_instruction", "") for item in items])
+            texts = instructed(documents, [items[i].get("passage_instruction", "") for i in owners])
+        else:
+            texts = documents
         width = max(len(item["positives"]) for item in items)
         positive_keys = [[text_key(p) for p in item["positives"]] for item in items]
         positive_keys = [keys + [keys[0]] * (width - len(keys)) for keys in positive_keys]
-        return {"query": self.encode_queries([item["query"] for item in items]),
-                "document": self.encode_documents(documents),
+        return {"query": self.encode_queries(queries), "document": self.encode_documents(texts),
                 "labels": torch.arange(len(items)),
+                "document_owners": torch.tensor(owners),
                 "document_keys": torch.tensor([text_key(d) for d in documents], dtype=torch.long),
                 "positive_keys": torch.tensor(positive_keys, dtype=torch.long)}
 

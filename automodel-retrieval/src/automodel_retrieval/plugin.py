@@ -5,6 +5,7 @@ from automodel import hookimpl
 _BI = "automodel_retrieval.recipe.BiEncoderRecipe"
 _CROSS = "automodel_retrieval.recipe.CrossEncoderRecipe"
 _MINE = "automodel_retrieval.mining.MineHardNegativesRecipe"
+_DISTILL_RECIPE = "automodel_retrieval.distill.EmbeddingDistillRecipe"
 _LLM_DATA = "nemo_automodel.components.datasets.llm"
 _UPSTREAM = {
     "nemo_automodel.NeMoAutoModelBiEncoder.from_pretrained": "bi_encoder_from_pretrained",
@@ -20,12 +21,18 @@ _UPSTREAM = {
     f"{_LLM_DATA}.CrossEncoderCollator": "UpstreamCrossEncoderCollator",
     f"{_LLM_DATA}.retrieval_collator.CrossEncoderCollator": "UpstreamCrossEncoderCollator",
 }
-_DISTILL = ("embedding distillation (a student trained on a teacher's embeddings) has no recipe here; "
-            "automodel finetune retrieval trains a bi-encoder contrastively")
+# Upstream's embedding-distillation names (its model classes live in a private module, _transformers.retrieval;
+# a config names them, these aliases lead them to our public callables in automodel_retrieval.upstream_distill).
+_UPSTREAM_DISTILL = {
+    "nemo_automodel._transformers.retrieval.RetrieverStudentWithProjection.build": "student_from_pretrained",
+    "nemo_automodel._transformers.retrieval.RetrieverTeacherEmbeddingEncoder.build": "teacher_from_pretrained",
+    f"{_LLM_DATA}.BiEncoderDistillCollator": "UpstreamBiEncoderDistillCollator",
+    f"{_LLM_DATA}.retrieval_distill_collator.BiEncoderDistillCollator": "UpstreamBiEncoderDistillCollator",
+}
+_LOSSES = {"nemo_automodel.components.loss.embedding_distill.EmbeddingDistillLoss": "EmbeddingDistillLoss",
+           "nemo_automodel.components.loss.embedding_distill.EmbeddingMSELoss": "EmbeddingMSELoss",
+           "nemo_automodel.components.loss.infonce.InfoNCEDistillLoss": "InfoNCEDistillLoss"}
 _UNSUPPORTED = {
-    "EmbeddingDistillRecipe": _DISTILL,
-    "nemo_automodel.recipes.retrieval.distill_bi_encoder.EmbeddingDistillRecipe": _DISTILL,
-    f"{_LLM_DATA}.BiEncoderDistillCollator": _DISTILL,
     f"{_LLM_DATA}.make_retrieval_dataset": "upstream's legacy dataloader.dataset form is not read; give dataset: "
                                            "{_target_: ...RetrievalDatasetConfig, ...} (or RetrievalDataset)",
     f"{_LLM_DATA}.ProcessorMethodCollator": "image-and-text (multimodal) retrieval is not implemented; the "
@@ -36,9 +43,10 @@ _UNSUPPORTED = {
 }
 _UPSTREAM_RECIPES = {"TrainBiEncoderRecipe": ("finetune", "retrieval"),
                      "TrainCrossEncoderRecipe": ("finetune", "cross-encoder"),
-                     "MineHardNegativesRecipe": ("mine", "retrieval")}
+                     "MineHardNegativesRecipe": ("mine", "retrieval"),
+                     "EmbeddingDistillRecipe": ("kd", "retrieval")}
 _UPSTREAM_MODULES = {"TrainBiEncoderRecipe": "train_bi_encoder", "TrainCrossEncoderRecipe": "train_cross_encoder",
-                     "MineHardNegativesRecipe": "mine_hard_negatives"}
+                     "MineHardNegativesRecipe": "mine_hard_negatives", "EmbeddingDistillRecipe": "distill_bi_encoder"}
 
 
 @hookimpl
@@ -49,6 +57,8 @@ def automodel_register_routes(routes) -> None:
                help="Fine-tune a cross-encoder reranker (one logit per query-document pair)")
     routes.add("mine", "retrieval", recipe=_MINE, examples=["retrieval/tiny_mine"],
                help="Mine hard negatives for bi-encoder training with a trained bi-encoder")
+    routes.add("kd", "retrieval", recipe=_DISTILL_RECIPE, examples=["retrieval/tiny_distill"],
+               help="Distill a bi-encoder student from a frozen teacher encoder's embeddings")
 
 
 @hookimpl
@@ -66,6 +76,12 @@ def automodel_register_aliases(aliases) -> None:
     # Upstream (NeMo AutoModel) names, on this package's models, data and collators (automodel_retrieval.upstream).
     for name, ours in _UPSTREAM.items():
         aliases.target(name, f"automodel_retrieval.upstream.{ours}")
+    for name, ours in _UPSTREAM_DISTILL.items():
+        aliases.target(name, f"automodel_retrieval.upstream_distill.{ours}")
+    for name, ours in _LOSSES.items():
+        aliases.target(name, f"automodel_retrieval.distill_losses.{ours}")
+    for name in ("EmbeddingDistillLoss", "EmbeddingMSELoss", "InfoNCEDistillLoss"):
+        aliases.target(name, f"automodel_retrieval.distill_losses.{name}")
     for name, reason in _UNSUPPORTED.items():
         aliases.unsupported(name, reason)
 

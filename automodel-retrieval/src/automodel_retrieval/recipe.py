@@ -18,8 +18,8 @@ from automodel.hf import check_vocab, model_source
 from automodel.training.context import BuildContext
 from automodel.training.modules import unwrap
 from automodel.training.recipe import TrainRecipe
-from automodel_retrieval import upstream
-from automodel_retrieval.data import BiEncoderCollator, CrossEncoderCollator
+from automodel_retrieval import upstream, upstream_distill
+from automodel_retrieval.data import BiEncoderCollator, CrossEncoderCollator, instructed
 from automodel_retrieval.metrics import group_metrics, ranking_metrics
 from automodel_retrieval.models import DEFAULT_INPUTS, POOLINGS, BiEncoder, encoder_dir
 from automodel_retrieval.negatives import exclusions, gather_documents
@@ -28,7 +28,8 @@ DATASET = "automodel_retrieval.data.RetrievalDataset"
 
 
 UPSTREAM = "automodel_retrieval.upstream"
-UPSTREAM_COLLATORS = (f"{UPSTREAM}.UpstreamBiEncoderCollator", f"{UPSTREAM}.UpstreamCrossEncoderCollator")
+UPSTREAM_COLLATORS = (f"{UPSTREAM}.UpstreamBiEncoderCollator", f"{UPSTREAM}.UpstreamCrossEncoderCollator",
+                      "automodel_retrieval.upstream_distill.UpstreamBiEncoderDistillCollator")
 NEGATIVES = {  # what each in-batch negatives mode (BiEncoderRecipe.inbatch_negatives) does on several ranks
     upstream.GATHERED: "every rank's documents, gathered with their gradients (N ranks train as one process with "
                        "N times the batch)",
@@ -123,7 +124,7 @@ class _RetrievalRecipe(TrainRecipe):
             node = cfg.get(name)
             target = _expanded(cfg, node)
             settings = node.to_dict() if isinstance(node, ConfigNode) else {}
-            if target == cls.upstream_model:
+            if target in cls.upstream_models():
                 check = upstream.bi_encoder_issues if cls.model_type == "bi_encoder" else upstream.cross_encoder_issues
                 issues += check(settings, name)
             elif target == f"{UPSTREAM}.retrieval_dataset":
@@ -131,11 +132,16 @@ class _RetrievalRecipe(TrainRecipe):
         loader = cfg.get("dataloader")
         collate = loader.get("collate_fn") if isinstance(loader, ConfigNode) else None
         if _expanded(cfg, collate) in UPSTREAM_COLLATORS:
-            issues += upstream.collator_issues(collate.to_dict())
+            issues += upstream.collator_issues(collate.to_dict()) + upstream_distill.collator_issues(collate.to_dict())
             if "retrieval" in cfg:
                 issues.append(ConfigIssue("retrieval", "give the lengths and prefixes in dataloader.collate_fn "
                                                        "(upstream's collator) or here, not both"))
         return issues
+
+    @classmethod
+    def upstream_models(cls) -> tuple[str, ...]:
+        """The upstream model factories (alias targets) this recipe's model may name, checked as upstream's."""
+        return (cls.upstream_model,)
 
     def collate_runtime_args(self) -> dict[str, Any]:
         return {"tokenizer": self.tokenizer}  # upstream builds its collator classes with the tokenizer
@@ -222,7 +228,7 @@ class BiEncoderRecipe(_RetrievalRecipe):
     def check_config(cls, cfg: Config) -> list[ConfigIssue]:
         issues = super().check_config(cfg)
         model = cfg.model
-        if isinstance(model, ConfigNode) and _expanded(cfg, model) != cls.upstream_model and \
+        if isinstance(model, ConfigNode) and _expanded(cfg, model) not in cls.upstream_models() and \
                 model.get("pooling") is not None and model["pooling"] not in POOLINGS:
             issues.append(ConfigIssue("model.pooling", f"'{model['pooling']}' is not one of {', '.join(POOLINGS)}"))
         temperature = cfg.resolved.get("temperature")
@@ -291,6 +297,10 @@ class BiEncoderRecipe(_RetrievalRecipe):
         self.log(f"bi-encoder: pooling {model.pooling}, normalize {str(model.normalize).lower()}, max length "
                  f"{s['query_max_length']} (queries) / {s['document_max_length']} (documents)")
         self._check_vocab([model.encoder("query"), model.encoder("document")])
+        self.setup_negatives()
+
+    def setup_negatives(self) -> None:
+        """Where the contrastive loss takes its in-batch negatives from on several ranks (logged)."""
         self.negatives_mode = self.inbatch_negatives(self.cfg) if self.world_size > 1 else upstream.LOCAL
         if _expanded(self.cfg, self.cfg.model) == self.upstream_model:
             for note in upstream.inbatch_negatives_notes(self.cfg.model.to_dict(), self.world_size):
@@ -326,8 +336,12 @@ class BiEncoderRecipe(_RetrievalRecipe):
             return {}
         model = unwrap(self.model)
         collator = self.default_collate_fn(False)
-        queries = self._embed(model, "query", dataset.queries, collator)
-        corpus = self._embed(model, "document", dataset.corpus, collator)
+        queries, corpus = dataset.queries, dataset.corpus
+        if collator.use_instructions:  # each text after its source's instruction, as in training
+            queries = instructed(queries, getattr(dataset, "query_instructions", [""] * len(queries)))
+            corpus = instructed(corpus, [getattr(dataset, "document_instructions", {}).get(d, "") for d in corpus])
+        queries = self._embed(model, "query", queries, collator)
+        corpus = self._embed(model, "document", corpus, collator)
         metrics = ranking_metrics(queries @ corpus.T, dataset.positive_ids, self.settings.recall_at)
         metrics["corpus_size"] = len(dataset.corpus)
         return metrics

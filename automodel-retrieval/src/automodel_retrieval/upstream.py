@@ -3,7 +3,7 @@
 What the aliases in ``plugin.py`` lead to: ``NeMoAutoModelBiEncoder`` / ``NeMoAutoModelCrossEncoder`` /
 ``NeMoAutoTokenizer`` ``.from_pretrained``, ``RetrievalDatasetConfig`` and the ``BiEncoderCollator`` /
 ``CrossEncoderCollator`` classes, each with upstream's keyword arguments. Values that need what is not here (GPU
-kernels, upstream's custom backbones, corpus-id data) are refused at validation by
+kernels, upstream's custom backbones, image corpora) are refused at validation by
 :func:`model_issues` and friends, with the reason; the factories refuse them too when called directly.
 """
 
@@ -16,7 +16,8 @@ from typing import Any
 
 from automodel.errors import AutomodelError, ConfigIssue
 from automodel.model_kwargs import upstream_model_issues
-from automodel_retrieval.data import BiEncoderCollator, CrossEncoderCollator
+from automodel_retrieval.corpus_id import METADATA, Corpus, corpus_id_records, is_corpus_id_data
+from automodel_retrieval.data import INSTRUCTIONS, BiEncoderCollator, CrossEncoderCollator
 
 POOLINGS = {"avg": "mean", "mean": "mean", "cls": "cls", "last": "last"}
 HF_PREFIX = "hf://"
@@ -208,9 +209,10 @@ class UpstreamBiEncoderCollator(BiEncoderCollator):
     def __init__(self, tokenizer: Any = None, q_max_len: int = 512, p_max_len: int = 512, query_prefix: str = "",
                  passage_prefix: str = "", padding: bool | str = True, pad_to_multiple_of: int | None = None,
                  use_dataset_instruction: bool = False):
-        _refuse(collator_issues({"padding": padding, "use_dataset_instruction": use_dataset_instruction}))
+        _refuse(collator_issues({"padding": padding, "use_dataset_instruction": use_dataset_instruction,
+                                 "query_prefix": query_prefix, "passage_prefix": passage_prefix}))
         super().__init__(tokenizer, q_max_len, p_max_len, _prefix(query_prefix), _prefix(passage_prefix),
-                         pad_to_multiple_of)
+                         pad_to_multiple_of, use_instructions=use_dataset_instruction)
 
 
 class UpstreamCrossEncoderCollator(CrossEncoderCollator):
@@ -231,9 +233,11 @@ def collator_issues(settings: dict[str, Any], key: str = "dataloader.collate_fn"
         issues.append(ConfigIssue(f"{key}.padding", f"'{settings['padding']}': batches are padded to their longest "
                                                     "text here (true / longest)"))
     if settings.get("use_dataset_instruction"):
-        issues.append(ConfigIssue(f"{key}.use_dataset_instruction", "true is not supported: instructions come from "
-                                                                    "upstream's corpus metadata, which is not read "
-                                                                    "here; put them in query_prefix / passage_prefix"))
+        given = [name for name in ("query_prefix", "passage_prefix") if settings.get(name)]
+        if given:  # upstream's collator puts the instructions in their place
+            issues.append(ConfigIssue(f"{key}.{given[0]}", f"{settings[given[0]]!r} would not act: with "
+                                      "use_dataset_instruction: true each text is put after its data set's "
+                                      "instruction instead of a prefix; remove it (or set it to \"\")"))
     return issues
 
 
@@ -245,9 +249,11 @@ def retrieval_dataset(data_dir_list: Any = None, model_type: str = "bi_encoder",
                       do_shuffle: bool = False, max_train_samples: int | None = None,
                       train_data_select_offset: int = 0, use_dataset_instruction: bool = False,
                       cycle_positive_docs: bool = False, use_text_in_document: bool = False) -> Any:
-    """Upstream's RetrievalDatasetConfig over local inline files: JSON / JSONL records ``{query | question,
+    """Upstream's RetrievalDatasetConfig over local files: inline JSON / JSONL records ``{query | question,
     pos_doc, neg_doc}`` (a document: its text, or ``{text}``; this package's ``positive(s)`` / ``negatives`` are
-    read too). Each example is the first positive and ``n_passages - 1`` negatives (``eval_negative_size`` for
+    read too), or upstream's corpus-id data (corpus_id.py); ``use_dataset_instruction`` gives each example its
+    corpus's query and passage instructions (which a collator with ``use_dataset_instruction`` puts before the
+    texts). Each example is the first positive and ``n_passages - 1`` negatives (``eval_negative_size`` for
     ``data_type: eval``), repeated in turn when a row has fewer. ``{path, num_samples}`` entries draw that many
     rows with ``seed``; ``max_train_samples`` keeps that many rows from ``train_data_select_offset`` (shuffled
     with ``seed`` first when ``do_shuffle``)."""
@@ -258,8 +264,9 @@ def retrieval_dataset(data_dir_list: Any = None, model_type: str = "bi_encoder",
     settings = {k: v for k, v in locals().items() if k in RETRIEVAL_KEYS}
     _refuse(dataset_issues(settings))
     records: list[dict[str, Any]] = []
+    corpora: dict[str, Corpus] = {}
     for path, num_samples in _entries(data_dir_list):
-        rows = _inline_records(path)
+        rows = _records(path, corpora, use_dataset_instruction)
         if num_samples is not None and num_samples < len(rows):
             rows = random.Random(seed).sample(rows, num_samples)
         records += rows
@@ -289,9 +296,7 @@ def dataset_issues(settings: dict[str, Any], key: str = "dataset", model_type: s
         issues.append(ConfigIssue(f"{key}.data_type", "expected train or eval"))
     if settings.get("n_passages", 5) < 1:
         issues.append(ConfigIssue(f"{key}.n_passages", "must be >= 1 (one positive, n_passages - 1 negatives)"))
-    for name, why in (("use_dataset_instruction", "instructions come from upstream's corpus metadata, which is "
-                                                  "not read here"),
-                      ("cycle_positive_docs", "rotating positives by epoch is not implemented (the first positive "
+    for name, why in (("cycle_positive_docs", "rotating positives by epoch is not implemented (the first positive "
                                               "is used)"),
                       ("use_text_in_document", "image documents are not supported")):
         if settings.get(name):
@@ -310,7 +315,9 @@ def _entries(data_dir_list: Any) -> list[tuple[str, int | None]]:
     return parsed
 
 
-def _inline_records(path: str) -> list[dict[str, Any]]:
+def _records(path: str, corpora: dict[str, Corpus], use_instructions: bool) -> list[dict[str, Any]]:
+    """A data file's records: inline ones as they are, corpus-id ones with their documents' text (and, with
+    ``use_instructions``, their corpus's instructions: inline records have none, so they are refused then)."""
     if path.startswith(HF_PREFIX):
         raise AutomodelError(f"dataset.data_dir_list: '{path}' is on the Hugging Face hub, which this run cannot "
                              "reach offline; download the data and give its local JSON / JSONL files")
@@ -322,10 +329,12 @@ def _inline_records(path: str) -> list[dict[str, Any]]:
         data: Any = json.loads(text)
     except json.JSONDecodeError:
         data = [json.loads(line) for line in text.splitlines() if line.strip()]
-    if isinstance(data, dict) and "corpus" in data:
-        raise AutomodelError(f"dataset.data_dir_list: '{path}' is upstream's corpus-id format (documents by id in "
-                             "separate corpus folders), which is not read here; write inline records "
-                             "{query, pos_doc, neg_doc} with the documents' text")
+    if is_corpus_id_data(data):
+        return corpus_id_records(file, data, corpora, use_instructions)
+    if use_instructions:
+        raise AutomodelError(f"dataset.use_dataset_instruction: true takes each row's instructions from its "
+                             f"corpus's metadata ({METADATA}), but '{path}' holds inline records, which have none; "
+                             "give corpus-id data or set it false")
     records = data.get("data", data) if isinstance(data, dict) else data
     return [records] if isinstance(records, dict) else list(records)
 
@@ -345,4 +354,5 @@ def _example(record: dict[str, Any], negatives: int, index: int) -> dict[str, An
         raise AutomodelError(f"dataset.data_dir_list: record {index + 1} has no neg_doc, but n_passages asks for "
                              f"{negatives} negative(s)")
     chosen = [found[i % len(found)] for i in range(negatives)] if negatives > 0 else []
-    return {"query": query, "positive": positives[0], "negatives": chosen}
+    instructions = {name: record.get(name, "") for name in INSTRUCTIONS}
+    return {"query": query, "positive": positives[0], "negatives": chosen, **instructions}
