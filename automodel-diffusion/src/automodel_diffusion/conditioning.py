@@ -18,14 +18,16 @@ from automodel.errors import AutomodelError, ConfigError, ConfigIssue
 SUPPORTED = ("SD3Transformer2DModel (StableDiffusion3Pipeline), FluxTransformer2DModel (FluxPipeline, FLUX.1), "
              "Flux2Transformer2DModel (Flux2Pipeline, FLUX.2), QwenImageTransformer2DModel (QwenImagePipeline, "
              "Qwen-Image), WanTransformer3DModel (WanPipeline, Wan 2.1 text-to-video; Wan 2.2 A14B one expert per "
-             "run) and UNet2DConditionModel "
-             "(StableDiffusionPipeline)")
+             "run), HunyuanVideo15Transformer3DModel (HunyuanVideo15Pipeline, HunyuanVideo 1.5 text-to-video) and "
+             "UNet2DConditionModel (StableDiffusionPipeline)")
 # the denoisers a Conditioning exists for
 DENOISER_CLASSES = ("SD3Transformer2DModel", "FluxTransformer2DModel", "Flux2Transformer2DModel",
-                    "QwenImageTransformer2DModel", "WanTransformer3DModel", "UNet2DConditionModel")
+                    "QwenImageTransformer2DModel", "WanTransformer3DModel", "HunyuanVideo15Transformer3DModel",
+                    "UNet2DConditionModel")
 # the pipeline class each of these denoisers must come in (others share them: Qwen-Image-Edit, Wan image-to-video...)
 DENOISER_PIPELINES = {"QwenImageTransformer2DModel": "QwenImagePipeline", "WanTransformer3DModel": "WanPipeline",
-                      "Flux2Transformer2DModel": "Flux2Pipeline"}
+                      "Flux2Transformer2DModel": "Flux2Pipeline",
+                      "HunyuanVideo15Transformer3DModel": "HunyuanVideo15Pipeline"}
 DEFAULT_GUIDANCE = 3.5  # FluxPipeline's default guidance_scale: what a guidance-distilled FLUX.1 samples with
 
 
@@ -43,6 +45,10 @@ class Conditioning:
     def vae_input(self, pixels: torch.Tensor) -> torch.Tensor:
         """The images as the VAE's encoder takes them."""
         return pixels
+
+    def vae_encode(self, vae: Any, pixels: torch.Tensor) -> Any:
+        """The VAE's encoding of ``vae_input``'s batch (its ``latent_dist``, or ``latents``)."""
+        return vae.encode(pixels)
 
     def normalize(self, latents: torch.Tensor) -> torch.Tensor:
         """The VAE's latents as the denoiser sees them (the inverse of what the pipeline does before decoding)."""
@@ -75,6 +81,11 @@ class Conditioning:
     def pack(self, latents: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
         """The latents as the denoiser takes them (the objective noises these), and their position inputs."""
         return latents, {}
+
+    def clean_inputs(self, latents: torch.Tensor, generator: torch.Generator | None) -> dict[str, Any]:
+        """Denoiser inputs made from the packed clean latents (HunyuanVideo's condition latents); draws from
+        ``generator``."""
+        return {}
 
     def denoise(self, denoiser: torch.nn.Module, sample: torch.Tensor, timesteps: torch.Tensor,
                 cond: dict[str, Any]) -> torch.Tensor:
@@ -368,6 +379,10 @@ def conditioning_for(pipeline: Any, denoiser_name: str, max_sequence_length: int
                                  "TI2V), which diffusion training does not support here; use a text-to-video "
                                  "pipeline (Wan 2.1, or Wan 2.2 A14B's two experts with model.stage)")
         return WanConditioning(pipeline, max_sequence_length, vae_config)
+    if kind == "HunyuanVideo15Transformer3DModel" and type(pipeline).__name__ == "HunyuanVideo15Pipeline":
+        from automodel_diffusion.hunyuan import HunyuanConditioning
+
+        return HunyuanConditioning(pipeline, max_sequence_length, vae_config)
     if kind == "UNet2DConditionModel" and getattr(denoiser.config, "addition_embed_type", None) is None \
             and hasattr(pipeline, "encode_prompt") and hasattr(pipeline, "text_encoder"):
         return UNetConditioning(pipeline, vae_config=vae_config)

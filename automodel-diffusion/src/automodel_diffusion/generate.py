@@ -332,10 +332,16 @@ class GenerateRecipe(BaseRecipe):
         self.log(f"model.lora_weights: {model.lora_adapter_name} from {path} (scale {model.lora_scale:g})")
 
     def pipeline_arguments(self) -> dict[str, Any]:
-        """The pipeline call's arguments; one its __call__ does not take is an error naming the key."""
+        """The pipeline call's arguments; one its __call__ does not take is an error naming the key. A
+        guidance_scale for a pipeline guided by its ``guider`` component (HunyuanVideo 1.5) sets that guider's."""
+        from automodel_diffusion.sampling import takes_guidance_scale, use_guidance_scale
+
         inference = self.cfg.inference
         settings = {k: getattr(inference, k) for k in ("num_inference_steps", "guidance_scale", "height", "width")
                     if getattr(inference, k) is not None}
+        if "guidance_scale" in settings and not takes_guidance_scale(self.pipeline) \
+                and getattr(self.pipeline, "guider", None) is not None:
+            use_guidance_scale(self.pipeline, settings.pop("guidance_scale"))
         settings.update(inference.pipeline_kwargs)
         params = inspect.signature(type(self.pipeline).__call__).parameters
         unknown = [k for k in settings if k not in params]

@@ -300,7 +300,7 @@ class AutoDiffusionPipeline(torch.nn.Module):
         """The VAE's encoding of the images: its ``latent_dist`` (or ``latents``, for a deterministic VAE)."""
         vae = self.pipeline.vae
         with torch.set_grad_enabled(torch.is_grad_enabled() and "vae" in self.trainable_components):
-            return vae.encode(self.conditioning.vae_input(pixel_values.to(vae.dtype)))
+            return self.conditioning.vae_encode(vae, self.conditioning.vae_input(pixel_values.to(vae.dtype)))
 
     def encode_images(self, pixel_values: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
         if getattr(self.pipeline, "vae", None) is None:
@@ -348,6 +348,7 @@ class AutoDiffusionPipeline(torch.nn.Module):
             with torch.set_grad_enabled(torch.is_grad_enabled() and text_trains):
                 cond = self.conditioning.encode(captions, latents.device)
         latents, positions = self.conditioning.pack(latents)
+        positions.update(self.conditioning.clean_inputs(latents, generator))
         noisy, timesteps, target = self.objective.noise(latents, generator)
         denoiser = self.components[self.denoiser_name] if self.denoiser_name in self.components else self.denoiser
         with self.denoiser_precision(latents.device):
