@@ -9,7 +9,8 @@ A checkpoint's ``model/`` then holds only the adapter, as an LLM LoRA checkpoint
 ``<Pipeline>.save_lora_weights`` writes (``pytorch_lora_weights.safetensors``, peft's LoRA config in its
 metadata): ``<Pipeline>.from_pretrained(base).load_lora_weights(model_dir)`` loads it. A pipeline without LoRA
 loaders (HunyuanVideo15Pipeline) gets the same file, which its denoiser loads:
-``pipeline.transformer.load_lora_adapter(model_dir, prefix="transformer")``. The base is not rewritten.
+``pipeline.transformer.load_lora_adapter(model_dir, prefix="transformer", weight_name=LORA_WEIGHTS)``. The base is
+not rewritten.
 """
 
 from __future__ import annotations
