@@ -24,8 +24,8 @@ from diffusion_testing import (
 from PIL import Image
 
 from automodel.errors import AutomodelError
-from automodel_diffusion.lora import LORA_WEIGHTS
 from automodel.testing import assert_states_equal, losses_by_step
+from automodel_diffusion.lora import LORA_WEIGHTS
 
 FORMS = Path(__file__).parent / "upstream_forms"
 FINETUNE, LORA, GENERATE = (FORMS / f"{name}_upstream.yaml" for name in ("hunyuan_finetune", "hunyuan_lora",
@@ -208,7 +208,7 @@ def test_lora_form_trains_an_adapter_that_the_pipelines_transformer_loads(base, 
     (("--flow_matching.adapter_kwargs", "{guidance_scale: 1}"), "flow_matching.adapter_kwargs.guidance_scale",
      "not a setting of the hunyuan adapter"),
     (("--model.optimize_hunyuan_flash_varlen_mask", "true"), "model.optimize_hunyuan_flash_varlen_mask",
-     "flash-attention varlen kernels needs a CUDA GPU"),
+     "flash-attention varlen kernels), which needs a CUDA GPU"),
     (("--model.attention_backend", "flash_varlen"), "model.attention_backend", "needs a CUDA GPU"),
     (("--data.dataloader.model_type", "ltx2"), "data.dataloader.model_type", "LTX-2 model family"),
 ])

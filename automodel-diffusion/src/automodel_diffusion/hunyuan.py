@@ -99,7 +99,8 @@ class HunyuanConditioning(Conditioning):
     def denoise(self, denoiser, sample, timesteps, cond):
         dtype = sample.dtype
         image_embeds = torch.zeros(sample.shape[0], *self.image_embed_shape, dtype=dtype, device=sample.device)
-        return denoiser(hidden_states=torch.cat([sample, cond["condition"].to(dtype)], dim=1), image_embeds=image_embeds,
+        hidden = torch.cat([sample, cond["condition"].to(dtype)], dim=1)
+        return denoiser(hidden_states=hidden, image_embeds=image_embeds,
                         timestep=timesteps.to(dtype), encoder_hidden_states=cond["encoder_hidden_states"].to(dtype),
                         encoder_attention_mask=cond["encoder_attention_mask"],
                         encoder_hidden_states_2=cond["encoder_hidden_states_2"].to(dtype),

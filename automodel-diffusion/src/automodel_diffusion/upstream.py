@@ -66,8 +66,8 @@ _REFUSED_MODEL_KEYS = {
     "fuse_qkv_projections": "fused QKV projections are not implemented for training here",
     "compact_fused_qkv_projections": "fused QKV projections are not implemented for training here",
     "optimize_hunyuan_flash_varlen_mask": ("it speeds up HunyuanVideo's masked attention under attention_backend "
-                                           "flash_varlen only, whose CUDA flash-attention varlen kernels " + GPU_ONLY
-                                           + "; with torch's attention (native) it would change nothing"),
+                                           "flash_varlen only (CUDA flash-attention varlen kernels), which "
+                                           + GPU_ONLY + "; with torch's attention (native) it would change nothing"),
 }
 _TE_DETAILS = ("transformer_engine_fp8_recipe", "transformer_engine_fp8_amax_history_len",
                "transformer_engine_fp8_amax_compute_algo")
@@ -413,8 +413,8 @@ def hunyuan_kwargs_issues(kwargs: dict) -> dict[str, str]:
 
 
 def family_issues(adapter: str, source: Any, key: str) -> list[ConfigIssue]:
-    """A family key (flux, flux2, qwen_image, wan, simple, hunyuan) on a local pipeline whose model_index.json names another
-    pipeline class."""
+    """A family key (flux, flux2, qwen_image, wan, simple, hunyuan) on a local pipeline whose model_index.json names
+    another pipeline class."""
     from automodel_diffusion.pipeline import read_model_index
 
     family, pipeline = ADAPTERS[adapter]
