@@ -114,6 +114,26 @@ def test_latents_are_the_vaes_times_its_scaling_factor_encoded_one_clip_at_a_tim
         model.encode_images(torch.zeros(1, 3, 6, 32, 32), None)
 
 
+def test_a_latent_cache_gives_the_pipeline_the_losses_of_its_own_encoding(base, clips):
+    """Cache entries made one clip and one caption at a time (as precompute diffusion makes them) give the pipeline
+    the losses of encoding the batch itself; the transformer alone cannot be loaded (diffusers' pipeline needs its
+    VAE to be built), which is refused with the reason."""
+    from automodel_diffusion import AutoDiffusionPipeline
+
+    model = family_model(base)
+    x, captions, cpu = videos(clips), ["a red square moving right", ""], torch.device("cpu")
+    conditioning = model.conditioning
+    with torch.no_grad():
+        cached = {"latent_parameters": model.encode_pixels(x).latent_dist.parameters,
+                  "conditions": [conditioning.split(conditioning.encode([c], cpu))[0] for c in captions],
+                  "empty_conditions": conditioning.split(conditioning.encode([""], cpu))[0]}
+        expected = model(x, captions, generator=torch.Generator().manual_seed(4))
+        got = model(None, captions, generator=torch.Generator().manual_seed(4), cached=cached)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6)
+    with pytest.raises(AutomodelError, match="HunyuanVideo15Pipeline cannot be built without its VAE"):
+        AutoDiffusionPipeline.load_transformer_only(str(base), "HunyuanVideo15Transformer3DModel")
+
+
 def test_i2v_prob_conditions_a_batch_on_its_first_latent_frame(base, clips):
     model = family_model(base)
     seen = transformer_calls(model.denoiser)

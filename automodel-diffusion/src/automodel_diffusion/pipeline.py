@@ -240,6 +240,10 @@ class AutoDiffusionPipeline(torch.nn.Module):
             if name not in parts or parts[name][0] != "diffusers":
                 raise AutomodelError(f"model: '{path}' has no diffusers '{name}' component; training on a latent "
                                      "cache loads the transformer, the scheduler and the VAE's config from it")
+        if index.get("_class_name") == "HunyuanVideo15Pipeline":
+            raise AutomodelError("model.pipeline_spec.load_full_pipeline: false is not available for HunyuanVideo 1.5: "
+                                 "diffusers' HunyuanVideo15Pipeline cannot be built without its VAE (it reads the "
+                                 "VAE's config when built); load the full pipeline (a latent cache trains it too)")
         if parts[subfolder][1] != transformer_cls:
             raise AutomodelError(f"model.pipeline_spec.transformer_cls: '{transformer_cls}', but the pipeline's "
                                  f"'{subfolder}' is a {parts[subfolder][1]}")
