@@ -322,6 +322,22 @@ def tiny_clips(directory: Path, frames: int = 5, size: int = 32) -> Path:
     return directory
 
 
+def clip_videos(clips: Path, n: int = 2) -> Any:
+    """The first ``n`` clips of ``tiny_clips`` as one (n, channels, frames, 32, 32) batch."""
+    import torch
+
+    from automodel_diffusion.datasets import VideoCaptionDataset
+
+    data = VideoCaptionDataset(str(clips), resolution=32)
+    return torch.stack([data[i]["pixel_values"] for i in range(n)])
+
+
+def clip_form_overrides(base: Path, clips: Path, ckpt: Path) -> tuple:
+    """A video family's upstream form pointed at a tiny pipeline, clip folder and checkpoint directory."""
+    return ("--model.pretrained_model_name_or_path", base, "--data.dataloader.cache_dir", clips,
+            "--checkpoint.checkpoint_dir", ckpt)
+
+
 # ---- shared by the model-family tests (test_flux.py, test_qwen_image.py) ------------------------------------------
 
 

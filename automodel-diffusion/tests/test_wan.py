@@ -28,6 +28,12 @@ from diffusion_testing import (
     train_inprocess,
     train_on_fixed_batch,
 )
+from diffusion_testing import (
+    clip_form_overrides as overrides,
+)
+from diffusion_testing import (
+    clip_videos as videos,
+)
 from PIL import Image
 
 from automodel.errors import AutomodelError, ConfigError
@@ -45,18 +51,6 @@ def base(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def clips(tmp_path_factory) -> Path:
     return tiny_clips(tmp_path_factory.mktemp("clips") / "clips")
-
-
-def videos(clips: Path, n: int = 2) -> torch.Tensor:
-    from automodel_diffusion.datasets import VideoCaptionDataset
-
-    data = VideoCaptionDataset(str(clips), resolution=32)
-    return torch.stack([data[i]["pixel_values"] for i in range(n)])
-
-
-def overrides(base: Path, clips: Path, ckpt: Path) -> tuple:
-    return ("--model.pretrained_model_name_or_path", base, "--data.dataloader.cache_dir", clips,
-            "--checkpoint.checkpoint_dir", ckpt)
 
 
 # ---- the clips -------------------------------------------------------------------------------------------------
