@@ -111,6 +111,9 @@ class PrecomputeRecipe(BaseRecipe):
             "num_frames": getattr(self.dataset, "num_frames", None),
             "vae_config": json.loads(json.dumps(dict(conditioning.vae_config))),
         })
+        # diffusers' HunyuanVideo15Pipeline cannot be built without its VAE: its cache trains the full pipeline
+        alone = manifest["pipeline_class"] != "HunyuanVideo15Pipeline"
         self.log(f"Latent cache of {manifest['count']} samples ({manifest['pipeline_class']}) in "
-                 f"{self.cfg.output.cache_dir}: train the transformer alone on it with data.dataloader.cache_dir: "
-                 f"{self.cfg.output.cache_dir} and model.pipeline_spec.load_full_pipeline: false")
+                 f"{self.cfg.output.cache_dir}: train the {'transformer alone' if alone else 'pipeline'} on it with "
+                 f"data.dataloader.cache_dir: {self.cfg.output.cache_dir}"
+                 + (" and model.pipeline_spec.load_full_pipeline: false" if alone else ""))
