@@ -248,7 +248,8 @@ def tiny_wan22(directory: Path) -> Path:
 
 
 # A tiny HunyuanVideo 1.5 text-to-video pipeline: AutoencoderKLHunyuanVideo15 with 8x spatial and 4x temporal
-# compression (32x32 clips of 5 frames -> 2 latent frames of 4x4, 4 channels), a one-block transformer over the noisy
+# compression (32x32 clips of 5 frames -> 2 latent frames of 4x4, 4 channels), a two-block transformer (more blocks
+# than its one-layer token refiner: the blocks are what FSDP2 and activation checkpointing wrap) over the noisy
 # latents, condition latents and mask (9 channels), a two-layer Qwen2.5-VL text model (the pipeline reads its
 # third-last hidden states) with the tiny Qwen tokenizer and a chat template in Qwen's form, a one-layer T5 glyph
 # encoder with ByT5's byte tokenizer (it needs no vocabulary file), and a classifier-free-guidance guider.
@@ -262,7 +263,7 @@ TINY_BYT5 = {"d_model": 16, "d_ff": 32, "d_kv": 8, "num_layers": 1, "num_heads":
 TINY_HUNYUAN_VAE = {"latent_channels": 4, "block_out_channels": [8, 8, 8, 8], "layers_per_block": 1,
                     "spatial_compression_ratio": 8, "temporal_compression_ratio": 4, "scaling_factor": 0.7}
 TINY_HUNYUAN_TRANSFORMER = {"in_channels": 9, "out_channels": 4, "num_attention_heads": 2, "attention_head_dim": 8,
-                            "num_layers": 1, "num_refiner_layers": 1, "text_embed_dim": 32, "text_embed_2_dim": 16,
+                            "num_layers": 2, "num_refiner_layers": 1, "text_embed_dim": 32, "text_embed_2_dim": 16,
                             "image_embed_dim": 16, "rope_axes_dim": [2, 2, 4], "target_size": 32}
 
 

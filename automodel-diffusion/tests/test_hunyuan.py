@@ -155,6 +155,7 @@ def test_finetune_form_trains_saves_a_pipeline_that_loads_samples_and_generates(
                              "--sample_generation.num_inference_steps", 2, "--sample_generation.guidance_scale", 3,
                              "--step_scheduler.val_every_steps", 3)
     assert recipe.model.conditioning.i2v_prob == 0.3 and recipe.model.conditioning.image_embed_shape == (729, 16)
+    assert recipe.model.components["transformer"].gradient_checkpointing  # fsdp.activation_checkpointing: true
     losses = losses_by_step(ckpt / "training.jsonl")  # logged every log_interval (10) steps and at the last
     assert list(losses) == [3] and torch.isfinite(torch.tensor(losses[3]))
     trained = {k.removeprefix("components.transformer."): v for k, v in recipe.model.state_dict().items()}
