@@ -318,6 +318,50 @@ def tiny_ltx2(directory: Path, seed: int = 0) -> Path:
     return directory
 
 
+# A tiny HunyuanVideo 1.5 text-to-video pipeline: AutoencoderKLHunyuanVideo15 with 8x spatial and 4x temporal
+# compression (32x32 clips of 5 frames -> 2 latent frames of 4x4, 4 channels), a two-block transformer (more blocks
+# than its one-layer token refiner: the blocks are what FSDP2 and activation checkpointing wrap) over the noisy
+# latents, condition latents and mask (9 channels), a two-layer Qwen2.5-VL text model (the pipeline reads its
+# third-last hidden states) with the tiny Qwen tokenizer and a chat template in Qwen's form, a one-layer T5 glyph
+# encoder with ByT5's byte tokenizer (it needs no vocabulary file), and a classifier-free-guidance guider.
+HUNYUAN_CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TINY_HUNYUAN_TEXT = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+                     "num_key_value_heads": 1, "max_position_embeddings": 2048,
+                     "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}
+TINY_BYT5 = {"d_model": 16, "d_ff": 32, "d_kv": 8, "num_layers": 1, "num_heads": 2, "relative_attention_num_buckets": 8,
+             "relative_attention_max_distance": 16}
+TINY_HUNYUAN_VAE = {"latent_channels": 4, "block_out_channels": [8, 8, 8, 8], "layers_per_block": 1,
+                    "spatial_compression_ratio": 8, "temporal_compression_ratio": 4, "scaling_factor": 0.7}
+TINY_HUNYUAN_TRANSFORMER = {"in_channels": 9, "out_channels": 4, "num_attention_heads": 2, "attention_head_dim": 8,
+                            "num_layers": 2, "num_refiner_layers": 1, "text_embed_dim": 32, "text_embed_2_dim": 16,
+                            "image_embed_dim": 16, "rope_axes_dim": [2, 2, 4], "target_size": 32}
+
+
+def tiny_hunyuan(directory: Path, seed: int = 0) -> Path:
+    """A tiny HunyuanVideo15Pipeline saved with weights in ``directory`` (the configs above), freshly initialised
+    with ``seed``."""
+    import diffusers
+    import torch
+    from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, T5Config, T5EncoderModel
+
+    torch.manual_seed(seed)
+    tokenizer = tiny_qwen_tokenizer()
+    tokenizer.chat_template = HUNYUAN_CHAT_TEMPLATE
+    text = Qwen2_5_VLTextConfig(**TINY_HUNYUAN_TEXT, vocab_size=len(tokenizer), bos_token_id=None,
+                                eos_token_id=tokenizer.eos_token_id)
+    glyph_tokenizer = ByT5Tokenizer()
+    pipeline = diffusers.HunyuanVideo15Pipeline(
+        text_encoder=Qwen2_5_VLTextModel(text), tokenizer=tokenizer,
+        transformer=diffusers.HunyuanVideo15Transformer3DModel(**TINY_HUNYUAN_TRANSFORMER),
+        vae=diffusers.AutoencoderKLHunyuanVideo15(**TINY_HUNYUAN_VAE),
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=5.0),
+        text_encoder_2=T5EncoderModel(T5Config(vocab_size=len(glyph_tokenizer), **TINY_BYT5)),
+        tokenizer_2=glyph_tokenizer, guider=diffusers.ClassifierFreeGuidance(guidance_scale=6.0))
+    pipeline.save_pretrained(str(directory))
+    return directory
+
+
 CLIP_CAPTIONS = ("a red square moving right", "a blue square moving down", "a green square moving left",
                  "a white square moving up")
 

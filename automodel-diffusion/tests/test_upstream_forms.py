@@ -178,8 +178,8 @@ def test_bsmntw_weights_are_a_bell_with_mean_one():
 
 
 @pytest.mark.parametrize("override,key,needle", [
-    (("--flow_matching.adapter_type", "hunyuan"), "flow_matching.adapter_type", "HunyuanVideo model family is not "
-                                                                                "implemented"),
+    (("--flow_matching.adapter_type", "cosmos"), "flow_matching.adapter_type", "cosmos model family is not "
+                                                                               "implemented"),
     (("--flow_matching.adapter_type", "flux2"), "flow_matching.adapter_type", "'flux2' (FLUX.2) needs a "
                                                                              "Flux2Pipeline"),
     (("--flow_matching.adapter_type", "simple"), "flow_matching.adapter_type", "'simple' (Wan 2.1) needs a "
@@ -190,7 +190,8 @@ def test_bsmntw_weights_are_a_bell_with_mean_one():
     (("--model.transformer_engine_fp8_recipe", "delayed"), "model.transformer_engine_fp8_recipe", "CUDA GPU"),
     (("--model.attention_backend", "flash"), "model.attention_backend", "needs a CUDA GPU"),
     (("--model.model_type", "wan"), "model.model_type", "'wan' (Wan 2.1) needs a WanPipeline"),
-    (("--model.model_type", "hunyuan"), "model.model_type", "HunyuanVideo model family is not implemented"),
+    (("--model.model_type", "hunyuan"), "model.model_type", "'hunyuan' (HunyuanVideo 1.5) needs a "
+                                                            "HunyuanVideo15Pipeline"),
     (("--model.stage", "high_noise"), "model.stage", "applies to a two-transformer WanPipeline"),
     (("--model.compute_dtype", "float8"), "model.compute_dtype", "not a dtype we train in"),
     (("--model.fuse_qkv_projections", "true"), "model.fuse_qkv_projections", "not implemented for training"),

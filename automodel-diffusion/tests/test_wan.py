@@ -241,10 +241,9 @@ def test_lora_form_trains_an_adapter_that_wanpipeline_loads(base, clips, tmp_pat
     (("--flow_matching.i2v_prob", "1.5"), "flow_matching.i2v_prob", "must be a probability (0 to 1), found 1.5"),
     (("--flow_matching.adapter_kwargs", "{scale: 1}"), "flow_matching.adapter_kwargs", "the simple adapter, which "
                                                                                        "takes none"),
-    (("--flow_matching.adapter_type", "hunyuan"), "flow_matching.adapter_type", "HunyuanVideo model family is not "
-                                                                                "implemented"),
-    (("--data.dataloader.model_type", "hunyuan"), "data.dataloader.model_type", "HunyuanVideo model family is not "
-                                                                                 "implemented"),
+    (("--flow_matching.adapter_type", "cosmos"), "flow_matching.adapter_type", "cosmos model family is not "
+                                                                               "implemented"),
+    (("--data.dataloader.model_type", "flux"), "data.dataloader.model_type", "only wan, ltx2 and hunyuan clips"),
     (("--data.dataloader.base_resolution", "[32, 64]"), "data.dataloader.base_resolution", "only square"),
     (("--data.dataloader.num_frames", "0"), "data.dataloader.num_frames", "expected a number of frames >= 1"),
     (("--data.dataloader.dynamic_batch_size", "true"), "data.dataloader.dynamic_batch_size", "not implemented"),

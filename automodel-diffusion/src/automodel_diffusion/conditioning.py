@@ -18,15 +18,17 @@ from automodel.errors import AutomodelError, ConfigError, ConfigIssue
 SUPPORTED = ("SD3Transformer2DModel (StableDiffusion3Pipeline), FluxTransformer2DModel (FluxPipeline, FLUX.1), "
              "Flux2Transformer2DModel (Flux2Pipeline, FLUX.2), QwenImageTransformer2DModel (QwenImagePipeline, "
              "Qwen-Image), WanTransformer3DModel (WanPipeline, Wan 2.1 text-to-video; Wan 2.2 A14B one expert per "
-             "run), LTX2VideoTransformer3DModel (LTX2Pipeline, LTX-2 / LTX-2.3 text-to-video with its audio stream) "
-             "and UNet2DConditionModel (StableDiffusionPipeline)")
+             "run), LTX2VideoTransformer3DModel (LTX2Pipeline, LTX-2 / LTX-2.3 text-to-video with its audio stream), "
+             "HunyuanVideo15Transformer3DModel (HunyuanVideo15Pipeline, HunyuanVideo 1.5 text-to-video) and "
+             "UNet2DConditionModel (StableDiffusionPipeline)")
 # the denoisers a Conditioning exists for
 DENOISER_CLASSES = ("SD3Transformer2DModel", "FluxTransformer2DModel", "Flux2Transformer2DModel",
                     "QwenImageTransformer2DModel", "WanTransformer3DModel", "LTX2VideoTransformer3DModel",
-                    "UNet2DConditionModel")
+                    "HunyuanVideo15Transformer3DModel", "UNet2DConditionModel")
 # the pipeline class each of these denoisers must come in (others share them: Qwen-Image-Edit, Wan image-to-video...)
 DENOISER_PIPELINES = {"QwenImageTransformer2DModel": "QwenImagePipeline", "WanTransformer3DModel": "WanPipeline",
-                      "Flux2Transformer2DModel": "Flux2Pipeline", "LTX2VideoTransformer3DModel": "LTX2Pipeline"}
+                      "Flux2Transformer2DModel": "Flux2Pipeline", "LTX2VideoTransformer3DModel": "LTX2Pipeline",
+                      "HunyuanVideo15Transformer3DModel": "HunyuanVideo15Pipeline"}
 DEFAULT_GUIDANCE = 3.5  # FluxPipeline's default guidance_scale: what a guidance-distilled FLUX.1 samples with
 
 
@@ -34,7 +36,8 @@ class Conditioning:
     """How a pipeline family encodes images and captions and calls its denoiser."""
 
     shared: tuple[str, ...] = ()  # encode()'s outputs that are the same for every caption (no batch dimension)
-    needs_vae_weights = False  # normalising latents reads VAE weights: never trained with the transformer alone
+    # why this family never trains with the transformer alone (its latent cache trains the full pipeline); "": it can
+    full_pipeline_only = ""
 
     def __init__(self, pipeline: Any, max_sequence_length: int | None = None, vae_config: Any = None):
         self.pipeline = pipeline
@@ -45,6 +48,10 @@ class Conditioning:
     def vae_input(self, pixels: torch.Tensor) -> torch.Tensor:
         """The images as the VAE's encoder takes them."""
         return pixels
+
+    def vae_encode(self, vae: Any, pixels: torch.Tensor) -> Any:
+        """The VAE's encoding of ``vae_input``'s batch (its ``latent_dist``, or ``latents``)."""
+        return vae.encode(pixels)
 
     def normalize(self, latents: torch.Tensor) -> torch.Tensor:
         """The VAE's latents as the denoiser sees them (the inverse of what the pipeline does before decoding)."""
@@ -77,6 +84,11 @@ class Conditioning:
     def pack(self, latents: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
         """The latents as the denoiser takes them (the objective noises these), and their position inputs."""
         return latents, {}
+
+    def clean_inputs(self, latents: torch.Tensor, generator: torch.Generator | None) -> dict[str, Any]:
+        """Denoiser inputs made from the packed clean latents (HunyuanVideo's condition latents); draws from
+        ``generator``."""
+        return {}
 
     def denoise(self, denoiser: torch.nn.Module, sample: torch.Tensor, timesteps: torch.Tensor,
                 cond: dict[str, Any]) -> torch.Tensor:
@@ -234,7 +246,7 @@ class Flux2Conditioning(GuidedConditioning):
     upstream's flux2 adapter feeds them."""
 
     family = "FLUX.2"
-    needs_vae_weights = True  # the batch-norm running statistics
+    full_pipeline_only = "its latents are normalised with VAE weights"  # the batch-norm running statistics
 
     def __init__(self, pipeline: Any, max_sequence_length: int | None = None, vae_config: Any = None):
         call = inspect.signature(type(pipeline).__call__).parameters
@@ -392,6 +404,10 @@ def conditioning_for(pipeline: Any, denoiser_name: str, max_sequence_length: int
 
         ltx2.check_pipeline(pipeline)
         return ltx2.LTX2Conditioning(pipeline, max_sequence_length, vae_config)
+    if kind == "HunyuanVideo15Transformer3DModel" and type(pipeline).__name__ == "HunyuanVideo15Pipeline":
+        from automodel_diffusion.hunyuan import HunyuanConditioning
+
+        return HunyuanConditioning(pipeline, max_sequence_length, vae_config)
     if kind == "UNet2DConditionModel" and getattr(denoiser.config, "addition_embed_type", None) is None \
             and hasattr(pipeline, "encode_prompt") and hasattr(pipeline, "text_encoder"):
         return UNetConditioning(pipeline, vae_config=vae_config)

@@ -53,7 +53,8 @@ class GenerateModelConfig:
         "pipeline's"))
     lora_weights: str | None = field(default=None, metadata=_help(
         "a LoRA adapter in diffusers' format (a LoRA training checkpoint, epoch_<E>_step_<S> or its model/ folder, "
-        "or a pytorch_lora_weights.safetensors): loaded with the pipeline's load_lora_weights"))
+        "or a pytorch_lora_weights.safetensors): loaded with the pipeline's load_lora_weights (a pipeline without "
+        "it, HunyuanVideo 1.5: its denoiser's load_lora_adapter)"))
     lora_scale: float = field(default=1.0, metadata=_help("the LoRA adapter's weight (with lora_weights)"))
     lora_adapter_name: str = field(default="default", metadata=_help("the adapter's name (with lora_weights)"))
     checkpoint_high_noise: str | None = field(default=None, metadata=_help(
@@ -319,22 +320,31 @@ class GenerateRecipe(BaseRecipe):
         """A LoRA adapter (diffusers' format, as diffusion LoRA training writes it) on the pipeline, weighted
         ``lora_scale``."""
         from automodel_diffusion.lora import LORA_WEIGHTS
+        from automodel_diffusion.pipeline import DENOISERS
 
         model = self.cfg.model
         if path.is_dir() and (path / "model" / LORA_WEIGHTS).is_file():
             path = path / "model"
-        if not hasattr(self.pipeline, "load_lora_weights"):
+        slot = next((n for n in DENOISERS if getattr(self.pipeline, n, None) is not None), None)
+        own = hasattr(self.pipeline, "load_lora_weights")
+        # a pipeline without LoRA loaders (HunyuanVideo 1.5): its denoiser loads the layers saved under its name
+        target = self.pipeline if own else getattr(self.pipeline, slot or "", None)
+        if not hasattr(target, "load_lora_weights" if own else "load_lora_adapter"):
             raise AutomodelError(f"model.lora_weights: {type(self.pipeline).__name__} does not load LoRA adapters")
         if not (path / LORA_WEIGHTS).is_file() and not path.is_file():
             raise AutomodelError(f"model.lora_weights: '{path}' holds no {LORA_WEIGHTS}; give a LoRA training "
                                  "checkpoint (epoch_<E>_step_<S> or its model/) or the adapter file")
         folder, name = (path.parent, path.name) if path.is_file() else (path, LORA_WEIGHTS)
         try:
-            self.pipeline.load_lora_weights(str(folder), weight_name=name, adapter_name=model.lora_adapter_name)
+            if own:
+                target.load_lora_weights(str(folder), weight_name=name, adapter_name=model.lora_adapter_name)
+            else:
+                target.load_lora_adapter(str(folder), weight_name=name, adapter_name=model.lora_adapter_name,
+                                         prefix=slot)
         except (ValueError, KeyError, RuntimeError) as err:
             raise AutomodelError(f"model.lora_weights: the adapter in '{path}' does not fit this "
                                  f"{type(self.pipeline).__name__}: {err}") from None
-        self.pipeline.set_adapters([model.lora_adapter_name], [model.lora_scale])
+        target.set_adapters([model.lora_adapter_name], [model.lora_scale])
         self.log(f"model.lora_weights: {model.lora_adapter_name} from {path} (scale {model.lora_scale:g})")
 
     def audio_rate(self) -> int | None:
@@ -345,10 +355,16 @@ class GenerateRecipe(BaseRecipe):
         return self.cfg.output.audio_sample_rate or int(vocoder.config.output_sampling_rate)
 
     def pipeline_arguments(self) -> dict[str, Any]:
-        """The pipeline call's arguments; one its __call__ does not take is an error naming the key."""
+        """The pipeline call's arguments; one its __call__ does not take is an error naming the key. A
+        guidance_scale for a pipeline guided by its ``guider`` component (HunyuanVideo 1.5) sets that guider's."""
+        from automodel_diffusion.sampling import takes_guidance_scale, use_guidance_scale
+
         inference = self.cfg.inference
         settings = {k: getattr(inference, k) for k in ("num_inference_steps", "guidance_scale", "height", "width")
                     if getattr(inference, k) is not None}
+        if "guidance_scale" in settings and not takes_guidance_scale(self.pipeline) \
+                and getattr(self.pipeline, "guider", None) is not None:
+            use_guidance_scale(self.pipeline, settings.pop("guidance_scale"))
         settings.update(inference.pipeline_kwargs)
         params = inspect.signature(type(self.pipeline).__call__).parameters
         unknown = [k for k in settings if k not in params]

@@ -7,7 +7,10 @@ The adapters go on the denoiser (transformer or UNet) with diffusers' ``add_adap
 
 A checkpoint's ``model/`` then holds only the adapter, as an LLM LoRA checkpoint does, in the file diffusers'
 ``<Pipeline>.save_lora_weights`` writes (``pytorch_lora_weights.safetensors``, peft's LoRA config in its
-metadata): ``<Pipeline>.from_pretrained(base).load_lora_weights(model_dir)`` loads it. The base is not rewritten.
+metadata): ``<Pipeline>.from_pretrained(base).load_lora_weights(model_dir)`` loads it. A pipeline without LoRA
+loaders (HunyuanVideo15Pipeline) gets the same file, which its denoiser loads:
+``pipeline.transformer.load_lora_adapter(model_dir, prefix="transformer", weight_name=LORA_WEIGHTS)``. The base is
+not rewritten.
 """
 
 from __future__ import annotations
@@ -102,9 +105,17 @@ def save_lora(model: torch.nn.Module, directory: Path, state_dict: dict[str, tor
     layers = {k: v.detach().contiguous() for k, v in
               get_peft_model_state_dict(denoiser, state_dict=own, adapter_name=ADAPTER).items()}
     metadata = denoiser.peft_config[ADAPTER].to_dict()
-    type(model.pipeline).save_lora_weights(str(directory), **{f"{name}_lora_layers": layers,
-                                                              f"{name}_lora_adapter_metadata": metadata},
-                                           safe_serialization=True)
+    pipeline_cls = type(model.pipeline)
+    if hasattr(pipeline_cls, "save_lora_weights"):
+        pipeline_cls.save_lora_weights(str(directory), **{f"{name}_lora_layers": layers,
+                                                          f"{name}_lora_adapter_metadata": metadata},
+                                       safe_serialization=True)
+        return
+    from diffusers.loaders.lora_base import LoraBaseMixin
+
+    # what save_lora_weights writes: the layers and the config, each under the denoiser's name
+    LoraBaseMixin._save_lora_weights(str(directory), lora_layers={name: layers}, lora_metadata={name: metadata},
+                                     safe_serialization=True)
 
 
 def load_lora(model: torch.nn.Module, directory: Path) -> None:

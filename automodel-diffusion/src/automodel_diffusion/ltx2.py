@@ -36,7 +36,7 @@ DEFAULT_AUDIO_LOSS_WEIGHT = 1.0  # upstream's ltx2 adapter's default
 class LTX2Conditioning(Conditioning):
     """LTX2Pipeline: see the module docstring."""
 
-    needs_vae_weights = True  # the VAEs' latents_mean / latents_std buffers
+    full_pipeline_only = "its latents are normalised with VAE weights"  # the VAEs' latents_mean / latents_std
 
     def __init__(self, pipeline: Any, max_sequence_length: int | None = None, vae_config: Any = None):
         call = inspect.signature(type(pipeline).__call__).parameters

@@ -241,6 +241,10 @@ class AutoDiffusionPipeline(torch.nn.Module):
             if name not in parts or parts[name][0] != "diffusers":
                 raise AutomodelError(f"model: '{path}' has no diffusers '{name}' component; training on a latent "
                                      "cache loads the transformer, the scheduler and the VAE's config from it")
+        if index.get("_class_name") == "HunyuanVideo15Pipeline":
+            raise AutomodelError("model.pipeline_spec.load_full_pipeline: false is not available for HunyuanVideo 1.5: "
+                                 "diffusers' HunyuanVideo15Pipeline cannot be built without its VAE (it reads the "
+                                 "VAE's config when built); load the full pipeline (a latent cache trains it too)")
         if parts[subfolder][1] != transformer_cls:
             raise AutomodelError(f"model.pipeline_spec.transformer_cls: '{transformer_cls}', but the pipeline's "
                                  f"'{subfolder}' is a {parts[subfolder][1]}")
@@ -301,7 +305,7 @@ class AutoDiffusionPipeline(torch.nn.Module):
         """The VAE's encoding of the images: its ``latent_dist`` (or ``latents``, for a deterministic VAE)."""
         vae = self.pipeline.vae
         with torch.set_grad_enabled(torch.is_grad_enabled() and "vae" in self.trainable_components):
-            return vae.encode(self.conditioning.vae_input(pixel_values.to(vae.dtype)))
+            return self.conditioning.vae_encode(vae, self.conditioning.vae_input(pixel_values.to(vae.dtype)))
 
     def encode_images(self, pixel_values: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
         if getattr(self.pipeline, "vae", None) is None:
@@ -349,6 +353,7 @@ class AutoDiffusionPipeline(torch.nn.Module):
             with torch.set_grad_enabled(torch.is_grad_enabled() and text_trains):
                 cond = self.conditioning.encode(captions, latents.device)
         latents, positions = self.conditioning.pack(latents)
+        positions.update(self.conditioning.clean_inputs(latents, generator))
         noisy, timesteps, target = self.objective.noise(latents, generator)
         cond = {**cond, **positions}
         cond.update(self.conditioning.noise_streams(cond, timesteps / self.objective.num_train_timesteps, generator))

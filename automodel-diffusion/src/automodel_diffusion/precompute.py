@@ -111,7 +111,8 @@ class PrecomputeRecipe(BaseRecipe):
             "num_frames": getattr(self.dataset, "num_frames", None),
             "vae_config": json.loads(json.dumps(dict(conditioning.vae_config))),
         })
-        how = ("with the full pipeline (its latents are normalised with VAE weights)" if conditioning.needs_vae_weights
+        why = conditioning.full_pipeline_only
+        how = (f"with the full pipeline ({why})" if why
                else "with the transformer alone (and model.pipeline_spec.load_full_pipeline: false)")
         self.log(f"Latent cache of {manifest['count']} samples ({manifest['pipeline_class']}) in "
                  f"{self.cfg.output.cache_dir}: train on it {how}, data.dataloader.cache_dir: "

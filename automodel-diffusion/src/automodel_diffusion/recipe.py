@@ -520,9 +520,11 @@ class DiffusionRecipe(TrainRecipe):
         if has_lora(model):
             source = model_source(self.cfg.model)
             base = f"'{source[0]}'" if source is not None else "<the base pipeline>"
+            load = f"load_lora_weights('{model_dir}')" if hasattr(model.pipeline, "load_lora_weights") else \
+                f"{model.denoiser_name}.load_lora_adapter('{model_dir}', prefix='{model.denoiser_name}', " \
+                f"weight_name='{LORA_WEIGHTS}')"
             self.log(f"Trained LoRA adapter of the {model.denoiser_name} in {model_dir} (diffusers' LoRA format): "
-                     f"diffusers.{type(model.pipeline).__name__}.from_pretrained({base}).load_lora_weights("
-                     f"'{model_dir}')")
+                     f"diffusers.{type(model.pipeline).__name__}.from_pretrained({base}).{load}")
             return
         if model.transformer_only:
             cls = model_class(unwrap(model.denoiser))

@@ -18,19 +18,44 @@ def call_kwargs(pipeline: Any, **candidates: Any) -> dict[str, Any]:
     return {k: v for k, v in candidates.items() if v is not None and k in params}
 
 
+def takes_guidance_scale(pipeline: Any) -> bool:
+    """Whether the pipeline's ``__call__`` takes ``guidance_scale`` (HunyuanVideo 1.5's guides through its
+    ``guider`` component instead)."""
+    return "guidance_scale" in inspect.signature(type(pipeline).__call__).parameters
+
+
+def use_guidance_scale(pipeline: Any, scale: float) -> Any:
+    """For a pipeline whose classifier-free guidance is its ``guider`` component: that guider at ``scale`` in its
+    place; returns the guider it replaced (to put back)."""
+    previous = pipeline.guider
+    pipeline.guider = previous.new(guidance_scale=scale)
+    return previous
+
+
 def sample_images(pipeline: Any, prompts: list[str], images_per_prompt: int, seed: int, steps: int,
                   guidance_scale: float, height: int | None, width: int | None, **kwargs: Any) -> list[Any]:
     """Row-major images (a video pipeline: videos, each a list of frames): row r, column c is prompt c with seed
-    ``seed + r * len(prompts) + c``.
+    ``seed + r * len(prompts) + c``. A video pipeline draws one video per call (a batch of videos is decoded at
+    once, which HunyuanVideo 1.5's VAE cannot); a pipeline guided by its ``guider`` samples with that guider at
+    ``guidance_scale``.
 
     Every draw comes from per-image CPU generators, so sampling never moves the training RNG.
     """
     batch = [p for _ in range(images_per_prompt) for p in prompts]
     generators = [torch.Generator().manual_seed(seed + i) for i in range(len(batch))]
     size = {k: v for k, v in (("height", height), ("width", width)) if v is not None}
-    output = pipeline(prompt=batch, num_inference_steps=steps, guidance_scale=guidance_scale, generator=generators,
-                      output_type="pil", **size, **kwargs)
-    return list(output.images) if hasattr(output, "images") else [list(video) for video in output.frames]
+    guided = takes_guidance_scale(pipeline) or getattr(pipeline, "guider", None) is None
+    settings = {"num_inference_steps": steps, "output_type": "pil", **size, **kwargs,
+                **({"guidance_scale": guidance_scale} if guided else {})}
+    if "num_frames" not in inspect.signature(type(pipeline).__call__).parameters:
+        return list(pipeline(prompt=batch, generator=generators, **settings).images)
+    previous = None if guided else use_guidance_scale(pipeline, guidance_scale)
+    try:
+        return [list(pipeline(prompt=[p], generator=[g], **settings).frames[0]) for p, g in zip(batch, generators,
+                                                                                                 strict=True)]
+    finally:
+        if previous is not None:
+            pipeline.guider = previous
 
 
 def image_grid(images: list[Any], rows: int, columns: int) -> Any:

@@ -11,9 +11,10 @@ Upstream's diffusion configs carry no ``_target_`` for the model and describe tr
   loss check.
 
 ``model_type`` / ``flow_matching.adapter_type`` ``flux`` (FLUX.1), ``flux2`` (FLUX.2), ``qwen_image`` (Qwen-Image),
-``wan`` / ``simple`` (Wan 2.1) and ``ltx2`` (LTX-2) say the pipeline is a FluxPipeline / Flux2Pipeline /
-QwenImagePipeline / WanPipeline / LTX2Pipeline, which is checked; ``adapter_kwargs`` set the guidance a FLUX.1 /
-FLUX.2 transformer is fed (Qwen-Image and Wan transformers take none) and LTX-2's frame rate and audio loss weight.
+``wan`` / ``simple`` (Wan 2.1), ``ltx2`` (LTX-2) and ``hunyuan`` (HunyuanVideo 1.5) say the pipeline is a
+FluxPipeline / Flux2Pipeline / QwenImagePipeline / WanPipeline / LTX2Pipeline / HunyuanVideo15Pipeline, which is
+checked; ``adapter_kwargs`` set the guidance a FLUX.1 / FLUX.2 transformer is fed (Qwen-Image and Wan transformers
+take none), LTX-2's frame rate and audio loss weight and HunyuanVideo's condition inputs.
 Keys that
 need what this recipe does not have (other model families, image-to-video, Transformer Engine, CUDA kernels) are
 refused at validation with the reason. Import-light: no torch at import.
@@ -33,18 +34,22 @@ from automodel_diffusion.objectives import ObjectiveConfig
 
 SUPPORTED = ("SD3-style (StableDiffusion3Pipeline), FLUX.1 (FluxPipeline), FLUX.2 (Flux2Pipeline), Qwen-Image "
              "(QwenImagePipeline), Wan 2.1 and 2.2 A14B text-to-video (WanPipeline), LTX-2 text-to-video with its "
-             "audio stream (LTX2Pipeline) and Stable Diffusion UNet (StableDiffusionPipeline) pipelines")
-FLUX, FLUX2, QWEN_IMAGE, WAN, SIMPLE, LTX2 = "flux", "flux2", "qwen_image", "wan", "simple", "ltx2"
+             "audio stream (LTX2Pipeline), HunyuanVideo 1.5 text-to-video (HunyuanVideo15Pipeline) and Stable "
+             "Diffusion UNet (StableDiffusionPipeline) pipelines")
+FLUX, FLUX2, QWEN_IMAGE, WAN, SIMPLE = "flux", "flux2", "qwen_image", "wan", "simple"
+LTX2, HUNYUAN = "ltx2", "hunyuan"
 # upstream's model_type / adapter_type values that act here -> (the family, the pipeline class it must be); upstream's
 # "simple" adapter is the one its Wan 2.1 configs name (a transformer fed the noisy latents, timestep and text)
 ADAPTERS = {FLUX: ("FLUX.1", "FluxPipeline"), FLUX2: ("FLUX.2", "Flux2Pipeline"),
             QWEN_IMAGE: ("Qwen-Image", "QwenImagePipeline"), WAN: ("Wan 2.1", "WanPipeline"),
-            SIMPLE: ("Wan 2.1", "WanPipeline"), LTX2: ("LTX-2", "LTX2Pipeline")}
+            SIMPLE: ("Wan 2.1", "WanPipeline"), LTX2: ("LTX-2", "LTX2Pipeline"),
+            HUNYUAN: ("HunyuanVideo 1.5", "HunyuanVideo15Pipeline")}
 ADAPTER_KWARGS = ("guidance_scale", "use_guidance_embeds")  # upstream's flux, flux2 and qwen_image adapter settings
 LTX2_KWARGS = ("audio_loss_weight", "fps")  # upstream's ltx2 adapter settings
-VIDEO_FAMILIES = (WAN, LTX2)  # upstream's video loader's model_type values that act here
+HUNYUAN_KWARGS = ("use_condition_latents", "default_image_embed_shape")  # upstream's hunyuan adapter settings
+VIDEO_FAMILIES = (WAN, LTX2, HUNYUAN)  # upstream's video loader's model_type values that act here
 UPSTREAM_FLUX2_GUIDANCE = 3.5  # upstream's flux2 adapter's default guidance_scale (Flux2Pipeline samples with 4)
-FAMILIES = {"hunyuan": "HunyuanVideo", "qwen_image_edit": "Qwen-Image-Edit"}
+FAMILIES = {"qwen_image_edit": "Qwen-Image-Edit"}
 CPU_ATTENTION = ("native", "_native_math")  # torch's scaled_dot_product_attention: what runs without CUDA kernels
 GPU_ONLY = "needs a CUDA GPU, which this machine lacks"
 
@@ -66,7 +71,9 @@ _REFUSED_MODEL_KEYS = {
     "transformer_engine_linear": "Transformer Engine linear layers " + GPU_ONLY + " (and NVIDIA Transformer Engine)",
     "fuse_qkv_projections": "fused QKV projections are not implemented for training here",
     "compact_fused_qkv_projections": "fused QKV projections are not implemented for training here",
-    "optimize_hunyuan_flash_varlen_mask": family_refusal("hunyuan"),
+    "optimize_hunyuan_flash_varlen_mask": ("it speeds up HunyuanVideo's masked attention under attention_backend "
+                                           "flash_varlen only (CUDA flash-attention varlen kernels), which "
+                                           + GPU_ONLY + "; with torch's attention (native) it would change nothing"),
 }
 _TE_DETAILS = ("transformer_engine_fp8_recipe", "transformer_engine_fp8_amax_history_len",
                "transformer_engine_fp8_amax_compute_algo")
@@ -303,7 +310,8 @@ class FlowMatchingSection:
     adapter_type: str | None = field(default=None, metadata=_help(
         "upstream's model-family adapter: flux (the pipeline must be a FluxPipeline, FLUX.1), flux2 (a "
         "Flux2Pipeline, FLUX.2), qwen_image (a QwenImagePipeline, Qwen-Image), simple (a WanPipeline, Wan 2.1 "
-        "text-to-video) or ltx2 (an LTX2Pipeline, LTX-2: video and audio streams); null: the pipeline's own "
+        "text-to-video), ltx2 (an LTX2Pipeline, LTX-2: video and audio streams) or hunyuan (a "
+        "HunyuanVideo15Pipeline, HunyuanVideo 1.5); null: the pipeline's own "
         "conditioning decides; the other upstream values name families not implemented here"))
     adapter_kwargs: dict = field(default_factory=dict, metadata=_help(
         "with adapter_type flux / flux2: guidance_scale (the guidance value a guidance-distilled FLUX.1 / FLUX.2 "
@@ -312,8 +320,10 @@ class FlowMatchingSection:
         "use_guidance_embeds false, and a "
         "guidance_scale other than 1 governs nothing, as upstream (named in a note line: its transformer takes no "
         "guidance value); with ltx2: audio_loss_weight (the audio stream's loss is added with this weight; default "
-        "1) and fps (the clips' frame rate: the video positions and the silent audio's duration; default 24); else "
-        "(simple included) only {}"))
+        "1) and fps (the clips' frame rate: the video positions and the silent audio's duration; default 24); with "
+        "hunyuan: use_condition_latents true (the condition latents and mask channel the pipeline feeds) and "
+        "default_image_embed_shape [tokens, width] (the zero image embeddings fed; width: the transformer's "
+        "image_embed_dim); else (simple included) only {}"))
     timestep_sampling: Literal["uniform", "logit_normal", "lognorm", "mix", "mode", "beta"] = field(
         default="logit_normal", metadata=_help("how sigmas are drawn (see objective.timestep_sampling)"))
     logit_mean: float = field(default=0.0, metadata=_help("logit_normal: mean"))
@@ -330,9 +340,10 @@ class FlowMatchingSection:
     sigma_max: float = field(default=1.0, metadata=_help("sigmas clamped to at most this"))
     num_train_timesteps: int = field(default=1000, metadata=_help("the denoiser's timestep is sigma * this"))
     i2v_prob: float = field(default=0.0, metadata=_help(
-        "upstream's image-to-video draw (a probability): only its HunyuanVideo adapter reads it, so here, as with "
-        "upstream's simple / Wan adapter and on images, every batch trains text-to-image / -video; a value above 0 "
-        "is named in a note line"))
+        "upstream's image-to-video draw (a probability): on a HunyuanVideo 1.5 pipeline a micro-batch of clips is "
+        "conditioned on its first latent frame with this probability, as upstream's hunyuan adapter does; other "
+        "pipelines train text-conditioned only, as upstream's other adapters (a value above 0 is named in a note "
+        "line)"))
     cfg_dropout_prob: float = field(default=0.1, metadata=_help(
         "probability of training a sample without its caption (here: on the empty caption, the unconditional "
         "input the pipeline's classifier-free guidance uses)"))
@@ -352,6 +363,8 @@ class FlowMatchingSection:
             bad.update(adapter_kwargs_issues(self.adapter_type, self.adapter_kwargs))
         elif self.adapter_type == LTX2:
             bad.update(ltx2_kwargs_issues(self.adapter_kwargs))
+        elif self.adapter_type == HUNYUAN:
+            bad.update(hunyuan_kwargs_issues(self.adapter_kwargs))
         elif self.adapter_kwargs:
             bad["adapter_kwargs"] = ("upstream's adapter settings do not apply here (no adapter, or the simple "
                                      "adapter, which takes none); remove them")
@@ -406,9 +419,25 @@ def ltx2_kwargs_issues(kwargs: dict) -> dict[str, str]:
     return bad
 
 
+def hunyuan_kwargs_issues(kwargs: dict) -> dict[str, str]:
+    """Key -> why, for hunyuan adapter_kwargs that cannot act (the image embeddings' width is checked at build)."""
+    bad = {f"adapter_kwargs.{k}": f"not a setting of the hunyuan adapter here (it takes {', '.join(HUNYUAN_KWARGS)})"
+           for k in kwargs if k not in HUNYUAN_KWARGS}
+    if kwargs.get("use_condition_latents") is not None and kwargs["use_condition_latents"] is not True:
+        bad["adapter_kwargs.use_condition_latents"] = (
+            f"{kwargs['use_condition_latents']!r}: only true: HunyuanVideo15Pipeline feeds its transformer the noisy "
+            "latents with condition latents and their mask channel (its in_channels), so it trains with them; set "
+            "true or remove it")
+    shape = kwargs.get("default_image_embed_shape")
+    if shape is not None and not (isinstance(shape, (list, tuple)) and len(shape) == 2 and all(
+            isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in shape)):
+        bad["adapter_kwargs.default_image_embed_shape"] = f"expected [tokens, width] (two numbers > 0), found {shape!r}"
+    return bad
+
+
 def family_issues(adapter: str, source: Any, key: str) -> list[ConfigIssue]:
-    """A family key (flux, flux2, qwen_image, wan, simple) on a local pipeline whose model_index.json names another
-    pipeline class."""
+    """A family key (flux, flux2, qwen_image, wan, simple, ltx2, hunyuan) on a local pipeline whose model_index.json
+    names another pipeline class."""
     from automodel_diffusion.pipeline import read_model_index
 
     family, pipeline = ADAPTERS[adapter]
@@ -420,20 +449,22 @@ def family_issues(adapter: str, source: Any, key: str) -> list[ConfigIssue]:
 
 
 def apply_adapter(cfg: Config, model: Any) -> str | None:
-    """At build: the flux / flux2 / qwen_image / wan / simple / ltx2 family keys (and the video loader's
+    """At build: the flux / flux2 / qwen_image / wan / simple / ltx2 / hunyuan family keys (and the video loader's
     model_type) need the built pipeline to be of that family; flux's and flux2's adapter_kwargs set its guidance,
-    ltx2's its frame rate and audio loss weight (the returned note, if any, is for the run's log)."""
+    ltx2's its frame rate and audio loss weight, hunyuan's and i2v_prob its condition inputs (the returned note, if
+    any, is for the run's log)."""
     from automodel_diffusion.conditioning import (
         Flux2Conditioning,
         FluxConditioning,
         QwenImageConditioning,
         WanConditioning,
     )
+    from automodel_diffusion.hunyuan import HunyuanConditioning
     from automodel_diffusion.ltx2 import LTX2Conditioning
 
     settings = given(cfg, "flow_matching")
     built = {FLUX: FluxConditioning, FLUX2: Flux2Conditioning, QWEN_IMAGE: QwenImageConditioning, WAN: WanConditioning,
-             SIMPLE: WanConditioning, LTX2: LTX2Conditioning}
+             SIMPLE: WanConditioning, LTX2: LTX2Conditioning, HUNYUAN: HunyuanConditioning}
     issues = [ConfigIssue(key, f"'{value}' ({ADAPTERS[value][0]}), but the pipeline is a "
                                f"{type(model.pipeline).__name__}; remove it or load a {ADAPTERS[value][1]}")
               for key, value in (("model.model_type", _model_type(cfg)),
@@ -444,6 +475,8 @@ def apply_adapter(cfg: Config, model: Any) -> str | None:
         raise ConfigError(issues)
     if settings is not None and settings.adapter_type == LTX2:
         model.conditioning.set_streams(**settings.adapter_kwargs)
+    if isinstance(model.conditioning, HunyuanConditioning):
+        return _apply_hunyuan(settings, model.conditioning)
     if settings is not None and settings.adapter_type in (FLUX, FLUX2):
         kwargs = settings.adapter_kwargs
         default = UPSTREAM_FLUX2_GUIDANCE if settings.adapter_type == FLUX2 else None
@@ -458,6 +491,17 @@ def apply_adapter(cfg: Config, model: Any) -> str | None:
         return (f"note: flow_matching.i2v_prob: {settings.i2v_prob} governs nothing in this run: upstream's draw of "
                 "image-to-video batches is read only by its HunyuanVideo adapter (its simple / Wan adapter, and every "
                 f"image batch, train text-conditioned as this {type(model.pipeline).__name__} does)")
+    return None
+
+
+def _apply_hunyuan(settings: FlowMatchingSection | None, conditioning: Any) -> None:
+    """Upstream's hunyuan adapter settings and i2v_prob on a HunyuanVideo 1.5 pipeline's conditioning."""
+    if settings is None:
+        return None
+    shape = settings.adapter_kwargs.get("default_image_embed_shape")
+    if shape is not None:
+        conditioning.set_image_embed_shape(shape)
+    conditioning.i2v_prob = settings.i2v_prob
     return None
 
 
@@ -544,8 +588,9 @@ def text_to_video_data(cache_dir: str, model_type: str = WAN, base_resolution: l
     ``.txt`` captions or a ``metadata.jsonl``) encoded through the pipeline's VAE and text encoder on the fly;
     upstream's cache of precomputed latents (pickles) is never loaded. Every frame is resized and centre-cropped to
     the square ``base_resolution``; ``num_frames`` (ours: upstream's cache fixes the frames when it is made) takes
-    the first frames of each clip (null: every frame; the clips must then be equally long). ``model_type``,
-    ``wan`` or ``ltx2`` (HunyuanVideo is not implemented), is the family the pipeline must be (checked at build)."""
+    the first frames of each clip (null: every frame; the clips must then be equally long). ``model_type``:
+    ``wan``, ``ltx2`` or ``hunyuan`` (the clips are read alike), is the family the pipeline must be (checked at
+    build)."""
     from automodel_diffusion.datasets import VideoCaptionDataset
 
     problems = text_to_video_issues(locals())
@@ -563,7 +608,8 @@ def text_to_video_issues(settings: dict[str, Any]) -> dict[str, str]:
     bad = {k: v for k, v in text_to_image_issues(settings).items() if k != "cache_dir"}
     model_type = settings.get("model_type", WAN)
     if model_type not in VIDEO_FAMILIES:
-        bad["model_type"] = (f"'{model_type}': {family_refusal(model_type)}; only wan and ltx2 clips are read here")
+        bad["model_type"] = (f"'{model_type}': {family_refusal(model_type)}; only wan, ltx2 and hunyuan clips are "
+                             "read here")
     frames = settings.get("num_frames")
     if frames is not None and (isinstance(frames, bool) or not isinstance(frames, int) or frames < 1):
         bad["num_frames"] = f"expected a number of frames >= 1, found {frames!r}"
