@@ -10,12 +10,12 @@ Upstream's diffusion configs carry no ``_target_`` for the model and describe tr
   and captions, encoded on the fly (:func:`text_to_image_data`, :func:`text_to_video_data`); ``performance:`` -> the
   loss check.
 
-``model_type`` / ``flow_matching.adapter_type`` ``flux`` (FLUX.1), ``flux2`` (FLUX.2), ``qwen_image`` (Qwen-Image)
-and ``wan`` / ``simple`` (Wan 2.1) say the pipeline is a FluxPipeline / Flux2Pipeline / QwenImagePipeline /
-WanPipeline, which is checked; ``adapter_kwargs`` set the guidance a FLUX.1 / FLUX.2 transformer is fed (Qwen-Image
-and Wan transformers take none). Keys that
-need what this recipe does not have (other model families, image-to-video, Transformer Engine, CUDA kernels) are
-refused at validation with the reason. Import-light: no torch at import.
+``model_type`` / ``flow_matching.adapter_type`` ``flux`` (FLUX.1), ``flux2`` (FLUX.2), ``qwen_image`` (Qwen-Image),
+``qwen_image_edit`` (Qwen-Image-Edit) and ``wan`` / ``simple`` (Wan 2.1) say the pipeline is a FluxPipeline /
+Flux2Pipeline / QwenImagePipeline / QwenImageEditPlusPipeline / WanPipeline, which is checked; ``adapter_kwargs``
+set the guidance a FLUX.1 / FLUX.2 transformer is fed (Qwen-Image and Wan transformers take none). Keys that need
+what this recipe does not have (other model families, image-to-video, Transformer Engine, CUDA kernels) are refused
+at validation with the reason. Import-light: no torch at import.
 """
 
 from __future__ import annotations
@@ -31,17 +31,20 @@ from automodel_diffusion import latents
 from automodel_diffusion.objectives import ObjectiveConfig
 
 SUPPORTED = ("SD3-style (StableDiffusion3Pipeline), FLUX.1 (FluxPipeline), FLUX.2 (Flux2Pipeline), Qwen-Image "
-             "(QwenImagePipeline), Wan 2.1 and 2.2 A14B text-to-video (WanPipeline) and Stable Diffusion UNet "
-             "(StableDiffusionPipeline) pipelines")
+             "(QwenImagePipeline), Qwen-Image-Edit (QwenImageEditPlusPipeline), Wan 2.1 and 2.2 A14B text-to-video "
+             "(WanPipeline) and Stable Diffusion UNet (StableDiffusionPipeline) pipelines")
 FLUX, FLUX2, QWEN_IMAGE, WAN, SIMPLE = "flux", "flux2", "qwen_image", "wan", "simple"
+QWEN_IMAGE_EDIT = "qwen_image_edit"
 # upstream's model_type / adapter_type values that act here -> (the family, the pipeline class it must be); upstream's
 # "simple" adapter is the one its Wan 2.1 configs name (a transformer fed the noisy latents, timestep and text)
 ADAPTERS = {FLUX: ("FLUX.1", "FluxPipeline"), FLUX2: ("FLUX.2", "Flux2Pipeline"),
-            QWEN_IMAGE: ("Qwen-Image", "QwenImagePipeline"), WAN: ("Wan 2.1", "WanPipeline"),
+            QWEN_IMAGE: ("Qwen-Image", "QwenImagePipeline"), QWEN_IMAGE_EDIT: ("Qwen-Image-Edit",
+                                                                                 "QwenImageEditPlusPipeline"),
+            WAN: ("Wan 2.1", "WanPipeline"),
             SIMPLE: ("Wan 2.1", "WanPipeline")}
 ADAPTER_KWARGS = ("guidance_scale", "use_guidance_embeds")  # upstream's flux, flux2 and qwen_image adapter settings
 UPSTREAM_FLUX2_GUIDANCE = 3.5  # upstream's flux2 adapter's default guidance_scale (Flux2Pipeline samples with 4)
-FAMILIES = {"hunyuan": "HunyuanVideo", "ltx2": "LTX-2", "qwen_image_edit": "Qwen-Image-Edit"}
+FAMILIES = {"hunyuan": "HunyuanVideo", "ltx2": "LTX-2"}
 CPU_ATTENTION = ("native", "_native_math")  # torch's scaled_dot_product_attention: what runs without CUDA kernels
 GPU_ONLY = "needs a CUDA GPU, which this machine lacks"
 
@@ -299,7 +302,8 @@ class FlowMatchingSection:
 
     adapter_type: str | None = field(default=None, metadata=_help(
         "upstream's model-family adapter: flux (the pipeline must be a FluxPipeline, FLUX.1), flux2 (a "
-        "Flux2Pipeline, FLUX.2), qwen_image (a QwenImagePipeline, Qwen-Image) or simple (a WanPipeline, Wan 2.1 "
+        "Flux2Pipeline, FLUX.2), qwen_image (a QwenImagePipeline, Qwen-Image), qwen_image_edit (a "
+        "QwenImageEditPlusPipeline, Qwen-Image-Edit: trains on image edits) or simple (a WanPipeline, Wan 2.1 "
         "text-to-video); null: the pipeline's own conditioning decides; the other upstream values name families not "
         "implemented here"))
     adapter_kwargs: dict = field(default_factory=dict, metadata=_help(
@@ -409,15 +413,16 @@ def apply_adapter(cfg: Config, model: Any) -> str | None:
         QwenImageConditioning,
         WanConditioning,
     )
+    from automodel_diffusion.edit import QwenImageEditConditioning
 
     settings = given(cfg, "flow_matching")
     built = {FLUX: FluxConditioning, FLUX2: Flux2Conditioning, QWEN_IMAGE: QwenImageConditioning, WAN: WanConditioning,
-             SIMPLE: WanConditioning}
+             SIMPLE: WanConditioning, QWEN_IMAGE_EDIT: QwenImageEditConditioning}
     issues = [ConfigIssue(key, f"'{value}' ({ADAPTERS[value][0]}), but the pipeline is a "
                                f"{type(model.pipeline).__name__}; remove it or load a {ADAPTERS[value][1]}")
               for key, value in (("model.model_type", _model_type(cfg)),
                                  ("flow_matching.adapter_type", settings and settings.adapter_type))
-              if value in ADAPTERS and not isinstance(model.conditioning, built[value])]
+              if value in ADAPTERS and type(model.conditioning) is not built[value]]
     if issues:
         raise ConfigError(issues)
     if settings is not None and settings.adapter_type in (FLUX, FLUX2):
@@ -426,7 +431,7 @@ def apply_adapter(cfg: Config, model: Any) -> str | None:
         return model.conditioning.set_guidance(kwargs.get("use_guidance_embeds"), kwargs.get("guidance_scale"),
                                                "flow_matching.adapter_kwargs.guidance_scale", default)
     scale = settings.adapter_kwargs.get("guidance_scale") if settings is not None else None
-    if isinstance(model.conditioning, QwenImageConditioning) and scale not in (None, 1):
+    if type(model.conditioning) is QwenImageConditioning and scale not in (None, 1):
         return (f"note: flow_matching.adapter_kwargs.guidance_scale: {scale} governs nothing in this run: upstream's "
                 "qwen_image adapter feeds it only with use_guidance_embeds true, and diffusers' Qwen-Image "
                 "transformer takes no guidance value")
@@ -465,6 +470,7 @@ class PerformanceSection:
 
 LOADER_KEYS = ("num_workers", "shuffle", "drop_last", "pin_memory", "prefetch_factor")
 VIDEO_LOADERS = ("build_video_multiresolution_dataloader", "text_to_video_data")  # upstream's name, ours
+EDIT_LOADERS = ("ImageEditDataloaderConfig", "image_edit_data")
 
 
 @dataclass
@@ -526,6 +532,45 @@ def text_to_video_data(cache_dir: str, model_type: str = WAN, base_resolution: l
         return ImageData(latents.LatentCacheDataset(cache_dir), loader)
     resolution = (base_resolution or [512, 512])[0]
     return ImageData(VideoCaptionDataset(cache_dir, resolution=resolution, num_frames=num_frames), loader)
+
+
+def image_edit_data(cache_dir: str, base_resolution: list[int] | None = None, quantization: int | None = None,
+                    dynamic_batch_size: bool = False, seed: int | None = None, num_workers: int = 2,
+                    shuffle: bool = True, drop_last: bool = True, pin_memory: bool = False,
+                    prefetch_factor: int | None = None) -> ImageData:
+    """Upstream's ``ImageEditDataloaderConfig`` over ``cache_dir``, which here is a folder holding upstream's
+    image-edit manifest (``hf_image_edit_manifest.jsonl``, what its preprocessing reads: source images, target image
+    and instruction per row; ``automodel_diffusion.edit``), encoded through the QwenImageEditPlusPipeline's VAE and
+    text encoder on the fly; upstream's cache of precomputed latents (pickles) is never loaded. The target image is
+    resized and centre-cropped to the square ``base_resolution``; the sources are resized as the pipeline resizes
+    them. The loader keys are the data loader's, which shuffles with the run's seed (``seed`` may only repeat it)."""
+    from automodel_diffusion.edit import ImageEditDataset
+
+    problems = image_edit_issues(locals())
+    if problems:
+        raise AutomodelError("; ".join(f"data.dataloader.{k}: {v}" for k, v in problems.items()))
+    loader = loader_settings(num_workers, shuffle, drop_last, pin_memory, prefetch_factor)
+    return ImageData(ImageEditDataset(cache_dir, resolution=(base_resolution or [512, 512])[0]), loader)
+
+
+def image_edit_issues(settings: dict[str, Any]) -> dict[str, str]:
+    """Key -> why, for upstream image-edit loader settings that cannot act here."""
+    bad = {k: v for k, v in text_to_image_issues({**settings, "cache_dir": None}).items()}
+    if settings.get("quantization") is not None:
+        bad["quantization"] = ("upstream's image-edit loader reads it only to size dynamic batches, which that loader "
+                               "refuses (its image sizes are fixed by its preprocessing), so it acts nowhere; here the "
+                               "target is resized to base_resolution and each source as the pipeline resizes it: "
+                               "remove it")
+    cache = settings.get("cache_dir")
+    if isinstance(cache, str) and Path(cache).is_dir() and latents.is_pickle_cache(cache):
+        bad["cache_dir"] = (f"'{cache}' is upstream's image-edit cache (torch.save files): it is never loaded here, "
+                            "because loading it unpickles; point cache_dir at the folder of upstream's image-edit "
+                            "manifest (hf_image_edit_manifest.jsonl and its images)")
+    elif isinstance(cache, str) and Path(cache).is_dir() and not (Path(cache) / "hf_image_edit_manifest.jsonl"
+                                                                   ).is_file():
+        bad["cache_dir"] = (f"'{cache}' holds no hf_image_edit_manifest.jsonl (upstream's image-edit manifest: rows "
+                            "{id, prompt, media: [{role: target | context | condition, file_name}], metadata})")
+    return bad
 
 
 def text_to_video_issues(settings: dict[str, Any]) -> dict[str, str]:
@@ -671,8 +716,9 @@ def _data_issues(data: Any, seed: int) -> list[ConfigIssue]:
         return [ConfigIssue("data", "expected {dataloader: {_target_: <upstream data loader builder>, ...}}")]
     loader = data["dataloader"]
     settings = {k: v for k, v in loader.to_dict().items() if k != "_target_"}
-    video = str(loader.target).rsplit(".", 1)[-1] in VIDEO_LOADERS
-    check = text_to_video_issues if video else text_to_image_issues
+    name = str(loader.target).rsplit(".", 1)[-1]
+    check = (text_to_video_issues if name in VIDEO_LOADERS else image_edit_issues if name in EDIT_LOADERS
+             else text_to_image_issues)
     issues = [ConfigIssue(f"data.dataloader.{k}", v) for k, v in check(settings).items()]
     if settings.get("seed") is not None and settings["seed"] != seed:
         issues.append(ConfigIssue("data.dataloader.seed", f"{settings['seed']}: the loader shuffles with the run's "
