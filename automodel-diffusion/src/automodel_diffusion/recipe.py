@@ -191,11 +191,13 @@ class DiffusionRecipe(TrainRecipe):
                        default_target="automodel.hf.PeftConfig"),
         "dataset": Target("the training images and captions: {_target_: automodel_diffusion.datasets."
                           "ImageCaptionDataset, path: ..., resolution: ...} (clips: VideoCaptionDataset, num_frames; "
-                          "or upstream's data.dataloader)"),
+                          "image edits: automodel_diffusion.edit.ImageEditDataset; or upstream's data.dataloader)"),
         "data": Free("upstream's {dataloader: {_target_: ...build_text_to_image_multiresolution_dataloader, "
                      "cache_dir, base_resolution, ...}}: cache_dir is a folder of images and captions here "
                      "(automodel_diffusion.upstream.text_to_image_data); ...build_video_multiresolution_dataloader: "
-                     "a folder of clips and captions (automodel_diffusion.upstream.text_to_video_data)"),
+                     "a folder of clips and captions (automodel_diffusion.upstream.text_to_video_data); "
+                     "...image_edit_dataset.ImageEditDataloaderConfig: a folder holding upstream's image-edit "
+                     "manifest (automodel_diffusion.upstream.image_edit_data)"),
     }
 
     # ---- validation --------------------------------------------------------------------------------------------

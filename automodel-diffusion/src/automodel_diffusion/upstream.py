@@ -312,7 +312,7 @@ class FlowMatchingSection:
         "false on a transformer with them still feeds guidance_scale, as upstream does); with qwen_image: "
         "use_guidance_embeds false, and a "
         "guidance_scale other than 1 governs nothing, as upstream (named in a note line: its transformer takes no "
-        "guidance value); else (simple included) only {}"))
+        "guidance value); else (simple and qwen_image_edit included) only {}"))
     timestep_sampling: Literal["uniform", "logit_normal", "lognorm", "mix", "mode", "beta"] = field(
         default="logit_normal", metadata=_help("how sigmas are drawn (see objective.timestep_sampling)"))
     logit_mean: float = field(default=0.0, metadata=_help("logit_normal: mean"))
@@ -350,8 +350,8 @@ class FlowMatchingSection:
         if self.adapter_type in (FLUX, FLUX2, QWEN_IMAGE):
             bad.update(adapter_kwargs_issues(self.adapter_type, self.adapter_kwargs))
         elif self.adapter_kwargs:
-            bad["adapter_kwargs"] = ("upstream's adapter settings do not apply here (no adapter, or the simple "
-                                     "adapter, which takes none); remove them")
+            bad["adapter_kwargs"] = ("upstream's adapter settings do not apply here (no adapter, or the simple / "
+                                     "qwen_image_edit adapter, which take none); remove them")
         if not 0 <= self.i2v_prob <= 1:
             bad["i2v_prob"] = f"must be a probability (0 to 1), found {self.i2v_prob}"
         for name in ("log_interval", "summary_log_interval"):
