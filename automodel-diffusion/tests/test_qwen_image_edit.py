@@ -154,7 +154,9 @@ def test_upstream_form_trains_saves_a_pipeline_diffusers_loads_and_generate_edit
     assert code == 0
     written = sorted((tmp_path / "out").iterdir())
     assert len(written) == 2 and numpy.asarray(Image.open(written[0])).shape == (32, 32, 3)
-    assert "(from " in capfd.readouterr().err
+    err = capfd.readouterr().err
+    assert "(from " in err
+    assert "note: data.dataloader.quantization: 64 governs nothing in this run, as in upstream's" in err
 
 
 def test_the_manifest_is_read_as_upstreams_preprocessing_reads_it(tmp_path):
@@ -182,8 +184,8 @@ def test_what_cannot_act_is_refused(base, qwen, tmp_path):
     data = manifest_folder(tmp_path / "edits")
     form = ("--model.pretrained_model_name_or_path", str(base), "--data.dataloader.cache_dir", str(data))
     load_config(FINETUNE, *form)  # validates
-    found = refusals(FINETUNE, *form, "--data.dataloader.quantization", "64")
-    assert "reads it only to size dynamic batches, which that loader refuses" in found["data.dataloader.quantization"]
+    found = refusals(FINETUNE, *form, "--data.dataloader.quantization", "0")
+    assert "expected a positive number of pixels, found 0" in found["data.dataloader.quantization"]
     found = refusals(FINETUNE, *form, "--data.dataloader.base_resolution", "[32, 64]")
     assert "only square resolutions" in found["data.dataloader.base_resolution"]
     (tmp_path / "pickles").mkdir()

@@ -260,6 +260,8 @@ class DiffusionRecipe(TrainRecipe):
         else:
             data = ctx.cfg.data["dataloader"].instantiate()
             self.upstream_loader = data.loader
+            for note in data.notes:
+                self.log(note)
             dataset = data.dataset
         if isinstance(dataset, latents.LatentCacheDataset):
             problem = latents.fit_issue(dataset.manifest, unwrap(self.model))

@@ -475,10 +475,12 @@ EDIT_LOADERS = ("ImageEditDataloaderConfig", "image_edit_data")
 
 @dataclass
 class ImageData:
-    """What upstream's text-to-image loader section describes here: the data set and the loader's settings."""
+    """What upstream's loader section describes here: the data set, the loader's settings, and notes for the run's
+    log (settings that govern nothing, as upstream)."""
 
     dataset: Any
     loader: dict[str, Any]
+    notes: list[str] = field(default_factory=list)
 
 
 def text_to_image_data(cache_dir: str, base_resolution: list[int] | None = None, train_text_encoder: bool = False,
@@ -550,17 +552,20 @@ def image_edit_data(cache_dir: str, base_resolution: list[int] | None = None, qu
     if problems:
         raise AutomodelError("; ".join(f"data.dataloader.{k}: {v}" for k, v in problems.items()))
     loader = loader_settings(num_workers, shuffle, drop_last, pin_memory, prefetch_factor)
-    return ImageData(ImageEditDataset(cache_dir, resolution=(base_resolution or [512, 512])[0]), loader)
+    notes = [] if quantization is None else [
+        f"note: data.dataloader.quantization: {quantization} governs nothing in this run, as in upstream's: its "
+        "image-edit loader reads it only to size dynamic batches, which that loader refuses (the target is resized "
+        "to base_resolution, each source as the pipeline resizes it)"]
+    return ImageData(ImageEditDataset(cache_dir, resolution=(base_resolution or [512, 512])[0]), loader, notes)
 
 
 def image_edit_issues(settings: dict[str, Any]) -> dict[str, str]:
     """Key -> why, for upstream image-edit loader settings that cannot act here."""
-    bad = {k: v for k, v in text_to_image_issues({**settings, "cache_dir": None}).items()}
-    if settings.get("quantization") is not None:
-        bad["quantization"] = ("upstream's image-edit loader reads it only to size dynamic batches, which that loader "
-                               "refuses (its image sizes are fixed by its preprocessing), so it acts nowhere; here the "
-                               "target is resized to base_resolution and each source as the pipeline resizes it: "
-                               "remove it")
+    bad = text_to_image_issues({**settings, "cache_dir": None, "quantization": None})
+    quantization = settings.get("quantization")
+    if quantization is not None and (isinstance(quantization, bool) or not isinstance(quantization, int)
+                                     or quantization <= 0):
+        bad["quantization"] = f"expected a positive number of pixels, found {quantization!r}"
     cache = settings.get("cache_dir")
     if isinstance(cache, str) and Path(cache).is_dir() and latents.is_pickle_cache(cache):
         bad["cache_dir"] = (f"'{cache}' is upstream's image-edit cache (torch.save files): it is never loaded here, "
