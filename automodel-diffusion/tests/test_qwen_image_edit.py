@@ -17,6 +17,7 @@ import numpy
 import pytest
 import torch
 from diffusion_testing import (
+    ASSETS,
     cli,
     family_model,
     load_config,
@@ -205,6 +206,10 @@ def test_a_text_to_image_pipeline_refuses_edits_and_the_edit_pipeline_refuses_ca
         from automodel_diffusion.conditioning import edit_conditioning
 
         edit_conditioning(edit.pipeline, None, edit.pipeline.vae.config)
+    recipe_cls, cfg = load_config(ASSETS.parent / "tiny_precompute.yaml", "--model.pretrained_model_name_or_path",
+                                  base, route=("precompute", "diffusion"))
+    with pytest.raises(AutomodelError, match="QwenImageEditPlusPipeline encodes each sample's source images"):
+        recipe_cls(cfg).setup()
     plain = family_model(qwen)
     with pytest.raises(AutomodelError, match="does not edit images"):
         plain(torch.zeros(1, 3, 32, 32), ["a red circle"], source_images=[[Image.new("RGB", (32, 32))]])
