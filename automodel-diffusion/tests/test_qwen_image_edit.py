@@ -206,8 +206,10 @@ def test_a_text_to_image_pipeline_refuses_edits_and_the_edit_pipeline_refuses_ca
         from automodel_diffusion.conditioning import edit_conditioning
 
         edit_conditioning(edit.pipeline, None, edit.pipeline.vae.config)
+    with pytest.raises(AutomodelError, match="model.max_sequence_length: 32, but QwenImageEditPlusPipeline's "):
+        family_model(base, max_sequence_length=32)
     recipe_cls, cfg = load_config(ASSETS.parent / "tiny_precompute.yaml", "--model.pretrained_model_name_or_path",
-                                  base, route=("precompute", "diffusion"))
+                                  base, "--model.max_sequence_length", "null", route=("precompute", "diffusion"))
     with pytest.raises(AutomodelError, match="QwenImageEditPlusPipeline encodes each sample's source images"):
         recipe_cls(cfg).setup()
     plain = family_model(qwen)

@@ -340,7 +340,11 @@ def edit_conditioning(pipeline: Any, max_sequence_length: int | None, vae_config
         raise AutomodelError("model: a QwenImageEditPlusPipeline encodes each sample's source images with its VAE and "
                              "text encoder, so it trains with the full pipeline, not the transformer alone on a latent "
                              "cache (remove model.pipeline_spec.load_full_pipeline: false)")
-    return QwenImageEditConditioning(pipeline, max_sequence_length)
+    if max_sequence_length is not None:
+        raise AutomodelError(f"model.max_sequence_length: {max_sequence_length}, but QwenImageEditPlusPipeline's "
+                             "encode_prompt keeps every prompt token (its __call__ takes the setting and ignores it), "
+                             "so it would govern nothing; remove it")
+    return QwenImageEditConditioning(pipeline)
 
 
 def conditioning_for(pipeline: Any, denoiser_name: str, max_sequence_length: int | None = None,

@@ -51,8 +51,7 @@ class QwenImageEditConditioning(QwenImageConditioning):
         rows, latents, shapes = [], [], []
         for caption, images in zip(captions, sources, strict=True):
             condition_images, vae_images = self.resize(images)
-            embeds, mask = self.pipeline.encode_prompt(prompt=[caption], image=condition_images, device=device,
-                                                       **self.text_kwargs)
+            embeds, mask = self.pipeline.encode_prompt(prompt=[caption], image=condition_images, device=device)
             mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=device) if mask is None else mask
             rows.append({"encoder_hidden_states": embeds[0], "encoder_hidden_states_mask": mask[0]})
             packed = [self.source_latents(image.to(device)) for image in vae_images]
