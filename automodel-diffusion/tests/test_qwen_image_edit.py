@@ -18,6 +18,7 @@ import pytest
 import torch
 from diffusion_testing import (
     ASSETS,
+    EXAMPLES,
     cli,
     family_model,
     load_config,
@@ -215,3 +216,14 @@ def test_a_text_to_image_pipeline_refuses_edits_and_the_edit_pipeline_refuses_ca
     plain = family_model(qwen)
     with pytest.raises(AutomodelError, match="does not edit images"):
         plain(torch.zeros(1, 3, 32, 32), ["a red circle"], source_images=[[Image.new("RGB", (32, 32))]])
+
+
+def test_our_own_dataset_form_trains_an_edit_pipeline(base, tmp_path):
+    """``dataset: {_target_: ImageEditDataset, path: <manifest folder>}`` on the shipped tiny_flow form."""
+    data = manifest_folder(tmp_path / "edits")
+    recipe = train_inprocess(EXAMPLES / "tiny_flow.yaml", "--model.config", base, "--model.max_sequence_length",
+                             "null", "--parallel_scheme", "{transformer: {strategy: fsdp2}}", "--dataset._target_",
+                             "ImageEditDataset", "--dataset.path", data, "--validation_dataset", "null",
+                             "--step_scheduler.max_steps", "2", "--dataloader.batch_size", "1",
+                             "--checkpoint.checkpoint_dir", tmp_path / "ckpt", "--sample_generation.enabled", "false")
+    assert recipe.step_scheduler.step == 2 and len(recipe.train_dataset) == len(EDITS)
