@@ -154,8 +154,8 @@ TINY_QWEN_SCHEDULER = {"use_dynamic_shifting": True, "base_image_seq_len": 256, 
                        "base_shift": 0.5, "max_shift": 0.9, "shift_terminal": 0.02, "time_shift_type": "exponential"}
 
 
-def tiny_qwen_tokenizer() -> Any:
-    """A Qwen2Tokenizer whose merges spell the prompt template's and the captions' words."""
+def tiny_qwen_tokenizer(*words: str) -> Any:
+    """A Qwen2Tokenizer whose merges spell the prompt template's and the captions' words (and ``words``)."""
     import json
 
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
@@ -167,7 +167,7 @@ def tiny_qwen_tokenizer() -> Any:
                                                  pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     trainer = trainers.BpeTrainer(vocab_size=512, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
-    bpe.train_from_iterator([QWEN_TEMPLATE_WORDS, QWEN_CAPTION_WORDS], trainer)
+    bpe.train_from_iterator([QWEN_TEMPLATE_WORDS, QWEN_CAPTION_WORDS, *words], trainer)
     learned = json.loads(bpe.to_str())["model"]
     return Qwen2Tokenizer(vocab=learned["vocab"], merges=[tuple(m) for m in learned["merges"]],
                           extra_special_tokens=["<|im_start|>", "<|im_end|>"])
@@ -191,6 +191,46 @@ def tiny_qwen_image(directory: Path, seed: int = 0, **transformer: Any) -> Path:
         scheduler=diffusers.FlowMatchEulerDiscreteScheduler(**TINY_QWEN_SCHEDULER),
         vae=diffusers.AutoencoderKLQwenImage(**TINY_QWEN_VAE), text_encoder=encoder, tokenizer=tokenizer,
         transformer=diffusers.QwenImageTransformer2DModel(**{**TINY_QWEN_TRANSFORMER, **transformer}))
+    pipeline.save_pretrained(str(directory))
+    return directory
+
+
+# A tiny Qwen-Image-Edit (QwenImageEditPlusPipeline): the tiny Qwen-Image components, a Qwen2-VL processor whose
+# Pillow image processor cuts every picture to at most 16x16 pixels in 2x2 patches (the tiny vision tower's), and
+# Qwen's vision tokens in the tokenizer and the text encoder's config.
+QWEN_EDIT_WORDS = ("system\nDescribe the key features of the input image (color, shape, size, texture, objects, "
+                   "background), then explain how the user's text instruction should alter or modify the image. "
+                   "Generate a new image that meets the user's requirements while maintaining consistency with the "
+                   "original input where appropriate.\nuser\nPicture 1: \nassistant\nmake turn into")
+QWEN_VISION_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
+
+
+def tiny_qwen_image_edit(directory: Path, seed: int = 0) -> Path:
+    """A tiny QwenImageEditPlusPipeline saved with weights in ``directory`` (its processor without the video
+    processor, which needs torchvision: as the recipe loads it)."""
+    import diffusers
+    import torch
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessorPil
+
+    from automodel_diffusion.pipeline import _images_only
+
+    torch.manual_seed(seed)
+    tokenizer = tiny_qwen_tokenizer(QWEN_EDIT_WORDS)
+    tokenizer.add_special_tokens({"additional_special_tokens": QWEN_VISION_TOKENS})
+    ids = dict(zip(("vision_start_token_id", "image_token_id", "vision_end_token_id", "video_token_id"),
+                   tokenizer.convert_tokens_to_ids(QWEN_VISION_TOKENS), strict=True))
+    text = {**TINY_QWEN_TEXT, "vocab_size": len(tokenizer), "bos_token_id": None,
+            "eos_token_id": tokenizer.eos_token_id, "max_position_embeddings": 2048}
+    encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(text_config=text, vision_config=TINY_QWEN_VISION,
+                                                                  bos_token_id=None,
+                                                                  eos_token_id=tokenizer.eos_token_id, **ids))
+    images = Qwen2VLImageProcessorPil(min_pixels=8 * 8, max_pixels=16 * 16, patch_size=2, merge_size=1,
+                                      temporal_patch_size=1)
+    processor = _images_only(__import__("transformers").Qwen2VLProcessor)(images, tokenizer)
+    pipeline = diffusers.QwenImageEditPlusPipeline(
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(**TINY_QWEN_SCHEDULER),
+        vae=diffusers.AutoencoderKLQwenImage(**TINY_QWEN_VAE), text_encoder=encoder, tokenizer=tokenizer,
+        processor=processor, transformer=diffusers.QwenImageTransformer2DModel(**TINY_QWEN_TRANSFORMER))
     pipeline.save_pretrained(str(directory))
     return directory
 

@@ -213,8 +213,8 @@ def test_pretrain_form_reinitialises_the_transformer_and_trains_it(base, tmp_pat
      "not a setting of the qwen_image adapter"),
     (("--model.pretrained_model_name_or_path", str(ASSETS / "tiny_flow")), "flow_matching.adapter_type",
      "'qwen_image' (Qwen-Image) needs a QwenImagePipeline, but"),
-    (("--flow_matching.adapter_type", "qwen_image_edit"), "flow_matching.adapter_type",
-     "Qwen-Image-Edit model family is not implemented"),
+    (("--flow_matching.adapter_type", "qwen_image_edit"), "flow_matching.adapter_kwargs",
+     "the simple / qwen_image_edit adapter, which take none"),
 ])
 def test_qwen_image_settings_that_cannot_act_are_refused_at_validation(override, key, needle):
     found = refusals(FINETUNE, *override)

@@ -239,8 +239,8 @@ def test_lora_form_trains_an_adapter_that_wanpipeline_loads(base, clips, tmp_pat
 
 @pytest.mark.parametrize("override,key,needle", [
     (("--flow_matching.i2v_prob", "1.5"), "flow_matching.i2v_prob", "must be a probability (0 to 1), found 1.5"),
-    (("--flow_matching.adapter_kwargs", "{scale: 1}"), "flow_matching.adapter_kwargs", "the simple adapter, which "
-                                                                                       "takes none"),
+    (("--flow_matching.adapter_kwargs", "{scale: 1}"), "flow_matching.adapter_kwargs", "the simple / "
+                                                                                       "qwen_image_edit adapter"),
     (("--flow_matching.adapter_type", "cosmos"), "flow_matching.adapter_type", "cosmos model family is not "
                                                                                "implemented"),
     (("--data.dataloader.model_type", "flux"), "data.dataloader.model_type", "only wan, ltx2 and hunyuan clips"),

@@ -17,18 +17,19 @@ from automodel.errors import AutomodelError, ConfigError, ConfigIssue
 
 SUPPORTED = ("SD3Transformer2DModel (StableDiffusion3Pipeline), FluxTransformer2DModel (FluxPipeline, FLUX.1), "
              "Flux2Transformer2DModel (Flux2Pipeline, FLUX.2), QwenImageTransformer2DModel (QwenImagePipeline, "
-             "Qwen-Image), WanTransformer3DModel (WanPipeline, Wan 2.1 text-to-video; Wan 2.2 A14B one expert per "
-             "run), LTX2VideoTransformer3DModel (LTX2Pipeline, LTX-2 / LTX-2.3 text-to-video with its audio stream), "
-             "HunyuanVideo15Transformer3DModel (HunyuanVideo15Pipeline, HunyuanVideo 1.5 text-to-video) and "
-             "UNet2DConditionModel (StableDiffusionPipeline)")
+             "Qwen-Image; QwenImageEditPlusPipeline, Qwen-Image-Edit), WanTransformer3DModel (WanPipeline, Wan 2.1 "
+             "text-to-video; Wan 2.2 A14B one expert per run), LTX2VideoTransformer3DModel (LTX2Pipeline, LTX-2 / "
+             "LTX-2.3 text-to-video with its audio stream), HunyuanVideo15Transformer3DModel (HunyuanVideo15Pipeline, "
+             "HunyuanVideo 1.5 text-to-video) and UNet2DConditionModel (StableDiffusionPipeline)")
 # the denoisers a Conditioning exists for
 DENOISER_CLASSES = ("SD3Transformer2DModel", "FluxTransformer2DModel", "Flux2Transformer2DModel",
                     "QwenImageTransformer2DModel", "WanTransformer3DModel", "LTX2VideoTransformer3DModel",
                     "HunyuanVideo15Transformer3DModel", "UNet2DConditionModel")
-# the pipeline class each of these denoisers must come in (others share them: Qwen-Image-Edit, Wan image-to-video...)
-DENOISER_PIPELINES = {"QwenImageTransformer2DModel": "QwenImagePipeline", "WanTransformer3DModel": "WanPipeline",
-                      "Flux2Transformer2DModel": "Flux2Pipeline", "LTX2VideoTransformer3DModel": "LTX2Pipeline",
-                      "HunyuanVideo15Transformer3DModel": "HunyuanVideo15Pipeline"}
+# the pipeline classes each of these denoisers must come in (others share them: Wan image-to-video...)
+DENOISER_PIPELINES = {"QwenImageTransformer2DModel": ("QwenImagePipeline", "QwenImageEditPlusPipeline"),
+                      "WanTransformer3DModel": ("WanPipeline",), "Flux2Transformer2DModel": ("Flux2Pipeline",),
+                      "LTX2VideoTransformer3DModel": ("LTX2Pipeline",),
+                      "HunyuanVideo15Transformer3DModel": ("HunyuanVideo15Pipeline",)}
 DEFAULT_GUIDANCE = 3.5  # FluxPipeline's default guidance_scale: what a guidance-distilled FLUX.1 samples with
 
 
@@ -38,6 +39,7 @@ class Conditioning:
     shared: tuple[str, ...] = ()  # encode()'s outputs that are the same for every caption (no batch dimension)
     # why this family never trains with the transformer alone (its latent cache trains the full pipeline); "": it can
     full_pipeline_only = ""
+    edits = False  # whether encode() takes each sample's source images (an image-editing pipeline)
 
     def __init__(self, pipeline: Any, max_sequence_length: int | None = None, vae_config: Any = None):
         self.pipeline = pipeline
@@ -361,6 +363,22 @@ class WanConditioning(Conditioning):
                         encoder_hidden_states=cond["encoder_hidden_states"].to(sample.dtype), return_dict=False)[0]
 
 
+def edit_conditioning(pipeline: Any, max_sequence_length: int | None, vae_config: Any) -> Conditioning:
+    """Qwen-Image-Edit: its source images go through the VAE and the text encoder in every step, so it trains with
+    the full pipeline only."""
+    from automodel_diffusion.edit import QwenImageEditConditioning
+
+    if vae_config is not None:
+        raise AutomodelError("model: a QwenImageEditPlusPipeline encodes each sample's source images with its VAE and "
+                             "text encoder, so it trains with the full pipeline, not the transformer alone on a latent "
+                             "cache (remove model.pipeline_spec.load_full_pipeline: false)")
+    if max_sequence_length is not None:
+        raise AutomodelError(f"model.max_sequence_length: {max_sequence_length}, but QwenImageEditPlusPipeline's "
+                             "encode_prompt keeps every prompt token (its __call__ takes the setting and ignores it), "
+                             "so it would govern nothing; remove it")
+    return QwenImageEditConditioning(pipeline)
+
+
 def conditioning_for(pipeline: Any, denoiser_name: str, max_sequence_length: int | None = None,
                      vae_config: Any = None) -> Conditioning:
     """The family's conditioning; ``vae_config``: the VAE's config when the pipeline was loaded without its VAE."""
@@ -387,11 +405,13 @@ def conditioning_for(pipeline: Any, denoiser_name: str, max_sequence_length: int
                                  "which are weights, not config; load the full pipeline, not the transformer alone "
                                  "(remove model.pipeline_spec.load_full_pipeline: false)")
         return Flux2Conditioning(pipeline, max_sequence_length, vae_config)
-    if kind == "QwenImageTransformer2DModel" and type(pipeline).__name__ == "QwenImagePipeline":
+    if kind == "QwenImageTransformer2DModel" and type(pipeline).__name__ in DENOISER_PIPELINES[kind]:
         if denoiser.config.get("guidance_embeds", False):
             raise AutomodelError("model: this Qwen-Image transformer's config sets guidance_embeds, but diffusers' "
                                  "QwenImageTransformer2DModel takes no guidance value (QwenImagePipeline would feed "
                                  "it one and fail); set guidance_embeds false in transformer/config.json")
+        if type(pipeline).__name__ == "QwenImageEditPlusPipeline":
+            return edit_conditioning(pipeline, max_sequence_length, vae_config)
         return QwenImageConditioning(pipeline, max_sequence_length, vae_config)
     if kind == "WanTransformer3DModel" and type(pipeline).__name__ == "WanPipeline":
         if pipeline.config.get("expand_timesteps"):

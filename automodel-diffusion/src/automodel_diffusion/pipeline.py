@@ -16,6 +16,7 @@ the text encoders' outputs come from the cache instead, so ``load_transformer_on
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import json
 from collections.abc import Iterable, Iterator
@@ -45,7 +46,7 @@ def index_issue(index: dict[str, Any]) -> str | None:
     """Why a pipeline directory's model_index.json names a pipeline this recipe cannot train (None: it can)."""
     components = pipeline_components(index)
     denoiser = next((components[name][1] for name in DENOISERS if name in components), None)
-    other = denoiser in DENOISER_PIPELINES and index.get("_class_name") != DENOISER_PIPELINES[denoiser]
+    other = denoiser in DENOISER_PIPELINES and index.get("_class_name") not in DENOISER_PIPELINES[denoiser]
     if denoiser in DENOISER_CLASSES and not other:
         return None
     return (f"the pipeline is a {index.get('_class_name')} with a {denoiser or 'no'} denoiser, which diffusion "
@@ -90,10 +91,48 @@ def _load_component(library: str, class_name: str, directory: Path, dtype: torch
         else:
             model = cls(transformers.AutoConfig.from_pretrained(str(directory)))
         return model.to(dtype) if dtype is not None else model
+    if video_processor_unavailable(library, class_name):
+        return images_only_processor(cls, directory)
     if hasattr(cls, "from_pretrained"):  # tokenizers, processors, feature extractors
         return cls.from_pretrained(str(directory))
     raise AutomodelError(f"model: component '{directory.name}' ({library}.{class_name}) is neither a model, a "
                          "scheduler nor a tokenizer/processor; cannot load it")
+
+
+def video_processor_unavailable(library: str, class_name: str) -> bool:
+    """Whether a transformers processor has a video processor, which needs torchvision, and torchvision is absent."""
+    import importlib.util
+
+    import transformers
+
+    cls = getattr(transformers, class_name, None) if library == "transformers" else None
+    return (isinstance(cls, type) and issubclass(cls, transformers.ProcessorMixin)
+            and "video_processor" in cls.get_attributes() and importlib.util.find_spec("torchvision") is None)
+
+
+@functools.cache
+def _images_only(cls: type) -> type:
+    """``cls`` without its video processor (same name and module, so a saved pipeline still names ``cls``)."""
+
+    def __init__(self: Any, image_processor: Any = None, tokenizer: Any = None, chat_template: Any = None,
+                 **kwargs: Any) -> None:
+        cls.__init__(self, image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+    return type(cls.__name__, (cls,), {"__init__": __init__, "__module__": cls.__module__})
+
+
+def images_only_processor(cls: type, directory: Path) -> Any:
+    """A processor (Qwen2-VL's: what QwenImageEditPlusPipeline shows the text encoder its images with) from its image
+    processor and tokenizer, without the video processor transformers would also load, which needs torchvision (not
+    installed here); image pipelines never pass it videos."""
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    try:
+        images, tokenizer = AutoImageProcessor.from_pretrained(str(directory)), AutoTokenizer.from_pretrained(
+            str(directory))
+    except (OSError, ValueError) as err:
+        raise AutomodelError(f"model: cannot load the {cls.__name__} in '{directory}': {err}") from None
+    return _images_only(cls)(images, tokenizer, getattr(tokenizer, "chat_template", None))
 
 
 def load_pipeline(path: str | Path, dtype: torch.dtype | None = None, **kwargs: Any) -> Any:
@@ -109,14 +148,17 @@ def load_pipeline(path: str | Path, dtype: torch.dtype | None = None, **kwargs: 
     root = Path(str(path))
     models = {name: spec for name, spec in (pipeline_components(index) if index else {}).items()
               if (root / name / "config.json").is_file()}
-    if index is None or all(has_weights(root / name) for name in models):
+    images_only = any(video_processor_unavailable(*spec) for spec in (pipeline_components(index) if index else {}
+                                                                      ).values())
+    if index is None or (all(has_weights(root / name) for name in models) and not images_only):
         try:
             return diffusers.DiffusionPipeline.from_pretrained(str(path), torch_dtype=dtype, **kwargs)
         except (OSError, ValueError) as err:
             raise AutomodelError(f"model: cannot load the diffusers pipeline '{path}': {err}") from None
     if kwargs:
-        raise AutomodelError(f"model: {', '.join(sorted(kwargs))}: not accepted for '{path}', whose components "
-                             f"{', '.join(n for n in models if not has_weights(root / n))} have no weights yet")
+        raise AutomodelError(f"model: {', '.join(sorted(kwargs))}: not accepted for '{path}', which is assembled "
+                             "component by component (some have no weights yet, or a processor is loaded without its "
+                             "video processor)")
     components = {name: None for name, value in index.items() if not name.startswith("_") and isinstance(value, list)}
     for name, (library, class_name) in pipeline_components(index).items():
         components[name] = _load_component(library, class_name, root / name, dtype)
@@ -335,9 +377,11 @@ class AutoDiffusionPipeline(torch.nn.Module):
         return torch.autocast(device.type, dtype=self.autocast_dtype)
 
     def forward(self, pixel_values: torch.Tensor | None, captions: list[str],
-                generator: torch.Generator | None = None, cached: dict[str, Any] | None = None) -> torch.Tensor:
+                generator: torch.Generator | None = None, cached: dict[str, Any] | None = None,
+                source_images: list[list[Any]] | None = None) -> torch.Tensor:
         """Per-sample losses of one micro-batch (noise and timesteps from ``generator``, else torch's global RNG);
-        ``cached``: the batch of a latent cache, in place of ``pixel_values`` and the captions' encoding."""
+        ``cached``: the batch of a latent cache, in place of ``pixel_values`` and the captions' encoding;
+        ``source_images``: per sample, the images an image-editing pipeline edits (Pillow)."""
         if self.objective is None:
             raise AutomodelError("AutoDiffusionPipeline: no objective set (the diffusion recipe sets one)")
         captions = self.objective.drop_captions(captions, generator)
@@ -350,8 +394,13 @@ class AutoDiffusionPipeline(torch.nn.Module):
         else:
             latents = self.encode_images(pixel_values, generator).float()
             text_trains = any(n.startswith("text_encoder") or n == "connectors" for n in self.trainable_components)
+            sources = {"sources": source_images} if self.conditioning.edits else {}
+            if source_images is not None and not sources:
+                raise AutomodelError(f"data: the batches hold source images (image-editing data), but a "
+                                     f"{type(self.pipeline).__name__} does not edit images; use a "
+                                     "QwenImageEditPlusPipeline, or text-to-image data")
             with torch.set_grad_enabled(torch.is_grad_enabled() and text_trains):
-                cond = self.conditioning.encode(captions, latents.device)
+                cond = self.conditioning.encode(captions, latents.device, **sources)
         latents, positions = self.conditioning.pack(latents)
         positions.update(self.conditioning.clean_inputs(latents, generator))
         noisy, timesteps, target = self.objective.noise(latents, generator)

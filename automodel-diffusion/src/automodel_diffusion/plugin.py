@@ -34,14 +34,14 @@ def automodel_register_aliases(aliases) -> None:
     aliases.target("ImageCaptionDataset", "automodel_diffusion.datasets.ImageCaptionDataset")
     aliases.target("VideoCaptionDataset", "automodel_diffusion.datasets.VideoCaptionDataset")
     aliases.target("LatentCacheDataset", "automodel_diffusion.latents.LatentCacheDataset")
+    aliases.target("ImageEditDataset", "automodel_diffusion.edit.ImageEditDataset")
     # Upstream (NeMo AutoModel) names: its data loader builders.
     aliases.target(f"{_UPSTREAM_DATA}.build_text_to_image_multiresolution_dataloader",
                    "automodel_diffusion.upstream.text_to_image_data")
     aliases.target(f"{_UPSTREAM_DATA}.build_video_multiresolution_dataloader",
                    "automodel_diffusion.upstream.text_to_video_data")
-    aliases.unsupported(f"{_UPSTREAM_DATA}.image_edit_dataset.ImageEditDataloaderConfig",
-                        "image-editing data (Qwen-Image-Edit) is not implemented here; diffusion trains "
-                        "text-to-image pipelines (dataset: ImageCaptionDataset)")
+    aliases.target(f"{_UPSTREAM_DATA}.image_edit_dataset.ImageEditDataloaderConfig",
+                   "automodel_diffusion.upstream.image_edit_data")
 
 
 @hookimpl

@@ -72,6 +72,10 @@ class PrecomputeRecipe(BaseRecipe):
         self.model = AutoDiffusionPipeline.from_pretrained(model.pretrained_model_name_or_path,
                                                            torch_dtype=model.torch_dtype,
                                                            max_sequence_length=model.max_sequence_length, **kwargs)
+        if self.model.conditioning.edits:
+            raise AutomodelError(f"model: a {type(self.model.pipeline).__name__} encodes each sample's source images "
+                                 "with its VAE and text encoder in every training step; it has no latent cache (train "
+                                 "it on the image edits directly)")
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         for component in self.model.frozen_components().values():
             component.to(self.device)

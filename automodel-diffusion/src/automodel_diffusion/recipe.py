@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ from automodel.training.parallel.activation_checkpointing import apply_activatio
 from automodel.training.recipe import TrainRecipe
 from automodel_diffusion import latents, stages, upstream
 from automodel_diffusion.datasets import collate_image_captions
+from automodel_diffusion.edit import ImageEditDataset, collate_image_edits
 from automodel_diffusion.lora import LORA_WEIGHTS, has_lora, load_lora, peft_issues, save_lora
 from automodel_diffusion.objectives import ObjectiveConfig, build_objective
 from automodel_diffusion.parallel import UNSUPPORTED_MESSAGE, parse_entry, scheme_issues
@@ -43,7 +45,7 @@ from automodel_diffusion.pipeline import (
     pipeline_components,
     read_model_index,
 )
-from automodel_diffusion.sampling import DEFAULT_FPS, call_kwargs, image_grid, sample_images, save_video
+from automodel_diffusion.sampling import DEFAULT_FPS, call_kwargs, image_grid, sample_edits, sample_images, save_video
 
 FROZEN_BASE = "pipeline_base"  # under checkpoint_dir: the frozen components, written once, hard-linked into each
 _NOT_MODULES = ("Tokenizer", "Scheduler", "Processor", "FeatureExtractor")
@@ -190,11 +192,13 @@ class DiffusionRecipe(TrainRecipe):
                        default_target="automodel.hf.PeftConfig"),
         "dataset": Target("the training images and captions: {_target_: automodel_diffusion.datasets."
                           "ImageCaptionDataset, path: ..., resolution: ...} (clips: VideoCaptionDataset, num_frames; "
-                          "or upstream's data.dataloader)"),
+                          "image edits: automodel_diffusion.edit.ImageEditDataset; or upstream's data.dataloader)"),
         "data": Free("upstream's {dataloader: {_target_: ...build_text_to_image_multiresolution_dataloader, "
                      "cache_dir, base_resolution, ...}}: cache_dir is a folder of images and captions here "
                      "(automodel_diffusion.upstream.text_to_image_data); ...build_video_multiresolution_dataloader: "
-                     "a folder of clips and captions (automodel_diffusion.upstream.text_to_video_data)"),
+                     "a folder of clips and captions (automodel_diffusion.upstream.text_to_video_data); "
+                     "...image_edit_dataset.ImageEditDataloaderConfig: a folder holding upstream's image-edit "
+                     "manifest (automodel_diffusion.upstream.image_edit_data)"),
     }
 
     # ---- validation --------------------------------------------------------------------------------------------
@@ -257,6 +261,8 @@ class DiffusionRecipe(TrainRecipe):
         else:
             data = ctx.cfg.data["dataloader"].instantiate()
             self.upstream_loader = data.loader
+            for note in data.notes:
+                self.log(note)
             dataset = data.dataset
         if isinstance(dataset, latents.LatentCacheDataset):
             problem = latents.fit_issue(dataset.manifest, unwrap(self.model))
@@ -270,9 +276,9 @@ class DiffusionRecipe(TrainRecipe):
                 raise ConfigError(ConfigIssue("dataloader", "give the loader settings in data.dataloader (upstream's "
                                                             "section) or here, not both"))
             node = ConfigNode(dict(self.upstream_loader), "dataloader", ctx.cfg.resolver)
-        cached = isinstance(dataset, latents.LatentCacheDataset)
-        return ctx.build("dataloader", dataset, node, train,
-                         latents.collate_latents if cached else self.default_collate_fn(train))
+        own = {latents.LatentCacheDataset: latents.collate_latents, ImageEditDataset: collate_image_edits}
+        collate = own.get(type(dataset)) or self.default_collate_fn(train)
+        return ctx.build("dataloader", dataset, node, train, collate)
 
     def build_model(self, ctx: BuildContext) -> AutoDiffusionPipeline:
         """The pipeline as one module, with its objective; its frozen parts on the device, as the checkpoint being
@@ -425,7 +431,7 @@ class DiffusionRecipe(TrainRecipe):
     def compute_loss(self, model: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor:
         """The micro-batch's per-image losses, summed (the engine divides by the images of the whole step)."""
         losses = model(batch.get("pixel_values"), batch["captions"], generator=self.loss_generator,
-                       cached=batch.get("cached"))
+                       cached=batch.get("cached"), source_images=batch.get("source_images"))
         if self.cfg.performance.check_loss:
             mean = float(losses.detach().mean())
             if upstream.exploded(mean):
@@ -486,12 +492,18 @@ class DiffusionRecipe(TrainRecipe):
         extra = call_kwargs(model.pipeline, max_sequence_length=model.max_sequence_length,
                             num_frames=getattr(self.train_dataset, "num_frames", None),
                             frame_rate=getattr(model.conditioning, "fps", None))  # LTX-2: the trained frame rate
+        draw = partial(sample_images, model.pipeline, prompts)
+        if model.conditioning.edits:
+            if settings.prompts:
+                raise AutomodelError("sample_generation.prompts: an image-editing pipeline samples the first edits "
+                                     "of the training data (each needs its source images); remove prompts")
+            edits = self.train_dataset.edits(4)
+            prompts, draw = [prompt for prompt, _ in edits], partial(sample_edits, model.pipeline, edits)
         self.model.eval()
         try:
             with model.experts_on(next(model.denoiser.parameters()).device):
-                images = sample_images(model.pipeline, prompts, settings.num_images_per_prompt, settings.seed,
-                                       settings.num_inference_steps, settings.guidance_scale, height, width,
-                                       **extra)
+                images = draw(settings.num_images_per_prompt, settings.seed, settings.num_inference_steps,
+                              settings.guidance_scale, height, width, **extra)
         finally:
             self.model.train()
         if not self.is_main_process:

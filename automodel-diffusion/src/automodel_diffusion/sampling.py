@@ -58,6 +58,20 @@ def sample_images(pipeline: Any, prompts: list[str], images_per_prompt: int, see
             pipeline.guider = previous
 
 
+def sample_edits(pipeline: Any, edits: list[tuple[str, list[Any]]], images_per_prompt: int, seed: int, steps: int,
+                 guidance_scale: float, height: int | None, width: int | None, **kwargs: Any) -> list[Any]:
+    """``sample_images`` for an image-editing pipeline: ``edits`` are (instruction, source images) pairs, each
+    edited alone (QwenImageEditPlusPipeline takes one prompt per call), in the same row-major order and seeds."""
+    size = {k: v for k, v in (("height", height), ("width", width)) if v is not None}
+    images = []
+    for index in range(images_per_prompt * len(edits)):
+        prompt, sources = edits[index % len(edits)]
+        output = pipeline(prompt=[prompt], image=sources, num_inference_steps=steps, guidance_scale=guidance_scale,
+                          generator=torch.Generator().manual_seed(seed + index), output_type="pil", **size, **kwargs)
+        images.append(output.images[0])
+    return images
+
+
 def image_grid(images: list[Any], rows: int, columns: int) -> Any:
     from PIL import Image
 

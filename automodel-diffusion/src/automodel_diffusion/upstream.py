@@ -11,13 +11,13 @@ Upstream's diffusion configs carry no ``_target_`` for the model and describe tr
   loss check.
 
 ``model_type`` / ``flow_matching.adapter_type`` ``flux`` (FLUX.1), ``flux2`` (FLUX.2), ``qwen_image`` (Qwen-Image),
-``wan`` / ``simple`` (Wan 2.1), ``ltx2`` (LTX-2) and ``hunyuan`` (HunyuanVideo 1.5) say the pipeline is a
-FluxPipeline / Flux2Pipeline / QwenImagePipeline / WanPipeline / LTX2Pipeline / HunyuanVideo15Pipeline, which is
-checked; ``adapter_kwargs`` set the guidance a FLUX.1 / FLUX.2 transformer is fed (Qwen-Image and Wan transformers
-take none), LTX-2's frame rate and audio loss weight and HunyuanVideo's condition inputs.
-Keys that
-need what this recipe does not have (other model families, image-to-video, Transformer Engine, CUDA kernels) are
-refused at validation with the reason. Import-light: no torch at import.
+``qwen_image_edit`` (Qwen-Image-Edit), ``wan`` / ``simple`` (Wan 2.1), ``ltx2`` (LTX-2) and ``hunyuan``
+(HunyuanVideo 1.5) say the pipeline is a FluxPipeline / Flux2Pipeline / QwenImagePipeline /
+QwenImageEditPlusPipeline / WanPipeline / LTX2Pipeline / HunyuanVideo15Pipeline, which is checked; ``adapter_kwargs``
+set the guidance a FLUX.1 / FLUX.2 transformer is fed (Qwen-Image and Wan transformers take none), LTX-2's frame rate
+and audio loss weight and HunyuanVideo's condition inputs. Keys that need what this recipe does not have (other
+model families, image-to-video, Transformer Engine, CUDA kernels) are refused at validation with the reason.
+Import-light: no torch at import.
 """
 
 from __future__ import annotations
@@ -33,15 +33,16 @@ from automodel_diffusion import latents
 from automodel_diffusion.objectives import ObjectiveConfig
 
 SUPPORTED = ("SD3-style (StableDiffusion3Pipeline), FLUX.1 (FluxPipeline), FLUX.2 (Flux2Pipeline), Qwen-Image "
-             "(QwenImagePipeline), Wan 2.1 and 2.2 A14B text-to-video (WanPipeline), LTX-2 text-to-video with its "
-             "audio stream (LTX2Pipeline), HunyuanVideo 1.5 text-to-video (HunyuanVideo15Pipeline) and Stable "
-             "Diffusion UNet (StableDiffusionPipeline) pipelines")
+             "(QwenImagePipeline), Qwen-Image-Edit (QwenImageEditPlusPipeline), Wan 2.1 and 2.2 A14B text-to-video "
+             "(WanPipeline), LTX-2 text-to-video with its audio stream (LTX2Pipeline), HunyuanVideo 1.5 text-to-video "
+             "(HunyuanVideo15Pipeline) and Stable Diffusion UNet (StableDiffusionPipeline) pipelines")
 FLUX, FLUX2, QWEN_IMAGE, WAN, SIMPLE = "flux", "flux2", "qwen_image", "wan", "simple"
-LTX2, HUNYUAN = "ltx2", "hunyuan"
+QWEN_IMAGE_EDIT, LTX2, HUNYUAN = "qwen_image_edit", "ltx2", "hunyuan"
 # upstream's model_type / adapter_type values that act here -> (the family, the pipeline class it must be); upstream's
 # "simple" adapter is the one its Wan 2.1 configs name (a transformer fed the noisy latents, timestep and text)
 ADAPTERS = {FLUX: ("FLUX.1", "FluxPipeline"), FLUX2: ("FLUX.2", "Flux2Pipeline"),
-            QWEN_IMAGE: ("Qwen-Image", "QwenImagePipeline"), WAN: ("Wan 2.1", "WanPipeline"),
+            QWEN_IMAGE: ("Qwen-Image", "QwenImagePipeline"),
+            QWEN_IMAGE_EDIT: ("Qwen-Image-Edit", "QwenImageEditPlusPipeline"), WAN: ("Wan 2.1", "WanPipeline"),
             SIMPLE: ("Wan 2.1", "WanPipeline"), LTX2: ("LTX-2", "LTX2Pipeline"),
             HUNYUAN: ("HunyuanVideo 1.5", "HunyuanVideo15Pipeline")}
 ADAPTER_KWARGS = ("guidance_scale", "use_guidance_embeds")  # upstream's flux, flux2 and qwen_image adapter settings
@@ -49,14 +50,12 @@ LTX2_KWARGS = ("audio_loss_weight", "fps")  # upstream's ltx2 adapter settings
 HUNYUAN_KWARGS = ("use_condition_latents", "default_image_embed_shape")  # upstream's hunyuan adapter settings
 VIDEO_FAMILIES = (WAN, LTX2, HUNYUAN)  # upstream's video loader's model_type values that act here
 UPSTREAM_FLUX2_GUIDANCE = 3.5  # upstream's flux2 adapter's default guidance_scale (Flux2Pipeline samples with 4)
-FAMILIES = {"qwen_image_edit": "Qwen-Image-Edit"}
 CPU_ATTENTION = ("native", "_native_math")  # torch's scaled_dot_product_attention: what runs without CUDA kernels
 GPU_ONLY = "needs a CUDA GPU, which this machine lacks"
 
 
 def family_refusal(name: str) -> str:
-    family = FAMILIES.get(str(name), str(name))
-    return (f"the {family} model family is not implemented for diffusion training here; this recipe trains "
+    return (f"the {name} model family is not implemented for diffusion training here; this recipe trains "
             f"{SUPPORTED}")
 
 
@@ -309,10 +308,11 @@ class FlowMatchingSection:
 
     adapter_type: str | None = field(default=None, metadata=_help(
         "upstream's model-family adapter: flux (the pipeline must be a FluxPipeline, FLUX.1), flux2 (a "
-        "Flux2Pipeline, FLUX.2), qwen_image (a QwenImagePipeline, Qwen-Image), simple (a WanPipeline, Wan 2.1 "
+        "Flux2Pipeline, FLUX.2), qwen_image (a QwenImagePipeline, Qwen-Image), qwen_image_edit (a "
+        "QwenImageEditPlusPipeline, Qwen-Image-Edit: trains on image edits), simple (a WanPipeline, Wan 2.1 "
         "text-to-video), ltx2 (an LTX2Pipeline, LTX-2: video and audio streams) or hunyuan (a "
-        "HunyuanVideo15Pipeline, HunyuanVideo 1.5); null: the pipeline's own "
-        "conditioning decides; the other upstream values name families not implemented here"))
+        "HunyuanVideo15Pipeline, HunyuanVideo 1.5); null: the pipeline's own conditioning decides; the other upstream "
+        "values name families not implemented here"))
     adapter_kwargs: dict = field(default_factory=dict, metadata=_help(
         "with adapter_type flux / flux2: guidance_scale (the guidance value a guidance-distilled FLUX.1 / FLUX.2 "
         "transformer is fed; default 3.5, as upstream) and use_guidance_embeds (true needs guidance embeddings; "
@@ -323,7 +323,7 @@ class FlowMatchingSection:
         "1) and fps (the clips' frame rate: the video positions and the silent audio's duration; default 24); with "
         "hunyuan: use_condition_latents true (the condition latents and mask channel the pipeline feeds) and "
         "default_image_embed_shape [tokens, width] (the zero image embeddings fed; width: the transformer's "
-        "image_embed_dim); else (simple included) only {}"))
+        "image_embed_dim); else (simple and qwen_image_edit included) only {}"))
     timestep_sampling: Literal["uniform", "logit_normal", "lognorm", "mix", "mode", "beta"] = field(
         default="logit_normal", metadata=_help("how sigmas are drawn (see objective.timestep_sampling)"))
     logit_mean: float = field(default=0.0, metadata=_help("logit_normal: mean"))
@@ -366,8 +366,8 @@ class FlowMatchingSection:
         elif self.adapter_type == HUNYUAN:
             bad.update(hunyuan_kwargs_issues(self.adapter_kwargs))
         elif self.adapter_kwargs:
-            bad["adapter_kwargs"] = ("upstream's adapter settings do not apply here (no adapter, or the simple "
-                                     "adapter, which takes none); remove them")
+            bad["adapter_kwargs"] = ("upstream's adapter settings do not apply here (no adapter, or the simple / "
+                                     "qwen_image_edit adapter, which take none); remove them")
         if not 0 <= self.i2v_prob <= 1:
             bad["i2v_prob"] = f"must be a probability (0 to 1), found {self.i2v_prob}"
         for name in ("log_interval", "summary_log_interval"):
@@ -459,18 +459,20 @@ def apply_adapter(cfg: Config, model: Any) -> str | None:
         QwenImageConditioning,
         WanConditioning,
     )
+    from automodel_diffusion.edit import QwenImageEditConditioning
     from automodel_diffusion.hunyuan import HunyuanConditioning
     from automodel_diffusion.ltx2 import LTX2Conditioning
 
     settings = given(cfg, "flow_matching")
     built = {FLUX: FluxConditioning, FLUX2: Flux2Conditioning, QWEN_IMAGE: QwenImageConditioning, WAN: WanConditioning,
-             SIMPLE: WanConditioning, LTX2: LTX2Conditioning, HUNYUAN: HunyuanConditioning}
+             SIMPLE: WanConditioning, QWEN_IMAGE_EDIT: QwenImageEditConditioning, LTX2: LTX2Conditioning,
+             HUNYUAN: HunyuanConditioning}
     issues = [ConfigIssue(key, f"'{value}' ({ADAPTERS[value][0]}), but the pipeline is a "
                                f"{type(model.pipeline).__name__}; remove it or load a {ADAPTERS[value][1]}")
               for key, value in (("model.model_type", _model_type(cfg)),
                                  ("flow_matching.adapter_type", settings and settings.adapter_type),
                                  ("data.dataloader.model_type", _loader_model_type(cfg)))
-              if value in ADAPTERS and not isinstance(model.conditioning, built[value])]
+              if value in ADAPTERS and type(model.conditioning) is not built[value]]
     if issues:
         raise ConfigError(issues)
     if settings is not None and settings.adapter_type == LTX2:
@@ -483,7 +485,7 @@ def apply_adapter(cfg: Config, model: Any) -> str | None:
         return model.conditioning.set_guidance(kwargs.get("use_guidance_embeds"), kwargs.get("guidance_scale"),
                                                "flow_matching.adapter_kwargs.guidance_scale", default)
     scale = settings.adapter_kwargs.get("guidance_scale") if settings is not None else None
-    if isinstance(model.conditioning, QwenImageConditioning) and scale not in (None, 1):
+    if type(model.conditioning) is QwenImageConditioning and scale not in (None, 1):
         return (f"note: flow_matching.adapter_kwargs.guidance_scale: {scale} governs nothing in this run: upstream's "
                 "qwen_image adapter feeds it only with use_guidance_embeds true, and diffusers' Qwen-Image "
                 "transformer takes no guidance value")
@@ -539,14 +541,17 @@ class PerformanceSection:
 
 LOADER_KEYS = ("num_workers", "shuffle", "drop_last", "pin_memory", "prefetch_factor")
 VIDEO_LOADERS = ("build_video_multiresolution_dataloader", "text_to_video_data")  # upstream's name, ours
+EDIT_LOADERS = ("ImageEditDataloaderConfig", "image_edit_data")
 
 
 @dataclass
 class ImageData:
-    """What upstream's text-to-image loader section describes here: the data set and the loader's settings."""
+    """What upstream's loader section describes here: the data set, the loader's settings, and notes for the run's
+    log (settings that govern nothing, as upstream)."""
 
     dataset: Any
     loader: dict[str, Any]
+    notes: list[str] = field(default_factory=list)
 
 
 def text_to_image_data(cache_dir: str, base_resolution: list[int] | None = None, train_text_encoder: bool = False,
@@ -603,11 +608,56 @@ def text_to_video_data(cache_dir: str, model_type: str = WAN, base_resolution: l
     return ImageData(VideoCaptionDataset(cache_dir, resolution=resolution, num_frames=num_frames), loader)
 
 
+def image_edit_data(cache_dir: str, base_resolution: list[int] | None = None, quantization: int | None = None,
+                    dynamic_batch_size: bool = False, seed: int | None = None, num_workers: int = 2,
+                    shuffle: bool = True, drop_last: bool = True, pin_memory: bool = False,
+                    prefetch_factor: int | None = None) -> ImageData:
+    """Upstream's ``ImageEditDataloaderConfig`` over ``cache_dir``, which here is a folder holding upstream's
+    image-edit manifest (``hf_image_edit_manifest.jsonl``, what its preprocessing reads: source images, target image
+    and instruction per row; ``automodel_diffusion.edit``), encoded through the QwenImageEditPlusPipeline's VAE and
+    text encoder on the fly; upstream's cache of precomputed latents (pickles) is never loaded. The target image is
+    resized and centre-cropped to the square ``base_resolution``; the sources are resized as the pipeline resizes
+    them. The loader keys are the data loader's, which shuffles with the run's seed (``seed`` may only repeat it)."""
+    from automodel_diffusion.edit import ImageEditDataset
+
+    problems = image_edit_issues(locals())
+    if problems:
+        raise AutomodelError("; ".join(f"data.dataloader.{k}: {v}" for k, v in problems.items()))
+    loader = loader_settings(num_workers, shuffle, drop_last, pin_memory, prefetch_factor)
+    notes = [] if quantization is None else [
+        f"note: data.dataloader.quantization: {quantization} governs nothing in this run, as in upstream's: its "
+        "image-edit loader reads it only to size dynamic batches, which that loader refuses (the target is resized "
+        "to base_resolution, each source as the pipeline resizes it)"]
+    return ImageData(ImageEditDataset(cache_dir, resolution=(base_resolution or [512, 512])[0]), loader, notes)
+
+
+def image_edit_issues(settings: dict[str, Any]) -> dict[str, str]:
+    """Key -> why, for upstream image-edit loader settings that cannot act here."""
+    bad = text_to_image_issues({**settings, "cache_dir": None, "quantization": None})
+    quantization = settings.get("quantization")
+    if quantization is not None and (isinstance(quantization, bool) or not isinstance(quantization, int)
+                                     or quantization <= 0):
+        bad["quantization"] = f"expected a positive number of pixels, found {quantization!r}"
+    cache = settings.get("cache_dir")
+    if isinstance(cache, str) and Path(cache).is_dir() and latents.is_pickle_cache(cache):
+        bad["cache_dir"] = (f"'{cache}' is upstream's image-edit cache (torch.save files): it is never loaded here, "
+                            "because loading it unpickles; point cache_dir at the folder of upstream's image-edit "
+                            "manifest (hf_image_edit_manifest.jsonl and its images)")
+    elif isinstance(cache, str) and Path(cache).is_dir() and not (Path(cache) / "hf_image_edit_manifest.jsonl"
+                                                                   ).is_file():
+        bad["cache_dir"] = (f"'{cache}' holds no hf_image_edit_manifest.jsonl (upstream's image-edit manifest: rows "
+                            "{id, prompt, media: [{role: target | context | condition, file_name}], metadata})")
+    return bad
+
+
 def text_to_video_issues(settings: dict[str, Any]) -> dict[str, str]:
     """Key -> why, for upstream text-to-video loader settings that cannot act here."""
     bad = {k: v for k, v in text_to_image_issues(settings).items() if k != "cache_dir"}
     model_type = settings.get("model_type", WAN)
-    if model_type not in VIDEO_FAMILIES:
+    if model_type in ADAPTERS and model_type not in VIDEO_FAMILIES:
+        bad["model_type"] = (f"'{model_type}' ({ADAPTERS[model_type][0]}) is not a video family; only wan, ltx2 and "
+                             "hunyuan clips are read here (use its own data loader)")
+    elif model_type not in VIDEO_FAMILIES:
         bad["model_type"] = (f"'{model_type}': {family_refusal(model_type)}; only wan, ltx2 and hunyuan clips are "
                              "read here")
     frames = settings.get("num_frames")
@@ -747,8 +797,9 @@ def _data_issues(data: Any, seed: int) -> list[ConfigIssue]:
         return [ConfigIssue("data", "expected {dataloader: {_target_: <upstream data loader builder>, ...}}")]
     loader = data["dataloader"]
     settings = {k: v for k, v in loader.to_dict().items() if k != "_target_"}
-    video = str(loader.target).rsplit(".", 1)[-1] in VIDEO_LOADERS
-    check = text_to_video_issues if video else text_to_image_issues
+    name = str(loader.target).rsplit(".", 1)[-1]
+    check = (text_to_video_issues if name in VIDEO_LOADERS else image_edit_issues if name in EDIT_LOADERS
+             else text_to_image_issues)
     issues = [ConfigIssue(f"data.dataloader.{k}", v) for k, v in check(settings).items()]
     if settings.get("seed") is not None and settings["seed"] != seed:
         issues.append(ConfigIssue("data.dataloader.seed", f"{settings['seed']}: the loader shuffles with the run's "
