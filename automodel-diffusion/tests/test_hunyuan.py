@@ -9,20 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import diffusion_testing as dt
 import pytest
 import torch
-from diffusion_testing import (
-    assert_denoiser_equal_with_adapter,
-    build_refusals_on_the_sd3_pipeline,
-    clip_batch,
-    family_model,
-    form_overrides,
-    load_config,
-    refusals,
-    tiny_clips,
-    tiny_hunyuan,
-    train_inprocess,
-)
 from PIL import Image
 
 from automodel.errors import AutomodelError
@@ -37,12 +26,12 @@ CAPTIONS = ["a red square moving right", 'a sign that reads "hi"']  # the second
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> Path:
-    return tiny_hunyuan(tmp_path_factory.mktemp("hunyuan") / "base")
+    return dt.tiny_hunyuan(tmp_path_factory.mktemp("hunyuan") / "base")
 
 
 @pytest.fixture(scope="module")
 def clips(tmp_path_factory) -> Path:
-    return tiny_clips(tmp_path_factory.mktemp("clips") / "clips")
+    return dt.tiny_clips(tmp_path_factory.mktemp("clips") / "clips")
 
 
 def transformer_calls(transformer: torch.nn.Module) -> list[dict]:
@@ -59,9 +48,9 @@ def transformer_calls(transformer: torch.nn.Module) -> list[dict]:
 def test_the_transformer_is_fed_what_the_pipeline_feeds_it_when_it_samples(base, clips):
     from automodel_diffusion.objectives import randn_like
 
-    model = family_model(base)
+    model = dt.family_model(base)
     seen = transformer_calls(model.denoiser)
-    x = clip_batch(clips)
+    x = dt.clip_batch(clips)
     losses = model(x, CAPTIONS, generator=torch.Generator().manual_seed(3))
 
     replay = torch.Generator().manual_seed(3)  # the same draws, in the same order
@@ -89,9 +78,9 @@ def test_the_transformer_is_fed_what_the_pipeline_feeds_it_when_it_samples(base,
 
 
 def test_latents_are_the_vaes_times_its_scaling_factor_encoded_one_clip_at_a_time(base, clips):
-    model = family_model(base)
+    model = dt.family_model(base)
     vae = model.pipeline.vae
-    x = clip_batch(clips)
+    x = dt.clip_batch(clips)
     latents = model.encode_images(x, torch.Generator().manual_seed(5))
     dist = model.encode_pixels(x).latent_dist
     for i in range(2):  # each clip's distribution is the one the VAE gives that clip alone
@@ -110,8 +99,8 @@ def test_a_latent_cache_gives_the_pipeline_the_losses_of_its_own_encoding(base, 
     VAE to be built), which is refused with the reason."""
     from automodel_diffusion import AutoDiffusionPipeline
 
-    model = family_model(base)
-    x, captions, cpu = clip_batch(clips), ["a red square moving right", ""], torch.device("cpu")
+    model = dt.family_model(base)
+    x, captions, cpu = dt.clip_batch(clips), ["a red square moving right", ""], torch.device("cpu")
     conditioning = model.conditioning
     with torch.no_grad():
         cached = {"latent_parameters": model.encode_pixels(x).latent_dist.parameters,
@@ -125,9 +114,9 @@ def test_a_latent_cache_gives_the_pipeline_the_losses_of_its_own_encoding(base, 
 
 
 def test_i2v_prob_conditions_a_batch_on_its_first_latent_frame(base, clips):
-    model = family_model(base)
+    model = dt.family_model(base)
     seen = transformer_calls(model.denoiser)
-    x = clip_batch(clips)
+    x = dt.clip_batch(clips)
     model(x, CAPTIONS, generator=torch.Generator().manual_seed(1))
     assert not seen[-1]["hidden_states"][:, 4:].any()  # i2v_prob 0: text-to-video
     model.conditioning.i2v_prob = 1.0
@@ -146,10 +135,10 @@ def test_finetune_form_trains_saves_a_pipeline_that_loads_samples_and_generates(
     from diffusers import DiffusionPipeline
 
     ckpt = tmp_path / "ckpt"
-    recipe = train_inprocess(FINETUNE, *form_overrides(base, clips, ckpt), "--step_scheduler.local_batch_size", 1,
-                             "--step_scheduler.global_batch_size", 1, "--sample_generation.enabled", "true",
-                             "--sample_generation.num_inference_steps", 2, "--sample_generation.guidance_scale", 3,
-                             "--step_scheduler.val_every_steps", 3)
+    recipe = dt.train_inprocess(FINETUNE, *dt.form_overrides(base, clips, ckpt), "--step_scheduler.local_batch_size", 1,
+                                "--step_scheduler.global_batch_size", 1, "--sample_generation.enabled", "true",
+                                "--sample_generation.num_inference_steps", 2, "--sample_generation.guidance_scale", 3,
+                                "--step_scheduler.val_every_steps", 3)
     assert recipe.model.conditioning.i2v_prob == 0.3 and recipe.model.conditioning.image_embed_shape == (729, 16)
     assert recipe.model.components["transformer"].gradient_checkpointing  # fsdp.activation_checkpointing: true
     losses = losses_by_step(ckpt / "training.jsonl")  # logged every log_interval (10) steps and at the last
@@ -166,8 +155,8 @@ def test_finetune_form_trains_saves_a_pipeline_that_loads_samples_and_generates(
         assert grid.n_frames == 5 and grid.size == (4 * 32, 32)
 
     monkeypatch.chdir(tmp_path)
-    recipe_cls, cfg = load_config(GENERATE, "--model.pretrained_model_name_or_path", model_dir,
-                                  route=("generate", "diffusion"))
+    recipe_cls, cfg = dt.load_config(GENERATE, "--model.pretrained_model_name_or_path", model_dir,
+                                     route=("generate", "diffusion"))
     generate = recipe_cls(cfg)
     generate.setup()
     assert generate.pipeline.guider.guidance_scale == 4.0 and "guidance_scale" not in generate.call_settings
@@ -185,7 +174,7 @@ def test_lora_form_trains_an_adapter_that_the_pipelines_transformer_loads(base, 
     import diffusers
 
     ckpt = tmp_path / "ckpt"
-    recipe = train_inprocess(LORA, *form_overrides(base, clips, ckpt))
+    recipe = dt.train_inprocess(LORA, *dt.form_overrides(base, clips, ckpt))
     assert "note: checkpoint.save_consolidated: false governs nothing in this LoRA run" in \
         "".join(capsys.readouterr())
     model_dir = ckpt / "epoch_0_step_3" / "model"
@@ -199,11 +188,11 @@ def test_lora_form_trains_an_adapter_that_the_pipelines_transformer_loads(base, 
               "encoder_attention_mask": torch.tensor([[1.0, 1, 1, 1, 0, 0]]),
               "encoder_hidden_states_2": torch.randn(1, 3, 16, generator=g),
               "encoder_attention_mask_2": torch.tensor([[1.0, 1, 0]]), "image_embeds": torch.zeros(1, 4, 16)}
-    assert_denoiser_equal_with_adapter(recipe.model.components["transformer"], pipeline.transformer, plain, inputs)
+    dt.assert_denoiser_equal_with_adapter(recipe.model.components["transformer"], pipeline.transformer, plain, inputs)
 
     monkeypatch.chdir(tmp_path)  # generate diffusion loads it through the transformer
-    recipe_cls, cfg = load_config(GENERATE, "--model.pretrained_model_name_or_path", base, "--model.lora_weights",
-                                  model_dir, "--inference.max_samples", 1, route=("generate", "diffusion"))
+    recipe_cls, cfg = dt.load_config(GENERATE, "--model.pretrained_model_name_or_path", base, "--model.lora_weights",
+                                     model_dir, "--inference.max_samples", 1, route=("generate", "diffusion"))
     generate = recipe_cls(cfg)
     generate.setup()
     assert generate.pipeline.transformer.peft_config["default"].r == 4
@@ -227,7 +216,7 @@ def test_lora_form_trains_an_adapter_that_the_pipelines_transformer_loads(base, 
     (("--data.dataloader.model_type", "cosmos"), "data.dataloader.model_type", "cosmos model family"),
 ])
 def test_hunyuan_settings_that_cannot_act_are_refused_at_validation(override, key, needle):
-    found = refusals(FINETUNE, *override)
+    found = dt.refusals(FINETUNE, *override)
     assert key in found and needle in found[key], found
 
 
@@ -235,13 +224,13 @@ def test_the_hunyuan_family_keys_need_a_hunyuan_pipeline(base, clips, tmp_path):
     from automodel_diffusion import AutoDiffusionPipeline
     from automodel_diffusion.upstream import apply_adapter
 
-    found = build_refusals_on_the_sd3_pipeline(LORA)  # a hub name is only known once built
+    found = dt.build_refusals_on_the_sd3_pipeline(LORA)  # a hub name is only known once built
     assert set(found) == {"model.model_type", "flow_matching.adapter_type", "data.dataloader.model_type"}, found
     assert "'hunyuan' (HunyuanVideo 1.5), but the pipeline is a StableDiffusion3Pipeline" in found["model.model_type"]
-    _, cfg = load_config(FINETUNE, *form_overrides(base, clips, tmp_path), "--flow_matching.adapter_kwargs",
-                         "{default_image_embed_shape: [729, 1152]}")
+    _, cfg = dt.load_config(FINETUNE, *dt.form_overrides(base, clips, tmp_path), "--flow_matching.adapter_kwargs",
+                            "{default_image_embed_shape: [729, 1152]}")
     with pytest.raises(AutomodelError, match=r"image embeddings are 16 wide .* set \[729, 16\]"):
-        apply_adapter(cfg, family_model(base))
+        apply_adapter(cfg, dt.family_model(base))
     with pytest.raises(AutomodelError, match="max_sequence_length: HunyuanVideo15Pipeline encodes every caption"):
         AutoDiffusionPipeline.from_pretrained(str(base), max_sequence_length=16)
 
