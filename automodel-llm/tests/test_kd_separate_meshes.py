@@ -11,6 +11,7 @@ be gone before interpreter shutdown, on the teacher rank too (see automodel-core
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -62,8 +63,12 @@ def automodel_allowed_targets():
 
 @pytest.fixture(scope="module")
 def kd_config(tmp_path_factory, tiny_llama_config):
+    """The tiny student, distilled from a 2-layer teacher with its own output head (a pipeline cuts it in two)."""
     tmp = tmp_path_factory.mktemp("kd")
-    teacher = {"_target_": "automodel_llm.AutoModelForCausalLM.from_config", "config": str(tiny_llama_config),
+    teacher_config = tmp / "teacher.json"
+    teacher_config.write_text(json.dumps({**json.loads(tiny_llama_config.read_text()), "num_hidden_layers": 2,
+                                          "tie_word_embeddings": False}))
+    teacher = {"_target_": "automodel_llm.AutoModelForCausalLM.from_config", "config": str(teacher_config),
                "seed": 7}
     return write_config(tmp / "kd.yaml", tiny_llama_config, tmp / "ckpt", teacher_model=teacher, kd_ratio=0.5,
                         temperature=2.0, validation_dataset=VALIDATION)
@@ -107,23 +112,38 @@ def colocated_runs(kd_config, tmp_path_factory):
     return run
 
 
-@pytest.fixture(scope="module", params=[(1, 1), (2, 1), (1, 2)], ids=["1_student", "2_students", "1_student_tp2"])
+# a copy of the teacher over 2 ranks: its teacher_distributed keys, and how the run's plan says it
+COPIES = {
+    "tp": (["--teacher_distributed.tp_size", "2"], "tensor-parallel over"),
+    # fsdp2: the copy's weights sharded over its 2 context-parallel ranks
+    "cp": (["--teacher_distributed.cp_size", "2", "--teacher_distributed.strategy", "fsdp2"], "context-parallel over"),
+    "pp": (["--teacher_distributed.pp_size", "2", "--teacher_distributed.pipeline.pp_schedule", "1f1b",
+            "--teacher_distributed.pipeline.pp_microbatch_size", "1",
+            "--teacher_distributed.pipeline.scale_grads_in_schedule", "false"], "a pipeline over"),
+}
+
+
+@pytest.fixture(scope="module", params=[(1, None), (2, None), (1, "tp"), (1, "cp"), (1, "pp")],
+                ids=["1_student", "2_students", "1_student_tp2", "1_student_cp2", "1_student_pp2"])
 def layout(request, kd_config, colocated_runs, tmp_path_factory):
-    """(colocated run, separate-mesh run, its log, its teacher ranks) for ``request.param`` = (student ranks, the
-    teacher's tp_size), one teacher copy."""
-    students, tp = request.param
-    tmp = tmp_path_factory.mktemp(f"students{students}_tp{tp}")
+    """(colocated run, separate-mesh run, its log, its teacher ranks, how the copy is split) for ``request.param``
+    = (student ranks, the teacher copy's split over 2 ranks: tp, cp, pp, or None: one rank), one teacher copy."""
+    students, split = request.param
+    keys, how = COPIES[split] if split else ([], None)
+    tmp = tmp_path_factory.mktemp(f"students{students}_{split}")
     probe, pythonpath = _thread_reporting(kd_config, tmp)
-    log = _kd_run(("run",), probe, tmp / "separate", "--nproc-per-node", str(students + tp), "--separate_meshes",
-                  "true", "--distributed.dp_size", str(students), "--teacher_distributed.dp_size", "1",
-                  "--teacher_distributed.tp_size", str(tp), PYTHONPATH=pythonpath)
-    return colocated_runs(students), tmp / "separate", log, range(students, students + tp)
+    ranks = 2 if split else 1
+    log = _kd_run(("run",), probe, tmp / "separate", "--nproc-per-node", str(students + ranks), "--separate_meshes",
+                  "true", "--distributed.dp_size", str(students), "--teacher_distributed.dp_size", "1", *keys,
+                  PYTHONPATH=pythonpath)
+    return colocated_runs(students), tmp / "separate", log, range(students, students + ranks), how
 
 
 def test_the_teacher_on_its_own_ranks_gives_the_colocated_runs_losses_and_weights(layout):
-    colocated, separate, log, teachers = layout
-    copy = "a whole copy on each" if len(teachers) == 1 else \
-        f"1 copy, each tensor-parallel over {len(teachers)} consecutive ranks"
+    """Also with the teacher's logits computed by a copy over 2 ranks (tensor- or context-parallel, or a pipeline of
+    2 stages): a part missing or out of place would change the KD loss."""
+    colocated, separate, log, teachers, how = layout
+    copy = "a whole copy on each" if how is None else f"1 copy, each {how} {len(teachers)} consecutive ranks"
     where = f"rank {teachers[0]}" if len(teachers) == 1 else f"ranks {teachers[0]}..{teachers[-1]}"
     assert f"the teacher runs on {where} ({copy})" in log
     assert losses(separate) == pytest.approx(losses(colocated), rel=1e-5)
@@ -135,8 +155,8 @@ def test_the_teacher_on_its_own_ranks_gives_the_colocated_runs_losses_and_weight
 
 
 def test_no_rank_leaves_a_gloo_thread_to_interpreter_shutdown(layout):
-    _, separate, _, teachers = layout
-    if len(teachers) > 1:
+    _, separate, _, teachers, how = layout
+    if how is not None and how != "a pipeline over":
         pytest.skip("known gap: once a DTensor is built, torch (2.13) holds the teacher ranks' default gloo group on "
                     "its C++ side past destroy_process_group (no Python object refers to it), so that group's "
                     "threads end at interpreter shutdown")
@@ -176,7 +196,8 @@ def test_teacher_layout_keys_that_cannot_act_are_refused_with_the_reason(kd_conf
 def test_the_teachers_tensor_parallel_ranks_count_in_the_split_and_its_sizes_are_checked(kd_config):
     found = _issues(kd_config, 3, "--separate_meshes", "true", "--distributed.dp_size", "1",
                     "--teacher_distributed.tp_size", "3")
-    assert "the teacher's 3 rank(s) (teacher_distributed.dp_size x tp_size)" in found["teacher_distributed.dp_size"]
+    assert "the teacher's 3 rank(s) (teacher_distributed.dp_size x tp_size x cp_size x pp_size)" in \
+        found["teacher_distributed.dp_size"]
     assert "launch with --nproc-per-node 4" in found["teacher_distributed.dp_size"]
     assert "3 does not divide the model's" in found["teacher_distributed.tp_size"]
 
