@@ -183,12 +183,31 @@ def test_sizes_that_do_not_fill_the_world_name_the_keys_and_the_launch(kd_config
 
 
 def test_teacher_layout_keys_that_cannot_act_are_refused_with_the_reason(kd_config):
+    separate = ["--separate_meshes", "true", "--distributed.dp_size", "1"]
     found = _issues(kd_config, 4, "--separate_meshes", "true", "--distributed.dp_size", "2",
-                    "--teacher_distributed.dp_size", "2", "--teacher_distributed.cp_size", "2",
-                    "--teacher_distributed.strategy", "fsdp2", "--teacher_distributed.pipeline.pp_schedule", "1f1b")
-    assert "the teacher's context parallelism is not implemented" in found["teacher_distributed.cp_size"]
+                    "--teacher_distributed.dp_size", "2", "--teacher_distributed.ep_size", "2",
+                    "--teacher_distributed.strategy", "fsdp2")
+    assert "the teacher's expert parallelism is not implemented" in found["teacher_distributed.ep_size"]
     assert "fsdp2 would shard the teacher over its 2 copies" in found["teacher_distributed.strategy"]
-    assert "the teacher's pipeline parallelism is not implemented" in found["teacher_distributed.pipeline"]
+    found = _issues(kd_config, 5, *separate, "--teacher_distributed.cp_size", "2",
+                    "--teacher_distributed.pp_size", "2")
+    assert "split one way only" in found["teacher_distributed.pp_size"]
+    found = _issues(kd_config, 2, *separate, "--teacher_distributed.pipeline.pp_schedule", "1f1b")
+    assert "only with teacher_distributed.pp_size above 1" in found["teacher_distributed.pipeline"]
+    pipeline = [*separate, "--teacher_distributed.pp_size", "2", "--teacher_distributed.pipeline.pp_schedule"]
+    found = _issues(kd_config, 3, *pipeline, "interleaved1f1b", "--teacher_distributed.pipeline.pp_seq_len", "64",
+                    "--teacher_distributed.pipeline.scale_grads_in_schedule", "true")
+    assert "finds each batch's shapes with its forward" in found["teacher_distributed.pipeline.pp_seq_len"]
+    assert "set it to False" in found["teacher_distributed.pipeline.scale_grads_in_schedule"]
+    found = _issues(kd_config, 3, *pipeline, "interleaved1f1b")
+    assert "use gpipe or 1f1b" in found["teacher_distributed.pipeline.pp_schedule"]
+    found = _issues(kd_config, 3, *pipeline, "1f1b", "--teacher_distributed.pipeline.pp_microbatch_size", "3")
+    assert "3 does not divide the 4 rows" in found["teacher_distributed.pipeline.pp_microbatch_size"]
+    found = _issues(kd_config, 4, *separate, "--teacher_distributed.pp_size", "3")
+    assert "each stage needs a layer" in found["teacher_distributed.pp_size"]
+    found = _issues(kd_config, 3, *separate, "--teacher_distributed.cp_size", "2",
+                    "--teacher_model.attn_implementation", "eager")
+    assert "teacher_distributed.cp_size: 1" in found["teacher_model.attn_implementation"]
     found = _issues(kd_config, 1, "--teacher_distributed.dp_size", "1")
     assert "only with separate_meshes: true" in found["teacher_distributed"]
 
@@ -207,6 +226,22 @@ def test_the_student_layout_is_validated_on_the_students_ranks(kd_config):
         _, cfg = load_config(kd_config, "--separate_meshes", "true", "--distributed.dp_size", "2",
                              "--teacher_distributed.strategy", "ddp", route=("kd", "llm"))
     assert cfg.resolved["separate_meshes"] is True
+
+
+def test_the_upstream_form_of_a_pipeline_or_context_parallel_teacher_validates():
+    """upstream_forms/kd_separate_mesh_teacher.yaml (upstream's ``..._teacher_pp2`` form; ``_teacher_cp2`` by
+    override) on its 4 ranks; its teacher cut into 3 stages is refused for its 2 layers."""
+    from pathlib import Path
+
+    form = Path(__file__).parent / "upstream_forms" / "kd_separate_mesh_teacher.yaml"
+    with planned_world_size(4, "--nproc-per-node 4"):
+        _, cfg = load_config(form, route=("kd", "llm"))
+        assert cfg.resolved["teacher_distributed"]["pipeline"]["pp_schedule"] == "1f1b"
+        _, cfg = load_config(form, "--teacher_distributed.pp_size", "1", "--teacher_distributed.cp_size", "2",
+                             "--teacher_distributed.pipeline", "null", route=("kd", "llm"))
+        assert cfg.resolved["teacher_distributed"]["cp_size"] == 2
+    found = _issues(form, 5, "--teacher_distributed.pp_size", "3")
+    assert "each stage needs a layer" in found["teacher_distributed.pp_size"]
 
 
 def _link_rank(rank: int, rendezvous: str, results) -> None:
