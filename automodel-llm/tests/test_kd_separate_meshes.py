@@ -63,11 +63,13 @@ def automodel_allowed_targets():
 
 @pytest.fixture(scope="module")
 def kd_config(tmp_path_factory, tiny_llama_config):
-    """The tiny student, distilled from a 2-layer teacher with its own output head (a pipeline cuts it in two)."""
+    """The tiny student, distilled from a 2-layer teacher (a pipeline cuts it in two) whose output head is tied to
+    its input embedding (the first stage holds the one, the last the other)."""
     tmp = tmp_path_factory.mktemp("kd")
     teacher_config = tmp / "teacher.json"
-    teacher_config.write_text(json.dumps({**json.loads(tiny_llama_config.read_text()), "num_hidden_layers": 2,
-                                          "tie_word_embeddings": False}))
+    data = {**json.loads(tiny_llama_config.read_text()), "num_hidden_layers": 2}
+    assert data["tie_word_embeddings"] is True
+    teacher_config.write_text(json.dumps(data))
     teacher = {"_target_": "automodel_llm.AutoModelForCausalLM.from_config", "config": str(teacher_config),
                "seed": 7}
     return write_config(tmp / "kd.yaml", tiny_llama_config, tmp / "ckpt", teacher_model=teacher, kd_ratio=0.5,
