@@ -117,8 +117,9 @@ def colocated_runs(kd_config, tmp_path_factory):
 # a copy of the teacher over 2 ranks: its teacher_distributed keys, and how the run's plan says it
 COPIES = {
     "tp": (["--teacher_distributed.tp_size", "2"], "tensor-parallel over"),
-    # fsdp2: the copy's weights sharded over its 2 context-parallel ranks
-    "cp": (["--teacher_distributed.cp_size", "2", "--teacher_distributed.strategy", "fsdp2"], "context-parallel over"),
+    # fsdp2: the copy's weights sharded over its 2 context-parallel ranks; eager attention: run as SDPA in the region
+    "cp": (["--teacher_distributed.cp_size", "2", "--teacher_distributed.strategy", "fsdp2",
+            "--teacher_model.attn_implementation", "eager"], "context-parallel over"),
     "pp": (["--teacher_distributed.pp_size", "2", "--teacher_distributed.pipeline.pp_schedule", "1f1b",
             "--teacher_distributed.pipeline.pp_microbatch_size", "1",
             "--teacher_distributed.pipeline.scale_grads_in_schedule", "false"], "a pipeline over"),
@@ -208,7 +209,7 @@ def test_teacher_layout_keys_that_cannot_act_are_refused_with_the_reason(kd_conf
     found = _issues(kd_config, 4, *separate, "--teacher_distributed.pp_size", "3")
     assert "each stage needs a layer" in found["teacher_distributed.pp_size"]
     found = _issues(kd_config, 3, *separate, "--teacher_distributed.cp_size", "2",
-                    "--teacher_model.attn_implementation", "eager")
+                    "--teacher_model.attn_implementation", "flex_attention")
     assert "teacher_distributed.cp_size: 1" in found["teacher_model.attn_implementation"]
     found = _issues(kd_config, 1, "--teacher_distributed.dp_size", "1")
     assert "only with separate_meshes: true" in found["teacher_distributed"]

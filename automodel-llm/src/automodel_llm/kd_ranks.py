@@ -196,7 +196,7 @@ def _copy_issues(data: dict, cfg: Any) -> list[ConfigIssue]:
     if pp > 1:
         return pp_teacher_issues(hf_config, pp, section.get("pipeline"), cfg)
     if cp > 1:
-        return cp_teacher_issues(cfg, cp)
+        return cp_teacher_issues(cfg, cp, hf_config)
     return tp_issues(hf_config, tp, section="teacher_distributed") if hf_config is not None else []
 
 

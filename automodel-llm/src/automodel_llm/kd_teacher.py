@@ -28,13 +28,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from automodel.errors import ConfigIssue
+from automodel.errors import AutomodelError, ConfigIssue
 from automodel.training.next_token import LABEL_POSITIONS
 from automodel.training.parallel.context_parallel import (
     ContextParallelBatch,
     causal_attention_without_mask,
     context_parallel_region,
     cp_issues,
+    eager_issue,
 )
 from automodel.training.parallel.pipeline_parallel import (
     KEPT_SHAPES,
@@ -51,13 +52,21 @@ PIPELINE_KEY = "teacher_distributed.pipeline"
 FORWARD_SCHEDULES = ("gpipe", "1f1b")  # one stage per rank; forward only
 
 
-def cp_teacher_issues(cfg: Any, cp: int) -> list[ConfigIssue]:
-    """Whether the teacher can run the all-gather attention over ``cp`` ranks (its SDPA calls are replaced)."""
+def cp_teacher_issues(cfg: Any, cp: int, hf_config: Any) -> list[ConfigIssue]:
+    """Whether the teacher can run the all-gather attention over ``cp`` ranks (its SDPA calls are replaced; eager
+    attention runs as SDPA there) with its ``attn_implementation`` (``hf_config``: its config, where readable)."""
     teacher = cfg.teacher_model
     implementation = teacher.get("attn_implementation") if teacher is not None else None
-    return [ConfigIssue("teacher_model.attn_implementation", issue.message.replace("distributed.cp_size",
-                                                                                   "teacher_distributed.cp_size"))
-            for issue in cp_issues("cpu", cp, implementation, "teacher_distributed", "all_gather")]
+    issues = [ConfigIssue("teacher_model.attn_implementation", _for_teacher(issue.message))
+              for issue in cp_issues("cpu", cp, implementation, "teacher_distributed", "all_gather")]
+    if implementation == "eager" and hf_config is not None and (why := eager_issue(hf_config)) is not None:
+        issues.append(ConfigIssue("teacher_model.attn_implementation", _for_teacher(why)))
+    return issues
+
+
+def _for_teacher(message: str) -> str:
+    """A message of the core's context parallelism, which names the student's key, naming the teacher's."""
+    return message.replace("distributed.cp_size", "teacher_distributed.cp_size")
 
 
 def pp_teacher_issues(hf_config: Any, pp: int, section: dict[str, Any] | None, cfg: Any) -> list[ConfigIssue]:
@@ -121,7 +130,15 @@ class ContextParallelTeacher:
 
     def __init__(self, teacher: nn.Module, cp_mesh: DeviceMesh, shard: bool):
         self.teacher, self.cp_mesh = teacher, cp_mesh
-        causal_attention_without_mask(teacher)
+        config = getattr(teacher, "config", None)
+        implementation = getattr(config, "_attn_implementation", None)
+        if implementation not in (None, "sdpa", "eager"):
+            raise AutomodelError(f"teacher_model.attn_implementation: '{implementation}': the teacher's context "
+                                 "parallelism replaces its SDPA calls; use sdpa or eager (or set "
+                                 "teacher_distributed.cp_size: 1)")
+        if implementation == "eager" and (why := eager_issue(config)) is not None:
+            raise AutomodelError(f"teacher_model.attn_implementation: {_for_teacher(why)}")
+        causal_attention_without_mask(teacher)  # eager attention runs as SDPA in the region
         if shard:
             from automodel.training.parallel.fsdp import apply_fsdp2
 
