@@ -131,6 +131,9 @@ def on_cuda(monkeypatch):
 
 def test_cp2_passes_validation_where_the_device_is_cuda(config, on_cuda, capsys):
     assert main(["validate", "-c", str(config), *CP2]) == 0, capsys.readouterr().err
+    # with pipeline parallelism too (test_pipeline_parallel.py trains pp 2 x cp 2 like one process)
+    assert main(["validate", "-c", str(config), *CP2, "--nproc-per-node", "4", "--distributed.pp_size", "2"]) == 0, \
+        capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
@@ -146,15 +149,15 @@ def test_ring_attention_is_refused_on_this_machine_saying_what_would_run_it(conf
      "packed_sequence: packed rows keep attention within each sample, but torch's ring attention"),
     (["--packed_sequence.pack_size", "66"],
      "packed_sequence.pack_size: packed rows of 66 tokens: context parallelism (cp_size 2) splits each row into 4"),
-    (["--nproc-per-node", "4", "--distributed.pp_size", "2"],
-     "distributed.pp_size: 2 with cp_size 2: a vision-language model merges its media into the whole sequence"),
+    (["--nproc-per-node", "4", "--distributed.pp_size", "2", "--distributed.cp_attention", "ring"],
+     "distributed.cp_attention: ring with pp_size 2: the pipeline schedule runs each micro-batch's backward"),
     (["--distributed.multimodal.vision.frame_sharding.enabled", "true"],
      "distributed.multimodal.vision.frame_sharding.enabled: true: a llava model: frame sharding splits the frames "
      "of a Qwen-VL vision tower"),
     (["--distributed.multimodal.vision.frame_sharding", "{enabled: true, mesh_dims: [cp, tp], min_frames: -1}"],
      "distributed.multimodal.vision.frame_sharding.mesh_dims: ['cp', 'tp']: frames are split over the "
      "context-parallel ranks only"),
-], ids=["packing_with_ring", "packing_length", "pp", "frame_sharding_llava", "frame_sharding_keys"])
+], ids=["packing_with_ring", "packing_length", "pp_ring", "frame_sharding_llava", "frame_sharding_keys"])
 def test_what_the_path_cannot_run_is_refused_with_the_reason(config, on_cuda, capsys, args, refusal):
     assert main(["validate", "-c", str(config), *CP2, *args]) == 2
     err = capsys.readouterr().err

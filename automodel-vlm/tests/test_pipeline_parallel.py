@@ -2,11 +2,12 @@
 cuts the tiny Llava along its 2-layer language model (stage 0: vision tower, projector, embedding, layer 0; stage 1:
 layer 1, norm, head) and trains with the per-step losses and gradient norms of one process on rows holding two, one
 or no images (each pipeline micro-batch's first stage gets exactly its rows' images); the consolidated ``model/``
-loads with transformers as the one process's weights, and with LoRA the saved adapter is the one process's; what
-the pipeline cannot take is refused by ``automodel validate`` with the numbers.
+loads with transformers as the one process's weights, and with LoRA the saved adapter is the one process's; pp 2 x
+cp 2 on four ranks (each first stage merges the images into the whole rows, then splits them) trains like one process
+too; what the pipeline cannot take is refused by ``automodel validate`` with the numbers.
 
-The two ranks of the pipeline read the same rows, so the one-process reference (run in the test's process) has the
-same batch size.
+The ranks of the pipeline (and of its cp groups) read the same rows, so the one-process reference (run in the test's
+process) has the same batch size.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vlm_testing import SHAPES, assert_trains_like, train_inprocess, write_config, write_jsonl
+from vlm_testing import SHAPES, assert_trains_like, train_inprocess, training_column, write_config, write_jsonl
 
 from automodel.testing import free_port, run_cli, run_cli_inprocess
 
@@ -49,6 +50,12 @@ def _one_process(tmp: Path, **sections: Any) -> Path:
     return tmp / "one"
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """One process on the mixed rows, full fine-tuning: the reference of pp 2 and of pp 2 x cp 2."""
+    return _one_process(tmp_path_factory.mktemp("vlm_pp_one"))
+
+
 def _pp2(tmp: Path, *args: str, **sections: Any) -> tuple[Path, str]:
     config = _config(tmp, "pp2", **sections)
     result = run_cli("finetune", "vlm", "-c", config, *PP2, *args, "--master-port", str(free_port()), cwd=tmp,
@@ -58,12 +65,12 @@ def _pp2(tmp: Path, *args: str, **sections: Any) -> tuple[Path, str]:
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_pp2_trains_like_one_process_on_rows_with_different_image_counts(tmp_path, lora):
+def test_pp2_trains_like_one_process_on_rows_with_different_image_counts(tmp_path, lora, request):
     sections = {"peft": {"dim": 4, "alpha": 8, "match_all_linear": True, "dropout": 0.0}} if lora else {}
     # 1F1B over one-row micro-batches (two images, none, one, one); GPipe over two-row ones (two + none, one + one)
     schedule = ["--distributed.pipeline.pp_schedule", "gpipe", "--distributed.pipeline.pp_microbatch_size", "2"] \
         if lora else ["--distributed.pipeline.pp_schedule", "1f1b"]
-    reference = _one_process(tmp_path, **sections)
+    reference = _one_process(tmp_path, **sections) if lora else request.getfixturevalue("reference")
     out, log = _pp2(tmp_path, *schedule, **sections)
     assert "stage 0 of 2 on this rank (vision_tower + multi_modal_projector + embedding + layers 0-0)" in log
     assert_trains_like(out, reference, "epoch_1_step_4", lora)
@@ -79,6 +86,20 @@ def test_packed_rows_keep_attention_within_each_sample_through_the_stages(tmp_pa
     out, log = _pp2(tmp_path, "--distributed.pipeline.pp_schedule", "1f1b", **packed)
     assert "packed the training data into 2 rows of 200 tokens" in log
     assert_trains_like(out, reference, "epoch_3_step_4", lora=False)
+
+
+def test_pp2_x_cp2_merges_the_images_into_whole_rows_then_splits_them_like_one_process(tmp_path, reference):
+    """pp 2 x cp 2 on four ranks: each cp rank's first stage runs the vision tower and merges the images into the
+    whole rows (an image's tokens lie on one rank's part, the other rank's part holds none), then its language
+    model's layer and the second stage run on the rank's part with the all-gather attention; the losses, gradient
+    norms and final weights are one process's (splitting the token ids before the merge fails: a rank's part does
+    not hold its images' tokens)."""
+    out, log = _pp2(tmp_path, "--nproc-per-node", "4", "--distributed.cp_size", "2",
+                    "--distributed.pipeline.pp_schedule", "1f1b")
+    assert "all-gather attention" in log and "over cp 2" in log
+    for key in ("loss", "grad_norm"):
+        assert training_column(out, key) == pytest.approx(training_column(reference, key), rel=1e-5), key
+    assert_trains_like(out, reference, "epoch_1_step_4", lora=False)
 
 
 def _validate(tmp: Path, *args: str, **sections: Any) -> str:

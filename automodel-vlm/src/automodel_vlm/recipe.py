@@ -68,16 +68,12 @@ def _processor_needs_model_source(cfg: Any) -> bool:
 
 def context_parallel_issues(cfg: Any) -> list[ConfigIssue]:
     """What the VLM recipe cannot run with ``distributed.cp_size > 1``: a model whose attention the chosen one does
-    not compute (ring attention and image tokens that attend both ways), pipeline parallelism, packed rows with ring
-    attention or of a length the split does not divide. (Generation runs outside the context-parallel region, on
+    not compute (ring attention and image tokens that attend both ways), packed rows with ring attention or of a
+    length the split does not divide. (With pipeline parallelism the first stage merges the media into the whole
+    rows and then splits them: ``PipelineStageModel.takes_whole_rows``; ring attention is the core's refusal.) (Generation runs outside the context-parallel region, on
     whole sequences with the model's own mask, as in one process.)"""
     cp = cfg.distributed.cp_size
     issues = []
-    if cfg.distributed.pp_size > 1:
-        issues.append(ConfigIssue("distributed.pp_size", f"{cfg.distributed.pp_size} with cp_size {cp}: a "
-                                  "vision-language model merges its media into the whole sequence before its language "
-                                  "model's split, but the pipeline splits each batch over the cp ranks before its "
-                                  "first stage (the LLM recipes run pp x cp); use pp_size: 1 or cp_size: 1"))
     config = model_hf_config(cfg)
     chosen = cp_attention(cfg, validation_device(), config)
     if config is not None and (issue := attention_issue(config, chosen)) is not None:
@@ -242,7 +238,7 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
 
     def setup(self) -> None:
         super().setup()
-        if self.ctx.mesh.cp > 1:
+        if self.ctx.mesh.cp > 1 and self.ctx.mesh.pp == 1:  # pipelined: the first stage splits after the merge
             language_model = find_part(self.model, "language_model")
             if language_model is None:
                 raise AutomodelError(f"distributed.cp_size: {self.ctx.mesh.cp}: context parallelism splits the "

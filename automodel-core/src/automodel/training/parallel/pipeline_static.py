@@ -105,8 +105,9 @@ class StaticShapes:
 
     def examples(self, stage: Any, rows: int) -> dict[str, torch.Tensor]:
         """``PipelineStage``'s ``input_args`` and ``output_args`` for ``stage`` (meta tensors)."""
-        if stage.is_first:
-            inputs = torch.empty(rows, self.part, dtype=torch.long, device="meta")
+        if stage.is_first:  # a composite model's first stage takes the whole rows (it splits after the merge)
+            length = self.seq_len if getattr(stage, "takes_whole_rows", False) else self.part
+            inputs = torch.empty(rows, length, dtype=torch.long, device="meta")
         else:
             inputs = torch.empty(rows, self.part, self.hidden, dtype=self.activations, device="meta",
                                  requires_grad=True)
