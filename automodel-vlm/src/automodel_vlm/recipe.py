@@ -70,8 +70,9 @@ def context_parallel_issues(cfg: Any) -> list[ConfigIssue]:
     """What the VLM recipe cannot run with ``distributed.cp_size > 1``: a model whose attention the chosen one does
     not compute (ring attention and image tokens that attend both ways), packed rows with ring attention or of a
     length the split does not divide. (With pipeline parallelism the first stage merges the media into the whole
-    rows and then splits them: ``PipelineStageModel.takes_whole_rows``; ring attention is the core's refusal.) (Generation runs outside the context-parallel region, on
-    whole sequences with the model's own mask, as in one process.)"""
+    rows and then splits them, ``PipelineStageModel.takes_whole_rows``; ring attention there is the core's refusal.
+    Generation runs outside the context-parallel region, on whole sequences with the model's own mask, as in one
+    process.)"""
     cp = cfg.distributed.cp_size
     issues = []
     config = model_hf_config(cfg)
