@@ -118,12 +118,51 @@ def test_more_stages_than_text_layers_and_generation_are_refused_by_validate(tmp
 
 
 def test_a_model_without_a_media_layout_is_refused_by_validate(tmp_path):
-    qwen = {"model_type": "qwen2_vl", "text_config": {"num_hidden_layers": 2, "tie_word_embeddings": False},
+    qwen = {"model_type": "qwen2_5_vl", "text_config": {"num_hidden_layers": 2, "tie_word_embeddings": False},
             "tie_word_embeddings": False}
     out = _validate(tmp_path, model={"config": qwen}, eval_generation=None,
                     distributed={"strategy": "fsdp2", "pp_size": 2})
-    assert "distributed.pp_size" in out and "the model (qwen2_vl) has no media layout here" in out
-    assert "(known: llava)" in out
+    assert "distributed.pp_size" in out and "the model (qwen2_5_vl) has no media layout here" in out
+    assert "(known: llava, qwen2_vl)" in out
+
+
+def test_qwen2_vl_stages_run_one_row_micro_batches_like_the_whole_model():
+    """The Qwen2-VL's media layout: each row's images (of different sizes: their patches and grids) regrouped per
+    row, its 3-D rope positions computed on the whole rows (packed rows: the collator's, with their text row) and
+    handed to both stages rows first; the two stages on each one-row micro-batch give the whole model's logits on
+    the batch, right-padded and packed (the second stage without the positions does not). pp 2 x cp 2 on four
+    ranks: test_context_parallel.py."""
+    import torch
+    from vlm_context_parallel_workers import micro_batches, tiny_model
+
+    from automodel.training.parallel.pipeline_media import media_kwargs
+    from automodel.training.parallel.pipeline_stages import split_model
+    from automodel.training.pipeline_steps import padded_tokens, stage_kwargs
+    from automodel_vlm.datasets.packing import rope_index
+    from automodel_vlm.pipeline import media_per_row, rope_positions
+
+    model, processor = tiny_model("qwen2_vl")
+    (first,), (second,) = split_model(model, 0, 2), split_model(model, 1, 2)
+    padded, packed = micro_batches(processor, 1, 4)[0], micro_batches(processor, 1, 4, rope_index(model))[0]
+    assert padded["image_grid_thw"].tolist() == [[1, 4, 4], [1, 4, 6]]  # 16 and 24 patches, 4 and 6 image tokens
+    for batch, axes in ((padded, 3), (packed, 4)):  # packed rows: the text positions on top of the three axes
+        pipelined = rope_positions(batch, model.config, rope_index(model))
+        assert pipelined["position_ids"].shape == (2, axes, batch["input_ids"].shape[1])
+        assert "mm_token_type_ids" not in pipelined
+        kwargs = {**stage_kwargs(pipelined, 8), **media_kwargs(media_per_row(pipelined, model.config))}
+        ids, _ = padded_tokens(pipelined, 8, 0)
+        length = batch["input_ids"].shape[1]
+        with torch.no_grad():
+            inputs = {key: value for key, value in batch.items() if key not in ("labels", "token_count")}
+            whole = model(**inputs, use_cache=False).logits  # as training runs it (a cache hides the packing)
+            for row in range(2):
+                row_kwargs = {key: value[row:row + 1] for key, value in kwargs.items()}
+                later = {key: value for key, value in row_kwargs.items() if not key.startswith("media_")}
+                logits = second(first(ids[row:row + 1], **row_kwargs), **later)
+                assert torch.allclose(logits[:, :length], whole[row:row + 1], atol=1e-5)
+                later.pop("position_ids")
+                logits = second(first(ids[row:row + 1], **row_kwargs), **later)
+                assert not torch.allclose(logits[:, :length], whole[row:row + 1], atol=1e-5)
 
 
 def test_dry_run_prints_the_vision_tower_on_the_first_stage(tmp_path):

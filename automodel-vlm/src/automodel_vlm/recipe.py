@@ -45,7 +45,7 @@ from automodel_vlm.drafter import DRAFTER_DIR, drafter_issues, find_composite, u
 from automodel_vlm.frame_sharding import FrameSharding, attach_frame_sharding, frame_sharding_issues
 from automodel_vlm.freeze import UpstreamFreezeConfig, VLMFreezeConfig
 from automodel_vlm.parts import MULTIMODAL_NAMES, base_model, find_part
-from automodel_vlm.pipeline import layout_issue, media_per_row, pipeline_issues
+from automodel_vlm.pipeline import layout_issue, media_per_row, pipeline_issues, rope_positions
 
 DATASET_ARGS = ("config_key", "processor")
 
@@ -320,12 +320,15 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
         """The step's micro-batches padded to :func:`pipeline_length` (the padding is masked out and carries no
         label; packed rows keep no mask and every stage gets their position ids, see :func:`stage_kwargs`), each
         with its media regrouped per row (``pipeline_media``) so that every pipeline micro-batch's first stage gets
-        exactly its rows' images."""
+        exactly its rows' images, and the model's multi-axis rope positions where it has them
+        (:func:`rope_positions`: every stage needs them)."""
         longest = pipeline_length(batches, length)
         pad = self.processor.tokenizer.pad_token_id or 0
         config = base_model(self.model).config
+        rope = rope_index(self.model)
         parts = []
         for batch in batches:
+            batch = rope_positions(batch, config, rope)
             extra = longest - batch["input_ids"].shape[1]
             kwargs = {**stage_kwargs(batch, extra), **media_kwargs(media_per_row(batch, config))}
             parts.append((*padded_tokens(batch, extra, pad), kwargs))

@@ -63,8 +63,11 @@ class PipelineStageModel(nn.Module):
     layers. Every stage gets the micro-batch's keyword arguments (torch's schedule hands them to each), so position
     ids that restart at each sample of a packed row keep every stage's attention within the samples. With
     ``cp_mesh`` (context parallelism, ``context_parallel.pipeline_parts``) ``inputs`` hold this rank's part of the
-    sequences and the mask and positions the whole rows': the layers run in the all-gather attention's region over
-    ``cp_mesh``, on the rank's positions, its mask built from the whole rows'."""
+    sequences (a composite model's first stage: the whole rows', :attr:`takes_whole_rows`) and the mask and
+    positions the whole rows': the layers run in the all-gather attention's region over ``cp_mesh``, on the rank's
+    positions, its mask built from the whole rows'. Multi-axis positions (Qwen-VL's 3-D rope) come rows first,
+    ``[rows, axes, length]``, so that the schedule splits them with the rows; the stage hands the model
+    ``[axes, rows, length]``."""
 
     # the loss applies the output head itself (FusedLinearCrossEntropy): no [tokens, vocab] logits leave the stage
     head_in_loss = False
@@ -94,12 +97,14 @@ class PipelineStageModel(nn.Module):
             body, given = getattr(self, self._base), {"input_ids": inputs, **model_media(media)}
         else:
             body, given = self.get_submodule(self._text), {"inputs_embeds": inputs}
+        if position_ids is not None and position_ids.dim() == 3:  # multi-axis positions travel rows first
+            position_ids = position_ids.transpose(0, 1)
         if cp_mesh is None:
             hidden = body(**given, attention_mask=attention_mask, position_ids=position_ids,
                           use_cache=False).last_hidden_state
         else:  # this rank's part of the rows' sequences; their positions and padding are the whole rows'
-            positions = position_ids.clone()  # split in place by the region: the rank's positions
-            with all_gather_region(cp_mesh, position_ids.shape[-1], position_ids, attention_mask, [positions]):
+            positions = split_sequence(position_ids, cp_mesh, dim=position_ids.dim() - 1)
+            with all_gather_region(cp_mesh, position_ids.shape[-1], position_ids, attention_mask, []):
                 if self.takes_whole_rows:  # the media merged into the whole rows, the text model on the part
                     with self._text_model_on_part(cp_mesh, positions):
                         hidden = body(**given, attention_mask=attention_mask, position_ids=position_ids,
