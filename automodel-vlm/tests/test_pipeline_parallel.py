@@ -56,10 +56,10 @@ def reference(tmp_path_factory) -> Path:
     return _one_process(tmp_path_factory.mktemp("vlm_pp_one"))
 
 
-def _pp2(tmp: Path, *args: str, **sections: Any) -> tuple[Path, str]:
+def _pp2(tmp: Path, *args: str, env: dict[str, str] | None = None, **sections: Any) -> tuple[Path, str]:
     config = _config(tmp, "pp2", **sections)
     result = run_cli("finetune", "vlm", "-c", config, *PP2, *args, "--master-port", str(free_port()), cwd=tmp,
-                     OMP_NUM_THREADS="1")
+                     OMP_NUM_THREADS="1", **(env or {}))
     assert result.returncode == 0, result.stderr[-4000:]
     return tmp / "pp2", result.stderr
 
@@ -91,12 +91,14 @@ def test_packed_rows_keep_attention_within_each_sample_through_the_stages(tmp_pa
 def test_pp2_x_cp2_merges_the_images_into_whole_rows_then_splits_them_like_one_process(tmp_path, reference):
     """pp 2 x cp 2 on four ranks: each cp rank's first stage runs the vision tower and merges the images into the
     whole rows (an image's tokens lie on one rank's part, the other rank's part holds none), then its language
-    model's layer and the second stage run on the rank's part with the all-gather attention; the losses, gradient
-    norms and final weights are one process's (splitting the token ids before the merge fails: a rank's part does
-    not hold its images' tokens)."""
+    model's layer and the second stage run on the rank's part with the all-gather attention, with static stage
+    shapes (the first stage's input the whole rows); the losses, gradient norms and final weights are one process's
+    (splitting the token ids before the merge fails: a rank's part does not hold its images' tokens)."""
     out, log = _pp2(tmp_path, "--nproc-per-node", "4", "--distributed.cp_size", "2",
-                    "--distributed.pipeline.pp_schedule", "1f1b")
+                    "--distributed.pipeline.pp_schedule", "1f1b", "--distributed.pipeline.pp_seq_len", "128",
+                    env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})  # torch checks each stage's tensors against them
     assert "all-gather attention" in log and "over cp 2" in log
+    assert "static (pp_seq_len 128; this rank's part of the sequences, cp 2)" in log  # the first stage: whole rows
     for key in ("loss", "grad_norm"):
         assert training_column(out, key) == pytest.approx(training_column(reference, key), rel=1e-5), key
     assert_trains_like(out, reference, "epoch_1_step_4", lora=False)
