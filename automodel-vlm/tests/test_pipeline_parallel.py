@@ -98,7 +98,8 @@ def test_pp2_x_cp2_merges_the_images_into_whole_rows_then_splits_them_like_one_p
                     "--distributed.pipeline.pp_schedule", "1f1b", "--distributed.pipeline.pp_seq_len", "128",
                     env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})  # torch checks each stage's tensors against them
     assert "all-gather attention" in log and "over cp 2" in log
-    assert "static (pp_seq_len 128; this rank's part of the sequences, cp 2)" in log  # the first stage: whole rows
+    assert "static (pp_seq_len 128; this rank's part of the sequences, cp 2): token ids [1, 128] (the whole " \
+        "rows: the first stage splits them after merging the media), hidden states [1, 64," in log
     for key in ("loss", "grad_norm"):
         assert training_column(out, key) == pytest.approx(training_column(reference, key), rel=1e-5), key
     assert_trains_like(out, reference, "epoch_1_step_4", lora=False)

@@ -107,7 +107,8 @@ class PipelineSteps:
         shapes = None
         if settings.pp_seq_len is not None or settings.dtype is not None:
             shapes = static_shapes(ctx, stages[0], settings)
-            self.log(shapes.describe(settings.pp_microbatch_size))
+            whole_rows = any(getattr(stage, "takes_whole_rows", False) for stage in stages)
+            self.log(shapes.describe(settings.pp_microbatch_size, whole_rows))
         cp_mesh = ctx.device_mesh[CP] if ctx.mesh.cp > 1 else None  # each batch split over it before the schedule
         return StagePipelines(stages, ctx.device_mesh[PP], ctx.device, settings, self.pipeline_loss, shapes, cp_mesh)
 

@@ -116,16 +116,19 @@ class StaticShapes:
         outputs = torch.empty(rows, self.part, width, dtype=dtype, device="meta", requires_grad=True)
         return {"input_args": inputs, "output_args": outputs}
 
-    def describe(self, rows: int) -> str:
-        """The run-start line: the shapes, and that no shape-finding pass runs."""
-        length = (f"{self.part}" if self.seq_len else f"length / {self.cp}") if self.cp > 1 else \
-            f"{self.seq_len or 'length'}"
+    def describe(self, rows: int, whole_rows: bool = False) -> str:
+        """The run-start line: the shapes, and that no shape-finding pass runs (``whole_rows``: the first stage
+        takes the whole rows' token ids, a composite model's, which splits them after merging its media)."""
+        whole = f"{self.seq_len or 'length'}"
+        length = (f"{self.part}" if self.seq_len else f"length / {self.cp}") if self.cp > 1 else whole
         size = f"{rows}, {length}"
         last = "the last stage's too (the loss applies the output head)" if self.head_in_loss else \
             f"logits [{size}, {self.vocab}] {dtype_name(self.logits)}"
         origin = f"pp_seq_len {self.seq_len}" if self.seq_len else "distributed.pipeline.dtype, each batch's length"
         origin += f"; this rank's part of the sequences, cp {self.cp}" if self.cp > 1 else ""
-        return (f"pipeline stage shapes: static ({origin}): token ids [{size}], hidden states "
+        ids = f"[{rows}, {whole}] (the whole rows: the first stage splits them after merging the media)" \
+            if whole_rows and self.cp > 1 else f"[{size}]"
+        return (f"pipeline stage shapes: static ({origin}): token ids {ids}, hidden states "
                 f"[{size}, {self.hidden}] {dtype_name(self.activations)}, {last}; no shape-finding pass on the first "
                 "batch")
 
