@@ -300,7 +300,7 @@ def test_static_shapes_follow_the_runs_precision():
 
 def test_every_stage_gets_packed_rows_position_ids_and_other_rows_their_padded_mask():
     """Packed rows (position ids, no mask) keep their position ids, the padding a segment of its own; other rows get
-    their mask with the padding masked out; multi-axis positions (split along the wrong dimension) are refused."""
+    their mask with the padding masked out; multi-axis positions (rows first) restart on every axis."""
     from automodel.training.pipeline_steps import stage_kwargs
 
     ids = torch.zeros(2, 4, dtype=torch.long)
@@ -309,5 +309,5 @@ def test_every_stage_gets_packed_rows_position_ids_and_other_rows_their_padded_m
     assert packed["position_ids"].tolist() == [[0, 1, 0, 1, 0, 1], [0, 1, 2, 0, 0, 1]]
     masked = stage_kwargs({"input_ids": ids, "attention_mask": torch.ones(2, 4, dtype=torch.long)}, 1)
     assert set(masked) == {"attention_mask"} and masked["attention_mask"].tolist() == [[1, 1, 1, 1, 0]] * 2
-    with pytest.raises(AutomodelError, match="3-axis position ids .* remove packed_sequence or set pp_size: 1"):
-        stage_kwargs({"input_ids": ids, "position_ids": torch.zeros(4, 2, 4, dtype=torch.long)}, 0)
+    axes = stage_kwargs({"input_ids": ids, "position_ids": torch.zeros(2, 4, 4, dtype=torch.long)}, 2)
+    assert axes["position_ids"].shape == (2, 4, 6) and axes["position_ids"][:, :, 4:].tolist() == [[[0, 1]] * 4] * 2

@@ -33,9 +33,10 @@ def cp_steps(tmp_path_factory):
     from parallel_testing import launch_together
 
     tmp = tmp_path_factory.mktemp("vlm_cp")
-    one, cp2 = launch_together([("vlm_cp", 0, tmp / "one", {}), ("vlm_cp", 2, tmp / "cp2", {})],
-                               workers=Path(__file__).with_name("vlm_context_parallel_workers.py"), timeout=600)
-    return {"one": one[0], "cp2": cp2}
+    one, cp2, pp_cp = launch_together([("vlm_cp", 0, tmp / "one", {}), ("vlm_cp", 2, tmp / "cp2", {}),
+                                       ("vlm_pp_cp", 4, tmp / "pp_cp", {})],
+                                      workers=Path(__file__).with_name("vlm_context_parallel_workers.py"), timeout=600)
+    return {"one": one[0], "cp2": cp2, "pp2_cp2": pp_cp}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -59,6 +60,25 @@ def test_the_context_parallel_step_equals_one_process(cp_steps, family):
             if key.endswith("k_proj.bias"):  # shifts all of a query's scores alike, which softmax cancels: its
                 continue  # gradient is rounding noise, which AdamW's normalisation turns into steps of up to lr
             assert torch.allclose(torch.tensor(ran["state"][key]), torch.tensor(value), atol=1e-5), key
+
+
+def test_pp2_x_cp2_merges_qwen2_vl_images_and_3d_positions_on_whole_rows_then_splits_them(cp_steps):
+    """pp 2 x cp 2 on four ranks: the first stage computes the Qwen2-VL's image features and merges them into the
+    whole rows, its 3-D rope positions (from the image grids) reach both stages rows first, and each cp rank's
+    layers run on its part: the first step's loss, gradient norm and vision-tower gradients (summed over the cp
+    ranks by FSDP2) are one process's (without the positions in the second stage, or with the token ids split
+    before the merge, they are not)."""
+    one = cp_steps["one"]["qwen2_vl"]
+    ranks = [rank["qwen2_vl"] for rank in cp_steps["pp2_cp2"]]
+    for ran in ranks:
+        assert ran["loss"] == pytest.approx(one["losses"][0], rel=1e-5)
+        assert ran["norm"] == pytest.approx(one["norms"][0], rel=1e-5)
+    first_stage = [ran["vision_grads"] for ran in ranks if ran["vision_grads"]]
+    assert len(first_stage) == 2  # pp rank 0's two cp ranks
+    for grads in first_stage:
+        assert sorted(grads) == sorted(one["vision_grads"])
+        for key, value in one["vision_grads"].items():
+            assert torch.allclose(torch.tensor(grads[key]), torch.tensor(value), rtol=1e-4, atol=1e-6), key
 
 
 def test_frame_sharding_splits_the_vision_tower_and_equals_the_unsharded_run(cp_steps):
@@ -131,6 +151,9 @@ def on_cuda(monkeypatch):
 
 def test_cp2_passes_validation_where_the_device_is_cuda(config, on_cuda, capsys):
     assert main(["validate", "-c", str(config), *CP2]) == 0, capsys.readouterr().err
+    # with pipeline parallelism too (test_pipeline_parallel.py trains pp 2 x cp 2 like one process)
+    assert main(["validate", "-c", str(config), *CP2, "--nproc-per-node", "4", "--distributed.pp_size", "2"]) == 0, \
+        capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
@@ -146,15 +169,18 @@ def test_ring_attention_is_refused_on_this_machine_saying_what_would_run_it(conf
      "packed_sequence: packed rows keep attention within each sample, but torch's ring attention"),
     (["--packed_sequence.pack_size", "66"],
      "packed_sequence.pack_size: packed rows of 66 tokens: context parallelism (cp_size 2) splits each row into 4"),
-    (["--nproc-per-node", "4", "--distributed.pp_size", "2"],
-     "distributed.pp_size: 2 with cp_size 2: a vision-language model merges its media into the whole sequence"),
+    (["--nproc-per-node", "4", "--distributed.pp_size", "2", "--distributed.cp_attention", "ring"],
+     "distributed.cp_attention: ring with pp_size 2: the pipeline schedule runs each micro-batch's backward"),
     (["--distributed.multimodal.vision.frame_sharding.enabled", "true"],
      "distributed.multimodal.vision.frame_sharding.enabled: true: a llava model: frame sharding splits the frames "
      "of a Qwen-VL vision tower"),
+    (["--nproc-per-node", "4", "--distributed.pp_size", "2", "--distributed.multimodal.vision.frame_sharding.enabled",
+      "true"], "distributed.multimodal.vision.frame_sharding.enabled: true with pp_size 2: frame sharding splits"),
     (["--distributed.multimodal.vision.frame_sharding", "{enabled: true, mesh_dims: [cp, tp], min_frames: -1}"],
      "distributed.multimodal.vision.frame_sharding.mesh_dims: ['cp', 'tp']: frames are split over the "
      "context-parallel ranks only"),
-], ids=["packing_with_ring", "packing_length", "pp", "frame_sharding_llava", "frame_sharding_keys"])
+], ids=["packing_with_ring", "packing_length", "pp_ring", "frame_sharding_llava", "frame_sharding_pp",
+                                 "frame_sharding_keys"])
 def test_what_the_path_cannot_run_is_refused_with_the_reason(config, on_cuda, capsys, args, refusal):
     assert main(["validate", "-c", str(config), *CP2, *args]) == 2
     err = capsys.readouterr().err

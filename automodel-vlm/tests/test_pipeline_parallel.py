@@ -2,11 +2,12 @@
 cuts the tiny Llava along its 2-layer language model (stage 0: vision tower, projector, embedding, layer 0; stage 1:
 layer 1, norm, head) and trains with the per-step losses and gradient norms of one process on rows holding two, one
 or no images (each pipeline micro-batch's first stage gets exactly its rows' images); the consolidated ``model/``
-loads with transformers as the one process's weights, and with LoRA the saved adapter is the one process's; what
-the pipeline cannot take is refused by ``automodel validate`` with the numbers.
+loads with transformers as the one process's weights, and with LoRA the saved adapter is the one process's; pp 2 x
+cp 2 on four ranks (each first stage merges the images into the whole rows, then splits them) trains like one process
+too; what the pipeline cannot take is refused by ``automodel validate`` with the numbers.
 
-The two ranks of the pipeline read the same rows, so the one-process reference (run in the test's process) has the
-same batch size.
+The ranks of the pipeline (and of its cp groups) read the same rows, so the one-process reference (run in the test's
+process) has the same batch size.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vlm_testing import SHAPES, assert_trains_like, train_inprocess, write_config, write_jsonl
+from vlm_testing import SHAPES, assert_trains_like, train_inprocess, training_column, write_config, write_jsonl
 
 from automodel.testing import free_port, run_cli, run_cli_inprocess
 
@@ -49,21 +50,27 @@ def _one_process(tmp: Path, **sections: Any) -> Path:
     return tmp / "one"
 
 
-def _pp2(tmp: Path, *args: str, **sections: Any) -> tuple[Path, str]:
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """One process on the mixed rows, full fine-tuning: the reference of pp 2 and of pp 2 x cp 2."""
+    return _one_process(tmp_path_factory.mktemp("vlm_pp_one"))
+
+
+def _pp2(tmp: Path, *args: str, env: dict[str, str] | None = None, **sections: Any) -> tuple[Path, str]:
     config = _config(tmp, "pp2", **sections)
     result = run_cli("finetune", "vlm", "-c", config, *PP2, *args, "--master-port", str(free_port()), cwd=tmp,
-                     OMP_NUM_THREADS="1")
+                     OMP_NUM_THREADS="1", **(env or {}))
     assert result.returncode == 0, result.stderr[-4000:]
     return tmp / "pp2", result.stderr
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_pp2_trains_like_one_process_on_rows_with_different_image_counts(tmp_path, lora):
+def test_pp2_trains_like_one_process_on_rows_with_different_image_counts(tmp_path, lora, request):
     sections = {"peft": {"dim": 4, "alpha": 8, "match_all_linear": True, "dropout": 0.0}} if lora else {}
     # 1F1B over one-row micro-batches (two images, none, one, one); GPipe over two-row ones (two + none, one + one)
     schedule = ["--distributed.pipeline.pp_schedule", "gpipe", "--distributed.pipeline.pp_microbatch_size", "2"] \
         if lora else ["--distributed.pipeline.pp_schedule", "1f1b"]
-    reference = _one_process(tmp_path, **sections)
+    reference = _one_process(tmp_path, **sections) if lora else request.getfixturevalue("reference")
     out, log = _pp2(tmp_path, *schedule, **sections)
     assert "stage 0 of 2 on this rank (vision_tower + multi_modal_projector + embedding + layers 0-0)" in log
     assert_trains_like(out, reference, "epoch_1_step_4", lora)
@@ -79,6 +86,23 @@ def test_packed_rows_keep_attention_within_each_sample_through_the_stages(tmp_pa
     out, log = _pp2(tmp_path, "--distributed.pipeline.pp_schedule", "1f1b", **packed)
     assert "packed the training data into 2 rows of 200 tokens" in log
     assert_trains_like(out, reference, "epoch_3_step_4", lora=False)
+
+
+def test_pp2_x_cp2_merges_the_images_into_whole_rows_then_splits_them_like_one_process(tmp_path, reference):
+    """pp 2 x cp 2 on four ranks: each cp rank's first stage runs the vision tower and merges the images into the
+    whole rows (an image's tokens lie on one rank's part, the other rank's part holds none), then its language
+    model's layer and the second stage run on the rank's part with the all-gather attention, with static stage
+    shapes (the first stage's input the whole rows); the losses, gradient norms and final weights are one process's
+    (splitting the token ids before the merge fails: a rank's part does not hold its images' tokens)."""
+    out, log = _pp2(tmp_path, "--nproc-per-node", "4", "--distributed.cp_size", "2",
+                    "--distributed.pipeline.pp_schedule", "1f1b", "--distributed.pipeline.pp_seq_len", "128",
+                    env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})  # torch checks each stage's tensors against them
+    assert "all-gather attention" in log and "over cp 2" in log
+    assert "static (pp_seq_len 128; this rank's part of the sequences, cp 2): token ids [1, 128] (the whole " \
+        "rows: the first stage splits them after merging the media), hidden states [1, 64," in log
+    for key in ("loss", "grad_norm"):
+        assert training_column(out, key) == pytest.approx(training_column(reference, key), rel=1e-5), key
+    assert_trains_like(out, reference, "epoch_1_step_4", lora=False)
 
 
 def _validate(tmp: Path, *args: str, **sections: Any) -> str:
@@ -97,12 +121,51 @@ def test_more_stages_than_text_layers_and_generation_are_refused_by_validate(tmp
 
 
 def test_a_model_without_a_media_layout_is_refused_by_validate(tmp_path):
-    qwen = {"model_type": "qwen2_vl", "text_config": {"num_hidden_layers": 2, "tie_word_embeddings": False},
+    qwen = {"model_type": "qwen2_5_vl", "text_config": {"num_hidden_layers": 2, "tie_word_embeddings": False},
             "tie_word_embeddings": False}
     out = _validate(tmp_path, model={"config": qwen}, eval_generation=None,
                     distributed={"strategy": "fsdp2", "pp_size": 2})
-    assert "distributed.pp_size" in out and "the model (qwen2_vl) has no media layout here" in out
-    assert "(known: llava)" in out
+    assert "distributed.pp_size" in out and "the model (qwen2_5_vl) has no media layout here" in out
+    assert "(known: llava, qwen2_vl)" in out
+
+
+def test_qwen2_vl_stages_run_one_row_micro_batches_like_the_whole_model():
+    """The Qwen2-VL's media layout: each row's images (of different sizes: their patches and grids) regrouped per
+    row, its 3-D rope positions computed on the whole rows (packed rows: the collator's, with their text row) and
+    handed to both stages rows first; the two stages on each one-row micro-batch give the whole model's logits on
+    the batch, right-padded and packed (the second stage without the positions does not). pp 2 x cp 2 on four
+    ranks: test_context_parallel.py."""
+    import torch
+    from vlm_context_parallel_workers import micro_batches, tiny_model
+
+    from automodel.training.parallel.pipeline_media import media_kwargs
+    from automodel.training.parallel.pipeline_stages import split_model
+    from automodel.training.pipeline_steps import padded_tokens, stage_kwargs
+    from automodel_vlm.datasets.packing import rope_index
+    from automodel_vlm.pipeline import media_per_row, rope_positions
+
+    model, processor = tiny_model("qwen2_vl")
+    (first,), (second,) = split_model(model, 0, 2), split_model(model, 1, 2)
+    padded, packed = micro_batches(processor, 1, 4)[0], micro_batches(processor, 1, 4, rope_index(model))[0]
+    assert padded["image_grid_thw"].tolist() == [[1, 4, 4], [1, 4, 6]]  # 16 and 24 patches, 4 and 6 image tokens
+    for batch, axes in ((padded, 3), (packed, 4)):  # packed rows: the text positions on top of the three axes
+        pipelined = rope_positions(batch, model.config, rope_index(model))
+        assert pipelined["position_ids"].shape == (2, axes, batch["input_ids"].shape[1])
+        assert "mm_token_type_ids" not in pipelined
+        kwargs = {**stage_kwargs(pipelined, 8), **media_kwargs(media_per_row(pipelined, model.config))}
+        ids, _ = padded_tokens(pipelined, 8, 0)
+        length = batch["input_ids"].shape[1]
+        with torch.no_grad():
+            inputs = {key: value for key, value in batch.items() if key not in ("labels", "token_count")}
+            whole = model(**inputs, use_cache=False).logits  # as training runs it (a cache hides the packing)
+            for row in range(2):
+                row_kwargs = {key: value[row:row + 1] for key, value in kwargs.items()}
+                later = {key: value for key, value in row_kwargs.items() if not key.startswith("media_")}
+                logits = second(first(ids[row:row + 1], **row_kwargs), **later)
+                assert torch.allclose(logits[:, :length], whole[row:row + 1], atol=1e-5)
+                later.pop("position_ids")
+                logits = second(first(ids[row:row + 1], **row_kwargs), **later)
+                assert not torch.allclose(logits[:, :length], whole[row:row + 1], atol=1e-5)
 
 
 def test_dry_run_prints_the_vision_tower_on_the_first_stage(tmp_path):

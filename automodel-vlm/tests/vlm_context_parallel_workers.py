@@ -236,6 +236,45 @@ def run(family: str, layout: MeshLayout, frames: dict[str, Any] | None = None) -
             "length": batches[0][0]["input_ids"].shape[1], "hooked": hooked, "grids": grids}
 
 
+def run_pipelined(family: str, layout: MeshLayout) -> dict[str, Any]:
+    """The first step of :func:`run` (right-padded rows) as the engine runs it pipelined: the model cut in two stages
+    (``pp`` rank 0: vision tower, merger, embedding, layer 0), the attention of each stage's layers gathered over
+    its ``cp`` group, FSDP2 over ``cp``, the recipe's ``pipeline_batches`` (media per row, the 3-D rope positions
+    rows first) through 1F1B with one-row micro-batches: the loss, the gradient norm and the vision tower's
+    gradients (``pp`` rank 0)."""
+    from automodel.training.parallel.mesh import PP
+    from automodel.training.parallel.multimodal_fsdp import multimodal_modules
+    from automodel.training.parallel.pipeline_parallel import PipelineSettings, StagePipelines
+    from automodel.training.parallel.pipeline_stages import split_model
+
+    model, processor = tiny_model(family)
+    device_mesh = build_device_mesh(layout, "cpu")
+    (stage,) = split_model(model, device_mesh[PP].get_local_rank(), layout.pp)
+    causal_attention_without_mask(stage, multimodal_modules(stage, MULTIMODAL_NAMES).values())
+    apply_fsdp2(stage, fsdp_mesh(device_mesh, layout), multimodal=place_multimodal(stage, MULTIMODAL_NAMES, "root"))
+    step = Step(stage, processor, layout, device_mesh)
+    step.pipelines = StagePipelines([stage], device_mesh[PP], torch.device("cpu"), PipelineSettings(),
+                                    step.pipeline_loss, cp_mesh=device_mesh[CP])
+    grads: dict[str, list] = {}
+    update = step.optimizer.step
+
+    def record_then_update() -> None:
+        tower = find_part(stage, "vision_tower")
+        for name, param in tower[1].named_parameters() if tower is not None else ():
+            if param.grad is not None:
+                grads[name] = param.grad.full_tensor().tolist()
+        update()
+
+    step.optimizer.step = record_then_update
+    loss, norm, _ = step._train_step(micro_batches(processor, 0, 2 * layout.cp))
+    return {"loss": loss.item(), "norm": norm.item(), "vision_grads": grads}
+
+
+def scenario_vlm_pp_cp(args: dict[str, Any], out: Any) -> dict[str, Any]:
+    """pp 2 x cp 2 on four ranks: :func:`run_pipelined` for the Qwen2-VL."""
+    return {"qwen2_vl": run_pipelined("qwen2_vl", plan_mesh(dist.get_world_size(), pp_size=2, cp_size=2))}
+
+
 def qwen3_vl_tower_split(cp_mesh: Any) -> dict[str, Any]:
     """A tiny Qwen3-VL vision tower (deepstack features) on a three-frame video and two images, frame-sharded
     against whole on this rank: the largest differences of the features and, each rank taking half of a loss on

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -15,6 +16,7 @@ from automodel.errors import ConfigError, ConfigIssue
 from automodel.model_kwargs import MTP_KEYS
 from automodel.training.dist import chosen_backend, rank, world_size
 from automodel.training.loss import LINEAR, loss_fn_named
+from automodel.training.parallel.pipeline_parallel import PipelineSettings
 from automodel.training.parallel.tensor_parallel import apply_tensor_parallel, tp_issues
 from automodel.training.parallelism import run_precision, shards_with_fsdp2
 from automodel_llm.kd_link import TeacherLink
@@ -27,6 +29,7 @@ from automodel_llm.kd_ranks import (
     student_world,
     teacher_section_issues,
 )
+from automodel_llm.kd_teacher import ContextParallelTeacher, PipelineTeacher, pp_teacher_issues
 from automodel_llm.recipe import FinetuneRecipeForNextTokenPrediction
 
 IGNORE_INDEX = -100
@@ -77,15 +80,18 @@ class KnowledgeDistillationRecipe(FinetuneRecipeForNextTokenPrediction):
         "temperature": Free("softmax temperature of the KD term (default 1.0)"),
         "kd_loss_fn": Target("the distillation loss (default automodel_llm.kd.KDLoss)"),
         "separate_meshes": Free("false (the default): a frozen teacher on every student rank; true: the teacher on "
-                                "ranks of its own (the last teacher_distributed.dp_size x tp_size ranks), which "
-                                "send their logits to the student's ranks"),
+                                "ranks of its own (the last teacher_distributed.dp_size x tp_size x cp_size x "
+                                "pp_size ranks), which send their logits to the student's ranks"),
         "teacher_distributed": Free(f"the teacher's ranks with separate_meshes: true; keys {', '.join(TEACHER_KEYS)}:"
-                                    " dp_size copies of the teacher, each tensor-parallel over tp_size ranks (the "
-                                    "other sizes 1)"),
+                                    " dp_size copies of the teacher, each tensor-parallel over tp_size, "
+                                    "context-parallel over cp_size or a forward-only pipeline over pp_size ranks "
+                                    "(pipeline: its settings), one of the three"),
     }
 
     link: TeacherLink | None = None  # separate_meshes: true: this rank's end of the student-teacher link
-    copy_group: dist.ProcessGroup | None = None  # a teacher rank of a tensor-parallel copy: the copy's ranks
+    copy_group: dist.ProcessGroup | None = None  # a teacher rank of a copy over several ranks: the copy's ranks
+    # a teacher rank of a context-parallel or pipeline copy: its part of the copy's forward (kd_teacher.py)
+    copy_forward: Callable[[dict[str, torch.Tensor]], torch.Tensor | None] | None = None
 
     @classmethod
     def own_world(cls, data: dict, nodes: int = 1) -> tuple[int, int]:
@@ -133,7 +139,7 @@ class KnowledgeDistillationRecipe(FinetuneRecipeForNextTokenPrediction):
             self.link = TeacherLink(split, rank(), env.timeout_minutes, env.init_method)
             if split.is_teacher(rank()):
                 self.teacher = self.build_teacher(self.select_device())
-                self.copy_group = self.shard_teacher(split) if split.tp > 1 else None
+                self.copy_group = self.shard_teacher(split) if split.copy_size > 1 else None
                 return
             os.environ["WORLD_SIZE"] = str(split.students)  # the student's run is a run on its ranks only
         super().setup()
@@ -158,19 +164,33 @@ class KnowledgeDistillationRecipe(FinetuneRecipeForNextTokenPrediction):
         return teacher
 
     def shard_teacher(self, split: RankSplit) -> dist.ProcessGroup:
-        """(teacher rank) Tensor-parallelise the teacher over its copy's ranks (the core's plan, on a ``dp x tp``
-        mesh of the teacher ranks); the copy's group, whose ranks run each forward together."""
+        """(teacher rank) Split the teacher over its copy's ranks (a ``dp x tp``, ``dp x cp`` or ``dp x pp`` mesh
+        of the teacher ranks): tensor-parallel by the core's plan, or context-parallel, or cut into pipeline stages
+        (``kd_teacher.py``); the copy's group, whose ranks run each forward together."""
         from torch.distributed.device_mesh import init_device_mesh
 
         device, env = self.select_device(), self.cfg.dist_env
         self.link.join_teachers(chosen_backend(env.backend, self.log), env.timeout_minutes, device)
-        found = tp_issues(self.teacher.config, split.tp, section="teacher_distributed") \
-            if hasattr(self.teacher, "config") else []
-        if found:
-            raise ConfigError(found)
-        mesh = init_device_mesh(device.type, (split.teachers, split.tp), mesh_dim_names=("dp", "tp"))
-        apply_tensor_parallel(self.teacher, mesh["tp"], vocab_parallel=False)  # the head returns whole logits
-        return mesh["tp"].get_group()
+        name, size = next((name, size) for name, size in (("tp", split.tp), ("cp", split.cp), ("pp", split.pp))
+                          if size > 1)
+        mesh = init_device_mesh(device.type, (split.teachers, size), mesh_dim_names=("dp", name))[name]
+        section = self.cfg.resolved["teacher_distributed"]
+        config = getattr(self.teacher, "config", None)
+        if name == "pp":
+            settings = PipelineSettings.from_section(section.get("pipeline"))
+            found = pp_teacher_issues(config, size, section.get("pipeline"), self.cfg) if config is not None else []
+            if found:
+                raise ConfigError(found)
+            self.copy_forward = PipelineTeacher(self.teacher, mesh, device, settings)
+            self.teacher = None  # this rank keeps its stage only
+        elif name == "cp":
+            self.copy_forward = ContextParallelTeacher(self.teacher, mesh, section.get("strategy") == "fsdp2")
+        else:
+            found = tp_issues(config, size, section="teacher_distributed") if config is not None else []
+            if found:
+                raise ConfigError(found)
+            apply_tensor_parallel(self.teacher, mesh, vocab_parallel=False)  # the head returns whole logits
+        return mesh.get_group()
 
     def run_train_validation_loop(self) -> None:
         """A teacher rank serves its students until each has stopped; a student rank trains, then stops its teacher
@@ -201,8 +221,10 @@ class KnowledgeDistillationRecipe(FinetuneRecipeForNextTokenPrediction):
         precision = run_precision(cfg, device, fsdp2)[0]
 
         @torch.no_grad()
-        def forward(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        def forward(batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
             with precision.forward_context(device.type, fsdp2):
+                if self.copy_forward is not None:
+                    return self.copy_forward(batch)
                 return self.next_token_logits(self.teacher, batch, self.teacher_head)[0]
 
         self.link.serve(forward, device, self.copy_group)

@@ -65,13 +65,13 @@ class TeacherLink:
         """(student rank) Tell this rank's teacher rank that no more micro-batches come from it."""
         self._send(torch.tensor([_STOP], dtype=torch.int64), self.split.teacher_of(self.rank), _REQUEST)
 
-    def serve(self, forward: Callable[[dict[str, torch.Tensor]], torch.Tensor], device: torch.device,
+    def serve(self, forward: Callable[[dict[str, torch.Tensor]], torch.Tensor | None], device: torch.device,
               copy_group: dist.ProcessGroup | None = None) -> int:
         """(teacher rank) Answer each request of the students this rank's copy serves with ``forward`` of its batch
         (moved to ``device``), until every one of them has stopped; the number of batches served.
 
-        A copy of several ranks (``copy_group``, its leader first) runs each forward on all of them: the leader
-        receives the batch, hands it to the others, and sends the logits back (all of its ranks hold them whole)."""
+        A copy of several ranks (``copy_group``) runs each forward on all of them: the leader receives the batch,
+        hands it to the others, and sends back the logits its forward returns (whole on the leader)."""
         if self.rank != self.split.leader_of(self.rank):
             return self._follow(forward, device, copy_group)
         waiting, served = len(self.split.served_by(self.rank)), 0
@@ -84,18 +84,17 @@ class TeacherLink:
                 waiting -= 1
                 continue
             batch = self._recv_tensors(student)
-            _share(batch, copy_group)
+            _share(batch, copy_group, self.split.leader_index)
             self._send_tensors({"logits": forward(_to(batch, device))}, student)
             served += 1
-        _share(None, copy_group)
+        _share(None, copy_group, self.split.leader_index)
         return served
 
-    @staticmethod
-    def _follow(forward: Callable[[dict[str, torch.Tensor]], torch.Tensor], device: torch.device,
+    def _follow(self, forward: Callable[[dict[str, torch.Tensor]], torch.Tensor | None], device: torch.device,
                 copy_group: dist.ProcessGroup | None) -> int:
         """(a teacher copy's other ranks) Run ``forward`` on each batch the leader hands over, until it says stop."""
         served = 0
-        while (batch := _share(None, copy_group)) is not None:
+        while (batch := _share(None, copy_group, self.split.leader_index)) is not None:
             forward(_to(batch, device))
             served += 1
         return served
@@ -141,11 +140,12 @@ def _to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch
     return {key: value.to(device) for key, value in batch.items()}
 
 
-def _share(batch: dict[str, torch.Tensor] | None, copy_group: dist.ProcessGroup | None
+def _share(batch: dict[str, torch.Tensor] | None, copy_group: dist.ProcessGroup | None, leader: int
            ) -> dict[str, torch.Tensor] | None:
-    """The leader's ``batch`` (None: stop) on every rank of its copy; as is without a group of several ranks."""
+    """The leader's ``batch`` (None: stop) on every rank of its copy (``leader``: its rank in ``copy_group``); as
+    is without a group of several ranks."""
     if copy_group is None or dist.get_world_size(copy_group) == 1:
         return batch
     message = [batch]
-    dist.broadcast_object_list(message, group=copy_group, group_src=0)
+    dist.broadcast_object_list(message, group=copy_group, group_src=leader)
     return message[0]

@@ -1,9 +1,11 @@
 """Which ranks train the student and which serve the teacher (upstream's ``separate_meshes: true``).
 
 The world splits in two: the first ranks are the student's (``distributed.*`` lays them out, as in a run of their
-own), the last ``teacher_distributed.dp_size x tp_size`` ranks serve the teacher: ``dp_size`` copies of it, each
-tensor-parallel over a group of ``tp_size`` consecutive ranks. Student rank ``s`` is served by copy ``s % dp_size``,
-whose first rank (the group's leader) receives the student's micro-batches; so every copy serves the same number of
+own), the last ``teacher_distributed.dp_size x tp_size x cp_size x pp_size`` ranks serve the teacher: ``dp_size``
+copies of it, each over a group of consecutive ranks that is tensor-parallel (``tp_size``), context-parallel
+(``cp_size``) or a pipeline (``pp_size``), one of the three. Student rank ``s`` is served by copy ``s % dp_size``,
+whose leader receives the student's micro-batches and sends the logits back: the copy's first rank, or with a
+pipeline its last (the rank of the last stage, which computes the logits); so every copy serves the same number of
 students, give or take one.
 """
 
@@ -19,45 +21,53 @@ from automodel.training.dist import expected_world_size, planned_world_size, wor
 from automodel.training.parallel.mesh import LAYOUT_KEYS, smallest_world
 from automodel.training.parallel.tensor_parallel import tp_issues
 from automodel.training.parallelism import model_hf_config
+from automodel_llm.kd_teacher import cp_teacher_issues, pp_teacher_issues
 
 # teacher_distributed keys that can only be 1 here, and why
 _NOT_IMPLEMENTED = {
-    "cp_size": "the teacher's context parallelism is not implemented: each teacher copy runs whole sequences (the "
-               "core's context parallelism splits a training step's sequences, and nothing "
-               "gathers a teacher's sequence parts back into whole logits); give it more ranks with "
-               "teacher_distributed.tp_size or dp_size",
-    "pp_size": "the teacher's pipeline parallelism is not implemented: each teacher copy holds every layer (the "
-               "core's pipeline schedules run training steps, and no forward-only schedule sends the last stage's "
-               "logits to the students); split its layers over ranks with teacher_distributed.tp_size instead",
     "ep_size": "the teacher's expert parallelism is not implemented: each teacher copy holds every expert (split "
                "them over ranks with teacher_distributed.tp_size instead)",
     "dp_replicate_size": "the teacher's copies are teacher_distributed.dp_size; it has no replicate dimension",
 }
-TEACHER_KEYS = ("dp_size", "tp_size", "strategy", "sequence_parallel", *_NOT_IMPLEMENTED)
+COPY_SIZES = ("tp_size", "cp_size", "pp_size")  # how one copy spreads over its ranks: one of them above 1
+TEACHER_KEYS = ("dp_size", *COPY_SIZES, "strategy", "sequence_parallel", "pipeline", *_NOT_IMPLEMENTED)
 
 
 @dataclass(frozen=True)
 class RankSplit:
-    """``students`` ranks first (0 .. students-1), then ``teachers`` copies of the teacher of ``tp`` ranks each."""
+    """``students`` ranks first (0 .. students-1), then ``teachers`` copies of the teacher of ``tp x cp x pp``
+    ranks each (one of the three above 1)."""
 
     students: int
     teachers: int
     tp: int = 1
+    cp: int = 1
+    pp: int = 1
+
+    @property
+    def copy_size(self) -> int:
+        """The ranks of one teacher copy."""
+        return self.tp * self.cp * self.pp
+
+    @property
+    def leader_index(self) -> int:
+        """The leader's place within its copy: the last rank with a pipeline (its last stage), else the first."""
+        return self.pp - 1
 
     @property
     def world(self) -> int:
-        return self.students + self.teachers * self.tp
+        return self.students + self.teachers * self.copy_size
 
     def is_teacher(self, rank: int) -> bool:
         return rank >= self.students
 
     def teacher_of(self, student: int) -> int:
-        """The leader (first rank) of the teacher copy that serves student rank ``student``."""
-        return self.students + (student % self.teachers) * self.tp
+        """The leader of the teacher copy that serves student rank ``student``."""
+        return self.students + (student % self.teachers) * self.copy_size + self.leader_index
 
     def leader_of(self, teacher: int) -> int:
-        """The first rank of teacher rank ``teacher``'s copy: the one its students talk to."""
-        return teacher - (teacher - self.students) % self.tp
+        """The leader of teacher rank ``teacher``'s copy: the one its students talk to."""
+        return teacher - (teacher - self.students) % self.copy_size + self.leader_index
 
     def served_by(self, teacher: int) -> list[int]:
         """The student ranks teacher rank ``teacher``'s copy serves."""
@@ -65,10 +75,12 @@ class RankSplit:
         return [s for s in range(self.students) if self.teacher_of(s) == leader]
 
     def describe(self) -> str:
-        copies = ("a whole copy on each" if self.tp == 1 else
-                  f"{self.teachers} cop{'y' if self.teachers == 1 else 'ies'}, each tensor-parallel over {self.tp} "
-                  "consecutive ranks")
-        leader = f"s % {self.teachers}" if self.tp == 1 else f"(s % {self.teachers}) * {self.tp}"
+        size = self.copy_size
+        how = "tensor-parallel over" if self.tp > 1 else "context-parallel over" if self.cp > 1 else "a pipeline over"
+        copies = ("a whole copy on each" if size == 1 else
+                  f"{self.teachers} cop{'y' if self.teachers == 1 else 'ies'}, each {how} {size} consecutive ranks")
+        leader = f"s % {self.teachers}" if size == 1 else f"(s % {self.teachers}) * {size}"
+        leader += f" + {self.leader_index} (the last stage)" if self.leader_index else ""
         return (f"separate_meshes: the student trains on {_ranks(0, self.students)}, the teacher runs on "
                 f"{_ranks(self.students, self.world)} ({copies}); student rank s gets its teacher logits "
                 f"from rank {self.students} + {leader}")
@@ -86,8 +98,9 @@ def _size(data: dict, key: str) -> int:
 
 
 def teacher_ranks(data: dict) -> int:
-    """How many ranks the teacher gets: ``teacher_distributed.dp_size x tp_size`` (1 without the section)."""
-    return _size(data, "dp_size") * _size(data, "tp_size")
+    """How many ranks the teacher gets: ``teacher_distributed.dp_size x tp_size x cp_size x pp_size`` (1 without
+    the section)."""
+    return _size(data, "dp_size") * _size(data, "tp_size") * _size(data, "cp_size") * _size(data, "pp_size")
 
 
 def student_ranks(data: dict, world: int) -> int:
@@ -115,7 +128,8 @@ def rank_split(data: dict, world: int) -> RankSplit | None:
     """The split of ``world`` ranks (a resolved config ``data``), or None when the teacher shares the student's."""
     if data.get("separate_meshes") is not True:
         return None
-    return RankSplit(student_ranks(data, world), _size(data, "dp_size"), _size(data, "tp_size"))
+    return RankSplit(student_ranks(data, world), _size(data, "dp_size"), _size(data, "tp_size"),
+                     _size(data, "cp_size"), _size(data, "pp_size"))
 
 
 def separate_world(data: dict) -> int:
@@ -127,7 +141,7 @@ def separate_world(data: dict) -> int:
 
 def teacher_section_issues(data: dict, cfg: Any) -> list[ConfigIssue]:
     """What ``teacher_distributed`` asks that cannot act, each under its key (``cfg``: the config, whose
-    ``teacher_model`` tensor parallelism must be able to split)."""
+    ``teacher_model`` must be able to split as the sizes ask)."""
     section = data.get("teacher_distributed")
     if section is None:
         return []
@@ -137,11 +151,18 @@ def teacher_section_issues(data: dict, cfg: Any) -> list[ConfigIssue]:
     if not isinstance(section, dict):
         return [ConfigIssue("teacher_distributed", f"expected a mapping of the teacher's layout, found {section!r}")]
     issues = []
-    for key, what in (("dp_size", "the number of teacher copies"), ("tp_size", "the ranks of each teacher copy")):
+    for key, what in (("dp_size", "the number of teacher copies"), ("tp_size", "the ranks of each teacher copy"),
+                      ("cp_size", "the ranks of each teacher copy"), ("pp_size", "the ranks of each teacher copy")):
         size = section.get(key, 1)
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             issues.append(ConfigIssue(f"teacher_distributed.{key}", f"{what}: expected an integer >= 1, found "
                                                                     f"{size!r}"))
+    split = [key for key in COPY_SIZES if _size(data, key) > 1]
+    if len(split) > 1:
+        issues.append(ConfigIssue(f"teacher_distributed.{split[1]}", f"{section[split[1]]!r} with {split[0]} "
+                                  f"{section[split[0]]!r}: a teacher copy here is split one way only (tensor, context "
+                                  "or pipeline parallel), not a mesh of several; set all but one of "
+                                  f"{', '.join(split)} to 1"))
     for key, reason in _NOT_IMPLEMENTED.items():
         if section.get(key, 1) not in (1, None):
             issues.append(ConfigIssue(f"teacher_distributed.{key}", f"{section[key]!r}: {reason}; use 1"))
@@ -156,16 +177,27 @@ def teacher_section_issues(data: dict, cfg: Any) -> list[ConfigIssue]:
         issues.append(ConfigIssue("teacher_distributed.strategy", f"fsdp2 would shard the teacher over its {size} "
                                   "copies, but each copy serves its own students; use ddp, or dp_size: 1"))
     for key in section:
-        if key == "pipeline":
-            issues.append(ConfigIssue("teacher_distributed.pipeline", f"{_NOT_IMPLEMENTED['pp_size']}; remove it"))
-        elif key not in TEACHER_KEYS:
+        if key not in TEACHER_KEYS:
             issues.append(ConfigIssue(f"teacher_distributed.{key}", f"not acted on: only {', '.join(TEACHER_KEYS)} "
                                       "lay out the teacher's ranks; remove it"))
-    tp = _size(data, "tp_size")
-    hf_config = model_hf_config(cfg, "teacher_model") if tp > 1 else None
-    if hf_config is not None:
-        issues += tp_issues(hf_config, tp, section="teacher_distributed")
-    return issues
+    if issues:
+        return issues
+    return issues + _copy_issues(data, cfg)
+
+
+def _copy_issues(data: dict, cfg: Any) -> list[ConfigIssue]:
+    """Whether the teacher (its config, where readable) splits as ``tp_size``, ``cp_size`` or ``pp_size`` ask."""
+    section = data["teacher_distributed"]
+    tp, cp, pp = _size(data, "tp_size"), _size(data, "cp_size"), _size(data, "pp_size")
+    if section.get("pipeline") is not None and pp == 1:
+        return [ConfigIssue("teacher_distributed.pipeline", "lays out the teacher's pipeline, which it has only with "
+                            "teacher_distributed.pp_size above 1; set that, or remove the section")]
+    hf_config = model_hf_config(cfg, "teacher_model") if tp * cp * pp > 1 else None
+    if pp > 1:
+        return pp_teacher_issues(hf_config, pp, section.get("pipeline"), cfg)
+    if cp > 1:
+        return cp_teacher_issues(cfg, cp, hf_config)
+    return tp_issues(hf_config, tp, section="teacher_distributed") if hf_config is not None else []
 
 
 def split_issues(data: dict) -> list[ConfigIssue]:
@@ -179,8 +211,8 @@ def split_issues(data: dict) -> list[ConfigIssue]:
     if students < 1 or students + ranks != world:
         return [ConfigIssue("teacher_distributed.dp_size", f"the student's {max(students, 0)} rank(s) "
                             f"(distributed.*) and the teacher's {ranks} rank(s) (teacher_distributed.dp_size x "
-                            f"tp_size) must add up to this run's {world} ({world_size_source()}); {launch}, or change "
-                            "the sizes")]
+                            f"tp_size x cp_size x pp_size) must add up to this run's {world} ({world_size_source()}); "
+                            f"{launch}, or change the sizes")]
     if copies > students:
         return [ConfigIssue("teacher_distributed.dp_size", f"{copies} teacher copies for {students} student "
                             f"rank(s): each copy serves whole student ranks, so {copies - students} would serve none; "

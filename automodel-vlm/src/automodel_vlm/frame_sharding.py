@@ -189,11 +189,19 @@ def _grid_rows(frames: list[tuple[int, int, int]]) -> list[list[int]]:
 
 
 def frame_sharding_issues(cfg: Any, config: Any) -> list[ConfigIssue]:
-    """Validation's refusal of frame sharding (``cp_size > 1``) for a model whose config it reads (``config``; None:
-    it cannot) and whose vision tower is not a Qwen-VL one."""
-    if frame_sharding(cfg) is None or config is None or (issue := frame_sharding_issue(config)) is None:
+    """Validation's refusal of frame sharding (``cp_size > 1``) with pipeline parallelism, and for a model whose
+    config it reads (``config``; None: it cannot) and whose vision tower is not a Qwen-VL one."""
+    if frame_sharding(cfg) is None:
         return []
-    return [ConfigIssue("distributed.multimodal.vision.frame_sharding.enabled", f"true: {issue}")]
+    issues = []
+    if cfg.distributed.pp_size > 1:
+        issues.append(ConfigIssue("distributed.multimodal.vision.frame_sharding.enabled", f"true with pp_size "
+                                  f"{cfg.distributed.pp_size}: frame sharding splits the vision tower's frames in the "
+                                  "unpipelined forward; the pipeline's first stage runs the whole tower on every cp "
+                                  "rank; set enabled: false or pp_size: 1"))
+    if config is not None and (issue := frame_sharding_issue(config)) is not None:
+        issues.append(ConfigIssue("distributed.multimodal.vision.frame_sharding.enabled", f"true: {issue}"))
+    return issues
 
 
 def attach_frame_sharding(model: torch.nn.Module, cfg: Any, cp_mesh: DeviceMesh) -> FrameSharding | None:

@@ -5,8 +5,10 @@ stage holds the vision tower, the projector and the embedding and runs the compo
 the image features into the embeddings; the later stages take hidden states. torch's schedule splits every tensor
 along dim 0 into micro-batches, but media tensors are not per row: how a model's media map to the rows is its
 *media layout*, one entry of :data:`MEDIA_LAYOUTS` (by ``model_type``). From it :func:`media_per_row` finds each
-row's items, and the core's ``pipeline_media`` regroups them per row so the schedule splits them with their rows.
-A model without an entry is refused (at validation, and when the model is built) with that reason.
+row's items, and the core's ``pipeline_media`` regroups them per row so the schedule splits them with their rows;
+a model's multi-axis rope positions (Qwen2-VL's) are computed on the whole rows before the schedule, since every
+stage needs them (:func:`rope_positions`). A model without an entry is refused (at validation, and when the model
+is built) with that reason.
 """
 
 from __future__ import annotations
@@ -25,12 +27,25 @@ PER_ROW_KEYS = ("input_ids", "attention_mask", "labels", LABEL_POSITIONS, "posit
 
 @dataclass(frozen=True)
 class MediaLayout:
-    """A model's media: ``per_image`` batch keys hold one item (dim 0) per image, the images of row 0 first, then
+    """A model's media. ``per_image`` batch keys hold one item (dim 0) per image, the images of row 0 first, then
     row 1's, ...; each image is a run of the same number of ``token`` placeholders (the config's attribute
-    ``token_attributes`` name its id) in its row's token ids, which is how many images each row holds."""
+    ``token_attributes`` name its id) in its row's token ids, which is how many images each row holds. With
+    ``grid`` (Qwen-VL's ``image_grid_thw``: each image's temporal, height and width patch counts) the images differ
+    in size: an image is ``t * h * w / merge**2`` placeholders (``merge``: the vision config's
+    ``spatial_merge_size``), ``per_patch`` keys hold its ``t * h * w`` patches (dim 0), and the model's multi-axis
+    rope positions (its ``get_rope_index``, from ``rope_only`` keys too) are computed before the schedule, which
+    hands them to every stage (:func:`rope_positions`)."""
 
-    per_image: tuple[str, ...]
+    per_image: tuple[str, ...] = ()
     token_attributes: tuple[str, ...] = ("image_token_id", "image_token_index")
+    grid: str | None = None
+    per_patch: tuple[str, ...] = ()
+    rope_only: tuple[str, ...] = ()
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """The batch keys the layout places."""
+        return (*self.per_image, *((self.grid,) if self.grid else ()), *self.per_patch, *self.rope_only)
 
     def token_id(self, config: Any) -> int:
         for name in self.token_attributes:
@@ -42,9 +57,13 @@ class MediaLayout:
 
 
 # model_type -> its media layout. Llava: pixel_values [images, channels, height, width], every image the same
-# number of <image> tokens. Layouts whose later stages need more than hidden states (Qwen-VL's 3-D rope positions,
-# computed from the image grid in the first stage) need more than an entry here.
-MEDIA_LAYOUTS = {"llava": MediaLayout(per_image=("pixel_values",))}
+# number of <image> tokens. Qwen2-VL: pixel_values [patches, channels x patch volume] of images of any size, their
+# grids, and 3-D rope positions that every stage needs (computed before the schedule). A model whose image tokens
+# attend to each other both ways (context_parallel.TWO_WAY_MODELS) needs its spans in each stage's context-parallel
+# region as well, more than an entry here.
+MEDIA_LAYOUTS = {"llava": MediaLayout(per_image=("pixel_values",)),
+                 "qwen2_vl": MediaLayout(grid="image_grid_thw", per_patch=("pixel_values",),
+                                         rope_only=("mm_token_type_ids",))}
 
 
 def layout_issue(config: Any) -> str | None:
@@ -68,15 +87,17 @@ def media_per_row(batch: dict[str, torch.Tensor], config: Any) -> dict[str, tupl
     """``{key: (the batch's tensor, each row's item count)}`` for the media of ``batch`` under ``config``'s layout;
     an ``AutomodelError`` for a batch key the layout does not place, or image tokens that do not count images."""
     layout = MEDIA_LAYOUTS[config.model_type]
-    unplaced = [key for key in batch if key not in PER_ROW_KEYS and key not in layout.per_image]
+    unplaced = [key for key in batch if key not in PER_ROW_KEYS and key not in layout.keys]
     if unplaced:
         raise AutomodelError(f"distributed.pp_size: the batch holds {', '.join(unplaced)}, which the pipeline does not "
                              f"know how to split over micro-batches for a {config.model_type} model (its media layout: "
-                             f"{', '.join(layout.per_image)}); set pp_size: 1")
+                             f"{', '.join(layout.keys)}); set pp_size: 1")
+    tokens = (batch["input_ids"] == layout.token_id(config)).sum(dim=1)
+    if layout.grid is not None:
+        return _grid_media(batch, config, layout, tokens)
     present = [key for key in layout.per_image if key in batch]
     if not present:
         return {}
-    tokens = (batch["input_ids"] == layout.token_id(config)).sum(dim=1)
     images = batch[present[0]].shape[0]
     per_image = int(tokens.sum()) // images if images else 0
     if not per_image or int(tokens.sum()) % images or bool((tokens % per_image).any()):
@@ -85,3 +106,53 @@ def media_per_row(batch: dict[str, torch.Tensor], config: Any) -> dict[str, tupl
                              "tokens); make sure the processor expands every image and no row is truncated")
     counts = tokens // per_image
     return {key: (batch[key], counts) for key in present}
+
+
+def _grid_media(batch: dict[str, torch.Tensor], config: Any, layout: MediaLayout, tokens: torch.Tensor
+                ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Images of any size: each row's images are the next ones in order whose placeholders add up to its image
+    tokens; the grid counted by images, the patches by each image's ``t * h * w``."""
+    if layout.grid not in batch:
+        return {}
+    grid = batch[layout.grid]
+    patches = grid.prod(dim=-1)
+    placeholders = (patches // config.vision_config.spatial_merge_size ** 2).tolist()
+    images, rows_patches, start = [], [], 0
+    for row, wanted in enumerate(tokens.tolist()):
+        end, held = start, 0
+        while held < wanted and end < len(placeholders):
+            held, end = held + placeholders[end], end + 1
+        if held != wanted:
+            raise AutomodelError(f"distributed.pp_size: row {row} holds {wanted} image tokens, which its images' grids "
+                                 f"({grid[start:end].tolist()}) do not make up; make sure the processor expands "
+                                 "every image and no row is truncated")
+        images.append(end - start)
+        rows_patches.append(int(patches[start:end].sum()))
+        start = end
+    if start != len(placeholders):
+        raise AutomodelError(f"distributed.pp_size: the batch has {len(placeholders)} images but its rows' image "
+                             f"tokens place {start}; make sure no row is truncated")
+    counts = torch.tensor(images, device=grid.device)
+    per_patch = torch.tensor(rows_patches, device=grid.device)
+    return {layout.grid: (grid, counts), **{key: (batch[key], per_patch) for key in layout.per_patch if key in batch}}
+
+
+def rope_positions(batch: dict[str, torch.Tensor], config: Any, rope: Any) -> dict[str, torch.Tensor]:
+    """``batch`` ready for the pipeline under ``config``'s layout: where the layout computes multi-axis rope
+    positions (``rope``: the model's ``get_rope_index``) and the batch has images, their positions as the model's
+    forward computes them from the whole rows, rows first (``[rows, axes, length]``: the schedule splits every
+    tensor along dim 0; the stages take them back), without the keys read only for them; packed rows' positions
+    (computed by the collator) rows first as well."""
+    layout = MEDIA_LAYOUTS[config.model_type]
+    if not layout.rope_only:
+        return batch
+    kept = {key: value for key, value in batch.items() if key not in layout.rope_only}
+    given = batch.get("position_ids")
+    if given is not None and given.dim() == 3:  # packed rows' (PackedVLMCollator): [text + axes, rows, length]
+        return {**kept, "position_ids": given.transpose(0, 1)}
+    if layout.grid not in batch or given is not None:  # text only: the model's 1-D positions
+        return kept
+    positions, _ = rope(batch["input_ids"], image_grid_thw=batch[layout.grid],
+                        attention_mask=batch.get("attention_mask"),
+                        **{key: batch[key] for key in layout.rope_only if key in batch})
+    return {**kept, "position_ids": positions.transpose(0, 1)}

@@ -45,7 +45,7 @@ from automodel_vlm.drafter import DRAFTER_DIR, drafter_issues, find_composite, u
 from automodel_vlm.frame_sharding import FrameSharding, attach_frame_sharding, frame_sharding_issues
 from automodel_vlm.freeze import UpstreamFreezeConfig, VLMFreezeConfig
 from automodel_vlm.parts import MULTIMODAL_NAMES, base_model, find_part
-from automodel_vlm.pipeline import layout_issue, media_per_row, pipeline_issues
+from automodel_vlm.pipeline import layout_issue, media_per_row, pipeline_issues, rope_positions
 
 DATASET_ARGS = ("config_key", "processor")
 
@@ -68,16 +68,13 @@ def _processor_needs_model_source(cfg: Any) -> bool:
 
 def context_parallel_issues(cfg: Any) -> list[ConfigIssue]:
     """What the VLM recipe cannot run with ``distributed.cp_size > 1``: a model whose attention the chosen one does
-    not compute (ring attention and image tokens that attend both ways), pipeline parallelism, packed rows with ring
-    attention or of a length the split does not divide. (Generation runs outside the context-parallel region, on
-    whole sequences with the model's own mask, as in one process.)"""
+    not compute (ring attention and image tokens that attend both ways), packed rows with ring attention or of a
+    length the split does not divide. (With pipeline parallelism the first stage merges the media into the whole
+    rows and then splits them, ``PipelineStageModel.takes_whole_rows``; ring attention there is the core's refusal.
+    Generation runs outside the context-parallel region, on whole sequences with the model's own mask, as in one
+    process.)"""
     cp = cfg.distributed.cp_size
     issues = []
-    if cfg.distributed.pp_size > 1:
-        issues.append(ConfigIssue("distributed.pp_size", f"{cfg.distributed.pp_size} with cp_size {cp}: a "
-                                  "vision-language model merges its media into the whole sequence before its language "
-                                  "model's split, but the pipeline splits each batch over the cp ranks before its "
-                                  "first stage (the LLM recipes run pp x cp); use pp_size: 1 or cp_size: 1"))
     config = model_hf_config(cfg)
     chosen = cp_attention(cfg, validation_device(), config)
     if config is not None and (issue := attention_issue(config, chosen)) is not None:
@@ -242,7 +239,7 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
 
     def setup(self) -> None:
         super().setup()
-        if self.ctx.mesh.cp > 1:
+        if self.ctx.mesh.cp > 1 and self.ctx.mesh.pp == 1:  # pipelined: the first stage splits after the merge
             language_model = find_part(self.model, "language_model")
             if language_model is None:
                 raise AutomodelError(f"distributed.cp_size: {self.ctx.mesh.cp}: context parallelism splits the "
@@ -323,12 +320,15 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
         """The step's micro-batches padded to :func:`pipeline_length` (the padding is masked out and carries no
         label; packed rows keep no mask and every stage gets their position ids, see :func:`stage_kwargs`), each
         with its media regrouped per row (``pipeline_media``) so that every pipeline micro-batch's first stage gets
-        exactly its rows' images."""
+        exactly its rows' images, and the model's multi-axis rope positions where it has them
+        (:func:`rope_positions`: every stage needs them)."""
         longest = pipeline_length(batches, length)
         pad = self.processor.tokenizer.pad_token_id or 0
         config = base_model(self.model).config
+        rope = rope_index(self.model)
         parts = []
         for batch in batches:
+            batch = rope_positions(batch, config, rope)
             extra = longest - batch["input_ids"].shape[1]
             kwargs = {**stage_kwargs(batch, extra), **media_kwargs(media_per_row(batch, config))}
             parts.append((*padded_tokens(batch, extra, pad), kwargs))

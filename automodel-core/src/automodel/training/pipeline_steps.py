@@ -53,19 +53,16 @@ def stage_kwargs(batch: dict[str, torch.Tensor], extra: int) -> dict[str, torch.
     each stage the micro-batch's). Packed rows (position ids that restart at each sample, no attention mask): their
     position ids, the padding a segment of its own, so the model keeps every stage's attention within each sample
     from the restarts, as in one process. Other rows: their attention mask with the padding masked out, and their
-    position ids where they carry them."""
+    position ids where they carry them. Multi-axis position ids (a vision-language model's rope) come rows first,
+    ``[rows, axes, length]`` (the schedule splits every keyword argument along dim 0; the stages take them back)."""
     positions = batch.get("position_ids")
     if "attention_mask" in batch or positions is None:
         kwargs = {"attention_mask": padded_mask(batch, extra)}
         if positions is not None:
             kwargs["position_ids"] = torch.nn.functional.pad(positions, (0, extra), value=0)
         return kwargs
-    if positions.dim() != 2:
-        raise AutomodelError(f"distributed.pp_size: packed rows with {positions.dim()}-axis position ids (multi-axis "
-                             "rotary positions): the pipeline schedule splits every keyword argument along its first "
-                             "dimension, which is not the rows' there; remove packed_sequence or set pp_size: 1")
-    restart = torch.arange(extra, device=positions.device, dtype=positions.dtype).expand(positions.shape[0], extra)
-    return {"position_ids": torch.cat([positions, restart], dim=1)}
+    restart = torch.arange(extra, device=positions.device, dtype=positions.dtype).expand(*positions.shape[:-1], extra)
+    return {"position_ids": torch.cat([positions, restart], dim=-1)}
 
 
 def generation_issues(cfg: Any) -> list[ConfigIssue]:
@@ -110,7 +107,8 @@ class PipelineSteps:
         shapes = None
         if settings.pp_seq_len is not None or settings.dtype is not None:
             shapes = static_shapes(ctx, stages[0], settings)
-            self.log(shapes.describe(settings.pp_microbatch_size))
+            whole_rows = any(getattr(stage, "takes_whole_rows", False) for stage in stages)
+            self.log(shapes.describe(settings.pp_microbatch_size, whole_rows))
         cp_mesh = ctx.device_mesh[CP] if ctx.mesh.cp > 1 else None  # each batch split over it before the schedule
         return StagePipelines(stages, ctx.device_mesh[PP], ctx.device, settings, self.pipeline_loss, shapes, cp_mesh)
 

@@ -186,19 +186,20 @@ def _check_length(length: int, cp_mesh: DeviceMesh) -> None:
                              f"of {chunks}")
 
 
-def pipeline_parts(cp_mesh: DeviceMesh, inputs: torch.Tensor, labels: torch.Tensor, kwargs: dict[str, Any]
-                   ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+def pipeline_parts(cp_mesh: DeviceMesh, inputs: torch.Tensor, labels: torch.Tensor, kwargs: dict[str, Any],
+                   whole_inputs: bool = False) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
     """A pipeline batch (token ids, labels, the stages' keyword arguments) as its stages run it with context
-    parallelism: this rank's part of the token ids and of the next-token targets (shifted before the split, as
-    :class:`ContextParallelBatch`), the keyword arguments of the whole rows (each row's ``0 .. length - 1`` as its
-    positions where it has none) with ``cp_mesh``, from which each stage runs its layers in the all-gather
-    attention's region (``PipelineStageModel.forward``)."""
+    parallelism: this rank's part of the token ids (``whole_inputs``: the whole rows', for a first stage that
+    merges media into them before it splits, ``PipelineStageModel.takes_whole_rows``) and of the next-token
+    targets (shifted before the split, as :class:`ContextParallelBatch`), the keyword arguments of the whole rows
+    (each row's ``0 .. length - 1`` as its positions where it has none) with ``cp_mesh``, from which each stage
+    runs its layers in the all-gather attention's region (``PipelineStageModel.forward``)."""
     _check_length(labels.shape[SEQUENCE_DIM], cp_mesh)
     if "position_ids" not in kwargs:
         kwargs = {**kwargs, "position_ids": torch.arange(inputs.shape[SEQUENCE_DIM], device=inputs.device)
                   .expand(inputs.shape[0], -1)}
-    return (split_sequence(inputs, cp_mesh), split_sequence(next_token_targets(labels), cp_mesh),
-            {**kwargs, "cp_mesh": cp_mesh})
+    return (inputs if whole_inputs else split_sequence(inputs, cp_mesh),
+            split_sequence(next_token_targets(labels), cp_mesh), {**kwargs, "cp_mesh": cp_mesh})
 
 
 @contextlib.contextmanager

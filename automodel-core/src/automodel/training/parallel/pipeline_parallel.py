@@ -312,7 +312,8 @@ class StagePipelines:
     pipelines of the :data:`KEPT_SHAPES` shapes used last are kept (each holds buffers for its micro-batches).
     With ``shapes`` (``pp_seq_len``, or ``dtype`` alone: each batch's own length) the training pipelines are built
     with static shapes instead, no such first run. With ``cp_mesh`` (context parallelism) each training batch is
-    split over its ranks first (``context_parallel.pipeline_parts``); evaluation runs whole sequences, its targets
+    split over its ranks first (``context_parallel.pipeline_parts``; the token ids of a vision-language model's
+    first stage stay whole, it splits after merging the media); evaluation runs whole sequences, its targets
     shifted as well.
     Evaluation runs GPipe, or LoopedBFS (its form for several stages per rank), forward only (the schedule changes
     nothing there), with micro-batches that divide the batch, so a shorter last validation batch runs too."""
@@ -323,6 +324,8 @@ class StagePipelines:
         self.stages, self.pp_mesh, self.device, self.settings, self.loss_sum = stages, pp_mesh, device, settings, \
             loss_sum
         self.shapes, self.cp_mesh = shapes, cp_mesh
+        # a composite model's first stage here: it takes the whole rows' token ids under context parallelism
+        self.whole_inputs = any(getattr(stage, "takes_whole_rows", False) for stage in stages)
         self.group = pp_mesh.get_group()
         self._pipelines: dict[tuple[bool, tuple[int, ...]], Pipeline] = {}
 
@@ -339,7 +342,8 @@ class StagePipelines:
         if self.cp_mesh is not None:
             from automodel.training.parallel.context_parallel import pipeline_parts
 
-            inputs, labels, kwargs = pipeline_parts(self.cp_mesh, inputs, labels, kwargs)
+            inputs, labels, kwargs = pipeline_parts(self.cp_mesh, inputs, labels, kwargs,
+                                                    whole_inputs=self.whole_inputs)
         return self._pipeline(True, inputs, self.settings, length).step(inputs, labels, scale, reduce_grads,
                                                                         keep_gathered, **kwargs)
 

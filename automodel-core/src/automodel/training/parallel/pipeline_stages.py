@@ -19,7 +19,9 @@ checkpoints see one model, as with one stage per rank.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,6 +30,7 @@ from torch import nn
 from automodel.errors import AutomodelError
 from automodel.training.parallel.all_gather_attention import all_gather_region
 from automodel.training.parallel.blocks import LayerPlaceholder
+from automodel.training.parallel.context_parallel import split_sequence
 from automodel.training.parallel.pipeline_media import model_media
 
 if TYPE_CHECKING:
@@ -60,8 +63,11 @@ class PipelineStageModel(nn.Module):
     layers. Every stage gets the micro-batch's keyword arguments (torch's schedule hands them to each), so position
     ids that restart at each sample of a packed row keep every stage's attention within the samples. With
     ``cp_mesh`` (context parallelism, ``context_parallel.pipeline_parts``) ``inputs`` hold this rank's part of the
-    sequences and the mask and positions the whole rows': the layers run in the all-gather attention's region over
-    ``cp_mesh``, on the rank's positions, its mask built from the whole rows'."""
+    sequences (a composite model's first stage: the whole rows', :attr:`takes_whole_rows`) and the mask and
+    positions the whole rows': the layers run in the all-gather attention's region over ``cp_mesh``, on the rank's
+    positions, its mask built from the whole rows'. Multi-axis positions (Qwen-VL's 3-D rope) come rows first,
+    ``[rows, axes, length]``, so that the schedule splits them with the rows; the stage hands the model
+    ``[axes, rows, length]``."""
 
     # the loss applies the output head itself (FusedLinearCrossEntropy): no [tokens, vocab] logits leave the stage
     head_in_loss = False
@@ -91,14 +97,49 @@ class PipelineStageModel(nn.Module):
             body, given = getattr(self, self._base), {"input_ids": inputs, **model_media(media)}
         else:
             body, given = self.get_submodule(self._text), {"inputs_embeds": inputs}
+        if position_ids is not None and position_ids.dim() == 3:  # multi-axis positions travel rows first
+            position_ids = position_ids.transpose(0, 1)
         if cp_mesh is None:
             hidden = body(**given, attention_mask=attention_mask, position_ids=position_ids,
                           use_cache=False).last_hidden_state
         else:  # this rank's part of the rows' sequences; their positions and padding are the whole rows'
-            positions = position_ids.clone()  # split in place by the region: the rank's positions
-            with all_gather_region(cp_mesh, position_ids.shape[-1], position_ids, attention_mask, [positions]):
-                hidden = body(**given, position_ids=positions, use_cache=False).last_hidden_state
+            positions = split_sequence(position_ids, cp_mesh, dim=position_ids.dim() - 1)
+            with all_gather_region(cp_mesh, position_ids.shape[-1], position_ids, attention_mask, []):
+                if self.takes_whole_rows:  # the media merged into the whole rows, the text model on the part
+                    with self._text_model_on_part(cp_mesh, positions):
+                        hidden = body(**given, attention_mask=attention_mask, position_ids=position_ids,
+                                      use_cache=False).last_hidden_state
+                else:
+                    hidden = body(**given, position_ids=positions, use_cache=False).last_hidden_state
         return self.output_head(hidden) if self.is_last and not self.head_in_loss else hidden
+
+    @property
+    def takes_whole_rows(self) -> bool:
+        """Whether, under context parallelism, the stage takes the whole rows' token ids: a composite model's first
+        stage merges the media into the whole sequences (a row's images may lie on any rank's part) and its text
+        model then runs on this rank's part of the merged embeddings (:meth:`_text_model_on_part`)."""
+        return bool(self.media_modules)
+
+    @contextlib.contextmanager
+    def _text_model_on_part(self, cp_mesh: DeviceMesh, positions: torch.Tensor) -> Iterator[None]:
+        """Within the block the text model gets this rank's part of the merged embeddings and of the positions the
+        base model hands it (``positions``, the region's part of the whole rows', where it hands none), without an
+        attention mask (the region's attention builds its own from the whole rows)."""
+        def split(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+            embeds, given = kwargs.get("inputs_embeds"), kwargs.get("position_ids")
+            if embeds is None:
+                raise AutomodelError(f"distributed.cp_size: the pipeline's first stage splits the embeddings the "
+                                     f"model merges its media into, but '{type(module).__name__}' was called "
+                                     "without inputs_embeds; set cp_size: 1 or pp_size: 1")
+            part = positions if given is None else split_sequence(given, cp_mesh, dim=given.dim() - 1)
+            return args, {**kwargs, "inputs_embeds": split_sequence(embeds, cp_mesh), "position_ids": part,
+                          "attention_mask": None}
+
+        handle = self.get_submodule(self._text).register_forward_pre_hook(split, with_kwargs=True)
+        try:
+            yield
+        finally:
+            handle.remove()
 
     @property
     def output_head(self) -> nn.Module | None:

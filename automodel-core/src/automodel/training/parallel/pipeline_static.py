@@ -105,8 +105,9 @@ class StaticShapes:
 
     def examples(self, stage: Any, rows: int) -> dict[str, torch.Tensor]:
         """``PipelineStage``'s ``input_args`` and ``output_args`` for ``stage`` (meta tensors)."""
-        if stage.is_first:
-            inputs = torch.empty(rows, self.part, dtype=torch.long, device="meta")
+        if stage.is_first:  # a composite model's first stage takes the whole rows (it splits after the merge)
+            length = self.seq_len if getattr(stage, "takes_whole_rows", False) else self.part
+            inputs = torch.empty(rows, length, dtype=torch.long, device="meta")
         else:
             inputs = torch.empty(rows, self.part, self.hidden, dtype=self.activations, device="meta",
                                  requires_grad=True)
@@ -115,16 +116,19 @@ class StaticShapes:
         outputs = torch.empty(rows, self.part, width, dtype=dtype, device="meta", requires_grad=True)
         return {"input_args": inputs, "output_args": outputs}
 
-    def describe(self, rows: int) -> str:
-        """The run-start line: the shapes, and that no shape-finding pass runs."""
-        length = (f"{self.part}" if self.seq_len else f"length / {self.cp}") if self.cp > 1 else \
-            f"{self.seq_len or 'length'}"
+    def describe(self, rows: int, whole_rows: bool = False) -> str:
+        """The run-start line: the shapes, and that no shape-finding pass runs (``whole_rows``: the first stage
+        takes the whole rows' token ids, a composite model's, which splits them after merging its media)."""
+        whole = f"{self.seq_len or 'length'}"
+        length = (f"{self.part}" if self.seq_len else f"length / {self.cp}") if self.cp > 1 else whole
         size = f"{rows}, {length}"
         last = "the last stage's too (the loss applies the output head)" if self.head_in_loss else \
             f"logits [{size}, {self.vocab}] {dtype_name(self.logits)}"
         origin = f"pp_seq_len {self.seq_len}" if self.seq_len else "distributed.pipeline.dtype, each batch's length"
         origin += f"; this rank's part of the sequences, cp {self.cp}" if self.cp > 1 else ""
-        return (f"pipeline stage shapes: static ({origin}): token ids [{size}], hidden states "
+        ids = f"[{rows}, {whole}] (the whole rows: the first stage splits them after merging the media)" \
+            if whole_rows and self.cp > 1 else f"[{size}]"
+        return (f"pipeline stage shapes: static ({origin}): token ids {ids}, hidden states "
                 f"[{size}, {self.hidden}] {dtype_name(self.activations)}, {last}; no shape-finding pass on the first "
                 "batch")
 
