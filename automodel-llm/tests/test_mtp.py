@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 import torch
-from llm_testing import base_config, losses, run_finetune
+from llm_testing import base_config, fsdp2_ranks_with, grad_norms, losses, run_finetune
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -162,16 +162,42 @@ def test_upstream_form_trains_resumes_and_saves_the_heads_for_transformers(tmp_p
     torch.testing.assert_close(plain.eval()(ids).logits, ours.eval()(ids).logits)
 
 
-def test_two_fsdp2_ranks_train_the_heads_as_one_process(tmp_path, nemotron_dir):
-    config = run_config(tmp_path, nemotron_dir, step_scheduler={"max_steps": 2, "grad_accumulation_steps": 1,
-                                                                "log_interval": 1},
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, nemotron_dir):
+    """(config, checkpoint dir) of two steps in one process, each of two accumulated batches of two rows."""
+    tmp = tmp_path_factory.mktemp("mtp_one")
+    config = run_config(tmp, nemotron_dir, step_scheduler={"max_steps": 2, "grad_accumulation_steps": 1,
+                                                           "log_interval": 1},
                         dataloader={"batch_size": 2, "shuffle": False})
-    run_finetune(config, tmp_path, tmp_path / "one", "--step_scheduler.grad_accumulation_steps", "2")
+    run_finetune(config, tmp, tmp / "one", "--step_scheduler.grad_accumulation_steps", "2")
+    return config, tmp / "one"
+
+
+def test_two_fsdp2_ranks_train_the_heads_as_one_process(tmp_path, one_process):
+    config, reference = one_process
     run_finetune(config, tmp_path, tmp_path / "two", "--nproc-per-node", "2", "--distributed.strategy", "fsdp2")
-    assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), rel=1e-5)
-    one, two = (load_file(tmp_path / run / "epoch_0_step_2" / "model" / "model.safetensors") for run in ("one", "two"))
+    assert losses(tmp_path / "two") == pytest.approx(losses(reference), rel=1e-5)
+    one, two = (load_file(run / "epoch_0_step_2" / "model" / "model.safetensors") for run in (reference,
+                                                                                             tmp_path / "two"))
     for key in (key for key in one if key.startswith("mtp.")):
         torch.testing.assert_close(two[key], one[key], rtol=1e-4, atol=1e-6)
+
+
+def test_two_pipeline_stages_train_the_heads_as_one_process(tmp_path, one_process):
+    """pp 2: the first stage embeds the two depths' tokens ahead, the embeddings travel with the hidden states to
+    the last stage, which runs the (repeated-layer) heads; the schedule's loss adds theirs. Losses, gradient norms
+    and the trained heads are one process's (wrong embeddings or a head run on the wrong states change them all)."""
+    config, reference = one_process
+    log = run_finetune(config, tmp_path, tmp_path / "pp", *fsdp2_ranks_with("pp_size"),
+                       "--step_scheduler.grad_accumulation_steps", "2")
+    assert "pipeline stage 0 of 2 on this rank (embedding + layers 0-1)" in log
+    assert losses(tmp_path / "pp") == pytest.approx(losses(reference), rel=1e-5)
+    assert grad_norms(tmp_path / "pp") == pytest.approx(grad_norms(reference), rel=1e-5)
+    one, pp = (load_file(run / "epoch_0_step_2" / "model" / "model.safetensors") for run in (reference,
+                                                                                            tmp_path / "pp"))
+    assert {key for key in pp if key.startswith("mtp.")} == {key for key in one if key.startswith("mtp.")}
+    for key in (key for key in one if key.startswith("mtp.")):
+        torch.testing.assert_close(pp[key], one[key], rtol=1e-4, atol=1e-6)
 
 
 def test_lora_adapts_the_heads_linear_layers_and_freezes_their_base(tmp_path, nemotron_dir):
@@ -194,9 +220,9 @@ def refusals(config, route: tuple[str, str] = ("finetune", "llm")) -> dict[str, 
 
 
 @pytest.mark.parametrize("sections, words", [
-    ({"distributed": {"strategy": "fsdp2", "pp_size": 2}}, "not wired into pipeline parallelism"),
     ({"distributed": {"strategy": "fsdp2", "tp_size": 2}}, "not wired into tensor parallelism"),
     ({"distributed": {"strategy": "fsdp2", "cp_size": 2}}, "not wired into context parallelism"),
+    ({"distributed": {"strategy": "fsdp2", "pp_size": 2, "cp_size": 2}}, "not wired into context parallelism"),
 ])
 def test_what_the_heads_are_not_wired_into_is_refused(tmp_path, nemotron_dir, sections, words):
     found = refusals(run_config(tmp_path, nemotron_dir, **sections))
@@ -246,14 +272,14 @@ class Passthrough(torch.nn.Module):
 
 
 def test_a_target_in_the_next_packed_sample_is_not_a_target():
-    from automodel.mtp.heads import MTPHeads, MTPSettings
+    from automodel.mtp.heads import MTPHeads, MTPSettings, future_embeddings
 
     torch.manual_seed(0)
     heads, embed, head = MTPHeads(MTPSettings(2), [Passthrough(), Passthrough()]), torch.nn.Embedding(9, 4), \
         torch.nn.Linear(4, 9)
     ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])
     positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]])  # two packed samples of 4 tokens, every token a label
-    heads.run(embed(ids), ids, embed, lambda depth: {})
+    heads.run(embed(ids), future_embeddings(ids, embed, 2), lambda depth: {})
     outputs = heads._outputs
     found = heads.loss(ids, head, torch.nn.CrossEntropyLoss(reduction="sum"), position_ids=positions)
     ce = torch.nn.functional.cross_entropy
