@@ -164,39 +164,56 @@ def test_upstream_form_trains_resumes_and_saves_the_heads_for_transformers(tmp_p
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory, nemotron_dir):
-    """(config, checkpoint dir) of two steps in one process, each of two accumulated batches of two rows."""
+    """(config, checkpoint dir) of two steps in one process, each of two accumulated batches of two packed rows
+    (several samples a row, position ids restarting at each) with every token a label, so a depth's target in the
+    next sample would count without the rule that drops it."""
     tmp = tmp_path_factory.mktemp("mtp_one")
+    rows = tmp / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"q": f"Which number follows {i}?", "a": f"It is {i + 1}, then {i + 2}."})
+                            + "\n" for i in range(32)))
+    dataset = {"_target_": "automodel_llm.datasets.ColumnMappedTextInstructionDataset", "dataset_name": str(rows),
+               "column_mapping": {"question": "q", "answer": "a"}, "answer_only_loss_mask": False}
     config = run_config(tmp, nemotron_dir, step_scheduler={"max_steps": 2, "grad_accumulation_steps": 1,
                                                            "log_interval": 1},
-                        dataloader={"batch_size": 2, "shuffle": False})
+                        dataloader={"batch_size": 2, "shuffle": False}, packed_sequence={"packed_sequence_size": 128},
+                        dataset=dataset)
     run_finetune(config, tmp, tmp / "one", "--step_scheduler.grad_accumulation_steps", "2")
     return config, tmp / "one"
+
+
+def heads_tensors(run) -> dict[str, torch.Tensor]:
+    """The ``mtp.*`` tensors of a run's step-2 model/."""
+    saved = load_file(run / "epoch_0_step_2" / "model" / "model.safetensors")
+    return {key: value for key, value in saved.items() if key.startswith("mtp.")}
 
 
 def test_two_fsdp2_ranks_train_the_heads_as_one_process(tmp_path, one_process):
     config, reference = one_process
     run_finetune(config, tmp_path, tmp_path / "two", "--nproc-per-node", "2", "--distributed.strategy", "fsdp2")
     assert losses(tmp_path / "two") == pytest.approx(losses(reference), rel=1e-5)
-    one, two = (load_file(run / "epoch_0_step_2" / "model" / "model.safetensors") for run in (reference,
-                                                                                             tmp_path / "two"))
-    for key in (key for key in one if key.startswith("mtp.")):
+    one, two = heads_tensors(reference), heads_tensors(tmp_path / "two")
+    for key in one:
         torch.testing.assert_close(two[key], one[key], rtol=1e-4, atol=1e-6)
 
 
 def test_two_pipeline_stages_train_the_heads_as_one_process(tmp_path, one_process):
     """pp 2: the first stage embeds the two depths' tokens ahead, the embeddings travel with the hidden states to
-    the last stage, which runs the (repeated-layer) heads; the schedule's loss adds theirs. Losses, gradient norms
-    and the trained heads are one process's (wrong embeddings or a head run on the wrong states change them all)."""
+    the last stage (static stage shapes: the packed length, the embeddings in them), which runs the
+    (repeated-layer) heads and returns the depths' hidden states with the rows' positions; the schedule's loss
+    (FusedLinearCrossEntropy: the head applied to the main and the depths' states) adds the heads', a depth's
+    targets in the next packed sample dropped. Losses, gradient norms and the trained heads are one process's with
+    the plain loss (wrong embeddings, states or targets change them all)."""
     config, reference = one_process
     log = run_finetune(config, tmp_path, tmp_path / "pp", *fsdp2_ranks_with("pp_size"),
-                       "--step_scheduler.grad_accumulation_steps", "2")
+                       "--step_scheduler.grad_accumulation_steps", "2", "--loss_fn._target_",
+                       "FusedLinearCrossEntropy", "--loss_fn.chunk_len", "7")
     assert "pipeline stage 0 of 2 on this rank (embedding + layers 0-1)" in log
+    assert "pipeline stage shapes: static (pp_seq_len 128)" in log
     assert losses(tmp_path / "pp") == pytest.approx(losses(reference), rel=1e-5)
     assert grad_norms(tmp_path / "pp") == pytest.approx(grad_norms(reference), rel=1e-5)
-    one, pp = (load_file(run / "epoch_0_step_2" / "model" / "model.safetensors") for run in (reference,
-                                                                                            tmp_path / "pp"))
-    assert {key for key in pp if key.startswith("mtp.")} == {key for key in one if key.startswith("mtp.")}
-    for key in (key for key in one if key.startswith("mtp.")):
+    one, pp = heads_tensors(reference), heads_tensors(tmp_path / "pp")
+    assert set(pp) == set(one)
+    for key in one:
         torch.testing.assert_close(pp[key], one[key], rtol=1e-4, atol=1e-6)
 
 
