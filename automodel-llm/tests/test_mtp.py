@@ -197,17 +197,19 @@ def test_two_fsdp2_ranks_train_the_heads_as_one_process(tmp_path, one_process):
 
 
 def test_two_pipeline_stages_train_the_heads_as_one_process(tmp_path, one_process):
-    """pp 2: the first stage embeds the two depths' tokens ahead, the embeddings travel with the hidden states to
-    the last stage (static stage shapes: the packed length, the embeddings in them), which runs the
-    (repeated-layer) heads and returns the depths' hidden states with the rows' positions; the schedule's loss
+    """pp 2, two stages per rank (interleaved 1F1B, four stages): the first stage embeds the two depths' tokens
+    ahead, the embeddings travel with the hidden states through the middle stages (their gradients back) to the
+    last (static stage shapes: the packed length, the embeddings in them), which runs the (repeated-layer) heads
+    and returns the depths' hidden states with the rows' positions; the schedule's loss
     (FusedLinearCrossEntropy: the head applied to the main and the depths' states) adds the heads', a depth's
     targets in the next packed sample dropped. Losses, gradient norms and the trained heads are one process's with
     the plain loss (wrong embeddings, states or targets change them all)."""
     config, reference = one_process
     log = run_finetune(config, tmp_path, tmp_path / "pp", *fsdp2_ranks_with("pp_size"),
                        "--step_scheduler.grad_accumulation_steps", "2", "--loss_fn._target_",
-                       "FusedLinearCrossEntropy", "--loss_fn.chunk_len", "7")
-    assert "pipeline stage 0 of 2 on this rank (embedding + layers 0-1)" in log
+                       "FusedLinearCrossEntropy", "--loss_fn.chunk_len", "7", "--distributed.pipeline.pp_schedule",
+                       "interleaved1f1b")
+    assert "pipeline stages 0 (embedding + layers 0-0), 2 (layers 2-2) of 4 on this rank" in log
     assert "pipeline stage shapes: static (pp_seq_len 128)" in log
     assert losses(tmp_path / "pp") == pytest.approx(losses(reference), rel=1e-5)
     assert grad_norms(tmp_path / "pp") == pytest.approx(grad_norms(reference), rel=1e-5)
