@@ -68,7 +68,9 @@ class PipelineStageModel(nn.Module):
     positions the whole rows': the layers run in the all-gather attention's region over ``cp_mesh``, on the rank's
     positions, its mask built from the whole rows'. Multi-axis positions (Qwen-VL's 3-D rope) come rows first,
     ``[rows, axes, length]``, so that the schedule splits them with the rows; the stage hands the model
-    ``[axes, rows, length]``."""
+    ``[axes, rows, length]``. With :attr:`carry` (MTP heads), while training, ``carried`` tensors travel beside
+    the hidden states: the first stage makes them, the middle ones pass them on, the last returns what the carry
+    makes of them after its output."""
 
     # the loss applies the output head itself (FusedLinearCrossEntropy): no [tokens, vocab] logits leave the stage
     head_in_loss = False
