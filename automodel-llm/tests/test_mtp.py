@@ -210,6 +210,7 @@ def test_two_pipeline_stages_train_the_heads_as_one_process(tmp_path, one_proces
                        "FusedLinearCrossEntropy", "--loss_fn.chunk_len", "7", "--distributed.pipeline.pp_schedule",
                        "interleaved1f1b")
     assert "pipeline stages 0 (embedding + layers 0-0), 2 (layers 2-2) of 4 on this rank" in log
+    assert "MTP under pipeline parallelism: the first stage sends each of the 2 depths' embedding" in log
     assert "pipeline stage shapes: static (pp_seq_len 128)" in log
     assert losses(tmp_path / "pp") == pytest.approx(losses(reference), rel=1e-5)
     assert grad_norms(tmp_path / "pp") == pytest.approx(grad_norms(reference), rel=1e-5)

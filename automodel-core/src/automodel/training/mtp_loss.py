@@ -12,7 +12,7 @@ from automodel.errors import ConfigIssue
 from automodel.mtp.checks import mtp_asked, mtp_issues, mtp_off_notes
 from automodel.mtp.heads import MTPHeads, find_heads
 from automodel.training.modules import unwrap
-from automodel.training.parallel.pipeline_stages import last_stage
+from automodel.training.parallel.pipeline_stages import last_stage, stages_of
 from automodel.training.parallelism import model_hf_config
 
 
@@ -37,6 +37,10 @@ class MTPLoss:
             self.log(note)
         super().setup()
         self.mtp_heads = find_heads(unwrap(self.model))
+        carry = next((stage.carry for stage in stages_of(unwrap(self.model)) if getattr(stage, "carry", None)), None)
+        if carry is not None:  # pipeline parallelism: the rank of the last stage holds the heads
+            self.log(f"MTP under pipeline parallelism: the first stage sends each of the {carry.depths} depths' "
+                     "embedding of the tokens ahead beside the hidden states; the last stage runs the heads")
         if self.mtp_heads is not None:
             mtp = self.mtp_heads.settings
             self.log(f"MTP: {mtp.depths} heads ({mtp.physical_depths} with weights of their own, "
