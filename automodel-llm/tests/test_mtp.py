@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 import torch
-from llm_testing import base_config, losses, run_finetune
+from llm_testing import base_config, fsdp2_ranks_with, grad_norms, losses, run_finetune
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -162,16 +162,62 @@ def test_upstream_form_trains_resumes_and_saves_the_heads_for_transformers(tmp_p
     torch.testing.assert_close(plain.eval()(ids).logits, ours.eval()(ids).logits)
 
 
-def test_two_fsdp2_ranks_train_the_heads_as_one_process(tmp_path, nemotron_dir):
-    config = run_config(tmp_path, nemotron_dir, step_scheduler={"max_steps": 2, "grad_accumulation_steps": 1,
-                                                                "log_interval": 1},
-                        dataloader={"batch_size": 2, "shuffle": False})
-    run_finetune(config, tmp_path, tmp_path / "one", "--step_scheduler.grad_accumulation_steps", "2")
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, nemotron_dir):
+    """(config, checkpoint dir) of two steps in one process, each of two accumulated batches of two packed rows
+    (several samples a row, position ids restarting at each) with every token a label, so a depth's target in the
+    next sample would count without the rule that drops it."""
+    tmp = tmp_path_factory.mktemp("mtp_one")
+    rows = tmp / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"q": f"Which number follows {i}?", "a": f"It is {i + 1}, then {i + 2}."})
+                            + "\n" for i in range(32)))
+    dataset = {"_target_": "automodel_llm.datasets.ColumnMappedTextInstructionDataset", "dataset_name": str(rows),
+               "column_mapping": {"question": "q", "answer": "a"}, "answer_only_loss_mask": False}
+    config = run_config(tmp, nemotron_dir, step_scheduler={"max_steps": 2, "grad_accumulation_steps": 1,
+                                                           "log_interval": 1},
+                        dataloader={"batch_size": 2, "shuffle": False}, packed_sequence={"packed_sequence_size": 128},
+                        dataset=dataset)
+    run_finetune(config, tmp, tmp / "one", "--step_scheduler.grad_accumulation_steps", "2")
+    return config, tmp / "one"
+
+
+def heads_tensors(run) -> dict[str, torch.Tensor]:
+    """The ``mtp.*`` tensors of a run's step-2 model/."""
+    saved = load_file(run / "epoch_0_step_2" / "model" / "model.safetensors")
+    return {key: value for key, value in saved.items() if key.startswith("mtp.")}
+
+
+def test_two_fsdp2_ranks_train_the_heads_as_one_process(tmp_path, one_process):
+    config, reference = one_process
     run_finetune(config, tmp_path, tmp_path / "two", "--nproc-per-node", "2", "--distributed.strategy", "fsdp2")
-    assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), rel=1e-5)
-    one, two = (load_file(tmp_path / run / "epoch_0_step_2" / "model" / "model.safetensors") for run in ("one", "two"))
-    for key in (key for key in one if key.startswith("mtp.")):
+    assert losses(tmp_path / "two") == pytest.approx(losses(reference), rel=1e-5)
+    one, two = heads_tensors(reference), heads_tensors(tmp_path / "two")
+    for key in one:
         torch.testing.assert_close(two[key], one[key], rtol=1e-4, atol=1e-6)
+
+
+def test_two_pipeline_stages_train_the_heads_as_one_process(tmp_path, one_process):
+    """pp 2, two stages per rank (interleaved 1F1B, four stages): the first stage embeds the two depths' tokens
+    ahead, the embeddings travel with the hidden states through the middle stages (their gradients back) to the
+    last (static stage shapes: the packed length, the embeddings in them), which runs the (repeated-layer) heads
+    and returns the depths' hidden states with the rows' positions; the schedule's loss
+    (FusedLinearCrossEntropy: the head applied to the main and the depths' states) adds the heads', a depth's
+    targets in the next packed sample dropped. Losses, gradient norms and the trained heads are one process's with
+    the plain loss (wrong embeddings, states or targets change them all)."""
+    config, reference = one_process
+    log = run_finetune(config, tmp_path, tmp_path / "pp", *fsdp2_ranks_with("pp_size"),
+                       "--step_scheduler.grad_accumulation_steps", "2", "--loss_fn._target_",
+                       "FusedLinearCrossEntropy", "--loss_fn.chunk_len", "7", "--distributed.pipeline.pp_schedule",
+                       "interleaved1f1b")
+    assert "pipeline stages 0 (embedding + layers 0-0), 2 (layers 2-2) of 4 on this rank" in log
+    assert "MTP under pipeline parallelism: the first stage sends each of the 2 depths' embedding" in log
+    assert "pipeline stage shapes: static (pp_seq_len 128)" in log
+    assert losses(tmp_path / "pp") == pytest.approx(losses(reference), rel=1e-5)
+    assert grad_norms(tmp_path / "pp") == pytest.approx(grad_norms(reference), rel=1e-5)
+    one, pp = heads_tensors(reference), heads_tensors(tmp_path / "pp")
+    assert set(pp) == set(one)
+    for key in one:
+        torch.testing.assert_close(pp[key], one[key], rtol=1e-4, atol=1e-6)
 
 
 def test_lora_adapts_the_heads_linear_layers_and_freezes_their_base(tmp_path, nemotron_dir):
@@ -194,9 +240,9 @@ def refusals(config, route: tuple[str, str] = ("finetune", "llm")) -> dict[str, 
 
 
 @pytest.mark.parametrize("sections, words", [
-    ({"distributed": {"strategy": "fsdp2", "pp_size": 2}}, "not wired into pipeline parallelism"),
     ({"distributed": {"strategy": "fsdp2", "tp_size": 2}}, "not wired into tensor parallelism"),
     ({"distributed": {"strategy": "fsdp2", "cp_size": 2}}, "not wired into context parallelism"),
+    ({"distributed": {"strategy": "fsdp2", "pp_size": 2, "cp_size": 2}}, "not wired into context parallelism"),
 ])
 def test_what_the_heads_are_not_wired_into_is_refused(tmp_path, nemotron_dir, sections, words):
     found = refusals(run_config(tmp_path, nemotron_dir, **sections))
@@ -246,14 +292,14 @@ class Passthrough(torch.nn.Module):
 
 
 def test_a_target_in_the_next_packed_sample_is_not_a_target():
-    from automodel.mtp.heads import MTPHeads, MTPSettings
+    from automodel.mtp.heads import MTPHeads, MTPSettings, future_embeddings
 
     torch.manual_seed(0)
     heads, embed, head = MTPHeads(MTPSettings(2), [Passthrough(), Passthrough()]), torch.nn.Embedding(9, 4), \
         torch.nn.Linear(4, 9)
     ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])
     positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]])  # two packed samples of 4 tokens, every token a label
-    heads.run(embed(ids), ids, embed, lambda depth: {})
+    heads.run(embed(ids), future_embeddings(ids, embed, 2), lambda depth: {})
     outputs = heads._outputs
     found = heads.loss(ids, head, torch.nn.CrossEntropyLoss(reduction="sum"), position_ids=positions)
     ce = torch.nn.functional.cross_entropy

@@ -24,7 +24,7 @@ from torch import nn
 
 from automodel.errors import AutomodelError
 from automodel.model_kwargs import MTP, MTP_FAMILIES, mtp_config_depths, mtp_depths_zero
-from automodel.mtp.heads import MTPHeads, MTPSettings
+from automodel.mtp.heads import MTPHeads, MTPSettings, future_embeddings
 
 KEY = "model.num_nextn_predict_layers"
 
@@ -120,25 +120,37 @@ def _run_heads_in_forward(model: nn.Module, heads: MTPHeads, family: Any, text_m
                           norm: nn.Module) -> None:
     """The model's forward, while training, also runs the heads on the output of its final norm (kept by a
     forward hook) with the attention mask and positions the text model got (a vision-language model computes the
-    positions of image rows inside), inside the model's own call: FSDP2 has its parameters gathered there."""
+    positions of image rows inside), inside the model's own call: FSDP2 has its parameters gathered there. The
+    hooks keep nothing outside that call (a pipeline stage runs the modules without it: :mod:`.pipeline`)."""
     captured: dict[str, Any] = {}
-    norm.register_forward_hook(lambda module, args, output: captured.__setitem__("hidden", output))
+
+    def keep(**values: Any) -> None:
+        if captured.get("active"):
+            captured.update(values)
+
+    norm.register_forward_hook(lambda module, args, output: keep(hidden=output))
     text_model.register_forward_pre_hook(
-        lambda module, args, kwargs: captured.update(attention_mask=kwargs.get("attention_mask"),
-                                                     position_ids=kwargs.get("position_ids")), with_kwargs=True)
+        lambda module, args, kwargs: keep(attention_mask=kwargs.get("attention_mask"),
+                                          position_ids=kwargs.get("position_ids")), with_kwargs=True)
     forward = model.forward
 
     @functools.wraps(forward)
     def forward_with_heads(*args: Any, **kwargs: Any) -> Any:
-        output = forward(*args, **kwargs)
+        captured.clear()
+        captured["active"] = True
+        try:
+            output = forward(*args, **kwargs)
+        finally:
+            captured["active"] = False
         hidden = captured.pop("hidden", None)
         if model.training and hidden is not None:
             input_ids = kwargs.get("input_ids", args[0] if args else None)
             if input_ids is None:
                 raise AutomodelError(f"{KEY}: the MTP heads embed the tokens ahead, but the model got no input_ids")
-            heads.run(hidden, input_ids, model.get_input_embeddings(),
-                      family.depth_kwargs(text_model, hidden, captured.pop("attention_mask", None),
-                                          captured.pop("position_ids", None)))
+            embedded = future_embeddings(input_ids, model.get_input_embeddings(), heads.settings.depths)
+            heads.run(hidden, embedded, family.depth_kwargs(text_model, hidden, captured.pop("attention_mask", None),
+                                                            captured.pop("position_ids", None)))
+        captured.clear()
         return output
 
     model.forward = forward_with_heads

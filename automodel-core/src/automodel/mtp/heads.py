@@ -65,15 +65,16 @@ class MTPHeads(nn.Module):
         self.per_depth = len(layers) // settings.physical_depths
         self._outputs: list[torch.Tensor] | None = None
 
-    def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, embed: Callable[[torch.Tensor], torch.Tensor],
+    def forward(self, hidden: torch.Tensor, embedded: list[torch.Tensor],
                 kwargs_for: Callable[[int], dict[str, Any]]) -> list[torch.Tensor]:
-        """Each depth's hidden states; ``kwargs_for(depth)`` gives a depth's sublayers their keyword arguments
+        """Each depth's hidden states; ``embedded``: each depth's embedding of the tokens ahead
+        (:func:`future_embeddings`), ``kwargs_for(depth)`` gives a depth's sublayers their keyword arguments
         (masks, positions shifted as the tokens are)."""
         outputs = []
         for depth in range(1, self.settings.depths + 1):
-            embedded = embed(shift_left(input_ids, depth, 0))
             start = 0 if self.settings.repeated_layer else (depth - 1) * self.per_depth
-            hidden = self.run_depth(hidden, embedded, self.layers[start:start + self.per_depth], kwargs_for(depth))
+            hidden = self.run_depth(hidden, embedded[depth - 1], self.layers[start:start + self.per_depth],
+                                    kwargs_for(depth))
             outputs.append(hidden)
         return outputs
 
@@ -98,6 +99,11 @@ class MTPHeads(nn.Module):
         outputs, self._outputs = self._outputs, None
         if outputs is None:
             raise RuntimeError("the MTP heads did not run in this forward (the model was not in training mode)")
+        return self.outputs_loss(outputs, labels, head, loss_fn, loss_head, position_ids)
+
+    def outputs_loss(self, outputs: list[torch.Tensor], labels: torch.Tensor, head: nn.Module, loss_fn: nn.Module,
+                     loss_head: Any = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`loss` of the depths' hidden states ``outputs`` (a pipeline's last stage returns them)."""
         if position_ids is not None and position_ids.dim() == 3:  # multi-axis rotary positions: the text axis first
             position_ids = position_ids[0]
         sample = (position_ids == 0).cumsum(dim=1) if position_ids is not None else None
@@ -138,6 +144,13 @@ def stack_expert_tensors(tensors: dict[str, torch.Tensor], pattern: re.Pattern[s
                              f"0..{len(experts) - 1}")
         stacked[(owner, projection)] = torch.stack([experts[index] for index in range(len(experts))])
     return others, stacked
+
+
+def future_embeddings(input_ids: torch.Tensor, embed: Callable[[torch.Tensor], torch.Tensor],
+                      depths: int) -> list[torch.Tensor]:
+    """Depth ``k``'s input (k = 1..``depths``): the embedding of the token ``k`` places ahead of each position (0
+    past the row's end; a packed row's next sample there carries no label, :meth:`MTPHeads.outputs_loss`)."""
+    return [embed(shift_left(input_ids, depth, 0)) for depth in range(1, depths + 1)]
 
 
 def find_heads(model: nn.Module) -> MTPHeads | None:

@@ -18,6 +18,7 @@ import torch
 
 from automodel.errors import AutomodelError, ConfigError
 from automodel.hf import is_adapter_dir
+from automodel.mtp.pipeline import carry_heads
 from automodel.training.checkpoint import RESUME_ELSEWHERE, CheckpointError, mismatch_message
 from automodel.training.context import BuildContext
 from automodel.training.distributed_section import moe_saves_routing
@@ -96,6 +97,7 @@ def pipeline_stages(ctx: BuildContext, model: torch.nn.Module) -> tuple[list[Pip
         if found:
             raise ConfigError(found)
     stages = split_for_pipeline(model, ctx.device_mesh["pp"], pipeline)
+    carry_heads(model, stages)  # MTP heads: the first stage's future-token embeddings travel to the last
     described = []
     for stage in stages:
         first, last = stage.layer_range.start, stage.layer_range.stop - 1

@@ -12,6 +12,7 @@ from automodel.errors import ConfigIssue
 from automodel.mtp.checks import mtp_asked, mtp_issues, mtp_off_notes
 from automodel.mtp.heads import MTPHeads, find_heads
 from automodel.training.modules import unwrap
+from automodel.training.parallel.pipeline_stages import last_stage, stages_of
 from automodel.training.parallelism import model_hf_config
 
 
@@ -21,12 +22,14 @@ class MTPLoss:
     ``compute_loss`` does not add it, so the keys are refused."""
 
     adds_mtp_loss = True
+    mtp_pipelined = True  # whether its models' heads can run on pipeline stages (automodel.mtp.pipeline)
     mtp_heads: MTPHeads | None = None
 
     @classmethod
     def mtp_config_issues(cls, cfg: Any) -> list[ConfigIssue]:
         """Why the heads the model section asks for cannot train in this run (empty: they can, or none is asked)."""
-        return mtp_issues(cfg, model_hf_config(cfg), supported=cls.adds_mtp_loss) if mtp_asked(cfg) else []
+        return mtp_issues(cfg, model_hf_config(cfg), supported=cls.adds_mtp_loss,
+                           pipelined=cls.mtp_pipelined) if mtp_asked(cfg) else []
 
     def setup(self) -> None:
         """The recipe's setup, then the built model's heads (if any) kept and said in the run's log."""
@@ -34,6 +37,10 @@ class MTPLoss:
             self.log(note)
         super().setup()
         self.mtp_heads = find_heads(unwrap(self.model))
+        carry = next((stage.carry for stage in stages_of(unwrap(self.model)) if getattr(stage, "carry", None)), None)
+        if carry is not None:  # pipeline parallelism: the rank of the last stage holds the heads
+            self.log(f"MTP under pipeline parallelism: the first stage sends each of the {carry.depths} depths' "
+                     "embedding of the tokens ahead beside the hidden states; the last stage runs the heads")
         if self.mtp_heads is not None:
             mtp = self.mtp_heads.settings
             self.log(f"MTP: {mtp.depths} heads ({mtp.physical_depths} with weights of their own, "
@@ -50,3 +57,13 @@ class MTPLoss:
         head = unwrap(model).get_output_embeddings()
         return loss + self.mtp_heads.loss(batch["labels"], head, self.loss_fn, self.loss_head,
                                           batch.get("position_ids"))
+
+    def pipeline_loss(self, output: torch.Tensor | tuple[torch.Tensor, ...], targets: torch.Tensor) -> torch.Tensor:
+        """The next-token loss of the last stage's output plus, while training, the heads' of the depths' hidden
+        states the stage returned after it, with the rows' positions (:mod:`automodel.mtp.pipeline`)."""
+        if not isinstance(output, tuple):
+            return super().pipeline_loss(output, targets)
+        main, *depths, positions = output
+        head = last_stage(unwrap(self.model)).output_head
+        return super().pipeline_loss(main, targets) + self.mtp_heads.outputs_loss(
+            depths, targets, head, self.loss_fn, self.loss_head, positions)

@@ -165,4 +165,5 @@ def static_shapes(ctx: BuildContext, stage: torch.nn.Module, settings: PipelineS
     return StaticShapes(settings.pp_seq_len, text.hidden_size, text.vocab_size,
                         given or activations_dtype(ctx.precision, storage),
                         logits_dtype(ctx.precision, storage, moe_head_fp32(ctx.cfg.distributed)),
-                        head_in_loss=loss_fn_named(ctx.cfg, LINEAR) is not None, cp=ctx.mesh.cp)
+                        head_in_loss=loss_fn_named(ctx.cfg, LINEAR) is not None, cp=ctx.mesh.cp,
+                        carried=stage.carry.depths if stage.carry is not None else 0)

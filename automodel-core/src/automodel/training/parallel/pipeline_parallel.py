@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from automodel.errors import AutomodelError, ConfigIssue
+from automodel.training.parallel.pipeline_plans import has_pipeline_plan
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -155,7 +156,7 @@ def pp_issues(model_config: Any, pp_size: int, settings: PipelineSettings, batch
     if issues or pp_size == 1:
         return issues
     text = model_config.get_text_config()
-    if not (getattr(model_config, "base_model_pp_plan", None) or getattr(text, "base_model_pp_plan", None)):
+    if not has_pipeline_plan(model_config):
         return [ConfigIssue(f"{section}.pp_size", f"{pp_size}: the model ({model_config.model_type}) has no pipeline "
                                                   "plan (base_model_pp_plan); set pp_size: 1")]
     if getattr(text, "tie_word_embeddings", False):

@@ -32,6 +32,7 @@ from automodel.training.parallel.all_gather_attention import all_gather_region
 from automodel.training.parallel.blocks import LayerPlaceholder
 from automodel.training.parallel.context_parallel import split_sequence
 from automodel.training.parallel.pipeline_media import model_media
+from automodel.training.parallel.pipeline_plans import pipeline_plan
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -67,10 +68,15 @@ class PipelineStageModel(nn.Module):
     positions the whole rows': the layers run in the all-gather attention's region over ``cp_mesh``, on the rank's
     positions, its mask built from the whole rows'. Multi-axis positions (Qwen-VL's 3-D rope) come rows first,
     ``[rows, axes, length]``, so that the schedule splits them with the rows; the stage hands the model
-    ``[axes, rows, length]``."""
+    ``[axes, rows, length]``. With :attr:`carry` (MTP heads), while training, ``carried`` tensors travel beside
+    the hidden states: the first stage makes them, the middle ones pass them on, the last returns what the carry
+    makes of them after its output."""
 
     # the loss applies the output head itself (FusedLinearCrossEntropy): no [tokens, vocab] logits leave the stage
     head_in_loss = False
+    # what the stages carry beside the hidden states while training (automodel.mtp.pipeline.StageHeads: the MTP
+    # heads' future-token embeddings, from the first stage to the last, which runs the heads); None: nothing
+    carry: Any = None
 
     def __init__(self, model: nn.Module, index: int, num_stages: int, layers: range, parts: dict[str, str],
                  whole: nn.Module | None = None):
@@ -90,9 +96,9 @@ class PipelineStageModel(nn.Module):
         for name, child in model.named_children():
             self.add_module(name, child)
 
-    def forward(self, inputs: torch.Tensor, attention_mask: torch.Tensor | None = None,
+    def forward(self, inputs: torch.Tensor, *carried: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, cp_mesh: DeviceMesh | None = None,
-                **media: torch.Tensor) -> torch.Tensor:
+                **media: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
         if self.is_first:  # the base model: a composite one encodes the media and merges them into the embeddings
             body, given = getattr(self, self._base), {"input_ids": inputs, **model_media(media)}
         else:
@@ -111,7 +117,14 @@ class PipelineStageModel(nn.Module):
                                       use_cache=False).last_hidden_state
                 else:
                     hidden = body(**given, position_ids=positions, use_cache=False).last_hidden_state
-        return self.output_head(hidden) if self.is_last and not self.head_in_loss else hidden
+        output = self.output_head(hidden) if self.is_last and not self.head_in_loss else hidden
+        if self.carry is None or not self.training:
+            return output
+        if self.is_first:
+            carried = tuple(self.carry.embed(self, inputs))
+        if self.is_last:
+            return (output, *self.carry.run(self, hidden, carried, attention_mask, position_ids))
+        return (output, *carried)
 
     @property
     def takes_whole_rows(self) -> bool:
@@ -159,7 +172,7 @@ class PipelineStageModel(nn.Module):
 def model_parts(model: nn.Module) -> dict[str, str]:
     """Names (relative to the causal LM) of its embedding, layers, head and the modules after the layers (the final
     norm), read from its pipeline plan; an ``AutomodelError`` when it has none this module understands."""
-    plan = dict(getattr(model, "pp_plan", None) or {})
+    plan = pipeline_plan(model)
     modules = dict(model.named_modules())
     parts: dict[str, Any] = {"after": []}
     for name, (inputs, outputs) in plan.items():
@@ -218,7 +231,10 @@ def split_model(model: nn.Module, pp_rank: int, pp_size: int, stages_per_rank: i
         layers = stage.get_submodule(parts["layers"])
         for number in range(num_layers):
             if number not in ranges[index]:
-                layers[number] = LayerPlaceholder()
+                placeholder = LayerPlaceholder()
+                if hasattr(layers[number], "block_type"):  # Nemotron-H's forward picks each layer's mask by it
+                    placeholder.block_type = layers[number].block_type
+                layers[number] = placeholder
         if index != 0:
             for name in [parts["embedding"], *parts["media"]]:
                 _replace(stage, name, None)
@@ -226,6 +242,8 @@ def split_model(model: nn.Module, pp_rank: int, pp_size: int, stages_per_rank: i
             for name in parts["after"]:
                 _replace(stage, name, LayerPlaceholder())
             _replace(stage, parts["head"], None)
+            if isinstance(getattr(stage, "mtp", None), nn.Module):  # the MTP heads run on the last stage
+                _replace(stage, "mtp", None)
         stages.append(PipelineStageModel(stage, index, num_stages, ranges[index], parts, whole=model))
     return stages
 

@@ -93,6 +93,7 @@ class StaticShapes:
     logits: torch.dtype
     head_in_loss: bool = False
     cp: int = 1
+    carried: int = 0  # MTP depths: their embeddings travel beside the hidden states (automodel.mtp.pipeline)
 
     @property
     def part(self) -> int:
@@ -103,18 +104,26 @@ class StaticShapes:
         """These shapes for a batch of ``seq_len`` tokens (itself when the length is fixed)."""
         return self if self.seq_len is not None else dataclasses.replace(self, seq_len=seq_len)
 
-    def examples(self, stage: Any, rows: int) -> dict[str, torch.Tensor]:
-        """``PipelineStage``'s ``input_args`` and ``output_args`` for ``stage`` (meta tensors)."""
+    def examples(self, stage: Any, rows: int) -> dict[str, Any]:
+        """``PipelineStage``'s ``input_args`` and ``output_args`` for ``stage`` (meta tensors); with MTP depths
+        (``carried``) the hidden states travel with each depth's embedding, and the last stage returns each depth's
+        hidden states and the rows' positions after its output."""
+        def hidden() -> torch.Tensor:
+            return torch.empty(rows, self.part, self.hidden, dtype=self.activations, device="meta", requires_grad=True)
+
+        carried = tuple(hidden() for _ in range(self.carried))
         if stage.is_first:  # a composite model's first stage takes the whole rows (it splits after the merge)
             length = self.seq_len if getattr(stage, "takes_whole_rows", False) else self.part
-            inputs = torch.empty(rows, length, dtype=torch.long, device="meta")
+            inputs: tuple[torch.Tensor, ...] = (torch.empty(rows, length, dtype=torch.long, device="meta"),)
         else:
-            inputs = torch.empty(rows, self.part, self.hidden, dtype=self.activations, device="meta",
-                                 requires_grad=True)
+            inputs = (hidden(), *carried)
         logits = stage.is_last and not self.head_in_loss
         width, dtype = (self.vocab, self.logits) if logits else (self.hidden, self.activations)
-        outputs = torch.empty(rows, self.part, width, dtype=dtype, device="meta", requires_grad=True)
-        return {"input_args": inputs, "output_args": outputs}
+        outputs = (torch.empty(rows, self.part, width, dtype=dtype, device="meta", requires_grad=True), *carried)
+        if stage.is_last and self.carried:
+            outputs += (torch.empty(rows, self.part, dtype=torch.long, device="meta"),)
+        return {"input_args": inputs if len(inputs) > 1 else inputs[0],
+                "output_args": outputs if len(outputs) > 1 else outputs[0]}
 
     def describe(self, rows: int, whole_rows: bool = False) -> str:
         """The run-start line: the shapes, and that no shape-finding pass runs (``whole_rows``: the first stage
@@ -137,13 +146,15 @@ class StaticStage(AccumulatingStage):
     """An :class:`AccumulatingStage` built with example tensors (torch's STATIC mode); its first micro-batch's
     output is compared with the example's shape and dtype (an ``AutomodelError`` naming the keys on a mismatch)."""
 
-    def __init__(self, *args: Any, input_args: torch.Tensor, output_args: torch.Tensor, **kwargs: Any):
+    def __init__(self, *args: Any, input_args: Any, output_args: Any, **kwargs: Any):
         super().__init__(*args, input_args=input_args, output_args=output_args, **kwargs)
-        self.expected: tuple[tuple[int, ...], torch.dtype] | None = (tuple(output_args.shape), output_args.dtype)
+        first = output_args[0] if isinstance(output_args, tuple) else output_args  # the hidden states / logits
+        self.expected: tuple[tuple[int, ...], torch.dtype] | None = (tuple(first.shape), first.dtype)
 
     def forward_one_chunk(self, fwd_chunk_id: int, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None,
                           save_forward_output: bool = True) -> Any:
-        output = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+        outputs = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+        output = outputs[0] if isinstance(outputs, tuple) else outputs
         if self.expected is not None:
             shape, dtype = self.expected
             self.expected = None
@@ -154,4 +165,4 @@ class StaticStage(AccumulatingStage):
                     f"{dtype_name(dtype)}; set distributed.pipeline.dtype to {dtype_name(output.dtype)} if that is the "
                     "hidden states' dtype, or remove pp_seq_len and dtype (the shapes are then found on the first "
                     "batch)")
-        return output
+        return outputs

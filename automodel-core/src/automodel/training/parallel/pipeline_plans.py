@@ -1,0 +1,29 @@
+"""Pipeline plans (transformers' ``pp_plan``: the input embedding, the decoder layers, the final norm, the output
+head, each with what it takes and gives) for the models whose transformers classes have none, by ``model_type``:
+Nemotron-H (upstream cuts its NemotronV3 models into stages; transformers' ``NemotronHForCausalLM`` has no plan)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+PLANS: dict[str, dict[str, tuple[list[str], list[str]]]] = {
+    "nemotron_h": {"model.embeddings": (["input_ids"], ["inputs_embeds"]),
+                   "model.layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
+                   "model.norm_f": (["hidden_states"], ["hidden_states"]),
+                   "lm_head": (["hidden_states"], ["logits"])},
+}
+
+
+def pipeline_plan(model: nn.Module) -> dict[str, Any]:
+    """``model``'s pipeline plan: transformers', else the one here for its ``model_type`` (empty: none)."""
+    plan = dict(getattr(model, "pp_plan", None) or {})
+    return plan or dict(PLANS.get(getattr(model.config, "model_type", None), {}))
+
+
+def has_pipeline_plan(config: Any) -> bool:
+    """Whether the model of ``config`` (a transformers config) has a pipeline plan, before it is built."""
+    text = config.get_text_config()
+    return bool(getattr(config, "base_model_pp_plan", None) or getattr(text, "base_model_pp_plan", None)
+                or config.model_type in PLANS)
