@@ -69,3 +69,15 @@ def test_bad_sources_are_reported(tmp_path):
     (tmp_path / "rows.jsonl").write_text(json.dumps({"picture": "a.png"}) + "\n")
     with pytest.raises(AutomodelError, match="needs 'image'"):
         ImageCaptionDataset(str(tmp_path / "rows.jsonl"), resolution=8)
+
+
+def test_a_jsonl_line_that_is_not_json_is_named_with_its_config_key_file_and_line(tmp_path):
+    from automodel.errors import AutomodelError
+    from automodel_diffusion.datasets import jsonl_rows
+
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"a": 1}\n\n{"a": 2\n', encoding="utf-8")
+    rows = jsonl_rows(path, "dataset.path")
+    assert next(rows) == (1, {"a": 1})  # the blank line is skipped
+    with pytest.raises(AutomodelError, match=rf"^dataset.path: {path}:3 is not JSON"):
+        next(rows)

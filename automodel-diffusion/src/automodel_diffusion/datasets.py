@@ -18,7 +18,7 @@ captions beside them. A clip is an animated GIF / WebP, or a folder of frame ima
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,16 +32,22 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif")
 ANIMATION_SUFFIXES = (".gif", ".webp")  # clips Pillow decodes frame by frame
 
 
-def _read_jsonl(path: Path, image_key: str, caption_key: str, bad_rows: BadRows,
-                exists: Callable[[Path], bool] = Path.is_file, kind: str = "image") -> tuple[list[str], list[str]]:
-    images, captions = [], []
+def jsonl_rows(path: Path, key: str) -> Iterator[tuple[int, Any]]:
+    """``(line number, parsed row)`` of each non-blank line of a JSON-lines file; a line that is not JSON stops
+    with an error naming the config ``key``, the file and the line."""
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            yield number, json.loads(line)
         except json.JSONDecodeError as err:
-            raise AutomodelError(f"dataset.path: {path}:{number} is not JSON: {err}") from None
+            raise AutomodelError(f"{key}: {path}:{number} is not JSON: {err}") from None
+
+
+def _read_jsonl(path: Path, image_key: str, caption_key: str, bad_rows: BadRows,
+                exists: Callable[[Path], bool] = Path.is_file, kind: str = "image") -> tuple[list[str], list[str]]:
+    images, captions = [], []
+    for number, row in jsonl_rows(path, "dataset.path"):
         keys = tuple(dict.fromkeys(k for k in (image_key, kind if kind == "image" else None, "file_name") if k))
         image = next((row[k] for k in keys if row.get(k) is not None), None) if isinstance(row, dict) else None
         if image is None or not isinstance(row.get(caption_key), str):

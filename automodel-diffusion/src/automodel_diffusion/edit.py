@@ -18,7 +18,6 @@ its ``context`` images (in order).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,7 @@ import torch
 from automodel.data import BadRows, OnBadRow
 from automodel.errors import AutomodelError
 from automodel_diffusion.conditioning import QwenImageConditioning
+from automodel_diffusion.datasets import jsonl_rows
 
 MANIFEST = "hf_image_edit_manifest.jsonl"  # upstream's name for the manifest its image-edit export writes
 ROLES = ("target", "context", "condition")
@@ -121,13 +121,7 @@ def _row_issue(row: Any) -> str | None:
 def read_manifest(path: Path, bad_rows: BadRows) -> list[dict[str, Any]]:
     """Rows ``{"prompt", "target": Path, "sources": [Path, ...]}`` of an image-edit manifest."""
     rows = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise AutomodelError(f"data.dataloader.cache_dir: {path}:{number} is not JSON: {err}") from None
+    for number, row in jsonl_rows(path, "data.dataloader.cache_dir"):
         problem = _row_issue(row)
         files = {} if problem else {item["file_name"]: path.parent / item["file_name"] for item in row["media"]}
         missing = [name for name, file in files.items() if not file.is_file()]
