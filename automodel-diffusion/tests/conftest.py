@@ -17,6 +17,13 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture(scope="module")
+def clips(tmp_path_factory):
+    """A folder of tiny clips with captions (GIF, WebP, a frame folder: diffusion_testing.tiny_clips), for the
+    video families' tests."""
+    return diffusion_testing.tiny_clips(tmp_path_factory.mktemp("clips") / "clips")
+
+
 @pytest.fixture(scope="session")
 def flow_run(tmp_path_factory):
     """The shipped diffusion/tiny_flow example, trained once (60 steps; validation and checkpoints at 30 and 60)."""

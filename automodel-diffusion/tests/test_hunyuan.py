@@ -29,11 +29,6 @@ def base(tmp_path_factory) -> Path:
     return dt.tiny_hunyuan(tmp_path_factory.mktemp("hunyuan") / "base")
 
 
-@pytest.fixture(scope="module")
-def clips(tmp_path_factory) -> Path:
-    return dt.tiny_clips(tmp_path_factory.mktemp("clips") / "clips")
-
-
 def transformer_calls(transformer: torch.nn.Module) -> list[dict]:
     """Every call's keyword arguments (and output) from now on."""
     calls = []

@@ -23,7 +23,6 @@ from diffusion_testing import (
     form_overrides,
     load_config,
     refusals,
-    tiny_clips,
     tiny_ltx2,
     train_inprocess,
 )
@@ -40,11 +39,6 @@ FINETUNE, LORA, GENERATE = (FORMS / f"{name}_upstream.yaml" for name in ("ltx2_f
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> Path:
     return tiny_ltx2(tmp_path_factory.mktemp("ltx2") / "base")
-
-
-@pytest.fixture(scope="module")
-def clips(tmp_path_factory) -> Path:
-    return tiny_clips(tmp_path_factory.mktemp("clips") / "clips")
 
 
 # ---- the training step, against diffusers' own code ------------------------------------------------------------

@@ -44,11 +44,6 @@ def base(tmp_path_factory) -> Path:
     return tiny_wan(tmp_path_factory.mktemp("wan") / "base")
 
 
-@pytest.fixture(scope="module")
-def clips(tmp_path_factory) -> Path:
-    return tiny_clips(tmp_path_factory.mktemp("clips") / "clips")
-
-
 # ---- the clips -------------------------------------------------------------------------------------------------
 
 

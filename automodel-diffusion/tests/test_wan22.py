@@ -15,7 +15,6 @@ from diffusion_testing import (
     WAN22_BOUNDARY,
     load_config,
     refusals,
-    tiny_clips,
     tiny_wan,
     tiny_wan22,
     train_inprocess,
@@ -31,11 +30,6 @@ FINETUNE, GENERATE = FORMS / "wan22_finetune_upstream.yaml", FORMS / "generate_w
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> Path:
     return tiny_wan22(tmp_path_factory.mktemp("wan22") / "base")
-
-
-@pytest.fixture(scope="module")
-def clips(tmp_path_factory) -> Path:
-    return tiny_clips(tmp_path_factory.mktemp("clips") / "clips")
 
 
 @pytest.fixture(scope="module")
