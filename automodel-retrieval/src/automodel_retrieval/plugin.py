@@ -16,6 +16,9 @@ _UPSTREAM = {
     "nemo_automodel.NeMoAutoTokenizer.from_pretrained": "tokenizer_from_pretrained",
     "nemo_automodel._transformers.auto_tokenizer.NeMoAutoTokenizer.from_pretrained": "tokenizer_from_pretrained",
     f"{_LLM_DATA}.retrieval_dataset.RetrievalDatasetConfig": "retrieval_dataset",
+    # the function behind RetrievalDatasetConfig, named by upstream's legacy dataloader.dataset (legacy_data.py)
+    f"{_LLM_DATA}.make_retrieval_dataset": "retrieval_dataset",
+    f"{_LLM_DATA}.retrieval_dataset.make_retrieval_dataset": "retrieval_dataset",
     f"{_LLM_DATA}.BiEncoderCollator": "UpstreamBiEncoderCollator",
     f"{_LLM_DATA}.retrieval_collator.BiEncoderCollator": "UpstreamBiEncoderCollator",
     f"{_LLM_DATA}.CrossEncoderCollator": "UpstreamCrossEncoderCollator",
@@ -33,8 +36,6 @@ _LOSSES = {"nemo_automodel.components.loss.embedding_distill.EmbeddingDistillLos
            "nemo_automodel.components.loss.embedding_distill.EmbeddingMSELoss": "EmbeddingMSELoss",
            "nemo_automodel.components.loss.infonce.InfoNCEDistillLoss": "InfoNCEDistillLoss"}
 _UNSUPPORTED = {
-    f"{_LLM_DATA}.make_retrieval_dataset": "upstream's legacy dataloader.dataset form is not read; give dataset: "
-                                           "{_target_: ...RetrievalDatasetConfig, ...} (or RetrievalDataset)",
     f"{_LLM_DATA}.ProcessorMethodCollator": "image-and-text (multimodal) retrieval is not implemented; the "
                                             "retrieval recipes embed text with a tokenizer",
     "nemo_automodel.components.models.llama_nemotron_vl.processor.LlamaNemotronVLProcessor.from_pretrained":

@@ -20,11 +20,13 @@ from automodel.training.modules import unwrap
 from automodel.training.recipe import TrainRecipe
 from automodel_retrieval import upstream, upstream_distill
 from automodel_retrieval.data import BiEncoderCollator, CrossEncoderCollator, instructed
+from automodel_retrieval.legacy_data import legacy_datasets, legacy_issues, without_dataset
 from automodel_retrieval.metrics import group_metrics, ranking_metrics
 from automodel_retrieval.models import DEFAULT_INPUTS, POOLINGS, BiEncoder, encoder_dir
 from automodel_retrieval.negatives import exclusions, gather_documents
 
 DATASET = "automodel_retrieval.data.RetrievalDataset"
+TRAINING_DATA_KEYS = ("dataset", "dataloader.dataset")  # the keys of the training data set's section (legacy_data.py)
 
 
 UPSTREAM = "automodel_retrieval.upstream"
@@ -114,16 +116,17 @@ class _RetrievalRecipe(TrainRecipe):
             temperature = loss.get("temperature")
             if isinstance(temperature, (int, float)) and temperature <= 0:
                 issues.append(ConfigIssue("loss_fn.temperature", f"must be > 0, found {temperature}"))
-        return issues + cls.upstream_issues(cfg)
+        return issues + cls.upstream_issues(cfg) + legacy_issues(cfg)
 
     @classmethod
     def upstream_issues(cls, cfg: Config) -> list[ConfigIssue]:
         """Upstream keys (through the upstream names' aliases) that cannot act here, each with its reason."""
         issues = []
-        for name in ("model", "dataset", "validation_dataset"):  # the tokenizer's: its own check
-            node = cfg.get(name)
-            target = _expanded(cfg, node)
-            settings = node.to_dict() if isinstance(node, ConfigNode) else {}
+        nodes = [cfg.get(name) for name in ("model", "dataset", "validation_dataset")]  # the tokenizer's: its own
+        for node in nodes + list(legacy_datasets(cfg).values()):  # (upstream's legacy dataloader.dataset too)
+            if not isinstance(node, ConfigNode):
+                continue
+            name, target, settings = node.key, _expanded(cfg, node), node.to_dict()
             if target in cls.upstream_models():
                 check = upstream.bi_encoder_issues if cls.model_type == "bi_encoder" else upstream.cross_encoder_issues
                 issues += check(settings, name)
@@ -137,6 +140,20 @@ class _RetrievalRecipe(TrainRecipe):
                 issues.append(ConfigIssue("retrieval", "give the lengths and prefixes in dataloader.collate_fn "
                                                        "(upstream's collator) or here, not both"))
         return issues
+
+    @classmethod
+    def describe_plan(cls, cfg: Config) -> list[str]:
+        return super().describe_plan(cfg) + [f"{name}: {node.target} (upstream's legacy {node.key})"
+                                             for name, node in legacy_datasets(cfg).items()]
+
+    def data_sections(self) -> dict[str, ConfigNode]:
+        """Also a data set given inside its loader, upstream's legacy form (legacy_data.py), as the section it
+        stands for (validation refused one given both ways)."""
+        return {**super().data_sections(), **legacy_datasets(self.cfg)}
+
+    def build_dataloader(self, ctx: BuildContext, dataset: Any, node: ConfigNode | None, train: bool) -> Any:
+        """The loader over ``dataset``, from its section less a legacy nested data set (built as a section)."""
+        return super().build_dataloader(ctx, dataset, without_dataset(node), train)
 
     @classmethod
     def upstream_models(cls) -> tuple[str, ...]:
@@ -405,7 +422,7 @@ class CrossEncoderRecipe(_RetrievalRecipe):
         examples = getattr(dataset, "examples", None)
         if examples and not any(example["negatives"] for example in examples):
             source = node.get("path") or node.get("dataset_name") or "the data"
-            what = "nothing would train (the loss of a group of one document is 0)" if node.key == "dataset" \
+            what = "nothing would train (the loss of a group of one document is 0)" if node.key in TRAINING_DATA_KEYS \
                 else "accuracy and MRR would be 1.0 whatever the model (each query ranked against itself alone)"
             if node.get("num_negatives") == 0:
                 raise AutomodelError(f"{node.key}.num_negatives: 0 leaves every query of '{source}' without "

@@ -39,11 +39,7 @@ from automodel.training.metrics import JsonlWriter, device_peak_flops
 from automodel.training.modules import is_fsdp2, trainable_parameters, unwrap
 from automodel.training.multimodal_section import multimodal_issues
 from automodel.training.parallel.mesh import LAYOUT_KEYS, build_device_mesh, smallest_world
-from automodel.training.parallelism import (
-    parallel_layout,
-    run_precision,
-    shards_with_fsdp2,
-)
+from automodel.training.parallelism import parallel_layout, run_precision, shards_with_fsdp2
 from automodel.training.pipeline import PIPELINE_SLOTS, Selection, apply_pipeline, select_stages
 from automodel.training.pipeline_steps import generation_issues
 from automodel.training.quantized_base import base_quantization_note
@@ -131,6 +127,12 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
 
     def default_collate_fn(self, train: bool = True) -> Any:
         return None  # torch's default collate
+
+    def data_sections(self) -> dict[str, ConfigNode]:
+        """The data set sections to build: ``dataset`` and each ``validation_dataset*`` the config gives (a domain
+        may read one elsewhere: retrieval takes upstream's legacy ``dataloader.dataset``)."""
+        return {name: self.cfg.get(name) for name in self.cfg.section_names() if self.cfg.get(name) is not None
+                and (name in ("dataset", "validation_dataset") or name.startswith("validation_dataset_"))}
 
     def dataset_runtime_args(self, node: ConfigNode) -> dict[str, Any]:
         """Arguments the recipe gives the data set section ``node``'s target (a tokenizer, say), if it accepts them."""
@@ -309,15 +311,13 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
         self.grad_scaler = ctx.precision.grad_scaler(ctx.device.type, self.storage_dtype, ctx.fsdp2)
         self.loss_fn = self.build_loss_fn(ctx)
         self.optimizer = self.build_optimizer(ctx, self.model)
-        self.train_dataset = self.build_dataset(ctx, cfg.dataset)
+        data = self.data_sections()
+        self.train_dataset = self.build_dataset(ctx, data.pop("dataset", None))
         self.dataloader = self.build_dataloader(ctx, self.train_dataset, ctx.section("dataloader"), True)
         self.val_dataloaders = {
             name.removeprefix("validation_dataset_") if name != "validation_dataset" else "validation":
-                self.build_dataloader(ctx, self.build_dataset(ctx, cfg.get(name)),
-                                      ctx.section("validation_dataloader"), False)
-            for name in cfg.section_names()
-            if (name == "validation_dataset" or name.startswith("validation_dataset_")) and cfg.get(name) is not None
-        }
+                self.build_dataloader(ctx, self.build_dataset(ctx, node), ctx.section("validation_dataloader"), False)
+            for name, node in data.items()}
         per_epoch = steps_per_epoch(len(self.dataloader), ctx.batch.grad_accumulation_steps) \
             if hasattr(self.dataloader, "__len__") else None
         self.step_scheduler = self.build_step_scheduler(ctx, per_epoch)
