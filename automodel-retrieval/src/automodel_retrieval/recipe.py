@@ -100,8 +100,10 @@ class _RetrievalRecipe(TrainRecipe):
         "tokenizer": Target("tokenizer (default: the model's): {pretrained_model_name_or_path: ...}", plain=True,
                             default_target="transformers.AutoTokenizer.from_pretrained"),
         "dataset": _dataset_section("training rows {query, positive | positives, negatives} "
-                                    "(default _target_: automodel_retrieval.RetrievalDataset)"),
-        "validation_dataset": _dataset_section("validation rows (same format)"),
+                                    "(default _target_: automodel_retrieval.RetrievalDataset); required, here or "
+                                    "as upstream's legacy dataloader.dataset (the same keys, with _target_)"),
+        "validation_dataset": _dataset_section("validation rows (same format); or upstream's legacy "
+                                               "validation_dataloader.dataset"),
         "validation_dataset_*": _dataset_section("more validation data sets, reported by name"),
     }
 
