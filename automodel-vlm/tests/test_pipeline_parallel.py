@@ -121,20 +121,21 @@ def test_more_stages_than_text_layers_and_generation_are_refused_by_validate(tmp
 
 
 def test_a_model_without_a_media_layout_is_refused_by_validate(tmp_path):
-    qwen = {"model_type": "qwen2_5_vl", "text_config": {"num_hidden_layers": 2, "tie_word_embeddings": False},
-            "tie_word_embeddings": False}
-    out = _validate(tmp_path, model={"config": qwen}, eval_generation=None,
+    gemma = {"model_type": "gemma3", "text_config": {"num_hidden_layers": 2, "tie_word_embeddings": False},
+             "tie_word_embeddings": False}
+    out = _validate(tmp_path, model={"config": gemma}, eval_generation=None,
                     distributed={"strategy": "fsdp2", "pp_size": 2})
-    assert "distributed.pp_size" in out and "the model (qwen2_5_vl) has no media layout here" in out
-    assert "(known: llava, qwen2_vl)" in out
+    assert "distributed.pp_size" in out and "the model (gemma3) has no media layout here" in out
+    assert "(known: llava, qwen2_5_vl, qwen2_vl)" in out
 
 
-def test_qwen2_vl_stages_run_one_row_micro_batches_like_the_whole_model():
-    """The Qwen2-VL's media layout: each row's images (of different sizes: their patches and grids) regrouped per
-    row, its 3-D rope positions computed on the whole rows (packed rows: the collator's, with their text row) and
-    handed to both stages rows first; the two stages on each one-row micro-batch give the whole model's logits on
-    the batch, right-padded and packed (the second stage without the positions does not). pp 2 x cp 2 on four
-    ranks: test_context_parallel.py."""
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_qwen_vl_stages_run_one_row_micro_batches_like_the_whole_model(family):
+    """The Qwen2-VL's media layout (Qwen2.5-VL's too: its windowed vision tower, the same rope): each row's images
+    (of different sizes: their patches and grids) regrouped per row, its 3-D rope positions computed on the whole
+    rows (packed rows: the collator's, with their text row) and handed to both stages rows first; the two stages on
+    each one-row micro-batch give the whole model's logits on the batch, right-padded and packed (the second stage
+    without the positions does not). pp 2 x cp 2 on four ranks (Qwen2-VL): test_context_parallel.py."""
     import torch
     from vlm_context_parallel_workers import micro_batches, tiny_model
 
@@ -144,7 +145,7 @@ def test_qwen2_vl_stages_run_one_row_micro_batches_like_the_whole_model():
     from automodel_vlm.datasets.packing import rope_index
     from automodel_vlm.pipeline import media_per_row, rope_positions
 
-    model, processor = tiny_model("qwen2_vl")
+    model, processor = tiny_model(family)
     (first,), (second,) = split_model(model, 0, 2), split_model(model, 1, 2)
     padded, packed = micro_batches(processor, 1, 4)[0], micro_batches(processor, 1, 4, rope_index(model))[0]
     assert padded["image_grid_thw"].tolist() == [[1, 4, 4], [1, 4, 6]]  # 16 and 24 patches, 4 and 6 image tokens

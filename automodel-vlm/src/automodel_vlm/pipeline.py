@@ -56,14 +56,16 @@ class MediaLayout:
                              f"({' / '.join(self.token_attributes)}), which the pipeline counts each row's images by")
 
 
+# Qwen2-VL and Qwen2.5-VL: pixel_values [patches, channels x patch volume] of images of any size, their grids, and
+# 3-D rope positions that every stage needs (computed before the schedule). Images only: a batch's videos
+# (pixel_values_videos, video_grid_thw, Qwen2.5-VL's second_per_grid_ts) are keys the layout does not place.
+QWEN_VL = MediaLayout(grid="image_grid_thw", per_patch=("pixel_values",), rope_only=("mm_token_type_ids",))
+
 # model_type -> its media layout. Llava: pixel_values [images, channels, height, width], every image the same
-# number of <image> tokens. Qwen2-VL: pixel_values [patches, channels x patch volume] of images of any size, their
-# grids, and 3-D rope positions that every stage needs (computed before the schedule). A model whose image tokens
-# attend to each other both ways (context_parallel.TWO_WAY_MODELS) needs its spans in each stage's context-parallel
-# region as well, more than an entry here.
-MEDIA_LAYOUTS = {"llava": MediaLayout(per_image=("pixel_values",)),
-                 "qwen2_vl": MediaLayout(grid="image_grid_thw", per_patch=("pixel_values",),
-                                         rope_only=("mm_token_type_ids",))}
+# number of <image> tokens. A model whose image tokens attend to each other both ways
+# (context_parallel.TWO_WAY_MODELS) needs its spans in each stage's context-parallel region as well, more than an
+# entry here.
+MEDIA_LAYOUTS = {"llava": MediaLayout(per_image=("pixel_values",)), "qwen2_vl": QWEN_VL, "qwen2_5_vl": QWEN_VL}
 
 
 def layout_issue(config: Any) -> str | None:
