@@ -121,12 +121,44 @@ def test_more_stages_than_text_layers_and_generation_are_refused_by_validate(tmp
 
 
 def test_a_model_without_a_media_layout_is_refused_by_validate(tmp_path):
-    gemma = {"model_type": "gemma3", "text_config": {"num_hidden_layers": 2, "tie_word_embeddings": False},
-             "tie_word_embeddings": False}
-    out = _validate(tmp_path, model={"config": gemma}, eval_generation=None,
+    llava_next = {"model_type": "llava_next", "text_config": {"num_hidden_layers": 2, "tie_word_embeddings": False},
+                  "tie_word_embeddings": False}
+    out = _validate(tmp_path, model={"config": llava_next}, eval_generation=None,
                     distributed={"strategy": "fsdp2", "pp_size": 2})
-    assert "distributed.pp_size" in out and "the model (gemma3) has no media layout here" in out
+    assert "distributed.pp_size" in out and "the model (llava_next) has no media layout here" in out
     assert "(known: llava, mistral3, qwen2_5_vl, qwen2_vl)" in out
+
+
+def test_gemma3_is_refused_since_the_later_stages_would_attend_causally_over_its_images():
+    """Gemma 3's image tokens attend to each other both ways: Gemma3Model builds that mask from token_type_ids and
+    hands it to its language model, which the later stages run alone on hidden states with the 2-D padding mask,
+    building a causal one; the stages' logits differ from the whole model's on the image tokens, so it is refused."""
+    import torch
+    from vlm_context_parallel_workers import gemma_micro_batches, tiny_model
+
+    from automodel.training.parallel.pipeline_stages import split_model
+    from automodel_vlm.pipeline import layout_issue
+
+    model, _ = tiny_model("gemma3")
+    model.config.tie_word_embeddings = model.config.text_config.tie_word_embeddings = False
+    assert "the pipeline stages after the first run the language model alone" in layout_issue(model.config)
+    (first,), (second,) = split_model(model, 0, 2), split_model(model, 1, 2)
+    batch = gemma_micro_batches("gemma3", 0, 4, left=False)[0]
+    masks = {}
+    model.model.language_model.register_forward_pre_hook(
+        lambda module, args, kwargs: masks.update(kwargs["attention_mask"]), with_kwargs=True)
+    with torch.no_grad():
+        whole = model.model(**{key: value for key, value in batch.items() if key != "labels"}).last_hidden_state
+        # the first stage given the token types (so its own layer is the model's): the second stage still is not,
+        # unless it gets the masks the model built (then it is)
+        hidden = getattr(first, first._base)(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                             pixel_values=batch["pixel_values"],
+                                             token_type_ids=batch["token_type_ids"]).last_hidden_state
+        text = second.get_submodule(second._text)
+        later = text(inputs_embeds=hidden, attention_mask=batch["attention_mask"]).last_hidden_state
+        with_masks = text(inputs_embeds=hidden, attention_mask=masks).last_hidden_state
+    assert torch.allclose(with_masks, whole, atol=1e-5)
+    assert not torch.allclose(later, whole, atol=1e-5)
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])

@@ -20,6 +20,7 @@ import torch
 
 from automodel.errors import AutomodelError, ConfigIssue
 from automodel.training.next_token import LABEL_POSITIONS
+from automodel_vlm.context_parallel import TWO_WAY_MODELS
 
 # split along the rows as they are (packed rows: position ids and each row's token count)
 PER_ROW_KEYS = ("input_ids", "attention_mask", "labels", LABEL_POSITIONS, "position_ids", "token_count")
@@ -79,9 +80,9 @@ QWEN_VL = MediaLayout(grid="image_grid_thw", per_patch=("pixel_values",), rope_o
 
 # model_type -> its media layout. Llava: pixel_values [images, channels, height, width], every image the same
 # number of <image> tokens. Mistral 3: pixel_values [images, channels, height, width] padded to the batch's largest,
-# image_sizes [images, 2] each image's own (its [IMG] tokens: one per merged patch of it). A model whose image tokens attend to each other both ways
-# (context_parallel.TWO_WAY_MODELS) needs its spans in each stage's context-parallel region as well, more than an
-# entry here.
+# image_sizes [images, 2] each image's own (its [IMG] tokens: one per merged patch of it). Models whose image tokens
+# attend to each other both ways (context_parallel.TWO_WAY_MODELS) are refused apart (layout_issue): the stages
+# after the first would not compute their mask.
 MEDIA_LAYOUTS = {"llava": MediaLayout(per_image=("pixel_values",)), "qwen2_vl": QWEN_VL, "qwen2_5_vl": QWEN_VL,
                  "mistral3": MediaLayout(per_image=("pixel_values",), sizes="image_sizes")}
 
@@ -91,9 +92,15 @@ def layout_issue(config: Any) -> str | None:
     model_type = getattr(config, "model_type", None)
     if model_type in MEDIA_LAYOUTS:
         return None
+    known = ", ".join(sorted(MEDIA_LAYOUTS))
+    if model_type in TWO_WAY_MODELS:
+        return (f"a {model_type} model's image tokens attend to each other both ways: its forward builds that mask "
+                "from the token types (token_type_ids / mm_token_type_ids) and hands it to its language model, but "
+                "the pipeline stages after the first run the language model alone on hidden states, which builds a "
+                f"causal mask (another attention); pipelined VLMs: {known}; set pp_size: 1")
     return (f"the model ({model_type}) has no media layout here: which of its image tensors belong to which rows of "
-            "a batch, so that each pipeline micro-batch's first stage gets exactly its rows' images (known: "
-            f"{', '.join(sorted(MEDIA_LAYOUTS))}); set pp_size: 1")
+            f"a batch, so that each pipeline micro-batch's first stage gets exactly its rows' images (known: {known}); "
+            "set pp_size: 1")
 
 
 def pipeline_issues(cfg: Any, config: Any) -> list[ConfigIssue]:
