@@ -121,20 +121,53 @@ def test_more_stages_than_text_layers_and_generation_are_refused_by_validate(tmp
 
 
 def test_a_model_without_a_media_layout_is_refused_by_validate(tmp_path):
-    qwen = {"model_type": "qwen2_5_vl", "text_config": {"num_hidden_layers": 2, "tie_word_embeddings": False},
-            "tie_word_embeddings": False}
-    out = _validate(tmp_path, model={"config": qwen}, eval_generation=None,
+    llava_next = {"model_type": "llava_next", "text_config": {"num_hidden_layers": 2, "tie_word_embeddings": False},
+                  "tie_word_embeddings": False}
+    out = _validate(tmp_path, model={"config": llava_next}, eval_generation=None,
                     distributed={"strategy": "fsdp2", "pp_size": 2})
-    assert "distributed.pp_size" in out and "the model (qwen2_5_vl) has no media layout here" in out
-    assert "(known: llava, qwen2_vl)" in out
+    assert "distributed.pp_size" in out and "the model (llava_next) has no media layout here" in out
+    assert "(known: llava, mistral3, qwen2_5_vl, qwen2_vl)" in out
 
 
-def test_qwen2_vl_stages_run_one_row_micro_batches_like_the_whole_model():
-    """The Qwen2-VL's media layout: each row's images (of different sizes: their patches and grids) regrouped per
-    row, its 3-D rope positions computed on the whole rows (packed rows: the collator's, with their text row) and
-    handed to both stages rows first; the two stages on each one-row micro-batch give the whole model's logits on
-    the batch, right-padded and packed (the second stage without the positions does not). pp 2 x cp 2 on four
-    ranks: test_context_parallel.py."""
+def test_gemma3_is_refused_since_the_later_stages_would_attend_causally_over_its_images():
+    """Gemma 3's image tokens attend to each other both ways: Gemma3Model builds that mask from token_type_ids and
+    hands it to its language model, which the later stages run alone on hidden states with the 2-D padding mask,
+    building a causal one; the stages' logits differ from the whole model's on the image tokens, so it is refused."""
+    import torch
+    from vlm_context_parallel_workers import gemma_micro_batches, tiny_model
+
+    from automodel.training.parallel.pipeline_stages import split_model
+    from automodel_vlm.pipeline import layout_issue
+
+    model, _ = tiny_model("gemma3")
+    model.config.tie_word_embeddings = model.config.text_config.tie_word_embeddings = False
+    assert "the pipeline stages after the first run the language model alone" in layout_issue(model.config)
+    (first,), (second,) = split_model(model, 0, 2), split_model(model, 1, 2)
+    batch = gemma_micro_batches("gemma3", 0, 4, left=False)[0]
+    masks = {}
+    model.model.language_model.register_forward_pre_hook(
+        lambda module, args, kwargs: masks.update(kwargs["attention_mask"]), with_kwargs=True)
+    with torch.no_grad():
+        whole = model.model(**{key: value for key, value in batch.items() if key != "labels"}).last_hidden_state
+        # the first stage given the token types (so its own layer is the model's): the second stage still is not,
+        # unless it gets the masks the model built (then it is)
+        hidden = getattr(first, first._base)(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                             pixel_values=batch["pixel_values"],
+                                             token_type_ids=batch["token_type_ids"]).last_hidden_state
+        text = second.get_submodule(second._text)
+        later = text(inputs_embeds=hidden, attention_mask=batch["attention_mask"]).last_hidden_state
+        with_masks = text(inputs_embeds=hidden, attention_mask=masks).last_hidden_state
+    assert torch.allclose(with_masks, whole, atol=1e-5)
+    assert not torch.allclose(later, whole, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_qwen_vl_stages_run_one_row_micro_batches_like_the_whole_model(family):
+    """The Qwen2-VL's media layout (Qwen2.5-VL's too: its windowed vision tower, the same rope): each row's images
+    (of different sizes: their patches and grids) regrouped per row, its 3-D rope positions computed on the whole
+    rows (packed rows: the collator's, with their text row) and handed to both stages rows first; the two stages on
+    each one-row micro-batch give the whole model's logits on the batch, right-padded and packed (the second stage
+    without the positions does not). pp 2 x cp 2 on four ranks (Qwen2-VL): test_context_parallel.py."""
     import torch
     from vlm_context_parallel_workers import micro_batches, tiny_model
 
@@ -144,7 +177,7 @@ def test_qwen2_vl_stages_run_one_row_micro_batches_like_the_whole_model():
     from automodel_vlm.datasets.packing import rope_index
     from automodel_vlm.pipeline import media_per_row, rope_positions
 
-    model, processor = tiny_model("qwen2_vl")
+    model, processor = tiny_model(family)
     (first,), (second,) = split_model(model, 0, 2), split_model(model, 1, 2)
     padded, packed = micro_batches(processor, 1, 4)[0], micro_batches(processor, 1, 4, rope_index(model))[0]
     assert padded["image_grid_thw"].tolist() == [[1, 4, 4], [1, 4, 6]]  # 16 and 24 patches, 4 and 6 image tokens
@@ -175,3 +208,72 @@ def test_dry_run_prints_the_vision_tower_on_the_first_stage(tmp_path):
     out = result.stdout + result.stderr
     assert "pp rank 0: stage 0 (vision tower + projector + embedding + layers 0-0)" in out
     assert "pp rank 1: stage 1 (layers 1-1 + norm, head)" in out
+
+
+def _tiny_mistral3() -> tuple[Any, dict[str, Any]]:
+    """A tiny Mistral 3 (Pixtral tower of 4-pixel patches, merged 2 x 2: an image of h x w pixels is h / 8 x w / 8
+    [IMG] tokens) and a batch as the Pixtral processor makes one: each image a grid of [IMG] tokens, each grid row
+    closed by [IMG_BREAK], the last by [IMG_END]; the pixels padded to the largest image, ``image_sizes`` each
+    image's own. Rows of two images (16 x 16, then 24 x 16), none, one (16 x 24)."""
+    import torch
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    image, image_break, image_end, vocab = 10, 11, 12, 48
+    config = Mistral3Config(
+        text_config={"model_type": "mistral", "hidden_size": 32, "intermediate_size": 32, "num_hidden_layers": 2,
+                     "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "vocab_size": vocab,
+                     "tie_word_embeddings": False},
+        vision_config={"model_type": "pixtral", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+                       "num_attention_heads": 2, "head_dim": 8, "image_size": 24, "patch_size": 4},
+        image_token_index=image, spatial_merge_size=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = Mistral3ForConditionalGeneration(config).eval()
+
+    def grid(height: int, width: int) -> list[int]:
+        tokens = ([image] * (width // 8) + [image_break]) * (height // 8)
+        return tokens[:-1] + [image_end]
+
+    sizes = [(16, 16), (24, 16), (16, 24)]
+    rows = [[1, 20, *grid(*sizes[0]), 21, *grid(*sizes[1]), 22, 23], [1, 24, 25, 26],
+            [1, 27, *grid(*sizes[2]), 28, 29]]
+    width = max(len(row) for row in rows)
+    ids, mask = torch.zeros(len(rows), width, dtype=torch.long), torch.zeros(len(rows), width, dtype=torch.long)
+    for index, row in enumerate(rows):
+        ids[index, :len(row)], mask[index, :len(row)] = torch.tensor(row), 1
+    pixels = torch.zeros(len(sizes), 3, 24, 24)
+    for index, (height, width_) in enumerate(sizes):
+        pixels[index, :, :height, :width_] = torch.randn(3, height, width_)
+    return model, {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100),
+                   "pixel_values": pixels, "image_sizes": torch.tensor(sizes)}
+
+
+def test_mistral3_stages_run_one_row_micro_batches_like_the_whole_model():
+    """Mistral 3's media layout: each image's [IMG] tokens follow its own size (image_sizes), so the rows' images
+    (two, none, one) are found by their sizes and regrouped per row with them; the two stages on each one-row
+    micro-batch give the whole model's logits (not with the first row's image sizes swapped: the Pixtral tower and
+    the patch merger read each image's own size)."""
+    import torch
+
+    from automodel.training.parallel.pipeline_media import media_kwargs
+    from automodel.training.parallel.pipeline_stages import split_model
+    from automodel.training.pipeline_steps import padded_tokens, stage_kwargs
+    from automodel_vlm.pipeline import media_per_row
+
+    model, batch = _tiny_mistral3()
+    (first,), (second,) = split_model(model, 0, 2), split_model(model, 1, 2)
+    media = media_per_row(batch, model.config)
+    assert media["image_sizes"][1].tolist() == [2, 0, 1] and media["pixel_values"][1].tolist() == [2, 0, 1]
+    kwargs = {**stage_kwargs(batch, 8), **media_kwargs(media)}
+    ids, _ = padded_tokens(batch, 8, 0)
+    length = batch["input_ids"].shape[1]
+    with torch.no_grad():
+        whole = model(**{key: value for key, value in batch.items() if key != "labels"}, use_cache=False).logits
+        for row in range(3):
+            row_kwargs = {key: value[row:row + 1] for key, value in kwargs.items()}
+            later = {key: value for key, value in row_kwargs.items() if not key.startswith("media_")}
+            logits = second(first(ids[row:row + 1], **row_kwargs), **later)
+            assert torch.allclose(logits[:, :length], whole[row:row + 1], atol=1e-5), row
+        row_kwargs = {key: value[:1] for key, value in kwargs.items()}
+        row_kwargs["media_image_sizes"] = row_kwargs["media_image_sizes"].flip(1)  # each image another's size
+        later = {key: value for key, value in row_kwargs.items() if not key.startswith("media_")}
+        assert not torch.allclose(second(first(ids[:1], **row_kwargs), **later)[:, :length], whole[:1], atol=1e-5)

@@ -111,18 +111,22 @@ def tiny_model(family: str) -> tuple[torch.nn.Module, Any]:
     elif family == "llava":
         processor = tiny_processor()
         config = AutoConfig.for_model(**json.loads(LLAVA_CONFIG.read_text()))
-    else:
-        from transformers import Qwen2VLConfig
+    else:  # Qwen2-VL, or Qwen2.5-VL (the same processor and rope; a windowed vision tower with its own MLP)
+        from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
 
         processor = tiny_qwen_vl_processor(max_pixels=64 * 64)
         tokenizer = processor.tokenizer
-        config = Qwen2VLConfig(
+        vision = {"depth": 2, "num_heads": 2, "patch_size": 8, "spatial_merge_size": 2, "temporal_patch_size": 2}
+        if family == "qwen2_5_vl":  # windows of 2 x 2 merged tokens, the second block attending over the whole image
+            vision |= {"hidden_size": 16, "intermediate_size": 32, "out_hidden_size": 32, "window_size": 32,
+                       "fullatt_block_indexes": [1]}
+        else:
+            vision |= {"embed_dim": 16, "hidden_size": 32}
+        config = (Qwen2_5_VLConfig if family == "qwen2_5_vl" else Qwen2VLConfig)(
             text_config={"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
                          "num_key_value_heads": 1, "intermediate_size": 32, "vocab_size": len(tokenizer),
                          "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3]}},
-            vision_config={"depth": 2, "embed_dim": 16, "hidden_size": 32, "num_heads": 2, "patch_size": 8,
-                           "spatial_merge_size": 2, "temporal_patch_size": 2},
-            image_token_id=processor.image_token_id, video_token_id=processor.video_token_id,
+            vision_config=vision, image_token_id=processor.image_token_id, video_token_id=processor.video_token_id,
             vision_start_token_id=tokenizer.convert_tokens_to_ids("<|vision_start|>"))
     torch.manual_seed(0)
     config._attn_implementation = "sdpa"

@@ -20,6 +20,7 @@ import torch
 
 from automodel.errors import AutomodelError, ConfigIssue
 from automodel.training.next_token import LABEL_POSITIONS
+from automodel_vlm.context_parallel import TWO_WAY_MODELS
 
 # split along the rows as they are (packed rows: position ids and each row's token count)
 PER_ROW_KEYS = ("input_ids", "attention_mask", "labels", LABEL_POSITIONS, "position_ids", "token_count")
@@ -34,18 +35,34 @@ class MediaLayout:
     in size: an image is ``t * h * w / merge**2`` placeholders (``merge``: the vision config's
     ``spatial_merge_size``), ``per_patch`` keys hold its ``t * h * w`` patches (dim 0), and the model's multi-axis
     rope positions (its ``get_rope_index``, from ``rope_only`` keys too) are computed before the schedule, which
-    hands them to every stage (:func:`rope_positions`)."""
+    hands them to every stage (:func:`rope_positions`). With ``sizes`` (Mistral 3's ``image_sizes``: each image's
+    height and width in pixels, the images padded to one size in ``per_image`` keys) an image is
+    ``(height // d) * (width // d)`` placeholders, ``d`` the vision tower's ``patch_size`` times the config's
+    ``spatial_merge_size``, as the Pixtral processor expands it and the model splits its features."""
 
     per_image: tuple[str, ...] = ()
     token_attributes: tuple[str, ...] = ("image_token_id", "image_token_index")
     grid: str | None = None
     per_patch: tuple[str, ...] = ()
     rope_only: tuple[str, ...] = ()
+    sizes: str | None = None
 
     @property
     def keys(self) -> tuple[str, ...]:
         """The batch keys the layout places."""
-        return (*self.per_image, *((self.grid,) if self.grid else ()), *self.per_patch, *self.rope_only)
+        return (*self.per_image, *self.sized, *self.per_patch, *self.rope_only)
+
+    @property
+    def sized(self) -> tuple[str, ...]:
+        """The key that gives each image's size, where the images differ in size."""
+        return tuple(key for key in (self.grid, self.sizes) if key)
+
+    def image_tokens(self, batch: dict[str, torch.Tensor], config: Any) -> list[int]:
+        """Each image's placeholder count, from its size (the layout's ``grid`` or ``sizes``)."""
+        if self.grid is not None:
+            return (batch[self.grid].prod(dim=-1) // config.vision_config.spatial_merge_size ** 2).tolist()
+        step = config.vision_config.patch_size * config.spatial_merge_size
+        return (batch[self.sizes] // step).prod(dim=-1).tolist()
 
     def token_id(self, config: Any) -> int:
         for name in self.token_attributes:
@@ -56,14 +73,18 @@ class MediaLayout:
                              f"({' / '.join(self.token_attributes)}), which the pipeline counts each row's images by")
 
 
+# Qwen2-VL and Qwen2.5-VL: pixel_values [patches, channels x patch volume] of images of any size, their grids, and
+# 3-D rope positions that every stage needs (computed before the schedule). Images only: a batch's videos
+# (pixel_values_videos, video_grid_thw, Qwen2.5-VL's second_per_grid_ts) are keys the layout does not place.
+QWEN_VL = MediaLayout(grid="image_grid_thw", per_patch=("pixel_values",), rope_only=("mm_token_type_ids",))
+
 # model_type -> its media layout. Llava: pixel_values [images, channels, height, width], every image the same
-# number of <image> tokens. Qwen2-VL: pixel_values [patches, channels x patch volume] of images of any size, their
-# grids, and 3-D rope positions that every stage needs (computed before the schedule). A model whose image tokens
-# attend to each other both ways (context_parallel.TWO_WAY_MODELS) needs its spans in each stage's context-parallel
-# region as well, more than an entry here.
-MEDIA_LAYOUTS = {"llava": MediaLayout(per_image=("pixel_values",)),
-                 "qwen2_vl": MediaLayout(grid="image_grid_thw", per_patch=("pixel_values",),
-                                         rope_only=("mm_token_type_ids",))}
+# number of <image> tokens. Mistral 3: pixel_values [images, channels, height, width] padded to the batch's largest,
+# image_sizes [images, 2] each image's own (its [IMG] tokens: one per merged patch of it). Models whose image tokens
+# attend to each other both ways (context_parallel.TWO_WAY_MODELS) are refused apart (layout_issue): the stages
+# after the first would not compute their mask.
+MEDIA_LAYOUTS = {"llava": MediaLayout(per_image=("pixel_values",)), "qwen2_vl": QWEN_VL, "qwen2_5_vl": QWEN_VL,
+                 "mistral3": MediaLayout(per_image=("pixel_values",), sizes="image_sizes")}
 
 
 def layout_issue(config: Any) -> str | None:
@@ -71,9 +92,15 @@ def layout_issue(config: Any) -> str | None:
     model_type = getattr(config, "model_type", None)
     if model_type in MEDIA_LAYOUTS:
         return None
+    known = ", ".join(sorted(MEDIA_LAYOUTS))
+    if model_type in TWO_WAY_MODELS:
+        return (f"a {model_type} model's image tokens attend to each other both ways: its forward builds that mask "
+                "from the token types (token_type_ids / mm_token_type_ids) and hands it to its language model, but "
+                "the pipeline stages after the first run the language model alone on hidden states, which builds a "
+                f"causal mask (another attention); pipelined VLMs: {known}; set pp_size: 1")
     return (f"the model ({model_type}) has no media layout here: which of its image tensors belong to which rows of "
-            "a batch, so that each pipeline micro-batch's first stage gets exactly its rows' images (known: "
-            f"{', '.join(sorted(MEDIA_LAYOUTS))}); set pp_size: 1")
+            f"a batch, so that each pipeline micro-batch's first stage gets exactly its rows' images (known: {known}); "
+            "set pp_size: 1")
 
 
 def pipeline_issues(cfg: Any, config: Any) -> list[ConfigIssue]:
@@ -93,8 +120,8 @@ def media_per_row(batch: dict[str, torch.Tensor], config: Any) -> dict[str, tupl
                              f"know how to split over micro-batches for a {config.model_type} model (its media layout: "
                              f"{', '.join(layout.keys)}); set pp_size: 1")
     tokens = (batch["input_ids"] == layout.token_id(config)).sum(dim=1)
-    if layout.grid is not None:
-        return _grid_media(batch, config, layout, tokens)
+    if layout.sized:
+        return _sized_media(batch, config, layout, tokens)
     present = [key for key in layout.per_image if key in batch]
     if not present:
         return {}
@@ -108,33 +135,35 @@ def media_per_row(batch: dict[str, torch.Tensor], config: Any) -> dict[str, tupl
     return {key: (batch[key], counts) for key in present}
 
 
-def _grid_media(batch: dict[str, torch.Tensor], config: Any, layout: MediaLayout, tokens: torch.Tensor
-                ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def _sized_media(batch: dict[str, torch.Tensor], config: Any, layout: MediaLayout, tokens: torch.Tensor
+                 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Images of any size: each row's images are the next ones in order whose placeholders add up to its image
-    tokens; the grid counted by images, the patches by each image's ``t * h * w``."""
-    if layout.grid not in batch:
+    tokens; the sizes and the ``per_image`` keys counted by images, the ``per_patch`` keys by each image's
+    ``t * h * w`` patches."""
+    (sized,) = layout.sized
+    if sized not in batch:
         return {}
-    grid = batch[layout.grid]
-    patches = grid.prod(dim=-1)
-    placeholders = (patches // config.vision_config.spatial_merge_size ** 2).tolist()
+    placeholders = layout.image_tokens(batch, config)
+    patches = batch[layout.grid].prod(dim=-1) if layout.grid is not None else None
     images, rows_patches, start = [], [], 0
     for row, wanted in enumerate(tokens.tolist()):
         end, held = start, 0
         while held < wanted and end < len(placeholders):
             held, end = held + placeholders[end], end + 1
         if held != wanted:
-            raise AutomodelError(f"distributed.pp_size: row {row} holds {wanted} image tokens, which its images' grids "
-                                 f"({grid[start:end].tolist()}) do not make up; make sure the processor expands "
-                                 "every image and no row is truncated")
+            raise AutomodelError(f"distributed.pp_size: row {row} holds {wanted} image tokens, which its images' "
+                                 f"{sized} ({batch[sized][start:end].tolist()}) do not make up; make sure the "
+                                 "processor expands every image and no row is truncated")
         images.append(end - start)
-        rows_patches.append(int(patches[start:end].sum()))
+        rows_patches.append(int(patches[start:end].sum()) if patches is not None else 0)
         start = end
     if start != len(placeholders):
         raise AutomodelError(f"distributed.pp_size: the batch has {len(placeholders)} images but its rows' image "
                              f"tokens place {start}; make sure no row is truncated")
-    counts = torch.tensor(images, device=grid.device)
-    per_patch = torch.tensor(rows_patches, device=grid.device)
-    return {layout.grid: (grid, counts), **{key: (batch[key], per_patch) for key in layout.per_patch if key in batch}}
+    device = batch[sized].device
+    counts, per_patch = torch.tensor(images, device=device), torch.tensor(rows_patches, device=device)
+    return {**{key: (batch[key], counts) for key in (sized, *layout.per_image) if key in batch},
+            **{key: (batch[key], per_patch) for key in layout.per_patch if key in batch}}
 
 
 def rope_positions(batch: dict[str, torch.Tensor], config: Any, rope: Any) -> dict[str, torch.Tensor]:
