@@ -33,6 +33,8 @@ def with_sections(tmp_path: Path, form: str, **sections) -> Path:
                         "path": "rows.jsonl", "sample_shard": [0, 2]}, "split over the data-parallel ranks"),
     ("dataloader", {"batch_size": 4, "dataloader_type": "single"}, "Megatron's sampler for Megatron's indexed"),
     ("validation_dataloader", {"dataloader_type": "cyclic"}, "which validation_dataset is not"),
+    ("dataloader", {"batch_size": 4, "dataset": {"_target_": "automodel_llm.datasets.SquadDataset"}},
+     "reads its data set from the top-level dataset section, not from inside the loader"),
 ])
 def test_upstream_keys_that_cannot_act_are_refused_with_the_reason(tmp_path, section, node, words):
     found = refusals(with_sections(tmp_path, "recipe_bare_name.yaml", **{section: node}))

@@ -96,6 +96,8 @@ class CrossEncoderSettings:
 class _RetrievalRecipe(TrainRecipe):
     """What both retrieval recipes share: the tokenizer and the data sets."""
 
+    reads_loader_datasets = True  # upstream's legacy dataloader.dataset (data_sections)
+
     sections = {
         "tokenizer": Target("tokenizer (default: the model's): {pretrained_model_name_or_path: ...}", plain=True,
                             default_target="transformers.AutoTokenizer.from_pretrained"),

@@ -156,13 +156,18 @@ LOADER_BUILDER_ARGS = {
 _LOADER_DATA = {"dataloader": "dataset", "validation_dataloader": "validation_dataset"}
 
 
-def loader_type_issues(cfg: Any) -> list[ConfigIssue]:
+def loader_type_issues(cfg: Any, nested_data: bool = False) -> list[ConfigIssue]:
     """A ``dataloader_type`` that is neither single nor cyclic, contradicts ``shuffle``, or feeds a data set
     section (``validation_dataloader``: every ``validation_dataset*``) whose callable has no ``dataloader_types``
-    (upstream refuses it with any data set but Megatron's)."""
+    (upstream refuses it with any data set but Megatron's); a data set given inside the loader (upstream's legacy
+    ``dataloader.dataset``) where the recipe does not read it there (``nested_data``: it does)."""
     issues = []
     for loader_key, data_key in _LOADER_DATA.items():
         loader = cfg.resolved.get(loader_key)
+        if not nested_data and isinstance(loader, Mapping) and "dataset" in loader:
+            issues.append(ConfigIssue(f"{loader_key}.dataset", f"this recipe reads its data set from the top-level "
+                                      f"{data_key} section, not from inside the loader (upstream's legacy form, read "
+                                      f"by the retrieval recipes only); move it to {data_key}:"))
         kind = loader.get("dataloader_type") if isinstance(loader, Mapping) else None
         if kind is None:
             continue

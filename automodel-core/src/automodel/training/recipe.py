@@ -88,7 +88,7 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
     @classmethod
     def check_config(cls, cfg: Config) -> list[ConfigIssue]:
         issues = list(super().check_config(cfg)) + plan.engine_issues(cls, cfg, get_plugin_manager())
-        issues += loss_fn_issues(cfg) + builders.loader_type_issues(cfg)
+        issues += loss_fn_issues(cfg) + builders.loader_type_issues(cfg, cls.reads_loader_datasets)
         for key, why in (("tp_size", cls.tensor_parallel_unsupported), ("pp_size", cls.pipeline_parallel_unsupported),
                          ("cp_size", cls.context_parallel_unsupported)):
             size = getattr(cfg.distributed, key) if cfg.distributed is not None else 1
@@ -196,6 +196,7 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
     save_model: ClassVar[Callable[[Path, dict[str, torch.Tensor] | None], None] | None] = None
     # True where that layout, for a LoRA run (``peft:``), is the adapter alone (diffusers' LoRA file)
     lora_model_is_adapter: ClassVar[bool] = False
+    reads_loader_datasets: ClassVar[bool] = False  # True: data_sections() reads upstream's dataloader.dataset
 
     def writes_own_layout(self) -> bool:
         return self.save_model is not None
