@@ -32,6 +32,7 @@ from automodel.errors import AutomodelError, ConfigIssue
 from automodel.training.next_token import LABEL_POSITIONS
 from automodel.training.parallel.context_parallel import (
     ContextParallelBatch,
+    built_attention_issue,
     causal_attention_without_mask,
     context_parallel_region,
     cp_issues,
@@ -130,13 +131,7 @@ class ContextParallelTeacher:
 
     def __init__(self, teacher: nn.Module, cp_mesh: DeviceMesh, shard: bool):
         self.teacher, self.cp_mesh = teacher, cp_mesh
-        config = getattr(teacher, "config", None)
-        implementation = getattr(config, "_attn_implementation", None)
-        if implementation not in (None, "sdpa", "eager"):
-            raise AutomodelError(f"teacher_model.attn_implementation: '{implementation}': the teacher's context "
-                                 "parallelism replaces its SDPA calls; use sdpa or eager (or set "
-                                 "teacher_distributed.cp_size: 1)")
-        if implementation == "eager" and (why := eager_issue(config)) is not None:
+        if (why := built_attention_issue(getattr(teacher, "config", None))) is not None:
             raise AutomodelError(f"teacher_model.attn_implementation: {_for_teacher(why)}")
         causal_attention_without_mask(teacher)  # eager attention runs as SDPA in the region
         if shard:

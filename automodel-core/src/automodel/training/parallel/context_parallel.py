@@ -269,6 +269,19 @@ def causal_attention_without_mask(model: nn.Module, skip: Collection[nn.Module] 
     return hooked
 
 
+def built_attention_issue(config: Any, attention: str = "all_gather") -> str | None:
+    """Why a built model's attention implementation (its text config's) cannot run inside the context-parallel
+    region of ``attention`` (None: it can): the region replaces SDPA calls, so sdpa runs, and eager too with the
+    all-gather attention (:func:`causal_attention_without_mask`), unless :func:`eager_issue` says otherwise."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    implementation = getattr(text, "_attn_implementation", None)
+    runs = (None, "sdpa", "eager") if attention == "all_gather" else (None, "sdpa")
+    if implementation not in runs:
+        return (f"'{implementation}': context parallelism replaces the language model's SDPA calls; use "
+                f"{' or '.join(runs[1:])} (or set distributed.cp_size: 1)")
+    return eager_issue(config) if implementation == "eager" else None
+
+
 def eager_issue(config: Any) -> str | None:
     """Why a model's ``eager`` attention cannot run as the context-parallel region's SDPA attention (None: it can):
     logit soft-capping inside the attention (Gemma 2's ``attn_logit_softcapping``), which SDPA does not compute."""

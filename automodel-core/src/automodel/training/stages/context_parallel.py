@@ -22,6 +22,7 @@ from automodel.errors import AutomodelError, ConfigIssue
 from automodel.training.context import BuildContext
 from automodel.training.modules import unwrap
 from automodel.training.parallel.context_parallel import (
+    built_attention_issue,
     causal_attention_without_mask,
     cp_attention,
     cp_issues,
@@ -80,15 +81,10 @@ def attention(ctx: BuildContext, model: torch.nn.Module) -> tuple[torch.nn.Modul
     # what validation could not read without the built model
     if chosen == "ring" and config is not None and (why := sliding_window_issue(config)) is not None:
         raise AutomodelError(f"distributed.cp_attention: ring: {why}")
+    if (why := built_attention_issue(config, chosen)) is not None:
+        raise AutomodelError(f"model.attn_implementation: {why}")
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     implementation = getattr(text, "_attn_implementation", None)
-    runs = (None, "sdpa", "eager") if chosen == "all_gather" else (None, "sdpa")
-    if implementation not in runs:
-        raise AutomodelError(f"model.attn_implementation: '{implementation}': context parallelism replaces the "
-                             f"language model's SDPA calls; use {' or '.join(runs[1:])} (or set "
-                             "distributed.cp_size: 1)")
-    if implementation == "eager" and (why := eager_issue(config)) is not None:
-        raise AutomodelError(f"model.attn_implementation: {why}")
     hooked = causal_attention_without_mask(inner, multimodal_modules(inner, ctx.multimodal_names).values())
     how = ("torch's ring attention" if chosen == "ring" else
            "all-gather attention (every rank's keys and values gathered, SDPA with an exact mask)")
