@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
+
+from automodel.testing import free_port
 
 WORKERS = Path(__file__).with_name("parallel_workers.py")
 
@@ -53,12 +55,6 @@ def run_model_parallel_scenarios(tmp: Path) -> dict[str, Any]:
             "untied_state": untied_state, "qwen3": reference(qwen3_config(), steps=3)[0]}
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def launch(scenario: str, world: int, out: Path, timeout: float = 300, **args: Any) -> list[dict[str, Any]]:
     """Run ``scenario`` on ``world`` processes (one torch thread each); each rank's JSON result, rank order.
 
@@ -71,15 +67,11 @@ def launch_together(jobs: list[tuple[str, int, Path, dict[str, Any]]], timeout: 
     """Several launches at the same time (``(scenario, world, out, args)`` each) of scenarios in the script
     ``workers``; their results in order."""
     started = [_start(workers, scenario, world, out, args) for scenario, world, out, args in jobs]
+    deadline = time.monotonic() + timeout
+    codes = [_wait_group([proc for proc, _ in procs], deadline) for procs in started]
     failed = []
-    for procs, (_, _, out, _) in zip(started, jobs, strict=True):
-        for rank, (proc, log) in enumerate(procs):
-            try:
-                code = proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                for other in (p for group in started for p, _ in group):
-                    other.kill()
-                code = "timeout"
+    for procs, group_codes, (_, _, out, _) in zip(started, codes, jobs, strict=True):
+        for rank, ((_, log), code) in enumerate(zip(procs, group_codes, strict=True)):
             log.close()
             if code != 0:
                 failed.append(f"{out} rank {rank} exit {code}:\n" + (out / f"rank{rank}.log").read_text()[-4000:])
@@ -87,6 +79,26 @@ def launch_together(jobs: list[tuple[str, int, Path, dict[str, Any]]], timeout: 
         raise AssertionError("\n".join(failed))
     return [[json.loads((out / f"rank{rank}.json").read_text()) for rank in range(max(world, 1))]
             for _, world, out, _ in jobs]
+
+
+def _wait_group(procs: list[subprocess.Popen], deadline: float) -> list[int | str]:
+    """Each process's exit code; once one rank fails (or the deadline passes) the others are killed rather than
+    left waiting for a peer that will never come ("killed" / "timeout" stand for their codes)."""
+    codes: list[int | str | None] = [None] * len(procs)
+    while any(code is None for code in codes):
+        for index, proc in enumerate(procs):
+            if codes[index] is None:
+                codes[index] = proc.poll()
+        failed = any(code not in (None, 0) for code in codes)
+        if failed or time.monotonic() > deadline:
+            for index, proc in enumerate(procs):
+                if codes[index] is None:
+                    proc.kill()
+                    proc.wait()
+                    codes[index] = "killed" if failed else "timeout"
+        else:
+            time.sleep(0.2)
+    return codes
 
 
 def _start(workers: Path, scenario: str, world: int, out: Path, args: dict[str, Any]

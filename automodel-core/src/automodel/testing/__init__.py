@@ -136,13 +136,32 @@ def train_inprocess(config: str | Path, *overrides: Any, route: tuple[str, str] 
     return run
 
 
+_PORTS_GIVEN: set[int] = set()
+
+
 def free_port() -> int:
-    """A TCP port nothing listens on now (a torchrun rendezvous of its own, so parallel test runs never collide)."""
+    """A TCP port nothing listens on now, for a rendezvous of its own, never one this process handed out before.
+
+    The port comes from below Linux's ephemeral range (32768 and up), so no outgoing connection of another test can
+    take it between this call and the launch, and from a band of its own per pytest-xdist worker, so two workers
+    never pick the same one. (Binding port 0 and closing it, the usual trick, hands the same port to two launches
+    started back to back, and the kernel gives such ports to outgoing connections too.)"""
+    import random
     import socket
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    band = 20_000 + 1_000 * (int(worker) % 12 if worker.isdigit() else 0)
+    for port in random.sample(range(band, band + 1_000), 1_000):
+        if port in _PORTS_GIVEN:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _PORTS_GIVEN.add(port)
+        return port
+    raise RuntimeError(f"no free TCP port left in {band}-{band + 999}")
 
 
 def cli_env(**extra: str) -> dict[str, str]:
