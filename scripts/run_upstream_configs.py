@@ -33,7 +33,8 @@ import check_upstream_configs as survey  # noqa: E402  (the validation survey: h
 # upstream data set factory (last name of its _target_) -> the local file written for it
 DATA_FILES = {"HellaSwag": "hellaswag.jsonl", "ChatDataset": "chat.jsonl", "make_agent_chat_dataset": "chat.jsonl",
               "make_xlam_dataset": "xlam.jsonl", "make_medpix_dataset": "medpix.jsonl",
-              "make_cord_v2_dataset": "cord.jsonl", "make_shopify_product_catalogue_dataset": "shopify.jsonl"}
+              "make_cord_v2_dataset": "cord.jsonl", "make_shopify_product_catalogue_dataset": "shopify.jsonl",
+              "ToolCallAccuracyEvaluator": "tool_calls.jsonl"}
 PATH_KEYS = ("dataset_name", "path_or_dataset", "path_or_dataset_id", "data_files")
 
 
@@ -56,6 +57,11 @@ def write_data(root: Path) -> None:
     _write_jsonl(root / "chat.jsonl", [{"messages": [{"role": "user", "content": f"What is {k} plus {k}?"},
                                                      {"role": "assistant", "content": f"It is {2 * k}."}]}
                                        for k in range(32)])
+    _write_jsonl(root / "tool_calls.jsonl", [{"tools": tools, "conversations": [
+        {"from": "human", "value": f"Add {k} and 2"},
+        {"from": "function_call", "value": json.dumps({"name": "add", "arguments": {"a": k, "b": 2}})},
+        {"from": "observation", "value": str(k + 2)}, {"from": "gpt", "value": f"It is {k + 2}."}]}
+        for k in range(32)])
     _write_jsonl(root / "xlam.jsonl", [{"id": k, "query": f"Add {k} and 2", "tools": tools, "answers": json.dumps(
         [{"name": "add", "arguments": {"a": k, "b": 2}}])} for k in range(32)])
     _write_jsonl(root / "medpix.jsonl", [{"image_id": image, "question": "What shape is shown?",
@@ -92,7 +98,8 @@ def data_overrides(data: dict[str, Any], root: Path, scratch: Path) -> dict[str,
     """``{dotted key: local file}`` for every data set section whose form has a local file here."""
     found = {}
     for section, node in data.items():
-        if not str(section).startswith(("dataset", "validation_dataset")) or not isinstance(node, dict):
+        if not str(section).startswith(("dataset", "validation_dataset", "tool_call_eval")) or \
+                not isinstance(node, dict):
             continue
         key = next((k for k in PATH_KEYS if k in node), None)
         factory = str(node.get("_target_", "")).rsplit(".", 1)[-1]
