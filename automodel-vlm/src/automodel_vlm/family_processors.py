@@ -12,15 +12,17 @@ loads.
 
 The three families' image processors are torchvision-backed in transformers. Without torchvision (this project's
 machines: PyPI's torchvision does not work with the pinned CPU torch) the builders load the checkpoint's image
-processor settings into our Pillow twin of the class (image_processors.py), and the tokenizer (and Inkling's audio
-feature extractor) as transformers would; MiniMax's video processor is torchvision-only, so its processor is then
-images-only (:func:`images_only_minimax_class`). The recipe says so in its log (:func:`pillow_twin_note`).
+processor settings into our Pillow twin of the class (image_processors.py; never the checkpoint's own image
+processor code), and the tokenizer (and Inkling's audio feature extractor) as transformers would; MiniMax's video
+processor is torchvision-only, so its processor is then images-only (:func:`images_only_minimax_class`). The recipe
+says so in its log (:func:`pillow_twin_note`).
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
+from collections.abc import Callable
 from typing import Any
 
 from automodel_vlm.processor import finish_processor, open_processor
@@ -78,13 +80,13 @@ def _with_twin(processor_class: str | type, twin: str) -> Any:
 
 
 def _open(processor_class: str, twin: str, path: str | None, kwargs: dict[str, Any],
-          without_torchvision: str | type | None = None) -> Any:
-    """transformers' ``processor_class`` from ``path``; without torchvision, ``without_torchvision`` (default: the
-    same class) with our Pillow ``twin`` as its image processor."""
+          without_torchvision: Callable[[], type] | None = None) -> Any:
+    """transformers' ``processor_class`` from ``path``; without torchvision, the same class (or the one
+    ``without_torchvision`` gives) with our Pillow ``twin`` as its image processor."""
     if has_torchvision():
         return open_processor(processor_class, path, kwargs)
-    return open_processor(processor_class, path, kwargs,
-                          loader=_with_twin(without_torchvision or processor_class, twin))
+    cls = without_torchvision() if without_torchvision is not None else processor_class
+    return open_processor(processor_class, path, kwargs, loader=_with_twin(cls, twin))
 
 
 def pillow_twin_note(processor: Any) -> str | None:
@@ -112,8 +114,7 @@ def inkling_processor(pretrained_model_name_or_path: str | None = None, **kwargs
 def minimax_m3_vl_processor(pretrained_model_name_or_path: str | None = None, **kwargs: Any) -> Any:
     """transformers' ``MiniMaxM3VLProcessor`` (its chat template from the checkpoint's ``chat_template.jinja``)."""
     return finish_processor(_open("MiniMaxM3VLProcessor", "MiniMaxM3VLImageProcessorPil",
-                                  pretrained_model_name_or_path, kwargs,
-                                  without_torchvision=None if has_torchvision() else images_only_minimax_class()))
+                                  pretrained_model_name_or_path, kwargs, without_torchvision=images_only_minimax_class))
 
 
 def step3p7_processor(pretrained_model_name_or_path: str | None = None, **kwargs: Any) -> Any:
