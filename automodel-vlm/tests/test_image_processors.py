@@ -6,6 +6,7 @@ resize, then ``(x / 255 - mean) / std``, then the family's patching) to 1e-5 abs
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 
 import numpy as np
@@ -113,19 +114,21 @@ def test_minimax_grid_tokens_and_pixels(width, height, grid):
     np.testing.assert_allclose(out["pixel_values"].numpy(), np.stack(expected), atol=TOLERANCE, rtol=0)
 
 
-def test_minimax_checkpoint_size_quirk_and_saved_name(tmp_path):
+def test_minimax_checkpoint_size_quirk_saved_names_and_no_videos(tmp_path):
     """The official checkpoint's size [672, 672] stands for the class default; saved, the twin names transformers'
-    torchvision class, and the images-only processor transformers' processor class."""
+    torchvision class, and the images-only processor transformers' processor class; it refuses videos (transformers'
+    class would drop them and leave their tokens)."""
     assert MiniMaxM3VLImageProcessorPil(size=[672, 672]).size["longest_edge"] == 451584
     assert MiniMaxM3VLImageProcessorPil().to_dict()["image_processor_type"] == "MiniMaxM3VLImageProcessor"
     tokenizer, template = _family_tokenizer(MINIMAX_TOKENS, "]<]image[>[")
     images_only_minimax_class()(MiniMaxM3VLImageProcessorPil(), tokenizer, chat_template=template).save_pretrained(
         str(tmp_path))
-    import json
-
     saved = json.loads((tmp_path / "processor_config.json").read_text())
     assert saved["processor_class"] == "MiniMaxM3VLProcessor"
     assert saved["image_processor"]["image_processor_type"] == "MiniMaxM3VLImageProcessor"
+    processor = images_only_minimax_class()(MiniMaxM3VLImageProcessorPil(), tokenizer, chat_template=template)
+    with pytest.raises(ValueError, match="takes no videos"):
+        processor(text=["]<]video[>["], videos=[np.zeros((2, 32, 32, 3), dtype=np.uint8)])
 
 
 # ---- Step3.7: a global view plus sliding-window local crops ------------------------------------------------------

@@ -53,6 +53,12 @@ def images_only_minimax_class() -> type:
             self.vision_start_token_id = tokenizer.convert_tokens_to_ids(self.VISION_START_TOKEN)
             self.vision_end_token_id = tokenizer.convert_tokens_to_ids(self.VISION_END_TOKEN)
 
+        def __call__(self, images: Any = None, text: Any = None, videos: Any = None, **kwargs: Any) -> Any:
+            if videos is not None:  # transformers' processor would drop them silently, their tokens left in text
+                raise ValueError("MiniMaxM3VLProcessor without torchvision takes no videos (transformers' MiniMax "
+                                 "video processor needs torchvision): install torchvision or leave the videos out")
+            return super().__call__(images=images, text=text, **kwargs)
+
         def to_dict(self) -> dict[str, Any]:
             return {**super().to_dict(), "processor_class": MiniMaxM3VLProcessor.__name__}
 
