@@ -1,9 +1,10 @@
 """Upstream's own processor builders of Inkling, MiniMax-M3-VL and Step3.7 (family_processors.py): transformers'
 processor class of each family, with upstream's fix-ups where transformers' class does not do them itself.
 
-The three families' image processors are torchvision-backed (transformers has no Pillow twin of them): the tests
-that build one need torchvision and are skipped without it; without it validation refuses the builders, and a
-builder called all the same says what is missing."""
+The three families' image processors are torchvision-backed in transformers; without torchvision (this machine)
+the builders load our Pillow twins of them (image_processors.py; test_image_processors.py checks their outputs),
+and MiniMax's processor is images-only (its video processor needs torchvision). The tiny processors here are built
+from whichever classes the builders would load."""
 
 from __future__ import annotations
 
@@ -15,11 +16,13 @@ import torch
 from vlm_testing import LLAVA_CONFIG, TOKENIZER_DIR, clone_state
 
 from automodel import testing
-from automodel.errors import AutomodelError, ConfigError
+from automodel.errors import ConfigError
 from automodel_vlm.family_processors import (
     INKLING_END_OF_SAMPLING,
+    images_only_minimax_class,
     inkling_processor,
     minimax_m3_vl_processor,
+    pillow_twin_note,
     step3p7_processor,
 )
 from automodel_vlm.parts import find_part
@@ -28,7 +31,6 @@ from automodel_vlm.plugin import FAMILY_PROCESSORS
 FORM = Path(__file__).parent / "upstream_forms" / "family_processor_upstream.yaml"
 ROUTE = ("finetune", "vlm")
 HAS_TORCHVISION = importlib.util.find_spec("torchvision") is not None
-needs_torchvision = pytest.mark.skipif(not HAS_TORCHVISION, reason="the families' image processors need torchvision")
 _MODELS = "nemo_automodel.components.models"
 INKLING_TOKENS = ["<|unused_200054|>", "<|unused_200053|>", "<|content_image|>", "<|content_audio_input|>",
                   INKLING_END_OF_SAMPLING]
@@ -48,15 +50,7 @@ def _tokenizer(special: list[str]):
 def test_upstream_processor_builders_validate_and_resolve_to_ours(name):
     from automodel.plugins.manager import get_plugin_manager
 
-    args = (FORM, "--processor._target_", name, "--model.config", LLAVA_CONFIG)
-    if HAS_TORCHVISION:
-        testing.load_config(*args, route=ROUTE)
-    else:
-        with pytest.raises(ConfigError) as info:
-            testing.load_config(*args, route=ROUTE)
-        found = {issue.key: issue.message for issue in info.value.issues}
-        assert set(found) == {"processor._target_"} and "torchvision is not installed" in found[
-            "processor._target_"], found
+    testing.load_config(FORM, "--processor._target_", name, "--model.config", LLAVA_CONFIG, route=ROUTE)
     builder = get_plugin_manager().aliases.targets[name]
     assert builder == f"automodel_vlm.family_processors.{FAMILY_PROCESSORS[name]}"
 
@@ -69,13 +63,23 @@ def test_the_processors_trust_remote_code_stays_the_command_lines_to_give():
     assert "--trust-remote-code" in found["processor.trust_remote_code"], found
 
 
-@pytest.mark.skipif(HAS_TORCHVISION, reason="the error is for a machine without torchvision")
-def test_without_torchvision_the_builder_says_what_is_missing(tmp_path):
-    _tokenizer(STEP3P7_TOKENS).save_pretrained(str(tmp_path))
-    (tmp_path / "preprocessor_config.json").write_text('{"image_processor_type": "Step3p7ImageProcessor"}')
-    with pytest.raises(AutomodelError, match=r"processor.pretrained_model_name_or_path: cannot load Step3p7Processor "
-                                             r"from .*torchvision"):
-        step3p7_processor(str(tmp_path))
+@pytest.mark.skipif(HAS_TORCHVISION, reason="the Pillow twins stand in only without torchvision")
+@pytest.mark.parametrize("family", ["inkling", "minimax_m3_vl", "step3p7"])
+def test_without_torchvision_the_builders_load_our_pillow_twins(family, tmp_path):
+    """A processor saved as transformers would save it (the image processor under its torchvision class's name)
+    loads with the twin, its settings kept, and the recipe's log line says so."""
+    builder = {"inkling": inkling_processor, "minimax_m3_vl": minimax_m3_vl_processor,
+               "step3p7": step3p7_processor}[family]
+    processor, _ = FAMILIES[family][1]()
+    processor.save_pretrained(str(tmp_path))
+    saved = (tmp_path / "processor_config.json").read_text()
+    assert f'"image_processor_type": "{type(processor.image_processor).__name__.removesuffix("Pil")}"' in saved
+    loaded = builder(str(tmp_path), trust_remote_code=False)
+    assert type(loaded.image_processor) is type(processor.image_processor)
+    assert loaded.image_processor.to_dict() == processor.image_processor.to_dict()
+    note = pillow_twin_note(loaded)
+    assert note and "torchvision is not installed" in note and type(processor.image_processor).__name__ in note
+    assert ("takes no videos" in note) == (family == "minimax_m3_vl")
 
 
 def _family_tokenizer(tokens: list[str], image_text: str) -> tuple[object, str]:
@@ -84,11 +88,21 @@ def _family_tokenizer(tokens: list[str], image_text: str) -> tuple[object, str]:
     return tokenizer, tokenizer.chat_template.replace("'<image>'", f"'{image_text}'")
 
 
+def _image_processor(name: str, **settings) -> object:
+    """transformers' torchvision class ``name``, or (without torchvision) our Pillow twin of it."""
+    import transformers
+
+    from automodel_vlm import image_processors
+
+    return (getattr(transformers, name) if HAS_TORCHVISION else getattr(image_processors, name + "Pil"))(**settings)
+
+
 def _tiny_inkling() -> tuple[object, object]:
-    from transformers import InklingConfig, InklingFeatureExtractor, InklingImageProcessor, InklingProcessor
+    from transformers import InklingConfig, InklingFeatureExtractor, InklingProcessor
 
     tokenizer, template = _family_tokenizer(INKLING_TOKENS, "<|content_image|><|unused_200054|>")
-    processor = InklingProcessor(InklingFeatureExtractor(), InklingImageProcessor(), tokenizer, chat_template=template)
+    processor = InklingProcessor(InklingFeatureExtractor(), _image_processor("InklingImageProcessor"), tokenizer,
+                                 chat_template=template)
     config = InklingConfig(
         text_config={"vocab_size": len(tokenizer), "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
                      "num_key_value_heads": 1, "head_dim": 32, "swa_num_attention_heads": 2,
@@ -103,16 +117,16 @@ def _tiny_inkling() -> tuple[object, object]:
 
 
 def _tiny_minimax_m3_vl() -> tuple[object, object]:
-    from transformers import (
-        MiniMaxM3VLConfig,
-        MiniMaxM3VLImageProcessor,
-        MiniMaxM3VLProcessor,
-        MiniMaxM3VLVideoProcessor,
-    )
+    from transformers import MiniMaxM3VLConfig
 
     tokenizer, template = _family_tokenizer(MINIMAX_TOKENS, "]<]image[>[")
-    processor = MiniMaxM3VLProcessor(MiniMaxM3VLImageProcessor(), tokenizer, MiniMaxM3VLVideoProcessor(),
-                                     chat_template=template)
+    images = _image_processor("MiniMaxM3VLImageProcessor")
+    if HAS_TORCHVISION:
+        from transformers import MiniMaxM3VLProcessor, MiniMaxM3VLVideoProcessor
+
+        processor = MiniMaxM3VLProcessor(images, tokenizer, MiniMaxM3VLVideoProcessor(), chat_template=template)
+    else:
+        processor = images_only_minimax_class()(images, tokenizer, chat_template=template)
     config = MiniMaxM3VLConfig(
         text_config={"vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 32, "num_hidden_layers": 2,
                      "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "num_local_experts": 4,
@@ -127,11 +141,11 @@ def _tiny_minimax_m3_vl() -> tuple[object, object]:
 
 def _tiny_step3p7() -> tuple[object, object]:
     """4 global and 1 local image token per view (112-pixel views, 56-pixel local crops)."""
-    from transformers import Step3p7Config, Step3p7ImageProcessor, Step3p7Processor
+    from transformers import Step3p7Config, Step3p7Processor
 
     tokenizer, template = _family_tokenizer(STEP3P7_TOKENS, "<im_patch>")
-    processor = Step3p7Processor(Step3p7ImageProcessor(size={"height": 112, "width": 112}, patch_size=56), tokenizer,
-                                 chat_template=template)
+    images = _image_processor("Step3p7ImageProcessor", size={"height": 112, "width": 112}, patch_size=56)
+    processor = Step3p7Processor(images, tokenizer, chat_template=template)
     config = Step3p7Config(
         vision_config={"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": 112,
                        "patch_size": 14, "max_position_embeddings": 64},
@@ -155,7 +169,6 @@ FAMILIES = {
 }
 
 
-@needs_torchvision
 def test_inkling_builder_gives_a_tokenizer_without_one_the_end_of_sampling_token(tmp_path):
     processor, _ = _tiny_inkling()
     processor.tokenizer.eos_token = None
@@ -167,7 +180,6 @@ def test_inkling_builder_gives_a_tokenizer_without_one_the_end_of_sampling_token
     assert (loaded.tokenizer.eos_token_id, loaded.tokenizer.pad_token_id) == (end, end)
 
 
-@needs_torchvision
 def test_minimax_builder_keeps_the_checkpoints_chat_template(tmp_path):
     """Upstream's builder re-attaches chat_template.jinja, which the checkpoint's remote-code class dropped;
     transformers' class loads it itself (the shipped tokenizer's own template is another)."""
@@ -179,9 +191,8 @@ def test_minimax_builder_keeps_the_checkpoints_chat_template(tmp_path):
     assert loaded.chat_template == processor.chat_template != _tokenizer([]).chat_template
 
 
-@needs_torchvision
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_each_family_trains_two_steps_with_upstreams_processor_name(family, tmp_path):
+def test_each_family_trains_two_steps_with_upstreams_processor_name(family, tmp_path, capsys):
     name, tiny, model_class = FAMILIES[family]
     processor, config = tiny()
     processor.save_pretrained(str(tmp_path / "processor"))
@@ -200,3 +211,5 @@ def test_each_family_trains_two_steps_with_upstreams_processor_name(family, tmp_
     trained = find_part(recipe.model, "vision_tower")[1].state_dict()
     assert vision and any(not torch.equal(trained[k], v) for k, v in vision.items())
     assert [r["step"] for r in testing.read_jsonl(tmp_path / "ckpt" / "training.jsonl")] == [2]
+    # without torchvision the run says once that the image processor is our Pillow twin
+    assert capsys.readouterr().err.count("our Pillow twin") == (0 if HAS_TORCHVISION else 1)

@@ -8,35 +8,110 @@ that transformers' class does not do itself. The keyword arguments are ``from_pr
 true`` is refused as everywhere unless the command line trusts it (transformers then runs the checkpoint's own code
 for its tokenizer and image processor where it ships some). Upstream's MiniMax builder re-attaches
 ``chat_template.jinja``, which the checkpoint's remote-code class dropped; transformers' class keeps it, so it only
-loads. The three families' image processors are torchvision-backed (no Pillow twin): without torchvision the
-builders are refused at validation, saying so.
+loads.
+
+The three families' image processors are torchvision-backed in transformers. Without torchvision (this project's
+machines: PyPI's torchvision does not work with the pinned CPU torch) the builders load the checkpoint's image
+processor settings into our Pillow twin of the class (image_processors.py; never the checkpoint's own image
+processor code), and the tokenizer (and Inkling's audio feature extractor) as transformers would; MiniMax's video
+processor is torchvision-only, so its processor is then images-only (:func:`images_only_minimax_class`). The recipe
+says so in its log (:func:`pillow_twin_note`).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
-from collections.abc import Mapping
+from collections.abc import Callable
 from typing import Any
 
 from automodel_vlm.processor import finish_processor, open_processor
 
 # Inkling's end-of-sampling token: upstream's end-of-sequence (and so padding) token for a tokenizer without one
 INKLING_END_OF_SAMPLING = "<|content_model_end_sampling|>"
+TWINS_MODULE = "automodel_vlm.image_processors"
 
 
-def torchvision_issues(kwargs: Mapping[str, Any]) -> dict[str, str]:
-    """Validation's check of the builders: their image processors cannot load without torchvision."""
-    if importlib.util.find_spec("torchvision") is not None:
-        return {}
-    return {"_target_": "this family's image processor (transformers' class) is torchvision-backed, and torchvision "
-                        "is not installed here: install the torchvision build that matches your torch, or train "
-                        "another model family"}
+def has_torchvision() -> bool:
+    return importlib.util.find_spec("torchvision") is not None
+
+
+@functools.cache
+def images_only_minimax_class() -> type:
+    """transformers' ``MiniMaxM3VLProcessor`` without its video processor (torchvision-only): images and text only.
+    It saves as ``MiniMaxM3VLProcessor`` (a machine with torchvision loads it back as that, video included)."""
+    from transformers import MiniMaxM3VLProcessor
+    from transformers.processing_utils import ProcessorMixin
+
+    class MiniMaxM3VLImagesProcessor(MiniMaxM3VLProcessor):
+        def __init__(self, image_processor: Any = None, tokenizer: Any = None, chat_template: str | None = None,
+                     **kwargs: Any) -> None:
+            self.image_token, self.video_token = self.IMAGE_TOKEN, self.VIDEO_TOKEN
+            self.image_token_id = tokenizer.convert_tokens_to_ids(self.IMAGE_TOKEN)
+            self.video_token_id = tokenizer.convert_tokens_to_ids(self.VIDEO_TOKEN)
+            ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+            self.vision_start_token_id = tokenizer.convert_tokens_to_ids(self.VISION_START_TOKEN)
+            self.vision_end_token_id = tokenizer.convert_tokens_to_ids(self.VISION_END_TOKEN)
+
+        def __call__(self, images: Any = None, text: Any = None, videos: Any = None, **kwargs: Any) -> Any:
+            if videos is not None:  # transformers' processor would drop them silently, their tokens left in text
+                raise ValueError("MiniMaxM3VLProcessor without torchvision takes no videos (transformers' MiniMax "
+                                 "video processor needs torchvision): install torchvision or leave the videos out")
+            return super().__call__(images=images, text=text, **kwargs)
+
+        def to_dict(self) -> dict[str, Any]:
+            return {**super().to_dict(), "processor_class": MiniMaxM3VLProcessor.__name__}
+
+    return MiniMaxM3VLImagesProcessor
+
+
+def _with_twin(processor_class: str | type, twin: str) -> Any:
+    """A loader like ``processor_class.from_pretrained`` whose image processor is our Pillow ``twin`` (the
+    checkpoint's image processor settings), its other parts loaded by transformers' Auto classes."""
+    def load(path: str, **kwargs: Any) -> Any:
+        import transformers
+
+        from automodel_vlm import image_processors
+
+        cls = getattr(transformers, processor_class) if isinstance(processor_class, str) else processor_class
+        plain = {k: v for k, v in kwargs.items() if k != "trust_remote_code"}  # the twin is ours, no remote code
+        loaders = {"image_processor": lambda: getattr(image_processors, twin).from_pretrained(path, **plain),
+                   "tokenizer": lambda: transformers.AutoTokenizer.from_pretrained(path, **kwargs),
+                   "feature_extractor": lambda: transformers.AutoFeatureExtractor.from_pretrained(path, **kwargs)}
+        processor_dict, init_kwargs = cls.get_processor_dict(path, **kwargs)
+        parts = [loaders[name]() for name in cls.get_attributes()]
+        return cls.from_args_and_dict(parts, processor_dict, **init_kwargs)
+
+    return load
+
+
+def _open(processor_class: str, twin: str, path: str | None, kwargs: dict[str, Any],
+          without_torchvision: Callable[[], type] | None = None) -> Any:
+    """transformers' ``processor_class`` from ``path``; without torchvision, the same class (or the one
+    ``without_torchvision`` gives) with our Pillow ``twin`` as its image processor."""
+    if has_torchvision():
+        return open_processor(processor_class, path, kwargs)
+    cls = without_torchvision() if without_torchvision is not None else processor_class
+    return open_processor(processor_class, path, kwargs, loader=_with_twin(cls, twin))
+
+
+def pillow_twin_note(processor: Any) -> str | None:
+    """The log line of a processor whose image processor is our Pillow twin (None for any other)."""
+    image_processor = getattr(processor, "image_processor", None)
+    if type(image_processor).__module__ != TWINS_MODULE:
+        return None
+    name = type(image_processor).__name__
+    note = (f"processor: torchvision is not installed, so the image processor is {TWINS_MODULE}.{name}, our Pillow "
+            f"twin of transformers' {name.removesuffix('Pil')} (same outputs up to Pillow's resampling)")
+    if getattr(processor, "video_token", None) and not hasattr(processor, "video_processor"):
+        note += "; the processor takes no videos (transformers' video processors need torchvision)"
+    return note
 
 
 def inkling_processor(pretrained_model_name_or_path: str | None = None, **kwargs: Any) -> Any:
     """transformers' ``InklingProcessor``; a tokenizer without an end-of-sequence token gets Inkling's
     end-of-sampling token as it (and as the pad token), as upstream's builder does."""
-    processor = open_processor("InklingProcessor", pretrained_model_name_or_path, kwargs)
+    processor = _open("InklingProcessor", "InklingImageProcessorPil", pretrained_model_name_or_path, kwargs)
     if processor.tokenizer.eos_token_id is None:
         processor.tokenizer.eos_token = INKLING_END_OF_SAMPLING
     return finish_processor(processor)
@@ -44,13 +119,11 @@ def inkling_processor(pretrained_model_name_or_path: str | None = None, **kwargs
 
 def minimax_m3_vl_processor(pretrained_model_name_or_path: str | None = None, **kwargs: Any) -> Any:
     """transformers' ``MiniMaxM3VLProcessor`` (its chat template from the checkpoint's ``chat_template.jinja``)."""
-    return finish_processor(open_processor("MiniMaxM3VLProcessor", pretrained_model_name_or_path, kwargs))
+    return finish_processor(_open("MiniMaxM3VLProcessor", "MiniMaxM3VLImageProcessorPil",
+                                  pretrained_model_name_or_path, kwargs, without_torchvision=images_only_minimax_class))
 
 
 def step3p7_processor(pretrained_model_name_or_path: str | None = None, **kwargs: Any) -> Any:
     """transformers' ``Step3p7Processor`` (global view plus local patch crops per image)."""
-    return finish_processor(open_processor("Step3p7Processor", pretrained_model_name_or_path, kwargs))
-
-
-for _builder in (inkling_processor, minimax_m3_vl_processor, step3p7_processor):
-    _builder.automodel_config_issues = torchvision_issues  # type: ignore[attr-defined]
+    return finish_processor(_open("Step3p7Processor", "Step3p7ImageProcessorPil", pretrained_model_name_or_path,
+                                  kwargs))

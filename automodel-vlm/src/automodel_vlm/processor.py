@@ -7,6 +7,7 @@ settings, for a model whose processor was never saved as one.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +34,10 @@ def finish_processor(processor: Any, key: str = PROCESSOR_KEY) -> Any:
     return processor
 
 
-def open_processor(processor_class: str, path: str | None, kwargs: dict[str, Any]) -> Any:
-    """``transformers.<processor_class>.from_pretrained(path, **kwargs)`` with errors that name the config key;
-    not yet finished (:func:`finish_processor`)."""
+def open_processor(processor_class: str, path: str | None, kwargs: dict[str, Any],
+                   loader: Callable[..., Any] | None = None) -> Any:
+    """``transformers.<processor_class>.from_pretrained(path, **kwargs)`` (or ``loader(path, **kwargs)``, which
+    loads that class otherwise) with errors that name the config key; not yet finished (:func:`finish_processor`)."""
     import transformers
 
     key = f"{PROCESSOR_KEY}.pretrained_model_name_or_path"
@@ -44,7 +46,7 @@ def open_processor(processor_class: str, path: str | None, kwargs: dict[str, Any
     if Path(str(path)).is_absolute() and not Path(str(path)).exists():
         raise AutomodelError(f"{key}: '{path}' does not exist")
     try:
-        return getattr(transformers, processor_class).from_pretrained(str(path), **kwargs)
+        return (loader or getattr(transformers, processor_class).from_pretrained)(str(path), **kwargs)
     except Exception as err:  # noqa: BLE001 - transformers raises OSError/ValueError/KeyError for a bad directory
         raise AutomodelError(f"{key}: cannot load {processor_class} from '{path}': {type(err).__name__}: "
                              f"{err}") from None

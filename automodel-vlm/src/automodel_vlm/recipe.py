@@ -172,10 +172,16 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
 
         datasets.disable_progress_bars()
         transformers.utils.logging.disable_progress_bar()
+        self.processor = self._processor()
+        from automodel_vlm.family_processors import pillow_twin_note
+
+        if (note := pillow_twin_note(self.processor)) is not None:
+            self.log(note)
+
+    def _processor(self) -> Any:
         node = self.cfg.processor
         if not _processor_needs_model_source(self.cfg):
-            self.processor = node.instantiate(default_target="automodel_vlm.processor.load_processor")
-            return
+            return node.instantiate(default_target="automodel_vlm.processor.load_processor")
         source = _processor_source(self.cfg.model)
         if source is None:
             raise AutomodelError("processor: none found; add `processor: {pretrained_model_name_or_path: ...}` "
@@ -183,10 +189,10 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
         if node is None:
             from automodel_vlm.processor import load_processor
 
-            self.processor = load_processor(source)
-        else:  # upstream's rule: the section's keys go to AutoProcessor.from_pretrained of the model's source
-            self.processor = node.instantiate(default_target="automodel_vlm.processor.load_processor",
-                                              pretrained_model_name_or_path=source)
+            return load_processor(source)
+        # upstream's rule: the section's keys go to AutoProcessor.from_pretrained of the model's source
+        return node.instantiate(default_target="automodel_vlm.processor.load_processor",
+                                pretrained_model_name_or_path=source)
 
     def dataset_runtime_args(self, node: Any) -> dict[str, Any]:
         # errors in a row name the section it came from; the processor measures samples (MockVLMDataset.max_length)
