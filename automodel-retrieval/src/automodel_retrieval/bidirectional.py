@@ -1,0 +1,43 @@
+"""Bidirectional attention for decoder-only backbones (Llama, Qwen3, Mistral, ...) used as retrieval encoders.
+
+transformers 5 makes a decoder's attention bidirectional when its config says ``is_causal: false``: the mask
+builder then gives every token every other real token, and the attention kernels run without their causal flag.
+The setting lives in the config, so a saved encoder's ``config.json`` carries it and ``AutoModel`` /
+sentence-transformers load the same bidirectional model, no custom class or remote code needed.
+
+Encoders (BERT, ...) attend both ways already: asking for bidirectional leaves them unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from automodel.errors import AutomodelError
+
+
+def is_decoder(model: nn.Module) -> bool:
+    """Whether ``model``'s attention is built causal (its attention modules say ``is_causal``), whatever its config
+    says now: a decoder-only backbone, as opposed to an encoder such as BERT."""
+    return any(getattr(module, "is_causal", False) is True for module in model.modules() if module is not model)
+
+
+def is_bidirectional(model: nn.Module) -> bool:
+    """Whether ``model`` attends both ways: an encoder, or a decoder whose config says ``is_causal: false``."""
+    return not is_decoder(model) or getattr(model.config, "is_causal", True) is False
+
+
+def set_bidirectional(model: Any, bidirectional: bool | None, key: str = "model.bidirectional") -> Any:
+    """``bidirectional``: true makes a decoder's attention bidirectional (``config.is_causal = False``), false makes
+    it causal again; None keeps what the checkpoint's config says. Returns ``model``."""
+    if bidirectional is None:
+        return model
+    if not isinstance(bidirectional, bool):
+        raise AutomodelError(f"{key}: expected true or false, found {bidirectional!r}")
+    if is_decoder(model):
+        model.config.is_causal = not bidirectional
+    elif not bidirectional:
+        raise AutomodelError(f"{key}: false, but {type(model).__name__} is an encoder whose attention is always "
+                             "bidirectional; remove the key")
+    return model
