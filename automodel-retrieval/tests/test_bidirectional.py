@@ -211,3 +211,56 @@ def test_a_pooled_cross_encoder_has_no_sharded_model_form(checkpoints, tmp_path)
         testing.load_config(FORMS / "cross_encoder_pooled_upstream.yaml",
                             *_upstream_bi_overrides(checkpoints, "llama", tmp_path),
                             "--checkpoint.save_consolidated", "false", route=("finetune", "cross-encoder"))
+
+
+# ---- upstream's own model type (llama_bidirec, remote code on the hub) -------------------------------------------
+
+def test_a_llama_bidirec_checkpoint_loads_as_bidirectional_llama_without_remote_code(checkpoints, tmp_path):
+    """A checkpoint as upstream's LlamaBidirectionalModel saves it (model_type llama_bidirec, auto_map to remote
+    code, pooling / temperature in its config): loaded as transformers' Llama attending both ways."""
+    import shutil
+
+    from transformers import LlamaModel
+
+    source = tmp_path / "llama_bidirec"
+    shutil.copytree(checkpoints["llama"], source)
+    config = json.loads((source / "config.json").read_text())
+    config.update(model_type="llama_bidirec", architectures=["LlamaBidirectionalModel"], pooling="avg",
+                  temperature=1.0, auto_map={"AutoConfig": "llama_bidirectional_model.LlamaBidirectionalConfig",
+                                             "AutoModel": "llama_bidirectional_model.LlamaBidirectionalModel"})
+    (source / "config.json").write_text(json.dumps(config))
+    reference = BiEncoder.from_pretrained(checkpoints["llama"], shared=True, bidirectional=True).eval()
+    for model in (upstream.bi_encoder_from_pretrained(str(source)), BiEncoder.from_pretrained(source, shared=True)):
+        encoder = model.query_encoder
+        assert type(encoder) is LlamaModel and encoder.config.is_causal is False
+        assert _later_token_changes_first(model, _bi_cls)
+        batch = {"input_ids": torch.tensor([[5, 6, 7, 8]]), "attention_mask": torch.ones(1, 4, dtype=torch.long)}
+        with torch.no_grad():
+            assert torch.equal(model.eval().encode("query", batch), reference.encode("query", batch))
+    model.save_pretrained(tmp_path / "saved")
+    saved = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert saved["model_type"] == "llama" and saved["is_causal"] is False and "auto_map" not in saved
+
+
+def test_upstreams_llama_bidirec_reranker_loads_as_a_pooled_cross_encoder_with_its_score(tmp_path):
+    """A checkpoint as upstream's LlamaBidirectionalForSequenceClassification saves it (model.*, score.weight;
+    pooling avg in its config): its pooling and score layer, over Llama attending both ways."""
+    from transformers import AutoConfig, LlamaForSequenceClassification
+
+    data = dict(DECODERS["llama"])
+    torch.manual_seed(0)
+    classifier = LlamaForSequenceClassification(AutoConfig.for_model(data.pop("model_type"), num_labels=1, **data))
+    classifier.save_pretrained(str(tmp_path))
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.update(model_type="llama_bidirec", architectures=["LlamaBidirectionalForSequenceClassification"],
+                  pooling="avg", temperature=1.0)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = upstream.cross_encoder_from_pretrained(str(tmp_path)).eval()
+    assert isinstance(model, PooledCrossEncoder) and model.pooling == "mean"
+    assert torch.equal(model.score.weight, classifier.score.weight)
+    batch = {"input_ids": torch.tensor([[5, 6, 7, 8, 0]]), "attention_mask": torch.tensor([[1, 1, 1, 1, 0]])}
+    classifier.config.is_causal = False
+    with torch.no_grad():
+        hidden = classifier.eval().model(**batch).last_hidden_state
+        assert torch.allclose(model(**batch).logits, classifier.score(hidden[:, :4].mean(1)), atol=1e-6)
+    assert _later_token_changes_first(model, _scores)

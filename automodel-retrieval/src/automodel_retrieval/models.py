@@ -36,8 +36,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from automodel.errors import AutomodelError
-from automodel.model_files import has_weights, parse_dtype, pop_hub_arguments
-from automodel_retrieval.bidirectional import set_bidirectional
+from automodel.model_files import HUB_ARGUMENTS, has_weights, parse_dtype, pop_hub_arguments
+from automodel_retrieval.bidirectional import set_bidirectional, upstream_checkpoint, upstream_checkpoint_config
 from automodel_retrieval.st_format import STSettings, is_st_dir, read_st_dir, write_st_dir
 
 POOLINGS = ("mean", "cls", "last")
@@ -138,8 +138,14 @@ def _encoder_from_pretrained(path: str | Path, dtype: Any = None, **kwargs: Any)
     st = read_st_dir(local) if is_st_dir(local) else None
     if st is not None:
         local = path = st.encoder_dir
+    upstream_config = upstream_checkpoint_config(str(path), **{k: v for k, v in kwargs.items() if k in HUB_ARGUMENTS})
+    if upstream_config is not None:  # upstream's llama_bidirec / ministral3_bidirec: the base model, no remote code
+        kwargs = {k: v for k, v in kwargs.items() if k != "trust_remote_code"}
     if local.is_dir() and (local / "config.json").is_file() and not has_weights(local):
-        return _encoder_from_config(local / "config.json", None, kwargs.pop("attn_implementation", None)), st
+        return _encoder_from_config(upstream_config or local / "config.json", None,
+                                    kwargs.pop("attn_implementation", None)), st
+    if upstream_config is not None:
+        kwargs["config"] = upstream_config
     try:
         return AutoModel.from_pretrained(str(path), dtype=parse_dtype(dtype), **kwargs), st
     except OSError as err:
@@ -406,6 +412,9 @@ class CrossEncoder:
             return cls.from_config(directory / "config.json", num_labels=num_labels, pooling=pooling,
                                    bidirectional=bidirectional, **kwargs)
         source = str(directory if directory.exists() else path)
+        upstream_found = upstream_checkpoint(source, **{k: v for k, v in kwargs.items() if k in HUB_ARGUMENTS})
+        if upstream_found is not None:
+            return _upstream_reranker(source, *upstream_found, pooling, bidirectional, dtype, **kwargs)
         try:
             if pooling is not None:
                 backbone = _encoder_from_pretrained(source, dtype, **kwargs)[0]
@@ -414,6 +423,36 @@ class CrossEncoder:
                 source, num_labels=num_labels, dtype=parse_dtype(dtype), **kwargs), bidirectional)
         except OSError as err:
             raise AutomodelError(f"model: cannot load '{path}': {err}") from None
+
+
+def _upstream_reranker(source: str, config: Any, saved: dict[str, Any], pooling: str | None,
+                       bidirectional: bool | None, dtype: Any, **kwargs: Any) -> Any:
+    """A checkpoint of upstream's llama_bidirec / ministral3_bidirec types as a pooled cross-encoder, as upstream
+    builds its reranker on them: its saved pooling (unless ``pooling`` is given), and its score layer when it is
+    one of upstream's sequence classifiers (else a fresh one). Upstream's model divides its scores by the saved
+    ``temperature``; here the loss's temperature does (the same ranking)."""
+    from transformers import AutoModel, AutoModelForSequenceClassification
+
+    from automodel_retrieval.pooled_cross_encoder import PooledCrossEncoder
+
+    kwargs = {k: v for k, v in kwargs.items() if k != "trust_remote_code"}  # the base model: no remote code
+    saved_pooling = {"avg": "mean", "cls": "cls", "last": "last"}.get(saved.get("pooling", "avg"))
+    pooling = pooling or saved_pooling
+    if pooling is None:
+        raise AutomodelError(f"model: '{source}' pools with {saved.get('pooling')!r}, which the cross-encoder does not "
+                             "implement; set model.pooling to one of mean, cls, last")
+    try:
+        if any(name.endswith("ForSequenceClassification") for name in saved.get("architectures") or []):
+            config.num_labels = 1
+            classifier = AutoModelForSequenceClassification.from_pretrained(
+                source, config=config, dtype=parse_dtype(dtype), **kwargs)
+            backbone, score = classifier.model, classifier.score
+        else:
+            backbone = AutoModel.from_pretrained(source, config=config, dtype=parse_dtype(dtype), **kwargs)
+            score = None
+    except OSError as err:
+        raise AutomodelError(f"model: cannot load '{source}': {err}") from None
+    return PooledCrossEncoder(set_bidirectional(backbone, bidirectional), pooling, score)
 
 
 def _check_num_labels(num_labels: int) -> None:
