@@ -98,6 +98,17 @@ def test_bidirectional_false_makes_a_bidirectional_checkpoint_causal_again(check
                                           _bi_cls)
 
 
+def test_native_sections_ask_for_it_with_bidirectional(tmp_path):
+    """``BiEncoder`` / ``CrossEncoder`` ``.from_config``: causal as the config says unless bidirectional: true."""
+    config = tmp_path / "qwen3.json"
+    config.write_text(json.dumps(DECODERS["qwen3"]))
+    assert not _later_token_changes_first(BiEncoder.from_config(config, shared=True, pooling="cls"), _bi_cls)
+    assert _later_token_changes_first(BiEncoder.from_config(config, pooling="cls", bidirectional=True), _bi_cls)
+    pooled = CrossEncoder.from_config(config, pooling="cls", bidirectional=True, seed=0)
+    assert isinstance(pooled, PooledCrossEncoder) and _later_token_changes_first(pooled, _scores)
+    assert not _later_token_changes_first(CrossEncoder.from_config(config, pooling="cls", seed=0), _scores)
+
+
 def _upstream_bi_overrides(checkpoints, name, checkpoint_dir):
     return ["--model.pretrained_model_name_or_path", checkpoints[name], "--dataset.data_dir_list",
             f"[{checkpoints['data']}]", "--validation_dataset.data_dir_list", f"[{checkpoints['data']}]",
@@ -264,3 +275,32 @@ def test_upstreams_llama_bidirec_reranker_loads_as_a_pooled_cross_encoder_with_i
         hidden = classifier.eval().model(**batch).last_hidden_state
         assert torch.allclose(model(**batch).logits, classifier.score(hidden[:, :4].mean(1)), atol=1e-6)
     assert _later_token_changes_first(model, _scores)
+
+
+def test_a_pooled_cross_encoder_on_two_fsdp2_ranks_trains_as_one_process_and_saves_its_layout(checkpoints,
+                                                                                            tmp_path):
+    """Two gloo ranks with half the batch each: the same losses as one process, and model/ (gathered from the
+    shards, written by the recipe) is the sentence-transformers CrossEncoder, with the same weights."""
+    from safetensors.torch import load_file
+
+    from automodel.testing import free_port, run_cli
+
+    form = FORMS / "cross_encoder_pooled_upstream.yaml"
+    common = [*_upstream_bi_overrides(checkpoints, "llama", tmp_path / "one"), "--step_scheduler.log_interval", "1",
+              "--dataloader.shuffle", "false"]
+    testing.train_inprocess(form, *common, route=("finetune", "cross-encoder"))
+    two_dir = tmp_path / "two"
+    two = run_cli("finetune", "cross-encoder", "-c", form, *common, "--checkpoint.checkpoint_dir", two_dir,
+                  "--step_scheduler.local_batch_size", 2, "--nproc-per-node", 2, "--master-port", free_port(),
+                  cwd=tmp_path, OMP_NUM_THREADS="1")
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "sharding [fsdp2]" in two.stderr
+    losses = {name: [r["loss"] for r in testing.read_jsonl(tmp_path / name / "training.jsonl")]
+              for name in ("one", "two")}
+    assert len(losses["one"]) == 2 and losses["two"] == pytest.approx(losses["one"], rel=1e-5)
+    one_dir, two_dir = latest(tmp_path / "one") / "model", latest(two_dir) / "model"
+    for name in ("model.safetensors", "2_Dense/model.safetensors"):
+        ours, theirs = load_file(str(two_dir / name)), load_file(str(one_dir / name))
+        assert sorted(ours) == sorted(theirs)
+        for key in ours:
+            assert torch.allclose(ours[key], theirs[key], atol=1e-5), key
