@@ -142,9 +142,12 @@ def test_bi_encoder_values_that_cannot_act_are_refused(override, key, needle):
     assert key in found and needle in found[key], found
 
 
-def test_cross_encoder_pooling_is_refused():
-    found = _refusals(CROSS, CROSS_ROUTE, "--model.pooling", "avg")
-    assert "bidirectional retrieval backbones" in found["model.pooling"]
+def test_cross_encoder_poolings_not_implemented_are_refused():
+    """avg / cls / last act (test_bidirectional.py); upstream's other bi-encoder poolings have no reranker here."""
+    found = _refusals(CROSS, CROSS_ROUTE, "--model.pooling", "weighted_avg")
+    assert "use avg, cls or last" in found["model.pooling"]
+    testing.load_config(CROSS, "--model.pretrained_model_name_or_path", TOKENIZER_DIR, "--model.pooling", "avg",
+                        route=CROSS_ROUTE)
 
 
 def test_extract_submodel_takes_a_part_of_a_larger_model_as_the_encoder(tmp_path):

@@ -11,6 +11,10 @@ Checkpoint layout of a bi-encoder (``save_pretrained(directory)``), each encoder
     directory/                         shared: true (one encoder for both sides)
       bi_encoder_config.json  config.json  model.safetensors  tokenizer files
 
+Decoder-only encoders (Llama, Qwen3, ...) attend causally unless the checkpoint's config says ``is_causal: false``
+or ``bidirectional: true`` asks (bidirectional.py); their saved config.json then carries ``is_causal: false``, so
+``AutoModel`` and sentence-transformers load them bidirectional too.
+
 Each encoder directory is also a sentence-transformers model (``modules.json``, pooling, ``Normalize``; see
 st_format.py), and ``from_pretrained`` reads a sentence-transformers directory's pooling, normalisation,
 ``max_seq_length`` and prompts.
@@ -32,7 +36,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from automodel.errors import AutomodelError
-from automodel.model_files import has_weights, parse_dtype, pop_hub_arguments
+from automodel.model_files import HUB_ARGUMENTS, has_weights, parse_dtype, pop_hub_arguments
+from automodel_retrieval.bidirectional import set_bidirectional, upstream_checkpoint, upstream_checkpoint_config
 from automodel_retrieval.st_format import STSettings, is_st_dir, read_st_dir, write_st_dir
 
 POOLINGS = ("mean", "cls", "last")
@@ -133,8 +138,14 @@ def _encoder_from_pretrained(path: str | Path, dtype: Any = None, **kwargs: Any)
     st = read_st_dir(local) if is_st_dir(local) else None
     if st is not None:
         local = path = st.encoder_dir
+    upstream_config = upstream_checkpoint_config(str(path), **{k: v for k, v in kwargs.items() if k in HUB_ARGUMENTS})
+    if upstream_config is not None:  # upstream's llama_bidirec / ministral3_bidirec: the base model, no remote code
+        kwargs = {k: v for k, v in kwargs.items() if k != "trust_remote_code"}
     if local.is_dir() and (local / "config.json").is_file() and not has_weights(local):
-        return _encoder_from_config(local / "config.json", None, kwargs.pop("attn_implementation", None)), st
+        return _encoder_from_config(upstream_config or local / "config.json", None,
+                                    kwargs.pop("attn_implementation", None)), st
+    if upstream_config is not None:
+        kwargs["config"] = upstream_config
     try:
         return AutoModel.from_pretrained(str(path), dtype=parse_dtype(dtype), **kwargs), st
     except OSError as err:
@@ -229,26 +240,31 @@ class BiEncoder(nn.Module):
 
     @classmethod
     def from_config(cls, config: Any, *, shared: bool = False, pooling: str = "mean", normalize: bool = True,
-                    seed: int | None = None, attn_implementation: str | None = None, **overrides: Any) -> BiEncoder:
+                    bidirectional: bool | None = None, seed: int | None = None,
+                    attn_implementation: str | None = None, **overrides: Any) -> BiEncoder:
         """A freshly initialised bi-encoder of the architecture in ``config`` (a config.json, a directory, ...).
 
         Keys in ``overrides`` replace the config's (``hidden_dropout_prob: 0.0``). With separate encoders the
         document encoder starts as a copy of the query encoder (as when both start from one pre-trained model).
+        ``bidirectional: true`` makes a decoder's attention bidirectional (unset: as its config says).
         """
-        encoder = _encoder_from_config(config, seed, attn_implementation, **overrides)
+        encoder = set_bidirectional(_encoder_from_config(config, seed, attn_implementation, **overrides),
+                                    bidirectional)
         return cls(encoder, None if shared else copy.deepcopy(encoder), pooling, normalize)
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | None = None, *, name_or_path: str | None = None,
                         query_encoder: str | None = None, document_encoder: str | None = None,
                         shared: bool | None = None, pooling: str | None = None, normalize: bool | None = None,
-                        dtype: Any = None, **kwargs: Any) -> BiEncoder:
+                        bidirectional: bool | None = None, dtype: Any = None, **kwargs: Any) -> BiEncoder:
         """Load a bi-encoder saved by this package (a model directory, a checkpoint, or a run's checkpoint_dir),
         or start one from a sentence-transformers model or a plain encoder (a hub name or directory loadable with
         ``AutoModel``).
 
         ``query_encoder`` / ``document_encoder`` name the two sides' encoders separately instead. ``pooling`` and
         ``normalize`` left unset keep the saved model's (a sentence-transformers directory's), else mean and true.
+        ``bidirectional: true`` / ``false`` makes decoder encoders attend both ways / causally; unset, each attends
+        as its checkpoint's config says (``is_causal``).
         """
         path = pretrained_model_name_or_path or name_or_path
         if query_encoder is not None or document_encoder is not None:
@@ -261,7 +277,7 @@ class BiEncoder(nn.Module):
                                  _st_inputs(document_st, ("document",)), "model")
             if document is None and not shared:
                 document = copy.deepcopy(query)
-            return cls._assemble(query, document, found, pooling, normalize)
+            return cls._assemble(query, document, found, pooling, normalize, bidirectional)
         if not path:
             raise AutomodelError("model.pretrained_model_name_or_path: missing (a bi-encoder checkpoint, or an "
                                  "encoder's hub name or directory)")
@@ -277,16 +293,20 @@ class BiEncoder(nn.Module):
                 directory / saved.get("document_encoder", DOCUMENT_DIR), dtype, **kwargs)
             found = _merge_sides(_st_inputs(query_st, ("query",)), _st_inputs(document_st, ("document",)),
                                  str(directory))
-            return cls._assemble(query, document, {**found, **saved}, pooling, normalize)
+            return cls._assemble(query, document, {**found, **saved}, pooling, normalize, bidirectional)
         encoder, st = _encoder_from_pretrained(directory if directory.exists() else path, dtype, **kwargs)
         shared = saved.get("shared", False) if shared is None else shared
         found = {**_st_inputs(st, ("query", "document")), **saved}
-        return cls._assemble(encoder, None if shared else copy.deepcopy(encoder), found, pooling, normalize)
+        return cls._assemble(encoder, None if shared else copy.deepcopy(encoder), found, pooling, normalize,
+                             bidirectional)
 
     @classmethod
     def _assemble(cls, query: nn.Module, document: nn.Module | None, found: dict[str, Any], pooling: str | None,
-                  normalize: bool | None) -> BiEncoder:
+                  normalize: bool | None, bidirectional: bool | None = None) -> BiEncoder:
         """The bi-encoder from its encoders: the arguments win over what the source said (``found``)."""
+        for encoder in (query, document):
+            if encoder is not None:
+                set_bidirectional(encoder, bidirectional)
         return cls(query, document, pooling or found.get("pooling", "mean"),
                    found.get("normalize", True) if normalize is None else normalize, found)
 
@@ -341,33 +361,101 @@ class BiEncoder(nn.Module):
 # ---- the cross-encoder --------------------------------------------------------------------------------------
 
 class CrossEncoder:
-    """Builds ``transformers.AutoModelForSequenceClassification`` with one logit: a (query, document) score."""
+    """Builds a one-logit cross-encoder: transformers' ``AutoModelForSequenceClassification`` (pooling as its
+    architecture does: BERT's [CLS], a decoder's last token), or, with ``pooling`` (mean, cls, last), a
+    :class:`~automodel_retrieval.pooled_cross_encoder.PooledCrossEncoder`: the base model, that pooling and a
+    one-output score layer, saved as a sentence-transformers CrossEncoder. ``bidirectional: true`` makes a
+    decoder backbone attend both ways (unset: as its checkpoint's config says)."""
 
     @classmethod
-    def from_config(cls, config: Any, *, num_labels: int = 1, seed: int | None = None,
+    def from_config(cls, config: Any, *, num_labels: int = 1, pooling: str | None = None,
+                    bidirectional: bool | None = None, seed: int | None = None,
                     attn_implementation: str | None = None, **overrides: Any) -> Any:
         from transformers import AutoModelForSequenceClassification
 
-        hf_config = load_hf_config(config, num_labels=num_labels, **overrides)
         kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
+        if pooling is not None:
+            from automodel_retrieval.pooled_cross_encoder import PooledCrossEncoder
+
+            _check_pooling(pooling)
+            _check_num_labels(num_labels)
+            with _seeded(seed):
+                backbone = _encoder_from_config(config, None, attn_implementation, **overrides)
+                return PooledCrossEncoder(set_bidirectional(backbone, bidirectional), pooling)
+        hf_config = load_hf_config(config, num_labels=num_labels, **overrides)
         with _seeded(seed):
-            return AutoModelForSequenceClassification.from_config(hf_config, **kwargs)
+            return set_bidirectional(AutoModelForSequenceClassification.from_config(hf_config, **kwargs),
+                                     bidirectional)
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | None = None, *, name_or_path: str | None = None,
-                        num_labels: int = 1, dtype: Any = None, **kwargs: Any) -> Any:
-        """A cross-encoder checkpoint, or a plain encoder (the one-logit head then starts fresh)."""
+                        num_labels: int = 1, pooling: str | None = None, bidirectional: bool | None = None,
+                        dtype: Any = None, **kwargs: Any) -> Any:
+        """A cross-encoder checkpoint (a pooled one saved here too), or a plain encoder / decoder (the one-logit
+        head then starts fresh)."""
         from transformers import AutoModelForSequenceClassification
+
+        from automodel_retrieval.pooled_cross_encoder import PooledCrossEncoder
+        from automodel_retrieval.st_format import is_st_cross_encoder_dir
 
         path = pretrained_model_name_or_path or name_or_path
         if not path:
             raise AutomodelError("model.pretrained_model_name_or_path: missing (a hub name or a local directory)")
+        if pooling is not None:
+            _check_pooling(pooling)
+            _check_num_labels(num_labels)
         directory = resolve_model_dir(path)
+        if is_st_cross_encoder_dir(directory):
+            return set_bidirectional(PooledCrossEncoder.from_saved(directory, pooling, dtype, **kwargs),
+                                     bidirectional)
         if directory.is_dir() and (directory / "config.json").is_file() and not has_weights(directory):
-            return cls.from_config(directory / "config.json", num_labels=num_labels, **kwargs)
+            return cls.from_config(directory / "config.json", num_labels=num_labels, pooling=pooling,
+                                   bidirectional=bidirectional, **kwargs)
+        source = str(directory if directory.exists() else path)
+        upstream_found = upstream_checkpoint(source, **{k: v for k, v in kwargs.items() if k in HUB_ARGUMENTS})
+        if upstream_found is not None:
+            return _upstream_reranker(source, *upstream_found, pooling, bidirectional, dtype, **kwargs)
         try:
-            return AutoModelForSequenceClassification.from_pretrained(
-                str(directory if directory.exists() else path), num_labels=num_labels, dtype=parse_dtype(dtype),
-                **kwargs)
+            if pooling is not None:
+                backbone = _encoder_from_pretrained(source, dtype, **kwargs)[0]
+                return PooledCrossEncoder(set_bidirectional(backbone, bidirectional), pooling)
+            return set_bidirectional(AutoModelForSequenceClassification.from_pretrained(
+                source, num_labels=num_labels, dtype=parse_dtype(dtype), **kwargs), bidirectional)
         except OSError as err:
             raise AutomodelError(f"model: cannot load '{path}': {err}") from None
+
+
+def _upstream_reranker(source: str, config: Any, saved: dict[str, Any], pooling: str | None,
+                       bidirectional: bool | None, dtype: Any, **kwargs: Any) -> Any:
+    """A checkpoint of upstream's llama_bidirec / ministral3_bidirec types as a pooled cross-encoder, as upstream
+    builds its reranker on them: its saved pooling (unless ``pooling`` is given), and its score layer when it is
+    one of upstream's sequence classifiers (else a fresh one). Upstream's model divides its scores by the saved
+    ``temperature``; here the loss's temperature does (the same ranking)."""
+    from transformers import AutoModel, AutoModelForSequenceClassification
+
+    from automodel_retrieval.pooled_cross_encoder import PooledCrossEncoder
+
+    kwargs = {k: v for k, v in kwargs.items() if k != "trust_remote_code"}  # the base model: no remote code
+    saved_pooling = {"avg": "mean", "cls": "cls", "last": "last"}.get(saved.get("pooling", "avg"))
+    pooling = pooling or saved_pooling
+    if pooling is None:
+        raise AutomodelError(f"model: '{source}' pools with {saved.get('pooling')!r}, which the cross-encoder does not "
+                             "implement; set model.pooling to one of mean, cls, last")
+    try:
+        if any(name.endswith("ForSequenceClassification") for name in saved.get("architectures") or []):
+            config.num_labels = 1
+            classifier = AutoModelForSequenceClassification.from_pretrained(
+                source, config=config, dtype=parse_dtype(dtype), **kwargs)
+            backbone, score = classifier.model, classifier.score
+        else:
+            backbone = AutoModel.from_pretrained(source, config=config, dtype=parse_dtype(dtype), **kwargs)
+            score = None
+    except OSError as err:
+        raise AutomodelError(f"model: cannot load '{source}': {err}") from None
+    return PooledCrossEncoder(set_bidirectional(backbone, bidirectional), pooling, score)
+
+
+def _check_num_labels(num_labels: int) -> None:
+    if num_labels != 1:
+        raise AutomodelError(f"model.num_labels: {num_labels}, but a pooled cross-encoder scores each pair with one "
+                             "logit; set 1")

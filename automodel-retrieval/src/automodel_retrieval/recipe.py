@@ -19,11 +19,13 @@ from automodel.training.context import BuildContext
 from automodel.training.modules import unwrap
 from automodel.training.recipe import TrainRecipe
 from automodel_retrieval import upstream, upstream_distill
+from automodel_retrieval.bidirectional import is_bidirectional
 from automodel_retrieval.data import BiEncoderCollator, CrossEncoderCollator, instructed
 from automodel_retrieval.legacy_data import legacy_datasets, legacy_issues, without_dataset
 from automodel_retrieval.metrics import group_metrics, ranking_metrics
 from automodel_retrieval.models import DEFAULT_INPUTS, POOLINGS, BiEncoder, encoder_dir
 from automodel_retrieval.negatives import exclusions, gather_documents
+from automodel_retrieval.pooled_cross_encoder import PooledCrossEncoder
 
 DATASET = "automodel_retrieval.data.RetrievalDataset"
 TRAINING_DATA_KEYS = ("dataset", "dataloader.dataset")  # the keys of the training data set's section (legacy_data.py)
@@ -315,8 +317,10 @@ class BiEncoderRecipe(_RetrievalRecipe):
         super().setup()
         model = unwrap(self.model)
         s = self.input_settings()
-        self.log(f"bi-encoder: pooling {model.pooling}, normalize {str(model.normalize).lower()}, max length "
-                 f"{s['query_max_length']} (queries) / {s['document_max_length']} (documents)")
+        attention = "bidirectional" if is_bidirectional(model.encoder("query")) else "causal"
+        self.log(f"bi-encoder: pooling {model.pooling}, normalize {str(model.normalize).lower()}, attention "
+                 f"{attention}, max length {s['query_max_length']} (queries) / {s['document_max_length']} "
+                 "(documents)")
         self._check_vocab([model.encoder("query"), model.encoder("document")])
         self.setup_negatives()
 
@@ -399,11 +403,23 @@ class CrossEncoderRecipe(_RetrievalRecipe):
     model_type = "cross_encoder"
     sections = {
         "model": Target("the cross-encoder: {_target_: automodel_retrieval.CrossEncoder.from_config | "
-                        ".from_pretrained, ...} (AutoModelForSequenceClassification, one logit)", required=True),
+                        ".from_pretrained, ...} (AutoModelForSequenceClassification, one logit; with pooling: the "
+                        "base model, that pooling and a one-output score layer)", required=True),
         "loss_fn": _loss_section("the listwise loss (default automodel_retrieval.ListwiseCrossEntropy)",
                                  "automodel_retrieval.losses.ListwiseCrossEntropy"),
         "retrieval": CrossEncoderSettings,
     }
+
+    @classmethod
+    def check_config(cls, cfg: Config) -> list[ConfigIssue]:
+        issues = super().check_config(cfg)
+        model, checkpoint = cfg.model, cfg.checkpoint
+        if isinstance(model, ConfigNode) and model.get("pooling") is not None and checkpoint is not None \
+                and checkpoint.save_consolidated is False:
+            issues.append(ConfigIssue("checkpoint.save_consolidated", "false, but a pooled cross-encoder "
+                                      "(model.pooling) writes model/ as a sentence-transformers CrossEncoder, which "
+                                      "has no sharded form; remove the key (or set it to true)"))
+        return issues
 
     def default_collate_fn(self, train: bool = True) -> Any:
         configured = self.configured_collator()
@@ -439,11 +455,28 @@ class CrossEncoderRecipe(_RetrievalRecipe):
     def setup(self) -> None:
         super().setup()
         model = unwrap(self.model)
-        labels = getattr(getattr(model, "config", None), "num_labels", None)
+        pooled = isinstance(model, PooledCrossEncoder)
+        labels = 1 if pooled else getattr(getattr(model, "config", None), "num_labels", None)
         if labels != 1:
             raise AutomodelError(f"model: a cross-encoder scores each pair with one logit; the model has "
                                  f"num_labels={labels} (set model.num_labels: 1)")
         self._check_vocab([model])
+        if pooled:
+            # model/ is a sentence-transformers CrossEncoder (pooled_cross_encoder.py), written by this recipe
+            self.save_model = self._save_pooled
+            attention = "bidirectional" if is_bidirectional(model.backbone) else "causal"
+            self.log(f"cross-encoder: {type(model.backbone).__name__}, attention {attention}, pooling "
+                     f"{model.pooling}, one-output score layer")
+
+    def _save_pooled(self, directory: Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        unwrap(self.model).save_pretrained(directory, state_dict=state_dict, tokenizer=self.tokenizer,
+                                           max_seq_length=self.default_collate_fn(False).max_length)
+
+    def load_model_weights(self, model: torch.nn.Module, directory: Path) -> None:
+        if isinstance(unwrap(model), PooledCrossEncoder):
+            unwrap(model).load_weights(directory)
+            return
+        super().load_model_weights(model, directory)
 
     def scores(self, model: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor:
         """[B, G] scores of each group's candidates (-inf where a group is padded)."""
@@ -468,5 +501,9 @@ class CrossEncoderRecipe(_RetrievalRecipe):
     def on_train_end(self, final_checkpoint: Path | None) -> None:
         if final_checkpoint is not None:
             model_dir = final_checkpoint / "model"
+            if isinstance(unwrap(self.model), PooledCrossEncoder):
+                self.log(f"Trained cross-encoder in {model_dir}: load it with sentence_transformers.CrossEncoder("
+                         f"'{model_dir}') or automodel_retrieval.CrossEncoder.from_pretrained('{model_dir}')")
+                return
             self.log(f"Trained cross-encoder in {model_dir}: load it with transformers."
                      f"AutoModelForSequenceClassification.from_pretrained('{model_dir}') and AutoTokenizer")

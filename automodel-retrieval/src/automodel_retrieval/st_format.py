@@ -137,3 +137,71 @@ def write_st_dir(directory: str | Path, *, pooling: str, normalize: bool, embedd
         path = directory / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+
+
+# ---- the cross-encoder layout (sentence-transformers 6's modular CrossEncoder) -----------------------------------
+
+DENSE_DIR = "2_Dense"
+_CROSS_MODULES = ("Transformer", "Pooling", "Dense")
+_ST6 = "sentence_transformers"
+_CROSS_TYPES = (f"{_ST6}.base.modules.transformer.Transformer",
+                f"{_ST6}.sentence_transformer.modules.pooling.Pooling", f"{_ST6}.base.modules.dense.Dense")
+
+
+def write_st_cross_encoder_dir(directory: str | Path, *, pooling: str, hidden_size: int,
+                               max_seq_length: int | None) -> None:
+    """Make ``directory`` (already holding the Hugging Face backbone, its tokenizer, and the score weights in
+    ``2_Dense/model.safetensors`` as ``linear.weight``) a sentence-transformers 6 CrossEncoder that scores as the
+    pooled cross-encoder does: backbone -> ``pooling`` -> a one-output linear layer without bias, its output the
+    ``scores``. ``CrossEncoder(directory).predict`` applies a sigmoid to them, as for any one-label reranker
+    (``activation_fn=torch.nn.Identity()`` gives the raw scores)."""
+    import torch
+    import transformers
+
+    directory = Path(str(directory))
+    modules = [{"idx": i, "name": str(i), "path": path, "type": kind}
+               for i, (path, kind) in enumerate(zip(("", POOLING_DIR, DENSE_DIR), _CROSS_TYPES, strict=True))]
+    transformer = {"transformer_task": "feature-extraction",
+                   "modality_config": {"text": {"method": "forward", "method_output_name": "last_hidden_state"}},
+                   "module_output_name": "token_embeddings"}
+    if max_seq_length is not None:
+        transformer["max_seq_length"] = max_seq_length
+    package = {"__version__": {"transformers": transformers.__version__, "pytorch": torch.__version__},
+               "model_type": "CrossEncoder", "activation_fn": "torch.nn.modules.activation.Sigmoid",
+               "prompts": {}, "default_prompt_name": None}
+    files = {MODULES: modules, MODULE_CONFIG: transformer, PACKAGE_CONFIG: package,
+             f"{POOLING_DIR}/config.json": {"embedding_dimension": hidden_size, "pooling_mode": _TO_ST[pooling],
+                                            "include_prompt": True},
+             f"{DENSE_DIR}/config.json": {"in_features": hidden_size, "out_features": 1, "bias": False,
+                                          "activation_function": "torch.nn.modules.linear.Identity",
+                                          "module_input_name": "sentence_embedding", "module_output_name": "scores"}}
+    for name, data in files.items():
+        path = directory / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+
+
+def is_st_cross_encoder_dir(directory: str | Path) -> bool:
+    """A sentence-transformers directory whose chain ends in a Dense layer writing the ``scores``."""
+    directory = Path(str(directory))
+    if not is_st_dir(directory):
+        return False
+    modules = _read_json(directory / MODULES)
+    if not modules or _module_kind(modules[-1]) != "Dense":
+        return False
+    return _read_json(directory / modules[-1].get("path", "") / "config.json").get("module_output_name") == "scores"
+
+
+def read_st_cross_encoder_dir(directory: str | Path) -> str:
+    """The pooling of a cross-encoder written by :func:`write_st_cross_encoder_dir` (others are refused)."""
+    directory = Path(str(directory))
+    modules = _read_json(directory / MODULES)
+    kinds = tuple(_module_kind(m) for m in modules)
+    dense = _read_json(directory / modules[-1].get("path", "") / "config.json") if modules else {}
+    if kinds != _CROSS_MODULES or [m.get("path") for m in modules] != ["", POOLING_DIR, DENSE_DIR] or \
+            dense.get("out_features") != 1 or dense.get("bias") is not False or \
+            dense.get("activation_function") != "torch.nn.modules.linear.Identity":
+        raise AutomodelError(f"model: '{directory}' is a sentence-transformers CrossEncoder of another form "
+                             f"({list(kinds)}); the pooled cross-encoder loads only Transformer -> Pooling -> "
+                             "Dense (one output, no bias, no activation) in the layout it saves")
+    return _pooling_mode(_read_json(directory / POOLING_DIR / "config.json"), directory)

@@ -68,12 +68,9 @@ def inbatch_negatives_notes(settings: dict[str, Any], world_size: int, key: str 
 
 def cross_encoder_issues(settings: dict[str, Any], key: str = "model") -> list[ConfigIssue]:
     issues = _model_issues(settings, key)
-    if settings.get("pooling") is not None:
-        issues.append(ConfigIssue(f"{key}.pooling", "the cross-encoder here is transformers' "
-                                                    "AutoModelForSequenceClassification, which pools as its "
-                                                    "architecture does (BERT: [CLS]; decoders: the last token); "
-                                                    "upstream's pooling needs its own bidirectional retrieval "
-                                                    "backbones, which are not implemented: remove pooling"))
+    pooling = settings.get("pooling")
+    if pooling is not None and pooling not in POOLINGS:
+        issues.append(ConfigIssue(f"{key}.pooling", f"'{pooling}' is not implemented here; use avg, cls or last"))
     if settings.get("num_labels", 1) != 1:
         issues.append(ConfigIssue(f"{key}.num_labels", "a cross-encoder scores each pair with one logit: set 1"))
     return issues
@@ -104,16 +101,18 @@ def bi_encoder_from_pretrained(pretrained_model_name_or_path: str, pooling: str 
     """Upstream's bi-encoder: ONE encoder for queries and documents (``shared``), pooled (``avg`` is our
     ``mean``) and L2-normalised (``l2_normalize``); ``use_sdpa_patching`` runs attention through torch's
     scaled-dot-product attention; ``extract_submodel`` (a dotted attribute such as ``language_model``) takes that
-    part of a larger model as the encoder. ``do_distributed_inbatch_negative`` and
-    ``detach_distributed_inbatch_negatives`` choose the loss's negatives, as upstream: the bi-encoder recipe reads
-    them from the model section (:func:`inbatch_negatives`)."""
+    part of a larger model as the encoder. A decoder-only encoder (Llama, Qwen3, ...) attends bidirectionally, as
+    upstream builds it (``config.is_causal = False``, saved in its config.json); encoders are unchanged.
+    ``do_distributed_inbatch_negative`` and ``detach_distributed_inbatch_negatives`` choose the loss's negatives,
+    as upstream: the bi-encoder recipe reads them from the model section (:func:`inbatch_negatives`)."""
+    from automodel_retrieval.bidirectional import set_bidirectional
     from automodel_retrieval.models import BiEncoder, _encoder_from_pretrained
 
     _refuse(bi_encoder_issues({k: v for k, v in locals().items() if v is not None}))
     kwargs = _encoder_kwargs(torch_dtype, use_sdpa_patching, attn_implementation, trust_remote_code)
     if extract_submodel is None:
         return BiEncoder.from_pretrained(pretrained_model_name_or_path, shared=True, pooling=POOLINGS[pooling],
-                                         normalize=l2_normalize, **kwargs)
+                                         normalize=l2_normalize, bidirectional=True, **kwargs)
     encoder = _encoder_from_pretrained(pretrained_model_name_or_path, **kwargs)[0]
     for part in extract_submodel.split("."):
         encoder = getattr(encoder, part, None)
@@ -123,7 +122,7 @@ def bi_encoder_from_pretrained(pretrained_model_name_or_path: str, pooling: str 
     if not hasattr(encoder, "save_pretrained"):
         raise AutomodelError(f"model.extract_submodel: '{extract_submodel}' is not a transformers model (it has no "
                              "config); name a sub-model such as language_model")
-    return BiEncoder(encoder, None, POOLINGS[pooling], l2_normalize)
+    return BiEncoder(set_bidirectional(encoder, True), None, POOLINGS[pooling], l2_normalize)
 
 
 def cross_encoder_from_pretrained(pretrained_model_name_or_path: str, num_labels: int = 1,
@@ -131,12 +130,18 @@ def cross_encoder_from_pretrained(pretrained_model_name_or_path: str, num_labels
                                   torch_dtype: Any = None, use_liger_kernel: bool = False,
                                   use_sdpa_patching: bool = False, attn_implementation: str | None = None,
                                   trust_remote_code: bool = False) -> Any:
-    """Upstream's cross-encoder as transformers' one-logit AutoModelForSequenceClassification; ``temperature``
-    divides its scores in the listwise loss (the cross-encoder recipe gives it to its loss_fn)."""
+    """Upstream's cross-encoder. With ``pooling`` (avg, cls, last), as upstream's bidirectional reranker: the
+    backbone attending both ways (a decoder's ``config.is_causal = False``), its token states pooled, one linear
+    output as the score (:class:`~automodel_retrieval.pooled_cross_encoder.PooledCrossEncoder`, saved as a
+    sentence-transformers CrossEncoder). Without it, transformers' one-logit AutoModelForSequenceClassification.
+    ``temperature`` divides the scores in the listwise loss (the cross-encoder recipe gives it to its loss_fn)."""
     from automodel_retrieval.models import CrossEncoder
 
     _refuse(cross_encoder_issues({k: v for k, v in locals().items() if v is not None}))
     kwargs = _encoder_kwargs(torch_dtype, use_sdpa_patching, attn_implementation, trust_remote_code)
+    if pooling is not None:
+        return CrossEncoder.from_pretrained(pretrained_model_name_or_path, num_labels=num_labels,
+                                            pooling=POOLINGS[pooling], bidirectional=True, **kwargs)
     return CrossEncoder.from_pretrained(pretrained_model_name_or_path, num_labels=num_labels, **kwargs)
 
 
