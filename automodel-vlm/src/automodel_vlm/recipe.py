@@ -45,7 +45,14 @@ from automodel_vlm.drafter import DRAFTER_DIR, drafter_issues, find_composite, u
 from automodel_vlm.frame_sharding import FrameSharding, attach_frame_sharding, frame_sharding_issues
 from automodel_vlm.freeze import UpstreamFreezeConfig, VLMFreezeConfig
 from automodel_vlm.parts import MULTIMODAL_NAMES, base_model, find_part
-from automodel_vlm.pipeline import layout_issue, media_per_row, pipeline_issues, rope_positions
+from automodel_vlm.pipeline import (
+    cp_issue,
+    layout_issue,
+    mask_kwargs,
+    media_per_row,
+    pipeline_issues,
+    rope_positions,
+)
 
 DATASET_ARGS = ("config_key", "processor")
 
@@ -228,7 +235,7 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
 
     def after_model_built(self, ctx: BuildContext, model: torch.nn.Module, meta: MetaBuild) -> BuildContext:
         """Under pipeline parallelism, a model whose media layout is not known is refused before it is cut."""
-        why = layout_issue(model.config) if ctx.mesh.pp > 1 else None
+        why = (layout_issue(model.config) or cp_issue(model.config, ctx.mesh.cp)) if ctx.mesh.pp > 1 else None
         if self.packing is not None and packing_unsupported(model) is not None:
             raise AutomodelError(f"packed_sequence: {packing_unsupported(model)}")
         if why is not None:
@@ -332,7 +339,8 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
         for batch in batches:
             batch = rope_positions(batch, config, rope)
             extra = longest - batch["input_ids"].shape[1]
-            kwargs = {**stage_kwargs(batch, extra), **media_kwargs(media_per_row(batch, config))}
+            kwargs = {**stage_kwargs(batch, extra), **media_kwargs(media_per_row(batch, config)),
+                      **mask_kwargs(batch, config, extra)}
             parts.append((*padded_tokens(batch, extra, pad), kwargs))
         return parts
 
