@@ -174,6 +174,51 @@ def test_gemma_stages_build_the_whole_models_two_way_masks_from_the_token_types(
                 assert not torch.allclose(logits[real], whole[row][real], atol=1e-3), (left, row)
 
 
+def test_gemma4_images_of_different_sizes_are_counted_by_their_real_patches():
+    """Gemma 4's images differ in size: each is padded to the batch's most patches (positions -1) and is its real
+    patches over pooling_kernel_size**2 tokens, as the model splits its features; so the rows' images (two of 4 and
+    2 tokens, none, one of 2) are found and regrouped with their positions, and the two stages on each one-row
+    micro-batch give the whole model's logits."""
+    import torch
+    from vlm_context_parallel_workers import GEMMA_IMAGE, tiny_model
+
+    from automodel.training.parallel.pipeline_media import media_kwargs
+    from automodel.training.parallel.pipeline_stages import split_model
+    from automodel.training.pipeline_steps import padded_tokens, stage_kwargs
+    from automodel_vlm.pipeline import mask_kwargs, media_per_row
+
+    model, _ = tiny_model("gemma4_pp")
+    model.eval()
+    (first,), (second,) = split_model(model, 0, 2), split_model(model, 1, 2)
+
+    def grid(height: int, width: int) -> torch.Tensor:  # a height x width patch image padded to 16 patches
+        real = torch.stack(torch.meshgrid(torch.arange(width), torch.arange(height), indexing="xy"), -1)
+        return torch.cat([real.reshape(-1, 2), torch.full((16 - height * width, 2), -1)])
+
+    def image(tokens: int) -> list[int]:
+        return [GEMMA_IMAGE + 1] + [GEMMA_IMAGE] * tokens + [GEMMA_IMAGE + 2]
+
+    rows = [[1, 5, *image(4), 6, *image(2), 7, 8, 9], [1, 10, 11, 12, 13], [1, 14, *image(2), 15, 16]]
+    ids, mask = torch.zeros(3, 16, dtype=torch.long), torch.zeros(3, 16, dtype=torch.long)
+    for index, row in enumerate(rows):
+        ids[index, :len(row)], mask[index, :len(row)] = torch.tensor(row), 1
+    batch = {"input_ids": ids, "attention_mask": mask, "mm_token_type_ids": (ids == GEMMA_IMAGE).long(),
+             "pixel_values": torch.rand(3, 16, 48, generator=torch.Generator().manual_seed(5)),
+             "image_position_ids": torch.stack([grid(4, 4), grid(2, 4), grid(4, 2)])}
+    media = media_per_row(batch, model.config)
+    assert media["pixel_values"][1].tolist() == media["image_position_ids"][1].tolist() == [2, 0, 1]
+    kwargs = {**stage_kwargs(batch, 8), **media_kwargs(media), **mask_kwargs(batch, model.config, 8)}
+    tokens, _ = padded_tokens({**batch, "labels": ids}, 8, 0)
+    with torch.no_grad():
+        whole = model(**batch, use_cache=False).logits
+        for row in range(3):
+            row_kwargs = {key: value[row:row + 1] for key, value in kwargs.items()}
+            later = {key: value for key, value in row_kwargs.items() if not key.startswith("media_")}
+            logits = second(first(tokens[row:row + 1], **row_kwargs), **later)[0, :16]
+            real = mask[row].bool()
+            assert torch.allclose(logits[real], whole[row][real], atol=1e-5), row
+
+
 def test_gemma_pp2_trains_like_one_process_and_not_with_causal_later_stages(tmp_path):
     """Two steps (right-padded rows, then left-padded ones) of a tiny Gemma 3 and a tiny Gemma 4 cut in two stages
     on two gloo ranks, 1F1B over one-row micro-batches through the recipe's pipeline_batches: the losses and
