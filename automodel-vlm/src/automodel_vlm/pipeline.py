@@ -21,7 +21,6 @@ import torch
 from automodel.errors import AutomodelError, ConfigIssue
 from automodel.training.next_token import LABEL_POSITIONS
 from automodel.training.parallel.pipeline_media import MASK_PREFIX
-from automodel_vlm.context_parallel import TWO_WAY_MODELS
 
 # split along the rows as they are (packed rows: position ids and each row's token count)
 PER_ROW_KEYS = ("input_ids", "attention_mask", "labels", LABEL_POSITIONS, "position_ids", "token_count")
@@ -111,10 +110,11 @@ def layout_issue(config: Any) -> str | None:
     if model_type in MEDIA_LAYOUTS:
         return None
     known = ", ".join(sorted(MEDIA_LAYOUTS))
-    if model_type in TWO_WAY_MODELS:
-        return (f"a {model_type} model's image and prompt tokens attend to each other both ways and its forward "
-                "numbers the positions from 1, both of which the pipeline stages after the first (the language "
-                f"model alone on hidden states) would not reproduce; pipelined VLMs: {known}; set pp_size: 1")
+    if model_type == "paligemma":
+        return ("a paligemma model's image and prompt tokens attend to each other both ways (on its full-attention "
+                "layers only, a mask transformers' rule for it, create_masks_for_generate, does not build) and its "
+                "forward numbers the positions from 1, neither of which the pipeline stages after the first (the "
+                f"language model alone on hidden states) would reproduce; pipelined VLMs: {known}; set pp_size: 1")
     return (f"the model ({model_type}) has no media layout here: which of its image tensors belong to which rows of "
             f"a batch, so that each pipeline micro-batch's first stage gets exactly its rows' images (known: {known}); "
             "set pp_size: 1")

@@ -235,11 +235,14 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
 
     def after_model_built(self, ctx: BuildContext, model: torch.nn.Module, meta: MetaBuild) -> BuildContext:
         """Under pipeline parallelism, a model whose media layout is not known is refused before it is cut."""
-        why = (layout_issue(model.config) or cp_issue(model.config, ctx.mesh.cp)) if ctx.mesh.pp > 1 else None
+        why = layout_issue(model.config) if ctx.mesh.pp > 1 else None
+        two_way = cp_issue(model.config, ctx.mesh.cp) if ctx.mesh.pp > 1 else None
         if self.packing is not None and packing_unsupported(model) is not None:
             raise AutomodelError(f"packed_sequence: {packing_unsupported(model)}")
         if why is not None:
             raise AutomodelError(f"distributed.pp_size: {ctx.mesh.pp}: {why}")
+        if two_way is not None:
+            raise AutomodelError(f"distributed.cp_size: {ctx.mesh.cp}: {two_way}")
         config = getattr(model, "config", None)
         if ctx.mesh.cp > 1 and config is not None and (
                 issue := attention_issue(config, cp_attention(ctx.cfg, ctx.device, config))) is not None:
@@ -329,8 +332,9 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
         """The step's micro-batches padded to :func:`pipeline_length` (the padding is masked out and carries no
         label; packed rows keep no mask and every stage gets their position ids, see :func:`stage_kwargs`), each
         with its media regrouped per row (``pipeline_media``) so that every pipeline micro-batch's first stage gets
-        exactly its rows' images, and the model's multi-axis rope positions where it has them
-        (:func:`rope_positions`: every stage needs them)."""
+        exactly its rows' images, the model's multi-axis rope positions where it has them
+        (:func:`rope_positions`: every stage needs them), and the token types every stage builds the masks from
+        where the model's image tokens attend to each other both ways (:func:`mask_kwargs`)."""
         longest = pipeline_length(batches, length)
         pad = self.processor.tokenizer.pad_token_id or 0
         config = base_model(self.model).config

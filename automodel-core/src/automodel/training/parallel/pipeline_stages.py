@@ -143,7 +143,8 @@ class PipelineStageModel(nn.Module):
         """The attention masks (by layer type) the composite model's forward builds from the micro-batch's token
         types (``types``: Gemma 3's ``token_type_ids``, Gemma 4's ``mm_token_type_ids``; its images' tokens attend
         to each other both ways) for its text model, by transformers' own rule for them (the model class's
-        ``create_masks_for_generate``, which the domain checks builds what the forward does)."""
+        ``create_masks_for_generate``; the domain hands ``mask_*`` keywords only for models whose forward builds
+        the same masks, and its tests compare the stages with the whole model)."""
         if self._mask_rule is None:
             raise AutomodelError(f"a pipeline stage was given {', '.join(MASK_PREFIX + key for key in types)}, but "
                                  f"the {self.config.model_type} model has no rule (create_masks_for_generate) that "
