@@ -259,6 +259,17 @@ def test_what_the_gemma_pipeline_cannot_take_is_refused_with_the_reason():
     assert pipeline_issues(SimpleNamespace(distributed=SimpleNamespace(pp_size=2, cp_size=1)), Gemma3Config()) == []
 
 
+def test_a_gemma3_under_pp_and_cp_is_refused_by_validate(tmp_path):
+    """Its media layout is known (no pp_size issue), but the stages' context-parallel attention would not take the
+    two-way image spans its token types give."""
+    gemma3 = {"model_type": "gemma3", "text_config": {"num_hidden_layers": 2, "tie_word_embeddings": False},
+              "tie_word_embeddings": False}
+    out = _validate(tmp_path, "--nproc-per-node", "4", model={"config": gemma3}, eval_generation=None,
+                    distributed={"strategy": "fsdp2", "pp_size": 2, "cp_size": 2})
+    assert "distributed.cp_size: 2: the pipeline stages build a gemma3 model's masks from its token types" in out
+    assert "distributed.pp_size" not in out
+
+
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
 def test_qwen_vl_stages_run_one_row_micro_batches_like_the_whole_model(family):
     """The Qwen2-VL's media layout (Qwen2.5-VL's too: its windowed vision tower, the same rope): each row's images
