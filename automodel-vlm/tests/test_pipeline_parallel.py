@@ -4,7 +4,10 @@ layer 1, norm, head) and trains with the per-step losses and gradient norms of o
 or no images (each pipeline micro-batch's first stage gets exactly its rows' images); the consolidated ``model/``
 loads with transformers as the one process's weights, and with LoRA the saved adapter is the one process's; pp 2 x
 cp 2 on four ranks (each first stage merges the images into the whole rows, then splits them) trains like one process
-too; what the pipeline cannot take is refused by ``automodel validate`` with the numbers.
+too; what the pipeline cannot take is refused by ``automodel validate`` with the numbers. Tiny Gemma 3 and Gemma 4
+models (image tokens attending to each other both ways, a mask every stage builds from the rows' token types) run
+through two stages like the whole model and train over pp 2 on two gloo ranks like one process (the worker script's
+``vlm_pp_gemma`` scenario).
 
 The ranks of the pipeline (and of its cp groups) read the same rows, so the one-process reference (run in the test's
 process) has the same batch size.
@@ -126,39 +129,145 @@ def test_a_model_without_a_media_layout_is_refused_by_validate(tmp_path):
     out = _validate(tmp_path, model={"config": llava_next}, eval_generation=None,
                     distributed={"strategy": "fsdp2", "pp_size": 2})
     assert "distributed.pp_size" in out and "the model (llava_next) has no media layout here" in out
-    assert "(known: llava, mistral3, qwen2_5_vl, qwen2_vl)" in out
+    assert "(known: gemma3, gemma4, llava, mistral3, qwen2_5_vl, qwen2_vl)" in out
 
 
-def test_gemma3_is_refused_since_the_later_stages_would_attend_causally_over_its_images():
-    """Gemma 3's image tokens attend to each other both ways: Gemma3Model builds that mask from token_type_ids and
-    hands it to its language model, which the later stages run alone on hidden states with the 2-D padding mask,
-    building a causal one; the stages' logits differ from the whole model's on the image tokens, so it is refused."""
+@pytest.mark.parametrize("family", ["gemma3_pp", "gemma4_pp"])
+def test_gemma_stages_build_the_whole_models_two_way_masks_from_the_token_types(family):
+    """Gemma 3 / Gemma 4: each image's tokens attend to each other both ways (Gemma 4: on its sliding-window
+    layers), a mask the composite model builds from the token types and hands its language model. Every stage gets
+    each row's token types (``mask_token_type_ids`` / ``mask_mm_token_type_ids``, padded with the rows) and builds
+    that mask, so the two stages on each one-row micro-batch give the whole model's logits, on right- and
+    left-padded rows (Gemma 4's images regrouped with their patch positions); the second stage building the plain
+    causal mask (the types not reaching it) does not."""
     import torch
     from vlm_context_parallel_workers import gemma_micro_batches, tiny_model
 
+    from automodel.training.parallel.pipeline_media import media_kwargs
     from automodel.training.parallel.pipeline_stages import split_model
-    from automodel_vlm.pipeline import layout_issue
+    from automodel.training.pipeline_steps import padded_tokens, stage_kwargs
+    from automodel_vlm.pipeline import layout_issue, mask_kwargs, media_per_row
 
-    model, _ = tiny_model("gemma3")
-    model.config.tie_word_embeddings = model.config.text_config.tie_word_embeddings = False
-    assert "the pipeline stages after the first run the language model alone" in layout_issue(model.config)
+    model, _ = tiny_model(family)
+    model.eval()
+    assert layout_issue(model.config) is None
     (first,), (second,) = split_model(model, 0, 2), split_model(model, 1, 2)
-    batch = gemma_micro_batches("gemma3", 0, 4, left=False)[0]
-    masks = {}
-    model.model.language_model.register_forward_pre_hook(
-        lambda module, args, kwargs: masks.update(kwargs["attention_mask"]), with_kwargs=True)
+    for left in (False, True):
+        batch = gemma_micro_batches(family, 0, 4, left=left)[0]
+        media = media_per_row(batch, model.config)
+        assert media["pixel_values"][1].tolist() == [1, 1]
+        kwargs = {**stage_kwargs(batch, 8), **media_kwargs(media), **mask_kwargs(batch, model.config, 8)}
+        assert sorted(key for key in kwargs if key.startswith("mask_")) == \
+            ["mask_token_type_ids" if family == "gemma3_pp" else "mask_mm_token_type_ids"]
+        ids, _ = padded_tokens(batch, 8, 0)
+        length = batch["input_ids"].shape[1]
+        with torch.no_grad():
+            whole = model(**{key: value for key, value in batch.items() if key != "labels"}, use_cache=False).logits
+            for row in range(2):
+                real = batch["attention_mask"][row].bool()
+                row_kwargs = {key: value[row:row + 1] for key, value in kwargs.items()}
+                later = {key: value for key, value in row_kwargs.items() if not key.startswith("media_")}
+                logits = second(first(ids[row:row + 1], **row_kwargs), **later)[0, :length]
+                assert torch.allclose(logits[real], whole[row][real], atol=1e-5), (left, row)
+                causal = {key: value for key, value in later.items() if not key.startswith("mask_")}
+                logits = second(first(ids[row:row + 1], **row_kwargs), **causal)[0, :length]
+                assert not torch.allclose(logits[real], whole[row][real], atol=1e-3), (left, row)
+
+
+def test_gemma4_images_of_different_sizes_are_counted_by_their_real_patches():
+    """Gemma 4's images differ in size: each is padded to the batch's most patches (positions -1) and is its real
+    patches over pooling_kernel_size**2 tokens, as the model splits its features; so the rows' images (two of 4 and
+    2 tokens, none, one of 2) are found and regrouped with their positions, and the two stages on each one-row
+    micro-batch give the whole model's logits."""
+    import torch
+    from vlm_context_parallel_workers import GEMMA_IMAGE, tiny_model
+
+    from automodel.training.parallel.pipeline_media import media_kwargs
+    from automodel.training.parallel.pipeline_stages import split_model
+    from automodel.training.pipeline_steps import padded_tokens, stage_kwargs
+    from automodel_vlm.pipeline import mask_kwargs, media_per_row
+
+    model, _ = tiny_model("gemma4_pp")
+    model.eval()
+    (first,), (second,) = split_model(model, 0, 2), split_model(model, 1, 2)
+
+    def grid(height: int, width: int) -> torch.Tensor:  # a height x width patch image padded to 16 patches
+        real = torch.stack(torch.meshgrid(torch.arange(width), torch.arange(height), indexing="xy"), -1)
+        return torch.cat([real.reshape(-1, 2), torch.full((16 - height * width, 2), -1)])
+
+    def image(tokens: int) -> list[int]:
+        return [GEMMA_IMAGE + 1] + [GEMMA_IMAGE] * tokens + [GEMMA_IMAGE + 2]
+
+    rows = [[1, 5, *image(4), 6, *image(2), 7, 8, 9], [1, 10, 11, 12, 13], [1, 14, *image(2), 15, 16]]
+    ids, mask = torch.zeros(3, 16, dtype=torch.long), torch.zeros(3, 16, dtype=torch.long)
+    for index, row in enumerate(rows):
+        ids[index, :len(row)], mask[index, :len(row)] = torch.tensor(row), 1
+    batch = {"input_ids": ids, "attention_mask": mask, "mm_token_type_ids": (ids == GEMMA_IMAGE).long(),
+             "pixel_values": torch.rand(3, 16, 48, generator=torch.Generator().manual_seed(5)),
+             "image_position_ids": torch.stack([grid(4, 4), grid(2, 4), grid(4, 2)])}
+    media = media_per_row(batch, model.config)
+    assert media["pixel_values"][1].tolist() == media["image_position_ids"][1].tolist() == [2, 0, 1]
+    kwargs = {**stage_kwargs(batch, 8), **media_kwargs(media), **mask_kwargs(batch, model.config, 8)}
+    tokens, _ = padded_tokens({**batch, "labels": ids}, 8, 0)
     with torch.no_grad():
-        whole = model.model(**{key: value for key, value in batch.items() if key != "labels"}).last_hidden_state
-        # the first stage given the token types (so its own layer is the model's): the second stage still is not,
-        # unless it gets the masks the model built (then it is)
-        hidden = getattr(first, first._base)(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                             pixel_values=batch["pixel_values"],
-                                             token_type_ids=batch["token_type_ids"]).last_hidden_state
-        text = second.get_submodule(second._text)
-        later = text(inputs_embeds=hidden, attention_mask=batch["attention_mask"]).last_hidden_state
-        with_masks = text(inputs_embeds=hidden, attention_mask=masks).last_hidden_state
-    assert torch.allclose(with_masks, whole, atol=1e-5)
-    assert not torch.allclose(later, whole, atol=1e-5)
+        whole = model(**batch, use_cache=False).logits
+        for row in range(3):
+            row_kwargs = {key: value[row:row + 1] for key, value in kwargs.items()}
+            later = {key: value for key, value in row_kwargs.items() if not key.startswith("media_")}
+            logits = second(first(tokens[row:row + 1], **row_kwargs), **later)[0, :16]
+            real = mask[row].bool()
+            assert torch.allclose(logits[real], whole[row][real], atol=1e-5), row
+
+
+def test_gemma_pp2_trains_like_one_process_and_not_with_causal_later_stages(tmp_path):
+    """Two steps (right-padded rows, then left-padded ones) of a tiny Gemma 3 and a tiny Gemma 4 cut in two stages
+    on two gloo ranks, 1F1B over one-row micro-batches through the recipe's pipeline_batches: the losses and
+    gradient norms of one process; with the second stage building the causal mask instead (the token types
+    ignored) they differ."""
+    from parallel_testing import launch_together
+
+    one, pp2 = launch_together([("vlm_pp_gemma", 0, tmp_path / "one", {}), ("vlm_pp_gemma", 2, tmp_path / "pp2", {})],
+                               workers=Path(__file__).with_name("vlm_context_parallel_workers.py"), timeout=300)
+    for family in ("gemma3_pp", "gemma4_pp"):
+        reference = one[0][family]
+        for rank in pp2:
+            assert rank[family]["losses"] == pytest.approx(reference["losses"], rel=1e-5), family
+            assert rank[family]["norms"] == pytest.approx(reference["norms"], rel=1e-5), family
+            causal = rank[f"{family}_causal"]
+            assert causal["losses"] != pytest.approx(reference["losses"], rel=1e-5), family
+            assert causal["norms"] != pytest.approx(reference["norms"], rel=1e-3), family
+
+
+def test_what_the_gemma_pipeline_cannot_take_is_refused_with_the_reason():
+    """PaliGemma (its prefix's two-way mask and 1-based positions made in its forward), Gemma 4 with per-layer
+    inputs or layers sharing keys and values (made or computed on other stages), and a Gemma under pp x cp (the
+    context-parallel attention inside the stages does not take the token types)."""
+    from types import SimpleNamespace
+
+    from transformers import Gemma3Config, Gemma4Config, PaliGemmaConfig
+
+    from automodel_vlm.pipeline import layout_issue, pipeline_issues
+
+    assert "numbers the positions from 1" in layout_issue(PaliGemmaConfig())
+    per_layer = Gemma4Config(text_config={"hidden_size_per_layer_input": 8, "num_kv_shared_layers": 0})
+    assert "text_config.hidden_size_per_layer_input" in layout_issue(per_layer)
+    shared = Gemma4Config(text_config={"hidden_size_per_layer_input": 0, "num_kv_shared_layers": 2})
+    assert "text_config.num_kv_shared_layers" in layout_issue(shared)
+    cfg = SimpleNamespace(distributed=SimpleNamespace(pp_size=2, cp_size=2))
+    (issue,) = pipeline_issues(cfg, Gemma3Config())
+    assert issue.key == "distributed.cp_size" and "build a gemma3 model's masks from its token types" in str(issue)
+    assert pipeline_issues(SimpleNamespace(distributed=SimpleNamespace(pp_size=2, cp_size=1)), Gemma3Config()) == []
+
+
+def test_a_gemma3_under_pp_and_cp_is_refused_by_validate(tmp_path):
+    """Its media layout is known (no pp_size issue), but the stages' context-parallel attention would not take the
+    two-way image spans its token types give."""
+    gemma3 = {"model_type": "gemma3", "text_config": {"num_hidden_layers": 2, "tie_word_embeddings": False},
+              "tie_word_embeddings": False}
+    out = _validate(tmp_path, "--nproc-per-node", "4", model={"config": gemma3}, eval_generation=None,
+                    distributed={"strategy": "fsdp2", "pp_size": 2, "cp_size": 2})
+    assert "distributed.cp_size: 2: the pipeline stages build a gemma3 model's masks from its token types" in out
+    assert "distributed.pp_size" not in out
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])

@@ -83,23 +83,28 @@ def tiny_model(family: str) -> tuple[torch.nn.Module, Any]:
     from transformers import AutoConfig, AutoModelForImageTextToText, Gemma3Config, Gemma4Config
     from vlm_testing import LLAVA_CONFIG, tiny_processor, tiny_qwen_vl_processor
 
-    if family == "gemma3":
-        processor = None
+    if family.startswith("gemma3"):  # gemma3_pp: four layers (each stage's attention over the images matters to
+        processor = None  # the loss), its head apart from its embedding, as the pipeline needs
+        tied, layers = family != "gemma3_pp", (2 if family == "gemma3" else 4)
         config = Gemma3Config(
-            text_config={"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+            text_config={"hidden_size": 32, "num_hidden_layers": layers, "num_attention_heads": 2,
                          "num_key_value_heads": 1, "head_dim": 16, "intermediate_size": 32, "vocab_size": GEMMA_VOCAB,
-                         "sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"]},
+                         "sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"] * (layers // 2),
+                         "tie_word_embeddings": tied},
+            tie_word_embeddings=tied,
             vision_config={"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
                            "num_attention_heads": 2, "image_size": 16, "patch_size": 4},
             mm_tokens_per_image=GEMMA_IMAGE_TOKENS, image_token_index=GEMMA_IMAGE, boi_token_index=GEMMA_IMAGE + 1,
             eoi_token_index=GEMMA_IMAGE + 2)
-    elif family == "gemma4":  # images two-way on the sliding layers, per-layer inputs, the last two layers' keys
-        processor = None  # and values those of the first two
+    elif family.startswith("gemma4"):  # images two-way on the sliding layers, per-layer inputs, the last two
+        processor = None  # layers' keys and values those of the first two (gemma4_pp: neither, as the 31B)
+        pipelined = family == "gemma4_pp"
         config = Gemma4Config(
             text_config={"hidden_size": 32, "num_hidden_layers": 4, "num_attention_heads": 2,
                          "num_key_value_heads": 1, "head_dim": 16, "global_head_dim": 16, "intermediate_size": 32,
                          "vocab_size": GEMMA_VOCAB, "vocab_size_per_layer_input": GEMMA_VOCAB,
-                         "hidden_size_per_layer_input": 8, "sliding_window": 6, "num_kv_shared_layers": 2,
+                         "hidden_size_per_layer_input": 0 if pipelined else 8, "sliding_window": 6,
+                         "num_kv_shared_layers": 0 if pipelined else 2, "tie_word_embeddings": not pipelined,
                          "layer_types": ["sliding_attention", "full_attention"] * 2,
                          "use_bidirectional_attention": "vision"},
             vision_config={"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
@@ -107,7 +112,7 @@ def tiny_model(family: str) -> tuple[torch.nn.Module, Any]:
                            "pooling_kernel_size": 2, "position_embedding_size": 64},
             audio_config=None, image_token_id=GEMMA_IMAGE, boi_token_id=GEMMA_IMAGE + 1,
             eoi_token_id=GEMMA_IMAGE + 2, video_token_id=GEMMA_IMAGE + 3, audio_token_id=GEMMA_IMAGE - 1,
-            boa_token_id=GEMMA_IMAGE - 2, eoa_token_index=GEMMA_IMAGE - 3)
+            boa_token_id=GEMMA_IMAGE - 2, eoa_token_index=GEMMA_IMAGE - 3, tie_word_embeddings=not pipelined)
     elif family == "llava":
         processor = tiny_processor()
         config = AutoConfig.for_model(**json.loads(LLAVA_CONFIG.read_text()))
@@ -187,7 +192,7 @@ def gemma_micro_batches(family: str, step: int, pad_to: int, left: bool) -> list
             labels[row, place] = torch.tensor([IGNORE_INDEX] * len(prompt) + answer)
             mask[row, place] = 1
         batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
-        if family == "gemma3":
+        if family.startswith("gemma3"):
             batch |= {"token_type_ids": (ids == GEMMA_IMAGE).long(),
                       "pixel_values": torch.randn(ROWS, 3, 16, 16, generator=generator)}
         else:
@@ -272,6 +277,43 @@ def run_pipelined(family: str, layout: MeshLayout) -> dict[str, Any]:
     step.optimizer.step = record_then_update
     loss, norm, _ = step._train_step(micro_batches(processor, 0, 2 * layout.cp))
     return {"loss": loss.item(), "norm": norm.item(), "vision_grads": grads}
+
+
+def run_gemma_pipelined(family: str, layout: MeshLayout) -> dict[str, Any]:
+    """The two steps of :func:`run` (right-padded rows, then left-padded ones) for a tiny Gemma 3 / Gemma 4 cut in
+    two stages (``pp`` rank 0: vision tower, projector, embedding, the first layers), through 1F1B with one-row
+    micro-batches and the recipe's ``pipeline_batches`` (each row's image and its token types, from which every
+    stage builds the masks): the losses and gradient norms."""
+    from automodel.training.parallel.mesh import PP
+    from automodel.training.parallel.pipeline_parallel import PipelineSettings, StagePipelines
+    from automodel.training.parallel.pipeline_stages import split_model
+
+    model, _ = tiny_model(family)
+    device_mesh = build_device_mesh(layout, "cpu")
+    (stage,) = split_model(model, device_mesh[PP].get_local_rank(), layout.pp)
+    apply_fsdp2(stage, fsdp_mesh(device_mesh, layout), multimodal=place_multimodal(stage, MULTIMODAL_NAMES, "root"))
+    tokenizer = SimpleNamespace(pad_token_id=0)
+    step = Step(stage, SimpleNamespace(tokenizer=tokenizer), layout, device_mesh)
+    step.pipelines = StagePipelines([stage], device_mesh[PP], torch.device("cpu"), PipelineSettings(),
+                                    step.pipeline_loss)
+    results = [step._train_step(gemma_micro_batches(family, s, 2, s == 1)) for s in range(2)]
+    return {"losses": [loss.item() for loss, _, _ in results], "norms": [norm.item() for _, norm, _ in results]}
+
+
+GEMMA_PP = ("gemma3_pp", "gemma4_pp")
+
+
+def scenario_vlm_pp_gemma(args: dict[str, Any], out: Any) -> dict[str, Any]:
+    """pp 2 on two ranks (:func:`run_gemma_pipelined`), once more with the later stage's masks causal (the token
+    types not reaching it), or the one-process reference (:func:`run`) without a process group."""
+    if not dist.is_initialized():
+        return {family: run(family, MeshLayout(1)) for family in GEMMA_PP}
+    from automodel.training.parallel.pipeline_stages import PipelineStageModel
+
+    layout = plan_mesh(dist.get_world_size(), pp_size=dist.get_world_size())
+    results = {family: run_gemma_pipelined(family, layout) for family in GEMMA_PP}
+    PipelineStageModel._model_masks = lambda self, hidden, attention_mask, position_ids, types: attention_mask
+    return results | {f"{family}_causal": run_gemma_pipelined(family, layout) for family in GEMMA_PP}
 
 
 def scenario_vlm_pp_cp(args: dict[str, Any], out: Any) -> dict[str, Any]:

@@ -20,7 +20,7 @@ import torch
 
 from automodel.errors import AutomodelError, ConfigIssue
 from automodel.training.next_token import LABEL_POSITIONS
-from automodel_vlm.context_parallel import TWO_WAY_MODELS
+from automodel.training.parallel.pipeline_media import MASK_PREFIX
 
 # split along the rows as they are (packed rows: position ids and each row's token count)
 PER_ROW_KEYS = ("input_ids", "attention_mask", "labels", LABEL_POSITIONS, "position_ids", "token_count")
@@ -38,7 +38,12 @@ class MediaLayout:
     hands them to every stage (:func:`rope_positions`). With ``sizes`` (Mistral 3's ``image_sizes``: each image's
     height and width in pixels, the images padded to one size in ``per_image`` keys) an image is
     ``(height // d) * (width // d)`` placeholders, ``d`` the vision tower's ``patch_size`` times the config's
-    ``spatial_merge_size``, as the Pixtral processor expands it and the model splits its features."""
+    ``spatial_merge_size``, as the Pixtral processor expands it and the model splits its features. With
+    ``patch_positions`` (Gemma 4's ``image_position_ids``: each image's patches' grid positions, ``-1`` for the
+    padding patches) an image is its real patches over the vision tower's ``pooling_kernel_size**2`` placeholders,
+    as the model splits its features. ``mask_inputs`` (per row: Gemma 3's ``token_type_ids``) are what the model
+    builds its attention masks from, its images' tokens attending to each other both ways: every stage gets them
+    (:func:`mask_kwargs`) and builds the model's masks."""
 
     per_image: tuple[str, ...] = ()
     token_attributes: tuple[str, ...] = ("image_token_id", "image_token_index")
@@ -46,19 +51,24 @@ class MediaLayout:
     per_patch: tuple[str, ...] = ()
     rope_only: tuple[str, ...] = ()
     sizes: str | None = None
+    patch_positions: str | None = None
+    mask_inputs: tuple[str, ...] = ()
 
     @property
     def keys(self) -> tuple[str, ...]:
         """The batch keys the layout places."""
-        return (*self.per_image, *self.sized, *self.per_patch, *self.rope_only)
+        return (*self.per_image, *self.sized, *self.per_patch, *self.rope_only, *self.mask_inputs)
 
     @property
     def sized(self) -> tuple[str, ...]:
         """The key that gives each image's size, where the images differ in size."""
-        return tuple(key for key in (self.grid, self.sizes) if key)
+        return tuple(key for key in (self.grid, self.sizes, self.patch_positions) if key)
 
     def image_tokens(self, batch: dict[str, torch.Tensor], config: Any) -> list[int]:
-        """Each image's placeholder count, from its size (the layout's ``grid`` or ``sizes``)."""
+        """Each image's placeholder count, from its size (the layout's ``grid``, ``sizes`` or ``patch_positions``)."""
+        if self.patch_positions is not None:
+            real = (batch[self.patch_positions] != -1).all(dim=-1).sum(dim=-1)
+            return (real // config.vision_config.pooling_kernel_size ** 2).tolist()
         if self.grid is not None:
             return (batch[self.grid].prod(dim=-1) // config.vision_config.spatial_merge_size ** 2).tolist()
         step = config.vision_config.patch_size * config.spatial_merge_size
@@ -80,34 +90,69 @@ QWEN_VL = MediaLayout(grid="image_grid_thw", per_patch=("pixel_values",), rope_o
 
 # model_type -> its media layout. Llava: pixel_values [images, channels, height, width], every image the same
 # number of <image> tokens. Mistral 3: pixel_values [images, channels, height, width] padded to the batch's largest,
-# image_sizes [images, 2] each image's own (its [IMG] tokens: one per merged patch of it). Models whose image tokens
-# attend to each other both ways (context_parallel.TWO_WAY_MODELS) are refused apart (layout_issue): the stages
-# after the first would not compute their mask.
+# image_sizes [images, 2] each image's own (its [IMG] tokens: one per merged patch of it). Gemma 3: as Llava (each
+# image mm_tokens_per_image tokens), its image tokens marked by token_type_ids, from which every stage builds the
+# masks (each image's tokens attend to each other both ways). Gemma 4: pixel_values [images, patches, values] and
+# image_position_ids [images, patches, 2], each image's real patches pooled into its tokens, marked by
+# mm_token_type_ids. PaliGemma is refused (layout_issue).
 MEDIA_LAYOUTS = {"llava": MediaLayout(per_image=("pixel_values",)), "qwen2_vl": QWEN_VL, "qwen2_5_vl": QWEN_VL,
-                 "mistral3": MediaLayout(per_image=("pixel_values",), sizes="image_sizes")}
+                 "mistral3": MediaLayout(per_image=("pixel_values",), sizes="image_sizes"),
+                 "gemma3": MediaLayout(per_image=("pixel_values",), mask_inputs=("token_type_ids",)),
+                 "gemma4": MediaLayout(per_image=("pixel_values",), patch_positions="image_position_ids",
+                                       mask_inputs=("mm_token_type_ids",))}
 
 
 def layout_issue(config: Any) -> str | None:
     """Why ``config``'s model cannot run pipelined here (None: its media layout is known)."""
     model_type = getattr(config, "model_type", None)
+    if model_type == "gemma4":
+        return _gemma4_issue(config)
     if model_type in MEDIA_LAYOUTS:
         return None
     known = ", ".join(sorted(MEDIA_LAYOUTS))
-    if model_type in TWO_WAY_MODELS:
-        return (f"a {model_type} model's image tokens attend to each other both ways: its forward builds that mask "
-                "from the token types (token_type_ids / mm_token_type_ids) and hands it to its language model, but "
-                "the pipeline stages after the first run the language model alone on hidden states, which builds a "
-                f"causal mask (another attention); pipelined VLMs: {known}; set pp_size: 1")
+    if model_type == "paligemma":
+        return ("a paligemma model's image and prompt tokens attend to each other both ways (on its full-attention "
+                "layers only, a mask transformers' rule for it, create_masks_for_generate, does not build) and its "
+                "forward numbers the positions from 1, neither of which the pipeline stages after the first (the "
+                f"language model alone on hidden states) would reproduce; pipelined VLMs: {known}; set pp_size: 1")
     return (f"the model ({model_type}) has no media layout here: which of its image tensors belong to which rows of "
             f"a batch, so that each pipeline micro-batch's first stage gets exactly its rows' images (known: {known}); "
             "set pp_size: 1")
+
+
+def _gemma4_issue(config: Any) -> str | None:
+    """Gemma 4's per-layer inputs (made on the first stage from the token ids and the merged embeddings) and its
+    layers that reuse the keys and values of earlier layers do not travel between the stages."""
+    text = config.get_text_config()
+    if getattr(text, "hidden_size_per_layer_input", 0):
+        return ("a gemma4 model with per-layer inputs (text_config.hidden_size_per_layer_input, the E2B / E4B "
+                "sizes): the first stage makes them from the token ids, which the later stages do not get; set "
+                "pp_size: 1")
+    if getattr(text, "num_kv_shared_layers", 0):
+        return ("a gemma4 model whose last layers reuse the keys and values of earlier ones "
+                "(text_config.num_kv_shared_layers), which another pipeline stage computes; set pp_size: 1")
+    return None
 
 
 def pipeline_issues(cfg: Any, config: Any) -> list[ConfigIssue]:
     """What the VLM recipe cannot run with ``distributed.pp_size > 1`` (``config``: the model's Hugging Face config
     where validation can read it)."""
     why = layout_issue(config) if config is not None else None
-    return [ConfigIssue("distributed.pp_size", f"{cfg.distributed.pp_size}: {why}")] if why is not None else []
+    if why is not None:
+        return [ConfigIssue("distributed.pp_size", f"{cfg.distributed.pp_size}: {why}")]
+    cp = cfg.distributed.cp_size
+    why = cp_issue(config, cp) if config is not None else None
+    return [ConfigIssue("distributed.cp_size", f"{cp}: {why}")] if why is not None else []
+
+
+def cp_issue(config: Any, cp: int) -> str | None:
+    """Why the pipeline cannot run ``config``'s model with context parallelism ``cp`` (None: it can)."""
+    layout = MEDIA_LAYOUTS.get(getattr(config, "model_type", None))
+    if cp > 1 and layout is not None and layout.mask_inputs:
+        return (f"the pipeline stages build a {config.model_type} model's masks from its token types (its images' "
+                "tokens attend to each other both ways), which the context-parallel attention inside the stages "
+                "does not take; set cp_size: 1 (or pp_size: 1: context parallelism alone takes them)")
+    return None
 
 
 def media_per_row(batch: dict[str, torch.Tensor], config: Any) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -133,6 +178,14 @@ def media_per_row(batch: dict[str, torch.Tensor], config: Any) -> dict[str, tupl
                              "tokens); make sure the processor expands every image and no row is truncated")
     counts = tokens // per_image
     return {key: (batch[key], counts) for key in present}
+
+
+def mask_kwargs(batch: dict[str, torch.Tensor], config: Any, extra: int) -> dict[str, torch.Tensor]:
+    """The token types every stage builds the model's masks from (``mask_<name>``, the core's
+    ``pipeline_stages``), with ``extra`` padding positions of text type (0); none for a model without them."""
+    layout = MEDIA_LAYOUTS[config.model_type]
+    return {MASK_PREFIX + key: torch.nn.functional.pad(batch[key], (0, extra), value=0)
+            for key in layout.mask_inputs if batch.get(key) is not None}
 
 
 def _sized_media(batch: dict[str, torch.Tensor], config: Any, layout: MediaLayout, tokens: torch.Tensor

@@ -45,7 +45,14 @@ from automodel_vlm.drafter import DRAFTER_DIR, drafter_issues, find_composite, u
 from automodel_vlm.frame_sharding import FrameSharding, attach_frame_sharding, frame_sharding_issues
 from automodel_vlm.freeze import UpstreamFreezeConfig, VLMFreezeConfig
 from automodel_vlm.parts import MULTIMODAL_NAMES, base_model, find_part
-from automodel_vlm.pipeline import layout_issue, media_per_row, pipeline_issues, rope_positions
+from automodel_vlm.pipeline import (
+    cp_issue,
+    layout_issue,
+    mask_kwargs,
+    media_per_row,
+    pipeline_issues,
+    rope_positions,
+)
 
 DATASET_ARGS = ("config_key", "processor")
 
@@ -235,10 +242,13 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
     def after_model_built(self, ctx: BuildContext, model: torch.nn.Module, meta: MetaBuild) -> BuildContext:
         """Under pipeline parallelism, a model whose media layout is not known is refused before it is cut."""
         why = layout_issue(model.config) if ctx.mesh.pp > 1 else None
+        two_way = cp_issue(model.config, ctx.mesh.cp) if ctx.mesh.pp > 1 else None
         if self.packing is not None and packing_unsupported(model) is not None:
             raise AutomodelError(f"packed_sequence: {packing_unsupported(model)}")
         if why is not None:
             raise AutomodelError(f"distributed.pp_size: {ctx.mesh.pp}: {why}")
+        if two_way is not None:
+            raise AutomodelError(f"distributed.cp_size: {ctx.mesh.cp}: {two_way}")
         config = getattr(model, "config", None)
         if ctx.mesh.cp > 1 and config is not None and (
                 issue := attention_issue(config, cp_attention(ctx.cfg, ctx.device, config))) is not None:
@@ -328,8 +338,9 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
         """The step's micro-batches padded to :func:`pipeline_length` (the padding is masked out and carries no
         label; packed rows keep no mask and every stage gets their position ids, see :func:`stage_kwargs`), each
         with its media regrouped per row (``pipeline_media``) so that every pipeline micro-batch's first stage gets
-        exactly its rows' images, and the model's multi-axis rope positions where it has them
-        (:func:`rope_positions`: every stage needs them)."""
+        exactly its rows' images, the model's multi-axis rope positions where it has them
+        (:func:`rope_positions`: every stage needs them), and the token types every stage builds the masks from
+        where the model's image tokens attend to each other both ways (:func:`mask_kwargs`)."""
         longest = pipeline_length(batches, length)
         pad = self.processor.tokenizer.pad_token_id or 0
         config = base_model(self.model).config
@@ -338,7 +349,8 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
         for batch in batches:
             batch = rope_positions(batch, config, rope)
             extra = longest - batch["input_ids"].shape[1]
-            kwargs = {**stage_kwargs(batch, extra), **media_kwargs(media_per_row(batch, config))}
+            kwargs = {**stage_kwargs(batch, extra), **media_kwargs(media_per_row(batch, config)),
+                      **mask_kwargs(batch, config, extra)}
             parts.append((*padded_tokens(batch, extra, pad), kwargs))
         return parts
 

@@ -17,6 +17,8 @@ from automodel.errors import AutomodelError
 
 PREFIX = "media_"
 COUNT = "_count"
+# per-row token types every stage builds the model's masks from (``pipeline_stages``), e.g. mask_token_type_ids
+MASK_PREFIX = "mask_"
 
 
 def per_row(items: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -46,7 +48,7 @@ def model_media(kwargs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     for key, grouped in kwargs.items():
         if not key.startswith(PREFIX):
             raise AutomodelError(f"a pipeline stage was given '{key}', which it does not take (its inputs: token ids "
-                                 "or hidden states, attention_mask, position_ids and media_* tensors)")
+                                 "or hidden states, attention_mask, position_ids, media_* and mask_* tensors)")
         if key.endswith(COUNT):
             continue
         counts = kwargs[key + COUNT]

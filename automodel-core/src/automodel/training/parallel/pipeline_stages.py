@@ -31,7 +31,7 @@ from automodel.errors import AutomodelError
 from automodel.training.parallel.all_gather_attention import all_gather_region
 from automodel.training.parallel.blocks import LayerPlaceholder
 from automodel.training.parallel.context_parallel import split_sequence
-from automodel.training.parallel.pipeline_media import model_media
+from automodel.training.parallel.pipeline_media import MASK_PREFIX, model_media
 from automodel.training.parallel.pipeline_plans import pipeline_plan
 
 if TYPE_CHECKING:
@@ -70,7 +70,10 @@ class PipelineStageModel(nn.Module):
     ``[rows, axes, length]``, so that the schedule splits them with the rows; the stage hands the model
     ``[axes, rows, length]``. With :attr:`carry` (MTP heads), while training, ``carried`` tensors travel beside
     the hidden states: the first stage makes them, the middle ones pass them on, the last returns what the carry
-    makes of them after its output."""
+    makes of them after its output. ``mask_<name>`` keywords (per row: Gemma 3's ``token_type_ids``) are what the
+    composite model builds its attention masks from (its images' tokens attend to each other both ways): the first
+    stage hands them to the base model as ``<name>``, the later ones build the same masks from them
+    (:meth:`_model_masks`), so every stage's layers attend as in the whole model."""
 
     # the loss applies the output head itself (FusedLinearCrossEntropy): no [tokens, vocab] logits leave the stage
     head_in_loss = False
@@ -93,18 +96,27 @@ class PipelineStageModel(nn.Module):
         self.base_model_prefix = self._base = model.base_model_prefix  # transformers' (peft's) weight mappings read it
         self._text = parts["layers"].rpartition(".")[0]  # the text model: what runs the later stages
         self.media_modules = list(parts["media"]) if index == 0 else []
+        # transformers' rule for the masks its forward builds from the token types (a static method): the later
+        # stages build the model's masks with it from the ``mask_*`` keywords (see forward)
+        self._mask_rule = getattr(type(model), "create_masks_for_generate", None)
         for name, child in model.named_children():
             self.add_module(name, child)
 
     def forward(self, inputs: torch.Tensor, *carried: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, cp_mesh: DeviceMesh | None = None,
                 **media: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        if self.is_first:  # the base model: a composite one encodes the media and merges them into the embeddings
-            body, given = getattr(self, self._base), {"input_ids": inputs, **model_media(media)}
-        else:
-            body, given = self.get_submodule(self._text), {"inputs_embeds": inputs}
+        types = {key[len(MASK_PREFIX):]: media.pop(key) for key in list(media) if key.startswith(MASK_PREFIX)}
         if position_ids is not None and position_ids.dim() == 3:  # multi-axis positions travel rows first
             position_ids = position_ids.transpose(0, 1)
+        if self.is_first:  # the base model: a composite one encodes the media and merges them into the embeddings
+            body, given = getattr(self, self._base), {"input_ids": inputs, **model_media(media), **types}
+        else:
+            body, given = self.get_submodule(self._text), {"inputs_embeds": inputs}
+            if types:  # the masks the composite model's forward builds from the token types and hands its text model
+                attention_mask = self._model_masks(inputs, attention_mask, position_ids, types)
+        if types and cp_mesh is not None:
+            raise AutomodelError("distributed.cp_size: the pipeline stages build this model's masks from its token "
+                                 "types, which the context-parallel attention does not take; set cp_size: 1")
         if cp_mesh is None:
             hidden = body(**given, attention_mask=attention_mask, position_ids=position_ids,
                           use_cache=False).last_hidden_state
@@ -125,6 +137,20 @@ class PipelineStageModel(nn.Module):
         if self.is_last:
             return (output, *self.carry.run(self, hidden, carried, attention_mask, position_ids))
         return (output, *carried)
+
+    def _model_masks(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None,
+                     position_ids: torch.Tensor | None, types: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The attention masks (by layer type) the composite model's forward builds from the micro-batch's token
+        types (``types``: Gemma 3's ``token_type_ids``, Gemma 4's ``mm_token_type_ids``; its images' tokens attend
+        to each other both ways) for its text model, by transformers' own rule for them (the model class's
+        ``create_masks_for_generate``; the domain hands ``mask_*`` keywords only for models whose forward builds
+        the same masks, and its tests compare the stages with the whole model)."""
+        if self._mask_rule is None:
+            raise AutomodelError(f"a pipeline stage was given {', '.join(MASK_PREFIX + key for key in types)}, but "
+                                 f"the {self.config.model_type} model has no rule (create_masks_for_generate) that "
+                                 "builds its masks from them; set pp_size: 1")
+        return self._mask_rule(self.config, inputs_embeds=hidden, attention_mask=attention_mask, cache=None,
+                               position_ids=position_ids, **types)
 
     @property
     def takes_whole_rows(self) -> bool:
