@@ -431,7 +431,8 @@ class DiffusionRecipe(TrainRecipe):
     def compute_loss(self, model: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor:
         """The micro-batch's per-image losses, summed (the engine divides by the images of the whole step)."""
         losses = model(batch.get("pixel_values"), batch["captions"], generator=self.loss_generator,
-                       cached=batch.get("cached"), source_images=batch.get("source_images"))
+                       cached=batch.get("cached"), source_images=batch.get("source_images"),
+                       source_sizes=batch.get("source_sizes"))
         if self.cfg.performance.check_loss:
             mean = float(losses.detach().mean())
             if upstream.exploded(mean):
@@ -476,8 +477,9 @@ class DiffusionRecipe(TrainRecipe):
 
     def sample_size(self) -> tuple[int | None, int | None]:
         settings = self.cfg.sample_generation
-        resolution = getattr(self.train_dataset, "resolution", None)
-        return settings.height or resolution, settings.width or resolution
+        resolution = getattr(self.train_dataset, "resolution", None)  # a side, or (height, width)
+        height, width = resolution if isinstance(resolution, tuple) else (resolution, resolution)
+        return settings.height or height, settings.width or width
 
     @torch.no_grad()
     def write_samples(self) -> Path | None:
