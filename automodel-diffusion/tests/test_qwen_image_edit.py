@@ -31,7 +31,7 @@ from diffusion_testing import (
 from PIL import Image
 
 from automodel.errors import AutomodelError
-from automodel.testing import assert_states_equal
+from automodel.testing import assert_states_equal, losses_by_step
 
 FORMS = Path(__file__).parent / "upstream_forms"
 FINETUNE = FORMS / "qwen_image_edit_finetune_upstream.yaml"
@@ -314,6 +314,21 @@ def test_edits_of_different_aspect_ratios_train_two_to_a_batch_in_their_buckets(
     assert recipe.step_scheduler.step == 2
     # per step one bucket, two edits: the wide target and source (latents 8x16, packed 4x8), or the tall ones
     assert sorted(seen) == [[[(1, 4, 8), (1, 4, 8)]] * 2, [[(1, 8, 4), (1, 8, 4)]] * 2]
+
+
+def test_a_resumed_run_draws_the_buckets_batches_of_the_uninterrupted_one(base, tmp_path):
+    """Resumed mid-epoch from step 3: steps 4-6 (the rest of epoch 0, then epoch 1's new order) see the batches, and
+    so the losses, of the run that went on."""
+    data = sized_manifest(tmp_path / "edits", [((64, 32), (64, 32)), ((32, 64), (32, 64))] * 2)
+    form = (FINETUNE, "--model.pretrained_model_name_or_path", base, "--data.dataloader.cache_dir", data,
+            "--data.dataloader.base_resolution", "[64, 64]", "--step_scheduler.global_batch_size", "1",
+            "--step_scheduler.max_steps", "6", "--step_scheduler.log_interval", "1")
+    run = train_inprocess(*form, "--checkpoint.checkpoint_dir", tmp_path / "run")
+    assert run.dataloader.batch_sampler.epoch == 1  # the step scheduler moved the buckets' order to epoch 1
+    train_inprocess(*form, "--checkpoint.checkpoint_dir", tmp_path / "again", "--restore_from.path",
+                    next((tmp_path / "run").glob("epoch_0_step_3")))
+    losses, resumed = (losses_by_step(tmp_path / name / "training.jsonl") for name in ("run", "again"))
+    assert sorted(resumed) == [4, 5, 6] and all(resumed[s] == losses[s] for s in (4, 5, 6)), (resumed, losses)
 
 
 def test_the_conditioning_encodes_each_source_at_its_buckets_size(base, tmp_path):

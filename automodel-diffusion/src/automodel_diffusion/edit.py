@@ -168,7 +168,11 @@ class ImageEditDataset(torch.utils.data.Dataset):
     skipped with ``on_bad_row: skip``."""
 
     def __init__(self, path: str, resolution: int | list[int] = 512, on_bad_row: OnBadRow = "error"):
-        height, width = (resolution, resolution) if isinstance(resolution, int) else resolution
+        sides = list(resolution) if isinstance(resolution, (list, tuple)) else [resolution, resolution]
+        if len(sides) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in sides):
+            raise AutomodelError(f"data.dataloader.base_resolution: expected a side or [height, width] in pixels, "
+                                 f"found {resolution!r}")
+        height, width = sides
         if height * width < ALIGN * ALIGN:
             raise AutomodelError(f"data.dataloader.base_resolution: {resolution} is too small (at least "
                                  f"{ALIGN}x{ALIGN} pixels: images are sized in multiples of {ALIGN})")

@@ -164,6 +164,19 @@ def save_component(component: Any, directory: Path, state_dict: dict[str, torch.
         save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
 
 
+def saved_weights(component: torch.nn.Module, directory: Path) -> dict[str, torch.Tensor]:
+    """The weights ``save_component`` wrote in ``directory``, under ``component``'s own names: transformers saves
+    some models under their original checkpoints' names (Qwen2.5-VL, Qwen-Image's text encoder: ``model.layers.*``
+    for ``model.language_model.layers.*``), which only its ``from_pretrained`` maps back."""
+    import transformers
+
+    state = load_safetensors_dir(directory)
+    if set(state) <= set(component.state_dict()) or not isinstance(component, transformers.PreTrainedModel):
+        return state
+    dtype = next(component.parameters()).dtype
+    return type(component).from_pretrained(str(directory), dtype=dtype).state_dict()
+
+
 class DiffusionRecipe(TrainRecipe):
     """Train a diffusers pipeline's denoiser (flow matching, epsilon or v-prediction) on images and captions."""
 
@@ -424,7 +437,8 @@ class DiffusionRecipe(TrainRecipe):
         for name, component in model.frozen_components().items():
             sub = directory / name
             if sub.is_dir() and any(sub.glob("*.safetensors")):
-                load_weights_into(component, load_safetensors_dir(sub), sub)
+                load_weights_into(component, saved_weights(component, sub), sub)
+
 
     # ---- the loss ----------------------------------------------------------------------------------------------
 
