@@ -9,6 +9,11 @@ encoded to the VAE latents' mode (``_encode_vae_image``), packed in 2x2 patches 
 tokens along the sequence; ``img_shapes`` lists the target's patch grid then each source's. The denoiser's prediction
 for the target's tokens alone is trained.
 
+For training, the data set sizes the images as upstream's image-edit preprocessing does (``buckets``): the target
+and each source keep their aspect ratios within the pixel budget ``resolution`` (sides multiples of 32), and batches
+are drawn within a bucket of samples whose images share those sizes; the sources reach the VAE at their bucket's
+sizes (``source_sizes``), and the text encoder sees each original source resized as the pipeline resizes it.
+
 The data set reads upstream's image-edit manifest (``hf_image_edit_manifest.jsonl``, what its ``image-edit``
 preprocessing reads): rows ``{"id", "prompt", "media": [{"role": "target" | "context" | "condition", "file_name"}],
 "metadata"}``, with media paths relative to the manifest. The ``context`` images are the sources; diffusers'
@@ -21,10 +26,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy
 import torch
 
 from automodel.data import BadRows, OnBadRow
 from automodel.errors import AutomodelError
+from automodel_diffusion.buckets import ALIGN, BucketBatchSampler, fit_area
 from automodel_diffusion.conditioning import QwenImageConditioning
 from automodel_diffusion.datasets import jsonl_rows
 
@@ -39,18 +46,20 @@ class QwenImageEditConditioning(QwenImageConditioning):
 
     edits = True
 
-    def encode(self, captions: list[str], device: torch.device, sources: list[list[Any]] | None = None
-               ) -> dict[str, Any]:
+    def encode(self, captions: list[str], device: torch.device, sources: list[list[Any]] | None = None,
+               source_sizes: list[list[tuple[int, int]]] | None = None) -> dict[str, Any]:
         """The instructions (each seeing its sample's source images) and the sources' packed latents;
-        ``sources``: per sample, its source images (Pillow)."""
+        ``sources``: per sample, its source images (Pillow); ``source_sizes``: per sample, the (width, height) each
+        source is resized to for the VAE (its bucket's), else the pipeline's VAE_IMAGE_SIZE area."""
         if sources is None or len(sources) != len(captions) or not all(sources):
             raise AutomodelError("data: a QwenImageEditPlusPipeline trains on image edits (source images, a target "
                                  "image and an instruction); give data.dataloader: {_target_: nemo_automodel.components"
                                  ".datasets.diffusion.image_edit_dataset.ImageEditDataloaderConfig, cache_dir: <a "
                                  "folder with hf_image_edit_manifest.jsonl>}")
         rows, latents, shapes = [], [], []
-        for caption, images in zip(captions, sources, strict=True):
-            condition_images, vae_images = self.resize(images)
+        sizes = source_sizes or [None] * len(sources)
+        for caption, images, vae_sizes in zip(captions, sources, sizes, strict=True):
+            condition_images, vae_images = self.resize(images, vae_sizes)
             embeds, mask = self.pipeline.encode_prompt(prompt=[caption], image=condition_images, device=device)
             mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=device) if mask is None else mask
             rows.append({"encoder_hidden_states": embeds[0], "encoder_hidden_states_mask": mask[0]})
@@ -60,21 +69,24 @@ class QwenImageEditConditioning(QwenImageConditioning):
         if len({tuple(x.shape) for x in latents}) > 1:
             raise AutomodelError("data: the source images of one batch encode to different latent sizes (their "
                                  "aspect ratios differ, and the pipeline sizes each source by its own); use "
-                                 "step_scheduler.local_batch_size 1, or sources of one aspect ratio per batch")
+                                 "step_scheduler.local_batch_size 1, or ImageEditDataset, which batches within "
+                                 "buckets of equal sizes")
         return {**self.join(rows), "source_latents": torch.cat(latents), "source_shapes": shapes}
 
-    def resize(self, images: list[Any]) -> tuple[list[Any], list[torch.Tensor]]:
+    def resize(self, images: list[Any], vae_sizes: list[tuple[int, int]] | None = None
+               ) -> tuple[list[Any], list[torch.Tensor]]:
         """Each source as the pipeline's ``__call__`` resizes it: (condition images for the text encoder, VAE
-        inputs (1, 3, 1, height, width))."""
+        inputs (1, 3, 1, height, width)); ``vae_sizes``: (width, height) per source for the VAE instead."""
         from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as edit_plus
 
         processor = self.pipeline.image_processor
         condition, vae = [], []
-        for image in images:
+        for index, image in enumerate(images):
             ratio = image.size[0] / image.size[1]
             width, height = edit_plus.calculate_dimensions(edit_plus.CONDITION_IMAGE_SIZE, ratio)
             condition.append(processor.resize(image, height, width))
-            width, height = edit_plus.calculate_dimensions(edit_plus.VAE_IMAGE_SIZE, ratio)
+            width, height = (vae_sizes[index] if vae_sizes is not None
+                             else edit_plus.calculate_dimensions(edit_plus.VAE_IMAGE_SIZE, ratio))
             vae.append(processor.preprocess(image, height, width).unsqueeze(2))
         return condition, vae
 
@@ -148,21 +160,52 @@ def manifest_path(cache_dir: str) -> Path:
 
 
 class ImageEditDataset(torch.utils.data.Dataset):
-    """Image edits from an upstream image-edit manifest (see the module docstring): each sample is the target image
-    resized and centre-cropped to ``resolution`` (as ImageCaptionDataset does), its source images as they are (the
-    conditioning resizes them as the pipeline does) and its instruction. A bad row is refused, or skipped with
-    ``on_bad_row: skip``."""
+    """Image edits from an upstream image-edit manifest (see the module docstring), sized as upstream's image-edit
+    preprocessing sizes them: the target and each source keep their aspect ratios within ``resolution`` (a side:
+    that square's pixels; or [height, width]: that many pixels), with sides in multiples of 32. Each sample is the
+    target at its size, its source images as they are, the (width, height) each source has for the VAE, and its
+    instruction; ``batch_sampler`` draws each batch within one bucket of equal sizes. A bad row is refused, or
+    skipped with ``on_bad_row: skip``."""
 
-    def __init__(self, path: str, resolution: int = 512, on_bad_row: OnBadRow = "error"):
-        if resolution < 8:
-            raise AutomodelError(f"data.dataloader.base_resolution: {resolution} is too small (at least 8 pixels)")
+    def __init__(self, path: str, resolution: int | list[int] = 512, on_bad_row: OnBadRow = "error"):
+        sides = list(resolution) if isinstance(resolution, (list, tuple)) else [resolution, resolution]
+        if len(sides) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in sides):
+            raise AutomodelError(f"data.dataloader.base_resolution: expected a side or [height, width] in pixels, "
+                                 f"found {resolution!r}")
+        height, width = sides
+        if height * width < ALIGN * ALIGN:
+            raise AutomodelError(f"data.dataloader.base_resolution: {resolution} is too small (at least "
+                                 f"{ALIGN}x{ALIGN} pixels: images are sized in multiples of {ALIGN})")
         manifest = manifest_path(path)
         bad_rows = BadRows(on_bad_row, str(manifest), "data.dataloader")
         self.rows = read_manifest(manifest, bad_rows)
         bad_rows.report()
         if not self.rows:
             raise AutomodelError(f"data.dataloader.cache_dir: '{manifest}' has no usable rows")
-        self.resolution = resolution
+        self.resolution, self.area = (height, width), height * width  # samples are drawn at (height, width)
+        self.sizes = [self._sizes(row) for row in self.rows]  # per row: (target, sources...) as (width, height)
+
+    def _sizes(self, row: dict[str, Any]) -> tuple[tuple[int, int], ...]:
+        from PIL import Image
+
+        sizes = []
+        for file in [row["target"], *row["sources"]]:
+            with Image.open(file) as image:  # reads the header only
+                sizes.append(fit_area(*image.size, self.area))
+        return tuple(sizes)
+
+    @property
+    def buckets(self) -> dict[tuple[tuple[int, int], ...], list[int]]:
+        """(target size, source sizes...) -> the rows of that size, smallest total area first."""
+        groups: dict[tuple[tuple[int, int], ...], list[int]] = {}
+        for index, sizes in enumerate(self.sizes):
+            groups.setdefault(sizes, []).append(index)
+        return dict(sorted(groups.items(), key=lambda item: (sum(w * h for w, h in item[0]), item[0])))
+
+    def batch_sampler(self, batch_size: int, shuffle: bool, drop_last: bool, seed: int, replicas: int = 1,
+                      rank: int = 0) -> BucketBatchSampler:
+        """Batches within buckets (the data loader's ``batch_sampler``; ``automodel_diffusion.buckets``)."""
+        return BucketBatchSampler(list(self.buckets.values()), batch_size, shuffle, drop_last, seed, replicas, rank)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -170,16 +213,16 @@ class ImageEditDataset(torch.utils.data.Dataset):
     def __getitem__(self, index: int) -> dict[str, Any]:
         from PIL import Image
 
-        from automodel_diffusion.datasets import image_to_tensor
-
-        row = self.rows[int(index)]
+        row, (target_size, *source_sizes) = self.rows[int(index)], self.sizes[int(index)]
         with Image.open(row["target"]) as target:
-            pixels = image_to_tensor(target, self.resolution)
+            pixels = target.convert("RGB").resize(target_size, Image.Resampling.LANCZOS)
+        array = numpy.asarray(pixels, dtype=numpy.float32) / 127.5 - 1.0
         sources = []
         for file in row["sources"]:
             with Image.open(file) as image:
                 sources.append(image.convert("RGB"))
-        return {"pixel_values": pixels, "caption": row["prompt"], "source_images": sources}
+        return {"pixel_values": torch.from_numpy(array).permute(2, 0, 1).contiguous(), "caption": row["prompt"],
+                "source_images": sources, "source_sizes": source_sizes}
 
     @property
     def captions(self) -> list[str]:
@@ -191,5 +234,11 @@ class ImageEditDataset(torch.utils.data.Dataset):
 
 
 def collate_image_edits(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    sizes = {(tuple(s["pixel_values"].shape), tuple(s["source_sizes"])) for s in samples}
+    if len(sizes) > 1:
+        raise AutomodelError("data: a batch of image edits holds images of different sizes (their aspect ratios "
+                             "differ); ImageEditDataset's batch_sampler draws each batch within one bucket of equal "
+                             "sizes: build the loader with it, or use a batch size of 1")
     return {"pixel_values": torch.stack([s["pixel_values"] for s in samples]),
-            "captions": [s["caption"] for s in samples], "source_images": [s["source_images"] for s in samples]}
+            "captions": [s["caption"] for s in samples], "source_images": [s["source_images"] for s in samples],
+            "source_sizes": [s["source_sizes"] for s in samples]}

@@ -378,10 +378,12 @@ class AutoDiffusionPipeline(torch.nn.Module):
 
     def forward(self, pixel_values: torch.Tensor | None, captions: list[str],
                 generator: torch.Generator | None = None, cached: dict[str, Any] | None = None,
-                source_images: list[list[Any]] | None = None) -> torch.Tensor:
+                source_images: list[list[Any]] | None = None,
+                source_sizes: list[list[tuple[int, int]]] | None = None) -> torch.Tensor:
         """Per-sample losses of one micro-batch (noise and timesteps from ``generator``, else torch's global RNG);
         ``cached``: the batch of a latent cache, in place of ``pixel_values`` and the captions' encoding;
-        ``source_images``: per sample, the images an image-editing pipeline edits (Pillow)."""
+        ``source_images``: per sample, the images an image-editing pipeline edits (Pillow); ``source_sizes``: the
+        (width, height) each has for the VAE (its aspect-ratio bucket's), else the pipeline's own sizing."""
         if self.objective is None:
             raise AutomodelError("AutoDiffusionPipeline: no objective set (the diffusion recipe sets one)")
         captions = self.objective.drop_captions(captions, generator)
@@ -394,7 +396,7 @@ class AutoDiffusionPipeline(torch.nn.Module):
         else:
             latents = self.encode_images(pixel_values, generator).float()
             text_trains = any(n.startswith("text_encoder") or n == "connectors" for n in self.trainable_components)
-            sources = {"sources": source_images} if self.conditioning.edits else {}
+            sources = {"sources": source_images, "source_sizes": source_sizes} if self.conditioning.edits else {}
             if source_images is not None and not sources:
                 raise AutomodelError(f"data: the batches hold source images (image-editing data), but a "
                                      f"{type(self.pipeline).__name__} does not edit images; use a "

@@ -164,6 +164,19 @@ def save_component(component: Any, directory: Path, state_dict: dict[str, torch.
         save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
 
 
+def saved_weights(component: torch.nn.Module, directory: Path) -> dict[str, torch.Tensor]:
+    """The weights ``save_component`` wrote in ``directory``, under ``component``'s own names: transformers saves
+    some models under their original checkpoints' names (Qwen2.5-VL, Qwen-Image's text encoder: ``model.layers.*``
+    for ``model.language_model.layers.*``), which only its ``from_pretrained`` maps back."""
+    import transformers
+
+    state = load_safetensors_dir(directory)
+    if set(state) <= set(component.state_dict()) or not isinstance(component, transformers.PreTrainedModel):
+        return state
+    dtype = next(component.parameters()).dtype
+    return type(component).from_pretrained(str(directory), dtype=dtype).state_dict()
+
+
 class DiffusionRecipe(TrainRecipe):
     """Train a diffusers pipeline's denoiser (flow matching, epsilon or v-prediction) on images and captions."""
 
@@ -424,14 +437,16 @@ class DiffusionRecipe(TrainRecipe):
         for name, component in model.frozen_components().items():
             sub = directory / name
             if sub.is_dir() and any(sub.glob("*.safetensors")):
-                load_weights_into(component, load_safetensors_dir(sub), sub)
+                load_weights_into(component, saved_weights(component, sub), sub)
+
 
     # ---- the loss ----------------------------------------------------------------------------------------------
 
     def compute_loss(self, model: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor:
         """The micro-batch's per-image losses, summed (the engine divides by the images of the whole step)."""
         losses = model(batch.get("pixel_values"), batch["captions"], generator=self.loss_generator,
-                       cached=batch.get("cached"), source_images=batch.get("source_images"))
+                       cached=batch.get("cached"), source_images=batch.get("source_images"),
+                       source_sizes=batch.get("source_sizes"))
         if self.cfg.performance.check_loss:
             mean = float(losses.detach().mean())
             if upstream.exploded(mean):
@@ -476,8 +491,9 @@ class DiffusionRecipe(TrainRecipe):
 
     def sample_size(self) -> tuple[int | None, int | None]:
         settings = self.cfg.sample_generation
-        resolution = getattr(self.train_dataset, "resolution", None)
-        return settings.height or resolution, settings.width or resolution
+        resolution = getattr(self.train_dataset, "resolution", None)  # a side, or (height, width)
+        height, width = resolution if isinstance(resolution, tuple) else (resolution, resolution)
+        return settings.height or height, settings.width or width
 
     @torch.no_grad()
     def write_samples(self) -> Path | None:

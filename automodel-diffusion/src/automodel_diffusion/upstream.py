@@ -615,9 +615,11 @@ def image_edit_data(cache_dir: str, base_resolution: list[int] | None = None, qu
     """Upstream's ``ImageEditDataloaderConfig`` over ``cache_dir``, which here is a folder holding upstream's
     image-edit manifest (``hf_image_edit_manifest.jsonl``, what its preprocessing reads: source images, target image
     and instruction per row; ``automodel_diffusion.edit``), encoded through the QwenImageEditPlusPipeline's VAE and
-    text encoder on the fly; upstream's cache of precomputed latents (pickles) is never loaded. The target image is
-    resized and centre-cropped to the square ``base_resolution``; the sources are resized as the pipeline resizes
-    them. The loader keys are the data loader's, which shuffles with the run's seed (``seed`` may only repeat it)."""
+    text encoder on the fly; upstream's cache of precomputed latents (pickles) is never loaded. The images are sized
+    as upstream's preprocessing sizes them for its cache: the target and each source keep their aspect ratios within
+    ``base_resolution``'s pixels (height x width; sides multiples of 32), and each batch is drawn within one bucket
+    of samples whose images share those sizes (``automodel_diffusion.buckets``). The loader keys are the data
+    loader's, which shuffles (the buckets, then within each) with the run's seed (``seed`` may only repeat it)."""
     from automodel_diffusion.edit import ImageEditDataset
 
     problems = image_edit_issues(locals())
@@ -626,14 +628,26 @@ def image_edit_data(cache_dir: str, base_resolution: list[int] | None = None, qu
     loader = loader_settings(num_workers, shuffle, drop_last, pin_memory, prefetch_factor)
     notes = [] if quantization is None else [
         f"note: data.dataloader.quantization: {quantization} governs nothing in this run, as in upstream's: its "
-        "image-edit loader reads it only to size dynamic batches, which that loader refuses (the target is resized "
-        "to base_resolution, each source as the pipeline resizes it)"]
-    return ImageData(ImageEditDataset(cache_dir, resolution=(base_resolution or [512, 512])[0]), loader, notes)
+        "image-edit loader reads it only to size dynamic batches, which that loader refuses (the images are sized "
+        "within base_resolution's pixels, in multiples of 32)"]
+    return ImageData(ImageEditDataset(cache_dir, resolution=list(base_resolution or [512, 512])), loader, notes)
 
 
 def image_edit_issues(settings: dict[str, Any]) -> dict[str, str]:
     """Key -> why, for upstream image-edit loader settings that cannot act here."""
-    bad = text_to_image_issues({**settings, "cache_dir": None, "quantization": None})
+    bad = text_to_image_issues({**settings, "cache_dir": None, "quantization": None, "base_resolution": None,
+                                "dynamic_batch_size": False})
+    size = settings.get("base_resolution") or [512, 512]
+    if not (isinstance(size, (list, tuple)) and len(size) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in size)):
+        bad["base_resolution"] = f"expected [height, width] in pixels, found {size!r}"
+    elif size[0] * size[1] < 32 * 32:
+        bad["base_resolution"] = (f"{list(size)} is a budget of {size[0] * size[1]} pixels, under one 32x32 image "
+                                  "(images are sized in multiples of 32)")
+    if settings.get("dynamic_batch_size"):
+        bad["dynamic_batch_size"] = ("true is refused, as upstream's image-edit loader refuses it: a batch's cost "
+                                     "depends on the target's and every source's size together; use a fixed batch "
+                                     "size (step_scheduler.local_batch_size)")
     quantization = settings.get("quantization")
     if quantization is not None and (isinstance(quantization, bool) or not isinstance(quantization, int)
                                      or quantization <= 0):

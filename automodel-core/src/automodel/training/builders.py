@@ -212,6 +212,12 @@ def build_dataloader(ctx: BuildContext, dataset: Any, node: ConfigNode, train: b
                     "to a GPU, and this run has none")
         settings["pin_memory"] = False
     generator = _seeded(ctx.seed)
+    buckets = getattr(dataset, "batch_sampler", None)
+    if callable(buckets):  # a data set of size buckets draws each batch within one bucket (its tensors stack)
+        settings["batch_sampler"] = buckets(settings.pop("batch_size"), shuffle, settings.pop("drop_last", False),
+                                            ctx.seed, ctx.mesh.dp, ctx.mesh.dp_rank(ctx.rank))
+        settings["generator"] = generator
+        return _loader_class(ctx, node)(dataset=dataset, collate_fn=_collate(ctx, node, default_collate), **settings)
     sampler = distributed_sampler(dataset, shuffle, ctx.seed, ctx.mesh.dp, ctx.mesh.dp_rank(ctx.rank))
     if sampler is None and shuffle and not isinstance(dataset, torch.utils.data.IterableDataset):
         # The shuffling sampler gets the seeded generator to itself: the loader also draws each epoch's worker
@@ -228,14 +234,18 @@ def build_dataloader(ctx: BuildContext, dataset: Any, node: ConfigNode, train: b
     else:
         settings["generator"] = generator
         settings["shuffle"] = shuffle
+    return _loader_class(ctx, node)(dataset=dataset, collate_fn=_collate(ctx, node, default_collate), **settings)
+
+
+def _loader_class(ctx: BuildContext, node: ConfigNode) -> Any:
     loader = ctx.cfg.resolver.resolve(node.target or ctx.default_target(node))
     if loader is torch.utils.data.DataLoader:  # upstream's configs name it: its subclass records its position
-        loader = StatefulDataLoader
-    elif not (callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))):
+        return StatefulDataLoader
+    if not (callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))):
         raise AutomodelError(f"{node.key}._target_: {node.target} has no state_dict / load_state_dict, so a "
                              "checkpoint could not record where the data stands; use torchdata's StatefulDataLoader "
                              "(the default)")
-    return loader(dataset=dataset, collate_fn=_collate(ctx, node, default_collate), **settings)
+    return loader
 
 
 def build_step_scheduler(ctx: BuildContext, steps_per_epoch: int | None) -> StepScheduler:

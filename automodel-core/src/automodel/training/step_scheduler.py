@@ -60,9 +60,10 @@ class StepScheduler:
             buffer: list[Any] = []
             seen = 0
             resumed = self.epoch_step > 0  # a restored loader may have nothing left of this epoch
-            set_epoch = getattr(getattr(dataloader, "sampler", None), "set_epoch", None)
-            if set_epoch is not None:
-                set_epoch(self.epoch)  # a distributed sampler shuffles per epoch
+            for sampler in (getattr(dataloader, "sampler", None), getattr(dataloader, "batch_sampler", None)):
+                set_epoch = getattr(sampler, "set_epoch", None)
+                if set_epoch is not None:
+                    set_epoch(self.epoch)  # a distributed (or bucket) sampler shuffles per epoch
             for batch in dataloader:
                 seen += 1
                 if self._skip:
