@@ -5,13 +5,17 @@ A developer tool beside ``check_upstream_configs.py`` (which validates them), re
 
     .venv/bin/python scripts/run_upstream_configs.py /path/to/upstream/examples --steps 2 [--only NAME ...]
 
-Each config runs as a user without network would run it: ``automodel run -c FILE`` from upstream's repository root,
-every hub model / tokenizer / processor id overridden with a tiny local model of that domain (fresh weights, the
-shipped tokenizer or processor), every data set path with a small local file in the columns its ``_target_`` reads
-(SQuAD, HellaSwag, chat, xLAM, column-mapped, MedPix, CORD-v2, Shopify), ``step_scheduler.max_steps`` and a
-scratch ``checkpoint.checkpoint_dir``. Nothing else changes, so a config laid out for more processes than one
-(tp_size 8, say) is refused by the run for that. It prints each file's exit status and, for a failure, the run's
-last error lines, then the count.
+Each config runs as a user without network would run it: ``automodel run -c FILE`` from upstream's repository root
+(a config without ``recipe:``, such as a generation config, through the route validation chose: ``automodel
+generate diffusion -c FILE``), every hub model / tokenizer / processor id overridden with a tiny local model of that
+domain (fresh weights, the shipped tokenizer or processor; a sequence-to-sequence model gets a tiny T5, a diffusion
+model the diffusion tests' tiny pipeline of its family), every data set path with a small local file in the columns
+its ``_target_`` reads (SQuAD, HellaSwag, chat, tool calls, xLAM, column-mapped, MedPix, CORD-v2, Shopify; tiny
+clips or the shipped shapes pictures for a diffusion loader), ``step_scheduler.max_steps`` and a scratch
+``checkpoint.checkpoint_dir``. A generation config makes ``--steps`` denoising steps of 64 x 64 pictures (5 frames
+for a video) into a scratch ``output.output_dir``. A config laid out for 2 to 4 processes runs on that many
+(``--nproc-per-node``, gloo); nothing else changes, so a config laid out for more (tp_size 8, say) is refused by
+the run for that. It prints each file's exit status and, for a failure, the run's last error lines, then the count.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -29,6 +34,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 import check_upstream_configs as survey  # noqa: E402  (the validation survey: hub keys, domains, validation)
+
+from automodel.testing import free_port  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "automodel-diffusion" / "tests"))
+import diffusion_testing  # noqa: E402  (the diffusion tests' tiny pipelines of each family, and tiny clips)
 
 # upstream data set factory (last name of its _target_) -> the local file written for it
 DATA_FILES = {"HellaSwag": "hellaswag.jsonl", "ChatDataset": "chat.jsonl", "make_agent_chat_dataset": "chat.jsonl",
@@ -75,7 +85,7 @@ def write_data(root: Path) -> None:
 def write_models(root: Path) -> dict[str, dict[str, str]]:
     """Per domain, the validation survey's local assets with the LLM and VLM model ids pointing at a saved model
     (fresh weights, safetensors) whose directory also holds the tokenizer / processor, as a hub download does."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSeq2SeqLM
 
     from automodel_vlm.processor import build_processor
 
@@ -88,15 +98,66 @@ def write_models(root: Path) -> dict[str, dict[str, str]]:
     build_processor(assets["vlm"]["processor"], assets["vlm"]["tokenizer"], processor_class="LlavaProcessor",
                     patch_size=8, vision_feature_select_strategy="default",
                     num_additional_image_tokens=1).save_pretrained(str(vlm))
+    t5 = root / "t5"
+    t5_asset = Path(assets["llm"]["model"]).with_name("tiny_t5")
+    AutoModelForSeq2SeqLM.from_config(AutoConfig.from_pretrained(t5_asset)).save_pretrained(t5)
+    for item in t5_asset.glob("tokenizer*"):
+        shutil.copy(item, t5)
     for domain, directory in (("llm", llm), ("vlm", vlm)):
         assets[domain] = {kind: str(directory) for kind in ("model", "tokenizer", "processor")} | {
             "dataset": assets[domain]["dataset"]}
+    assets["seq2seq"] = {**assets["llm"], "model": str(t5), "tokenizer": str(t5)}
+    for name, build in DIFFUSION_FAMILIES.items():
+        assets[f"diffusion:{name}"] = {**assets["diffusion"], "model": str(getattr(diffusion_testing, build)(
+            root / name))}
+    diffusion_testing.tiny_clips(root / "clips")
     return assets
 
 
+# a part of an upstream diffusion hub id (the first that matches) -> the diffusion tests' tiny pipeline of its family
+DIFFUSION_FAMILIES = {"Wan2.2": "tiny_wan22", "Wan": "tiny_wan", "LTX-2": "tiny_ltx2",
+                      "HunyuanVideo-1.5": "tiny_hunyuan", "FLUX.2": "tiny_flux2", "FLUX.1": "tiny_flux",
+                      "Qwen-Image-Edit": "tiny_qwen_image_edit", "Qwen-Image": "tiny_qwen_image"}
+VIDEO_FAMILIES = ("Wan2.2", "Wan", "LTX-2", "HunyuanVideo-1.5")
+
+
+def diffusion_family(data: dict[str, Any]) -> str | None:
+    """The family (a key of DIFFUSION_FAMILIES) of a diffusion config's hub model id."""
+    model = str((data.get("model") or {}).get("pretrained_model_name_or_path", ""))
+    return next((name for name in DIFFUSION_FAMILIES if name in model), None)
+
+
+def stand_ins(data: dict[str, Any], assets: dict[str, dict[str, str]], domain: str) -> dict[str, str]:
+    """The hub-id overrides of the validation survey; a sequence-to-sequence model (and its tokenizer) gets the
+    tiny T5 stand-in instead of the domain's decoder."""
+    model = str((data.get("model") or {}).get("_target_", "")) if isinstance(data.get("model"), dict) else ""
+    kind = "seq2seq" if "Seq2SeqLM" in model else domain
+    if domain == "diffusion" and diffusion_family(data):
+        kind = f"diffusion:{diffusion_family(data)}"
+    return dict(survey.hub_overrides(data, assets[kind]))
+
+
+def launch_args(validation: str) -> list[str]:
+    """The route and process count that validation chose (``valid for ROUTE (checked for N processes``): a
+    config without ``recipe:`` runs through its route's command, a layout of 2 to 4 processes on that many
+    (one machine, gloo); a bigger one runs on one process and is refused for its layout."""
+    route = re.search(r"valid for ([a-z]+ [a-z]+) \(", validation)
+    world = re.search(r"checked for (\d+) process", validation)
+    args = route.group(1).split() if route else ["run"]
+    if world and 2 <= int(world.group(1)) <= 4:
+        args += ["--nproc-per-node", world.group(1), "--master-port", str(free_port())]
+    return args
+
+
 def data_overrides(data: dict[str, Any], root: Path, scratch: Path) -> dict[str, str]:
-    """``{dotted key: local file}`` for every data set section whose form has a local file here."""
+    """``{dotted key: local file}`` for every data set section whose form has a local file here; a diffusion
+    loader's ``cache_dir``: the tiny clips for a video family, the shipped shapes pictures for an image one."""
     found = {}
+    loader = (data.get("data") or {}).get("dataloader") if isinstance(data.get("data"), dict) else None
+    family = diffusion_family(data)
+    if isinstance(loader, dict) and "cache_dir" in loader and family and family != "Qwen-Image-Edit":
+        found["data.dataloader.cache_dir"] = str(root.parent / "models" / "clips") if family in VIDEO_FAMILIES \
+            else str(Path(survey.local_assets()["diffusion"]["dataset"]))
     for section, node in data.items():
         if not str(section).startswith(("dataset", "validation_dataset", "tool_call_eval")) or \
                 not isinstance(node, dict):
@@ -115,16 +176,22 @@ def data_overrides(data: dict[str, Any], root: Path, scratch: Path) -> dict[str,
 
 
 def run_file(path: Path, examples: Path, assets: dict[str, Any], data_root: Path, steps: int,
-             scratch: Path) -> tuple[int | str, str]:
+             scratch: Path, validation: str) -> tuple[int | str, str]:
     from automodel.config import load_yaml_file
 
     data = load_yaml_file(path)
-    overrides = dict(survey.hub_overrides(data, assets[survey.domain_of(path.relative_to(examples).parts[0])]))
+    overrides = stand_ins(data, assets, survey.domain_of(path.relative_to(examples).parts[0]))
     overrides.update(data_overrides(data, data_root, scratch))
-    args = [sys.executable, "-m", "automodel.cli.main", "run", "-c", str(path)]
+    args = [sys.executable, "-m", "automodel.cli.main", *launch_args(validation), "-c", str(path)]
     for key, value in overrides.items():
         args += [f"--{key}", value]
-    args += ["--step_scheduler.max_steps", str(steps), "--checkpoint.checkpoint_dir", str(scratch / "ckpt")]
+    if "generate" in args:  # a generation config: ``steps`` denoising steps of a small picture, into scratch
+        args += ["--inference.num_inference_steps", str(steps), "--inference.height", "64", "--inference.width", "64",
+                 "--output.output_dir", str(scratch / "out")]
+        if "num_frames" in ((data.get("inference") or {}).get("pipeline_kwargs") or {}):
+            args += ["--inference.pipeline_kwargs.num_frames", "5"]
+    else:
+        args += ["--step_scheduler.max_steps", str(steps), "--checkpoint.checkpoint_dir", str(scratch / "ckpt")]
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     try:
         done = subprocess.run(args, cwd=examples.parent, env=env, capture_output=True, text=True, timeout=600)
@@ -155,14 +222,15 @@ def main() -> int:
                 name = str(path.relative_to(examples))
                 if args.only and not any(part in name for part in args.only):
                     continue
-                hub = list(survey.hub_overrides(load_yaml_file(path), assets[survey.domain_of(folder)]))
+                hub = list(stand_ins(load_yaml_file(path), assets, survey.domain_of(folder)).items())
                 with contextlib.chdir(examples.parent):
-                    if survey.validate(path, hub)[1]:
-                        continue  # refused at validation: check_upstream_configs.py says why
+                    validation, refused = survey.validate(path, hub)
+                if refused:
+                    continue  # refused at validation: check_upstream_configs.py says why
                 ran += 1
                 scratch = root / "runs" / name.replace("/", "__")
                 scratch.mkdir(parents=True)
-                code, errors = run_file(path, examples, assets, root / "data", args.steps, scratch)
+                code, errors = run_file(path, examples, assets, root / "data", args.steps, scratch, validation)
                 passed += code == 0
                 print(f"{name}: exit {code}" + (f"\n{errors}" if code != 0 and errors else ""), flush=True)
     print(f"\n=== {passed} of {ran} configs that validate ran {args.steps} steps ===")

@@ -158,6 +158,25 @@ def test_fsdp_section_becomes_the_denoisers_fsdp2_entry(tmp_path):
         "transformer": {"strategy": "ddp", "find_unused_parameters": True}}
 
 
+def test_fsdp_dp_size_is_the_world_validate_checks_and_a_smaller_launch_is_refused_at_validation(tmp_path, capsys):
+    """Upstream's fsdp.dp_size is the number of processes: ``automodel validate`` checks the config for that many
+    (as it does for distributed.*), and a launch of another size is refused before anything is built."""
+    from automodel.cli.main import cli
+    from automodel.training.dist import planned_world_size
+
+    config = variant(tmp_path, FINETUNE, fsdp={"dp_size": 2, "dp_replicate_size": 1})
+    batch = ("--step_scheduler.global_batch_size", "8")
+    cli.main(args=["validate", "finetune", "diffusion", "-c", str(config), *batch], prog_name="automodel",
+             standalone_mode=False)
+    assert "checked for 2 processes: the layout's own size" in capsys.readouterr().out
+    with planned_world_size(1, "--nproc-per-node 1"):
+        found = refusals(config, *batch)
+    assert found["fsdp.dp_size"].startswith("2, but this run has 1 process(es)")
+    with planned_world_size(3, "--nproc-per-node 3"):
+        found = refusals(variant(tmp_path, FINETUNE, fsdp={"dp_replicate_size": 2}))
+    assert "does not divide this run's 3 process(es)" in found["fsdp.dp_replicate_size"]
+
+
 def test_text_to_image_data_reads_the_folder_and_hands_the_loader_its_settings():
     data = text_to_image_data(str(ASSETS / "tiny_shapes"), base_resolution=[16, 16], num_workers=0, shuffle=False,
                               drop_last=True, prefetch_factor=None)

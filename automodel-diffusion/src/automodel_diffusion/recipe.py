@@ -29,6 +29,7 @@ from automodel.hf import model_source
 from automodel.model_files import parse_dtype
 from automodel.training.checkpoint import CheckpointError, load_safetensors_dir, load_weights_into
 from automodel.training.context import BuildContext
+from automodel.training.dist import expected_world_size
 from automodel.training.modules import unwrap
 from automodel.training.parallel.activation_checkpointing import apply_activation_checkpointing
 from automodel.training.recipe import TrainRecipe
@@ -217,10 +218,19 @@ class DiffusionRecipe(TrainRecipe):
     # ---- validation --------------------------------------------------------------------------------------------
 
     @classmethod
+    def own_world(cls, data: dict, nodes: int = 1) -> tuple[int, int]:
+        """``distributed.*``'s fewest processes, or upstream's ``fsdp:`` section's (its dp_size is the world)."""
+        size, nodes = super().own_world(data, nodes)
+        return max(size, upstream.fsdp_world(data)), nodes
+
+    @classmethod
     def check_config(cls, cfg: Config) -> list[ConfigIssue]:
         issues = super().check_config(cfg)
         if cfg.distributed is not None and cfg.distributed.strategy == "megatron_fsdp":
             issues.append(ConfigIssue("distributed.strategy", UNSUPPORTED_MESSAGE))
+        world = upstream.world_issue(upstream.given(cfg, "fsdp"), expected_world_size())
+        if world is not None:
+            issues.append(world)
         issues += upstream.upstream_issues(cfg)
         issues += latents.transformer_alone_issues(cfg)
         issues += stage_setting_issues(cfg)
@@ -309,9 +319,9 @@ class DiffusionRecipe(TrainRecipe):
         issues = scheme_issues(scheme, components, model.trainable_components, model.denoiser_name)
         if issues:
             raise ConfigError(issues)
-        problem = upstream.steps_issue(upstream.given(ctx.cfg, "fsdp"), ctx.world_size)
+        problem = upstream.world_issue(upstream.given(ctx.cfg, "fsdp"), ctx.world_size)
         if problem:
-            raise AutomodelError(problem)
+            raise AutomodelError(str(problem))
         note = upstream.apply_adapter(ctx.cfg, model)
         if note:
             self.log(note)

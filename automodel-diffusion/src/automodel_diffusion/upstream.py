@@ -821,16 +821,29 @@ def _data_issues(data: Any, seed: int) -> list[ConfigIssue]:
     return issues
 
 
-def steps_issue(fsdp: FsdpSection | None, world: int) -> str | None:
-    """At start-up: ``fsdp.dp_size`` must be the number of processes, as upstream's device mesh requires, and
-    ``dp_replicate_size`` divide it."""
+def world_issue(fsdp: FsdpSection | None, world: int) -> ConfigIssue | None:
+    """``fsdp.dp_size`` must be the number of processes, as upstream's device mesh requires, and
+    ``dp_replicate_size`` divide it (checked at validation against the planned launch, and at start-up)."""
     if fsdp is not None and (fsdp.dp_replicate_size or 1) > 1 and world % fsdp.dp_replicate_size:
-        return (f"fsdp.dp_replicate_size: {fsdp.dp_replicate_size} does not divide this run's {world} process(es) "
-                "(HSDP's replica groups each hold whole shards); launch a multiple of it or change it")
+        return ConfigIssue("fsdp.dp_replicate_size", f"{fsdp.dp_replicate_size} does not divide this run's {world} "
+                           "process(es) (HSDP's replica groups each hold whole shards); launch a multiple of it or "
+                           "change it")
     if fsdp is None or not isinstance(fsdp.dp_size, int) or fsdp.dp_size == world:
         return None
-    return (f"fsdp.dp_size: {fsdp.dp_size}, but this run has {world} process(es); set it to {world} (or none), or "
-            f"launch {fsdp.dp_size} processes (--nproc-per-node {fsdp.dp_size})")
+    return ConfigIssue("fsdp.dp_size", f"{fsdp.dp_size}, but this run has {world} process(es); set it to {world} (or "
+                       f"none), or launch {fsdp.dp_size} processes (--nproc-per-node {fsdp.dp_size})")
+
+
+def fsdp_world(data: dict[str, Any]) -> int:
+    """The fewest processes an upstream ``fsdp:`` section (as written) describes: its ``dp_size``, else its
+    ``dp_replicate_size`` (1 without either)."""
+    fsdp = data.get("fsdp")
+    if not isinstance(fsdp, dict):
+        return 1
+    for key in ("dp_size", "dp_replicate_size"):
+        if isinstance(fsdp.get(key), int) and not isinstance(fsdp[key], bool) and fsdp[key] > 0:
+            return fsdp[key]
+    return 1
 
 
 def sigma_lines(step: int, objective: Any, settings: FlowMatchingSection | None) -> list[str]:
