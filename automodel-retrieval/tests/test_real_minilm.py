@@ -62,6 +62,7 @@ def test_fine_tuning_all_minilm_keeps_its_sentence_transformers_behaviour(minilm
     assert untrained.input_settings()["query_max_length"] == untrained.input_settings()["document_max_length"] == 256
     before = original.encode(QUERIES, convert_to_tensor=True)
     assert_same_embeddings(before, recipe_embeddings(untrained, "query", QUERIES))
+    untrained.checkpointer.release()  # the run lock of its checkpoint_dir, for the run below in this process
 
     recipe = run_inprocess("bi", config)
     model_dir = latest(tmp_path / "ckpt") / "model"

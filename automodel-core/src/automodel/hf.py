@@ -55,14 +55,15 @@ def missing_local_path(name_or_path: Any) -> bool:
     return local and not path.exists()
 
 
-def load_tokenizer(name_or_path: str, key: str) -> Any:
-    """``AutoTokenizer.from_pretrained`` with errors naming ``key``; the pad token falls back to EOS."""
+def load_tokenizer(name_or_path: str, key: str, **kwargs: Any) -> Any:
+    """``AutoTokenizer.from_pretrained`` (with ``kwargs``, such as the model's ``gguf_file``) with errors naming
+    ``key``; the pad token falls back to EOS."""
     from transformers import AutoTokenizer
 
     if missing_local_path(str(name_or_path)):
         raise AutomodelError(f"{key}: '{name_or_path}' does not exist")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(name_or_path))
+        tokenizer = AutoTokenizer.from_pretrained(str(name_or_path), **kwargs)
     except Exception as err:  # noqa: BLE001 - transformers raises OSError/ValueError/... for a bad path
         raise AutomodelError(f"{key}: cannot load a tokenizer from '{name_or_path}': {err}") from None
     if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:

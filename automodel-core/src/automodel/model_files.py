@@ -76,9 +76,27 @@ def pretrained_or_fresh(auto_class: Any, path: str | None, dtype: Any, from_conf
         return on_meta
     kwargs = _with_config(str(path), kwargs, errors, what)
     try:
-        return auto_class.from_pretrained(str(path), dtype=parse_dtype(dtype), **kwargs)
+        model = auto_class.from_pretrained(str(path), dtype=parse_dtype(dtype), **kwargs)
     except errors as err:
         raise AutomodelError(f"model: cannot load '{path}'{what}: {err}") from None
+    return unpacked_gguf(model) if kwargs.get("gguf_file") else model
+
+
+def unpacked_gguf(model: Any) -> Any:
+    """A model read from a GGUF file (``gguf_file``) whose weights transformers unpacked into plain float tensors,
+    without the GGUF ``quantization_config`` and quantizer transformers leaves on it.
+
+    Left there, the model trained here would be saved with a config claiming GGUF quantization: the reloaded model
+    is then refused by ``save_pretrained`` and by transformers' training as a quantized one, though its weights are
+    ordinary. A model whose weights stay in GGUF blocks (non-float parameters) keeps both."""
+    if any(not p.is_floating_point() for p in model.parameters()):
+        return model
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:
+        quantizer.remove_quantization_config(model)
+    elif hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    return model
 
 
 def _with_config(path: str, kwargs: dict[str, Any], errors: tuple[type[Exception], ...],

@@ -72,10 +72,17 @@ def build_tokenizer(cfg: Config) -> Any:
     elif source is None:
         raise AutomodelError("tokenizer: none found; add `tokenizer: {pretrained_model_name_or_path: ...}`")
     else:
-        tokenizer = load_tokenizer(source, key)
+        tokenizer = load_tokenizer(source, key, **_model_file_arguments(cfg, key))
     if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def _model_file_arguments(cfg: Config, key: str) -> dict[str, Any]:
+    """A tokenizer taken from the model's directory reads the model's ``gguf_file`` too: a GGUF checkpoint holds
+    its tokenizer, and the directory often has no other tokenizer files."""
+    gguf_file = cfg.model.get("gguf_file") if key.startswith("model.") and cfg.model is not None else None
+    return {"gguf_file": gguf_file} if isinstance(gguf_file, str) else {}
 
 
 def model_vocab_size(cfg: Config) -> int | None:
