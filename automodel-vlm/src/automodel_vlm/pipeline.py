@@ -21,6 +21,7 @@ import torch
 from automodel.errors import AutomodelError, ConfigIssue
 from automodel.training.next_token import LABEL_POSITIONS
 from automodel_vlm.context_parallel import TWO_WAY_MODELS
+from automodel_vlm.deepstack import deepstack_layers
 
 # split along the rows as they are (packed rows: position ids and each row's token count)
 PER_ROW_KEYS = ("input_ids", "attention_mask", "labels", LABEL_POSITIONS, "position_ids", "token_count")
@@ -73,9 +74,11 @@ class MediaLayout:
                              f"({' / '.join(self.token_attributes)}), which the pipeline counts each row's images by")
 
 
-# Qwen2-VL and Qwen2.5-VL: pixel_values [patches, channels x patch volume] of images of any size, their grids, and
-# 3-D rope positions that every stage needs (computed before the schedule). Images only: a batch's videos
-# (pixel_values_videos, video_grid_thw, Qwen2.5-VL's second_per_grid_ts) are keys the layout does not place.
+# Qwen2-VL, Qwen2.5-VL, Qwen3-VL (dense and MoE) and Qwen3.5 (dense and MoE): pixel_values [patches, channels x
+# patch volume] of images of any size, their grids, and 3-D rope positions that every stage needs (computed before
+# the schedule, from the token types). Qwen3-VL's DeepStack feature maps travel beside the hidden states to the
+# stages of the layers that add them (automodel_vlm.deepstack). Images only: a batch's videos (pixel_values_videos,
+# video_grid_thw, Qwen2.5-VL's second_per_grid_ts) are keys the layout does not place.
 QWEN_VL = MediaLayout(grid="image_grid_thw", per_patch=("pixel_values",), rope_only=("mm_token_type_ids",))
 
 # model_type -> its media layout. Llava: pixel_values [images, channels, height, width], every image the same
@@ -84,12 +87,18 @@ QWEN_VL = MediaLayout(grid="image_grid_thw", per_patch=("pixel_values",), rope_o
 # attend to each other both ways (context_parallel.TWO_WAY_MODELS) are refused apart (layout_issue): the stages
 # after the first would not compute their mask.
 MEDIA_LAYOUTS = {"llava": MediaLayout(per_image=("pixel_values",)), "qwen2_vl": QWEN_VL, "qwen2_5_vl": QWEN_VL,
+                 "qwen3_vl": QWEN_VL, "qwen3_vl_moe": QWEN_VL, "qwen3_5": QWEN_VL, "qwen3_5_moe": QWEN_VL,
                  "mistral3": MediaLayout(per_image=("pixel_values",), sizes="image_sizes")}
 
 
-def layout_issue(config: Any) -> str | None:
-    """Why ``config``'s model cannot run pipelined here (None: its media layout is known)."""
+def layout_issue(config: Any, cp_size: int = 1) -> str | None:
+    """Why ``config``'s model cannot run pipelined here, with context parallelism over ``cp_size`` ranks (None: its
+    media layout is known)."""
     model_type = getattr(config, "model_type", None)
+    if model_type in MEDIA_LAYOUTS and cp_size > 1 and deepstack_layers(config):
+        return (f"with cp_size {cp_size}: a {model_type} model's language model adds its vision tower's DeepStack "
+                "features at the image positions of the whole rows, which the first stage does not split over the "
+                "context-parallel ranks with the merged embeddings; set cp_size: 1 (or pp_size: 1)")
     if model_type in MEDIA_LAYOUTS:
         return None
     known = ", ".join(sorted(MEDIA_LAYOUTS))
@@ -106,7 +115,7 @@ def layout_issue(config: Any) -> str | None:
 def pipeline_issues(cfg: Any, config: Any) -> list[ConfigIssue]:
     """What the VLM recipe cannot run with ``distributed.pp_size > 1`` (``config``: the model's Hugging Face config
     where validation can read it)."""
-    why = layout_issue(config) if config is not None else None
+    why = layout_issue(config, cfg.distributed.cp_size) if config is not None else None
     return [ConfigIssue("distributed.pp_size", f"{cfg.distributed.pp_size}: {why}")] if why is not None else []
 
 

@@ -26,6 +26,8 @@ from automodel.training.next_token import (
 from automodel.training.parallel.context_parallel import ContextParallelBatch, cp_attention
 from automodel.training.parallel.mesh import CP
 from automodel.training.parallel.pipeline_media import media_kwargs
+from automodel.training.parallel.pipeline_parallel import StagePipelines
+from automodel.training.parallel.pipeline_stages import stage_models
 from automodel.training.parallelism import model_hf_config, validation_device
 from automodel.training.pipeline_steps import padded_tokens, pipeline_length, stage_kwargs
 from automodel.training.recipe import TrainRecipe
@@ -41,6 +43,7 @@ from automodel_vlm.datasets.packing import (
     rope_index,
 )
 from automodel_vlm.datasets.text_chat import text_chat_issues
+from automodel_vlm.deepstack import travel_deepstack
 from automodel_vlm.drafter import DRAFTER_DIR, drafter_issues, find_composite, uses_drafter
 from automodel_vlm.frame_sharding import FrameSharding, attach_frame_sharding, frame_sharding_issues
 from automodel_vlm.freeze import UpstreamFreezeConfig, VLMFreezeConfig
@@ -228,7 +231,7 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
 
     def after_model_built(self, ctx: BuildContext, model: torch.nn.Module, meta: MetaBuild) -> BuildContext:
         """Under pipeline parallelism, a model whose media layout is not known is refused before it is cut."""
-        why = layout_issue(model.config) if ctx.mesh.pp > 1 else None
+        why = layout_issue(model.config, ctx.mesh.cp) if ctx.mesh.pp > 1 else None
         if self.packing is not None and packing_unsupported(model) is not None:
             raise AutomodelError(f"packed_sequence: {packing_unsupported(model)}")
         if why is not None:
@@ -238,6 +241,16 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
                 issue := attention_issue(config, cp_attention(ctx.cfg, ctx.device, config))) is not None:
             raise AutomodelError(f"distributed.cp_size: {ctx.mesh.cp}: {issue}")  # a config validation could not read
         return super().after_model_built(ctx, model, meta)
+
+    def build_pipelines(self, ctx: BuildContext) -> StagePipelines | None:
+        """Before the schedules: a DeepStack model's stages carry its feature maps to the layers that add them
+        (``automodel_vlm.deepstack``)."""
+        if ctx.mesh.pp > 1:
+            stages = stage_models(unwrap(self.model))
+            if layers := travel_deepstack(stages, stages[0].config):
+                self.log(f"pipeline: the vision tower's DeepStack features for layers 0-{layers - 1} travel beside the "
+                         "hidden states to the stages holding those layers")
+        return super().build_pipelines(ctx)
 
     def setup(self) -> None:
         super().setup()

@@ -1,0 +1,118 @@
+"""Qwen3-VL's DeepStack features through pipeline stages.
+
+Qwen3-VL's vision tower returns, besides the merged image features, one feature map per entry of the vision
+config's ``deepstack_visual_indexes`` (DeepStack); its language model adds map ``j`` to the hidden states at the
+image (and video) positions right after decoder layer ``j``. The tower runs on the first pipeline stage, but the
+layers that take the maps may lie on later stages (a first stage of fewer layers than maps), so the maps travel
+beside the hidden states (the stage's ``beside``, see ``pipeline_stages``): the first stage hands the model's own
+forward the maps of its layers and sends the others, each scattered into a ``[rows, positions, hidden]`` tensor (zero
+away from the images, so the schedule splits it with the rows and adding it changes nothing else); a later stage adds
+those of its layers after them (a forward hook) and sends on the rest. A stage without such layers after it sends
+none, so with the usual cut (the maps' few layers on the first stage) nothing travels.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from automodel.errors import AutomodelError
+
+DEEPSTACK_MODELS = ("qwen3_vl", "qwen3_vl_moe")  # model types whose language model adds DeepStack features
+
+
+def deepstack_layers(config: Any) -> int:
+    """How many of the first decoder layers take a DeepStack feature map (0: the model has none)."""
+    if getattr(config, "model_type", None) not in DEEPSTACK_MODELS:
+        return 0
+    return len(getattr(config.vision_config, "deepstack_visual_indexes", None) or ())
+
+
+class DeepStackTravel:
+    """A stage's ``beside`` for a model whose first ``layers`` decoder layers take a DeepStack map each."""
+
+    def __init__(self, layers: int):
+        self.layers = layers
+
+    def counts(self, stage: Any) -> tuple[int, int]:
+        """The maps ``stage`` takes (those of its layers and of the layers after it) and sends (of the layers after
+        it)."""
+        taken = 0 if stage.is_first else max(0, self.layers - stage.layer_range.start)
+        sent = 0 if stage.is_last else max(0, self.layers - stage.layer_range.stop)
+        return taken, sent
+
+    @contextlib.contextmanager
+    def running(self, stage: Any, taken: tuple[torch.Tensor, ...], sent: list[torch.Tensor]) -> Iterator[None]:
+        """Within the block ``stage``'s model forward adds the maps of its layers; ``sent`` then holds the rest."""
+        expected, _ = self.counts(stage)
+        if len(taken) != expected:
+            raise AutomodelError(f"pipeline stage {stage.index} got {len(taken)} DeepStack feature maps beside the "
+                                 f"hidden states, but its layers {stage.layer_range.start}.. take {expected}")
+        text = stage.get_submodule(stage._text)
+        if stage.is_first:
+            handle = text.register_forward_pre_hook(self._first_stage(stage, sent), with_kwargs=True)
+            handles = [handle]
+        else:
+            start, stop = stage.layer_range.start, stage.layer_range.stop
+            layers = text.get_submodule("layers")
+            handles = [layers[number].register_forward_hook(_adding(taken[number - start]))
+                       for number in range(start, min(stop, self.layers))]
+            sent.extend(tensor.view_as(tensor) for tensor in taken[max(0, stop - start):])
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _first_stage(self, stage: Any, sent: list[torch.Tensor]) -> Any:
+        """The pre-hook on the first stage's language model: it keeps the maps of the stage's layers for the model's
+        own forward and puts the others, scattered over the positions, in ``sent``."""
+        own, (_, count) = min(self.layers, stage.layer_range.stop), self.counts(stage)
+
+        def split(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+            embeds, maps, where = kwargs["inputs_embeds"], kwargs.get("deepstack_visual_embeds"), \
+                kwargs.get("visual_pos_masks")
+            for number in range(own, own + count):
+                if maps is None:  # no images in these rows: nothing to add
+                    dense = torch.zeros_like(embeds)
+                else:
+                    dense = torch.zeros_like(embeds).masked_scatter(where.unsqueeze(-1), maps[number].to(embeds.dtype))
+                if torch.is_grad_enabled() and stage.training and not dense.requires_grad:
+                    dense.requires_grad_()  # every micro-batch's maps as torch's stage first saw them
+                sent.append(dense)
+            if maps is not None:
+                kwargs = {**kwargs, "deepstack_visual_embeds": list(maps[:own])}
+            return args, kwargs
+
+        return split
+
+
+def _adding(dense: torch.Tensor) -> Any:
+    """A forward hook adding ``dense`` to a decoder layer's output hidden states."""
+    def add(module: nn.Module, args: tuple, output: Any) -> Any:
+        if isinstance(output, tuple):
+            return (output[0] + dense.to(output[0].dtype), *output[1:])
+        return output + dense.to(output.dtype)
+
+    return add
+
+
+def travel_deepstack(stages: list[nn.Module], config: Any) -> int:
+    """Give the pipeline ``stages`` (each a ``PipelineStageModel``) of a DeepStack model what they carry for it;
+    the number of layers taking a map (0: none, nothing to do). MTP heads' embeddings travel the same way, which
+    this does not combine with."""
+    layers = deepstack_layers(config)
+    if not layers:
+        return 0
+    travel = DeepStackTravel(layers)
+    for stage in stages:
+        if getattr(stage, "carry", None) is not None:
+            raise AutomodelError("distributed.pp_size: a model whose DeepStack features travel between pipeline "
+                                 "stages cannot also carry MTP heads' embeddings; remove the MTP keys or set "
+                                 "pp_size: 1")
+        stage.beside = travel
+    return layers

@@ -1,0 +1,119 @@
+"""Qwen3-VL (dense, MoE) and Qwen3.5 (dense, MoE) under pipeline parallelism: their media layout is Qwen2-VL's (each
+row's images of any size regrouped per row, the 3-D rope positions computed on the whole rows from the token types),
+and Qwen3-VL's DeepStack feature maps (its vision tower's, added by the language model at the image positions after
+each of its first layers) travel beside the hidden states to the stages holding those layers
+(``automodel_vlm.deepstack``). In process: the stages chained on one-row micro-batches give the whole model's logits
+and vision-tower gradients. On two gloo ranks: the recipe's pipelined step (1F1B) has the losses and gradient norms
+of one process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+FAMILIES = ["qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"]
+
+
+def _chained(stages: list[Any], ids: torch.Tensor, kwargs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The stages run one after the other as the schedule runs them: the first with the micro-batch's media, each
+    later one on what the one before returned (the hidden states, then what travels beside them)."""
+    later = {key: value for key, value in kwargs.items() if not key.startswith("media_")}
+    output = stages[0](ids, **kwargs)
+    for stage in stages[1:]:
+        output = stage(*(output if isinstance(output, tuple) else (output,)), **later)
+    return output
+
+
+def _stages(model: torch.nn.Module, count: int, travel: bool = True) -> list[Any]:
+    from automodel.training.parallel.pipeline_stages import split_model
+    from automodel_vlm.deepstack import travel_deepstack
+
+    stages = [split_model(model, rank, count)[0] for rank in range(count)]
+    if travel:
+        travel_deepstack(stages, model.config)
+    return stages
+
+
+@pytest.mark.parametrize(("family", "count"), [("qwen3_vl", 2), ("qwen3_vl", 4), ("qwen3_vl_moe", 2),
+                                               ("qwen3_5", 2), ("qwen3_5_moe", 2)])
+def test_stages_run_one_row_micro_batches_like_the_whole_model(family, count):
+    """Two stages (Qwen3-VL: layers 0-1 adding maps 0 and 1 on the first, map 2 sent to the second) or four (one
+    layer each: map 1 and 2 sent on from the first, map 2 on from the second) on each one-row micro-batch of
+    right-padded and of packed rows give the whole model's logits, and the loss's gradients of the vision tower's
+    DeepStack mergers are the whole model's; without the maps travelling (the first stage's model adding them all
+    after its placeholders) they are not."""
+    from vlm_context_parallel_workers import micro_batches, tiny_model
+
+    from automodel.training.parallel.pipeline_media import media_kwargs
+    from automodel.training.pipeline_steps import padded_tokens, stage_kwargs
+    from automodel_vlm.datasets.packing import rope_index
+    from automodel_vlm.deepstack import deepstack_layers
+    from automodel_vlm.pipeline import media_per_row, rope_positions
+
+    model, processor = tiny_model(family)
+    deepstack = deepstack_layers(model.config)
+    assert deepstack == (3 if family.startswith("qwen3_vl") else 0)
+    stages = _stages(model, count)
+    if deepstack:
+        assert [stage.beside.counts(stage) for stage in stages] == \
+            ([(0, 1), (1, 0)] if count == 2 else [(0, 2), (2, 1), (1, 0), (0, 0)])
+    padded, packed = micro_batches(processor, 1, 4)[0], micro_batches(processor, 1, 4, rope_index(model))[0]
+    for batch in (padded, packed):
+        pipelined = rope_positions(batch, model.config, rope_index(model))
+        assert "mm_token_type_ids" not in pipelined and pipelined["position_ids"].dim() == 3
+        kwargs = {**stage_kwargs(pipelined, 8), **media_kwargs(media_per_row(pipelined, model.config))}
+        ids, _ = padded_tokens(pipelined, 8, 0)
+        length = batch["input_ids"].shape[1]
+        inputs = {key: value for key, value in batch.items() if key not in ("labels", "token_count")}
+        whole = model(**inputs, use_cache=False).logits
+        whole.sin().sum().backward()
+        for row in range(2):
+            row_kwargs = {key: value[row:row + 1] for key, value in kwargs.items()}
+            logits = _chained(stages, ids[row:row + 1], row_kwargs)
+            assert torch.allclose(logits[:, :length], whole[row:row + 1].detach(), atol=1e-5), row
+            logits[:, :length].sin().sum().backward()
+            if deepstack:
+                with torch.no_grad():
+                    without = _chained(_stages(model, count, travel=False), ids[row:row + 1], row_kwargs)
+                assert not torch.allclose(without[:, :length], whole[row:row + 1].detach(), atol=1e-3)
+        mergers = "model.visual.deepstack_merger_list" if deepstack else "model.visual.merger"
+        for name, param in model.get_submodule(mergers).named_parameters():
+            staged = stages[0].get_submodule(mergers).get_parameter(name)
+            assert torch.allclose(staged.grad, param.grad, rtol=1e-4, atol=1e-5), name
+        model.zero_grad(), stages[0].zero_grad()
+
+
+def test_the_maps_do_not_travel_under_context_parallelism_so_it_is_refused():
+    from vlm_context_parallel_workers import tiny_qwen3_config
+
+    from automodel_vlm.pipeline import layout_issue
+
+    _, config = tiny_qwen3_config("qwen3_vl")
+    assert layout_issue(config) is None and layout_issue(tiny_qwen3_config("qwen3_5")[1], 2) is None
+    assert "DeepStack features at the image positions of the whole rows" in layout_issue(config, 2)
+
+
+@pytest.fixture(scope="module")
+def pp_steps(tmp_path_factory) -> dict[str, Any]:
+    """One process and pp 2 on two gloo ranks, launched together."""
+    from parallel_testing import launch_together
+
+    tmp = tmp_path_factory.mktemp("vlm_pp_qwen3")
+    one, pp2 = launch_together([("vlm_pp_qwen3", 0, tmp / "one", {}), ("vlm_pp_qwen3", 2, tmp / "pp2", {})],
+                               workers=Path(__file__).with_name("vlm_context_parallel_workers.py"), timeout=300)
+    return {"one": one[0], "pp2": pp2}
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5", "qwen3_vl_frozen"])
+def test_pp2_steps_equal_one_process(pp_steps, family):
+    """Two steps (right-padded rows, then packed rows), each of two micro-batches of two rows, through the recipe's
+    pipelined step on two ranks (1F1B over one-row micro-batches; Qwen3-VL's map of layer 2 sent to the second
+    stage; frozen: with the vision tower frozen, so the maps sent need no gradient, and static stage shapes): every
+    rank's losses and gradient norms are one process's."""
+    one = pp_steps["one"][family]
+    for rank in pp_steps["pp2"]:
+        assert rank[family]["losses"] == pytest.approx(one["losses"], rel=1e-5)
+        assert rank[family]["norms"] == pytest.approx(one["norms"], rel=1e-5)
