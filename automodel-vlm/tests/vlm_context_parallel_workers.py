@@ -308,9 +308,23 @@ def run_pipelined(family: str, layout: MeshLayout) -> dict[str, Any]:
     return {"loss": loss.item(), "norm": norm.item(), "vision_grads": grads}
 
 
+def text_first_micro_batches(processor: Any) -> list[dict[str, torch.Tensor]]:
+    """Two micro-batches of a row without an image, then one with (a 32 x 48 picture), right-padded: the pipeline's
+    first micro-batch (one row), from which torch's stages learn what they exchange, has no image features."""
+    from vlm_testing import conversation
+
+    generator = torch.Generator().manual_seed(300)
+    pixels = torch.randint(0, 256, (32, 48, 3), generator=generator, dtype=torch.uint8).numpy()
+    text = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Say red."}]},
+                         {"role": "assistant", "content": [{"type": "text", "text": "red"}]}], "images": []}
+    image = {"messages": conversation("What colors?", "green blue"), "images": [Image.fromarray(pixels)]}
+    collator = VLMCollator(processor, pad_to_multiple_of=8)
+    return [collator([text, image]), collator([text, image])]
+
+
 def run_pp_steps(family: str, world: int, frozen: bool = False) -> dict[str, Any]:
-    """Two steps (right-padded rows, then packed rows; two micro-batches of two rows each) of the recipe's step: in
-    one process (``world`` 1), or as the engine runs it over pp 2 (FSDP2 on each stage, the recipe's
+    """Three steps (rows without and with an image, right-padded rows, packed rows; two micro-batches of two rows
+    each) of the recipe's step: in one process (``world`` 1), or as the engine runs it over pp 2 (FSDP2 on each stage, the recipe's
     ``pipeline_batches`` through 1F1B with one-row micro-batches, a Qwen3-VL's DeepStack maps travelling as the
     recipe sets them up): the losses and gradient norms. ``frozen``: the vision tower frozen (its maps then need
     no gradient), the stages with static shapes (``pp_seq_len`` 128)."""
@@ -323,7 +337,8 @@ def run_pp_steps(family: str, world: int, frozen: bool = False) -> dict[str, Any
     model, processor = tiny_model(family)
     if frozen:
         model.model.visual.requires_grad_(False)
-    batches = [micro_batches(processor, 0, 8), micro_batches(processor, 1, 8, rope_index(model))]
+    batches = [text_first_micro_batches(processor), micro_batches(processor, 0, 8),
+               micro_batches(processor, 1, 8, rope_index(model))]
     if world == 1:
         step = Step(model, processor, MeshLayout(1), None)
     else:
