@@ -110,11 +110,11 @@ def pp_steps(tmp_path_factory) -> dict[str, Any]:
 @pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5", "qwen3_vl_frozen"])
 def test_pp2_steps_equal_one_process(pp_steps, family):
     """Three steps (rows without and with an image: the pipeline's first micro-batch has no maps, which still
-    travel, as zeros needing a gradient like the others, or torch's stages would not send the later maps' gradients
-    back; then right-padded rows, then packed rows), each of two micro-batches of two
-    rows, through the recipe's pipelined step on two ranks (1F1B over one-row micro-batches; Qwen3-VL's map of
-    layer 2 sent to the second stage; frozen: with the vision tower frozen, so the maps sent need no gradient, and static stage shapes): every
-    rank's losses and gradient norms are one process's."""
+    travel, as zeros needing a gradient like the others, or torch's stages would not send the later maps'
+    gradients back; then right-padded rows, then packed rows), each of two micro-batches of two rows, through the
+    recipe's pipelined step on two ranks (1F1B over one-row micro-batches; Qwen3-VL's map of layer 2 sent to the
+    second stage; frozen: with the vision tower frozen, its maps sent as needing a gradient all the same, and static
+    stage shapes): every rank's losses and gradient norms are one process's."""
     one = pp_steps["one"][family]
     for rank in pp_steps["pp2"]:
         assert rank[family]["losses"] == pytest.approx(one["losses"], rel=1e-5)

@@ -324,10 +324,10 @@ def text_first_micro_batches(processor: Any) -> list[dict[str, torch.Tensor]]:
 
 def run_pp_steps(family: str, world: int, frozen: bool = False) -> dict[str, Any]:
     """Three steps (rows without and with an image, right-padded rows, packed rows; two micro-batches of two rows
-    each) of the recipe's step: in one process (``world`` 1), or as the engine runs it over pp 2 (FSDP2 on each stage, the recipe's
-    ``pipeline_batches`` through 1F1B with one-row micro-batches, a Qwen3-VL's DeepStack maps travelling as the
-    recipe sets them up): the losses and gradient norms. ``frozen``: the vision tower frozen (its maps then need
-    no gradient), the stages with static shapes (``pp_seq_len`` 128)."""
+    each) of the recipe's step: in one process (``world`` 1), or as the engine runs it over pp 2 (FSDP2 on each
+    stage, the recipe's ``pipeline_batches`` through 1F1B with one-row micro-batches, a Qwen3-VL's DeepStack maps
+    travelling as the recipe sets them up): the losses and gradient norms. ``frozen``: the vision tower frozen,
+    the stages with static shapes (``pp_seq_len`` 128)."""
     from automodel.training.parallel.mesh import PP
     from automodel.training.parallel.pipeline_parallel import PipelineSettings, StagePipelines
     from automodel.training.parallel.pipeline_stages import split_model
