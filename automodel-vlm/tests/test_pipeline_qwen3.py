@@ -119,3 +119,25 @@ def test_pp2_steps_equal_one_process(pp_steps, family):
     for rank in pp_steps["pp2"]:
         assert rank[family]["losses"] == pytest.approx(one["losses"], rel=1e-5)
         assert rank[family]["norms"] == pytest.approx(one["norms"], rel=1e-5)
+
+
+def test_validate_refuses_a_qwen3_vl_under_pp_and_cp_and_takes_it_under_pp(tmp_path):
+    """``automodel validate`` reads the model's config: pp 2 x cp 2 is refused with the DeepStack reason, pp 2 alone
+    raises no pipeline issue."""
+    from vlm_testing import write_config
+
+    from automodel.testing import run_cli_inprocess
+
+    text = {"num_hidden_layers": 4, "tie_word_embeddings": False}
+    model = {"config": {"model_type": "qwen3_vl", "text_config": text, "tie_word_embeddings": False,
+                        "vision_config": {"deepstack_visual_indexes": [0, 1, 2]}}}
+    config = write_config(tmp_path / "cfg.yaml", tmp_path / "ckpt", model=model, eval_generation=None,
+                          distributed={"strategy": "fsdp2", "pp_size": 2})
+    both = run_cli_inprocess("validate", "-c", config, "--nproc-per-node", "4", "--distributed.cp_size", "2",
+                             cwd=tmp_path)
+    out = both.stdout + both.stderr
+    assert both.returncode == 2 and "Traceback" not in out, out
+    assert "distributed.pp_size" in out and "DeepStack features at the image positions of the whole rows" in out
+    alone = run_cli_inprocess("validate", "-c", config, "--nproc-per-node", "2", cwd=tmp_path)
+    out = alone.stdout + alone.stderr
+    assert alone.returncode == 0 and "valid for finetune vlm" in out, out
