@@ -3,8 +3,8 @@ row's images of any size regrouped per row, the 3-D rope positions computed on t
 and Qwen3-VL's DeepStack feature maps (its vision tower's, added by the language model at the image positions after
 each of its first layers) travel beside the hidden states to the stages holding those layers
 (``automodel_vlm.deepstack``). In process: the stages chained on one-row micro-batches give the whole model's logits
-and vision-tower gradients. On two gloo ranks: the recipe's pipelined step (1F1B) has the losses and gradient norms
-of one process."""
+and vision-tower gradients. On two gloo ranks (pp 2), and four (pp 2 x cp 2, Qwen3-VL): the recipe's pipelined step
+(1F1B) has the losses and gradient norms of one process."""
 
 from __future__ import annotations
 
@@ -86,25 +86,17 @@ def test_stages_run_one_row_micro_batches_like_the_whole_model(family, count):
         model.zero_grad(), stages[0].zero_grad()
 
 
-def test_the_maps_do_not_travel_under_context_parallelism_so_it_is_refused():
-    from vlm_context_parallel_workers import tiny_qwen3_config
-
-    from automodel_vlm.pipeline import layout_issue
-
-    _, config = tiny_qwen3_config("qwen3_vl")
-    assert layout_issue(config) is None and layout_issue(tiny_qwen3_config("qwen3_5")[1], 2) is None
-    assert "DeepStack features at the image positions of the whole rows" in layout_issue(config, 2)
-
-
 @pytest.fixture(scope="module")
 def pp_steps(tmp_path_factory) -> dict[str, Any]:
     """One process and pp 2 on two gloo ranks, launched together."""
     from parallel_testing import launch_together
 
     tmp = tmp_path_factory.mktemp("vlm_pp_qwen3")
-    one, pp2 = launch_together([("vlm_pp_qwen3", 0, tmp / "one", {}), ("vlm_pp_qwen3", 2, tmp / "pp2", {})],
-                               workers=Path(__file__).with_name("vlm_context_parallel_workers.py"), timeout=300)
-    return {"one": one[0], "pp2": pp2}
+    one, pp2, pp2_cp2 = launch_together([("vlm_pp_qwen3", 0, tmp / "one", {}), ("vlm_pp_qwen3", 2, tmp / "pp2", {}),
+                                         ("vlm_pp_qwen3", 4, tmp / "pp2_cp2", {})],
+                                        workers=Path(__file__).with_name("vlm_context_parallel_workers.py"),
+                                        timeout=300)
+    return {"one": one[0], "pp2": pp2, "pp2_cp2": pp2_cp2}
 
 
 @pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5", "qwen3_vl_frozen"])
@@ -121,9 +113,8 @@ def test_pp2_steps_equal_one_process(pp_steps, family):
         assert rank[family]["norms"] == pytest.approx(one["norms"], rel=1e-5)
 
 
-def test_validate_refuses_a_qwen3_vl_under_pp_and_cp_and_takes_it_under_pp(tmp_path):
-    """``automodel validate`` reads the model's config: pp 2 x cp 2 is refused with the DeepStack reason, pp 2 alone
-    raises no pipeline issue."""
+def test_validate_takes_a_qwen3_vl_under_pp(tmp_path):
+    """``automodel validate`` reads the model's config and finds its media layout (before: refused, none known)."""
     from vlm_testing import write_config
 
     from automodel.testing import run_cli_inprocess
@@ -133,11 +124,18 @@ def test_validate_refuses_a_qwen3_vl_under_pp_and_cp_and_takes_it_under_pp(tmp_p
                         "vision_config": {"deepstack_visual_indexes": [0, 1, 2]}}}
     config = write_config(tmp_path / "cfg.yaml", tmp_path / "ckpt", model=model, eval_generation=None,
                           distributed={"strategy": "fsdp2", "pp_size": 2})
-    both = run_cli_inprocess("validate", "-c", config, "--nproc-per-node", "4", "--distributed.cp_size", "2",
-                             cwd=tmp_path)
-    out = both.stdout + both.stderr
-    assert both.returncode == 2 and "Traceback" not in out, out
-    assert "distributed.pp_size" in out and "DeepStack features at the image positions of the whole rows" in out
-    alone = run_cli_inprocess("validate", "-c", config, "--nproc-per-node", "2", cwd=tmp_path)
-    out = alone.stdout + alone.stderr
-    assert alone.returncode == 0 and "valid for finetune vlm" in out, out
+    result = run_cli_inprocess("validate", "-c", config, "--nproc-per-node", "4", "--distributed.cp_size", "2",
+                               cwd=tmp_path)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0 and "valid for finetune vlm" in out, out
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_vl_frozen"])
+def test_pp2_x_cp2_splits_the_deepstack_maps_with_the_merged_embeddings(pp_steps, family):
+    """pp 2 x cp 2 on four ranks: the first stage merges the images into the whole rows, scatters the DeepStack maps
+    over them and splits both over its cp group, the second stage adds map 2 to its part; the three steps' losses
+    and gradient norms are one process's (frozen: with static shapes of each rank's part)."""
+    one = pp_steps["one"][family]
+    for rank in pp_steps["pp2_cp2"]:
+        assert rank[family]["losses"] == pytest.approx(one["losses"], rel=1e-5)
+        assert rank[family]["norms"] == pytest.approx(one["norms"], rel=1e-5)

@@ -342,24 +342,32 @@ def run_pp_steps(family: str, world: int, frozen: bool = False) -> dict[str, Any
     if world == 1:
         step = Step(model, processor, MeshLayout(1), None)
     else:
-        layout = plan_mesh(world, pp_size=2)
+        from automodel.training.parallel.multimodal_fsdp import multimodal_modules
+
+        layout = plan_mesh(world, pp_size=2, cp_size=world // 2)
         device_mesh = build_device_mesh(layout, "cpu")
         (stage,) = split_model(model, device_mesh[PP].get_local_rank(), layout.pp)
         travel_deepstack([stage], model.config)
+        if layout.cp > 1:
+            causal_attention_without_mask(stage, multimodal_modules(stage, MULTIMODAL_NAMES).values())
         apply_fsdp2(stage, fsdp_mesh(device_mesh, layout), multimodal=place_multimodal(stage, MULTIMODAL_NAMES,
                                                                                          "root"))
         step = Step(stage, processor, layout, device_mesh)
         text = model.config.text_config
-        shapes = StaticShapes(128, text.hidden_size, text.vocab_size, torch.float32, torch.float32) if frozen else None
+        shapes = StaticShapes(128, text.hidden_size, text.vocab_size, torch.float32, torch.float32,
+                              cp=layout.cp) if frozen else None
         step.pipelines = StagePipelines([stage], device_mesh[PP], torch.device("cpu"), PipelineSettings(),
-                                        step.pipeline_loss, shapes)
+                                        step.pipeline_loss, shapes, cp_mesh=device_mesh[CP] if layout.cp > 1 else None)
     results = [step._train_step(b) for b in batches]
     return {"losses": [loss.item() for loss, _, _ in results], "norms": [norm.item() for _, norm, _ in results]}
 
 
 def scenario_vlm_pp_qwen3(args: dict[str, Any], out: Any) -> dict[str, Any]:
-    """Qwen3-VL and Qwen3.5: :func:`run_pp_steps` in one process, or pp 2 on two ranks."""
+    """Qwen3-VL and Qwen3.5: :func:`run_pp_steps` in one process, or pp 2 on two ranks; Qwen3-VL over pp 2 x cp 2
+    on four ranks."""
     world = dist.get_world_size() if dist.is_initialized() else 1
+    if world == 4:  # pp 2 x cp 2
+        return {"qwen3_vl": run_pp_steps("qwen3_vl", world), "qwen3_vl_frozen": run_pp_steps("qwen3_vl", world, True)}
     return {**{family: run_pp_steps(family, world) for family in ("qwen3_vl", "qwen3_5")},
             "qwen3_vl_frozen": run_pp_steps("qwen3_vl", world, frozen=True)}
 

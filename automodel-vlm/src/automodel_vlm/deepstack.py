@@ -4,9 +4,10 @@ Qwen3-VL's vision tower returns, besides the merged image features, one feature 
 config's ``deepstack_visual_indexes`` (DeepStack); its language model adds map ``j`` to the hidden states at the
 image (and video) positions right after decoder layer ``j``. The tower runs on the first pipeline stage, but the
 layers that take the maps may lie on later stages (a first stage of fewer layers than maps), so the maps travel
-beside the hidden states (the stage's ``beside``, see ``pipeline_stages``): the first stage hands the model's own
-forward the maps of its layers and sends the others, each scattered into a ``[rows, positions, hidden]`` tensor (zero
-away from the images, so the schedule splits it with the rows and adding it changes nothing else); a later stage adds
+beside the hidden states (the stage's ``beside``, see ``pipeline_stages``): the first stage scatters every map into a
+``[rows, positions, hidden]`` tensor (zero away from the images, so the schedule splits it with the rows and adding
+it changes nothing else; under context parallelism this rank's part of the positions, as the merged embeddings),
+hands the model's own forward those of its layers (every position marked) and sends the others; a later stage adds
 those of its layers after them (a forward hook) and sends on the rest. A stage without such layers after it sends
 none, so with the usual cut (the maps' few layers on the first stage) nothing travels.
 """
@@ -15,12 +16,16 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from automodel.errors import AutomodelError
+from automodel.training.parallel.context_parallel import split_sequence
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 DEEPSTACK_MODELS = ("qwen3_vl", "qwen3_vl_moe")  # model types whose language model adds DeepStack features
 
@@ -46,16 +51,18 @@ class DeepStackTravel:
         return taken, sent
 
     @contextlib.contextmanager
-    def running(self, stage: Any, taken: tuple[torch.Tensor, ...], sent: list[torch.Tensor]) -> Iterator[None]:
-        """Within the block ``stage``'s model forward adds the maps of its layers; ``sent`` then holds the rest."""
+    def running(self, stage: Any, taken: tuple[torch.Tensor, ...], sent: list[torch.Tensor],
+                cp_mesh: DeviceMesh | None = None) -> Iterator[None]:
+        """Within the block ``stage``'s model forward adds the maps of its layers; ``sent`` then holds the rest.
+        With ``cp_mesh`` (context parallelism) the stages run on this rank's part of the sequences: the first stage
+        splits the maps it scattered over the whole rows as the merged embeddings are split."""
         expected, _ = self.counts(stage)
         if len(taken) != expected:
             raise AutomodelError(f"pipeline stage {stage.index} got {len(taken)} DeepStack feature maps beside the "
                                  f"hidden states, but its layers {stage.layer_range.start}.. take {expected}")
         text = stage.get_submodule(stage._text)
         if stage.is_first:
-            handle = text.register_forward_pre_hook(self._first_stage(stage, sent), with_kwargs=True)
-            handles = [handle]
+            handles = [text.register_forward_pre_hook(self._first_stage(stage, sent, cp_mesh), with_kwargs=True)]
         else:
             start, stop = stage.layer_range.start, stage.layer_range.stop
             layers = text.get_submodule("layers")
@@ -68,24 +75,32 @@ class DeepStackTravel:
             for handle in handles:
                 handle.remove()
 
-    def _first_stage(self, stage: Any, sent: list[torch.Tensor]) -> Any:
-        """The pre-hook on the first stage's language model: it keeps the maps of the stage's layers for the model's
-        own forward and puts the others, scattered over the positions, in ``sent``."""
-        own, (_, count) = min(self.layers, stage.layer_range.stop), self.counts(stage)
+    def _first_stage(self, stage: Any, sent: list[torch.Tensor], cp_mesh: DeviceMesh | None) -> Any:
+        """The pre-hook on the first stage's language model (it runs before the context-parallel split of the
+        embeddings): every map scattered over the positions of the rows (this rank's part of them under context
+        parallelism); those of the stage's layers handed to the model's own forward with every position marked, the
+        others put in ``sent``."""
+        own = min(self.layers, stage.layer_range.stop)
 
         def split(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
             embeds, maps, where = kwargs["inputs_embeds"], kwargs.get("deepstack_visual_embeds"), \
                 kwargs.get("visual_pos_masks")
-            for number in range(own, own + count):
+            dense = []
+            for number in range(self.layers):
                 if maps is None:  # no images in these rows: nothing to add
-                    dense = torch.zeros_like(embeds)
+                    scattered = torch.zeros_like(embeds)
                 else:
-                    dense = torch.zeros_like(embeds).masked_scatter(where.unsqueeze(-1), maps[number].to(embeds.dtype))
-                if torch.is_grad_enabled() and stage.training and not dense.requires_grad:
-                    dense.requires_grad_()  # every micro-batch's maps as torch's stage first saw them
-                sent.append(dense)
+                    scattered = torch.zeros_like(embeds).masked_scatter(where.unsqueeze(-1),
+                                                                        maps[number].to(embeds.dtype))
+                dense.append(split_sequence(scattered, cp_mesh) if cp_mesh is not None else scattered)
+            for scattered in dense[own:]:
+                if torch.is_grad_enabled() and stage.training and not scattered.requires_grad:
+                    scattered.requires_grad_()  # every micro-batch's maps as torch's stage first saw them
+                sent.append(scattered)
             if maps is not None:
-                kwargs = {**kwargs, "deepstack_visual_embeds": list(maps[:own])}
+                everywhere = torch.ones(dense[0].shape[:2], dtype=torch.bool, device=embeds.device)
+                kwargs = {**kwargs, "visual_pos_masks": everywhere,
+                          "deepstack_visual_embeds": [part.flatten(0, 1) for part in dense[:own]]}
             return args, kwargs
 
         return split

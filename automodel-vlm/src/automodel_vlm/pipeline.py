@@ -21,7 +21,6 @@ import torch
 from automodel.errors import AutomodelError, ConfigIssue
 from automodel.training.next_token import LABEL_POSITIONS
 from automodel_vlm.context_parallel import TWO_WAY_MODELS
-from automodel_vlm.deepstack import deepstack_layers
 
 # split along the rows as they are (packed rows: position ids and each row's token count)
 PER_ROW_KEYS = ("input_ids", "attention_mask", "labels", LABEL_POSITIONS, "position_ids", "token_count")
@@ -91,14 +90,9 @@ MEDIA_LAYOUTS = {"llava": MediaLayout(per_image=("pixel_values",)), "qwen2_vl": 
                  "mistral3": MediaLayout(per_image=("pixel_values",), sizes="image_sizes")}
 
 
-def layout_issue(config: Any, cp_size: int = 1) -> str | None:
-    """Why ``config``'s model cannot run pipelined here, with context parallelism over ``cp_size`` ranks (None: its
-    media layout is known)."""
+def layout_issue(config: Any) -> str | None:
+    """Why ``config``'s model cannot run pipelined here (None: its media layout is known)."""
     model_type = getattr(config, "model_type", None)
-    if model_type in MEDIA_LAYOUTS and cp_size > 1 and deepstack_layers(config):
-        return (f"with cp_size {cp_size}: a {model_type} model's language model adds its vision tower's DeepStack "
-                "features at the image positions of the whole rows, which the first stage does not split over the "
-                "context-parallel ranks with the merged embeddings; set cp_size: 1 (or pp_size: 1)")
     if model_type in MEDIA_LAYOUTS:
         return None
     known = ", ".join(sorted(MEDIA_LAYOUTS))
@@ -115,7 +109,7 @@ def layout_issue(config: Any, cp_size: int = 1) -> str | None:
 def pipeline_issues(cfg: Any, config: Any) -> list[ConfigIssue]:
     """What the VLM recipe cannot run with ``distributed.pp_size > 1`` (``config``: the model's Hugging Face config
     where validation can read it)."""
-    why = layout_issue(config, cfg.distributed.cp_size) if config is not None else None
+    why = layout_issue(config) if config is not None else None
     return [ConfigIssue("distributed.pp_size", f"{cfg.distributed.pp_size}: {why}")] if why is not None else []
 
 

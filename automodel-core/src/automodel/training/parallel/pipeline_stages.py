@@ -81,8 +81,8 @@ class PipelineStageModel(nn.Module):
     carry: Any = None
     # what travels beside the hidden states to later stages' layers (automodel_vlm.deepstack.DeepStackTravel:
     # features the first stage's media make and some layers add): ``counts(stage)`` the tensors a stage takes and
-    # sends; ``running(stage, taken, sent)`` a context around the stage's model forward that appends what it sends
-    # to ``sent``; None: nothing
+    # sends; ``running(stage, taken, sent, cp_mesh)`` a context around the stage's model forward that appends what
+    # it sends to ``sent`` (under context parallelism: this rank's part of the positions); None: nothing
     beside: Any = None
 
     def __init__(self, model: nn.Module, index: int, num_stages: int, layers: range, parts: dict[str, str],
@@ -113,7 +113,7 @@ class PipelineStageModel(nn.Module):
         if position_ids is not None and position_ids.dim() == 3:  # multi-axis positions travel rows first
             position_ids = position_ids.transpose(0, 1)
         sent: list[torch.Tensor] = []
-        with self.beside.running(self, carried, sent) if self.beside is not None else contextlib.nullcontext():
+        with self.beside.running(self, carried, sent, cp_mesh) if self.beside is not None else contextlib.nullcontext():
             hidden = self._body(body, given, attention_mask, position_ids, cp_mesh)
         output = self.output_head(hidden) if self.is_last and not self.head_in_loss else hidden
         if self.beside is not None:
