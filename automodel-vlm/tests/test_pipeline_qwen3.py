@@ -32,8 +32,8 @@ def _stages(model: torch.nn.Module, count: int, travel: bool = True) -> list[Any
     from automodel_vlm.deepstack import travel_deepstack
 
     stages = [split_model(model, rank, count)[0] for rank in range(count)]
-    if travel:
-        travel_deepstack(stages, model.config)
+    for stage in stages if travel else ():
+        travel_deepstack(stage)
     return stages
 
 

@@ -347,11 +347,12 @@ def run_pp_steps(family: str, world: int, frozen: bool = False) -> dict[str, Any
         layout = plan_mesh(world, pp_size=2, cp_size=world // 2)
         device_mesh = build_device_mesh(layout, "cpu")
         (stage,) = split_model(model, device_mesh[PP].get_local_rank(), layout.pp)
-        travel_deepstack([stage], model.config)
         if layout.cp > 1:
             causal_attention_without_mask(stage, multimodal_modules(stage, MULTIMODAL_NAMES).values())
         apply_fsdp2(stage, fsdp_mesh(device_mesh, layout), multimodal=place_multimodal(stage, MULTIMODAL_NAMES,
                                                                                          "root"))
+        line = travel_deepstack(stage)  # as the recipe does, on the built stage
+        assert line is None or "layers 2-2 travel beside the hidden states" in line, line
         step = Step(stage, processor, layout, device_mesh)
         text = model.config.text_config
         shapes = StaticShapes(128, text.hidden_size, text.vocab_size, torch.float32, torch.float32,

@@ -22,7 +22,9 @@ import torch
 from torch import nn
 
 from automodel.errors import AutomodelError
+from automodel.training.modules import unwrap
 from automodel.training.parallel.context_parallel import split_sequence
+from automodel.training.parallel.pipeline_stages import stage_layer_ranges, stage_models
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -116,13 +118,15 @@ def _adding(dense: torch.Tensor) -> Any:
     return add
 
 
-def travel_deepstack(stages: list[nn.Module], config: Any) -> int:
-    """Give the pipeline ``stages`` (each a ``PipelineStageModel``) of a DeepStack model what they carry for it;
-    the number of layers taking a map (0: none, nothing to do). MTP heads' embeddings travel the same way, which
-    this does not combine with."""
+def travel_deepstack(model: nn.Module) -> str | None:
+    """Give the pipeline stages ``model`` holds (one, or a rank's several; wrapped or not) what they carry for a
+    DeepStack model; the line that says what travels (None: not a DeepStack model). MTP heads' embeddings travel
+    the same way, which this does not combine with."""
+    stages = stage_models(unwrap(model))
+    config = stages[0].config
     layers = deepstack_layers(config)
     if not layers:
-        return 0
+        return None
     travel = DeepStackTravel(layers)
     for stage in stages:
         if getattr(stage, "carry", None) is not None:
@@ -130,4 +134,8 @@ def travel_deepstack(stages: list[nn.Module], config: Any) -> int:
                                  "stages cannot also carry MTP heads' embeddings; remove the MTP keys or set "
                                  "pp_size: 1")
         stage.beside = travel
-    return layers
+    first = stage_layer_ranges(config.get_text_config().num_hidden_layers, stages[0].num_stages)[0]
+    if first.stop >= layers:
+        return f"pipeline: the DeepStack features of layers 0-{layers - 1} stay on the first stage, which holds them"
+    return (f"pipeline: the DeepStack features of layers {first.stop}-{layers - 1} travel beside the hidden states "
+            "from the first stage to the stages holding those layers")

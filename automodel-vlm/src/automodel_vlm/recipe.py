@@ -27,7 +27,6 @@ from automodel.training.parallel.context_parallel import ContextParallelBatch, c
 from automodel.training.parallel.mesh import CP
 from automodel.training.parallel.pipeline_media import media_kwargs
 from automodel.training.parallel.pipeline_parallel import StagePipelines
-from automodel.training.parallel.pipeline_stages import stage_models
 from automodel.training.parallelism import model_hf_config, validation_device
 from automodel.training.pipeline_steps import padded_tokens, pipeline_length, stage_kwargs
 from automodel.training.recipe import TrainRecipe
@@ -245,11 +244,8 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
     def build_pipelines(self, ctx: BuildContext) -> StagePipelines | None:
         """Before the schedules: a DeepStack model's stages carry its feature maps to the layers that add them
         (``automodel_vlm.deepstack``)."""
-        if ctx.mesh.pp > 1:
-            stages = stage_models(unwrap(self.model))
-            if layers := travel_deepstack(stages, stages[0].config):
-                self.log(f"pipeline: the vision tower's DeepStack features for layers 0-{layers - 1} travel beside the "
-                         "hidden states to the stages holding those layers")
+        if ctx.mesh.pp > 1 and (line := travel_deepstack(self.model)) is not None:
+            self.log(line)
         return super().build_pipelines(ctx)
 
     def setup(self) -> None:
