@@ -365,8 +365,11 @@ def run_pp_steps(family: str, world: int, frozen: bool = False) -> dict[str, Any
 
 def scenario_vlm_pp_qwen3(args: dict[str, Any], out: Any) -> dict[str, Any]:
     """Qwen3-VL and Qwen3.5: :func:`run_pp_steps` in one process, or pp 2 on two ranks; Qwen3-VL over pp 2 x cp 2
-    on four ranks."""
+    on four ranks; with ``cp`` in ``args`` Qwen3-VL's :func:`run` (cp 2 alone on two ranks, or one process)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
+    if args.get("cp"):  # Qwen3-VL under cp 2 alone (the reference: run in one process)
+        found = run("qwen3_vl", plan_mesh(world, cp_size=2) if world > 1 else MeshLayout(1))
+        return {"qwen3_vl_cp": {key: found[key] for key in ("losses", "norms", "vision_grads")}}
     if world == 4:  # pp 2 x cp 2
         return {"qwen3_vl": run_pp_steps("qwen3_vl", world), "qwen3_vl_frozen": run_pp_steps("qwen3_vl", world, True)}
     return {**{family: run_pp_steps(family, world) for family in ("qwen3_vl", "qwen3_5")},

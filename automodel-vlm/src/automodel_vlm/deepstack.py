@@ -39,6 +39,27 @@ def deepstack_layers(config: Any) -> int:
     return len(getattr(config.vision_config, "deepstack_visual_indexes", None) or ())
 
 
+def scattered_maps(embeds: torch.Tensor, maps: list[torch.Tensor], where: torch.Tensor) -> list[torch.Tensor]:
+    """Each DeepStack map (``[visual positions, hidden]``, the order of ``where``'s marked positions) scattered into a
+    tensor like ``embeds`` (``[rows, positions, hidden]``), zero elsewhere: what the language model adds after each
+    layer at every position, so it can be split along the rows or the positions."""
+    mask = where.unsqueeze(-1).to(embeds.device)
+    return [torch.zeros_like(embeds).masked_scatter(mask, part.to(embeds.device, embeds.dtype)) for part in maps]
+
+
+def split_maps(kwargs: dict[str, Any], cp_mesh: DeviceMesh) -> dict[str, Any]:
+    """A Qwen3-VL language model's DeepStack keyword arguments (of the whole rows) for this rank's part of the
+    sequences (context parallelism, ``context_parallel.SequenceSplit``): the maps scattered over the rows and split
+    like the embeddings, every position of the part marked; empty where there are none."""
+    maps = kwargs.get("deepstack_visual_embeds")
+    if maps is None:
+        return {}
+    parts = [split_sequence(scattered, cp_mesh)
+             for scattered in scattered_maps(kwargs["inputs_embeds"], maps, kwargs["visual_pos_masks"])]
+    everywhere = torch.ones(parts[0].shape[:2], dtype=torch.bool, device=parts[0].device)
+    return {"visual_pos_masks": everywhere, "deepstack_visual_embeds": [part.flatten(0, 1) for part in parts]}
+
+
 class DeepStackTravel:
     """A stage's ``beside`` for a model whose first ``layers`` decoder layers take a DeepStack map each."""
 
@@ -85,16 +106,13 @@ class DeepStackTravel:
         own = min(self.layers, stage.layer_range.stop)
 
         def split(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
-            embeds, maps, where = kwargs["inputs_embeds"], kwargs.get("deepstack_visual_embeds"), \
-                kwargs.get("visual_pos_masks")
-            dense = []
-            for number in range(self.layers):
-                if maps is None:  # no images in these rows: nothing to add
-                    scattered = torch.zeros_like(embeds)
-                else:
-                    scattered = torch.zeros_like(embeds).masked_scatter(where.unsqueeze(-1),
-                                                                        maps[number].to(embeds.dtype))
-                dense.append(split_sequence(scattered, cp_mesh) if cp_mesh is not None else scattered)
+            embeds, maps = kwargs["inputs_embeds"], kwargs.get("deepstack_visual_embeds")
+            if maps is None:  # no images in these rows: nothing to add
+                dense = [torch.zeros_like(embeds) for _ in range(self.layers)]
+            else:
+                dense = scattered_maps(embeds, maps, kwargs["visual_pos_masks"])
+            if cp_mesh is not None:
+                dense = [split_sequence(scattered, cp_mesh) for scattered in dense]
             for scattered in dense[own:]:
                 if torch.is_grad_enabled() and stage.training and not scattered.requires_grad:
                     scattered.requires_grad_()  # every micro-batch's maps as torch's stage first saw them

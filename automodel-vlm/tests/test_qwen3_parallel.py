@@ -92,11 +92,13 @@ def pp_steps(tmp_path_factory) -> dict[str, Any]:
     from parallel_testing import launch_together
 
     tmp = tmp_path_factory.mktemp("vlm_pp_qwen3")
-    one, pp2, pp2_cp2 = launch_together([("vlm_pp_qwen3", 0, tmp / "one", {}), ("vlm_pp_qwen3", 2, tmp / "pp2", {}),
-                                         ("vlm_pp_qwen3", 4, tmp / "pp2_cp2", {})],
-                                        workers=Path(__file__).with_name("vlm_context_parallel_workers.py"),
-                                        timeout=300)
-    return {"one": one[0], "pp2": pp2, "pp2_cp2": pp2_cp2}
+    cp = {"cp": True}
+    one, pp2, pp2_cp2, one_cp, cp2 = launch_together(
+        [("vlm_pp_qwen3", 0, tmp / "one", {}), ("vlm_pp_qwen3", 2, tmp / "pp2", {}),
+         ("vlm_pp_qwen3", 4, tmp / "pp2_cp2", {}), ("vlm_pp_qwen3", 0, tmp / "one_cp", cp),
+         ("vlm_pp_qwen3", 2, tmp / "cp2", cp)],
+        workers=Path(__file__).with_name("vlm_context_parallel_workers.py"), timeout=300)
+    return {"one": {**one[0], **one_cp[0]}, "pp2": pp2, "pp2_cp2": pp2_cp2, "cp2": cp2}
 
 
 @pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5", "qwen3_vl_frozen"])
@@ -139,3 +141,19 @@ def test_pp2_x_cp2_splits_the_deepstack_maps_with_the_merged_embeddings(pp_steps
     for rank in pp_steps["pp2_cp2"]:
         assert rank[family]["losses"] == pytest.approx(one["losses"], rel=1e-5)
         assert rank[family]["norms"] == pytest.approx(one["norms"], rel=1e-5)
+
+
+def test_cp2_alone_splits_the_deepstack_maps_with_the_merged_embeddings(pp_steps):
+    """Context parallelism without a pipeline (the language model's pre-hook, ``SequenceSplit``): the DeepStack maps
+    of the whole rows are scattered and split like the merged embeddings (before, the model indexed the rank's part
+    with the whole rows' image mask and failed); two steps (right-padded, then packed rows) have one process's
+    losses, gradient norms and vision-tower gradients."""
+    one = pp_steps["one"]["qwen3_vl_cp"]
+    for rank in pp_steps["cp2"]:
+        ran = rank["qwen3_vl_cp"]
+        assert ran["losses"] == pytest.approx(one["losses"], rel=1e-5)
+        assert ran["norms"] == pytest.approx(one["norms"], rel=1e-5)
+        assert sorted(ran["vision_grads"]) == sorted(one["vision_grads"]) and one["vision_grads"]
+        for key, value in one["vision_grads"].items():
+            assert torch.allclose(torch.tensor(ran["vision_grads"][key]), torch.tensor(value), rtol=1e-4,
+                                  atol=1e-6), key
