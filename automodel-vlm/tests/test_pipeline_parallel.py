@@ -129,7 +129,8 @@ def test_a_model_without_a_media_layout_is_refused_by_validate(tmp_path):
     out = _validate(tmp_path, model={"config": llava_next}, eval_generation=None,
                     distributed={"strategy": "fsdp2", "pp_size": 2})
     assert "distributed.pp_size" in out and "the model (llava_next) has no media layout here" in out
-    assert "(known: gemma3, gemma4, llava, mistral3, qwen2_5_vl, qwen2_vl)" in out
+    assert ("(known: gemma3, gemma4, llava, mistral3, qwen2_5_vl, qwen2_vl, qwen3_5, qwen3_5_moe, qwen3_vl, "
+            "qwen3_vl_moe)") in out
 
 
 @pytest.mark.parametrize("family", ["gemma3_pp", "gemma4_pp"])

@@ -116,6 +116,8 @@ def tiny_model(family: str) -> tuple[torch.nn.Module, Any]:
     elif family == "llava":
         processor = tiny_processor()
         config = AutoConfig.for_model(**json.loads(LLAVA_CONFIG.read_text()))
+    elif family.startswith(("qwen3_vl", "qwen3_5")):
+        processor, config = tiny_qwen3_config(family)
     else:  # Qwen2-VL, or Qwen2.5-VL (the same processor and rope; a windowed vision tower with its own MLP)
         from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
 
@@ -136,6 +138,38 @@ def tiny_model(family: str) -> tuple[torch.nn.Module, Any]:
     torch.manual_seed(0)
     config._attn_implementation = "sdpa"
     return AutoModelForImageTextToText.from_config(config, attn_implementation="sdpa"), processor
+
+
+def tiny_qwen3_config(family: str) -> tuple[Any, Any]:
+    """The Qwen2-VL processor and a tiny config of Qwen3-VL (4 layers, the first 3 adding a DeepStack map each) or
+    Qwen3.5 (2 layers: linear attention, then full), dense or MoE (``*_moe``: 4 experts, 2 a token)."""
+    from transformers import AutoConfig
+    from vlm_testing import tiny_qwen_vl_processor
+
+    processor = tiny_qwen_vl_processor(max_pixels=64 * 64)
+    tokenizer = processor.tokenizer
+    base = family.removesuffix("_moe")
+    text = {"hidden_size": 32, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+            "intermediate_size": 32, "vocab_size": len(tokenizer), "tie_word_embeddings": False,
+            "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True}}
+    vision = {"depth": 3, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "patch_size": 8,
+              "out_hidden_size": 32, "spatial_merge_size": 2, "temporal_patch_size": 2}
+    if base == "qwen3_vl":
+        text |= {"num_hidden_layers": 4}
+        vision |= {"deepstack_visual_indexes": [0, 1, 2], "num_position_embeddings": 64}
+    else:
+        text |= {"num_hidden_layers": 2, "linear_num_key_heads": 2, "linear_num_value_heads": 2,
+                 "linear_key_head_dim": 8, "linear_value_head_dim": 8, "full_attention_interval": 2,
+                 "bos_token_id": None, "eos_token_id": None, "pad_token_id": 0}
+        text["rope_parameters"] |= {"partial_rotary_factor": 0.5, "mrope_section": [1, 1, 2]}
+    if family.endswith("_moe"):
+        text |= {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                 "shared_expert_intermediate_size": 16}
+    config = AutoConfig.for_model(
+        family, text_config=text, vision_config=vision,
+        image_token_id=processor.image_token_id, video_token_id=processor.video_token_id,
+        vision_start_token_id=tokenizer.convert_tokens_to_ids("<|vision_start|>"), tie_word_embeddings=False)
+    return processor, config
 
 
 def micro_batches(processor: Any, step: int, pad_to: int, rope: Any = False) -> list[dict[str, torch.Tensor]]:
@@ -314,6 +348,74 @@ def scenario_vlm_pp_gemma(args: dict[str, Any], out: Any) -> dict[str, Any]:
     results = {family: run_gemma_pipelined(family, layout) for family in GEMMA_PP}
     PipelineStageModel._model_masks = lambda self, hidden, attention_mask, position_ids, types: attention_mask
     return results | {f"{family}_causal": run_gemma_pipelined(family, layout) for family in GEMMA_PP}
+
+
+def text_first_micro_batches(processor: Any) -> list[dict[str, torch.Tensor]]:
+    """Two micro-batches of a row without an image, then one with (a 32 x 48 picture), right-padded: the pipeline's
+    first micro-batch (one row), from which torch's stages learn what they exchange, has no image features."""
+    from vlm_testing import conversation
+
+    generator = torch.Generator().manual_seed(300)
+    pixels = torch.randint(0, 256, (32, 48, 3), generator=generator, dtype=torch.uint8).numpy()
+    text = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Say red."}]},
+                         {"role": "assistant", "content": [{"type": "text", "text": "red"}]}], "images": []}
+    image = {"messages": conversation("What colors?", "green blue"), "images": [Image.fromarray(pixels)]}
+    collator = VLMCollator(processor, pad_to_multiple_of=8)
+    return [collator([text, image]), collator([text, image])]
+
+
+def run_pp_steps(family: str, world: int, frozen: bool = False) -> dict[str, Any]:
+    """Three steps (rows without and with an image, right-padded rows, packed rows; two micro-batches of two rows
+    each) of the recipe's step: in one process (``world`` 1), or as the engine runs it over pp 2 (FSDP2 on each
+    stage, the recipe's ``pipeline_batches`` through 1F1B with one-row micro-batches, a Qwen3-VL's DeepStack maps
+    travelling as the recipe sets them up): the losses and gradient norms. ``frozen``: the vision tower frozen,
+    the stages with static shapes (``pp_seq_len`` 128)."""
+    from automodel.training.parallel.mesh import PP
+    from automodel.training.parallel.pipeline_parallel import PipelineSettings, StagePipelines
+    from automodel.training.parallel.pipeline_stages import split_model
+    from automodel.training.parallel.pipeline_static import StaticShapes
+    from automodel_vlm.deepstack import travel_deepstack
+
+    model, processor = tiny_model(family)
+    if frozen:
+        model.model.visual.requires_grad_(False)
+    batches = [text_first_micro_batches(processor), micro_batches(processor, 0, 8),
+               micro_batches(processor, 1, 8, rope_index(model))]
+    if world == 1:
+        step = Step(model, processor, MeshLayout(1), None)
+    else:
+        from automodel.training.parallel.multimodal_fsdp import multimodal_modules
+
+        layout = plan_mesh(world, pp_size=2, cp_size=world // 2)
+        device_mesh = build_device_mesh(layout, "cpu")
+        (stage,) = split_model(model, device_mesh[PP].get_local_rank(), layout.pp)
+        if layout.cp > 1:
+            causal_attention_without_mask(stage, multimodal_modules(stage, MULTIMODAL_NAMES).values())
+        apply_fsdp2(stage, fsdp_mesh(device_mesh, layout), multimodal=place_multimodal(stage, MULTIMODAL_NAMES,
+                                                                                         "root"))
+        line = travel_deepstack(stage)  # as the recipe does, on the built stage
+        assert line is None or "layers 2-2 travel beside the hidden states" in line, line
+        step = Step(stage, processor, layout, device_mesh)
+        text = model.config.text_config
+        shapes = StaticShapes(128, text.hidden_size, text.vocab_size, torch.float32, torch.float32,
+                              cp=layout.cp) if frozen else None
+        step.pipelines = StagePipelines([stage], device_mesh[PP], torch.device("cpu"), PipelineSettings(),
+                                        step.pipeline_loss, shapes, cp_mesh=device_mesh[CP] if layout.cp > 1 else None)
+    results = [step._train_step(b) for b in batches]
+    return {"losses": [loss.item() for loss, _, _ in results], "norms": [norm.item() for _, norm, _ in results]}
+
+
+def scenario_vlm_pp_qwen3(args: dict[str, Any], out: Any) -> dict[str, Any]:
+    """Qwen3-VL and Qwen3.5: :func:`run_pp_steps` in one process, or pp 2 on two ranks; Qwen3-VL over pp 2 x cp 2
+    on four ranks; with ``cp`` in ``args`` Qwen3-VL's :func:`run` (cp 2 alone on two ranks, or one process)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if args.get("cp"):  # Qwen3-VL under cp 2 alone (the reference: run in one process)
+        found = run("qwen3_vl", plan_mesh(world, cp_size=2) if world > 1 else MeshLayout(1))
+        return {"qwen3_vl_cp": {key: found[key] for key in ("losses", "norms", "vision_grads")}}
+    if world == 4:  # pp 2 x cp 2
+        return {"qwen3_vl": run_pp_steps("qwen3_vl", world), "qwen3_vl_frozen": run_pp_steps("qwen3_vl", world, True)}
+    return {**{family: run_pp_steps(family, world) for family in ("qwen3_vl", "qwen3_5")},
+            "qwen3_vl_frozen": run_pp_steps("qwen3_vl", world, frozen=True)}
 
 
 def scenario_vlm_pp_cp(args: dict[str, Any], out: Any) -> dict[str, Any]:

@@ -27,6 +27,7 @@ import torch
 from automodel.errors import AutomodelError
 from automodel.training.parallel.all_gather_attention import TwoWaySpans
 from automodel.training.parallel.context_parallel import ContextParallelBatch, split_sequence
+from automodel_vlm.deepstack import split_maps
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -48,9 +49,9 @@ class MultimodalContextParallelBatch(ContextParallelBatch):
 
 class SequenceSplit:
     """A forward pre-hook on the language model that, while :meth:`active`, hands it this rank's part of the
-    merged embeddings, of the positions (each row's ``0 .. length - 1`` where the model passes none) and of
-    Gemma 4's per-layer inputs, without an attention mask (the region's attention builds its own from the whole
-    rows)."""
+    merged embeddings, of the positions (each row's ``0 .. length - 1`` where the model passes none), of
+    Gemma 4's per-layer inputs and of Qwen3-VL's DeepStack features, without an attention mask (the region's
+    attention builds its own from the whole rows)."""
 
     def __init__(self, language_model: torch.nn.Module, cp_mesh: DeviceMesh):
         self.cp_mesh = cp_mesh
@@ -74,6 +75,7 @@ class SequenceSplit:
                  "attention_mask": None}
         if kwargs.get("per_layer_inputs") is not None:  # Gemma 4's: [batch, sequence, layers, size]
             split["per_layer_inputs"] = split_sequence(kwargs["per_layer_inputs"], self.cp_mesh)
+        split.update(split_maps(kwargs, self.cp_mesh))  # Qwen3-VL's DeepStack features at the image positions
         return args, {**kwargs, **split}
 
     @contextlib.contextmanager

@@ -83,9 +83,11 @@ class MediaLayout:
                              f"({' / '.join(self.token_attributes)}), which the pipeline counts each row's images by")
 
 
-# Qwen2-VL and Qwen2.5-VL: pixel_values [patches, channels x patch volume] of images of any size, their grids, and
-# 3-D rope positions that every stage needs (computed before the schedule). Images only: a batch's videos
-# (pixel_values_videos, video_grid_thw, Qwen2.5-VL's second_per_grid_ts) are keys the layout does not place.
+# Qwen2-VL, Qwen2.5-VL, Qwen3-VL (dense and MoE) and Qwen3.5 (dense and MoE): pixel_values [patches, channels x
+# patch volume] of images of any size, their grids, and 3-D rope positions that every stage needs (computed before
+# the schedule, from the token types). Qwen3-VL's DeepStack feature maps travel beside the hidden states to the
+# stages of the layers that add them (automodel_vlm.deepstack). Images only: a batch's videos (pixel_values_videos,
+# video_grid_thw, Qwen2.5-VL's second_per_grid_ts) are keys the layout does not place.
 QWEN_VL = MediaLayout(grid="image_grid_thw", per_patch=("pixel_values",), rope_only=("mm_token_type_ids",))
 
 # model_type -> its media layout. Llava: pixel_values [images, channels, height, width], every image the same
@@ -96,6 +98,7 @@ QWEN_VL = MediaLayout(grid="image_grid_thw", per_patch=("pixel_values",), rope_o
 # image_position_ids [images, patches, 2], each image's real patches pooled into its tokens, marked by
 # mm_token_type_ids. PaliGemma is refused (layout_issue).
 MEDIA_LAYOUTS = {"llava": MediaLayout(per_image=("pixel_values",)), "qwen2_vl": QWEN_VL, "qwen2_5_vl": QWEN_VL,
+                 "qwen3_vl": QWEN_VL, "qwen3_vl_moe": QWEN_VL, "qwen3_5": QWEN_VL, "qwen3_5_moe": QWEN_VL,
                  "mistral3": MediaLayout(per_image=("pixel_values",), sizes="image_sizes"),
                  "gemma3": MediaLayout(per_image=("pixel_values",), mask_inputs=("token_type_ids",)),
                  "gemma4": MediaLayout(per_image=("pixel_values",), patch_positions="image_position_ids",

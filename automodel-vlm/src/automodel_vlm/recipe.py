@@ -26,6 +26,7 @@ from automodel.training.next_token import (
 from automodel.training.parallel.context_parallel import ContextParallelBatch, cp_attention
 from automodel.training.parallel.mesh import CP
 from automodel.training.parallel.pipeline_media import media_kwargs
+from automodel.training.parallel.pipeline_parallel import StagePipelines
 from automodel.training.parallelism import model_hf_config, validation_device
 from automodel.training.pipeline_steps import padded_tokens, pipeline_length, stage_kwargs
 from automodel.training.recipe import TrainRecipe
@@ -41,6 +42,7 @@ from automodel_vlm.datasets.packing import (
     rope_index,
 )
 from automodel_vlm.datasets.text_chat import text_chat_issues
+from automodel_vlm.deepstack import travel_deepstack
 from automodel_vlm.drafter import DRAFTER_DIR, drafter_issues, find_composite, uses_drafter
 from automodel_vlm.frame_sharding import FrameSharding, attach_frame_sharding, frame_sharding_issues
 from automodel_vlm.freeze import UpstreamFreezeConfig, VLMFreezeConfig
@@ -254,6 +256,13 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
                 issue := attention_issue(config, cp_attention(ctx.cfg, ctx.device, config))) is not None:
             raise AutomodelError(f"distributed.cp_size: {ctx.mesh.cp}: {issue}")  # a config validation could not read
         return super().after_model_built(ctx, model, meta)
+
+    def build_pipelines(self, ctx: BuildContext) -> StagePipelines | None:
+        """Before the schedules: a DeepStack model's stages carry its feature maps to the layers that add them
+        (``automodel_vlm.deepstack``)."""
+        if ctx.mesh.pp > 1 and (line := travel_deepstack(self.model)) is not None:
+            self.log(line)
+        return super().build_pipelines(ctx)
 
     def setup(self) -> None:
         super().setup()

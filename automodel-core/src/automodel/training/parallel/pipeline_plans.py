@@ -1,6 +1,7 @@
 """Pipeline plans (transformers' ``pp_plan``: the input embedding, the decoder layers, the final norm, the output
 head, each with what it takes and gives) for the models whose transformers classes have none, by ``model_type``:
-Nemotron-H (upstream cuts its NemotronV3 models into stages; transformers' ``NemotronHForCausalLM`` has no plan)."""
+Nemotron-H (upstream cuts its NemotronV3 models into stages; transformers' ``NemotronHForCausalLM`` has no plan) and
+Qwen3-VL (its MoE sibling's config has one, the dense one's none; their language models are alike)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ PLANS: dict[str, dict[str, tuple[list[str], list[str]]]] = {
                    "model.layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
                    "model.norm_f": (["hidden_states"], ["hidden_states"]),
                    "lm_head": (["hidden_states"], ["logits"])},
+    "qwen3_vl": {"model.language_model.embed_tokens": (["input_ids"], ["inputs_embeds"]),
+                 "model.language_model.layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
+                 "model.language_model.norm": (["hidden_states"], ["hidden_states"])},
 }
 
 

@@ -70,16 +70,23 @@ class PipelineStageModel(nn.Module):
     ``[rows, axes, length]``, so that the schedule splits them with the rows; the stage hands the model
     ``[axes, rows, length]``. With :attr:`carry` (MTP heads), while training, ``carried`` tensors travel beside
     the hidden states: the first stage makes them, the middle ones pass them on, the last returns what the carry
-    makes of them after its output. ``mask_<name>`` keywords (per row: Gemma 3's ``token_type_ids``) are what the
-    composite model builds its attention masks from (its images' tokens attend to each other both ways): the first
-    stage hands them to the base model as ``<name>``, the later ones build the same masks from them
-    (:meth:`_model_masks`), so every stage's layers attend as in the whole model."""
+    makes of them after its output. With :attr:`beside` (Qwen3-VL's DeepStack features) the tensors it names
+    travel beside the hidden states from the first stage to the stages whose layers take them, while training and
+    evaluating. ``mask_<name>`` keywords (per row: Gemma 3's ``token_type_ids``) are what the composite model builds
+    its attention masks from (its images' tokens attend to each other both ways): the first stage hands them to the
+    base model as ``<name>``, the later ones build the same masks from them (:meth:`_model_masks`), so every stage's
+    layers attend as in the whole model."""
 
     # the loss applies the output head itself (FusedLinearCrossEntropy): no [tokens, vocab] logits leave the stage
     head_in_loss = False
     # what the stages carry beside the hidden states while training (automodel.mtp.pipeline.StageHeads: the MTP
     # heads' future-token embeddings, from the first stage to the last, which runs the heads); None: nothing
     carry: Any = None
+    # what travels beside the hidden states to later stages' layers (automodel_vlm.deepstack.DeepStackTravel:
+    # features the first stage's media make and some layers add): ``counts(stage)`` the tensors a stage takes and
+    # sends; ``running(stage, taken, sent, cp_mesh)`` a context around the stage's model forward that appends what
+    # it sends to ``sent`` (under context parallelism: this rank's part of the positions); None: nothing
+    beside: Any = None
 
     def __init__(self, model: nn.Module, index: int, num_stages: int, layers: range, parts: dict[str, str],
                  whole: nn.Module | None = None):
@@ -117,6 +124,23 @@ class PipelineStageModel(nn.Module):
         if types and cp_mesh is not None:
             raise AutomodelError("distributed.cp_size: the pipeline stages build this model's masks from its token "
                                  "types, which the context-parallel attention does not take; set cp_size: 1")
+        sent: list[torch.Tensor] = []
+        with self.beside.running(self, carried, sent, cp_mesh) if self.beside is not None else contextlib.nullcontext():
+            hidden = self._body(body, given, attention_mask, position_ids, cp_mesh)
+        output = self.output_head(hidden) if self.is_last and not self.head_in_loss else hidden
+        if self.beside is not None:
+            return (output, *sent) if sent else output
+        if self.carry is None or not self.training:
+            return output
+        if self.is_first:
+            carried = tuple(self.carry.embed(self, inputs))
+        if self.is_last:
+            return (output, *self.carry.run(self, hidden, carried, attention_mask, position_ids))
+        return (output, *carried)
+
+    def _body(self, body: nn.Module, given: dict[str, Any], attention_mask: Any,
+              position_ids: torch.Tensor | None, cp_mesh: DeviceMesh | None) -> torch.Tensor:
+        """The stage's model forward: its final hidden states (see :meth:`forward`)."""
         if cp_mesh is None:
             hidden = body(**given, attention_mask=attention_mask, position_ids=position_ids,
                           use_cache=False).last_hidden_state
@@ -129,14 +153,7 @@ class PipelineStageModel(nn.Module):
                                       use_cache=False).last_hidden_state
                 else:
                     hidden = body(**given, position_ids=positions, use_cache=False).last_hidden_state
-        output = self.output_head(hidden) if self.is_last and not self.head_in_loss else hidden
-        if self.carry is None or not self.training:
-            return output
-        if self.is_first:
-            carried = tuple(self.carry.embed(self, inputs))
-        if self.is_last:
-            return (output, *self.carry.run(self, hidden, carried, attention_mask, position_ids))
-        return (output, *carried)
+        return hidden
 
     def _model_masks(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None,
                      position_ids: torch.Tensor | None, types: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -313,10 +330,15 @@ def is_stage(model: nn.Module) -> bool:
     return isinstance(_inside_peft(model), (PipelineStageModel, LocalStages))
 
 
+def stage_models(model: nn.Module) -> list[nn.Module]:
+    """The :class:`PipelineStageModel` s ``model`` (what :func:`stages_of` takes) runs, inside their LoRA wrappers."""
+    return [_inside_peft(stage) for stage in stages_of(model)]
+
+
 def last_stage(model: nn.Module) -> PipelineStageModel | None:
     """The pipeline's last stage where this rank runs it (``model``: what :func:`stages_of` takes), else None."""
-    inner = [_inside_peft(stage) for stage in stages_of(model)]
-    return next((stage for stage in inner if isinstance(stage, PipelineStageModel) and stage.is_last), None)
+    return next((stage for stage in stage_models(model) if isinstance(stage, PipelineStageModel) and stage.is_last),
+                None)
 
 
 def _inside_peft(model: nn.Module) -> nn.Module:
