@@ -226,7 +226,7 @@ def _form_overrides(kimi_dir: Path, checkpoint_dir: Path) -> list:
             checkpoint_dir]
 
 
-def test_upstream_form_trains_two_steps_and_transformers_loads_the_saved_model(kimi_dir, tmp_path):
+def test_upstream_form_trains_two_steps_and_transformers_loads_the_saved_model(kimi_dir, tmp_path, capsys):
     from transformers import Kimi_K25ForConditionalGeneration
 
     batches = []
@@ -245,6 +245,10 @@ def test_upstream_form_trains_two_steps_and_transformers_loads_the_saved_model(k
     assert isinstance(recipe.model, Kimi_K25ForConditionalGeneration)
     assert isinstance(recipe.dataloader.collate_fn.fn, KimiK25Collator)
     assert [r["step"] for r in testing.read_jsonl(tmp_path / "ckpt" / "training.jsonl")] == [2]
+    # without torchvision the run says once that the image processor is our Pillow twin and takes no videos
+    log = capsys.readouterr().err
+    assert log.count("our Pillow twin") == (0 if HAS_TORCHVISION else 1)
+    assert ("takes no videos" in log) != HAS_TORCHVISION
     tokenizer = recipe.processor.tokenizer
     answers = {row["messages"][1]["content"][0]["text"] + "<|im_end|>" for row in _shapes(8)}
     train = [b for b in batches if b["input_ids"].shape[0] == 4][:2]
