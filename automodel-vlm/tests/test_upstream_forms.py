@@ -164,7 +164,7 @@ def test_drop_overlong_leaves_long_samples_out(upstream_data):
      "dataset._target_", "use ImageTextChatDataset"),
     (("--dataloader.collate_fn._target_", "nemo_automodel.components.datasets.vlm.collate_fns."
                                           "kimi_vl_collate_fn"), "dataloader.collate_fn._target_",
-     "use default_collate_fn"),
+     "only as the checkpoint's own remote code"),
     (("--dataloader.collate_fn.max_lenght", "7"), "dataloader.collate_fn.max_lenght", "max_length"),
     (("--processor._target_", "transformers.models.qwen3_vl.video_processing_qwen3_vl.Qwen3VLVideoProcessor."
                               "from_pretrained"), "processor._target_", "video inputs are not supported"),

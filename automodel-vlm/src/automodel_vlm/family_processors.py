@@ -1,6 +1,7 @@
 """Upstream's own processor builders for the VLM families transformers now ships itself: Inkling, MiniMax-M3-VL and
 Step3.7 (upstream's ``build_inkling_processor``, ``build_minimax_m3_vl_processor``,
-``Step3VLProcessor.from_pretrained``, see plugin.py).
+``Step3VLProcessor.from_pretrained``, see plugin.py), and Kimi K2.5's processor (:func:`kimi_k25_processor`, which
+``AutoProcessor.from_pretrained`` of a Kimi K2.5 checkpoint loads here instead of the checkpoint's remote code).
 
 Each loads transformers' own processor class of the family from the checkpoint (hub checkpoints name upstream's
 remote-code class in ``processor_class``, which AutoProcessor would follow) and applies what upstream's builder adds
@@ -10,11 +11,12 @@ for its tokenizer and image processor where it ships some). Upstream's MiniMax b
 ``chat_template.jinja``, which the checkpoint's remote-code class dropped; transformers' class keeps it, so it only
 loads.
 
-The three families' image processors are torchvision-backed in transformers. Without torchvision (this project's
+The four families' image processors are torchvision-backed in transformers. Without torchvision (this project's
 machines: PyPI's torchvision does not work with the pinned CPU torch) the builders load the checkpoint's image
 processor settings into our Pillow twin of the class (image_processors.py; never the checkpoint's own image
-processor code), and the tokenizer (and Inkling's audio feature extractor) as transformers would; MiniMax's video
-processor is torchvision-only, so its processor is then images-only (:func:`images_only_minimax_class`). The recipe
+processor code), and the tokenizer (and Inkling's audio feature extractor) as transformers would; MiniMax's and
+Kimi K2.5's video processors are torchvision-only, so their processors are then images-only
+(:func:`images_only_minimax_class`, :func:`images_only_kimi_k25_class`). The recipe
 says so in its log (:func:`pillow_twin_note`).
 """
 
@@ -29,6 +31,10 @@ from automodel_vlm.processor import finish_processor, open_processor
 
 # Inkling's end-of-sampling token: upstream's end-of-sequence (and so padding) token for a tokenizer without one
 INKLING_END_OF_SAMPLING = "<|content_model_end_sampling|>"
+# transformers' Kimi_K25Processor's placeholders (a tokenizer may name others as image_token / video_token)
+KIMI_K25_IMAGE_TOKEN, KIMI_K25_VIDEO_TOKEN = "<|media_pad|>", "<|kimi_k25_video_placeholder|>"
+# the processor classes a Kimi K2.5 checkpoint may name: transformers' own and the hub checkpoint's remote-code one
+KIMI_K25_PROCESSORS = ("Kimi_K25Processor", "KimiK25Processor")
 TWINS_MODULE = "automodel_vlm.image_processors"
 
 
@@ -63,6 +69,34 @@ def images_only_minimax_class() -> type:
             return {**super().to_dict(), "processor_class": MiniMaxM3VLProcessor.__name__}
 
     return MiniMaxM3VLImagesProcessor
+
+
+@functools.cache
+def images_only_kimi_k25_class() -> type:
+    """transformers' ``Kimi_K25Processor`` without its video processor (torchvision-only): images and text only.
+    It saves as ``Kimi_K25Processor`` (a machine with torchvision loads it back as that, video included)."""
+    from transformers import Kimi_K25Processor
+    from transformers.processing_utils import ProcessorMixin
+
+    class Kimi_K25ImagesProcessor(Kimi_K25Processor):
+        def __init__(self, image_processor: Any = None, tokenizer: Any = None, chat_template: str | None = None,
+                     **kwargs: Any) -> None:
+            ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+            self.image_token = getattr(tokenizer, "image_token", None) or KIMI_K25_IMAGE_TOKEN
+            self.video_token = getattr(tokenizer, "video_token", None) or KIMI_K25_VIDEO_TOKEN
+            self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+            self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+
+        def __call__(self, images: Any = None, text: Any = None, videos: Any = None, **kwargs: Any) -> Any:
+            if videos is not None:
+                raise ValueError("Kimi_K25Processor without torchvision takes no videos (transformers' Kimi K2.5 "
+                                 "video processor needs torchvision): install torchvision or leave the videos out")
+            return super().__call__(images=images, text=text, **kwargs)
+
+        def to_dict(self) -> dict[str, Any]:
+            return {**super().to_dict(), "processor_class": Kimi_K25Processor.__name__}
+
+    return Kimi_K25ImagesProcessor
 
 
 def _with_twin(processor_class: str | type, twin: str) -> Any:
@@ -127,3 +161,12 @@ def step3p7_processor(pretrained_model_name_or_path: str | None = None, **kwargs
     """transformers' ``Step3p7Processor`` (global view plus local patch crops per image)."""
     return finish_processor(_open("Step3p7Processor", "Step3p7ImageProcessorPil", pretrained_model_name_or_path,
                                   kwargs))
+
+
+def kimi_k25_processor(pretrained_model_name_or_path: str | None = None, **kwargs: Any) -> Any:
+    """transformers' ``Kimi_K25Processor`` (one ``<|media_pad|>`` per merged patch of an image), whatever processor
+    class the checkpoint names: the hub's Kimi-K2.5 names its remote-code ``KimiK25Processor``, which
+    :func:`automodel_vlm.processor.load_processor` routes here; its image processor settings are read by
+    transformers' class (or our Pillow twin) from the checkpoint's ``preprocessor_config.json``."""
+    return finish_processor(_open("Kimi_K25Processor", "Kimi_K25ImageProcessorPil", pretrained_model_name_or_path,
+                                  kwargs, without_torchvision=images_only_kimi_k25_class))

@@ -1,6 +1,6 @@
-"""Pillow-backed twins of the Inkling, MiniMax-M3-VL and Step3.7 image processors.
+"""Pillow-backed twins of the Inkling, MiniMax-M3-VL, Step3.7 and Kimi K2.5 image processors.
 
-transformers ships these three families' image processors only on its torchvision backend (``TorchvisionBackend``),
+transformers ships these four families' image processors only on its torchvision backend (``TorchvisionBackend``),
 and torchvision cannot be installed beside this project's pinned CPU torch. These classes do the same work on
 transformers' ``PilBackend`` (Pillow resizing, NumPy arithmetic) and give the same outputs: the same keys, layout,
 grids and patch counts, so the same number of image tokens in the processor; the pixel values differ from the
@@ -20,7 +20,14 @@ import numpy as np
 from transformers.image_processing_backends import PilBackend
 from transformers.image_processing_utils import BatchFeature
 from transformers.image_transforms import divide_to_patches
-from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, PILImageResampling, SizeDict
+from transformers.image_utils import (
+    IMAGENET_STANDARD_MEAN,
+    IMAGENET_STANDARD_STD,
+    OPENAI_CLIP_MEAN,
+    OPENAI_CLIP_STD,
+    PILImageResampling,
+    SizeDict,
+)
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.processing_utils import ImagesKwargs
 
@@ -239,4 +246,93 @@ class Step3p7ImageProcessorPil(PilBackend):
         return result
 
 
-__all__ = ["InklingImageProcessorPil", "MiniMaxM3VLImageProcessorPil", "Step3p7ImageProcessorPil", "inkling_tiles"]
+# ---- Kimi K2.5 -----------------------------------------------------------------------------------------------------
+
+class KimiK25ImageProcessorKwargs(ImagesKwargs, total=False):
+    """``max_patches``: the most vision patches an image may give (larger ones are scaled down); ``patch_size``: the
+    vision tower's patch side; ``merge_size``: the side of the square of patches merged into one image token."""
+
+    max_patches: int
+    patch_size: int
+    merge_size: int
+
+
+def kimi_k25_sizes(height: int, width: int, patch_size: int, merge_size: int, max_patches: int,
+                   max_side_patches: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Kimi K2.5's image sizing: ((resized height, width), (padded height, width)). The image is only ever scaled
+    down (one factor for both sides), so that it gives at most ``max_patches`` patches and at most
+    ``max_side_patches`` patches along a side, then zero-padded at the bottom and right to multiples of
+    ``patch_size * merge_size``."""
+    rows, columns = max(1, height // patch_size), max(1, width // patch_size)
+    limit = max_side_patches * patch_size
+    scale = min(1.0, math.sqrt(max_patches / (rows * columns)), limit / height, limit / width)
+    new_height = min(max(1, int(height * scale)), limit)
+    new_width = min(max(1, int(width * scale)), limit)
+    block = patch_size * merge_size
+    return (new_height, new_width), (-(-new_height // block) * block, -(-new_width // block) * block)
+
+
+class Kimi_K25ImageProcessorPil(PilBackend):
+    """Kimi K2.5's image processor on Pillow: each image scaled down (bicubic) within ``max_patches`` patches and
+    ``size["max_height"]`` patches a side (:func:`kimi_k25_sizes`), zero-padded to whole merge windows, rescaled and
+    normalised, then cut into ``patch_size`` squares row by row; ``pixel_values`` is ``(patches, C, patch, patch)``
+    over all images and ``image_grid_thw`` ``[1, rows, columns]`` per image (``rows * columns / merge_size**2``
+    image tokens)."""
+
+    resample = PILImageResampling.BICUBIC
+    size = {"max_height": 512, "max_width": 512}
+    max_patches = 16384
+    do_resize = True
+    do_rescale = True
+    do_normalize = True
+    image_mean = IMAGENET_STANDARD_MEAN
+    image_std = IMAGENET_STANDARD_STD
+    do_convert_rgb = True
+    patch_size = 14
+    merge_size = 2
+    valid_kwargs = KimiK25ImageProcessorKwargs
+    model_input_names = ["pixel_values", "image_grid_thw"]
+
+    def _validate_preprocess_kwargs(self, size: SizeDict | None = None, **kwargs: Any) -> None:
+        if size is not None and (size.max_height is None or size.max_height != size.max_width):
+            raise ValueError(f"Kimi_K25ImageProcessor: size must be {{max_height: N, max_width: N}} (one limit for "
+                             f"both sides), got {size}")
+        super()._validate_preprocess_kwargs(size=size, **kwargs)
+
+    def _sizes(self, height: int, width: int, images_kwargs: dict | None = None) -> tuple[tuple, tuple]:
+        given = images_kwargs or {}
+        side = given["size"]["max_height"] if "size" in given else self.size["max_height"]
+        return kimi_k25_sizes(height, width, given.get("patch_size", self.patch_size),
+                              given.get("merge_size", self.merge_size), given.get("max_patches", self.max_patches),
+                              side)
+
+    def get_number_of_image_patches(self, height: int, width: int, images_kwargs: dict | None = None) -> int:
+        """The vision patches of an image of this size (``/ merge_size**2`` image tokens)."""
+        padded_height, padded_width = self._sizes(height, width, images_kwargs)[1]
+        patch = (images_kwargs or {}).get("patch_size", self.patch_size)
+        return (padded_height // patch) * (padded_width // patch)
+
+    def _preprocess(self, images: list[np.ndarray], do_resize: bool, size: SizeDict, resample: Any,
+                    do_rescale: bool, rescale_factor: float, do_normalize: bool, image_mean: Any, image_std: Any,
+                    patch_size: int, merge_size: int, max_patches: int, return_tensors: Any,
+                    **kwargs: Any) -> BatchFeature:
+        patches, grids = [], []
+        for image in images:
+            if do_resize:
+                (height, width), (padded_height, padded_width) = kimi_k25_sizes(
+                    *image.shape[-2:], patch_size, merge_size, max_patches, size.max_height)
+                image = self.resize(image, SizeDict(height=height, width=width), resample=resample)
+                image = self.pad([image], pad_size=SizeDict(height=padded_height, width=padded_width))[0]
+            image = _rescale_normalize(image, self, do_rescale, rescale_factor, do_normalize, image_mean, image_std)
+            channels, height, width = image.shape
+            rows, columns = height // patch_size, width // patch_size
+            cut = image[:, :rows * patch_size, :columns * patch_size]
+            cut = cut.reshape(channels, rows, patch_size, columns, patch_size).transpose(1, 3, 0, 2, 4)
+            patches.append(cut.reshape(rows * columns, channels, patch_size, patch_size))
+            grids.append([1, rows, columns])
+        return BatchFeature(data={"pixel_values": np.concatenate(patches),
+                                  "image_grid_thw": np.array(grids, dtype=np.int64)}, tensor_type=return_tensors)
+
+
+__all__ = ["InklingImageProcessorPil", "Kimi_K25ImageProcessorPil", "MiniMaxM3VLImageProcessorPil",
+           "Step3p7ImageProcessorPil", "inkling_tiles", "kimi_k25_sizes"]

@@ -20,17 +20,23 @@ _GENERIC_COLLATE = ("use default_collate_fn (the processor's chat template rende
 # Upstream names nothing here implements, each with the reason and what to use instead.
 UNSUPPORTED = {
     f"{_DATASETS}.make_meta_dataset": "upstream's meta-JSON data mixtures are not implemented; " + _OURS,
-    "nemo_automodel.components.datasets.audio.datasets.make_cv17_dataset": "audio data is not supported by the VLM "
-                                                                           "recipe (images only)",
+    "nemo_automodel.components.datasets.audio.datasets.make_cv17_dataset":
+        "CommonVoice rows are speech: the VLM recipe feeds a model images and text only (no audio features reach "
+        "it), and decoding the clips needs torchcodec (datasets' Audio column), which this installation lacks; "
+        "use an image-text data set (" + _OURS.removeprefix("use ") + ")",
     f"{_COLLATE}.nemotron_omni_collate_fn": "Nemotron Omni's audio/video collation is not implemented; "
                                             + _GENERIC_COLLATE,
     f"{_COLLATE}.qwen3_omni_collate_fn": "Qwen3-Omni's audio/video collation is not implemented; " + _GENERIC_COLLATE,
-    f"{_COLLATE}.phi4_mm_collate_fn": "Phi-4-multimodal's (remote-code processor, audio) collation is not "
-                                      "implemented; " + _GENERIC_COLLATE,
-    f"{_COLLATE}.kimi_vl_collate_fn": "Kimi-VL's remote-code processor collation is not implemented; "
-                                      + _GENERIC_COLLATE,
-    f"{_COLLATE}.kimi_k25_vl_collate_fn": "Kimi-K2.5-VL's remote-code processor collation is not implemented; "
-                                          + _GENERIC_COLLATE,
+    f"{_COLLATE}.phi4_mm_collate_fn": "Phi-4-multimodal's collation feeds speech (CommonVoice clips) to the model: "
+                                      "the VLM recipe passes images and text only (no audio features reach a "
+                                      "model), and decoding the clips needs torchcodec (datasets' Audio column), "
+                                      "which this installation lacks; train an image-text model with "
+                                      "default_collate_fn instead",
+    f"{_COLLATE}.kimi_vl_collate_fn": "Kimi-VL (model_type kimi_vl, moonshotai/Kimi-VL-A3B-*) exists only as the "
+                                      "checkpoint's own remote code: transformers has no Kimi-VL model or processor "
+                                      "class, and automodel trains transformers' classes without running a "
+                                      "checkpoint's code; fine-tune Kimi-K2.5 (transformers' kimi_k25, "
+                                      "kimi_k25_vl_collate_fn) or another transformers VLM with default_collate_fn",
     f"{_COLLATE}.nemotron_parse_collate_fn": "Nemotron-Parse's collation is not implemented; " + _GENERIC_COLLATE,
     "nemo_automodel.NeMoAutoModelForMultimodalLM.from_pretrained":
         "audio-and-video (omni) models are not supported by the VLM recipe (images and text only); use "
@@ -75,6 +81,12 @@ def automodel_register_aliases(aliases) -> None:
     # builds once with the recipe's processor and the node's keys (max_length, drop_overlong)
     for name in ("default_collate_fn", "qwen2_5_collate_fn", "llava_onevision_collate_fn"):
         aliases.target(f"{_COLLATE}.{name}", "automodel_vlm.datasets.collate.VLMCollator")
+    # Kimi K2.5's: transformers' Kimi_K25Processor expands the image tokens itself; a row cut inside an image loses
+    # that row's images, as upstream's collate does (automodel_vlm.datasets.kimi_k25)
+    aliases.target(f"{_COLLATE}.kimi_k25_vl_collate_fn", "automodel_vlm.datasets.kimi_k25.KimiK25Collator")
+    # upstream's processor loader: AutoProcessor, except that a Kimi K2.5 checkpoint (whose hub processor is remote
+    # code) loads transformers' Kimi_K25Processor (automodel_vlm.processor.load_processor)
+    aliases.target("transformers.AutoProcessor.from_pretrained", "automodel_vlm.processor.load_processor")
     # Gemma 4's: the same collation with the thinking-channel prefix inserted after each model turn, unlabelled;
     # upstream's hook (batch, processor) -> batch itself; as packed_sequence.post_tokenize_hook_fn, packing tokenizes
     # each sample with Gemma4PrefixCollator (VLMPackedSequenceConfig.sample_collator)

@@ -7,6 +7,7 @@ settings, for a model whose processor was never saved as one.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -52,10 +53,55 @@ def open_processor(processor_class: str, path: str | None, kwargs: dict[str, Any
                              f"{err}") from None
 
 
+def _checkpoint_json(path: str, name: str, kwargs: dict[str, Any]) -> dict:
+    """``name`` of a checkpoint directory or (already downloaded / reachable) hub repository; {} if it has none."""
+    local = Path(path) / name
+    if Path(path).is_dir():
+        found: str | None = str(local) if local.is_file() else None
+    else:
+        from transformers.utils import cached_file
+
+        hub = {k: kwargs[k] for k in ("revision", "cache_dir", "token", "local_files_only") if k in kwargs}
+        try:
+            found = cached_file(path, name, _raise_exceptions_for_missing_entries=False,
+                                _raise_exceptions_for_connection_errors=False, **hub)
+        except OSError:
+            found = None
+    try:
+        return json.loads(Path(found).read_text(encoding="utf-8")) if found else {}
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def is_kimi_k25_checkpoint(path: str, kwargs: dict[str, Any] | None = None) -> bool:
+    """Whether ``path`` holds a Kimi K2.5 model or processor: its config.json's ``model_type``, or the processor
+    class its processor / preprocessor config names (transformers' ``Kimi_K25Processor`` or the hub checkpoint's
+    remote-code ``KimiK25Processor``)."""
+    from automodel_vlm.family_processors import KIMI_K25_PROCESSORS
+
+    kwargs = kwargs or {}
+    if _checkpoint_json(path, "config.json", kwargs).get("model_type") == "kimi_k25":
+        return True
+    for name in ("processor_config.json", "preprocessor_config.json"):
+        data = _checkpoint_json(path, name, kwargs)
+        named = [data.get("processor_class"), str(data.get("auto_map", {}).get("AutoProcessor", ""))]
+        if any(str(n).rsplit(".", 1)[-1] in KIMI_K25_PROCESSORS for n in named if n):
+            return True
+    return False
+
+
 def load_processor(pretrained_model_name_or_path: str | None = None, *, name_or_path: str | None = None,
                    **kwargs: Any) -> Any:
-    """``transformers.AutoProcessor.from_pretrained`` with errors that name the config key."""
-    return finish_processor(open_processor("AutoProcessor", pretrained_model_name_or_path or name_or_path, kwargs))
+    """``transformers.AutoProcessor.from_pretrained`` with errors that name the config key (upstream's
+    ``transformers.AutoProcessor.from_pretrained`` is this). A Kimi K2.5 checkpoint loads transformers' own
+    ``Kimi_K25Processor`` (family_processors.kimi_k25_processor): the hub's names its remote-code processor, which
+    AutoProcessor would follow or refuse."""
+    path = pretrained_model_name_or_path or name_or_path
+    if path and is_kimi_k25_checkpoint(str(path), kwargs):
+        from automodel_vlm.family_processors import kimi_k25_processor
+
+        return kimi_k25_processor(str(path), **kwargs)
+    return finish_processor(open_processor("AutoProcessor", path, kwargs))
 
 
 def _image_processor(value: Any) -> Any:
