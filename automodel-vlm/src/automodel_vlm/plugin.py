@@ -22,9 +22,6 @@ UNSUPPORTED = {
     f"{_DATASETS}.make_meta_dataset": "upstream's meta-JSON data mixtures are not implemented; " + _OURS,
     "nemo_automodel.components.datasets.audio.datasets.make_cv17_dataset": "audio data is not supported by the VLM "
                                                                            "recipe (images only)",
-    f"{_COLLATE}.nemotron_omni_collate_fn": "Nemotron Omni's audio/video collation is not implemented; "
-                                            + _GENERIC_COLLATE,
-    f"{_COLLATE}.qwen3_omni_collate_fn": "Qwen3-Omni's audio/video collation is not implemented; " + _GENERIC_COLLATE,
     f"{_COLLATE}.phi4_mm_collate_fn": "Phi-4-multimodal's (remote-code processor, audio) collation is not "
                                       "implemented; " + _GENERIC_COLLATE,
     f"{_COLLATE}.kimi_vl_collate_fn": "Kimi-VL's remote-code processor collation is not implemented; "
@@ -32,9 +29,6 @@ UNSUPPORTED = {
     f"{_COLLATE}.kimi_k25_vl_collate_fn": "Kimi-K2.5-VL's remote-code processor collation is not implemented; "
                                           + _GENERIC_COLLATE,
     f"{_COLLATE}.nemotron_parse_collate_fn": "Nemotron-Parse's collation is not implemented; " + _GENERIC_COLLATE,
-    "nemo_automodel.NeMoAutoModelForMultimodalLM.from_pretrained":
-        "audio-and-video (omni) models are not supported by the VLM recipe (images and text only); use "
-        "NeMoAutoModelForImageTextToText.from_pretrained for an image-text-to-text model",
     "transformers.models.qwen3_vl.video_processing_qwen3_vl.Qwen3VLVideoProcessor.from_pretrained":
         "video inputs are not supported by the VLM recipe (images only); remove processor.video_processor",
 }
@@ -80,6 +74,14 @@ def automodel_register_aliases(aliases) -> None:
     # each sample with Gemma4PrefixCollator (VLMPackedSequenceConfig.sample_collator)
     aliases.target(f"{_COLLATE}.gemma4_prefix_collate_fn", "automodel_vlm.datasets.gemma4.Gemma4PrefixCollator")
     aliases.target(f"{_COLLATE}.gemma4_inject_thinking_prefix", "automodel_vlm.datasets.gemma4.inject_thinking_prefix")
+    # the omni families on images and text (automodel_vlm.omni): Qwen3-Omni's thinker, Nemotron-H Omni; their
+    # collators refuse audio and video rows when a batch is made
+    aliases.target("nemo_automodel.NeMoAutoModelForMultimodalLM.from_pretrained",
+                   "automodel_vlm.omni.AutoModelForMultimodalLM.from_pretrained")
+    aliases.target("nemo_automodel.NeMoAutoModelForMultimodalLM.from_config",
+                   "automodel_vlm.omni.AutoModelForMultimodalLM.from_config")
+    aliases.target(f"{_COLLATE}.qwen3_omni_collate_fn", "automodel_vlm.datasets.omni.Qwen3OmniCollator")
+    aliases.target(f"{_COLLATE}.nemotron_omni_collate_fn", "automodel_vlm.datasets.omni.NemotronOmniCollator")
     for name, builder in FAMILY_PROCESSORS.items():
         aliases.target(name, f"automodel_vlm.family_processors.{builder}")
     for name, reason in UNSUPPORTED.items():

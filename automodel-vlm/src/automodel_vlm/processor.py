@@ -54,8 +54,12 @@ def open_processor(processor_class: str, path: str | None, kwargs: dict[str, Any
 
 def load_processor(pretrained_model_name_or_path: str | None = None, *, name_or_path: str | None = None,
                    **kwargs: Any) -> Any:
-    """``transformers.AutoProcessor.from_pretrained`` with errors that name the config key."""
-    return finish_processor(open_processor("AutoProcessor", pretrained_model_name_or_path or name_or_path, kwargs))
+    """``transformers.AutoProcessor.from_pretrained`` with errors that name the config key; without torchvision, a
+    saved Qwen3-Omni or Nemotron-H Omni processor loads images-only with a Pillow image processor (omni.py)."""
+    from automodel_vlm.omni import omni_loader
+
+    path = pretrained_model_name_or_path or name_or_path
+    return finish_processor(open_processor("AutoProcessor", path, kwargs, loader=omni_loader(path) if path else None))
 
 
 def _image_processor(value: Any) -> Any:
