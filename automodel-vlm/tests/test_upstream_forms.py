@@ -171,8 +171,8 @@ def test_drop_overlong_leaves_long_samples_out(upstream_data):
     (("--freeze.vision_tower", "true"), "freeze_config", "give one of freeze"),
     (("--packed_sequence", "{pack_size: 4096, post_tokenize_hook_fn: automodel_vlm.datasets.gemma4.marker_ends}"),
      "packed_sequence.post_tokenize_hook_fn", "the only hook on tokenized samples here is Gemma 4's"),
-    (("--model._target_", "nemo_automodel.NeMoAutoModelForMultimodalLM.from_pretrained"), "model._target_",
-     "images and text only"),
+    (("--dataloader.collate_fn._target_", "nemo_automodel.components.datasets.vlm.collate_fns."
+                                          "phi4_mm_collate_fn"), "dataloader.collate_fn._target_", "audio"),
     (("--freeze_config.freeze_vision_towr", "true"), "freeze_config.freeze_vision_towr", "freeze_vision_tower"),
     (("--model.num_nextn_predict_layers", "1"), "model.num_nextn_predict_layers", "this model is llava"),
 ])

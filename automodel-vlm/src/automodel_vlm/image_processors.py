@@ -1,6 +1,6 @@
-"""Pillow-backed twins of the Inkling, MiniMax-M3-VL, Step3.7 and Kimi K2.5 image processors.
+"""Pillow-backed twins of the Inkling, MiniMax-M3-VL, Step3.7, Kimi K2.5 and Nemotron-H Omni image processors.
 
-transformers ships these four families' image processors only on its torchvision backend (``TorchvisionBackend``),
+transformers ships these families' image processors only on its torchvision backend (``TorchvisionBackend``),
 and torchvision cannot be installed beside this project's pinned CPU torch. These classes do the same work on
 transformers' ``PilBackend`` (Pillow resizing, NumPy arithmetic) and give the same outputs: the same keys, layout,
 grids and patch counts, so the same number of image tokens in the processor; the pixel values differ from the
@@ -334,5 +334,94 @@ class Kimi_K25ImageProcessorPil(PilBackend):
                                   "image_grid_thw": np.array(grids, dtype=np.int64)}, tensor_type=return_tensors)
 
 
+# ---- Nemotron-H Omni -----------------------------------------------------------------------------------------------
+
+class NemotronHOmniImageProcessorKwargs(ImagesKwargs, total=False):
+    """``patch_size``: the vision tower's patch side; ``downsample_ratio``: the model's pixel shuffle (a grid side is
+    a multiple of its reciprocal); ``min_num_patches`` / ``max_num_patches`` (0: no cap): an image's patch count
+    bounds; ``max_model_len``: the context length, which caps the patch budget of one call's images."""
+
+    patch_size: int
+    downsample_ratio: float
+    min_num_patches: int
+    max_num_patches: int
+    max_model_len: int
+
+
+def nemotron_omni_grid(height: int, width: int, patch: int, merge: int, low: int, high: int) -> tuple[int, int]:
+    """The (rows, columns) patch grid an image is resized to: its own grid (``round(side / patch + 0.5)``
+    per side) scaled down to at most ``high`` patches, up to at least ``low``, then each side made a multiple of
+    ``merge`` (rounded up while within ``high``, else down, never below ``merge``)."""
+    # Python's round (ties to even), as transformers' class rounds
+    rows, cols = round(height / patch + 0.5), round(width / patch + 0.5)
+    shrink = min(math.sqrt(high / (rows * cols)), 1.0)
+    rows, cols = math.floor(shrink * rows), math.floor(shrink * cols)
+    if high > low and rows * cols < low:
+        grow = math.sqrt(low / (rows * cols))
+        rows, cols = math.ceil(grow * rows), math.ceil(grow * cols)
+    if rows % merge:
+        up = rows + merge - rows % merge
+        rows = up if up * cols <= high else max(merge, rows - rows % merge)
+    if cols % merge:
+        up = cols + merge - cols % merge
+        cols = up if rows * up <= high else max(merge, cols - cols % merge)
+    return rows, cols
+
+
+class NemotronH_Omni_Reasoning_V3ImageProcessorPil(PilBackend):
+    """Nemotron-H Omni's (RADIO) image processor on Pillow: each image resized (bicubic) to a patch grid near its
+    own, scaled into the call's patch budget (``[min_num_patches, max_num_patches]``, capped by ``max_model_len``) and
+    rounded to multiples of the merge size (``1 / downsample_ratio``); ``pixel_values`` is every image's
+    ``patch_size`` patches, row by row, concatenated (``(patches, channels * patch_size**2)``, channel-major) and
+    ``image_grid_hw`` each image's grid (:func:`nemotron_omni_grid`)."""
+
+    resample = PILImageResampling.BICUBIC
+    do_rescale = True
+    do_normalize = True
+    image_mean = OPENAI_CLIP_MEAN
+    image_std = OPENAI_CLIP_STD
+    do_convert_rgb = True
+    patch_size = 16
+    downsample_ratio = 0.5
+    min_num_patches = 1024
+    max_num_patches = 13312
+    max_model_len = 16384
+    valid_kwargs = NemotronHOmniImageProcessorKwargs
+    model_input_names = ["pixel_values", "image_grid_hw"]
+
+    def __init__(self, **kwargs: Any) -> None:
+        # released checkpoints name the normalisation statistics norm_mean / norm_std (as transformers' class reads)
+        for legacy, name in (("norm_mean", "image_mean"), ("norm_std", "image_std")):
+            if (value := kwargs.pop(legacy, None)) is not None:
+                kwargs.setdefault(name, value)
+        kwargs.pop("_downsample_factor", None)
+        super().__init__(**kwargs)
+
+    def _preprocess(self, images: list[np.ndarray], resample: Any, do_rescale: bool, rescale_factor: float,
+                    do_normalize: bool, image_mean: Any, image_std: Any, patch_size: int, downsample_ratio: float,
+                    min_num_patches: int, max_num_patches: int, max_model_len: int, return_tensors: Any = None,
+                    **kwargs: Any) -> BatchFeature:
+        merge = round(1 / downsample_ratio)
+        budget = max((max_model_len - 4) * merge**2, min_num_patches * len(images))
+        if max_num_patches:
+            budget = min(budget, max_num_patches)
+        budget = max(budget, min_num_patches)
+        patches, grids = [], []
+        for image in images:  # channels first
+            height, width = image.shape[-2:]
+            grid_h, grid_w = nemotron_omni_grid(height, width, patch_size, merge, min_num_patches, budget)
+            if (height, width) != (grid_h * patch_size, grid_w * patch_size):
+                image = self.resize(image, SizeDict(height=grid_h * patch_size, width=grid_w * patch_size),
+                                    resample=resample)
+            image = _rescale_normalize(image, self, do_rescale, rescale_factor, do_normalize, image_mean, image_std)
+            channels = image.shape[0]
+            tiles = image.reshape(channels, grid_h, patch_size, grid_w, patch_size).transpose(1, 3, 0, 2, 4)
+            patches.append(tiles.reshape(grid_h * grid_w, channels * patch_size**2))
+            grids.append([grid_h, grid_w])
+        return BatchFeature(data={"pixel_values": np.concatenate(patches),
+                                  "image_grid_hw": np.array(grids, dtype=np.int64)}, tensor_type=return_tensors)
+
+
 __all__ = ["InklingImageProcessorPil", "Kimi_K25ImageProcessorPil", "MiniMaxM3VLImageProcessorPil",
-           "Step3p7ImageProcessorPil", "inkling_tiles", "kimi_k25_sizes"]
+           "NemotronH_Omni_Reasoning_V3ImageProcessorPil", "Step3p7ImageProcessorPil", "inkling_tiles",
+           "kimi_k25_sizes", "nemotron_omni_grid"]

@@ -91,6 +91,8 @@ class AutoModelForImageTextToText:
     (``use_liger_kernel``, ``force_hf``, ``use_sdpa_patching`` ...): see :mod:`automodel.model_kwargs`."""
 
     automodel_config_issues = staticmethod(mtp_model_issues)
+    auto_class = "AutoModelForImageTextToText"  # transformers' auto class that builds the model
+    what = " as an image-text-to-text model"
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | None = None, *, name_or_path: str | None = None,
@@ -99,9 +101,8 @@ class AutoModelForImageTextToText:
 
         path = pretrained_model_name_or_path or name_or_path
         finish = take_model_settings(kwargs, checkpoint=path, mtp=True)
-        model = pretrained_or_fresh(transformers.AutoModelForImageTextToText, path, dtype or torch_dtype,
-                                    cls.from_config, kwargs, (OSError, ValueError),
-                                    " as an image-text-to-text model")
+        model = pretrained_or_fresh(getattr(transformers, cls.auto_class), path, dtype or torch_dtype,
+                                    cls.from_config, kwargs, (OSError, ValueError), cls.what)
         return finish(model)
 
     @classmethod
@@ -114,7 +115,7 @@ class AutoModelForImageTextToText:
         model_kwargs = {k: kwargs.pop(k) for k in MODEL_KWARGS if k in kwargs}
         hf_config = load_config(config, vision_config, text_config, **kwargs)
         try:
-            model = fresh_model(transformers.AutoModelForImageTextToText.from_config, hf_config, model_kwargs,
+            model = fresh_model(getattr(transformers, cls.auto_class).from_config, hf_config, model_kwargs,
                                 dtype or torch_dtype, seed)
         except ValueError as err:
             raise AutomodelError(f"model.config: {err}") from None

@@ -24,9 +24,6 @@ UNSUPPORTED = {
         "CommonVoice rows are speech: the VLM recipe feeds a model images and text only (no audio features reach "
         "it), and decoding the clips needs torchcodec (datasets' Audio column), which this installation lacks; "
         "use an image-text data set (" + _OURS.removeprefix("use ") + ")",
-    f"{_COLLATE}.nemotron_omni_collate_fn": "Nemotron Omni's audio/video collation is not implemented; "
-                                            + _GENERIC_COLLATE,
-    f"{_COLLATE}.qwen3_omni_collate_fn": "Qwen3-Omni's audio/video collation is not implemented; " + _GENERIC_COLLATE,
     f"{_COLLATE}.phi4_mm_collate_fn": "Phi-4-multimodal's collation feeds speech (CommonVoice clips) to the model: "
                                       "the VLM recipe passes images and text only (no audio features reach a "
                                       "model), and decoding the clips needs torchcodec (datasets' Audio column), "
@@ -38,9 +35,6 @@ UNSUPPORTED = {
                                       "checkpoint's code; fine-tune Kimi-K2.5 (transformers' kimi_k25, "
                                       "kimi_k25_vl_collate_fn) or another transformers VLM with default_collate_fn",
     f"{_COLLATE}.nemotron_parse_collate_fn": "Nemotron-Parse's collation is not implemented; " + _GENERIC_COLLATE,
-    "nemo_automodel.NeMoAutoModelForMultimodalLM.from_pretrained":
-        "audio-and-video (omni) models are not supported by the VLM recipe (images and text only); use "
-        "NeMoAutoModelForImageTextToText.from_pretrained for an image-text-to-text model",
     "transformers.models.qwen3_vl.video_processing_qwen3_vl.Qwen3VLVideoProcessor.from_pretrained":
         "video inputs are not supported by the VLM recipe (images only); remove processor.video_processor",
 }
@@ -92,6 +86,14 @@ def automodel_register_aliases(aliases) -> None:
     # each sample with Gemma4PrefixCollator (VLMPackedSequenceConfig.sample_collator)
     aliases.target(f"{_COLLATE}.gemma4_prefix_collate_fn", "automodel_vlm.datasets.gemma4.Gemma4PrefixCollator")
     aliases.target(f"{_COLLATE}.gemma4_inject_thinking_prefix", "automodel_vlm.datasets.gemma4.inject_thinking_prefix")
+    # the omni families on images and text (automodel_vlm.omni): Qwen3-Omni's thinker, Nemotron-H Omni; their
+    # collators refuse audio and video rows when a batch is made
+    aliases.target("nemo_automodel.NeMoAutoModelForMultimodalLM.from_pretrained",
+                   "automodel_vlm.omni.AutoModelForMultimodalLM.from_pretrained")
+    aliases.target("nemo_automodel.NeMoAutoModelForMultimodalLM.from_config",
+                   "automodel_vlm.omni.AutoModelForMultimodalLM.from_config")
+    aliases.target(f"{_COLLATE}.qwen3_omni_collate_fn", "automodel_vlm.datasets.omni.Qwen3OmniCollator")
+    aliases.target(f"{_COLLATE}.nemotron_omni_collate_fn", "automodel_vlm.datasets.omni.NemotronOmniCollator")
     for name, builder in FAMILY_PROCESSORS.items():
         aliases.target(name, f"automodel_vlm.family_processors.{builder}")
     for name, reason in UNSUPPORTED.items():

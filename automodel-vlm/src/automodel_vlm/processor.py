@@ -95,13 +95,16 @@ def load_processor(pretrained_model_name_or_path: str | None = None, *, name_or_
     """``transformers.AutoProcessor.from_pretrained`` with errors that name the config key (upstream's
     ``transformers.AutoProcessor.from_pretrained`` is this). A Kimi K2.5 checkpoint loads transformers' own
     ``Kimi_K25Processor`` (family_processors.kimi_k25_processor): the hub's names its remote-code processor, which
-    AutoProcessor would follow or refuse."""
+    AutoProcessor would follow or refuse. Without torchvision, a saved Qwen3-Omni or Nemotron-H Omni processor loads
+    images-only with a Pillow image processor (omni.py)."""
+    from automodel_vlm.omni import omni_loader
+
     path = pretrained_model_name_or_path or name_or_path
     if path and is_kimi_k25_checkpoint(str(path), kwargs):
         from automodel_vlm.family_processors import kimi_k25_processor
 
         return kimi_k25_processor(str(path), **kwargs)
-    return finish_processor(open_processor("AutoProcessor", path, kwargs))
+    return finish_processor(open_processor("AutoProcessor", path, kwargs, loader=omni_loader(path) if path else None))
 
 
 def _image_processor(value: Any) -> Any:

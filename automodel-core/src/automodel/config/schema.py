@@ -242,6 +242,7 @@ def check_callable_node(node: dict, key: str, resolver: TargetResolver, issues: 
                       if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
         runtime = tuple(positional[:1])
     _check_arguments(fn, str(node["_target_"]), kwargs, key, runtime, issues)
+    _own_checks(fn, kwargs, key, issues)
 
 
 def _check_arguments(fn: Any, name: str, kwargs: dict, key: str, runtime_args: tuple[str, ...],

@@ -126,8 +126,12 @@ class VLMCollator:
         alike (tokens inserted in a row's ``input_ids`` inserted in its rendered ids too, unmasked, stay unlabelled)."""
         return batch, rendered
 
+    def _rendered(self, samples: list[dict[str, Any]]) -> list[Rendered]:
+        """Each sample's conversation rendered, tokenised and its assistant tokens marked (:func:`assistant_mask`)."""
+        return [assistant_mask(self.processor, s["messages"]) for s in samples]
+
     def __call__(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        rendered = [assistant_mask(self.processor, s["messages"]) for s in samples]
+        rendered = self._rendered(samples)
         images = [list(s.get("images") or []) for s in samples]
         if self.drop_overlong:
             kept = [i for i in range(len(samples)) if self._fits(rendered[i], images[i])]
