@@ -135,7 +135,7 @@ def _refusals(config: Path, route, *overrides) -> dict[str, str]:
     (("--loss_fn.temperature", "0.1"), "temperature", "the same setting"),
     (("--retrieval.query_max_length", "16"), "retrieval", "not both"),
     (("--dataloader.collate_fn._target_", "nemo_automodel.components.datasets.llm.ProcessorMethodCollator"),
-     "dataloader.collate_fn._target_", "multimodal"),
+     "dataloader.collate_fn._target_", "LlamaNemotronVL model"),
 ])
 def test_bi_encoder_values_that_cannot_act_are_refused(override, key, needle):
     found = _refusals(BI, BI_ROUTE, *override)

@@ -35,12 +35,15 @@ _UPSTREAM_DISTILL = {
 _LOSSES = {"nemo_automodel.components.loss.embedding_distill.EmbeddingDistillLoss": "EmbeddingDistillLoss",
            "nemo_automodel.components.loss.embedding_distill.EmbeddingMSELoss": "EmbeddingMSELoss",
            "nemo_automodel.components.loss.infonce.InfoNCEDistillLoss": "InfoNCEDistillLoss"}
+_MULTIMODAL = ("image-and-text retrieval runs upstream's own LlamaNemotronVL model (model_type llama_nemotron_vl, "
+               "nvidia/llama-nemotron-embed-vl-*), which exists only as upstream's and the checkpoint's own code: "
+               "transformers has no class for it, and automodel trains transformers' classes without running a "
+               "checkpoint's code; the retrieval recipes here embed text")
 _UNSUPPORTED = {
-    f"{_LLM_DATA}.ProcessorMethodCollator": "image-and-text (multimodal) retrieval is not implemented; the "
-                                            "retrieval recipes embed text with a tokenizer",
+    f"{_LLM_DATA}.ProcessorMethodCollator": _MULTIMODAL + " with a tokenizer (BiEncoderCollator)",
     "nemo_automodel.components.models.llama_nemotron_vl.processor.LlamaNemotronVLProcessor.from_pretrained":
-        "image-and-text (multimodal) retrieval is not implemented; give a text tokenizer "
-        "(NeMoAutoTokenizer.from_pretrained or transformers.AutoTokenizer.from_pretrained)",
+        _MULTIMODAL + ": give a text tokenizer (NeMoAutoTokenizer.from_pretrained or "
+        "transformers.AutoTokenizer.from_pretrained)",
 }
 _UPSTREAM_RECIPES = {"TrainBiEncoderRecipe": ("finetune", "retrieval"),
                      "TrainCrossEncoderRecipe": ("finetune", "cross-encoder"),

@@ -17,6 +17,10 @@ FAMILY_PROCESSORS = {
 }
 _GENERIC_COLLATE = ("use default_collate_fn (the processor's chat template renders the conversation; labels on the "
                     "assistant turns), which serves processors that follow transformers' conventions")
+_NEMOTRON_PARSE = ("Nemotron-Parse (nvidia/NVIDIA-Nemotron-Parse-*, an encoder-decoder document parser) exists only "
+                   "as the checkpoint's own remote code: transformers has no Nemotron-Parse model or processor class, "
+                   "and automodel trains transformers' classes without running a checkpoint's code; fine-tune a "
+                   "transformers VLM with default_collate_fn and MaskedCrossEntropy")
 # Upstream names nothing here implements, each with the reason and what to use instead.
 UNSUPPORTED = {
     f"{_DATASETS}.make_meta_dataset": "upstream's meta-JSON data mixtures are not implemented; " + _OURS,
@@ -34,7 +38,8 @@ UNSUPPORTED = {
                                       "class, and automodel trains transformers' classes without running a "
                                       "checkpoint's code; fine-tune Kimi-K2.5 (transformers' kimi_k25, "
                                       "kimi_k25_vl_collate_fn) or another transformers VLM with default_collate_fn",
-    f"{_COLLATE}.nemotron_parse_collate_fn": "Nemotron-Parse's collation is not implemented; " + _GENERIC_COLLATE,
+    f"{_COLLATE}.nemotron_parse_collate_fn": _NEMOTRON_PARSE,
+    f"{_MODELS}.nemotron_parse.nemotron_parse_loss.NemotronParseLoss": _NEMOTRON_PARSE,
     "transformers.models.qwen3_vl.video_processing_qwen3_vl.Qwen3VLVideoProcessor.from_pretrained":
         "video inputs are not supported by the VLM recipe (images only); remove processor.video_processor",
 }
