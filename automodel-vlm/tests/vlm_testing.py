@@ -172,3 +172,16 @@ def assert_trains_like(out: Path, reference: Path, checkpoint: str, lora: bool, 
     assert got.keys() == expected.keys() and expected
     for key, value in expected.items():
         assert (got[key] - value).abs().max().item() < 1e-5, key
+
+
+def assert_steps_like_one_process(ran: dict[str, Any], one: dict[str, Any]) -> None:
+    """A parallel run's losses, gradient norms and vision-tower gradients (``{losses, norms, vision_grads}``, from
+    the distributed workers) equal one process's."""
+    import pytest
+    import torch
+
+    assert ran["losses"] == pytest.approx(one["losses"], rel=1e-5)
+    assert ran["norms"] == pytest.approx(one["norms"], rel=1e-5)
+    assert sorted(ran["vision_grads"]) == sorted(one["vision_grads"]) and one["vision_grads"]
+    for key, value in one["vision_grads"].items():
+        assert torch.allclose(torch.tensor(ran["vision_grads"][key]), torch.tensor(value), rtol=1e-4, atol=1e-6), key
