@@ -35,8 +35,6 @@ UNSUPPORTED = {
     "nemo_automodel.NeMoAutoModelForMultimodalLM.from_pretrained":
         "audio-and-video (omni) models are not supported by the VLM recipe (images and text only); use "
         "NeMoAutoModelForImageTextToText.from_pretrained for an image-text-to-text model",
-    "transformers.models.qwen3_vl.video_processing_qwen3_vl.Qwen3VLVideoProcessor.from_pretrained":
-        "video inputs are not supported by the VLM recipe (images only); remove processor.video_processor",
 }
 
 
@@ -80,6 +78,12 @@ def automodel_register_aliases(aliases) -> None:
     # each sample with Gemma4PrefixCollator (VLMPackedSequenceConfig.sample_collator)
     aliases.target(f"{_COLLATE}.gemma4_prefix_collate_fn", "automodel_vlm.datasets.gemma4.Gemma4PrefixCollator")
     aliases.target(f"{_COLLATE}.gemma4_inject_thinking_prefix", "automodel_vlm.datasets.gemma4.inject_thinking_prefix")
+    # upstream's processor target: AutoProcessor through load_processor (a pad token, the chat template, errors that
+    # name the key; a Pillow video processor without torchvision, and upstream's own processor.video_processor)
+    aliases.target("transformers.AutoProcessor.from_pretrained", "automodel_vlm.processor.load_processor")
+    # upstream's processor.video_processor: transformers' class, or our Pillow twin of it without torchvision
+    aliases.target("transformers.models.qwen3_vl.video_processing_qwen3_vl.Qwen3VLVideoProcessor.from_pretrained",
+                   "automodel_vlm.video_processors.qwen3_vl_video_processor")
     for name, builder in FAMILY_PROCESSORS.items():
         aliases.target(name, f"automodel_vlm.family_processors.{builder}")
     for name, reason in UNSUPPORTED.items():

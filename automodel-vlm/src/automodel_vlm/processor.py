@@ -52,10 +52,88 @@ def open_processor(processor_class: str, path: str | None, kwargs: dict[str, Any
                              f"{err}") from None
 
 
+def _checkpoint_video_processor(path: str) -> str | None:
+    """The video processor class a checkpoint names (in ``video_preprocessor_config.json`` or
+    ``processor_config.json``)."""
+    import json
+
+    from transformers.utils import cached_file
+
+    for name, inner in (("video_preprocessor_config.json", None), ("processor_config.json", "video_processor")):
+        try:
+            found = cached_file(path, name, _raise_exceptions_for_missing_entries=False)
+        except OSError:
+            found = None
+        if found:
+            data = json.loads(Path(found).read_text())
+            data = data.get(inner) or {} if inner else data
+            if isinstance(data, dict) and data.get("video_processor_type"):
+                return str(data["video_processor_type"])
+    return None
+
+
+def _processor_class(path: str, kwargs: dict[str, Any]) -> type:
+    """The processor class AutoProcessor would build for ``path`` (its ``processor_class``, else the model type's)."""
+    import transformers
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+    from transformers.processing_utils import ProcessorMixin
+
+    processor_dict, _ = ProcessorMixin.get_processor_dict(path, **kwargs)
+    name = processor_dict.get("processor_class")
+    if not name:
+        config = transformers.AutoConfig.from_pretrained(path, **kwargs)
+        name = PROCESSOR_MAPPING_NAMES.get(config.model_type)
+    cls = getattr(transformers, str(name), None) if name else None
+    if not isinstance(cls, type):
+        raise ValueError(f"cannot tell its processor class (found {name!r})")
+    return cls
+
+
+def _with_video_processor(video_processor: Any) -> Callable[..., Any]:
+    """A loader like ``AutoProcessor.from_pretrained`` whose video processor is ``video_processor`` (None: the
+    checkpoint's, on our Pillow twin), its other parts loaded by transformers' Auto classes."""
+    def load(path: str, **kwargs: Any) -> Any:
+        import transformers
+
+        from automodel_vlm.video_processors import PendingVideoProcessor
+        from automodel_vlm.video_processors import video_processor as load_video_processor
+
+        video = video_processor
+        if video is None:  # the checkpoint's, given the processor's settings (as transformers gives every part)
+            plain = {k: v for k, v in kwargs.items() if k != "trust_remote_code"}  # the twin is ours
+            video = load_video_processor(_checkpoint_video_processor(path) or "", path, **plain)
+        elif isinstance(video, PendingVideoProcessor):  # its own section's settings, from this path
+            video = video.build(path)
+        cls = _processor_class(path, kwargs)
+        loaders = {"image_processor": lambda: transformers.AutoImageProcessor.from_pretrained(path, **kwargs),
+                   "tokenizer": lambda: transformers.AutoTokenizer.from_pretrained(path, **kwargs),
+                   "video_processor": lambda: video}
+        missing = [name for name in cls.get_attributes() if name not in loaders]
+        if missing:
+            raise ValueError(f"{cls.__name__} has parts ({', '.join(missing)}) this loader does not build")
+        processor_dict, init_kwargs = cls.get_processor_dict(path, **kwargs)
+        return cls.from_args_and_dict([loaders[name]() for name in cls.get_attributes()], processor_dict,
+                                      **init_kwargs)
+
+    return load
+
+
 def load_processor(pretrained_model_name_or_path: str | None = None, *, name_or_path: str | None = None,
-                   **kwargs: Any) -> Any:
-    """``transformers.AutoProcessor.from_pretrained`` with errors that name the config key."""
-    return finish_processor(open_processor("AutoProcessor", pretrained_model_name_or_path or name_or_path, kwargs))
+                   video_processor: Any = None, **kwargs: Any) -> Any:
+    """``transformers.AutoProcessor.from_pretrained`` with errors that name the config key.
+
+    ``video_processor``: one built from its own section (upstream's ``processor.video_processor``; without a path
+    of its own it loads from this one). Without torchvision, a checkpoint whose video processor has a Pillow twin
+    (automodel_vlm.video_processors) gets the twin, its settings read from the checkpoint."""
+    from automodel_vlm.video_processors import TWINS, has_torchvision
+
+    path = pretrained_model_name_or_path or name_or_path
+    loader = None
+    if video_processor is not None:
+        loader = _with_video_processor(video_processor)
+    elif not has_torchvision() and path and _checkpoint_video_processor(str(path)) in TWINS:
+        loader = _with_video_processor(None)
+    return finish_processor(open_processor("AutoProcessor", path, kwargs, loader=loader))
 
 
 def _image_processor(value: Any) -> Any:
