@@ -307,3 +307,59 @@ def test_the_budget_formula_matches_the_token_count():
     out = vp(videos=[clip], video_metadata=[{"total_num_frames": 5, "fps": 1.0}], do_sample_frames=False)
     assert vp.get_num_of_video_patches(5, 30, 70) == out["pixel_values_videos"].shape[0]
     assert out["video_grid_thw"][0][0] == math.ceil(5 / 2)
+
+
+# ---- Qwen2-VL / Qwen2.5-VL -----------------------------------------------------------------------------------------
+
+CLIP_MEAN, CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
+
+
+def test_the_qwen2_vl_twin_and_a_tiny_qwen2_5_vl_learning_from_its_clips(tmp_path):
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLProcessor
+
+    from automodel_vlm import AutoModelForImageTextToText
+    from automodel_vlm.datasets import ImageTextChatDataset, VLMCollator
+    from automodel_vlm.datasets.videos import read_clip
+    from automodel_vlm.video_processors import Qwen2VLVideoProcessorPil
+
+    base = tiny_qwen_processor()
+    videos = Qwen2VLVideoProcessorPil(patch_size=8, min_pixels=256, max_pixels=32 * 48, do_sample_frames=True,
+                                      fps=2)
+    assert (videos.size.shortest_edge, videos.size.longest_edge) == (256, 32 * 48)
+    processor = Qwen2_5_VLProcessor(image_processor=base.image_processor, tokenizer=base.tokenizer,
+                                    video_processor=videos, chat_template=base.chat_template)
+    clip_path = save_animation(tmp_path / "clip.gif", moving_square("green", "left"))
+    clip = read_clip(clip_path)
+    # fps 2 of 10 frames at 5 per second: 4 frames (a multiple of 2), strided by 10 / 4: frames 0, 2, 5, 7.
+    # Each frame alone: 50 x 70 rounds to 48 x 64 = 3072 pixels > 1536, so beta = sqrt(50 * 70 / 1536) = 1.51 and
+    # floor(50 / beta / 16) * 16 = 32, floor(70 / beta / 16) * 16 = 32: a 2 x 4 x 4 grid, 8 video tokens.
+    out = videos(videos=[clip.frames], video_metadata=[clip.metadata], return_metadata=True, return_tensors="pt")
+    assert out["video_metadata"][0].frames_indices.tolist() == [0, 2, 5, 7]
+    assert out["video_grid_thw"].tolist() == [[2, 4, 4]]
+    with Image.open(clip_path) as gif:
+        frames = [frame.convert("RGB") for frame in ImageSequence.Iterator(gif)]
+    arrays = [(np.asarray(frames[i].resize((32, 32), Image.Resampling.BICUBIC), dtype=np.float32) / 255
+               - CLIP_MEAN) / CLIP_STD for i in (0, 2, 5, 7)]
+    first = [arrays[k][y, x, c] for c in range(3) for k in range(2) for y in range(8) for x in range(8)]
+    np.testing.assert_allclose(out["pixel_values_videos"][0].numpy(), first, atol=1e-5)  # patch (0, 0) of t 0
+    assert videos.get_num_of_video_patches(4, 50, 70) == out["pixel_values_videos"].shape[0] == 32
+    assert videos.to_dict()["video_processor_type"] == "Qwen2VLVideoProcessor"
+
+    data = ImageTextChatDataset(str(write_clips(tmp_path, count=2)))
+    batch = VLMCollator(processor)([data[0], data[1]])
+    assert batch["second_per_grid_ts"].tolist() == [1.0, 1.0]  # 2 frames per temporal patch at 2 sampled per second
+    assert (batch["input_ids"] == processor.video_token_id).sum() == 2 * 8
+    tokenizer = processor.tokenizer
+    config = Qwen2_5_VLConfig(
+        text_config={"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+                     "intermediate_size": 32, "vocab_size": len(tokenizer),
+                     "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3]}},
+        vision_config={"depth": 1, "num_heads": 2, "patch_size": 8, "spatial_merge_size": 2, "temporal_patch_size": 2,
+                       "hidden_size": 16, "intermediate_size": 32, "out_hidden_size": 32, "window_size": 32,
+                       "fullatt_block_indexes": [0]},
+        image_token_id=processor.image_token_id, video_token_id=processor.video_token_id,
+        vision_start_token_id=tokenizer.convert_tokens_to_ids("<|vision_start|>"))
+    model = AutoModelForImageTextToText.from_config(config, seed=0)
+    model(**batch).loss.backward()
+    grad = model.model.visual.patch_embed.proj.weight.grad
+    assert grad is not None and grad.abs().sum() > 0  # the loss reaches the vision tower through the clips

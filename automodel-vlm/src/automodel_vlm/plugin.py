@@ -84,6 +84,8 @@ def automodel_register_aliases(aliases) -> None:
     # upstream's processor.video_processor: transformers' class, or our Pillow twin of it without torchvision
     aliases.target("transformers.models.qwen3_vl.video_processing_qwen3_vl.Qwen3VLVideoProcessor.from_pretrained",
                    "automodel_vlm.video_processors.qwen3_vl_video_processor")
+    aliases.target("transformers.models.qwen2_vl.video_processing_qwen2_vl.Qwen2VLVideoProcessor.from_pretrained",
+                   "automodel_vlm.video_processors.qwen2_vl_video_processor")
     for name, builder in FAMILY_PROCESSORS.items():
         aliases.target(name, f"automodel_vlm.family_processors.{builder}")
     for name, reason in UNSUPPORTED.items():

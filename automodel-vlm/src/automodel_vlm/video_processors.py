@@ -1,4 +1,4 @@
-"""A Pillow-backed twin of the Qwen3-VL (and Qwen3.5) video processor.
+"""Pillow-backed twins of the Qwen3-VL (and Qwen3.5) and Qwen2-VL (and Qwen2.5-VL) video processors.
 
 transformers' video processors all derive from ``BaseVideoProcessor``, which does its resizing and normalising with
 torchvision, and torchvision cannot be installed beside this project's pinned CPU torch. These classes stand on
@@ -23,9 +23,18 @@ from typing import Any
 import numpy as np
 from transformers.image_processing_backends import PilBackend
 from transformers.image_processing_utils import BatchFeature
-from transformers.image_utils import ChannelDimension, SizeDict, infer_channel_dimension_format
+from transformers.image_utils import (
+    OPENAI_CLIP_MEAN,
+    OPENAI_CLIP_STD,
+    ChannelDimension,
+    PILImageResampling,
+    SizeDict,
+    infer_channel_dimension_format,
+)
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as frame_smart_resize
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize as clip_smart_resize
+from transformers.processing_utils import VideosKwargs
 from transformers.utils import logging
 from transformers.video_processing_utils import VideoProcessorMixin
 from transformers.video_utils import VideoMetadata, convert_to_rgb, make_batched_metadata, make_batched_videos
@@ -44,7 +53,7 @@ def _twin_of(torchvision_class: type) -> Any:
         for name in _SHARED:
             if hasattr(torchvision_class, name):
                 setattr(cls, name, getattr(torchvision_class, name))
-        cls.torchvision_class = torchvision_class
+        cls.torchvision_name = torchvision_class.__name__
         return cls
 
     return decorate
@@ -81,22 +90,28 @@ class _QwenVideoPil(VideoProcessorMixin, PilBackend):
     """What the Qwen twins share: decoded clips in, frames sampled, each clip resized to one size, rescaled,
     normalised and patchified. A subclass gives the sampling rule and the clip's size."""
 
-    torchvision_class: type = Qwen3VLVideoProcessor
+    torchvision_name: str = ""  # transformers' class of which this is the twin (its name saved)
 
     def __init__(self, **kwargs: Any) -> None:
         _export_mixin()
         super().__init__(**kwargs)
 
     def to_dict(self) -> dict[str, Any]:
-        return {**super().to_dict(), "video_processor_type": self.torchvision_class.__name__}
+        return {**super().to_dict(), "video_processor_type": self.torchvision_name}
 
     def clip_size(self, frames: int, height: int, width: int, size: SizeDict, factor: int, temporal_factor: int,
                   cap_pixels_per_frame: bool) -> tuple[int, int]:
         raise NotImplementedError
 
     def get_num_of_video_patches(self, num_frames: int, height: int, width: int, videos_kwargs: Any = None) -> int:
-        # the torchvision class's own count (pure arithmetic on the settings)
-        return self.torchvision_class.get_num_of_video_patches(self, num_frames, height, width, videos_kwargs)
+        """How many patches a clip of this many (sampled) frames and size gives (the processor's token count)."""
+        settings = {**{k: getattr(self, k) for k in ("size", "patch_size", "merge_size", "temporal_patch_size",
+                                                     "cap_pixels_per_frame")}, **(videos_kwargs or {})}
+        size = settings["size"] if isinstance(settings["size"], SizeDict) else SizeDict(**settings["size"])
+        patch, temporal = settings["patch_size"], settings["temporal_patch_size"]
+        new_height, new_width = self.clip_size(num_frames, height, width, size, patch * settings["merge_size"],
+                                               temporal, bool(settings["cap_pixels_per_frame"]))
+        return -(-num_frames // temporal) * (new_height // patch) * (new_width // patch)
 
     def _decode_and_sample_videos(self, videos: Any, video_metadata: Any, do_sample_frames: bool | None = None,
                                   sample_indices_fn: Any = None) -> tuple[list[Any], list[VideoMetadata]]:
@@ -196,8 +211,94 @@ class Qwen3VLVideoProcessorPil(_QwenVideoPil):
                                  min_pixels=size.shortest_edge, max_pixels=most)
 
 
-TWINS: dict[str, type] = {cls.torchvision_class.__name__: cls
-                          for cls in (Qwen3VLVideoProcessorPil,)}
+class Qwen2VLVideoKwargs(VideosKwargs, total=False):
+    """Qwen2-VL's video settings (transformers' own TypedDict sits in its torchvision-only module)."""
+
+    min_pixels: int
+    max_pixels: int
+    patch_size: int
+    temporal_patch_size: int
+    merge_size: int
+    min_frames: int
+    max_frames: int
+    cap_pixels_per_frame: bool
+    max_video_tokens: int
+
+
+class Qwen2VLVideoProcessorPil(_QwenVideoPil):
+    """Qwen2-VL's (and Qwen2.5-VL's) video processor on Pillow, with its defaults. Frames are sampled only with
+    ``do_sample_frames``: ``num_frames`` rounded to ``temporal_patch_size``, or ``fps`` per second of the clip within
+    ``min_frames`` / ``max_frames`` rounded down to it; evenly strided. Each frame is sized alone
+    (``size.shortest_edge`` <= H x W <= ``size.longest_edge``; ``min_pixels`` / ``max_pixels`` set them)."""
+
+    torchvision_name = "Qwen2VLVideoProcessor"
+    resample = PILImageResampling.BICUBIC
+    size = {"shortest_edge": 128 * 28 * 28, "longest_edge": 28 * 28 * 768}
+    image_mean = OPENAI_CLIP_MEAN
+    image_std = OPENAI_CLIP_STD
+    do_resize = do_rescale = do_normalize = do_convert_rgb = True
+    patch_size = 14
+    temporal_patch_size = 2
+    merge_size = 2
+    min_frames = 4
+    max_frames = 768
+    do_sample_frames = False
+    cap_pixels_per_frame = None
+    max_video_tokens = 128000
+    valid_kwargs = Qwen2VLVideoKwargs
+    model_input_names = ["pixel_values_videos", "video_grid_thw"]
+
+    def __init__(self, **kwargs: Any) -> None:
+        size = dict(kwargs.pop("size", None) or self.size)
+        for key, edge in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):
+            if (value := kwargs.pop(key, None)) is not None:
+                size[edge] = value
+        super().__init__(size=size, **kwargs)
+
+    def _standardize_kwargs(self, size: Any = None, min_pixels: int | None = None, max_pixels: int | None = None,
+                            **kwargs: Any) -> dict:
+        if min_pixels is not None or max_pixels is not None:  # a call's min_pixels / max_pixels set the size
+            edges = dict(size) if size is not None else {}
+            edges.update({edge: value for edge, value in (("shortest_edge", min_pixels),
+                                                           ("longest_edge", max_pixels)) if value is not None})
+            size = SizeDict(**edges)
+        return super()._standardize_kwargs(size=size, **kwargs)
+
+    def sample_frames(self, metadata: VideoMetadata, temporal_patch_size: int | None = None,
+                      min_frames: int | None = None, max_frames: int | None = None, num_frames: int | None = None,
+                      fps: float | None = None, **kwargs: Any) -> np.ndarray:
+        step = temporal_patch_size or self.temporal_patch_size
+        least = self.min_frames if min_frames is None else min_frames
+        most = self.max_frames if max_frames is None else max_frames
+        total = metadata.total_num_frames
+        if num_frames is not None:
+            num_frames = round(num_frames / step) * step
+        elif fps is not None:
+            if metadata.fps is None:
+                raise ValueError("sampling fps frames per second needs the clip's fps (its video_metadata)")
+            most = min(most, total) // step * step
+            num_frames = int(min(max(total / metadata.fps * fps, least), most, total) // step * step)
+        if num_frames is None:
+            return np.arange(total)
+        if not 0 < num_frames <= total:
+            raise ValueError(f"cannot sample {num_frames} frames from a clip of {total}; change num_frames or fps")
+        import torch
+
+        # strided as transformers strides (torch's float arange, truncated), so the same frames at the edges
+        return torch.arange(0, total, total / num_frames).int().numpy()
+
+    def clip_size(self, frames: int, height: int, width: int, size: SizeDict, factor: int, temporal_factor: int,
+                  cap_pixels_per_frame: bool) -> tuple[int, int]:
+        if not size.shortest_edge or not size.longest_edge:
+            raise ValueError(f"`size` needs 'shortest_edge' and 'longest_edge' (pixels), got {size}")
+        most = size.longest_edge
+        if cap_pixels_per_frame:  # an even share of max_video_tokens over the clip, floored
+            share = int(self.max_video_tokens * factor * factor * 0.9) * temporal_factor // frames
+            most = max(min(most, share), int(size.shortest_edge * 1.05))
+        return frame_smart_resize(height, width, factor=factor, min_pixels=size.shortest_edge, max_pixels=most)
+
+
+TWINS: dict[str, type] = {cls.torchvision_name: cls for cls in (Qwen3VLVideoProcessorPil, Qwen2VLVideoProcessorPil)}
 
 
 @dataclass
@@ -262,3 +363,4 @@ def _builder(torchvision_class: str) -> Any:
 
 
 qwen3_vl_video_processor = _builder("Qwen3VLVideoProcessor")
+qwen2_vl_video_processor = _builder("Qwen2VLVideoProcessor")
