@@ -277,6 +277,40 @@ def test_upstream_video_form_trains_the_vision_tower_on_gif_clips(tmp_path, clip
     after = dict(recipe.model.model.visual.named_parameters())
     moved = [k for k, v in before.items() if not torch.equal(v, after[k].detach())]
     assert "patch_embed.proj.weight" in moved and len(moved) == len(before)
+    # generation checks (eval_generation) hand the model the clips of the question too
+    from automodel_vlm.datasets import ImageTextChatDataset
+
+    index, prefix, _ = ImageTextChatDataset(str(clips)).qa_pairs[0]
+    assert isinstance(recipe.answer(prefix, [], 2, ImageTextChatDataset(str(clips))[index]["videos"]), str)
+
+
+def test_packed_rows_of_clips_give_the_loss_of_the_unpacked_batch(tmp_path, clips):
+    """Packed rows (each clip's rope positions from its own grid) and a padded batch of the same four clips: the
+    first step's loss is the same, so the video tokens took the same positions and features."""
+    model_dir = tiny_model_dir(tmp_path, "qwen3_vl")
+    losses = {}
+
+    def recorder(name):
+        def record(run):
+            compute = run.compute_loss
+
+            def computed(model, batch):
+                loss = compute(model, batch)
+                losses.setdefault(name, (loss.item() if hasattr(loss, "item") else loss, dict(batch)))
+                return loss
+
+            run.compute_loss = computed
+        return record
+
+    common = ("--model.pretrained_model_name_or_path", model_dir, "--processor.pretrained_model_name_or_path",
+              model_dir, "--dataset.path_or_dataset_id", clips, "--step_scheduler.max_steps", 1)
+    testing.train_inprocess(FORM, *common, route=ROUTE, before_run=recorder("padded"))
+    testing.train_inprocess(FORM, *common, "--packed_sequence", "{pack_size: 512, pretokenize: true}",
+                            "--dataset.limit_dataset_samples", 4, "--step_scheduler.global_batch_size", 1,
+                            "--step_scheduler.local_batch_size", 1, route=ROUTE, before_run=recorder("packed"))
+    packed_batch = losses["packed"][1]
+    assert packed_batch["input_ids"].shape == (1, 512) and packed_batch["video_grid_thw"].shape == (4, 3)
+    assert losses["packed"][0] == pytest.approx(losses["padded"][0], rel=1e-4)
 
 
 def test_video_settings_that_cannot_act_are_refused_at_validation(clips):
