@@ -232,7 +232,8 @@ def test_gif_webp_and_frame_folders_read_alike_and_other_files_are_refused(tmp_p
     for part, needle in (({"type": "video", "video": "a.mp4"}, "no video decoder"),
                          ({"type": "video", "video": "frames"}, 'add "fps" to the video part'),
                          ({"type": "video", "video": "gone.gif"}, "not found"),
-                         ({"type": "video", "video": "a.gif", "fps": 0}, "fps must be a positive number")):
+                         ({"type": "video", "video": "a.gif", "fps": 0}, "fps must be a positive number"),
+                         ({"type": "video", "video": "a.gif", "frame_indices": [0, 2]}, "found frame_indices")):
         with pytest.raises(AutomodelError, match=needle):
             ImageTextChatDataset(str(rows(part)))
 
@@ -330,6 +331,14 @@ def test_a_processor_without_videos_refuses_video_samples(tmp_path):
     data = ImageTextChatDataset(str(write_clips(tmp_path, count=1)))
     with pytest.raises(AutomodelError, match="takes none"):
         VLMCollator(tiny_processor())([data[0]])
+    from vlm_testing import IMAGE_PROCESSOR_DIR
+
+    from automodel_vlm.processor import build_processor
+    from automodel_vlm.video_processors import PendingVideoProcessor
+
+    with pytest.raises(AutomodelError, match="give it a pretrained_model_name_or_path"):
+        build_processor(str(IMAGE_PROCESSOR_DIR), str(TOKENIZER_DIR),
+                        video_processor=PendingVideoProcessor("Qwen3VLVideoProcessor", {"fps": 1}))
 
 
 def test_the_budget_formula_matches_the_token_count():

@@ -61,8 +61,9 @@ def _checkpoint_video_processor(path: str) -> str | None:
 
     for name, inner in (("video_preprocessor_config.json", None), ("processor_config.json", "video_processor")):
         try:
-            found = cached_file(path, name, _raise_exceptions_for_missing_entries=False)
-        except OSError:
+            found = cached_file(path, name, _raise_exceptions_for_missing_entries=False,
+                                _raise_exceptions_for_connection_errors=False)
+        except Exception:  # noqa: BLE001 - a path transformers cannot read names none (loading it says why)
             found = None
         if found:
             data = json.loads(Path(found).read_text())
@@ -203,6 +204,11 @@ def build_processor(image_processor: Any, tokenizer: Any, processor_class: str =
     if not isinstance(cls, type) or not str(processor_class).endswith("Processor"):
         raise AutomodelError(f"{PROCESSOR_KEY}.processor_class: '{processor_class}' is not a transformers processor "
                              "class (LlavaProcessor, Qwen2VLProcessor, ...)")
+    from automodel_vlm.video_processors import PendingVideoProcessor
+
+    if isinstance(kwargs.get("video_processor"), PendingVideoProcessor):
+        raise AutomodelError(f"{PROCESSOR_KEY}.video_processor: give it a pretrained_model_name_or_path (a processor "
+                             "built from its parts has no checkpoint to load the video processor's settings from)")
     tok = _tokenizer(tokenizer)
     template = chat_template or getattr(tok, "chat_template", None)
     try:

@@ -222,6 +222,11 @@ class ImageTextChatDataset(Dataset):
         return (normalised, [self._check_ref(index, ref) for ref in images]), clips
 
     def _check_video(self, index: int, part: dict) -> tuple[Path, float | None]:
+        other = sorted(set(part) - {"type", "fps", *_VIDEO_KEYS})
+        if other:  # upstream's frame_indices, say: nothing here would act on them
+            raise AutomodelError(f"{self._where(index)}: a video part takes video (or path), fps and nothing else; "
+                                 f"found {', '.join(other)} (the processor's video_processor samples the frames: "
+                                 "set its fps / num_frames / max_frames)")
         ref = next((part[k] for k in _VIDEO_KEYS if part.get(k) is not None), None)
         if not isinstance(ref, str):
             raise AutomodelError(f"{self._where(index)}: a video part needs \"video\": a path to an animated GIF / "
