@@ -166,8 +166,9 @@ def test_drop_overlong_leaves_long_samples_out(upstream_data):
                                           "kimi_vl_collate_fn"), "dataloader.collate_fn._target_",
      "only as the checkpoint's own remote code"),
     (("--dataloader.collate_fn.max_lenght", "7"), "dataloader.collate_fn.max_lenght", "max_length"),
-    (("--processor._target_", "transformers.models.qwen3_vl.video_processing_qwen3_vl.Qwen3VLVideoProcessor."
-                              "from_pretrained"), "processor._target_", "video inputs are not supported"),
+    (("--processor.video_processor", "{_target_: transformers.models.qwen3_vl.video_processing_qwen3_vl."
+                                     "Qwen3VLVideoProcessor.from_pretrained, max_frame: 8}"),
+     "processor.video_processor.max_frame", "has no setting 'max_frame'"),
     (("--freeze.vision_tower", "true"), "freeze_config", "give one of freeze"),
     (("--packed_sequence", "{pack_size: 4096, post_tokenize_hook_fn: automodel_vlm.datasets.gemma4.marker_ends}"),
      "packed_sequence.post_tokenize_hook_fn", "the only hook on tokenized samples here is Gemma 4's"),

@@ -23,11 +23,10 @@ says so in its log (:func:`pillow_twin_note`).
 from __future__ import annotations
 
 import functools
-import importlib.util
 from collections.abc import Callable
 from typing import Any
 
-from automodel_vlm.processor import finish_processor, open_processor
+from automodel_vlm.processor import finish_processor, has_torchvision, open_processor
 
 # Inkling's end-of-sampling token: upstream's end-of-sequence (and so padding) token for a tokenizer without one
 INKLING_END_OF_SAMPLING = "<|content_model_end_sampling|>"
@@ -36,10 +35,7 @@ KIMI_K25_IMAGE_TOKEN, KIMI_K25_VIDEO_TOKEN = "<|media_pad|>", "<|kimi_k25_video_
 # the processor classes a Kimi K2.5 checkpoint may name: transformers' own and the hub checkpoint's remote-code one
 KIMI_K25_PROCESSORS = ("Kimi_K25Processor", "KimiK25Processor")
 TWINS_MODULE = "automodel_vlm.image_processors"
-
-
-def has_torchvision() -> bool:
-    return importlib.util.find_spec("torchvision") is not None
+VIDEO_TWINS_MODULE = "automodel_vlm.video_processors"
 
 
 @functools.cache
@@ -130,7 +126,13 @@ def _open(processor_class: str, twin: str, path: str | None, kwargs: dict[str, A
 
 
 def pillow_twin_note(processor: Any) -> str | None:
-    """The log line of a processor whose image processor is our Pillow twin (None for any other)."""
+    """The log line of a processor whose image or video processor is our Pillow twin (None for any other)."""
+    video = getattr(processor, "video_processor", None)
+    if type(video).__module__ == VIDEO_TWINS_MODULE:
+        name = type(video).__name__
+        return (f"processor: torchvision is not installed, so the video processor is {VIDEO_TWINS_MODULE}.{name}, "
+                f"our Pillow twin of transformers' {name.removesuffix('Pil')} (same outputs up to Pillow's "
+                "resampling)")
     image_processor = getattr(processor, "image_processor", None)
     if type(image_processor).__module__ != TWINS_MODULE:
         return None

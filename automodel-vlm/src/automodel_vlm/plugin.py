@@ -40,8 +40,6 @@ UNSUPPORTED = {
                                       "kimi_k25_vl_collate_fn) or another transformers VLM with default_collate_fn",
     f"{_COLLATE}.nemotron_parse_collate_fn": _NEMOTRON_PARSE,
     f"{_MODELS}.nemotron_parse.nemotron_parse_loss.NemotronParseLoss": _NEMOTRON_PARSE,
-    "transformers.models.qwen3_vl.video_processing_qwen3_vl.Qwen3VLVideoProcessor.from_pretrained":
-        "video inputs are not supported by the VLM recipe (images only); remove processor.video_processor",
 }
 
 
@@ -83,8 +81,9 @@ def automodel_register_aliases(aliases) -> None:
     # Kimi K2.5's: transformers' Kimi_K25Processor expands the image tokens itself; a row cut inside an image loses
     # that row's images, as upstream's collate does (automodel_vlm.datasets.kimi_k25)
     aliases.target(f"{_COLLATE}.kimi_k25_vl_collate_fn", "automodel_vlm.datasets.kimi_k25.KimiK25Collator")
-    # upstream's processor loader: AutoProcessor, except that a Kimi K2.5 checkpoint (whose hub processor is remote
-    # code) loads transformers' Kimi_K25Processor (automodel_vlm.processor.load_processor)
+    # upstream's processor loader: AutoProcessor through load_processor (errors that name the key; a Kimi K2.5
+    # checkpoint, whose hub processor is remote code, loads transformers' Kimi_K25Processor; without torchvision
+    # the Pillow twins of the omni families' and Qwen-VL video processors; upstream's own processor.video_processor)
     aliases.target("transformers.AutoProcessor.from_pretrained", "automodel_vlm.processor.load_processor")
     # Gemma 4's: the same collation with the thinking-channel prefix inserted after each model turn, unlabelled;
     # upstream's hook (batch, processor) -> batch itself; as packed_sequence.post_tokenize_hook_fn, packing tokenizes
@@ -99,6 +98,11 @@ def automodel_register_aliases(aliases) -> None:
                    "automodel_vlm.omni.AutoModelForMultimodalLM.from_config")
     aliases.target(f"{_COLLATE}.qwen3_omni_collate_fn", "automodel_vlm.datasets.omni.Qwen3OmniCollator")
     aliases.target(f"{_COLLATE}.nemotron_omni_collate_fn", "automodel_vlm.datasets.omni.NemotronOmniCollator")
+    # upstream's processor.video_processor: transformers' class, or our Pillow twin of it without torchvision
+    aliases.target("transformers.models.qwen3_vl.video_processing_qwen3_vl.Qwen3VLVideoProcessor.from_pretrained",
+                   "automodel_vlm.video_processors.qwen3_vl_video_processor")
+    aliases.target("transformers.models.qwen2_vl.video_processing_qwen2_vl.Qwen2VLVideoProcessor.from_pretrained",
+                   "automodel_vlm.video_processors.qwen2_vl_video_processor")
     for name, builder in FAMILY_PROCESSORS.items():
         aliases.target(name, f"automodel_vlm.family_processors.{builder}")
     for name, reason in UNSUPPORTED.items():

@@ -7,6 +7,7 @@ settings, for a model whose processor was never saved as one.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -90,21 +91,98 @@ def is_kimi_k25_checkpoint(path: str, kwargs: dict[str, Any] | None = None) -> b
     return False
 
 
+def _checkpoint_video_processor(path: str) -> str | None:
+    """The video processor class a checkpoint names (in ``video_preprocessor_config.json`` or
+    ``processor_config.json``)."""
+    import json
+
+    from transformers.utils import cached_file
+
+    for name, inner in (("video_preprocessor_config.json", None), ("processor_config.json", "video_processor")):
+        try:
+            found = cached_file(path, name, _raise_exceptions_for_missing_entries=False,
+                                _raise_exceptions_for_connection_errors=False)
+        except Exception:  # noqa: BLE001 - a path transformers cannot read names none (loading it says why)
+            found = None
+        if found:
+            data = json.loads(Path(found).read_text())
+            data = data.get(inner) or {} if inner else data
+            if isinstance(data, dict) and data.get("video_processor_type"):
+                return str(data["video_processor_type"])
+    return None
+
+
+def _processor_class(path: str, kwargs: dict[str, Any]) -> type:
+    """The processor class AutoProcessor would build for ``path`` (its ``processor_class``, else the model type's)."""
+    import transformers
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+    from transformers.processing_utils import ProcessorMixin
+
+    processor_dict, _ = ProcessorMixin.get_processor_dict(path, **kwargs)
+    name = processor_dict.get("processor_class")
+    if not name:
+        config = transformers.AutoConfig.from_pretrained(path, **kwargs)
+        name = PROCESSOR_MAPPING_NAMES.get(config.model_type)
+    cls = getattr(transformers, str(name), None) if name else None
+    if not isinstance(cls, type):
+        raise ValueError(f"cannot tell its processor class (found {name!r})")
+    return cls
+
+
+def _with_video_processor(video_processor: Any) -> Callable[..., Any]:
+    """A loader like ``AutoProcessor.from_pretrained`` whose video processor is ``video_processor`` (None: the
+    checkpoint's, on our Pillow twin), its other parts loaded by transformers' Auto classes."""
+    def load(path: str, **kwargs: Any) -> Any:
+        import transformers
+
+        from automodel_vlm.video_processors import PendingVideoProcessor
+        from automodel_vlm.video_processors import video_processor as load_video_processor
+
+        video = video_processor
+        if video is None:  # the checkpoint's, given the processor's settings (as transformers gives every part)
+            plain = {k: v for k, v in kwargs.items() if k != "trust_remote_code"}  # the twin is ours
+            video = load_video_processor(_checkpoint_video_processor(path) or "", path, **plain)
+        elif isinstance(video, PendingVideoProcessor):  # its own section's settings, from this path
+            video = video.build(path)
+        cls = _processor_class(path, kwargs)
+        loaders = {"image_processor": lambda: transformers.AutoImageProcessor.from_pretrained(path, **kwargs),
+                   "tokenizer": lambda: transformers.AutoTokenizer.from_pretrained(path, **kwargs),
+                   "video_processor": lambda: video}
+        missing = [name for name in cls.get_attributes() if name not in loaders]
+        if missing:
+            raise ValueError(f"{cls.__name__} has parts ({', '.join(missing)}) this loader does not build")
+        processor_dict, init_kwargs = cls.get_processor_dict(path, **kwargs)
+        return cls.from_args_and_dict([loaders[name]() for name in cls.get_attributes()], processor_dict,
+                                      **init_kwargs)
+
+    return load
+
+
 def load_processor(pretrained_model_name_or_path: str | None = None, *, name_or_path: str | None = None,
-                   **kwargs: Any) -> Any:
+                   video_processor: Any = None, **kwargs: Any) -> Any:
     """``transformers.AutoProcessor.from_pretrained`` with errors that name the config key (upstream's
-    ``transformers.AutoProcessor.from_pretrained`` is this). A Kimi K2.5 checkpoint loads transformers' own
-    ``Kimi_K25Processor`` (family_processors.kimi_k25_processor): the hub's names its remote-code processor, which
-    AutoProcessor would follow or refuse. Without torchvision, a saved Qwen3-Omni or Nemotron-H Omni processor loads
-    images-only with a Pillow image processor (omni.py)."""
+    ``transformers.AutoProcessor.from_pretrained`` is this).
+
+    A Kimi K2.5 checkpoint loads transformers' own ``Kimi_K25Processor`` (family_processors.kimi_k25_processor):
+    the hub's names its remote-code processor, which AutoProcessor would follow or refuse. Without torchvision, a
+    saved Qwen3-Omni or Nemotron-H Omni processor loads images-only with a Pillow image processor (omni.py), and a
+    checkpoint whose video processor has a Pillow twin (automodel_vlm.video_processors) gets the twin, its settings
+    read from the checkpoint. ``video_processor``: one built from its own section (upstream's
+    ``processor.video_processor``; without a path of its own it loads from this one)."""
     from automodel_vlm.omni import omni_loader
+    from automodel_vlm.video_processors import TWINS, has_torchvision
 
     path = pretrained_model_name_or_path or name_or_path
-    if path and is_kimi_k25_checkpoint(str(path), kwargs):
+    if path and video_processor is None and is_kimi_k25_checkpoint(str(path), kwargs):
         from automodel_vlm.family_processors import kimi_k25_processor
 
         return kimi_k25_processor(str(path), **kwargs)
-    return finish_processor(open_processor("AutoProcessor", path, kwargs, loader=omni_loader(path) if path else None))
+    loader = omni_loader(path) if path and video_processor is None else None
+    if video_processor is not None:
+        loader = _with_video_processor(video_processor)
+    elif loader is None and not has_torchvision() and path and _checkpoint_video_processor(str(path)) in TWINS:
+        loader = _with_video_processor(None)
+    return finish_processor(open_processor("AutoProcessor", path, kwargs, loader=loader))
 
 
 def _image_processor(value: Any) -> Any:
@@ -130,15 +208,19 @@ def _image_processor(value: Any) -> Any:
                              f"{err}") from None
 
 
+def has_torchvision() -> bool:
+    """Whether torchvision imports here (transformers' torchvision-backed processors need it; our Pillow twins
+    stand in without it)."""
+    return importlib.util.find_spec("torchvision") is not None
+
+
 def _pil_fallback(cls: Any, kind: str, key: str) -> Any:
     """The class named ``kind``, or its Pillow-backed twin when the torchvision one cannot run here."""
-    import importlib.util
-
     import transformers
 
     if cls is None or not isinstance(cls, type):
         raise AutomodelError(f"{key}.image_processor_type: '{kind}' is not a transformers image processor class")
-    if importlib.util.find_spec("torchvision") is None:
+    if not has_torchvision():
         twin = getattr(transformers, kind + "Pil", None)
         if isinstance(twin, type):
             return twin
@@ -174,6 +256,11 @@ def build_processor(image_processor: Any, tokenizer: Any, processor_class: str =
     if not isinstance(cls, type) or not str(processor_class).endswith("Processor"):
         raise AutomodelError(f"{PROCESSOR_KEY}.processor_class: '{processor_class}' is not a transformers processor "
                              "class (LlavaProcessor, Qwen2VLProcessor, ...)")
+    from automodel_vlm.video_processors import PendingVideoProcessor
+
+    if isinstance(kwargs.get("video_processor"), PendingVideoProcessor):
+        raise AutomodelError(f"{PROCESSOR_KEY}.video_processor: give it a pretrained_model_name_or_path (a processor "
+                             "built from its parts has no checkpoint to load the video processor's settings from)")
     tok = _tokenizer(tokenizer)
     template = chat_template or getattr(tok, "chat_template", None)
     try:

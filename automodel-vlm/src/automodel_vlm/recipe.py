@@ -381,12 +381,17 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
         return None
 
     @torch.no_grad()
-    def answer(self, messages: list[dict], images: list[Any], max_new_tokens: int) -> str:
-        """Greedy answer of the model to a conversation that ends before an assistant turn."""
+    def answer(self, messages: list[dict], images: list[Any], max_new_tokens: int,
+               videos: list[Any] | None = None) -> str:
+        """Greedy answer of the model to a conversation that ends before an assistant turn (``videos``: its clips,
+        :class:`~automodel_vlm.datasets.videos.Clip`)."""
         model = unwrap(self.model)
         prompt = render(self.processor, messages, generation_prompt=True)
         needed = sum(1 for m in messages for p in m["content"] if p.get("type") == "image")
-        kwargs = {"images": images[:needed]} if needed else {}
+        kwargs: dict[str, Any] = {"images": images[:needed]} if needed else {}
+        clips = (videos or [])[:sum(1 for m in messages for p in m["content"] if p.get("type") == "video")]
+        if clips:
+            kwargs.update(videos=[clip.frames for clip in clips], video_metadata=[clip.metadata for clip in clips])
         inputs = self.processor(text=[prompt], return_tensors="pt", add_special_tokens=False, **kwargs)
         inputs = self.move_to_device(dict(inputs))
         tokenizer = self.processor.tokenizer
@@ -403,8 +408,8 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
         was_training = model.training
         model.eval()
         try:
-            results = [(prefix, expected, self.answer(prefix, dataset[index]["images"], max_new_tokens))
-                       for index, prefix, expected in pairs]
+            results = [(prefix, expected, self.answer(prefix, sample["images"], max_new_tokens, sample.get("videos")))
+                       for index, prefix, expected in pairs for sample in [dataset[index]]]
         finally:
             model.train(was_training)
         score = sum(got == expected for _, expected, got in results) / max(len(results), 1)
@@ -419,7 +424,8 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
             score, results = self.exact_match(dataset, settings.num_examples, settings.max_new_tokens)
             for prefix, expected, got in results[: settings.num_shown]:
                 question = " ".join(p.get("text", "") for p in prefix[-1]["content"] if p.get("type") == "text")
-                self.log(f"  Q: [image] {question}\n     expected: {expected!r}  model: {got!r}")
+                media = "".join(f"[{p['type']}] " for p in prefix[-1]["content"] if p.get("type") in ("image", "video"))
+                self.log(f"  Q: {media or '[image] '}{question}\n     expected: {expected!r}  model: {got!r}")
             self.log(f"exact match on {len(results)} validation questions: {score:.3f}")
             if final_checkpoint is not None and self.is_main_process:
                 record = {"step": self.step_scheduler.step, "exact_match": score, "num_questions": len(results)}

@@ -88,7 +88,8 @@ def carry_labels(ids: list[int], mask: list[bool], expanded: list[int], placehol
 
 class VLMCollator:
     """``collate(samples) -> {input_ids, attention_mask, pixel_values, ..., labels}`` for ``{messages, images}``
-    samples; what else the processor returns (``image_sizes``, ``image_grid_thw``) passes through to the model.
+    samples (and ``videos``: clips with their frame rates); what else the processor returns (``image_sizes``,
+    ``image_grid_thw``, ``pixel_values_videos``, ``video_grid_thw``) passes through to the model.
 
     ``max_length``: every row is padded to it and longer ones are truncated (upstream's collate); with
     ``drop_overlong`` the samples longer than it are left out of the batch instead. ``pad_to_multiple_of``: the
@@ -104,16 +105,23 @@ class VLMCollator:
         self.max_length, self.drop_overlong = max_length, drop_overlong
         self.pad_to_multiple_of = pad_to_multiple_of
 
-    def _process(self, rendered: list[Rendered], images: list[list[Any]],
+    def _process(self, rendered: list[Rendered], images: list[list[Any]], videos: list[list[Any]] | None = None,
                  **settings: Any) -> dict[str, Any]:
         kwargs: dict[str, Any] = dict(settings)
         if any(images):
             kwargs["images"] = images if all(images) else [im for group in images for im in group]
+        clips = [clip for group in videos or [] for clip in group]
+        if clips:  # whole clips with their frame rates: the video processor samples their frames
+            if not hasattr(self.processor, "video_processor"):
+                raise AutomodelError(f"dataset: the samples hold videos but {type(self.processor).__name__} takes "
+                                     "none; use a model and processor with video inputs (Qwen3-VL, Qwen3.5)")
+            kwargs["videos"] = [clip.frames for clip in clips]
+            kwargs["video_metadata"] = [clip.metadata for clip in clips]
         return dict(self.processor(text=[text for text, _, _ in rendered], return_tensors="pt",
                                    add_special_tokens=False, **kwargs))
 
-    def _fits(self, rendered: Rendered, images: list[Any]) -> bool:
-        return self._process([rendered], [images], padding=False)["input_ids"].shape[1] <= self.max_length
+    def _fits(self, rendered: Rendered, images: list[Any], videos: list[Any]) -> bool:
+        return self._process([rendered], [images], [videos], padding=False)["input_ids"].shape[1] <= self.max_length
 
     def _padding(self) -> dict[str, Any]:
         if self.max_length is None:
@@ -133,13 +141,15 @@ class VLMCollator:
     def __call__(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         rendered = self._rendered(samples)
         images = [list(s.get("images") or []) for s in samples]
+        videos = [list(s.get("videos") or []) for s in samples]
         if self.drop_overlong:
-            kept = [i for i in range(len(samples)) if self._fits(rendered[i], images[i])]
+            kept = [i for i in range(len(samples)) if self._fits(rendered[i], images[i], videos[i])]
             if not kept:
                 raise AutomodelError(f"collate_fn: every sample of this batch is longer than max_length "
                                      f"({self.max_length}) and drop_overlong is true; raise max_length")
             rendered, images = [rendered[i] for i in kept], [images[i] for i in kept]
-        batch, rendered = self._tokenized(self._process(rendered, images, **self._padding()), rendered)
+            videos = [videos[i] for i in kept]
+        batch, rendered = self._tokenized(self._process(rendered, images, videos, **self._padding()), rendered)
         input_ids = batch["input_ids"]
         attention = batch.get("attention_mask", torch.ones_like(input_ids))
         labels = torch.full_like(input_ids, IGNORE_INDEX)

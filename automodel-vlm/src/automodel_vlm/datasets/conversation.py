@@ -6,6 +6,11 @@ relative to ``image_root``, which defaults to the data file's folder; a list of 
 ``datasets.Image``), or inline in the image parts (``{"type": "image", "image": "a.png"}``, or ``path``).
 Images are opened with Pillow when a sample is read; every path is checked when the data set is built, so a
 missing file fails at start-up with its row.
+
+A video is a ``{"type": "video", "video": "clip.gif"}`` part (or ``path``; ``fps`` optional): an animated GIF / WebP
+or a folder of frame images (then ``fps`` is needed), read with Pillow (videos.py) and passed to the processor
+whole with its frame rate; its video processor samples the frames (``fps`` / ``max_frames`` / ``num_frames``).
+Other video files are refused with the reason (no video decoder is installed).
 """
 
 from __future__ import annotations
@@ -18,8 +23,10 @@ from torch.utils.data import Dataset
 
 from automodel.data import BadRows, OnBadRow
 from automodel.errors import AutomodelError
+from automodel_vlm.datasets.videos import clip_issue, read_clip
 
 _INLINE_KEYS = ("image", "path", "url", "image_url")
+_VIDEO_KEYS = ("video", "path", "url")
 _DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
@@ -81,7 +88,8 @@ def _parts(content: Any) -> list[dict]:
 
 
 class ImageTextChatDataset(Dataset):
-    """Rows of one conversation each with its images; samples are ``{"messages", "images"}`` (PIL, RGB)."""
+    """Rows of one conversation each with its images (and videos); samples are ``{"messages", "images"}`` (PIL, RGB),
+    plus ``"videos"`` (:class:`~automodel_vlm.datasets.videos.Clip`) where a row has video parts."""
 
     # packing cuts the samples longer than packed_sequence.max_length to it instead of leaving them out (upstream's
     # recipe-level ``truncate`` key, which the text-only chat factories take)
@@ -130,11 +138,15 @@ class ImageTextChatDataset(Dataset):
             raise AutomodelError(f"{config_key}.image_root: '{image_root}' is not a folder")
         rows = _undecoded(rows, image_column)
         self.samples: list[tuple[list[dict], list[Any]]] = []
+        self.videos: dict[int, list[tuple[Path, float | None]]] = {}  # a sample's clips (path, fps), if any
         self.row_indices: list[int] = []  # the row each sample came from (rows may be skipped)
         bad_rows = BadRows(on_bad_row, self.source, config_key)
         for index, row in enumerate(rows):
             try:
-                self.samples.append(self._prepare(index, row, messages_column))
+                prepared, clips = self._prepare(index, row, messages_column)
+                if clips:
+                    self.videos[len(self.samples)] = clips
+                self.samples.append(prepared)
             except AutomodelError as err:
                 if not bad_rows.skip:
                     raise AutomodelError(f"{err}; or set {config_key}.on_bad_row: skip to leave such rows out") \
@@ -151,7 +163,8 @@ class ImageTextChatDataset(Dataset):
     def _where(self, index: int) -> str:
         return f"{self.key}: row {index + 1} of '{self.source}'"
 
-    def _prepare(self, index: int, row: dict, messages_column: str) -> tuple[list[dict], list[Any]]:
+    def _prepare(self, index: int, row: dict, messages_column: str
+                 ) -> tuple[tuple[list[dict], list[Any]], list[tuple[Path, float | None]]]:
         messages = row[messages_column]
         if isinstance(messages, str):
             import json
@@ -174,7 +187,7 @@ class ImageTextChatDataset(Dataset):
             column_images = []
         elif not isinstance(column_images, list):
             column_images = [column_images]
-        normalised, inline, image_parts = [], [], 0
+        normalised, inline, image_parts, clips = [], [], 0, []
         for message in messages:
             parts = []
             for part in _parts(message.get("content")):
@@ -186,6 +199,9 @@ class ImageTextChatDataset(Dataset):
                     if ref is not None:
                         inline.append(ref)
                     parts.append({"type": "image"})
+                elif isinstance(part, dict) and part.get("type") == "video":
+                    clips.append(self._check_video(index, part))
+                    parts.append({"type": "video"})
                 elif isinstance(part, dict):
                     parts.append(part)
                 else:
@@ -203,7 +219,37 @@ class ImageTextChatDataset(Dataset):
         if image_parts != len(images):
             raise AutomodelError(f"{self._where(index)}: {image_parts} image part(s) in the messages but "
                                  f"{len(images)} image(s) given; give one image per {{'type': 'image'}} part")
-        return normalised, [self._check_ref(index, ref) for ref in images]
+        return (normalised, [self._check_ref(index, ref) for ref in images]), clips
+
+    def _check_video(self, index: int, part: dict) -> tuple[Path, float | None]:
+        other = sorted(set(part) - {"type", "fps", *_VIDEO_KEYS})
+        if other:  # upstream's frame_indices, say: nothing here would act on them
+            raise AutomodelError(f"{self._where(index)}: a video part takes video (or path), fps and nothing else; "
+                                 f"found {', '.join(other)} (the processor's video_processor samples the frames: "
+                                 "set its fps / num_frames / max_frames)")
+        ref = next((part[k] for k in _VIDEO_KEYS if part.get(k) is not None), None)
+        if not isinstance(ref, str):
+            raise AutomodelError(f"{self._where(index)}: a video part needs \"video\": a path to an animated GIF / "
+                                 f"WebP or a folder of frame images, found {ref!r:.60}")
+        if ref.startswith(("http://", "https://")):
+            raise AutomodelError(f"{self._where(index)}: video '{ref}' is a URL; download it and give a local path")
+        fps = part.get("fps")
+        if fps is not None and (isinstance(fps, bool) or not isinstance(fps, (int, float)) or fps <= 0):
+            raise AutomodelError(f"{self._where(index)}: video '{ref}': fps must be a positive number, got {fps!r}")
+        path = Path(ref.removeprefix("file://"))
+        if not path.is_absolute() and self.image_root is not None:
+            path = self.image_root / path
+        if (issue := clip_issue(path, fps)) is not None:
+            raise AutomodelError(f"{self._where(index)}: {issue}")
+        return path, (float(fps) if fps is not None else None)
+
+    def open_video(self, index: int, path: Path, fps: float | None) -> Any:
+        from PIL import UnidentifiedImageError
+
+        try:
+            return read_clip(path, fps)
+        except (OSError, UnidentifiedImageError, ValueError) as err:
+            raise AutomodelError(f"{self._where(index)}: cannot read video '{path}': {err}") from None
 
     def _check_ref(self, index: int, ref: Any) -> Any:
         if isinstance(ref, dict):
@@ -250,7 +296,11 @@ class ImageTextChatDataset(Dataset):
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         messages, refs = self.samples[index]
-        return {"messages": messages, "images": [self.open_image(self.row_indices[index], ref) for ref in refs]}
+        row = self.row_indices[index]
+        sample = {"messages": messages, "images": [self.open_image(row, ref) for ref in refs]}
+        if index in self.videos:
+            sample["videos"] = [self.open_video(row, path, fps) for path, fps in self.videos[index]]
+        return sample
 
     @property
     def qa_pairs(self) -> list[tuple[int, list[dict], str]]:
