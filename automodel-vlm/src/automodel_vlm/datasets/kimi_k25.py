@@ -35,10 +35,11 @@ class KimiK25Collator(VLMCollator):
         super().__init__(processor, max_length=max_length, drop_overlong=drop_overlong,
                          pad_to_multiple_of=pad_to_multiple_of)
 
-    def _process(self, rendered: list[Rendered], images: list[list[Any]], **settings: Any) -> dict[str, Any]:
+    def _process(self, rendered: list[Rendered], images: list[list[Any]], videos: list[list[Any]] | None = None,
+                 **settings: Any) -> dict[str, Any]:
         if not settings.get("truncation"):
-            return super()._process(rendered, images, **settings)
-        batch = super()._process(rendered, images, padding=True)
+            return super()._process(rendered, images, videos, **settings)
+        batch = super()._process(rendered, images, videos, padding=True)
         return self._cut(batch, [len(group) for group in images], settings["max_length"])
 
     def _tokens_per_image(self, grid: torch.Tensor) -> list[int]:
