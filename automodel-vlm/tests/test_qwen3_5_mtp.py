@@ -165,6 +165,13 @@ def test_what_the_heads_are_not_wired_into_is_refused(override, words):
     assert words in refusals(*override)["model.mtp_loss_scaling_factor"]
 
 
+def test_context_parallelism_is_refused_for_the_models_linear_attention_layers(qwen_dir):
+    """Validation reads the checkpoint's config: its linear-attention layers would run on each rank's part alone."""
+    found = refusals("--model.pretrained_model_name_or_path", str(qwen_dir), "--distributed",
+                     "{strategy: fsdp2, cp_size: 2}")
+    assert "1 of the model's 2 layers are recurrent" in found["distributed.cp_size"], found
+
+
 def test_pipeline_parallelism_is_not_refused_for_the_heads():
     """The heads run on the last pipeline stage with the rope positions every stage gets (before: refused)."""
     found = refusals("--distributed", "{strategy: fsdp2, pp_size: 2}", "--nonexistent_section", "1")
