@@ -189,14 +189,15 @@ def pp_mtp(tmp_path_factory) -> list[list[dict]]:
                            workers=Path(__file__).with_name("vlm_context_parallel_workers.py"), timeout=300)
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "qwen3_5_static"])
 def test_pp2_trains_the_heads_like_one_process(pp_mtp, family):
     """The recipe's pipelined step on two ranks (1F1B over one-row micro-batches; a first micro-batch without an
     image, then rows with images of three sizes, right-padded, then packed rows of two conversations): the first
     stage embeds both depths' tokens ahead, they travel to the last, whose heads take the 3-D rope positions of the
     image rows (computed on the whole rows before the schedule) moved with the tokens, and a packed row's text
     positions for the targets; every rank's losses (with the heads') and gradient norms, and the heads' weights
-    after the three steps, are one process's."""
+    after the three steps, are one process's (static: the vision tower frozen, static stage shapes of 128 positions
+    with the depths' embeddings among the tensors the stages exchange)."""
     (one,), ranks = pp_mtp
     one = one[family]
     for rank in ranks:

@@ -413,8 +413,8 @@ def run_pp_steps(family: str, world: int, frozen: bool = False, mtp: bool = Fals
         assert line is None or "layers 2-2 travel beside the hidden states" in line, line
         step = Step(stage, processor, layout, device_mesh)
         text = model.config.text_config
-        shapes = StaticShapes(128, text.hidden_size, text.vocab_size, torch.float32, torch.float32,
-                              cp=layout.cp) if frozen else None
+        shapes = StaticShapes(128, text.hidden_size, text.vocab_size, torch.float32, torch.float32, cp=layout.cp,
+                              carried=MTP["depths"] if mtp else 0) if frozen else None
         step.pipelines = StagePipelines([stage], device_mesh[PP], torch.device("cpu"), PipelineSettings(),
                                         step.pipeline_loss, shapes, cp_mesh=device_mesh[CP] if layout.cp > 1 else None)
     step.mtp_heads = find_heads(step.model)
@@ -427,9 +427,11 @@ def run_pp_steps(family: str, world: int, frozen: bool = False, mtp: bool = Fals
 
 
 def scenario_vlm_pp_mtp(args: dict[str, Any], out: Any) -> dict[str, Any]:
-    """Qwen3.5 (dense and MoE) with MTP heads: :func:`run_pp_steps` in one process, or pp 2 on two ranks."""
+    """Qwen3.5 (dense and MoE) with MTP heads: :func:`run_pp_steps` in one process, or pp 2 on two ranks; once more
+    with the vision tower frozen and, pipelined, static stage shapes (the embeddings in them)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
-    return {family: run_pp_steps(family, world, mtp=True) for family in ("qwen3_5", "qwen3_5_moe")}
+    return {**{family: run_pp_steps(family, world, mtp=True) for family in ("qwen3_5", "qwen3_5_moe")},
+            "qwen3_5_static": run_pp_steps("qwen3_5", world, frozen=True, mtp=True)}
 
 
 def scenario_vlm_pp_qwen3(args: dict[str, Any], out: Any) -> dict[str, Any]:
