@@ -34,6 +34,7 @@ from automodel.training.parallel.context_parallel import (
     cp_issues,
     eager_issue,
     next_token_targets,
+    recurrent_issue,
     split_sequence,
 )
 
@@ -299,3 +300,17 @@ def test_eager_attention_with_logit_soft_capping_is_refused_with_context_paralle
 
     assert "SDPA does not soft-cap the attention logits" in eager_issue(Gemma2Config())
     assert eager_issue(Gemma3TextConfig()) is None and eager_issue(LlamaConfig()) is None
+
+
+def test_models_with_recurrent_layers_are_refused_with_context_parallelism():
+    """Mamba / linear-attention layers (``linear_attention`` in ``layer_types``: Nemotron-H's ``layers_block_type``,
+    Qwen3.5's and Qwen3-Next's) run along the whole sequence: a rank's part alone would train another model (a tiny
+    Qwen3.5 under cp 2 had other losses than one process before this refusal)."""
+    from transformers import NemotronHConfig, Qwen3_5Config, Qwen3NextConfig
+
+    nemotron = NemotronHConfig(layers_block_type=["linear_attention", "moe", "full_attention", "mlp"])
+    assert "1 of the model's 4 layers are recurrent" in recurrent_issue(nemotron)
+    qwen = Qwen3_5Config(text_config={"num_hidden_layers": 4, "full_attention_interval": 2})
+    assert "2 of the model's 4 layers are recurrent" in recurrent_issue(qwen)  # the composite's text config
+    assert "set cp_size: 1" in recurrent_issue(Qwen3NextConfig(num_hidden_layers=4))
+    assert recurrent_issue(LlamaConfig()) is None

@@ -159,10 +159,54 @@ def refusals(*overrides: str) -> dict[str, str]:
 
 @pytest.mark.parametrize("override, words", [
     (("--distributed", "{strategy: fsdp2, tp_size: 2}"), "not wired into tensor parallelism"),
-    (("--distributed", "{strategy: fsdp2, pp_size: 2}"), "not wired into pipeline parallelism"),
+    (("--distributed", "{strategy: fsdp2, cp_size: 2}"), "not wired into context parallelism"),
 ])
 def test_what_the_heads_are_not_wired_into_is_refused(override, words):
     assert words in refusals(*override)["model.mtp_loss_scaling_factor"]
+
+
+def test_context_parallelism_is_refused_for_the_models_linear_attention_layers(qwen_dir):
+    """Validation reads the checkpoint's config: its linear-attention layers would run on each rank's part alone."""
+    found = refusals("--model.pretrained_model_name_or_path", str(qwen_dir), "--distributed",
+                     "{strategy: fsdp2, cp_size: 2}")
+    assert "1 of the model's 2 layers are recurrent" in found["distributed.cp_size"], found
+
+
+def test_pipeline_parallelism_is_not_refused_for_the_heads():
+    """The heads run on the last pipeline stage with the rope positions every stage gets (before: refused)."""
+    found = refusals("--distributed", "{strategy: fsdp2, pp_size: 2}", "--nonexistent_section", "1")
+    assert not [key for key in found if key.startswith("model.")], found
+
+
+@pytest.fixture(scope="module")
+def pp_mtp(tmp_path_factory) -> list[list[dict]]:
+    """Qwen3.5 and Qwen3.5-MoE with two MTP depths: three steps in one process and over pp 2 on two gloo ranks,
+    launched together (``vlm_context_parallel_workers.py``'s ``vlm_pp_mtp``)."""
+    from parallel_testing import launch_together
+
+    tmp = tmp_path_factory.mktemp("vlm_pp_mtp")
+    return launch_together([("vlm_pp_mtp", 0, tmp / "one", {}), ("vlm_pp_mtp", 2, tmp / "pp2", {})],
+                           workers=Path(__file__).with_name("vlm_context_parallel_workers.py"), timeout=300)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "qwen3_5_static"])
+def test_pp2_trains_the_heads_like_one_process(pp_mtp, family):
+    """The recipe's pipelined step on two ranks (1F1B over one-row micro-batches; a first micro-batch without an
+    image, then rows with images of three sizes, right-padded, then packed rows of two conversations): the first
+    stage embeds both depths' tokens ahead, they travel to the last, whose heads take the 3-D rope positions of the
+    image rows (computed on the whole rows before the schedule) moved with the tokens, and a packed row's text
+    positions for the targets; every rank's losses (with the heads') and gradient norms, and the heads' weights
+    after the three steps, are one process's (static: the vision tower frozen, static stage shapes of 128 positions
+    with the depths' embeddings among the tensors the stages exchange)."""
+    (one,), ranks = pp_mtp
+    one = one[family]
+    for rank in ranks:
+        assert rank[family]["losses"] == pytest.approx(one["losses"], rel=1e-5)
+        assert rank[family]["norms"] == pytest.approx(one["norms"], rel=1e-5)
+    heads = ranks[-1][family]["heads"]  # the last stage's rank holds them
+    assert not ranks[0][family]["heads"] and sorted(heads) == sorted(one["heads"])
+    for key, value in one["heads"].items():
+        torch.testing.assert_close(torch.tensor(heads[key]), torch.tensor(value), rtol=1e-4, atol=1e-6)
 
 
 def test_the_moe_heads_fuse_the_checkpoints_per_expert_tensors():

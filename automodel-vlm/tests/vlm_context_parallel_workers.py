@@ -364,12 +364,21 @@ def text_first_micro_batches(processor: Any) -> list[dict[str, torch.Tensor]]:
     return [collator([text, image]), collator([text, image])]
 
 
-def run_pp_steps(family: str, world: int, frozen: bool = False) -> dict[str, Any]:
+MTP = {"depths": 2, "scaling_factor": 0.3}  # the Qwen3.5 MTP scenario's heads: two tokens ahead
+
+
+def run_pp_steps(family: str, world: int, frozen: bool = False, mtp: bool = False) -> dict[str, Any]:
     """Three steps (rows without and with an image, right-padded rows, packed rows; two micro-batches of two rows
     each) of the recipe's step: in one process (``world`` 1), or as the engine runs it over pp 2 (FSDP2 on each
     stage, the recipe's ``pipeline_batches`` through 1F1B with one-row micro-batches, a Qwen3-VL's DeepStack maps
     travelling as the recipe sets them up): the losses and gradient norms. ``frozen``: the vision tower frozen,
-    the stages with static shapes (``pp_seq_len`` 128)."""
+    the stages with static shapes (``pp_seq_len`` 128). ``mtp``: the model with MTP heads (:data:`MTP`), their
+    embeddings carried from the first stage to the last as the engine sets them up (``carry_heads``), the loss the
+    recipe's with theirs, every token of the packed rows a label; also the heads' weights after the steps (the rank
+    that holds them)."""
+    from automodel.mtp.attach import attach_heads
+    from automodel.mtp.heads import MTPSettings, find_heads
+    from automodel.mtp.pipeline import carry_heads
     from automodel.training.parallel.mesh import PP
     from automodel.training.parallel.pipeline_parallel import PipelineSettings, StagePipelines
     from automodel.training.parallel.pipeline_stages import split_model
@@ -377,10 +386,16 @@ def run_pp_steps(family: str, world: int, frozen: bool = False) -> dict[str, Any
     from automodel_vlm.deepstack import travel_deepstack
 
     model, processor = tiny_model(family)
+    if mtp:
+        attach_heads(model, MTPSettings(**MTP), None)
     if frozen:
         model.model.visual.requires_grad_(False)
     batches = [text_first_micro_batches(processor), micro_batches(processor, 0, 8),
                micro_batches(processor, 1, 8, rope_index(model))]
+    if mtp:  # every packed token a label: a depth's targets in the next sample count unless the heads drop them
+        for batch in batches[2]:
+            batch["labels"] = batch["input_ids"].masked_fill(batch["input_ids"] == processor.tokenizer.pad_token_id,
+                                                             IGNORE_INDEX)
     if world == 1:
         step = Step(model, processor, MeshLayout(1), None)
     else:
@@ -389,6 +404,7 @@ def run_pp_steps(family: str, world: int, frozen: bool = False) -> dict[str, Any
         layout = plan_mesh(world, pp_size=2, cp_size=world // 2)
         device_mesh = build_device_mesh(layout, "cpu")
         (stage,) = split_model(model, device_mesh[PP].get_local_rank(), layout.pp)
+        carry_heads(model, [stage])
         if layout.cp > 1:
             causal_attention_without_mask(stage, multimodal_modules(stage, MULTIMODAL_NAMES).values())
         apply_fsdp2(stage, fsdp_mesh(device_mesh, layout), multimodal=place_multimodal(stage, MULTIMODAL_NAMES,
@@ -397,12 +413,25 @@ def run_pp_steps(family: str, world: int, frozen: bool = False) -> dict[str, Any
         assert line is None or "layers 2-2 travel beside the hidden states" in line, line
         step = Step(stage, processor, layout, device_mesh)
         text = model.config.text_config
-        shapes = StaticShapes(128, text.hidden_size, text.vocab_size, torch.float32, torch.float32,
-                              cp=layout.cp) if frozen else None
+        shapes = StaticShapes(128, text.hidden_size, text.vocab_size, torch.float32, torch.float32, cp=layout.cp,
+                              carried=MTP["depths"] if mtp else 0) if frozen else None
         step.pipelines = StagePipelines([stage], device_mesh[PP], torch.device("cpu"), PipelineSettings(),
                                         step.pipeline_loss, shapes, cp_mesh=device_mesh[CP] if layout.cp > 1 else None)
+    step.mtp_heads = find_heads(step.model)
     results = [step._train_step(b) for b in batches]
-    return {"losses": [loss.item() for loss, _, _ in results], "norms": [norm.item() for _, norm, _ in results]}
+    found = {"losses": [loss.item() for loss, _, _ in results], "norms": [norm.item() for _, norm, _ in results]}
+    if mtp:
+        state = full_state(step.model)
+        found["heads"] = {key: value.tolist() for key, value in state.items() if key.startswith("mtp.")}
+    return found
+
+
+def scenario_vlm_pp_mtp(args: dict[str, Any], out: Any) -> dict[str, Any]:
+    """Qwen3.5 (dense and MoE) with MTP heads: :func:`run_pp_steps` in one process, or pp 2 on two ranks; once more
+    with the vision tower frozen and, pipelined, static stage shapes (the embeddings in them)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return {**{family: run_pp_steps(family, world, mtp=True) for family in ("qwen3_5", "qwen3_5_moe")},
+            "qwen3_5_static": run_pp_steps("qwen3_5", world, frozen=True, mtp=True)}
 
 
 def scenario_vlm_pp_qwen3(args: dict[str, Any], out: Any) -> dict[str, Any]:

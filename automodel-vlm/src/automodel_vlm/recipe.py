@@ -109,8 +109,6 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
     """Fine-tunes an image-text-to-text model (Llava-style and others) on image conversations."""
 
     domain = "vlm"
-    # its MTP heads (Qwen3.5's) take the rotary positions the first pipeline stage computes for image rows inside
-    mtp_pipelined = False
     # the language model's projections and head are sharded by its own plan (transformers' tp_plan of the composite
     # model); the vision tower and projector stay replicated over tp; the loss runs on vocabulary-parallel logits
     tensor_parallel_unsupported = None

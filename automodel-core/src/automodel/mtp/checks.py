@@ -10,9 +10,6 @@ from automodel.errors import ConfigIssue
 from automodel.model_kwargs import MTP, MTP_DEPTH_KEYS, MTP_FAMILIES, MTP_KEYS, mtp_config_depths, mtp_depths_zero
 
 KEY = "model.num_nextn_predict_layers"
-# the families whose heads run on pipeline stages (automodel.mtp.pipeline): their heads take the token positions
-# the stages get; Qwen3.5's take the rotary positions the first stage computes for image rows inside the model
-PIPELINED_FAMILIES = ("nemotron_h",)
 _SPLITS = {"tp_size": "tensor parallelism (the heads' layers have no tensor-parallel plan)",
            "cp_size": "context parallelism (each rank's part of a row would shift in tokens of another part)"}
 
@@ -40,11 +37,10 @@ def _configured_depths(model: Any, hf_config: Any) -> int:
     return mtp_config_depths(text, MTP_FAMILIES[hf_config.model_type][2])
 
 
-def mtp_issues(cfg: Any, hf_config: Any, supported: bool = True, pipelined: bool = True) -> list[ConfigIssue]:
+def mtp_issues(cfg: Any, hf_config: Any, supported: bool = True) -> list[ConfigIssue]:
     """Why the heads cannot train in this run (empty: they can). ``hf_config``: the model's config where it can be
     read before building (None: the family is checked when the model is built); ``supported``: whether the
-    recipe's loss adds the heads'; ``pipelined``: whether its models' heads can run on pipeline stages (then those
-    of :data:`PIPELINED_FAMILIES`)."""
+    recipe's loss adds the heads'. Every family's heads run on pipeline stages (:mod:`automodel.mtp.pipeline`)."""
     key = mtp_asked(cfg)
     if key is None:
         return []
@@ -60,14 +56,6 @@ def mtp_issues(cfg: Any, hf_config: Any, supported: bool = True, pipelined: bool
                             "model.num_nextn_predict_layers to the number of tokens ahead")]
     issues = []
     settings = cfg.get("distributed")
-    pp_size = getattr(settings, "pp_size", 1) if settings is not None else 1
-    if isinstance(pp_size, int) and pp_size > 1 and (not pipelined or (hf_config is not None
-                                                                       and model_type not in PIPELINED_FAMILIES)):
-        whose = f"the {model_type} heads" if model_type else "this recipe's heads (Qwen3.5's)"
-        issues.append(ConfigIssue(key, f"{asks}, but {whose} are not wired into pipeline parallelism "
-                                  f"(distributed.pp_size {pp_size}): they take the rotary positions the first stage "
-                                  "computes for image rows inside the model (the Nemotron-H heads run on pipeline "
-                                  "stages); use pp_size 1 or remove the MTP keys"))
     for name, why in _SPLITS.items():
         size = getattr(settings, name, 1) if settings is not None else 1
         if isinstance(size, int) and size > 1:

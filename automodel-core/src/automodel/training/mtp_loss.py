@@ -22,14 +22,12 @@ class MTPLoss:
     ``compute_loss`` does not add it, so the keys are refused."""
 
     adds_mtp_loss = True
-    mtp_pipelined = True  # whether its models' heads can run on pipeline stages (automodel.mtp.pipeline)
     mtp_heads: MTPHeads | None = None
 
     @classmethod
     def mtp_config_issues(cls, cfg: Any) -> list[ConfigIssue]:
         """Why the heads the model section asks for cannot train in this run (empty: they can, or none is asked)."""
-        return mtp_issues(cfg, model_hf_config(cfg), supported=cls.adds_mtp_loss,
-                           pipelined=cls.mtp_pipelined) if mtp_asked(cfg) else []
+        return mtp_issues(cfg, model_hf_config(cfg), supported=cls.adds_mtp_loss) if mtp_asked(cfg) else []
 
     def setup(self) -> None:
         """The recipe's setup, then the built model's heads (if any) kept and said in the run's log."""

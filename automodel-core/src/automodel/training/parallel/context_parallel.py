@@ -106,6 +106,21 @@ def cp_attention(cfg: Any, device: torch.device | str, model_config: Any) -> str
     return "ring" if ring else "all_gather"
 
 
+def recurrent_issue(config: Any) -> str | None:
+    """Why context parallelism cannot split a model with recurrent layers (None: it has none): transformers marks
+    Mamba / linear-attention (gated delta rule) layers ``linear_attention`` in ``layer_types`` (Nemotron-H's
+    ``layers_block_type``, Qwen3.5's, Qwen3-Next's, ...). Their state runs along the whole sequence, but each rank
+    would run them on its part alone (a 2 x cp chunk layout, not contiguous) from a zero state."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layer_types = list(getattr(text, "layer_types", None) or ())
+    count = layer_types.count("linear_attention")
+    if not count:
+        return None
+    return (f"{count} of the model's {len(layer_types)} layers are recurrent (layer_types 'linear_attention': Mamba or "
+            "linear attention), whose state runs along the whole sequence; context parallelism would run them on each "
+            "rank's part of it alone and train another model; set cp_size: 1")
+
+
 def sliding_window_issue(config: Any) -> str | None:
     """Why ring attention (one causal attention over the whole split sequence) is not the model's attention, for a
     model with sliding-window layers (None: it has none): ``sliding_attention`` among its ``layer_types``, or, with

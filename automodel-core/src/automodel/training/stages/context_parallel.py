@@ -9,7 +9,8 @@ all-gather attention's region (``PipelineStageModel.forward``); FSDP2 shards ove
 slot). Tensor parallelism composes over the mesh's ``tp`` dimension: each rank's attention runs on its
 tensor-parallel heads (the keys and values gathered over its ``cp`` group only), the loss is vocabulary-parallel on
 the split sequences, and sequence parallelism shards a rank's part further over ``tp``. Validation refuses what the
-chosen attention cannot run (ring: not CUDA, sliding windows) and the combinations this path does not handle, each
+chosen attention cannot run (ring: not CUDA, sliding windows), models with recurrent layers (Mamba, linear
+attention: their state would not pass between the ranks' parts) and the combinations this path does not handle, each
 with the reason.
 """
 
@@ -27,6 +28,7 @@ from automodel.training.parallel.context_parallel import (
     cp_attention,
     cp_issues,
     eager_issue,
+    recurrent_issue,
     sliding_window_issue,
 )
 from automodel.training.parallel.multimodal_fsdp import multimodal_modules
@@ -60,6 +62,8 @@ def issues(cfg: Config, implementation: str | None) -> list[ConfigIssue]:
                                  "device; auto chooses it on CPU) or pp_size: 1"))
     if chosen == "ring" and config is not None and (why := sliding_window_issue(config)) is not None:
         found.append(ConfigIssue("distributed.cp_attention", f"ring: {why}"))
+    if config is not None and (why := recurrent_issue(config)) is not None:
+        found.append(ConfigIssue("distributed.cp_size", f"{cp}: {why}"))
     if attention == "eager" and config is not None and (why := eager_issue(config)) is not None:
         found.append(ConfigIssue("model.attn_implementation", why))
     if cfg.compile is not None and cfg.compile.enabled:
@@ -83,6 +87,8 @@ def attention(ctx: BuildContext, model: torch.nn.Module) -> tuple[torch.nn.Modul
         raise AutomodelError(f"distributed.cp_attention: ring: {why}")
     if (why := built_attention_issue(config, chosen)) is not None:
         raise AutomodelError(f"model.attn_implementation: {why}")
+    if config is not None and (why := recurrent_issue(config)) is not None:
+        raise AutomodelError(f"distributed.cp_size: {cp}: {why}")
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     implementation = getattr(text, "_attn_implementation", None)
     hooked = causal_attention_without_mask(inner, multimodal_modules(inner, ctx.multimodal_names).values())
