@@ -314,3 +314,14 @@ def test_models_with_recurrent_layers_are_refused_with_context_parallelism():
     assert "2 of the model's 4 layers are recurrent" in recurrent_issue(qwen)  # the composite's text config
     assert "set cp_size: 1" in recurrent_issue(Qwen3NextConfig(num_hidden_layers=4))
     assert recurrent_issue(LlamaConfig()) is None
+
+
+def test_models_mixing_mamba_into_layers_convolving_or_recurrent_throughout_are_refused_with_cp():
+    """Falcon-H1's layers run attention beside Mamba (``hybrid``), LFM2's short convolutions (``conv``) reach across
+    a part's boundary, and RWKV / xLSTM configs name no layer types but are recurrent throughout."""
+    from transformers import AutoConfig, FalconH1Config, Lfm2Config
+
+    assert "'hybrid'" in recurrent_issue(FalconH1Config(num_hidden_layers=2))
+    assert "2 of the model's 4 layers" in recurrent_issue(Lfm2Config(num_hidden_layers=4, full_attn_idxs=[1, 3]))
+    for model_type in ("rwkv", "xlstm"):
+        assert f"the {model_type} model is recurrent" in recurrent_issue(AutoConfig.for_model(model_type))

@@ -106,19 +106,30 @@ def cp_attention(cfg: Any, device: torch.device | str, model_config: Any) -> str
     return "ring" if ring else "all_gather"
 
 
+# transformers' layer_types of layers whose state runs along the sequence: Mamba / gated-delta-rule layers
+# ('linear_attention'), Falcon-H1's attention-beside-Mamba ('hybrid'), LFM2's short convolutions ('conv')
+RECURRENT_LAYERS = ("linear_attention", "hybrid", "conv")
+# recurrent model types whose configs name no layer_types
+RECURRENT_MODELS = ("rwkv", "xlstm")
+
+
 def recurrent_issue(config: Any) -> str | None:
     """Why context parallelism cannot split a model with recurrent layers (None: it has none): transformers marks
     Mamba / linear-attention (gated delta rule) layers ``linear_attention`` in ``layer_types`` (Nemotron-H's
     ``layers_block_type``, Qwen3.5's, Qwen3-Next's, ...). Their state runs along the whole sequence, but each rank
     would run them on its part alone (a 2 x cp chunk layout, not contiguous) from a zero state."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(text, "model_type", None) in RECURRENT_MODELS:
+        return (f"the {text.model_type} model is recurrent: its state runs along the whole sequence; context "
+                "parallelism would run it on each rank's part of it alone and train another model; set cp_size: 1")
     layer_types = list(getattr(text, "layer_types", None) or ())
-    count = layer_types.count("linear_attention")
+    count = sum(kind in RECURRENT_LAYERS for kind in layer_types)
     if not count:
         return None
-    return (f"{count} of the model's {len(layer_types)} layers are recurrent (layer_types 'linear_attention': Mamba or "
-            "linear attention), whose state runs along the whole sequence; context parallelism would run them on each "
-            "rank's part of it alone and train another model; set cp_size: 1")
+    return (f"{count} of the model's {len(layer_types)} layers are recurrent or convolve along the sequence "
+            f"(layer_types {', '.join(repr(k) for k in sorted(set(layer_types) & set(RECURRENT_LAYERS)))}: Mamba, "
+            "linear attention, short convolutions), whose state runs along the whole sequence; context parallelism "
+            "would run them on each rank's part of it alone and train another model; set cp_size: 1")
 
 
 def sliding_window_issue(config: Any) -> str | None:
