@@ -220,28 +220,72 @@ def test_gemma4_images_of_different_sizes_are_counted_by_their_real_patches():
             assert torch.allclose(logits[real], whole[row][real], atol=1e-5), row
 
 
+def test_gemma4_per_layer_inputs_travel_from_the_first_stage_to_the_later_layers():
+    """A Gemma 4 with per-layer inputs (E2B / E4B's): the first stage alone holds the modules that make them (from
+    the token ids and the merged embeddings) and sends the slices of the second stage's layers beside the hidden
+    states; the second stage runs its layers on them, so the two stages on each one-row micro-batch give the whole
+    model's logits; zeros in their place (what the second stage would have without them) do not."""
+    import torch
+    from vlm_context_parallel_workers import gemma_micro_batches, tiny_model
+
+    from automodel.training.parallel.pipeline_media import media_kwargs
+    from automodel.training.parallel.pipeline_stages import split_model
+    from automodel.training.pipeline_steps import padded_tokens, stage_kwargs
+    from automodel_vlm.per_layer_inputs import travel_per_layer_inputs
+    from automodel_vlm.pipeline import layout_issue, mask_kwargs, media_per_row
+
+    model, _ = tiny_model("gemma4_ple")
+    model.eval()
+    assert layout_issue(model.config) is None
+    (first,), (second,) = split_model(model, 0, 2), split_model(model, 1, 2)
+    makers = ("embed_tokens_per_layer", "per_layer_model_projection", "per_layer_projection_norm")
+    assert all(getattr(first.model.language_model, name) is not None for name in makers)
+    assert all(getattr(second.model.language_model, name) is None for name in makers)
+    for stage in (first, second):
+        assert "the per-layer inputs of layers 2-3 (8 values a position each) travel" in travel_per_layer_inputs(stage)
+    batch = gemma_micro_batches("gemma4_ple", 0, 4, left=True)[0]
+    kwargs = {**stage_kwargs(batch, 8), **media_kwargs(media_per_row(batch, model.config)),
+              **mask_kwargs(batch, model.config, 8)}
+    ids, _ = padded_tokens(batch, 8, 0)
+    length = batch["input_ids"].shape[1]
+    with torch.no_grad():
+        whole = model(**{key: value for key, value in batch.items() if key != "labels"}, use_cache=False).logits
+        for row in range(2):
+            real = batch["attention_mask"][row].bool()
+            row_kwargs = {key: value[row:row + 1] for key, value in kwargs.items()}
+            later = {key: value for key, value in row_kwargs.items() if not key.startswith("media_")}
+            hidden, *per_layer = first(ids[row:row + 1], **row_kwargs)
+            assert [tuple(part.shape) for part in per_layer] == [(1, length + 8, 8)] * 2
+            logits = second(hidden, *per_layer, **later)[0, :length]
+            assert torch.allclose(logits[real], whole[row][real], atol=1e-5), row
+            logits = second(hidden, *map(torch.zeros_like, per_layer), **later)[0, :length]
+            assert not torch.allclose(logits[real], whole[row][real], atol=1e-3), row
+
+
 def test_gemma_pp2_trains_like_one_process_and_not_with_causal_later_stages(tmp_path):
-    """Two steps (right-padded rows, then left-padded ones) of a tiny Gemma 3 and a tiny Gemma 4 cut in two stages
-    on two gloo ranks, 1F1B over one-row micro-batches through the recipe's pipeline_batches: the losses and
-    gradient norms of one process; with the second stage building the causal mask instead (the token types
-    ignored) they differ."""
+    """Two steps (right-padded rows, then left-padded ones) of a tiny Gemma 3, a tiny Gemma 4 and a tiny Gemma 4
+    with per-layer inputs (those of the second stage's layers travelling from the first; with static stage shapes
+    too) cut in two stages on two gloo ranks, 1F1B over one-row micro-batches through the recipe's
+    pipeline_batches: the losses and gradient norms of one process; with the second stage building the causal mask
+    instead (the token types ignored) they differ."""
     from parallel_testing import launch_together
 
     one, pp2 = launch_together([("vlm_pp_gemma", 0, tmp_path / "one", {}), ("vlm_pp_gemma", 2, tmp_path / "pp2", {})],
                                workers=Path(__file__).with_name("vlm_context_parallel_workers.py"), timeout=300)
-    for family in ("gemma3_pp", "gemma4_pp"):
-        reference = one[0][family]
+    for family in ("gemma3_pp", "gemma4_pp", "gemma4_ple", "gemma4_ple_static"):
+        reference = one[0][family.removesuffix("_static")]
         for rank in pp2:
             assert rank[family]["losses"] == pytest.approx(reference["losses"], rel=1e-5), family
             assert rank[family]["norms"] == pytest.approx(reference["norms"], rel=1e-5), family
-            causal = rank[f"{family}_causal"]
-            assert causal["losses"] != pytest.approx(reference["losses"], rel=1e-5), family
-            assert causal["norms"] != pytest.approx(reference["norms"], rel=1e-3), family
+            if family in ("gemma3_pp", "gemma4_pp"):
+                causal = rank[f"{family}_causal"]
+                assert causal["losses"] != pytest.approx(reference["losses"], rel=1e-5), family
+                assert causal["norms"] != pytest.approx(reference["norms"], rel=1e-3), family
 
 
 def test_what_the_gemma_pipeline_cannot_take_is_refused_with_the_reason():
-    """PaliGemma (its prefix's two-way mask and 1-based positions made in its forward), Gemma 4 with per-layer
-    inputs or layers sharing keys and values (made or computed on other stages), and a Gemma under pp x cp (the
+    """PaliGemma (its prefix's two-way mask and 1-based positions made in its forward), Gemma 4 with layers
+    sharing keys and values (computed on other stages; its per-layer inputs travel), and a Gemma under pp x cp (the
     context-parallel attention inside the stages does not take the token types)."""
     from types import SimpleNamespace
 
@@ -251,7 +295,7 @@ def test_what_the_gemma_pipeline_cannot_take_is_refused_with_the_reason():
 
     assert "numbers the positions from 1" in layout_issue(PaliGemmaConfig())
     per_layer = Gemma4Config(text_config={"hidden_size_per_layer_input": 8, "num_kv_shared_layers": 0})
-    assert "text_config.hidden_size_per_layer_input" in layout_issue(per_layer)
+    assert layout_issue(per_layer) is None  # they travel (automodel_vlm.per_layer_inputs)
     shared = Gemma4Config(text_config={"hidden_size_per_layer_input": 0, "num_kv_shared_layers": 2})
     assert "text_config.num_kv_shared_layers" in layout_issue(shared)
     cfg = SimpleNamespace(distributed=SimpleNamespace(pp_size=2, cp_size=2))

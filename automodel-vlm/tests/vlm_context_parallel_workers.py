@@ -97,13 +97,14 @@ def tiny_model(family: str) -> tuple[torch.nn.Module, Any]:
             mm_tokens_per_image=GEMMA_IMAGE_TOKENS, image_token_index=GEMMA_IMAGE, boi_token_index=GEMMA_IMAGE + 1,
             eoi_token_index=GEMMA_IMAGE + 2)
     elif family.startswith("gemma4"):  # images two-way on the sliding layers, per-layer inputs, the last two
-        processor = None  # layers' keys and values those of the first two (gemma4_pp: neither, as the 31B)
-        pipelined = family == "gemma4_pp"
+        processor = None  # layers' keys and values those of the first two (gemma4_pp: neither, as the 31B;
+        pipelined = family in ("gemma4_pp", "gemma4_ple")  # gemma4_ple: per-layer inputs, no shared keys)
+        per_layer = 0 if family == "gemma4_pp" else 8
         config = Gemma4Config(
             text_config={"hidden_size": 32, "num_hidden_layers": 4, "num_attention_heads": 2,
                          "num_key_value_heads": 1, "head_dim": 16, "global_head_dim": 16, "intermediate_size": 32,
                          "vocab_size": GEMMA_VOCAB, "vocab_size_per_layer_input": GEMMA_VOCAB,
-                         "hidden_size_per_layer_input": 0 if pipelined else 8, "sliding_window": 6,
+                         "hidden_size_per_layer_input": per_layer, "sliding_window": 6,
                          "num_kv_shared_layers": 0 if pipelined else 2, "tie_word_embeddings": not pipelined,
                          "layer_types": ["sliding_attention", "full_attention"] * 2,
                          "use_bidirectional_attention": "vision"},
@@ -313,23 +314,30 @@ def run_pipelined(family: str, layout: MeshLayout) -> dict[str, Any]:
     return {"loss": loss.item(), "norm": norm.item(), "vision_grads": grads}
 
 
-def run_gemma_pipelined(family: str, layout: MeshLayout) -> dict[str, Any]:
+def run_gemma_pipelined(family: str, layout: MeshLayout, static: bool = False) -> dict[str, Any]:
     """The two steps of :func:`run` (right-padded rows, then left-padded ones) for a tiny Gemma 3 / Gemma 4 cut in
     two stages (``pp`` rank 0: vision tower, projector, embedding, the first layers), through 1F1B with one-row
     micro-batches and the recipe's ``pipeline_batches`` (each row's image and its token types, from which every
-    stage builds the masks): the losses and gradient norms."""
+    stage builds the masks), a Gemma 4's per-layer inputs travelling as the recipe sets them up (``static``: the
+    stages with static shapes, ``pp_seq_len`` 32): the losses and gradient norms."""
     from automodel.training.parallel.mesh import PP
     from automodel.training.parallel.pipeline_parallel import PipelineSettings, StagePipelines
     from automodel.training.parallel.pipeline_stages import split_model
+    from automodel.training.parallel.pipeline_static import StaticShapes
+    from automodel_vlm.per_layer_inputs import travel_per_layer_inputs
 
     model, _ = tiny_model(family)
     device_mesh = build_device_mesh(layout, "cpu")
     (stage,) = split_model(model, device_mesh[PP].get_local_rank(), layout.pp)
     apply_fsdp2(stage, fsdp_mesh(device_mesh, layout), multimodal=place_multimodal(stage, MULTIMODAL_NAMES, "root"))
+    line = travel_per_layer_inputs(stage)  # as the recipe does, on the built stage
+    assert (line is None) == (family != "gemma4_ple"), line
     tokenizer = SimpleNamespace(pad_token_id=0)
     step = Step(stage, SimpleNamespace(tokenizer=tokenizer), layout, device_mesh)
+    text = model.config.text_config
+    shapes = StaticShapes(32, text.hidden_size, text.vocab_size, torch.float32, torch.float32) if static else None
     step.pipelines = StagePipelines([stage], device_mesh[PP], torch.device("cpu"), PipelineSettings(),
-                                    step.pipeline_loss)
+                                    step.pipeline_loss, shapes)
     results = [step._train_step(gemma_micro_batches(family, s, 2, s == 1)) for s in range(2)]
     return {"losses": [loss.item() for loss, _, _ in results], "norms": [norm.item() for _, norm, _ in results]}
 
@@ -338,14 +346,16 @@ GEMMA_PP = ("gemma3_pp", "gemma4_pp")
 
 
 def scenario_vlm_pp_gemma(args: dict[str, Any], out: Any) -> dict[str, Any]:
-    """pp 2 on two ranks (:func:`run_gemma_pipelined`), once more with the later stage's masks causal (the token
-    types not reaching it), or the one-process reference (:func:`run`) without a process group."""
+    """pp 2 on two ranks (:func:`run_gemma_pipelined`; a Gemma 4 with per-layer inputs with static shapes too),
+    once more with the later stage's masks causal (the token types not reaching it), or the one-process reference
+    (:func:`run`) without a process group."""
     if not dist.is_initialized():
-        return {family: run(family, MeshLayout(1)) for family in GEMMA_PP}
+        return {family: run(family, MeshLayout(1)) for family in (*GEMMA_PP, "gemma4_ple")}
     from automodel.training.parallel.pipeline_stages import PipelineStageModel
 
     layout = plan_mesh(dist.get_world_size(), pp_size=dist.get_world_size())
-    results = {family: run_gemma_pipelined(family, layout) for family in GEMMA_PP}
+    results = {family: run_gemma_pipelined(family, layout) for family in (*GEMMA_PP, "gemma4_ple")}
+    results["gemma4_ple_static"] = run_gemma_pipelined("gemma4_ple", layout, static=True)
     PipelineStageModel._model_masks = lambda self, hidden, attention_mask, position_ids, types: attention_mask
     return results | {f"{family}_causal": run_gemma_pipelined(family, layout) for family in GEMMA_PP}
 

@@ -124,16 +124,13 @@ def layout_issue(config: Any) -> str | None:
 
 
 def _gemma4_issue(config: Any) -> str | None:
-    """Gemma 4's per-layer inputs (made on the first stage from the token ids and the merged embeddings) and its
-    layers that reuse the keys and values of earlier layers do not travel between the stages."""
+    """Gemma 4's layers that reuse the keys and values of earlier layers (another stage's) do not take them from
+    another stage; its per-layer inputs travel (``automodel_vlm.per_layer_inputs``)."""
     text = config.get_text_config()
-    if getattr(text, "hidden_size_per_layer_input", 0):
-        return ("a gemma4 model with per-layer inputs (text_config.hidden_size_per_layer_input, the E2B / E4B "
-                "sizes): the first stage makes them from the token ids, which the later stages do not get; set "
-                "pp_size: 1")
     if getattr(text, "num_kv_shared_layers", 0):
         return ("a gemma4 model whose last layers reuse the keys and values of earlier ones "
-                "(text_config.num_kv_shared_layers), which another pipeline stage computes; set pp_size: 1")
+                "(text_config.num_kv_shared_layers, as the E2B / E4B sizes), which another pipeline stage computes "
+                "and the stages do not pass on; set pp_size: 1")
     return None
 
 

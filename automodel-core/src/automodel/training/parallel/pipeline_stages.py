@@ -32,7 +32,7 @@ from automodel.training.parallel.all_gather_attention import all_gather_region
 from automodel.training.parallel.blocks import LayerPlaceholder
 from automodel.training.parallel.context_parallel import split_sequence
 from automodel.training.parallel.pipeline_media import MASK_PREFIX, model_media
-from automodel.training.parallel.pipeline_plans import pipeline_plan
+from automodel.training.parallel.pipeline_plans import first_stage_only, pipeline_plan
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -240,6 +240,7 @@ def model_parts(model: nn.Module) -> dict[str, str]:
         raise AutomodelError(f"'{type(model).__name__}': the pipeline plan's head '{parts['head']}' or layers "
                              f"'{parts['layers']}' are not where a causal LM keeps them; set distributed.pp_size: 1")
     parts["media"] = media_modules(model, parts["layers"].rpartition(".")[0])
+    parts["first"] = first_stage_only(model, parts["layers"].rpartition(".")[0])  # Gemma 4's per-layer inputs'
     return parts
 
 
@@ -279,7 +280,7 @@ def split_model(model: nn.Module, pp_rank: int, pp_size: int, stages_per_rank: i
                     placeholder.block_type = layers[number].block_type
                 layers[number] = placeholder
         if index != 0:
-            for name in [parts["embedding"], *parts["media"]]:
+            for name in [parts["embedding"], *parts["media"], *parts.get("first", [])]:
                 _replace(stage, name, None)
         if index != num_stages - 1:
             for name in parts["after"]:
