@@ -220,21 +220,22 @@ def test_gemma4_images_of_different_sizes_are_counted_by_their_real_patches():
             assert torch.allclose(logits[real], whole[row][real], atol=1e-5), row
 
 
-def test_gemma4_per_layer_inputs_travel_from_the_first_stage_to_the_later_layers():
-    """A Gemma 4 with per-layer inputs (E2B / E4B's): the first stage alone holds the modules that make them (from
-    the token ids and the merged embeddings) and sends the slices of the second stage's layers beside the hidden
-    states; the second stage runs its layers on them, so the two stages on each one-row micro-batch give the whole
-    model's logits; zeros in their place (what the second stage would have without them) do not."""
+def test_gemma4_per_layer_inputs_and_shared_keys_travel_from_the_stages_that_make_them():
+    """A Gemma 4 as the E2B / E4B: per-layer inputs, and its last two layers (second stage) reusing the keys and
+    values of layers 0 and 1 (first stage). The first stage alone holds the modules that make the per-layer inputs
+    and sends the second stage's layers' slices, then each shared type's keys and values, beside the hidden states;
+    the second stage runs its layers on them, so the two stages on each one-row micro-batch give the whole model's
+    logits; zeros in place of either (what the second stage would lack without them) do not."""
     import torch
     from vlm_context_parallel_workers import gemma_micro_batches, tiny_model
 
     from automodel.training.parallel.pipeline_media import media_kwargs
     from automodel.training.parallel.pipeline_stages import split_model
     from automodel.training.pipeline_steps import padded_tokens, stage_kwargs
-    from automodel_vlm.per_layer_inputs import travel_per_layer_inputs
+    from automodel_vlm.gemma4_pipeline import travel_gemma4
     from automodel_vlm.pipeline import layout_issue, mask_kwargs, media_per_row
 
-    model, _ = tiny_model("gemma4_ple")
+    model, _ = tiny_model("gemma4_small")
     model.eval()
     assert layout_issue(model.config) is None
     (first,), (second,) = split_model(model, 0, 2), split_model(model, 1, 2)
@@ -242,8 +243,11 @@ def test_gemma4_per_layer_inputs_travel_from_the_first_stage_to_the_later_layers
     assert all(getattr(first.model.language_model, name) is not None for name in makers)
     assert all(getattr(second.model.language_model, name) is None for name in makers)
     for stage in (first, second):
-        assert "the per-layer inputs of layers 2-3 (8 values a position each) travel" in travel_per_layer_inputs(stage)
-    batch = gemma_micro_batches("gemma4_ple", 0, 4, left=True)[0]
+        assert travel_gemma4(stage) == (
+            "pipeline: Gemma 4's per-layer inputs (8 values a position and layer) and the keys and values its layer "
+            "1 stores for the full_attention layers 3-3 and the keys and values its layer 0 stores for the "
+            "sliding_attention layers 2-2 travel beside the hidden states to the stages whose layers take them")
+    batch = gemma_micro_batches("gemma4_small", 0, 4, left=True)[0]
     kwargs = {**stage_kwargs(batch, 8), **media_kwargs(media_per_row(batch, model.config)),
               **mask_kwargs(batch, model.config, 8)}
     ids, _ = padded_tokens(batch, 8, 0)
@@ -254,12 +258,15 @@ def test_gemma4_per_layer_inputs_travel_from_the_first_stage_to_the_later_layers
             real = batch["attention_mask"][row].bool()
             row_kwargs = {key: value[row:row + 1] for key, value in kwargs.items()}
             later = {key: value for key, value in row_kwargs.items() if not key.startswith("media_")}
-            hidden, *per_layer = first(ids[row:row + 1], **row_kwargs)
-            assert [tuple(part.shape) for part in per_layer] == [(1, length + 8, 8)] * 2
-            logits = second(hidden, *per_layer, **later)[0, :length]
+            hidden, *beside = first(ids[row:row + 1], **row_kwargs)
+            # layers 2 and 3's inputs; full attention's keys and values (one head of 16), then sliding's
+            assert [tuple(part.shape) for part in beside] == [(1, length + 8, 8)] * 2 + [(1, length + 8, 16)] * 4
+            logits = second(hidden, *beside, **later)[0, :length]
             assert torch.allclose(logits[real], whole[row][real], atol=1e-5), row
-            logits = second(hidden, *map(torch.zeros_like, per_layer), **later)[0, :length]
-            assert not torch.allclose(logits[real], whole[row][real], atol=1e-3), row
+            for lost in (slice(0, 2), slice(2, 6)):
+                parts = [torch.zeros_like(part) if n in range(6)[lost] else part for n, part in enumerate(beside)]
+                logits = second(hidden, *parts, **later)[0, :length]
+                assert not torch.allclose(logits[real], whole[row][real], atol=1e-3), (row, lost)
 
 
 def test_gemma_pp2_trains_like_one_process_and_not_with_causal_later_stages(tmp_path):
@@ -272,7 +279,7 @@ def test_gemma_pp2_trains_like_one_process_and_not_with_causal_later_stages(tmp_
 
     one, pp2 = launch_together([("vlm_pp_gemma", 0, tmp_path / "one", {}), ("vlm_pp_gemma", 2, tmp_path / "pp2", {})],
                                workers=Path(__file__).with_name("vlm_context_parallel_workers.py"), timeout=300)
-    for family in ("gemma3_pp", "gemma4_pp", "gemma4_ple", "gemma4_ple_static"):
+    for family in ("gemma3_pp", "gemma4_pp", "gemma4_small", "gemma4_small_static"):
         reference = one[0][family.removesuffix("_static")]
         for rank in pp2:
             assert rank[family]["losses"] == pytest.approx(reference["losses"], rel=1e-5), family
@@ -284,9 +291,9 @@ def test_gemma_pp2_trains_like_one_process_and_not_with_causal_later_stages(tmp_
 
 
 def test_what_the_gemma_pipeline_cannot_take_is_refused_with_the_reason():
-    """PaliGemma (its prefix's two-way mask and 1-based positions made in its forward), Gemma 4 with layers
-    sharing keys and values (computed on other stages; its per-layer inputs travel), and a Gemma under pp x cp (the
-    context-parallel attention inside the stages does not take the token types)."""
+    """PaliGemma (its prefix's two-way mask and 1-based positions made in its forward) and a Gemma under pp x cp
+    (the context-parallel attention inside the stages does not take the token types); a Gemma 4 with per-layer
+    inputs and shared keys and values is not refused (they travel)."""
     from types import SimpleNamespace
 
     from transformers import Gemma3Config, Gemma4Config, PaliGemmaConfig
@@ -294,10 +301,8 @@ def test_what_the_gemma_pipeline_cannot_take_is_refused_with_the_reason():
     from automodel_vlm.pipeline import layout_issue, pipeline_issues
 
     assert "numbers the positions from 1" in layout_issue(PaliGemmaConfig())
-    per_layer = Gemma4Config(text_config={"hidden_size_per_layer_input": 8, "num_kv_shared_layers": 0})
-    assert layout_issue(per_layer) is None  # they travel (automodel_vlm.per_layer_inputs)
-    shared = Gemma4Config(text_config={"hidden_size_per_layer_input": 0, "num_kv_shared_layers": 2})
-    assert "text_config.num_kv_shared_layers" in layout_issue(shared)
+    small = Gemma4Config(text_config={"hidden_size_per_layer_input": 8, "num_kv_shared_layers": 2})
+    assert layout_issue(small) is None  # both travel (automodel_vlm.gemma4_pipeline)
     cfg = SimpleNamespace(distributed=SimpleNamespace(pp_size=2, cp_size=2))
     (issue,) = pipeline_issues(cfg, Gemma3Config())
     assert issue.key == "distributed.cp_size" and "build a gemma3 model's masks from its token types" in str(issue)

@@ -98,14 +98,14 @@ def tiny_model(family: str) -> tuple[torch.nn.Module, Any]:
             eoi_token_index=GEMMA_IMAGE + 2)
     elif family.startswith("gemma4"):  # images two-way on the sliding layers, per-layer inputs, the last two
         processor = None  # layers' keys and values those of the first two (gemma4_pp: neither, as the 31B;
-        pipelined = family in ("gemma4_pp", "gemma4_ple")  # gemma4_ple: per-layer inputs, no shared keys)
-        per_layer = 0 if family == "gemma4_pp" else 8
+        pipelined = family in ("gemma4_pp", "gemma4_small")  # gemma4_small: both, as the E2B, its head apart)
+        per_layer, shared = (0, 0) if family == "gemma4_pp" else (8, 2)
         config = Gemma4Config(
             text_config={"hidden_size": 32, "num_hidden_layers": 4, "num_attention_heads": 2,
                          "num_key_value_heads": 1, "head_dim": 16, "global_head_dim": 16, "intermediate_size": 32,
                          "vocab_size": GEMMA_VOCAB, "vocab_size_per_layer_input": GEMMA_VOCAB,
                          "hidden_size_per_layer_input": per_layer, "sliding_window": 6,
-                         "num_kv_shared_layers": 0 if pipelined else 2, "tie_word_embeddings": not pipelined,
+                         "num_kv_shared_layers": shared, "tie_word_embeddings": not pipelined,
                          "layer_types": ["sliding_attention", "full_attention"] * 2,
                          "use_bidirectional_attention": "vision"},
             vision_config={"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
@@ -324,14 +324,14 @@ def run_gemma_pipelined(family: str, layout: MeshLayout, static: bool = False) -
     from automodel.training.parallel.pipeline_parallel import PipelineSettings, StagePipelines
     from automodel.training.parallel.pipeline_stages import split_model
     from automodel.training.parallel.pipeline_static import StaticShapes
-    from automodel_vlm.per_layer_inputs import travel_per_layer_inputs
+    from automodel_vlm.gemma4_pipeline import travel_gemma4
 
     model, _ = tiny_model(family)
     device_mesh = build_device_mesh(layout, "cpu")
     (stage,) = split_model(model, device_mesh[PP].get_local_rank(), layout.pp)
     apply_fsdp2(stage, fsdp_mesh(device_mesh, layout), multimodal=place_multimodal(stage, MULTIMODAL_NAMES, "root"))
-    line = travel_per_layer_inputs(stage)  # as the recipe does, on the built stage
-    assert (line is None) == (family != "gemma4_ple"), line
+    line = travel_gemma4(stage)  # as the recipe does, on the built stage
+    assert (line is None) == (family != "gemma4_small"), line
     tokenizer = SimpleNamespace(pad_token_id=0)
     step = Step(stage, SimpleNamespace(tokenizer=tokenizer), layout, device_mesh)
     text = model.config.text_config
@@ -350,12 +350,12 @@ def scenario_vlm_pp_gemma(args: dict[str, Any], out: Any) -> dict[str, Any]:
     once more with the later stage's masks causal (the token types not reaching it), or the one-process reference
     (:func:`run`) without a process group."""
     if not dist.is_initialized():
-        return {family: run(family, MeshLayout(1)) for family in (*GEMMA_PP, "gemma4_ple")}
+        return {family: run(family, MeshLayout(1)) for family in (*GEMMA_PP, "gemma4_small")}
     from automodel.training.parallel.pipeline_stages import PipelineStageModel
 
     layout = plan_mesh(dist.get_world_size(), pp_size=dist.get_world_size())
-    results = {family: run_gemma_pipelined(family, layout) for family in (*GEMMA_PP, "gemma4_ple")}
-    results["gemma4_ple_static"] = run_gemma_pipelined("gemma4_ple", layout, static=True)
+    results = {family: run_gemma_pipelined(family, layout) for family in (*GEMMA_PP, "gemma4_small")}
+    results["gemma4_small_static"] = run_gemma_pipelined("gemma4_small", layout, static=True)
     PipelineStageModel._model_masks = lambda self, hidden, attention_mask, position_ids, types: attention_mask
     return results | {f"{family}_causal": run_gemma_pipelined(family, layout) for family in GEMMA_PP}
 

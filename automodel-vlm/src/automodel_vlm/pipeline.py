@@ -108,8 +108,6 @@ MEDIA_LAYOUTS = {"llava": MediaLayout(per_image=("pixel_values",)), "qwen2_vl": 
 def layout_issue(config: Any) -> str | None:
     """Why ``config``'s model cannot run pipelined here (None: its media layout is known)."""
     model_type = getattr(config, "model_type", None)
-    if model_type == "gemma4":
-        return _gemma4_issue(config)
     if model_type in MEDIA_LAYOUTS:
         return None
     known = ", ".join(sorted(MEDIA_LAYOUTS))
@@ -121,17 +119,6 @@ def layout_issue(config: Any) -> str | None:
     return (f"the model ({model_type}) has no media layout here: which of its image tensors belong to which rows of "
             f"a batch, so that each pipeline micro-batch's first stage gets exactly its rows' images (known: {known}); "
             "set pp_size: 1")
-
-
-def _gemma4_issue(config: Any) -> str | None:
-    """Gemma 4's layers that reuse the keys and values of earlier layers (another stage's) do not take them from
-    another stage; its per-layer inputs travel (``automodel_vlm.per_layer_inputs``)."""
-    text = config.get_text_config()
-    if getattr(text, "num_kv_shared_layers", 0):
-        return ("a gemma4 model whose last layers reuse the keys and values of earlier ones "
-                "(text_config.num_kv_shared_layers, as the E2B / E4B sizes), which another pipeline stage computes "
-                "and the stages do not pass on; set pp_size: 1")
-    return None
 
 
 def pipeline_issues(cfg: Any, config: Any) -> list[ConfigIssue]:

@@ -46,8 +46,8 @@ from automodel_vlm.deepstack import travel_deepstack
 from automodel_vlm.drafter import DRAFTER_DIR, drafter_issues, find_composite, uses_drafter
 from automodel_vlm.frame_sharding import FrameSharding, attach_frame_sharding, frame_sharding_issues
 from automodel_vlm.freeze import UpstreamFreezeConfig, VLMFreezeConfig
+from automodel_vlm.gemma4_pipeline import travel_gemma4
 from automodel_vlm.parts import MULTIMODAL_NAMES, base_model, find_part
-from automodel_vlm.per_layer_inputs import travel_per_layer_inputs
 from automodel_vlm.pipeline import (
     cp_issue,
     layout_issue,
@@ -260,8 +260,9 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
 
     def build_pipelines(self, ctx: BuildContext) -> StagePipelines | None:
         """Before the schedules: a DeepStack model's stages carry its feature maps to the layers that add them
-        (``automodel_vlm.deepstack``), a Gemma 4's its per-layer inputs (``automodel_vlm.per_layer_inputs``)."""
-        for travel in (travel_deepstack, travel_per_layer_inputs) if ctx.mesh.pp > 1 else ():
+        (``automodel_vlm.deepstack``), a Gemma 4's its per-layer inputs and shared keys and values
+        (``automodel_vlm.gemma4_pipeline``)."""
+        for travel in (travel_deepstack, travel_gemma4) if ctx.mesh.pp > 1 else ():
             if (line := travel(self.model)) is not None:
                 self.log(line)
         return super().build_pipelines(ctx)
