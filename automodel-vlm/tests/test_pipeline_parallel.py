@@ -290,10 +290,31 @@ def test_gemma_pp2_trains_like_one_process_and_not_with_causal_later_stages(tmp_
                 assert causal["norms"] != pytest.approx(reference["norms"], rel=1e-3), family
 
 
+def test_gemma_pp2_x_cp2_trains_like_one_process_and_not_without_the_image_spans(tmp_path):
+    """pp 2 x cp 2 on four gloo ranks: the two steps of a tiny Gemma 3, Gemma 4 and Gemma 4 with per-layer inputs
+    and shared keys and values (with static stage shapes too), each stage's layers on the rank's part of the rows
+    with the all-gather attention, whose mask lets each image's tokens attend to each other both ways (from the
+    rows' token types, as cp alone): the losses and gradient norms of one process on the same rows; without the
+    spans in the mask (causal over the images) they differ."""
+    from parallel_testing import launch_together
+
+    one, ranks = launch_together([("vlm_pp_gemma", 0, tmp_path / "one", {"pad_to": 4}),
+                                  ("vlm_pp_gemma", 4, tmp_path / "pp2cp2", {})],
+                                 workers=Path(__file__).with_name("vlm_context_parallel_workers.py"), timeout=300)
+    for family in ("gemma3_pp", "gemma4_pp", "gemma4_small", "gemma4_small_static"):
+        reference = one[0][family.removesuffix("_static")]
+        for rank in ranks:
+            assert rank[family]["losses"] == pytest.approx(reference["losses"], rel=1e-5), family
+            assert rank[family]["norms"] == pytest.approx(reference["norms"], rel=1e-5), family
+            if family in ("gemma3_pp", "gemma4_pp"):
+                causal = rank[f"{family}_causal"]
+                assert causal["losses"] != pytest.approx(reference["losses"], rel=1e-5), family
+
+
 def test_what_the_gemma_pipeline_cannot_take_is_refused_with_the_reason():
-    """PaliGemma (its prefix's two-way mask and 1-based positions made in its forward) and a Gemma under pp x cp
-    (the context-parallel attention inside the stages does not take the token types); a Gemma 4 with per-layer
-    inputs and shared keys and values is not refused (they travel)."""
+    """PaliGemma (its prefix's two-way mask and 1-based positions made in its forward); a Gemma 4 with per-layer
+    inputs and shared keys and values (they travel) and a Gemma under pp x cp (the stages' all-gather attention
+    takes the image spans) are not refused."""
     from types import SimpleNamespace
 
     from transformers import Gemma3Config, Gemma4Config, PaliGemmaConfig
@@ -303,21 +324,20 @@ def test_what_the_gemma_pipeline_cannot_take_is_refused_with_the_reason():
     assert "numbers the positions from 1" in layout_issue(PaliGemmaConfig())
     small = Gemma4Config(text_config={"hidden_size_per_layer_input": 8, "num_kv_shared_layers": 2})
     assert layout_issue(small) is None  # both travel (automodel_vlm.gemma4_pipeline)
-    cfg = SimpleNamespace(distributed=SimpleNamespace(pp_size=2, cp_size=2))
-    (issue,) = pipeline_issues(cfg, Gemma3Config())
-    assert issue.key == "distributed.cp_size" and "build a gemma3 model's masks from its token types" in str(issue)
-    assert pipeline_issues(SimpleNamespace(distributed=SimpleNamespace(pp_size=2, cp_size=1)), Gemma3Config()) == []
+    assert pipeline_issues(SimpleNamespace(distributed=SimpleNamespace(pp_size=2, cp_size=2)), Gemma3Config()) == []
+    (issue,) = pipeline_issues(SimpleNamespace(distributed=SimpleNamespace(pp_size=2, cp_size=1)), PaliGemmaConfig())
+    assert issue.key == "distributed.pp_size" and "numbers the positions from 1" in str(issue)
 
 
-def test_a_gemma3_under_pp_and_cp_is_refused_by_validate(tmp_path):
-    """Its media layout is known (no pp_size issue), but the stages' context-parallel attention would not take the
-    two-way image spans its token types give."""
+def test_a_gemma3_under_pp_and_cp_is_refused_by_validate_only_with_ring_attention(tmp_path):
+    """Its media layout is known (no pp_size issue) and the stages' all-gather attention takes the two-way image
+    spans its token types give; torch's ring attention, causal only (and CUDA's), is refused."""
     gemma3 = {"model_type": "gemma3", "text_config": {"num_hidden_layers": 2, "tie_word_embeddings": False},
               "tie_word_embeddings": False}
     out = _validate(tmp_path, "--nproc-per-node", "4", model={"config": gemma3}, eval_generation=None,
-                    distributed={"strategy": "fsdp2", "pp_size": 2, "cp_size": 2})
-    assert "distributed.cp_size: 2: the pipeline stages build a gemma3 model's masks from its token types" in out
-    assert "distributed.pp_size" not in out
+                    distributed={"strategy": "fsdp2", "pp_size": 2, "cp_size": 2, "cp_attention": "ring"})
+    assert "distributed.cp_attention: ring with pp_size 2" in out
+    assert "distributed.pp_size" not in out and "masks from its token types" not in out
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])

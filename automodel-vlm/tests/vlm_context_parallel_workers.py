@@ -242,7 +242,7 @@ def vision_tower(model: torch.nn.Module) -> torch.nn.Module:
     return find_part(model, "vision_tower")[1]
 
 
-def run(family: str, layout: MeshLayout, frames: dict[str, Any] | None = None) -> dict[str, Any]:
+def run(family: str, layout: MeshLayout, frames: dict[str, Any] | None = None, pad_to: int = 2) -> dict[str, Any]:
     """Two steps: losses, gradient norms, the vision tower's gradients of the first step, the weights and the
     grids the vision tower ran on (``frames``: frame sharding's settings)."""
     model, processor = tiny_model(family)
@@ -270,7 +270,7 @@ def run(family: str, layout: MeshLayout, frames: dict[str, Any] | None = None) -
 
     step.optimizer.step = record_then_update
     if family.startswith("gemma"):  # right-padded rows, then left-padded ones
-        batches = [gemma_micro_batches(family, s, 2 * layout.cp, s == 1) for s in range(2)]
+        batches = [gemma_micro_batches(family, s, pad_to * layout.cp, s == 1) for s in range(2)]
     else:  # right-padded rows, then packed rows (samples kept apart within a row)
         batches = [micro_batches(processor, 0, 2 * layout.cp), micro_batches(processor, 1, 2 * layout.cp,
                                                                              rope_index(model))]
@@ -314,31 +314,40 @@ def run_pipelined(family: str, layout: MeshLayout) -> dict[str, Any]:
     return {"loss": loss.item(), "norm": norm.item(), "vision_grads": grads}
 
 
-def run_gemma_pipelined(family: str, layout: MeshLayout, static: bool = False) -> dict[str, Any]:
+def run_gemma_pipelined(family: str, layout: MeshLayout, static: bool = False, pad_to: int = 2) -> dict[str, Any]:
     """The two steps of :func:`run` (right-padded rows, then left-padded ones) for a tiny Gemma 3 / Gemma 4 cut in
     two stages (``pp`` rank 0: vision tower, projector, embedding, the first layers), through 1F1B with one-row
     micro-batches and the recipe's ``pipeline_batches`` (each row's image and its token types, from which every
-    stage builds the masks), a Gemma 4's per-layer inputs travelling as the recipe sets them up (``static``: the
-    stages with static shapes, ``pp_seq_len`` 32): the losses and gradient norms."""
+    stage builds the masks), a Gemma 4's per-layer inputs and shared keys and values travelling as the recipe sets
+    them up (``static``: the stages with static shapes, ``pp_seq_len`` 32); under ``cp`` the layers' attention
+    gathered over the rank's cp group, its mask taking the image spans (rows padded to a multiple of ``pad_to``):
+    the losses and gradient norms."""
     from automodel.training.parallel.mesh import PP
+    from automodel.training.parallel.multimodal_fsdp import multimodal_modules
     from automodel.training.parallel.pipeline_parallel import PipelineSettings, StagePipelines
     from automodel.training.parallel.pipeline_stages import split_model
     from automodel.training.parallel.pipeline_static import StaticShapes
+    from automodel_vlm.context_parallel import two_way_stages
     from automodel_vlm.gemma4_pipeline import travel_gemma4
 
     model, _ = tiny_model(family)
     device_mesh = build_device_mesh(layout, "cpu")
     (stage,) = split_model(model, device_mesh[PP].get_local_rank(), layout.pp)
+    if layout.cp > 1:
+        causal_attention_without_mask(stage, multimodal_modules(stage, MULTIMODAL_NAMES).values())
     apply_fsdp2(stage, fsdp_mesh(device_mesh, layout), multimodal=place_multimodal(stage, MULTIMODAL_NAMES, "root"))
     line = travel_gemma4(stage)  # as the recipe does, on the built stage
     assert (line is None) == (family != "gemma4_small"), line
+    if layout.cp > 1:
+        two_way_stages(stage)
     tokenizer = SimpleNamespace(pad_token_id=0)
     step = Step(stage, SimpleNamespace(tokenizer=tokenizer), layout, device_mesh)
     text = model.config.text_config
-    shapes = StaticShapes(32, text.hidden_size, text.vocab_size, torch.float32, torch.float32) if static else None
+    shapes = StaticShapes(32, text.hidden_size, text.vocab_size, torch.float32, torch.float32,
+                          cp=layout.cp) if static else None
     step.pipelines = StagePipelines([stage], device_mesh[PP], torch.device("cpu"), PipelineSettings(),
-                                    step.pipeline_loss, shapes)
-    results = [step._train_step(gemma_micro_batches(family, s, 2, s == 1)) for s in range(2)]
+                                    step.pipeline_loss, shapes, cp_mesh=device_mesh[CP] if layout.cp > 1 else None)
+    results = [step._train_step(gemma_micro_batches(family, s, pad_to, s == 1)) for s in range(2)]
     return {"losses": [loss.item() for loss, _, _ in results], "norms": [norm.item() for _, norm, _ in results]}
 
 
@@ -347,12 +356,20 @@ GEMMA_PP = ("gemma3_pp", "gemma4_pp")
 
 def scenario_vlm_pp_gemma(args: dict[str, Any], out: Any) -> dict[str, Any]:
     """pp 2 on two ranks (:func:`run_gemma_pipelined`; a Gemma 4 with per-layer inputs with static shapes too),
-    once more with the later stage's masks causal (the token types not reaching it), or the one-process reference
-    (:func:`run`) without a process group."""
+    once more with the later stage's masks causal (the token types not reaching it); pp 2 x cp 2 on four ranks
+    (rows padded to a multiple of 4), once more without the image spans in the cp attention's mask; or the
+    one-process reference (:func:`run`; ``pad_to`` in ``args``) without a process group."""
+    pad_to = args.get("pad_to", 2)
     if not dist.is_initialized():
-        return {family: run(family, MeshLayout(1)) for family in (*GEMMA_PP, "gemma4_small")}
+        return {family: run(family, MeshLayout(1), pad_to=pad_to) for family in (*GEMMA_PP, "gemma4_small")}
     from automodel.training.parallel.pipeline_stages import PipelineStageModel
 
+    if dist.get_world_size() == 4:  # pp 2 x cp 2
+        layout = plan_mesh(4, pp_size=2, cp_size=2)
+        results = {family: run_gemma_pipelined(family, layout, pad_to=4) for family in (*GEMMA_PP, "gemma4_small")}
+        results["gemma4_small_static"] = run_gemma_pipelined("gemma4_small", layout, static=True, pad_to=4)
+        PipelineStageModel.spans_of = property(lambda self: lambda types: None, lambda self, value: None)
+        return results | {f"{family}_causal": run_gemma_pipelined(family, layout, pad_to=4) for family in GEMMA_PP}
     layout = plan_mesh(dist.get_world_size(), pp_size=dist.get_world_size())
     results = {family: run_gemma_pipelined(family, layout) for family in (*GEMMA_PP, "gemma4_small")}
     results["gemma4_small_static"] = run_gemma_pipelined("gemma4_small", layout, static=True)

@@ -18,6 +18,7 @@ over ``dp x cp`` ranks, with the engine's ``dp * cp / tokens`` scale, makes it t
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -25,8 +26,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from automodel.errors import AutomodelError
+from automodel.training.modules import unwrap
 from automodel.training.parallel.all_gather_attention import TwoWaySpans
 from automodel.training.parallel.context_parallel import ContextParallelBatch, split_sequence
+from automodel.training.parallel.pipeline_stages import stage_models
 from automodel_vlm.deepstack import split_maps
 
 if TYPE_CHECKING:
@@ -112,6 +115,15 @@ def two_way_spans(config: Any, inputs: dict[str, Any]) -> TwoWaySpans | None:
 
 # model types whose language model lets spans of tokens (images, a prompt prefix) attend to each other both ways
 TWO_WAY_MODELS = ("gemma3", "gemma4", "paligemma")
+
+
+def two_way_stages(model: torch.nn.Module) -> None:
+    """Give the pipeline stages ``model`` holds the rule for the spans their context-parallel attention lets attend
+    both ways, from a micro-batch's token types (:func:`two_way_spans`; the core's ``PipelineStageModel.spans_of``),
+    for the models that have such spans."""
+    for stage in stage_models(unwrap(model)):
+        if getattr(stage.config, "model_type", None) in TWO_WAY_MODELS:
+            stage.spans_of = functools.partial(two_way_spans, stage.config)
 
 
 def attention_issue(config: Any, attention: str) -> str | None:

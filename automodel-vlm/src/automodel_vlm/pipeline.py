@@ -125,21 +125,7 @@ def pipeline_issues(cfg: Any, config: Any) -> list[ConfigIssue]:
     """What the VLM recipe cannot run with ``distributed.pp_size > 1`` (``config``: the model's Hugging Face config
     where validation can read it)."""
     why = layout_issue(config) if config is not None else None
-    if why is not None:
-        return [ConfigIssue("distributed.pp_size", f"{cfg.distributed.pp_size}: {why}")]
-    cp = cfg.distributed.cp_size
-    why = cp_issue(config, cp) if config is not None else None
-    return [ConfigIssue("distributed.cp_size", f"{cp}: {why}")] if why is not None else []
-
-
-def cp_issue(config: Any, cp: int) -> str | None:
-    """Why the pipeline cannot run ``config``'s model with context parallelism ``cp`` (None: it can)."""
-    layout = MEDIA_LAYOUTS.get(getattr(config, "model_type", None))
-    if cp > 1 and layout is not None and layout.mask_inputs:
-        return (f"the pipeline stages build a {config.model_type} model's masks from its token types (its images' "
-                "tokens attend to each other both ways), which the context-parallel attention inside the stages "
-                "does not take; set cp_size: 1 (or pp_size: 1: context parallelism alone takes them)")
-    return None
+    return [ConfigIssue("distributed.pp_size", f"{cfg.distributed.pp_size}: {why}")] if why is not None else []
 
 
 def media_per_row(batch: dict[str, torch.Tensor], config: Any) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
