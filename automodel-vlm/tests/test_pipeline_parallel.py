@@ -129,8 +129,8 @@ def test_a_model_without_a_media_layout_is_refused_by_validate(tmp_path):
     out = _validate(tmp_path, model={"config": llava_next}, eval_generation=None,
                     distributed={"strategy": "fsdp2", "pp_size": 2})
     assert "distributed.pp_size" in out and "the model (llava_next) has no media layout here" in out
-    assert ("(known: gemma3, gemma4, llava, mistral3, qwen2_5_vl, qwen2_vl, qwen3_5, qwen3_5_moe, qwen3_vl, "
-            "qwen3_vl_moe)") in out
+    assert ("(known: gemma3, gemma4, llava, mistral3, paligemma, qwen2_5_vl, qwen2_vl, qwen3_5, qwen3_5_moe, "
+            "qwen3_vl, qwen3_vl_moe)") in out
 
 
 @pytest.mark.parametrize("family", ["gemma3_pp", "gemma4_pp"])
@@ -269,6 +269,47 @@ def test_gemma4_per_layer_inputs_and_shared_keys_travel_from_the_stages_that_mak
                 assert not torch.allclose(logits[real], whole[row][real], atol=1e-3), (row, lost)
 
 
+@pytest.mark.parametrize("family", ["paligemma", "paligemma2"])
+def test_paligemma_stages_number_the_positions_from_1_and_build_its_prefix_mask(family):
+    """PaliGemma (and PaliGemma 2: a Gemma 2 language model, sliding-window layers): its forward numbers the
+    positions from 1 and lets the prefix (image and prompt tokens, token_type_ids 0) attend to itself both ways.
+    The pipeline hands every stage those positions and the token types, from which the later stages build the
+    model's masks, so the two stages on each one-row micro-batch give the whole model's logits, on right- and
+    left-padded rows; the second stage building the plain causal mask does not."""
+    import torch
+    from vlm_context_parallel_workers import gemma_micro_batches, tiny_model
+
+    from automodel.training.parallel.pipeline_media import media_kwargs
+    from automodel.training.parallel.pipeline_stages import split_model
+    from automodel.training.pipeline_steps import padded_tokens, stage_kwargs
+    from automodel_vlm.pipeline import layout_issue, mask_kwargs, media_per_row, rope_positions
+
+    model, _ = tiny_model(family)
+    model.train()  # as training runs it (PaliGemma's forward reads the token types then)
+    atol = 1e-4 if family == "paligemma2" else 1e-5  # Gemma 2's eager attention: one row vs the padded batch
+    assert layout_issue(model.config) is None
+    (first,), (second,) = split_model(model, 0, 2), split_model(model, 1, 2)
+    for left in (False, True):
+        batch = gemma_micro_batches(family, 0, 4, left=left)[0]
+        pipelined = rope_positions(batch, model.config, None)
+        assert pipelined["position_ids"][:, :3].tolist() == [[1, 2, 3]] * 2
+        kwargs = {**stage_kwargs(pipelined, 8), **media_kwargs(media_per_row(pipelined, model.config)),
+                  **mask_kwargs(pipelined, model.config, 8)}
+        ids, _ = padded_tokens(pipelined, 8, 0)
+        length = batch["input_ids"].shape[1]
+        with torch.no_grad():
+            whole = model(**{key: value for key, value in batch.items() if key != "labels"}, use_cache=False).logits
+            for row in range(2):
+                real = batch["attention_mask"][row].bool()
+                row_kwargs = {key: value[row:row + 1] for key, value in kwargs.items()}
+                later = {key: value for key, value in row_kwargs.items() if not key.startswith("media_")}
+                logits = second(first(ids[row:row + 1], **row_kwargs), **later)[0, :length]
+                assert torch.allclose(logits[real], whole[row][real], atol=atol), (left, row)
+                causal = {key: value for key, value in later.items() if not key.startswith("mask_")}
+                logits = second(first(ids[row:row + 1], **row_kwargs), **causal)[0, :length]
+                assert not torch.allclose(logits[real], whole[row][real], atol=1e-3), (left, row)
+
+
 def test_gemma_pp2_trains_like_one_process_and_not_with_causal_later_stages(tmp_path):
     """Two steps (right-padded rows, then left-padded ones) of a tiny Gemma 3, a tiny Gemma 4 and a tiny Gemma 4
     with per-layer inputs (those of the second stage's layers travelling from the first; with static stage shapes
@@ -279,15 +320,15 @@ def test_gemma_pp2_trains_like_one_process_and_not_with_causal_later_stages(tmp_
 
     one, pp2 = launch_together([("vlm_pp_gemma", 0, tmp_path / "one", {}), ("vlm_pp_gemma", 2, tmp_path / "pp2", {})],
                                workers=Path(__file__).with_name("vlm_context_parallel_workers.py"), timeout=300)
-    for family in ("gemma3_pp", "gemma4_pp", "gemma4_small", "gemma4_small_static"):
+    for family in ("gemma3_pp", "gemma4_pp", "paligemma", "gemma4_small", "gemma4_small_static"):
         reference = one[0][family.removesuffix("_static")]
         for rank in pp2:
             assert rank[family]["losses"] == pytest.approx(reference["losses"], rel=1e-5), family
             assert rank[family]["norms"] == pytest.approx(reference["norms"], rel=1e-5), family
-            if family in ("gemma3_pp", "gemma4_pp"):
+            if family in ("gemma3_pp", "gemma4_pp", "paligemma"):  # PaliGemma's prefix: a smaller effect
                 causal = rank[f"{family}_causal"]
                 assert causal["losses"] != pytest.approx(reference["losses"], rel=1e-5), family
-                assert causal["norms"] != pytest.approx(reference["norms"], rel=1e-3), family
+                assert causal["norms"] != pytest.approx(reference["norms"], rel=1e-5), family
 
 
 def test_gemma_pp2_x_cp2_trains_like_one_process_and_not_without_the_image_spans(tmp_path):
@@ -306,27 +347,30 @@ def test_gemma_pp2_x_cp2_trains_like_one_process_and_not_without_the_image_spans
         for rank in ranks:
             assert rank[family]["losses"] == pytest.approx(reference["losses"], rel=1e-5), family
             assert rank[family]["norms"] == pytest.approx(reference["norms"], rel=1e-5), family
-            if family in ("gemma3_pp", "gemma4_pp"):
+            if family in ("gemma3_pp", "gemma4_pp", "paligemma"):
                 causal = rank[f"{family}_causal"]
                 assert causal["losses"] != pytest.approx(reference["losses"], rel=1e-5), family
 
 
-def test_what_the_gemma_pipeline_cannot_take_is_refused_with_the_reason():
-    """PaliGemma (its prefix's two-way mask and 1-based positions made in its forward); a Gemma 4 with per-layer
-    inputs and shared keys and values (they travel) and a Gemma under pp x cp (the stages' all-gather attention
-    takes the image spans) are not refused."""
+def test_no_gemma_layout_is_refused_by_the_pipeline():
+    """PaliGemma (its 1-based positions handed to every stage, its prefix mask built from the token types), a
+    Gemma 4 with per-layer inputs and shared keys and values (they travel), a Gemma under pp x cp (the stages'
+    all-gather attention takes the image spans): none is refused (PaliGemma under pp x cp is: its losses under cp
+    differ from one process's); a model without a media layout still is."""
     from types import SimpleNamespace
 
-    from transformers import Gemma3Config, Gemma4Config, PaliGemmaConfig
+    from transformers import Gemma3Config, Gemma4Config, LlavaNextConfig, PaliGemmaConfig
 
     from automodel_vlm.pipeline import layout_issue, pipeline_issues
 
-    assert "numbers the positions from 1" in layout_issue(PaliGemmaConfig())
     small = Gemma4Config(text_config={"hidden_size_per_layer_input": 8, "num_kv_shared_layers": 2})
-    assert layout_issue(small) is None  # both travel (automodel_vlm.gemma4_pipeline)
-    assert pipeline_issues(SimpleNamespace(distributed=SimpleNamespace(pp_size=2, cp_size=2)), Gemma3Config()) == []
-    (issue,) = pipeline_issues(SimpleNamespace(distributed=SimpleNamespace(pp_size=2, cp_size=1)), PaliGemmaConfig())
-    assert issue.key == "distributed.pp_size" and "numbers the positions from 1" in str(issue)
+    assert layout_issue(PaliGemmaConfig()) is None and layout_issue(small) is None
+    pp_cp = SimpleNamespace(distributed=SimpleNamespace(pp_size=2, cp_size=2))
+    assert pipeline_issues(pp_cp, Gemma3Config()) == pipeline_issues(pp_cp, small) == []
+    (issue,) = pipeline_issues(pp_cp, PaliGemmaConfig())  # its losses under cp differ from one process's
+    assert issue.key == "distributed.cp_size" and "a paligemma model's losses under context parallelism" in str(issue)
+    (issue,) = pipeline_issues(pp_cp, LlavaNextConfig())
+    assert issue.key == "distributed.pp_size" and "the model (llava_next) has no media layout here" in str(issue)
 
 
 def test_a_gemma3_under_pp_and_cp_is_refused_by_validate_only_with_ring_attention(tmp_path):

@@ -80,7 +80,7 @@ def tiny_model(family: str) -> tuple[torch.nn.Module, Any]:
     same weights on every rank."""
     import json
 
-    from transformers import AutoConfig, AutoModelForImageTextToText, Gemma3Config, Gemma4Config
+    from transformers import AutoConfig, AutoModelForImageTextToText, Gemma3Config, Gemma4Config, PaliGemmaConfig
     from vlm_testing import LLAVA_CONFIG, tiny_processor, tiny_qwen_vl_processor
 
     if family.startswith("gemma3"):  # gemma3_pp: four layers (each stage's attention over the images matters to
@@ -114,6 +114,23 @@ def tiny_model(family: str) -> tuple[torch.nn.Module, Any]:
             audio_config=None, image_token_id=GEMMA_IMAGE, boi_token_id=GEMMA_IMAGE + 1,
             eoi_token_id=GEMMA_IMAGE + 2, video_token_id=GEMMA_IMAGE + 3, audio_token_id=GEMMA_IMAGE - 1,
             boa_token_id=GEMMA_IMAGE - 2, eoa_token_index=GEMMA_IMAGE - 3, tie_word_embeddings=not pipelined)
+    elif family.startswith("paligemma"):  # paligemma2: a Gemma 2 language model (sliding-window layers, eager)
+        processor = None
+        text = {"model_type": "gemma2" if family == "paligemma2" else "gemma", "hidden_size": 32,
+                "num_hidden_layers": 4, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+                "intermediate_size": 32, "vocab_size": GEMMA_VOCAB, "tie_word_embeddings": False}
+        if family == "paligemma2":
+            text |= {"sliding_window": 6}
+        config = PaliGemmaConfig(
+            text_config=text, vision_config={"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+                                             "num_attention_heads": 2, "image_size": 8, "patch_size": 4,
+                                             "projection_dim": 32},
+            image_token_index=GEMMA_IMAGE, projection_dim=32, tie_word_embeddings=False)
+        config.text_config.num_image_tokens = GEMMA_IMAGE_TOKENS
+        torch.manual_seed(0)
+        attention = "eager" if family == "paligemma2" else "sdpa"  # transformers' Gemma 2: no SDPA
+        config._attn_implementation = attention
+        return AutoModelForImageTextToText.from_config(config, attn_implementation=attention), processor
     elif family == "llava":
         processor = tiny_processor()
         config = AutoConfig.for_model(**json.loads(LLAVA_CONFIG.read_text()))
@@ -203,7 +220,8 @@ def gemma_micro_batches(family: str, step: int, pad_to: int, left: bool) -> list
     """A step's Gemma 3 / 4 micro-batches as their processors make them: per row a few text tokens, the image
     (begin, four image tokens marked by ``token_type_ids`` / ``mm_token_type_ids``, end), a question and an answer
     (the labels), padded to a multiple of ``pad_to`` on the right, or on the ``left``; Gemma 4's images as 4 x 4
-    patches with their grid positions."""
+    patches with their grid positions. PaliGemma's: the four image tokens, then the prompt (``token_type_ids`` 0),
+    then the answer (1)."""
     generator = torch.Generator().manual_seed(200 + step)
 
     def text(count: int) -> list[int]:
@@ -215,7 +233,10 @@ def gemma_micro_batches(family: str, step: int, pad_to: int, left: bool) -> list
         for _ in range(ROWS):
             lengths = torch.randint(1, 5, (3,), generator=generator).tolist()
             image = [GEMMA_IMAGE + 1] + [GEMMA_IMAGE] * GEMMA_IMAGE_TOKENS + [GEMMA_IMAGE + 2]
-            rows.append([1, *text(lengths[0]), *image, *text(lengths[1])])
+            if family.startswith("paligemma"):  # its processor's prefix: the image tokens, then the prompt
+                rows.append([GEMMA_IMAGE] * GEMMA_IMAGE_TOKENS + [1, *text(lengths[0] + lengths[1])])
+            else:
+                rows.append([1, *text(lengths[0]), *image, *text(lengths[1])])
             answers.append(text(lengths[2] + 1))
         width = -(-max(len(r) + len(a) for r, a in zip(rows, answers, strict=True)) // pad_to) * pad_to
         ids, labels, mask = (torch.zeros(ROWS, width, dtype=torch.long) for _ in range(3))
@@ -227,7 +248,10 @@ def gemma_micro_batches(family: str, step: int, pad_to: int, left: bool) -> list
             labels[row, place] = torch.tensor([IGNORE_INDEX] * len(prompt) + answer)
             mask[row, place] = 1
         batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
-        if family.startswith("gemma3"):
+        if family.startswith("paligemma"):  # the prefix 0, the answer (the suffix) 1
+            batch |= {"token_type_ids": (labels != IGNORE_INDEX).long(),
+                      "pixel_values": torch.randn(ROWS, 3, 8, 8, generator=generator)}
+        elif family.startswith("gemma3"):
             batch |= {"token_type_ids": (ids == GEMMA_IMAGE).long(),
                       "pixel_values": torch.randn(ROWS, 3, 16, 16, generator=generator)}
         else:
@@ -269,7 +293,7 @@ def run(family: str, layout: MeshLayout, frames: dict[str, Any] | None = None, p
         update()
 
     step.optimizer.step = record_then_update
-    if family.startswith("gemma"):  # right-padded rows, then left-padded ones
+    if family.startswith(("gemma", "paligemma")):  # right-padded rows, then left-padded ones
         batches = [gemma_micro_batches(family, s, pad_to * layout.cp, s == 1) for s in range(2)]
     else:  # right-padded rows, then packed rows (samples kept apart within a row)
         batches = [micro_batches(processor, 0, 2 * layout.cp), micro_batches(processor, 1, 2 * layout.cp,
@@ -351,7 +375,7 @@ def run_gemma_pipelined(family: str, layout: MeshLayout, static: bool = False, p
     return {"losses": [loss.item() for loss, _, _ in results], "norms": [norm.item() for _, norm, _ in results]}
 
 
-GEMMA_PP = ("gemma3_pp", "gemma4_pp")
+GEMMA_PP = ("gemma3_pp", "gemma4_pp", "paligemma")
 
 
 def scenario_vlm_pp_gemma(args: dict[str, Any], out: Any) -> dict[str, Any]:
@@ -366,10 +390,11 @@ def scenario_vlm_pp_gemma(args: dict[str, Any], out: Any) -> dict[str, Any]:
 
     if dist.get_world_size() == 4:  # pp 2 x cp 2
         layout = plan_mesh(4, pp_size=2, cp_size=2)
-        results = {family: run_gemma_pipelined(family, layout, pad_to=4) for family in (*GEMMA_PP, "gemma4_small")}
+        gemma = ("gemma3_pp", "gemma4_pp")  # PaliGemma is refused under cp (its losses differ from one process's)
+        results = {family: run_gemma_pipelined(family, layout, pad_to=4) for family in (*gemma, "gemma4_small")}
         results["gemma4_small_static"] = run_gemma_pipelined("gemma4_small", layout, static=True, pad_to=4)
         PipelineStageModel.spans_of = property(lambda self: lambda types: None, lambda self, value: None)
-        return results | {f"{family}_causal": run_gemma_pipelined(family, layout, pad_to=4) for family in GEMMA_PP}
+        return results | {f"{family}_causal": run_gemma_pipelined(family, layout, pad_to=4) for family in gemma}
     layout = plan_mesh(dist.get_world_size(), pp_size=dist.get_world_size())
     results = {family: run_gemma_pipelined(family, layout) for family in (*GEMMA_PP, "gemma4_small")}
     results["gemma4_small_static"] = run_gemma_pipelined("gemma4_small", layout, static=True)
@@ -509,5 +534,7 @@ def scenario_vlm_cp(args: dict[str, Any], out: Any) -> dict[str, Any]:
     return results
 
 
+
 if __name__ == "__main__":
     main(globals())
+

@@ -55,6 +55,7 @@ from automodel_vlm.freeze import UpstreamFreezeConfig, VLMFreezeConfig
 from automodel_vlm.gemma4_pipeline import travel_gemma4
 from automodel_vlm.parts import MULTIMODAL_NAMES, base_model, find_part
 from automodel_vlm.pipeline import (
+    cp_issue,
     layout_issue,
     mask_kwargs,
     media_per_row,
@@ -250,10 +251,13 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
     def after_model_built(self, ctx: BuildContext, model: torch.nn.Module, meta: MetaBuild) -> BuildContext:
         """Under pipeline parallelism, a model whose media layout is not known is refused before it is cut."""
         why = layout_issue(model.config) if ctx.mesh.pp > 1 else None
+        split = cp_issue(model.config, ctx.mesh.cp) if ctx.mesh.pp > 1 else None
         if self.packing is not None and packing_unsupported(model) is not None:
             raise AutomodelError(f"packed_sequence: {packing_unsupported(model)}")
         if why is not None:
             raise AutomodelError(f"distributed.pp_size: {ctx.mesh.pp}: {why}")
+        if split is not None:
+            raise AutomodelError(f"distributed.cp_size: {ctx.mesh.cp}: {split}")
         config = getattr(model, "config", None)
         if ctx.mesh.cp > 1 and config is not None and (
                 issue := attention_issue(config, cp_attention(ctx.cfg, ctx.device, config))) is not None:
