@@ -38,7 +38,7 @@ from automodel.training.parallel.fsdp import apply_fsdp2
 from automodel.training.parallel.mesh import CP, MeshLayout, build_device_mesh, plan_mesh
 from automodel.training.parallel.multimodal_fsdp import place_multimodal
 from automodel.training.parallel.precision import Precision
-from automodel_vlm.context_parallel import SequenceSplit
+from automodel_vlm.context_parallel import SequenceSplit, causal_prefix_attention
 from automodel_vlm.datasets.collate import VLMCollator
 from automodel_vlm.datasets.packing import PackedVLMCollator, rope_index
 from automodel_vlm.frame_sharding import FrameSharding
@@ -71,6 +71,7 @@ class Step(FinetuneRecipeForVLM):
         self.loss_fn = MaskedCrossEntropy()
         if layout.cp > 1:
             self.sequence_split = SequenceSplit(find_part(model, "language_model")[1], device_mesh[CP])
+            causal_prefix_attention(model)  # as the recipe's setup does (PaliGemma's layers)
         if frames is not None:
             self.frame_sharding = FrameSharding(vision_tower(model), device_mesh[CP], frames)
 
@@ -390,7 +391,7 @@ def scenario_vlm_pp_gemma(args: dict[str, Any], out: Any) -> dict[str, Any]:
 
     if dist.get_world_size() == 4:  # pp 2 x cp 2
         layout = plan_mesh(4, pp_size=2, cp_size=2)
-        gemma = ("gemma3_pp", "gemma4_pp")  # PaliGemma is refused under cp (its losses differ from one process's)
+        gemma = GEMMA_PP
         results = {family: run_gemma_pipelined(family, layout, pad_to=4) for family in (*gemma, "gemma4_small")}
         results["gemma4_small_static"] = run_gemma_pipelined("gemma4_small", layout, static=True, pad_to=4)
         PipelineStageModel.spans_of = property(lambda self: lambda types: None, lambda self, value: None)
@@ -468,6 +469,20 @@ def scenario_vlm_pp_qwen3(args: dict[str, Any], out: Any) -> dict[str, Any]:
         return {"qwen3_vl": run_pp_steps("qwen3_vl", world), "qwen3_vl_frozen": run_pp_steps("qwen3_vl", world, True)}
     return {**{family: run_pp_steps(family, world) for family in ("qwen3_vl", "qwen3_5")},
             "qwen3_vl_frozen": run_pp_steps("qwen3_vl", world, frozen=True)}
+
+
+def scenario_vlm_cp_paligemma(args: dict[str, Any], out: Any) -> dict[str, Any]:
+    """PaliGemma under cp = world size (2), or the one-process reference without a process group (:func:`run`, rows
+    padded to a multiple of 4 in both), once more on the cp ranks with its layers left bidirectional as
+    transformers' config marks them (their SDPA calls then not the region's)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    layout = plan_mesh(world, cp_size=world) if world > 1 else MeshLayout(1)
+    keys = ("losses", "norms", "hooked")
+    results = {"paligemma": {key: run("paligemma", layout, pad_to=4 // layout.cp)[key] for key in keys}}
+    if world > 1:
+        globals()["causal_prefix_attention"] = lambda model: 0
+        results["paligemma_bidirectional"] = {key: run("paligemma", layout, pad_to=2)[key] for key in keys}
+    return results
 
 
 def scenario_vlm_pp_cp(args: dict[str, Any], out: Any) -> dict[str, Any]:

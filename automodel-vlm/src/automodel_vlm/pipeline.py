@@ -126,20 +126,7 @@ def pipeline_issues(cfg: Any, config: Any) -> list[ConfigIssue]:
     """What the VLM recipe cannot run with ``distributed.pp_size > 1`` (``config``: the model's Hugging Face config
     where validation can read it)."""
     why = layout_issue(config) if config is not None else None
-    if why is not None:
-        return [ConfigIssue("distributed.pp_size", f"{cfg.distributed.pp_size}: {why}")]
-    cp = cfg.distributed.cp_size
-    why = cp_issue(config, cp) if config is not None else None
-    return [ConfigIssue("distributed.cp_size", f"{cp}: {why}")] if why is not None else []
-
-
-def cp_issue(config: Any, cp: int) -> str | None:
-    """Why the pipeline cannot run ``config``'s model with context parallelism ``cp`` (None: it can)."""
-    if cp > 1 and getattr(config, "model_type", None) == "paligemma":
-        return ("a paligemma model's losses under context parallelism differ from one process's (measured on a tiny "
-                "PaliGemma, with the all-gather attention's mask equal to transformers' prefix mask; the cause is not "
-                "found yet), so the pipeline stages do not run it split; set cp_size: 1")
-    return None
+    return [ConfigIssue("distributed.pp_size", f"{cfg.distributed.pp_size}: {why}")] if why is not None else []
 
 
 def media_per_row(batch: dict[str, torch.Tensor], config: Any) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

@@ -34,6 +34,7 @@ from automodel_vlm.context_parallel import (
     MultimodalContextParallelBatch,
     SequenceSplit,
     attention_issue,
+    causal_prefix_attention,
     two_way_spans,
     two_way_stages,
 )
@@ -55,7 +56,6 @@ from automodel_vlm.freeze import UpstreamFreezeConfig, VLMFreezeConfig
 from automodel_vlm.gemma4_pipeline import travel_gemma4
 from automodel_vlm.parts import MULTIMODAL_NAMES, base_model, find_part
 from automodel_vlm.pipeline import (
-    cp_issue,
     layout_issue,
     mask_kwargs,
     media_per_row,
@@ -251,13 +251,10 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
     def after_model_built(self, ctx: BuildContext, model: torch.nn.Module, meta: MetaBuild) -> BuildContext:
         """Under pipeline parallelism, a model whose media layout is not known is refused before it is cut."""
         why = layout_issue(model.config) if ctx.mesh.pp > 1 else None
-        split = cp_issue(model.config, ctx.mesh.cp) if ctx.mesh.pp > 1 else None
         if self.packing is not None and packing_unsupported(model) is not None:
             raise AutomodelError(f"packed_sequence: {packing_unsupported(model)}")
         if why is not None:
             raise AutomodelError(f"distributed.pp_size: {ctx.mesh.pp}: {why}")
-        if split is not None:
-            raise AutomodelError(f"distributed.cp_size: {ctx.mesh.cp}: {split}")
         config = getattr(model, "config", None)
         if ctx.mesh.cp > 1 and config is not None and (
                 issue := attention_issue(config, cp_attention(ctx.cfg, ctx.device, config))) is not None:
@@ -285,6 +282,7 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
                                      "sequence the language model runs on, but this model has no module named "
                                      "language_model, text_model or llm; set cp_size: 1")
             self.sequence_split = SequenceSplit(language_model[1], self.ctx.device_mesh[CP])
+            causal_prefix_attention(self.model)  # PaliGemma's layers: the region's attention takes its prefix
             self.frame_sharding = attach_frame_sharding(self.model, self.cfg, self.ctx.device_mesh[CP])
         composite = find_composite(self.model)
         if composite is not None:  # model/ is the base, model/drafter/ the drafter: two Hugging Face directories
