@@ -22,7 +22,7 @@ PLANS: dict[str, dict[str, tuple[list[str], list[str]]]] = {
 
 # text-model children (by the text config's model_type) that only the first stage runs, beside the embedding: Gemma
 # 4's per-layer inputs are made there from the token ids and the embeddings (the VLM domain sends them on to the
-# later stages, automodel_vlm.per_layer_inputs); the later stages hold none of them
+# later stages, automodel_vlm.gemma4_pipeline); the later stages hold none of them
 FIRST_STAGE_ONLY: dict[str, tuple[str, ...]] = {
     "gemma4_text": ("embed_tokens_per_layer", "per_layer_model_projection", "per_layer_projection_norm"),
 }
