@@ -57,6 +57,24 @@ def test_the_context_parallel_step_equals_one_process(cp_steps, family):
             assert torch.allclose(torch.tensor(ran["state"][key]), torch.tensor(value), atol=1e-5), key
 
 
+def test_paligemma_under_cp_trains_like_one_process_with_its_layers_marked_causal(tmp_path):
+    """PaliGemma on cp 2 (two gloo ranks): transformers marks its text config ``use_bidirectional_attention``
+    (its forward's mask is causal with the prefix both ways), so its layers are marked causal under the region
+    (``causal_prefix_attention``), whose all-gather mask takes the prefix span: the losses and gradient norms of one
+    process; left bidirectional (their SDPA calls not the region's), they differ."""
+    from parallel_testing import launch_together
+
+    one, cp2 = launch_together([("vlm_cp_paligemma", 0, tmp_path / "one", {}),
+                                ("vlm_cp_paligemma", 2, tmp_path / "cp2", {})],
+                               workers=Path(__file__).with_name("vlm_context_parallel_workers.py"), timeout=300)
+    reference = one[0]["paligemma"]
+    for rank in cp2:
+        assert rank["paligemma"]["hooked"] == 4
+        assert rank["paligemma"]["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+        assert rank["paligemma"]["norms"] == pytest.approx(reference["norms"], rel=1e-5)
+        assert rank["paligemma_bidirectional"]["losses"] != pytest.approx(reference["losses"], rel=1e-4)
+
+
 def test_pp2_x_cp2_merges_qwen2_vl_images_and_3d_positions_on_whole_rows_then_splits_them(cp_steps):
     """pp 2 x cp 2 on four ranks: the first stage computes the Qwen2-VL's image features and merges them into the
     whole rows, its 3-D rope positions (from the image grids) reach both stages rows first, and each cp rank's

@@ -129,8 +129,8 @@ def test_a_model_without_a_media_layout_is_refused_by_validate(tmp_path):
     out = _validate(tmp_path, model={"config": llava_next}, eval_generation=None,
                     distributed={"strategy": "fsdp2", "pp_size": 2})
     assert "distributed.pp_size" in out and "the model (llava_next) has no media layout here" in out
-    assert ("(known: gemma3, gemma4, llava, mistral3, qwen2_5_vl, qwen2_vl, qwen3_5, qwen3_5_moe, qwen3_vl, "
-            "qwen3_vl_moe)") in out
+    assert ("(known: gemma3, gemma4, llava, mistral3, paligemma, qwen2_5_vl, qwen2_vl, qwen3_5, qwen3_5_moe, "
+            "qwen3_vl, qwen3_vl_moe)") in out
 
 
 @pytest.mark.parametrize("family", ["gemma3_pp", "gemma4_pp"])
@@ -220,55 +220,166 @@ def test_gemma4_images_of_different_sizes_are_counted_by_their_real_patches():
             assert torch.allclose(logits[real], whole[row][real], atol=1e-5), row
 
 
+def test_gemma4_per_layer_inputs_and_shared_keys_travel_from_the_stages_that_make_them():
+    """A Gemma 4 as the E2B / E4B: per-layer inputs, and its last two layers (second stage) reusing the keys and
+    values of layers 0 and 1 (first stage). The first stage alone holds the modules that make the per-layer inputs
+    and sends the second stage's layers' slices, then each shared type's keys and values, beside the hidden states;
+    the second stage runs its layers on them, so the two stages on each one-row micro-batch give the whole model's
+    logits; zeros in place of either (what the second stage would lack without them) do not."""
+    import torch
+    from vlm_context_parallel_workers import gemma_micro_batches, tiny_model
+
+    from automodel.training.parallel.pipeline_media import media_kwargs
+    from automodel.training.parallel.pipeline_stages import split_model
+    from automodel.training.pipeline_steps import padded_tokens, stage_kwargs
+    from automodel_vlm.gemma4_pipeline import travel_gemma4
+    from automodel_vlm.pipeline import layout_issue, mask_kwargs, media_per_row
+
+    model, _ = tiny_model("gemma4_small")
+    model.eval()
+    assert layout_issue(model.config) is None
+    (first,), (second,) = split_model(model, 0, 2), split_model(model, 1, 2)
+    makers = ("embed_tokens_per_layer", "per_layer_model_projection", "per_layer_projection_norm")
+    assert all(getattr(first.model.language_model, name) is not None for name in makers)
+    assert all(getattr(second.model.language_model, name) is None for name in makers)
+    for stage in (first, second):
+        assert travel_gemma4(stage) == (
+            "pipeline: Gemma 4's per-layer inputs (8 values a position and layer) and the keys and values its layer "
+            "1 stores for the full_attention layers 3-3 and the keys and values its layer 0 stores for the "
+            "sliding_attention layers 2-2 travel beside the hidden states to the stages whose layers take them")
+    batch = gemma_micro_batches("gemma4_small", 0, 4, left=True)[0]
+    kwargs = {**stage_kwargs(batch, 8), **media_kwargs(media_per_row(batch, model.config)),
+              **mask_kwargs(batch, model.config, 8)}
+    ids, _ = padded_tokens(batch, 8, 0)
+    length = batch["input_ids"].shape[1]
+    with torch.no_grad():
+        whole = model(**{key: value for key, value in batch.items() if key != "labels"}, use_cache=False).logits
+        for row in range(2):
+            real = batch["attention_mask"][row].bool()
+            row_kwargs = {key: value[row:row + 1] for key, value in kwargs.items()}
+            later = {key: value for key, value in row_kwargs.items() if not key.startswith("media_")}
+            hidden, *beside = first(ids[row:row + 1], **row_kwargs)
+            # layers 2 and 3's inputs; full attention's keys and values (one head of 16), then sliding's
+            assert [tuple(part.shape) for part in beside] == [(1, length + 8, 8)] * 2 + [(1, length + 8, 16)] * 4
+            logits = second(hidden, *beside, **later)[0, :length]
+            assert torch.allclose(logits[real], whole[row][real], atol=1e-5), row
+            for lost in (slice(0, 2), slice(2, 6)):
+                parts = [torch.zeros_like(part) if n in range(6)[lost] else part for n, part in enumerate(beside)]
+                logits = second(hidden, *parts, **later)[0, :length]
+                assert not torch.allclose(logits[real], whole[row][real], atol=1e-3), (row, lost)
+
+
+@pytest.mark.parametrize("family", ["paligemma", "paligemma2"])
+def test_paligemma_stages_number_the_positions_from_1_and_build_its_prefix_mask(family):
+    """PaliGemma (and PaliGemma 2: a Gemma 2 language model, sliding-window layers): its forward numbers the
+    positions from 1 and lets the prefix (image and prompt tokens, token_type_ids 0) attend to itself both ways.
+    The pipeline hands every stage those positions and the token types, from which the later stages build the
+    model's masks, so the two stages on each one-row micro-batch give the whole model's logits, on right- and
+    left-padded rows; the second stage building the plain causal mask does not."""
+    import torch
+    from vlm_context_parallel_workers import gemma_micro_batches, tiny_model
+
+    from automodel.training.parallel.pipeline_media import media_kwargs
+    from automodel.training.parallel.pipeline_stages import split_model
+    from automodel.training.pipeline_steps import padded_tokens, stage_kwargs
+    from automodel_vlm.pipeline import layout_issue, mask_kwargs, media_per_row, rope_positions
+
+    model, _ = tiny_model(family)
+    model.train()  # as training runs it (PaliGemma's forward reads the token types then)
+    atol = 1e-4 if family == "paligemma2" else 1e-5  # Gemma 2's eager attention: one row vs the padded batch
+    assert layout_issue(model.config) is None
+    (first,), (second,) = split_model(model, 0, 2), split_model(model, 1, 2)
+    for left in (False, True):
+        batch = gemma_micro_batches(family, 0, 4, left=left)[0]
+        pipelined = rope_positions(batch, model.config, None)
+        assert pipelined["position_ids"][:, :3].tolist() == [[1, 2, 3]] * 2
+        kwargs = {**stage_kwargs(pipelined, 8), **media_kwargs(media_per_row(pipelined, model.config)),
+                  **mask_kwargs(pipelined, model.config, 8)}
+        ids, _ = padded_tokens(pipelined, 8, 0)
+        length = batch["input_ids"].shape[1]
+        with torch.no_grad():
+            whole = model(**{key: value for key, value in batch.items() if key != "labels"}, use_cache=False).logits
+            for row in range(2):
+                real = batch["attention_mask"][row].bool()
+                row_kwargs = {key: value[row:row + 1] for key, value in kwargs.items()}
+                later = {key: value for key, value in row_kwargs.items() if not key.startswith("media_")}
+                logits = second(first(ids[row:row + 1], **row_kwargs), **later)[0, :length]
+                assert torch.allclose(logits[real], whole[row][real], atol=atol), (left, row)
+                causal = {key: value for key, value in later.items() if not key.startswith("mask_")}
+                logits = second(first(ids[row:row + 1], **row_kwargs), **causal)[0, :length]
+                assert not torch.allclose(logits[real], whole[row][real], atol=1e-3), (left, row)
+
+
 def test_gemma_pp2_trains_like_one_process_and_not_with_causal_later_stages(tmp_path):
-    """Two steps (right-padded rows, then left-padded ones) of a tiny Gemma 3 and a tiny Gemma 4 cut in two stages
-    on two gloo ranks, 1F1B over one-row micro-batches through the recipe's pipeline_batches: the losses and
-    gradient norms of one process; with the second stage building the causal mask instead (the token types
-    ignored) they differ."""
+    """Two steps (right-padded rows, then left-padded ones) of a tiny Gemma 3, a tiny Gemma 4 and a tiny Gemma 4
+    with per-layer inputs (those of the second stage's layers travelling from the first; with static stage shapes
+    too) cut in two stages on two gloo ranks, 1F1B over one-row micro-batches through the recipe's
+    pipeline_batches: the losses and gradient norms of one process; with the second stage building the causal mask
+    instead (the token types ignored) they differ."""
     from parallel_testing import launch_together
 
     one, pp2 = launch_together([("vlm_pp_gemma", 0, tmp_path / "one", {}), ("vlm_pp_gemma", 2, tmp_path / "pp2", {})],
                                workers=Path(__file__).with_name("vlm_context_parallel_workers.py"), timeout=300)
-    for family in ("gemma3_pp", "gemma4_pp"):
-        reference = one[0][family]
+    for family in ("gemma3_pp", "gemma4_pp", "paligemma", "gemma4_small", "gemma4_small_static"):
+        reference = one[0][family.removesuffix("_static")]
         for rank in pp2:
             assert rank[family]["losses"] == pytest.approx(reference["losses"], rel=1e-5), family
             assert rank[family]["norms"] == pytest.approx(reference["norms"], rel=1e-5), family
-            causal = rank[f"{family}_causal"]
-            assert causal["losses"] != pytest.approx(reference["losses"], rel=1e-5), family
-            assert causal["norms"] != pytest.approx(reference["norms"], rel=1e-3), family
+            if family in ("gemma3_pp", "gemma4_pp", "paligemma"):  # PaliGemma's prefix: a smaller effect
+                causal = rank[f"{family}_causal"]
+                assert causal["losses"] != pytest.approx(reference["losses"], rel=1e-5), family
+                assert causal["norms"] != pytest.approx(reference["norms"], rel=1e-5), family
 
 
-def test_what_the_gemma_pipeline_cannot_take_is_refused_with_the_reason():
-    """PaliGemma (its prefix's two-way mask and 1-based positions made in its forward), Gemma 4 with per-layer
-    inputs or layers sharing keys and values (made or computed on other stages), and a Gemma under pp x cp (the
-    context-parallel attention inside the stages does not take the token types)."""
+def test_gemma_pp2_x_cp2_trains_like_one_process_and_not_without_the_image_spans(tmp_path):
+    """pp 2 x cp 2 on four gloo ranks: the two steps of a tiny Gemma 3, Gemma 4, PaliGemma and Gemma 4 with
+    per-layer inputs and shared keys and values (with static stage shapes too), each stage's layers on the rank's
+    part of the rows
+    with the all-gather attention, whose mask lets each image's tokens attend to each other both ways (from the
+    rows' token types, as cp alone): the losses and gradient norms of one process on the same rows; without the
+    spans in the mask (causal over the images) they differ."""
+    from parallel_testing import launch_together
+
+    one, ranks = launch_together([("vlm_pp_gemma", 0, tmp_path / "one", {"pad_to": 4}),
+                                  ("vlm_pp_gemma", 4, tmp_path / "pp2cp2", {})],
+                                 workers=Path(__file__).with_name("vlm_context_parallel_workers.py"), timeout=300)
+    for family in ("gemma3_pp", "gemma4_pp", "paligemma", "gemma4_small", "gemma4_small_static"):
+        reference = one[0][family.removesuffix("_static")]
+        for rank in ranks:
+            assert rank[family]["losses"] == pytest.approx(reference["losses"], rel=1e-5), family
+            assert rank[family]["norms"] == pytest.approx(reference["norms"], rel=1e-5), family
+            if family in ("gemma3_pp", "gemma4_pp", "paligemma"):
+                causal = rank[f"{family}_causal"]
+                assert causal["losses"] != pytest.approx(reference["losses"], rel=1e-5), family
+
+
+def test_no_gemma_layout_is_refused_by_the_pipeline():
+    """PaliGemma (its 1-based positions handed to every stage, its prefix mask built from the token types), a
+    Gemma 4 with per-layer inputs and shared keys and values (they travel), a Gemma under pp x cp (the stages'
+    all-gather attention takes the image spans): none is refused; a model without a media layout still is."""
     from types import SimpleNamespace
 
-    from transformers import Gemma3Config, Gemma4Config, PaliGemmaConfig
+    from transformers import Gemma3Config, Gemma4Config, LlavaNextConfig, PaliGemmaConfig
 
     from automodel_vlm.pipeline import layout_issue, pipeline_issues
 
-    assert "numbers the positions from 1" in layout_issue(PaliGemmaConfig())
-    per_layer = Gemma4Config(text_config={"hidden_size_per_layer_input": 8, "num_kv_shared_layers": 0})
-    assert "text_config.hidden_size_per_layer_input" in layout_issue(per_layer)
-    shared = Gemma4Config(text_config={"hidden_size_per_layer_input": 0, "num_kv_shared_layers": 2})
-    assert "text_config.num_kv_shared_layers" in layout_issue(shared)
-    cfg = SimpleNamespace(distributed=SimpleNamespace(pp_size=2, cp_size=2))
-    (issue,) = pipeline_issues(cfg, Gemma3Config())
-    assert issue.key == "distributed.cp_size" and "build a gemma3 model's masks from its token types" in str(issue)
-    assert pipeline_issues(SimpleNamespace(distributed=SimpleNamespace(pp_size=2, cp_size=1)), Gemma3Config()) == []
+    small = Gemma4Config(text_config={"hidden_size_per_layer_input": 8, "num_kv_shared_layers": 2})
+    assert layout_issue(PaliGemmaConfig()) is None and layout_issue(small) is None
+    pp_cp = SimpleNamespace(distributed=SimpleNamespace(pp_size=2, cp_size=2))
+    assert pipeline_issues(pp_cp, Gemma3Config()) == pipeline_issues(pp_cp, PaliGemmaConfig()) == []
+    (issue,) = pipeline_issues(pp_cp, LlavaNextConfig())
+    assert issue.key == "distributed.pp_size" and "the model (llava_next) has no media layout here" in str(issue)
 
 
-def test_a_gemma3_under_pp_and_cp_is_refused_by_validate(tmp_path):
-    """Its media layout is known (no pp_size issue), but the stages' context-parallel attention would not take the
-    two-way image spans its token types give."""
+def test_a_gemma3_under_pp_and_cp_is_refused_by_validate_only_with_ring_attention(tmp_path):
+    """Its media layout is known (no pp_size issue) and the stages' all-gather attention takes the two-way image
+    spans its token types give; torch's ring attention, causal only (and CUDA's), is refused."""
     gemma3 = {"model_type": "gemma3", "text_config": {"num_hidden_layers": 2, "tie_word_embeddings": False},
               "tie_word_embeddings": False}
     out = _validate(tmp_path, "--nproc-per-node", "4", model={"config": gemma3}, eval_generation=None,
-                    distributed={"strategy": "fsdp2", "pp_size": 2, "cp_size": 2})
-    assert "distributed.cp_size: 2: the pipeline stages build a gemma3 model's masks from its token types" in out
-    assert "distributed.pp_size" not in out
+                    distributed={"strategy": "fsdp2", "pp_size": 2, "cp_size": 2, "cp_attention": "ring"})
+    assert "distributed.cp_attention: ring with pp_size 2" in out
+    assert "distributed.pp_size" not in out and "masks from its token types" not in out
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])

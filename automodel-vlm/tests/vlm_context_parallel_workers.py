@@ -38,7 +38,7 @@ from automodel.training.parallel.fsdp import apply_fsdp2
 from automodel.training.parallel.mesh import CP, MeshLayout, build_device_mesh, plan_mesh
 from automodel.training.parallel.multimodal_fsdp import place_multimodal
 from automodel.training.parallel.precision import Precision
-from automodel_vlm.context_parallel import SequenceSplit
+from automodel_vlm.context_parallel import SequenceSplit, causal_prefix_attention
 from automodel_vlm.datasets.collate import VLMCollator
 from automodel_vlm.datasets.packing import PackedVLMCollator, rope_index
 from automodel_vlm.frame_sharding import FrameSharding
@@ -71,6 +71,7 @@ class Step(FinetuneRecipeForVLM):
         self.loss_fn = MaskedCrossEntropy()
         if layout.cp > 1:
             self.sequence_split = SequenceSplit(find_part(model, "language_model")[1], device_mesh[CP])
+            causal_prefix_attention(model)  # as the recipe's setup does (PaliGemma's layers)
         if frames is not None:
             self.frame_sharding = FrameSharding(vision_tower(model), device_mesh[CP], frames)
 
@@ -80,7 +81,7 @@ def tiny_model(family: str) -> tuple[torch.nn.Module, Any]:
     same weights on every rank."""
     import json
 
-    from transformers import AutoConfig, AutoModelForImageTextToText, Gemma3Config, Gemma4Config
+    from transformers import AutoConfig, AutoModelForImageTextToText, Gemma3Config, Gemma4Config, PaliGemmaConfig
     from vlm_testing import LLAVA_CONFIG, tiny_processor, tiny_qwen_vl_processor
 
     if family.startswith("gemma3"):  # gemma3_pp: four layers (each stage's attention over the images matters to
@@ -97,14 +98,15 @@ def tiny_model(family: str) -> tuple[torch.nn.Module, Any]:
             mm_tokens_per_image=GEMMA_IMAGE_TOKENS, image_token_index=GEMMA_IMAGE, boi_token_index=GEMMA_IMAGE + 1,
             eoi_token_index=GEMMA_IMAGE + 2)
     elif family.startswith("gemma4"):  # images two-way on the sliding layers, per-layer inputs, the last two
-        processor = None  # layers' keys and values those of the first two (gemma4_pp: neither, as the 31B)
-        pipelined = family == "gemma4_pp"
+        processor = None  # layers' keys and values those of the first two (gemma4_pp: neither, as the 31B;
+        pipelined = family in ("gemma4_pp", "gemma4_small")  # gemma4_small: both, as the E2B, its head apart)
+        per_layer, shared = (0, 0) if family == "gemma4_pp" else (8, 2)
         config = Gemma4Config(
             text_config={"hidden_size": 32, "num_hidden_layers": 4, "num_attention_heads": 2,
                          "num_key_value_heads": 1, "head_dim": 16, "global_head_dim": 16, "intermediate_size": 32,
                          "vocab_size": GEMMA_VOCAB, "vocab_size_per_layer_input": GEMMA_VOCAB,
-                         "hidden_size_per_layer_input": 0 if pipelined else 8, "sliding_window": 6,
-                         "num_kv_shared_layers": 0 if pipelined else 2, "tie_word_embeddings": not pipelined,
+                         "hidden_size_per_layer_input": per_layer, "sliding_window": 6,
+                         "num_kv_shared_layers": shared, "tie_word_embeddings": not pipelined,
                          "layer_types": ["sliding_attention", "full_attention"] * 2,
                          "use_bidirectional_attention": "vision"},
             vision_config={"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
@@ -113,6 +115,23 @@ def tiny_model(family: str) -> tuple[torch.nn.Module, Any]:
             audio_config=None, image_token_id=GEMMA_IMAGE, boi_token_id=GEMMA_IMAGE + 1,
             eoi_token_id=GEMMA_IMAGE + 2, video_token_id=GEMMA_IMAGE + 3, audio_token_id=GEMMA_IMAGE - 1,
             boa_token_id=GEMMA_IMAGE - 2, eoa_token_index=GEMMA_IMAGE - 3, tie_word_embeddings=not pipelined)
+    elif family.startswith("paligemma"):  # paligemma2: a Gemma 2 language model (sliding-window layers, eager)
+        processor = None
+        text = {"model_type": "gemma2" if family == "paligemma2" else "gemma", "hidden_size": 32,
+                "num_hidden_layers": 4, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+                "intermediate_size": 32, "vocab_size": GEMMA_VOCAB, "tie_word_embeddings": False}
+        if family == "paligemma2":
+            text |= {"sliding_window": 6}
+        config = PaliGemmaConfig(
+            text_config=text, vision_config={"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+                                             "num_attention_heads": 2, "image_size": 8, "patch_size": 4,
+                                             "projection_dim": 32},
+            image_token_index=GEMMA_IMAGE, projection_dim=32, tie_word_embeddings=False)
+        config.text_config.num_image_tokens = GEMMA_IMAGE_TOKENS
+        torch.manual_seed(0)
+        attention = "eager" if family == "paligemma2" else "sdpa"  # transformers' Gemma 2: no SDPA
+        config._attn_implementation = attention
+        return AutoModelForImageTextToText.from_config(config, attn_implementation=attention), processor
     elif family == "llava":
         processor = tiny_processor()
         config = AutoConfig.for_model(**json.loads(LLAVA_CONFIG.read_text()))
@@ -202,7 +221,8 @@ def gemma_micro_batches(family: str, step: int, pad_to: int, left: bool) -> list
     """A step's Gemma 3 / 4 micro-batches as their processors make them: per row a few text tokens, the image
     (begin, four image tokens marked by ``token_type_ids`` / ``mm_token_type_ids``, end), a question and an answer
     (the labels), padded to a multiple of ``pad_to`` on the right, or on the ``left``; Gemma 4's images as 4 x 4
-    patches with their grid positions."""
+    patches with their grid positions. PaliGemma's: the four image tokens, then the prompt (``token_type_ids`` 0),
+    then the answer (1)."""
     generator = torch.Generator().manual_seed(200 + step)
 
     def text(count: int) -> list[int]:
@@ -214,7 +234,10 @@ def gemma_micro_batches(family: str, step: int, pad_to: int, left: bool) -> list
         for _ in range(ROWS):
             lengths = torch.randint(1, 5, (3,), generator=generator).tolist()
             image = [GEMMA_IMAGE + 1] + [GEMMA_IMAGE] * GEMMA_IMAGE_TOKENS + [GEMMA_IMAGE + 2]
-            rows.append([1, *text(lengths[0]), *image, *text(lengths[1])])
+            if family.startswith("paligemma"):  # its processor's prefix: the image tokens, then the prompt
+                rows.append([GEMMA_IMAGE] * GEMMA_IMAGE_TOKENS + [1, *text(lengths[0] + lengths[1])])
+            else:
+                rows.append([1, *text(lengths[0]), *image, *text(lengths[1])])
             answers.append(text(lengths[2] + 1))
         width = -(-max(len(r) + len(a) for r, a in zip(rows, answers, strict=True)) // pad_to) * pad_to
         ids, labels, mask = (torch.zeros(ROWS, width, dtype=torch.long) for _ in range(3))
@@ -226,7 +249,10 @@ def gemma_micro_batches(family: str, step: int, pad_to: int, left: bool) -> list
             labels[row, place] = torch.tensor([IGNORE_INDEX] * len(prompt) + answer)
             mask[row, place] = 1
         batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
-        if family.startswith("gemma3"):
+        if family.startswith("paligemma"):  # the prefix 0, the answer (the suffix) 1
+            batch |= {"token_type_ids": (labels != IGNORE_INDEX).long(),
+                      "pixel_values": torch.randn(ROWS, 3, 8, 8, generator=generator)}
+        elif family.startswith("gemma3"):
             batch |= {"token_type_ids": (ids == GEMMA_IMAGE).long(),
                       "pixel_values": torch.randn(ROWS, 3, 16, 16, generator=generator)}
         else:
@@ -241,7 +267,7 @@ def vision_tower(model: torch.nn.Module) -> torch.nn.Module:
     return find_part(model, "vision_tower")[1]
 
 
-def run(family: str, layout: MeshLayout, frames: dict[str, Any] | None = None) -> dict[str, Any]:
+def run(family: str, layout: MeshLayout, frames: dict[str, Any] | None = None, pad_to: int = 2) -> dict[str, Any]:
     """Two steps: losses, gradient norms, the vision tower's gradients of the first step, the weights and the
     grids the vision tower ran on (``frames``: frame sharding's settings)."""
     model, processor = tiny_model(family)
@@ -268,8 +294,8 @@ def run(family: str, layout: MeshLayout, frames: dict[str, Any] | None = None) -
         update()
 
     step.optimizer.step = record_then_update
-    if family.startswith("gemma"):  # right-padded rows, then left-padded ones
-        batches = [gemma_micro_batches(family, s, 2 * layout.cp, s == 1) for s in range(2)]
+    if family.startswith(("gemma", "paligemma")):  # right-padded rows, then left-padded ones
+        batches = [gemma_micro_batches(family, s, pad_to * layout.cp, s == 1) for s in range(2)]
     else:  # right-padded rows, then packed rows (samples kept apart within a row)
         batches = [micro_batches(processor, 0, 2 * layout.cp), micro_batches(processor, 1, 2 * layout.cp,
                                                                              rope_index(model))]
@@ -313,39 +339,66 @@ def run_pipelined(family: str, layout: MeshLayout) -> dict[str, Any]:
     return {"loss": loss.item(), "norm": norm.item(), "vision_grads": grads}
 
 
-def run_gemma_pipelined(family: str, layout: MeshLayout) -> dict[str, Any]:
+def run_gemma_pipelined(family: str, layout: MeshLayout, static: bool = False, pad_to: int = 2) -> dict[str, Any]:
     """The two steps of :func:`run` (right-padded rows, then left-padded ones) for a tiny Gemma 3 / Gemma 4 cut in
     two stages (``pp`` rank 0: vision tower, projector, embedding, the first layers), through 1F1B with one-row
     micro-batches and the recipe's ``pipeline_batches`` (each row's image and its token types, from which every
-    stage builds the masks): the losses and gradient norms."""
+    stage builds the masks), a Gemma 4's per-layer inputs and shared keys and values travelling as the recipe sets
+    them up (``static``: the stages with static shapes, ``pp_seq_len`` 32); under ``cp`` the layers' attention
+    gathered over the rank's cp group, its mask taking the image spans (rows padded to a multiple of ``pad_to``):
+    the losses and gradient norms."""
     from automodel.training.parallel.mesh import PP
+    from automodel.training.parallel.multimodal_fsdp import multimodal_modules
     from automodel.training.parallel.pipeline_parallel import PipelineSettings, StagePipelines
     from automodel.training.parallel.pipeline_stages import split_model
+    from automodel.training.parallel.pipeline_static import StaticShapes
+    from automodel_vlm.context_parallel import two_way_stages
+    from automodel_vlm.gemma4_pipeline import travel_gemma4
 
     model, _ = tiny_model(family)
     device_mesh = build_device_mesh(layout, "cpu")
     (stage,) = split_model(model, device_mesh[PP].get_local_rank(), layout.pp)
+    if layout.cp > 1:
+        causal_attention_without_mask(stage, multimodal_modules(stage, MULTIMODAL_NAMES).values())
     apply_fsdp2(stage, fsdp_mesh(device_mesh, layout), multimodal=place_multimodal(stage, MULTIMODAL_NAMES, "root"))
+    line = travel_gemma4(stage)  # as the recipe does, on the built stage
+    assert (line is None) == (family != "gemma4_small"), line
+    if layout.cp > 1:
+        two_way_stages(stage)
     tokenizer = SimpleNamespace(pad_token_id=0)
     step = Step(stage, SimpleNamespace(tokenizer=tokenizer), layout, device_mesh)
+    text = model.config.text_config
+    shapes = StaticShapes(32, text.hidden_size, text.vocab_size, torch.float32, torch.float32,
+                          cp=layout.cp) if static else None
     step.pipelines = StagePipelines([stage], device_mesh[PP], torch.device("cpu"), PipelineSettings(),
-                                    step.pipeline_loss)
-    results = [step._train_step(gemma_micro_batches(family, s, 2, s == 1)) for s in range(2)]
+                                    step.pipeline_loss, shapes, cp_mesh=device_mesh[CP] if layout.cp > 1 else None)
+    results = [step._train_step(gemma_micro_batches(family, s, pad_to, s == 1)) for s in range(2)]
     return {"losses": [loss.item() for loss, _, _ in results], "norms": [norm.item() for _, norm, _ in results]}
 
 
-GEMMA_PP = ("gemma3_pp", "gemma4_pp")
+GEMMA_PP = ("gemma3_pp", "gemma4_pp", "paligemma")
 
 
 def scenario_vlm_pp_gemma(args: dict[str, Any], out: Any) -> dict[str, Any]:
-    """pp 2 on two ranks (:func:`run_gemma_pipelined`), once more with the later stage's masks causal (the token
-    types not reaching it), or the one-process reference (:func:`run`) without a process group."""
+    """pp 2 on two ranks (:func:`run_gemma_pipelined`; a Gemma 4 with per-layer inputs with static shapes too),
+    once more with the later stage's masks causal (the token types not reaching it); pp 2 x cp 2 on four ranks
+    (rows padded to a multiple of 4), once more without the image spans in the cp attention's mask; or the
+    one-process reference (:func:`run`; ``pad_to`` in ``args``) without a process group."""
+    pad_to = args.get("pad_to", 2)
     if not dist.is_initialized():
-        return {family: run(family, MeshLayout(1)) for family in GEMMA_PP}
+        return {family: run(family, MeshLayout(1), pad_to=pad_to) for family in (*GEMMA_PP, "gemma4_small")}
     from automodel.training.parallel.pipeline_stages import PipelineStageModel
 
+    if dist.get_world_size() == 4:  # pp 2 x cp 2
+        layout = plan_mesh(4, pp_size=2, cp_size=2)
+        gemma = GEMMA_PP
+        results = {family: run_gemma_pipelined(family, layout, pad_to=4) for family in (*gemma, "gemma4_small")}
+        results["gemma4_small_static"] = run_gemma_pipelined("gemma4_small", layout, static=True, pad_to=4)
+        PipelineStageModel.spans_of = property(lambda self: lambda types: None, lambda self, value: None)
+        return results | {f"{family}_causal": run_gemma_pipelined(family, layout, pad_to=4) for family in gemma}
     layout = plan_mesh(dist.get_world_size(), pp_size=dist.get_world_size())
-    results = {family: run_gemma_pipelined(family, layout) for family in GEMMA_PP}
+    results = {family: run_gemma_pipelined(family, layout) for family in (*GEMMA_PP, "gemma4_small")}
+    results["gemma4_small_static"] = run_gemma_pipelined("gemma4_small", layout, static=True)
     PipelineStageModel._model_masks = lambda self, hidden, attention_mask, position_ids, types: attention_mask
     return results | {f"{family}_causal": run_gemma_pipelined(family, layout) for family in GEMMA_PP}
 
@@ -447,6 +500,20 @@ def scenario_vlm_pp_qwen3(args: dict[str, Any], out: Any) -> dict[str, Any]:
             "qwen3_vl_frozen": run_pp_steps("qwen3_vl", world, frozen=True)}
 
 
+def scenario_vlm_cp_paligemma(args: dict[str, Any], out: Any) -> dict[str, Any]:
+    """PaliGemma under cp = world size (2), or the one-process reference without a process group (:func:`run`, rows
+    padded to a multiple of 4 in both), once more on the cp ranks with its layers left bidirectional as
+    transformers' config marks them (their SDPA calls then not the region's)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    layout = plan_mesh(world, cp_size=world) if world > 1 else MeshLayout(1)
+    keys = ("losses", "norms", "hooked")
+    results = {"paligemma": {key: run("paligemma", layout, pad_to=4 // layout.cp)[key] for key in keys}}
+    if world > 1:
+        globals()["causal_prefix_attention"] = lambda model: 0
+        results["paligemma_bidirectional"] = {key: run("paligemma", layout, pad_to=2)[key] for key in keys}
+    return results
+
+
 def scenario_vlm_pp_cp(args: dict[str, Any], out: Any) -> dict[str, Any]:
     """pp 2 x cp 2 on four ranks: :func:`run_pipelined` for the Qwen2-VL."""
     return {"qwen2_vl": run_pipelined("qwen2_vl", plan_mesh(dist.get_world_size(), pp_size=2, cp_size=2))}
@@ -511,5 +578,7 @@ def scenario_vlm_cp(args: dict[str, Any], out: Any) -> dict[str, Any]:
     return results
 
 
+
 if __name__ == "__main__":
     main(globals())
+

@@ -18,6 +18,7 @@ over ``dp x cp`` ranks, with the engine's ``dp * cp / tokens`` scale, makes it t
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -25,9 +26,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from automodel.errors import AutomodelError
+from automodel.training.modules import unwrap
 from automodel.training.parallel.all_gather_attention import TwoWaySpans
+from automodel.training.parallel.blocks import attention_modules
 from automodel.training.parallel.context_parallel import ContextParallelBatch, split_sequence
+from automodel.training.parallel.pipeline_stages import stage_models
 from automodel_vlm.deepstack import split_maps
+from automodel_vlm.parts import find_part
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -114,13 +119,41 @@ def two_way_spans(config: Any, inputs: dict[str, Any]) -> TwoWaySpans | None:
 TWO_WAY_MODELS = ("gemma3", "gemma4", "paligemma")
 
 
+def two_way_stages(model: torch.nn.Module) -> None:
+    """Give the pipeline stages ``model`` holds the rule for the spans their context-parallel attention lets attend
+    both ways, from a micro-batch's token types (:func:`two_way_spans`; the core's ``PipelineStageModel.spans_of``),
+    for the models that have such spans (and PaliGemma's layers :func:`causal_prefix_attention`)."""
+    for stage in stage_models(unwrap(model)):
+        if getattr(stage.config, "model_type", None) in TWO_WAY_MODELS:
+            stage.spans_of = functools.partial(two_way_spans, stage.config)
+        causal_prefix_attention(stage)
+
+
+def causal_prefix_attention(model: torch.nn.Module) -> int:
+    """A PaliGemma's language model attention modules marked causal (how many). transformers sets its text config's
+    ``use_bidirectional_attention`` (older checkpoints' behaviour), so its layers ask SDPA for no causal mask and
+    its forward hands them the mask it builds (causal, the prefix both ways); under context parallelism they run
+    without it, and only causal SDPA calls run the all-gather attention, whose mask takes the prefix span
+    (:func:`two_way_spans`). With a mask (outside the region) transformers' SDPA ignores the mark."""
+    model = unwrap(model)
+    if getattr(getattr(model, "config", None), "model_type", None) != "paligemma":
+        return 0
+    found = find_part(model, "language_model")
+    modules = attention_modules(found[1]) if found is not None else []
+    for module in modules:
+        module.is_causal = True
+    return len(modules)
+
+
 def attention_issue(config: Any, attention: str) -> str | None:
     """Why context parallelism's ``attention`` (ring or all_gather) does not compute the model's attention (None:
     it does); sliding-window layers are the core's check. The all-gather attention's mask takes the spans that
-    attend both ways (:func:`two_way_spans`); torch's ring attention is causal only."""
+    attend both ways (:func:`two_way_spans`); torch's ring attention is causal only. PaliGemma's text config says
+    ``use_bidirectional_attention`` but its forward's mask is causal with the prefix both ways
+    (:func:`causal_prefix_attention`)."""
     model_type = getattr(config, "model_type", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if getattr(text, "use_bidirectional_attention", None) in (True, "all"):
+    if getattr(text, "use_bidirectional_attention", None) in (True, "all") and model_type != "paligemma":
         return (f"a {model_type} model whose language model attends both ways over the whole sequence "
                 "(use_bidirectional_attention), which context parallelism's causal attention does not compute; set "
                 "cp_size: 1")

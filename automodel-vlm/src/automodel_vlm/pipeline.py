@@ -43,7 +43,9 @@ class MediaLayout:
     padding patches) an image is its real patches over the vision tower's ``pooling_kernel_size**2`` placeholders,
     as the model splits its features. ``mask_inputs`` (per row: Gemma 3's ``token_type_ids``) are what the model
     builds its attention masks from, its images' tokens attending to each other both ways: every stage gets them
-    (:func:`mask_kwargs`) and builds the model's masks."""
+    (:func:`mask_kwargs`) and builds the model's masks. ``positions_from``: where the model's forward numbers the
+    positions of rows given none from this (PaliGemma: 1) rather than 0, the pipeline hands every stage those
+    positions (:func:`rope_positions`), since the later stages' text model would number them from 0."""
 
     per_image: tuple[str, ...] = ()
     token_attributes: tuple[str, ...] = ("image_token_id", "image_token_index")
@@ -53,6 +55,7 @@ class MediaLayout:
     sizes: str | None = None
     patch_positions: str | None = None
     mask_inputs: tuple[str, ...] = ()
+    positions_from: int = 0
 
     @property
     def keys(self) -> tuple[str, ...]:
@@ -96,66 +99,34 @@ QWEN_VL = MediaLayout(grid="image_grid_thw", per_patch=("pixel_values",), rope_o
 # image mm_tokens_per_image tokens), its image tokens marked by token_type_ids, from which every stage builds the
 # masks (each image's tokens attend to each other both ways). Gemma 4: pixel_values [images, patches, values] and
 # image_position_ids [images, patches, 2], each image's real patches pooled into its tokens, marked by
-# mm_token_type_ids. PaliGemma is refused (layout_issue).
+# mm_token_type_ids. PaliGemma: as Gemma 3 (each image num_image_tokens tokens), its prefix (images and prompt,
+# token_type_ids 0) attending to itself both ways, its positions numbered from 1.
 MEDIA_LAYOUTS = {"llava": MediaLayout(per_image=("pixel_values",)), "qwen2_vl": QWEN_VL, "qwen2_5_vl": QWEN_VL,
                  "qwen3_vl": QWEN_VL, "qwen3_vl_moe": QWEN_VL, "qwen3_5": QWEN_VL, "qwen3_5_moe": QWEN_VL,
                  "mistral3": MediaLayout(per_image=("pixel_values",), sizes="image_sizes"),
                  "gemma3": MediaLayout(per_image=("pixel_values",), mask_inputs=("token_type_ids",)),
                  "gemma4": MediaLayout(per_image=("pixel_values",), patch_positions="image_position_ids",
-                                       mask_inputs=("mm_token_type_ids",))}
+                                       mask_inputs=("mm_token_type_ids",)),
+                 "paligemma": MediaLayout(per_image=("pixel_values",), mask_inputs=("token_type_ids",),
+                                          positions_from=1)}
 
 
 def layout_issue(config: Any) -> str | None:
     """Why ``config``'s model cannot run pipelined here (None: its media layout is known)."""
     model_type = getattr(config, "model_type", None)
-    if model_type == "gemma4":
-        return _gemma4_issue(config)
     if model_type in MEDIA_LAYOUTS:
         return None
     known = ", ".join(sorted(MEDIA_LAYOUTS))
-    if model_type == "paligemma":
-        return ("a paligemma model's image and prompt tokens attend to each other both ways (on its full-attention "
-                "layers only, a mask transformers' rule for it, create_masks_for_generate, does not build) and its "
-                "forward numbers the positions from 1, neither of which the pipeline stages after the first (the "
-                f"language model alone on hidden states) would reproduce; pipelined VLMs: {known}; set pp_size: 1")
     return (f"the model ({model_type}) has no media layout here: which of its image tensors belong to which rows of "
             f"a batch, so that each pipeline micro-batch's first stage gets exactly its rows' images (known: {known}); "
             "set pp_size: 1")
-
-
-def _gemma4_issue(config: Any) -> str | None:
-    """Gemma 4's per-layer inputs (made on the first stage from the token ids and the merged embeddings) and its
-    layers that reuse the keys and values of earlier layers do not travel between the stages."""
-    text = config.get_text_config()
-    if getattr(text, "hidden_size_per_layer_input", 0):
-        return ("a gemma4 model with per-layer inputs (text_config.hidden_size_per_layer_input, the E2B / E4B "
-                "sizes): the first stage makes them from the token ids, which the later stages do not get; set "
-                "pp_size: 1")
-    if getattr(text, "num_kv_shared_layers", 0):
-        return ("a gemma4 model whose last layers reuse the keys and values of earlier ones "
-                "(text_config.num_kv_shared_layers), which another pipeline stage computes; set pp_size: 1")
-    return None
 
 
 def pipeline_issues(cfg: Any, config: Any) -> list[ConfigIssue]:
     """What the VLM recipe cannot run with ``distributed.pp_size > 1`` (``config``: the model's Hugging Face config
     where validation can read it)."""
     why = layout_issue(config) if config is not None else None
-    if why is not None:
-        return [ConfigIssue("distributed.pp_size", f"{cfg.distributed.pp_size}: {why}")]
-    cp = cfg.distributed.cp_size
-    why = cp_issue(config, cp) if config is not None else None
-    return [ConfigIssue("distributed.cp_size", f"{cp}: {why}")] if why is not None else []
-
-
-def cp_issue(config: Any, cp: int) -> str | None:
-    """Why the pipeline cannot run ``config``'s model with context parallelism ``cp`` (None: it can)."""
-    layout = MEDIA_LAYOUTS.get(getattr(config, "model_type", None))
-    if cp > 1 and layout is not None and layout.mask_inputs:
-        return (f"the pipeline stages build a {config.model_type} model's masks from its token types (its images' "
-                "tokens attend to each other both ways), which the context-parallel attention inside the stages "
-                "does not take; set cp_size: 1 (or pp_size: 1: context parallelism alone takes them)")
-    return None
+    return [ConfigIssue("distributed.pp_size", f"{cfg.distributed.pp_size}: {why}")] if why is not None else []
 
 
 def media_per_row(batch: dict[str, torch.Tensor], config: Any) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -227,8 +198,13 @@ def rope_positions(batch: dict[str, torch.Tensor], config: Any, rope: Any) -> di
     positions (``rope``: the model's ``get_rope_index``) and the batch has images, their positions as the model's
     forward computes them from the whole rows, rows first (``[rows, axes, length]``: the schedule splits every
     tensor along dim 0; the stages take them back), without the keys read only for them; packed rows' positions
-    (computed by the collator) rows first as well."""
+    (computed by the collator) rows first as well; a model numbering its positions from ``positions_from``
+    (PaliGemma), those of rows given none."""
     layout = MEDIA_LAYOUTS[config.model_type]
+    if layout.positions_from and batch.get("position_ids") is None:  # PaliGemma's, numbered from 1
+        rows, length = batch["input_ids"].shape
+        positions = torch.arange(length, device=batch["input_ids"].device) + layout.positions_from
+        return {**batch, "position_ids": positions.expand(rows, length)}
     if not layout.rope_only:
         return batch
     kept = {key: value for key, value in batch.items() if key not in layout.rope_only}

@@ -30,7 +30,14 @@ from automodel.training.parallel.pipeline_parallel import StagePipelines
 from automodel.training.parallelism import model_hf_config, validation_device
 from automodel.training.pipeline_steps import padded_tokens, pipeline_length, stage_kwargs
 from automodel.training.recipe import TrainRecipe
-from automodel_vlm.context_parallel import MultimodalContextParallelBatch, SequenceSplit, attention_issue, two_way_spans
+from automodel_vlm.context_parallel import (
+    MultimodalContextParallelBatch,
+    SequenceSplit,
+    attention_issue,
+    causal_prefix_attention,
+    two_way_spans,
+    two_way_stages,
+)
 from automodel_vlm.datasets.collate import IGNORE_INDEX, VLMCollator, render
 from automodel_vlm.datasets.packing import (
     PackedVLMCollator,
@@ -46,9 +53,9 @@ from automodel_vlm.deepstack import travel_deepstack
 from automodel_vlm.drafter import DRAFTER_DIR, drafter_issues, find_composite, uses_drafter
 from automodel_vlm.frame_sharding import FrameSharding, attach_frame_sharding, frame_sharding_issues
 from automodel_vlm.freeze import UpstreamFreezeConfig, VLMFreezeConfig
+from automodel_vlm.gemma4_pipeline import travel_gemma4
 from automodel_vlm.parts import MULTIMODAL_NAMES, base_model, find_part
 from automodel_vlm.pipeline import (
-    cp_issue,
     layout_issue,
     mask_kwargs,
     media_per_row,
@@ -242,13 +249,10 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
     def after_model_built(self, ctx: BuildContext, model: torch.nn.Module, meta: MetaBuild) -> BuildContext:
         """Under pipeline parallelism, a model whose media layout is not known is refused before it is cut."""
         why = layout_issue(model.config) if ctx.mesh.pp > 1 else None
-        two_way = cp_issue(model.config, ctx.mesh.cp) if ctx.mesh.pp > 1 else None
         if self.packing is not None and packing_unsupported(model) is not None:
             raise AutomodelError(f"packed_sequence: {packing_unsupported(model)}")
         if why is not None:
             raise AutomodelError(f"distributed.pp_size: {ctx.mesh.pp}: {why}")
-        if two_way is not None:
-            raise AutomodelError(f"distributed.cp_size: {ctx.mesh.cp}: {two_way}")
         config = getattr(model, "config", None)
         if ctx.mesh.cp > 1 and config is not None and (
                 issue := attention_issue(config, cp_attention(ctx.cfg, ctx.device, config))) is not None:
@@ -257,9 +261,14 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
 
     def build_pipelines(self, ctx: BuildContext) -> StagePipelines | None:
         """Before the schedules: a DeepStack model's stages carry its feature maps to the layers that add them
-        (``automodel_vlm.deepstack``)."""
-        if ctx.mesh.pp > 1 and (line := travel_deepstack(self.model)) is not None:
-            self.log(line)
+        (``automodel_vlm.deepstack``), a Gemma 4's its per-layer inputs and shared keys and values
+        (``automodel_vlm.gemma4_pipeline``); under context parallelism a Gemma's stages the rule for its spans
+        of tokens that attend both ways (``context_parallel.two_way_stages``)."""
+        for travel in (travel_deepstack, travel_gemma4) if ctx.mesh.pp > 1 else ():
+            if (line := travel(self.model)) is not None:
+                self.log(line)
+        if ctx.mesh.pp > 1 and ctx.mesh.cp > 1:  # the stages' attention takes Gemma's image spans
+            two_way_stages(self.model)
         return super().build_pipelines(ctx)
 
     def setup(self) -> None:
@@ -271,6 +280,7 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
                                      "sequence the language model runs on, but this model has no module named "
                                      "language_model, text_model or llm; set cp_size: 1")
             self.sequence_split = SequenceSplit(language_model[1], self.ctx.device_mesh[CP])
+            causal_prefix_attention(self.model)  # PaliGemma's layers: the region's attention takes its prefix
             self.frame_sharding = attach_frame_sharding(self.model, self.cfg, self.ctx.device_mesh[CP])
         composite = find_composite(self.model)
         if composite is not None:  # model/ is the base, model/drafter/ the drafter: two Hugging Face directories

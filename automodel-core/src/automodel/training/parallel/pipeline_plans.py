@@ -20,6 +20,21 @@ PLANS: dict[str, dict[str, tuple[list[str], list[str]]]] = {
 }
 
 
+# text-model children (by the text config's model_type) that only the first stage runs, beside the embedding: Gemma
+# 4's per-layer inputs are made there from the token ids and the embeddings (the VLM domain sends them on to the
+# later stages, automodel_vlm.gemma4_pipeline); the later stages hold none of them
+FIRST_STAGE_ONLY: dict[str, tuple[str, ...]] = {
+    "gemma4_text": ("embed_tokens_per_layer", "per_layer_model_projection", "per_layer_projection_norm"),
+}
+
+
+def first_stage_only(model: nn.Module, text: str) -> list[str]:
+    """The children of ``model``'s text model (named ``text``) that only the first pipeline stage holds."""
+    names = FIRST_STAGE_ONLY.get(getattr(model.config.get_text_config(), "model_type", None), ())
+    text_model = model.get_submodule(text)
+    return [f"{text}.{name}" for name in names if isinstance(getattr(text_model, name, None), nn.Module)]
+
+
 def pipeline_plan(model: nn.Module) -> dict[str, Any]:
     """``model``'s pipeline plan: transformers', else the one here for its ``model_type`` (empty: none)."""
     plan = dict(getattr(model, "pp_plan", None) or {})

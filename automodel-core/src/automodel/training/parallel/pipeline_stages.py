@@ -32,7 +32,7 @@ from automodel.training.parallel.all_gather_attention import all_gather_region
 from automodel.training.parallel.blocks import LayerPlaceholder
 from automodel.training.parallel.context_parallel import split_sequence
 from automodel.training.parallel.pipeline_media import MASK_PREFIX, model_media
-from automodel.training.parallel.pipeline_plans import pipeline_plan
+from automodel.training.parallel.pipeline_plans import first_stage_only, pipeline_plan
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -75,7 +75,8 @@ class PipelineStageModel(nn.Module):
     evaluating. ``mask_<name>`` keywords (per row: Gemma 3's ``token_type_ids``) are what the composite model builds
     its attention masks from (its images' tokens attend to each other both ways): the first stage hands them to the
     base model as ``<name>``, the later ones build the same masks from them (:meth:`_model_masks`), so every stage's
-    layers attend as in the whole model."""
+    layers attend as in the whole model; under context parallelism the all-gather attention's mask takes them as
+    two-way spans instead (:attr:`spans_of`)."""
 
     # the loss applies the output head itself (FusedLinearCrossEntropy): no [tokens, vocab] logits leave the stage
     head_in_loss = False
@@ -87,6 +88,10 @@ class PipelineStageModel(nn.Module):
     # sends; ``running(stage, taken, sent, cp_mesh)`` a context around the stage's model forward that appends what
     # it sends to ``sent`` (under context parallelism: this rank's part of the positions); None: nothing
     beside: Any = None
+    # under context parallelism, the spans the all-gather attention lets attend both ways, from a micro-batch's
+    # token types (``mask_*`` keywords): set by the domain (automodel_vlm.context_parallel.two_way_spans); None:
+    # a stage given token types under context parallelism refuses them
+    spans_of: Any = None
 
     def __init__(self, model: nn.Module, index: int, num_stages: int, layers: range, parts: dict[str, str],
                  whole: nn.Module | None = None):
@@ -119,14 +124,17 @@ class PipelineStageModel(nn.Module):
             body, given = getattr(self, self._base), {"input_ids": inputs, **model_media(media), **types}
         else:
             body, given = self.get_submodule(self._text), {"inputs_embeds": inputs}
-            if types:  # the masks the composite model's forward builds from the token types and hands its text model
+            if types and cp_mesh is None:  # the masks the composite model's forward builds from the token types
                 attention_mask = self._model_masks(inputs, attention_mask, position_ids, types)
-        if types and cp_mesh is not None:
-            raise AutomodelError("distributed.cp_size: the pipeline stages build this model's masks from its token "
-                                 "types, which the context-parallel attention does not take; set cp_size: 1")
+        spans = None
+        if types and cp_mesh is not None:  # the all-gather attention's mask lets the spans attend both ways
+            if self.spans_of is None:
+                raise AutomodelError("distributed.cp_size: the pipeline stages build this model's masks from its "
+                                     "token types, which the context-parallel attention does not take; set cp_size: 1")
+            spans = self.spans_of(types)
         sent: list[torch.Tensor] = []
         with self.beside.running(self, carried, sent, cp_mesh) if self.beside is not None else contextlib.nullcontext():
-            hidden = self._body(body, given, attention_mask, position_ids, cp_mesh)
+            hidden = self._body(body, given, attention_mask, position_ids, cp_mesh, spans)
         output = self.output_head(hidden) if self.is_last and not self.head_in_loss else hidden
         if self.beside is not None:
             return (output, *sent) if sent else output
@@ -138,15 +146,16 @@ class PipelineStageModel(nn.Module):
             return (output, *self.carry.run(self, hidden, carried, attention_mask, position_ids))
         return (output, *carried)
 
-    def _body(self, body: nn.Module, given: dict[str, Any], attention_mask: Any,
-              position_ids: torch.Tensor | None, cp_mesh: DeviceMesh | None) -> torch.Tensor:
-        """The stage's model forward: its final hidden states (see :meth:`forward`)."""
+    def _body(self, body: nn.Module, given: dict[str, Any], attention_mask: Any, position_ids: torch.Tensor | None,
+              cp_mesh: DeviceMesh | None, spans: Any = None) -> torch.Tensor:
+        """The stage's model forward: its final hidden states (see :meth:`forward`; ``spans``: the all-gather
+        attention's two-way spans)."""
         if cp_mesh is None:
             hidden = body(**given, attention_mask=attention_mask, position_ids=position_ids,
                           use_cache=False).last_hidden_state
         else:  # this rank's part of the rows' sequences; their positions and padding are the whole rows'
             positions = split_sequence(position_ids, cp_mesh, dim=position_ids.dim() - 1)
-            with all_gather_region(cp_mesh, position_ids.shape[-1], position_ids, attention_mask, []):
+            with all_gather_region(cp_mesh, position_ids.shape[-1], position_ids, attention_mask, [], spans):
                 if self.takes_whole_rows:  # the media merged into the whole rows, the text model on the part
                     with self._text_model_on_part(cp_mesh, positions):
                         hidden = body(**given, attention_mask=attention_mask, position_ids=position_ids,
@@ -240,6 +249,7 @@ def model_parts(model: nn.Module) -> dict[str, str]:
         raise AutomodelError(f"'{type(model).__name__}': the pipeline plan's head '{parts['head']}' or layers "
                              f"'{parts['layers']}' are not where a causal LM keeps them; set distributed.pp_size: 1")
     parts["media"] = media_modules(model, parts["layers"].rpartition(".")[0])
+    parts["first"] = first_stage_only(model, parts["layers"].rpartition(".")[0])  # Gemma 4's per-layer inputs'
     return parts
 
 
@@ -279,7 +289,7 @@ def split_model(model: nn.Module, pp_rank: int, pp_size: int, stages_per_rank: i
                     placeholder.block_type = layers[number].block_type
                 layers[number] = placeholder
         if index != 0:
-            for name in [parts["embedding"], *parts["media"]]:
+            for name in [parts["embedding"], *parts["media"], *parts.get("first", [])]:
                 _replace(stage, name, None)
         if index != num_stages - 1:
             for name in parts["after"]:

@@ -108,22 +108,26 @@ class StaticShapes:
         """``PipelineStage``'s ``input_args`` and ``output_args`` for ``stage`` (meta tensors); with MTP depths
         (``carried``) the hidden states travel with each depth's embedding, and the last stage returns each depth's
         hidden states and the rows' positions after its output; the tensors a stage's ``beside`` takes and sends
-        (``[rows, positions, hidden]`` each) follow the hidden states likewise."""
-        def hidden() -> torch.Tensor:
-            return torch.empty(rows, self.part, self.hidden, dtype=self.activations, device="meta", requires_grad=True)
+        (``[rows, positions, hidden]`` each, or the last dimensions its ``widths(stage)`` gives) follow the hidden
+        states likewise."""
+        def hidden(width: int | None = None) -> torch.Tensor:
+            return torch.empty(rows, self.part, width or self.hidden, dtype=self.activations, device="meta",
+                               requires_grad=True)
 
         carried = tuple(hidden() for _ in range(self.carried))
-        beside = getattr(stage, "beside", None)  # tensors beside the hidden states (Qwen3-VL's DeepStack features)
+        beside = getattr(stage, "beside", None)  # tensors beside the hidden states (DeepStack maps, Gemma 4's)
         taken, sent = beside.counts(stage) if beside is not None else (0, 0)
+        # their last dimensions (taken, sent) where the beside names them (else the hidden size)
+        across = beside.widths(stage) if hasattr(beside, "widths") else ((None,) * taken, (None,) * sent)
         if stage.is_first:  # a composite model's first stage takes the whole rows (it splits after the merge)
             length = self.seq_len if getattr(stage, "takes_whole_rows", False) else self.part
             inputs: tuple[torch.Tensor, ...] = (torch.empty(rows, length, dtype=torch.long, device="meta"),)
         else:
-            inputs = (hidden(), *carried, *(hidden() for _ in range(taken)))
+            inputs = (hidden(), *carried, *(hidden(width) for width in across[0]))
         logits = stage.is_last and not self.head_in_loss
         width, dtype = (self.vocab, self.logits) if logits else (self.hidden, self.activations)
         outputs = (torch.empty(rows, self.part, width, dtype=dtype, device="meta", requires_grad=True), *carried,
-                   *(hidden() for _ in range(sent)))
+                   *(hidden(width) for width in across[1]))
         if stage.is_last and self.carried:
             outputs += (torch.empty(rows, self.part, dtype=torch.long, device="meta"),)
         return {"input_args": inputs if len(inputs) > 1 else inputs[0],
