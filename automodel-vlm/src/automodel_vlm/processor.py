@@ -112,6 +112,17 @@ def _checkpoint_video_processor(path: str) -> str | None:
     return None
 
 
+def _has_video_twin(path: str) -> bool:
+    """Whether the checkpoint names a video processor that has a Pillow twin (the twins' module, which needs a
+    recent transformers, is imported only for a checkpoint with a video processor)."""
+    named = _checkpoint_video_processor(path)
+    if named is None:
+        return False
+    from automodel_vlm.video_processors import TWINS
+
+    return named in TWINS
+
+
 def _processor_class(path: str, kwargs: dict[str, Any]) -> type:
     """The processor class AutoProcessor would build for ``path`` (its ``processor_class``, else the model type's)."""
     import transformers
@@ -170,7 +181,6 @@ def load_processor(pretrained_model_name_or_path: str | None = None, *, name_or_
     read from the checkpoint. ``video_processor``: one built from its own section (upstream's
     ``processor.video_processor``; without a path of its own it loads from this one)."""
     from automodel_vlm.omni import omni_loader
-    from automodel_vlm.video_processors import TWINS, has_torchvision
 
     path = pretrained_model_name_or_path or name_or_path
     if path and video_processor is None and is_kimi_k25_checkpoint(str(path), kwargs):
@@ -180,7 +190,7 @@ def load_processor(pretrained_model_name_or_path: str | None = None, *, name_or_
     loader = omni_loader(path) if path and video_processor is None else None
     if video_processor is not None:
         loader = _with_video_processor(video_processor)
-    elif loader is None and not has_torchvision() and path and _checkpoint_video_processor(str(path)) in TWINS:
+    elif loader is None and not has_torchvision() and path and _has_video_twin(str(path)):
         loader = _with_video_processor(None)
     return finish_processor(open_processor("AutoProcessor", path, kwargs, loader=loader))
 
@@ -256,11 +266,13 @@ def build_processor(image_processor: Any, tokenizer: Any, processor_class: str =
     if not isinstance(cls, type) or not str(processor_class).endswith("Processor"):
         raise AutomodelError(f"{PROCESSOR_KEY}.processor_class: '{processor_class}' is not a transformers processor "
                              "class (LlavaProcessor, Qwen2VLProcessor, ...)")
-    from automodel_vlm.video_processors import PendingVideoProcessor
+    if "video_processor" in kwargs:  # the twins' module needs a recent transformers: imported only when asked
+        from automodel_vlm.video_processors import PendingVideoProcessor
 
-    if isinstance(kwargs.get("video_processor"), PendingVideoProcessor):
-        raise AutomodelError(f"{PROCESSOR_KEY}.video_processor: give it a pretrained_model_name_or_path (a processor "
-                             "built from its parts has no checkpoint to load the video processor's settings from)")
+        if isinstance(kwargs["video_processor"], PendingVideoProcessor):
+            raise AutomodelError(f"{PROCESSOR_KEY}.video_processor: give it a pretrained_model_name_or_path (a "
+                                 "processor built from its parts has no checkpoint to load the video processor's "
+                                 "settings from)")
     tok = _tokenizer(tokenizer)
     template = chat_template or getattr(tok, "chat_template", None)
     try:
