@@ -82,12 +82,13 @@ def hub_overrides(data: Any, assets: dict[str, str], prefix: str = "") -> Iterat
             yield from hub_overrides(value, assets, f"{prefix}.{index}")
 
 
-def validate(path: Path, overrides: list[tuple[str, str]]) -> tuple[str, list[Any]]:
-    """Run ``automodel validate -c path --k v ...`` in-process: (what it printed, the issues it refused with)."""
+def validate(path: Path, overrides: list[tuple[str, str]], flags: tuple[str, ...] = ()) -> tuple[str, list[Any]]:
+    """Run ``automodel validate [flags] -c path --k v ...`` in-process: (what it printed, the issues it refused
+    with)."""
     from automodel.cli.main import cli
     from automodel.errors import AutomodelError, ConfigError, ConfigIssue
 
-    args = ["validate", "-c", str(path)]
+    args = ["validate", *flags, "-c", str(path)]
     for key, value in overrides:
         args += [f"--{key}", value]
     out = io.StringIO()
