@@ -12,7 +12,7 @@ domain (fresh weights, the shipped tokenizer or processor; an LLM of a family in
 that family built from its transformers config class, another LLM a tiny Llama, a sequence-to-sequence model a
 tiny T5, a diffusion model the diffusion tests' tiny pipeline of its family), every data set path with a small
 local file in the columns its ``_target_`` reads (SQuAD, HellaSwag, chat, tool calls, xLAM, column-mapped,
-MedPix, CORD-v2, Shopify; tiny clips or the shipped shapes pictures for a diffusion loader),
+MedPix, CORD-v2, Shopify; tiny clips or the shipped shapes pictures for a diffusion loader; Megatron indexed files),
 ``step_scheduler.max_steps`` and a scratch ``checkpoint.checkpoint_dir``. A generation config makes ``--steps``
 denoising steps of 64 x 64 pictures (5 frames for a video) into a scratch ``output.output_dir``. A config laid out
 for 2 to 4 processes runs on that many (``--nproc-per-node``, gloo); nothing else changes, so a config laid out for
@@ -89,6 +89,14 @@ def write_data(root: Path) -> None:
         {"gt_parse": {"shape": {"kind": f"kind {k}"}}})} for k, image in enumerate(images)])
     _write_jsonl(root / "shopify.jsonl", [{"product_image": image, "ground_truth_category": f"Toys > {k} shapes"}
                                           for k, image in enumerate(images)])
+    from transformers import AutoTokenizer
+
+    from automodel_llm.datasets.write_megatron import jsonl_to_indexed
+
+    corpus = _write_jsonl(root / "corpus.jsonl", [{"text": " ".join(f"Person {k} sits on roof {j}." for j in range(40))}
+                                                  for k in range(64)])
+    jsonl_to_indexed(corpus, root / "megatron_text_document", AutoTokenizer.from_pretrained(
+        survey.local_assets()["llm"]["tokenizer"]))
 
 
 def write_models(root: Path) -> dict[str, dict[str, str]]:
@@ -116,10 +124,10 @@ def write_models(root: Path) -> dict[str, dict[str, str]]:
         assets[domain] = {kind: str(directory) for kind in ("model", "tokenizer", "processor")} | {
             "dataset": assets[domain]["dataset"]}
     assets["seq2seq"] = {**assets["llm"], "model": str(t5), "tokenizer": str(t5)}
-    for name, (config_class, extra) in LLM_FAMILIES.items():
+    for name, config_class in LLM_FAMILIES.items():
         directory = root / f"llm-{config_class}"
         if not directory.exists():  # families sharing a config class share the model
-            write_tiny_llm(config_class, extra, directory, Path(survey.local_assets()["llm"]["tokenizer"]))
+            write_tiny_llm(config_class, directory, Path(survey.local_assets()["llm"]["tokenizer"]))
         assets[f"llm:{name}"] = {**assets["llm"], **{kind: str(directory) for kind in ("model", "tokenizer",
                                                                                         "processor")}}
     for name, build in DIFFUSION_FAMILIES.items():
@@ -137,29 +145,24 @@ VIDEO_FAMILIES = ("Wan2.2", "Wan", "LTX-2", "HunyuanVideo-1.5")
 
 
 # a part of an upstream LLM hub id (a regular expression; the first that matches) -> the transformers config class
-# of its family and what differs for it from TINY_LLM; an id that matches none gets the tiny Llama
-LLM_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
-    r"Qwen3-Next": ("Qwen3NextConfig", {"num_hidden_layers": 4}),  # one full-attention layer in four
-    r"Qwen3-\d+B-A\d+B": ("Qwen3MoeConfig", {}), r"Qwen3-": ("Qwen3Config", {}),
-    r"Qwen1\.5-MoE": ("Qwen2MoeConfig", {}), r"Qwen2|QwQ": ("Qwen2Config", {}),
-    r"gemma-2-": ("Gemma2Config", {}), r"gemma-3|functiongemma": ("Gemma3TextConfig", {}),
-    r"gemma-7b": ("GemmaConfig", {}),
-    r"Mixtral": ("MixtralConfig", {}), r"Mistral-|Devstral|Ministral": ("MistralConfig", {}),
-    r"phi-4|Phi-3": ("Phi3Config", {}), r"phi-2": ("PhiConfig", {}),
-    r"DeepSeek-V3$|Moonlight|Kimi-K2": ("DeepseekV3Config", {}), r"DeepSeek-V4": ("DeepseekV4Config", {}),
-    r"gpt-oss": ("GptOssConfig", {}), r"granite-3": ("GraniteConfig", {}),
-    r"Nemotron-3-|Nemotron-Nano-9B": ("NemotronHConfig", {}), r"OLMo-2": ("Olmo2Config", {}),
-    r"GLM-4\.7-Flash": ("Glm4MoeLiteConfig", {}), r"GLM-4\.[57]": ("Glm4MoeConfig", {}), r"glm-4-9b": ("GlmConfig", {}),
-    r"Falcon-H1": ("FalconH1Config", {}), r"starcoder2": ("Starcoder2Config", {}),
-    r"command-r7b": ("Cohere2Config", {}),
-    r"ERNIE-4\.5-21B": ("Ernie4_5_MoeConfig", {}), r"ERNIE-4\.5": ("Ernie4_5Config", {}),
-    r"MiniMax-M2": ("MiniMaxM2Config", {}), r"Seed-OSS": ("SeedOssConfig", {}), r"Hy3|Hy-MT2": ("HYV3Config", {}),
-    r"Laguna": ("LagunaConfig", {}), r"community/gpt2": ("GPT2Config", {}),
+# of its family; an id that matches none gets the tiny Llama
+LLM_FAMILIES = {
+    r"Qwen3-Next": "Qwen3NextConfig", r"Qwen3\.5": "Qwen3_5MoeTextConfig", r"Qwen3-\d+B-A\d+B": "Qwen3MoeConfig",
+    r"Qwen3-": "Qwen3Config", r"Qwen1\.5-MoE": "Qwen2MoeConfig", r"Qwen2|QwQ": "Qwen2Config",
+    r"gemma-2-": "Gemma2Config", r"gemma-3|functiongemma": "Gemma3TextConfig", r"gemma-7b": "GemmaConfig",
+    r"Mixtral": "MixtralConfig", r"Mistral-|Devstral|Ministral": "MistralConfig", r"phi-4|Phi-3": "Phi3Config",
+    r"phi-2": "PhiConfig", r"DeepSeek-V3$|Moonlight|Kimi-K2": "DeepseekV3Config", r"DeepSeek-V4": "DeepseekV4Config",
+    r"gpt-oss": "GptOssConfig", r"granite-3": "GraniteConfig", r"Nemotron-3-|Nemotron-Nano-9B": "NemotronHConfig",
+    r"OLMo-2": "Olmo2Config", r"GLM-4\.7-Flash": "Glm4MoeLiteConfig", r"GLM-4\.[57]": "Glm4MoeConfig",
+    r"glm-4-9b": "GlmConfig", r"Falcon-H1": "FalconH1Config", r"starcoder2": "Starcoder2Config",
+    r"command-r7b": "Cohere2Config", r"ERNIE-4\.5-21B": "Ernie4_5_MoeConfig", r"ERNIE-4\.5": "Ernie4_5Config",
+    r"MiniMax-M2": "MiniMaxM2Config", r"Seed-OSS": "SeedOssConfig", r"Hy3|Hy-MT2": "HYV3Config",
+    r"Laguna": "LagunaConfig", r"MiMo-V2": "MiMoV2FlashConfig", r"community/gpt2": "GPT2Config",
 }
-# tiny sizes, each passed to a family's config class only where that class has the key: 2 layers, hidden 64,
-# 8 experts (2 per token; an expert-parallel layout of up to 8 divides them), the shipped tokenizer's vocabulary
-# and special tokens
-TINY_LLM = {"vocab_size": 482, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+# tiny sizes, each passed to a family's config class only where that class has the key: 4 layers (a hybrid's one
+# full-attention layer in four; pp_size 4), hidden 64, 8 experts (2 per token; an expert-parallel layout of up to
+# 8 divides them), the shipped tokenizer's vocabulary and special tokens
+TINY_LLM = {"vocab_size": 482, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
             "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "num_experts": 8,
             "num_local_experts": 8, "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2,
@@ -177,13 +180,13 @@ def llm_family(data: dict[str, Any]) -> str | None:
     return next((name for hub in ids for name in LLM_FAMILIES if re.search(name, hub)), None)
 
 
-def write_tiny_llm(config_class: str, extra: dict[str, Any], directory: Path, tokenizer: Path) -> None:
+def write_tiny_llm(config_class: str, directory: Path, tokenizer: Path) -> None:
     """A fresh tiny model of one family (safetensors) with the shipped tokenizer beside it."""
     import transformers
 
     cls = getattr(transformers, config_class)
     known = cls().to_dict()
-    config = cls(**{key: value for key, value in TINY_LLM.items() if key in known} | extra)
+    config = cls(**{key: value for key, value in TINY_LLM.items() if key in known})
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(directory)
     for item in tokenizer.iterdir():
         shutil.copy(item, directory)
@@ -315,6 +318,9 @@ def data_overrides(data: dict[str, Any], root: Path, scratch: Path) -> dict[str,
             continue
         key = next((k for k in PATH_KEYS if k in node), None)
         factory = str(node.get("_target_", "")).rsplit(".", 1)[-1]
+        if factory == "MegatronPretraining":  # Megatron's indexed files of a small corpus
+            found[f"{section}.paths"] = str(root / "megatron_text_document")
+            found[f"{section}.index_mapping_dir"] = str(scratch / "megatron_index")
         if key is None:
             continue
         if factory in DATA_FILES:
