@@ -220,17 +220,22 @@ def _adamw(old: Any) -> dict[str, Any]:
     return {"_target_": "torch.optim.AdamW", **{k: old[k] for k in ("lr", "betas", "eps", "weight_decay") if k in old}}
 
 
+def _sdpa(old: Any) -> str:
+    """sdpa, or eager where sdpa itself was refused (a model class transformers gives no SDPA attention)."""
+    return "eager" if old == "sdpa" else "sdpa"
+
+
 # --cpu: a key refused for a GPU-only feature (a regular expression; its group ``edit``, where it has one, names the
 # key to change instead) -> the CPU alternative that the refusal message names (REMOVE: drop the key; a callable:
 # the new value from the old one); None: trust_remote_code, which --trust-remote-code allows instead of an edit.
 CPU_OVERRIDES: dict[str, Any] = {
     r"(^|\.)trust_remote_code$": None,
-    r"^model\.backend\.attn$": "sdpa",
+    r"^model\.backend\.attn$": _sdpa,
     r"^model\.backend\.(linear|experts|dispatcher|rope)$": "torch",
     r"^model\.backend\.rms_norm$": "torch_fp32",
     r"^model\.backend\.rope_fusion$": False,
     r"^(?P<edit>model\.backend\.(te_fp8|dispatcher_num_sms|mok))(\.|$)": REMOVE,
-    r"(^|\.)attn_implementation$": "sdpa",
+    r"(^|\.)attn_implementation$": _sdpa,
     r"^model\.attention_backend$": "native",
     r"^model\.use_liger_kernel$": False,
     r"^(?P<edit>fp8)\.": REMOVE,
@@ -244,7 +249,9 @@ CPU_OVERRIDES: dict[str, Any] = {
     r"^checkpoint\.model_save_format$": "safetensors",
     r"^(?P<edit>quantization)(\.|$)": REMOVE,  # QLoRA: LoRA on the bf16 / fp32 weights
 }
-CPU_REASONS = ("CUDA", "GPU", "torch_save", "--trust-remote-code")  # words of a refusal for the GPU / trust only
+# the words of a refusal for a GPU feature, upstream's pickle format or trust_remote_code (and of sdpa refused for a
+# model class without it, after the GPU attention gave way to sdpa)
+CPU_REASONS = ("CUDA", "GPU", "torch_save", "--trust-remote-code", "attention in transformers")
 
 
 def cpu_edit(issue: Any) -> tuple[str | None, Any] | None:

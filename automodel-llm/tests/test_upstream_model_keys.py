@@ -126,3 +126,19 @@ def test_a_key_the_config_lacks_is_refused_for_a_fresh_model_too(tiny_llama_conf
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_config.parent, output_hidden_states=True,
                                                  text_config={"use_cache": False})
     assert model.config.output_hidden_states is True and model.config.use_cache is False
+
+
+@pytest.mark.parametrize("model_type, keys, key", [
+    ("gpt_oss", {"attn_implementation": "sdpa"}, "model.attn_implementation"),
+    ("gemma2", {"backend": {"attn": "sdpa"}}, "model.backend.attn"),
+])
+def test_an_attention_the_model_class_lacks_is_refused_at_validation(make_config, tmp_path, model_type, keys, key):
+    # upstream's GPT-OSS example asks for sdpa (its own model code has it); transformers' class refuses it when built
+    from transformers import AutoConfig
+
+    AutoConfig.for_model(model_type, vocab_size=482, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16).save_pretrained(tmp_path / "m")
+    found = refusals(make_config(model={"config": str(tmp_path / "m" / "config.json"), **keys}))
+    assert "has no sdpa attention in transformers" in found[key] and found[key].endswith("use eager"), found
+    load_config(make_config(model={"config": str(tmp_path / "m" / "config.json"), "attn_implementation": "eager"}),
+                route=("finetune", "llm"))

@@ -192,6 +192,26 @@ def attention_issue(value: Any) -> str | None:
     return f"'{value}' is not an attention implementation here; use one of {', '.join(ATTENTION.values())}"
 
 
+def asked_attention(kwargs: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(the key, the ``attn_implementation``) a model node asks for: ``attn_implementation`` itself, else the one
+    its ``backend.attn`` selects; None when it asks for none (transformers then picks one the model has)."""
+    if kwargs.get("attn_implementation") is not None:
+        return "attn_implementation", str(kwargs["attn_implementation"])
+    attn = ATTENTION.get(_settings(kwargs.get("backend")).get("attn"))
+    return ("backend.attn", attn) if attn is not None else None
+
+
+def attention_support_issue(model_class: Any, implementation: str) -> str | None:
+    """Why ``model_class`` (a transformers model class) cannot be built with ``implementation`` (None: it can):
+    transformers marks a class without an SDPA or FlexAttention path (GPT-OSS's attention sinks, Gemma 2's logit
+    soft-capping) and refuses that attention when it builds one."""
+    flag = {"sdpa": "_supports_sdpa", "flex_attention": "_supports_flex_attn"}.get(implementation)
+    if flag is None or getattr(model_class, flag, True) is not False:
+        return None
+    return (f"'{implementation}': {model_class.__name__} has no {implementation} attention in transformers, which "
+            "refuses it when building the model; use eager")
+
+
 def model_backend_issues(kwargs: Mapping[str, Any]) -> dict[str, str]:
     """Validation's check of a model node's ``backend`` (a plain mapping is checked here; a ``_target_`` node by
     BackendConfig's own check) against the node's other keys: the attention it selects must agree with an explicit

@@ -22,7 +22,7 @@ from automodel.hf import (
     model_source,
     record_adapter_base,
 )
-from automodel.model_backend import backend_setting
+from automodel.model_backend import asked_attention, attention_support_issue, backend_setting
 from automodel.training.checkpoint_write import sharded_only_message
 from automodel.training.context import BuildContext
 from automodel.training.dist import expected_world_size, rank
@@ -56,6 +56,23 @@ DATASETS = tuple(f"automodel_llm.datasets.{name}" for name in (
     "SquadDataset", "make_squad_dataset", "ColumnMappedTextInstructionDataset", "ChatDataset",
     "AgentChatDataset", "XlamDataset", "PretrainingTextDataset", "MegatronPretraining", "MockDataset",
     "Seq2SeqDataset"))
+
+
+def attention_support_issues(cfg: Config) -> list[ConfigIssue]:
+    """The attention the model section asks for, where its transformers class has none of that kind (building the
+    model would fail); nothing when the class cannot be told here."""
+    model = cfg.get("model")
+    asked = asked_attention(model.to_dict()) if isinstance(model, ConfigNode) else None
+    if asked is None or (hf_config := model_hf_config(cfg)) is None:
+        return []
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model_class = AutoModelForCausalLM._model_mapping[type(hf_config)]
+    except KeyError:  # not a causal LM transformers knows (a sequence-to-sequence model, a model's own code)
+        return []
+    why = attention_support_issue(model_class, asked[1])
+    return [ConfigIssue(f"model.{asked[0]}", why)] if why else []
 
 
 def dataset_section(help: str, required: bool = False) -> Target:
@@ -217,7 +234,7 @@ class FinetuneRecipeForNextTokenPrediction(MTPLoss, NextTokenLogits, TrainRecipe
         issues += nvtx_issues(cfg.resolved.get("nvtx"))
         if backend_setting(cfg.model, "gate_precision") is not None:
             issues += router_issues(model_hf_config(cfg))
-        issues += cls.mtp_config_issues(cfg)
+        issues += cls.mtp_config_issues(cfg) + attention_support_issues(cfg)
         repair = cfg.get("embedding_row_repair")
         sharded = settings is not None and (settings.tp_size > 1 or settings.pp_size > 1 or (
             settings.strategy == "fsdp2" and expected_world_size() > 1))
