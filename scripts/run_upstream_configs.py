@@ -3,16 +3,16 @@
 A developer tool beside ``check_upstream_configs.py`` (which validates them), reading a local copy of upstream's
 ``examples/`` directory (nothing upstream is kept here):
 
-    .venv/bin/python scripts/run_upstream_configs.py /path/to/upstream/examples --steps 2 [--only NAME ...]
+    .venv/bin/python scripts/run_upstream_configs.py /path/to/upstream/examples --steps 2 [--cpu] [--only NAME ...]
 
 Each config runs as a user without network would run it: ``automodel run -c FILE`` from upstream's repository root
-(a config without ``recipe:``, such as a generation config, through the route validation chose: ``automodel
-generate diffusion -c FILE``), every hub model / tokenizer / processor id overridden with a tiny local model of that
-domain (fresh weights, the shipped tokenizer or processor; an LLM of a family in ``LLM_FAMILIES`` a tiny model of
-that family built from its transformers config class, another LLM a tiny Llama, a sequence-to-sequence model a
-tiny T5, a diffusion model the diffusion tests' tiny pipeline of its family), every data set path with a small
-local file in the columns its ``_target_`` reads (SQuAD, HellaSwag, chat, tool calls, xLAM, column-mapped,
-MedPix, CORD-v2, Shopify; tiny clips or the shipped shapes pictures for a diffusion loader; Megatron indexed files),
+(a config without ``recipe:``, such as a generation config, through the route validation chose: ``automodel generate
+diffusion -c FILE``), every hub model / tokenizer / processor id overridden with a tiny local model of that domain
+(fresh weights, the shipped tokenizer or processor; an LLM of a family in ``LLM_FAMILIES`` a tiny model of that
+family built from its transformers config class, another LLM a tiny Llama, a sequence-to-sequence model a tiny T5, a
+diffusion model the diffusion tests' tiny pipeline of its family), every data set path with a small local file in
+the columns its ``_target_`` reads (SQuAD, HellaSwag, chat, tool calls, xLAM, column-mapped, MedPix, CORD-v2,
+Shopify; tiny clips or the shipped shapes pictures for a diffusion loader; Megatron indexed files; a nanogpt shard),
 ``step_scheduler.max_steps`` and a scratch ``checkpoint.checkpoint_dir``. A generation config makes ``--steps``
 denoising steps of 64 x 64 pictures (5 frames for a video) into a scratch ``output.output_dir``. A config laid out
 for 2 to 4 processes runs on that many (``--nproc-per-node``, gloo); nothing else changes, so a config laid out for
@@ -94,9 +94,14 @@ def write_data(root: Path) -> None:
     from automodel_llm.datasets.write_megatron import jsonl_to_indexed
 
     corpus = _write_jsonl(root / "corpus.jsonl", [{"text": " ".join(f"Person {k} sits on roof {j}." for j in range(40))}
-                                                  for k in range(64)])
+                                                  for k in range(256)])  # a 1% validation split of 2 documents
     jsonl_to_indexed(corpus, root / "megatron_text_document", AutoTokenizer.from_pretrained(
         survey.local_assets()["llm"]["tokenizer"]))
+    import numpy as np  # a modded-nanogpt shard: 256 int32 of header (magic, version, count), uint16 tokens
+
+    tokens = np.random.default_rng(0).integers(3, 482, 1 << 16).astype(np.uint16)
+    (root / "nanogpt_000.bin").write_bytes(np.array([20240520, 1, tokens.size, *[0] * 253], np.int32).tobytes() +
+                                           tokens.tobytes())
 
 
 def write_models(root: Path) -> dict[str, dict[str, str]]:
@@ -158,6 +163,7 @@ LLM_FAMILIES = {
     r"command-r7b": "Cohere2Config", r"ERNIE-4\.5-21B": "Ernie4_5_MoeConfig", r"ERNIE-4\.5": "Ernie4_5Config",
     r"MiniMax-M2": "MiniMaxM2Config", r"Seed-OSS": "SeedOssConfig", r"Hy3|Hy-MT2": "HYV3Config",
     r"Laguna": "LagunaConfig", r"MiMo-V2": "MiMoV2FlashConfig", r"community/gpt2": "GPT2Config",
+    r"Llama": "LlamaConfig",  # untied, unlike the shipped tiny Llama, as the bigger Llamas (pipeline stages)
 }
 # tiny sizes, each passed to a family's config class only where that class has the key: 4 layers (a hybrid's one
 # full-attention layer in four; pp_size 4), hidden 64, 8 experts (2 per token; an expert-parallel layout of up to
@@ -328,6 +334,8 @@ def data_overrides(data: dict[str, Any], root: Path, scratch: Path) -> dict[str,
         if factory == "MegatronPretraining":  # Megatron's indexed files of a small corpus
             found[f"{section}.paths"] = str(root / "megatron_text_document")
             found[f"{section}.index_mapping_dir"] = str(scratch / "megatron_index")
+        if factory == "NanogptDataset":
+            found[f"{section}.file_pattern"] = str(root / "nanogpt_*.bin")
         if key is None:
             continue
         if factory in DATA_FILES:
