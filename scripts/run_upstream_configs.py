@@ -167,8 +167,9 @@ LLM_FAMILIES = {
 }
 # tiny sizes, each passed to a family's config class only where that class has the key: 4 layers (a hybrid's one
 # full-attention layer in four; pp_size 4), hidden 64, 8 experts (2 per token; an expert-parallel layout of up to
-# 8 divides them), the shipped tokenizer's vocabulary and special tokens
-TINY_LLM = {"vocab_size": 482, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+# 8 divides them), room for the shipped tokenizer and upstream's MockIterableDataset (ids below 1024), its
+# special tokens
+TINY_LLM = {"vocab_size": 1024, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
             "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "num_experts": 8,
             "num_local_experts": 8, "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2,

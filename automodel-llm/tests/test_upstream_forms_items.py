@@ -130,6 +130,16 @@ def test_benchmark_upstream_keys_and_mock_iterable_dataset(tmp_path, monkeypatch
     assert "4 differs from the run's rows per micro-batch (2" in found["dataset.batch_size"], found
 
 
+def test_mock_iterable_dataset_drawing_ids_past_the_model_vocabulary_is_refused():
+    # upstream's default vocab_size (1024) suits its models; the embedding of a smaller one failed on the first batch
+    form, route = FORMS / "benchmark_upstream.yaml", ("benchmark", "llm")
+    found = refusals(form, "--dataset.vocab_size", "null", route=route)
+    assert found["dataset.vocab_size"].startswith("1024 (unset): token ids are drawn below it, but the model's "
+                                                  "vocabulary has 482"), found
+    assert "set it to at most 482" in refusals(form, "--dataset.vocab_size", "483", route=route)["dataset.vocab_size"]
+    load_config(form, "--dataset.vocab_size", "482", route=route)
+
+
 def test_benchmark_num_nodes_is_checked_against_the_planned_launch():
     from automodel.training.dist import planned_world_size
 

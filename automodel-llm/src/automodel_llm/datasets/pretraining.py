@@ -149,6 +149,24 @@ def batch_size_issues(sections: list[tuple[str, Any, Any]], rows: int) -> list[C
             if fn is mock_iterable_dataset and node.get("batch_size") not in (None, rows)]
 
 
+def drawn_vocab_issues(sections: list[tuple[str, Any, Any]], model_vocab: int | None) -> list[ConfigIssue]:
+    """A random-token section (MockIterableDataset) drawing ids the model has no embedding row for: its
+    ``vocab_size`` (upstream's default 1024 when unset) above the model's ``model_vocab``."""
+    import inspect
+
+    issues = []
+    for key, node, fn in sections:
+        if fn is not mock_iterable_dataset or not isinstance(model_vocab, int):
+            continue
+        drawn = node.get("vocab_size") or inspect.signature(fn).parameters["vocab_size"].default
+        if isinstance(drawn, int) and drawn > model_vocab:
+            unset = " (unset)" if node.get("vocab_size") is None else ""
+            issues.append(ConfigIssue(f"{key}.vocab_size", f"{drawn}{unset}: token ids are drawn below it, but the "
+                                      f"model's vocabulary has {model_vocab} (its config's vocab_size), so ids past "
+                                      f"it have no embedding; set it to at most {model_vocab}"))
+    return issues
+
+
 mock_iterable_dataset.argument_help = {"vocab_size": "token ids are drawn below it", "seq_len": "tokens per sample",
                                        "num_samples": "how many samples",
                                        "batch_size": "the run's rows per micro-batch, or null (the dataloader "
