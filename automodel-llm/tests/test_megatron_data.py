@@ -257,3 +257,19 @@ def test_dataloader_type_acts_and_what_cannot_act_is_refused(tmp_path, tiny_llam
                   "dataset.splits_to_build: 'training'; say which split this section reads: train, validation",
                   "validation_dataset.object_storage_config: reading .bin / .idx from S3"):
         assert words in output, output
+
+
+def test_samples_longer_than_a_learned_position_table_are_refused(tmp_path):
+    # upstream's GPT-2 example: seq_length 1024 = n_positions, but a sample feeds seq_length + 1 tokens here, so
+    # the position embedding had no row for the last one (IndexError on the first batch)
+    from transformers import GPT2Config
+
+    GPT2Config(vocab_size=482, n_positions=32, n_embd=16, n_layer=1, n_head=2).save_pretrained(tmp_path / "gpt2")
+    config = upstream_form(tmp_path, tmp_path / "gpt2" / "config.json")  # seq_length 32
+    code, output = validate_cli(config, tmp_path)
+    assert code == 2 and "Traceback" not in output, output
+    for key in ("dataset", "validation_dataset"):
+        assert f"{key}.seq_length: 32: a sample holds seq_length + 1 = 33 tokens" in output, output
+    assert "set seq_length to at most 31" in output
+    code, output = validate_cli(config, tmp_path, "--dataset.seq_length", "31", "--validation_dataset.seq_length", "31")
+    assert code == 0, output

@@ -35,8 +35,9 @@ from automodel.training.parallelism import model_hf_config, rows_per_batch, vali
 from automodel.training.pipeline_steps import padded_tokens, pipeline_length, stage_kwargs
 from automodel.training.recipe import TrainRecipe
 from automodel_llm.datasets.collate import pad_collate
+from automodel_llm.datasets.megatron import MegatronPretraining
 from automodel_llm.datasets.packing import PackedDataset, packed_collate
-from automodel_llm.datasets.pretraining import batch_size_issues, drawn_vocab_issues, mock_iterable_dataset
+from automodel_llm.datasets.pretraining import batch_size_issues, drawn_vocab_issues, learned_position_issues
 from automodel_llm.embeddings import (
     EmbeddingRowRepairConfig,
     NEFTuneConfig,
@@ -223,10 +224,11 @@ class FinetuneRecipeForNextTokenPrediction(MTPLoss, NextTokenLogits, TrainRecipe
         issues = list(super().check_config(cfg)) + tokenizer_issues(cfg)
         datasets = dataset_sections(cfg)
         issues += batch_size_issues(datasets, rows_per_batch(cfg))
-        if any(fn is mock_iterable_dataset for _, _, fn in datasets):
+        if any(getattr(fn, "pretokenized", False) or fn is MegatronPretraining for _, _, fn in datasets):
             hf_config = model_hf_config(cfg)
             text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
             issues += drawn_vocab_issues(datasets, getattr(text, "vocab_size", None))
+            issues += learned_position_issues(datasets, text)
         issues += seq2seq_issues(cfg, datasets, cls.encoder_decoder_unsupported)
         settings = cfg.distributed
         if settings is not None and settings.tp_size > 1 and settings.sequence_parallel:

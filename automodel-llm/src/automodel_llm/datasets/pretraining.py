@@ -167,6 +167,24 @@ def drawn_vocab_issues(sections: list[tuple[str, Any, Any]], model_vocab: int | 
     return issues
 
 
+def learned_position_issues(sections: list[tuple[str, Any, Any]], config: Any) -> list[ConfigIssue]:
+    """A MegatronPretraining section whose samples (``seq_length + 1`` tokens, fed whole: the loss shifts) are
+    longer than the learned position table of ``config``'s model (GPT-2's ``n_positions``), which has no row for
+    the last position; rotary models have no such table."""
+    from automodel_llm.datasets.megatron import MegatronPretraining
+
+    limit = getattr(config, "n_positions", None)
+    issues = []
+    for key, node, fn in sections:
+        length = node.get("seq_length") or 2048  # the constructor's default
+        if fn is MegatronPretraining and isinstance(limit, int) and isinstance(length, int) and length >= limit:
+            issues.append(ConfigIssue(f"{key}.seq_length", f"{length}: a sample holds seq_length + 1 = {length + 1} "
+                                      f"tokens (input and labels alike; the loss shifts), but the model's learned "
+                                      f"positions stop at n_positions = {limit}; set seq_length to at most "
+                                      f"{limit - 1}"))
+    return issues
+
+
 mock_iterable_dataset.argument_help = {"vocab_size": "token ids are drawn below it", "seq_len": "tokens per sample",
                                        "num_samples": "how many samples",
                                        "batch_size": "the run's rows per micro-batch, or null (the dataloader "
