@@ -185,3 +185,28 @@ def assert_steps_like_one_process(ran: dict[str, Any], one: dict[str, Any]) -> N
     assert sorted(ran["vision_grads"]) == sorted(one["vision_grads"]) and one["vision_grads"]
     for key, value in one["vision_grads"].items():
         assert torch.allclose(torch.tensor(ran["vision_grads"][key]), torch.tensor(value), rtol=1e-4, atol=1e-6), key
+
+
+def tiny_gemma3_dir(path: Path) -> Path:
+    """A tiny Gemma 3 (the context-parallel tests' config, fresh weights) saved with transformers' Gemma3Processor:
+    the shipped tokenizer with Gemma's image tokens (start, soft token, end), its chat template writing an image as
+    the start-of-image token (which the processor expands to start, 4 soft tokens, end), Pillow images of 16 pixels
+    (the config's vision tower: 4 tokens an image)."""
+    from transformers import AutoTokenizer, Gemma3ImageProcessorPil, Gemma3Processor
+    from vlm_context_parallel_workers import GEMMA_IMAGE_TOKENS, tiny_model
+
+    from automodel_vlm import AutoModelForImageTextToText
+
+    tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR), extra_special_tokens={
+        "boi_token": "<start_of_image>", "image_token": "<image_soft_token>", "eoi_token": "<end_of_image>"})
+    processor = Gemma3Processor(image_processor=Gemma3ImageProcessorPil(size={"height": 16, "width": 16}),
+                                tokenizer=tokenizer, image_seq_length=GEMMA_IMAGE_TOKENS,
+                                chat_template=tokenizer.chat_template.replace("'<image>'", "'<start_of_image>'"))
+    config = tiny_model("gemma3")[0].config
+    config.text_config.update({"vocab_size": len(tokenizer), "bos_token_id": tokenizer.bos_token_id,
+                               "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id})
+    config.image_token_index = tokenizer.image_token_id
+    config.boi_token_index, config.eoi_token_index = tokenizer.boi_token_id, tokenizer.eoi_token_id
+    AutoModelForImageTextToText.from_config(config, seed=0).save_pretrained(path)
+    processor.save_pretrained(str(path))
+    return path

@@ -296,10 +296,13 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
         image_id = getattr(config, "image_token_id", None)
         if image_id is None:
             image_id = getattr(config, "image_token_index", None)
-        processor_id = getattr(self.processor, "image_token_id", None)
-        if image_id is not None and processor_id is not None and image_id != processor_id:
-            raise AutomodelError(f"processor: its image token id is {processor_id} but the model's image_token_index "
-                                 f"is {image_id}; the processor and model do not belong together")
+        # Gemma 3's processor (transformers 5) names the start-of-image token as its image token and expands it to
+        # the tokenizer's image token, the model's: either id belongs to the processor
+        processor_ids = {getattr(self.processor, "image_token_id", None),
+                         getattr(getattr(self.processor, "tokenizer", None), "image_token_id", None)} - {None}
+        if image_id is not None and processor_ids and image_id not in processor_ids:
+            raise AutomodelError(f"processor: its image token id is {min(processor_ids)} but the model's "
+                                 f"image_token_index is {image_id}; the processor and model do not belong together")
 
     # ---- the loss ---------------------------------------------------------------------------------------------
 
