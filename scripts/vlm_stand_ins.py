@@ -1,7 +1,8 @@
 """Tiny local stand-ins of the VLM families that upstream's example configs name by hub id, for
 ``run_upstream_configs.py``: a saved directory per family (fresh weights, safetensors, and its processor beside
 them, as a hub download holds), so that a config runs its family's own model and processor code here instead of the
-generic tiny Llava.
+generic tiny Llava. Also the local files of the VLM data set forms that ``run_upstream_configs.py`` itself does not
+write (RDR's ``{image, text}``, Tulu-3's ``{messages}``, Magicoder's ``{problem, solution}``).
 
 The models and processors are the ones the VLM tests build (``automodel-vlm/tests``: ``test_video.tiny_model_dir``
 and ``tiny_qwen_processor``, ``vlm_context_parallel_workers.tiny_model`` and ``tiny_qwen3_config``,
@@ -10,6 +11,7 @@ and ``tiny_qwen_processor``, ``vlm_context_parallel_workers.tiny_model`` and ``t
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from collections.abc import Callable
@@ -79,3 +81,26 @@ def write_family_models(root: Path) -> dict[str, str]:
     root.mkdir(parents=True, exist_ok=True)
     return {pattern: str(build(root / re.sub(r"\W+", "_", pattern).strip("_")))
             for pattern, build in FAMILIES.items()}
+
+
+# upstream data set factory (last name of its _target_) -> the local file written by write_vlm_data
+DATA_FILES = {"make_rdr_dataset": "rdr.jsonl", "make_tulu3_dataset": "tulu.jsonl"}
+_MIX = "make_tulu3_magicoder_text_mix_dataset"
+
+
+def write_vlm_data(root: Path, medpix: Path) -> None:
+    """RDR rows (the MedPix file's pictures, a caption each), Tulu-3 and Magicoder rows (the VLM tests')."""
+    from vlm_testing import magicoder_rows, tulu_rows
+
+    pictures = [json.loads(line)["image_id"] for line in medpix.read_text().splitlines()]
+    rows = {"rdr.jsonl": [{"image": image, "text": f"a shape, number {k}"} for k, image in enumerate(pictures)],
+            "tulu.jsonl": tulu_rows(32), "magicoder.jsonl": magicoder_rows(8)}
+    for name, lines in rows.items():
+        (root / name).write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
+def mix_overrides(data: dict[str, Any], root: Path) -> dict[str, str]:
+    """``{dotted key: local file}`` for the Tulu-3 / Magicoder mix sections (their hub ids are defaults, not keys)."""
+    return {f"{section}.{kind}_path_or_dataset": str(root / f"{kind}.jsonl") for section, node in data.items()
+            if isinstance(node, dict) and str(node.get("_target_", "")).endswith(_MIX)
+            for kind in ("tulu", "magicoder")}
