@@ -34,3 +34,16 @@ def test_a_gemma3_checkpoint_with_its_own_processor_trains_and_labels_only_the_a
     train_inprocess(config)
     assert [r["step"] for r in testing.read_jsonl(tmp_path / "ckpt" / "training.jsonl")] == [1, 2]
     assert json.loads((model / "config.json").read_text())["model_type"] == "gemma3"
+
+
+def test_another_models_processor_is_still_refused(tmp_path):
+    import pytest
+
+    from automodel.errors import AutomodelError
+
+    model = tiny_gemma3_dir(tmp_path / "gemma3")
+    config = write_config(tmp_path / "run.yaml", tmp_path / "ckpt",
+                          model={"_target_": "automodel_vlm.AutoModelForImageTextToText.from_pretrained",
+                                 "pretrained_model_name_or_path": str(model), "config": None, "seed": None})
+    with pytest.raises(AutomodelError, match="the processor and model do not belong together"):
+        train_inprocess(config, setup_only=True)  # the example's Llava processor
