@@ -236,15 +236,20 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
             return ctx.build("dataloader", dataset, node, train, collate)
         return super().build_dataloader(ctx, dataset, node, train)
 
-    def default_collate_fn(self, train: bool = True) -> Any:
-        settings = self.cfg.distributed
+    def _cp_multiple(self) -> int | None:
         # context parallelism splits each row into 2 x cp_size chunks
-        multiple = 2 * settings.cp_size if settings is not None and settings.cp_size > 1 else None
-        return VLMCollator(self.processor, pad_to_multiple_of=multiple)
+        settings = self.cfg.distributed
+        return 2 * settings.cp_size if settings is not None and settings.cp_size > 1 else None
+
+    def default_collate_fn(self, train: bool = True) -> Any:
+        return VLMCollator(self.processor, pad_to_multiple_of=self._cp_multiple())
 
     def collate_runtime_args(self) -> dict[str, Any]:
-        # upstream calls its VLM collate functions with the processor (here: VLMCollator, see plugin.py)
-        return {"processor": self.processor}
+        # upstream calls its VLM collate functions with the processor (here: VLMCollator, see plugin.py); under
+        # context parallelism a collator that pads (VLMCollator's kin) pads each row to the chunks' multiple, as
+        # the default collate does, unless its section sets pad_to_multiple_of itself
+        multiple = self._cp_multiple()
+        return {"processor": self.processor} | ({"pad_to_multiple_of": multiple} if multiple else {})
 
     def after_model_built(self, ctx: BuildContext, model: torch.nn.Module, meta: MetaBuild) -> BuildContext:
         """Under pipeline parallelism, a model whose media layout is not known is refused before it is cut."""
