@@ -48,12 +48,13 @@ from automodel.testing import free_port  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "automodel-diffusion" / "tests"))
 import diffusion_testing  # noqa: E402  (the diffusion tests' tiny pipelines of each family, and tiny clips)
+import vlm_stand_ins  # noqa: E402  (the VLM tests' tiny models of each family, with their processors)
 
 # upstream data set factory (last name of its _target_) -> the local file written for it
 DATA_FILES = {"HellaSwag": "hellaswag.jsonl", "ChatDataset": "chat.jsonl", "make_agent_chat_dataset": "chat.jsonl",
               "make_xlam_dataset": "xlam.jsonl", "make_medpix_dataset": "medpix.jsonl",
               "make_cord_v2_dataset": "cord.jsonl", "make_shopify_product_catalogue_dataset": "shopify.jsonl",
-              "ToolCallAccuracyEvaluator": "tool_calls.jsonl"}
+              "ToolCallAccuracyEvaluator": "tool_calls.jsonl", **vlm_stand_ins.DATA_FILES}
 PATH_KEYS = ("dataset_name", "path_or_dataset", "path_or_dataset_id", "data_files")
 
 
@@ -102,6 +103,7 @@ def write_data(root: Path) -> None:
     tokens = np.random.default_rng(0).integers(3, 482, 1 << 16).astype(np.uint16)
     (root / "nanogpt_000.bin").write_bytes(np.array([20240520, 1, tokens.size, *[0] * 253], np.int32).tobytes() +
                                            tokens.tobytes())
+    vlm_stand_ins.write_vlm_data(root, root / "medpix.jsonl")
 
 
 def write_models(root: Path) -> dict[str, dict[str, str]]:
@@ -139,6 +141,7 @@ def write_models(root: Path) -> dict[str, dict[str, str]]:
         assets[f"diffusion:{name}"] = {**assets["diffusion"], "model": str(getattr(diffusion_testing, build)(
             root / name))}
     diffusion_testing.tiny_clips(root / "clips")
+    assets["vlm:families"] = vlm_stand_ins.write_family_models(root / "vlm_families")
     return assets
 
 
@@ -215,7 +218,18 @@ def stand_ins(data: dict[str, Any], assets: dict[str, dict[str, str]], domain: s
         kind = f"llm:{llm_family(data)}"
     if domain == "diffusion" and diffusion_family(data):
         kind = f"diffusion:{diffusion_family(data)}"
-    return dict(survey.hub_overrides(data, assets[kind]))
+    found = dict(survey.hub_overrides(data, assets[kind]))
+    family = vlm_stand_ins.family_of(model_id(data)) if domain == "vlm" else None
+    if family:  # the family's tiny model, its processor and tokenizer in the same directory
+        directory = assets["vlm:families"][family]
+        found |= {key: directory for key in found if key.rsplit(".", 1)[-1] in survey.HUB_KEYS and
+                  survey.HUB_KEYS[key.rsplit(".", 1)[-1]] in ("model", "tokenizer", "processor")}
+    return found
+
+
+def model_id(data: dict[str, Any]) -> str:
+    return str((data.get("model") or {}).get("pretrained_model_name_or_path", "")) \
+        if isinstance(data.get("model"), dict) else ""
 
 
 REMOVE = "<remove the key>"
@@ -255,6 +269,9 @@ CPU_OVERRIDES: dict[str, Any] = {
     r"^prewarm\.\w+$": False,
     r"^checkpoint\.model_save_format$": "safetensors",
     r"^(?P<edit>quantization)(\.|$)": REMOVE,  # QLoRA: LoRA on the bf16 / fp32 weights
+    r"^vae\.enable_cpu_offload$": False,
+    r"^model\.optimize_hunyuan_flash_varlen_mask$": False,
+    r"^(?P<edit>model\.transformer_engine_fp8\w*)$": REMOVE,
 }
 # the words of a refusal for a GPU feature, upstream's pickle format or trust_remote_code (and of sdpa refused for a
 # model class without it, after the GPU attention gave way to sdpa)
@@ -326,6 +343,7 @@ def data_overrides(data: dict[str, Any], root: Path, scratch: Path) -> dict[str,
     if isinstance(loader, dict) and "cache_dir" in loader and family and family != "Qwen-Image-Edit":
         found["data.dataloader.cache_dir"] = str(root.parent / "models" / "clips") if family in VIDEO_FAMILIES \
             else str(Path(survey.local_assets()["diffusion"]["dataset"]))
+    found |= vlm_stand_ins.mix_overrides(data, root)
     for section, node in data.items():
         if not str(section).startswith(("dataset", "validation_dataset", "tool_call_eval")) or \
                 not isinstance(node, dict):

@@ -171,3 +171,28 @@ def test_a_folder_reads_the_split_file_and_qa_pairs_hold_the_answers():
     index, prefix, answer = dataset.qa_pairs[5]
     assert index == 5 and prefix[-1]["role"] == "user" and answer == rows[5]["messages"][1]["content"][0]["text"]
     assert dataset[5]["images"][0].size == (32, 32)
+
+
+@pytest.mark.parametrize("section, multiple", [({}, 4), ({"pad_to_multiple_of": 8}, 8)])
+def test_a_named_collate_fn_pads_rows_for_context_parallelism_as_the_default_does(processor, section, multiple):
+    """Upstream's cp configs name qwen2_5_collate_fn (VLMCollator here): under cp 2 its rows must be padded to a
+    multiple of 2 x cp_size as the recipe's default collate pads them; a section's own pad_to_multiple_of wins."""
+    from types import SimpleNamespace
+
+    from PIL import Image
+
+    from automodel.plugins.manager import get_plugin_manager
+    from automodel.training.builders import configured_collate
+    from automodel_vlm.recipe import FinetuneRecipeForVLM
+
+    recipe = FinetuneRecipeForVLM.__new__(FinetuneRecipeForVLM)
+    recipe.cfg, recipe.processor = SimpleNamespace(distributed=SimpleNamespace(cp_size=2)), processor
+    node = {"_target_": "nemo_automodel.components.datasets.vlm.collate_fns.qwen2_5_collate_fn", **section}
+    collate = configured_collate(node, get_plugin_manager().resolver(), "dataloader.collate_fn",
+                                 recipe.collate_runtime_args())
+    lengths = set()
+    for answer in ("Red.", "A red square on a white ground.", "Red, then blue, then a long tail of words."):
+        batch = collate([{"messages": conversation("Which colour?", answer),
+                          "images": [Image.new("RGB", (32, 32), (200, 30, 30))]}])
+        lengths.add(batch["input_ids"].shape[1])
+    assert all(length % multiple == 0 for length in lengths) and len(lengths) > 1

@@ -185,3 +185,62 @@ def assert_steps_like_one_process(ran: dict[str, Any], one: dict[str, Any]) -> N
     assert sorted(ran["vision_grads"]) == sorted(one["vision_grads"]) and one["vision_grads"]
     for key, value in one["vision_grads"].items():
         assert torch.allclose(torch.tensor(ran["vision_grads"][key]), torch.tensor(value), rtol=1e-4, atol=1e-6), key
+
+
+def tiny_gemma3_dir(path: Path) -> Path:
+    """A tiny Gemma 3 (the context-parallel tests' config, fresh weights) saved with transformers' Gemma3Processor:
+    the shipped tokenizer with Gemma's image tokens (start, soft token, end), its chat template writing an image as
+    the start-of-image token (which the processor expands to start, 4 soft tokens, end), Pillow images of 16 pixels
+    (the config's vision tower: 4 tokens an image)."""
+    from transformers import AutoTokenizer, Gemma3ImageProcessorPil, Gemma3Processor
+    from vlm_context_parallel_workers import GEMMA_IMAGE_TOKENS, tiny_model
+
+    from automodel_vlm import AutoModelForImageTextToText
+
+    tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR), extra_special_tokens={
+        "boi_token": "<start_of_image>", "image_token": "<image_soft_token>", "eoi_token": "<end_of_image>"})
+    processor = Gemma3Processor(image_processor=Gemma3ImageProcessorPil(size={"height": 16, "width": 16}),
+                                tokenizer=tokenizer, image_seq_length=GEMMA_IMAGE_TOKENS,
+                                chat_template=tokenizer.chat_template.replace("'<image>'", "'<start_of_image>'"))
+    config = tiny_model("gemma3")[0].config
+    config.text_config.update({"vocab_size": len(tokenizer), "bos_token_id": tokenizer.bos_token_id,
+                               "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id})
+    config.image_token_index = tokenizer.image_token_id
+    config.boi_token_index, config.eoi_token_index = tokenizer.boi_token_id, tokenizer.eoi_token_id
+    AutoModelForImageTextToText.from_config(config, seed=0).save_pretrained(path)
+    processor.save_pretrained(str(path))
+    return path
+
+
+def tiny_gemma4_dir(path: Path) -> Path:
+    """A tiny Gemma 4 (the context-parallel tests' config, fresh weights) saved with transformers' Gemma4Processor
+    as this machine loads it without torchvision (images-only, ``automodel_vlm.omni``): the shipped tokenizer with
+    Gemma 4's image and audio tokens, its chat template writing an image as the image token, a Pillow Gemma 4 image
+    processor of 4-pixel patches pooled 2 x 2 (the config's vision tower) and Gemma 4's audio feature extractor."""
+    from transformers import AutoTokenizer, Gemma4ImageProcessorPil
+    from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
+    from vlm_context_parallel_workers import tiny_model
+
+    from automodel_vlm import AutoModelForImageTextToText
+    from automodel_vlm.omni import omni_processor_class
+
+    tokens = {"boi_token": "<|image>", "image_token": "<|image|>", "eoi_token": "<image|>",
+              "boa_token": "<|audio>", "audio_token": "<|audio|>", "eoa_token": "<audio|>"}
+    tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR), extra_special_tokens=tokens)
+    processor = omni_processor_class("Gemma4Processor")(
+        image_processor=Gemma4ImageProcessorPil(patch_size=4, pooling_kernel_size=2, max_soft_tokens=70),
+        feature_extractor=Gemma4AudioFeatureExtractor(), tokenizer=tokenizer, image_seq_length=70,
+        chat_template=tokenizer.chat_template.replace("'<image>'", "'<|image|>'"))
+    config = tiny_model("gemma4")[0].config
+    config.text_config.update({"vocab_size": len(tokenizer), "vocab_size_per_layer_input": len(tokenizer),
+                               "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+                               "pad_token_id": tokenizer.pad_token_id})
+    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in tokens.items()}
+    config.image_token_id, config.boi_token_id, config.eoi_token_id = (ids["image_token"], ids["boi_token"],
+                                                                       ids["eoi_token"])
+    config.audio_token_id, config.boa_token_id, config.eoa_token_index = (ids["audio_token"], ids["boa_token"],
+                                                                          ids["eoa_token"])
+    config.video_token_id = tokenizer.convert_tokens_to_ids("<|video|>")  # the processor added it
+    AutoModelForImageTextToText.from_config(config, seed=0).save_pretrained(path)
+    processor.save_pretrained(str(path))
+    return path

@@ -105,7 +105,8 @@ def _with_twin(processor_class: str | type, twin: str) -> Any:
 
         cls = getattr(transformers, processor_class) if isinstance(processor_class, str) else processor_class
         plain = {k: v for k, v in kwargs.items() if k != "trust_remote_code"}  # the twin is ours, no remote code
-        loaders = {"image_processor": lambda: getattr(image_processors, twin).from_pretrained(path, **plain),
+        twin_class = getattr(image_processors, twin, None) or getattr(transformers, twin)  # ours, or transformers'
+        loaders = {"image_processor": lambda: twin_class.from_pretrained(path, **plain),
                    "tokenizer": lambda: transformers.AutoTokenizer.from_pretrained(path, **kwargs),
                    "feature_extractor": lambda: transformers.AutoFeatureExtractor.from_pretrained(path, **kwargs)}
         processor_dict, init_kwargs = cls.get_processor_dict(path, **kwargs)

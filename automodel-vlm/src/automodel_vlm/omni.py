@@ -12,6 +12,8 @@ transformers ships both families natively (``nemotron_h_omni``, ``qwen3_omni_moe
   without torchvision their processors load here images-only (:func:`omni_processor_class`), the image processor
   being transformers' Pillow Qwen2-VL class or our Nemotron twin (image_processors.py). A call with videos is
   refused; audio still goes through the processor's own feature extractor, but the collators refuse audio rows.
+  Gemma 4 (an image-text-to-text model whose processor also has a torchvision-only video processor) loads the same
+  way, with transformers' Pillow Gemma 4 image processor.
 """
 
 from __future__ import annotations
@@ -30,10 +32,11 @@ _UNSUPPORTED_FAMILIES = {
     "qwen2_5_omni": "Qwen2.5-Omni's thinker is not wired here (only Qwen3-Omni's is)",
     "phi4_multimodal": "Phi-4-multimodal needs audio collation, which is not implemented",
 }
-# processor class -> (images-only builder name, Pillow image processor class name in automodel_vlm.image_processors)
+# processor class -> its Pillow image processor class (in automodel_vlm.image_processors, else transformers)
 OMNI_PROCESSORS = {
     "Qwen3OmniMoeProcessor": "Qwen2VLImageProcessorPil",
     "NemotronH_Omni_Reasoning_V3Processor": "NemotronH_Omni_Reasoning_V3ImageProcessorPil",
+    "Gemma4Processor": "Gemma4ImageProcessorPil",
 }
 
 
@@ -131,7 +134,7 @@ def omni_processor_class(name: str) -> type:
     class ImagesOnly(base, _WithoutVideo):
         def __init__(self, image_processor: Any = None, feature_extractor: Any = None, tokenizer: Any = None,
                      chat_template: str | None = None, **kwargs: Any) -> None:
-            base.__init__(self, image_processor=image_processor, tokenizer=tokenizer,
+            base.__init__(self, image_processor=image_processor, tokenizer=tokenizer, video_processor=None,
                           feature_extractor=feature_extractor, chat_template=chat_template, **kwargs)
 
         def __call__(self, *args: Any, videos: Any = None, **kwargs: Any) -> Any:

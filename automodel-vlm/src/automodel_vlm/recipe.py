@@ -236,15 +236,20 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
             return ctx.build("dataloader", dataset, node, train, collate)
         return super().build_dataloader(ctx, dataset, node, train)
 
-    def default_collate_fn(self, train: bool = True) -> Any:
-        settings = self.cfg.distributed
+    def _cp_multiple(self) -> int | None:
         # context parallelism splits each row into 2 x cp_size chunks
-        multiple = 2 * settings.cp_size if settings is not None and settings.cp_size > 1 else None
-        return VLMCollator(self.processor, pad_to_multiple_of=multiple)
+        settings = self.cfg.distributed
+        return 2 * settings.cp_size if settings is not None and settings.cp_size > 1 else None
+
+    def default_collate_fn(self, train: bool = True) -> Any:
+        return VLMCollator(self.processor, pad_to_multiple_of=self._cp_multiple())
 
     def collate_runtime_args(self) -> dict[str, Any]:
-        # upstream calls its VLM collate functions with the processor (here: VLMCollator, see plugin.py)
-        return {"processor": self.processor}
+        # upstream calls its VLM collate functions with the processor (here: VLMCollator, see plugin.py); under
+        # context parallelism a collator that pads (VLMCollator's kin) pads each row to the chunks' multiple, as
+        # the default collate does, unless its section sets pad_to_multiple_of itself
+        multiple = self._cp_multiple()
+        return {"processor": self.processor} | ({"pad_to_multiple_of": multiple} if multiple else {})
 
     def after_model_built(self, ctx: BuildContext, model: torch.nn.Module, meta: MetaBuild) -> BuildContext:
         """Under pipeline parallelism, a model whose media layout is not known is refused before it is cut."""
@@ -296,10 +301,13 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
         image_id = getattr(config, "image_token_id", None)
         if image_id is None:
             image_id = getattr(config, "image_token_index", None)
-        processor_id = getattr(self.processor, "image_token_id", None)
-        if image_id is not None and processor_id is not None and image_id != processor_id:
-            raise AutomodelError(f"processor: its image token id is {processor_id} but the model's image_token_index "
-                                 f"is {image_id}; the processor and model do not belong together")
+        # Gemma 3's processor (transformers 5) names the start-of-image token as its image token and expands it to
+        # the tokenizer's image token, the model's: either id belongs to the processor
+        processor_ids = {getattr(self.processor, "image_token_id", None),
+                         getattr(getattr(self.processor, "tokenizer", None), "image_token_id", None)} - {None}
+        if image_id is not None and processor_ids and image_id not in processor_ids:
+            raise AutomodelError(f"processor: its image token id is {min(processor_ids)} but the model's "
+                                 f"image_token_index is {image_id}; the processor and model do not belong together")
 
     # ---- the loss ---------------------------------------------------------------------------------------------
 

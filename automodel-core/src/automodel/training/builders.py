@@ -123,8 +123,9 @@ def configured_collate(value: Any, resolver: TargetResolver, key: str, collate_a
     cls = fn.func if isinstance(fn, functools.partial) else fn
     if not isinstance(cls, type):
         return fn
+    given = fn.keywords if isinstance(fn, functools.partial) else {}  # the section's own keys win
     try:
-        return fn(**accepted(cls, dict(collate_args)))
+        return fn(**{k: v for k, v in accepted(cls, dict(collate_args)).items() if k not in given})
     except AutomodelError:
         raise
     except Exception as err:

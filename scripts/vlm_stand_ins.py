@@ -1,0 +1,112 @@
+"""Tiny local stand-ins of the VLM families that upstream's example configs name by hub id, for
+``run_upstream_configs.py``: a saved directory per family (fresh weights, safetensors, and its processor beside
+them, as a hub download holds), so that a config runs its family's own model and processor code here instead of the
+generic tiny Llava. Also the local files of the VLM data set forms that ``run_upstream_configs.py`` itself does not
+write (RDR's ``{image, text}``, Tulu-3's ``{messages}``, Magicoder's ``{problem, solution}``).
+
+The models and processors are the ones the VLM tests build (``automodel-vlm/tests``: ``test_video.tiny_model_dir``
+and ``tiny_qwen_processor``, ``vlm_context_parallel_workers.tiny_model`` and ``tiny_qwen3_config``,
+``vlm_testing.tiny_gemma3_dir`` and ``tiny_gemma4_dir``). A hub id matching none of ``FAMILIES`` keeps the tiny Llava.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "automodel-vlm" / "tests"))
+
+
+def _save(model_config: Any, processor: Any, path: Path) -> Path:
+    from automodel_vlm import AutoModelForImageTextToText
+
+    AutoModelForImageTextToText.from_config(model_config, seed=0).save_pretrained(path)
+    processor.save_pretrained(str(path))
+    return path
+
+
+def _qwen3(family: str) -> Callable[[Path], Path]:
+    """Qwen3-VL / Qwen3.5, dense (the video tests' saved model) or MoE (the context-parallel tests' config)."""
+    def build(path: Path) -> Path:
+        import test_video
+
+        if not family.endswith("_moe"):
+            return test_video.tiny_model_dir(path.parent, family).rename(path)
+        from vlm_context_parallel_workers import tiny_qwen3_config
+
+        return _save(tiny_qwen3_config(family)[1], test_video.tiny_qwen_processor(), path)
+    return build
+
+
+def _qwen2_5_vl(path: Path) -> Path:
+    """The context-parallel tests' Qwen2.5-VL config; transformers' Qwen2.5-VL processor of the video tests' parts."""
+    from test_video import tiny_qwen_processor
+    from transformers import Qwen2_5_VLProcessor
+    from vlm_context_parallel_workers import tiny_model
+
+    from automodel_vlm.video_processors import Qwen2VLVideoProcessorPil
+
+    base = tiny_qwen_processor()
+    processor = Qwen2_5_VLProcessor(image_processor=base.image_processor, tokenizer=base.tokenizer,
+                                    video_processor=Qwen2VLVideoProcessorPil(patch_size=8),
+                                    chat_template=base.chat_template)
+    return _save(tiny_model("qwen2_5_vl")[0].config, processor, path)
+
+
+def _gemma3(path: Path) -> Path:
+    from vlm_testing import tiny_gemma3_dir
+
+    return tiny_gemma3_dir(path)
+
+
+def _gemma4(path: Path) -> Path:
+    from vlm_testing import tiny_gemma4_dir
+
+    return tiny_gemma4_dir(path)
+
+
+# a pattern of an upstream hub model id (the first that matches) -> the builder of its family's tiny stand-in
+FAMILIES: dict[str, Callable[[Path], Path]] = {
+    r"Qwen3-VL-.*-A\d+B": _qwen3("qwen3_vl_moe"), r"Qwen3-VL": _qwen3("qwen3_vl"),
+    r"Qwen3\.[5-9]-.*-A\d+B": _qwen3("qwen3_5_moe"), r"Qwen3\.[5-9]-": _qwen3("qwen3_5"),
+    r"Qwen2\.5-VL": _qwen2_5_vl, r"gemma-3-\d": _gemma3, r"gemma-4-": _gemma4,
+}
+
+
+def family_of(hub_id: str) -> str | None:
+    """The pattern of ``FAMILIES`` that ``hub_id`` matches, or None."""
+    return next((pattern for pattern in FAMILIES if re.search(pattern, hub_id)), None)
+
+
+def write_family_models(root: Path) -> dict[str, str]:
+    """Every family's tiny stand-in saved under ``root``: ``{pattern: directory}``."""
+    root.mkdir(parents=True, exist_ok=True)
+    return {pattern: str(build(root / re.sub(r"\W+", "_", pattern).strip("_")))
+            for pattern, build in FAMILIES.items()}
+
+
+# upstream data set factory (last name of its _target_) -> the local file written by write_vlm_data
+DATA_FILES = {"make_rdr_dataset": "rdr.jsonl", "make_tulu3_dataset": "tulu.jsonl"}
+_MIX = "make_tulu3_magicoder_text_mix_dataset"
+
+
+def write_vlm_data(root: Path, medpix: Path) -> None:
+    """RDR rows (the MedPix file's pictures, a caption each), Tulu-3 and Magicoder rows (the VLM tests')."""
+    from vlm_testing import magicoder_rows, tulu_rows
+
+    pictures = [json.loads(line)["image_id"] for line in medpix.read_text().splitlines()]
+    rows = {"rdr.jsonl": [{"image": image, "text": f"a shape, number {k}"} for k, image in enumerate(pictures)],
+            "tulu.jsonl": tulu_rows(32), "magicoder.jsonl": magicoder_rows(8)}
+    for name, lines in rows.items():
+        (root / name).write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
+def mix_overrides(data: dict[str, Any], root: Path) -> dict[str, str]:
+    """``{dotted key: local file}`` for the Tulu-3 / Magicoder mix sections (their hub ids are defaults, not keys)."""
+    return {f"{section}.{kind}_path_or_dataset": str(root / f"{kind}.jsonl") for section, node in data.items()
+            if isinstance(node, dict) and str(node.get("_target_", "")).endswith(_MIX)
+            for kind in ("tulu", "magicoder")}
