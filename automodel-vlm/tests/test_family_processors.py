@@ -4,7 +4,9 @@ processor class of each family, with upstream's fix-ups where transformers' clas
 The three families' image processors are torchvision-backed in transformers; without torchvision (this machine)
 the builders load our Pillow twins of them (image_processors.py; test_image_processors.py checks their outputs),
 and MiniMax's processor is images-only (its video processor needs torchvision). The tiny processors here are built
-from whichever classes the builders would load."""
+from whichever classes the builders would load. Pixtral / Mistral 3: transformers gates its PixtralProcessor itself
+on torchvision, so without it a checkpoint's processor loads as our twin of that class (with transformers' Pillow
+Pixtral image processor); a tiny Mistral 3 trains two steps of upstream's Ministral 3 form."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from vlm_testing import LLAVA_CONFIG, TOKENIZER_DIR, clone_state
+from vlm_testing import LLAVA_CONFIG, SHAPES, TOKENIZER_DIR, clone_state
 
 from automodel import testing
 from automodel.errors import ConfigError
@@ -23,10 +25,12 @@ from automodel_vlm.family_processors import (
     inkling_processor,
     minimax_m3_vl_processor,
     pillow_twin_note,
+    pixtral_processor_class,
     step3p7_processor,
 )
 from automodel_vlm.parts import find_part
 from automodel_vlm.plugin import FAMILY_PROCESSORS
+from automodel_vlm.processor import build_processor, load_processor
 
 FORM = Path(__file__).parent / "upstream_forms" / "family_processor_upstream.yaml"
 ROUTE = ("finetune", "vlm")
@@ -213,3 +217,96 @@ def test_each_family_trains_two_steps_with_upstreams_processor_name(family, tmp_
     assert [r["step"] for r in testing.read_jsonl(tmp_path / "ckpt" / "training.jsonl")] == [2]
     # without torchvision the run says once that the image processor is our Pillow twin
     assert capsys.readouterr().err.count("our Pillow twin") == (0 if HAS_TORCHVISION else 1)
+
+
+# ---- Pixtral / Mistral 3: transformers' PixtralProcessor needs torchvision; without it, our twin of it ------------
+
+MINISTRAL3_FORM = Path(__file__).parent / "upstream_forms" / "ministral3_upstream.yaml"
+PIXTRAL_TOKENS = ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]
+
+
+def tiny_pixtral_processor(longest_edge: int = 32):
+    """The shipped tokenizer with Pixtral's image tokens, its template writing an image as ``[IMG]``; 4-pixel patches
+    merged 2 x 2 (an image is sized in multiples of 8, each 8 x 8 block one ``[IMG]``)."""
+    from transformers import PixtralImageProcessorPil
+
+    tokenizer, template = _family_tokenizer(PIXTRAL_TOKENS, "[IMG]")
+    images = PixtralImageProcessorPil(patch_size=4, size={"longest_edge": longest_edge})
+    cls = pixtral_processor_class()
+    if HAS_TORCHVISION:
+        from transformers import PixtralProcessor as cls
+    return cls(images, tokenizer, patch_size=4, spatial_merge_size=2, chat_template=template)
+
+
+def tiny_mistral3_dir(path: Path) -> Path:
+    """A tiny Mistral 3 (fresh weights; Pixtral tower of 4-pixel patches up to 32 pixels, merged 2 x 2) saved in
+    ``path`` with its processor, as transformers saves them (and a hub download holds them)."""
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    processor = tiny_pixtral_processor()
+    tokenizer = processor.tokenizer
+    config = Mistral3Config(
+        text_config={"model_type": "mistral", "hidden_size": 32, "intermediate_size": 32, "num_hidden_layers": 2,
+                     "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "vocab_size": len(tokenizer),
+                     "pad_token_id": tokenizer.pad_token_id},
+        vision_config={"model_type": "pixtral", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+                       "num_attention_heads": 2, "head_dim": 8, "image_size": 32, "patch_size": 4},
+        image_token_index=processor.image_token_id, spatial_merge_size=2)
+    torch.manual_seed(0)
+    Mistral3ForConditionalGeneration(config).save_pretrained(path)
+    processor.save_pretrained(str(path))
+    return path
+
+
+def _medpix_rows(path: Path, count: int = 4) -> Path:
+    """MedPix-form rows (``image_id``, ``question``, ``answer``) of the shipped shapes pictures."""
+    import json
+
+    rows = [json.loads(line) for line in (SHAPES / "train.jsonl").read_text().splitlines()[:count]]
+    path.write_text("".join(json.dumps({
+        "image_id": str(SHAPES / row["image"]), "question": row["messages"][0]["content"][1]["text"],
+        "answer": row["messages"][1]["content"][0]["text"]}) + "\n" for row in rows))
+    return path
+
+
+def test_a_saved_pixtral_processor_loads_and_names_transformers_classes(tmp_path):
+    """Saved, the processor names transformers' classes (a machine with torchvision loads them); loaded here it is
+    our twin (without torchvision), its settings kept; built from its parts by name, the same class."""
+    import json
+
+    processor = tiny_pixtral_processor(longest_edge=48)
+    processor.save_pretrained(str(tmp_path))
+    saved = json.loads((tmp_path / "processor_config.json").read_text())
+    assert saved["processor_class"] == "PixtralProcessor"
+    assert saved["image_processor"]["image_processor_type"] == "PixtralImageProcessor"
+    loaded = load_processor(str(tmp_path))
+    assert type(loaded) is type(processor)
+    assert (loaded.patch_size, loaded.spatial_merge_size) == (4, 2)
+    assert loaded.image_processor.size == {"longest_edge": 48}
+    assert loaded.image_token_ids == processor.tokenizer.convert_tokens_to_ids(PIXTRAL_TOKENS)
+    assert (pillow_twin_note(loaded) is None) == HAS_TORCHVISION
+    built = build_processor({"image_processor_type": "PixtralImageProcessor", "patch_size": 4,
+                             "size": {"longest_edge": 48}}, str(tmp_path), processor_class="PixtralProcessor",
+                            patch_size=4, spatial_merge_size=2)
+    assert type(built) is type(processor) and built.image_token_ids == loaded.image_token_ids
+
+
+def test_upstreams_ministral3_form_trains_two_steps(tmp_path, capsys):
+    """Upstream's Ministral 3 form (no processor: section: the model directory's PixtralProcessor) trains two steps
+    with the vision tower learning; without torchvision it loads our twin of the processor and says so."""
+    model_dir, rows = tiny_mistral3_dir(tmp_path / "model"), _medpix_rows(tmp_path / "medpix.jsonl")
+    vision: dict = {}
+
+    def keep_vision_tower(run) -> None:
+        vision.update(clone_state(find_part(run.model, "vision_tower")[1]))
+
+    recipe = testing.train_inprocess(
+        MINISTRAL3_FORM, "--model.pretrained_model_name_or_path", model_dir, "--dataset.path_or_dataset", rows,
+        "--validation_dataset.path_or_dataset", rows,
+        "--checkpoint.checkpoint_dir", tmp_path / "ckpt", route=ROUTE, before_run=keep_vision_tower)
+    assert type(recipe.model).__name__ == "Mistral3ForConditionalGeneration"
+    assert type(recipe.processor).__name__ == ("PixtralProcessor" if HAS_TORCHVISION else "PixtralProcessorPil")
+    trained = find_part(recipe.model, "vision_tower")[1].state_dict()
+    assert vision and any(not torch.equal(trained[k], v) for k, v in vision.items())
+    assert [r["step"] for r in testing.read_jsonl(tmp_path / "ckpt" / "training.jsonl")] == [2]
+    assert capsys.readouterr().err.count("PixtralProcessorPil, our twin") == (0 if HAS_TORCHVISION else 1)

@@ -1,4 +1,5 @@
-"""Our Pillow twins of the Inkling, MiniMax-M3-VL and Step3.7 image processors (image_processors.py), inside the
+"""Our Pillow twins of the Inkling, MiniMax-M3-VL and Step3.7 image processors (image_processors.py) and of
+transformers' PixtralProcessor (family_processors.py, with transformers' Pillow Pixtral image processor), inside the
 families' processors: on real PIL images of a few sizes they give the layouts, grids and image-token counts the
 families' models expect, and pixel values equal to a reference written here from the families' formulas (Pillow
 resize, then ``(x / 255 - mean) / std``, then the family's patching) to 1e-5 absolute."""
@@ -203,3 +204,38 @@ def test_twins_match_transformers_torchvision_classes(family):
         else:
             assert (ours[key].tolist() if isinstance(ours[key], torch.Tensor) else ours[key]) == (
                 value.tolist() if isinstance(value, torch.Tensor) else value), key
+
+
+# ---- Pixtral (Mistral 3): longest edge within size, both sides up to multiples of the merged patch -----------------
+
+@pytest.mark.parametrize(("sizes", "resized"), [
+    ([(7, 5)], [(8, 8)]),                  # within 32: each side up to a multiple of 8
+    ([(50, 21)], [(16, 32)]),              # scaled by 32 / 50 (floored: 13 x 32), then 13 -> 16
+    ([(33, 9)], [(8, 32)]),                # scaled by 32 / 33: 8 x 32 (9 * 32 / 33 = 8.7, floored)
+    ([(50, 21), (17, 40)], [(16, 32), (32, 16)]),  # 17 x 40: by 32 / 40 to 32 x 13 -> 32 x 16; both padded to 32 x 32
+])
+def test_pixtral_sizes_tokens_and_pixels(sizes, resized):
+    """(width, height) pictures through the Pixtral processor (4-pixel patches merged 2 x 2, longest edge 32):
+    ``image_sizes`` each resized (height, width), ``pixel_values`` every image zero-padded to the largest, and per
+    image ``height / 8`` rows of ``width / 8`` ``[IMG]`` each closed by ``[IMG_BREAK]``, the last by ``[IMG_END]``."""
+    from test_family_processors import tiny_pixtral_processor
+
+    processor = tiny_pixtral_processor(longest_edge=32)
+    tokenizer = processor.tokenizer
+    pictures = [_picture(width, height, seed=i) for i, (width, height) in enumerate(sizes)]
+    out = processor(images=pictures, text=["[IMG]" * len(sizes) + " what is it?"], return_tensors="pt")
+    assert out["image_sizes"].tolist() == [list(r) for r in resized]
+    tall, wide = max(h for h, _ in resized), max(w for _, w in resized)
+    assert out["pixel_values"].shape == (len(sizes), 3, tall, wide)
+    expected_ids = []
+    for height, width in resized:
+        row = ["[IMG]"] * (width // 8) + ["[IMG_BREAK]"]
+        expected_ids += (row * (height // 8))[:-1] + ["[IMG_END]"]
+    ids = out["input_ids"][0].tolist()
+    image_ids = tokenizer.convert_tokens_to_ids(["[IMG]", "[IMG_BREAK]", "[IMG_END]"])
+    assert tokenizer.convert_ids_to_tokens([i for i in ids if i in image_ids]) == expected_ids
+    assert _count(out["input_ids"], tokenizer, "[IMG]") == sum(h * w // 64 for h, w in resized)
+    for picture, (height, width), got in zip(pictures, resized, out["pixel_values"].numpy(), strict=True):
+        values = _normalised(picture.resize((width, height), Image.Resampling.BICUBIC)).transpose(2, 0, 1)
+        np.testing.assert_allclose(got[:, :height, :width], values, atol=TOLERANCE, rtol=0)
+        assert not got[:, height:].any() and not got[:, :, width:].any()

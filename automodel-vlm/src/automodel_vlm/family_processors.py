@@ -18,6 +18,11 @@ processor code), and the tokenizer (and Inkling's audio feature extractor) as tr
 Kimi K2.5's video processors are torchvision-only, so their processors are then images-only
 (:func:`images_only_minimax_class`, :func:`images_only_kimi_k25_class`). The recipe
 says so in its log (:func:`pillow_twin_note`).
+
+Pixtral (Mistral 3 family) differs: transformers ships a Pillow image processor for it but gates the processor class
+itself on torchvision, so without torchvision :func:`pixtral_processor` (which ``load_processor`` routes a Pixtral
+checkpoint to) loads our twin of ``PixtralProcessor`` (:func:`pixtral_processor_class`) around transformers'
+``PixtralImageProcessorPil``.
 """
 
 from __future__ import annotations
@@ -95,6 +100,76 @@ def images_only_kimi_k25_class() -> type:
     return Kimi_K25ImagesProcessor
 
 
+def pixtral_rows(height: int, width: int, patch: int, image: str = "[IMG]", row_break: str = "[IMG_BREAK]",
+                 end: str = "[IMG_END]") -> str:
+    """The placeholder text of a ``height`` x ``width`` image (its ``image_sizes``, multiples of ``patch``: the vision
+    patch times the spatial merge): each row of merged patches one ``image`` token a patch then ``row_break``, the
+    last row's break ``end`` instead; ``(width / patch + 1) * height / patch`` tokens in all."""
+    rows, columns = height // patch, width // patch
+    return ((image * columns + row_break) * rows).removesuffix(row_break) + end
+
+
+@functools.cache
+def pixtral_processor_class() -> type:
+    """A twin of transformers' ``PixtralProcessor`` (Mistral 3 family, Pixtral), which transformers gates on
+    torchvision even with its Pillow image processor (``PixtralImageProcessorPil``). It builds the same inputs:
+    the image processor's ``pixel_values`` and ``image_sizes`` (sizes in multiples of ``patch_size *
+    spatial_merge_size``) and each image's placeholder expanded to :func:`pixtral_rows`. It saves as
+    ``PixtralProcessor`` (a machine with torchvision loads it back as transformers' class)."""
+    from transformers.processing_utils import ProcessorMixin
+
+    class PixtralProcessorPil(ProcessorMixin):
+        text_kwargs = {"return_tensors": "pt"}  # Pixtral's default: tensors unless asked otherwise
+        images_kwargs = {"return_tensors": "pt"}
+
+        def __init__(self, image_processor: Any = None, tokenizer: Any = None, patch_size: int = 16,
+                     spatial_merge_size: int = 1, chat_template: str | None = None,
+                     image_token: str = "[IMG]", image_break_token: str = "[IMG_BREAK]",
+                     image_end_token: str = "[IMG_END]", **kwargs: Any) -> None:
+            super().__init__(image_processor, tokenizer, chat_template=chat_template)
+            self.patch_size, self.spatial_merge_size = patch_size, spatial_merge_size
+            self.image_token, self.image_break_token, self.image_end_token = (image_token, image_break_token,
+                                                                              image_end_token)
+            ids = tokenizer.convert_tokens_to_ids([image_token, image_break_token, image_end_token])
+            self.image_token_id, self.image_break_token_id, self.image_end_token_id = ids
+
+        @property
+        def image_token_ids(self) -> list[int]:
+            return [self.image_token_id, self.image_break_token_id, self.image_end_token_id]
+
+        @property
+        def merged_patch(self) -> int:
+            return self.patch_size * self.spatial_merge_size
+
+        def _process_images(self, images: Any, **kwargs: Any) -> Any:
+            # the image processor sizes images in merged patches, not in the tower's own
+            return super()._process_images(images, **{**kwargs, "patch_size": self.merged_patch})
+
+        def replace_image_token(self, image_inputs: dict, image_idx: int, **kwargs: Any) -> str:
+            height, width = (int(v) for v in image_inputs["image_sizes"][image_idx])
+            return pixtral_rows(height, width, self.merged_patch, self.image_token, self.image_break_token,
+                                self.image_end_token)
+
+        @property
+        def model_input_names(self) -> list[str]:
+            return [*self.tokenizer.model_input_names, *self.image_processor.model_input_names]
+
+        def to_dict(self) -> dict[str, Any]:
+            return {**super().to_dict(), "processor_class": "PixtralProcessor"}
+
+    return PixtralProcessorPil
+
+
+def pixtral_processor(pretrained_model_name_or_path: str | None = None, **kwargs: Any) -> Any:
+    """transformers' ``PixtralProcessor`` from a checkpoint; without torchvision our twin of it
+    (:func:`pixtral_processor_class`) with transformers' ``PixtralImageProcessorPil``, both given the checkpoint's
+    settings. :func:`automodel_vlm.processor.load_processor` routes a checkpoint naming ``PixtralProcessor`` here."""
+    if has_torchvision():
+        return finish_processor(open_processor("PixtralProcessor", pretrained_model_name_or_path, kwargs))
+    return finish_processor(open_processor("PixtralProcessor", pretrained_model_name_or_path, kwargs,
+                                           loader=_with_twin(pixtral_processor_class(), "PixtralImageProcessorPil")))
+
+
 def _with_twin(processor_class: str | type, twin: str) -> Any:
     """A loader like ``processor_class.from_pretrained`` whose image processor is our Pillow ``twin`` (the
     checkpoint's image processor settings), its other parts loaded by transformers' Auto classes."""
@@ -134,6 +209,10 @@ def pillow_twin_note(processor: Any) -> str | None:
         return (f"processor: torchvision is not installed, so the video processor is {VIDEO_TWINS_MODULE}.{name}, "
                 f"our Pillow twin of transformers' {name.removesuffix('Pil')} (same outputs up to Pillow's "
                 "resampling)")
+    if type(processor) is pixtral_processor_class():
+        return ("processor: torchvision is not installed (transformers' PixtralProcessor needs it), so the processor "
+                f"is {__name__}.PixtralProcessorPil, our twin of it, with transformers' PixtralImageProcessorPil "
+                "(same outputs up to Pillow's resampling)")
     image_processor = getattr(processor, "image_processor", None)
     if type(image_processor).__module__ != TWINS_MODULE:
         return None

@@ -91,6 +91,17 @@ def is_kimi_k25_checkpoint(path: str, kwargs: dict[str, Any] | None = None) -> b
     return False
 
 
+def is_pixtral_checkpoint(path: str, kwargs: dict[str, Any] | None = None) -> bool:
+    """Whether AutoProcessor would build transformers' ``PixtralProcessor`` for ``path``: the processor class its
+    processor / preprocessor config names, else its config.json's ``model_type`` (Mistral 3's processor)."""
+    kwargs = kwargs or {}
+    for name in ("processor_config.json", "preprocessor_config.json"):
+        named = _checkpoint_json(path, name, kwargs).get("processor_class")
+        if named:
+            return named == "PixtralProcessor"
+    return _checkpoint_json(path, "config.json", kwargs).get("model_type") == "mistral3"
+
+
 def _checkpoint_video_processor(path: str) -> str | None:
     """The video processor class a checkpoint names (in ``video_preprocessor_config.json`` or
     ``processor_config.json``)."""
@@ -178,8 +189,9 @@ def load_processor(pretrained_model_name_or_path: str | None = None, *, name_or_
     the hub's names its remote-code processor, which AutoProcessor would follow or refuse. Without torchvision, a
     saved Qwen3-Omni or Nemotron-H Omni processor loads images-only with a Pillow image processor (omni.py), and a
     checkpoint whose video processor has a Pillow twin (automodel_vlm.video_processors) gets the twin, its settings
-    read from the checkpoint. ``video_processor``: one built from its own section (upstream's
-    ``processor.video_processor``; without a path of its own it loads from this one)."""
+    read from the checkpoint; a Pixtral / Mistral 3 one (transformers' ``PixtralProcessor`` needs torchvision) gets
+    our twin of that processor (family_processors.pixtral_processor). ``video_processor``: one built from its own
+    section (upstream's ``processor.video_processor``; without a path of its own it loads from this one)."""
     from automodel_vlm.omni import omni_loader
 
     path = pretrained_model_name_or_path or name_or_path
@@ -187,6 +199,10 @@ def load_processor(pretrained_model_name_or_path: str | None = None, *, name_or_
         from automodel_vlm.family_processors import kimi_k25_processor
 
         return kimi_k25_processor(str(path), **kwargs)
+    if path and video_processor is None and not has_torchvision() and is_pixtral_checkpoint(str(path), kwargs):
+        from automodel_vlm.family_processors import pixtral_processor
+
+        return pixtral_processor(str(path), **kwargs)
     loader = omni_loader(path) if path and video_processor is None else None
     if video_processor is not None:
         loader = _with_video_processor(video_processor)
@@ -263,6 +279,10 @@ def build_processor(image_processor: Any, tokenizer: Any, processor_class: str =
     import transformers
 
     cls = getattr(transformers, str(processor_class), None)
+    if processor_class == "PixtralProcessor" and not has_torchvision():  # transformers' class needs torchvision
+        from automodel_vlm.family_processors import pixtral_processor_class
+
+        cls = pixtral_processor_class()
     if not isinstance(cls, type) or not str(processor_class).endswith("Processor"):
         raise AutomodelError(f"{PROCESSOR_KEY}.processor_class: '{processor_class}' is not a transformers processor "
                              "class (LlavaProcessor, Qwen2VLProcessor, ...)")
