@@ -6,7 +6,8 @@ write (RDR's ``{image, text}``, Tulu-3's ``{messages}``, Magicoder's ``{problem,
 
 The models and processors are the ones the VLM tests build (``automodel-vlm/tests``: ``test_video.tiny_model_dir``
 and ``tiny_qwen_processor``, ``vlm_context_parallel_workers.tiny_model`` and ``tiny_qwen3_config``,
-``vlm_testing.tiny_gemma3_dir`` and ``tiny_gemma4_dir``). A hub id matching none of ``FAMILIES`` keeps the tiny Llava.
+``vlm_testing.tiny_gemma3_dir`` and ``tiny_gemma4_dir``, ``test_family_processors.tiny_mistral3_dir``). A hub id
+matching none of ``FAMILIES`` keeps the tiny Llava.
 """
 
 from __future__ import annotations
@@ -69,11 +70,18 @@ def _gemma4(path: Path) -> Path:
     return tiny_gemma4_dir(path)
 
 
+def _mistral3(path: Path) -> Path:
+    """A tiny Mistral 3 (Pixtral tower, Mistral text model) with its PixtralProcessor."""
+    from test_family_processors import tiny_mistral3_dir
+
+    return tiny_mistral3_dir(path)
+
+
 # a pattern of an upstream hub model id (the first that matches) -> the builder of its family's tiny stand-in
 FAMILIES: dict[str, Callable[[Path], Path]] = {
     r"Qwen3-VL-.*-A\d+B": _qwen3("qwen3_vl_moe"), r"Qwen3-VL": _qwen3("qwen3_vl"),
     r"Qwen3\.[5-9]-.*-A\d+B": _qwen3("qwen3_5_moe"), r"Qwen3\.[5-9]-": _qwen3("qwen3_5"),
-    r"Qwen2\.5-VL": _qwen2_5_vl, r"gemma-3-\d": _gemma3, r"gemma-4-": _gemma4,
+    r"Qwen2\.5-VL": _qwen2_5_vl, r"gemma-3-\d": _gemma3, r"gemma-4-": _gemma4, r"Ministral-3-": _mistral3,
 }
 
 
