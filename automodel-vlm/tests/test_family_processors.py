@@ -30,7 +30,7 @@ from automodel_vlm.family_processors import (
 )
 from automodel_vlm.parts import find_part
 from automodel_vlm.plugin import FAMILY_PROCESSORS
-from automodel_vlm.processor import build_processor, load_processor
+from automodel_vlm.processor import build_processor, is_pixtral_checkpoint, load_processor
 
 FORM = Path(__file__).parent / "upstream_forms" / "family_processor_upstream.yaml"
 ROUTE = ("finetune", "vlm")
@@ -289,6 +289,25 @@ def test_a_saved_pixtral_processor_loads_and_names_transformers_classes(tmp_path
                              "size": {"longest_edge": 48}}, str(tmp_path), processor_class="PixtralProcessor",
                             patch_size=4, spatial_merge_size=2)
     assert type(built) is type(processor) and built.image_token_ids == loaded.image_token_ids
+
+
+def test_which_checkpoints_are_pixtral(tmp_path):
+    """The processor class a processor / preprocessor config names decides; without one, config.json's model type
+    (AutoProcessor's fallback: Mistral 3's processor is PixtralProcessor)."""
+    import json
+
+    def checkpoint(name: str, **files: dict) -> str:
+        (tmp_path / name).mkdir()
+        for file, data in files.items():
+            (tmp_path / name / f"{file}.json").write_text(json.dumps(data))
+        return str(tmp_path / name)
+
+    assert is_pixtral_checkpoint(checkpoint("named", processor_config={"processor_class": "PixtralProcessor"}))
+    assert is_pixtral_checkpoint(checkpoint("pre", preprocessor_config={"processor_class": "PixtralProcessor"}))
+    assert is_pixtral_checkpoint(checkpoint("typed", config={"model_type": "mistral3"}))
+    assert not is_pixtral_checkpoint(checkpoint("llava", processor_config={"processor_class": "LlavaProcessor"},
+                                                config={"model_type": "mistral3"}))
+    assert not is_pixtral_checkpoint(checkpoint("other", config={"model_type": "llava"}))
 
 
 def test_upstreams_ministral3_form_trains_two_steps(tmp_path, capsys):
