@@ -18,7 +18,7 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
 
-.PHONY: install run test test-real test-min lint bench dist clean
+.PHONY: install run test test-slow test-real test-min lint bench dist clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,11 @@ run: install
 
 test: install
 	$(PY) -m pytest --rootdir=. --import-mode=importlib -q -n 2 --dist loadfile --durations=25 $(foreach d,$(DISTS),$(d)/tests) tests
+
+# Opt-in multi-process tests whose code paths the default run also takes (other layouts and parameters of the same
+# features): run them before a release or after changing the parallel code.
+test-slow: install
+	$(PY) -m pytest --rootdir=. --import-mode=importlib -q -n 2 --dist loadfile -m slow $(foreach d,$(DISTS),$(d)/tests) tests
 
 # Opt-in tests with real pre-trained models (installed from the package index into .venv when missing).
 test-real: install

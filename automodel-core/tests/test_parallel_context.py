@@ -158,6 +158,7 @@ def test_two_way_spans_see_each_other_on_the_layers_the_model_says_then_the_wind
     assert sliding_only.mask_for(4)[0, 0, 1].tolist() == [True, True, True, False, True, True, True, True]
 
 
+@pytest.mark.slow  # make test-slow: the same path as a faster test of this suite
 def test_torch_ring_attention_does_not_run_on_cpu(ranks):
     """What the refusal says: torch's CP SDPA has no strategy for the CPU attention kernel."""
     for rank in ranks:

@@ -10,7 +10,7 @@ import json
 
 from llm_testing import LLAMA_CONFIG, validate_cli, write_config
 
-from automodel.testing import read_jsonl, run_cli
+from automodel.testing import read_jsonl, run_cli, run_cli_inprocess
 
 
 def test_a_model_config_built_from_a_transformers_configuration_class_trains(tmp_path):
@@ -22,7 +22,7 @@ def test_a_model_config_built_from_a_transformers_configuration_class_trains(tmp
     path = write_config(tmp_path / "cfg.yaml", LLAMA_CONFIG, tmp_path / "ckpt",
                         model={"config": config, "trust_remote_code": True, "backend": {"gate_precision": "float32"}},
                         checkpoint={"enabled": False}, distributed={"mp_policy": {"param_dtype": "bf16"}})
-    refused = run_cli("validate", "-c", path, cwd=tmp_path)
+    refused = run_cli_inprocess("validate", "-c", path, cwd=tmp_path)
     assert refused.returncode == 2 and "model.trust_remote_code: true runs the Python code" in refused.stderr
     assert "model.config" not in refused.stderr  # the configuration class itself is admitted
     code, out = validate_cli(path, tmp_path, "--model.trust_remote_code", "false", "--nproc-per-node", "3",

@@ -24,7 +24,7 @@ from llm_testing import (
 )
 
 from automodel.cli.main import main
-from automodel.testing import run_cli
+from automodel.testing import run_cli_inprocess
 from automodel_llm.recipe import FinetuneRecipeForNextTokenPrediction
 
 CP2 = ["--nproc-per-node", "2", "--distributed.strategy", "fsdp2", "--distributed.cp_size", "2"]
@@ -37,7 +37,7 @@ def config(tmp_path):
 
 
 def _validate(config, cwd, *args) -> tuple[int, str]:
-    result = run_cli("validate", "-c", config, *args, cwd=cwd)
+    result = run_cli_inprocess("validate", "-c", config, *args, cwd=cwd)
     return result.returncode, result.stdout + result.stderr
 
 
@@ -73,7 +73,7 @@ def test_what_the_context_parallel_path_cannot_do_is_refused_with_the_reason(con
                           "--distributed.cp_size", "2", "--distributed.tp_size", "2",
                           "--distributed.sequence_parallel", "true", "--loss_fn._target_", "FusedLinearCrossEntropy")
     assert code == 0, out  # cp x tp (the loop's step: automodel-core/tests/test_parallel_context.py)
-    kd = run_cli("validate", "kd", "llm", "-c", config, *CP2, "--teacher_model._target_",
+    kd = run_cli_inprocess("validate", "kd", "llm", "-c", config, *CP2, "--teacher_model._target_",
                  "automodel_llm.AutoModelForCausalLM.from_config", "--teacher_model.config",
                  str(tmp_path / "config.json"), cwd=tmp_path)
     assert kd.returncode == 2 and "distributed.cp_size: 2: the teacher runs beside the student on whole sequences" \

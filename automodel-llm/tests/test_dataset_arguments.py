@@ -13,7 +13,7 @@ import yaml
 from llm_testing import SQUAD_DIR, TOKENIZER_DIR
 
 from automodel.errors import AutomodelError, ConfigError
-from automodel.testing import deep_update, load_config, losses_by_step, run_cli, train_inprocess, write_yaml
+from automodel.testing import deep_update, load_config, losses_by_step, run_cli_inprocess, train_inprocess, write_yaml
 from automodel_llm import datasets
 
 TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{{ eos_token }}{% endfor %}"
@@ -318,7 +318,7 @@ def test_a_chat_dataset_whose_local_tokenizer_has_no_template_fails_validation_s
                          dataset={"_target_": "ChatDataset", "path_or_dataset_id": data["chat"],
                                   "dataset_name": None, "max_seq_length": None, "split": "train",
                                   "limit_dataset_samples": None})
-    result = run_cli("validate", "finetune", "llm", "-c", config, cwd=tmp_path)
+    result = run_cli_inprocess("validate", "finetune", "llm", "-c", config, cwd=tmp_path)
     assert result.returncode == 2, result.stderr
     assert "dataset.chat_template: ChatDataset renders each conversation with the tokenizer's chat template" in \
         result.stderr

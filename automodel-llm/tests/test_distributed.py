@@ -112,6 +112,7 @@ def test_two_rank_checkpoints_resume_on_two_ranks_and_in_one_process_exactly(sin
     assert set(load_safetensors_state(model_dir)) == {k for k in loaded.state_dict() if k != "lm_head.weight"}
 
 
+@pytest.mark.slow  # make test-slow: the same path as a faster test of this suite
 def test_a_one_process_checkpoint_resumes_on_two_ranks(single_process, tmp_path):
     config, single = single_process
     out = tmp_path / "two"

@@ -126,6 +126,7 @@ def test_an_ep2_checkpoint_resumes_in_one_process(one_process, ep2_run, tmp_path
     _assert_same_weights(one / "epoch_0_step_6" / "model", reference / "epoch_0_step_6" / "model")
 
 
+@pytest.mark.slow  # make test-slow: the same path as a faster test of this suite
 def test_a_one_process_checkpoint_resumes_under_ep2(one_process, ep2_run, tmp_path):
     """Each rank reads its experts' slices of the one process's weights and optimizer state."""
     config, reference = one_process
@@ -186,6 +187,7 @@ def test_a_model_without_experts_is_refused_and_lora_on_the_experts_accepted(moe
     assert code == 0, out
 
 
+@pytest.mark.slow  # make test-slow: the same path as a faster test of this suite
 def test_lora_outside_the_experts_trains_like_one_process(one_process, tmp_path):
     """LoRA on the attention and the router: the frozen experts are split, the adapters FSDP2-sharded."""
     config = one_process[0]
@@ -345,6 +347,7 @@ def test_fake_balanced_gate_spreads_the_tokens_evenly_over_the_experts(moe_confi
         AutoModelForCausalLM.from_config(str(LLAMA_CONFIG), backend={"fake_balanced_gate": True})
 
 
+@pytest.mark.slow  # make test-slow: the same path as a faster test of this suite
 def test_two_ep_groups_on_four_ranks_train_like_one_process(one_process, tmp_path):
     """dp 4, ep 2: the groups (0, 1) and (2, 3) replicate the experts; their gradients are summed over the groups."""
     config, reference = one_process

@@ -35,6 +35,7 @@ def pretrained(tmp_path_factory, tiny_llama_config) -> Path:
     return directory
 
 
+@pytest.mark.slow  # make test-slow: the same path as a faster test of this suite
 def test_shipped_example_finishes_under_fsdp2_with_the_exact_match_report(tmp_path):
     """The generation after training runs a forward on every rank (FSDP2 gathers the weights in each one); with
     rank 0 alone it hung until the process group's timeout. The rendezvous port comes from dist_env."""
@@ -49,6 +50,7 @@ def test_shipped_example_finishes_under_fsdp2_with_the_exact_match_report(tmp_pa
     assert "each rank materialises only its shards" in result.stderr
 
 
+@pytest.mark.slow  # make test-slow: the same path as a faster test of this suite
 def test_two_loopback_nodes_are_one_run(single_process, tmp_path):
     """`--nnodes 2 --node-rank 0|1 --nproc-per-node 1` on one machine: one run of two ranks, the losses of one
     process accumulating twice as much, each step logged once."""

@@ -126,7 +126,8 @@ COPIES = {
 }
 
 
-@pytest.fixture(scope="module", params=[(1, None), (2, None), (1, "tp"), (1, "cp"), (1, "pp")],
+@pytest.fixture(scope="module", params=[(1, None), *(pytest.param(p, marks=pytest.mark.slow) for p in
+                                                              [(2, None), (1, "tp"), (1, "cp"), (1, "pp")])],
                 ids=["1_student", "2_students", "1_student_tp2", "1_student_cp2", "1_student_pp2"])
 def layout(request, kd_config, colocated_runs, tmp_path_factory):
     """(colocated run, separate-mesh run, its log, its teacher ranks, how the copy is split) for ``request.param``

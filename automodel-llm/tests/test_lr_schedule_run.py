@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from automodel.testing import read_jsonl, run_cli
+from automodel.testing import read_jsonl, run_cli, run_cli_inprocess
 
 # WSD: warmup 2 steps from init_lr, stable, then a cosine decay over the last 3 of 8 steps to min_lr.
 UPSTREAM_SCHEDULE = {"_target_": None, "warmup_steps": None, "min_lr": 1.0e-4, "lr_decay_style": "WSD",
@@ -46,7 +46,7 @@ def test_upstream_schedule_drives_the_logged_lr_and_resumes(make_config, tmp_pat
 def test_unknown_decay_style_is_refused_with_the_supported_ones(make_config, tmp_path):
     config = make_config(lr_scheduler={"_target_": None, "warmup_steps": None, "min_lr": None,
                                        "lr_decay_style": "polynomial"})
-    result = run_cli("validate", "-c", config, cwd=tmp_path)
+    result = run_cli_inprocess("validate", "-c", config, cwd=tmp_path)
     assert result.returncode == 2, result.stderr
     assert ("lr_scheduler.lr_decay_style: 'polynomial' is not supported; use one of: cosine, linear, WSD, "
             "inverse-square-root, constant") in result.stderr

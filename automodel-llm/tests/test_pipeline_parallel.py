@@ -34,7 +34,7 @@ from llm_testing import (
     write_two_layer_llama_config,
 )
 
-from automodel.testing import read_jsonl, run_cli
+from automodel.testing import read_jsonl, run_cli, run_cli_inprocess
 
 STEPS = [*SIX_STEPS, "--step_scheduler.grad_accumulation_steps", "2"]
 PP2 = fsdp2_ranks_with("pp_size")
@@ -140,6 +140,7 @@ def test_pp2_x_dp2_on_four_ranks_trains_like_one_process_accumulating_twice(one_
     assert_like_reference(out, reference, steps=3)
 
 
+@pytest.mark.slow  # make test-slow: the same path as a faster test of this suite
 def test_pp2_x_tp2_on_four_ranks_trains_like_one_process(one_process, tmp_path):
     """Each stage tensor-parallel over two ranks, which read the same rows (three steps: 1e-4 relative)."""
     config, steps = one_process[0], ["--step_scheduler.max_steps", "3", "--step_scheduler.checkpoint_interval", "3"]
@@ -154,6 +155,7 @@ def test_pp2_x_tp2_on_four_ranks_trains_like_one_process(one_process, tmp_path):
     assert_same_weights(out / "epoch_0_step_3" / "model", reference / "epoch_0_step_3" / "model")
 
 
+@pytest.mark.slow  # make test-slow: the same path as a faster test of this suite
 def test_pp_seq_len_with_tensor_parallel_stages_trains_like_one_process(one_process, tmp_path):
     """pp=2 x tp=2 with static stage shapes (the stages return plain tensors, whole on each tensor-parallel rank):
     the losses and gradient norms of one process (three steps: 1e-4 relative)."""
@@ -296,9 +298,9 @@ def test_settings_the_pipeline_cannot_take_are_refused_byvalidate_cli(pp_llama_c
     assert "peft" not in out  # LoRA runs pipelined (test_pipeline_parallel_lora.py)
     code, out = validate_cli(config, tmp_path, *two)
     assert code == 0, out
-    result = run_cli("validate", "kd", "llm", "-c", config, *two,
-                     "--teacher_model._target_", "automodel_llm.AutoModelForCausalLM.from_config",
-                     "--teacher_model.config", str(pp_llama_config), cwd=tmp_path)
+    result = run_cli_inprocess("validate", "kd", "llm", "-c", config, *two,
+                               "--teacher_model._target_", "automodel_llm.AutoModelForCausalLM.from_config",
+                               "--teacher_model.config", str(pp_llama_config), cwd=tmp_path)
     assert result.returncode == 2 and "the teacher runs beside the student on whole batches" in result.stderr
 
 

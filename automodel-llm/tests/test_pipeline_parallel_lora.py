@@ -84,6 +84,7 @@ def test_a_lora_pp2_checkpoint_resumes_in_one_process(runs, tmp_path):
     assert losses(again) == pytest.approx(losses(runs["one"])[3:], rel=1e-4)
 
 
+@pytest.mark.slow  # make test-slow: the same path as a faster test of this suite
 def test_lora_with_interleaved_1f1b_trains_like_one_process(tmp_path):
     """A 4-layer Llama, stages 0 and 2 on one rank, 1 and 3 on the other (three steps): the rank's two stages
     save one adapter with theirs."""

@@ -28,7 +28,7 @@ from llm_testing import (
     write_two_layer_llama_config,
 )
 
-from automodel.testing import read_jsonl, run_cli
+from automodel.testing import read_jsonl, run_cli, run_cli_inprocess
 
 TP2 = fsdp2_ranks_with("tp_size")
 
@@ -135,9 +135,10 @@ def test_layouts_the_model_cannot_take_are_refused_byvalidate_cli(tp_llama_confi
     assert code == 0, out
     code, out = validate_cli(config, tmp_path, "--nproc-per-node", "2", "--distributed.tp_size", "2")
     assert code == 0, out
-    result = run_cli("validate", "kd", "llm", "-c", config, "--nproc-per-node", "2", "--distributed.tp_size", "2",
-                     "--teacher_model._target_", "automodel_llm.AutoModelForCausalLM.from_config",
-                     "--teacher_model.config", str(tp_llama_config), cwd=tmp_path)
+    result = run_cli_inprocess("validate", "kd", "llm", "-c", config, "--nproc-per-node", "2",
+                               "--distributed.tp_size", "2",
+                               "--teacher_model._target_", "automodel_llm.AutoModelForCausalLM.from_config",
+                               "--teacher_model.config", str(tp_llama_config), cwd=tmp_path)
     assert result.returncode == 2 and "the distillation loss compares the student's whole logits" in result.stderr
 
 
@@ -163,6 +164,7 @@ def accumulating(tmp_path_factory, one_process) -> Path:
     return tmp / "ckpt"
 
 
+@pytest.mark.slow  # make test-slow: the same path as a faster test of this suite
 def test_dp2_x_tp2_on_four_ranks_trains_like_one_process_and_resumes_with_fsdp2_on_two(one_process, accumulating,
                                                                                      tmp_path):
     """A 2-D mesh: FSDP2 shards each tensor-parallel shard over two data-parallel ranks; its step-3 checkpoint

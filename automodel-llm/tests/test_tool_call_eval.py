@@ -251,7 +251,9 @@ def test_what_cannot_act_is_refused_with_the_reason(tmp_path):
     assert "a _target_ may only name: ToolCallAccuracyEvaluator" in found["tool_call_eval._target_"]
 
 
-@pytest.mark.parametrize("strategy, run_on_fsdp2", [("ddp", "false"), ("fsdp2", "true"), ("fsdp2", "false")])
+@pytest.mark.parametrize("strategy, run_on_fsdp2", [pytest.param("ddp", "false", marks=pytest.mark.slow),
+                                                    ("fsdp2", "true"),
+                                                    pytest.param("fsdp2", "false", marks=pytest.mark.slow)])
 def test_two_ranks_split_the_samples_under_ddp_and_generate_together_under_fsdp2(tmp_path, strategy, run_on_fsdp2):
     """DDP: each rank scores one of the two samples and the sums are all-reduced (count 2 on rank 0's record);
     FSDP2 with run_on_fsdp2: both ranks generate both samples together (each forward gathers the weights); without

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from llm_testing import SQUAD_DIR, TOKENIZER_DIR
 
-from automodel.testing import checkpoint_dirs, read_jsonl, run_cli
+from automodel.testing import checkpoint_dirs, read_jsonl, run_cli, run_cli_inprocess
 
 CONFIGS = Path(__file__).parent / "upstream_configs"
 
@@ -63,8 +63,9 @@ def test_upstream_lora_config(command, local_model, prompt_completion, tmp_path)
 
 
 def test_unsupported_upstream_key_is_reported_by_name(local_model, tmp_path):
-    result = run_cli("validate", "-c", CONFIGS / "squad_lora.yaml", "--lr_scheduler.lr_decay_style", "polynomial",
-                     "--model.pretrained_model_name_or_path", local_model, cwd=tmp_path)
+    result = run_cli_inprocess("validate", "-c", CONFIGS / "squad_lora.yaml",
+                               "--lr_scheduler.lr_decay_style", "polynomial",
+                               "--model.pretrained_model_name_or_path", local_model, cwd=tmp_path)
     assert result.returncode == 2 and "lr_scheduler.lr_decay_style: 'polynomial' is not supported" in result.stderr
 
 
@@ -105,9 +106,9 @@ def test_upstream_muon_config_trains_with_muon_and_scheduled_groups(local_model,
 
 
 def test_upstream_muon_settings_that_cannot_act_are_refused(local_model, tmp_path):
-    result = run_cli("validate", "-c", CONFIGS / "squad_muon.yaml", "--model.pretrained_model_name_or_path",
-                     local_model, "--optimizer.use_triton", "true", "--optimizer.scalar_opt", "lion",
-                     "--optimizer.adjust_lr", "frobenius", cwd=tmp_path)
+    result = run_cli_inprocess("validate", "-c", CONFIGS / "squad_muon.yaml", "--model.pretrained_model_name_or_path",
+                               local_model, "--optimizer.use_triton", "true", "--optimizer.scalar_opt", "lion",
+                               "--optimizer.adjust_lr", "frobenius", cwd=tmp_path)
     assert result.returncode == 2, result.stderr[-3000:]
     assert "optimizer.use_triton: true selects dion's Triton Newton-Schulz kernels (CUDA)" in result.stderr
     assert "optimizer.scalar_opt: lion" in result.stderr and "optimizer.adjust_lr" in result.stderr

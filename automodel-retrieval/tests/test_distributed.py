@@ -48,7 +48,7 @@ def single_process(config, tmp_path_factory):
     return _losses(out)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=pytest.mark.slow), "fsdp2"])
 def test_two_ranks_with_half_the_batch_equal_one_process(strategy, config, single_process, tmp_path):
     out = tmp_path / "ckpt"
     result = run_cli("finetune", "retrieval", "-c", config, "--dataloader.batch_size", 4, "--distributed.strategy",

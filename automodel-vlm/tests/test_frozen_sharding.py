@@ -56,7 +56,8 @@ def one_process(tmp_path_factory):
     return _train(tmp_path_factory.mktemp("one"), "one", "--step_scheduler.grad_accumulation_steps", "2")[0]
 
 
-@pytest.mark.parametrize("setting", ["root", "per_layer", "replicate"])
+@pytest.mark.parametrize("setting", [pytest.param("root", marks=pytest.mark.slow), "per_layer",
+                                     pytest.param("replicate", marks=pytest.mark.slow)])
 def test_each_setting_trains_like_one_process_and_places_the_frozen_tower(one_process, tmp_path, setting):
     sharded = ["--checkpoint.save_consolidated", "false"] if setting == "replicate" else []
     out, log = _train(tmp_path, setting, *TWO, *sharded, distributed={"multimodal": {"frozen_sharding": setting}})

@@ -67,7 +67,7 @@ def _pp2(tmp: Path, *args: str, env: dict[str, str] | None = None, **sections: A
     return tmp / "pp2", result.stderr
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("lora", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["full", "lora"])
 def test_pp2_trains_like_one_process_on_rows_with_different_image_counts(tmp_path, lora, request):
     sections = {"peft": {"dim": 4, "alpha": 8, "match_all_linear": True, "dropout": 0.0}} if lora else {}
     # 1F1B over one-row micro-batches (two images, none, one, one); GPipe over two-row ones (two + none, one + one)
@@ -79,6 +79,7 @@ def test_pp2_trains_like_one_process_on_rows_with_different_image_counts(tmp_pat
     assert_trains_like(out, reference, "epoch_1_step_4", lora)
 
 
+@pytest.mark.slow  # make test-slow: the same path as a faster test of this suite
 def test_packed_rows_keep_attention_within_each_sample_through_the_stages(tmp_path):
     """Packed rows (four conversations with two, none or one images a row, position ids restarting at each, no
     attention mask) through two stages: every stage gets the rows' position ids, so its attention stays within
@@ -331,6 +332,7 @@ def test_gemma_pp2_trains_like_one_process_and_not_with_causal_later_stages(tmp_
                 assert causal["norms"] != pytest.approx(reference["norms"], rel=1e-5), family
 
 
+@pytest.mark.slow  # make test-slow: the same path as a faster test of this suite
 def test_gemma_pp2_x_cp2_trains_like_one_process_and_not_without_the_image_spans(tmp_path):
     """pp 2 x cp 2 on four gloo ranks: the two steps of a tiny Gemma 3, Gemma 4, PaliGemma and Gemma 4 with
     per-layer inputs and shared keys and values (with static stage shapes too), each stage's layers on the rank's

@@ -43,7 +43,7 @@ def _train(tmp: Path, name: str, *args: str, **sections: Any) -> tuple[Path, str
     return out, result.stderr
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("lora", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["full", "lora"])
 def test_tp2_trains_like_one_process(tmp_path, lora):
     sections = {"peft": {"dim": 4, "alpha": 8, "match_all_linear": True, "dropout": 0.0}} if lora else {}
     reference, _ = _train(tmp_path, "one", **sections)
