@@ -66,3 +66,36 @@ def test_a_bare_star_adapts_every_linear_layer_and_the_experts_as_upstream():
         PeftConfig(dim=4, target_modules=["*.nothing"]).to_lora_config(dense)
     with pytest.raises(AutomodelError, match="reach none"):
         PeftConfig(dim=4, target_modules=["*_proj"], moe_rank_scaling=True).to_lora_config(_tiny(moe=True))
+
+
+@pytest.fixture(scope="module")
+def falcon_h1():
+    """A tiny hybrid attention + Mamba model: peft refuses LoRA on its Mamba mixers' out_proj."""
+    from transformers import AutoModelForCausalLM, FalconH1Config
+
+    config = FalconH1Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=2, num_key_value_heads=1, head_dim=16, mamba_d_ssm=32,
+                            mamba_n_heads=2, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1, mamba_chunk_size=8)
+    return AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize("targets", ["*_proj", None])  # upstream's Falcon-H1 LoRA glob; all linear layers
+def test_globs_leave_out_the_mamba_out_proj_peft_refuses_and_say_so(falcon_h1, targets):
+    import copy
+
+    from automodel.hf import apply_lora, skipped_note
+
+    built = PeftConfig(dim=4, target_modules=targets)
+    wrapped, _ = apply_lora(copy.deepcopy(falcon_h1), built.to_lora_config(falcon_h1))
+    adapted = {name.split(".lora_A.")[0] for name, _ in wrapped.named_parameters() if ".lora_A." in name}
+    short = {name.rsplit(".", 1)[-1] for name in adapted}
+    assert {"in_proj", "q_proj", "o_proj", "down_proj"} <= short and "out_proj" not in short
+    assert built.skipped == [f"model.layers.{i}.mamba.out_proj" for i in range(2)]
+    assert "leaves out out_proj (x 2)" in skipped_note(built)
+
+
+def test_naming_the_mamba_out_proj_is_refused_with_the_names_to_use(falcon_h1):
+    from automodel.errors import AutomodelError
+
+    with pytest.raises(AutomodelError, match=r"\['out_proj'\] cannot take LoRA on a falcon_h1 .*\['q_proj'\]"):
+        PeftConfig(dim=4, target_modules=["q_proj", "out_proj"]).to_lora_config(falcon_h1)

@@ -212,3 +212,25 @@ def test_benchmark_recipe_writes_json(make_config, tmp_path):
         assert key in report
     assert report["tokens_per_second"] > 0 and report["steps_timed"] == 4
     assert not list((tmp_path / "ckpt").glob("epoch_*"))
+
+
+def test_falcon_h1_lora_with_upstreams_glob_trains_without_the_mamba_out_proj(tmp_path):
+    """Upstream's Falcon-H1 LoRA (``target_modules: '*_proj'``) also matches the Mamba mixers' out_proj, which
+    peft refuses on a falcon_h1 model: the run leaves it out, says so, and trains the other projections."""
+    from llm_testing import LLAMA_CONFIG, write_config
+
+    llama = json.loads(LLAMA_CONFIG.read_text())
+    falcon = {"model_type": "falcon_h1", "architectures": ["FalconH1ForCausalLM"], "vocab_size": llama["vocab_size"],
+              "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "num_key_value_heads": 1, "head_dim": 16, "mamba_d_ssm": 32, "mamba_n_heads": 2, "mamba_d_head": 16,
+              "mamba_d_state": 8, "mamba_n_groups": 1, "mamba_chunk_size": 8}
+    (tmp_path / "falcon").mkdir()
+    (tmp_path / "falcon" / "config.json").write_text(json.dumps(falcon))
+    config = write_config(tmp_path / "cfg.yaml", tmp_path / "falcon" / "config.json", tmp_path / "ckpt",
+                          peft={"target_modules": "*_proj", "dim": 4, "alpha": 8})
+    result = run_cli("finetune", "llm", "-c", config, "--step_scheduler.max_steps", "2", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "peft.target_modules leaves out out_proj (x 1)" in result.stdout + result.stderr
+    saved = json.loads((tmp_path / "ckpt" / "epoch_0_step_2" / "model" / "adapter_config.json").read_text())
+    targets = {name.rsplit(".", 1)[-1] for name in saved["target_modules"]}
+    assert "in_proj" in targets and "q_proj" in targets and "out_proj" not in targets

@@ -234,3 +234,32 @@ def test_upstream_text_only_form_packs_with_the_hook_and_trains_three_steps_thro
     assert result.returncode == 0, result.stderr[-3000:]
     assert list(testing.losses_by_step(tmp_path / "ckpt" / "training.jsonl")) == [3]
     assert [r["step"] for r in testing.read_jsonl(tmp_path / "ckpt" / "validation.jsonl")] == [3]
+
+
+@pytest.mark.parametrize("padding_side", ["right", "left"])
+def test_under_context_parallelism_rows_are_padded_to_the_chunks_multiple(assets, padding_side):
+    """cp 2: the recipe hands the named collator pad_to_multiple_of 4 (2 x cp_size), as to its default collate; the
+    rows, prefix included, are padded to a multiple of it, and their real tokens are those of the unpadded batch."""
+    from types import SimpleNamespace
+
+    from automodel.plugins.manager import get_plugin_manager
+    from automodel.training.builders import configured_collate
+    from automodel_vlm.recipe import FinetuneRecipeForVLM
+
+    processor = gemma4_processor(assets, padding_side)
+    recipe = FinetuneRecipeForVLM.__new__(FinetuneRecipeForVLM)
+    recipe.cfg, recipe.processor = SimpleNamespace(distributed=SimpleNamespace(cp_size=2)), processor
+    node = {"_target_": "nemo_automodel.components.datasets.vlm.collate_fns.gemma4_prefix_collate_fn"}
+    collate = configured_collate(node, get_plugin_manager().resolver(), "dataloader.collate_fn",
+                                 recipe.collate_runtime_args())
+    unpadded = Gemma4PrefixCollator(processor)
+    lengths = set()
+    for answer in ("red", "a red square", "a red square on white, then a long tail of words"):
+        samples = [sample("Colour?", answer), sample("Shape?", "round", "And?", answer)]
+        batch, plain = collate(samples), unpadded(samples)
+        lengths.add(batch["input_ids"].shape[1])
+        assert batch["input_ids"].shape[1] % 4 == 0 and batch["input_ids"].shape[1] - plain["input_ids"].shape[1] < 4
+        for row in range(2):
+            for key in ("input_ids", "labels"):
+                assert real(batch, key, row) == real(plain, key, row)
+    assert len(lengths) > 1

@@ -16,6 +16,14 @@ from typing import TYPE_CHECKING, Any
 
 from automodel.data import load_rows
 from automodel.errors import AutomodelError
+from automodel.lora_targets import (  # noqa: F401
+    EXPERT_PARAMETERS,
+    glob_targets,
+    named_refused,
+    peft_patterns,
+    peft_refused,
+    refused_summary,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -132,6 +140,7 @@ class PeftConfig:
         self.use_dora = use_dora
         self.memory_efficient = use_memory_efficient_lora
         self.moe_rank_scaling = moe_rank_scaling
+        self.skipped: list[str] = []  # what to_lora_config left out of a glob / all-linear (peft cannot wrap it)
         if self.rank < 1:
             raise ValueError(f"peft.dim must be >= 1, found {self.rank}")
 
@@ -172,12 +181,19 @@ class PeftConfig:
         import peft
 
         parameters: list[str] = []
+        self.skipped = []
         if self.match_all_linear:
             targets: Any = "all-linear"
+            if model is not None:
+                linear = all_linear_names(model)
+                self.skipped = peft_refused(model, linear)
+                targets = [name for name in linear if name not in self.skipped] if self.skipped else targets
         else:
             targets = peft_patterns(self.target_modules)
             if isinstance(targets, str) and model is not None:
-                targets, parameters = glob_targets(model, targets, self.target_modules)
+                targets, parameters, self.skipped = glob_targets(model, targets, self.target_modules)
+            elif model is not None:
+                named_refused(model, targets)
         excluded = peft_patterns(self.exclude_modules) if self.exclude_modules else None
         if self.moe_rank_scaling and not self.match_all_linear and not parameters:
             raise AutomodelError(f"peft.moe_rank_scaling: true scales the LoRA rank of the MoE experts, and "
@@ -212,41 +228,6 @@ class PeftConfig:
                                  "remove moe_rank_scaling")
         keys = [f"(?:{re.escape(name)})" for name in names]
         return {key: self.rank // per_token for key in keys}, {key: self.alpha for key in keys}
-
-
-def peft_patterns(patterns: list[str] | str) -> list[str] | str:
-    """Upstream's module patterns as peft takes them: one name or a list of them, each a module's own name
-    (``q_proj``: any module so named) or a glob over the module's whole name (``*_proj``, ``*.layers.0.*.v_proj``:
-    ``*`` spans any characters, dots included). Plain names stay a list (peft matches them as name suffixes); with a
-    glob among them they become one regular expression, which peft matches against the whole name."""
-    names = [patterns] if isinstance(patterns, str) else list(patterns)
-    if not any("*" in name for name in names):
-        return names
-    parts = [".*".join(re.escape(piece) for piece in name.split("*")) if "*" in name
-             else rf"(?:.*\.)?{re.escape(name)}" for name in names]
-    return "|".join(f"(?:{part})" for part in parts)
-
-
-# the fused expert weights of a Hugging Face MoE block (3-D: experts x out x in)
-EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
-
-
-def glob_targets(model: torch.nn.Module, pattern: str, written: Any) -> tuple[list[str], list[str]]:
-    """What upstream's glob patterns adapt, as upstream's matcher does: every linear layer whose whole name the
-    pattern matches (``*`` includes the output head), and every MoE experts module it matches, through its fused
-    weights (peft's ``target_parameters``). Returns (module names, parameter names)."""
-    import torch
-
-    regex = re.compile(pattern)
-    modules = [name for name, module in model.named_modules()
-               if isinstance(module, torch.nn.Linear) and regex.fullmatch(name)]
-    parameters = [name for name, param in model.named_parameters()
-                  if param.dim() == 3 and name.rsplit(".", 1)[-1] in EXPERT_PARAMETERS
-                  and regex.fullmatch(name.rsplit(".", 1)[0])]
-    if not modules and not parameters:
-        raise AutomodelError(f"peft.target_modules: {written} matches no linear layer or MoE experts module of "
-                             f"{type(model).__name__}")
-    return modules, parameters
 
 
 def lora_config(built: Any, model: torch.nn.Module | None = None) -> Any:
@@ -288,17 +269,31 @@ def all_linear_targets(config: Any, model: torch.nn.Module) -> Any:
     """``config`` with peft's ``all-linear`` spelt out for ``model``: every linear layer but the output head, by
     name, as peft resolves it on a causal LM. A part of ``model`` (a pipeline stage) adapted with it gets the
     adapters one process would, and its ``adapter_config.json`` names every part's."""
-    import torch
-    from transformers.pytorch_utils import Conv1D
-
     targets = config.target_modules
     if not (isinstance(targets, str) and targets.lower() == "all-linear"):
         return config
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     spelt = copy.copy(config)
-    spelt.target_modules = {name for name, module in model.named_modules()
-                            if isinstance(module, (torch.nn.Linear, Conv1D)) and module is not head}
+    spelt.target_modules = set(all_linear_names(model))
     return spelt
+
+
+def all_linear_names(model: torch.nn.Module) -> list[str]:
+    """Every linear layer of ``model`` but its output head, by full name (peft's ``all-linear`` on a causal LM)."""
+    import torch
+    from transformers.pytorch_utils import Conv1D
+
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return [name for name, module in model.named_modules()
+            if isinstance(module, (torch.nn.Linear, Conv1D)) and module is not head]
+
+
+def skipped_note(built: Any) -> str:
+    """The note on the modules a glob or ``all-linear`` reached and peft cannot wrap (empty when none)."""
+    skipped = getattr(built, "skipped", None) if isinstance(built, PeftConfig) else None
+    if not skipped:
+        return ""
+    return (f"; note: peft.target_modules leaves out {refused_summary(skipped)}, which peft cannot wrap with LoRA "
+            "on this model type (the Mamba mixer's fused scan reads out_proj's weight directly)")
 
 
 def memory_efficient(built: Any) -> bool:

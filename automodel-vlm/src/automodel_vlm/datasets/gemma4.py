@@ -69,8 +69,9 @@ class _Injector:
     ``max_length``, refusing a cut through the tokens in ``placeholders`` (images)."""
 
     def __init__(self, tokenizer: Any, marker: list[int], prefix: list[int], max_length: int | None = None,
-                 placeholders: set[int] | None = None):
+                 placeholders: set[int] | None = None, pad_to_multiple_of: int | None = None):
         self.marker, self.prefix, self.max_length = marker, prefix, max_length
+        self.multiple = pad_to_multiple_of
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.left = getattr(tokenizer, "padding_side", "right") == "left"
         self.placeholders = placeholders or set()
@@ -88,6 +89,8 @@ class _Injector:
                 rows[key].append(insert_at(batch[key][row, real].tolist(), ends, fill))
         self._cut(rows)
         width = self.max_length or max(len(r) for r in rows["input_ids"])
+        if self.max_length is None and self.multiple:  # context parallelism's 2 x cp_size chunks
+            width = -(-width // self.multiple) * self.multiple
         for key in keys:
             pad = self.pad_id if key == "input_ids" else 0
             padded = [[pad] * (width - len(r)) + r if self.left else r + [pad] * (width - len(r)) for r in rows[key]]
@@ -122,10 +125,12 @@ class Gemma4PrefixCollator(VLMCollator):
     """VLMCollator for Gemma 4: the thinking-channel prefix inserted after every model turn marker, unlabelled.
 
     ``max_length``: rows are cut to it after the insertion (never through image tokens) and padded to it.
+    ``pad_to_multiple_of`` (without ``max_length``): the longest row, prefix included, is rounded up to a multiple
+    of it (context parallelism's 2 x cp_size chunks), as in :class:`VLMCollator`.
     """
 
-    def __init__(self, processor: Any, max_length: int | None = None):
-        super().__init__(processor, max_length)
+    def __init__(self, processor: Any, max_length: int | None = None, pad_to_multiple_of: int | None = None):
+        super().__init__(processor, max_length, pad_to_multiple_of=pad_to_multiple_of)
         tokenizer = processor.tokenizer
         found = thinking_prefix_ids(tokenizer)
         self.injector = None
@@ -135,7 +140,7 @@ class Gemma4PrefixCollator(VLMCollator):
                           "default one", stacklevel=2)
         else:
             self.injector = _Injector(tokenizer, *found, max_length=max_length,
-                                      placeholders=placeholder_ids(processor))
+                                      placeholders=placeholder_ids(processor), pad_to_multiple_of=pad_to_multiple_of)
 
     def _padding(self) -> dict[str, Any]:
         # rows are cut and padded to max_length after the insertion, where image tokens can be told apart

@@ -15,7 +15,7 @@ import torch
 
 from automodel.config import Config
 from automodel.errors import AutomodelError, ConfigIssue
-from automodel.hf import all_linear_targets, apply_lora, lora_config, memory_efficient
+from automodel.hf import all_linear_targets, apply_lora, lora_config, memory_efficient, skipped_note
 from automodel.training.context import BuildContext
 from automodel.training.parallel.pipeline_stages import PipelineStageModel
 
@@ -46,12 +46,15 @@ def add_lora(ctx: BuildContext, model: torch.nn.Module) -> tuple[torch.nn.Module
     built = ctx.instantiate("peft")
     whole = model.whole_model if isinstance(model, PipelineStageModel) else None
     if whole is None:
-        return apply_lora(model, lora_config(built, model), memory_efficient=memory_efficient(built))
+        config = lora_config(built, model)
+        wrapped, line = apply_lora(model, config, memory_efficient=memory_efficient(built))
+        return wrapped, line + skipped_note(built)
     config = all_linear_targets(lora_config(built, whole), whole)
     config.base_model_name_or_path = getattr(whole, "name_or_path", None) or None
     try:
-        return apply_lora(model, config, f" (pipeline stage {model.index})",
-                          memory_efficient=memory_efficient(built), plain=True)
+        wrapped, line = apply_lora(model, config, f" (pipeline stage {model.index})",
+                                   memory_efficient=memory_efficient(built), plain=True)
+        return wrapped, line + skipped_note(built)
     except AutomodelError as err:
         layers = model.layer_range
         raise AutomodelError(f"{err} (pipeline stage {model.index} holds layers {layers.start}-{layers.stop - 1}: "
