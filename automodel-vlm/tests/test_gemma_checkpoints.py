@@ -15,6 +15,16 @@ from automodel_vlm.datasets import VLMCollator
 from automodel_vlm.processor import load_processor
 
 
+def _trains_two_steps_with_its_own_processor(model, tmp_path) -> None:
+    """The checkpoint ``model`` (no processor: section, so its own processor) trains 2 steps through the recipe."""
+    config = write_config(tmp_path / "run.yaml", tmp_path / "ckpt", step_scheduler={"max_steps": 2},
+                          processor=None, model={"_target_": "automodel_vlm.AutoModelForImageTextToText."
+                                                 "from_pretrained", "pretrained_model_name_or_path": str(model),
+                                                 "config": None, "seed": None})
+    train_inprocess(config)
+    assert [r["step"] for r in testing.read_jsonl(tmp_path / "ckpt" / "training.jsonl")] == [1, 2]
+
+
 def test_a_gemma3_checkpoint_with_its_own_processor_trains_and_labels_only_the_answers(tmp_path):
     from PIL import Image
 
@@ -27,12 +37,7 @@ def test_a_gemma3_checkpoint_with_its_own_processor_trains_and_labels_only_the_a
     assert processor.tokenizer.decode(labelled).strip().startswith("Red.")
     assert (batch["input_ids"] == processor.tokenizer.image_token_id).sum() == 4
 
-    config = write_config(tmp_path / "run.yaml", tmp_path / "ckpt", step_scheduler={"max_steps": 2},
-                          processor=None, model={"_target_": "automodel_vlm.AutoModelForImageTextToText."
-                                                 "from_pretrained", "pretrained_model_name_or_path": str(model),
-                                                 "config": None, "seed": None})
-    train_inprocess(config)
-    assert [r["step"] for r in testing.read_jsonl(tmp_path / "ckpt" / "training.jsonl")] == [1, 2]
+    _trains_two_steps_with_its_own_processor(model, tmp_path)
     assert json.loads((model / "config.json").read_text())["model_type"] == "gemma3"
 
 
@@ -66,9 +71,4 @@ def test_a_gemma4_checkpoint_loads_its_processor_images_only_without_torchvision
     assert processor.tokenizer.decode(batch["labels"][batch["labels"] != -100].tolist()).strip().startswith("Red.")
     assert (batch["input_ids"] == processor.image_token_id).sum() > 0
 
-    config = write_config(tmp_path / "run.yaml", tmp_path / "ckpt", step_scheduler={"max_steps": 2},
-                          processor=None, model={"_target_": "automodel_vlm.AutoModelForImageTextToText."
-                                                 "from_pretrained", "pretrained_model_name_or_path": str(model),
-                                                 "config": None, "seed": None})
-    train_inprocess(config)
-    assert [r["step"] for r in testing.read_jsonl(tmp_path / "ckpt" / "training.jsonl")] == [1, 2]
+    _trains_two_steps_with_its_own_processor(model, tmp_path)
