@@ -90,6 +90,7 @@ def test_ep2_trains_like_one_process(one_process, ep2_run):
     _assert_same_weights(out / "epoch_0_step_6" / "model", reference / "epoch_0_step_6" / "model")
 
 
+@pytest.mark.slow  # make test-slow: the same path as a faster test of this suite
 def test_ep2_in_each_stage_of_pp2_on_four_ranks_trains_like_one_process(one_process, tmp_path):
     """pp 2 x dp 2 with ep 2: each stage's two data-parallel ranks split the experts of its MoE layer; two batches
     of one row per step with upstream's enable_fsdp_optimizations (gradients reduced after the second only, the

@@ -196,6 +196,7 @@ def test_two_fsdp2_ranks_train_the_heads_as_one_process(tmp_path, one_process):
         torch.testing.assert_close(two[key], one[key], rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow  # make test-slow: the same path as a faster test of this suite
 def test_two_pipeline_stages_train_the_heads_as_one_process(tmp_path, one_process):
     """pp 2, two stages per rank (interleaved 1F1B, four stages): the first stage embeds the two depths' tokens
     ahead, the embeddings travel with the hidden states through the middle stages (their gradients back) to the

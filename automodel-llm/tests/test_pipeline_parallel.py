@@ -129,6 +129,7 @@ def test_a_sharded_pp2_checkpoint_resumes_on_pp2(pp2_gpipe, one_process, tmp_pat
     assert losses(again) == pytest.approx(losses(pp2_gpipe[0])[3:], rel=1e-5)
 
 
+@pytest.mark.slow  # make test-slow: the same path as a faster test of this suite
 def test_pp2_x_dp2_on_four_ranks_trains_like_one_process_accumulating_twice(one_process, tmp_path):
     """FSDP2 shards each stage over two data-parallel ranks, which feed their pipelines different rows (three steps)."""
     config, steps = one_process[0], ["--step_scheduler.max_steps", "3", "--step_scheduler.checkpoint_interval", "3"]

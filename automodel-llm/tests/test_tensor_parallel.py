@@ -84,6 +84,7 @@ def test_tp2_trains_like_one_process(request, one_process, tmp_path, sequence_pa
     assert_same_weights(out / "epoch_0_step_6" / "model", reference / "epoch_0_step_6" / "model")
 
 
+@pytest.mark.slow  # make test-slow: the same path as a faster test of this suite
 def test_a_tp2_checkpoint_resumes_in_one_process(one_process, tp2_run, tmp_path):
     config, reference = one_process
     checkpoint = tp2_run[0] / "epoch_0_step_3"

@@ -646,7 +646,8 @@ def test_fused_linear_cross_entropy_is_refused_where_distilled_only(tmp_path):
     assert "no logits are left for the distillation loss" in found["loss_fn._target_"]
 
 
-@pytest.mark.parametrize("layout, words", [pytest.param([], "FSDP2 over 2 ranks", marks=pytest.mark.slow),
+@pytest.mark.slow  # make test-slow: core's test_parallel_pipeline runs the loss inside a vocabulary-sharded head
+@pytest.mark.parametrize("layout, words", [([], "FSDP2 over 2 ranks"),
                                            (["--distributed.tp_size", "2"], "vocabulary-parallel loss")])
 def test_fused_linear_cross_entropy_on_two_ranks_trains_like_the_masked_loss(tmp_path, layout, words):
     """Two FSDP2 ranks: the output head's weight is gathered for the loss inside it and its gradient reduced as for
