@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from automodel.data import load_rows
 from automodel.errors import AutomodelError
-from automodel.lora_targets import (  # noqa: F401
+from automodel.lora_targets import (
     EXPERT_PARAMETERS,
     glob_targets,
     named_refused,

@@ -25,7 +25,8 @@ def _eps(module: torch.nn.Module) -> float | None:
 
 
 def _forward(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
-    weight = (self.weight + self._input_dtype_offset).to(hidden_states.dtype)
+    offset = self._input_dtype_offset  # 1.0 for the (1 + weight) form; no addition per call for the usual one
+    weight = (self.weight + offset if offset else self.weight).to(hidden_states.dtype)
     return F.rms_norm(hidden_states, (hidden_states.shape[-1],), weight, self._input_dtype_eps)
 
 
