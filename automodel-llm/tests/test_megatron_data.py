@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from llm_testing import TOKENIZER_DIR, assert_same_weights, val_losses, validate_cli
+from llm_testing import TOKENIZER_DIR, assert_same_weights, grad_norms, run_finetune, val_losses, validate_cli
 from llm_testing import losses as train_losses
 
 from automodel.errors import AutomodelError
@@ -131,10 +131,13 @@ def test_samples_span_documents_of_their_split_only(tmp_path):
                                 seed=3, run_samples=40)
     valid = MegatronPretraining(str(tmp_path / "s"), seq_length=8, split="90,10,0", splits_to_build="validation")
     assert len(train) == 40  # more than one epoch's worth (11 samples): epochs of the 18 documents
-    samples = [train[i]["input_ids"].tolist() for i in range(len(train))]
-    assert all(len(s) == 9 for s in samples) and all(s["labels"] is s["input_ids"] for s in (train[0], train[1]))
+    # upstream's pair: the model reads seq_length tokens, each labelled with the next (the sample's seq_length + 1)
+    pairs = [train[i] for i in range(len(train))]
+    assert all(len(p["input_ids"]) == len(p["labels"]) == 8 for p in pairs) and MegatronPretraining.labels_shifted
+    assert all(p["input_ids"][1:].tolist() == p["labels"][:-1].tolist() for p in pairs)
+    samples = [p["input_ids"].tolist() + p["labels"][-1:].tolist() for p in pairs]
     assert {t // 100 for s in samples for t in s} == set(range(18))
-    val_tokens = [t for i in range(len(valid)) for t in valid[i]["input_ids"].tolist()]
+    val_tokens = [t for i in range(len(valid)) for t in valid[i]["labels"].tolist()]
     assert {t // 100 for t in val_tokens} <= {18, 19}
     assert len(valid) == (len(documents[18]) + len(documents[19]) - 1) // 8  # one pass over the split
     # unshuffled, consecutive samples share one token: the stream, every seq_length tokens
@@ -146,8 +149,8 @@ def test_samples_span_documents_of_their_split_only(tmp_path):
                                 seed=3, run_samples=40)
     other = MegatronPretraining(str(tmp_path / "s"), seq_length=8, split="90,10,0", splits_to_build="train",
                                 seed=4, run_samples=40)
-    assert [again[i]["input_ids"].tolist() for i in range(40)] == samples
-    assert [other[i]["input_ids"].tolist() for i in range(40)] != samples
+    assert [again[i]["input_ids"].tolist() + again[i]["labels"][-1:].tolist() for i in range(40)] == samples
+    assert [other[i]["input_ids"].tolist() for i in range(40)] != [sample[:-1] for sample in samples]
 
 
 def test_a_blend_follows_its_weights_and_the_index_cache_is_reused(tmp_path):
@@ -259,17 +262,67 @@ def test_dataloader_type_acts_and_what_cannot_act_is_refused(tmp_path, tiny_llam
         assert words in output, output
 
 
-def test_samples_longer_than_a_learned_position_table_are_refused(tmp_path):
-    # upstream's GPT-2 example: seq_length 1024 = n_positions, but a sample feeds seq_length + 1 tokens here, so
-    # the position embedding had no row for the last one (IndexError on the first batch)
+def test_upstream_gpt2_form_fills_the_learned_position_table_and_trains(tmp_path):
+    # upstream's megatron_pretrain_gpt2.yaml: seq_length 1024 = GPT-2's n_positions. The model reads seq_length
+    # tokens (the labels are the next ones, pre-shifted), so seq_length = n_positions fits; one more is refused
     from transformers import GPT2Config
 
     GPT2Config(vocab_size=482, n_positions=32, n_embd=16, n_layer=1, n_head=2).save_pretrained(tmp_path / "gpt2")
     config = upstream_form(tmp_path, tmp_path / "gpt2" / "config.json")  # seq_length 32
-    code, output = validate_cli(config, tmp_path)
+    result = run_cli("pretrain", "llm", "-c", config, "--step_scheduler.log_interval", "1", cwd=tmp_path,
+                     OMP_NUM_THREADS="1")
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert len(train_losses(tmp_path / "ckpt")) == 3 and [step for step, _ in val_losses(tmp_path / "ckpt")] == [2]
+    code, output = validate_cli(config, tmp_path, "--dataset.seq_length", "33")
     assert code == 2 and "Traceback" not in output, output
-    for key in ("dataset", "validation_dataset"):
-        assert f"{key}.seq_length: 32: a sample holds seq_length + 1 = 33 tokens" in output, output
-    assert "set seq_length to at most 31" in output
-    code, output = validate_cli(config, tmp_path, "--dataset.seq_length", "31", "--validation_dataset.seq_length", "31")
-    assert code == 0, output
+    assert "dataset.seq_length: 33: each sample feeds the model 33 tokens, but its learned positions stop at " \
+           "n_positions = 32; set seq_length to at most 32" in output, output
+    assert "validation_dataset.seq_length" not in output, output
+
+
+@pytest.mark.parametrize("loss", ["MaskedCrossEntropy", "FusedLinearCrossEntropy"])
+@pytest.mark.parametrize("positions_only", [True, False])
+def test_a_preshifted_sample_has_the_loss_of_its_full_row(tmp_path, tiny_llama_config, loss, positions_only):
+    """A rotary model reads seq_length tokens and pairs each position with its own (pre-shifted) label: the loss of
+    the row of seq_length + 1 tokens fed whole (the loss shifting), by hand and through the recipe's old form."""
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.data import default_collate
+
+    from automodel.training.modules import unwrap
+
+    config = upstream_form(tmp_path, tiny_llama_config)
+    run = train_inprocess(config, "--validation_dataset", "null", "--validation_dataloader", "null",
+                          "--loss_fn._target_", loss, "--logits.label_positions_only", str(positions_only).lower(),
+                          setup_only=True)
+    assert run.labels_shifted and run.label_offset == 0
+    batch = default_collate([run.train_dataset[i] for i in range(4)])
+    assert batch["input_ids"].shape == batch["labels"].shape == (4, 32)  # seq_length, what the model reads
+    rows = torch.cat([batch["input_ids"], batch["labels"][:, -1:]], dim=1)  # Megatron's 33-token samples
+    model = unwrap(run.model)
+    with torch.no_grad():
+        preshifted = run.compute_loss(run.model, run.move_to_device(batch)).item()
+        assert run.count_label_tokens(batch) == 4 * 32
+        by_hand = F.cross_entropy(model(input_ids=rows[:, :-1]).logits.flatten(0, 1).float(), rows[:, 1:].flatten(),
+                                  reduction="sum").item()
+        run.labels_shifted, run.label_offset = False, 1  # the old form: whole rows, the loss shifting
+        full_row = run.compute_loss(run.model, run.move_to_device({"input_ids": rows, "labels": rows})).item()
+        assert run.count_label_tokens({"input_ids": rows, "labels": rows}) == 4 * 32
+    assert preshifted == pytest.approx(by_hand, rel=1e-5) and preshifted == pytest.approx(full_row, rel=1e-5)
+
+
+def test_context_parallel_over_two_ranks_trains_preshifted_samples_like_one_process(tmp_path, tiny_llama_config):
+    """cp_size 2 splits each row of seq_length tokens (a multiple of 2 x cp_size, as upstream needs) with its labels
+    as they are, not shifted again before the split: the losses, gradient norms and validation loss of one
+    process (fp32, the all-gather attention on this CPU)."""
+    config = upstream_form(tmp_path, tiny_llama_config)
+    fp32 = ["--distributed.mp_policy.param_dtype", "float32", "--checkpoint.enabled", "false",
+            "--step_scheduler.log_interval", "1"]
+    run_finetune(config, tmp_path, tmp_path / "one", *fp32)
+    run_finetune(config, tmp_path, tmp_path / "cp2", *fp32, "--nproc-per-node", "2", "--distributed.strategy",
+                 "fsdp2", "--distributed.cp_size", "2", "--distributed.cp_attention", "all_gather")
+    assert len(train_losses(tmp_path / "one")) == 3
+    assert train_losses(tmp_path / "cp2") == pytest.approx(train_losses(tmp_path / "one"), rel=1e-5)
+    assert grad_norms(tmp_path / "cp2") == pytest.approx(grad_norms(tmp_path / "one"), rel=1e-4)
+    assert [v for _, v in val_losses(tmp_path / "cp2")] == pytest.approx(
+        [v for _, v in val_losses(tmp_path / "one")], rel=1e-5)

@@ -31,9 +31,11 @@ def test_windows_are_consecutive_tokens(tmp_path):
     data = NanogptDataset(str(tmp_path / "*.bin"), seq_len=4)
     samples = [data[i] for i in range(len(data))]
     # windows of seq_len + 1 tokens, not overlapping; a shard's tail shorter than a window is dropped
-    assert [s["input_ids"] for s in samples] == [list(range(0, 5)), list(range(5, 10)), list(range(10, 15)),
-                                                 list(range(15, 20)), list(range(100, 105)), list(range(105, 110))]
-    assert all(s["labels"] == s["input_ids"] for s in samples)  # the loss shifts, as for every LLM data set
+    windows = [list(range(0, 5)), list(range(5, 10)), list(range(10, 15)), list(range(15, 20)),
+               list(range(100, 105)), list(range(105, 110))]
+    # upstream's pair: the model reads seq_len tokens, labelled with the next ones (pre-shifted: the loss keeps them)
+    assert [s["input_ids"] for s in samples] == [w[:-1] for w in windows]
+    assert [s["labels"] for s in samples] == [w[1:] for w in windows] and NanogptDataset.labels_shifted
 
 
 @pytest.mark.parametrize("damage, words", [
@@ -60,9 +62,10 @@ def test_align_to_bos_starts_every_window_at_bos(tmp_path):
     write_shard(tmp_path / "a.bin", tokens)
     aligned = NanogptDataset(str(tmp_path / "a.bin"), seq_len=2, align_to_bos=True, bos_token=BOS)
     # the first BOS, then the first BOS at or after each window's end (position 5 -> 8, 11 -> none)
-    assert [aligned[i]["input_ids"] for i in range(len(aligned))] == [[BOS, 3, 4], [BOS, 8, BOS]]
+    assert [aligned[i]["input_ids"] + aligned[i]["labels"][-1:] for i in range(len(aligned))] == [[BOS, 3, 4],
+                                                                                                  [BOS, 8, BOS]]
     plain = NanogptDataset(str(tmp_path / "a.bin"), seq_len=2)
-    assert plain[0]["input_ids"] == [1, 2, BOS] and len(plain) == 5
+    assert plain[0]["input_ids"] == [1, 2] and plain[0]["labels"] == [2, BOS] and len(plain) == 5
     with pytest.raises(AutomodelError, match="dataset.bos_token: needed"):
         NanogptDataset(str(tmp_path / "a.bin"), seq_len=2, align_to_bos=True)
 
@@ -131,7 +134,8 @@ def test_upstream_form_config_trains_a_gpt2_that_transformers_loads(tmp_path):
     assert trained.config.bos_token_id == trained.config.eos_token_id == BOS
     assert not (model_dir / "tokenizer.json").exists()
     untrained = build_gpt2_model(vocab_size=VOCAB, n_positions=128, n_embd=32, n_layer=2, n_head=2, seed=5)
-    window = torch.as_tensor(NanogptDataset(str(tmp_path / "train_*.bin"), seq_len=16)[0]["input_ids"])[None]
+    first = NanogptDataset(str(tmp_path / "train_*.bin"), seq_len=16)[0]
+    window = torch.as_tensor(first["input_ids"] + first["labels"][-1:])[None]
     with torch.no_grad():
         losses = [m.eval()(window, labels=window).loss.item() for m in (trained, untrained)]
         assert not torch.allclose(trained(window).logits[0, -1], untrained(window).logits[0, -1])

@@ -30,7 +30,7 @@ from automodel_llm.kd_ranks import (
     teacher_section_issues,
 )
 from automodel_llm.kd_teacher import ContextParallelTeacher, PipelineTeacher, pp_teacher_issues
-from automodel_llm.recipe import FinetuneRecipeForNextTokenPrediction
+from automodel_llm.recipe import FinetuneRecipeForNextTokenPrediction, config_labels_shifted
 
 IGNORE_INDEX = -100
 
@@ -138,6 +138,9 @@ class KnowledgeDistillationRecipe(FinetuneRecipeForNextTokenPrediction):
             env = self.cfg.dist_env
             self.link = TeacherLink(split, rank(), env.timeout_minutes, env.init_method)
             if split.is_teacher(rank()):
+                # this rank builds no data set: the training section's class says how its labels pair
+                self.labels_shifted = config_labels_shifted(self.cfg)
+                self.label_offset = 0 if self.labels_shifted else 1
                 self.teacher = self.build_teacher(self.select_device())
                 self.copy_group = self.shard_teacher(split) if split.copy_size > 1 else None
                 return
@@ -190,6 +193,8 @@ class KnowledgeDistillationRecipe(FinetuneRecipeForNextTokenPrediction):
             if found:
                 raise ConfigError(found)
             apply_tensor_parallel(self.teacher, mesh, vocab_parallel=False)  # the head returns whole logits
+        if self.copy_forward is not None:
+            self.copy_forward.label_offset = self.label_offset
         return mesh.get_group()
 
     def run_train_validation_loop(self) -> None:

@@ -117,10 +117,11 @@ def untie_head(teacher: nn.Module) -> None:
     text.tie_word_embeddings = teacher.config.tie_word_embeddings = False
 
 
-def student_logits(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def student_logits(logits: torch.Tensor, batch: dict[str, torch.Tensor], offset: int = 1) -> torch.Tensor:
     """Of the whole batch's ``[rows, sequence, vocab]`` logits, the rows a student's ``next_token_logits`` gives:
-    the label positions' where the batch names them, else every position but each row's last."""
-    flat = logits[:, :-1] if LABEL_POSITIONS not in batch else logits
+    the label positions' where the batch names them, else every position but each row's last ``offset`` (the
+    recipe's ``label_offset``: 0 where the labels are the next tokens already)."""
+    flat = logits[:, :logits.shape[1] - offset] if LABEL_POSITIONS not in batch else logits
     flat = flat.reshape(-1, logits.shape[-1])
     return flat.index_select(0, batch[LABEL_POSITIONS]) if LABEL_POSITIONS in batch else flat
 
@@ -128,6 +129,8 @@ def student_logits(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torc
 class ContextParallelTeacher:
     """The teacher's logits of a micro-batch computed by the ranks of ``cp_mesh``, each on its part of the
     sequences (every rank calls it with the same batch; every rank gets the logits)."""
+
+    label_offset = 1  # the recipe's (see student_logits)
 
     def __init__(self, teacher: nn.Module, cp_mesh: DeviceMesh, shard: bool):
         self.teacher, self.cp_mesh = teacher, cp_mesh
@@ -147,7 +150,7 @@ class ContextParallelTeacher:
                                                 _pad(batch.get("attention_mask"), extra, 0))
         with context_parallel_region(self.cp_mesh, part, "all_gather"):
             logits = self.teacher(**part.model_inputs()).logits
-        return student_logits(self._whole(logits, length + extra)[:, :length], batch)
+        return student_logits(self._whole(logits, length + extra)[:, :length], batch, self.label_offset)
 
     def _whole(self, logits: torch.Tensor, length: int) -> torch.Tensor:
         """Every rank's part of the logits, put back in sequence order (the region's split, undone)."""
@@ -178,6 +181,8 @@ class PipelineTeacher:
     """The teacher cut into the stages of ``pp_mesh`` (this rank's stage kept) and run forward by torch's schedule;
     every rank calls it with the same batch; the last stage's rank gets the logits (the others None)."""
 
+    label_offset = 1  # the recipe's (see student_logits)
+
     def __init__(self, teacher: nn.Module, pp_mesh: DeviceMesh, device: torch.device, settings: PipelineSettings):
         from automodel.training.parallel.pipeline_stages import split_model
 
@@ -193,7 +198,7 @@ class PipelineTeacher:
         input_ids = batch["input_ids"]
         with torch.no_grad():
             logits = self._schedule(input_ids.shape).step(input_ids, **stage_kwargs(batch, 0))
-        return student_logits(logits, batch) if self.stage.is_last else None
+        return student_logits(logits, batch, self.label_offset) if self.stage.is_last else None
 
     def _schedule(self, shape: torch.Size) -> Any:
         """The schedule for batches of ``shape`` (torch's stages size their buffers from the first batch they run,

@@ -37,7 +37,12 @@ from automodel.training.recipe import TrainRecipe
 from automodel_llm.datasets.collate import pad_collate
 from automodel_llm.datasets.megatron import MegatronPretraining
 from automodel_llm.datasets.packing import PackedDataset, packed_collate
-from automodel_llm.datasets.pretraining import batch_size_issues, drawn_vocab_issues, learned_position_issues
+from automodel_llm.datasets.pretraining import (
+    batch_size_issues,
+    drawn_vocab_issues,
+    label_form_issues,
+    position_table_issues,
+)
 from automodel_llm.embeddings import (
     EmbeddingRowRepairConfig,
     NEFTuneConfig,
@@ -182,6 +187,12 @@ def pipeline_issues(cfg: Config, packed_size: int) -> list[ConfigIssue]:
     return issues
 
 
+def config_labels_shifted(cfg: Config) -> bool:
+    """Whether the training data set section's class declares its labels the next tokens already
+    (``labels_shifted``), read from the config alone (for a rank that builds no data)."""
+    return any(key == "dataset" and bool(getattr(fn, "labels_shifted", False)) for key, _, fn in dataset_sections(cfg))
+
+
 class FinetuneRecipeForNextTokenPrediction(MTPLoss, NextTokenLogits, TrainRecipe):
     """Causal LM training: loss on label tokens (answers for SFT, everything for pre-training).
 
@@ -228,7 +239,8 @@ class FinetuneRecipeForNextTokenPrediction(MTPLoss, NextTokenLogits, TrainRecipe
             hf_config = model_hf_config(cfg)
             text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
             issues += drawn_vocab_issues(datasets, getattr(text, "vocab_size", None))
-            issues += learned_position_issues(datasets, text)
+            issues += position_table_issues(datasets, text)
+        issues += label_form_issues(datasets)
         issues += seq2seq_issues(cfg, datasets, cls.encoder_decoder_unsupported)
         settings = cfg.distributed
         if settings is not None and settings.tp_size > 1 and settings.sequence_parallel:
@@ -325,7 +337,7 @@ class FinetuneRecipeForNextTokenPrediction(MTPLoss, NextTokenLogits, TrainRecipe
             self.log("no tokenizer: the data sets hold token ids (the model's own special token ids stand)")
         else:
             check_vocab(self.tokenizer, getattr(unwrap(self.model), "config", None), "tokenizer: " + VOCAB_PROBLEM)
-        if self.label_offset == 0:  # an encoder-decoder
+        if self.is_encoder_decoder:
             check_decoder_start(unwrap(self.model), [self.train_dataset, *(
                 loader.dataset for loader in self.val_dataloaders.values())])
         changes = align_special_tokens(unwrap(self.model), self.tokenizer) if self.tokenizer is not None else []
@@ -406,7 +418,14 @@ class FinetuneRecipeForNextTokenPrediction(MTPLoss, NextTokenLogits, TrainRecipe
             parts.append((*padded_tokens(batch, extra, self.pad_token_id), stage_kwargs(batch, extra)))
         return parts
 
+    @property
+    def is_encoder_decoder(self) -> bool:
+        """Whether the model is an encoder-decoder (T5, BART), by its config."""
+        return bool(getattr(getattr(unwrap(self.model), "config", None), "is_encoder_decoder", False))
+
     def count_label_tokens(self, batch: dict[str, torch.Tensor]) -> int:
+        """The labels a loss sums over: after each row's first where the loss shifts them, all where they are the
+        next tokens already (``labels_shifted``) or an encoder-decoder's."""
         return int((batch["labels"][:, self.label_offset:] != IGNORE_INDEX).sum())
 
     def count_input_tokens(self, batch: dict[str, torch.Tensor]) -> int:
@@ -425,7 +444,7 @@ class FinetuneRecipeForNextTokenPrediction(MTPLoss, NextTokenLogits, TrainRecipe
             return (f"Trained LoRA adapter in {model_dir}: load it with peft.PeftModel.from_pretrained(base_model, "
                     f"'{model_dir}'), or merge it with `automodel export {model_dir.parent} merged/`")
         tokenizer = f" and AutoTokenizer.from_pretrained('{model_dir}')" if self.tokenizer is not None else ""
-        auto = "AutoModelForSeq2SeqLM" if self.label_offset == 0 else "AutoModelForCausalLM"
+        auto = "AutoModelForSeq2SeqLM" if self.is_encoder_decoder else "AutoModelForCausalLM"
         return f"Trained model in {model_dir}: load it with transformers.{auto}.from_pretrained('{model_dir}')" \
             + tokenizer
 

@@ -91,27 +91,29 @@ class MTPHeads(nn.Module):
         self._outputs = self(*args, **kwargs)
 
     def loss(self, labels: torch.Tensor, head: nn.Module, loss_fn: nn.Module, loss_head: Any = None,
-             position_ids: torch.Tensor | None = None) -> torch.Tensor:
+             position_ids: torch.Tensor | None = None, offset: int = 1) -> torch.Tensor:
         """``scaling_factor / D`` x the sum over depths of depth ``k``'s summed loss (``loss_fn``, reduction sum)
-        of position ``t`` against ``labels[t + k + 1]``, from the outputs of the last training forward; only the
+        of position ``t`` against ``labels[t + k + offset]`` (``offset`` 0: the labels are the next tokens
+        already), from the outputs of the last training forward; only the
         positions with a label go through the output ``head`` (``loss_head``: the loss computed inside it). Packed
         rows (``position_ids`` restarting at 0 where a sample starts): a target in the next sample is none."""
         outputs, self._outputs = self._outputs, None
         if outputs is None:
             raise RuntimeError("the MTP heads did not run in this forward (the model was not in training mode)")
-        return self.outputs_loss(outputs, labels, head, loss_fn, loss_head, position_ids)
+        return self.outputs_loss(outputs, labels, head, loss_fn, loss_head, position_ids, offset)
 
     def outputs_loss(self, outputs: list[torch.Tensor], labels: torch.Tensor, head: nn.Module, loss_fn: nn.Module,
-                     loss_head: Any = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+                     loss_head: Any = None, position_ids: torch.Tensor | None = None, offset: int = 1
+                     ) -> torch.Tensor:
         """:meth:`loss` of the depths' hidden states ``outputs`` (a pipeline's last stage returns them)."""
         if position_ids is not None and position_ids.dim() == 3:  # multi-axis rotary positions: the text axis first
             position_ids = position_ids[0]
         sample = (position_ids == 0).cumsum(dim=1) if position_ids is not None else None
         total = outputs[0].new_zeros((), dtype=torch.float32)
         for depth, hidden in enumerate(outputs, start=1):
-            targets = shift_left(labels, depth + 1, IGNORE_INDEX)
+            targets = shift_left(labels, depth + offset, IGNORE_INDEX)
             if sample is not None:  # the target's sample must be the position's
-                targets = targets.masked_fill(shift_left(sample, depth + 1, -1) != sample, IGNORE_INDEX)
+                targets = targets.masked_fill(shift_left(sample, depth + offset, -1) != sample, IGNORE_INDEX)
             targets = targets.reshape(-1)
             index = (targets != IGNORE_INDEX).nonzero().squeeze(1)
             rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, index)

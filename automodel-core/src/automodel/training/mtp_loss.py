@@ -54,7 +54,7 @@ class MTPLoss:
             return loss
         head = unwrap(model).get_output_embeddings()
         return loss + self.mtp_heads.loss(batch["labels"], head, self.loss_fn, self.loss_head,
-                                          batch.get("position_ids"))
+                                          batch.get("position_ids"), self.label_offset)
 
     def pipeline_loss(self, output: torch.Tensor | tuple[torch.Tensor, ...], targets: torch.Tensor) -> torch.Tensor:
         """The next-token loss of the last stage's output plus, while training, the heads' of the depths' hidden
@@ -64,4 +64,4 @@ class MTPLoss:
         main, *depths, positions = output
         head = last_stage(unwrap(self.model)).output_head
         return super().pipeline_loss(main, targets) + self.mtp_heads.outputs_loss(
-            depths, targets, head, self.loss_fn, self.loss_head, positions)
+            depths, targets, head, self.loss_fn, self.loss_head, positions, self.label_offset)

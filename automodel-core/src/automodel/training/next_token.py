@@ -30,8 +30,9 @@ LABEL_POSITIONS = "label_positions"  # batch key: flat indices of the positions 
 def label_positions(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX, offset: int = 1) -> torch.Tensor:
     """Flat indices into ``batch x sequence`` of the positions whose target carries a label.
 
-    Position ``i`` of a row predicts label ``i + offset``: 1 in a causal LM (the next token), 0 in an
-    encoder-decoder, whose decoder inputs are the labels shifted right in the batch. The logits a loss needs are
+    Position ``i`` of a row predicts label ``i + offset``: 1 in a causal LM (the next token), 0 where the labels
+    are the next tokens already (pre-shifted data) and in an encoder-decoder, whose decoder inputs are the labels
+    shifted right in the batch. The logits a loss needs are
     those at the flat indices returned here, and their targets are ``labels.view(-1)[index + offset]``.
     """
     keep = torch.zeros(labels.shape, dtype=torch.bool, device=labels.device)
@@ -140,6 +141,29 @@ def split_next_token_logits(model: nn.Module, batch: ContextParallelBatch, head:
         return logits_at(model, inputs, index, head, loss_head), kept
 
 
+def shifted_labels(train: Any, validation: list[Any]) -> bool:
+    """Whether the run's data sets hold labels that are the next tokens already (a data set class's
+    ``labels_shifted = True``, as upstream's Megatron and nanogpt samples: ``seq_length`` tokens in, the
+    ``seq_length`` that follow each as labels), so that no loss shifts them again. A run has one loss form: a
+    validation set whose labels differ from the training set's is an error (validation refuses it earlier for
+    the config's data set sections)."""
+    want = bool(getattr(train, "labels_shifted", False))
+    for dataset in validation:
+        if dataset is not None and bool(getattr(dataset, "labels_shifted", False)) != want:
+            which = (type(train).__name__, type(dataset).__name__)
+            raise AutomodelError(shifted_mismatch(*(which if want else which[::-1])))
+    return want
+
+
+def shifted_mismatch(shifted: str, unshifted: str) -> str:
+    """Why data sets of the two label forms cannot share a run (``shifted``: the class whose labels are the next
+    tokens already)."""
+    return (f"{shifted}'s labels are the next tokens already (the model reads seq_length tokens, each labelled with "
+            f"the one after it) while {unshifted}'s are the input tokens themselves (the loss shifts them); one run "
+            "computes its loss one way: train and validate on data sets of one kind (for MegatronPretraining, a "
+            "validation section with splits_to_build: validation)")
+
+
 def pipeline_logits_note(pp_size: int) -> str:
     """The run-start note that ``logits.label_positions_only: true`` (the default) is inert under pipeline
     parallelism: torch's stages exchange tensors of one shape, set up once per sequence length, while the count of
@@ -156,12 +180,19 @@ class NextTokenLogits:
     sections = {"logits": LogitsConfig}
     head_positions: HeadOnPositions | None = None
     loss_head: LinearLossHead | None = None  # loss_fn computes the loss inside the output head
-    label_offset = 1  # position i predicts label i + 1; 0 for an encoder-decoder (logits[i] pairs with labels[i])
+    label_offset = 1  # position i predicts label i + 1; 0: logits[i] pairs with labels[i] (see setup)
+    labels_shifted = False  # the data sets' labels are the next tokens already (their ``labels_shifted``)
 
     def setup(self) -> None:
         super().setup()
-        if getattr(getattr(unwrap(self.model), "config", None), "is_encoder_decoder", False):
-            self.label_offset = 0  # its decoder reads the labels shifted right (the batch's decoder_input_ids)
+        validation = [getattr(loader, "dataset", None) for loader in getattr(self, "val_dataloaders", {}).values()]
+        self.labels_shifted = shifted_labels(getattr(self, "train_dataset", None), validation)
+        # an encoder-decoder's decoder reads the labels shifted right (the batch's decoder_input_ids); pre-shifted
+        # labels are each position's next token already
+        if self.labels_shifted or getattr(getattr(unwrap(self.model), "config", None), "is_encoder_decoder", False):
+            self.label_offset = 0
+        if getattr(self, "pipelines", None) is not None:
+            self.pipelines.labels_shifted = self.labels_shifted
         if isinstance(self.loss_fn, LinearCrossEntropy):
             self.loss_head = self.attach_loss_head()
         if not self.cfg.logits.label_positions_only:
@@ -229,4 +260,5 @@ class NextTokenLogits:
                                  "token's attention, but this batch has padding before real tokens (left padding); "
                                  "pad on the right (the recipe's default collate_fn does) or set "
                                  "distributed.cp_attention: all_gather, whose mask hides padding anywhere")
-        return ContextParallelBatch.from_labels(batch["input_ids"], batch["labels"], batch.get("position_ids"), mask)
+        return ContextParallelBatch.from_labels(batch["input_ids"], batch["labels"], batch.get("position_ids"), mask,
+                                                shifted=self.labels_shifted)

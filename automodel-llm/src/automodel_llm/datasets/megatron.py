@@ -14,8 +14,11 @@ What it does, as Megatron's GPT data set does, in numpy:
   proportions. Files without weights are weighted by their sizes in tokens.
 
 Megatron's own orders (its C++ index helpers) are not reproduced: the documents and samples are the same kind,
-the draws differ. The sample is ``input_ids`` and ``labels`` alike, as every LLM data set here: the loss shifts,
-so a sample trains ``seq_length`` next-token predictions, Megatron's ``tokens`` / ``labels`` pair.
+the draws differ. A sample of ``seq_length + 1`` tokens is Megatron's (and upstream's) pair: ``input_ids`` its first
+``seq_length`` tokens, ``labels`` its last ``seq_length``, each position labelled with the token after it. The
+class declares ``labels_shifted``, so the recipe's loss pairs the logits and labels of the same positions (it shifts
+no further), and the model reads ``seq_length`` tokens: GPT-2's 1024 fit its 1024 learned positions, and lengths
+upstream divides (2 x cp_size, pipeline shapes) stay divisible.
 """
 
 from __future__ import annotations
@@ -209,12 +212,14 @@ class MegatronPretraining(Dataset):
     """GPT samples of one split of Megatron indexed files (see the module's docstring)."""
 
     pretokenized = True  # token ids already: a run on these data needs no tokenizer
+    labels_shifted = True  # labels[i] is the token after input_ids[i]: the loss must not shift them again
     dataloader_types = ("single", "cyclic")  # upstream's Megatron samplers, which dataloader.dataloader_type picks
 
     argument_help = {
         "paths": "a prefix (<prefix>.bin / .idx), a glob of such files, a JSON file, a list of prefixes, a list of "
                  "weight, prefix pairs (a blend), or {train, validation, test} each of those",
-        "seq_length": "next-token predictions per sample (a sample holds seq_length + 1 tokens; default 2048)",
+        "seq_length": "tokens the model reads per sample, each labelled with the one after it (a sample spans "
+                      "seq_length + 1 tokens of the files; default 2048)",
         "seed": "orders the documents and samples (default 1234)",
         "split": "train, validation, test weights of each file's documents (default \"900,50,50\"; not with a "
                  "paths mapping)",
@@ -323,7 +328,7 @@ class MegatronPretraining(Dataset):
         if not 0 <= index < len(self):
             raise IndexError(index)
         tokens = torch.from_numpy(self.parts[int(self.files[index])][int(self.within[index])])
-        return {"input_ids": tokens, "labels": tokens}
+        return {"input_ids": tokens[:-1], "labels": tokens[1:]}
 
 
 _SCHEDULE_KEYS = {

@@ -5,9 +5,10 @@ fineweb.py's shards, always uint16 tokens; 278895051 for nanogpt_data_processor.
 bytes per token, 2 or 4), ``header[1]`` the version (1), ``header[2]`` the token count. Shards are read with a
 numpy memory map, never unpickled.
 
-Each sample is a window of ``seq_len + 1`` consecutive tokens as ``input_ids`` and ``labels`` alike: the recipe's
-loss predicts each position's next token, so a sample trains ``seq_len`` predictions, the same tokens from the same
-contexts as upstream's shifted pair of ``seq_len`` tokens. Windows do not overlap and never cross a shard's end.
+Each sample is a window of ``seq_len + 1`` consecutive tokens given as upstream gives it: ``input_ids`` its first
+``seq_len`` tokens, ``labels`` its last ``seq_len`` (each position's next token). The class declares
+``labels_shifted``, so the recipe's loss does not shift them again. Windows do not overlap and never cross a
+shard's end.
 
 Unlike upstream's endless stream, the windows are a map-style data set, so the engine's samplers apply: each
 data-parallel rank reads its own windows, an epoch is one pass over them, ``dataloader.shuffle`` shuffles them
@@ -79,9 +80,11 @@ class NanogptDataset(Dataset):
     """Windows of ``seq_len + 1`` tokens from modded-nanogpt ``.bin`` shards (see the module's docstring)."""
 
     pretokenized = True  # token ids already: a run on these data needs no tokenizer
+    labels_shifted = True  # labels[i] is the token after input_ids[i]: the loss must not shift them again
 
     argument_help = {"file_pattern": "a glob of .bin shards, or a list of shard paths",
-                     "seq_len": "next-token predictions per sample (a sample holds seq_len + 1 tokens)",
+                     "seq_len": "tokens the model reads per sample, each labelled with the one after it (a window "
+                                "of seq_len + 1 tokens)",
                      "shuffle_files": "read the shards in an order shuffled with the run's seed (rng.seed)",
                      "align_to_bos": "start every sample at a bos_token (tokens before it are skipped)",
                      "bos_token": "the token id that starts a document (needed by align_to_bos)",
@@ -132,4 +135,4 @@ class NanogptDataset(Dataset):
         shard = int(np.searchsorted(self.offsets, index, side="right")) - 1
         start = int(self.starts[shard][index - self.offsets[shard]])
         window = self.shards[shard][start:start + self.length].astype(np.int64).tolist()
-        return {"input_ids": window, "labels": window}
+        return {"input_ids": window[:-1], "labels": window[1:]}

@@ -2,7 +2,9 @@
 
 Rows carry ``position_ids`` and no ``attention_mask``: transformers then derives a block-diagonal causal mask
 from the position restarts (sdpa, eager and flash attention alike). Each sample's first label is masked, so
-no token learns to predict across a sample boundary and the loss equals the unpacked loss of the same samples.
+no token learns to predict across a sample boundary and the loss equals the unpacked loss of the same samples;
+samples whose labels are the next tokens already (the data set's ``labels_shifted``) keep every label, since each
+pairs with its own position.
 """
 
 from __future__ import annotations
@@ -29,18 +31,21 @@ class PackedDataset(Dataset):
         if pack_size < 2:
             raise AutomodelError(f"packed_sequence.packed_sequence_size must be >= 2, found {pack_size}")
         self.pack_size = pack_size
+        self.labels_shifted = bool(getattr(dataset, "labels_shifted", False))  # the loss reads it as the source's
+        # where the loss shifts, a sample's first label would be predicted from the token before it, another sample's
+        first = 0 if self.labels_shifted else 1
         self.rows: list[dict[str, list[int]]] = []
         first_open = 0
         for index in range(len(dataset)):
             sample = dataset[index]
-            ids, labels = list(sample["input_ids"]), [IGNORE_INDEX] + list(sample["labels"])[1:]
+            ids, labels = list(sample["input_ids"]), [IGNORE_INDEX] * first + list(sample["labels"])[first:]
             if len(ids) > pack_size and not split_across_pack:
                 raise AutomodelError(f"packed_sequence.packed_sequence_size: sample {index} has {len(ids)} tokens, "
                                      f"more than {pack_size}; raise the size or set split_across_pack: true")
             for start in range(0, len(ids), pack_size):
                 piece_ids, piece_labels = ids[start:start + pack_size], labels[start:start + pack_size]
                 if start:
-                    piece_labels = [IGNORE_INDEX] + piece_labels[1:]
+                    piece_labels = [IGNORE_INDEX] * first + piece_labels[first:]
                 first_open = max(first_open, len(self.rows) - open_rows)
                 row = next((r for r in self.rows[first_open:] if len(r["input_ids"]) + len(piece_ids) <= pack_size),
                            None)

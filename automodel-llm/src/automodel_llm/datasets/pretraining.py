@@ -167,21 +167,40 @@ def drawn_vocab_issues(sections: list[tuple[str, Any, Any]], model_vocab: int | 
     return issues
 
 
-def learned_position_issues(sections: list[tuple[str, Any, Any]], config: Any) -> list[ConfigIssue]:
-    """A MegatronPretraining section whose samples (``seq_length + 1`` tokens, fed whole: the loss shifts) are
-    longer than the learned position table of ``config``'s model (GPT-2's ``n_positions``), which has no row for
-    the last position; rotary models have no such table."""
+def position_table_issues(sections: list[tuple[str, Any, Any]], config: Any) -> list[ConfigIssue]:
+    """A MegatronPretraining or NanogptDataset section whose samples feed the model more tokens (``seq_length`` /
+    ``seq_len``: the labels are the next tokens, pre-shifted) than the learned position table of ``config``'s
+    model has rows (GPT-2's ``n_positions``); rotary models have no such table."""
     from automodel_llm.datasets.megatron import MegatronPretraining
+    from automodel_llm.datasets.nanogpt import NanogptDataset
 
     limit = getattr(config, "n_positions", None)
     issues = []
     for key, node, fn in sections:
-        length = node.get("seq_length") or 2048  # the constructor's default
-        if fn is MegatronPretraining and isinstance(limit, int) and isinstance(length, int) and length >= limit:
-            issues.append(ConfigIssue(f"{key}.seq_length", f"{length}: a sample holds seq_length + 1 = {length + 1} "
-                                      f"tokens (input and labels alike; the loss shifts), but the model's learned "
-                                      f"positions stop at n_positions = {limit}; set seq_length to at most "
-                                      f"{limit - 1}"))
+        name = {MegatronPretraining: "seq_length", NanogptDataset: "seq_len"}.get(fn)
+        length = node.get(name) if name == "seq_len" else node.get(name) or 2048  # MegatronPretraining's default
+        if name is not None and isinstance(limit, int) and isinstance(length, int) and length > limit:
+            issues.append(ConfigIssue(f"{key}.{name}", f"{length}: each sample feeds the model {length} tokens, but "
+                                      f"its learned positions stop at n_positions = {limit}; set {name} to at most "
+                                      f"{limit}"))
+    return issues
+
+
+def label_form_issues(sections: list[tuple[str, Any, Any]]) -> list[ConfigIssue]:
+    """Validation sections whose labels take the other form than the training section's: pre-shifted (the data
+    set's ``labels_shifted``, the next tokens already) against the input tokens themselves (the loss shifts them);
+    a run computes its loss one way."""
+    from automodel.training.next_token import shifted_mismatch
+
+    train = next((fn for key, _, fn in sections if key == "dataset"), None)
+    if train is None:
+        return []
+    want = bool(getattr(train, "labels_shifted", False))
+    issues = []
+    for key, _, fn in sections:
+        if key != "dataset" and bool(getattr(fn, "labels_shifted", False)) != want:
+            names = [getattr(f, "__name__", str(f)) for f in ((train, fn) if want else (fn, train))]
+            issues.append(ConfigIssue(f"{key}._target_", shifted_mismatch(*names)))
     return issues
 
 

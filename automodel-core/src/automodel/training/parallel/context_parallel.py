@@ -9,7 +9,9 @@ mask, any device; padding anywhere in a row, packed documents, sliding windows a
 both ways included).
 
 Next-token labels are shifted before the split (:func:`next_token_targets`): position ``i`` carries the target
-``labels[i + 1]``, so a rank's positions keep their targets, wherever the next token went. The position ids go
+``labels[i + 1]``, so a rank's positions keep their targets, wherever the next token went; labels that are
+already the next tokens (a data set's ``labels_shifted``, upstream's Megatron samples) are split as they are. The
+position ids go
 with the tokens (rotary embeddings need the true positions), and the attention modules run without the model's
 mask (:func:`causal_attention_without_mask`: a mask built from the split positions would be wrong; the region's
 attention builds its own); attention that is not causal (a vision encoder's, over whole images that every rank
@@ -155,9 +157,13 @@ def fsdp_mesh(mesh: DeviceMesh, layout: MeshLayout) -> DeviceMesh:
     return mesh["dp_replicate", "dp_shard_cp"] if layout.dp_replicate > 1 else joined
 
 
-def next_token_targets(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+def next_token_targets(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX, shifted: bool = False
+                       ) -> torch.Tensor:
     """``labels`` shifted left along the sequence: position ``i`` holds the label of token ``i + 1`` (the last
-    position ``ignore_index``), so the targets can be split over ranks with the tokens."""
+    position ``ignore_index``), so the targets can be split over ranks with the tokens; ``shifted``: the labels
+    are those targets already (a copy of them)."""
+    if shifted:
+        return labels.clone()
     targets = torch.full_like(labels, ignore_index)
     targets[:, :-1] = labels[:, 1:]
     return targets
@@ -177,12 +183,14 @@ class ContextParallelBatch:
 
     @classmethod
     def from_labels(cls, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None,
-                    attention_mask: torch.Tensor | None = None) -> ContextParallelBatch:
+                    attention_mask: torch.Tensor | None = None, shifted: bool = False) -> ContextParallelBatch:
         """The batch's own ``position_ids`` where it has them, else each row's ``0 .. length - 1``; the tensors
-        are new ones (the region splits them in place, the collated batch stays whole)."""
+        are new ones (the region splits them in place, the collated batch stays whole). ``shifted``: ``labels``
+        are already the next tokens' (see :func:`next_token_targets`)."""
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[SEQUENCE_DIM], device=input_ids.device).expand_as(input_ids)
-        return cls(input_ids.clone(), position_ids.clone().contiguous(), next_token_targets(labels), attention_mask)
+        return cls(input_ids.clone(), position_ids.clone().contiguous(), next_token_targets(labels, shifted=shifted),
+                   attention_mask)
 
     def label_tokens(self) -> int:
         return int((self.targets != IGNORE_INDEX).sum())
@@ -213,19 +221,20 @@ def _check_length(length: int, cp_mesh: DeviceMesh) -> None:
 
 
 def pipeline_parts(cp_mesh: DeviceMesh, inputs: torch.Tensor, labels: torch.Tensor, kwargs: dict[str, Any],
-                   whole_inputs: bool = False) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+                   whole_inputs: bool = False, shifted: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
     """A pipeline batch (token ids, labels, the stages' keyword arguments) as its stages run it with context
     parallelism: this rank's part of the token ids (``whole_inputs``: the whole rows', for a first stage that
     merges media into them before it splits, ``PipelineStageModel.takes_whole_rows``) and of the next-token
-    targets (shifted before the split, as :class:`ContextParallelBatch`), the keyword arguments of the whole rows
-    (each row's ``0 .. length - 1`` as its positions where it has none) with ``cp_mesh``, from which each stage
-    runs its layers in the all-gather attention's region (``PipelineStageModel.forward``)."""
+    targets (shifted before the split unless ``shifted``, as :class:`ContextParallelBatch`), the keyword arguments
+    of the whole rows (each row's ``0 .. length - 1`` as its positions where it has none) with ``cp_mesh``, from
+    which each stage runs its layers in the all-gather attention's region (``PipelineStageModel.forward``)."""
     _check_length(labels.shape[SEQUENCE_DIM], cp_mesh)
     if "position_ids" not in kwargs:
         kwargs = {**kwargs, "position_ids": torch.arange(inputs.shape[SEQUENCE_DIM], device=inputs.device)
                   .expand(inputs.shape[0], -1)}
     return (inputs if whole_inputs else split_sequence(inputs, cp_mesh),
-            split_sequence(next_token_targets(labels), cp_mesh), {**kwargs, "cp_mesh": cp_mesh})
+            split_sequence(next_token_targets(labels, shifted=shifted), cp_mesh), {**kwargs, "cp_mesh": cp_mesh})
 
 
 @contextlib.contextmanager

@@ -315,7 +315,7 @@ class StagePipelines:
     with static shapes instead, no such first run. With ``cp_mesh`` (context parallelism) each training batch is
     split over its ranks first (``context_parallel.pipeline_parts``; the token ids of a vision-language model's
     first stage stay whole, it splits after merging the media); evaluation runs whole sequences, its targets
-    shifted as well.
+    shifted as well (neither shifts where ``labels_shifted``: the data's labels are the next tokens already).
     Evaluation runs GPipe, or LoopedBFS (its form for several stages per rank), forward only (the schedule changes
     nothing there), with micro-batches that divide the batch, so a shorter last validation batch runs too."""
 
@@ -328,6 +328,7 @@ class StagePipelines:
         # a composite model's first stage here: it takes the whole rows' token ids under context parallelism
         self.whole_inputs = any(getattr(stage, "takes_whole_rows", False) for stage in stages)
         self.group = pp_mesh.get_group()
+        self.labels_shifted = False  # the recipe's data sets' labels are the next tokens already (set at its setup)
         self._pipelines: dict[tuple[bool, tuple[int, ...]], Pipeline] = {}
 
     def step(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float, reduce_grads: bool = True,
@@ -344,7 +345,7 @@ class StagePipelines:
             from automodel.training.parallel.context_parallel import pipeline_parts
 
             inputs, labels, kwargs = pipeline_parts(self.cp_mesh, inputs, labels, kwargs,
-                                                    whole_inputs=self.whole_inputs)
+                                                    whole_inputs=self.whole_inputs, shifted=self.labels_shifted)
         return self._pipeline(True, inputs, self.settings, length).step(inputs, labels, scale, reduce_grads,
                                                                         keep_gathered, **kwargs)
 
@@ -354,7 +355,7 @@ class StagePipelines:
         if self.cp_mesh is not None:
             from automodel.training.parallel.context_parallel import next_token_targets
 
-            labels = next_token_targets(labels)
+            labels = next_token_targets(labels, shifted=self.labels_shifted)
         rows, size = inputs.shape[0], self.settings.pp_microbatch_size
         schedule = "gpipe" if len(self.stages) == 1 else "loopedbfs"
         settings = PipelineSettings(pp_schedule=schedule, pp_microbatch_size=size if rows % size == 0 else 1)
