@@ -326,3 +326,38 @@ def test_context_parallel_over_two_ranks_trains_preshifted_samples_like_one_proc
     assert grad_norms(tmp_path / "cp2") == pytest.approx(grad_norms(tmp_path / "one"), rel=1e-4)
     assert [v for _, v in val_losses(tmp_path / "cp2")] == pytest.approx(
         [v for _, v in val_losses(tmp_path / "one")], rel=1e-5)
+
+
+def test_validation_data_of_the_other_label_form_is_refused(tmp_path, tiny_llama_config):
+    """One run computes its loss one way: pre-shifted training data with text validation (its labels the input
+    tokens, the loss shifting) is refused at validation, and by the recipe for data sets it is handed."""
+    import yaml
+
+    from automodel.training.next_token import shifted_labels
+    from automodel_llm.datasets.pretraining import PretrainingTextDataset
+
+    config = upstream_form(tmp_path, tiny_llama_config)
+    data = yaml.safe_load(config.read_text())
+    data["validation_dataset"] = {"_target_": "PretrainingTextDataset", "seq_length": 16,
+                                  "path_or_dataset_id": str(write_jsonl(tmp_path / "text.jsonl", 20))}
+    code, output = validate_cli(write_yaml(tmp_path / "mixed.yaml", data), tmp_path)
+    assert code == 2 and "Traceback" not in output, output
+    assert "validation_dataset._target_: MegatronPretraining's labels are the next tokens already" in output, output
+    assert "while PretrainingTextDataset's are the input tokens themselves" in output
+    train = MegatronPretraining(str(tmp_path / "data" / "processed_data_0_text_document"), seq_length=8,
+                                splits_to_build="train")
+    with pytest.raises(AutomodelError, match="MegatronPretraining's labels are the next tokens already"):
+        shifted_labels(train, [object.__new__(PretrainingTextDataset)])
+    assert shifted_labels(train, [train]) and not shifted_labels(object(), [None])
+
+
+def test_packing_keeps_every_label_of_preshifted_samples(tmp_path):
+    from automodel_llm.datasets.packing import IGNORE_INDEX, PackedDataset
+
+    write_indexed(tmp_path / "s", [list(range(d * 10, d * 10 + 9)) for d in range(4)])
+    data = MegatronPretraining(str(tmp_path / "s"), seq_length=4, split="1,0,0", splits_to_build="train")
+    packed = PackedDataset(data, pack_size=8)
+    assert packed.labels_shifted and all(IGNORE_INDEX not in row["labels"] for row in packed.rows)
+    row, first, second = packed[0], data[0], data[1]
+    assert row["labels"] == first["labels"].tolist() + second["labels"].tolist()
+    assert row["position_ids"] == [0, 1, 2, 3] * 2
