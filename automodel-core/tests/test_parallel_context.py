@@ -217,6 +217,9 @@ def test_targets_are_the_next_tokens_labels():
     batch = ContextParallelBatch.from_labels(torch.tensor([[1, 2, 3, 4]]), labels)
     assert batch.position_ids.tolist() == [[0, 1, 2, 3]]
     assert batch.label_tokens() == int((labels[:, 1:] != IGNORE_INDEX).sum()) == 2  # the engine's count
+    # labels that are the next tokens already (a data set's labels_shifted) are the targets as they are
+    shifted = ContextParallelBatch.from_labels(torch.tensor([[1, 2, 3, 4]]), labels, shifted=True)
+    assert shifted.targets.tolist() == labels.tolist() and shifted.targets is not labels and shifted.label_tokens() == 3
 
 
 
@@ -236,7 +239,7 @@ def test_left_padding_is_refused_for_ring_attention_with_what_to_do():
 
     def recipe(attention):
         return SimpleNamespace(cfg=SimpleNamespace(distributed=SimpleNamespace(cp_size=2, cp_attention=attention)),
-                               device=torch.device("cpu"), model=None)
+                               device=torch.device("cpu"), model=None, labels_shifted=False)
 
     with pytest.raises(AutomodelError, match="left padding.*pad on the right.*cp_attention: all_gather"):
         NextTokenLogits.context_parallel_batch(recipe("ring"), batch)

@@ -312,6 +312,27 @@ def test_a_target_in_the_next_packed_sample_is_not_a_target():
     torch.testing.assert_close(found, expected * 0.1 / 2)
 
 
+def test_preshifted_labels_are_each_depths_targets_one_position_earlier():
+    """Labels that are the next tokens already (a data set's labels_shifted; the recipe's label_offset 0): depth
+    ``k`` at ``t`` predicts the stream's token ``t + k + 1``, which is ``labels[t + k]``, within the sample."""
+    from automodel.mtp.heads import MTPHeads, MTPSettings, future_embeddings
+
+    torch.manual_seed(0)
+    heads, embed, head = MTPHeads(MTPSettings(2), [Passthrough(), Passthrough()]), torch.nn.Embedding(12, 4), \
+        torch.nn.Linear(4, 12)
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])  # two packed samples: streams 1 .. 4, 10 and 5 .. 8, 11
+    labels = torch.tensor([[2, 3, 4, 10, 6, 7, 8, 11]])
+    positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]])
+    heads.run(embed(ids), future_embeddings(ids, embed, 2), lambda depth: {})
+    outputs = heads._outputs
+    found = heads.loss(labels, head, torch.nn.CrossEntropyLoss(reduction="sum"), position_ids=positions, offset=0)
+    ce = torch.nn.functional.cross_entropy
+    kept = {1: [0, 1, 2, 4, 5, 6], 2: [0, 1, 4, 5]}
+    expected = sum(ce(head(outputs[k - 1][0, rows]), labels[0, [t + k for t in rows]], reduction="sum")
+                   for k, rows in kept.items())
+    torch.testing.assert_close(found, expected * 0.1 / 2)
+
+
 @pytest.mark.parametrize("nested", ["config", "text_config"])
 def test_depths_zero_in_the_config_built_from_leaves_the_factor_a_note(tmp_path, nemotron_dir, capsys, nested):
     """Upstream's DeepSeek-V4 / Step 3 form: the model's config sets ``num_nextn_predict_layers: 0`` and the
