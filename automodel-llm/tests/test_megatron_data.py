@@ -349,6 +349,19 @@ def test_validation_data_of_the_other_label_form_is_refused(tmp_path, tiny_llama
     with pytest.raises(AutomodelError, match="MegatronPretraining's labels are the next tokens already"):
         shifted_labels(train, [object.__new__(PretrainingTextDataset)])
     assert shifted_labels(train, [train]) and not shifted_labels(object(), [None])
+    # a rank that builds no data (distillation's separate teacher ranks) reads the form from the config, and gives
+    # the student the logits of every position then, none dropped for a shift
+    import torch
+
+    from automodel.testing import load_config
+    from automodel_llm.kd_teacher import student_logits
+    from automodel_llm.recipe import config_labels_shifted
+
+    assert config_labels_shifted(load_config(config)[1]) and not config_labels_shifted(load_config(
+        write_yaml(tmp_path / "text.yaml", {**data, "dataset": data["validation_dataset"], "dataloader": None,
+                                            "validation_dataset": None, "validation_dataloader": None}))[1])
+    logits = torch.arange(24.0).view(1, 4, 6)
+    assert student_logits(logits, {}, offset=0).shape == (4, 6) and student_logits(logits, {}).shape == (3, 6)
 
 
 def test_packing_keeps_every_label_of_preshifted_samples(tmp_path):
