@@ -177,7 +177,7 @@ TINY_LLM = {"vocab_size": 1024, "hidden_size": 64, "intermediate_size": 128, "nu
             "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "num_experts": 8,
             "num_local_experts": 8, "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2,
             "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1, "kv_lora_rank": 16, "q_lora_rank": 32,
-            "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16, "n_positions": 512, "n_embd": 64,
+            "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16, "n_positions": 1024, "n_embd": 64,
             "n_layer": 2, "n_head": 4, "mamba_num_heads": 4, "mamba_head_dim": 16, "ssm_state_size": 16,
             "n_groups": 1, "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 16, "mamba_n_groups": 1,
             "mamba_d_ssm": 64, "sliding_window": 64, "num_nextn_predict_layers": 0, "pad_token_id": 0,

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 from llm_testing import TOKENIZER_DIR, assert_same_weights, grad_norms, run_finetune, val_losses, validate_cli
 from llm_testing import losses as train_losses
 
@@ -269,6 +270,10 @@ def test_upstream_gpt2_form_fills_the_learned_position_table_and_trains(tmp_path
 
     GPT2Config(vocab_size=482, n_positions=32, n_embd=16, n_layer=1, n_head=2).save_pretrained(tmp_path / "gpt2")
     config = upstream_form(tmp_path, tmp_path / "gpt2" / "config.json")  # seq_length 32
+    data = yaml.safe_load(config.read_text())  # upstream's model form: the config from AutoConfig.from_pretrained
+    data["model"]["config"] = {"_target_": "transformers.AutoConfig.from_pretrained",
+                               "pretrained_model_name_or_path": str(tmp_path / "gpt2")}
+    write_yaml(config, data)
     result = run_cli("pretrain", "llm", "-c", config, "--step_scheduler.log_interval", "1", cwd=tmp_path,
                      OMP_NUM_THREADS="1")
     assert result.returncode == 0, result.stderr[-4000:]
