@@ -8,11 +8,13 @@ STAMP := $(VENV)/.installed
 DISTS := automodel-core automodel-llm automodel-vlm automodel-diffusion automodel-retrieval
 PYPROJECTS := $(foreach d,$(DISTS),$(d)/pyproject.toml)
 # make test-min: a second virtualenv holding every declared dependency floor. pytest 8.0 is the newest that
-# accepts pluggy's floor (1.3). --no-compile: byte-compiling all of torch at install time costs minutes; the
-# tests compile only what they import.
+# accepts pluggy's floor (1.3); pytest-xdist at the test extra's floor runs the smoke tests on two workers.
+# --no-compile: byte-compiling all of torch at install time costs minutes; the tests compile only what they import,
+# and write it (PYTHONDONTWRITEBYTECODE emptied: where the environment sets it, every process would compile torch
+# again).
 VENV_MIN := .venv-min
 PY_MIN := $(VENV_MIN)/bin/python
-PYTEST_MIN := pytest==8.0.2
+PYTEST_MIN := pytest==8.0.2 pytest-xdist==3.5.0
 SMOKE_TESTS = $(shell grep -rl --include='test_*.py' 'pytest.mark.smoke' $(foreach d,$(DISTS),$(d)/tests) tests)
 export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
@@ -53,7 +55,8 @@ test-min:
 	$(PYTHON) scripts/min_constraints.py > $(VENV_MIN)/min-constraints.txt
 	$(PY_MIN) -m pip install -q --no-compile -c $(VENV_MIN)/min-constraints.txt $(foreach d,$(DISTS),-e $(d)) $(PYTEST_MIN)
 	$(PY_MIN) -m pip check
-	$(PY_MIN) -m pytest --rootdir=. --import-mode=importlib -q -p no:cacheprovider -m smoke $(SMOKE_TESTS)
+	PYTHONDONTWRITEBYTECODE= $(PY_MIN) -m pytest --rootdir=. --import-mode=importlib -q -p no:cacheprovider -n 2 \
+		--dist loadfile -m smoke $(SMOKE_TESTS)
 
 lint: install
 	$(VENV)/bin/ruff check .
