@@ -50,6 +50,16 @@ def test_upstream_model_keys_that_cannot_act_are_refused_with_the_reason(make_co
     assert words in found[key], found
 
 
+@pytest.mark.parametrize("key", ["_attn_implementation", "attn_implementation_new"])
+def test_an_attention_the_config_node_asks_for_is_refused_where_it_cannot_run(make_config, saved_llama, key):
+    """Upstream's Nemotron-Flash form: the AutoConfig.from_pretrained node overrides the checkpoint's attention; a
+    kernel this machine lacks is refused at validation (the build failed on it), sdpa validates."""
+    node = {"_target_": "transformers.AutoConfig.from_pretrained", "pretrained_model_name_or_path": str(saved_llama)}
+    found = refusals(make_config(model={"config": {**node, key: "flash_attention_2"}}))
+    assert "'flash_attention_2' needs a CUDA GPU" in found[f"model.config.{key}"], found
+    load_config(make_config(model={"config": {**node, key: "sdpa"}}))
+
+
 @CUDA_ONLY
 def test_sdpa_backends_that_run_only_on_cuda_are_refused(make_config):
     found = refusals(make_config(model={"use_sdpa_patching": True,

@@ -107,6 +107,7 @@ def upstream_model_issues(kwargs: Mapping[str, Any], mtp: bool = False) -> dict[
             issues[key] = issue
     if (issue := attention_issue(kwargs.get("attn_implementation"))) is not None:
         issues["attn_implementation"] = issue
+    issues.update(_config_attention_issues(kwargs.get("config")))
     if kwargs.get("use_liger_kernel") is True:
         issues["use_liger_kernel"] = LIGER_KERNEL_REFUSAL
     if kwargs.get("force_hf") is False:
@@ -117,6 +118,24 @@ def upstream_model_issues(kwargs: Mapping[str, Any], mtp: bool = False) -> dict[
     if (issue := _sdpa_method_issue(kwargs)) is not None:
         issues["sdpa_method"] = issue
     issues.update(_mtp_issues(kwargs, mtp))
+    return issues
+
+
+# keys of a model config that pick its attention: transformers' own, and the one Nemotron-Flash's code reads
+CONFIG_ATTENTION_KEYS = ("attn_implementation", "_attn_implementation", "attn_implementation_new")
+
+
+def _config_attention_issues(config: Any) -> dict[str, str]:
+    """A ``config`` node (upstream's ``AutoConfig.from_pretrained`` with keys that override the checkpoint's)
+    asking for an attention that needs CUDA kernels: the model's build would fail on it."""
+    if not isinstance(config, Mapping):
+        return {}
+    issues = {}
+    for key in CONFIG_ATTENTION_KEYS:
+        value = config.get(key)
+        issue = attention_issue(value)
+        if issue is not None and "needs" in issue:  # other names may be a checkpoint's own (remote code) choice
+            issues[f"config.{key}"] = issue
     return issues
 
 
