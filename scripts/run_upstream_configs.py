@@ -256,7 +256,7 @@ CPU_OVERRIDES: dict[str, Any] = {
     r"^model\.backend\.rms_norm$": "torch_fp32",
     r"^model\.backend\.rope_fusion$": False,
     r"^(?P<edit>model\.backend\.(te_fp8|dispatcher_num_sms|mok))(\.|$)": REMOVE,
-    r"(^|\.)attn_implementation$": _sdpa,
+    r"(^|\.)_?attn_implementation(_new)?$": _sdpa,
     r"^model\.attention_backend$": "native",
     r"^model\.use_liger_kernel$": False,
     r"^(?P<edit>fp8)\.": REMOVE,
