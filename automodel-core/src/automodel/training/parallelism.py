@@ -302,8 +302,7 @@ def _model_expert_issues(hf_config: Any, ep_size: int) -> list[ConfigIssue]:
 def model_hf_config(cfg: Config, section: str = "model") -> Any:
     """The Hugging Face config of the model section (``section``: another, a teacher's say) where it can be read
     without building the model: ``model.config`` (a config.json, a directory, a mapping with ``model_type``, a node
-    naming a transformers configuration class or upstream's ``AutoConfig.from_pretrained`` node, whose other keys
-    override the checkpoint's; the section's other keys override it), else a local
+    naming a configuration class or AutoConfig.from_pretrained; the section's other keys override it), else a local
     ``pretrained_model_name_or_path`` / ``name_or_path`` or one in the Hugging Face cache. None when it cannot be
     read here (the built model is checked instead)."""
     model = cfg.get(section)
@@ -315,14 +314,12 @@ def model_hf_config(cfg: Config, section: str = "model") -> Any:
         data = model.to_dict()
         source = data.get("config")
         overrides = {k: v for k, v in data.items() if k not in _NOT_CONFIG_KEYS and not isinstance(v, (dict, list))}
-        target = str(source.get("_target_")) if isinstance(source, dict) else ""
-        if HF_CONFIG_PATH.fullmatch(target) and not target.startswith("transformers.AutoConfig."):
+        if isinstance(source, dict) and HF_CONFIG_PATH.fullmatch(str(source.get("_target_"))):
             fields = {k: v for k, v in source.items() if k != "_target_"}  # a transformers configuration class
             return TargetResolver(trust=UserTrust()).resolve(source["_target_"])(**{**fields, **overrides})
         if isinstance(source, dict) and "_target_" in source:  # upstream's AutoConfig.from_pretrained node
             node = {k: v for k, v in source.items() if k not in ("_target_", "trust_remote_code")}
-            source = node.pop("pretrained_model_name_or_path", None)
-            overrides = {**{k: v for k, v in node.items() if not isinstance(v, (dict, list))}, **overrides}
+            source, overrides = node.pop("pretrained_model_name_or_path", None), {**node, **overrides}
         if source is None:
             name = data.get("pretrained_model_name_or_path") or data.get("name_or_path")
             return AutoConfig.from_pretrained(str(name), local_files_only=True) if name else None
