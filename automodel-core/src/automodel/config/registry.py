@@ -28,10 +28,8 @@ from pathlib import PurePosixPath
 EXACT, PREFIX, RULE = "exact", "prefix", "rule"
 HF_CONFIG_RULE = "transformers.models.<model>.configuration_<model>.<Name>Config"
 # what HF_CONFIG_RULE admits by name: the class in its configuration module, or its re-export at the top level
-# (AutoConfig, not a configuration class, is a target of its own)
 HF_CONFIG_PATH = re.compile(
-    r"transformers\.(models\.[a-z0-9_]+\.configuration_[a-z0-9_]+\.)?(?!AutoConfig\b)[A-Z][A-Za-z0-9]*Config"
-    r"(\.from_pretrained)?")
+    r"transformers\.(models\.[a-z0-9_]+\.configuration_[a-z0-9_]+\.)?[A-Z][A-Za-z0-9]*Config(\.from_pretrained)?")
 HF_CONFIG_MODULE = re.compile(r"transformers\.models\.[a-z0-9_]+\.configuration_[a-z0-9_]+")
 
 # Never resolvable, whoever registers or trusts them: they execute code, reach the operating system or unpickle.

@@ -314,7 +314,8 @@ def model_hf_config(cfg: Config, section: str = "model") -> Any:
         data = model.to_dict()
         source = data.get("config")
         overrides = {k: v for k, v in data.items() if k not in _NOT_CONFIG_KEYS and not isinstance(v, (dict, list))}
-        if isinstance(source, dict) and HF_CONFIG_PATH.fullmatch(str(source.get("_target_"))):
+        if isinstance(source, dict) and HF_CONFIG_PATH.fullmatch(target := str(source.get("_target_"))) \
+                and not target.startswith("transformers.AutoConfig."):  # AutoConfig's node: its path, below
             fields = {k: v for k, v in source.items() if k != "_target_"}  # a transformers configuration class
             return TargetResolver(trust=UserTrust()).resolve(source["_target_"])(**{**fields, **overrides})
         if isinstance(source, dict) and "_target_" in source:  # upstream's AutoConfig.from_pretrained node
