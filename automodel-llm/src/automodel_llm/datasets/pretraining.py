@@ -175,11 +175,12 @@ def position_table_issues(sections: list[tuple[str, Any, Any]], config: Any) -> 
     from automodel_llm.datasets.nanogpt import NanogptDataset
 
     limit = getattr(config, "n_positions", None)
+    lengths = {MegatronPretraining: ("seq_length", 2048), NanogptDataset: ("seq_len", None)}  # key, its default
     issues = []
     for key, node, fn in sections:
-        name = {MegatronPretraining: "seq_length", NanogptDataset: "seq_len"}.get(fn)
-        length = node.get(name) if name == "seq_len" else node.get(name) or 2048  # MegatronPretraining's default
-        if name is not None and isinstance(limit, int) and isinstance(length, int) and length > limit:
+        name, default = lengths.get(fn, (None, None))
+        length = node.get(name) or default if name is not None else None
+        if isinstance(limit, int) and isinstance(length, int) and length > limit:
             issues.append(ConfigIssue(f"{key}.{name}", f"{length}: each sample feeds the model {length} tokens, but "
                                       f"its learned positions stop at n_positions = {limit}; set {name} to at most "
                                       f"{limit}"))
