@@ -7,6 +7,7 @@ The distributed runs come from ``model_parallel_workers.scenario_two`` / ``scena
 from __future__ import annotations
 
 import pytest
+import torch
 from model_parallel_workers import SEQ, assert_like_one_process, mp_config, qwen3_config
 from parallel_workers import meta_model
 from torch.distributed.tensor import Replicate, Shard
@@ -108,15 +109,40 @@ def test_lora_layers_shard_the_adapter_matrix_that_shares_the_base_layers_sharde
     assert f"{q}.lora_A.default" not in concrete and f"{o}.lora_B.default" not in concrete  # replicated
 
 
+def test_lora_layers_of_gathering_and_splitting_styles_shard_the_adapter_matrix_of_that_side():
+    import peft
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    from automodel.training.parallel.tensor_parallel import _with_lora_layers
+    from automodel.training.parallel.tp_plans import expand_plan, model_plan
+
+    config = Phi3Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, pad_token_id=0,
+                        num_attention_heads=2, num_key_value_heads=2)
+    with torch.device("meta"):
+        model = Phi3ForCausalLM(config)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["qkv_proj", "o_proj"], task_type="CAUSAL_LM")
+    base = peft.get_peft_model(model, lora).get_base_model()
+    concrete = _with_lora_layers(base, expand_plan(model_plan(base), base))
+    qkv, o = "model.layers.0.self_attn.qkv_proj", "model.layers.0.self_attn.o_proj"
+    assert concrete[f"{qkv}.base_layer"] == concrete[f"{qkv}.lora_B.default"] == "colwise_gather_output"
+    assert concrete[f"{o}.base_layer"] == concrete[f"{o}.lora_A.default"] == "rowwise_split_input"
+    assert f"{qkv}.lora_A.default" not in concrete and f"{o}.lora_B.default" not in concrete  # replicated
+
+
 def test_style_names_map_to_torch_styles():
     styles = torch_styles({"a": "colwise", "b": "rowwise_split_input", "c": "embedding_rowwise", "d": "replicate",
-                           "e": "colwise_gather_output", "f": "replicated_with_grad_allreduce"}, vocab_parallel=True)
+                           "e": "colwise_gather_output", "f": "replicated_with_grad_allreduce"},
+                          vocab_parallel_head="e")
     assert "d" not in styles
     assert isinstance(styles["a"], ColwiseParallel) and styles["a"].output_layouts == (Shard(-1),)
     assert isinstance(styles["b"], RowwiseParallel) and styles["b"].input_layouts == (Replicate(),)
     assert isinstance(styles["c"], RowwiseParallel) and styles["c"].output_layouts == (Replicate(),)
     assert styles["e"].output_layouts == (Shard(-1),) and not styles["e"].use_local_output  # logits stay DTensors
-    assert torch_styles({"e": "colwise_gather_output"}, vocab_parallel=False)["e"].output_layouts == (Replicate(),)
+    assert torch_styles({"e": "colwise_gather_output"})["e"].output_layouts == (Replicate(),)
+    # an inner projection of a head style (Phi-3's qkv_proj) gathers its output even when the head's logits do not
+    inner = torch_styles({"qkv": "colwise_gather_output", "lm_head": "colwise_gather_output"}, "lm_head")
+    assert inner["qkv"].output_layouts == (Replicate(),) and inner["qkv"].use_local_output
+    assert inner["lm_head"].output_layouts == (Shard(-1),)
     assert isinstance(styles["f"], ReplicateWithGradSum)
     assert {"colwise_rep", "local_colwise", "gather", "sequence_parallel"} <= set(STYLES)  # transformers 4.x names
 
@@ -171,4 +197,5 @@ def test_the_plan_description_folds_layers():
                            "lm_head": "colwise_gather_output"}, 2, False, True)
     assert lines == ["tensor parallel over tp 2, vocabulary-parallel loss",
                      "  model.layers.*.mlp.up_proj: colwise (column-wise: output features sharded) x 2",
-                     "  lm_head: colwise_gather_output (column-wise head: vocabulary-parallel logits)"]
+                     "  lm_head: colwise_gather_output "
+                     "(column-wise, output gathered (the head: vocabulary-parallel logits))"]

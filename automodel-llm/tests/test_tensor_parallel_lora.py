@@ -48,3 +48,25 @@ def test_lora_tp2_adapter_loads_in_peft_and_equals_one_process(runs):
     assert any(v.abs().sum() > 0 for k, v in adapters["tp2"].items() if "lora_B" in k)
     for key, value in adapters["one"].items():
         assert torch.allclose(adapters["tp2"][key], value, atol=1e-5), key
+
+
+def test_lora_on_gathering_projections_and_the_head_tp2_has_the_losses_of_one_process(tmp_path):
+    """Phi-3's plan shards its fused ``qkv_proj`` / ``gate_up_proj`` column-wise with the output gathered
+    (``colwise_gather_output``) and ``o_proj`` / ``down_proj`` row-wise on a replicated input
+    (``rowwise_split_input``): the adapters take those styles (the head's too) and train as in one process."""
+    import json
+
+    from llm_testing import LLAMA_CONFIG
+    from transformers import Phi3Config
+
+    ids = {key: json.loads(LLAMA_CONFIG.read_text()).get(key) for key in ("vocab_size", "bos_token_id",
+                                                                          "eos_token_id", "pad_token_id")}
+    Phi3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, tie_word_embeddings=False, **ids).save_pretrained(tmp_path)
+    peft = {**PEFT, "target_modules": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"]}
+    config = write_config(tmp_path / "cfg.yaml", tmp_path / "config.json", tmp_path / "ckpt", peft=peft)
+    run_finetune(config, tmp_path, tmp_path / "one", *STEPS)
+    log = run_finetune(config, tmp_path, tmp_path / "tp2", *STEPS, *TP2)
+    assert "qkv_proj.lora_B" in log and "lm_head.lora_B" in log  # sharded with their base layers
+    one, tp2 = losses(tmp_path / "one"), losses(tmp_path / "tp2")
+    assert len(one) == 4 and tp2 == pytest.approx(one, rel=1e-4)

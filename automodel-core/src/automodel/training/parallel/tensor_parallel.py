@@ -101,7 +101,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
     head = _head_name(model)
     vocab_parallel = vocab_parallel and concrete.get(head) in HEAD_STYLES
     ties = _tied_parameters(model)
-    styles = torch_styles(concrete, vocab_parallel)
+    styles = torch_styles(concrete, head if vocab_parallel else None)
     if sequence_parallel:
         names = {id(module): name for name, module in model.named_modules()}
         styles.update(sequence_parallel_entries(concrete, [(names[id(b)], b) for b in transformer_blocks(model)]))
@@ -115,11 +115,19 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
     return applied
 
 
+# base layer's style -> the adapter matrix sharded with it: the one whose output (lora_B) or input (lora_A) features
+# are the base's sharded ones
+_LORA_SHARDED = {"colwise": "lora_B", "local_colwise": "lora_B", "colwise_gather_output": "lora_B",
+                 "colwise_rep": "lora_B", "rowwise": "lora_A", "local_rowwise": "lora_A",
+                 "rowwise_split_input": "lora_A", "rowwise_rep": "lora_A"}
+
+
 def _with_lora_layers(model: nn.Module, concrete: dict[str, str]) -> dict[str, str]:
     """``concrete`` with each entry on a peft LoRA layer replaced by its base layer and the adapter matrix that
     shares its sharded dimension: a column-wise base (output features sharded) gets ``lora_B`` column-wise and
     ``lora_A`` replicated; a row-wise one (input features sharded) ``lora_A`` row-wise and ``lora_B`` replicated.
-    Both then add their output shard or their all-reduced output as the base layer does."""
+    The adapter matrix takes the base's style as it is, so it adds its output shard, its gathered output
+    (``colwise_gather_output``) or its all-reduced output as the base layer does."""
     out: dict[str, str] = {}
     for name, style in concrete.items():
         module = model.get_submodule(name)
@@ -127,12 +135,12 @@ def _with_lora_layers(model: nn.Module, concrete: dict[str, str]) -> dict[str, s
         if not isinstance(adapters, nn.ModuleDict) or not hasattr(module, "base_layer"):
             out[name] = style
             continue
-        sharded = {"colwise": "lora_B", "rowwise": "lora_A"}.get(style)
+        sharded = _LORA_SHARDED.get(style)
         if sharded is None or not isinstance(module.base_layer, nn.Linear) \
                 or any(getattr(module, "use_dora", {}).values()):
             raise AutomodelError(f"LoRA on '{clean_name(name)}', which the tensor-parallel plan shards '{style}', "
-                                 "is not supported: LoRA under tensor parallelism adapts plain column-wise or "
-                                 "row-wise nn.Linear projections only; leave it out of peft.target_modules "
+                                 "is not supported: LoRA under tensor parallelism adapts column-wise or row-wise "
+                                 "nn.Linear projections only (not DoRA); leave it out of peft.target_modules "
                                  "(peft.exclude_modules) or set distributed.tp_size: 1")
         out[f"{name}.base_layer"] = style
         for adapter in adapters:

@@ -92,21 +92,24 @@ def _as_dtensor(inputs: tuple, mesh: Any, placement: Any) -> tuple:
     return (first, *rest)
 
 
-def _vocab_head(vocab_parallel: bool) -> ParallelStyle:
-    """The output head: logits sharded over the vocabulary (for ``loss_parallel``) or gathered on every rank."""
+def _gathered_colwise(vocab_parallel: bool) -> ParallelStyle:
+    """Column-wise with the output gathered on every rank; on the output head with ``vocab_parallel``, the logits
+    stay sharded over the vocabulary instead (a DTensor, for ``loss_parallel``)."""
     if vocab_parallel:
         return ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
     return ColwiseParallel(output_layouts=Replicate())
 
 
-# Style name -> (what it does, a factory taking ``vocab_parallel``). 4.x names beside 5.x ones of the same meaning.
+# Style name -> (what it does, a factory taking ``vocab_parallel``: whether the module is the output head whose logits
+# stay vocabulary-parallel). 4.x names beside 5.x ones of the same meaning.
 STYLES: dict[str, tuple[str, Callable[[bool], ParallelStyle | None]]] = {
     "colwise": ("column-wise: output features sharded", lambda vp: ColwiseParallel()),
     "local_colwise": ("column-wise: output features sharded", lambda vp: ColwiseParallel()),
     "rowwise": ("row-wise: input features sharded, output all-reduced", lambda vp: RowwiseParallel()),
     "local_rowwise": ("row-wise: input features sharded, output all-reduced", lambda vp: RowwiseParallel()),
-    "colwise_rep": ("column-wise head: vocabulary-parallel logits", _vocab_head),
-    "colwise_gather_output": ("column-wise head: vocabulary-parallel logits", _vocab_head),
+    "colwise_rep": ("column-wise, output gathered (the head: vocabulary-parallel logits)", _gathered_colwise),
+    "colwise_gather_output": ("column-wise, output gathered (the head: vocabulary-parallel logits)",
+                              _gathered_colwise),
     "rowwise_rep": ("row-wise on a replicated input", lambda vp: RowwiseParallel(input_layouts=Replicate())),
     "rowwise_split_input": ("row-wise on a replicated input", lambda vp: RowwiseParallel(input_layouts=Replicate())),
     "embedding_rowwise": ("vocabulary-parallel embedding",
@@ -189,9 +192,11 @@ def expand_plan(plan: Mapping[str, str], model: nn.Module, require_all: bool = T
     return concrete
 
 
-def torch_styles(concrete: Mapping[str, str], vocab_parallel: bool) -> dict[str, ParallelStyle]:
-    """An expanded plan as ``parallelize_module`` takes it (replicated modules left out)."""
-    styles = {name: STYLES[style_name][1](vocab_parallel) for name, style_name in concrete.items()}
+def torch_styles(concrete: Mapping[str, str], vocab_parallel_head: str | None = None) -> dict[str, ParallelStyle]:
+    """An expanded plan as ``parallelize_module`` takes it (replicated modules left out). ``vocab_parallel_head``:
+    the output head's name when its logits stay sharded over the vocabulary; every other module sharded by a head
+    style (Phi-3's ``qkv_proj``, OLMo 2's ``q_proj``: ``colwise_gather_output``) gathers its output."""
+    styles = {name: STYLES[style_name][1](name == vocab_parallel_head) for name, style_name in concrete.items()}
     return {name: style for name, style in styles.items() if style is not None}
 
 
