@@ -68,12 +68,17 @@ def local_assets() -> dict[str, dict[str, str]]:
 
 
 def hub_overrides(data: Any, assets: dict[str, str], prefix: str = "") -> Iterator[tuple[str, str]]:
-    """``(dotted key, local path)`` for every value that names a hub id which is not a local path."""
+    """``(dotted key, local path)`` for every value that names a hub id which is not a local path, and every model,
+    tokenizer or processor location left for the user to fill in (``<your_path>``, ``/path/to/model``)."""
+    from automodel.config.model_paths import is_hub_id
+
     if isinstance(data, dict):
         for key, value in data.items():
             dotted = f"{prefix}.{key}" if prefix else str(key)
             kind = HUB_KEYS.get(str(key))
-            if kind and isinstance(value, str) and _HUB_ID.match(value) and not Path(value).exists():
+            placeholder = kind in ("model", "tokenizer", "processor") and isinstance(value, str) \
+                and "://" not in value and not is_hub_id(value)
+            if kind and isinstance(value, str) and (_HUB_ID.match(value) or placeholder) and not Path(value).exists():
                 yield dotted, assets[kind]
             else:
                 yield from hub_overrides(value, assets, dotted)

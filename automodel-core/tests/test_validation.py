@@ -219,3 +219,19 @@ def test_validation_with_core_resolver_only():
     with pytest.raises(ConfigError, match="is not a registered target"):
         build_config({"dataset": {"_target_": "amt_targets.anything"}}, Recipe, TargetResolver())
 
+
+
+@pytest.mark.parametrize("value", ["<your_path>", "/path/to/model", "runs/one/epoch_0_step_3/model", "a b"])
+def test_a_model_location_neither_a_path_nor_a_hub_id_is_refused(check, value, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    issues = _issues(check, {"extra": {"tokenizer": {"pretrained_model_name_or_path": value}}})
+    assert [i.key for i in issues] == ["extra.tokenizer.pretrained_model_name_or_path"]
+    assert f"'{value}' is neither an existing local path" in issues[0].message
+    assert str(tmp_path) in issues[0].message  # where a relative path was looked for
+
+
+@pytest.mark.parametrize("value", ["org/name", "gpt2", "here", "here/inner", "s3://bucket/model"])
+def test_a_hub_id_or_an_existing_path_is_a_model_location(check, value, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "here" / "inner").mkdir(parents=True)
+    assert check({"extra": {"model_name_or_path": value, "model_path": str(tmp_path / "here")}}) is not None

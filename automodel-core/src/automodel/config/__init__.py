@@ -8,6 +8,7 @@ from typing import Any
 from automodel.config.code_loading import code_loading_issues
 from automodel.config.env import interpolate
 from automodel.config.instantiate import BuildError, instantiate, is_target_node
+from automodel.config.model_paths import model_path_issues
 from automodel.config.node import Config, ConfigNode
 from automodel.config.overrides import apply_overrides, parse_overrides
 from automodel.config.registry import Registration, TargetRegistry
@@ -50,6 +51,7 @@ def build_config(data: dict, recipe_cls: Any, resolver: TargetResolver, source: 
     resolved = {k: read.get(k, v) for k, v in raw.items()}
     values = validate_sections(resolved, declared, resolver, issues)
     issues += code_loading_issues(read, resolver.trust.remote_code)
+    issues += model_path_issues(read)
     issues += unread_section_issues({k: v for k, v in raw.items() if is_inert(k, declared)}, resolver)
     sections = {
         name: ConfigNode(value, name, resolver) if isinstance(value, dict) else value

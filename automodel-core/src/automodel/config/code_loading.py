@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from automodel.config.model_paths import MODEL_PATH_KEYS
 from automodel.config.trust import TRUST_REMOTE_CODE_FLAG
 from automodel.errors import ConfigIssue
 
@@ -34,7 +35,6 @@ _DANGEROUS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "weights_only": (_unset, "unpickles whatever the file holds, which can run code"),
     "allow_pickle": (_set, "unpickles whatever the file holds, which can run code"),
 }
-_MODEL_PATH_KEYS = ("pretrained_model_name_or_path", "name_or_path", "model_name_or_path", "model_id", "model_path")
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 _NOT_WEIGHTS = ("training_args.bin",)  # a Trainer's pickled arguments: no loader reads it as weights
 
@@ -65,7 +65,7 @@ def pickle_only_weights(directory: Path) -> list[str]:
 def _check_value(key: str, name: str, value: Any, issues: list[ConfigIssue]) -> None:
     if name in _DANGEROUS and _DANGEROUS[name][0](value):
         issues.append(_refusal(key, f"{json.dumps(value, default=str)} {_DANGEROUS[name][1]}"))
-    elif name in _MODEL_PATH_KEYS and isinstance(value, str) and Path(value).is_dir():
+    elif name in MODEL_PATH_KEYS and isinstance(value, str) and Path(value).is_dir():
         pickles = pickle_only_weights(Path(value))
         if pickles:
             issues.append(_refusal(key, f"'{value}' holds weights only as pickle files ({', '.join(pickles[:4])}), "
