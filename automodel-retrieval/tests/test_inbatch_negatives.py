@@ -88,8 +88,10 @@ def test_the_distillation_listwise_loss_ranks_every_ranks_documents(ranks):
 # ---- validation, notes and the plan ---------------------------------------------------------------------------
 
 def _form_config(*overrides, route=("finetune", "retrieval")):
-    return testing.load_config(BI_FORM, "--model.pretrained_model_name_or_path", TOKENIZER_DIR, *overrides,
-                               route=route)[1]
+    data = str(DATA / "train.jsonl")
+    return testing.load_config(BI_FORM, "--model.pretrained_model_name_or_path", TOKENIZER_DIR,
+                               "--dataset.data_dir_list", f"[{data}]", "--validation_dataset.data_dir_list",
+                               f"[{data}]", *overrides, route=route)[1]
 
 
 @pytest.mark.parametrize("settings,mode", [({}, "local"), ({"do_distributed_inbatch_negative": False}, "local"),
@@ -109,6 +111,7 @@ def test_the_recipe_reads_the_mode_from_upstreams_model_and_gathers_with_gradien
 
 
 def test_the_dry_run_plan_names_the_negatives(tmp_path):
+    (tmp_path / "rows.jsonl").write_text((DATA / "train.jsonl").read_text())
     common = ["finetune", "retrieval", "-c", BI_FORM, "--model.pretrained_model_name_or_path", TOKENIZER_DIR,
               "--dataset.data_dir_list", "[rows.jsonl]", "--validation_dataset.data_dir_list", "[rows.jsonl]",
               "--step_scheduler.local_batch_size", 4, "--dry-run"]

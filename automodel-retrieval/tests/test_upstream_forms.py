@@ -115,9 +115,15 @@ def test_the_inline_reader_names_what_it_cannot_read(tmp_path):
     assert len(retrieval_dataset([str(no_negatives)], n_passages=1)[0]["negatives"]) == 0
 
 
+# the data files the forms leave to each test (SAVED_BY_THE_TEST): validation reads that they exist
+SHIPPED_DATA = ["--dataset.data_dir_list", f"[{DATA / 'train.jsonl'}]", "--validation_dataset.data_dir_list",
+                f"[{DATA / 'train.jsonl'}]"]
+
+
 def _refusals(config: Path, route, *overrides) -> dict[str, str]:
     with pytest.raises(ConfigError) as info:
-        testing.load_config(config, "--model.pretrained_model_name_or_path", TOKENIZER_DIR, *overrides, route=route)
+        testing.load_config(config, "--model.pretrained_model_name_or_path", TOKENIZER_DIR, *SHIPPED_DATA, *overrides,
+                            route=route)
     return {issue.key: issue.message for issue in info.value.issues}
 
 
@@ -131,6 +137,9 @@ def _refusals(config: Path, route, *overrides) -> dict[str, str]:
     (("--dataloader.collate_fn.padding", "max_length"), "dataloader.collate_fn.padding", "longest"),
     (("--dataloader.collate_fn.use_dataset_instruction", "true"), "dataloader.collate_fn.query_prefix",
      "would not act"),
+    (("--dataset.data_dir_list", "[./embed_data/FEVER/FEVER.json]"), "dataset.data_dir_list", "is not a file"),
+    (("--dataset.data_dir_list", "[hf://nvidia/embed-nemotron-dataset-v1/FEVER]"), "dataset.data_dir_list",
+     "cannot reach offline"),
     (("--temperature", "0"), "temperature", "a number > 0"),
     (("--loss_fn.temperature", "0.1"), "temperature", "the same setting"),
     (("--retrieval.query_max_length", "16"), "retrieval", "not both"),
@@ -146,8 +155,8 @@ def test_cross_encoder_poolings_not_implemented_are_refused():
     """avg / cls / last act (test_bidirectional.py); upstream's other bi-encoder poolings have no reranker here."""
     found = _refusals(CROSS, CROSS_ROUTE, "--model.pooling", "weighted_avg")
     assert "use avg, cls or last" in found["model.pooling"]
-    testing.load_config(CROSS, "--model.pretrained_model_name_or_path", TOKENIZER_DIR, "--model.pooling", "avg",
-                        route=CROSS_ROUTE)
+    testing.load_config(CROSS, "--model.pretrained_model_name_or_path", TOKENIZER_DIR, *SHIPPED_DATA,
+                        "--model.pooling", "avg", route=CROSS_ROUTE)
 
 
 def test_extract_submodel_takes_a_part_of_a_larger_model_as_the_encoder(tmp_path):

@@ -10,6 +10,7 @@ kernels, upstream's custom backbones, image corpora) are refused at validation b
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 from typing import Any
@@ -294,6 +295,14 @@ def dataset_issues(settings: dict[str, Any], key: str = "dataset", model_type: s
     issues = []
     if settings.get("data_dir_list") is None:
         issues.append(ConfigIssue(f"{key}.data_dir_list", "required: the JSON / JSONL files of the data"))
+    else:
+        try:
+            entries = _entries(settings["data_dir_list"])
+        except AutomodelError as err:
+            entries = []
+            issues.append(ConfigIssue(f"{key}.data_dir_list", str(err).split(": ", 1)[1]))
+        issues += [ConfigIssue(f"{key}.data_dir_list", problem) for problem in map(_unreadable, (p for p, _ in entries))
+                   if problem]
     if model_type is not None and settings.get("model_type", "bi_encoder") != model_type:
         issues.append(ConfigIssue(f"{key}.model_type", f"'{settings.get('model_type', 'bi_encoder')}', but this "
                                                        f"recipe trains a {model_type}; set {model_type}"))
@@ -320,15 +329,23 @@ def _entries(data_dir_list: Any) -> list[tuple[str, int | None]]:
     return parsed
 
 
+def _unreadable(path: str) -> str | None:
+    """Why the data file ``path`` cannot be read here, None when it can."""
+    if path.startswith(HF_PREFIX):
+        return (f"'{path}' is on the Hugging Face hub, which this run cannot reach offline; download the data and "
+                "give its local JSON / JSONL files")
+    if not Path(path).is_file():
+        return f"'{path}' is not a file (a relative path is read from the working directory, {os.getcwd()})"
+    return None
+
+
 def _records(path: str, corpora: dict[str, Corpus], use_instructions: bool) -> list[dict[str, Any]]:
     """A data file's records: inline ones as they are, corpus-id ones with their documents' text (and, with
     ``use_instructions``, their corpus's instructions: inline records have none, so they are refused then)."""
-    if path.startswith(HF_PREFIX):
-        raise AutomodelError(f"dataset.data_dir_list: '{path}' is on the Hugging Face hub, which this run cannot "
-                             "reach offline; download the data and give its local JSON / JSONL files")
+    problem = _unreadable(path)
+    if problem:
+        raise AutomodelError(f"dataset.data_dir_list: {problem}")
     file = Path(path)
-    if not file.is_file():
-        raise AutomodelError(f"dataset.data_dir_list: '{path}' is not a file")
     text = file.read_text(encoding="utf-8")
     try:
         data: Any = json.loads(text)

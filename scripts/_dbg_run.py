@@ -1,0 +1,442 @@
+"""Run upstream's example configs for a few steps on this machine: the ones ``automodel validate`` passes.
+
+A developer tool beside ``check_upstream_configs.py`` (which validates them), reading a local copy of upstream's
+``examples/`` directory (nothing upstream is kept here):
+
+    .venv/bin/python scripts/run_upstream_configs.py /path/to/upstream/examples --steps 2 [--cpu] [--only NAME ...]
+
+Each config runs as a user without network would run it: ``automodel run -c FILE`` from upstream's repository root
+(a config without ``recipe:``, such as a generation config, through the route validation chose: ``automodel generate
+diffusion -c FILE``), every hub model / tokenizer / processor id overridden with a tiny local model of that domain
+(fresh weights, the shipped tokenizer or processor; an LLM of a family in ``LLM_FAMILIES`` a tiny model of that
+family built from its transformers config class, another LLM a tiny Llama, a sequence-to-sequence model a tiny T5, a
+diffusion model the diffusion tests' tiny pipeline of its family), every data set path with a small local file in
+the columns its ``_target_`` reads (SQuAD, HellaSwag, chat, tool calls, xLAM, column-mapped, MedPix, CORD-v2,
+Shopify; tiny clips or the shipped shapes pictures for a diffusion loader; Megatron indexed files; a nanogpt shard),
+``step_scheduler.max_steps`` and a scratch ``checkpoint.checkpoint_dir``. A generation config makes ``--steps``
+denoising steps of 64 x 64 pictures (5 frames for a video) into a scratch ``output.output_dir``. A config laid out
+for 2 to 4 processes runs on that many (``--nproc-per-node``, gloo); nothing else changes, so a config laid out for
+more (tp_size 8, say) is refused by the run for that. It prints each file's exit status and, for a failure, the
+run's last error lines, then the count.
+
+``--cpu`` also runs the configs refused only for GPU features or for ``trust_remote_code: true``, as a user on a
+machine without a GPU would: each refused key gets the CPU alternative its refusal message names
+(``CPU_OVERRIDES``: backend torch / sdpa / torch_fp32, no fused RoPE, no FP8 / Liger / THD collater /
+Transformer Engine loss, torch's AdamW, fsdp2, safetensors, ...) in a scratch copy of the config, validated again
+until it passes, and the run gets ``--trust-remote-code``. A file refused for anything else is skipped with the
+refusal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).parent))
+import check_upstream_configs as survey  # noqa: E402  (the validation survey: hub keys, domains, validation)
+
+from automodel.testing import free_port  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "automodel-diffusion" / "tests"))
+import diffusion_testing  # noqa: E402  (the diffusion tests' tiny pipelines of each family, and tiny clips)
+import vlm_stand_ins  # noqa: E402  (the VLM tests' tiny models of each family, with their processors)
+
+# upstream data set factory (last name of its _target_) -> the local file written for it
+DATA_FILES = {"HellaSwag": "hellaswag.jsonl", "ChatDataset": "chat.jsonl", "make_agent_chat_dataset": "chat.jsonl",
+              "make_xlam_dataset": "xlam.jsonl", "make_medpix_dataset": "medpix.jsonl",
+              "make_cord_v2_dataset": "cord.jsonl", "make_shopify_product_catalogue_dataset": "shopify.jsonl",
+              "ToolCallAccuracyEvaluator": "tool_calls.jsonl", **vlm_stand_ins.DATA_FILES}
+PATH_KEYS = ("dataset_name", "path_or_dataset", "path_or_dataset_id", "data_files")
+
+
+def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> str:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def write_data(root: Path) -> None:
+    """One small file per data set form, the VLM ones with the shipped shapes pictures."""
+    from importlib.resources import files
+
+    shapes = Path(str(files("automodel_vlm").joinpath("examples", "assets", "tiny_shapes")))
+    images = sorted(str(p) for p in (shapes / "images").glob("train_*.png"))[:32]
+    tools = json.dumps([{"name": "add", "description": "add two numbers",
+                         "parameters": {"a": {"type": "int"}, "b": {"type": "int"}}}])
+    _write_jsonl(root / "hellaswag.jsonl", [{"ctx": f"Person {k} sits on a roof. He", "endings": [
+        " is using wrap.", " starts pulling up roofing.", " rips tiles.", " holds a rope."], "label": str(k % 4)}
+        for k in range(32)])
+    _write_jsonl(root / "chat.jsonl", [{"messages": [{"role": "user", "content": f"What is {k} plus {k}?"},
+                                                     {"role": "assistant", "content": f"It is {2 * k}."}]}
+                                       for k in range(32)])
+    _write_jsonl(root / "tool_calls.jsonl", [{"tools": tools, "conversations": [
+        {"from": "human", "value": f"Add {k} and 2"},
+        {"from": "function_call", "value": json.dumps({"name": "add", "arguments": {"a": k, "b": 2}})},
+        {"from": "observation", "value": str(k + 2)}, {"from": "gpt", "value": f"It is {k + 2}."}]}
+        for k in range(32)])
+    _write_jsonl(root / "xlam.jsonl", [{"id": k, "query": f"Add {k} and 2", "tools": tools, "answers": json.dumps(
+        [{"name": "add", "arguments": {"a": k, "b": 2}}])} for k in range(32)])
+    _write_jsonl(root / "medpix.jsonl", [{"image_id": image, "question": "What shape is shown?",
+                                          "answer": f"shape {k}"} for k, image in enumerate(images)])
+    _write_jsonl(root / "cord.jsonl", [{"image": image, "ground_truth": json.dumps(
+        {"gt_parse": {"shape": {"kind": f"kind {k}"}}})} for k, image in enumerate(images)])
+    _write_jsonl(root / "shopify.jsonl", [{"product_image": image, "ground_truth_category": f"Toys > {k} shapes"}
+                                          for k, image in enumerate(images)])
+    from transformers import AutoTokenizer
+
+    from automodel_llm.datasets.write_megatron import jsonl_to_indexed
+
+    corpus = _write_jsonl(root / "corpus.jsonl", [{"text": " ".join(f"Person {k} sits on roof {j}." for j in range(40))}
+                                                  for k in range(256)])  # a 1% validation split of 2 documents
+    jsonl_to_indexed(corpus, root / "megatron_text_document", AutoTokenizer.from_pretrained(
+        survey.local_assets()["llm"]["tokenizer"]))
+    import numpy as np  # a modded-nanogpt shard: 256 int32 of header (magic, version, count), uint16 tokens
+
+    tokens = np.random.default_rng(0).integers(3, 482, 1 << 16).astype(np.uint16)
+    (root / "nanogpt_000.bin").write_bytes(np.array([20240520, 1, tokens.size, *[0] * 253], np.int32).tobytes() +
+                                           tokens.tobytes())
+    vlm_stand_ins.write_vlm_data(root, root / "medpix.jsonl")
+
+
+def write_models(root: Path) -> dict[str, dict[str, str]]:
+    """Per domain, the validation survey's local assets with the LLM and VLM model ids pointing at a saved model
+    (fresh weights, safetensors) whose directory also holds the tokenizer / processor, as a hub download does."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSeq2SeqLM
+
+    from automodel_vlm.processor import build_processor
+
+    assets = survey.local_assets()
+    llm, vlm = root / "llm", root / "vlm"
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(assets["llm"]["model"])).save_pretrained(llm)
+    for item in Path(assets["llm"]["tokenizer"]).iterdir():
+        shutil.copy(item, llm)
+    AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(assets["vlm"]["model"])).save_pretrained(vlm)
+    build_processor(assets["vlm"]["processor"], assets["vlm"]["tokenizer"], processor_class="LlavaProcessor",
+                    patch_size=8, vision_feature_select_strategy="default",
+                    num_additional_image_tokens=1).save_pretrained(str(vlm))
+    t5 = root / "t5"
+    t5_asset = Path(assets["llm"]["model"]).with_name("tiny_t5")
+    AutoModelForSeq2SeqLM.from_config(AutoConfig.from_pretrained(t5_asset)).save_pretrained(t5)
+    for item in t5_asset.glob("tokenizer*"):
+        shutil.copy(item, t5)
+    for domain, directory in (("llm", llm), ("vlm", vlm)):
+        assets[domain] = {kind: str(directory) for kind in ("model", "tokenizer", "processor")} | {
+            "dataset": assets[domain]["dataset"]}
+    assets["seq2seq"] = {**assets["llm"], "model": str(t5), "tokenizer": str(t5)}
+    for name, config_class in LLM_FAMILIES.items():
+        directory = root / f"llm-{config_class}"
+        if not directory.exists():  # families sharing a config class share the model
+            write_tiny_llm(config_class, directory, Path(survey.local_assets()["llm"]["tokenizer"]))
+        assets[f"llm:{name}"] = {**assets["llm"], **{kind: str(directory) for kind in ("model", "tokenizer",
+                                                                                        "processor")}}
+    for name, build in DIFFUSION_FAMILIES.items():
+        assets[f"diffusion:{name}"] = {**assets["diffusion"], "model": str(getattr(diffusion_testing, build)(
+            root / name))}
+    diffusion_testing.tiny_clips(root / "clips")
+    assets["vlm:families"] = vlm_stand_ins.write_family_models(root / "vlm_families")
+    return assets
+
+
+# a part of an upstream diffusion hub id (the first that matches) -> the diffusion tests' tiny pipeline of its family
+DIFFUSION_FAMILIES = {"Wan2.2": "tiny_wan22", "Wan": "tiny_wan", "LTX-2": "tiny_ltx2",
+                      "HunyuanVideo-1.5": "tiny_hunyuan", "FLUX.2": "tiny_flux2", "FLUX.1": "tiny_flux",
+                      "Qwen-Image-Edit": "tiny_qwen_image_edit", "Qwen-Image": "tiny_qwen_image"}
+VIDEO_FAMILIES = ("Wan2.2", "Wan", "LTX-2", "HunyuanVideo-1.5")
+
+
+# a part of an upstream LLM hub id (a regular expression; the first that matches) -> the transformers config class
+# of its family; an id that matches none gets the tiny Llama
+LLM_FAMILIES = {
+    r"Qwen3-Next": "Qwen3NextConfig", r"Qwen3\.5": "Qwen3_5MoeTextConfig", r"Qwen3-\d+B-A\d+B": "Qwen3MoeConfig",
+    r"Qwen3-": "Qwen3Config", r"Qwen1\.5-MoE": "Qwen2MoeConfig", r"Qwen2|QwQ": "Qwen2Config",
+    r"gemma-2-": "Gemma2Config", r"gemma-3|functiongemma": "Gemma3TextConfig", r"gemma-7b": "GemmaConfig",
+    r"Mixtral": "MixtralConfig", r"Mistral-|Devstral|Ministral": "MistralConfig", r"phi-4|Phi-3": "Phi3Config",
+    r"phi-2": "PhiConfig", r"DeepSeek-V3$|Moonlight|Kimi-K2": "DeepseekV3Config", r"DeepSeek-V4": "DeepseekV4Config",
+    r"gpt-oss": "GptOssConfig", r"granite-3": "GraniteConfig", r"Nemotron-3-|Nemotron-Nano-9B": "NemotronHConfig",
+    r"OLMo-2": "Olmo2Config", r"GLM-4\.7-Flash": "Glm4MoeLiteConfig", r"GLM-4\.[57]": "Glm4MoeConfig",
+    r"glm-4-9b": "GlmConfig", r"Falcon-H1": "FalconH1Config", r"starcoder2": "Starcoder2Config",
+    r"command-r7b": "Cohere2Config", r"ERNIE-4\.5-21B": "Ernie4_5_MoeConfig", r"ERNIE-4\.5": "Ernie4_5Config",
+    r"MiniMax-M2": "MiniMaxM2Config", r"Seed-OSS": "SeedOssConfig", r"Hy3|Hy-MT2": "HYV3Config",
+    r"Laguna": "LagunaConfig", r"MiMo-V2": "MiMoV2FlashConfig", r"community/gpt2": "GPT2Config",
+    r"Llama": "LlamaConfig",  # untied, unlike the shipped tiny Llama, as the bigger Llamas (pipeline stages)
+}
+# tiny sizes, each passed to a family's config class only where that class has the key: 4 layers (a hybrid's one
+# full-attention layer in four; pp_size 4), hidden 64, 8 experts (2 per token; an expert-parallel layout of up to
+# 8 divides them), room for the shipped tokenizer and upstream's MockIterableDataset (ids below 1024), its
+# special tokens
+TINY_LLM = {"vocab_size": 1024, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
+            "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "num_experts": 8,
+            "num_local_experts": 8, "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2,
+            "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1, "kv_lora_rank": 16, "q_lora_rank": 32,
+            "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16, "n_positions": 1024, "n_embd": 64,
+            "n_layer": 2, "n_head": 4, "mamba_num_heads": 4, "mamba_head_dim": 16, "ssm_state_size": 16,
+            "n_groups": 1, "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 16, "mamba_n_groups": 1,
+            "mamba_d_ssm": 64, "sliding_window": 64, "num_nextn_predict_layers": 0, "pad_token_id": 0,
+            "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False}
+
+
+def llm_family(data: dict[str, Any]) -> str | None:
+    """The family (a key of LLM_FAMILIES) of the first hub id in an LLM config's model section."""
+    ids = re.findall(r"[\w.-]+/[\w.-]+", json.dumps(data.get("model") or {}))
+    return next((name for hub in ids for name in LLM_FAMILIES if re.search(name, hub)), None)
+
+
+def write_tiny_llm(config_class: str, directory: Path, tokenizer: Path) -> None:
+    """A fresh tiny model of one family (safetensors) with the shipped tokenizer beside it."""
+    import transformers
+
+    cls = getattr(transformers, config_class)
+    known = cls().to_dict()
+    config = cls(**{key: value for key, value in TINY_LLM.items() if key in known})
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    for item in tokenizer.iterdir():
+        shutil.copy(item, directory)
+
+
+def diffusion_family(data: dict[str, Any]) -> str | None:
+    """The family (a key of DIFFUSION_FAMILIES) of a diffusion config's hub model id."""
+    model = str((data.get("model") or {}).get("pretrained_model_name_or_path", ""))
+    return next((name for name in DIFFUSION_FAMILIES if name in model), None)
+
+
+def stand_ins(data: dict[str, Any], assets: dict[str, dict[str, str]], domain: str) -> dict[str, str]:
+    """The hub-id overrides of the validation survey; a sequence-to-sequence model (and its tokenizer) gets the
+    tiny T5 stand-in instead of the domain's decoder, an LLM of a family in LLM_FAMILIES a tiny one of that
+    family."""
+    model = str((data.get("model") or {}).get("_target_", "")) if isinstance(data.get("model"), dict) else ""
+    kind = "seq2seq" if "Seq2SeqLM" in model else domain
+    if kind == "llm" and llm_family(data):
+        kind = f"llm:{llm_family(data)}"
+    if domain == "diffusion" and diffusion_family(data):
+        kind = f"diffusion:{diffusion_family(data)}"
+    found = dict(survey.hub_overrides(data, assets[kind]))
+    family = vlm_stand_ins.family_of(model_id(data)) if domain == "vlm" else None
+    if family:  # the family's tiny model, its processor and tokenizer in the same directory
+        directory = assets["vlm:families"][family]
+        found |= {key: directory for key in found if key.rsplit(".", 1)[-1] in survey.HUB_KEYS and
+                  survey.HUB_KEYS[key.rsplit(".", 1)[-1]] in ("model", "tokenizer", "processor")}
+    return found
+
+
+def model_id(data: dict[str, Any]) -> str:
+    return str((data.get("model") or {}).get("pretrained_model_name_or_path", "")) \
+        if isinstance(data.get("model"), dict) else ""
+
+
+REMOVE = "<remove the key>"
+
+
+def _adamw(old: Any) -> dict[str, Any]:
+    """torch's AdamW with a fused Adam's lr / betas / eps / weight_decay (its other settings are its kernels')."""
+    old = old if isinstance(old, dict) else {}
+    return {"_target_": "torch.optim.AdamW", **{k: old[k] for k in ("lr", "betas", "eps", "weight_decay") if k in old}}
+
+
+def _sdpa(old: Any) -> str:
+    """sdpa, or eager where sdpa itself was refused (a model class transformers gives no SDPA attention)."""
+    return "eager" if old == "sdpa" else "sdpa"
+
+
+# --cpu: a key refused for a GPU-only feature (a regular expression; its group ``edit``, where it has one, names the
+# key to change instead) -> the CPU alternative that the refusal message names (REMOVE: drop the key; a callable:
+# the new value from the old one); None: trust_remote_code, which --trust-remote-code allows instead of an edit.
+CPU_OVERRIDES: dict[str, Any] = {
+    r"(^|\.)trust_remote_code$": None,
+    r"^model\.backend\.attn$": _sdpa,
+    r"^model\.backend\.(linear|experts|dispatcher|rope)$": "torch",
+    r"^model\.backend\.rms_norm$": "torch_fp32",
+    r"^model\.backend\.rope_fusion$": False,
+    r"^(?P<edit>model\.backend\.(te_fp8|dispatcher_num_sms|mok))(\.|$)": REMOVE,
+    r"(^|\.)_?attn_implementation(_new)?$": _sdpa,
+    r"^model\.attention_backend$": "native",
+    r"^model\.use_liger_kernel$": False,
+    r"^(?P<edit>fp8)\.": REMOVE,
+    r"^(?P<edit>(validation_)?dataloader\.collate_fn)(\.|$)": REMOVE,  # THD batches
+    r"^packed_sequence\.packing_format$": "neat",
+    r"^(?P<edit>loss_fn)\._target_$": REMOVE,  # Transformer Engine's cross entropy: the default loss
+    r"^(?P<edit>optimizer)\._target_$": _adamw,
+    r"^distributed\.strategy$": "fsdp2",
+    r"^distributed\.patch_is_packed_sequence$": False,
+    r"^prewarm\.\w+$": False,
+    r"^checkpoint\.model_save_format$": "safetensors",
+    r"^(?P<edit>quantization)(\.|$)": REMOVE,  # QLoRA: LoRA on the bf16 / fp32 weights
+    r"^vae\.enable_cpu_offload$": False,
+    r"^model\.optimize_hunyuan_flash_varlen_mask$": False,
+    r"^(?P<edit>model\.transformer_engine_fp8\w*)$": REMOVE,
+}
+# the words of a refusal for a GPU feature, upstream's pickle format or trust_remote_code (and of sdpa refused for a
+# model class without it, after the GPU attention gave way to sdpa)
+CPU_REASONS = ("CUDA", "GPU", "torch_save", "--trust-remote-code", "attention in transformers")
+
+
+def cpu_edit(issue: Any) -> tuple[str | None, Any] | None:
+    """(the key to change, its CPU value) for a refusal that CPU_OVERRIDES answers; ``(None, None)`` for one that
+    --trust-remote-code answers; None for any other refusal."""
+    if not any(word in issue.message for word in CPU_REASONS):
+        return None
+    for pattern, value in CPU_OVERRIDES.items():
+        if match := re.search(pattern, issue.key):
+            return (None, None) if value is None else (match.groupdict().get("edit") or issue.key, value)
+    return None
+
+
+def set_key(data: dict[str, Any], key: str, value: Any) -> None:
+    *parents, last = key.split(".")
+    for part in parents:
+        data = data.setdefault(part, {})
+    if value == REMOVE:
+        data.pop(last, None)
+    else:
+        data[last] = value(data.get(last)) if callable(value) else value
+
+
+def cpu_config(path: Path, examples: Path, assets: dict[str, Any], scratch: Path) -> tuple[Path, str, list[Any]]:
+    """--cpu: validate with --trust-remote-code and, while every refusal is one CPU_OVERRIDES answers, write a copy
+    of the config into scratch with those edits and validate again: (the config to run, validation's words, its
+    refusals)."""
+    from automodel.config import dump_yaml, load_yaml_file
+
+    current, data = path, load_yaml_file(path)
+    domain = survey.domain_of(path.relative_to(examples).parts[0])
+    for _ in range(4):  # an edit can bring a further refusal to light (the key it fell back on)
+        with contextlib.chdir(examples.parent):
+            validation, refused = survey.validate(current, list(stand_ins(data, assets, domain).items()),
+                                                  ("--trust-remote-code",))
+        edits = [cpu_edit(issue) for issue in refused]
+        if not refused or None in edits:
+            break
+        for key, value in edits:
+            if key is not None:
+                set_key(data, key, value)
+        current = scratch / path.name
+        current.write_text(dump_yaml(data))
+    return current, validation, refused
+
+
+def launch_args(validation: str) -> list[str]:
+    """The route and process count that validation chose (``valid for ROUTE (checked for N processes``): a
+    config without ``recipe:`` runs through its route's command, a layout of 2 to 4 processes on that many
+    (one machine, gloo); a bigger one runs on one process and is refused for its layout."""
+    route = re.search(r"valid for ([a-z]+ [a-z]+) \(", validation)
+    world = re.search(r"checked for (\d+) process", validation)
+    args = route.group(1).split() if route else ["run"]
+    if world and 2 <= int(world.group(1)) <= 4:
+        args += ["--nproc-per-node", world.group(1), "--master-port", str(free_port())]
+    return args
+
+
+def data_overrides(data: dict[str, Any], root: Path, scratch: Path) -> dict[str, str]:
+    """``{dotted key: local file}`` for every data set section whose form has a local file here; a diffusion
+    loader's ``cache_dir``: the tiny clips for a video family, the shipped shapes pictures for an image one."""
+    found = {}
+    loader = (data.get("data") or {}).get("dataloader") if isinstance(data.get("data"), dict) else None
+    family = diffusion_family(data)
+    if isinstance(loader, dict) and "cache_dir" in loader and family and family != "Qwen-Image-Edit":
+        found["data.dataloader.cache_dir"] = str(root.parent / "models" / "clips") if family in VIDEO_FAMILIES \
+            else str(Path(survey.local_assets()["diffusion"]["dataset"]))
+    found |= vlm_stand_ins.mix_overrides(data, root)
+    for section, node in data.items():
+        if not str(section).startswith(("dataset", "validation_dataset", "tool_call_eval")) or \
+                not isinstance(node, dict):
+            continue
+        key = next((k for k in PATH_KEYS if k in node), None)
+        factory = str(node.get("_target_", "")).rsplit(".", 1)[-1]
+        if factory == "MegatronPretraining":  # Megatron's indexed files of a small corpus
+            found[f"{section}.paths"] = str(root / "megatron_text_document")
+            found[f"{section}.index_mapping_dir"] = str(scratch / "megatron_index")
+        if factory == "NanogptDataset":
+            found[f"{section}.file_pattern"] = str(root / "nanogpt_*.bin")
+        if key is None:
+            continue
+        if factory in DATA_FILES:
+            found[f"{section}.{key}"] = str(root / DATA_FILES[factory])
+        elif factory == "ColumnMappedTextInstructionDataset":
+            columns = list((node.get("column_mapping") or {}).values())
+            found[f"{section}.{key}"] = _write_jsonl(scratch / f"{section}.jsonl", [
+                {column: f"{column} number {k}" for column in columns} for k in range(32)])
+    return found
+
+
+def run_file(path: Path, domain: str, examples: Path, assets: dict[str, Any], data_root: Path, steps: int,
+             scratch: Path, validation: str, flags: tuple[str, ...] = ()) -> tuple[int | str, str]:
+    from automodel.config import load_yaml_file
+
+    data = load_yaml_file(path)
+    overrides = stand_ins(data, assets, domain)
+    overrides.update(data_overrides(data, data_root, scratch))
+    args = [sys.executable, "-m", "automodel.cli.main", *launch_args(validation), *flags, "-c", str(path)]
+    for key, value in overrides.items():
+        args += [f"--{key}", value]
+    if "generate" in args:  # a generation config: ``steps`` denoising steps of a small picture, into scratch
+        args += ["--inference.num_inference_steps", str(steps), "--inference.height", "64", "--inference.width", "64",
+                 "--output.output_dir", str(scratch / "out")]
+        if "num_frames" in ((data.get("inference") or {}).get("pipeline_kwargs") or {}):
+            args += ["--inference.pipeline_kwargs.num_frames", "5"]
+    else:
+        args += ["--step_scheduler.max_steps", str(steps), "--checkpoint.checkpoint_dir", str(scratch / "ckpt")]
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    try:
+        done = subprocess.run(args, cwd=examples.parent, env=env, capture_output=True, text=True, timeout=600)
+    except subprocess.TimeoutExpired:
+        return "timeout", ""
+    errors = done.stderr.splitlines()[-60:]
+    return done.returncode, "\n".join(errors)
+
+
+def main() -> int:
+    from automodel.config import load_yaml_file
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("examples", type=Path, help="upstream examples/ directory")
+    parser.add_argument("--steps", type=int, default=2, help="step_scheduler.max_steps of each run")
+    parser.add_argument("--only", nargs="*", default=[], help="run only files whose path contains one of these")
+    parser.add_argument("--cpu", action="store_true", help="run a config refused only for GPU features or "
+                        "trust_remote_code with the CPU alternatives its refusals name and --trust-remote-code")
+    args = parser.parse_args()
+    examples = args.examples.resolve()
+    ran = passed = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        (root / "data").mkdir()
+        (root / "models").mkdir()
+        write_data(root / "data")
+        assets = write_models(root / "models")
+        for folder in (*survey.FOLDERS, "llm_seq_cls"):
+            for path in sorted(p for p in (examples / folder).rglob("*") if p.suffix in (".yaml", ".yml")):
+                name = str(path.relative_to(examples))
+                if args.only and not any(part in name for part in args.only):
+                    continue
+                scratch = root / "runs" / name.replace("/", "__")
+                scratch.mkdir(parents=True)
+                config = path
+                if args.cpu:
+                    config, validation, refused = cpu_config(path, examples, assets, scratch)
+                    if refused:  # refused for something a CPU alternative does not answer
+                        print(f"{name}: skipped: {next(i for i in refused if cpu_edit(i) is None)}", flush=True)
+                        continue
+                else:
+                    hub = list(stand_ins(load_yaml_file(path), assets, survey.domain_of(folder)).items())
+                    with contextlib.chdir(examples.parent):
+                        validation, refused = survey.validate(path, hub)
+                    if refused:
+                        continue  # refused at validation: check_upstream_configs.py says why
+                ran += 1
+                code, errors = run_file(config, survey.domain_of(folder), examples, assets, root / "data", args.steps,
+                                        scratch, validation, ("--trust-remote-code",) if args.cpu else ())
+                passed += code == 0
+                print(f"{name}: exit {code}" + (f"\n{errors}" if code != 0 and errors else ""), flush=True)
+    print(f"\n=== {passed} of {ran} configs that validate ran {args.steps} steps ===")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
