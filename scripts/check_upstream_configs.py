@@ -47,6 +47,7 @@ HUB_KEYS = {
     "path_or_dataset_id": "dataset",
     "path_or_dataset": "dataset",
     "data_files": "dataset",
+    "data_dir_list": "dataset",
 }
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -78,13 +79,24 @@ def hub_overrides(data: Any, assets: dict[str, str], prefix: str = "") -> Iterat
             kind = HUB_KEYS.get(str(key))
             placeholder = kind in ("model", "tokenizer", "processor") and isinstance(value, str) \
                 and "://" not in value and not is_hub_id(value)
-            if kind and isinstance(value, str) and (_HUB_ID.match(value) or placeholder) and not Path(value).exists():
+            if key == "data_dir_list":  # retrieval data files: the shipped rows, where one is not here
+                if _unreachable_files(value):
+                    yield dotted, f"[{Path(assets['dataset']) / 'train.jsonl'}]"
+            elif kind and isinstance(value, str) and (_HUB_ID.match(value) or placeholder) \
+                    and not Path(value).exists():
                 yield dotted, assets[kind]
             else:
                 yield from hub_overrides(value, assets, dotted)
     elif isinstance(data, list):
         for index, value in enumerate(data):
             yield from hub_overrides(value, assets, f"{prefix}.{index}")
+
+
+def _unreachable_files(data_dir_list: Any) -> bool:
+    """Whether a retrieval ``data_dir_list`` names a file on the hub (``hf://``) or one that is not here."""
+    entries = data_dir_list if isinstance(data_dir_list, list) else [data_dir_list]
+    paths = [entry.get("path") if isinstance(entry, dict) else entry for entry in entries]
+    return any(isinstance(path, str) and (path.startswith("hf://") or not Path(path).is_file()) for path in paths)
 
 
 def validate(path: Path, overrides: list[tuple[str, str]], flags: tuple[str, ...] = ()) -> tuple[str, list[Any]]:

@@ -9,10 +9,12 @@ Each config runs as a user without network would run it: ``automodel run -c FILE
 (a config without ``recipe:``, such as a generation config, through the route validation chose: ``automodel generate
 diffusion -c FILE``), every hub model / tokenizer / processor id overridden with a tiny local model of that domain
 (fresh weights, the shipped tokenizer or processor; an LLM of a family in ``LLM_FAMILIES`` a tiny model of that
-family built from its transformers config class, another LLM a tiny Llama, a sequence-to-sequence model a tiny T5, a
-diffusion model the diffusion tests' tiny pipeline of its family), every data set path with a small local file in
-the columns its ``_target_`` reads (SQuAD, HellaSwag, chat, tool calls, xLAM, column-mapped, MedPix, CORD-v2,
-Shopify; tiny clips or the shipped shapes pictures for a diffusion loader; Megatron indexed files; a nanogpt shard),
+family built from its transformers config class, another LLM a tiny Llama, a VLM of a family in
+``vlm_stand_ins.FAMILIES`` its tiny model and processor, a Gemma 4 assistant (``drafter_path``) one made for the tiny
+Gemma 4, a sequence-to-sequence model a tiny T5, a diffusion model the diffusion tests' tiny pipeline of its family),
+every data set path with a small local file in the columns its ``_target_`` reads (SQuAD, HellaSwag, chat, tool
+calls, xLAM, column-mapped, MedPix, CORD-v2, Shopify; the shipped retrieval rows for a ``data_dir_list``; tiny
+clips or the shipped shapes pictures for a diffusion loader; Megatron indexed files; a nanogpt shard),
 ``step_scheduler.max_steps`` and a scratch ``checkpoint.checkpoint_dir``. A generation config makes ``--steps``
 denoising steps of 64 x 64 pictures (5 frames for a video) into a scratch ``output.output_dir``. A config laid out
 for 2 to 4 processes runs on that many (``--nproc-per-node``, gloo); nothing else changes, so a config laid out for
@@ -224,6 +226,9 @@ def stand_ins(data: dict[str, Any], assets: dict[str, dict[str, str]], domain: s
         directory = assets["vlm:families"][family]
         found |= {key: directory for key in found if key.rsplit(".", 1)[-1] in survey.HUB_KEYS and
                   survey.HUB_KEYS[key.rsplit(".", 1)[-1]] in ("model", "tokenizer", "processor")}
+        drafter = vlm_stand_ins.family_of(str(data["model"].get("drafter_path", "")))
+        if drafter:  # a Gemma 4 assistant trained beside its base: the one made for the base's stand-in
+            found["model.drafter_path"] = assets["vlm:families"][drafter]
     return found
 
 

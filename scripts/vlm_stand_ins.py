@@ -70,6 +70,21 @@ def _gemma4(path: Path) -> Path:
     return tiny_gemma4_dir(path)
 
 
+def _gemma4_assistant(path: Path) -> Path:
+    """A tiny Gemma 4 assistant (drafter) made for the tiny Gemma 4 of ``_gemma4`` (built beside it to read its text
+    config): the base's hidden size as its backbone's, the base's vocabulary, two layers sharing the base's keys
+    and values."""
+    from transformers import AutoConfig, Gemma4AssistantConfig, Gemma4AssistantForCausalLM
+
+    base = AutoConfig.from_pretrained(str(_gemma4(path.with_name(path.name + "_base")))).text_config
+    text = {key: value for key, value in base.to_dict().items() if key != "layer_types"}  # 2 layers: their own
+    text.update(hidden_size=24, intermediate_size=48, num_hidden_layers=2, num_kv_shared_layers=2,
+                vocab_size_per_layer_input=0, hidden_size_per_layer_input=0)
+    Gemma4AssistantForCausalLM(Gemma4AssistantConfig(text_config=text, backbone_hidden_size=base.hidden_size)
+                               ).save_pretrained(path)
+    return path
+
+
 def _mistral3(path: Path) -> Path:
     """A tiny Mistral 3 (Pixtral tower, Mistral text model) with its PixtralProcessor."""
     from test_family_processors import tiny_mistral3_dir
@@ -81,7 +96,8 @@ def _mistral3(path: Path) -> Path:
 FAMILIES: dict[str, Callable[[Path], Path]] = {
     r"Qwen3-VL-.*-A\d+B": _qwen3("qwen3_vl_moe"), r"Qwen3-VL": _qwen3("qwen3_vl"),
     r"Qwen3\.[5-9]-.*-A\d+B": _qwen3("qwen3_5_moe"), r"Qwen3\.[5-9]-": _qwen3("qwen3_5"),
-    r"Qwen2\.5-VL": _qwen2_5_vl, r"gemma-3-\d": _gemma3, r"gemma-4-": _gemma4, r"Ministral-3-": _mistral3,
+    r"Qwen2\.5-VL": _qwen2_5_vl, r"gemma-3-\d": _gemma3, r"gemma-4-.*-assistant": _gemma4_assistant,
+    r"gemma-4-": _gemma4, r"Ministral-3-": _mistral3,
 }
 
 

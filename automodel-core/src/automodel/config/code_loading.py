@@ -18,6 +18,8 @@ from automodel.config.model_paths import MODEL_PATH_KEYS
 from automodel.config.trust import TRUST_REMOTE_CODE_FLAG
 from automodel.errors import ConfigIssue
 
+_DIRECTORY_KEYS = (*MODEL_PATH_KEYS, "name_or_path")  # a directory whose weight files are checked for pickles
+
 
 def _set(value: Any) -> bool:  # how the libraries read these keys: `if trust_remote_code:`
     return bool(value)
@@ -65,7 +67,7 @@ def pickle_only_weights(directory: Path) -> list[str]:
 def _check_value(key: str, name: str, value: Any, issues: list[ConfigIssue]) -> None:
     if name in _DANGEROUS and _DANGEROUS[name][0](value):
         issues.append(_refusal(key, f"{json.dumps(value, default=str)} {_DANGEROUS[name][1]}"))
-    elif name in MODEL_PATH_KEYS and isinstance(value, str) and Path(value).is_dir():
+    elif name in _DIRECTORY_KEYS and isinstance(value, str) and Path(value).is_dir():
         pickles = pickle_only_weights(Path(value))
         if pickles:
             issues.append(_refusal(key, f"'{value}' holds weights only as pickle files ({', '.join(pickles[:4])}), "

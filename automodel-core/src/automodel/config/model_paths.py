@@ -10,8 +10,9 @@ from typing import Any
 
 from automodel.errors import ConfigIssue
 
-# keys the loaders (transformers, diffusers, sentence-transformers, peft) read a model's location from
-MODEL_PATH_KEYS = ("pretrained_model_name_or_path", "name_or_path", "model_name_or_path", "model_id", "model_path")
+# keys the loaders (transformers, diffusers, sentence-transformers, peft) read a model's location from (not a
+# config's ``name_or_path``, the name it records)
+MODEL_PATH_KEYS = ("pretrained_model_name_or_path", "model_name_or_path", "model_id", "model_path")
 
 
 def is_hub_id(value: str) -> bool:
