@@ -152,3 +152,20 @@ def test_an_attention_the_model_class_lacks_is_refused_at_validation(make_config
     assert "has no sdpa attention in transformers" in found[key] and found[key].endswith("use eager"), found
     load_config(make_config(model={"config": str(tmp_path / "m" / "config.json"), "attn_implementation": "eager"}),
                 route=("finetune", "llm"))
+
+
+def test_a_model_type_transformers_builds_only_as_image_text_to_text_is_built_so(tmp_path):
+    """Upstream's NeMoAutoModelForCausalLM builds the architecture a checkpoint names (its Muse Glimmer examples
+    load a vision-language model through it); transformers' AutoModelForCausalLM refuses such a config."""
+    from transformers import LlavaConfig, LlavaForConditionalGeneration
+
+    text = {"model_type": "llama", "vocab_size": 64, "hidden_size": 16, "intermediate_size": 32,
+            "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2}
+    vision = {"model_type": "clip_vision_model", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "image_size": 16, "patch_size": 8}
+    LlavaConfig(text_config=text, vision_config=vision, image_token_id=3).save_pretrained(tmp_path / "fresh")
+    LlavaForConditionalGeneration(LlavaConfig(text_config=text, vision_config=vision, image_token_id=3)
+                                  ).save_pretrained(tmp_path / "saved")
+    assert isinstance(AutoModelForCausalLM.from_config(str(tmp_path / "fresh")), LlavaForConditionalGeneration)
+    assert isinstance(AutoModelForCausalLM.from_pretrained(str(tmp_path / "saved")), LlavaForConditionalGeneration)
+    assert type(AutoModelForCausalLM.from_config({"model_type": "llama", **text})).__name__ == "LlamaForCausalLM"

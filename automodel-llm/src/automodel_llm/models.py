@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from automodel.errors import AutomodelError
-from automodel.model_files import MODEL_KWARGS, fresh_model, pop_hub_arguments, pretrained_or_fresh
+from automodel.model_files import HUB_ARGUMENTS, MODEL_KWARGS, fresh_model, pop_hub_arguments, pretrained_or_fresh
 from automodel.model_kwargs import apply_config_overrides, model_issues, mtp_model_issues, take_model_settings
 
 
@@ -52,19 +52,14 @@ class _AutoModelFactory:
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | None = None, *, name_or_path: str | None = None,
                         dtype: Any = None, torch_dtype: Any = None, **kwargs: Any) -> Any:
-        import transformers
-
         path = pretrained_model_name_or_path or name_or_path
         finish = take_model_settings(kwargs, checkpoint=path, mtp=cls.mtp)
-        model = pretrained_or_fresh(getattr(transformers, cls.auto_class), path, dtype or torch_dtype,
-                                    cls.from_config, kwargs)
+        model = pretrained_or_fresh(cls.auto_for(path, kwargs), path, dtype or torch_dtype, cls.from_config, kwargs)
         return finish(model)
 
     @classmethod
     def from_config(cls, config: Any, *, dtype: Any = None, torch_dtype: Any = None, seed: int | None = None,
                     **kwargs: Any) -> Any:
-        import transformers
-
         finish = take_model_settings(kwargs, mtp=cls.mtp, built_from={"config": config})
         hub = pop_hub_arguments(kwargs)  # to AutoConfig.from_pretrained only: never into the saved config
         model_kwargs = {k: kwargs.pop(k, hub.get(k)) for k in MODEL_KWARGS if k in kwargs or k in hub}
@@ -72,15 +67,44 @@ class _AutoModelFactory:
         hf_config = _load_config(config, hub, **kwargs)
         if text_config is not None:
             apply_config_overrides(hf_config, {"text_config": text_config})
-        model = fresh_model(getattr(transformers, cls.auto_class).from_config, hf_config, model_kwargs,
-                            dtype or torch_dtype, seed)
+        model = fresh_model(cls.auto_for(hf_config).from_config, hf_config, model_kwargs, dtype or torch_dtype, seed)
         return finish(model)
+
+    @classmethod
+    def auto_for(cls, config: Any, kwargs: dict[str, Any] | None = None) -> Any:
+        """The transformers Auto class that builds ``config`` (a config, or a checkpoint's name or directory read
+        with the hub arguments of ``kwargs``)."""
+        import transformers
+
+        return getattr(transformers, cls.auto_class)
 
 
 class AutoModelForCausalLM(_AutoModelFactory):
-    """A ``transformers`` causal LM (``AutoModelForCausalLM``), from a checkpoint or a config."""
+    """A ``transformers`` causal LM (``AutoModelForCausalLM``), from a checkpoint or a config. A model type that
+    transformers builds only as an image-text-to-text model (Muse Glimmer, a Llava) is built by
+    ``AutoModelForImageTextToText``, as upstream's ``NeMoAutoModelForCausalLM`` builds the architecture a checkpoint
+    names whatever its kind."""
 
     automodel_config_issues = staticmethod(mtp_model_issues)
+
+    @classmethod
+    def auto_for(cls, config: Any, kwargs: dict[str, Any] | None = None) -> Any:
+        import transformers
+        from transformers.models.auto.modeling_auto import (
+            MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+            MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+        )
+
+        if not isinstance(config, transformers.PretrainedConfig):
+            hub = {k: v for k, v in (kwargs or {}).items() if k in HUB_ARGUMENTS or k == "gguf_file"}
+            try:
+                config = transformers.AutoConfig.from_pretrained(str(config), **hub)
+            except Exception:  # noqa: BLE001  (unreadable here: loading it says why, with the key)
+                return transformers.AutoModelForCausalLM
+        kind = getattr(config, "model_type", None)
+        if kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and kind in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+            return transformers.AutoModelForImageTextToText
+        return transformers.AutoModelForCausalLM
 
 
 class AutoModelForSeq2SeqLM(_AutoModelFactory):
