@@ -378,6 +378,8 @@ def test_dry_run_shows_the_expert_groups(moe_config, tmp_path):
                      "topk_group": 1, "q_lora_rank": None, "kv_lora_rank": 8, "qk_rope_head_dim": 4,
                      "qk_nope_head_dim": 4, "v_head_dim": 8}),
     ("gpt_oss", {"num_local_experts": 4}),
+    ("nemotron_h", {"n_routed_experts": 4, "moe_intermediate_size": 8, "moe_shared_expert_intermediate_size": 8,
+                    "layers_block_type": ["moe"], "n_groups": 1}),  # up_proj / down_proj: no gate
 ])
 def test_which_experts_modules_expert_parallelism_takes(model_type, sizes):
     import torch

@@ -196,6 +196,22 @@ def test_two_fsdp2_ranks_train_the_heads_as_one_process(tmp_path, one_process):
         torch.testing.assert_close(two[key], one[key], rtol=1e-4, atol=1e-6)
 
 
+def test_expert_parallel_ranks_split_nemotron_hs_ungated_experts_and_train_as_one_process(tmp_path, one_process):
+    """ep 2: Nemotron-H's experts (up_proj / down_proj, no gate: transformers' has_gate=False layout), the main
+    model's and the MoE depth's, are split over the two ranks; losses, gradient norms, the trained experts and
+    heads are one process's."""
+    config, reference = one_process
+    log = run_finetune(config, tmp_path, tmp_path / "ep", *fsdp2_ranks_with("ep_size"))
+    assert "each rank holds 2 of 4 experts" in log
+    assert losses(tmp_path / "ep") == pytest.approx(losses(reference), rel=1e-5)
+    assert grad_norms(tmp_path / "ep") == pytest.approx(grad_norms(reference), rel=1e-5)
+    saved = load_file(tmp_path / "ep" / "epoch_0_step_2" / "model" / "model.safetensors")
+    expected = load_file(reference / "epoch_0_step_2" / "model" / "model.safetensors")
+    assert any(key.endswith("experts.up_proj") for key in saved)
+    for key, value in expected.items():
+        torch.testing.assert_close(saved[key], value, rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.slow  # make test-slow: the same path as a faster test of this suite
 def test_two_pipeline_stages_train_the_heads_as_one_process(tmp_path, one_process):
     """pp 2, two stages per rank (interleaved 1F1B, four stages): the first stage embeds the two depths' tokens

@@ -18,8 +18,9 @@ from automodel.errors import AutomodelError
 if TYPE_CHECKING:
     import torch
 
-# the fused expert weights of a Hugging Face MoE block (3-D: experts x out x in)
-EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
+# the fused expert weights of a Hugging Face MoE block (3-D: experts x out x in); up_proj: non-gated experts'
+# (Nemotron-H)
+EXPERT_PARAMETERS = ("gate_up_proj", "up_proj", "down_proj")
 
 
 def peft_patterns(patterns: list[str] | str) -> list[str] | str:

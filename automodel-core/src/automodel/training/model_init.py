@@ -26,6 +26,7 @@ from automodel.training.parallel.activation_checkpointing import apply_activatio
 from automodel.training.parallel.expert_parallel import (
     apply_expert_parallel,
     build_expert_mesh,
+    expert_count,
     experts_issues,
     experts_modules,
 )
@@ -127,7 +128,7 @@ def expert_parallelize(ctx: BuildContext, model: torch.nn.Module) -> str:
         return f"expert parallel over ep {ep_size}: no experts module in this pipeline stage"
     reduced_over = ctx.mesh.dp * ctx.mesh.cp  # the ranks FSDP2 averages the other gradients over
     names = apply_expert_parallel(model, mesh, reduced_over)
-    experts = model.get_submodule(names[0]).gate_up_proj.shape[0]
+    experts = expert_count(model.get_submodule(names[0]))
     groups = reduced_over // ep_size
     stage = " of this pipeline stage" if ctx.mesh.pp > 1 else ""
     return (f"expert parallel over ep {ep_size} ({groups} group{'s' if groups > 1 else ''} of consecutive ranks"

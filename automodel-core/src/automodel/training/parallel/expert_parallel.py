@@ -7,7 +7,9 @@ context-parallel ranks together (FSDP2 shards and averages over both; experts ta
 
 Which experts modules: transformers' fused experts (``@use_experts_implementation``: ``gate_up_proj`` ``[E, 2I, H]``,
 ``down_proj`` ``[E, H, I]``, no bias, concatenated gate/up, not transposed), the layout of Qwen3-MoE, Mixtral, OLMoE,
-DeepSeek-V3 and most MoE models of transformers 5; others are refused by name (:func:`experts_issues`).
+DeepSeek-V3 and most MoE models of transformers 5, and its non-gated form (``has_gate=False``: ``up_proj``
+``[E, I, H]`` and ``down_proj``, the activation alone between them: Nemotron-H's experts); others are refused by name
+(:func:`experts_issues`).
 
 :func:`apply_expert_parallel` turns both parameters into ``DTensor``\\ s on the 2-D mesh ``(ep_replicate, ep)`` with
 placements ``(Replicate(), Shard(0))`` (the expert dimension sharded), so materialisation, DCP checkpoints and the
@@ -43,13 +45,12 @@ from automodel.errors import ConfigIssue
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
+EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")  # gated experts; non-gated ones (has_gate=False): up_proj, down_proj
 EP_MESH_DIMS = ("ep_replicate", "ep")
 # a Hugging Face config's number of routed experts, under the names MoE architectures use
 _EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 # the layout flags transformers' @use_experts_implementation sets on an experts module, and the values handled here
-_LAYOUT = {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True,
-           "has_post_expert_norm": False}
+_LAYOUT = {"has_bias": False, "is_transposed": False, "is_concatenated": True, "has_post_expert_norm": False}
 
 
 def config_expert_count(hf_config: Any) -> int | None:
@@ -61,17 +62,31 @@ def config_expert_count(hf_config: Any) -> int | None:
     return None
 
 
+def _gated(module: nn.Module) -> bool:
+    return getattr(module, "has_gate", True) is not False
+
+
+def expert_parameter_names(module: nn.Module) -> tuple[str, str]:
+    """The names of an experts module's two fused parameters: its first projection's and ``down_proj``."""
+    return EXPERT_PARAMETERS if _gated(module) else ("up_proj", "down_proj")
+
+
 def _fused_experts(module: nn.Module) -> bool:
     """Whether ``module`` holds experts as fused 3-D parameters (any layout: checked by :func:`_layout_problems`)."""
-    param = module._parameters.get("gate_up_proj")
+    param = module._parameters.get(expert_parameter_names(module)[0])
     return param is not None and param.dim() == 3
+
+
+def expert_count(module: nn.Module) -> int:
+    """The number of experts an experts module holds (all of them, also when they are sharded)."""
+    return module._parameters[expert_parameter_names(module)[0]].shape[0]
 
 
 def _layout_problems(module: nn.Module) -> list[str]:
     names = set(module._parameters)
     problems = [f"{flag}={getattr(module, flag, None)}" for flag, wanted in _LAYOUT.items()
                 if getattr(module, flag, None) != wanted]
-    if names != set(EXPERT_PARAMETERS):
+    if names != set(expert_parameter_names(module)):
         problems.append(f"parameters {sorted(names)}")
     if not hasattr(module, "act_fn") or not hasattr(module, "num_experts"):
         problems.append("no act_fn / num_experts")
@@ -88,8 +103,8 @@ def experts_issues(model: nn.Module, ep_size: int, key: str = "distributed.ep_si
     found = experts_modules(model)
     if not found:
         return [ConfigIssue(key, f"{ep_size}: expert parallelism splits the experts of a mixture-of-experts model, "
-                            f"and {type(model).__name__} has no experts module with fused gate_up_proj / down_proj "
-                            "parameters (transformers' MoE layout); use ep_size: 1 (or null)")]
+                            f"and {type(model).__name__} has no experts module with fused gate_up_proj (or up_proj) "
+                            "/ down_proj parameters (transformers' MoE layout); use ep_size: 1 (or null)")]
     issues = []
     for name, _ in found:
         if any(not hasattr(wrapper, "parameter_name") for wrapper in _lora_wrappers(model, name).values()):
@@ -104,10 +119,11 @@ def experts_issues(model: nn.Module, ep_size: int, key: str = "distributed.ep_si
         if problems:
             issues.append(ConfigIssue(key, f"{ep_size}: the experts module {kind} ('{name}') has a layout expert "
                                       f"parallelism does not handle here ({', '.join(problems)}; supported: "
-                                      "gate_up_proj [E, 2I, H] and down_proj [E, H, I] without bias, as in Qwen3-MoE, "
-                                      "Mixtral, OLMoE); use ep_size: 1 (or null)"))
+                                      "gate_up_proj [E, 2I, H] (or up_proj [E, I, H] without a gate) and down_proj "
+                                      "[E, H, I] without bias, as in Qwen3-MoE, Mixtral, OLMoE, Nemotron-H); use "
+                                      "ep_size: 1 (or null)"))
             continue
-        experts = module.gate_up_proj.shape[0]
+        experts = expert_count(module)
         if experts % ep_size:
             issues.append(ConfigIssue(key, f"{ep_size} does not divide the number of experts ({experts}, {kind} "
                                       f"'{name}'); use an ep_size that divides {experts}"))
@@ -157,9 +173,9 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, dp_size: int) -> l
     replicas = mesh["ep_replicate"].get_group() if mesh["ep_replicate"].size() > 1 else None
     names = []
     for name, module in experts_modules(model):
-        experts = module.gate_up_proj.shape[0]
+        experts = expert_count(module)
         count = experts // size
-        for attr in EXPERT_PARAMETERS:
+        for attr in expert_parameter_names(module):
             param = module._parameters[attr]
             sharded = distribute_tensor(param.data, mesh, [Replicate(), Shard(0)], src_data_rank=None)
             module._parameters[attr] = nn.Parameter(sharded, requires_grad=param.requires_grad)
@@ -218,7 +234,7 @@ def expert_parameters(model: nn.Module) -> set[nn.Parameter]:
     """The parameters :func:`apply_expert_parallel` sharded (FSDP2 must leave them alone)."""
     from torch.distributed.tensor import DTensor
 
-    return {module._parameters[attr] for _, module in experts_modules(model) for attr in EXPERT_PARAMETERS
+    return {module._parameters[attr] for _, module in experts_modules(model) for attr in expert_parameter_names(module)
             if isinstance(module._parameters[attr], DTensor)}
 
 
@@ -258,8 +274,10 @@ def _forward(module: nn.Module, shard: ExpertShard, wrappers: dict[str, nn.Modul
     hidden = all_gather_single_autograd(hidden, 0, shard.group)
     weights = all_gather_single_autograd(weights, 0, shard.group)
     index = torch.as_tensor(all_gather_single(index, 0, shard.group))
-    gate_up = _expert_weight(module, shard, wrappers, "gate_up_proj").to(hidden.dtype)
-    down = _expert_weight(module, shard, wrappers, "down_proj").to(hidden.dtype)
+    first, second = expert_parameter_names(module)
+    up = _expert_weight(module, shard, wrappers, first).to(hidden.dtype)
+    down = _expert_weight(module, shard, wrappers, second).to(hidden.dtype)
+    activate = module._apply_gate if _gated(module) else module.act_fn
     out = torch.zeros_like(hidden)
     used = False
     for local in range(shard.count):
@@ -267,7 +285,7 @@ def _forward(module: nn.Module, shard: ExpertShard, wrappers: dict[str, nn.Modul
         if token.numel() == 0:
             continue
         used = True
-        part = module._apply_gate(nn.functional.linear(hidden[token], gate_up[local]))
+        part = activate(nn.functional.linear(hidden[token], up[local]))
         part = nn.functional.linear(part, down[local]) * weights[token, slot, None]
         out = out.index_add(0, token, part.to(out.dtype))
     if not used:
@@ -275,6 +293,6 @@ def _forward(module: nn.Module, shard: ExpertShard, wrappers: dict[str, nn.Modul
         # still runs the reduce-scatters of the gathered tokens and weights that the group's other ranks run (a
         # rank skipping them would leave the others waiting: torch's pipeline stages, for one, first run a
         # backward on uninitialised activations, whose routing is arbitrary)
-        out = out + 0.0 * (gate_up.sum() + down.sum() + hidden.sum() + weights.sum())
+        out = out + 0.0 * (up.sum() + down.sum() + hidden.sum() + weights.sum())
     mine = reduce_scatter_single_autograd(out, "sum", 0, shard.group)
     return mine[:tokens]
