@@ -85,6 +85,8 @@ def hub_overrides(data: Any, assets: dict[str, str], prefix: str = "") -> Iterat
             elif kind and isinstance(value, str) and (_HUB_ID.match(value) or placeholder) \
                     and not Path(value).exists():
                 yield dotted, assets[kind]
+                if kind == "dataset" and data.get("revision") is not None:  # a hub version: the local file has none
+                    yield f"{prefix}.revision" if prefix else "revision", "null"
             else:
                 yield from hub_overrides(value, assets, dotted)
     elif isinstance(data, list):

@@ -169,3 +169,29 @@ def test_a_model_type_transformers_builds_only_as_image_text_to_text_is_built_so
     assert isinstance(AutoModelForCausalLM.from_config(str(tmp_path / "fresh")), LlavaForConditionalGeneration)
     assert isinstance(AutoModelForCausalLM.from_pretrained(str(tmp_path / "saved")), LlavaForConditionalGeneration)
     assert type(AutoModelForCausalLM.from_config({"model_type": "llama", **text})).__name__ == "LlamaForCausalLM"
+
+
+def test_trust_remote_code_and_config_keys_still_build_on_the_meta_device(tmp_path):
+    """Upstream's configs ask for trust_remote_code (and set config keys) for models transformers implements: the
+    engine's meta-device build (each rank reads only its shards) still applies, the keys set on the config; a
+    checkpoint that ships its own code (auto_map) is left to from_pretrained."""
+    import json
+
+    from transformers import LlamaConfig
+    from transformers import LlamaForCausalLM as HFLlama
+
+    from automodel.meta_build import building_on_meta
+
+    HFLlama(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                        num_attention_heads=2, num_key_value_heads=2)).save_pretrained(tmp_path)
+    with building_on_meta() as request:
+        model = AutoModelForCausalLM.from_pretrained(str(tmp_path), trust_remote_code=True, output_hidden_states=True)
+    assert request.built and request.weights == tmp_path
+    assert all(p.is_meta for p in model.parameters()) and model.config.output_hidden_states is True
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "auto_map": {"AutoModelForCausalLM": "own.Model"}}))
+    (tmp_path / "own.py").write_text("from transformers import LlamaForCausalLM\n\n\n"  # a class of its own: loading
+                                     "class Model(LlamaForCausalLM):\n    pass\n")  # marks it as remote code
+    with building_on_meta() as request:
+        model = AutoModelForCausalLM.from_pretrained(str(tmp_path), trust_remote_code=True)
+    assert not request.built and not any(p.is_meta for p in model.parameters())

@@ -121,12 +121,16 @@ def _with_config(path: str, kwargs: dict[str, Any], errors: tuple[type[Exception
 def _pretrained_on_meta(auto_class: Any, path: str, dtype: Any, kwargs: dict[str, Any],
                         errors: tuple[type[Exception], ...]) -> Any | None:
     """The model of ``path`` on the meta device with its weights' directory recorded, when the engine asked for
-    it and the weights can be read in slices; None otherwise (``from_pretrained`` then loads it whole)."""
+    it and the weights can be read in slices; None otherwise (``from_pretrained`` then loads it whole). Config
+    keys among ``kwargs`` are set on the checkpoint's config first; ``trust_remote_code`` is no obstacle where the
+    checkpoint ships no code (a model transformers implements, as upstream's configs often ask for it)."""
     from automodel.meta_build import build_on_meta, local_weights, meta_request, pretrained_dtype
 
     request = meta_request()
-    if request is None or set(kwargs) - {"attn_implementation"}:
-        return None  # trust_remote_code, a revision, config overrides: left to from_pretrained
+    build = {k: v for k, v in kwargs.items() if k == "attn_implementation"}
+    loading = set(kwargs) & set(FROM_PRETRAINED_ARGUMENTS) - {"attn_implementation", "trust_remote_code"}
+    if request is None or loading:
+        return None  # a revision, a subfolder, quantization, ...: left to from_pretrained
     weights = local_weights(path)
     if weights is None:
         return None
@@ -134,10 +138,13 @@ def _pretrained_on_meta(auto_class: Any, path: str, dtype: Any, kwargs: dict[str
 
     try:
         config = AutoConfig.from_pretrained(str(weights))
-    except errors:
+    except (*errors, ValueError):  # a model type only the checkpoint's own code knows
         return None
+    if kwargs.get("trust_remote_code") and getattr(config, "auto_map", None):
+        return None  # the checkpoint's own code: left to from_pretrained
+    apply_config_overrides(config, {k: v for k, v in kwargs.items() if k not in FROM_PRETRAINED_ARGUMENTS})
     chosen = parse_dtype(dtype) if dtype not in (None, "auto") else pretrained_dtype(config, weights)
-    return build_on_meta(request, lambda: auto_class.from_config(config, dtype=chosen, **kwargs),
+    return build_on_meta(request, lambda: auto_class.from_config(config, dtype=chosen, **build),
                          f"{auto_class.__name__}.from_pretrained", weights=weights)
 
 
