@@ -162,7 +162,7 @@ LLM_FAMILIES = {
     r"gemma-2-": "Gemma2Config", r"gemma-3|functiongemma": "Gemma3TextConfig", r"gemma-7b": "GemmaConfig",
     r"Mixtral": "MixtralConfig", r"Mistral-|Devstral|Ministral": "MistralConfig", r"phi-4|Phi-3": "Phi3Config",
     r"phi-2": "PhiConfig", r"DeepSeek-V3$|Moonlight|Kimi-K2": "DeepseekV3Config", r"DeepSeek-V4": "DeepseekV4Config",
-    r"gpt-oss": "GptOssConfig", r"granite-3": "GraniteConfig", r"Nemotron-3-|Nemotron-Nano-9B": "NemotronHConfig",
+    r"gpt-oss": "GptOssConfig", r"granite-3": "GraniteConfig", r"Nemotron-3[-.]|Nemotron-Nano-9B": "NemotronHConfig",
     r"OLMo-2": "Olmo2Config", r"GLM-4\.7-Flash": "Glm4MoeLiteConfig", r"GLM-4\.[57]": "Glm4MoeConfig",
     r"glm-4-9b": "GlmConfig", r"Falcon-H1": "FalconH1Config", r"starcoder2": "Starcoder2Config",
     r"command-r7b": "Cohere2Config", r"ERNIE-4\.5-21B": "Ernie4_5_MoeConfig", r"ERNIE-4\.5": "Ernie4_5Config",
@@ -186,6 +186,11 @@ TINY_LLM = {"vocab_size": 1024, "hidden_size": 64, "intermediate_size": 128, "nu
             "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False}
 
 
+# a family's keys beyond TINY_LLM: Nemotron-H declares one MTP depth (attention then MoE), as NVIDIA's Nemotron 3
+# checkpoints do, for upstream's configs that train the heads the checkpoint declares
+FAMILY_EXTRAS = {"NemotronHConfig": {"num_nextn_predict_layers": 1, "mtp_layers_block_type": ["attention", "moe"]}}
+
+
 def llm_family(data: dict[str, Any]) -> str | None:
     """The family (a key of LLM_FAMILIES) of the first hub id in an LLM config's model section."""
     ids = re.findall(r"[\w.-]+/[\w.-]+", json.dumps(data.get("model") or {}))
@@ -198,7 +203,8 @@ def write_tiny_llm(config_class: str, directory: Path, tokenizer: Path) -> None:
 
     cls = getattr(transformers, config_class)
     known = cls().to_dict()
-    config = cls(**{key: value for key, value in TINY_LLM.items() if key in known})
+    config = cls(**{**{key: value for key, value in TINY_LLM.items() if key in known},
+                    **FAMILY_EXTRAS.get(config_class, {})})
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(directory)
     for item in tokenizer.iterdir():
         shutil.copy(item, directory)
