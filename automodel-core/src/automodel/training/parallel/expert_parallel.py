@@ -5,11 +5,14 @@ other parameter over the data-parallel ranks as usual. Under pipeline parallelis
 do this for the MoE layers of that stage; under context parallelism the ep groups are formed over the data- and
 context-parallel ranks together (FSDP2 shards and averages over both; experts take tokens wherever they come from).
 
-Which experts modules: transformers' fused experts (``@use_experts_implementation``: ``gate_up_proj`` ``[E, 2I, H]``,
-``down_proj`` ``[E, H, I]``, no bias, concatenated gate/up, not transposed), the layout of Qwen3-MoE, Mixtral, OLMoE,
-DeepSeek-V3 and most MoE models of transformers 5, and its non-gated form (``has_gate=False``: ``up_proj``
-``[E, I, H]`` and ``down_proj``, the activation alone between them: Nemotron-H's experts); others are refused by name
-(:func:`experts_issues`).
+Which experts modules: transformers' fused experts (``@use_experts_implementation``): ``gate_up_proj`` ``[E, 2I, H]``
+and ``down_proj`` ``[E, H, I]``, the layout of Qwen3-MoE, Mixtral, OLMoE, DeepSeek-V3 and most MoE models of
+transformers 5; its non-gated form (``has_gate=False``: ``up_proj`` ``[E, I, H]`` and ``down_proj``, the activation
+alone between them: Nemotron-H); with biases (``gate_up_proj_bias`` ``[E, 2I]``, ``down_proj_bias``), transposed
+weights (``[E, H, 2I]``, ``[E, I, H]``) and gate and up interleaved (the module's own ``_apply_gate``): GPT-OSS's; with
+a norm after each expert where the module has one. Each expert computes as transformers' own experts implementations
+do. LoRA on the experts' fused weights is taken for the untransposed layouts; other experts modules are refused by
+name (:func:`experts_issues`).
 
 :func:`apply_expert_parallel` turns both parameters into ``DTensor``\\ s on the 2-D mesh ``(ep_replicate, ep)`` with
 placements ``(Replicate(), Shard(0))`` (the expert dimension sharded), so materialisation, DCP checkpoints and the
@@ -46,11 +49,11 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")  # gated experts; non-gated ones (has_gate=False): up_proj, down_proj
+_BIASES = "_bias"  # an experts module with has_bias: each weight's bias is the parameter of its name + "_bias"
 EP_MESH_DIMS = ("ep_replicate", "ep")
 # a Hugging Face config's number of routed experts, under the names MoE architectures use
 _EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 # the layout flags transformers' @use_experts_implementation sets on an experts module, and the values handled here
-_LAYOUT = {"has_bias": False, "is_transposed": False, "is_concatenated": True, "has_post_expert_norm": False}
 
 
 def config_expert_count(hf_config: Any) -> int | None:
@@ -66,9 +69,11 @@ def _gated(module: nn.Module) -> bool:
     return getattr(module, "has_gate", True) is not False
 
 
-def expert_parameter_names(module: nn.Module) -> tuple[str, str]:
-    """The names of an experts module's two fused parameters: its first projection's and ``down_proj``."""
-    return EXPERT_PARAMETERS if _gated(module) else ("up_proj", "down_proj")
+def expert_parameter_names(module: nn.Module) -> tuple[str, ...]:
+    """The names of an experts module's fused parameters: its first projection's and ``down_proj``, then their
+    biases where it has them."""
+    weights = EXPERT_PARAMETERS if _gated(module) else ("up_proj", "down_proj")
+    return (*weights, *(name + _BIASES for name in weights)) if getattr(module, "has_bias", False) else weights
 
 
 def _fused_experts(module: nn.Module) -> bool:
@@ -84,12 +89,13 @@ def expert_count(module: nn.Module) -> int:
 
 def _layout_problems(module: nn.Module) -> list[str]:
     names = set(module._parameters)
-    problems = [f"{flag}={getattr(module, flag, None)}" for flag, wanted in _LAYOUT.items()
-                if getattr(module, flag, None) != wanted]
+    problems = []
     if names != set(expert_parameter_names(module)):
         problems.append(f"parameters {sorted(names)}")
-    if not hasattr(module, "act_fn") or not hasattr(module, "num_experts"):
-        problems.append("no act_fn / num_experts")
+    if not hasattr(module, "_apply_gate" if _gated(module) else "act_fn") or not hasattr(module, "num_experts"):
+        problems.append(f"no {'_apply_gate' if _gated(module) else 'act_fn'} / num_experts")
+    if getattr(module, "has_post_expert_norm", False) and not hasattr(module, "post_expert_norm"):
+        problems.append("no post_expert_norm")
     return problems
 
 
@@ -111,6 +117,10 @@ def experts_issues(model: nn.Module, ep_size: int, key: str = "distributed.ep_si
             return [ConfigIssue("peft.target_modules", f"an adapter wraps the experts module '{name}' in a way "
                                 "expert parallelism does not handle (only peft's LoRA on their fused parameters); "
                                 "name the modules to adapt outside the experts or use ep_size: 1")]
+        if _lora_wrappers(model, name) and getattr(model.get_submodule(name), "is_transposed", False):
+            return [ConfigIssue("peft.target_modules", f"LoRA on the experts module '{name}', whose weights are "
+                                "stored transposed (GPT-OSS's layout), is not handled under expert parallelism; "
+                                "adapt the modules outside the experts or use ep_size: 1")]
     kinds = {}
     for name, module in found:
         kinds.setdefault(type(module).__name__, (name, module))
@@ -119,9 +129,9 @@ def experts_issues(model: nn.Module, ep_size: int, key: str = "distributed.ep_si
         if problems:
             issues.append(ConfigIssue(key, f"{ep_size}: the experts module {kind} ('{name}') has a layout expert "
                                       f"parallelism does not handle here ({', '.join(problems)}; supported: "
-                                      "gate_up_proj [E, 2I, H] (or up_proj [E, I, H] without a gate) and down_proj "
-                                      "[E, H, I] without bias, as in Qwen3-MoE, Mixtral, OLMoE, Nemotron-H); use "
-                                      "ep_size: 1 (or null)"))
+                                      "transformers' fused experts, gate_up_proj (or up_proj without a gate) and "
+                                      "down_proj, with their biases where the module has them, as in Qwen3-MoE, "
+                                      "Mixtral, OLMoE, Nemotron-H, GPT-OSS); use ep_size: 1 (or null)"))
             continue
         experts = expert_count(module)
         if experts % ep_size:
@@ -238,6 +248,13 @@ def expert_parameters(model: nn.Module) -> set[nn.Parameter]:
             if isinstance(module._parameters[attr], DTensor)}
 
 
+def _project(module: nn.Module, inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+             expert: int) -> torch.Tensor:
+    """One local expert's projection of ``inputs``, its weight stored ``[out, in]`` or transposed ``[in, out]``."""
+    out = inputs @ weight if getattr(module, "is_transposed", False) else nn.functional.linear(inputs, weight)
+    return out if bias is None else out + bias[expert]
+
+
 class _ExpertGradient(torch.autograd.Function):
     """Identity forward; backward turns the ep group's summed gradient of the local experts into one process's."""
 
@@ -274,25 +291,27 @@ def _forward(module: nn.Module, shard: ExpertShard, wrappers: dict[str, nn.Modul
     hidden = all_gather_single_autograd(hidden, 0, shard.group)
     weights = all_gather_single_autograd(weights, 0, shard.group)
     index = torch.as_tensor(all_gather_single(index, 0, shard.group))
-    first, second = expert_parameter_names(module)
-    up = _expert_weight(module, shard, wrappers, first).to(hidden.dtype)
-    down = _expert_weight(module, shard, wrappers, second).to(hidden.dtype)
+    local = [_expert_weight(module, shard, wrappers, name).to(hidden.dtype) for name in expert_parameter_names(module)]
+    up, down, *biases = local
+    up_bias, down_bias = biases if biases else (None, None)
     activate = module._apply_gate if _gated(module) else module.act_fn
     out = torch.zeros_like(hidden)
     used = False
-    for local in range(shard.count):
-        token, slot = torch.where(index == shard.first + local)
+    for expert in range(shard.count):
+        token, slot = torch.where(index == shard.first + expert)
         if token.numel() == 0:
             continue
         used = True
-        part = activate(nn.functional.linear(hidden[token], up[local]))
-        part = nn.functional.linear(part, down[local]) * weights[token, slot, None]
-        out = out.index_add(0, token, part.to(out.dtype))
+        part = activate(_project(module, hidden[token], up[expert], up_bias, expert))
+        part = _project(module, part, down[expert], down_bias, expert)
+        if getattr(module, "has_post_expert_norm", False):
+            part = module.post_expert_norm(part)
+        out = out.index_add(0, token, (part * weights[token, slot, None]).to(out.dtype))
     if not used:
         # no token chose these experts: their gradient is zero (as in one process), not missing, and the backward
         # still runs the reduce-scatters of the gathered tokens and weights that the group's other ranks run (a
         # rank skipping them would leave the others waiting: torch's pipeline stages, for one, first run a
         # backward on uninitialised activations, whose routing is arbitrary)
-        out = out + 0.0 * (up.sum() + down.sum() + hidden.sum() + weights.sum())
+        out = out + 0.0 * (sum(tensor.sum() for tensor in local) + hidden.sum() + weights.sum())
     mine = reduce_scatter_single_autograd(out, "sum", 0, shard.group)
     return mine[:tokens]
