@@ -17,9 +17,9 @@ calls, xLAM, column-mapped, MedPix, CORD-v2, Shopify; the shipped retrieval rows
 clips or the shipped shapes pictures for a diffusion loader; Megatron indexed files; a nanogpt shard),
 ``step_scheduler.max_steps`` and a scratch ``checkpoint.checkpoint_dir``. A generation config makes ``--steps``
 denoising steps of 64 x 64 pictures (5 frames for a video) into a scratch ``output.output_dir``. A config laid out
-for 2 to 4 processes runs on that many (``--nproc-per-node``, gloo); nothing else changes, so a config laid out for
-more (tp_size 8, say) is refused by the run for that. It prints each file's exit status and, for a failure, the
-run's last error lines, then the count.
+for 2 to 4 processes (``--max-processes N``: to N) runs on that many (``--nproc-per-node``, gloo); nothing else
+changes, so a config laid out for more (tp_size 8, say) is refused by the run for that. It prints each file's exit
+status and, for a failure, the run's last error lines, then the count.
 
 ``--cpu`` also runs the configs refused only for GPU features or for ``trust_remote_code: true``, as a user on a
 machine without a GPU would: each refused key gets the CPU alternative its refusal message names
@@ -333,14 +333,14 @@ def cpu_config(path: Path, examples: Path, assets: dict[str, Any], scratch: Path
     return current, validation, refused
 
 
-def launch_args(validation: str) -> list[str]:
+def launch_args(validation: str, max_processes: int = 4) -> list[str]:
     """The route and process count that validation chose (``valid for ROUTE (checked for N processes``): a
-    config without ``recipe:`` runs through its route's command, a layout of 2 to 4 processes on that many
-    (one machine, gloo); a bigger one runs on one process and is refused for its layout."""
+    config without ``recipe:`` runs through its route's command, a layout of 2 to ``max_processes`` processes on
+    that many (one machine, gloo); a bigger one runs on one process and is refused for its layout."""
     route = re.search(r"valid for ([a-z]+ [a-z]+) \(", validation)
     world = re.search(r"checked for (\d+) process", validation)
     args = route.group(1).split() if route else ["run"]
-    if world and 2 <= int(world.group(1)) <= 4:
+    if world and 2 <= int(world.group(1)) <= max_processes:
         args += ["--nproc-per-node", world.group(1), "--master-port", str(free_port())]
     return args
 
@@ -378,13 +378,15 @@ def data_overrides(data: dict[str, Any], root: Path, scratch: Path) -> dict[str,
 
 
 def run_file(path: Path, domain: str, examples: Path, assets: dict[str, Any], data_root: Path, steps: int,
-             scratch: Path, validation: str, flags: tuple[str, ...] = ()) -> tuple[int | str, str]:
+             scratch: Path, validation: str, flags: tuple[str, ...] = (), max_processes: int = 4
+             ) -> tuple[int | str, str]:
     from automodel.config import load_yaml_file
 
     data = load_yaml_file(path)
     overrides = stand_ins(data, assets, domain)
     overrides.update(data_overrides(data, data_root, scratch))
-    args = [sys.executable, "-m", "automodel.cli.main", *launch_args(validation), *flags, "-c", str(path)]
+    args = [sys.executable, "-m", "automodel.cli.main", *launch_args(validation, max_processes), *flags,
+            "-c", str(path)]
     for key, value in overrides.items():
         args += [f"--{key}", value]
     if "generate" in args:  # a generation config: ``steps`` denoising steps of a small picture, into scratch
@@ -410,6 +412,8 @@ def main() -> int:
     parser.add_argument("examples", type=Path, help="upstream examples/ directory")
     parser.add_argument("--steps", type=int, default=2, help="step_scheduler.max_steps of each run")
     parser.add_argument("--only", nargs="*", default=[], help="run only files whose path contains one of these")
+    parser.add_argument("--max-processes", type=int, default=4, help="the largest layout run on its own number of "
+                        "processes (gloo ranks on this machine's cores); a bigger one runs on one process")
     parser.add_argument("--cpu", action="store_true", help="run a config refused only for GPU features or "
                         "trust_remote_code with the CPU alternatives its refusals name and --trust-remote-code")
     args = parser.parse_args()
@@ -442,7 +446,8 @@ def main() -> int:
                         continue  # refused at validation: check_upstream_configs.py says why
                 ran += 1
                 code, errors = run_file(config, survey.domain_of(folder), examples, assets, root / "data", args.steps,
-                                        scratch, validation, ("--trust-remote-code",) if args.cpu else ())
+                                        scratch, validation, ("--trust-remote-code",) if args.cpu else (),
+                                        args.max_processes)
                 passed += code == 0
                 print(f"{name}: exit {code}" + (f"\n{errors}" if code != 0 and errors else ""), flush=True)
     print(f"\n=== {passed} of {ran} configs that validate ran {args.steps} steps ===")
