@@ -276,7 +276,7 @@ CPU_OVERRIDES: dict[str, Any] = {
     r"^(?P<edit>loss_fn)\._target_$": REMOVE,  # Transformer Engine's cross entropy: the default loss
     r"^(?P<edit>optimizer)\._target_$": _adamw,
     r"^distributed\.strategy$": "fsdp2",
-    r"^distributed\.patch_is_packed_sequence$": False,
+    r"^distributed\.(patch_is_packed_sequence|enable_async_tensor_parallel)$": False,
     r"^prewarm\.\w+$": False,
     r"^checkpoint\.model_save_format$": "safetensors",
     r"^(?P<edit>quantization)(\.|$)": REMOVE,  # QLoRA: LoRA on the bf16 / fp32 weights
