@@ -191,19 +191,34 @@ TINY_LLM = {"vocab_size": 1024, "hidden_size": 64, "intermediate_size": 128, "nu
 FAMILY_EXTRAS = {"NemotronHConfig": {"num_nextn_predict_layers": 1, "mtp_layers_block_type": ["attention", "moe"]}}
 
 
+def pipeline_layers(data: dict[str, Any]) -> int:
+    """The decoder layers a config's pipeline layout needs (``pp_size`` ranks x its stages per rank x
+    ``layers_per_stage``), 0 without one: a stand-in of TINY_LLM's 4 layers cannot take upstream's interleaved
+    layouts of 2 to 14 layers per stage."""
+    distributed = data.get("distributed") if isinstance(data.get("distributed"), dict) else {}
+    pipeline = distributed.get("pipeline") if isinstance(distributed.get("pipeline"), dict) else {}
+    pp_size, per_stage = distributed.get("pp_size") or 1, pipeline.get("layers_per_stage")
+    if not isinstance(pp_size, int) or pp_size < 2 or not isinstance(per_stage, int):
+        return 0
+    interleaved = str(pipeline.get("pp_schedule", "1f1b")).lower().replace("_", "") in ("interleaved1f1b", "loopedbfs")
+    return pp_size * (2 if interleaved else 1) * per_stage
+
+
 def llm_family(data: dict[str, Any]) -> str | None:
     """The family (a key of LLM_FAMILIES) of the first hub id in an LLM config's model section."""
     ids = re.findall(r"[\w.-]+/[\w.-]+", json.dumps(data.get("model") or {}))
     return next((name for hub in ids for name in LLM_FAMILIES if re.search(name, hub)), None)
 
 
-def write_tiny_llm(config_class: str, directory: Path, tokenizer: Path) -> None:
-    """A fresh tiny model of one family (safetensors) with the shipped tokenizer beside it."""
+def write_tiny_llm(config_class: str, directory: Path, tokenizer: Path, layers: int | None = None) -> None:
+    """A fresh tiny model of one family (safetensors) with the shipped tokenizer beside it; ``layers``: that many
+    decoder layers instead of TINY_LLM's."""
     import transformers
 
     cls = getattr(transformers, config_class)
     known = cls().to_dict()
-    config = cls(**{**{key: value for key, value in TINY_LLM.items() if key in known},
+    sizes = {**TINY_LLM, **({"num_hidden_layers": layers} if layers else {})}
+    config = cls(**{**{key: value for key, value in sizes.items() if key in known},
                     **FAMILY_EXTRAS.get(config_class, {})})
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(directory)
     for item in tokenizer.iterdir():
@@ -227,6 +242,13 @@ def stand_ins(data: dict[str, Any], assets: dict[str, dict[str, str]], domain: s
     if domain == "diffusion" and diffusion_family(data):
         kind = f"diffusion:{diffusion_family(data)}"
     found = dict(survey.hub_overrides(data, assets[kind]))
+    layers = pipeline_layers(data) if kind == "llm" or kind.startswith("llm:") else 0
+    if layers > TINY_LLM["num_hidden_layers"]:  # the family's stand-in with the layers the layout needs (untied)
+        config_class = LLM_FAMILIES[kind.split(":", 1)[1]] if ":" in kind else "LlamaConfig"
+        directory = Path(assets["llm"]["model"]).with_name(f"llm-{config_class}-{layers}")
+        if not directory.exists():
+            write_tiny_llm(config_class, directory, Path(survey.local_assets()["llm"]["tokenizer"]), layers)
+        found |= {key: str(directory) for key, value in found.items() if value == assets[kind]["model"]}
     family = vlm_stand_ins.family_of(model_id(data)) if domain == "vlm" else None
     if family:  # the family's tiny model, its processor and tokenizer in the same directory
         directory = assets["vlm:families"][family]
