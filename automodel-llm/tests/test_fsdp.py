@@ -186,3 +186,31 @@ def test_no_rank_materialises_the_whole_model_while_loading_and_bf16_matches_one
     assert "mixed precision (torch.autocast): params bf16 (stored fp32)" in output["one"]
     assert "mixed precision (FSDP2 MixedPrecisionPolicy): params bf16 (stored fp32), reduce fp32" in output["two"]
     assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), rel=2e-2)
+
+
+def test_parameters_a_model_keeps_in_float32_get_fsdp2_units_of_their_own(tmp_path):
+    """ERNIE 4.5 MoE keeps its router weight and score-correction bias in float32 in a bfloat16 model
+    (transformers' ``_keep_in_fp32_modules_strict``); FSDP2 takes one dtype per unit, so a block holding both failed
+    ("FSDP expects uniform original parameter dtype", upstream's ernie4_5_21b_a3b example). The routers become units
+    of their own in float32; two ranks train with the losses of one process accumulating twice (bf16 precision)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    llama = json.loads(llm_testing.LLAMA_CONFIG.read_text())
+    config = AutoConfig.for_model("ernie4_5_moe", vocab_size=llama["vocab_size"], hidden_size=32,
+                                  intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, moe_num_experts=4, moe_k=2,
+                                  moe_layer_start_index=0, tie_word_embeddings=False,
+                                  **{k: llama.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16, torch.float32}
+    model.save_pretrained(tmp_path / "base")
+    yaml = llm_testing.write_config(tmp_path / "cfg.yaml", tmp_path / "base" / "config.json", tmp_path / "unused",
+                                    model={"_target_": "automodel_llm.AutoModelForCausalLM.from_pretrained",
+                                           "pretrained_model_name_or_path": str(tmp_path / "base"), "config": None})
+    steps = ["--step_scheduler.max_steps", "3", "--dataloader.batch_size", "2", "--dataloader.shuffle", "false"]
+    llm_testing.run_finetune(yaml, tmp_path, tmp_path / "one", *steps, "--step_scheduler.grad_accumulation_steps", "2")
+    log = llm_testing.run_finetune(yaml, tmp_path, tmp_path / "two", *steps, *TWO_RANKS)
+    assert "4 modules the model keeps in float32 as units of their own" in log  # 2 routers and their biases
+    assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), rel=1e-3)

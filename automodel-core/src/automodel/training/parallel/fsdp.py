@@ -73,6 +73,27 @@ def apply_fsdp2(model: nn.Module, dp_mesh: DeviceMesh, precision: Precision | No
     return len(blocks)
 
 
+def kept_dtype_modules(model: nn.Module, ignored: set[nn.Parameter] | None = None) -> dict[nn.Module, torch.dtype]:
+    """The modules holding parameters of their own in a dtype other than the model's (transformers'
+    ``_keep_in_fp32_modules``: ERNIE 4.5's router weight and score-correction bias stay float32 in a bfloat16
+    model), each with that dtype: FSDP2 takes one dtype per unit, so each becomes a unit of its own
+    (``apply_fsdp2``'s ``own_dtype``) rather than a mixed block. ``ignored``: parameters FSDP2 leaves alone."""
+    ignored = ignored or set()
+    counts: dict[torch.dtype, int] = {}
+    for param in model.parameters():
+        if param not in ignored:
+            counts[param.dtype] = counts.get(param.dtype, 0) + param.numel()
+    if len(counts) < 2:
+        return {}
+    common = max(counts, key=counts.get)
+    kept = {}
+    for module in reversed(list(model.modules())):  # inner modules first: FSDP2 shards a child before its parent
+        own = {p.dtype for p in module.parameters(recurse=False) if p not in ignored}
+        if own and common not in own:
+            kept[module] = next(iter(own)) if len(own) == 1 else torch.float32
+    return kept
+
+
 def set_prefetch(blocks: list[nn.Module], forward_depth: int, backward_depth: int) -> None:
     """Explicit FSDP2 prefetch between sharded blocks: block i gathers blocks i+1..i+forward_depth ahead in forward
     and blocks i-1..i-backward_depth ahead in backward (backward runs the blocks in reverse)."""

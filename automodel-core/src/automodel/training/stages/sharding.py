@@ -24,7 +24,7 @@ from automodel.training.model_init import materialize_model, on_meta
 from automodel.training.multimodal_section import frozen_sharding
 from automodel.training.parallel.context_parallel import fsdp_mesh
 from automodel.training.parallel.expert_parallel import expert_parameters
-from automodel.training.parallel.fsdp import apply_fsdp2, inner_root_issue
+from automodel.training.parallel.fsdp import apply_fsdp2, inner_root_issue, kept_dtype_modules
 from automodel.training.parallel.mesh import DP
 from automodel.training.parallel.multimodal_fsdp import place_multimodal
 from automodel.training.parallelism import parallel_issues
@@ -79,7 +79,8 @@ def wrap_fsdp2(ctx: BuildContext, model: torch.nn.Module) -> tuple[torch.nn.Modu
     experts = expert_parameters(model)
     head = fp32_head(model) if moe_head_fp32(settings) else None
     routers = routers_in_precision(model)
-    own_dtype = {**routers, **({head: torch.float32} if head is not None else {})}
+    kept = kept_dtype_modules(model, experts)
+    own_dtype = {**kept, **routers, **({head: torch.float32} if head is not None else {})}
     outer_root = not moe_inner_root(settings)
     if not outer_root and inner_root_issue(model):
         raise AutomodelError(f"distributed.moe.wrap_outer_model: false: {inner_root_issue(model)}, so the inner "
@@ -97,7 +98,9 @@ def wrap_fsdp2(ctx: BuildContext, model: torch.nn.Module) -> tuple[torch.nn.Modu
     if experts:
         how += f", expert parameters ({len(experts)}) split by expert parallelism instead"
     gates = f"{len(routers)} routers in {_dtype_names(routers.values())} (model.backend.gate_precision)"
-    details = [f"{blocks} blocks sharded"] + ["the output head in fp32"] * (head is not None) + [gates] * bool(
+    details = [f"{blocks} blocks sharded"] + [f"{len(kept)} modules the model keeps in "
+                                              f"{_dtype_names(kept.values())} as units of their own"] * bool(kept) \
+        + ["the output head in fp32"] * (head is not None) + [gates] * bool(
         routers) + ["the inner model as root, the outer unsharded"] * (not outer_root) + multimodal.describe()
     message = f"{how} ({', '.join(details)})"
     if meta:
