@@ -187,8 +187,10 @@ TINY_LLM = {"vocab_size": 1024, "hidden_size": 64, "intermediate_size": 128, "nu
 
 
 # a family's keys beyond TINY_LLM: Nemotron-H declares one MTP depth (attention then MoE), as NVIDIA's Nemotron 3
-# checkpoints do, for upstream's configs that train the heads the checkpoint declares
-FAMILY_EXTRAS = {"NemotronHConfig": {"num_nextn_predict_layers": 1, "mtp_layers_block_type": ["attention", "moe"]}}
+# checkpoints do, for upstream's configs that train the heads the checkpoint declares; a multi-head latent attention
+# (DeepSeek-V3, GLM-4.7-Flash) has as many key/value heads as query heads
+FAMILY_EXTRAS = {"NemotronHConfig": {"num_nextn_predict_layers": 1, "mtp_layers_block_type": ["attention", "moe"]},
+                 "DeepseekV3Config": {"num_key_value_heads": 4}, "Glm4MoeLiteConfig": {"num_key_value_heads": 4}}
 
 
 def pipeline_layers(data: dict[str, Any]) -> int:

@@ -53,7 +53,6 @@ _BIASES = "_bias"  # an experts module with has_bias: each weight's bias is the 
 EP_MESH_DIMS = ("ep_replicate", "ep")
 # a Hugging Face config's number of routed experts, under the names MoE architectures use
 _EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-# the layout flags transformers' @use_experts_implementation sets on an experts module, and the values handled here
 
 
 def config_expert_count(hf_config: Any) -> int | None:
