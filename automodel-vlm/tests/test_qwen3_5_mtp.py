@@ -120,19 +120,15 @@ def test_the_logged_loss_is_the_next_token_loss_plus_the_scaled_mean_of_the_dept
 
 @pytest.mark.parametrize("on_meta", [False, True])
 def test_upstream_form_trains_the_heads_and_transformers_loads_the_saved_model(tmp_path, qwen_dir, on_meta):
-    """Without the text_config keys (the checkpoint's count) the engine builds the model on the meta device and
-    reads the heads' tensors with the model's."""
-    import yaml
+    """The engine builds the model on the meta device (the text_config keys set on the checkpoint's config) and
+    reads the heads' tensors with the model's; a from_pretrained argument (``use_safetensors``) leaves the loading to
+    ``from_pretrained``, and the heads' tensors are read from the checkpoint's files."""
     from transformers import AutoModelForImageTextToText as HFModel
 
-    form = FORM
-    if on_meta:
-        data = yaml.safe_load(FORM.read_text())
-        del data["model"]["text_config"]
-        form = testing.write_yaml(tmp_path / "meta.yaml", data)
-    recipe = testing.train_inprocess(form, "--model.pretrained_model_name_or_path", qwen_dir,
+    loading = [] if on_meta else ["--model.use_safetensors", "true"]
+    recipe = testing.train_inprocess(FORM, "--model.pretrained_model_name_or_path", qwen_dir,
                                      "--processor.pretrained_model_name_or_path", qwen_dir,
-                                     "--checkpoint.checkpoint_dir", tmp_path / "ckpt", route=ROUTE)
+                                     "--checkpoint.checkpoint_dir", tmp_path / "ckpt", *loading, route=ROUTE)
     assert recipe.mtp_heads.origin.startswith("read with the model" if on_meta else "read from the checkpoint's")
     assert testing.read_jsonl(tmp_path / "ckpt" / "training.jsonl")[-1]["step"] == 2
     out = tmp_path / "ckpt" / "epoch_0_step_2" / "model"
