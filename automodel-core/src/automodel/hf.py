@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from automodel.config.model_paths import missing_location
 from automodel.data import load_rows
 from automodel.errors import AutomodelError
 from automodel.lora_targets import (
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ADAPTER_WEIGHTS", "EvalGenerationConfig", "PeftConfig", "align_special_tokens", "apply_lora",
            "check_vocab", "exact_match", "is_adapter_dir", "load_adapter_weights", "load_rows", "load_tokenizer",
-           "lora_config", "missing_local_path", "model_source", "record_adapter_base", "recorded_adapter_base"]
+           "lora_config", "model_source", "record_adapter_base", "recorded_adapter_base"]
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -51,24 +52,12 @@ def model_source(model: Mapping[str, Any] | None, keys: tuple[str, ...] = SOURCE
     return None
 
 
-def missing_local_path(name_or_path: Any) -> bool:
-    """A value that is clearly a local path (absolute, ./ ../ ~, or a file name) and does not exist.
-
-    Without this, transformers reports a missing directory as an invalid hub repository id.
-    """
-    if not isinstance(name_or_path, str) or not name_or_path:
-        return False
-    path = Path(name_or_path).expanduser()
-    local = path.is_absolute() or name_or_path.startswith(("./", "../", "~")) or path.suffix in (".json", ".yaml")
-    return local and not path.exists()
-
-
 def load_tokenizer(name_or_path: str, key: str, **kwargs: Any) -> Any:
     """``AutoTokenizer.from_pretrained`` (with ``kwargs``, such as the model's ``gguf_file``) with errors naming
     ``key``; the pad token falls back to EOS."""
     from transformers import AutoTokenizer
 
-    if missing_local_path(str(name_or_path)):
+    if missing_location(str(name_or_path)):
         raise AutomodelError(f"{key}: '{name_or_path}' does not exist")
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(name_or_path), **kwargs)

@@ -18,7 +18,8 @@ def with_recorded_base(data: dict, model_dir: Path) -> dict:
     environment: config.yaml keeps ``${VAR}`` placeholders, so ``${BASE}`` would otherwise mean whatever BASE is
     now. The adapter's ``base_model_name_or_path`` (the resolved path, or config, the run loaded) replaces the model
     section's source, and the tokenizer saved beside the adapter replaces the tokenizer section."""
-    from automodel.hf import missing_local_path, model_source, recorded_adapter_base
+    from automodel.config.model_paths import missing_location
+    from automodel.hf import model_source, recorded_adapter_base
 
     found = model_source(data.get("model"))
     recorded = recorded_adapter_base(model_dir)
@@ -28,7 +29,7 @@ def with_recorded_base(data: dict, model_dir: Path) -> dict:
                              f"is '{found[0]}', which today's environment would decide; set base_model_name_or_path "
                              "in adapter_config.json to the base the adapter was trained on")
         return data
-    if missing_local_path(recorded):
+    if missing_location(recorded):
         raise UsageError(f"the base model recorded with the run, '{recorded}' (adapter_config.json "
                          "base_model_name_or_path), no longer exists; restore it, or point base_model_name_or_path "
                          "at the same base")

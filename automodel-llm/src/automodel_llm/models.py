@@ -31,9 +31,9 @@ def _load_config(config: Any, hub: dict[str, Any], **overrides: Any) -> Any:
     if path.is_file():
         data = json.loads(path.read_text(encoding="utf-8"))
         return _load_config(data, hub, **overrides)
-    from automodel.hf import missing_local_path
+    from automodel.config.model_paths import missing_location
 
-    if missing_local_path(str(config)):
+    if missing_location(str(config)):
         raise AutomodelError(f"model.config: '{config}' does not exist")
     loaded = AutoConfig.from_pretrained(str(config), **hub)
     apply_config_overrides(loaded, overrides)  # a key the config lacks is refused, not dropped

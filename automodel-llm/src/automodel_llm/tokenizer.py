@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from automodel.config import Config, ConfigNode
+from automodel.config.model_paths import missing_location
 from automodel.config.targets import TargetError
 from automodel.errors import AutomodelError, ConfigIssue
-from automodel.hf import load_tokenizer, missing_local_path, model_source
+from automodel.hf import load_tokenizer, model_source
 from automodel_llm.datasets.arguments import argument_issues
 from automodel_llm.datasets.chat import missing_template_problem
 
@@ -66,7 +67,7 @@ def build_tokenizer(cfg: Config) -> Any:
     if not needs_tokenizer(cfg):
         return None
     if node is not None:
-        if node.target is None and missing_local_path(source):
+        if node.target is None and missing_location(source):
             raise AutomodelError(f"{key}: '{source}' does not exist")
         tokenizer = node.instantiate(default_target=AUTO_TOKENIZER)
     elif source is None:

@@ -27,15 +27,27 @@ def is_hub_id(value: str) -> bool:
     return True
 
 
+def missing_location(value: Any) -> bool:
+    """Whether ``value``, a model / tokenizer location, names nothing that can be loaded: not an existing path, and
+    either spelled as a local one (absolute, ``./``, ``../``, ``~``, a ``.json`` / ``.yaml`` file name) or not as a
+    hub id. transformers would report such a value as an invalid hub repository id. A URL (``scheme://...``) is
+    left to its loader."""
+    if not isinstance(value, str) or not value or "://" in value:
+        return False
+    path = Path(value).expanduser()
+    if path.exists():
+        return False
+    local = path.is_absolute() or value.startswith(("./", "../", "~")) or path.suffix in (".json", ".yaml")
+    return local or not is_hub_id(value)
+
+
 def model_path_issues(data: Any, key: str = "") -> list[ConfigIssue]:
-    """Every model location in ``data`` (the resolved config) that is neither an existing path nor a hub id. A URL
-    (``scheme://...``) is left to its loader."""
+    """Every model location in ``data`` (the resolved config) that :func:`missing_location` finds."""
     issues: list[ConfigIssue] = []
     if isinstance(data, dict):
         for name, value in data.items():
             child = f"{key}.{name}" if key else str(name)
-            if name in MODEL_PATH_KEYS and isinstance(value, str) and value and "://" not in value \
-                    and not Path(value).exists() and not is_hub_id(value):
+            if name in MODEL_PATH_KEYS and missing_location(value):
                 issues.append(ConfigIssue(child, f"'{value}' is neither an existing local path (a relative one is read "
                                                  f"from the working directory, {os.getcwd()}) nor a Hugging Face hub "
                                                  "id (name or organisation/name); give the model's folder or its hub "
