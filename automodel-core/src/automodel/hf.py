@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 from automodel.config.model_paths import missing_location
 from automodel.data import load_rows
 from automodel.errors import AutomodelError
+from automodel.fused_experts import EXPERT_WEIGHTS
 from automodel.lora_targets import (
-    EXPERT_PARAMETERS,
     glob_targets,
     named_refused,
     peft_patterns,
@@ -206,7 +206,7 @@ class PeftConfig:
         config = getattr(model, "config", None)
         per_token = getattr(config.get_text_config(), "num_experts_per_tok", None) if config is not None else None
         names = [name for name, param in model.named_parameters()
-                 if param.dim() == 3 and name.rsplit(".", 1)[-1] in EXPERT_PARAMETERS]
+                 if param.dim() == 3 and name.rsplit(".", 1)[-1] in EXPERT_WEIGHTS]
         if not names or not isinstance(per_token, int):
             raise AutomodelError("peft.moe_rank_scaling: true scales the LoRA rank of a mixture-of-experts model's "
                                  "experts, and this model has no fused experts (3-D gate_up_proj / down_proj) with "

@@ -14,13 +14,11 @@ import re
 from typing import TYPE_CHECKING, Any
 
 from automodel.errors import AutomodelError
+from automodel.fused_experts import EXPERT_WEIGHTS
 
 if TYPE_CHECKING:
     import torch
 
-# the fused expert weights of a Hugging Face MoE block (3-D: experts x out x in); up_proj: non-gated experts'
-# (Nemotron-H)
-EXPERT_PARAMETERS = ("gate_up_proj", "up_proj", "down_proj")
 
 
 def peft_patterns(patterns: list[str] | str) -> list[str] | str:
@@ -49,7 +47,7 @@ def glob_targets(model: torch.nn.Module, pattern: str, written: Any) -> tuple[li
     refused = peft_refused(model, matched)
     modules = [name for name in matched if name not in refused]
     parameters = [name for name, param in model.named_parameters()
-                  if param.dim() == 3 and name.rsplit(".", 1)[-1] in EXPERT_PARAMETERS
+                  if param.dim() == 3 and name.rsplit(".", 1)[-1] in EXPERT_WEIGHTS
                   and regex.fullmatch(name.rsplit(".", 1)[0])]
     if not modules and not parameters:
         why = f" (peft refuses LoRA on {refused_summary(refused)} for this model type)" if refused else ""

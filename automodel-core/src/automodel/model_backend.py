@@ -262,9 +262,9 @@ def apply_to_model(model: Any, backend: BackendConfig | None) -> Any:
         use_gate_precision(model, getattr(torch, GATE_DTYPES[_gate_dtype_name(backend.gate_precision)]))
     if backend is None or not backend.fake_balanced_gate:
         return model
-    experts = [m for m in model.modules()  # fused experts, gated (gate_up_proj) or not (up_proj: Nemotron-H)
-               if getattr(m, "_parameters", {}).get("gate_up_proj" if getattr(m, "has_gate", True) else "up_proj")
-               is not None and isinstance(getattr(m, "num_experts", None), int)]
+    from automodel.fused_experts import is_fused_experts
+
+    experts = [m for m in model.modules() if is_fused_experts(m) and isinstance(getattr(m, "num_experts", None), int)]
     if not experts:
         from automodel.errors import AutomodelError
 

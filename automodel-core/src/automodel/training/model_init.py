@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from automodel.errors import AutomodelError, ConfigError
+from automodel.fused_experts import expert_count
 from automodel.hf import is_adapter_dir
 from automodel.mtp.pipeline import carry_heads
 from automodel.training.checkpoint import RESUME_ELSEWHERE, CheckpointError, mismatch_message
@@ -26,7 +27,6 @@ from automodel.training.parallel.activation_checkpointing import apply_activatio
 from automodel.training.parallel.expert_parallel import (
     apply_expert_parallel,
     build_expert_mesh,
-    expert_count,
     experts_issues,
     experts_modules,
 )

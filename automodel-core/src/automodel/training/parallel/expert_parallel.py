@@ -44,12 +44,11 @@ import torch.distributed as dist
 from torch import nn
 
 from automodel.errors import ConfigIssue
+from automodel.fused_experts import expert_count, expert_parameter_names, is_fused_experts, is_gated
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")  # gated experts; non-gated ones (has_gate=False): up_proj, down_proj
-_BIASES = "_bias"  # an experts module with has_bias: each weight's bias is the parameter of its name + "_bias"
 EP_MESH_DIMS = ("ep_replicate", "ep")
 # a Hugging Face config's number of routed experts, under the names MoE architectures use
 _EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
@@ -64,35 +63,13 @@ def config_expert_count(hf_config: Any) -> int | None:
     return None
 
 
-def _gated(module: nn.Module) -> bool:
-    return getattr(module, "has_gate", True) is not False
-
-
-def expert_parameter_names(module: nn.Module) -> tuple[str, ...]:
-    """The names of an experts module's fused parameters: its first projection's and ``down_proj``, then their
-    biases where it has them."""
-    weights = EXPERT_PARAMETERS if _gated(module) else ("up_proj", "down_proj")
-    return (*weights, *(name + _BIASES for name in weights)) if getattr(module, "has_bias", False) else weights
-
-
-def _fused_experts(module: nn.Module) -> bool:
-    """Whether ``module`` holds experts as fused 3-D parameters (any layout: checked by :func:`_layout_problems`)."""
-    param = module._parameters.get(expert_parameter_names(module)[0])
-    return param is not None and param.dim() == 3
-
-
-def expert_count(module: nn.Module) -> int:
-    """The number of experts an experts module holds (all of them, also when they are sharded)."""
-    return module._parameters[expert_parameter_names(module)[0]].shape[0]
-
-
 def _layout_problems(module: nn.Module) -> list[str]:
     names = set(module._parameters)
     problems = []
     if names != set(expert_parameter_names(module)):
         problems.append(f"parameters {sorted(names)}")
-    if not hasattr(module, "_apply_gate" if _gated(module) else "act_fn") or not hasattr(module, "num_experts"):
-        problems.append(f"no {'_apply_gate' if _gated(module) else 'act_fn'} / num_experts")
+    if not hasattr(module, "_apply_gate" if is_gated(module) else "act_fn") or not hasattr(module, "num_experts"):
+        problems.append(f"no {'_apply_gate' if is_gated(module) else 'act_fn'} / num_experts")
     if getattr(module, "has_post_expert_norm", False) and not hasattr(module, "post_expert_norm"):
         problems.append("no post_expert_norm")
     return problems
@@ -100,7 +77,7 @@ def _layout_problems(module: nn.Module) -> list[str]:
 
 def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Every module of ``model`` holding fused 3-D expert parameters, with its name."""
-    return [(name, module) for name, module in model.named_modules() if _fused_experts(module)]
+    return [(name, module) for name, module in model.named_modules() if is_fused_experts(module)]
 
 
 def experts_issues(model: nn.Module, ep_size: int, key: str = "distributed.ep_size") -> list[ConfigIssue]:
@@ -293,7 +270,7 @@ def _forward(module: nn.Module, shard: ExpertShard, wrappers: dict[str, nn.Modul
     local = [_expert_weight(module, shard, wrappers, name).to(hidden.dtype) for name in expert_parameter_names(module)]
     up, down, *biases = local
     up_bias, down_bias = biases if biases else (None, None)
-    activate = module._apply_gate if _gated(module) else module.act_fn
+    activate = module._apply_gate if is_gated(module) else module.act_fn
     out = torch.zeros_like(hidden)
     used = False
     for expert in range(shard.count):
