@@ -71,14 +71,13 @@ def local_assets() -> dict[str, dict[str, str]]:
 def hub_overrides(data: Any, assets: dict[str, str], prefix: str = "") -> Iterator[tuple[str, str]]:
     """``(dotted key, local path)`` for every value that names a hub id which is not a local path, and every model,
     tokenizer or processor location left for the user to fill in (``<your_path>``, ``/path/to/model``)."""
-    from automodel.config.model_paths import is_hub_id
+    from automodel.config.model_paths import missing_location
 
     if isinstance(data, dict):
         for key, value in data.items():
             dotted = f"{prefix}.{key}" if prefix else str(key)
             kind = HUB_KEYS.get(str(key))
-            placeholder = kind in ("model", "tokenizer", "processor") and isinstance(value, str) \
-                and "://" not in value and not is_hub_id(value)
+            placeholder = kind in ("model", "tokenizer", "processor") and missing_location(value)
             if key == "data_dir_list":  # retrieval data files: the shipped rows, where one is not here
                 if _unreachable_files(value):
                     yield dotted, f"[{Path(assets['dataset']) / 'train.jsonl'}]"
