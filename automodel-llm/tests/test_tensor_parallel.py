@@ -126,7 +126,7 @@ def test_layouts_the_model_cannot_take_are_refused_byvalidate_cli(tp_llama_confi
                           "--peft.dim", "4", "--peft.target_modules", "[q_proj]")
     assert code == 2
     assert "packed_sequence.packed_sequence_size: 63 does not divide by tp_size 2" in out
-    assert "distributed.sequence_parallel: true with LoRA (peft) and tp_size 2" in out
+    assert "sequence_parallel" not in out.replace("packed_sequence", "")  # LoRA composes with it
     code, out = validate_cli(config, tmp_path, "--nproc-per-node", "2", "--distributed.tp_size", "2", "--peft.dim", "4",
                           "--peft.dropout", "0.1", "--peft.use_dora", "true")
     assert code == 2 and "Traceback" not in out

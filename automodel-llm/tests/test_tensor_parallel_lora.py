@@ -1,6 +1,7 @@
 """LoRA under tensor parallelism through the CLI on CPU ranks (gloo): ``distributed.tp_size: 2`` with ``peft:`` on
 every projection of a tiny Llama (column-wise q/k/v/gate/up, row-wise o/down) trains with the per-step losses of
-one process, and its saved adapter loads in peft with the one process's values.
+one process, with and without sequence parallelism, and its saved adapter loads in peft with the one process's
+values.
 """
 
 from __future__ import annotations
@@ -26,11 +27,15 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     run_finetune(config, tmp, tmp / "one", *STEPS)
     log = run_finetune(config, tmp, tmp / "tp2", *STEPS, *TP2)
     assert "lora_B" in log  # the plan the build logs names the sharded adapter matrices
-    return {"one": tmp / "one", "tp2": tmp / "tp2", "config": tmp / "config.json"}
+    log = run_finetune(config, tmp, tmp / "tp2_sp", *STEPS, *TP2, "--distributed.sequence_parallel", "true",
+                       "--eval_generation.enabled", "false")
+    assert "tensor parallel over tp 2, sequence parallel" in log
+    return {"one": tmp / "one", "tp2": tmp / "tp2", "tp2_sp": tmp / "tp2_sp", "config": tmp / "config.json"}
 
 
-def test_lora_tp2_has_the_losses_of_one_process(runs):
-    one, tp2 = losses(runs["one"]), losses(runs["tp2"])
+@pytest.mark.parametrize("layout", ["tp2", "tp2_sp"])
+def test_lora_tp2_has_the_losses_of_one_process(runs, layout):
+    one, tp2 = losses(runs["one"]), losses(runs[layout])
     assert len(one) == 4 and tp2 == pytest.approx(one, rel=1e-4)
 
 
@@ -39,15 +44,16 @@ def test_lora_tp2_adapter_loads_in_peft_and_equals_one_process(runs):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     adapters = {}
-    for name in ("one", "tp2"):
+    for name in ("one", "tp2", "tp2_sp"):
         base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(runs["config"]))
         model = PeftModel.from_pretrained(base, runs[name] / "epoch_0_step_4" / "model")
         adapters[name] = {k: v for k, v in model.state_dict().items() if "lora_" in k}
-    assert adapters["tp2"].keys() == adapters["one"].keys()
     assert any("o_proj.lora_A" in k for k in adapters["one"]) and any("q_proj.lora_B" in k for k in adapters["one"])
-    assert any(v.abs().sum() > 0 for k, v in adapters["tp2"].items() if "lora_B" in k)
-    for key, value in adapters["one"].items():
-        assert torch.allclose(adapters["tp2"][key], value, atol=1e-5), key
+    for layout in ("tp2", "tp2_sp"):
+        assert adapters[layout].keys() == adapters["one"].keys()
+        assert any(v.abs().sum() > 0 for k, v in adapters[layout].items() if "o_proj.lora_B" in k)
+        for key, value in adapters["one"].items():
+            assert torch.allclose(adapters[layout][key], value, atol=1e-5), (layout, key)
 
 
 def test_lora_on_gathering_projections_and_the_head_tp2_has_the_losses_of_one_process(tmp_path):

@@ -153,10 +153,6 @@ def _lora_tp_issues(cfg: Config) -> list[ConfigIssue]:
     tp = cfg.distributed.tp_size
     get = peft.get if hasattr(peft, "get") else (lambda key, default=None: getattr(peft, key, default))
     issues = []
-    if cfg.distributed.sequence_parallel:
-        issues.append(ConfigIssue("distributed.sequence_parallel", f"true with LoRA (peft) and tp_size {tp}: the "
-                                  "replicated adapter matrices would see each rank's slice of the sequence; set it "
-                                  "false"))
     dropout = get("dropout", None) or get("lora_dropout", None) or 0.0
     if dropout:
         issues.append(ConfigIssue("peft.dropout", f"{dropout} with tp_size {tp}: each tensor-parallel rank would draw "

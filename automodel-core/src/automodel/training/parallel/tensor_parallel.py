@@ -105,8 +105,11 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
     if sequence_parallel:
         names = {id(module): name for name, module in model.named_modules()}
         styles.update(sequence_parallel_entries(concrete, [(names[id(b)], b) for b in transformer_blocks(model)]))
+    frozen = [name for name, param in model.named_parameters() if not param.requires_grad]
     parallelize_module(model, tp_mesh, styles, src_data_rank=None)
     _retie(model, ties)
+    for name in frozen:  # torch's SequenceParallel re-registers a norm's weight as trainable (a LoRA run's base)
+        model.get_parameter(name).requires_grad_(False)
     applied = TensorParallel(tp_mesh.size(), concrete, vocab_parallel, sequence_parallel)
     if vocab_parallel:
         model.get_submodule(head).register_forward_hook(applied._head_output)

@@ -19,6 +19,7 @@ embeddings, rotary positions, masks and the head see the whole sequence.
 from __future__ import annotations
 
 import fnmatch
+import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -220,10 +221,22 @@ def sequence_parallel_entries(concrete: Mapping[str, str], layers: Iterable[tupl
                                      "set distributed.sequence_parallel: false")
             if inside:
                 entries[full] = SequenceLayout("gather")
-                entries.update({sub: RowwiseParallel(output_layouts=_SEQUENCE) for sub, style in inside.items()
-                                if style in ROWWISE_STYLES})
+                rowwise = [sub for sub, style in inside.items() if style in ROWWISE_STYLES]
+                entries.update({sub: RowwiseParallel(output_layouts=_SEQUENCE) for sub in rowwise})
+                entries.update({adapter: ReplicateWithGradSum() for adapter in _lora_b_after(rowwise)})
         entries[name] = LayerSequenceBoundary(split_input=index == 0, gather_output=index == len(layers) - 1)
     return entries
+
+
+_LORA_A = re.compile(r"(?P<layer>.+)\.lora_A\.(?P<adapter>[^.]+)")  # peft's adapter matrix names
+
+
+def _lora_b_after(rowwise: Iterable[str]) -> list[str]:
+    """The LoRA ``lora_B`` matrices that follow a row-wise sharded ``lora_A``. Under sequence parallelism that
+    ``lora_A``'s output is reduce-scattered over the sequence like its base layer's, so ``lora_B`` runs on this
+    rank's part of the sequence: a replicated matrix whose gradient is summed over the ranks."""
+    matches = [_LORA_A.fullmatch(name) for name in rowwise]
+    return [f"{m['layer']}.lora_B.{m['adapter']}" for m in matches if m]
 
 
 class LayerSequenceBoundary(ParallelStyle):
