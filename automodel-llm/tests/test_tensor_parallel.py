@@ -61,17 +61,25 @@ def tp2_run(tmp_path_factory, one_process) -> tuple[Path, str]:
     return tmp / "tp", _run(one_process[0], tmp, tmp / "tp", *TP2)
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2_sequence_parallel"])
-def test_tp2_trains_like_one_process(request, one_process, tmp_path, sequence_parallel):
+# each transformer block compiled (upstream's enable_compile; aot_eager: dynamo and autograd's tracing without
+# inductor's code generation): the first block's input is the vocabulary-parallel embedding's output
+COMPILED_BLOCKS = ["--distributed.enable_compile", "true", "--compile.backend", "aot_eager"]
+
+
+@pytest.mark.parametrize("extra", [[], ["--distributed.sequence_parallel", "true"],
+                                   ["--distributed.sequence_parallel", "true", *COMPILED_BLOCKS]],
+                         ids=["tp2", "tp2_sequence_parallel", "tp2_sequence_parallel_compiled_blocks"])
+def test_tp2_trains_like_one_process(request, one_process, tmp_path, extra):
     config, reference = one_process
-    if sequence_parallel:
+    sequence_parallel = bool(extra)
+    if extra:
         out = tmp_path / "tp"
-        log = _run(config, tmp_path, out, *TP2, "--distributed.sequence_parallel", "true",
-                   "--eval_generation.enabled", "false")
+        log = _run(config, tmp_path, out, *TP2, *extra, "--eval_generation.enabled", "false")
     else:
         out, log = request.getfixturevalue("tp2_run")
     assert "tensor parallel over tp 2" in log and "FSDP2 over 1 ranks x tensor parallel over 2" in log
     assert ("sequence parallel" in log) == sequence_parallel
+    assert ("torch.compile of each of 2 transformer blocks" in log) == (COMPILED_BLOCKS[0] in extra)
     assert "model.layers.*.self_attn.q_proj: colwise" in log
     assert losses(out) == pytest.approx(losses(reference), rel=1e-4)
     assert grad_norms(out) == pytest.approx(grad_norms(reference), rel=1e-4)

@@ -93,6 +93,21 @@ def _as_dtensor(inputs: tuple, mesh: Any, placement: Any) -> tuple:
     return (first, *rest)
 
 
+class OwnOutput(ParallelStyle):
+    """``style`` with its output copied into a tensor of its own instead of a view of the DTensor's local tensor. An
+    embedding's output enters the first transformer block, which may be compiled: ``torch.compile`` takes such a view
+    as an alias of its input and its backward then loses the gradient's layout (DTensor's backward fails, or under
+    FSDP2 the gradients come out wrong)."""
+
+    def __init__(self, style: ParallelStyle):
+        self.style = style
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        module = self.style._apply(module, device_mesh)
+        module.register_forward_hook(lambda mod, args, output: output.clone())
+        return module
+
+
 def _gathered_colwise(vocab_parallel: bool) -> ParallelStyle:
     """Column-wise with the output gathered on every rank; on the output head with ``vocab_parallel``, the logits
     stay sharded over the vocabulary instead (a DTensor, for ``loss_parallel``)."""
@@ -113,10 +128,10 @@ STYLES: dict[str, tuple[str, Callable[[bool], ParallelStyle | None]]] = {
                               _gathered_colwise),
     "rowwise_rep": ("row-wise on a replicated input", lambda vp: RowwiseParallel(input_layouts=Replicate())),
     "rowwise_split_input": ("row-wise on a replicated input", lambda vp: RowwiseParallel(input_layouts=Replicate())),
-    "embedding_rowwise": ("vocabulary-parallel embedding",
-                          lambda vp: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())),
-    "embedding_colwise": ("embedding with the hidden size sharded",
-                          lambda vp: ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())),
+    "embedding_rowwise": ("vocabulary-parallel embedding", lambda vp: OwnOutput(
+        RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))),
+    "embedding_colwise": ("embedding with the hidden size sharded", lambda vp: OwnOutput(
+        ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))),
     "gather": ("output all-reduced", lambda vp: PrepareModuleOutput(output_layouts=Partial(),
                                                                     desired_output_layouts=Replicate())),
     "all_reduce": ("output all-reduced", lambda vp: PrepareModuleOutput(output_layouts=Partial(),

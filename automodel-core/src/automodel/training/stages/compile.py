@@ -55,11 +55,11 @@ def issues(cfg: Config, implementation: str | None) -> list[ConfigIssue]:
                                  "a model is compiled one way: set one of them false (compile:'s backend and mode "
                                  "apply to any)"))
     tp = cfg.distributed.tp_size if cfg.distributed is not None else 1
-    if select(cfg) is not None and tp > 1:
-        found.append(ConfigIssue(select(cfg)[1], f"true with tp_size {tp}: torch.compile over tensor-parallel "
-                                 "(DTensor) weights does not train right here (each block compiled: other losses "
-                                 "than eager ones from the second step; the whole model: dynamo stops on mixed fake "
-                                 "tensor modes), so the two are not combined; set it false or tp_size 1"))
+    if asked[:1] == ["compile.enabled"] and tp > 1:
+        found.append(ConfigIssue("compile.enabled", f"true with tp_size {tp}: torch.compile of the whole "
+                                 "tensor-parallel model stops in dynamo (mixed fake tensor modes); compile each "
+                                 "transformer block instead (distributed.enable_compile: true, compile:'s backend and "
+                                 "mode apply) or set it false"))
     options = cfg.compile if cfg.compile is not None else CompileConfig()
     if select(cfg) is None or (options.backend or "inductor") != "inductor" or torch.cuda.is_available():
         return found
