@@ -254,3 +254,11 @@ def test_upstream_values_that_cannot_act_are_refused(override, key, needle):
         testing.load_config(UPSTREAM, "--model.pretrained_model_name_or_path", TOKENIZER_DIR, *override, route=ROUTE)
     found = {issue.key: issue.message for issue in info.value.issues}
     assert key in found and needle in found[key], found
+
+
+def test_a_teacher_hidden_size_other_than_the_local_teachers_is_refused_at_validation(upstream_inputs, tmp_path):
+    overrides = [*_upstream_overrides(upstream_inputs, tmp_path), "--model.teacher_hidden_size", "64"]
+    with pytest.raises(ConfigError) as info:
+        testing.load_config(UPSTREAM, *overrides, route=ROUTE)
+    found = {issue.key: issue.message for issue in info.value.issues}
+    assert "embeds 96 wide (its hidden_size); set 96" in found["model.teacher_hidden_size"], found

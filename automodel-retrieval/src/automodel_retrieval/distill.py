@@ -18,6 +18,7 @@ from automodel.config import Config, Free, Refused, Target
 from automodel.errors import AutomodelError, ConfigIssue
 from automodel.training.context import BuildContext
 from automodel.training.modules import unwrap
+from automodel.training.parallelism import model_hf_config
 from automodel_retrieval import upstream, upstream_distill
 from automodel_retrieval.models import BiEncoder
 from automodel_retrieval.negatives import gather_documents
@@ -120,7 +121,7 @@ class EmbeddingDistillRecipe(BiEncoderRecipe):
                                        "listwise distillation loss takes every rank's documents as "
                                        "infonce_distill_loss.cross_device_negatives says: remove it")
                            for name in (upstream.GATHER, upstream.DETACH) if name in settings]
-        return issues
+        return issues + _teacher_width_issues(cfg)
 
     @classmethod
     def upstream_models(cls) -> tuple[str, ...]:
@@ -208,3 +209,21 @@ class EmbeddingDistillRecipe(BiEncoderRecipe):
             ranking = (documents, teacher_documents, batch["labels"] + offset,
                        valid.unsqueeze(0).expand(len(batch["labels"]), -1))
         return self.loss_fn(student, teacher, ranking) * len(batch["labels"])
+
+
+def _teacher_width_issues(cfg: Config) -> list[ConfigIssue]:
+    """Upstream's student names the teacher's embedding width (``model.teacher_hidden_size``); where the teacher's
+    config can be read before the build (a local checkpoint, one in the Hugging Face cache), it must be the teacher's
+    hidden size (the build checks the built teacher otherwise)."""
+    student, teacher = cfg.get("model"), cfg.get("teacher_model")
+    if (_expanded(cfg, student), _expanded(cfg, teacher)) != upstream_distill.ENCODERS:
+        return []
+    width = student.get("teacher_hidden_size")
+    config = model_hf_config(cfg, "teacher_model") if isinstance(width, int) else None
+    hidden = getattr(config.get_text_config(), "hidden_size", None) if config is not None else None
+    if not isinstance(hidden, int) or hidden == width:
+        return []
+    where = teacher.get("pretrained_model_name_or_path")
+    return [ConfigIssue("model.teacher_hidden_size", f"{width}, but the teacher ({where}) embeds {hidden} wide (its "
+                        f"hidden_size); set {hidden}")]
+
