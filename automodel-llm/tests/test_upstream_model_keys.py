@@ -195,3 +195,7 @@ def test_trust_remote_code_and_config_keys_still_build_on_the_meta_device(tmp_pa
     with building_on_meta() as request:
         model = AutoModelForCausalLM.from_pretrained(str(tmp_path), trust_remote_code=True)
     assert not request.built and not any(p.is_meta for p in model.parameters())
+    assert request.declined == f"the checkpoint in {tmp_path} runs its own code (auto_map, trust_remote_code)"
+    with building_on_meta() as request:  # the run's log line says why (recipe.after_model_built)
+        AutoModelForCausalLM.from_pretrained(str(tmp_path), revision="main")
+    assert not request.built and request.declined == "from_pretrained loads it with revision"

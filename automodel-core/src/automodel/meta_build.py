@@ -33,6 +33,7 @@ class MetaBuild:
     weights: Path | None = None  # the safetensors directory the parameters are read from (None: fresh init)
     checkpoint_key: Callable[[str], str] | None = None  # model state-dict key -> key in those files
     seed: int | None = None  # the model section's own seed for a fresh init (None: the run's rng.seed)
+    declined: str = ""  # why a factory that can build on the meta device loaded the whole model instead
 
 
 @contextlib.contextmanager
@@ -90,6 +91,8 @@ def build_on_meta(request: MetaBuild, build: Callable[[], Any], factory: str, we
         model = build()
     key = saved_key_function(model)
     if weights is not None and not _covers(model, weights, key):
+        request.declined = (f"the tensors in {weights} are not stored under the model's own names (a checkpoint "
+                            f"{factory} converts while loading)")
         return None
     request.built, request.factory, request.weights, request.checkpoint_key, request.seed = \
         True, factory, weights, key, seed

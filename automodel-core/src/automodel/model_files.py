@@ -129,19 +129,25 @@ def _pretrained_on_meta(auto_class: Any, path: str, dtype: Any, kwargs: dict[str
     request = meta_request()
     build = {k: v for k, v in kwargs.items() if k == "attn_implementation"}
     loading = set(kwargs) & set(FROM_PRETRAINED_ARGUMENTS) - {"attn_implementation", "trust_remote_code"}
-    if request is None or loading:
-        return None  # a revision, a subfolder, quantization, ...: left to from_pretrained
+    if request is None:
+        return None
+    if loading:  # a revision, a subfolder, quantization, ...: left to from_pretrained
+        request.declined = f"from_pretrained loads it with {', '.join(sorted(loading))}"
+        return None
     weights = local_weights(path)
     if weights is None:
+        request.declined = f"{path} has no safetensors weights here to read in slices"
         return None
     from transformers import AutoConfig
 
     try:
         config = AutoConfig.from_pretrained(str(weights))
-    except (*errors, ValueError):  # a model type only the checkpoint's own code knows
+    except (*errors, ValueError):
+        request.declined = f"the config in {weights} names a model type only the checkpoint's own code knows"
         return None
     if kwargs.get("trust_remote_code") and getattr(config, "auto_map", None):
-        return None  # the checkpoint's own code: left to from_pretrained
+        request.declined = f"the checkpoint in {weights} runs its own code (auto_map, trust_remote_code)"
+        return None
     apply_config_overrides(config, {k: v for k, v in kwargs.items() if k not in FROM_PRETRAINED_ARGUMENTS})
     chosen = parse_dtype(dtype) if dtype not in (None, "auto") else pretrained_dtype(config, weights)
     return build_on_meta(request, lambda: auto_class.from_config(config, dtype=chosen, **build),

@@ -364,9 +364,9 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
             self.log(f"model: built on the meta device by {meta.factory}; each rank materialises "
                      f"{'only its shards' if ctx.fsdp2 else 'it'} from {source}")
         elif ctx.fsdp2:
-            self.log(f"model: {ctx.cfg.model.target} does not build on the meta device, so every rank builds the "
-                     "whole model before FSDP2 shards it (automodel_llm / automodel_vlm model factories build on "
-                     "meta)")
+            why = meta.declined or (f"{ctx.cfg.model.target} does not build on the meta device (automodel_llm / "
+                                    "automodel_vlm model factories do)")
+            self.log(f"model: every rank builds the whole model before FSDP2 shards it: {why}")
         self.log(ctx.precision.describe(self.storage_dtype, ctx.fsdp2))
         return replace(ctx, meta_build=meta if meta.built else None)
 
