@@ -10,7 +10,10 @@ shows that it does.
 
 from __future__ import annotations
 
+import importlib.util
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import ClassVar
 
 import pytest
@@ -23,6 +26,8 @@ from automodel.testing import deep_update
 from automodel.testing.key_effects import key_effects, keyed_sections, launch_phase, run_phase, slurm_phase
 from automodel.training.recipe import TrainRecipe
 
+TINY_LLAMA = Path(importlib.util.find_spec("automodel_llm").submodule_search_locations[0]) / "examples" / "assets" \
+    / "tiny_llama" / "config.json"
 # The settings under which a section's keys matter (a section with `enabled` is otherwise switched on).
 CONTEXTS = {
     "compile": {"enabled": True, "backend": "eager"},
@@ -33,6 +38,7 @@ CONTEXTS = {
     "eval_generation": {"enabled": True, "num_examples": 2},
     "sample_generation": {"enabled": True, "num_inference_steps": 1},
     "objective": {"timestep_sampling": "beta"},  # beta_alpha / beta_beta act with beta sampling only
+    "moe_metrics": {"enabled": True, "mode": "detailed"},  # detailed_every_steps acts in detailed mode only
     "tool_call_eval": {"path": "${pkg:automodel_llm}/examples/assets/tiny_tool_calls/train.jsonl",
                        "max_eval_samples": 1, "max_new_tokens": 2},
 }
@@ -70,6 +76,12 @@ IN_PLACE_OF = {
         ({"parallel_scheme": None, "ddp": {}}, ["ddp"]),
     ],
     ("finetune", "vlm"): [({"freeze": None, "freeze_config": {}}, ["freeze_config"])],
+    # moe_metrics acts on a mixture-of-experts model: the example's tiny Llama as a 4-expert Qwen3-MoE
+    ("finetune", "llm"): [({"model": {"config": {
+        "model_type": "qwen3_moe", "vocab_size": json.loads(TINY_LLAMA.read_text())["vocab_size"], "hidden_size": 32,
+        "intermediate_size": 64, "moe_intermediate_size": 16, "num_experts": 4, "num_experts_per_tok": 2,
+        "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}}},
+        ["moe_metrics"])],
 }
 # Routes whose runs need another route's output first (mining reads a trained bi-encoder).
 NEEDS = {("mine", "retrieval"): ("finetune", "retrieval")}

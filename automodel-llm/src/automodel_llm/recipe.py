@@ -26,10 +26,12 @@ from automodel.model_backend import asked_attention, attention_support_issue, ba
 from automodel.training.checkpoint_write import sharded_only_message
 from automodel.training.context import BuildContext
 from automodel.training.dist import expected_world_size, rank
+from automodel.training.expert_load import ExpertLoads, MoEMetricsConfig
 from automodel.training.modules import is_fsdp2, unwrap
 from automodel.training.mtp_loss import MTPLoss
 from automodel.training.next_token import NextTokenLogits
 from automodel.training.parallel.context_parallel import cp_attention
+from automodel.training.parallel.mesh import CP
 from automodel.training.parallel.pipeline_parallel import PipelineSettings
 from automodel.training.parallelism import model_hf_config, rows_per_batch, validation_device
 from automodel.training.pipeline_steps import padded_tokens, pipeline_length, stage_kwargs
@@ -205,6 +207,7 @@ class FinetuneRecipeForNextTokenPrediction(MTPLoss, NextTokenLogits, TrainRecipe
     context_parallel_unsupported = None  # NextTokenLogits' context_parallel_batch; rows padded to 2 x cp_size
     tool_call_evaluator: ToolCallEvaluator | None = None  # tool_call_eval, unless skipped under FSDP2
     tool_call_results: tuple[int, dict[str, float]] | None = None  # (step, metrics): once per validation
+    expert_loads: ExpertLoads | None = None  # moe_metrics: the experts' token counts, logged with each step
     sections = {
         "tokenizer": Target("tokenizer (default: the model's): {pretrained_model_name_or_path: ...}", plain=True,
                             default_target="transformers.AutoTokenizer.from_pretrained"),
@@ -214,6 +217,10 @@ class FinetuneRecipeForNextTokenPrediction(MTPLoss, NextTokenLogits, TrainRecipe
         "packed_sequence": PackedSequenceConfig,
         "eval_generation": EvalGenerationConfig,
         "neftune": NEFTuneConfig,
+        "moe_metrics": MoEMetricsConfig,
+        "autocast": Refused("upstream's LLM recipes do not read a top-level autocast section (its diffusion recipe "
+                            "does); the forward's autocast here is distributed.autocast_dtype (bf16 / fp16), or "
+                            "distributed.mp_policy under FSDP2: set it there and remove this section"),
         "embedding_row_repair": EmbeddingRowRepairConfig,
         "nvtx": Free("upstream's NVTX ranges around every module for NVIDIA Nsight Systems: false (off) only"),
         "parallelizer": PARALLELIZER,
@@ -352,6 +359,23 @@ class FinetuneRecipeForNextTokenPrediction(MTPLoss, NextTokenLogits, TrainRecipe
             add_neftune_noise(unwrap(self.model), neftune.noise_alpha)
             self.log(f"NEFTune: noise alpha {neftune.noise_alpha} on the input embeddings while training")
         self.setup_tool_call_eval()
+        moe_metrics = self.cfg.get("moe_metrics")
+        if moe_metrics is not None and moe_metrics.enabled:
+            self.expert_loads = ExpertLoads(unwrap(self.model), moe_metrics)
+            self.log(f"moe_metrics: the load of the experts of {len(self.expert_loads.modules)} mixture-of-experts "
+                     f"layers logged with each step ({moe_metrics.mode})")
+
+    def train_step(self, batches: list[Any]) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The core's step; with ``moe_metrics`` the step's expert load metrics join its record."""
+        result = super().train_step(batches)
+        if self.expert_loads is not None:
+            mesh = self.ctx.mesh
+            groups = [group() for size, group in ((mesh.dp, self.data_parallel_group),
+                                                  (mesh.cp, lambda: self.ctx.device_mesh[CP].get_group()))
+                      if size > 1]
+            metrics = self.expert_loads.step_metrics(self.step_scheduler.step, groups, self.device)
+            self.step_loss_parts = {**self.step_loss_parts, **metrics}
+        return result
 
     def setup_tool_call_eval(self) -> None:
         settings = given_settings(self.cfg)
