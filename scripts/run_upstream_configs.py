@@ -438,6 +438,8 @@ def main() -> int:
     parser.add_argument("--only", nargs="*", default=[], help="run only files whose path contains one of these")
     parser.add_argument("--max-processes", type=int, default=4, help="the largest layout run on its own number of "
                         "processes (gloo ranks on this machine's cores); a bigger one runs on one process")
+    parser.add_argument("--folders", nargs="*", default=[*survey.FOLDERS, "llm_seq_cls"],
+                        help="sub-folders of examples/ to run")
     parser.add_argument("--cpu", action="store_true", help="run a config refused only for GPU features or "
                         "trust_remote_code with the CPU alternatives its refusals name and --trust-remote-code")
     args = parser.parse_args()
@@ -449,7 +451,7 @@ def main() -> int:
         (root / "models").mkdir()
         write_data(root / "data")
         assets = write_models(root / "models")
-        for folder in (*survey.FOLDERS, "llm_seq_cls"):
+        for folder in args.folders:
             for path in sorted(p for p in (examples / folder).rglob("*") if p.suffix in (".yaml", ".yml")):
                 name = str(path.relative_to(examples))
                 if args.only and not any(part in name for part in args.only):
