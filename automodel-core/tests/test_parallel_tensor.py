@@ -18,6 +18,7 @@ from automodel.training.parallel.tensor_parallel import describe_plan, tp_issues
 from automodel.training.parallel.tp_plans import (
     STYLES,
     LayerSequenceBoundary,
+    OwnOutput,
     ReplicateWithGradSum,
     SequenceLayout,
     TPPlanRegistry,
@@ -136,7 +137,9 @@ def test_style_names_map_to_torch_styles():
     assert "d" not in styles
     assert isinstance(styles["a"], ColwiseParallel) and styles["a"].output_layouts == (Shard(-1),)
     assert isinstance(styles["b"], RowwiseParallel) and styles["b"].input_layouts == (Replicate(),)
-    assert isinstance(styles["c"], RowwiseParallel) and styles["c"].output_layouts == (Replicate(),)
+    embedding = styles["c"]  # its output a tensor of its own (a compiled first block takes no view of a DTensor)
+    assert isinstance(embedding, OwnOutput) and isinstance(embedding.style, RowwiseParallel)
+    assert embedding.style.output_layouts == (Replicate(),)
     assert styles["e"].output_layouts == (Shard(-1),) and not styles["e"].use_local_output  # logits stay DTensors
     assert torch_styles({"e": "colwise_gather_output"})["e"].output_layouts == (Replicate(),)
     # an inner projection of a head style (Phi-3's qkv_proj) gathers its output even when the head's logits do not
