@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from automodel.config import Target
+from automodel.chat_template import chat_template_problem, resolve_chat_template
+from automodel.config import ConfigNode, Target
 from automodel.errors import AutomodelError, ConfigIssue
 from automodel.hf import EvalGenerationConfig, check_vocab, model_source
 from automodel.meta_build import MetaBuild
@@ -64,6 +65,28 @@ from automodel_vlm.pipeline import (
 )
 
 DATASET_ARGS = ("config_key", "processor")
+# upstream's data set key the recipe reads itself (checked in check_config, applied in setup_domain)
+DATASET_BUILDER_ARGS = {"chat_template": "upstream's: a Jinja chat template, inline or the path of a file (.jinja, or "
+                                         "JSON with a chat_template key), set on the processor and its tokenizer "
+                                         "before the data sets are built (a base model that ships none)"}
+
+
+def _dataset_chat_templates(cfg: Any) -> dict[str, str]:
+    """``<section>.chat_template`` -> its value, for every data set section that gives one."""
+    return {f"{name}.chat_template": node["chat_template"] for name, node in cfg.resolved.items()
+            if (name == "dataset" or name.startswith("validation_dataset")) and isinstance(node, dict)
+            and node.get("chat_template") is not None}
+
+
+def _chat_template_issues(cfg: Any) -> list[ConfigIssue]:
+    """Each data set's chat template must be one; the processor takes one, so they must agree."""
+    templates = _dataset_chat_templates(cfg)
+    issues = [ConfigIssue(key, problem) for key, value in templates.items()
+              if (problem := chat_template_problem(value)) is not None]
+    if not issues and len({resolve_chat_template(value, key) for key, value in templates.items()}) > 1:
+        issues.append(ConfigIssue(", ".join(templates), "the data sets give different chat templates, but the one "
+                                  "processor takes one: give it once (dataset.chat_template)"))
+    return issues
 
 
 def _processor_source(model: Any) -> str | None:
@@ -136,9 +159,12 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
                             "{pretrained_model_name_or_path: ...} or {_target_: automodel_vlm.processor."
                             "build_processor, image_processor: ..., tokenizer: ..., ...}", plain=True,
                             default_target="automodel_vlm.processor.load_processor"),
-        "dataset": Target("the training data set", required=True, runtime_args=DATASET_ARGS),
-        "validation_dataset": Target("a validation data set", runtime_args=DATASET_ARGS),
-        "validation_dataset_*": Target("more validation data sets, reported by name", runtime_args=DATASET_ARGS),
+        "dataset": Target("the training data set", required=True, runtime_args=DATASET_ARGS,
+                         builder_args=DATASET_BUILDER_ARGS),
+        "validation_dataset": Target("a validation data set", runtime_args=DATASET_ARGS,
+                         builder_args=DATASET_BUILDER_ARGS),
+        "validation_dataset_*": Target("more validation data sets, reported by name", runtime_args=DATASET_ARGS,
+                         builder_args=DATASET_BUILDER_ARGS),
         "peft": Target("LoRA adapters on the language model: {dim, alpha, dropout, target_modules | "
                        "match_all_linear} (or _target_: peft.LoraConfig, used as given)", plain=True,
                        default_target="automodel.hf.PeftConfig"),
@@ -154,7 +180,7 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
         settings = cfg.distributed
         if "packed_sequence" in cfg:
             issues += packing_issues(cfg)
-        issues += text_chat_issues(cfg)
+        issues += text_chat_issues(cfg) + _chat_template_issues(cfg)
         if settings is not None and settings.tp_size > 1 and settings.sequence_parallel:
             issues.append(ConfigIssue("distributed.sequence_parallel", f"true with tp_size {settings.tp_size}: "
                                       "sequence parallelism is not implemented for vision-language models (the image "
@@ -187,6 +213,13 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
         datasets.disable_progress_bars()
         transformers.utils.logging.disable_progress_bar()
         self.processor = self._processor()
+        template = next(iter(_dataset_chat_templates(self.cfg).items()), None)
+        if template is not None:  # upstream's dataset.chat_template: the processor's and its tokenizer's
+            key, value = template
+            self.processor.chat_template = resolve_chat_template(value, key)
+            if getattr(self.processor, "tokenizer", None) is not None:
+                self.processor.tokenizer.chat_template = self.processor.chat_template
+            self.log(f"{key}: the processor's chat template (and its tokenizer's)")
         from automodel_vlm.family_processors import pillow_twin_note
 
         if (note := pillow_twin_note(self.processor)) is not None:
@@ -217,6 +250,9 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
         return self.cfg.packed_sequence if "packed_sequence" in self.cfg else None
 
     def build_dataset(self, ctx: BuildContext, node: Any) -> Any:
+        if node is not None and "chat_template" in node:  # applied to the processor in setup_domain
+            node = ConfigNode({k: v for k, v in node.to_dict().items() if k != "chat_template"}, node.key,
+                              node.resolver)
         dataset = super().build_dataset(ctx, node)
         if node is not None and node.key == "dataset" and self.packing is not None:
             dataset = PackedVLMDataset(dataset, self.packing.sample_collator(self.processor), self.packing)

@@ -14,12 +14,12 @@ Validation checks the values of ``truncation``, ``padding`` and ``on_bad_row`` f
 from __future__ import annotations
 
 import inspect
-import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from automodel.chat_template import chat_template_problem
 from automodel.data import load_rows
 from automodel.errors import AutomodelError, ConfigIssue
 
@@ -77,17 +77,6 @@ def _choice_problem(value: Any, choices: Mapping[Any, bool]) -> str | None:
     if value is None or (isinstance(value, (bool, str)) and value in choices):
         return None
     return f"{value!r} is not one of true, false, {', '.join(k for k in choices if isinstance(k, str))}"
-
-
-def chat_template_problem(value: Any) -> str | None:
-    if value is None or _is_template_text(value) or (isinstance(value, str) and Path(value).is_file()):
-        return None
-    return (f"{value!r} is neither a Jinja template (no '{{{{' or '{{%') nor an existing file; give the template "
-            "inline or the path of a .jinja file")
-
-
-def _is_template_text(value: Any) -> bool:
-    return isinstance(value, str) and ("{{" in value or "{%" in value)
 
 
 def _raise(key: str, problem: str | None) -> None:
@@ -156,23 +145,6 @@ class SampleLength:
 def learns_nothing(labels: list[int]) -> bool:
     """No label left past the first token (a causal LM never predicts the first): nothing to train on."""
     return all(label == IGNORE_INDEX for label in labels[1:])
-
-
-def resolve_chat_template(value: str | None, key: str = "dataset.chat_template") -> str | None:
-    """A chat template given inline or as the path of a file (a .jinja template, or JSON with a
-    ``chat_template`` key, as upstream takes it)."""
-    if value is None:
-        return None
-    _raise(key, chat_template_problem(value))
-    if _is_template_text(value):
-        return value
-    text = Path(value).read_text(encoding="utf-8")
-    if Path(value).suffix == ".json":
-        try:
-            return json.loads(text)["chat_template"]
-        except (ValueError, KeyError, TypeError):
-            raise AutomodelError(f"{key}: '{value}' is JSON without a 'chat_template' string") from None
-    return text
 
 
 # ---- validation ----------------------------------------------------------------------------------------------

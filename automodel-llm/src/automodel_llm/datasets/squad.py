@@ -6,6 +6,7 @@ from typing import Any
 
 from torch.utils.data import Dataset
 
+from automodel.chat_template import resolve_chat_template
 from automodel.data import BadRows, OnBadRow
 from automodel.errors import AutomodelError
 from automodel.hf import load_tokenizer
@@ -19,7 +20,6 @@ from automodel_llm.datasets.arguments import (
     given,
     learns_nothing,
     read_rows,
-    resolve_chat_template,
 )
 from automodel_llm.datasets.chat import tokenize_conversation
 
