@@ -210,8 +210,15 @@ def survey_file(path: Path, assets: dict[str, str], workdir: Path) -> tuple[list
     return lines, causes, fallback
 
 
-def domain_of(folder: str) -> str:
-    return {"vlm_finetune": "vlm", "retrieval": "retrieval", "diffusion": "diffusion"}.get(folder, "llm")
+def domain_of(folder: str, path: Path | None = None) -> str:
+    """The domain of an example in ``folder``; in a folder of mixed ones (convergence/), the one its recipe names."""
+    known = {"vlm_finetune": "vlm", "retrieval": "retrieval", "diffusion": "diffusion"}
+    if folder in known or path is None:
+        return known.get(folder, "llm")
+    from automodel.config import load_yaml_file
+
+    recipe = str(load_yaml_file(path).get("recipe", ""))
+    return "vlm" if "VLM" in recipe else "llm"
 
 
 def main() -> int:
@@ -236,7 +243,7 @@ def main() -> int:
             per_folder[folder] = [0, len(files)]
             for path in files:
                 total += 1
-                lines, found, fallback = survey_file(path, assets[domain_of(folder)], Path(workdir))
+                lines, found, fallback = survey_file(path, assets[domain_of(folder, path)], Path(workdir))
                 print(path.relative_to(examples))
                 print("\n".join(lines), flush=True)
                 if not found:

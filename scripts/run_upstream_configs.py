@@ -341,7 +341,7 @@ def cpu_config(path: Path, examples: Path, assets: dict[str, Any], scratch: Path
     from automodel.config import dump_yaml, load_yaml_file
 
     current, data = path, load_yaml_file(path)
-    domain = survey.domain_of(path.relative_to(examples).parts[0])
+    domain = survey.domain_of(path.relative_to(examples).parts[0], path)
     for _ in range(4):  # an edit can bring a further refusal to light (the key it fell back on)
         with contextlib.chdir(examples.parent):
             validation, refused = survey.validate(current, list(stand_ins(data, assets, domain).items()),
@@ -465,15 +465,15 @@ def main() -> int:
                         print(f"{name}: skipped: {next(i for i in refused if cpu_edit(i) is None)}", flush=True)
                         continue
                 else:
-                    hub = list(stand_ins(load_yaml_file(path), assets, survey.domain_of(folder)).items())
+                    hub = list(stand_ins(load_yaml_file(path), assets, survey.domain_of(folder, path)).items())
                     with contextlib.chdir(examples.parent):
                         validation, refused = survey.validate(path, hub)
                     if refused:
                         continue  # refused at validation: check_upstream_configs.py says why
                 ran += 1
-                code, errors = run_file(config, survey.domain_of(folder), examples, assets, root / "data", args.steps,
-                                        scratch, validation, ("--trust-remote-code",) if args.cpu else (),
-                                        args.max_processes)
+                domain = survey.domain_of(folder, path)
+                code, errors = run_file(config, domain, examples, assets, root / "data", args.steps, scratch,
+                                        validation, ("--trust-remote-code",) if args.cpu else (), args.max_processes)
                 passed += code == 0
                 print(f"{name}: exit {code}" + (f"\n{errors}" if code != 0 and errors else ""), flush=True)
     print(f"\n=== {passed} of {ran} configs that validate ran {args.steps} steps ===")
