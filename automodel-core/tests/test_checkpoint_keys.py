@@ -163,3 +163,28 @@ def test_every_refusal_at_once(make_toy):
                                         "model_cache_dir": "/cache", "is_peft": True}))
     for key in ("model_save_format", "model_repo_id", "model_cache_dir", "is_peft"):
         assert f"checkpoint.{key}: " in text
+
+
+@pytest.mark.parametrize("key, value, needle", [
+    ("wait_for_staging", True, "always finishes its host copies before training goes on"),
+    ("cpu_offload", True, "there is no separate offload step"),
+    ("allow_legacy_pickle_restore", True, "a checkpoint here is never unpickled"),
+    ("single_rank_consolidation", True, "no rank gathers the whole model"),
+    ("v4_compatible", True, "model/config.json is transformers 5's"),
+    ("staging_dir", "/tmp/stage", "there is no other staging directory"),
+    ("original_model_root_dir", "/models/base", "come from the model trained"),
+    ("best_metric_key", "val_loss", "no best-checkpoint pointer"),
+    ("consolidation_timeout_minutes", 5, "dist_env.timeout_minutes"),
+    ("skip_task_head_prefixes_for_base_model", ["score"], "sequence-classification recipe"),
+    ("model_state_dict_keys", ["a"], "upstream fills it itself"),
+])
+def test_upstreams_other_checkpoint_keys_are_refused_with_their_reason(make_toy, key, value, needle):
+    """Never "unknown key" for a key upstream's CheckpointingConfig documents; its default is what happens here."""
+    assert f"checkpoint.{key}: " in (text := refusal(make_toy(checkpoint={key: value}))) and needle in text
+    default = False if isinstance(value, bool) else None
+    load_config(make_toy(checkpoint={key: default}), recipe=ToyRecipe)
+
+
+def test_upstreams_names_of_async_save_and_keep_last_act(make_toy):
+    _, config = load_config(make_toy(checkpoint={"is_async": True, "max_recent_checkpoints": 2}), recipe=ToyRecipe)
+    assert config.checkpoint.async_save is True and config.checkpoint.keep_last == 2
