@@ -89,6 +89,10 @@ def describe_dataclass(name: str, cls: type) -> list[str]:
         if aliases:
             help_text += f" (also accepted as {', '.join(f'`{a}`' for a in aliases)})"
         lines.append(f"| `{f.name}` | {type_name(hints.get(f.name, Any))} | {default} | {cell(help_text)} |")
+    refused = getattr(cls, "upstream_refused", {})
+    if refused:
+        lines += ["", "Upstream's keys that choose nothing here (null accepted, any other value refused with the "
+                  "reason): " + "; ".join(f"`{key}`: {reason}" for key, (_, reason) in refused.items()) + "."]
     return lines + [""]
 
 

@@ -1,7 +1,9 @@
 """Upstream's FSDP2 switches that act here: ``distributed.defer_fsdp_grad_sync`` (the gradient reduce-scatter after
 a step's last micro-batch only), ``model.backend.enable_fsdp_optimizations`` (no resharding between micro-batches
 either) and ``enable_fsdp2_prefetch`` with its depths (explicit prefetch between blocks); DDP's own options
-(``find_unused_parameters``, ``static_graph``, ``bucket_cap_mb``, ``gradient_as_bucket_view``)."""
+(``find_unused_parameters``, ``static_graph``, ``bucket_cap_mb``, ``gradient_as_bucket_view``,
+``broadcast_buffers``); upstream's keys that choose nothing here, accepted at the value that is what happens and
+refused otherwise with the reason."""
 
 from __future__ import annotations
 
@@ -144,8 +146,11 @@ def test_ddp_options_reach_distributed_data_parallel():
                              "gradient_as_bucket_view=True)")
         static, _ = wrap(DistributedConfig(static_graph=True))
         assert static.static_graph
+        quiet, described = wrap(DistributedConfig(broadcast_buffers=False))  # upstream's default
+        assert not quiet.broadcast_buffers and described == "DDP over 1 ranks (broadcast_buffers=False)"
         default, described = wrap(DistributedConfig())
         assert not (default.find_unused_parameters or default.gradient_as_bucket_view or default.static_graph)
+        assert default.broadcast_buffers  # torch's default
         assert default.bucket_bytes_cap == 25 * 1024 * 1024 and described == "DDP over 1 ranks"
     finally:
         dist.destroy_process_group()
@@ -164,3 +169,17 @@ def test_ddp_options_without_ddp_are_refused_or_noted(make_toy, capsys):
                     setup_only=True)
     assert ("note: distributed.find_unused_parameters: true governs nothing this run: it is an option of DDP, "
             "which runs with more than one process") in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("key, value, needle", [
+    ("tp_plan", {"model.layers.*.mlp.up_proj": "colwise"}, "TP_PLANS.register"),
+    ("offload_policy", {"pin_memory": True}, "CPU offload of parameters and optimizer state is not implemented"),
+    ("activation_checkpointing_scope", "vision", "not chosen by scope"),
+    ("zero_dp_strategy", 3, "upstream's Megatron-FSDP (strategy megatron_fsdp)"),
+])
+def test_upstreams_keys_that_choose_nothing_here_are_refused_unless_null(make_toy, key, value, needle):
+    """Never "unknown key" for a key of upstream's FSDP2Config / MegatronFSDPConfig (null, its default, is valid)."""
+    with pytest.raises(ConfigError) as refused:
+        load_config(make_toy(distributed={key: value}), recipe=ToyRecipe)
+    assert f"distributed.{key}: {value!r}: " in str(refused.value) and needle in str(refused.value)
+    load_config(make_toy(distributed={key: None}), recipe=ToyRecipe)

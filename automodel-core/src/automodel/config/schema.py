@@ -128,8 +128,14 @@ def validate_dataclass(cls: type, node: Any, key: str, issues: list[ConfigIssue]
     start = len(issues)
     if "_target_" in node:
         node = _absorb_target(cls, node, key, issues)
+    upstream_only = getattr(cls, "upstream_refused", {})
     for name, value in node.items():
         canonical = aliases.get(name, name)
+        if canonical not in fields and name in upstream_only:  # upstream's key: its default is what happens here
+            accepted, reason = upstream_only[name]
+            if value not in accepted:
+                issues.append(ConfigIssue(f"{key}.{name}", f"{value!r}: {reason}"))
+            continue
         if canonical not in fields:
             suggestion = did_you_mean(str(name), [*fields, *aliases])
             issues.append(ConfigIssue(f"{key}.{name}", f"unknown key; '{key}' accepts: {', '.join(fields)}",

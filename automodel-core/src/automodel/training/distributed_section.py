@@ -12,11 +12,29 @@ from automodel.config.schema import field_help as _help
 from automodel.model_backend import backend_setting
 from automodel.training.multimodal_section import multimodal_errors
 
+# upstream's MegatronFSDPConfig settings beyond the mesh sizes
+_MEGATRON_FSDP_KEYS = ("megatron_fsdp_unit_modules", "zero_dp_strategy", "init_fsdp_with_meta_device",
+                       "overlap_grad_reduce", "overlap_param_gather", "check_for_nan_in_grad",
+                       "report_nan_in_param_grad", "average_in_collective", "disable_bucketing",
+                       "calculate_per_token_loss", "nccl_ub", "fsdp_double_buffer", "grad_reduce_in_fp32",
+                       "preserve_fp32_weights", "keep_fp8_transpose_cache")
+
 
 @dataclass
 class DistributedConfig:
     accepted_targets: ClassVar[dict] = {"FSDP2Manager": {"strategy": "fsdp2"}, "DDPManager": {"strategy": "ddp"},
                                         "MegatronFSDPManager": {"strategy": "megatron_fsdp"}}
+    # upstream's keys that choose nothing here: (values accepted, being what happens, why any other is refused)
+    upstream_refused: ClassVar[dict[str, tuple[tuple, str]]] = {
+        "tp_plan": ((None,), "a tensor-parallel plan here is the model's own (base_model_tp_plan) or one a plugin "
+                             "registers (automodel.training.parallel.tp_plans.TP_PLANS.register); remove it"),
+        "offload_policy": ((None,), "FSDP2's CPU offload of parameters and optimizer state is not implemented here; "
+                                    "remove it"),
+        "activation_checkpointing_scope": ((None,), "activation checkpointing wraps the language model's transformer "
+                                                    "blocks (every block of an LLM), not chosen by scope; remove it"),
+        **{name: ((None,), "a setting of upstream's Megatron-FSDP (strategy megatron_fsdp), which needs CUDA and "
+                           "Megatron Core; remove it (FSDP2 is strategy fsdp2)") for name in _MEGATRON_FSDP_KEYS},
+    }
     strategy: Literal["fsdp2", "megatron_fsdp", "ddp"] | None = field(
         default=None, metadata=_help("how the model is sharded across data-parallel ranks (unset: ddp; fsdp2, "
                                      "upstream's default, where tp_size, pp_size, cp_size or ep_size > 1 needs it)"))
@@ -117,6 +135,9 @@ class DistributedConfig:
         "DDP: the size in MiB of each bucket of gradients all-reduced together (null: torch's default, 25)"))
     gradient_as_bucket_view: bool = field(default=False, metadata=_help(
         "DDP: the gradients are views into DDP's buckets instead of copies (less memory)"))
+    broadcast_buffers: bool = field(default=True, metadata=_help(
+        "DDP: rank 0's buffers (a batch norm's running statistics, say) are sent to the others at each forward "
+        "(torch's default; upstream's is false)"))
 
     def ddp_options(self) -> dict[str, Any]:
         """The keyword arguments of ``DistributedDataParallel`` these settings give (bucket_cap_mb when set)."""
@@ -200,7 +221,7 @@ class DistributedConfig:
 _FP32_NAMES = ("float32", "fp32")
 # DistributedDataParallel's options that distributed.* passes on, with torch's defaults
 DDP_OPTIONS = {"find_unused_parameters": False, "static_graph": False, "bucket_cap_mb": None,
-               "gradient_as_bucket_view": False}
+               "gradient_as_bucket_view": False, "broadcast_buffers": True}
 
 
 def moe_head_fp32(settings: DistributedConfig | None) -> bool:
