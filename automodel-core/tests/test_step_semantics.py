@@ -238,3 +238,16 @@ def test_loss_average_window_steps_adds_the_mean_of_the_last_n_losses(make_toy, 
     for i, record in enumerate(records):
         window = losses[max(0, i - 2): i + 1]
         assert record["loss_avg_window"] == pytest.approx(sum(window) / len(window), rel=1e-6)
+
+
+@pytest.mark.parametrize("key, value, needle", [("start_step", 5, "a run starts at step 0"),
+                                                ("start_epoch", 1, "a run starts at epoch 0"),
+                                                ("dp_size", 2, "the data-parallel size is distributed's"),
+                                                ("preemption_signal", "SIGUSR1", "on SIGTERM and on SIGINT, always")])
+def test_upstreams_step_scheduler_arguments_that_choose_nothing_are_refused(make_toy, key, value, needle):
+    """Never "unknown key" for an argument of upstream's StepScheduler; what happens here is accepted."""
+    with pytest.raises(ConfigError) as refused:
+        load_config(make_toy(step_scheduler={key: value}), recipe=ToyRecipe)
+    assert f"step_scheduler.{key}: {value!r}: " in str(refused.value) and needle in str(refused.value)
+    accepted = {"start_step": 0, "start_epoch": 0, "dp_size": None, "preemption_signal": "SIGTERM"}[key]
+    load_config(make_toy(step_scheduler={key: accepted}), recipe=ToyRecipe)

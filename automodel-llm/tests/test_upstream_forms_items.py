@@ -684,6 +684,9 @@ def test_upstream_lora_switches_act_or_are_refused_or_named_inert(tmp_path):
                              peft={**lora, "dropout_position": "post", "dropout": 0.1, "lora_A_init": "xavier"}))
     assert "peft's LoRA layers drop the adapter's input (pre)" in found["peft.dropout_position"]
     assert "peft initialises lora_A kaiming-uniform" in found["peft.lora_A_init"]
+    found = refusals(variant(tmp_path, FORMS / "recipe_bare_name.yaml", peft={**lora, "lora_dtype": "torch.bfloat16"}))
+    assert "peft keeps the adapter weights in float32" in found["peft.lora_dtype"]  # commented out upstream
+    load_config(variant(tmp_path, FORMS / "recipe_bare_name.yaml", peft={**lora, "lora_dtype": "torch.float32"}))
     _, cfg = load_config(variant(tmp_path, FORMS / "recipe_bare_name.yaml", peft={**lora, "use_triton": True}))
     assert any("peft.use_triton: true governs nothing" in note for note in peft_stage.notes(cfg))
     _, cfg = load_config(variant(tmp_path, FORMS / "recipe_bare_name.yaml", peft=lora))

@@ -116,7 +116,10 @@ class PeftConfig:
                  rank: int | None = None, alpha: float | None = None, lora_alpha: float | None = None,
                  dropout: float | None = None, lora_dropout: float | None = None, use_triton: bool = False,
                  use_dora: bool = False, dropout_position: str = "pre", lora_A_init: str | None = None,
-                 use_memory_efficient_lora: bool = False, moe_rank_scaling: bool = False):
+                 use_memory_efficient_lora: bool = False, moe_rank_scaling: bool = False,
+                 lora_dtype: str | None = None):
+        """``lora_dtype`` (upstream's): float32 only, what peft keeps the adapters in (checked by
+        :meth:`automodel_config_issues`)."""
         given = [v for v in (dim, r, rank) if v is not None]
         if len(set(given)) > 1:
             raise ValueError(f"peft: dim/r/rank disagree ({given}); give one")
@@ -153,6 +156,11 @@ class PeftConfig:
                                      "lora_A_init: uniform or remove it")
         elif init not in (None, "uniform", "kaiming"):
             issues["lora_A_init"] = f"{init!r}: expected uniform (kaiming-uniform, peft's initialisation)"
+        dtype = kwargs.get("lora_dtype")
+        if dtype is not None and str(dtype).removeprefix("torch.") not in ("float32", "fp32", "float"):
+            issues["lora_dtype"] = (f"{dtype}: peft keeps the adapter weights in float32 (it upcasts them from a bf16 "
+                                    "/ fp16 base, for stable updates) and they compute in the run's precision "
+                                    "(distributed.mp_policy); remove it or give float32")
         if kwargs.get("use_memory_efficient_lora") and kwargs.get("use_dora"):
             issues["use_memory_efficient_lora"] = ("true recomputes plain LoRA's rank-r activation; DoRA "
                                                    "(use_dora: true) has no such path: set one of them false")

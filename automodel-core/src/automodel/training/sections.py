@@ -20,6 +20,17 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 @dataclass
 class StepSchedulerConfig:
+    # upstream's StepScheduler arguments that choose nothing here: (values accepted, being what happens, why any
+    # other is refused)
+    upstream_refused: ClassVar[dict[str, tuple[tuple, str]]] = {
+        "start_step": ((0, None), "a run starts at step 0, or where restore_from resumes; remove it"),
+        "start_epoch": ((0, None), "a run starts at epoch 0, or where restore_from resumes; remove it"),
+        "dp_size": ((None,), "the data-parallel size is distributed's (dp_size, or what the world size leaves); "
+                             "remove it"),
+        "preemption_signal": (("SIGTERM", "sigterm", 15, ["SIGTERM"], [15]), "a run stops gracefully (finishing the "
+                              "step, checkpointing) on SIGTERM and on SIGINT, always: other signals are not caught, "
+                              "and it cannot be turned off; remove it or give SIGTERM"),
+    }
     max_steps: int | None = field(default=None, metadata=_help("optimizer steps to run (None: num_epochs decides)"))
     num_epochs: int | None = field(default=None, metadata=_help(
         "passes over the training data; unset: as many as max_steps needs (one pass without max_steps); with both "
