@@ -80,3 +80,13 @@ def test_a_model_without_experts_is_refused(tmp_path):
     result = run_cli("finetune", "llm", "-c", config, *STEPS, cwd=tmp_path)
     assert result.returncode != 0 and "Traceback" not in result.stderr
     assert "moe_metrics.enabled: LlamaForCausalLM has no mixture-of-experts layer" in result.stderr
+
+
+def test_pipeline_parallelism_is_refused(moe_config, tmp_path):
+    from llm_testing import validate_cli
+
+    config = write_config(tmp_path / "cfg.yaml", moe_config, tmp_path / "ckpt", moe_metrics={"enabled": True},
+                          distributed={"strategy": "fsdp2", "pp_size": 2})
+    code, out = validate_cli(config, tmp_path, "--nproc-per-node", "2")
+    assert code == 2 and "moe_metrics.enabled: true with pp_size 2: a step's record is written by the first " \
+                         "stage's rank" in out

@@ -260,6 +260,11 @@ class FinetuneRecipeForNextTokenPrediction(MTPLoss, NextTokenLogits, TrainRecipe
         if backend_setting(cfg.model, "gate_precision") is not None:
             issues += router_issues(model_hf_config(cfg))
         issues += cls.mtp_config_issues(cfg) + attention_support_issues(cfg)
+        moe_metrics = cfg.get("moe_metrics")
+        if moe_metrics is not None and moe_metrics.enabled and settings is not None and settings.pp_size > 1:
+            issues.append(ConfigIssue("moe_metrics.enabled", f"true with pp_size {settings.pp_size}: a step's record "
+                                      "is written by the first stage's rank, which holds only its own layers' "
+                                      "experts; set it false or pp_size: 1"))
         repair = cfg.get("embedding_row_repair")
         sharded = settings is not None and (settings.tp_size > 1 or settings.pp_size > 1 or (
             settings.strategy == "fsdp2" and expected_world_size() > 1))
