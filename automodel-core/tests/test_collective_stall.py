@@ -21,7 +21,7 @@ class StallingToy(ToyRecipe):
 
     def compute_loss(self, model, batch):
         if dist.get_rank() == 1 and self.step_scheduler.step + 1 == 2:
-            time.sleep(20)
+            time.sleep(8)
         return super().compute_loss(model, batch)
 '''
 

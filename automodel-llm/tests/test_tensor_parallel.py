@@ -66,9 +66,13 @@ def tp2_run(tmp_path_factory, one_process) -> tuple[Path, str]:
 COMPILED_BLOCKS = ["--distributed.enable_compile", "true", "--compile.backend", "aot_eager"]
 
 
-@pytest.mark.parametrize("extra", [[], ["--distributed.sequence_parallel", "true"],
-                                   ["--distributed.sequence_parallel", "true", *COMPILED_BLOCKS]],
-                         ids=["tp2", "tp2_sequence_parallel", "tp2_sequence_parallel_compiled_blocks"])
+@pytest.mark.parametrize("extra", [
+    pytest.param([], id="tp2"),
+    # make test-slow: sequence parallelism runs in the compiled-blocks case too (and with LoRA, tensor_parallel_lora)
+    pytest.param(["--distributed.sequence_parallel", "true"], id="tp2_sequence_parallel", marks=pytest.mark.slow),
+    pytest.param(["--distributed.sequence_parallel", "true", *COMPILED_BLOCKS],
+                 id="tp2_sequence_parallel_compiled_blocks"),
+])
 def test_tp2_trains_like_one_process(request, one_process, tmp_path, extra):
     config, reference = one_process
     sequence_parallel = bool(extra)
