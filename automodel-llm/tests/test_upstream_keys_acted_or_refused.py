@@ -131,3 +131,14 @@ def test_packing_num_proc_one_is_what_packs_here_and_more_is_refused(tmp_path):
     assert cfg.packed_sequence.num_proc == 1
     found = refusals(with_sections(tmp_path, "recipe_bare_name.yaml", packed_sequence={**packing, "num_proc": 4}))
     assert "tokenized when built, before packing" in found["packed_sequence.num_proc"]
+
+
+def test_packing_keys_of_upstreams_other_strategies_are_refused_unless_unset(tmp_path):
+    """upstream's PackingConfig ``prepacked`` (false is what packs here) and NEAT's ``drop_long_samples``: never
+    "unknown key"."""
+    packing = {"enabled": True, "packed_sequence_size": 128}
+    load_config(with_sections(tmp_path, "recipe_bare_name.yaml", packed_sequence={**packing, "prepacked": False}))
+    found = refusals(with_sections(tmp_path, "recipe_bare_name.yaml",
+                                   packed_sequence={**packing, "prepacked": True, "drop_long_samples": True}))
+    assert "packing packs the samples the data set yields" in found["packed_sequence.prepacked"]
+    assert "upstream's neat packing (packing_strategy: neat)" in found["packed_sequence.drop_long_samples"]

@@ -6,7 +6,7 @@ import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -90,6 +90,14 @@ def dataset_section(help: str, required: bool = False) -> Target:
 
 @dataclass
 class PackedSequenceConfig:
+    # upstream's PackingConfig keys that choose nothing here: (values accepted, being what happens, why any other is
+    # refused)
+    upstream_refused: ClassVar[dict[str, tuple[tuple, str]]] = {
+        "prepacked": ((False, None), "a data set of rows packed beforehand is not read as such here: packing packs "
+                                     "the samples the data set yields; remove it"),
+        "drop_long_samples": ((None,), "a setting of upstream's neat packing (packing_strategy: neat), which is not "
+                                       "implemented here; remove it"),
+    }
     enabled: bool = field(default=False, metadata={"help": "pack several samples into each row"})
     packed_sequence_size: int = field(default=0, metadata={"help": "tokens per packed row (0: packing off)"})
     split_across_pack: bool = field(default=False, metadata={"help": "let a sample continue in the next row"})
