@@ -89,10 +89,15 @@ def describe_dataclass(name: str, cls: type) -> list[str]:
         if aliases:
             help_text += f" (also accepted as {', '.join(f'`{a}`' for a in aliases)})"
         lines.append(f"| `{f.name}` | {type_name(hints.get(f.name, Any))} | {default} | {cell(help_text)} |")
-    refused = getattr(cls, "upstream_refused", {})
-    if refused:
-        lines += ["", "Upstream's keys that choose nothing here (null accepted, any other value refused with the "
-                  "reason): " + "; ".join(f"`{key}`: {reason}" for key, (_, reason) in refused.items()) + "."]
+    by_reason: dict[tuple[str, str], list[str]] = {}  # keys of the same accepted values and reason, together
+    for key, (accepted, reason) in getattr(cls, "upstream_refused", {}).items():
+        values = ", ".join(scalar(value) for value in accepted)
+        by_reason.setdefault((values, reason), []).append(f"`{key}`")
+    if by_reason:
+        lines += ["", "Upstream's keys that choose nothing here, accepted at the values that are what happens and "
+                  "refused at any other with the reason: " + "; ".join(
+                      f"{', '.join(keys)} (accepted: {values}): {reason}"
+                      for (values, reason), keys in by_reason.items()) + "."]
     return lines + [""]
 
 

@@ -151,6 +151,36 @@ _CONSOLIDATED = {True: True, "true": True, "every": True, False: False, "false":
 
 @dataclass
 class CheckpointConfig:
+    # upstream's other keys, which choose nothing here: (values accepted, being what happens, why any other is
+    # refused)
+    upstream_refused: ClassVar[dict[str, tuple[tuple, str]]] = {
+        "wait_for_staging": ((False, None), "async_save here always finishes its host copies before training goes "
+                                            "on (what true asks), so the key chooses nothing: remove it"),
+        "cpu_offload": ((False, None), "each rank streams its shards to their files one tensor at a time "
+                                       "(async_save: true copies them to host memory first): there is no separate "
+                                       "offload step to turn on; remove it"),
+        "allow_legacy_pickle_restore": ((False, None), "a checkpoint here is never unpickled (a config and a "
+                                                       "checkpoint are untrusted data); restore from a safetensors "
+                                                       "checkpoint"),
+        "single_rank_consolidation": ((False, None), "model/ is written by every rank from its own shards, so no "
+                                                     "rank gathers the whole model; remove it"),
+        "v4_compatible": ((False, None), "model/config.json is transformers 5's (what transformers >= 5, peft and "
+                                         "the other loaders here read); the original 4.x config.json is not copied: "
+                                         "remove it"),
+        "staging_dir": ((None,), "a checkpoint is written into .incomplete-<name> under checkpoint_dir and renamed "
+                                 "when complete; there is no other staging directory: remove it"),
+        "original_model_root_dir": ((None,), "model/'s config, tokenizer and code come from the model trained; "
+                                             "remove it"),
+        "best_metric_key": ((None,), "no best-checkpoint pointer (upstream's LOWEST_VAL) is kept: LATEST names the "
+                                     "newest checkpoint and validation.jsonl every validation's metrics; remove it"),
+        "consolidation_timeout_minutes": ((None,), "a checkpoint's collectives wait dist_env.timeout_minutes like "
+                                                   "every other: set that instead"),
+        "skip_task_head_prefixes_for_base_model": ((None,), "serves upstream's sequence-classification recipe (a "
+                                                            "task head over a base model), which is not installed "
+                                                            "here; remove it"),
+        "model_state_dict_keys": ((None,), "upstream fills it itself (kept for its backward compatibility); there is "
+                                          "nothing to set: remove it"),
+    }
     enabled: bool = field(default=True, metadata=_help("write checkpoints"))
     checkpoint_dir: str = field(default="checkpoints", metadata=_help("where checkpoints and metrics go"))
     model_save_format: Literal["safetensors", "torch_save"] = field(default="safetensors", metadata=_help(
@@ -177,24 +207,6 @@ class CheckpointConfig:
     dequantize_base_checkpoint: bool | None = field(default=None, metadata=_help(
         "checked against the base model at setup: a quantized base (quantization_config) is refused, since this "
         "build loads no quantized weights; otherwise there is nothing to dequantize and the run says so"))
-    # upstream's other checkpoint keys: each value but the default is refused with _UPSTREAM_ONLY's reason
-    wait_for_staging: bool = field(default=False, metadata=_help("upstream's; refused when true (see the reason)"))
-    cpu_offload: bool = field(default=False, metadata=_help("upstream's; refused when true (see the reason)"))
-    allow_legacy_pickle_restore: bool = field(default=False, metadata=_help(
-        "upstream's; refused when true: a checkpoint here is never unpickled"))
-    single_rank_consolidation: bool = field(default=False, metadata=_help(
-        "upstream's; refused when true (see the reason)"))
-    v4_compatible: bool = field(default=False, metadata=_help("upstream's; refused when true (see the reason)"))
-    staging_dir: str | None = field(default=None, metadata=_help("upstream's; refused (see the reason)"))
-    original_model_root_dir: str | None = field(default=None, metadata=_help("upstream's; refused (see the reason)"))
-    best_metric_key: str | None = field(default=None, metadata=_help("upstream's; refused (see the reason)"))
-    consolidation_timeout_minutes: int | None = field(default=None, metadata=_help(
-        "upstream's; refused (see the reason)"))
-    skip_task_head_prefixes_for_base_model: list[str] | None = field(default=None, metadata=_help(
-        "upstream's; refused (see the reason)"))
-    model_state_dict_keys: list[str] | None = field(default=None, metadata=_help(
-        "upstream's; refused (see the reason)"))
-
     def __post_init__(self) -> None:
         errors = {}
         if self.model_save_format == "torch_save":
@@ -207,39 +219,12 @@ class CheckpointConfig:
             if getattr(self, name) is not None:
                 errors[name] = (f"upstream sets {name} from {section} and never reads this value; here too the run "
                                 f"takes it from {section}, so there is nothing to set: remove the key")
-        errors.update({name: reason for name, reason in _UPSTREAM_ONLY.items()
-                       if getattr(self, name) not in (None, False)})
         try:
             require_positive(self, "keep_last")
         except FieldErrors as err:
             errors.update(err.errors)
         if errors:
             raise FieldErrors(errors)
-
-
-_UPSTREAM_ONLY = {
-    "wait_for_staging": "async_save here always finishes its host copies before training goes on (what true asks), "
-                        "so the key chooses nothing: remove it",
-    "cpu_offload": "each rank streams its shards to their files one tensor at a time (async_save: true copies them to "
-                   "host memory first): there is no separate offload step to turn on; remove it",
-    "allow_legacy_pickle_restore": "a checkpoint here is never unpickled (a config and a checkpoint are untrusted "
-                                   "data); restore from a safetensors checkpoint",
-    "single_rank_consolidation": "model/ is written by every rank from its own shards, so no rank gathers the whole "
-                                 "model; remove it",
-    "v4_compatible": "model/config.json is transformers 5's (what transformers >= 5, peft and the other loaders here "
-                     "read); the original 4.x config.json is not copied: remove it",
-    "staging_dir": "a checkpoint is written into .incomplete-<name> under checkpoint_dir and renamed when complete; "
-                   "there is no other staging directory: remove it",
-    "original_model_root_dir": "model/'s config, tokenizer and code come from the model trained; remove it",
-    "best_metric_key": "no best-checkpoint pointer (upstream's LOWEST_VAL) is kept: LATEST names the newest "
-                       "checkpoint and validation.jsonl every validation's metrics; remove it",
-    "consolidation_timeout_minutes": "a checkpoint's collectives wait dist_env.timeout_minutes like every other: set "
-                                     "that instead",
-    "skip_task_head_prefixes_for_base_model": "serves upstream's sequence-classification recipe (a task head over a "
-                                              "base model), which is not installed here; remove it",
-    "model_state_dict_keys": "upstream fills it itself (kept for its backward compatibility); there is nothing to "
-                             "set: remove it",
-}
 
 
 @dataclass
