@@ -1,6 +1,7 @@
 """transformers' fused experts modules (``@use_experts_implementation``): the 3-D parameters ``[E, out, in]`` (or
 transposed) that hold every expert of a mixture-of-experts layer, named by the module's layout. Read by expert
-parallelism, LoRA's expert targets and the balanced routing of ``model.backend.fake_balanced_gate``."""
+parallelism, LoRA's expert targets, the balanced routing of ``model.backend.fake_balanced_gate`` and the experts'
+load metrics (``moe_metrics``)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,11 @@ def is_fused_experts(module: Any) -> bool:
     """Whether ``module`` holds its experts as fused 3-D parameters (of any layout)."""
     param = getattr(module, "_parameters", {}).get(expert_parameter_names(module)[0])
     return param is not None and param.dim() == 3
+
+
+def experts_modules(model: Any) -> list[tuple[str, Any]]:
+    """Every module of ``model`` holding fused 3-D expert parameters, with its name."""
+    return [(name, module) for name, module in model.named_modules() if is_fused_experts(module)]
 
 
 def expert_count(module: Any) -> int:

@@ -262,9 +262,9 @@ def apply_to_model(model: Any, backend: BackendConfig | None) -> Any:
         use_gate_precision(model, getattr(torch, GATE_DTYPES[_gate_dtype_name(backend.gate_precision)]))
     if backend is None or not backend.fake_balanced_gate:
         return model
-    from automodel.fused_experts import is_fused_experts
+    from automodel.fused_experts import experts_modules
 
-    experts = [m for m in model.modules() if is_fused_experts(m) and isinstance(getattr(m, "num_experts", None), int)]
+    experts = [m for _, m in experts_modules(model) if isinstance(getattr(m, "num_experts", None), int)]
     if not experts:
         from automodel.errors import AutomodelError
 

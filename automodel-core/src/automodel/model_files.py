@@ -127,10 +127,9 @@ def _pretrained_on_meta(auto_class: Any, path: str, dtype: Any, kwargs: dict[str
     from automodel.meta_build import build_on_meta, local_weights, meta_request, pretrained_dtype
 
     request = meta_request()
-    build = {k: v for k, v in kwargs.items() if k == "attn_implementation"}
-    loading = set(kwargs) & set(FROM_PRETRAINED_ARGUMENTS) - {"attn_implementation", "trust_remote_code"}
     if request is None:
         return None
+    loading = set(kwargs) & set(FROM_PRETRAINED_ARGUMENTS) - {"attn_implementation", "trust_remote_code"}
     if loading:  # a revision, a subfolder, quantization, ...: left to from_pretrained
         request.declined = f"from_pretrained loads it with {', '.join(sorted(loading))}"
         return None
@@ -150,6 +149,7 @@ def _pretrained_on_meta(auto_class: Any, path: str, dtype: Any, kwargs: dict[str
         return None
     apply_config_overrides(config, {k: v for k, v in kwargs.items() if k not in FROM_PRETRAINED_ARGUMENTS})
     chosen = parse_dtype(dtype) if dtype not in (None, "auto") else pretrained_dtype(config, weights)
+    build = {k: v for k, v in kwargs.items() if k == "attn_implementation"}
     return build_on_meta(request, lambda: auto_class.from_config(config, dtype=chosen, **build),
                          f"{auto_class.__name__}.from_pretrained", weights=weights)
 

@@ -31,7 +31,6 @@ from automodel.training.modules import is_fsdp2, unwrap
 from automodel.training.mtp_loss import MTPLoss
 from automodel.training.next_token import NextTokenLogits
 from automodel.training.parallel.context_parallel import cp_attention
-from automodel.training.parallel.mesh import CP
 from automodel.training.parallel.pipeline_parallel import PipelineSettings
 from automodel.training.parallelism import model_hf_config, rows_per_batch, validation_device
 from automodel.training.pipeline_steps import padded_tokens, pipeline_length, stage_kwargs
@@ -382,11 +381,7 @@ class FinetuneRecipeForNextTokenPrediction(MTPLoss, NextTokenLogits, TrainRecipe
         """The core's step; with ``moe_metrics`` the step's expert load metrics join its record."""
         result = super().train_step(batches)
         if self.expert_loads is not None:
-            mesh = self.ctx.mesh
-            groups = [group() for size, group in ((mesh.dp, self.data_parallel_group),
-                                                  (mesh.cp, lambda: self.ctx.device_mesh[CP].get_group()))
-                      if size > 1]
-            metrics = self.expert_loads.step_metrics(self.step_scheduler.step, groups, self.device)
+            metrics = self.expert_loads.step_metrics(self.step_scheduler.step, self.data_groups(), self.device)
             self.step_loss_parts = {**self.step_loss_parts, **metrics}
         return result
 

@@ -26,7 +26,7 @@ from torch import nn
 
 from automodel.config import FieldErrors
 from automodel.errors import AutomodelError
-from automodel.fused_experts import expert_count, is_fused_experts
+from automodel.fused_experts import expert_count, experts_modules
 from automodel.training.dist import is_distributed
 
 
@@ -60,11 +60,12 @@ class ExpertLoads:
 
     def __init__(self, model: nn.Module, settings: MoEMetricsConfig):
         self.settings = settings
-        self.modules = [(name, module) for name, module in model.named_modules() if is_fused_experts(module)]
+        self.modules = experts_modules(model)
         if not self.modules:
             raise AutomodelError(f"moe_metrics.enabled: {type(model).__name__} has no mixture-of-experts layer (no "
                                  "experts module with fused expert parameters, transformers' MoE layout); remove "
                                  "the section or set enabled: false")
+        self.sizes = [expert_count(module) for _, module in self.modules]  # the experts each router chooses from
         self.counts: list[torch.Tensor | None] = [None] * len(self.modules)
         for index, (_, module) in enumerate(self.modules):
             module.register_forward_pre_hook(self._counter(index))
@@ -73,17 +74,17 @@ class ExpertLoads:
         def count(module: nn.Module, args: tuple[Any, ...]) -> None:
             if not module.training or torch._C._current_graph_task_id() != -1:  # validation; recomputation
                 return
-            chosen = torch.bincount(args[1].detach().reshape(-1).long(), minlength=_experts(module)).float()
+            chosen = torch.bincount(args[1].detach().reshape(-1).long(), minlength=self.sizes[index]).float()
             previous = self.counts[index]
             self.counts[index] = chosen if previous is None else previous + chosen
 
         return count
 
     def step_metrics(self, step: int, groups: Iterable[Any], device: torch.device) -> dict[str, float]:
-        """The step's metrics (its counts summed over ``groups``, the data- and context-parallel ones), then the
-        counts start again. Every rank calls it (the sums are collectives)."""
-        loads = [count if count is not None else torch.zeros(_experts(module))
-                 for count, (_, module) in zip(self.counts, self.modules, strict=True)]
+        """The step's metrics (its counts summed over ``groups``: the loop's ``data_groups()``), then the counts
+        start again. Every rank calls it (the sums are collectives)."""
+        loads = [count if count is not None else torch.zeros(size)
+                 for count, size in zip(self.counts, self.sizes, strict=True)]
         self.counts = [None] * len(self.modules)
         flat = torch.cat([load.reshape(-1) for load in loads]).to(device, torch.float64)
         for group in groups if is_distributed() else ():
@@ -92,12 +93,6 @@ class ExpertLoads:
             self.settings.detailed_every_steps is None or step % self.settings.detailed_every_steps == 0)
         return load_metrics(list(flat.cpu().split([load.numel() for load in loads])), detailed,
                             self.settings.top_k_experts)
-
-
-def _experts(module: nn.Module) -> int:
-    """How many experts the router of ``module`` chooses from (all of them, also where expert parallelism holds
-    some on each rank)."""
-    return getattr(module, "num_experts", None) or expert_count(module)
 
 
 def load_metrics(loads: list[torch.Tensor], detailed: bool = False, top_k: int = 0) -> dict[str, float]:

@@ -17,7 +17,8 @@ class LossParts:
     ctx: Any
     device: torch.device
 
-    step_loss_parts: dict[str, float | None] = {}  # the last step's loss_<name> values (add_loss_part)
+    # the last step's record fields beside the loss: loss_<name> values (add_loss_part), a recipe's own (moe_metrics)
+    step_loss_parts: dict[str, float | None] = {}
     _loss_parts: dict[str, torch.Tensor]  # the step's so far, taken by loss_parts_of_step
 
     def add_loss_part(self, name: str, loss_sum: torch.Tensor) -> None:
@@ -27,15 +28,20 @@ class LossParts:
         parts = self.__dict__.setdefault("_loss_parts", {})
         parts[name] = parts.get(name, 0.0) + loss_sum.detach().float()
 
+    def data_groups(self) -> list[Any]:
+        """The process groups a step's sums over its data go through: the data-parallel one, then the
+        context-parallel one (each only where it has more than one rank)."""
+        mesh = self.ctx.mesh
+        return [group() for size, group in ((mesh.dp, self.data_parallel_group),
+                                            (mesh.cp, lambda: self.ctx.device_mesh[CP].get_group())) if size > 1]
+
     def loss_parts_of_step(self, denominator: int) -> dict[str, float | None]:
         """The step's :meth:`add_loss_part` sums, summed over the ranks as the loss is, per label token."""
         parts = self.__dict__.pop("_loss_parts", {})
         if not parts:
             return {}
         values = list(parts.values())
-        for size, group in ((self.ctx.mesh.dp, self.data_parallel_group),
-                            (self.ctx.mesh.cp, lambda: self.ctx.device_mesh[CP].get_group())):
-            if size > 1:
-                values = all_reduce_sum(*values, device=self.device, group=group())
+        for group in self.data_groups():
+            values = all_reduce_sum(*values, device=self.device, group=group)
         means = {f"loss_{name}": float(value) / denominator for name, value in zip(parts, values, strict=True)}
         return {name: mean if math.isfinite(mean) else None for name, mean in means.items()}

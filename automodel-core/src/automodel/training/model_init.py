@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from automodel.errors import AutomodelError, ConfigError
-from automodel.fused_experts import expert_count
+from automodel.fused_experts import expert_count, experts_modules
 from automodel.hf import is_adapter_dir
 from automodel.mtp.pipeline import carry_heads
 from automodel.training.checkpoint import RESUME_ELSEWHERE, CheckpointError, mismatch_message
@@ -28,7 +28,6 @@ from automodel.training.parallel.expert_parallel import (
     apply_expert_parallel,
     build_expert_mesh,
     experts_issues,
-    experts_modules,
 )
 from automodel.training.parallel.materialize import (
     WeightSource,

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch import nn
 
 from automodel.errors import ConfigIssue
-from automodel.fused_experts import expert_count, expert_parameter_names, is_fused_experts, is_gated
+from automodel.fused_experts import expert_count, expert_parameter_names, experts_modules, is_gated
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -73,11 +73,6 @@ def _layout_problems(module: nn.Module) -> list[str]:
     if getattr(module, "has_post_expert_norm", False) and not hasattr(module, "post_expert_norm"):
         problems.append("no post_expert_norm")
     return problems
-
-
-def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Every module of ``model`` holding fused 3-D expert parameters, with its name."""
-    return [(name, module) for name, module in model.named_modules() if is_fused_experts(module)]
 
 
 def experts_issues(model: nn.Module, ep_size: int, key: str = "distributed.ep_size") -> list[ConfigIssue]:
