@@ -31,6 +31,7 @@ from automodel.training.parallel.pipeline_parallel import StagePipelines
 from automodel.training.parallelism import model_hf_config, validation_device
 from automodel.training.pipeline_steps import padded_tokens, pipeline_length, stage_kwargs
 from automodel.training.recipe import TrainRecipe
+from automodel.training.recipe_sections import data_sections
 from automodel_vlm.context_parallel import (
     MultimodalContextParallelBatch,
     SequenceSplit,
@@ -73,9 +74,8 @@ DATASET_BUILDER_ARGS = {"chat_template": "upstream's: a Jinja chat template, inl
 
 def _dataset_chat_templates(cfg: Any) -> dict[str, str]:
     """``<section>.chat_template`` -> its value, for every data set section that gives one."""
-    return {f"{name}.chat_template": node["chat_template"] for name, node in cfg.resolved.items()
-            if (name == "dataset" or name.startswith("validation_dataset")) and isinstance(node, dict)
-            and node.get("chat_template") is not None}
+    return {f"{name}.chat_template": node["chat_template"] for name, node in data_sections(cfg).items()
+            if node.get("chat_template") is not None}
 
 
 def _chat_template_issues(cfg: Any) -> list[ConfigIssue]:

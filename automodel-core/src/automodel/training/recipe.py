@@ -43,7 +43,7 @@ from automodel.training.parallelism import parallel_layout, run_precision, shard
 from automodel.training.pipeline import PIPELINE_SLOTS, Selection, apply_pipeline, select_stages
 from automodel.training.pipeline_steps import generation_issues
 from automodel.training.quantized_base import base_quantization_note
-from automodel.training.recipe_sections import TRAIN_SECTIONS
+from automodel.training.recipe_sections import TRAIN_SECTIONS, data_sections
 from automodel.training.resume import choose_checkpoint, hold_checkpoint_dir
 from automodel.training.rng import StatefulRNG, use_deterministic_algorithms
 from automodel.training.stages import peft as peft_stage
@@ -131,8 +131,7 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
     def data_sections(self) -> dict[str, ConfigNode]:
         """The data set sections to build: ``dataset`` and each ``validation_dataset*`` the config gives (a domain
         may read one elsewhere: retrieval takes upstream's legacy ``dataloader.dataset``)."""
-        return {name: self.cfg.get(name) for name in self.cfg.section_names() if self.cfg.get(name) is not None
-                and (name in ("dataset", "validation_dataset") or name.startswith("validation_dataset_"))}
+        return data_sections(self.cfg)
 
     def dataset_runtime_args(self, node: ConfigNode) -> dict[str, Any]:
         """Arguments the recipe gives the data set section ``node``'s target (a tokenizer, say), if it accepts them."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from automodel.config import Free, KeyAlias, Metadata, Target
+from automodel.config import Config, ConfigNode, Free, KeyAlias, Metadata, Target
 from automodel.training import builders
 from automodel.training import sections as s
 from automodel.training.distributed_section import DistributedConfig
@@ -68,3 +68,9 @@ TRAIN_SECTIONS: dict[str, Any] = {
     "distributed_config": Metadata("upstream's FSDP2Config section in some of its examples, which its recipes "
                                    "never read (the strategy comes from distributed:, as here)"),
 }
+
+
+def data_sections(cfg: Config) -> dict[str, ConfigNode]:
+    """The data set sections ``cfg`` gives: ``dataset`` and each ``validation_dataset*``, by name."""
+    return {name: cfg.get(name) for name in cfg.section_names() if cfg.get(name) is not None
+            and (name in ("dataset", "validation_dataset") or name.startswith("validation_dataset_"))}

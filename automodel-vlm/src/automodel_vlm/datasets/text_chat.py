@@ -18,6 +18,7 @@ from typing import Any
 from automodel.config import Config
 from automodel.data import OnBadRow
 from automodel.errors import AutomodelError, ConfigIssue
+from automodel.training.recipe_sections import data_sections
 from automodel_vlm.datasets.conversation import ImageTextChatDataset
 from automodel_vlm.datasets.question_answer import _dataset, _rows
 
@@ -134,9 +135,7 @@ def text_chat_issues(cfg: Config) -> list[ConfigIssue]:
     packing = cfg.resolved.get("packed_sequence")
     max_length = packing.get("max_length") if isinstance(packing, dict) else None
     issues = []
-    for key, section in cfg.resolved.items():
-        if not isinstance(section, dict) or not (key == "dataset" or key.startswith("validation_dataset")):
-            continue
+    for key, section in data_sections(cfg).items():
         if section.get("inject_fake_images") is True:
             issues.append(ConfigIssue(f"{key}.inject_fake_images", NO_FAKE_IMAGES))
         if section.get("truncate") is not True:
