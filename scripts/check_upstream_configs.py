@@ -49,7 +49,7 @@ HUB_KEYS = {
     "data_files": "dataset",
     "data_dir_list": "dataset",
 }
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")  # a canonical id has no namespace: roberta-large
 
 
 def local_assets() -> dict[str, dict[str, str]]:

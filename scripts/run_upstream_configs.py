@@ -106,12 +106,20 @@ def write_data(root: Path) -> None:
     (root / "nanogpt_000.bin").write_bytes(np.array([20240520, 1, tokens.size, *[0] * 253], np.int32).tobytes() +
                                            tokens.tobytes())
     vlm_stand_ins.write_vlm_data(root, root / "medpix.jsonl")
+    _write_jsonl(root / "mrpc.jsonl", [{"sentence1": f"Person {k} sits on a roof.", "sentence2": f"Person {k % 5} sits "
+                                        "on a roof.", "label": int(k % 5 == k)} for k in range(32)])
 
 
 def write_models(root: Path) -> dict[str, dict[str, str]]:
     """Per domain, the validation survey's local assets with the LLM and VLM model ids pointing at a saved model
     (fresh weights, safetensors) whose directory also holds the tokenizer / processor, as a hub download does."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSeq2SeqLM
+    from transformers import (
+        AutoConfig,
+        AutoModel,
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+        AutoModelForSeq2SeqLM,
+    )
 
     from automodel_vlm.processor import build_processor
 
@@ -133,6 +141,12 @@ def write_models(root: Path) -> dict[str, dict[str, str]]:
         assets[domain] = {kind: str(directory) for kind in ("model", "tokenizer", "processor")} | {
             "dataset": assets[domain]["dataset"]}
     assets["seq2seq"] = {**assets["llm"], "model": str(t5), "tokenizer": str(t5)}
+    seq_cls = root / "seq_cls"  # a base encoder without a classifier (upstream's roberta-large), and the tokenizer
+    AutoModel.from_config(AutoConfig.from_pretrained(Path(survey.local_assets()["llm"]["model"]).with_name("tiny_bert"))
+                          ).save_pretrained(seq_cls)
+    for item in Path(survey.local_assets()["llm"]["tokenizer"]).iterdir():
+        shutil.copy(item, seq_cls)
+    assets["seq_cls"] = {**assets["llm"], "model": str(seq_cls), "tokenizer": str(seq_cls)}
     for name, config_class in LLM_FAMILIES.items():
         directory = root / f"llm-{config_class}"
         if not directory.exists():  # families sharing a config class share the model
@@ -238,7 +252,7 @@ def stand_ins(data: dict[str, Any], assets: dict[str, dict[str, str]], domain: s
     tiny T5 stand-in instead of the domain's decoder, an LLM of a family in LLM_FAMILIES a tiny one of that
     family."""
     model = str((data.get("model") or {}).get("_target_", "")) if isinstance(data.get("model"), dict) else ""
-    kind = "seq2seq" if "Seq2SeqLM" in model else domain
+    kind = "seq2seq" if "Seq2SeqLM" in model else "seq_cls" if "SequenceClassification" in model else domain
     if kind == "llm" and llm_family(data):
         kind = f"llm:{llm_family(data)}"
     if domain == "diffusion" and diffusion_family(data):
@@ -388,6 +402,10 @@ def data_overrides(data: dict[str, Any], root: Path, scratch: Path) -> dict[str,
         if factory == "MegatronPretraining":  # Megatron's indexed files of a small corpus
             found[f"{section}.paths"] = str(root / "megatron_text_document")
             found[f"{section}.index_mapping_dir"] = str(scratch / "megatron_index")
+        if factory == "GLUE_MRPC":  # a hub data set by a fixed name: the general form of its rows, from a file
+            found |= {f"{section}._target_": "automodel_llm.datasets.SequenceClassificationDataset",
+                      f"{section}.path_or_dataset_id": str(root / "mrpc.jsonl"),
+                      f"{section}.text_fields": "[sentence1, sentence2]"}
         if factory == "NanogptDataset":
             found[f"{section}.file_pattern"] = str(root / "nanogpt_*.bin")
         if key is None:

@@ -63,6 +63,8 @@ SMALL = {
                                 "step_scheduler": {"log_interval": 1}},
     ("finetune", "retrieval"): _FEW,
     ("finetune", "cross-encoder"): _FEW,
+    ("finetune", "seq-cls"): {"dataset": {"num_samples_limit": 16}, "validation_dataset": {"num_samples_limit": 4},
+                              "dataloader": {"batch_size": 4}},
     ("mine", "retrieval"): {"mining": {"limit": 8}},
     ("generate", "diffusion"): {"inference": {"num_inference_steps": 1}},
     ("precompute", "diffusion"): {"dataset": {"limit_samples": 4}, "output": {"shard_size": 2}},

@@ -19,6 +19,8 @@ SELECTS = {
     f"{UP}.llm.benchmark.BenchmarkingRecipeForNextTokenPrediction": "benchmark llm",
     "KnowledgeDistillationRecipeForNextTokenPrediction": "kd llm",
     f"{UP}.llm.kd.KnowledgeDistillationRecipeForNextTokenPrediction": "kd llm",
+    "TrainFinetuneRecipeForSequenceClassification": "finetune seq-cls",
+    f"{UP}.llm.train_seq_cls.TrainFinetuneRecipeForSequenceClassification": "finetune seq-cls",
     "FinetuneRecipeForVLM": "finetune vlm",
     f"{UP}.vlm.finetune.FinetuneRecipeForVLM": "finetune vlm",
     "TrainBiEncoderRecipe": "finetune retrieval",
@@ -32,10 +34,9 @@ SELECTS = {
     f"{UP}.diffusion.train.TrainDiffusionRecipe": "finetune diffusion",
 }
 # Upstream recipes with no counterpart here (VLM distillation, diffusion LMs, speculative decoding drafters,
-# multimodal, sequence classification).
+# multimodal).
 NOT_HERE = ["KnowledgeDistillationRecipeForVLM", "DiffusionLMSFTRecipe", "TrainEagle3Recipe",
-            "FinetuneRecipeForMultimodal", "PretrainRecipeForMultimodal",
-            "TrainFinetuneRecipeForSequenceClassification"]
+            "FinetuneRecipeForMultimodal", "PretrainRecipeForMultimodal"]
 
 
 @pytest.mark.parametrize("name,route", SELECTS.items())

@@ -101,6 +101,22 @@ def test_aliases_expand_including_chains(resolver, targets):
     assert resolver.resolve("Chain") is targets.make_thing
 
 
+def test_upstream_file_form_stands_for_the_alias_of_its_dotted_name(make_resolver, targets, tmp_path, monkeypatch):
+    """Upstream's loader imports ``nemo_automodel/x/y.py:Name`` from the file; here it is the alias of
+    ``nemo_automodel.x.y.Name``, and no file is read (one planted at that path runs nothing)."""
+    planted = tmp_path / "nemo_automodel" / "datasets"
+    planted.mkdir(parents=True)
+    (planted / "mock.py").write_text(f"open({str(tmp_path / 'sentinel')!r}, 'w').close()\nMock = None\n")
+    monkeypatch.chdir(tmp_path)
+    resolver = make_resolver("amt_targets", aliases={"nemo_automodel.datasets.mock.Mock": "amt_targets.make_thing"})
+    assert resolver.resolve("nemo_automodel/datasets/mock.py:Mock") is targets.make_thing
+    for unaliased in ("nemo_automodel/datasets/mock.py:Other", "nemo_automodel/../evil.py:f",
+                      "./nemo_automodel/datasets/mock.py:Mock", "/x/nemo_automodel/datasets/mock.py:Mock"):
+        with pytest.raises(TargetError, match="looks like a file path"):
+            resolver.resolve(unaliased)
+    assert not (tmp_path / "sentinel").exists()
+
+
 def test_alias_cycle_does_not_hang():
     resolver = TargetResolver(aliases={"A": "B", "B": "A"})
     with pytest.raises(TargetError):

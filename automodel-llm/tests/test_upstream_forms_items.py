@@ -298,6 +298,16 @@ def test_a_section_given_as_none_is_absent_as_upstreams_loader_reads_it(tmp_path
     assert "expected a section with _target_, found 'nothing'" in found["validation_dataset"]
 
 
+def test_none_words_are_null_for_a_key_that_may_be_null_as_upstreams_loader_reads_them(tmp_path):
+    """upstream's mrpc_roberta_lora.yaml writes max_steps: None (YAML's string 'None'): no step limit there."""
+    data = yaml.safe_load((FORMS / "recipe_bare_name.yaml").read_text())
+    data["step_scheduler"]["max_steps"] = "None"
+    _, cfg = load_config(write_yaml(tmp_path / "c.yaml", data))
+    assert cfg.step_scheduler.max_steps is None
+    data["dist_env"] = {"timeout_minutes": "none"}  # a key that may not be null stays refused
+    assert "dist_env.timeout_minutes" in refusals(write_yaml(tmp_path / "e.yaml", data))
+
+
 def test_a_benchmark_section_under_the_fine_tuning_recipe_is_named_in_the_note_as_upstream_ignores_it(tmp_path):
     data = yaml.safe_load((FORMS / "benchmark_upstream.yaml").read_text())
     data["recipe"] = "TrainFinetuneRecipeForNextTokenPrediction"

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ADAPTER_WEIGHTS", "EvalGenerationConfig", "PeftConfig", "align_special_tokens", "apply_lora",
            "check_vocab", "exact_match", "is_adapter_dir", "load_adapter_weights", "load_rows", "load_tokenizer",
-           "lora_config", "model_source", "record_adapter_base", "recorded_adapter_base"]
+           "lora_config", "model_source", "record_adapter_base", "record_run_base", "recorded_adapter_base"]
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -198,7 +198,7 @@ class PeftConfig:
         ranks, alphas = self._moe_patterns(model) if self.moe_rank_scaling else ({}, {})
         return peft.LoraConfig(r=self.rank, lora_alpha=self.alpha, lora_dropout=self.dropout,
                                target_modules=targets, exclude_modules=excluded, rank_pattern=ranks,
-                               alpha_pattern=alphas, use_dora=self.use_dora, task_type="CAUSAL_LM",
+                               alpha_pattern=alphas, use_dora=self.use_dora, task_type=lora_task_type(model),
                                target_parameters=parameters or None)
 
     def _moe_patterns(self, model: torch.nn.Module | None) -> tuple[dict[str, int], dict[str, float]]:
@@ -225,6 +225,13 @@ class PeftConfig:
                                  "remove moe_rank_scaling")
         keys = [f"(?:{re.escape(name)})" for name in names]
         return {key: self.rank // per_token for key in keys}, {key: self.alpha for key in keys}
+
+
+def lora_task_type(model: torch.nn.Module | None) -> str:
+    """peft's task for LoRA on ``model``: ``SEQ_CLS`` for a sequence classifier (``*ForSequenceClassification``),
+    whose head peft then trains whole (``modules_to_save``: a new head is random and must learn) and saves with the
+    adapter; ``CAUSAL_LM`` otherwise."""
+    return "SEQ_CLS" if type(model).__name__.endswith("ForSequenceClassification") else "CAUSAL_LM"
 
 
 def lora_config(built: Any, model: torch.nn.Module | None = None) -> Any:
@@ -326,6 +333,14 @@ def record_adapter_base(directory: Path, source: str) -> None:
     data = json.loads(file.read_text(encoding="utf-8"))
     data["base_model_name_or_path"] = str(path.resolve()) if path.exists() else source
     file.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def record_run_base(directory: Path, model: Mapping[str, Any] | None) -> None:
+    """Where ``directory`` holds a LoRA adapter, record the base the run's ``model`` section loaded
+    (:func:`record_adapter_base`): for ``automodel export`` and peft."""
+    found = model_source(model)
+    if (directory / ADAPTER_CONFIG).is_file() and found is not None:
+        record_adapter_base(directory, found[0])
 
 
 def recorded_adapter_base(directory: Path) -> str | None:

@@ -3,6 +3,7 @@ was saved with ``checkpoint.save_consolidated: false``, and a LoRA adapter merge
 
 from __future__ import annotations
 
+import json
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -80,7 +81,22 @@ def export(checkpoint: str, output: str, force: bool) -> None:
     if out.exists():
         shutil.rmtree(out)
     staging.rename(out)
-    click.echo(f"exported {source} to {out} (load with AutoModelForCausalLM.from_pretrained('{out}'))")
+    click.echo(f"exported {source} to {out} (load with {_auto_class(out)}.from_pretrained('{out}'))")
+
+
+def _auto_class(model_dir: Path) -> str:
+    """The transformers Auto class that loads the exported model (by its config's architectures)."""
+    config = model_dir / "config.json"
+    architectures = json.loads(config.read_text(encoding="utf-8")).get("architectures") if config.is_file() else None
+    classifier = any(name.endswith("ForSequenceClassification") for name in architectures or [])
+    return "AutoModelForSequenceClassification" if classifier else "AutoModelForCausalLM"
+
+
+def adapter_route(adapter_dir: Path) -> str:
+    """The domain of the fine-tuning route whose recipe trained the adapter: ``seq-cls`` for peft's
+    sequence-classification task (the classifier's LoRA, its head saved with it), else ``llm``."""
+    config = json.loads((adapter_dir / "adapter_config.json").read_text(encoding="utf-8"))
+    return "seq-cls" if config.get("task_type") == "SEQ_CLS" else "llm"
 
 
 def _merge_adapter(config_file: Path, adapter_dir: Path, out: Path) -> None:
@@ -95,10 +111,10 @@ def _merge_adapter(config_file: Path, adapter_dir: Path, out: Path) -> None:
     from automodel.training.stages.peft import add_lora
 
     manager = get_plugin_manager()
-    recipe_cls = import_recipe(manager.routes.get("finetune", "llm").recipe)
+    data = with_recorded_base(load_yaml_file(config_file), adapter_dir)
+    recipe_cls = import_recipe(manager.routes.get("finetune", adapter_route(adapter_dir)).recipe)
     try:
-        cfg = build_config(with_recorded_base(load_yaml_file(config_file), adapter_dir), recipe_cls, manager.resolver(),
-                           source=str(config_file))
+        cfg = build_config(data, recipe_cls, manager.resolver(), source=str(config_file))
     except ConfigError as err:
         raise ConfigError([ConfigIssue(f"{config_file}: {issue.key}", issue.message, issue.suggestion)
                            for issue in err.issues]) from None

@@ -118,6 +118,17 @@ class AutoModelForSeq2SeqLM(_AutoModelFactory):
     automodel_config_issues = staticmethod(model_issues)
 
 
+class AutoModelForSequenceClassification(_AutoModelFactory):
+    """A ``transformers`` sequence classifier (``AutoModelForSequenceClassification``: an encoder such as BERT /
+    RoBERTa with its ``classifier``, or a causal LM with a ``score`` head), from a checkpoint or a config
+    (upstream's ``NeMoAutoModelForSequenceClassification``); ``num_labels`` sets the head's width. A base checkpoint
+    without the head (``roberta-large``) gets a freshly initialised one, as transformers does."""
+
+    auto_class = "AutoModelForSequenceClassification"
+    mtp = False
+    automodel_config_issues = staticmethod(model_issues)
+
+
 def nemotron_h_for_causal_lm(name_or_path: str | None = None, pretrained_model_name_or_path: str | None = None,
                              **kwargs: Any) -> Any:
     """The NemotronH architecture through transformers (upstream's ``NemotronHForCausalLM``)."""

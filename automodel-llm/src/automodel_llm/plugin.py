@@ -11,6 +11,8 @@ _UPSTREAM_RECIPES = {
                     f"{_UPSTREAM}.kd.KnowledgeDistillationRecipeForNextTokenPrediction"),
     ("benchmark", "llm"): ("BenchmarkingRecipeForNextTokenPrediction",
                            f"{_UPSTREAM}.benchmark.BenchmarkingRecipeForNextTokenPrediction"),
+    ("finetune", "seq-cls"): ("TrainFinetuneRecipeForSequenceClassification",
+                              f"{_UPSTREAM}.train_seq_cls.TrainFinetuneRecipeForSequenceClassification"),
 }
 
 
@@ -25,6 +27,9 @@ def automodel_register_routes(routes) -> None:
     routes.add("benchmark", "llm", recipe="automodel_llm.benchmark.BenchmarkRecipe",
                help="Measure training throughput on synthetic data (JSON with tokens/s, step times, memory, MFU)",
                examples=["llm/tiny_benchmark"])
+    routes.add("finetune", "seq-cls", recipe="automodel_llm.seq_cls.SequenceClassificationRecipe",
+               help="Fine-tune a sequence classifier (a text or text pair in, one of num_labels classes out)",
+               examples=["llm/tiny_seq_cls"])
 
 
 # (transformers' model package, class name) of upstream's model.config classes that transformers has as its own
@@ -48,12 +53,19 @@ def automodel_register_aliases(aliases) -> None:
     aliases.target("nemo_automodel.models.llm.NemotronHForCausalLM", "automodel_llm.models.nemotron_h_for_causal_lm")
     aliases.target("nemo_automodel.datasets.squad.SquadDataset", "automodel_llm.datasets.SquadDataset")
     aliases.target("nemo_automodel.schedulers.CosineAnnealingWarmup", "automodel.optim.CosineAnnealingWarmup")
-    for kind in ("CausalLM", "Seq2SeqLM"):
+    for kind in ("CausalLM", "Seq2SeqLM", "SequenceClassification"):
         for method in ("from_pretrained", "from_config"):
             aliases.target(f"nemo_automodel.NeMoAutoModelFor{kind}.{method}",
                            f"automodel_llm.AutoModelFor{kind}.{method}")
     aliases.target("AutoModelForSeq2SeqLM", "automodel_llm.AutoModelForSeq2SeqLM.from_pretrained")
+    aliases.target("AutoModelForSequenceClassification",
+                   "automodel_llm.AutoModelForSequenceClassification.from_pretrained")
     aliases.target("Seq2SeqDataset", "automodel_llm.datasets.Seq2SeqDataset")
+    aliases.target("SequenceClassificationDataset", "automodel_llm.datasets.SequenceClassificationDataset")
+    _SEQ_CLS = "nemo_automodel.components.datasets.llm"
+    aliases.target(f"{_SEQ_CLS}.seq_cls.GLUE_MRPC", "automodel_llm.datasets.seq_cls.glue_mrpc")
+    aliases.target(f"{_SEQ_CLS}.mock_seq_cls.MockSequenceClassificationDataset",
+                   "automodel_llm.datasets.MockSequenceClassificationDataset")
     aliases.target("make_seq2seq_dataset", "automodel_llm.datasets.Seq2SeqDataset")
     aliases.target("nemo_automodel.components.datasets.llm.seq2seq.make_seq2seq_dataset",
                    "automodel_llm.datasets.Seq2SeqDataset")

@@ -14,13 +14,10 @@ from automodel.config import ArgumentsFor, Config, ConfigNode, FieldErrors, Free
 from automodel.errors import AutomodelError, ConfigIssue
 from automodel.gate_precision import router_issues
 from automodel.hf import (
-    ADAPTER_CONFIG,
     EvalGenerationConfig,
     align_special_tokens,
     check_vocab,
     exact_match,
-    model_source,
-    record_adapter_base,
 )
 from automodel.model_backend import asked_attention, attention_support_issue, backend_setting
 from automodel.training.checkpoint_write import sharded_only_message
@@ -407,13 +404,6 @@ class FinetuneRecipeForNextTokenPrediction(MTPLoss, NextTokenLogits, TrainRecipe
         """This rank's share of the tool-call samples: every world_size-th from its rank where the model is
         replicated on each rank; None (all of them) in one process or with sharded weights."""
         return (rank(), self.world_size) if self.world_size > 1 and not self.forwards_are_collective else None
-
-    def save_artifacts(self, directory: Path) -> None:
-        """Also records, in a LoRA checkpoint's ``adapter_config.json``, the base as this run resolved it."""
-        super().save_artifacts(directory)
-        found = model_source(self.cfg.model)
-        if (directory / ADAPTER_CONFIG).is_file() and found is not None:
-            record_adapter_base(directory, found[0])  # the resolved base, for `automodel export` and peft
 
     def extra_validation_metrics(self, name: str, dataloader: Any) -> dict[str, float]:
         """The tool-call metrics (``tool_call_eval``), computed once per validation and recorded with each set."""

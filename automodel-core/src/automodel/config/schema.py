@@ -63,13 +63,22 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+# The strings upstream's config loader turns into null: a section built from _target_ (`validation_dataset: none`),
+# a key that may be null (`max_steps: None`)
+_NONE_WORDS = ("none", "None")
+
+
 def check_type(value: Any, tp: Any) -> tuple[bool, Any]:
     """Whether ``value`` fits the annotation ``tp``, and the value converted (an int given for a float)."""
     if tp is Any:
         return True, value
     origin = typing.get_origin(tp)
     if origin in (Union, types.UnionType):
-        for arg in typing.get_args(tp):
+        args = typing.get_args(tp)
+        if isinstance(value, str) and value in _NONE_WORDS and type(None) in args and not any(
+                typing.get_origin(arg) is Literal and value in typing.get_args(arg) for arg in args):
+            return True, None  # upstream's loader reads the words none / None as null (max_steps: None)
+        for arg in args:
             ok, converted = check_type(value, arg)
             if ok:
                 return True, converted
@@ -334,8 +343,6 @@ def check_recipe(node: Any, key: str, resolver: TargetResolver, issues: list[Con
     return {"_target_": name}
 
 
-# The strings upstream's config loader turns into null (`validation_dataset: none`), for a section built from _target_
-_NONE_WORDS = ("none", "None")
 
 
 def validate_sections(data: dict, sections: dict[str, SectionSpec], resolver: TargetResolver,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import re
 import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -38,6 +39,9 @@ from automodel.config.registry import (
 )
 from automodel.config.trust import ALLOW_ENV, ALLOW_FLAG, UserTrust, trusted_targets_file
 from automodel.suggest import did_you_mean
+
+# upstream's file form of a target in its own package (its loader imports the file): ``nemo_automodel/x/y.py:Name``
+UPSTREAM_FILE = re.compile(r"(?P<module>nemo_automodel(?:/[A-Za-z][A-Za-z0-9_]*)+)\.py:(?P<name>[A-Za-z][A-Za-z0-9_]*)")
 
 
 class TargetError(Exception):
@@ -114,12 +118,24 @@ class TargetResolver:
         return cls
 
     def expand(self, name: str) -> str:
-        """The dotted path an alias stands for (or the name itself)."""
+        """The dotted path an alias stands for (or the name itself); upstream's file form of one of its own
+        callables (``nemo_automodel/components/x.py:Name``, which its loader imports from the file) stands for the
+        alias of its dotted name where there is one: no file is read."""
+        name = self.upstream_dotted(name)
         seen = set()
         while name in self.aliases and name not in seen:
             seen.add(name)
             name = self.aliases[name]
         return name
+
+    def upstream_dotted(self, name: str) -> str:
+        """``nemo_automodel/a/b.py:Name`` as ``nemo_automodel.a.b.Name`` when that is an alias or an unsupported
+        name here; any other name as it is."""
+        match = UPSTREAM_FILE.fullmatch(name) if isinstance(name, str) else None
+        if match is None:
+            return name
+        dotted = match["module"].replace("/", ".") + "." + match["name"]
+        return dotted if dotted in self.aliases or dotted in self.unsupported else name
 
     def check_unread(self, name: Any) -> None:
         """Raise TargetError for a target in a section nothing reads that is dangerous anywhere: not a dotted path,
@@ -134,8 +150,8 @@ class TargetResolver:
             raise TargetError(f"_target_ must be a dotted path string, found {name!r}")
         if name in self._cache:
             return self._cache[name]
-        if name in self.unsupported:
-            raise TargetError(f"'{name}' is not supported here: {self.unsupported[name]}")
+        if self.upstream_dotted(name) in self.unsupported:
+            raise TargetError(f"'{name}' is not supported here: {self.unsupported[self.upstream_dotted(name)]}")
         path = self.expand(name)
         grant = self._check_path(path, original=name)
         obj = self._import(path, grant)

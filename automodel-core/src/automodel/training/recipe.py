@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from automodel.config import Config, ConfigNode
 from automodel.errors import ConfigIssue
+from automodel.hf import record_run_base
 from automodel.meta_build import MetaBuild, building_on_meta
 from automodel.noise import debug_enabled, filter_third_party_noise
 from automodel.optim.muon import muon_notes
@@ -201,11 +202,13 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
         return self.save_model is not None
 
     def save_artifacts(self, directory: Path) -> None:
-        """The tokenizer / processor files that go beside the weights in model/ (rank 0)."""
+        """The tokenizer / processor files that go beside the weights in model/ (rank 0); a LoRA adapter's
+        ``adapter_config.json`` records the base this run resolved."""
         for name in self.hf_artifacts:
             artifact = getattr(self, name, None)
             if artifact is not None and hasattr(artifact, "save_pretrained"):
                 artifact.save_pretrained(str(directory))
+        record_run_base(directory, self.cfg.model)
 
     def load_model_weights(self, model: torch.nn.Module, directory: Path) -> None:
         """Read a model/ that ``save_model`` wrote (the checkpoint stage calls it before sharding)."""

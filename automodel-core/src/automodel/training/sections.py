@@ -175,9 +175,10 @@ class CheckpointConfig:
                                      "newest checkpoint and validation.jsonl every validation's metrics; remove it"),
         "consolidation_timeout_minutes": ((None,), "a checkpoint's collectives wait dist_env.timeout_minutes like "
                                                    "every other: set that instead"),
-        "skip_task_head_prefixes_for_base_model": ((None,), "serves upstream's sequence-classification recipe (a "
-                                                            "task head over a base model), which is not installed "
-                                                            "here; remove it"),
+        "skip_task_head_prefixes_for_base_model": ((None,), "names a task head over a base model, which only the "
+                                                            "sequence-classification recipe (finetune seq-cls, "
+                                                            "upstream's TrainFinetuneRecipeForSequenceClassification) "
+                                                            "has; remove it"),
         "model_state_dict_keys": ((None,), "upstream fills it itself (kept for its backward compatibility); there is "
                                           "nothing to set: remove it"),
     }

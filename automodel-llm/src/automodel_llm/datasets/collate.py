@@ -11,12 +11,13 @@ IGNORE_INDEX = -100
 
 def pad_collate(batch: list[dict[str, Any]], pad_token_id: int = 0, pad_to_multiple_of: int | None = None
                 ) -> dict[str, torch.Tensor]:
-    """Stack samples of ``input_ids``/``labels`` (and optional ``attention_mask``, ``position_ids`` and an
-    encoder-decoder's ``decoder_input_ids``), each key padded to its longest in the batch: a causal sample's keys
-    are one length, an encoder-decoder's target (``labels``, ``decoder_input_ids``) is its own."""
+    """Stack samples of ``input_ids``/``labels`` (and optional ``attention_mask``, ``position_ids``, an
+    encoder-decoder's ``decoder_input_ids`` and a BERT-style pair's ``token_type_ids``), each key padded to its
+    longest in the batch: a causal sample's keys are one length, an encoder-decoder's target (``labels``,
+    ``decoder_input_ids``) is its own."""
     out: dict[str, torch.Tensor] = {}
     fills = {"input_ids": pad_token_id, "labels": IGNORE_INDEX, "attention_mask": 0, "position_ids": 0,
-             "decoder_input_ids": pad_token_id}
+             "decoder_input_ids": pad_token_id, "token_type_ids": 0}
     for key, fill in fills.items():
         if key not in batch[0] and key != "attention_mask":
             continue
