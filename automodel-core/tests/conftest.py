@@ -181,10 +181,13 @@ def make_toy(tmp_path):
 
 @pytest.fixture(scope="session")
 def two_ranks(tmp_path_factory):
-    """The distributed scenarios' results: one launch of two gloo ranks (see parallel_testing.run_all_scenarios)."""
+    """The distributed scenarios' results: one launch of two gloo ranks (see parallel_testing.run_all_scenarios),
+    once for all workers."""
     from parallel_testing import run_all_scenarios
 
-    return run_all_scenarios(tmp_path_factory.mktemp("two_ranks"))
+    from automodel.testing import once_per_session
+
+    return once_per_session(tmp_path_factory, "two_ranks", run_all_scenarios)
 
 
 @pytest.fixture(scope="session")
@@ -193,4 +196,4 @@ def model_parallel_ranks(tmp_path_factory):
     parallel_testing.run_model_parallel_scenarios)."""
     from parallel_testing import run_model_parallel_scenarios
 
-    return run_model_parallel_scenarios(tmp_path_factory.mktemp("model_parallel"))
+    return run_model_parallel_scenarios(tmp_path_factory)

@@ -42,17 +42,23 @@ def run_all_scenarios(tmp: Path) -> dict[str, Any]:
             "memory_one": one[0], "ranks": ranks}
 
 
-def run_model_parallel_scenarios(tmp: Path) -> dict[str, Any]:
-    """``scenario_two`` on two gloo ranks and ``scenario_four`` on four, launched together, then the
-    single-process references (tied and untied tiny Llama, Qwen3). The session fixture ``model_parallel_ranks``
-    returns this."""
+def run_model_parallel_scenarios(tmp_path_factory: Any) -> dict[str, Any]:
+    """``scenario_two`` on two gloo ranks and ``scenario_four`` on four, launched together once for all workers,
+    then this worker's single-process references (tied and untied tiny Llama, Qwen3). The session fixture
+    ``model_parallel_ranks`` returns this."""
     from model_parallel_workers import mp_config, qwen3_config, reference
 
-    two, four = launch_together([("two", 2, tmp / "two", {}), ("four", 4, tmp / "four", {})], timeout=600,
-                                workers=WORKERS.with_name("model_parallel_workers.py"))
+    from automodel.testing import once_per_session
+
+    def launch_both(tmp: Path) -> dict[str, Any]:
+        two, four = launch_together([("two", 2, tmp / "two", {}), ("four", 4, tmp / "four", {})], timeout=600,
+                                    workers=WORKERS.with_name("model_parallel_workers.py"))
+        return {"dir": tmp, "two": two, "four": four}
+
+    launched = once_per_session(tmp_path_factory, "model_parallel", launch_both)
     (tied, tied_state), (untied, untied_state) = reference(mp_config()), reference(mp_config(tied=False))
-    return {"dir": tmp, "two": two, "four": four, "tied": tied, "tied_state": tied_state, "untied": untied,
-            "untied_state": untied_state, "qwen3": reference(qwen3_config(), steps=3)[0]}
+    return {**launched, "tied": tied, "tied_state": tied_state, "untied": untied, "untied_state": untied_state,
+            "qwen3": reference(qwen3_config(), steps=3)[0]}
 
 
 def launch(scenario: str, world: int, out: Path, timeout: float = 300, **args: Any) -> list[dict[str, Any]]:

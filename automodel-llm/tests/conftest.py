@@ -27,14 +27,17 @@ def make_config(tmp_path, tiny_llama_config):
 @pytest.fixture(scope="session")
 def single_process(tmp_path_factory, tiny_llama_config) -> tuple[Path, Path]:
     """(config, run directory) of the one-process reference for two ranks: accumulation doubled; validation (8
-    samples) after steps 2 and 4."""
-    from automodel.testing import run_cli
+    samples) after steps 2 and 4; run once for all workers."""
+    from automodel.testing import once_per_session, run_cli
 
-    tmp = tmp_path_factory.mktemp("single")
-    config = llm_testing.write_config(tmp / "cfg.yaml", tiny_llama_config, tmp / "ckpt",
-                                      validation_dataset=llm_testing.VALIDATION,
-                                      step_scheduler={"val_check_interval": 2})
-    result = run_cli("finetune", "llm", "-c", config, *llm_testing.DISTRIBUTED_OVERRIDES,
-                     "--step_scheduler.grad_accumulation_steps", "2", cwd=tmp)
-    assert result.returncode == 0, result.stderr[-2000:]
-    return config, tmp
+    def run(tmp: Path) -> dict[str, Path]:
+        config = llm_testing.write_config(tmp / "cfg.yaml", tiny_llama_config, tmp / "ckpt",
+                                          validation_dataset=llm_testing.VALIDATION,
+                                          step_scheduler={"val_check_interval": 2})
+        result = run_cli("finetune", "llm", "-c", config, *llm_testing.DISTRIBUTED_OVERRIDES,
+                         "--step_scheduler.grad_accumulation_steps", "2", cwd=tmp)
+        assert result.returncode == 0, result.stderr[-2000:]
+        return {"config": config, "dir": tmp}
+
+    found = once_per_session(tmp_path_factory, "llm_single_process", run)
+    return found["config"], found["dir"]

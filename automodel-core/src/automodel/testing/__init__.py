@@ -3,9 +3,10 @@
 Reading what a run wrote (``read_jsonl``, ``checkpoint_dirs``, ``load_safetensors_state``), writing configs and
 plugin distributions (``deep_update``, ``write_yaml``, ``write_dist``), running a recipe in this process as the CLI
 does (``train_inprocess``), the installed console script in a subprocess (``run_cli``) or its entry point in this
-process (``run_cli_inprocess``). The toy recipe (``automodel.testing.toy``: a tiny torch model on synthetic data
-that exercises the engine in milliseconds, without any Hugging Face library) is importable from here too. Importing
-this package imports no torch.
+process (``run_cli_inprocess``), a session fixture's result shared by pytest-xdist workers (``once_per_session``).
+The toy recipe (``automodel.testing.toy``: a tiny torch model on synthetic data that exercises the engine in
+milliseconds, without any Hugging Face library) is importable from here too. Importing this package imports no
+torch.
 """
 
 from __future__ import annotations
@@ -134,6 +135,35 @@ def train_inprocess(config: str | Path, *overrides: Any, route: tuple[str, str] 
         before_run(run)
     run.run_train_validation_loop()
     return run
+
+
+def once_per_session(tmp_path_factory: Any, name: str, compute: Any) -> Any:
+    """``compute(directory)`` run once in a whole pytest session, for a session fixture: its JSON-able result
+    (``Path`` values kept) is shared by every pytest-xdist worker through the session's base temp directory, the
+    first worker to need it computing it under a file lock while the others wait and then read it. (A session
+    fixture is otherwise computed again on every worker that runs a file using it, and a multi-process fixture run
+    twice at once also slows the first one down on shared cores.)"""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    saved = root / f"{name}.json"
+    with FileLock(str(saved) + ".lock"):
+        if not saved.is_file():
+            directory = root / name
+            directory.mkdir(exist_ok=True)
+            saved.write_text(json.dumps(compute(directory), default=_encode_path))
+        return json.loads(saved.read_text(), object_hook=_decode_path)
+
+
+def _encode_path(value: Any) -> Any:
+    if isinstance(value, Path):
+        return {"__path__": str(value)}
+    raise TypeError(f"once_per_session: {type(value).__name__} is not JSON-able")
+
+
+def _decode_path(value: dict[str, Any]) -> Any:
+    return Path(value["__path__"]) if set(value) == {"__path__"} else value
 
 
 _PORTS_GIVEN: set[int] = set()
