@@ -88,8 +88,8 @@ def task_head_note(cfg: Config, model: torch.nn.Module, prefixes: list[str]) -> 
     source = model_source(cfg.model.to_dict()) if isinstance(cfg.model, ConfigNode) else None
     weights = local_weights(source[0]) if source is not None else None
     if weights is None:
-        return (f"{key}: {', '.join(prefixes)} ({len(head)} tensors) start from their fresh initialisation; "
-                "no base checkpoint files are read here")
+        return (f"{key}: {', '.join(prefixes)} ({len(head)} tensors) start from their fresh initialisation (no "
+                "base checkpoint in safetensors files to read them from)")
     saved = saved_key_function(model)
     present = sorted({saved(name) for name in head} & set(weight_files(weights)))
     if present:
