@@ -92,7 +92,7 @@ def _auto_class(model_dir: Path) -> str:
     return "AutoModelForSequenceClassification" if classifier else "AutoModelForCausalLM"
 
 
-def adapter_route(adapter_dir: Path) -> str:
+def _adapter_route(adapter_dir: Path) -> str:
     """The domain of the fine-tuning route whose recipe trained the adapter: ``seq-cls`` for peft's
     sequence-classification task (the classifier's LoRA, its head saved with it), else ``llm``."""
     config = json.loads((adapter_dir / "adapter_config.json").read_text(encoding="utf-8"))
@@ -112,7 +112,7 @@ def _merge_adapter(config_file: Path, adapter_dir: Path, out: Path) -> None:
 
     manager = get_plugin_manager()
     data = with_recorded_base(load_yaml_file(config_file), adapter_dir)
-    recipe_cls = import_recipe(manager.routes.get("finetune", adapter_route(adapter_dir)).recipe)
+    recipe_cls = import_recipe(manager.routes.get("finetune", _adapter_route(adapter_dir)).recipe)
     try:
         cfg = build_config(data, recipe_cls, manager.resolver(), source=str(config_file))
     except ConfigError as err:

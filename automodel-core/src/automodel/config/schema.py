@@ -343,8 +343,6 @@ def check_recipe(node: Any, key: str, resolver: TargetResolver, issues: list[Con
     return {"_target_": name}
 
 
-
-
 def validate_sections(data: dict, sections: dict[str, SectionSpec], resolver: TargetResolver,
                       issues: list[ConfigIssue]) -> dict[str, Any]:
     """Check every top-level section; returns the section values (dataclass instances or raw mappings)."""
