@@ -22,7 +22,7 @@ import argparse
 import random
 from pathlib import Path
 
-from make_tiny_squad import FACTS, PEOPLE, write_jsonl
+from make_tiny_squad import FACTS, PEOPLE, write_splits
 
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "automodel-llm/src/automodel_llm/examples/assets/tiny_claims"
 
@@ -60,10 +60,7 @@ def main() -> None:
     parser.add_argument("--facts", type=int, default=1, help="facts per context (1 to 4)")
     args = parser.parse_args()
     train, validation = generate(args.train, args.validation, args.seed, args.facts)
-    args.out.mkdir(parents=True, exist_ok=True)
-    write_jsonl(args.out / "train.jsonl", train)
-    write_jsonl(args.out / "validation.jsonl", validation)
-    print(f"wrote {len(train)} train / {len(validation)} validation rows to {args.out}")
+    write_splits(args.out, train, validation)
 
 
 if __name__ == "__main__":

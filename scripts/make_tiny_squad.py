@@ -147,6 +147,14 @@ def write_jsonl(path: Path, rows) -> None:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 
+def write_splits(out: Path, train: list[dict], validation: list[dict]) -> None:
+    """train.jsonl and validation.jsonl in ``out`` (created)."""
+    out.mkdir(parents=True, exist_ok=True)
+    write_jsonl(out / "train.jsonl", train)
+    write_jsonl(out / "validation.jsonl", validation)
+    print(f"wrote {len(train)} train / {len(validation)} validation rows to {out}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
@@ -163,10 +171,7 @@ def main() -> None:
     train, validation = generate(
         args.train, args.validation, args.seed, args.shuffle_facts, args.who_questions
     )
-    args.out.mkdir(parents=True, exist_ok=True)
-    write_jsonl(args.out / "train.jsonl", train)
-    write_jsonl(args.out / "validation.jsonl", validation)
-    print(f"wrote {len(train)} train / {len(validation)} validation rows to {args.out}")
+    write_splits(args.out, train, validation)
 
 
 if __name__ == "__main__":

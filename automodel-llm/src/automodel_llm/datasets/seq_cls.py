@@ -38,7 +38,24 @@ def _max_length(max_length: int | None, tokenizer: Any) -> int:
     return limit if isinstance(limit, int) and limit <= 8192 else _LONGEST_DEFAULT
 
 
-class SequenceClassificationDataset(Dataset):
+class _LabelledSamples(Dataset):
+    """Samples ``{input_ids, attention_mask, labels: [label]}`` held in a list."""
+
+    samples: list[dict[str, list[int]]]
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> dict[str, list[int]]:
+        return self.samples[index]
+
+    @property
+    def largest_label(self) -> int:
+        """The largest class label of the samples (the recipe checks it against the model's head)."""
+        return max(sample["labels"][0] for sample in self.samples)
+
+
+class SequenceClassificationDataset(_LabelledSamples):
     """Rows with one text column (``text_fields: text``) or a pair (``[sentence1, sentence2]``) and an integer class
     label (``label_field``), from a hub data set or a local JSON/JSONL/CSV/parquet file; each row is tokenized as
     the model's tokenizer encodes a text (pair) for classification (special tokens, a pair's separator), cut to
@@ -73,7 +90,7 @@ class SequenceClassificationDataset(Dataset):
                                  f"{', '.join(map(repr, absent))}; its columns: {', '.join(columns)} (set "
                                  "dataset.text_fields / label_field)")
         bad_rows = BadRows(on_bad_row, str(path_or_dataset_id))
-        self.samples: list[dict[str, list[int]]] = []
+        self.samples = []
         for index, row in enumerate(rows):
             if bad_rows.missing(index, row, (*fields, label_field)):
                 continue
@@ -92,16 +109,6 @@ class SequenceClassificationDataset(Dataset):
         if not self.samples:
             raise AutomodelError(f"dataset.path_or_dataset_id: '{path_or_dataset_id}' (split {split}) has no usable "
                                  "rows")
-
-    def __len__(self) -> int:
-        return len(self.samples)
-
-    def __getitem__(self, index: int) -> dict[str, list[int]]:
-        return self.samples[index]
-
-    @property
-    def largest_label(self) -> int:
-        return max(sample["labels"][0] for sample in self.samples)
 
 
 def glue_mrpc(tokenizer: Any = None, split: str = "train", num_samples_limit: int | None = None,
@@ -128,7 +135,7 @@ glue_mrpc.argument_help = {  # type: ignore[attr-defined]
     "trust_remote_code": "false only: GLUE's hub files are parquet, nothing runs"}
 
 
-class MockSequenceClassificationDataset(Dataset):
+class MockSequenceClassificationDataset(_LabelledSamples):
     """Random token ids of random lengths (4 .. ``max_seq_len``) with random labels below ``num_labels``, seeded
     (upstream's mock data set of its sequence-classification tests): token ids already, so no tokenizer is needed."""
 
@@ -150,13 +157,3 @@ class MockSequenceClassificationDataset(Dataset):
         self.samples = [{"input_ids": torch.randint(0, vocab_size, (n,), generator=generator).tolist(),
                          "attention_mask": [1] * n, "labels": [label]}
                         for n, label in zip(lengths, labels, strict=True)]
-
-    def __len__(self) -> int:
-        return len(self.samples)
-
-    def __getitem__(self, index: int) -> dict[str, list[int]]:
-        return self.samples[index]
-
-    @property
-    def largest_label(self) -> int:
-        return max(sample["labels"][0] for sample in self.samples)
