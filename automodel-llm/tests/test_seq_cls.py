@@ -12,7 +12,7 @@ import yaml
 from llm_testing import ASSETS, TOKENIZER_DIR
 
 from automodel.errors import AutomodelError
-from automodel.testing import run_cli, train_inprocess
+from automodel.testing import read_jsonl, run_cli, train_inprocess
 from automodel_llm.datasets.collate import pad_collate
 from automodel_llm.datasets.seq_cls import MockSequenceClassificationDataset, SequenceClassificationDataset
 from automodel_llm.seq_cls import class_counts, classification_metrics
@@ -222,14 +222,26 @@ def test_upstream_forms_run(tmp_path, command):
     assert (tmp_path / "ckpt" / "epoch_0_step_3" / "model" / "config.json").is_file()
 
 
-def test_two_ranks_validate_like_one_process(tmp_path):
-    """FSDP2 over two ranks: each reads half of the validation rows, the accuracy / F1 counts are summed."""
+def test_two_ranks_train_and_validate_like_one_process(tmp_path):
+    """FSDP2 over two ranks from a headless base with ranked seeds (upstream's rng.ranked: true): the new head is
+    initialised alike on every rank (the one process's), so the losses are one process's; each rank validates half
+    of the rows and the accuracy / F1 counts are summed."""
+    from transformers import AutoConfig, AutoModel
+
+    torch.manual_seed(0)
+    bert = {k: v for k, v in UPSTREAM_FORM["model"]["config"].items() if k not in ("_target_", "num_labels")}
+    AutoModel.from_config(AutoConfig.for_model("bert", **bert)).save_pretrained(str(tmp_path / "base"))
+    form = {**UPSTREAM_FORM, "rng": {"seed": 3, "ranked": True},
+            "model": {"_target_": "nemo_automodel.NeMoAutoModelForSequenceClassification.from_pretrained",
+                      "pretrained_model_name_or_path": str(tmp_path / "base"), "num_labels": 3}}
     config = tmp_path / "upstream.yaml"
-    config.write_text(yaml.safe_dump(UPSTREAM_FORM), encoding="utf-8")
+    config.write_text(yaml.safe_dump(form), encoding="utf-8")
     one = run_cli("run", "-c", config, "--checkpoint.checkpoint_dir", "one", cwd=tmp_path)
     two = run_cli("run", "-c", config, "--checkpoint.checkpoint_dir", "two", "--nproc-per-node", "2",
                   "--step_scheduler.local_batch_size", "2", cwd=tmp_path, OMP_NUM_THREADS="1")
     assert one.returncode == 0 and two.returncode == 0, (one.stderr + two.stderr)[-3000:]
+    assert read_jsonl(tmp_path / "two" / "training.jsonl")[-1]["loss"] == \
+        pytest.approx(read_jsonl(tmp_path / "one" / "training.jsonl")[-1]["loss"], rel=1e-5)
     expected, got = _last_validation(tmp_path / "one"), _last_validation(tmp_path / "two")
     assert got["num_label_tokens"] == expected["num_label_tokens"] == 12
     for key in ("val_loss", "accuracy", "f1"):

@@ -202,8 +202,7 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
         return self.save_model is not None
 
     def save_artifacts(self, directory: Path) -> None:
-        """The tokenizer / processor files that go beside the weights in model/ (rank 0); a LoRA adapter's
-        ``adapter_config.json`` records the base this run resolved."""
+        """Beside model/'s weights (rank 0): the tokenizer / processor files, and a LoRA adapter's resolved base."""
         for name in self.hf_artifacts:
             artifact = getattr(self, name, None)
             if artifact is not None and hasattr(artifact, "save_pretrained"):
@@ -304,12 +303,13 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
                      + muon_notes(cfg.get("optimizer"))):
             self.log(note)
         self.ctx = ctx = replace(ctx, collate_args=self.collate_runtime_args())
-        with building_on_meta() as meta:
-            model = self.build_model(ctx)
-        if note := base_quantization_note(self.cfg.checkpoint.dequantize_base_checkpoint, model):
-            self.log(note)
-        self.ctx = ctx = self.after_model_built(ctx, model, meta)
-        self.model = apply_pipeline(ctx, model, self.runtime_selection(ctx))
+        with self.rng.same_on_every_rank():  # fresh tensors of a pretrained build (a new head, LoRA's) rank-alike
+            with building_on_meta() as meta:
+                model = self.build_model(ctx)
+            if note := base_quantization_note(self.cfg.checkpoint.dequantize_base_checkpoint, model):
+                self.log(note)
+            self.ctx = ctx = self.after_model_built(ctx, model, meta)
+            self.model = apply_pipeline(ctx, model, self.runtime_selection(ctx))
         self.pipelines = self.build_pipelines(ctx)
         self.grad_scaler = ctx.precision.grad_scaler(ctx.device.type, self.storage_dtype, ctx.fsdp2)
         self.loss_fn = self.build_loss_fn(ctx)

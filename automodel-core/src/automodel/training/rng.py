@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -13,10 +15,24 @@ class StatefulRNG:
     """Seeds python, numpy and torch (CPU and CUDA); its state_dict holds plain types and tensors only."""
 
     def __init__(self, seed: int = 42, ranked: bool = False, rank: int = 0):
+        self.base_seed, self.ranked = seed, ranked
         self.seed = seed + (rank if ranked else 0)
-        random.seed(self.seed)
-        np.random.seed(self.seed % (2**32))
-        torch.manual_seed(self.seed)
+        _seed_all(self.seed)
+
+    @contextlib.contextmanager
+    def same_on_every_rank(self) -> Iterator[None]:
+        """Within the block every rank draws what one process draws (the unranked seed), so that what is made there
+        (a pretrained model's freshly initialised tensors: a new task head, LoRA's matrices) is the same on every
+        rank, as FSDP2's shards of it must be; after it each rank's own stream starts from its ranked seed. Nothing
+        changes where the seed is not ranked."""
+        if not self.ranked:
+            yield
+            return
+        _seed_all(self.base_seed)
+        try:
+            yield
+        finally:
+            _seed_all(self.seed)
 
     def state_dict(self) -> dict:
         kind, keys, pos, has_gauss, cached = np.random.get_state()
@@ -37,6 +53,12 @@ class StatefulRNG:
         torch.set_rng_state(state["torch"])
         if "cuda" in state and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _seed_all(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
 
 
 def use_deterministic_algorithms() -> None:
