@@ -227,11 +227,15 @@ class PeftConfig:
         return {key: self.rank // per_token for key in keys}, {key: self.alpha for key in keys}
 
 
+def is_sequence_classifier(class_name: str) -> bool:
+    """Whether a model class (or a config's ``architectures`` entry) is a transformers sequence classifier."""
+    return class_name.endswith("ForSequenceClassification")
+
+
 def lora_task_type(model: torch.nn.Module | None) -> str:
-    """peft's task for LoRA on ``model``: ``SEQ_CLS`` for a sequence classifier (``*ForSequenceClassification``),
-    whose head peft then trains whole (``modules_to_save``: a new head is random and must learn) and saves with the
-    adapter; ``CAUSAL_LM`` otherwise."""
-    return "SEQ_CLS" if type(model).__name__.endswith("ForSequenceClassification") else "CAUSAL_LM"
+    """peft's task for LoRA on ``model``: ``SEQ_CLS`` for a sequence classifier, whose head peft then trains whole
+    (``modules_to_save``: a new head is random and must learn) and saves with the adapter; else ``CAUSAL_LM``."""
+    return "SEQ_CLS" if is_sequence_classifier(type(model).__name__) else "CAUSAL_LM"
 
 
 def lora_config(built: Any, model: torch.nn.Module | None = None) -> Any:
@@ -336,8 +340,7 @@ def record_adapter_base(directory: Path, source: str) -> None:
 
 
 def record_run_base(directory: Path, model: Mapping[str, Any] | None) -> None:
-    """Where ``directory`` holds a LoRA adapter, record the base the run's ``model`` section loaded
-    (:func:`record_adapter_base`): for ``automodel export`` and peft."""
+    """Where ``directory`` holds a LoRA adapter, record the base ``model`` loaded (:func:`record_adapter_base`)."""
     found = model_source(model)
     if (directory / ADAPTER_CONFIG).is_file() and found is not None:
         record_adapter_base(directory, found[0])

@@ -86,9 +86,11 @@ def export(checkpoint: str, output: str, force: bool) -> None:
 
 def _auto_class(model_dir: Path) -> str:
     """The transformers Auto class that loads the exported model (by its config's architectures)."""
+    from automodel.hf import is_sequence_classifier
+
     config = model_dir / "config.json"
     architectures = json.loads(config.read_text(encoding="utf-8")).get("architectures") if config.is_file() else None
-    classifier = any(name.endswith("ForSequenceClassification") for name in architectures or [])
+    classifier = any(is_sequence_classifier(name) for name in architectures or [])
     return "AutoModelForSequenceClassification" if classifier else "AutoModelForCausalLM"
 
 

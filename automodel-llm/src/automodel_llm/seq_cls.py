@@ -19,7 +19,7 @@ import torch
 
 from automodel.config import Config, ConfigNode, Target
 from automodel.errors import AutomodelError, ConfigIssue
-from automodel.hf import align_special_tokens, check_vocab, model_source
+from automodel.hf import align_special_tokens, check_vocab, is_sequence_classifier, model_source
 from automodel.meta_build import MetaBuild, local_weights, saved_key_function
 from automodel.training.context import BuildContext
 from automodel.training.dist import all_reduce_sum
@@ -156,7 +156,7 @@ class SequenceClassificationRecipe(TrainRecipe):
         classifier = model.get_base_model() if hasattr(model, "get_base_model") else model  # under peft's LoRA
         config = getattr(classifier, "config", None)
         labels = getattr(config, "num_labels", None)
-        if not type(classifier).__name__.endswith("ForSequenceClassification"):
+        if not is_sequence_classifier(type(classifier).__name__):
             raise AutomodelError(f"model: built {type(classifier).__name__}, which has no classification head; use "
                                  f"{MODEL}.from_pretrained (or .from_config) with num_labels")
         if not isinstance(labels, int) or labels < 2:

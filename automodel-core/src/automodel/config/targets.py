@@ -150,8 +150,9 @@ class TargetResolver:
             raise TargetError(f"_target_ must be a dotted path string, found {name!r}")
         if name in self._cache:
             return self._cache[name]
-        if self.upstream_dotted(name) in self.unsupported:
-            raise TargetError(f"'{name}' is not supported here: {self.unsupported[self.upstream_dotted(name)]}")
+        reason = self.unsupported.get(self.upstream_dotted(name))
+        if reason is not None:
+            raise TargetError(f"'{name}' is not supported here: {reason}")
         path = self.expand(name)
         grant = self._check_path(path, original=name)
         obj = self._import(path, grant)
