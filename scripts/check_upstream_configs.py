@@ -212,7 +212,7 @@ def survey_file(path: Path, assets: dict[str, str], workdir: Path) -> tuple[list
 
 def domain_of(folder: str, path: Path | None = None) -> str:
     """The domain of an example in ``folder``; in a folder of mixed ones (convergence/), the one its recipe names."""
-    known = {"vlm_finetune": "vlm", "retrieval": "retrieval", "diffusion": "diffusion"}
+    known = {"vlm_finetune": "vlm", "vlm_kd": "vlm", "retrieval": "retrieval", "diffusion": "diffusion"}
     if folder in known or path is None:
         return known.get(folder, "llm")
     from automodel.config import load_yaml_file

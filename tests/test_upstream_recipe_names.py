@@ -28,14 +28,15 @@ SELECTS = {
     "TrainCrossEncoderRecipe": "finetune cross-encoder",
     f"{UP}.retrieval.train_cross_encoder.TrainCrossEncoderRecipe": "finetune cross-encoder",
     "MineHardNegativesRecipe": "mine retrieval",
+    "KnowledgeDistillationRecipeForVLM": "kd vlm",
+    f"{UP}.vlm.kd.KnowledgeDistillationRecipeForVLM": "kd vlm",
     "EmbeddingDistillRecipe": "kd retrieval",
     f"{UP}.retrieval.distill_bi_encoder.EmbeddingDistillRecipe": "kd retrieval",
     "TrainDiffusionRecipe": "finetune diffusion",
     f"{UP}.diffusion.train.TrainDiffusionRecipe": "finetune diffusion",
 }
-# Upstream recipes with no counterpart here (VLM distillation, diffusion LMs, speculative decoding drafters,
-# multimodal).
-NOT_HERE = ["KnowledgeDistillationRecipeForVLM", "DiffusionLMSFTRecipe", "TrainEagle3Recipe",
+# Upstream recipes with no counterpart here (diffusion LMs, speculative decoding drafters, multimodal).
+NOT_HERE = ["DiffusionLMSFTRecipe", "TrainEagle3Recipe",
             "FinetuneRecipeForMultimodal", "PretrainRecipeForMultimodal"]
 
 

@@ -253,8 +253,8 @@ def _link_rank(rank: int, rendezvous: str, results) -> None:
     the teacher answers with a bf16 function of it."""
     import torch
 
-    from automodel_llm.kd_link import TeacherLink
-    from automodel_llm.kd_ranks import RankSplit
+    from automodel.training.distillation.link import TeacherLink
+    from automodel.training.distillation.ranks import RankSplit
 
     link = TeacherLink(RankSplit(students=1, teachers=1), rank, 1.0, rendezvous)
     try:

@@ -359,7 +359,7 @@ def test_validation_data_of_the_other_label_form_is_refused(tmp_path, tiny_llama
     import torch
 
     from automodel.testing import load_config
-    from automodel_llm.kd_teacher import student_logits
+    from automodel.training.distillation.teacher import student_logits
     from automodel_llm.recipe import config_labels_shifted
 
     assert config_labels_shifted(load_config(config)[1]) and not config_labels_shifted(load_config(

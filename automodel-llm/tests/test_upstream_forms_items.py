@@ -494,6 +494,23 @@ def test_kd_loss_fp32_upcast_is_where_the_temperature_divides():
     assert torch.allclose(native, exact, rtol=0.05)  # the same loss up to bf16 rounding
 
 
+def test_kd_loss_chunk_size_gives_the_same_loss_and_gradient_in_chunks():
+    from automodel_llm.kd import KDLoss
+
+    gen = torch.Generator().manual_seed(0)
+    student = torch.randn(2, 9, 40, generator=gen).mul(5).requires_grad_()
+    teacher = torch.randn(2, 9, 40, generator=gen).mul(5)
+    labels = torch.randint(0, 40, (2, 9), generator=gen)
+    labels[0, :4] = -100  # 14 label tokens: chunks of 4 leave a shorter last one
+    whole = KDLoss(temperature=2.0)(student, teacher, labels)
+    chunked = KDLoss(temperature=2.0, chunk_size=4)(student, teacher, labels)
+    assert torch.allclose(chunked, whole, rtol=1e-6)
+    (grad_whole,), (grad_chunked,) = (torch.autograd.grad(loss, student) for loss in (whole, chunked))
+    assert torch.allclose(grad_chunked, grad_whole, rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="chunk_size"):
+        KDLoss(chunk_size=-1)
+
+
 def test_neftune_adds_bounded_noise_to_the_embeddings_while_training_only(tmp_path, monkeypatch):
     from automodel.training.modules import unwrap
 

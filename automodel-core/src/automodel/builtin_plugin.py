@@ -44,6 +44,7 @@ def automodel_register_aliases(aliases) -> None:
     aliases.target("MaskedCrossEntropy", "automodel.training.loss.MaskedCrossEntropy")
     aliases.target("ChunkedCrossEntropy", "automodel.training.loss.ChunkedCrossEntropy")
     aliases.target("FusedLinearCrossEntropy", "automodel.training.linear_ce.LinearCrossEntropy")
+    aliases.target("nemo_automodel.components.loss.kd_loss.KDLoss", "automodel.training.distillation.loss.KDLoss")
     aliases.unsupported("nemo_automodel.components.models.common.utils.TEFp8Config",
                         "Transformer Engine's FP8 recipe (model.backend.te_fp8) needs a CUDA GPU with compute "
                         "capability >= 8.9 and Transformer Engine; automodel's FP8 is the fp8: section (torchao)")

@@ -91,7 +91,6 @@ def automodel_register_aliases(aliases) -> None:
                    "automodel_llm.datasets.collate.default_collater")
     aliases.target("nemo_automodel.components.training.rng.StatefulRNG", "automodel.training.rng.StatefulRNG")
     aliases.target("nemo_automodel.components._peft.lora.PeftConfig", "automodel_llm.peft.PeftConfig")
-    aliases.target("nemo_automodel.components.loss.kd_loss.KDLoss", "automodel_llm.kd.KDLoss")
     aliases.target("ChatDataset", "automodel_llm.datasets.ChatDataset")
     aliases.target("nemo_automodel.components.datasets.llm.chat_dataset.ChatDataset",
                    "automodel_llm.datasets.ChatDataset")

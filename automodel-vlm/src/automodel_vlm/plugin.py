@@ -47,6 +47,8 @@ UNSUPPORTED = {
 def automodel_register_routes(routes) -> None:
     routes.add("finetune", "vlm", recipe=_RECIPE, help="Fine-tune a vision-language (image-text-to-text) model",
                examples=["vlm/tiny_llava"])
+    routes.add("kd", "vlm", recipe="automodel_vlm.kd.KnowledgeDistillationRecipeForVLM",
+               help="Distil a frozen vision-language teacher_model into the student model")
 
 
 @hookimpl
@@ -54,6 +56,8 @@ def automodel_register_aliases(aliases) -> None:
     aliases.domain("vision-language", "vlm")
     aliases.recipe("FinetuneRecipeForVLM", "finetune", "vlm")  # upstream's recipe class, by name and by path
     aliases.recipe("nemo_automodel.recipes.vlm.finetune.FinetuneRecipeForVLM", "finetune", "vlm")
+    aliases.recipe("KnowledgeDistillationRecipeForVLM", "kd", "vlm")
+    aliases.recipe("nemo_automodel.recipes.vlm.kd.KnowledgeDistillationRecipeForVLM", "kd", "vlm")
     aliases.target("AutoModelForImageTextToText", "automodel_vlm.AutoModelForImageTextToText.from_pretrained")
     aliases.target("ImageTextChatDataset", "automodel_vlm.datasets.ImageTextChatDataset")
     # Upstream (NeMo AutoModel) public paths, so its users' configs run unchanged.

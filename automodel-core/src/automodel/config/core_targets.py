@@ -25,6 +25,7 @@ CORE_TARGETS: tuple[str, ...] = (
     "automodel.optim",  # lr_scheduler: the warmup schedules and build_scheduler (the default); optimizer: Muon
     "automodel.training.loss",  # loss_fn: MaskedCrossEntropy (the default)
     "automodel.training.linear_ce.LinearCrossEntropy",  # loss_fn: the loss inside the output head
+    "automodel.training.distillation.loss.KDLoss",  # kd_loss_fn (the default) of the distillation recipes
     "automodel.training.rng",  # StatefulRNG (upstream configs name it)
     "automodel.hf.PeftConfig",  # peft (the default)
     "automodel.model_backend.BackendConfig",  # model.backend (upstream's kernel selection)

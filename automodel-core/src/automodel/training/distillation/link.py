@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from automodel.errors import AutomodelError
-from automodel_llm.kd_ranks import RankSplit
+from automodel.training.distillation.ranks import RankSplit
 
 _RUN, _STOP = 1, 0
 _REQUEST, _PAYLOAD = 0, 1  # message tags: a request header (received from any student), then its tensors

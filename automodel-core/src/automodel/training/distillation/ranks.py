@@ -18,10 +18,10 @@ from typing import Any
 
 from automodel.errors import ConfigIssue
 from automodel.training.dist import expected_world_size, planned_world_size, world_size_source
+from automodel.training.distillation.teacher import cp_teacher_issues, pp_teacher_issues
 from automodel.training.parallel.mesh import LAYOUT_KEYS, smallest_world
 from automodel.training.parallel.tensor_parallel import tp_issues
 from automodel.training.parallelism import model_hf_config
-from automodel_llm.kd_teacher import cp_teacher_issues, pp_teacher_issues
 
 # teacher_distributed keys that can only be 1 here, and why
 _NOT_IMPLEMENTED = {
@@ -139,9 +139,10 @@ def separate_world(data: dict) -> int:
     return smallest_world(**sizes) + teacher_ranks(data)
 
 
-def teacher_section_issues(data: dict, cfg: Any) -> list[ConfigIssue]:
+def teacher_section_issues(data: dict, cfg: Any, unsupported: dict[str, str] | None = None) -> list[ConfigIssue]:
     """What ``teacher_distributed`` asks that cannot act, each under its key (``cfg``: the config, whose
-    ``teacher_model`` must be able to split as the sizes ask)."""
+    ``teacher_model`` must be able to split as the sizes ask; ``unsupported``: copy sizes (``cp_size``, ...) the
+    recipe cannot split its teacher by, with the reason)."""
     section = data.get("teacher_distributed")
     if section is None:
         return []
@@ -176,6 +177,9 @@ def teacher_section_issues(data: dict, cfg: Any) -> list[ConfigIssue]:
     elif strategy == "fsdp2" and size != 1:
         issues.append(ConfigIssue("teacher_distributed.strategy", f"fsdp2 would shard the teacher over its {size} "
                                   "copies, but each copy serves its own students; use ddp, or dp_size: 1"))
+    for key, reason in (unsupported or {}).items():
+        if _size(data, key) > 1:
+            issues.append(ConfigIssue(f"teacher_distributed.{key}", f"{section[key]!r}: {reason}; use 1"))
     for key in section:
         if key not in TEACHER_KEYS:
             issues.append(ConfigIssue(f"teacher_distributed.{key}", f"not acted on: only {', '.join(TEACHER_KEYS)} "
