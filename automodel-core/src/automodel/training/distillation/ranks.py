@@ -36,13 +36,16 @@ TEACHER_KEYS = ("dp_size", *COPY_SIZES, "strategy", "sequence_parallel", "pipeli
 @dataclass(frozen=True)
 class RankSplit:
     """``students`` ranks first (0 .. students-1), then ``teachers`` copies of the teacher of ``tp x cp x pp``
-    ranks each (one of the three above 1)."""
+    ranks each (one of the three above 1). ``sharded``: copies of one rank each whose weights FSDP2 shards over all
+    of them (``teacher_distributed.strategy: fsdp2`` with ``dp_size`` above 1): every forward runs on all of them
+    together, each on its own students' micro-batch."""
 
     students: int
     teachers: int
     tp: int = 1
     cp: int = 1
     pp: int = 1
+    sharded: bool = False
 
     @property
     def copy_size(self) -> int:
@@ -79,6 +82,8 @@ class RankSplit:
         how = "tensor-parallel over" if self.tp > 1 else "context-parallel over" if self.cp > 1 else "a pipeline over"
         copies = ("a whole copy on each" if size == 1 else
                   f"{self.teachers} cop{'y' if self.teachers == 1 else 'ies'}, each {how} {size} consecutive ranks")
+        if self.sharded:
+            copies = f"{self.teachers} copies, their weights sharded over the {self.teachers} ranks by FSDP2"
         leader = f"s % {self.teachers}" if size == 1 else f"(s % {self.teachers}) * {size}"
         leader += f" + {self.leader_index} (the last stage)" if self.leader_index else ""
         return (f"separate_meshes: the student trains on {_ranks(0, self.students)}, the teacher runs on "
@@ -128,8 +133,11 @@ def rank_split(data: dict, world: int) -> RankSplit | None:
     """The split of ``world`` ranks (a resolved config ``data``), or None when the teacher shares the student's."""
     if data.get("separate_meshes") is not True:
         return None
+    section = data.get("teacher_distributed")
+    strategy = section.get("strategy") if isinstance(section, dict) else None
+    sharded = strategy == "fsdp2" and _size(data, "dp_size") > 1 and not any(_size(data, k) > 1 for k in COPY_SIZES)
     return RankSplit(student_ranks(data, world), _size(data, "dp_size"), _size(data, "tp_size"),
-                     _size(data, "cp_size"), _size(data, "pp_size"))
+                     _size(data, "cp_size"), _size(data, "pp_size"), sharded)
 
 
 def separate_world(data: dict) -> int:
@@ -174,9 +182,11 @@ def teacher_section_issues(data: dict, cfg: Any, unsupported: dict[str, str] | N
     size, strategy = section.get("dp_size", 1), section.get("strategy")
     if strategy not in (None, "ddp", "fsdp2"):
         issues.append(ConfigIssue("teacher_distributed.strategy", f"expected ddp or fsdp2, found {strategy!r}"))
-    elif strategy == "fsdp2" and size != 1:
-        issues.append(ConfigIssue("teacher_distributed.strategy", f"fsdp2 would shard the teacher over its {size} "
-                                  "copies, but each copy serves its own students; use ddp, or dp_size: 1"))
+    elif strategy == "fsdp2" and size != 1 and (split := [key for key in COPY_SIZES if _size(data, key) > 1]):
+        issues.append(ConfigIssue("teacher_distributed.strategy", f"fsdp2 with dp_size {size} shards the teacher's "
+                                  f"weights over its copies, but each copy here is also split by {split[0]}: a "
+                                  "teacher is sharded over its copies or split within one, not both; use ddp, or "
+                                  "copies of one rank each"))
     for key, reason in (unsupported or {}).items():
         if _size(data, key) > 1:
             issues.append(ConfigIssue(f"teacher_distributed.{key}", f"{section[key]!r}: {reason}; use 1"))
@@ -221,4 +231,8 @@ def split_issues(data: dict) -> list[ConfigIssue]:
         return [ConfigIssue("teacher_distributed.dp_size", f"{copies} teacher copies for {students} student "
                             f"rank(s): each copy serves whole student ranks, so {copies - students} would serve none; "
                             "use at most as many teacher copies as student ranks")]
+    if rank_split(data, world).sharded and students % copies:
+        return [ConfigIssue("teacher_distributed.strategy", f"fsdp2 runs each forward on all {copies} teacher "
+                            f"copies together, so each must serve as many student ranks, but {students} student ranks "
+                            f"do not split evenly over {copies}; use ddp, or a dp_size that divides {students}")]
     return []

@@ -131,6 +131,8 @@ class KnowledgeDistillation:
                 self.label_offset = 0 if self.labels_shifted else 1
                 self.teacher = self.build_teacher(self.select_device())
                 self.copy_group = self.shard_teacher(split) if split.copy_size > 1 else None
+                if split.sharded:
+                    self.shard_teacher_over_copies(split)
                 return
             os.environ["WORLD_SIZE"] = str(split.students)  # the student's run is a run on its ranks only
         super().setup()
@@ -192,6 +194,21 @@ class KnowledgeDistillation:
         if self.copy_forward is not None:
             self.copy_forward.label_offset = self.label_offset
         return mesh.get_group()
+
+    def shard_teacher_over_copies(self, split: RankSplit) -> None:
+        """(teacher rank, ``teacher_distributed.strategy: fsdp2`` with ``dp_size`` above 1) Shard the teacher's
+        weights over the teacher ranks with FSDP2, as upstream shards a teacher over its data-parallel ranks: each rank
+        keeps ``1 / dp_size`` of them, and every forward gathers them on all the ranks together, each forward on its
+        own students' micro-batch. The copies serve as many student ranks each (validated), and every student rank
+        runs as many micro-batches (synchronous data-parallel training and validation), so the ranks' forwards pair
+        up."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from automodel.training.parallel.fsdp import apply_fsdp2
+
+        device, env = self.select_device(), self.cfg.dist_env
+        self.link.join_teachers(chosen_backend(env.backend, self.log), env.timeout_minutes, device)
+        apply_fsdp2(self.teacher, init_device_mesh(device.type, (split.teachers,), mesh_dim_names=("dp",)))
 
     def run_train_validation_loop(self) -> None:
         """A teacher rank serves its students until each has stopped; a student rank trains, then stops its teacher
