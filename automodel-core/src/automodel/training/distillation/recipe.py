@@ -65,7 +65,8 @@ class KnowledgeDistillation:
         "teacher_distributed": Free(f"the teacher's ranks with separate_meshes: true; keys {', '.join(TEACHER_KEYS)}:"
                                     " dp_size copies of the teacher, each tensor-parallel over tp_size, "
                                     "context-parallel over cp_size or a forward-only pipeline over pp_size ranks "
-                                    "(pipeline: its settings), one of the three"),
+                                    "(pipeline: its settings), one of the three; strategy: fsdp2 with dp_size "
+                                    "above 1 shards the weights of copies of one rank each over the teacher ranks"),
     }
 
     link: TeacherLink | None = None  # separate_meshes: true: this rank's end of the student-teacher link
