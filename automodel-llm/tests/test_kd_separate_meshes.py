@@ -228,6 +228,8 @@ def test_teacher_layout_keys_that_cannot_act_are_refused_with_the_reason(kd_conf
     assert "teacher_distributed.cp_size: 1" in found["teacher_model.attn_implementation"]
     found = _issues(kd_config, 1, "--teacher_distributed.dp_size", "1")
     assert "only with separate_meshes: true" in found["teacher_distributed"]
+    found = _issues(kd_config, 1, "--kd_loss_fn", "{_target_: automodel_llm.kd.KDLoss, temperature: 3.0}")
+    assert "kd_loss_fn builds its loss with temperature 3.0" in found["temperature"]
 
 
 def test_the_teachers_tensor_parallel_ranks_count_in_the_split_and_its_sizes_are_checked(kd_config):

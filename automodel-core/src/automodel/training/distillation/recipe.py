@@ -54,7 +54,8 @@ class KnowledgeDistillation:
     sections = {
         "teacher_model": Target("the frozen teacher: {_target_: ..., ...}", required=True),
         "kd_ratio": Free("weight of the KD term in [0, 1] (0: plain fine-tuning)"),
-        "temperature": Free("softmax temperature of the KD term (default 1.0)"),
+        "temperature": Free("softmax temperature of the KD term (default 1.0) when kd_loss_fn is not given; with "
+                            "kd_loss_fn, its own temperature key (this one, if given, must agree)"),
         "kd_loss_fn": Target("the distillation loss (default automodel.training.distillation.loss.KDLoss)"),
         "offload_teacher_model": Free("true: the teacher's weights stay in host memory between its forwards and come "
                                       "to the device for each (saves device memory, costs a copy per micro-batch); "
@@ -96,6 +97,12 @@ class KnowledgeDistillation:
         temperature = cfg.resolved.get("temperature", 1.0)
         if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature <= 0:
             issues.append(ConfigIssue("temperature", f"expected a number > 0, found {temperature!r}"))
+        elif (loss := cfg.kd_loss_fn) is not None and "temperature" in cfg.resolved \
+                and loss.get("temperature", 1.0) != temperature:
+            issues.append(ConfigIssue("temperature", f"{temperature!r}, but kd_loss_fn builds its loss with "
+                                      f"temperature {loss.get('temperature', 1.0)!r}: the top-level key sets the "
+                                      "default loss's temperature only; set kd_loss_fn.temperature (upstream's place "
+                                      "for it)"))
         separate = cfg.resolved.get("separate_meshes", False)
         if separate not in (True, False, None):
             issues.append(ConfigIssue("separate_meshes", f"expected true or false, found {separate!r}"))
