@@ -100,10 +100,13 @@ def test_the_upstream_form_logs_the_hand_computed_ce_and_kd_losses(form_args, tm
 
 
 def test_a_teacher_of_the_students_weights_adds_no_distillation_loss(form_args, tmp_path):
-    """The same weights on the same micro-batch (pictures included) give the same logits: KL 0 at step 1."""
+    """The same weights on the same micro-batch (pictures included) give the same logits: KL 0 at step 1; also with
+    the teacher's weights kept in host memory between its forwards (offload_teacher_model)."""
     student = form_args[1]
-    testing.train_inprocess(FORM, *form_args, *EVERY_STEP, "--teacher_model.pretrained_model_name_or_path", student,
-                            "--step_scheduler.max_steps", "1", "--checkpoint.checkpoint_dir", tmp_path, route=ROUTE)
+    recipe = testing.train_inprocess(FORM, *form_args, *EVERY_STEP, "--teacher_model.pretrained_model_name_or_path",
+                                     student, "--offload_teacher_model", "true", "--step_scheduler.max_steps", "1",
+                                     "--checkpoint.checkpoint_dir", tmp_path, route=ROUTE)
+    assert recipe.offload_teacher and {p.device.type for p in recipe.teacher.parameters()} == {"cpu"}
     record = read_jsonl(tmp_path / "training.jsonl")[0]
     assert record["loss_kd"] == pytest.approx(0.0, abs=1e-6)
     assert record["loss"] == pytest.approx(0.5 * record["loss_ce"], rel=1e-6)
