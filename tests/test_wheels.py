@@ -88,7 +88,7 @@ def automodel_distributions(python: Path, cwd: Path) -> set[str]:
     return {p["name"] for p in listed if p["name"].startswith("automodel")}
 
 
-@pytest.mark.parametrize("domain", ["retrieval", "vlm"])
+@pytest.mark.parametrize("domain", [pytest.param("retrieval", marks=pytest.mark.slow), "vlm"])
 def test_one_domain_installs_alone_from_wheels_and_trains_outside_the_repository(
         domain, wheelhouse, third_party_site, tmp_path):
     dist = f"automodel-{domain}"

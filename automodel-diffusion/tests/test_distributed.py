@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from diffusion_testing import tiny_clips, tiny_wan22, train_inprocess
 
 from automodel.testing import assert_states_equal, free_port, load_safetensors_state, losses_by_step
@@ -65,6 +66,7 @@ def test_fsdp2_on_two_ranks_saves_a_diffusers_pipeline_that_resumes_on_one(tmp_p
                         load_safetensors_state(tmp_path / "one" / "epoch_0_step_4" / "model" / "vae"))
 
 
+@pytest.mark.slow
 def test_a_wan22_stage_on_two_ranks_shards_its_expert_and_leaves_the_idle_one_on_the_cpu(tmp_path):
     from diffusers import DiffusionPipeline
 

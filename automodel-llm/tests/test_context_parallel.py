@@ -115,6 +115,7 @@ def test_the_default_collate_pads_rows_to_a_multiple_of_twice_cp_size():
     assert FinetuneRecipeForNextTokenPrediction.length_multiple(recipe) == 6
 
 
+@pytest.mark.slow
 def test_cp2_with_the_all_gather_attention_trains_packed_rows_and_generates_like_one_process(tmp_path):
     """On this machine's CPU: packed rows (several samples per row, attention kept within each) split over two
     ranks; the losses, gradient norms, validation losses and the generated answers after training are one

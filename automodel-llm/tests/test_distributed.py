@@ -122,6 +122,7 @@ def test_a_one_process_checkpoint_resumes_on_two_ranks(single_process, tmp_path)
     assert _losses(out) == pytest.approx(_losses(single / "ckpt")[2:], abs=1e-5)
 
 
+@pytest.mark.slow
 def test_a_two_rank_lora_checkpoint_loads_in_peft(single_process, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM

@@ -319,6 +319,7 @@ def test_upstreams_moe_keys_act_under_ep2_and_train_like_one_process(one_process
     assert _norms(ep) == pytest.approx(_norms(one), rel=1e-4)
 
 
+@pytest.mark.slow
 def test_gpt_oss_biased_transposed_experts_train_under_ep2_like_one_process(tmp_path):
     """GPT-OSS's experts (biases, weights stored [in, out], gate and up interleaved and clamped by its own gate):
     each rank computes its two of four experts as transformers' experts do; the losses, gradient norms and trained

@@ -92,6 +92,7 @@ def test_under_fsdp2_each_router_is_a_float32_unit_in_a_bf16_policy(moe_config):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_gate_precision_trains_on_two_fsdp2_ranks_in_bf16(moe_config, tmp_path):
     config = write_config(tmp_path / "cfg.yaml", moe_config, tmp_path / "ckpt",
                           model={"backend": {"gate_precision": "float32"}}, checkpoint={"enabled": False},

@@ -316,6 +316,7 @@ def test_a_preshifted_sample_has_the_loss_of_its_full_row(tmp_path, tiny_llama_c
     assert preshifted == pytest.approx(by_hand, rel=1e-5) and preshifted == pytest.approx(full_row, rel=1e-5)
 
 
+@pytest.mark.slow
 def test_context_parallel_over_two_ranks_trains_preshifted_samples_like_one_process(tmp_path, tiny_llama_config):
     """cp_size 2 splits each row of seq_length tokens (a multiple of 2 x cp_size, as upstream needs) with its labels
     as they are, not shifted again before the split: the losses, gradient norms and validation loss of one

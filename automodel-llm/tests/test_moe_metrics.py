@@ -48,6 +48,7 @@ def _run(config: Path, cwd: Path, directory: Path, *args) -> list[dict]:
     return [{k: v for k, v in row.items() if k.startswith("moe")} for row in read_jsonl(directory / "training.jsonl")]
 
 
+@pytest.mark.slow
 def test_the_steps_log_the_experts_load_over_all_ranks_and_training_forwards_only(moe_config, tmp_path):
     config = write_config(tmp_path / "cfg.yaml", moe_config, tmp_path / "ckpt", moe_metrics=MOE_METRICS)
     one = _run(config, tmp_path, tmp_path / "one", "--step_scheduler.grad_accumulation_steps", "2")

@@ -196,6 +196,7 @@ def test_two_fsdp2_ranks_train_the_heads_as_one_process(tmp_path, one_process):
         torch.testing.assert_close(two[key], one[key], rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_expert_parallel_ranks_split_nemotron_hs_ungated_experts_and_train_as_one_process(tmp_path, one_process):
     """ep 2: Nemotron-H's experts (up_proj / down_proj, no gate: transformers' has_gate=False layout), the main
     model's and the MoE depth's, are split over the two ranks; losses, gradient norms, the trained experts and

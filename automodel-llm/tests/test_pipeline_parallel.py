@@ -75,7 +75,7 @@ def pp2_gpipe(tmp_path_factory, one_process) -> tuple[Path, str]:
                             "--checkpoint.save_consolidated", "final")
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", pytest.param("1f1b", marks=pytest.mark.slow)])
 def test_pp2_trains_like_one_process(request, one_process, schedule):
     reference = one_process[1]
     out, log = request.getfixturevalue(f"pp2_{schedule}")
@@ -88,6 +88,7 @@ def test_pp2_trains_like_one_process(request, one_process, schedule):
     assert_like_reference(out, reference)
 
 
+@pytest.mark.slow
 def test_packed_rows_keep_attention_within_each_sample_through_the_stages(one_process, tmp_path):
     """Packed rows (several samples a row, position ids restarting at each) through two stages: each stage's
     attention stays within the samples as in one process (attention across them would change every loss). The

@@ -76,6 +76,7 @@ def assert_same_adapter(model_config: Path, adapter: Path, reference: Path) -> N
     assert (logits[0] - logits[1]).abs().max().item() < 1e-5
 
 
+@pytest.mark.slow
 def test_a_lora_pp2_checkpoint_resumes_in_one_process(runs, tmp_path):
     again = tmp_path / "again"
     log = run_finetune(runs["config"], tmp_path, again, *STEPS, "--restore_from.path",

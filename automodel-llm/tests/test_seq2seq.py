@@ -171,6 +171,7 @@ def test_checkpoint_holds_the_trained_weights(tmp_path, monkeypatch):
         assert not torch.allclose(fresh(**inputs).logits, saved(**inputs).logits)
 
 
+@pytest.mark.slow
 def test_fsdp2_over_two_ranks_trains_as_one_process(tmp_path):
     """Global batch 8: two ranks of 4 against one process accumulating two micro-batches of 4 (no dropout in the
     tiny T5, so both runs compute the same steps)."""

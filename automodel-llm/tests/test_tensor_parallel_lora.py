@@ -56,6 +56,7 @@ def test_lora_tp2_adapter_loads_in_peft_and_equals_one_process(runs):
             assert torch.allclose(adapters[layout][key], value, atol=1e-5), (layout, key)
 
 
+@pytest.mark.slow
 def test_lora_on_gathering_projections_and_the_head_tp2_has_the_losses_of_one_process(tmp_path):
     """Phi-3's plan shards its fused ``qkv_proj`` / ``gate_up_proj`` column-wise with the output gathered
     (``colwise_gather_output``) and ``o_proj`` / ``down_proj`` row-wise on a replicated input

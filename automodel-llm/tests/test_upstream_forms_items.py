@@ -404,6 +404,7 @@ def test_parallelizer_other_targets_and_arguments_without_an_equivalent_are_refu
     assert "only " + PARALLELIZE_MODEL + " is taken here" in found["parallelizer._target_"]
 
 
+@pytest.mark.slow
 def test_fsdp2_upstream_switches_train_the_same_losses_on_two_ranks(tmp_path):
     """defer_fsdp_grad_sync true / false, explicit prefetch and reshard_after_forward: false change when FSDP2
     communicates and frees, never what it computes: two ranks match one process accumulating the same samples."""

@@ -277,6 +277,7 @@ def test_upstreams_llama_bidirec_reranker_loads_as_a_pooled_cross_encoder_with_i
     assert _later_token_changes_first(model, _scores)
 
 
+@pytest.mark.slow
 def test_a_pooled_cross_encoder_on_two_fsdp2_ranks_trains_as_one_process_and_saves_its_layout(checkpoints,
                                                                                             tmp_path):
     """Two gloo ranks with half the batch each: the same losses as one process, and model/ (gathered from the

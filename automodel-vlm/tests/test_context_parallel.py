@@ -57,6 +57,7 @@ def test_the_context_parallel_step_equals_one_process(cp_steps, family):
             assert torch.allclose(torch.tensor(ran["state"][key]), torch.tensor(value), atol=1e-5), key
 
 
+@pytest.mark.slow
 def test_paligemma_under_cp_trains_like_one_process_with_its_layers_marked_causal(tmp_path):
     """PaliGemma on cp 2 (two gloo ranks): transformers marks its text config ``use_bidirectional_attention``
     (its forward's mask is causal with the prefix both ways), so its layers are marked causal under the region

@@ -92,6 +92,7 @@ def test_packed_rows_keep_attention_within_each_sample_through_the_stages(tmp_pa
     assert_trains_like(out, reference, "epoch_3_step_4", lora=False)
 
 
+@pytest.mark.slow
 def test_pp2_x_cp2_merges_the_images_into_whole_rows_then_splits_them_like_one_process(tmp_path, reference):
     """pp 2 x cp 2 on four ranks: each cp rank's first stage runs the vision tower and merges the images into the
     whole rows (an image's tokens lie on one rank's part, the other rank's part holds none), then its language
@@ -311,6 +312,7 @@ def test_paligemma_stages_number_the_positions_from_1_and_build_its_prefix_mask(
                 assert not torch.allclose(logits[real], whole[row][real], atol=1e-3), (left, row)
 
 
+@pytest.mark.slow
 def test_gemma_pp2_trains_like_one_process_and_not_with_causal_later_stages(tmp_path):
     """Two steps (right-padded rows, then left-padded ones) of a tiny Gemma 3, a tiny Gemma 4 and a tiny Gemma 4
     with per-layer inputs (those of the second stage's layers travelling from the first; with static stage shapes
