@@ -28,13 +28,13 @@ TEMPERATURE = 2.0  # the form's kd_loss_fn.temperature
 EVERY_STEP = ("--step_scheduler.log_interval", "1")
 
 
-def _saved_llava(directory: Path, seed: int) -> Path:
+def _saved_llava(directory: Path, seed: int, vocab: int = 354) -> Path:
     """The tiny Llava of fresh weights with the shipped processor; a vocabulary of 354 (the shipped 353 is odd; a
     tensor-parallel teacher's plan shards the embedding)."""
     from transformers import LlavaConfig, LlavaForConditionalGeneration
 
     config = LlavaConfig.from_json_file(str(LLAVA_CONFIG))
-    config.text_config.vocab_size = 354
+    config.text_config.vocab_size = vocab
     torch.manual_seed(seed)
     LlavaForConditionalGeneration(config).save_pretrained(str(directory))
     tiny_processor().save_pretrained(str(directory))
@@ -110,6 +110,16 @@ def test_a_teacher_of_the_students_weights_adds_no_distillation_loss(form_args, 
     record = read_jsonl(tmp_path / "training.jsonl")[0]
     assert record["loss_kd"] == pytest.approx(0.0, abs=1e-6)
     assert record["loss"] == pytest.approx(0.5 * record["loss_ce"], rel=1e-6)
+
+
+def test_a_teacher_of_another_vocabulary_is_refused_by_name(form_args, tmp_path):
+    from automodel.errors import AutomodelError
+
+    teacher = _saved_llava(tmp_path / "teacher", 2, vocab=356)
+    with pytest.raises(AutomodelError, match="teacher_model: its logits cover 356 tokens, the student's 354"):
+        testing.train_inprocess(FORM, *form_args, "--teacher_model.pretrained_model_name_or_path", teacher,
+                                "--step_scheduler.max_steps", "1", "--checkpoint.checkpoint_dir", tmp_path / "run",
+                                route=ROUTE)
 
 
 def _cli(tmp_path: Path, form_args: list, *args: str) -> tuple[Path, str]:
