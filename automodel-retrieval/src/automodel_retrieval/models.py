@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from automodel.errors import AutomodelError
+from automodel.hf import is_sequence_classifier
 from automodel.model_files import HUB_ARGUMENTS, has_weights, parse_dtype, pop_hub_arguments
 from automodel_retrieval.bidirectional import set_bidirectional, upstream_checkpoint, upstream_checkpoint_config
 from automodel_retrieval.st_format import STSettings, is_st_dir, read_st_dir, write_st_dir
@@ -442,7 +443,7 @@ def _upstream_reranker(source: str, config: Any, saved: dict[str, Any], pooling:
         raise AutomodelError(f"model: '{source}' pools with {saved.get('pooling')!r}, which the cross-encoder does not "
                              "implement; set model.pooling to one of mean, cls, last")
     try:
-        if any(name.endswith("ForSequenceClassification") for name in saved.get("architectures") or []):
+        if any(is_sequence_classifier(name) for name in saved.get("architectures") or []):
             config.num_labels = 1
             classifier = AutoModelForSequenceClassification.from_pretrained(
                 source, config=config, dtype=parse_dtype(dtype), **kwargs)

@@ -176,13 +176,10 @@ class KnowledgeDistillation:
         """(teacher rank) Split the teacher over its copy's ranks (a ``dp x tp``, ``dp x cp`` or ``dp x pp`` mesh
         of the teacher ranks): tensor-parallel by the core's plan, or context-parallel, or cut into pipeline stages
         (``teacher.py``); the copy's group, whose ranks run each forward together."""
-        from torch.distributed.device_mesh import init_device_mesh
-
-        device, env = self.select_device(), self.cfg.dist_env
-        self.link.join_teachers(chosen_backend(env.backend, self.log), env.timeout_minutes, device)
         name, size = next((name, size) for name, size in (("tp", split.tp), ("cp", split.cp), ("pp", split.pp))
                           if size > 1)
-        mesh = init_device_mesh(device.type, (split.teachers, size), mesh_dim_names=("dp", name))[name]
+        mesh, device = self.teacher_mesh((split.teachers, size), ("dp", name))
+        mesh = mesh[name]
         section = self.cfg.resolved["teacher_distributed"]
         config = getattr(self.teacher, "config", None)
         if name == "pp":
@@ -210,13 +207,18 @@ class KnowledgeDistillation:
         own students' micro-batch. The copies serve as many student ranks each (validated), and every student rank
         runs as many micro-batches (synchronous data-parallel training and validation), so the ranks' forwards pair
         up."""
-        from torch.distributed.device_mesh import init_device_mesh
-
         from automodel.training.parallel.fsdp import apply_fsdp2
+
+        apply_fsdp2(self.teacher, self.teacher_mesh((split.teachers,), ("dp",))[0])
+
+    def teacher_mesh(self, shape: tuple[int, ...], names: tuple[str, ...]) -> tuple[Any, torch.device]:
+        """(teacher rank) Join the other teacher ranks in torch's default group and lay a device mesh of ``shape``
+        over them; the mesh and this rank's device."""
+        from torch.distributed.device_mesh import init_device_mesh
 
         device, env = self.select_device(), self.cfg.dist_env
         self.link.join_teachers(chosen_backend(env.backend, self.log), env.timeout_minutes, device)
-        apply_fsdp2(self.teacher, init_device_mesh(device.type, (split.teachers,), mesh_dim_names=("dp",)))
+        return init_device_mesh(device.type, shape, mesh_dim_names=names), device
 
     def run_train_validation_loop(self) -> None:
         """A teacher rank serves its students until each has stopped; a student rank trains, then stops its teacher
