@@ -273,7 +273,7 @@ def test_images_keep_their_aspect_ratio_within_the_pixel_budget_and_share_bucket
 
 
 def test_batches_are_drawn_within_one_bucket_in_a_seeded_order_that_resumes():
-    from automodel_diffusion.buckets import BucketBatchSampler
+    from automodel.training.bucket_sampler import BucketBatchSampler
 
     buckets = [[0, 1, 2, 3, 4], [5, 6, 7], [8]]
     sampler = BucketBatchSampler(buckets, batch_size=2, shuffle=True, drop_last=True, seed=3)

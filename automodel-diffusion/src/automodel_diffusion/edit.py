@@ -31,7 +31,8 @@ import torch
 
 from automodel.data import BadRows, OnBadRow
 from automodel.errors import AutomodelError
-from automodel_diffusion.buckets import ALIGN, BucketBatchSampler, fit_area
+from automodel.training.bucket_sampler import BucketBatchSampler
+from automodel_diffusion.buckets import ALIGN, fit_area
 from automodel_diffusion.conditioning import QwenImageConditioning
 from automodel_diffusion.datasets import jsonl_rows
 
