@@ -49,6 +49,8 @@ HUB_KEYS = {
     "data_files": "dataset",
     "data_dir_list": "dataset",
 }
+# A token id of the hub model's tokenizer (a diffusion LM's mask token) stands for the local tokenizer's <unk>.
+STANDIN_TOKEN_IDS = {"mask_token_id": "3"}
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")  # a canonical id has no namespace: roberta-large
 
 
@@ -81,6 +83,8 @@ def hub_overrides(data: Any, assets: dict[str, str], prefix: str = "") -> Iterat
             if key == "data_dir_list":  # retrieval data files: the shipped rows, where one is not here
                 if _unreachable_files(value):
                     yield dotted, f"[{Path(assets['dataset']) / 'train.jsonl'}]"
+            elif key in STANDIN_TOKEN_IDS and isinstance(value, int):
+                yield dotted, STANDIN_TOKEN_IDS[str(key)]
             elif kind and isinstance(value, str) and (_HUB_ID.match(value) or placeholder) \
                     and not Path(value).exists():
                 yield dotted, assets[kind]
@@ -194,7 +198,8 @@ def survey_file(path: Path, assets: dict[str, str], workdir: Path) -> tuple[list
     printed, issues = validate(path, [])
     overrides = list(hub_overrides(data, assets))
     lines = []
-    if overrides and any(i.key.rsplit(".", 1)[-1] in HUB_KEYS for i in issues):  # refused for an unreachable id
+    # refused for an unreachable id (or a token id of its tokenizer)
+    if overrides and any(i.key.rsplit(".", 1)[-1] in (*HUB_KEYS, *STANDIN_TOKEN_IDS) for i in issues):
         lines = [f"  override {key} -> {value}" for key, value in overrides]
         printed, issues = validate(path, overrides)
     else:

@@ -125,8 +125,14 @@ def _route_runs() -> dict[tuple[str, str], list[str]]:
     """The routes that run the domains' own sections, each with the sections it checks: every (section name, class)
     once, on a route that ships an example (`finetune` routes first: the others specialise their recipes)."""
     manager = get_plugin_manager()
+    recipes = {key: import_recipe(route.recipe) for key, route in manager.routes.routes.items()}
+
+    def specialises(key: tuple[str, str]) -> bool:  # a recipe subclassing another route's (after it: its own only)
+        return any(other is not recipes[key] and issubclass(recipes[key], other) for other in recipes.values())
+
     chosen, covered = {}, set()
-    for key, route in sorted(manager.routes.routes.items(), key=lambda item: (item[0][0] != "finetune", item[0])):
+    for key, route in sorted(manager.routes.routes.items(),
+                             key=lambda item: (item[0][0] != "finetune", specialises(item[0]), item[0])):
         recipe = import_recipe(route.recipe)
         if not route.examples:
             continue

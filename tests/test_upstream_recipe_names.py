@@ -34,9 +34,12 @@ SELECTS = {
     f"{UP}.retrieval.distill_bi_encoder.EmbeddingDistillRecipe": "kd retrieval",
     "TrainDiffusionRecipe": "finetune diffusion",
     f"{UP}.diffusion.train.TrainDiffusionRecipe": "finetune diffusion",
+    "DiffusionLMSFTRecipe": "finetune dllm",
+    f"{UP}.dllm.train_ft.DiffusionLMSFTRecipe": "finetune dllm",
+    "DiffusionGemmaSFTRecipe": "finetune dllm",
 }
-# Upstream recipes with no counterpart here (diffusion LMs, speculative decoding drafters, multimodal).
-NOT_HERE = ["DiffusionLMSFTRecipe", "TrainEagle3Recipe",
+# Upstream recipes with no counterpart here (speculative decoding drafters, multimodal).
+NOT_HERE = ["TrainEagle3Recipe", "TrainDFlashRecipe",
             "FinetuneRecipeForMultimodal", "PretrainRecipeForMultimodal"]
 
 

@@ -13,6 +13,9 @@ _UPSTREAM_RECIPES = {
                            f"{_UPSTREAM}.benchmark.BenchmarkingRecipeForNextTokenPrediction"),
     ("finetune", "seq-cls"): ("TrainFinetuneRecipeForSequenceClassification",
                               f"{_UPSTREAM}.train_seq_cls.TrainFinetuneRecipeForSequenceClassification"),
+    # upstream's diffusion-LM recipe and its DiffusionGemma subclass (whose dllm.mode block_diffusion is refused)
+    ("finetune", "dllm"): ("DiffusionLMSFTRecipe", "nemo_automodel.recipes.dllm.train_ft.DiffusionLMSFTRecipe",
+                           "DiffusionGemmaSFTRecipe", "nemo_automodel.recipes.dllm.train_ft.DiffusionGemmaSFTRecipe"),
 }
 
 
@@ -30,6 +33,9 @@ def automodel_register_routes(routes) -> None:
     routes.add("finetune", "seq-cls", recipe="automodel_llm.seq_cls.SequenceClassificationRecipe",
                help="Fine-tune a sequence classifier (a text or text pair in, one of num_labels classes out)",
                examples=["llm/tiny_seq_cls"])
+    routes.add("finetune", "dllm", recipe="automodel_llm.dllm.DiffusionLMSFTRecipe",
+               help="Fine-tune a masked diffusion language model (LLaDA's MDLM objective)",
+               examples=["llm/tiny_dllm"])
 
 
 # (transformers' model package, class name) of upstream's model.config classes that transformers has as its own
@@ -58,6 +64,10 @@ def automodel_register_aliases(aliases) -> None:
             aliases.target(f"nemo_automodel.NeMoAutoModelFor{kind}.{method}",
                            f"automodel_llm.AutoModelFor{kind}.{method}")
     aliases.target("AutoModelForSeq2SeqLM", "automodel_llm.AutoModelForSeq2SeqLM.from_pretrained")
+    # transformers' own loader by its path (upstream's diffusion-LM configs name it): ours, which loads the same
+    # class and keeps a config's trust_remote_code behind --trust-remote-code
+    for method in ("from_pretrained", "from_config"):
+        aliases.target(f"transformers.AutoModelForCausalLM.{method}", f"automodel_llm.AutoModelForCausalLM.{method}")
     aliases.target("AutoModelForSequenceClassification",
                    "automodel_llm.AutoModelForSequenceClassification.from_pretrained")
     aliases.target("Seq2SeqDataset", "automodel_llm.datasets.Seq2SeqDataset")

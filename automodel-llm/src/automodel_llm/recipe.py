@@ -206,6 +206,7 @@ class FinetuneRecipeForNextTokenPrediction(MTPLoss, NextTokenLogits, TrainRecipe
 
     domain = "llm"
     encoder_decoder_unsupported: str | None = None  # why a subclass trains no encoder-decoder model
+    reads_unshifted = False  # whether a data set's unshifted: true (upstream's diffusion-LM form) is read
     tensor_parallel_unsupported = None  # the loss runs on vocabulary-parallel logits (training/loop.py)
     pipeline_parallel_unsupported = None  # pipeline_batches below; pipeline_loss is NextTokenLogits'
     context_parallel_unsupported = None  # NextTokenLogits' context_parallel_batch; rows padded to 2 x cp_size
@@ -252,6 +253,11 @@ class FinetuneRecipeForNextTokenPrediction(MTPLoss, NextTokenLogits, TrainRecipe
             issues += drawn_vocab_issues(datasets, getattr(text, "vocab_size", None))
             issues += position_table_issues(datasets, text)
         issues += label_form_issues(datasets)
+        if not cls.reads_unshifted:
+            issues += [ConfigIssue(f"{key}.unshifted", "true is upstream's sample form for diffusion LMs (each token "
+                                   "supervised at its own position), which only the diffusion recipe reads: remove it, "
+                                   "or use recipe: DiffusionLMSFTRecipe (automodel finetune dllm)")
+                       for key, node, _ in datasets if node.get("unshifted") is True]
         issues += seq2seq_issues(cfg, datasets, cls.encoder_decoder_unsupported)
         settings = cfg.distributed
         if settings is not None and settings.tp_size > 1 and settings.sequence_parallel:

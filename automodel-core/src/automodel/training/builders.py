@@ -21,6 +21,7 @@ from automodel.config import BuildError, ConfigNode, TargetResolver
 from automodel.config.instantiate import build_value, callable_value
 from automodel.config.targets import TargetError
 from automodel.errors import AutomodelError, ConfigError, ConfigIssue
+from automodel.training.bucket_sampler import BucketBatchSampler, length_buckets
 from automodel.training.checkpoint import Checkpointer
 from automodel.training.context import BuildContext, accepted
 from automodel.training.dist import distributed_sampler
@@ -153,6 +154,10 @@ LOADER_BUILDER_ARGS = {
     "dataloader_type": "upstream's choice of Megatron's sampler, for a data set that declares it takes one "
                        "(MegatronPretraining): single reads the samples in order, cyclic reshuffles them every "
                        "epoch (the same as shuffle: false / true); resumable either way",
+    "group_by_length": "true: batches of samples of similar lengths (upstream's length grouping: the samples sorted "
+                       "by length are cut into groups of batch_size per data-parallel rank, which are shuffled each "
+                       "epoch with shuffle: true), so less of each batch is padding; false (the default): batches "
+                       "drawn from the whole data set",
 }
 _LOADER_DATA = {"dataloader": "dataset", "validation_dataloader": "validation_dataset"}
 
@@ -170,6 +175,12 @@ def loader_type_issues(cfg: Any, nested_data: bool = False) -> list[ConfigIssue]
                                       f"{data_key} section, not from inside the loader (upstream's legacy form, read "
                                       f"by the retrieval recipes only); move it to {data_key}:"))
         kind = loader.get("dataloader_type") if isinstance(loader, Mapping) else None
+        group = loader.get("group_by_length", False) if isinstance(loader, Mapping) else False
+        if group not in (True, False):
+            issues.append(ConfigIssue(f"{loader_key}.group_by_length", f"expected true or false, found {group!r}"))
+        elif group and kind is not None:
+            issues.append(ConfigIssue(f"{loader_key}.group_by_length", f"true with dataloader_type {kind}: one orders "
+                                      "the samples by length, the other as Megatron's sampler does; remove one"))
         if kind is None:
             continue
         key = f"{loader_key}.dataloader_type"
@@ -214,6 +225,11 @@ def build_dataloader(ctx: BuildContext, dataset: Any, node: ConfigNode, train: b
         settings["pin_memory"] = False
     generator = _seeded(ctx.seed)
     buckets = getattr(dataset, "batch_sampler", None)
+    if settings.pop("group_by_length", False):  # validated: true or false
+        if callable(buckets) or not hasattr(dataset, "__len__"):
+            raise AutomodelError(f"{node.key}.group_by_length: true, but the data set draws its own batches or has no "
+                                 "length to sort its samples by; remove the key")
+        buckets = functools.partial(length_grouped, dataset, node.key)
     if callable(buckets):  # a data set of size buckets draws each batch within one bucket (its tensors stack)
         settings["batch_sampler"] = buckets(settings.pop("batch_size"), shuffle, settings.pop("drop_last", False),
                                             ctx.seed, ctx.mesh.dp, ctx.mesh.dp_rank(ctx.rank))
@@ -255,3 +271,19 @@ def build_step_scheduler(ctx: BuildContext, steps_per_epoch: int | None) -> Step
 
 def build_checkpoint_config(ctx: BuildContext) -> Checkpointer:
     return Checkpointer(ctx.cfg.checkpoint or CheckpointConfig(), ctx.cfg.to_yaml())
+
+
+def length_grouped(dataset: Any, key: str, batch_size: int, shuffle: bool, drop_last: bool, seed: int,
+                   replicas: int = 1, rank: int = 0) -> BucketBatchSampler:
+    """``group_by_length``: batches from buckets of samples of similar lengths (:func:`length_buckets`), each
+    sample's length its ``input_ids``'."""
+    lengths = []
+    for index in range(len(dataset)):
+        sample = dataset[index]
+        ids = sample.get("input_ids") if isinstance(sample, Mapping) else None
+        if ids is None:
+            raise AutomodelError(f"{key}.group_by_length: sample {index} of the data set has no input_ids to measure "
+                                 "its length by; remove the key")
+        lengths.append(len(ids))
+    return BucketBatchSampler(length_buckets(lengths, batch_size * replicas), batch_size, shuffle, drop_last, seed,
+                              replicas, rank)

@@ -85,7 +85,11 @@ class ChatDataset(Dataset):
                      "chat_template": "a Jinja chat template, inline or the path of a file (.jinja, or JSON with a "
                                       "chat_template key); it becomes the tokenizer's and is saved with it",
                      "mask_reasoning_content": "no loss on the assistant turns' reasoning_content as the chat "
-                                               "template renders it (upstream's); the answers keep theirs"}
+                                               "template renders it (upstream's); the answers keep theirs",
+                     "unshifted": "upstream's sample form for diffusion LMs: true, each token supervised at its own "
+                                  "position, is what the diffusion recipe (finetune dllm) trains on and the "
+                                  "next-token recipes refuse; the samples here have that form either way (their "
+                                  "labels are the input tokens; a next-token loss shifts them)"}
     requires_chat_template = True  # validation checks a local tokenizer for one unless chat_template is given
 
     def __init__(self, path_or_dataset_id: str | None = None, split: str = "train", name: str | None = None,
@@ -93,7 +97,7 @@ class ChatDataset(Dataset):
                  chat_template: str | None = None, truncation: Truncation = False, padding: Padding = "do_not_pad",
                  limit_dataset_samples: int | None = None, shuffle_seed: int | None = None,
                  on_bad_row: OnBadRow = "error", dataset_name: str | None = None,
-                 max_seq_length: int | None = None, mask_reasoning_content: bool = False):
+                 max_seq_length: int | None = None, mask_reasoning_content: bool = False, unshifted: bool = False):
         source = given("path_or_dataset_id", path_or_dataset_id, "dataset_name", dataset_name)
         length = SampleLength(given("seq_length", seq_length, "max_seq_length", max_seq_length), truncation, padding)
         tokenizer = with_chat_template(tokenizer, chat_template)

@@ -1,0 +1,237 @@
+"""Masked diffusion language models (``automodel finetune dllm``): supervised fine-tuning with the MDLM objective,
+upstream's ``DiffusionLMSFTRecipe`` in its ``dllm.mode: mdlm`` (the LLaDA recipe).
+
+Each step, every supervised token of a row is replaced by the mask token with the row's probability
+``p = (1 - eps) * t + eps``, ``t ~ U[0, 1)`` drawn per row; the model sees the corrupted rows with attention both ways
+and is trained to recover the masked tokens: the loss is ``sum over masked tokens of CE / p``, divided by the
+supervised tokens of the step (the core's token-weighted step, as upstream normalises it). The masks are drawn from
+generators seeded by the run's seed, the step and the micro-batch's place in it, so a resumed run draws the same ones,
+and validation draws the same masks at every validation (its losses compare across steps).
+
+The other modes of upstream's recipe need models or a second model this build does not have, and are refused with
+their reasons (see :data:`UNBUILT_MODES`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from automodel.config import Config, FieldErrors, Refused
+from automodel.errors import AutomodelError, ConfigIssue
+from automodel.training.dist import rank
+from automodel.training.loss import IGNORE_INDEX, LINEAR, loss_fn_named
+from automodel.training.modules import unwrap
+from automodel.training.next_token import label_positions, next_token_logits
+from automodel.training.parallelism import model_hf_config
+from automodel_llm.recipe import FinetuneRecipeForNextTokenPrediction, config_labels_shifted
+from automodel_llm.tokenizer import dataset_sections
+
+UNBUILT_MODES = {
+    "block_diffusion": "block diffusion trains Google's DiffusionGemma (upstream's DiffusionGemmaSFTRecipe: its "
+                       "encoder and block canvas with self-conditioning), a model transformers and this build do not "
+                       "have",
+    "hybrid": "the hybrid objective adds the autoregressive loss of the causal logits that Nemotron-Labs-Diffusion's "
+              "own model code returns beside its diffusion logits; this build trains transformers' classes, which "
+              "return no such second output",
+    "dflash": "DFlash trains a block-drafting speculative decoder against a second, frozen target model (upstream's "
+              "dflash: section), which this build does not train",
+    "idlm": "I-DLM's all-masked objective with its shifted clean-token loss is not built here",
+}
+# upstream's dllm keys that only the modes above read: (the value meaning "not set", the mode that reads it)
+OTHER_MODES_KEYS = {"block_size": "block_diffusion", "half_life_ratio": "block_diffusion",
+                    "pad_block_size": "block_diffusion or hybrid", "pad_seq_len_divisible": "block_diffusion or hybrid",
+                    "vocab_size": "block_diffusion", "ar_loss_alpha": "hybrid", "block_length": "idlm",
+                    "clean_loss_weight": "idlm", "auto_balance_clean_loss": "idlm"}
+
+
+def _other_mode(mode: str) -> dict[str, Any]:
+    return {"help": f"upstream's key of mode {mode}, which is not built here: unset only"}
+
+
+@dataclass
+class DiffusionLMConfig:
+    mode: str = field(default="mdlm", metadata={"help": (
+        "mdlm: masked diffusion (LLaDA's objective), what this recipe trains; upstream's block_diffusion, hybrid, "
+        "dflash and idlm are refused with their reasons")})
+    mask_token_id: int | None = field(default=None, metadata={"help": (
+        "the token that replaces masked tokens (default: the tokenizer's mask token)")})
+    eps: float = field(default=1e-3, metadata={"help": "the smallest masking rate of a row, in (0, 1]"})
+    supervise_padding: bool = field(default=False, metadata={"help": (
+        "true: a row's padding is supervised too (its pad tokens are masked and recovered like the answer's, "
+        "LLaDA's SFT: the model learns to end an answer with padding); false: padding carries no loss")})
+    block_size: int | None = field(default=None, metadata=_other_mode("block_diffusion"))
+    half_life_ratio: float | None = field(default=None, metadata=_other_mode("block_diffusion"))
+    pad_block_size: int | None = field(default=None, metadata=_other_mode("block_diffusion or hybrid"))
+    pad_seq_len_divisible: int | None = field(default=None, metadata=_other_mode("block_diffusion or hybrid"))
+    vocab_size: int | None = field(default=None, metadata=_other_mode("block_diffusion"))
+    ar_loss_alpha: float | None = field(default=None, metadata=_other_mode("hybrid"))
+    block_length: int | None = field(default=None, metadata=_other_mode("idlm"))
+    clean_loss_weight: float | None = field(default=None, metadata=_other_mode("idlm"))
+    auto_balance_clean_loss: bool | None = field(default=None, metadata=_other_mode("idlm"))
+
+    def __post_init__(self) -> None:
+        errors = {}
+        if self.mode in UNBUILT_MODES:
+            errors["mode"] = f"{self.mode}: {UNBUILT_MODES[self.mode]}; use mode mdlm (what this recipe trains)"
+        elif self.mode != "mdlm":
+            errors["mode"] = f"expected mdlm (or upstream's {', '.join(UNBUILT_MODES)}), found {self.mode!r}"
+        if isinstance(self.eps, bool) or not isinstance(self.eps, (int, float)) or not 0 < self.eps <= 1:
+            errors["eps"] = f"expected a number in (0, 1], found {self.eps!r}"
+        if self.mask_token_id is not None and (isinstance(self.mask_token_id, bool) or self.mask_token_id < 0):
+            errors["mask_token_id"] = f"expected a token id >= 0, found {self.mask_token_id!r}"
+        for key, mode in OTHER_MODES_KEYS.items():
+            if getattr(self, key) is not None and self.mode == "mdlm":
+                errors[key] = f"{getattr(self, key)!r} is read by upstream's mode {mode} only, not by mdlm: remove it"
+        if errors:
+            raise FieldErrors(errors)
+
+
+class CorruptionSeeds:
+    """Generators for the masks: a function of the run's seed, the phase (training or validation), the step, the
+    rank and the draw's place in the step, never of the global random state, so a resumed run draws the same masks
+    and every validation the same ones."""
+
+    def __init__(self, seed: int):
+        self.seed, self.phase, self.step, self.draw = seed, "train", 0, 0
+
+    def start(self, phase: str, step: int) -> None:
+        self.phase, self.step, self.draw = phase, step, 0
+
+    def generator(self) -> torch.Generator:
+        key = f"{self.seed}/{self.phase}/{self.step}/{rank()}/{self.draw}".encode()
+        self.draw += 1
+        return torch.Generator().manual_seed(int.from_bytes(hashlib.sha256(key).digest()[:7], "little"))
+
+
+def corrupt(labels: torch.Tensor, eps: float, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(masked, rate)``: which supervised positions (``labels != IGNORE_INDEX``) to mask, each row's with its rate
+    ``(1 - eps) * t + eps``, ``t ~ U[0, 1)`` drawn per row; and the rows' rates. Drawn on the host from
+    ``generator``, so the masks do not depend on the device."""
+    rows, length = labels.shape
+    rate = (1 - eps) * torch.rand(rows, generator=generator) + eps
+    masked = torch.rand(rows, length, generator=generator) < rate[:, None]
+    return masked.to(labels.device) & (labels != IGNORE_INDEX), rate.to(labels.device)
+
+
+class DiffusionLMSFTRecipe(FinetuneRecipeForNextTokenPrediction):
+    """Fine-tunes a masked diffusion LM (``dllm.mode: mdlm``): the next-token recipe's model, data, sharding and
+    checkpoints, with the corruption and loss above. A decoder's attention is made bidirectional
+    (``config.is_causal: false``, saved in its config.json, which transformers honours when it loads the model)."""
+
+    adds_mtp_loss = False  # the heads predict later tokens of a causal model; this loss has no next token
+    tensor_parallel_unsupported = ("the loss weights each row's tokens by the row's masking rate on whole logits, "
+                                   "which tensor parallelism keeps sharded over the vocabulary; use tp_size: 1 "
+                                   "(FSDP2 and DDP shard and replicate the model)")
+    pipeline_parallel_unsupported = ("the pipeline's last stage computes the next-token loss, without the rows' "
+                                     "masks and masking rates; use pp_size: 1")
+    context_parallel_unsupported = ("context parallelism here splits causal attention over the ranks; the diffusion "
+                                    "model attends both ways over the whole row; use cp_size: 1")
+    sections: ClassVar[dict] = {
+        "dllm": DiffusionLMConfig,
+        "dflash": Refused(f"the settings of upstream's dllm.mode dflash: {UNBUILT_MODES['dflash']}"),
+    }
+    reads_unshifted = True  # a data set's upstream unshifted: true is this recipe's form of its labels
+    seeds: CorruptionSeeds
+
+    @classmethod
+    def check_config(cls, cfg: Config) -> list[ConfigIssue]:
+        issues = list(super().check_config(cfg))
+        for key in ("eval_generation", "tool_call_eval"):
+            if key in cfg and cfg.get(key) is not None and getattr(cfg.get(key), "enabled", True):
+                issues.append(ConfigIssue(key, "generates text one next token at a time, which a diffusion model "
+                                          "does not do (it unmasks a whole canvas); remove the section"))
+        packing = cfg.get("packed_sequence")
+        if packing is not None and (packing.enabled or packing.packed_sequence_size > 0):
+            issues.append(ConfigIssue("packed_sequence", "packing puts several samples in a row, and the diffusion "
+                                      "model's attention goes both ways across the whole row, so they would see each "
+                                      "other; remove the section"))
+        if config_labels_shifted(cfg):
+            issues.append(ConfigIssue("dataset._target_", "its labels are the next tokens (pre-shifted); the "
+                                      "diffusion loss recovers each token at its own position: use a data set whose "
+                                      "labels are the input tokens (ChatDataset, ColumnMappedTextInstructionDataset, "
+                                      "SquadDataset)"))
+        for key, node, _ in dataset_sections(cfg):
+            if node.get("unshifted") is False:
+                issues.append(ConfigIssue(f"{key}.unshifted", "false: the diffusion loss recovers each token at its "
+                                          "own position (upstream's unshifted form); set true or remove it"))
+        if loss_fn_named(cfg, LINEAR) is not None:
+            issues.append(ConfigIssue("loss_fn._target_", "FusedLinearCrossEntropy sums the loss inside the output "
+                                      "head, which cannot weight each row by its masking rate; use "
+                                      "MaskedCrossEntropy or ChunkedCrossEntropy"))
+        mask_id = cfg.dllm.mask_token_id if cfg.get("dllm") is not None else None
+        vocab = getattr(model_hf_config(cfg), "vocab_size", None)
+        if mask_id is not None and isinstance(vocab, int) and mask_id >= vocab:
+            issues.append(ConfigIssue("dllm.mask_token_id", f"{mask_id} is not a token of the model, whose vocabulary "
+                                      f"has {vocab} tokens"))
+        return issues
+
+    def setup(self) -> None:
+        super().setup()
+        settings = self.cfg.get("dllm") or DiffusionLMConfig()
+        self.eps, self.supervise_padding = float(settings.eps), settings.supervise_padding
+        self.mask_token_id = self.resolve_mask_token(settings.mask_token_id)
+        self.seeds = CorruptionSeeds(self.cfg.rng.seed)
+        model = unwrap(self.model)
+        if any(getattr(m, "is_causal", False) is True for m in model.modules() if m is not model):
+            model.config.is_causal = False  # transformers' mask builders then give every token every other
+            self.log("attention: bidirectional (config.is_causal: false, saved with the model)")
+        self.log(f"masked diffusion (mdlm): mask token {self.mask_token_id}, masking rates in [{self.eps}, 1), "
+                 f"padding {'supervised' if self.supervise_padding else 'not supervised'}")
+
+    def resolve_mask_token(self, given: int | None) -> int:
+        mask_id = given if given is not None else getattr(self.tokenizer, "mask_token_id", None)
+        if mask_id is None:
+            raise AutomodelError("dllm.mask_token_id: not set, and the tokenizer has no mask token; set it to the id "
+                                 "of the token that stands for a masked one (LLaDA's is 126336)")
+        vocab = unwrap(self.model).get_input_embeddings().num_embeddings
+        if not 0 <= int(mask_id) < vocab:
+            raise AutomodelError(f"dllm.mask_token_id: {mask_id} is not a token of the model, whose embeddings hold "
+                                 f"{vocab} tokens")
+        return int(mask_id)
+
+    # ---- the loss ------------------------------------------------------------------------------------------
+
+    def clean_rows(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(input_ids, targets)``: the rows with their padding as the tokenizer's pad token (what upstream's
+        collator pads with, whatever collate_fn built the batch), and the tokens to recover, ``IGNORE_INDEX``
+        elsewhere: the labels (each token at its own position), with ``supervise_padding`` the padding's too."""
+        ids, labels, mask = batch["input_ids"], batch["labels"], batch.get("attention_mask")
+        if mask is not None:
+            padding = mask.to(ids.device) == 0
+            ids = torch.where(padding, self.pad_token_id, ids)
+            if self.supervise_padding:
+                labels = torch.where(padding.to(labels.device), ids.to(labels.device), labels)
+        return ids, labels
+
+    def count_label_tokens(self, batch: dict[str, torch.Tensor]) -> int:
+        return int((self.clean_rows(batch)[1] != IGNORE_INDEX).sum())
+
+    def train_step(self, batches: list[Any]) -> tuple[torch.Tensor, torch.Tensor, int]:
+        self.seeds.start("train", self.step_scheduler.step)
+        return super().train_step(batches)
+
+    def validate(self) -> None:
+        self.seeds.start("validation", 0)
+        super().validate()
+
+    def compute_loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The masked tokens' cross entropy (``loss_fn``, summed) over each row, divided by the row's masking rate;
+        the model gets the corrupted rows without an attention mask (upstream's: the rows are attended whole)."""
+        ids, labels = self.clean_rows(batch)
+        masked, rate = corrupt(labels, self.eps, self.seeds.generator())
+        targets = torch.where(masked, labels, IGNORE_INDEX)
+        inputs = {"input_ids": torch.where(masked, self.mask_token_id, ids), "use_cache": False}
+        if "position_ids" in batch:
+            inputs["position_ids"] = batch["position_ids"]
+        index = label_positions(targets, offset=0)
+        logits, flat_targets = next_token_logits(model, inputs, targets, index, self.head_positions, offset=0)
+        rows = index // targets.shape[1]
+        total = logits.sum().float() * 0  # a micro-batch with nothing masked still joins the backward
+        for row in rows.unique().tolist():
+            chosen = rows == row
+            total = total + self.loss_fn(logits[chosen], flat_targets[chosen]).float() / rate[row]
+        return total

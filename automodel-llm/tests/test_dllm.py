@@ -1,0 +1,198 @@
+"""Masked diffusion LM fine-tuning (``automodel finetune dllm``, upstream's ``DiffusionLMSFTRecipe`` in mode mdlm).
+
+The logged loss is checked against a hand computation with transformers' own Llama (made bidirectional by its
+config) on the first batch, with the masks the run's seeds draw; resuming draws the same masks; the saved model
+attends both ways when transformers loads it; upstream's other modes and the keys that cannot act are refused.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from llm_testing import ASSETS, PKG_DIR
+
+from automodel import testing
+from automodel.errors import ConfigError
+from automodel.testing import read_jsonl, run_cli
+from automodel.training.dist import planned_world_size
+from automodel_llm.dllm import CorruptionSeeds, corrupt
+
+FORM = Path(__file__).parent / "upstream_forms" / "dllm_upstream.yaml"
+ROUTE = ("finetune", "dllm")
+MASK = 3  # the form's dllm.mask_token_id (the tiny tokenizer's <unk>)
+CHAT = ASSETS / "tiny_chat"
+
+
+@pytest.fixture(scope="module")
+def form_args(tmp_path_factory):
+    """A tiny Llama of fresh weights saved by transformers, and the shipped chat rows."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    root = tmp_path_factory.mktemp("dllm")
+    config = LlamaConfig.from_json_file(str(ASSETS / "tiny_llama" / "config.json"))
+    config.num_hidden_layers = 1
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(str(root / "model"))
+    return ["--model.pretrained_model_name_or_path", root / "model", "--dataset.path_or_dataset_id",
+            CHAT / "train.jsonl"]
+
+
+def _by_hand(model_dir: Path, batch: dict[str, torch.Tensor], step: int, seed: int = 42) -> float:
+    """The step's loss on one micro-batch (the step's only one here): the masks drawn as the run's seeds draw them,
+    transformers' Llama with is_causal false on the corrupted rows (no attention mask), CE / rate summed over the
+    masked tokens, over the supervised tokens (the answers and, supervise_padding, the padding)."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(str(model_dir))
+    model.config.is_causal = False
+    padding = batch["attention_mask"] == 0
+    ids = torch.where(padding, 0, batch["input_ids"])  # the tiny tokenizer's pad id
+    targets = torch.where(padding, ids, batch["labels"])
+    seeds = CorruptionSeeds(seed)
+    seeds.start("train", step)
+    masked, rate = corrupt(targets, 1e-3, seeds.generator())
+    assert masked.any() and (~masked & (targets != -100)).any(), "some supervised tokens masked, some not"
+    with torch.no_grad():
+        logits = model(input_ids=torch.where(masked, MASK, ids)).logits
+    nll = F.cross_entropy(logits.transpose(1, 2), targets.clamp(min=0), reduction="none")
+    return ((nll * masked / rate[:, None]).sum() / (targets != -100).sum()).item()
+
+
+def _one_micro_batch(*args):
+    return [*args, "--step_scheduler.global_batch_size", "4", "--step_scheduler.local_batch_size", "4"]
+
+
+def test_the_logged_loss_is_the_masked_diffusion_loss_by_hand(form_args, tmp_path):
+    first = testing.train_inprocess(FORM, *_one_micro_batch(*form_args), "--checkpoint.checkpoint_dir",
+                                    tmp_path / "setup", route=ROUTE, setup_only=True)
+    batch = next(iter(first.dataloader))
+    assert (batch["attention_mask"] == 0).any(), "the first batch has padding (supervise_padding acts on it)"
+    expected = _by_hand(Path(form_args[1]), batch, step=0)
+
+    recipe = testing.train_inprocess(FORM, *_one_micro_batch(*form_args), "--step_scheduler.log_interval", "1",
+                                     "--checkpoint.checkpoint_dir", tmp_path / "run", route=ROUTE)
+    records = read_jsonl(tmp_path / "run" / "training.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert records[0]["loss"] == pytest.approx(expected, rel=1e-4)
+    assert recipe.mask_token_id == MASK and recipe.eps == 1e-3
+    assert [r["step"] for r in read_jsonl(tmp_path / "run" / "validation.jsonl")] == [3]
+
+
+def test_without_padding_supervision_the_loss_covers_the_answers_only(form_args, tmp_path):
+    counts = {}
+    for value in ("true", "false"):
+        recipe = testing.train_inprocess(FORM, *_one_micro_batch(*form_args), "--dllm.supervise_padding", value,
+                                         "--checkpoint.checkpoint_dir", tmp_path / value, route=ROUTE, setup_only=True)
+        batch = next(iter(recipe.dataloader))
+        counts[value] = recipe.count_label_tokens(batch)
+    answers = int((batch["labels"] != -100).sum())
+    assert counts == {"false": answers, "true": answers + int((batch["attention_mask"] == 0).sum())}
+
+
+def test_a_resumed_run_draws_the_same_masks(form_args, tmp_path):
+    """Steps 3 and 4 of a run resumed from its step-2 checkpoint log the uninterrupted run's losses."""
+    every = ("--step_scheduler.log_interval", "1", "--step_scheduler.val_every_steps", "100",
+             "--lr_scheduler.lr_decay_style", "constant")  # the same rates in a 2-step and a 4-step run
+    testing.train_inprocess(FORM, *form_args, *every, "--step_scheduler.max_steps", "4",
+                            "--checkpoint.checkpoint_dir", tmp_path / "whole", route=ROUTE)
+    testing.train_inprocess(FORM, *form_args, *every, "--step_scheduler.max_steps", "2",
+                            "--step_scheduler.ckpt_every_steps", "2", "--checkpoint.checkpoint_dir",
+                            tmp_path / "parts", route=ROUTE)
+    testing.train_inprocess(FORM, *form_args, *every, "--step_scheduler.max_steps", "4",
+                            "--checkpoint.checkpoint_dir", tmp_path / "parts", route=ROUTE)
+    whole = testing.losses_by_step(tmp_path / "whole" / "training.jsonl")
+    parts = testing.losses_by_step(tmp_path / "parts" / "training.jsonl")
+    assert sorted(parts) == [1, 2, 3, 4]
+    assert parts == pytest.approx(whole, rel=1e-6)
+
+
+def test_the_cli_trains_the_upstream_form_and_the_saved_model_attends_both_ways(form_args, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    result = run_cli("run", "-c", FORM, *map(str, form_args), "--checkpoint.checkpoint_dir", tmp_path / "run",
+                     cwd=tmp_path, OMP_NUM_THREADS="1")
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "attention: bidirectional" in result.stderr
+    model_dir = tmp_path / "run" / "epoch_0_step_3" / "model"
+    assert json.loads((model_dir / "config.json").read_text())["is_causal"] is False
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir))
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    changed = ids.clone()
+    changed[0, -1] = 10
+    with torch.no_grad():
+        first, second = (model(input_ids=x).logits[0, 0] for x in (ids, changed))
+    assert not torch.allclose(first, second), "the first position sees the last token"
+
+
+def test_the_shipped_example_trains_by_its_route(tmp_path):
+    result = run_cli("finetune", "dllm", "-c", "llm/tiny_dllm", "--step_scheduler.max_steps", "3",
+                     "--checkpoint.checkpoint_dir", tmp_path / "run", cwd=tmp_path, OMP_NUM_THREADS="1")
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "masked diffusion (mdlm): mask token 3" in result.stderr
+    assert (tmp_path / "run" / "epoch_0_step_3" / "model" / "config.json").exists()
+
+
+def _issues(*overrides: str, route=ROUTE, config=FORM, world: int = 1) -> dict[str, str]:
+    with planned_world_size(world, f"--nproc-per-node {world}"), pytest.raises(ConfigError) as err:
+        testing.load_config(config, "--model.pretrained_model_name_or_path", ASSETS / "tiny_llama", *overrides,
+                            route=route)
+    return {issue.key: issue.message for issue in err.value.issues}
+
+
+@pytest.mark.parametrize("mode, words", [("block_diffusion", "DiffusionGemma"), ("hybrid", "causal logits"),
+                                         ("dflash", "frozen target model"), ("idlm", "I-DLM")])
+def test_upstreams_other_modes_are_refused_with_the_reason(mode, words):
+    assert words in _issues("--dllm.mode", mode)["dllm.mode"]
+
+
+def test_keys_that_cannot_act_are_refused():
+    assert "vocabulary has 482 tokens" in _issues("--dllm.mask_token_id", "999")["dllm.mask_token_id"]
+    issues = _issues("--dllm.block_size", "32", "--distributed.tp_size", "2",
+                     "--dataset.unshifted", "false", "--eval_generation.enabled", "true",
+                     "--packed_sequence.packed_sequence_size", "64", world=2)
+    assert "mode block_diffusion only" in issues["dllm.block_size"]
+    assert "masking rate" in issues["distributed.tp_size"]
+    assert "own position" in issues["dataset.unshifted"]
+    assert "one next token at a time" in issues["eval_generation"]
+    assert "both ways" in issues["packed_sequence"]
+
+
+def test_the_next_token_recipe_refuses_upstreams_diffusion_sample_form():
+    issues = _issues("--dataset.unshifted", "true", route=("finetune", "llm"),
+                     config=PKG_DIR / "examples" / "tiny_dllm.yaml")
+    assert "DiffusionLMSFTRecipe" in issues["dataset.unshifted"]
+
+
+def _padding(loader) -> tuple[int, list[int]]:
+    """(padding tokens, the sample rows' attention sums) over one pass of ``loader``."""
+    padding, seen = 0, []
+    for batch in loader:
+        mask = batch["attention_mask"]
+        padding += int((mask == 0).sum())
+        seen += mask.sum(dim=1).tolist()
+    return padding, seen
+
+
+def test_group_by_length_batches_samples_of_similar_lengths(form_args, tmp_path):
+    """Upstream's dataloader.group_by_length (its diffusion-LM configs set it): every sample once per epoch, in
+    batches of samples of about one length, so less padding than the same loader without it."""
+    runs = {}
+    for value in ("false", "true"):
+        recipe = testing.train_inprocess(FORM, *form_args, "--dataloader.group_by_length", value,
+                                         "--dataloader.shuffle", "true", "--checkpoint.checkpoint_dir",
+                                         tmp_path / value, route=ROUTE, setup_only=True)
+        runs[value] = _padding(recipe.dataloader)
+    assert sorted(runs["true"][1]) == sorted(runs["false"][1]), "the same samples, each once"
+    assert runs["true"][0] < runs["false"][0] / 2
+    assert type(recipe.dataloader.batch_sampler).__name__ == "BucketBatchSampler"
+
+
+def test_group_by_length_that_cannot_act_is_refused():
+    issues = _issues("--dataloader.group_by_length", "sometimes")
+    assert "expected true or false" in issues["dataloader.group_by_length"]
+    issues = _issues("--dataloader.group_by_length", "true", "--dataloader.dataloader_type", "cyclic")
+    assert "remove one" in issues["dataloader.group_by_length"]
