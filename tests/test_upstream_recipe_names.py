@@ -38,9 +38,10 @@ SELECTS = {
     f"{UP}.dllm.train_ft.DiffusionLMSFTRecipe": "finetune dllm",
     "DiffusionGemmaSFTRecipe": "finetune dllm",
 }
-# Upstream recipes with no counterpart here (speculative decoding drafters, multimodal).
-NOT_HERE = ["TrainEagle3Recipe", "TrainDFlashRecipe",
-            "FinetuneRecipeForMultimodal", "PretrainRecipeForMultimodal"]
+# Upstream recipes with no counterpart here (speculative decoding drafters, multimodal), with words of the reason.
+NOT_HERE = {"TrainEagle3Recipe": "speculative-decoding", "TrainDFlashRecipe": "speculative-decoding",
+            f"{UP}.llm.train_eagle1.TrainEagle1Recipe": "speculative-decoding",
+            "FinetuneRecipeForMultimodal": "BAGEL", "PretrainRecipeForMultimodal": "BAGEL"}
 
 
 @pytest.mark.parametrize("name,route", SELECTS.items())
@@ -52,15 +53,42 @@ def test_upstream_recipe_name_selects_its_route(name, route):
         assert recipe_from_config({"recipe": form}, manager) is expected
 
 
-@pytest.mark.parametrize("name", NOT_HERE)
-def test_upstream_recipe_we_do_not_have_is_refused_listing_the_routes(name):
+@pytest.mark.parametrize("name,reason", NOT_HERE.items())
+def test_upstream_recipe_we_do_not_have_is_refused_listing_the_routes(name, reason):
     manager = get_plugin_manager()
     with pytest.raises(TargetError) as info:
         manager.resolver().resolve_recipe(name)
     message = str(info.value)
-    assert f"'{name}' names no recipe installed here" in message
+    assert f"'{name}' names no recipe installed here" in message and reason in message
     for command, domain in manager.routes.routes:
         assert f"{command} {domain}" in message
     with pytest.raises(ConfigError) as err:
         recipe_from_config({"recipe": name}, manager)
     assert err.value.issues[0].key == "recipe" and "names no recipe installed here" in err.value.issues[0].message
+
+
+def test_upstream_sections_and_targets_of_recipes_not_built_here_are_refused_with_the_reason(tmp_path):
+    """The section of upstream's speculative-decoding recipes, a speech data set and collator, and the VLM THD
+    collator each say why (not "unknown section" / "not a registered target")."""
+    from automodel.cli.examples import find_example
+    from automodel.config import load_yaml_file
+    from automodel.testing import load_config, write_yaml
+
+    llm = load_yaml_file(find_example("llm/tiny_squad", get_plugin_manager()))
+    with pytest.raises(ConfigError) as err:
+        load_config(write_yaml(tmp_path / "llm.yaml", {**llm, "recipe_args": {"ttt_steps": 4}}))
+    assert "speculative-decoding" in {i.key: i.message for i in err.value.issues}["recipe_args"]
+
+    vlm = load_yaml_file(find_example("vlm/tiny_llava", get_plugin_manager()))
+    audio = "nemo_automodel.components.datasets.audio"
+    vlm["dataset"] = {"_target_": f"{audio}.datasets.make_hf_audio_asr_dataset"}
+    vlm["dataloader"] = {**vlm.get("dataloader", {}), "collate_fn": {"_target_": f"{audio}.collate_fns."
+                                                                      "qwen3_omni_asr_collate_fn"}}
+    vlm["validation_dataloader"] = {"collate_fn": {
+        "_target_": "nemo_automodel.components.datasets.utils.packed_sequence_thd_collater_vlm"}}
+    with pytest.raises(ConfigError) as err:
+        load_config(write_yaml(tmp_path / "vlm.yaml", vlm), route=("finetune", "vlm"))
+    issues = {i.key: i.message for i in err.value.issues}
+    assert "speech recognition fine-tuning" in issues["dataset._target_"]
+    assert "speech recognition fine-tuning" in issues["dataloader.collate_fn._target_"]
+    assert "Transformer Engine" in issues["validation_dataloader.collate_fn._target_"]

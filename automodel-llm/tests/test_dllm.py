@@ -196,3 +196,11 @@ def test_group_by_length_that_cannot_act_is_refused():
     assert "expected true or false" in issues["dataloader.group_by_length"]
     issues = _issues("--dataloader.group_by_length", "true", "--dataloader.dataloader_type", "cyclic")
     assert "remove one" in issues["dataloader.group_by_length"]
+
+
+def test_transformers_loader_by_its_path_is_ours_and_keeps_remote_code_behind_the_flag():
+    """Upstream's diffusion-LM configs name transformers.AutoModelForCausalLM.from_pretrained: it loads through
+    ours, so a config's trust_remote_code: true still needs --trust-remote-code."""
+    issues = _issues("--model._target_", "transformers.AutoModelForCausalLM.from_pretrained",
+                     "--model.trust_remote_code", "true")
+    assert list(issues) == ["model.trust_remote_code"] and "--trust-remote-code" in issues["model.trust_remote_code"]

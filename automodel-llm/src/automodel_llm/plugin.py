@@ -19,6 +19,17 @@ _UPSTREAM_RECIPES = {
 }
 
 
+# upstream's speculative-decoding draft recipes (examples/speculative/): (module, class names) -> what each trains
+_SPECULATIVE = {"train_eagle1": ("TrainEagle1Recipe",), "train_eagle2": ("TrainEagle2Recipe",),
+                "train_eagle3": ("TrainEagle3Recipe",), "train_dflash": ("TrainDFlashRecipe",),
+                "train_dflash2": ("TrainDFlash2Recipe",), "train_domino": ("TrainDominoRecipe",),
+                "train_jetspec": ("TrainJetSpecRecipe",), "train_dspark": ("TrainDSparkRecipe",),
+                "train_vispec": ("TrainVispecRecipe", "TrainVispecStage1Recipe")}
+SPECULATIVE_UNBUILT = ("upstream's speculative-decoding recipes train a draft model (EAGLE-1/2/3, P-EAGLE, DFlash, "
+                       "Domino, JetSpec, DSpark, ViSpec) against a frozen target model, with their own recipe_args: "
+                       "schema and draft architectures for SGLang / vLLM; they are not built here")
+
+
 @hookimpl
 def automodel_register_routes(routes) -> None:
     routes.add("finetune", "llm", recipe=_RECIPE, help="Fine-tune a causal language model",
@@ -118,6 +129,10 @@ def automodel_register_aliases(aliases) -> None:
     _UPSTREAM_LOSS = "nemo_automodel.components.loss"
     aliases.target(f"{_UPSTREAM_LOSS}.linear_ce.FusedLinearCrossEntropy",
                    "automodel.training.linear_ce.LinearCrossEntropy")
+    for module, names in _SPECULATIVE.items():
+        for name in names:
+            aliases.unsupported(name, SPECULATIVE_UNBUILT)
+            aliases.unsupported(f"{_UPSTREAM}.{module}.{name}", SPECULATIVE_UNBUILT)
     aliases.unsupported(f"{_UPSTREAM_LOSS}.te_parallel_ce.TEParallelCrossEntropy",
                         "Transformer Engine's fused cross entropy needs a CUDA GPU and Transformer Engine; remove "
                         "loss_fn (the default, MaskedCrossEntropy)")

@@ -21,6 +21,12 @@ _NEMOTRON_PARSE = ("Nemotron-Parse (nvidia/NVIDIA-Nemotron-Parse-*, an encoder-d
                    "as the checkpoint's own remote code: transformers has no Nemotron-Parse model or processor class, "
                    "and automodel trains transformers' classes without running a checkpoint's code; fine-tune a "
                    "transformers VLM with default_collate_fn and MaskedCrossEntropy")
+_SPEECH = ("speech recognition fine-tuning (audio clips into Qwen2.5-Omni / Qwen3-Omni, upstream's audio_finetune/) "
+           "is not built here: the VLM recipe feeds a model images and text only (no audio features reach it), and "
+           "decoding the clips needs torchcodec (datasets' Audio column), which this installation lacks")
+_BAGEL = ("upstream's Bagel recipes train ByteDance's BAGEL (a unified understanding-and-generation model with its "
+          "own model code, EMA weights and image-generation loss), which transformers and this build do not have; "
+          "fine-tune a transformers vision-language model with recipe FinetuneRecipeForVLM (automodel finetune vlm)")
 # Upstream names nothing here implements, each with the reason and what to use instead.
 UNSUPPORTED = {
     f"{_DATASETS}.make_meta_dataset": "upstream's meta-JSON data mixtures are not implemented; " + _OURS,
@@ -40,6 +46,18 @@ UNSUPPORTED = {
                                       "kimi_k25_vl_collate_fn) or another transformers VLM with default_collate_fn",
     f"{_COLLATE}.nemotron_parse_collate_fn": _NEMOTRON_PARSE,
     f"{_MODELS}.nemotron_parse.nemotron_parse_loss.NemotronParseLoss": _NEMOTRON_PARSE,
+    "nemo_automodel.components.datasets.utils.packed_sequence_thd_collater_vlm":
+        "THD batches (sequences concatenated, qkv_format thd) feed Transformer Engine's attention kernels, which need "
+        "a CUDA GPU and Transformer Engine; remove collate_fn (default_collate_fn pads each batch; packed_sequence: "
+        "packs samples for Hugging Face attention)",
+    **{f"nemo_automodel.components.datasets.audio.{name}": _SPEECH for name in (
+        "datasets.make_hf_audio_asr_dataset", "multi_en.make_multi_en_asr_dataset",
+        "collate_fns.qwen2_5_omni_asr_collate_fn", "collate_fns.qwen3_omni_asr_collate_fn")},
+    # upstream's Bagel recipes (multimodal_finetune/, multimodal_pretrain/): as a config's recipe: name and path
+    **{name: _BAGEL for name in (
+        "FinetuneRecipeForMultimodal", "PretrainRecipeForMultimodal",
+        "nemo_automodel.recipes.multimodal.finetune.FinetuneRecipeForMultimodal",
+        "nemo_automodel.recipes.multimodal.pretrain.PretrainRecipeForMultimodal")},
 }
 
 
