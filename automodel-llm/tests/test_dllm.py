@@ -144,7 +144,7 @@ def _issues(*overrides: str, route=ROUTE, config=FORM, world: int = 1) -> dict[s
 
 
 @pytest.mark.parametrize("mode, words", [("block_diffusion", "DiffusionGemma"), ("hybrid", "causal logits"),
-                                         ("dflash", "frozen target model"), ("idlm", "I-DLM")])
+                                         ("dflash", "frozen target model")])
 def test_upstreams_other_modes_are_refused_with_the_reason(mode, words):
     assert words in _issues("--dllm.mode", mode)["dllm.mode"]
 
@@ -204,3 +204,80 @@ def test_transformers_loader_by_its_path_is_ours_and_keeps_remote_code_behind_th
     issues = _issues("--model._target_", "transformers.AutoModelForCausalLM.from_pretrained",
                      "--model.trust_remote_code", "true")
     assert list(issues) == ["model.trust_remote_code"] and "--trust-remote-code" in issues["model.trust_remote_code"]
+
+
+# ---- mode idlm ------------------------------------------------------------------------------------------------
+
+IDLM = ("--dllm.mode", "idlm", "--dllm.supervise_padding", "false", "--dllm.block_length", "1",
+        "--dllm.clean_loss_weight", "0.2", "--model._target_", "transformers.AutoModelForCausalLM.from_pretrained",
+        "--model.attn_implementation", "sdpa")
+
+
+def _idlm_mask(length: int, valid: torch.Tensor) -> torch.Tensor:
+    """I-DLM's attention over [x_t | x_0] with blocks of one token, written out key by key from its definition: a
+    masked-copy token sees itself and the clean tokens before it; a clean token the clean tokens up to itself."""
+    rows = valid.shape[0]
+    mask = torch.full((rows, 1, 2 * length, 2 * length), float("-inf"))
+    for row in range(rows):
+        for q in range(2 * length):
+            keys = [q, *(length + k for k in range(q))] if q < length else range(length, q + 1)
+            for k in keys:
+                if valid[row, k % length]:
+                    mask[row, 0, q, k] = 0.0
+    return mask
+
+
+def _idlm_by_hand(model_dir: Path, batch: dict[str, torch.Tensor]) -> tuple[float, float, float]:
+    """(loss, CE(x_t), CE(x_0)) per answer token of the step's one micro-batch, with transformers' Llama."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(str(model_dir))
+    ids, labels, valid = batch["input_ids"], batch["labels"], batch["attention_mask"]
+    length = ids.shape[1]
+    answers = labels != -100
+    inputs = torch.cat([torch.where(answers, MASK, ids), ids], dim=1)
+    positions = torch.arange(length).repeat(2)[None].expand(ids.shape[0], -1)
+    with torch.no_grad():
+        logits = model(input_ids=inputs, position_ids=positions, attention_mask=_idlm_mask(length, valid)).logits
+    following = labels[:, 1:]
+    ce = [F.cross_entropy(half[:, :-1][following != -100], following[following != -100], reduction="sum")
+          for half in (logits[:, :length], logits[:, length:])]
+    tokens = answers.sum()
+    return ((ce[0] + 0.2 * ce[1]) / tokens).item(), (ce[0] / tokens).item(), (ce[1] / tokens).item()
+
+
+def test_idlm_logs_the_hand_computed_loss_and_its_parts(form_args, tmp_path):
+    first = testing.train_inprocess(FORM, *_one_micro_batch(*form_args), *IDLM, "--checkpoint.checkpoint_dir",
+                                    tmp_path / "setup", route=ROUTE, setup_only=True)
+    batch = next(iter(first.dataloader))
+    assert (batch["attention_mask"] == 0).any(), "padding keys are hidden from every query"
+    loss, noisy, clean = _idlm_by_hand(Path(form_args[1]), batch)
+
+    testing.train_inprocess(FORM, *_one_micro_batch(*form_args), *IDLM, "--step_scheduler.log_interval", "1",
+                            "--checkpoint.checkpoint_dir", tmp_path / "run", route=ROUTE)
+    record = read_jsonl(tmp_path / "run" / "training.jsonl")[0]
+    assert record["loss"] == pytest.approx(loss, rel=1e-4)
+    assert (record["loss_noisy"], record["loss_clean"]) == pytest.approx((noisy, clean), rel=1e-4)
+    model_dir = tmp_path / "run" / "epoch_0_step_3" / "model"
+    assert json.loads((model_dir / "config.json").read_text()).get("is_causal", True) is True, "a causal LM still"
+
+
+def test_idlm_auto_balance_weighs_the_clean_loss_by_the_ratio(form_args, tmp_path):
+    testing.train_inprocess(FORM, *_one_micro_batch(*form_args), *IDLM[:6], "--dllm.auto_balance_clean_loss", "true",
+                            "--step_scheduler.max_steps", "1", "--step_scheduler.log_interval", "1",
+                            "--checkpoint.checkpoint_dir", tmp_path, route=ROUTE)
+    record = read_jsonl(tmp_path / "training.jsonl")[0]
+    assert record["loss"] == pytest.approx(2 * record["loss_noisy"], rel=1e-5)
+
+
+def test_idlm_settings_that_cannot_act_are_refused():
+    issues = _issues("--dllm.mode", "idlm", "--dllm.mask_token_id", "null", "--dllm.eps", "0.01",
+                     "--dllm.supervise_padding", "true", "--dllm.clean_loss_weight", "0.5",
+                     "--dllm.auto_balance_clean_loss", "true")
+    assert "needs it set" in issues["dllm.mask_token_id"]
+    assert "mode mdlm" in issues["dllm.eps"]
+    assert "answer tokens only" in issues["dllm.supervise_padding"]
+    assert "remove one" in issues["dllm.clean_loss_weight"]
+    issues = _issues(*IDLM, "--model.attn_implementation", "flash_attention_2")
+    assert "flash_attention_2" in issues["model.attn_implementation"]
+    assert "read by mode idlm only" in _issues("--dllm.block_length", "2")["dllm.block_length"]

@@ -1,15 +1,16 @@
-"""Masked diffusion language models (``automodel finetune dllm``): supervised fine-tuning with the MDLM objective,
-upstream's ``DiffusionLMSFTRecipe`` in its ``dllm.mode: mdlm`` (the LLaDA recipe).
+"""Diffusion language models (``automodel finetune dllm``): upstream's ``DiffusionLMSFTRecipe`` in its
+``dllm.mode: mdlm`` (masked diffusion, the LLaDA recipe) and ``idlm`` (introspective diffusion,
+:mod:`automodel_llm.idlm`).
 
-Each step, every supervised token of a row is replaced by the mask token with the row's probability
+In mode mdlm each step, every supervised token of a row is replaced by the mask token with the row's probability
 ``p = (1 - eps) * t + eps``, ``t ~ U[0, 1)`` drawn per row; the model sees the corrupted rows with attention both ways
 and is trained to recover the masked tokens: the loss is ``sum over masked tokens of CE / p``, divided by the
 supervised tokens of the step (the core's token-weighted step, as upstream normalises it). The masks are drawn from
 generators seeded by the run's seed, the step and the micro-batch's place in it, so a resumed run draws the same ones,
 and validation draws the same masks at every validation (its losses compare across steps).
 
-The other modes of upstream's recipe need models or a second model this build does not have, and are refused with
-their reasons (see :data:`UNBUILT_MODES`).
+Upstream's other modes need models or a second model this build does not have, and are refused with their reasons
+(see :data:`UNBUILT_MODES`).
 """
 
 from __future__ import annotations
@@ -20,13 +21,15 @@ from typing import Any, ClassVar
 
 import torch
 
-from automodel.config import Config, FieldErrors, Refused
+from automodel.config import Config, ConfigNode, FieldErrors, Refused
 from automodel.errors import AutomodelError, ConfigIssue
+from automodel.model_backend import asked_attention
 from automodel.training.dist import rank
 from automodel.training.loss import IGNORE_INDEX, LINEAR, loss_fn_named
 from automodel.training.modules import unwrap
 from automodel.training.next_token import label_positions, next_token_logits
 from automodel.training.parallelism import model_hf_config
+from automodel_llm.idlm import MASKED_ATTENTION, idlm_inputs, idlm_targets
 from automodel_llm.recipe import FinetuneRecipeForNextTokenPrediction, config_labels_shifted
 from automodel_llm.tokenizer import dataset_sections
 
@@ -39,13 +42,13 @@ UNBUILT_MODES = {
               "return no such second output",
     "dflash": "DFlash trains a block-drafting speculative decoder against a second, frozen target model (upstream's "
               "dflash: section), which this build does not train",
-    "idlm": "I-DLM's all-masked objective with its shifted clean-token loss is not built here",
 }
+MODES = ("mdlm", "idlm")
 # upstream's dllm keys that only the modes above read: (the value meaning "not set", the mode that reads it)
 OTHER_MODES_KEYS = {"block_size": "block_diffusion", "half_life_ratio": "block_diffusion",
                     "pad_block_size": "block_diffusion or hybrid", "pad_seq_len_divisible": "block_diffusion or hybrid",
-                    "vocab_size": "block_diffusion", "ar_loss_alpha": "hybrid", "block_length": "idlm",
-                    "clean_loss_weight": "idlm", "auto_balance_clean_loss": "idlm"}
+                    "vocab_size": "block_diffusion", "ar_loss_alpha": "hybrid"}
+IDLM_KEYS = ("block_length", "clean_loss_weight", "auto_balance_clean_loss")
 
 
 def _other_mode(mode: str) -> dict[str, Any]:
@@ -55,11 +58,11 @@ def _other_mode(mode: str) -> dict[str, Any]:
 @dataclass
 class DiffusionLMConfig:
     mode: str = field(default="mdlm", metadata={"help": (
-        "mdlm: masked diffusion (LLaDA's objective), what this recipe trains; upstream's block_diffusion, hybrid, "
-        "dflash and idlm are refused with their reasons")})
+        "mdlm: masked diffusion (LLaDA's objective); idlm: introspective diffusion (I-DLM's all-masked objective on "
+        "a causal LM); upstream's block_diffusion, hybrid and dflash are refused with their reasons")})
     mask_token_id: int | None = field(default=None, metadata={"help": (
-        "the token that replaces masked tokens (default: the tokenizer's mask token)")})
-    eps: float = field(default=1e-3, metadata={"help": "the smallest masking rate of a row, in (0, 1]"})
+        "the token that replaces masked tokens (mdlm's default: the tokenizer's mask token; idlm: required)")})
+    eps: float = field(default=1e-3, metadata={"help": "mdlm: the smallest masking rate of a row, in (0, 1]"})
     supervise_padding: bool = field(default=False, metadata={"help": (
         "true: a row's padding is supervised too (its pad tokens are masked and recovered like the answer's, "
         "LLaDA's SFT: the model learns to end an answer with padding); false: padding carries no loss")})
@@ -69,25 +72,53 @@ class DiffusionLMConfig:
     pad_seq_len_divisible: int | None = field(default=None, metadata=_other_mode("block_diffusion or hybrid"))
     vocab_size: int | None = field(default=None, metadata=_other_mode("block_diffusion"))
     ar_loss_alpha: float | None = field(default=None, metadata=_other_mode("hybrid"))
-    block_length: int | None = field(default=None, metadata=_other_mode("idlm"))
-    clean_loss_weight: float | None = field(default=None, metadata=_other_mode("idlm"))
-    auto_balance_clean_loss: bool | None = field(default=None, metadata=_other_mode("idlm"))
+    block_length: int | None = field(default=None, metadata={"help": (
+        "idlm: the diffusion block (default 1): a masked token sees its own block's masked tokens up to itself and "
+        "the clean tokens of earlier blocks")})
+    clean_loss_weight: float | None = field(default=None, metadata={"help": (
+        "idlm: the weight of the clean copy's loss (default 0.2)")})
+    auto_balance_clean_loss: bool | None = field(default=None, metadata={"help": (
+        "idlm: true weights the clean copy's loss by CE(x_t) / CE(x_0) of each micro-batch instead")})
 
     def __post_init__(self) -> None:
         errors = {}
         if self.mode in UNBUILT_MODES:
-            errors["mode"] = f"{self.mode}: {UNBUILT_MODES[self.mode]}; use mode mdlm (what this recipe trains)"
-        elif self.mode != "mdlm":
-            errors["mode"] = f"expected mdlm (or upstream's {', '.join(UNBUILT_MODES)}), found {self.mode!r}"
+            errors["mode"] = f"{self.mode}: {UNBUILT_MODES[self.mode]}; modes mdlm and idlm are built"
+        elif self.mode not in MODES:
+            errors["mode"] = f"expected mdlm or idlm (or upstream's {', '.join(UNBUILT_MODES)}), found {self.mode!r}"
         if isinstance(self.eps, bool) or not isinstance(self.eps, (int, float)) or not 0 < self.eps <= 1:
             errors["eps"] = f"expected a number in (0, 1], found {self.eps!r}"
         if self.mask_token_id is not None and (isinstance(self.mask_token_id, bool) or self.mask_token_id < 0):
             errors["mask_token_id"] = f"expected a token id >= 0, found {self.mask_token_id!r}"
         for key, mode in OTHER_MODES_KEYS.items():
-            if getattr(self, key) is not None and self.mode == "mdlm":
-                errors[key] = f"{getattr(self, key)!r} is read by upstream's mode {mode} only, not by mdlm: remove it"
+            if getattr(self, key) is not None and self.mode in MODES:
+                errors[key] = (f"{getattr(self, key)!r} is read by upstream's mode {mode} only, not by "
+                               f"{self.mode}: remove it")
+        if self.mode == "mdlm":
+            errors |= {key: f"{getattr(self, key)!r} is read by mode idlm only: remove it"
+                       for key in IDLM_KEYS if getattr(self, key) is not None}
+        elif self.mode == "idlm":
+            errors |= self.idlm_errors()
         if errors:
             raise FieldErrors(errors)
+
+    def idlm_errors(self) -> dict[str, str]:
+        errors = {}
+        if self.mask_token_id is None:
+            errors["mask_token_id"] = "mode idlm needs it set (upstream's rule: a wrong id trains on a real token)"
+        if self.eps != 1e-3:
+            errors["eps"] = "the masking rate's floor of mode mdlm; idlm masks every answer token: remove it"
+        if self.supervise_padding:
+            errors["supervise_padding"] = "true: idlm supervises the answer tokens only (as upstream's): set false"
+        block = self.block_length
+        if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 1):
+            errors["block_length"] = f"expected a whole number >= 1, found {block!r}"
+        weight = self.clean_loss_weight
+        if weight is not None and (isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight < 0):
+            errors["clean_loss_weight"] = f"expected a number >= 0, found {weight!r}"
+        if weight is not None and self.auto_balance_clean_loss:
+            errors["clean_loss_weight"] = "given with auto_balance_clean_loss: true, which replaces it: remove one"
+        return errors
 
 
 class CorruptionSeeds:
@@ -118,9 +149,10 @@ def corrupt(labels: torch.Tensor, eps: float, generator: torch.Generator) -> tup
 
 
 class DiffusionLMSFTRecipe(FinetuneRecipeForNextTokenPrediction):
-    """Fine-tunes a masked diffusion LM (``dllm.mode: mdlm``): the next-token recipe's model, data, sharding and
-    checkpoints, with the corruption and loss above. A decoder's attention is made bidirectional
-    (``config.is_causal: false``, saved in its config.json, which transformers honours when it loads the model)."""
+    """Fine-tunes a diffusion LM: the next-token recipe's model, data, sharding and checkpoints, with the corruption
+    and loss of ``dllm.mode``. In mode mdlm a decoder's attention is made bidirectional (``config.is_causal: false``,
+    saved in its config.json, which transformers honours when it loads the model); in mode idlm the model stays a
+    causal LM and gets I-DLM's attention mask."""
 
     adds_mtp_loss = False  # the heads predict later tokens of a causal model; this loss has no next token
     tensor_parallel_unsupported = ("the loss weights each row's tokens by the row's masking rate on whole logits, "
@@ -163,6 +195,11 @@ class DiffusionLMSFTRecipe(FinetuneRecipeForNextTokenPrediction):
                                       "head, which cannot weight each row by its masking rate; use "
                                       "MaskedCrossEntropy or ChunkedCrossEntropy"))
         mask_id = cfg.dllm.mask_token_id if cfg.get("dllm") is not None else None
+        if cfg.get("dllm") is not None and cfg.dllm.mode == "idlm":
+            asked = asked_attention(cfg.model.to_dict()) if isinstance(cfg.get("model"), ConfigNode) else None
+            if asked is not None and asked[1] not in MASKED_ATTENTION:
+                issues.append(ConfigIssue(f"model.{asked[0]}", f"{asked[1]!r}: mode idlm gives the model I-DLM's "
+                                          "attention mask, which sdpa and eager attention take; use one of them"))
         vocab = getattr(model_hf_config(cfg), "vocab_size", None)
         if mask_id is not None and isinstance(vocab, int) and mask_id >= vocab:
             issues.append(ConfigIssue("dllm.mask_token_id", f"{mask_id} is not a token of the model, whose vocabulary "
@@ -172,15 +209,31 @@ class DiffusionLMSFTRecipe(FinetuneRecipeForNextTokenPrediction):
     def setup(self) -> None:
         super().setup()
         settings = self.cfg.get("dllm") or DiffusionLMConfig()
-        self.eps, self.supervise_padding = float(settings.eps), settings.supervise_padding
+        self.mode, self.eps, self.supervise_padding = settings.mode, float(settings.eps), settings.supervise_padding
         self.mask_token_id = self.resolve_mask_token(settings.mask_token_id)
-        self.seeds = CorruptionSeeds(self.cfg.rng.seed)
+        self.seeds = CorruptionSeeds(self.cfg.rng.seed)  # mdlm's masks (idlm masks every answer token)
         model = unwrap(self.model)
+        if self.mode == "idlm":
+            self.setup_idlm(model, settings)
+            return
         if any(getattr(m, "is_causal", False) is True for m in model.modules() if m is not model):
             model.config.is_causal = False  # transformers' mask builders then give every token every other
             self.log("attention: bidirectional (config.is_causal: false, saved with the model)")
         self.log(f"masked diffusion (mdlm): mask token {self.mask_token_id}, masking rates in [{self.eps}, 1), "
                  f"padding {'supervised' if self.supervise_padding else 'not supervised'}")
+
+    def setup_idlm(self, model: torch.nn.Module, settings: DiffusionLMConfig) -> None:
+        attention = getattr(model.config, "_attn_implementation", None)
+        if attention not in MASKED_ATTENTION:
+            raise AutomodelError(f"dllm.mode: idlm gives the model I-DLM's attention mask, which sdpa and eager "
+                                 f"attention take, but it runs {attention!r}: set model.attn_implementation: sdpa")
+        self.additive_mask = attention == "eager"
+        self.block = settings.block_length or 1
+        self.clean_weight = 0.2 if settings.clean_loss_weight is None else float(settings.clean_loss_weight)
+        self.auto_balance = bool(settings.auto_balance_clean_loss)
+        weight = "CE(x_t) / CE(x_0) per micro-batch" if self.auto_balance else self.clean_weight
+        self.log(f"introspective diffusion (idlm): mask token {self.mask_token_id}, blocks of {self.block}, "
+                 f"loss CE(x_t) + {weight} x CE(x_0) over the answer tokens")
 
     def resolve_mask_token(self, given: int | None) -> int:
         mask_id = given if given is not None else getattr(self.tokenizer, "mask_token_id", None)
@@ -219,6 +272,11 @@ class DiffusionLMSFTRecipe(FinetuneRecipeForNextTokenPrediction):
         super().validate()
 
     def compute_loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        if self.mode == "idlm":
+            return self.idlm_loss(model, batch)
+        return self.mdlm_loss(model, batch)
+
+    def mdlm_loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The masked tokens' cross entropy (``loss_fn``, summed) over each row, divided by the row's masking rate;
         the model gets the corrupted rows without an attention mask (upstream's: the rows are attended whole)."""
         ids, labels = self.clean_rows(batch)
@@ -235,3 +293,22 @@ class DiffusionLMSFTRecipe(FinetuneRecipeForNextTokenPrediction):
             chosen = rows == row
             total = total + self.loss_fn(logits[chosen], flat_targets[chosen]).float() / rate[row]
         return total
+
+    def idlm_loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``CE(x_t) + weight x CE(x_0)`` of the ``[x_t | x_0]`` forward (:mod:`automodel_llm.idlm`), each the
+        ``loss_fn`` sum over the answer tokens; the two parts are logged as ``loss_noisy`` and ``loss_clean``."""
+        ids, labels = self.clean_rows(batch)
+        valid = batch.get("attention_mask")
+        valid = torch.ones_like(ids) if valid is None else valid.to(ids.device)
+        inputs = idlm_inputs(ids, labels != IGNORE_INDEX, valid, self.mask_token_id, self.block, self.additive_mask)
+        targets = idlm_targets(labels)
+        index = label_positions(targets, offset=0)
+        logits, flat_targets = next_token_logits(model, inputs, targets, index, self.head_positions, offset=0)
+        clean = index % targets.shape[1] >= ids.shape[1]
+        noisy_sum = self.loss_fn(logits[~clean], flat_targets[~clean]).float()
+        clean_sum = self.loss_fn(logits[clean], flat_targets[clean]).float()
+        weight = (noisy_sum / clean_sum.clamp_min(1e-6)).detach() if self.auto_balance else self.clean_weight
+        if model.training:
+            self.add_loss_part("noisy", noisy_sum)
+            self.add_loss_part("clean", clean_sum)
+        return noisy_sum + weight * clean_sum
