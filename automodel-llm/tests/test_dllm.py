@@ -54,7 +54,7 @@ def _by_hand(model_dir: Path, batch: dict[str, torch.Tensor], step: int, seed: i
     targets = torch.where(padding, ids, batch["labels"])
     seeds = CorruptionSeeds(seed)
     seeds.start("train", step)
-    masked, rate = corrupt(targets, 1e-3, seeds.generator())
+    masked, rate = corrupt(ids, targets, batch["attention_mask"].sum(dim=1).tolist(), 1e-3, seeds)
     assert masked.any() and (~masked & (targets != -100)).any(), "some supervised tokens masked, some not"
     with torch.no_grad():
         logits = model(input_ids=torch.where(masked, MASK, ids)).logits
@@ -281,3 +281,23 @@ def test_idlm_settings_that_cannot_act_are_refused():
     issues = _issues(*IDLM, "--model.attn_implementation", "flash_attention_2")
     assert "flash_attention_2" in issues["model.attn_implementation"]
     assert "read by mode idlm only" in _issues("--dllm.block_length", "2")["dllm.block_length"]
+
+
+def test_two_fsdp2_ranks_train_as_one_process_with_their_batches_together(form_args, tmp_path):
+    """A row draws its mask from its own tokens, the step and the seed: two data-parallel ranks of 2 rows each give
+    the losses of one process of 4 (the same rows per step, unshuffled; padding not supervised, as its amount
+    follows each micro-batch's longest row)."""
+    from automodel.testing import free_port
+
+    common = [*map(str, form_args), "--dllm.supervise_padding", "false", "--step_scheduler.log_interval", "1",
+              "--step_scheduler.global_batch_size", "4", "--step_scheduler.max_steps", "3"]
+    one = run_cli("run", "-c", FORM, *common, "--step_scheduler.local_batch_size", "4",
+                  "--checkpoint.checkpoint_dir", tmp_path / "one", cwd=tmp_path, OMP_NUM_THREADS="1")
+    assert one.returncode == 0, one.stderr[-4000:]
+    two = run_cli("run", "-c", FORM, *common, "--step_scheduler.local_batch_size", "2", "--nproc-per-node", "2",
+                  "--master-port", str(free_port()), "--checkpoint.checkpoint_dir", tmp_path / "two", cwd=tmp_path,
+                  OMP_NUM_THREADS="1")
+    assert two.returncode == 0, two.stderr[-4000:]
+    one_losses = testing.losses_by_step(tmp_path / "one" / "training.jsonl")
+    assert sorted(one_losses) == [1, 2, 3]
+    assert testing.losses_by_step(tmp_path / "two" / "training.jsonl") == pytest.approx(one_losses, rel=1e-4)

@@ -6,8 +6,9 @@ In mode mdlm each step, every supervised token of a row is replaced by the mask 
 ``p = (1 - eps) * t + eps``, ``t ~ U[0, 1)`` drawn per row; the model sees the corrupted rows with attention both ways
 and is trained to recover the masked tokens: the loss is ``sum over masked tokens of CE / p``, divided by the
 supervised tokens of the step (the core's token-weighted step, as upstream normalises it). The masks are drawn from
-generators seeded by the run's seed, the step and the micro-batch's place in it, so a resumed run draws the same ones,
-and validation draws the same masks at every validation (its losses compare across steps).
+generators seeded by the run's seed, the step and each row's tokens, so a resumed run draws the same ones, a row the
+same mask on any number of ranks, and validation the same masks at every validation (its losses compare across
+steps).
 
 Upstream's other modes need models or a second model this build does not have, and are refused with their reasons
 (see :data:`UNBUILT_MODES`).
@@ -24,7 +25,6 @@ import torch
 from automodel.config import Config, ConfigNode, FieldErrors, Refused
 from automodel.errors import AutomodelError, ConfigIssue
 from automodel.model_backend import asked_attention
-from automodel.training.dist import rank
 from automodel.training.loss import IGNORE_INDEX, LINEAR, loss_fn_named
 from automodel.training.modules import unwrap
 from automodel.training.next_token import label_positions, next_token_logits
@@ -122,29 +122,35 @@ class DiffusionLMConfig:
 
 
 class CorruptionSeeds:
-    """Generators for the masks: a function of the run's seed, the phase (training or validation), the step, the
-    rank and the draw's place in the step, never of the global random state, so a resumed run draws the same masks
-    and every validation the same ones."""
+    """Generators for the masks, one per row: a function of the run's seed, the phase (training or validation), the
+    step and the row's tokens, never of the global random state or of where the row lands, so a resumed run draws
+    the same masks, every validation the same ones, and a row draws the same mask whatever the number of
+    data-parallel ranks or micro-batches (upstream seeds each sample by its place in the global batch for the same
+    reason)."""
 
     def __init__(self, seed: int):
-        self.seed, self.phase, self.step, self.draw = seed, "train", 0, 0
+        self.seed, self.phase, self.step = seed, "train", 0
 
     def start(self, phase: str, step: int) -> None:
-        self.phase, self.step, self.draw = phase, step, 0
+        self.phase, self.step = phase, step
 
-    def generator(self) -> torch.Generator:
-        key = f"{self.seed}/{self.phase}/{self.step}/{rank()}/{self.draw}".encode()
-        self.draw += 1
+    def generator(self, tokens: torch.Tensor) -> torch.Generator:
+        key = f"{self.seed}/{self.phase}/{self.step}/".encode() + tokens.cpu().numpy().tobytes()
         return torch.Generator().manual_seed(int.from_bytes(hashlib.sha256(key).digest()[:7], "little"))
 
 
-def corrupt(labels: torch.Tensor, eps: float, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def corrupt(ids: torch.Tensor, labels: torch.Tensor, lengths: list[int], eps: float,
+            seeds: CorruptionSeeds) -> tuple[torch.Tensor, torch.Tensor]:
     """``(masked, rate)``: which supervised positions (``labels != IGNORE_INDEX``) to mask, each row's with its rate
-    ``(1 - eps) * t + eps``, ``t ~ U[0, 1)`` drawn per row; and the rows' rates. Drawn on the host from
-    ``generator``, so the masks do not depend on the device."""
+    ``(1 - eps) * t + eps``, ``t ~ U[0, 1)``; and the rows' rates. Row ``r``'s draws come from the generator of its
+    first ``lengths[r]`` tokens (its real ones), the rate first, then one number per position, so its padding does
+    not change the mask of its real tokens. Drawn on the host, so the masks do not depend on the device."""
     rows, length = labels.shape
-    rate = (1 - eps) * torch.rand(rows, generator=generator) + eps
-    masked = torch.rand(rows, length, generator=generator) < rate[:, None]
+    masked, rate = torch.zeros(rows, length, dtype=torch.bool), torch.empty(rows)
+    for row in range(rows):
+        generator = seeds.generator(ids[row, :lengths[row]])
+        rate[row] = (1 - eps) * torch.rand(1, generator=generator).item() + eps
+        masked[row] = torch.rand(length, generator=generator) < rate[row]
     return masked.to(labels.device) & (labels != IGNORE_INDEX), rate.to(labels.device)
 
 
@@ -280,7 +286,9 @@ class DiffusionLMSFTRecipe(FinetuneRecipeForNextTokenPrediction):
         """The masked tokens' cross entropy (``loss_fn``, summed) over each row, divided by the row's masking rate;
         the model gets the corrupted rows without an attention mask (upstream's: the rows are attended whole)."""
         ids, labels = self.clean_rows(batch)
-        masked, rate = corrupt(labels, self.eps, self.seeds.generator())
+        mask = batch.get("attention_mask")
+        lengths = mask.sum(dim=1).tolist() if mask is not None else [ids.shape[1]] * ids.shape[0]
+        masked, rate = corrupt(ids, labels, lengths, self.eps, self.seeds)
         targets = torch.where(masked, labels, IGNORE_INDEX)
         inputs = {"input_ids": torch.where(masked, self.mask_token_id, ids), "use_cache": False}
         if "position_ids" in batch:
