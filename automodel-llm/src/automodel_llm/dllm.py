@@ -185,8 +185,8 @@ class DiffusionLMSFTRecipe(FinetuneRecipeForNextTokenPrediction):
         packing = cfg.get("packed_sequence")
         if packing is not None and (packing.enabled or packing.packed_sequence_size > 0):
             issues.append(ConfigIssue("packed_sequence", "packing puts several samples in a row, and the diffusion "
-                                      "model's attention goes both ways across the whole row, so they would see each "
-                                      "other; remove the section"))
+                                      "objectives attend across the whole row (mdlm both ways; idlm's mask spans the "
+                                      "row's two copies), so the samples would see each other; remove the section"))
         if config_labels_shifted(cfg):
             issues.append(ConfigIssue("dataset._target_", "its labels are the next tokens (pre-shifted); the "
                                       "diffusion loss recovers each token at its own position: use a data set whose "
