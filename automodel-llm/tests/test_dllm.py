@@ -94,9 +94,11 @@ def test_without_padding_supervision_the_loss_covers_the_answers_only(form_args,
 
 
 def test_a_resumed_run_draws_the_same_masks(form_args, tmp_path):
-    """Steps 3 and 4 of a run resumed from its step-2 checkpoint log the uninterrupted run's losses."""
+    """Steps 3 and 4 of a run resumed from its step-2 checkpoint log the uninterrupted run's losses (the batches
+    length-grouped and shuffled: the sampler resumes where it was)."""
     every = ("--step_scheduler.log_interval", "1", "--step_scheduler.val_every_steps", "100",
-             "--lr_scheduler.lr_decay_style", "constant")  # the same rates in a 2-step and a 4-step run
+             "--lr_scheduler.lr_decay_style", "constant",  # the same rates in a 2-step and a 4-step run
+             "--dataloader.group_by_length", "true", "--dataloader.shuffle", "true")
     testing.train_inprocess(FORM, *form_args, *every, "--step_scheduler.max_steps", "4",
                             "--checkpoint.checkpoint_dir", tmp_path / "whole", route=ROUTE)
     testing.train_inprocess(FORM, *form_args, *every, "--step_scheduler.max_steps", "2",
