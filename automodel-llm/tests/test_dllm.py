@@ -153,6 +153,7 @@ def test_upstreams_other_modes_are_refused_with_the_reason(mode, words):
 
 def test_keys_that_cannot_act_are_refused():
     assert "vocabulary has 482 tokens" in _issues("--dllm.mask_token_id", "999")["dllm.mask_token_id"]
+    assert "the tokenizer has no mask token" in _issues("--dllm.mask_token_id", "null")["dllm.mask_token_id"]
     issues = _issues("--dllm.block_size", "32", "--distributed.tp_size", "2",
                      "--dataset.unshifted", "false", "--eval_generation.enabled", "true",
                      "--packed_sequence.packed_sequence_size", "64", world=2)

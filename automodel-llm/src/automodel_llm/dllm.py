@@ -31,7 +31,7 @@ from automodel.training.next_token import label_positions, next_token_logits
 from automodel.training.parallelism import model_hf_config
 from automodel_llm.idlm import MASKED_ATTENTION, idlm_inputs, idlm_targets
 from automodel_llm.recipe import FinetuneRecipeForNextTokenPrediction, config_labels_shifted
-from automodel_llm.tokenizer import dataset_sections
+from automodel_llm.tokenizer import dataset_sections, local_tokenizer
 
 UNBUILT_MODES = {
     "block_diffusion": "block diffusion trains Google's DiffusionGemma (upstream's DiffusionGemmaSFTRecipe: its "
@@ -206,6 +206,12 @@ class DiffusionLMSFTRecipe(FinetuneRecipeForNextTokenPrediction):
             if asked is not None and asked[1] not in MASKED_ATTENTION:
                 issues.append(ConfigIssue(f"model.{asked[0]}", f"{asked[1]!r}: mode idlm gives the model I-DLM's "
                                           "attention mask, which sdpa and eager attention take; use one of them"))
+        if cfg.get("dllm") is not None and mask_id is None and cfg.dllm.mode == "mdlm":
+            tokenizer = local_tokenizer(cfg)
+            if tokenizer is not None and getattr(tokenizer, "mask_token_id", None) is None:
+                issues.append(ConfigIssue("dllm.mask_token_id", "not set, and the tokenizer has no mask token; set "
+                                          "it to the id of the token that stands for a masked one (LLaDA's is "
+                                          "126336)"))
         vocab = getattr(model_hf_config(cfg), "vocab_size", None)
         if mask_id is not None and isinstance(vocab, int) and mask_id >= vocab:
             issues.append(ConfigIssue("dllm.mask_token_id", f"{mask_id} is not a token of the model, whose vocabulary "

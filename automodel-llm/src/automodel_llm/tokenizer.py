@@ -123,7 +123,7 @@ def dataset_sections(cfg: Config) -> list[tuple[str, Any, Any]]:
     return found
 
 
-def _local_tokenizer(cfg: Config) -> Any:
+def local_tokenizer(cfg: Config) -> Any:
     """The tokenizer when it loads from this machine without error, else None (setup reports the error)."""
     source, _ = tokenizer_source(cfg)
     if not isinstance(source, str) or not Path(source).expanduser().exists():
@@ -163,7 +163,7 @@ def tokenizer_issues(cfg: Config) -> list[ConfigIssue]:
     vocab = model_vocab_size(cfg)
     if not chat and vocab is None:
         return issues
-    tokenizer = _local_tokenizer(cfg)
+    tokenizer = local_tokenizer(cfg)
     if tokenizer is None:
         return issues
     if not getattr(tokenizer, "chat_template", None):
