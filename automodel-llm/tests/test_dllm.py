@@ -304,3 +304,24 @@ def test_two_fsdp2_ranks_train_as_one_process_with_their_batches_together(form_a
     one_losses = testing.losses_by_step(tmp_path / "one" / "training.jsonl")
     assert sorted(one_losses) == [1, 2, 3]
     assert testing.losses_by_step(tmp_path / "two" / "training.jsonl") == pytest.approx(one_losses, rel=1e-4)
+
+
+def test_a_lora_adapter_exports_merged_into_a_base_that_attends_both_ways(form_args, tmp_path):
+    """mdlm trains the adapter with attention both ways: automodel export merges it into the recorded base made
+    bidirectional (its config.json says is_causal: false), giving the logits of peft's PeftModel over that base."""
+    from peft import PeftModel
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    testing.train_inprocess(FORM, *form_args, "--peft.dim", "4", "--peft.match_all_linear", "true",
+                            "--checkpoint.checkpoint_dir", tmp_path / "run", route=ROUTE)
+    result = run_cli("export", tmp_path / "run" / "epoch_0_step_3", tmp_path / "merged", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"))
+    assert merged.config.is_causal is False
+    config = AutoConfig.from_pretrained(str(form_args[1]))
+    config.is_causal = False  # as the run's final message says
+    base = AutoModelForCausalLM.from_pretrained(str(form_args[1]), config=config)
+    adapted = PeftModel.from_pretrained(base, str(tmp_path / "run" / "epoch_0_step_3" / "model"))
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        assert torch.allclose(merged(input_ids=ids).logits, adapted(input_ids=ids).logits, atol=1e-5)

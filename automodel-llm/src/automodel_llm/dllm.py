@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -25,6 +26,7 @@ import torch
 from automodel.config import Config, ConfigNode, FieldErrors, Refused
 from automodel.errors import AutomodelError, ConfigIssue
 from automodel.model_backend import asked_attention
+from automodel.training.context import BuildContext
 from automodel.training.loss import IGNORE_INDEX, LINEAR, loss_fn_named
 from automodel.training.modules import unwrap
 from automodel.training.next_token import label_positions, next_token_logits
@@ -154,6 +156,12 @@ def corrupt(ids: torch.Tensor, labels: torch.Tensor, lengths: list[int], eps: fl
     return masked.to(labels.device) & (labels != IGNORE_INDEX), rate.to(labels.device)
 
 
+def is_decoder(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s attention is built causal (its attention modules say ``is_causal``): a decoder, whose
+    config's ``is_causal`` transformers reads; an encoder or a model of its own code attends as it was built."""
+    return any(getattr(module, "is_causal", False) is True for module in model.modules() if module is not model)
+
+
 class DiffusionLMSFTRecipe(FinetuneRecipeForNextTokenPrediction):
     """Fine-tunes a diffusion LM: the next-token recipe's model, data, sharding and checkpoints, with the corruption
     and loss of ``dllm.mode``. In mode mdlm a decoder's attention is made bidirectional (``config.is_causal: false``,
@@ -228,11 +236,29 @@ class DiffusionLMSFTRecipe(FinetuneRecipeForNextTokenPrediction):
         if self.mode == "idlm":
             self.setup_idlm(model, settings)
             return
-        if any(getattr(m, "is_causal", False) is True for m in model.modules() if m is not model):
-            model.config.is_causal = False  # transformers' mask builders then give every token every other
+        if getattr(model.config, "is_causal", True) is False and is_decoder(model):
             self.log("attention: bidirectional (config.is_causal: false, saved with the model)")
         self.log(f"masked diffusion (mdlm): mask token {self.mask_token_id}, masking rates in [{self.eps}, 1), "
                  f"padding {'supervised' if self.supervise_padding else 'not supervised'}")
+
+    def build_model(self, ctx: BuildContext) -> torch.nn.Module:
+        """The model section's model; in mode mdlm a decoder's attention made bidirectional (``config.is_causal:
+        false``: transformers' mask builders then give every token every other), here rather than in setup so that
+        ``automodel export`` merges a LoRA adapter into a base that attends as training did."""
+        model = super().build_model(ctx)
+        settings = self.cfg.get("dllm") or DiffusionLMConfig()
+        if settings.mode == "mdlm" and is_decoder(model):
+            model.config.is_causal = False
+        return model
+
+    def final_message(self, model_dir: Path) -> str:
+        message = super().final_message(model_dir)
+        if self.mode == "mdlm" and (model_dir / "adapter_config.json").is_file():
+            message += (" over a base whose config says is_causal = False (the adapter was trained with attention "
+                        "both ways): config = AutoConfig.from_pretrained(base); config.is_causal = False; "
+                        "AutoModelForCausalLM.from_pretrained(base, config=config); the merged model's config.json "
+                        "says so itself")
+        return message
 
     def setup_idlm(self, model: torch.nn.Module, settings: DiffusionLMConfig) -> None:
         attention = getattr(model.config, "_attn_implementation", None)

@@ -18,7 +18,8 @@ def with_recorded_base(data: dict, model_dir: Path) -> dict:
     """The run's config with the base model and tokenizer the run recorded, never re-resolved from today's
     environment: config.yaml keeps ``${VAR}`` placeholders, so ``${BASE}`` would otherwise mean whatever BASE is
     now. The adapter's ``base_model_name_or_path`` (the resolved path, or config, the run loaded) replaces the model
-    section's source, and the tokenizer saved beside the adapter replaces the tokenizer section."""
+    section's source, and the tokenizer saved beside the adapter replaces the tokenizer section (and upstream's form
+    of it, a data set's ``tokenizer``)."""
     from automodel.config.model_paths import missing_location
     from automodel.hf import model_source, recorded_adapter_base
 
@@ -37,6 +38,9 @@ def with_recorded_base(data: dict, model_dir: Path) -> dict:
     data = {**data, "model": {**data["model"], found[1].removeprefix("model."): recorded}} if found else data
     if (model_dir / "tokenizer_config.json").is_file():
         data["tokenizer"] = {"pretrained_model_name_or_path": str(model_dir)}
+        for key, node in list(data.items()):  # upstream's form of the run's one tokenizer, in a data set section
+            if (key == "dataset" or key.startswith("validation_dataset")) and isinstance(node, dict):
+                data[key] = {k: v for k, v in node.items() if k != "tokenizer"}
     return data
 
 
@@ -94,11 +98,22 @@ def _auto_class(model_dir: Path) -> str:
     return "AutoModelForSequenceClassification" if classifier else "AutoModelForCausalLM"
 
 
-def _adapter_route(adapter_dir: Path) -> str:
+# the diffusion-LM recipe's names (ours and upstream's, bare or as the last part of a dotted path)
+DIFFUSION_LM_RECIPES = ("DiffusionLMSFTRecipe", "DiffusionGemmaSFTRecipe")
+
+
+def _adapter_route(adapter_dir: Path, data: dict) -> str:
     """The domain of the fine-tuning route whose recipe trained the adapter: ``seq-cls`` for peft's
-    sequence-classification task (the classifier's LoRA, its head saved with it), else ``llm``."""
+    sequence-classification task (the classifier's LoRA, its head saved with it), ``dllm`` for a run whose config
+    names the diffusion-LM recipe or has its ``dllm:`` section (the merged model then attends as training did), else
+    ``llm``."""
     config = json.loads((adapter_dir / "adapter_config.json").read_text(encoding="utf-8"))
-    return "seq-cls" if config.get("task_type") == "SEQ_CLS" else "llm"
+    if config.get("task_type") == "SEQ_CLS":
+        return "seq-cls"
+    recipe = data.get("recipe")
+    named = recipe.get("_target_") if isinstance(recipe, dict) else recipe
+    diffusion = isinstance(named, str) and named.rsplit(".", 1)[-1] in DIFFUSION_LM_RECIPES
+    return "dllm" if diffusion or "dllm" in data else "llm"
 
 
 def _merge_adapter(config_file: Path, adapter_dir: Path, out: Path) -> None:
@@ -114,7 +129,7 @@ def _merge_adapter(config_file: Path, adapter_dir: Path, out: Path) -> None:
 
     manager = get_plugin_manager()
     data = with_recorded_base(load_yaml_file(config_file), adapter_dir)
-    recipe_cls = import_recipe(manager.routes.get("finetune", _adapter_route(adapter_dir)).recipe)
+    recipe_cls = import_recipe(manager.routes.get("finetune", _adapter_route(adapter_dir, data)).recipe)
     try:
         cfg = build_config(data, recipe_cls, manager.resolver(), source=str(config_file))
     except ConfigError as err:
