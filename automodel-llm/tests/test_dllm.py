@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+import yaml
 from llm_testing import ASSETS, PKG_DIR
 
 from automodel import testing
@@ -136,6 +137,9 @@ def test_the_shipped_example_trains_by_its_route(tmp_path):
     assert result.returncode == 0, result.stderr[-4000:]
     assert "masked diffusion (mdlm): mask token 3" in result.stderr
     assert (tmp_path / "run" / "epoch_0_step_3" / "model" / "config.json").exists()
+    saved = yaml.safe_load((tmp_path / "run" / "epoch_0_step_3" / "config.yaml").read_text())
+    assert saved["recipe"] == "automodel_llm.dllm.DiffusionLMSFTRecipe", "the route's recipe, for automodel export"
+    assert saved["dllm"]["mask_token_id"] == 3
 
 
 def _issues(*overrides: str, route=ROUTE, config=FORM, world: int = 1) -> dict[str, str]:
