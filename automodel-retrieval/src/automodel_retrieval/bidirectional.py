@@ -15,12 +15,7 @@ from typing import Any
 from torch import nn
 
 from automodel.errors import AutomodelError
-
-
-def is_decoder(model: nn.Module) -> bool:
-    """Whether ``model``'s attention is built causal (its attention modules say ``is_causal``), whatever its config
-    says now: a decoder-only backbone, as opposed to an encoder such as BERT."""
-    return any(getattr(module, "is_causal", False) is True for module in model.modules() if module is not model)
+from automodel.training.modules import is_decoder
 
 
 def is_bidirectional(model: nn.Module) -> bool:

@@ -1,4 +1,4 @@
-"""Looking inside the wrappers the pipeline puts around a model (DDP, torch.compile, FSDP2)."""
+"""Looking inside a model: the wrappers the pipeline puts around it (DDP, torch.compile, FSDP2), its attention."""
 
 from __future__ import annotations
 
@@ -21,3 +21,10 @@ def is_fsdp2(model: torch.nn.Module) -> bool:
 
 def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
+
+
+def is_decoder(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s attention is built causal (its attention modules say ``is_causal``), whatever its config
+    says now: a decoder, whose config's ``is_causal: false`` transformers 5 reads as attention both ways, as opposed
+    to an encoder such as BERT (or a model of its own code, which attends as it was built)."""
+    return any(getattr(module, "is_causal", False) is True for module in model.modules() if module is not model)
