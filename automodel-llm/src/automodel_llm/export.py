@@ -7,6 +7,7 @@ import json
 import shutil
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -98,27 +99,21 @@ def _auto_class(model_dir: Path) -> str:
     return "AutoModelForSequenceClassification" if classifier else "AutoModelForCausalLM"
 
 
-# the diffusion-LM recipe's names (ours and upstream's, bare or as the last part of a dotted path)
-DIFFUSION_LM_RECIPES = ("DiffusionLMSFTRecipe", "DiffusionGemmaSFTRecipe")
+def _adapter_recipe(adapter_dir: Path, data: dict, manager: Any) -> type:
+    """The recipe that trained the adapter: the one the run's config names (``recipe:``; a diffusion-LM run's
+    checkpoint always names it, so its base is built as training built it), else the fine-tuning route's for peft's
+    task: ``seq-cls`` for sequence classification (the classifier's LoRA, its head saved with it), else ``llm``."""
+    from automodel.cli.execute import import_recipe, recipe_from_config
 
-
-def _adapter_route(adapter_dir: Path, data: dict) -> str:
-    """The domain of the fine-tuning route whose recipe trained the adapter: ``seq-cls`` for peft's
-    sequence-classification task (the classifier's LoRA, its head saved with it), ``dllm`` for a run whose config
-    names the diffusion-LM recipe or has its ``dllm:`` section (the merged model then attends as training did), else
-    ``llm``."""
+    if "recipe" in data:
+        return recipe_from_config(data, manager)
     config = json.loads((adapter_dir / "adapter_config.json").read_text(encoding="utf-8"))
-    if config.get("task_type") == "SEQ_CLS":
-        return "seq-cls"
-    recipe = data.get("recipe")
-    named = recipe.get("_target_") if isinstance(recipe, dict) else recipe
-    diffusion = isinstance(named, str) and named.rsplit(".", 1)[-1] in DIFFUSION_LM_RECIPES
-    return "dllm" if diffusion or "dllm" in data else "llm"
+    domain = "seq-cls" if config.get("task_type") == "SEQ_CLS" else "llm"
+    return import_recipe(manager.routes.get("finetune", domain).recipe)
 
 
 def _merge_adapter(config_file: Path, adapter_dir: Path, out: Path) -> None:
     """The base model rebuilt from the run's (checked) config, the adapter loaded and merged, saved in ``out``."""
-    from automodel.cli.execute import import_recipe
     from automodel.config import build_config, load_yaml_file
     from automodel.hf import load_adapter_weights
     from automodel.meta_build import building_on_meta
@@ -129,8 +124,8 @@ def _merge_adapter(config_file: Path, adapter_dir: Path, out: Path) -> None:
 
     manager = get_plugin_manager()
     data = with_recorded_base(load_yaml_file(config_file), adapter_dir)
-    recipe_cls = import_recipe(manager.routes.get("finetune", _adapter_route(adapter_dir, data)).recipe)
     try:
+        recipe_cls = _adapter_recipe(adapter_dir, data, manager)
         cfg = build_config(data, recipe_cls, manager.resolver(), source=str(config_file))
     except ConfigError as err:
         raise ConfigError([ConfigIssue(f"{config_file}: {issue.key}", issue.message, issue.suggestion)
