@@ -28,7 +28,7 @@ from automodel.errors import AutomodelError, ConfigIssue
 from automodel.model_backend import asked_attention
 from automodel.training.context import BuildContext
 from automodel.training.loss import IGNORE_INDEX, LINEAR, loss_fn_named
-from automodel.training.modules import unwrap
+from automodel.training.modules import is_decoder, unwrap
 from automodel.training.next_token import label_positions, next_token_logits
 from automodel.training.parallelism import model_hf_config
 from automodel_llm.idlm import MASKED_ATTENTION, idlm_inputs, idlm_targets
@@ -156,12 +156,6 @@ def corrupt(ids: torch.Tensor, labels: torch.Tensor, lengths: list[int], eps: fl
     return masked.to(labels.device) & (labels != IGNORE_INDEX), rate.to(labels.device)
 
 
-def is_decoder(model: torch.nn.Module) -> bool:
-    """Whether ``model``'s attention is built causal (its attention modules say ``is_causal``): a decoder, whose
-    config's ``is_causal`` transformers reads; an encoder or a model of its own code attends as it was built."""
-    return any(getattr(module, "is_causal", False) is True for module in model.modules() if module is not model)
-
-
 class DiffusionLMSFTRecipe(FinetuneRecipeForNextTokenPrediction):
     """Fine-tunes a diffusion LM: the next-token recipe's model, data, sharding and checkpoints, with the corruption
     and loss of ``dllm.mode``. In mode mdlm a decoder's attention is made bidirectional (``config.is_causal: false``,
@@ -208,13 +202,23 @@ class DiffusionLMSFTRecipe(FinetuneRecipeForNextTokenPrediction):
             issues.append(ConfigIssue("loss_fn._target_", "FusedLinearCrossEntropy sums the loss inside the output "
                                       "head, which cannot weight each row by its masking rate; use "
                                       "MaskedCrossEntropy or ChunkedCrossEntropy"))
-        mask_id = cfg.dllm.mask_token_id if cfg.get("dllm") is not None else None
-        if cfg.get("dllm") is not None and cfg.dllm.mode == "idlm":
+        settings = cfg.get("dllm") if "dllm" in cfg else DiffusionLMConfig()
+        if settings is not None:  # None: the section itself was refused (its issues are reported)
+            issues += cls.settings_issues(cfg, settings)
+        return issues
+
+    @classmethod
+    def settings_issues(cls, cfg: Config, settings: DiffusionLMConfig) -> list[ConfigIssue]:
+        """What the ``dllm`` settings need of the model and the tokenizer: an attention idlm's mask can be given to,
+        a mask token (mdlm: the tokenizer's when none is set), inside the model's vocabulary."""
+        issues = []
+        mask_id = settings.mask_token_id
+        if settings.mode == "idlm":
             asked = asked_attention(cfg.model.to_dict()) if isinstance(cfg.get("model"), ConfigNode) else None
             if asked is not None and asked[1] not in MASKED_ATTENTION:
                 issues.append(ConfigIssue(f"model.{asked[0]}", f"{asked[1]!r}: mode idlm gives the model I-DLM's "
                                           "attention mask, which sdpa and eager attention take; use one of them"))
-        if cfg.get("dllm") is not None and mask_id is None and cfg.dllm.mode == "mdlm":
+        elif mask_id is None:
             tokenizer = local_tokenizer(cfg)
             if tokenizer is not None and getattr(tokenizer, "mask_token_id", None) is None:
                 issues.append(ConfigIssue("dllm.mask_token_id", "not set, and the tokenizer has no mask token; set "
