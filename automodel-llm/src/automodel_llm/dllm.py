@@ -137,7 +137,8 @@ class CorruptionSeeds:
         self.phase, self.step = phase, step
 
     def generator(self, tokens: torch.Tensor) -> torch.Generator:
-        key = f"{self.seed}/{self.phase}/{self.step}/".encode() + tokens.cpu().numpy().tobytes()
+        """The generator of a row whose real tokens (on the host) are ``tokens``."""
+        key = f"{self.seed}/{self.phase}/{self.step}/".encode() + tokens.numpy().tobytes()
         return torch.Generator().manual_seed(int.from_bytes(hashlib.sha256(key).digest()[:7], "little"))
 
 
@@ -149,6 +150,7 @@ def corrupt(ids: torch.Tensor, labels: torch.Tensor, lengths: list[int], eps: fl
     not change the mask of its real tokens. Drawn on the host, so the masks do not depend on the device."""
     rows, length = labels.shape
     masked, rate = torch.zeros(rows, length, dtype=torch.bool), torch.empty(rows)
+    ids = ids.cpu()  # one copy to the host for the rows' seeds
     for row in range(rows):
         generator = seeds.generator(ids[row, :lengths[row]])
         rate[row] = (1 - eps) * torch.rand(1, generator=generator).item() + eps
