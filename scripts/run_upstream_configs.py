@@ -316,15 +316,14 @@ CPU_OVERRIDES: dict[str, Any] = {
     r"^distributed\.strategy$": "fsdp2",
     r"^distributed\.(patch_is_packed_sequence|enable_async_tensor_parallel)$": False,
     r"^prewarm\.\w+$": False,
-    r"^checkpoint\.model_save_format$": "safetensors",
     r"^(?P<edit>quantization)(\.|$)": REMOVE,  # QLoRA: LoRA on the bf16 / fp32 weights
     r"^vae\.enable_cpu_offload$": False,
     r"^model\.optimize_hunyuan_flash_varlen_mask$": False,
     r"^(?P<edit>model\.transformer_engine_fp8\w*)$": REMOVE,
 }
-# the words of a refusal for a GPU feature, upstream's pickle format or trust_remote_code (and of sdpa refused for a
-# model class without it, after the GPU attention gave way to sdpa)
-CPU_REASONS = ("CUDA", "GPU", "torch_save", "--trust-remote-code", "attention in transformers")
+# the words of a refusal for a GPU feature or trust_remote_code (and of sdpa refused for a model class without it,
+# after the GPU attention gave way to sdpa)
+CPU_REASONS = ("CUDA", "GPU", "--trust-remote-code", "attention in transformers")
 
 
 def cpu_edit(issue: Any) -> tuple[str | None, Any] | None:

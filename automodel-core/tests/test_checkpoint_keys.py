@@ -1,6 +1,6 @@
 """Upstream's checkpoint keys that are not about resuming: each acts here or is refused with its reason
-(``save_consolidated``'s values, ``model_save_format: torch_save``, ``diffusers_compatible``, ``model_repo_id``,
-``model_cache_dir``, ``is_peft``, ``dequantize_base_checkpoint``)."""
+(``save_consolidated``'s values, ``model_save_format: torch_save`` (the sharded form, in safetensors),
+``diffusers_compatible``, ``model_repo_id``, ``model_cache_dir``, ``is_peft``, ``dequantize_base_checkpoint``)."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def weights_forms(root: Path) -> dict[str, tuple[str, list[str]]]:
 def test_save_consolidated_every_writes_model_in_each_checkpoint(make_toy, tmp_path, value):
     config = make_toy(step_scheduler={"max_steps": 2, "checkpoint_interval": 1},
                       checkpoint={"save_consolidated": value})
-    assert load_config(config, recipe=ToyRecipe)[1].checkpoint.save_consolidated is True
+    assert load_config(config, recipe=ToyRecipe)[1].checkpoint.consolidated() is True
     train_inprocess(config, recipe=ToyRecipe)
     root = tmp_path / "ckpt"
     assert weights_forms(root) == {"epoch_0_step_1": ("model", ["model"]), "epoch_0_step_2": ("model", ["model"])}
@@ -101,20 +101,49 @@ def test_save_consolidated_final_for_a_recipe_with_its_own_layout_says_every_che
            "sharded form, so every checkpoint holds model/, the last one too" in capsys.readouterr().err
     root = tmp_path / "ckpt"
     assert all((root / name / "model" / "own_layout.json").is_file() for name in checkpoint_dirs(root))
-    with pytest.raises(ConfigError, match="checkpoint.save_consolidated: OwnLayoutToy writes model/ in a layout of "
-                                          "its own, which has no sharded form"):
+    with pytest.raises(ConfigError, match="checkpoint.save_consolidated: false: OwnLayoutToy writes model/ in a "
+                                          "layout of its own, which has no sharded form; remove the key \\(or set it "
+                                          "to true\\)"):
         load_config(make_toy(checkpoint={"save_consolidated": False}), recipe=OwnLayoutToy)
+    with pytest.raises(ConfigError, match="checkpoint.model_save_format: torch_save: OwnLayoutToy writes model/ in a "
+                                          "layout of its own, which has no sharded form; remove the key \\(or set it "
+                                          "to safetensors\\)"):
+        load_config(make_toy(checkpoint={"model_save_format": "torch_save"}), recipe=OwnLayoutToy)
 
 
 def test_save_consolidated_refuses_other_strings(make_toy):
     text = refusal(make_toy(checkpoint={"save_consolidated": "sometimes"}))
-    assert "checkpoint.save_consolidated: expected bool | 'every' | 'final' | 'true' | 'false', found str" in text
+    assert "checkpoint.save_consolidated: expected bool | 'every' | 'final' | 'true' | 'false' | null, found str" \
+        in text
 
 
-def test_torch_save_is_refused_saying_why(make_toy):
-    text = refusal(make_toy(checkpoint={"model_save_format": "torch_save"}))
-    assert "checkpoint.model_save_format: torch_save is upstream's pickle format (torch.save files); a checkpoint " \
-           "here is never unpickled, so its weights are always safetensors" in text
+@pytest.mark.parametrize("consolidated", [{}, {"save_consolidated": False}])
+def test_torch_save_keeps_only_the_shards_in_safetensors_and_resumes_exactly(make_toy, tmp_path, consolidated):
+    """Upstream's torch_save writes the sharded form instead of model/ (save_consolidated unset or false, as its
+    examples have it): here the same sharded form, its files safetensors and JSON (nothing pickled)."""
+    config = make_toy(step_scheduler={"max_steps": 4, "checkpoint_interval": 2},
+                      checkpoint={"model_save_format": "torch_save", **consolidated})
+    assert load_config(config, recipe=ToyRecipe)[1].checkpoint.consolidated() is False
+    reference = train_inprocess(config, recipe=ToyRecipe)
+    root = tmp_path / "ckpt"
+    assert weights_forms(root) == {"epoch_0_step_2": ("model_shards", ["model_shards"]),
+                                   "epoch_0_step_4": ("model_shards", ["model_shards"])}
+    suffixes = {path.suffix for path in (root / "epoch_0_step_4").rglob("*") if path.is_file()}
+    assert suffixes <= {".safetensors", ".json", ".yaml"}, suffixes
+    resumed = train_inprocess(config, "--checkpoint.checkpoint_dir", tmp_path / "again", "--restore_from.path",
+                              root / "epoch_0_step_2", recipe=ToyRecipe)
+    first = {r["step"]: r["loss"] for r in read_jsonl(root / "training.jsonl")}
+    assert [(r["step"], r["loss"]) for r in read_jsonl(tmp_path / "again" / "training.jsonl")] == \
+        [(3, first[3]), (4, first[4])]
+    assert_states_equal(resumed.model.state_dict(), reference.model.state_dict())
+
+
+@pytest.mark.parametrize("value", [True, "every", "final"])
+def test_torch_save_beside_a_consolidated_model_is_refused(make_toy, value):
+    text = refusal(make_toy(checkpoint={"model_save_format": "torch_save", "save_consolidated": value}))
+    assert f"checkpoint.save_consolidated: {str(value).lower()}: writes model/ in the Hugging Face layout, but " \
+           "model_save_format: torch_save keeps the weights only in the sharded form (upstream then ignores " \
+           "save_consolidated); remove one of the two" in text
 
 
 @pytest.mark.parametrize("key, value, section", [("model_repo_id", "meta-llama/Llama-3.2-1B", "model:"),
@@ -159,9 +188,9 @@ def test_dequantize_base_checkpoint_unset_says_nothing(make_toy, capsys):
 
 
 def test_every_refusal_at_once(make_toy):
-    text = refusal(make_toy(checkpoint={"model_save_format": "torch_save", "model_repo_id": "x/y",
-                                        "model_cache_dir": "/cache", "is_peft": True}))
-    for key in ("model_save_format", "model_repo_id", "model_cache_dir", "is_peft"):
+    text = refusal(make_toy(checkpoint={"model_save_format": "torch_save", "save_consolidated": True,
+                                        "model_repo_id": "x/y", "model_cache_dir": "/cache", "is_peft": True}))
+    for key in ("save_consolidated", "model_repo_id", "model_cache_dir", "is_peft"):
         assert f"checkpoint.{key}: " in text
 
 

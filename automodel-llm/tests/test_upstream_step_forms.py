@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from automodel.cli.main import main
 from automodel.testing import checkpoint_dirs, read_jsonl, run_cli
@@ -89,3 +90,31 @@ def test_checkpoint_form_with_final_writes_model_only_in_the_last_checkpoint(tmp
     assert (ckpt / "epoch_0_step_3" / "model" / "config.json").is_file()
     assert not (ckpt / "epoch_0_step_3" / "model_shards").exists()
     assert f"Trained model in {Path('checkpoints/epoch_0_step_3/model')}" in capsys.readouterr().err
+
+
+def test_checkpoint_form_with_torch_save_keeps_the_shards_which_export_to_the_trained_model(tmp_path, monkeypatch,
+                                                                                           capsys):
+    """Upstream's `model_save_format: torch_save` beside `save_consolidated: false` (its examples' pairing): every
+    checkpoint holds the sharded form alone, in safetensors; `automodel export` makes the Hugging Face model of it,
+    which transformers loads with the weights the run trained."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["finetune", "llm", "-c", str(FORMS / "checkpoint_upstream_keys.yaml"),
+                 "--checkpoint.model_save_format", "torch_save", "--checkpoint.save_consolidated", "false"]) == 0
+    ckpt = tmp_path / "checkpoints"
+    for name in checkpoint_dirs(ckpt):
+        assert not (ckpt / name / "model").exists()
+        assert list((ckpt / name / "model_shards").glob("*.safetensors"))
+    last = ckpt / "epoch_0_step_3"
+    assert f"Trained model in {Path('checkpoints/epoch_0_step_3/model_shards')} (the sharded form only" \
+        in capsys.readouterr().err
+    assert main(["export", str(last), str(tmp_path / "exported")]) == 0
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "exported")
+    shards = {}  # the shards name the parameters under the recipe's wrapper (model.<Hugging Face name>)
+    for file in (last / "model_shards").glob("*.safetensors"):
+        shards.update({name.removeprefix("model."): tensor for name, tensor in load_file(file).items()})
+    assert shards and set(shards) <= set(model.state_dict())
+    for name, tensor in shards.items():
+        assert torch.equal(model.state_dict()[name].float(), tensor.float()), name

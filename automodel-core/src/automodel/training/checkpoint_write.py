@@ -5,8 +5,8 @@ epoch_<E>_step_<S>/
   model/              checkpoint.save_consolidated: true (and final, in the run's last checkpoint) — the Hugging
                       Face layout, the weights' only copy, streamed from the shards by every rank (hf_export); a
                       resume reads each rank's slices of it
-  model_shards/       save_consolidated: false (and final, before the last) — the weights as DCP shards
-                      (automodel export makes model/ of it)
+  model_shards/       save_consolidated: false or model_save_format: torch_save (and final, before the last) —
+                      the weights as DCP shards (automodel export makes model/ of it)
   optim/              the optimizer as DCP shards (shard-*.safetensors, tensors.json, optimizer.json);
                       lr_scheduler.json (rank 0)
   rng/ dataloader/    rank_<r>.json (+ .safetensors): each rank's generators and data position
@@ -88,7 +88,7 @@ def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
 
 def sharded_only_message(checkpoint: Path) -> str:
     """What a run says about its final checkpoint when the weights are only the sharded form (no model/)."""
-    return (f"Trained model in {checkpoint / 'model_shards'} (sharded: checkpoint.save_consolidated is false): "
+    return (f"Trained model in {checkpoint / 'model_shards'} (the sharded form only, as the checkpoint settings ask): "
             f"`automodel export {checkpoint} out/` writes it as a Hugging Face model directory")
 
 
@@ -104,7 +104,7 @@ class CheckpointWrite:
         state = parts.trainer_state
         self.staging, self.final = checkpointer.staging_path(state["epoch"], state["step"])
         own_layout = parts.save_model is not None
-        consolidated = checkpointer.config.save_consolidated
+        consolidated = checkpointer.config.consolidated()
         whole = consolidated is True or (consolidated == "final" and last)
         # where the weights go (trainer_state.json records it for the resume)
         self.weights = "recipe" if own_layout else "model" if whole else "model_shards"

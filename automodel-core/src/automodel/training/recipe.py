@@ -96,10 +96,12 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
             if size > 1 and why:
                 issues.append(ConfigIssue(f"distributed.{key}", f"{size}: {why}"))
         issues += multimodal_issues(cfg, cls.multimodal_module_names) + generation_issues(cfg)
-        if cls.save_model is not None and cfg.checkpoint is not None and not cfg.checkpoint.save_consolidated \
+        sharded_only = cfg.checkpoint.sharded_only_setting() if cfg.checkpoint is not None else None
+        if cls.save_model is not None and sharded_only is not None \
                 and not (cls.lora_model_is_adapter and cfg.peft is not None):  # a note then (checkpoint_notes)
-            issues.append(ConfigIssue("checkpoint.save_consolidated", f"{cls.__name__} writes model/ in a layout of "
-                                      "its own, which has no sharded form; remove the key (or set it to true)"))
+            key, value, undo = sharded_only
+            issues.append(ConfigIssue(key, f"{value}: {cls.__name__} writes model/ in a layout of its own, which has "
+                                           f"no sharded form; remove the key (or {undo})"))
         return issues
 
     @classmethod
@@ -376,13 +378,15 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
         """``save_consolidated: final`` for a recipe whose model/ is a layout of its own: there is no sharded form to
         write before the last checkpoint, so every checkpoint holds model/ (the last one too, as final asks);
         ``false`` where that model/ is a LoRA adapter (nothing to consolidate)."""
-        if self.writes_own_layout() and self.cfg.checkpoint.save_consolidated == "final":
+        if self.writes_own_layout() and self.cfg.checkpoint.consolidated() == "final":
             self.log(f"note: checkpoint.save_consolidated: final: {type(self).__name__} writes model/ in a layout of "
                      "its own, with no sharded form, so every checkpoint holds model/, the last one too")
-        if self.lora_model_is_adapter and self.cfg.peft is not None and self.cfg.checkpoint.save_consolidated is False:
-            self.log("note: checkpoint.save_consolidated: false governs nothing in this LoRA run: model/ holds the "
-                     "adapter alone, which has no consolidated form to leave out (upstream saves a LoRA run's "
-                     "adapter whatever the key says)")
+        sharded_only = self.cfg.checkpoint.sharded_only_setting()
+        if self.lora_model_is_adapter and self.cfg.peft is not None and sharded_only is not None:
+            key, value, _ = sharded_only
+            self.log(f"note: {key}: {value} governs nothing in this LoRA run: model/ holds the adapter alone "
+                     "(safetensors), which has no consolidated form to leave out (upstream saves a LoRA run's "
+                     "adapter so whatever the key says)")
 
     def open_metric_files(self) -> None:
         """training.jsonl / validation.jsonl and the metric backends (rank 0 only; they start with training)."""

@@ -187,12 +187,14 @@ class CheckpointConfig:
     enabled: bool = field(default=True, metadata=_help("write checkpoints"))
     checkpoint_dir: str = field(default="checkpoints", metadata=_help("where checkpoints and metrics go"))
     model_save_format: Literal["safetensors", "torch_save"] = field(default="safetensors", metadata=_help(
-        "weights format: safetensors (upstream's torch_save, pickle files, is refused: a checkpoint here is never "
-        "unpickled)"))
-    save_consolidated: bool | Literal["every", "final", "true", "false"] = field(default=True, metadata=_help(
-        "true (upstream's every): model/ in the Hugging Face layout in every checkpoint (written by every rank "
-        "from its shards, the weights' only copy); false: only the sharded form model_shards/ (automodel export "
-        "makes model/ later); final: model_shards/, and model/ in the run's last checkpoint"))
+        "safetensors; torch_save (upstream's sharded DCP form, which it writes instead of model/): the weights only "
+        "as the sharded form model_shards/, as save_consolidated: false (automodel export makes model/); its files "
+        "are safetensors here too, a checkpoint here is never unpickled"))
+    save_consolidated: bool | Literal["every", "final", "true", "false"] | None = field(default=None, metadata=_help(
+        "true (upstream's every; the default): model/ in the Hugging Face layout in every checkpoint (written by "
+        "every rank from its shards, the weights' only copy); false (the default with model_save_format: "
+        "torch_save): only the sharded form model_shards/ (automodel export makes model/ later); final: "
+        "model_shards/, and model/ in the run's last checkpoint"))
     async_save: bool = field(default=False, metadata=_help(
         "write checkpoints in the background from host copies while training goes on; LATEST names one once "
         "every file is written", ("is_async",)))
@@ -212,12 +214,14 @@ class CheckpointConfig:
         "build loads no quantized weights; otherwise there is nothing to dequantize and the run says so"))
     def __post_init__(self) -> None:
         errors = {}
-        if self.model_save_format == "torch_save":
-            errors["model_save_format"] = (
-                "torch_save is upstream's pickle format (torch.save files); a checkpoint here is never unpickled, "
-                "so its weights are always safetensors (the same tensors, loadable by transformers): remove the key "
-                "or set safetensors")
-        self.save_consolidated = _CONSOLIDATED[self.save_consolidated]
+        if self.model_save_format == "torch_save" and self.save_consolidated not in (None, False, "false"):
+            errors["save_consolidated"] = (
+                f"{str(self.save_consolidated).lower()}: writes model/ in the Hugging Face layout, but "
+                "model_save_format: "
+                "torch_save keeps the weights only in the sharded form (upstream then ignores save_consolidated); "
+                "remove one of the two")
+        if self.save_consolidated is not None:
+            self.save_consolidated = _CONSOLIDATED[self.save_consolidated]
         for name, section in (("model_repo_id", "model:"), ("model_cache_dir", "model:"), ("is_peft", "peft:")):
             if getattr(self, name) is not None:
                 errors[name] = (f"upstream sets {name} from {section} and never reads this value; here too the run "
@@ -228,6 +232,21 @@ class CheckpointConfig:
             errors.update(err.errors)
         if errors:
             raise FieldErrors(errors)
+
+    def consolidated(self) -> bool | Literal["final"]:
+        """save_consolidated as it acts: its value, or when unset, true (false with model_save_format: torch_save)."""
+        if self.save_consolidated is not None:
+            return self.save_consolidated
+        return self.model_save_format != "torch_save"
+
+    def sharded_only_setting(self) -> tuple[str, str, str] | None:
+        """When the weights are kept only in the sharded form: the key that asks for it, its value and how to undo
+        it (for messages); None when checkpoints hold model/."""
+        if self.consolidated() is not False:
+            return None
+        if self.model_save_format == "torch_save":
+            return "checkpoint.model_save_format", "torch_save", "set it to safetensors"
+        return "checkpoint.save_consolidated", "false", "set it to true"
 
 
 @dataclass
