@@ -165,12 +165,13 @@ def test_finetune_form_trains_saves_a_pipeline_that_loads_samples_and_generates(
 
 
 def test_lora_form_trains_an_adapter_that_the_pipelines_transformer_loads(base, clips, tmp_path, monkeypatch, capsys):
-    """Upstream's save_consolidated: false beside it governs nothing (model/ is the adapter alone): a note says so."""
+    """Upstream's model_save_format: torch_save / save_consolidated: false beside it govern nothing (model/ is the
+    adapter alone): a note says so."""
     import diffusers
 
     ckpt = tmp_path / "ckpt"
     recipe = dt.train_inprocess(LORA, *dt.form_overrides(base, clips, ckpt))
-    assert "note: checkpoint.save_consolidated: false governs nothing in this LoRA run" in \
+    assert "note: checkpoint.model_save_format: torch_save governs nothing in this LoRA run" in \
         "".join(capsys.readouterr())
     model_dir = ckpt / "epoch_0_step_3" / "model"
     assert sorted(p.name for p in model_dir.iterdir()) == [LORA_WEIGHTS]
