@@ -24,7 +24,7 @@ status and, for a failure, the run's last error lines, then the count.
 ``--cpu`` also runs the configs refused only for GPU features or for ``trust_remote_code: true``, as a user on a
 machine without a GPU would: each refused key gets the CPU alternative its refusal message names
 (``CPU_OVERRIDES``: backend torch / sdpa / torch_fp32, no fused RoPE, no FP8 / Liger / THD collater /
-Transformer Engine loss, torch's AdamW, fsdp2, safetensors, ...) in a scratch copy of the config, validated again
+Transformer Engine loss, torch's AdamW, fsdp2, ...) in a scratch copy of the config, validated again
 until it passes, and the run gets ``--trust-remote-code``. A file refused for anything else is skipped with the
 refusal.
 """
