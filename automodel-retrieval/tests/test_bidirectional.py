@@ -218,7 +218,7 @@ def test_a_pooled_cross_encoder_resumes_from_its_checkpoint(checkpoints, tmp_pat
 
 
 def test_a_pooled_cross_encoder_has_no_sharded_model_form(checkpoints, tmp_path):
-    with pytest.raises(ConfigError, match="checkpoint.save_consolidated: false, but a pooled cross-encoder"):
+    with pytest.raises(ConfigError, match="checkpoint.save_consolidated: false: a pooled cross-encoder"):
         testing.load_config(FORMS / "cross_encoder_pooled_upstream.yaml",
                             *_upstream_bi_overrides(checkpoints, "llama", tmp_path),
                             "--checkpoint.save_consolidated", "false", route=("finetune", "cross-encoder"))

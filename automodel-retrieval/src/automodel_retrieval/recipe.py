@@ -414,12 +414,9 @@ class CrossEncoderRecipe(_RetrievalRecipe):
     def check_config(cls, cfg: Config) -> list[ConfigIssue]:
         issues = super().check_config(cfg)
         model, checkpoint = cfg.model, cfg.checkpoint
-        sharded_only = checkpoint.sharded_only_setting() if checkpoint is not None else None
-        if isinstance(model, ConfigNode) and model.get("pooling") is not None and sharded_only is not None:
-            key, value, undo = sharded_only
-            issues.append(ConfigIssue(key, f"{value}, but a pooled cross-encoder (model.pooling) writes model/ as a "
-                                           "sentence-transformers CrossEncoder, which has no sharded form; remove the "
-                                           f"key (or {undo})"))
+        if isinstance(model, ConfigNode) and model.get("pooling") is not None and checkpoint is not None:
+            issues += checkpoint.no_sharded_form_issues("a pooled cross-encoder (model.pooling) writes model/ as a "
+                                                        "sentence-transformers CrossEncoder")
         return issues
 
     def default_collate_fn(self, train: bool = True) -> Any:

@@ -96,12 +96,9 @@ def drafter_issues(cfg: Any) -> list[ConfigIssue]:
         issues.append(ConfigIssue("loss_fn._target_", "FusedLinearCrossEntropy computes the loss inside the base's "
                                                       "output head, but the drafter has a head of its own; use "
                                                       "MaskedCrossEntropy"))
-    sharded_only = cfg.checkpoint.sharded_only_setting() if cfg.checkpoint is not None else None
-    if sharded_only is not None:
-        key, value, undo = sharded_only
-        issues.append(ConfigIssue(key, f"{value}: Gemma4WithDrafter writes model/ (the base) and model/drafter/ as "
-                                       "two Hugging Face directories, which have no sharded form; remove the key (or "
-                                       f"{undo})"))
+    if cfg.checkpoint is not None:
+        issues += cfg.checkpoint.no_sharded_form_issues("Gemma4WithDrafter writes model/ (the base) and "
+                                                        "model/drafter/ as two Hugging Face directories")
     return issues
 
 

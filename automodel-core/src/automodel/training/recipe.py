@@ -96,12 +96,9 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
             if size > 1 and why:
                 issues.append(ConfigIssue(f"distributed.{key}", f"{size}: {why}"))
         issues += multimodal_issues(cfg, cls.multimodal_module_names) + generation_issues(cfg)
-        sharded_only = cfg.checkpoint.sharded_only_setting() if cfg.checkpoint is not None else None
-        if cls.save_model is not None and sharded_only is not None \
+        if cls.save_model is not None and cfg.checkpoint is not None \
                 and not (cls.lora_model_is_adapter and cfg.peft is not None):  # a note then (checkpoint_notes)
-            key, value, undo = sharded_only
-            issues.append(ConfigIssue(key, f"{value}: {cls.__name__} writes model/ in a layout of its own, which has "
-                                           f"no sharded form; remove the key (or {undo})"))
+            issues += cfg.checkpoint.no_sharded_form_issues(f"{cls.__name__} writes model/ in a layout of its own")
         return issues
 
     @classmethod
@@ -381,12 +378,10 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
         if self.writes_own_layout() and self.cfg.checkpoint.consolidated() == "final":
             self.log(f"note: checkpoint.save_consolidated: final: {type(self).__name__} writes model/ in a layout of "
                      "its own, with no sharded form, so every checkpoint holds model/, the last one too")
-        sharded_only = self.cfg.checkpoint.sharded_only_setting()
-        if self.lora_model_is_adapter and self.cfg.peft is not None and sharded_only is not None:
-            key, value, _ = sharded_only
-            self.log(f"note: {key}: {value} governs nothing in this LoRA run: model/ holds the adapter alone "
-                     "(safetensors), which has no consolidated form to leave out (upstream saves a LoRA run's "
-                     "adapter so whatever the key says)")
+        asked = self.cfg.checkpoint.sharded_only_setting()
+        if self.lora_model_is_adapter and self.cfg.peft is not None and asked is not None:
+            self.log(f"note: {asked[0]}: {asked[1]} governs nothing in this LoRA run: model/ holds the adapter alone "
+                     "(safetensors), with no consolidated form to leave out (upstream saves it so whatever it says)")
 
     def open_metric_files(self) -> None:
         """training.jsonl / validation.jsonl and the metric backends (rank 0 only; they start with training)."""

@@ -9,6 +9,7 @@ from typing import ClassVar, Literal
 
 from automodel.config.schema import FieldErrors, require_positive
 from automodel.config.schema import field_help as _help
+from automodel.errors import ConfigIssue
 
 # What a slurm #SBATCH value may hold: names, paths, times and sbatch's %-patterns; no spaces, quotes or control
 # characters (sbatch splits the line on spaces; a newline ends the directive and starts a shell line).
@@ -247,6 +248,14 @@ class CheckpointConfig:
         if self.model_save_format == "torch_save":
             return "checkpoint.model_save_format", "torch_save", "set it to safetensors"
         return "checkpoint.save_consolidated", "false", "set it to true"
+
+    def no_sharded_form_issues(self, writer: str) -> list[ConfigIssue]:
+        """The sharded form asked for where ``writer`` (what writes model/, and how) makes a model/ that has none."""
+        setting = self.sharded_only_setting()
+        if setting is None:
+            return []
+        key, value, undo = setting
+        return [ConfigIssue(key, f"{value}: {writer}, which has no sharded form; remove the key (or {undo})")]
 
 
 @dataclass
