@@ -241,3 +241,30 @@ def test_a_lock_left_by_a_killed_run_does_not_block(tmp_path):
     lock = RunLock(tmp_path)
     assert lock.acquire() is None  # the kernel released the dead holder's flock
     lock.release()
+
+
+@pytest.mark.parametrize("layout, advice", [
+    ({"model/.metadata": b"\x80\x04", "model/__0_0.distcp": b"\x80\x04"},
+     "in torch.distributed.checkpoint's pickle format (model/.metadata, *.distcp: upstream's torch_save), which is "
+     "never read here"),
+    ({"model/consolidated/config.json": b"{}", "step_scheduler.pt": b"\x80\x04"},
+     "but its Hugging Face model is: start a run from it with model.pretrained_model_name_or_path: {path}/model/"
+     "consolidated"),
+    ({"model/weights.bin": b""}, None),
+])
+def test_restoring_from_an_upstream_checkpoint_says_what_to_do_instead(tmp_path, layout, advice):
+    """Upstream NeMo AutoModel's checkpoints keep their training state in pickles, never read here; the refusal
+    says which of its parts can be used (the Hugging Face model of save_consolidated) and how."""
+    path = tmp_path / "epoch_0_step_10"
+    for name, content in layout.items():
+        (path / name).parent.mkdir(parents=True, exist_ok=True)
+        (path / name).write_bytes(content)
+    ck = _checkpointer(tmp_path / "run")
+    with pytest.raises(CheckpointError, match="is not a checkpoint") as info:
+        ck.resolve(str(path))
+    ck.release()
+    text = str(info.value)
+    if advice is None:
+        assert "upstream" not in text, text
+    else:
+        assert "It is an upstream NeMo AutoModel checkpoint" in text and advice.format(path=path) in text, text

@@ -295,4 +295,19 @@ class Checkpointer:
                 return candidate
         looked = " and ".join(f"'{c}'" for c in candidates)
         raise CheckpointError(f"restore_from.path: '{spec}' is not a checkpoint (looked for {looked} containing "
-                              "trainer_state.json)")
+                              f"trainer_state.json){''.join(map(_upstream_checkpoint_hint, candidates))}")
+
+
+def _upstream_checkpoint_hint(path: Path) -> str:
+    """What to do with a checkpoint upstream NeMo AutoModel wrote (its training state is pickles: never read here)."""
+    consolidated = path / "model" / "consolidated"
+    if (consolidated / "config.json").is_file():
+        return (f". It is an upstream NeMo AutoModel checkpoint: its training state (torch.save / DCP pickles) is "
+                f"never read here, but its Hugging Face model is: start a run from it with "
+                f"model.pretrained_model_name_or_path: {consolidated}")
+    if path.is_dir() and (any(path.glob("model/*.distcp")) or (path / "model" / ".metadata").is_file()):
+        return (". It is an upstream NeMo AutoModel checkpoint in torch.distributed.checkpoint's pickle format "
+                "(model/.metadata, *.distcp: upstream's torch_save), which is never read here: convert its model "
+                "to a Hugging Face directory with upstream's tools and start a run from it "
+                "(model.pretrained_model_name_or_path)")
+    return ""
