@@ -246,7 +246,8 @@ def clips(tmp_path_factory):
 
 
 @pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5"])
-def test_upstream_video_form_trains_the_vision_tower_on_gif_clips(tmp_path, clips, family):
+def test_upstream_video_form_trains_the_vision_tower_on_gif_clips(tmp_path, clips, family, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the form's metric files go to checkpoint_dir's default, under the working directory
     model_dir = tiny_model_dir(tmp_path, family)
     seen, before = [], {}
 
@@ -285,9 +286,10 @@ def test_upstream_video_form_trains_the_vision_tower_on_gif_clips(tmp_path, clip
     assert isinstance(recipe.answer(prefix, [], 2, ImageTextChatDataset(str(clips))[index]["videos"]), str)
 
 
-def test_packed_rows_of_clips_give_the_loss_of_the_unpacked_batch(tmp_path, clips):
+def test_packed_rows_of_clips_give_the_loss_of_the_unpacked_batch(tmp_path, clips, monkeypatch):
     """Packed rows (each clip's rope positions from its own grid) and a padded batch of the same four clips: the
     first step's loss is the same, so the video tokens took the same positions and features."""
+    monkeypatch.chdir(tmp_path)
     model_dir = tiny_model_dir(tmp_path, "qwen3_vl")
     losses = {}
 
