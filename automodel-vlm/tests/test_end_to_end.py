@@ -173,3 +173,27 @@ def test_logits_at_label_positions_only_change_nothing_but_the_work(tmp_path):
     assert on_val[0]["val_loss"] == pytest.approx(off_val[0]["val_loss"], rel=1e-5)
     final, expected = clone_state(on.model), clone_state(off.model)
     assert all(torch.allclose(final[k], expected[k], atol=1e-5) for k in expected)
+
+
+def test_upstream_torch_save_keeps_the_shards_and_export_names_the_class_that_loads_them(tmp_path, capsys):
+    """Upstream's ``model_save_format: torch_save``: the checkpoint holds the sharded form alone; ``automodel export``
+    writes the Hugging Face model and names ``AutoModelForImageTextToText`` (a Llava is no causal LM to transformers'
+    AutoModelForCausalLM), which loads the trained weights."""
+    from transformers import AutoModelForImageTextToText
+
+    from automodel.cli.main import main
+
+    config = write_config(tmp_path / "cfg.yaml", tmp_path / "ckpt", step_scheduler={"max_steps": 2},
+                          checkpoint={"model_save_format": "torch_save"})
+    recipe = train_inprocess(config)
+    saved = tmp_path / "ckpt" / "epoch_0_step_2"
+    assert (saved / "model_shards").is_dir() and not (saved / "model").exists()
+    capsys.readouterr()
+    assert main(["export", str(saved), str(tmp_path / "exported")]) == 0
+    assert f"load with AutoModelForImageTextToText.from_pretrained('{tmp_path / 'exported'}')" in \
+        capsys.readouterr().out
+    loaded = AutoModelForImageTextToText.from_pretrained(tmp_path / "exported").state_dict()
+    trained = recipe.model.state_dict()
+    assert loaded.keys() == trained.keys()
+    for key, value in trained.items():
+        assert torch.equal(loaded[key], value), key

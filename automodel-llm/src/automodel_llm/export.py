@@ -11,6 +11,7 @@ from typing import Any
 
 import click
 
+from automodel.auto_class import loading_auto_class
 from automodel.cli.trust_options import trust_options
 from automodel.errors import ConfigError, ConfigIssue, UsageError
 
@@ -86,17 +87,7 @@ def export(checkpoint: str, output: str, force: bool) -> None:
     if out.exists():
         shutil.rmtree(out)
     staging.rename(out)
-    click.echo(f"exported {source} to {out} (load with {_auto_class(out)}.from_pretrained('{out}'))")
-
-
-def _auto_class(model_dir: Path) -> str:
-    """The transformers Auto class that loads the exported model (by its config's architectures)."""
-    from automodel.hf import is_sequence_classifier
-
-    config = model_dir / "config.json"
-    architectures = json.loads(config.read_text(encoding="utf-8")).get("architectures") if config.is_file() else None
-    classifier = any(is_sequence_classifier(name) for name in architectures or [])
-    return "AutoModelForSequenceClassification" if classifier else "AutoModelForCausalLM"
+    click.echo(f"exported {source} to {out} (load with {loading_auto_class(out)}.from_pretrained('{out}'))")
 
 
 def _adapter_recipe(adapter_dir: Path, data: dict, manager: Any) -> type:

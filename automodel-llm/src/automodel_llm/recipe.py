@@ -10,6 +10,7 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
+from automodel.auto_class import loading_auto_class
 from automodel.config import ArgumentsFor, Config, ConfigNode, FieldErrors, Free, Metadata, Refused, Target
 from automodel.errors import AutomodelError, ConfigIssue
 from automodel.gate_precision import router_issues
@@ -475,9 +476,8 @@ class FinetuneRecipeForNextTokenPrediction(MTPLoss, NextTokenLogits, TrainRecipe
             return (f"Trained LoRA adapter in {model_dir}: load it with peft.PeftModel.from_pretrained(base_model, "
                     f"'{model_dir}'), or merge it with `automodel export {model_dir.parent} merged/`")
         tokenizer = f" and AutoTokenizer.from_pretrained('{model_dir}')" if self.tokenizer is not None else ""
-        auto = "AutoModelForSeq2SeqLM" if self.is_encoder_decoder else "AutoModelForCausalLM"
-        return f"Trained model in {model_dir}: load it with transformers.{auto}.from_pretrained('{model_dir}')" \
-            + tokenizer
+        return f"Trained model in {model_dir}: load it with transformers.{loading_auto_class(model_dir)}" \
+            f".from_pretrained('{model_dir}')" + tokenizer
 
     def _generation_pairs(self) -> list[tuple[str, str]]:
         for loader in self.val_dataloaders.values():
