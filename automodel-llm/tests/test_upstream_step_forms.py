@@ -89,7 +89,9 @@ def test_checkpoint_form_with_final_writes_model_only_in_the_last_checkpoint(tmp
     assert list((ckpt / "epoch_0_step_2" / "model_shards").glob("*.safetensors"))
     assert (ckpt / "epoch_0_step_3" / "model" / "config.json").is_file()
     assert not (ckpt / "epoch_0_step_3" / "model_shards").exists()
-    assert f"Trained model in {Path('checkpoints/epoch_0_step_3/model')}" in capsys.readouterr().err
+    model = Path("checkpoints/epoch_0_step_3/model")
+    assert f"Trained model in {model}: load it with transformers.AutoModelForCausalLM.from_pretrained('{model}')" \
+        in capsys.readouterr().err
 
 
 def test_checkpoint_form_with_torch_save_keeps_the_shards_which_export_to_the_trained_model(tmp_path, monkeypatch,
