@@ -169,6 +169,9 @@ def test_split_takes_a_slice_and_limit_dataset_samples_the_first_rows_of_it(toke
     assert _texts(tokenizer, _build(tokenizer, rows, split="train[3:]")) == everything[3:]
     assert _texts(tokenizer, _build(tokenizer, rows, split="train[1:]", limit_dataset_samples=2)) == everything[1:3]
     assert "percentages are not read" in str(_build(tokenizer, rows, split="train[:10%]"))
+    # a slice past the rows (upstream's train[64:] on a smaller file) selects nothing: said so, not an IndexError
+    assert f"dataset.split: 'train[64:]' selects none of the 5 rows of train in {rows}" in \
+        str(_build(tokenizer, rows, split="train[64:]"))
 
 
 def test_revision_goes_to_the_hub_and_is_refused_for_a_local_file(tokenizer, tmp_path, monkeypatch):

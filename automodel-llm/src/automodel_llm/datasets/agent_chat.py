@@ -190,8 +190,8 @@ def read_split(source: Given, split: str, revision: str | None, limit: int | Non
     """The rows of ``split``, which may take a slice as Hugging Face writes it (``train[64:]``, ``train[:256]``),
     then the first ``limit`` of them. ``source`` is a hub id, a local file or directory, or a list of files."""
     match = _SPLIT.match(split)
+    section = source.key.rsplit(".", 1)[0]  # dataset, or tool_call_eval
     if match is None:
-        section = source.key.rsplit(".", 1)[0]  # dataset, or tool_call_eval
         raise AutomodelError(f"{section}.split: '{split}' is not a split name with an optional slice of row numbers "
                              "(train, train[64:], train[:256]); percentages are not read")
     base, start, stop = match.groups()
@@ -205,6 +205,9 @@ def read_split(source: Given, split: str, revision: str | None, limit: int | Non
         parts = [datasets.concatenate_datasets(parts)]
     rows = parts[0]
     indices = range(len(rows))[slice(int(start) if start else None, int(stop) if stop else None)]
+    if not indices:
+        raise AutomodelError(f"{section}.split: '{split}' selects none of the {len(rows)} rows of {base} in "
+                             f"{source.value}; give a slice within them")
     return rows.select(indices[:limit] if limit is not None else indices)
 
 
