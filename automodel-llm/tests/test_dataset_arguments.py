@@ -34,7 +34,7 @@ def _write_jsonl(path, records) -> str:
 
 BAD_ROW = {"squad": {"context": None, "question": "q", "answers": {"text": ["a"]}},
            "instruction": {"ctx": "c", "q": None, "a": "a"},
-           "chat": {"messages": None, "conv": None},
+           "chat": {"messages": None, "conv": None, "turns": None},
            "text": {"text": None, "other": "o"}}
 
 
@@ -46,7 +46,10 @@ def _formats(rows: list[dict]) -> dict[str, list[dict]]:
                                {"role": "assistant", "content": r["answers"]["text"][0]}],
                   "conv": [{"role": "user", "content": r["context"]},
                            {"role": "assistant", "content": r["answers"]["text"][0],
-                            "reasoning_content": f"the answer to {r['question']}"}]} for r in rows],
+                            "reasoning_content": f"the answer to {r['question']}"}],
+                  "turns": [{"role": "user", "content": r["context"]}, {"role": "assistant", "content": "Ask."},
+                            {"role": "user", "content": r["question"]},
+                            {"role": "assistant", "content": r["answers"]["text"][0]}]} for r in rows],
         "text": [{"text": f"{r['context']} {r['answers']['text'][0]}", "other": r["question"]} for r in rows],
     }
 
@@ -133,7 +136,8 @@ OWN = {
     "ColumnMappedTextInstructionDataset": {"column_mapping": ({"question": "q", "answer": "a"}, {}),
                                            "answer_only_loss_mask": (False, {})},
     "ChatDataset": {"messages_column": ("conv", {}), "chat_template": (TEMPLATE, {}),
-                    "mask_reasoning_content": (True, {"messages_column": "conv", "chat_template": REASONING_TEMPLATE})},
+                    "mask_reasoning_content": (True, {"messages_column": "conv", "chat_template": REASONING_TEMPLATE}),
+                    "mask_history": (True, {"messages_column": "turns"})},
     "PretrainingTextDataset": {"text_column": ("other", {}), "seq_length": (16, {}),
                                "max_seq_length": (16, {"seq_length": None})},
     "MockDataset": {"num_samples": (4, {}), "seq_length": (8, {}), "max_seq_length": (8, {"seq_length": None}),
@@ -233,6 +237,48 @@ def test_a_chat_template_given_to_the_dataset_renders_and_is_saved_with_the_toke
         assert tokenizer.decode(sample["input_ids"]).startswith("[user] ")
         tokenizer.save_pretrained(tmp_path / "saved")
         assert AutoTokenizer.from_pretrained(tmp_path / "saved").chat_template == TEMPLATE
+
+
+def _learned(tokenizer, sample) -> str:
+    """The text of the sample's tokens that carry a loss."""
+    return tokenizer.decode([t for t, label in zip(sample["input_ids"], sample["labels"], strict=True)
+                             if label != -100])
+
+
+def test_mask_history_keeps_the_loss_on_the_last_assistant_turn_only(data, tokenizer):
+    every = datasets.ChatDataset(data["chat"], tokenizer=tokenizer, messages_column="turns", chat_template=TEMPLATE)
+    last = datasets.ChatDataset(data["chat"], tokenizer=tokenizer, messages_column="turns", mask_history=True)
+    assert every[0]["input_ids"] == last[0]["input_ids"]
+    answer = _rows("train", 1)[0]["answers"]["text"][0]
+    assert _learned(tokenizer, every[0]) == f"[assistant] Ask.</s>[assistant] {answer}</s>"
+    assert _learned(tokenizer, last[0]) == f"[assistant] {answer}</s>"
+
+
+TOOLS_TEMPLATE = ("{% if tools %}[tools] {% for t in tools %}{{ t.function.name }} {% endfor %}{{ eos_token }}"
+                  "{% endif %}" + TEMPLATE)
+
+
+def test_a_chat_row_s_tools_reach_the_template_and_sharegpt_conversations_are_read(tmp_path, tokenizer):
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    chat = [{"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "content": "Sunny."}]
+    sharegpt = [{"from": "human", "value": "Weather in Paris?"}, {"from": "gpt", "value": "Sunny."}]
+    rows = {"tools_list": [{"messages": chat, "tools": [tool]}],
+            "tools_json": [{"messages": chat, "tools": json.dumps([tool])}],
+            "no_tools": [{"messages": chat, "tools": ""}],
+            "sharegpt": [{"conversations": sharegpt}],
+            "sharegpt_tool_turn": [{"conversations": [*sharegpt, {"from": "function_call", "value": "{}"}]}]}
+    files = {name: _write_jsonl(tmp_path / f"{name}.jsonl", records) for name, records in rows.items()}
+    text = {name: tokenizer.decode(datasets.ChatDataset(files[name], tokenizer=tokenizer,
+                                                        chat_template=TOOLS_TEMPLATE)[0]["input_ids"])
+            for name in ("tools_list", "tools_json", "no_tools", "sharegpt")}
+    assert text["tools_list"] == text["tools_json"] == "[tools] get_weather </s>" + text["no_tools"]
+    assert text["sharegpt"] == text["no_tools"] == "[user] Weather in Paris?</s>[assistant] Sunny.</s>"
+    with pytest.raises(AutomodelError, match=r"row 1 of .*a turn from 'function_call', which is not a chat role.*"
+                                             "AgentChatDataset"):
+        datasets.ChatDataset(files["sharegpt_tool_turn"], tokenizer=tokenizer)
+    bad = _write_jsonl(tmp_path / "bad_tools.jsonl", [{"messages": chat, "tools": "{not json"}])
+    with pytest.raises(AutomodelError, match=r"row 1 of .*'tools' is not valid JSON"):
+        datasets.ChatDataset(bad, tokenizer=tokenizer)
 
 
 def test_squad_with_a_chat_template_is_a_user_and_an_assistant_turn_with_the_loss_on_the_answer(data,

@@ -34,38 +34,22 @@ from automodel_llm.datasets.arguments import (
     Truncation,
     learns_nothing,
 )
-from automodel_llm.datasets.chat import render, tokenize_conversation, with_chat_template
+from automodel_llm.datasets.chat import (
+    SHAREGPT_CHAT_ROLES,
+    RowProblem,
+    parse_json,
+    parse_tools,
+    render,
+    tokenize_conversation,
+    with_chat_template,
+)
 
-_SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                   "function_call": "tool_call", "tool_call": "tool_call", "observation": "tool_response",
-                   "tool_response": "tool_response", "tool": "tool_response"}
+_SHAREGPT_ROLES = {**SHAREGPT_CHAT_ROLES, "function_call": "tool_call", "tool_call": "tool_call",
+                   "observation": "tool_response", "tool_response": "tool_response", "tool": "tool_response"}
 _SPLIT = re.compile(r"^([^\[\]]+)(?:\[(-?\d*):(-?\d*)\])?$")
 
 
-class RowProblem(ValueError):
-    """A row that cannot become a conversation (the message says why)."""
-
-
 # ---- rows to OpenAI messages ---------------------------------------------------------------------------------
-
-def parse_json(value: Any, what: str) -> Any:
-    if not isinstance(value, str):
-        return value
-    try:
-        return json.loads(value)
-    except ValueError:
-        raise RowProblem(f"{what} is not valid JSON: {value[:80]!r}") from None
-
-
-def parse_tools(value: Any) -> list[dict] | None:
-    """The row's tools (a list, or a JSON string of one); none for an empty or missing value."""
-    if value is None or (isinstance(value, str) and not value.strip()):
-        return None
-    tools = parse_json(value, "'tools'")
-    if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
-        raise RowProblem("'tools' must be a list of tool definitions (or a JSON string of one)")
-    return tools or None
-
 
 def tool_call(function: Any, call_id: str) -> dict:
     """An OpenAI tool call; its arguments as a JSON string, as chat templates expect them."""

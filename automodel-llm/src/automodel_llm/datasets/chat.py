@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from torch.utils.data import Dataset
@@ -20,6 +21,47 @@ from automodel_llm.datasets.arguments import (
     learns_nothing,
     read_rows,
 )
+
+# ShareGPT's plain-chat speakers (``from``) as chat roles; tool turns are AgentChatDataset's.
+SHAREGPT_CHAT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant",
+                       "assistant": "assistant", "chatgpt": "assistant", "model": "assistant", "bot": "assistant"}
+
+
+class RowProblem(ValueError):
+    """A row that cannot become a conversation (the message says why)."""
+
+
+def parse_json(value: Any, what: str) -> Any:
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except ValueError:
+        raise RowProblem(f"{what} is not valid JSON: {value[:80]!r}") from None
+
+
+def parse_tools(value: Any) -> list[dict] | None:
+    """The row's tools (a list, or a JSON string of one); none for an empty or missing value."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    tools = parse_json(value, "'tools'")
+    if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
+        raise RowProblem("'tools' must be a list of tool definitions (or a JSON string of one)")
+    return tools or None
+
+
+def sharegpt_chat_messages(conversations: Any) -> list[dict]:
+    """``{role, content}`` messages of a ShareGPT ``conversations`` list of ``{from, value}`` plain-chat turns."""
+    if not isinstance(conversations, list) or not all(isinstance(turn, dict) for turn in conversations):
+        raise RowProblem("'conversations' must be a list of {from, value} turns")
+    messages = []
+    for turn in conversations:
+        speaker = turn.get("from", turn.get("role"))
+        if speaker not in SHAREGPT_CHAT_ROLES:
+            raise RowProblem(f"'conversations' has a turn from {speaker!r}, which is not a chat role "
+                             f"({', '.join(SHAREGPT_CHAT_ROLES)}); tool-calling conversations are AgentChatDataset's")
+        messages.append({"role": SHAREGPT_CHAT_ROLES[speaker], "content": turn.get("value", turn.get("content"))})
+    return messages
 
 
 def render(tokenizer: Any, messages: list[dict], generation_prompt: bool = False, tools: list[dict] | None = None
@@ -76,12 +118,15 @@ class ChatDataset(Dataset):
     the assistant turns.
 
     ``chat_template`` (inline, or a .jinja file) becomes the tokenizer's template, so the tokenizer saved with the
-    checkpoint renders conversations as training did. A row whose messages are null, not a list of mappings, or
-    hold no assistant turn is refused, or skipped with ``on_bad_row: skip``.
+    checkpoint renders conversations as training did. As upstream's ChatDataset: a row's ``tools`` (a list or a JSON
+    string of one) go to the template with its conversation, and rows without a ``messages`` column are read from
+    ShareGPT's ``conversations`` (``{from, value}`` plain-chat turns). A row whose messages are null, not a list of
+    mappings, or hold no assistant turn is refused, or skipped with ``on_bad_row: skip``.
     """
 
     argument_aliases = ALIASES
-    argument_help = {**ARGUMENT_HELP, "messages_column": "the column holding each row's list of messages",
+    argument_help = {**ARGUMENT_HELP, "messages_column": "the column holding each row's list of messages (by "
+                                                         "default messages, else ShareGPT's conversations)",
                      "chat_template": "a Jinja chat template, inline or the path of a file (.jinja, or JSON with a "
                                       "chat_template key); it becomes the tokenizer's and is saved with it",
                      "mask_reasoning_content": "no loss on the assistant turns' reasoning_content as the chat "
@@ -89,7 +134,9 @@ class ChatDataset(Dataset):
                      "unshifted": "upstream's sample form for diffusion LMs: true, each token supervised at its own "
                                   "position, is what the diffusion recipe (finetune dllm) trains on and the "
                                   "next-token recipes refuse; the samples here have that form either way (their "
-                                  "labels are the input tokens; a next-token loss shifts them)"}
+                                  "labels are the input tokens; a next-token loss shifts them)",
+                     "mask_history": "the loss on each conversation's last assistant turn only; the earlier turns "
+                                     "are context (upstream's)"}
     requires_chat_template = True  # validation checks a local tokenizer for one unless chat_template is given
 
     def __init__(self, path_or_dataset_id: str | None = None, split: str = "train", name: str | None = None,
@@ -97,27 +144,31 @@ class ChatDataset(Dataset):
                  chat_template: str | None = None, truncation: Truncation = False, padding: Padding = "do_not_pad",
                  limit_dataset_samples: int | None = None, shuffle_seed: int | None = None,
                  on_bad_row: OnBadRow = "error", dataset_name: str | None = None,
-                 max_seq_length: int | None = None, mask_reasoning_content: bool = False, unshifted: bool = False):
+                 max_seq_length: int | None = None, mask_reasoning_content: bool = False, unshifted: bool = False,
+                 mask_history: bool = False):
         source = given("path_or_dataset_id", path_or_dataset_id, "dataset_name", dataset_name)
         length = SampleLength(given("seq_length", seq_length, "max_seq_length", max_seq_length), truncation, padding)
         tokenizer = with_chat_template(tokenizer, chat_template)
         rows = read_rows(source, split, name, shuffle_seed, limit_dataset_samples)
-        if messages_column not in rows.column_names:
-            raise AutomodelError(f"dataset.messages_column: '{source.value}' has no column '{messages_column}' "
-                                 f"(found: {', '.join(rows.column_names)})")
+        column = _messages_column(messages_column, rows.column_names, source.value)
         self.samples: list[dict[str, list[int]]] = []
         bad_rows = BadRows(on_bad_row, source.value)
         for index, row in enumerate(rows):
-            if bad_rows.missing(index, row, (messages_column,)):
+            if bad_rows.missing(index, row, (column,)):
                 continue
-            messages = row[messages_column]
+            try:
+                messages = row[column] if column == messages_column else sharegpt_chat_messages(row[column])
+                tools = parse_tools(row.get("tools"))
+            except RowProblem as problem:
+                bad_rows.bad(index, str(problem))
+                continue
             if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-                bad_rows.bad(index, f"'{messages_column}' must be a list of {{role, content}} messages")
+                bad_rows.bad(index, f"'{column}' must be a list of {{role, content}} messages")
                 continue
             if not any(m.get("role") == "assistant" for m in messages):
                 bad_rows.bad(index, "the conversation has no assistant turn to learn from")
                 continue
-            ids, labels = tokenize_conversation(tokenizer, messages, mask_reasoning_content)
+            ids, labels = tokenize_conversation(tokenizer, messages, mask_reasoning_content, tools, mask_history)
             sample = length.fit(ids, labels, tokenizer.pad_token_id, f"conversation {index} of '{source.value}'")
             if learns_nothing(sample["labels"]):
                 continue
@@ -131,6 +182,17 @@ class ChatDataset(Dataset):
 
     def __getitem__(self, index: int) -> dict[str, list[int]]:
         return self.samples[index]
+
+
+def _messages_column(messages_column: str, columns: list[str], source: Any) -> str:
+    """The column the conversations are read from: ``messages_column``, or ShareGPT's ``conversations`` when the
+    default ``messages`` is absent (upstream reads both)."""
+    if messages_column in columns:
+        return messages_column
+    if messages_column == "messages" and "conversations" in columns:
+        return "conversations"
+    raise AutomodelError(f"dataset.messages_column: '{source}' has no column '{messages_column}' "
+                         f"(found: {', '.join(columns)})")
 
 
 def with_chat_template(tokenizer: Any, chat_template: str | None) -> Any:
