@@ -123,6 +123,15 @@ def test_calls_without_text_before_them_are_one_new_assistant_message_and_result
     assert [m["tool_call_id"] for m in messages[2:4]] == [c["id"] for c in messages[1]["tool_calls"]]
 
 
+def test_content_given_as_openai_parts_is_its_text_not_the_list_printed():
+    turns = [{"role": "user", "content": [{"type": "text", "text": "add"}, {"type": "text", "text": "these"}]},
+             {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": {}}}]}]
+    messages = openai_messages(turns)
+    assert messages[0]["content"] == "add these" and messages[1]["content"] == ""
+    with pytest.raises(ValueError, match="content part .*'image_url'.* is not text"):
+        openai_messages([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "a.png"}}]}])
+
+
 @pytest.mark.parametrize("row", [CHATML, SHAREGPT, OPENAI], ids=["chatml", "sharegpt", "openai"])
 def test_the_loss_covers_exactly_the_assistant_turns_tool_calls_included(row, tokenizer, tmp_path):
     dataset = AgentChatDataset(tokenizer, path=_write(tmp_path / "rows.jsonl", [row]), chat_template=TEMPLATE)

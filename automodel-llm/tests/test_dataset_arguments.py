@@ -258,7 +258,7 @@ TOOLS_TEMPLATE = ("{% if tools %}[tools] {% for t in tools %}{{ t.function.name 
                   "{% endif %}" + TEMPLATE)
 
 
-def test_a_chat_row_s_tools_reach_the_template_and_sharegpt_conversations_are_read(tmp_path, tokenizer):
+def test_a_chat_row_s_tools_reach_the_template_sharegpt_rows_and_content_parts_are_read(tmp_path, tokenizer):
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
     chat = [{"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "content": "Sunny."}]
     sharegpt = [{"from": "human", "value": "Weather in Paris?"}, {"from": "gpt", "value": "Sunny."}]
@@ -266,13 +266,19 @@ def test_a_chat_row_s_tools_reach_the_template_and_sharegpt_conversations_are_re
             "tools_json": [{"messages": chat, "tools": json.dumps([tool])}],
             "no_tools": [{"messages": chat, "tools": ""}],
             "sharegpt": [{"conversations": sharegpt}],
+            "parts": [{"messages": [{"role": "user", "content": [{"type": "text", "text": "Weather"},
+                                                                 {"type": "text", "text": "in Paris?"}]},
+                                    {"role": "assistant", "content": [{"type": "text", "text": "Sunny."}]}]}],
+            "image_part": [{"messages": [{"role": "user", "content": [{"type": "image", "url": "a.png"}]}, chat[1]]}],
             "sharegpt_tool_turn": [{"conversations": [*sharegpt, {"from": "function_call", "value": "{}"}]}]}
     files = {name: _write_jsonl(tmp_path / f"{name}.jsonl", records) for name, records in rows.items()}
     text = {name: tokenizer.decode(datasets.ChatDataset(files[name], tokenizer=tokenizer,
                                                         chat_template=TOOLS_TEMPLATE)[0]["input_ids"])
-            for name in ("tools_list", "tools_json", "no_tools", "sharegpt")}
+            for name in ("tools_list", "tools_json", "no_tools", "sharegpt", "parts")}
     assert text["tools_list"] == text["tools_json"] == "[tools] get_weather </s>" + text["no_tools"]
-    assert text["sharegpt"] == text["no_tools"] == "[user] Weather in Paris?</s>[assistant] Sunny.</s>"
+    assert text["sharegpt"] == text["parts"] == text["no_tools"] == "[user] Weather in Paris?</s>[assistant] Sunny.</s>"
+    with pytest.raises(AutomodelError, match=r"row 1 of .*content part .*'image'.* is not text"):
+        datasets.ChatDataset(files["image_part"], tokenizer=tokenizer)
     with pytest.raises(AutomodelError, match=r"row 1 of .*a turn from 'function_call', which is not a chat role.*"
                                              "AgentChatDataset"):
         datasets.ChatDataset(files["sharegpt_tool_turn"], tokenizer=tokenizer)

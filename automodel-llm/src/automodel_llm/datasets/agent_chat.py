@@ -40,6 +40,7 @@ from automodel_llm.datasets.chat import (
     parse_json,
     parse_tools,
     render,
+    text_content,
     tokenize_conversation,
     with_chat_template,
 )
@@ -122,9 +123,7 @@ def openai_messages(turns: list[dict], call_prefix: str = "call") -> list[dict]:
 
 
 def _text_message(turn: dict, call_prefix: str, position: int) -> dict:
-    content = turn.get("content")
-    message = {"role": turn["role"], "content": content if isinstance(content, str) else
-               "" if content is None else str(content)}
+    message = {"role": turn["role"], "content": text_content(turn.get("content"))}
     if turn["role"] == "assistant" and turn.get("reasoning_content"):
         message["reasoning_content"] = str(turn["reasoning_content"])
     calls = turn.get("tool_calls") if turn["role"] == "assistant" else None

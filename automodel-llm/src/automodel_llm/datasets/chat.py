@@ -50,6 +50,26 @@ def parse_tools(value: Any) -> list[dict] | None:
     return tools or None
 
 
+def text_content(content: Any) -> str:
+    """A message's content as the text a chat template renders: a string as is, none as empty, OpenAI's list of
+    content parts as its text parts joined with spaces (as upstream joins them); a part that is not text (an image)
+    is refused, where upstream drops it."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        return str(content)
+    texts = []
+    for part in content:
+        if isinstance(part, str):
+            texts.append(part)
+        elif isinstance(part, dict) and part.get("type", "text") == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        else:
+            raise RowProblem(f"a message's content part {str(part)[:80]} is not text; the LLM recipes train on text "
+                             "(pictures: finetune vlm)")
+    return " ".join(texts)
+
+
 def sharegpt_chat_messages(conversations: Any) -> list[dict]:
     """``{role, content}`` messages of a ShareGPT ``conversations`` list of ``{from, value}`` plain-chat turns."""
     if not isinstance(conversations, list) or not all(isinstance(turn, dict) for turn in conversations):
@@ -60,7 +80,8 @@ def sharegpt_chat_messages(conversations: Any) -> list[dict]:
         if speaker not in SHAREGPT_CHAT_ROLES:
             raise RowProblem(f"'conversations' has a turn from {speaker!r}, which is not a chat role "
                              f"({', '.join(SHAREGPT_CHAT_ROLES)}); tool-calling conversations are AgentChatDataset's")
-        messages.append({"role": SHAREGPT_CHAT_ROLES[speaker], "content": turn.get("value", turn.get("content"))})
+        messages.append({"role": SHAREGPT_CHAT_ROLES[speaker],
+                         "content": text_content(turn.get("value", turn.get("content")))})
     return messages
 
 
@@ -119,8 +140,9 @@ class ChatDataset(Dataset):
 
     ``chat_template`` (inline, or a .jinja file) becomes the tokenizer's template, so the tokenizer saved with the
     checkpoint renders conversations as training did. As upstream's ChatDataset: a row's ``tools`` (a list or a JSON
-    string of one) go to the template with its conversation, and rows without a ``messages`` column are read from
-    ShareGPT's ``conversations`` (``{from, value}`` plain-chat turns). A row whose messages are null, not a list of
+    string of one) go to the template with its conversation, rows without a ``messages`` column are read from
+    ShareGPT's ``conversations`` (``{from, value}`` plain-chat turns), and a message's content given as OpenAI's
+    list of parts is its text (:func:`text_content`). A row whose messages are null, not a list of
     mappings, or hold no assistant turn is refused, or skipped with ``on_bad_row: skip``.
     """
 
@@ -156,14 +178,17 @@ class ChatDataset(Dataset):
         for index, row in enumerate(rows):
             if bad_rows.missing(index, row, (column,)):
                 continue
+            messages = row[column]
+            if column == messages_column and (not isinstance(messages, list)
+                                              or not all(isinstance(m, dict) for m in messages)):
+                bad_rows.bad(index, f"'{column}' must be a list of {{role, content}} messages")
+                continue
             try:
-                messages = row[column] if column == messages_column else sharegpt_chat_messages(row[column])
+                messages = [{**m, "content": text_content(m.get("content"))} for m in messages] \
+                    if column == messages_column else sharegpt_chat_messages(messages)
                 tools = parse_tools(row.get("tools"))
             except RowProblem as problem:
                 bad_rows.bad(index, str(problem))
-                continue
-            if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-                bad_rows.bad(index, f"'{column}' must be a list of {{role, content}} messages")
                 continue
             if not any(m.get("role") == "assistant" for m in messages):
                 bad_rows.bad(index, "the conversation has no assistant turn to learn from")
