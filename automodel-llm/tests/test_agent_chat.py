@@ -196,7 +196,7 @@ def test_revision_goes_to_the_hub_and_is_refused_for_a_local_file(tokenizer, tmp
 
     monkeypatch.setattr(datasets, "load_dataset", load_dataset)
     assert len(_build(tokenizer, None, dataset_name="org/traces", revision="refs/convert/parquet")) == 1
-    assert asked == {"name": "org/traces", "split": "train", "streaming": False, "revision": "refs/convert/parquet"}
+    assert asked == {"name": "org/traces", "split": "train", "revision": "refs/convert/parquet"}
 
 
 def test_seq_length_truncation_padding_and_the_tokenizers_truncation_side(tokenizer, tmp_path):

@@ -202,6 +202,21 @@ def test_both_spellings_build_the_same_samples(data, tokenizer):
         datasets.SquadDataset(path_or_dataset_id=data["squad"], dataset_name=data["squad"], tokenizer=tokenizer)
 
 
+def test_a_slice_in_the_split_of_a_single_file_selects_its_rows(data, tokenizer):
+    """A single file is its only split, whatever the config calls it; a row slice in ``split`` still acts."""
+    def samples(split):
+        built = datasets.SquadDataset(path_or_dataset_id=data["squad_file"], split=split, tokenizer=tokenizer)
+        return [built[i]["input_ids"] for i in range(len(built))]
+
+    every = samples("train")
+    assert len(every) == 8 and samples("validation") == every
+    assert samples("train[2:5]") == every[2:5] and samples("validation[:3]") == every[:3]
+    assert samples("train[50%:]") == every[4:] and samples("train[-2:]") == every[-2:]
+    with pytest.raises(AutomodelError, match=r"dataset.split: 'train\[20:\]' selects none of the 8 rows of '.*"
+                                             r"squad_file.jsonl' \(a single file is its only split\)"):
+        samples("train[20:]")
+
+
 def test_an_error_names_the_spelling_the_config_used(data, tokenizer):
     with pytest.raises(AutomodelError, match=r"dataset.max_seq_length: sample 0 .* more than 8"):
         datasets.SquadDataset(dataset_name=data["squad"], max_seq_length=8, tokenizer=tokenizer)

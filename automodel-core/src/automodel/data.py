@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -18,13 +19,15 @@ from automodel.errors import AutomodelError
 OnBadRow = Literal["error", "skip"]
 
 _BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
+_SLICED_SPLIT = re.compile(r"^[^\[\]+]+(\[[^\[\]]*\])$")  # validation[:64], train[10%:]
 
 
 def load_rows(name_or_path: str, split: str = "train", key: str = "dataset.dataset_name",
-              streaming: bool = False, name: str | None = None, revision: str | None = None) -> Any:
-    """A ``datasets.Dataset`` (or IterableDataset when streaming) for one split; ``name`` picks the subset
+              name: str | None = None, revision: str | None = None) -> Any:
+    """A ``datasets.Dataset`` for one split; ``name`` picks the subset
     (configuration) of a hub data set or a data set directory with several, ``revision`` a hub data set's branch,
-    tag or commit (a local file or directory has none)."""
+    tag or commit (a local file or directory has none). A single file is its own only split (:func:`file_split`).
+    """
     import datasets
 
     datasets.disable_progress_bars()  # the training progress bar is the one to watch
@@ -40,13 +43,13 @@ def load_rows(name_or_path: str, split: str = "train", key: str = "dataset.datas
                                      f"{', '.join(sorted(_BUILDERS))}")
             if path.stat().st_size == 0:
                 raise AutomodelError(f"{key}: '{path}' is empty")
-            return datasets.load_dataset(builder, data_files=str(path), split="train", streaming=streaming)
+            return _load_file(datasets, builder, path, split, key)
         if path.is_dir():
-            return datasets.load_dataset(str(path), name, split=split, streaming=streaming)
+            return datasets.load_dataset(str(path), name, split=split)
         if path.is_absolute() or str(name_or_path).startswith(("./", "../")) or path.suffix in _BUILDERS:
             raise AutomodelError(f"{key}: '{name_or_path}' does not exist")
         hub = {"revision": revision} if revision is not None else {}
-        return datasets.load_dataset(str(name_or_path), name, split=split, streaming=streaming, **hub)
+        return datasets.load_dataset(str(name_or_path), name, split=split, **hub)
     except AutomodelError:
         raise
     except Exception as err:  # datasets raises many types for a missing/offline hub name or a bad file
@@ -59,6 +62,26 @@ def load_rows(name_or_path: str, split: str = "train", key: str = "dataset.datas
             hint = " (offline? point it at a local file or directory)" if not path.exists() else ""
             raise AutomodelError(f"{key}: cannot load '{name_or_path}'{hint}: {type(err).__name__}: {err}") from None
         raise AutomodelError(f"{key}: cannot read split '{split}' of '{name_or_path}': {err}") from None
+
+
+def _load_file(datasets: Any, builder: str, path: Path, split: str, key: str) -> Any:
+    """The rows of one file; a row slice in ``split`` that selects none of them is refused saying how many."""
+    rows_split = file_split(split)
+    try:
+        return datasets.load_dataset(builder, data_files=str(path), split=rows_split)
+    except ValueError as err:
+        if rows_split == "train" or "corresponds to no data" not in str(err):
+            raise
+        total = len(datasets.load_dataset(builder, data_files=str(path), split="train"))
+    raise AutomodelError(f"{key.rsplit('.', 1)[0]}.split: '{split}' selects none of the {total} rows of '{path}' "
+                         "(a single file is its only split); give a slice within them")
+
+
+def file_split(split: str | None) -> str:
+    """The split of a single file as ``datasets`` names it: the file is its only split (``train``), whatever
+    ``split`` calls it, but a row slice in ``split`` (``validation[:64]``, ``train[10%:]``) still selects rows."""
+    sliced = _SLICED_SPLIT.match(split or "")
+    return "train" + (sliced.group(1) if sliced else "")
 
 
 def json_problem(path: Path) -> str | None:

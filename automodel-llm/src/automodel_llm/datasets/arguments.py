@@ -28,7 +28,8 @@ ALIASES = {"dataset_name": "path_or_dataset_id", "max_seq_length": "seq_length"}
 # what each shared argument does; each data set's ``argument_help`` adds its own (docs/config-reference.md)
 ARGUMENT_HELP = {
     "path_or_dataset_id": "a hub data set id, or a local JSON/JSONL/CSV/parquet/text file or a directory of them",
-    "split": "the split to read (a single local file is its only split)",
+    "split": "the split to read, with an optional row slice (train[:256], validation[10%:]); a single local file "
+             "is its only split, whatever it is called, and a slice selects its rows",
     "name": "the subset (configuration) of a hub data set or data set directory",
     "seq_length": "token limit of a sample: a longer one is refused, or cut when truncation is on",
     "truncation": "cut samples longer than seq_length instead of refusing them (true, longest_first, only_first)",
