@@ -82,6 +82,10 @@ def test_lora_targets_only_the_language_model_linear_layers():
     assert len(names) == 2 * 7  # q k v o gate up down, two layers; never lm_head, the projector or the tower
     assert language_model_targets(model, {"q_proj", "v_proj"}) == [
         f"model.language_model.layers.{i}.self_attn.{m}_proj" for i in range(2) for m in ("q", "v")]
+    # upstream's own VLM classes (Muse Glimmer's) name the decoder as a causal LM does: model.layers.*
+    assert language_model_targets(model, ["model.layers.*.self_attn.q_proj", "model.layers.1.mlp.up_proj"]) == [
+        "model.language_model.layers.0.self_attn.q_proj", "model.language_model.layers.1.self_attn.q_proj",
+        "model.language_model.layers.1.mlp.up_proj"]
     with pytest.raises(AutomodelError, match="matches no linear layer"):
         language_model_targets(model, ["fc1"])  # a vision-tower layer name
 

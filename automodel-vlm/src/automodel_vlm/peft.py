@@ -24,21 +24,24 @@ def _linear(module: torch.nn.Module) -> bool:
 
 def language_model_targets(model: torch.nn.Module, patterns: Any) -> list[str]:
     """Full names of the language model's linear layers (output head excluded) that match ``patterns``
-    (``all-linear``, or module names / globs matched against the name and its last component)."""
+    (``all-linear``, or module names / globs matched against the name, its last component, and the name a causal
+    LM gives the layer: ``model.layers.3.self_attn.q_proj``, as upstream's own VLM classes such as Muse Glimmer's
+    name their decoder, where transformers' is ``model.language_model.layers.3...``)."""
     located = find_part(model, "language_model")
     if located is None:
         raise AutomodelError(f"peft: {type(base_model(model)).__name__} has no language model module "
                              "(language_model / text_model); name the modules with peft._target_: peft.LoraConfig")
     prefix, language = located
     head = base_model(model).get_output_embeddings()
+    globs = [patterns] if isinstance(patterns, str) else list(patterns)
     names = []
     for name, module in language.named_modules():
         if not name or not _linear(module) or module is head:
             continue
-        full = f"{prefix}.{name}"
+        full, as_causal_lm = f"{prefix}.{name}", f"model.{name}"
         if patterns == "all-linear" or any(
                 fnmatch.fnmatch(full, p) or fnmatch.fnmatch(name.rsplit(".", 1)[-1], p) or full.endswith("." + p)
-                for p in ([patterns] if isinstance(patterns, str) else list(patterns))):
+                or fnmatch.fnmatch(as_causal_lm, p) for p in globs):
             names.append(full)
     if not names:
         raise AutomodelError(f"peft.target_modules: {patterns} matches no linear layer of the language model "

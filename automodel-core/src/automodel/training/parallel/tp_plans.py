@@ -176,12 +176,26 @@ def config_plan(config: Any, registry: TPPlanRegistry = TP_PLANS) -> dict[str, s
     own = getattr(config, "base_model_tp_plan", None)
     if not own and hasattr(config, "get_text_config"):
         own = getattr(config.get_text_config(), "base_model_tp_plan", None)
-    return registry.get(config.model_type) or (dict(own or {}) or None)
+    plan = registry.get(config.model_type) or (dict(own or {}) or None)
+    return without_absent_experts(plan, config) if plan else plan
+
+
+def without_absent_experts(plan: Mapping[str, str], config: Any) -> dict[str, str]:
+    """``plan`` less its entries for experts modules when ``config`` declares no routed experts: one model type's
+    plan may cover its dense and its mixture-of-experts variants (Gemma 4's), and the dense model has no experts
+    module for those entries to shard."""
+    from automodel.training.parallel.expert_parallel import config_expert_count
+
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if config_expert_count(text) is not None:
+        return dict(plan)
+    return {pattern: style for pattern, style in plan.items() if "experts" not in pattern.split(".")}
 
 
 def model_plan(model: nn.Module, registry: TPPlanRegistry = TP_PLANS) -> dict[str, str]:
     """The plan of a built causal LM: the registry's entry for its ``model_type``, else the model's own."""
     plan = registry.get(model.config.model_type) or dict(getattr(model, "tp_plan", None) or {})
+    plan = without_absent_experts(plan, model.config)
     if not plan:
         raise AutomodelError(f"'{type(model).__name__}' ({model.config.model_type}) has no tensor-parallel plan (no "
                              "base_model_tp_plan in its config, none registered); set distributed.tp_size: 1 or "
