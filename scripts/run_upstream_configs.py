@@ -411,6 +411,9 @@ def data_overrides(data: dict[str, Any], root: Path, scratch: Path) -> dict[str,
             continue
         if factory in DATA_FILES:
             found[f"{section}.{key}"] = str(root / DATA_FILES[factory])
+            split = node.get("split")
+            if isinstance(split, str) and "[" in split:  # row numbers of upstream's data, not of the small file
+                found[f"{section}.split"] = split.split("[", 1)[0]
         elif factory == "ColumnMappedTextInstructionDataset":
             columns = list((node.get("column_mapping") or {}).values())
             found[f"{section}.{key}"] = _write_jsonl(scratch / f"{section}.jsonl", [
