@@ -177,7 +177,9 @@ def test_split_takes_a_slice_and_limit_dataset_samples_the_first_rows_of_it(toke
     assert _texts(tokenizer, _build(tokenizer, rows, split="train[1:4]")) == everything[1:4]
     assert _texts(tokenizer, _build(tokenizer, rows, split="train[3:]")) == everything[3:]
     assert _texts(tokenizer, _build(tokenizer, rows, split="train[1:]", limit_dataset_samples=2)) == everything[1:3]
-    assert "percentages are not read" in str(_build(tokenizer, rows, split="train[:10%]"))
+    assert _texts(tokenizer, _build(tokenizer, rows, split="train[:40%]")) == everything[:2]
+    assert "dataset.split: 'train[one:]' is not a split with a row slice" in \
+        str(_build(tokenizer, rows, split="train[one:]"))
     # a slice past the rows (upstream's train[64:] on a smaller file) selects nothing: said so, not an IndexError
     assert f"dataset.split: 'train[64:]' selects none of the 5 rows of train in {rows}" in \
         str(_build(tokenizer, rows, split="train[64:]"))

@@ -203,9 +203,11 @@ def test_both_spellings_build_the_same_samples(data, tokenizer):
 
 
 def test_a_slice_in_the_split_of_a_single_file_selects_its_rows(data, tokenizer):
-    """A single file is its only split, whatever the config calls it; a row slice in ``split`` still acts."""
-    def samples(split):
-        built = datasets.SquadDataset(path_or_dataset_id=data["squad_file"], split=split, tokenizer=tokenizer)
+    """A single file is its only split, whatever the config calls it; a row slice in ``split`` still acts, taken
+    after shuffle_seed's shuffle."""
+    def samples(split, **kwargs):
+        built = datasets.SquadDataset(path_or_dataset_id=data["squad_file"], split=split, tokenizer=tokenizer,
+                                      **kwargs)
         return [built[i]["input_ids"] for i in range(len(built))]
 
     every = samples("train")
@@ -215,6 +217,11 @@ def test_a_slice_in_the_split_of_a_single_file_selects_its_rows(data, tokenizer)
     with pytest.raises(AutomodelError, match=r"dataset.split: 'train\[20:\]' selects none of the 8 rows of '.*"
                                              r"squad_file.jsonl' \(a single file is its only split\)"):
         samples("train[20:]")
+    # with shuffle_seed the slice is taken of the shuffled split (upstream's): one seed makes a random partition
+    shuffled = samples("train", shuffle_seed=7)
+    assert sorted(shuffled) == sorted(every) and shuffled[:5] != every[:5]
+    assert samples("train[:5]", shuffle_seed=7) == shuffled[:5]
+    assert samples("validation[5:]", shuffle_seed=7) == shuffled[5:]
 
 
 def test_an_error_names_the_spelling_the_config_used(data, tokenizer):

@@ -134,7 +134,7 @@ def test_limits_take_the_first_rows_and_samples_and_an_absent_file_is_named(tmp_
     assert len(load_samples(ToolCallEvalConfig(path=rows, limit_dataset_samples=1))) == 3
     assert len(load_samples(ToolCallEvalConfig(path=rows, max_eval_samples=2))) == 2
     assert len(load_samples(ToolCallEvalConfig(dataset_name=rows, split="train[1:]"))) == 1
-    with pytest.raises(Exception, match=r"tool_call_eval.split: 'train\[50%\]' is not a split name"):
+    with pytest.raises(Exception, match=r"tool_call_eval.split: 'train\[50%\]' is not a split with a row slice"):
         load_samples(ToolCallEvalConfig(path=rows, split="train[50%]"))
     with pytest.raises(Exception, match="tool_call_eval.path: '/nowhere.jsonl' does not exist"):
         load_samples(ToolCallEvalConfig(path="/nowhere.jsonl"))

@@ -19,14 +19,14 @@ from automodel.errors import AutomodelError
 OnBadRow = Literal["error", "skip"]
 
 _BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
-_SLICED_SPLIT = re.compile(r"^[^\[\]+]+(\[[^\[\]]*\])$")  # validation[:64], train[10%:]
+_SLICED_SPLIT = re.compile(r"^([^\[\]+]+)(\[[^\[\]]*\])$")  # validation[:64], train[10%:]
 
 
 def load_rows(name_or_path: str, split: str = "train", key: str = "dataset.dataset_name",
               name: str | None = None, revision: str | None = None) -> Any:
     """A ``datasets.Dataset`` for one split; ``name`` picks the subset
     (configuration) of a hub data set or a data set directory with several, ``revision`` a hub data set's branch,
-    tag or commit (a local file or directory has none). A single file is its own only split (:func:`file_split`).
+    tag or commit (a local file or directory has none). A single file is its own only split (:func:`_load_file`).
     """
     import datasets
 
@@ -65,23 +65,34 @@ def load_rows(name_or_path: str, split: str = "train", key: str = "dataset.datas
 
 
 def _load_file(datasets: Any, builder: str, path: Path, split: str, key: str) -> Any:
-    """The rows of one file; a row slice in ``split`` that selects none of them is refused saying how many."""
-    rows_split = file_split(split)
-    try:
-        return datasets.load_dataset(builder, data_files=str(path), split=rows_split)
-    except ValueError as err:
-        if rows_split == "train" or "corresponds to no data" not in str(err):
-            raise
-        total = len(datasets.load_dataset(builder, data_files=str(path), split="train"))
-    raise AutomodelError(f"{key.rsplit('.', 1)[0]}.split: '{split}' selects none of the {total} rows of '{path}' "
-                         "(a single file is its only split); give a slice within them")
+    """The rows of one file, which is its own only split: ``train`` to ``datasets``, whatever ``split`` calls it;
+    a row slice in ``split`` (``validation[:64]``, ``train[10%:]``) still selects rows."""
+    rows = datasets.load_dataset(builder, data_files=str(path), split="train")
+    return select_row_slice(rows, split, key, f"'{path}' (a single file is its only split)") \
+        if row_slice(split) else rows
 
 
-def file_split(split: str | None) -> str:
-    """The split of a single file as ``datasets`` names it: the file is its only split (``train``), whatever
-    ``split`` calls it, but a row slice in ``split`` (``validation[:64]``, ``train[10%:]``) still selects rows."""
+def row_slice(split: str | None) -> str | None:
+    """The row slice of a split written as ``name[start:stop]`` (``[:64]``, ``[10%:]``); None without one."""
     sliced = _SLICED_SPLIT.match(split or "")
-    return "train" + (sliced.group(1) if sliced else "")
+    return sliced.group(2) if sliced else None
+
+
+def select_row_slice(rows: Any, split: str, key: str, where: str) -> Any:
+    """The rows that ``split``'s row slice selects of ``rows`` (read as ``datasets`` reads the slice, percentages
+    included); refused, with the row count, when it selects none."""
+    import datasets
+
+    base = split.split("[", 1)[0]
+    try:
+        (span,) = datasets.ReadInstruction.from_spec(split).to_absolute({base: len(rows)})
+    except (ValueError, AssertionError) as err:
+        raise AutomodelError(f"{key.rsplit('.', 1)[0]}.split: '{split}' is not a split with a row slice: {err}") \
+            from None
+    if span.from_ >= span.to:
+        raise AutomodelError(f"{key.rsplit('.', 1)[0]}.split: '{split}' selects none of the {len(rows)} rows of "
+                             f"{where}; give a slice within them")
+    return rows.select(range(span.from_, span.to))
 
 
 def json_problem(path: Path) -> str | None:

@@ -17,14 +17,13 @@ string of one. The xLAM rows (``make_xlam_dataset``) are converted to the same m
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from torch.utils.data import Dataset
 
-from automodel.data import BadRows, OnBadRow, load_rows
+from automodel.data import BadRows, OnBadRow, load_rows, row_slice, select_row_slice
 from automodel.errors import AutomodelError
 from automodel_llm.datasets.arguments import (
     ARGUMENT_HELP,
@@ -47,7 +46,6 @@ from automodel_llm.datasets.chat import (
 
 _SHAREGPT_ROLES = {**SHAREGPT_CHAT_ROLES, "function_call": "tool_call", "tool_call": "tool_call",
                    "observation": "tool_response", "tool_response": "tool_response", "tool": "tool_response"}
-_SPLIT = re.compile(r"^([^\[\]]+)(?:\[(-?\d*):(-?\d*)\])?$")
 
 
 # ---- rows to OpenAI messages ---------------------------------------------------------------------------------
@@ -170,28 +168,22 @@ def drop_oldest_exchanges(tokenizer: Any, messages: list[dict], tools: list[dict
 # ---- reading the rows ----------------------------------------------------------------------------------------
 
 def read_split(source: Given, split: str, revision: str | None, limit: int | None) -> Any:
-    """The rows of ``split``, which may take a slice as Hugging Face writes it (``train[64:]``, ``train[:256]``),
-    then the first ``limit`` of them. ``source`` is a hub id, a local file or directory, or a list of files."""
-    match = _SPLIT.match(split)
-    section = source.key.rsplit(".", 1)[0]  # dataset, or tool_call_eval
-    if match is None:
-        raise AutomodelError(f"{section}.split: '{split}' is not a split name with an optional slice of row numbers "
-                             "(train, train[64:], train[:256]); percentages are not read")
-    base, start, stop = match.groups()
+    """The rows of ``split``, which may take a row slice as Hugging Face writes it (``train[64:]``, ``train[:256]``,
+    ``train[:10%]``) over all of ``source``'s rows, then the first ``limit`` of them. ``source`` is a hub id, a local
+    file or directory, or a list of files."""
     sources = source.value if isinstance(source.value, list) else [source.value]
     if not sources or not all(isinstance(item, str) and item for item in sources):
         raise AutomodelError(f"{source.key}: expected a hub id, a local file or directory, or a list of files")
+    base = split.split("[", 1)[0]
     parts = [load_rows(item, base, key=source.key, revision=revision) for item in sources]
     if len(parts) > 1:
         import datasets
 
         parts = [datasets.concatenate_datasets(parts)]
     rows = parts[0]
-    indices = range(len(rows))[slice(int(start) if start else None, int(stop) if stop else None)]
-    if not indices:
-        raise AutomodelError(f"{section}.split: '{split}' selects none of the {len(rows)} rows of {base} in "
-                             f"{source.value}; give a slice within them")
-    return rows.select(indices[:limit] if limit is not None else indices)
+    if row_slice(split) is not None:
+        rows = select_row_slice(rows, split, source.key, f"{base} in {source.value}")
+    return rows.select(range(min(limit, len(rows)))) if limit is not None else rows
 
 
 def _source(dataset_name: Any, path: Any) -> Given:
@@ -216,7 +208,7 @@ class AgentChatDataset(Dataset):
         **{k: v for k, v in ARGUMENT_HELP.items() if k in ("seq_length", "truncation", "padding", "on_bad_row")},
         "dataset_name": "a hub data set id, or a local JSON/JSONL/CSV/parquet file or directory (or give path)",
         "path": "a local JSON/JSONL file, or a list of them (read one after the other), instead of dataset_name",
-        "split": "the split to read, with an optional slice of row numbers: train, train[64:], train[:256]",
+        "split": "the split to read, with an optional row slice over all its files: train, train[64:], train[:10%]",
         "revision": "the branch, tag or commit of a hub data set (e.g. refs/convert/parquet)",
         "limit_dataset_samples": "use only the first N rows (of the split, after its slice)",
         "chat_template": "a Jinja chat template, inline or the path of a file (.jinja, or JSON with a chat_template "

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from automodel.chat_template import chat_template_problem
-from automodel.data import load_rows
+from automodel.data import load_rows, row_slice, select_row_slice
 from automodel.errors import AutomodelError, ConfigIssue
 
 IGNORE_INDEX = -100
@@ -36,7 +36,8 @@ ARGUMENT_HELP = {
     "padding": "max_length pads each sample to seq_length (padding is masked out of attention and loss); the "
                "other values leave padding to the collator, which pads each batch to its longest sample",
     "limit_dataset_samples": "use only the first N rows (after shuffling)",
-    "shuffle_seed": "shuffle the rows with this seed before limit_dataset_samples",
+    "shuffle_seed": "shuffle the rows with this seed before limit_dataset_samples and before a row slice of split "
+                    "(upstream's: one seed over train[:N] and train[N:M] makes a random partition)",
     "on_bad_row": "error: a row missing a required field (or holding an unusable one) stops the run, naming the "
                   "file, row and field; skip: such rows are left out and counted",
 }
@@ -90,17 +91,23 @@ def _raise(key: str, problem: str | None) -> None:
 def read_rows(source: Given, split: str, name: str | None = None, shuffle_seed: int | None = None,
               limit: int | None = None, shuffle_key: str = "dataset.shuffle_seed") -> Any:
     """The rows of ``split``: ``name`` picks a hub data set's subset; rows are shuffled with ``shuffle_seed``
-    before the first ``limit`` are kept (so a limited run sees a sample of the whole split)."""
+    before the first ``limit`` are kept (so a limited run sees a sample of the whole split). With ``shuffle_seed``,
+    a row slice in ``split`` is taken after the whole split is shuffled, as upstream's ChatDataset takes it: a
+    training ``train[:1024]`` and a validation ``train[1024:1152]`` with one seed are a random partition."""
     if not source.value:
         raise AutomodelError(f"{source.key}: missing (a hub id, or a local file or directory)")
     if name is not None and Path(str(source.value)).is_file():
         raise AutomodelError(f"dataset.name: '{name}' names a subset of a hub data set, but {source.key} is the "
                              f"file '{source.value}'; remove name")
-    rows = load_rows(source.value, split, key=source.key, name=name)
+    if shuffle_seed is not None and (isinstance(shuffle_seed, bool) or not isinstance(shuffle_seed, int)):
+        raise AutomodelError(f"{shuffle_key}: expected an integer, found {shuffle_seed!r}")
+    slice_after_shuffle = shuffle_seed is not None and row_slice(split) is not None
+    rows = load_rows(source.value, split.split("[", 1)[0] if slice_after_shuffle else split, key=source.key,
+                     name=name)
     if shuffle_seed is not None:
-        if isinstance(shuffle_seed, bool) or not isinstance(shuffle_seed, int):
-            raise AutomodelError(f"{shuffle_key}: expected an integer, found {shuffle_seed!r}")
         rows = rows.shuffle(seed=shuffle_seed)
+    if slice_after_shuffle:
+        rows = select_row_slice(rows, split, source.key, f"{source.value} (shuffled with seed {shuffle_seed})")
     if limit is not None:
         rows = rows.select(range(min(limit, len(rows))))
     return rows
