@@ -190,9 +190,9 @@ def test_good_tp_sizes_pass_and_models_without_a_plan_are_refused():
 
 def test_unsupported_styles_are_refused_with_their_modules():
     config = mp_config()
-    config.base_model_tp_plan = {"layers.*.mlp.gate_up_proj": "packed_colwise", "layers.*.self_attn.q_proj": "colwise"}
-    (issue,) = tp_issues(config, 2)
-    assert "styles not supported here: layers.*.mlp.gate_up_proj (packed_colwise)" in issue.message
+    config.base_model_tp_plan = {"layers.*.mlp.experts": "moe_tp_experts", "layers.*.self_attn.q_proj": "colwise"}
+    (issue,) = tp_issues(config, 2)  # a config without an expert count says nothing of experts: the entry stands
+    assert "styles not supported here: layers.*.mlp.experts (moe_tp_experts)" in issue.message
 
 
 def test_a_dense_model_of_a_family_whose_plan_also_shards_experts_is_split_without_those_entries():

@@ -63,6 +63,13 @@ def config_expert_count(hf_config: Any) -> int | None:
     return None
 
 
+def config_declares_no_experts(hf_config: Any) -> bool:
+    """Whether a Hugging Face config says its model has no routed experts: it has an expert-count key, unset or 0
+    (Gemma 4's dense variants: ``num_experts: null``), where a config without such a key says nothing."""
+    declared = [getattr(hf_config, key) for key in _EXPERT_COUNT_KEYS if hasattr(hf_config, key)]
+    return bool(declared) and config_expert_count(hf_config) is None
+
+
 def _layout_problems(module: nn.Module) -> list[str]:
     names = set(module._parameters)
     problems = []

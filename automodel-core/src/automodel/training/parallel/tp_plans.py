@@ -181,13 +181,13 @@ def config_plan(config: Any, registry: TPPlanRegistry = TP_PLANS) -> dict[str, s
 
 
 def without_absent_experts(plan: Mapping[str, str], config: Any) -> dict[str, str]:
-    """``plan`` less its entries for experts modules when ``config`` declares no routed experts: one model type's
-    plan may cover its dense and its mixture-of-experts variants (Gemma 4's), and the dense model has no experts
-    module for those entries to shard."""
-    from automodel.training.parallel.expert_parallel import config_expert_count
+    """``plan`` less its entries for experts modules when ``config`` says its model has no routed experts: one
+    model type's plan may cover its dense and its mixture-of-experts variants (Gemma 4's), and the dense model has
+    no experts module for those entries to shard."""
+    from automodel.training.parallel.expert_parallel import config_declares_no_experts
 
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if config_expert_count(text) is not None:
+    if not config_declares_no_experts(text):
         return dict(plan)
     return {pattern: style for pattern, style in plan.items() if "experts" not in pattern.split(".")}
 
