@@ -181,7 +181,7 @@ def test_split_takes_a_slice_and_limit_dataset_samples_the_first_rows_of_it(toke
     assert "dataset.split: 'train[one:]' is not a split with a row slice" in \
         str(_build(tokenizer, rows, split="train[one:]"))
     # a slice past the rows (upstream's train[64:] on a smaller file) selects nothing: said so, not an IndexError
-    assert f"dataset.split: 'train[64:]' selects none of the 5 rows of train in {rows}" in \
+    assert f"dataset.split: 'train[64:]' selects none of the 5 rows of '{rows}'" in \
         str(_build(tokenizer, rows, split="train[64:]"))
 
 

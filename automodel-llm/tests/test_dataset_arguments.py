@@ -204,7 +204,7 @@ def test_both_spellings_build_the_same_samples(data, tokenizer):
 
 def test_a_slice_in_the_split_of_a_single_file_selects_its_rows(data, tokenizer):
     """A single file is its only split, whatever the config calls it; a row slice in ``split`` still acts, taken
-    after shuffle_seed's shuffle."""
+    over all the files of a list and after shuffle_seed's shuffle."""
     def samples(split, **kwargs):
         built = datasets.SquadDataset(path_or_dataset_id=data["squad_file"], split=split, tokenizer=tokenizer,
                                       **kwargs)
@@ -217,6 +217,10 @@ def test_a_slice_in_the_split_of_a_single_file_selects_its_rows(data, tokenizer)
     with pytest.raises(AutomodelError, match=r"dataset.split: 'train\[20:\]' selects none of the 8 rows of '.*"
                                              r"squad_file.jsonl' \(a single file is its only split\)"):
         samples("train[20:]")
+    # a list of files is read one after the other (upstream's ChatDataset takes one), a slice over all their rows
+    chat = datasets.ChatDataset([data["chat_file"], data["chat_file"]], tokenizer=tokenizer, split="train[6:10]")
+    one = datasets.ChatDataset(data["chat_file"], tokenizer=tokenizer)
+    assert [chat[i] for i in range(4)] == [one[6], one[7], one[0], one[1]]
     # with shuffle_seed the slice is taken of the shuffled split (upstream's): one seed makes a random partition
     shuffled = samples("train", shuffle_seed=7)
     assert sorted(shuffled) == sorted(every) and shuffled[:5] != every[:5]

@@ -20,8 +20,8 @@ from automodel.config import FieldErrors, require_positive
 from automodel.errors import AutomodelError, ConfigIssue
 from automodel.hf import greedy_answer
 from automodel.training.dist import all_reduce_sum
-from automodel_llm.datasets.agent_chat import RowProblem, openai_messages, parse_tools, read_split, row_turns
-from automodel_llm.datasets.arguments import Given
+from automodel_llm.datasets.agent_chat import RowProblem, openai_messages, parse_tools, row_turns
+from automodel_llm.datasets.arguments import Given, read_rows
 from automodel_llm.datasets.chat import render
 from automodel_llm.tool_calls import METRIC_KEYS, parse_tool_calls, sample_scores
 
@@ -117,7 +117,7 @@ def load_samples(settings: ToolCallEvalConfig) -> list[dict[str, Any]]:
     path, name = settings.path, settings.dataset_name  # one of them is given (validation checks)
     source = Given(path, "tool_call_eval.path") if path is not None else Given(name, "tool_call_eval.dataset_name")
     samples: list[dict[str, Any]] = []
-    for index, row in enumerate(read_split(source, settings.split, None, settings.limit_dataset_samples)):
+    for index, row in enumerate(read_rows(source, settings.split, limit=settings.limit_dataset_samples)):
         try:
             messages = openai_messages(row_turns(row), f"call_{row.get('id', index)}")
             samples += conversation_samples(messages, parse_tools(row.get("tools")))

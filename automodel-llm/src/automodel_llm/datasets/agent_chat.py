@@ -23,7 +23,7 @@ from typing import Any
 
 from torch.utils.data import Dataset
 
-from automodel.data import BadRows, OnBadRow, load_rows, row_slice, select_row_slice
+from automodel.data import BadRows, OnBadRow
 from automodel.errors import AutomodelError
 from automodel_llm.datasets.arguments import (
     ARGUMENT_HELP,
@@ -32,6 +32,7 @@ from automodel_llm.datasets.arguments import (
     SampleLength,
     Truncation,
     learns_nothing,
+    read_rows,
 )
 from automodel_llm.datasets.chat import (
     SHAREGPT_CHAT_ROLES,
@@ -167,25 +168,6 @@ def drop_oldest_exchanges(tokenizer: Any, messages: list[dict], tools: list[dict
 
 # ---- reading the rows ----------------------------------------------------------------------------------------
 
-def read_split(source: Given, split: str, revision: str | None, limit: int | None) -> Any:
-    """The rows of ``split``, which may take a row slice as Hugging Face writes it (``train[64:]``, ``train[:256]``,
-    ``train[:10%]``) over all of ``source``'s rows, then the first ``limit`` of them. ``source`` is a hub id, a local
-    file or directory, or a list of files."""
-    sources = source.value if isinstance(source.value, list) else [source.value]
-    if not sources or not all(isinstance(item, str) and item for item in sources):
-        raise AutomodelError(f"{source.key}: expected a hub id, a local file or directory, or a list of files")
-    base = split.split("[", 1)[0]
-    parts = [load_rows(item, base, key=source.key, revision=revision) for item in sources]
-    if len(parts) > 1:
-        import datasets
-
-        parts = [datasets.concatenate_datasets(parts)]
-    rows = parts[0]
-    if row_slice(split) is not None:
-        rows = select_row_slice(rows, split, source.key, f"{base} in {source.value}")
-    return rows.select(range(min(limit, len(rows)))) if limit is not None else rows
-
-
 def _source(dataset_name: Any, path: Any) -> Given:
     return Given(dataset_name, "dataset.dataset_name") if path is None else Given(path, "dataset.path")
 
@@ -259,7 +241,7 @@ class AgentChatDataset(Dataset):
                         "drop_history_reasoning_content": drop_history_reasoning_content}
         self.tokenizer = with_chat_template(tokenizer, chat_template)
         self.length = SampleLength(Given(seq_length, "dataset.seq_length"), truncation, padding)
-        rows = read_split(source, split, revision, limit_dataset_samples)
+        rows = read_rows(source, split, limit=limit_dataset_samples, revision=revision)
         self.samples = self._samples(rows, str(source.value), on_bad_row, self._conversation)
 
     @staticmethod

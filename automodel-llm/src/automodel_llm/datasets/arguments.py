@@ -27,7 +27,8 @@ IGNORE_INDEX = -100
 ALIASES = {"dataset_name": "path_or_dataset_id", "max_seq_length": "seq_length"}
 # what each shared argument does; each data set's ``argument_help`` adds its own (docs/config-reference.md)
 ARGUMENT_HELP = {
-    "path_or_dataset_id": "a hub data set id, or a local JSON/JSONL/CSV/parquet/text file or a directory of them",
+    "path_or_dataset_id": "a hub data set id, or a local JSON/JSONL/CSV/parquet/text file or a directory of them, or a "
+                          "list of those read one after the other",
     "split": "the split to read, with an optional row slice (train[:256], validation[10%:]); a single local file "
              "is its only split, whatever it is called, and a slice selects its rows",
     "name": "the subset (configuration) of a hub data set or data set directory",
@@ -89,25 +90,33 @@ def _raise(key: str, problem: str | None) -> None:
 # ---- what the arguments do -----------------------------------------------------------------------------------
 
 def read_rows(source: Given, split: str, name: str | None = None, shuffle_seed: int | None = None,
-              limit: int | None = None, shuffle_key: str = "dataset.shuffle_seed") -> Any:
-    """The rows of ``split``: ``name`` picks a hub data set's subset; rows are shuffled with ``shuffle_seed``
-    before the first ``limit`` are kept (so a limited run sees a sample of the whole split). With ``shuffle_seed``,
-    a row slice in ``split`` is taken after the whole split is shuffled, as upstream's ChatDataset takes it: a
-    training ``train[:1024]`` and a validation ``train[1024:1152]`` with one seed are a random partition."""
-    if not source.value:
-        raise AutomodelError(f"{source.key}: missing (a hub id, or a local file or directory)")
-    if name is not None and Path(str(source.value)).is_file():
+              limit: int | None = None, shuffle_key: str = "dataset.shuffle_seed", revision: str | None = None) -> Any:
+    """The rows of ``split`` of ``source`` (a hub id, a local file or directory, or a list of them read one after
+    the other): ``name`` picks a hub data set's subset, ``revision`` its version; rows are shuffled with
+    ``shuffle_seed`` before the first ``limit`` are kept (so a limited run sees a sample of the whole split). A row
+    slice in ``split`` is taken over all the rows of a list, and after the shuffle (as upstream's ChatDataset takes
+    it: a training ``train[:1024]`` and a validation ``train[1024:1152]`` with one seed are a random partition)."""
+    values = source.value if isinstance(source.value, list) else [source.value]
+    if not values or not all(isinstance(value, str) and value for value in values):
+        raise AutomodelError(f"{source.key}: expected a hub id, a local file or directory, or a list of them")
+    if name is not None and any(Path(value).is_file() for value in values):
         raise AutomodelError(f"dataset.name: '{name}' names a subset of a hub data set, but {source.key} is the "
                              f"file '{source.value}'; remove name")
     if shuffle_seed is not None and (isinstance(shuffle_seed, bool) or not isinstance(shuffle_seed, int)):
         raise AutomodelError(f"{shuffle_key}: expected an integer, found {shuffle_seed!r}")
-    slice_after_shuffle = shuffle_seed is not None and row_slice(split) is not None
-    rows = load_rows(source.value, split.split("[", 1)[0] if slice_after_shuffle else split, key=source.key,
-                     name=name)
+    slice_whole = row_slice(split) is not None and (len(values) > 1 or shuffle_seed is not None)
+    parts = [load_rows(value, split.split("[", 1)[0] if slice_whole else split, key=source.key, name=name,
+                       revision=revision) for value in values]
+    if len(parts) > 1:
+        import datasets
+
+        parts = [datasets.concatenate_datasets(parts)]
+    rows = parts[0]
     if shuffle_seed is not None:
         rows = rows.shuffle(seed=shuffle_seed)
-    if slice_after_shuffle:
-        rows = select_row_slice(rows, split, source.key, f"{source.value} (shuffled with seed {shuffle_seed})")
+    if slice_whole:
+        shuffled = f" (shuffled with seed {shuffle_seed})" if shuffle_seed is not None else ""
+        rows = select_row_slice(rows, split, source.key, f"{source.value}{shuffled}")
     if limit is not None:
         rows = rows.select(range(min(limit, len(rows))))
     return rows

@@ -161,7 +161,7 @@ class ChatDataset(Dataset):
                                      "are context (upstream's)"}
     requires_chat_template = True  # validation checks a local tokenizer for one unless chat_template is given
 
-    def __init__(self, path_or_dataset_id: str | None = None, split: str = "train", name: str | None = None,
+    def __init__(self, path_or_dataset_id: str | list[str] | None = None, split: str = "train", name: str | None = None,
                  tokenizer: Any = None, seq_length: int | None = None, messages_column: str = "messages",
                  chat_template: str | None = None, truncation: Truncation = False, padding: Padding = "do_not_pad",
                  limit_dataset_samples: int | None = None, shuffle_seed: int | None = None,

@@ -15,10 +15,9 @@ from automodel_llm.datasets.agent_chat import (
     RowProblem,
     parse_json,
     raise_problems,
-    read_split,
     tool_call,
 )
-from automodel_llm.datasets.arguments import Given, Padding, SampleLength, Truncation
+from automodel_llm.datasets.arguments import Given, Padding, SampleLength, Truncation, read_rows
 from automodel_llm.datasets.chat import with_chat_template
 
 # xLAM's parameter types (Python's names, some with arguments: "List[int]", "str, optional") in JSON Schema's
@@ -95,5 +94,5 @@ class XlamDataset(AgentChatDataset):
         self.tokenizer = with_chat_template(tokenizer, chat_template)
         self.length = SampleLength(Given(seq_length, "dataset.seq_length"), truncation, padding)
         source = Given(dataset_name, "dataset.dataset_name")
-        rows = read_split(source, split, None, limit_dataset_samples)
+        rows = read_rows(source, split, limit=limit_dataset_samples)
         self.samples = self._samples(rows, str(dataset_name), on_bad_row, xlam_conversation)
