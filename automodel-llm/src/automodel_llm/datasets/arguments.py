@@ -96,8 +96,10 @@ def read_rows(source: Given, split: str, name: str | None = None, shuffle_seed: 
     ``shuffle_seed`` before the first ``limit`` are kept (so a limited run sees a sample of the whole split). A row
     slice in ``split`` is taken over all the rows of a list, and after the shuffle (as upstream's ChatDataset takes
     it: a training ``train[:1024]`` and a validation ``train[1024:1152]`` with one seed are a random partition)."""
+    if not source.value:
+        raise AutomodelError(f"{source.key}: missing (a hub id, or a local file or directory)")
     values = source.value if isinstance(source.value, list) else [source.value]
-    if not values or not all(isinstance(value, str) and value for value in values):
+    if not all(isinstance(value, str) and value for value in values):
         raise AutomodelError(f"{source.key}: expected a hub id, a local file or directory, or a list of them")
     if name is not None and any(Path(value).is_file() for value in values):
         raise AutomodelError(f"dataset.name: '{name}' names a subset of a hub data set, but {source.key} is the "
