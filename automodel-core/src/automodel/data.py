@@ -19,7 +19,7 @@ from automodel.errors import AutomodelError
 OnBadRow = Literal["error", "skip"]
 
 _BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
-_SLICED_SPLIT = re.compile(r"^([^\[\]+]+)(\[[^\[\]]*\])$")  # validation[:64], train[10%:]
+_SLICED_SPLIT = re.compile(r"^[^\[\]+]+\[[^\[\]]*\]$")  # validation[:64], train[10%:]
 
 
 def load_rows(name_or_path: str, split: str = "train", key: str = "dataset.dataset_name",
@@ -43,7 +43,7 @@ def load_rows(name_or_path: str, split: str = "train", key: str = "dataset.datas
                                      f"{', '.join(sorted(_BUILDERS))}")
             if path.stat().st_size == 0:
                 raise AutomodelError(f"{key}: '{path}' is empty")
-            return _load_file(datasets, builder, path, split, key)
+            return _load_file(builder, path, split, key)
         if path.is_dir():
             return datasets.load_dataset(str(path), name, split=split)
         if path.is_absolute() or str(name_or_path).startswith(("./", "../")) or path.suffix in _BUILDERS:
@@ -64,18 +64,19 @@ def load_rows(name_or_path: str, split: str = "train", key: str = "dataset.datas
         raise AutomodelError(f"{key}: cannot read split '{split}' of '{name_or_path}': {err}") from None
 
 
-def _load_file(datasets: Any, builder: str, path: Path, split: str, key: str) -> Any:
+def _load_file(builder: str, path: Path, split: str, key: str) -> Any:
     """The rows of one file, which is its own only split: ``train`` to ``datasets``, whatever ``split`` calls it;
     a row slice in ``split`` (``validation[:64]``, ``train[10%:]``) still selects rows."""
+    import datasets
+
     rows = datasets.load_dataset(builder, data_files=str(path), split="train")
     return select_row_slice(rows, split, key, f"'{path}' (a single file is its only split)") \
-        if row_slice(split) else rows
+        if has_row_slice(split) else rows
 
 
-def row_slice(split: str | None) -> str | None:
-    """The row slice of a split written as ``name[start:stop]`` (``[:64]``, ``[10%:]``); None without one."""
-    sliced = _SLICED_SPLIT.match(split or "")
-    return sliced.group(2) if sliced else None
+def has_row_slice(split: str | None) -> bool:
+    """Whether ``split`` is one split with a row slice, written ``name[start:stop]`` (``[:64]``, ``[10%:]``)."""
+    return _SLICED_SPLIT.match(split or "") is not None
 
 
 def select_row_slice(rows: Any, split: str, key: str, where: str) -> Any:

@@ -20,9 +20,9 @@ from automodel.config import FieldErrors, require_positive
 from automodel.errors import AutomodelError, ConfigIssue
 from automodel.hf import greedy_answer
 from automodel.training.dist import all_reduce_sum
-from automodel_llm.datasets.agent_chat import RowProblem, openai_messages, parse_tools, row_turns
+from automodel_llm.datasets.agent_chat import openai_messages, row_turns
 from automodel_llm.datasets.arguments import Given, read_rows
-from automodel_llm.datasets.chat import render
+from automodel_llm.datasets.chat import RowProblem, parse_tools, render
 from automodel_llm.tool_calls import METRIC_KEYS, parse_tool_calls, sample_scores
 
 TARGET = "nemo_automodel.components.eval.tool_call_evaluator.ToolCallAccuracyEvaluator"

@@ -42,6 +42,7 @@ from automodel_llm.datasets.chat import (
     render,
     text_content,
     tokenize_conversation,
+    turns_of,
     with_chat_template,
 )
 
@@ -68,16 +69,10 @@ def row_turns(row: dict) -> list[dict]:
     elif row.get("conversations") is not None:
         turns = [{**{k: v for k, v in turn.items() if k not in ("from", "value")},
                   "role": _SHAREGPT_ROLES.get(turn.get("from"), turn.get("from")), "content": turn.get("value")}
-                 for turn in _dicts(row["conversations"], "conversations")]
+                 for turn in turns_of(row["conversations"], "conversations")]
     else:
         raise RowProblem("the row has neither 'messages' nor 'conversations'")
-    return _dicts(turns, "messages")
-
-
-def _dicts(value: Any, column: str) -> list[dict]:
-    if not isinstance(value, list) or not all(isinstance(item, dict) for item in value):
-        raise RowProblem(f"'{column}' must be a list of turns (mappings)")
-    return value
+    return turns_of(turns, "messages")
 
 
 def openai_messages(turns: list[dict], call_prefix: str = "call") -> list[dict]:

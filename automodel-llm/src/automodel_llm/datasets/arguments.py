@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from automodel.chat_template import chat_template_problem
-from automodel.data import load_rows, row_slice, select_row_slice
+from automodel.data import has_row_slice, load_rows, select_row_slice
 from automodel.errors import AutomodelError, ConfigIssue
 
 IGNORE_INDEX = -100
@@ -106,7 +106,7 @@ def read_rows(source: Given, split: str, name: str | None = None, shuffle_seed: 
                              f"file '{source.value}'; remove name")
     if shuffle_seed is not None and (isinstance(shuffle_seed, bool) or not isinstance(shuffle_seed, int)):
         raise AutomodelError(f"{shuffle_key}: expected an integer, found {shuffle_seed!r}")
-    slice_whole = row_slice(split) is not None and (len(values) > 1 or shuffle_seed is not None)
+    slice_whole = has_row_slice(split) and (len(values) > 1 or shuffle_seed is not None)
     parts = [load_rows(value, split.split("[", 1)[0] if slice_whole else split, key=source.key, name=name,
                        revision=revision) for value in values]
     if len(parts) > 1:

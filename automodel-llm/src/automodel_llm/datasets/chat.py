@@ -70,12 +70,17 @@ def text_content(content: Any) -> str:
     return " ".join(texts)
 
 
+def turns_of(value: Any, column: str) -> list[dict]:
+    """A row's column of turns, which must be a list of mappings."""
+    if not isinstance(value, list) or not all(isinstance(item, dict) for item in value):
+        raise RowProblem(f"'{column}' must be a list of turns (mappings)")
+    return value
+
+
 def sharegpt_chat_messages(conversations: Any) -> list[dict]:
     """``{role, content}`` messages of a ShareGPT ``conversations`` list of ``{from, value}`` plain-chat turns."""
-    if not isinstance(conversations, list) or not all(isinstance(turn, dict) for turn in conversations):
-        raise RowProblem("'conversations' must be a list of {from, value} turns")
     messages = []
-    for turn in conversations:
+    for turn in turns_of(conversations, "conversations"):
         speaker = turn.get("from", turn.get("role"))
         if speaker not in SHAREGPT_CHAT_ROLES:
             raise RowProblem(f"'conversations' has a turn from {speaker!r}, which is not a chat role "
@@ -178,14 +183,9 @@ class ChatDataset(Dataset):
         for index, row in enumerate(rows):
             if bad_rows.missing(index, row, (column,)):
                 continue
-            messages = row[column]
-            if column == messages_column and (not isinstance(messages, list)
-                                              or not all(isinstance(m, dict) for m in messages)):
-                bad_rows.bad(index, f"'{column}' must be a list of {{role, content}} messages")
-                continue
             try:
-                messages = [{**m, "content": text_content(m.get("content"))} for m in messages] \
-                    if column == messages_column else sharegpt_chat_messages(messages)
+                messages = [{**m, "content": text_content(m.get("content"))} for m in turns_of(row[column], column)] \
+                    if column == messages_column else sharegpt_chat_messages(row[column])
                 tools = parse_tools(row.get("tools"))
             except RowProblem as problem:
                 bad_rows.bad(index, str(problem))
