@@ -12,6 +12,7 @@ import pytest
 import yaml
 from llm_testing import SQUAD_DIR, TOKENIZER_DIR
 
+from automodel.data import load_rows
 from automodel.errors import AutomodelError, ConfigError
 from automodel.testing import deep_update, load_config, losses_by_step, run_cli_inprocess, train_inprocess, write_yaml
 from automodel_llm import datasets
@@ -72,6 +73,9 @@ def data(tmp_path_factory) -> dict:
         paths[f"{kind}_subsets"] = str(root / f"{kind}_subsets")
         paths[f"{kind}_file"] = _write_jsonl(root / f"{kind}_file.jsonl", splits["train"][kind][:8])
         paths[f"{kind}_bad"] = _write_jsonl(root / f"{kind}_bad.jsonl", splits["train"][kind][:8] + [BAD_ROW[kind]])
+        paths[f"{kind}_malformed"] = str(root / f"{kind}_malformed.jsonl")  # a cut-off line, then a JSON list
+        (root / f"{kind}_malformed.jsonl").write_text((root / f"{kind}_file.jsonl").read_text()[:-40] + "\n[1, 2]\n"
+                                                      + json.dumps(splits["train"][kind][8]) + "\n")
     return paths
 
 
@@ -137,7 +141,9 @@ OWN = {
                                            "answer_only_loss_mask": (False, {})},
     "ChatDataset": {"messages_column": ("conv", {}), "chat_template": (TEMPLATE, {}),
                     "mask_reasoning_content": (True, {"messages_column": "conv", "chat_template": REASONING_TEMPLATE}),
-                    "mask_history": (True, {"messages_column": "turns"})},
+                    "mask_history": (True, {"messages_column": "turns"}),
+                    "skip_invalid_samples": (True, {"<source>": "<malformed file>"}),
+                    "start_of_turn_token": ("<s>", {})},
     "PretrainingTextDataset": {"text_column": ("other", {}), "seq_length": (16, {}),
                                "max_seq_length": (16, {"seq_length": None})},
     "MockDataset": {"num_samples": (4, {}), "seq_length": (8, {}), "max_seq_length": (8, {"seq_length": None}),
@@ -180,6 +186,7 @@ def test_every_argument_acts(kind, argument, data, tokenizer, plain_tokenizer_di
     base = {**_base(data, kind), "tokenizer": tokenizer}
     fmt = FORMAT.get(kind, "squad")
     places = {"<file>": data[f"{fmt}_file"], "<subsets>": data[f"{fmt}_subsets"], "<bad file>": data[f"{fmt}_bad"],
+              "<malformed file>": data[f"{fmt}_malformed"],
               "<source>": SOURCE.get(kind, "path_or_dataset_id"), "<plain tokenizer>": str(plain_tokenizer_dir),
               "<longest-1>": max(len(sample["input_ids"]) for sample in _outcome(kind, base)) - 1}
     fill = lambda v: places.get(v, v) if isinstance(v, str) else v  # noqa: E731
@@ -278,6 +285,31 @@ def test_mask_history_keeps_the_loss_on_the_last_assistant_turn_only(data, token
     answer = _rows("train", 1)[0]["answers"]["text"][0]
     assert _learned(tokenizer, every[0]) == f"[assistant] Ask.</s>[assistant] {answer}</s>"
     assert _learned(tokenizer, last[0]) == f"[assistant] {answer}</s>"
+
+
+def test_skip_invalid_samples_leaves_out_malformed_lines_of_json_lines_files_only(data, tokenizer, tmp_path,
+                                                                                  capfd):
+    good = datasets.ChatDataset(data["chat_file"], tokenizer=tokenizer)  # rows 1-8
+    with pytest.raises(AutomodelError, match=r"chat_malformed.jsonl' line 8, column \d+: malformed JSON"):
+        datasets.ChatDataset(data["chat_malformed"], tokenizer=tokenizer)
+    skipped = datasets.ChatDataset(data["chat_malformed"], tokenizer=tokenizer, skip_invalid_samples=True)
+    assert "skipped 2 malformed line(s) of" in capfd.readouterr().err
+    assert [skipped[i] for i in range(7)] == [good[i] for i in range(7)]  # row 8 was cut, row 9 read
+    assert len(skipped) == 8 and skipped[7] != good[7]
+    both = datasets.ChatDataset([data["chat_malformed"], data["chat_file"]], tokenizer=tokenizer,
+                                skip_invalid_samples=True, split="train[6:10]")
+    assert [both[i] for i in range(4)] == [skipped[6], skipped[7], good[0], good[1]]
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"messages": [\n[1]\n')
+    with pytest.raises(AutomodelError, match=r"no line of '.*broken.jsonl' is a JSON object \(the first: line 1"):
+        datasets.ChatDataset(str(broken), tokenizer=tokenizer, skip_invalid_samples=True)
+    for source in (data["chat"], [data["chat_file"], data["chat"]]):  # a directory is not a JSON Lines file
+        with pytest.raises(AutomodelError, match=r"dataset.skip_invalid_samples: true leaves out malformed lines "
+                                                 r"of local JSON Lines files \(.jsonl\), and '.*/chat' is not one"):
+            datasets.ChatDataset(source, tokenizer=tokenizer, skip_invalid_samples=True)
+    (tmp_path / "rows.csv").write_text("a,b\n1,2\n")
+    with pytest.raises(AutomodelError, match=r"rows.csv' is not a JSON Lines file \(.jsonl\)"):
+        load_rows(str(tmp_path / "rows.csv"), skip_malformed_lines=True)
 
 
 TOOLS_TEMPLATE = ("{% if tools %}[tools] {% for t in tools %}{{ t.function.name }} {% endfor %}{{ eos_token }}"
@@ -389,7 +421,7 @@ def test_validation_refuses_both_spellings_a_tokenizer_unknown_arguments_and_bad
            "'sometimes'" in issues
     assert "dataset.padding: max_length pads each sample to seq_length, which is not set" in issues
     assert "validation_dataset.chat_template: 'no-such-file.jinja' is neither a Jinja template" in issues
-    assert "validation_dataset.start_of_turn_token: ChatDataset does not accept an argument" in issues
+    assert "validation_dataset.start_of_turn_token: upstream's ChatDataset keeps it and never reads it" in issues
     upstream = make_config("upstream.yaml", dataset={
         "_target_": "nemo_automodel.components.datasets.llm.squad.make_squad_dataset", "fp8": False})
     assert any(issue.startswith("dataset.fp8: ") for issue in _issues(upstream))

@@ -10,7 +10,9 @@ import json
 import os
 import re
 import sys
-from collections.abc import Iterable
+import tempfile
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Literal
 
@@ -23,15 +25,20 @@ _SLICED_SPLIT = re.compile(r"^[^\[\]+]+\[[^\[\]]*\]$")  # validation[:64], train
 
 
 def load_rows(name_or_path: str, split: str = "train", key: str = "dataset.dataset_name",
-              name: str | None = None, revision: str | None = None) -> Any:
+              name: str | None = None, revision: str | None = None, skip_malformed_lines: bool = False) -> Any:
     """A ``datasets.Dataset`` for one split; ``name`` picks the subset
     (configuration) of a hub data set or a data set directory with several, ``revision`` a hub data set's branch,
     tag or commit (a local file or directory has none). A single file is its own only split (:func:`_load_file`).
+    ``skip_malformed_lines``: a local JSON Lines file's lines that are not JSON objects are left out and counted
+    (:func:`well_formed_lines`) instead of failing the read.
     """
     import datasets
 
     datasets.disable_progress_bars()  # the training progress bar is the one to watch
     path = Path(str(name_or_path))
+    if skip_malformed_lines and path.suffix.lower() != ".jsonl":
+        raise AutomodelError(f"{key}: '{name_or_path}' is not a JSON Lines file (.jsonl), the only kind whose "
+                             "malformed lines can be skipped")
     if revision is not None and path.exists():
         raise AutomodelError(f"{key}: '{name_or_path}' is local, and revision '{revision}' names a version of a hub "
                              "data set; remove revision")
@@ -43,7 +50,8 @@ def load_rows(name_or_path: str, split: str = "train", key: str = "dataset.datas
                                      f"{', '.join(sorted(_BUILDERS))}")
             if path.stat().st_size == 0:
                 raise AutomodelError(f"{key}: '{path}' is empty")
-            return _load_file(builder, path, split, key)
+            with well_formed_lines(path, key) if skip_malformed_lines else nullcontext(path) as readable:
+                return _load_file(builder, readable, split, key, path)
         if path.is_dir():
             return datasets.load_dataset(str(path), name, split=split)
         if path.is_absolute() or str(name_or_path).startswith(("./", "../")) or path.suffix in _BUILDERS:
@@ -64,14 +72,47 @@ def load_rows(name_or_path: str, split: str = "train", key: str = "dataset.datas
         raise AutomodelError(f"{key}: cannot read split '{split}' of '{name_or_path}': {err}") from None
 
 
-def _load_file(builder: str, path: Path, split: str, key: str) -> Any:
-    """The rows of one file, which is its own only split: ``train`` to ``datasets``, whatever ``split`` calls it;
-    a row slice in ``split`` (``validation[:64]``, ``train[10%:]``) still selects rows."""
+def _load_file(builder: str, readable: Path, split: str, key: str, path: Path) -> Any:
+    """The rows of one file (``path``, read from ``readable``), which is its own only split: ``train`` to
+    ``datasets``, whatever ``split`` calls it; a row slice in ``split`` (``validation[:64]``, ``train[10%:]``) still
+    selects rows."""
     import datasets
 
-    rows = datasets.load_dataset(builder, data_files=str(path), split="train")
+    rows = datasets.load_dataset(builder, data_files=str(readable), split="train")
     return select_row_slice(rows, split, key, f"'{path}' (a single file is its only split)") \
         if has_row_slice(split) else rows
+
+
+@contextmanager
+def well_formed_lines(path: Path, key: str) -> Iterator[Path]:
+    """``path``, or (when some of its lines are not JSON objects) a temporary copy without them, said on stderr
+    with their count and the first; upstream's ``skip_invalid_samples`` for a JSON Lines file. A file whose every
+    line is malformed is refused."""
+    kept, malformed = [], []
+    for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            malformed.append(f"line {number}, column {err.colno}: {err.msg}")
+            continue
+        if isinstance(row, dict):
+            kept.append(line)
+        else:
+            malformed.append(f"line {number}: a JSON {type(row).__name__}, not an object")
+    if not malformed:
+        yield path
+        return
+    if not kept:
+        raise AutomodelError(f"{key}: no line of '{path}' is a JSON object (the first: {malformed[0]})")
+    if os.environ.get("RANK", "0") == "0":
+        print(f"{key}: skipped {len(malformed)} malformed line(s) of '{path}' (the first: {malformed[0]})",
+              file=sys.stderr)
+    with tempfile.TemporaryDirectory(prefix="automodel-jsonl-") as folder:
+        copy = Path(folder) / path.name
+        copy.write_text("\n".join(kept) + "\n", encoding="utf-8")
+        yield copy
 
 
 def has_row_slice(split: str | None) -> bool:

@@ -32,6 +32,7 @@ from automodel_llm.datasets.arguments import (
     SampleLength,
     Truncation,
     learns_nothing,
+    raise_problems,
     read_rows,
 )
 from automodel_llm.datasets.chat import (
@@ -165,12 +166,6 @@ def drop_oldest_exchanges(tokenizer: Any, messages: list[dict], tools: list[dict
 
 def _source(dataset_name: Any, path: Any) -> Given:
     return Given(dataset_name, "dataset.dataset_name") if path is None else Given(path, "dataset.path")
-
-
-def raise_problems(problems: list[tuple[str, str]]) -> None:
-    """Raise the first of ``argument_problems`` (validation reports them all, with the section's key)."""
-    for name, problem in problems:
-        raise AutomodelError(f"dataset.{name}: {problem}")
 
 
 class AgentChatDataset(Dataset):

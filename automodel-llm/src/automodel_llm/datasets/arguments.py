@@ -82,6 +82,13 @@ def _choice_problem(value: Any, choices: Mapping[Any, bool]) -> str | None:
     return f"{value!r} is not one of true, false, {', '.join(k for k in choices if isinstance(k, str))}"
 
 
+def raise_problems(problems: list[tuple[str, str]]) -> None:
+    """Raise the first of a data set's ``argument_problems`` (validation reports them all, with the section's
+    key)."""
+    for name, problem in problems:
+        raise AutomodelError(f"dataset.{name}: {problem}")
+
+
 def _raise(key: str, problem: str | None) -> None:
     if problem is not None:
         raise AutomodelError(f"{key}: {problem}")
@@ -90,12 +97,14 @@ def _raise(key: str, problem: str | None) -> None:
 # ---- what the arguments do -----------------------------------------------------------------------------------
 
 def read_rows(source: Given, split: str, name: str | None = None, shuffle_seed: int | None = None,
-              limit: int | None = None, shuffle_key: str = "dataset.shuffle_seed", revision: str | None = None) -> Any:
+              limit: int | None = None, shuffle_key: str = "dataset.shuffle_seed", revision: str | None = None,
+              skip_malformed_lines: bool = False) -> Any:
     """The rows of ``split`` of ``source`` (a hub id, a local file or directory, or a list of them read one after
     the other): ``name`` picks a hub data set's subset, ``revision`` its version; rows are shuffled with
     ``shuffle_seed`` before the first ``limit`` are kept (so a limited run sees a sample of the whole split). A row
     slice in ``split`` is taken over all the rows of a list, and after the shuffle (as upstream's ChatDataset takes
-    it: a training ``train[:1024]`` and a validation ``train[1024:1152]`` with one seed are a random partition)."""
+    it: a training ``train[:1024]`` and a validation ``train[1024:1152]`` with one seed are a random partition).
+    ``skip_malformed_lines``: each source is a local JSON Lines file whose malformed lines are left out."""
     if not source.value:
         raise AutomodelError(f"{source.key}: missing (a hub id, or a local file or directory)")
     values = source.value if isinstance(source.value, list) else [source.value]
@@ -108,7 +117,7 @@ def read_rows(source: Given, split: str, name: str | None = None, shuffle_seed: 
         raise AutomodelError(f"{shuffle_key}: expected an integer, found {shuffle_seed!r}")
     slice_whole = has_row_slice(split) and (len(values) > 1 or shuffle_seed is not None)
     parts = [load_rows(value, split.split("[", 1)[0] if slice_whole else split, key=source.key, name=name,
-                       revision=revision) for value in values]
+                       revision=revision, skip_malformed_lines=skip_malformed_lines) for value in values]
     if len(parts) > 1:
         import datasets
 

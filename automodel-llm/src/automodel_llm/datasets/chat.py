@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from torch.utils.data import Dataset
@@ -19,6 +20,7 @@ from automodel_llm.datasets.arguments import (
     Truncation,
     given,
     learns_nothing,
+    raise_problems,
     read_rows,
 )
 
@@ -163,8 +165,32 @@ class ChatDataset(Dataset):
                                   "next-token recipes refuse; the samples here have that form either way (their "
                                   "labels are the input tokens; a next-token loss shifts them)",
                      "mask_history": "the loss on each conversation's last assistant turn only; the earlier turns "
-                                     "are context (upstream's)"}
+                                     "are context (upstream's)",
+                     "skip_invalid_samples": "leave out the lines of local JSON Lines files (.jsonl) that are not "
+                                             "JSON objects, counted on stderr, instead of stopping (upstream's); "
+                                             "on_bad_row: skip leaves out rows that parse but cannot be used",
+                     "start_of_turn_token": "upstream's argument, which its ChatDataset keeps and never reads: "
+                                            "refused (the loss is on the assistant turns as the template renders "
+                                            "them)"}
     requires_chat_template = True  # validation checks a local tokenizer for one unless chat_template is given
+
+    @staticmethod
+    def argument_problems(arguments: Mapping[str, Any]) -> list[tuple[str, str]]:
+        """``(argument, problem)`` of the arguments that cannot act (validation reports them too)."""
+        problems = []
+        if arguments.get("start_of_turn_token") is not None:
+            problems.append(("start_of_turn_token", "upstream's ChatDataset keeps it and never reads it; the loss "
+                                                    "here is on each assistant turn as the chat template renders it "
+                                                    "(mask_history: the last one only): remove it"))
+        if arguments.get("skip_invalid_samples"):
+            source = arguments.get("path_or_dataset_id") or arguments.get("dataset_name")
+            others = [value for value in (source if isinstance(source, list) else [source])
+                      if not str(value).lower().endswith(".jsonl")]
+            if others:
+                problems.append(("skip_invalid_samples", f"true leaves out malformed lines of local JSON Lines "
+                                                         f"files (.jsonl), and '{others[0]}' is not one: remove it "
+                                                         "(on_bad_row: skip leaves out rows that cannot be used)"))
+        return problems
 
     def __init__(self, path_or_dataset_id: str | list[str] | None = None, split: str = "train", name: str | None = None,
                  tokenizer: Any = None, seq_length: int | None = None, messages_column: str = "messages",
@@ -172,11 +198,14 @@ class ChatDataset(Dataset):
                  limit_dataset_samples: int | None = None, shuffle_seed: int | None = None,
                  on_bad_row: OnBadRow = "error", dataset_name: str | None = None,
                  max_seq_length: int | None = None, mask_reasoning_content: bool = False, unshifted: bool = False,
-                 mask_history: bool = False):
+                 mask_history: bool = False, skip_invalid_samples: bool = False,
+                 start_of_turn_token: str | None = None):
+        raise_problems(self.argument_problems(locals()))
         source = given("path_or_dataset_id", path_or_dataset_id, "dataset_name", dataset_name)
         length = SampleLength(given("seq_length", seq_length, "max_seq_length", max_seq_length), truncation, padding)
         tokenizer = with_chat_template(tokenizer, chat_template)
-        rows = read_rows(source, split, name, shuffle_seed, limit_dataset_samples)
+        rows = read_rows(source, split, name, shuffle_seed, limit_dataset_samples,
+                         skip_malformed_lines=skip_invalid_samples)
         column = _messages_column(messages_column, rows.column_names, source.value)
         self.samples: list[dict[str, list[int]]] = []
         bad_rows = BadRows(on_bad_row, source.value)

@@ -10,8 +10,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from automodel.data import OnBadRow
-from automodel_llm.datasets.agent_chat import AgentChatDataset, raise_problems, tool_call
-from automodel_llm.datasets.arguments import Given, Padding, SampleLength, Truncation, read_rows
+from automodel_llm.datasets.agent_chat import AgentChatDataset, tool_call
+from automodel_llm.datasets.arguments import Given, Padding, SampleLength, Truncation, raise_problems, read_rows
 from automodel_llm.datasets.chat import RowProblem, parse_json, with_chat_template
 
 # xLAM's parameter types (Python's names, some with arguments: "List[int]", "str, optional") in JSON Schema's
