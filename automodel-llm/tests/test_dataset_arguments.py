@@ -136,9 +136,10 @@ SHARED = {
 OWN = {
     "SquadDataset": {"tokenizer_name_or_path": ("<plain tokenizer>", {}), "seed": (7, {}),
                      "chat_template": (TEMPLATE, {})},
-    "make_squad_dataset": {"chat_template": (TEMPLATE, {})},
+    "make_squad_dataset": {"chat_template": (TEMPLATE, {}), "fp8": (True, {})},
     "ColumnMappedTextInstructionDataset": {"column_mapping": ({"question": "q", "answer": "a"}, {}),
-                                           "answer_only_loss_mask": (False, {})},
+                                           "answer_only_loss_mask": (False, {}),
+                                           "use_hf_chat_template": (True, {})},
     "ChatDataset": {"messages_column": ("conv", {}), "chat_template": (TEMPLATE, {}),
                     "mask_reasoning_content": (True, {"messages_column": "conv", "chat_template": REASONING_TEMPLATE}),
                     "mask_history": (True, {"messages_column": "turns"}),
@@ -312,6 +313,29 @@ def test_skip_invalid_samples_leaves_out_malformed_lines_of_json_lines_files_onl
         load_rows(str(tmp_path / "rows.csv"), skip_malformed_lines=True)
 
 
+def test_column_mapped_rows_with_the_chat_template_are_system_user_and_assistant_turns(data, tokenizer,
+                                                                                          plain_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer.chat_template = TEMPLATE
+    mapping = {"context": "ctx", "question": "q", "answer": "a"}
+    chat = datasets.ColumnMappedTextInstructionDataset(data["instruction_file"], mapping, tokenizer=tokenizer,
+                                                       use_hf_chat_template=True)
+    row = json.loads(open(data["instruction_file"]).readline())
+    assert tokenizer.decode(chat[0]["input_ids"]) == f"[system] {row['ctx']}</s>[user] {row['q']}</s>" \
+                                                    f"[assistant] {row['a']}</s>"
+    assert _learned(tokenizer, chat[0]) == f"[assistant] {row['a']}</s>"
+    assert chat.qa_pairs[0] == (f"[system] {row['ctx']}</s>[user] {row['q']}</s>", row["a"])
+    no_context = datasets.ColumnMappedTextInstructionDataset(data["instruction_file"], {"question": "q", "answer": "a"},
+                                                             tokenizer=tokenizer, use_hf_chat_template=True,
+                                                             answer_only_loss_mask=False)
+    assert _learned(tokenizer, no_context[0]) == f"[system] </s>[user] {row['q']}</s>[assistant] {row['a']}</s>"
+    with pytest.raises(AutomodelError, match=r"dataset.use_hf_chat_template: true renders each row with the "
+                                             r"tokenizer's chat template, and the tokenizer \('.*'\) has none"):
+        datasets.ColumnMappedTextInstructionDataset(data["instruction_file"], mapping, use_hf_chat_template=True,
+                                                    tokenizer=AutoTokenizer.from_pretrained(plain_tokenizer_dir))
+
+
 TOOLS_TEMPLATE = ("{% if tools %}[tools] {% for t in tools %}{{ t.function.name }} {% endfor %}{{ eos_token }}"
                   "{% endif %}" + TEMPLATE)
 
@@ -422,9 +446,11 @@ def test_validation_refuses_both_spellings_a_tokenizer_unknown_arguments_and_bad
     assert "dataset.padding: max_length pads each sample to seq_length, which is not set" in issues
     assert "validation_dataset.chat_template: 'no-such-file.jinja' is neither a Jinja template" in issues
     assert "validation_dataset.start_of_turn_token: upstream's ChatDataset keeps it and never reads it" in issues
-    upstream = make_config("upstream.yaml", dataset={
-        "_target_": "nemo_automodel.components.datasets.llm.squad.make_squad_dataset", "fp8": False})
-    assert any(issue.startswith("dataset.fp8: ") for issue in _issues(upstream))
+    for fp8, refused in ((False, False), (True, True)):  # upstream documents it as unused
+        upstream = make_config("upstream.yaml", dataset={
+            "_target_": "nemo_automodel.components.datasets.llm.squad.make_squad_dataset", "fp8": fp8})
+        assert any(issue.startswith("dataset.fp8: upstream's make_squad_dataset documents it as unused")
+                   for issue in _issues(upstream)) is refused
 
 
 def test_a_chat_dataset_whose_local_tokenizer_has_no_template_fails_validation_saying_what_to_set(

@@ -18,6 +18,7 @@ from automodel_llm.datasets.arguments import (
     learns_nothing,
     read_rows,
 )
+from automodel_llm.datasets.chat import tokenize_conversation
 from automodel_llm.datasets.squad import tokenize_prompt_answer
 
 _ROLES = ("context", "question", "answer")
@@ -25,7 +26,9 @@ _ROLES = ("context", "question", "answer")
 
 class ColumnMappedTextInstructionDataset(Dataset):
     """Prompt = the context and question columns, completion = the answer column (the loss on it only by
-    default).
+    default). With ``use_hf_chat_template`` (upstream's) a row is a system turn (the context), a user turn (the
+    question) and an assistant turn (the answer), rendered with the tokenizer's chat template as upstream renders
+    them (an unmapped context or question an empty turn); the loss on the assistant turn by default.
 
     A row whose mapped column is null is refused, or skipped with ``on_bad_row: skip``; an empty answer is left out.
     """
@@ -34,13 +37,17 @@ class ColumnMappedTextInstructionDataset(Dataset):
     argument_help = {**ARGUMENT_HELP,
                      "column_mapping": "role -> column name: context and/or question make the prompt, answer the "
                                        "completion",
-                     "answer_only_loss_mask": "the loss on the answer only (false: on the prompt too)"}
+                     "answer_only_loss_mask": "the loss on the answer only (false: on the prompt too)",
+                     "use_hf_chat_template": "render each row as a system (context), user (question) and assistant "
+                                             "(answer) turn with the tokenizer's chat template, which it must have "
+                                             "(upstream's); false: the prompt and the answer as plain text"}
 
     def __init__(self, path_or_dataset_id: str | None = None, column_mapping: dict[str, str] | None = None,
                  split: str = "train", name: str | None = None, tokenizer: Any = None, seq_length: int | None = None,
                  answer_only_loss_mask: bool = True, truncation: Truncation = False, padding: Padding = "do_not_pad",
                  limit_dataset_samples: int | None = None, shuffle_seed: int | None = None,
-                 on_bad_row: OnBadRow = "error", dataset_name: str | None = None, max_seq_length: int | None = None):
+                 on_bad_row: OnBadRow = "error", dataset_name: str | None = None, max_seq_length: int | None = None,
+                 use_hf_chat_template: bool = False):
         source = given("path_or_dataset_id", path_or_dataset_id, "dataset_name", dataset_name)
         length = SampleLength(given("seq_length", seq_length, "max_seq_length", max_seq_length), truncation, padding)
         if not column_mapping:
@@ -54,6 +61,10 @@ class ColumnMappedTextInstructionDataset(Dataset):
             raise AutomodelError("dataset.column_mapping.answer: required (the column holding the completion)")
         if not {"context", "question"} & set(column_mapping):
             raise AutomodelError("dataset.column_mapping: map at least one of context or question")
+        if use_hf_chat_template and not getattr(tokenizer, "chat_template", None):
+            raise AutomodelError(f"dataset.use_hf_chat_template: true renders each row with the tokenizer's chat "
+                                 f"template, and the tokenizer ('{tokenizer.name_or_path}') has none; use the "
+                                 "tokenizer of an instruct/chat model, set tokenizer.chat_template, or set it false")
         rows = read_rows(source, split, name, shuffle_seed, limit_dataset_samples)
         missing = [col for col in column_mapping.values() if col not in rows.column_names]
         if missing:
@@ -65,12 +76,18 @@ class ColumnMappedTextInstructionDataset(Dataset):
         for index, row in enumerate(rows):
             if bad_rows.missing(index, row, column_mapping.values()):
                 continue
-            parts = [str(row[column_mapping[r]]).strip() for r in ("context", "question") if r in column_mapping]
-            prompt = " ".join(p for p in parts if p)
+            context, question = (str(row[column_mapping[r]]).strip() if r in column_mapping else ""
+                                 for r in ("context", "question"))
             answer = str(row[column_mapping["answer"]]).strip()
             if not answer:
                 continue
-            ids, labels = tokenize_prompt_answer(tokenizer, prompt, answer)
+            if use_hf_chat_template:
+                turns = [{"role": "system", "content": context}, {"role": "user", "content": question}]
+                ids, labels = tokenize_conversation(tokenizer, [*turns, {"role": "assistant", "content": answer}])
+                prompt = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+            else:
+                prompt = " ".join(p for p in (context, question) if p)
+                ids, labels = tokenize_prompt_answer(tokenizer, prompt, answer)
             if not answer_only_loss_mask:
                 labels = list(ids)
             sample = length.fit(ids, labels, tokenizer.pad_token_id, f"row {index} of '{source.value}'")

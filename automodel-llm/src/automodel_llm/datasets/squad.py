@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from torch.utils.data import Dataset
@@ -19,6 +20,7 @@ from automodel_llm.datasets.arguments import (
     Truncation,
     given,
     learns_nothing,
+    raise_problems,
     read_rows,
 )
 from automodel_llm.datasets.chat import tokenize_conversation
@@ -143,8 +145,10 @@ def make_squad_dataset(tokenizer: Any, seq_length: int | None = None, limit_data
                        split: str = "train", dataset_name: str | None = None, padding: Padding = False,
                        truncation: Truncation = False, on_bad_row: OnBadRow = "error",
                        path_or_dataset_id: str | None = None, max_seq_length: int | None = None,
-                       chat_template: str | None = None) -> SquadDataset:
-    """Upstream's factory for ``SquadDataset``, under upstream's argument names (``dataset_name`` here)."""
+                       chat_template: str | None = None, fp8: bool = False) -> SquadDataset:
+    """Upstream's factory for ``SquadDataset``, under upstream's argument names (``dataset_name`` here); upstream's
+    ``fp8``, which it documents as unused, is accepted false only."""
+    raise_problems(_squad_factory_problems({"fp8": fp8}))
     return SquadDataset(path_or_dataset_id=path_or_dataset_id, dataset_name=dataset_name, split=split,
                         tokenizer=tokenizer, seq_length=seq_length, max_seq_length=max_seq_length,
                         limit_dataset_samples=limit_dataset_samples, padding=padding, truncation=truncation,
@@ -152,4 +156,13 @@ def make_squad_dataset(tokenizer: Any, seq_length: int | None = None, limit_data
 
 
 make_squad_dataset.argument_aliases = ALIASES
-make_squad_dataset.argument_help = SquadDataset.argument_help
+def _squad_factory_problems(arguments: Mapping[str, Any]) -> list[tuple[str, str]]:
+    if not arguments.get("fp8"):
+        return []
+    return [("fp8", "upstream's make_squad_dataset documents it as unused and does nothing with it; remove it (FP8 "
+                    "training is the fp8: section, not a property of the data)")]
+
+
+make_squad_dataset.argument_help = {**SquadDataset.argument_help,
+                                    "fp8": "upstream documents it as unused: only false (the default) is accepted"}
+make_squad_dataset.argument_problems = _squad_factory_problems
