@@ -199,7 +199,7 @@ def test_every_refusal_at_once(make_toy):
     ("cpu_offload", True, "there is no separate offload step"),
     ("allow_legacy_pickle_restore", True, "a checkpoint here is never unpickled"),
     ("single_rank_consolidation", True, "no rank gathers the whole model"),
-    ("v4_compatible", True, "model/config.json is transformers 5's"),
+    ("v4_compatible", True, "this model has none to copy"),  # acts for a pretrained model: test_v4_compatible.py
     ("staging_dir", "/tmp/stage", "there is no other staging directory"),
     ("original_model_root_dir", "/models/base", "come from the model trained"),
     ("best_metric_key", "val_loss", "no best-checkpoint pointer"),

@@ -20,6 +20,7 @@ from automodel.training.logging.select import UPSTREAM_SECTIONS, resolve_backend
 from automodel.training.parallelism import mesh_layout
 from automodel.training.parallelism import plan_lines as parallel_plan_lines
 from automodel.training.pipeline import pipeline_issues
+from automodel.v4_config import v4_config_issue
 
 if TYPE_CHECKING:
     from automodel.plugins.manager import PluginManager
@@ -99,15 +100,24 @@ def step_scheduler_issues(cfg: Config, backends: list[Any]) -> list[ConfigIssue]
 
 
 def checkpoint_issues(recipe: type[TrainRecipe], cfg: Config) -> list[ConfigIssue]:
-    """``checkpoint.diffusers_compatible`` is what the recipe's model/ is, or it is refused."""
-    wanted = cfg.checkpoint.diffusers_compatible if cfg.checkpoint is not None else None
-    if wanted is None or wanted == recipe.writes_diffusers_pipeline:
+    """``checkpoint.diffusers_compatible`` is what the recipe's model/ is, or it is refused; ``v4_compatible`` has
+    the pretrained model's config files to copy into a Hugging Face model/ (:mod:`automodel.v4_config`)."""
+    if cfg.checkpoint is None:
         return []
+    issues = []
+    if cfg.checkpoint.v4_compatible:
+        why = (f"{recipe.__name__} writes model/ in a layout of its own; remove it" if recipe.save_model is not None
+               else v4_config_issue(cfg.model, adapter=cfg.peft is not None))
+        issues += [ConfigIssue("checkpoint.v4_compatible", f"true: {why}")] if why else []
+    wanted = cfg.checkpoint.diffusers_compatible
+    if wanted is None or wanted == recipe.writes_diffusers_pipeline:
+        return issues
     if wanted:
         why = f"{recipe.__name__} writes model/ as a Hugging Face model directory, not a diffusers pipeline"
     else:
         why = f"{recipe.__name__} always writes model/ as a diffusers pipeline (diffusers' from_pretrained loads it)"
-    return [ConfigIssue("checkpoint.diffusers_compatible", f"{str(wanted).lower()}, but {why}; remove the key")]
+    return [*issues, ConfigIssue("checkpoint.diffusers_compatible",
+                                 f"{str(wanted).lower()}, but {why}; remove the key")]
 
 
 def engine_issues(recipe: type[TrainRecipe], cfg: Config, plugins: PluginManager) -> list[ConfigIssue]:

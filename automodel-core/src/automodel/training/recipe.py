@@ -52,6 +52,7 @@ from automodel.training.stages.qat import delay_fake_quantization, set_fake_quan
 from automodel.training.state import restore_states, restore_weights
 from automodel.training.step_scheduler import StepScheduler, steps_per_epoch
 from automodel.training.trainer_state import read_trainer_state
+from automodel.v4_config import write_v4_configs
 
 filter_third_party_noise()  # also when a recipe runs without the CLI (tests, notebooks)
 
@@ -138,9 +139,8 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
         return {}
 
     def collate_runtime_args(self) -> dict[str, Any]:
-        """What a collator class named by a ``collate_fn`` node is built with, besides its keys, to the constructor
-        parameters of these names (upstream builds its collators with the tokenizer; the VLM recipe gives its
-        ``processor``); called after ``setup_domain``."""
+        """What a collator class a ``collate_fn`` node names gets by parameter name besides its keys (upstream gives
+        its collators the tokenizer; the VLM recipe its ``processor``); called after ``setup_domain``."""
         return {}
 
     def setup_domain(self) -> None:
@@ -189,9 +189,9 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
 
     # ---- weights ------------------------------------------------------------------------------------------------
     # The engine writes model/ in the Hugging Face layout from every rank's shards (checkpoint_write.py). A recipe
-    # whose weights are something else (a diffusers pipeline, a bi-encoder) defines
-    # ``save_model(self, directory, state_dict)``: it gets the whole weights gathered (``state_dict``; None when
-    # every rank holds them) and writes model/ on rank 0; ``load_model_weights`` reads that layout back on resume.
+    # whose weights are something else (a diffusers pipeline, a bi-encoder) defines ``save_model(self, directory,
+    # state_dict)``, given the whole weights (``state_dict``; None when every rank holds them), which writes model/
+    # on rank 0; ``load_model_weights`` reads that layout back on resume.
     save_model: ClassVar[Callable[[Path, dict[str, torch.Tensor] | None], None] | None] = None
     # True where that layout, for a LoRA run (``peft:``), is the adapter alone (diffusers' LoRA file)
     lora_model_is_adapter: ClassVar[bool] = False
@@ -201,12 +201,14 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
         return self.save_model is not None
 
     def save_artifacts(self, directory: Path) -> None:
-        """Beside model/'s weights (rank 0): the tokenizer / processor files, and a LoRA adapter's resolved base."""
+        """Beside model/'s weights (rank 0): tokenizer / processor files, a LoRA adapter's base, v4_compatible's."""
         for name in self.hf_artifacts:
             artifact = getattr(self, name, None)
             if artifact is not None and hasattr(artifact, "save_pretrained"):
                 artifact.save_pretrained(str(directory))
         record_run_base(directory, self.cfg.model)
+        if self.cfg.checkpoint.v4_compatible:
+            write_v4_configs(directory, self.cfg.model)
 
     def load_model_weights(self, model: torch.nn.Module, directory: Path) -> None:
         """Read a model/ that ``save_model`` wrote (the checkpoint stage calls it before sharding)."""
@@ -372,9 +374,8 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
         return replace(ctx, meta_build=meta if meta.built else None)
 
     def checkpoint_notes(self) -> None:
-        """``save_consolidated: final`` for a recipe whose model/ is a layout of its own: there is no sharded form to
-        write before the last checkpoint, so every checkpoint holds model/ (the last one too, as final asks);
-        ``false`` where that model/ is a LoRA adapter (nothing to consolidate)."""
+        """``save_consolidated: final`` for a recipe whose model/ is a layout of its own (no sharded form: every
+        checkpoint holds model/); ``false`` where that model/ is a LoRA adapter (nothing to consolidate)."""
         if self.writes_own_layout() and self.cfg.checkpoint.consolidated() == "final":
             self.log(f"note: checkpoint.save_consolidated: final: {type(self).__name__} writes model/ in a layout of "
                      "its own, with no sharded form, so every checkpoint holds model/, the last one too")

@@ -167,9 +167,6 @@ class CheckpointConfig:
                                                        "checkpoint"),
         "single_rank_consolidation": ((False, None), "model/ is written by every rank from its own shards, so no "
                                                      "rank gathers the whole model; remove it"),
-        "v4_compatible": ((False, None), "model/config.json is transformers 5's (what transformers >= 5, peft and "
-                                         "the other loaders here read); the original 4.x config.json is not copied: "
-                                         "remove it"),
         "staging_dir": ((None,), "a checkpoint is written into .incomplete-<name> under checkpoint_dir and renamed "
                                  "when complete; there is no other staging directory: remove it"),
         "original_model_root_dir": ((None,), "model/'s config, tokenizer and code come from the model trained; "
@@ -210,6 +207,11 @@ class CheckpointConfig:
         "refused: upstream fills it from model: (a YAML value never acts there); model/ comes from the model trained"))
     is_peft: bool | None = field(default=None, metadata=_help(
         "refused: upstream fills it from peft: (a YAML value never acts there); peft: decides here too"))
+    v4_compatible: bool = field(default=False, metadata=_help(
+        "model/config.json and generation_config.json as the pretrained model ships them (for transformers 4 and "
+        "the servers built on it), without its quantization_config and with the saved special-token ids; "
+        "transformers 5's kept as config.v5.json / generation_config.v5.json (needs "
+        "model.pretrained_model_name_or_path; not with peft:, whose model/ is the adapter)"))
     dequantize_base_checkpoint: bool | None = field(default=None, metadata=_help(
         "checked against the base model at setup: a quantized base (quantization_config) is refused, since this "
         "build loads no quantized weights; otherwise there is nothing to dequantize and the run says so"))
