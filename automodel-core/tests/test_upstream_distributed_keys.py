@@ -173,7 +173,6 @@ def test_ddp_options_without_ddp_are_refused_or_noted(make_toy, capsys):
 
 @pytest.mark.parametrize("key, value, needle", [
     ("tp_plan", {"model.layers.*.mlp.up_proj": "colwise"}, "TP_PLANS.register"),
-    ("offload_policy", {"pin_memory": True}, "CPU offload of parameters and optimizer state is not implemented"),
     ("activation_checkpointing_scope", "vision", "not chosen by scope"),
     ("zero_dp_strategy", 3, "upstream's Megatron-FSDP (strategy megatron_fsdp)"),
 ])
@@ -183,3 +182,27 @@ def test_upstreams_keys_that_choose_nothing_here_are_refused_unless_null(make_to
         load_config(make_toy(distributed={key: value}), recipe=ToyRecipe)
     assert f"distributed.{key}: {value!r}: " in str(refused.value) and needle in str(refused.value)
     load_config(make_toy(distributed={key: None}), recipe=ToyRecipe)
+
+
+def test_cpu_offload_takes_upstreams_form_and_needs_fsdp2_alone_on_several_ranks(make_toy, monkeypatch):
+    """``distributed.offload_policy`` acts: two ranks with and without it train alike (test_distributed.py in
+    automodel-llm); here the forms and layouts it is refused with."""
+    def refusal(**distributed):
+        with pytest.raises(ConfigError) as refused:
+            load_config(make_toy(distributed=distributed), recipe=ToyRecipe)
+        return str(refused.value)
+
+    upstream = {"_target_": "torch.distributed.fsdp.CPUOffloadPolicy"}
+    assert "distributed.offload_policy: offloads FSDP2's parameter shards, so it needs distributed.strategy: fsdp2 " \
+           "and more than one process" in refusal(strategy="fsdp2", offload_policy=upstream)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    load_config(make_toy(distributed={"strategy": "fsdp2", "offload_policy": {**upstream, "pin_memory": False}}),
+                recipe=ToyRecipe)
+    assert "needs distributed.strategy: fsdp2" in refusal(strategy="ddp", offload_policy=upstream)
+    assert "CPU offload is applied with FSDP2 data parallelism alone here, not with cp_size 2" in refusal(
+        strategy="fsdp2", cp_size=2, dp_size=1, offload_policy=upstream)
+    for value, needle in (({"_target_": "torch.nn.Linear"}, "_target_ 'torch.nn.Linear' is not FSDP2's CPU offload"),
+                          ({"offload_params": True}, "offload_params: not an argument of CPUOffloadPolicy"),
+                          ({"pin_memory": "yes"}, "pin_memory: expected true or false, found 'yes'"),
+                          (True, "expected dict | null, found bool True")):
+        assert f"distributed.offload_policy: {needle}" in refusal(strategy="fsdp2", offload_policy=value)

@@ -78,8 +78,9 @@ def test_every_fsdp2_rank_writes_only_its_own_shards(fsdp2_run):
 
 
 def test_two_rank_checkpoints_resume_on_two_ranks_and_in_one_process_exactly(single_process, fsdp2_run, tmp_path):
-    """2 -> 2 (bitwise, saved sharded and asynchronously) and 2 -> 1; the sharded form, exported, is the model/
-    the uninterrupted run wrote, and both equal the weights gathered from every rank's shards."""
+    """2 -> 2 (bitwise, saved sharded and asynchronously, with FSDP2's CPU offload: ``distributed.offload_policy``)
+    and 2 -> 1; the sharded form, exported, is the model/ the uninterrupted run wrote, and both equal the weights
+    gathered from every rank's shards."""
     from transformers import AutoModelForCausalLM
 
     from automodel.testing import load_safetensors_state
@@ -89,8 +90,11 @@ def test_two_rank_checkpoints_resume_on_two_ranks_and_in_one_process_exactly(sin
     first = fsdp2_run[0] / "ckpt"
     restore = ["--restore_from.path", first / "epoch_0_step_2"]
     again, one = tmp_path / "again", tmp_path / "one"
-    _run(config, tmp_path, again, *TWO, "--distributed.strategy", "fsdp2", *restore,
-         "--checkpoint.save_consolidated", "false", "--checkpoint.async_save", "true")
+    offloaded = _run(config, tmp_path, again, *TWO, "--distributed.strategy", "fsdp2", *restore,
+                     "--checkpoint.save_consolidated", "false", "--checkpoint.async_save", "true",
+                     "--distributed.offload_policy._target_", "torch.distributed.fsdp.CPUOffloadPolicy")
+    assert "shards offloaded to host memory" in offloaded.stderr
+    assert "distributed.offload_policy.pin_memory: true governs nothing this run" in offloaded.stderr
     assert _losses(again) == _losses(first)[2:]  # bitwise: steps 3-4
     on_one = _run(config, tmp_path, one, *restore, *ACCUMULATE)
     assert "written by 2 ranks, resuming on 1" in on_one.stderr

@@ -163,14 +163,13 @@ PARALLELIZER = ArgumentsFor(
     "nemo_automodel.components.moe.parallelizer.parallelize_model",
     keys={name: f"distributed.{name}" for name in (
         "activation_checkpointing", "reshard_after_forward", "mp_policy", "sequence_parallel",
-        "enable_async_tensor_parallel")} | {
+        "enable_async_tensor_parallel", "offload_policy")} | {
         name: f"distributed.moe.{name}" for name in ("ignore_router_for_ac", "lm_head_precision", "wrap_outer_model")},
     refused={**dict.fromkeys(("model", "world_mesh", "moe_mesh", "dp_axis_names", "cp_axis_name", "tp_axis_name",
                               "ep_axis_name", "ep_shard_axis_names"), _RUN_TIME),
              "activation_checkpointing_scope": "upstream's choice of layer groups to checkpoint; activation "
                                                "checkpointing here covers every transformer block (upstream's 'all'): "
                                                "remove the key",
-             "offload_policy": "CPU offload of the sharded parameters is not implemented here: remove the key",
              "tp_shard_plan": "tensor parallelism here shards by the model's own plan (distributed.tp_size); a plan "
                               "given in the config is not taken: remove the key",
              "frozen_multimodal_sharding": "upstream's FSDP2 policy for frozen vision / audio towers; FSDP2 here "

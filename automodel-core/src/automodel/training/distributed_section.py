@@ -11,6 +11,7 @@ from automodel.config.schema import FieldErrors, require_positive
 from automodel.config.schema import field_help as _help
 from automodel.model_backend import backend_setting
 from automodel.training.multimodal_section import multimodal_errors
+from automodel.training.parallel.offload import offload_problem
 
 # upstream's MegatronFSDPConfig settings beyond the mesh sizes
 _MEGATRON_FSDP_KEYS = ("megatron_fsdp_unit_modules", "zero_dp_strategy", "init_fsdp_with_meta_device",
@@ -28,8 +29,6 @@ class DistributedConfig:
     upstream_refused: ClassVar[dict[str, tuple[tuple, str]]] = {
         "tp_plan": ((None,), "a tensor-parallel plan here is the model's own (base_model_tp_plan) or one a plugin "
                              "registers (automodel.training.parallel.tp_plans.TP_PLANS.register); remove it"),
-        "offload_policy": ((None,), "FSDP2's CPU offload of parameters and optimizer state is not implemented here; "
-                                    "remove it"),
         "activation_checkpointing_scope": ((None,), "activation checkpointing wraps the language model's transformer "
                                                     "blocks (every block of an LLM), not chosen by scope; remove it"),
         **{name: ((None,), "a setting of upstream's Megatron-FSDP (strategy megatron_fsdp), which needs CUDA and "
@@ -78,6 +77,10 @@ class DistributedConfig:
         default=None, metadata=_help("mixed precision {param_dtype, reduce_dtype, output_dtype, cast_forward_inputs} "
                                      "(dtypes bf16 | fp16 | fp32; also `_target_: torch.distributed.fsdp."
                                      "MixedPrecisionPolicy`); null: fp32 on CPU, bf16 on GPUs that support it"))
+    offload_policy: dict | None = field(default=None, metadata=_help(
+        "FSDP2's CPU offload, upstream's {_target_: torch.distributed.fsdp.CPUOffloadPolicy, pin_memory: true}: each "
+        "rank's parameter shards, gradients and optimizer state stay in host memory, the optimizer steps on the CPU "
+        "(fsdp2 with more than one process, without tp / cp / pp / ep; pin_memory: pinned host copies on CUDA)"))
     autocast_dtype: str | None = field(
         default=None, metadata=_help("also run the forward under torch.autocast in this dtype (bf16 | fp16), as "
                                      "upstream does with mp_policy.output_dtype fp32"))
@@ -177,6 +180,8 @@ class DistributedConfig:
                 "same without it)")
         if self.multimodal is not None:
             errors.update(multimodal_errors(self.multimodal))
+        if offload_problem(self.offload_policy) is not None:
+            errors["offload_policy"] = offload_problem(self.offload_policy)
         for name in ("pipeline", "moe"):
             value = getattr(self, name)
             unknown = sorted(set(value) - _UPSTREAM_KEYS[name]) if isinstance(value, dict) else []

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from automodel.model_backend import backend_setting
 from automodel.training.dist import expected_world_size
 from automodel.training.multimodal_section import multimodal_notes
+from automodel.training.parallel.offload import offload_notes
 
 if TYPE_CHECKING:
     from automodel.config import Config
@@ -33,7 +34,7 @@ def inert_distributed_notes(cfg: Config, fsdp2: bool) -> list[str]:
                      "upstream's models with these optimizations do)")
     if settings is None:
         return notes
-    notes += multimodal_notes(cfg, fsdp2)
+    notes += multimodal_notes(cfg, fsdp2) + offload_notes(cfg, fsdp2)
     for name, size, what in (("pipeline", settings.pp_size, "pipeline parallelism (pp_size)"),
                              ("moe", settings.ep_size or 1, "expert parallelism (ep_size)")):
         if getattr(settings, name) is not None and size == 1:

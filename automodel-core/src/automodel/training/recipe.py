@@ -40,6 +40,7 @@ from automodel.training.metrics import JsonlWriter, device_peak_flops
 from automodel.training.modules import is_fsdp2, trainable_parameters, unwrap
 from automodel.training.multimodal_section import multimodal_issues
 from automodel.training.parallel.mesh import LAYOUT_KEYS, build_device_mesh, smallest_world
+from automodel.training.parallel.offload import process_group_backend
 from automodel.training.parallelism import parallel_layout, run_precision, shards_with_fsdp2
 from automodel.training.pipeline import PIPELINE_SLOTS, Selection, apply_pipeline, select_stages
 from automodel.training.pipeline_steps import generation_issues
@@ -183,9 +184,7 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
         return ctx.build("checkpoint_config")
 
     def select_device(self) -> torch.device:
-        if torch.cuda.is_available():
-            return torch.device("cuda", local_rank())
-        return torch.device("cpu")
+        return torch.device("cuda", local_rank()) if torch.cuda.is_available() else torch.device("cpu")
 
     # ---- weights ------------------------------------------------------------------------------------------------
     # The engine writes model/ in the Hugging Face layout from every rank's shards (checkpoint_write.py). A recipe
@@ -257,7 +256,8 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
         device mesh is built and the precision resolved (both validated with the config)."""
         cfg = self.cfg
         env = cfg.dist_env
-        init_process_group(env.backend, env.timeout_minutes, self.log, env.init_method, self.process_group_store())
+        init_process_group(process_group_backend(cfg), env.timeout_minutes, self.log, env.init_method,
+                           self.process_group_store())
         rendezvous = [f"{k}={getattr(env, k)}" for k in ("master_addr", "master_port", "init_method")
                       if getattr(env, k) is not None]
         if rendezvous and world_size() == 1:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 def apply_fsdp2(model: nn.Module, dp_mesh: DeviceMesh, precision: Precision | None = None,
                 prefetch: tuple[int, int] | None = None, reshard_after_forward: bool | None = None,
                 ignored: set[nn.Parameter] | None = None, own_dtype: Mapping[nn.Module, torch.dtype] | None = None,
-                outer_root: bool = True, multimodal: MultimodalPlacement | None = None) -> int:
+                outer_root: bool = True, multimodal: MultimodalPlacement | None = None, offload: Any = None) -> int:
     """Shard ``model`` in place (on the meta device or materialised) and return how many blocks became units.
 
     ``dp_mesh`` is 1-D (FSDP: ``Shard(0)``) or 2-D ``(dp_replicate, dp_shard)`` (HSDP: ``(Replicate(), Shard(0))``);
@@ -42,10 +42,14 @@ def apply_fsdp2(model: nn.Module, dp_mesh: DeviceMesh, precision: Precision | No
     head a unit of its own, and the outer wrapper is left unsharded (it holds no parameters of its own; see
     :func:`inner_root_issue`). ``multimodal``: where the vision / audio towers and projectors go
     (:mod:`.multimodal_fsdp`): never searched for the blocks, their units made first, their ignored parameters
-    left out of the root.
+    left out of the root. ``offload``: FSDP2's offload policy for every unit (:mod:`.offload`; None: none).
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from functools import partial
 
+    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+    from torch.distributed.fsdp import fully_shard as shard
+
+    fully_shard = partial(shard, offload_policy=offload if offload is not None else OffloadPolicy())
     policy = precision.fsdp_policy() if precision is not None else MixedPrecisionPolicy()
     multimodal = multimodal or MultimodalPlacement()
     blocks = transformer_blocks(model, skip=multimodal.modules.values())

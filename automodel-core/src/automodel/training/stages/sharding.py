@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Iterable
+from dataclasses import replace
 
 import torch
 
@@ -18,7 +19,7 @@ from automodel.config import Config
 from automodel.errors import AutomodelError, ConfigIssue
 from automodel.gate_precision import routers_in_precision
 from automodel.training.context import BuildContext
-from automodel.training.dist import expected_world_size
+from automodel.training.dist import expected_world_size, world_size_source
 from automodel.training.distributed_section import moe_head_fp32, moe_inner_root
 from automodel.training.model_init import materialize_model, on_meta
 from automodel.training.multimodal_section import frozen_sharding
@@ -27,7 +28,8 @@ from automodel.training.parallel.expert_parallel import expert_parameters
 from automodel.training.parallel.fsdp import apply_fsdp2, inner_root_issue, kept_dtype_modules
 from automodel.training.parallel.mesh import DP
 from automodel.training.parallel.multimodal_fsdp import place_multimodal
-from automodel.training.parallelism import parallel_issues
+from automodel.training.parallel.offload import offload_issues, offload_policy
+from automodel.training.parallelism import parallel_issues, shards_with_fsdp2
 
 
 def select(cfg: Config) -> tuple[str, str] | None:
@@ -42,7 +44,8 @@ def issues(cfg: Config, implementation: str | None) -> list[ConfigIssue]:
     settings = cfg.distributed
     if settings is None:
         return []
-    found = parallel_issues(cfg, implementation)
+    fsdp2 = shards_with_fsdp2(cfg, implementation, expected_world_size())
+    found = parallel_issues(cfg, implementation) + offload_issues(cfg, implementation, fsdp2, world_size_source())
     if implementation is None and settings.strategy == "megatron_fsdp":
         missing = [what for what, ok in (("CUDA", torch.cuda.is_available()),
                                          ("the megatron_fsdp package", importlib.util.find_spec("megatron_fsdp")))
@@ -69,8 +72,12 @@ def wrap_ddp(ctx: BuildContext, model: torch.nn.Module) -> tuple[torch.nn.Module
 def wrap_fsdp2(ctx: BuildContext, model: torch.nn.Module) -> tuple[torch.nn.Module, str]:
     """``fully_shard`` per transformer block and at the root with the run's precision; then the meta-device model
     gets its values (each rank its shards only)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
     meta = on_meta(model)
-    if not meta:
+    offload = offload_policy(ctx.cfg, ctx.device)
+    offloaded = isinstance(offload, CPUOffloadPolicy)
+    if not meta and not offloaded:  # offloaded shards stay in host memory (FSDP2 copies them for each gather)
         model.to(ctx.device)
     layout = ctx.mesh
     settings = ctx.cfg.distributed
@@ -88,7 +95,7 @@ def wrap_fsdp2(ctx: BuildContext, model: torch.nn.Module) -> tuple[torch.nn.Modu
     multimodal = place_multimodal(model, ctx.multimodal_names, frozen_sharding(ctx.cfg))
     blocks = apply_fsdp2(model, fsdp_mesh(ctx.device_mesh, layout), ctx.precision, prefetch,
                          settings.reshard_after_forward, ignored=experts or None, own_dtype=own_dtype,
-                         outer_root=outer_root, multimodal=multimodal)
+                         outer_root=outer_root, multimodal=multimodal, offload=offload)
     how = (f"HSDP: {layout.dp_replicate} replicas x FSDP2 over {layout.dp_shard} ranks" if layout.dp_replicate > 1
            else f"FSDP2 over {layout.dp_shard} ranks")
     if layout.cp > 1:
@@ -101,10 +108,11 @@ def wrap_fsdp2(ctx: BuildContext, model: torch.nn.Module) -> tuple[torch.nn.Modu
     details = [f"{blocks} blocks sharded"] + [f"{len(kept)} modules the model keeps in "
                                               f"{_dtype_names(kept.values())} as units of their own"] * bool(kept) \
         + ["the output head in fp32"] * (head is not None) + [gates] * bool(
-        routers) + ["the inner model as root, the outer unsharded"] * (not outer_root) + multimodal.describe()
+        routers) + ["the inner model as root, the outer unsharded"] * (not outer_root) + multimodal.describe() \
+        + ([f"shards offloaded to host memory{' (pinned)' if offload.pin_memory else ''}"] if offloaded else [])
     message = f"{how} ({', '.join(details)})"
     if meta:
-        message += "; " + materialize_model(ctx, model)
+        message += "; " + materialize_model(replace(ctx, device=torch.device("cpu")) if offloaded else ctx, model)
     return model, message
 
 
