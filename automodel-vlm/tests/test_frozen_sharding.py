@@ -22,8 +22,10 @@ from vlm_testing import LLAVA_CONFIG, train_inprocess, write_config
 
 from automodel.testing import free_port, read_jsonl, run_cli
 
+# with the end-of-run generation (transformers' generate runs the image encoder outside the model's forward)
 THREE_STEPS = {"step_scheduler": {"max_steps": 3, "val_check_interval": 100, "checkpoint_interval": 3},
-               "validation_dataset": None, "eval_generation": None, "dataset": {"limit_dataset_samples": 24},
+               "validation_dataset": {"limit_dataset_samples": 4}, "dataset": {"limit_dataset_samples": 24},
+               "eval_generation": {"enabled": True, "num_examples": 4, "num_shown": 4, "max_new_tokens": 3},
                "dataloader": {"batch_size": 4, "shuffle": False}, "freeze": {"vision_tower": True}}
 TWO = ["--nproc-per-node", "2", "--distributed.strategy", "fsdp2"]
 # the sharding line's part for the frozen tower (2 CLIP layers, 39 parameter tensors) under each setting
@@ -51,20 +53,27 @@ def _weights(model_dir: Path) -> dict:
     return LlavaForConditionalGeneration.from_pretrained(model_dir).state_dict()
 
 
+def _answers(log: str) -> list[str]:
+    return [line.strip() for line in log.splitlines() if "expected:" in line]
+
+
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
-    return _train(tmp_path_factory.mktemp("one"), "one", "--step_scheduler.grad_accumulation_steps", "2")[0]
+    return _train(tmp_path_factory.mktemp("one"), "one", "--step_scheduler.grad_accumulation_steps", "2")
 
 
 @pytest.mark.parametrize("setting", [pytest.param("root", marks=pytest.mark.slow), "per_layer",
                                      pytest.param("replicate", marks=pytest.mark.slow)])
 def test_each_setting_trains_like_one_process_and_places_the_frozen_tower(one_process, tmp_path, setting):
+    """Also the answers of the end-of-run generation, which every rank runs with the root's weights gathered."""
+    one_process, one_log = one_process
     sharded = ["--checkpoint.save_consolidated", "false"] if setting == "replicate" else []
     out, log = _train(tmp_path, setting, *TWO, *sharded, distributed={"multimodal": {"frozen_sharding": setting}})
     assert TOWER[setting] in log
     assert "model.multi_modal_projector trains: sharded by blocks whatever frozen_sharding says, 1 units" in log
     assert "2 blocks sharded" in log  # the language model's layers, never the tower's
     assert _losses(out) == pytest.approx(_losses(one_process), rel=1e-4)
+    assert len(_answers(log)) == 4 and _answers(log) == _answers(one_log)
     saved = out / "epoch_0_step_3"
     model_dir = saved / "model"
     if setting == "replicate":  # the sharded form holds the tower whole, once; exported, it is the consolidated form

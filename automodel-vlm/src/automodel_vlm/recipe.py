@@ -16,7 +16,7 @@ from automodel.hf import EvalGenerationConfig, check_vocab, model_source
 from automodel.meta_build import MetaBuild
 from automodel.training.checkpoint_write import sharded_only_message
 from automodel.training.context import BuildContext
-from automodel.training.modules import unwrap
+from automodel.training.modules import root_gathered, unwrap
 from automodel.training.mtp_loss import MTPLoss
 from automodel.training.next_token import (
     LABEL_POSITIONS,
@@ -447,7 +447,7 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
         inputs = self.processor(text=[prompt], return_tensors="pt", add_special_tokens=False, **kwargs)
         inputs = self.move_to_device(dict(inputs))
         tokenizer = self.processor.tokenizer
-        with self.forward_context():
+        with self.forward_context(), root_gathered(model):  # generate runs the image encoder outside forward
             output = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
                                     pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                                     synced_gpus=self.forwards_are_collective)

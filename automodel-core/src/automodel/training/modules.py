@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 
@@ -17,6 +20,26 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 def is_fsdp2(model: torch.nn.Module) -> bool:
     """Whether FSDP2 (``fully_shard``) sharded any module of ``model``."""
     return any(type(m).__name__.startswith("FSDP") for m in model.modules())
+
+
+@contextmanager
+def root_gathered(model: torch.nn.Module) -> Iterator[None]:
+    """Within it, an FSDP2 root's own parameters are gathered on every rank (a collective: every rank enters it).
+
+    FSDP2 gathers a unit's parameters when that unit's forward runs; a submodule of the root called outside the
+    root's forward (transformers' ``generate`` runs a vision-language model's image encoder first, through
+    ``get_image_features``) would otherwise see its weights as shards. Another model passes through.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule):
+        yield
+        return
+    model.unshard()
+    try:
+        yield
+    finally:
+        model.reshard()
 
 
 def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
