@@ -199,8 +199,8 @@ def test_cpu_offload_takes_upstreams_form_and_needs_fsdp2_alone_on_several_ranks
     load_config(make_toy(distributed={"strategy": "fsdp2", "offload_policy": {**upstream, "pin_memory": False}}),
                 recipe=ToyRecipe)
     assert "needs distributed.strategy: fsdp2" in refusal(strategy="ddp", offload_policy=upstream)
-    assert "CPU offload is applied with FSDP2 data parallelism alone here, not with cp_size 2" in refusal(
-        strategy="fsdp2", cp_size=2, dp_size=1, offload_policy=upstream)
+    assert "CPU offload is applied with FSDP2 data parallelism (and tensor parallelism) here, not with cp_size 2" \
+        in refusal(strategy="fsdp2", cp_size=2, dp_size=1, offload_policy=upstream)
     for value, needle in (({"_target_": "torch.nn.Linear"}, "_target_ 'torch.nn.Linear' is not FSDP2's CPU offload"),
                           ({"offload_params": True}, "offload_params: not an argument of CPUOffloadPolicy"),
                           ({"pin_memory": "yes"}, "pin_memory: expected true or false, found 'yes'"),

@@ -56,9 +56,10 @@ def one_process(tmp_path_factory, tp_llama_config) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def tp2_run(tmp_path_factory, one_process) -> tuple[Path, str]:
-    """(checkpoint_dir, log) of the tp=2 run without sequence parallelism (its step-3 checkpoint is resumed)."""
+    """(checkpoint_dir, log) of the tp=2 run without sequence parallelism (its step-3 checkpoint is resumed), its
+    shards in host memory (FSDP2's CPU offload, which changes no number)."""
     tmp = tmp_path_factory.mktemp("tp2")
-    return tmp / "tp", _run(one_process[0], tmp, tmp / "tp", *TP2)
+    return tmp / "tp", _run(one_process[0], tmp, tmp / "tp", *TP2, "--distributed.offload_policy.pin_memory", "false")
 
 
 # each transformer block compiled (upstream's enable_compile; aot_eager: dynamo and autograd's tracing without
@@ -82,6 +83,7 @@ def test_tp2_trains_like_one_process(request, one_process, tmp_path, extra):
     else:
         out, log = request.getfixturevalue("tp2_run")
     assert "tensor parallel over tp 2" in log and "FSDP2 over 1 ranks x tensor parallel over 2" in log
+    assert ("shards offloaded to host memory" in log) == (not extra)
     assert ("sequence parallel" in log) == sequence_parallel
     assert ("torch.compile of each of 2 transformer blocks" in log) == (COMPILED_BLOCKS[0] in extra)
     assert "model.layers.*.self_attn.q_proj: colwise" in log

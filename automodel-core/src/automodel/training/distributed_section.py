@@ -80,7 +80,8 @@ class DistributedConfig:
     offload_policy: dict | None = field(default=None, metadata=_help(
         "FSDP2's CPU offload, upstream's {_target_: torch.distributed.fsdp.CPUOffloadPolicy, pin_memory: true}: each "
         "rank's parameter shards, gradients and optimizer state stay in host memory, the optimizer steps on the CPU "
-        "(fsdp2 with more than one process, without tp / cp / pp / ep; pin_memory: pinned host copies on CUDA)"))
+        "(fsdp2 with more than one process, also with tp_size; not with cp / pp / ep; pin_memory: pinned host copies "
+        "on CUDA)"))
     autocast_dtype: str | None = field(
         default=None, metadata=_help("also run the forward under torch.autocast in this dtype (bf16 | fp16), as "
                                      "upstream does with mp_policy.output_dtype fp32"))

@@ -6,8 +6,8 @@ unit's shards to the device for its all-gather and the reduced gradients back, a
 So the model is materialised on the CPU, and on CUDA the process group also gets a gloo backend for the collectives
 over host tensors (the gradient norm), as TorchTitan does. ``pin_memory`` (upstream's default true) pins the host
 copies for faster transfers; it needs CUDA, and a CPU run, whose parameters are host memory already, notes that it
-governs nothing. Applied with FSDP2 (and HSDP) alone: tensor, context, pipeline and expert parallelism are refused
-with it.
+governs nothing. Applied with FSDP2 (and HSDP), also over tensor-parallel shards; context, pipeline and expert
+parallelism are refused with it.
 """
 
 from __future__ import annotations
@@ -58,12 +58,11 @@ def offload_issues(cfg: Config, implementation: str | None, fsdp2: bool, world: 
         return [ConfigIssue("distributed.offload_policy", "offloads FSDP2's parameter shards, so it needs "
                             f"distributed.strategy: fsdp2 and more than one process (this run: {world}); remove it")]
     settings = cfg.distributed
-    combined = [f"{key} {size}" for key, size in (("tp_size", settings.tp_size), ("cp_size", settings.cp_size),
-                                                  ("pp_size", settings.pp_size), ("ep_size", settings.ep_size or 1))
-                if size > 1]
+    combined = [f"{key} {size}" for key, size in (("cp_size", settings.cp_size), ("pp_size", settings.pp_size),
+                                                  ("ep_size", settings.ep_size or 1)) if size > 1]
     if combined:
-        return [ConfigIssue("distributed.offload_policy", f"CPU offload is applied with FSDP2 data parallelism alone "
-                            f"here, not with {', '.join(combined)}; remove one of them")]
+        return [ConfigIssue("distributed.offload_policy", f"CPU offload is applied with FSDP2 data parallelism (and "
+                            f"tensor parallelism) here, not with {', '.join(combined)}; remove one of them")]
     return []
 
 
