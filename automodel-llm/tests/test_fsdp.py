@@ -76,13 +76,16 @@ def test_two_loopback_nodes_are_one_run(single_process, tmp_path):
 
 def test_hsdp_with_lora_pretrained_weights_and_activation_checkpointing(tiny_llama_config, pretrained, tmp_path):
     """Two replicas (HSDP's replicate dimension), LoRA on the meta-device model, tied embeddings read from the
-    pretrained files, each block checkpointed: the losses of one plain process accumulating twice as much."""
+    pretrained files, each block checkpointed: the losses of one plain process accumulating twice as much, and its
+    end-of-run answers (peft's generate runs the inner model, outside the FSDP2 root's forward)."""
     config = llm_testing.write_config(tmp_path / "cfg.yaml", tiny_llama_config, tmp_path / "one", model={
         "_target_": "automodel_llm.AutoModelForCausalLM.from_pretrained",
         "pretrained_model_name_or_path": str(pretrained), "config": None},
-        peft={"dim": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]})
-    _run("finetune", "llm", "-c", config, *DISTRIBUTED_OVERRIDES, "--step_scheduler.grad_accumulation_steps", "2",
-         cwd=tmp_path)
+        peft={"dim": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
+        validation_dataset={**llm_testing.VALIDATION, "limit_dataset_samples": 4},
+        eval_generation={"enabled": True, "num_shown": 4, "max_new_tokens": 4})
+    one = _run("finetune", "llm", "-c", config, *DISTRIBUTED_OVERRIDES, "--step_scheduler.grad_accumulation_steps",
+               "2", cwd=tmp_path)
     two = _run("finetune", "llm", "-c", config, *DISTRIBUTED_OVERRIDES, *TWO_RANKS, "--master-port", free_port(),
                "--distributed.dp_replicate_size", "2", "--distributed.activation_checkpointing", "true",
                "--checkpoint.checkpoint_dir", tmp_path / "two", cwd=tmp_path)
@@ -90,6 +93,8 @@ def test_hsdp_with_lora_pretrained_weights_and_activation_checkpointing(tiny_lla
     assert "activation checkpointing on 1 transformer blocks" in two.stderr
     assert f"tensors read from {pretrained}" in two.stderr
     assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), abs=1e-5)
+    answers = [[line for line in log.splitlines() if "expected:" in line] for log in (one.stderr, two.stderr)]
+    assert len(answers[0]) == 4 and answers[0] == answers[1]
 
 
 # ---- memory: no rank holds the whole model while it loads -----------------------------------------------------

@@ -25,7 +25,7 @@ from automodel.training.checkpoint_write import sharded_only_message
 from automodel.training.context import BuildContext
 from automodel.training.dist import expected_world_size, rank
 from automodel.training.expert_load import ExpertLoads, MoEMetricsConfig
-from automodel.training.modules import is_fsdp2, unwrap
+from automodel.training.modules import is_fsdp2, root_gathered, unwrap
 from automodel.training.mtp_loss import MTPLoss
 from automodel.training.next_token import NextTokenLogits
 from automodel.training.parallel.context_parallel import cp_attention
@@ -423,7 +423,7 @@ class FinetuneRecipeForNextTokenPrediction(MTPLoss, NextTokenLogits, TrainRecipe
             return {f"{settings.metric_prefix}/_disabled_fsdp2": 1.0}
         if self.tool_call_results is None or self.tool_call_results[0] != step:
             shard = self.tool_call_shard
-            with self.forward_context():
+            with self.forward_context(), root_gathered(unwrap(self.model)):  # peft's generate skips its forward
                 tally = self.tool_call_evaluator.score(unwrap(self.model), self.device, shard,
                                                        synced=self.forwards_are_collective)
             if tally.skipped:
@@ -492,7 +492,7 @@ class FinetuneRecipeForNextTokenPrediction(MTPLoss, NextTokenLogits, TrainRecipe
         if settings is not None and settings.enabled and pairs and (self.is_main_process or collective) and \
                 "eval_generation" in self.cfg:
             pairs = pairs[: settings.num_examples] if settings.num_examples else pairs
-            with self.forward_context():
+            with self.forward_context(), root_gathered(unwrap(self.model)):  # peft's generate skips its forward
                 score, results = exact_match(unwrap(self.model), self.tokenizer, pairs, settings.max_new_tokens,
                                              self.device, synced=collective)
             for prompt, expected, got in results[: settings.num_shown]:
