@@ -6,9 +6,10 @@ import json
 
 import pytest
 import torch
-from retrieval_testing import BI_ENCODER, DATA, latest, run_inprocess, write_config
+from retrieval_testing import BI_ENCODER, DATA, PKG_DIR, latest, run_inprocess, write_config
 
-from automodel.testing import read_jsonl
+from automodel.errors import ConfigError
+from automodel.testing import load_config, read_jsonl
 
 
 def test_training_raises_held_out_recall_above_the_untrained_model(bi_encoder_run):
@@ -108,3 +109,10 @@ def test_fine_tuning_continues_from_a_trained_checkpoint_with_its_own_tokenizer(
     fresh = read_jsonl(bi_encoder_run["ckpt"] / "training.jsonl")[0]["loss"]
     continued = read_jsonl(tmp_path / "ckpt" / "training.jsonl")[0]["loss"]
     assert continued < fresh / 2, (continued, fresh)
+
+
+def test_lora_is_refused_with_the_reason_for_a_bi_encoder_and_its_distillation():
+    """peft's adapter has no place in a sentence-transformers model/ (before: a traceback from peft at setup)."""
+    for route, example in ((("finetune", "retrieval"), "tiny_bi_encoder"), (("kd", "retrieval"), "tiny_distill")):
+        with pytest.raises(ConfigError, match="peft: LoRA on a bi-encoder is not built here"):
+            load_config(PKG_DIR / "examples" / f"{example}.yaml", "--peft.dim", "4", route=route)

@@ -238,6 +238,9 @@ class BiEncoderRecipe(_RetrievalRecipe):
     domain = "retrieval"
     upstream_model = f"{UPSTREAM}.bi_encoder_from_pretrained"
     model_type = "bi_encoder"
+    unsupported_stages = {"peft": "LoRA on a bi-encoder is not built here: model/ is a sentence-transformers model "
+                                  "with its encoders whole, which holds no adapter; remove peft: to fine-tune the "
+                                  "encoders (LoRA acts in finetune cross-encoder and the LLM / VLM recipes)"}
     sections = {
         "model": Target("the bi-encoder: {_target_: automodel_retrieval.BiEncoder.from_config | .from_pretrained, "
                         "shared, pooling, normalize, ...}", required=True),
