@@ -200,7 +200,7 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
         return self.save_model is not None
 
     def save_artifacts(self, directory: Path) -> None:
-        """Beside model/'s weights (rank 0): tokenizer / processor files, a LoRA adapter's base, v4_compatible's."""
+        """Beside model/'s weights (rank 0): tokenizer / processor files, a LoRA adapter's base, the v4 configs."""
         for name in self.hf_artifacts:
             artifact = getattr(self, name, None)
             if artifact is not None and hasattr(artifact, "save_pretrained"):

@@ -46,32 +46,29 @@ def apply_fsdp2(model: nn.Module, dp_mesh: DeviceMesh, precision: Precision | No
     """
     from functools import partial
 
-    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
-    from torch.distributed.fsdp import fully_shard as shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    fully_shard = partial(shard, offload_policy=offload if offload is not None else OffloadPolicy())
+    shard = partial(fully_shard, offload_policy=offload if offload is not None else OffloadPolicy())
     policy = precision.fsdp_policy() if precision is not None else MixedPrecisionPolicy()
     multimodal = multimodal or MultimodalPlacement()
     blocks = transformer_blocks(model, skip=multimodal.modules.values())
     reshard = True if reshard_after_forward is None else reshard_after_forward
     own_dtype = own_dtype or {}
     for module, dtype in own_dtype.items():
-        fully_shard(module, mesh=dp_mesh, mp_policy=MixedPrecisionPolicy(dtype, dtype, dtype),
-                    reshard_after_forward=reshard)
+        shard(module, mesh=dp_mesh, mp_policy=MixedPrecisionPolicy(dtype, dtype, dtype), reshard_after_forward=reshard)
     for unit in multimodal.units:
-        fully_shard(unit, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
+        shard(unit, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
     root_ignored = (ignored or set()) | multimodal.ignored or None
     for index, block in enumerate(blocks):
         block_reshard = index < len(blocks) - 1 if reshard_after_forward is None else reshard_after_forward
-        fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=block_reshard,
-                    ignored_params=ignored)
+        shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=block_reshard, ignored_params=ignored)
     if outer_root:
-        fully_shard(model, mesh=dp_mesh, mp_policy=policy, ignored_params=root_ignored)
+        shard(model, mesh=dp_mesh, mp_policy=policy, ignored_params=root_ignored)
     else:
         head = model.get_output_embeddings()
         if head not in own_dtype:
-            fully_shard(head, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
-        fully_shard(model.base_model, mesh=dp_mesh, mp_policy=policy, ignored_params=root_ignored)
+            shard(head, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
+        shard(model.base_model, mesh=dp_mesh, mp_policy=policy, ignored_params=root_ignored)
     if prefetch is not None:
         set_prefetch(blocks, *prefetch)
     return len(blocks)

@@ -22,7 +22,7 @@ if TYPE_CHECKING:  # torch is imported where a run needs it: the config section 
 
     from automodel.config import Config
 
-TARGETS = ("torch.distributed.fsdp.CPUOffloadPolicy", "torch.distributed.fsdp._fully_shard.CPUOffloadPolicy")
+TARGET = "torch.distributed.fsdp.CPUOffloadPolicy"
 
 
 def offload_problem(value: Any) -> str | None:
@@ -30,10 +30,10 @@ def offload_problem(value: Any) -> str | None:
     if value is None:
         return None
     if not isinstance(value, Mapping):
-        return f"expected {{_target_: {TARGETS[0]}, pin_memory: true | false}}, found {value!r}"
-    target = value.get("_target_", TARGETS[0])
-    if target not in TARGETS:
-        return f"_target_ '{target}' is not FSDP2's CPU offload; name {TARGETS[0]} (or leave _target_ out)"
+        return f"expected {{_target_: {TARGET}, pin_memory: true | false}}, found {value!r}"
+    target = value.get("_target_", TARGET)
+    if target != TARGET:
+        return f"_target_ '{target}' is not FSDP2's CPU offload; name {TARGET} (or leave _target_ out)"
     unknown = sorted(set(value) - {"_target_", "pin_memory"})
     if unknown:
         return f"{', '.join(unknown)}: not an argument of CPUOffloadPolicy (it takes pin_memory)"
