@@ -60,3 +60,25 @@ def test_a_data_set_without_negatives_is_refused_with_the_file_and_what_to_add(s
                           **{section: {"num_negatives": 0}})
     with pytest.raises(AutomodelError, match=f"{section}.num_negatives: 0 leaves every query"):
         run_inprocess("cross", config)
+
+
+def test_a_lora_checkpoint_exports_merged_with_the_runs_scores(tmp_path):
+    """``automodel export`` merges a cross-encoder's LoRA adapter (its head trained whole, saved with it) with the
+    recipe the checkpoint's config.yaml names; the merged classifier scores as the trained model does."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from automodel.testing import run_cli_inprocess
+
+    config = write_config(tmp_path / "cfg.yaml", CROSS_ENCODER, tmp_path / "ckpt", step_scheduler={"max_steps": 3},
+                          peft={"dim": 4, "alpha": 8})
+    recipe = run_inprocess("cross", config)
+    assert (latest(tmp_path / "ckpt") / "config.yaml").read_text().startswith(
+        "recipe: automodel_retrieval.recipe.CrossEncoderRecipe\n")
+    result = run_cli_inprocess("export", tmp_path / "ckpt", tmp_path / "merged", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    merged = AutoModelForSequenceClassification.from_pretrained(tmp_path / "merged").eval()
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "merged")
+    batch = tokenizer(["capital of Sikia"] * 2, ["Sikia's capital city is Zoranton.", "Sikia is governed by Drar."],
+                      padding=True, return_tensors="pt")
+    with torch.no_grad():
+        assert torch.allclose(merged(**batch).logits, recipe.model.eval()(**batch).logits, atol=1e-5)

@@ -77,6 +77,29 @@ def test_lora_checkpoint_is_a_peft_adapter_loadable_by_peft(lora_run):
     assert processor.image_token_id == lora_run["recipe"].processor.image_token_id
 
 
+def test_export_merges_the_adapter_into_its_base_with_the_processor(lora_run, tmp_path, capsys):
+    """``automodel export`` rebuilds the base as training did (the checkpoint's config.yaml names the VLM recipe)
+    and merges the language model's adapter with the recipe's own LoRA stage."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from automodel.cli.main import main
+
+    out = tmp_path / "merged"
+    assert main(["export", str(lora_run["ckpt"]), str(out)]) == 0, capsys.readouterr().err
+    assert f"load with AutoModelForImageTextToText.from_pretrained('{out}')" in capsys.readouterr().out
+    merged = AutoModelForImageTextToText.from_pretrained(out).eval()
+    assert not any("lora_" in name for name in merged.state_dict())
+    recipe = lora_run["recipe"]
+    batch = recipe.default_collate_fn(False)([recipe.train_dataset[i] for i in range(2)])
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    with torch.no_grad():
+        ours = recipe.model.eval()(**inputs).logits
+        theirs = merged(**inputs).logits
+    recipe.model.train()
+    assert torch.allclose(theirs, ours, atol=1e-5)
+    assert AutoProcessor.from_pretrained(out).image_token_id == recipe.processor.image_token_id
+
+
 def test_lora_resume_restores_the_adapter(lora_run, tmp_path):
     recipe = train_inprocess(lora_run["config"], "--checkpoint.checkpoint_dir", tmp_path / "again",
                              "--restore_from.path", lora_run["ckpt"] / "epoch_0_step_6",

@@ -257,15 +257,6 @@ class DiffusionLMSFTRecipe(FinetuneRecipeForNextTokenPrediction):
             model.config.is_causal = False
         return model
 
-    def build_checkpoint_config(self, ctx: BuildContext) -> Any:
-        """The checkpointer; a checkpoint's config.yaml names this recipe when the run's config did not (a run of
-        the ``finetune dllm`` route), so that ``automodel export`` rebuilds a LoRA adapter's base with it."""
-        checkpointer = super().build_checkpoint_config(ctx)
-        if "recipe" not in self.cfg.raw:
-            checkpointer.config_yaml = f"recipe: {type(self).__module__}.{type(self).__qualname__}\n" \
-                + checkpointer.config_yaml
-        return checkpointer
-
     def final_message(self, model_dir: Path) -> str:
         message = super().final_message(model_dir)
         if self.mode == "mdlm" and (model_dir / "adapter_config.json").is_file():

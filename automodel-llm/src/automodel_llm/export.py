@@ -16,12 +16,13 @@ from automodel.cli.trust_options import trust_options
 from automodel.errors import ConfigError, ConfigIssue, UsageError
 
 
-def with_recorded_base(data: dict, model_dir: Path) -> dict:
+def with_recorded_base(data: dict, model_dir: Path, tokenizer_section: bool = True) -> dict:
     """The run's config with the base model and tokenizer the run recorded, never re-resolved from today's
     environment: config.yaml keeps ``${VAR}`` placeholders, so ``${BASE}`` would otherwise mean whatever BASE is
     now. The adapter's ``base_model_name_or_path`` (the resolved path, or config, the run loaded) replaces the model
-    section's source, and the tokenizer saved beside the adapter replaces the tokenizer section (and upstream's form
-    of it, a data set's ``tokenizer``)."""
+    section's source, and, for a recipe with a ``tokenizer_section`` (a VLM recipe has a processor instead), the
+    tokenizer saved beside the adapter replaces the tokenizer section (and upstream's form of it, a data set's
+    ``tokenizer``)."""
     from automodel.config.model_paths import missing_location
     from automodel.hf import model_source, recorded_adapter_base
 
@@ -38,7 +39,7 @@ def with_recorded_base(data: dict, model_dir: Path) -> dict:
                          "base_model_name_or_path), no longer exists; restore it, or point base_model_name_or_path "
                          "at the same base")
     data = {**data, "model": {**data["model"], found[1].removeprefix("model."): recorded}} if found else data
-    if (model_dir / "tokenizer_config.json").is_file():
+    if tokenizer_section and (model_dir / "tokenizer_config.json").is_file():
         data["tokenizer"] = {"pretrained_model_name_or_path": str(model_dir)}
         for key, node in list(data.items()):  # upstream's form of the run's one tokenizer, in a data set section
             if (key == "dataset" or key.startswith("validation_dataset")) and isinstance(node, dict):
@@ -91,9 +92,10 @@ def export(checkpoint: str, output: str, force: bool) -> None:
 
 
 def _adapter_recipe(adapter_dir: Path, data: dict, manager: Any) -> type:
-    """The recipe that trained the adapter: the one the run's config names (``recipe:``; a diffusion-LM run's
-    checkpoint always names it, so its base is built as training built it), else the fine-tuning route's for peft's
-    task: ``seq-cls`` for sequence classification (the classifier's LoRA, its head saved with it), else ``llm``."""
+    """The recipe that trained the adapter: the one the checkpoint's config.yaml names (every checkpoint names it,
+    so the base is built as training built it), else, for a checkpoint written before it did, the fine-tuning
+    route's for peft's task: ``seq-cls`` for sequence classification (the classifier's LoRA, its head saved with
+    it), else ``llm``."""
     from automodel.cli.execute import import_recipe, recipe_from_config
 
     if "recipe" in data:
@@ -111,12 +113,12 @@ def _merge_adapter(config_file: Path, adapter_dir: Path, out: Path) -> None:
     from automodel.plugins.manager import get_plugin_manager
     from automodel.training.model_init import materialize_model, on_meta
     from automodel.training.rng import StatefulRNG
-    from automodel.training.stages.peft import add_lora
 
     manager = get_plugin_manager()
-    data = with_recorded_base(load_yaml_file(config_file), adapter_dir)
+    data = load_yaml_file(config_file)
     try:
         recipe_cls = _adapter_recipe(adapter_dir, data, manager)
+        data = with_recorded_base(data, adapter_dir, "tokenizer" in recipe_cls.all_sections())
         cfg = build_config(data, recipe_cls, manager.resolver(), source=str(config_file))
     except ConfigError as err:
         raise ConfigError([ConfigIssue(f"{config_file}: {issue.key}", issue.message, issue.suggestion)
@@ -127,12 +129,12 @@ def _merge_adapter(config_file: Path, adapter_dir: Path, out: Path) -> None:
     recipe.setup_domain()
     with building_on_meta() as meta:  # built as training built it: the same base weights
         base = recipe.build_model(ctx)
-    model, _ = add_lora(ctx, base)
+    lora = recipe_cls.merged("stage_implementations").get("peft", "lora")  # the recipe's (a VLM's: its LLM part)
+    model, _ = manager.stages.get("peft", lora)(ctx, base)
     if on_meta(model):  # the base from its files or the seeded module-by-module initialisation
         materialize_model(replace(ctx, meta_build=meta), model)
     load_adapter_weights(model, adapter_dir)
     merged = model.merge_and_unload()
     shutil.rmtree(out, ignore_errors=True)  # a consolidated adapter, read by now
     merged.save_pretrained(str(out))
-    if recipe.tokenizer is not None:  # None: trained on token ids without one
-        recipe.tokenizer.save_pretrained(str(out))
+    recipe.save_artifacts(out)  # the tokenizer / processor files, as training saved them

@@ -169,6 +169,14 @@ class Checkpointer:
         self._lock = RunLock(self.root)
         self._deleting: threading.Thread | None = None
 
+    def naming(self, recipe: type, named: bool) -> Checkpointer:
+        """This checkpointer, its checkpoints' config.yaml naming ``recipe`` where the run's config did not
+        (``named``: it has a ``recipe:`` key), so that a checkpoint says which recipe wrote it (``automodel export``
+        rebuilds a LoRA adapter's base with it)."""
+        if not named:
+            self.config_yaml = f"recipe: {recipe.__module__}.{recipe.__qualname__}\n{self.config_yaml}"
+        return self
+
     # ---- the run's hold on the directory (rank 0) -------------------------------------------------------------
 
     def prepare(self) -> None:

@@ -181,7 +181,7 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
         return ctx.build("step_scheduler", steps_per_epoch)
 
     def build_checkpoint_config(self, ctx: BuildContext) -> Checkpointer:
-        return ctx.build("checkpoint_config")
+        return ctx.build("checkpoint_config").naming(type(self), "recipe" in self.cfg.raw)
 
     def select_device(self) -> torch.device:
         return torch.device("cuda", local_rank()) if torch.cuda.is_available() else torch.device("cpu")
