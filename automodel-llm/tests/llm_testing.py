@@ -226,3 +226,16 @@ def write_tiny_gguf(directory: Path) -> str:
     writer.write_tensors_to_file()
     writer.close()
     return "tiny.gguf"
+
+
+def save_pretrained_base(directory: Path, config_path: Path, seed: int, tokenizer: bool = True) -> Path:
+    """A 'pre-trained' base in ``directory``: the model of ``config_path`` with weights seeded by ``seed``, as
+    ``from_pretrained`` loads it, with the shipped tokenizer beside it unless ``tokenizer`` is false."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(config_path))).save_pretrained(str(directory))
+    if tokenizer:
+        AutoTokenizer.from_pretrained(str(TOKENIZER_DIR)).save_pretrained(str(directory))
+    return Path(directory)

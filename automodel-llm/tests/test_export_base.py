@@ -8,27 +8,17 @@ import shutil
 
 import pytest
 import torch
-from llm_testing import TOKENIZER_DIR
+from llm_testing import save_pretrained_base
 
 from automodel.testing import run_cli, train_inprocess
-
-
-def _pretrained_base(directory, config_path, seed: int):
-    """A 'pre-trained' base: the tiny Llama with seeded weights and the tokenizer, as from_pretrained loads it."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    torch.manual_seed(seed)
-    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(config_path))).save_pretrained(str(directory))
-    AutoTokenizer.from_pretrained(str(TOKENIZER_DIR)).save_pretrained(str(directory))
-    return directory
 
 
 def test_export_merges_into_the_recorded_base_whatever_base_says_now(make_config, tiny_llama_config, tmp_path,
                                                                      monkeypatch):
     from transformers import AutoModelForCausalLM
 
-    trained_on = _pretrained_base(tmp_path / "base_a", tiny_llama_config, seed=1)
-    other = _pretrained_base(tmp_path / "base_b", tiny_llama_config, seed=2)
+    trained_on = save_pretrained_base(tmp_path / "base_a", tiny_llama_config, seed=1)
+    other = save_pretrained_base(tmp_path / "base_b", tiny_llama_config, seed=2)
     config = make_config(tokenizer=None, peft={"dim": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
                          model={"_target_": "automodel_llm.AutoModelForCausalLM.from_pretrained", "config": None,
                                 "pretrained_model_name_or_path": "${BASE}"},

@@ -26,13 +26,8 @@ def _run(*args, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory, tiny_llama_config) -> Path:
     """The tiny Llama (tied embeddings) saved as an HF checkpoint: what from_pretrained loads."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    directory = tmp_path_factory.mktemp("pretrained")
-    torch.manual_seed(3)
-    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_llama_config)).save_pretrained(directory)
-    return directory
+    return llm_testing.save_pretrained_base(tmp_path_factory.mktemp("pretrained"), tiny_llama_config, seed=3,
+                                            tokenizer=False)
 
 
 @pytest.mark.slow  # make test-slow: the same path as a faster test of this suite

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import torch
-from llm_testing import TOKENIZER_DIR
+from llm_testing import TOKENIZER_DIR, save_pretrained_base
 
 from automodel.errors import ConfigError
 from automodel.testing import load_config, train_inprocess
@@ -16,11 +16,7 @@ from automodel.v4_config import write_v4_configs
 
 def _pretrained_base(directory, config_path):
     """A 'pre-trained' base whose config.json is in transformers 4's form, as the hub holds it."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    torch.manual_seed(1)
-    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(config_path))).save_pretrained(str(directory))
-    AutoTokenizer.from_pretrained(str(TOKENIZER_DIR)).save_pretrained(str(directory))
+    save_pretrained_base(directory, config_path, seed=1)
     config = json.loads((directory / "config.json").read_text())
     config.pop("dtype", None)
     config.update({"torch_dtype": "float32", "transformers_version": "4.46.0", "eos_token_id": 99,

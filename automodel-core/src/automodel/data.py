@@ -36,7 +36,7 @@ def load_rows(name_or_path: str, split: str = "train", key: str = "dataset.datas
 
     datasets.disable_progress_bars()  # the training progress bar is the one to watch
     path = Path(str(name_or_path))
-    if skip_malformed_lines and path.suffix.lower() != ".jsonl":
+    if skip_malformed_lines and not is_json_lines(name_or_path):
         raise AutomodelError(f"{key}: '{name_or_path}' is not a JSON Lines file (.jsonl), the only kind whose "
                              "malformed lines can be skipped")
     if revision is not None and path.exists():
@@ -81,6 +81,12 @@ def _load_file(builder: str, readable: Path, split: str, key: str, path: Path) -
     rows = datasets.load_dataset(builder, data_files=str(readable), split="train")
     return select_row_slice(rows, split, key, f"'{path}' (a single file is its only split)") \
         if has_row_slice(split) else rows
+
+
+def is_json_lines(name_or_path: Any) -> bool:
+    """Whether ``name_or_path`` names a JSON Lines file (.jsonl): the only kind whose malformed lines can be
+    skipped (:func:`well_formed_lines`)."""
+    return str(name_or_path).lower().endswith(".jsonl")
 
 
 @contextmanager

@@ -447,7 +447,7 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
         inputs = self.processor(text=[prompt], return_tensors="pt", add_special_tokens=False, **kwargs)
         inputs = self.move_to_device(dict(inputs))
         tokenizer = self.processor.tokenizer
-        with self.forward_context(), root_gathered(model):  # generate runs the image encoder outside forward
+        with self.forward_context():
             output = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
                                     pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                                     synced_gpus=self.forwards_are_collective)
@@ -460,8 +460,10 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
         was_training = model.training
         model.eval()
         try:
-            results = [(prefix, expected, self.answer(prefix, sample["images"], max_new_tokens, sample.get("videos")))
-                       for index, prefix, expected in pairs for sample in [dataset[index]]]
+            with root_gathered(model):  # generate runs the image encoder outside the FSDP2 root's forward
+                results = [(prefix, expected, self.answer(prefix, sample["images"], max_new_tokens,
+                                                          sample.get("videos")))
+                           for index, prefix, expected in pairs for sample in [dataset[index]]]
         finally:
             model.train(was_training)
         score = sum(got == expected for _, expected, got in results) / max(len(results), 1)

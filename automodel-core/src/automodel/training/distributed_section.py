@@ -181,8 +181,8 @@ class DistributedConfig:
                 "same without it)")
         if self.multimodal is not None:
             errors.update(multimodal_errors(self.multimodal))
-        if offload_problem(self.offload_policy) is not None:
-            errors["offload_policy"] = offload_problem(self.offload_policy)
+        if (problem := offload_problem(self.offload_policy)) is not None:
+            errors["offload_policy"] = problem
         for name in ("pipeline", "moe"):
             value = getattr(self, name)
             unknown = sorted(set(value) - _UPSTREAM_KEYS[name]) if isinstance(value, dict) else []

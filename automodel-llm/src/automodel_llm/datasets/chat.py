@@ -9,7 +9,7 @@ from typing import Any
 from torch.utils.data import Dataset
 
 from automodel.chat_template import resolve_chat_template
-from automodel.data import BadRows, OnBadRow
+from automodel.data import BadRows, OnBadRow, is_json_lines
 from automodel.errors import AutomodelError
 from automodel_llm.datasets.arguments import (
     ALIASES,
@@ -185,7 +185,7 @@ class ChatDataset(Dataset):
         if arguments.get("skip_invalid_samples"):
             source = arguments.get("path_or_dataset_id") or arguments.get("dataset_name")
             others = [value for value in (source if isinstance(source, list) else [source])
-                      if not str(value).lower().endswith(".jsonl")]
+                      if not is_json_lines(value)]
             if others:
                 problems.append(("skip_invalid_samples", f"true leaves out malformed lines of local JSON Lines "
                                                          f"files (.jsonl), and '{others[0]}' is not one: remove it "

@@ -78,11 +78,11 @@ def offload_notes(cfg: Config, fsdp2: bool) -> list[str]:
 
 
 def offload_policy(cfg: Config, device: torch.device) -> Any:
-    """FSDP2's policy for the run: ``CPUOffloadPolicy`` (pinned memory on CUDA only), or the no-offload default."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+    """FSDP2's ``CPUOffloadPolicy`` for the run (pinned memory on CUDA only), or None when it does not offload."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
 
     if not offloads(cfg):
-        return OffloadPolicy()
+        return None
     pin = cfg.distributed.offload_policy.get("pin_memory", True) and device.type == "cuda"
     return CPUOffloadPolicy(pin_memory=pin)
 

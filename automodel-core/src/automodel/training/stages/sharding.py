@@ -72,11 +72,9 @@ def wrap_ddp(ctx: BuildContext, model: torch.nn.Module) -> tuple[torch.nn.Module
 def wrap_fsdp2(ctx: BuildContext, model: torch.nn.Module) -> tuple[torch.nn.Module, str]:
     """``fully_shard`` per transformer block and at the root with the run's precision; then the meta-device model
     gets its values (each rank its shards only)."""
-    from torch.distributed.fsdp import CPUOffloadPolicy
-
     meta = on_meta(model)
     offload = offload_policy(ctx.cfg, ctx.device)
-    offloaded = isinstance(offload, CPUOffloadPolicy)
+    offloaded = offload is not None
     if not meta and not offloaded:  # offloaded shards stay in host memory (FSDP2 copies them for each gather)
         model.to(ctx.device)
     layout = ctx.mesh
