@@ -46,14 +46,16 @@ def tiny_config(tied: bool = True, layers: int = 3, hidden: int = 32, intermedia
                        max_position_embeddings=64, tie_word_embeddings=tied)
 
 
-def lora_config():
+def lora_config(dora: bool = False):
     import peft
 
-    return peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    return peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM",
+                           use_dora=dora)
 
 
-def meta_model(config, lora: bool = False, checkpointing: bool = False) -> torch.nn.Module:
-    """The model built on the meta device, LoRA and activation checkpointing applied (the pipeline's order)."""
+def meta_model(config, lora: bool | str = False, checkpointing: bool = False) -> torch.nn.Module:
+    """The model built on the meta device, LoRA (``lora="dora"``: DoRA) and activation checkpointing applied (the
+    pipeline's order)."""
     from transformers import AutoModelForCausalLM
 
     with parameters_on_meta():
@@ -61,13 +63,13 @@ def meta_model(config, lora: bool = False, checkpointing: bool = False) -> torch
     if lora:
         import peft
 
-        model = peft.get_peft_model(model, lora_config())
+        model = peft.get_peft_model(model, lora_config(dora=lora == "dora"))
     if checkpointing:
         assert apply_activation_checkpointing(model) == config.num_hidden_layers
     return model
 
 
-def sharded_model(config, seed: int = 7, weights: str | None = None, lora: bool = False,
+def sharded_model(config, seed: int = 7, weights: str | None = None, lora: bool | str = False,
                   checkpointing: bool = False, precision: Any = None, dp_replicate: int = 1) -> torch.nn.Module:
     """``meta_model`` sharded with FSDP2 over every rank (HSDP with ``dp_replicate`` > 1), then materialised."""
     model = meta_model(config, lora, checkpointing)
@@ -77,7 +79,7 @@ def sharded_model(config, seed: int = 7, weights: str | None = None, lora: bool 
     return model
 
 
-def local_model(config, seed: int = 7, weights: str | None = None, lora: bool = False,
+def local_model(config, seed: int = 7, weights: str | None = None, lora: bool | str = False,
                 checkpointing: bool = False) -> torch.nn.Module:
     """The single-process path: the same meta build and the same materialisation, no sharding."""
     model = meta_model(config, lora, checkpointing)
@@ -136,8 +138,8 @@ def save_tensors(state: dict[str, torch.Tensor], file: Path) -> None:
 
 
 def scenario_fsdp(args: dict[str, Any], out: Path) -> dict[str, Any]:
-    """Materialisation (fresh, from files, HSDP, LoRA) and training (fp32 with and without activation
-    checkpointing, bf16, fp16) under FSDP2; rank 0 writes the gathered weights for the parent to compare."""
+    """Materialisation (fresh, from files, HSDP, LoRA, DoRA) and training (fp32 with and without activation
+    checkpointing, DoRA, bf16, fp16) under FSDP2; rank 0 writes the gathered weights for the parent to compare."""
     rank = dist.get_rank()
     layout = plan_mesh(dist.get_world_size(), dp_replicate_size=2)
     mesh = build_device_mesh(layout, device().type)
@@ -152,11 +154,14 @@ def scenario_fsdp(args: dict[str, Any], out: Path) -> dict[str, Any]:
         "loaded": full_state(sharded_model(tiny_config(), weights=args["base"])),
         "hsdp": full_state(hsdp),
         "lora": full_state(sharded_model(tiny_config(), weights=args["base"], lora=True)),
+        "dora": full_state(sharded_model(tiny_config(), weights=args["base"], lora="dora")),
+        "dora_fresh": full_state(sharded_model(tiny_config(), lora="dora")),
     }
     if rank == 0:
         for name, state in gathered.items():
             save_tensors(state, out / f"{name}.safetensors")
     result["fp32"] = train(sharded_model(tiny_config(tied=False)), 3, fsdp2=True)
+    result["dora_fp32"] = train(sharded_model(tiny_config(tied=False), lora="dora"), 3, fsdp2=True)
     result["fp32_checkpointed"] = train(sharded_model(tiny_config(tied=False), checkpointing=True), 3, fsdp2=True)
     for name in ("bf16", "fp16"):
         precision = resolve_precision({"param_dtype": name, "reduce_dtype": "fp32"}, device(), True)

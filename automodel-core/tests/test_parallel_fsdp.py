@@ -1,5 +1,5 @@
 """Two gloo ranks with FSDP2 against one process: the device mesh, meta-device materialisation (fresh, from sharded
-HF safetensors, HSDP, LoRA), fp32 / bf16 / fp16 training and activation checkpointing under FSDP2.
+HF safetensors, HSDP, LoRA, DoRA), fp32 / bf16 / fp16 / DoRA training and activation checkpointing under FSDP2.
 
 ``parallel_workers.scenario_fsdp`` produces everything (in the session's one launch); each test checks one
 property of it."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from parallel_workers import local_model, tiny_config, train
+from parallel_workers import local_model, lora_config, tiny_config, train
 from safetensors.torch import load_file
 
 from automodel.training.parallel.precision import resolve_precision
@@ -80,6 +80,28 @@ def test_lora_on_the_meta_model_loads_the_base_and_initialises_the_adapters(run)
     lora_a = state["base_model.model.model.layers.0.self_attn.v_proj.lora_A.default.weight"]
     assert lora_a.abs().sum() > 0 and lora_a.shape == (4, 32)  # peft's kaiming init
     assert not state["base_model.model.model.layers.0.self_attn.v_proj.lora_B.default.weight"].any()  # zeros
+
+
+def test_dora_magnitudes_on_two_ranks_are_peft_s_from_the_whole_base_weights(run):
+    import peft
+
+    state = gathered(run, "dora")
+    assert_same(state, dict(local_model(tiny_config(), weights=run["base"], lora="dora").state_dict()))
+    peft_built = dict(peft.get_peft_model(run["reference"], lora_config(dora=True)).state_dict())  # whole weights
+    magnitudes = [key for key in state if "lora_magnitude_vector" in key]
+    assert len(magnitudes) == 6  # q_proj and v_proj of three layers
+    for key in magnitudes:
+        assert torch.equal(state[key], peft_built[key]), key
+    fresh = gathered(run, "dora_fresh")  # a fresh base: the norms of the seeded weights
+    weight = fresh["base_model.model.model.layers.1.self_attn.v_proj.base_layer.weight"]
+    assert torch.equal(fresh["base_model.model.model.layers.1.self_attn.v_proj.lora_magnitude_vector.default.weight"],
+                       torch.linalg.vector_norm(weight, dim=1))
+
+
+def test_dora_under_fsdp2_trains_like_one_process(run):
+    one_process = train(local_model(tiny_config(tied=False), lora="dora"), 3)
+    assert run["ranks"][0]["dora_fp32"] == pytest.approx(one_process, abs=1e-5)
+    assert one_process[2] < one_process[0]
 
 
 def test_fp32_fsdp2_matches_one_process(run):

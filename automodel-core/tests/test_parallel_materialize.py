@@ -144,14 +144,26 @@ def test_broken_weight_directories_fail_clearly(base, tmp_path):
         materialize(meta_model(tiny_config()), "cpu", seed=0, weights=tmp_path)
 
 
-def test_dora_adapters_are_refused_on_the_meta_device():
+def test_dora_magnitudes_are_peft_s_and_other_dora_layers_are_refused(base):
     import peft
     from transformers import AutoModelForCausalLM
 
+    config = peft.LoraConfig(r=2, target_modules=["q_proj", "down_proj"], use_dora=True)
     with parameters_on_meta():
         model = AutoModelForCausalLM.from_config(tiny_config())
-    model = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj"], use_dora=True))
-    with pytest.raises(AutomodelError, match="DoRA computes the adapter from the full base weights"):
+    model = peft.get_peft_model(model, config)
+    report = materialize(model, "cpu", seed=0, weights=base)
+    assert "base_model.model.model.layers.2.mlp.down_proj.lora_magnitude_vector.default.weight" in report.initialised
+    expected = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(base), config).state_dict()
+    state = model.state_dict()
+    assert sorted(state) == sorted(expected)
+    for key in (key for key in expected if "lora_A" not in key):  # lora_A: drawn from the run's seed
+        assert torch.equal(state[key], expected[key]), key
+
+    config = peft.LoraConfig(r=2, target_modules=["embed_tokens"], use_dora=True)
+    with parameters_on_meta():
+        model = peft.get_peft_model(AutoModelForCausalLM.from_config(tiny_config()), config)
+    with pytest.raises(AutomodelError, match="DoRA on an Embedding cannot be initialised on the meta device"):
         materialize(model, "cpu", seed=0)
 
 

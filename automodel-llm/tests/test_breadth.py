@@ -114,15 +114,17 @@ def test_packed_loss_equals_unpacked_loss_and_packing_raises_useful_tokens(make_
 
 
 @pytest.mark.smoke
-def test_lora_adapter_loads_with_peft_gives_the_trained_logits_and_exports_merged(make_config, tmp_path):
+@pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
+def test_lora_adapter_loads_with_peft_gives_the_trained_logits_and_exports_merged(make_config, tmp_path, dora):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    config = make_config(peft={"dim": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]})
+    config = make_config(peft={"dim": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"], "use_dora": dora})
     recipe = train_inprocess(config, "--step_scheduler.max_steps", "4")
     trained = recipe.model
     changed = {n for n, p in trained.named_parameters() if p.requires_grad}
     assert changed and all("lora_" in n for n in changed)
+    assert any("lora_magnitude_vector" in n for n in changed) == dora  # DoRA's magnitudes train beside A and B
     adapter_dir = tmp_path / "ckpt" / "epoch_0_step_4" / "model"
     assert (adapter_dir / "adapter_model.safetensors").is_file() and (adapter_dir / "adapter_config.json").is_file()
     base = trained.get_base_model()

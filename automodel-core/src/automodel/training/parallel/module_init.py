@@ -7,10 +7,12 @@ model, whose ``_init_weights`` runs on every module, children before their paren
 children's parameters (CLIP's vision embeddings set the patch convolution, its attention the projections): the
 model's ``_init_weights`` of the module, then of each module holding it, while every other parameter is a meta
 stand-in that takes no write. A parameter these calls leave unset gets what a CPU build gives it: the module's
-``reset_parameters()`` (what its constructor ran), then the same calls. LoRA layers get peft's initialiser. One
-process and N ranks use this same function, so they get the same weights, and no rank holds more than one module's
-full parameters at a time. (It is not the random stream of ``AutoModelForCausalLM.from_config`` after
-``torch.manual_seed``: reproducing that needs the whole model at once; the distributions are the model's.)
+``reset_parameters()`` (what its constructor ran), then the same calls. LoRA layers get peft's initialiser; a DoRA
+magnitude, once every base weight is set, the norms of its base weight's rows, as peft computes it (``lora_B`` is
+zero then), each rank its own rows. One process and N ranks use this same function, so they get the same weights,
+and no rank holds more than one module's full parameters at a time. (It is not the random stream of
+``AutoModelForCausalLM.from_config`` after ``torch.manual_seed``: reproducing that needs the whole model at once;
+the distributions are the model's.)
 """
 
 from __future__ import annotations
@@ -58,6 +60,8 @@ def init_module_by_module(model: nn.Module, seed: int, skip: Collection[int] = (
                   if isinstance(getattr(m, c, None), nn.Module) for p in getattr(m, c).parameters()}
     modules = dict(model.named_modules())
     models = {prefix: m for prefix, m in modules.items() if callable(getattr(type(m), "_init_weights", None))}
+    magnitudes = _dora_magnitudes(modules)
+    lora_owned |= {id(param) for _, _, _, param in magnitudes}
     units = []  # (name, module, is a LoRA layer, {dotted name: parameter}), read before the stand-ins go in
     for name, module in modules.items():
         lora = _is_lora_layer(module)
@@ -82,7 +86,43 @@ def init_module_by_module(model: nn.Module, seed: int, skip: Collection[int] = (
                        clean_name(name))
             done.update(id(p) for p in todo.values())
             initialised += [clean_name(_join(name, n)) for n in todo]
+    for name, layer, adapter, param in magnitudes:  # after the base weights, whose norms they are
+        if id(param) not in done:
+            _set_dora_magnitude(layer, param)
+            initialised.append(clean_name(f"{name}.lora_magnitude_vector.{adapter}.weight"))
     return initialised
+
+
+def _dora_magnitudes(modules: dict[str, nn.Module]) -> list[tuple[str, nn.Module, str, nn.Parameter]]:
+    """(LoRA layer name, layer, adapter, magnitude parameter) of every DoRA adapter; DoRA on a layer other than a
+    linear one (an embedding, a convolution, whose magnitudes peft computes otherwise) is refused."""
+    found = []
+    for name, layer in modules.items():
+        for adapter, dora in getattr(layer, "lora_magnitude_vector", {}).items():
+            if type(dora).__name__ != "DoraLinearLayer" or layer.get_base_layer().weight.ndim != 2:
+                kind = type(layer.get_base_layer()).__name__
+                raise AutomodelError(f"LoRA adapter '{adapter}' at '{clean_name(name)}': DoRA on an {kind} cannot "
+                                     "be initialised on the meta device (on linear layers it can); leave the layer "
+                                     "out of peft.target_modules or set peft.use_dora: false")
+            found.append((name, layer, adapter, dora.weight))
+    return found
+
+
+def _set_dora_magnitude(layer: nn.Module, magnitude: nn.Parameter) -> None:
+    """peft's DoRA magnitude: the L2 norm of each output row of the base weight (``lora_B`` is zero at the start).
+    On sharded weights the norms are DTensor reductions, so each rank computes its own rows."""
+    from torch.distributed.tensor import DTensor
+
+    weight = layer.get_base_layer().weight
+    rows = weight.T if getattr(layer, "fan_in_fan_out", False) else weight
+    with torch.no_grad():
+        norms = torch.linalg.vector_norm(rows, dim=1).to(rows.dtype)
+        local, slices = local_slices(magnitude)
+        if isinstance(norms, DTensor) and isinstance(magnitude, DTensor) and \
+                norms.device_mesh == magnitude.device_mesh:
+            local.copy_(norms.redistribute(magnitude.device_mesh, magnitude.placements).to_local())
+        else:
+            local.copy_((norms.full_tensor() if isinstance(norms, DTensor) else norms)[slices])
 
 
 Slots = dict[int, list[tuple[nn.Module, str]]]  # a parameter's id -> every (module, attribute) holding it
@@ -214,11 +254,12 @@ def _lora_initialiser(model: nn.Module, layer: nn.Module, name: str) -> Callable
     for adapter in adapters:
         config = configs.get(adapter)
         mode = getattr(config, "init_lora_weights", True)
-        if mode not in _LORA_INITS or getattr(config, "use_dora", False):
-            what = "DoRA" if getattr(config, "use_dora", False) else f"init_lora_weights={mode!r}"
+        dora = getattr(config, "use_dora", False)
+        if mode not in _LORA_INITS or (dora and mode is False):
+            what = f"init_lora_weights={mode!r}" + (" with DoRA" if dora else "")
             raise AutomodelError(f"LoRA adapter '{adapter}' at '{clean_name(name)}': {what} computes the adapter "
                                  "from the full base weights, which meta-device initialisation never holds; use "
-                                 "init_lora_weights true or 'gaussian' without DoRA")
+                                 "init_lora_weights true or 'gaussian'")
         modes[adapter] = mode
 
     def initialise() -> None:
