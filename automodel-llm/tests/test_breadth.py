@@ -146,8 +146,9 @@ def test_lora_adapter_loads_with_peft_gives_the_trained_logits_and_exports_merge
         assert torch.allclose(merged(input_ids=inputs).logits, expected, atol=1e-4)
 
 
-def test_lora_resume_continues(make_config, tmp_path):
-    config = make_config(peft={"dim": 4})
+@pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
+def test_lora_resume_continues(make_config, tmp_path, dora):
+    config = make_config(peft={"dim": 4, "use_dora": dora})  # DoRA's magnitudes are saved under peft's own key
     train_inprocess(config, "--step_scheduler.max_steps", "4", "--step_scheduler.checkpoint_interval", "2")
     first = [r["loss"] for r in read_jsonl(tmp_path / "ckpt" / "training.jsonl")]
     train_inprocess(config, "--step_scheduler.max_steps", "4", "--checkpoint.checkpoint_dir", str(tmp_path / "r"),

@@ -265,7 +265,8 @@ def apply_lora(model: torch.nn.Module, config: Any, where: str = "", memory_effi
         raise AutomodelError(f"peft.target_modules: {err}") from None
     trainable = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
     total = sum(p.numel() for p in wrapped.parameters())
-    line = f"LoRA r={config.r} alpha={config.lora_alpha}{where}: {trainable} of {total} parameters train"
+    kind = "DoRA" if getattr(config, "use_dora", False) else "LoRA"
+    line = f"{kind} r={config.r} alpha={config.lora_alpha}{where}: {trainable} of {total} parameters train"
     if memory_efficient:
         from automodel.lora_memory import recompute_lora_branches
 

@@ -41,6 +41,7 @@ from automodel.training.parallel.pipeline_stages import PipelineStageModel
 from automodel.training.parallel.tensor_parallel import apply_tensor_parallel, tp_issues
 
 _ADAPTER_NAME = re.compile(r"\.(lora_[A-Za-z_]+)\.[^.]+(?=\.|$)")  # "...lora_A.default.weight" -> "...lora_A.weight"
+_DORA_MAGNITUDE = re.compile(r"\.lora_magnitude_vector\.[^.]+\.weight$")  # peft saves it as "...lora_magnitude_vector"
 
 
 def on_meta(model: torch.nn.Module) -> bool:
@@ -49,7 +50,10 @@ def on_meta(model: torch.nn.Module) -> bool:
 
 
 def adapter_key(name: str) -> str:
-    """A LoRA parameter's key in peft's saved ``adapter_model.safetensors`` (the adapter's name dropped)."""
+    """A LoRA parameter's key in peft's saved ``adapter_model.safetensors`` (the adapter's name dropped; a DoRA
+    magnitude's ``.weight`` too)."""
+    if _DORA_MAGNITUDE.search(name):
+        return _DORA_MAGNITUDE.sub(".lora_magnitude_vector", name)
     return _ADAPTER_NAME.sub(r".\1", name)
 
 
