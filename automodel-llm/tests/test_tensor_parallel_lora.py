@@ -1,7 +1,7 @@
 """LoRA under tensor parallelism through the CLI on CPU ranks (gloo): ``distributed.tp_size: 2`` with ``peft:`` on
 every projection of a tiny Llama (column-wise q/k/v/gate/up, row-wise o/down) trains with the per-step losses of
 one process, with and without sequence parallelism, and its saved adapter loads in peft with the one process's
-values.
+values and exports merged as the one process's does.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 from llm_testing import losses, run_finetune, write_config, write_two_layer_llama_config
+
+from automodel.testing import run_cli
 
 STEPS = ["--step_scheduler.max_steps", "4", "--dataloader.batch_size", "2", "--dataloader.shuffle", "false",
          "--step_scheduler.checkpoint_interval", "4"]
@@ -54,6 +56,21 @@ def test_lora_tp2_adapter_loads_in_peft_and_equals_one_process(runs):
         assert any(v.abs().sum() > 0 for k, v in adapters[layout].items() if "o_proj.lora_B" in k)
         for key, value in adapters["one"].items():
             assert torch.allclose(adapters[layout][key], value, atol=1e-5), (layout, key)
+
+
+def test_the_tp2_checkpoint_exports_the_merged_model_of_one_process(runs, tmp_path):
+    """``automodel export`` rebuilds the base in its one process: the run's layout (tp_size 2 on two ranks, in the
+    checkpoint's config.yaml) is not checked against it."""
+    from safetensors.torch import load_file
+
+    merged = {}
+    for name in ("one", "tp2"):
+        result = run_cli("export", runs[name] / "epoch_0_step_4", tmp_path / name, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr[-2000:]
+        merged[name] = load_file(str(tmp_path / name / "model.safetensors"))
+    assert merged["tp2"].keys() == merged["one"].keys() and not any("lora_" in key for key in merged["one"])
+    for key, value in merged["one"].items():
+        assert torch.allclose(merged["tp2"][key], value, atol=1e-5), key
 
 
 @pytest.mark.slow

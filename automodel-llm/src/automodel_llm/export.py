@@ -15,6 +15,10 @@ from automodel.auto_class import loading_auto_class
 from automodel.cli.trust_options import trust_options
 from automodel.errors import ConfigError, ConfigIssue, UsageError
 
+# The training run's layout of ranks: the export builds the base in this one process, where a layout for several
+# (dp_replicate_size 2, tp_size 2, a teacher's own ranks) would be refused, and the weights do not depend on it.
+_RANK_LAYOUT_SECTIONS = ("distributed", "teacher_distributed")
+
 
 def with_recorded_base(data: dict, model_dir: Path, tokenizer_section: bool = True) -> dict:
     """The run's config with the base model and tokenizer the run recorded, never re-resolved from today's
@@ -115,7 +119,7 @@ def _merge_adapter(config_file: Path, adapter_dir: Path, out: Path) -> None:
     from automodel.training.rng import StatefulRNG
 
     manager = get_plugin_manager()
-    data = load_yaml_file(config_file)
+    data = {key: node for key, node in load_yaml_file(config_file).items() if key not in _RANK_LAYOUT_SECTIONS}
     try:
         recipe_cls = _adapter_recipe(adapter_dir, data, manager)
         data = with_recorded_base(data, adapter_dir, "tokenizer" in recipe_cls.all_sections())
