@@ -68,6 +68,19 @@ def test_a_bare_star_adapts_every_linear_layer_and_the_experts_as_upstream():
         PeftConfig(dim=4, target_modules=["*_proj"], moe_rank_scaling=True).to_lora_config(_tiny(moe=True))
 
 
+def test_dora_on_a_moe_model_is_refused_where_the_targets_reach_the_fused_experts():
+    from automodel.errors import AutomodelError
+
+    moe = _tiny(moe=True)
+    for targets, reach in ((None, "all linear layers"), ("*", r"target_modules \*")):
+        with pytest.raises(AutomodelError, match=f"peft.use_dora: true: peft's DoRA cannot adapt .* which {reach}"):
+            PeftConfig(dim=4, target_modules=targets, use_dora=True).to_lora_config(moe)
+    ranks = _lora_ranks(moe, PeftConfig(dim=4, target_modules=["q_proj"], use_dora=True).to_lora_config(moe))
+    assert list(ranks) == ["model.layers.0.self_attn.q_proj"]
+    dense = _tiny(moe=False)  # all-linear DoRA on a dense model: every projection
+    assert len(_lora_ranks(dense, PeftConfig(dim=4, use_dora=True).to_lora_config(dense))) == 7
+
+
 @pytest.fixture(scope="module")
 def falcon_h1():
     """A tiny hybrid attention + Mamba model: peft refuses LoRA on its Mamba mixers' out_proj."""

@@ -192,6 +192,13 @@ class PeftConfig:
             elif model is not None:
                 named_refused(model, targets)
         excluded = peft_patterns(self.exclude_modules) if self.exclude_modules else None
+        if self.use_dora and (parameters or (self.match_all_linear and _fused_expert_weights(model))):
+            reach = "all linear layers (peft adapts the experts with them)" if self.match_all_linear else \
+                f"target_modules {self.target_modules}"
+            raise AutomodelError(f"peft.use_dora: true: peft's DoRA cannot adapt a mixture-of-experts model's fused "
+                                 f"experts (3-D gate_up_proj / down_proj), which {reach} reach; name the linear "
+                                 "layers to adapt in peft.target_modules (such as [q_proj, v_proj]) or set "
+                                 "use_dora: false")
         if self.moe_rank_scaling and not self.match_all_linear and not parameters:
             raise AutomodelError(f"peft.moe_rank_scaling: true scales the LoRA rank of the MoE experts, and "
                                  f"target_modules {self.target_modules} reach none; remove it or target the experts")
@@ -213,8 +220,7 @@ class PeftConfig:
                                  "which this LoRA (on named language-model layers) does not adapt; remove it")
         config = getattr(model, "config", None)
         per_token = getattr(config.get_text_config(), "num_experts_per_tok", None) if config is not None else None
-        names = [name for name, param in model.named_parameters()
-                 if param.dim() == 3 and name.rsplit(".", 1)[-1] in EXPERT_WEIGHTS]
+        names = _fused_expert_weights(model)
         if not names or not isinstance(per_token, int):
             raise AutomodelError("peft.moe_rank_scaling: true scales the LoRA rank of a mixture-of-experts model's "
                                  "experts, and this model has no fused experts (3-D gate_up_proj / down_proj) with "
@@ -225,6 +231,12 @@ class PeftConfig:
                                  "remove moe_rank_scaling")
         keys = [f"(?:{re.escape(name)})" for name in names]
         return {key: self.rank // per_token for key in keys}, {key: self.alpha for key in keys}
+
+
+def _fused_expert_weights(model: torch.nn.Module | None) -> list[str]:
+    """The names of a mixture-of-experts model's fused expert weights (3-D ``gate_up_proj`` / ``down_proj``)."""
+    return [name for name, param in model.named_parameters()
+            if param.dim() == 3 and name.rsplit(".", 1)[-1] in EXPERT_WEIGHTS] if model is not None else []
 
 
 def is_sequence_classifier(class_name: str) -> bool:
