@@ -163,7 +163,7 @@ def test_dora_magnitudes_are_peft_s_and_other_dora_layers_are_refused(base):
     config = peft.LoraConfig(r=2, target_modules=["embed_tokens"], use_dora=True)
     with parameters_on_meta():
         model = peft.get_peft_model(AutoModelForCausalLM.from_config(tiny_config()), config)
-    with pytest.raises(AutomodelError, match="DoRA on an Embedding cannot be initialised on the meta device"):
+    with pytest.raises(AutomodelError, match="DoRA on its Embedding layer cannot be initialised on the meta device"):
         materialize(model, "cpu", seed=0)
 
 
