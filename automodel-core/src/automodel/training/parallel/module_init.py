@@ -101,9 +101,9 @@ def _dora_magnitudes(modules: dict[str, nn.Module]) -> list[tuple[str, nn.Module
         for adapter, dora in getattr(layer, "lora_magnitude_vector", {}).items():
             if type(dora).__name__ != "DoraLinearLayer" or layer.get_base_layer().weight.ndim != 2:
                 kind = type(layer.get_base_layer()).__name__
-                raise AutomodelError(f"LoRA adapter '{adapter}' at '{clean_name(name)}': DoRA on its {kind} layer cannot "
-                                     "be initialised on the meta device (on linear layers it can); leave the layer "
-                                     "out of peft.target_modules or set peft.use_dora: false")
+                raise AutomodelError(f"LoRA adapter '{adapter}' at '{clean_name(name)}': DoRA on its {kind} layer "
+                                     "cannot be initialised on the meta device (on linear layers it can); leave the "
+                                     "layer out of peft.target_modules or set peft.use_dora: false")
             found.append((name, layer, adapter, dora.weight))
     return found
 
