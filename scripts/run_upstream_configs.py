@@ -18,8 +18,9 @@ clips or the shipped shapes pictures for a diffusion loader; Megatron indexed fi
 ``step_scheduler.max_steps`` and a scratch ``checkpoint.checkpoint_dir``. A generation config makes ``--steps``
 denoising steps of 64 x 64 pictures (5 frames for a video) into a scratch ``output.output_dir``. A config laid out
 for 2 to 4 processes (``--max-processes N``: to N) runs on that many (``--nproc-per-node``, gloo); nothing else
-changes, so a config laid out for more (tp_size 8, say) is refused by the run for that. It prints each file's exit
-status and, for a failure, the run's last error lines, then the count.
+changes, so a config laid out for more (tp_size 8, say) is refused by the run for that, unless ``--one-process``
+runs it in one process with each of its parallel sizes above 1 set to 1 (``LAYOUT_KEYS``; the rest of the config as
+written). It prints each file's exit status and, for a failure, the run's last error lines, then the count.
 
 ``--cpu`` also runs the configs refused only for GPU features or for ``trust_remote_code: true``, as a user on a
 machine without a GPU would: each refused key gets the CPU alternative its refusal message names
@@ -370,6 +371,23 @@ def cpu_config(path: Path, examples: Path, assets: dict[str, Any], scratch: Path
     return current, validation, refused
 
 
+# The parallel sizes of a layout (the model's sections, a teacher's, upstream's diffusion fsdp: section).
+LAYOUT_KEYS = {section: ("dp_size", "dp_replicate_size", "tp_size", "cp_size", "pp_size", "ep_size")
+               for section in ("distributed", "teacher_distributed", "fsdp")}
+
+
+def one_process_layout(data: dict[str, Any]) -> dict[str, str]:
+    """``{dotted key: "1"}`` for every parallel size above 1 in the config."""
+    return {f"{section}.{key}": "1" for section, keys in LAYOUT_KEYS.items()
+            if isinstance(node := data.get(section), dict)
+            for key in keys if isinstance(node.get(key), int) and node[key] > 1}
+
+
+def laid_out_for_more(validation: str, max_processes: int) -> bool:
+    world = re.search(r"checked for (\d+) process", validation)
+    return world is not None and int(world.group(1)) > max_processes
+
+
 def launch_args(validation: str, max_processes: int = 4) -> list[str]:
     """The route and process count that validation chose (``valid for ROUTE (checked for N processes``): a
     config without ``recipe:`` runs through its route's command, a layout of 2 to ``max_processes`` processes on
@@ -422,13 +440,15 @@ def data_overrides(data: dict[str, Any], root: Path, scratch: Path) -> dict[str,
 
 
 def run_file(path: Path, domain: str, examples: Path, assets: dict[str, Any], data_root: Path, steps: int,
-             scratch: Path, validation: str, flags: tuple[str, ...] = (), max_processes: int = 4
-             ) -> tuple[int | str, str]:
+             scratch: Path, validation: str, flags: tuple[str, ...] = (), max_processes: int = 4,
+             one_process: bool = False) -> tuple[int | str, str]:
     from automodel.config import load_yaml_file
 
     data = load_yaml_file(path)
     overrides = stand_ins(data, assets, domain)
     overrides.update(data_overrides(data, data_root, scratch))
+    if one_process and laid_out_for_more(validation, max_processes):
+        overrides.update(one_process_layout(data))
     args = [sys.executable, "-m", "automodel.cli.main", *launch_args(validation, max_processes), *flags,
             "-c", str(path)]
     for key, value in overrides.items():
@@ -460,6 +480,8 @@ def main() -> int:
                         "processes (gloo ranks on this machine's cores); a bigger one runs on one process")
     parser.add_argument("--folders", nargs="*", default=[*survey.FOLDERS, "llm_seq_cls"],
                         help="sub-folders of examples/ to run")
+    parser.add_argument("--one-process", action="store_true", help="run a config laid out for more than "
+                        "--max-processes in one process, its parallel sizes set to 1")
     parser.add_argument("--cpu", action="store_true", help="run a config refused only for GPU features or "
                         "trust_remote_code with the CPU alternatives its refusals name and --trust-remote-code")
     args = parser.parse_args()
@@ -493,7 +515,8 @@ def main() -> int:
                 ran += 1
                 domain = survey.domain_of(folder, path)
                 code, errors = run_file(config, domain, examples, assets, root / "data", args.steps, scratch,
-                                        validation, ("--trust-remote-code",) if args.cpu else (), args.max_processes)
+                                        validation, ("--trust-remote-code",) if args.cpu else (), args.max_processes,
+                                        args.one_process)
                 passed += code == 0
                 print(f"{name}: exit {code}" + (f"\n{errors}" if code != 0 and errors else ""), flush=True)
     print(f"\n=== {passed} of {ran} configs that validate ran {args.steps} steps ===")

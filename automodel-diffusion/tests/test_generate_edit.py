@@ -97,6 +97,9 @@ def test_refused_at_validation_naming_the_image_or_the_pipeline(tmp_path, monkey
     assert "'missing.png' does not exist (relative paths are read from the working directory" in found
     assert "'text.png' is not a readable image" in found
     assert "'https://x/a.png' is a URL" in refusal("--inference.input_images", "[ok.png, 'https://x/a.png']")
+    found = refusal("--model.checkpoint", "runs/epoch_0_step_9", "--model.lora_weights", "lora.safetensors")
+    for key, path in (("checkpoint", "runs/epoch_0_step_9"), ("lora_weights", "lora.safetensors")):
+        assert f"model.{key}: '{path}' does not exist (relative paths are read from the working directory" in found
     found = refusal("--inference.input_images", "[ok.png, ok.png]")  # the shipped tiny_flow: StableDiffusion3Pipeline
     assert "inference.input_images: applies to image-editing / image-to-image pipelines only" in found
     assert "is a StableDiffusion3Pipeline: remove it" in found

@@ -74,6 +74,11 @@ class GenerateModelConfig:
             if getattr(self, name) is not None and self.checkpoint is not None:
                 bad[name] = ("give either checkpoint (every trained component of one run) or the stage checkpoints "
                              "(checkpoint_high_noise / checkpoint_low_noise), not both")
+        for name in ("checkpoint", "lora_weights", "checkpoint_high_noise", "checkpoint_low_noise"):
+            path = getattr(self, name)
+            if path is not None and name not in bad and not Path(path).exists():
+                bad[name] = (f"'{path}' does not exist (relative paths are read from the working directory, "
+                             f"{Path.cwd()}); give a training checkpoint of this machine")
         if bad:
             raise FieldErrors(bad)
 
