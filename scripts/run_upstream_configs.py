@@ -371,9 +371,10 @@ def cpu_config(path: Path, examples: Path, assets: dict[str, Any], scratch: Path
     return current, validation, refused
 
 
-# The parallel sizes of a layout (the model's sections, a teacher's, upstream's diffusion fsdp: section).
-LAYOUT_KEYS = {section: ("dp_size", "dp_replicate_size", "tp_size", "cp_size", "pp_size", "ep_size")
-               for section in ("distributed", "teacher_distributed", "fsdp")}
+# The parallel sizes of a layout (the model's sections, a teacher's, upstream's diffusion fsdp: section; the
+# benchmark's nodes).
+LAYOUT_KEYS = {**{section: ("dp_size", "dp_replicate_size", "tp_size", "cp_size", "pp_size", "ep_size")
+                  for section in ("distributed", "teacher_distributed", "fsdp")}, "benchmark": ("num_nodes",)}
 
 
 def one_process_layout(data: dict[str, Any]) -> dict[str, str]:
