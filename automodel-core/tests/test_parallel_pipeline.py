@@ -172,7 +172,8 @@ def test_lora_on_a_stage_adapts_what_one_process_would_under_its_names():
     carry the one model's peft names, and the plain PeftModel passes the stage's positional input through."""
     import peft
 
-    from automodel.hf import all_linear_targets, apply_lora
+    from automodel.hf import apply_lora
+    from automodel.lora_targets import all_linear_targets
     from automodel.training.parallel.pipeline_stages import is_stage
 
     whole = meta_model(mp_config(tied=False))

@@ -260,8 +260,8 @@ def test_an_upstream_latent_cache_is_refused_because_loading_it_unpickles(tmp_pa
 @pytest.mark.parametrize("override,key,needle", [
     (("--vae.enable_cpu_offload", "true"), "vae.enable_cpu_offload", "needs a CUDA GPU"),
     (("--model.lora_scale", "0.5"), "model.lora_scale", "applies to lora_weights only"),
-    (("--model.checkpoint_high_noise", "/x"), "model.checkpoint_high_noise", "applies to a two-transformer "
-                                                                              "WanPipeline"),
+    (("--model.checkpoint_high_noise", "/"), "model.checkpoint_high_noise", "applies to a two-transformer "
+                                                                             "WanPipeline"),
     (("--output.audio_sample_rate", "0"), "output.audio_sample_rate", "must be >= 1 (Hz)"),
     (("--distributed", "{parallel_scheme: {}}"), "distributed", "one process"),
     (("--seed", "x"), "seed", "expected an integer"),

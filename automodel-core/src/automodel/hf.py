@@ -6,7 +6,6 @@ torch, transformers and peft are imported on first use, so importing this module
 
 from __future__ import annotations
 
-import copy
 import json
 import re
 from collections.abc import Mapping
@@ -17,8 +16,9 @@ from typing import TYPE_CHECKING, Any
 from automodel.config.model_paths import missing_location
 from automodel.data import load_rows
 from automodel.errors import AutomodelError
-from automodel.fused_experts import EXPERT_WEIGHTS
 from automodel.lora_targets import (
+    all_linear_names,
+    fused_expert_weights,
     glob_targets,
     named_refused,
     peft_patterns,
@@ -192,7 +192,7 @@ class PeftConfig:
             elif model is not None:
                 named_refused(model, targets)
         excluded = peft_patterns(self.exclude_modules) if self.exclude_modules else None
-        if self.use_dora and (parameters or (self.match_all_linear and _fused_expert_weights(model))):
+        if self.use_dora and (parameters or (self.match_all_linear and fused_expert_weights(model))):
             reach = "all linear layers (peft adapts the experts with them)" if self.match_all_linear else \
                 f"target_modules {self.target_modules}"
             raise AutomodelError(f"peft.use_dora: true: peft's DoRA cannot adapt a mixture-of-experts model's fused "
@@ -220,7 +220,7 @@ class PeftConfig:
                                  "which this LoRA (on named language-model layers) does not adapt; remove it")
         config = getattr(model, "config", None)
         per_token = getattr(config.get_text_config(), "num_experts_per_tok", None) if config is not None else None
-        names = _fused_expert_weights(model)
+        names = fused_expert_weights(model)
         if not names or not isinstance(per_token, int):
             raise AutomodelError("peft.moe_rank_scaling: true scales the LoRA rank of a mixture-of-experts model's "
                                  "experts, and this model has no fused experts (3-D gate_up_proj / down_proj) with "
@@ -231,12 +231,6 @@ class PeftConfig:
                                  "remove moe_rank_scaling")
         keys = [f"(?:{re.escape(name)})" for name in names]
         return {key: self.rank // per_token for key in keys}, {key: self.alpha for key in keys}
-
-
-def _fused_expert_weights(model: torch.nn.Module | None) -> list[str]:
-    """The names of a mixture-of-experts model's fused expert weights (3-D ``gate_up_proj`` / ``down_proj``)."""
-    return [name for name, param in model.named_parameters()
-            if param.dim() == 3 and name.rsplit(".", 1)[-1] in EXPERT_WEIGHTS] if model is not None else []
 
 
 def is_sequence_classifier(class_name: str) -> bool:
@@ -284,28 +278,6 @@ def apply_lora(model: torch.nn.Module, config: Any, where: str = "", memory_effi
 
         line += f"; {recompute_lora_branches(wrapped)} adapters recompute their rank-r activation in backward"
     return wrapped, line
-
-
-def all_linear_targets(config: Any, model: torch.nn.Module) -> Any:
-    """``config`` with peft's ``all-linear`` spelt out for ``model``: every linear layer but the output head, by
-    name, as peft resolves it on a causal LM. A part of ``model`` (a pipeline stage) adapted with it gets the
-    adapters one process would, and its ``adapter_config.json`` names every part's."""
-    targets = config.target_modules
-    if not (isinstance(targets, str) and targets.lower() == "all-linear"):
-        return config
-    spelt = copy.copy(config)
-    spelt.target_modules = set(all_linear_names(model))
-    return spelt
-
-
-def all_linear_names(model: torch.nn.Module) -> list[str]:
-    """Every linear layer of ``model`` but its output head, by full name (peft's ``all-linear`` on a causal LM)."""
-    import torch
-    from transformers.pytorch_utils import Conv1D
-
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    return [name for name, module in model.named_modules()
-            if isinstance(module, (torch.nn.Linear, Conv1D)) and module is not head]
 
 
 def skipped_note(built: Any) -> str:

@@ -1,4 +1,4 @@
-"""Which modules upstream's ``peft.target_modules`` reach, and which of them peft cannot wrap.
+"""Which modules upstream's ``peft.target_modules`` (or ``all-linear``) reach, and which of them peft cannot wrap.
 
 Upstream writes module names (``q_proj``) and globs over the whole module name (``*_proj``); this build hands them to
 peft, whose matcher differs, so globs are resolved here against the model. peft refuses LoRA on some modules of some
@@ -10,6 +10,7 @@ torch and peft are imported on first use.
 
 from __future__ import annotations
 
+import copy
 import re
 from typing import TYPE_CHECKING, Any
 
@@ -46,9 +47,7 @@ def glob_targets(model: torch.nn.Module, pattern: str, written: Any) -> tuple[li
                if isinstance(module, torch.nn.Linear) and regex.fullmatch(name)]
     refused = peft_refused(model, matched)
     modules = [name for name in matched if name not in refused]
-    parameters = [name for name, param in model.named_parameters()
-                  if param.dim() == 3 and name.rsplit(".", 1)[-1] in EXPERT_WEIGHTS
-                  and regex.fullmatch(name.rsplit(".", 1)[0])]
+    parameters = [name for name in fused_expert_weights(model) if regex.fullmatch(name.rsplit(".", 1)[0])]
     if not modules and not parameters:
         why = f" (peft refuses LoRA on {refused_summary(refused)} for this model type)" if refused else ""
         raise AutomodelError(f"peft.target_modules: {written} matches no linear layer or MoE experts module of "
@@ -95,3 +94,31 @@ def named_refused(model: torch.nn.Module, names: list[str]) -> None:
         raise AutomodelError(f"peft.target_modules: {shorts} cannot take LoRA on a {kind} model (peft refuses them: "
                              "the Mamba mixer's fused scan reads out_proj's weight directly, bypassing an adapter); "
                              f"use target_modules: {keep or ['in_proj']}")
+
+
+def fused_expert_weights(model: torch.nn.Module | None) -> list[str]:
+    """The names of a mixture-of-experts model's fused expert weights (3-D ``gate_up_proj`` / ``down_proj``)."""
+    return [name for name, param in model.named_parameters()
+            if param.dim() == 3 and name.rsplit(".", 1)[-1] in EXPERT_WEIGHTS] if model is not None else []
+
+
+def all_linear_targets(config: Any, model: torch.nn.Module) -> Any:
+    """``config`` with peft's ``all-linear`` spelt out for ``model``: every linear layer but the output head, by
+    name, as peft resolves it on a causal LM. A part of ``model`` (a pipeline stage) adapted with it gets the
+    adapters one process would, and its ``adapter_config.json`` names every part's."""
+    targets = config.target_modules
+    if not (isinstance(targets, str) and targets.lower() == "all-linear"):
+        return config
+    spelt = copy.copy(config)
+    spelt.target_modules = set(all_linear_names(model))
+    return spelt
+
+
+def all_linear_names(model: torch.nn.Module) -> list[str]:
+    """Every linear layer of ``model`` but its output head, by full name (peft's ``all-linear`` on a causal LM)."""
+    import torch
+    from transformers.pytorch_utils import Conv1D
+
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return [name for name, module in model.named_modules()
+            if isinstance(module, (torch.nn.Linear, Conv1D)) and module is not head]

@@ -13,7 +13,8 @@ from typing import Any
 import torch
 
 from automodel.errors import AutomodelError
-from automodel.hf import PeftConfig, all_linear_targets, apply_lora, lora_config
+from automodel.hf import PeftConfig, apply_lora, lora_config
+from automodel.lora_targets import all_linear_targets
 from automodel.training.context import BuildContext
 from automodel_vlm.parts import base_model, find_part, whole_model
 

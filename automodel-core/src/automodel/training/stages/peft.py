@@ -15,7 +15,8 @@ import torch
 
 from automodel.config import Config
 from automodel.errors import AutomodelError, ConfigIssue
-from automodel.hf import all_linear_targets, apply_lora, lora_config, memory_efficient, skipped_note
+from automodel.hf import apply_lora, lora_config, memory_efficient, skipped_note
+from automodel.lora_targets import all_linear_targets
 from automodel.training.context import BuildContext
 from automodel.training.parallel.pipeline_stages import PipelineStageModel
 
