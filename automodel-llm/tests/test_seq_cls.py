@@ -152,6 +152,21 @@ def test_trained_classifier_loads_in_transformers_with_the_runs_validation_numbe
     assert record["accuracy"] == pytest.approx(accuracy)
 
 
+@pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
+def test_a_lora_checkpoint_with_its_head_resumes_exactly(tmp_path, dora):
+    """peft saves the head it trains whole under the head's own name (``classifier.weight``) beside the adapters
+    (and DoRA's magnitudes without their adapter name): a resume reads them back, then trains as the run that never
+    stopped."""
+    config = _config(tmp_path, peft={"target_modules": ["*.query", "*.value"], "dim": 4, "use_dora": dora},
+                     step_scheduler={"checkpoint_interval": 2, "log_interval": 1})
+    train_inprocess(config, route=ROUTE)
+    train_inprocess(config, "--checkpoint.checkpoint_dir", tmp_path / "resumed", "--restore_from.path",
+                    tmp_path / "ckpt" / "epoch_0_step_2", route=ROUTE)
+    losses = [record["loss"] for record in read_jsonl(tmp_path / "ckpt" / "training.jsonl")]
+    assert len(losses) == 4
+    assert [record["loss"] for record in read_jsonl(tmp_path / "resumed" / "training.jsonl")] == losses[2:]
+
+
 def test_lora_adapter_with_its_head_loads_in_peft_over_a_headless_base(tmp_path):
     """Upstream's form: LoRA on a base checkpoint without the classifier (its skip_task_head_prefixes_for_base_model
     names the head); peft trains the head whole and saves it with the adapter."""

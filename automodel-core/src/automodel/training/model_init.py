@@ -42,6 +42,7 @@ from automodel.training.parallel.tensor_parallel import apply_tensor_parallel, t
 
 _ADAPTER_NAME = re.compile(r"\.(lora_[A-Za-z_]+)\.[^.]+(?=\.|$)")  # "...lora_A.default.weight" -> "...lora_A.weight"
 _DORA_MAGNITUDE = re.compile(r"\.lora_magnitude_vector\.[^.]+\.weight$")  # peft saves it as "...lora_magnitude_vector"
+_SAVED_MODULE = re.compile(r"\.modules_to_save\.[^.]+\.")  # peft saves "score.modules_to_save.default.w" as "score.w"
 
 
 def on_meta(model: torch.nn.Module) -> bool:
@@ -51,10 +52,18 @@ def on_meta(model: torch.nn.Module) -> bool:
 
 def adapter_key(name: str) -> str:
     """A LoRA parameter's key in peft's saved ``adapter_model.safetensors`` (the adapter's name dropped; a DoRA
-    magnitude's ``.weight`` too)."""
+    magnitude's ``.weight`` too; a module trained whole beside the adapters, such as a classifier's head, under its
+    own name)."""
     if _DORA_MAGNITUDE.search(name):
         return _DORA_MAGNITUDE.sub(".lora_magnitude_vector", name)
+    if _SAVED_MODULE.search(name):
+        return _SAVED_MODULE.sub(".", name)
     return _ADAPTER_NAME.sub(r".\1", name)
+
+
+def in_adapter_file(name: str) -> bool:
+    """Whether peft saves the model tensor ``name`` in the adapter's file (adapters and modules saved whole)."""
+    return ".lora_" in name or ".modules_to_save." in name
 
 
 def checkpoint_activations(ctx: BuildContext, model: torch.nn.Module) -> str:
@@ -148,8 +157,7 @@ def _restore_source(ctx: BuildContext, model: torch.nn.Module) -> WeightSource |
         if not hasattr(model, "peft_config"):
             raise AutomodelError(f"restore_from.path: '{directory}' holds a LoRA adapter but this config has no "
                                  "peft: section; add the same peft: settings as the run that wrote it")
-        missing, unexpected, mismatched = compare_keys(model, directory, adapter_key,
-                                                       include=lambda n: ".lora_" in n)
+        missing, unexpected, mismatched = compare_keys(model, directory, adapter_key, include=in_adapter_file)
         source: WeightSource = (directory, adapter_key)
         question = "is restore_from.path the same architecture with the same peft: settings?"
     else:
