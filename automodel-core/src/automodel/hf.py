@@ -294,6 +294,12 @@ def memory_efficient(built: Any) -> bool:
     return isinstance(built, PeftConfig) and built.memory_efficient
 
 
+def is_adapter_tensor(name: str) -> bool:
+    """Whether the model tensor ``name`` belongs to the peft adapter, which peft saves in its file: its LoRA / DoRA
+    weights and the modules it trains whole beside them (``modules_to_save``, a classifier's head)."""
+    return ".lora_" in name or ".modules_to_save." in name
+
+
 def is_adapter_dir(directory: Path) -> bool:
     return (directory / ADAPTER_WEIGHTS).is_file()
 

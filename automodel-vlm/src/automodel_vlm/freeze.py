@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from automodel.errors import AutomodelError
+from automodel.hf import is_adapter_tensor
 from automodel.training.context import BuildContext
 from automodel.training.sections import FreezeConfig
 from automodel.training.stages.freeze import unfrozen
@@ -80,10 +81,6 @@ def upstream_choice(model: torch.nn.Module, settings: UpstreamFreezeConfig) -> d
     return chosen
 
 
-def _is_adapter(name: str) -> bool:
-    return "lora_" in name or ".modules_to_save." in name
-
-
 def freeze_vlm(ctx: BuildContext, model: torch.nn.Module) -> tuple[torch.nn.Module, str]:
     """Freeze the parts the ``freeze`` section names (``unfreeze_modules`` patterns stay trainable), or those
     upstream's ``freeze_config`` names, matched as upstream matches them. LoRA adapters are never frozen."""
@@ -91,7 +88,7 @@ def freeze_vlm(ctx: BuildContext, model: torch.nn.Module) -> tuple[torch.nn.Modu
     names = {id(p): n for n, p in model.named_parameters()}
     if "freeze_config" in ctx.cfg:
         chosen = {i: why for i, why in upstream_choice(model, ctx.cfg.freeze_config).items()
-                  if not _is_adapter(names.get(i, ""))}
+                  if not is_adapter_tensor(names.get(i, ""))}
         return _apply(model, chosen, [])
     chosen: dict[int, str] = {}  # parameter id -> why
     for part in PART_NAMES:
@@ -105,7 +102,7 @@ def freeze_vlm(ctx: BuildContext, model: torch.nn.Module) -> tuple[torch.nn.Modu
                                  f"{' / '.join(PART_NAMES[part])}; set freeze.{part}: false and name its parameters "
                                  "in freeze.patterns")
         for p in params:
-            if not _is_adapter(names.get(id(p), "")):
+            if not is_adapter_tensor(names.get(id(p), "")):
                 chosen.setdefault(id(p), part)
     if cfg.embeddings:
         embeddings = embedding(model, "get_input_embeddings")  # None: a later pipeline stage

@@ -18,7 +18,7 @@ import torch
 
 from automodel.errors import AutomodelError, ConfigError
 from automodel.fused_experts import expert_count, experts_modules
-from automodel.hf import is_adapter_dir
+from automodel.hf import is_adapter_dir, is_adapter_tensor
 from automodel.mtp.pipeline import carry_heads
 from automodel.training.checkpoint import RESUME_ELSEWHERE, CheckpointError, mismatch_message
 from automodel.training.context import BuildContext
@@ -60,10 +60,6 @@ def adapter_key(name: str) -> str:
         return _SAVED_MODULE.sub(".", name)
     return _ADAPTER_NAME.sub(r".\1", name)
 
-
-def in_adapter_file(name: str) -> bool:
-    """Whether peft saves the model tensor ``name`` in the adapter's file (adapters and modules saved whole)."""
-    return ".lora_" in name or ".modules_to_save." in name
 
 
 def checkpoint_activations(ctx: BuildContext, model: torch.nn.Module) -> str:
@@ -157,7 +153,7 @@ def _restore_source(ctx: BuildContext, model: torch.nn.Module) -> WeightSource |
         if not hasattr(model, "peft_config"):
             raise AutomodelError(f"restore_from.path: '{directory}' holds a LoRA adapter but this config has no "
                                  "peft: section; add the same peft: settings as the run that wrote it")
-        missing, unexpected, mismatched = compare_keys(model, directory, adapter_key, include=in_adapter_file)
+        missing, unexpected, mismatched = compare_keys(model, directory, adapter_key, include=is_adapter_tensor)
         source: WeightSource = (directory, adapter_key)
         question = "is restore_from.path the same architecture with the same peft: settings?"
     else:
