@@ -11,14 +11,13 @@ the same weights.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import torch
 
 from automodel.errors import AutomodelError, ConfigError
 from automodel.fused_experts import expert_count, experts_modules
-from automodel.hf import is_adapter_dir, is_adapter_tensor
+from automodel.hf import is_adapter_dir
 from automodel.mtp.pipeline import carry_heads
 from automodel.training.checkpoint import RESUME_ELSEWHERE, CheckpointError, mismatch_message
 from automodel.training.context import BuildContext
@@ -29,6 +28,7 @@ from automodel.training.parallel.expert_parallel import (
     build_expert_mesh,
     experts_issues,
 )
+from automodel.training.parallel.hf_export import export_names
 from automodel.training.parallel.materialize import (
     WeightSource,
     compare_keys,
@@ -40,26 +40,10 @@ from automodel.training.parallel.pipeline_parallel import PipelineSettings, pp_i
 from automodel.training.parallel.pipeline_stages import PipelineStageModel
 from automodel.training.parallel.tensor_parallel import apply_tensor_parallel, tp_issues
 
-_ADAPTER_NAME = re.compile(r"\.(lora_[A-Za-z_]+)\.[^.]+(?=\.|$)")  # "...lora_A.default.weight" -> "...lora_A.weight"
-_DORA_MAGNITUDE = re.compile(r"\.lora_magnitude_vector\.[^.]+\.weight$")  # peft saves it as "...lora_magnitude_vector"
-_SAVED_MODULE = re.compile(r"\.modules_to_save\.[^.]+\.")  # peft saves "score.modules_to_save.default.w" as "score.w"
-
 
 def on_meta(model: torch.nn.Module) -> bool:
     """Whether any parameter of ``model`` is still on the meta device (no values yet)."""
     return any(p.is_meta for p in model.parameters())
-
-
-def adapter_key(name: str) -> str:
-    """A LoRA parameter's key in peft's saved ``adapter_model.safetensors`` (the adapter's name dropped; a DoRA
-    magnitude's ``.weight`` too; a module trained whole beside the adapters, such as a classifier's head, under its
-    own name)."""
-    if _DORA_MAGNITUDE.search(name):
-        return _DORA_MAGNITUDE.sub(".lora_magnitude_vector", name)
-    if _SAVED_MODULE.search(name):
-        return _SAVED_MODULE.sub(".", name)
-    return _ADAPTER_NAME.sub(r".\1", name)
-
 
 
 def checkpoint_activations(ctx: BuildContext, model: torch.nn.Module) -> str:
@@ -153,7 +137,12 @@ def _restore_source(ctx: BuildContext, model: torch.nn.Module) -> WeightSource |
         if not hasattr(model, "peft_config"):
             raise AutomodelError(f"restore_from.path: '{directory}' holds a LoRA adapter but this config has no "
                                  "peft: section; add the same peft: settings as the run that wrote it")
-        missing, unexpected, mismatched = compare_keys(model, directory, adapter_key, include=is_adapter_tensor)
+        saved = export_names(model)[1]  # model key -> its key in peft's adapter file, by peft's own naming
+
+        def adapter_key(name: str) -> str:
+            return saved.get(name, name)
+
+        missing, unexpected, mismatched = compare_keys(model, directory, adapter_key, include=saved.__contains__)
         source: WeightSource = (directory, adapter_key)
         question = "is restore_from.path the same architecture with the same peft: settings?"
     else:
