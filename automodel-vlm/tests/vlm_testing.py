@@ -162,10 +162,15 @@ def training_column(out: Path, key: str) -> list[float]:
 
 def assert_trains_like(out: Path, reference: Path, checkpoint: str, lora: bool, steps: int = 4) -> None:
     """``out`` logged the losses and gradient norms of ``reference`` (1e-4 relative, ``steps`` records) and its
-    ``checkpoint``'s consolidated model/ (or adapter) holds the reference's tensors (1e-5)."""
+    ``checkpoint``'s consolidated model/ (or adapter) holds the reference's tensors (1e-5), under the names the
+    reference's files give them (what a resume reads back; transformers' loader would also take other spellings)."""
     import pytest
+    from safetensors import safe_open
 
     assert len(training_column(out, "loss")) == steps
+    names = [{key for file in (run / checkpoint / "model").glob("*.safetensors")
+              for key in safe_open(file, "pt").keys()} for run in (out, reference)]
+    assert names[0] == names[1] and names[1]
     for key in ("loss", "grad_norm"):
         assert training_column(out, key) == pytest.approx(training_column(reference, key), rel=1e-4), key
     got, expected = (saved_model_tensors(run / checkpoint / "model", lora) for run in (out, reference))

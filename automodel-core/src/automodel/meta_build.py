@@ -67,12 +67,12 @@ def meta_request() -> MetaBuild | None:
 
 
 def saved_key_function(model: Any) -> Callable[[str], str]:
-    """Model state-dict key -> the key ``save_pretrained`` writes it under (``model_files.checkpoint_key_mapping``
-    inverted), peft's prefix removed: how both a pretrained directory and a saved ``model/`` name the tensors."""
-    from automodel.model_files import checkpoint_key_mapping
+    """Model state-dict key -> the key ``save_pretrained`` writes it under (``model_files.saved_names``), peft's
+    prefix removed: how both a pretrained directory and a saved ``model/`` name the tensors."""
+    from automodel.model_files import saved_names
     from automodel.training.parallel.materialize import hf_checkpoint_key
 
-    to_saved = {mine: saved for saved, mine in checkpoint_key_mapping(model).items()}
+    to_saved = saved_names(model)
 
     def key(name: str) -> str:
         base = hf_checkpoint_key(name)

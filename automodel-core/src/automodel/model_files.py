@@ -4,8 +4,9 @@ transformers Auto class from a checkpoint or a config — on the meta device whe
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -188,24 +189,42 @@ def fresh_model(build: Callable[..., Any], hf_config: Any, model_kwargs: dict[st
     return model
 
 
-def checkpoint_key_mapping(model: Any) -> dict[str, str]:
-    """Saved-checkpoint key -> the model's own key.
-
-    transformers' ``save_pretrained`` writes some architectures (Llava among them) under their original hub names
-    (``language_model.model.layers...`` for ``model.language_model.layers...``); reading such files into the live
-    model needs the way back. It is learnt by running transformers' own save-time renaming on placeholder tensors,
-    so it is the exact inverse of what the save did. Empty when there is no renaming (or it cannot be derived).
-    """
+def saved_names(model: Any) -> dict[str, str]:
+    """The model's own state-dict key -> the key ``save_pretrained`` writes it under, for the keys transformers
+    renames: some architectures (Llava among them) are saved under their original hub names
+    (``language_model.model.layers...`` for ``model.language_model.layers...``). Learnt by running transformers' own
+    save-time renaming on placeholder tensors, so it is exactly what the save does (and, inverted, the way back from
+    such files). Empty when nothing is renamed (or the mapping converts tensors rather than renaming them)."""
     import torch
 
+    if not hasattr(model, "config"):
+        return {}
     try:
         from transformers.core_model_loading import revert_weight_conversion
     except ImportError:
         return {}
     probes = {key: torch.empty(0) for key in model.state_dict()}
-    by_id = {id(t): key for key, t in probes.items()}
+    key_of = {id(t): key for key, t in probes.items()}
     try:
-        reverted = revert_weight_conversion(model, dict(probes))
+        with _unsharded_classes(model):
+            reverted = revert_weight_conversion(model, dict(probes))
     except Exception:  # noqa: BLE001 - a converting (not renaming) mapping: keys stay as they are
         return {}
-    return {saved: by_id[id(t)] for saved, t in reverted.items() if id(t) in by_id and saved != by_id[id(t)]}
+    return {key_of[id(t)]: saved for saved, t in reverted.items() if id(t) in key_of and saved != key_of[id(t)]}
+
+
+@contextlib.contextmanager
+def _unsharded_classes(model: Any) -> Iterator[None]:
+    """Within the block ``model``'s FSDP2 units have their own classes back: transformers finds an architecture's
+    renaming by class name, which FSDP2's subclasses (``FSDPLlavaForConditionalGeneration``) hide, and it then
+    renamed a sharded Llava's keys wrongly (``model.language_model.model.x``), which no resume could read."""
+    from torch.distributed.fsdp import FSDPModule
+
+    swapped = [(module, type(module)) for module in model.modules() if isinstance(module, FSDPModule)]
+    for module, cls in swapped:
+        module.__class__ = next(base for base in cls.__bases__ if base is not FSDPModule)
+    try:
+        yield
+    finally:
+        for module, cls in swapped:
+            module.__class__ = cls

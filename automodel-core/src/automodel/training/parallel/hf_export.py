@@ -11,13 +11,11 @@ saved, and rank 0 writes ``model.safetensors.index.json``. One process without a
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import os
 import shutil
 import struct
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +23,10 @@ import torch
 from torch import nn
 
 from automodel.errors import AutomodelError
+from automodel.model_files import saved_names
 from automodel.training.modules import unwrap
 from automodel.training.parallel.blocks import clean_name, tied_to
-from automodel.training.parallel.pipeline_stages import is_stage
+from automodel.training.parallel.pipeline_stages import is_stage, stage_models
 from automodel.training.parallel.shard_files import DTYPES, Slice, mismatch_report, nbytes, read_slices
 from automodel.training.parallel.writer import all_ok, barrier, distributed, group_rank, single_process_is_intended
 
@@ -64,39 +63,11 @@ def export_names(model: nn.Module, prefix: str = "") -> tuple[str, dict[str, str
 
 def _hub_names(model: nn.Module) -> dict[str, str]:
     """state_dict key -> the name ``save_pretrained`` writes it under, where transformers renames an architecture's
-    keys back to their hub names (Llava: ``model.language_model.x`` -> ``language_model.model.x``). Learnt by running
-    transformers' own save-time renaming on placeholder tensors; empty when nothing is renamed."""
-    if not hasattr(model, "config"):
-        return {}
-    try:
-        from transformers.core_model_loading import revert_weight_conversion
-    except ImportError:
-        return {}
-    probes = {key: torch.empty(0) for key in model.state_dict()}
-    key_of = {id(t): key for key, t in probes.items()}
-    try:
-        with _unsharded_classes(model):
-            reverted = revert_weight_conversion(model, dict(probes))
-    except Exception:  # noqa: BLE001 - a converting (not renaming) mapping: keys stay as they are
-        return {}
-    return {key_of[id(t)]: saved for saved, t in reverted.items() if id(t) in key_of and saved != key_of[id(t)]}
-
-
-@contextlib.contextmanager
-def _unsharded_classes(model: nn.Module) -> Iterator[None]:
-    """Within the block ``model``'s FSDP2 units have their own classes back: transformers finds an architecture's
-    renaming by class name, which FSDP2's subclasses (``FSDPLlavaForConditionalGeneration``) hide, and it then
-    renamed a sharded Llava's keys wrongly (``model.language_model.model.x``), which no resume could read."""
-    from torch.distributed.fsdp import FSDPModule
-
-    swapped = [(module, type(module)) for module in model.modules() if isinstance(module, FSDPModule)]
-    for module, cls in swapped:
-        module.__class__ = next(base for base in cls.__bases__ if base is not FSDPModule)
-    try:
-        yield
-    finally:
-        for module, cls in swapped:
-            module.__class__ = cls
+    keys back to their hub names (``model_files.saved_names``); a pipeline stage's are the whole model's (recorded
+    when it was cut: transformers finds the renaming from the model's class, which a stage is not)."""
+    if is_stage(model):
+        return {key: name for stage in stage_models(model) for key, name in stage.hub_names.items()}
+    return saved_names(model)
 
 
 def write_export_files(model: nn.Module, directory: Path, kind: str, names: dict[str, str]) -> None:

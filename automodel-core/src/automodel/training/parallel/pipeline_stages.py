@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from automodel.errors import AutomodelError
+from automodel.model_files import saved_names
 from automodel.training.parallel.all_gather_attention import all_gather_region
 from automodel.training.parallel.blocks import LayerPlaceholder
 from automodel.training.parallel.context_parallel import split_sequence
@@ -99,6 +100,9 @@ class PipelineStageModel(nn.Module):
         # the model the stage was cut from while the build pipeline runs (not a submodule): LoRA's targets are
         # resolved against it, so every stage adapts what one process would and adapter_config.json names them all
         object.__setattr__(self, "whole_model", whole if whole is not None else model)
+        # the names save_pretrained gives the whole model's tensors where it renames them (the stage's keys are the
+        # whole model's): the export writes a stage's tensors under them, as one process's save does
+        self.hub_names = saved_names(self.whole_model)
         self.config = model.config
         self.generation_config = getattr(model, "generation_config", None)
         self.tp_plan = dict(getattr(model, "tp_plan", None) or {})  # transformers' plan, for tensor parallelism
