@@ -199,6 +199,25 @@ def test_knowledge_distillation(make_config, tmp_path, tiny_llama_config):
     assert kd0 == sft
 
 
+def test_a_resumed_run_distils_from_the_same_fresh_teacher(make_config, tmp_path, tiny_llama_config):
+    """A teacher with fresh weights and no seed of its own (``from_config``) is built from the run's seed: the
+    resumed run (whose random state is the checkpoint's when the teacher is built) has the uninterrupted run's
+    losses (it had another teacher before)."""
+    import yaml
+
+    data = yaml.safe_load(make_config().read_text())
+    data.update(teacher_model={"_target_": "automodel_llm.AutoModelForCausalLM.from_config",
+                               "config": str(tiny_llama_config)}, kd_ratio=0.5)
+    config = tmp_path / "kd.yaml"
+    config.write_text(yaml.safe_dump(data))
+    kd = ("kd", "llm")
+    train_inprocess(config, "--step_scheduler.max_steps", "4", "--step_scheduler.checkpoint_interval", "2", route=kd)
+    first = [r["loss"] for r in read_jsonl(tmp_path / "ckpt" / "training.jsonl")]
+    train_inprocess(config, "--step_scheduler.max_steps", "4", "--checkpoint.checkpoint_dir", str(tmp_path / "r"),
+                    "--restore_from.path", str(tmp_path / "ckpt" / "epoch_0_step_2"), route=kd)
+    assert [r["loss"] for r in read_jsonl(tmp_path / "r" / "training.jsonl")] == first[2:]
+
+
 def test_benchmark_recipe_writes_json(make_config, tmp_path):
     import yaml
 

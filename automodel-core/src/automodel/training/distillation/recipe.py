@@ -165,8 +165,12 @@ class KnowledgeDistillation:
 
     def build_teacher(self, device: torch.device) -> torch.nn.Module:
         """The frozen teacher on ``device`` (in host memory with ``offload_teacher_model: true``), with its output
-        head on the label positions where the student's is."""
-        teacher = self.cfg.teacher_model.instantiate()
+        head on the label positions where the student's is. Built from the run's seed, whatever the random state
+        here: a teacher with fresh weights (``from_config``) is then the same on every rank, in a resumed run (whose
+        random state is the checkpoint's by now) and on ranks of its own."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.cfg.rng.seed)
+            teacher = self.cfg.teacher_model.instantiate()
         teacher.to("cpu" if self.offload_teacher else device).eval()
         teacher.requires_grad_(False)
         self.teacher_head = self.attach_head(teacher) if self.cfg.logits.label_positions_only else None
