@@ -251,3 +251,29 @@ def test_upstreams_step_scheduler_arguments_that_choose_nothing_are_refused(make
     assert f"step_scheduler.{key}: {value!r}: " in str(refused.value) and needle in str(refused.value)
     accepted = {"start_step": 0, "start_epoch": 0, "dp_size": None, "preemption_signal": "SIGTERM"}[key]
     load_config(make_toy(step_scheduler={key: accepted}), recipe=ToyRecipe)
+
+
+# ---- the order of the samples ----------------------------------------------------------------------------------
+
+def test_one_process_reads_every_epoch_in_the_order_the_ranks_of_a_data_parallel_run_read_it(make_toy):
+    """One process with twice the accumulation trains each step on the rows two ranks train it on, in every epoch
+    (before, epochs after the first were shuffled otherwise: a checkpoint resumed on another number of ranks, or the
+    one-process reference of a two-rank run, then read other rows)."""
+    from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
+
+    config = make_toy(dataset={"_target_": "automodel.testing.toy.ToyDataset", "size": 24},
+                      dataloader={"batch_size": 4, "shuffle": True})
+    run = train_inprocess(config, recipe=ToyRecipe, setup_only=True)
+    try:
+        one = run.dataloader.sampler
+        ranks = [StatefulDistributedSampler(range(24), num_replicas=2, rank=r, shuffle=True, seed=run.cfg.rng.seed,
+                                            drop_last=True) for r in (0, 1)]
+        for epoch in (0, 1, 2):
+            for sampler in (one, *ranks):
+                sampler.set_epoch(epoch)
+            order, (first, second) = list(one), (list(rank) for rank in ranks)
+            # a step: two micro-batches of 4 in one process, one of 4 on each rank
+            assert [sorted(order[i:i + 8]) for i in range(0, 24, 8)] == \
+                [sorted(first[i:i + 4] + second[i:i + 4]) for i in range(0, 12, 4)], epoch
+    finally:
+        run.checkpointer.release()

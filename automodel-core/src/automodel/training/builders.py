@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
-from torchdata.stateful_dataloader.sampler import RandomSampler
 
 from automodel.config import BuildError, ConfigNode, TargetResolver
 from automodel.config.instantiate import build_value, callable_value
@@ -235,13 +234,9 @@ def build_dataloader(ctx: BuildContext, dataset: Any, node: ConfigNode, train: b
                                             ctx.seed, ctx.mesh.dp, ctx.mesh.dp_rank(ctx.rank))
         settings["generator"] = generator
         return _loader_class(ctx, node)(dataset=dataset, collate_fn=_collate(ctx, node, default_collate), **settings)
-    sampler = distributed_sampler(dataset, shuffle, ctx.seed, ctx.mesh.dp, ctx.mesh.dp_rank(ctx.rank))
-    if sampler is None and shuffle and not isinstance(dataset, torch.utils.data.IterableDataset):
-        # The shuffling sampler gets the seeded generator to itself: the loader also draws each epoch's worker
-        # base seed from its own `generator`, a draw a restored StatefulDataLoader does not replay, so sharing
-        # one generator made every epoch after a resume shuffle differently from the uninterrupted run.
-        sampler = RandomSampler(dataset, generator=generator)
-        settings["generator"] = _seeded(ctx.seed)
+    iterable = isinstance(dataset, torch.utils.data.IterableDataset)  # shards and shuffles itself in one replica
+    sampler = distributed_sampler(dataset, shuffle, ctx.seed, ctx.mesh.dp, ctx.mesh.dp_rank(ctx.rank)) \
+        if not iterable or ctx.mesh.dp > 1 else None
     if sampler is not None:
         settings["sampler"] = sampler
         # the loader's own generator: each new iterator draws its workers' base seed from it, or, without one, from

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
 from automodel.errors import AutomodelError
 
@@ -124,15 +125,39 @@ def any_rank(flag: bool, device: torch.device) -> bool:
     return bool(tensor.item())
 
 
-def distributed_sampler(dataset: Any, shuffle: bool, seed: int, replicas: int, replica: int) -> Any:
-    """Data-parallel replica ``replica`` of ``replicas`` reads its own shard; resumable (torchdata's stateful
-    sampler). None in a single process or with one data-parallel replica."""
-    if not is_distributed() or replicas <= 1:
-        return None
-    from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
+class EpochPositionSampler(StatefulDistributedSampler):
+    """torchdata's resumable distributed sampler, whose saved position also names its epoch: a position saved at the
+    end of an epoch's pass (the checkpoint after the epoch's last, shorter step) is not applied to the next epoch,
+    of which torchdata's would skip as many samples (a resume there found no batch left)."""
 
-    return StatefulDistributedSampler(dataset, num_replicas=replicas, rank=replica, shuffle=shuffle, seed=seed,
-                                      drop_last=True)
+    position_epoch: int | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "epoch": self.epoch}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self.position_epoch = state_dict.get("epoch")
+
+    def __iter__(self) -> Iterator[int]:
+        if self.next_yielded is not None and self.position_epoch not in (None, self.epoch):
+            self.next_yielded = None  # the saved position was another epoch's: this one starts at its beginning
+        return super().__iter__()
+
+
+def distributed_sampler(dataset: Any, shuffle: bool, seed: int, replicas: int, replica: int) -> Any:
+    """Data-parallel replica ``replica`` of ``replicas`` reads its own shard of each epoch's order; resumable
+    (torchdata's stateful sampler). A shuffled epoch ``e`` is the permutation of ``seed + e`` for any number of
+    replicas, so one process (one replica) reads the samples in the order a data-parallel run's ranks read them
+    together: a run sees the same steps on any number of ranks, in every epoch (a checkpoint resumed on another
+    number of ranks, one process with the accumulation of several ranks), and nothing is drawn from a generator a
+    resume would have to replay. None where there is nothing to shard or shuffle."""
+    if not is_distributed() or replicas <= 1:
+        if not shuffle:
+            return None
+        replicas, replica = 1, 0
+    return EpochPositionSampler(dataset, num_replicas=replicas, rank=replica, shuffle=shuffle, seed=seed,
+                                drop_last=True)
 
 
 def is_peer_failure(err: BaseException) -> bool:
