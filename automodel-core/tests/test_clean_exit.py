@@ -3,7 +3,9 @@
 ``destroy_process_group`` only unregisters the groups; gloo's worker and transport threads live until the group
 objects die. When that happens during interpreter finalization a worker can die in std::terminate ("terminate called
 without an active exception", a nonzero exit), rarely and more often the busier the machine. So this test checks
-the cause rather than waiting for the symptom: the native threads still alive in each rank's last atexit hook.
+the cause rather than waiting for the symptom: the native threads still alive in each rank's last atexit hook, and
+that a rank then exits without the interpreter's finalization (where the threads a DTensor run's groups keep on
+torch's C++ side would end).
 
 The hook comes from a recipe of this test's own (a plugin distribution written to tmp_path, the toy recipe that
 registers it in ``setup``, before the engine registers its own exit work, so it runs after that work).
@@ -31,11 +33,26 @@ def record_threads(path):
     path.write_text("\\n".join((task / "comm").read_text().strip() for task in tasks.iterdir()))
 
 
+class Finalized:
+    """Writes its file when interpreter finalization clears the module holding it."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __del__(self):
+        self.path.write_text("finalized")
+
+
+KEPT = []
+
+
 class ThreadReportingToy(ToyRecipe):
-    """The toy run; at exit, the names of this rank's native threads go to threads-<rank>.txt."""
+    """The toy run; at exit, the names of this rank's native threads go to threads-<rank>.txt; finalized-<rank>.txt
+    is written if the interpreter's finalization runs."""
 
     def setup(self):
         atexit.register(record_threads, Path(f"threads-{os.environ['RANK']}.txt").resolve())
+        KEPT.append(Finalized(Path(f"finalized-{os.environ['RANK']}.txt").resolve()))
         super().setup()
 '''
 
@@ -64,3 +81,6 @@ def test_a_two_process_run_leaves_no_gloo_thread_to_interpreter_shutdown(tmp_pat
     for rank in (0, 1):
         threads = (tmp_path / f"threads-{rank}.txt").read_text().split()
         assert threads and not [name for name in threads if "gloo" in name], (rank, threads)
+        # the exit handlers ran, then the rank exited without finalization: torch keeps a DTensor run's default
+        # group (FSDP2, tp) on its C++ side, whose threads finalization could end mid C++ (std::terminate)
+        assert not (tmp_path / f"finalized-{rank}.txt").exists(), rank

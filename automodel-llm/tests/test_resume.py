@@ -31,9 +31,12 @@ def reference(tmp_path_factory, tiny_llama_config):
     config = write_config(root / "cfg.yaml", tiny_llama_config, root / "ckpt", **RUN)
     recipe = train_inprocess(config)
     final = {k: v.detach().clone() for k, v in recipe.model.state_dict().items()}
-    # two more epochs of the loader, to check that shuffling is really on
-    orders = [[tuple(row[:int(n)]) for b in recipe.dataloader
-               for row, n in zip(b["input_ids"].tolist(), b["attention_mask"].sum(1), strict=True)] for _ in range(2)]
+    # two more epochs of the loader (each told its epoch, as the loop tells it), to check that shuffling is really on
+    orders = []
+    for epoch in (3, 4):
+        recipe.dataloader.sampler.set_epoch(epoch)
+        orders.append([tuple(row[:int(n)]) for b in recipe.dataloader
+                       for row, n in zip(b["input_ids"].tolist(), b["attention_mask"].sum(1), strict=True)])
     return {"config": config, "ckpt": root / "ckpt", "final": final, "orders": orders,
             "dataset": recipe.train_dataset,
             "losses": losses(root / "ckpt" / "training.jsonl", range(1, 11))}

@@ -158,6 +158,26 @@ def _close_process_group(finished: bool) -> None:
     torch_dist.destroy_process_group()
     forget_checkpoint_group()
     atexit.register(gc.collect)
+    global _left_a_process_group
+    _left_a_process_group = True
+
+
+_left_a_process_group = False  # this process ran a torchrun rank (and tore its groups down)
+
+
+def exit_rank(code: int) -> int:
+    """``code``, for an ordinary command; a torchrun rank that ran a recipe instead ends here: the exit handlers run
+    (the cycles holding gloo groups collected, loggers flushed), the output is flushed, and the process exits
+    without interpreter finalization. Once a DTensor exists (FSDP2, tensor parallelism), torch (2.13) keeps the
+    default gloo group alive on its C++ side past ``destroy_process_group``, with no Python object to collect, and
+    finalization could end its threads mid C++ (``terminate called without an active exception``, SIGABRT: a
+    finished run reported as a failed rank). Everything the run writes is durable before this point."""
+    if not _left_a_process_group:
+        return code
+    atexit._run_exitfuncs()  # noqa: SLF001 - the handlers interpreter shutdown would run, run now
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _under_torchrun() -> bool:

@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from automodel.cli.execute import OVERRIDE_SETTINGS
+from automodel.cli.execute import OVERRIDE_SETTINGS, exit_rank
 from automodel.cli.launch import launch_params
 from automodel.cli.trust_options import trust_params
 from automodel.config.trust import set_command_line_trust
@@ -167,6 +167,10 @@ def _warn_failed_plugins(argv: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    return exit_rank(_main(argv))
+
+
+def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = debug_enabled()
     filter_third_party_noise()
