@@ -82,3 +82,22 @@ def test_a_lora_checkpoint_exports_merged_with_the_runs_scores(tmp_path):
                       padding=True, return_tensors="pt")
     with torch.no_grad():
         assert torch.allclose(merged(**batch).logits, recipe.model.eval()(**batch).logits, atol=1e-5)
+
+
+def test_two_ranks_report_the_accuracy_and_mrr_of_every_validation_group(tmp_path):
+    """Each data-parallel rank scores its share of the validation groups, and accuracy and MRR are summed over the
+    ranks: two ranks report one process's (which trains on the same rows with twice the accumulation). Before, rank 0
+    reported its own half's."""
+    from automodel.testing import free_port, run_cli
+
+    common = ["finetune", "cross-encoder", "-c", "retrieval/tiny_cross_encoder", "--step_scheduler.max_steps", "2",
+              "--step_scheduler.val_check_interval", "2", "--step_scheduler.checkpoint_interval", "1000"]
+    one = run_cli(*common, "--step_scheduler.grad_accumulation_steps", "2", "--checkpoint.checkpoint_dir",
+                  tmp_path / "one", cwd=tmp_path, OMP_NUM_THREADS="1")
+    two = run_cli(*common, "--nproc-per-node", "2", "--master-port", free_port(), "--checkpoint.checkpoint_dir",
+                  tmp_path / "two", cwd=tmp_path, OMP_NUM_THREADS="1")
+    assert one.returncode == 0 and two.returncode == 0, (one.stderr[-2000:], two.stderr[-2000:])
+    (expected,), (got,) = (read_jsonl(tmp_path / name / "validation.jsonl") for name in ("one", "two"))
+    assert got["num_label_tokens"] == expected["num_label_tokens"] == 96
+    for key in ("val_loss", "accuracy", "mrr", "chance_accuracy"):
+        assert got[key] == pytest.approx(expected[key], rel=1e-6), key

@@ -16,6 +16,7 @@ from automodel.config import Config, ConfigNode, FieldErrors, Free, Target, requ
 from automodel.errors import AutomodelError, ConfigIssue
 from automodel.hf import check_vocab, model_source
 from automodel.training.context import BuildContext
+from automodel.training.dist import all_reduce_sum
 from automodel.training.modules import unwrap
 from automodel.training.recipe import TrainRecipe
 from automodel_retrieval import upstream, upstream_distill
@@ -496,6 +497,9 @@ class CrossEncoderRecipe(_RetrievalRecipe):
             batch = self.move_to_device(batch)
             c, r, p = group_metrics(self.scores(self.model, batch), batch["valid"], batch["labels"])
             correct, reciprocal, chance, groups = correct + c, reciprocal + r, chance + p, groups + len(batch["labels"])
+        if self.ctx.mesh.dp > 1:  # each data-parallel rank scored its share of the groups: the metrics are of all
+            correct, reciprocal, chance, groups = (float(v) for v in all_reduce_sum(
+                correct, reciprocal, chance, groups, device=self.device, group=self.data_parallel_group()))
         groups = max(groups, 1)
         return {"accuracy": correct / groups, "mrr": reciprocal / groups, "chance_accuracy": chance / groups}
 
