@@ -208,9 +208,9 @@ def loader_type_issues(cfg: Any, nested_data: bool = False) -> list[ConfigIssue]
 def build_dataloader(ctx: BuildContext, dataset: Any, node: ConfigNode, train: bool,
                      default_collate: Callable | None) -> StatefulDataLoader:
     """A resumable loader over ``dataset`` as ``node`` (a dataloader section) says (``torch.utils.data.DataLoader``
-    is built as torchdata's ``StatefulDataLoader``, its subclass, so checkpoints hold its position); shuffled with a
-    seeded generator for training; under torchrun each data-parallel rank reads its own shard. ``default_collate``
-    is the recipe's."""
+    is built as torchdata's ``StatefulDataLoader``, its subclass, so checkpoints hold its position); for training
+    shuffled each epoch by the run's seed (``dist.distributed_sampler``: the same order on any number of ranks), of
+    which each data-parallel rank reads its own shard. ``default_collate`` is the recipe's."""
     settings = {k: build_value(v, ctx.cfg.resolver, f"{node.key}.{k}") for k, v in node.to_dict().items()
                 if k not in ("_target_", "collate_fn")}
     if settings.get("batch_size") is None:  # null too: upstream's "the data set yields batches" (see plan)
@@ -222,7 +222,10 @@ def build_dataloader(ctx: BuildContext, dataset: Any, node: ConfigNode, train: b
             ctx.log(f"note: {node.key}.pin_memory: true governs nothing this run: pinned host memory speeds copies "
                     "to a GPU, and this run has none")
         settings["pin_memory"] = False
-    generator = _seeded(ctx.seed)
+    # the loader's own generator: each new iterator draws its workers' base seed from it, or, without one, from
+    # torch's global RNG, which a resumed run restores before that draw (the uninterrupted run drew it at the
+    # epoch's start): the draw shifted every random number after a resume (diffusion's noise and timesteps)
+    settings["generator"] = _seeded(ctx.seed)
     buckets = getattr(dataset, "batch_sampler", None)
     if settings.pop("group_by_length", False):  # validated: true or false
         if callable(buckets) or not hasattr(dataset, "__len__"):
@@ -232,19 +235,13 @@ def build_dataloader(ctx: BuildContext, dataset: Any, node: ConfigNode, train: b
     if callable(buckets):  # a data set of size buckets draws each batch within one bucket (its tensors stack)
         settings["batch_sampler"] = buckets(settings.pop("batch_size"), shuffle, settings.pop("drop_last", False),
                                             ctx.seed, ctx.mesh.dp, ctx.mesh.dp_rank(ctx.rank))
-        settings["generator"] = generator
         return _loader_class(ctx, node)(dataset=dataset, collate_fn=_collate(ctx, node, default_collate), **settings)
     iterable = isinstance(dataset, torch.utils.data.IterableDataset)  # shards and shuffles itself in one replica
     sampler = distributed_sampler(dataset, shuffle, ctx.seed, ctx.mesh.dp, ctx.mesh.dp_rank(ctx.rank)) \
         if not iterable or ctx.mesh.dp > 1 else None
     if sampler is not None:
         settings["sampler"] = sampler
-        # the loader's own generator: each new iterator draws its workers' base seed from it, or, without one, from
-        # torch's global RNG, which a resumed run restores before that draw (the uninterrupted run drew it at the
-        # epoch's start): the draw shifted every random number after a resume (diffusion's noise and timesteps)
-        settings["generator"] = _seeded(ctx.seed)
     else:
-        settings["generator"] = generator
         settings["shuffle"] = shuffle
     return _loader_class(ctx, node)(dataset=dataset, collate_fn=_collate(ctx, node, default_collate), **settings)
 
