@@ -206,11 +206,14 @@ def describe_alias(name: str, spec: Any) -> list[str]:
 
 
 def describe_arguments(name: str, spec: Any) -> list[str]:
-    keys = ", ".join(f"`{k}` (`{v}`)" for k, v in spec.keys.items())
-    return [f"### `{name}`", "", f"Upstream's section of arguments: {spec.help.rstrip('.')}. Accepted only with "
-            f"`_target_: {spec.target}`; each argument sets the key it stands for: {keys}. A value that differs from "
-            f"the one the config gives there is an error. Refused with the reason: {', '.join(spec.refused)}; any "
-            "other key too.", ""]
+    keys = ", ".join(f"`{k}` (`{'`, `'.join(spec.homes(k))}`)" for k in spec.keys)
+    defaults = "".join(f" `{k}` also sets {', '.join(f'`{dotted}`' for dotted, _ in implied)} unless the config "
+                       "gives them." for k, implied in spec.implies.items())
+    taken = f"only with `_target_: {spec.target}`" if spec.target else "as keys, without `_target_`"
+    return [f"### `{name}`", "", f"Upstream's section of arguments: {spec.help.rstrip('.')}. Accepted {taken}; each "
+            f"argument sets the key it stands for (a second key only where its section is given): {keys}.{defaults} "
+            "A null sets nothing; a value that differs from the one the config gives there is an error. Refused with "
+            f"the reason: {', '.join(spec.refused)}; any other key too.", ""]
 
 
 def describe_recipe(name: str, spec: Any) -> list[str]:

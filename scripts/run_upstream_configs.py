@@ -221,9 +221,16 @@ def pipeline_layers(data: dict[str, Any]) -> int:
     return pp_size * (2 if interleaved else 1) * per_stage
 
 
+def eagle_target(data: dict[str, Any]) -> str | None:
+    """The target of upstream's EAGLE-3 draft recipe (``recipe_args.target_model_name_or_path``), None elsewhere."""
+    args = data.get("recipe_args")
+    return args.get("target_model_name_or_path") if isinstance(args, dict) else None
+
+
 def llm_family(data: dict[str, Any]) -> str | None:
-    """The family (a key of LLM_FAMILIES) of the first hub id in an LLM config's model section."""
-    ids = re.findall(r"[\w.-]+/[\w.-]+", json.dumps(data.get("model") or {}))
+    """The family (a key of LLM_FAMILIES) of the first hub id in an LLM config's model section (an EAGLE-3 config's
+    target)."""
+    ids = re.findall(r"[\w.-]+/[\w.-]+", json.dumps(data.get("model") or eagle_target(data) or {}))
     return next((name for hub in ids for name in LLM_FAMILIES if re.search(name, hub)), None)
 
 
@@ -260,6 +267,11 @@ def stand_ins(data: dict[str, Any], assets: dict[str, dict[str, str]], domain: s
         kind = f"diffusion:{diffusion_family(data)}"
     found = dict(survey.hub_overrides(data, assets[kind]))
     layers = pipeline_layers(data) if kind == "llm" or kind.startswith("llm:") else 0
+    if eagle_target(data):  # the draft reads three distinct target layers: upstream's default needs 8
+        found["recipe_args.target_model_name_or_path"] = assets[kind]["model"]
+        layers = 8
+        if isinstance(data["recipe_args"].get("draft_vocab_size"), int):  # within the stand-in's 1024 tokens
+            found["recipe_args.draft_vocab_size"] = "256"
     if layers > TINY_LLM["num_hidden_layers"]:  # the family's stand-in with the layers the layout needs (untied)
         config_class = LLM_FAMILIES[kind.split(":", 1)[1]] if ":" in kind else "LlamaConfig"
         directory = Path(assets["llm"]["model"]).with_name(f"llm-{config_class}-{layers}")
@@ -321,6 +333,7 @@ CPU_OVERRIDES: dict[str, Any] = {
     r"^vae\.enable_cpu_offload$": False,
     r"^model\.optimize_hunyuan_flash_varlen_mask$": False,
     r"^(?P<edit>model\.transformer_engine_fp8\w*)$": REMOVE,
+    r"^eagle3\.draft_attn_implementation$": ("recipe_args.draft_attn_implementation", "sdpa"),  # EAGLE-3's form
 }
 # the words of a refusal for a GPU feature or trust_remote_code (and of sdpa refused for a model class without it,
 # after the GPU attention gave way to sdpa)
@@ -334,6 +347,8 @@ def cpu_edit(issue: Any) -> tuple[str | None, Any] | None:
         return None
     for pattern, value in CPU_OVERRIDES.items():
         if match := re.search(pattern, issue.key):
+            if isinstance(value, tuple):  # (the key of the config's own form to change, its value)
+                return value
             return (None, None) if value is None else (match.groupdict().get("edit") or issue.key, value)
     return None
 
@@ -411,6 +426,16 @@ def data_overrides(data: dict[str, Any], root: Path, scratch: Path) -> dict[str,
         found["data.dataloader.cache_dir"] = str(root.parent / "models" / "clips") if family in VIDEO_FAMILIES \
             else str(Path(survey.local_assets()["diffusion"]["dataset"]))
     found |= vlm_stand_ins.mix_overrides(data, root)
+    if isinstance(args := data.get("recipe_args"), dict):  # EAGLE-3: chat rows, files into scratch
+        chat = Path(survey.local_assets()["llm"]["dataset"]).with_name("tiny_chat")
+        for key, split, name in (("train_data_path", "train_split", "train"), ("val_data_path", "val_split",
+                                                                                "validation")):
+            if args.get(key) is not None:
+                found[f"recipe_args.{key}"] = str(chat / f"{name}.jsonl")
+                found[f"recipe_args.{split}"] = "train"
+        for key in ("output_dir", "selected_token_ids_path"):
+            if args.get(key) is not None:
+                found[f"recipe_args.{key}"] = str(scratch / key)
     for section, node in data.items():
         if not str(section).startswith(("dataset", "validation_dataset", "tool_call_eval")) or \
                 not isinstance(node, dict):

@@ -14,20 +14,22 @@ _UPSTREAM_RECIPES = {
     ("finetune", "seq-cls"): ("TrainFinetuneRecipeForSequenceClassification",
                               f"{_UPSTREAM}.train_seq_cls.TrainFinetuneRecipeForSequenceClassification"),
     # upstream's diffusion-LM recipe and its DiffusionGemma subclass (whose dllm.mode block_diffusion is refused)
+    ("finetune", "eagle3"): ("TrainEagle3Recipe", f"{_UPSTREAM}.train_eagle3.TrainEagle3Recipe"),
     ("finetune", "dllm"): ("DiffusionLMSFTRecipe", "nemo_automodel.recipes.dllm.train_ft.DiffusionLMSFTRecipe",
                            "DiffusionGemmaSFTRecipe", "nemo_automodel.recipes.dllm.train_ft.DiffusionGemmaSFTRecipe"),
 }
 
 
-# upstream's speculative-decoding draft recipes (examples/speculative/): (module, class names) -> what each trains
+# upstream's other speculative-decoding draft recipes (examples/speculative/; its EAGLE-3 is `finetune eagle3`):
+# module -> class names
 _SPECULATIVE = {"train_eagle1": ("TrainEagle1Recipe",), "train_eagle2": ("TrainEagle2Recipe",),
-                "train_eagle3": ("TrainEagle3Recipe",), "train_dflash": ("TrainDFlashRecipe",),
+                "train_dflash": ("TrainDFlashRecipe",),
                 "train_dflash2": ("TrainDFlash2Recipe",), "train_domino": ("TrainDominoRecipe",),
                 "train_jetspec": ("TrainJetSpecRecipe",), "train_dspark": ("TrainDSparkRecipe",),
                 "train_vispec": ("TrainVispecRecipe", "TrainVispecStage1Recipe")}
-SPECULATIVE_UNBUILT = ("upstream's speculative-decoding recipes train a draft model (EAGLE-1/2/3, P-EAGLE, DFlash, "
-                       "Domino, JetSpec, DSpark, ViSpec) against a frozen target model, with their own recipe_args: "
-                       "schema and draft architectures for SGLang / vLLM; they are not built here")
+SPECULATIVE_UNBUILT = ("upstream's speculative-decoding recipes other than EAGLE-3 (EAGLE-1/2, P-EAGLE, DFlash, "
+                       "Domino, JetSpec, DSpark, ViSpec) train draft architectures that are not built here; EAGLE-3 "
+                       "is: recipe: TrainEagle3Recipe, or automodel finetune eagle3")
 
 
 @hookimpl
@@ -44,6 +46,9 @@ def automodel_register_routes(routes) -> None:
     routes.add("finetune", "seq-cls", recipe="automodel_llm.seq_cls.SequenceClassificationRecipe",
                help="Fine-tune a sequence classifier (a text or text pair in, one of num_labels classes out)",
                examples=["llm/tiny_seq_cls"])
+    routes.add("finetune", "eagle3", recipe="automodel_llm.eagle3.recipe.Eagle3Recipe",
+               help="Train an EAGLE-3 speculative-decoding draft for a frozen target model (for SGLang / vLLM)",
+               examples=["llm/tiny_eagle3"])
     routes.add("finetune", "dllm", recipe="automodel_llm.dllm.DiffusionLMSFTRecipe",
                help="Fine-tune a masked diffusion language model (LLaDA's MDLM objective)",
                examples=["llm/tiny_dllm"])

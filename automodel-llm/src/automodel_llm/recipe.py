@@ -235,9 +235,10 @@ class FinetuneRecipeForNextTokenPrediction(MTPLoss, NextTokenLogits, TrainRecipe
                                 "build loads no quantized weights: remove the section (LoRA on bf16 / fp32 weights)"),
         "tool_call_eval": ToolCallEvalConfig,
         "longalign": Metadata("a key of upstream's GLM-5.2 LoRA example that nothing in upstream reads"),
-        "recipe_args": Refused("the section of upstream's speculative-decoding recipes (TrainEagle*, TrainDFlash*, "
-                               "TrainDSpark*, ...), which train a draft model against a frozen target and are not "
-                               "built here; this recipe fine-tunes the model section's model"),
+        "recipe_args": Refused("the section of upstream's speculative-decoding recipes, which train a draft model "
+                               "against a frozen target: EAGLE-3's (TrainEagle3Recipe) is automodel finetune eagle3 "
+                               "(or recipe: TrainEagle3Recipe with automodel run); the others are not built here. "
+                               "This recipe fine-tunes the model section's model"),
         "benchmark": Metadata("the benchmark recipe's settings; fine-tuning ignores them, as upstream's does: "
                               "automodel benchmark llm -c FILE, or recipe: BenchmarkingRecipeForNextTokenPrediction, "
                               "times the steps"),

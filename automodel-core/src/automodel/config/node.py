@@ -92,7 +92,11 @@ class Config:
         return default if value is None else value
 
     def section_names(self) -> list[str]:
-        return list(self.resolved)
+        """The sections the config gives: as written, then the built ones (a ``_target_`` section or a mapping)
+        that upstream's keys of another section set (a recipe's ``recipe_args:``)."""
+        set_elsewhere = [name for name, value in self._sections.items()
+                         if name not in self.resolved and isinstance(value, (dict, ConfigNode))]
+        return [*self.resolved, *set_elsewhere]
 
     def to_yaml(self) -> str:
         """The config as written plus overrides, placeholders kept and secrets masked."""

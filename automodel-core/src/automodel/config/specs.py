@@ -79,15 +79,25 @@ class KeyAlias:
 
 @dataclass(frozen=True)
 class ArgumentsFor:
-    """Upstream's section of the arguments of one function (``_target_: target``) whose keys stand for keys of other
-    sections: validation sets the dotted key ``keys`` names for each (``section.key`` or ``section.sub.key``),
-    refusing a value that differs from one the config gives there, a key of ``refused`` with its reason, any other
-    key, and any other ``_target_``."""
+    """Upstream's section of the arguments of one function (``_target_: target``; ``target`` None: a section of a
+    recipe's arguments, with no ``_target_``) whose keys stand for keys of other sections: validation sets the
+    dotted key ``keys`` names for each (``section.key`` or ``section.sub.key``; a tuple: its first, and each other
+    where the config gives that section or the first pass set it), refusing a value that differs from one the config
+    gives there, a key of ``refused`` with its reason, any other key, and any other ``_target_``. ``implies``: more
+    dotted keys a key sets where the config does not give them, each to a value or to ``function(value)`` (the
+    first always, the others where their section is given). A null value is upstream's "not set": it sets
+    nothing."""
 
-    target: str
-    keys: Mapping[str, str] = field(default_factory=dict, hash=False)
+    target: str | None
+    keys: Mapping[str, str | tuple[str, ...]] = field(default_factory=dict, hash=False)
     refused: Mapping[str, str] = field(default_factory=dict, hash=False)
     help: str = ""
+    implies: Mapping[str, tuple[tuple[str, Any], ...]] = field(default_factory=dict, hash=False)
+
+    def homes(self, key: str) -> tuple[str, ...]:
+        """The dotted keys ``key`` stands for."""
+        home = self.keys[key]
+        return (home,) if isinstance(home, str) else tuple(home)
 
 
 @dataclass(frozen=True)
@@ -161,23 +171,62 @@ def apply_arguments_for(data: dict, sections: dict[str, SectionSpec], issues: li
         if not isinstance(spec, ArgumentsFor) or node is None:
             continue
         if not isinstance(node, dict) or node.get("_target_") != spec.target:
-            found = node.get("_target_") if isinstance(node, dict) else node
-            issues.append(ConfigIssue(f"{name}._target_" if isinstance(node, dict) else name,
-                                      f"{found!r}: only {spec.target} is taken here (its arguments stand for "
-                                      f"{', '.join(sorted({k.split('.')[0] for k in spec.keys.values()}))} keys): "
-                                      "name it or remove the section"))
+            issues.append(_arguments_target_issue(name, spec, node))
             continue
+        later, implied = [], []
         for key, value in node.items():
-            if key == "_target_":
+            if key == "_target_" or value is None:
                 continue
             if key in spec.refused:
                 issues.append(ConfigIssue(f"{name}.{key}", spec.refused[key]))
-            elif key not in spec.keys:
-                issues.append(ConfigIssue(f"{name}.{key}", f"not an argument of {spec.target} taken here (they "
-                                          f"are: {', '.join(spec.keys)})"))
-            else:
-                _set_dotted(out, spec.keys[key], value, f"{name}.{key}", issues)
+            elif key not in spec.keys and key not in spec.implies:
+                issues.append(ConfigIssue(f"{name}.{key}", f"not {_arguments_of(spec)} taken here (they are: "
+                                          f"{', '.join([*spec.keys, *(k for k in spec.implies if k not in spec.keys)])}"
+                                          ")"))
+                continue
+            if key in spec.keys:
+                first, *others = spec.homes(key)
+                _set_dotted(out, first, value, f"{name}.{key}", issues)
+                later += [(dotted, value, f"{name}.{key}") for dotted in others]
+            for index, (dotted, setting) in enumerate(spec.implies.get(key, ())):
+                implied.append((index == 0, dotted, setting(value) if callable(setting) else setting))
+        for dotted, value, given_as in later:
+            if isinstance(out.get(dotted.split(".")[0]), dict):
+                _set_dotted(out, dotted, value, given_as, issues)
+        for always, dotted, value in implied:
+            if always or isinstance(out.get(dotted.split(".")[0]), dict):
+                _set_default(out, dotted, value)
     return out
+
+
+def _arguments_of(spec: ArgumentsFor) -> str:
+    return f"an argument of {spec.target}" if spec.target else "an argument upstream's recipe reads that is"
+
+
+def _arguments_target_issue(name: str, spec: ArgumentsFor, node: Any) -> ConfigIssue:
+    found = node.get("_target_") if isinstance(node, dict) else node
+    if spec.target is None:
+        what = "a _target_" if isinstance(node, dict) else "not a section"
+        return ConfigIssue(f"{name}._target_" if isinstance(node, dict) else name,
+                           f"{found!r} is {what}: the section holds the recipe's arguments, keys only")
+    stands = ", ".join(sorted({home.split(".")[0] for key in spec.keys for home in spec.homes(key)}))
+    return ConfigIssue(f"{name}._target_" if isinstance(node, dict) else name,
+                       f"{found!r}: only {spec.target} is taken here (its arguments stand for {stands} keys): name "
+                       "it or remove the section")
+
+
+def _set_default(data: dict, dotted: str, value: Any) -> None:
+    """Set ``data``'s ``dotted`` key to ``value`` unless it is given (copying each mapping on the way)."""
+    *path, last = dotted.split(".")
+    holder = data
+    for part in path:
+        inner = holder.get(part)
+        if inner is not None and not isinstance(inner, dict):
+            return  # the section's own check reports it
+        holder[part] = dict(inner or {})
+        holder = holder[part]
+    if holder.get(last) is None:
+        holder[last] = value
 
 
 def _set_dotted(data: dict, dotted: str, value: Any, given_as: str, issues: list[ConfigIssue]) -> None:

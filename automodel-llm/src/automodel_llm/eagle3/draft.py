@@ -1,0 +1,210 @@
+"""The EAGLE-3 draft model (arXiv 2503.01840): one Llama-style decoder layer that reads the target model's hidden
+states of three of its layers and the embedding of the next token, and predicts the token after it over a smaller
+draft vocabulary.
+
+The weights are laid out as SGLang's and vLLM's ``LlamaForCausalLMEagle3`` load them (and as upstream NeMo
+AutoModel saves them): ``model.embed_tokens``, ``model.fc`` (the fused target states, ``3 x target_hidden_size`` ->
+``hidden_size``), ``model.layers.0.{input_layernorm, hidden_norm, self_attn.*, post_attention_layernorm, mlp.*}``,
+``model.norm``, ``lm_head`` (``hidden_size`` -> ``draft_vocab_size``), and the vocabulary maps ``d2t`` (a draft id
+``i`` is target id ``i + d2t[i]``) and ``t2d`` (whether a target id is in the draft vocabulary). EAGLE-3.1's
+``fc_norm`` (an RMSNorm per fused state, ``model.fc_norm.{0,1,2}``) and ``norm_output`` (the carried hidden state is
+the normed one) are options of the config.
+
+Training-time test: step ``k`` of the unroll feeds the draft its own hidden states of step ``k - 1``; its attention
+sees the step-0 keys causally and, at its own position only, the keys of steps ``1..k``
+(:func:`unrolled_attention`), which is what the draft sees when it drafts ``k + 1`` tokens ahead at serving time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import LlamaConfig, PreTrainedModel
+from transformers.activations import ACT2FN
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from automodel_llm.eagle3.unroll import UnrollSums, unroll
+
+ARCHITECTURE = "LlamaForCausalLMEagle3"  # what SGLang and vLLM serve an EAGLE-3 draft as
+ATTENTION = ("eager", "sdpa")  # the draft attentions built here (both give the same numbers)
+AUX_STATES = 3  # EAGLE-3 fuses the target's low, middle and high layers
+# what the draft takes of the target's config: its sizes, activation, norm, positions and special tokens (not the
+# per-layer keys of a hybrid, the experts of a mixture, ...)
+TARGET_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+               "head_dim", "hidden_act", "rms_norm_eps", "max_position_embeddings", "rope_parameters", "rope_theta",
+               "rope_scaling", "attention_bias", "mlp_bias", "initializer_range", "pad_token_id", "bos_token_id",
+               "eos_token_id", "dtype")
+
+
+def draft_config(target: Any, draft_vocab_size: int, aux_layer_ids: list[int], attention: str,
+                 fc_norm: bool, norm_output: bool) -> LlamaConfig:
+    """The draft's config from the target's (its text config for a multimodal one): the target's sizes, one layer,
+    the draft vocabulary, and the serving keys (``eagle_aux_hidden_state_layer_ids`` counts as vLLM does: the
+    hidden state entering layer ``i``, so the output of layer ``i - 1``)."""
+    given = target.to_dict()
+    keys = {k: given[k] for k in TARGET_KEYS if given.get(k) is not None}
+    served_ids = [i + 1 for i in aux_layer_ids]
+    config = LlamaConfig(**{**keys, "num_hidden_layers": 1, "tie_word_embeddings": False,
+                            "draft_vocab_size": draft_vocab_size, "target_hidden_size": target.hidden_size,
+                            "num_aux_hidden_states": AUX_STATES, "fc_norm": fc_norm, "norm_output": norm_output,
+                            "eagle_aux_hidden_state_layer_ids": served_ids,
+                            "eagle_config": {"eagle_aux_hidden_state_layer_ids": served_ids,
+                                             "use_aux_hidden_state": True}})
+    config.architectures = [ARCHITECTURE]
+    config._attn_implementation = attention
+    return config
+
+
+def unrolled_attention(query: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+                       implementation: str, visible: torch.Tensor) -> torch.Tensor:
+    """Attention of step ``len(keys) - 1`` of the unroll (``[batch, heads, seq, dim]`` each): every position sees
+    the step-0 keys ``visible`` allows it (``[seq, seq]`` or ``[batch, 1, seq, seq]``: causal, within its own
+    document when rows are packed) and its own keys of the later steps. ``eager`` computes the scores by hand,
+    ``sdpa`` through torch's kernel with the same mask over the steps' keys laid end to end."""
+    length = query.shape[-2]
+    causal = visible
+    scale = query.shape[-1] ** -0.5
+    if implementation == "sdpa":
+        diagonal = torch.eye(length, dtype=torch.bool, device=query.device).expand_as(causal)
+        mask = torch.cat([causal] + [diagonal] * (len(keys) - 1), dim=-1)
+        return nn.functional.scaled_dot_product_attention(query, torch.cat(keys, dim=-2), torch.cat(values, dim=-2),
+                                                          attn_mask=mask, scale=scale)
+    scores = (query @ keys[0].transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))
+    own = [(query * key).sum(-1, keepdim=True) * scale for key in keys[1:]]
+    weights = torch.softmax(torch.cat([scores, *own], dim=-1).float(), dim=-1).to(query.dtype)
+    out = weights[..., :length] @ values[0]
+    for step, value in enumerate(values[1:]):
+        out = out + weights[..., length + step:length + step + 1] * value
+    return out
+
+
+class DraftAttention(nn.Module):
+    """Llama attention over ``2 x hidden_size`` inputs (the token's embedding and the carried hidden state)."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.config = config
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        bias = getattr(config, "attention_bias", False)
+        self.q_proj = nn.Linear(2 * config.hidden_size, self.heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(2 * config.hidden_size, self.kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(2 * config.hidden_size, self.kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, config.hidden_size, bias=bias)
+
+    def forward(self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
+                cache: tuple[list[torch.Tensor], list[torch.Tensor]], visible: torch.Tensor) -> torch.Tensor:
+        batch, length, _ = hidden.shape
+        shape = (batch, length, -1, self.head_dim)
+        query = self.q_proj(hidden).view(shape).transpose(1, 2)
+        key = self.k_proj(hidden).view(shape).transpose(1, 2)
+        value = self.v_proj(hidden).view(shape).transpose(1, 2)
+        query, key = apply_rotary_pos_emb(query, key, *rotary)
+        repeat = self.heads // self.kv_heads
+        cache[0].append(key.repeat_interleave(repeat, dim=1))
+        cache[1].append(value.repeat_interleave(repeat, dim=1))
+        out = unrolled_attention(query, cache[0], cache[1], self.config._attn_implementation, visible)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
+
+
+class DraftMLP(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        bias = getattr(config, "mlp_bias", False)
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(hidden)) * self.up_proj(hidden))
+
+
+class DraftLayer(nn.Module):
+    """The draft's decoder layer: the normed embedding and the normed carried state side by side into attention,
+    the carried state as the residual."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.hidden_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.self_attn = DraftAttention(config)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = DraftMLP(config)
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
+                cache: tuple[list[torch.Tensor], list[torch.Tensor]], visible: torch.Tensor) -> torch.Tensor:
+        both = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        hidden = hidden + self.self_attn(both, rotary, cache, visible)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DraftBody(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        target_hidden = config.target_hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.fc = nn.Linear(AUX_STATES * target_hidden, config.hidden_size, bias=False)
+        if config.fc_norm:
+            self.fc_norm = nn.ModuleList(LlamaRMSNorm(target_hidden, eps=config.rms_norm_eps)
+                                         for _ in range(AUX_STATES))
+        self.layers = nn.ModuleList([DraftLayer(config)])
+        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = LlamaRotaryEmbedding(config)
+
+
+class LlamaForCausalLMEagle3(PreTrainedModel):
+    """The draft. :meth:`fuse` turns the target's three hidden states into the first carried state;
+    :meth:`forward` is one step of the unroll (the caller keeps ``cache`` across the steps of one batch)."""
+
+    config_class = LlamaConfig
+    base_model_prefix = "model"
+    _no_split_modules = ["DraftLayer"]
+    _supports_sdpa = True
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__(config)
+        self.model = DraftBody(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+        self.post_init()
+
+    def set_vocabulary(self, token_ids: torch.Tensor) -> None:
+        """The draft vocabulary: ``token_ids`` (sorted target ids), as ``d2t`` offsets and the ``t2d`` mask."""
+        with torch.no_grad():
+            ids = token_ids.to(self.d2t.device, torch.long)
+            self.d2t.copy_(ids - torch.arange(len(ids), device=ids.device))
+            self.t2d.zero_()
+            self.t2d[ids] = True
+
+    def draft_token_ids(self) -> torch.Tensor:
+        """The target id of each draft id."""
+        return self.d2t + torch.arange(len(self.d2t), device=self.d2t.device)
+
+    def fuse(self, aux_states: torch.Tensor) -> torch.Tensor:
+        """``[batch, seq, 3 x target_hidden]`` -> the first carried state ``[batch, seq, hidden]``."""
+        if self.config.fc_norm:
+            parts = aux_states.chunk(AUX_STATES, dim=-1)
+            aux_states = torch.cat([norm(part) for norm, part in zip(self.model.fc_norm, parts, strict=True)], dim=-1)
+        return self.model.fc(aux_states)
+
+    def forward(self, input_ids: torch.Tensor, supervised: torch.Tensor, aux_states: torch.Tensor,
+                target_logits: torch.Tensor, steps: int, position_ids: torch.Tensor | None = None) -> UnrollSums:
+        """The training-time-test unroll of one batch (:func:`~automodel_llm.eagle3.unroll.unroll`), in one call of
+        the module so that DDP and FSDP2 see one forward per backward."""
+        return unroll(self, input_ids, supervised, aux_states, target_logits, steps, position_ids)
+
+    def step(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
+             cache: tuple[list[torch.Tensor], list[torch.Tensor]], visible: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One step: ``(logits over the draft vocabulary, the state the next step carries)``."""
+        embeds = self.model.embed_tokens(input_ids).to(hidden.dtype)
+        rotary = self.model.rotary_emb(hidden, position_ids)
+        hidden = self.model.layers[0](embeds, hidden, rotary, cache, visible)
+        if self.config.norm_output:
+            hidden = self.model.norm(hidden)
+            return self.lm_head(hidden), hidden
+        return self.lm_head(self.model.norm(hidden)), hidden

@@ -1,0 +1,413 @@
+"""EAGLE-3 draft training (``automodel finetune eagle3``; upstream's ``TrainEagle3Recipe``).
+
+The ``model`` section is the target: built as the next-token recipe builds it, frozen, and run on every batch for
+its hidden states (three layers, ``eagle3.aux_layer_ids``) and logits. The trained model is the draft
+(:mod:`automodel_llm.eagle3.draft`), which the engine shards, checkpoints, resumes and writes to ``model/`` like any
+model: a directory SGLang and vLLM serve as the speculative model of that target. Its vocabulary is the training
+data's most frequent label tokens (``eagle3.draft_vocab_size``), chosen when the data set is built (or read from
+``eagle3.selected_token_ids_path``) and saved with the weights (``d2t`` / ``t2d``), so a resumed run keeps it.
+
+Upstream's form, ``recipe_args:`` with ``optimizer: {lr, betas, weight_decay, warmup_ratio, min_lr_ratio}``,
+``checkpoint:``, ``dist_env:`` and ``distributed:``, is read as the sections its keys stand for
+(:data:`RECIPE_ARGS`); what needs what this build does not have is refused with the reason.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from automodel.config import ArgumentsFor, Config, FieldErrors, KeyAlias, Target
+from automodel.errors import AutomodelError, ConfigIssue
+from automodel.meta_build import building_whole
+from automodel.training.context import BuildContext
+from automodel.training.dist import all_reduce_sum
+from automodel.training.modules import unwrap
+from automodel.training.parallelism import model_hf_config
+from automodel.training.step_scheduler import StepScheduler
+from automodel_llm.eagle3.draft import ATTENTION, LlamaForCausalLMEagle3, draft_config
+from automodel_llm.eagle3.unroll import (
+    drafted_positions,
+    most_frequent_tokens,
+    read_token_ids,
+    supervised_tokens,
+    write_token_ids,
+)
+from automodel_llm.recipe import DATASETS, FinetuneRecipeForNextTokenPrediction, config_labels_shifted
+
+GPU_ONLY = "needs a CUDA GPU, which this machine lacks"
+CHAT_DATASET = "automodel_llm.datasets.ChatDataset"
+
+
+@dataclass
+class Eagle3Config:
+    ttt_steps: int = field(default=7, metadata={"help": (
+        "steps of the training-time-test unroll: the draft learns to draft that many tokens ahead, feeding itself "
+        "its own hidden states (step k weighs 0.8^k)")})
+    draft_vocab_size: int | None = field(default=None, metadata={"help": (
+        "tokens the draft predicts: the training data's most frequent label tokens (unset: the target's whole "
+        "vocabulary)")})
+    aux_layer_ids: list[int] | None = field(default=None, metadata={"help": (
+        "the three target layers (0-based; their outputs) the draft reads (unset: [1, L/2 - 1, L - 4] of L layers, "
+        "upstream's default)")})
+    freeze_embeddings: bool = field(default=True, metadata={"help": (
+        "the draft's token embeddings, copied from the target, stay frozen (false: trained)")})
+    selected_token_ids_path: str | None = field(default=None, metadata={"help": (
+        "a file of the draft vocabulary (JSON, whatever its name): read when it exists (its sizes must match), else "
+        "written from the data's counts, so later runs skip the count (delete it when the data changes)")})
+    draft_weights_path: str | None = field(default=None, metadata={"help": (
+        "start the draft from a saved one: a draft's model/ directory (or one .safetensors file) of the same "
+        "sizes; its d2t / t2d, when it has them, are the draft vocabulary")})
+    target_force_hf: bool = field(default=True, metadata={"help": (
+        "upstream's choice of transformers' class for the target over its own: true only (the target here is "
+        "transformers' class)")})
+    draft_attn_implementation: str = field(default="eager", metadata={"help": (
+        "the draft's attention: eager or sdpa (the same numbers); flash_attention_2 needs a CUDA GPU")})
+    fc_norm: bool = field(default=False, metadata={"help": (
+        "EAGLE-3.1: an RMSNorm on each of the three target states before they are fused")})
+    norm_output: bool = field(default=False, metadata={"help": (
+        "EAGLE-3.1: the state a step carries to the next is the normed one")})
+
+    def __post_init__(self) -> None:
+        errors = {}
+        if isinstance(self.ttt_steps, bool) or not isinstance(self.ttt_steps, int) or self.ttt_steps < 1:
+            errors["ttt_steps"] = f"expected a whole number >= 1, found {self.ttt_steps!r}"
+        size = self.draft_vocab_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            errors["draft_vocab_size"] = f"expected a whole number >= 1, found {size!r}"
+        ids = self.aux_layer_ids
+        if ids is not None and (not isinstance(ids, list) or len(ids) != 3 or len(set(ids)) != 3 or not all(
+                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)):
+            errors["aux_layer_ids"] = f"expected three different layer indices >= 0, found {ids!r}"
+        if self.draft_attn_implementation == "flash_attention_2":
+            errors["draft_attn_implementation"] = f"flash_attention_2 {GPU_ONLY}; use eager or sdpa (the same numbers)"
+        elif self.draft_attn_implementation not in ATTENTION:
+            errors["draft_attn_implementation"] = f"expected eager or sdpa, found {self.draft_attn_implementation!r}"
+        if self.target_force_hf is not True:
+            errors["target_force_hf"] = (f"{self.target_force_hf!r}: upstream's own target model classes are not "
+                                         "built here; the target is transformers' class (true)")
+        if errors:
+            raise FieldErrors(errors)
+
+
+def default_aux_layers(layers: int) -> list[int]:
+    """Upstream's low, middle and high layers of a target of ``layers`` layers (the outputs of these)."""
+    return [1, layers // 2 - 1, layers - 4]
+
+
+def aux_layer_issue(ids: list[int] | None, layers: int, given: bool) -> str | None:
+    chosen = ids if given else default_aux_layers(layers)
+    if all(0 <= i < layers for i in chosen) and len(set(chosen)) == 3:
+        return None
+    if given:
+        return f"{ids}: the target has {layers} layers (0..{layers - 1}): name three different ones"
+    return (f"unset, and the default {chosen} does not fit a target of {layers} layers: name three different layers "
+            f"(0..{layers - 1})")
+
+
+def warmup_cosine(optimizer: torch.optim.Optimizer, total_steps: int, warmup_ratio: float = 0.05,
+                  min_lr_ratio: float = 0.1) -> torch.optim.lr_scheduler.LambdaLR:
+    """Upstream's EAGLE schedule: the learning rate rises linearly over ``warmup_ratio`` of the run's steps (at
+    least one), step ``s`` (from 0) at ``(s + 1) / warmup`` of the peak, then falls along a cosine to ``min_lr_ratio``
+    of it at the run's last step."""
+    if not 0 <= warmup_ratio <= 1 or not 0 <= min_lr_ratio <= 1:
+        raise AutomodelError(f"lr_scheduler: warmup_ratio {warmup_ratio} and min_lr_ratio {min_lr_ratio} must each "
+                             "be in [0, 1]")
+    warmup = max(1, int(warmup_ratio * total_steps))
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(max((step - warmup) / max(1, total_steps - warmup), 0.0), 1.0)
+        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def load_draft_weights(draft: LlamaForCausalLMEagle3, path: Path) -> bool:
+    """Load a saved draft's weights (safetensors only) into ``draft``; whether they carried its vocabulary."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    if not files or not all(f.is_file() for f in files):
+        raise AutomodelError(f"eagle3.draft_weights_path: {path} holds no .safetensors file (name a draft's model/ "
+                             "directory or its model.safetensors)")
+    try:
+        weights = {name: tensor for f in files for name, tensor in load_file(f).items()}
+    except (SafetensorError, OSError) as err:
+        raise AutomodelError(f"eagle3.draft_weights_path: {path}: {err}") from None
+    own = draft.state_dict()
+    missing = sorted(set(own) - set(weights) - {"d2t", "t2d"})
+    unknown = sorted(set(weights) - set(own))
+    wrong = sorted(name for name in set(weights) & set(own) if weights[name].shape != own[name].shape)
+    if missing or unknown or wrong:
+        raise AutomodelError(f"eagle3.draft_weights_path: {path} is not a draft of this one's sizes: missing "
+                             f"{missing[:3]}, unknown {unknown[:3]}, other shapes {wrong[:3]} (the target, "
+                             "draft_vocab_size and fc_norm must be the saved draft's)")
+    draft.load_state_dict(weights, strict=False)
+    return "d2t" in weights and "t2d" in weights
+
+
+class EpochEndValidation(StepScheduler):
+    """Validates after each epoch's last step too (upstream's EAGLE rule, where no val_check_interval is set)."""
+
+    def is_val_step(self) -> bool:
+        return super().is_val_step() or self.is_epoch_end()
+
+
+_TARGET_SERVERS = ("serves the target from {name} on GPUs for the draft's training, which this build does not: "
+                   "remove it (the target runs in the training processes, upstream's colocated backend)")
+_NOT_BUILT = "{what}, which is not built here: remove it"
+# upstream's recipe_args: each key -> the key it stands for here, or why it is refused
+RECIPE_ARGS = ArgumentsFor(
+    None,
+    keys={"target_model_name_or_path": "model.pretrained_model_name_or_path",
+          "trust_remote_code": "model.trust_remote_code",
+          "target_attn_implementation": "model.attn_implementation",
+          "train_data_path": "dataset.path_or_dataset_id", "train_split": "dataset.split",
+          "val_data_path": "validation_dataset.path_or_dataset_id", "val_split": "validation_dataset.split",
+          "seq_length": ("dataset.seq_length", "validation_dataset.seq_length"),
+          "mask_reasoning_content": ("dataset.mask_reasoning_content", "validation_dataset.mask_reasoning_content"),
+          "micro_batch_size": "step_scheduler.local_batch_size",
+          "grad_accumulation_steps": "step_scheduler.grad_accumulation_steps",
+          "num_epochs": "step_scheduler.num_epochs", "log_every_steps": "step_scheduler.log_interval",
+          "ckpt_every_steps": "step_scheduler.checkpoint_interval",
+          "save_checkpoint_every_epoch": "step_scheduler.save_checkpoint_every_epoch",
+          "max_grad_norm": "clip_grad_norm.max_norm", "num_workers": "dataloader.num_workers",
+          "shuffle_seed": "rng.seed", "packed_sequence_size": "packed_sequence.packed_sequence_size",
+          **{key: f"eagle3.{key}" for key in ("ttt_steps", "draft_vocab_size", "aux_layer_ids", "freeze_embeddings",
+                                              "selected_token_ids_path", "draft_attn_implementation", "fc_norm",
+                                              "norm_output", "draft_weights_path", "target_force_hf")}},
+    implies={"output_dir": (("checkpoint.checkpoint_dir", lambda out: f"{out}/checkpoints"),),
+             # upstream's EAGLE data cuts a longer conversation to seq_length
+             "seq_length": (("dataset.truncation", True), ("validation_dataset.truncation", True))},
+    refused={"cached_target_path": _NOT_BUILT.format(what="a target's supervision precomputed to disk (upstream's "
+                                                          "offline path, precompute_eagle3)"),
+             "target_model_backend": _TARGET_SERVERS.format(name="another backend (sglang, vllm, remote)"),
+             "sglang_args": _TARGET_SERVERS.format(name="SGLang"), "vllm_args": _TARGET_SERVERS.format(name="vLLM"),
+             **dict.fromkeys(("remote_url", "remote_urls", "remote_timeout", "remote_max_retries",
+                              "target_prefetch_depth"), _TARGET_SERVERS.format(name="remote servers")),
+             **dict.fromkeys(("target_experts", "target_dispatcher", "target_attn_backend",
+                              "target_enable_fsdp_optimizations"),
+                             f"upstream's MoE / Transformer Engine kernels for the target {GPU_ONLY}: remove it"),
+             "parallel_drafting": _NOT_BUILT.format(what="P-EAGLE's parallel drafting"),
+             "num_depths": _NOT_BUILT.format(what="P-EAGLE's parallel drafting depths"),
+             "lk_loss_type": _NOT_BUILT.format(what="the acceptance-rate (LK) loss"),
+             "lk_kl_scale": _NOT_BUILT.format(what="the acceptance-rate (LK) loss"),
+             "lk_kl_decay": _NOT_BUILT.format(what="the acceptance-rate (LK) loss"),
+             "cp_zigzag": "a layout of the draft's context parallelism, which this recipe does not run: remove it",
+             "draft_gradient_checkpointing": _NOT_BUILT.format(what="activation checkpointing of the one-layer draft"),
+             "compile": _NOT_BUILT.format(what="torch.compile of the draft"),
+             "train_shuffle": "false reads the data in order; the data order here is the seeded shuffle of every "
+                              "recipe: remove it",
+             "wandb": "Weights & Biases settings: give them in the top-level wandb: section (logging)"},
+    help="upstream's TrainEagle3Recipe arguments, each standing for the key of the same meaning here")
+
+
+class Eagle3Recipe(FinetuneRecipeForNextTokenPrediction):
+    """Trains an EAGLE-3 draft (the run's model) against the frozen ``model`` section's target."""
+
+    adds_mtp_loss = False
+    tensor_parallel_unsupported = ("the target and the draft run whole on every rank here (the draft is one layer); "
+                                   "use tp_size: 1")
+    pipeline_parallel_unsupported = "the draft is one layer, which pipeline stages cannot split; use pp_size: 1"
+    context_parallel_unsupported = ("the unroll shifts whole sequences each step, which context parallelism splits "
+                                    "over ranks; use cp_size: 1")
+    encoder_decoder_unsupported = "EAGLE-3 drafts for a causal target; the target is an encoder-decoder"
+    sections: ClassVar[dict] = {
+        "model": Target("the frozen target model: {_target_: ..., ...} (default: AutoModelForCausalLM."
+                        "from_pretrained)", required=True, plain=True,
+                        default_target="automodel_llm.AutoModelForCausalLM.from_pretrained"),
+        "dataset": Target("the training conversations (default: ChatDataset)", required=True,
+                          runtime_args=("tokenizer",), documented_targets=DATASETS, plain=True,
+                          default_target=CHAT_DATASET),
+        "validation_dataset": Target("validation conversations (default: ChatDataset); without val_check_interval "
+                                     "validated after each epoch", runtime_args=("tokenizer",),
+                                     documented_targets=DATASETS, plain=True, default_target=CHAT_DATASET),
+        "eagle3": Eagle3Config,
+        "recipe_args": RECIPE_ARGS,
+        "optimizer": Target("the draft's optimizer (default: AdamW, betas [0.9, 0.95], weight decay 0, upstream's)",
+                            runtime_args=("params", "model"), plain=True, default_target="torch.optim.AdamW",
+                            default={"_target_": "torch.optim.AdamW", "lr": 1e-4, "betas": [0.9, 0.95],
+                                     "weight_decay": 0.0}),
+        "lr_scheduler": Target("the schedule (default: upstream's EAGLE warmup and cosine: warmup_ratio 0.05, "
+                               "min_lr_ratio 0.1)", runtime_args=("optimizer", "total_steps"), plain=True,
+                               default_target="automodel_llm.eagle3.recipe.warmup_cosine", default={}),
+        "optimizer.warmup_ratio": KeyAlias("lr_scheduler.warmup_ratio", "upstream's place for the schedule's "
+                                           "warmup fraction"),
+        "optimizer.min_lr_ratio": KeyAlias("lr_scheduler.min_lr_ratio", "upstream's place for the schedule's "
+                                           "floor"),
+    }
+    target: torch.nn.Module
+    ttt_steps: int
+    aux_layer_ids: list[int]
+
+    @classmethod
+    def check_config(cls, cfg: Config) -> list[ConfigIssue]:
+        issues = list(super().check_config(cfg))
+        for key in ("eval_generation", "tool_call_eval", "neftune", "embedding_row_repair", "moe_metrics"):
+            node = cfg.get(key) if key in cfg else None
+            if node is not None and getattr(node, "enabled", True) and (key != "neftune" or node.noise_alpha):
+                issues.append(ConfigIssue(key, "acts on the trained model, which is the draft here (it neither "
+                                          "generates text alone nor has experts); remove the section"))
+        for key, why in (("peft", "LoRA on the draft is not built here (the draft, one layer, trains whole; "
+                                  "upstream's LoRA runs save an adapter that must be merged before serving)"),
+                         ("loss_fn", "the loss is EAGLE-3's soft cross entropy against the target's distribution"),
+                         ("freeze", "the draft trains whole but for its embeddings (eagle3.freeze_embeddings)"),
+                         ("qat", "quantisation-aware training of the draft is not built here")):
+            node = cfg.get(key) if key in cfg else None
+            if node is not None and getattr(node, "enabled", True) is not False:
+                issues.append(ConfigIssue(key, f"{why}: remove the section"))
+        ep_size = getattr(cfg.distributed, "ep_size", None) or 1
+        if ep_size > 1:
+            issues.append(ConfigIssue("distributed.ep_size", f"{ep_size}: upstream splits a mixture-of-experts "
+                                      "target's experts over the ranks; the target here is a whole frozen copy on "
+                                      "each rank (and the draft has no experts): use ep_size: 1"))
+        settings = cfg.get("eagle3")  # None: the section was refused (its issues are reported)
+        target = model_hf_config(cfg)
+        if settings is not None and target is not None:
+            text = target.get_text_config() if hasattr(target, "get_text_config") else target
+            issues += cls.target_issues(settings, text)
+        return issues
+
+    @classmethod
+    def target_issues(cls, settings: Eagle3Config, text: Any) -> list[ConfigIssue]:
+        issues = []
+        layers, vocab = getattr(text, "num_hidden_layers", None), getattr(text, "vocab_size", None)
+        if isinstance(layers, int):
+            why = aux_layer_issue(settings.aux_layer_ids, layers, settings.aux_layer_ids is not None)
+            if why:
+                issues.append(ConfigIssue("eagle3.aux_layer_ids", why))
+        size = settings.draft_vocab_size
+        if isinstance(vocab, int) and size is not None and size > vocab:
+            issues.append(ConfigIssue("eagle3.draft_vocab_size", f"{size} is more than the target's {vocab} tokens"))
+        return issues
+
+    # ---- building ---------------------------------------------------------------------------------------------
+
+    def build_model(self, ctx: BuildContext) -> torch.nn.Module:
+        """The frozen target (kept as ``self.target``, whole on every rank) and the draft made for it, which is what
+        this returns: the run's model."""
+        settings = self.cfg.get("eagle3") or Eagle3Config()
+        with building_whole():
+            target = super().build_model(ctx)
+        target.to(ctx.device).eval().requires_grad_(False)
+        self.target = target
+        text = target.config.get_text_config()
+        if settings.aux_layer_ids is None and (why := aux_layer_issue(None, text.num_hidden_layers, False)):
+            raise AutomodelError(f"eagle3.aux_layer_ids: {why}")
+        self.aux_layer_ids = list(settings.aux_layer_ids or default_aux_layers(text.num_hidden_layers))
+        self.ttt_steps = settings.ttt_steps
+        size = settings.draft_vocab_size or text.vocab_size
+        config = draft_config(text, size, self.aux_layer_ids, settings.draft_attn_implementation, settings.fc_norm,
+                              settings.norm_output)
+        draft = LlamaForCausalLMEagle3(config)
+        embeddings = target.get_input_embeddings().weight
+        with torch.no_grad():
+            draft.model.embed_tokens.weight.copy_(embeddings.detach().to(draft.model.embed_tokens.weight.dtype))
+        draft.model.embed_tokens.weight.requires_grad_(not settings.freeze_embeddings)
+        self.warm_vocabulary = False
+        if settings.draft_weights_path:
+            self.warm_vocabulary = load_draft_weights(draft, Path(settings.draft_weights_path))
+            self.log(f"draft: started from the weights in {settings.draft_weights_path}"
+                     + (" (their draft vocabulary too)" if self.warm_vocabulary else ""))
+        self.log(f"EAGLE-3: a one-layer draft for the frozen target {type(target).__name__} ({text.num_hidden_layers} "
+                 f"layers; the draft reads the outputs of layers {self.aux_layer_ids}), {self.ttt_steps} unrolled "
+                 f"steps, draft vocabulary {size} of {text.vocab_size} tokens, embeddings "
+                 f"{'frozen' if settings.freeze_embeddings else 'trained'}")
+        return draft
+
+    def build_dataset(self, ctx: BuildContext, node: Any) -> Any:
+        """The data set; the training one also sets the draft's vocabulary."""
+        dataset = super().build_dataset(ctx, node)
+        if node is not None and node.key == "dataset":
+            self.choose_vocabulary(dataset)
+        return dataset
+
+    def choose_vocabulary(self, dataset: Any) -> None:
+        """The draft vocabulary: the one of the weights ``draft_weights_path`` started the draft from, else the
+        file ``selected_token_ids_path`` names when it exists, else the training data's most frequent label tokens.
+        A given ``selected_token_ids_path`` that does not exist yet is then written (rank 0); one that exists must
+        agree with warm-start weights. A resumed run's checkpoint restores the vocabulary it trained with over this."""
+        draft: LlamaForCausalLMEagle3 = unwrap(self.model)
+        settings = self.cfg.get("eagle3") or Eagle3Config()
+        size, vocab = draft.config.draft_vocab_size, draft.config.vocab_size
+        path = Path(settings.selected_token_ids_path) if settings.selected_token_ids_path else None
+        stored = read_token_ids(path, size, vocab) if path is not None and path.is_file() else None
+        if self.warm_vocabulary:
+            ids = draft.draft_token_ids().cpu()
+            if stored is not None and not torch.equal(stored, ids):
+                raise AutomodelError(f"eagle3.selected_token_ids_path: {path} is not the draft vocabulary of the "
+                                     f"weights in {settings.draft_weights_path}: name the file their run wrote")
+        elif stored is not None:
+            ids = stored
+            self.log(f"draft vocabulary: {size} tokens read from {path}")
+        else:
+            offset = 0 if config_labels_shifted(self.cfg) else 1
+            ids = most_frequent_tokens((dataset[i] for i in range(len(dataset))), size, vocab, offset)
+            self.log(f"draft vocabulary: the {size} most frequent label tokens of {len(dataset)} training samples")
+        if path is not None and stored is None and self.is_main_process:
+            write_token_ids(path, ids, vocab)
+            self.log(f"draft vocabulary written to {path} (later runs read it)")
+        draft.set_vocabulary(ids)
+
+    def build_step_scheduler(self, ctx: BuildContext, steps_per_epoch: int | None) -> StepScheduler:
+        if self.val_dataloaders and self.cfg.step_scheduler.val_check_interval is None:
+            return EpochEndValidation(self.cfg.step_scheduler, ctx.batch.grad_accumulation_steps, steps_per_epoch)
+        return super().build_step_scheduler(ctx, steps_per_epoch)
+
+    # ---- the loss ---------------------------------------------------------------------------------------------
+
+    def count_label_tokens(self, batch: dict[str, torch.Tensor]) -> int:
+        return drafted_positions(supervised_tokens(batch["labels"], self.label_offset), batch.get("position_ids"))
+
+    def compute_loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """EAGLE-3's loss of the batch (summed over the drafted positions, as the engine's losses are); each
+        unrolled step's is logged as ``loss_ttt<k>``, the validation's accuracy counted for
+        :meth:`extra_validation_metrics`."""
+        ids, positions = batch["input_ids"], batch.get("position_ids")
+        supervised = supervised_tokens(batch["labels"], self.label_offset).to(ids.device)
+        with torch.no_grad():  # packed rows: transformers keeps attention within each sample by position_ids
+            out = self.target(input_ids=ids, attention_mask=batch.get("attention_mask"), position_ids=positions,
+                              output_hidden_states=True, use_cache=False)
+        aux = torch.cat([out.hidden_states[i + 1] for i in self.aux_layer_ids], dim=-1)
+        sums = model(input_ids=ids, supervised=supervised, aux_states=aux, target_logits=out.logits,
+                     steps=self.ttt_steps, position_ids=positions)
+        if model.training:
+            for k, value in enumerate(sums.step_losses):
+                self.add_loss_part(f"ttt{k}", value)
+        else:
+            counts = torch.stack([torch.stack(getattr(sums, name)) for name in
+                                  ("correct", "counted", "chain_hits", "chains")])
+            self.validation_counts = counts if self.validation_counts is None else self.validation_counts + counts
+        return sums.loss
+
+    validation_counts: torch.Tensor | None = None
+
+    def extra_validation_metrics(self, name: str, dataloader: Any) -> dict[str, float]:
+        """Over the validation set: ``accuracy`` (the draft's greedy token is the target's, over every step's
+        counted slots), ``accuracy_ttt<k>`` per step, and ``accept_length``, the tokens one verification would
+        accept under greedy chain drafting (``1 + sum_k P(the first k + 1 drafts are all right)``, upstream's
+        simulated accept length)."""
+        counts, self.validation_counts = self.validation_counts, None
+        if counts is None:
+            return {}
+        if self.ctx.mesh.dp > 1:
+            summed = all_reduce_sum(*counts.flatten(), device=self.device, group=self.data_parallel_group())
+            counts = torch.stack(summed).reshape(counts.shape)
+        correct, counted, chain_hits, chains = counts.double()
+        metrics = {"accuracy": (correct.sum() / counted.sum().clamp_min(1)).item(),
+                   "accept_length": (1 + (chain_hits / chains.clamp_min(1)).sum()).item()}
+        metrics |= {f"accuracy_ttt{k}": (correct[k] / counted[k].clamp_min(1)).item() for k in range(len(correct))}
+        return metrics
+
+    def final_message(self, model_dir: Path) -> str:
+        return (f"the EAGLE-3 draft is in {model_dir} ({LlamaForCausalLMEagle3.__name__}): serve it as the "
+                f"speculative model of its target, e.g. vllm serve TARGET --speculative-config "
+                f"'{{\"method\": \"eagle3\", \"model\": \"{model_dir}\", \"num_speculative_tokens\": "
+                f"{self.ttt_steps}}}'")
