@@ -24,12 +24,14 @@ from automodel_llm.eagle3.unroll import most_frequent_tokens, read_token_ids, wr
 
 CHAT = ASSETS / "tiny_chat"
 AUX = [0, 2, 3]  # of the 5-layer target
-# SGLang's and vLLM's LlamaForCausalLMEagle3 weight names (upstream's draft_llama.py documents the same list)
-LAYOUT = {"model.embed_tokens.weight", "model.fc.weight", "model.layers.0.input_layernorm.weight",
-          "model.layers.0.hidden_norm.weight", "model.layers.0.post_attention_layernorm.weight",
-          *(f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkvo"),
-          *(f"model.layers.0.mlp.{p}_proj.weight" for p in ("gate", "up", "down")),
-          "model.norm.weight", "lm_head.weight", "d2t", "t2d"}
+# The names SGLang's and vLLM's LlamaForCausalLMEagle3 loaders read from a draft's directory (the EAGLE-3 authors' and
+# SpecForge's layout): both add their own "model." to every name but lm_head and the vocabulary maps (a saved
+# "model.fc.weight" would be looked up as model.model.fc), and SGLang's module holds the layer as "midlayer" (vLLM
+# maps "midlayer." to its layers.0).
+LAYOUT = {"embed_tokens.weight", "fc.weight", "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
+          "midlayer.post_attention_layernorm.weight", *(f"midlayer.self_attn.{p}_proj.weight" for p in "qkvo"),
+          *(f"midlayer.mlp.{p}_proj.weight" for p in ("gate", "up", "down")), "norm.weight", "lm_head.weight", "d2t",
+          "t2d"}
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +109,7 @@ def test_the_draft_is_written_as_sglang_and_vllm_load_an_eagle3_model(trained, t
     with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
         assert set(f.keys()) == LAYOUT
         assert f.get_slice("lm_head.weight").get_shape() == [64, 128]
-        assert f.get_slice("model.fc.weight").get_shape() == [128, 3 * 128]
+        assert f.get_slice("fc.weight").get_shape() == [128, 3 * 128]
     config = json.loads((model_dir / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"]
     assert (config["model_type"], config["num_hidden_layers"], config["draft_vocab_size"]) == ("llama", 1, 64)
@@ -182,7 +184,7 @@ def test_upstreams_recipe_args_form_runs(target, tmp_path):
     assert config["fc_norm"] is True and config["norm_output"] is True and config["draft_vocab_size"] == 32
     draft = LlamaForCausalLMEagle3.from_pretrained(str(model_dir))
     assert torch.equal(draft.draft_token_ids(), torch.tensor(vocabulary["token_ids"]))
-    assert len(draft.model.fc_norm) == 3
+    assert len(draft.fc_norm) == 3
     assert (run_dir / "epoch_0_step_4").is_dir()  # ckpt_every_steps
 
 

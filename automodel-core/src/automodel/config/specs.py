@@ -85,8 +85,8 @@ class ArgumentsFor:
     where the config gives that section or the first pass set it), refusing a value that differs from one the config
     gives there, a key of ``refused`` with its reason, any other key, and any other ``_target_``. ``implies``: more
     dotted keys a key sets where the config does not give them, each to a value or to ``function(value)`` (the
-    first always, the others where their section is given). A null value is upstream's "not set": it sets
-    nothing."""
+    first always, the others where their section is given). A null value of a key that stands for others is
+    upstream's "not set": it sets nothing; a refused or unknown key is refused whatever its value."""
 
     target: str | None
     keys: Mapping[str, str | tuple[str, ...]] = field(default_factory=dict, hash=False)
@@ -175,7 +175,7 @@ def apply_arguments_for(data: dict, sections: dict[str, SectionSpec], issues: li
             continue
         later, implied = [], []
         for key, value in node.items():
-            if key == "_target_" or value is None:
+            if key == "_target_":
                 continue
             if key in spec.refused:
                 issues.append(ConfigIssue(f"{name}.{key}", spec.refused[key]))
@@ -183,6 +183,8 @@ def apply_arguments_for(data: dict, sections: dict[str, SectionSpec], issues: li
                 issues.append(ConfigIssue(f"{name}.{key}", f"not {_arguments_of(spec)} taken here (they are: "
                                           f"{', '.join([*spec.keys, *(k for k in spec.implies if k not in spec.keys)])}"
                                           ")"))
+                continue
+            if value is None:  # upstream's "not set"
                 continue
             if key in spec.keys:
                 first, *others = spec.homes(key)

@@ -2,13 +2,15 @@
 states of three of its layers and the embedding of the next token, and predicts the token after it over a smaller
 draft vocabulary.
 
-The weights are laid out as SGLang's and vLLM's ``LlamaForCausalLMEagle3`` load them (and as upstream NeMo
-AutoModel saves them): ``model.embed_tokens``, ``model.fc`` (the fused target states, ``3 x target_hidden_size`` ->
-``hidden_size``), ``model.layers.0.{input_layernorm, hidden_norm, self_attn.*, post_attention_layernorm, mlp.*}``,
-``model.norm``, ``lm_head`` (``hidden_size`` -> ``draft_vocab_size``), and the vocabulary maps ``d2t`` (a draft id
-``i`` is target id ``i + d2t[i]``) and ``t2d`` (whether a target id is in the draft vocabulary). EAGLE-3.1's
-``fc_norm`` (an RMSNorm per fused state, ``model.fc_norm.{0,1,2}``) and ``norm_output`` (the carried hidden state is
-the normed one) are options of the config.
+The weights are named as SGLang's and vLLM's ``LlamaForCausalLMEagle3`` loaders read them from a directory (the
+layout of the EAGLE-3 authors' and SpecForge's drafts): ``embed_tokens``, ``fc`` (the fused target states,
+``3 x target_hidden_size`` -> ``hidden_size``), ``midlayer.{input_layernorm, hidden_norm, self_attn.*,
+post_attention_layernorm, mlp.*}``, ``norm``, ``lm_head`` (``hidden_size`` -> ``draft_vocab_size``), and the
+vocabulary maps ``d2t`` (a draft id ``i`` is target id ``i + d2t[i]``) and ``t2d`` (whether a target id is in the
+draft vocabulary). Both loaders add their own ``model.`` to every name but ``lm_head`` and the maps (upstream NeMo
+AutoModel saves its ``model.``-prefixed names and strips them in an export step; these need none). EAGLE-3.1's
+``fc_norm`` (an RMSNorm per fused state, ``fc_norm.{0,1,2}``) and ``norm_output`` (the carried hidden state is the
+normed one) are options of the config.
 
 Training-time test: step ``k`` of the unroll feeds the draft its own hidden states of step ``k - 1``; its attention
 sees the step-0 keys causally and, at its own position only, the keys of steps ``1..k``
@@ -141,32 +143,26 @@ class DraftLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
-class DraftBody(nn.Module):
+class LlamaForCausalLMEagle3(PreTrainedModel):
+    """The draft. :meth:`fuse` turns the target's three hidden states into the first carried state;
+    :meth:`forward` is one step of the unroll (the caller keeps ``cache`` across the steps of one batch)."""
+
+    config_class = LlamaConfig
+    base_model_prefix = ""
+    _no_split_modules = ["DraftLayer"]
+    _supports_sdpa = True
+
     def __init__(self, config: LlamaConfig):
-        super().__init__()
+        super().__init__(config)
         target_hidden = config.target_hidden_size
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.fc = nn.Linear(AUX_STATES * target_hidden, config.hidden_size, bias=False)
         if config.fc_norm:
             self.fc_norm = nn.ModuleList(LlamaRMSNorm(target_hidden, eps=config.rms_norm_eps)
                                          for _ in range(AUX_STATES))
-        self.layers = nn.ModuleList([DraftLayer(config)])
+        self.midlayer = DraftLayer(config)
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(config)
-
-
-class LlamaForCausalLMEagle3(PreTrainedModel):
-    """The draft. :meth:`fuse` turns the target's three hidden states into the first carried state;
-    :meth:`forward` is one step of the unroll (the caller keeps ``cache`` across the steps of one batch)."""
-
-    config_class = LlamaConfig
-    base_model_prefix = "model"
-    _no_split_modules = ["DraftLayer"]
-    _supports_sdpa = True
-
-    def __init__(self, config: LlamaConfig):
-        super().__init__(config)
-        self.model = DraftBody(config)
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
@@ -188,8 +184,8 @@ class LlamaForCausalLMEagle3(PreTrainedModel):
         """``[batch, seq, 3 x target_hidden]`` -> the first carried state ``[batch, seq, hidden]``."""
         if self.config.fc_norm:
             parts = aux_states.chunk(AUX_STATES, dim=-1)
-            aux_states = torch.cat([norm(part) for norm, part in zip(self.model.fc_norm, parts, strict=True)], dim=-1)
-        return self.model.fc(aux_states)
+            aux_states = torch.cat([norm(part) for norm, part in zip(self.fc_norm, parts, strict=True)], dim=-1)
+        return self.fc(aux_states)
 
     def forward(self, input_ids: torch.Tensor, supervised: torch.Tensor, aux_states: torch.Tensor,
                 target_logits: torch.Tensor, steps: int, position_ids: torch.Tensor | None = None) -> UnrollSums:
@@ -201,10 +197,10 @@ class LlamaForCausalLMEagle3(PreTrainedModel):
              cache: tuple[list[torch.Tensor], list[torch.Tensor]], visible: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor]:
         """One step: ``(logits over the draft vocabulary, the state the next step carries)``."""
-        embeds = self.model.embed_tokens(input_ids).to(hidden.dtype)
-        rotary = self.model.rotary_emb(hidden, position_ids)
-        hidden = self.model.layers[0](embeds, hidden, rotary, cache, visible)
+        embeds = self.embed_tokens(input_ids).to(hidden.dtype)
+        rotary = self.rotary_emb(hidden, position_ids)
+        hidden = self.midlayer(embeds, hidden, rotary, cache, visible)
         if self.config.norm_output:
-            hidden = self.model.norm(hidden)
+            hidden = self.norm(hidden)
             return self.lm_head(hidden), hidden
-        return self.lm_head(self.model.norm(hidden)), hidden
+        return self.lm_head(self.norm(hidden)), hidden

@@ -309,8 +309,8 @@ class Eagle3Recipe(FinetuneRecipeForNextTokenPrediction):
         draft = LlamaForCausalLMEagle3(config)
         embeddings = target.get_input_embeddings().weight
         with torch.no_grad():
-            draft.model.embed_tokens.weight.copy_(embeddings.detach().to(draft.model.embed_tokens.weight.dtype))
-        draft.model.embed_tokens.weight.requires_grad_(not settings.freeze_embeddings)
+            draft.embed_tokens.weight.copy_(embeddings.detach().to(draft.embed_tokens.weight.dtype))
+        draft.embed_tokens.weight.requires_grad_(not settings.freeze_embeddings)
         self.warm_vocabulary = False
         if settings.draft_weights_path:
             self.warm_vocabulary = load_draft_weights(draft, Path(settings.draft_weights_path))

@@ -79,7 +79,7 @@ def unroll(draft: Any, input_ids: torch.Tensor, supervised: torch.Tensor, aux_st
     else:
         docs = documents(position_ids)
         visible = visible & (docs[:, None, :, None] == docs[:, None, None, :])
-    hidden = draft.fuse(aux_states.to(draft.model.fc.weight.dtype))
+    hidden = draft.fuse(aux_states.to(draft.fc.weight.dtype))
     cache: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
     total_weight = sum(DECAY ** k for k in range(steps))
     sums = UnrollSums(loss=hidden.new_zeros((), dtype=torch.float32))
