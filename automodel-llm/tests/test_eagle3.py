@@ -144,6 +144,27 @@ def test_a_resumed_run_trains_as_the_uninterrupted_one(target, tmp_path):
     assert len(whole) == 4 and cut == pytest.approx(whole, rel=1e-5)
 
 
+def test_a_draft_saved_in_shards_exports_to_the_same_files(target, tmp_path):
+    """checkpoint.save_consolidated: false, then `automodel export`: the consolidated run's tensors, named as
+    served, and the command says how the draft is used."""
+    from safetensors.torch import load_file
+
+    steps = {"max_steps": 2, "val_check_interval": None, "val_at_start": False, "checkpoint_interval": 2}
+    cfg = eagle_config(tmp_path / "eagle.yaml", target, tmp_path / "whole", step_scheduler=steps,
+                       validation_dataset=None)
+    run_eagle(cfg, tmp_path)
+    log = run_eagle(cfg, tmp_path, "--checkpoint.checkpoint_dir", tmp_path / "shards",
+                    "--checkpoint.save_consolidated", "false")
+    assert "automodel export" in log.splitlines()[-1]
+    result = run_cli("export", tmp_path / "shards", tmp_path / "exported", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "an EAGLE-3 draft (LlamaForCausalLMEagle3): serve it" in result.stdout
+    exported = load_file(str(tmp_path / "exported" / "model.safetensors"))
+    whole = load_file(str(next((tmp_path / "whole").glob("epoch_*_step_2")) / "model" / "model.safetensors"))
+    assert set(exported) == LAYOUT == set(whole)
+    assert all(torch.equal(exported[name], whole[name]) for name in LAYOUT)
+
+
 def test_upstreams_recipe_args_form_runs(target, tmp_path):
     """A project-written config in upstream's form: recipe_args for every mapped key, optimizer with the
     schedule's keys, checkpoint and dist_env; run with `automodel run -c`."""

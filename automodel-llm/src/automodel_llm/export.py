@@ -92,7 +92,22 @@ def export(checkpoint: str, output: str, force: bool) -> None:
     if out.exists():
         shutil.rmtree(out)
     staging.rename(out)
-    click.echo(f"exported {source} to {out} (load with {loading_auto_class(out)}.from_pretrained('{out}'))")
+    click.echo(f"exported {source} to {out} ({_use_of(out)})")
+
+
+def _use_of(model_dir: Path) -> str:
+    """How the exported model is used: an EAGLE-3 draft is served beside its target; any other is loaded with the
+    Auto class of its architecture."""
+    from automodel_llm.eagle3.draft import ARCHITECTURE
+
+    try:
+        architectures = json.loads((model_dir / "config.json").read_text(encoding="utf-8")).get("architectures")
+    except (OSError, ValueError):
+        architectures = None
+    if architectures == [ARCHITECTURE]:
+        return (f"an EAGLE-3 draft ({ARCHITECTURE}): serve it as the speculative model beside its target with SGLang "
+                "or vLLM")
+    return f"load with {loading_auto_class(model_dir)}.from_pretrained('{model_dir}')"
 
 
 def _adapter_recipe(adapter_dir: Path, data: dict, manager: Any) -> type:

@@ -407,6 +407,8 @@ class Eagle3Recipe(FinetuneRecipeForNextTokenPrediction):
         return metrics
 
     def final_message(self, model_dir: Path) -> str:
+        if not model_dir.is_dir():  # saved sharded only: the base message says how to export it
+            return super().final_message(model_dir)
         return (f"the EAGLE-3 draft is in {model_dir} ({LlamaForCausalLMEagle3.__name__}): serve it as the "
                 f"speculative model of its target, e.g. vllm serve TARGET --speculative-config "
                 f"'{{\"method\": \"eagle3\", \"model\": \"{model_dir}\", \"num_speculative_tokens\": "
