@@ -30,7 +30,6 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEm
 from automodel_llm.eagle3.unroll import UnrollSums, unroll
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"  # what SGLang and vLLM serve an EAGLE-3 draft as
-ATTENTION = ("eager", "sdpa")  # the draft attentions built here (both give the same numbers)
 AUX_STATES = 3  # EAGLE-3 fuses the target's low, middle and high layers
 # what the draft takes of the target's config: its sizes, activation, norm, positions and special tokens (not the
 # per-layer keys of a hybrid, the experts of a mixture, ...)

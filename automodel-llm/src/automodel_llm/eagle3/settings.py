@@ -1,0 +1,126 @@
+"""The settings of EAGLE-3 draft training: the ``eagle3:`` section, and upstream's ``recipe_args:`` keys, each
+standing for the key of the same meaning here or refused with the reason. Import-light: no torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from automodel.config import ArgumentsFor, FieldErrors
+
+ATTENTION = ("eager", "sdpa")  # the draft attentions built here (both give the same numbers)
+GPU_ONLY = "needs a CUDA GPU, which this machine lacks"
+
+
+@dataclass
+class Eagle3Config:
+    ttt_steps: int = field(default=7, metadata={"help": (
+        "steps of the training-time-test unroll: the draft learns to draft that many tokens ahead, feeding itself "
+        "its own hidden states (step k weighs 0.8^k)")})
+    draft_vocab_size: int | None = field(default=None, metadata={"help": (
+        "tokens the draft predicts: the training data's most frequent label tokens (unset: the target's whole "
+        "vocabulary)")})
+    aux_layer_ids: list[int] | None = field(default=None, metadata={"help": (
+        "the three target layers (0-based; their outputs) the draft reads (unset: [1, L/2 - 1, L - 4] of L layers, "
+        "upstream's default)")})
+    freeze_embeddings: bool = field(default=True, metadata={"help": (
+        "the draft's token embeddings, copied from the target, stay frozen (false: trained)")})
+    selected_token_ids_path: str | None = field(default=None, metadata={"help": (
+        "a file of the draft vocabulary (JSON, whatever its name): read when it exists (its sizes must match), else "
+        "written from the data's counts, so later runs skip the count (delete it when the data changes)")})
+    draft_weights_path: str | None = field(default=None, metadata={"help": (
+        "start the draft from a saved one: a draft's model/ directory (or one .safetensors file) of the same "
+        "sizes; its d2t / t2d, when it has them, are the draft vocabulary")})
+    target_force_hf: bool = field(default=True, metadata={"help": (
+        "upstream's choice of transformers' class for the target over its own: true only (the target here is "
+        "transformers' class)")})
+    draft_attn_implementation: str = field(default="eager", metadata={"help": (
+        "the draft's attention: eager or sdpa (the same numbers); flash_attention_2 needs a CUDA GPU")})
+    fc_norm: bool = field(default=False, metadata={"help": (
+        "EAGLE-3.1: an RMSNorm on each of the three target states before they are fused")})
+    norm_output: bool = field(default=False, metadata={"help": (
+        "EAGLE-3.1: the state a step carries to the next is the normed one")})
+
+    def __post_init__(self) -> None:
+        errors = {}
+        if isinstance(self.ttt_steps, bool) or not isinstance(self.ttt_steps, int) or self.ttt_steps < 1:
+            errors["ttt_steps"] = f"expected a whole number >= 1, found {self.ttt_steps!r}"
+        size = self.draft_vocab_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            errors["draft_vocab_size"] = f"expected a whole number >= 1, found {size!r}"
+        ids = self.aux_layer_ids
+        if ids is not None and (not isinstance(ids, list) or len(ids) != 3 or len(set(ids)) != 3 or not all(
+                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)):
+            errors["aux_layer_ids"] = f"expected three different layer indices >= 0, found {ids!r}"
+        if self.draft_attn_implementation == "flash_attention_2":
+            errors["draft_attn_implementation"] = f"flash_attention_2 {GPU_ONLY}; use eager or sdpa (the same numbers)"
+        elif self.draft_attn_implementation not in ATTENTION:
+            errors["draft_attn_implementation"] = f"expected eager or sdpa, found {self.draft_attn_implementation!r}"
+        if self.target_force_hf is not True:
+            errors["target_force_hf"] = (f"{self.target_force_hf!r}: upstream's own target model classes are not "
+                                         "built here; the target is transformers' class (true)")
+        if errors:
+            raise FieldErrors(errors)
+
+
+def default_aux_layers(layers: int) -> list[int]:
+    """Upstream's low, middle and high layers of a target of ``layers`` layers (the outputs of these)."""
+    return [1, layers // 2 - 1, layers - 4]
+
+
+def aux_layer_issue(ids: list[int] | None, layers: int, given: bool) -> str | None:
+    chosen = ids if given else default_aux_layers(layers)
+    if all(0 <= i < layers for i in chosen) and len(set(chosen)) == 3:
+        return None
+    if given:
+        return f"{ids}: the target has {layers} layers (0..{layers - 1}): name three different ones"
+    return (f"unset, and the default {chosen} does not fit a target of {layers} layers: name three different layers "
+            f"(0..{layers - 1})")
+
+
+_TARGET_SERVERS = ("serves the target from {name} on GPUs for the draft's training, which this build does not: "
+                   "remove it (the target runs in the training processes, upstream's colocated backend)")
+_NOT_BUILT = "{what}, which is not built here: remove it"
+# upstream's recipe_args: each key -> the key it stands for here, or why it is refused
+RECIPE_ARGS = ArgumentsFor(
+    None,
+    keys={"target_model_name_or_path": "model.pretrained_model_name_or_path",
+          "trust_remote_code": "model.trust_remote_code",
+          "target_attn_implementation": "model.attn_implementation",
+          "train_data_path": "dataset.path_or_dataset_id", "train_split": "dataset.split",
+          "val_data_path": "validation_dataset.path_or_dataset_id", "val_split": "validation_dataset.split",
+          "seq_length": ("dataset.seq_length", "validation_dataset.seq_length"),
+          "mask_reasoning_content": ("dataset.mask_reasoning_content", "validation_dataset.mask_reasoning_content"),
+          "micro_batch_size": "step_scheduler.local_batch_size",
+          "grad_accumulation_steps": "step_scheduler.grad_accumulation_steps",
+          "num_epochs": "step_scheduler.num_epochs", "log_every_steps": "step_scheduler.log_interval",
+          "ckpt_every_steps": "step_scheduler.checkpoint_interval",
+          "save_checkpoint_every_epoch": "step_scheduler.save_checkpoint_every_epoch",
+          "max_grad_norm": "clip_grad_norm.max_norm", "num_workers": "dataloader.num_workers",
+          "shuffle_seed": "rng.seed", "packed_sequence_size": "packed_sequence.packed_sequence_size",
+          **{key: f"eagle3.{key}" for key in ("ttt_steps", "draft_vocab_size", "aux_layer_ids", "freeze_embeddings",
+                                              "selected_token_ids_path", "draft_attn_implementation", "fc_norm",
+                                              "norm_output", "draft_weights_path", "target_force_hf")}},
+    implies={"output_dir": (("checkpoint.checkpoint_dir", lambda out: f"{out}/checkpoints"),),
+             # upstream's EAGLE data cuts a longer conversation to seq_length
+             "seq_length": (("dataset.truncation", True), ("validation_dataset.truncation", True))},
+    refused={"cached_target_path": _NOT_BUILT.format(what="a target's supervision precomputed to disk (upstream's "
+                                                          "offline path, precompute_eagle3)"),
+             "target_model_backend": _TARGET_SERVERS.format(name="another backend (sglang, vllm, remote)"),
+             "sglang_args": _TARGET_SERVERS.format(name="SGLang"), "vllm_args": _TARGET_SERVERS.format(name="vLLM"),
+             **dict.fromkeys(("remote_url", "remote_urls", "remote_timeout", "remote_max_retries",
+                              "target_prefetch_depth"), _TARGET_SERVERS.format(name="remote servers")),
+             **dict.fromkeys(("target_experts", "target_dispatcher", "target_attn_backend",
+                              "target_enable_fsdp_optimizations"),
+                             f"upstream's MoE / Transformer Engine kernels for the target {GPU_ONLY}: remove it"),
+             "parallel_drafting": _NOT_BUILT.format(what="P-EAGLE's parallel drafting"),
+             "num_depths": _NOT_BUILT.format(what="P-EAGLE's parallel drafting depths"),
+             "lk_loss_type": _NOT_BUILT.format(what="the acceptance-rate (LK) loss"),
+             "lk_kl_scale": _NOT_BUILT.format(what="the acceptance-rate (LK) loss"),
+             "lk_kl_decay": _NOT_BUILT.format(what="the acceptance-rate (LK) loss"),
+             "cp_zigzag": "a layout of the draft's context parallelism, which this recipe does not run: remove it",
+             "draft_gradient_checkpointing": _NOT_BUILT.format(what="activation checkpointing of the one-layer draft"),
+             "compile": _NOT_BUILT.format(what="torch.compile of the draft"),
+             "train_shuffle": "false reads the data in order; the data order here is the seeded shuffle of every "
+                              "recipe: remove it",
+             "wandb": "Weights & Biases settings: give them in the top-level wandb: section (logging)"},
+    help="upstream's TrainEagle3Recipe arguments, each standing for the key of the same meaning here")
