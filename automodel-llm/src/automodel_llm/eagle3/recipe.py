@@ -9,7 +9,8 @@ data's most frequent label tokens (``eagle3.draft_vocab_size``), chosen when the
 
 Upstream's form, ``recipe_args:`` with ``optimizer: {lr, betas, weight_decay, warmup_ratio, min_lr_ratio}``,
 ``checkpoint:``, ``dist_env:`` and ``distributed:``, is read as the sections its keys stand for
-(:data:`~automodel_llm.eagle3.settings.RECIPE_ARGS`); what needs what this build does not have is refused with the reason.
+(:data:`~automodel_llm.eagle3.settings.RECIPE_ARGS`); what needs what this build does not have is refused with the
+reason.
 """
 
 from __future__ import annotations
