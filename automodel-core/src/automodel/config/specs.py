@@ -217,31 +217,34 @@ def _arguments_target_issue(name: str, spec: ArgumentsFor, node: Any) -> ConfigI
                        "it or remove the section")
 
 
-def _set_default(data: dict, dotted: str, value: Any) -> None:
-    """Set ``data``'s ``dotted`` key to ``value`` unless it is given (copying each mapping on the way)."""
+def _holder(data: dict, dotted: str) -> tuple[dict, str] | None:
+    """The mapping that holds ``data``'s ``dotted`` key, and the key's last part, each mapping on the way copied (so
+    ``data``'s own are left as they were; a null or absent one is an empty one); None where a value on the way is
+    not a mapping (the section's own check reports it)."""
     *path, last = dotted.split(".")
     holder = data
     for part in path:
         inner = holder.get(part)
         if inner is not None and not isinstance(inner, dict):
-            return  # the section's own check reports it
+            return None
         holder[part] = dict(inner or {})
         holder = holder[part]
-    if holder.get(last) is None:
-        holder[last] = value
+    return holder, last
+
+
+def _set_default(data: dict, dotted: str, value: Any) -> None:
+    """Set ``data``'s ``dotted`` key to ``value`` unless it is given."""
+    found = _holder(data, dotted)
+    if found is not None and found[0].get(found[1]) is None:
+        found[0][found[1]] = value
 
 
 def _set_dotted(data: dict, dotted: str, value: Any, given_as: str, issues: list[ConfigIssue]) -> None:
-    """Set ``data``'s ``dotted`` key (copying each mapping on the way, so ``data``'s own are left as they were)
-    unless the config gives it a different value; a null or absent mapping on the way is an empty one."""
-    *path, last = dotted.split(".")
-    holder = data
-    for part in path:
-        inner = holder.get(part)
-        if inner is not None and not isinstance(inner, dict):
-            return  # the section's own check reports it
-        holder[part] = dict(inner or {})
-        holder = holder[part]
+    """Set ``data``'s ``dotted`` key unless the config gives it a different value."""
+    found = _holder(data, dotted)
+    if found is None:
+        return
+    holder, last = found
     if last in holder and holder[last] is not None and holder[last] != value:
         issues.append(ConfigIssue(given_as, f"{value!r} disagrees with {dotted}: {holder[last]!r}; '{given_as}' is "
                                             f"{dotted} under upstream's other name: give one value, in either place"))
