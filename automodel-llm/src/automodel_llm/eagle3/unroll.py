@@ -95,9 +95,9 @@ def unroll(draft: Any, input_ids: torch.Tensor, supervised: torch.Tensor, aux_st
         right = (logits.argmax(dim=-1) == shifted(choice, 1 + k)) & counts
         hits = right if hits is None else hits & right
         chain = label if chain is None else chain & label
-        for name, value in (("step_losses", step_loss), ("correct", right.sum()), ("counted", counts.sum()),
-                            ("chain_hits", hits.sum()), ("chains", chain.sum())):
-            getattr(sums, name).append(value.detach().float() if name != "step_losses" else value)
+        sums.step_losses.append(step_loss)
+        for name, value in (("correct", right), ("counted", counts), ("chain_hits", hits), ("chains", chain)):
+            getattr(sums, name).append(value.sum().detach().float())
     return sums
 
 
