@@ -352,6 +352,7 @@ def test_the_vocabulary_keeps_the_most_frequent_label_tokens_and_its_file_round_
     ({"recipe_args": {"sglang_args": {"tp": 2}}}, "recipe_args.sglang_args", "SGLang"),
     ({"recipe_args": {"lk_loss_type": "alpha"}}, "recipe_args.lk_loss_type", "not built here"),
     ({"recipe_args": {"hidden_loss_weight": 1.0}}, "recipe_args.hidden_loss_weight", "not an argument"),
+    ({"recipe_args": {"trust_remote_code": True}}, "recipe_args.trust_remote_code", "--trust-remote-code"),
     ({"peft": {"dim": 8}}, "peft", "LoRA on the draft"),
     ({"eval_generation": {"enabled": True}}, "eval_generation", "the draft"),
     ({"distributed": {"tp_size": 2}}, "distributed.tp_size", "use tp_size: 1"),
