@@ -222,24 +222,32 @@ def test_a_warm_start_takes_the_saved_drafts_weights_and_vocabulary(trained, tar
     assert torch.equal(written, LlamaForCausalLMEagle3.from_pretrained(str(saved)).draft_token_ids())
 
 
+@pytest.fixture(scope="module")
+def one_process(target, tmp_path_factory) -> tuple[Path, Path]:
+    """(config, run) of the one-process reference for two ranks: 32 training rows (two steps an epoch on either
+    layout), twice the accumulation, 8 validation rows validated after step 4."""
+    root = tmp_path_factory.mktemp("one_process")
+    steps = {"max_steps": 4, "val_check_interval": 4, "val_at_start": False, "checkpoint_interval": 4}
+    cfg = eagle_config(root / "eagle.yaml", target, root / "one", step_scheduler=steps,
+                       dataset={"limit_dataset_samples": 32})
+    run_eagle(cfg, root, "--step_scheduler.grad_accumulation_steps", 2)
+    return cfg, root / "one"
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-def test_two_ranks_train_and_validate_as_one_process_with_their_batches_together(target, tmp_path, strategy):
-    """32 training rows (two steps an epoch on either layout), 8 validation rows: the draft (DDP-replicated or
-    FSDP2-sharded) trains as one process with twice the accumulation, and the accuracy counts are summed over the
-    ranks."""
+def test_two_ranks_train_and_validate_as_one_process_with_their_batches_together(one_process, tmp_path, strategy):
+    """The draft (DDP-replicated or FSDP2-sharded) trains on two ranks as one process with twice the accumulation,
+    and the accuracy counts are summed over the ranks."""
     from automodel.testing import free_port
 
-    steps = {"max_steps": 4, "val_check_interval": 4, "val_at_start": False, "checkpoint_interval": 4}
-    cfg = eagle_config(tmp_path / "eagle.yaml", target, tmp_path / "one", step_scheduler=steps,
-                       dataset={"limit_dataset_samples": 32})
-    run_eagle(cfg, tmp_path, "--step_scheduler.grad_accumulation_steps", 2)
+    cfg, reference = one_process
     result = run_cli("finetune", "eagle3", "-c", cfg, "--nproc-per-node", 2, "--master-port", free_port(),
                      "--distributed.strategy", strategy, "--checkpoint.checkpoint_dir", tmp_path / "two",
                      cwd=tmp_path, OMP_NUM_THREADS="1")
     assert result.returncode == 0, result.stderr[-4000:]
-    one, two = (read_jsonl(tmp_path / run / "training.jsonl") for run in ("one", "two"))
+    one, two = (read_jsonl(run / "training.jsonl") for run in (reference, tmp_path / "two"))
     assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-4)
-    (val_one,), (val_two,) = (read_jsonl(tmp_path / run / "validation.jsonl") for run in ("one", "two"))
+    (val_one,), (val_two,) = (read_jsonl(run / "validation.jsonl") for run in (reference, tmp_path / "two"))
     for key in ("accuracy", "accept_length", "accuracy_ttt2"):
         assert val_two[key] == val_one[key], key
     assert val_two["val_loss"] == pytest.approx(val_one["val_loss"], rel=1e-4)
