@@ -165,6 +165,33 @@ def test_a_draft_saved_in_shards_exports_to_the_same_files(target, tmp_path):
     assert all(torch.equal(exported[name], whole[name]) for name in LAYOUT)
 
 
+def test_lora_on_a_saved_draft_exports_as_peft_merges_it(trained, target, tmp_path):
+    """LoRA (upstream's qwen3_eagle3_lora form) adapts a saved draft: the run saves the adapter, and `automodel
+    export` merges it into that draft exactly as peft's own PeftModel.merge_and_unload does."""
+    import peft
+    from safetensors.torch import load_file
+
+    saved = last_model(trained)
+    steps = {"max_steps": 2, "val_check_interval": None, "val_at_start": False, "checkpoint_interval": 2}
+    cfg = eagle_config(tmp_path / "eagle.yaml", target, tmp_path / "lora", step_scheduler=steps,
+                       validation_dataset=None, eagle3={"draft_weights_path": str(saved)}, optimizer={"lr": 1e-2},
+                       peft={"_target_": "nemo_automodel.components._peft.lora.PeftConfig",
+                             "target_modules": "*_proj", "dim": 8, "alpha": 32})
+    log = run_eagle(cfg, tmp_path)
+    assert "automodel export" in log.splitlines()[-1]
+    result = run_cli("export", tmp_path / "lora", tmp_path / "merged", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    adapter = next((tmp_path / "lora").glob("epoch_*_step_2")) / "model"
+    expected = peft.PeftModel.from_pretrained(LlamaForCausalLMEagle3.from_pretrained(str(saved)),
+                                              str(adapter)).merge_and_unload().state_dict()
+    merged = load_file(str(tmp_path / "merged" / "model.safetensors"))
+    base = load_file(str(saved / "model.safetensors"))
+    assert set(merged) == set(expected) == LAYOUT
+    assert all(torch.equal(merged[name], expected[name]) for name in LAYOUT)
+    assert not torch.equal(merged["midlayer.self_attn.q_proj.weight"], base["midlayer.self_attn.q_proj.weight"])
+    assert torch.equal(merged["d2t"], base["d2t"]) and torch.equal(merged["fc.weight"], base["fc.weight"])
+
+
 def test_upstreams_recipe_args_form_runs(target, tmp_path):
     """A project-written config in upstream's form: recipe_args for every mapped key, optimizer with the
     schedule's keys, checkpoint and dist_env; run with `automodel run -c`."""
@@ -361,7 +388,7 @@ def test_the_vocabulary_keeps_the_most_frequent_label_tokens_and_its_file_round_
     ({"recipe_args": {"lk_loss_type": "alpha"}}, "recipe_args.lk_loss_type", "not built here"),
     ({"recipe_args": {"hidden_loss_weight": 1.0}}, "recipe_args.hidden_loss_weight", "not an argument"),
     ({"recipe_args": {"trust_remote_code": True}}, "recipe_args.trust_remote_code", "--trust-remote-code"),
-    ({"peft": {"dim": 8}}, "peft", "LoRA on the draft"),
+    ({"peft": {"dim": 8}}, "peft", "set eagle3.draft_weights_path"),
     ({"eval_generation": {"enabled": True}}, "eval_generation", "the draft"),
     ({"distributed": {"tp_size": 2}}, "distributed.tp_size", "use tp_size: 1"),
     ({"distributed": {"ep_size": 2}}, "distributed.ep_size", "use ep_size: 1"),

@@ -238,10 +238,14 @@ def is_sequence_classifier(class_name: str) -> bool:
     return class_name.endswith("ForSequenceClassification")
 
 
-def lora_task_type(model: torch.nn.Module | None) -> str:
+def lora_task_type(model: torch.nn.Module | None) -> str | None:
     """peft's task for LoRA on ``model``: ``SEQ_CLS`` for a sequence classifier, whose head peft then trains whole
-    (``modules_to_save``: a new head is random and must learn) and saves with the adapter; else ``CAUSAL_LM``."""
-    return "SEQ_CLS" if is_sequence_classifier(type(model).__name__) else "CAUSAL_LM"
+    (``modules_to_save``: a new head is random and must learn) and saves with the adapter; None (peft's
+    task-agnostic ``PeftModel``, its forward passed through) for a model that says it does not generate
+    (``generates = False``: a speculative-decoding draft); else ``CAUSAL_LM``."""
+    if is_sequence_classifier(type(model).__name__):
+        return "SEQ_CLS"
+    return "CAUSAL_LM" if getattr(model, "generates", True) else None
 
 
 def lora_config(built: Any, model: torch.nn.Module | None = None) -> Any:

@@ -148,6 +148,7 @@ class LlamaForCausalLMEagle3(PreTrainedModel):
 
     config_class = LlamaConfig
     base_model_prefix = ""
+    generates = False  # LoRA wraps it in peft's task-agnostic PeftModel (automodel.hf.lora_task_type)
     _no_split_modules = ["DraftLayer"]
     _supports_sdpa = True
 

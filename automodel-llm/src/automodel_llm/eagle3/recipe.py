@@ -140,9 +140,12 @@ class Eagle3Recipe(FinetuneRecipeForNextTokenPrediction):
             if node is not None and getattr(node, "enabled", True) and (key != "neftune" or node.noise_alpha):
                 issues.append(ConfigIssue(key, "acts on the trained model, which is the draft here (it neither "
                                           "generates text alone nor has experts); remove the section"))
-        for key, why in (("peft", "LoRA on the draft is not built here (the draft, one layer, trains whole; "
-                                  "upstream's LoRA runs save an adapter that must be merged before serving)"),
-                         ("loss_fn", "the loss is EAGLE-3's soft cross entropy against the target's distribution"),
+        settings = cfg.get("eagle3")  # None: the section was refused (its issues are reported)
+        if cfg.peft is not None and settings is not None and not settings.draft_weights_path:
+            issues.append(ConfigIssue("peft", "LoRA adapts a trained draft: set eagle3.draft_weights_path (upstream's "
+                                      "recipe_args.draft_weights_path) to the draft it adapts, whose weights and "
+                                      "vocabulary the adapter is saved against; a fresh draft trains whole"))
+        for key, why in (("loss_fn", "the loss is EAGLE-3's soft cross entropy against the target's distribution"),
                          ("freeze", "the draft trains whole but for its embeddings (eagle3.freeze_embeddings)"),
                          ("qat", "quantisation-aware training of the draft is not built here")):
             node = cfg.get(key) if key in cfg else None
@@ -153,7 +156,6 @@ class Eagle3Recipe(FinetuneRecipeForNextTokenPrediction):
             issues.append(ConfigIssue("distributed.ep_size", f"{ep_size}: upstream splits a mixture-of-experts "
                                       "target's experts over the ranks; the target here is a whole frozen copy on "
                                       "each rank (and the draft has no experts): use ep_size: 1"))
-        settings = cfg.get("eagle3")  # None: the section was refused (its issues are reported)
         target = model_hf_config(cfg)
         if settings is not None and target is not None:
             text = target.get_text_config() if hasattr(target, "get_text_config") else target
@@ -303,6 +305,10 @@ class Eagle3Recipe(FinetuneRecipeForNextTokenPrediction):
     def final_message(self, model_dir: Path) -> str:
         if not model_dir.is_dir():  # saved sharded only: the base message says how to export it
             return super().final_message(model_dir)
+        if (model_dir / "adapter_config.json").is_file():
+            return (f"the LoRA adapter of the EAGLE-3 draft is in {model_dir}: `automodel export {model_dir.parent} "
+                    "merged/` merges it into the draft it adapts (eagle3.draft_weights_path), which SGLang / vLLM "
+                    "then serve")
         return (f"the EAGLE-3 draft is in {model_dir} ({LlamaForCausalLMEagle3.__name__}): serve it as the "
                 f"speculative model of its target, e.g. vllm serve TARGET --speculative-config "
                 f"'{{\"method\": \"eagle3\", \"model\": \"{model_dir}\", \"num_speculative_tokens\": "
