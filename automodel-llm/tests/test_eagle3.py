@@ -237,10 +237,12 @@ def test_upstreams_recipe_args_form_runs(target, tmp_path):
 
 
 def test_a_warm_start_takes_the_saved_drafts_weights_and_vocabulary(trained, target, tmp_path):
+    """Named in upstream's form, checkpoints/LATEST/model/consolidated: the run's newest model/."""
     saved = last_model(trained)
     steps = {"max_steps": 1, "val_check_interval": 1, "val_at_start": True}
-    cfg = eagle_config(tmp_path / "eagle.yaml", target, tmp_path / "warm", step_scheduler=steps,
-                       eagle3={"draft_weights_path": str(saved), "selected_token_ids_path": str(tmp_path / "v.json")})
+    warm = {"draft_weights_path": str(trained / "LATEST" / "model" / "consolidated"),
+            "selected_token_ids_path": str(tmp_path / "v.json")}
+    cfg = eagle_config(tmp_path / "eagle.yaml", target, tmp_path / "warm", step_scheduler=steps, eagle3=warm)
     run_eagle(cfg, tmp_path)
     first = read_jsonl(tmp_path / "warm" / "validation.jsonl")[0]
     last = read_jsonl(trained / "validation.jsonl")[-1]

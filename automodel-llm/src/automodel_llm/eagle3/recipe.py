@@ -62,11 +62,31 @@ def warmup_cosine(optimizer: torch.optim.Optimizer, total_steps: int, warmup_rat
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def saved_draft(path: Path) -> Path:
+    """Where ``draft_weights_path`` points, read as upstream's form of it is: a ``LATEST`` in it is the checkpoint
+    that run's ``LATEST`` file names (upstream's is a link to it), and ``model/consolidated`` is ``model/`` (upstream
+    keeps the consolidated files one folder down)."""
+    from automodel.training.checkpoint import read_latest
+
+    parts = path.parts
+    if "LATEST" in parts and not path.exists():
+        at = parts.index("LATEST")
+        latest = read_latest(Path(*parts[:at]))
+        path = latest.joinpath(*parts[at + 1:]) if latest is not None else path
+    if path.name == "consolidated" and not path.exists() and path.parent.is_dir():
+        path = path.parent
+    if not path.exists():
+        raise AutomodelError(f"eagle3.draft_weights_path: {path} does not exist (name the model/ directory of a draft "
+                             "this recipe saved, or its checkpoint_dir/LATEST/model)")
+    return path
+
+
 def load_draft_weights(draft: LlamaForCausalLMEagle3, path: Path) -> bool:
     """Load a saved draft's weights (safetensors only) into ``draft``; whether they carried its vocabulary."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
+    path = saved_draft(path)
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
     if not files or not all(f.is_file() for f in files):
         raise AutomodelError(f"eagle3.draft_weights_path: {path} holds no .safetensors file (name a draft's model/ "

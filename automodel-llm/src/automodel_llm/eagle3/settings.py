@@ -29,7 +29,8 @@ class Eagle3Config:
         "written from the data's counts, so later runs skip the count (delete it when the data changes)")})
     draft_weights_path: str | None = field(default=None, metadata={"help": (
         "start the draft from a saved one: a draft's model/ directory (or one .safetensors file) of the same "
-        "sizes; its d2t / t2d, when it has them, are the draft vocabulary")})
+        "sizes, also in upstream's form checkpoint_dir/LATEST/model/consolidated; its d2t / t2d, when it has them, "
+        "are the draft vocabulary")})
     target_force_hf: bool = field(default=True, metadata={"help": (
         "upstream's choice of transformers' class for the target over its own: true only (the target here is "
         "transformers' class)")})
