@@ -180,9 +180,9 @@ def apply_arguments_for(data: dict, sections: dict[str, SectionSpec], issues: li
             if key in spec.refused:
                 issues.append(ConfigIssue(f"{name}.{key}", spec.refused[key]))
             elif key not in spec.keys and key not in spec.implies:
+                taken = [*spec.keys, *(k for k in spec.implies if k not in spec.keys)]
                 issues.append(ConfigIssue(f"{name}.{key}", f"not {_arguments_of(spec)} taken here (they are: "
-                                          f"{', '.join([*spec.keys, *(k for k in spec.implies if k not in spec.keys)])}"
-                                          ")"))
+                                          f"{', '.join(taken)})"))
                 continue
             if value is None:  # upstream's "not set"
                 continue
@@ -202,7 +202,7 @@ def apply_arguments_for(data: dict, sections: dict[str, SectionSpec], issues: li
 
 
 def _arguments_of(spec: ArgumentsFor) -> str:
-    return f"an argument of {spec.target}" if spec.target else "an argument upstream's recipe reads that is"
+    return f"an argument of {spec.target}" if spec.target else "one of the recipe's arguments"
 
 
 def _arguments_target_issue(name: str, spec: ArgumentsFor, node: Any) -> ConfigIssue:
