@@ -65,14 +65,13 @@ def unrolled_attention(query: torch.Tensor, keys: list[torch.Tensor], values: li
     document when rows are packed) and its own keys of the later steps. ``eager`` computes the scores by hand,
     ``sdpa`` through torch's kernel with the same mask over the steps' keys laid end to end."""
     length = query.shape[-2]
-    causal = visible
     scale = query.shape[-1] ** -0.5
     if implementation == "sdpa":
-        diagonal = torch.eye(length, dtype=torch.bool, device=query.device).expand_as(causal)
-        mask = torch.cat([causal] + [diagonal] * (len(keys) - 1), dim=-1)
+        diagonal = torch.eye(length, dtype=torch.bool, device=query.device).expand_as(visible)
+        mask = torch.cat([visible] + [diagonal] * (len(keys) - 1), dim=-1)
         return nn.functional.scaled_dot_product_attention(query, torch.cat(keys, dim=-2), torch.cat(values, dim=-2),
                                                           attn_mask=mask, scale=scale)
-    scores = (query @ keys[0].transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))
+    scores = (query @ keys[0].transpose(-1, -2) * scale).masked_fill(~visible, float("-inf"))
     own = [(query * key).sum(-1, keepdim=True) * scale for key in keys[1:]]
     weights = torch.softmax(torch.cat([scores, *own], dim=-1).float(), dim=-1).to(query.dtype)
     out = weights[..., :length] @ values[0]

@@ -151,6 +151,7 @@ class Eagle3Recipe(FinetuneRecipeForNextTokenPrediction):
     target: torch.nn.Module
     ttt_steps: int
     aux_layer_ids: list[int]
+    validation_counts: torch.Tensor | None = None  # a validation's counts so far: extra_validation_metrics reads them
 
     @classmethod
     def check_config(cls, cfg: Config) -> list[ConfigIssue]:
@@ -196,7 +197,7 @@ class Eagle3Recipe(FinetuneRecipeForNextTokenPrediction):
         issues = []
         layers, vocab = getattr(text, "num_hidden_layers", None), getattr(text, "vocab_size", None)
         if isinstance(layers, int):
-            why = aux_layer_issue(settings.aux_layer_ids, layers, settings.aux_layer_ids is not None)
+            why = aux_layer_issue(settings.aux_layer_ids, layers)
             if why:
                 issues.append(ConfigIssue("eagle3.aux_layer_ids", why))
         size = settings.draft_vocab_size
@@ -215,7 +216,7 @@ class Eagle3Recipe(FinetuneRecipeForNextTokenPrediction):
         target.to(ctx.device).eval().requires_grad_(False)
         self.target = target
         text = target.config.get_text_config()
-        if settings.aux_layer_ids is None and (why := aux_layer_issue(None, text.num_hidden_layers, False)):
+        if why := aux_layer_issue(settings.aux_layer_ids, text.num_hidden_layers):  # a target validation could not read
             raise AutomodelError(f"eagle3.aux_layer_ids: {why}")
         self.aux_layer_ids = list(settings.aux_layer_ids or default_aux_layers(text.num_hidden_layers))
         self.ttt_steps = settings.ttt_steps
@@ -227,11 +228,10 @@ class Eagle3Recipe(FinetuneRecipeForNextTokenPrediction):
         with torch.no_grad():
             draft.embed_tokens.weight.copy_(embeddings.detach().to(draft.embed_tokens.weight.dtype))
         draft.embed_tokens.weight.requires_grad_(not settings.freeze_embeddings)
-        self.warm_vocabulary = False
         if settings.draft_weights_path:
-            self.warm_vocabulary = load_draft_weights(draft, Path(settings.draft_weights_path))
+            with_vocabulary = load_draft_weights(draft, Path(settings.draft_weights_path))
             self.log(f"draft: started from the weights in {settings.draft_weights_path}"
-                     + (" (their draft vocabulary too)" if self.warm_vocabulary else ""))
+                     + (" (their draft vocabulary too)" if with_vocabulary else ""))
         self.log(f"EAGLE-3: a one-layer draft for the frozen target {type(target).__name__} ({text.num_hidden_layers} "
                  f"layers; the draft reads the outputs of layers {self.aux_layer_ids}), {self.ttt_steps} unrolled "
                  f"steps, draft vocabulary {size} of {text.vocab_size} tokens, embeddings "
@@ -255,7 +255,7 @@ class Eagle3Recipe(FinetuneRecipeForNextTokenPrediction):
         size, vocab = draft.config.draft_vocab_size, draft.config.vocab_size
         path = Path(settings.selected_token_ids_path) if settings.selected_token_ids_path else None
         stored = read_token_ids(path, size, vocab) if path is not None and path.is_file() else None
-        if self.warm_vocabulary:
+        if bool(draft.t2d.any()):  # set already: by the saved draft draft_weights_path started from
             ids = draft.draft_token_ids().cpu()
             if stored is not None and not torch.equal(stored, ids):
                 raise AutomodelError(f"eagle3.selected_token_ids_path: {path} is not the draft vocabulary of the "
@@ -302,8 +302,6 @@ class Eagle3Recipe(FinetuneRecipeForNextTokenPrediction):
                                   ("correct", "counted", "chain_hits", "chains")])
             self.validation_counts = counts if self.validation_counts is None else self.validation_counts + counts
         return sums.loss
-
-    validation_counts: torch.Tensor | None = None
 
     def extra_validation_metrics(self, name: str, dataloader: Any) -> dict[str, float]:
         """Over the validation set: ``accuracy`` (the draft's greedy token is the target's, over every step's

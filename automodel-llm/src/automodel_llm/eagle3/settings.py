@@ -68,11 +68,13 @@ def default_aux_layers(layers: int) -> list[int]:
     return [1, layers // 2 - 1, layers - 4]
 
 
-def aux_layer_issue(ids: list[int] | None, layers: int, given: bool) -> str | None:
-    chosen = ids if given else default_aux_layers(layers)
+def aux_layer_issue(ids: list[int] | None, layers: int) -> str | None:
+    """What is wrong with the target layers ``ids`` (None: upstream's default) for a target of ``layers`` layers;
+    None when nothing is."""
+    chosen = ids if ids is not None else default_aux_layers(layers)
     if all(0 <= i < layers for i in chosen) and len(set(chosen)) == 3:
         return None
-    if given:
+    if ids is not None:
         return f"{ids}: the target has {layers} layers (0..{layers - 1}): name three different ones"
     return (f"unset, and the default {chosen} does not fit a target of {layers} layers: name three different layers "
             f"(0..{layers - 1})")
