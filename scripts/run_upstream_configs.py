@@ -222,13 +222,13 @@ def pipeline_layers(data: dict[str, Any]) -> int:
 
 
 def eagle_target(data: dict[str, Any]) -> str | None:
-    """The target of upstream's EAGLE-3 draft recipe (``recipe_args.target_model_name_or_path``), None elsewhere."""
+    """The target of upstream's EAGLE draft recipes (``recipe_args.target_model_name_or_path``), None elsewhere."""
     args = data.get("recipe_args")
     return args.get("target_model_name_or_path") if isinstance(args, dict) else None
 
 
 def llm_family(data: dict[str, Any]) -> str | None:
-    """The family (a key of LLM_FAMILIES) of the first hub id in an LLM config's model section (an EAGLE-3 config's
+    """The family (a key of LLM_FAMILIES) of the first hub id in an LLM config's model section (an EAGLE config's
     target)."""
     ids = re.findall(r"[\w.-]+/[\w.-]+", json.dumps(data.get("model") or eagle_target(data) or {}))
     return next((name for hub in ids for name in LLM_FAMILIES if re.search(name, hub)), None)
@@ -426,7 +426,7 @@ def data_overrides(data: dict[str, Any], root: Path, scratch: Path) -> dict[str,
         found["data.dataloader.cache_dir"] = str(root.parent / "models" / "clips") if family in VIDEO_FAMILIES \
             else str(Path(survey.local_assets()["diffusion"]["dataset"]))
     found |= vlm_stand_ins.mix_overrides(data, root)
-    if isinstance(args := data.get("recipe_args"), dict):  # EAGLE-3: chat rows, files into scratch
+    if isinstance(args := data.get("recipe_args"), dict):  # EAGLE: chat rows, files into scratch
         chat = Path(survey.local_assets()["llm"]["dataset"]).with_name("tiny_chat")
         for key, split, name in (("train_data_path", "train_split", "train"), ("val_data_path", "val_split",
                                                                                 "validation")):

@@ -39,10 +39,14 @@ SELECTS = {
     "DiffusionGemmaSFTRecipe": "finetune dllm",
     "TrainEagle3Recipe": "finetune eagle3",
     f"{UP}.llm.train_eagle3.TrainEagle3Recipe": "finetune eagle3",
+    "TrainEagle1Recipe": "finetune eagle",
+    f"{UP}.llm.train_eagle1.TrainEagle1Recipe": "finetune eagle",
+    "TrainEagle2Recipe": "finetune eagle",
+    f"{UP}.llm.train_eagle2.TrainEagle2Recipe": "finetune eagle",
 }
 # Upstream recipes with no counterpart here (speculative decoding drafters, multimodal), with words of the reason.
-NOT_HERE = {"TrainEagle2Recipe": "speculative-decoding", "TrainDFlashRecipe": "speculative-decoding",
-            f"{UP}.llm.train_eagle1.TrainEagle1Recipe": "speculative-decoding",
+NOT_HERE = {"TrainDSparkRecipe": "speculative-decoding", "TrainDFlashRecipe": "speculative-decoding",
+            f"{UP}.llm.train_jetspec.TrainJetSpecRecipe": "speculative-decoding",
             "FinetuneRecipeForMultimodal": "BAGEL", "PretrainRecipeForMultimodal": "BAGEL"}
 
 
@@ -79,7 +83,8 @@ def test_upstream_sections_and_targets_of_recipes_not_built_here_are_refused_wit
     llm = load_yaml_file(find_example("llm/tiny_squad", get_plugin_manager()))
     with pytest.raises(ConfigError) as err:
         load_config(write_yaml(tmp_path / "llm.yaml", {**llm, "recipe_args": {"ttt_steps": 4}}))
-    assert "finetune eagle3" in {i.key: i.message for i in err.value.issues}["recipe_args"]
+    message = {i.key: i.message for i in err.value.issues}["recipe_args"]
+    assert "automodel finetune eagle," in message and "finetune eagle3" in message
 
     vlm = load_yaml_file(find_example("vlm/tiny_llava", get_plugin_manager()))
     audio = "nemo_automodel.components.datasets.audio"

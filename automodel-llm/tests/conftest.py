@@ -41,3 +41,33 @@ def single_process(tmp_path_factory, tiny_llama_config) -> tuple[Path, Path]:
 
     found = once_per_session(tmp_path_factory, "llm_single_process", run)
     return found["config"], found["dir"]
+
+
+@pytest.fixture(scope="session")
+def chat_target(tmp_path_factory) -> Path:
+    """The model/ directory of a 5-layer Llama trained 100 steps on the shipped chat rows: a target with something
+    to say, for the speculative-decoding draft recipes; trained once for all workers."""
+    import json
+
+    from automodel.testing import once_per_session, run_cli, write_yaml
+
+    def train(root: Path) -> dict[str, Path]:
+        config = json.loads((llm_testing.ASSETS / "tiny_llama" / "config.json").read_text())
+        config["num_hidden_layers"] = 5
+        (root / "config.json").write_text(json.dumps(config))
+        chat = llm_testing.ASSETS / "tiny_chat" / "train.jsonl"
+        cfg = write_yaml(root / "target.yaml", {
+            "step_scheduler": {"max_steps": 100, "log_interval": 50, "checkpoint_interval": 100, "num_epochs": 100},
+            "rng": {"seed": 1},
+            "model": {"_target_": "automodel_llm.AutoModelForCausalLM.from_config",
+                      "config": str(root / "config.json")},
+            "tokenizer": {"pretrained_model_name_or_path": str(llm_testing.TOKENIZER_DIR)},
+            "dataset": {"_target_": "automodel_llm.datasets.ChatDataset", "path_or_dataset_id": str(chat),
+                        "seq_length": 64},
+            "dataloader": {"batch_size": 16}, "optimizer": {"_target_": "torch.optim.AdamW", "lr": 3e-3},
+            "checkpoint": {"checkpoint_dir": str(root / "run")}})
+        result = run_cli("finetune", "llm", "-c", cfg, cwd=root, OMP_NUM_THREADS="2")
+        assert result.returncode == 0, result.stderr[-3000:]
+        return {"model": next((root / "run").glob("epoch_*_step_100")) / "model"}
+
+    return once_per_session(tmp_path_factory, "llm_chat_target", train)["model"]

@@ -239,3 +239,46 @@ def save_pretrained_base(directory: Path, config_path: Path, seed: int, tokenize
     if tokenizer:
         AutoTokenizer.from_pretrained(str(TOKENIZER_DIR)).save_pretrained(str(directory))
     return Path(directory)
+
+
+def write_draft_config(path: Path, target: Path, checkpoint_dir: Path, settings: dict[str, Any],
+                       **sections: Any) -> Path:
+    """A speculative-decoding draft run's YAML: the target at ``target``, 60 steps on the shipped chat rows (8 a
+    batch), validated on the held-out rows at steps 0, 30 and 60; ``settings``: the recipe's own sections;
+    ``sections`` update sections (a non-mapping value replaces one)."""
+    chat = ASSETS / "tiny_chat"
+    data = {
+        "step_scheduler": {"max_steps": 60, "val_check_interval": 30, "val_at_start": True, "log_interval": 1,
+                           "checkpoint_interval": 60, "num_epochs": 100},
+        "rng": {"seed": 7},
+        "model": {"pretrained_model_name_or_path": str(target)},
+        "dataset": {"path_or_dataset_id": str(chat / "train.jsonl"), "seq_length": 64},
+        "validation_dataset": {"path_or_dataset_id": str(chat / "validation.jsonl"), "seq_length": 64},
+        **settings,
+        "dataloader": {"batch_size": 8},
+        "optimizer": {"lr": 3e-3},
+        "checkpoint": {"checkpoint_dir": str(checkpoint_dir)},
+    }
+    for name, value in sections.items():
+        data[name] = value if not isinstance(value, dict) else {**data.get(name, {}), **value}
+    return write_yaml(path, data)
+
+
+def run_route(route: str, config: Path, cwd: Path, *args: Any) -> str:
+    """``automodel finetune <route> -c config ...`` in a subprocess (two threads); its stderr, after exit 0."""
+    result = run_cli("finetune", route, "-c", config, *args, cwd=cwd, OMP_NUM_THREADS="2")
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result.stderr
+
+
+def assert_refused(route: str, config: Path, cwd: Path, change: dict[str, dict], key: str, words: str) -> None:
+    """``config`` with the sections of ``change`` updated fails `automodel validate` for ``finetune <route>`` (two
+    processes), naming ``key`` and saying ``words``."""
+    import yaml
+
+    data = yaml.safe_load(config.read_text())
+    for name, value in change.items():
+        data[name] = {**data.get(name, {}), **value}
+    write_yaml(config, data)
+    code, out = validate_cli(config, cwd, "finetune", route, "--nproc-per-node", "2")
+    assert code != 0 and key in out and words in out, out

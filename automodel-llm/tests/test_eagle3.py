@@ -1,9 +1,10 @@
 """EAGLE-3 draft training (``automodel finetune eagle3``, upstream's ``TrainEagle3Recipe``).
 
-A tiny target is trained first on the shipped chat rows (``finetune llm``), so that it has something to say; the
-draft trained against it must then draft its tokens on held-out rows (accuracy and simulated accept length rise
-from chance), be written in SGLang's / vLLM's layout, resume exactly, run from upstream's ``recipe_args:`` form,
-and keep packed samples apart. The keys that cannot act are refused with their reasons.
+A tiny target is trained first on the shipped chat rows (``finetune llm``; conftest's ``chat_target``), so that it
+has something to say; the draft trained against it must then draft its tokens on held-out rows (accuracy and
+simulated accept length rise from chance), be written in SGLang's / vLLM's layout, resume exactly, run from
+upstream's ``recipe_args:`` form, and keep packed samples apart. The keys that cannot act are refused with their
+reasons.
 """
 
 from __future__ import annotations
@@ -14,12 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
-from llm_testing import ASSETS, TOKENIZER_DIR, validate_cli
+from llm_testing import ASSETS, TOKENIZER_DIR, assert_refused, run_route, write_draft_config
 
 from automodel.testing import read_jsonl, run_cli, write_yaml
+from automodel_llm.draft_recipe import warmup_cosine
 from automodel_llm.eagle3.draft import LlamaForCausalLMEagle3, draft_config, unrolled_attention
-from automodel_llm.eagle3.recipe import warmup_cosine
 from automodel_llm.eagle3.unroll import most_frequent_tokens, read_token_ids, write_token_ids
 
 CHAT = ASSETS / "tiny_chat"
@@ -35,49 +35,17 @@ LAYOUT = {"embed_tokens.weight", "fc.weight", "midlayer.input_layernorm.weight",
 
 
 @pytest.fixture(scope="module")
-def target(tmp_path_factory) -> Path:
-    """A 5-layer Llama trained 100 steps on the shipped chat rows (its model/ directory)."""
-    root = tmp_path_factory.mktemp("target")
-    config = json.loads((ASSETS / "tiny_llama" / "config.json").read_text())
-    config["num_hidden_layers"] = 5
-    (root / "config.json").write_text(json.dumps(config))
-    cfg = write_yaml(root / "target.yaml", {
-        "step_scheduler": {"max_steps": 100, "log_interval": 50, "checkpoint_interval": 100, "num_epochs": 100},
-        "rng": {"seed": 1},
-        "model": {"_target_": "automodel_llm.AutoModelForCausalLM.from_config", "config": str(root / "config.json")},
-        "tokenizer": {"pretrained_model_name_or_path": str(TOKENIZER_DIR)},
-        "dataset": {"_target_": "automodel_llm.datasets.ChatDataset", "path_or_dataset_id": str(CHAT / "train.jsonl"),
-                    "seq_length": 64},
-        "dataloader": {"batch_size": 16}, "optimizer": {"_target_": "torch.optim.AdamW", "lr": 3e-3},
-        "checkpoint": {"checkpoint_dir": str(root / "run")}})
-    result = run_cli("finetune", "llm", "-c", cfg, cwd=root, OMP_NUM_THREADS="2")
-    assert result.returncode == 0, result.stderr[-3000:]
-    return next((root / "run").glob("epoch_*_step_100")) / "model"
+def target(chat_target) -> Path:
+    return chat_target
 
 
 def eagle_config(path: Path, target: Path, checkpoint_dir: Path, **sections) -> Path:
-    data = {
-        "step_scheduler": {"max_steps": 60, "val_check_interval": 30, "val_at_start": True, "log_interval": 1,
-                           "checkpoint_interval": 60, "num_epochs": 100},
-        "rng": {"seed": 7},
-        "model": {"pretrained_model_name_or_path": str(target)},
-        "dataset": {"path_or_dataset_id": str(CHAT / "train.jsonl"), "seq_length": 64},
-        "validation_dataset": {"path_or_dataset_id": str(CHAT / "validation.jsonl"), "seq_length": 64},
-        "eagle3": {"ttt_steps": 3, "draft_vocab_size": 64, "aux_layer_ids": AUX},
-        "dataloader": {"batch_size": 8},
-        "optimizer": {"lr": 3e-3},
-        "checkpoint": {"checkpoint_dir": str(checkpoint_dir)},
-    }
-    for name, value in sections.items():
-        data[name] = value if not isinstance(value, dict) else {**data.get(name, {}), **value}
-    write_yaml(path, data)
-    return path
+    settings = {"eagle3": {"ttt_steps": 3, "draft_vocab_size": 64, "aux_layer_ids": AUX}}
+    return write_draft_config(path, target, checkpoint_dir, settings, **sections)
 
 
 def run_eagle(cfg: Path, cwd: Path, *args) -> str:
-    result = run_cli("finetune", "eagle3", "-c", cfg, *args, cwd=cwd, OMP_NUM_THREADS="2")
-    assert result.returncode == 0, result.stderr[-4000:]
-    return result.stderr
+    return run_route("eagle3", cfg, cwd, *args)
 
 
 @pytest.fixture(scope="module")
@@ -397,13 +365,8 @@ def test_the_vocabulary_keeps_the_most_frequent_label_tokens_and_its_file_round_
     ({"distributed": {"ep_size": 2}}, "distributed.ep_size", "use ep_size: 1"),
 ])
 def test_what_cannot_act_is_refused_with_the_reason(target, tmp_path, change, key, words):
-    cfg = eagle_config(tmp_path / "eagle.yaml", target, tmp_path / "run")
-    data = yaml.safe_load(cfg.read_text())
-    for name, value in change.items():
-        data[name] = {**data.get(name, {}), **value}
-    write_yaml(cfg, data)
-    code, out = validate_cli(cfg, tmp_path, "finetune", "eagle3", "--nproc-per-node", "2")
-    assert code != 0 and key in out and words in out, out
+    assert_refused("eagle3", eagle_config(tmp_path / "eagle.yaml", target, tmp_path / "run"), tmp_path, change, key,
+                   words)
 
 
 @pytest.mark.real_model

@@ -96,17 +96,19 @@ def export(checkpoint: str, output: str, force: bool) -> None:
 
 
 def _use_of(model_dir: Path) -> str:
-    """How the exported model is used: an EAGLE-3 draft is served beside its target; any other is loaded with the
+    """How the exported model is used: an EAGLE draft is served beside its target; any other is loaded with the
     Auto class of its architecture."""
-    from automodel_llm.eagle3.draft import ARCHITECTURE
+    from automodel_llm.eagle.draft import ARCHITECTURE as EAGLE
+    from automodel_llm.eagle3.draft import ARCHITECTURE as EAGLE3
 
     try:
         architectures = json.loads((model_dir / "config.json").read_text(encoding="utf-8")).get("architectures")
     except (OSError, ValueError):
         architectures = None
-    if architectures == [ARCHITECTURE]:
-        return (f"an EAGLE-3 draft ({ARCHITECTURE}): serve it as the speculative model beside its target with SGLang "
-                "or vLLM")
+    for architecture, kind in ((EAGLE3, "an EAGLE-3 draft"), (EAGLE, "an EAGLE-1/2 draft")):
+        if architectures == [architecture]:
+            return (f"{kind} ({architecture}): serve it as the speculative model beside its target with SGLang or "
+                    "vLLM")
     return f"load with {loading_auto_class(model_dir)}.from_pretrained('{model_dir}')"
 
 

@@ -15,21 +15,24 @@ _UPSTREAM_RECIPES = {
                               f"{_UPSTREAM}.train_seq_cls.TrainFinetuneRecipeForSequenceClassification"),
     # upstream's diffusion-LM recipe and its DiffusionGemma subclass (whose dllm.mode block_diffusion is refused)
     ("finetune", "eagle3"): ("TrainEagle3Recipe", f"{_UPSTREAM}.train_eagle3.TrainEagle3Recipe"),
+    # EAGLE-2 trains EAGLE-1's draft (it differs in the tree it drafts at serving time)
+    ("finetune", "eagle"): ("TrainEagle1Recipe", f"{_UPSTREAM}.train_eagle1.TrainEagle1Recipe",
+                            "TrainEagle2Recipe", f"{_UPSTREAM}.train_eagle2.TrainEagle2Recipe"),
     ("finetune", "dllm"): ("DiffusionLMSFTRecipe", "nemo_automodel.recipes.dllm.train_ft.DiffusionLMSFTRecipe",
                            "DiffusionGemmaSFTRecipe", "nemo_automodel.recipes.dllm.train_ft.DiffusionGemmaSFTRecipe"),
 }
 
 
-# upstream's other speculative-decoding draft recipes (examples/speculative/; its EAGLE-3 is `finetune eagle3`):
-# module -> class names
-_SPECULATIVE = {"train_eagle1": ("TrainEagle1Recipe",), "train_eagle2": ("TrainEagle2Recipe",),
-                "train_dflash": ("TrainDFlashRecipe",),
+# upstream's other speculative-decoding draft recipes (examples/speculative/; its EAGLE-1/2 are `finetune eagle`,
+# its EAGLE-3 `finetune eagle3`): module -> class names
+_SPECULATIVE = {"train_dflash": ("TrainDFlashRecipe",),
                 "train_dflash2": ("TrainDFlash2Recipe",), "train_domino": ("TrainDominoRecipe",),
                 "train_jetspec": ("TrainJetSpecRecipe",), "train_dspark": ("TrainDSparkRecipe",),
                 "train_vispec": ("TrainVispecRecipe", "TrainVispecStage1Recipe")}
-SPECULATIVE_UNBUILT = ("upstream's speculative-decoding recipes other than EAGLE-3 (EAGLE-1/2, P-EAGLE, DFlash, "
-                       "Domino, JetSpec, DSpark, ViSpec) train draft architectures that are not built here; EAGLE-3 "
-                       "is: recipe: TrainEagle3Recipe, or automodel finetune eagle3")
+SPECULATIVE_UNBUILT = ("upstream's speculative-decoding recipes other than EAGLE-1/2/3 (P-EAGLE, DFlash, Domino, "
+                       "JetSpec, DSpark, ViSpec) train draft architectures that are not built here; EAGLE-1/2 are: "
+                       "recipe: TrainEagle1Recipe / TrainEagle2Recipe, or automodel finetune eagle; EAGLE-3 is: "
+                       "recipe: TrainEagle3Recipe, or automodel finetune eagle3")
 
 
 @hookimpl
@@ -49,6 +52,9 @@ def automodel_register_routes(routes) -> None:
     routes.add("finetune", "eagle3", recipe="automodel_llm.eagle3.recipe.Eagle3Recipe",
                help="Train an EAGLE-3 speculative-decoding draft for a frozen target model (for SGLang / vLLM)",
                examples=["llm/tiny_eagle3"])
+    routes.add("finetune", "eagle", recipe="automodel_llm.eagle.recipe.EagleRecipe",
+               help="Train an EAGLE-1 / EAGLE-2 speculative-decoding draft for a frozen target model (vLLM / SGLang)",
+               examples=["llm/tiny_eagle"])
     routes.add("finetune", "dllm", recipe="automodel_llm.dllm.DiffusionLMSFTRecipe",
                help="Fine-tune a masked diffusion language model (LLaDA's MDLM objective)",
                examples=["llm/tiny_dllm"])

@@ -9,26 +9,24 @@ data's most frequent label tokens (``eagle3.draft_vocab_size``), chosen when the
 
 Upstream's form, ``recipe_args:`` with ``optimizer: {lr, betas, weight_decay, warmup_ratio, min_lr_ratio}``,
 ``checkpoint:``, ``dist_env:`` and ``distributed:``, is read as the sections its keys stand for
-(:data:`~automodel_llm.eagle3.settings.RECIPE_ARGS`); what needs what this build does not have is refused with the
-reason.
+(:data:`~automodel_llm.eagle3.settings.RECIPE_ARGS`, :mod:`automodel_llm.draft_recipe`); what needs what this build
+does not have is refused with the reason.
 """
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 
-from automodel.config import Config, KeyAlias, Target
+from automodel.config import Config
 from automodel.errors import AutomodelError, ConfigIssue
-from automodel.meta_build import building_whole
 from automodel.training.context import BuildContext
 from automodel.training.dist import all_reduce_sum
 from automodel.training.modules import unwrap
 from automodel.training.parallelism import model_hf_config
-from automodel.training.step_scheduler import StepScheduler
+from automodel_llm.draft_recipe import DraftRecipe, read_draft_weights
 from automodel_llm.eagle3.draft import LlamaForCausalLMEagle3, draft_config
 from automodel_llm.eagle3.settings import RECIPE_ARGS, Eagle3Config, aux_layer_issue, default_aux_layers
 from automodel_llm.eagle3.unroll import (
@@ -38,63 +36,12 @@ from automodel_llm.eagle3.unroll import (
     supervised_tokens,
     write_token_ids,
 )
-from automodel_llm.recipe import DATASETS, FinetuneRecipeForNextTokenPrediction, config_labels_shifted
-
-CHAT_DATASET = "automodel_llm.datasets.ChatDataset"
-
-
-def warmup_cosine(optimizer: torch.optim.Optimizer, total_steps: int, warmup_ratio: float = 0.05,
-                  min_lr_ratio: float = 0.1) -> torch.optim.lr_scheduler.LambdaLR:
-    """Upstream's EAGLE schedule: the learning rate rises linearly over ``warmup_ratio`` of the run's steps (at
-    least one), step ``s`` (from 0) at ``(s + 1) / warmup`` of the peak, then falls along a cosine to ``min_lr_ratio``
-    of it at the run's last step."""
-    if not 0 <= warmup_ratio <= 1 or not 0 <= min_lr_ratio <= 1:
-        raise AutomodelError(f"lr_scheduler: warmup_ratio {warmup_ratio} and min_lr_ratio {min_lr_ratio} must each "
-                             "be in [0, 1]")
-    warmup = max(1, int(warmup_ratio * total_steps))
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min(max((step - warmup) / max(1, total_steps - warmup), 0.0), 1.0)
-        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
-def saved_draft(path: Path) -> Path:
-    """Where ``draft_weights_path`` points, read as upstream's form of it is: a ``LATEST`` in it is the checkpoint
-    that run's ``LATEST`` file names (upstream's is a link to it), and ``model/consolidated`` is ``model/`` (upstream
-    keeps the consolidated files one folder down)."""
-    from automodel.training.checkpoint import read_latest
-
-    parts = path.parts
-    if "LATEST" in parts and not path.exists():
-        at = parts.index("LATEST")
-        latest = read_latest(Path(*parts[:at]))
-        path = latest.joinpath(*parts[at + 1:]) if latest is not None else path
-    if path.name == "consolidated" and not path.exists() and path.parent.is_dir():
-        path = path.parent
-    if not path.exists():
-        raise AutomodelError(f"eagle3.draft_weights_path: {path} does not exist (name the model/ directory of a draft "
-                             "this recipe saved, or its checkpoint_dir/LATEST/model)")
-    return path
+from automodel_llm.recipe import config_labels_shifted
 
 
 def load_draft_weights(draft: LlamaForCausalLMEagle3, path: Path) -> bool:
-    """Load a saved draft's weights (safetensors only) into ``draft``; whether they carried its vocabulary."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    path = saved_draft(path)
-    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
-    if not files or not all(f.is_file() for f in files):
-        raise AutomodelError(f"eagle3.draft_weights_path: {path} holds no .safetensors file (name a draft's model/ "
-                             "directory or its model.safetensors)")
-    try:
-        weights = {name: tensor for f in files for name, tensor in load_file(f).items()}
-    except (SafetensorError, OSError) as err:
-        raise AutomodelError(f"eagle3.draft_weights_path: {path}: {err}") from None
+    """Load a saved draft's weights into ``draft``; whether they carried its vocabulary."""
+    weights = read_draft_weights(path, "eagle3.draft_weights_path")
     own = draft.state_dict()
     missing = sorted(set(own) - set(weights) - {"d2t", "t2d"})
     unknown = sorted(set(weights) - set(own))
@@ -107,48 +54,14 @@ def load_draft_weights(draft: LlamaForCausalLMEagle3, path: Path) -> bool:
     return "d2t" in weights and "t2d" in weights
 
 
-class EpochEndValidation(StepScheduler):
-    """Validates after each epoch's last step too (upstream's EAGLE rule, where no val_check_interval is set)."""
-
-    def is_val_step(self) -> bool:
-        return super().is_val_step() or self.is_epoch_end()
-
-
-class Eagle3Recipe(FinetuneRecipeForNextTokenPrediction):
+class Eagle3Recipe(DraftRecipe):
     """Trains an EAGLE-3 draft (the run's model) against the frozen ``model`` section's target."""
 
-    adds_mtp_loss = False
-    tensor_parallel_unsupported = ("the target and the draft run whole on every rank here (the draft is one layer); "
-                                   "use tp_size: 1")
-    pipeline_parallel_unsupported = "the draft is one layer, which pipeline stages cannot split; use pp_size: 1"
+    settings_key = "eagle3"
+    loss_description = "EAGLE-3's soft cross entropy against the target's distribution"
     context_parallel_unsupported = ("the unroll shifts whole sequences each step, which context parallelism splits "
                                     "over ranks; use cp_size: 1")
-    encoder_decoder_unsupported = "EAGLE-3 drafts for a causal target; the target is an encoder-decoder"
-    sections: ClassVar[dict] = {
-        "model": Target("the frozen target model: {_target_: ..., ...} (default: AutoModelForCausalLM."
-                        "from_pretrained)", required=True, plain=True,
-                        default_target="automodel_llm.AutoModelForCausalLM.from_pretrained"),
-        "dataset": Target("the training conversations (default: ChatDataset)", required=True,
-                          runtime_args=("tokenizer",), documented_targets=DATASETS, plain=True,
-                          default_target=CHAT_DATASET),
-        "validation_dataset": Target("validation conversations (default: ChatDataset); without val_check_interval "
-                                     "validated after each epoch", runtime_args=("tokenizer",),
-                                     documented_targets=DATASETS, plain=True, default_target=CHAT_DATASET),
-        "eagle3": Eagle3Config,
-        "recipe_args": RECIPE_ARGS,
-        "optimizer": Target("the draft's optimizer (default: AdamW, betas [0.9, 0.95], weight decay 0, upstream's)",
-                            runtime_args=("params", "model"), plain=True, default_target="torch.optim.AdamW",
-                            default={"_target_": "torch.optim.AdamW", "lr": 1e-4, "betas": [0.9, 0.95],
-                                     "weight_decay": 0.0}),
-        "lr_scheduler": Target("the schedule (default: upstream's EAGLE warmup and cosine: warmup_ratio 0.05, "
-                               "min_lr_ratio 0.1)", runtime_args=("optimizer", "total_steps"), plain=True,
-                               default_target="automodel_llm.eagle3.recipe.warmup_cosine", default={}),
-        "optimizer.warmup_ratio": KeyAlias("lr_scheduler.warmup_ratio", "upstream's place for the schedule's "
-                                           "warmup fraction"),
-        "optimizer.min_lr_ratio": KeyAlias("lr_scheduler.min_lr_ratio", "upstream's place for the schedule's "
-                                           "floor"),
-    }
-    target: torch.nn.Module
+    sections: ClassVar[dict] = {"eagle3": Eagle3Config, "recipe_args": RECIPE_ARGS}
     ttt_steps: int
     aux_layer_ids: list[int]
     validation_counts: torch.Tensor | None = None  # a validation's counts so far: extra_validation_metrics reads them
@@ -156,27 +69,11 @@ class Eagle3Recipe(FinetuneRecipeForNextTokenPrediction):
     @classmethod
     def check_config(cls, cfg: Config) -> list[ConfigIssue]:
         issues = list(super().check_config(cfg))
-        for key in ("eval_generation", "tool_call_eval", "neftune", "embedding_row_repair", "moe_metrics"):
-            node = cfg.get(key) if key in cfg else None
-            if node is not None and getattr(node, "enabled", True) and (key != "neftune" or node.noise_alpha):
-                issues.append(ConfigIssue(key, "acts on the trained model, which is the draft here (it neither "
-                                          "generates text alone nor has experts); remove the section"))
         settings = cfg.get("eagle3")  # None: the section was refused (its issues are reported)
         if cfg.peft is not None and settings is not None and not settings.draft_weights_path:
             issues.append(ConfigIssue("peft", "LoRA adapts a trained draft: set eagle3.draft_weights_path (upstream's "
                                       "recipe_args.draft_weights_path) to the draft it adapts, whose weights and "
                                       "vocabulary the adapter is saved against; a fresh draft trains whole"))
-        for key, why in (("loss_fn", "the loss is EAGLE-3's soft cross entropy against the target's distribution"),
-                         ("freeze", "the draft trains whole but for its embeddings (eagle3.freeze_embeddings)"),
-                         ("qat", "quantisation-aware training of the draft is not built here")):
-            node = cfg.get(key) if key in cfg else None
-            if node is not None and getattr(node, "enabled", True) is not False:
-                issues.append(ConfigIssue(key, f"{why}: remove the section"))
-        ep_size = getattr(cfg.distributed, "ep_size", None) or 1
-        if ep_size > 1:
-            issues.append(ConfigIssue("distributed.ep_size", f"{ep_size}: upstream splits a mixture-of-experts "
-                                      "target's experts over the ranks; the target here is a whole frozen copy on "
-                                      "each rank (and the draft has no experts): use ep_size: 1"))
         target = model_hf_config(cfg)
         if settings is not None and target is not None:
             text = target.get_text_config() if hasattr(target, "get_text_config") else target
@@ -210,11 +107,8 @@ class Eagle3Recipe(FinetuneRecipeForNextTokenPrediction):
     def build_model(self, ctx: BuildContext) -> torch.nn.Module:
         """The frozen target (kept as ``self.target``, whole on every rank) and the draft made for it, which is what
         this returns: the run's model."""
-        settings = self.cfg.get("eagle3") or Eagle3Config()
-        with building_whole():
-            target = super().build_model(ctx)
-        target.to(ctx.device).eval().requires_grad_(False)
-        self.target = target
+        settings = self.settings()
+        target = self.build_target(ctx)
         text = target.config.get_text_config()
         if why := aux_layer_issue(settings.aux_layer_ids, text.num_hidden_layers):  # a target validation could not read
             raise AutomodelError(f"eagle3.aux_layer_ids: {why}")
@@ -251,7 +145,7 @@ class Eagle3Recipe(FinetuneRecipeForNextTokenPrediction):
         A given ``selected_token_ids_path`` that does not exist yet is then written (rank 0); one that exists must
         agree with warm-start weights. A resumed run's checkpoint restores the vocabulary it trained with over this."""
         draft: LlamaForCausalLMEagle3 = unwrap(self.model)
-        settings = self.cfg.get("eagle3") or Eagle3Config()
+        settings = self.settings()
         size, vocab = draft.config.draft_vocab_size, draft.config.vocab_size
         path = Path(settings.selected_token_ids_path) if settings.selected_token_ids_path else None
         stored = read_token_ids(path, size, vocab) if path is not None and path.is_file() else None
@@ -271,11 +165,6 @@ class Eagle3Recipe(FinetuneRecipeForNextTokenPrediction):
             write_token_ids(path, ids, vocab)
             self.log(f"draft vocabulary written to {path} (later runs read it)")
         draft.set_vocabulary(ids)
-
-    def build_step_scheduler(self, ctx: BuildContext, steps_per_epoch: int | None) -> StepScheduler:
-        if self.val_dataloaders and self.cfg.step_scheduler.val_check_interval is None:
-            return EpochEndValidation(self.cfg.step_scheduler, ctx.batch.grad_accumulation_steps, steps_per_epoch)
-        return super().build_step_scheduler(ctx, steps_per_epoch)
 
     # ---- the loss ---------------------------------------------------------------------------------------------
 

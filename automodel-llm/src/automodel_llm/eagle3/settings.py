@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from automodel.config import ArgumentsFor, FieldErrors
+from automodel.config import FieldErrors
+from automodel_llm.draft_args import GPU_ONLY, NOT_BUILT, draft_recipe_args
 
 ATTENTION = ("eager", "sdpa")  # the draft attentions built here (both give the same numbers)
-GPU_ONLY = "needs a CUDA GPU, which this machine lacks"
 
 
 @dataclass
@@ -80,50 +80,14 @@ def aux_layer_issue(ids: list[int] | None, layers: int) -> str | None:
             f"(0..{layers - 1})")
 
 
-_TARGET_SERVERS = ("serves the target from {name} on GPUs for the draft's training, which this build does not: "
-                   "remove it (the target runs in the training processes, upstream's colocated backend)")
-_NOT_BUILT = "{what}, which is not built here: remove it"
-# upstream's recipe_args: each key -> the key it stands for here, or why it is refused
-RECIPE_ARGS = ArgumentsFor(
-    None,
-    keys={"target_model_name_or_path": "model.pretrained_model_name_or_path",
-          "trust_remote_code": "model.trust_remote_code",
-          "target_attn_implementation": "model.attn_implementation",
-          "train_data_path": "dataset.path_or_dataset_id", "train_split": "dataset.split",
-          "val_data_path": "validation_dataset.path_or_dataset_id", "val_split": "validation_dataset.split",
-          "seq_length": ("dataset.seq_length", "validation_dataset.seq_length"),
-          "mask_reasoning_content": ("dataset.mask_reasoning_content", "validation_dataset.mask_reasoning_content"),
-          "micro_batch_size": "step_scheduler.local_batch_size",
-          "grad_accumulation_steps": "step_scheduler.grad_accumulation_steps",
-          "num_epochs": "step_scheduler.num_epochs", "log_every_steps": "step_scheduler.log_interval",
-          "ckpt_every_steps": "step_scheduler.checkpoint_interval",
-          "save_checkpoint_every_epoch": "step_scheduler.save_checkpoint_every_epoch",
-          "max_grad_norm": "clip_grad_norm.max_norm", "num_workers": "dataloader.num_workers",
-          "shuffle_seed": "rng.seed", "packed_sequence_size": "packed_sequence.packed_sequence_size",
-          **{key: f"eagle3.{key}" for key in ("ttt_steps", "draft_vocab_size", "aux_layer_ids", "freeze_embeddings",
-                                              "selected_token_ids_path", "draft_attn_implementation", "fc_norm",
-                                              "norm_output", "draft_weights_path", "target_force_hf")}},
-    implies={"output_dir": (("checkpoint.checkpoint_dir", lambda out: f"{out}/checkpoints"),),
-             # upstream's EAGLE data cuts a longer conversation to seq_length
-             "seq_length": (("dataset.truncation", True), ("validation_dataset.truncation", True))},
-    refused={"cached_target_path": _NOT_BUILT.format(what="a target's supervision precomputed to disk (upstream's "
-                                                          "offline path, precompute_eagle3)"),
-             "target_model_backend": _TARGET_SERVERS.format(name="another backend (sglang, vllm, remote)"),
-             "sglang_args": _TARGET_SERVERS.format(name="SGLang"), "vllm_args": _TARGET_SERVERS.format(name="vLLM"),
-             **dict.fromkeys(("remote_url", "remote_urls", "remote_timeout", "remote_max_retries",
-                              "target_prefetch_depth"), _TARGET_SERVERS.format(name="remote servers")),
-             **dict.fromkeys(("target_experts", "target_dispatcher", "target_attn_backend",
-                              "target_enable_fsdp_optimizations"),
-                             f"upstream's MoE / Transformer Engine kernels for the target {GPU_ONLY}: remove it"),
-             "parallel_drafting": _NOT_BUILT.format(what="P-EAGLE's parallel drafting"),
-             "num_depths": _NOT_BUILT.format(what="P-EAGLE's parallel drafting depths"),
-             "lk_loss_type": _NOT_BUILT.format(what="the acceptance-rate (LK) loss"),
-             "lk_kl_scale": _NOT_BUILT.format(what="the acceptance-rate (LK) loss"),
-             "lk_kl_decay": _NOT_BUILT.format(what="the acceptance-rate (LK) loss"),
-             "cp_zigzag": "a layout of the draft's context parallelism, which this recipe does not run: remove it",
-             "draft_gradient_checkpointing": _NOT_BUILT.format(what="activation checkpointing of the one-layer draft"),
-             "compile": _NOT_BUILT.format(what="torch.compile of the draft"),
-             "train_shuffle": "false reads the data in order; the data order here is the seeded shuffle of every "
-                              "recipe: remove it",
-             "wandb": "Weights & Biases settings: give them in the top-level wandb: section (logging)"},
-    help="upstream's TrainEagle3Recipe arguments, each standing for the key of the same meaning here")
+# upstream's TrainEagle3Recipe recipe_args: each key -> the key it stands for here, or why it is refused
+RECIPE_ARGS = draft_recipe_args(
+    "TrainEagle3Recipe", "eagle3",
+    ("ttt_steps", "draft_vocab_size", "aux_layer_ids", "freeze_embeddings", "selected_token_ids_path",
+     "draft_attn_implementation", "fc_norm", "norm_output", "draft_weights_path", "target_force_hf"),
+    {"parallel_drafting": NOT_BUILT.format(what="P-EAGLE's parallel drafting"),
+     "num_depths": NOT_BUILT.format(what="P-EAGLE's parallel drafting depths"),
+     **dict.fromkeys(("lk_loss_type", "lk_kl_scale", "lk_kl_decay"),
+                     NOT_BUILT.format(what="the acceptance-rate (LK) loss")),
+     "cp_zigzag": "a layout of the draft's context parallelism, which this recipe does not run: remove it",
+     "draft_gradient_checkpointing": NOT_BUILT.format(what="activation checkpointing of the one-layer draft")})

@@ -1,0 +1,163 @@
+"""What the speculative-decoding draft recipes share (EAGLE-1/2: :mod:`automodel_llm.eagle`; EAGLE-3:
+:mod:`automodel_llm.eagle3`): the ``model`` section is the target, built as the next-token recipe builds it, frozen and
+whole on every rank; the run's model is the draft the recipe makes for it, which the engine trains, shards,
+checkpoints and resumes like any model. Upstream's form (``recipe_args:``; ``optimizer:`` without ``_target_``, its
+``warmup_ratio`` / ``min_lr_ratio`` driving upstream's warmup + cosine schedule; validation after each epoch) is read
+as the sections it stands for."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from automodel.config import Config, KeyAlias, Target
+from automodel.errors import AutomodelError, ConfigIssue
+from automodel.meta_build import building_whole
+from automodel.training.context import BuildContext
+from automodel.training.step_scheduler import StepScheduler
+from automodel_llm.recipe import DATASETS, FinetuneRecipeForNextTokenPrediction
+
+CHAT_DATASET = "automodel_llm.datasets.ChatDataset"
+
+
+def warmup_cosine(optimizer: torch.optim.Optimizer, total_steps: int, warmup_ratio: float = 0.05,
+                  min_lr_ratio: float = 0.1) -> torch.optim.lr_scheduler.LambdaLR:
+    """Upstream's EAGLE schedule: the learning rate rises linearly over ``warmup_ratio`` of the run's steps (at
+    least one), step ``s`` (from 0) at ``(s + 1) / warmup`` of the peak, then falls along a cosine to ``min_lr_ratio``
+    of it at the run's last step."""
+    if not 0 <= warmup_ratio <= 1 or not 0 <= min_lr_ratio <= 1:
+        raise AutomodelError(f"lr_scheduler: warmup_ratio {warmup_ratio} and min_lr_ratio {min_lr_ratio} must each "
+                             "be in [0, 1]")
+    warmup = max(1, int(warmup_ratio * total_steps))
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(max((step - warmup) / max(1, total_steps - warmup), 0.0), 1.0)
+        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def saved_draft(path: Path, key: str) -> Path:
+    """Where the config key ``key`` (a saved draft's weights) points, read as upstream's form of it is: a ``LATEST``
+    in it is the checkpoint that run's ``LATEST`` file names (upstream's is a link to it), and ``model/consolidated``
+    is ``model/`` (upstream keeps the consolidated files one folder down)."""
+    from automodel.training.checkpoint import read_latest
+
+    parts = path.parts
+    if "LATEST" in parts and not path.exists():
+        at = parts.index("LATEST")
+        latest = read_latest(Path(*parts[:at]))
+        path = latest.joinpath(*parts[at + 1:]) if latest is not None else path
+    if path.name == "consolidated" and not path.exists() and path.parent.is_dir():
+        path = path.parent
+    if not path.exists():
+        raise AutomodelError(f"{key}: {path} does not exist (name the model/ directory of a draft this recipe saved, "
+                             "or its checkpoint_dir/LATEST/model)")
+    return path
+
+
+def read_draft_weights(path: Path, key: str) -> dict[str, torch.Tensor]:
+    """The tensors of a saved draft (``key``'s ``model/`` directory or one ``.safetensors`` file; safetensors only,
+    never a pickle)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = saved_draft(path, key)
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    if not files or not all(f.is_file() for f in files):
+        raise AutomodelError(f"{key}: {path} holds no .safetensors file (name a draft's model/ directory or its "
+                             "model.safetensors)")
+    try:
+        return {name: tensor for f in files for name, tensor in load_file(f).items()}
+    except (SafetensorError, OSError) as err:
+        raise AutomodelError(f"{key}: {path}: {err}") from None
+
+
+class EpochEndValidation(StepScheduler):
+    """Validates after each epoch's last step too (upstream's EAGLE rule, where no val_check_interval is set)."""
+
+    def is_val_step(self) -> bool:
+        return super().is_val_step() or self.is_epoch_end()
+
+
+class DraftRecipe(FinetuneRecipeForNextTokenPrediction):
+    """Trains a speculative-decoding draft (the run's model) against the frozen ``model`` section's target.
+    Subclasses name their settings section (``settings_key``), make the draft (:meth:`build_model` after
+    :meth:`build_target`) and compute its loss."""
+
+    settings_key: ClassVar[str]
+    loss_description: ClassVar[str]  # what the loss is, for the refusal of loss_fn
+    adds_mtp_loss = False
+    tensor_parallel_unsupported = ("the target and the draft run whole on every rank here (the draft is small); "
+                                   "use tp_size: 1")
+    pipeline_parallel_unsupported = "the draft is one or two layers, which pipeline stages cannot split; use pp_size: 1"
+    context_parallel_unsupported = ("the draft's inputs are the target's states shifted along whole sequences, which "
+                                    "context parallelism splits over ranks; use cp_size: 1")
+    encoder_decoder_unsupported = "EAGLE drafts for a causal target; the target is an encoder-decoder"
+    sections: ClassVar[dict] = {
+        "model": Target("the frozen target model: {_target_: ..., ...} (default: AutoModelForCausalLM."
+                        "from_pretrained)", required=True, plain=True,
+                        default_target="automodel_llm.AutoModelForCausalLM.from_pretrained"),
+        "dataset": Target("the training conversations (default: ChatDataset)", required=True,
+                          runtime_args=("tokenizer",), documented_targets=DATASETS, plain=True,
+                          default_target=CHAT_DATASET),
+        "validation_dataset": Target("validation conversations (default: ChatDataset); without val_check_interval "
+                                     "validated after each epoch", runtime_args=("tokenizer",),
+                                     documented_targets=DATASETS, plain=True, default_target=CHAT_DATASET),
+        "optimizer": Target("the draft's optimizer (default: AdamW, betas [0.9, 0.95], weight decay 0, upstream's)",
+                            runtime_args=("params", "model"), plain=True, default_target="torch.optim.AdamW",
+                            default={"_target_": "torch.optim.AdamW", "lr": 1e-4, "betas": [0.9, 0.95],
+                                     "weight_decay": 0.0}),
+        "lr_scheduler": Target("the schedule (default: upstream's EAGLE warmup and cosine: warmup_ratio 0.05, "
+                               "min_lr_ratio 0.1)", runtime_args=("optimizer", "total_steps"), plain=True,
+                               default_target="automodel_llm.draft_recipe.warmup_cosine", default={}),
+        "optimizer.warmup_ratio": KeyAlias("lr_scheduler.warmup_ratio", "upstream's place for the schedule's "
+                                           "warmup fraction"),
+        "optimizer.min_lr_ratio": KeyAlias("lr_scheduler.min_lr_ratio", "upstream's place for the schedule's "
+                                           "floor"),
+    }
+    target: torch.nn.Module
+
+    @classmethod
+    def check_config(cls, cfg: Config) -> list[ConfigIssue]:
+        issues = list(super().check_config(cfg))
+        for key in ("eval_generation", "tool_call_eval", "neftune", "embedding_row_repair", "moe_metrics"):
+            node = cfg.get(key) if key in cfg else None
+            if node is not None and getattr(node, "enabled", True) and (key != "neftune" or node.noise_alpha):
+                issues.append(ConfigIssue(key, "acts on the trained model, which is the draft here (it neither "
+                                          "generates text alone nor has experts); remove the section"))
+        for key, why in (("loss_fn", f"the loss is {cls.loss_description}"),
+                         ("freeze", f"the draft trains whole but for its embeddings "
+                                    f"({cls.settings_key}.freeze_embeddings)"),
+                         ("qat", "quantisation-aware training of the draft is not built here")):
+            node = cfg.get(key) if key in cfg else None
+            if node is not None and getattr(node, "enabled", True) is not False:
+                issues.append(ConfigIssue(key, f"{why}: remove the section"))
+        ep_size = getattr(cfg.distributed, "ep_size", None) or 1
+        if ep_size > 1:
+            issues.append(ConfigIssue("distributed.ep_size", f"{ep_size}: upstream splits a mixture-of-experts "
+                                      "target's experts over the ranks; the target here is a whole frozen copy on "
+                                      "each rank (and the draft has no experts): use ep_size: 1"))
+        return issues
+
+    def build_target(self, ctx: BuildContext) -> torch.nn.Module:
+        """The frozen target (kept as ``self.target``), built whole on every rank."""
+        with building_whole():
+            target = super().build_model(ctx)
+        target.to(ctx.device).eval().requires_grad_(False)
+        self.target = target
+        return target
+
+    def settings(self) -> Any:
+        """The recipe's settings section (its defaults where the config leaves it out)."""
+        return self.cfg.get(self.settings_key) or self.sections[self.settings_key]()
+
+    def build_step_scheduler(self, ctx: BuildContext, steps_per_epoch: int | None) -> StepScheduler:
+        if self.val_dataloaders and self.cfg.step_scheduler.val_check_interval is None:
+            return EpochEndValidation(self.cfg.step_scheduler, ctx.batch.grad_accumulation_steps, steps_per_epoch)
+        return super().build_step_scheduler(ctx, steps_per_epoch)

@@ -1,0 +1,123 @@
+"""EAGLE-1 / EAGLE-2 draft training (``automodel finetune eagle``; upstream's ``TrainEagle1Recipe`` and
+``TrainEagle2Recipe``, which train the same draft: EAGLE-2 differs in the tree it drafts at serving time).
+
+The ``model`` section is the target (:class:`~automodel_llm.draft_recipe.DraftRecipe`), run on every batch for its
+last hidden state (the feature) and logits. Slot ``t`` of the draft reads token ``t + 1`` and the target's feature
+at ``t`` (with uniform noise while training, ``eagle.feature_noise``) and predicts the feature at ``t + 1``: trained
+by the smooth L1 distance to it (``eagle.hidden_loss_weight``) and by the cross entropy of the target's distribution
+there under the target's output head applied to the prediction (``eagle.token_loss_weight``). A slot counts where
+token ``t + 2``, the one its prediction drafts, is a label token (of the same sample, in packed rows). The loss is
+summed over the global batch's counted slots, as the engine's losses are; each part is logged as ``loss_hidden`` /
+``loss_token``. Validation reports ``accuracy``: the slots whose drafted token is the target's own choice.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from automodel.config import Config
+from automodel.errors import ConfigIssue
+from automodel.training.context import BuildContext
+from automodel.training.dist import all_reduce_sum
+from automodel_llm.draft_recipe import DraftRecipe
+from automodel_llm.eagle.draft import ARCHITECTURE, EagleLlamaForCausalLM, draft_config
+from automodel_llm.eagle.settings import RECIPE_ARGS, EagleConfig
+from automodel_llm.eagle3.unroll import documents, drafted_positions, same_document, shifted, supervised_tokens
+
+
+class EagleRecipe(DraftRecipe):
+    """Trains an EAGLE-1 / EAGLE-2 draft (the run's model) against the frozen ``model`` section's target."""
+
+    settings_key = "eagle"
+    loss_description = ("EAGLE's feature regression (smooth L1) plus the cross entropy of the target's "
+                        "distribution (eagle.hidden_loss_weight, eagle.token_loss_weight)")
+    sections: ClassVar[dict] = {"eagle": EagleConfig, "recipe_args": RECIPE_ARGS}
+    output_head: torch.Tensor  # the target's output head (frozen), which turns a predicted feature into logits
+    validation_counts: torch.Tensor | None = None  # a validation's [right, counted] so far
+
+    @classmethod
+    def check_config(cls, cfg: Config) -> list[ConfigIssue]:
+        issues = list(super().check_config(cfg))
+        if cfg.peft is not None:
+            issues.append(ConfigIssue("peft", "the EAGLE-1/2 draft trains whole (a layer or two; upstream's recipe "
+                                      "refuses peft too): remove the section"))
+        return issues
+
+    @classmethod
+    def describe_plan(cls, cfg: Config) -> list[str]:
+        settings = cfg.get("eagle") or EagleConfig()
+        return [*super().describe_plan(cfg), f"EAGLE-1/2: the model section is the frozen target; the trained model is "
+                f"a {settings.draft_num_hidden_layers}-layer draft predicting the target's next feature (loss "
+                f"{settings.hidden_loss_weight} x smooth L1 + {settings.token_loss_weight} x token cross entropy)"]
+
+    def build_model(self, ctx: BuildContext) -> torch.nn.Module:
+        """The frozen target and the draft made for it, which is what this returns: the run's model."""
+        settings = self.settings()
+        target = self.build_target(ctx)
+        text = target.config.get_text_config()
+        draft = EagleLlamaForCausalLM(draft_config(text, settings.draft_num_hidden_layers))
+        with torch.no_grad():
+            draft.embed_tokens.weight.copy_(target.get_input_embeddings().weight.detach())
+        draft.embed_tokens.weight.requires_grad_(not settings.freeze_embeddings)
+        self.output_head = target.get_output_embeddings().weight.detach()
+        self.log(f"EAGLE-1/2: a {settings.draft_num_hidden_layers}-layer draft for the frozen target "
+                 f"{type(target).__name__} ({text.num_hidden_layers} layers), feature noise "
+                 f"+-{settings.feature_noise}, embeddings {'frozen' if settings.freeze_embeddings else 'trained'}")
+        return draft
+
+    # ---- the loss ---------------------------------------------------------------------------------------------
+
+    def count_label_tokens(self, batch: dict[str, torch.Tensor]) -> int:
+        return drafted_positions(supervised_tokens(batch["labels"], self.label_offset), batch.get("position_ids"))
+
+    def compute_loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """EAGLE's loss of the batch, summed over its counted slots."""
+        settings = self.settings()
+        ids, positions = batch["input_ids"], batch.get("position_ids")
+        with torch.no_grad():  # packed rows: transformers keeps attention within each sample by position_ids
+            out = self.target(input_ids=ids, attention_mask=batch.get("attention_mask"), position_ids=positions,
+                              output_hidden_states=True, use_cache=False)
+        features = out.hidden_states[-1]  # the final norm's output, which the output head reads
+        counted = shifted(supervised_tokens(batch["labels"], self.label_offset).to(ids.device), 2)
+        if positions is not None:
+            counted = counted & same_document(documents(positions), 2)
+        read = features
+        if model.training and settings.feature_noise > 0:
+            read = features + torch.empty_like(features).uniform_(-settings.feature_noise, settings.feature_noise)
+        predicted = model(input_ids=shifted(ids, 1), features=read, position_ids=positions)
+        wanted = shifted(features, 1).to(predicted.dtype)
+        distance = torch.nn.functional.smooth_l1_loss(predicted, wanted, reduction="none").mean(dim=-1)
+        logits = torch.nn.functional.linear(predicted, self.output_head.to(predicted.dtype)).float()
+        target_logits = shifted(out.logits, 1).float()
+        cross_entropy = -(torch.softmax(target_logits, dim=-1) * torch.log_softmax(logits, dim=-1)).sum(dim=-1)
+        hidden_sum, token_sum = (distance.float() * counted).sum(), (cross_entropy * counted).sum()
+        if model.training:
+            self.add_loss_part("hidden", hidden_sum)
+            self.add_loss_part("token", token_sum)
+        else:
+            right = (logits.argmax(dim=-1) == target_logits.argmax(dim=-1)) & counted
+            counts = torch.stack([right.sum(), counted.sum()]).detach().float()
+            self.validation_counts = counts if self.validation_counts is None else self.validation_counts + counts
+        return settings.hidden_loss_weight * hidden_sum + settings.token_loss_weight * token_sum
+
+    def extra_validation_metrics(self, name: str, dataloader: Any) -> dict[str, float]:
+        """``accuracy`` over the validation set: the counted slots whose drafted token (the greedy token of the
+        target's head on the predicted feature) is the target's own choice."""
+        counts, self.validation_counts = self.validation_counts, None
+        if counts is None:
+            return {}
+        if self.ctx.mesh.dp > 1:
+            counts = torch.stack(all_reduce_sum(*counts, device=self.device, group=self.data_parallel_group()))
+        right, counted = counts.double()
+        return {"accuracy": (right / counted.clamp_min(1)).item()}
+
+    def final_message(self, model_dir: Path) -> str:
+        if not model_dir.is_dir():  # saved sharded only: the base message says how to export it
+            return super().final_message(model_dir)
+        return (f"the EAGLE-1/2 draft is in {model_dir} ({ARCHITECTURE}): serve it as the speculative model of its "
+                f"target, e.g. vllm serve TARGET --speculative-config '{{\"method\": \"eagle\", \"model\": "
+                f"\"{model_dir}\", \"num_speculative_tokens\": 5}}' (SGLang: --speculative-algorithm EAGLE, with "
+                "architectures LlamaForCausalLMEagle in its config.json)")
