@@ -231,11 +231,66 @@ def test_two_ranks_train_and_validate_as_one_process_with_their_batches_together
                      "--distributed.strategy", strategy, "--checkpoint.checkpoint_dir", tmp_path / "two",
                      cwd=tmp_path, OMP_NUM_THREADS="1")
     assert result.returncode == 0, result.stderr[-4000:]
+    # FSDP2 shards the frozen target's weights too (upstream's layout); DDP leaves it whole
+    assert ("target: FSDP2 over 2 ranks" in result.stderr) == (strategy == "fsdp2")
     one, two = (read_jsonl(run / "training.jsonl") for run in (reference, tmp_path / "two"))
     assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-4)
     (val_one,), (val_two,) = (read_jsonl(run / "validation.jsonl") for run in (reference, tmp_path / "two"))
     assert val_two["accuracy"] == val_one["accuracy"]
     assert val_two["val_loss"] == pytest.approx(val_one["val_loss"], rel=1e-4)
+
+
+MOE_TARGET = {"_target_": "automodel_llm.AutoModelForCausalLM.from_config", "config": {
+    "model_type": "qwen3_moe", "vocab_size": 482, "hidden_size": 32, "intermediate_size": 64,
+    "moe_intermediate_size": 16, "num_experts": 4, "num_experts_per_tok": 2, "num_hidden_layers": 3,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}}
+
+
+@pytest.mark.parametrize(("route", "settings"), [
+    ("eagle", {"eagle": {"feature_noise": 0.0}}),
+    ("eagle3", {"eagle3": {"ttt_steps": 2, "draft_vocab_size": 64, "aux_layer_ids": [0, 1, 2]}})])
+def test_a_mixture_of_experts_targets_experts_split_over_two_ranks_train_the_draft_as_one_process(
+        tmp_path, route, settings):
+    """distributed.ep_size 2 (upstream's qwen3_moe / gpt_oss draft configs): each rank holds half of the target's
+    experts (FSDP2 shards its other weights), and the draft trains and validates as in one process with both
+    batches."""
+    from automodel.testing import free_port
+
+    steps = {"max_steps": 3, "val_check_interval": 3, "val_at_start": False, "checkpoint_interval": 3}
+    cfg = write_draft_config(tmp_path / "moe.yaml", tmp_path, tmp_path / "one", settings, model=MOE_TARGET,
+                             tokenizer={"pretrained_model_name_or_path": str(ASSETS / "tiny_tokenizer")},
+                             step_scheduler=steps, dataset={"limit_dataset_samples": 32})
+    run_route(route, cfg, tmp_path, "--step_scheduler.grad_accumulation_steps", 2)
+    result = run_cli("finetune", route, "-c", cfg, "--nproc-per-node", 2, "--master-port", free_port(),
+                     "--distributed.strategy", "fsdp2", "--distributed.ep_size", 2, "--checkpoint.checkpoint_dir",
+                     tmp_path / "two", cwd=tmp_path, OMP_NUM_THREADS="1")
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "target: expert parallel over ep 2 (1 group of consecutive ranks): 3 experts modules, each rank holds 2 " \
+           "of 4 experts" in result.stderr
+    assert "target: FSDP2 over 2 ranks, expert parameters (6) split by expert parallelism instead" in result.stderr
+    one, two = (read_jsonl(tmp_path / run / "training.jsonl") for run in ("one", "two"))
+    assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-4)
+    (val_one,), (val_two,) = (read_jsonl(tmp_path / run / "validation.jsonl") for run in ("one", "two"))
+    assert val_two["accuracy"] == val_one["accuracy"]
+
+
+@pytest.mark.parametrize(("route", "settings", "blocks"), [
+    ("eagle", {"eagle": {"draft_num_hidden_layers": 2, "feature_noise": 0.0}}, 2),
+    ("eagle3", {"eagle3": {"ttt_steps": 3, "draft_vocab_size": 64, "aux_layer_ids": [0, 2, 3]}}, 1)])
+def test_activation_checkpointing_of_the_draft_trains_as_without_it(chat_target, tmp_path, route, settings, blocks):
+    """distributed.activation_checkpointing (EAGLE-3: also upstream's recipe_args.draft_gradient_checkpointing)
+    recomputes the draft's layers in the backward pass, each unrolled step's on its own: the same losses and
+    gradients."""
+    steps = {"max_steps": 3, "val_check_interval": None, "val_at_start": False, "checkpoint_interval": 3}
+    cfg = write_draft_config(tmp_path / "ac.yaml", chat_target, tmp_path / "plain", settings, step_scheduler=steps,
+                             validation_dataset=None)
+    run_route(route, cfg, tmp_path)
+    log = run_route(route, cfg, tmp_path, "--checkpoint.checkpoint_dir", tmp_path / "recomputed",
+                    "--distributed.activation_checkpointing", "true")
+    assert f"activation checkpointing on {blocks} transformer blocks" in log
+    plain, recomputed = (read_jsonl(tmp_path / run / "training.jsonl") for run in ("plain", "recomputed"))
+    for key in ("loss", "grad_norm"):
+        assert [r[key] for r in recomputed] == pytest.approx([r[key] for r in plain], rel=1e-6), key
 
 
 # ---- the loss by hand ------------------------------------------------------------------------------------------
@@ -307,7 +362,7 @@ def test_packed_rows_train_as_their_samples_apart():
     ({"peft": {"dim": 8}}, "peft", "trains whole"),
     ({"loss_fn": {"_target_": "automodel.loss.MaskedCrossEntropy"}}, "loss_fn", "feature regression"),
     ({"distributed": {"tp_size": 2}}, "distributed.tp_size", "use tp_size: 1"),
-    ({"distributed": {"ep_size": 2}}, "distributed.ep_size", "use ep_size: 1"),
+    ({"distributed": {"ep_size": 2, "strategy": "fsdp2"}}, "distributed.ep_size", "has no experts module"),
 ])
 def test_what_cannot_act_is_refused_with_the_reason(chat_target, tmp_path, change, key, words):
     assert_refused("eagle", eagle_config(tmp_path / "eagle.yaml", chat_target, tmp_path / "run"), tmp_path, change, key,

@@ -176,7 +176,7 @@ def test_upstreams_recipe_args_form_runs(target, tmp_path):
             "trust_remote_code": False, "shuffle_seed": 3, "log_every_steps": 1, "max_grad_norm": 1.0,
             "ckpt_every_steps": 4, "save_checkpoint_every_epoch": False, "packed_sequence_size": 0,
             "target_force_hf": True, "target_attn_implementation": "sdpa", "draft_attn_implementation": "sdpa",
-            "fc_norm": True, "norm_output": True},
+            "fc_norm": True, "norm_output": True, "draft_gradient_checkpointing": True},
         "optimizer": {"lr": 1e-3, "betas": [0.9, 0.95], "weight_decay": 0.0, "warmup_ratio": 0.4,
                       "min_lr_ratio": 0.2},
         "checkpoint": {"enabled": True, "model_save_format": "safetensors", "save_consolidated": True},
@@ -198,6 +198,7 @@ def test_upstreams_recipe_args_form_runs(target, tmp_path):
     model_dir = run_dir / "epoch_0_step_6" / "model"
     config = json.loads((model_dir / "config.json").read_text())
     assert config["fc_norm"] is True and config["norm_output"] is True and config["draft_vocab_size"] == 32
+    assert "activation checkpointing on 1 transformer blocks" in result.stderr  # draft_gradient_checkpointing
     draft = LlamaForCausalLMEagle3.from_pretrained(str(model_dir))
     assert torch.equal(draft.draft_token_ids(), torch.tensor(vocabulary["token_ids"]))
     assert len(draft.fc_norm) == 3
@@ -242,6 +243,8 @@ def test_two_ranks_train_and_validate_as_one_process_with_their_batches_together
                      "--distributed.strategy", strategy, "--checkpoint.checkpoint_dir", tmp_path / "two",
                      cwd=tmp_path, OMP_NUM_THREADS="1")
     assert result.returncode == 0, result.stderr[-4000:]
+    # FSDP2 shards the frozen target's weights too (upstream's layout); DDP leaves it whole
+    assert ("target: FSDP2 over 2 ranks" in result.stderr) == (strategy == "fsdp2")
     one, two = (read_jsonl(run / "training.jsonl") for run in (reference, tmp_path / "two"))
     assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-4)
     (val_one,), (val_two,) = (read_jsonl(run / "validation.jsonl") for run in (reference, tmp_path / "two"))
@@ -362,7 +365,7 @@ def test_the_vocabulary_keeps_the_most_frequent_label_tokens_and_its_file_round_
     ({"peft": {"dim": 8}}, "peft", "set eagle3.draft_weights_path"),
     ({"eval_generation": {"enabled": True}}, "eval_generation", "the draft"),
     ({"distributed": {"tp_size": 2}}, "distributed.tp_size", "use tp_size: 1"),
-    ({"distributed": {"ep_size": 2}}, "distributed.ep_size", "use ep_size: 1"),
+    ({"distributed": {"ep_size": 2, "strategy": "fsdp2"}}, "distributed.ep_size", "has no experts module"),
 ])
 def test_what_cannot_act_is_refused_with_the_reason(target, tmp_path, change, key, words):
     assert_refused("eagle3", eagle_config(tmp_path / "eagle.yaml", target, tmp_path / "run"), tmp_path, change, key,

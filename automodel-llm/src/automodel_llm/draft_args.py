@@ -51,9 +51,11 @@ SHARED_REFUSED = {
 }
 
 
-def draft_recipe_args(recipe: str, section: str, own: Iterable[str], refused: Mapping[str, str]) -> ArgumentsFor:
+def draft_recipe_args(recipe: str, section: str, own: Iterable[str], refused: Mapping[str, str],
+                      keys: Mapping[str, str] | None = None) -> ArgumentsFor:
     """The ``recipe_args:`` of upstream's ``recipe``: the shared keys, ``own`` keys standing for the same keys of
-    the draft's ``section`` here, and ``refused`` ones besides the shared refusals."""
-    return ArgumentsFor(None, keys={**SHARED_KEYS, **{key: f"{section}.{key}" for key in own}},
+    the draft's ``section`` here, ``keys`` standing for the dotted keys they map to, and ``refused`` ones besides the
+    shared refusals."""
+    return ArgumentsFor(None, keys={**SHARED_KEYS, **{key: f"{section}.{key}" for key in own}, **(keys or {})},
                         implies=SHARED_IMPLIES, refused={**SHARED_REFUSED, **refused},
                         help=f"upstream's {recipe} arguments, each standing for the key of the same meaning here")

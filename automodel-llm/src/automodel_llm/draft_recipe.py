@@ -1,13 +1,15 @@
 """What the speculative-decoding draft recipes share (EAGLE-1/2: :mod:`automodel_llm.eagle`; EAGLE-3:
-:mod:`automodel_llm.eagle3`): the ``model`` section is the target, built as the next-token recipe builds it, frozen and
-whole on every rank; the run's model is the draft the recipe makes for it, which the engine trains, shards,
-checkpoints and resumes like any model. Upstream's form (``recipe_args:``; ``optimizer:`` without ``_target_``, its
-``warmup_ratio`` / ``min_lr_ratio`` driving upstream's warmup + cosine schedule; validation after each epoch) is read
-as the sections it stands for."""
+:mod:`automodel_llm.eagle3`): the ``model`` section is the target, built as the next-token recipe builds it and
+frozen; the run's model is the draft the recipe makes for it, which the engine trains, shards, checkpoints and
+resumes like any model (``distributed.ep_size`` splits a mixture-of-experts target's experts over the ranks and
+``strategy: fsdp2`` shards the target's weights, as upstream's recipes do). Upstream's form (``recipe_args:``;
+``optimizer:`` without ``_target_``, its ``warmup_ratio`` / ``min_lr_ratio`` driving upstream's warmup + cosine
+schedule; validation after each epoch) is read as the sections it stands for."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -78,6 +80,11 @@ def read_draft_weights(path: Path, key: str) -> dict[str, torch.Tensor]:
         raise AutomodelError(f"{key}: {path}: {err}") from None
 
 
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A weight of the target as a plain tensor: gathered when FSDP2 shards the target (every rank calls this)."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
 class EpochEndValidation(StepScheduler):
     """Validates after each epoch's last step too (upstream's EAGLE rule, where no val_check_interval is set)."""
 
@@ -122,6 +129,7 @@ class DraftRecipe(FinetuneRecipeForNextTokenPrediction):
                                            "floor"),
     }
     target: torch.nn.Module
+    target_class: str  # the target's class name, for the logs
 
     @classmethod
     def check_config(cls, cfg: Config) -> list[ConfigIssue]:
@@ -138,20 +146,32 @@ class DraftRecipe(FinetuneRecipeForNextTokenPrediction):
             node = cfg.get(key) if key in cfg else None
             if node is not None and getattr(node, "enabled", True) is not False:
                 issues.append(ConfigIssue(key, f"{why}: remove the section"))
-        ep_size = getattr(cfg.distributed, "ep_size", None) or 1
-        if ep_size > 1:
-            issues.append(ConfigIssue("distributed.ep_size", f"{ep_size}: upstream splits a mixture-of-experts "
-                                      "target's experts over the ranks; the target here is a whole frozen copy on "
-                                      "each rank (and the draft has no experts): use ep_size: 1"))
         return issues
 
     def build_target(self, ctx: BuildContext) -> torch.nn.Module:
-        """The frozen target (kept as ``self.target``), built whole on every rank."""
+        """The frozen target (kept as ``self.target``), built whole on every rank, then split as upstream splits it:
+        with ``distributed.ep_size > 1`` the experts of a mixture-of-experts target over the ep groups of the
+        data-parallel ranks (the draft has none: :meth:`after_model_built`), and with ``strategy: fsdp2`` its other
+        weights sharded over the data-parallel ranks by FSDP2, as the draft's are (every rank runs each forward of
+        the target together)."""
+        from automodel.training.model_init import expert_parallelize
+        from automodel.training.stages.sharding import wrap_fsdp2
+
         with building_whole():
             target = super().build_model(ctx)
         target.to(ctx.device).eval().requires_grad_(False)
+        self.target_class = type(target).__name__  # before FSDP2 names it FSDP<class>
+        if (getattr(ctx.cfg.distributed, "ep_size", None) or 1) > 1:
+            self.log(f"target: {expert_parallelize(ctx, target)}")
+        if ctx.fsdp2 and ctx.device_mesh is not None:
+            target, how = wrap_fsdp2(ctx, target)
+            self.log(f"target: {how}")
         self.target = target
         return target
+
+    def after_model_built(self, ctx: BuildContext, model: torch.nn.Module, meta: Any) -> BuildContext:
+        """The run's model is the draft, whose layers have no experts: ``ep_size`` split the target's."""
+        return replace(super().after_model_built(ctx, model, meta), experts_of_run_model=False)
 
     def settings(self) -> Any:
         """The recipe's settings section (its defaults where the config leaves it out)."""

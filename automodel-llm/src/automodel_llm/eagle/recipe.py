@@ -22,7 +22,7 @@ from automodel.config import Config
 from automodel.errors import ConfigIssue
 from automodel.training.context import BuildContext
 from automodel.training.dist import all_reduce_sum
-from automodel_llm.draft_recipe import DraftRecipe
+from automodel_llm.draft_recipe import DraftRecipe, whole
 from automodel_llm.eagle.draft import ARCHITECTURE, EagleLlamaForCausalLM, draft_config
 from automodel_llm.eagle.settings import RECIPE_ARGS, EagleConfig
 from automodel_llm.eagle3.unroll import documents, drafted_positions, same_document, shifted, supervised_tokens
@@ -60,11 +60,11 @@ class EagleRecipe(DraftRecipe):
         text = target.config.get_text_config()
         draft = EagleLlamaForCausalLM(draft_config(text, settings.draft_num_hidden_layers))
         with torch.no_grad():
-            draft.embed_tokens.weight.copy_(target.get_input_embeddings().weight.detach())
+            draft.embed_tokens.weight.copy_(whole(target.get_input_embeddings().weight.detach()))
         draft.embed_tokens.weight.requires_grad_(not settings.freeze_embeddings)
-        self.output_head = target.get_output_embeddings().weight.detach()
+        self.output_head = whole(target.get_output_embeddings().weight.detach())
         self.log(f"EAGLE-1/2: a {settings.draft_num_hidden_layers}-layer draft for the frozen target "
-                 f"{type(target).__name__} ({text.num_hidden_layers} layers), feature noise "
+                 f"{self.target_class} ({text.num_hidden_layers} layers), feature noise "
                  f"+-{settings.feature_noise}, embeddings {'frozen' if settings.freeze_embeddings else 'trained'}")
         return draft
 

@@ -95,7 +95,10 @@ class DraftAttention(nn.Module):
         self.o_proj = nn.Linear(self.heads * self.head_dim, config.hidden_size, bias=bias)
 
     def forward(self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
-                cache: tuple[list[torch.Tensor], list[torch.Tensor]], visible: torch.Tensor) -> torch.Tensor:
+                past: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]], visible: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This step's output, key and value (``past``: the keys and values of the steps before; not changed, so
+        that activation checkpointing can run the step again)."""
         batch, length, _ = hidden.shape
         shape = (batch, length, -1, self.head_dim)
         query = self.q_proj(hidden).view(shape).transpose(1, 2)
@@ -103,10 +106,10 @@ class DraftAttention(nn.Module):
         value = self.v_proj(hidden).view(shape).transpose(1, 2)
         query, key = apply_rotary_pos_emb(query, key, *rotary)
         repeat = self.heads // self.kv_heads
-        cache[0].append(key.repeat_interleave(repeat, dim=1))
-        cache[1].append(value.repeat_interleave(repeat, dim=1))
-        out = unrolled_attention(query, cache[0], cache[1], self.config._attn_implementation, visible)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
+        key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
+        out = unrolled_attention(query, [*past[0], key], [*past[1], value], self.config._attn_implementation,
+                                 visible)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1)), key, value
 
 
 class DraftMLP(nn.Module):
@@ -135,10 +138,14 @@ class DraftLayer(nn.Module):
         self.mlp = DraftMLP(config)
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
-                cache: tuple[list[torch.Tensor], list[torch.Tensor]], visible: torch.Tensor) -> torch.Tensor:
+                past: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]], visible: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The step's output state, key and value (a function of its inputs alone: activation checkpointing runs it
+        again in the backward pass)."""
         both = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
-        hidden = hidden + self.self_attn(both, rotary, cache, visible)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        attended, key, value = self.self_attn(both, rotary, past, visible)
+        hidden = hidden + attended
+        return hidden + self.mlp(self.post_attention_layernorm(hidden)), key, value
 
 
 class LlamaForCausalLMEagle3(PreTrainedModel):
@@ -150,6 +157,9 @@ class LlamaForCausalLMEagle3(PreTrainedModel):
     generates = False  # LoRA wraps it in peft's task-agnostic PeftModel (automodel.hf.lora_task_type)
     _no_split_modules = ["DraftLayer"]
     _supports_sdpa = True
+    # the draft's one layer is its transformer block (an FSDP2 unit, and what activation checkpointing recomputes),
+    # not the ModuleList of EAGLE-3.1's fc_norm
+    transformer_block_names = ("midlayer",)
 
     def __init__(self, config: LlamaConfig):
         super().__init__(config)
@@ -198,7 +208,9 @@ class LlamaForCausalLMEagle3(PreTrainedModel):
         """One step: ``(logits over the draft vocabulary, the state the next step carries)``."""
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)
         rotary = self.rotary_emb(hidden, position_ids)
-        hidden = self.midlayer(embeds, hidden, rotary, cache, visible)
+        hidden, key, value = self.midlayer(embeds, hidden, rotary, (tuple(cache[0]), tuple(cache[1])), visible)
+        cache[0].append(key)
+        cache[1].append(value)
         if self.config.norm_output:
             hidden = self.norm(hidden)
             return self.lm_head(hidden), hidden

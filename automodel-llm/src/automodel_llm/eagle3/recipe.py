@@ -26,7 +26,7 @@ from automodel.training.context import BuildContext
 from automodel.training.dist import all_reduce_sum
 from automodel.training.modules import unwrap
 from automodel.training.parallelism import model_hf_config
-from automodel_llm.draft_recipe import DraftRecipe, read_draft_weights
+from automodel_llm.draft_recipe import DraftRecipe, read_draft_weights, whole
 from automodel_llm.eagle3.draft import LlamaForCausalLMEagle3, draft_config
 from automodel_llm.eagle3.settings import RECIPE_ARGS, Eagle3Config, aux_layer_issue, default_aux_layers
 from automodel_llm.eagle3.unroll import (
@@ -118,15 +118,15 @@ class Eagle3Recipe(DraftRecipe):
         config = draft_config(text, size, self.aux_layer_ids, settings.draft_attn_implementation, settings.fc_norm,
                               settings.norm_output)
         draft = LlamaForCausalLMEagle3(config)
-        embeddings = target.get_input_embeddings().weight
+        embeddings = whole(target.get_input_embeddings().weight.detach())
         with torch.no_grad():
-            draft.embed_tokens.weight.copy_(embeddings.detach().to(draft.embed_tokens.weight.dtype))
+            draft.embed_tokens.weight.copy_(embeddings.to(draft.embed_tokens.weight.dtype))
         draft.embed_tokens.weight.requires_grad_(not settings.freeze_embeddings)
         if settings.draft_weights_path:
             with_vocabulary = load_draft_weights(draft, Path(settings.draft_weights_path))
             self.log(f"draft: started from the weights in {settings.draft_weights_path}"
                      + (" (their draft vocabulary too)" if with_vocabulary else ""))
-        self.log(f"EAGLE-3: a one-layer draft for the frozen target {type(target).__name__} ({text.num_hidden_layers} "
+        self.log(f"EAGLE-3: a one-layer draft for the frozen target {self.target_class} ({text.num_hidden_layers} "
                  f"layers; the draft reads the outputs of layers {self.aux_layer_ids}), {self.ttt_steps} unrolled "
                  f"steps, draft vocabulary {size} of {text.vocab_size} tokens, embeddings "
                  f"{'frozen' if settings.freeze_embeddings else 'trained'}")

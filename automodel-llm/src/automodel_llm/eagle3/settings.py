@@ -89,5 +89,6 @@ RECIPE_ARGS = draft_recipe_args(
      "num_depths": NOT_BUILT.format(what="P-EAGLE's parallel drafting depths"),
      **dict.fromkeys(("lk_loss_type", "lk_kl_scale", "lk_kl_decay"),
                      NOT_BUILT.format(what="the acceptance-rate (LK) loss")),
-     "cp_zigzag": "a layout of the draft's context parallelism, which this recipe does not run: remove it",
-     "draft_gradient_checkpointing": NOT_BUILT.format(what="activation checkpointing of the one-layer draft")})
+     "cp_zigzag": "a layout of the draft's context parallelism, which this recipe does not run: remove it"},
+    # the draft's layer recomputed in the backward pass at each unrolled step
+    keys={"draft_gradient_checkpointing": "distributed.activation_checkpointing"})

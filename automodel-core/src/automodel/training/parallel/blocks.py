@@ -22,7 +22,11 @@ class LayerPlaceholder(nn.Module):
 def transformer_blocks(model: nn.Module, skip: Collection[nn.Module] = ()) -> list[nn.Module]:
     """The longest ``ModuleList`` of modules of one type (a transformer's layers), not counting the placeholders of
     a pipeline stage nor lists inside the ``skip`` modules (a vision-language model's towers): each is one FSDP
-    unit and one activation-checkpointing region. Empty when the model has no such list."""
+    unit and one activation-checkpointing region. A model that names its blocks (``transformer_block_names``, the
+    dotted names of its submodules: a one-layer draft's layer, say) has those. Empty when it has neither."""
+    declared = getattr(model, "transformer_block_names", None)
+    if declared:
+        return [model.get_submodule(name) for name in declared]
     skipped = {id(inner) for outer in skip for inner in outer.modules()}
     best: list[nn.Module] = []
     for module in model.modules():
