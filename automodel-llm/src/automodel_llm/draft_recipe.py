@@ -100,8 +100,10 @@ class DraftRecipe(FinetuneRecipeForNextTokenPrediction):
     settings_key: ClassVar[str]
     loss_description: ClassVar[str]  # what the loss is, for the refusal of loss_fn
     adds_mtp_loss = False
-    tensor_parallel_unsupported = ("the target and the draft run whole on every rank here (the draft is small); "
-                                   "use tp_size: 1")
+    tensor_parallel_unsupported = ("tensor parallelism of the target is not built here, and the draft is too small "
+                                   "to split: use tp_size: 1 (with strategy: fsdp2 the ranks shard the target as "
+                                   "data-parallel ranks instead, and ep_size splits a mixture-of-experts target's "
+                                   "experts)")
     pipeline_parallel_unsupported = "the draft is one or two layers, which pipeline stages cannot split; use pp_size: 1"
     context_parallel_unsupported = ("the draft's inputs are the target's states shifted along whole sequences, which "
                                     "context parallelism splits over ranks; use cp_size: 1")
