@@ -282,3 +282,27 @@ def assert_refused(route: str, config: Path, cwd: Path, change: dict[str, dict],
     write_yaml(config, data)
     code, out = validate_cli(config, cwd, "finetune", route, "--nproc-per-node", "2")
     assert code != 0 and key in out and words in out, out
+
+
+def assert_resumes_and_exports(route: str, config: Path, cwd: Path, names: set[str], served_as: str) -> list[float]:
+    """``finetune <route>``: the run of ``config`` (4 steps, checkpoints every 2, into ``cwd/whole``) against one cut
+    after step 2 and resumed, saved in shards only: the same losses, and `automodel export` of the cut run gives the
+    whole run's last ``model/`` (tensors ``names``), saying it is ``served_as``. The whole run's losses."""
+    import torch
+    from safetensors.torch import load_file
+
+    run_route(route, config, cwd)
+    cut = ("--checkpoint.checkpoint_dir", cwd / "cut", "--checkpoint.save_consolidated", "false")
+    run_route(route, config, cwd, *cut, "--step_scheduler.max_steps", 2)
+    log = run_route(route, config, cwd, *cut, "--restore_from.path", "latest")
+    assert "resum" in log.lower() and "automodel export" in log.splitlines()[-1]
+    whole_losses = losses(cwd / "whole")
+    assert len(whole_losses) == 4 and losses(cwd / "cut") == pytest.approx(whole_losses, rel=1e-5)
+    result = run_cli("export", cwd / "cut", cwd / "exported", cwd=cwd)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"{served_as}: serve it" in result.stdout
+    exported = load_file(str(cwd / "exported" / "model.safetensors"))
+    whole = load_file(str(next((cwd / "whole").glob("epoch_*_step_4")) / "model" / "model.safetensors"))
+    assert set(exported) == names == set(whole)
+    assert all(torch.allclose(exported[name], whole[name], atol=1e-6) for name in names)
+    return whole_losses

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from llm_testing import ASSETS, assert_refused, run_route, write_draft_config
+from llm_testing import ASSETS, assert_refused, assert_resumes_and_exports, run_route, write_draft_config
 
 from automodel.testing import read_jsonl, run_cli, write_yaml
 from automodel_llm.draft_recipe import warmup_cosine
@@ -130,42 +130,18 @@ def test_the_draft_is_written_as_the_serving_engines_load_an_eagle_model(trained
     assert torch.allclose(ours, engine_forward(weights, config, ids, features), atol=1e-4)
 
 
-def test_a_resumed_run_trains_as_the_uninterrupted_one_noise_included(chat_target, tmp_path):
-    """Stopped after the checkpoint of step 2 and resumed: the feature noise draws on as in the whole run (a constant
-    schedule, since the default one spans the run's steps, which max_steps changes)."""
+def test_a_resumed_run_trains_as_the_uninterrupted_one_and_its_shards_export_to_the_same_draft(chat_target, tmp_path):
+    """Stopped after the checkpoint of step 2 and resumed, saved in shards only (checkpoint.save_consolidated:
+    false): the feature noise draws on as in the whole run (a constant schedule, since the default one spans the run's
+    steps, which max_steps changes), and `automodel export` of its last checkpoint gives the whole run's draft."""
     steps = {"max_steps": 4, "val_check_interval": None, "val_at_start": False, "checkpoint_interval": 2}
     cfg = eagle_config(tmp_path / "eagle.yaml", chat_target, tmp_path / "whole", step_scheduler=steps,
-                       validation_dataset=None, lr_scheduler={"warmup_ratio": 0.0, "min_lr_ratio": 1.0})
-    run_eagle(cfg, tmp_path)
-    run_eagle(cfg, tmp_path, "--checkpoint.checkpoint_dir", tmp_path / "cut", "--step_scheduler.max_steps", 2)
-    log = run_eagle(cfg, tmp_path, "--checkpoint.checkpoint_dir", tmp_path / "cut", "--restore_from.path", "latest")
-    assert "resum" in log.lower()
-    whole = [r["loss"] for r in read_jsonl(tmp_path / "whole" / "training.jsonl")]
-    cut = [r["loss"] for r in read_jsonl(tmp_path / "cut" / "training.jsonl")]
-    assert len(whole) == 4 and cut == pytest.approx(whole, rel=1e-5)
+                       validation_dataset=None, lr_scheduler={"warmup_ratio": 0.0, "min_lr_ratio": 1.0},
+                       eagle={"draft_num_hidden_layers": 2})
+    whole = assert_resumes_and_exports("eagle", cfg, tmp_path, layout(2), "an EAGLE-1/2 draft (EagleLlamaForCausalLM)")
     # the noise acts: without it the same run's losses differ
     run_eagle(cfg, tmp_path, "--checkpoint.checkpoint_dir", tmp_path / "clean", "--eagle.feature_noise", 0)
-    clean = [r["loss"] for r in read_jsonl(tmp_path / "clean" / "training.jsonl")]
-    assert clean[0] != pytest.approx(whole[0], rel=1e-4)
-
-
-def test_a_draft_saved_in_shards_exports_to_the_same_files(chat_target, tmp_path):
-    from safetensors.torch import load_file
-
-    steps = {"max_steps": 2, "val_check_interval": None, "val_at_start": False, "checkpoint_interval": 2}
-    cfg = eagle_config(tmp_path / "eagle.yaml", chat_target, tmp_path / "whole", step_scheduler=steps,
-                       validation_dataset=None, eagle={"draft_num_hidden_layers": 2})
-    run_eagle(cfg, tmp_path)
-    log = run_eagle(cfg, tmp_path, "--checkpoint.checkpoint_dir", tmp_path / "shards",
-                    "--checkpoint.save_consolidated", "false")
-    assert "automodel export" in log.splitlines()[-1]
-    result = run_cli("export", tmp_path / "shards", tmp_path / "exported", cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "an EAGLE-1/2 draft (EagleLlamaForCausalLM): serve it" in result.stdout
-    exported = load_file(str(tmp_path / "exported" / "model.safetensors"))
-    whole = load_file(str(next((tmp_path / "whole").glob("epoch_*_step_2")) / "model" / "model.safetensors"))
-    assert set(exported) == layout(2) == set(whole)
-    assert all(torch.equal(exported[name], whole[name]) for name in whole)
+    assert [r["loss"] for r in read_jsonl(tmp_path / "clean" / "training.jsonl")] != pytest.approx(whole, rel=1e-5)
 
 
 @pytest.mark.parametrize("recipe", ["TrainEagle1Recipe", "TrainEagle2Recipe"])

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from llm_testing import ASSETS, TOKENIZER_DIR, assert_refused, run_route, write_draft_config
+from llm_testing import ASSETS, TOKENIZER_DIR, assert_refused, assert_resumes_and_exports, run_route, write_draft_config
 
 from automodel.testing import read_jsonl, run_cli, write_yaml
 from automodel_llm.draft_recipe import warmup_cosine
@@ -97,40 +97,15 @@ def test_the_draft_is_written_as_sglang_and_vllm_load_an_eagle3_model(trained, t
     assert torch.equal(ids, most_frequent_tokens((rows[i] for i in range(len(rows))), 64, draft.t2d.numel(), 1))
 
 
-def test_a_resumed_run_trains_as_the_uninterrupted_one(target, tmp_path):
-    """Stopped by max_steps after the checkpoint of step 2, then resumed: the schedule is constant here, since the
-    default one spans the run's steps, which max_steps changes."""
+def test_a_resumed_run_trains_as_the_uninterrupted_one_and_its_shards_export_to_the_same_draft(target, tmp_path):
+    """Stopped by max_steps after the checkpoint of step 2, then resumed, saved in shards only
+    (checkpoint.save_consolidated: false): the same losses (the schedule is constant here, since the default one
+    spans the run's steps, which max_steps changes), and `automodel export` of its last checkpoint gives the whole
+    run's tensors, named as served, saying how the draft is used."""
     steps = {"max_steps": 4, "val_check_interval": None, "val_at_start": False, "checkpoint_interval": 2}
     cfg = eagle_config(tmp_path / "eagle.yaml", target, tmp_path / "whole", step_scheduler=steps,
                        validation_dataset=None, lr_scheduler={"warmup_ratio": 0.0, "min_lr_ratio": 1.0})
-    run_eagle(cfg, tmp_path)
-    run_eagle(cfg, tmp_path, "--checkpoint.checkpoint_dir", tmp_path / "cut", "--step_scheduler.max_steps", 2)
-    log = run_eagle(cfg, tmp_path, "--checkpoint.checkpoint_dir", tmp_path / "cut", "--restore_from.path", "latest")
-    assert "resum" in log.lower()
-    whole = [r["loss"] for r in read_jsonl(tmp_path / "whole" / "training.jsonl")]
-    cut = [r["loss"] for r in read_jsonl(tmp_path / "cut" / "training.jsonl")]
-    assert len(whole) == 4 and cut == pytest.approx(whole, rel=1e-5)
-
-
-def test_a_draft_saved_in_shards_exports_to_the_same_files(target, tmp_path):
-    """checkpoint.save_consolidated: false, then `automodel export`: the consolidated run's tensors, named as
-    served, and the command says how the draft is used."""
-    from safetensors.torch import load_file
-
-    steps = {"max_steps": 2, "val_check_interval": None, "val_at_start": False, "checkpoint_interval": 2}
-    cfg = eagle_config(tmp_path / "eagle.yaml", target, tmp_path / "whole", step_scheduler=steps,
-                       validation_dataset=None)
-    run_eagle(cfg, tmp_path)
-    log = run_eagle(cfg, tmp_path, "--checkpoint.checkpoint_dir", tmp_path / "shards",
-                    "--checkpoint.save_consolidated", "false")
-    assert "automodel export" in log.splitlines()[-1]
-    result = run_cli("export", tmp_path / "shards", tmp_path / "exported", cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "an EAGLE-3 draft (LlamaForCausalLMEagle3): serve it" in result.stdout
-    exported = load_file(str(tmp_path / "exported" / "model.safetensors"))
-    whole = load_file(str(next((tmp_path / "whole").glob("epoch_*_step_2")) / "model" / "model.safetensors"))
-    assert set(exported) == LAYOUT == set(whole)
-    assert all(torch.equal(exported[name], whole[name]) for name in LAYOUT)
+    assert_resumes_and_exports("eagle3", cfg, tmp_path, LAYOUT, "an EAGLE-3 draft (LlamaForCausalLMEagle3)")
 
 
 def test_lora_on_a_saved_draft_exports_as_peft_merges_it(trained, target, tmp_path):
