@@ -306,3 +306,20 @@ def assert_resumes_and_exports(route: str, config: Path, cwd: Path, names: set[s
     assert set(exported) == names == set(whole)
     assert all(torch.allclose(exported[name], whole[name], atol=1e-6) for name in names)
     return whole_losses
+
+
+def two_rank_records(route: str, config: Path, reference: Path, cwd: Path, strategy: str) -> tuple[list, list, dict,
+                                                                                                   dict]:
+    """``finetune <route>`` of ``config`` on two ranks with ``strategy`` (into ``cwd/two``) against the one-process
+    run in ``reference``: (one's and two's training records, one's and two's validation record). With FSDP2 the
+    log says the frozen target is sharded too (a draft recipe's), with DDP that it is not."""
+    from automodel.testing import free_port, read_jsonl
+
+    result = run_cli("finetune", route, "-c", config, "--nproc-per-node", 2, "--master-port", free_port(),
+                     "--distributed.strategy", strategy, "--checkpoint.checkpoint_dir", cwd / "two", cwd=cwd,
+                     OMP_NUM_THREADS="1")
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert ("target: FSDP2 over 2 ranks" in result.stderr) == (strategy == "fsdp2")
+    one, two = (read_jsonl(run / "training.jsonl") for run in (reference, cwd / "two"))
+    (val_one,), (val_two,) = (read_jsonl(run / "validation.jsonl") for run in (reference, cwd / "two"))
+    return one, two, val_one, val_two

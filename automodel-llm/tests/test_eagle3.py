@@ -15,7 +15,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from llm_testing import ASSETS, TOKENIZER_DIR, assert_refused, assert_resumes_and_exports, run_route, write_draft_config
+from llm_testing import (
+    ASSETS,
+    TOKENIZER_DIR,
+    assert_refused,
+    assert_resumes_and_exports,
+    run_route,
+    two_rank_records,
+    write_draft_config,
+)
 
 from automodel.testing import read_jsonl, run_cli, write_yaml
 from automodel_llm.draft_recipe import warmup_cosine
@@ -211,18 +219,10 @@ def one_process(target, tmp_path_factory) -> tuple[Path, Path]:
 def test_two_ranks_train_and_validate_as_one_process_with_their_batches_together(one_process, tmp_path, strategy):
     """The draft (DDP-replicated or FSDP2-sharded) trains on two ranks as one process with twice the accumulation,
     and the accuracy counts are summed over the ranks."""
-    from automodel.testing import free_port
-
     cfg, reference = one_process
-    result = run_cli("finetune", "eagle3", "-c", cfg, "--nproc-per-node", 2, "--master-port", free_port(),
-                     "--distributed.strategy", strategy, "--checkpoint.checkpoint_dir", tmp_path / "two",
-                     cwd=tmp_path, OMP_NUM_THREADS="1")
-    assert result.returncode == 0, result.stderr[-4000:]
     # FSDP2 shards the frozen target's weights too (upstream's layout); DDP leaves it whole
-    assert ("target: FSDP2 over 2 ranks" in result.stderr) == (strategy == "fsdp2")
-    one, two = (read_jsonl(run / "training.jsonl") for run in (reference, tmp_path / "two"))
+    one, two, val_one, val_two = two_rank_records("eagle3", cfg, reference, tmp_path, strategy)
     assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-4)
-    (val_one,), (val_two,) = (read_jsonl(run / "validation.jsonl") for run in (reference, tmp_path / "two"))
     for key in ("accuracy", "accept_length", "accuracy_ttt2"):
         assert val_two[key] == val_one[key], key
     assert val_two["val_loss"] == pytest.approx(val_one["val_loss"], rel=1e-4)

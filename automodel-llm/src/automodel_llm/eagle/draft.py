@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import LlamaConfig, PreTrainedModel
-from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 
-from automodel_llm.eagle3.draft import TARGET_KEYS, DraftMLP
+from automodel_llm.eagle3.draft import TARGET_KEYS, DraftMLP, attention_heads
 from automodel_llm.eagle3.unroll import documents
 
 ARCHITECTURE = "EagleLlamaForCausalLM"  # what vLLM serves an EAGLE-1/2 draft as (SGLang: LlamaForCausalLMEagle)
@@ -54,14 +54,7 @@ class DraftAttention(nn.Module):
     def forward(self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
                 visible: torch.Tensor) -> torch.Tensor:
         batch, length, _ = hidden.shape
-        shape = (batch, length, -1, self.head_dim)
-        query = self.q_proj(hidden).view(shape).transpose(1, 2)
-        key = self.k_proj(hidden).view(shape).transpose(1, 2)
-        value = self.v_proj(hidden).view(shape).transpose(1, 2)
-        query, key = apply_rotary_pos_emb(query, key, *rotary)
-        repeat = self.heads // self.kv_heads
-        out = nn.functional.scaled_dot_product_attention(
-            query, key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1), attn_mask=visible)
+        out = nn.functional.scaled_dot_product_attention(*attention_heads(self, hidden, rotary), attn_mask=visible)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
 
 

@@ -80,6 +80,20 @@ def unrolled_attention(query: torch.Tensor, keys: list[torch.Tensor], values: li
     return out
 
 
+def attention_heads(attention: nn.Module, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rotated query and key and the value of ``hidden`` (``[batch, heads, seq, head_dim]`` each, the key and
+    value repeated for grouped-query attention) by ``attention``'s ``q_proj`` / ``k_proj`` / ``v_proj``."""
+    batch, length, _ = hidden.shape
+    shape = (batch, length, -1, attention.head_dim)
+    query = attention.q_proj(hidden).view(shape).transpose(1, 2)
+    key = attention.k_proj(hidden).view(shape).transpose(1, 2)
+    value = attention.v_proj(hidden).view(shape).transpose(1, 2)
+    query, key = apply_rotary_pos_emb(query, key, *rotary)
+    repeat = attention.heads // attention.kv_heads
+    return query, key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
+
+
 class DraftAttention(nn.Module):
     """Llama attention over ``2 x hidden_size`` inputs (the token's embedding and the carried hidden state)."""
 
@@ -100,13 +114,7 @@ class DraftAttention(nn.Module):
         """This step's output, key and value (``past``: the keys and values of the steps before; not changed, so
         that activation checkpointing can run the step again)."""
         batch, length, _ = hidden.shape
-        shape = (batch, length, -1, self.head_dim)
-        query = self.q_proj(hidden).view(shape).transpose(1, 2)
-        key = self.k_proj(hidden).view(shape).transpose(1, 2)
-        value = self.v_proj(hidden).view(shape).transpose(1, 2)
-        query, key = apply_rotary_pos_emb(query, key, *rotary)
-        repeat = self.heads // self.kv_heads
-        key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
+        query, key, value = attention_heads(self, hidden, rotary)
         out = unrolled_attention(query, [*past[0], key], [*past[1], value], self.config._attn_implementation,
                                  visible)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1)), key, value
