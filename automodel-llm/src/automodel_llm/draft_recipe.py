@@ -19,7 +19,9 @@ from automodel.config import Config, KeyAlias, Target
 from automodel.errors import AutomodelError, ConfigIssue
 from automodel.meta_build import building_whole
 from automodel.training.context import BuildContext
+from automodel.training.dist import all_reduce_sum
 from automodel.training.step_scheduler import StepScheduler
+from automodel_llm.eagle3.unroll import drafted_slots, supervised_tokens
 from automodel_llm.recipe import DATASETS, FinetuneRecipeForNextTokenPrediction
 
 CHAT_DATASET = "automodel_llm.datasets.ChatDataset"
@@ -132,6 +134,7 @@ class DraftRecipe(FinetuneRecipeForNextTokenPrediction):
     }
     target: torch.nn.Module
     target_class: str  # the target's class name, for the logs
+    validation_counts: torch.Tensor | None = None  # a validation's counts so far (count_for_validation)
 
     @classmethod
     def check_config(cls, cfg: Config) -> list[ConfigIssue]:
@@ -171,6 +174,13 @@ class DraftRecipe(FinetuneRecipeForNextTokenPrediction):
         self.target = target
         return target
 
+    def share_embeddings(self, draft: torch.nn.Module, frozen: bool) -> None:
+        """The draft's token embeddings: the target's, ``frozen`` or trained."""
+        with torch.no_grad():
+            weight = whole(self.target.get_input_embeddings().weight.detach())
+            draft.embed_tokens.weight.copy_(weight.to(draft.embed_tokens.weight.dtype))
+        draft.embed_tokens.weight.requires_grad_(not frozen)
+
     def after_model_built(self, ctx: BuildContext, model: torch.nn.Module, meta: Any) -> BuildContext:
         """The run's model is the draft, whose layers have no experts: ``ep_size`` split the target's."""
         return replace(super().after_model_built(ctx, model, meta), experts_of_run_model=False)
@@ -183,3 +193,34 @@ class DraftRecipe(FinetuneRecipeForNextTokenPrediction):
         if self.val_dataloaders and self.cfg.step_scheduler.val_check_interval is None:
             return EpochEndValidation(self.cfg.step_scheduler, ctx.batch.grad_accumulation_steps, steps_per_epoch)
         return super().build_step_scheduler(ctx, steps_per_epoch)
+
+    # ---- what both drafts' losses read ------------------------------------------------------------------------
+
+    def drafted(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The batch's slots a draft's first step trains on (``[batch, seq]``, on the batch's device)."""
+        ids = batch["input_ids"]
+        return drafted_slots(supervised_tokens(batch["labels"], self.label_offset).to(ids.device),
+                             batch.get("position_ids"))
+
+    def count_label_tokens(self, batch: dict[str, torch.Tensor]) -> int:
+        return int(self.drafted(batch).sum())
+
+    def run_target(self, batch: dict[str, torch.Tensor]) -> Any:
+        """The frozen target's outputs on the batch, with every layer's hidden states (packed rows: transformers
+        keeps attention within each sample by their restarting ``position_ids``, with ``use_cache=False``)."""
+        with torch.no_grad():
+            return self.target(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
+                               position_ids=batch.get("position_ids"), output_hidden_states=True, use_cache=False)
+
+    def count_for_validation(self, counts: torch.Tensor) -> None:
+        """Add a validation micro-batch's counts (a tensor of the recipe's shape) to the validation's."""
+        counts = counts.detach().double()
+        self.validation_counts = counts if self.validation_counts is None else self.validation_counts + counts
+
+    def validation_totals(self) -> torch.Tensor | None:
+        """The validation's counts summed over the data-parallel ranks (None: none counted), then cleared."""
+        counts, self.validation_counts = self.validation_counts, None
+        if counts is not None and self.ctx.mesh.dp > 1:
+            summed = all_reduce_sum(*counts.flatten(), device=self.device, group=self.data_parallel_group())
+            counts = torch.stack(summed).reshape(counts.shape).double()
+        return counts

@@ -13,11 +13,11 @@ _UPSTREAM_RECIPES = {
                            f"{_UPSTREAM}.benchmark.BenchmarkingRecipeForNextTokenPrediction"),
     ("finetune", "seq-cls"): ("TrainFinetuneRecipeForSequenceClassification",
                               f"{_UPSTREAM}.train_seq_cls.TrainFinetuneRecipeForSequenceClassification"),
-    # upstream's diffusion-LM recipe and its DiffusionGemma subclass (whose dllm.mode block_diffusion is refused)
     ("finetune", "eagle3"): ("TrainEagle3Recipe", f"{_UPSTREAM}.train_eagle3.TrainEagle3Recipe"),
     # EAGLE-2 trains EAGLE-1's draft (it differs in the tree it drafts at serving time)
     ("finetune", "eagle"): ("TrainEagle1Recipe", f"{_UPSTREAM}.train_eagle1.TrainEagle1Recipe",
                             "TrainEagle2Recipe", f"{_UPSTREAM}.train_eagle2.TrainEagle2Recipe"),
+    # upstream's diffusion-LM recipe and its DiffusionGemma subclass (whose dllm.mode block_diffusion is refused)
     ("finetune", "dllm"): ("DiffusionLMSFTRecipe", "nemo_automodel.recipes.dllm.train_ft.DiffusionLMSFTRecipe",
                            "DiffusionGemmaSFTRecipe", "nemo_automodel.recipes.dllm.train_ft.DiffusionGemmaSFTRecipe"),
 }

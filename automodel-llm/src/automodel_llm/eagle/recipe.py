@@ -21,11 +21,10 @@ import torch
 from automodel.config import Config
 from automodel.errors import ConfigIssue
 from automodel.training.context import BuildContext
-from automodel.training.dist import all_reduce_sum
 from automodel_llm.draft_recipe import DraftRecipe, whole
 from automodel_llm.eagle.draft import ARCHITECTURE, EagleLlamaForCausalLM, draft_config
 from automodel_llm.eagle.settings import RECIPE_ARGS, EagleConfig
-from automodel_llm.eagle3.unroll import documents, drafted_positions, same_document, shifted, supervised_tokens
+from automodel_llm.eagle3.unroll import shifted
 
 
 class EagleRecipe(DraftRecipe):
@@ -36,7 +35,6 @@ class EagleRecipe(DraftRecipe):
                         "distribution (eagle.hidden_loss_weight, eagle.token_loss_weight)")
     sections: ClassVar[dict] = {"eagle": EagleConfig, "recipe_args": RECIPE_ARGS}
     output_head: torch.Tensor  # the target's output head (frozen), which turns a predicted feature into logits
-    validation_counts: torch.Tensor | None = None  # a validation's [right, counted] so far
 
     @classmethod
     def check_config(cls, cfg: Config) -> list[ConfigIssue]:
@@ -59,9 +57,7 @@ class EagleRecipe(DraftRecipe):
         target = self.build_target(ctx)
         text = target.config.get_text_config()
         draft = EagleLlamaForCausalLM(draft_config(text, settings.draft_num_hidden_layers))
-        with torch.no_grad():
-            draft.embed_tokens.weight.copy_(whole(target.get_input_embeddings().weight.detach()))
-        draft.embed_tokens.weight.requires_grad_(not settings.freeze_embeddings)
+        self.share_embeddings(draft, settings.freeze_embeddings)
         self.output_head = whole(target.get_output_embeddings().weight.detach())
         self.log(f"EAGLE-1/2: a {settings.draft_num_hidden_layers}-layer draft for the frozen target "
                  f"{self.target_class} ({text.num_hidden_layers} layers), feature noise "
@@ -70,24 +66,17 @@ class EagleRecipe(DraftRecipe):
 
     # ---- the loss ---------------------------------------------------------------------------------------------
 
-    def count_label_tokens(self, batch: dict[str, torch.Tensor]) -> int:
-        return drafted_positions(supervised_tokens(batch["labels"], self.label_offset), batch.get("position_ids"))
-
     def compute_loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """EAGLE's loss of the batch, summed over its counted slots."""
         settings = self.settings()
-        ids, positions = batch["input_ids"], batch.get("position_ids")
-        with torch.no_grad():  # packed rows: transformers keeps attention within each sample by position_ids
-            out = self.target(input_ids=ids, attention_mask=batch.get("attention_mask"), position_ids=positions,
-                              output_hidden_states=True, use_cache=False)
+        out = self.run_target(batch)
         features = out.hidden_states[-1]  # the final norm's output, which the output head reads
-        counted = shifted(supervised_tokens(batch["labels"], self.label_offset).to(ids.device), 2)
-        if positions is not None:
-            counted = counted & same_document(documents(positions), 2)
+        counted = self.drafted(batch)
         read = features
         if model.training and settings.feature_noise > 0:
             read = features + torch.empty_like(features).uniform_(-settings.feature_noise, settings.feature_noise)
-        predicted = model(input_ids=shifted(ids, 1), features=read, position_ids=positions)
+        predicted = model(input_ids=shifted(batch["input_ids"], 1), features=read,
+                          position_ids=batch.get("position_ids"))
         wanted = shifted(features, 1).to(predicted.dtype)
         distance = torch.nn.functional.smooth_l1_loss(predicted, wanted, reduction="none").mean(dim=-1)
         logits = torch.nn.functional.linear(predicted, self.output_head.to(predicted.dtype)).float()
@@ -99,19 +88,16 @@ class EagleRecipe(DraftRecipe):
             self.add_loss_part("token", token_sum)
         else:
             right = (logits.argmax(dim=-1) == target_logits.argmax(dim=-1)) & counted
-            counts = torch.stack([right.sum(), counted.sum()]).detach().float()
-            self.validation_counts = counts if self.validation_counts is None else self.validation_counts + counts
+            self.count_for_validation(torch.stack([right.sum(), counted.sum()]))
         return settings.hidden_loss_weight * hidden_sum + settings.token_loss_weight * token_sum
 
     def extra_validation_metrics(self, name: str, dataloader: Any) -> dict[str, float]:
         """``accuracy`` over the validation set: the counted slots whose drafted token (the greedy token of the
         target's head on the predicted feature) is the target's own choice."""
-        counts, self.validation_counts = self.validation_counts, None
+        counts = self.validation_totals()
         if counts is None:
             return {}
-        if self.ctx.mesh.dp > 1:
-            counts = torch.stack(all_reduce_sum(*counts, device=self.device, group=self.data_parallel_group()))
-        right, counted = counts.double()
+        right, counted = counts
         return {"accuracy": (right / counted.clamp_min(1)).item()}
 
     def final_message(self, model_dir: Path) -> str:

@@ -23,14 +23,12 @@ import torch
 from automodel.config import Config
 from automodel.errors import AutomodelError, ConfigIssue
 from automodel.training.context import BuildContext
-from automodel.training.dist import all_reduce_sum
 from automodel.training.modules import unwrap
 from automodel.training.parallelism import model_hf_config
-from automodel_llm.draft_recipe import DraftRecipe, read_draft_weights, whole
+from automodel_llm.draft_recipe import DraftRecipe, read_draft_weights
 from automodel_llm.eagle3.draft import LlamaForCausalLMEagle3, draft_config
 from automodel_llm.eagle3.settings import RECIPE_ARGS, Eagle3Config, aux_layer_issue, default_aux_layers
 from automodel_llm.eagle3.unroll import (
-    drafted_positions,
     most_frequent_tokens,
     read_token_ids,
     supervised_tokens,
@@ -64,7 +62,6 @@ class Eagle3Recipe(DraftRecipe):
     sections: ClassVar[dict] = {"eagle3": Eagle3Config, "recipe_args": RECIPE_ARGS}
     ttt_steps: int
     aux_layer_ids: list[int]
-    validation_counts: torch.Tensor | None = None  # a validation's counts so far: extra_validation_metrics reads them
 
     @classmethod
     def check_config(cls, cfg: Config) -> list[ConfigIssue]:
@@ -105,7 +102,7 @@ class Eagle3Recipe(DraftRecipe):
     # ---- building ---------------------------------------------------------------------------------------------
 
     def build_model(self, ctx: BuildContext) -> torch.nn.Module:
-        """The frozen target (kept as ``self.target``, whole on every rank) and the draft made for it, which is what
+        """The frozen target (kept as ``self.target``: :meth:`build_target`) and the draft made for it, which is what
         this returns: the run's model."""
         settings = self.settings()
         target = self.build_target(ctx)
@@ -118,10 +115,7 @@ class Eagle3Recipe(DraftRecipe):
         config = draft_config(text, size, self.aux_layer_ids, settings.draft_attn_implementation, settings.fc_norm,
                               settings.norm_output)
         draft = LlamaForCausalLMEagle3(config)
-        embeddings = whole(target.get_input_embeddings().weight.detach())
-        with torch.no_grad():
-            draft.embed_tokens.weight.copy_(embeddings.to(draft.embed_tokens.weight.dtype))
-        draft.embed_tokens.weight.requires_grad_(not settings.freeze_embeddings)
+        self.share_embeddings(draft, settings.freeze_embeddings)
         if settings.draft_weights_path:
             with_vocabulary = load_draft_weights(draft, Path(settings.draft_weights_path))
             self.log(f"draft: started from the weights in {settings.draft_weights_path}"
@@ -168,28 +162,22 @@ class Eagle3Recipe(DraftRecipe):
 
     # ---- the loss ---------------------------------------------------------------------------------------------
 
-    def count_label_tokens(self, batch: dict[str, torch.Tensor]) -> int:
-        return drafted_positions(supervised_tokens(batch["labels"], self.label_offset), batch.get("position_ids"))
-
     def compute_loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """EAGLE-3's loss of the batch (summed over the drafted positions, as the engine's losses are); each
         unrolled step's is logged as ``loss_ttt<k>``, the validation's accuracy counted for
         :meth:`extra_validation_metrics`."""
-        ids, positions = batch["input_ids"], batch.get("position_ids")
+        ids = batch["input_ids"]
         supervised = supervised_tokens(batch["labels"], self.label_offset).to(ids.device)
-        with torch.no_grad():  # packed rows: transformers keeps attention within each sample by position_ids
-            out = self.target(input_ids=ids, attention_mask=batch.get("attention_mask"), position_ids=positions,
-                              output_hidden_states=True, use_cache=False)
+        out = self.run_target(batch)
         aux = torch.cat([out.hidden_states[i + 1] for i in self.aux_layer_ids], dim=-1)
         sums = model(input_ids=ids, supervised=supervised, aux_states=aux, target_logits=out.logits,
-                     steps=self.ttt_steps, position_ids=positions)
+                     steps=self.ttt_steps, position_ids=batch.get("position_ids"))
         if model.training:
             for k, value in enumerate(sums.step_losses):
                 self.add_loss_part(f"ttt{k}", value)
         else:
-            counts = torch.stack([torch.stack(getattr(sums, name)) for name in
-                                  ("correct", "counted", "chain_hits", "chains")])
-            self.validation_counts = counts if self.validation_counts is None else self.validation_counts + counts
+            self.count_for_validation(torch.stack([torch.stack(getattr(sums, name)) for name in
+                                                   ("correct", "counted", "chain_hits", "chains")]))
         return sums.loss
 
     def extra_validation_metrics(self, name: str, dataloader: Any) -> dict[str, float]:
@@ -197,13 +185,10 @@ class Eagle3Recipe(DraftRecipe):
         counted slots), ``accuracy_ttt<k>`` per step, and ``accept_length``, the tokens one verification would
         accept under greedy chain drafting (``1 + sum_k P(the first k + 1 drafts are all right)``, upstream's
         simulated accept length)."""
-        counts, self.validation_counts = self.validation_counts, None
+        counts = self.validation_totals()
         if counts is None:
             return {}
-        if self.ctx.mesh.dp > 1:
-            summed = all_reduce_sum(*counts.flatten(), device=self.device, group=self.data_parallel_group())
-            counts = torch.stack(summed).reshape(counts.shape)
-        correct, counted, chain_hits, chains = counts.double()
+        correct, counted, chain_hits, chains = counts
         metrics = {"accuracy": (correct.sum() / counted.sum().clamp_min(1)).item(),
                    "accept_length": (1 + (chain_hits / chains.clamp_min(1)).sum()).item()}
         metrics |= {f"accuracy_ttt{k}": (correct[k] / counted[k].clamp_min(1)).item() for k in range(len(correct))}

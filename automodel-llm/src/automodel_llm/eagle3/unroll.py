@@ -56,10 +56,11 @@ def same_document(docs: torch.Tensor | None, by: int) -> torch.Tensor | bool:
     return True if docs is None else shifted(docs, by) == docs
 
 
-def drafted_positions(supervised: torch.Tensor, position_ids: torch.Tensor | None = None) -> int:
-    """The slots step 0 trains on: those whose token two positions on is a label token (of the same sample)."""
+def drafted_slots(supervised: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """The slots a draft's first step trains on: those whose token two positions on is a label token (of the same
+    sample)."""
     docs = documents(position_ids) if position_ids is not None else None
-    return int((shifted(supervised, 2) & same_document(docs, 2)).sum())
+    return shifted(supervised, 2) & same_document(docs, 2)
 
 
 def unroll(draft: Any, input_ids: torch.Tensor, supervised: torch.Tensor, aux_states: torch.Tensor,
