@@ -27,7 +27,8 @@ machine without a GPU would: each refused key gets the CPU alternative its refus
 (``CPU_OVERRIDES``: backend torch / sdpa / torch_fp32, no fused RoPE, no FP8 / Liger / THD collater /
 Transformer Engine loss, torch's AdamW, fsdp2, ...) in a scratch copy of the config, validated again
 until it passes, and the run gets ``--trust-remote-code``. A file refused for anything else is skipped with the
-refusal.
+refusal. ``--validate-only`` counts the files that would run (with ``--cpu``: after those edits) without running
+them.
 """
 
 from __future__ import annotations
@@ -510,9 +511,11 @@ def main() -> int:
                         "--max-processes in one process, its parallel sizes set to 1")
     parser.add_argument("--cpu", action="store_true", help="run a config refused only for GPU features or "
                         "trust_remote_code with the CPU alternatives its refusals name and --trust-remote-code")
+    parser.add_argument("--validate-only", action="store_true", help="count the configs that would run (with "
+                        "--cpu: after the CPU alternatives), without running them")
     args = parser.parse_args()
     examples = args.examples.resolve()
-    ran = passed = 0
+    ran = passed = surveyed = 0
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         (root / "data").mkdir()
@@ -524,6 +527,7 @@ def main() -> int:
                 name = str(path.relative_to(examples))
                 if args.only and not any(part in name for part in args.only):
                     continue
+                surveyed += 1
                 scratch = root / "runs" / name.replace("/", "__")
                 scratch.mkdir(parents=True)
                 config = path
@@ -539,13 +543,20 @@ def main() -> int:
                     if refused:
                         continue  # refused at validation: check_upstream_configs.py says why
                 ran += 1
+                if args.validate_only:
+                    print(f"{name}: validates" + (" (CPU alternatives)" if config != path else ""), flush=True)
+                    continue
                 domain = survey.domain_of(folder, path)
                 code, errors = run_file(config, domain, examples, assets, root / "data", args.steps, scratch,
                                         validation, ("--trust-remote-code",) if args.cpu else (), args.max_processes,
                                         args.one_process)
                 passed += code == 0
                 print(f"{name}: exit {code}" + (f"\n{errors}" if code != 0 and errors else ""), flush=True)
-    print(f"\n=== {passed} of {ran} configs that validate ran {args.steps} steps ===")
+    if args.validate_only:
+        print(f"\n=== {ran} of {surveyed} configs validate" + (" (--cpu: with the CPU alternatives)" if args.cpu
+                                                             else "") + " ===")
+    else:
+        print(f"\n=== {passed} of {ran} configs that validate ran {args.steps} steps ===")
     return 0
 
 

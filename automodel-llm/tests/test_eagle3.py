@@ -215,7 +215,7 @@ def one_process(target, tmp_path_factory) -> tuple[Path, Path]:
     return cfg, root / "one"
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=pytest.mark.slow), "fsdp2"])
 def test_two_ranks_train_and_validate_as_one_process_with_their_batches_together(one_process, tmp_path, strategy):
     """The draft (DDP-replicated or FSDP2-sharded) trains on two ranks as one process with twice the accumulation,
     and the accuracy counts are summed over the ranks."""
