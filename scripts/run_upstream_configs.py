@@ -179,7 +179,7 @@ LLM_FAMILIES = {
     r"Mixtral": "MixtralConfig", r"Mistral-|Devstral|Ministral": "MistralConfig", r"phi-4|Phi-3": "Phi3Config",
     r"phi-2": "PhiConfig", r"DeepSeek-V3$|Moonlight|Kimi-K2": "DeepseekV3Config", r"DeepSeek-V4": "DeepseekV4Config",
     r"gpt-oss": "GptOssConfig", r"granite-3": "GraniteConfig", r"Nemotron-3[-.]|Nemotron-Nano-9B": "NemotronHConfig",
-    r"OLMo-2": "Olmo2Config", r"GLM-4\.7-Flash": "Glm4MoeLiteConfig", r"GLM-4\.[57]": "Glm4MoeConfig",
+    r"OLMo-2": "Olmo2Config", r"GLM-5": "GlmMoeDsaConfig", r"GLM-4\.7-Flash": "Glm4MoeLiteConfig", r"GLM-4\.[57]": "Glm4MoeConfig",
     r"glm-4-9b": "GlmConfig", r"Falcon-H1": "FalconH1Config", r"starcoder2": "Starcoder2Config",
     r"command-r7b": "Cohere2Config", r"ERNIE-4\.5-21B": "Ernie4_5_MoeConfig", r"ERNIE-4\.5": "Ernie4_5Config",
     r"MiniMax-M2": "MiniMaxM2Config", r"Seed-OSS": "SeedOssConfig", r"Hy3|Hy-MT2": "HYV3Config",
@@ -204,9 +204,12 @@ TINY_LLM = {"vocab_size": 1024, "hidden_size": 64, "intermediate_size": 128, "nu
 
 # a family's keys beyond TINY_LLM: Nemotron-H declares one MTP depth (attention then MoE), as NVIDIA's Nemotron 3
 # checkpoints do, for upstream's configs that train the heads the checkpoint declares; a multi-head latent attention
-# (DeepSeek-V3, GLM-4.7-Flash) has as many key/value heads as query heads
+# (DeepSeek-V3, GLM-4.7-Flash, GLM-5) has as many key/value heads as query heads; GLM-5's sparse-attention indexer
+# gets a tiny width and picks 16 keys
 FAMILY_EXTRAS = {"NemotronHConfig": {"num_nextn_predict_layers": 1, "mtp_layers_block_type": ["attention", "moe"]},
-                 "DeepseekV3Config": {"num_key_value_heads": 4}, "Glm4MoeLiteConfig": {"num_key_value_heads": 4}}
+                 "DeepseekV3Config": {"num_key_value_heads": 4}, "Glm4MoeLiteConfig": {"num_key_value_heads": 4},
+                 "GlmMoeDsaConfig": {"num_key_value_heads": 4, "index_n_heads": 2, "index_head_dim": 16,
+                                     "index_topk": 16}}
 
 
 def pipeline_layers(data: dict[str, Any]) -> int:

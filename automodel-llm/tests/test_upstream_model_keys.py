@@ -138,6 +138,23 @@ def test_a_key_the_config_lacks_is_refused_for_a_fresh_model_too(tiny_llama_conf
     assert model.config.output_hidden_states is True and model.config.use_cache is False
 
 
+def test_a_config_file_or_mapping_refuses_a_key_its_config_lacks_and_takes_the_others(tiny_llama_config):
+    """from_config of a config.json file or a mapping: a key the config class lacks was kept as an attribute nothing
+    read (a checkpoint's path among them: the run trained the fresh model); it is refused, naming it."""
+    import json
+
+    mapping = json.loads(tiny_llama_config.read_text())
+    for config in (str(tiny_llama_config), mapping):
+        with pytest.raises(AutomodelError, match=r"^model\.bogus: neither an argument of from_config nor an attribute "
+                                                 r"of the llama config"):
+            AutoModelForCausalLM.from_config(config, bogus=1)
+        with pytest.raises(AutomodelError, match=r"^model\.pretrained_model_name_or_path: this model section builds "
+                                                 r"a fresh model from model\.config .* from_pretrained as _target_"):
+            AutoModelForCausalLM.from_config(config, pretrained_model_name_or_path="org/checkpoint")
+        model = AutoModelForCausalLM.from_config(config, num_hidden_layers=1, num_nextn_predict_layers=0)
+        assert len(model.model.layers) == 1
+
+
 @pytest.mark.parametrize("model_type, keys, key", [
     ("gpt_oss", {"attn_implementation": "sdpa"}, "model.attn_implementation"),
     ("gemma2", {"backend": {"attn": "sdpa"}}, "model.backend.attn"),

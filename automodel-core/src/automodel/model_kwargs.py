@@ -235,13 +235,31 @@ def apply_config_overrides(config: Any, overrides: Mapping[str, Any]) -> None:
             _set(config, name, value, f"model.{name}")
 
 
+def check_config_keys(config: Any, overrides: Mapping[str, Any]) -> None:
+    """Refuse, naming it, a key of a ``from_config`` model section that the config built from ``model.config``
+    (``config``) does not have: transformers would keep it as an attribute nothing reads. The checkpoint key
+    ``pretrained_model_name_or_path`` says which factory loads it instead."""
+    for name, value in overrides.items():
+        if name == "pretrained_model_name_or_path":
+            raise AutomodelError(
+                f"model.{name}: this model section builds a fresh model from model.config (from_config), which "
+                "loads no checkpoint; to train the checkpoint, use the factory's from_pretrained as _target_ (such as "
+                "automodel_llm.AutoModelForCausalLM.from_pretrained) and remove model.config")
+        if not (name == "num_nextn_predict_layers" and value == 0):
+            _check_key(config, name, value, f"model.{name}", "an argument of from_config nor an attribute")
+
+
 def _set(config: Any, name: str, value: Any, key: str) -> None:
+    _check_key(config, name, value, key, "a from_pretrained argument nor an attribute")
+    setattr(config, name, value)
+
+
+def _check_key(config: Any, name: str, value: Any, key: str, neither: str) -> None:
     # a Qwen3.5 text config counts its MTP depths in either name (upstream's form: text_config.num_nextn_predict_layers)
     if not hasattr(config, name) and not (name in MTP_DEPTH_KEYS and config.model_type in MTP_TEXT_FAMILIES):
         if name == "num_nextn_predict_layers":
             raise AutomodelError(f"{key}: {value} asks for {MTP}; this model is {config.model_type}: remove it "
                                  "or use 0")
-        what = "not an attribute" if key.count(".") > 1 else "neither a from_pretrained argument nor an attribute"
+        what = "not an attribute" if key.count(".") > 1 else f"neither {neither}"
         raise AutomodelError(f"{key}: {what} of the {config.model_type} config; remove it (or correct its "
                              "name)")
-    setattr(config, name, value)

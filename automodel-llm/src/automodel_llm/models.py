@@ -12,7 +12,13 @@ from typing import Any
 
 from automodel.errors import AutomodelError
 from automodel.model_files import HUB_ARGUMENTS, MODEL_KWARGS, fresh_model, pop_hub_arguments, pretrained_or_fresh
-from automodel.model_kwargs import apply_config_overrides, model_issues, mtp_model_issues, take_model_settings
+from automodel.model_kwargs import (
+    apply_config_overrides,
+    check_config_keys,
+    model_issues,
+    mtp_model_issues,
+    take_model_settings,
+)
 
 
 def _load_config(config: Any, hub: dict[str, Any], **overrides: Any) -> Any:
@@ -26,6 +32,7 @@ def _load_config(config: Any, hub: dict[str, Any], **overrides: Any) -> Any:
         model_type = data.pop("model_type", None)
         if model_type is None:
             raise AutomodelError("model.config: a config mapping needs a 'model_type' (llama, qwen2, ...)")
+        check_config_keys(AutoConfig.for_model(model_type, **data), overrides)
         return AutoConfig.for_model(model_type, **{**data, **overrides})  # overrides win over the file's keys
     path = Path(str(config))
     if path.is_file():
