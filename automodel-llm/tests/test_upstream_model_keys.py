@@ -149,10 +149,26 @@ def test_a_config_file_or_mapping_refuses_a_key_its_config_lacks_and_takes_the_o
                                                  r"of the llama config"):
             AutoModelForCausalLM.from_config(config, bogus=1)
         with pytest.raises(AutomodelError, match=r"^model\.pretrained_model_name_or_path: this model section builds "
-                                                 r"a fresh model from model\.config .* from_pretrained as _target_"):
+                                                 r"a fresh model from model\.config .* end model\._target_ with "
+                                                 r"from_pretrained"):
             AutoModelForCausalLM.from_config(config, pretrained_model_name_or_path="org/checkpoint")
         model = AutoModelForCausalLM.from_config(config, num_hidden_layers=1, num_nextn_predict_layers=0)
         assert len(model.model.layers) == 1
+
+
+def test_validation_refuses_a_key_the_fresh_models_config_lacks(make_config, tiny_llama_config):
+    """The same keys refused at validation (a config file, a mapping, a directory), keys of the config and of
+    from_config itself accepted."""
+    import json
+
+    for config in (str(tiny_llama_config), json.loads(tiny_llama_config.read_text()), str(tiny_llama_config.parent)):
+        model = {"_target_": "automodel_llm.AutoModelForCausalLM.from_config", "config": config}
+        found = refusals(make_config(model={**model, "bogus": 1, "pretrained_model_name_or_path": "org/model"}))
+        assert found["model.bogus"].startswith("neither an argument of from_config nor an attribute of the llama")
+        assert "end model._target_ with from_pretrained" in found["model.pretrained_model_name_or_path"]
+        load_config(make_config(model={**model, "num_hidden_layers": 1, "seed": 3, "attn_implementation": "eager",
+                                       "use_liger_kernel": False, "num_nextn_predict_layers": 0}),
+                    route=("finetune", "llm"))
 
 
 @pytest.mark.parametrize("model_type, keys, key", [

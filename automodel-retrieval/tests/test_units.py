@@ -197,3 +197,24 @@ def test_every_trainable_bi_encoder_parameter_gets_a_gradient(tokenizer):
     assert model.document_encoder is not model.query_encoder
     for a, b in zip(model.query_encoder.parameters(), model.document_encoder.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("form", ["file", "mapping", "directory"])
+def test_from_config_refuses_a_key_the_config_lacks_and_takes_the_others(form):
+    """A bi-encoder or cross-encoder built from a config (a config.json file, a mapping or a directory): a key the
+    config class lacks was kept as an attribute nothing read (a checkpoint's path among them); it is refused, naming
+    it, and a key of the config acts."""
+    from retrieval_testing import BERT_CONFIG
+
+    from automodel.errors import AutomodelError
+    from automodel_retrieval import BiEncoder, CrossEncoder
+
+    config = {"file": str(BERT_CONFIG), "mapping": json.loads(BERT_CONFIG.read_text()),
+              "directory": str(BERT_CONFIG.parent)}[form]
+    for build in (BiEncoder.from_config, CrossEncoder.from_config):
+        with pytest.raises(AutomodelError, match=r"^model\.bogus: neither an argument of from_config"):
+            build(config, bogus=1)
+        with pytest.raises(AutomodelError, match=r"^model\.pretrained_model_name_or_path: .* end model\._target_ "
+                                                 r"with from_pretrained"):
+            build(config, pretrained_model_name_or_path="org/checkpoint")
+    assert BiEncoder.from_config(config, hidden_dropout_prob=0.25).query_encoder.config.hidden_dropout_prob == 0.25

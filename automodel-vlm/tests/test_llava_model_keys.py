@@ -30,3 +30,16 @@ def test_text_config_and_dtype_act_on_a_composite_model(saved_llava):
 def test_an_unknown_text_config_key_is_refused_naming_it(saved_llava):
     with pytest.raises(AutomodelError, match=r"^model\.text_config\.nope: not an attribute of the llama config"):
         AutoModelForImageTextToText.from_pretrained(saved_llava, text_config={"nope": 1})
+
+
+def test_a_fresh_model_refuses_a_key_its_config_lacks_and_takes_the_others():
+    """from_config (a config.json file or directory): a key the config class lacks was kept as an attribute nothing
+    read (a checkpoint's path among them); it is refused, naming it, and a key of the config acts."""
+    for config in (str(LLAVA_CONFIG), str(LLAVA_CONFIG.parent)):
+        with pytest.raises(AutomodelError, match=r"^model\.bogus: neither an argument of from_config nor an attribute "
+                                                 r"of the llava config"):
+            AutoModelForImageTextToText.from_config(config, bogus=1)
+        with pytest.raises(AutomodelError, match=r"^model\.pretrained_model_name_or_path: .* end model\._target_ "
+                                                 r"with from_pretrained"):
+            AutoModelForImageTextToText.from_config(config, pretrained_model_name_or_path="org/checkpoint")
+        assert AutoModelForImageTextToText.from_config(config, image_token_id=7).config.image_token_id == 7

@@ -235,6 +235,52 @@ def apply_config_overrides(config: Any, overrides: Mapping[str, Any]) -> None:
             _set(config, name, value, f"model.{name}")
 
 
+def fresh_model_issues(from_config: Callable[..., Any]) -> Callable[[Mapping[str, Any]], dict[str, str]]:
+    """The validation check of a factory's ``from_config`` (set as its ``automodel_config_issues``): a key that is
+    neither one of its arguments nor an attribute of the config ``model.config`` gives (a mapping, a config.json or a
+    local directory; a hub name is checked when the model is built), as :func:`check_config_keys` refuses it."""
+    import inspect
+
+    from automodel.model_files import HUB_ARGUMENTS, MODEL_KWARGS
+
+    arguments = {*inspect.signature(from_config).parameters, "config", "text_config", "vision_config", "backend",
+                 *UPSTREAM_KEYS, *MTP_KEYS, *HUB_ARGUMENTS, *MODEL_KWARGS}
+
+    def issues(kwargs: Mapping[str, Any]) -> dict[str, str]:
+        extra = {name: value for name, value in kwargs.items() if name not in arguments}
+        config = _local_config(kwargs.get("config")) if extra else None
+        found = {}
+        for name, value in extra.items() if config is not None else ():
+            try:
+                check_config_keys(config, {name: value})
+            except AutomodelError as err:
+                found[name] = str(err).split(": ", 1)[1]
+        return found
+
+    return issues
+
+
+def _local_config(config: Any) -> Any:
+    """The transformers config of ``model.config`` when it is here (a mapping with model_type, a config.json, a
+    directory holding one), else None."""
+    import json
+    from pathlib import Path
+
+    from transformers import AutoConfig
+
+    try:
+        if isinstance(config, str) and Path(config).is_file():
+            config = json.loads(Path(config).read_text(encoding="utf-8"))
+        if isinstance(config, Mapping) and isinstance(config.get("model_type"), str):
+            return AutoConfig.for_model(**{"model_type": config["model_type"]},
+                                        **{k: v for k, v in config.items() if k != "model_type"})
+        if isinstance(config, str) and (Path(config) / "config.json").is_file():
+            return AutoConfig.from_pretrained(config)
+    except (ValueError, KeyError, TypeError, OSError):
+        return None  # refused with its own reason when built
+    return None
+
+
 def check_config_keys(config: Any, overrides: Mapping[str, Any]) -> None:
     """Refuse, naming it, a key of a ``from_config`` model section that the config built from ``model.config``
     (``config``) does not have: transformers would keep it as an attribute nothing reads. The checkpoint key
@@ -243,8 +289,8 @@ def check_config_keys(config: Any, overrides: Mapping[str, Any]) -> None:
         if name == "pretrained_model_name_or_path":
             raise AutomodelError(
                 f"model.{name}: this model section builds a fresh model from model.config (from_config), which "
-                "loads no checkpoint; to train the checkpoint, use the factory's from_pretrained as _target_ (such as "
-                "automodel_llm.AutoModelForCausalLM.from_pretrained) and remove model.config")
+                "loads no checkpoint; to train the checkpoint, end model._target_ with from_pretrained instead of "
+                "from_config and remove model.config")
         if not (name == "num_nextn_predict_layers" and value == 0):
             _check_key(config, name, value, f"model.{name}", "an argument of from_config nor an attribute")
 

@@ -15,6 +15,7 @@ from automodel.model_files import HUB_ARGUMENTS, MODEL_KWARGS, fresh_model, pop_
 from automodel.model_kwargs import (
     apply_config_overrides,
     check_config_keys,
+    fresh_model_issues,
     model_issues,
     mtp_model_issues,
     take_model_settings,
@@ -84,6 +85,10 @@ class _AutoModelFactory:
         import transformers
 
         return getattr(transformers, cls.auto_class)
+
+
+_AutoModelFactory.from_config.__func__.automodel_config_issues = fresh_model_issues(  # type: ignore[attr-defined]
+    _AutoModelFactory.from_config)
 
 
 class AutoModelForCausalLM(_AutoModelFactory):

@@ -38,6 +38,7 @@ from torch import nn
 from automodel.errors import AutomodelError
 from automodel.hf import is_sequence_classifier
 from automodel.model_files import HUB_ARGUMENTS, has_weights, parse_dtype, pop_hub_arguments
+from automodel.model_kwargs import check_config_keys, fresh_model_issues
 from automodel_retrieval.bidirectional import set_bidirectional, upstream_checkpoint, upstream_checkpoint_config
 from automodel_retrieval.st_format import STSettings, is_st_dir, read_st_dir, write_st_dir
 
@@ -92,6 +93,7 @@ def load_hf_config(config: Any, **overrides: Any) -> Any:
 
     hub = pop_hub_arguments(overrides)  # to AutoConfig.from_pretrained only: never into the saved config
     if isinstance(config, PretrainedConfig):
+        check_config_keys(config, overrides)  # a key the config lacks would be kept, read by nothing
         for key, value in overrides.items():
             setattr(config, key, value)
         return config
@@ -101,14 +103,16 @@ def load_hf_config(config: Any, **overrides: Any) -> Any:
         if model_type is None:
             raise AutomodelError("model.config: a config mapping needs a 'model_type' (bert, ...)")
         data.pop("architectures", None)
+        check_config_keys(AutoConfig.for_model(model_type, **data), overrides)
         return AutoConfig.for_model(model_type, **{**data, **overrides})
     path = Path(str(config))
     if path.is_file():
         return load_hf_config(json.loads(path.read_text(encoding="utf-8")), **overrides)
     try:
-        return AutoConfig.from_pretrained(str(config), **hub, **overrides)
+        loaded = AutoConfig.from_pretrained(str(config), **hub)
     except OSError as err:
         raise AutomodelError(f"model.config: cannot load '{config}': {err}") from None
+    return load_hf_config(loaded, **overrides)
 
 
 @contextlib.contextmanager
@@ -460,3 +464,7 @@ def _check_num_labels(num_labels: int) -> None:
     if num_labels != 1:
         raise AutomodelError(f"model.num_labels: {num_labels}, but a pooled cross-encoder scores each pair with one "
                              "logit; set 1")
+
+
+BiEncoder.from_config.__func__.automodel_config_issues = fresh_model_issues(BiEncoder.from_config)  # type: ignore
+CrossEncoder.from_config.__func__.automodel_config_issues = fresh_model_issues(CrossEncoder.from_config)  # type: ignore

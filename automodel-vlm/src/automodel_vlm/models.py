@@ -13,7 +13,7 @@ from typing import Any
 
 from automodel.errors import AutomodelError
 from automodel.model_files import MODEL_KWARGS, fresh_model, pop_hub_arguments, pretrained_or_fresh
-from automodel.model_kwargs import mtp_model_issues, take_model_settings
+from automodel.model_kwargs import check_config_keys, fresh_model_issues, mtp_model_issues, take_model_settings
 
 _SUB_CONFIGS = ("vision_config", "text_config")
 
@@ -72,6 +72,7 @@ def load_config(config: Any, vision_config: Any = None, text_config: Any = None,
             if sub is None:
                 raise AutomodelError(f"model.{name}: '{value}' is neither a mapping nor an existing config file")
             data[name] = sub
+    base = {k: v for k, v in data.items() if k != "model_type"}
     data = _merge(data, overrides)
     model_type = data.pop("model_type", None)
     if model_type is None:
@@ -80,6 +81,8 @@ def load_config(config: Any, vision_config: Any = None, text_config: Any = None,
         if isinstance(data.get(name), dict) and "model_type" not in data[name]:
             raise AutomodelError(f"model.{name}: needs a 'model_type' (clip_vision_model, llama, ...)")
     try:
+        if overrides:  # a key the config lacks would be kept, read by nothing
+            check_config_keys(AutoConfig.for_model(model_type, **base), overrides)
         return AutoConfig.for_model(model_type, **data)
     except (ValueError, KeyError) as err:
         raise AutomodelError(f"model.config: model_type '{model_type}': {err}") from None
@@ -120,3 +123,7 @@ class AutoModelForImageTextToText:
         except ValueError as err:
             raise AutomodelError(f"model.config: {err}") from None
         return finish(model)
+
+
+AutoModelForImageTextToText.from_config.__func__.automodel_config_issues = fresh_model_issues(  # type: ignore
+    AutoModelForImageTextToText.from_config)

@@ -223,12 +223,15 @@ def check_target_node(node: dict, key: str, resolver: TargetResolver, issues: li
 def _own_checks(fn: Any, kwargs: dict, key: str, issues: list[ConfigIssue]) -> None:
     """A target may check its own keyword arguments before anything is built: its class (or the class of a
     classmethod constructor), or the function itself, has ``automodel_config_issues(kwargs) -> {argument:
-    message}``."""
+    message}``; a classmethod constructor's function may have one of its own too (both are asked)."""
     owner = fn.__self__ if inspect.ismethod(fn) else fn
-    check = getattr(owner, "automodel_config_issues", None) if isinstance(owner, type) or inspect.isfunction(owner) \
-        else None
-    if callable(check):
-        issues.extend(ConfigIssue(f"{key}.{name}", message) for name, message in check(kwargs).items())
+    checks = [getattr(owner, "automodel_config_issues", None) if isinstance(owner, type) or
+              inspect.isfunction(owner) else None]
+    if inspect.ismethod(fn):
+        checks.append(getattr(fn.__func__, "automodel_config_issues", None))
+    for check in checks:
+        if callable(check):
+            issues.extend(ConfigIssue(f"{key}.{name}", message) for name, message in check(kwargs).items())
 
 
 # What the recipes' collate_runtime_args() give a collator class by name (see check_callable_node)
