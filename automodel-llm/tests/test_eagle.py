@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from llm_testing import (
     ASSETS,
     assert_refused,
@@ -232,9 +233,10 @@ def test_a_mixture_of_experts_targets_experts_split_over_two_ranks_train_the_dra
     from automodel.testing import free_port
 
     steps = {"max_steps": 3, "val_check_interval": 3, "val_at_start": False, "checkpoint_interval": 3}
-    cfg = write_draft_config(tmp_path / "moe.yaml", tmp_path, tmp_path / "one", settings, model=MOE_TARGET,
+    cfg = write_draft_config(tmp_path / "moe.yaml", tmp_path, tmp_path / "one", settings,
                              tokenizer={"pretrained_model_name_or_path": str(ASSETS / "tiny_tokenizer")},
                              step_scheduler=steps, dataset={"limit_dataset_samples": 32})
+    write_yaml(cfg, {**yaml.safe_load(cfg.read_text()), "model": MOE_TARGET})  # a fresh target, no checkpoint
     run_route(route, cfg, tmp_path, "--step_scheduler.grad_accumulation_steps", 2)
     result = run_cli("finetune", route, "-c", cfg, "--nproc-per-node", 2, "--master-port", free_port(),
                      "--distributed.strategy", "fsdp2", "--distributed.ep_size", 2, "--checkpoint.checkpoint_dir",
