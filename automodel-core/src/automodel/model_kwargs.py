@@ -249,13 +249,7 @@ def fresh_model_issues(from_config: Callable[..., Any]) -> Callable[[Mapping[str
     def issues(kwargs: Mapping[str, Any]) -> dict[str, str]:
         extra = {name: value for name, value in kwargs.items() if name not in arguments}
         config = _local_config(kwargs.get("config")) if extra else None
-        found = {}
-        for name, value in extra.items() if config is not None else ():
-            try:
-                check_config_keys(config, {name: value})
-            except AutomodelError as err:
-                found[name] = str(err).split(": ", 1)[1]
-        return found
+        return {} if config is None else fresh_key_issues(config, extra)
 
     return issues
 
@@ -272,8 +266,7 @@ def _local_config(config: Any) -> Any:
         if isinstance(config, str) and Path(config).is_file():
             config = json.loads(Path(config).read_text(encoding="utf-8"))
         if isinstance(config, Mapping) and isinstance(config.get("model_type"), str):
-            return AutoConfig.for_model(**{"model_type": config["model_type"]},
-                                        **{k: v for k, v in config.items() if k != "model_type"})
+            return AutoConfig.for_model(config["model_type"], **{k: v for k, v in config.items() if k != "model_type"})
         if isinstance(config, str) and (Path(config) / "config.json").is_file():
             return AutoConfig.from_pretrained(config)
     except (ValueError, KeyError, TypeError, OSError):
@@ -281,31 +274,41 @@ def _local_config(config: Any) -> Any:
     return None
 
 
-def check_config_keys(config: Any, overrides: Mapping[str, Any]) -> None:
-    """Refuse, naming it, a key of a ``from_config`` model section that the config built from ``model.config``
-    (``config``) does not have: transformers would keep it as an attribute nothing reads. The checkpoint key
-    ``pretrained_model_name_or_path`` says which factory loads it instead."""
+def fresh_key_issues(config: Any, overrides: Mapping[str, Any]) -> dict[str, str]:
+    """``{key: message}`` for each key of a ``from_config`` model section that the config built from
+    ``model.config`` (``config``) does not have: transformers would keep it as an attribute nothing reads. The
+    checkpoint key ``pretrained_model_name_or_path`` says which factory loads it instead."""
+    found = {}
     for name, value in overrides.items():
         if name == "pretrained_model_name_or_path":
-            raise AutomodelError(
-                f"model.{name}: this model section builds a fresh model from model.config (from_config), which "
-                "loads no checkpoint; to train the checkpoint, end model._target_ with from_pretrained instead of "
-                "from_config and remove model.config")
-        if not (name == "num_nextn_predict_layers" and value == 0):
-            _check_key(config, name, value, f"model.{name}", "an argument of from_config nor an attribute")
+            found[name] = ("this model section builds a fresh model from model.config (from_config), which loads no "
+                           "checkpoint; to train the checkpoint, end model._target_ with from_pretrained instead of "
+                           "from_config and remove model.config")
+        elif not (name == "num_nextn_predict_layers" and value == 0) and (issue := _key_issue(
+                config, name, value, "an argument of from_config nor an attribute")):
+            found[name] = issue
+    return found
+
+
+def check_config_keys(config: Any, overrides: Mapping[str, Any]) -> None:
+    """Raise :func:`fresh_key_issues`' first refusal, naming its key (when a fresh model is built)."""
+    for name, message in fresh_key_issues(config, overrides).items():
+        raise AutomodelError(f"model.{name}: {message}")
 
 
 def _set(config: Any, name: str, value: Any, key: str) -> None:
-    _check_key(config, name, value, key, "a from_pretrained argument nor an attribute")
+    issue = _key_issue(config, name, value, "a from_pretrained argument nor an attribute", nested=key.count(".") > 1)
+    if issue:
+        raise AutomodelError(f"{key}: {issue}")
     setattr(config, name, value)
 
 
-def _check_key(config: Any, name: str, value: Any, key: str, neither: str) -> None:
+def _key_issue(config: Any, name: str, value: Any, neither: str, nested: bool = False) -> str | None:
+    """Why ``config`` cannot take the key ``name`` (None: it can)."""
     # a Qwen3.5 text config counts its MTP depths in either name (upstream's form: text_config.num_nextn_predict_layers)
-    if not hasattr(config, name) and not (name in MTP_DEPTH_KEYS and config.model_type in MTP_TEXT_FAMILIES):
-        if name == "num_nextn_predict_layers":
-            raise AutomodelError(f"{key}: {value} asks for {MTP}; this model is {config.model_type}: remove it "
-                                 "or use 0")
-        what = "not an attribute" if key.count(".") > 1 else f"neither {neither}"
-        raise AutomodelError(f"{key}: {what} of the {config.model_type} config; remove it (or correct its "
-                             "name)")
+    if hasattr(config, name) or (name in MTP_DEPTH_KEYS and config.model_type in MTP_TEXT_FAMILIES):
+        return None
+    if name == "num_nextn_predict_layers":
+        return f"{value} asks for {MTP}; this model is {config.model_type}: remove it or use 0"
+    what = "not an attribute" if nested else f"neither {neither}"
+    return f"{what} of the {config.model_type} config; remove it (or correct its name)"
