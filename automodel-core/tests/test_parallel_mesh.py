@@ -57,6 +57,14 @@ def test_coordinates_are_row_major_with_tp_fastest():
         tuple(layout.coordinates(r).values()) for r in range(16))  # every rank a distinct place
 
 
+def test_rng_ranked_seeds_the_ranks_of_one_tensor_parallel_group_alike():
+    """rng.ranked offsets each rank's seed by its tensor-parallel group: the ranks holding the same activations whole
+    (a draft recipe's draft, the replicated parts of a tensor-parallel model) draw the same noise and dropout."""
+    tensor_parallel = MeshLayout(8, dp_shard=2, cp=2, tp=2)
+    assert [tensor_parallel.seed_offset(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert [MeshLayout(4, dp_shard=2, cp=2).seed_offset(r) for r in range(4)] == [0, 1, 2, 3]
+
+
 def test_describe_names_each_rank_and_stops_at_a_limit():
     lines = describe_mesh(MeshLayout(4, dp_replicate=2, dp_shard=2))
     assert lines[0] == ("device mesh: pp 1 x dp_replicate 2 x dp_shard 2 x cp 1 x tp 1 = 4 ranks; data parallel "

@@ -323,3 +323,33 @@ def two_rank_records(route: str, config: Path, reference: Path, cwd: Path, strat
     one, two = (read_jsonl(run / "training.jsonl") for run in (reference, cwd / "two"))
     (val_one,), (val_two,) = (read_jsonl(run / "validation.jsonl") for run in (reference, cwd / "two"))
     return one, two, val_one, val_two
+
+
+def assert_trains_as_one_process_with_a_tensor_parallel_target(route: str, config: Path, reference: Path,
+                                                                cwd: Path) -> None:
+    """``finetune <route>`` of ``config`` on two ranks with ``distributed.tp_size 2`` (into ``cwd/tp``; the one
+    data-parallel rank accumulating as ``reference``'s one process, which ran with grad_accumulation_steps 2) logs
+    its split and trains, validates and saves the draft as ``reference`` did."""
+    import torch
+
+    from automodel.testing import free_port, load_safetensors_state, read_jsonl
+
+    result = run_cli("finetune", route, "-c", config, "--nproc-per-node", 2, "--master-port", free_port(),
+                     "--distributed.strategy", "fsdp2", "--distributed.tp_size", 2,
+                     "--step_scheduler.grad_accumulation_steps", 2, "--checkpoint.checkpoint_dir", cwd / "tp",
+                     cwd=cwd, OMP_NUM_THREADS="1")
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "target: tensor parallel over tp 2\n  lm_head: colwise_gather_output" in result.stderr
+    assert "whole on each of the 2 tensor-parallel ranks" in result.stderr
+    assert "sequential all_gather" not in result.stderr  # torch's note on gathering the embeddings, silenced
+    one, two = (read_jsonl(run / "training.jsonl") for run in (reference, cwd / "tp"))
+    assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-4)
+    (val_one,), (val_two,) = (read_jsonl(run / "validation.jsonl") for run in (reference, cwd / "tp"))
+    assert val_two.keys() == val_one.keys()
+    for key in set(val_one) - {"timestamp"}:
+        assert val_two[key] == (pytest.approx(val_one[key], rel=1e-4) if isinstance(val_one[key], float)
+                                else val_one[key]), key
+    saved, expected = (load_safetensors_state(run / (run / "LATEST").read_text().strip() / "model")
+                       for run in (cwd / "tp", reference))
+    assert saved.keys() == expected.keys()
+    assert all(torch.allclose(saved[k].float(), expected[k].float(), rtol=1e-4, atol=1e-5) for k in saved)

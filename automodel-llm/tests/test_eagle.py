@@ -20,6 +20,7 @@ from llm_testing import (
     ASSETS,
     assert_refused,
     assert_resumes_and_exports,
+    assert_trains_as_one_process_with_a_tensor_parallel_target,
     run_route,
     two_rank_records,
     write_draft_config,
@@ -214,6 +215,14 @@ def test_two_ranks_train_and_validate_as_one_process_with_their_batches_together
     assert val_two["val_loss"] == pytest.approx(val_one["val_loss"], rel=1e-4)
 
 
+@pytest.mark.slow  # make test-slow: the same target split (DraftRecipe.build_target) as test_eagle3's
+def test_a_tensor_parallel_target_trains_the_draft_as_one_process(one_process, tmp_path):
+    """distributed.tp_size 2 (upstream's llama_eagle1_tp form): the draft reads the target's whole hidden states and
+    output head on each rank and trains as one process."""
+    cfg, reference = one_process
+    assert_trains_as_one_process_with_a_tensor_parallel_target("eagle", cfg, reference, tmp_path)
+
+
 MOE_TARGET = {"_target_": "automodel_llm.AutoModelForCausalLM.from_config", "config": {
     "model_type": "qwen3_moe", "vocab_size": 482, "hidden_size": 32, "intermediate_size": 64,
     "moe_intermediate_size": 16, "num_experts": 4, "num_experts_per_tok": 2, "num_hidden_layers": 3,
@@ -355,7 +364,8 @@ def test_packed_rows_train_as_their_samples_apart():
     ({"recipe_args": {"trust_remote_code": True}}, "recipe_args.trust_remote_code", "--trust-remote-code"),
     ({"peft": {"dim": 8}}, "peft", "trains whole"),
     ({"loss_fn": {"_target_": "automodel.loss.MaskedCrossEntropy"}}, "loss_fn", "feature regression"),
-    ({"distributed": {"tp_size": 2}}, "distributed.tp_size", "use tp_size: 1"),
+    ({"distributed": {"tp_size": 2, "sequence_parallel": True, "strategy": "fsdp2"}},
+     "distributed.sequence_parallel", "hidden states of whole sequences"),
     ({"distributed": {"ep_size": 2, "strategy": "fsdp2"}}, "distributed.ep_size", "has no experts module"),
 ])
 def test_what_cannot_act_is_refused_with_the_reason(chat_target, tmp_path, change, key, words):

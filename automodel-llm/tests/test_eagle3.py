@@ -20,6 +20,7 @@ from llm_testing import (
     TOKENIZER_DIR,
     assert_refused,
     assert_resumes_and_exports,
+    assert_trains_as_one_process_with_a_tensor_parallel_target,
     run_route,
     two_rank_records,
     write_draft_config,
@@ -159,7 +160,7 @@ def test_upstreams_recipe_args_form_runs(target, tmp_path):
             "trust_remote_code": False, "shuffle_seed": 3, "log_every_steps": 1, "max_grad_norm": 1.0,
             "ckpt_every_steps": 4, "save_checkpoint_every_epoch": False, "packed_sequence_size": 0,
             "target_force_hf": True, "target_attn_implementation": "sdpa", "draft_attn_implementation": "sdpa",
-            "fc_norm": True, "norm_output": True, "draft_gradient_checkpointing": True},
+            "fc_norm": True, "norm_output": True, "draft_gradient_checkpointing": True, "cp_zigzag": False},
         "optimizer": {"lr": 1e-3, "betas": [0.9, 0.95], "weight_decay": 0.0, "warmup_ratio": 0.4,
                       "min_lr_ratio": 0.2},
         "checkpoint": {"enabled": True, "model_save_format": "safetensors", "save_consolidated": True},
@@ -226,6 +227,14 @@ def test_two_ranks_train_and_validate_as_one_process_with_their_batches_together
     for key in ("accuracy", "accept_length", "accuracy_ttt2"):
         assert val_two[key] == val_one[key], key
     assert val_two["val_loss"] == pytest.approx(val_one["val_loss"], rel=1e-4)
+
+
+def test_a_tensor_parallel_target_trains_the_draft_as_one_process(one_process, tmp_path):
+    """distributed.tp_size 2 (upstream's qwen3_eagle3_tp form): the target's layers split over both ranks, its
+    logits and hidden states whole on each, and the draft, whole on each rank, trains and validates on the batch both
+    read as one process does (the same accumulation: one data-parallel rank) and saves the same weights."""
+    cfg, reference = one_process
+    assert_trains_as_one_process_with_a_tensor_parallel_target("eagle3", cfg, reference, tmp_path)
 
 
 # ---- the pieces ----------------------------------------------------------------------------------------------
@@ -329,6 +338,7 @@ def test_the_vocabulary_keeps_the_most_frequent_label_tokens_and_its_file_round_
 @pytest.mark.parametrize(("change", "key", "words"), [
     ({"eagle3": {"draft_attn_implementation": "flash_attention_2"}}, "eagle3.draft_attn_implementation", "CUDA"),
     ({"eagle3": {"target_force_hf": False}}, "eagle3.target_force_hf", "transformers' class"),
+    ({"recipe_args": {"cp_zigzag": True}}, "eagle3.cp_zigzag", "context parallelism, which this recipe does not run"),
     ({"eagle3": {"aux_layer_ids": [0, 2, 5]}}, "eagle3.aux_layer_ids", "the target has 5 layers"),
     ({"eagle3": {"aux_layer_ids": None}}, "eagle3.aux_layer_ids", "does not fit a target of 5 layers"),
     ({"eagle3": {"draft_vocab_size": 1000}}, "eagle3.draft_vocab_size", "more than the target's 482"),
@@ -339,7 +349,8 @@ def test_the_vocabulary_keeps_the_most_frequent_label_tokens_and_its_file_round_
     ({"recipe_args": {"trust_remote_code": True}}, "recipe_args.trust_remote_code", "--trust-remote-code"),
     ({"peft": {"dim": 8}}, "peft", "set eagle3.draft_weights_path"),
     ({"eval_generation": {"enabled": True}}, "eval_generation", "the draft"),
-    ({"distributed": {"tp_size": 2}}, "distributed.tp_size", "use tp_size: 1"),
+    ({"distributed": {"tp_size": 2, "sequence_parallel": True, "strategy": "fsdp2"}},
+     "distributed.sequence_parallel", "hidden states of whole sequences"),
     ({"distributed": {"ep_size": 2, "strategy": "fsdp2"}}, "distributed.ep_size", "has no experts module"),
 ])
 def test_what_cannot_act_is_refused_with_the_reason(target, tmp_path, change, key, words):

@@ -1,13 +1,15 @@
 """What the speculative-decoding draft recipes share (EAGLE-1/2: :mod:`automodel_llm.eagle`; EAGLE-3:
 :mod:`automodel_llm.eagle3`): the ``model`` section is the target, built as the next-token recipe builds it and
 frozen; the run's model is the draft the recipe makes for it, which the engine trains, shards, checkpoints and
-resumes like any model (``distributed.ep_size`` splits a mixture-of-experts target's experts over the ranks and
-``strategy: fsdp2`` shards the target's weights, as upstream's recipes do). Upstream's form (``recipe_args:``;
+resumes like any model (``distributed.tp_size`` splits the target's layers over tensor-parallel ranks, which train
+one copy of the draft on the same batch; ``ep_size`` splits a mixture-of-experts target's experts over the ranks;
+``strategy: fsdp2`` shards the target's weights: as upstream's recipes do). Upstream's form (``recipe_args:``;
 ``optimizer:`` without ``_target_``, its ``warmup_ratio`` / ``min_lr_ratio`` driving upstream's warmup + cosine
 schedule; validation after each epoch) is read as the sections it stands for."""
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import replace
 from pathlib import Path
@@ -16,7 +18,7 @@ from typing import Any, ClassVar
 import torch
 
 from automodel.config import Config, KeyAlias, Target
-from automodel.errors import AutomodelError, ConfigIssue
+from automodel.errors import AutomodelError, ConfigError, ConfigIssue
 from automodel.meta_build import building_whole
 from automodel.training.context import BuildContext
 from automodel.training.dist import all_reduce_sum
@@ -83,8 +85,18 @@ def read_draft_weights(path: Path, key: str) -> dict[str, torch.Tensor]:
 
 
 def whole(tensor: torch.Tensor) -> torch.Tensor:
-    """A weight of the target as a plain tensor: gathered when FSDP2 shards the target (every rank calls this)."""
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+    """A weight of the target as a plain tensor: gathered when FSDP2 or tensor parallelism splits the target (every
+    rank calls this). Torch's warning that a weight split over both gathers in two steps is silenced: a one-off copy
+    while the recipe is built, not a cost of the training steps."""
+    if not hasattr(tensor, "full_tensor"):
+        return tensor
+    redistribute = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = redistribute.level
+    redistribute.setLevel(logging.ERROR)
+    try:
+        return tensor.full_tensor()
+    finally:
+        redistribute.setLevel(level)
 
 
 class EpochEndValidation(StepScheduler):
@@ -102,10 +114,7 @@ class DraftRecipe(FinetuneRecipeForNextTokenPrediction):
     settings_key: ClassVar[str]
     loss_description: ClassVar[str]  # what the loss is, for the refusal of loss_fn
     adds_mtp_loss = False
-    tensor_parallel_unsupported = ("tensor parallelism of the target is not built here, and the draft is too small "
-                                   "to split: use tp_size: 1 (with strategy: fsdp2 the ranks shard the target as "
-                                   "data-parallel ranks instead, and ep_size splits a mixture-of-experts target's "
-                                   "experts)")
+    tensor_parallel_unsupported = None  # tp_size splits the target (build_target); the draft stays whole
     pipeline_parallel_unsupported = "the draft is one or two layers, which pipeline stages cannot split; use pp_size: 1"
     context_parallel_unsupported = ("the draft's inputs are the target's states shifted along whole sequences, which "
                                     "context parallelism splits over ranks; use cp_size: 1")
@@ -151,21 +160,36 @@ class DraftRecipe(FinetuneRecipeForNextTokenPrediction):
             node = cfg.get(key) if key in cfg else None
             if node is not None and getattr(node, "enabled", True) is not False:
                 issues.append(ConfigIssue(key, f"{why}: remove the section"))
+        settings = cfg.distributed
+        if settings is not None and settings.tp_size > 1 and settings.sequence_parallel:
+            issues.append(ConfigIssue("distributed.sequence_parallel", "true: the draft reads the target's hidden "
+                                      "states of whole sequences, which sequence parallelism would leave split over "
+                                      "the tensor-parallel ranks; set it false (tp_size still splits the target)"))
         return issues
 
     def build_target(self, ctx: BuildContext) -> torch.nn.Module:
         """The frozen target (kept as ``self.target``), built whole on every rank, then split as upstream splits it:
-        with ``distributed.ep_size > 1`` the experts of a mixture-of-experts target over the ep groups of the
-        data-parallel ranks (the draft has none: :meth:`after_model_built`), and with ``strategy: fsdp2`` its other
-        weights sharded over the data-parallel ranks by FSDP2, as the draft's are (every rank runs each forward of
-        the target together)."""
+        with ``distributed.tp_size > 1`` its layers over the tensor-parallel ranks by the core's plan, its output
+        head returning whole logits and its hidden states whole on each rank (the draft, whole on each, reads the
+        same on all of them: :meth:`after_model_built`); with ``ep_size > 1`` the experts of a mixture-of-experts
+        target over the ep groups of the data-parallel ranks (the draft has none); and with ``strategy: fsdp2`` its
+        other weights sharded over the data-parallel ranks by FSDP2, as the draft's are (every rank runs each
+        forward of the target together)."""
         from automodel.training.model_init import expert_parallelize
+        from automodel.training.parallel.tensor_parallel import apply_tensor_parallel, tp_issues
         from automodel.training.stages.sharding import wrap_fsdp2
 
         with building_whole():
             target = super().build_model(ctx)
         target.to(ctx.device).eval().requires_grad_(False)
         self.target_class = type(target).__name__  # before FSDP2 names it FSDP<class>
+        tp_size = ctx.mesh.tp
+        if tp_size > 1:
+            found = tp_issues(target.config, tp_size) if hasattr(target, "config") else []
+            if found:
+                raise ConfigError(found)
+            applied = apply_tensor_parallel(target, ctx.device_mesh["tp"], vocab_parallel=False)
+            self.log("target: " + "\n".join(applied.describe()))
         if (getattr(ctx.cfg.distributed, "ep_size", None) or 1) > 1:
             self.log(f"target: {expert_parallelize(ctx, target)}")
         if ctx.fsdp2 and ctx.device_mesh is not None:
@@ -182,8 +206,9 @@ class DraftRecipe(FinetuneRecipeForNextTokenPrediction):
         draft.embed_tokens.weight.requires_grad_(not frozen)
 
     def after_model_built(self, ctx: BuildContext, model: torch.nn.Module, meta: Any) -> BuildContext:
-        """The run's model is the draft, whose layers have no experts: ``ep_size`` split the target's."""
-        return replace(super().after_model_built(ctx, model, meta), experts_of_run_model=False)
+        """The run's model is the draft, whole on every tensor-parallel rank, whose layers have no experts:
+        ``tp_size`` and ``ep_size`` split the target."""
+        return replace(super().after_model_built(ctx, model, meta), splits_run_model=False)
 
     def settings(self) -> Any:
         """The recipe's settings section (its defaults where the config leaves it out)."""

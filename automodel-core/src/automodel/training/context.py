@@ -63,9 +63,9 @@ class BuildContext:
     collate_args: Mapping[str, Any] = field(default_factory=dict)
     # the recipe's names of the model's multimodal modules (TrainRecipe.multimodal_module_names), for FSDP2
     multimodal_names: tuple[str, ...] = ()
-    # whether distributed.ep_size splits the run's model's experts (False: the recipe splits another model's, such
-    # as a draft recipe's frozen target)
-    experts_of_run_model: bool = True
+    # whether distributed.tp_size and ep_size split the run's model (False: the recipe splits another model with them,
+    # such as a draft recipe's frozen target, and the run's model stays whole on each tensor-parallel rank)
+    splits_run_model: bool = True
 
     @property
     def is_main_process(self) -> bool:

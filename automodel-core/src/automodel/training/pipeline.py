@@ -82,7 +82,7 @@ def apply_pipeline(ctx: BuildContext, model: Any, selection: Selection) -> Any:
     them as one :class:`LocalStages`.
     Before the ``sharding`` slot, ``distributed.tp_size > 1`` shards the model over the mesh's ``tp`` dimension
     (validation made the sharding slot FSDP2), ``distributed.ep_size > 1`` splits the experts of a MoE model over
-    the data-parallel ranks (unless the recipe split another model's: ``ctx.experts_of_run_model``), then
+    the data-parallel ranks (neither where the recipe split another model with them: ``ctx.splits_run_model``), then
     ``distributed.activation_checkpointing`` wraps the transformer blocks; a model built on the meta device is
     materialised before the first stage from ``sharding`` on that needs values (every stage but one marked
     ``shards_meta_models``, the core's FSDP2, which materialises after sharding)."""
@@ -107,9 +107,10 @@ def _apply_slots(ctx: BuildContext, model: Any, selection: Selection) -> Any:
 
     stages = ctx.plugins.stages
     settings = ctx.cfg.distributed
-    split_experts = settings is not None and (settings.ep_size or 1) > 1 and ctx.experts_of_run_model
+    split_experts = settings is not None and (settings.ep_size or 1) > 1 and ctx.splits_run_model
+    split_tensors = settings is not None and settings.tp_size > 1 and ctx.splits_run_model
     for slot in PIPELINE_SLOTS:
-        if slot == "sharding" and settings is not None and settings.tp_size > 1:
+        if slot == "sharding" and split_tensors:
             ctx.log(f"pipeline: {model_init.tensor_parallelize(ctx, model)}")
         if slot == "sharding" and split_experts:
             ctx.log(f"pipeline: {model_init.expert_parallelize(ctx, model)}")

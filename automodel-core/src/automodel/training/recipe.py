@@ -280,7 +280,7 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
         policy = RETURN_FREED if ctx.fsdp2 else KEEP_FREED
         if ctx.device.type == "cpu" and cfg.dist_env.cpu_malloc_tuning and apply_malloc_policy(policy):
             self.debug(f"host memory: {policy.describe()} (dist_env.cpu_malloc_tuning)")
-        self.rng = StatefulRNG(cfg.rng.seed, cfg.rng.ranked, ctx.rank)
+        self.rng = StatefulRNG(cfg.rng.seed, cfg.rng.ranked, ctx.mesh.seed_offset(ctx.rank))
         if cfg.rng.deterministic:
             use_deterministic_algorithms()
             self.log("rng.deterministic: torch runs deterministic algorithms only (torch.use_deterministic_algorithms)")

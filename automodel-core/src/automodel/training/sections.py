@@ -125,8 +125,9 @@ class RngConfig:
     accepted_targets: ClassVar[dict] = {"StatefulRNG": {}}
     seed: int = field(default=42, metadata=_help("seed for python, numpy and torch"))
     ranked: bool = field(default=False, metadata=_help(
-        "offset the seed by the process rank for training (dropout, noise); the model and its pipeline are built "
-        "under the seed itself, so freshly initialised tensors (a new head, LoRA's) are alike on every rank"))
+        "offset the seed by the process rank for training (dropout, noise; the ranks of one tensor-parallel group "
+        "by their group's index, so that they draw alike); the model and its pipeline are built under the seed "
+        "itself, so freshly initialised tensors (a new head, LoRA's) are alike on every rank"))
     deterministic: bool = field(default=False, metadata=_help(
         "torch.use_deterministic_algorithms for the run: an operation with no deterministic implementation stops "
         "the run with torch's error instead of running nondeterministically (on CUDA also cuBLAS's reproducible "

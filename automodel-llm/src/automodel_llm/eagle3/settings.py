@@ -36,6 +36,9 @@ class Eagle3Config:
         "transformers' class)")})
     draft_attn_implementation: str = field(default="eager", metadata={"help": (
         "the draft's attention: eager or sdpa (the same numbers); flash_attention_2 needs a CUDA GPU")})
+    cp_zigzag: bool = field(default=False, metadata={"help": (
+        "upstream's load-balanced layout of the draft's sequence over context-parallel ranks: false only (the draft "
+        "runs on whole sequences here, distributed.cp_size 1)")})
     fc_norm: bool = field(default=False, metadata={"help": (
         "EAGLE-3.1: an RMSNorm on each of the three target states before they are fused")})
     norm_output: bool = field(default=False, metadata={"help": (
@@ -59,6 +62,9 @@ class Eagle3Config:
         if self.target_force_hf is not True:
             errors["target_force_hf"] = (f"{self.target_force_hf!r}: upstream's own target model classes are not "
                                          "built here; the target is transformers' class (true)")
+        if self.cp_zigzag is not False:
+            errors["cp_zigzag"] = (f"{self.cp_zigzag!r}: a layout of the draft's context parallelism, which this "
+                                   "recipe does not run (the draft reads whole sequences); use false")
         if errors:
             raise FieldErrors(errors)
 
@@ -84,11 +90,10 @@ def aux_layer_issue(ids: list[int] | None, layers: int) -> str | None:
 RECIPE_ARGS = draft_recipe_args(
     "TrainEagle3Recipe", "eagle3",
     ("ttt_steps", "draft_vocab_size", "aux_layer_ids", "freeze_embeddings", "selected_token_ids_path",
-     "draft_attn_implementation", "fc_norm", "norm_output", "draft_weights_path", "target_force_hf"),
+     "draft_attn_implementation", "fc_norm", "norm_output", "draft_weights_path", "target_force_hf", "cp_zigzag"),
     {"parallel_drafting": NOT_BUILT.format(what="P-EAGLE's parallel drafting"),
      "num_depths": NOT_BUILT.format(what="P-EAGLE's parallel drafting depths"),
      **dict.fromkeys(("lk_loss_type", "lk_kl_scale", "lk_kl_decay"),
-                     NOT_BUILT.format(what="the acceptance-rate (LK) loss")),
-     "cp_zigzag": "a layout of the draft's context parallelism, which this recipe does not run: remove it"},
+                     NOT_BUILT.format(what="the acceptance-rate (LK) loss"))},
     # the draft's layer recomputed in the backward pass at each unrolled step
     keys={"draft_gradient_checkpointing": "distributed.activation_checkpointing"})

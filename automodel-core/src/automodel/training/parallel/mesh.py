@@ -53,6 +53,12 @@ class MeshLayout:
             rank, coords[name] = divmod(rank, size)
         return {name: coords[name] for name in MESH_DIMS}
 
+    def seed_offset(self, rank: int) -> int:
+        """What ``rng.ranked`` adds to ``rank``'s seed: the index of its tensor-parallel group, so that the ranks of
+        one group draw alike (dropout, noise), as the activations they hold whole must stay the same on each; every
+        other rank draws its own."""
+        return rank // self.tp
+
     def dp_rank(self, rank: int) -> int:
         """``rank``'s index on the flattened ``dp`` dimension (which slice of the data it reads)."""
         where = self.coordinates(rank)

@@ -99,7 +99,8 @@ def wrap_fsdp2(ctx: BuildContext, model: torch.nn.Module) -> tuple[torch.nn.Modu
     if layout.cp > 1:
         how += f" x context parallel over {layout.cp} (FSDP2 shards over dp_shard x cp)"
     if layout.tp > 1:
-        how += f" x tensor parallel over {layout.tp}"
+        how += (f" x tensor parallel over {layout.tp}" if ctx.splits_run_model
+                else f", whole on each of the {layout.tp} tensor-parallel ranks (they read the same batch)")
     if experts:
         how += f", expert parameters ({len(experts)}) split by expert parallelism instead"
     gates = f"{len(routers)} routers in {_dtype_names(routers.values())} (model.backend.gate_precision)"
