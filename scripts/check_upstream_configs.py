@@ -40,6 +40,7 @@ FOLDERS = ("llm_finetune", "llm_pretrain", "llm_kd", "llm_benchmark", "vlm_finet
 HUB_KEYS = {
     "pretrained_model_name_or_path": "model",
     "model_name_or_path": "model",
+    "name_or_path": "model",  # a config node's checkpoint (from_config with load_base_model)
     "model_id": "model",
     "tokenizer_name_or_path": "tokenizer",
     "processor_name_or_path": "processor",

@@ -9,7 +9,8 @@ Each config runs as a user without network would run it: ``automodel run -c FILE
 (a config without ``recipe:``, such as a generation config, through the route validation chose: ``automodel generate
 diffusion -c FILE``), every hub model / tokenizer / processor id overridden with a tiny local model of that domain
 (fresh weights, the shipped tokenizer or processor; an LLM of a family in ``LLM_FAMILIES`` a tiny model of that
-family built from its transformers config class, another LLM a tiny Llama, a VLM of a family in
+family built from its transformers config class, another LLM a tiny Llama, either with the layers, experts and
+heads its ``distributed`` layout needs (``layout_sizes``), a VLM of a family in
 ``vlm_stand_ins.FAMILIES`` its tiny model and processor, a Gemma 4 assistant (``drafter_path``) one made for the tiny
 Gemma 4, a sequence-to-sequence model a tiny T5, a diffusion model the diffusion tests' tiny pipeline of its family),
 every data set path with a small local file in the columns its ``_target_`` reads (SQuAD, HellaSwag, chat, tool
@@ -19,8 +20,9 @@ clips or the shipped shapes pictures for a diffusion loader; Megatron indexed fi
 denoising steps of 64 x 64 pictures (5 frames for a video) into a scratch ``output.output_dir``. A config laid out
 for 2 to 4 processes (``--max-processes N``: to N) runs on that many (``--nproc-per-node``, gloo); nothing else
 changes, so a config laid out for more (tp_size 8, say) is refused by the run for that, unless ``--one-process``
-runs it in one process with each of its parallel sizes above 1 set to 1 (``LAYOUT_KEYS``; the rest of the config as
-written). It prints each file's exit status and, for a failure, the run's last error lines, then the count.
+runs it in one process with each of its parallel sizes above 1 set to 1 (``LAYOUT_KEYS``) and its global batch one
+local batch (the rest of the config as written). It prints each file's exit status and, for a failure, the run's
+last error lines, then the count.
 
 ``--cpu`` also runs the configs refused only for GPU features or for ``trust_remote_code: true``, as a user on a
 machine without a GPU would: each refused key gets the CPU alternative its refusal message names
@@ -178,6 +180,7 @@ LLM_FAMILIES = {
     r"gemma-2-": "Gemma2Config", r"gemma-3|functiongemma": "Gemma3TextConfig", r"gemma-7b": "GemmaConfig",
     r"Mixtral": "MixtralConfig", r"Mistral-|Devstral|Ministral": "MistralConfig", r"phi-4|Phi-3": "Phi3Config",
     r"phi-2": "PhiConfig", r"DeepSeek-V3$|Moonlight|Kimi-K2": "DeepseekV3Config", r"DeepSeek-V4": "DeepseekV4Config",
+    r"DeepSeek-V3\.2": "DeepseekV32Config",
     r"gpt-oss": "GptOssConfig", r"granite-3": "GraniteConfig", r"Nemotron-3[-.]|Nemotron-Nano-9B": "NemotronHConfig",
     r"OLMo-2": "Olmo2Config", r"GLM-5": "GlmMoeDsaConfig", r"GLM-4\.7-Flash": "Glm4MoeLiteConfig",
     r"GLM-4\.[57]": "Glm4MoeConfig", r"glm-4-9b": "GlmConfig", r"Falcon-H1": "FalconH1Config",
@@ -210,16 +213,33 @@ TINY_LLM = {"vocab_size": 1024, "hidden_size": 64, "intermediate_size": 128, "nu
 FAMILY_EXTRAS = {"NemotronHConfig": {"num_nextn_predict_layers": 1, "mtp_layers_block_type": ["attention", "moe"]},
                  "DeepseekV3Config": {"num_key_value_heads": 4}, "Glm4MoeLiteConfig": {"num_key_value_heads": 4},
                  "GlmMoeDsaConfig": {"num_key_value_heads": 4, "index_n_heads": 2, "index_head_dim": 16,
-                                     "index_topk": 16}}
+                                     "index_topk": 16},
+                 "DeepseekV32Config": {"num_key_value_heads": 4, "index_n_heads": 2, "index_head_dim": 16,
+                                       "index_topk": 16, "head_dim": 8}}
+_EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def layout_sizes(data: dict[str, Any], layers: int) -> dict[str, int]:
+    """TINY_LLM's sizes that a config's layout needs changed: ``layers`` decoder layers (0: TINY_LLM's 4), as many
+    experts as ``distributed.ep_size`` where it is above TINY_LLM's 8 (upstream's 16 to 64), and attention and
+    key/value heads that ``tp_size`` divides (the hidden size stays 64)."""
+    distributed = data.get("distributed") if isinstance(data.get("distributed"), dict) else {}
+    sizes: dict[str, int] = {"num_hidden_layers": layers} if layers > TINY_LLM["num_hidden_layers"] else {}
+    ep_size, tp_size = distributed.get("ep_size"), distributed.get("tp_size")
+    if isinstance(ep_size, int) and ep_size > TINY_LLM["num_experts"]:
+        sizes |= dict.fromkeys(_EXPERT_COUNTS, ep_size)
+    if isinstance(tp_size, int) and tp_size > TINY_LLM["num_key_value_heads"]:
+        sizes |= {"num_attention_heads": max(tp_size, TINY_LLM["num_attention_heads"]), "num_key_value_heads": tp_size}
+    return sizes
 
 
 def pipeline_layers(data: dict[str, Any]) -> int:
     """The decoder layers a config's pipeline layout needs (``pp_size`` ranks x its stages per rank x
-    ``layers_per_stage``), 0 without one: a stand-in of TINY_LLM's 4 layers cannot take upstream's interleaved
-    layouts of 2 to 14 layers per stage."""
+    ``layers_per_stage``, one where it is not given), 0 without one: a stand-in of TINY_LLM's 4 layers cannot take
+    upstream's pp_size 8 or its interleaved layouts of 2 to 14 layers per stage."""
     distributed = data.get("distributed") if isinstance(data.get("distributed"), dict) else {}
     pipeline = distributed.get("pipeline") if isinstance(distributed.get("pipeline"), dict) else {}
-    pp_size, per_stage = distributed.get("pp_size") or 1, pipeline.get("layers_per_stage")
+    pp_size, per_stage = distributed.get("pp_size") or 1, pipeline.get("layers_per_stage") or 1
     if not isinstance(pp_size, int) or pp_size < 2 or not isinstance(per_stage, int):
         return 0
     interleaved = str(pipeline.get("pp_schedule", "1f1b")).lower().replace("_", "") in ("interleaved1f1b", "loopedbfs")
@@ -239,16 +259,19 @@ def llm_family(data: dict[str, Any]) -> str | None:
     return next((name for hub in ids for name in LLM_FAMILIES if re.search(name, hub)), None)
 
 
-def write_tiny_llm(config_class: str, directory: Path, tokenizer: Path, layers: int | None = None) -> None:
-    """A fresh tiny model of one family (safetensors) with the shipped tokenizer beside it; ``layers``: that many
-    decoder layers instead of TINY_LLM's."""
+def write_tiny_llm(config_class: str, directory: Path, tokenizer: Path, sizes: dict[str, int] | None = None) -> None:
+    """A fresh tiny model of one family (safetensors) with the shipped tokenizer beside it; ``sizes``: those of
+    TINY_LLM changed (``layout_sizes``), over the family's extras."""
     import transformers
 
     cls = getattr(transformers, config_class)
     known = cls().to_dict()
-    sizes = {**TINY_LLM, **({"num_hidden_layers": layers} if layers else {})}
-    config = cls(**{**{key: value for key, value in sizes.items() if key in known},
-                    **FAMILY_EXTRAS.get(config_class, {})})
+    extras = FAMILY_EXTRAS.get(config_class, {})
+    heads = (sizes or {}).get("num_attention_heads")
+    if heads and "num_key_value_heads" in extras:  # a latent attention's key/value heads are its query heads
+        extras = {**extras, "num_key_value_heads": heads}
+    config = cls(**{**{key: value for key, value in TINY_LLM.items() if key in known}, **extras,
+                    **{key: value for key, value in (sizes or {}).items() if key in known}})
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(directory)
     for item in tokenizer.iterdir():
         shutil.copy(item, directory)
@@ -271,17 +294,20 @@ def stand_ins(data: dict[str, Any], assets: dict[str, dict[str, str]], domain: s
     if domain == "diffusion" and diffusion_family(data):
         kind = f"diffusion:{diffusion_family(data)}"
     found = dict(survey.hub_overrides(data, assets[kind]))
-    layers = pipeline_layers(data) if kind == "llm" or kind.startswith("llm:") else 0
+    is_llm = kind == "llm" or kind.startswith("llm:")
+    layers = pipeline_layers(data) if is_llm else 0
     if eagle_target(data):  # the draft reads three distinct target layers: upstream's default needs 8
         found["recipe_args.target_model_name_or_path"] = assets[kind]["model"]
         layers = 8
         if isinstance(data["recipe_args"].get("draft_vocab_size"), int):  # within the stand-in's 1024 tokens
             found["recipe_args.draft_vocab_size"] = "256"
-    if layers > TINY_LLM["num_hidden_layers"]:  # the family's stand-in with the layers the layout needs (untied)
+    sizes = layout_sizes(data, layers) if is_llm else {}
+    if sizes:  # the family's stand-in with the sizes the layout needs (untied)
         config_class = LLM_FAMILIES[kind.split(":", 1)[1]] if ":" in kind else "LlamaConfig"
-        directory = Path(assets["llm"]["model"]).with_name(f"llm-{config_class}-{layers}")
+        name = "-".join(f"{key.split('_')[-1]}{value}" for key, value in sorted(sizes.items()))
+        directory = Path(assets["llm"]["model"]).with_name(f"llm-{config_class}-{name}")
         if not directory.exists():
-            write_tiny_llm(config_class, directory, Path(survey.local_assets()["llm"]["tokenizer"]), layers)
+            write_tiny_llm(config_class, directory, Path(survey.local_assets()["llm"]["tokenizer"]), sizes)
         found |= {key: str(directory) for key, value in found.items() if value == assets[kind]["model"]}
     family = vlm_stand_ins.family_of(model_id(data)) if domain == "vlm" else None
     if family:  # the family's tiny model, its processor and tokenizer in the same directory
@@ -291,6 +317,13 @@ def stand_ins(data: dict[str, Any], assets: dict[str, dict[str, str]], domain: s
         drafter = vlm_stand_ins.family_of(str(data["model"].get("drafter_path", "")))
         if drafter:  # a Gemma 4 assistant trained beside its base: the one made for the base's stand-in
             found["model.drafter_path"] = assets["vlm:families"][drafter]
+    if domain == "vlm":  # the stand-in with the layers, experts and heads the layout needs
+        standing = assets["vlm:families"][family] if family else assets["vlm"]["model"]
+        sections = [data.get(name) for name in ("distributed", "teacher_distributed")]
+        sizes = {key: max([node.get(key) for node in sections if isinstance(node, dict) and
+                           isinstance(node.get(key), int)] or [1]) for key in ("ep_size", "tp_size")}
+        sized = vlm_stand_ins.sized_for_layout(standing, pipeline_layers(data), sizes["ep_size"], sizes["tp_size"])
+        found |= {key: sized for key, value in found.items() if value == standing}
     return found
 
 
@@ -376,7 +409,7 @@ def cpu_config(path: Path, examples: Path, assets: dict[str, Any], scratch: Path
 
     current, data = path, load_yaml_file(path)
     domain = survey.domain_of(path.relative_to(examples).parts[0], path)
-    for _ in range(4):  # an edit can bring a further refusal to light (the key it fell back on)
+    for _ in range(6):  # an edit can bring a further refusal to light (the key it fell back on)
         with contextlib.chdir(examples.parent):
             validation, refused = survey.validate(current, list(stand_ins(data, assets, domain).items()),
                                                   ("--trust-remote-code",))
@@ -398,10 +431,15 @@ LAYOUT_KEYS = {**{section: ("dp_size", "dp_replicate_size", "tp_size", "cp_size"
 
 
 def one_process_layout(data: dict[str, Any]) -> dict[str, str]:
-    """``{dotted key: "1"}`` for every parallel size above 1 in the config."""
-    return {f"{section}.{key}": "1" for section, keys in LAYOUT_KEYS.items()
-            if isinstance(node := data.get(section), dict)
-            for key in keys if isinstance(node.get(key), int) and node[key] > 1}
+    """``{dotted key: "1"}`` for every parallel size above 1 in the config, and a global batch of one local batch
+    (the layout's global batch, 512 rows say, would make each step of one process hundreds of micro-batches)."""
+    found = {f"{section}.{key}": "1" for section, keys in LAYOUT_KEYS.items()
+             if isinstance(node := data.get(section), dict)
+             for key in keys if isinstance(node.get(key), int) and node[key] > 1}
+    steps = data.get("step_scheduler") if isinstance(data.get("step_scheduler"), dict) else {}
+    if isinstance(steps.get("global_batch_size"), int) and isinstance(steps.get("local_batch_size"), int):
+        found["step_scheduler.global_batch_size"] = str(steps["local_batch_size"])
+    return found
 
 
 def laid_out_for_more(validation: str, max_processes: int) -> bool:

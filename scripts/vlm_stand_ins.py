@@ -13,7 +13,9 @@ matching none of ``FAMILIES`` keeps the tiny Llava.
 from __future__ import annotations
 
 import json
+import math
 import re
+import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -85,6 +87,68 @@ def _gemma4_assistant(path: Path) -> Path:
     return path
 
 
+def _rebuilt(source: Path, path: Path, text_changes: dict[str, Any]) -> Path:
+    """``source``'s stand-in with its text model's config changed (fresh weights) and its other files (processor,
+    tokenizer) copied: a per-layer list of the text config follows a new layer count, repeating its pattern, and the
+    head size stays where the head count changes."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(source))
+    text = config.get_text_config()
+    layers = text_changes.get("num_hidden_layers")
+    if layers:
+        old = text.num_hidden_layers
+        for key, value in vars(text).items():
+            if isinstance(value, list) and len(value) == old:
+                setattr(text, key, [value[i % old] for i in range(layers)])
+    if "num_attention_heads" in text_changes and getattr(text, "head_dim", None) is None:
+        text.head_dim = text.hidden_size // text.num_attention_heads
+    for key, value in text_changes.items():
+        setattr(text, key, value)
+    from automodel_vlm import AutoModelForImageTextToText
+
+    AutoModelForImageTextToText.from_config(config, seed=0).save_pretrained(path)
+    for item in source.iterdir():  # all but the weights (and their index) and the config
+        if item.is_file() and item.suffix != ".safetensors" and item.name != "config.json" \
+                and not item.name.startswith("model.safetensors"):
+            shutil.copy(item, path)
+    return path
+
+
+def _gemma4_moe(path: Path) -> Path:
+    """The tiny Gemma 4 with a mixture-of-experts block in each layer (the 26B-A4B's form: 8 experts, 2 a token)."""
+    dense = _gemma4(path.with_name(path.name + "_dense"))
+    return _rebuilt(dense, path, {"enable_moe_block": True, "num_experts": 8, "top_k_experts": 2,
+                                  "moe_intermediate_size": 16})
+
+
+_EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def sized_for_layout(directory: str, layers: int, ep_size: int, tp_size: int) -> str:
+    """A family stand-in (``directory``) that a config's layout fits: at least ``layers`` text layers (its pipeline
+    stages'), experts that ``ep_size`` divides, attention / key-value heads and vocabulary that ``tp_size`` divides;
+    ``directory`` itself where it fits, else a copy so changed beside it."""
+    from transformers import AutoConfig
+
+    text = AutoConfig.from_pretrained(directory).get_text_config()
+    changes: dict[str, int] = {"num_hidden_layers": layers} if layers > text.num_hidden_layers else {}
+    for key in _EXPERT_COUNTS:
+        value = getattr(text, key, None)
+        if isinstance(value, int) and value and value % ep_size:
+            changes[key] = math.lcm(value, ep_size)
+    for key in ("num_attention_heads", "num_key_value_heads"):
+        value = getattr(text, key, None)
+        if isinstance(value, int) and value % tp_size:
+            changes[key] = math.lcm(value, tp_size)
+    if text.vocab_size % tp_size:
+        changes["vocab_size"] = -(-text.vocab_size // tp_size) * tp_size
+    if not changes:
+        return directory
+    path = Path(directory + "-" + "-".join(f"{key}{value}" for key, value in sorted(changes.items())))
+    return str(path if path.exists() else _rebuilt(Path(directory), path, changes))
+
+
 def _mistral3(path: Path) -> Path:
     """A tiny Mistral 3 (Pixtral tower, Mistral text model) with its PixtralProcessor."""
     from test_family_processors import tiny_mistral3_dir
@@ -97,7 +161,7 @@ FAMILIES: dict[str, Callable[[Path], Path]] = {
     r"Qwen3-VL-.*-A\d+B": _qwen3("qwen3_vl_moe"), r"Qwen3-VL": _qwen3("qwen3_vl"),
     r"Qwen3\.[5-9]-.*-A\d+B": _qwen3("qwen3_5_moe"), r"Qwen3\.[5-9]-": _qwen3("qwen3_5"),
     r"Qwen2\.5-VL": _qwen2_5_vl, r"gemma-3-\d": _gemma3, r"gemma-4-.*-assistant": _gemma4_assistant,
-    r"gemma-4-": _gemma4, r"Ministral-3-": _mistral3,
+    r"gemma-4-\d+[bB]-[aA]\d+[bB]": _gemma4_moe, r"gemma-4-": _gemma4, r"Ministral-3-": _mistral3,
 }
 
 

@@ -232,3 +232,29 @@ def test_trust_remote_code_and_config_keys_still_build_on_the_meta_device(tmp_pa
     with building_on_meta() as request:  # the run's log line says why (recipe.after_model_built)
         AutoModelForCausalLM.from_pretrained(str(tmp_path), revision="main")
     assert not request.built and request.declined == "from_pretrained loads it with revision"
+
+
+def test_load_base_model_reads_the_weights_of_the_checkpoint_the_config_came_from(saved_llama):
+    """Upstream's ``from_config(config, load_base_model=True)`` (its DeepSeek-V4, MiMo-V2, Kimi Linear configs): the
+    model of the config as changed here, its weights the checkpoint's; without the key, fresh weights."""
+    from transformers import LlamaConfig
+
+    expected = AutoModelForCausalLM.from_pretrained(str(saved_llama)).state_dict()
+    # a directory; a config class's from_pretrained with name_or_path, as upstream's config nodes give it
+    for config in (str(saved_llama), LlamaConfig.from_pretrained(str(saved_llama), name_or_path=str(saved_llama))):
+        loaded = AutoModelForCausalLM.from_config(config, load_base_model=True).state_dict()
+        assert all(torch.equal(loaded[key], value) for key, value in expected.items())
+    fresh = AutoModelForCausalLM.from_config(str(saved_llama), seed=3).state_dict()
+    assert not torch.equal(fresh["model.embed_tokens.weight"], expected["model.embed_tokens.weight"])
+    one_layer = AutoModelForCausalLM.from_config(str(saved_llama), load_base_model=True, num_hidden_layers=1)
+    assert one_layer.config.num_hidden_layers == 1
+    assert torch.equal(one_layer.state_dict()["model.layers.0.mlp.up_proj.weight"],
+                       expected["model.layers.0.mlp.up_proj.weight"])
+
+
+def test_load_base_model_of_a_config_that_names_no_checkpoint_is_refused(saved_llama):
+    from transformers import LlamaConfig
+
+    for config in (str(saved_llama / "config.json"), LlamaConfig.from_pretrained(str(saved_llama))):
+        with pytest.raises(AutomodelError, match="give model.config.name_or_path"):
+            AutoModelForCausalLM.from_config(config, load_base_model=True)

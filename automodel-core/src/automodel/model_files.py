@@ -130,7 +130,11 @@ def _pretrained_on_meta(auto_class: Any, path: str, dtype: Any, kwargs: dict[str
     request = meta_request()
     if request is None:
         return None
-    loading = set(kwargs) & set(FROM_PRETRAINED_ARGUMENTS) - {"attn_implementation", "trust_remote_code"}
+    from transformers import AutoConfig, PretrainedConfig
+
+    given = kwargs.get("config")  # a config read from the checkpoint and changed (from_config's load_base_model)
+    loading = set(kwargs) & set(FROM_PRETRAINED_ARGUMENTS) - {"attn_implementation", "trust_remote_code"} \
+        - ({"config"} if isinstance(given, PretrainedConfig) else set())
     if loading:  # a revision, a subfolder, quantization, ...: left to from_pretrained
         request.declined = f"from_pretrained loads it with {', '.join(sorted(loading))}"
         return None
@@ -138,10 +142,8 @@ def _pretrained_on_meta(auto_class: Any, path: str, dtype: Any, kwargs: dict[str
     if weights is None:
         request.declined = f"{path} has no safetensors weights here to read in slices"
         return None
-    from transformers import AutoConfig
-
     try:
-        config = AutoConfig.from_pretrained(str(weights))
+        config = given if isinstance(given, PretrainedConfig) else AutoConfig.from_pretrained(str(weights))
     except (*errors, ValueError):
         request.declined = f"the config in {weights} names a model type only the checkpoint's own code knows"
         return None

@@ -48,6 +48,22 @@ def _load_config(config: Any, hub: dict[str, Any], **overrides: Any) -> Any:
     return loaded
 
 
+def base_checkpoint(config: Any) -> str:
+    """The checkpoint whose weights ``from_config(config, load_base_model=True)`` loads: a loaded config's
+    ``name_or_path`` (upstream's config nodes give it beside ``pretrained_model_name_or_path``: a config class's
+    ``from_pretrained`` leaves it empty), or ``config`` itself as a directory or hub name."""
+    from transformers import PretrainedConfig
+
+    found = getattr(config, "name_or_path", None) if isinstance(config, PretrainedConfig) else \
+        None if isinstance(config, dict) or Path(str(config)).is_file() else str(config)
+    if not found:
+        raise AutomodelError("model.load_base_model: true loads the weights of the checkpoint model.config names, "
+                             "and this model.config names none: give model.config.name_or_path (the checkpoint, as "
+                             "upstream's configs do beside pretrained_model_name_or_path) or model.config as the "
+                             "checkpoint's directory or hub name, or set load_base_model: false for a fresh model")
+    return found
+
+
 class _AutoModelFactory:
     """Builds a ``transformers`` model of the Auto class ``auto_class``: from a checkpoint (``from_pretrained``) or a
     config (``from_config``). ``backend`` (upstream's BackendConfig) selects the attention, see
@@ -67,15 +83,23 @@ class _AutoModelFactory:
 
     @classmethod
     def from_config(cls, config: Any, *, dtype: Any = None, torch_dtype: Any = None, seed: int | None = None,
-                    **kwargs: Any) -> Any:
-        finish = take_model_settings(kwargs, mtp=cls.mtp, built_from={"config": config})
+                    load_base_model: bool = False, **kwargs: Any) -> Any:
+        """A fresh model of ``config``; with ``load_base_model`` (upstream's key) the model of ``config`` as changed
+        here, its weights read from the checkpoint ``config`` was read from (:func:`base_checkpoint`)."""
+        base = base_checkpoint(config) if load_base_model else None
+        finish = take_model_settings(kwargs, checkpoint=base, mtp=cls.mtp, built_from={"config": config})
         hub = pop_hub_arguments(kwargs)  # to AutoConfig.from_pretrained only: never into the saved config
         model_kwargs = {k: kwargs.pop(k, hub.get(k)) for k in MODEL_KWARGS if k in kwargs or k in hub}
         text_config = kwargs.pop("text_config", None)  # a mapping of the text model's keys: set after loading
         hf_config = _load_config(config, hub, **kwargs)
         if text_config is not None:
             apply_config_overrides(hf_config, {"text_config": text_config})
-        model = fresh_model(cls.auto_for(hf_config).from_config, hf_config, model_kwargs, dtype or torch_dtype, seed)
+        if base is not None:
+            model = pretrained_or_fresh(cls.auto_for(hf_config), base, dtype or torch_dtype, cls.from_config,
+                                        {**hub, **model_kwargs, "config": hf_config})
+        else:
+            model = fresh_model(cls.auto_for(hf_config).from_config, hf_config, model_kwargs, dtype or torch_dtype,
+                                seed)
         return finish(model)
 
     @classmethod
