@@ -162,12 +162,15 @@ def cli_command(*args: Any) -> list[str]:
     return [*exe, *map(str, args)]
 
 
-def start_cli(*args: Any, cwd: Path, log: Path, piped: bool = False, **env: str) -> subprocess.Popen:
+def start_cli(*args: Any, cwd: Path, log: Path, piped: bool = False, new_session: bool = False,
+              **env: str) -> subprocess.Popen:
     """Start ``automodel <args>`` with stdout+stderr going to ``log`` (read it while it runs). ``piped``: through a
-    pipe this process copies into ``log`` (so a file-size limit put on the child does not bind its output)."""
+    pipe this process copies into ``log`` (so a file-size limit put on the child does not bind its output).
+    ``new_session``: in a process group of its own (its id the child's pid), to signal it whole as a scheduler
+    does."""
     out = open(log, "w")  # noqa: SIM115 - the child holds it; closed by the caller's finish()
     proc = subprocess.Popen(cli_command(*args), cwd=cwd, env=cli_env(**env), stdout=subprocess.PIPE if piped else out,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True, start_new_session=new_session)
     if piped:
         def copy() -> None:
             for line in proc.stdout:

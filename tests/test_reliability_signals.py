@@ -2,11 +2,13 @@
 
 A signal finishes the current step, writes a checkpoint, and exits 128 + signal with a message naming the
 checkpoint and how to resume; ``--restore_from.path latest`` then completes the run with the losses of a run
-that never stopped. A second SIGINT aborts at once, without a checkpoint. The three runs go side by side.
+that never stopped. So does SIGTERM to the whole process group (a scheduler's preemption) of a run whose data loader
+has worker processes. A second SIGINT aborts at once, without a checkpoint. The four runs go side by side.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +29,11 @@ RUN = {"step_scheduler": {"max_steps": MAX_STEPS, "checkpoint_interval": 4}}
 def _signal_when_training(proc, cwd: Path, signum: int) -> None:
     h.wait_for(lambda: h.jsonl_lines(cwd / "ckpt" / "training.jsonl") >= 1, proc, what="the first metrics line")
     proc.send_signal(signum)
+
+
+def _sigterm_to_the_group(proc, cwd: Path) -> None:
+    h.wait_for(lambda: h.jsonl_lines(cwd / "ckpt" / "training.jsonl") >= 1, proc, what="the first metrics line")
+    os.killpg(proc.pid, signal.SIGTERM)
 
 
 def _double_sigint(proc, cwd: Path) -> None:
@@ -51,6 +58,7 @@ def runs(tmp_path_factory, inprocess):
         "sigterm": ({"AMT_FAULT_SLEEP": "0.5"}, lambda p, c: _signal_when_training(p, c, signal.SIGTERM)),
         "sigint": ({"AMT_FAULT_SLEEP": "0.5"}, lambda p, c: _signal_when_training(p, c, signal.SIGINT)),
         "double_sigint": ({"AMT_FAULT_PAUSE": "step:6"}, _double_sigint),
+        "sigterm_workers": ({"AMT_FAULT_SLEEP": "0.5"}, _sigterm_to_the_group),
     }
     procs = {}
     for name, (env, _) in plans.items():
@@ -58,8 +66,9 @@ def runs(tmp_path_factory, inprocess):
         cwd.mkdir()
         if "AMT_FAULT_PAUSE" in env:
             env = {**env, "AMT_FAULT_MARKER": str(cwd / "paused")}
-        procs[name] = (cwd, h.start_cli("finetune", "llm", "-c", config, cwd=cwd, log=cwd / "log.txt",
-                                        OMP_NUM_THREADS="1", **env))
+        workers = ("--dataloader.num_workers", 1) if name == "sigterm_workers" else ()
+        procs[name] = (cwd, h.start_cli("finetune", "llm", "-c", config, *workers, cwd=cwd, log=cwd / "log.txt",
+                                        new_session=bool(workers), OMP_NUM_THREADS="1", **env))
 
     def drive(name):
         cwd, proc = procs[name]
@@ -126,6 +135,12 @@ def test_sigint_checkpoints_then_the_console_script_resumes(runs):
     assert rc == 0, log
     assert f"resumed from ckpt/{latest} at step {step}" in log
     _check_resumed(cwd, step, runs["reference"])
+
+
+def test_sigterm_to_the_process_group_with_loader_workers_checkpoints_too(runs):
+    """The workers ignore the signal (a killed one would make torch raise in the training process mid-step)."""
+    _check_graceful_stop(runs["sigterm_workers"], "SIGTERM", signal.SIGTERM, runs["reference"])
+    assert "DataLoader worker" not in runs["sigterm_workers"]["log"]
 
 
 def test_second_sigint_aborts_at_once_without_a_checkpoint(runs):

@@ -8,8 +8,11 @@ spec's, read through ``ctx.section``.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import inspect
+import multiprocessing
+import signal
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -226,6 +229,9 @@ def build_dataloader(ctx: BuildContext, dataset: Any, node: ConfigNode, train: b
     # torch's global RNG, which a resumed run restores before that draw (the uninterrupted run drew it at the
     # epoch's start): the draw shifted every random number after a resume (diffusion's noise and timesteps)
     settings["generator"] = _seeded(ctx.seed)
+    if settings.get("num_workers"):
+        settings["worker_init_fn"] = functools.partial(_start_worker, settings.get("worker_init_fn"))
+        _end_workers_at_exit()
     buckets = getattr(dataset, "batch_sampler", None)
     if settings.pop("group_by_length", False):  # validated: true or false
         if callable(buckets) or not hasattr(dataset, "__len__"):
@@ -244,6 +250,34 @@ def build_dataloader(ctx: BuildContext, dataset: Any, node: ConfigNode, train: b
     else:
         settings["shuffle"] = shuffle
     return _loader_class(ctx, node)(dataset=dataset, collate_fn=_collate(ctx, node, default_collate), **settings)
+
+
+def _start_worker(init: Callable[[int], Any] | None, worker_id: int) -> None:
+    """A loader worker leaves SIGTERM and SIGINT to the training process, then runs the config's ``worker_init_fn``.
+    A scheduler's preemption signals every process of the job and Ctrl-C the terminal's whole process group: a
+    worker killed by it mid-step makes torch raise in the training process at once, which then cannot finish its
+    step and write the checkpoint (``signals.StopRequest``). The workers still end when the loader shuts them down
+    or the training process exits."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if init is not None:
+        init(worker_id)
+
+
+@functools.cache
+def _end_workers_at_exit() -> None:
+    """At exit, before multiprocessing ends the daemonic children (loader workers) with SIGTERM and waits for them,
+    which workers that ignore SIGTERM would never answer: end them with SIGKILL first (exit handlers run last
+    registered first). A loader's iterator ends its workers itself when it is done; this is for a run that stops
+    while one is open (a signal, an error). Torch's SIGCHLD handler, which would report the killed workers as a
+    failure, is put back to the default first."""
+    def kill_daemonic_children() -> None:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for child in multiprocessing.active_children():
+            if child.daemon:
+                child.kill()
+
+    atexit.register(kill_daemonic_children)
 
 
 def _loader_class(ctx: BuildContext, node: ConfigNode) -> Any:
