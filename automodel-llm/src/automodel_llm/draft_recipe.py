@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 import torch
 
 from automodel.config import Config, KeyAlias, Target
-from automodel.errors import AutomodelError, ConfigError, ConfigIssue
+from automodel.errors import AutomodelError, ConfigIssue
 from automodel.meta_build import building_whole
 from automodel.training.context import BuildContext
 from automodel.training.dist import all_reduce_sum
@@ -175,21 +175,15 @@ class DraftRecipe(FinetuneRecipeForNextTokenPrediction):
         target over the ep groups of the data-parallel ranks (the draft has none); and with ``strategy: fsdp2`` its
         other weights sharded over the data-parallel ranks by FSDP2, as the draft's are (every rank runs each
         forward of the target together)."""
-        from automodel.training.model_init import expert_parallelize
-        from automodel.training.parallel.tensor_parallel import apply_tensor_parallel, tp_issues
+        from automodel.training.model_init import expert_parallelize, tensor_parallelize
         from automodel.training.stages.sharding import wrap_fsdp2
 
         with building_whole():
             target = super().build_model(ctx)
         target.to(ctx.device).eval().requires_grad_(False)
         self.target_class = type(target).__name__  # before FSDP2 names it FSDP<class>
-        tp_size = ctx.mesh.tp
-        if tp_size > 1:
-            found = tp_issues(target.config, tp_size) if hasattr(target, "config") else []
-            if found:
-                raise ConfigError(found)
-            applied = apply_tensor_parallel(target, ctx.device_mesh["tp"], vocab_parallel=False)
-            self.log("target: " + "\n".join(applied.describe()))
+        if ctx.mesh.tp > 1:
+            self.log(f"target: {tensor_parallelize(ctx, target, vocab_parallel=False)}")
         if (getattr(ctx.cfg.distributed, "ep_size", None) or 1) > 1:
             self.log(f"target: {expert_parallelize(ctx, target)}")
         if ctx.fsdp2 and ctx.device_mesh is not None:

@@ -64,17 +64,19 @@ def checkpoint_activations(ctx: BuildContext, model: torch.nn.Module) -> str:
     return f"activation checkpointing on {count} transformer blocks{routing}"
 
 
-def tensor_parallelize(ctx: BuildContext, model: torch.nn.Module) -> str:
+def tensor_parallelize(ctx: BuildContext, model: torch.nn.Module, vocab_parallel: bool = True) -> str:
     """``distributed.tp_size > 1``: shard the model's projections over the mesh's ``tp`` dimension (before
     activation checkpointing and FSDP2); its sizes are checked first, as validation does where it could not read
-    the model's config."""
+    the model's config. ``vocab_parallel``: False for a model whose whole logits are read (a draft recipe's
+    target)."""
     settings = ctx.cfg.distributed
     config = getattr(model, "config", None)
     if config is not None:
         found = tp_issues(config, settings.tp_size, settings.sequence_parallel)
         if found:
             raise ConfigError(found)
-    applied = apply_tensor_parallel(model, ctx.device_mesh["tp"], sequence_parallel=settings.sequence_parallel)
+    applied = apply_tensor_parallel(model, ctx.device_mesh["tp"], sequence_parallel=settings.sequence_parallel,
+                                    vocab_parallel=vocab_parallel)
     return "\n".join(applied.describe())
 
 
