@@ -10,8 +10,8 @@ PYPROJECTS := $(foreach d,$(DISTS),$(d)/pyproject.toml)
 # make test-min: a second virtualenv holding every declared dependency floor. pytest 8.0 is the newest that
 # accepts pluggy's floor (1.3); pytest-xdist at the test extra's floor runs the smoke tests on two workers.
 # --no-compile: byte-compiling all of torch at install time costs minutes; the tests compile only what they import,
-# and write it (PYTHONDONTWRITEBYTECODE emptied: where the environment sets it, every process would compile torch
-# again).
+# and write it (PYTHONDONTWRITEBYTECODE emptied below: where the environment sets it, every process would compile
+# torch again).
 VENV_MIN := .venv-min
 PY_MIN := $(VENV_MIN)/bin/python
 PYTEST_MIN := pytest==8.0.2 pytest-xdist==3.5.0
@@ -19,6 +19,10 @@ SMOKE_TESTS = $(shell grep -rl --include='test_*.py' 'pytest.mark.smoke' $(forea
 export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
+# Bytecode is written (an empty value counts as unset): where the environment sets PYTHONDONTWRITEBYTECODE, each of
+# the few hundred processes a test run starts would compile the project's own modules (and, in .venv-min, torch's)
+# again, about half a second each.
+export PYTHONDONTWRITEBYTECODE :=
 
 .PHONY: install run test test-slow test-real test-min lint bench dist clean
 
@@ -57,7 +61,7 @@ test-min:
 	$(PYTHON) scripts/min_constraints.py > $(VENV_MIN)/min-constraints.txt
 	$(PY_MIN) -m pip install -q --no-compile -c $(VENV_MIN)/min-constraints.txt $(foreach d,$(DISTS),-e $(d)) $(PYTEST_MIN)
 	$(PY_MIN) -m pip check
-	PYTHONDONTWRITEBYTECODE= $(PY_MIN) -m pytest --rootdir=. --import-mode=importlib -q -p no:cacheprovider -n 2 \
+	$(PY_MIN) -m pytest --rootdir=. --import-mode=importlib -q -p no:cacheprovider -n 2 \
 		--dist loadfile -m smoke $(SMOKE_TESTS)
 
 lint: install

@@ -205,7 +205,9 @@ def one_process(chat_target, tmp_path_factory) -> tuple[Path, Path]:
     return cfg, root / "one"
 
 
-@pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=pytest.mark.slow), "fsdp2"])
+# make test-slow: both strategies; the default run takes the same path (DraftRecipe on two ranks) with EAGLE-3's
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_two_ranks_train_and_validate_as_one_process_with_their_batches_together(one_process, tmp_path, strategy):
     cfg, reference = one_process
     # FSDP2 shards the frozen target's weights too (upstream's layout); DDP leaves it whole
@@ -261,7 +263,9 @@ def test_a_mixture_of_experts_targets_experts_split_over_two_ranks_train_the_dra
 
 
 @pytest.mark.parametrize(("route", "settings", "blocks"), [
-    ("eagle", {"eagle": {"draft_num_hidden_layers": 2, "feature_noise": 0.0}}, 2),
+    # make test-slow: the same wrapping of the draft's layers (DraftRecipe) as EAGLE-3's, which recomputes each of
+    # its unrolled steps on its own
+    pytest.param("eagle", {"eagle": {"draft_num_hidden_layers": 2, "feature_noise": 0.0}}, 2, marks=pytest.mark.slow),
     ("eagle3", {"eagle3": {"ttt_steps": 3, "draft_vocab_size": 64, "aux_layer_ids": [0, 2, 3]}}, 1)])
 def test_activation_checkpointing_of_the_draft_trains_as_without_it(chat_target, tmp_path, route, settings, blocks):
     """distributed.activation_checkpointing (EAGLE-3: also upstream's recipe_args.draft_gradient_checkpointing)

@@ -131,9 +131,10 @@ SHARDED = (["--teacher_distributed.dp_size", "2", "--teacher_distributed.strateg
            "2 copies, their weights sharded over the 2 ranks by FSDP2")
 
 
-@pytest.fixture(scope="module", params=[(1, None), (2, "fsdp2"), *(pytest.param(p, marks=pytest.mark.slow) for p in
-                                                                           [(2, None), (1, "tp"), (1, "cp"),
-                                                                            (1, "pp")])],
+# make test-slow: two students and a teacher split over its two ranks (sharded copies, tp, cp, pp); the default run
+# takes one student and one teacher rank through the same link
+@pytest.fixture(scope="module", params=[(1, None), *(pytest.param(p, marks=pytest.mark.slow) for p in
+                                                     [(2, "fsdp2"), (2, None), (1, "tp"), (1, "cp"), (1, "pp")])],
                 ids=["1_student", "2_students_2_sharded_copies", "2_students", "1_student_tp2", "1_student_cp2",
                      "1_student_pp2"])
 def layout(request, kd_config, colocated_runs, tmp_path_factory):
