@@ -23,6 +23,10 @@ export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
 # the few hundred processes a test run starts would compile the project's own modules (and, in .venv-min, torch's)
 # again, about half a second each.
 export PYTHONDONTWRITEBYTECODE :=
+# One torch thread per test process: the workers and the runs they start share the 2 cores, and a process with two
+# OpenMP threads that finds the other core busy spins for it (measured: a 40-step CLI run beside two busy processes
+# took 30 s of CPU with 2 threads, 14 s with 1, and longer to finish). A test that sets OMP_NUM_THREADS keeps its own.
+test test-slow test-real test-min: export OMP_NUM_THREADS := 1
 
 .PHONY: install run test test-slow test-real test-min lint bench dist clean
 

@@ -66,7 +66,7 @@ def chat_target(tmp_path_factory) -> Path:
                         "seq_length": 64},
             "dataloader": {"batch_size": 16}, "optimizer": {"_target_": "torch.optim.AdamW", "lr": 3e-3},
             "checkpoint": {"checkpoint_dir": str(root / "run")}})
-        result = run_cli("finetune", "llm", "-c", cfg, cwd=root, OMP_NUM_THREADS="2")
+        result = run_cli("finetune", "llm", "-c", cfg, cwd=root)
         assert result.returncode == 0, result.stderr[-3000:]
         return {"model": next((root / "run").glob("epoch_*_step_100")) / "model"}
 

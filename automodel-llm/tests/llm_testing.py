@@ -265,8 +265,8 @@ def write_draft_config(path: Path, target: Path, checkpoint_dir: Path, settings:
 
 
 def run_route(route: str, config: Path, cwd: Path, *args: Any) -> str:
-    """``automodel finetune <route> -c config ...`` in a subprocess (two threads); its stderr, after exit 0."""
-    result = run_cli("finetune", route, "-c", config, *args, cwd=cwd, OMP_NUM_THREADS="2")
+    """``automodel finetune <route> -c config ...`` in a subprocess; its stderr, after exit 0."""
+    result = run_cli("finetune", route, "-c", config, *args, cwd=cwd)
     assert result.returncode == 0, result.stderr[-4000:]
     return result.stderr
 
