@@ -110,6 +110,7 @@ def test_packed_rows_keep_attention_within_each_sample_through_the_stages(one_pr
     assert losses(out) != pytest.approx(losses(one_process[1])[:3], rel=1e-3)  # packing changed the rows
 
 
+@pytest.mark.slow  # make test-slow: the interleaved test below resumes a two-rank pipeline's checkpoint in one process
 def test_a_pp2_checkpoint_resumes_in_one_process(one_process, pp2_1f1b, tmp_path):
     config, reference = one_process
     checkpoint, one = pp2_1f1b[0] / "epoch_0_step_3", tmp_path / "one"
