@@ -26,14 +26,13 @@ MAX_STEPS = 10
 RUN = {"step_scheduler": {"max_steps": MAX_STEPS, "checkpoint_interval": 4}}
 
 
-def _signal_when_training(proc, cwd: Path, signum: int) -> None:
+def _signal_when_training(proc, cwd: Path, signum: int, group: bool = False) -> None:
+    """``signum`` after the first metrics line, to the run's process or (``group``) its whole process group."""
     h.wait_for(lambda: h.jsonl_lines(cwd / "ckpt" / "training.jsonl") >= 1, proc, what="the first metrics line")
-    proc.send_signal(signum)
-
-
-def _sigterm_to_the_group(proc, cwd: Path) -> None:
-    h.wait_for(lambda: h.jsonl_lines(cwd / "ckpt" / "training.jsonl") >= 1, proc, what="the first metrics line")
-    os.killpg(proc.pid, signal.SIGTERM)
+    if group:
+        os.killpg(proc.pid, signum)
+    else:
+        proc.send_signal(signum)
 
 
 def _double_sigint(proc, cwd: Path) -> None:
@@ -58,7 +57,8 @@ def runs(tmp_path_factory, inprocess):
         "sigterm": ({"AMT_FAULT_SLEEP": "0.5"}, lambda p, c: _signal_when_training(p, c, signal.SIGTERM)),
         "sigint": ({"AMT_FAULT_SLEEP": "0.5"}, lambda p, c: _signal_when_training(p, c, signal.SIGINT)),
         "double_sigint": ({"AMT_FAULT_PAUSE": "step:6"}, _double_sigint),
-        "sigterm_workers": ({"AMT_FAULT_SLEEP": "0.5"}, _sigterm_to_the_group),
+        "sigterm_workers": ({"AMT_FAULT_SLEEP": "0.5"},
+                            lambda p, c: _signal_when_training(p, c, signal.SIGTERM, group=True)),
     }
     procs = {}
     for name, (env, _) in plans.items():
