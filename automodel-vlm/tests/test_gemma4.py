@@ -19,6 +19,7 @@ from vlm_testing import IMAGE_PROCESSOR_DIR, LLAVA_CONFIG, TOKENIZER_DIR
 
 from automodel import testing
 from automodel.errors import AutomodelError
+from automodel.training.modules import unwrap
 from automodel_vlm.datasets import VLMCollator
 from automodel_vlm.datasets.collate import IGNORE_INDEX
 from automodel_vlm.datasets.gemma4 import Gemma4PrefixCollator, inject_thinking_prefix, marker_ends, thinking_prefix_ids
@@ -157,9 +158,13 @@ def test_upstream_collate_form_validates_and_trains_three_steps_through_the_cli(
     train, validation = recipe.dataloader.collate_fn.fn, recipe.val_dataloaders["validation"].collate_fn.fn
     assert isinstance(train, Gemma4PrefixCollator) and isinstance(validation, Gemma4PrefixCollator)
     assert (train.max_length, validation.max_length, train.injector is not None) == (64, None, True)
+    config = unwrap(recipe.model).config  # backend.attn: the language model's; attn_implementation: the tower's
+    assert (config.text_config._attn_implementation, config.vision_config._attn_implementation) == ("sdpa", "eager")
     result = testing.run_cli("finetune", "vlm", "-c", FORM, *overrides, "--checkpoint.checkpoint_dir",
                              tmp_path / "ckpt", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "note: model.backend.attn makes 'sdpa' the language model's attention, attn_implementation 'eager'" \
+        in result.stdout + result.stderr
     assert list(testing.losses_by_step(tmp_path / "ckpt" / "training.jsonl")) == [3]
     assert [r["step"] for r in testing.read_jsonl(tmp_path / "ckpt" / "validation.jsonl")] == [3]
 

@@ -43,3 +43,53 @@ def test_a_fresh_model_refuses_a_key_its_config_lacks_and_takes_the_others():
                                                  r"with from_pretrained"):
             AutoModelForImageTextToText.from_config(config, pretrained_model_name_or_path="org/checkpoint")
         assert AutoModelForImageTextToText.from_config(config, image_token_id=7).config.image_token_id == 7
+
+
+def sdpa_calls(model, monkeypatch) -> int:
+    """How many times a forward of ``model`` on one picture and its prompt calls torch's SDPA."""
+    from PIL import Image
+    from vlm_testing import tiny_processor
+
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *args, **kwargs: calls.append(1) or sdpa(*args, **kwargs))
+    processor = tiny_processor()
+    batch = processor(images=[Image.new("RGB", (32, 32), (200, 30, 30))], text=["<image> What colour?"],
+                      return_tensors="pt")
+    with torch.no_grad():
+        model(**batch)
+    monkeypatch.undo()
+    return len(calls)
+
+
+@pytest.mark.parametrize(("attn", "explicit"), [("sdpa", "eager"), ("eager", "sdpa")])
+def test_backend_attn_is_the_language_models_and_attn_implementation_the_vision_towers(attn, explicit, monkeypatch):
+    """Upstream's composite form (Gemma 4 26B-A4B: backend.attn for its own language model, attn_implementation for
+    the Hugging Face vision tower): each part runs its own; validation takes the pair for an image-text-to-text
+    model and still refuses it for a causal LM, which has one attention."""
+    from automodel.model_kwargs import composite_model_issues, mtp_model_issues
+
+    node = {"backend": {"attn": attn}, "attn_implementation": explicit}
+    assert composite_model_issues(node) == {}
+    assert "give one of them" in mtp_model_issues(node)["backend.attn"]
+    model = AutoModelForImageTextToText.from_config(str(LLAVA_CONFIG.parent), seed=0, **node)
+    assert model.config.text_config._attn_implementation == attn
+    assert model.config.vision_config._attn_implementation == explicit
+    layers = model.config.text_config.num_hidden_layers  # as many as the vision tower's (2 each)
+    assert sdpa_calls(model, monkeypatch) == layers
+    for same in ("sdpa", "eager"):  # one attention for both parts: SDPA in all four layers or in none
+        whole = AutoModelForImageTextToText.from_config(str(LLAVA_CONFIG.parent), seed=0, backend={"attn": same},
+                                                        attn_implementation=same)
+        assert sdpa_calls(whole, monkeypatch) == (2 * layers if same == "sdpa" else 0)
+
+
+def test_a_model_without_a_language_model_apart_refuses_two_attentions():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from automodel.model_backend import use_language_model_attention
+
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2, vocab_size=64))
+    with pytest.raises(AutomodelError, match="no language model apart from the rest .*: give one of them"):
+        use_language_model_attention(model, "sdpa")

@@ -212,11 +212,13 @@ def attention_support_issue(model_class: Any, implementation: str) -> str | None
             "refuses it when building the model; use eager")
 
 
-def model_backend_issues(kwargs: Mapping[str, Any]) -> dict[str, str]:
+def model_backend_issues(kwargs: Mapping[str, Any], composite: bool = False) -> dict[str, str]:
     """Validation's check of a model node's ``backend`` (a plain mapping is checked here; a ``_target_`` node by
     BackendConfig's own check) against the node's other keys: the attention it selects must agree with an explicit
     ``attn_implementation`` (one that cannot run here is refused for that by the model's own check, which says
-    what to use instead)."""
+    what to use instead), unless the factory builds ``composite`` models (a language model beside vision or audio
+    towers): there, as upstream, ``backend.attn`` is the language model's attention and ``attn_implementation``
+    the towers' (:func:`attention_split`)."""
     backend = kwargs.get("backend")
     if backend is None:
         return {}
@@ -224,7 +226,8 @@ def model_backend_issues(kwargs: Mapping[str, Any]) -> dict[str, str]:
     issues = {} if isinstance(backend, Mapping) and "_target_" in backend else \
         {f"backend.{k}": m for k, m in backend_issues(settings).items()}
     attn, explicit = ATTENTION.get(settings.get("attn")), kwargs.get("attn_implementation")
-    if attn is not None and explicit is not None and explicit != attn and attention_issue(explicit) is None:
+    if attn is not None and explicit is not None and explicit != attn and attention_issue(explicit) is None \
+            and not composite:
         issues["backend.attn"] = (f"{settings['attn']!r} selects attn_implementation {attn!r}, but the model also "
                                   f"says attn_implementation: {explicit!r}: give one of them")
     return issues
@@ -241,6 +244,42 @@ def apply_backend(kwargs: dict[str, Any]) -> BackendConfig | None:
     if backend.attn_implementation is not None:
         kwargs.setdefault("attn_implementation", backend.attn_implementation)
     return backend
+
+
+def attention_split(model: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(the language model's, the rest's) attention where a model node's ``backend.attn`` selects another
+    attention than its ``attn_implementation`` gives (None: they agree, or one is not given). Upstream runs its
+    own language models with ``backend`` and builds the Hugging Face vision and audio towers with
+    ``attn_implementation``; for a composite model that is what both mean here (:func:`use_language_model_attention`,
+    elsewhere validation refuses the pair)."""
+    selected = ATTENTION.get(_settings(model.get("backend")).get("attn"))
+    explicit = model.get("attn_implementation")
+    return (selected, explicit) if selected is not None and explicit is not None and explicit != selected else None
+
+
+def attention_split_note(model: Mapping[str, Any] | None) -> str | None:
+    """The run-start note of a composite model's two attentions (:func:`attention_split`)."""
+    split = attention_split(model) if model is not None else None
+    if split is None:
+        return None
+    return (f"note: model.backend.attn makes {split[0]!r} the language model's attention, attn_implementation "
+            f"{split[1]!r} the rest of the model's (its vision and audio towers), as upstream builds them")
+
+
+def use_language_model_attention(model: Any, implementation: str) -> None:
+    """Switch the language model (the ``text_config`` sub-model) of a built composite model to ``implementation``,
+    its other parts keeping theirs; a model without a ``text_config`` has one attention for all: refused."""
+    from automodel.errors import AutomodelError
+
+    config = model.config
+    if "text_config" not in getattr(config, "sub_configs", {}) or getattr(config, "text_config", None) is None:
+        raise AutomodelError(f"model.backend.attn selects attn_implementation {implementation!r} and the model also "
+                             f"says attn_implementation: {config._attn_implementation!r}, but {type(model).__name__} "
+                             "has no language model apart from the rest (no text_config) to give it: give one of them")
+    model.set_attn_implementation({"text_config": implementation})
+    if config.get_text_config()._attn_implementation != implementation:
+        raise AutomodelError(f"model.backend.attn: {type(model).__name__}'s language model cannot be switched to "
+                             f"attn_implementation {implementation!r}; give one attention for the whole model")
 
 
 def apply_to_model(model: Any, backend: BackendConfig | None) -> Any:

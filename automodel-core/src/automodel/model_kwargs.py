@@ -17,8 +17,10 @@ from automodel.model_backend import (
     apply_backend,
     apply_to_model,
     attention_issue,
+    attention_split,
     has_cuda,
     model_backend_issues,
+    use_language_model_attention,
 )
 
 LIGER_KERNEL_REFUSAL = ("true is not supported: Liger's Triton kernels need a CUDA GPU and the liger-kernel package, "
@@ -161,8 +163,15 @@ def model_issues(kwargs: Mapping[str, Any], mtp: bool = False) -> dict[str, str]
 
 
 def mtp_model_issues(kwargs: Mapping[str, Any]) -> dict[str, str]:
-    """:func:`model_issues` of the LLM and VLM factories, whose recipes train MTP heads."""
+    """:func:`model_issues` of the LLM factories, whose recipes train MTP heads."""
     return model_issues(kwargs, mtp=True)
+
+
+def composite_model_issues(kwargs: Mapping[str, Any]) -> dict[str, str]:
+    """:func:`model_issues` of the VLM factories: their recipes train MTP heads, and their models are composite (a
+    language model beside vision or audio towers), where ``backend.attn`` and ``attn_implementation`` may differ
+    (:func:`automodel.model_backend.attention_split`)."""
+    return {**upstream_model_issues(kwargs, mtp=True), **model_backend_issues(kwargs, composite=True)}
 
 
 def take_upstream_kwargs(kwargs: dict[str, Any], mtp: bool = False) -> list[str] | None:
@@ -187,10 +196,13 @@ def take_model_settings(kwargs: dict[str, Any], checkpoint: str | None = None, m
     from automodel.mtp.attach import attach_heads, read_settings
 
     heads = read_settings({**kwargs, **(built_from or {})}, kwargs)
+    split = attention_split(kwargs)
     backend = apply_backend(kwargs)
 
     def finish(model: Any) -> Any:
         model = apply_to_model(model, backend)
+        if split is not None:
+            use_language_model_attention(model, split[0])
         if heads is not None:
             attach_heads(model, heads, checkpoint)
         return run_under_sdpa_backends(model, sdpa_backends)

@@ -13,7 +13,7 @@ from typing import Any
 
 from automodel.errors import AutomodelError
 from automodel.model_files import MODEL_KWARGS, fresh_model, pop_hub_arguments, pretrained_or_fresh
-from automodel.model_kwargs import check_config_keys, fresh_model_issues, mtp_model_issues, take_model_settings
+from automodel.model_kwargs import check_config_keys, composite_model_issues, fresh_model_issues, take_model_settings
 
 _SUB_CONFIGS = ("vision_config", "text_config")
 
@@ -90,10 +90,11 @@ def load_config(config: Any, vision_config: Any = None, text_config: Any = None,
 
 class AutoModelForImageTextToText:
     """Builds a ``transformers`` image-text-to-text model from a checkpoint or from a config; ``backend`` (upstream's
-    BackendConfig) selects the attention, see :mod:`automodel.model_backend`; upstream's other keys
+    BackendConfig) selects the attention (the language model's where ``attn_implementation`` gives the towers
+    another), see :mod:`automodel.model_backend`; upstream's other keys
     (``use_liger_kernel``, ``force_hf``, ``use_sdpa_patching`` ...): see :mod:`automodel.model_kwargs`."""
 
-    automodel_config_issues = staticmethod(mtp_model_issues)
+    automodel_config_issues = staticmethod(composite_model_issues)
     auto_class = "AutoModelForImageTextToText"  # transformers' auto class that builds the model
     what = " as an image-text-to-text model"
 

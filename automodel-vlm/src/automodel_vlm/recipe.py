@@ -14,6 +14,7 @@ from automodel.config import ConfigNode, Target
 from automodel.errors import AutomodelError, ConfigIssue
 from automodel.hf import EvalGenerationConfig, check_vocab, model_source
 from automodel.meta_build import MetaBuild
+from automodel.model_backend import attention_split_note
 from automodel.training.checkpoint_write import sharded_only_message
 from automodel.training.context import BuildContext
 from automodel.training.modules import root_gathered, unwrap
@@ -223,6 +224,8 @@ class FinetuneRecipeForVLM(MTPLoss, NextTokenLogits, TrainRecipe):
         from automodel_vlm.family_processors import pillow_twin_note
 
         if (note := pillow_twin_note(self.processor)) is not None:
+            self.log(note)
+        if isinstance(self.cfg.model, ConfigNode) and (note := attention_split_note(self.cfg.model.to_dict())):
             self.log(note)
 
     def _processor(self) -> Any:
