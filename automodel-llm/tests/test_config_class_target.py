@@ -60,6 +60,18 @@ def test_upstreams_own_configuration_classes_stand_for_the_transformers_ones(tmp
     assert type(read) is DeepseekV32Config and read.num_hidden_layers == 2 and read.num_nextn_predict_layers == 0
 
 
+def test_validation_reads_the_model_from_upstreams_configuration_class_path(tmp_path):
+    """Validation's model checks read the config of upstream's own class path as of transformers' class: a
+    DeepSeek-V4 (no SDPA attention in transformers) asked for SDPA is refused there, not when it is built."""
+    node = {"_target_": "nemo_automodel.components.models.deepseek_v4.config.DeepseekV4Config",
+            "num_hidden_layers": 2, "hidden_size": 64, "vocab_size": 512}
+    path = write_config(tmp_path / "cfg.yaml", LLAMA_CONFIG, tmp_path / "ckpt",
+                        model={"config": node, "backend": {"attn": "sdpa"}})
+    code, out = validate_cli(path, tmp_path)
+    assert code == 2 and "model.backend.attn: 'sdpa': DeepseekV4ForCausalLM has no sdpa attention" in out, out
+    assert validate_cli(path, tmp_path, "--model.backend.attn", "eager")[0] == 0
+
+
 def test_upstreams_kimi_linear_config_class_reads_the_checkpoint_config_and_its_kda_keys_act_or_are_refused(tmp_path):
     """Upstream's KimiLinear48BConfig.from_pretrained (model.config of its Kimi-Linear-48B-A3B configs) reads the
     checkpoint's config.json (its linear_attn_config block included) as transformers' KimiLinearConfig, and a tiny

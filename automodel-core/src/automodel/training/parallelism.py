@@ -310,10 +310,11 @@ def model_hf_config(cfg: Config, section: str = "model") -> Any:
         data = model.to_dict()
         source = data.get("config")
         overrides = {k: v for k, v in data.items() if k not in _NOT_CONFIG_KEYS and not isinstance(v, (dict, list))}
-        if isinstance(source, dict) and HF_CONFIG_PATH.fullmatch(target := str(source.get("_target_"))) \
-                and not target.startswith("transformers.AutoConfig."):  # AutoConfig's node: its path, below
-            fields = {k: v for k, v in source.items() if k != "_target_"}  # a transformers configuration class
-            return TargetResolver(trust=UserTrust()).resolve(source["_target_"])(**{**fields, **overrides})
+        # a transformers configuration class, by its path or an alias of it (upstream's own config class paths)
+        target = model.resolver.expand(str(source.get("_target_"))) if isinstance(source, dict) else ""
+        if HF_CONFIG_PATH.fullmatch(target) and not target.startswith("transformers.AutoConfig."):
+            fields = {k: v for k, v in source.items() if k != "_target_"}  # AutoConfig's node: its path, below
+            return TargetResolver(trust=UserTrust()).resolve(target)(**{**fields, **overrides})
         if isinstance(source, dict) and "_target_" in source:  # upstream's AutoConfig.from_pretrained node
             node = {k: v for k, v in source.items() if k not in ("_target_", "trust_remote_code")}
             source, overrides = node.pop("pretrained_model_name_or_path", None), {**node, **overrides}
