@@ -72,6 +72,18 @@ def test_plugin_modules_import_no_torch():
         assert not {n for n in imported_modules(path) if n.split(".")[0] == "torch"}, path
 
 
+def test_validating_a_config_imports_neither_torch_pipelining_nor_the_compiler(tmp_path):
+    """`automodel validate` (and the launcher, which validates before starting the ranks) reads the pipeline plan
+    without torch's pipelining, which imports the compiler (dynamo): half a second of every such command."""
+    code = ("import json, sys\nfrom automodel.cli.main import main\ncode = main(['validate', '-c', 'llm/tiny_squad'])\n"
+            "print(json.dumps([code, sorted(m for m in ('torch.distributed.pipelining', 'torch._dynamo') "
+            "if m in sys.modules)]))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False,
+                            cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == [0, []]
+
+
 def test_no_core_module_is_over_400_lines():
     sizes = {str(p.relative_to(ROOT)): len(p.read_text(encoding="utf-8").splitlines()) for p in CORE.rglob("*.py")}
     assert len(sizes) > 40, "the core's modules were not found"

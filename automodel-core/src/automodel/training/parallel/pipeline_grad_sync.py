@@ -6,13 +6,21 @@ step that accumulates several batches calls ``schedule.step`` once per batch, so
 every batch. :class:`AccumulatingStage` lets the loop say per batch what the run's keys ask:
 ``distributed.defer_fsdp_grad_sync`` (default true): reduce after the step's last batch only, accumulating the
 unsharded gradients until then; ``model.backend.enable_fsdp_optimizations: true``: also keep the parameters gathered
-from one batch to the next (no re-gather), resharded after the last.
+from one batch to the next (no re-gather), resharded after the last. :class:`StaticStage` is that stage built with
+static shapes (:mod:`automodel.training.parallel.pipeline_static` plans them; this module holds the stage classes so
+that validation, which reads that plan, does not import torch's pipelining).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.pipelining import PipelineStage
+
+from automodel.errors import AutomodelError
+from automodel.training.parallel.precision import dtype_name
 
 
 class AccumulatingStage(PipelineStage):
@@ -39,3 +47,29 @@ class AccumulatingStage(PipelineStage):
             for group in each._fsdp_param_groups:
                 group.post_backward()
         state._root_post_backward_final_callback()
+
+
+class StaticStage(AccumulatingStage):
+    """An :class:`AccumulatingStage` built with example tensors (torch's STATIC mode); its first micro-batch's
+    output is compared with the example's shape and dtype (an ``AutomodelError`` naming the keys on a mismatch)."""
+
+    def __init__(self, *args: Any, input_args: Any, output_args: Any, **kwargs: Any):
+        super().__init__(*args, input_args=input_args, output_args=output_args, **kwargs)
+        first = output_args[0] if isinstance(output_args, tuple) else output_args  # the hidden states / logits
+        self.expected: tuple[tuple[int, ...], torch.dtype] | None = (tuple(first.shape), first.dtype)
+
+    def forward_one_chunk(self, fwd_chunk_id: int, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None,
+                          save_forward_output: bool = True) -> Any:
+        outputs = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+        output = outputs[0] if isinstance(outputs, tuple) else outputs
+        if self.expected is not None:
+            shape, dtype = self.expected
+            self.expected = None
+            if tuple(output.shape) != shape or output.dtype != dtype:
+                raise AutomodelError(
+                    f"distributed.pipeline: pipeline stage {self.stage_index} returns "
+                    f"{list(output.shape)} {dtype_name(output.dtype)}, but its static shape is {list(shape)} "
+                    f"{dtype_name(dtype)}; set distributed.pipeline.dtype to {dtype_name(output.dtype)} if that is the "
+                    "hidden states' dtype, or remove pp_seq_len and dtype (the shapes are then found on the first "
+                    "batch)")
+        return outputs

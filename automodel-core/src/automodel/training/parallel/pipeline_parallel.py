@@ -248,8 +248,7 @@ class Pipeline:
                  loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], shapes: StaticShapes | None = None):
         from torch.distributed.pipelining.schedules import get_schedule_class
 
-        from automodel.training.parallel.pipeline_grad_sync import AccumulatingStage
-        from automodel.training.parallel.pipeline_static import StaticStage
+        from automodel.training.parallel.pipeline_grad_sync import AccumulatingStage, StaticStage
 
         self.stages, self.batch, self.loss_sum = stages, batch, loss_sum
         self.group = pp_mesh.get_group()

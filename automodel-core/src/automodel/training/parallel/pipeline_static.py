@@ -22,8 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from automodel.errors import AutomodelError, ConfigIssue
-from automodel.training.parallel.pipeline_grad_sync import AccumulatingStage
+from automodel.errors import ConfigIssue
 from automodel.training.parallel.precision import Precision, dtype_name, parse_dtype_name
 
 if TYPE_CHECKING:
@@ -149,28 +148,3 @@ class StaticShapes:
                 f"[{size}, {self.hidden}] {dtype_name(self.activations)}, {last}; no shape-finding pass on the first "
                 "batch")
 
-
-class StaticStage(AccumulatingStage):
-    """An :class:`AccumulatingStage` built with example tensors (torch's STATIC mode); its first micro-batch's
-    output is compared with the example's shape and dtype (an ``AutomodelError`` naming the keys on a mismatch)."""
-
-    def __init__(self, *args: Any, input_args: Any, output_args: Any, **kwargs: Any):
-        super().__init__(*args, input_args=input_args, output_args=output_args, **kwargs)
-        first = output_args[0] if isinstance(output_args, tuple) else output_args  # the hidden states / logits
-        self.expected: tuple[tuple[int, ...], torch.dtype] | None = (tuple(first.shape), first.dtype)
-
-    def forward_one_chunk(self, fwd_chunk_id: int, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None,
-                          save_forward_output: bool = True) -> Any:
-        outputs = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
-        output = outputs[0] if isinstance(outputs, tuple) else outputs
-        if self.expected is not None:
-            shape, dtype = self.expected
-            self.expected = None
-            if tuple(output.shape) != shape or output.dtype != dtype:
-                raise AutomodelError(
-                    f"distributed.pipeline: pipeline stage {self.stage_index} returns "
-                    f"{list(output.shape)} {dtype_name(output.dtype)}, but its static shape is {list(shape)} "
-                    f"{dtype_name(dtype)}; set distributed.pipeline.dtype to {dtype_name(output.dtype)} if that is the "
-                    "hidden states' dtype, or remove pp_seq_len and dtype (the shapes are then found on the first "
-                    "batch)")
-        return outputs
