@@ -139,6 +139,9 @@ def test_the_draft_is_written_as_the_serving_engines_load_an_eagle_model(trained
     assert torch.allclose(ours, engine_forward(weights, config, ids, features), atol=1e-4)
 
 
+# make test-slow: the same resume and shard export (DraftRecipe) as test_eagle3's; the noise draws on from the
+# checkpoint's RNG state, which every exact resume of the default suite restores
+@pytest.mark.slow
 def test_a_resumed_run_trains_as_the_uninterrupted_one_and_its_shards_export_to_the_same_draft(chat_target, tmp_path):
     """Stopped after the checkpoint of step 2 and resumed, saved in shards only (checkpoint.save_consolidated:
     false): the feature noise draws on as in the whole run (a constant schedule, since the default one spans the run's
