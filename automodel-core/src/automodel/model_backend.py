@@ -225,11 +225,10 @@ def model_backend_issues(kwargs: Mapping[str, Any], composite: bool = False) -> 
     settings = _settings(backend)
     issues = {} if isinstance(backend, Mapping) and "_target_" in backend else \
         {f"backend.{k}": m for k, m in backend_issues(settings).items()}
-    attn, explicit = ATTENTION.get(settings.get("attn")), kwargs.get("attn_implementation")
-    if attn is not None and explicit is not None and explicit != attn and attention_issue(explicit) is None \
-            and not composite:
-        issues["backend.attn"] = (f"{settings['attn']!r} selects attn_implementation {attn!r}, but the model also "
-                                  f"says attn_implementation: {explicit!r}: give one of them")
+    split = attention_split(kwargs)
+    if split is not None and attention_issue(split[1]) is None and not composite:
+        issues["backend.attn"] = (f"{settings['attn']!r} selects attn_implementation {split[0]!r}, but the model also "
+                                  f"says attn_implementation: {split[1]!r}: give one of them")
     return issues
 
 
