@@ -534,8 +534,11 @@ def run_file(path: Path, domain: str, examples: Path, assets: dict[str, Any], da
         done = subprocess.run(args, cwd=examples.parent, env=env, capture_output=True, text=True, timeout=600)
     except subprocess.TimeoutExpired:
         return "timeout", ""
-    errors = [line for line in done.stderr.splitlines() if line.startswith(("error", "  - "))]
-    return done.returncode, "\n".join(errors[:6])
+    lines = done.stderr.splitlines()
+    errors = [line for line in lines if line.startswith(("error", "  - "))][:6]
+    if done.returncode != 0 and any(line.startswith("Traceback") for line in lines):  # a crash, not a refusal
+        errors += ["(the run's last lines:)", *lines[-8:]]
+    return done.returncode, "\n".join(errors)
 
 
 def main() -> int:

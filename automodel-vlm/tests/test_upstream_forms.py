@@ -176,6 +176,8 @@ def test_drop_overlong_leaves_long_samples_out(upstream_data):
                                           "phi4_mm_collate_fn"), "dataloader.collate_fn._target_", "audio"),
     (("--freeze_config.freeze_vision_towr", "true"), "freeze_config.freeze_vision_towr", "freeze_vision_tower"),
     (("--model.num_nextn_predict_layers", "1"), "model.num_nextn_predict_layers", "this model is llava"),
+    (("--model.text_config", "{cp_full_attn_backend: ffpa}"), "model.text_config.cp_full_attn_backend",
+     "FFPA's CUDA kernels"),
 ])
 def test_upstream_names_and_keys_that_cannot_act_are_refused_with_the_reason(override, key, needle):
     found = _refusals(MEDPIX, "--dataset.path_or_dataset", "x", *override)

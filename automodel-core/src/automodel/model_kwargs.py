@@ -110,6 +110,13 @@ def upstream_model_issues(kwargs: Mapping[str, Any], mtp: bool = False) -> dict[
     if (issue := attention_issue(kwargs.get("attn_implementation"))) is not None:
         issues["attn_implementation"] = issue
     issues.update(_config_attention_issues(kwargs.get("config")))
+    text_config = kwargs.get("text_config")
+    if isinstance(text_config, Mapping) and "cp_full_attn_backend" in text_config:
+        issues["text_config.cp_full_attn_backend"] = (
+            f"{text_config['cp_full_attn_backend']!r} picks the kernel of the full-attention chunks under context "
+            "parallelism in upstream's own Gemma 4 model (flex: FlexAttention; ffpa: FFPA's CUDA kernels, which "
+            "this machine lacks); transformers' model here runs context parallelism through its all-gather SDPA "
+            "attention (docs/distributed.md): remove it")
     if kwargs.get("use_liger_kernel") is True:
         issues["use_liger_kernel"] = LIGER_KERNEL_REFUSAL
     if kwargs.get("force_hf") is False:
