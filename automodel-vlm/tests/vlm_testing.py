@@ -217,8 +217,9 @@ def tiny_gemma3_dir(path: Path) -> Path:
     return path
 
 
-def tiny_gemma4_dir(path: Path) -> Path:
-    """A tiny Gemma 4 (the context-parallel tests' config, fresh weights) saved with transformers' Gemma4Processor
+def tiny_gemma4_dir(path: Path, **text_config: Any) -> Path:
+    """A tiny Gemma 4 (the context-parallel tests' config, ``text_config`` set on its text config; fresh weights)
+    saved with transformers' Gemma4Processor
     as this machine loads it without torchvision (images-only, ``automodel_vlm.omni``): the shipped tokenizer with
     Gemma 4's image and audio tokens, its chat template writing an image as the image token, a Pillow Gemma 4 image
     processor of 4-pixel patches pooled 2 x 2 (the config's vision tower) and Gemma 4's audio feature extractor."""
@@ -239,7 +240,7 @@ def tiny_gemma4_dir(path: Path) -> Path:
     config = tiny_model("gemma4")[0].config
     config.text_config.update({"vocab_size": len(tokenizer), "vocab_size_per_layer_input": len(tokenizer),
                                "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
-                               "pad_token_id": tokenizer.pad_token_id})
+                               "pad_token_id": tokenizer.pad_token_id, **text_config})
     ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in tokens.items()}
     config.image_token_id, config.boi_token_id, config.eoi_token_id = (ids["image_token"], ids["boi_token"],
                                                                        ids["eoi_token"])

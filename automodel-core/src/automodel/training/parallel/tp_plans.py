@@ -177,7 +177,26 @@ def config_plan(config: Any, registry: TPPlanRegistry = TP_PLANS) -> dict[str, s
     if not own and hasattr(config, "get_text_config"):
         own = getattr(config.get_text_config(), "base_model_tp_plan", None)
     plan = registry.get(config.model_type) or (dict(own or {}) or None)
-    return without_absent_experts(plan, config) if plan else plan
+    return _fitted(plan, config) if plan else plan
+
+
+def _fitted(plan: Mapping[str, str], config: Any) -> dict[str, str]:
+    return without_read_embeddings(without_absent_experts(plan, config), config)
+
+
+def without_read_embeddings(plan: Mapping[str, str], config: Any) -> dict[str, str]:
+    """``plan`` less its vocabulary-parallel ``embed_tokens`` where the model's own code reads rows of that weight
+    directly: Gemma 4's per-layer inputs (``hidden_size_per_layer_input``) take the pad token's row and compare
+    embeddings with the whole weight, which a shard of the vocabulary cannot give. That embedding stays whole on
+    every tensor-parallel rank (FSDP2 still shards it over the data-parallel ones), and so does an output head tied
+    to it (its logits are then whole too)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if not getattr(text, "hidden_size_per_layer_input", 0):
+        return dict(plan)
+    tied = getattr(text, "tie_word_embeddings", False) or getattr(config, "tie_word_embeddings", False)
+    return {pattern: style for pattern, style in plan.items()
+            if not (pattern.split(".")[-1] == "embed_tokens" and style.startswith("embedding"))
+            and not (tied and style in HEAD_STYLES)}
 
 
 def without_absent_experts(plan: Mapping[str, str], config: Any) -> dict[str, str]:
@@ -195,7 +214,7 @@ def without_absent_experts(plan: Mapping[str, str], config: Any) -> dict[str, st
 def model_plan(model: nn.Module, registry: TPPlanRegistry = TP_PLANS) -> dict[str, str]:
     """The plan of a built causal LM: the registry's entry for its ``model_type``, else the model's own."""
     plan = registry.get(model.config.model_type) or dict(getattr(model, "tp_plan", None) or {})
-    plan = without_absent_experts(plan, model.config)
+    plan = _fitted(plan, model.config)
     if not plan:
         raise AutomodelError(f"'{type(model).__name__}' ({model.config.model_type}) has no tensor-parallel plan (no "
                              "base_model_tp_plan in its config, none registered); set distributed.tp_size: 1 or "
