@@ -222,6 +222,9 @@ def test_layouts_the_pipeline_cannot_take_are_refused_byvalidate_cli(pp_llama_co
     assert code == 2 and "pp_microbatch_size: 3 does not divide the 4 rows" in out
 
 
+# make test-slow: the static stages train like one process in the core's pipeline scenarios
+# (test_static_stage_shapes_skip_the_shape_finding_pass_and_train_like_one_process); the keys' checks stay below
+@pytest.mark.slow
 def test_pp_seq_len_builds_static_stage_shapes_and_trains_like_one_process(one_process, tmp_path):
     """``distributed.pipeline.pp_seq_len`` (with ``dtype``): every batch padded to 128 tokens, the stages built with
     static shapes (no shape-finding pass), the losses and gradient norms of one process (three steps); a batch
