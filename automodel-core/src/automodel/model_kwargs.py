@@ -163,10 +163,10 @@ def _mtp_issues(kwargs: Mapping[str, Any], trained: bool) -> dict[str, str]:
     return issues
 
 
-def model_issues(kwargs: Mapping[str, Any], mtp: bool = False) -> dict[str, str]:
+def model_issues(kwargs: Mapping[str, Any], mtp: bool = False, composite: bool = False) -> dict[str, str]:
     """A model factory's validation check: upstream's keys and its ``backend`` (``mtp``: see
-    :func:`upstream_model_issues`)."""
-    return {**upstream_model_issues(kwargs, mtp), **model_backend_issues(kwargs)}
+    :func:`upstream_model_issues`; ``composite``: :func:`automodel.model_backend.model_backend_issues`)."""
+    return {**upstream_model_issues(kwargs, mtp), **model_backend_issues(kwargs, composite)}
 
 
 def mtp_model_issues(kwargs: Mapping[str, Any]) -> dict[str, str]:
@@ -178,7 +178,7 @@ def composite_model_issues(kwargs: Mapping[str, Any]) -> dict[str, str]:
     """:func:`model_issues` of the VLM factories: their recipes train MTP heads, and their models are composite (a
     language model beside vision or audio towers), where ``backend.attn`` and ``attn_implementation`` may differ
     (:func:`automodel.model_backend.attention_split`)."""
-    return {**upstream_model_issues(kwargs, mtp=True), **model_backend_issues(kwargs, composite=True)}
+    return model_issues(kwargs, mtp=True, composite=True)
 
 
 def take_upstream_kwargs(kwargs: dict[str, Any], mtp: bool = False) -> list[str] | None:
