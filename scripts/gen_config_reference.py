@@ -210,10 +210,13 @@ def describe_arguments(name: str, spec: Any) -> list[str]:
     defaults = "".join(f" `{k}` also sets {', '.join(f'`{dotted}`' for dotted, _ in implied)} unless the config "
                        "gives them." for k, implied in spec.implies.items())
     taken = f"only with `_target_: {spec.target}`" if spec.target else "as keys, without `_target_`"
+    switch = f" `{spec.switch}: false` (true or false) makes the section set nothing." if spec.switch else ""
+    refused = (f"Refused with the reason: {', '.join(spec.refused)}; any other key too." if spec.refused
+               else "Any other key is refused.")
     return [f"### `{name}`", "", f"Upstream's section of arguments: {spec.help.rstrip('.')}. Accepted {taken}; each "
-            f"argument sets the key it stands for (a second key only where its section is given): {keys}.{defaults} "
-            "A null sets nothing; a value that differs from the one the config gives there is an error. Refused with "
-            f"the reason: {', '.join(spec.refused)}; any other key too.", ""]
+            f"argument sets the key it stands for (a second key only where its section is given): {keys}.{defaults}"
+            f"{switch} A null sets nothing; a value that differs from the one the config gives there is an error. "
+            f"{refused}", ""]
 
 
 def describe_recipe(name: str, spec: Any) -> list[str]:

@@ -774,3 +774,35 @@ def test_torch_dataloader_is_built_resumable_so_its_checkpoints_resume_like_the_
     last = {run: read_jsonl(tmp_path / run / "training.jsonl")[-1] for run in ("whole", "split")}
     assert last["whole"]["step"] == last["split"]["step"] == 4
     assert last["split"]["loss"] == pytest.approx(last["whole"]["loss"], rel=1e-6)  # the shuffled order resumed
+
+
+def with_autocast(tmp_path: Path, autocast: dict, distributed: dict | None = None) -> Path:
+    data = yaml.safe_load((FORMS / "recipe_bare_name.yaml").read_text())
+    data["autocast"] = autocast
+    if distributed is not None:
+        data["distributed"] = distributed
+    return write_yaml(tmp_path / "autocast.yaml", data)
+
+
+def test_top_level_autocast_section_is_the_forwards_autocast(tmp_path, capsys):
+    """Upstream's convergence examples write ``autocast: {enabled, dtype}`` (its LLM recipes leave it unread): here it
+    is distributed.autocast_dtype, and ``enabled: false`` sets nothing."""
+    from automodel.cli.main import main
+
+    for enabled, autocast in ((True, "bfloat16"), (False, None)):
+        config = with_autocast(tmp_path, {"enabled": enabled, "dtype": "bfloat16"})
+        assert load_config(config)[1].distributed.autocast_dtype == autocast
+        assert main(["finetune", "llm", "-c", str(config), "--dry-run"]) == 0
+        assert ("mixed precision (torch.autocast): params bf16" in "".join(capsys.readouterr())) is enabled
+    recipe = train_inprocess(with_autocast(tmp_path, {"enabled": True, "dtype": "bfloat16"}), setup_only=True)
+    assert recipe.ctx.precision.autocast_dtype == torch.bfloat16
+
+
+def test_top_level_autocast_section_refuses_what_it_cannot_mean(tmp_path):
+    found = refusals(with_autocast(tmp_path, {"enabled": "yes", "dtype": "float32", "cache_enabled": True}))
+    assert "must be true or false, found 'yes'" in found["autocast.enabled"]
+    assert "not one of the recipe's arguments taken here (they are: dtype, enabled)" in found["autocast.cache_enabled"]
+    found = refusals(with_autocast(tmp_path, {"enabled": True, "dtype": "float32"}))
+    assert "is not an autocast dtype" in found["distributed.autocast_dtype"]
+    found = refusals(with_autocast(tmp_path, {"enabled": True, "dtype": "float16"}, {"autocast_dtype": "bfloat16"}))
+    assert "disagrees with distributed.autocast_dtype" in found["autocast.dtype"]

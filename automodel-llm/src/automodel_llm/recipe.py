@@ -223,9 +223,10 @@ class FinetuneRecipeForNextTokenPrediction(MTPLoss, NextTokenLogits, TrainRecipe
         "eval_generation": EvalGenerationConfig,
         "neftune": NEFTuneConfig,
         "moe_metrics": MoEMetricsConfig,
-        "autocast": Refused("upstream's LLM recipes do not read a top-level autocast section (its diffusion recipe "
-                            "does); the forward's autocast here is distributed.autocast_dtype (bf16 / fp16), or "
-                            "distributed.mp_policy under FSDP2: set it there and remove this section"),
+        "autocast": ArgumentsFor(None, keys={"dtype": "distributed.autocast_dtype"}, switch="enabled",
+                                 help="the forward's torch.autocast, {enabled: true, dtype: bfloat16}: the same as "
+                                      "distributed.autocast_dtype (enabled: false sets nothing); upstream's LLM "
+                                      "recipes leave this section of its convergence examples unread"),
         "embedding_row_repair": EmbeddingRowRepairConfig,
         "nvtx": Free("upstream's NVTX ranges around every module for NVIDIA Nsight Systems: false (off) only"),
         "parallelizer": PARALLELIZER,

@@ -86,13 +86,15 @@ class ArgumentsFor:
     gives there, a key of ``refused`` with its reason, any other key, and any other ``_target_``. ``implies``: more
     dotted keys a key sets where the config does not give them, each to a value or to ``function(value)`` (the
     first always, the others where their section is given). A null value of a key that stands for others is
-    upstream's "not set": it sets nothing; a refused or unknown key is refused whatever its value."""
+    upstream's "not set": it sets nothing; a refused or unknown key is refused whatever its value. ``switch``:
+    upstream's on / off key of the section (``enabled``), true or false: false makes the section set nothing."""
 
     target: str | None
     keys: Mapping[str, str | tuple[str, ...]] = field(default_factory=dict, hash=False)
     refused: Mapping[str, str] = field(default_factory=dict, hash=False)
     help: str = ""
     implies: Mapping[str, tuple[tuple[str, Any], ...]] = field(default_factory=dict, hash=False)
+    switch: str | None = None
 
     def homes(self, key: str) -> tuple[str, ...]:
         """The dotted keys ``key`` stands for."""
@@ -174,17 +176,20 @@ def apply_arguments_for(data: dict, sections: dict[str, SectionSpec], issues: li
             issues.append(_arguments_target_issue(name, spec, node))
             continue
         later, implied = [], []
+        on = node.get(spec.switch, True) if spec.switch else True
+        if not isinstance(on, bool):
+            issues.append(ConfigIssue(f"{name}.{spec.switch}", f"must be true or false, found {on!r}"))
         for key, value in node.items():
-            if key == "_target_":
+            if key == "_target_" or key == spec.switch:
                 continue
             if key in spec.refused:
                 issues.append(ConfigIssue(f"{name}.{key}", spec.refused[key]))
             elif key not in spec.keys and key not in spec.implies:
-                taken = [*spec.keys, *(k for k in spec.implies if k not in spec.keys)]
+                taken = [*spec.keys, *(k for k in spec.implies if k not in spec.keys), *filter(None, [spec.switch])]
                 issues.append(ConfigIssue(f"{name}.{key}", f"not {_arguments_of(spec)} taken here (they are: "
                                           f"{', '.join(taken)})"))
                 continue
-            if value is None:  # upstream's "not set"
+            if value is None or on is not True:  # upstream's "not set", or the section switched off
                 continue
             if key in spec.keys:
                 first, *others = spec.homes(key)
