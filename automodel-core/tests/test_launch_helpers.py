@@ -1,5 +1,5 @@
 """The distributed tests' launch helpers: rendezvous ports never handed out twice, and a failed rank ends its
-launch at once instead of leaving its peers waiting for the timeout."""
+launch at once instead of leaving its peers waiting for the timeout; the CLI's line for a rank killed by a signal."""
 
 import socket
 import subprocess
@@ -53,3 +53,15 @@ def test_a_failed_rank_ends_the_launch_at_once():
 def test_a_launch_past_its_deadline_is_killed():
     sleeping = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     assert _wait_group([sleeping], time.monotonic() + 1) == ["timeout"]
+
+
+def test_a_rank_killed_by_a_signal_is_named_with_it_and_sigkill_with_its_commonest_cause():
+    """torchrun reports a rank ended by a signal as the negative signal number (Popen's returncode)."""
+    from automodel.cli.torchrun import how_it_stopped
+
+    assert how_it_stopped(2) == "stopped with exit status 2 (its message is above)"
+    assert how_it_stopped(-15) == "was killed by signal 15 (SIGTERM)"
+    killed = how_it_stopped(-9)
+    assert killed.startswith("was killed by signal 9 (SIGKILL): it could print nothing")
+    assert "out-of-memory killer" in killed and "shard the model over more processes" in killed
+    assert how_it_stopped(-200) == "was killed by signal 200 (an unknown signal)"

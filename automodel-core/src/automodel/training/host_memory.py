@@ -37,12 +37,17 @@ class MallocPolicy:
     trim_threshold: int
 
     def describe(self) -> str:
-        return (f"glibc malloc maps blocks of {_size(self.mmap_threshold)} or more on their own and trims the heap "
-                f"above {_size(self.trim_threshold)} ({self.name})")
+        return (f"glibc malloc maps blocks of {byte_size(self.mmap_threshold)} or more on their own and trims the heap "
+                f"above {byte_size(self.trim_threshold)} ({self.name})")
 
 
-def _size(num_bytes: int) -> str:
-    return f"{num_bytes >> 20} MiB" if num_bytes >= 1 << 20 else f"{num_bytes >> 10} KiB"
+def byte_size(num_bytes: int) -> str:
+    """``num_bytes`` in GiB, MiB or KiB, whichever is the largest under it (one decimal where not whole)."""
+    for unit, shift in (("GiB", 30), ("MiB", 20)):
+        if num_bytes >= 1 << shift:
+            value = num_bytes / (1 << shift)
+            return f"{value:.0f} {unit}" if value.is_integer() else f"{value:.1f} {unit}"
+    return f"{num_bytes >> 10} KiB"
 
 
 # 32 MiB: the cap of glibc's own dynamic mmap threshold on 64-bit.

@@ -22,6 +22,7 @@ from automodel.mtp.pipeline import carry_heads
 from automodel.training.checkpoint import RESUME_ELSEWHERE, CheckpointError, mismatch_message
 from automodel.training.context import BuildContext
 from automodel.training.distributed_section import moe_saves_routing
+from automodel.training.memory_fit import check_fits
 from automodel.training.parallel.activation_checkpointing import apply_activation_checkpointing
 from automodel.training.parallel.expert_parallel import (
     apply_expert_parallel,
@@ -176,6 +177,7 @@ def materialize_model(ctx: BuildContext, model: torch.nn.Module) -> str:
     if meta is not None and meta.weights is not None:
         sources.append((meta.weights, meta.checkpoint_key or hf_checkpoint_key))
     seed = meta.seed if meta is not None and meta.seed is not None else ctx.seed
+    check_fits(model, ctx.device)
     try:
         report = materialize(model, ctx.device, seed, sources)
     except AutomodelError as err:
