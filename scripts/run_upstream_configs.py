@@ -15,7 +15,8 @@ heads its ``distributed`` layout needs (``layout_sizes``), a VLM of a family in
 Gemma 4, a sequence-to-sequence model a tiny T5, a diffusion model the diffusion tests' tiny pipeline of its family),
 every data set path with a small local file in the columns its ``_target_`` reads (SQuAD, HellaSwag, chat, tool
 calls, xLAM, column-mapped, MedPix, CORD-v2, Shopify; the shipped retrieval rows for a ``data_dir_list``; tiny
-clips or the shipped shapes pictures for a diffusion loader; Megatron indexed files; a nanogpt shard),
+clips or the shipped shapes pictures for a diffusion loader, at 64 x 64 where it names a ``base_resolution``;
+Megatron indexed files; a nanogpt shard),
 ``step_scheduler.max_steps`` and a scratch ``checkpoint.checkpoint_dir``. A generation config makes ``--steps``
 denoising steps of 64 x 64 pictures (5 frames for a video) into a scratch ``output.output_dir``. A config laid out
 for 2 to 4 processes (``--max-processes N``: to N) runs on that many (``--nproc-per-node``, gloo); nothing else
@@ -469,6 +470,8 @@ def data_overrides(data: dict[str, Any], root: Path, scratch: Path) -> dict[str,
     if isinstance(loader, dict) and "cache_dir" in loader and family and family != "Qwen-Image-Edit":
         found["data.dataloader.cache_dir"] = str(root.parent / "models" / "clips") if family in VIDEO_FAMILIES \
             else str(Path(survey.local_assets()["diffusion"]["dataset"]))
+    if isinstance(loader, dict) and loader.get("base_resolution") is not None:
+        found["data.dataloader.base_resolution"] = "[64, 64]"  # the tiny VAE halves a side: 512 x 512 is 16k tokens
     found |= vlm_stand_ins.mix_overrides(data, root)
     if isinstance(args := data.get("recipe_args"), dict):  # EAGLE: chat rows, files into scratch
         chat = Path(survey.local_assets()["llm"]["dataset"]).with_name("tiny_chat")
