@@ -10,7 +10,7 @@ import torch
 from automodel.errors import AutomodelError
 from automodel.training import memory_fit
 from automodel.training.host_memory import byte_size
-from automodel.training.memory_fit import check_fits, model_bytes
+from automodel.training.memory_fit import check_fits, model_bytes, optimizer_buffers
 from automodel.training.parallel.materialize import parameters_on_meta
 
 
@@ -49,7 +49,8 @@ def test_a_model_whose_weights_and_gradients_exceed_free_memory_is_refused_with_
         check_fits(model, torch.device("cpu"))
     message = str(info.value)
     assert message.startswith("model: does not fit in the memory of cpu")
-    assert "weights (4 MiB) and their gradients (4 MiB) need 8 MiB, and 6 MiB is free there" in message
+    assert "weights (4 MiB), their gradients (4 MiB) need 8 MiB, and 6 MiB is free there (the optimizer's state " \
+        "and the activations would come on top)" in message
     assert "nothing was allocated" in message and "peft:" in message
     assert model.weight.is_meta  # nothing materialised
 
@@ -81,3 +82,19 @@ def test_without_a_memory_figure_nothing_is_refused(monkeypatch, tmp_path):
 def test_sizes_read_in_the_largest_unit_under_them():
     assert [byte_size(n) for n in (256 << 10, 32 << 20, 1 << 30, int(221.34 * (1 << 30)))] == \
         ["256 KiB", "32 MiB", "1 GiB", "221.3 GiB"]
+
+
+def test_torchs_adam_and_sgd_state_is_counted_with_the_gradients(monkeypatch, tmp_path):
+    assert optimizer_buffers("torch.optim.AdamW", {}) == optimizer_buffers("torch.optim.Adam", {}) == 2
+    assert optimizer_buffers("torch.optim.AdamW", {"amsgrad": True}) == 3
+    assert optimizer_buffers("torch.optim.SGD", {"momentum": 0.9}) == 1
+    assert optimizer_buffers("torch.optim.SGD", {}) == optimizer_buffers("automodel.optim.Muon", {}) == 0
+    with parameters_on_meta():
+        model = torch.nn.Linear(1024, 1024, bias=False)  # 4 MiB of weights, 4 MiB of gradients
+    fake_memory(monkeypatch, tmp_path, available_gib=12 / 1024)
+    check_fits(model, torch.device("cpu"), "torch.optim.SGD", {"lr": 0.1})  # 8 MiB
+    check_fits(model, torch.device("cpu"), "torch.optim.SGD", {"momentum": 0.9})  # 12 MiB
+    with pytest.raises(AutomodelError) as info:
+        check_fits(model, torch.device("cpu"), "torch.optim.AdamW", {"lr": 1e-3})  # 16 MiB
+    assert "weights (4 MiB), their gradients (4 MiB), AdamW's state (8 MiB) need 16 MiB, and 12 MiB is free there " \
+        "(the activations would come on top)" in str(info.value)

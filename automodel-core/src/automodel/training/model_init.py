@@ -167,6 +167,15 @@ def _checkpoint_error(ctx: BuildContext, err: AutomodelError) -> None:
     raise err
 
 
+def _optimizer_section(ctx: BuildContext) -> tuple[str | None, dict]:
+    """The optimizer's target and settings the run will build: its section, else the recipe's default."""
+    node = ctx.cfg.get("optimizer")
+    if node is not None:
+        return node.target, node.to_dict()
+    default = dict(getattr(ctx.sections.get("optimizer"), "default", None) or {})
+    return default.get("_target_"), default
+
+
 def materialize_model(ctx: BuildContext, model: torch.nn.Module) -> str:
     """Give a meta-device ``model`` its values on ``ctx.device`` (see the module docstring); returns the log line."""
     meta = ctx.meta_build
@@ -177,7 +186,7 @@ def materialize_model(ctx: BuildContext, model: torch.nn.Module) -> str:
     if meta is not None and meta.weights is not None:
         sources.append((meta.weights, meta.checkpoint_key or hf_checkpoint_key))
     seed = meta.seed if meta is not None and meta.seed is not None else ctx.seed
-    check_fits(model, ctx.device)
+    check_fits(model, ctx.device, *_optimizer_section(ctx))
     try:
         report = materialize(model, ctx.device, seed, sources)
     except AutomodelError as err:
