@@ -108,3 +108,42 @@ def test_upstreams_kimi_linear_config_class_reads_the_checkpoint_config_and_its_
                      OMP_NUM_THREADS="1")
     assert result.returncode == 0, result.stderr[-4000:]
     assert [row["step"] for row in read_jsonl(tmp_path / "ckpt" / "training.jsonl")] == [1, 2]
+
+
+def test_a_key_of_a_model_config_mapping_that_nothing_reads_is_refused(tmp_path):
+    """transformers keeps any keyword as a config attribute: a misspelt key of the ``model.config`` mapping (by
+    ``model_type``, a configuration class, a sub-config) is refused at validation with the key it resembles; the
+    keys transformers' code reads (declared or not: ``rope_theta``, T5's ``decoder_start_token_id``) pass."""
+    qwen3_moe = {"_target_": "transformers.models.qwen3_moe.configuration_qwen3_moe.Qwen3MoeConfig",
+                 "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 32, "num_hidden_layers": 2,
+                 "rope_theta": 10000.0, "rms_norm_eps": 1.0e-6, "num_expert": 4}
+    llama = {"model_type": "llama", "hidden_size": 32, "num_hiden_layers": 2, "rope_theta": 10000.0}
+    llava = {"model_type": "llava", "image_token_index": 5, "text_config": {"model_type": "llama", "hiden_size": 32}}
+    expected = {"model.config.num_expert": "(did you mean 'num_experts'?)",
+                "model.config.num_hiden_layers": "(did you mean 'num_hidden_layers'?)",
+                "model.config.text_config.hiden_size": "(did you mean 'hidden_size'?)"}
+    for (key, words), config in zip(expected.items(), (qwen3_moe, llama, llava), strict=True):
+        path = write_config(tmp_path / "cfg.yaml", LLAMA_CONFIG, tmp_path / "ckpt", model={"config": config})
+        code, out = validate_cli(path, tmp_path)
+        assert code == 2 and f"{key}: " in out and "no transformers code for" in out and words in out, out
+        assert "rope_theta" not in out and "architectures" not in out and "rms_norm_eps" not in out
+    t5 = {"model_type": "t5", "d_model": 32, "num_layers": 1, "decoder_start_token_id": 0}
+    from automodel.config_reads import config_mapping_issues
+
+    assert config_mapping_issues(t5) == {}
+    assert config_mapping_issues({**t5, "num_layer": 1}).keys() == {"config.num_layer"}
+
+
+def test_upstreams_topk_method_passes_where_it_names_what_transformers_router_does():
+    """GLM-4.7-Flash's router in transformers always corrects its scores by bias and picks by groups (noaux_tc)
+    without reading topk_method: upstream's noaux_tc passes, another method is refused; a router without that
+    correction (Qwen3-MoE) reads no such key at all."""
+    from automodel.config_reads import config_mapping_issues
+
+    glm = {"_target_": "transformers.models.glm4_moe_lite.configuration_glm4_moe_lite.Glm4MoeLiteConfig",
+           "n_routed_experts": 8, "n_group": 1, "topk_group": 1}
+    assert config_mapping_issues({**glm, "topk_method": "noaux_tc"}) == {}
+    assert "its router always picks its experts with the score-correction bias" in \
+        config_mapping_issues({**glm, "topk_method": "greedy"})["config.topk_method"]
+    qwen = {"model_type": "qwen3_moe", "topk_method": "noaux_tc"}
+    assert "no transformers code for qwen3_moe reads it" in config_mapping_issues(qwen)["config.topk_method"]

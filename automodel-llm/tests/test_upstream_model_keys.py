@@ -50,14 +50,17 @@ def test_upstream_model_keys_that_cannot_act_are_refused_with_the_reason(make_co
     assert words in found[key], found
 
 
-@pytest.mark.parametrize("key", ["_attn_implementation", "attn_implementation_new"])
-def test_an_attention_the_config_node_asks_for_is_refused_where_it_cannot_run(make_config, saved_llama, key):
+def test_an_attention_the_config_node_asks_for_is_refused_where_it_cannot_run(make_config, saved_llama):
     """Upstream's Nemotron-Flash form: the AutoConfig.from_pretrained node overrides the checkpoint's attention; a
-    kernel this machine lacks is refused at validation (the build failed on it), sdpa validates."""
+    kernel this machine lacks is refused at validation (the build failed on it), sdpa validates. Its other key,
+    ``attn_implementation_new``, is read by Nemotron-Flash's own code only: on a transformers Llama nothing reads it,
+    so it is refused whatever its value."""
     node = {"_target_": "transformers.AutoConfig.from_pretrained", "pretrained_model_name_or_path": str(saved_llama)}
-    found = refusals(make_config(model={"config": {**node, key: "flash_attention_2"}}))
-    assert "'flash_attention_2' needs a CUDA GPU" in found[f"model.config.{key}"], found
-    load_config(make_config(model={"config": {**node, key: "sdpa"}}))
+    found = refusals(make_config(model={"config": {**node, "_attn_implementation": "flash_attention_2"}}))
+    assert "'flash_attention_2' needs a CUDA GPU" in found["model.config._attn_implementation"], found
+    load_config(make_config(model={"config": {**node, "_attn_implementation": "sdpa"}}))
+    found = refusals(make_config(model={"config": {**node, "attn_implementation_new": "sdpa"}}))
+    assert "no transformers code for llama reads it" in found["model.config.attn_implementation_new"], found
 
 
 @CUDA_ONLY

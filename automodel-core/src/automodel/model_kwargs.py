@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from automodel.config_reads import config_mapping_issues
 from automodel.errors import AutomodelError
 from automodel.model_backend import (
     GATE_DTYPES,
@@ -257,7 +258,8 @@ def apply_config_overrides(config: Any, overrides: Mapping[str, Any]) -> None:
 def fresh_model_issues(from_config: Callable[..., Any]) -> Callable[[Mapping[str, Any]], dict[str, str]]:
     """The validation check of a factory's ``from_config`` (set as its ``automodel_config_issues``): a key that is
     neither one of its arguments nor an attribute of the config ``model.config`` gives (a mapping, a config.json or a
-    local directory; a hub name is checked when the model is built), as :func:`check_config_keys` refuses it."""
+    local directory; a hub name is checked when the model is built), as :func:`check_config_keys` refuses it; and a
+    key of a ``model.config`` mapping that nothing reads (:mod:`automodel.config_reads`)."""
     import inspect
 
     from automodel.model_files import HUB_ARGUMENTS, MODEL_KWARGS
@@ -268,9 +270,21 @@ def fresh_model_issues(from_config: Callable[..., Any]) -> Callable[[Mapping[str
     def issues(kwargs: Mapping[str, Any]) -> dict[str, str]:
         extra = {name: value for name, value in kwargs.items() if name not in arguments}
         config = _local_config(kwargs.get("config")) if extra else None
-        return {} if config is None else fresh_key_issues(config, extra)
+        found = config_mapping_issues(_without_mtp_depths(kwargs.get("config")))
+        return found if config is None else {**found, **fresh_key_issues(config, extra)}
 
     return issues
+
+
+def _without_mtp_depths(node: Any) -> Any:
+    """A ``model.config`` mapping without its MTP depths keys (its own and its ``text_config``'s): the MTP checks
+    read them (:func:`mtp_depths_zero`, :func:`mtp_config_depths`), where transformers' code may not."""
+    if not isinstance(node, Mapping):
+        return node
+    kept = {k: v for k, v in node.items() if k not in MTP_DEPTH_KEYS}
+    if isinstance(kept.get("text_config"), Mapping):
+        kept["text_config"] = {k: v for k, v in kept["text_config"].items() if k not in MTP_DEPTH_KEYS}
+    return kept
 
 
 def _local_config(config: Any) -> Any:
