@@ -65,6 +65,21 @@ def test_collate_labels_every_assistant_turn_of_a_multi_turn_conversation(proces
     assert labelled_segments(processor, batch["input_ids"][0], batch["labels"][0]) == [" red</s>\n", " circle</s>\n"]
 
 
+def test_collate_pads_token_rows_of_a_text_data_set_as_they_are(processor):
+    """An LLM chat data set's samples under the VLM recipe (upstream's Gemma 4 text-only configs): token lists with
+    their labels, right-padded with the tokenizer's pad id, no processor call; max_length truncates and pads to it,
+    with drop_overlong it leaves the longer rows out."""
+    rows = [{"input_ids": [5, 6, 7, 8], "labels": [-100, -100, 7, 8]}, {"input_ids": [5, 9], "labels": [-100, 9]}]
+    pad = processor.tokenizer.pad_token_id
+    batch = VLMCollator(processor, pad_to_multiple_of=4)(rows)
+    assert set(batch) == {"input_ids", "attention_mask", "labels"}
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 8], [5, 9, pad, pad]]
+    assert batch["labels"].tolist() == [[-100, -100, 7, 8], [-100, 9, -100, -100]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
+    assert VLMCollator(processor, max_length=3)(rows)["input_ids"].tolist() == [[5, 6, 7], [5, 9, pad]]
+    assert VLMCollator(processor, max_length=3, drop_overlong=True)(rows)["input_ids"].tolist() == [[5, 9, pad]]
+
+
 def test_carry_labels_over_expanded_placeholders():
     ids, mask = [1, 4, 7, 8, 9], [False, False, False, True, True]
     assert carry_labels(ids, mask, [1, 4, 4, 4, 7, 8, 9], {4}) == [-100] * 5 + [8, 9]

@@ -16,8 +16,9 @@ from typing import Any
 import torch
 
 from automodel.errors import AutomodelError
+from automodel.training.collate import pad_collate
+from automodel.training.loss import IGNORE_INDEX
 
-IGNORE_INDEX = -100
 # A conversation as assistant_mask returns it: (rendered text, its token ids, which ids are the assistant's).
 Rendered = tuple[str, list[int], list[bool]]
 
@@ -89,7 +90,8 @@ def carry_labels(ids: list[int], mask: list[bool], expanded: list[int], placehol
 class VLMCollator:
     """``collate(samples) -> {input_ids, attention_mask, pixel_values, ..., labels}`` for ``{messages, images}``
     samples (and ``videos``: clips with their frame rates); what else the processor returns (``image_sizes``,
-    ``image_grid_thw``, ``pixel_values_videos``, ``video_grid_thw``) passes through to the model.
+    ``image_grid_thw``, ``pixel_values_videos``, ``video_grid_thw``) passes through to the model. Samples that are
+    token lists already (``{input_ids, labels}``, an LLM chat data set's: text only) are padded as they are.
 
     ``max_length``: every row is padded to it and longer ones are truncated (upstream's collate); with
     ``drop_overlong`` the samples longer than it are left out of the batch instead. ``pad_to_multiple_of``: the
@@ -138,7 +140,26 @@ class VLMCollator:
         """Each sample's conversation rendered, tokenised and its assistant tokens marked (:func:`assistant_mask`)."""
         return [assistant_mask(self.processor, s["messages"]) for s in samples]
 
+    def _token_rows(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        """Samples that are token lists already (an LLM chat data set's ``input_ids`` / ``labels``: text only),
+        right-padded with the tokenizer's pad id; ``max_length`` truncates (or, ``drop_overlong``, leaves out) the
+        longer ones and pads every row to it."""
+        tokenizer = getattr(self.processor, "tokenizer", self.processor)
+        pad = getattr(tokenizer, "pad_token_id", None)
+        if self.max_length is not None:
+            length = self.max_length
+            if self.drop_overlong:
+                samples = [s for s in samples if len(s["input_ids"]) <= length]
+                if not samples:
+                    raise AutomodelError(f"collate_fn: every sample of this batch is longer than max_length "
+                                         f"({length}) and drop_overlong is true; raise max_length")
+            samples = [{k: v[:length] if isinstance(v, (list, tuple)) else v for k, v in s.items()} for s in samples]
+        return pad_collate(samples, pad_token_id=pad if pad is not None else 0,
+                           pad_to_multiple_of=self.max_length or self.pad_to_multiple_of)
+
     def __call__(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        if samples and "messages" not in samples[0] and "input_ids" in samples[0]:
+            return self._token_rows(samples)
         rendered = self._rendered(samples)
         images = [list(s.get("images") or []) for s in samples]
         videos = [list(s.get("videos") or []) for s in samples]
