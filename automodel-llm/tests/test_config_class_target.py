@@ -131,6 +131,8 @@ def test_a_key_of_a_model_config_mapping_that_nothing_reads_is_refused(tmp_path)
     from automodel.config_reads import config_mapping_issues
 
     assert config_mapping_issues(t5) == {}
+    for_model = {"_target_": "transformers.AutoConfig.for_model", "model_type": "llama", "vocab_sise": 482}
+    assert "(did you mean 'vocab_size'?)" in config_mapping_issues(for_model)["config.vocab_sise"]
     assert config_mapping_issues({**t5, "num_layer": 1}).keys() == {"config.num_layer"}
 
 

@@ -48,14 +48,15 @@ def config_mapping_issues(node: Any) -> dict[str, str]:
 
 
 def _config_class(node: Mapping) -> type | None:
-    """The configuration class a ``config`` mapping builds: by ``model_type``, by a transformers configuration class
-    path, or a local checkpoint's through ``AutoConfig.from_pretrained``; None where that is not known here."""
+    """The configuration class a ``config`` mapping builds: by ``model_type`` (alone or with
+    ``AutoConfig.for_model``), by a transformers configuration class path, or a local checkpoint's through
+    ``AutoConfig.from_pretrained``; None where that is not known here."""
     from transformers import AutoConfig, PretrainedConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     target = node.get("_target_")
     try:
-        if target is None:
+        if target is None or target == "transformers.AutoConfig.for_model":
             kind = node.get("model_type")
             return CONFIG_MAPPING[kind] if isinstance(kind, str) and kind in CONFIG_MAPPING else None
         found = _TRANSFORMERS_CONFIG.fullmatch(str(target))
