@@ -98,7 +98,8 @@ def unread_keys(config_class: type, fields: Mapping[str, Any]) -> dict[str, str]
                 issues |= {f"{key}.{k}": m for k, m in unread_keys(sub_class, inner).items()}
             continue
         package = Path(sys.modules[config_class.__module__].__file__).parent
-        if re.search(rf"\b{re.escape(key)}\b", _code_text(package) + _shared_code_text()):
+        word = re.compile(rf"\b{re.escape(key)}\b")
+        if word.search(_code_text(package)) or word.search(_shared_code_text()):
             continue
         if key in _WHAT_RUNS and _WHAT_RUNS[key][1] in _code_text(package):
             runs, _, what = _WHAT_RUNS[key]
