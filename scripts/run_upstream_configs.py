@@ -15,7 +15,8 @@ heads its ``distributed`` layout needs (``layout_sizes``), a VLM of a family in
 Gemma 4, a sequence-to-sequence model a tiny T5, a diffusion model the diffusion tests' tiny pipeline of its family),
 every data set path with a small local file in the columns its ``_target_`` reads (SQuAD, HellaSwag, chat, tool
 calls, xLAM, column-mapped, MedPix, CORD-v2, Shopify; the shipped retrieval rows for a ``data_dir_list``; tiny
-clips or the shipped shapes pictures for a diffusion loader, at 64 x 64 where it names a ``base_resolution``;
+clips or the shipped shapes pictures for a diffusion loader, at 64 x 64 where it names a ``base_resolution``
+(HunyuanVideo's ``default_image_embed_shape`` the tiny transformer's width);
 Megatron indexed files; a nanogpt shard),
 ``step_scheduler.max_steps`` and a scratch ``checkpoint.checkpoint_dir``. A generation config makes ``--steps``
 denoising steps of 64 x 64 pictures (5 frames for a video) into a scratch ``output.output_dir``. A config laid out
@@ -472,6 +473,11 @@ def data_overrides(data: dict[str, Any], root: Path, scratch: Path) -> dict[str,
             else str(Path(survey.local_assets()["diffusion"]["dataset"]))
     if isinstance(loader, dict) and loader.get("base_resolution") is not None:
         found["data.dataloader.base_resolution"] = "[64, 64]"  # the tiny VAE halves a side: 512 x 512 is 16k tokens
+    shape = ((data.get("flow_matching") or {}).get("adapter_kwargs") or {}).get("default_image_embed_shape")
+    transformer = root.parent / "models" / str(family) / "transformer" / "config.json"
+    if isinstance(shape, list) and len(shape) == 2 and transformer.is_file():  # HunyuanVideo: the tiny one's width
+        width = json.loads(transformer.read_text()).get("image_embed_dim")
+        found["flow_matching.adapter_kwargs.default_image_embed_shape"] = f"[{shape[0]}, {width}]"
     found |= vlm_stand_ins.mix_overrides(data, root)
     if isinstance(args := data.get("recipe_args"), dict):  # EAGLE: chat rows, files into scratch
         chat = Path(survey.local_assets()["llm"]["dataset"]).with_name("tiny_chat")

@@ -87,13 +87,16 @@ def _gemma4_assistant(path: Path) -> Path:
     return path
 
 
-def _rebuilt(source: Path, path: Path, text_changes: dict[str, Any]) -> Path:
+def _rebuilt(source: Path, path: Path, text_changes: dict[str, Any],
+             vision_changes: dict[str, Any] | None = None) -> Path:
     """``source``'s stand-in with its text model's config changed (fresh weights) and its other files (processor,
     tokenizer) copied: a per-layer list of the text config follows a new layer count, repeating its pattern, and the
-    head size stays where the head count changes."""
+    head size stays where the head count changes; ``vision_changes`` change its vision tower's config."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(str(source))
+    for key, value in (vision_changes or {}).items():
+        setattr(config.vision_config, key, value)
     text = config.get_text_config()
     layers = text_changes.get("num_hidden_layers")
     if layers:
@@ -127,11 +130,13 @@ _EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 def sized_for_layout(directory: str, layers: int, ep_size: int, tp_size: int) -> str:
     """A family stand-in (``directory``) that a config's layout fits: at least ``layers`` text layers (its pipeline
-    stages'), experts that ``ep_size`` divides, attention / key-value heads and vocabulary that ``tp_size`` divides;
+    stages'), experts that ``ep_size`` divides, attention / key-value heads (a sharded vision tower's too) and
+    vocabulary that ``tp_size`` divides;
     ``directory`` itself where it fits, else a copy so changed beside it."""
     from transformers import AutoConfig
 
-    text = AutoConfig.from_pretrained(directory).get_text_config()
+    config = AutoConfig.from_pretrained(directory)
+    text = config.get_text_config()
     changes: dict[str, int] = {"num_hidden_layers": layers} if layers > text.num_hidden_layers else {}
     for key in _EXPERT_COUNTS:
         value = getattr(text, key, None)
@@ -143,10 +148,18 @@ def sized_for_layout(directory: str, layers: int, ep_size: int, tp_size: int) ->
             changes[key] = math.lcm(value, tp_size)
     if text.vocab_size % tp_size:
         changes["vocab_size"] = -(-text.vocab_size // tp_size) * tp_size
-    if not changes:
+    vision = getattr(config, "vision_config", None)
+    tower: dict[str, int] = {}  # a vision tower with a tensor-parallel plan of its own (Gemma 4's) is sharded too
+    for key in ("num_attention_heads", "num_key_value_heads") if getattr(vision, "base_model_tp_plan", None) else ():
+        value = getattr(vision, key, None)
+        if isinstance(value, int) and value % tp_size:
+            tower[key] = math.lcm(value, tp_size)
+    if not changes and not tower:
         return directory
-    path = Path(directory + "-" + "-".join(f"{key}{value}" for key, value in sorted(changes.items())))
-    return str(path if path.exists() else _rebuilt(Path(directory), path, changes))
+    named = [*(f"{key}{value}" for key, value in sorted(changes.items())),
+             *(f"vision_{key}{value}" for key, value in sorted(tower.items()))]
+    path = Path(directory + "-" + "-".join(named))
+    return str(path if path.exists() else _rebuilt(Path(directory), path, changes, tower))
 
 
 def _mistral3(path: Path) -> Path:

@@ -176,6 +176,24 @@ def test_tp_size_is_checked_against_the_model_with_the_numbers(tp, sp, words):
     assert all(issue.key == "distributed.tp_size" for issue in tp_issues(mp_config(), tp, sp))
 
 
+def test_a_towers_own_plan_is_checked_too():
+    """Gemma 4's vision tower has a plan of its own, which transformers gathers into the model's: tp_size must divide
+    its heads as well (a tiny tower of 2 heads over tp 4 crashed in its first forward: a view of a quarter head)."""
+    from transformers import Gemma4Config, Gemma4TextConfig, Gemma4VisionConfig
+
+    text = Gemma4TextConfig(num_attention_heads=4, num_key_value_heads=4, intermediate_size=64, vocab_size=96,
+                            hidden_size=32, head_dim=8).to_dict()
+    vision = Gemma4VisionConfig(num_attention_heads=2, num_key_value_heads=2, intermediate_size=64,
+                                hidden_size=16).to_dict()
+    config = Gemma4Config(text_config=text, vision_config=vision)
+    messages = [issue.message for issue in tp_issues(config, 4)]
+    assert messages == ["4 does not divide the vision tower's attention heads (vision_config.num_attention_heads = 2), "
+                        "which its own plan shards too; use a tp_size that divides 2",
+                        "4 does not divide the vision tower's key/value heads (vision_config.num_key_value_heads = "
+                        "2), which its own plan shards too; use a tp_size that divides 2"]
+    assert tp_issues(config, 2) == []
+
+
 def test_good_tp_sizes_pass_and_models_without_a_plan_are_refused():
     assert tp_issues(mp_config(), 2, True) == [] and tp_issues(mp_config(), 1) == []
     assert tp_issues(qwen3_config(), 2) == []

@@ -238,9 +238,29 @@ def tp_issues(model_config: Any, tp_size: int, sequence_parallel: bool = False, 
         if isinstance(value, int) and value % tp_size:
             issues.append(ConfigIssue(key, f"{tp_size} does not divide the model's {what} ({attr} = {value}); "
                                            f"use a tp_size that divides {value}"))
+    if model_config.model_type not in registry:  # the model's own plan: its towers' plans too (Gemma 4's vision)
+        issues += _tower_issues(model_config, tp_size, key)
     if sequence_parallel and not styles & {"rowwise", "local_rowwise"}:
         issues.append(ConfigIssue(f"{section}.sequence_parallel", "true needs a plan with row-wise projections, "
                                   f"which the {model_config.model_type} plan lacks; set it to false"))
+    return issues
+
+
+def _tower_issues(model_config: Any, tp_size: int, key: str) -> list[ConfigIssue]:
+    """The sizes ``tp_size`` must divide in a vision or audio tower that has a tensor-parallel plan of its own
+    (transformers gathers it into the composite model's, so the build shards the tower too)."""
+    issues = []
+    for name, tower in (("vision_config", "vision tower"), ("audio_config", "audio tower")):
+        sub = getattr(model_config, name, None)
+        if sub is None or not getattr(sub, "base_model_tp_plan", None):
+            continue
+        for attr, what in (("num_attention_heads", "attention heads"), ("num_key_value_heads", "key/value heads"),
+                           ("intermediate_size", "MLP intermediate size")):
+            value = getattr(sub, attr, None)
+            if isinstance(value, int) and value % tp_size:
+                issues.append(ConfigIssue(key, f"{tp_size} does not divide the {tower}'s {what} ({name}.{attr} = "
+                                               f"{value}), which its own plan shards too; use a tp_size that divides "
+                                               f"{value}"))
     return issues
 
 
