@@ -68,6 +68,8 @@ def printed_steps(output: str) -> list[str]:
     return [line.strip() for line in lines[start + 1:] if line.startswith("  ")]
 
 
+@pytest.mark.slow  # make test-slow: a fresh virtualenv and its installs (the default run installs a domain from its
+# wheels into a fresh virtualenv and trains there: test_wheels.py)
 def test_the_printed_next_steps_work_in_a_clean_virtualenv(scaffolded, tmp_path):
     """A virtualenv holding automodel-core and automodel-llm and their dependencies but no pytest (the issue: a
     plain `pip install -e` left the scaffold's tests without one, or with another interpreter's): the steps `new`

@@ -19,6 +19,8 @@ LONG_ROWS = ["--dataset._target_", "automodel_llm.datasets.MockDataset", "--data
              "--model.attn_implementation", "eager", "--checkpoint.enabled", "false"]
 
 
+@pytest.mark.slow  # make test-slow: three CLI runs of 1024-token rows; the default run compares checkpointed
+# losses with one process's on two ranks (test_distributed.py) and counts the recomputed matmuls (below)
 def test_checkpointing_keeps_the_losses_and_lowers_the_peak_memory(tmp_path, tiny_llama_config, make_config):
     model_config = json.loads(tiny_llama_config.read_text())
     model_config.update(num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=4,
