@@ -86,7 +86,8 @@ def unread_keys(config_class: type, fields: Mapping[str, Any]) -> dict[str, str]
         default = config_class()
     except Exception:  # noqa: BLE001 - a class that needs arguments: not checked here
         return {}
-    declared = {*vars(default), *dir(config_class), *getattr(config_class, "attribute_map", {})}
+    names = [*vars(default), *getattr(config_class, "attribute_map", {})]
+    declared = {*names, *dir(config_class)}
     issues = {}
     for key, value in fields.items():
         if key in declared:
@@ -107,8 +108,7 @@ def unread_keys(config_class: type, fields: Mapping[str, Any]) -> dict[str, str]
                 issues[key] = (f"{value!r}: transformers' code for {getattr(default, 'model_type', '')} reads no "
                                f"{key}; its router always {what}: use {runs!r} or remove the key")
             continue
-        close = did_you_mean(key, [name for name in (*vars(default), *getattr(config_class, "attribute_map", {}))
-                                   if not name.startswith("_")])
+        close = did_you_mean(key, [name for name in names if not name.startswith("_")])
         issues[key] = (f"{config_class.__name__} has no such setting and no transformers code for "
                        f"{getattr(default, 'model_type', '') or config_class.__name__} reads it (it would be kept as "
                        "an attribute nothing uses): remove it"

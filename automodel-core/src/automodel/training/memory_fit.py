@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,15 +53,16 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor: this rank's shard
 
 
-def model_bytes(model: torch.nn.Module) -> ModelBytes:
-    """The bytes of ``model``'s parameters, buffers and gradients on this process (a tied weight counted once)."""
+def model_bytes(model: torch.nn.Module, state_buffers: int = 0) -> ModelBytes:
+    """The bytes of ``model``'s parameters, buffers and gradients on this process (a tied weight counted once), and
+    of the optimizer's ``state_buffers`` buffers the size of each gradient."""
     weights = gradients = 0
     for param in model.parameters():
         size = _local(param).numel() * param.element_size()
         weights += size
         gradients += size if param.requires_grad else 0
     weights += sum(_local(buffer).numel() * buffer.element_size() for buffer in model.buffers())
-    return ModelBytes(weights, gradients)
+    return ModelBytes(weights, gradients, state_buffers * gradients)
 
 
 def host_free_bytes() -> int | None:
@@ -88,9 +89,8 @@ def check_fits(model: torch.nn.Module, device: torch.device, optimizer: str | No
     """Stop before materialising ``model`` on ``device`` when its weights, gradients and the state of torch's
     ``optimizer`` (its dotted target, with its ``optimizer_settings``) exceed the memory there; an
     ``AutomodelError`` with the figures and what to change."""
-    need = model_bytes(model)
     buffers = optimizer_buffers(optimizer, optimizer_settings or {})
-    need = replace(need, optimizer=buffers * need.gradients)
+    need = model_bytes(model, buffers)
     free, sharing = device_memory(device)
     if free is None or need.total * sharing <= free:
         return

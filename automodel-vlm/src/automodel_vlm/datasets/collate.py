@@ -140,6 +140,10 @@ class VLMCollator:
         """Each sample's conversation rendered, tokenised and its assistant tokens marked (:func:`assistant_mask`)."""
         return [assistant_mask(self.processor, s["messages"]) for s in samples]
 
+    def _all_overlong(self) -> AutomodelError:
+        return AutomodelError(f"collate_fn: every sample of this batch is longer than max_length ({self.max_length}) "
+                              "and drop_overlong is true; raise max_length")
+
     def _token_rows(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         """Samples that are token lists already (an LLM chat data set's ``input_ids`` / ``labels``: text only),
         right-padded with the tokenizer's pad id; ``max_length`` truncates (or, ``drop_overlong``, leaves out) the
@@ -151,8 +155,7 @@ class VLMCollator:
             if self.drop_overlong:
                 samples = [s for s in samples if len(s["input_ids"]) <= length]
                 if not samples:
-                    raise AutomodelError(f"collate_fn: every sample of this batch is longer than max_length "
-                                         f"({length}) and drop_overlong is true; raise max_length")
+                    raise self._all_overlong()
             samples = [{k: v[:length] if isinstance(v, (list, tuple)) else v for k, v in s.items()} for s in samples]
         return pad_collate(samples, pad_token_id=pad if pad is not None else 0,
                            pad_to_multiple_of=self.max_length or self.pad_to_multiple_of)
@@ -166,8 +169,7 @@ class VLMCollator:
         if self.drop_overlong:
             kept = [i for i in range(len(samples)) if self._fits(rendered[i], images[i], videos[i])]
             if not kept:
-                raise AutomodelError(f"collate_fn: every sample of this batch is longer than max_length "
-                                     f"({self.max_length}) and drop_overlong is true; raise max_length")
+                raise self._all_overlong()
             rendered, images = [rendered[i] for i in kept], [images[i] for i in kept]
             videos = [videos[i] for i in kept]
         batch, rendered = self._tokenized(self._process(rendered, images, videos, **self._padding()), rendered)

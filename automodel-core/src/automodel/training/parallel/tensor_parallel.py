@@ -232,12 +232,7 @@ def tp_issues(model_config: Any, tp_size: int, sequence_parallel: bool = False, 
         sizes.append(("vocab_size", "vocabulary size"))
     if "embedding_colwise" in styles:
         sizes.append(("hidden_size", "hidden size"))
-    issues = []
-    for attr, what in sizes:
-        value = getattr(text, attr, None)
-        if isinstance(value, int) and value % tp_size:
-            issues.append(ConfigIssue(key, f"{tp_size} does not divide the model's {what} ({attr} = {value}); "
-                                           f"use a tp_size that divides {value}"))
+    issues = _indivisible(text, sizes, tp_size, key, "the model's")
     if model_config.model_type not in registry:  # the model's own plan: its towers' plans too (Gemma 4's vision)
         issues += _tower_issues(model_config, tp_size, key)
     if sequence_parallel and not styles & {"rowwise", "local_rowwise"}:
@@ -249,18 +244,26 @@ def tp_issues(model_config: Any, tp_size: int, sequence_parallel: bool = False, 
 def _tower_issues(model_config: Any, tp_size: int, key: str) -> list[ConfigIssue]:
     """The sizes ``tp_size`` must divide in a vision or audio tower that has a tensor-parallel plan of its own
     (transformers gathers it into the composite model's, so the build shards the tower too)."""
+    sizes = [("num_attention_heads", "attention heads"), ("num_key_value_heads", "key/value heads"),
+             ("intermediate_size", "MLP intermediate size")]
     issues = []
     for name, tower in (("vision_config", "vision tower"), ("audio_config", "audio tower")):
         sub = getattr(model_config, name, None)
-        if sub is None or not getattr(sub, "base_model_tp_plan", None):
-            continue
-        for attr, what in (("num_attention_heads", "attention heads"), ("num_key_value_heads", "key/value heads"),
-                           ("intermediate_size", "MLP intermediate size")):
-            value = getattr(sub, attr, None)
-            if isinstance(value, int) and value % tp_size:
-                issues.append(ConfigIssue(key, f"{tp_size} does not divide the {tower}'s {what} ({name}.{attr} = "
-                                               f"{value}), which its own plan shards too; use a tp_size that divides "
-                                               f"{value}"))
+        if sub is not None and getattr(sub, "base_model_tp_plan", None):
+            issues += _indivisible(sub, sizes, tp_size, key, f"the {tower}'s", f"{name}.",
+                                   ", which its own plan shards too")
+    return issues
+
+
+def _indivisible(config: Any, sizes: list[tuple[str, str]], tp_size: int, key: str, owner: str, prefix: str = "",
+                 why: str = "") -> list[ConfigIssue]:
+    """An issue for each of ``sizes`` (attribute, what it counts) of ``config`` that ``tp_size`` does not divide."""
+    issues = []
+    for attr, what in sizes:
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and value % tp_size:
+            issues.append(ConfigIssue(key, f"{tp_size} does not divide {owner} {what} ({prefix}{attr} = {value}){why}"
+                                           f"; use a tp_size that divides {value}"))
     return issues
 
 
