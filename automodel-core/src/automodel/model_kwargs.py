@@ -54,6 +54,21 @@ def mtp_config_depths(text_config: Any, key: str) -> int:
     return int(upstream if upstream is not None else getattr(text_config, key, 0) or 0)
 
 
+def mtp_depths_in_config(model: Mapping[str, Any]) -> str | None:
+    """The key (``config.num_nextn_predict_layers``, ``config.text_config.mtp_num_hidden_layers`` ...) where the
+    model section's own ``config`` / ``text_config`` mapping sets a depths count > 0: upstream's form, where the
+    config's count turns the heads on; None where none does (a checkpoint's own config.json is not the user's ask)."""
+    for name in ("config", "text_config"):
+        nested = model.get(name)
+        inner = nested.get("text_config") if isinstance(nested, Mapping) else None
+        for path, mapping in ((name, nested), (f"{name}.text_config", inner)):
+            for key in MTP_DEPTH_KEYS if isinstance(mapping, Mapping) else ():
+                value = mapping.get(key)
+                if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                    return f"{path}.{key}"
+    return None
+
+
 def mtp_depths_zero(model: Mapping[str, Any]) -> bool:
     """Whether a model section (or a factory's keyword arguments) turns the heads off: ``num_nextn_predict_layers: 0``
     at its top, or a depths key 0 in the config it builds from (``config`` or ``text_config``, a mapping or a built
@@ -156,7 +171,8 @@ def _mtp_issues(kwargs: Mapping[str, Any], trained: bool) -> dict[str, str]:
     issues = {}
     if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor < 0):
         issues["mtp_loss_scaling_factor"] = f"expected a number >= 0 (the weight of the heads' loss), found {factor!r}"
-    asked = [key for key in MTP_KEYS if kwargs.get(key) not in (None, False, 0)]
+    asked = [key for key in MTP_KEYS if kwargs.get(key) not in (None, False, 0)] + \
+        [key for key in [mtp_depths_in_config(kwargs)] if key is not None]
     if asked and not mtp_depths_zero(kwargs) and not trained and not issues:
         issues[asked[0]] = (f"asks for {MTP}, which the LLM and VLM fine-tuning recipes train (automodel_llm's "
                             "AutoModelForCausalLM, automodel_vlm's AutoModelForImageTextToText), not this model "

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from automodel.errors import AutomodelError
-from automodel.model_kwargs import MTP, MTP_FAMILIES, mtp_config_depths, mtp_depths_zero
+from automodel.model_kwargs import MTP, MTP_FAMILIES, mtp_config_depths, mtp_depths_in_config, mtp_depths_zero
 from automodel.mtp.heads import MTPHeads, MTPSettings, future_embeddings
 
 KEY = "model.num_nextn_predict_layers"
@@ -35,14 +35,14 @@ def attach_heads(model: nn.Module, settings: MTPSettings, checkpoint: str | None
     ``num_nextn_predict_layers`` becomes the depths with their own weights (what the saved model holds)."""
     config = model.config
     if config.model_type not in MTP_FAMILIES:
-        asked = f"{KEY}: {settings.depths}" if settings.depths else "model.mtp_loss_scaling_factor"
+        asked = f"{KEY}: {settings.depths}" if settings.depths else settings.asked_by
         raise AutomodelError(f"{asked} asks for {MTP}; this model is {config.model_type}: remove the MTP keys")
     module_name, norm_name, depths_key = MTP_FAMILIES[config.model_type]
     text_config = config.get_text_config()
     if not settings.depths:  # the keys leave the count to the checkpoint's config
         depths = mtp_config_depths(text_config, depths_key)
         if not depths:
-            raise AutomodelError(f"model.mtp_loss_scaling_factor: acts on {MTP}, but the {config.model_type} config "
+            raise AutomodelError(f"{settings.asked_by}: acts on {MTP}, but the {config.model_type} config "
                                  f"has {depths_key} 0 (no heads); set model.num_nextn_predict_layers")
         settings = dataclasses.replace(settings, depths=depths)
     family = importlib.import_module(module_name)
@@ -160,15 +160,19 @@ def read_settings(section: Mapping[str, Any], kwargs: dict[str, Any]) -> MTPSett
     """Take the MTP keys out of a model factory's keyword arguments (``section``: them with the factory's
     ``config`` / ``text_config`` parameters): the settings when heads are asked for
     (``num_nextn_predict_layers`` > 0; or unset with ``mtp_loss_scaling_factor`` / ``mtp_use_repeated_layer``, as
-    upstream's Super-V3 configs do: the checkpoint config's count, ``depths`` 0 here), else None
-    (``num_nextn_predict_layers: 0`` stays: it is set on a config that has the attribute; a depths count 0 in
-    ``section``'s ``text_config`` or ``config`` turns them off: :func:`mtp_depths_zero`)."""
+    upstream's Super-V3 configs do: the checkpoint config's count, ``depths`` 0 here; or a count > 0 in
+    ``section``'s own config mapping, :func:`mtp_depths_in_config`), else None (``num_nextn_predict_layers: 0``
+    stays: it is set on a config that has the attribute; a depths count 0 in ``section``'s ``text_config`` or
+    ``config`` turns them off: :func:`mtp_depths_zero`)."""
     depths = kwargs.get("num_nextn_predict_layers")
     off = mtp_depths_zero(section)
     factor = kwargs.pop("mtp_loss_scaling_factor", None)
     repeated = kwargs.pop("mtp_use_repeated_layer", None)
-    if off or (depths is None and factor is None and not repeated):
+    in_config = mtp_depths_in_config(section)
+    if off or (depths is None and factor is None and not repeated and in_config is None):
         return None
     kwargs.pop("num_nextn_predict_layers", None)
+    asked = {"num_nextn_predict_layers": depths, "mtp_loss_scaling_factor": factor, "mtp_use_repeated_layer": repeated}
+    asked_by = next((key for key, value in asked.items() if value not in (None, False)), in_config)
     return MTPSettings(depths=int(depths or 0), scaling_factor=0.1 if factor is None else float(factor),
-                       repeated_layer=bool(repeated))
+                       repeated_layer=bool(repeated), asked_by=f"model.{asked_by}")

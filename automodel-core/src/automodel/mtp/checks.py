@@ -3,28 +3,38 @@ they are not wired into is refused with the reason (no torch import)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
 from automodel.errors import ConfigIssue
-from automodel.model_kwargs import MTP, MTP_DEPTH_KEYS, MTP_FAMILIES, MTP_KEYS, mtp_config_depths, mtp_depths_zero
+from automodel.model_kwargs import (
+    MTP,
+    MTP_DEPTH_KEYS,
+    MTP_FAMILIES,
+    MTP_KEYS,
+    mtp_config_depths,
+    mtp_depths_in_config,
+    mtp_depths_zero,
+)
 
-KEY = "model.num_nextn_predict_layers"
 _SPLITS = {"tp_size": "tensor parallelism (the heads' layers have no tensor-parallel plan)",
            "cp_size": "context parallelism (each rank's part of a row would shift in tokens of another part)"}
 
 
 def mtp_asked(cfg: Any) -> str | None:
     """The model key that asks for heads (None: none does): ``num_nextn_predict_layers`` > 0, or, unset, a scaling
-    factor or ``mtp_use_repeated_layer`` (upstream's Super-V3 form: the checkpoint config's count); none where the
-    section sets a depths count 0 (:func:`mtp_depths_zero`, see :func:`mtp_off_notes`)."""
+    factor or ``mtp_use_repeated_layer`` (upstream's Super-V3 form: the checkpoint config's count), or a count > 0
+    in the section's own config mapping (:func:`mtp_depths_in_config`); none where the section sets a depths count 0
+    (:func:`mtp_depths_zero`, see :func:`mtp_off_notes`)."""
     model = cfg.model
     if model is None or mtp_depths_zero(model):
         return None
     for key in MTP_KEYS:
         if model.get(key) not in (None, False):
             return f"model.{key}"
-    return None
+    in_config = mtp_depths_in_config(model)
+    return None if in_config is None else f"model.{in_config}"
 
 
 def _configured_depths(model: Any, hf_config: Any) -> int:
@@ -44,13 +54,15 @@ def mtp_issues(cfg: Any, hf_config: Any, supported: bool = True) -> list[ConfigI
     key = mtp_asked(cfg)
     if key is None:
         return []
-    asks = f"{cfg.model.get(key.removeprefix('model.'))} asks for {MTP}" if key == KEY else f"acts on {MTP}"
+    counts = key.endswith(MTP_DEPTH_KEYS)  # a depths count, at the section's top or in its config mapping
+    value = functools.reduce(Mapping.get, key.split(".")[1:], cfg.model)
+    asks = f"{value} asks for {MTP}" if counts else f"acts on {MTP}"
     if not supported:
         return [ConfigIssue(key, f"{asks}, whose loss this recipe does not add; use the fine-tuning recipe")]
     model_type = getattr(hf_config, "model_type", None)
     if hf_config is not None and model_type not in MTP_FAMILIES:
         return [ConfigIssue(key, f"{asks}; this model is {model_type}: remove the MTP keys")]
-    if hf_config is not None and key != KEY and not _configured_depths(cfg.model, hf_config):
+    if hf_config is not None and not counts and not _configured_depths(cfg.model, hf_config):
         depths_key = MTP_FAMILIES[model_type][2]
         return [ConfigIssue(key, f"{asks}, but the checkpoint's config has {depths_key} 0 (no heads); set "
                             "model.num_nextn_predict_layers to the number of tokens ahead")]

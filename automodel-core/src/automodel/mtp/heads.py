@@ -32,6 +32,7 @@ class MTPSettings:
     depths: int
     scaling_factor: float = 0.1
     repeated_layer: bool = False
+    asked_by: str = "model.num_nextn_predict_layers"  # the key that asked for the heads, named in errors
 
     @property
     def physical_depths(self) -> int:
