@@ -14,7 +14,7 @@ from llm_testing import base_config, fsdp2_ranks_with, grad_norms, losses, run_f
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from automodel.errors import AutomodelError, ConfigError
+from automodel.errors import ConfigError
 from automodel.testing import deep_update, load_config, read_jsonl, train_inprocess, write_yaml
 from automodel.training.loss import IGNORE_INDEX
 from automodel_llm import AutoModelForCausalLM
@@ -278,19 +278,23 @@ def test_other_families_and_lone_mtp_keys_are_refused(make_config):
     assert "expected a number >= 0" in found["model.mtp_loss_scaling_factor"]
 
 
-def test_a_depths_count_in_the_config_mapping_asks_for_heads(make_config):
-    """Upstream's form: the count in the model's config turns the heads on; a family without heads here refuses it
-    (transformers' DeepSeek-V3 and GLM-4-MoE declare the key and build no heads, Llama ignores it)."""
+def test_a_depths_count_in_the_config_mapping_asks_for_heads(tmp_path, make_config, capsys):
+    """Upstream's form: the count in the model's config turns on the heads of a family that has them; another
+    family's count builds none (upstream's GLM-4.7-Flash benchmark keeps its checkpoint's count; neither
+    transformers' model nor upstream's has heads), which the run says instead of ignoring it silently."""
     model = AutoModelForCausalLM.from_config({"model_type": "nemotron_h", **NEMOTRON_H}, seed=1)  # its count: 1
     assert model.mtp.settings.depths == 1 and model.mtp.settings.asked_by == "model.config.num_nextn_predict_layers"
-    tiny = {"model_type": "llama", "vocab_size": 64, "hidden_size": 16, "intermediate_size": 32,
+    tiny = {"model_type": "llama", "vocab_size": 482, "hidden_size": 16, "intermediate_size": 32,
             "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2}
-    for key, section in (("config.num_nextn_predict_layers", {"config": {**tiny, "num_nextn_predict_layers": 1}}),
-                         ("text_config.mtp_num_hidden_layers", {"text_config": {"mtp_num_hidden_layers": 2}})):
-        found = refusals(make_config(model=section))
-        assert "this model is llama: remove the MTP keys" in found[f"model.{key}"], found
-    with pytest.raises(AutomodelError, match="model.config.num_nextn_predict_layers asks for upstream's multi"):
-        AutoModelForCausalLM.from_config({**tiny, "num_nextn_predict_layers": 1})
+    config = make_config(model={"config": {**tiny, "num_nextn_predict_layers": 1}},
+                         step_scheduler={"max_steps": 1})
+    load_config(config, route=("finetune", "llm"))  # validates
+    run = train_inprocess(config)
+    assert getattr(run.model, "mtp", None) is None
+    assert ("note: model.config.num_nextn_predict_layers: 1 builds no heads: upstream's multi-token-prediction "
+            "heads (implemented here for nemotron_h") in capsys.readouterr().err
+    found = refusals(make_config(model={"num_nextn_predict_layers": 1}))  # the section's own key asks, refused
+    assert "this model is llama: remove the MTP keys" in found["model.num_nextn_predict_layers"], found
 
 
 def test_distillation_refuses_mtp_keys_for_the_student_and_the_teacher(tmp_path, nemotron_dir):

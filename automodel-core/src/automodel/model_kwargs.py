@@ -44,6 +44,8 @@ MTP_FAMILIES = {"nemotron_h": ("automodel.mtp.nemotron_h", "model.norm_f", "num_
 MTP_TEXT_FAMILIES = ("qwen3_5_text", "qwen3_5_moe_text")  # the text configs of those whose depths count lives there
 MTP_DEPTH_KEYS = ("num_nextn_predict_layers", "mtp_num_hidden_layers")  # upstream's name first, then Qwen3.5's
 MTP_KEYS = ("num_nextn_predict_layers", "mtp_loss_scaling_factor", "mtp_use_repeated_layer")  # what asks for heads
+# where a depths count is a config mapping's, which asks only of a family with heads (mtp_depths_in_config)
+MTP_CONFIG_MAPPINGS = ("model.config.", "model.text_config.")
 MTP = f"upstream's multi-token-prediction heads (implemented here for {', '.join(MTP_FAMILIES)})"
 
 
@@ -57,7 +59,9 @@ def mtp_config_depths(text_config: Any, key: str) -> int:
 def mtp_depths_in_config(model: Mapping[str, Any]) -> str | None:
     """The key (``config.num_nextn_predict_layers``, ``config.text_config.mtp_num_hidden_layers`` ...) where the
     model section's own ``config`` / ``text_config`` mapping sets a depths count > 0: upstream's form, where the
-    config's count turns the heads on; None where none does (a checkpoint's own config.json is not the user's ask)."""
+    config's count turns on the heads of a family that has them (:data:`MTP_FAMILIES`; another family's count
+    builds none, as transformers' and upstream's code for it, and the run says so); None where none does (a
+    checkpoint's own config.json is not the user's ask)."""
     for name in ("config", "text_config"):
         nested = model.get(name)
         inner = nested.get("text_config") if isinstance(nested, Mapping) else None
@@ -171,8 +175,7 @@ def _mtp_issues(kwargs: Mapping[str, Any], trained: bool) -> dict[str, str]:
     issues = {}
     if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor < 0):
         issues["mtp_loss_scaling_factor"] = f"expected a number >= 0 (the weight of the heads' loss), found {factor!r}"
-    asked = [key for key in MTP_KEYS if kwargs.get(key) not in (None, False, 0)] + \
-        [key for key in [mtp_depths_in_config(kwargs)] if key is not None]
+    asked = [key for key in MTP_KEYS if kwargs.get(key) not in (None, False, 0)]
     if asked and not mtp_depths_zero(kwargs) and not trained and not issues:
         issues[asked[0]] = (f"asks for {MTP}, which the LLM and VLM fine-tuning recipes train (automodel_llm's "
                             "AutoModelForCausalLM, automodel_vlm's AutoModelForImageTextToText), not this model "
@@ -219,7 +222,7 @@ def take_model_settings(kwargs: dict[str, Any], checkpoint: str | None = None, m
     sdpa_backends = take_upstream_kwargs(kwargs, mtp)
     from automodel.mtp.attach import attach_heads, read_settings
 
-    heads = read_settings({**kwargs, **(built_from or {})}, kwargs)
+    heads = read_settings({**kwargs, **(built_from or {})}, kwargs, config_asks=mtp)
     split = attention_split(kwargs)
     backend = apply_backend(kwargs)
 

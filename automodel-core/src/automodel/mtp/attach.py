@@ -23,17 +23,27 @@ import torch
 from torch import nn
 
 from automodel.errors import AutomodelError
-from automodel.model_kwargs import MTP, MTP_FAMILIES, mtp_config_depths, mtp_depths_in_config, mtp_depths_zero
+from automodel.model_kwargs import (
+    MTP,
+    MTP_CONFIG_MAPPINGS,
+    MTP_FAMILIES,
+    mtp_config_depths,
+    mtp_depths_in_config,
+    mtp_depths_zero,
+)
 from automodel.mtp.heads import MTPHeads, MTPSettings, future_embeddings
 
 KEY = "model.num_nextn_predict_layers"
 
 
-def attach_heads(model: nn.Module, settings: MTPSettings, checkpoint: str | None) -> MTPHeads:
+def attach_heads(model: nn.Module, settings: MTPSettings, checkpoint: str | None) -> MTPHeads | None:
     """Add the heads to ``model`` (built by transformers, on the meta device or not); ``checkpoint``: the
     ``from_pretrained`` path whose ``mtp.*`` tensors initialise them (None: a fresh model). Its config's
-    ``num_nextn_predict_layers`` becomes the depths with their own weights (what the saved model holds)."""
+    ``num_nextn_predict_layers`` becomes the depths with their own weights (what the saved model holds). None: the
+    count of a config mapping of a family without heads here, which builds none (the recipe says so)."""
     config = model.config
+    if config.model_type not in MTP_FAMILIES and settings.asked_by.startswith(MTP_CONFIG_MAPPINGS):
+        return None
     if config.model_type not in MTP_FAMILIES:
         asked = f"{KEY}: {settings.depths}" if settings.depths else settings.asked_by
         raise AutomodelError(f"{asked} asks for {MTP}; this model is {config.model_type}: remove the MTP keys")
@@ -156,19 +166,20 @@ def _run_heads_in_forward(model: nn.Module, heads: MTPHeads, family: Any, text_m
     model.forward = forward_with_heads
 
 
-def read_settings(section: Mapping[str, Any], kwargs: dict[str, Any]) -> MTPSettings | None:
+def read_settings(section: Mapping[str, Any], kwargs: dict[str, Any], config_asks: bool = True) -> MTPSettings | None:
     """Take the MTP keys out of a model factory's keyword arguments (``section``: them with the factory's
     ``config`` / ``text_config`` parameters): the settings when heads are asked for
     (``num_nextn_predict_layers`` > 0; or unset with ``mtp_loss_scaling_factor`` / ``mtp_use_repeated_layer``, as
     upstream's Super-V3 configs do: the checkpoint config's count, ``depths`` 0 here; or a count > 0 in
-    ``section``'s own config mapping, :func:`mtp_depths_in_config`), else None (``num_nextn_predict_layers: 0``
+    ``section``'s own config mapping, :func:`mtp_depths_in_config`, where ``config_asks``: the factory's recipe
+    trains heads), else None (``num_nextn_predict_layers: 0``
     stays: it is set on a config that has the attribute; a depths count 0 in ``section``'s ``text_config`` or
     ``config`` turns them off: :func:`mtp_depths_zero`)."""
     depths = kwargs.get("num_nextn_predict_layers")
     off = mtp_depths_zero(section)
     factor = kwargs.pop("mtp_loss_scaling_factor", None)
     repeated = kwargs.pop("mtp_use_repeated_layer", None)
-    in_config = mtp_depths_in_config(section)
+    in_config = mtp_depths_in_config(section) if config_asks else None
     if off or (depths is None and factor is None and not repeated and in_config is None):
         return None
     kwargs.pop("num_nextn_predict_layers", None)

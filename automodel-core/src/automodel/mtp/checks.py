@@ -10,6 +10,7 @@ from typing import Any
 from automodel.errors import ConfigIssue
 from automodel.model_kwargs import (
     MTP,
+    MTP_CONFIG_MAPPINGS,
     MTP_DEPTH_KEYS,
     MTP_FAMILIES,
     MTP_KEYS,
@@ -57,9 +58,11 @@ def mtp_issues(cfg: Any, hf_config: Any, supported: bool = True) -> list[ConfigI
     counts = key.endswith(MTP_DEPTH_KEYS)  # a depths count, at the section's top or in its config mapping
     value = functools.reduce(Mapping.get, key.split(".")[1:], cfg.model)
     asks = f"{value} asks for {MTP}" if counts else f"acts on {MTP}"
+    model_type = getattr(hf_config, "model_type", None)
+    if hf_config is not None and model_type not in MTP_FAMILIES and key.startswith(MTP_CONFIG_MAPPINGS):
+        return []  # a count in the config of a family without heads builds none: the run's note says so
     if not supported:
         return [ConfigIssue(key, f"{asks}, whose loss this recipe does not add; use the fine-tuning recipe")]
-    model_type = getattr(hf_config, "model_type", None)
     if hf_config is not None and model_type not in MTP_FAMILIES:
         return [ConfigIssue(key, f"{asks}; this model is {model_type}: remove the MTP keys")]
     if hf_config is not None and not counts and not _configured_depths(cfg.model, hf_config):
@@ -74,6 +77,18 @@ def mtp_issues(cfg: Any, hf_config: Any, supported: bool = True) -> list[ConfigI
             issues.append(ConfigIssue(key, f"{asks}, which are not wired into {why}, but distributed.{name} is "
                                       f"{size}; use {name} 1 or remove the MTP keys"))
     return issues
+
+
+def no_heads_note(cfg: Any, model_type: str) -> str | None:
+    """The run-start note for a depths count > 0 in the model section's config mapping of a family without heads
+    here (upstream's GLM-4.7-Flash benchmark keeps its checkpoint's count): the model builds none (None: no such
+    count)."""
+    key = mtp_depths_in_config(cfg.model) if cfg.model is not None else None
+    if key is None or model_type in MTP_FAMILIES:
+        return None
+    value = functools.reduce(Mapping.get, key.split("."), cfg.model)
+    return (f"note: model.{key}: {value} builds no heads: {MTP}, and this model is {model_type}, whose transformers "
+            "model (and upstream's) has none; the count stays in the saved config")
 
 
 def mtp_off_notes(cfg: Any) -> list[str]:

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from automodel.errors import ConfigIssue
-from automodel.mtp.checks import mtp_asked, mtp_issues, mtp_off_notes
+from automodel.mtp.checks import mtp_asked, mtp_issues, mtp_off_notes, no_heads_note
 from automodel.mtp.heads import MTPHeads, find_heads
 from automodel.training.modules import unwrap
 from automodel.training.parallel.pipeline_stages import last_stage, stages_of
@@ -35,6 +35,10 @@ class MTPLoss:
             self.log(note)
         super().setup()
         self.mtp_heads = find_heads(unwrap(self.model))
+        if self.mtp_heads is None:
+            built = getattr(getattr(unwrap(self.model), "config", None), "model_type", None)
+            if note := no_heads_note(self.cfg, built or getattr(model_hf_config(self.cfg), "model_type", None)):
+                self.log(note)
         carry = next((stage.carry for stage in stages_of(unwrap(self.model)) if getattr(stage, "carry", None)), None)
         if carry is not None:  # pipeline parallelism: the rank of the last stage holds the heads
             self.log(f"MTP under pipeline parallelism: the first stage sends each of the {carry.depths} depths' "
