@@ -22,6 +22,7 @@ from automodel.training.parallel.tp_plans import (
     ReplicateWithGradSum,
     SequenceLayout,
     TPPlanRegistry,
+    config_plan,
     expand_plan,
     model_plan,
     sequence_parallel_entries,
@@ -208,14 +209,29 @@ def test_good_tp_sizes_pass_and_models_without_a_plan_are_refused():
 
 def test_unsupported_styles_are_refused_with_their_modules():
     config = mp_config()
-    config.base_model_tp_plan = {"layers.*.mlp.experts": "moe_tp_experts", "layers.*.self_attn.q_proj": "colwise"}
-    (issue,) = tp_issues(config, 2)  # a config without an expert count says nothing of experts: the entry stands
-    assert "styles not supported here: layers.*.mlp.experts (moe_tp_experts)" in issue.message
+    config.base_model_tp_plan = {"layers.*.mlp.gate_up_proj": "packed_colwise", "layers.*.self_attn.q_proj": "colwise"}
+    (issue,) = tp_issues(config, 2)  # a packed projection outside experts kept whole (Phi-3's fused gate_up_proj)
+    assert "styles not supported here: layers.*.mlp.gate_up_proj (packed_colwise)" in issue.message
+
+
+def test_a_mixture_of_experts_plan_keeps_the_experts_whole():
+    """transformers' experts entries (``moe_tp_experts`` with ``packed_colwise`` / ``rowwise`` weights) leave the
+    experts whole on every rank: the weights' entries go, the module's style shards nothing."""
+    config = mp_config()
+    config.base_model_tp_plan = {"layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+                                 "layers.*.mlp.experts.down_proj": "rowwise", "layers.*.mlp.experts": "moe_tp_experts",
+                                 "layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise"}
+    assert tp_issues(config, 2) == []
+    assert config_plan(config) == {"layers.*.mlp.experts": "moe_tp_experts", "layers.*.self_attn.q_proj": "colwise",
+                                   "layers.*.self_attn.o_proj": "rowwise"}
+    assert torch_styles({"model.layers.0.mlp.experts": "moe_tp_experts"}) == {}
+    (issue,) = tp_issues(config, 2, sequence_parallel=True)
+    assert "their experts stay whole on every tensor-parallel rank" in issue.message
 
 
 def test_a_dense_model_of_a_family_whose_plan_also_shards_experts_is_split_without_those_entries():
     """Gemma 4's one plan covers its dense and its mixture-of-experts variants; a dense model has no experts module,
-    so the entries for them (styles not built here) shard nothing and do not refuse tp_size."""
+    so the entries for them shard nothing."""
     from transformers import Gemma4TextConfig
 
     sizes = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "hidden_size": 32,
@@ -223,8 +239,7 @@ def test_a_dense_model_of_a_family_whose_plan_also_shards_experts_is_split_witho
     dense = Gemma4TextConfig(**sizes)
     assert any("experts" in pattern for pattern in dense.base_model_tp_plan) and tp_issues(dense, 2) == []
     moe = Gemma4TextConfig(**sizes, enable_moe_block=True, num_experts=4, moe_intermediate_size=16, top_k_experts=2)
-    (issue,) = tp_issues(moe, 2)
-    assert "layers.*.experts (moe_tp_experts)" in issue.message
+    assert config_plan(moe)["layers.*.experts"] == "moe_tp_experts" and "layers.*.experts" not in config_plan(dense)
     model = meta_model(dense)
     concrete = expand_plan(model_plan(model), model)  # every remaining entry names a module of the dense model
     assert concrete["model.layers.1.mlp.down_proj"] == "rowwise" and not any("experts" in n for n in concrete)

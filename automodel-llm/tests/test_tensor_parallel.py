@@ -198,3 +198,23 @@ def test_dp2_x_tp2_on_four_ranks_trains_like_one_process_and_resumes_with_fsdp2_
     assert "written by 4 ranks, resuming on 2" in log
     assert losses(dp2) == pytest.approx(losses(accumulating)[3:], rel=1e-4)
     assert_same_weights(dp2 / "epoch_0_step_6" / "model", accumulating / "epoch_0_step_6" / "model")
+
+
+def test_a_mixture_of_experts_model_tp2_trains_like_one_process_its_experts_whole(tmp_path):
+    """transformers' plan for Qwen3-MoE (as Mixtral's) shards its experts ``moe_tp_experts`` / ``packed_colwise``:
+    here the attention is split over the two ranks and the experts stay whole on each (both compute all of them on
+    the same tokens), so the run has the losses, gradient norms and weights of one process."""
+    from llm_testing import write_tiny_moe_config
+
+    (tmp_path / "moe").mkdir()
+    moe = write_tiny_moe_config(tmp_path / "moe")
+    config = write_config(tmp_path / "cfg.yaml", moe, tmp_path / "one")
+    _run(config, tmp_path, tmp_path / "one")
+    log = _run(config, tmp_path, tmp_path / "tp", *TP2)
+    assert "model.layers.*.mlp.experts: moe_tp_experts (experts whole on every tensor-parallel rank" in log
+    assert "model.layers.*.self_attn.q_proj: colwise" in log
+    assert losses(tmp_path / "tp") == pytest.approx(losses(tmp_path / "one"), rel=1e-4)
+    assert grad_norms(tmp_path / "tp") == pytest.approx(grad_norms(tmp_path / "one"), rel=1e-4)
+    assert_same_weights(tmp_path / "tp" / "epoch_0_step_6" / "model", tmp_path / "one" / "epoch_0_step_6" / "model")
+    code, out = validate_cli(config, tmp_path, *TP2, "--distributed.sequence_parallel", "true")
+    assert code == 2 and "their experts stay whole on every tensor-parallel rank" in out, out

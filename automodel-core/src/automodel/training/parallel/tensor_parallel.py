@@ -28,6 +28,7 @@ from torch import nn
 from automodel.errors import AutomodelError, ConfigIssue
 from automodel.training.parallel.blocks import LayerPlaceholder, clean_name, transformer_blocks
 from automodel.training.parallel.tp_plans import (
+    EXPERTS_STYLE,
     HEAD_STYLES,
     STYLES,
     TP_PLANS,
@@ -43,6 +44,10 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 _KEY_PROJECTIONS = ("k_proj", "v_proj", "qkv_proj", "query_key_value")
+SEQUENCE_PARALLEL_EXPERTS = ("true would run the mixture-of-experts layers on each rank's part of the sequence, but "
+                             "their experts stay whole on every tensor-parallel rank (not split by the plan), so "
+                             "their input would have to be gathered and their output split again, which is not "
+                             "built; set it to false")
 
 
 @dataclass(frozen=True)
@@ -102,6 +107,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
     vocab_parallel = vocab_parallel and concrete.get(head) in HEAD_STYLES
     ties = _tied_parameters(model)
     styles = torch_styles(concrete, head if vocab_parallel else None)
+    if sequence_parallel and EXPERTS_STYLE in concrete.values():
+        raise AutomodelError(f"distributed.sequence_parallel: {SEQUENCE_PARALLEL_EXPERTS}")
     if sequence_parallel:
         names = {id(module): name for name, module in model.named_modules()}
         styles.update(sequence_parallel_entries(concrete, [(names[id(b)], b) for b in transformer_blocks(model)]))
@@ -135,7 +142,8 @@ def _with_lora_layers(model: nn.Module, concrete: dict[str, str]) -> dict[str, s
     for name, style in concrete.items():
         module = model.get_submodule(name)
         adapters = getattr(module, "lora_A", None)
-        if not isinstance(adapters, nn.ModuleDict) or not hasattr(module, "base_layer"):
+        whole = STYLES[style][1](False) is None  # replicated over the ranks (whole experts): so are its adapters
+        if whole or not isinstance(adapters, nn.ModuleDict) or not hasattr(module, "base_layer"):
             out[name] = style
             continue
         sharded = _LORA_SHARDED.get(style)
@@ -238,6 +246,8 @@ def tp_issues(model_config: Any, tp_size: int, sequence_parallel: bool = False, 
     if sequence_parallel and not styles & {"rowwise", "local_rowwise"}:
         issues.append(ConfigIssue(f"{section}.sequence_parallel", "true needs a plan with row-wise projections, "
                                   f"which the {model_config.model_type} plan lacks; set it to false"))
+    elif sequence_parallel and EXPERTS_STYLE in styles:
+        issues.append(ConfigIssue(f"{section}.sequence_parallel", SEQUENCE_PARALLEL_EXPERTS))
     return issues
 
 

@@ -140,7 +140,12 @@ STYLES: dict[str, tuple[str, Callable[[bool], ParallelStyle | None]]] = {
                                        lambda vp: ReplicateWithGradSum()),
     "sequence_parallel": ("sequence-parallel (norm, dropout)", lambda vp: SequenceParallel(use_local_output=True)),
     "replicate": ("replicated", lambda vp: None),
+    # transformers' plan for a mixture-of-experts layer's fused experts splits every expert's intermediate features
+    # (its packed gate_up_proj with a strided layout DCP cannot checkpoint): here they stay whole on each tp rank
+    "moe_tp_experts": ("experts whole on every tensor-parallel rank (FSDP2 shards them over the data-parallel "
+                       "ranks, distributed.ep_size splits them by expert)", lambda vp: None),
 }
+EXPERTS_STYLE = "moe_tp_experts"
 HEAD_STYLES = ("colwise_rep", "colwise_gather_output")
 ROWWISE_STYLES = ("rowwise", "local_rowwise")
 
@@ -181,7 +186,15 @@ def config_plan(config: Any, registry: TPPlanRegistry = TP_PLANS) -> dict[str, s
 
 
 def _fitted(plan: Mapping[str, str], config: Any) -> dict[str, str]:
-    return without_read_embeddings(without_absent_experts(plan, config), config)
+    return with_whole_experts(without_read_embeddings(without_absent_experts(plan, config), config))
+
+
+def with_whole_experts(plan: Mapping[str, str]) -> dict[str, str]:
+    """``plan`` less the entries for the weights of an experts module it shards ``moe_tp_experts``
+    (``layers.*.mlp.experts.gate_up_proj: packed_colwise``, ``...down_proj: rowwise``): those experts stay whole on
+    every tensor-parallel rank (see :data:`STYLES`), and every rank computes all of them on the same tokens."""
+    experts = {pattern for pattern, style in plan.items() if style == EXPERTS_STYLE}
+    return {pattern: style for pattern, style in plan.items() if pattern.rpartition(".")[0] not in experts}
 
 
 def without_read_embeddings(plan: Mapping[str, str], config: Any) -> dict[str, str]:
@@ -225,7 +238,9 @@ def model_plan(model: nn.Module, registry: TPPlanRegistry = TP_PLANS) -> dict[st
 def expand_plan(plan: Mapping[str, str], model: nn.Module, require_all: bool = True) -> dict[str, str]:
     """Module name -> style name for every module of ``model`` that ``plan`` shards (the first pattern matching
     a module wins, as in transformers). Every style must be one of :data:`STYLES`; ``require_all``: every pattern
-    must match a module (a pipeline stage holds only some of them)."""
+    must match a module (a pipeline stage holds only some of them), or name a child its parent modules lack (a
+    plan covering a layer variant the model does not have: Qwen3-MoE's dense-MLP entries when every layer's MLP is
+    a mixture of experts)."""
     names = [name for name, _ in model.named_modules() if name]
     concrete: dict[str, str] = {}
     for pattern, style_name in plan.items():
@@ -233,7 +248,9 @@ def expand_plan(plan: Mapping[str, str], model: nn.Module, require_all: bool = T
             raise AutomodelError(f"the tensor-parallel plan of '{type(model).__name__}' shards '{pattern}' with "
                                  f"'{style_name}', which is not supported here (supported: {', '.join(STYLES)})")
         matched = [name for name in names if fnmatch.fnmatchcase(name, pattern)]
-        if not matched and require_all:
+        parent = pattern.rpartition(".")[0]
+        variant = any(fnmatch.fnmatchcase(name, parent) for name in names)  # the parent lacks it: another variant's
+        if not matched and require_all and not variant:
             raise AutomodelError(f"the tensor-parallel plan names '{pattern}', which matches no module of "
                                  f"'{type(model).__name__}': is the plan for this architecture?")
         for name in matched:
