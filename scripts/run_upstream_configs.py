@@ -178,10 +178,13 @@ VIDEO_FAMILIES = ("Wan2.2", "Wan", "LTX-2", "HunyuanVideo-1.5")
 # of its family; an id that matches none gets the tiny Llama
 LLM_FAMILIES = {
     r"Qwen3-Next": "Qwen3NextConfig", r"Qwen3\.5": "Qwen3_5MoeTextConfig", r"Qwen3-\d+B-A\d+B": "Qwen3MoeConfig",
+    # mixtures of experts whose code transformers lacks (remote code): a transformers MoE of the same kind
+    r"Ling-": "Qwen3MoeConfig", r"Qwen3\.8-.*-A\d+B": "Qwen3MoeConfig", r"Step-3\.5": "Qwen3MoeConfig",
     r"Qwen3-": "Qwen3Config", r"Qwen1\.5-MoE": "Qwen2MoeConfig", r"Qwen2|QwQ": "Qwen2Config",
     r"gemma-2-": "Gemma2Config", r"gemma-3|functiongemma": "Gemma3TextConfig", r"gemma-7b": "GemmaConfig",
-    r"Mixtral": "MixtralConfig", r"Mistral-|Devstral|Ministral": "MistralConfig", r"phi-4|Phi-3": "Phi3Config",
-    r"phi-2": "PhiConfig", r"DeepSeek-V3$|Moonlight|Kimi-K2": "DeepseekV3Config", r"DeepSeek-V4": "DeepseekV4Config",
+    r"Mixtral": "MixtralConfig", r"Mistral-Small-4": "Mistral4Config",
+    r"Mistral-|Devstral|Ministral": "MistralConfig", r"phi-4|Phi-3": "Phi3Config",
+    r"phi-2": "PhiConfig", r"DeepSeek-V3$|Moonlight|Kimi-K[23]": "DeepseekV3Config", r"DeepSeek-V4": "DeepseekV4Config",
     r"DeepSeek-V3\.2": "DeepseekV32Config",
     r"gpt-oss": "GptOssConfig", r"granite-3": "GraniteConfig", r"Nemotron-3[-.]|Nemotron-Nano-9B": "NemotronHConfig",
     r"OLMo-2": "Olmo2Config", r"GLM-5": "GlmMoeDsaConfig", r"GLM-4\.7-Flash": "Glm4MoeLiteConfig",
@@ -272,9 +275,17 @@ def write_tiny_llm(config_class: str, directory: Path, tokenizer: Path, sizes: d
     heads = (sizes or {}).get("num_attention_heads")
     if heads and "num_key_value_heads" in extras:  # a latent attention's key/value heads are its query heads
         extras = {**extras, "num_key_value_heads": heads}
+    layers = (sizes or {}).get("num_hidden_layers")
+    if layers and isinstance(known.get("layers_block_type"), list):  # Nemotron-H counts its layers' pattern
+        pattern = known["layers_block_type"]
+        extras = {**extras, "layers_block_type": [pattern[index % len(pattern)] for index in range(layers)]}
     config = cls(**{**{key: value for key, value in TINY_LLM.items() if key in known}, **extras,
                     **{key: value for key, value in (sizes or {}).items() if key in known}})
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    auto = transformers.AutoModelForCausalLM if config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES else \
+        transformers.AutoModelForImageTextToText  # transformers maps Mistral Small 4's causal LM there only
+    auto.from_config(config).save_pretrained(directory)
     for item in tokenizer.iterdir():
         shutil.copy(item, directory)
 
@@ -291,7 +302,8 @@ def stand_ins(data: dict[str, Any], assets: dict[str, dict[str, str]], domain: s
     family."""
     model = str((data.get("model") or {}).get("_target_", "")) if isinstance(data.get("model"), dict) else ""
     kind = "seq2seq" if "Seq2SeqLM" in model else "seq_cls" if "SequenceClassification" in model else domain
-    if kind == "llm" and llm_family(data):
+    family = vlm_stand_ins.family_of(model_id(data)) if domain == "vlm" else vision_language_family(data)
+    if kind == "llm" and llm_family(data) and not family:
         kind = f"llm:{llm_family(data)}"
     if domain == "diffusion" and diffusion_family(data):
         kind = f"diffusion:{diffusion_family(data)}"
@@ -311,7 +323,6 @@ def stand_ins(data: dict[str, Any], assets: dict[str, dict[str, str]], domain: s
         if not directory.exists():
             write_tiny_llm(config_class, directory, Path(survey.local_assets()["llm"]["tokenizer"]), sizes)
         found |= {key: str(directory) for key, value in found.items() if value == assets[kind]["model"]}
-    family = vlm_stand_ins.family_of(model_id(data)) if domain == "vlm" else None
     if family:  # the family's tiny model, its processor and tokenizer in the same directory
         directory = assets["vlm:families"][family]
         found |= {key: directory for key in found if key.rsplit(".", 1)[-1] in survey.HUB_KEYS and
@@ -319,14 +330,33 @@ def stand_ins(data: dict[str, Any], assets: dict[str, dict[str, str]], domain: s
         drafter = vlm_stand_ins.family_of(str(data["model"].get("drafter_path", "")))
         if drafter:  # a Gemma 4 assistant trained beside its base: the one made for the base's stand-in
             found["model.drafter_path"] = assets["vlm:families"][drafter]
-    if domain == "vlm":  # the stand-in with the layers, experts and heads the layout needs
+    if domain == "vlm" or family:  # the stand-in with the layers, experts and heads the layout needs
         standing = assets["vlm:families"][family] if family else assets["vlm"]["model"]
         sections = [data.get(name) for name in ("distributed", "teacher_distributed")]
         sizes = {key: max([node.get(key) for node in sections if isinstance(node, dict) and
                            isinstance(node.get(key), int)] or [1]) for key in ("ep_size", "tp_size")}
         sized = vlm_stand_ins.sized_for_layout(standing, pipeline_layers(data), sizes["ep_size"], sizes["tp_size"])
         found |= {key: sized for key, value in found.items() if value == standing}
-    return found
+    return found | drawn_vocabulary(data, found)
+
+
+def drawn_vocabulary(data: dict[str, Any], found: dict[str, str]) -> dict[str, str]:
+    """``dataset.vocab_size`` of upstream's MockIterableDataset (set for the real checkpoint's vocabulary, or unset:
+    1024) as the stand-in model's vocabulary, so the drawn token ids have embeddings."""
+    dataset = data.get("dataset") if isinstance(data.get("dataset"), dict) else {}
+    model = next((Path(value) for key, value in found.items() if key.startswith("model.")
+                  and Path(value, "config.json").is_file()), None)
+    if not str(dataset.get("_target_", "")).endswith("MockIterableDataset") or model is None:
+        return {}
+    config = json.loads((model / "config.json").read_text())
+    return {"dataset.vocab_size": str((config.get("text_config") or config)["vocab_size"])}
+
+
+def vision_language_family(data: dict[str, Any]) -> str | None:
+    """The vlm_stand_ins family of a vision-language checkpoint that an LLM recipe's model section names (upstream's
+    VLM benchmarks build Qwen3-VL-MoE with NeMoAutoModelForCausalLM.from_config), None for a text model."""
+    ids = re.findall(r"[\w.-]+/[\w.-]+-VL-[\w.-]+", json.dumps(data.get("model") or {}))
+    return next((vlm_stand_ins.family_of(hub) for hub in ids if vlm_stand_ins.family_of(hub)), None)
 
 
 def model_id(data: dict[str, Any]) -> str:
