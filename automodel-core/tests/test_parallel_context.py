@@ -306,26 +306,22 @@ def test_eager_attention_with_logit_soft_capping_is_refused_with_context_paralle
     assert eager_issue(Gemma3TextConfig()) is None and eager_issue(LlamaConfig()) is None
 
 
-def test_models_with_recurrent_layers_are_refused_with_context_parallelism():
+def test_recurrent_layers_are_refused_only_under_ring_attention():
     """Mamba / linear-attention layers (``linear_attention`` in ``layer_types``: Nemotron-H's ``layers_block_type``,
-    Qwen3.5's and Qwen3-Next's) run along the whole sequence: a rank's part alone would train another model (a tiny
-    Qwen3.5 under cp 2 had other losses than one process before this refusal)."""
-    from transformers import NemotronHConfig, Qwen3_5Config, Qwen3NextConfig
+    Qwen3.5's and Qwen3-Next's), Falcon-H1's Mamba beside attention (``hybrid``) and LFM2's short convolutions
+    (``conv``) run along the whole sequence: the all-gather attention runs their mixers on the whole rows
+    (recurrent_layers.py; trained like one process in automodel-llm's test_context_parallel.py), torch's ring
+    attention cannot; RWKV / xLSTM configs name no layer types but are recurrent throughout."""
+    from transformers import AutoConfig, FalconH1Config, Lfm2Config, NemotronHConfig, Qwen3_5Config, Qwen3NextConfig
 
     nemotron = NemotronHConfig(layers_block_type=["linear_attention", "moe", "full_attention", "mlp"])
-    assert "1 of the model's 4 layers are recurrent" in recurrent_issue(nemotron)
+    assert recurrent_issue(nemotron) is None
+    assert "1 of the model's layers are recurrent" in recurrent_issue(nemotron, "ring")
     qwen = Qwen3_5Config(text_config={"num_hidden_layers": 4, "full_attention_interval": 2})
-    assert "2 of the model's 4 layers are recurrent" in recurrent_issue(qwen)  # the composite's text config
-    assert "set cp_size: 1" in recurrent_issue(Qwen3NextConfig(num_hidden_layers=4))
-    assert recurrent_issue(LlamaConfig()) is None
-
-
-def test_models_mixing_mamba_into_layers_convolving_or_recurrent_throughout_are_refused_with_cp():
-    """Falcon-H1's layers run attention beside Mamba (``hybrid``), LFM2's short convolutions (``conv``) reach across
-    a part's boundary, and RWKV / xLSTM configs name no layer types but are recurrent throughout."""
-    from transformers import AutoConfig, FalconH1Config, Lfm2Config
-
-    assert "'hybrid'" in recurrent_issue(FalconH1Config(num_hidden_layers=2))
-    assert "2 of the model's 4 layers" in recurrent_issue(Lfm2Config(num_hidden_layers=4, full_attn_idxs=[1, 3]))
+    assert "2 of the model's layers are recurrent" in recurrent_issue(qwen, "ring")  # the composite's text config
+    assert "cp_attention: all_gather" in recurrent_issue(Qwen3NextConfig(num_hidden_layers=4), "ring")
+    assert recurrent_issue(LlamaConfig(), "ring") is None
+    assert recurrent_issue(FalconH1Config(num_hidden_layers=2), "ring") is not None
+    assert "2 of the model's layers" in recurrent_issue(Lfm2Config(num_hidden_layers=4, full_attn_idxs=[1, 3]), "ring")
     for model_type in ("rwkv", "xlstm"):
         assert f"the {model_type} model is recurrent" in recurrent_issue(AutoConfig.for_model(model_type))

@@ -168,3 +168,43 @@ def test_ep2_with_cp2_on_two_gpus_trains_like_one_process(tmp_path):
     assert "each rank holds 2 of 4 experts" in log
     assert losses(tmp_path / "ep_cp") == pytest.approx(losses(tmp_path / "one"), rel=1e-3)
     assert grad_norms(tmp_path / "ep_cp") == pytest.approx(grad_norms(tmp_path / "one"), rel=1e-3)
+
+
+RECURRENT = {  # tiny hybrids of recurrent and attention layers, the shipped tokenizer's vocabulary (482)
+    "nemotron_h": {"layers_block_type": ["linear_attention", "full_attention", "linear_attention", "mlp"],
+                   "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+                   "intermediate_size": 48, "mamba_num_heads": 4, "mamba_head_dim": 8, "ssm_state_size": 8,
+                   "n_groups": 1, "chunk_size": 8, "num_nextn_predict_layers": 0},
+    "qwen3_next": {"num_hidden_layers": 2, "full_attention_interval": 2, "hidden_size": 32, "intermediate_size": 48,
+                   "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "linear_num_key_heads": 2,
+                   "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+                   "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                   "shared_expert_intermediate_size": 16, "decoder_sparse_step": 1},
+    "falcon_h1": {"num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 48, "num_attention_heads": 4,
+                  "num_key_value_heads": 2, "head_dim": 8, "mamba_d_ssm": 32, "mamba_n_heads": 4, "mamba_d_head": 8,
+                  "mamba_d_state": 8, "mamba_n_groups": 1, "mamba_chunk_size": 8},
+    "lfm2": {"num_hidden_layers": 4, "full_attn_idxs": [1, 3], "hidden_size": 32, "intermediate_size": 48,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "block_auto_adjust_ff_dim": False},
+}
+
+
+@pytest.mark.parametrize("model_type", list(RECURRENT))
+def test_cp2_runs_recurrent_layers_on_the_whole_rows_like_one_process(tmp_path, model_type):
+    """Mamba (Nemotron-H; Falcon-H1's beside attention), gated-delta-rule (Qwen3-Next) and short-convolution (LFM2)
+    layers carry a state along the whole sequence: under
+    cp 2 each of their mixers runs on the gathered rows and every rank keeps its part, so the losses and gradient
+    norms are one process's (before, cp 2 refused them: a rank's part alone from a zero state trains another
+    model)."""
+    import json
+
+    data = {"model_type": model_type, "vocab_size": 482, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+            "tie_word_embeddings": False, **RECURRENT[model_type]}
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps(data))
+    config = write_config(tmp_path / "cfg.yaml", tmp_path / "model" / "config.json", tmp_path / "one",
+                          step_scheduler={"max_steps": 3}, dataloader={"batch_size": 2, "shuffle": False})
+    run_finetune(config, tmp_path, tmp_path / "one")
+    log = run_finetune(config, tmp_path, tmp_path / "cp2", *CP2)
+    assert "recurrent mixers (Mamba, linear attention) run on the whole rows" in log
+    assert losses(tmp_path / "cp2") == pytest.approx(losses(tmp_path / "one"), rel=1e-4)
+    assert grad_norms(tmp_path / "cp2") == pytest.approx(grad_norms(tmp_path / "one"), rel=1e-4)

@@ -10,7 +10,7 @@ PaliGemma's image tokens, Gemma 4's on its sliding layers), lets the tokens of o
 as transformers' ``blockwise_overlay`` does. Keys keep the order of the gather (rank 0's part, rank 1's, ...): softmax
 does not depend on the order, and the mask uses each key's global index.
 
-The gather is differentiable (:class:`_GatheredKeysValues`): backward sums the gradient over the ``cp`` group and
+The gather is differentiable (:class:`_GatheredParts`): backward sums the gradient over the ``cp`` group and
 keeps this rank's part, which is the gradient of every rank's loss with respect to this rank's keys and values.
 """
 
@@ -41,18 +41,21 @@ class SplitRegion:
     active: bool = False
     window: int | None = None
     attention: tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]] | None = None  # (causal, plain)
+    sequence: WholeSequence | None = None  # how to gather the whole rows (the all-gather attention's region)
 
     @classmethod
     @contextlib.contextmanager
-    def entered(cls, causal: Callable[..., torch.Tensor], plain: Callable[..., torch.Tensor]) -> Iterator[None]:
-        """Within the block causal SDPA calls run ``causal``, the others ``plain`` (:func:`causal_calls_to`)."""
-        before = cls.active, cls.attention
-        cls.active, cls.window, cls.attention = True, None, (causal, plain)
+    def entered(cls, causal: Callable[..., torch.Tensor], plain: Callable[..., torch.Tensor],
+                sequence: WholeSequence | None = None) -> Iterator[None]:
+        """Within the block causal SDPA calls run ``causal``, the others ``plain`` (:func:`causal_calls_to`);
+        ``sequence``: how a layer that must see whole rows gathers them (:mod:`.recurrent_layers`)."""
+        before = cls.active, cls.attention, cls.sequence
+        cls.active, cls.window, cls.attention, cls.sequence = True, None, (causal, plain), sequence
         try:
             with causal_calls_to(causal, plain):
                 yield
         finally:
-            cls.active, cls.attention = before
+            cls.active, cls.attention, cls.sequence = before
 
     @classmethod
     def recomputation(cls) -> contextlib.AbstractContextManager:
@@ -60,14 +63,14 @@ class SplitRegion:
         the forward runs in, entered again for the block's recomputation in backward where none is entered then.
         A pipeline schedule runs a micro-batch's backward after its stage's forward left the region; without a
         pipeline the region holds the backward too, and this does nothing."""
-        attention = cls.attention if cls.active else None
+        attention, sequence = (cls.attention, cls.sequence) if cls.active else (None, None)
 
         @contextlib.contextmanager
         def again() -> Iterator[None]:
             if attention is None or cls.active:
                 yield
                 return
-            with cls.entered(*attention):
+            with cls.entered(*attention, sequence=sequence):
                 yield
 
         return again()
@@ -82,22 +85,44 @@ class SplitRegion:
             cls.window = getattr(getattr(module, "config", None), "sliding_window", None)
 
 
-class _GatheredKeysValues(torch.autograd.Function):
-    """Every ``cp`` rank's ``[2, batch, heads, part, dim]`` keys and values, in rank order along the sequence."""
+class _GatheredParts(torch.autograd.Function):
+    """Every ``cp`` rank's part of a tensor, in rank order along ``dim`` (the keys and values ``[2, batch, heads,
+    part, dim]``: dim 3; a layer's input ``[batch, part, hidden]``: dim 1)."""
 
     @staticmethod
-    def forward(ctx: Any, part: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group, ctx.rank, ctx.size = group, dist.get_rank(group), dist.get_world_size(group)
+    def forward(ctx: Any, part: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
+        ctx.group, ctx.rank, ctx.size, ctx.dim = group, dist.get_rank(group), dist.get_world_size(group), dim
         part = part.contiguous()
         parts = [torch.empty_like(part) for _ in range(ctx.size)]
         dist.all_gather(parts, part, group=group)  # into a list: every backend has it, gloo included
-        return torch.cat(parts, dim=3)
+        return torch.cat(parts, dim=dim)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)  # every rank's queries saw this rank's keys
-        return grad.chunk(ctx.size, dim=3)[ctx.rank].contiguous(), None
+        dist.all_reduce(grad, group=ctx.group)  # every rank's computation used this rank's part
+        return grad.chunk(ctx.size, dim=ctx.dim)[ctx.rank].contiguous(), None, None
+
+
+@dataclass(frozen=True)
+class WholeSequence:
+    """What gathers this rank's part of a ``[batch, part, ...]`` tensor into the whole rows, and takes its part
+    back: the ``cp`` group, this rank's token indices and the whole rows' padding mask (None: no padding)."""
+
+    group: Any
+    size: int
+    length: int
+    mine: torch.Tensor
+    attention_mask: torch.Tensor | None
+
+    def gather(self, part: torch.Tensor) -> torch.Tensor:
+        """The whole rows in their own order (differentiable: backward sums every rank's gradient of them)."""
+        order = torch.cat([part_indices(self.length, self.size, rank) for rank in range(self.size)])
+        gathered = _GatheredParts.apply(part, self.group, 1)
+        return gathered.index_select(1, torch.argsort(order).to(part.device))
+
+    def part(self, whole: torch.Tensor) -> torch.Tensor:
+        return whole.index_select(1, self.mine.to(whole.device))
 
 
 @dataclass(frozen=True)
@@ -179,7 +204,7 @@ def gathered_attention(cp_mesh: DeviceMesh, visibility: GatheredVisibility, plai
     def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
                   dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
                   enable_gqa: bool = False) -> torch.Tensor:
-        keys, values = _GatheredKeysValues.apply(torch.stack([key, value]), group).unbind(0)
+        keys, values = _GatheredParts.apply(torch.stack([key, value]), group, 3).unbind(0)
         groups = query.shape[1] // keys.shape[1]
         if groups > 1:  # grouped heads with a mask: CUDA's SDPA would fall back to its math kernel, so repeat them
             keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
@@ -220,5 +245,6 @@ def all_gather_region(cp_mesh: DeviceMesh, length: int, position_ids: torch.Tens
         buffer.resize_(shard.shape)
         buffer.copy_(shard)
     plain = F.scaled_dot_product_attention
-    with SplitRegion.entered(gathered_attention(cp_mesh, visibility, plain), plain):
+    sequence = WholeSequence(cp_mesh.get_group(), cp_mesh.size(), length, mine, attention_mask)
+    with SplitRegion.entered(gathered_attention(cp_mesh, visibility, plain), plain, sequence):
         yield

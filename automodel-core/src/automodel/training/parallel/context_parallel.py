@@ -42,6 +42,7 @@ from automodel.training.parallel.all_gather_attention import (
 )
 from automodel.training.parallel.blocks import attention_modules
 from automodel.training.parallel.mesh import data_parallel_mesh
+from automodel.training.parallel.recurrent_layers import recurrent_layer_count
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -95,8 +96,8 @@ def packing_on(cfg: Any) -> bool:
 def cp_attention(cfg: Any, device: torch.device | str, model_config: Any) -> str:
     """The attention context parallelism runs: ``distributed.cp_attention`` unless ``auto``; ``auto`` is ring where
     torch's ring attention runs and computes the model's attention (CUDA with its kernels, sdpa, no packed rows,
-    no sliding-window layers, no pipeline: its schedule runs the backward outside the stage's forward), else
-    all_gather."""
+    no sliding-window nor recurrent layers, no pipeline: its schedule runs the backward outside the stage's forward),
+    else all_gather."""
     settings = cfg.distributed
     setting = getattr(settings, "cp_attention", "auto")
     if setting != "auto":
@@ -104,34 +105,30 @@ def cp_attention(cfg: Any, device: torch.device | str, model_config: Any) -> str
     model = cfg.get("model") if hasattr(cfg, "get") else None
     implementation = model.get("attn_implementation") if model is not None else None
     ring = (settings.pp_size == 1 and not cp_issues(device, settings.cp_size, implementation) and not packing_on(cfg)
-            and (model_config is None or sliding_window_issue(model_config) is None))
+            and (model_config is None or (sliding_window_issue(model_config) is None
+                                          and not recurrent_layer_count(model_config))))
     return "ring" if ring else "all_gather"
 
 
-# transformers' layer_types of layers whose state runs along the sequence: Mamba / gated-delta-rule layers
-# ('linear_attention'), Falcon-H1's attention-beside-Mamba ('hybrid'), LFM2's short convolutions ('conv')
-RECURRENT_LAYERS = ("linear_attention", "hybrid", "conv")
 # recurrent model types whose configs name no layer_types
 RECURRENT_MODELS = ("rwkv", "xlstm")
 
 
-def recurrent_issue(config: Any) -> str | None:
-    """Why context parallelism cannot split a model with recurrent layers (None: it has none): transformers marks
-    Mamba / linear-attention (gated delta rule) layers ``linear_attention`` in ``layer_types`` (Nemotron-H's
-    ``layers_block_type``, Qwen3.5's, Qwen3-Next's, ...). Their state runs along the whole sequence, but each rank
-    would run them on its part alone (a 2 x cp chunk layout, not contiguous) from a zero state."""
+def recurrent_issue(config: Any, attention: str = "all_gather") -> str | None:
+    """Why context parallelism cannot split a model with recurrent layers (None: it can, or it has none): a
+    recurrent model type, or recurrent layers (transformers' ``linear_attention`` / ``hybrid`` / ``conv``
+    ``layer_types``: Nemotron-H's Mamba, Qwen3.5's gated delta rule, ...) under torch's ring attention; the
+    all-gather attention runs their mixers on the whole rows (:mod:`.recurrent_layers`)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     if getattr(text, "model_type", None) in RECURRENT_MODELS:
         return (f"the {text.model_type} model is recurrent: its state runs along the whole sequence; context "
                 "parallelism would run it on each rank's part of it alone and train another model; set cp_size: 1")
-    layer_types = list(getattr(text, "layer_types", None) or ())
-    count = sum(kind in RECURRENT_LAYERS for kind in layer_types)
-    if not count:
+    count = recurrent_layer_count(config)
+    if not count or attention == "all_gather":
         return None
-    return (f"{count} of the model's {len(layer_types)} layers are recurrent or convolve along the sequence "
-            f"(layer_types {', '.join(repr(k) for k in sorted(set(layer_types) & set(RECURRENT_LAYERS)))}: Mamba, "
-            "linear attention, short convolutions), whose state runs along the whole sequence; context parallelism "
-            "would run them on each rank's part of it alone and train another model; set cp_size: 1")
+    return (f"{count} of the model's layers are recurrent or convolve along the sequence (Mamba, linear attention, "
+            "short convolutions), whose state runs along the whole sequence: the all-gather attention runs them on "
+            "the whole rows, torch's ring attention cannot; set distributed.cp_attention: all_gather (or auto)")
 
 
 def sliding_window_issue(config: Any) -> str | None:

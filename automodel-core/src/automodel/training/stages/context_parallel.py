@@ -9,9 +9,9 @@ all-gather attention's region (``PipelineStageModel.forward``); FSDP2 shards ove
 slot). Tensor parallelism composes over the mesh's ``tp`` dimension: each rank's attention runs on its
 tensor-parallel heads (the keys and values gathered over its ``cp`` group only), the loss is vocabulary-parallel on
 the split sequences, and sequence parallelism shards a rank's part further over ``tp``. Validation refuses what the
-chosen attention cannot run (ring: not CUDA, sliding windows), models with recurrent layers (Mamba, linear
-attention: their state would not pass between the ranks' parts) and the combinations this path does not handle, each
-with the reason.
+chosen attention cannot run (ring: not CUDA, sliding windows, recurrent layers; the all-gather attention runs
+recurrent mixers on the whole rows, ``recurrent_layers.py``), recurrent model types (RWKV, xLSTM) and the
+combinations this path does not handle, each with the reason.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from automodel.training.parallel.context_parallel import (
     sliding_window_issue,
 )
 from automodel.training.parallel.multimodal_fsdp import multimodal_modules
+from automodel.training.parallel.recurrent_layers import recurrent_mixers, run_on_whole_rows
 from automodel.training.parallelism import model_hf_config, validation_device
 
 
@@ -62,7 +63,7 @@ def issues(cfg: Config, implementation: str | None) -> list[ConfigIssue]:
                                  "device; auto chooses it on CPU) or pp_size: 1"))
     if chosen == "ring" and config is not None and (why := sliding_window_issue(config)) is not None:
         found.append(ConfigIssue("distributed.cp_attention", f"ring: {why}"))
-    if config is not None and (why := recurrent_issue(config)) is not None:
+    if config is not None and (why := recurrent_issue(config, chosen)) is not None:
         found.append(ConfigIssue("distributed.cp_size", f"{cp}: {why}"))
     if attention == "eager" and config is not None and (why := eager_issue(config)) is not None:
         found.append(ConfigIssue("model.attn_implementation", why))
@@ -87,14 +88,19 @@ def attention(ctx: BuildContext, model: torch.nn.Module) -> tuple[torch.nn.Modul
         raise AutomodelError(f"distributed.cp_attention: ring: {why}")
     if (why := built_attention_issue(config, chosen)) is not None:
         raise AutomodelError(f"model.attn_implementation: {why}")
-    if config is not None and (why := recurrent_issue(config)) is not None:
+    if config is not None and (why := recurrent_issue(config, chosen)) is not None:
         raise AutomodelError(f"distributed.cp_size: {cp}: {why}")
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     implementation = getattr(text, "_attn_implementation", None)
-    hooked = causal_attention_without_mask(inner, multimodal_modules(inner, ctx.multimodal_names).values())
+    towers = multimodal_modules(inner, ctx.multimodal_names).values()
+    mixers = recurrent_mixers(inner, config, towers) if config is not None else []
+    hooked = causal_attention_without_mask(inner, [*towers, *mixers])
+    whole = run_on_whole_rows(mixers)
     how = ("torch's ring attention" if chosen == "ring" else
            "all-gather attention (every rank's keys and values gathered, SDPA with an exact mask)")
     eager = ("; the model's eager attention runs as transformers' SDPA attention there (the same math), eager "
              "outside (validation, generation)" if implementation == "eager" else "")
+    mixed = (f"; the {whole} recurrent mixers (Mamba, linear attention) run on the whole rows, gathered over the cp "
+             "ranks, each rank keeping its part of their output" if whole else "")
     return model, (f"{hooked} attention modules run as {how} over cp {cp} (each sequence split into {2 * cp} "
-                   f"chunks, rank r holding chunks r and {2 * cp - 1} - r){eager}")
+                   f"chunks, rank r holding chunks r and {2 * cp - 1} - r){eager}{mixed}")
