@@ -52,7 +52,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).parent))
 import check_upstream_configs as survey  # noqa: E402  (the validation survey: hub keys, domains, validation)
 
-from automodel.testing import free_port  # noqa: E402
+from automodel.testing import free_port, run_cli  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "automodel-diffusion" / "tests"))
 import diffusion_testing  # noqa: E402  (the diffusion tests' tiny pipelines of each family, and tiny clips)
@@ -296,6 +296,34 @@ def diffusion_family(data: dict[str, Any]) -> str | None:
     return next((name for name in DIFFUSION_FAMILIES if name in model), None)
 
 
+def transformer_alone(data: dict[str, Any]) -> bool:
+    """Whether a diffusion config trains its transformer alone on a latent cache (upstream's pretrain form:
+    ``model.pipeline_spec.load_full_pipeline: false`` with the data loader's ``cache_dir``)."""
+    spec = (data.get("model") or {}).get("pipeline_spec") if isinstance(data.get("model"), dict) else None
+    loader = (data.get("data") or {}).get("dataloader") if isinstance(data.get("data"), dict) else None
+    return isinstance(spec, dict) and spec.get("load_full_pipeline") is False and isinstance(loader, dict) \
+        and "cache_dir" in loader
+
+
+def latent_cache(pipeline: Path, family: str) -> Path:
+    """A latent cache of the tiny pictures (a video family: the tiny clips) that ``automodel precompute diffusion``
+    writes once with the family's tiny pipeline, beside it."""
+    cache = pipeline.with_name(f"{pipeline.name}-latents")
+    if (cache / "manifest.json").is_file():
+        return cache
+    video = family in VIDEO_FAMILIES
+    dataset = ["--dataset._target_", "automodel_diffusion.datasets.VideoCaptionDataset", "--dataset.path",
+               str(pipeline.parent / "clips"), "--dataset.num_frames", "5"] if video else \
+        ["--dataset.path", str(Path(survey.local_assets()["diffusion"]["dataset"]) / "train.jsonl")]
+    result = run_cli("precompute", "diffusion", "-c", "diffusion/tiny_precompute",
+                     "--model.pretrained_model_name_or_path", str(pipeline), *dataset, "--dataset.resolution", "64",
+                     "--output.cache_dir", str(cache), "--model.max_sequence_length", "null", cwd=pipeline.parent,
+                     timeout=600, OMP_NUM_THREADS="1")
+    if result.returncode != 0:
+        raise SystemExit(f"the latent cache of {family}'s tiny pipeline: {result.stderr[-2000:]}")
+    return cache
+
+
 def stand_ins(data: dict[str, Any], assets: dict[str, dict[str, str]], domain: str) -> dict[str, str]:
     """The hub-id overrides of the validation survey; a sequence-to-sequence model (and its tokenizer) gets the
     tiny T5 stand-in instead of the domain's decoder, an LLM of a family in LLM_FAMILIES a tiny one of that
@@ -308,6 +336,14 @@ def stand_ins(data: dict[str, Any], assets: dict[str, dict[str, str]], domain: s
     if domain == "diffusion" and diffusion_family(data):
         kind = f"diffusion:{diffusion_family(data)}"
     found = dict(survey.hub_overrides(data, assets[kind]))
+    inference = data.get("inference") if isinstance(data.get("inference"), dict) else {}
+    if isinstance(inference.get("input_images"), list):  # an edit pipeline's pictures to edit: shipped ones
+        shapes = sorted((Path(survey.local_assets()["diffusion"]["dataset"]) / "images").glob("*.png"))
+        found["inference.input_images"] = json.dumps([str(path) for path in shapes[:len(inference["input_images"])]])
+    if domain == "diffusion" and diffusion_family(data) and transformer_alone(data):
+        found["data.dataloader.cache_dir"] = str(latent_cache(Path(assets[kind]["model"]), diffusion_family(data)))
+        if data["data"]["dataloader"].get("base_resolution") is not None:  # what the cache holds
+            found["data.dataloader.base_resolution"] = "[64, 64]"
     is_llm = kind == "llm" or kind.startswith("llm:")
     layers = pipeline_layers(data) if is_llm else 0
     if eagle_target(data):  # the draft reads three distinct target layers: upstream's default needs 8
@@ -498,7 +534,8 @@ def data_overrides(data: dict[str, Any], root: Path, scratch: Path) -> dict[str,
     found = {}
     loader = (data.get("data") or {}).get("dataloader") if isinstance(data.get("data"), dict) else None
     family = diffusion_family(data)
-    if isinstance(loader, dict) and "cache_dir" in loader and family and family != "Qwen-Image-Edit":
+    if isinstance(loader, dict) and "cache_dir" in loader and family and family != "Qwen-Image-Edit" and \
+            not transformer_alone(data):  # (a latent cache: stand_ins)
         found["data.dataloader.cache_dir"] = str(root.parent / "models" / "clips") if family in VIDEO_FAMILIES \
             else str(Path(survey.local_assets()["diffusion"]["dataset"]))
     if isinstance(loader, dict) and loader.get("base_resolution") is not None:

@@ -169,3 +169,22 @@ def test_upstreams_pretrain_forms_validate_with_a_latent_cache(cache, tmp_path, 
     path.write_text(yaml.safe_dump(form))
     _, cfg = load_config(path, route=("pretrain", "diffusion"))
     assert cfg.model.pipeline_spec.transformer_cls == transformer
+
+
+def test_a_cache_of_other_caption_lengths_says_both_and_the_value_to_set():
+    """A cache made with the pipeline's own caption length (max_sequence_length unset) and a run asking for 16 (or
+    the other way round) are told apart in words, with the value that matches the cache."""
+    from types import SimpleNamespace
+
+    from automodel_diffusion.latents import fit_issue
+
+    class StableDiffusion3Pipeline:
+        pass
+
+    model = SimpleNamespace(pipeline=StableDiffusion3Pipeline(), conditioning=SimpleNamespace(vae_config={}),
+                            max_sequence_length=16)
+    manifest = {"pipeline_class": "StableDiffusion3Pipeline", "vae_config": {}, "max_sequence_length": None}
+    assert fit_issue(manifest, model) == (
+        "its captions were encoded with max_sequence_length unset (the pipeline's own default), this run's is 16: "
+        "set model.max_sequence_length to null to match, or remake the cache")
+    assert fit_issue({**manifest, "max_sequence_length": 16}, model) is None

@@ -208,9 +208,12 @@ def fit_issue(manifest: dict[str, Any], model: Any) -> str | None:
     if differ:
         return (f"it was made with another VAE than this model's (their configs differ in {', '.join(differ)}); "
                 f"{HOW_TO_MAKE}")
-    if manifest.get("max_sequence_length") != model.max_sequence_length:
-        return (f"its captions were encoded with max_sequence_length {manifest.get('max_sequence_length')}, the "
-                f"model's is {model.max_sequence_length}: set model.max_sequence_length to match, or remake the cache")
+    theirs, ours = manifest.get("max_sequence_length"), model.max_sequence_length
+    if theirs != ours:
+        said = {None: "unset (the pipeline's own default)"}
+        return (f"its captions were encoded with max_sequence_length {said.get(theirs, theirs)}, this run's is "
+                f"{said.get(ours, ours)}: set model.max_sequence_length to {theirs if theirs is not None else 'null'} "
+                "to match, or remake the cache")
     return None
 
 
