@@ -58,7 +58,7 @@ def test_without_fsdp2_what_autocast_cannot_do_is_refused():
     issues = precision_issues({"param_dtype": "bf16", "reduce_dtype": "bf16", "output_dtype": "bf16",
                                "cast_forward_inputs": False}, CPU, fsdp2=False)
     assert [i.key.rsplit(".", 1)[1] for i in issues] == ["reduce_dtype", "output_dtype", "cast_forward_inputs"]
-    assert all("fsdp2" in i.message for i in issues)
+    assert all("needs distributed.strategy: fsdp2 and more than one process" in i.message for i in issues)
     fine = resolve_precision({"param_dtype": "bf16", "reduce_dtype": "fp32", "output_dtype": "fp32"}, CPU, False)
     assert fine.describe(torch.float32, fsdp2=False) == \
         "mixed precision (torch.autocast): params bf16 (stored fp32), reduce fp32, output bf16, loss fp32"

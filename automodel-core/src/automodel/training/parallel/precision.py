@@ -194,15 +194,19 @@ def _parse(mp_policy: Mapping[str, Any] | None, device: torch.device, fsdp2: boo
                      ), issues
 
 
+FSDP2_RUN = ("distributed.strategy: fsdp2 and more than one process (FSDP2 shards over the run's processes; one "
+             "process trains unsharded, under autocast)")
+
+
 def _autocast_issues(dtypes: dict[str, torch.dtype | None], cast: Any, section: str) -> list[ConfigIssue]:
     """What only FSDP2's policy can do: autocast neither reduces in another dtype nor casts outputs or inputs."""
     issues = []
     for key, allowed in (("reduce_dtype", (None, torch.float32)), ("output_dtype", (None, torch.float32))):
         if dtypes[key] not in allowed:
-            issues.append(ConfigIssue(f"{section}.{key}", f"{dtype_name(dtypes[key])} needs distributed.strategy: "
-                                      "fsdp2 (without it gradients are reduced in fp32 and outputs are left as "
-                                      "autocast computes them, the loss in fp32); remove the key or use fsdp2"))
+            issues.append(ConfigIssue(f"{section}.{key}", f"{dtype_name(dtypes[key])} is FSDP2's, so it needs "
+                                      f"{FSDP2_RUN} (without FSDP2 gradients are reduced in fp32 and outputs are left "
+                                      "as autocast computes them, the loss in fp32); remove the key or use fsdp2"))
     if cast is False:
-        issues.append(ConfigIssue(f"{section}.cast_forward_inputs", "false needs distributed.strategy: fsdp2 "
+        issues.append(ConfigIssue(f"{section}.cast_forward_inputs", f"false is FSDP2's, so it needs {FSDP2_RUN} "
                                   "(autocast casts each operation's inputs); remove the key or use fsdp2"))
     return issues
