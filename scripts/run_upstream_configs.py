@@ -438,6 +438,7 @@ CPU_OVERRIDES: dict[str, Any] = {
     r"^(?P<edit>quantization)(\.|$)": REMOVE,  # QLoRA: LoRA on the bf16 / fp32 weights
     r"^vae\.enable_cpu_offload$": False,
     r"^model\.optimize_hunyuan_flash_varlen_mask$": False,
+    r"^model\.config\.kda_use_fused_gate$": False,  # flash-linear-attention's fused gate: Triton on CUDA
     r"^(?P<edit>model\.text_config\.cp_full_attn_backend)$": REMOVE,  # FFPA's CUDA kernels
     r"^(?P<edit>model\.transformer_engine_fp8\w*)$": REMOVE,
     r"^eagle3\.draft_attn_implementation$": ("recipe_args.draft_attn_implementation", "sdpa"),  # EAGLE-3's form

@@ -183,18 +183,24 @@ RECURRENT = {  # tiny hybrids of recurrent and attention layers, the shipped tok
     "falcon_h1": {"num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 48, "num_attention_heads": 4,
                   "num_key_value_heads": 2, "head_dim": 8, "mamba_d_ssm": 32, "mamba_n_heads": 4, "mamba_d_head": 8,
                   "mamba_d_state": 8, "mamba_n_groups": 1, "mamba_chunk_size": 8},
+    "kimi_linear": {"num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"],
+                    "mlp_layer_types": ["dense", "dense"], "hidden_size": 32, "intermediate_size": 48,
+                    "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 16, "kv_lora_rank": 16,
+                    "q_lora_rank": None, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8,
+                    "linear_head_dim": 8, "linear_num_heads": 4, "num_experts": 4, "moe_intermediate_size": 16},
     "lfm2": {"num_hidden_layers": 4, "full_attn_idxs": [1, 3], "hidden_size": 32, "intermediate_size": 48,
              "num_attention_heads": 4, "num_key_value_heads": 2, "block_auto_adjust_ff_dim": False},
 }
 
 
-@pytest.mark.parametrize("model_type", list(RECURRENT))
+@pytest.mark.parametrize("model_type", [  # make test-slow: the hybrid's and the short convolutions' mixer names
+    pytest.param(name, marks=pytest.mark.slow) if name in ("falcon_h1", "lfm2") else name for name in RECURRENT])
 def test_cp2_runs_recurrent_layers_on_the_whole_rows_like_one_process(tmp_path, model_type):
-    """Mamba (Nemotron-H; Falcon-H1's beside attention), gated-delta-rule (Qwen3-Next) and short-convolution (LFM2)
-    layers carry a state along the whole sequence: under
+    """Mamba (Nemotron-H; Falcon-H1's beside attention), gated-delta-rule (Qwen3-Next), delta-attention (Kimi Linear)
+    and short-convolution (LFM2) layers carry a state along the whole sequence: under
     cp 2 each of their mixers runs on the gathered rows and every rank keeps its part, so the losses and gradient
     norms are one process's (before, cp 2 refused them: a rank's part alone from a zero state trains another
-    model)."""
+    model). Kimi Linear's full-attention layers are a latent attention, whose keys are wider than its values."""
     import json
 
     data = {"model_type": model_type, "vocab_size": 482, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,

@@ -204,7 +204,10 @@ def gathered_attention(cp_mesh: DeviceMesh, visibility: GatheredVisibility, plai
     def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
                   dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
                   enable_gqa: bool = False) -> torch.Tensor:
-        keys, values = _GatheredParts.apply(torch.stack([key, value]), group, 3).unbind(0)
+        if key.shape == value.shape:  # one gather for both
+            keys, values = _GatheredParts.apply(torch.stack([key, value]), group, 3).unbind(0)
+        else:  # a latent attention's (DeepSeek-V3's, Kimi's): keys wider than values
+            keys, values = _GatheredParts.apply(key, group, 2), _GatheredParts.apply(value, group, 2)
         groups = query.shape[1] // keys.shape[1]
         if groups > 1:  # grouped heads with a mask: CUDA's SDPA would fall back to its math kernel, so repeat them
             keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)

@@ -10,7 +10,8 @@ activations are those of the whole rows on every rank (the attention, MLP and Mo
 A mixer is found in each decoder layer whose type is recurrent (``layer_types`` of the text config, or the layer's
 own ``block_type`` / ``layer_type``) as its child of one of :data:`MIXER_NAMES`: Qwen3.5's / Qwen3-Next's
 ``linear_attn``, Nemotron-H's ``mixer``, Falcon-H1's ``mamba`` (beside its split attention, ``hybrid``), LFM2's
-``conv``. Outside the region (validation, generation: whole rows on every rank) the mixers run as they are.
+``conv``, Kimi Linear's ``self_attn`` (its delta attention in a ``linear_attention`` layer). Outside the region
+(validation, generation: whole rows on every rank) the mixers run as they are.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from automodel.training.parallel.blocks import transformer_blocks
 # transformers' layer_types of layers whose state runs along the sequence: Mamba / gated-delta-rule layers
 # ('linear_attention'), Falcon-H1's attention-beside-Mamba ('hybrid'), LFM2's short convolutions ('conv')
 RECURRENT_LAYERS = ("linear_attention", "hybrid", "conv")
-MIXER_NAMES = ("linear_attn", "mixer", "mamba", "conv")  # a recurrent layer's mixer, as transformers names it
+# a recurrent layer's mixer, as transformers names it (Kimi Linear's delta attention in its linear layers: self_attn)
+MIXER_NAMES = ("linear_attn", "mixer", "mamba", "conv", "self_attn")
 _INDEX = re.compile(r"(?:^|\.)(\d+)$")
 
 
