@@ -161,11 +161,16 @@ def test_what_the_heads_are_not_wired_into_is_refused(override, words):
     assert words in refusals(*override)["model.mtp_loss_scaling_factor"]
 
 
-def test_context_parallelism_is_refused_for_the_models_linear_attention_layers(qwen_dir):
-    """Validation reads the checkpoint's config: its linear-attention layers would run on each rank's part alone."""
+def test_context_parallelism_runs_the_linear_attention_layers_whole_and_ring_attention_is_refused(qwen_dir):
+    """Validation reads the checkpoint's config: its linear-attention layers run on the whole rows under the
+    all-gather attention (auto's choice here), which torch's ring attention cannot do."""
     found = refusals("--model.pretrained_model_name_or_path", str(qwen_dir), "--distributed",
                      "{strategy: fsdp2, cp_size: 2}")
-    assert "1 of the model's 2 layers are recurrent" in found["distributed.cp_size"], found
+    assert "distributed.cp_size" not in found and "not wired into context parallelism" in \
+        found["model.mtp_loss_scaling_factor"], found  # the heads are refused, the layers are not
+    found = refusals("--model.pretrained_model_name_or_path", str(qwen_dir), "--distributed",
+                     "{strategy: fsdp2, cp_size: 2, cp_attention: ring}")
+    assert "1 of the model's layers are recurrent" in found["distributed.cp_size"], found
 
 
 def test_pipeline_parallelism_is_not_refused_for_the_heads():
