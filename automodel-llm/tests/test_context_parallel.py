@@ -214,3 +214,21 @@ def test_cp2_runs_recurrent_layers_on_the_whole_rows_like_one_process(tmp_path, 
     assert "recurrent mixers (Mamba, linear attention) run on the whole rows" in log
     assert losses(tmp_path / "cp2") == pytest.approx(losses(tmp_path / "one"), rel=1e-4)
     assert grad_norms(tmp_path / "cp2") == pytest.approx(grad_norms(tmp_path / "one"), rel=1e-4)
+
+
+def test_pp2_x_cp2_with_a_stage_of_recurrent_layers_only_trains_like_one_process(tmp_path):
+    """Nemotron-H's four layers over two pipeline stages: the second holds a Mamba layer and an MLP one, no attention
+    (before: 'found no attention module' stopped it); its Mamba mixer runs on the whole rows there."""
+    import json
+
+    data = {"model_type": "nemotron_h", "vocab_size": 482, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+            "tie_word_embeddings": False, **RECURRENT["nemotron_h"]}
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps(data))
+    config = write_config(tmp_path / "cfg.yaml", tmp_path / "model" / "config.json", tmp_path / "one",
+                          step_scheduler={"max_steps": 3}, dataloader={"batch_size": 2, "shuffle": False})
+    run_finetune(config, tmp_path, tmp_path / "one")
+    run_finetune(config, tmp_path, tmp_path / "pp_cp", "--nproc-per-node", "4", "--distributed.strategy", "fsdp2",
+                 "--distributed.pp_size", "2", "--distributed.cp_size", "2")
+    assert losses(tmp_path / "pp_cp") == pytest.approx(losses(tmp_path / "one"), rel=1e-4)
+    assert grad_norms(tmp_path / "pp_cp") == pytest.approx(grad_norms(tmp_path / "one"), rel=1e-4)

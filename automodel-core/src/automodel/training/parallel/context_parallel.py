@@ -262,12 +262,14 @@ def context_parallel_region(cp_mesh: DeviceMesh, batch: ContextParallelBatch, at
             yield
 
 
-def causal_attention_without_mask(model: nn.Module, skip: Collection[nn.Module] = ()) -> int:
+def causal_attention_without_mask(model: nn.Module, skip: Collection[nn.Module] = (), none_is_fine: bool = False
+                                  ) -> int:
     """Make every attention module of ``model``'s transformer blocks run without a mask inside the context-parallel
     region (the model's mask, built from the split position ids, would not match the region's attention; each
     module's sliding window is noted for the all-gather attention's mask); returns how many were hooked. The modules
     are found below wrappers (activation checkpointing) too; those inside ``skip`` (a vision-language model's
-    towers, which see whole images) are left as they are.
+    towers, which see whole images) are left as they are. None found is an error unless ``none_is_fine`` (a pipeline
+    stage of recurrent or MLP layers only).
 
     A module whose model asked for ``eager`` attention runs transformers' SDPA attention inside the region (the
     region's attention replaces SDPA calls, which eager's matrix products never make): the same softmax(QK^T / s)V,
@@ -295,7 +297,7 @@ def causal_attention_without_mask(model: nn.Module, skip: Collection[nn.Module] 
         module.register_forward_pre_hook(drop_mask, with_kwargs=True)
         module.register_forward_hook(restore_eager, with_kwargs=True, always_call=True)
     hooked = len(modules)
-    if not hooked:
+    if not hooked and not none_is_fine:
         raise AutomodelError(f"context parallelism found no attention module in the layers of "
                              f"'{type(model).__name__}'")
     return hooked

@@ -22,6 +22,7 @@ from automodel.config import Config
 from automodel.errors import AutomodelError, ConfigIssue
 from automodel.training.context import BuildContext
 from automodel.training.modules import unwrap
+from automodel.training.parallel.blocks import LayerPlaceholder
 from automodel.training.parallel.context_parallel import (
     built_attention_issue,
     causal_attention_without_mask,
@@ -94,7 +95,8 @@ def attention(ctx: BuildContext, model: torch.nn.Module) -> tuple[torch.nn.Modul
     implementation = getattr(text, "_attn_implementation", None)
     towers = multimodal_modules(inner, ctx.multimodal_names).values()
     mixers = recurrent_mixers(inner, config, towers) if config is not None else []
-    hooked = causal_attention_without_mask(inner, [*towers, *mixers])
+    stage = any(isinstance(module, LayerPlaceholder) for module in inner.modules())  # holds some layers only
+    hooked = causal_attention_without_mask(inner, [*towers, *mixers], none_is_fine=stage)
     whole = run_on_whole_rows(mixers)
     how = ("torch's ring attention" if chosen == "ring" else
            "all-gather attention (every rank's keys and values gathered, SDPA with an exact mask)")
