@@ -179,6 +179,7 @@ VIDEO_FAMILIES = ("Wan2.2", "Wan", "LTX-2", "HunyuanVideo-1.5")
 LLM_FAMILIES = {
     r"Qwen3-Next": "Qwen3NextConfig", r"Qwen3\.5": "Qwen3_5MoeTextConfig", r"Qwen3-\d+B-A\d+B": "Qwen3MoeConfig",
     # mixtures of experts whose code transformers lacks (remote code): a transformers MoE of the same kind
+    r"Kimi-Linear": "KimiLinearConfig",
     r"Ling-": "Qwen3MoeConfig", r"Qwen3\.8-.*-A\d+B": "Qwen3MoeConfig", r"Step-3\.5": "Qwen3MoeConfig",
     r"Qwen3-": "Qwen3Config", r"Qwen1\.5-MoE": "Qwen2MoeConfig", r"Qwen2|QwQ": "Qwen2Config",
     r"gemma-2-": "Gemma2Config", r"gemma-3|functiongemma": "Gemma3TextConfig", r"gemma-7b": "GemmaConfig",

@@ -30,6 +30,7 @@ from automodel.training.logging import FAILED, STOPPED, SUCCESS
 from automodel.training.loss_parts import LossParts
 from automodel.training.metrics import MetricsSample, peak_memory_gib
 from automodel.training.modules import unwrap
+from automodel.training.out_of_memory import training_out_of_memory, validation_out_of_memory
 from automodel.training.parallel.grad_norm import clip_grad_norm_
 from automodel.training.parallel.mesh import CP, DP, PP
 from automodel.training.parallel.tensor_parallel import local_loss, tensor_parallel_of
@@ -73,7 +74,8 @@ class TrainingLoop(PipelineSteps, ContextParallelSteps, LossParts):
 
     def train_step(self, batches: list[Any]) -> tuple[torch.Tensor, torch.Tensor, int]:
         """One optimizer update over the step's micro-batches; the loss is token-weighted over the whole step."""
-        with naming_stalls(lambda: f"step {self.step_scheduler.step + 1}", self.cfg.dist_env.timeout_minutes):
+        with naming_stalls(lambda: f"step {self.step_scheduler.step + 1}", self.cfg.dist_env.timeout_minutes), \
+                training_out_of_memory(lambda: self.step_scheduler.step + 1, lambda: describe_batch(batches[0])):
             return self._train_step(batches)
 
     def _train_step(self, batches: list[Any]) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -193,24 +195,6 @@ class TrainingLoop(PipelineSteps, ContextParallelSteps, LossParts):
                 "default when unset). Remove collate_fn, or make it return the keys and tensors the recipe reads; "
                 "AUTOMODEL_DEBUG=1 shows the traceback") from err
 
-    @contextlib.contextmanager
-    def validation_oom(self, name: str, loader: Any):
-        """Running out of memory in validation only (training fit): point at the validation batch size."""
-        try:
-            yield
-        except RuntimeError as err:  # torch.OutOfMemoryError (CUDA) is a RuntimeError; so is a failed CPU alloc
-            text = str(err)
-            if not (isinstance(err, torch.OutOfMemoryError) or "out of memory" in text.lower()
-                    or "can't allocate memory" in text):
-                raise
-            first = text.strip().splitlines()[0] if text.strip() else type(err).__name__
-            size = getattr(loader, "batch_size", None)
-            raise AutomodelError(
-                f"validation [{name}] at step {self.step_scheduler.step} ran out of memory with batch size {size}: "
-                f"{type(err).__name__}: {first[:300]}. Training fit, so lower validation_dataloader.batch_size "
-                "(it defaults to dataloader.batch_size) or shorten the validation samples; validation runs "
-                "under torch.no_grad() in eval mode") from err
-
     @torch.no_grad()
     def validate(self) -> None:
         """Every rank runs its share of each validation set (a forward under FSDP2 needs them all); the sums are
@@ -238,7 +222,8 @@ class TrainingLoop(PipelineSteps, ContextParallelSteps, LossParts):
         total = torch.zeros((), device=self.device)
         tokens = 0
         for batch in loader:
-            with self.batch_errors(batch, "validation_dataloader"), self.validation_oom(name, loader), \
+            with self.batch_errors(batch, "validation_dataloader"), \
+                    validation_out_of_memory(name, self.step_scheduler.step, loader), \
                     self.loss_context(), self.forward_context():
                 tokens += self.count_label_tokens(batch)
                 total += self._validation_loss(batch)
