@@ -374,7 +374,17 @@ def stand_ins(data: dict[str, Any], assets: dict[str, dict[str, str]], domain: s
                            isinstance(node.get(key), int)] or [1]) for key in ("ep_size", "tp_size")}
         sized = vlm_stand_ins.sized_for_layout(standing, pipeline_layers(data), sizes["ep_size"], sizes["tp_size"])
         found |= {key: sized for key, value in found.items() if value == standing}
-    return found | drawn_vocabulary(data, found)
+    return found | drawn_vocabulary(data, found) | teacher_width(data, found)
+
+
+def teacher_width(data: dict[str, Any], found: dict[str, str]) -> dict[str, str]:
+    """A retrieval student's ``teacher_hidden_size`` (its projection to the teacher's embeddings, upstream's 4096) as
+    the stand-in teacher's hidden size."""
+    model = data.get("model") if isinstance(data.get("model"), dict) else {}
+    teacher = Path(found.get("teacher_model.pretrained_model_name_or_path", ""), "config.json")
+    if "teacher_hidden_size" not in model or not teacher.is_file():
+        return {}
+    return {"model.teacher_hidden_size": str(json.loads(teacher.read_text())["hidden_size"])}
 
 
 def drawn_vocabulary(data: dict[str, Any], found: dict[str, str]) -> dict[str, str]:
