@@ -42,9 +42,9 @@ def attach_heads(model: nn.Module, settings: MTPSettings, checkpoint: str | None
     ``num_nextn_predict_layers`` becomes the depths with their own weights (what the saved model holds). None: the
     count of a config mapping of a family without heads here, which builds none (the recipe says so)."""
     config = model.config
-    if config.model_type not in MTP_FAMILIES and settings.asked_by.startswith(MTP_CONFIG_MAPPINGS):
-        return None
     if config.model_type not in MTP_FAMILIES:
+        if settings.asked_by.startswith(MTP_CONFIG_MAPPINGS):
+            return None
         asked = f"{KEY}: {settings.depths}" if settings.depths else settings.asked_by
         raise AutomodelError(f"{asked} asks for {MTP}; this model is {config.model_type}: remove the MTP keys")
     module_name, norm_name, depths_key = MTP_FAMILIES[config.model_type]
@@ -172,9 +172,8 @@ def read_settings(section: Mapping[str, Any], kwargs: dict[str, Any], config_ask
     (``num_nextn_predict_layers`` > 0; or unset with ``mtp_loss_scaling_factor`` / ``mtp_use_repeated_layer``, as
     upstream's Super-V3 configs do: the checkpoint config's count, ``depths`` 0 here; or a count > 0 in
     ``section``'s own config mapping, :func:`mtp_depths_in_config`, where ``config_asks``: the factory's recipe
-    trains heads), else None (``num_nextn_predict_layers: 0``
-    stays: it is set on a config that has the attribute; a depths count 0 in ``section``'s ``text_config`` or
-    ``config`` turns them off: :func:`mtp_depths_zero`)."""
+    trains heads), else None (``num_nextn_predict_layers: 0`` stays: it is set on a config that has the attribute;
+    a depths count 0 in ``section``'s ``text_config`` or ``config`` turns them off: :func:`mtp_depths_zero`)."""
     depths = kwargs.get("num_nextn_predict_layers")
     off = mtp_depths_zero(section)
     factor = kwargs.pop("mtp_loss_scaling_factor", None)

@@ -56,7 +56,7 @@ def mtp_issues(cfg: Any, hf_config: Any, supported: bool = True) -> list[ConfigI
     if key is None:
         return []
     counts = key.endswith(MTP_DEPTH_KEYS)  # a depths count, at the section's top or in its config mapping
-    value = functools.reduce(Mapping.get, key.split(".")[1:], cfg.model)
+    value = _value_at(cfg.model, key.removeprefix("model."))
     asks = f"{value} asks for {MTP}" if counts else f"acts on {MTP}"
     model_type = getattr(hf_config, "model_type", None)
     if hf_config is not None and model_type not in MTP_FAMILIES and key.startswith(MTP_CONFIG_MAPPINGS):
@@ -79,6 +79,11 @@ def mtp_issues(cfg: Any, hf_config: Any, supported: bool = True) -> list[ConfigI
     return issues
 
 
+def _value_at(model: Mapping[str, Any], dotted: str) -> Any:
+    """The value of ``dotted`` (``config.num_nextn_predict_layers``) in the model section."""
+    return functools.reduce(Mapping.get, dotted.split("."), model)
+
+
 def no_heads_note(cfg: Any, model_type: str) -> str | None:
     """The run-start note for a depths count > 0 in the model section's config mapping of a family without heads
     here (upstream's GLM-4.7-Flash benchmark keeps its checkpoint's count): the model builds none (None: no such
@@ -86,7 +91,7 @@ def no_heads_note(cfg: Any, model_type: str) -> str | None:
     key = mtp_depths_in_config(cfg.model) if cfg.model is not None else None
     if key is None or model_type in MTP_FAMILIES:
         return None
-    value = functools.reduce(Mapping.get, key.split("."), cfg.model)
+    value = _value_at(cfg.model, key)
     return (f"note: model.{key}: {value} builds no heads: {MTP}, and this model is {model_type}, whose transformers "
             "model (and upstream's) has none; the count stays in the saved config")
 

@@ -19,6 +19,11 @@ class LayerPlaceholder(nn.Module):
         return hidden_states
 
 
+def is_pipeline_stage(model: nn.Module) -> bool:
+    """Whether ``model`` is one pipeline stage of a model (the layers of other stages are placeholders)."""
+    return any(isinstance(module, LayerPlaceholder) for module in model.modules())
+
+
 def transformer_blocks(model: nn.Module, skip: Collection[nn.Module] = ()) -> list[nn.Module]:
     """The longest ``ModuleList`` of modules of one type (a transformer's layers), not counting the placeholders of
     a pipeline stage nor lists inside the ``skip`` modules (a vision-language model's towers): each is one FSDP

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from automodel.errors import AutomodelError, ConfigIssue
-from automodel.training.parallel.blocks import LayerPlaceholder, clean_name, transformer_blocks
+from automodel.training.parallel.blocks import clean_name, is_pipeline_stage, transformer_blocks
 from automodel.training.parallel.tp_plans import (
     EXPERTS_STYLE,
     HEAD_STYLES,
@@ -101,7 +101,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
     if hasattr(model, "peft_config"):
         model = model.get_base_model()  # the plan names the base model's modules
     plan = model_plan(model, registry)
-    is_stage = any(isinstance(m, LayerPlaceholder) for m in model.modules())
+    is_stage = is_pipeline_stage(model)
     concrete = _with_lora_layers(model, expand_plan(plan, model, require_all=not is_stage))
     head = _head_name(model)
     vocab_parallel = vocab_parallel and concrete.get(head) in HEAD_STYLES

@@ -22,7 +22,7 @@ from automodel.config import Config
 from automodel.errors import AutomodelError, ConfigIssue
 from automodel.training.context import BuildContext
 from automodel.training.modules import unwrap
-from automodel.training.parallel.blocks import LayerPlaceholder
+from automodel.training.parallel.blocks import is_pipeline_stage
 from automodel.training.parallel.context_parallel import (
     built_attention_issue,
     causal_attention_without_mask,
@@ -95,8 +95,7 @@ def attention(ctx: BuildContext, model: torch.nn.Module) -> tuple[torch.nn.Modul
     implementation = getattr(text, "_attn_implementation", None)
     towers = multimodal_modules(inner, ctx.multimodal_names).values()
     mixers = recurrent_mixers(inner, config, towers) if config is not None else []
-    stage = any(isinstance(module, LayerPlaceholder) for module in inner.modules())  # holds some layers only
-    hooked = causal_attention_without_mask(inner, [*towers, *mixers], none_is_fine=stage)
+    hooked = causal_attention_without_mask(inner, [*towers, *mixers], none_is_fine=is_pipeline_stage(inner))
     whole = run_on_whole_rows(mixers)
     how = ("torch's ring attention" if chosen == "ring" else
            "all-gather attention (every rank's keys and values gathered, SDPA with an exact mask)")
