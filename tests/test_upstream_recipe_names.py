@@ -43,9 +43,11 @@ SELECTS = {
     f"{UP}.llm.train_eagle1.TrainEagle1Recipe": "finetune eagle",
     "TrainEagle2Recipe": "finetune eagle",
     f"{UP}.llm.train_eagle2.TrainEagle2Recipe": "finetune eagle",
+    "TrainDFlashRecipe": "finetune dflash",
+    f"{UP}.llm.train_dflash.TrainDFlashRecipe": "finetune dflash",
 }
 # Upstream recipes with no counterpart here (speculative decoding drafters, multimodal), with words of the reason.
-NOT_HERE = {"TrainDSparkRecipe": "speculative-decoding", "TrainDFlashRecipe": "speculative-decoding",
+NOT_HERE = {"TrainDSparkRecipe": "speculative-decoding", "TrainDFlash2Recipe": "speculative-decoding",
             f"{UP}.llm.train_jetspec.TrainJetSpecRecipe": "speculative-decoding",
             "FinetuneRecipeForMultimodal": "BAGEL", "PretrainRecipeForMultimodal": "BAGEL"}
 

@@ -43,7 +43,9 @@ UNBUILT_MODES = {
               "own model code returns beside its diffusion logits; this build trains transformers' classes, which "
               "return no such second output",
     "dflash": "DFlash trains a block-drafting speculative decoder against a second, frozen target model (upstream's "
-              "dflash: section), which this build does not train",
+              "dflash: section), which the diffusion-LM recipe does not train: automodel finetune dflash (recipe: "
+              "TrainDFlashRecipe) trains a fresh DFlash draft, its model: section the target and its dflash: section "
+              "the draft's settings",
 }
 MODES = ("mdlm", "idlm")
 # upstream's dllm keys that only the modes above read: (the value meaning "not set", the mode that reads it)

@@ -96,8 +96,9 @@ def export(checkpoint: str, output: str, force: bool) -> None:
 
 
 def _use_of(model_dir: Path) -> str:
-    """How the exported model is used: an EAGLE draft is served beside its target; any other is loaded with the
-    Auto class of its architecture."""
+    """How the exported model is used: an EAGLE or DFlash draft is served beside its target; any other is loaded
+    with the Auto class of its architecture."""
+    from automodel_llm.dflash.draft import ARCHITECTURE as DFLASH
     from automodel_llm.eagle.draft import ARCHITECTURE as EAGLE
     from automodel_llm.eagle3.draft import ARCHITECTURE as EAGLE3
 
@@ -105,7 +106,8 @@ def _use_of(model_dir: Path) -> str:
         architectures = json.loads((model_dir / "config.json").read_text(encoding="utf-8")).get("architectures")
     except (OSError, ValueError):
         architectures = None
-    for architecture, kind in ((EAGLE3, "an EAGLE-3 draft"), (EAGLE, "an EAGLE-1/2 draft")):
+    for architecture, kind in ((EAGLE3, "an EAGLE-3 draft"), (EAGLE, "an EAGLE-1/2 draft"),
+                               (DFLASH, "a DFlash draft")):
         if architectures == [architecture]:
             return (f"{kind} ({architecture}): serve it as the speculative model beside its target with SGLang or "
                     "vLLM")

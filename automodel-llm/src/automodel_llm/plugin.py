@@ -14,6 +14,7 @@ _UPSTREAM_RECIPES = {
     ("finetune", "seq-cls"): ("TrainFinetuneRecipeForSequenceClassification",
                               f"{_UPSTREAM}.train_seq_cls.TrainFinetuneRecipeForSequenceClassification"),
     ("finetune", "eagle3"): ("TrainEagle3Recipe", f"{_UPSTREAM}.train_eagle3.TrainEagle3Recipe"),
+    ("finetune", "dflash"): ("TrainDFlashRecipe", f"{_UPSTREAM}.train_dflash.TrainDFlashRecipe"),
     # EAGLE-2 trains EAGLE-1's draft (it differs in the tree it drafts at serving time)
     ("finetune", "eagle"): ("TrainEagle1Recipe", f"{_UPSTREAM}.train_eagle1.TrainEagle1Recipe",
                             "TrainEagle2Recipe", f"{_UPSTREAM}.train_eagle2.TrainEagle2Recipe"),
@@ -24,15 +25,15 @@ _UPSTREAM_RECIPES = {
 
 
 # upstream's other speculative-decoding draft recipes (examples/speculative/; its EAGLE-1/2 are `finetune eagle`,
-# its EAGLE-3 `finetune eagle3`): module -> class names
-_SPECULATIVE = {"train_dflash": ("TrainDFlashRecipe",),
-                "train_dflash2": ("TrainDFlash2Recipe",), "train_domino": ("TrainDominoRecipe",),
+# its EAGLE-3 `finetune eagle3`, its DFlash `finetune dflash`): module -> class names
+_SPECULATIVE = {"train_dflash2": ("TrainDFlash2Recipe",), "train_domino": ("TrainDominoRecipe",),
                 "train_jetspec": ("TrainJetSpecRecipe",), "train_dspark": ("TrainDSparkRecipe",),
                 "train_vispec": ("TrainVispecRecipe", "TrainVispecStage1Recipe")}
-SPECULATIVE_UNBUILT = ("upstream's speculative-decoding recipes other than EAGLE-1/2/3 (P-EAGLE, DFlash, Domino, "
-                       "JetSpec, DSpark, ViSpec) train draft architectures that are not built here; EAGLE-1/2 are: "
-                       "recipe: TrainEagle1Recipe / TrainEagle2Recipe, or automodel finetune eagle; EAGLE-3 is: "
-                       "recipe: TrainEagle3Recipe, or automodel finetune eagle3")
+SPECULATIVE_UNBUILT = ("upstream's speculative-decoding recipes other than EAGLE-1/2/3 and DFlash (P-EAGLE, DFlash 2, "
+                       "Domino, JetSpec, DSpark, ViSpec) train draft architectures that are not built here; EAGLE-1/2 "
+                       "are: recipe: TrainEagle1Recipe / TrainEagle2Recipe, or automodel finetune eagle; EAGLE-3 is: "
+                       "recipe: TrainEagle3Recipe, or automodel finetune eagle3; DFlash is: recipe: "
+                       "TrainDFlashRecipe, or automodel finetune dflash")
 
 
 @hookimpl
@@ -55,6 +56,9 @@ def automodel_register_routes(routes) -> None:
     routes.add("finetune", "eagle", recipe="automodel_llm.eagle.recipe.EagleRecipe",
                help="Train an EAGLE-1 / EAGLE-2 speculative-decoding draft for a frozen target model (vLLM / SGLang)",
                examples=["llm/tiny_eagle"])
+    routes.add("finetune", "dflash", recipe="automodel_llm.dflash.recipe.DFlashRecipe",
+               help="Train a DFlash block-drafting speculative-decoding draft for a frozen target model",
+               examples=["llm/tiny_dflash"])
     routes.add("finetune", "dllm", recipe="automodel_llm.dllm.DiffusionLMSFTRecipe",
                help="Fine-tune a masked diffusion language model (LLaDA's MDLM objective)",
                examples=["llm/tiny_dllm"])

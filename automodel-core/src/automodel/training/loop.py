@@ -89,8 +89,8 @@ class TrainingLoop(PipelineSteps, ContextParallelSteps, LossParts):
             # ranks of one tensor- or context-parallel group read the same rows: only the data-parallel group is
             # summed (the tokens are counted before context parallelism splits the sequences).
             (global_tokens,) = all_reduce_sum(label_tokens, device=self.device, group=self.data_parallel_group())
-            label_tokens = int(global_tokens.item())
-        denominator = max(label_tokens, 1)
+            label_tokens = type(label_tokens)(global_tokens.item())  # a count, or a weight sum (float)
+        denominator = label_tokens if label_tokens > 0 else 1
         scale = dp * cp / denominator  # FSDP2 averages over dp x cp ranks under context parallelism
         scaler = self.grad_scaler
         total = torch.zeros((), device=self.device)
@@ -229,9 +229,9 @@ class TrainingLoop(PipelineSteps, ContextParallelSteps, LossParts):
                 total += self._validation_loss(batch)
         if self.ctx.mesh.dp > 1:
             total, summed = all_reduce_sum(total, tokens, device=self.device, group=self.data_parallel_group())
-            tokens = int(summed.item())
+            tokens = type(tokens)(summed.item())
         record = {"step": self.step_scheduler.step, "epoch": self.step_scheduler.epoch, "name": name,
-                  "val_loss": total.item() / max(tokens, 1), "num_label_tokens": tokens}
+                  "val_loss": total.item() / (tokens if tokens > 0 else 1), "num_label_tokens": tokens}
         record.update(self.extra_validation_metrics(name, loader))
         record["timestamp"] = time.time()
         if self.is_main_process:

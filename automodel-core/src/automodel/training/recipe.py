@@ -118,8 +118,8 @@ class TrainRecipe(TrainingLoop, BaseRecipe):
         """The micro-batch's loss *summed* over its label tokens (the loop divides by the step's count)."""
         raise NotImplementedError(f"{type(self).__name__} must implement compute_loss(model, batch)")
 
-    def count_label_tokens(self, batch: Any) -> int:
-        """How many targets ``compute_loss`` sums over (samples by default)."""
+    def count_label_tokens(self, batch: Any) -> int | float:
+        """How many targets ``compute_loss`` sums over (samples by default; a float: the weights of weighted ones)."""
         first = next(iter(batch.values())) if isinstance(batch, dict) else batch
         return len(first)
 

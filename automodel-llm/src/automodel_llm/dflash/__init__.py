@@ -1,0 +1,1 @@
+"""DFlash draft training (``automodel finetune dflash``; upstream's ``TrainDFlashRecipe``)."""

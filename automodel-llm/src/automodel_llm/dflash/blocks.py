@@ -1,0 +1,161 @@
+"""The blocks of DFlash training: which anchors a row offers, the blocks drawn from them (each row's draws from its
+own generator), their tokens, positions and attention mask, and the decay-weighted cross entropy of the drafted
+slots with the counts validation reports.
+
+A block anchored at position ``a`` shows its first ``l`` tokens (``l = 1``, the anchor alone, under the ``dflash``
+loss; a drawn prefix under ``variable_prefix``) and mask tokens after them; its slot ``k`` drafts the token at
+``a + k``. Its positions attend to the target's states at positions ``< a`` (within ``sliding_window`` of their
+own) and to all of the block's positions. Anchors are label tokens with a whole block after them
+(``a <= length - block_size``, the row's real length), so every slot lies inside the row."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+def anchor_candidates(supervised: torch.Tensor, block_size: int, lengths: torch.Tensor) -> torch.Tensor:
+    """``[batch, seq]`` booleans: the label tokens a block can start at, a whole block of the row's ``lengths``
+    real tokens after them (so the candidates of a row do not depend on the padding of its batch)."""
+    positions = torch.arange(supervised.shape[1], device=supervised.device)
+    return supervised.bool() & (positions <= lengths.to(supervised.device).unsqueeze(1) - block_size)
+
+
+@dataclass
+class Blocks:
+    anchors: torch.Tensor  # [batch, n] long: each block's first position (0 where unused)
+    used: torch.Tensor  # [batch, n] bool: the block was drawn (rows with fewer candidates fill up with unused ones)
+    shown: torch.Tensor  # [batch, n] long: how many of the block's first tokens are real (the rest are masks)
+
+    def __len__(self) -> int:
+        return self.anchors.shape[1]
+
+
+def draw_blocks(candidates: torch.Tensor, num_anchors: int, block_size: int, generators: list[torch.Generator],
+                prefix_weight_base: float | None) -> Blocks:
+    """Each row's blocks: ``min(num_anchors, candidates)`` distinct anchors drawn from its generator, in order;
+    with ``prefix_weight_base`` (``variable_prefix``) each block's shown prefix ``l`` in ``2 .. block_size - 1``
+    (1 for blocks of 2) drawn from the same generator with weights ``base^l``, else 1. Drawn on the host. A row
+    without candidates gets one unused block, so the draft always runs (every rank runs the same collectives)."""
+    rows = candidates.shape[0]
+    chosen = []
+    for row in range(rows):
+        positions = candidates[row].nonzero().flatten().cpu()
+        order = torch.randperm(len(positions), generator=generators[row])[:num_anchors]
+        chosen.append(positions[order].sort().values)
+    n = max(1, max(len(c) for c in chosen))
+    anchors = torch.zeros(rows, n, dtype=torch.long)
+    used = torch.zeros(rows, n, dtype=torch.bool)
+    shown = torch.ones(rows, n, dtype=torch.long)
+    low = min(2, block_size - 1)
+    lengths = torch.arange(low, block_size, dtype=torch.float64)
+    for row, picked in enumerate(chosen):
+        anchors[row, :len(picked)], used[row, :len(picked)] = picked, True
+        if prefix_weight_base is not None and len(picked):
+            weights = prefix_weight_base ** (lengths - low)
+            shown[row, :len(picked)] = low + torch.multinomial(weights, len(picked), replacement=True,
+                                                               generator=generators[row])
+    device = candidates.device
+    return Blocks(anchors.to(device), used.to(device), shown.to(device))
+
+
+def _slots(blocks: Blocks, block_size: int) -> torch.Tensor:
+    """``[batch, n, block_size]``: the row position each block slot stands at."""
+    return blocks.anchors.unsqueeze(-1) + torch.arange(block_size, device=blocks.anchors.device)
+
+
+def block_tokens(ids: torch.Tensor, blocks: Blocks, block_size: int, mask_token_id: int) -> torch.Tensor:
+    """``[batch, n x block_size]``: each block's shown tokens, then mask tokens (an unused block: masks only)."""
+    slots = _slots(blocks, block_size)
+    offsets = torch.arange(block_size, device=ids.device)
+    real = torch.gather(ids.unsqueeze(1).expand(-1, len(blocks), -1), 2, slots)
+    shown = (offsets < blocks.shown.unsqueeze(-1)) & blocks.used.unsqueeze(-1)
+    return torch.where(shown, real, mask_token_id).flatten(1)
+
+
+def block_positions(context_positions: torch.Tensor, blocks: Blocks, block_size: int) -> torch.Tensor:
+    """``[batch, c + n x block_size]``: the context's positions, then each block slot's (its anchor's + offset)."""
+    start = torch.gather(context_positions, 1, blocks.anchors)
+    slots = start.unsqueeze(-1) + torch.arange(block_size, device=start.device)
+    return torch.cat([context_positions, slots.flatten(1)], dim=1)
+
+
+def block_visibility(blocks: Blocks, context_length: int, block_size: int,
+                     sliding_window: int | None) -> torch.Tensor:
+    """``[batch, 1, n x block_size, c + n x block_size]`` booleans: which keys each block slot sees (the context
+    before its anchor, within ``sliding_window`` of its own position; its block's slots). An unused block sees its
+    own slots only, so no row of the softmax is empty."""
+    rows, n = blocks.anchors.shape
+    device = blocks.anchors.device
+    slot = torch.arange(n * block_size, device=device)
+    anchor = blocks.anchors.repeat_interleave(block_size, dim=1).unsqueeze(-1)  # [batch, q, 1]
+    key = torch.arange(context_length, device=device)
+    before = (key < anchor) & blocks.used.repeat_interleave(block_size, dim=1).unsqueeze(-1)
+    if sliding_window is not None:
+        own = anchor + (slot % block_size).view(1, -1, 1)
+        before &= own - key < sliding_window
+    same_block = (slot.view(-1, 1) // block_size == slot.view(1, -1) // block_size).expand(rows, -1, -1)
+    return torch.cat([before, same_block], dim=-1).unsqueeze(1)
+
+
+def flex_block_mask(blocks: Blocks, context_length: int, block_size: int, sliding_window: int | None) -> object:
+    """:func:`block_visibility` as a flex attention ``BlockMask`` (computed block-sparse, never materialised)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    anchors, used = blocks.anchors, blocks.used
+
+    def visible(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        block, anchor = q // block_size, anchors[b, q // block_size]
+        before = (kv < context_length) & (kv < anchor) & used[b, block]
+        if sliding_window is not None:
+            before &= anchor + q % block_size - kv < sliding_window
+        return before | ((kv >= context_length) & ((kv - context_length) // block_size == block))
+
+    rows, n = anchors.shape
+    return create_block_mask(visible, rows, None, n * block_size, context_length + n * block_size,
+                             device=anchors.device)
+
+
+def drafted_slots(ids: torch.Tensor, supervised: torch.Tensor, blocks: Blocks, block_size: int,
+                  gamma: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(targets, drafted, weights)``, each ``[batch, n, block_size]``: the token each slot drafts (the row's at
+    ``anchor + k``); whether it counts (a slot after the block's shown prefix ``l`` whose token is a label token, in
+    a used block); its weight in the loss, ``exp(-(k - l) / gamma)`` where it counts (1 without ``gamma``), else 0."""
+    slots = _slots(blocks, block_size)
+    n = len(blocks)
+    targets = torch.gather(ids.unsqueeze(1).expand(-1, n, -1), 2, slots)
+    labelled = torch.gather(supervised.unsqueeze(1).expand(-1, n, -1), 2, slots).bool()
+    after = torch.arange(block_size, device=ids.device) - blocks.shown.unsqueeze(-1)  # 0 at the first drafted slot
+    drafted = (after >= 0) & labelled & blocks.used.unsqueeze(-1)
+    weights = drafted.float()
+    if gamma is not None:
+        weights = weights * torch.exp(-after.clamp(min=0).float() / gamma)
+    return targets, drafted, weights
+
+
+@dataclass
+class BlockLoss:
+    loss: torch.Tensor  # the drafted slots' cross entropy, summed with their weights
+    weight: torch.Tensor  # the weights' sum (the loss's denominator)
+    correct: torch.Tensor  # drafted slots whose greedy token is right
+    counted: torch.Tensor  # drafted slots (label tokens)
+    accepted: torch.Tensor  # over the used blocks: 1 + the right drafts before the first wrong one
+    blocks: torch.Tensor  # used blocks with a drafted slot
+
+
+def block_loss(logits: torch.Tensor, ids: torch.Tensor, supervised: torch.Tensor, blocks: Blocks, block_size: int,
+               gamma: float | None) -> BlockLoss:
+    """The weighted cross entropy of ``logits`` (``[batch, n x block_size, vocab]``) against the tokens the
+    drafted slots draft (:func:`drafted_slots`; the mean is ``loss / weight``), and the counts of accuracy and of
+    the accept length as a verifier would count it."""
+    targets, drafted, weights = drafted_slots(ids, supervised, blocks, block_size, gamma)
+    logits = logits.float().view(*targets.shape, -1)
+    nll = F.cross_entropy(logits.flatten(0, 2), targets.flatten(), reduction="none").view_as(weights)
+    right = (logits.argmax(-1) == targets) & drafted
+    # a slot not drafted (the prefix, or not a label) neither breaks nor lengthens the accepted run
+    run = (right | ~drafted).long().cumprod(dim=-1) * drafted
+    has_draft = drafted.any(dim=-1)
+    return BlockLoss(loss=(nll * weights).sum(), weight=weights.sum(), correct=right.sum(), counted=drafted.sum(),
+                     accepted=((run.sum(dim=-1) + 1) * has_draft).sum(), blocks=has_draft.sum())

@@ -1,0 +1,171 @@
+"""The DFlash draft model (block diffusion for speculative decoding, arXiv 2602.06036): a few Qwen3-style decoder
+layers that draft a whole block of tokens in one forward. A block holds its anchor (a real token) and mask tokens;
+its queries attend to the target model's states of the positions before the anchor (several target layers,
+concatenated and projected by ``fc`` + ``hidden_norm``) and, both ways, to the block's own positions.
+
+The weights and config are named as the published DFlash drafters' (``DFlashDraftModel``, a Qwen3 config with
+``block_size``, ``num_target_layers`` and ``dflash_config: {block_size, mask_token_id, target_layer_ids}``):
+``fc``, ``hidden_norm``, ``layers.N.{input_layernorm, self_attn.{q,k,v,o}_proj, self_attn.{q,k}_norm,
+post_attention_layernorm, mlp.{gate,up,down}_proj}``, ``norm``. The draft has no embeddings and no output head: it
+reads the target's (frozen), which the serving engine shares too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import (
+    Qwen3MLP,
+    Qwen3PreTrainedModel,
+    Qwen3RMSNorm,
+    Qwen3RotaryEmbedding,
+    rotate_half,
+)
+
+from automodel_llm.eagle3.draft import TARGET_KEYS
+
+ARCHITECTURE = "DFlashDraftModel"  # the published DFlash drafters' architecture name
+
+
+def draft_config(target: Any, layers: int, block_size: int, mask_token_id: int, target_layer_ids: list[int],
+                 attention: str, sliding_window: int | None = None, heads: int | None = None,
+                 kv_heads: int | None = None, head_dim: int | None = None) -> Qwen3Config:
+    """The draft's config from the target's text config: its sizes (attention sized by ``heads`` / ``kv_heads`` /
+    ``head_dim`` where given), ``layers`` non-causal layers (``sliding_attention`` with ``sliding_window``), and the
+    serving keys."""
+    given = target.to_dict()
+    keys = {k: given[k] for k in TARGET_KEYS if given.get(k) is not None}
+    for key, value in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads), ("head_dim", head_dim)):
+        if value is not None:
+            keys[key] = value
+    keys.setdefault("head_dim", target.hidden_size // target.num_attention_heads)
+    kind = "sliding_attention" if sliding_window is not None else "full_attention"
+    config = Qwen3Config(**{**keys, "num_hidden_layers": layers, "tie_word_embeddings": False,
+                            "layer_types": [kind] * layers, "sliding_window": sliding_window,
+                            "use_sliding_window": sliding_window is not None, "max_window_layers": layers,
+                            "is_causal": False, "num_target_layers": target.num_hidden_layers,
+                            "block_size": block_size,
+                            "dflash_config": {"block_size": block_size, "mask_token_id": mask_token_id,
+                                              "target_layer_ids": list(target_layer_ids)}})
+    config.architectures = [ARCHITECTURE]
+    config._attn_implementation = attention
+    return config
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + rotate_half(x) * sin
+
+
+class DFlashAttention(nn.Module):
+    """Attention of the block's positions (queries) over the target's states before them and the block itself
+    (keys and values: ``[context | block]``, both through the same projections); the mask says which of them each
+    query sees."""
+
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, self.heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, config.hidden_size, bias=bias)
+        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.implementation = config._attn_implementation
+
+    def forward(self, hidden: torch.Tensor, context: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: Any) -> torch.Tensor:
+        """``hidden`` ``[batch, q, size]`` (the block positions), ``context`` ``[batch, c, size]``; ``cos`` /
+        ``sin`` of the ``c + q`` key positions; ``mask``: boolean ``[batch, 1, q, c + q]`` (sdpa, eager) or a
+        flex ``BlockMask``."""
+        batch, length = hidden.shape[:2]
+        both = torch.cat([context, hidden], dim=1)
+        q = self.q_norm(self.q_proj(hidden).view(batch, length, self.heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(both).view(batch, both.shape[1], self.kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(both).view(batch, both.shape[1], self.kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        q, k = _rotate(q, cos[..., -length:, :], sin[..., -length:, :]), _rotate(k, cos, sin)
+        out = self.attend(q, k, v, mask)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any) -> torch.Tensor:
+        scale = self.head_dim ** -0.5
+        if self.implementation == "flex_attention":
+            from torch.nn.attention.flex_attention import flex_attention
+
+            return _compiled(flex_attention)(q, k, v, block_mask=mask, scale=scale, enable_gqa=True)
+        if self.implementation == "sdpa":
+            return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        groups = self.heads // self.kv_heads
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
+        return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
+
+
+_COMPILED: dict[Any, Any] = {}
+
+
+def _compiled(function: Any) -> Any:
+    """``function`` compiled once per process (flex attention's fused kernel exists only compiled)."""
+    if function not in _COMPILED:
+        _COMPILED[function] = torch.compile(function, dynamic=False)
+    return _COMPILED[function]
+
+
+class DFlashDecoderLayer(nn.Module):
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.self_attn = DFlashAttention(config)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = Qwen3MLP(config)
+
+    def forward(self, hidden: torch.Tensor, context: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: Any) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), context, cos, sin, mask)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DFlashDraftModel(Qwen3PreTrainedModel):
+    """The draft: ``forward(block_embeddings, target_states, position_ids, attention_mask)`` gives the block
+    positions' last hidden states (normed), which the target's output head turns into logits."""
+
+    config_class = Qwen3Config
+    _no_split_modules = ["DFlashDecoderLayer"]
+
+    def __init__(self, config: Qwen3Config):
+        super().__init__(config)
+        settings = config.dflash_config
+        self.target_layer_ids = list(settings["target_layer_ids"])
+        self.block_size, self.mask_token_id = settings["block_size"], settings["mask_token_id"]
+        self.layers = nn.ModuleList(DFlashDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.fc = nn.Linear(len(self.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        # made on first use, not a registered module: a cast of the model to bfloat16 would round its float32
+        # frequencies, which the serving engines keep in float32 (the positions' phases would drift from the
+        # trained ones), and a model built on the meta device (from_pretrained) would have none to move
+        self._rotary: tuple[Qwen3RotaryEmbedding, ...] = ()
+        self.post_init()
+
+    def rotary(self, device: torch.device) -> Qwen3RotaryEmbedding:
+        """The rotary embedding's tables on ``device``, in float32."""
+        if not self._rotary or self._rotary[0].inv_freq.device != device:
+            self._rotary = (Qwen3RotaryEmbedding(self.config).to(device),)
+        return self._rotary[0]
+
+    def forward(self, block_embeddings: torch.Tensor, target_states: torch.Tensor, position_ids: torch.Tensor,
+                attention_mask: Any) -> torch.Tensor:
+        """``block_embeddings`` ``[batch, q, size]``: the target's embeddings of the blocks' tokens (anchor or
+        mask); ``target_states`` ``[batch, c, layers x size]``: the target layers' outputs, concatenated;
+        ``position_ids`` ``[batch, c + q]``: the context's positions, then the blocks'."""
+        context = self.hidden_norm(self.fc(target_states.to(self.fc.weight.dtype)))
+        hidden = block_embeddings.to(context.dtype)
+        cos, sin = self.rotary(hidden.device)(hidden, position_ids)
+        for layer in self.layers:
+            hidden = layer(hidden, context, cos, sin, attention_mask)
+        return self.norm(hidden)

@@ -1,0 +1,221 @@
+"""DFlash draft training (``automodel finetune dflash``; upstream's ``TrainDFlashRecipe``).
+
+The ``model`` section is the target: built as the next-token recipe builds it, frozen, and run on every batch for
+the hidden states of ``dflash.target_layer_ids``. The trained model is the draft (:mod:`automodel_llm.dflash.draft`),
+which the engine shards, checkpoints, resumes and writes to ``model/`` like any model, in the published DFlash
+drafters' layout. Each step draws up to ``num_anchors`` blocks per row (each row from its own generator: a function
+of the run's seed, the step and the row, so a resumed run and any data-parallel layout draw the same blocks), embeds
+them with the target's embeddings, drafts them in one forward and scores the drafted slots with the target's output
+head (:mod:`automodel_llm.dflash.blocks`).
+
+The loss is the drafted slots' decay-weighted mean cross entropy over the whole step (upstream's over each
+micro-batch; the same with one micro-batch a step), so any data-parallel layout and accumulation give the same
+loss. Validation adds ``accuracy``
+(drafted slots whose greedy token is right) and ``accept_length`` (tokens a verifier would accept per block).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from automodel.config import Config
+from automodel.errors import AutomodelError, ConfigIssue
+from automodel.training.context import BuildContext
+from automodel.training.parallelism import model_hf_config, validation_device
+from automodel_llm.dflash.blocks import (
+    Blocks,
+    anchor_candidates,
+    block_loss,
+    block_positions,
+    block_tokens,
+    block_visibility,
+    drafted_slots,
+    draw_blocks,
+    flex_block_mask,
+)
+from automodel_llm.dflash.draft import ARCHITECTURE, DFlashDraftModel, draft_config
+from automodel_llm.dflash.settings import (
+    RECIPE_ARGS,
+    DFlashConfig,
+    default_target_layers,
+    flex_attention_issue,
+    target_layer_issue,
+)
+from automodel_llm.dllm import CorruptionSeeds
+from automodel_llm.draft_recipe import DraftRecipe, whole
+from automodel_llm.eagle3.unroll import supervised_tokens
+
+
+class DFlashRecipe(DraftRecipe):
+    """Trains a DFlash draft (the run's model) against the frozen ``model`` section's target."""
+
+    settings_key = "dflash"
+    loss_description = "DFlash's decay-weighted cross entropy of the drafted block slots"
+    sections: ClassVar[dict] = {"dflash": DFlashConfig, "recipe_args": RECIPE_ARGS}
+    target_layer_ids: list[int]
+    seeds: CorruptionSeeds
+
+    @classmethod
+    def check_config(cls, cfg: Config) -> list[ConfigIssue]:
+        issues = list(super().check_config(cfg))
+        settings = cfg.get("dflash")  # None: the section was refused (its issues are reported)
+        packing = cfg.get("packed_sequence")
+        if packing is not None and (packing.enabled or packing.packed_sequence_size > 0):
+            issues.append(ConfigIssue("packed_sequence.packed_sequence_size", "DFlash's blocks read the target's "
+                                      "states of whole rows here (packed samples would need per-sample anchors, "
+                                      "masks and positions, not built); set it 0"))
+        if settings is None:
+            return issues
+        if settings.attention_backend == "flex_attention" and (why := flex_attention_issue(
+                validation_device().type == "cuda")):
+            issues.append(ConfigIssue("dflash.attention_backend", why))
+        target = model_hf_config(cfg)
+        if target is not None:
+            text = target.get_text_config() if hasattr(target, "get_text_config") else target
+            issues += cls.target_issues(settings, text)
+        return issues
+
+    @classmethod
+    def target_issues(cls, settings: DFlashConfig, text: Any) -> list[ConfigIssue]:
+        issues = []
+        layers, vocab = getattr(text, "num_hidden_layers", None), getattr(text, "vocab_size", None)
+        if isinstance(layers, int):
+            why = target_layer_issue(settings.target_layer_ids, layers, settings.draft_num_hidden_layers)
+            if why:
+                issues.append(ConfigIssue("dflash.target_layer_ids", why))
+        if isinstance(vocab, int) and not settings.mask_token_id < vocab:
+            issues.append(ConfigIssue("dflash.mask_token_id", f"{settings.mask_token_id} is not a token of the "
+                                      f"target, whose vocabulary holds {vocab} (0..{vocab - 1})"))
+        heads = settings.draft_num_attention_heads or getattr(text, "num_attention_heads", None)
+        kv_heads = settings.draft_num_key_value_heads or getattr(text, "num_key_value_heads", None) or heads
+        if isinstance(heads, int) and isinstance(kv_heads, int) and heads % kv_heads:
+            issues.append(ConfigIssue("dflash.draft_num_key_value_heads", f"{kv_heads} does not divide the draft's "
+                                      f"{heads} attention heads"))
+        return issues
+
+    @classmethod
+    def describe_plan(cls, cfg: Config) -> list[str]:
+        settings = cfg.get("dflash")
+        if settings is None:
+            return super().describe_plan(cfg)
+        layers = settings.target_layer_ids or "an even spread of its"
+        return [*super().describe_plan(cfg), f"DFlash: the model section is the frozen target; the trained model is a "
+                f"{settings.draft_num_hidden_layers}-layer draft reading the target's layers {layers}, drafting blocks "
+                f"of {settings.block_size} tokens ({settings.num_anchors} at most a row), loss {settings.loss_type}"]
+
+    # ---- building ---------------------------------------------------------------------------------------------
+
+    def build_model(self, ctx: BuildContext) -> torch.nn.Module:
+        """The frozen target (kept as ``self.target``) and the draft made for it, which is what this returns."""
+        settings: DFlashConfig = self.settings()
+        target = self.build_target(ctx)
+        text = target.config.get_text_config()
+        for issue in self.target_issues(settings, text):  # a target validation could not read
+            raise AutomodelError(f"{issue.key}: {issue.message}")
+        self.target_layer_ids = list(settings.target_layer_ids or default_target_layers(
+            text.num_hidden_layers, settings.draft_num_hidden_layers))
+        config = draft_config(text, settings.draft_num_hidden_layers, settings.block_size, settings.mask_token_id,
+                              self.target_layer_ids, settings.attention_backend, settings.draft_sliding_window,
+                              settings.draft_num_attention_heads, settings.draft_num_key_value_heads,
+                              settings.draft_head_dim)
+        draft = DFlashDraftModel(config)
+        self.seeds = CorruptionSeeds(self.cfg.rng.seed)
+        self.log(f"DFlash: a {config.num_hidden_layers}-layer draft for the frozen target {self.target_class} "
+                 f"({text.num_hidden_layers} layers; the draft reads the outputs of layers {self.target_layer_ids}), "
+                 f"blocks of {settings.block_size} tokens, at most {settings.num_anchors} a row, mask token "
+                 f"{settings.mask_token_id}, loss {settings.loss_type}"
+                 + (f" (decay gamma {settings.loss_decay_gamma})" if settings.loss_decay_gamma else ""))
+        return draft
+
+    # ---- the loss ---------------------------------------------------------------------------------------------
+
+    def supervised(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return supervised_tokens(batch["labels"], self.label_offset).to(batch["input_ids"].device)
+
+    def count_label_tokens(self, batch: dict[str, torch.Tensor]) -> float:
+        """The weights of the batch's drafted slots, summed (the loss's denominator; the blocks drawn as
+        :meth:`compute_loss` draws them)."""
+        settings: DFlashConfig = self.settings()
+        supervised = self.supervised(batch)
+        blocks = self.draw(batch, supervised)
+        weights = drafted_slots(batch["input_ids"], supervised, blocks, settings.block_size,
+                                settings.loss_decay_gamma)[2]
+        return float(weights.double().sum())
+
+    def train_step(self, batches: list[Any]) -> tuple[torch.Tensor, torch.Tensor, int]:
+        self.seeds.start("train", self.step_scheduler.step)
+        return super().train_step(batches)
+
+    def validate(self) -> None:
+        self.seeds.start("validation", 0)
+        super().validate()
+
+    def draw(self, batch: dict[str, torch.Tensor], supervised: torch.Tensor) -> Blocks:
+        """The batch's blocks, each row's from the generator of its real tokens."""
+        settings: DFlashConfig = self.settings()
+        ids = batch["input_ids"].cpu()
+        mask = batch.get("attention_mask")
+        lengths = mask.sum(dim=1).cpu() if mask is not None else torch.full((ids.shape[0],), ids.shape[1])
+        generators = [self.seeds.generator(ids[row, :lengths[row]]) for row in range(ids.shape[0])]
+        base = settings.prefix_weight_base if settings.loss_type == "variable_prefix" else None
+        return draw_blocks(anchor_candidates(supervised, settings.block_size, lengths), settings.num_anchors,
+                           settings.block_size, generators, base)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The target's embeddings of ``ids`` (its weights whole, when FSDP2 or tensor parallelism splits them)."""
+        module = self.target.get_input_embeddings()
+        embedded = F.embedding(ids, whole(module.weight.detach()))
+        scale = getattr(module, "embed_scale", None)  # Gemma-style scaled embeddings
+        return embedded if scale is None else embedded * scale
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's output head on the draft's states: the logits, in float32."""
+        module = self.target.get_output_embeddings()
+        weight = whole(module.weight.detach())
+        bias = module.bias.detach() if getattr(module, "bias", None) is not None else None
+        return F.linear(hidden.to(weight.dtype), weight, None if bias is None else whole(bias)).float()
+
+    def compute_loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The micro-batch's drafted slots' cross entropy summed with their weights (the loop divides by the step's
+        weights); validation's counts kept for :meth:`extra_validation_metrics`."""
+        settings: DFlashConfig = self.settings()
+        ids = batch["input_ids"]
+        supervised = self.supervised(batch)
+        blocks = self.draw(batch, supervised)
+        out = self.run_target(batch)
+        states = torch.cat([out.hidden_states[i + 1] for i in self.target_layer_ids], dim=-1)
+        length = ids.shape[1]
+        context_positions = batch.get("position_ids")
+        if context_positions is None:
+            context_positions = torch.arange(length, device=ids.device).expand(ids.shape[0], -1)
+        block_size, window = settings.block_size, settings.draft_sliding_window
+        if settings.attention_backend == "flex_attention":
+            mask = flex_block_mask(blocks, length, block_size, window)
+        else:
+            mask = block_visibility(blocks, length, block_size, window)
+        hidden = model(block_embeddings=self.embed(block_tokens(ids, blocks, block_size, settings.mask_token_id)),
+                       target_states=states, position_ids=block_positions(context_positions, blocks, block_size),
+                       attention_mask=mask)
+        result = block_loss(self.head(hidden), ids, supervised, blocks, block_size, settings.loss_decay_gamma)
+        if not model.training:
+            self.count_for_validation(torch.stack([result.correct, result.counted, result.accepted, result.blocks]))
+        return result.loss
+
+    def extra_validation_metrics(self, name: str, dataloader: Any) -> dict[str, float]:
+        """Over the validation set: ``accuracy`` (drafted slots whose greedy token is the data's) and
+        ``accept_length`` (per block, 1 + the drafts before the first wrong one: what a verifier accepts)."""
+        counts = self.validation_totals()
+        if counts is None:
+            return {}
+        correct, counted, accepted, blocks = counts
+        return {"accuracy": (correct / counted.clamp_min(1)).item(),
+                "accept_length": (accepted / blocks.clamp_min(1)).item()}
+
+    def final_message(self, model_dir: Any) -> str:
+        if not model_dir.is_dir():  # saved sharded only: the base message says how to export it
+            return super().final_message(model_dir)
+        return (f"the DFlash draft is in {model_dir} ({ARCHITECTURE}, the published DFlash drafters' layout): serve "
+                f"it as the speculative model of its target (SGLang's DFLASH algorithm, vLLM's dflash method)")

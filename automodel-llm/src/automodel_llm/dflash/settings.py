@@ -1,0 +1,139 @@
+"""The settings of DFlash draft training: the ``dflash:`` section, and upstream's ``recipe_args:`` keys of its
+``TrainDFlashRecipe``, each standing for the key of the same meaning here or refused with the reason.
+Import-light: no torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from automodel.config import FieldErrors
+from automodel_llm.draft_args import GPU_ONLY, NOT_BUILT, draft_recipe_args
+
+LOSS_TYPES = ("dflash", "variable_prefix")
+ATTENTION = ("sdpa", "eager", "flex_attention")
+PREFIX_WEIGHT_BASE = 0.9  # upstream's default
+
+
+def _whole(value: object, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _positive(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
+@dataclass
+class DFlashConfig:
+    mask_token_id: int | None = field(default=None, metadata={"help": (
+        "required: the token filling a block's drafted slots (a reserved, otherwise unused id; not the pad token, "
+        "often the end-of-text one). The serving engine fills the slots with the same id (saved in config.json)")})
+    block_size: int = field(default=16, metadata={"help": (
+        "tokens per drafted block: the anchor (a real token) and block_size - 1 drafted in one forward")})
+    num_anchors: int = field(default=512, metadata={"help": (
+        "blocks drawn per row and step: at most this many anchors among the row's label tokens that have a whole "
+        "block after them")})
+    draft_num_hidden_layers: int = field(default=5, metadata={"help": "decoder layers of the draft"})
+    target_layer_ids: list[int] | None = field(default=None, metadata={"help": (
+        "the target layers (0-based; their outputs) the draft reads, concatenated (unset: upstream's even spread "
+        "over layers 1 .. L-3 of L, one per draft layer)")})
+    loss_decay_gamma: float | None = field(default=7.0, metadata={"help": (
+        "drafted slot k (from 1) weighs exp(-(k - 1) / gamma) in the cross entropy (null: all equal); the paper's "
+        "7 for blocks of 16, 5 for 10, 4 for 8")})
+    loss_type: str = field(default="dflash", metadata={"help": (
+        "dflash: the anchor alone is shown, slots 1.. are drafted; variable_prefix (D2SD's VP drafter): each block "
+        "shows a drawn prefix of real tokens (2 .. block_size - 1, P(l) ~ prefix_weight_base^l) and drafts the rest, "
+        "the decay counted from the prefix's end")})
+    prefix_weight_base: float = field(default=PREFIX_WEIGHT_BASE, metadata={"help": (
+        "variable_prefix: the base of the prefix lengths' geometric prior (below 1 favours short prefixes)")})
+    attention_backend: str = field(default="sdpa", metadata={"help": (
+        "the draft's attention: sdpa or eager (the same numbers), or flex_attention (torch's compiled block-sparse "
+        "kernel, the same numbers; needs a CUDA GPU)")})
+    draft_sliding_window: int | None = field(default=None, metadata={"help": (
+        "a drafted slot reads the target's states of at most this many positions back (layers saved as "
+        "sliding_attention; unset: the whole prefix)")})
+    draft_num_attention_heads: int | None = field(default=None, metadata={"help": (
+        "the draft's attention heads (unset: the target's)")})
+    draft_num_key_value_heads: int | None = field(default=None, metadata={"help": (
+        "the draft's key/value heads (unset: the target's)")})
+    draft_head_dim: int | None = field(default=None, metadata={"help": "the draft's head size (unset: the target's)"})
+    target_force_hf: bool = field(default=True, metadata={"help": (
+        "upstream's choice of transformers' class for the target over its own: true only (the target here is "
+        "transformers' class)")})
+
+    def __post_init__(self) -> None:
+        errors = {}
+        if self.mask_token_id is None:
+            errors["mask_token_id"] = ("required: the id of a reserved, otherwise unused token that fills the "
+                                       "drafted slots (e.g. 151669 for Qwen3); not the pad token, which is often "
+                                       "the end-of-text one")
+        elif not _whole(self.mask_token_id, 0):
+            errors["mask_token_id"] = f"expected a token id >= 0, found {self.mask_token_id!r}"
+        for name, least in (("block_size", 2), ("num_anchors", 1), ("draft_num_hidden_layers", 1)):
+            if not _whole(getattr(self, name), least):
+                errors[name] = f"expected a whole number >= {least}, found {getattr(self, name)!r}"
+        for name in ("draft_sliding_window", "draft_num_attention_heads", "draft_num_key_value_heads",
+                     "draft_head_dim"):
+            value = getattr(self, name)
+            if value is not None and not _whole(value, 1):
+                errors[name] = f"expected a whole number >= 1 or null, found {value!r}"
+        ids = self.target_layer_ids
+        if ids is not None and (not isinstance(ids, list) or not ids or not all(_whole(i, 0) for i in ids)):
+            errors["target_layer_ids"] = f"expected a list of layer indices >= 0, found {ids!r}"
+        if self.loss_decay_gamma is not None and not _positive(self.loss_decay_gamma):
+            errors["loss_decay_gamma"] = f"expected a number > 0 or null, found {self.loss_decay_gamma!r}"
+        if self.loss_type not in LOSS_TYPES:
+            errors["loss_type"] = f"expected one of {', '.join(LOSS_TYPES)}, found {self.loss_type!r}"
+        if not _positive(self.prefix_weight_base):
+            errors["prefix_weight_base"] = f"expected a number > 0, found {self.prefix_weight_base!r}"
+        elif self.loss_type == "dflash" and self.prefix_weight_base != PREFIX_WEIGHT_BASE:
+            errors["prefix_weight_base"] = (f"{self.prefix_weight_base!r}: only loss_type variable_prefix draws "
+                                            "prefixes (the dflash loss shows each block its anchor alone); remove "
+                                            "it or set loss_type: variable_prefix")
+        if self.attention_backend not in ATTENTION:
+            errors["attention_backend"] = f"expected one of {', '.join(ATTENTION)}, found {self.attention_backend!r}"
+        if self.target_force_hf is not True:
+            errors["target_force_hf"] = (f"{self.target_force_hf!r}: upstream's own target model classes are not "
+                                         "built here; the target is transformers' class (true)")
+        if errors:
+            raise FieldErrors(errors)
+
+
+def default_target_layers(layers: int, draft_layers: int) -> list[int]:
+    """Upstream's feature layers of a target of ``layers`` layers for a draft of ``draft_layers``: the middle one
+    for a one-layer draft, else ``draft_layers`` spread evenly over layers 1 .. ``layers - 3``."""
+    if draft_layers == 1:
+        return [layers // 2]
+    start, end = 1, layers - 3
+    return [int(round(start + i * (end - start) / (draft_layers - 1))) for i in range(draft_layers)]
+
+
+def target_layer_issue(ids: list[int] | None, layers: int, draft_layers: int) -> str | None:
+    """What is wrong with the feature layers ``ids`` (None: upstream's default) for a target of ``layers`` layers;
+    None when nothing is."""
+    chosen = ids if ids is not None else default_target_layers(layers, draft_layers)
+    if all(0 <= i < layers for i in chosen):
+        return None
+    if ids is not None:
+        return f"{ids}: the target has {layers} layers (0..{layers - 1})"
+    return (f"unset, and the default {chosen} does not fit a target of {layers} layers: name the layers "
+            f"(0..{layers - 1}) the draft reads")
+
+
+def flex_attention_issue(cuda: bool) -> str | None:
+    """Why ``attention_backend: flex_attention`` cannot run (None: it can)."""
+    if cuda:
+        return None
+    return (f"flex_attention {GPU_ONLY} (torch compiles its block-sparse kernel there; uncompiled it has no backward "
+            "pass); use sdpa, which computes the same attention")
+
+
+# upstream's TrainDFlashRecipe recipe_args: each key -> the key it stands for here, or why it is refused
+RECIPE_ARGS = draft_recipe_args(
+    "TrainDFlashRecipe", "dflash",
+    ("mask_token_id", "block_size", "num_anchors", "draft_num_hidden_layers", "target_layer_ids",
+     "loss_decay_gamma", "loss_type", "prefix_weight_base", "attention_backend", "draft_sliding_window",
+     "draft_num_attention_heads", "draft_num_key_value_heads", "draft_head_dim", "target_force_hf"),
+    {**dict.fromkeys(("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",
+                      "selector_loss_weight"), NOT_BUILT.format(what="DFlash 2's convolution and path selector")),
+     **dict.fromkeys(("projector_type", "emb_dim", "gru_hidden_dim"),
+                     NOT_BUILT.format(what="Domino's GRU correction head"))})

@@ -1,0 +1,304 @@
+"""DFlash draft training (``automodel finetune dflash``, upstream's ``TrainDFlashRecipe``).
+
+The target is conftest's ``chat_target`` (a tiny Llama trained on the shipped chat rows, so it has something to
+say). The draft trained against it must draft blocks of held-out rows (accuracy and accept length rise from chance),
+be written in the published DFlash drafters' layout and load back with its class, resume exactly, train on two
+ranks as one process, and run from upstream's ``recipe_args:`` form. The pieces (visibility, loss, prefixes) are
+checked by hand; the keys that cannot act are refused with their reasons.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from llm_testing import (
+    ASSETS,
+    assert_refused,
+    assert_resumes_and_exports,
+    assert_trains_as_one_process_with_a_tensor_parallel_target,
+    run_route,
+    two_rank_records,
+    write_draft_config,
+)
+
+from automodel.testing import read_jsonl, run_cli, write_yaml
+from automodel_llm.dflash.blocks import (
+    Blocks,
+    anchor_candidates,
+    block_loss,
+    block_positions,
+    block_tokens,
+    block_visibility,
+    draw_blocks,
+    flex_block_mask,
+)
+from automodel_llm.dflash.draft import DFlashDraftModel, draft_config
+from automodel_llm.dflash.settings import default_target_layers
+
+CHAT = ASSETS / "tiny_chat"
+MASK = 3  # <unk> of the tiny tokenizer: the chat rows never use it
+SETTINGS = {"mask_token_id": MASK, "block_size": 4, "num_anchors": 8, "draft_num_hidden_layers": 2,
+            "target_layer_ids": [1, 3], "loss_decay_gamma": 4.0}
+LAYOUT = {"fc.weight", "hidden_norm.weight", "norm.weight",
+          *(f"layers.{i}.{name}.weight" for i in range(2) for name in (
+              "input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm",
+              *(f"self_attn.{p}_proj" for p in "qkvo"), *(f"mlp.{p}_proj" for p in ("gate", "up", "down"))))}
+
+
+def dflash_config(path: Path, target: Path, checkpoint_dir: Path, **sections) -> Path:
+    return write_draft_config(path, target, checkpoint_dir, {"dflash": dict(SETTINGS)}, **sections)
+
+
+@pytest.fixture(scope="module")
+def trained(chat_target, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("dflash")
+    run_route("dflash", dflash_config(root / "dflash.yaml", chat_target, root / "run"), root)
+    return root / "run"
+
+
+def test_the_draft_learns_to_draft_blocks_of_held_out_rows(trained):
+    records = read_jsonl(trained / "validation.jsonl")
+    assert [r["step"] for r in records] == [0, 30, 60]
+    start, end = records[0], records[-1]
+    assert start["accuracy"] < 0.05 and start["accept_length"] < 1.05  # an untrained draft: chance
+    assert end["accuracy"] > 0.3 and end["accept_length"] > 1.4  # 0.375 and 1.59 when written
+    assert end["val_loss"] < start["val_loss"] / 4
+
+
+def test_the_draft_is_written_in_the_published_layout_and_loads_back(trained, chat_target):
+    """The names and config keys of the published DFlash drafters; DFlashDraftModel.from_pretrained gives the
+    saved weights, and its forward does not depend on how it was loaded."""
+    from safetensors import safe_open
+
+    model_dir = next(trained.glob("epoch_*_step_60")) / "model"
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        assert set(f.keys()) == LAYOUT
+        assert f.get_slice("fc.weight").get_shape() == [128, 2 * 128]
+    config = json.loads((model_dir / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
+    assert config["dflash_config"] == {"block_size": 4, "mask_token_id": MASK, "target_layer_ids": [1, 3]}
+    assert (config["block_size"], config["num_target_layers"], config["is_causal"]) == (4, 5, False)
+    assert config["num_hidden_layers"] == 2 and config["layer_types"] == ["full_attention"] * 2
+    draft = DFlashDraftModel.from_pretrained(str(model_dir)).eval()
+    assert draft.target_layer_ids == [1, 3] and draft.block_size == 4 and draft.mask_token_id == MASK
+    torch.manual_seed(0)
+    blocks = Blocks(torch.tensor([[2, 5]]), torch.tensor([[True, True]]), torch.ones(1, 2, dtype=torch.long))
+    args = (torch.randn(1, 8, 128), torch.randn(1, 9, 256),
+            block_positions(torch.arange(9)[None], blocks, 4), block_visibility(blocks, 9, 4, None))
+    eager = DFlashDraftModel.from_pretrained(str(model_dir), attn_implementation="eager").eval()
+    with torch.no_grad():
+        assert torch.allclose(draft(*args), eager(*args), atol=1e-5)
+
+
+def test_a_resumed_run_trains_as_the_uninterrupted_one_and_its_shards_export_to_the_same_draft(chat_target, tmp_path):
+    """The blocks are drawn from each row's own generator of the seed and the step: a run cut after step 2 and
+    resumed draws the same ones, so the losses are the same; `automodel export` of its shards gives the draft."""
+    steps = {"max_steps": 4, "val_check_interval": None, "val_at_start": False, "checkpoint_interval": 2}
+    cfg = dflash_config(tmp_path / "dflash.yaml", chat_target, tmp_path / "whole", step_scheduler=steps,
+                        validation_dataset=None, lr_scheduler={"warmup_ratio": 0.0, "min_lr_ratio": 1.0})
+    assert_resumes_and_exports("dflash", cfg, tmp_path, LAYOUT, "a DFlash draft (DFlashDraftModel)")
+
+
+def test_upstreams_recipe_args_form_runs(chat_target, tmp_path):
+    """A project-written config in upstream's form (recipe: TrainDFlashRecipe, recipe_args with DFlash's keys,
+    optimizer with the schedule's keys), run with `automodel run -c`: the variable-prefix loss, a sliding window and
+    the draft's own attention sizes, saved as the serving engine reads them."""
+    out = tmp_path / "outputs"
+    data = {
+        "recipe": "TrainDFlashRecipe",
+        "dist_env": {"backend": "nccl", "timeout_minutes": 5},
+        "recipe_args": {
+            "target_model_name_or_path": str(chat_target), "train_data_path": str(CHAT / "train.jsonl"),
+            "val_data_path": str(CHAT / "validation.jsonl"), "train_split": None, "val_split": None,
+            "output_dir": str(out), "seq_length": 48, "micro_batch_size": 8, "grad_accumulation_steps": 1,
+            "num_workers": 0, "num_epochs": 1, "draft_num_hidden_layers": 1, "block_size": 5, "num_anchors": 4,
+            "loss_decay_gamma": 5.0, "loss_type": "variable_prefix", "prefix_weight_base": 0.9,
+            "mask_token_id": MASK, "target_layer_ids": [0, 2, 4], "attention_backend": "sdpa",
+            "draft_sliding_window": 16, "draft_num_attention_heads": 2, "draft_num_key_value_heads": 1,
+            "draft_head_dim": 16, "trust_remote_code": False, "target_attn_implementation": "sdpa",
+            "shuffle_seed": 3, "log_every_steps": 1, "max_grad_norm": 1.0, "mask_reasoning_content": False},
+        "optimizer": {"lr": 1e-3, "betas": [0.9, 0.95], "weight_decay": 0.0, "warmup_ratio": 0.2,
+                      "min_lr_ratio": 0.1},
+        "checkpoint": {"enabled": True, "model_save_format": "safetensors", "save_consolidated": True},
+    }
+    result = run_cli("run", "-c", write_yaml(tmp_path / "upstream_dflash.yaml", data), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "loss variable_prefix (decay gamma 5.0)" in result.stderr
+    run_dir = out / "checkpoints"
+    assert [r["step"] for r in read_jsonl(run_dir / "training.jsonl")] == [1, 2, 3, 4, 5, 6]  # 47 rows, 8 a step
+    (validation,) = read_jsonl(run_dir / "validation.jsonl")  # after the epoch
+    assert validation["step"] == 6 and 1 <= validation["accept_length"] <= 5
+    config = json.loads((run_dir / "epoch_0_step_6" / "model" / "config.json").read_text())
+    assert config["layer_types"] == ["sliding_attention"] and config["sliding_window"] == 16
+    assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (2, 1, 16)
+    assert config["dflash_config"]["target_layer_ids"] == [0, 2, 4]
+
+
+@pytest.fixture(scope="module")
+def one_process(chat_target, tmp_path_factory) -> tuple[Path, Path]:
+    """(config, run) of the one-process reference for two ranks: 32 training rows, twice the accumulation, 8
+    validation rows validated after step 4."""
+    root = tmp_path_factory.mktemp("one_process")
+    steps = {"max_steps": 4, "val_check_interval": 4, "val_at_start": False, "checkpoint_interval": 4}
+    cfg = dflash_config(root / "dflash.yaml", chat_target, root / "one", step_scheduler=steps,
+                        dataset={"limit_dataset_samples": 32})
+    run_route("dflash", cfg, root, "--step_scheduler.grad_accumulation_steps", 2)
+    return cfg, root / "one"
+
+
+def test_two_fsdp2_ranks_train_and_validate_as_one_process_with_their_batches_together(one_process, tmp_path):
+    """Each row draws its blocks whatever rank reads it, and the loss is the weighted mean over the whole step: two
+    FSDP2 ranks (the frozen target sharded too) train and validate as one process with twice the accumulation."""
+    cfg, reference = one_process
+    one, two, val_one, val_two = two_rank_records("dflash", cfg, reference, tmp_path, "fsdp2")
+    assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-4)
+    for key in ("accuracy", "accept_length", "val_loss"):
+        assert val_two[key] == pytest.approx(val_one[key], rel=1e-4), key
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_target_trains_the_draft_as_one_process(one_process, tmp_path):
+    """make test-slow (the split of the target is EAGLE's, tested in the default run): upstream's qwen3_dflash_tp
+    form, the target's layers over two ranks, its embeddings and output head read whole."""
+    cfg, reference = one_process
+    assert_trains_as_one_process_with_a_tensor_parallel_target("dflash", cfg, reference, tmp_path)
+
+
+# ---- the pieces ----------------------------------------------------------------------------------------------
+
+def test_anchors_are_label_tokens_with_a_whole_block_after_them_drawn_from_each_rows_generator():
+    supervised = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0, 1, 1], [1, 1, 1, 1, 1, 1, 1, 1]])
+    candidates = anchor_candidates(supervised, 4, torch.tensor([8, 8, 8]))
+    assert candidates.sum(1).tolist() == [3, 0, 5]  # positions 2..4 / none (6 > 8 - 4) / 0..4
+    # a row of 7 real tokens padded to 8: a whole block of its own tokens after the anchor
+    assert anchor_candidates(supervised, 4, torch.tensor([7, 8, 8]))[0].nonzero().flatten().tolist() == [2, 3]
+
+    def draw(seed: int, base: float | None = None) -> Blocks:
+        generators = [torch.Generator().manual_seed(seed + row) for row in range(3)]
+        return draw_blocks(candidates, 2, 4, generators, base)
+
+    blocks = draw(0)
+    assert blocks.used.tolist() == [[True, True], [False, False], [True, True]]
+    assert all(bool(candidates[r, a]) for r in (0, 2) for a in blocks.anchors[r].tolist())
+    assert all(a < b for r in (0, 2) for a, b in [blocks.anchors[r].tolist()])  # distinct, in order
+    assert torch.equal(draw(0).anchors, blocks.anchors) and (blocks.shown == 1).all()
+    assert len({tuple(draw(seed).anchors[2].tolist()) for seed in range(20)}) > 3  # the generator draws them
+    prefixes = torch.cat([draw(seed, 0.5).shown[[0, 2]].flatten() for seed in range(30)])
+    assert set(prefixes.tolist()) == {2, 3}  # 2 .. block_size - 1
+
+
+def test_a_block_sees_the_context_before_its_anchor_and_its_own_slots_both_ways():
+    blocks = Blocks(torch.tensor([[3, 1]]), torch.tensor([[True, False]]), torch.ones(1, 2, dtype=torch.long))
+    visible = block_visibility(blocks, 6, 2, None)[0, 0].int()
+    assert visible.tolist() == [[1, 1, 1, 0, 0, 0, 1, 1, 0, 0],  # slot 0 of the block at 3: context 0..2, its block
+                                [1, 1, 1, 0, 0, 0, 1, 1, 0, 0],
+                                [0, 0, 0, 0, 0, 0, 0, 0, 1, 1],  # an unused block: its own slots only
+                                [0, 0, 0, 0, 0, 0, 0, 0, 1, 1]]
+    window = block_visibility(blocks, 6, 2, 3)[0, 0].int()
+    assert window[0, :6].tolist() == [0, 1, 1, 0, 0, 0] and window[1, :6].tolist() == [0, 0, 1, 0, 0, 0]
+    ids = torch.tensor([[10, 11, 12, 13, 14, 15]])
+    assert block_tokens(ids, blocks, 2, MASK).tolist() == [[13, MASK, MASK, MASK]]
+    assert block_positions(torch.arange(6)[None], blocks, 2).tolist() == [[0, 1, 2, 3, 4, 5, 3, 4, 1, 2]]
+    shown = Blocks(torch.tensor([[1]]), torch.tensor([[True]]), torch.tensor([[3]]))
+    assert block_tokens(ids, shown, 4, MASK).tolist() == [[11, 12, 13, MASK]]
+
+
+def _draft(attention: str = "sdpa") -> DFlashDraftModel:
+    from transformers import LlamaConfig
+
+    target = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    torch.manual_seed(0)
+    return DFlashDraftModel(draft_config(target, 2, 4, MASK, [1, 2], attention)).eval()
+
+
+def test_a_blocks_drafts_read_nothing_of_the_context_from_its_anchor_on_and_the_attentions_agree(monkeypatch):
+    """The states of positions >= the anchor (what the target had read of the drafted tokens) do not reach the
+    block; earlier ones do. sdpa, eager and flex attention (its block mask; run uncompiled, forward only, on the CPU)
+    give the same numbers."""
+    from automodel_llm.dflash import draft as draft_module
+
+    draft = _draft()
+    blocks = Blocks(torch.tensor([[5, 9]]), torch.tensor([[True, True]]), torch.ones(1, 2, dtype=torch.long))
+    torch.manual_seed(1)
+    embeddings, states = torch.randn(1, 8, 32), torch.randn(1, 14, 64)
+    positions = block_positions(torch.arange(14)[None], blocks, 4)
+    visible = block_visibility(blocks, 14, 4, None)
+    later, earlier = states.clone(), states.clone()
+    later[:, 5:] += 1.0
+    earlier[:, 4] += 1.0
+    monkeypatch.setattr(draft_module, "_compiled", lambda function: function)
+    with torch.no_grad():
+        out, out_later, out_earlier = (draft(embeddings, s, positions, visible) for s in (states, later, earlier))
+        assert torch.allclose(out_later[:, :4], out[:, :4], atol=1e-6)  # the block at 5 reads positions 0..4
+        assert not torch.allclose(out_earlier[:, :4], out[:, :4], atol=1e-3)
+        assert not torch.allclose(out_later[:, 4:], out[:, 4:], atol=1e-3)  # the block at 9 reads 5..8
+        for attention, mask in (("eager", visible), ("flex_attention", flex_block_mask(blocks, 14, 4, None))):
+            other = _draft(attention)
+            other.load_state_dict(draft.state_dict())
+            assert torch.allclose(other(embeddings, states, positions, mask), out, atol=1e-5), attention
+
+
+def test_the_loss_is_the_decay_weighted_cross_entropy_of_the_drafted_label_slots():
+    """Slot k >= 1 of a block drafts the token at anchor + k, weighed exp(-(k - 1) / gamma), where that token is a
+    label; the accept length counts the right drafts before the first wrong one, plus one."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 7, (1, 10))
+    supervised = torch.ones(1, 10, dtype=torch.bool)
+    supervised[0, 8] = False  # slot 3 of the block at 5 drafts no label
+    blocks = Blocks(torch.tensor([[1, 5]]), torch.tensor([[True, True]]), torch.ones(1, 2, dtype=torch.long))
+    logits = torch.randn(1, 8, 7)
+    logits[0, 1, ids[0, 2]] = 9.0  # the block at 1 drafts token 2 right, then whatever comes
+    result = block_loss(logits, ids, supervised, blocks, 4, 2.0)
+    terms = [(block * 4 + k, blocks.anchors[0, block] + k) for block in range(2) for k in (1, 2, 3)
+             if supervised[0, blocks.anchors[0, block] + k]]
+    weight = {1: 1.0, 2: math.exp(-1 / 2), 3: math.exp(-2 / 2)}
+    nll = [torch.nn.functional.cross_entropy(logits[0, slot], ids[0, at]) for slot, at in terms]
+    weights = [weight[slot % 4] for slot, _ in terms]
+    assert float(result.loss) == pytest.approx(sum(w * float(n) for w, n in zip(weights, nll, strict=True)),
+                                               rel=1e-5)
+    assert float(result.weight) == pytest.approx(sum(weights), rel=1e-6)
+    assert int(result.counted) == 5 and int(result.blocks) == 2
+    greedy = logits[0].argmax(-1)
+    right = [bool(greedy[slot] == ids[0, at]) for slot, at in terms]
+    assert int(result.correct) == sum(right)
+
+    def accepted(block_terms: list[bool]) -> int:
+        return 1 + next((i for i, ok in enumerate(block_terms) if not ok), len(block_terms))
+
+    assert int(result.accepted) == accepted(right[:3]) + accepted(right[3:])
+    # a variable prefix of 2 drafts slots 2 and 3, the decay counted from slot 2
+    shown = Blocks(blocks.anchors, blocks.used, torch.tensor([[2, 2]]))
+    vp = block_loss(logits, ids, supervised, shown, 4, 2.0)
+    kept = [(slot, at, {2: 1.0, 3: math.exp(-1 / 2)}[slot % 4]) for slot, at in terms if slot % 4 >= 2]
+    by_hand = sum(w * float(torch.nn.functional.cross_entropy(logits[0, s], ids[0, a])) for s, a, w in kept)
+    assert float(vp.loss) == pytest.approx(by_hand, rel=1e-5)
+    assert float(vp.weight) == pytest.approx(sum(w for *_, w in kept), rel=1e-6)
+
+
+def test_the_default_feature_layers_are_upstreams_spread():
+    assert default_target_layers(36, 5) == [1, 9, 17, 25, 33]  # Qwen3-8B: the layers upstream's example names
+    assert default_target_layers(28, 1) == [14]
+
+
+@pytest.mark.parametrize(("change", "key", "words"), [
+    ({"dflash": {"mask_token_id": None}}, "dflash.mask_token_id", "required"),
+    ({"dflash": {"mask_token_id": 482}}, "dflash.mask_token_id", "vocabulary holds 482"),
+    ({"dflash": {"target_layer_ids": [1, 5]}}, "dflash.target_layer_ids", "the target has 5 layers"),
+    ({"dflash": {"attention_backend": "flex_attention"}}, "dflash.attention_backend", "CUDA"),
+    ({"dflash": {"draft_num_key_value_heads": 3}}, "dflash.draft_num_key_value_heads", "does not divide"),
+    ({"dflash": {"loss_type": "kl"}}, "dflash.loss_type", "dflash, variable_prefix"),
+    ({"dflash": {"prefix_weight_base": 0.5}}, "dflash.prefix_weight_base", "only loss_type variable_prefix"),
+    ({"recipe_args": {"conv_kernel_size": 2}}, "recipe_args.conv_kernel_size", "DFlash 2"),
+    ({"recipe_args": {"projector_type": "domino"}}, "recipe_args.projector_type", "Domino"),
+    ({"packed_sequence": {"packed_sequence_size": 128}}, "packed_sequence.packed_sequence_size", "set it 0"),
+    ({"distributed": {"cp_size": 2, "strategy": "fsdp2"}}, "distributed.cp_size", "cp_size: 1"),
+    ({"loss_fn": {"_target_": "automodel.training.loss.MaskedCrossEntropy"}}, "loss_fn", "drafted block slots"),
+])
+def test_what_cannot_act_is_refused_with_the_reason(chat_target, tmp_path, change, key, words):
+    assert_refused("dflash", dflash_config(tmp_path / "dflash.yaml", chat_target, tmp_path / "run"), tmp_path, change,
+                   key, words)
