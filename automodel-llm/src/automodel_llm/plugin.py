@@ -15,6 +15,7 @@ _UPSTREAM_RECIPES = {
                               f"{_UPSTREAM}.train_seq_cls.TrainFinetuneRecipeForSequenceClassification"),
     ("finetune", "eagle3"): ("TrainEagle3Recipe", f"{_UPSTREAM}.train_eagle3.TrainEagle3Recipe"),
     ("finetune", "dflash"): ("TrainDFlashRecipe", f"{_UPSTREAM}.train_dflash.TrainDFlashRecipe"),
+    ("finetune", "jetspec"): ("TrainJetSpecRecipe", f"{_UPSTREAM}.train_jetspec.TrainJetSpecRecipe"),
     # EAGLE-2 trains EAGLE-1's draft (it differs in the tree it drafts at serving time)
     ("finetune", "eagle"): ("TrainEagle1Recipe", f"{_UPSTREAM}.train_eagle1.TrainEagle1Recipe",
                             "TrainEagle2Recipe", f"{_UPSTREAM}.train_eagle2.TrainEagle2Recipe"),
@@ -25,15 +26,15 @@ _UPSTREAM_RECIPES = {
 
 
 # upstream's other speculative-decoding draft recipes (examples/speculative/; its EAGLE-1/2 are `finetune eagle`,
-# its EAGLE-3 `finetune eagle3`, its DFlash `finetune dflash`): module -> class names
+# its EAGLE-3 `finetune eagle3`, its DFlash `finetune dflash`, its JetSpec `finetune jetspec`): module -> class names
 _SPECULATIVE = {"train_dflash2": ("TrainDFlash2Recipe",), "train_domino": ("TrainDominoRecipe",),
-                "train_jetspec": ("TrainJetSpecRecipe",), "train_dspark": ("TrainDSparkRecipe",),
+                "train_dspark": ("TrainDSparkRecipe",),
                 "train_vispec": ("TrainVispecRecipe", "TrainVispecStage1Recipe")}
-SPECULATIVE_UNBUILT = ("upstream's speculative-decoding recipes other than EAGLE-1/2/3 and DFlash (P-EAGLE, DFlash 2, "
-                       "Domino, JetSpec, DSpark, ViSpec) train draft architectures that are not built here; EAGLE-1/2 "
+SPECULATIVE_UNBUILT = ("upstream's speculative-decoding recipes other than EAGLE-1/2/3, DFlash and JetSpec (P-EAGLE, "
+                       "DFlash 2, Domino, DSpark, ViSpec) train draft architectures that are not built here; EAGLE-1/2 "
                        "are: recipe: TrainEagle1Recipe / TrainEagle2Recipe, or automodel finetune eagle; EAGLE-3 is: "
-                       "recipe: TrainEagle3Recipe, or automodel finetune eagle3; DFlash is: recipe: "
-                       "TrainDFlashRecipe, or automodel finetune dflash")
+                       "recipe: TrainEagle3Recipe, or automodel finetune eagle3; DFlash and JetSpec are: recipe: "
+                       "TrainDFlashRecipe / TrainJetSpecRecipe, or automodel finetune dflash / jetspec")
 
 
 @hookimpl
@@ -59,6 +60,9 @@ def automodel_register_routes(routes) -> None:
     routes.add("finetune", "dflash", recipe="automodel_llm.dflash.recipe.DFlashRecipe",
                help="Train a DFlash block-drafting speculative-decoding draft for a frozen target model",
                examples=["llm/tiny_dflash"])
+    routes.add("finetune", "jetspec", recipe="automodel_llm.dflash.recipe.JetSpecRecipe",
+               help="Train a JetSpec draft (DFlash's, causal within a block) towards a frozen target's distributions",
+               examples=["llm/tiny_jetspec"])
     routes.add("finetune", "dllm", recipe="automodel_llm.dllm.DiffusionLMSFTRecipe",
                help="Fine-tune a masked diffusion language model (LLaDA's MDLM objective)",
                examples=["llm/tiny_dllm"])

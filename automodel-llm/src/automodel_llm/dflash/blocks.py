@@ -11,6 +11,7 @@ own) and to all of the block's positions. Anchors are label tokens with a whole 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -82,11 +83,11 @@ def block_positions(context_positions: torch.Tensor, blocks: Blocks, block_size:
     return torch.cat([context_positions, slots.flatten(1)], dim=1)
 
 
-def block_visibility(blocks: Blocks, context_length: int, block_size: int,
-                     sliding_window: int | None) -> torch.Tensor:
+def block_visibility(blocks: Blocks, context_length: int, block_size: int, sliding_window: int | None,
+                     causal: bool = False) -> torch.Tensor:
     """``[batch, 1, n x block_size, c + n x block_size]`` booleans: which keys each block slot sees (the context
-    before its anchor, within ``sliding_window`` of its own position; its block's slots). An unused block sees its
-    own slots only, so no row of the softmax is empty."""
+    before its anchor, within ``sliding_window`` of its own position; its block's slots, with ``causal`` (JetSpec)
+    only those up to its own). An unused block sees its own slots only, so no row of the softmax is empty."""
     rows, n = blocks.anchors.shape
     device = blocks.anchors.device
     slot = torch.arange(n * block_size, device=device)
@@ -96,11 +97,15 @@ def block_visibility(blocks: Blocks, context_length: int, block_size: int,
     if sliding_window is not None:
         own = anchor + (slot % block_size).view(1, -1, 1)
         before &= own - key < sliding_window
-    same_block = (slot.view(-1, 1) // block_size == slot.view(1, -1) // block_size).expand(rows, -1, -1)
+    same_block = slot.view(-1, 1) // block_size == slot.view(1, -1) // block_size
+    if causal:
+        same_block &= slot.view(1, -1) <= slot.view(-1, 1)
+    same_block = same_block.expand(rows, -1, -1)
     return torch.cat([before, same_block], dim=-1).unsqueeze(1)
 
 
-def flex_block_mask(blocks: Blocks, context_length: int, block_size: int, sliding_window: int | None) -> object:
+def flex_block_mask(blocks: Blocks, context_length: int, block_size: int, sliding_window: int | None,
+                    causal: bool = False) -> object:
     """:func:`block_visibility` as a flex attention ``BlockMask`` (computed block-sparse, never materialised)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -111,7 +116,10 @@ def flex_block_mask(blocks: Blocks, context_length: int, block_size: int, slidin
         before = (kv < context_length) & (kv < anchor) & used[b, block]
         if sliding_window is not None:
             before &= anchor + q % block_size - kv < sliding_window
-        return before | ((kv >= context_length) & ((kv - context_length) // block_size == block))
+        own = (kv >= context_length) & ((kv - context_length) // block_size == block)
+        if causal:
+            own &= kv - context_length <= q
+        return before | own
 
     rows, n = anchors.shape
     return create_block_mask(visible, rows, None, n * block_size, context_length + n * block_size,
@@ -145,17 +153,39 @@ class BlockLoss:
     blocks: torch.Tensor  # used blocks with a drafted slot
 
 
-def block_loss(logits: torch.Tensor, ids: torch.Tensor, supervised: torch.Tensor, blocks: Blocks, block_size: int,
-               gamma: float | None) -> BlockLoss:
-    """The weighted cross entropy of ``logits`` (``[batch, n x block_size, vocab]``) against the tokens the
-    drafted slots draft (:func:`drafted_slots`; the mean is ``loss / weight``), and the counts of accuracy and of
-    the accept length as a verifier would count it."""
-    targets, drafted, weights = drafted_slots(ids, supervised, blocks, block_size, gamma)
-    logits = logits.float().view(*targets.shape, -1)
-    nll = F.cross_entropy(logits.flatten(0, 2), targets.flatten(), reduction="none").view_as(weights)
-    right = (logits.argmax(-1) == targets) & drafted
+def agreement(drafts: torch.Tensor, reference: torch.Tensor, drafted: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(correct, counted, accepted, blocks)`` of greedy ``drafts`` against ``reference`` tokens over the
+    ``drafted`` slots (``[batch, n, block_size]`` each): the right ones, the drafted ones, and, over the blocks with a
+    drafted slot, 1 + the right drafts before the first wrong one (what a verifier accepts)."""
+    right = (drafts == reference) & drafted
     # a slot not drafted (the prefix, or not a label) neither breaks nor lengthens the accepted run
     run = (right | ~drafted).long().cumprod(dim=-1) * drafted
     has_draft = drafted.any(dim=-1)
-    return BlockLoss(loss=(nll * weights).sum(), weight=weights.sum(), correct=right.sum(), counted=drafted.sum(),
-                     accepted=((run.sum(dim=-1) + 1) * has_draft).sum(), blocks=has_draft.sum())
+    return right.sum(), drafted.sum(), ((run.sum(dim=-1) + 1) * has_draft).sum(), has_draft.sum()
+
+
+def block_loss(logits: torch.Tensor, ids: torch.Tensor, supervised: torch.Tensor, blocks: Blocks, block_size: int,
+               gamma: float | None) -> BlockLoss:
+    """DFlash's loss: the weighted cross entropy of ``logits`` (``[batch, n x block_size, vocab]``) against the
+    tokens the drafted slots draft (:func:`drafted_slots`; the mean is ``loss / weight``); the greedy drafts counted
+    against those tokens."""
+    targets, drafted, weights = drafted_slots(ids, supervised, blocks, block_size, gamma)
+    logits = logits.float().view(*targets.shape, -1)
+    nll = F.cross_entropy(logits.flatten(0, 2), targets.flatten(), reduction="none").view_as(weights)
+    return BlockLoss((nll * weights).sum(), weights.sum(), *agreement(logits.argmax(-1), targets, drafted))
+
+
+def distillation_loss(logits: torch.Tensor, target_logits: torch.Tensor, ids: torch.Tensor,
+                      supervised: torch.Tensor, blocks: Blocks, block_size: int, kl: Any) -> BlockLoss:
+    """JetSpec's loss: ``kl`` (the forward KL, summed) between the target's distribution of the token each drafted
+    slot drafts (its logits at the position before that token, on the row's own tokens) and the draft's, every
+    drafted slot alike; the greedy drafts counted against the target's greedy tokens (its own choice is what a
+    verifier accepts)."""
+    targets, drafted, weights = drafted_slots(ids, supervised, blocks, block_size, None)
+    before = (_slots(blocks, block_size) - 1).clamp(min=0).flatten(1)  # slot 0 is never drafted
+    teacher = torch.gather(target_logits, 1, before.unsqueeze(-1).expand(-1, -1, target_logits.shape[-1]))
+    teacher = teacher.view(*targets.shape, -1)
+    student = logits.view(*targets.shape, -1)
+    loss = kl(student, teacher, torch.where(drafted, targets, -100))
+    return BlockLoss(loss, weights.sum(), *agreement(student.argmax(-1), teacher.argmax(-1), drafted))

@@ -1,4 +1,6 @@
-"""DFlash draft training (``automodel finetune dflash``; upstream's ``TrainDFlashRecipe``).
+"""DFlash draft training (``automodel finetune dflash``; upstream's ``TrainDFlashRecipe``) and JetSpec's
+(``automodel finetune jetspec``; ``TrainJetSpecRecipe``): the same draft, JetSpec's blocks attending causally within
+themselves and trained towards the target's distributions (forward KL) rather than the data's tokens.
 
 The ``model`` section is the target: built as the next-token recipe builds it, frozen, and run on every batch for
 the hidden states of ``dflash.target_layer_ids``. The trained model is the draft (:mod:`automodel_llm.dflash.draft`),
@@ -24,22 +26,27 @@ import torch.nn.functional as F
 from automodel.config import Config
 from automodel.errors import AutomodelError, ConfigIssue
 from automodel.training.context import BuildContext
+from automodel.training.distillation.loss import KDLoss
 from automodel.training.parallelism import model_hf_config, validation_device
 from automodel_llm.dflash.blocks import (
+    BlockLoss,
     Blocks,
     anchor_candidates,
     block_loss,
     block_positions,
     block_tokens,
     block_visibility,
+    distillation_loss,
     drafted_slots,
     draw_blocks,
     flex_block_mask,
 )
 from automodel_llm.dflash.draft import ARCHITECTURE, DFlashDraftModel, draft_config
 from automodel_llm.dflash.settings import (
+    JETSPEC_RECIPE_ARGS,
     RECIPE_ARGS,
     DFlashConfig,
+    JetSpecConfig,
     default_target_layers,
     flex_attention_issue,
     target_layer_issue,
@@ -49,29 +56,30 @@ from automodel_llm.draft_recipe import DraftRecipe, whole
 from automodel_llm.eagle3.unroll import supervised_tokens
 
 
-class DFlashRecipe(DraftRecipe):
-    """Trains a DFlash draft (the run's model) against the frozen ``model`` section's target."""
+class BlockDraftRecipe(DraftRecipe):
+    """Trains a block-drafting draft (the run's model) against the frozen ``model`` section's target; subclasses
+    name the settings section and compute the blocks' loss (:meth:`blocks_loss`)."""
 
-    settings_key = "dflash"
-    loss_description = "DFlash's decay-weighted cross entropy of the drafted block slots"
-    sections: ClassVar[dict] = {"dflash": DFlashConfig, "recipe_args": RECIPE_ARGS}
+    causal_blocks: ClassVar[bool] = False  # a block's slots see only the slots up to their own
+    name: ClassVar[str]  # the method's name, for the logs
+    served_by: ClassVar[str]  # the serving engines' names for it
     target_layer_ids: list[int]
     seeds: CorruptionSeeds
 
     @classmethod
     def check_config(cls, cfg: Config) -> list[ConfigIssue]:
         issues = list(super().check_config(cfg))
-        settings = cfg.get("dflash")  # None: the section was refused (its issues are reported)
+        settings = cfg.get(cls.settings_key)  # None: the section was refused (its issues are reported)
         packing = cfg.get("packed_sequence")
         if packing is not None and (packing.enabled or packing.packed_sequence_size > 0):
-            issues.append(ConfigIssue("packed_sequence.packed_sequence_size", "DFlash's blocks read the target's "
+            issues.append(ConfigIssue("packed_sequence.packed_sequence_size", "the blocks read the target's "
                                       "states of whole rows here (packed samples would need per-sample anchors, "
                                       "masks and positions, not built); set it 0"))
         if settings is None:
             return issues
         if settings.attention_backend == "flex_attention" and (why := flex_attention_issue(
                 validation_device().type == "cuda")):
-            issues.append(ConfigIssue("dflash.attention_backend", why))
+            issues.append(ConfigIssue(f"{cls.settings_key}.attention_backend", why))
         target = model_hf_config(cfg)
         if target is not None:
             text = target.get_text_config() if hasattr(target, "get_text_config") else target
@@ -85,26 +93,33 @@ class DFlashRecipe(DraftRecipe):
         if isinstance(layers, int):
             why = target_layer_issue(settings.target_layer_ids, layers, settings.draft_num_hidden_layers)
             if why:
-                issues.append(ConfigIssue("dflash.target_layer_ids", why))
+                issues.append(ConfigIssue(f"{cls.settings_key}.target_layer_ids", why))
         if isinstance(vocab, int) and not settings.mask_token_id < vocab:
-            issues.append(ConfigIssue("dflash.mask_token_id", f"{settings.mask_token_id} is not a token of the "
-                                      f"target, whose vocabulary holds {vocab} (0..{vocab - 1})"))
+            issues.append(ConfigIssue(f"{cls.settings_key}.mask_token_id", f"{settings.mask_token_id} is not a "
+                                      f"token of the target, whose vocabulary holds {vocab} (0..{vocab - 1})"))
         heads = settings.draft_num_attention_heads or getattr(text, "num_attention_heads", None)
         kv_heads = settings.draft_num_key_value_heads or getattr(text, "num_key_value_heads", None) or heads
         if isinstance(heads, int) and isinstance(kv_heads, int) and heads % kv_heads:
-            issues.append(ConfigIssue("dflash.draft_num_key_value_heads", f"{kv_heads} does not divide the draft's "
+            issues.append(ConfigIssue(f"{cls.settings_key}.draft_num_key_value_heads", f"{kv_heads} does not divide "
+                                      f"the draft's "
                                       f"{heads} attention heads"))
         return issues
 
     @classmethod
     def describe_plan(cls, cfg: Config) -> list[str]:
-        settings = cfg.get("dflash")
+        settings = cfg.get(cls.settings_key)
         if settings is None:
             return super().describe_plan(cfg)
         layers = settings.target_layer_ids or "an even spread of its"
-        return [*super().describe_plan(cfg), f"DFlash: the model section is the frozen target; the trained model is a "
-                f"{settings.draft_num_hidden_layers}-layer draft reading the target's layers {layers}, drafting blocks "
-                f"of {settings.block_size} tokens ({settings.num_anchors} at most a row), loss {settings.loss_type}"]
+        return [*super().describe_plan(cfg), f"{cls.name}: the model section is the frozen target; the trained model "
+                f"is a {settings.draft_num_hidden_layers}-layer draft reading the target's layers {layers}, drafting "
+                f"blocks of {settings.block_size} tokens ({settings.num_anchors} at most a row), loss "
+                f"{cls.loss_words(settings)}"]
+
+    @classmethod
+    def loss_words(cls, settings: Any) -> str:
+        """The loss, for the plan and the logs."""
+        raise NotImplementedError
 
     # ---- building ---------------------------------------------------------------------------------------------
 
@@ -123,11 +138,10 @@ class DFlashRecipe(DraftRecipe):
                               settings.draft_head_dim)
         draft = DFlashDraftModel(config)
         self.seeds = CorruptionSeeds(self.cfg.rng.seed)
-        self.log(f"DFlash: a {config.num_hidden_layers}-layer draft for the frozen target {self.target_class} "
+        self.log(f"{self.name}: a {config.num_hidden_layers}-layer draft for the frozen target {self.target_class} "
                  f"({text.num_hidden_layers} layers; the draft reads the outputs of layers {self.target_layer_ids}), "
                  f"blocks of {settings.block_size} tokens, at most {settings.num_anchors} a row, mask token "
-                 f"{settings.mask_token_id}, loss {settings.loss_type}"
-                 + (f" (decay gamma {settings.loss_decay_gamma})" if settings.loss_decay_gamma else ""))
+                 f"{settings.mask_token_id}, loss {self.loss_words(settings)}")
         return draft
 
     # ---- the loss ---------------------------------------------------------------------------------------------
@@ -179,7 +193,7 @@ class DFlashRecipe(DraftRecipe):
         return F.linear(hidden.to(weight.dtype), weight, None if bias is None else whole(bias)).float()
 
     def compute_loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The micro-batch's drafted slots' cross entropy summed with their weights (the loop divides by the step's
+        """The micro-batch's loss summed over its drafted slots with their weights (the loop divides by the step's
         weights); validation's counts kept for :meth:`extra_validation_metrics`."""
         settings: DFlashConfig = self.settings()
         ids = batch["input_ids"]
@@ -192,21 +206,25 @@ class DFlashRecipe(DraftRecipe):
         if context_positions is None:
             context_positions = torch.arange(length, device=ids.device).expand(ids.shape[0], -1)
         block_size, window = settings.block_size, settings.draft_sliding_window
-        if settings.attention_backend == "flex_attention":
-            mask = flex_block_mask(blocks, length, block_size, window)
-        else:
-            mask = block_visibility(blocks, length, block_size, window)
+        visibility = flex_block_mask if settings.attention_backend == "flex_attention" else block_visibility
+        mask = visibility(blocks, length, block_size, window, self.causal_blocks)
         hidden = model(block_embeddings=self.embed(block_tokens(ids, blocks, block_size, settings.mask_token_id)),
                        target_states=states, position_ids=block_positions(context_positions, blocks, block_size),
                        attention_mask=mask)
-        result = block_loss(self.head(hidden), ids, supervised, blocks, block_size, settings.loss_decay_gamma)
+        result = self.blocks_loss(self.head(hidden), out.logits, ids, supervised, blocks)
         if not model.training:
             self.count_for_validation(torch.stack([result.correct, result.counted, result.accepted, result.blocks]))
         return result.loss
 
+    def blocks_loss(self, logits: torch.Tensor, target_logits: torch.Tensor, ids: torch.Tensor,
+                    supervised: torch.Tensor, blocks: Blocks) -> BlockLoss:
+        """The blocks' loss from the draft's ``logits`` (and the target's, on the rows)."""
+        raise NotImplementedError
+
     def extra_validation_metrics(self, name: str, dataloader: Any) -> dict[str, float]:
-        """Over the validation set: ``accuracy`` (drafted slots whose greedy token is the data's) and
-        ``accept_length`` (per block, 1 + the drafts before the first wrong one: what a verifier accepts)."""
+        """Over the validation set: ``accuracy`` (drafted slots whose greedy token is the right one: the data's, for
+        JetSpec the target's) and ``accept_length`` (per block, 1 + the drafts before the first wrong one: what a
+        verifier accepts)."""
         counts = self.validation_totals()
         if counts is None:
             return {}
@@ -217,5 +235,48 @@ class DFlashRecipe(DraftRecipe):
     def final_message(self, model_dir: Any) -> str:
         if not model_dir.is_dir():  # saved sharded only: the base message says how to export it
             return super().final_message(model_dir)
-        return (f"the DFlash draft is in {model_dir} ({ARCHITECTURE}, the published DFlash drafters' layout): serve "
-                f"it as the speculative model of its target (SGLang's DFLASH algorithm, vLLM's dflash method)")
+        return (f"the {self.name} draft is in {model_dir} ({ARCHITECTURE}, the published DFlash drafters' layout): "
+                f"serve it as the speculative model of its target ({self.served_by})")
+
+
+class DFlashRecipe(BlockDraftRecipe):
+    """Trains a DFlash draft: each block's drafted slots towards the data's tokens (decay-weighted cross entropy)."""
+
+    settings_key = "dflash"
+    name = "DFlash"
+    served_by = "SGLang's DFLASH algorithm, vLLM's dflash method"
+    loss_description = "DFlash's decay-weighted cross entropy of the drafted block slots"
+    sections: ClassVar[dict] = {"dflash": DFlashConfig, "recipe_args": RECIPE_ARGS}
+
+    @classmethod
+    def loss_words(cls, settings: DFlashConfig) -> str:
+        gamma = f" (decay gamma {settings.loss_decay_gamma})" if settings.loss_decay_gamma else ""
+        return f"{settings.loss_type}{gamma}"
+
+    def blocks_loss(self, logits: torch.Tensor, target_logits: torch.Tensor, ids: torch.Tensor,
+                    supervised: torch.Tensor, blocks: Blocks) -> BlockLoss:
+        settings: DFlashConfig = self.settings()
+        return block_loss(logits, ids, supervised, blocks, settings.block_size, settings.loss_decay_gamma)
+
+
+class JetSpecRecipe(BlockDraftRecipe):
+    """Trains a JetSpec draft (arXiv 2606.18394): DFlash's draft with causal attention within each block (a slot
+    sees the slots up to its own, as a tree branch its ancestors), trained towards the target's distribution of
+    each drafted token (forward KL at ``kd_temperature``, scaled by its square, every drafted slot alike)."""
+
+    settings_key = "jetspec"
+    name = "JetSpec"
+    causal_blocks = True
+    served_by = "vLLM's dflash method, which upstream names for JetSpec drafts"
+    loss_description = "JetSpec's forward KL of the drafted block slots against the target's distributions"
+    sections: ClassVar[dict] = {"jetspec": JetSpecConfig, "recipe_args": JETSPEC_RECIPE_ARGS}
+
+    @classmethod
+    def loss_words(cls, settings: JetSpecConfig) -> str:
+        return f"forward KL against the target (temperature {settings.kd_temperature})"
+
+    def blocks_loss(self, logits: torch.Tensor, target_logits: torch.Tensor, ids: torch.Tensor,
+                    supervised: torch.Tensor, blocks: Blocks) -> BlockLoss:
+        settings: JetSpecConfig = self.settings()
+        kl = KDLoss(settings.kd_temperature, chunk_size=settings.kd_chunk_size)
+        return distillation_loss(logits, whole(target_logits), ids, supervised, blocks, settings.block_size, kl)

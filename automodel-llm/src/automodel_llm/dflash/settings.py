@@ -1,6 +1,7 @@
-"""The settings of DFlash draft training: the ``dflash:`` section, and upstream's ``recipe_args:`` keys of its
-``TrainDFlashRecipe``, each standing for the key of the same meaning here or refused with the reason.
-Import-light: no torch."""
+"""The settings of DFlash draft training (the ``dflash:`` section) and of JetSpec's (``jetspec:``, the same draft
+trained causally within a block towards the target's distributions), and upstream's ``recipe_args:`` keys of its
+``TrainDFlashRecipe`` / ``TrainJetSpecRecipe``, each standing for the key of the same meaning here or refused with
+the reason. Import-light: no torch."""
 
 from __future__ import annotations
 
@@ -98,6 +99,39 @@ class DFlashConfig:
             raise FieldErrors(errors)
 
 
+@dataclass
+class JetSpecConfig(DFlashConfig):
+    """DFlash's settings less its loss's (JetSpec's loss is the forward KL against the target's distributions,
+    uniform over the drafted slots), with the distillation's."""
+
+    loss_decay_gamma: float | None = field(default=None, metadata={"help": (
+        "null only: JetSpec weighs every drafted slot alike")})
+    kd_temperature: float = field(default=1.0, metadata={"help": (
+        "the temperature of the target's and the draft's distributions in the forward KL (scaled by its square)")})
+    kd_chunk_size: int = field(default=0, metadata={"help": (
+        "above 0: the drafted slots' float32 distributions are computed this many at a time (less memory, the "
+        "same loss); 0: all at once")})
+
+    def __post_init__(self) -> None:
+        errors = {}
+        try:
+            super().__post_init__()
+        except FieldErrors as err:
+            errors.update(err.errors)
+        if self.loss_decay_gamma is not None:
+            errors["loss_decay_gamma"] = (f"{self.loss_decay_gamma!r}: JetSpec's forward KL weighs every drafted slot "
+                                          "alike; remove it (null)")
+        if self.loss_type != "dflash":
+            errors["loss_type"] = (f"{self.loss_type!r}: JetSpec's blocks show their anchor alone (its loss is the "
+                                   "forward KL against the target); remove it")
+        if not _positive(self.kd_temperature):
+            errors["kd_temperature"] = f"expected a number > 0, found {self.kd_temperature!r}"
+        if not _whole(self.kd_chunk_size, 0):
+            errors["kd_chunk_size"] = f"expected a whole number >= 0, found {self.kd_chunk_size!r}"
+        if errors:
+            raise FieldErrors(errors)
+
+
 def default_target_layers(layers: int, draft_layers: int) -> list[int]:
     """Upstream's feature layers of a target of ``layers`` layers for a draft of ``draft_layers``: the middle one
     for a one-layer draft, else ``draft_layers`` spread evenly over layers 1 .. ``layers - 3``."""
@@ -127,13 +161,17 @@ def flex_attention_issue(cuda: bool) -> str | None:
             "pass); use sdpa, which computes the same attention")
 
 
-# upstream's TrainDFlashRecipe recipe_args: each key -> the key it stands for here, or why it is refused
-RECIPE_ARGS = draft_recipe_args(
-    "TrainDFlashRecipe", "dflash",
-    ("mask_token_id", "block_size", "num_anchors", "draft_num_hidden_layers", "target_layer_ids",
-     "loss_decay_gamma", "loss_type", "prefix_weight_base", "attention_backend", "draft_sliding_window",
-     "draft_num_attention_heads", "draft_num_key_value_heads", "draft_head_dim", "target_force_hf"),
-    {**dict.fromkeys(("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",
-                      "selector_loss_weight"), NOT_BUILT.format(what="DFlash 2's convolution and path selector")),
-     **dict.fromkeys(("projector_type", "emb_dim", "gru_hidden_dim"),
-                     NOT_BUILT.format(what="Domino's GRU correction head"))})
+_DRAFT_KEYS = ("mask_token_id", "block_size", "num_anchors", "draft_num_hidden_layers", "target_layer_ids",
+               "attention_backend", "draft_sliding_window", "draft_num_attention_heads", "draft_num_key_value_heads",
+               "draft_head_dim", "target_force_hf")
+_DFLASH2 = NOT_BUILT.format(what="DFlash 2's convolution and path selector")
+_VARIANTS = {**dict.fromkeys(("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",
+                              "selector_loss_weight"), _DFLASH2),
+             **dict.fromkeys(("projector_type", "emb_dim", "gru_hidden_dim"),
+                             NOT_BUILT.format(what="Domino's GRU correction head"))}
+# upstream's TrainDFlashRecipe / TrainJetSpecRecipe recipe_args: each key -> the key it stands for here, or why refused
+RECIPE_ARGS = draft_recipe_args("TrainDFlashRecipe", "dflash",
+                                (*_DRAFT_KEYS, "loss_decay_gamma", "loss_type", "prefix_weight_base"), _VARIANTS)
+JETSPEC_RECIPE_ARGS = draft_recipe_args("TrainJetSpecRecipe", "jetspec",
+                                        (*_DRAFT_KEYS, "loss_decay_gamma", "kd_temperature", "kd_chunk_size"),
+                                        _VARIANTS)
