@@ -453,7 +453,7 @@ CPU_OVERRIDES: dict[str, Any] = {
     r"^(?P<edit>model\.text_config\.cp_full_attn_backend)$": REMOVE,  # FFPA's CUDA kernels
     r"^(?P<edit>model\.transformer_engine_fp8\w*)$": REMOVE,
     r"^eagle3\.draft_attn_implementation$": ("recipe_args.draft_attn_implementation", "sdpa"),  # EAGLE-3's form
-    r"^(dflash|jetspec)\.attention_backend$": ("recipe_args.attention_backend", "sdpa"),  # their upstream form
+    r"^(dflash|jetspec|domino)\.attention_backend$": ("recipe_args.attention_backend", "sdpa"),  # their upstream form
 }
 # the words of a refusal for a GPU feature or trust_remote_code (and of sdpa refused for a model class without it,
 # after the GPU attention gave way to sdpa)

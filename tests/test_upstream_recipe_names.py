@@ -47,10 +47,12 @@ SELECTS = {
     f"{UP}.llm.train_dflash.TrainDFlashRecipe": "finetune dflash",
     "TrainJetSpecRecipe": "finetune jetspec",
     f"{UP}.llm.train_jetspec.TrainJetSpecRecipe": "finetune jetspec",
+    "TrainDominoRecipe": "finetune domino",
+    f"{UP}.llm.train_domino.TrainDominoRecipe": "finetune domino",
 }
 # Upstream recipes with no counterpart here (speculative decoding drafters, multimodal), with words of the reason.
 NOT_HERE = {"TrainDSparkRecipe": "speculative-decoding", "TrainDFlash2Recipe": "speculative-decoding",
-            f"{UP}.llm.train_domino.TrainDominoRecipe": "speculative-decoding",
+            f"{UP}.llm.train_vispec.TrainVispecRecipe": "speculative-decoding",
             "FinetuneRecipeForMultimodal": "BAGEL", "PretrainRecipeForMultimodal": "BAGEL"}
 
 

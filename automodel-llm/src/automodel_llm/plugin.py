@@ -16,6 +16,7 @@ _UPSTREAM_RECIPES = {
     ("finetune", "eagle3"): ("TrainEagle3Recipe", f"{_UPSTREAM}.train_eagle3.TrainEagle3Recipe"),
     ("finetune", "dflash"): ("TrainDFlashRecipe", f"{_UPSTREAM}.train_dflash.TrainDFlashRecipe"),
     ("finetune", "jetspec"): ("TrainJetSpecRecipe", f"{_UPSTREAM}.train_jetspec.TrainJetSpecRecipe"),
+    ("finetune", "domino"): ("TrainDominoRecipe", f"{_UPSTREAM}.train_domino.TrainDominoRecipe"),
     # EAGLE-2 trains EAGLE-1's draft (it differs in the tree it drafts at serving time)
     ("finetune", "eagle"): ("TrainEagle1Recipe", f"{_UPSTREAM}.train_eagle1.TrainEagle1Recipe",
                             "TrainEagle2Recipe", f"{_UPSTREAM}.train_eagle2.TrainEagle2Recipe"),
@@ -26,15 +27,29 @@ _UPSTREAM_RECIPES = {
 
 
 # upstream's other speculative-decoding draft recipes (examples/speculative/; its EAGLE-1/2 are `finetune eagle`,
-# its EAGLE-3 `finetune eagle3`, its DFlash `finetune dflash`, its JetSpec `finetune jetspec`): module -> class names
-_SPECULATIVE = {"train_dflash2": ("TrainDFlash2Recipe",), "train_domino": ("TrainDominoRecipe",),
-                "train_dspark": ("TrainDSparkRecipe",),
+# its EAGLE-3 `finetune eagle3`, its DFlash, JetSpec and Domino `finetune dflash / jetspec / domino`): module ->
+# class names
+_SPECULATIVE = {"train_dflash2": ("TrainDFlash2Recipe",), "train_dspark": ("TrainDSparkRecipe",),
                 "train_vispec": ("TrainVispecRecipe", "TrainVispecStage1Recipe")}
-SPECULATIVE_UNBUILT = ("upstream's speculative-decoding recipes other than EAGLE-1/2/3, DFlash and JetSpec (P-EAGLE, "
-                       "DFlash 2, Domino, DSpark, ViSpec) train draft architectures that are not built here; EAGLE-1/2 "
-                       "are: recipe: TrainEagle1Recipe / TrainEagle2Recipe, or automodel finetune eagle; EAGLE-3 is: "
-                       "recipe: TrainEagle3Recipe, or automodel finetune eagle3; DFlash and JetSpec are: recipe: "
-                       "TrainDFlashRecipe / TrainJetSpecRecipe, or automodel finetune dflash / jetspec")
+SPECULATIVE_UNBUILT = ("upstream's speculative-decoding recipes other than EAGLE-1/2/3, DFlash, JetSpec and Domino "
+                       "(P-EAGLE, DFlash 2, DSpark, ViSpec) train draft architectures that are not built here; "
+                       "EAGLE-1/2 are: recipe: TrainEagle1Recipe / TrainEagle2Recipe, or automodel finetune eagle; "
+                       "EAGLE-3 is: recipe: TrainEagle3Recipe, or automodel finetune eagle3; DFlash, JetSpec and "
+                       "Domino are: recipe: TrainDFlashRecipe / TrainJetSpecRecipe / TrainDominoRecipe, or automodel "
+                       "finetune dflash / jetspec / domino")
+
+
+# the speculative-decoding draft routes (finetune <domain>): recipe, what it trains; each ships llm/tiny_<domain>
+_DRAFT_ROUTES = {
+    "eagle3": ("automodel_llm.eagle3.recipe.Eagle3Recipe",
+               "an EAGLE-3 speculative-decoding draft (for SGLang / vLLM)"),
+    "eagle": ("automodel_llm.eagle.recipe.EagleRecipe",
+              "an EAGLE-1 / EAGLE-2 speculative-decoding draft (vLLM / SGLang)"),
+    "dflash": ("automodel_llm.dflash.recipe.DFlashRecipe", "a DFlash block-drafting speculative-decoding draft"),
+    "jetspec": ("automodel_llm.dflash.recipe.JetSpecRecipe",
+                "a JetSpec draft (DFlash's, causal within a block, distilled from the target)"),
+    "domino": ("automodel_llm.dflash.recipe.DominoRecipe", "a Domino draft (DFlash's with a GRU correction head)"),
+}
 
 
 @hookimpl
@@ -51,18 +66,9 @@ def automodel_register_routes(routes) -> None:
     routes.add("finetune", "seq-cls", recipe="automodel_llm.seq_cls.SequenceClassificationRecipe",
                help="Fine-tune a sequence classifier (a text or text pair in, one of num_labels classes out)",
                examples=["llm/tiny_seq_cls"])
-    routes.add("finetune", "eagle3", recipe="automodel_llm.eagle3.recipe.Eagle3Recipe",
-               help="Train an EAGLE-3 speculative-decoding draft for a frozen target model (for SGLang / vLLM)",
-               examples=["llm/tiny_eagle3"])
-    routes.add("finetune", "eagle", recipe="automodel_llm.eagle.recipe.EagleRecipe",
-               help="Train an EAGLE-1 / EAGLE-2 speculative-decoding draft for a frozen target model (vLLM / SGLang)",
-               examples=["llm/tiny_eagle"])
-    routes.add("finetune", "dflash", recipe="automodel_llm.dflash.recipe.DFlashRecipe",
-               help="Train a DFlash block-drafting speculative-decoding draft for a frozen target model",
-               examples=["llm/tiny_dflash"])
-    routes.add("finetune", "jetspec", recipe="automodel_llm.dflash.recipe.JetSpecRecipe",
-               help="Train a JetSpec draft (DFlash's, causal within a block) towards a frozen target's distributions",
-               examples=["llm/tiny_jetspec"])
+    for domain, (recipe, words) in _DRAFT_ROUTES.items():
+        routes.add("finetune", domain, recipe=recipe, help=f"Train {words} for a frozen target model",
+                   examples=[f"llm/tiny_{domain}"])
     routes.add("finetune", "dllm", recipe="automodel_llm.dllm.DiffusionLMSFTRecipe",
                help="Fine-tune a masked diffusion language model (LLaDA's MDLM objective)",
                examples=["llm/tiny_dllm"])

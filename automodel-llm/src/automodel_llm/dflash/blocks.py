@@ -127,15 +127,18 @@ def flex_block_mask(blocks: Blocks, context_length: int, block_size: int, slidin
 
 
 def drafted_slots(ids: torch.Tensor, supervised: torch.Tensor, blocks: Blocks, block_size: int,
-                  gamma: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  gamma: float | None, shift: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(targets, drafted, weights)``, each ``[batch, n, block_size]``: the token each slot drafts (the row's at
-    ``anchor + k``); whether it counts (a slot after the block's shown prefix ``l`` whose token is a label token, in
-    a used block); its weight in the loss, ``exp(-(k - l) / gamma)`` where it counts (1 without ``gamma``), else 0."""
-    slots = _slots(blocks, block_size)
+    ``anchor + shift + k``); whether it counts (a slot from ``l - shift`` on, ``l`` the block's shown prefix, whose
+    token is a label token inside the row, in a used block); its weight in the loss, ``exp(-(k - l + shift) /
+    gamma)`` where it counts (1 without ``gamma``), else 0."""
+    positions = _slots(blocks, block_size) + shift
     n = len(blocks)
-    targets = torch.gather(ids.unsqueeze(1).expand(-1, n, -1), 2, slots)
-    labelled = torch.gather(supervised.unsqueeze(1).expand(-1, n, -1), 2, slots).bool()
-    after = torch.arange(block_size, device=ids.device) - blocks.shown.unsqueeze(-1)  # 0 at the first drafted slot
+    inside = positions < ids.shape[1]
+    positions = positions.clamp(max=ids.shape[1] - 1)
+    targets = torch.gather(ids.unsqueeze(1).expand(-1, n, -1), 2, positions)
+    labelled = torch.gather(supervised.unsqueeze(1).expand(-1, n, -1), 2, positions).bool() & inside
+    after = torch.arange(block_size, device=ids.device) - (blocks.shown.unsqueeze(-1) - shift)  # 0: first drafted
     drafted = (after >= 0) & labelled & blocks.used.unsqueeze(-1)
     weights = drafted.float()
     if gamma is not None:
@@ -189,3 +192,21 @@ def distillation_loss(logits: torch.Tensor, target_logits: torch.Tensor, ids: to
     student = logits.view(*targets.shape, -1)
     loss = kl(student, teacher, torch.where(drafted, targets, -100))
     return BlockLoss(loss, weights.sum(), *agreement(student.argmax(-1), teacher.argmax(-1), drafted))
+
+
+def corrected_loss(base_logits: torch.Tensor, correction: torch.Tensor, ids: torch.Tensor,
+                   supervised: torch.Tensor, blocks: Blocks, block_size: int, gamma: float | None, shift: int,
+                   base_weight: float) -> BlockLoss:
+    """Domino's loss: the drafted slots' weighted cross entropy of the corrected logits (``base_logits`` plus
+    ``correction`` on the last ``correction.shape[2]`` slots of each block) times ``1 - base_weight``, plus that of
+    the backbone's own logits times ``base_weight``; the corrected logits' greedy drafts counted."""
+    targets, drafted, weights = drafted_slots(ids, supervised, blocks, block_size, gamma, shift)
+    base = base_logits.float().view(*targets.shape, -1)
+    start = block_size - correction.shape[2]
+    final = torch.cat([base[:, :, :start], base[:, :, start:] + correction.float()], dim=2)
+
+    def nll(logits: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 2), targets.flatten(), reduction="none").view_as(weights)
+
+    per_slot = (1 - base_weight) * nll(final) + (base_weight * nll(base) if base_weight else 0)
+    return BlockLoss((per_slot * weights).sum(), weights.sum(), *agreement(final.argmax(-1), targets, drafted))

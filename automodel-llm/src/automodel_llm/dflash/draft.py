@@ -32,10 +32,12 @@ ARCHITECTURE = "DFlashDraftModel"  # the published DFlash drafters' architecture
 
 def draft_config(target: Any, layers: int, block_size: int, mask_token_id: int, target_layer_ids: list[int],
                  attention: str, sliding_window: int | None = None, heads: int | None = None,
-                 kv_heads: int | None = None, head_dim: int | None = None) -> Qwen3Config:
+                 kv_heads: int | None = None, head_dim: int | None = None,
+                 domino: dict[str, Any] | None = None) -> Qwen3Config:
     """The draft's config from the target's text config: its sizes (attention sized by ``heads`` / ``kv_heads`` /
     ``head_dim`` where given), ``layers`` non-causal layers (``sliding_attention`` with ``sliding_window``), and the
-    serving keys."""
+    serving keys; ``domino``: Domino's head (``emb_dim``, ``gru_hidden_dim``, ``pure_draft_prefix_len``,
+    ``shift_label``), recorded in ``dflash_config`` with ``projector_type: domino``."""
     given = target.to_dict()
     keys = {k: given[k] for k in TARGET_KEYS if given.get(k) is not None}
     for key, value in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads), ("head_dim", head_dim)):
@@ -49,7 +51,8 @@ def draft_config(target: Any, layers: int, block_size: int, mask_token_id: int, 
                             "is_causal": False, "num_target_layers": target.num_hidden_layers,
                             "block_size": block_size,
                             "dflash_config": {"block_size": block_size, "mask_token_id": mask_token_id,
-                                              "target_layer_ids": list(target_layer_ids)}})
+                                              "target_layer_ids": list(target_layer_ids),
+                                              **({"projector_type": "domino", **domino} if domino else {})}})
     config.architectures = [ARCHITECTURE]
     config._attn_implementation = attention
     return config
@@ -146,6 +149,15 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         self.fc = nn.Linear(len(self.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.domino = settings.get("projector_type") == "domino"
+        if self.domino:  # Domino's correction head: a GRU over the block's earlier tokens, a low-rank projection
+            self.shift_label = bool(settings["shift_label"])
+            prefix = int(settings["pure_draft_prefix_len"])
+            self.correction_start = prefix if self.shift_label else 1 + prefix
+            self.prefix_gru = nn.GRU(config.hidden_size, settings["gru_hidden_dim"], batch_first=True, bias=False)
+            self.embed_proj = nn.Sequential(
+                nn.Linear(config.hidden_size + settings["gru_hidden_dim"], settings["emb_dim"], bias=False),
+                nn.SiLU(), nn.Linear(settings["emb_dim"], config.vocab_size, bias=False))
         # made on first use, not a registered module: a cast of the model to bfloat16 would round its float32
         # frequencies, which the serving engines keep in float32 (the positions' phases would drift from the
         # trained ones), and a model built on the meta device (from_pretrained) would have none to move
@@ -159,13 +171,35 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         return self._rotary[0]
 
     def forward(self, block_embeddings: torch.Tensor, target_states: torch.Tensor, position_ids: torch.Tensor,
-                attention_mask: Any) -> torch.Tensor:
+                attention_mask: Any, previous_embeddings: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``block_embeddings`` ``[batch, q, size]``: the target's embeddings of the blocks' tokens (anchor or
         mask); ``target_states`` ``[batch, c, layers x size]``: the target layers' outputs, concatenated;
-        ``position_ids`` ``[batch, c + q]``: the context's positions, then the blocks'."""
+        ``position_ids`` ``[batch, c + q]``: the context's positions, then the blocks'. With Domino's head and
+        ``previous_embeddings`` (the embeddings of the row's tokens at each block slot's position), also the
+        correction of the logits of slots ``correction_start ..`` (``[batch, n, slots, vocab]``)."""
         context = self.hidden_norm(self.fc(target_states.to(self.fc.weight.dtype)))
         hidden = block_embeddings.to(context.dtype)
         cos, sin = self.rotary(hidden.device)(hidden, position_ids)
         for layer in self.layers:
             hidden = layer(hidden, context, cos, sin, attention_mask)
-        return self.norm(hidden)
+        hidden = self.norm(hidden)
+        if previous_embeddings is None:
+            return hidden
+        return hidden, self.correction(hidden, previous_embeddings.to(hidden.dtype))
+
+    def correction(self, hidden: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+        """Domino's logit correction of each block slot from ``correction_start`` on: the projection of the slot's
+        state beside the GRU's state after the block's tokens before the one the slot drafts (slot ``k`` drafts the
+        token at ``anchor + k``, or ``anchor + 1 + k`` with ``shift_label``)."""
+        batch, length, size = hidden.shape
+        block = self.block_size
+        start = self.correction_start
+        previous = previous.reshape(-1, block, size)
+        if self.shift_label:  # slot k's earlier tokens: anchor .. anchor + k
+            states = self.prefix_gru(previous)[0][:, start:]
+        else:  # slot k's earlier tokens: anchor .. anchor + k - 1
+            states = self.prefix_gru(previous[:, :block - 1])[0][:, start - 1:]
+        slots = hidden.reshape(-1, block, size)[:, start:]
+        corrected = self.embed_proj(torch.cat([slots, states], dim=-1))
+        return corrected.view(batch, length // block, block - start, -1)

@@ -1,6 +1,7 @@
-"""DFlash draft training (``automodel finetune dflash``; upstream's ``TrainDFlashRecipe``) and JetSpec's
-(``automodel finetune jetspec``; ``TrainJetSpecRecipe``): the same draft, JetSpec's blocks attending causally within
-themselves and trained towards the target's distributions (forward KL) rather than the data's tokens.
+"""DFlash draft training (``automodel finetune dflash``; upstream's ``TrainDFlashRecipe``), JetSpec's
+(``automodel finetune jetspec``; ``TrainJetSpecRecipe``: the same draft, its blocks attending causally within
+themselves, trained towards the target's distributions) and Domino's (``automodel finetune domino``;
+``TrainDominoRecipe``: the draft with a GRU correction head).
 
 The ``model`` section is the target: built as the next-token recipe builds it, frozen, and run on every batch for
 the hidden states of ``dflash.target_layer_ids``. The trained model is the draft (:mod:`automodel_llm.dflash.draft`),
@@ -36,6 +37,7 @@ from automodel_llm.dflash.blocks import (
     block_positions,
     block_tokens,
     block_visibility,
+    corrected_loss,
     distillation_loss,
     drafted_slots,
     draw_blocks,
@@ -43,9 +45,11 @@ from automodel_llm.dflash.blocks import (
 )
 from automodel_llm.dflash.draft import ARCHITECTURE, DFlashDraftModel, draft_config
 from automodel_llm.dflash.settings import (
+    DOMINO_RECIPE_ARGS,
     JETSPEC_RECIPE_ARGS,
     RECIPE_ARGS,
     DFlashConfig,
+    DominoConfig,
     JetSpecConfig,
     default_target_layers,
     flex_attention_issue,
@@ -135,7 +139,7 @@ class BlockDraftRecipe(DraftRecipe):
         config = draft_config(text, settings.draft_num_hidden_layers, settings.block_size, settings.mask_token_id,
                               self.target_layer_ids, settings.attention_backend, settings.draft_sliding_window,
                               settings.draft_num_attention_heads, settings.draft_num_key_value_heads,
-                              settings.draft_head_dim)
+                              settings.draft_head_dim, self.draft_head(settings))
         draft = DFlashDraftModel(config)
         self.seeds = CorruptionSeeds(self.cfg.rng.seed)
         self.log(f"{self.name}: a {config.num_hidden_layers}-layer draft for the frozen target {self.target_class} "
@@ -145,6 +149,10 @@ class BlockDraftRecipe(DraftRecipe):
         return draft
 
     # ---- the loss ---------------------------------------------------------------------------------------------
+
+    def draft_head(self, settings: Any) -> dict[str, Any] | None:
+        """The draft's extra head (None: none; Domino's correction head)."""
+        return None
 
     def supervised(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return supervised_tokens(batch["labels"], self.label_offset).to(batch["input_ids"].device)
@@ -156,8 +164,12 @@ class BlockDraftRecipe(DraftRecipe):
         supervised = self.supervised(batch)
         blocks = self.draw(batch, supervised)
         weights = drafted_slots(batch["input_ids"], supervised, blocks, settings.block_size,
-                                settings.loss_decay_gamma)[2]
+                                settings.loss_decay_gamma, self.label_shift())[2]
         return float(weights.double().sum())
+
+    def label_shift(self) -> int:
+        """How far past DFlash's the token a slot drafts lies (Domino's ``shift_label``: one)."""
+        return 0
 
     def train_step(self, batches: list[Any]) -> tuple[torch.Tensor, torch.Tensor, int]:
         self.seeds.start("train", self.step_scheduler.step)
@@ -208,17 +220,21 @@ class BlockDraftRecipe(DraftRecipe):
         block_size, window = settings.block_size, settings.draft_sliding_window
         visibility = flex_block_mask if settings.attention_backend == "flex_attention" else block_visibility
         mask = visibility(blocks, length, block_size, window, self.causal_blocks)
-        hidden = model(block_embeddings=self.embed(block_tokens(ids, blocks, block_size, settings.mask_token_id)),
+        output = model(block_embeddings=self.embed(block_tokens(ids, blocks, block_size, settings.mask_token_id)),
                        target_states=states, position_ids=block_positions(context_positions, blocks, block_size),
-                       attention_mask=mask)
-        result = self.blocks_loss(self.head(hidden), out.logits, ids, supervised, blocks)
+                       attention_mask=mask, **self.extra_inputs(ids, blocks))
+        result = self.blocks_loss(output, out.logits, ids, supervised, blocks, model.training)
         if not model.training:
             self.count_for_validation(torch.stack([result.correct, result.counted, result.accepted, result.blocks]))
         return result.loss
 
-    def blocks_loss(self, logits: torch.Tensor, target_logits: torch.Tensor, ids: torch.Tensor,
-                    supervised: torch.Tensor, blocks: Blocks) -> BlockLoss:
-        """The blocks' loss from the draft's ``logits`` (and the target's, on the rows)."""
+    def extra_inputs(self, ids: torch.Tensor, blocks: Blocks) -> dict[str, torch.Tensor]:
+        """What the draft's forward takes besides the blocks and the target's states (none: DFlash, JetSpec)."""
+        return {}
+
+    def blocks_loss(self, output: Any, target_logits: torch.Tensor, ids: torch.Tensor, supervised: torch.Tensor,
+                    blocks: Blocks, training: bool) -> BlockLoss:
+        """The blocks' loss from the draft's ``output`` (and the target's logits on the rows)."""
         raise NotImplementedError
 
     def extra_validation_metrics(self, name: str, dataloader: Any) -> dict[str, float]:
@@ -253,10 +269,10 @@ class DFlashRecipe(BlockDraftRecipe):
         gamma = f" (decay gamma {settings.loss_decay_gamma})" if settings.loss_decay_gamma else ""
         return f"{settings.loss_type}{gamma}"
 
-    def blocks_loss(self, logits: torch.Tensor, target_logits: torch.Tensor, ids: torch.Tensor,
-                    supervised: torch.Tensor, blocks: Blocks) -> BlockLoss:
+    def blocks_loss(self, output: Any, target_logits: torch.Tensor, ids: torch.Tensor, supervised: torch.Tensor,
+                    blocks: Blocks, training: bool) -> BlockLoss:
         settings: DFlashConfig = self.settings()
-        return block_loss(logits, ids, supervised, blocks, settings.block_size, settings.loss_decay_gamma)
+        return block_loss(self.head(output), ids, supervised, blocks, settings.block_size, settings.loss_decay_gamma)
 
 
 class JetSpecRecipe(BlockDraftRecipe):
@@ -275,8 +291,59 @@ class JetSpecRecipe(BlockDraftRecipe):
     def loss_words(cls, settings: JetSpecConfig) -> str:
         return f"forward KL against the target (temperature {settings.kd_temperature})"
 
-    def blocks_loss(self, logits: torch.Tensor, target_logits: torch.Tensor, ids: torch.Tensor,
-                    supervised: torch.Tensor, blocks: Blocks) -> BlockLoss:
+    def blocks_loss(self, output: Any, target_logits: torch.Tensor, ids: torch.Tensor, supervised: torch.Tensor,
+                    blocks: Blocks, training: bool) -> BlockLoss:
         settings: JetSpecConfig = self.settings()
         kl = KDLoss(settings.kd_temperature, chunk_size=settings.kd_chunk_size)
-        return distillation_loss(logits, whole(target_logits), ids, supervised, blocks, settings.block_size, kl)
+        return distillation_loss(self.head(output), whole(target_logits), ids, supervised, blocks,
+                                 settings.block_size, kl)
+
+
+def base_weight(step: int, total_steps: int, start: float, decay_ratio: float) -> float:
+    """Domino's curriculum: the backbone-only loss's weight at ``step`` (from 0): ``start``, falling linearly to 0
+    over the first ``decay_ratio`` of the run's ``total_steps``, then 0."""
+    decay_steps = max(1, int(total_steps * decay_ratio))
+    return min(1.0, max(0.0, start * (1 - min(step / decay_steps, 1.0))))
+
+
+class DominoRecipe(BlockDraftRecipe):
+    """Trains a Domino draft (SpecForge's Domino): DFlash's draft with a correction head. A GRU reads each block's
+    tokens before the one a slot drafts; a low-rank projection of its state beside the slot's gives a correction
+    added to the slot's logits (from ``correction_start`` on), so a block's drafts depend on the tokens before them.
+    The loss mixes the corrected logits' cross entropy with the backbone's own, the latter's weight falling from
+    ``lambda_base_start`` to 0 over the first ``lambda_base_decay_ratio`` of the run; validation scores the
+    corrected logits."""
+
+    settings_key = "domino"
+    name = "Domino"
+    served_by = "an engine that applies Domino's correction head (dflash_config.projector_type: domino)"
+    loss_description = "Domino's mix of the corrected and the backbone's decay-weighted cross entropy"
+    sections: ClassVar[dict] = {"domino": DominoConfig, "recipe_args": DOMINO_RECIPE_ARGS}
+
+    @classmethod
+    def loss_words(cls, settings: DominoConfig) -> str:
+        return (f"the corrected logits' cross entropy (decay gamma {settings.loss_decay_gamma}), the backbone's "
+                f"weighing {settings.lambda_base_start} falling to 0 over {settings.lambda_base_decay_ratio} of the "
+                "run")
+
+    def draft_head(self, settings: DominoConfig) -> dict[str, Any]:
+        return {"emb_dim": settings.emb_dim, "gru_hidden_dim": settings.gru_hidden_dim,
+                "pure_draft_prefix_len": settings.pure_draft_prefix_len, "shift_label": settings.shift_label}
+
+    def label_shift(self) -> int:
+        return 1 if self.settings().shift_label else 0
+
+    def extra_inputs(self, ids: torch.Tensor, blocks: Blocks) -> dict[str, torch.Tensor]:
+        """The embeddings of the row's tokens at each block slot (what the correction's GRU reads)."""
+        at = blocks.anchors.unsqueeze(-1) + torch.arange(self.settings().block_size, device=ids.device)
+        tokens = torch.gather(ids, 1, at.flatten(1).clamp(max=ids.shape[1] - 1))
+        return {"previous_embeddings": self.embed(tokens)}
+
+    def blocks_loss(self, output: Any, target_logits: torch.Tensor, ids: torch.Tensor, supervised: torch.Tensor,
+                    blocks: Blocks, training: bool) -> BlockLoss:
+        settings: DominoConfig = self.settings()
+        hidden, correction = output
+        weight = base_weight(self.step_scheduler.step, self.step_scheduler.total_steps, settings.lambda_base_start,
+                             settings.lambda_base_decay_ratio) if training else 0.0
+        return corrected_loss(self.head(hidden), correction, ids, supervised, blocks, settings.block_size,
+                              settings.loss_decay_gamma, self.label_shift(), weight)

@@ -1,7 +1,8 @@
-"""The settings of DFlash draft training (the ``dflash:`` section) and of JetSpec's (``jetspec:``, the same draft
-trained causally within a block towards the target's distributions), and upstream's ``recipe_args:`` keys of its
-``TrainDFlashRecipe`` / ``TrainJetSpecRecipe``, each standing for the key of the same meaning here or refused with
-the reason. Import-light: no torch."""
+"""The settings of DFlash draft training (the ``dflash:`` section), of JetSpec's (``jetspec:``, the same draft
+trained causally within a block towards the target's distributions) and of Domino's (``domino:``, the draft with a
+GRU correction head), and upstream's ``recipe_args:`` keys of its ``TrainDFlashRecipe`` / ``TrainJetSpecRecipe`` /
+``TrainDominoRecipe``, each standing for the key of the same meaning here or refused with the reason. Import-light:
+no torch."""
 
 from __future__ import annotations
 
@@ -132,6 +133,54 @@ class JetSpecConfig(DFlashConfig):
             raise FieldErrors(errors)
 
 
+@dataclass
+class DominoConfig(DFlashConfig):
+    """DFlash's settings (the dflash loss only) with Domino's correction head and its curriculum."""
+
+    emb_dim: int = field(default=256, metadata={"help": "the correction head's low-rank width"})
+    gru_hidden_dim: int = field(default=1024, metadata={"help": (
+        "the width of the GRU that reads a block's earlier tokens (its state conditions the correction)")})
+    pure_draft_prefix_len: int = field(default=1, metadata={"help": (
+        "a block's first drafting slots that keep the backbone's logits uncorrected")})
+    shift_label: bool = field(default=True, metadata={"help": (
+        "true (Domino's): slot k drafts the token at anchor + 1 + k, the anchor's slot drafting too; false: "
+        "DFlash's slots (k drafts anchor + k, slot 0 drafts nothing)")})
+    lambda_base_start: float = field(default=1.0, metadata={"help": (
+        "the weight of the backbone-only logits' loss at step 0 (the corrected logits' weighs 1 - it)")})
+    lambda_base_decay_ratio: float = field(default=0.5, metadata={"help": (
+        "the share of the run's steps over which that weight falls linearly to 0")})
+
+    def __post_init__(self) -> None:
+        errors = {}
+        try:
+            super().__post_init__()
+        except FieldErrors as err:
+            errors.update(err.errors)
+        for name, least in (("emb_dim", 1), ("gru_hidden_dim", 1), ("pure_draft_prefix_len", 0)):
+            if not _whole(getattr(self, name), least):
+                errors[name] = f"expected a whole number >= {least}, found {getattr(self, name)!r}"
+        if not isinstance(self.shift_label, bool):
+            errors["shift_label"] = f"expected true or false, found {self.shift_label!r}"
+        if self.loss_type != "dflash":
+            errors["loss_type"] = (f"{self.loss_type!r}: Domino's blocks show their anchor alone (its correction "
+                                   "reads the block's earlier tokens); remove it")
+        if not isinstance(self.lambda_base_start, (int, float)) or not 0 <= self.lambda_base_start <= 1:
+            errors["lambda_base_start"] = f"expected a number in [0, 1], found {self.lambda_base_start!r}"
+        if not _positive(self.lambda_base_decay_ratio):
+            errors["lambda_base_decay_ratio"] = f"expected a number > 0, found {self.lambda_base_decay_ratio!r}"
+        first = self.pure_draft_prefix_len if self.shift_label else 1 + self.pure_draft_prefix_len
+        if _whole(self.pure_draft_prefix_len, 0) and _whole(self.block_size, 2) and first >= self.block_size:
+            errors["pure_draft_prefix_len"] = (f"{self.pure_draft_prefix_len}: leaves no slot of a block of "
+                                               f"{self.block_size} to correct")
+        if errors:
+            raise FieldErrors(errors)
+
+    @property
+    def correction_start(self) -> int:
+        """The first block slot the correction head acts on."""
+        return self.pure_draft_prefix_len if self.shift_label else 1 + self.pure_draft_prefix_len
+
+
 def default_target_layers(layers: int, draft_layers: int) -> list[int]:
     """Upstream's feature layers of a target of ``layers`` layers for a draft of ``draft_layers``: the middle one
     for a one-layer draft, else ``draft_layers`` spread evenly over layers 1 .. ``layers - 3``."""
@@ -165,13 +214,18 @@ _DRAFT_KEYS = ("mask_token_id", "block_size", "num_anchors", "draft_num_hidden_l
                "attention_backend", "draft_sliding_window", "draft_num_attention_heads", "draft_num_key_value_heads",
                "draft_head_dim", "target_force_hf")
 _DFLASH2 = NOT_BUILT.format(what="DFlash 2's convolution and path selector")
-_VARIANTS = {**dict.fromkeys(("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",
-                              "selector_loss_weight"), _DFLASH2),
-             **dict.fromkeys(("projector_type", "emb_dim", "gru_hidden_dim"),
-                             NOT_BUILT.format(what="Domino's GRU correction head"))}
+_VARIANTS = dict.fromkeys(("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",
+                           "selector_loss_weight"), _DFLASH2)
+_DOMINO_KEYS = ("emb_dim", "gru_hidden_dim", "pure_draft_prefix_len", "shift_label", "lambda_base_start",
+                "lambda_base_decay_ratio")
+_DOMINO_HEAD = "Domino's correction head: recipe: TrainDominoRecipe (automodel finetune domino) trains it"
 # upstream's TrainDFlashRecipe / TrainJetSpecRecipe recipe_args: each key -> the key it stands for here, or why refused
+_NOT_THIS_HEAD = {**_VARIANTS, **dict.fromkeys(("projector_type", *_DOMINO_KEYS), _DOMINO_HEAD)}
 RECIPE_ARGS = draft_recipe_args("TrainDFlashRecipe", "dflash",
-                                (*_DRAFT_KEYS, "loss_decay_gamma", "loss_type", "prefix_weight_base"), _VARIANTS)
+                                (*_DRAFT_KEYS, "loss_decay_gamma", "loss_type", "prefix_weight_base"), _NOT_THIS_HEAD)
 JETSPEC_RECIPE_ARGS = draft_recipe_args("TrainJetSpecRecipe", "jetspec",
                                         (*_DRAFT_KEYS, "loss_decay_gamma", "kd_temperature", "kd_chunk_size"),
-                                        _VARIANTS)
+                                        _NOT_THIS_HEAD)
+DOMINO_RECIPE_ARGS = draft_recipe_args(
+    "TrainDominoRecipe", "domino", (*_DRAFT_KEYS, "loss_decay_gamma", "loss_type", *_DOMINO_KEYS),
+    {**_VARIANTS, "projector_type": "the head is Domino's in this recipe (projector_type domino): remove it"})
