@@ -252,6 +252,15 @@ def pipeline_layers(data: dict[str, Any]) -> int:
     return pp_size * (2 if interleaved else 1) * per_stage
 
 
+def draft_target_layers(data: dict[str, Any]) -> int:
+    """The decoder layers a draft recipe's named target layers need (``recipe_args.target_layer_ids`` /
+    ``aux_layer_ids``: the deepest one + 1), 0 where it names none: upstream's Qwen3.8-27B DFlash 2 reads layer 61."""
+    args = data.get("recipe_args") if isinstance(data.get("recipe_args"), dict) else {}
+    named = [i for key in ("target_layer_ids", "aux_layer_ids") if isinstance(args.get(key), list)
+             for i in args[key] if isinstance(i, int)]
+    return max(named) + 1 if named else 0
+
+
 def eagle_target(data: dict[str, Any]) -> str | None:
     """The target of upstream's EAGLE draft recipes (``recipe_args.target_model_name_or_path``), None elsewhere."""
     args = data.get("recipe_args")
@@ -346,10 +355,10 @@ def stand_ins(data: dict[str, Any], assets: dict[str, dict[str, str]], domain: s
         if data["data"]["dataloader"].get("base_resolution") is not None:  # what the cache holds
             found["data.dataloader.base_resolution"] = "[64, 64]"
     is_llm = kind == "llm" or kind.startswith("llm:")
-    layers = pipeline_layers(data) if is_llm else 0
+    layers = max(pipeline_layers(data), draft_target_layers(data)) if is_llm else 0
     if eagle_target(data):  # the draft reads three distinct target layers: upstream's default needs 8
         found["recipe_args.target_model_name_or_path"] = assets[kind]["model"]
-        layers = 8
+        layers = max(layers, 8)
         if isinstance(data["recipe_args"].get("draft_vocab_size"), int):  # within the stand-in's 1024 tokens
             found["recipe_args.draft_vocab_size"] = "256"
     sizes = layout_sizes(data, layers) if is_llm else {}
@@ -453,7 +462,7 @@ CPU_OVERRIDES: dict[str, Any] = {
     r"^(?P<edit>model\.text_config\.cp_full_attn_backend)$": REMOVE,  # FFPA's CUDA kernels
     r"^(?P<edit>model\.transformer_engine_fp8\w*)$": REMOVE,
     r"^eagle3\.draft_attn_implementation$": ("recipe_args.draft_attn_implementation", "sdpa"),  # EAGLE-3's form
-    r"^(dflash|jetspec|domino)\.attention_backend$": ("recipe_args.attention_backend", "sdpa"),  # their upstream form
+    r"^(dflash|dflash2|jetspec|domino)\.attention_backend$": ("recipe_args.attention_backend", "sdpa"),  # upstream's
 }
 # the words of a refusal for a GPU feature or trust_remote_code (and of sdpa refused for a model class without it,
 # after the GPU attention gave way to sdpa)

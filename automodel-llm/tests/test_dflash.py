@@ -1,6 +1,7 @@
 """DFlash draft training (``automodel finetune dflash``, upstream's ``TrainDFlashRecipe``) and JetSpec's
 (``automodel finetune jetspec``, ``TrainJetSpecRecipe``: the same draft, causal within a block, trained towards the
-target's distributions) and Domino's (``automodel finetune domino``, ``TrainDominoRecipe``: a GRU correction head).
+target's distributions), Domino's (``automodel finetune domino``, ``TrainDominoRecipe``: a GRU correction head) and
+DFlash 2's (``automodel finetune dflash2``, ``TrainDFlash2Recipe``: dynamic convolutions and a path selector).
 
 The target is conftest's ``chat_target`` (a tiny Llama trained on the shipped chat rows, so it has something to
 say). The draft trained against it must draft blocks of held-out rows (accuracy and accept length rise from chance),
@@ -40,8 +41,9 @@ from automodel_llm.dflash.blocks import (
     distillation_loss,
     draw_blocks,
     flex_block_mask,
+    selector_loss,
 )
-from automodel_llm.dflash.draft import DFlashDraftModel, draft_config
+from automodel_llm.dflash.draft import DFlashDraftModel, DynamicConv, draft_config
 from automodel_llm.dflash.recipe import base_weight
 from automodel_llm.dflash.settings import default_target_layers
 
@@ -334,7 +336,8 @@ def test_dominos_correction_of_a_slot_reads_only_the_tokens_before_the_one_it_dr
                          num_attention_heads=4, num_key_value_heads=2, head_dim=8)
     head = {"emb_dim": 8, "gru_hidden_dim": 16, "pure_draft_prefix_len": 0, "shift_label": True}
     torch.manual_seed(0)
-    draft = DFlashDraftModel(draft_config(target, 1, 4, MASK, [1, 2], "sdpa", domino=head)).eval()
+    draft = DFlashDraftModel(draft_config(target, 1, 4, MASK, [1, 2], "sdpa", head={"projector_type": "domino", **head})
+                             ).eval()
     hidden, previous = torch.randn(1, 8, 32), torch.randn(1, 8, 32)
     with torch.no_grad():
         plain = draft.correction(hidden, previous)
@@ -349,6 +352,109 @@ def test_dominos_correction_of_a_slot_reads_only_the_tokens_before_the_one_it_dr
 def test_dominos_curriculum_falls_linearly_to_zero():
     assert [base_weight(step, 10, 1.0, 0.5) for step in (0, 1, 4, 5, 9)] == pytest.approx([1.0, 0.8, 0.2, 0.0, 0.0])
     assert base_weight(3, 10, 0.5, 1.0) == pytest.approx(0.35)
+
+
+# ---- DFlash 2 -------------------------------------------------------------------------------------------------
+
+DFLASH2 = {**SETTINGS, "conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 16, "selector_top_k": 8}
+DFLASH2_HEAD = {"candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook",
+                "candidate_selector.hidden_projection.weight",
+                *(f"layers.{i}.{conv}.{name}" for i in range(2) for conv in ("attention_conv", "mlp_conv")
+                  for name in ("base_kernel", "kernel_projection.weight"))}
+
+
+def test_a_dflash2_draft_learns_and_is_saved_with_its_convolutions_and_selector(chat_target, tmp_path):
+    cfg = write_draft_config(tmp_path / "dflash2.yaml", chat_target, tmp_path / "run", {"dflash2": dict(DFLASH2)})
+    log = run_route("dflash2", cfg, tmp_path)
+    assert "the block's cross entropy (decay gamma 4.0) + 1.0 x the selector's over 8 candidates" in log
+    start, _, end = read_jsonl(tmp_path / "run" / "validation.jsonl")
+    assert start["accuracy"] < 0.1 and end["accuracy"] > 0.3 and end["accept_length"] > 1.5
+    model_dir = next((tmp_path / "run").glob("epoch_*_step_60")) / "model"
+    from safetensors import safe_open
+
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        assert set(f.keys()) == LAYOUT | DFLASH2_HEAD
+    config = json.loads((model_dir / "config.json").read_text())["dflash_config"]
+    assert {k: config[k] for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")} == {
+        "conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 16, "selector_top_k": 8}
+
+
+def test_upstreams_dflash2_recipe_args_form_runs(chat_target, tmp_path):
+    data = {
+        "recipe": "TrainDFlash2Recipe",
+        "recipe_args": {
+            "target_model_name_or_path": str(chat_target), "train_data_path": str(CHAT / "train.jsonl"),
+            "output_dir": str(tmp_path / "out"), "seq_length": 48, "micro_batch_size": 16, "num_epochs": 1,
+            "draft_num_hidden_layers": 1, "block_size": 4, "num_anchors": 4, "loss_decay_gamma": 7.0,
+            "mask_token_id": MASK, "attention_backend": "sdpa", "conv_kernel_size": 3, "conv_group_size": 32,
+            "selector_rank": 8, "selector_top_k": 4, "selector_loss_weight": 0.5, "log_every_steps": 1},
+        "optimizer": {"lr": 1e-3},
+        "checkpoint": {"enabled": True, "save_consolidated": True},
+    }
+    result = run_cli("run", "-c", write_yaml(tmp_path / "upstream_dflash2.yaml", data), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "+ 0.5 x the selector's over 4 candidates" in result.stderr
+    assert [r["step"] for r in read_jsonl(tmp_path / "out" / "checkpoints" / "training.jsonl")] == [1, 2, 3]
+
+
+def _dflash2_pair() -> tuple[DFlashDraftModel, DFlashDraftModel]:
+    from transformers import LlamaConfig
+
+    target = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    torch.manual_seed(0)
+    plain = DFlashDraftModel(draft_config(target, 2, 4, MASK, [1, 2], "sdpa")).eval()
+    head = {"conv_kernel_size": 2, "conv_group_size": 8, "selector_rank": 4, "selector_top_k": 5}
+    second = DFlashDraftModel(draft_config(target, 2, 4, MASK, [1, 2], "sdpa", head=head)).eval()
+    missing = second.load_state_dict(plain.state_dict(), strict=False).missing_keys
+    assert missing and all("conv" in k or "selector" in k for k in missing)
+    return plain, second
+
+
+def test_a_fresh_dflash2_draft_is_dflash_and_its_convolutions_stay_within_a_block():
+    """Its convolutions start as the identity and its selector as the draft's own logits (upstream's rule); a
+    convolution's tap on the slot before never reads the previous block's last slot."""
+    plain, second = _dflash2_pair()
+    blocks = Blocks(torch.tensor([[5, 9]]), torch.tensor([[True, True]]), torch.ones(1, 2, dtype=torch.long))
+    torch.manual_seed(1)
+    args = (torch.randn(1, 8, 32), torch.randn(1, 14, 64), block_positions(torch.arange(14)[None], blocks, 4),
+            block_visibility(blocks, 14, 4, None))
+    with torch.no_grad():
+        assert torch.allclose(plain(*args), second(*args), atol=1e-6)
+        head = torch.randn(50, 32)
+        hidden, logits, candidates, scores = second(*args, output_head=lambda h: h @ head.T,
+                                                    predecessors=torch.zeros(1, 8, dtype=torch.long))
+        assert torch.equal(scores, torch.topk(logits, 5, dim=-1).values) and candidates.shape == (1, 8, 5)
+    conv = DynamicConv(8, 2, 4)
+    torch.nn.init.normal_(conv.kernel_projection.weight)
+    torch.nn.init.normal_(conv.base_kernel)
+    x = torch.randn(1, 8, 8)
+    taps = conv.taps(x)
+    moved = x.clone()
+    moved[0, 3] += 1.0  # the last slot of the first block
+    out, out_moved = conv.convolve(x, taps, 0, 4), conv.convolve(moved, taps, 0, 4)
+    assert torch.equal(out[0, 4:], out_moved[0, 4:]) and not torch.equal(out[0, 3], out_moved[0, 3])
+    # slot 1 of the first block: (base + dynamic) taps on itself and on slot 0
+    dynamic = taps[0, 1, 0].repeat_interleave(4, dim=-1)  # [kernel, channels]
+    expected = (conv.base_kernel[0, 0] + dynamic[0]) * x[0, 1] + (conv.base_kernel[0, 1] + dynamic[1]) * x[0, 0]
+    assert torch.allclose(out[0, 1], expected, atol=1e-6)
+
+
+def test_dflash2s_loss_adds_the_selectors_cross_entropy_over_the_found_candidates():
+    torch.manual_seed(0)
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])
+    supervised = torch.ones(1, 8, dtype=torch.bool)
+    blocks = Blocks(torch.tensor([[2]]), torch.tensor([[True]]), torch.ones(1, 1, dtype=torch.long))
+    logits = torch.randn(1, 4, 10)
+    candidates = torch.tensor([[[0, 1, 2], [4, 9, 8], [0, 1, 2], [6, 5, 3]]])  # slots 1 and 3 hold their token
+    scores = torch.randn(1, 4, 3)
+    result = selector_loss(logits, candidates, scores, ids, supervised, blocks, 4, None, 0.5)
+    drafted = [(1, 4), (2, 5), (3, 6)]  # slot -> the row's token it drafts
+    base = sum(float(torch.nn.functional.cross_entropy(logits[0, k], torch.tensor(t))) for k, t in drafted)
+    chosen = [float(torch.nn.functional.cross_entropy(scores[0, 1], torch.tensor(0))),
+              float(torch.nn.functional.cross_entropy(scores[0, 3], torch.tensor(0)))]
+    assert float(result.loss) == pytest.approx(base + 0.5 * (sum(chosen) / 2) * 3, rel=1e-5)
+    assert float(result.weight) == 3 and int(result.counted) == 3
 
 
 # ---- the pieces ----------------------------------------------------------------------------------------------
@@ -535,3 +641,14 @@ def test_a_dflash_draft_for_the_real_smollm2_learns_its_answers(tmp_path):
 def test_what_domino_cannot_act_on_is_refused_with_the_reason(chat_target, tmp_path, change, key, words):
     cfg = write_draft_config(tmp_path / "domino.yaml", chat_target, tmp_path / "run", {"domino": dict(DOMINO)})
     assert_refused("domino", cfg, tmp_path, change, key, words)
+
+
+@pytest.mark.parametrize(("change", "key", "words"), [
+    ({"dflash2": {"conv_group_size": 48}}, "dflash2.conv_group_size", "does not divide the draft's hidden size 128"),
+    ({"dflash2": {"selector_top_k": 500}}, "dflash2.selector_top_k", "more than the target's 482"),
+    ({"dflash2": {"loss_type": "variable_prefix"}}, "dflash2.loss_type", "path"),
+    ({"recipe_args": {"emb_dim": 8}}, "recipe_args.emb_dim", "TrainDominoRecipe"),
+])
+def test_what_dflash2_cannot_act_on_is_refused_with_the_reason(chat_target, tmp_path, change, key, words):
+    cfg = write_draft_config(tmp_path / "dflash2.yaml", chat_target, tmp_path / "run", {"dflash2": dict(DFLASH2)})
+    assert_refused("dflash2", cfg, tmp_path, change, key, words)

@@ -17,6 +17,7 @@ _UPSTREAM_RECIPES = {
     ("finetune", "dflash"): ("TrainDFlashRecipe", f"{_UPSTREAM}.train_dflash.TrainDFlashRecipe"),
     ("finetune", "jetspec"): ("TrainJetSpecRecipe", f"{_UPSTREAM}.train_jetspec.TrainJetSpecRecipe"),
     ("finetune", "domino"): ("TrainDominoRecipe", f"{_UPSTREAM}.train_domino.TrainDominoRecipe"),
+    ("finetune", "dflash2"): ("TrainDFlash2Recipe", f"{_UPSTREAM}.train_dflash2.TrainDFlash2Recipe"),
     # EAGLE-2 trains EAGLE-1's draft (it differs in the tree it drafts at serving time)
     ("finetune", "eagle"): ("TrainEagle1Recipe", f"{_UPSTREAM}.train_eagle1.TrainEagle1Recipe",
                             "TrainEagle2Recipe", f"{_UPSTREAM}.train_eagle2.TrainEagle2Recipe"),
@@ -27,16 +28,16 @@ _UPSTREAM_RECIPES = {
 
 
 # upstream's other speculative-decoding draft recipes (examples/speculative/; its EAGLE-1/2 are `finetune eagle`,
-# its EAGLE-3 `finetune eagle3`, its DFlash, JetSpec and Domino `finetune dflash / jetspec / domino`): module ->
-# class names
-_SPECULATIVE = {"train_dflash2": ("TrainDFlash2Recipe",), "train_dspark": ("TrainDSparkRecipe",),
+# its EAGLE-3 `finetune eagle3`, its DFlash, JetSpec, Domino and DFlash 2 `finetune dflash / jetspec / domino /
+# dflash2`): module -> class names
+_SPECULATIVE = {"train_dspark": ("TrainDSparkRecipe",),
                 "train_vispec": ("TrainVispecRecipe", "TrainVispecStage1Recipe")}
-SPECULATIVE_UNBUILT = ("upstream's speculative-decoding recipes other than EAGLE-1/2/3, DFlash, JetSpec and Domino "
-                       "(P-EAGLE, DFlash 2, DSpark, ViSpec) train draft architectures that are not built here; "
-                       "EAGLE-1/2 are: recipe: TrainEagle1Recipe / TrainEagle2Recipe, or automodel finetune eagle; "
-                       "EAGLE-3 is: recipe: TrainEagle3Recipe, or automodel finetune eagle3; DFlash, JetSpec and "
-                       "Domino are: recipe: TrainDFlashRecipe / TrainJetSpecRecipe / TrainDominoRecipe, or automodel "
-                       "finetune dflash / jetspec / domino")
+SPECULATIVE_UNBUILT = ("upstream's speculative-decoding recipes other than EAGLE-1/2/3, DFlash, DFlash 2, JetSpec and "
+                       "Domino (P-EAGLE, DSpark, ViSpec) train draft architectures that are not built here; EAGLE-1/2 "
+                       "are: recipe: TrainEagle1Recipe / TrainEagle2Recipe, or automodel finetune eagle; EAGLE-3 is: "
+                       "recipe: TrainEagle3Recipe, or automodel finetune eagle3; DFlash, DFlash 2, JetSpec and Domino "
+                       "are: recipe: TrainDFlashRecipe / TrainDFlash2Recipe / TrainJetSpecRecipe / TrainDominoRecipe, "
+                       "or automodel finetune dflash / dflash2 / jetspec / domino")
 
 
 # the speculative-decoding draft routes (finetune <domain>): recipe, what it trains; each ships llm/tiny_<domain>
@@ -49,6 +50,8 @@ _DRAFT_ROUTES = {
     "jetspec": ("automodel_llm.dflash.recipe.JetSpecRecipe",
                 "a JetSpec draft (DFlash's, causal within a block, distilled from the target)"),
     "domino": ("automodel_llm.dflash.recipe.DominoRecipe", "a Domino draft (DFlash's with a GRU correction head)"),
+    "dflash2": ("automodel_llm.dflash.recipe.DFlash2Recipe",
+                "a DFlash 2 draft (DFlash's with dynamic convolutions and a path selector)"),
 }
 
 

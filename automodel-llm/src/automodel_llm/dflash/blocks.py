@@ -210,3 +210,26 @@ def corrected_loss(base_logits: torch.Tensor, correction: torch.Tensor, ids: tor
 
     per_slot = (1 - base_weight) * nll(final) + (base_weight * nll(base) if base_weight else 0)
     return BlockLoss((per_slot * weights).sum(), weights.sum(), *agreement(final.argmax(-1), targets, drafted))
+
+
+def selector_loss(logits: torch.Tensor, candidates: torch.Tensor, scores: torch.Tensor, ids: torch.Tensor,
+                  supervised: torch.Tensor, blocks: Blocks, block_size: int, gamma: float | None,
+                  selector_weight: float) -> BlockLoss:
+    """DFlash 2's loss: DFlash's weighted cross entropy of ``logits`` plus ``selector_weight`` times the
+    selector's: the cross entropy of ``scores`` (``[batch, q, top_k]``, each slot's ``candidates`` scored after the
+    row's token before it) towards the candidate that is the drafted token, over the drafted slots whose token is
+    among the candidates (the same weights), as a mean over the micro-batch (upstream's) brought to the block loss's
+    scale. The greedy path of the selector's choices is counted."""
+    targets, drafted, weights = drafted_slots(ids, supervised, blocks, block_size, gamma)
+    logits = logits.float().view(*targets.shape, -1)
+    nll = F.cross_entropy(logits.flatten(0, 2), targets.flatten(), reduction="none").view_as(weights)
+    candidates = candidates.view(*targets.shape, -1)
+    scores = scores.float().view(*targets.shape, -1)
+    found = candidates == targets.unsqueeze(-1)
+    found_weights = weights * found.any(dim=-1)
+    choice = F.cross_entropy(scores.flatten(0, 2), found.long().argmax(dim=-1).flatten(),
+                             reduction="none").view_as(weights)
+    selected = (choice * found_weights).sum() / (found_weights.sum() + 1e-6)
+    loss = (nll * weights).sum() + selector_weight * selected * weights.sum()
+    path = torch.gather(candidates, -1, scores.argmax(dim=-1, keepdim=True)).squeeze(-1)
+    return BlockLoss(loss, weights.sum(), *agreement(path, targets, drafted))

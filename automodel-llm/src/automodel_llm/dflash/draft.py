@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import (
@@ -33,11 +34,11 @@ ARCHITECTURE = "DFlashDraftModel"  # the published DFlash drafters' architecture
 def draft_config(target: Any, layers: int, block_size: int, mask_token_id: int, target_layer_ids: list[int],
                  attention: str, sliding_window: int | None = None, heads: int | None = None,
                  kv_heads: int | None = None, head_dim: int | None = None,
-                 domino: dict[str, Any] | None = None) -> Qwen3Config:
+                 head: dict[str, Any] | None = None) -> Qwen3Config:
     """The draft's config from the target's text config: its sizes (attention sized by ``heads`` / ``kv_heads`` /
     ``head_dim`` where given), ``layers`` non-causal layers (``sliding_attention`` with ``sliding_window``), and the
-    serving keys; ``domino``: Domino's head (``emb_dim``, ``gru_hidden_dim``, ``pure_draft_prefix_len``,
-    ``shift_label``), recorded in ``dflash_config`` with ``projector_type: domino``."""
+    serving keys; ``head``: the keys of a variant's modules, recorded in ``dflash_config`` (Domino's
+    ``projector_type: domino``, ``emb_dim``, ... ; DFlash 2's ``conv_kernel_size``, ``selector_rank``, ...)."""
     given = target.to_dict()
     keys = {k: given[k] for k in TARGET_KEYS if given.get(k) is not None}
     for key, value in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads), ("head_dim", head_dim)):
@@ -51,8 +52,7 @@ def draft_config(target: Any, layers: int, block_size: int, mask_token_id: int, 
                             "is_causal": False, "num_target_layers": target.num_hidden_layers,
                             "block_size": block_size,
                             "dflash_config": {"block_size": block_size, "mask_token_id": mask_token_id,
-                                              "target_layer_ids": list(target_layer_ids),
-                                              **({"projector_type": "domino", **domino} if domino else {})}})
+                                              "target_layer_ids": list(target_layer_ids), **(head or {})}})
     config.architectures = [ARCHITECTURE]
     config._attn_implementation = attention
     return config
@@ -119,6 +119,71 @@ def _compiled(function: Any) -> Any:
     return _COMPILED[function]
 
 
+class DynamicConv(nn.Module):
+    """DFlash 2's two-tap dynamic depthwise convolution around one sublayer (before it and after it): output
+    ``t`` is ``sum_j (base_kernel[j] + dynamic_t[j]) * x_{t - j}`` within a block (a block's first slots read zeros,
+    never the previous block), the dynamic part predicted from the sublayer's input, one value per
+    ``group_size`` channels. Made the identity (a unit tap on itself, no correction)."""
+
+    def __init__(self, hidden_size: int, kernel_size: int, group_size: int):
+        super().__init__()
+        self.kernel_size, self.group_size = kernel_size, group_size
+        self.base_kernel = nn.Parameter(torch.zeros(2, kernel_size, hidden_size))
+        self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * (hidden_size // group_size), bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.kernel_projection.weight)
+        with torch.no_grad():
+            self.base_kernel.zero_()
+            self.base_kernel[:, 0] = 1.0
+
+    def taps(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The dynamic taps of both convolutions, from the sublayer's input: ``[..., 2, kernel, groups]``."""
+        return self.kernel_projection(hidden).view(*hidden.shape[:-1], 2, self.kernel_size, -1)
+
+    def convolve(self, hidden: torch.Tensor, taps: torch.Tensor, which: int, block_size: int) -> torch.Tensor:
+        """Convolution ``which`` (0 before the sublayer, 1 after) of ``hidden`` ``[batch, q, size]``."""
+        batch, length, size = hidden.shape
+        groups = size // self.group_size
+        x = hidden.view(batch, length // block_size, block_size, groups, self.group_size)
+        dynamic = taps[..., which, :, :].reshape(batch, length // block_size, block_size, self.kernel_size, groups, 1)
+        out = torch.zeros_like(x)
+        for offset in range(self.kernel_size):
+            earlier = x if offset == 0 else F.pad(x[:, :, :-offset], (0, 0, 0, 0, offset, 0))
+            kernel = self.base_kernel[which, offset].view(groups, self.group_size).to(x.dtype)
+            out = out + (kernel + dynamic[:, :, :, offset]) * earlier
+        return out.view(batch, length, size)
+
+
+class CandidateSelector(nn.Module):
+    """DFlash 2's pairwise path selector: the score of candidate ``b`` after token ``a`` at a slot with state ``h``
+    is the draft's logit of ``b`` plus ``<predecessor_codebook[a] * hidden_projection(h), successor_codebook[b]>``.
+    Made a no-op (a zero successor codebook)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, rank: int, top_k: int):
+        super().__init__()
+        self.top_k = top_k
+        self.predecessor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
+        self.successor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
+        self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.predecessor_codebook.normal_(mean=0.0, std=0.02)
+            self.successor_codebook.zero_()
+
+    def forward(self, hidden: torch.Tensor, logits: torch.Tensor, predecessors: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(candidates, scores)`` ``[..., top_k]``: each slot's ``top_k`` tokens by ``logits`` and their scores
+        after the token ``predecessors`` names."""
+        unary, candidates = torch.topk(logits, self.top_k, dim=-1)
+        gate = F.embedding(predecessors, self.predecessor_codebook) * self.hidden_projection(hidden)
+        pairwise = torch.einsum("...r,...kr->...k", gate, F.embedding(candidates, self.successor_codebook))
+        return candidates, unary + pairwise
+
+
 class DFlashDecoderLayer(nn.Module):
     def __init__(self, config: Qwen3Config):
         super().__init__()
@@ -126,11 +191,26 @@ class DFlashDecoderLayer(nn.Module):
         self.self_attn = DFlashAttention(config)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = Qwen3MLP(config)
+        settings = config.dflash_config
+        self.block_size = settings["block_size"]
+        if "conv_kernel_size" in settings:  # DFlash 2: a dynamic convolution around each sublayer
+            kernel, group = settings["conv_kernel_size"], settings["conv_group_size"]
+            self.attention_conv = DynamicConv(config.hidden_size, kernel, group)
+            self.mlp_conv = DynamicConv(config.hidden_size, kernel, group)
 
     def forward(self, hidden: torch.Tensor, context: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: Any) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), context, cos, sin, mask)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        hidden = hidden + self.around(getattr(self, "attention_conv", None), self.input_layernorm(hidden),
+                                      lambda x: self.self_attn(x, context, cos, sin, mask))
+        return hidden + self.around(getattr(self, "mlp_conv", None), self.post_attention_layernorm(hidden),
+                                    self.mlp)
+
+    def around(self, conv: DynamicConv | None, x: torch.Tensor, sublayer: Any) -> torch.Tensor:
+        """``sublayer(x)``, within ``conv`` (before and after) where the layer has one."""
+        if conv is None:
+            return sublayer(x)
+        taps = conv.taps(x)
+        return conv.convolve(sublayer(conv.convolve(x, taps, 0, self.block_size)), taps, 1, self.block_size)
 
 
 class DFlashDraftModel(Qwen3PreTrainedModel):
@@ -158,11 +238,17 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
             self.embed_proj = nn.Sequential(
                 nn.Linear(config.hidden_size + settings["gru_hidden_dim"], settings["emb_dim"], bias=False),
                 nn.SiLU(), nn.Linear(settings["emb_dim"], config.vocab_size, bias=False))
+        if "selector_rank" in settings:  # DFlash 2's path selector
+            self.candidate_selector = CandidateSelector(config.vocab_size, config.hidden_size,
+                                                        settings["selector_rank"], settings["selector_top_k"])
         # made on first use, not a registered module: a cast of the model to bfloat16 would round its float32
         # frequencies, which the serving engines keep in float32 (the positions' phases would drift from the
         # trained ones), and a model built on the meta device (from_pretrained) would have none to move
         self._rotary: tuple[Qwen3RotaryEmbedding, ...] = ()
         self.post_init()
+        for module in self.modules():  # DFlash 2's modules start as the identity / a no-op (after post_init's init)
+            if isinstance(module, (DynamicConv, CandidateSelector)):
+                module.reset_parameters()
 
     def rotary(self, device: torch.device) -> Qwen3RotaryEmbedding:
         """The rotary embedding's tables on ``device``, in float32."""
@@ -171,19 +257,24 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         return self._rotary[0]
 
     def forward(self, block_embeddings: torch.Tensor, target_states: torch.Tensor, position_ids: torch.Tensor,
-                attention_mask: Any, previous_embeddings: torch.Tensor | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                attention_mask: Any, previous_embeddings: torch.Tensor | None = None, output_head: Any = None,
+                predecessors: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """``block_embeddings`` ``[batch, q, size]``: the target's embeddings of the blocks' tokens (anchor or
         mask); ``target_states`` ``[batch, c, layers x size]``: the target layers' outputs, concatenated;
         ``position_ids`` ``[batch, c + q]``: the context's positions, then the blocks'. With Domino's head and
         ``previous_embeddings`` (the embeddings of the row's tokens at each block slot's position), also the
-        correction of the logits of slots ``correction_start ..`` (``[batch, n, slots, vocab]``)."""
+        correction of the logits of slots ``correction_start ..`` (``[batch, n, slots, vocab]``). With DFlash 2's
+        selector, ``output_head`` (the target's, states to logits) and ``predecessors`` (``[batch, q]``: the token
+        before each slot's), ``(hidden, logits, candidates, scores)``."""
         context = self.hidden_norm(self.fc(target_states.to(self.fc.weight.dtype)))
         hidden = block_embeddings.to(context.dtype)
         cos, sin = self.rotary(hidden.device)(hidden, position_ids)
         for layer in self.layers:
             hidden = layer(hidden, context, cos, sin, attention_mask)
         hidden = self.norm(hidden)
+        if output_head is not None:
+            logits = output_head(hidden)
+            return hidden, logits, *self.candidate_selector(hidden, logits, predecessors)
         if previous_embeddings is None:
             return hidden
         return hidden, self.correction(hidden, previous_embeddings.to(hidden.dtype))

@@ -1,7 +1,8 @@
 """DFlash draft training (``automodel finetune dflash``; upstream's ``TrainDFlashRecipe``), JetSpec's
 (``automodel finetune jetspec``; ``TrainJetSpecRecipe``: the same draft, its blocks attending causally within
-themselves, trained towards the target's distributions) and Domino's (``automodel finetune domino``;
-``TrainDominoRecipe``: the draft with a GRU correction head).
+themselves, trained towards the target's distributions), Domino's (``automodel finetune domino``;
+``TrainDominoRecipe``: the draft with a GRU correction head) and DFlash 2's (``automodel finetune dflash2``;
+``TrainDFlash2Recipe``: dynamic convolutions and a path selector).
 
 The ``model`` section is the target: built as the next-token recipe builds it, frozen, and run on every batch for
 the hidden states of ``dflash.target_layer_ids``. The trained model is the draft (:mod:`automodel_llm.dflash.draft`),
@@ -42,12 +43,15 @@ from automodel_llm.dflash.blocks import (
     drafted_slots,
     draw_blocks,
     flex_block_mask,
+    selector_loss,
 )
 from automodel_llm.dflash.draft import ARCHITECTURE, DFlashDraftModel, draft_config
 from automodel_llm.dflash.settings import (
+    DFLASH2_RECIPE_ARGS,
     DOMINO_RECIPE_ARGS,
     JETSPEC_RECIPE_ARGS,
     RECIPE_ARGS,
+    DFlash2Config,
     DFlashConfig,
     DominoConfig,
     JetSpecConfig,
@@ -327,7 +331,7 @@ class DominoRecipe(BlockDraftRecipe):
                 "run")
 
     def draft_head(self, settings: DominoConfig) -> dict[str, Any]:
-        return {"emb_dim": settings.emb_dim, "gru_hidden_dim": settings.gru_hidden_dim,
+        return {"projector_type": "domino", "emb_dim": settings.emb_dim, "gru_hidden_dim": settings.gru_hidden_dim,
                 "pure_draft_prefix_len": settings.pure_draft_prefix_len, "shift_label": settings.shift_label}
 
     def label_shift(self) -> int:
@@ -347,3 +351,50 @@ class DominoRecipe(BlockDraftRecipe):
                              settings.lambda_base_decay_ratio) if training else 0.0
         return corrected_loss(self.head(hidden), correction, ids, supervised, blocks, settings.block_size,
                               settings.loss_decay_gamma, self.label_shift(), weight)
+
+
+class DFlash2Recipe(BlockDraftRecipe):
+    """Trains a DFlash 2 draft: DFlash's draft with a two-tap dynamic convolution before and after each sublayer
+    (within a block: a slot reads the one before it) and a pairwise path selector over each slot's ``top_k``
+    candidates; the loss is DFlash's block cross entropy plus ``selector_loss_weight`` times the selector's."""
+
+    settings_key = "dflash2"
+    name = "DFlash 2"
+    served_by = "an engine that runs DFlash 2's convolutions and path selector"
+    loss_description = "DFlash 2's block cross entropy and candidate-selection cross entropy"
+    sections: ClassVar[dict] = {"dflash2": DFlash2Config, "recipe_args": DFLASH2_RECIPE_ARGS}
+
+    @classmethod
+    def loss_words(cls, settings: DFlash2Config) -> str:
+        gamma = f" (decay gamma {settings.loss_decay_gamma})" if settings.loss_decay_gamma else ""
+        return (f"the block's cross entropy{gamma} + {settings.selector_loss_weight} x the selector's over "
+                f"{settings.selector_top_k} candidates")
+
+    @classmethod
+    def target_issues(cls, settings: DFlash2Config, text: Any) -> list[ConfigIssue]:
+        issues = super().target_issues(settings, text)
+        hidden, vocab = getattr(text, "hidden_size", None), getattr(text, "vocab_size", None)
+        if isinstance(hidden, int) and hidden % settings.conv_group_size:
+            issues.append(ConfigIssue("dflash2.conv_group_size", f"{settings.conv_group_size} does not divide the "
+                                      f"draft's hidden size {hidden}"))
+        if isinstance(vocab, int) and settings.selector_top_k > vocab:
+            issues.append(ConfigIssue("dflash2.selector_top_k", f"{settings.selector_top_k} is more than the "
+                                      f"target's {vocab} tokens"))
+        return issues
+
+    def draft_head(self, settings: DFlash2Config) -> dict[str, Any]:
+        return {"conv_kernel_size": settings.conv_kernel_size, "conv_group_size": settings.conv_group_size,
+                "selector_rank": settings.selector_rank, "selector_top_k": settings.selector_top_k}
+
+    def extra_inputs(self, ids: torch.Tensor, blocks: Blocks) -> dict[str, Any]:
+        """The target's output head (the selector scores the logits' top candidates inside the draft's forward)
+        and the row's token before each slot's (teacher-forced predecessors)."""
+        at = blocks.anchors.unsqueeze(-1) + torch.arange(self.settings().block_size, device=ids.device) - 1
+        return {"output_head": self.head, "predecessors": torch.gather(ids, 1, at.flatten(1).clamp(min=0))}
+
+    def blocks_loss(self, output: Any, target_logits: torch.Tensor, ids: torch.Tensor, supervised: torch.Tensor,
+                    blocks: Blocks, training: bool) -> BlockLoss:
+        settings: DFlash2Config = self.settings()
+        _, logits, candidates, scores = output
+        return selector_loss(logits, candidates, scores, ids, supervised, blocks, settings.block_size,
+                             settings.loss_decay_gamma, settings.selector_loss_weight)

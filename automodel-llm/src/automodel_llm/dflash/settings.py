@@ -1,7 +1,8 @@
-"""The settings of DFlash draft training (the ``dflash:`` section), of JetSpec's (``jetspec:``, the same draft
-trained causally within a block towards the target's distributions) and of Domino's (``domino:``, the draft with a
-GRU correction head), and upstream's ``recipe_args:`` keys of its ``TrainDFlashRecipe`` / ``TrainJetSpecRecipe`` /
-``TrainDominoRecipe``, each standing for the key of the same meaning here or refused with the reason. Import-light:
+"""The settings of DFlash draft training (the ``dflash:`` section) and of its variants: JetSpec's (``jetspec:``,
+the same draft trained causally within a block towards the target's distributions), Domino's (``domino:``, with a
+GRU correction head) and DFlash 2's (``dflash2:``, with dynamic convolutions and a path selector); and upstream's
+``recipe_args:`` keys of its ``TrainDFlashRecipe`` / ``TrainJetSpecRecipe`` / ``TrainDominoRecipe`` /
+``TrainDFlash2Recipe``, each standing for the key of the same meaning here or refused with the reason. Import-light:
 no torch."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from automodel.config import FieldErrors
-from automodel_llm.draft_args import GPU_ONLY, NOT_BUILT, draft_recipe_args
+from automodel_llm.draft_args import GPU_ONLY, draft_recipe_args
 
 LOSS_TYPES = ("dflash", "variable_prefix")
 ATTENTION = ("sdpa", "eager", "flex_attention")
@@ -181,6 +182,39 @@ class DominoConfig(DFlashConfig):
         return self.pure_draft_prefix_len if self.shift_label else 1 + self.pure_draft_prefix_len
 
 
+@dataclass
+class DFlash2Config(DFlashConfig):
+    """DFlash's settings (the dflash loss only) with DFlash 2's convolutions and path selector."""
+
+    conv_kernel_size: int = field(default=2, metadata={"help": (
+        "taps of the dynamic convolution around each sublayer (2: a slot and the one before it in its block)")})
+    conv_group_size: int = field(default=16, metadata={"help": (
+        "channels sharing one dynamic tap (must divide the hidden size)")})
+    selector_rank: int = field(default=256, metadata={"help": "the width of the path selector's token codebooks"})
+    selector_top_k: int = field(default=16, metadata={"help": "candidates the selector scores at each slot"})
+    selector_loss_weight: float = field(default=1.0, metadata={"help": (
+        "the weight of the selector's cross entropy (over each slot's candidates, after the true predecessor) "
+        "beside the block's")})
+
+    def __post_init__(self) -> None:
+        errors = {}
+        try:
+            super().__post_init__()
+        except FieldErrors as err:
+            errors.update(err.errors)
+        for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+            if not _whole(getattr(self, name), 1):
+                errors[name] = f"expected a whole number >= 1, found {getattr(self, name)!r}"
+        weight = self.selector_loss_weight
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight < 0:
+            errors["selector_loss_weight"] = f"expected a number >= 0, found {weight!r}"
+        if self.loss_type != "dflash":
+            errors["loss_type"] = (f"{self.loss_type!r}: DFlash 2's blocks show their anchor alone (its selector "
+                                   "follows the drafted path from it); remove it")
+        if errors:
+            raise FieldErrors(errors)
+
+
 def default_target_layers(layers: int, draft_layers: int) -> list[int]:
     """Upstream's feature layers of a target of ``layers`` layers for a draft of ``draft_layers``: the middle one
     for a one-layer draft, else ``draft_layers`` spread evenly over layers 1 .. ``layers - 3``."""
@@ -213,9 +247,9 @@ def flex_attention_issue(cuda: bool) -> str | None:
 _DRAFT_KEYS = ("mask_token_id", "block_size", "num_anchors", "draft_num_hidden_layers", "target_layer_ids",
                "attention_backend", "draft_sliding_window", "draft_num_attention_heads", "draft_num_key_value_heads",
                "draft_head_dim", "target_force_hf")
-_DFLASH2 = NOT_BUILT.format(what="DFlash 2's convolution and path selector")
-_VARIANTS = dict.fromkeys(("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",
-                           "selector_loss_weight"), _DFLASH2)
+_DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "selector_loss_weight")
+_VARIANTS = dict.fromkeys(_DFLASH2_KEYS, "DFlash 2's convolution and path selector: recipe: TrainDFlash2Recipe "
+                                         "(automodel finetune dflash2) trains them")
 _DOMINO_KEYS = ("emb_dim", "gru_hidden_dim", "pure_draft_prefix_len", "shift_label", "lambda_base_start",
                 "lambda_base_decay_ratio")
 _DOMINO_HEAD = "Domino's correction head: recipe: TrainDominoRecipe (automodel finetune domino) trains it"
@@ -226,6 +260,9 @@ RECIPE_ARGS = draft_recipe_args("TrainDFlashRecipe", "dflash",
 JETSPEC_RECIPE_ARGS = draft_recipe_args("TrainJetSpecRecipe", "jetspec",
                                         (*_DRAFT_KEYS, "loss_decay_gamma", "kd_temperature", "kd_chunk_size"),
                                         _NOT_THIS_HEAD)
+DFLASH2_RECIPE_ARGS = draft_recipe_args(
+    "TrainDFlash2Recipe", "dflash2", (*_DRAFT_KEYS, "loss_decay_gamma", "loss_type", *_DFLASH2_KEYS),
+    dict.fromkeys(("projector_type", *_DOMINO_KEYS), _DOMINO_HEAD))
 DOMINO_RECIPE_ARGS = draft_recipe_args(
     "TrainDominoRecipe", "domino", (*_DRAFT_KEYS, "loss_decay_gamma", "loss_type", *_DOMINO_KEYS),
     {**_VARIANTS, "projector_type": "the head is Domino's in this recipe (projector_type domino): remove it"})
