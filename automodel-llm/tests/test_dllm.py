@@ -20,7 +20,8 @@ from automodel import testing
 from automodel.errors import ConfigError
 from automodel.testing import read_jsonl, run_cli
 from automodel.training.dist import planned_world_size
-from automodel_llm.dllm import CorruptionSeeds, corrupt
+from automodel_llm.dllm import corrupt
+from automodel_llm.row_seeds import RowSeeds
 
 FORM = Path(__file__).parent / "upstream_forms" / "dllm_upstream.yaml"
 ROUTE = ("finetune", "dllm")
@@ -53,7 +54,7 @@ def _by_hand(model_dir: Path, batch: dict[str, torch.Tensor], step: int, seed: i
     padding = batch["attention_mask"] == 0
     ids = torch.where(padding, 0, batch["input_ids"])  # the tiny tokenizer's pad id
     targets = torch.where(padding, ids, batch["labels"])
-    seeds = CorruptionSeeds(seed)
+    seeds = RowSeeds(seed)
     seeds.start("train", step)
     masked, rate = corrupt(ids, targets, batch["attention_mask"].sum(dim=1).tolist(), 1e-3, seeds)
     assert masked.any() and (~masked & (targets != -100)).any(), "some supervised tokens masked, some not"

@@ -16,7 +16,6 @@ Upstream's other modes need models or a second model this build does not have, a
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -33,6 +32,7 @@ from automodel.training.next_token import label_positions, next_token_logits
 from automodel.training.parallelism import model_hf_config
 from automodel_llm.idlm import MASKED_ATTENTION, idlm_inputs, idlm_targets
 from automodel_llm.recipe import FinetuneRecipeForNextTokenPrediction, config_labels_shifted
+from automodel_llm.row_seeds import RowSeeds, SeededSteps
 from automodel_llm.tokenizer import dataset_sections, local_tokenizer
 
 UNBUILT_MODES = {
@@ -125,27 +125,8 @@ class DiffusionLMConfig:
         return errors
 
 
-class CorruptionSeeds:
-    """Generators for the masks, one per row: a function of the run's seed, the phase (training or validation), the
-    step and the row's tokens, never of the global random state or of where the row lands, so a resumed run draws
-    the same masks, every validation the same ones, and a row draws the same mask whatever the number of
-    data-parallel ranks or micro-batches (upstream seeds each sample by its place in the global batch for the same
-    reason)."""
-
-    def __init__(self, seed: int):
-        self.seed, self.phase, self.step = seed, "train", 0
-
-    def start(self, phase: str, step: int) -> None:
-        self.phase, self.step = phase, step
-
-    def generator(self, tokens: torch.Tensor) -> torch.Generator:
-        """The generator of a row whose real tokens (on the host) are ``tokens``."""
-        key = f"{self.seed}/{self.phase}/{self.step}/".encode() + tokens.numpy().tobytes()
-        return torch.Generator().manual_seed(int.from_bytes(hashlib.sha256(key).digest()[:7], "little"))
-
-
 def corrupt(ids: torch.Tensor, labels: torch.Tensor, lengths: list[int], eps: float,
-            seeds: CorruptionSeeds) -> tuple[torch.Tensor, torch.Tensor]:
+            seeds: RowSeeds) -> tuple[torch.Tensor, torch.Tensor]:
     """``(masked, rate)``: which supervised positions (``labels != IGNORE_INDEX``) to mask, each row's with its rate
     ``(1 - eps) * t + eps``, ``t ~ U[0, 1)``; and the rows' rates. Row ``r``'s draws come from the generator of its
     first ``lengths[r]`` tokens (its real ones), the rate first, then one number per position, so its padding does
@@ -160,7 +141,7 @@ def corrupt(ids: torch.Tensor, labels: torch.Tensor, lengths: list[int], eps: fl
     return masked.to(labels.device) & (labels != IGNORE_INDEX), rate.to(labels.device)
 
 
-class DiffusionLMSFTRecipe(FinetuneRecipeForNextTokenPrediction):
+class DiffusionLMSFTRecipe(SeededSteps, FinetuneRecipeForNextTokenPrediction):
     """Fine-tunes a diffusion LM: the next-token recipe's model, data, sharding and checkpoints, with the corruption
     and loss of ``dllm.mode``. In mode mdlm a decoder's attention is made bidirectional (``config.is_causal: false``,
     saved in its config.json, which transformers honours when it loads the model); in mode idlm the model stays a
@@ -179,7 +160,7 @@ class DiffusionLMSFTRecipe(FinetuneRecipeForNextTokenPrediction):
         "dflash": Refused(f"the settings of upstream's dllm.mode dflash: {UNBUILT_MODES['dflash']}"),
     }
     reads_unshifted = True  # a data set's upstream unshifted: true is this recipe's form of its labels
-    seeds: CorruptionSeeds
+    seeds: RowSeeds
 
     @classmethod
     def check_config(cls, cfg: Config) -> list[ConfigIssue]:
@@ -239,7 +220,7 @@ class DiffusionLMSFTRecipe(FinetuneRecipeForNextTokenPrediction):
         settings = self.cfg.get("dllm") or DiffusionLMConfig()
         self.mode, self.eps, self.supervise_padding = settings.mode, float(settings.eps), settings.supervise_padding
         self.mask_token_id = self.resolve_mask_token(settings.mask_token_id)
-        self.seeds = CorruptionSeeds(self.cfg.rng.seed)  # mdlm's masks (idlm masks every answer token)
+        self.seeds = RowSeeds(self.cfg.rng.seed)  # mdlm's masks (idlm masks every answer token)
         model = unwrap(self.model)
         if self.mode == "idlm":
             self.setup_idlm(model, settings)
@@ -308,14 +289,6 @@ class DiffusionLMSFTRecipe(FinetuneRecipeForNextTokenPrediction):
 
     def count_label_tokens(self, batch: dict[str, torch.Tensor]) -> int:
         return int((self.clean_rows(batch)[1] != IGNORE_INDEX).sum())
-
-    def train_step(self, batches: list[Any]) -> tuple[torch.Tensor, torch.Tensor, int]:
-        self.seeds.start("train", self.step_scheduler.step)
-        return super().train_step(batches)
-
-    def validate(self) -> None:
-        self.seeds.start("validation", 0)
-        super().validate()
 
     def compute_loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         if self.mode == "idlm":

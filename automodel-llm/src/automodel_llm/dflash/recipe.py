@@ -59,12 +59,12 @@ from automodel_llm.dflash.settings import (
     flex_attention_issue,
     target_layer_issue,
 )
-from automodel_llm.dllm import CorruptionSeeds
 from automodel_llm.draft_recipe import DraftRecipe, whole
 from automodel_llm.eagle3.unroll import supervised_tokens
+from automodel_llm.row_seeds import RowSeeds, SeededSteps
 
 
-class BlockDraftRecipe(DraftRecipe):
+class BlockDraftRecipe(SeededSteps, DraftRecipe):
     """Trains a block-drafting draft (the run's model) against the frozen ``model`` section's target; subclasses
     name the settings section and compute the blocks' loss (:meth:`blocks_loss`)."""
 
@@ -72,7 +72,6 @@ class BlockDraftRecipe(DraftRecipe):
     name: ClassVar[str]  # the method's name, for the logs
     served_by: ClassVar[str]  # the serving engines' names for it
     target_layer_ids: list[int]
-    seeds: CorruptionSeeds
 
     @classmethod
     def check_config(cls, cfg: Config) -> list[ConfigIssue]:
@@ -145,7 +144,7 @@ class BlockDraftRecipe(DraftRecipe):
                               settings.draft_num_attention_heads, settings.draft_num_key_value_heads,
                               settings.draft_head_dim, self.draft_head(settings))
         draft = DFlashDraftModel(config)
-        self.seeds = CorruptionSeeds(self.cfg.rng.seed)
+        self.seeds = RowSeeds(self.cfg.rng.seed)
         self.log(f"{self.name}: a {config.num_hidden_layers}-layer draft for the frozen target {self.target_class} "
                  f"({text.num_hidden_layers} layers; the draft reads the outputs of layers {self.target_layer_ids}), "
                  f"blocks of {settings.block_size} tokens, at most {settings.num_anchors} a row, mask token "
@@ -174,14 +173,6 @@ class BlockDraftRecipe(DraftRecipe):
     def label_shift(self) -> int:
         """How far past DFlash's the token a slot drafts lies (Domino's ``shift_label``: one)."""
         return 0
-
-    def train_step(self, batches: list[Any]) -> tuple[torch.Tensor, torch.Tensor, int]:
-        self.seeds.start("train", self.step_scheduler.step)
-        return super().train_step(batches)
-
-    def validate(self) -> None:
-        self.seeds.start("validation", 0)
-        super().validate()
 
     def draw(self, batch: dict[str, torch.Tensor], supervised: torch.Tensor) -> Blocks:
         """The batch's blocks, each row's from the generator of its real tokens."""
@@ -259,6 +250,11 @@ class BlockDraftRecipe(DraftRecipe):
                 f"serve it as the speculative model of its target ({self.served_by})")
 
 
+def decay_words(settings: DFlashConfig) -> str:
+    """The slots' decay, for the logs."""
+    return f" (decay gamma {settings.loss_decay_gamma})" if settings.loss_decay_gamma else ""
+
+
 class DFlashRecipe(BlockDraftRecipe):
     """Trains a DFlash draft: each block's drafted slots towards the data's tokens (decay-weighted cross entropy)."""
 
@@ -270,8 +266,7 @@ class DFlashRecipe(BlockDraftRecipe):
 
     @classmethod
     def loss_words(cls, settings: DFlashConfig) -> str:
-        gamma = f" (decay gamma {settings.loss_decay_gamma})" if settings.loss_decay_gamma else ""
-        return f"{settings.loss_type}{gamma}"
+        return f"{settings.loss_type}{decay_words(settings)}"
 
     def blocks_loss(self, output: Any, target_logits: torch.Tensor, ids: torch.Tensor, supervised: torch.Tensor,
                     blocks: Blocks, training: bool) -> BlockLoss:
@@ -366,9 +361,8 @@ class DFlash2Recipe(BlockDraftRecipe):
 
     @classmethod
     def loss_words(cls, settings: DFlash2Config) -> str:
-        gamma = f" (decay gamma {settings.loss_decay_gamma})" if settings.loss_decay_gamma else ""
-        return (f"the block's cross entropy{gamma} + {settings.selector_loss_weight} x the selector's over "
-                f"{settings.selector_top_k} candidates")
+        return (f"the block's cross entropy{decay_words(settings)} + {settings.selector_loss_weight} x the selector's "
+                f"over {settings.selector_top_k} candidates")
 
     @classmethod
     def target_issues(cls, settings: DFlash2Config, text: Any) -> list[ConfigIssue]:

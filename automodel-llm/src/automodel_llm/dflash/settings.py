@@ -97,8 +97,13 @@ class DFlashConfig:
         if self.target_force_hf is not True:
             errors["target_force_hf"] = (f"{self.target_force_hf!r}: upstream's own target model classes are not "
                                          "built here; the target is transformers' class (true)")
+        errors.update(self.variant_errors())
         if errors:
             raise FieldErrors(errors)
+
+    def variant_errors(self) -> dict[str, str]:
+        """What is wrong with a variant's own keys (a variant's section overrides this)."""
+        return {}
 
 
 @dataclass
@@ -114,12 +119,8 @@ class JetSpecConfig(DFlashConfig):
         "above 0: the drafted slots' float32 distributions are computed this many at a time (less memory, the "
         "same loss); 0: all at once")})
 
-    def __post_init__(self) -> None:
+    def variant_errors(self) -> dict[str, str]:
         errors = {}
-        try:
-            super().__post_init__()
-        except FieldErrors as err:
-            errors.update(err.errors)
         if self.loss_decay_gamma is not None:
             errors["loss_decay_gamma"] = (f"{self.loss_decay_gamma!r}: JetSpec's forward KL weighs every drafted slot "
                                           "alike; remove it (null)")
@@ -130,8 +131,7 @@ class JetSpecConfig(DFlashConfig):
             errors["kd_temperature"] = f"expected a number > 0, found {self.kd_temperature!r}"
         if not _whole(self.kd_chunk_size, 0):
             errors["kd_chunk_size"] = f"expected a whole number >= 0, found {self.kd_chunk_size!r}"
-        if errors:
-            raise FieldErrors(errors)
+        return errors
 
 
 @dataclass
@@ -151,12 +151,8 @@ class DominoConfig(DFlashConfig):
     lambda_base_decay_ratio: float = field(default=0.5, metadata={"help": (
         "the share of the run's steps over which that weight falls linearly to 0")})
 
-    def __post_init__(self) -> None:
+    def variant_errors(self) -> dict[str, str]:
         errors = {}
-        try:
-            super().__post_init__()
-        except FieldErrors as err:
-            errors.update(err.errors)
         for name, least in (("emb_dim", 1), ("gru_hidden_dim", 1), ("pure_draft_prefix_len", 0)):
             if not _whole(getattr(self, name), least):
                 errors[name] = f"expected a whole number >= {least}, found {getattr(self, name)!r}"
@@ -173,8 +169,7 @@ class DominoConfig(DFlashConfig):
         if _whole(self.pure_draft_prefix_len, 0) and _whole(self.block_size, 2) and first >= self.block_size:
             errors["pure_draft_prefix_len"] = (f"{self.pure_draft_prefix_len}: leaves no slot of a block of "
                                                f"{self.block_size} to correct")
-        if errors:
-            raise FieldErrors(errors)
+        return errors
 
     @property
     def correction_start(self) -> int:
@@ -196,12 +191,8 @@ class DFlash2Config(DFlashConfig):
         "the weight of the selector's cross entropy (over each slot's candidates, after the true predecessor) "
         "beside the block's")})
 
-    def __post_init__(self) -> None:
+    def variant_errors(self) -> dict[str, str]:
         errors = {}
-        try:
-            super().__post_init__()
-        except FieldErrors as err:
-            errors.update(err.errors)
         for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
             if not _whole(getattr(self, name), 1):
                 errors[name] = f"expected a whole number >= 1, found {getattr(self, name)!r}"
@@ -211,8 +202,7 @@ class DFlash2Config(DFlashConfig):
         if self.loss_type != "dflash":
             errors["loss_type"] = (f"{self.loss_type!r}: DFlash 2's blocks show their anchor alone (its selector "
                                    "follows the drafted path from it); remove it")
-        if errors:
-            raise FieldErrors(errors)
+        return errors
 
 
 def default_target_layers(layers: int, draft_layers: int) -> list[int]:
