@@ -28,7 +28,7 @@ from llm_testing import (
     write_draft_config,
 )
 
-from automodel.testing import read_jsonl, run_cli, write_yaml
+from automodel.testing import load_config, read_jsonl, run_cli, write_yaml
 from automodel.training.distillation.loss import KDLoss
 from automodel_llm.dflash.blocks import (
     Blocks,
@@ -196,22 +196,21 @@ def test_a_jetspec_draft_learns_to_draft_the_targets_own_tokens(chat_target, tmp
     assert config["architectures"] == ["DFlashDraftModel"]
 
 
-def test_upstreams_jetspec_recipe_args_form_runs(chat_target, tmp_path):
-    data = {
-        "recipe": "TrainJetSpecRecipe",
-        "recipe_args": {
-            "target_model_name_or_path": str(chat_target), "train_data_path": str(CHAT / "train.jsonl"),
-            "val_data_path": None, "output_dir": str(tmp_path / "out"), "seq_length": 48, "micro_batch_size": 8,
-            "grad_accumulation_steps": 2, "num_epochs": 1, "draft_num_hidden_layers": 1, "block_size": 4,
-            "num_anchors": 4, "mask_token_id": MASK, "attention_backend": "sdpa", "kd_temperature": 2.0,
-            "kd_chunk_size": 16, "shuffle_seed": 1, "log_every_steps": 1},
-        "optimizer": {"lr": 1e-3, "warmup_ratio": 0.0, "min_lr_ratio": 1.0},
-        "checkpoint": {"enabled": True, "save_consolidated": True},
-    }
-    result = run_cli("run", "-c", write_yaml(tmp_path / "upstream_jetspec.yaml", data), cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert "temperature 2.0" in result.stderr
-    assert [r["step"] for r in read_jsonl(tmp_path / "out" / "checkpoints" / "training.jsonl")] == [1, 2, 3]
+def test_upstreams_jetspec_recipe_args_form_stands_for_the_jetspec_section(chat_target, tmp_path):
+    """Validated in this process (the native form's run above trains this recipe): each recipe_args key sets the
+    key it stands for."""
+    data = {"recipe": "TrainJetSpecRecipe",
+            "recipe_args": {"target_model_name_or_path": str(chat_target), "train_data_path": str(CHAT / "train.jsonl"),
+                            "output_dir": str(tmp_path / "out"), "seq_length": 48, "micro_batch_size": 8,
+                            "draft_num_hidden_layers": 1, "block_size": 4, "num_anchors": 4, "mask_token_id": MASK,
+                            "attention_backend": "sdpa", "kd_temperature": 2.0, "kd_chunk_size": 16}}
+    recipe, cfg = load_config(write_yaml(tmp_path / "upstream_jetspec.yaml", data), route=("finetune", "jetspec"))
+    assert recipe.__name__ == "JetSpecRecipe"
+    settings = cfg.jetspec
+    assert (settings.kd_temperature, settings.kd_chunk_size, settings.block_size, settings.num_anchors) == (
+        2.0, 16, 4, 4)
+    assert cfg.step_scheduler.local_batch_size == 8 and cfg.dataset.seq_length == 48
+    assert Path(cfg.checkpoint.checkpoint_dir) == tmp_path / "out" / "checkpoints"
 
 
 def test_jetspecs_loss_is_the_forward_kl_to_the_targets_distribution_of_each_drafted_token():
@@ -285,24 +284,18 @@ def test_two_fsdp2_ranks_train_a_domino_draft_as_one_process(chat_target, tmp_pa
     assert val_two["val_loss"] == pytest.approx(val_one["val_loss"], rel=1e-4)
 
 
-def test_upstreams_domino_recipe_args_form_runs(chat_target, tmp_path):
-    data = {
-        "recipe": "TrainDominoRecipe",
-        "recipe_args": {
-            "target_model_name_or_path": str(chat_target), "train_data_path": str(CHAT / "train.jsonl"),
-            "output_dir": str(tmp_path / "out"), "seq_length": 48, "micro_batch_size": 16, "num_epochs": 1,
-            "draft_num_hidden_layers": 1, "block_size": 5, "num_anchors": 4, "loss_decay_gamma": 7.0,
-            "mask_token_id": MASK, "attention_backend": "sdpa", "emb_dim": 16, "gru_hidden_dim": 24,
-            "pure_draft_prefix_len": 2, "shift_label": False, "lambda_base_start": 0.8,
-            "lambda_base_decay_ratio": 1.0, "shuffle_seed": 1, "log_every_steps": 1},
-        "optimizer": {"lr": 1e-3},
-        "checkpoint": {"enabled": True, "save_consolidated": True},
-    }
-    result = run_cli("run", "-c", write_yaml(tmp_path / "upstream_domino.yaml", data), cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert "the backbone's weighing 0.8 falling to 0 over 1.0 of the run" in result.stderr
-    config = json.loads((tmp_path / "out" / "checkpoints" / "epoch_0_step_3" / "model" / "config.json").read_text())
-    assert config["dflash_config"]["shift_label"] is False and config["dflash_config"]["pure_draft_prefix_len"] == 2
+def test_upstreams_domino_recipe_args_form_stands_for_the_domino_section(chat_target, tmp_path):
+    data = {"recipe": "TrainDominoRecipe",
+            "recipe_args": {"target_model_name_or_path": str(chat_target), "train_data_path": str(CHAT / "train.jsonl"),
+                            "block_size": 5, "mask_token_id": MASK, "emb_dim": 16, "gru_hidden_dim": 24,
+                            "pure_draft_prefix_len": 2, "shift_label": False, "lambda_base_start": 0.8,
+                            "lambda_base_decay_ratio": 1.0, "loss_decay_gamma": 7.0}}
+    recipe, cfg = load_config(write_yaml(tmp_path / "upstream_domino.yaml", data), route=("finetune", "domino"))
+    assert recipe.__name__ == "DominoRecipe"
+    settings = cfg.domino
+    assert (settings.emb_dim, settings.gru_hidden_dim, settings.pure_draft_prefix_len, settings.shift_label) == (
+        16, 24, 2, False)
+    assert (settings.lambda_base_start, settings.lambda_base_decay_ratio, settings.correction_start) == (0.8, 1.0, 3)
 
 
 def test_dominos_loss_mixes_the_corrected_and_the_backbones_cross_entropy_of_the_shifted_slots():
@@ -379,22 +372,16 @@ def test_a_dflash2_draft_learns_and_is_saved_with_its_convolutions_and_selector(
         "conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 16, "selector_top_k": 8}
 
 
-def test_upstreams_dflash2_recipe_args_form_runs(chat_target, tmp_path):
-    data = {
-        "recipe": "TrainDFlash2Recipe",
-        "recipe_args": {
-            "target_model_name_or_path": str(chat_target), "train_data_path": str(CHAT / "train.jsonl"),
-            "output_dir": str(tmp_path / "out"), "seq_length": 48, "micro_batch_size": 16, "num_epochs": 1,
-            "draft_num_hidden_layers": 1, "block_size": 4, "num_anchors": 4, "loss_decay_gamma": 7.0,
-            "mask_token_id": MASK, "attention_backend": "sdpa", "conv_kernel_size": 3, "conv_group_size": 32,
-            "selector_rank": 8, "selector_top_k": 4, "selector_loss_weight": 0.5, "log_every_steps": 1},
-        "optimizer": {"lr": 1e-3},
-        "checkpoint": {"enabled": True, "save_consolidated": True},
-    }
-    result = run_cli("run", "-c", write_yaml(tmp_path / "upstream_dflash2.yaml", data), cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert "+ 0.5 x the selector's over 4 candidates" in result.stderr
-    assert [r["step"] for r in read_jsonl(tmp_path / "out" / "checkpoints" / "training.jsonl")] == [1, 2, 3]
+def test_upstreams_dflash2_recipe_args_form_stands_for_the_dflash2_section(chat_target, tmp_path):
+    data = {"recipe": "TrainDFlash2Recipe",
+            "recipe_args": {"target_model_name_or_path": str(chat_target), "train_data_path": str(CHAT / "train.jsonl"),
+                            "block_size": 4, "mask_token_id": MASK, "conv_kernel_size": 3, "conv_group_size": 32,
+                            "selector_rank": 8, "selector_top_k": 4, "selector_loss_weight": 0.5}}
+    recipe, cfg = load_config(write_yaml(tmp_path / "upstream_dflash2.yaml", data), route=("finetune", "dflash2"))
+    assert recipe.__name__ == "DFlash2Recipe"
+    settings = cfg.dflash2
+    assert (settings.conv_kernel_size, settings.conv_group_size, settings.selector_rank, settings.selector_top_k,
+            settings.selector_loss_weight) == (3, 32, 8, 4, 0.5)
 
 
 def _dflash2_pair() -> tuple[DFlashDraftModel, DFlashDraftModel]:
