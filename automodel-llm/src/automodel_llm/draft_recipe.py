@@ -22,6 +22,7 @@ from automodel.errors import AutomodelError, ConfigIssue
 from automodel.meta_build import building_whole
 from automodel.training.context import BuildContext
 from automodel.training.dist import all_reduce_sum
+from automodel.training.parallelism import model_hf_config
 from automodel.training.step_scheduler import StepScheduler
 from automodel_llm.eagle3.unroll import drafted_slots, supervised_tokens
 from automodel_llm.recipe import DATASETS, FinetuneRecipeForNextTokenPrediction
@@ -166,6 +167,14 @@ class DraftRecipe(FinetuneRecipeForNextTokenPrediction):
                                       "states of whole sequences, which sequence parallelism would leave split over "
                                       "the tensor-parallel ranks; set it false (tp_size still splits the target)"))
         return issues
+
+    @classmethod
+    def target_text_config(cls, cfg: Config) -> Any:
+        """The target's text config as validation reads it (None: it cannot be read before the build)."""
+        target = model_hf_config(cfg)
+        if target is None:
+            return None
+        return target.get_text_config() if hasattr(target, "get_text_config") else target
 
     def build_target(self, ctx: BuildContext) -> torch.nn.Module:
         """The frozen target (kept as ``self.target``), built whole on every rank, then split as upstream splits it:

@@ -29,7 +29,7 @@ from automodel.config import Config
 from automodel.errors import AutomodelError, ConfigIssue
 from automodel.training.context import BuildContext
 from automodel.training.distillation.loss import KDLoss
-from automodel.training.parallelism import model_hf_config, validation_device
+from automodel.training.parallelism import validation_device
 from automodel_llm.dflash.blocks import (
     BlockLoss,
     Blocks,
@@ -72,6 +72,10 @@ class BlockDraftRecipe(SeededSteps, DraftRecipe):
     name: ClassVar[str]  # the method's name, for the logs
     served_by: ClassVar[str]  # the serving engines' names for it
     target_layer_ids: list[int]
+    embedding_weight: torch.Tensor  # the target's, whole (keep_target_io)
+    embedding_scale: Any  # the target's embedding scale (Gemma), None for most
+    head_weight: torch.Tensor
+    head_bias: torch.Tensor | None
 
     @classmethod
     def check_config(cls, cfg: Config) -> list[ConfigIssue]:
@@ -87,9 +91,8 @@ class BlockDraftRecipe(SeededSteps, DraftRecipe):
         if settings.attention_backend == "flex_attention" and (why := flex_attention_issue(
                 validation_device().type == "cuda")):
             issues.append(ConfigIssue(f"{cls.settings_key}.attention_backend", why))
-        target = model_hf_config(cfg)
-        if target is not None:
-            text = target.get_text_config() if hasattr(target, "get_text_config") else target
+        text = cls.target_text_config(cfg)
+        if text is not None:
             issues += cls.target_issues(settings, text)
         return issues
 
@@ -108,8 +111,7 @@ class BlockDraftRecipe(SeededSteps, DraftRecipe):
         kv_heads = settings.draft_num_key_value_heads or getattr(text, "num_key_value_heads", None) or heads
         if isinstance(heads, int) and isinstance(kv_heads, int) and heads % kv_heads:
             issues.append(ConfigIssue(f"{cls.settings_key}.draft_num_key_value_heads", f"{kv_heads} does not divide "
-                                      f"the draft's "
-                                      f"{heads} attention heads"))
+                                      f"the draft's {heads} attention heads"))
         return issues
 
     @classmethod
@@ -144,6 +146,7 @@ class BlockDraftRecipe(SeededSteps, DraftRecipe):
                               settings.draft_num_attention_heads, settings.draft_num_key_value_heads,
                               settings.draft_head_dim, self.draft_head(settings))
         draft = DFlashDraftModel(config)
+        self.keep_target_io(target)
         self.seeds = RowSeeds(self.cfg.rng.seed)
         self.log(f"{self.name}: a {config.num_hidden_layers}-layer draft for the frozen target {self.target_class} "
                  f"({text.num_hidden_layers} layers; the draft reads the outputs of layers {self.target_layer_ids}), "
@@ -185,19 +188,25 @@ class BlockDraftRecipe(SeededSteps, DraftRecipe):
         return draw_blocks(anchor_candidates(supervised, settings.block_size, lengths), settings.num_anchors,
                            settings.block_size, generators, base)
 
+    def keep_target_io(self, target: torch.nn.Module) -> None:
+        """The target's (frozen) embeddings and output head, which embed the blocks and score the draft: gathered
+        whole once, where FSDP2 or tensor parallelism splits them (every rank calls this), else the target's own."""
+        embedding, head = target.get_input_embeddings(), target.get_output_embeddings()
+        self.embedding_weight = whole(embedding.weight.detach())
+        self.embedding_scale = getattr(embedding, "embed_scale", None)  # Gemma-style scaled embeddings
+        tied = head.weight is embedding.weight
+        self.head_weight = self.embedding_weight if tied else whole(head.weight.detach())
+        bias = getattr(head, "bias", None)
+        self.head_bias = None if bias is None else whole(bias.detach())
+
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """The target's embeddings of ``ids`` (its weights whole, when FSDP2 or tensor parallelism splits them)."""
-        module = self.target.get_input_embeddings()
-        embedded = F.embedding(ids, whole(module.weight.detach()))
-        scale = getattr(module, "embed_scale", None)  # Gemma-style scaled embeddings
-        return embedded if scale is None else embedded * scale
+        """The target's embeddings of ``ids``."""
+        embedded = F.embedding(ids, self.embedding_weight)
+        return embedded if self.embedding_scale is None else embedded * self.embedding_scale
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """The target's output head on the draft's states: the logits, in float32."""
-        module = self.target.get_output_embeddings()
-        weight = whole(module.weight.detach())
-        bias = module.bias.detach() if getattr(module, "bias", None) is not None else None
-        return F.linear(hidden.to(weight.dtype), weight, None if bias is None else whole(bias)).float()
+        return F.linear(hidden.to(self.head_weight.dtype), self.head_weight, self.head_bias).float()
 
     def compute_loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The micro-batch's loss summed over its drafted slots with their weights (the loop divides by the step's

@@ -24,7 +24,6 @@ from automodel.config import Config
 from automodel.errors import AutomodelError, ConfigIssue
 from automodel.training.context import BuildContext
 from automodel.training.modules import unwrap
-from automodel.training.parallelism import model_hf_config
 from automodel_llm.draft_recipe import DraftRecipe, read_draft_weights
 from automodel_llm.eagle3.draft import LlamaForCausalLMEagle3, draft_config
 from automodel_llm.eagle3.settings import RECIPE_ARGS, Eagle3Config, aux_layer_issue, default_aux_layers
@@ -71,9 +70,8 @@ class Eagle3Recipe(DraftRecipe):
             issues.append(ConfigIssue("peft", "LoRA adapts a trained draft: set eagle3.draft_weights_path (upstream's "
                                       "recipe_args.draft_weights_path) to the draft it adapts, whose weights and "
                                       "vocabulary the adapter is saved against; a fresh draft trains whole"))
-        target = model_hf_config(cfg)
-        if settings is not None and target is not None:
-            text = target.get_text_config() if hasattr(target, "get_text_config") else target
+        text = cls.target_text_config(cfg)
+        if settings is not None and text is not None:
             issues += cls.target_issues(settings, text)
         return issues
 
