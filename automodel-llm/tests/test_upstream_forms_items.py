@@ -784,10 +784,12 @@ def with_autocast(tmp_path: Path, autocast: dict, distributed: dict | None = Non
     return write_yaml(tmp_path / "autocast.yaml", data)
 
 
-def test_top_level_autocast_section_is_the_forwards_autocast(tmp_path, capsys):
+def test_top_level_autocast_section_is_the_forwards_autocast(tmp_path, capsys, monkeypatch):
     """Upstream's convergence examples write ``autocast: {enabled, dtype}`` (its LLM recipes leave it unread): here it
     is distributed.autocast_dtype, and ``enabled: false`` sets nothing."""
     from automodel.cli.main import main
+
+    monkeypatch.chdir(tmp_path)  # the config's relative checkpoint_dir: this test's own, not the repository's
 
     for enabled, autocast in ((True, "bfloat16"), (False, None)):
         config = with_autocast(tmp_path, {"enabled": enabled, "dtype": "bfloat16"})
