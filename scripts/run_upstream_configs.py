@@ -153,7 +153,7 @@ def write_models(root: Path) -> dict[str, dict[str, str]]:
     for item in Path(survey.local_assets()["llm"]["tokenizer"]).iterdir():
         shutil.copy(item, seq_cls)
     assets["seq_cls"] = {**assets["llm"], "model": str(seq_cls), "tokenizer": str(seq_cls)}
-    for name, config_class in LLM_FAMILIES.items():
+    for name, config_class in FAMILIES.items():
         directory = root / f"llm-{config_class}"
         if not directory.exists():  # families sharing a config class share the model
             write_tiny_llm(config_class, directory, Path(survey.local_assets()["llm"]["tokenizer"]))
@@ -196,6 +196,10 @@ LLM_FAMILIES = {
     r"Laguna": "LagunaConfig", r"MiMo-V2": "MiMoV2FlashConfig", r"community/gpt2": "GPT2Config",
     r"Llama": "LlamaConfig",  # untied, unlike the shipped tiny Llama, as the bigger Llamas (pipeline stages)
 }
+# DSpark targets whose draft upstream builds of the target's own kind (Gemma 4's): a tiny one of that family, so
+# validation sees the family (and refuses it), not the tiny Llama other Gemma 4 configs get
+DSPARK_FAMILIES = {r"gemma-4": "Gemma4TextConfig"}
+FAMILIES = {**DSPARK_FAMILIES, **LLM_FAMILIES}
 # tiny sizes, each passed to a family's config class only where that class has the key: 4 layers (a hybrid's one
 # full-attention layer in four; pp_size 4), hidden 64, 8 experts (2 per token; an expert-parallel layout of up to
 # 8 divides them), room for the shipped tokenizer and upstream's MockIterableDataset (ids below 1024), its
@@ -268,10 +272,11 @@ def eagle_target(data: dict[str, Any]) -> str | None:
 
 
 def llm_family(data: dict[str, Any]) -> str | None:
-    """The family (a key of LLM_FAMILIES) of the first hub id in an LLM config's model section (an EAGLE config's
-    target)."""
+    """The family (a key of FAMILIES) of the first hub id in an LLM config's model section (an EAGLE config's
+    target); a DSpark target of a family whose draft is of its own kind upstream: that family (DSPARK_FAMILIES)."""
     ids = re.findall(r"[\w.-]+/[\w.-]+", json.dumps(data.get("model") or eagle_target(data) or {}))
-    return next((name for hub in ids for name in LLM_FAMILIES if re.search(name, hub)), None)
+    families = FAMILIES if data.get("recipe") == "TrainDSparkRecipe" else LLM_FAMILIES
+    return next((name for hub in ids for name in families if re.search(name, hub)), None)
 
 
 def write_tiny_llm(config_class: str, directory: Path, tokenizer: Path, sizes: dict[str, int] | None = None) -> None:
@@ -363,7 +368,7 @@ def stand_ins(data: dict[str, Any], assets: dict[str, dict[str, str]], domain: s
             found["recipe_args.draft_vocab_size"] = "256"
     sizes = layout_sizes(data, layers) if is_llm else {}
     if sizes:  # the family's stand-in with the sizes the layout needs (untied)
-        config_class = LLM_FAMILIES[kind.split(":", 1)[1]] if ":" in kind else "LlamaConfig"
+        config_class = FAMILIES[kind.split(":", 1)[1]] if ":" in kind else "LlamaConfig"
         name = "-".join(f"{key.split('_')[-1]}{value}" for key, value in sorted(sizes.items()))
         directory = Path(assets["llm"]["model"]).with_name(f"llm-{config_class}-{name}")
         if not directory.exists():
@@ -462,7 +467,8 @@ CPU_OVERRIDES: dict[str, Any] = {
     r"^(?P<edit>model\.text_config\.cp_full_attn_backend)$": REMOVE,  # FFPA's CUDA kernels
     r"^(?P<edit>model\.transformer_engine_fp8\w*)$": REMOVE,
     r"^eagle3\.draft_attn_implementation$": ("recipe_args.draft_attn_implementation", "sdpa"),  # EAGLE-3's form
-    r"^(dflash|dflash2|jetspec|domino)\.attention_backend$": ("recipe_args.attention_backend", "sdpa"),  # upstream's
+    r"^(dflash|dflash2|jetspec|domino|dspark)\.attention_backend$": (  # upstream's
+        "recipe_args.attention_backend", "sdpa"),
 }
 # the words of a refusal for a GPU feature or trust_remote_code (and of sdpa refused for a model class without it,
 # after the GPU attention gave way to sdpa)

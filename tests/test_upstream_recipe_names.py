@@ -51,9 +51,11 @@ SELECTS = {
     f"{UP}.llm.train_domino.TrainDominoRecipe": "finetune domino",
     "TrainDFlash2Recipe": "finetune dflash2",
     f"{UP}.llm.train_dflash2.TrainDFlash2Recipe": "finetune dflash2",
+    "TrainDSparkRecipe": "finetune dspark",
+    f"{UP}.llm.train_dspark.TrainDSparkRecipe": "finetune dspark",
 }
 # Upstream recipes with no counterpart here (speculative decoding drafters, multimodal), with words of the reason.
-NOT_HERE = {"TrainDSparkRecipe": "speculative-decoding", "TrainVispecStage1Recipe": "speculative-decoding",
+NOT_HERE = {"TrainVispecStage1Recipe": "speculative-decoding",
             f"{UP}.llm.train_vispec.TrainVispecRecipe": "speculative-decoding",
             "FinetuneRecipeForMultimodal": "BAGEL", "PretrainRecipeForMultimodal": "BAGEL"}
 

@@ -183,7 +183,7 @@ class DraftRecipe(FinetuneRecipeForNextTokenPrediction):
         same on all of them: :meth:`after_model_built`); with ``ep_size > 1`` the experts of a mixture-of-experts
         target over the ep groups of the data-parallel ranks (the draft has none); and with ``strategy: fsdp2`` its
         other weights sharded over the data-parallel ranks by FSDP2, as the draft's are (every rank runs each
-        forward of the target together)."""
+        forward of the target together), unless :meth:`shards_target` says no."""
         from automodel.training.model_init import expert_parallelize, tensor_parallelize
         from automodel.training.stages.sharding import wrap_fsdp2
 
@@ -195,11 +195,16 @@ class DraftRecipe(FinetuneRecipeForNextTokenPrediction):
             self.log(f"target: {tensor_parallelize(ctx, target, vocab_parallel=False)}")
         if (getattr(ctx.cfg.distributed, "ep_size", None) or 1) > 1:
             self.log(f"target: {expert_parallelize(ctx, target)}")
-        if ctx.fsdp2 and ctx.device_mesh is not None:
+        if ctx.fsdp2 and ctx.device_mesh is not None and self.shards_target():
             target, how = wrap_fsdp2(ctx, target)
             self.log(f"target: {how}")
         self.target = target
         return target
+
+    def shards_target(self) -> bool:
+        """Whether FSDP2 splits the target under ``strategy: fsdp2`` (DSpark's ``shard_dense_target: false`` keeps
+        it whole)."""
+        return True
 
     def share_embeddings(self, draft: torch.nn.Module, frozen: bool) -> None:
         """The draft's token embeddings: the target's, ``frozen`` or trained."""

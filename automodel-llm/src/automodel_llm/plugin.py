@@ -18,6 +18,7 @@ _UPSTREAM_RECIPES = {
     ("finetune", "jetspec"): ("TrainJetSpecRecipe", f"{_UPSTREAM}.train_jetspec.TrainJetSpecRecipe"),
     ("finetune", "domino"): ("TrainDominoRecipe", f"{_UPSTREAM}.train_domino.TrainDominoRecipe"),
     ("finetune", "dflash2"): ("TrainDFlash2Recipe", f"{_UPSTREAM}.train_dflash2.TrainDFlash2Recipe"),
+    ("finetune", "dspark"): ("TrainDSparkRecipe", f"{_UPSTREAM}.train_dspark.TrainDSparkRecipe"),
     # EAGLE-2 trains EAGLE-1's draft (it differs in the tree it drafts at serving time)
     ("finetune", "eagle"): ("TrainEagle1Recipe", f"{_UPSTREAM}.train_eagle1.TrainEagle1Recipe",
                             "TrainEagle2Recipe", f"{_UPSTREAM}.train_eagle2.TrainEagle2Recipe"),
@@ -28,16 +29,16 @@ _UPSTREAM_RECIPES = {
 
 
 # upstream's other speculative-decoding draft recipes (examples/speculative/; its EAGLE-1/2 are `finetune eagle`,
-# its EAGLE-3 `finetune eagle3`, its DFlash, JetSpec, Domino and DFlash 2 `finetune dflash / jetspec / domino /
-# dflash2`): module -> class names
-_SPECULATIVE = {"train_dspark": ("TrainDSparkRecipe",),
-                "train_vispec": ("TrainVispecRecipe", "TrainVispecStage1Recipe")}
-SPECULATIVE_UNBUILT = ("upstream's speculative-decoding recipes other than EAGLE-1/2/3, DFlash, DFlash 2, JetSpec and "
-                       "Domino (P-EAGLE, DSpark, ViSpec) train draft architectures that are not built here; EAGLE-1/2 "
-                       "are: recipe: TrainEagle1Recipe / TrainEagle2Recipe, or automodel finetune eagle; EAGLE-3 is: "
-                       "recipe: TrainEagle3Recipe, or automodel finetune eagle3; DFlash, DFlash 2, JetSpec and Domino "
-                       "are: recipe: TrainDFlashRecipe / TrainDFlash2Recipe / TrainJetSpecRecipe / TrainDominoRecipe, "
-                       "or automodel finetune dflash / dflash2 / jetspec / domino")
+# its EAGLE-3 `finetune eagle3`, its DFlash, JetSpec, Domino, DFlash 2 and DSpark `finetune dflash / jetspec /
+# domino / dflash2 / dspark`): module -> class names
+_SPECULATIVE = {"train_vispec": ("TrainVispecRecipe", "TrainVispecStage1Recipe")}
+SPECULATIVE_UNBUILT = ("upstream's speculative-decoding recipes other than EAGLE-1/2/3, DFlash, DFlash 2, JetSpec, "
+                       "Domino and DSpark (P-EAGLE, ViSpec) train draft architectures that are not built here; "
+                       "EAGLE-1/2 are: recipe: TrainEagle1Recipe / TrainEagle2Recipe, or automodel finetune eagle; "
+                       "EAGLE-3 is: recipe: TrainEagle3Recipe, or automodel finetune eagle3; DFlash, DFlash 2, "
+                       "JetSpec, Domino and DSpark are: recipe: TrainDFlashRecipe / TrainDFlash2Recipe / "
+                       "TrainJetSpecRecipe / TrainDominoRecipe / TrainDSparkRecipe, or automodel finetune dflash / "
+                       "dflash2 / jetspec / domino / dspark")
 
 
 # the speculative-decoding draft routes (finetune <domain>): recipe, what it trains; each ships llm/tiny_<domain>
@@ -52,6 +53,8 @@ _DRAFT_ROUTES = {
     "domino": ("automodel_llm.dflash.recipe.DominoRecipe", "a Domino draft (DFlash's with a GRU correction head)"),
     "dflash2": ("automodel_llm.dflash.recipe.DFlash2Recipe",
                 "a DFlash 2 draft (DFlash's with dynamic convolutions and a path selector)"),
+    "dspark": ("automodel_llm.dflash.dspark.DSparkRecipe",
+               "a DSpark draft (DFlash's backbone with a serial Markov head and a confidence head)"),
 }
 
 

@@ -240,7 +240,8 @@ class FinetuneRecipeForNextTokenPrediction(MTPLoss, NextTokenLogits, TrainRecipe
                                "against a frozen target: EAGLE-1/2's (TrainEagle1Recipe, TrainEagle2Recipe) is "
                                "automodel finetune eagle, EAGLE-3's (TrainEagle3Recipe) automodel finetune eagle3, "
                                "DFlash's and its variants' (TrainDFlashRecipe, TrainDFlash2Recipe, TrainJetSpecRecipe, "
-                               "TrainDominoRecipe) automodel finetune dflash / dflash2 / jetspec / domino (or recipe: "
+                               "TrainDominoRecipe, TrainDSparkRecipe) automodel finetune dflash / dflash2 / jetspec / "
+                               "domino / dspark (or recipe: "
                                "<that name> with automodel run); the others are not built here. This recipe "
                                "fine-tunes the model section's model"),
         "benchmark": Metadata("the benchmark recipe's settings; fine-tuning ignores them, as upstream's does: "

@@ -62,14 +62,14 @@ def draw_blocks(candidates: torch.Tensor, num_anchors: int, block_size: int, gen
     return Blocks(anchors.to(device), used.to(device), shown.to(device))
 
 
-def _slots(blocks: Blocks, block_size: int) -> torch.Tensor:
+def slot_positions(blocks: Blocks, block_size: int) -> torch.Tensor:
     """``[batch, n, block_size]``: the row position each block slot stands at."""
     return blocks.anchors.unsqueeze(-1) + torch.arange(block_size, device=blocks.anchors.device)
 
 
 def block_tokens(ids: torch.Tensor, blocks: Blocks, block_size: int, mask_token_id: int) -> torch.Tensor:
     """``[batch, n x block_size]``: each block's shown tokens, then mask tokens (an unused block: masks only)."""
-    slots = _slots(blocks, block_size)
+    slots = slot_positions(blocks, block_size).clamp(max=ids.shape[1] - 1)  # (a DSpark block may run past the row)
     offsets = torch.arange(block_size, device=ids.device)
     real = torch.gather(ids.unsqueeze(1).expand(-1, len(blocks), -1), 2, slots)
     shown = (offsets < blocks.shown.unsqueeze(-1)) & blocks.used.unsqueeze(-1)
@@ -132,7 +132,7 @@ def drafted_slots(ids: torch.Tensor, supervised: torch.Tensor, blocks: Blocks, b
     ``anchor + shift + k``); whether it counts (a slot from ``l - shift`` on, ``l`` the block's shown prefix, whose
     token is a label token inside the row, in a used block); its weight in the loss, ``exp(-(k - l + shift) /
     gamma)`` where it counts (1 without ``gamma``), else 0."""
-    positions = _slots(blocks, block_size) + shift
+    positions = slot_positions(blocks, block_size) + shift
     n = len(blocks)
     inside = positions < ids.shape[1]
     positions = positions.clamp(max=ids.shape[1] - 1)
@@ -154,6 +154,7 @@ class BlockLoss:
     counted: torch.Tensor  # drafted slots (label tokens)
     accepted: torch.Tensor  # over the used blocks: 1 + the right drafts before the first wrong one
     blocks: torch.Tensor  # used blocks with a drafted slot
+    extra: tuple[torch.Tensor, ...] = ()  # a variant's further validation counts (DSpark's)
 
 
 def agreement(drafts: torch.Tensor, reference: torch.Tensor, drafted: torch.Tensor
@@ -186,7 +187,7 @@ def distillation_loss(logits: torch.Tensor, target_logits: torch.Tensor, ids: to
     drafted slot alike; the greedy drafts counted against the target's greedy tokens (its own choice is what a
     verifier accepts)."""
     targets, drafted, weights = drafted_slots(ids, supervised, blocks, block_size, None)
-    before = (_slots(blocks, block_size) - 1).clamp(min=0).flatten(1)  # slot 0 is never drafted
+    before = (slot_positions(blocks, block_size) - 1).clamp(min=0).flatten(1)  # slot 0 is never drafted
     teacher = torch.gather(target_logits, 1, before.unsqueeze(-1).expand(-1, -1, target_logits.shape[-1]))
     teacher = teacher.view(*targets.shape, -1)
     student = logits.view(*targets.shape, -1)
@@ -233,3 +234,57 @@ def selector_loss(logits: torch.Tensor, candidates: torch.Tensor, scores: torch.
     loss = (nll * weights).sum() + selector_weight * selected * weights.sum()
     path = torch.gather(candidates, -1, scores.argmax(dim=-1, keepdim=True)).squeeze(-1)
     return BlockLoss(loss, weights.sum(), *agreement(path, targets, drafted))
+
+
+def spark_candidates(supervised: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """DSpark's anchors (``[batch, seq]`` booleans): label tokens followed, inside the row's ``lengths`` real
+    tokens, by a label token (the anchor's slot drafts it); a block running past the row or the labels is cut
+    there (:func:`spark_slots`)."""
+    positions = torch.arange(supervised.shape[1], device=supervised.device)
+    labelled = supervised.bool()
+    followed = torch.zeros_like(labelled)
+    followed[:, :-1] = labelled[:, 1:]
+    return labelled & followed & (positions < lengths.to(supervised.device).unsqueeze(1) - 1)
+
+
+def spark_slots(ids: torch.Tensor, supervised: torch.Tensor, blocks: Blocks, block_size: int,
+                gamma: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`drafted_slots` of DSpark's blocks (slot ``k`` drafts the token at ``anchor + 1 + k``, weighing
+    ``exp(-k / gamma)``), each block's drafted slots cut at its first slot that does not count (upstream's contiguous
+    supervision: a verifier never reaches past a rejected token)."""
+    targets, drafted, weights = drafted_slots(ids, supervised, blocks, block_size, gamma, shift=1)
+    drafted = drafted.long().cumprod(dim=-1).bool()
+    return targets, drafted, weights * drafted
+
+
+def spark_loss(logits: torch.Tensor, confidence: torch.Tensor | None, target_logits: torch.Tensor,
+               ids: torch.Tensor, supervised: torch.Tensor, blocks: Blocks, block_size: int, gamma: float | None,
+               ce_weight: float, l1_weight: float, confidence_weight: float) -> BlockLoss:
+    """DSpark's loss over the drafted slots (:func:`spark_slots`, with their weights): ``ce_weight`` x the cross
+    entropy of ``logits`` (``[batch, n, block, vocab]``) against the data's tokens + ``l1_weight`` x the L1 distance
+    between the draft's distribution and the target's (its logits on the row at the position before the drafted
+    token) + ``confidence_weight`` x the binary cross entropy of the ``confidence`` logits towards the acceptance
+    probability ``1 - L1 / 2`` (its target, not trained through). Counted: the greedy drafts against the data's
+    tokens, and in ``extra`` the expected accepted length of the blocks (1 + the sum of the running products of the
+    acceptance probabilities) and the confidence head's absolute error over the drafted slots."""
+    targets, drafted, weights = spark_slots(ids, supervised, blocks, block_size, gamma)
+    logits = logits.float()
+    per_slot = ce_weight * F.cross_entropy(logits.flatten(0, 2), targets.flatten(),
+                                           reduction="none").view_as(weights)
+    before = slot_positions(blocks, block_size).clamp(max=ids.shape[1] - 1).flatten(1)  # slot k: anchor + k
+    teacher = torch.gather(target_logits, 1, before.unsqueeze(-1).expand(-1, -1, target_logits.shape[-1]))
+    teacher = teacher.view_as(logits).detach().float()
+    distance = torch.zeros_like(weights)
+    distance[drafted] = (logits[drafted].softmax(-1) - teacher[drafted].softmax(-1)).abs().sum(-1)
+    acceptance = (1 - distance / 2).clamp(0, 1)
+    per_slot = per_slot + l1_weight * distance
+    error = weights.new_zeros(())
+    if confidence is not None:
+        target = acceptance.detach()
+        per_slot = per_slot + confidence_weight * F.binary_cross_entropy_with_logits(confidence, target,
+                                                                                   reduction="none")
+        error = ((confidence.detach().sigmoid() - target).abs() * drafted).sum()
+    has_draft = drafted.any(dim=-1)
+    expected = (((acceptance.detach() * drafted).cumprod(dim=-1).sum(dim=-1) + 1) * has_draft).sum()
+    return BlockLoss((per_slot * weights).sum(), weights.sum(), *agreement(logits.argmax(-1), targets, drafted),
+                     extra=(expected, error))

@@ -58,6 +58,15 @@ def draft_config(target: Any, layers: int, block_size: int, mask_token_id: int, 
     return config
 
 
+def block_settings(config: Qwen3Config) -> dict[str, Any]:
+    """The draft's block keys: DFlash's ``dflash_config``, or DSpark's top-level ``block_size``, ``mask_token_id``
+    and ``target_layer_ids`` (its published layout)."""
+    settings = getattr(config, "dflash_config", None)
+    if settings is not None:
+        return settings
+    return {key: getattr(config, key) for key in ("block_size", "mask_token_id", "target_layer_ids")}
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return x * cos + rotate_half(x) * sin
 
@@ -191,7 +200,7 @@ class DFlashDecoderLayer(nn.Module):
         self.self_attn = DFlashAttention(config)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = Qwen3MLP(config)
-        settings = config.dflash_config
+        settings = block_settings(config)
         self.block_size = settings["block_size"]
         if "conv_kernel_size" in settings:  # DFlash 2: a dynamic convolution around each sublayer
             kernel, group = settings["conv_kernel_size"], settings["conv_group_size"]
@@ -222,7 +231,7 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
 
     def __init__(self, config: Qwen3Config):
         super().__init__(config)
-        settings = config.dflash_config
+        settings = block_settings(config)
         self.target_layer_ids = list(settings["target_layer_ids"])
         self.block_size, self.mask_token_id = settings["block_size"], settings["mask_token_id"]
         self.layers = nn.ModuleList(DFlashDecoderLayer(config) for _ in range(config.num_hidden_layers))

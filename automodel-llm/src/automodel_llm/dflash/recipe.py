@@ -101,7 +101,8 @@ class BlockDraftRecipe(SeededSteps, DraftRecipe):
         issues = []
         layers, vocab = getattr(text, "num_hidden_layers", None), getattr(text, "vocab_size", None)
         if isinstance(layers, int):
-            why = target_layer_issue(settings.target_layer_ids, layers, settings.draft_num_hidden_layers)
+            why = target_layer_issue(settings.target_layer_ids, layers, settings.draft_num_hidden_layers,
+                                     cls.default_layers)
             if why:
                 issues.append(ConfigIssue(f"{cls.settings_key}.target_layer_ids", why))
         if isinstance(vocab, int) and not settings.mask_token_id < vocab:
@@ -113,6 +114,11 @@ class BlockDraftRecipe(SeededSteps, DraftRecipe):
             issues.append(ConfigIssue(f"{cls.settings_key}.draft_num_key_value_heads", f"{kv_heads} does not divide "
                                       f"the draft's {heads} attention heads"))
         return issues
+
+    @staticmethod
+    def default_layers(layers: int, draft_layers: int) -> list[int]:
+        """The target layers the draft reads where ``target_layer_ids`` is unset (upstream's DFlash default)."""
+        return default_target_layers(layers, draft_layers)
 
     @classmethod
     def describe_plan(cls, cfg: Config) -> list[str]:
@@ -139,20 +145,24 @@ class BlockDraftRecipe(SeededSteps, DraftRecipe):
         text = target.config.get_text_config()
         for issue in self.target_issues(settings, text):  # a target validation could not read
             raise AutomodelError(f"{issue.key}: {issue.message}")
-        self.target_layer_ids = list(settings.target_layer_ids or default_target_layers(
+        self.target_layer_ids = list(settings.target_layer_ids or self.default_layers(
             text.num_hidden_layers, settings.draft_num_hidden_layers))
-        config = draft_config(text, settings.draft_num_hidden_layers, settings.block_size, settings.mask_token_id,
-                              self.target_layer_ids, settings.attention_backend, settings.draft_sliding_window,
-                              settings.draft_num_attention_heads, settings.draft_num_key_value_heads,
-                              settings.draft_head_dim, self.draft_head(settings))
-        draft = DFlashDraftModel(config)
         self.keep_target_io(target)
+        draft = self.make_draft(text, settings)
         self.seeds = RowSeeds(self.cfg.rng.seed)
-        self.log(f"{self.name}: a {config.num_hidden_layers}-layer draft for the frozen target {self.target_class} "
-                 f"({text.num_hidden_layers} layers; the draft reads the outputs of layers {self.target_layer_ids}), "
-                 f"blocks of {settings.block_size} tokens, at most {settings.num_anchors} a row, mask token "
-                 f"{settings.mask_token_id}, loss {self.loss_words(settings)}")
+        self.log(f"{self.name}: a {draft.config.num_hidden_layers}-layer draft for the frozen target "
+                 f"{self.target_class} ({text.num_hidden_layers} layers; the draft reads the outputs of layers "
+                 f"{self.target_layer_ids}), blocks of {settings.block_size} tokens, at most {settings.num_anchors} "
+                 f"a row, mask token {settings.mask_token_id}, loss {self.loss_words(settings)}")
         return draft
+
+    def make_draft(self, text: Any, settings: Any) -> torch.nn.Module:
+        """The fresh draft for the target's text config ``text``."""
+        return DFlashDraftModel(draft_config(
+            text, settings.draft_num_hidden_layers, settings.block_size, settings.mask_token_id,
+            self.target_layer_ids, settings.attention_backend, settings.draft_sliding_window,
+            settings.draft_num_attention_heads, settings.draft_num_key_value_heads, settings.draft_head_dim,
+            self.draft_head(settings)))
 
     # ---- the loss ---------------------------------------------------------------------------------------------
 
@@ -166,12 +176,14 @@ class BlockDraftRecipe(SeededSteps, DraftRecipe):
     def count_label_tokens(self, batch: dict[str, torch.Tensor]) -> float:
         """The weights of the batch's drafted slots, summed (the loss's denominator; the blocks drawn as
         :meth:`compute_loss` draws them)."""
-        settings: DFlashConfig = self.settings()
         supervised = self.supervised(batch)
-        blocks = self.draw(batch, supervised)
-        weights = drafted_slots(batch["input_ids"], supervised, blocks, settings.block_size,
-                                settings.loss_decay_gamma, self.label_shift())[2]
-        return float(weights.double().sum())
+        return float(self.slot_weights(batch["input_ids"], supervised, self.draw(batch, supervised)).double().sum())
+
+    def slot_weights(self, ids: torch.Tensor, supervised: torch.Tensor, blocks: Blocks) -> torch.Tensor:
+        """``[batch, n, block_size]``: each block slot's weight in the loss (0: not drafted)."""
+        settings: DFlashConfig = self.settings()
+        return drafted_slots(ids, supervised, blocks, settings.block_size, settings.loss_decay_gamma,
+                             self.label_shift())[2]
 
     def label_shift(self) -> int:
         """How far past DFlash's the token a slot drafts lies (Domino's ``shift_label``: one)."""
@@ -185,8 +197,12 @@ class BlockDraftRecipe(SeededSteps, DraftRecipe):
         lengths = mask.sum(dim=1).cpu() if mask is not None else torch.full((ids.shape[0],), ids.shape[1])
         generators = [self.seeds.generator(ids[row, :lengths[row]]) for row in range(ids.shape[0])]
         base = settings.prefix_weight_base if settings.loss_type == "variable_prefix" else None
-        return draw_blocks(anchor_candidates(supervised, settings.block_size, lengths), settings.num_anchors,
-                           settings.block_size, generators, base)
+        return draw_blocks(self.candidates(supervised, lengths), settings.num_anchors, settings.block_size,
+                           generators, base)
+
+    def candidates(self, supervised: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """``[batch, seq]`` booleans: where a block can start (label tokens with a whole block after them)."""
+        return anchor_candidates(supervised, self.settings().block_size, lengths)
 
     def keep_target_io(self, target: torch.nn.Module) -> None:
         """The target's (frozen) embeddings and output head, which embed the blocks and score the draft: gathered
@@ -224,13 +240,20 @@ class BlockDraftRecipe(SeededSteps, DraftRecipe):
         block_size, window = settings.block_size, settings.draft_sliding_window
         visibility = flex_block_mask if settings.attention_backend == "flex_attention" else block_visibility
         mask = visibility(blocks, length, block_size, window, self.causal_blocks)
-        output = model(block_embeddings=self.embed(block_tokens(ids, blocks, block_size, settings.mask_token_id)),
-                       target_states=states, position_ids=block_positions(context_positions, blocks, block_size),
-                       attention_mask=mask, **self.extra_inputs(ids, blocks))
+        tokens = block_tokens(ids, blocks, block_size, settings.mask_token_id)
+        output = model(**self.block_inputs(tokens), target_states=states,
+                       position_ids=block_positions(context_positions, blocks, block_size), attention_mask=mask,
+                       **self.extra_inputs(ids, blocks))
         result = self.blocks_loss(output, out.logits, ids, supervised, blocks, model.training)
         if not model.training:
-            self.count_for_validation(torch.stack([result.correct, result.counted, result.accepted, result.blocks]))
+            self.count_for_validation(torch.stack([result.correct, result.counted, result.accepted, result.blocks,
+                                                   *result.extra]))
         return result.loss
+
+    def block_inputs(self, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The draft's input of the blocks' ``tokens``: their embeddings by the target's (DSpark's draft embeds
+        them itself)."""
+        return {"block_embeddings": self.embed(tokens)}
 
     def extra_inputs(self, ids: torch.Tensor, blocks: Blocks) -> dict[str, torch.Tensor]:
         """What the draft's forward takes besides the blocks and the target's states (none: DFlash, JetSpec)."""
@@ -248,7 +271,7 @@ class BlockDraftRecipe(SeededSteps, DraftRecipe):
         counts = self.validation_totals()
         if counts is None:
             return {}
-        correct, counted, accepted, blocks = counts
+        correct, counted, accepted, blocks = counts[:4]
         return {"accuracy": (correct / counted.clamp_min(1)).item(),
                 "accept_length": (accepted / blocks.clamp_min(1)).item()}
 

@@ -7,6 +7,7 @@ no torch."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from automodel.config import FieldErrors
@@ -205,6 +206,75 @@ class DFlash2Config(DFlashConfig):
         return errors
 
 
+MARKOV_HEADS = ("vanilla", "gated", "rnn")
+
+
+@dataclass
+class DSparkConfig(DFlashConfig):
+    """DFlash's settings (the dflash loss only; the published DSpark settings as defaults) with DSpark's serial
+    Markov head, its confidence head and its three-term loss."""
+
+    block_size: int = field(default=7, metadata={"help": (
+        "tokens drafted per block: the anchor's slot drafts the token after it, so a block drafts block_size tokens")})
+    loss_decay_gamma: float | None = field(default=None, metadata={"help": (
+        "drafted slot k (from 0: the anchor's) weighs exp(-k / gamma) in every term of the loss (null, upstream's "
+        "default: all equal; the published DSpark drafters use 4)")})
+    target_layer_ids: list[int] | None = field(default=None, metadata={"help": (
+        "the target layers (0-based; their outputs) the draft reads, concatenated (unset: upstream's DSpark "
+        "default, one per draft layer spread evenly over layers 1 .. L-1 of L)")})
+    markov_rank: int = field(default=256, metadata={"help": (
+        "the Markov head's rank: the previous token's low-rank embedding projected to a bias of the slot's logits "
+        "(0: no Markov head, the blocks' drafts independent)")})
+    markov_head_type: str = field(default="vanilla", metadata={"help": (
+        "vanilla (the bias from the previous token alone), gated (gated by the slot's state) or rnn (a recurrent "
+        "state over the block's earlier tokens)")})
+    confidence_head_alpha: float = field(default=1.0, metadata={"help": (
+        "the weight of the confidence head's loss (above 0: the head is built; it predicts each drafted token's "
+        "acceptance probability, 1 - half the L1 distance of the draft's and the target's distributions)")})
+    confidence_head_with_markov: bool = field(default=True, metadata={"help": (
+        "the confidence head also reads the Markov head's embedding of the previous token (needs markov_rank > 0)")})
+    ce_loss_alpha: float = field(default=0.1, metadata={"help": (
+        "the weight of the drafted tokens' cross entropy against the data's tokens")})
+    l1_loss_alpha: float = field(default=0.9, metadata={"help": (
+        "the weight of the L1 distance between the draft's and the target's distributions of each drafted token")})
+    freeze_embeddings: bool = field(default=True, metadata={"help": (
+        "the draft's embeddings and output head (copies of the target's, saved with it) stay frozen; false trains "
+        "them")})
+    shard_dense_target: bool | None = field(default=None, metadata={"help": (
+        "unset: the target is split as the draft is (FSDP2 under strategy fsdp2, whole under ddp); true: FSDP2 "
+        "splits it (needs strategy fsdp2); false: it stays whole on every rank (upstream's default)")})
+
+    def variant_errors(self) -> dict[str, str]:
+        errors = {}
+        if not _whole(self.markov_rank, 0):
+            errors["markov_rank"] = f"expected a whole number >= 0, found {self.markov_rank!r}"
+        if self.markov_head_type not in MARKOV_HEADS:
+            errors["markov_head_type"] = f"expected one of {', '.join(MARKOV_HEADS)}, found {self.markov_head_type!r}"
+        for name in ("confidence_head_alpha", "ce_loss_alpha", "l1_loss_alpha"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                errors[name] = f"expected a number >= 0, found {value!r}"
+        for name in ("confidence_head_with_markov", "freeze_embeddings"):
+            if not isinstance(getattr(self, name), bool):
+                errors[name] = f"expected true or false, found {getattr(self, name)!r}"
+        if self.shard_dense_target not in (None, True, False):
+            errors["shard_dense_target"] = f"expected true, false or null, found {self.shard_dense_target!r}"
+        if self.confidence_head_with_markov is True and self.markov_rank == 0 and self.confidence_head_alpha:
+            errors["confidence_head_with_markov"] = ("true reads the Markov head's embedding, and markov_rank 0 builds "
+                                                     "none: set it false or markov_rank above 0")
+        if self.loss_type != "dflash":
+            errors["loss_type"] = (f"{self.loss_type!r}: DSpark's blocks show their anchor alone; remove it")
+        weights = (self.ce_loss_alpha, self.l1_loss_alpha, self.confidence_head_alpha)
+        if all(isinstance(w, (int, float)) and not isinstance(w, bool) for w in weights) and not any(weights):
+            errors["ce_loss_alpha"] = "ce_loss_alpha, l1_loss_alpha and confidence_head_alpha are all 0: nothing trains"
+        return errors
+
+    @property
+    def confidence_head(self) -> bool:
+        """Whether the draft has a confidence head."""
+        return self.confidence_head_alpha > 0
+
+
 def default_target_layers(layers: int, draft_layers: int) -> list[int]:
     """Upstream's feature layers of a target of ``layers`` layers for a draft of ``draft_layers``: the middle one
     for a one-layer draft, else ``draft_layers`` spread evenly over layers 1 .. ``layers - 3``."""
@@ -214,10 +284,22 @@ def default_target_layers(layers: int, draft_layers: int) -> list[int]:
     return [int(round(start + i * (end - start) / (draft_layers - 1))) for i in range(draft_layers)]
 
 
-def target_layer_issue(ids: list[int] | None, layers: int, draft_layers: int) -> str | None:
-    """What is wrong with the feature layers ``ids`` (None: upstream's default) for a target of ``layers`` layers;
-    None when nothing is."""
-    chosen = ids if ids is not None else default_target_layers(layers, draft_layers)
+def spark_target_layers(layers: int, draft_layers: int) -> list[int]:
+    """Upstream's DSpark feature layers of a target of ``layers`` layers for a draft of ``draft_layers``: the last
+    for one, else ``draft_layers`` (at most ``layers - 1``) spread evenly over layers 1 .. ``layers - 1``."""
+    count = max(1, min(draft_layers, layers - 1))
+    last = layers - 1
+    if count == 1:
+        return [last]
+    step = (last - 1) / (count - 1)
+    return sorted({round(1 + i * step) for i in range(count)})
+
+
+def target_layer_issue(ids: list[int] | None, layers: int, draft_layers: int,
+                       default: Callable[[int, int], list[int]] = default_target_layers) -> str | None:
+    """What is wrong with the feature layers ``ids`` (None: ``default``'s, upstream's) for a target of ``layers``
+    layers; None when nothing is."""
+    chosen = ids if ids is not None else default(layers, draft_layers)
     if all(0 <= i < layers for i in chosen):
         return None
     if ids is not None:
@@ -253,6 +335,15 @@ JETSPEC_RECIPE_ARGS = draft_recipe_args("TrainJetSpecRecipe", "jetspec",
 DFLASH2_RECIPE_ARGS = draft_recipe_args(
     "TrainDFlash2Recipe", "dflash2", (*_DRAFT_KEYS, "loss_decay_gamma", "loss_type", *_DFLASH2_KEYS),
     dict.fromkeys(("projector_type", *_DOMINO_KEYS), _DOMINO_HEAD))
+_DSPARK_KEYS = ("markov_rank", "markov_head_type", "confidence_head_alpha", "confidence_head_with_markov",
+                 "ce_loss_alpha", "l1_loss_alpha", "freeze_embeddings", "shard_dense_target")
+DSPARK_RECIPE_ARGS = draft_recipe_args(
+    "TrainDSparkRecipe", "dspark", (*_DRAFT_KEYS, "loss_decay_gamma", *_DSPARK_KEYS),
+    {**_NOT_THIS_HEAD, **dict.fromkeys(("cache_output_dir", "cache_shard_size", "cache_dtype"), (
+        "a key of upstream's offline precompute script (the target's supervision written to disk), which is not "
+        "built here: the target runs beside the draft; remove it"))},
+    keys={"chat_template": ("dataset.chat_template", "validation_dataset.chat_template"),
+          "target_num_hidden_layers": "model.num_hidden_layers"})
 DOMINO_RECIPE_ARGS = draft_recipe_args(
     "TrainDominoRecipe", "domino", (*_DRAFT_KEYS, "loss_decay_gamma", "loss_type", *_DOMINO_KEYS),
     {**_VARIANTS, "projector_type": "the head is Domino's in this recipe (projector_type domino): remove it"})
