@@ -56,6 +56,10 @@ def test_a_dspark_draft_learns_to_draft_blocks_of_held_out_rows(dspark_run):
     # the draft's distributions near the target's: more of each block a sampling verifier would accept
     assert start["expected_accept_length"] < 1.1 and end["expected_accept_length"] > 2.0  # 1.03 and 2.33
     assert 0 <= end["confidence_error"] < start["confidence_error"] / 2  # 0.54 and 0.21
+    # each term logged (before its alpha); the loss is their alpha-weighted sum
+    for record in read_jsonl(dspark_run / "training.jsonl"):
+        parts = 0.1 * record["loss_ce"] + 0.9 * record["loss_l1"] + 1.0 * record["loss_confidence"]
+        assert record["loss"] == pytest.approx(parts, rel=1e-4)
 
 
 def test_the_draft_is_written_in_upstreams_layout_with_the_targets_frozen_embeddings_and_head(dspark_run,
@@ -95,7 +99,7 @@ def test_upstreams_recipe_args_form_runs_with_a_recurrent_head_and_trained_embed
             "val_data_path": str(CHAT / "validation.jsonl"), "output_dir": str(out), "seq_length": 48,
             "micro_batch_size": 8, "grad_accumulation_steps": 1, "num_workers": 0, "num_epochs": 1,
             "draft_num_hidden_layers": 1, "block_size": 5, "num_anchors": 4, "mask_token_id": MASK,
-            "target_layer_ids": [0, 4], "freeze_embeddings": False, "attention_backend": "sdpa",
+            "target_layer_ids": [-1, 4], "freeze_embeddings": False, "attention_backend": "sdpa",
             "markov_rank": 16, "markov_head_type": "rnn", "confidence_head_alpha": 0.5,
             "confidence_head_with_markov": False, "ce_loss_alpha": 0.2, "l1_loss_alpha": 0.8,
             "loss_decay_gamma": 4.0, "trust_remote_code": False, "shuffle_seed": 3, "log_every_steps": 1,
@@ -115,6 +119,7 @@ def test_upstreams_recipe_args_form_runs_with_a_recurrent_head_and_trained_embed
     model_dir = run_dir / "epoch_0_step_6" / "model"
     config = json.loads((model_dir / "config.json").read_text())
     assert (config["markov_head_type"], config["confidence_head_with_markov"]) == ("rnn", False)
+    assert config["target_layer_ids"] == [-1, 4]  # -1: the target's embeddings' output
     saved, target = load_file(model_dir / "model.safetensors"), load_file(chat_target / "model.safetensors")
     assert "markov_head.joint_proj.weight" in saved and saved["confidence_head.proj.weight"].shape == (1, 128)
     assert not torch.equal(saved["embed_tokens.weight"], target["model.embed_tokens.weight"])  # trained
@@ -157,7 +162,7 @@ def test_dsparks_loss_is_the_weighted_sum_of_cross_entropy_l1_distance_and_confi
     logits, target_logits = torch.randn(1, 2, 3, 10), torch.randn(1, 8, 10)
     confidence = torch.randn(1, 2, 3)
     result = spark_loss(logits, confidence, target_logits, ids, supervised, blocks, 3, 2.0, 0.1, 0.9, 0.5)
-    total, weight, expected = 0.0, 0.0, 0.0
+    total, weight, expected, ce_sum = 0.0, 0.0, 0.0, 0.0
     for block, anchor in enumerate((2, 5)):
         running = 1.0
         for k in range(3):
@@ -171,11 +176,15 @@ def test_dsparks_loss_is_the_weighted_sum_of_cross_entropy_l1_distance_and_confi
             accept = (1 - l1 / 2).clamp(0, 1)
             bce = F.binary_cross_entropy_with_logits(confidence[0, block, k], accept)
             total += w * float(0.1 * ce + 0.9 * l1 + 0.5 * bce)
+            ce_sum += w * float(ce)
             weight += w
             running *= float(accept)
             expected += running
     assert float(result.loss) == pytest.approx(total, rel=1e-5)
     assert float(result.weight) == pytest.approx(weight, rel=1e-6)
+    assert float(result.parts["ce"]) == pytest.approx(ce_sum, rel=1e-5)
+    assert float(0.1 * result.parts["ce"] + 0.9 * result.parts["l1"] + 0.5 * result.parts["confidence"]) == (
+        pytest.approx(total, rel=1e-5))
     assert int(result.counted) == 5 and int(result.blocks) == 2
     assert float(result.extra[0]) == pytest.approx(expected + 2, rel=1e-5)  # 1 + the running products, per block
     logits.requires_grad_(True)

@@ -35,7 +35,7 @@ class LossParts:
         return [group() for size, group in ((mesh.dp, self.data_parallel_group),
                                             (mesh.cp, lambda: self.ctx.device_mesh[CP].get_group())) if size > 1]
 
-    def loss_parts_of_step(self, denominator: int) -> dict[str, float | None]:
+    def loss_parts_of_step(self, denominator: float) -> dict[str, float | None]:
         """The step's :meth:`add_loss_part` sums, summed over the ranks as the loss is, per label token."""
         parts = self.__dict__.pop("_loss_parts", {})
         if not parts:

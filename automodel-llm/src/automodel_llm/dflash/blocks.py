@@ -10,7 +10,7 @@ own) and to all of the block's positions. Anchors are label tokens with a whole 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -155,6 +155,7 @@ class BlockLoss:
     accepted: torch.Tensor  # over the used blocks: 1 + the right drafts before the first wrong one
     blocks: torch.Tensor  # used blocks with a drafted slot
     extra: tuple[torch.Tensor, ...] = ()  # a variant's further validation counts (DSpark's)
+    parts: dict[str, torch.Tensor] = field(default_factory=dict)  # named terms, summed with the weights (logged)
 
 
 def agreement(drafts: torch.Tensor, reference: torch.Tensor, drafted: torch.Tensor
@@ -266,25 +267,27 @@ def spark_loss(logits: torch.Tensor, confidence: torch.Tensor | None, target_log
     token) + ``confidence_weight`` x the binary cross entropy of the ``confidence`` logits towards the acceptance
     probability ``1 - L1 / 2`` (its target, not trained through). Counted: the greedy drafts against the data's
     tokens, and in ``extra`` the expected accepted length of the blocks (1 + the sum of the running products of the
-    acceptance probabilities) and the confidence head's absolute error over the drafted slots."""
+    acceptance probabilities) and the confidence head's absolute error over the drafted slots; in ``parts`` each
+    term's weighted sum (``ce``, ``l1``, ``confidence``; before the alphas)."""
     targets, drafted, weights = spark_slots(ids, supervised, blocks, block_size, gamma)
     logits = logits.float()
-    per_slot = ce_weight * F.cross_entropy(logits.flatten(0, 2), targets.flatten(),
-                                           reduction="none").view_as(weights)
+    cross_entropy = F.cross_entropy(logits.flatten(0, 2), targets.flatten(), reduction="none").view_as(weights)
     before = slot_positions(blocks, block_size).clamp(max=ids.shape[1] - 1).flatten(1)  # slot k: anchor + k
     teacher = torch.gather(target_logits, 1, before.unsqueeze(-1).expand(-1, -1, target_logits.shape[-1]))
     teacher = teacher.view_as(logits).detach().float()
     distance = torch.zeros_like(weights)
     distance[drafted] = (logits[drafted].softmax(-1) - teacher[drafted].softmax(-1)).abs().sum(-1)
     acceptance = (1 - distance / 2).clamp(0, 1)
-    per_slot = per_slot + l1_weight * distance
+    per_slot = ce_weight * cross_entropy + l1_weight * distance
+    parts = {"ce": (cross_entropy * weights).sum(), "l1": (distance * weights).sum()}
     error = weights.new_zeros(())
     if confidence is not None:
         target = acceptance.detach()
-        per_slot = per_slot + confidence_weight * F.binary_cross_entropy_with_logits(confidence, target,
-                                                                                   reduction="none")
+        calibration = F.binary_cross_entropy_with_logits(confidence, target, reduction="none")
+        per_slot = per_slot + confidence_weight * calibration
+        parts["confidence"] = (calibration * weights).sum()
         error = ((confidence.detach().sigmoid() - target).abs() * drafted).sum()
     has_draft = drafted.any(dim=-1)
     expected = (((acceptance.detach() * drafted).cumprod(dim=-1).sum(dim=-1) + 1) * has_draft).sum()
     return BlockLoss((per_slot * weights).sum(), weights.sum(), *agreement(logits.argmax(-1), targets, drafted),
-                     extra=(expected, error))
+                     extra=(expected, error), parts=parts)

@@ -102,7 +102,7 @@ class BlockDraftRecipe(SeededSteps, DraftRecipe):
         layers, vocab = getattr(text, "num_hidden_layers", None), getattr(text, "vocab_size", None)
         if isinstance(layers, int):
             why = target_layer_issue(settings.target_layer_ids, layers, settings.draft_num_hidden_layers,
-                                     cls.default_layers)
+                                     cls.default_layers, settings.lowest_target_layer)
             if why:
                 issues.append(ConfigIssue(f"{cls.settings_key}.target_layer_ids", why))
         if isinstance(vocab, int) and not settings.mask_token_id < vocab:
@@ -245,7 +245,10 @@ class BlockDraftRecipe(SeededSteps, DraftRecipe):
                        position_ids=block_positions(context_positions, blocks, block_size), attention_mask=mask,
                        **self.extra_inputs(ids, blocks))
         result = self.blocks_loss(output, out.logits, ids, supervised, blocks, model.training)
-        if not model.training:
+        if model.training:
+            for name, value in result.parts.items():
+                self.add_loss_part(name, value)
+        else:
             self.count_for_validation(torch.stack([result.correct, result.counted, result.accepted, result.blocks,
                                                    *result.extra]))
         return result.loss

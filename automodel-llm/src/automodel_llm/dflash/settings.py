@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from automodel.config import FieldErrors
 from automodel_llm.draft_args import GPU_ONLY, draft_recipe_args
@@ -28,6 +29,8 @@ def _positive(value: object) -> bool:
 
 @dataclass
 class DFlashConfig:
+    lowest_target_layer: ClassVar[int] = 0  # the lowest of target_layer_ids (DSpark's -1: the embeddings' output)
+
     mask_token_id: int | None = field(default=None, metadata={"help": (
         "required: the token filling a block's drafted slots (a reserved, otherwise unused id; not the pad token, "
         "often the end-of-text one). The serving engine fills the slots with the same id (saved in config.json)")})
@@ -81,8 +84,9 @@ class DFlashConfig:
             if value is not None and not _whole(value, 1):
                 errors[name] = f"expected a whole number >= 1 or null, found {value!r}"
         ids = self.target_layer_ids
-        if ids is not None and (not isinstance(ids, list) or not ids or not all(_whole(i, 0) for i in ids)):
-            errors["target_layer_ids"] = f"expected a list of layer indices >= 0, found {ids!r}"
+        lowest = self.lowest_target_layer
+        if ids is not None and (not isinstance(ids, list) or not ids or not all(_whole(i, lowest) for i in ids)):
+            errors["target_layer_ids"] = f"expected a list of layer indices >= {lowest}, found {ids!r}"
         if self.loss_decay_gamma is not None and not _positive(self.loss_decay_gamma):
             errors["loss_decay_gamma"] = f"expected a number > 0 or null, found {self.loss_decay_gamma!r}"
         if self.loss_type not in LOSS_TYPES:
@@ -211,8 +215,10 @@ MARKOV_HEADS = ("vanilla", "gated", "rnn")
 
 @dataclass
 class DSparkConfig(DFlashConfig):
-    """DFlash's settings (the dflash loss only; the published DSpark settings as defaults) with DSpark's serial
-    Markov head, its confidence head and its three-term loss."""
+    """DFlash's settings (the dflash loss only; upstream's DSpark recipe's defaults) with DSpark's serial Markov head,
+    its confidence head and its three-term loss."""
+
+    lowest_target_layer: ClassVar[int] = -1
 
     block_size: int = field(default=7, metadata={"help": (
         "tokens drafted per block: the anchor's slot drafts the token after it, so a block drafts block_size tokens")})
@@ -220,8 +226,8 @@ class DSparkConfig(DFlashConfig):
         "drafted slot k (from 0: the anchor's) weighs exp(-k / gamma) in every term of the loss (null, upstream's "
         "default: all equal; the published DSpark drafters use 4)")})
     target_layer_ids: list[int] | None = field(default=None, metadata={"help": (
-        "the target layers (0-based; their outputs) the draft reads, concatenated (unset: upstream's DSpark "
-        "default, one per draft layer spread evenly over layers 1 .. L-1 of L)")})
+        "the target layers (0-based; their outputs; -1: the embeddings') the draft reads, concatenated (unset: "
+        "upstream's DSpark default, one per draft layer spread evenly over layers 1 .. L-1 of L)")})
     markov_rank: int = field(default=256, metadata={"help": (
         "the Markov head's rank: the previous token's low-rank embedding projected to a bias of the slot's logits "
         "(0: no Markov head, the blocks' drafts independent)")})
@@ -296,14 +302,14 @@ def spark_target_layers(layers: int, draft_layers: int) -> list[int]:
 
 
 def target_layer_issue(ids: list[int] | None, layers: int, draft_layers: int,
-                       default: Callable[[int, int], list[int]] = default_target_layers) -> str | None:
+                       default: Callable[[int, int], list[int]] = default_target_layers, lowest: int = 0) -> str | None:
     """What is wrong with the feature layers ``ids`` (None: ``default``'s, upstream's) for a target of ``layers``
-    layers; None when nothing is."""
+    layers (``lowest`` and up: -1 the embeddings' output); None when nothing is."""
     chosen = ids if ids is not None else default(layers, draft_layers)
-    if all(0 <= i < layers for i in chosen):
+    if all(lowest <= i < layers for i in chosen):
         return None
     if ids is not None:
-        return f"{ids}: the target has {layers} layers (0..{layers - 1})"
+        return f"{ids}: the target has {layers} layers ({lowest}..{layers - 1})"
     return (f"unset, and the default {chosen} does not fit a target of {layers} layers: name the layers "
             f"(0..{layers - 1}) the draft reads")
 
