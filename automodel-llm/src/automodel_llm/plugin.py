@@ -32,11 +32,12 @@ _UPSTREAM_RECIPES = {
 # its EAGLE-3 `finetune eagle3`, its DFlash, JetSpec, Domino, DFlash 2 and DSpark `finetune dflash / jetspec /
 # domino / dflash2 / dspark`): module -> class names
 _SPECULATIVE = {"train_vispec": ("TrainVispecRecipe", "TrainVispecStage1Recipe")}
-SPECULATIVE_UNBUILT = ("upstream's speculative-decoding recipes other than EAGLE-1/2/3, DFlash, DFlash 2, JetSpec, "
-                       "Domino and DSpark (P-EAGLE, ViSpec) train draft architectures that are not built here; "
-                       "EAGLE-1/2 are: recipe: TrainEagle1Recipe / TrainEagle2Recipe, or automodel finetune eagle; "
-                       "EAGLE-3 is: recipe: TrainEagle3Recipe, or automodel finetune eagle3; DFlash, DFlash 2, "
-                       "JetSpec, Domino and DSpark are: recipe: TrainDFlashRecipe / TrainDFlash2Recipe / "
+SPECULATIVE_UNBUILT = ("upstream's speculative-decoding recipes other than EAGLE-1/2/3 (with P-EAGLE), DFlash, "
+                       "DFlash 2, JetSpec, Domino and DSpark (its ViSpec) train draft architectures that are not built "
+                       "here; EAGLE-1/2 are: recipe: TrainEagle1Recipe / TrainEagle2Recipe, or automodel finetune "
+                       "eagle; EAGLE-3 and P-EAGLE are: recipe: TrainEagle3Recipe, or automodel finetune eagle3 "
+                       "(P-EAGLE with eagle3.parallel_drafting: true); DFlash, DFlash 2, JetSpec, Domino and DSpark "
+                       "are: recipe: TrainDFlashRecipe / TrainDFlash2Recipe / "
                        "TrainJetSpecRecipe / TrainDominoRecipe / TrainDSparkRecipe, or automodel finetune dflash / "
                        "dflash2 / jetspec / domino / dspark")
 

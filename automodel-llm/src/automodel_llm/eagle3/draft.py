@@ -40,10 +40,11 @@ TARGET_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_
 
 
 def draft_config(target: Any, draft_vocab_size: int, aux_layer_ids: list[int], attention: str,
-                 fc_norm: bool, norm_output: bool) -> LlamaConfig:
+                 fc_norm: bool, norm_output: bool, parallel: dict[str, Any] | None = None) -> LlamaConfig:
     """The draft's config from the target's (its text config for a multimodal one): the target's sizes, one layer,
     the draft vocabulary, and the serving keys (``eagle_aux_hidden_state_layer_ids`` counts as vLLM does: the
-    hidden state entering layer ``i``, so the output of layer ``i - 1``)."""
+    hidden state entering layer ``i``, so the output of layer ``i - 1``). ``parallel``: P-EAGLE's keys
+    (``num_hidden_layers``, ``mask_token_id``, ``num_depths``, the COD ratios), saved with ``parallel_drafting``."""
     given = target.to_dict()
     keys = {k: given[k] for k in TARGET_KEYS if given.get(k) is not None}
     served_ids = [i + 1 for i in aux_layer_ids]
@@ -52,7 +53,8 @@ def draft_config(target: Any, draft_vocab_size: int, aux_layer_ids: list[int], a
                             "num_aux_hidden_states": AUX_STATES, "fc_norm": fc_norm, "norm_output": norm_output,
                             "eagle_aux_hidden_state_layer_ids": served_ids,
                             "eagle_config": {"eagle_aux_hidden_state_layer_ids": served_ids,
-                                             "use_aux_hidden_state": True}})
+                                             "use_aux_hidden_state": True},
+                            **({"parallel_drafting": True, **parallel} if parallel else {})})
     config.architectures = [ARCHITECTURE]
     config._attn_implementation = attention
     return config
@@ -95,17 +97,19 @@ def attention_heads(attention: nn.Module, hidden: torch.Tensor, rotary: tuple[to
 
 
 class DraftAttention(nn.Module):
-    """Llama attention over ``2 x hidden_size`` inputs (the token's embedding and the carried hidden state)."""
+    """Llama attention over ``inputs x hidden_size`` inputs (2: the token's embedding and the carried hidden state;
+    1: a P-EAGLE draft's later layers)."""
 
-    def __init__(self, config: LlamaConfig):
+    def __init__(self, config: LlamaConfig, inputs: int = 2):
         super().__init__()
         self.config = config
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         bias = getattr(config, "attention_bias", False)
-        self.q_proj = nn.Linear(2 * config.hidden_size, self.heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(2 * config.hidden_size, self.kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(2 * config.hidden_size, self.kv_heads * self.head_dim, bias=bias)
+        width = inputs * config.hidden_size
+        self.q_proj = nn.Linear(width, self.heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(width, self.kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(width, self.kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.heads * self.head_dim, config.hidden_size, bias=bias)
 
     def forward(self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
@@ -156,6 +160,22 @@ class DraftLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden)), key, value
 
 
+class PlainLayer(nn.Module):
+    """A P-EAGLE draft's layer after the first: a Llama decoder layer over the carried state alone."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.self_attn = DraftAttention(config, inputs=1)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = DraftMLP(config)
+
+    def forward(self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], visible: torch.Tensor
+                ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rotary, ((), ()), visible)[0]
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
 class LlamaForCausalLMEagle3(PreTrainedModel):
     """The draft. :meth:`fuse` turns the target's three hidden states into the first carried state;
     :meth:`forward` is one step of the unroll (the caller keeps ``cache`` across the steps of one batch)."""
@@ -183,7 +203,13 @@ class LlamaForCausalLMEagle3(PreTrainedModel):
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+        if getattr(config, "parallel_drafting", False):  # P-EAGLE: more layers, the masked slots' placeholder state
+            self.layers = nn.ModuleDict({str(i): PlainLayer(config) for i in range(1, config.num_hidden_layers)})
+            self.mask_hidden = nn.Parameter(torch.empty(1, 1, AUX_STATES * target_hidden))
+            self.transformer_block_names = ("midlayer", *(f"layers.{i}" for i in self.layers))
         self.post_init()
+        if getattr(config, "parallel_drafting", False):
+            nn.init.normal_(self.mask_hidden)  # unit variance, as speculators' (not the weights' 0.02)
 
     def set_vocabulary(self, token_ids: torch.Tensor) -> None:
         """The draft vocabulary: ``token_ids`` (sorted target ids), as ``d2t`` offsets and the ``t2d`` mask."""
@@ -205,10 +231,28 @@ class LlamaForCausalLMEagle3(PreTrainedModel):
         return self.fc(aux_states)
 
     def forward(self, input_ids: torch.Tensor, supervised: torch.Tensor, aux_states: torch.Tensor,
-                target_logits: torch.Tensor, steps: int, position_ids: torch.Tensor | None = None) -> UnrollSums:
-        """The training-time-test unroll of one batch (:func:`~automodel_llm.eagle3.unroll.unroll`), in one call of
-        the module so that DDP and FSDP2 see one forward per backward."""
+                target_logits: torch.Tensor, steps: int, position_ids: torch.Tensor | None = None,
+                elements: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> UnrollSums:
+        """The training-time-test unroll of one batch (:func:`~automodel_llm.eagle3.unroll.unroll`), or with
+        ``elements`` (each row's COD-sampled anchors and depths) P-EAGLE's parallel drafting
+        (:func:`~automodel_llm.eagle3.parallel.parallel_sums`), in one call of the module so that DDP and FSDP2 see
+        one forward per backward."""
+        if elements is not None:
+            from automodel_llm.eagle3.parallel import parallel_sums
+
+            return parallel_sums(self, input_ids, supervised, aux_states, target_logits, elements)
         return unroll(self, input_ids, supervised, aux_states, target_logits, steps, position_ids)
+
+    def parallel(self, input_ids: torch.Tensor, states: torch.Tensor, position_ids: torch.Tensor,
+                 visible: torch.Tensor) -> torch.Tensor:
+        """P-EAGLE's one forward over a row's flat COD sequence (``[1, n]`` tokens, ``[1, n, hidden]`` fused
+        states, positions, ``[1, 1, n, n]`` visibility): the logits over the draft vocabulary."""
+        embeds = self.embed_tokens(input_ids).to(states.dtype)
+        rotary = self.rotary_emb(states, position_ids)
+        hidden = self.midlayer(embeds, states, rotary, ((), ()), visible)[0]
+        for layer in self.layers.values():
+            hidden = layer(hidden, rotary, visible)
+        return self.lm_head(self.norm(hidden))
 
     def step(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
              cache: tuple[list[torch.Tensor], list[torch.Tensor]], visible: torch.Tensor

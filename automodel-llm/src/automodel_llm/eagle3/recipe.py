@@ -26,6 +26,7 @@ from automodel.training.context import BuildContext
 from automodel.training.modules import unwrap
 from automodel_llm.draft_recipe import DraftRecipe, read_draft_weights
 from automodel_llm.eagle3.draft import LlamaForCausalLMEagle3, draft_config
+from automodel_llm.eagle3.parallel import cod_elements, counted_elements, reference_positions
 from automodel_llm.eagle3.settings import RECIPE_ARGS, Eagle3Config, aux_layer_issue, default_aux_layers
 from automodel_llm.eagle3.unroll import (
     most_frequent_tokens,
@@ -34,6 +35,7 @@ from automodel_llm.eagle3.unroll import (
     write_token_ids,
 )
 from automodel_llm.recipe import config_labels_shifted
+from automodel_llm.row_seeds import RowSeeds, SeededSteps
 
 
 def load_draft_weights(draft: LlamaForCausalLMEagle3, path: Path) -> bool:
@@ -51,8 +53,10 @@ def load_draft_weights(draft: LlamaForCausalLMEagle3, path: Path) -> bool:
     return "d2t" in weights and "t2d" in weights
 
 
-class Eagle3Recipe(DraftRecipe):
-    """Trains an EAGLE-3 draft (the run's model) against the frozen ``model`` section's target."""
+class Eagle3Recipe(SeededSteps, DraftRecipe):
+    """Trains an EAGLE-3 draft (the run's model) against the frozen ``model`` section's target; with
+    ``parallel_drafting`` a P-EAGLE one (:mod:`automodel_llm.eagle3.parallel`: its COD draws per row from the row's
+    generator of the seed and step, as the block drafters' blocks)."""
 
     settings_key = "eagle3"
     loss_description = "EAGLE-3's soft cross entropy against the target's distribution"
@@ -70,9 +74,24 @@ class Eagle3Recipe(DraftRecipe):
             issues.append(ConfigIssue("peft", "LoRA adapts a trained draft: set eagle3.draft_weights_path (upstream's "
                                       "recipe_args.draft_weights_path) to the draft it adapts, whose weights and "
                                       "vocabulary the adapter is saved against; a fresh draft trains whole"))
+        if settings is not None and settings.parallel_drafting:
+            issues += cls.parallel_issues(cfg)
         text = cls.target_text_config(cfg)
         if settings is not None and text is not None:
             issues += cls.target_issues(settings, text)
+        return issues
+
+    @classmethod
+    def parallel_issues(cls, cfg: Config) -> list[ConfigIssue]:
+        """What P-EAGLE cannot run with (upstream refuses the same)."""
+        issues = []
+        if cfg.peft is not None:
+            issues.append(ConfigIssue("peft", "P-EAGLE trains the draft whole (its placeholder state and embeddings "
+                                      "with it), as upstream's: remove the section"))
+        packing = cfg.get("packed_sequence")
+        if packing is not None and (packing.enabled or packing.packed_sequence_size > 0):
+            issues.append(ConfigIssue("packed_sequence.packed_sequence_size", "P-EAGLE's chains are drawn per row "
+                                      "(packed samples would need them per sample, not built); set it 0"))
         return issues
 
     @classmethod
@@ -80,9 +99,12 @@ class Eagle3Recipe(DraftRecipe):
         settings = cfg.get("eagle3") or Eagle3Config()
         size = settings.draft_vocab_size or "the target's whole"
         layers = settings.aux_layer_ids or "[1, L/2 - 1, L - 4] of its L"
-        return [*super().describe_plan(cfg), f"EAGLE-3: the model section is the frozen target; the trained model is "
-                f"a one-layer draft reading the target's layers {layers}, {settings.ttt_steps} unrolled steps, a "
-                f"draft vocabulary of {size} tokens"]
+        drafting = (f"P-EAGLE: the model section is the frozen target; the trained model is a "
+                    f"{settings.num_draft_layers}-layer draft reading the target's layers {layers}, drafting "
+                    f"{settings.num_depths} tokens in one forward" if settings.parallel_drafting else
+                    f"EAGLE-3: the model section is the frozen target; the trained model is a one-layer draft reading "
+                    f"the target's layers {layers}, {settings.ttt_steps} unrolled steps")
+        return [*super().describe_plan(cfg), f"{drafting}, a draft vocabulary of {size} tokens"]
 
     @classmethod
     def target_issues(cls, settings: Eagle3Config, text: Any) -> list[ConfigIssue]:
@@ -95,6 +117,10 @@ class Eagle3Recipe(DraftRecipe):
         size = settings.draft_vocab_size
         if isinstance(vocab, int) and size is not None and size > vocab:
             issues.append(ConfigIssue("eagle3.draft_vocab_size", f"{size} is more than the target's {vocab} tokens"))
+        mask = settings.mask_token_id
+        if settings.parallel_drafting and isinstance(vocab, int) and isinstance(mask, int) and not mask < vocab:
+            issues.append(ConfigIssue("eagle3.mask_token_id", f"{mask} is not a token of the target, whose "
+                                      f"vocabulary holds {vocab} (0..{vocab - 1})"))
         return issues
 
     # ---- building ---------------------------------------------------------------------------------------------
@@ -110,18 +136,27 @@ class Eagle3Recipe(DraftRecipe):
         self.aux_layer_ids = list(settings.aux_layer_ids or default_aux_layers(text.num_hidden_layers))
         self.ttt_steps = settings.ttt_steps
         size = settings.draft_vocab_size or text.vocab_size
+        parallel = None
+        if settings.parallel_drafting:
+            parallel = {"num_hidden_layers": settings.num_draft_layers, "mask_token_id": settings.mask_token_id,
+                        "num_depths": settings.num_depths, "down_sample_ratio": settings.down_sample_ratio,
+                        "down_sample_ratio_min": settings.down_sample_ratio_min}
         config = draft_config(text, size, self.aux_layer_ids, settings.draft_attn_implementation, settings.fc_norm,
-                              settings.norm_output)
+                              settings.norm_output, parallel)
         draft = LlamaForCausalLMEagle3(config)
-        self.share_embeddings(draft, settings.freeze_embeddings)
+        self.seeds = RowSeeds(self.cfg.rng.seed)
+        self.share_embeddings(draft, settings.frozen_embeddings)
         if settings.draft_weights_path:
             with_vocabulary = load_draft_weights(draft, Path(settings.draft_weights_path))
             self.log(f"draft: started from the weights in {settings.draft_weights_path}"
                      + (" (their draft vocabulary too)" if with_vocabulary else ""))
-        self.log(f"EAGLE-3: a one-layer draft for the frozen target {self.target_class} ({text.num_hidden_layers} "
-                 f"layers; the draft reads the outputs of layers {self.aux_layer_ids}), {self.ttt_steps} unrolled "
-                 f"steps, draft vocabulary {size} of {text.vocab_size} tokens, embeddings "
-                 f"{'frozen' if settings.freeze_embeddings else 'trained'}")
+        drafting = (f"P-EAGLE: a {settings.num_draft_layers}-layer draft drafting {settings.num_depths} tokens in one "
+                    f"forward (COD ratio {settings.down_sample_ratio}, floor {settings.down_sample_ratio_min}, mask "
+                    f"token {settings.mask_token_id})" if settings.parallel_drafting else
+                    f"EAGLE-3: a one-layer draft, {self.ttt_steps} unrolled steps")
+        self.log(f"{drafting} for the frozen target {self.target_class} ({text.num_hidden_layers} layers; the draft "
+                 f"reads the outputs of layers {self.aux_layer_ids}), draft vocabulary {size} of {text.vocab_size} "
+                 f"tokens, embeddings {'frozen' if settings.frozen_embeddings else 'trained'}")
         return draft
 
     def build_dataset(self, ctx: BuildContext, node: Any) -> Any:
@@ -168,28 +203,56 @@ class Eagle3Recipe(DraftRecipe):
         supervised = supervised_tokens(batch["labels"], self.label_offset).to(ids.device)
         out = self.run_target(batch)
         aux = torch.cat([out.hidden_states[i + 1] for i in self.aux_layer_ids], dim=-1)
+        parallel = self.settings().parallel_drafting
         sums = model(input_ids=ids, supervised=supervised, aux_states=aux, target_logits=out.logits,
-                     steps=self.ttt_steps, position_ids=batch.get("position_ids"))
+                     steps=self.ttt_steps, position_ids=batch.get("position_ids"),
+                     elements=self.chains(batch, supervised)[0] if parallel else None)
         if model.training:
             for k, value in enumerate(sums.step_losses):
-                self.add_loss_part(f"ttt{k}", value)
+                self.add_loss_part(f"{'depth' if parallel else 'ttt'}{k}", value)
         else:
             self.count_for_validation(torch.stack([torch.stack(getattr(sums, name)) for name in
                                                    ("correct", "counted", "chain_hits", "chains")]))
         return sums.loss
 
+    def count_label_tokens(self, batch: dict[str, torch.Tensor]) -> int:
+        """EAGLE-3: the unroll's first step's slots; P-EAGLE: the counted elements of the rows' chains."""
+        if not self.settings().parallel_drafting:
+            return super().count_label_tokens(batch)
+        supervised = supervised_tokens(batch["labels"], self.label_offset)
+        elements, valid = self.chains(batch, supervised)
+        return sum(int(counted_elements(v, *e).sum()) for e, v in zip(elements, valid, strict=True))
+
+    def chains(self, batch: dict[str, torch.Tensor], supervised: torch.Tensor
+               ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[torch.Tensor]]:
+        """P-EAGLE: each row's COD-sampled ``(anchors, depths)`` (on the host, from the row's generator) and its
+        counted positions."""
+        settings = self.settings()
+        ids = batch["input_ids"].cpu()
+        mask = batch.get("attention_mask")
+        lengths = mask.sum(dim=1).tolist() if mask is not None else [ids.shape[1]] * ids.shape[0]
+        elements, valid = [], []
+        for row, length in enumerate(lengths):
+            counted = reference_positions(supervised[row].cpu(), int(length))
+            generator = self.seeds.generator(ids[row, :int(length)])
+            elements.append(cod_elements(counted, settings.num_depths, settings.down_sample_ratio,
+                                         settings.down_sample_ratio_min, generator))
+            valid.append(counted)
+        return elements, valid
+
     def extra_validation_metrics(self, name: str, dataloader: Any) -> dict[str, float]:
         """Over the validation set: ``accuracy`` (the draft's greedy token is the target's, over every step's
-        counted slots), ``accuracy_ttt<k>`` per step, and ``accept_length``, the tokens one verification would
-        accept under greedy chain drafting (``1 + sum_k P(the first k + 1 drafts are all right)``, upstream's
-        simulated accept length)."""
+        counted slots), ``accuracy_ttt<k>`` per step (P-EAGLE: ``accuracy_depth<k>`` per depth), and
+        ``accept_length``, the tokens one verification would accept under greedy chain drafting (``1 + sum_k P(the
+        first k + 1 drafts are all right)``, upstream's simulated accept length; P-EAGLE's over the sampled chains)."""
         counts = self.validation_totals()
         if counts is None:
             return {}
         correct, counted, chain_hits, chains = counts
         metrics = {"accuracy": (correct.sum() / counted.sum().clamp_min(1)).item(),
                    "accept_length": (1 + (chain_hits / chains.clamp_min(1)).sum()).item()}
-        metrics |= {f"accuracy_ttt{k}": (correct[k] / counted[k].clamp_min(1)).item() for k in range(len(correct))}
+        kind = "depth" if self.settings().parallel_drafting else "ttt"
+        metrics |= {f"accuracy_{kind}{k}": (correct[k] / counted[k].clamp_min(1)).item() for k in range(len(correct))}
         return metrics
 
     def final_message(self, model_dir: Path) -> str:
@@ -199,6 +262,11 @@ class Eagle3Recipe(DraftRecipe):
             return (f"the LoRA adapter of the EAGLE-3 draft is in {model_dir}: `automodel export {model_dir.parent} "
                     "merged/` merges it into the draft it adapts (eagle3.draft_weights_path), which SGLang / vLLM "
                     "then serve")
+        settings = self.settings()
+        if settings.parallel_drafting:
+            return (f"the P-EAGLE draft is in {model_dir} ({LlamaForCausalLMEagle3.__name__} with parallel_drafting, "
+                    f"mask_hidden and {settings.num_draft_layers} layers): serve it with vLLM's parallel drafting, "
+                    f"{settings.num_depths} speculative tokens (num_depths), mask token {settings.mask_token_id}")
         return (f"the EAGLE-3 draft is in {model_dir} ({LlamaForCausalLMEagle3.__name__}): serve it as the "
                 f"speculative model of its target, e.g. vllm serve TARGET --speculative-config "
                 f"'{{\"method\": \"eagle3\", \"model\": \"{model_dir}\", \"num_speculative_tokens\": "

@@ -22,8 +22,9 @@ class Eagle3Config:
     aux_layer_ids: list[int] | None = field(default=None, metadata={"help": (
         "the three target layers (0-based; their outputs) the draft reads (unset: [1, L/2 - 1, L - 4] of L layers, "
         "upstream's default)")})
-    freeze_embeddings: bool = field(default=True, metadata={"help": (
-        "the draft's token embeddings, copied from the target, stay frozen (false: trained)")})
+    freeze_embeddings: bool | None = field(default=None, metadata={"help": (
+        "the draft's token embeddings, copied from the target, stay frozen (false: trained; unset: frozen for "
+        "EAGLE-3, trained for P-EAGLE, upstream's defaults)")})
     selected_token_ids_path: str | None = field(default=None, metadata={"help": (
         "a file of the draft vocabulary (JSON, whatever its name): read when it exists (its sizes must match), else "
         "written from the data's counts, so later runs skip the count (delete it when the data changes)")})
@@ -43,6 +44,23 @@ class Eagle3Config:
         "EAGLE-3.1: an RMSNorm on each of the three target states before they are fused")})
     norm_output: bool = field(default=False, metadata={"help": (
         "EAGLE-3.1: the state a step carries to the next is the normed one")})
+    parallel_drafting: bool = field(default=False, metadata={"help": (
+        "P-EAGLE: the draft drafts num_depths tokens in one forward (masked slots after the first: mask_token_id "
+        "and a learned placeholder state, mask_hidden), trained on COD-sampled chains instead of the unroll")})
+    num_depths: int = field(default=8, metadata={"help": (
+        "P-EAGLE: tokens drafted in one forward (vLLM's num_speculative_tokens at serving)")})
+    num_draft_layers: int = field(default=1, metadata={"help": (
+        "P-EAGLE: decoder layers of the draft (the fused first one, then plain Llama layers); EAGLE-3's is 1")})
+    down_sample_ratio: float = field(default=0.7, metadata={"help": (
+        "P-EAGLE: depth d keeps a share max(ratio^d, down_sample_ratio_min) of the row's supervised positions "
+        "(COD sampling)")})
+    down_sample_ratio_min: float = field(default=0.2, metadata={"help": "P-EAGLE: the floor of that share"})
+    mask_token_id: int | None = field(default=None, metadata={"help": (
+        "P-EAGLE (required there): the token at every masked slot, a reserved one the data never uses (saved in "
+        "config.json: the serving engine fills the slots with it)")})
+    sequence_partitions: int = field(default=1, metadata={"help": (
+        "P-EAGLE: upstream's memory knob running each row's segments as separate backward passes (the same loss "
+        "and gradients): 1 only")})
 
     def __post_init__(self) -> None:
         errors = {}
@@ -62,11 +80,56 @@ class Eagle3Config:
         if self.target_force_hf is not True:
             errors["target_force_hf"] = (f"{self.target_force_hf!r}: upstream's own target model classes are not "
                                          "built here; the target is transformers' class (true)")
+        errors.update(self.parallel_errors())
         if self.cp_zigzag is not False:
             errors["cp_zigzag"] = (f"{self.cp_zigzag!r}: a layout of the draft's context parallelism, which this "
                                    "recipe does not run (the draft reads whole sequences); use false")
         if errors:
             raise FieldErrors(errors)
+
+    def parallel_errors(self) -> dict[str, str]:
+        """What is wrong with P-EAGLE's keys (each acts with ``parallel_drafting: true`` only)."""
+        errors: dict[str, str] = {}
+        if not isinstance(self.parallel_drafting, bool):
+            return {"parallel_drafting": f"expected true or false, found {self.parallel_drafting!r}"}
+        if self.freeze_embeddings not in (None, True, False):
+            errors["freeze_embeddings"] = f"expected true, false or null, found {self.freeze_embeddings!r}"
+        if not self.parallel_drafting:
+            for name, default in PARALLEL_DEFAULTS.items():
+                if getattr(self, name) != default:
+                    errors[name] = (f"{getattr(self, name)!r}: a key of P-EAGLE's parallel drafting; set "
+                                    "parallel_drafting: true, or remove it")
+            return errors
+        for name, least in (("num_depths", 1), ("num_draft_layers", 1), ("mask_token_id", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                errors[name] = f"expected a whole number >= {least}, found {value!r}"
+        if self.mask_token_id is None:
+            errors["mask_token_id"] = ("required with parallel_drafting: the id of a reserved token the data never "
+                                       "uses (e.g. 128002 for Llama 3, 151669 for Qwen3), which fills the masked "
+                                       "slots here and at serving")
+        for name in ("down_sample_ratio", "down_sample_ratio_min"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+                errors[name] = f"expected a number in (0, 1], found {value!r}"
+        if self.sequence_partitions != 1:
+            errors["sequence_partitions"] = (f"{self.sequence_partitions!r}: the segments' separate backward passes "
+                                             "(a memory knob giving the same loss and gradients) are not built: the "
+                                             "loop here runs one backward per micro-batch; use 1")
+        if self.ttt_steps != 7:
+            errors["ttt_steps"] = (f"{self.ttt_steps!r}: EAGLE-3's unroll, which P-EAGLE replaces (it drafts "
+                                   "num_depths tokens in one forward); remove it")
+        return errors
+
+    @property
+    def frozen_embeddings(self) -> bool:
+        """Whether the draft's embeddings stay frozen (unset: EAGLE-3's frozen, P-EAGLE's trained)."""
+        return (not self.parallel_drafting) if self.freeze_embeddings is None else self.freeze_embeddings
+
+
+# P-EAGLE's keys and their defaults (each refused away from it without parallel_drafting)
+PARALLEL_DEFAULTS = {"num_depths": 8, "num_draft_layers": 1, "down_sample_ratio": 0.7, "down_sample_ratio_min": 0.2,
+                     "mask_token_id": None, "sequence_partitions": 1}
 
 
 def default_aux_layers(layers: int) -> list[int]:
@@ -90,10 +153,9 @@ def aux_layer_issue(ids: list[int] | None, layers: int) -> str | None:
 RECIPE_ARGS = draft_recipe_args(
     "TrainEagle3Recipe", "eagle3",
     ("ttt_steps", "draft_vocab_size", "aux_layer_ids", "freeze_embeddings", "selected_token_ids_path",
-     "draft_attn_implementation", "fc_norm", "norm_output", "draft_weights_path", "target_force_hf", "cp_zigzag"),
-    {"parallel_drafting": NOT_BUILT.format(what="P-EAGLE's parallel drafting"),
-     "num_depths": NOT_BUILT.format(what="P-EAGLE's parallel drafting depths"),
-     **dict.fromkeys(("lk_loss_type", "lk_kl_scale", "lk_kl_decay"),
+     "draft_attn_implementation", "fc_norm", "norm_output", "draft_weights_path", "target_force_hf", "cp_zigzag",
+     "parallel_drafting", *PARALLEL_DEFAULTS),
+    {**dict.fromkeys(("lk_loss_type", "lk_kl_scale", "lk_kl_decay"),
                      NOT_BUILT.format(what="the acceptance-rate (LK) loss"))},
     # the draft's layer recomputed in the backward pass at each unrolled step
     keys={"draft_gradient_checkpointing": "distributed.activation_checkpointing"})
