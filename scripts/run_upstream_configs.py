@@ -197,7 +197,7 @@ LLM_FAMILIES = {
     r"Llama": "LlamaConfig",  # untied, unlike the shipped tiny Llama, as the bigger Llamas (pipeline stages)
 }
 # DSpark targets whose draft upstream builds of the target's own kind (Gemma 4's): a tiny one of that family, so
-# validation sees the family (and refuses it), not the tiny Llama other Gemma 4 configs get
+# the draft made is that family's, not the Qwen3-style one a tiny Llama (other Gemma 4 configs' stand-in) gets
 DSPARK_FAMILIES = {r"gemma-4": "Gemma4TextConfig"}
 FAMILIES = {**DSPARK_FAMILIES, **LLM_FAMILIES}
 # tiny sizes, each passed to a family's config class only where that class has the key: 4 layers (a hybrid's one
@@ -225,7 +225,10 @@ FAMILY_EXTRAS = {"NemotronHConfig": {"num_nextn_predict_layers": 1, "mtp_layers_
                  "GlmMoeDsaConfig": {"num_key_value_heads": 4, "index_n_heads": 2, "index_head_dim": 16,
                                      "index_topk": 16},
                  "DeepseekV32Config": {"num_key_value_heads": 4, "index_n_heads": 2, "index_head_dim": 16,
-                                       "index_topk": 16, "head_dim": 8}}
+                                       "index_topk": 16, "head_dim": 8},
+                 # Gemma 4's 12B / 31B: no per-layer inputs (those are the E2B / E4B models'), a soft cap
+                 "Gemma4TextConfig": {"hidden_size_per_layer_input": 0, "final_logit_softcapping": 30.0,
+                                      "global_head_dim": 32}}
 _EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 

@@ -218,11 +218,101 @@ def test_the_default_feature_layers_are_upstreams_dspark_spread_and_the_defaults
     assert (settings.ce_loss_alpha, settings.l1_loss_alpha, settings.loss_decay_gamma) == (0.1, 0.9, None)
 
 
-def _gemma4_target(directory: Path) -> Path:
-    from transformers import Gemma4TextConfig
+def _gemma4_target(directory: Path, **config) -> Path:
+    """A tiny Gemma 4 text model (fresh weights) with the tiny tokenizer: full-attention layers of their own head
+    size, a final logit soft cap."""
+    import shutil
 
-    Gemma4TextConfig(vocab_size=482, hidden_size=64, num_hidden_layers=4).save_pretrained(directory)
+    from transformers import AutoModelForCausalLM, Gemma4TextConfig
+
+    text = Gemma4TextConfig(**{"vocab_size": 482, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+                               "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+                               "global_head_dim": 32, "hidden_size_per_layer_input": 0,
+                               "vocab_size_per_layer_input": 482, "sliding_window": 16, "pad_token_id": 0,
+                               "bos_token_id": 1, "eos_token_id": 2, "final_logit_softcapping": 30.0,
+                               "layer_types": ["sliding_attention", "full_attention"] * 2, **config})
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(text).save_pretrained(directory)
+    for item in (ASSETS / "tiny_tokenizer").iterdir():
+        shutil.copy(item, directory)
     return directory
+
+
+@pytest.mark.parametrize("shared_kv", [False, True])
+def test_a_gemma4_draft_layer_is_gemma4s_own_full_attention_layer(shared_kv):
+    """With no context and a causal mask over the block, a Gemma 4 draft layer computes what transformers' Gemma 4
+    full-attention decoder layer computes with the same weights (its norms, value norm, scale, rotary, keys as
+    values under attention_k_eq_v, layer scalar)."""
+    from transformers import AutoModelForCausalLM, Gemma4TextConfig
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding
+
+    from automodel_llm.dflash.spark_gemma4 import Gemma4SparkLayer
+
+    config = Gemma4TextConfig(vocab_size=50, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+                              num_global_key_value_heads=1, attention_k_eq_v=shared_kv,
+                              hidden_size_per_layer_input=0, layer_types=["sliding_attention", "full_attention"],
+                              attn_implementation="eager")
+    torch.manual_seed(0)
+    theirs = AutoModelForCausalLM.from_config(config).eval().model.layers[1]
+    for parameter in theirs.parameters():
+        torch.nn.init.normal_(parameter, std=0.3)
+    theirs.layer_scalar.fill_(0.7)
+    ours = Gemma4SparkLayer(theirs.self_attn.config, 1)
+    assert not ours.load_state_dict(theirs.state_dict(), strict=True).missing_keys
+    hidden, positions = torch.randn(1, 7, 64), torch.arange(7)[None]
+    cos, sin = Gemma4TextRotaryEmbedding(theirs.self_attn.config)(hidden, positions, "full_attention")
+    causal = torch.ones(7, 7, dtype=torch.bool).tril()[None, None]
+    with torch.no_grad():
+        expected = theirs(hidden, position_embeddings=(cos, sin), position_ids=positions, shared_kv_states={},
+                          attention_mask=torch.zeros(1, 1, 7, 7).masked_fill(~causal, float("-inf")))
+        for implementation in ("eager", "sdpa"):
+            ours.self_attn.implementation = implementation
+            assert torch.allclose(ours(hidden, hidden[:, :0], cos, sin, causal), expected, atol=1e-5)
+
+
+def test_a_gemma4_target_gets_upstreams_gemma4_draft(tmp_path):
+    target = _gemma4_target(tmp_path / "gemma4")
+    steps = {"max_steps": 4, "val_check_interval": 4, "val_at_start": False, "checkpoint_interval": 4}
+    settings = {**DSPARK, "target_layer_ids": [1, 3]}
+    cfg = write_draft_config(tmp_path / "dspark.yaml", target, tmp_path / "run", {"dspark": settings},
+                             step_scheduler=steps)
+    log = run_route("dspark", cfg, tmp_path)
+    assert "Gemma4DSparkModel" in log.splitlines()[-1]
+    model_dir = tmp_path / "run" / "epoch_0_step_4" / "model"
+    config = json.loads((model_dir / "config.json").read_text())
+    assert config["architectures"] == ["Gemma4DSparkModel"] and config["target_model_type"] == "gemma4_text"
+    assert (config["global_head_dim"], config["layer_types"], config["final_logit_softcapping"]) == (
+        32, ["full_attention"] * 2, 30.0)
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert {"layers.1.layer_scalar", "layers.1.pre_feedforward_layernorm.weight", "layers.0.self_attn.v_proj.weight",
+            "markov_head.markov_w1.weight", "embed_tokens.weight", "lm_head.weight"} <= names
+    from automodel_llm.dflash.spark_gemma4 import Gemma4DSparkDraftModel
+
+    draft = Gemma4DSparkDraftModel.from_pretrained(str(model_dir))
+    embedding = load_file(target / "model.safetensors")["model.embed_tokens.weight"]
+    assert torch.equal(draft.embed_tokens.weight, embedding) and torch.equal(draft.lm_head.weight, embedding)
+    assert draft.layers[0].self_attn.head_dim == 32 and float(draft.embed_tokens.embed_scale) == 8.0
+    assert_refused("dspark", cfg, tmp_path, {"dspark": {"draft_head_dim": 8}}, "dspark.draft_head_dim",
+                   "sizes the target's")
+
+
+def _deepseek_v4_target(directory: Path) -> Path:
+    from transformers import DeepseekV4Config
+
+    DeepseekV4Config(vocab_size=482).save_pretrained(directory)
+    return directory
+
+
+@pytest.mark.parametrize(("make", "words"), [
+    (_deepseek_v4_target, "DeepSeek V4's (V4 attention"),
+    (lambda directory: _gemma4_target(directory, hidden_size_per_layer_input=8), "per-layer inputs"),
+])
+def test_a_target_whose_dspark_draft_is_not_built_is_refused(chat_target, tmp_path, make, words):
+    cfg = write_draft_config(tmp_path / "dspark.yaml", chat_target, tmp_path / "run", {"dspark": dict(DSPARK)})
+    target = make(tmp_path / "target")
+    assert_refused("dspark", cfg, tmp_path, {"model": {"pretrained_model_name_or_path": str(target)}}, "model", words)
 
 
 @pytest.mark.parametrize(("change", "key", "words"), [
@@ -239,13 +329,6 @@ def _gemma4_target(directory: Path) -> Path:
 def test_what_dspark_cannot_act_on_is_refused_with_the_reason(chat_target, tmp_path, change, key, words):
     cfg = write_draft_config(tmp_path / "dspark.yaml", chat_target, tmp_path / "run", {"dspark": dict(DSPARK)})
     assert_refused("dspark", cfg, tmp_path, change, key, words)
-
-
-def test_a_target_whose_dspark_draft_is_of_its_own_kind_upstream_is_refused(chat_target, tmp_path):
-    cfg = write_draft_config(tmp_path / "dspark.yaml", chat_target, tmp_path / "run", {"dspark": dict(DSPARK)})
-    target = _gemma4_target(tmp_path / "gemma4")
-    assert_refused("dspark", cfg, tmp_path, {"model": {"pretrained_model_name_or_path": str(target)}}, "model",
-                   "Gemma 4's DSpark draft, which is not built here")
 
 
 @pytest.mark.real_model

@@ -105,17 +105,23 @@ class DFlashAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any) -> torch.Tensor:
-        scale = self.head_dim ** -0.5
-        if self.implementation == "flex_attention":
-            from torch.nn.attention.flex_attention import flex_attention
+        return block_attention(q, k, v, mask, self.implementation, self.head_dim ** -0.5)
 
-            return _compiled(flex_attention)(q, k, v, block_mask=mask, scale=scale, enable_gqa=True)
-        if self.implementation == "sdpa":
-            return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        groups = self.heads // self.kv_heads
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
-        return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
+
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, implementation: str,
+                    scale: float) -> torch.Tensor:
+    """``[batch, heads, q, dim]`` queries over grouped keys and values, ``mask`` a boolean ``[batch, 1, q, k]``
+    (sdpa, eager: the same numbers) or a flex ``BlockMask``."""
+    if implementation == "flex_attention":
+        from torch.nn.attention.flex_attention import flex_attention
+
+        return _compiled(flex_attention)(q, k, v, block_mask=mask, scale=scale, enable_gqa=True)
+    if implementation == "sdpa":
+        return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
 
 
 _COMPILED: dict[Any, Any] = {}

@@ -8,8 +8,9 @@ probabilities, what a sampling verifier accepts on average) and ``confidence_err
 ``accept_length``.
 
 The draft is upstream's Qwen3-style ``Qwen3DSparkModel``, made for any decoder target whose embeddings are a plain
-lookup; the targets for which upstream builds a draft of another architecture (DeepSeek V4, GLM-5.2 and Kimi K3's
-MLA drafts, Gemma 4's and MiniMax M3's) are refused with the reason.
+lookup, or for a Gemma 4 target upstream's ``Gemma4DSparkModel`` (:mod:`automodel_llm.dflash.spark_gemma4`); the
+targets for which upstream builds a draft of another architecture (DeepSeek V4, GLM-5.2 and Kimi K3's MLA drafts,
+MiniMax M3's) are refused with the reason.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from automodel_llm.dflash.blocks import BlockLoss, Blocks, slot_positions, spark
 from automodel_llm.dflash.recipe import BlockDraftRecipe, decay_words
 from automodel_llm.dflash.settings import DSPARK_RECIPE_ARGS, DSparkConfig, spark_target_layers
 from automodel_llm.dflash.spark import ARCHITECTURE, DSparkDraftModel, spark_config
+from automodel_llm.dflash.spark_gemma4 import TEXT_TYPES, Gemma4DSparkDraftModel, gemma4_issue, gemma4_spark_config
 from automodel_llm.draft_recipe import model_hf_config
 
 # model types (the target's and its text config's) for which upstream's DSpark builds a draft of another kind
@@ -31,8 +33,6 @@ _OTHER_DRAFTS = {
     "deepseek_v4": "DeepSeek V4's (V4 attention: Q-LoRA, a shared K=V latent, grouped O-LoRA)",
     "glm_moe_dsa": "GLM-5.2's (a dense MLA draft)",
     "kimi_k3": "Kimi K3's (a dense MLA draft)", "kimi_linear": "Kimi K3's (a dense MLA draft)",
-    "gemma4": "Gemma 4's (Gemma 4 attention, scaled embeddings)", "gemma4_text": "Gemma 4's",
-    "gemma4_unified": "Gemma 4's", "gemma4_unified_text": "Gemma 4's",
     "minimax_m3_vl": "MiniMax M3's", "minimax_m3": "MiniMax M3's",
 }
 
@@ -62,6 +62,19 @@ class DSparkRecipe(BlockDraftRecipe):
         return issues
 
     default_layers = staticmethod(spark_target_layers)
+    architecture: str = ARCHITECTURE  # the draft's (its config's architectures)
+
+    @classmethod
+    def target_issues(cls, settings: DSparkConfig, text: Any) -> list[ConfigIssue]:
+        issues = super().target_issues(settings, text)
+        if getattr(text, "model_type", None) in TEXT_TYPES:
+            for key in ("draft_sliding_window", "draft_num_attention_heads", "draft_num_key_value_heads",
+                        "draft_head_dim"):
+                if getattr(settings, key) is not None:
+                    issues.append(ConfigIssue(f"{cls.settings_key}.{key}", "the Gemma 4 draft's layers are the "
+                                              "target's full-attention layers, their sizes the target's (upstream's "
+                                              "Gemma4DSparkModel): remove it"))
+        return issues
 
     @classmethod
     def loss_words(cls, settings: DSparkConfig) -> str:
@@ -76,10 +89,15 @@ class DSparkRecipe(BlockDraftRecipe):
         false``)."""
         if why := other_draft(self.target.config):
             raise AutomodelError(f"model: {why}")
-        if self.embedding_scale is not None or self.head_bias is not None:
+        if text.model_type in TEXT_TYPES:
+            kind = self.target.config.model_type
+            draft = Gemma4DSparkDraftModel(gemma4_spark_config(text, settings, self.target_layer_ids, kind))
+            self.architecture = draft.config.architectures[0]
+        elif self.embedding_scale is not None or self.head_bias is not None:
             raise AutomodelError(f"model: the target {self.target_class} scales its embeddings or biases its output "
                                  "head, which DSpark's draft (a plain embedding and head) does not reproduce")
-        draft = DSparkDraftModel(spark_config(text, settings, self.target_layer_ids))
+        else:
+            draft = DSparkDraftModel(spark_config(text, settings, self.target_layer_ids))
         with torch.no_grad():
             draft.embed_tokens.weight.copy_(self.embedding_weight)
             draft.lm_head.weight.copy_(self.head_weight)
@@ -131,7 +149,7 @@ class DSparkRecipe(BlockDraftRecipe):
     def final_message(self, model_dir: Any) -> str:
         if not model_dir.is_dir():
             return super().final_message(model_dir)
-        return (f"the DSpark draft is in {model_dir} ({ARCHITECTURE}, upstream's layout, with its own embeddings, "
+        return (f"the DSpark draft is in {model_dir} ({self.architecture}, upstream's layout, with its own embeddings, "
                 f"output head, Markov and confidence heads): serve it as the speculative model of its target "
                 f"({self.served_by})")
 
@@ -139,6 +157,8 @@ class DSparkRecipe(BlockDraftRecipe):
 def other_draft(target: Any) -> str | None:
     """Why DSpark's Qwen3-style draft is not the one for ``target`` (an HF config), None when it is."""
     text = target.get_text_config() if hasattr(target, "get_text_config") else target
+    if getattr(text, "model_type", None) in TEXT_TYPES:
+        return gemma4_issue(text)
     for config in (target, text):
         kind = getattr(config, "model_type", None)
         if kind in _OTHER_DRAFTS:

@@ -32,7 +32,13 @@ def spark_config(target: Any, settings: DSparkConfig, target_layer_ids: list[int
                           settings.draft_num_attention_heads, settings.draft_num_key_value_heads,
                           settings.draft_head_dim)
     del config.dflash_config  # DSpark's keys stand at the config's top
-    config.architectures = [ARCHITECTURE]
+    return with_spark_keys(config, settings, target_layer_ids, ARCHITECTURE)
+
+
+def with_spark_keys(config: Any, settings: DSparkConfig, target_layer_ids: list[int], architecture: str) -> Any:
+    """``config`` with DSpark's keys at its top (upstream's layout) and ``architecture``."""
+    config.architectures = [architecture]
+    config.block_size = settings.block_size
     config.mask_token_id = settings.mask_token_id
     config.target_layer_ids = list(target_layer_ids)
     config.num_anchors = settings.num_anchors
@@ -114,14 +120,14 @@ def markov_head(config: Qwen3Config) -> VanillaMarkov | None:
     return kind(config.vocab_size, config.markov_rank, config.hidden_size)
 
 
-class DSparkDraftModel(DFlashDraftModel):
-    """The draft: ``forward(block_ids, target_states, position_ids, attention_mask, previous_ids)`` gives the
-    blocks' logits ``[batch, n, block, vocab]`` (float32, the Markov head's bias added) and the confidence head's
-    logits ``[batch, n, block]`` (None without one)."""
+class SparkOutputs:
+    """A DSpark draft's own output head, Markov head and confidence head (a mix-in of the draft modules)."""
 
-    def __init__(self, config: Qwen3Config):
-        super().__init__(config)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+    block_size: int
+    embed_tokens: nn.Embedding
+
+    def add_spark_heads(self, config: Any) -> list[nn.Module]:
+        """The heads of ``config``; the modules made (the caller initialises them)."""
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.markov_head = markov_head(config)
         self.confidence_head_with_markov = bool(config.enable_confidence_head and
@@ -130,21 +136,21 @@ class DSparkDraftModel(DFlashDraftModel):
         if config.enable_confidence_head:
             extra = config.markov_rank if self.confidence_head_with_markov else 0
             self.confidence_head = AcceptancePredictor(config.hidden_size + extra)
-        for module in (self.embed_tokens, self.lm_head, self.markov_head, self.confidence_head):
-            if module is not None:  # the base's post_init ran before these existed
-                module.apply(self._init_weights)
+        self.softcap = getattr(config, "final_logit_softcapping", None)
+        return [m for m in (self.lm_head, self.markov_head, self.confidence_head) if m is not None]
 
-    def forward(self, block_ids: torch.Tensor, target_states: torch.Tensor, position_ids: torch.Tensor,
-                attention_mask: Any, previous_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``block_ids`` ``[batch, q]``: the blocks' tokens (anchor, then mask tokens); ``previous_ids``
-        ``[batch, q]``: the row's token before the one each slot drafts (teacher forcing: the anchor, then the
-        data's)."""
-        hidden = super().forward(self.embed_tokens(block_ids), target_states, position_ids, attention_mask)
+    def spark_outputs(self, hidden: torch.Tensor, previous_ids: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The logits ``[batch, n, block, vocab]`` (float32; the target's final soft cap, then the Markov head's
+        bias) and the confidence head's logits ``[batch, n, block]`` (None without one) of the block slots'
+        ``hidden`` states ``[batch, q, size]``."""
         batch, length, size = hidden.shape
         shape = (batch, length // self.block_size, self.block_size)
         hidden = hidden.view(*shape, size)
         previous_ids = previous_ids.view(shape)
         logits = self.lm_head(hidden).float()
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
         if self.markov_head is not None:
             logits = self.markov_head(logits, previous_ids, hidden)
         if self.confidence_head is None:
@@ -153,3 +159,22 @@ class DSparkDraftModel(DFlashDraftModel):
         if self.confidence_head_with_markov:
             features = torch.cat([hidden, self.markov_head.markov_w1(previous_ids).to(hidden.dtype)], dim=-1)
         return logits, self.confidence_head(features).float()
+
+
+class DSparkDraftModel(SparkOutputs, DFlashDraftModel):
+    """The draft: ``forward(block_ids, target_states, position_ids, attention_mask, previous_ids)`` gives the
+    blocks' logits and confidence logits (:meth:`SparkOutputs.spark_outputs`)."""
+
+    def __init__(self, config: Qwen3Config):
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        for module in (self.embed_tokens, *self.add_spark_heads(config)):
+            module.apply(self._init_weights)  # the base's post_init ran before these existed
+
+    def forward(self, block_ids: torch.Tensor, target_states: torch.Tensor, position_ids: torch.Tensor,
+                attention_mask: Any, previous_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``block_ids`` ``[batch, q]``: the blocks' tokens (anchor, then mask tokens); ``previous_ids``
+        ``[batch, q]``: the row's token before the one each slot drafts (teacher forcing: the anchor, then the
+        data's)."""
+        hidden = super().forward(self.embed_tokens(block_ids), target_states, position_ids, attention_mask)
+        return self.spark_outputs(hidden, previous_ids)
