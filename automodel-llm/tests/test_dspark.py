@@ -17,7 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from llm_testing import ASSETS, assert_refused, run_route, two_rank_records, write_draft_config
+from llm_testing import (
+    ASSETS,
+    assert_refused,
+    assert_resumes_and_exports,
+    run_route,
+    two_rank_records,
+    write_draft_config,
+)
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -137,6 +144,16 @@ def test_two_fsdp2_ranks_train_a_dspark_draft_as_one_process(chat_target, tmp_pa
     assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-4)
     for key in ("val_loss", "accuracy", "expected_accept_length", "confidence_error"):
         assert val_two[key] == pytest.approx(val_one[key], rel=1e-4), key
+
+
+@pytest.mark.slow
+def test_a_resumed_dspark_run_trains_as_the_uninterrupted_one_and_exports_to_the_same_draft(chat_target, tmp_path):
+    """make test-slow (DFlash's resume test runs in the default suite): the same blocks are drawn after a resume."""
+    steps = {"max_steps": 4, "val_check_interval": None, "val_at_start": False, "checkpoint_interval": 2}
+    cfg = write_draft_config(tmp_path / "dspark.yaml", chat_target, tmp_path / "whole", {"dspark": dict(DSPARK)},
+                             step_scheduler=steps, validation_dataset=None,
+                             lr_scheduler={"warmup_ratio": 0.0, "min_lr_ratio": 1.0})
+    assert_resumes_and_exports("dspark", cfg, tmp_path, BACKBONE | OWN, "a DSpark draft (Qwen3DSparkModel)")
 
 
 # ---- the pieces ----------------------------------------------------------------------------------------------

@@ -15,7 +15,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from llm_testing import ASSETS, assert_refused, run_route, two_rank_records, write_draft_config
+from llm_testing import (
+    ASSETS,
+    assert_refused,
+    assert_resumes_and_exports,
+    run_route,
+    two_rank_records,
+    write_draft_config,
+)
 from safetensors import safe_open
 
 from automodel.testing import read_jsonl, run_cli, write_yaml
@@ -109,6 +116,20 @@ def test_two_fsdp2_ranks_train_a_peagle_draft_as_one_process(chat_target, tmp_pa
     assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-4)
     for key in ("val_loss", "accuracy", "accept_length", "accuracy_depth3"):
         assert val_two[key] == pytest.approx(val_one[key], rel=1e-4), key
+
+
+@pytest.mark.slow
+def test_a_resumed_peagle_run_trains_as_the_uninterrupted_one_and_exports_to_the_same_draft(chat_target, tmp_path):
+    """make test-slow: the same chains are drawn after a resume; the export says how the draft is served."""
+    steps = {"max_steps": 4, "val_check_interval": None, "val_at_start": False, "checkpoint_interval": 2}
+    cfg = peagle_config(tmp_path / "peagle.yaml", chat_target, tmp_path / "whole", step_scheduler=steps,
+                        validation_dataset=None, lr_scheduler={"warmup_ratio": 0.0, "min_lr_ratio": 1.0})
+    layers = {f"{layer}.{name}.weight" for layer in ("midlayer", "layers.1") for name in (
+        "input_layernorm", "post_attention_layernorm", *(f"self_attn.{p}_proj" for p in "qkvo"),
+        *(f"mlp.{p}_proj" for p in ("gate", "up", "down")))}
+    names = {*layers, "midlayer.hidden_norm.weight", "embed_tokens.weight", "fc.weight", "norm.weight",
+             "lm_head.weight", "d2t", "t2d", "mask_hidden"}
+    assert_resumes_and_exports("eagle3", cfg, tmp_path, names, "a P-EAGLE draft (LlamaForCausalLMEagle3)")
 
 
 # ---- the pieces ----------------------------------------------------------------------------------------------

@@ -96,21 +96,28 @@ def export(checkpoint: str, output: str, force: bool) -> None:
 
 
 def _use_of(model_dir: Path) -> str:
-    """How the exported model is used: an EAGLE or DFlash draft is served beside its target; any other is loaded
-    with the Auto class of its architecture."""
+    """How the exported model is used: an EAGLE, P-EAGLE, DFlash or DSpark draft is served beside its target; any
+    other is loaded with the Auto class of its architecture."""
     from automodel_llm.dflash.draft import ARCHITECTURE as DFLASH
+    from automodel_llm.dflash.spark import ARCHITECTURE as DSPARK
+    from automodel_llm.dflash.spark_gemma4 import ARCHITECTURE as DSPARK_GEMMA4
     from automodel_llm.eagle.draft import ARCHITECTURE as EAGLE
     from automodel_llm.eagle3.draft import ARCHITECTURE as EAGLE3
 
     try:
-        architectures = json.loads((model_dir / "config.json").read_text(encoding="utf-8")).get("architectures")
+        config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        architectures = None
-    for architecture, kind in ((EAGLE3, "an EAGLE-3 draft"), (EAGLE, "an EAGLE-1/2 draft"),
-                               (DFLASH, "a DFlash draft")):
+        config = {}
+    architectures = config.get("architectures")
+    served = "with SGLang or vLLM"
+    kinds = ((EAGLE3, "a P-EAGLE draft" if config.get("parallel_drafting") else "an EAGLE-3 draft",
+              "with vLLM's parallel drafting" if config.get("parallel_drafting") else served),
+             (EAGLE, "an EAGLE-1/2 draft", served), (DFLASH, "a DFlash draft", served),
+             (DSPARK, "a DSpark draft", "with an engine that drafts with DSpark"),
+             (DSPARK_GEMMA4, "a DSpark draft", "with an engine that drafts with DSpark"))
+    for architecture, kind, engines in kinds:
         if architectures == [architecture]:
-            return (f"{kind} ({architecture}): serve it as the speculative model beside its target with SGLang or "
-                    "vLLM")
+            return f"{kind} ({architecture}): serve it as the speculative model beside its target {engines}"
     return f"load with {loading_auto_class(model_dir)}.from_pretrained('{model_dir}')"
 
 
