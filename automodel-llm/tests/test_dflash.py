@@ -111,6 +111,28 @@ def test_a_resumed_run_trains_as_the_uninterrupted_one_and_its_shards_export_to_
     assert_resumes_and_exports("dflash", cfg, tmp_path, LAYOUT, "a DFlash draft (DFlashDraftModel)")
 
 
+def test_a_run_started_from_a_saved_draft_validates_as_that_draft_at_step_0(trained, chat_target, tmp_path):
+    """dflash.draft_weights_path (upstream's dllm form: a published drafter as model:, read here with this build's
+    class): the new run's step-0 validation is the saved draft's last one (the same held-out blocks); a saved draft
+    of another block size is refused with the value to set."""
+    steps = {"max_steps": 1, "val_check_interval": 1, "val_at_start": True}
+    model = trained / "LATEST" / "model"
+    cfg = dflash_config(tmp_path / "warm.yaml", chat_target, tmp_path / "warm", step_scheduler=steps,
+                        dflash={**SETTINGS, "draft_weights_path": str(model)})
+    log = run_route("dflash", cfg, tmp_path)
+    assert "draft: started from the weights in" in log
+    start = read_jsonl(tmp_path / "warm" / "validation.jsonl")[0]
+    saved = read_jsonl(trained / "validation.jsonl")[-1]
+    assert start["step"] == 0
+    for key in ("accuracy", "accept_length", "val_loss"):
+        assert start[key] == pytest.approx(saved[key], rel=1e-5), key
+    result = run_cli("finetune", "dflash", "-c", cfg, "--dflash.block_size", 5, "--checkpoint.checkpoint_dir",
+                     tmp_path / "other", cwd=tmp_path)
+    assert result.returncode != 0
+    assert "dflash.draft_weights_path: the saved draft's block_size is 4, this run's 5: set dflash.block_size: 4" in (
+        result.stderr)
+
+
 def test_upstreams_recipe_args_form_runs(chat_target, tmp_path):
     """A project-written config in upstream's form (recipe: TrainDFlashRecipe, recipe_args with DFlash's keys,
     optimizer with the schedule's keys), run with `automodel run -c`: the variable-prefix loss, a sliding window and

@@ -44,8 +44,10 @@ UNBUILT_MODES = {
               "return no such second output",
     "dflash": "DFlash trains a block-drafting speculative decoder against a second, frozen target model (upstream's "
               "dflash: section), which the diffusion-LM recipe does not train: automodel finetune dflash (recipe: "
-              "TrainDFlashRecipe) trains a fresh DFlash draft, its model: section the target and its dflash: section "
-              "the draft's settings",
+              "TrainDFlashRecipe) does, its model: section the target (upstream's dflash.target_model_id), "
+              "dflash.draft_weights_path the draft to start from (upstream's model: here; a published DFlash "
+              "drafter's directory is read with this build's class, no remote code), dflash.num_anchors upstream's "
+              "num_blocks_per_sample, and dflash.mask_token_id, block_size and target_layer_ids the draft's",
 }
 MODES = ("mdlm", "idlm")
 # upstream's dllm keys that only the modes above read: (the value meaning "not set", the mode that reads it)

@@ -85,6 +85,22 @@ def read_draft_weights(path: Path, key: str) -> dict[str, torch.Tensor]:
         raise AutomodelError(f"{key}: {path}: {err}") from None
 
 
+def load_saved_draft(draft: torch.nn.Module, path: Path, key: str, hint: str,
+                     optional: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    """Load the saved draft at ``path`` (``key``'s value) into ``draft``, whose names and shapes it must have (but
+    for the ``optional`` ones; ``hint``: which settings must be the saved draft's); the tensors read."""
+    weights = read_draft_weights(path, key)
+    own = draft.state_dict()
+    missing = sorted(set(own) - set(weights) - set(optional))
+    unknown = sorted(set(weights) - set(own))
+    wrong = sorted(name for name in set(weights) & set(own) if weights[name].shape != own[name].shape)
+    if missing or unknown or wrong:
+        raise AutomodelError(f"{key}: {path} is not a draft of this one's sizes: missing {missing[:3]}, unknown "
+                             f"{unknown[:3]}, other shapes {wrong[:3]} ({hint} must be the saved draft's)")
+    draft.load_state_dict(weights, strict=False)
+    return weights
+
+
 def whole(tensor: torch.Tensor) -> torch.Tensor:
     """A weight of the target as a plain tensor: gathered when FSDP2 or tensor parallelism splits the target (every
     rank calls this). Torch's warning that a weight split over both gathers in two steps is silenced: a one-off copy

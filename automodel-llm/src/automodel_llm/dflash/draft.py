@@ -64,7 +64,7 @@ def block_settings(config: Qwen3Config) -> dict[str, Any]:
     settings = getattr(config, "dflash_config", None)
     if settings is not None:
         return settings
-    return {key: getattr(config, key) for key in ("block_size", "mask_token_id", "target_layer_ids")}
+    return {key: getattr(config, key, None) for key in ("block_size", "mask_token_id", "target_layer_ids")}
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -20,10 +20,12 @@ loss. Validation adds ``accuracy``
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
+from transformers import PretrainedConfig
 
 from automodel.config import Config
 from automodel.errors import AutomodelError, ConfigIssue
@@ -45,7 +47,7 @@ from automodel_llm.dflash.blocks import (
     flex_block_mask,
     selector_loss,
 )
-from automodel_llm.dflash.draft import ARCHITECTURE, DFlashDraftModel, draft_config
+from automodel_llm.dflash.draft import ARCHITECTURE, DFlashDraftModel, block_settings, draft_config
 from automodel_llm.dflash.settings import (
     DFLASH2_RECIPE_ARGS,
     DOMINO_RECIPE_ARGS,
@@ -59,7 +61,7 @@ from automodel_llm.dflash.settings import (
     flex_attention_issue,
     target_layer_issue,
 )
-from automodel_llm.draft_recipe import DraftRecipe, whole
+from automodel_llm.draft_recipe import DraftRecipe, load_saved_draft, saved_draft, whole
 from automodel_llm.eagle3.unroll import supervised_tokens
 from automodel_llm.row_seeds import RowSeeds, SeededSteps
 
@@ -149,12 +151,31 @@ class BlockDraftRecipe(SeededSteps, DraftRecipe):
             text.num_hidden_layers, settings.draft_num_hidden_layers))
         self.keep_target_io(target)
         draft = self.make_draft(text, settings)
+        if settings.draft_weights_path:
+            self.start_from(draft, Path(settings.draft_weights_path))
         self.seeds = RowSeeds(self.cfg.rng.seed)
         self.log(f"{self.name}: a {draft.config.num_hidden_layers}-layer draft for the frozen target "
                  f"{self.target_class} ({text.num_hidden_layers} layers; the draft reads the outputs of layers "
                  f"{self.target_layer_ids}), blocks of {settings.block_size} tokens, at most {settings.num_anchors} "
                  f"a row, mask token {settings.mask_token_id}, loss {self.loss_words(settings)}")
         return draft
+
+    def start_from(self, draft: torch.nn.Module, path: Path) -> None:
+        """Load the saved draft at ``path`` into ``draft``: its block keys (its config.json's, where it has one) and
+        its tensors' names and shapes must be the draft's."""
+        key = f"{self.settings_key}.draft_weights_path"
+        path = saved_draft(path, key)
+        config_file = (path if path.is_dir() else path.parent) / "config.json"
+        if config_file.is_file():
+            saved = block_settings(PretrainedConfig.from_json_file(str(config_file)))
+            ours = block_settings(draft.config)
+            for name in ("block_size", "mask_token_id", "target_layer_ids"):
+                if saved.get(name) is not None and saved[name] != ours[name]:
+                    raise AutomodelError(f"{key}: the saved draft's {name} is {saved[name]}, this run's {ours[name]}: "
+                                         f"set {self.settings_key}.{name}: {saved[name]}")
+        load_saved_draft(draft, path, key, f"{self.settings_key}.draft_num_hidden_layers, the draft's attention "
+                         "sizes, the variant's head keys and the target")
+        self.log(f"draft: started from the weights in {path}")
 
     def make_draft(self, text: Any, settings: Any) -> torch.nn.Module:
         """The fresh draft for the target's text config ``text``."""

@@ -66,6 +66,11 @@ class DFlashConfig:
     target_force_hf: bool = field(default=True, metadata={"help": (
         "upstream's choice of transformers' class for the target over its own: true only (the target here is "
         "transformers' class)")})
+    draft_weights_path: str | None = field(default=None, metadata={"help": (
+        "start the draft from a saved one of the same kind: its model/ directory (a run's here, or a published "
+        "drafter's: config.json and safetensors, read with this build's class, no remote code) or one .safetensors "
+        "file; its block size, mask token and target layers (from its config.json) and its sizes must be this "
+        "run's")})
 
     def __post_init__(self) -> None:
         errors = {}

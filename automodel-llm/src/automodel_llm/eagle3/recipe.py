@@ -24,7 +24,7 @@ from automodel.config import Config
 from automodel.errors import AutomodelError, ConfigIssue
 from automodel.training.context import BuildContext
 from automodel.training.modules import unwrap
-from automodel_llm.draft_recipe import DraftRecipe, read_draft_weights
+from automodel_llm.draft_recipe import DraftRecipe, load_saved_draft
 from automodel_llm.eagle3.draft import LlamaForCausalLMEagle3, draft_config
 from automodel_llm.eagle3.parallel import cod_elements, counted_elements, reference_positions
 from automodel_llm.eagle3.settings import RECIPE_ARGS, Eagle3Config, aux_layer_issue, default_aux_layers
@@ -40,16 +40,8 @@ from automodel_llm.row_seeds import RowSeeds, SeededSteps
 
 def load_draft_weights(draft: LlamaForCausalLMEagle3, path: Path) -> bool:
     """Load a saved draft's weights into ``draft``; whether they carried its vocabulary."""
-    weights = read_draft_weights(path, "eagle3.draft_weights_path")
-    own = draft.state_dict()
-    missing = sorted(set(own) - set(weights) - {"d2t", "t2d"})
-    unknown = sorted(set(weights) - set(own))
-    wrong = sorted(name for name in set(weights) & set(own) if weights[name].shape != own[name].shape)
-    if missing or unknown or wrong:
-        raise AutomodelError(f"eagle3.draft_weights_path: {path} is not a draft of this one's sizes: missing "
-                             f"{missing[:3]}, unknown {unknown[:3]}, other shapes {wrong[:3]} (the target, "
-                             "draft_vocab_size and fc_norm must be the saved draft's)")
-    draft.load_state_dict(weights, strict=False)
+    weights = load_saved_draft(draft, path, "eagle3.draft_weights_path", "the target, draft_vocab_size, fc_norm "
+                               "and P-EAGLE's num_draft_layers", optional=("d2t", "t2d"))
     return "d2t" in weights and "t2d" in weights
 
 
