@@ -37,10 +37,10 @@ def test_recipe_for_another_route_or_none_here_is_refused(tmp_path):
     other = run_cli("finetune", "llm", "-c", FORMS / "recipe_bare_name.yaml", "--recipe", "TrainBiEncoderRecipe",
                     cwd=tmp_path)
     assert other.returncode == 2 and "automodel run -c FILE" in other.stderr
-    absent = run_cli("run", "-c", FORMS / "recipe_bare_name.yaml", "--recipe", "TrainDSparkRecipe",
+    absent = run_cli("run", "-c", FORMS / "recipe_bare_name.yaml", "--recipe", "TrainVispecRecipe",
                      cwd=tmp_path)
     assert absent.returncode == 2
-    assert "'TrainDSparkRecipe' names no recipe installed here" in absent.stderr
+    assert "'TrainVispecRecipe' names no recipe installed here" in absent.stderr
     assert "finetune llm / pretrain llm" in absent.stderr and "Traceback" not in absent.stderr
 
 
