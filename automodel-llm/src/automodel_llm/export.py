@@ -100,7 +100,7 @@ def _use_of(model_dir: Path) -> str:
     other is loaded with the Auto class of its architecture."""
     from automodel_llm.dflash.draft import ARCHITECTURE as DFLASH
     from automodel_llm.dflash.spark import ARCHITECTURE as DSPARK
-    from automodel_llm.dflash.spark_gemma4 import ARCHITECTURE as DSPARK_GEMMA4
+    from automodel_llm.dflash.spark import GEMMA4_ARCHITECTURE as DSPARK_GEMMA4
     from automodel_llm.eagle.draft import ARCHITECTURE as EAGLE
     from automodel_llm.eagle3.draft import ARCHITECTURE as EAGLE3
 

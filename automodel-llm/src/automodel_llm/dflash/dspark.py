@@ -24,8 +24,7 @@ from automodel.errors import AutomodelError, ConfigIssue
 from automodel_llm.dflash.blocks import BlockLoss, Blocks, slot_positions, spark_candidates, spark_loss, spark_slots
 from automodel_llm.dflash.recipe import BlockDraftRecipe, decay_words
 from automodel_llm.dflash.settings import DSPARK_RECIPE_ARGS, DSparkConfig, spark_target_layers
-from automodel_llm.dflash.spark import ARCHITECTURE, DSparkDraftModel, spark_config
-from automodel_llm.dflash.spark_gemma4 import TEXT_TYPES, Gemma4DSparkDraftModel, gemma4_issue, gemma4_spark_config
+from automodel_llm.dflash.spark import ARCHITECTURE, GEMMA4_TEXT_TYPES, DSparkDraftModel, spark_config
 from automodel_llm.draft_recipe import model_hf_config
 
 # model types (the target's and its text config's) for which upstream's DSpark builds a draft of another kind
@@ -67,7 +66,7 @@ class DSparkRecipe(BlockDraftRecipe):
     @classmethod
     def target_issues(cls, settings: DSparkConfig, text: Any) -> list[ConfigIssue]:
         issues = super().target_issues(settings, text)
-        if getattr(text, "model_type", None) in TEXT_TYPES:
+        if getattr(text, "model_type", None) in GEMMA4_TEXT_TYPES:
             for key in ("draft_sliding_window", "draft_num_attention_heads", "draft_num_key_value_heads",
                         "draft_head_dim"):
                 if getattr(settings, key) is not None:
@@ -89,7 +88,9 @@ class DSparkRecipe(BlockDraftRecipe):
         false``)."""
         if why := other_draft(self.target.config):
             raise AutomodelError(f"model: {why}")
-        if text.model_type in TEXT_TYPES:
+        if text.model_type in GEMMA4_TEXT_TYPES:
+            from automodel_llm.dflash.spark_gemma4 import Gemma4DSparkDraftModel, gemma4_spark_config
+
             kind = self.target.config.model_type
             draft = Gemma4DSparkDraftModel(gemma4_spark_config(text, settings, self.target_layer_ids, kind))
             self.architecture = draft.config.architectures[0]
@@ -154,10 +155,21 @@ class DSparkRecipe(BlockDraftRecipe):
                 f"({self.served_by})")
 
 
+def gemma4_issue(text: Any) -> str | None:
+    """Why the Gemma 4 draft cannot be made for the target's text config ``text`` (None: it can)."""
+    if getattr(text, "enable_moe_block", False):
+        return ("a Gemma 4 mixture-of-experts target: upstream's Gemma 4 DSpark draft is dense and refuses its "
+                "expert blocks (enable_moe_block)")
+    if getattr(text, "hidden_size_per_layer_input", 0):
+        return ("a Gemma 4 target with per-layer inputs (hidden_size_per_layer_input, the E2B / E4B models), which "
+                "upstream's Gemma 4 DSpark draft refuses")
+    return None
+
+
 def other_draft(target: Any) -> str | None:
     """Why DSpark's Qwen3-style draft is not the one for ``target`` (an HF config), None when it is."""
     text = target.get_text_config() if hasattr(target, "get_text_config") else target
-    if getattr(text, "model_type", None) in TEXT_TYPES:
+    if getattr(text, "model_type", None) in GEMMA4_TEXT_TYPES:
         return gemma4_issue(text)
     for config in (target, text):
         kind = getattr(config, "model_type", None)

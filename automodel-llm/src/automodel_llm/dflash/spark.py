@@ -23,6 +23,10 @@ from automodel_llm.dflash.draft import DFlashDraftModel, draft_config
 from automodel_llm.dflash.settings import DSparkConfig
 
 ARCHITECTURE = "Qwen3DSparkModel"  # upstream's DSpark draft of Qwen3-style targets
+# upstream's DSpark draft of Gemma 4 targets (automodel_llm.dflash.spark_gemma4, which needs transformers' Gemma 4),
+# and the target text configs it is made for
+GEMMA4_ARCHITECTURE = "Gemma4DSparkModel"
+GEMMA4_TEXT_TYPES = ("gemma4_text", "gemma4_unified_text")
 
 
 def spark_config(target: Any, settings: DSparkConfig, target_layer_ids: list[int]) -> Qwen3Config:

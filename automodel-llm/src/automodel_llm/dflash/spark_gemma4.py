@@ -30,24 +30,12 @@ from transformers.models.gemma4.modeling_gemma4 import (
 
 from automodel_llm.dflash.draft import block_attention
 from automodel_llm.dflash.settings import DSparkConfig
+from automodel_llm.dflash.spark import GEMMA4_ARCHITECTURE as ARCHITECTURE
 from automodel_llm.dflash.spark import SparkOutputs, with_spark_keys
 
-ARCHITECTURE = "Gemma4DSparkModel"
-TEXT_TYPES = ("gemma4_text", "gemma4_unified_text")  # Gemma 4's text configs (of the dense and unified models)
 _DROPPED = ("per_layer_config", "layer_types", "num_hidden_layers", "architectures", "transformers_version",
             "model_type", "dtype", "num_kv_shared_layers", "tie_word_embeddings", "use_bidirectional_attention",
             "global_head_dim", "num_global_key_value_heads")
-
-
-def gemma4_issue(text: Any) -> str | None:
-    """Why the Gemma 4 draft cannot be made for the target's text config ``text`` (None: it can)."""
-    if getattr(text, "enable_moe_block", False):
-        return ("a Gemma 4 mixture-of-experts target: upstream's Gemma 4 DSpark draft is dense and refuses its "
-                "expert blocks (enable_moe_block)")
-    if getattr(text, "hidden_size_per_layer_input", 0):
-        return ("a Gemma 4 target with per-layer inputs (hidden_size_per_layer_input, the E2B / E4B models), which "
-                "upstream's Gemma 4 DSpark draft refuses")
-    return None
 
 
 def gemma4_spark_config(text: Any, settings: DSparkConfig, target_layer_ids: list[int], target_type: str
