@@ -133,16 +133,11 @@ class DSparkRecipe(BlockDraftRecipe):
                           settings.loss_decay_gamma, settings.ce_loss_alpha, settings.l1_loss_alpha,
                           settings.confidence_head_alpha)
 
-    def extra_validation_metrics(self, name: str, dataloader: Any) -> dict[str, float]:
+    def metrics_of(self, counts: torch.Tensor) -> dict[str, float]:
         """DFlash's, and ``expected_accept_length`` (per block) and ``confidence_error`` (the confidence head's mean
         absolute error over the drafted slots; with a confidence head)."""
-        counts = self.validation_totals()
-        if counts is None:
-            return {}
-        correct, counted, accepted, blocks, expected, error = counts
-        metrics = {"accuracy": (correct / counted.clamp_min(1)).item(),
-                   "accept_length": (accepted / blocks.clamp_min(1)).item(),
-                   "expected_accept_length": (expected / blocks.clamp_min(1)).item()}
+        _, counted, _, blocks, expected, error = counts
+        metrics = {**super().metrics_of(counts), "expected_accept_length": (expected / blocks.clamp_min(1)).item()}
         if self.settings().confidence_head:
             metrics["confidence_error"] = (error / counted.clamp_min(1)).item()
         return metrics

@@ -293,8 +293,10 @@ class BlockDraftRecipe(SeededSteps, DraftRecipe):
         JetSpec the target's) and ``accept_length`` (per block, 1 + the drafts before the first wrong one: what a
         verifier accepts)."""
         counts = self.validation_totals()
-        if counts is None:
-            return {}
+        return {} if counts is None else self.metrics_of(counts)
+
+    def metrics_of(self, counts: torch.Tensor) -> dict[str, float]:
+        """The validation's metrics from its summed counts (a variant's own after the four of :class:`BlockLoss`)."""
         correct, counted, accepted, blocks = counts[:4]
         return {"accuracy": (correct / counted.clamp_min(1)).item(),
                 "accept_length": (accepted / blocks.clamp_min(1)).item()}
