@@ -125,12 +125,13 @@ def assert_same_weights(model_dir: Path, reference_dir: Path, tolerance: float =
         assert (model[key] - value).abs().max().item() < tolerance, key
 
 
-def write_two_layer_llama_config(directory: Path) -> Path:
-    """A 2-layer Llama with 4 attention heads over 2 key/value heads and its own output head (tp=2 divides every
-    size, pp=2 puts a layer on each stage), the shipped tokenizer's vocabulary (482, even)."""
+def write_two_layer_llama_config(directory: Path, tied: bool = False) -> Path:
+    """A 2-layer Llama with 4 attention heads over 2 key/value heads and its own output head (``tied``: the input
+    embedding's) (tp=2 divides every size, pp=2 puts a layer on each stage), the shipped tokenizer's vocabulary (482,
+    even)."""
     data = json.loads(LLAMA_CONFIG.read_text())
     data.update(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=8, tie_word_embeddings=False)
+                num_key_value_heads=2, head_dim=8, tie_word_embeddings=tied)
     path = Path(directory) / "config.json"
     path.write_text(json.dumps(data))
     return path

@@ -4,7 +4,8 @@ losses of one process, two micro-batches of different lengths accumulated per st
 the one process's weights; a pp=2 checkpoint resumes in one process (from model/) and on pp=2 (from the sharded
 model_shards/) with the uninterrupted run's losses; layouts and settings the pipeline cannot take are refused by
 ``automodel validate`` with the numbers. A 4-layer Llama on pp=2 with the interleaved 1F1B schedule (two stages per
-rank) trains like one process too, and its sharded checkpoint resumes in one process.
+rank) trains like one process too, and its sharded checkpoint resumes in one process. A Llama that ties its head to
+its frozen embedding trains on pp=2 like one process (the last stage's head a copy of the first stage's embedding).
 
 The ranks of one pipeline read the same rows, so the reference is one process with the same accumulation; with
 pp=2 x dp=2 on four ranks, one process accumulating twice as many micro-batches; pp=2 x tp=2 on four ranks (each
@@ -204,6 +205,29 @@ def test_interleaved_1f1b_runs_two_stages_per_rank_like_one_process(four_layers,
     assert_same_weights(one / "epoch_0_step_6" / "model", reference / "epoch_0_step_6" / "model")
 
 
+def test_a_tied_head_with_frozen_embeddings_trains_on_pp2_like_one_process(tmp_path):
+    """A model that ties its head to its embedding, with the embedding frozen (``freeze.embeddings``, which acts on
+    the first stage): the last stage's head is a copy of the first stage's embedding (a fresh one here) and the run
+    has one process's losses, gradient norms and validation loss; its model/ says untied, with the head equal to
+    the embedding, and holds the one process's weights."""
+    config = write_config(tmp_path / "cfg.yaml", write_two_layer_llama_config(tmp_path, tied=True),
+                          tmp_path / "ckpt", validation_dataset=VALIDATION, freeze={"embeddings": True},
+                          step_scheduler={"val_check_interval": 3})
+    steps = [*STEPS, "--step_scheduler.max_steps", "3"]
+    one, pp = tmp_path / "one", tmp_path / "pp"
+    run_finetune(config, tmp_path, one, *steps)
+    log = run_finetune(config, tmp_path, pp, *steps, *PP2, "--distributed.pipeline.pp_schedule", "gpipe")
+    assert "freeze [patterns]: froze 1 of" in log  # the first stage's embedding
+    assert "the output head (tied to the input embedding) is the first stage's embedding, sent to the last" in log
+    assert_like_reference(pp, one, steps=3)
+    saved = json.loads((pp / "epoch_0_step_3" / "model" / "config.json").read_text())
+    assert saved["tie_word_embeddings"] is False
+    from safetensors.torch import load_file
+
+    weights = load_file(pp / "epoch_0_step_3" / "model" / "model.safetensors")
+    assert (weights["lm_head.weight"] == weights["model.embed_tokens.weight"]).all()
+
+
 def test_layouts_the_pipeline_cannot_take_are_refused_byvalidate_cli(pp_llama_config, tmp_path):
     config = write_config(tmp_path / "cfg.yaml", pp_llama_config, tmp_path / "ckpt",
                           distributed={"strategy": "fsdp2", "pp_size": 3}, dataloader={"batch_size": 4})
@@ -218,6 +242,10 @@ def test_layouts_the_pipeline_cannot_take_are_refused_byvalidate_cli(pp_llama_co
     assert code == 2 and "Traceback" not in out
     assert "distributed.strategy: ddp: pipeline parallelism (pp_size 2) composes with FSDP2" in out
     assert "the model ties its output head to its input embedding (tie_word_embeddings)" in out
+    assert "freeze it (freeze.embeddings: true, upstream's freeze_config.freeze_embeddings: true)" in out
+    code, out = validate_cli(config, tmp_path, *two, "--model.tie_word_embeddings", "true", "--freeze.embeddings",
+                             "true")
+    assert code == 0, out
     code, out = validate_cli(config, tmp_path, *two, "--distributed.pipeline.pp_microbatch_size", "3")
     assert code == 2 and "pp_microbatch_size: 3 does not divide the 4 rows" in out
 

@@ -1,9 +1,10 @@
-"""LoRA under pipeline parallelism through the CLI on CPU ranks (gloo): ``peft:`` (every linear layer but the head)
-on a tiny 2-layer Llama cut into two stages (``distributed.pp_size: 2``, 1F1B) trains with the per-step losses and
-gradient norms of one process (two micro-batches accumulated per step); the adapter it saves, written from both
-stages' shards, loads with ``peft.PeftModel.from_pretrained`` and gives the one process's merged weights and logits;
-its step-3 checkpoint resumes in one process with the uninterrupted run's losses. With the interleaved 1F1B schedule
-(two stages per rank) a 4-layer Llama trains and saves its adapter like one process too.
+"""LoRA under pipeline parallelism through the CLI on CPU ranks (gloo): ``peft:`` (every linear layer but the head) on a
+tiny 2-layer Llama cut into two stages (``distributed.pp_size: 2``, 1F1B) trains with the per-step losses and gradient
+norms of one process (two micro-batches accumulated per step). Its output head is tied to its input embedding, which
+LoRA keeps frozen: the last stage's head is a copy of the first stage's embedding; the adapter it saves, written from
+both stages' shards, loads with ``peft.PeftModel.from_pretrained`` and gives the one process's merged weights and
+logits; its step-3 checkpoint resumes in one process with the uninterrupted run's losses. With the interleaved 1F1B
+schedule (two stages per rank) a 4-layer Llama trains and saves its adapter like one process too.
 """
 
 from __future__ import annotations
@@ -32,11 +33,12 @@ LORA = {"dim": 4, "alpha": 8, "dropout": 0.0}
 def runs(tmp_path_factory) -> dict[str, Path]:
     """The one-process LoRA run and the pp=2 one (1F1B), six steps each with checkpoints after steps 3 and 6."""
     tmp = tmp_path_factory.mktemp("pp_lora")
-    config = write_config(tmp / "cfg.yaml", write_two_layer_llama_config(tmp), tmp / "ckpt", peft=LORA)
+    config = write_config(tmp / "cfg.yaml", write_two_layer_llama_config(tmp, tied=True), tmp / "ckpt", peft=LORA)
     run_finetune(config, tmp, tmp / "one", *STEPS)
     log = run_finetune(config, tmp, tmp / "pp2", *STEPS, *fsdp2_ranks_with("pp_size"),
                        "--distributed.pipeline.pp_schedule", "1f1b")
     assert "LoRA r=4 alpha=8 (pipeline stage 0)" in log and "pipeline stage 0 of 2 on this rank" in log
+    assert "the output head (tied to the input embedding) is the first stage's embedding" in log
     return {"config": config, "model": tmp / "config.json", "one": tmp / "one", "pp2": tmp / "pp2", "tmp": tmp}
 
 
@@ -88,8 +90,8 @@ def test_a_lora_pp2_checkpoint_resumes_in_one_process(runs, tmp_path):
 @pytest.mark.slow  # make test-slow: the same path as a faster test of this suite
 def test_lora_with_interleaved_1f1b_trains_like_one_process(tmp_path):
     """A 4-layer Llama, stages 0 and 2 on one rank, 1 and 3 on the other (three steps): the rank's two stages
-    save one adapter with theirs."""
-    model = write_two_layer_llama_config(tmp_path)
+    save one adapter with theirs; the tied head of stage 3 is stage 0's embedding."""
+    model = write_two_layer_llama_config(tmp_path, tied=True)
     model.write_text(json.dumps({**json.loads(model.read_text()), "num_hidden_layers": 4}))
     config = write_config(tmp_path / "cfg.yaml", model, tmp_path / "ckpt", peft=LORA)
     steps = [*STEPS, "--step_scheduler.max_steps", "3"]

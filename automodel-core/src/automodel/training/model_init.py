@@ -1,6 +1,6 @@
-"""What the pipeline does to a model between freezing and sharding: tensor parallelism, activation checkpointing, and
-materialising a model built on the meta device (``automodel.meta_build``) where its sharding stage does not do it
-itself.
+"""What the pipeline does to a model between freezing and sharding: pipeline stages, tensor parallelism, activation
+checkpointing, and materialising a model built on the meta device (``automodel.meta_build``) where its sharding stage
+does not do it itself.
 
 A meta-device model gets its values in ``materialize_model``, on every rank, each rank only its shards: read in
 slices from the checkpoint being resumed (its ``model/`` directory: full weights, or a LoRA adapter over the base
@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from automodel.errors import AutomodelError, ConfigError
 from automodel.fused_experts import expert_count, experts_modules
@@ -39,6 +40,7 @@ from automodel.training.parallel.materialize import (
 from automodel.training.parallel.multimodal_fsdp import multimodal_modules
 from automodel.training.parallel.pipeline_parallel import PipelineSettings, pp_issues, split_for_pipeline
 from automodel.training.parallel.pipeline_stages import PipelineStageModel
+from automodel.training.parallel.pipeline_tied import copy_embedding_to_head, frozen_embedding_key, untie_head
 from automodel.training.parallel.tensor_parallel import apply_tensor_parallel, tp_issues
 
 
@@ -89,9 +91,11 @@ def pipeline_stages(ctx: BuildContext, model: torch.nn.Module) -> tuple[list[Pip
     pipeline = PipelineSettings.from_section(settings.pipeline)
     config = getattr(model, "config", None)
     if config is not None:
-        found = pp_issues(config, settings.pp_size, pipeline, ctx.batch.micro_batch_size)
+        found = pp_issues(config, settings.pp_size, pipeline, ctx.batch.micro_batch_size,
+                          frozen_embedding=frozen_embedding_key(ctx.cfg))
         if found:
             raise ConfigError(found)
+    untie_head(model)  # a tied head: a frozen weight of its own on the last stage (see copy_tied_head)
     stages = split_for_pipeline(model, ctx.device_mesh["pp"], pipeline)
     carry_heads(model, stages)  # MTP heads: the first stage's future-token embeddings travel to the last
     described = []
@@ -107,6 +111,14 @@ def pipeline_stages(ctx: BuildContext, model: torch.nn.Module) -> tuple[list[Pip
     else:
         where = f"stages {', '.join(f'{index} ({held})' for index, held in described)} of {total} on this rank"
     return stages, f"pipeline {where}, {pipeline.schedule} schedule"
+
+
+def copy_tied_head(ctx: BuildContext, stages: list[PipelineStageModel]) -> str:
+    """The last stage's copy of a tied output head made the first stage's input embedding, once both hold values
+    (``pipeline_tied``); every rank of the pipeline calls it."""
+    pp_ranks = dist.get_process_group_ranks(ctx.device_mesh["pp"].get_group())
+    copy_embedding_to_head(stages, pp_ranks, ctx.device)
+    return "the output head (tied to the input embedding) is the first stage's embedding, sent to the last stage"
 
 
 def expert_parallelize(ctx: BuildContext, model: torch.nn.Module) -> str:

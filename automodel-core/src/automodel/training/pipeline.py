@@ -79,7 +79,7 @@ def apply_pipeline(ctx: BuildContext, model: Any, selection: Selection) -> Any:
 
     First ``distributed.pp_size > 1`` cuts the model to this rank's pipeline stage (the stages after see only it);
     a rank running several stages (an interleaved schedule) puts each through the slots on its own and returns
-    them as one :class:`LocalStages`.
+    them as one :class:`LocalStages`; a tied output head is then made the first stage's input embedding.
     Before the ``sharding`` slot, ``distributed.tp_size > 1`` shards the model over the mesh's ``tp`` dimension
     (validation made the sharding slot FSDP2), ``distributed.ep_size > 1`` splits the experts of a MoE model over
     the data-parallel ranks (neither where the recipe split another model with them: ``ctx.splits_run_model``), then
@@ -92,10 +92,14 @@ def apply_pipeline(ctx: BuildContext, model: Any, selection: Selection) -> Any:
     if settings is None or settings.pp_size == 1:
         return _apply_slots(ctx, model, selection)
     from automodel.training.parallel.pipeline_stages import LocalStages
+    from automodel.training.parallel.pipeline_tied import ties_head
 
+    tied = ties_head(model)
     parts, message = model_init.pipeline_stages(ctx, model)
     ctx.log(f"pipeline: {message}")
     built = [_apply_slots(ctx, part, selection) for part in parts]
+    if tied:
+        ctx.log(f"pipeline: {model_init.copy_tied_head(ctx, parts)}")
     for part in parts:
         part.release_whole_model()
     return built[0] if len(built) == 1 else LocalStages(built)

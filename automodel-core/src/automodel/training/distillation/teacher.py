@@ -21,7 +21,6 @@ validation batch) runs GPipe in micro-batches of one row: forward only, the logi
 
 from __future__ import annotations
 
-import copy
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -92,29 +91,8 @@ def pp_teacher_issues(hf_config: Any, pp: int, section: dict[str, Any] | None, c
                             "teacher's pipeline runs forwards only: use gpipe or 1f1b")]
     if hf_config is None:
         return []
-    return pp_issues(_untied_config(hf_config), pp, settings, batch_layout(cfg)[0].micro_batch_size,
-                     "teacher_distributed")
-
-
-def _untied_config(hf_config: Any) -> Any:
-    """``hf_config`` as the teacher's pipeline cuts it: a tied output head is untied (:func:`untie_head`)."""
-    if not getattr(hf_config.get_text_config(), "tie_word_embeddings", False):
-        return hf_config
-    untied = copy.deepcopy(hf_config)
-    untied.get_text_config().tie_word_embeddings = False
-    return untied
-
-
-def untie_head(teacher: nn.Module) -> None:
-    """Give a teacher whose output head shares the input embedding's weight (``tie_word_embeddings``) a head weight
-    of its own, an exact copy: the first stage holds the embedding and the last the head, and a frozen teacher never
-    updates either, so the copy stays equal to it."""
-    text = teacher.config.get_text_config()
-    if not getattr(text, "tie_word_embeddings", False):
-        return
-    head = teacher.get_output_embeddings()
-    head.weight = nn.Parameter(head.weight.detach().clone(), requires_grad=False)
-    text.tie_word_embeddings = teacher.config.tie_word_embeddings = False
+    return pp_issues(hf_config, pp, settings, batch_layout(cfg)[0].micro_batch_size, "teacher_distributed",
+                     frozen_embedding="teacher_model (frozen)")
 
 
 def student_logits(logits: torch.Tensor, batch: dict[str, torch.Tensor], offset: int = 1) -> torch.Tensor:
@@ -185,8 +163,9 @@ class PipelineTeacher:
 
     def __init__(self, teacher: nn.Module, pp_mesh: DeviceMesh, device: torch.device, settings: PipelineSettings):
         from automodel.training.parallel.pipeline_stages import split_model
+        from automodel.training.parallel.pipeline_tied import untie_head
 
-        untie_head(teacher)
+        untie_head(teacher)  # frozen: the last stage's copy of the tied head stays the first stage's embedding
         self.stage = split_model(teacher, pp_mesh.get_local_rank(), pp_mesh.size())[0].to(device)
         self.stage.release_whole_model()
         self.pp_mesh, self.device, self.settings = pp_mesh, device, settings

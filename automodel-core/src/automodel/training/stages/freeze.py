@@ -9,6 +9,7 @@ import torch
 from automodel.config import Config
 from automodel.errors import ConfigIssue
 from automodel.training.context import BuildContext
+from automodel.training.parallel.pipeline_stages import PipelineStageModel
 
 
 def select(cfg: Config) -> tuple[str, str] | None:
@@ -27,11 +28,12 @@ def unfrozen(name: str, patterns: list[str]) -> bool:
 
 
 def freeze_parameters(ctx: BuildContext, model: torch.nn.Module) -> tuple[torch.nn.Module, str]:
-    """Freeze parameters matching ``freeze.patterns`` (and embeddings), except ``freeze.unfreeze_modules``."""
+    """Freeze parameters matching ``freeze.patterns`` (and embeddings: on a pipeline stage, the first stage's),
+    except ``freeze.unfreeze_modules``."""
     cfg = ctx.cfg.freeze
     patterns = list(cfg.patterns)
-    if cfg.embeddings and hasattr(model, "get_input_embeddings"):
-        embeddings = model.get_input_embeddings()
+    if cfg.embeddings and (isinstance(model, PipelineStageModel) or hasattr(model, "get_input_embeddings")):
+        embeddings = model.input_embedding if isinstance(model, PipelineStageModel) else model.get_input_embeddings()
         patterns += sorted(f"{name}.weight" for name, module in model.named_modules() if module is embeddings)
     frozen = 0
     for name, param in model.named_parameters():
