@@ -205,27 +205,47 @@ def test_interleaved_1f1b_runs_two_stages_per_rank_like_one_process(four_layers,
     assert_same_weights(one / "epoch_0_step_6" / "model", reference / "epoch_0_step_6" / "model")
 
 
-def test_a_tied_head_with_frozen_embeddings_trains_on_pp2_like_one_process(tmp_path):
+TIED_STEPS = [*STEPS, "--step_scheduler.max_steps", "3"]
+
+
+@pytest.fixture(scope="module")
+def tied_one_process(tmp_path_factory) -> tuple[Path, Path]:
+    """(config, checkpoint_dir) of one process training a Llama whose head is tied to its frozen embedding."""
+    tmp = tmp_path_factory.mktemp("tied")
+    config = write_config(tmp / "cfg.yaml", write_two_layer_llama_config(tmp, tied=True), tmp / "ckpt",
+                          validation_dataset=VALIDATION, freeze={"embeddings": True},
+                          step_scheduler={"val_check_interval": 3})
+    run_finetune(config, tmp, tmp / "one", *TIED_STEPS)
+    return config, tmp / "one"
+
+
+def test_a_tied_head_with_frozen_embeddings_trains_on_pp2_like_one_process(tied_one_process, tmp_path):
     """A model that ties its head to its embedding, with the embedding frozen (``freeze.embeddings``, which acts on
     the first stage): the last stage's head is a copy of the first stage's embedding (a fresh one here) and the run
     has one process's losses, gradient norms and validation loss; its model/ says untied, with the head equal to
     the embedding, and holds the one process's weights."""
-    config = write_config(tmp_path / "cfg.yaml", write_two_layer_llama_config(tmp_path, tied=True),
-                          tmp_path / "ckpt", validation_dataset=VALIDATION, freeze={"embeddings": True},
-                          step_scheduler={"val_check_interval": 3})
-    steps = [*STEPS, "--step_scheduler.max_steps", "3"]
-    one, pp = tmp_path / "one", tmp_path / "pp"
-    run_finetune(config, tmp_path, one, *steps)
-    log = run_finetune(config, tmp_path, pp, *steps, *PP2, "--distributed.pipeline.pp_schedule", "gpipe")
+    config, one = tied_one_process
+    log = run_finetune(config, tmp_path, tmp_path / "pp", *TIED_STEPS, *PP2, "--distributed.pipeline.pp_schedule",
+                       "gpipe")
     assert "freeze [patterns]: froze 1 of" in log  # the first stage's embedding
     assert "the output head (tied to the input embedding) is the first stage's embedding, sent to the last" in log
-    assert_like_reference(pp, one, steps=3)
-    saved = json.loads((pp / "epoch_0_step_3" / "model" / "config.json").read_text())
-    assert saved["tie_word_embeddings"] is False
+    assert_like_reference(tmp_path / "pp", one, steps=3)
+    saved = tmp_path / "pp" / "epoch_0_step_3" / "model"
+    assert json.loads((saved / "config.json").read_text())["tie_word_embeddings"] is False
     from safetensors.torch import load_file
 
-    weights = load_file(pp / "epoch_0_step_3" / "model" / "model.safetensors")
+    weights = load_file(saved / "model.safetensors")
     assert (weights["lm_head.weight"] == weights["model.embed_tokens.weight"]).all()
+
+
+@pytest.mark.slow  # make test-slow: the copy between differently sharded stages is core's four-rank test's
+def test_a_tied_head_on_pp2_x_tp2_trains_like_one_process(tied_one_process, tmp_path):
+    """Each stage tensor-parallel over two ranks: every tensor-parallel rank of the last stage gets its part of
+    the first stage's embedding."""
+    config, one = tied_one_process
+    run_finetune(config, tmp_path, tmp_path / "pp_tp", *TIED_STEPS, *PP2, "--nproc-per-node", "4",
+                 "--distributed.tp_size", "2")
+    assert_like_reference(tmp_path / "pp_tp", one, steps=3)
 
 
 def test_layouts_the_pipeline_cannot_take_are_refused_byvalidate_cli(pp_llama_config, tmp_path):
