@@ -117,8 +117,9 @@ class TrainingLoop(PipelineSteps, ContextParallelSteps, LossParts):
             scaler.unscale_(self.optimizer)  # clipping and the reported norm see the true gradients
         max_norm = self.cfg.clip_grad_norm.max_norm or math.inf
         pp_group = self.ctx.device_mesh[PP].get_group() if self.pipelines is not None else None
+        copy = self.tied_head.copy if self.tied_head is not None else None  # its gradient is the embedding's
         grad_norm = clip_grad_norm_(self.trainable_params, max_norm, norm_type=self.cfg.clip_grad_norm.norm_type,
-                                    pp_group=pp_group)
+                                    pp_group=pp_group, counted_elsewhere=[copy] if copy is not None else ())
         loss = total / denominator
         self.step_lr = self.optimizer.param_groups[0]["lr"]  # the rate this update uses (logged)
         if not torch.isfinite(loss) or (scaler is None and not torch.isfinite(grad_norm)):

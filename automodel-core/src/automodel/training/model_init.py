@@ -40,7 +40,7 @@ from automodel.training.parallel.materialize import (
 from automodel.training.parallel.multimodal_fsdp import multimodal_modules
 from automodel.training.parallel.pipeline_parallel import PipelineSettings, pp_issues, split_for_pipeline
 from automodel.training.parallel.pipeline_stages import PipelineStageModel
-from automodel.training.parallel.pipeline_tied import copy_embedding_to_head, frozen_embedding_key, untie_head
+from automodel.training.parallel.pipeline_tied import TiedHead, frozen_embedding_key, untie_head
 from automodel.training.parallel.tensor_parallel import apply_tensor_parallel, tp_issues
 
 
@@ -91,11 +91,11 @@ def pipeline_stages(ctx: BuildContext, model: torch.nn.Module) -> tuple[list[Pip
     pipeline = PipelineSettings.from_section(settings.pipeline)
     config = getattr(model, "config", None)
     if config is not None:
-        found = pp_issues(config, settings.pp_size, pipeline, ctx.batch.micro_batch_size,
-                          frozen_embedding=frozen_embedding_key(ctx.cfg))
+        found = pp_issues(config, settings.pp_size, pipeline, ctx.batch.micro_batch_size)
         if found:
             raise ConfigError(found)
-    untie_head(model)  # a tied head: a frozen weight of its own on the last stage (see copy_tied_head)
+    # a tied head: a weight of its own on the last stage, trained where the embedding is (see tie_stages)
+    untie_head(model, trainable=frozen_embedding_key(ctx.cfg) is None)
     stages = split_for_pipeline(model, ctx.device_mesh["pp"], pipeline)
     carry_heads(model, stages)  # MTP heads: the first stage's future-token embeddings travel to the last
     described = []
@@ -113,12 +113,17 @@ def pipeline_stages(ctx: BuildContext, model: torch.nn.Module) -> tuple[list[Pip
     return stages, f"pipeline {where}, {pipeline.schedule} schedule"
 
 
-def copy_tied_head(ctx: BuildContext, stages: list[PipelineStageModel]) -> str:
-    """The last stage's copy of a tied output head made the first stage's input embedding, once both hold values
-    (``pipeline_tied``); every rank of the pipeline calls it."""
-    pp_ranks = dist.get_process_group_ranks(ctx.device_mesh["pp"].get_group())
-    copy_embedding_to_head(stages, pp_ranks, ctx.device)
-    return "the output head (tied to the input embedding) is the first stage's embedding, sent to the last stage"
+def tie_stages(ctx: BuildContext, stages: list[PipelineStageModel]) -> str:
+    """Once the stages hold values: the last stage's copy of a tied output head made the first stage's input
+    embedding, and the pair kept on the stages (``tied_head``) for the training step, which sums their gradients
+    where they train (``pipeline_tied``); every rank of the pipeline calls it."""
+    tied = TiedHead(stages, dist.get_process_group_ranks(ctx.device_mesh["pp"].get_group()), ctx.device)
+    tied.copy_weight()
+    for stage in stages:
+        stage.tied_head = tied
+    kept = "both train, their gradients summed at each step" if tied.trains else "both frozen"
+    return f"the output head (tied to the input embedding) is the first stage's embedding, sent to the last stage " \
+        f"({kept})"
 
 
 def expert_parallelize(ctx: BuildContext, model: torch.nn.Module) -> str:

@@ -32,7 +32,6 @@ from automodel.training.parallel.pipeline_parallel import (
     static_issues,
 )
 from automodel.training.parallel.pipeline_static import static_shape_issues, static_shapes_unsupported
-from automodel.training.parallel.pipeline_tied import frozen_embedding_key
 from automodel.training.parallel.precision import Precision, parse_dtype_name, precision_issues, resolve_precision
 from automodel.training.parallel.tensor_parallel import describe_plan, tp_issues
 from automodel.training.parallel.tp_plans import HEAD_STYLES, config_plan, expand_plan, model_plan
@@ -220,7 +219,7 @@ def pipeline_parallel_issues(cfg: Config, implementation: str | None) -> list[Co
     issues += found
     hf_config = model_hf_config(cfg)
     if hf_config is not None:
-        issues += pp_issues(hf_config, pp, pipeline, rows_per_batch(cfg), frozen_embedding=frozen_embedding_key(cfg))
+        issues += pp_issues(hf_config, pp, pipeline, rows_per_batch(cfg))
     elif cfg.model is None or not any(cfg.model.get(key) for key in HF_MODEL_KEYS):
         issues.append(ConfigIssue("distributed.pp_size", f"{pp}: pipeline stages follow the pipeline plan of a "
                                   "Hugging Face model, so it needs a Hugging Face model section (model.config or "
@@ -235,8 +234,7 @@ def pipeline_lines(cfg: Config) -> list[str]:
         return []
     hf_config = model_hf_config(cfg)
     pipeline = pipeline_settings(cfg)
-    if hf_config is None or pp_issues(hf_config, settings.pp_size, pipeline, rows_per_batch(cfg),
-                                      frozen_embedding=frozen_embedding_key(cfg)):
+    if hf_config is None or pp_issues(hf_config, settings.pp_size, pipeline, rows_per_batch(cfg)):
         return [f"pipeline parallel over pp {settings.pp_size}: the stages are the built model's (its config cannot "
                 "be read or does not fit the layout)"]
     return describe_stages(hf_config, settings.pp_size, pipeline, rows_per_batch(cfg))

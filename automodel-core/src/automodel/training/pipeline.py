@@ -99,7 +99,7 @@ def apply_pipeline(ctx: BuildContext, model: Any, selection: Selection) -> Any:
     ctx.log(f"pipeline: {message}")
     built = [_apply_slots(ctx, part, selection) for part in parts]
     if tied:
-        ctx.log(f"pipeline: {model_init.copy_tied_head(ctx, parts)}")
+        ctx.log(f"pipeline: {model_init.tie_stages(ctx, parts)}")
     for part in parts:
         part.release_whole_model()
     return built[0] if len(built) == 1 else LocalStages(built)

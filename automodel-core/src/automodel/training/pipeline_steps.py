@@ -18,8 +18,9 @@ from automodel.training.loss import IGNORE_INDEX, LINEAR, loss_fn_named
 from automodel.training.modules import unwrap
 from automodel.training.parallel.mesh import CP, PP
 from automodel.training.parallel.pipeline_parallel import PipelineSettings, StagePipelines
-from automodel.training.parallel.pipeline_stages import stages_of
+from automodel.training.parallel.pipeline_stages import stage_models, stages_of
 from automodel.training.parallel.pipeline_static import StaticShapes, activations_dtype, logits_dtype
+from automodel.training.parallel.pipeline_tied import TiedHead
 from automodel.training.parallel.precision import parse_dtype_name
 from automodel.training.parallel.tensor_parallel import local_loss
 from automodel.training.parallelism import pipeline_settings
@@ -83,6 +84,7 @@ class PipelineSteps:
         "this recipe's model and loss are not set up for pipeline parallelism (the LLM fine-tuning and pretraining "
         "recipe and the VLM fine-tuning recipe are); use pp_size: 1")
     pipelines: StagePipelines | None = None
+    tied_head: TiedHead | None = None  # a tied output head's two copies (first and last stage), when pipelined
 
     def pipeline_batches(self, batches: list[Any], length: int | None = None
                          ) -> list[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]]:
@@ -104,6 +106,7 @@ class PipelineSteps:
             return None
         settings = pipeline_settings(ctx.cfg)
         stages = stages_of(unwrap(self.model))
+        self.tied_head = next((s.tied_head for s in stage_models(unwrap(self.model)) if hasattr(s, "tied_head")), None)
         shapes = None
         if settings.pp_seq_len is not None or settings.dtype is not None:
             shapes = static_shapes(ctx, stages[0], settings)
@@ -133,6 +136,8 @@ class PipelineSteps:
             with self.forward_context():
                 total += self.pipelines.step(inputs, targets, scale, reduce_grads=last or not defer,
                                              keep_gathered=keep and not last, **kwargs)
+        if self.tied_head is not None:  # a trained tied head: its two copies' gradients summed (pipeline_tied)
+            self.tied_head.sum_grads()
         return total
 
     def _validation_loss(self, batch: Any) -> torch.Tensor:

@@ -91,8 +91,7 @@ def pp_teacher_issues(hf_config: Any, pp: int, section: dict[str, Any] | None, c
                             "teacher's pipeline runs forwards only: use gpipe or 1f1b")]
     if hf_config is None:
         return []
-    return pp_issues(hf_config, pp, settings, batch_layout(cfg)[0].micro_batch_size, "teacher_distributed",
-                     frozen_embedding="teacher_model (frozen)")
+    return pp_issues(hf_config, pp, settings, batch_layout(cfg)[0].micro_batch_size, "teacher_distributed")
 
 
 def student_logits(logits: torch.Tensor, batch: dict[str, torch.Tensor], offset: int = 1) -> torch.Tensor:

@@ -18,12 +18,15 @@ import torch.distributed as dist
 
 
 def clip_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float, norm_type: float = 2.0,
-                    pp_group: Any = None) -> torch.Tensor:
+                    pp_group: Any = None, counted_elsewhere: Iterable[torch.nn.Parameter] = ()) -> torch.Tensor:
     """The whole model's gradient norm (every rank gets the same value); gradients are scaled so it is at most
-    ``max_norm`` (``math.inf``: measured only). ``pp_group``: the ranks holding the other pipeline stages."""
+    ``max_norm`` (``math.inf``: measured only). ``pp_group``: the ranks holding the other pipeline stages.
+    ``counted_elsewhere``: parameters whose gradient another rank's norm counts (a tied head's copy of the
+    embedding's, ``pipeline_tied``): scaled, not counted twice."""
     from torch.distributed.tensor import DTensor
 
     parameters = [p for p in parameters if p.grad is not None]
+    skipped = {id(p) for p in counted_elsewhere}
     layouts: dict[Any, list[torch.nn.Parameter]] = {}
     for param in parameters:
         grad = param.grad
@@ -31,7 +34,10 @@ def clip_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float, n
         layouts.setdefault(key, []).append(param)
     norms = []
     for group in layouts.values():
-        norm = torch.nn.utils.get_total_norm([param.grad for param in group], norm_type)
+        counted = [param.grad for param in group if id(param) not in skipped]
+        if not counted:
+            continue
+        norm = torch.nn.utils.get_total_norm(counted, norm_type)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     device = parameters[0].device if parameters else torch.device("cpu")
     total = torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else torch.zeros((), device=device)

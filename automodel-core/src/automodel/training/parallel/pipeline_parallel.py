@@ -138,11 +138,10 @@ def describe_stages(model_config: Any, pp_size: int, settings: PipelineSettings,
 
 
 def pp_issues(model_config: Any, pp_size: int, settings: PipelineSettings, batch: int,
-              section: str = "distributed", frozen_embedding: str | None = None) -> list[ConfigIssue]:
+              section: str = "distributed") -> list[ConfigIssue]:
     """Whether ``model_config``'s model can run ``settings`` over ``pp_size`` stages with ``batch`` rows per
-    schedule step (the batch each data-parallel rank feeds the pipeline at once), each problem with the numbers.
-    ``frozen_embedding``: the key that keeps the input embedding from training, which a tied output head needs
-    (``pipeline_tied``)."""
+    schedule step (the batch each data-parallel rank feeds the pipeline at once), each problem with the numbers (a
+    tied output head is no problem: ``pipeline_tied``)."""
     key = f"{section}.pipeline"
     issues = []
     if settings.schedule not in SCHEDULES:
@@ -161,12 +160,6 @@ def pp_issues(model_config: Any, pp_size: int, settings: PipelineSettings, batch
     if not has_pipeline_plan(model_config):
         return [ConfigIssue(f"{section}.pp_size", f"{pp_size}: the model ({model_config.model_type}) has no pipeline "
                                                   "plan (base_model_pp_plan); set pp_size: 1")]
-    if getattr(text, "tie_word_embeddings", False) and frozen_embedding is None:
-        issues.append(ConfigIssue(f"{section}.pp_size", f"{pp_size}: the model ties its output head to its input "
-                                  "embedding (tie_word_embeddings), which the first and the last stage hold apart: "
-                                  "they stay one weight only while it does not train; freeze it (freeze.embeddings: "
-                                  "true, upstream's freeze_config.freeze_embeddings: true), train LoRA adapters "
-                                  "(peft:), untie them, or set pp_size: 1"))
     layers = text.num_hidden_layers
     stages = settings.num_stages(layers, pp_size)
     if pp_size > layers or stages > layers:

@@ -283,7 +283,8 @@ def split_model(model: nn.Module, pp_rank: int, pp_size: int, stages_per_rank: i
                              "give LoRA in the peft: section (each stage gets its adapters) or set pp_size: 1")
     if getattr(model.config.get_text_config(), "tie_word_embeddings", False):
         raise AutomodelError("the model ties its output head to its input embedding, which pipeline stages hold "
-                             "apart (first and last stage); set tie_word_embeddings: false or pp_size: 1")
+                             "apart (first and last stage); give the head a weight of its own first "
+                             "(pipeline_tied.untie_head)")
     parts = model_parts(model)
     num_stages = pp_size * stages_per_rank
     num_layers = len(model.get_submodule(parts["layers"]))

@@ -1,14 +1,20 @@
 """A tied output head under pipeline parallelism.
 
 A model that ties its output head to its input embedding (``tie_word_embeddings``) uses one weight at both ends, but
-pipeline stages hold those ends apart: the first stage the embedding, the last the head. The two stay one weight while
-neither trains, so such a model is cut where that weight is frozen (:func:`frozen_embedding_key`: ``freeze.embeddings``,
-upstream's ``freeze_config.freeze_embeddings``, or LoRA, which freezes every base weight): :func:`untie_head` gives the
-head a frozen weight of its own before the cut, and once the stages hold values :func:`copy_embedding_to_head` sends the
-first stage's embedding to the last stage's head, to each rank the part its shard of the head holds, so the head is the
-embedding whatever the weights were read from (a tied checkpoint has no head tensor) or initialised with. The run's
-config and its HF export then say ``tie_word_embeddings: false``, with a head equal to the embedding (``transformers``
-loads it as the same model). A distillation teacher (frozen as a whole) is untied the same way.
+pipeline stages hold those ends apart: the first stage the embedding, the last the head. :func:`untie_head` gives the
+head a weight of its own before the cut (trainable where the embedding trains: :func:`frozen_embedding_key` says
+whether ``freeze.embeddings``, upstream's ``freeze_config.freeze_embeddings`` or LoRA keeps it frozen), and
+:class:`TiedHead` keeps the two one weight on two ranks:
+
+- once the stages hold values, :meth:`TiedHead.copy_weight` sends the first stage's embedding to the last stage's
+  head, to each rank the part its shard of the head holds, so the head is the embedding whatever the weights were read
+  from (a tied checkpoint has no head tensor) or initialised with;
+- where the weight trains, after each step's backward :meth:`TiedHead.sum_grads` gives both copies the sum of their
+  gradients (what the one tied weight gets in one process), so the optimizer, given the same values, gradients and
+  state, updates both alike; the gradient norm counts that gradient once (:attr:`TiedHead.copy`).
+
+The run's config and its HF export then say ``tie_word_embeddings: false``, with a head equal to the embedding
+(``transformers`` loads it as the same model). A distillation teacher (frozen as a whole) is untied the same way.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from automodel.training.parallel.module_init import local_slices
 
 if TYPE_CHECKING:
     from automodel.training.parallel.pipeline_stages import PipelineStageModel
+
 
 def frozen_embedding_key(cfg: Any) -> str | None:
     """The key of ``cfg`` that keeps the input embedding (so a tied head) from training, None where none does:
@@ -51,54 +58,91 @@ def ties_head(model: nn.Module) -> bool:
     return config is not None and bool(getattr(config.get_text_config(), "tie_word_embeddings", False))
 
 
-def untie_head(model: nn.Module) -> bool:
-    """Give the output head of a model that ties it to the input embedding a frozen weight of its own (a copy:
-    the same values where ``model`` has them, another meta tensor on the meta device) and say so in its config
-    (``tie_word_embeddings: false``); returns whether it did."""
+def untie_head(model: nn.Module, trainable: bool = False) -> bool:
+    """Give the output head of a model that ties it to the input embedding a weight of its own (a copy: the same
+    values where ``model`` has them, another meta tensor on the meta device), ``trainable`` or frozen, and say so in
+    its config (``tie_word_embeddings: false``); returns whether it did."""
     if not ties_head(model):
         return False
     head = model.get_output_embeddings()
-    head.weight = nn.Parameter(head.weight.detach().clone(), requires_grad=False)
+    head.weight = nn.Parameter(head.weight.detach().clone(), requires_grad=trainable)
     model.config.get_text_config().tie_word_embeddings = model.config.tie_word_embeddings = False
     return True
 
 
-def copy_embedding_to_head(stages: list[PipelineStageModel], pp_ranks: list[int], device: torch.device) -> None:
-    """Overwrite the last stage's head weight with the first stage's input embedding: each rank holding the first
-    stage sends the rank holding the last (``pp_ranks``: the global ranks of this rank's pipeline, in stage order)
-    the part of the embedding that rank's shard of the head holds: its own shard where both are sharded alike, else
-    that part of the whole embedding (gathered over the first stage's ranks, once). Both first exchange what they
-    hold and fail alike where the weights differ in size or either trains. Every rank of the pipeline calls it (the
-    middle ones do nothing)."""
-    first = next((s for s in stages if s.is_first), None)
-    last = next((s for s in stages if s.is_last), None)
-    sender, receiver = pp_ranks[0], pp_ranks[-1]
-    if first is not None:
-        embedding = first.input_embedding.weight
-        mine = _describe(embedding)
-        dist.send(mine.to(device), dst=receiver)
-        theirs = torch.empty_like(mine, device=device)
-        dist.recv(theirs, src=receiver)
-        theirs = theirs.cpu()
-        _check(mine, theirs)
-        if theirs[_CRC] == mine[_CRC]:  # sharded alike (every pair of the two stages sees the same): its own shard
-            part = local_slices(embedding)[0]
+class TiedHead:
+    """The first stage's input embedding and the last stage's copy of it as the head, on this rank's pipeline
+    (``pp_ranks``: its global ranks in stage order; ``device``: where the collectives' tensors go). Every rank of
+    the pipeline makes one and calls its methods; the middle stages' ranks do nothing."""
+
+    def __init__(self, stages: list[PipelineStageModel], pp_ranks: list[int], device: torch.device):
+        first = next((s for s in stages if s.is_first), None)
+        last = next((s for s in stages if s.is_last), None)
+        self.embedding = first.input_embedding.weight if first is not None else None
+        self.copy = last.output_head.weight if last is not None else None  # the head: the embedding's copy
+        self.sender, self.receiver, self.device = pp_ranks[0], pp_ranks[-1], device
+        self.trains = False
+
+    def copy_weight(self) -> None:
+        """Overwrite the head with the embedding: each rank holding the first stage sends the rank holding the last
+        the part of the embedding that rank's shard of the head holds: its own shard where both are sharded alike,
+        else that part of the whole embedding (gathered over the first stage's ranks, once). Both first exchange
+        what they hold and fail alike where the weights differ in size, only one trains, or a trained pair is
+        sharded apart."""
+        if self.embedding is not None:
+            mine = _describe(self.embedding)
+            theirs = self._swap(mine, self.receiver, send_first=True)
+            _check(mine, theirs)
+            if theirs[_CRC] == mine[_CRC]:  # sharded alike (every pair of the two stages sees the same)
+                part = local_slices(self.embedding)[0]
+            else:
+                whole = self.embedding.full_tensor() if hasattr(self.embedding, "full_tensor") else self.embedding
+                part = whole[_slices(theirs)]
+            dtype = _DTYPES[int(theirs[_DTYPE])]
+            dist.send(part.detach().to(device=self.device, dtype=dtype).contiguous(), dst=self.receiver)
+            self.trains = bool(mine[_TRAINS])
+        if self.copy is not None:
+            mine = _describe(self.copy)
+            theirs = self._swap(mine, self.sender, send_first=False)
+            _check(theirs, mine)
+            local = local_slices(self.copy)[0]
+            received = torch.empty(local.shape, dtype=local.dtype, device=self.device)
+            dist.recv(received, src=self.sender)
+            with torch.no_grad():
+                local.copy_(received.to(local.device))
+            self.trains = bool(mine[_TRAINS])
+
+    def sum_grads(self) -> None:
+        """Where the weight trains: the embedding's and the head's gradients (this rank's shard of each, sharded
+        alike) exchanged and both set to their sum, added in the same order on both ranks."""
+        if not self.trains:
+            return
+        for weight, peer in ((self.embedding, self.receiver), (self.copy, self.sender)):
+            if weight is None:
+                continue
+            grad = weight.grad.to_local() if hasattr(weight.grad, "to_local") else weight.grad
+            theirs = torch.empty_like(grad, device=self.device)
+            mine = grad.to(self.device)
+            if weight is self.embedding:
+                dist.send(mine, dst=peer)
+                dist.recv(theirs, src=peer)
+                total = mine + theirs  # embedding + head, on both ranks
+            else:
+                dist.recv(theirs, src=peer)
+                dist.send(mine, dst=peer)
+                total = theirs + mine
+            grad.copy_(total.to(grad.device))
+
+    def _swap(self, mine: torch.Tensor, peer: int, send_first: bool) -> torch.Tensor:
+        """Send this rank's description to ``peer`` and receive its (in the order that pairs with the peer's)."""
+        theirs = torch.empty_like(mine, device=self.device)
+        if send_first:
+            dist.send(mine.to(self.device), dst=peer)
+            dist.recv(theirs, src=peer)
         else:
-            whole = embedding.full_tensor() if hasattr(embedding, "full_tensor") else embedding
-            part = whole[_slices(theirs)]
-        dist.send(part.detach().to(device=device, dtype=_DTYPES[int(theirs[_DTYPE])]).contiguous(), dst=receiver)
-    if last is not None:
-        head = last.output_head.weight
-        mine = _describe(head)
-        theirs = torch.empty_like(mine, device=device)
-        dist.recv(theirs, src=sender)
-        dist.send(mine.to(device), dst=sender)
-        _check(theirs.cpu(), mine)
-        local = local_slices(head)[0]
-        received = torch.empty(local.shape, dtype=local.dtype, device=device)
-        dist.recv(received, src=sender)
-        with torch.no_grad():
-            local.copy_(received)
+            dist.recv(theirs, src=peer)
+            dist.send(mine.to(self.device), dst=peer)
+        return theirs.cpu()
 
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -125,12 +169,17 @@ def _slices(description: torch.Tensor) -> tuple[slice, ...]:
 
 def _check(embedding: torch.Tensor, head: torch.Tensor) -> None:
     """Both ends call it with the same two descriptions, so both fail alike."""
-    if bool(embedding[_TRAINS]) or bool(head[_TRAINS]):
-        raise AutomodelError("the model ties its output head to its input embedding, which the first and the last "
-                             "pipeline stage hold apart, but that weight trains here, so the two would drift apart; "
-                             "freeze it (freeze.embeddings: true), train LoRA adapters (peft:), untie them "
-                             "(tie_word_embeddings: false), or set distributed.pp_size: 1")
     if not torch.equal(embedding[_SHAPE], head[_SHAPE]):
         raise AutomodelError(f"the model ties its output head to its input embedding, but the first stage's "
                              f"embedding is {embedding[_SHAPE].tolist()} and the last stage's head "
                              f"{head[_SHAPE].tolist()}; set distributed.pp_size: 1")
+    if embedding[_TRAINS] != head[_TRAINS]:
+        raise AutomodelError("the model ties its output head to its input embedding, but on the pipeline's first "
+                             f"stage that weight {'trains' if embedding[_TRAINS] else 'is frozen'} and on the last "
+                             f"{'trains' if head[_TRAINS] else 'is frozen'}; freeze it with freeze.embeddings: true "
+                             "(not freeze.patterns or unfreeze_modules) or let it train")
+    if embedding[_TRAINS] and embedding[_CRC] != head[_CRC]:
+        raise AutomodelError("the model ties its output head to its input embedding, which trains here, but the "
+                             "pipeline's first and last stage shard it differently (the tensor-parallel plan), so "
+                             "their gradients cannot be summed shard by shard; freeze it (freeze.embeddings: true), "
+                             "untie them (tie_word_embeddings: false) or set distributed.tp_size: 1")
