@@ -27,6 +27,7 @@ def _llama(tied: bool) -> LlamaConfig:
     ({"freeze": {"embeddings": True}}, "freeze.embeddings"),
     ({"freeze": {"embeddings": False, "patterns": ["*.q_proj.*"]}}, None),
     ({"freeze_config": {"freeze_embeddings": True}}, "freeze_config.freeze_embeddings"),
+    ({"freeze_config": {"freeze_language_model": True}}, "freeze_config.freeze_language_model"),
     ({"freeze_config": {"freeze_vision_tower": True}}, None),
 ])
 def test_the_keys_that_keep_the_tied_weight_frozen(sections, key):

@@ -35,16 +35,18 @@ if TYPE_CHECKING:
 
 def frozen_embedding_key(cfg: Any) -> str | None:
     """The key of ``cfg`` that keeps the input embedding (so a tied head) from training, None where none does:
-    LoRA's section, the core's ``freeze.embeddings`` or upstream's ``freeze_config.freeze_embeddings`` (the VLM
-    recipe's)."""
+    LoRA's section, the core's ``freeze.embeddings`` or upstream's ``freeze_config.freeze_embeddings`` /
+    ``freeze_language_model`` (the VLM recipe's; the latter freezes the embedding with the language model, and
+    upstream's head stays trainable only where it is not the embedding)."""
     if cfg.get("peft") is not None:
         return "peft"
     freeze = cfg.get("freeze")
     if freeze is not None and _setting(freeze, "embeddings"):
         return "freeze.embeddings"
     upstream = cfg.get("freeze_config")
-    if upstream is not None and _setting(upstream, "freeze_embeddings"):
-        return "freeze_config.freeze_embeddings"
+    for key in ("freeze_embeddings", "freeze_language_model"):
+        if upstream is not None and _setting(upstream, key):
+            return f"freeze_config.{key}"
     return None
 
 
