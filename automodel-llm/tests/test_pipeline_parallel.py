@@ -206,35 +206,31 @@ def test_interleaved_1f1b_runs_two_stages_per_rank_like_one_process(four_layers,
     assert_same_weights(one / "epoch_0_step_6" / "model", reference / "epoch_0_step_6" / "model")
 
 
-TIED_STEPS = [*STEPS, "--step_scheduler.max_steps", "3"]
-
-
 @pytest.fixture(scope="module", params=["trained", "frozen"])
-def tied_one_process(request, tmp_path_factory) -> tuple[Path, Path, str]:
-    """(config, checkpoint_dir, how) of one process training a Llama whose head is tied to its embedding, which
-    trains or is frozen (``freeze.embeddings``)."""
+def tied_runs(request, tmp_path_factory) -> dict[str, Path | str]:
+    """One process and pp=2 (GPipe) training a Llama whose head is tied to its embedding, which trains or is frozen
+    (``freeze.embeddings``): six steps, checkpoints after steps 3 and 6."""
     tmp = tmp_path_factory.mktemp(f"tied_{request.param}")
     config = write_config(tmp / "cfg.yaml", write_two_layer_llama_config(tmp, tied=True), tmp / "ckpt",
                           validation_dataset=VALIDATION, freeze={"embeddings": request.param == "frozen"},
                           step_scheduler={"val_check_interval": 3})
-    run_finetune(config, tmp, tmp / "one", *TIED_STEPS)
-    return config, tmp / "one", request.param
+    run_finetune(config, tmp, tmp / "one", *STEPS)
+    log = run_finetune(config, tmp, tmp / "pp", *STEPS, *PP2, "--distributed.pipeline.pp_schedule", "gpipe")
+    return {"config": config, "one": tmp / "one", "pp": tmp / "pp", "log": log, "how": request.param}
 
 
-def test_a_tied_head_trains_on_pp2_like_one_process(tied_one_process, tmp_path):
+def test_a_tied_head_trains_on_pp2_like_one_process(tied_runs):
     """A model that ties its head to its embedding: the last stage's head is a copy of the first stage's embedding
     (a fresh one here); trained, the two copies' gradients are summed at each step (the tied weight's gradient in one
     process) and counted once in the clipped norm; frozen (``freeze.embeddings``, which acts on the first stage),
-    they stay as they are. Either way the run has one process's losses, gradient norms and validation loss; its
+    they stay as they are. Either way the run has one process's losses, gradient norms and validation losses; its
     model/ says untied, with the head equal to the embedding, and holds the one process's weights."""
-    config, one, how = tied_one_process
-    log = run_finetune(config, tmp_path, tmp_path / "pp", *TIED_STEPS, *PP2, "--distributed.pipeline.pp_schedule",
-                       "gpipe")
+    log, how = tied_runs["log"], tied_runs["how"]
     kept = "both train, their gradients summed at each step" if how == "trained" else "both frozen"
     assert f"is the first stage's embedding, sent to the last stage ({kept})" in log
     assert ("freeze [patterns]: froze 1 of" in log) is (how == "frozen")  # the first stage's embedding
-    assert_like_reference(tmp_path / "pp", one, steps=3)
-    saved = tmp_path / "pp" / "epoch_0_step_3" / "model"
+    assert_like_reference(tied_runs["pp"], tied_runs["one"])
+    saved = tied_runs["pp"] / "epoch_0_step_6" / "model"
     assert json.loads((saved / "config.json").read_text())["tie_word_embeddings"] is False
     from safetensors.torch import load_file
 
@@ -242,14 +238,26 @@ def test_a_tied_head_trains_on_pp2_like_one_process(tied_one_process, tmp_path):
     assert (weights["lm_head.weight"] == weights["model.embed_tokens.weight"]).all()
 
 
+@pytest.mark.slow  # make test-slow: the checkpoints of the test above, resumed on the other layout
+def test_tied_checkpoints_resume_across_one_process_and_pp2(tied_runs, tmp_path):
+    """One process's step-3 checkpoint (the weight saved once, tied) resumes on pp=2: the last stage's head copy
+    reads the embedding's values and optimizer state; pp=2's (an untied head copy saved beside the embedding)
+    resumes in one process, the copy read once. Both continue with the uninterrupted run's losses."""
+    config, one, pp = tied_runs["config"], tied_runs["one"], tied_runs["pp"]
+    run_finetune(config, tmp_path, tmp_path / "to_pp", *STEPS, *PP2, "--restore_from.path", one / "epoch_0_step_3")
+    run_finetune(config, tmp_path, tmp_path / "to_one", *STEPS, "--restore_from.path", pp / "epoch_0_step_3")
+    for resumed in ("to_pp", "to_one"):
+        assert losses(tmp_path / resumed) == pytest.approx(losses(one)[3:], rel=1e-4), resumed
+
+
 @pytest.mark.slow  # make test-slow: the copy between differently sharded stages is core's four-rank test's
-def test_a_tied_head_on_pp2_x_tp2_trains_like_one_process(tied_one_process, tmp_path):
+def test_a_tied_head_on_pp2_x_tp2_trains_like_one_process(tied_runs, tmp_path):
     """Each stage tensor-parallel over two ranks: every tensor-parallel rank of the last stage gets its part of
     the first stage's embedding (and, trained, sums its shard of the gradients with its partner's)."""
-    config, one, _ = tied_one_process
-    run_finetune(config, tmp_path, tmp_path / "pp_tp", *TIED_STEPS, *PP2, "--nproc-per-node", "4",
+    out = tmp_path / "pp_tp"
+    run_finetune(tied_runs["config"], tmp_path, out, *STEPS, *PP2, "--nproc-per-node", "4",
                  "--distributed.tp_size", "2")
-    assert_like_reference(tmp_path / "pp_tp", one, steps=3)
+    assert_like_reference(out, tied_runs["one"])
 
 
 def test_layouts_the_pipeline_cannot_take_are_refused_byvalidate_cli(pp_llama_config, tmp_path):

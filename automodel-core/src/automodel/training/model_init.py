@@ -40,7 +40,13 @@ from automodel.training.parallel.materialize import (
 from automodel.training.parallel.multimodal_fsdp import multimodal_modules
 from automodel.training.parallel.pipeline_parallel import PipelineSettings, pp_issues, split_for_pipeline
 from automodel.training.parallel.pipeline_stages import PipelineStageModel
-from automodel.training.parallel.pipeline_tied import TiedHead, frozen_embedding_key, untie_head
+from automodel.training.parallel.pipeline_tied import (
+    TiedHead,
+    frozen_embedding_key,
+    head_copy_sources,
+    mark_copies,
+    untie_head,
+)
 from automodel.training.parallel.tensor_parallel import apply_tensor_parallel, tp_issues
 
 
@@ -95,8 +101,10 @@ def pipeline_stages(ctx: BuildContext, model: torch.nn.Module) -> tuple[list[Pip
         if found:
             raise ConfigError(found)
     # a tied head: a weight of its own on the last stage, trained where the embedding is (see tie_stages)
-    untie_head(model, trainable=frozen_embedding_key(ctx.cfg) is None)
+    untied = untie_head(model, trainable=frozen_embedding_key(ctx.cfg) is None)
     stages = split_for_pipeline(model, ctx.device_mesh["pp"], pipeline)
+    if untied:
+        mark_copies(stages)
     carry_heads(model, stages)  # MTP heads: the first stage's future-token embeddings travel to the last
     described = []
     for stage in stages:
@@ -172,6 +180,8 @@ def _restore_source(ctx: BuildContext, model: torch.nn.Module) -> WeightSource |
         question = "is restore_from.path the same architecture?"
     if ctx.mesh.pp > 1:
         unexpected = []  # a pipeline stage holds only its own layers of the model/ that holds them all
+        copies = head_copy_sources(model)  # a tied model's checkpoint: the head copy is sent the embedding's values
+        missing = [name for name in missing if name not in copies]
     if missing or unexpected or mismatched:
         raise AutomodelError(mismatch_message(directory, mismatched, unexpected, missing, question))
     return source

@@ -27,6 +27,7 @@ from automodel.model_files import saved_names
 from automodel.training.modules import unwrap
 from automodel.training.parallel.blocks import clean_name, tied_to
 from automodel.training.parallel.pipeline_stages import is_stage, stage_models
+from automodel.training.parallel.pipeline_tied import head_copy_sources
 from automodel.training.parallel.shard_files import DTYPES, Slice, mismatch_report, nbytes, read_slices
 from automodel.training.parallel.writer import all_ok, barrier, distributed, group_rank, single_process_is_intended
 
@@ -133,11 +134,19 @@ def load_hf_weights(directory: Path, model: nn.Module) -> None:
 
     names = export_names(model)[1]
     state = get_model_state_dict(model)
-    targets = {names[key]: tensor for key, tensor in state.items() if key in names}
     saved = _hf_shapes(directory)
+    # a pipeline stage's copy of a tied head, resumed from a model/ written tied: read as the embedding
+    hub = _hub_names(unwrap(model))
+    names.update({head: hub.get(source, source) for head, source in head_copy_sources(unwrap(model)).items()
+                  if names.get(head) not in saved})
+    targets = {names[key]: tensor for key, tensor in state.items() if key in names}
     wrong = [f"{name}: checkpoint {saved[name]} vs model {tuple(t.shape)}" for name, t in targets.items()
              if name in saved and saved[name] != tuple(t.shape)]
-    only_saved, missing = [n for n in saved if n not in targets], [n for n in targets if n not in saved]
+    tied = tied_to(unwrap(model))
+    # a tied head saved as a weight of its own (a pipeline run's untied copy, equal to the embedding) is read once
+    aliases = {key for key, first in tied.items() if key != first}
+    only_saved = [n for n in saved if n not in targets and n not in aliases]
+    missing = [n for n in targets if n not in saved]
     if is_stage(unwrap(model)):
         only_saved = []  # a pipeline stage holds only its own layers of the whole model
     if wrong or only_saved or missing:
@@ -147,7 +156,6 @@ def load_hf_weights(directory: Path, model: nn.Module) -> None:
                                          "keys missing from the checkpoint": missing}))
     with single_process_is_intended():
         dcp.load(targets, storage_reader=HuggingFaceStorageReader(str(directory)), no_dist=not distributed())
-    tied = tied_to(unwrap(model))
     set_model_state_dict(model, {key: targets[names[tied[key]]] for key in state if tied[key] in names},
                          options=StateDictOptions(strict=False))
 

@@ -108,7 +108,7 @@ class PipelineStageModel(nn.Module):
         self.tp_plan = dict(getattr(model, "tp_plan", None) or {})  # transformers' plan, for tensor parallelism
         self.index, self.num_stages, self.layer_range = index, num_stages, layers
         self.is_first, self.is_last = index == 0, index == num_stages - 1
-        self._head, self._embedding = parts["head"], parts["embedding"]
+        self.head_name, self.embedding_name = parts["head"], parts["embedding"]  # the whole model's names
         self.base_model_prefix = self._base = model.base_model_prefix  # transformers' (peft's) weight mappings read it
         self._text = parts["layers"].rpartition(".")[0]  # the text model: what runs the later stages
         self.media_modules = list(parts["media"]) if index == 0 else []
@@ -213,13 +213,13 @@ class PipelineStageModel(nn.Module):
     @property
     def output_head(self) -> nn.Module | None:
         """The output head (the last stage's), None on the other stages."""
-        return getattr(self, self._head) if self.is_last else None
+        return getattr(self, self.head_name) if self.is_last else None
 
     @property
     def input_embedding(self) -> nn.Module | None:
         """The input embedding (the first stage's), None on the other stages (not ``get_input_embeddings``, which
         peft would call on every stage)."""
-        return self.get_submodule(self._embedding) if self.is_first else None
+        return self.get_submodule(self.embedding_name) if self.is_first else None
 
     def release_whole_model(self) -> None:
         """Drop the reference to the model the stage was cut from (built in full by a factory without meta-device

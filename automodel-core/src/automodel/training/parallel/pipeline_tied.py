@@ -72,6 +72,25 @@ def untie_head(model: nn.Module, trainable: bool = False) -> bool:
     return True
 
 
+def mark_copies(stages: list[PipelineStageModel]) -> None:
+    """Record on each stage cut from a model whose head :func:`untie_head` untied that its head weight is a copy of
+    the embedding's (see :func:`head_copy_sources`)."""
+    for stage in stages:
+        stage.head_copy_of = {f"{stage.head_name}.weight": f"{stage.embedding_name}.weight"} if stage.is_last else {}
+
+
+def head_copy_sources(model: nn.Module) -> dict[str, str]:
+    """The untied head copies ``model`` (a stage, several, or any model) holds: their weight's name -> the input
+    embedding weight's, whose values (and optimizer state) they take from a checkpoint written with the weight
+    tied (no pipeline stages), which has no head tensor of its own."""
+    from automodel.training.parallel.pipeline_stages import is_stage, stage_models
+
+    if not is_stage(model):
+        return {}
+    return {head: source for stage in stage_models(model)
+            for head, source in getattr(stage, "head_copy_of", {}).items()}
+
+
 class TiedHead:
     """The first stage's input embedding and the last stage's copy of it as the head, on this rank's pipeline
     (``pp_ranks``: its global ranks in stage order; ``device``: where the collectives' tensors go). Every rank of

@@ -33,6 +33,7 @@ from automodel.training.modules import unwrap
 from automodel.training.parallel.blocks import tied_to
 from automodel.training.parallel.checkpoint_metadata import Metadata, gather_metadata, merge_metadata
 from automodel.training.parallel.hf_export import export_names, write_export_files
+from automodel.training.parallel.pipeline_tied import head_copy_sources
 from automodel.training.parallel.shard_files import (
     ShardedCheckpointError,
     mismatch_report,
@@ -173,23 +174,30 @@ def load_sharded_state(directory: str | Path, model: Parts, optimizer: Optimizer
     for part, part_optimizer in parts:
         model_state = get_model_state_dict(part)
         tied = tied_to(unwrap(part))  # a tied tensor is saved and loaded once, under its first name
+        # a pipeline stage's copy of a tied head, resumed from a checkpoint written tied: read as the embedding
+        copies = {head: source for head, source in head_copy_sources(unwrap(part)).items() if MODEL + head not in saved}
+        source = {name: MODEL + copies.get(tied[name], tied[name]) for name in model_state}
         if weights:
             names = export_names(part, MODEL)[1]
-            targets.update({MODEL + name: t for name, t in model_state.items() if MODEL + name in names})
+            targets.update({source[name]: t for name, t in model_state.items() if MODEL + name in names})
         optim_state = get_optimizer_state_dict(part, part_optimizer) if part_optimizer is not None else None
+        part_manifest = manifest
         if optim_state is not None:
-            targets.update(_optimizer_targets(optim_state, manifest, directory, set(model_state)))
-        states.append((model_state, tied, optim_state))
+            part_manifest = _copies_state(manifest, head_copy_sources(unwrap(part)))
+            # a tied tensor's state is under its first name (a pipeline run's untied head copy has its own, skipped)
+            firsts = {name for name in model_state if tied.get(name, name) == name}
+            targets.update(_optimizer_targets(optim_state, part_manifest, directory, firsts))
+        states.append((model_state, source, optim_state, part_manifest))
     _check_sizes(targets, saved, directory)
     if targets:
         with single_process_is_intended():
             dcp.load(targets, storage_reader=HuggingFaceStorageReader(str(directory)), no_dist=not distributed())
-    for (part, part_optimizer), (model_state, tied, optim_state) in zip(parts, states, strict=True):
+    for (part, part_optimizer), (model_state, source, optim_state, part_manifest) in zip(parts, states, strict=True):
         if weights:
-            set_model_state_dict(part, {name: targets[MODEL + tied[name]] for name in model_state
-                                        if MODEL + tied[name] in targets}, options=StateDictOptions(strict=False))
+            set_model_state_dict(part, {name: targets[source[name]] for name in model_state if source[name] in targets},
+                                 options=StateDictOptions(strict=False))
         if optim_state is not None:
-            restored = _join_optimizer_state(targets, manifest, optim_state)
+            restored = _join_optimizer_state(targets, part_manifest, optim_state)
             set_optimizer_state_dict(part, part_optimizer, restored, options=StateDictOptions(strict=False))
 
 
@@ -235,6 +243,19 @@ def _read_manifest(directory: Path) -> dict[str, Any]:
         raise ShardedCheckpointError(f"'{directory}' has no optimizer state ({OPTIMIZER_FILE} is missing)") from None
     except json.JSONDecodeError as err:
         raise ShardedCheckpointError(f"'{file}' is corrupted: {err}") from None
+
+
+def _copies_state(manifest: dict[str, Any], copies: dict[str, str]) -> dict[str, Any]:
+    """``manifest`` as a part holding untied head copies (``copies``: head -> embedding weight name) reads it: where
+    it holds no state of a head copy (a checkpoint written with the weight tied), the embedding's state is the
+    copy's (the part holds no embedding: a pipeline's last stage)."""
+    saved = {fqn for fqn, _ in manifest["tensors"].values()} | set(manifest["scalars"])
+    renames = {source: head for head, source in copies.items() if head not in saved and source in saved}
+    if not renames:
+        return manifest
+    return {**manifest,
+            "tensors": {key: [renames.get(fqn, fqn), name] for key, (fqn, name) in manifest["tensors"].items()},
+            "scalars": {renames.get(fqn, fqn): entries for fqn, entries in manifest["scalars"].items()}}
 
 
 def _optimizer_targets(current: dict[str, Any], manifest: dict[str, Any], directory: Path, held: set[str]
