@@ -64,9 +64,9 @@ def untie_head(model: nn.Module, trainable: bool = False) -> bool:
     """Give the output head of a model that ties it to the input embedding a weight of its own (a copy: the same
     values where ``model`` has them, another meta tensor on the meta device), ``trainable`` or frozen, and say so in
     its config (``tie_word_embeddings: false``); returns whether it did."""
-    if not ties_head(model):
+    head = model.get_output_embeddings() if ties_head(model) else None
+    if head is None:  # nothing tied, or no head to untie (the cut then refuses the model)
         return False
-    head = model.get_output_embeddings()
     head.weight = nn.Parameter(head.weight.detach().clone(), requires_grad=trainable)
     model.config.get_text_config().tie_word_embeddings = model.config.tie_word_embeddings = False
     return True
