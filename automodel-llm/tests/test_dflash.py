@@ -102,6 +102,8 @@ def test_the_draft_is_written_in_the_published_layout_and_loads_back(trained, ch
         assert torch.allclose(draft(*args), eager(*args), atol=1e-5)
 
 
+# make test-slow: the default suite resumes and exports a draft recipe's shards in test_eagle3.py (the shared path)
+@pytest.mark.slow
 def test_a_resumed_run_trains_as_the_uninterrupted_one_and_its_shards_export_to_the_same_draft(chat_target, tmp_path):
     """The blocks are drawn from each row's own generator of the seed and the step: a run cut after step 2 and
     resumed draws the same ones, so the losses are the same; `automodel export` of its shards gives the draft."""

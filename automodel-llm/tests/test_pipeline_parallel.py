@@ -206,7 +206,8 @@ def test_interleaved_1f1b_runs_two_stages_per_rank_like_one_process(four_layers,
     assert_same_weights(one / "epoch_0_step_6" / "model", reference / "epoch_0_step_6" / "model")
 
 
-@pytest.fixture(scope="module", params=["trained", "frozen"])
+# the frozen pair in make test-slow: the default suite has it frozen by LoRA (test_pipeline_parallel_lora.py)
+@pytest.fixture(scope="module", params=["trained", pytest.param("frozen", marks=pytest.mark.slow)])
 def tied_runs(request, tmp_path_factory) -> dict[str, Path | str]:
     """One process and pp=2 (GPipe) training a Llama whose head is tied to its embedding, which trains or is frozen
     (``freeze.embeddings``): six steps, checkpoints after steps 3 and 6."""
