@@ -40,13 +40,7 @@ from automodel.training.parallel.materialize import (
 from automodel.training.parallel.multimodal_fsdp import multimodal_modules
 from automodel.training.parallel.pipeline_parallel import PipelineSettings, pp_issues, split_for_pipeline
 from automodel.training.parallel.pipeline_stages import PipelineStageModel
-from automodel.training.parallel.pipeline_tied import (
-    TiedHead,
-    frozen_embedding_key,
-    head_copy_sources,
-    mark_copies,
-    untie_head,
-)
+from automodel.training.parallel.pipeline_tied import TiedHead, frozen_embedding_key, head_copy_sources, untie_head
 from automodel.training.parallel.tensor_parallel import apply_tensor_parallel, tp_issues
 
 
@@ -103,8 +97,10 @@ def pipeline_stages(ctx: BuildContext, model: torch.nn.Module) -> tuple[list[Pip
     # a tied head: a weight of its own on the last stage, trained where the embedding is (see tie_stages)
     untied = untie_head(model, trainable=frozen_embedding_key(ctx.cfg) is None)
     stages = split_for_pipeline(model, ctx.device_mesh["pp"], pipeline)
-    if untied:
-        mark_copies(stages)
+    if untied:  # the pair, for tie_stages, the checkpoint loaders and the training step
+        tied = TiedHead(stages, dist.get_process_group_ranks(ctx.device_mesh["pp"].get_group()), ctx.device)
+        for stage in stages:
+            stage.tied_head = tied
     carry_heads(model, stages)  # MTP heads: the first stage's future-token embeddings travel to the last
     described = []
     for stage in stages:
@@ -121,14 +117,14 @@ def pipeline_stages(ctx: BuildContext, model: torch.nn.Module) -> tuple[list[Pip
     return stages, f"pipeline {where}, {pipeline.schedule} schedule"
 
 
-def tie_stages(ctx: BuildContext, stages: list[PipelineStageModel]) -> str:
-    """Once the stages hold values: the last stage's copy of a tied output head made the first stage's input
-    embedding, and the pair kept on the stages (``tied_head``) for the training step, which sums their gradients
-    where they train (``pipeline_tied``); every rank of the pipeline calls it."""
-    tied = TiedHead(stages, dist.get_process_group_ranks(ctx.device_mesh["pp"].get_group()), ctx.device)
+def tie_stages(stages: list[PipelineStageModel]) -> str | None:
+    """Once the stages hold values: the last stage's copy of a tied output head (the stages' ``tied_head``, made
+    at the cut) made the first stage's input embedding (``pipeline_tied``); every rank of the pipeline calls it.
+    The log line, None where nothing is tied."""
+    tied = getattr(stages[0], "tied_head", None)
+    if tied is None:
+        return None
     tied.copy_weight()
-    for stage in stages:
-        stage.tied_head = tied
     kept = "both train, their gradients summed at each step" if tied.trains else "both frozen"
     return f"the output head (tied to the input embedding) is the first stage's embedding, sent to the last stage " \
         f"({kept})"

@@ -92,14 +92,12 @@ def apply_pipeline(ctx: BuildContext, model: Any, selection: Selection) -> Any:
     if settings is None or settings.pp_size == 1:
         return _apply_slots(ctx, model, selection)
     from automodel.training.parallel.pipeline_stages import LocalStages
-    from automodel.training.parallel.pipeline_tied import ties_head
 
-    tied = ties_head(model)
     parts, message = model_init.pipeline_stages(ctx, model)
     ctx.log(f"pipeline: {message}")
     built = [_apply_slots(ctx, part, selection) for part in parts]
-    if tied:
-        ctx.log(f"pipeline: {model_init.tie_stages(ctx, parts)}")
+    if (tied := model_init.tie_stages(parts)) is not None:
+        ctx.log(f"pipeline: {tied}")
     for part in parts:
         part.release_whole_model()
     return built[0] if len(built) == 1 else LocalStages(built)

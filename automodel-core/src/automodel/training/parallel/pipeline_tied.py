@@ -72,13 +72,6 @@ def untie_head(model: nn.Module, trainable: bool = False) -> bool:
     return True
 
 
-def mark_copies(stages: list[PipelineStageModel]) -> None:
-    """Record on each stage cut from a model whose head :func:`untie_head` untied that its head weight is a copy of
-    the embedding's (see :func:`head_copy_sources`)."""
-    for stage in stages:
-        stage.head_copy_of = {f"{stage.head_name}.weight": f"{stage.embedding_name}.weight"} if stage.is_last else {}
-
-
 def head_copy_sources(model: nn.Module) -> dict[str, str]:
     """The untied head copies ``model`` (a stage, several, or any model) holds: their weight's name -> the input
     embedding weight's, whose values (and optimizer state) they take from a checkpoint written with the weight
@@ -87,22 +80,37 @@ def head_copy_sources(model: nn.Module) -> dict[str, str]:
 
     if not is_stage(model):
         return {}
-    return {head: source for stage in stage_models(model)
-            for head, source in getattr(stage, "head_copy_of", {}).items()}
+    ties = {id(tied): tied for stage in stage_models(model) if (tied := getattr(stage, "tied_head", None))}
+    return {head: source for tied in ties.values() for head, source in tied.sources.items()}
 
 
 class TiedHead:
     """The first stage's input embedding and the last stage's copy of it as the head, on this rank's pipeline
-    (``pp_ranks``: its global ranks in stage order; ``device``: where the collectives' tensors go). Every rank of
-    the pipeline makes one and calls its methods; the middle stages' ranks do nothing."""
+    (``pp_ranks``: its global ranks in stage order; ``device``: where the collectives' tensors go), made when the
+    model is cut (the weights are read when used: materialisation and sharding replace them). Every rank of the
+    pipeline makes one and calls its methods; the middle stages' ranks do nothing."""
 
     def __init__(self, stages: list[PipelineStageModel], pp_ranks: list[int], device: torch.device):
-        first = next((s for s in stages if s.is_first), None)
-        last = next((s for s in stages if s.is_last), None)
-        self.embedding = first.input_embedding.weight if first is not None else None
-        self.copy = last.output_head.weight if last is not None else None  # the head: the embedding's copy
+        self.first = next((s for s in stages if s.is_first), None)
+        self.last = next((s for s in stages if s.is_last), None)
         self.sender, self.receiver, self.device = pp_ranks[0], pp_ranks[-1], device
         self.trains = False
+
+    @property
+    def embedding(self) -> torch.Tensor | None:
+        return self.first.input_embedding.weight if self.first is not None else None
+
+    @property
+    def copy(self) -> torch.Tensor | None:
+        """The head's weight: the embedding's copy (on the last stage's rank)."""
+        return self.last.output_head.weight if self.last is not None else None
+
+    @property
+    def sources(self) -> dict[str, str]:
+        """The head copy this rank holds, by its weight's name -> the embedding weight's (the whole model's)."""
+        if self.last is None:
+            return {}
+        return {f"{self.last.head_name}.weight": f"{self.last.embedding_name}.weight"}
 
     def copy_weight(self) -> None:
         """Overwrite the head with the embedding: each rank holding the first stage sends the rank holding the last
@@ -141,7 +149,7 @@ class TiedHead:
         for weight, peer in ((self.embedding, self.receiver), (self.copy, self.sender)):
             if weight is None:
                 continue
-            grad = weight.grad.to_local() if hasattr(weight.grad, "to_local") else weight.grad
+            grad = local_slices(weight.grad)[0]
             theirs = torch.empty_like(grad, device=self.device)
             mine = grad.to(self.device)
             if weight is self.embedding:
